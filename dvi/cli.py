@@ -1,0 +1,176 @@
+"""The ``dvi`` command.
+
+This module is the composition root: it is the only place in ``dvi`` allowed to import
+``trainers`` and ``serving``, and it does so lazily inside each subcommand so that
+``dvi --help`` stays fast and the library keeps its one-way imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from dvi.config import PRESETS, ConfigError, dump_config, load_config
+
+BENCHMARKS = ("decode", "drift", "serve_load", "rl")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", type=Path, default=None, help="YAML config (see configs/)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+
+
+def _config(args: argparse.Namespace, extra: list[str] | None = None):
+    return load_config(args.config, list(args.overrides or []) + list(extra or []))
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from trainers.bootstrap import bootstrap, summary_table
+
+    path = bootstrap(preset=args.preset, out=args.out, seed=args.seed, force=args.force)
+    import json
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    print(summary_table(manifest))
+    print(f"embedded pair: {path}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serving.app import run_server
+
+    extra = []
+    if args.preset:
+        extra.append(f"models.preset={args.preset}")
+    if args.host:
+        extra.append(f"serve.host={args.host}")
+    if args.port is not None:
+        extra.append(f"serve.port={args.port}")
+    return run_server(_config(args, extra))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if not args.online:
+        print("dvi train: only --online is a training command; offline distillation runs in `dvi bootstrap`",
+              file=sys.stderr)
+        return 2
+    from trainers.online import run_trainer
+
+    return run_trainer(_config(args))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from serving.demo import run_demo
+
+    extra = [f"models.preset={args.preset}"] if args.preset else []
+    return run_demo(_config(args, extra), requests_per_phase=args.requests)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from dvi.metrics import report
+
+    out = report(args.run_dir)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    cfg = _config(args)
+    print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
+    return 0
+
+
+def _benchmarks_dir() -> Path:
+    here = Path(__file__).resolve().parent.parent / "benchmarks"
+    env = os.environ.get("DVI_BENCHMARKS_DIR")
+    return Path(env) if env else here
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    script = _benchmarks_dir() / f"{args.name}.py"
+    if not script.is_file():
+        print(f"dvi bench: {script} not found (benchmarks ship with the source checkout; "
+              "set DVI_BENCHMARKS_DIR to its benchmarks/ folder)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *rest]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dvi",
+        description="Speculative decoding that trains its drafter online from the verifier's feedback.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("bootstrap", help="build the embedded target/drafter pair from local text")
+    p.add_argument("--preset", choices=PRESETS, default="small")
+    p.add_argument("--out", type=Path, default=None, help="output dir (default ~/.cache/dvi/models/<preset>)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.set_defaults(func=cmd_bootstrap)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server with the online trainer in the background")
+    _add_config_args(p)
+    p.add_argument("--preset", choices=PRESETS, default=None)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("train", help="run the online drafter trainer (its own process)")
+    p.add_argument("--online", action="store_true", help="tail the feedback log and publish drafters")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="the main job: serve, train, replay drift traffic, plot α")
+    _add_config_args(p)
+    p.add_argument("--preset", choices=PRESETS, default=None)
+    p.add_argument("--requests", type=int, default=None, help="requests per traffic phase")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHMARKS)} (extra args pass through)")
+    p.add_argument("name", choices=BENCHMARKS)
+    p.set_defaults(func=None)
+
+    p = sub.add_parser("report", help="draw α over time (PNG) for a run directory")
+    p.add_argument("run_dir", type=Path)
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("config", help="validate a config (with overrides) and print the result")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if len(argv) >= 2 and argv[0] == "bench" and not argv[1].startswith("-"):
+        # Everything after the benchmark's name belongs to the benchmark's own parser.
+        args = parser.parse_args(argv[:2])
+        return cmd_bench(args, argv[2:])
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"dvi {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dvi {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The one configuration schema for every runnable part of dvi.
+
+Every YAML file under ``configs/`` is validated here, and every default lives here: a key the
+schema does not know is an error, not a silent no-op. Errors name the file and the dotted key.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PRESETS = ("tiny", "small")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _existing_path(value: Path | None) -> Path | None:
+    if value is None:
+        return None
+    path = Path(os.path.expandvars(os.path.expanduser(str(value))))
+    if not path.exists():
+        raise ValueError(f"path does not exist: {path}")
+    return path
+
+
+class ModelsConfig(_Strict):
+    """Which target / drafter to load. Leave paths empty to use the embedded preset."""
+
+    preset: Literal["tiny", "small"] = "small"
+    target: Path | None = None
+    drafter: Path | None = None
+    tokenizer: Path | None = None
+    drafter_kind: Literal["separate", "early_exit"] = "separate"
+    early_exit_layers: int = Field(1, ge=1)
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    _check_paths = field_validator("target", "drafter", "tokenizer")(_existing_path)
+
+
+class SpeculationConfig(_Strict):
+    num_draft_tokens: int = Field(4, ge=0, le=32)
+    adaptive: bool = True
+    max_draft_tokens: int = Field(8, ge=1, le=32)
+
+    @model_validator(mode="after")
+    def _k_within_max(self) -> SpeculationConfig:
+        if self.num_draft_tokens > self.max_draft_tokens:
+            raise ValueError(
+                f"num_draft_tokens ({self.num_draft_tokens}) exceeds max_draft_tokens ({self.max_draft_tokens})"
+            )
+        return self
+
+
+class SamplingConfig(_Strict):
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(0.0, ge=0.0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class FeedbackConfig(_Strict):
+    dir: str = "runs/default/feedback"
+    top_k: int = Field(32, ge=1, le=1024)
+    shard_records: int = Field(64, ge=1)
+    flush_seconds: float = Field(10.0, gt=0)
+    retention_bytes: int | None = Field(2_000_000_000, gt=0)
+    retention_shards: int | None = Field(None, gt=0)
+
+
+class RegistryConfig(_Strict):
+    dir: str = "runs/default/registry"
+    keep_last: int = Field(5, ge=1)
+
+
+class TrainerConfig(_Strict):
+    """The online drafter trainer (its own process)."""
+
+    mode: Literal["lora", "full"] = "lora"
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: float = Field(32.0, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_targets: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    learning_rate: float = Field(1e-3, gt=0)
+    batch_size: int = Field(8, ge=1)
+    max_seq_len: int = Field(512, ge=8)
+    kl_weight: float = Field(1.0, ge=0)
+    reward_weight: float = Field(0.5, ge=0)
+    reward_ramp_start: int = Field(50, ge=0)
+    reward_ramp_steps: int = Field(200, ge=0)
+    replay_ratio: float = Field(0.25, ge=0, le=1)
+    stale_target_policy: Literal["drop", "downweight", "keep"] = "downweight"
+    stale_weight: float = Field(0.25, ge=0, le=1)
+    publish_every_steps: int = Field(20, ge=1)
+    min_new_records: int = Field(8, ge=1)
+    poll_seconds: float = Field(1.0, gt=0)
+    heldout_fraction: float = Field(0.1, ge=0, lt=1)
+    shadow_margin: float = Field(0.01, ge=0, le=1)
+    num_threads: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    seed: int = 0
+
+
+class ServeConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model_name: str = "dvi"
+    api_key: str | None = None
+    admin_token: str | None = None
+    max_batch_size: int = Field(16, ge=1)
+    queue_limit: int = Field(256, ge=1)
+    max_tokens_limit: int = Field(1024, ge=1)
+    trainer: Literal["off", "supervised", "external"] = "supervised"
+    trainer_restart_backoff_s: float = Field(1.0, gt=0)
+    trainer_restart_backoff_max_s: float = Field(60.0, gt=0)
+    registry_poll_seconds: float = Field(2.0, gt=0)
+    rollback_margin: float = Field(0.05, ge=0, le=1)
+    rollback_window: int = Field(32, ge=1)
+    allowed_dirs: list[Path] = Field(default_factory=list)
+    num_threads: int = Field(1, ge=1)
+
+
+class WandbConfig(_Strict):
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "dvi"
+    entity: str | None = None
+
+
+class BootstrapConfig(_Strict):
+    seed: int = 0
+    out: Path | None = None
+
+
+class DviConfig(_Strict):
+    """Root of every config file. Sections a command does not use are ignored by it."""
+
+    run_dir: str = "runs/default"
+    seed: int = 0
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        got = "" if e["type"] == "missing" else f" (got {e.get('input')!r})"
+        lines.append(f"{key}: {msg}{got}")
+    return f"invalid config {source}:\n  " + "\n  ".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value); the value is parsed as YAML so types come out right."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {exc}") from exc
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {'.'.join(parts)}: {part} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> DviConfig:
+    """Load a YAML config (or the defaults), apply ``key.sub=value`` overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{source}: config file not found")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source = f"{source} (overrides: {' '.join(overrides)})"
+    try:
+        return DviConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def dump_config(cfg: DviConfig) -> dict[str, Any]:
+    """Plain dict (paths as strings) for manifests, wandb and JSON."""
+    return cfg.model_dump(mode="json")
