@@ -1,0 +1,87 @@
+"""Offline acceptance estimates from logged feedback, without running the target.
+
+The feedback log carries, for every generated position, the target's token and its top-k
+log-probs. That is enough to score a candidate drafter offline: run the drafter teacher-forced
+over prompt + generated tokens and ask how often it would have been accepted.
+
+* greedy traffic (temperature 0): a greedy draft is accepted iff the drafter's argmax equals
+  the target's token, so α̂ = mean(argmax q == token).
+* sampled traffic: rejection sampling accepts with probability Σ_x min(p(x), q(x)); with p known
+  only on the target's top-k (renormalised there), the sum runs over those k ids; it is exact
+  when the top-k hold nearly all the mass (k = 32 does on the embedded models).
+
+Both the trainer (the manifest's held-out α) and the server (shadow check before promotion)
+use this, so a promotion decision and its reported estimate always agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+"""Maps input ids ``[1, L]`` to logits ``[1, L, V]`` (teacher forcing, no cache)."""
+
+
+@dataclass
+class ShadowEstimate:
+    alpha: float
+    positions: int
+    records: int
+
+
+def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
+    """Teacher-forced logits of a Hugging Face causal LM (or any module returning ``.logits``)."""
+
+    def fn(ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids, use_cache=False)
+        return out.logits if hasattr(out, "logits") else out
+
+    return fn
+
+
+def _get(record: Mapping[str, Any] | Any, name: str) -> Any:
+    return record[name] if isinstance(record, Mapping) else getattr(record, name)
+
+
+@torch.inference_mode()
+def shadow_alpha(
+    logits_fn: LogitsFn,
+    records: Iterable[Mapping[str, Any] | Any],
+    device: torch.device | str = "cpu",
+    max_positions: int | None = None,
+) -> ShadowEstimate:
+    """Estimated α of the drafter behind ``logits_fn`` on logged records.
+
+    Every generated position counts (not only those that were drafted live), so the estimate
+    does not depend on which K the live engine happened to use.
+    """
+    hits = 0.0
+    total = 0
+    n_records = 0
+    for rec in records:
+        prompt: Sequence[int] = list(_get(rec, "prompt_ids"))
+        tokens: Sequence[int] = list(_get(rec, "token_ids"))
+        if not prompt or not tokens:
+            continue
+        temperature = float(_get(rec, "temperature") or 0.0)
+        ids = torch.tensor([list(prompt) + list(tokens)[:-1]], device=device)
+        logits = logits_fn(ids)[0, len(prompt) - 1 :].float()  # predicts tokens[0..]
+        n = len(tokens)
+        if temperature <= 0.0:
+            pred = logits.argmax(-1).cpu()
+            hits += float((pred == torch.tensor(tokens)).sum())
+        else:
+            topk_ids = torch.tensor([list(x) for x in _get(rec, "topk_ids")], device=device)
+            topk_lp = torch.tensor([list(x) for x in _get(rec, "topk_logprobs")], device=device)
+            q = torch.softmax(logits / temperature, dim=-1)
+            p = torch.softmax(topk_lp / temperature, dim=-1)  # target warped on its top-k
+            hits += float(torch.minimum(p, q.gather(-1, topk_ids)).sum())
+        total += n
+        n_records += 1
+        if max_positions is not None and total >= max_positions:
+            break
+    return ShadowEstimate(alpha=hits / total if total else float("nan"), positions=total, records=n_records)

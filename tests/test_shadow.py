@@ -1,0 +1,55 @@
+"""Offline α estimates: a drafter equal to the target scores 1, a different one scores less."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dvi.shadow import hf_logits_fn, shadow_alpha
+
+torch.set_num_threads(1)
+
+
+def _llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.3)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _records(target: LlamaForCausalLM, temperature: float) -> list[dict]:
+    recs = []
+    gen = torch.Generator().manual_seed(0)
+    for i in range(4):
+        prompt = torch.randint(0, 64, (5 + i,), generator=gen).tolist()
+        ids = list(prompt)
+        topk_ids, topk_lp = [], []
+        with torch.no_grad():
+            for _ in range(8):
+                logits = target(torch.tensor([ids])).logits[0, -1]
+                lp = torch.log_softmax(logits, -1)
+                vals, idx = lp.topk(64)
+                topk_ids.append(idx.tolist())
+                topk_lp.append(vals.tolist())
+                if temperature == 0:
+                    nxt = int(logits.argmax())
+                else:
+                    nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
+                ids.append(nxt)
+        recs.append({"prompt_ids": prompt, "token_ids": ids[len(prompt):], "temperature": temperature,
+                     "topk_ids": topk_ids, "topk_logprobs": topk_lp})
+    return recs
+
+
+def test_identical_drafter_scores_one_greedy_and_sampled() -> None:
+    target = _llama(0)
+    for temperature in (0.0, 1.0):
+        est = shadow_alpha(hf_logits_fn(target), _records(target, temperature))
+        assert est.records == 4 and est.positions == 32
+        assert abs(est.alpha - 1.0) < 1e-4, (temperature, est)
+
+
+def test_different_drafter_scores_less() -> None:
+    target, other = _llama(0), _llama(1)
+    for temperature in (0.0, 1.0):
+        est = shadow_alpha(hf_logits_fn(other), _records(target, temperature))
+        assert 0.0 <= est.alpha < 0.9, (temperature, est)
