@@ -1,0 +1,216 @@
+"""Supervision of the online trainer process.
+
+Serving never waits on training (DESIGN.md invariant 3): the trainer runs as its own OS process
+(`python -m dvi.cli train --online --config <run_dir>/trainer_config.yaml`), its output goes to
+`<run_dir>/trainer.log`, and when it dies it is restarted with exponential back-off
+(`serve.trainer_restart_backoff_s` doubling up to `serve.trainer_restart_backoff_max_s`; the
+delay resets after the process stays up for 60 s).
+
+Modes (`serve.trainer`):
+- ``off``: no trainer; state ``off``.
+- ``supervised``: as above; states ``starting`` / ``running`` / ``restarting`` / ``paused`` /
+  ``stopped``.
+- ``external``: a trainer started elsewhere (e.g. `accelerate launch` on other GPUs) shares the
+  feedback and registry dirs; the server only reports ``external``.
+
+Pause / resume: the supervisor writes `<run_dir>/trainer.pause` (a trainer that honours the file
+stops taking steps while it exists; this is the only mechanism for external trainers) and, in
+supervised mode, also sends SIGSTOP / SIGCONT to the trainer's process group so the pause takes
+effect at once even mid-step. A stopped trainer is not treated as dead.
+
+The child runs in its own session (so the whole group can be signalled) and, on Linux, gets
+PR_SET_PDEATHSIG so it dies with the server even when the server is SIGKILLed. Spawning happens
+only on the supervisor's own long-lived thread, because the death signal follows the thread that
+forked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from dvi.config import DviConfig, dump_config
+
+log = logging.getLogger(__name__)
+
+STABLE_AFTER_S = 60.0
+PAUSE_FILE = "trainer.pause"
+CONFIG_FILE = "trainer_config.yaml"
+LOG_FILE = "trainer.log"
+
+
+def _pdeathsig() -> None:  # pragma: no cover - runs in the child
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class TrainerSupervisor:
+    """Starts, watches and restarts the trainer process; reports state and restart count."""
+
+    def __init__(self, cfg: DviConfig, on_event: Callable[[str], None] | None = None,
+                 command: list[str] | None = None) -> None:
+        self.cfg = cfg
+        self.mode = cfg.serve.trainer
+        self.run_dir = Path(cfg.run_dir)
+        self.config_path = self.run_dir / CONFIG_FILE
+        self.log_path = self.run_dir / LOG_FILE
+        self.pause_path = self.run_dir / PAUSE_FILE
+        self.command = command or [sys.executable, "-m", "dvi.cli", "train", "--online",
+                                   "--config", str(self.config_path)]
+        self.on_event = on_event or (lambda _event: None)
+        self.restarts = 0
+        self.state = "off" if self.mode == "off" else ("external" if self.mode == "external" else "starting")
+        self.paused = False
+        self.last_exit_code: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.mode != "supervised":
+            return
+        self.write_config()
+        self.pause_path.unlink(missing_ok=True)
+        self._thread = threading.Thread(target=self._run, name="dvi-trainer-supervisor", daemon=True)
+        self._thread.start()
+
+    def write_config(self) -> Path:
+        """The resolved config the trainer runs with (so it sees the server's dirs and preset)."""
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(dump_config(self.cfg), sort_keys=False))
+        os.replace(tmp, self.config_path)
+        return self.config_path
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop supervising and terminate the trainer (SIGTERM, then SIGKILL after `timeout`)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout + 5)
+        self._terminate(timeout)
+        if self.mode == "supervised":
+            self.state = "stopped"
+
+    def _terminate(self, timeout: float) -> None:
+        with self._lock:
+            proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        self._signal(proc, signal.SIGCONT)
+        self._signal(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._signal(proc, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    # -- the watch loop (the only thread that spawns) ------------------------------------------
+    def _spawn(self) -> subprocess.Popen:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(self.cfg.trainer.num_threads))
+        logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        try:
+            return subprocess.Popen(
+                self.command, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True,
+                preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+            )
+        finally:
+            logf.close()
+
+    def _run(self) -> None:
+        backoff = self.cfg.serve.trainer_restart_backoff_s
+        max_backoff = self.cfg.serve.trainer_restart_backoff_max_s
+        while not self._stop.is_set():
+            try:
+                proc = self._spawn()
+            except OSError as exc:
+                log.error("cannot start trainer: %s", exc)
+                proc = None
+            started = time.monotonic()
+            if proc is not None:
+                with self._lock:
+                    self.proc = proc
+                    if self.paused:
+                        self._signal(proc, signal.SIGSTOP)
+                self.state = "paused" if self.paused else "running"
+                log.info("trainer started (pid %d, restarts %d)", proc.pid, self.restarts)
+                self.on_event("started")
+                while not self._stop.is_set() and proc.poll() is None:
+                    self._wake.wait(0.2)
+                    self._wake.clear()
+                if self._stop.is_set():
+                    return
+                self.last_exit_code = proc.returncode
+                log.warning("trainer exited with code %s; restarting in %.1fs (see %s)",
+                            proc.returncode, backoff, self.log_path)
+            if time.monotonic() - started >= STABLE_AFTER_S:
+                backoff = self.cfg.serve.trainer_restart_backoff_s
+            self.state = "restarting"
+            self.on_event("died")
+            if self._stop.wait(backoff):
+                return
+            backoff = min(backoff * 2, max_backoff)
+            self.restarts += 1
+            self.on_event("restarted")
+
+    # -- pause / resume ----------------------------------------------------------------------
+    def pause(self) -> None:
+        if self.mode == "off":
+            raise RuntimeError("trainer is off (serve.trainer=off)")
+        self.pause_path.write_text(f"paused at {time.time()}\n")
+        with self._lock:
+            self.paused = True
+            if self.proc is not None and self.proc.poll() is None:
+                self._signal(self.proc, signal.SIGSTOP)
+                self.state = "paused"
+
+    def resume(self) -> None:
+        if self.mode == "off":
+            raise RuntimeError("trainer is off (serve.trainer=off)")
+        self.pause_path.unlink(missing_ok=True)
+        with self._lock:
+            self.paused = False
+            if self.proc is not None and self.proc.poll() is None:
+                self._signal(self.proc, signal.SIGCONT)
+                self.state = "running"
+
+    # -- reporting ---------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        with self._lock:
+            p = self.proc
+        return p.pid if p is not None and p.poll() is None else None
+
+    def info(self) -> dict:
+        return {"mode": self.mode, "state": self.state, "restarts": self.restarts, "pid": self.pid,
+                "paused": self.paused or self.pause_path.exists(), "last_exit_code": self.last_exit_code,
+                "log": str(self.log_path) if self.mode == "supervised" else None}
