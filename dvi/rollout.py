@@ -1,0 +1,409 @@
+"""Rollouts for RL trainers: n speculative samples per prompt, with the target's log-probs.
+
+An RL trainer (GRPO, REINFORCE, PPO) needs, for every sampled completion, the token ids and
+the log-probability the *current policy* gave each sampled token. `RolloutEngine` gets both
+from one `SpeculativeEngine.generate` call: rejection sampling keeps every emitted token
+distributed exactly as the target's (warped) distribution, so speculation changes speed, not
+the samples. Between rollout batches the trainer pushes its new weights with
+`update_target_weights(state_dict_or_path, version)`; every result and feedback record then
+carries that target version, so the online drafter trainer learns the current policy rather
+than an old one.
+
+Log-prob convention (the same as TRL's GRPO loss and the engine's `token_logprobs`):
+``log_softmax(logits / T)[token]`` of the target, with ``T`` the sampling temperature (``T=1``
+when greedy). top-k / top-p truncation is *not* applied to the reported value, so it can be
+compared with a plain forward pass of the policy at the same temperature.
+
+`trl_rollout_func` adapts a `RolloutEngine` to TRL's ``GRPOTrainer(rollout_func=...)``
+extension point (TRL >= 0.23; checked against 1.16), including the weight sync from the GRPO
+policy into the dvi target whenever the trainer's ``global_step`` moved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Rollout",
+    "RolloutStats",
+    "RolloutEngine",
+    "TRLRolloutFunc",
+    "trl_rollout_func",
+    "policy_state_dict",
+]
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of one prompt.
+
+    `logprobs[j]` is the target's ``log_softmax(logits / T)`` of `completion_ids[j]` (see the
+    module docstring); `drafted`/`accepted` count the speculative proposals for this sequence.
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    num_steps: int
+    num_drafted: int
+    num_accepted: int
+    target_version: int
+    drafter_version: int
+    accepted: list[bool] = field(default_factory=list)
+
+    @property
+    def alpha(self) -> float:
+        """Share of drafted tokens the target accepted (nan when nothing was drafted)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else float("nan")
+
+
+@dataclass
+class RolloutStats:
+    """Aggregates of one `generate_rollouts` call (what an RL dashboard plots per step)."""
+
+    num_sequences: int
+    num_tokens: int
+    seconds: float
+    num_steps: int
+    num_drafted: int
+    num_accepted: int
+    target_version: int
+    drafter_version: int
+
+    @property
+    def alpha(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else float("nan")
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per engine step per sequence (1 + accepted drafts per step)."""
+        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "num_sequences": self.num_sequences,
+            "num_tokens": self.num_tokens,
+            "seconds": self.seconds,
+            "num_steps": self.num_steps,
+            "num_drafted": self.num_drafted,
+            "num_accepted": self.num_accepted,
+            "alpha": self.alpha,
+            "mean_accepted_length": self.mean_accepted_length,
+            "tokens_per_s": self.tokens_per_s,
+            "target_version": self.target_version,
+            "drafter_version": self.drafter_version,
+        }
+
+
+def _validate_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError("prompts must be a list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise TypeError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty")
+        out.append([int(t) for t in p])
+    return out
+
+
+class RolloutEngine:
+    """Batched speculative rollouts over a `dvi.engine.SpeculativeEngine`.
+
+    Owns no decoding: it replicates prompts `n` times, calls `engine.generate`, regroups the
+    results and (optionally) writes one feedback record per sequence. Build the engine with
+    ``feedback_top_k > 0`` when records feed the online drafter trainer (its KL loss needs the
+    target's top-k).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        feedback_writer: Any | None = None,
+        domain: str = "rl",
+        stop_token_ids: Sequence[int] | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.engine = engine
+        self.feedback_writer = feedback_writer
+        self.domain = domain
+        self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
+        self.max_batch_size = max_batch_size
+        self.last_stats: RolloutStats | None = None
+        self._calls = 0
+
+    # -- versions -------------------------------------------------------------------------
+    @property
+    def target_version(self) -> int:
+        return int(getattr(self.engine, "target_version", 0))
+
+    @property
+    def drafter_version(self) -> int:
+        return int(getattr(self.engine, "drafter_version", 0))
+
+    @property
+    def target(self) -> torch.nn.Module:
+        return self.engine.target
+
+    # -- weights --------------------------------------------------------------------------
+    def update_target_weights(
+        self, state_dict_or_path: Mapping[str, torch.Tensor] | str | Path, version: int | None = None
+    ) -> int:
+        """Swap the target's weights in place (between rollout batches); returns the new version.
+
+        `version` defaults to the current one + 1, so a trainer that does not track versions
+        still gets records tagged with distinct policies.
+        """
+        if version is None:
+            version = self.target_version + 1
+        self.engine.update_target_weights(state_dict_or_path, int(version))
+        return int(version)
+
+    def set_drafter(self, drafter: Any, version: int) -> None:
+        """Hot-swap the drafter (e.g. a new adapter from the online trainer); next batch uses it."""
+        self.engine.set_drafter(drafter, int(version))
+
+    # -- rollouts -------------------------------------------------------------------------
+    def generate_rollouts(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[Rollout]:
+        """`n` samples for each prompt, ordered prompt-major (all of prompt 0's samples first).
+
+        The batch of ``len(prompts) * n`` sequences decodes together (in chunks of
+        `max_batch_size` if set). `seed` makes the batch reproducible; chunk `c` uses
+        ``seed + c``.
+        """
+        plist = _validate_prompts(prompts)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        stops = list(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
+        flat = [(i, s, p) for i, p in enumerate(plist) for s in range(n)]
+        chunk = self.max_batch_size or len(flat) or 1
+        t0 = time.perf_counter()
+        results = []
+        for c, start in enumerate(range(0, len(flat), chunk)):
+            part = flat[start: start + chunk]
+            results.extend(
+                self.engine.generate(
+                    [p for _, _, p in part],
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    seed=None if seed is None else seed + c,
+                    stop_token_ids=stops,
+                )
+            )
+        seconds = time.perf_counter() - t0
+        self._calls += 1
+
+        out: list[Rollout] = []
+        for (i, s, p), r in zip(flat, results, strict=True):
+            out.append(
+                Rollout(
+                    prompt_index=i,
+                    sample_index=s,
+                    prompt_ids=list(p),
+                    completion_ids=list(r.token_ids),
+                    logprobs=[float(x) for x in r.token_logprobs],
+                    finish_reason=str(r.finish_reason),
+                    num_steps=int(r.num_steps),
+                    num_drafted=int(r.num_drafted),
+                    num_accepted=int(r.num_accepted),
+                    target_version=int(r.target_version),
+                    drafter_version=int(r.drafter_version),
+                    accepted=[bool(a) for a in (r.accepted or [])],
+                )
+            )
+            if self.feedback_writer is not None:
+                self._write_feedback(r, temperature, p)
+        self.last_stats = RolloutStats(
+            num_sequences=len(out),
+            num_tokens=sum(len(r.completion_ids) for r in out),
+            seconds=seconds,
+            num_steps=sum(r.num_steps for r in out),
+            num_drafted=sum(r.num_drafted for r in out),
+            num_accepted=sum(r.num_accepted for r in out),
+            target_version=self.target_version,
+            drafter_version=self.drafter_version,
+        )
+        return out
+
+    def _write_feedback(self, result: Any, temperature: float, prompt_ids: list[int]) -> None:
+        from dvi.feedback import FeedbackRecord
+
+        record = FeedbackRecord.from_result(result, temperature=temperature, domain=self.domain,
+                                            prompt_ids=prompt_ids)
+        self.feedback_writer.write(record)
+
+    def flush_feedback(self) -> str | None:
+        """Write buffered records now (so a trainer tailing the log sees this batch)."""
+        if self.feedback_writer is None:
+            return None
+        return self.feedback_writer.flush()
+
+
+# -- policy weights ---------------------------------------------------------------------------
+
+
+def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Plain (un-wrapped, LoRA-merged) state dict of a policy, keyed like its base HF model.
+
+    A peft-wrapped policy is merged for the copy and unmerged afterwards, so a dvi target that
+    is the plain base architecture can load it with `update_target_weights`.
+    """
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a hard dependency
+        PeftModel = ()  # type: ignore[assignment]
+    if isinstance(model, PeftModel):
+        model.merge_adapter()
+        try:
+            sd = model.get_base_model().state_dict()
+            out = {}
+            for k, v in sd.items():
+                if "lora_" in k or ".modules_to_save." in k:
+                    continue
+                out[k.replace(".base_layer.", ".")] = v.detach().clone()
+            return out
+        finally:
+            model.unmerge_adapter()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+# -- TRL ---------------------------------------------------------------------------------------
+
+
+class TRLRolloutFunc:
+    """Callable for ``trl.GRPOTrainer(rollout_func=...)`` that generates with dvi.
+
+    TRL 1.16 calls ``rollout_func(prompts, trainer)`` with the per-process slice of the
+    generation batch (its sampler already repeats each prompt ``num_generations`` times) and
+    requires a dict with ``prompt_ids``, ``completion_ids`` and ``logprobs`` (one entry per
+    prompt it passed); other keys are forwarded to the reward functions. So this returns one
+    completion per prompt entry, plus ``dvi_alpha`` / ``dvi_target_version`` /
+    ``dvi_drafter_version`` per completion for rewards or logging.
+
+    Before generating it copies the GRPO policy's weights into the dvi target whenever
+    ``trainer.state.global_step`` changed since the last sync (and on the first call), tagging
+    the target with ``version = global_step``. Sampling settings default to the trainer's
+    (``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, eos ids); pass values to
+    override.
+    """
+
+    def __init__(
+        self,
+        rollout_engine: RolloutEngine,
+        sync_weights: bool = True,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        on_rollouts: Callable[[list[Rollout], RolloutStats, Any], None] | None = None,
+    ) -> None:
+        self.rollouts = rollout_engine
+        self.sync_weights = sync_weights
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.seed = seed
+        self.on_rollouts = on_rollouts
+        self.last_synced_step: int | None = None
+        self.num_syncs = 0
+        self.history: list[dict[str, float | int]] = []
+
+    def _maybe_sync(self, trainer: Any) -> None:
+        step = int(trainer.state.global_step)
+        if not self.sync_weights or step == self.last_synced_step:
+            return
+        model = trainer.accelerator.unwrap_model(trainer.model) if hasattr(trainer, "accelerator") else trainer.model
+        if model is self.rollouts.target:
+            # Same module object: nothing to copy, only the version moves.
+            self.rollouts.engine.target_version = step
+        else:
+            self.rollouts.update_target_weights(policy_state_dict(model), version=step)
+        self.last_synced_step = step
+        self.num_syncs += 1
+
+    def _tokenize(self, prompts: list, trainer: Any) -> list[list[int]]:
+        tok = trainer.processing_class
+        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict):
+            enc = tok.apply_chat_template(conversation=prompts, add_generation_prompt=True, tokenize=True,
+                                          return_dict=True, **getattr(trainer, "chat_template_kwargs", {}))
+            return [list(x) for x in enc["input_ids"]]
+        if prompts and isinstance(prompts[0], str):
+            return [list(x) for x in tok(text=prompts)["input_ids"]]
+        return _validate_prompts(prompts)  # already token ids
+
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+        self._maybe_sync(trainer)
+        prompt_ids = self._tokenize(prompts, trainer)
+
+        def pick(mine: Any, theirs: Any, default: Any) -> Any:
+            if mine is not None:
+                return mine
+            return theirs if theirs is not None else default
+
+        temperature = float(pick(self.temperature, getattr(trainer, "temperature", None), 1.0))
+        top_p = float(pick(self.top_p, getattr(trainer, "top_p", None), 1.0))
+        top_k = int(pick(self.top_k, getattr(trainer, "top_k", None), 0) or 0)
+        max_new = int(pick(self.max_new_tokens, getattr(trainer, "max_completion_length", None), 64))
+        stops = list(getattr(trainer, "eos_token_ids", None) or []) or None
+        seed = None if self.seed is None else self.seed + int(trainer.state.global_step)
+        rollouts = self.rollouts.generate_rollouts(
+            prompt_ids, n=1, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop_token_ids=stops,
+        )
+        stats = self.rollouts.last_stats
+        assert stats is not None
+        self.history.append({"global_step": int(trainer.state.global_step), **stats.as_dict()})
+        if self.on_rollouts is not None:
+            self.on_rollouts(rollouts, stats, trainer)
+        return {
+            "prompt_ids": [r.prompt_ids for r in rollouts],
+            "completion_ids": [r.completion_ids for r in rollouts],
+            "logprobs": [r.logprobs for r in rollouts],
+            "dvi_alpha": [r.alpha for r in rollouts],
+            "dvi_target_version": [r.target_version for r in rollouts],
+            "dvi_drafter_version": [r.drafter_version for r in rollouts],
+        }
+
+
+def trl_rollout_func(engine: Any, **kwargs: Any) -> TRLRolloutFunc:
+    """``GRPOTrainer(..., rollout_func=trl_rollout_func(engine))``: dvi as TRL's generator.
+
+    `engine` is a `RolloutEngine` or a bare `SpeculativeEngine` (wrapped here); `kwargs` go to
+    `TRLRolloutFunc` (sampling overrides, ``sync_weights``, ``seed``, ``on_rollouts``).
+    """
+    re = engine if isinstance(engine, RolloutEngine) else RolloutEngine(engine)
+    return TRLRolloutFunc(re, **kwargs)
