@@ -114,7 +114,11 @@ class FeedbackRecord:
                 f"topk_ids[{j}] has {len(self.topk_ids[j])} ids but topk_logprobs[{j}] "
                 f"has {len(self.topk_logprobs[j])}"
             )
-        bad = [j for j, (a, t, d) in enumerate(zip(self.accepted, self.token_ids, self.drafted_ids, strict=True)) if a and t != d]
+        bad = [
+            j
+            for j, (a, t, d) in enumerate(zip(self.accepted, self.token_ids, self.drafted_ids, strict=True))
+            if a and t != d
+        ]
         if bad:
             j = bad[0]
             raise ValueError(
@@ -140,9 +144,7 @@ class FeedbackRecord:
                 return result.get(name, default)
             return getattr(result, name, default)
 
-        missing = [
-            n for n in ("request_id", "token_ids", "drafted_ids", "accepted") if get(n) is None
-        ]
+        missing = [n for n in ("request_id", "token_ids", "drafted_ids", "accepted") if get(n) is None]
         if missing:
             raise ValueError(f"result lacks required field(s): {', '.join(missing)}")
         temp = get("temperature", None)
@@ -312,8 +314,7 @@ class FeedbackWriter:
         """Flush if the buffer is full or old enough; returns whether a shard was written."""
         with self._lock:
             due = bool(self._buf) and (
-                len(self._buf) >= self.shard_records
-                or time.monotonic() - self._buf_t0 >= self.flush_seconds
+                len(self._buf) >= self.shard_records or time.monotonic() - self._buf_t0 >= self.flush_seconds
             )
         return self.flush() is not None if due else False
 

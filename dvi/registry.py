@@ -1,0 +1,483 @@
+"""Versioned drafter registry shared by the trainer (publishes) and the server (loads).
+
+Layout (docs/contracts.md)::
+
+    <root>/drafter/v000017/{adapter_model.safetensors | model.safetensors,
+                            adapter_config.json | config.json, manifest.json}
+    <root>/drafter/LATEST          "v000017"
+    <root>/drafter/PINNED          JSON list of pinned versions
+    <root>/drafter/events.jsonl    publish / rollback / pin / gc history
+
+A version dir is built under a temp name, fsynced and renamed, and LATEST is replaced via
+tmp + rename, so the server never sees a half-written version. Everything the server loads is
+validated first; anything wrong raises `AdapterRejected` with a reason it can show.
+Local filesystem only: directory renames are not atomic on object stores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+LORA_WEIGHTS = "adapter_model.safetensors"
+LORA_CONFIG = "adapter_config.json"
+FULL_WEIGHTS = "model.safetensors"
+FULL_CONFIG = "config.json"
+MANIFEST = "manifest.json"
+MANIFEST_FIELDS = (
+    "version",
+    "parent_version",
+    "target_version",
+    "kind",
+    "steps",
+    "records_seen",
+    "heldout_alpha",
+    "created_at",
+)
+FILES_BY_KIND = {"lora": (LORA_WEIGHTS, LORA_CONFIG), "full": (FULL_WEIGHTS, FULL_CONFIG)}
+VERSION_RE = re.compile(r"^v(\d{6})$")
+TMP_PREFIX = ".tmp-"
+
+Expected = Mapping[str, Any]
+"""name -> (shape, dtype | None) or name -> reference tensor."""
+
+
+class AdapterRejected(Exception):
+    """A published drafter version failed validation; `reason` says why."""
+
+    def __init__(self, reason: str, version: int | None = None) -> None:
+        self.reason = reason
+        self.version = version
+        super().__init__(f"{vname(version) if version is not None else 'drafter'} rejected: {reason}")
+
+
+def vname(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def _fsync_path(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def _to_dtype(d: Any) -> torch.dtype | None:
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    name = str(d).removeprefix("torch.")
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {d!r}")
+    return dt
+
+
+def _expected_spec(expected: Expected) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    spec = {}
+    for name, v in expected.items():
+        if isinstance(v, torch.Tensor):
+            spec[name] = (tuple(v.shape), v.dtype)
+        else:
+            shape, dtype = v
+            spec[name] = (tuple(shape), _to_dtype(dtype))
+    return spec
+
+
+def _cpu_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # clone() breaks storage sharing (tied weights), which safetensors refuses to save.
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+
+
+class DrafterRegistry:
+    """Publish, validate, load, roll back and garbage-collect drafter versions."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 5) -> None:
+        if keep_last < 1:
+            raise ValueError("keep_last must be >= 1")
+        self.root = Path(root)
+        self.dir = self.root / "drafter"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.keep_last = keep_last
+
+    # -- reading state ----------------------------------------------------------------------
+    def version_dir(self, version: int) -> Path:
+        return self.dir / vname(version)
+
+    def list_versions(self) -> list[int]:
+        """All complete (renamed) versions, ascending."""
+        out = []
+        for p in self.dir.iterdir():
+            m = VERSION_RE.match(p.name)
+            if m and p.is_dir():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        """The version LATEST points at, or None if nothing was published (or LATEST is garbage)."""
+        try:
+            text = (self.dir / "LATEST").read_text().strip()
+        except FileNotFoundError:
+            return None
+        m = VERSION_RE.match(text)
+        if not m:
+            log.warning("drafter registry LATEST holds %r, not a version name; ignoring it", text)
+            return None
+        return int(m.group(1))
+
+    def pinned(self) -> set[int]:
+        try:
+            return set(json.loads((self.dir / "PINNED").read_text()))
+        except FileNotFoundError:
+            return set()
+
+    def events(self) -> list[dict[str, Any]]:
+        """The registry's history (publish, rollback, pin, gc)."""
+        try:
+            lines = (self.dir / "events.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def rolled_back(self) -> set[int]:
+        """Versions that were rolled back away from (skipped by `rollback(None)`)."""
+        return {
+            e["from"] for e in self.events() if e.get("event") == "rollback" and e.get("from") is not None
+        }
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        return json.loads((self.version_dir(version) / MANIFEST).read_text())
+
+    def _event(self, **fields: Any) -> None:
+        fields.setdefault("time", time.time())
+        with open(self.dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(fields) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _set_latest(self, version: int) -> None:
+        _atomic_write_text(self.dir / "LATEST", vname(version) + "\n")
+
+    # -- publishing -------------------------------------------------------------------------
+    def _publish(self, write_files: Any, manifest: Mapping[str, Any], kind: str, set_latest: bool) -> int:
+        """Build a version dir under a temp name via `write_files(tmpdir)`, then rename it in."""
+        tmp = self.dir / f"{TMP_PREFIX}{os.getpid()}-{time.time_ns()}"
+        tmp.mkdir()
+        try:
+            write_files(tmp)
+            weights, config = FILES_BY_KIND[kind]
+            for fname in (weights, config):
+                if not (tmp / fname).is_file():
+                    raise ValueError(f"{kind} drafter version needs {fname}")
+            parent = self.latest()
+            version = (max(self.list_versions(), default=0)) + 1
+            while True:
+                man = {
+                    "version": version,
+                    "parent_version": parent,
+                    "target_version": 0,
+                    "kind": kind,
+                    "steps": 0,
+                    "records_seen": 0,
+                    "heldout_alpha": None,
+                    **dict(manifest),
+                }
+                man["version"], man["kind"] = version, kind
+                man.setdefault("created_at", time.time())
+                (tmp / MANIFEST).write_text(json.dumps(man, indent=1, sort_keys=True))
+                for p in tmp.iterdir():
+                    with open(p, "rb") as f:
+                        os.fsync(f.fileno())
+                _fsync_path(tmp)
+                dest = self.version_dir(version)
+                if dest.exists():  # another publisher won the number
+                    version += 1
+                    continue
+                try:
+                    os.rename(tmp, dest)
+                except OSError:
+                    version += 1
+                    continue
+                break
+            _fsync_path(self.dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._event(event="publish", version=version, parent_version=parent, kind=kind)
+        if set_latest:
+            self._set_latest(version)
+        self.gc()
+        return version
+
+    def publish(
+        self,
+        files: Mapping[str, bytes | str | os.PathLike],
+        manifest: Mapping[str, Any],
+        set_latest: bool = True,
+    ) -> int:
+        """Publish files given as bytes or paths (name -> content); kind comes from the file names."""
+        kind = manifest.get("kind") or ("lora" if LORA_WEIGHTS in files else "full")
+        if kind not in FILES_BY_KIND:
+            raise ValueError(f"manifest kind must be 'lora' or 'full', got {kind!r}")
+        for name in files:
+            if "/" in name or name in (MANIFEST, "") or name.startswith("."):
+                raise ValueError(f"bad file name {name!r}")
+
+        def write(tmp: Path) -> None:
+            for name, content in files.items():
+                if isinstance(content, bytes | bytearray):
+                    (tmp / name).write_bytes(content)
+                else:
+                    shutil.copyfile(content, tmp / name)
+
+        return self._publish(write, manifest, kind, set_latest)
+
+    def publish_full(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        config: Any,
+        manifest: Mapping[str, Any] | None = None,
+        set_latest: bool = True,
+    ) -> int:
+        """Publish a whole small drafter (full distillation): model.safetensors + config.json."""
+
+        def write(tmp: Path) -> None:
+            save_file(_cpu_state_dict(state_dict), str(tmp / FULL_WEIGHTS), metadata={"format": "pt"})
+            if hasattr(config, "save_pretrained"):
+                config.save_pretrained(str(tmp))
+            else:
+                cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+                (tmp / FULL_CONFIG).write_text(json.dumps(cfg, indent=1, sort_keys=True))
+
+        return self._publish(write, dict(manifest or {}), "full", set_latest)
+
+    def publish_peft_adapter(
+        self,
+        peft_model: Any,
+        manifest: Mapping[str, Any] | None = None,
+        adapter_name: str = "default",
+        set_latest: bool = True,
+    ) -> int:
+        """Publish one LoRA adapter of a peft model in peft's own on-disk format.
+
+        The version dir loads with `PeftModel.from_pretrained(base, dir)` as well.
+        """
+        from peft import get_peft_model_state_dict
+
+        if adapter_name not in peft_model.peft_config:
+            raise ValueError(f"peft model has no adapter {adapter_name!r}")
+
+        def write(tmp: Path) -> None:
+            sd = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+            save_file(_cpu_state_dict(sd), str(tmp / LORA_WEIGHTS), metadata={"format": "pt"})
+            peft_model.peft_config[adapter_name].save_pretrained(str(tmp))
+
+        return self._publish(write, dict(manifest or {}), "lora", set_latest)
+
+    # -- validation and loading -------------------------------------------------------------
+    def validate(
+        self, version: int, expected: Expected | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        """Load and check a version; raise AdapterRejected(reason) on anything wrong."""
+        d = self.version_dir(version)
+        if not d.is_dir():
+            raise AdapterRejected("version directory does not exist", version)
+        try:
+            man = json.loads((d / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise AdapterRejected(f"{MANIFEST} missing", version) from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise AdapterRejected(f"{MANIFEST} does not parse: {e}", version) from None
+        if not isinstance(man, dict):
+            raise AdapterRejected(f"{MANIFEST} is not a JSON object", version)
+        missing = [f for f in MANIFEST_FIELDS if f not in man]
+        if missing:
+            raise AdapterRejected(f"{MANIFEST} lacks field(s) {missing}", version)
+        if man["version"] != version:
+            raise AdapterRejected(
+                f"{MANIFEST} says version {man['version']!r}, dir is {vname(version)}", version
+            )
+        kind = man["kind"]
+        if kind not in FILES_BY_KIND:
+            raise AdapterRejected(f"unknown kind {kind!r}", version)
+        weights, config = FILES_BY_KIND[kind]
+        for fname in (weights, config):
+            if not (d / fname).is_file():
+                raise AdapterRejected(f"{fname} missing", version)
+        try:
+            json.loads((d / config).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise AdapterRejected(f"{config} does not parse: {e}", version) from None
+        try:
+            sd = load_file(str(d / weights))
+        except Exception as e:  # safetensors raises its own error types on corrupt files
+            raise AdapterRejected(f"{weights} does not load: {e}", version) from None
+        if not sd:
+            raise AdapterRejected(f"{weights} holds no tensors", version)
+        if expected is not None:
+            check_state_dict(sd, expected, version)
+        for name, t in sd.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise AdapterRejected(f"tensor {name} has non-finite values", version)
+        return sd, man
+
+    def load(
+        self, version: int | None = None, expected: Expected | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        """Validated (state_dict, manifest) of `version` (LATEST if None)."""
+        if version is None:
+            version = self.latest()
+            if version is None:
+                raise AdapterRejected("registry has no LATEST version")
+        return self.validate(version, expected)
+
+    def load_peft_adapter_into(
+        self, peft_model: Any, version: int | None = None, adapter_name: str = "default"
+    ) -> dict[str, Any]:
+        """Validate `version` against the live adapter's names/shapes and load it in place.
+
+        Float tensors are cast to the live adapter's dtype. Returns the manifest. If the model
+        has no adapter `adapter_name` yet, it is created from the version dir with `load_adapter`.
+        """
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        if version is None:
+            version = self.latest()
+            if version is None:
+                raise AdapterRejected("registry has no LATEST version")
+        if adapter_name not in peft_model.peft_config:
+            _, man = self.validate(version)
+            if man["kind"] != "lora":
+                raise AdapterRejected(f"kind is {man['kind']!r}, expected 'lora'", version)
+            peft_model.load_adapter(str(self.version_dir(version)), adapter_name=adapter_name)
+            return man
+        live = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+        sd, man = self.validate(version, {k: (tuple(v.shape), None) for k, v in live.items()})
+        if man["kind"] != "lora":
+            raise AdapterRejected(f"kind is {man['kind']!r}, expected 'lora'", version)
+        sd = {k: v.to(device=live[k].device, dtype=live[k].dtype) for k, v in sd.items()}
+        res = set_peft_model_state_dict(peft_model, sd, adapter_name=adapter_name)
+        unexpected = list(getattr(res, "unexpected_keys", []) or [])
+        if unexpected:
+            raise AdapterRejected(f"peft did not place tensor(s) {unexpected[:3]}", version)
+        return man
+
+    # -- moving LATEST ----------------------------------------------------------------------
+    def promote(self, version: int, expected: Expected | None = None) -> None:
+        """Point LATEST at an existing valid version (e.g. one published with set_latest=False)."""
+        self.validate(version, expected)
+        prev = self.latest()
+        self._set_latest(version)
+        self._event(event="promote", version=version, previous=prev)
+
+    def rollback(self, to_version: int | None = None, reason: str = "") -> int:
+        """Move LATEST back; to the newest older valid, not-rolled-back version if None."""
+        cur = self.latest()
+        if to_version is None:
+            bad = self.rolled_back() | ({cur} if cur is not None else set())
+            candidates = [v for v in self.list_versions() if (cur is None or v < cur) and v not in bad]
+            for v in reversed(candidates):
+                try:
+                    self.validate(v)
+                except AdapterRejected as e:
+                    log.warning("rollback skips %s: %s", vname(v), e.reason)
+                    continue
+                to_version = v
+                break
+            if to_version is None:
+                raise AdapterRejected(f"no valid version to roll back to from {cur}")
+        else:
+            self.validate(to_version)
+        self._set_latest(to_version)
+        self._event(event="rollback", **{"from": cur}, to=to_version, reason=reason)
+        log.warning(
+            "drafter registry rolled back %s -> %s (%s)", cur, vname(to_version), reason or "no reason"
+        )
+        return to_version
+
+    def pin(self, version: int) -> None:
+        """Protect a version from garbage collection."""
+        if version not in self.list_versions():
+            raise ValueError(f"no version {vname(version)}")
+        _atomic_write_text(self.dir / "PINNED", json.dumps(sorted(self.pinned() | {version})))
+        self._event(event="pin", version=version)
+
+    def unpin(self, version: int) -> None:
+        _atomic_write_text(self.dir / "PINNED", json.dumps(sorted(self.pinned() - {version})))
+        self._event(event="unpin", version=version)
+
+    def gc(self) -> list[int]:
+        """Delete versions beyond the newest `keep_last`, never LATEST or pinned ones."""
+        versions = self.list_versions()
+        keep = set(versions[-self.keep_last :]) | self.pinned()
+        cur = self.latest()
+        if cur is not None:
+            keep.add(cur)
+        removed = []
+        for v in versions:
+            if v in keep:
+                continue
+            # Rename first so a reader never sees a half-deleted version dir.
+            d = self.version_dir(v)
+            trash = self.dir / f"{TMP_PREFIX}gc-{vname(v)}-{os.getpid()}"
+            try:
+                os.rename(d, trash)
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
+            removed.append(v)
+        # Temp dirs left by crashed publishers (older than an hour).
+        now = time.time()
+        for p in self.dir.glob(f"{TMP_PREFIX}*"):
+            try:
+                if p.is_dir() and now - p.stat().st_mtime > 3600:
+                    shutil.rmtree(p, ignore_errors=True)
+            except FileNotFoundError:
+                pass
+        if removed:
+            self._event(event="gc", removed=removed)
+        return removed
+
+
+def check_state_dict(sd: Mapping[str, torch.Tensor], expected: Expected, version: int | None = None) -> None:
+    """Names, shapes and dtypes of `sd` must equal `expected`; raise AdapterRejected otherwise."""
+    spec = _expected_spec(expected)
+    missing = sorted(set(spec) - set(sd))
+    extra = sorted(set(sd) - set(spec))
+    if missing:
+        raise AdapterRejected(f"missing tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''}", version)
+    if extra:
+        raise AdapterRejected(f"unexpected tensor(s) {extra[:3]}{' ...' if len(extra) > 3 else ''}", version)
+    for name, (shape, dtype) in spec.items():
+        t = sd[name]
+        if tuple(t.shape) != shape:
+            raise AdapterRejected(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}", version)
+        if dtype is not None and t.dtype != dtype:
+            raise AdapterRejected(f"tensor {name} has dtype {t.dtype}, expected {dtype}", version)

@@ -1,0 +1,198 @@
+import json
+import os
+
+import pytest
+import torch
+
+from dvi.registry import AdapterRejected, DrafterRegistry
+
+torch.set_num_threads(1)
+
+
+def sd(seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(4, 3, generator=g) * scale,
+        "b.bias": torch.randn(5, generator=g) * scale,
+    }
+
+
+def test_publish_layout_latest_and_load(tmp_path):
+    reg = DrafterRegistry(tmp_path)
+    assert reg.latest() is None and reg.list_versions() == []
+    v1 = reg.publish_full(
+        sd(1), {"model_type": "llama"}, {"steps": 10, "records_seen": 3, "target_version": 2}
+    )
+    assert v1 == 1
+    d = tmp_path / "drafter" / "v000001"
+    assert sorted(os.listdir(d)) == ["config.json", "manifest.json", "model.safetensors"]
+    assert (tmp_path / "drafter" / "LATEST").read_text().strip() == "v000001"
+    man = json.loads((d / "manifest.json").read_text())
+    for f in (
+        "version",
+        "parent_version",
+        "target_version",
+        "kind",
+        "steps",
+        "records_seen",
+        "heldout_alpha",
+        "created_at",
+    ):
+        assert f in man
+    assert man["version"] == 1 and man["kind"] == "full" and man["parent_version"] is None
+    v2 = reg.publish_full(sd(2), {"model_type": "llama"}, {"heldout_alpha": 0.5})
+    assert v2 == 2 and reg.latest() == 2 and reg.manifest(2)["parent_version"] == 1
+    state, man = reg.load(expected=sd(0))
+    assert man["version"] == 2 and torch.equal(state["a.weight"], sd(2)["a.weight"])
+    # expected given as name -> (shape, dtype)
+    reg.load(1, expected={"a.weight": ((4, 3), "float32"), "b.bias": ([5], torch.float32)})
+    assert not [p for p in os.listdir(tmp_path / "drafter") if p.startswith(".tmp")]
+
+
+def test_publish_files_dict(tmp_path):
+    reg = DrafterRegistry(tmp_path)
+    from safetensors.torch import save_file
+
+    p = tmp_path / "w.safetensors"
+    save_file(sd(0), str(p))
+    v = reg.publish({"adapter_model.safetensors": p, "adapter_config.json": b"{}"}, {"steps": 1})
+    assert reg.manifest(v)["kind"] == "lora"
+    reg.load(v, expected=sd(0))
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        reg.publish({"adapter_model.safetensors": p}, {})
+
+
+@pytest.mark.parametrize(
+    "corrupt,reason",
+    [
+        (lambda d: (d / "manifest.json").write_text("{not json"), "does not parse"),
+        (lambda d: (d / "manifest.json").unlink(), "manifest.json missing"),
+        (lambda d: (d / "model.safetensors").unlink(), "model.safetensors missing"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"\x00garbage"), "does not load"),
+        (
+            lambda d: (d / "manifest.json").write_text(
+                json.dumps({**json.loads((d / "manifest.json").read_text()), "version": 9})
+            ),
+            "says version 9",
+        ),
+    ],
+)
+def test_corrupt_versions_rejected(tmp_path, corrupt, reason):
+    reg = DrafterRegistry(tmp_path)
+    v = reg.publish_full(sd(), {"a": 1}, {})
+    corrupt(reg.version_dir(v))
+    with pytest.raises(AdapterRejected, match=reason) as ei:
+        reg.load(v, expected=sd())
+    assert ei.value.version == v and ei.value.reason
+
+
+def test_shape_dtype_names_nan_rejected(tmp_path):
+    reg = DrafterRegistry(tmp_path)
+    ref = sd()
+    bad_shape = {**ref, "a.weight": torch.zeros(4, 4)}
+    bad_dtype = {**ref, "b.bias": torch.zeros(5, dtype=torch.float16)}
+    extra = {**ref, "c": torch.zeros(1)}
+    nan = {**ref, "b.bias": torch.tensor([0.0, float("nan"), 0, 0, 0])}
+    cases = [
+        (bad_shape, "shape"),
+        (bad_dtype, "dtype"),
+        (extra, "unexpected"),
+        ({"a.weight": ref["a.weight"]}, "missing"),
+        (nan, "non-finite"),
+    ]
+    for state, reason in cases:
+        v = reg.publish_full(state, {}, {})
+        with pytest.raises(AdapterRejected, match=reason):
+            reg.load(v, expected=ref)
+    with pytest.raises(AdapterRejected, match="does not exist"):
+        reg.load(999)
+
+
+def test_rollback_pin_gc(tmp_path):
+    reg = DrafterRegistry(tmp_path, keep_last=2)
+    for i in range(3):
+        reg.publish_full(sd(i), {}, {})
+    assert reg.list_versions() == [2, 3]  # v1 collected
+    reg.pin(2)
+    assert reg.rollback(reason="alpha fell") == 2 and reg.latest() == 2
+    assert 3 in reg.rolled_back()
+    ev = [e for e in reg.events() if e["event"] == "rollback"]
+    assert ev[-1]["from"] == 3 and ev[-1]["to"] == 2 and ev[-1]["reason"] == "alpha fell"
+    for i in range(4):
+        reg.publish_full(sd(i), {}, {})
+    # newest 2 kept, plus pinned v2; LATEST is v7
+    assert reg.list_versions() == [2, 6, 7]
+    # a rollback to a specific version; then LATEST (v6) survives gc even when old
+    reg.rollback(to_version=6)
+    reg.unpin(2)
+    reg.publish_full(sd(0), {}, {}, set_latest=False)
+    reg.publish_full(sd(0), {}, {}, set_latest=False)
+    assert reg.latest() == 6 and reg.list_versions() == [6, 8, 9]
+    reg.promote(9)
+    assert reg.latest() == 9
+    # rollback(None) skips rolled-back (v7, gone anyway) and invalid versions
+    (reg.version_dir(8) / "model.safetensors").write_bytes(b"junk")
+    assert reg.rollback() == 6
+    with pytest.raises(AdapterRejected, match="no valid version"):
+        reg.rollback()
+
+
+def test_latest_garbage_is_none(tmp_path):
+    reg = DrafterRegistry(tmp_path)
+    (tmp_path / "drafter" / "LATEST").write_text("nonsense")
+    assert reg.latest() is None
+
+
+def _tiny_peft(r=4, seed=0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # same base everywhere; `seed` only changes the adapter
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    base = LlamaForCausalLM(cfg)
+    torch.manual_seed(seed)
+    lcfg = LoraConfig(r=r, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(base, lcfg)
+
+
+def test_peft_publish_and_load_into(tmp_path):
+    from peft import get_peft_model_state_dict
+
+    reg = DrafterRegistry(tmp_path)
+    trained = _tiny_peft(seed=1)
+    v = reg.publish_peft_adapter(trained, {"steps": 5, "heldout_alpha": 0.7})
+    assert sorted(os.listdir(reg.version_dir(v))) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "manifest.json",
+    ]
+
+    server = _tiny_peft(seed=2)  # same base shapes, different adapter values
+    man = reg.load_peft_adapter_into(server, v)
+    assert man["version"] == v and man["kind"] == "lora"
+    a = get_peft_model_state_dict(trained)
+    b = get_peft_model_state_dict(server)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        assert torch.allclose(trained(x).logits, server(x).logits, atol=1e-5)
+
+    # a different LoRA rank is refused against the live adapter's shapes
+    v2 = reg.publish_peft_adapter(_tiny_peft(r=8), {})
+    with pytest.raises(AdapterRejected, match="shape"):
+        reg.load_peft_adapter_into(server, v2)
+    # the failed load left the live adapter untouched
+    b2 = get_peft_model_state_dict(server)
+    assert all(torch.equal(b[k], b2[k]) for k in b)
+
+    # a new adapter name is created from the version dir
+    reg.load_peft_adapter_into(server, v, adapter_name="fresh")
+    assert "fresh" in server.peft_config
