@@ -1,0 +1,136 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainers.losses import dvi_loss, ramp_weight, reward_loss, topk_kl_loss
+
+torch.set_num_threads(1)
+
+
+def topk_of(logits, k):
+    lp = F.log_softmax(logits, -1)
+    vals, ids = lp.topk(k, -1)
+    return ids, vals
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_kl_zero_for_equal_distributions(tail):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 20)
+    ids, lps = topk_of(logits, 5)
+    assert topk_kl_loss(logits, ids, lps, tail_bucket=tail).abs().item() < 1e-6
+    # full support: the tail bucket is empty
+    ids, lps = topk_of(logits, 20)
+    assert topk_kl_loss(logits, ids, lps, tail_bucket=tail).abs().item() < 1e-6
+
+
+def test_kl_matches_hand_computation():
+    # V=3, k=2: target top-2 = ids [0, 1] with probs 0.5, 0.3 (tail 0.2)
+    student = torch.log(torch.tensor([[0.25, 0.25, 0.5]]))
+    ids = torch.tensor([[0, 1]])
+    lps = torch.log(torch.tensor([[0.5, 0.3]]))
+    want_tail = 0.5 * math.log(0.5 / 0.25) + 0.3 * math.log(0.3 / 0.25) + 0.2 * math.log(0.2 / 0.5)
+    got = topk_kl_loss(student, ids, lps).item()
+    assert got == pytest.approx(want_tail, abs=1e-6) and got > 0
+    # renormalised variant: p = (5/8, 3/8), q = (1/2, 1/2)
+    want_renorm = 5 / 8 * math.log((5 / 8) / 0.5) + 3 / 8 * math.log((3 / 8) / 0.5)
+    assert topk_kl_loss(student, ids, lps, tail_bucket=False).item() == pytest.approx(want_renorm, abs=1e-6)
+
+
+def test_tail_bucket_sees_mass_outside_topk():
+    # the student matches the target's top-k ratios but parks mass on an unranked token
+    target = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]]))
+    ids, lps = topk_of(target, 2)
+    student = torch.log(torch.tensor([[0.2, 0.1, 0.7, 0.0 + 1e-9]]))
+    assert topk_kl_loss(student, ids, lps, tail_bucket=False).item() < 1e-6
+    assert topk_kl_loss(student, ids, lps, tail_bucket=True).item() > 0.1
+
+
+def test_kl_mask_and_batch_shape():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 3, 10)
+    target = torch.randn(2, 3, 10)
+    ids, lps = topk_of(target, 4)
+    mask = torch.tensor([[1, 0, 0], [0, 0, 1]], dtype=torch.bool)
+    full = topk_kl_loss(logits, ids, lps, mask)
+    rows = [
+        topk_kl_loss(logits[0, 0:1], ids[0, 0:1], lps[0, 0:1]),
+        topk_kl_loss(logits[1, 2:3], ids[1, 2:3], lps[1, 2:3]),
+    ]
+    assert full.item() == pytest.approx((rows[0] + rows[1]).item() / 2, abs=1e-6)
+    # garbage in masked-out rows changes nothing
+    logits2 = logits.clone()
+    logits2[0, 1] = 1e4
+    assert topk_kl_loss(logits2, ids, lps, mask).item() == pytest.approx(full.item(), abs=1e-6)
+    assert topk_kl_loss(logits, ids, lps, torch.zeros(2, 3)).item() == 0.0
+
+
+def test_kl_gradient_reduces_kl():
+    torch.manual_seed(2)
+    target = torch.randn(4, 12)
+    ids, lps = topk_of(target, 3)
+    logits = torch.zeros(4, 12, requires_grad=True)
+    opt = torch.optim.SGD([logits], lr=1.0)
+    first = None
+    for _ in range(50):
+        loss = topk_kl_loss(logits, ids, lps)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first * 0.2
+
+
+def test_reward_step_moves_accepted_up_rejected_down():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 8, requires_grad=True)
+    drafted = torch.tensor([3, 5])
+    accepted = torch.tensor([True, False])
+    before = F.log_softmax(logits, -1).gather(1, drafted[:, None])[:, 0].detach()
+    loss = reward_loss(logits, drafted, accepted)
+    loss.backward()
+    with torch.no_grad():
+        after = F.log_softmax(logits - 0.5 * logits.grad, -1).gather(1, drafted[:, None])[:, 0]
+    assert after[0] > before[0]  # accepted draft more likely
+    assert after[1] < before[1]  # rejected draft less likely
+
+
+def test_reward_mask_and_missing_drafts():
+    logits = torch.randn(3, 8, requires_grad=True)
+    drafted = torch.tensor([1, -1, 2])
+    accepted = torch.tensor([1.0, 0.0, 0.0])
+    mask = torch.tensor([1, 1, 0])
+    reward_loss(logits, drafted, accepted, mask, baseline=0.0).backward()
+    assert logits.grad[1].abs().sum() == 0  # no draft
+    assert logits.grad[2].abs().sum() == 0  # masked
+    assert logits.grad[0].abs().sum() > 0
+    # with the batch-mean baseline a batch where everything was accepted carries no signal
+    logits.grad = None
+    reward_loss(logits, torch.tensor([1, 2, 3]), torch.ones(3)).backward()
+    assert logits.grad.abs().max() < 1e-7
+
+
+def test_ramp_weight_schedule():
+    assert ramp_weight(0, start=10, ramp_steps=100, max_weight=0.5) == 0.0
+    assert ramp_weight(10, start=10, ramp_steps=100, max_weight=0.5) == 0.0
+    assert ramp_weight(60, start=10, ramp_steps=100, max_weight=0.5) == pytest.approx(0.25)
+    assert ramp_weight(110, start=10, ramp_steps=100, max_weight=0.5) == 0.5
+    assert ramp_weight(10_000, start=10, ramp_steps=100, max_weight=0.5) == 0.5
+    assert ramp_weight(10, start=10, ramp_steps=0, max_weight=0.5) == 0.5
+
+
+def test_dvi_loss_combines():
+    torch.manual_seed(4)
+    logits = torch.randn(5, 16, requires_grad=True)
+    ids, lps = topk_of(torch.randn(5, 16), 4)
+    drafted = torch.tensor([1, 2, -1, 3, 4])
+    acc = torch.tensor([1, 0, 0, 1, 0])
+    early = dvi_loss(logits, ids, lps, drafted, acc, step=0, reward_start=100)
+    assert early.reward_weight == 0.0 and early.loss.item() == pytest.approx(early.kl.item())
+    late = dvi_loss(logits, ids, lps, drafted, acc, step=10_000, reward_start=100, reward_max_weight=0.3)
+    want = late.kl + 0.3 * reward_loss(logits, drafted, acc)
+    assert late.reward_weight == 0.3 and late.loss.item() == pytest.approx(want.item(), abs=1e-6)
+    late.loss.backward()
+    assert torch.isfinite(logits.grad).all()

@@ -1,0 +1,167 @@
+"""The DVI objective on logged verifier feedback.
+
+Two terms, both computed from what the server logged (no target forward pass in the trainer):
+
+* `topk_kl_loss`: distil the target's logged top-k log-probs into the drafter.
+* `reward_loss`: REINFORCE on the drafter's own proposals, reward 1 if the target accepted the
+  drafted token and 0 for the first rejected one.
+
+`dvi_loss` starts as pure KL and ramps the reward term in (`ramp_weight`), as in DVI: KL gives a
+dense, stable signal; the reward targets exactly what raises acceptance once the drafter is close.
+
+All inputs may have any leading shape ([N, ...] or [B, T, ...]); they are flattened to rows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+def _rows(x: torch.Tensor, trailing: int) -> torch.Tensor:
+    return x.reshape(-1, *x.shape[x.dim() - trailing :]) if trailing else x.reshape(-1)
+
+
+def _mask(mask: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(n, device=device)
+    m = _rows(mask, 0).to(device=device, dtype=torch.float32)
+    if m.numel() != n:
+        raise ValueError(f"mask has {m.numel()} entries, expected {n}")
+    return m
+
+
+def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    # 0 (with a graph) when nothing is selected, so a batch without positions is harmless.
+    return (x * m).sum() / m.sum().clamp_min(1.0)
+
+
+def topk_kl_loss(
+    student_logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    tail_bucket: bool = True,
+) -> torch.Tensor:
+    """Mean over masked positions of KL(target || student) on the logged top-k support.
+
+    Default (`tail_bucket=True`): the principled coarsening. Both distributions are mapped to
+    k+1 outcomes: the k logged ids plus one bucket for "everything else". The target's bucket
+    mass is 1 - sum(exp(topk_logprobs)) (its logged log-probs are raw log_softmax, not
+    renormalised); the student's comes from its full-vocab softmax. This is an exact KL between
+    coarsened distributions, a lower bound on the full-vocab KL that is 0 only if the student
+    matches the target on each logged id and on the total tail mass. It keeps the student from
+    parking probability on tokens the target never ranks (which the renormalised variant cannot
+    see, and which directly lowers acceptance sum_x min(p, q)).
+
+    `tail_bucket=False`: KL(target top-k renormalised || student restricted to the same k ids and
+    renormalised). Only ratios among the k ids matter; kept for comparison.
+
+    Shapes: student_logits [..., V], topk_ids [..., k] (valid ids, no padding), topk_logprobs
+    [..., k], mask [...] (bool or 0/1).
+    """
+    logits = _rows(student_logits, 1).float()
+    ids = _rows(topk_ids, 1).long()
+    tlp = _rows(topk_logprobs, 1).to(logits.device).float()
+    n, v = logits.shape
+    if ids.shape != tlp.shape or ids.shape[0] != n:
+        raise ValueError(
+            f"topk_ids {tuple(ids.shape)} / topk_logprobs {tuple(tlp.shape)} do not match logits rows {n}"
+        )
+    m = _mask(mask, n, logits.device)
+    slp = F.log_softmax(logits, dim=-1)
+    s_k = slp.gather(1, ids)  # student log q on the logged ids
+    if not tail_bucket:
+        p = F.softmax(tlp, dim=-1)
+        kl = (p * (F.log_softmax(tlp, dim=-1) - F.log_softmax(s_k, dim=-1))).sum(-1)
+        return _masked_mean(kl, m)
+    p_k = tlp.exp()
+    kl = (p_k * (tlp - s_k)).sum(-1)
+    if ids.shape[1] < v:
+        p_tail = (1.0 - p_k.sum(-1)).clamp_min(0.0)
+        # log of the student's mass outside the k ids, exactly: logsumexp over the others.
+        outside = logits.scatter(1, ids, float("-inf"))
+        s_tail = torch.logsumexp(outside, dim=-1) - torch.logsumexp(logits, dim=-1)
+        tail = torch.where(p_tail > 0, p_tail * (torch.log(p_tail.clamp_min(1e-30)) - s_tail), 0.0)
+        kl = kl + tail
+    return _masked_mean(kl, m)
+
+
+def reward_loss(
+    student_logits: torch.Tensor,
+    drafted_ids: torch.Tensor,
+    accepted: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    baseline: float | str = "mean",
+) -> torch.Tensor:
+    """REINFORCE on drafted positions: -(r - b) * log q(drafted), r = 1 accepted / 0 rejected.
+
+    Accepted drafts above the baseline are pushed up, rejected ones pushed down. `baseline` is a
+    number or "mean" (the batch's masked acceptance rate, detached) to reduce variance. Positions
+    with drafted_ids < 0 (no draft) are ignored. The logged drafts are the drafter's own samples,
+    so this is on-policy for the drafter version that produced them (off-policy for later ones;
+    no importance weights — keep the trainer close to the serving drafter).
+    """
+    logits = _rows(student_logits, 1).float()
+    n = logits.shape[0]
+    d = _rows(drafted_ids, 0).long().to(logits.device)
+    r = _rows(accepted, 0).to(device=logits.device, dtype=torch.float32)
+    if d.numel() != n or r.numel() != n:
+        raise ValueError(f"drafted_ids ({d.numel()}) / accepted ({r.numel()}) do not match logits rows {n}")
+    m = _mask(mask, n, logits.device) * (d >= 0).float()
+    logq = F.log_softmax(logits, dim=-1).gather(1, d.clamp_min(0)[:, None])[:, 0]
+    if baseline == "mean":
+        b = _masked_mean(r, m).detach()
+    elif isinstance(baseline, str):
+        raise ValueError(f"baseline must be a number or 'mean', got {baseline!r}")
+    else:
+        b = torch.tensor(float(baseline), device=logits.device)
+    return _masked_mean(-(r - b) * logq, m)
+
+
+def ramp_weight(step: int, start: int, ramp_steps: int, max_weight: float) -> float:
+    """0 before `start`, then linear up to `max_weight` over `ramp_steps` (a step if 0)."""
+    if step < start:
+        return 0.0
+    if ramp_steps <= 0:
+        return float(max_weight)
+    return float(max_weight) * min(1.0, (step - start) / ramp_steps)
+
+
+class DviLoss(NamedTuple):
+    loss: torch.Tensor
+    kl: torch.Tensor
+    reward: torch.Tensor
+    reward_weight: float
+
+
+def dvi_loss(
+    student_logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    drafted_ids: torch.Tensor,
+    accepted: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    step: int = 0,
+    kl_weight: float = 1.0,
+    reward_start: int = 0,
+    reward_ramp_steps: int = 1000,
+    reward_max_weight: float = 0.1,
+    tail_bucket: bool = True,
+    baseline: float | str = "mean",
+) -> DviLoss:
+    """kl_weight * KL + ramp_weight(step) * reward; returns the parts for logging.
+
+    `mask` selects the positions to train on (e.g. real generated positions with logged top-k);
+    the reward term additionally skips positions without a draft.
+    """
+    kl = topk_kl_loss(student_logits, topk_ids, topk_logprobs, mask, tail_bucket=tail_bucket)
+    w = ramp_weight(step, reward_start, reward_ramp_steps, reward_max_weight)
+    if w > 0:
+        rl = reward_loss(student_logits, drafted_ids, accepted, mask, baseline=baseline)
+    else:
+        rl = torch.zeros((), device=kl.device)
+    return DviLoss(kl_weight * kl + w * rl, kl.detach(), rl.detach(), w)
