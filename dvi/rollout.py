@@ -146,6 +146,7 @@ class RolloutEngine:
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
         self.max_batch_size = max_batch_size
         self.last_stats: RolloutStats | None = None
+        self.last_results: list[Any] = []  # the engine's GenerationResults of the last batch
         self._calls = 0
 
     # -- versions -------------------------------------------------------------------------
@@ -224,6 +225,7 @@ class RolloutEngine:
             )
         seconds = time.perf_counter() - t0
         self._calls += 1
+        self.last_results = results
 
         out: list[Rollout] = []
         for (i, s, p), r in zip(flat, results, strict=True):
@@ -263,6 +265,12 @@ class RolloutEngine:
         record = FeedbackRecord.from_result(result, temperature=temperature, domain=self.domain,
                                             prompt_ids=prompt_ids)
         self.feedback_writer.write(record)
+
+    def last_records(self, temperature: float = 1.0) -> list[Any]:
+        """FeedbackRecords of the last batch (what an in-process drafter trainer consumes)."""
+        from dvi.feedback import FeedbackRecord
+
+        return [FeedbackRecord.from_result(r, temperature=temperature, domain=self.domain) for r in self.last_results]
 
     def flush_feedback(self) -> str | None:
         """Write buffered records now (so a trainer tailing the log sees this batch)."""
