@@ -1,0 +1,296 @@
+"""Drafter kinds behind one small interface (in the spirit of HF's candidate generators).
+
+A drafter is a callable `(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep) -> logits`
+with a `config` (for masks / context limits) and `vocab_size` (how many token ids it can embed). The engine
+owns the caches; drafters stay stateless so they can be hot-swapped between steps.
+
+* `SeparateDrafter`: any HF causal LM (optionally a peft `PeftModel`, LoRA applied).
+* `EarlyExitDrafter`: self-speculative; the target's first k layers + LoRA + a small exit head, reusing the
+  target's Parameter objects (no second copy). LoRA is injected into the drafter's OWN module objects
+  (which hold the shared Parameters), so the target's modules, forward and state_dict are untouched and
+  verification stays lossless by construction.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_norm")
+
+
+def hf_forward(model: nn.Module):
+    """Wrap an HF causal LM as the engine's model callable."""
+
+    def fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0):
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        ).logits
+
+    return fn
+
+
+def _num_embeddings(model: nn.Module) -> int:
+    emb = model.get_input_embeddings()
+    return int(emb.num_embeddings if hasattr(emb, "num_embeddings") else emb.weight.shape[0])
+
+
+class Drafter:
+    """Interface: a stateless draft model callable; the engine keeps its KV cache."""
+
+    config = None
+    vocab_size: int = 0
+    kind: str = "base"
+
+    def __call__(self, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def parameters(self):
+        raise NotImplementedError
+
+    def shares_weights_with_target(self) -> bool:
+        """True when the drafter reads the target's parameters (its cache must be rebuilt on target updates)."""
+        return False
+
+
+class SeparateDrafter(Drafter):
+    """A separate small HF causal LM (PreTrainedModel or peft PeftModel with LoRA) with the target's tokenizer."""
+
+    kind = "separate"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self._fn = hf_forward(base)
+        self.config = base.config
+        self.vocab_size = _num_embeddings(base)
+
+    def __call__(self, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0):
+        return self._fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
+
+    def parameters(self):
+        return self.model.parameters()
+
+
+class ExitHead(nn.Module):
+    """Own final norm + zero-initialised low-rank residual projection (starts as a plain early exit)."""
+
+    def __init__(self, norm: nn.Module, hidden_size: int, rank: int):
+        super().__init__()
+        p = next(norm.parameters())
+        self.norm = norm
+        self.down = nn.Linear(hidden_size, rank, bias=False, device=p.device, dtype=p.dtype)
+        self.up = nn.Linear(rank, hidden_size, bias=False, device=p.device, dtype=p.dtype)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.up(self.down(x)))
+
+
+def _set_tensor(root: nn.Module, name: str, value: torch.Tensor, is_buffer: bool) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = root.get_submodule(mod_name) if mod_name else root
+    if is_buffer:
+        mod._buffers[attr] = value
+    else:
+        mod._parameters[attr] = value
+
+
+class EarlyExitDrafter(Drafter):
+    """Self-speculative drafter: the target's first `num_layers` layers + LoRA + `ExitHead` + the target's lm_head."""
+
+    kind = "early_exit"
+
+    def __init__(
+        self,
+        target: nn.Module,
+        num_layers: int,
+        lora_rank: int = 8,
+        lora_alpha: int | None = None,
+        target_modules: list[str] | None = None,
+        exit_rank: int = 16,
+    ):
+        n_target = int(target.config.num_hidden_layers)
+        if not 1 <= num_layers <= n_target:
+            raise ValueError(f"num_layers must be in [1, {n_target}], got {num_layers}")
+        if lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
+        self.num_layers, self.lora_rank, self.exit_rank = int(num_layers), int(lora_rank), int(exit_rank)
+        self.lora_alpha = int(lora_alpha if lora_alpha is not None else 2 * max(lora_rank, 1))
+        self.target_ref = target
+        cfg = copy.deepcopy(target.config)
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = list(cfg.layer_types)[:num_layers]
+        cfg.num_hidden_layers = num_layers
+        with torch.device("meta"):
+            shallow = type(target)(cfg)
+        base_name = shallow.base_model_prefix
+        t_base, s_base = getattr(target, base_name), getattr(shallow, base_name)
+        norm_name = next((n for n in _FINAL_NORM_NAMES if hasattr(t_base, n)), None)
+        if norm_name is None:
+            raise ValueError(f"cannot find the final norm of {type(target).__name__}")
+        hidden = int(cfg.hidden_size)
+        head = ExitHead(copy.deepcopy(getattr(t_base, norm_name)), hidden, exit_rank)
+        setattr(s_base, norm_name, head)
+        head_prefix = f"{base_name}.{norm_name}."
+        # Share every other Parameter / buffer object with the target (no copies).
+        t_params = dict(target.named_parameters(remove_duplicate=False))
+        for name, _ in list(shallow.named_parameters(remove_duplicate=False)):
+            if name.startswith(head_prefix):
+                continue
+            if name not in t_params:
+                raise ValueError(f"early-exit drafter: target has no parameter {name!r}")
+            _set_tensor(shallow, name, t_params[name], is_buffer=False)
+        t_bufs = dict(target.named_buffers(remove_duplicate=False))
+        for name, _ in list(shallow.named_buffers(remove_duplicate=False)):
+            if name.startswith(head_prefix):
+                continue
+            if name in t_bufs:
+                _set_tensor(shallow, name, t_bufs[name], is_buffer=True)
+        for name, t in list(shallow.named_parameters()) + list(shallow.named_buffers()):
+            if t.is_meta:
+                raise ValueError(f"early-exit drafter: {name} was not shared from the target")
+        shallow.eval()
+        self.shallow = shallow
+        self.exit_head = head
+        self.peft_model = None
+        self.target_modules = target_modules
+        fwd_model = shallow
+        if lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            lcfg = LoraConfig(
+                r=lora_rank, lora_alpha=self.lora_alpha, lora_dropout=0.0, target_modules=target_modules, bias="none"
+            )
+            self.peft_model = get_peft_model(shallow, lcfg)
+            self.peft_model.eval()
+            self.target_modules = sorted(self.peft_model.peft_config["default"].target_modules)
+            fwd_model = self.peft_model.get_base_model()
+        for p in head.parameters():
+            p.requires_grad_(True)
+        self.model = fwd_model
+        self._fn = hf_forward(fwd_model)
+        self.config = shallow.config
+        self.vocab_size = _num_embeddings(target)
+
+    @classmethod
+    def from_target(
+        cls,
+        target: nn.Module,
+        num_layers: int,
+        lora_rank: int = 8,
+        lora_alpha: int | None = None,
+        target_modules: list[str] | None = None,
+        exit_rank: int = 16,
+    ) -> EarlyExitDrafter:
+        return cls(target, num_layers, lora_rank, lora_alpha, target_modules, exit_rank)
+
+    def __call__(self, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0):
+        return self._fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def shares_weights_with_target(self) -> bool:
+        return True
+
+    # ---------------------------------------------------------------- trainable parts
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """LoRA + exit head parameters (what the trainer optimises)."""
+        ps = list(self.exit_head.parameters())
+        if self.peft_model is not None:
+            ps += [p for n, p in self.peft_model.named_parameters() if "lora_" in n]
+        return ps
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        sd = {f"exit_head.{k}": v for k, v in self.exit_head.state_dict().items()}
+        if self.peft_model is not None:
+            from peft import get_peft_model_state_dict
+
+            sd.update({f"lora.{k}": v for k, v in get_peft_model_state_dict(self.peft_model).items()})
+        return sd
+
+    def load_trainable_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        head = {k[len("exit_head.") :]: v for k, v in sd.items() if k.startswith("exit_head.")}
+        self.exit_head.load_state_dict(head, strict=True)
+        lora = {k[len("lora.") :]: v for k, v in sd.items() if k.startswith("lora.")}
+        if self.peft_model is not None:
+            from peft import set_peft_model_state_dict
+
+            res = set_peft_model_state_dict(self.peft_model, lora)
+            bad = [k for k in getattr(res, "unexpected_keys", []) if "lora_" in k]
+            if bad:
+                raise ValueError(f"unexpected LoRA keys: {bad[:3]}")
+        elif lora:
+            raise ValueError("state dict has LoRA weights but this drafter has lora_rank=0")
+
+    def config_dict(self) -> dict:
+        return {
+            "dvi_kind": "early_exit",
+            "num_layers": self.num_layers,
+            "lora_rank": self.lora_rank,
+            "lora_alpha": self.lora_alpha,
+            "target_modules": self.target_modules,
+            "exit_rank": self.exit_rank,
+            "base_model_type": getattr(self.config, "model_type", None),
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write `adapter_model.safetensors` (LoRA + exit head) and `adapter_config.json` into dir `path`."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
+        save_file(sd, str(path / ADAPTER_WEIGHTS))
+        (path / ADAPTER_CONFIG).write_text(json.dumps(self.config_dict(), indent=2))
+        return path
+
+    @classmethod
+    def load(cls, target: nn.Module, path: str | Path) -> EarlyExitDrafter:
+        """Rebuild from `save()` output on top of `target` (shares its weights)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+        if cfg.get("dvi_kind") != "early_exit":
+            raise ValueError(f"{path} is not an early-exit drafter (dvi_kind={cfg.get('dvi_kind')!r})")
+        d = cls(
+            target,
+            num_layers=cfg["num_layers"],
+            lora_rank=cfg["lora_rank"],
+            lora_alpha=cfg.get("lora_alpha"),
+            target_modules=cfg.get("target_modules"),
+            exit_rank=cfg.get("exit_rank", 16),
+        )
+        sd = load_file(str(path / ADAPTER_WEIGHTS), device=str(next(target.parameters()).device))
+        d.load_trainable_state_dict(sd)
+        return d
+
+
+def as_drafter(obj) -> Drafter | None:
+    """None -> None; a Drafter as is; any HF causal LM / PeftModel -> SeparateDrafter."""
+    if obj is None or isinstance(obj, Drafter):
+        return obj
+    if isinstance(obj, nn.Module):
+        return SeparateDrafter(obj)
+    raise TypeError(f"drafter must be None, a Drafter or a causal LM module, got {type(obj).__name__}")

@@ -1,0 +1,570 @@
+"""Lossless batched speculative decoding engine with a step-level API for continuous batching.
+
+One step for all active rows:
+  1. the drafter proposes K tokens per row (K forwards of the drafter, batch-wide K);
+  2. the target scores [last token, d1..dK] for every row in ONE forward (K+1 positions);
+  3. per row: greedy exact match, or Leviathan/Chen rejection sampling (lossless at any temperature);
+  4. both KV caches drop the rejected slots (`dvi.kv.RaggedKV`: holes + per-row positions, compaction).
+
+Invariant between steps, per row: the target cache holds every token except the last emitted one
+(`_last`); the drafter cache holds every token except `pending` (1 token, 2 after a fully accepted step
+since d_K was never fed to it, more after K=0 steps). K = 0 is plain decoding through the same path.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dvi.adaptive import AcceptanceEMA, AdaptiveK, CostModel
+from dvi.drafters import Drafter, as_drafter, hf_forward
+from dvi.kv import RaggedKV, prefill
+from dvi.sampling import greedy_accept, rejection_accept, sample_from, warp_probs
+
+MAX_DRAFT_TOKENS_LIMIT = 32
+
+__all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine"]
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    domain: str = "default"
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    drafted_ids: list[int] = field(default_factory=list)
+    accepted: list[bool] = field(default_factory=list)
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
+    target_version: int = 0
+    drafter_version: int = 0
+    domain: str = "default"
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    temperature: float = 0.0
+
+    @property
+    def alpha(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    result: GenerationResult | None = None
+
+
+class _Seq:
+    """Per-row bookkeeping (host side)."""
+
+    __slots__ = ("req", "res", "gen", "pending", "stop", "remaining", "acc")
+
+    def __init__(self, req: Request, res: GenerationResult, gen, acc: AcceptanceEMA):
+        self.req, self.res, self.gen, self.acc = req, res, gen, acc
+        self.pending: list[int] = []
+        self.stop = frozenset(int(t) for t in req.params.stop_token_ids or ())
+        self.remaining = int(req.params.max_new_tokens)
+
+    def tokens(self) -> list[int]:
+        return list(self.req.prompt_ids) + self.res.token_ids
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class SpeculativeEngine:
+    """Speculative decoding over HF causal LMs; see docs/contracts.md for the API."""
+
+    def __init__(
+        self,
+        target: nn.Module,
+        drafter: nn.Module | Drafter | None = None,
+        num_draft_tokens: int = 4,
+        adaptive: bool = False,
+        max_draft_tokens: int = 8,
+        feedback_top_k: int = 0,
+        target_version: int = 0,
+        drafter_version: int = 0,
+    ):
+        if not _is_int(max_draft_tokens) or not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS_LIMIT:
+            raise ValueError(f"max_draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS_LIMIT}], got {max_draft_tokens!r}")
+        if not _is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= max_draft_tokens:
+            raise ValueError(
+                f"num_draft_tokens must be an int in [0, max_draft_tokens={max_draft_tokens}], got {num_draft_tokens!r}"
+            )
+        if not _is_int(feedback_top_k) or feedback_top_k < 0:
+            raise ValueError(f"feedback_top_k must be an int >= 0, got {feedback_top_k!r}")
+        self.target = target.eval()
+        self._tfn = hf_forward(self.target)
+        p0 = next(self.target.parameters())
+        self.device, self.dtype = p0.device, p0.dtype
+        self.vocab_size = int(self.target.get_output_embeddings().weight.shape[0])
+        self.num_embeddings = int(self.target.get_input_embeddings().weight.shape[0])
+        mp = getattr(self.target.config, "max_position_embeddings", None)
+        self.max_context = int(mp) if mp else None
+        self.num_draft_tokens = num_draft_tokens
+        self.max_draft_tokens = max_draft_tokens
+        self.adaptive = bool(adaptive)
+        self.feedback_top_k = feedback_top_k
+        self.target_version, self.drafter_version = int(target_version), int(drafter_version)
+        self.drafter: Drafter | None = None
+        self._set_drafter(drafter)
+        self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
+        self.costs: CostModel = self.controller.costs
+        self.global_alpha = 0.5
+        self.last_k = 0
+        self._waiting: list[_Seq] = []
+        self._seqs: list[_Seq] = []
+        self._tkv = RaggedKV(self.target.config, 0, self.device, self.dtype)
+        self._dkv = self._new_dkv()
+        self._last = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._outbox: list[StepOutput] = []
+        self._target_dirty = self._drafter_dirty = False
+        self._gen_calls = 0
+        self._refresh_params()
+
+    # ------------------------------------------------------------------ public API
+    def add_request(self, request: Request) -> None:
+        """Queue a request; it joins the batch (prefill) at the next step()."""
+        self._validate_prompt(request.prompt_ids, "prompt_ids")
+        self._validate_params(request.params, len(request.prompt_ids))
+        if any(s.req.request_id == request.request_id for s in self._waiting + self._seqs):
+            raise ValueError(f"request_id {request.request_id!r} is already active")
+        p = request.params
+        res = GenerationResult(
+            request_id=request.request_id,
+            prompt_ids=list(request.prompt_ids),
+            accepted_per_position=[0] * self.max_draft_tokens,
+            drafted_per_position=[0] * self.max_draft_tokens,
+            domain=request.domain,
+            started_at=time.time(),
+            temperature=float(p.temperature),
+        )
+        gen = None
+        if p.temperature > 0:
+            gen = torch.Generator(device="cpu")
+            if p.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(int(p.seed))
+        self._waiting.append(_Seq(request, res, gen, AcceptanceEMA(prior=self.global_alpha)))
+
+    def abort(self, request_id: str) -> GenerationResult | None:
+        """Remove a request between steps; its result (finish_reason 'abort') also comes out of the next step()."""
+        for i, s in enumerate(self._waiting):
+            if s.req.request_id == request_id:
+                del self._waiting[i]
+                return self._finish_aborted(s)
+        for i, s in enumerate(self._seqs):
+            if s.req.request_id == request_id:
+                self._remove_rows([i])
+                return self._finish_aborted(s)
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._seqs)
+
+    def num_active(self) -> int:
+        """Unfinished requests (running + waiting to join)."""
+        return len(self._waiting) + len(self._seqs)
+
+    def set_drafter(self, drafter: nn.Module | Drafter | None, version: int) -> None:
+        """Hot swap; in-flight rows get their drafter cache rebuilt at the next step()."""
+        self._set_drafter(drafter)
+        self.drafter_version = int(version)
+        self._drafter_dirty = True
+
+    def update_target_weights(self, state_dict_or_path: dict | str | Path, version: int) -> None:
+        """Load new target weights in place (Parameter objects kept); in-flight target KV is recomputed."""
+        sd = _load_state_dict(state_dict_or_path) if isinstance(state_dict_or_path, (str, Path)) else state_dict_or_path
+        if not isinstance(sd, dict) or not sd:
+            raise ValueError("state_dict_or_path must be a non-empty state dict or a path to one")
+        own = self.target.state_dict()
+        unexpected = [k for k in sd if k not in own]
+        if unexpected:
+            raise ValueError(f"state_dict_or_path has keys the target does not: {unexpected[:5]}")
+        for k, v in sd.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise ValueError(f"state_dict_or_path: shape of {k} is {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+        with torch.no_grad():
+            self.target.load_state_dict(sd, strict=False)
+        self.target_version = int(version)
+        self._target_dirty = True
+        if self.drafter is not None and self.drafter.shares_weights_with_target():
+            self._drafter_dirty = True
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[GenerationResult]:
+        """Decode a batch of prompts (different lengths); request i is seeded with seed + i."""
+        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        for i, p in enumerate(prompts):
+            self._validate_prompt(p, f"prompts[{i}]")
+        if seed is not None and not _is_int(seed):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        base = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids or ()))
+        for i, p in enumerate(prompts):
+            self._validate_params(base, len(p), prompt_name=f"prompts[{i}]")
+        self._gen_calls += 1
+        ids = [f"generate-{self._gen_calls}-{i}" for i in range(len(prompts))]
+        for i, (rid, p) in enumerate(zip(ids, prompts)):
+            sp = SamplingParams(max_new_tokens, temperature, top_k, top_p,
+                                None if seed is None else seed + i, tuple(stop_token_ids or ()))
+            self.add_request(Request(rid, list(p), sp))
+        done: dict[str, GenerationResult] = {}
+        mine = set(ids)
+        while len(done) < len(ids):
+            for o in self.step():
+                if o.finished and o.request_id in mine:
+                    done[o.request_id] = o.result
+        return [done[r] for r in ids]
+
+    def step(self) -> list[StepOutput]:
+        """One draft + verify for all active rows (new requests are prefilled and joined first)."""
+        outs, self._outbox = self._outbox, []
+        with torch.inference_mode():
+            if self._target_dirty:
+                self._rebuild_target()
+            if self._drafter_dirty:
+                self._rebuild_drafter()
+            if self._waiting:
+                self._admit()
+            if self._seqs:
+                outs.extend(self._spec_step())
+        return outs
+
+    # ------------------------------------------------------------------ validation
+    def _validate_prompt(self, prompt, name: str) -> None:
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise ValueError(f"{name} must be a non-empty list of token ids")
+        if not all(_is_int(t) for t in prompt):
+            raise ValueError(f"{name} must contain only ints")
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= self.vocab_size or hi >= self.num_embeddings:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} has token id {bad} outside the vocabulary [0, {self.vocab_size})")
+
+    def _validate_params(self, p: SamplingParams, prompt_len: int, prompt_name: str = "prompt_ids") -> None:
+        if not _is_int(p.max_new_tokens) or p.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {p.max_new_tokens!r}")
+        if not isinstance(p.temperature, (int, float)) or not math.isfinite(p.temperature) or p.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
+        if not _is_int(p.top_k) or p.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {p.top_k!r}")
+        if not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
+        if p.seed is not None and not _is_int(p.seed):
+            raise ValueError(f"seed must be an int or None, got {p.seed!r}")
+        if any(not _is_int(t) for t in (p.stop_token_ids or ())):
+            raise ValueError("stop_token_ids must be ints")
+        if self.max_context is not None and prompt_len + p.max_new_tokens > self.max_context:
+            raise ValueError(
+                f"max_new_tokens={p.max_new_tokens} + {prompt_name} length {prompt_len} exceeds the target's "
+                f"max_position_embeddings={self.max_context}"
+            )
+
+    def _set_drafter(self, drafter) -> None:
+        d = as_drafter(drafter)
+        if d is not None and d.vocab_size < self.vocab_size:
+            raise ValueError(
+                f"drafter embeds {d.vocab_size} token ids but the target emits {self.vocab_size}: not the same tokenizer"
+            )
+        self.drafter = d
+
+    # ------------------------------------------------------------------ batch membership
+    def _new_dkv(self) -> RaggedKV:
+        if self.drafter is None:
+            return RaggedKV(self.target.config, 0, self.device, self.dtype)
+        return RaggedKV(self.drafter.config, 0, self.device, self.drafter.dtype)
+
+    def _refresh_params(self) -> None:
+        seqs = self._seqs
+        dev = self.device
+        self._temp = torch.tensor([float(s.req.params.temperature) for s in seqs], dtype=torch.float32, device=dev)
+        tk = [int(s.req.params.top_k) for s in seqs]
+        tp = [float(s.req.params.top_p) for s in seqs]
+        self._topk = torch.tensor(tk, dtype=torch.long, device=dev) if any(tk) else None
+        self._topp = torch.tensor(tp, dtype=torch.float32, device=dev) if any(x < 1.0 for x in tp) else None
+        self._all_greedy = all(s.req.params.temperature == 0 for s in seqs)
+        self._all_t1 = all(s.req.params.temperature in (0, 1) for s in seqs)
+        self._gens = [s.gen for s in seqs]
+
+    def _admit(self) -> None:
+        new, self._waiting = self._waiting, []
+        ctx = [list(s.req.prompt_ids[:-1]) for s in new]
+        self._tkv.merge(prefill(self.target.config, self._tfn, ctx, self.device, self.dtype))
+        if self.drafter is not None:
+            self._dkv.merge(prefill(self.drafter.config, self.drafter, ctx, self.device, self.drafter.dtype))
+        for s in new:
+            s.pending = [int(s.req.prompt_ids[-1])]
+        last = torch.tensor([int(s.req.prompt_ids[-1]) for s in new], dtype=torch.long, device=self.device)
+        self._last = torch.cat([self._last, last])
+        self._seqs.extend(new)
+        self._refresh_params()
+
+    def _remove_rows(self, rows: list[int]) -> None:
+        drop = set(rows)
+        keep = [i for i in range(len(self._seqs)) if i not in drop]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._tkv.select_rows(idx)
+        if self.drafter is not None:
+            self._dkv.select_rows(idx)
+        self._last = self._last.index_select(0, idx)
+        self._seqs = [self._seqs[i] for i in keep]
+        self._refresh_params()
+
+    def _finish_aborted(self, s: _Seq) -> GenerationResult:
+        self._close(s, "abort")
+        self._outbox.append(StepOutput(s.req.request_id, [], True, s.res))
+        return s.res
+
+    def _close(self, s: _Seq, reason: str) -> None:
+        s.res.finish_reason = reason
+        s.res.finished_at = time.time()
+        s.res.target_version, s.res.drafter_version = self.target_version, self.drafter_version
+
+    def _rebuild_target(self) -> None:
+        self._target_dirty = False
+        ctx = [s.tokens()[:-1] for s in self._seqs]
+        self._tkv = prefill(self.target.config, self._tfn, ctx, self.device, self.dtype)
+
+    def _rebuild_drafter(self) -> None:
+        self._drafter_dirty = False
+        self._dkv = self._new_dkv()
+        if self.drafter is None:
+            return
+        ctx = [s.tokens()[:-1] for s in self._seqs]
+        self._dkv = prefill(self.drafter.config, self.drafter, ctx, self.device, self.drafter.dtype)
+        for s in self._seqs:
+            s.pending = [s.tokens()[-1]]
+
+    # ------------------------------------------------------------------ the speculative step
+    def _choose_k(self, batch: int) -> int:
+        if self.drafter is None:
+            return 0
+        if self.adaptive:
+            k = self.controller.choose(batch, [s.acc.alpha for s in self._seqs])
+        else:
+            k = self.num_draft_tokens
+        # Drafts past every row's token budget would be thrown away.
+        return max(0, min(k, max(s.remaining for s in self._seqs) - 1))
+
+    def _uniforms(self, n: int) -> torch.Tensor | None:
+        """Per-row uniforms from each request's own generator (greedy rows: zeros, unused)."""
+        if self._all_greedy:
+            return None
+        rows = [g_rand(g, n) for g in self._gens]
+        return torch.stack(rows).to(self.device)
+
+    def _draft(self, k: int, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pend = [s.pending for s in self._seqs]
+        m = max(len(p) for p in pend)
+        if m == 1:
+            ids = torch.tensor(pend, dtype=torch.long, device=self.device)
+            valid = None
+        else:
+            ids = torch.zeros(len(pend), m, dtype=torch.long)
+            valid = torch.zeros(len(pend), m, dtype=torch.bool)
+            for i, p in enumerate(pend):
+                ids[i, m - len(p) :] = torch.tensor(p, dtype=torch.long)
+                valid[i, m - len(p) :] = True
+            ids, valid = ids.to(self.device), valid.to(self.device)
+        drafts, qs = [], []
+        d = None
+        for j in range(k):
+            if j == 0:
+                logits = self._dkv.forward(self.drafter, ids, valid, logits_to_keep=1)[:, -1]
+            else:
+                logits = self._dkv.forward(self.drafter, d.unsqueeze(1), None, logits_to_keep=1)[:, -1]
+            logits = self._fit_vocab(logits)
+            if self._all_greedy:
+                d = logits.argmax(-1)
+            else:
+                q = warp_probs(logits, self._temp, self._topk, self._topp)
+                d = sample_from(q, u[:, j])
+                qs.append(q)
+            drafts.append(d)
+        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        v = logits.shape[-1]
+        if v == self.vocab_size:
+            return logits
+        if v > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
+        return torch.cat([logits, pad], -1)
+
+    def _spec_step(self) -> list[StepOutput]:
+        seqs = self._seqs
+        b = len(seqs)
+        k = self._choose_k(b)
+        self.last_k = k
+        t0 = time.perf_counter()
+        u = self._uniforms(2 * k + 1)
+        draft_ids = q = None
+        if k > 0:
+            draft_ids, q = self._draft(k, u)
+        t1 = time.perf_counter()
+        ids = self._last.unsqueeze(1) if k == 0 else torch.cat([self._last.unsqueeze(1), draft_ids], 1)
+        logits = self._tkv.forward(self._tfn, ids)
+        if logits.shape[-1] != self.vocab_size:
+            logits = logits[..., : self.vocab_size]
+        if self._all_greedy:
+            if k > 0:
+                n, nxt = greedy_accept(draft_ids, logits)
+            else:
+                nxt = logits[:, 0].argmax(-1)
+                n = torch.zeros_like(nxt)
+        else:
+            p = warp_probs(logits, self._temp, self._topk, self._topp)
+            if k > 0:
+                n, nxt = rejection_accept(draft_ids, q, p, u[:, k : 2 * k], u[:, 2 * k])
+            else:
+                nxt = sample_from(p[:, 0], u[:, 0])
+                n = torch.zeros_like(nxt)
+        self._tkv.rollback(k + 1, n + 1)
+        if k > 1:
+            self._dkv.rollback(k - 1, n.clamp(max=k - 1))
+        # Emitted tokens per row: d_1..d_n then nxt at column n.
+        tok = nxt.unsqueeze(1) if k == 0 else torch.cat([draft_ids, nxt.unsqueeze(1)], 1)
+        if k > 0:
+            tok = tok.scatter(1, n.unsqueeze(1), nxt.unsqueeze(1))
+        lf = logits.float()
+        scaled = lf if self._all_t1 else lf / torch.where(self._temp > 0, self._temp, 1.0).view(b, 1, 1)
+        tok_lp = scaled.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
+        topk_i = topk_v = None
+        if self.feedback_top_k > 0:
+            raw = lf.log_softmax(-1)
+            tv, ti = raw.topk(min(self.feedback_top_k, self.vocab_size), dim=-1)
+            topk_i, topk_v = ti.tolist(), tv.tolist()
+        n_l, tok_l, lp_l = n.tolist(), tok.tolist(), tok_lp.tolist()
+        draft_l = draft_ids.tolist() if k > 0 else None
+        self._last = nxt
+        outs: list[StepOutput] = []
+        finished: list[int] = []
+        have_drafter = self.drafter is not None
+        for i, s in enumerate(seqs):
+            r = s.res
+            ni = n_l[i]
+            r.num_steps += 1
+            if k > 0:
+                r.num_drafted += k
+                r.num_accepted += ni
+                for j in range(k):
+                    r.drafted_per_position[j] += 1
+                for j in range(ni):
+                    r.accepted_per_position[j] += 1
+                s.acc.update(k, ni)
+                self.global_alpha += 0.02 * (s.acc.alpha - self.global_alpha)
+                dl = draft_l[i]
+                s.pending = [dl[k - 1], tok_l[i][ni]] if ni == k else [tok_l[i][ni]]
+            elif have_drafter:
+                s.pending.append(tok_l[i][0])
+            new: list[int] = []
+            reason = None
+            for j in range(ni + 1):
+                t = tok_l[i][j]
+                new.append(t)
+                r.token_ids.append(t)
+                r.token_logprobs.append(lp_l[i][j])
+                r.drafted_ids.append(draft_l[i][j] if j < k else -1)
+                r.accepted.append(j < ni)
+                if topk_i is not None:
+                    r.topk_ids.append(topk_i[i][j])
+                    r.topk_logprobs.append(topk_v[i][j])
+                s.remaining -= 1
+                if t in s.stop:
+                    reason = "stop"
+                    break
+                if s.remaining <= 0:
+                    reason = "length"
+                    break
+            if reason is not None:
+                self._close(s, reason)
+                finished.append(i)
+            outs.append(StepOutput(s.req.request_id, new, reason is not None, r if reason else None))
+        t2 = time.perf_counter()
+        self.costs.record_verify(b, k, t2 - t1)
+        if k > 0:
+            self.costs.record_draft(b, (t1 - t0) / k)
+        if finished:
+            self._remove_rows(finished)
+        self._tkv.maybe_compact()
+        self._dkv.maybe_compact()
+        return outs
+
+
+def g_rand(gen: torch.Generator | None, n: int) -> torch.Tensor:
+    if gen is None:
+        return torch.zeros(n)
+    return torch.rand(n, generator=gen)
+
+
+def _load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Weights from a .safetensors / .bin file or an HF model directory (sharded safetensors included)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            files = sorted(path.glob("*.bin"))
+        if not files:
+            raise ValueError(f"state_dict_or_path: no weights found in {path}")
+    elif path.exists():
+        files = [path]
+    else:
+        raise ValueError(f"state_dict_or_path: {path} does not exist")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            sd.update(load_file(str(f)))
+        else:
+            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
+    return sd

@@ -1,0 +1,132 @@
+"""Logits warping and lossless acceptance rules for speculative decoding.
+
+Everything here is batched over rows that may each carry their own temperature / top-k / top-p.
+Greedy rows (temperature 0) are represented as one-hot distributions, so the single rejection-sampling
+rule below is exact for them too (accept iff the draft equals the argmax, else emit the argmax); an
+all-greedy batch takes the cheaper argmax fast path (`greedy_accept`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "warp_probs",
+    "sample_from",
+    "greedy_accept",
+    "acceptance_prob",
+    "residual_distribution",
+    "rejection_accept",
+]
+
+
+def warp_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-row temperature -> top-k -> top-p (HF order), returning probabilities.
+
+    `logits` is [N, V] or [N, S, V]; `temperature`, `top_k`, `top_p` are [N] (one value per row).
+    Rows with temperature 0 get a one-hot at the argmax so that greedy decoding is the same rule.
+    `top_k`/`top_p` may be None when no row uses them (skips the sort).
+    """
+    squeeze = logits.dim() == 2
+    x = logits.float()
+    if squeeze:
+        x = x.unsqueeze(1)
+    n, s, v = x.shape
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).float().view(n, 1, 1)
+    x = x / t
+    if top_k is not None or top_p is not None:
+        sorted_x, sorted_idx = x.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_x, dtype=torch.bool)
+        if top_k is not None:
+            k = top_k.view(n, 1, 1).clamp(min=0)
+            ranks = torch.arange(v, device=x.device).view(1, 1, v)
+            # k == 0 disables top-k; ties at the k-th value are kept (as in HF).
+            kth = sorted_x.gather(-1, (k - 1).clamp(min=0).expand(n, s, 1))
+            remove |= (k > 0) & (ranks >= k) & (sorted_x < kth)
+        if top_p is not None:
+            sp = torch.softmax(sorted_x.masked_fill(remove, float("-inf")), dim=-1)
+            before = sp.cumsum(-1) - sp  # mass strictly before this token
+            remove |= before >= top_p.view(n, 1, 1).float()
+            remove[..., 0] = False  # always keep the top token
+        mask = torch.zeros_like(remove).scatter_(-1, sorted_idx, remove)
+        x = x.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.float().view(n, s, v).argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.view(n, 1, 1), onehot, probs)
+    return probs.squeeze(1) if squeeze else probs
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample one token per row from (unnormalised) `probs` [N, V] with uniforms `u` [N] in [0, 1).
+
+    Drawing the uniforms from per-request generators up front keeps seeded runs reproducible while
+    the sampling itself stays vectorised.
+    """
+    cdf = probs.cumsum(-1)
+    x = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).clamp_(max=probs.shape[-1] - 1)
+    # Guard float edge cases (u*total rounding up to total): never return a zero-probability token.
+    bad = probs.gather(-1, idx) <= 0
+    if bool(bad.any()):
+        idx = torch.where(bad, probs.argmax(-1, keepdim=True), idx)
+    return idx.squeeze(-1)
+
+
+def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: accept the longest prefix of drafts equal to the target's argmax.
+
+    draft_ids [B, K], target_logits [B, K+1, V] -> (num_accepted [B], next_token [B]) where next_token is
+    the target's argmax right after the accepted prefix (correction or bonus token).
+    """
+    tgt = target_logits.argmax(-1)
+    k = draft_ids.shape[1]
+    match = (draft_ids == tgt[:, :k]).to(torch.int64)
+    n = match.cumprod(1).sum(1)
+    return n, tgt.gather(1, n.unsqueeze(1)).squeeze(1)
+
+
+def acceptance_prob(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """min(1, p(d)/q(d)) for drafts `draft` [...] under target p and draft q [..., V]."""
+    pd = p.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+    qd = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+    return torch.where(qd > 0, (pd / qd.clamp_min(1e-30)).clamp(max=1.0), torch.ones_like(pd))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Normalised (p - q)+, the distribution to resample from after a rejection (falls back to p if p == q)."""
+    r = (p - q).clamp_min(0)
+    z = r.sum(-1, keepdim=True)
+    return torch.where(z > 0, r / z.clamp_min(1e-30), p)
+
+
+def rejection_accept(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_sample: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan/Chen speculative sampling for a batch.
+
+    draft_ids [B, K] were sampled from draft_probs q [B, K, V]; target_probs p [B, K+1, V] are the target's
+    warped distributions at the K+1 verified positions. Draft j is accepted when u_accept[:, j] < p/q;
+    the first rejection resamples from (p - q)+, and if all K survive the bonus token is drawn from p[:, K].
+    Returns (num_accepted [B], next_token [B]); every emitted token is distributed exactly as p.
+    """
+    b, k = draft_ids.shape
+    pd = target_probs[:, :k].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
+    qd = draft_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
+    accept = (u_accept[:, :k].to(pd.dtype) * qd < pd).to(torch.int64)
+    n = accept.cumprod(1).sum(1)
+    rows = torch.arange(b, device=draft_ids.device)
+    p_n = target_probs[rows, n]
+    q_ext = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
+    q_n = q_ext[rows, n]  # zeros at the bonus position -> residual == p
+    return n, sample_from(residual_distribution(p_n, q_n), u_sample)
