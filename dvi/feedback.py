@@ -54,6 +54,10 @@ SCHEMA = pa.schema(
 )
 """Parquet schema of a shard; one column per `FeedbackRecord` field (docs/contracts.md)."""
 
+# Per-process name state shared by all writers, so two writers in one process never collide.
+_NAME_LOCK = threading.Lock()
+_NAME_STATE = {"last_ns": 0, "seq": 0}
+
 SHARD_RE = re.compile(r"^shard-(\d{20})-(\d+)-(\d{6})\.parquet$")
 TMP_PREFIX = ".tmp-"
 
@@ -253,7 +257,8 @@ class FeedbackWriter:
     `write()` only appends to a list under a lock (records validate themselves when built), so
     the engine loop pays about a microsecond per record. Flushing (parquet encoding + IO) runs either in a background
     thread (`background=True`) or inline in `write()`/`maybe_flush()` once `shard_records`
-    records are buffered or the oldest is `flush_seconds` old.
+    records are buffered or the oldest is `flush_seconds` old. If storage keeps failing, at most
+    `max_pending` records are held; older ones are dropped and counted (`dropped_records`).
     """
 
     def __init__(
@@ -264,6 +269,7 @@ class FeedbackWriter:
         retention_bytes: int | None = None,
         retention_shards: int | None = None,
         background: bool = False,
+        max_pending: int = 100_000,
     ) -> None:
         if shard_records < 1:
             raise ValueError("shard_records must be >= 1")
@@ -272,6 +278,7 @@ class FeedbackWriter:
         self.root = os.fspath(root)
         self.fs, self.path = _fs(self.root)
         self.fs.makedirs(self.path, exist_ok=True)
+        self._clean_stale_tmp()
         self.shard_records = shard_records
         self.flush_seconds = flush_seconds
         self.retention_bytes = retention_bytes
@@ -280,19 +287,33 @@ class FeedbackWriter:
         self._buf_t0 = 0.0
         self._lock = threading.Lock()  # guards _buf
         self._io_lock = threading.Lock()  # serialises shard writes
-        self._seq = 0
-        self._last_ns = 0
+        self.max_pending = max_pending
         self._closed = False
         self.records_written = 0
         self.shards_written = 0
         self.deleted_shards = 0
         self.deleted_bytes = 0
         self.flush_errors = 0
+        self.dropped_records = 0
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name="dvi-feedback-flush", daemon=True)
             self._thread.start()
+
+    def _clean_stale_tmp(self, age_s: float = 3600.0) -> None:
+        """Remove temp files left by writers that crashed mid-shard (local roots only)."""
+        if not _is_local(self.fs):
+            return
+        now = time.time()
+        for name in os.listdir(self.path):
+            if name.startswith(TMP_PREFIX):
+                p = os.path.join(self.path, name)
+                try:
+                    if now - os.path.getmtime(p) > age_s:
+                        os.remove(p)
+                except OSError:
+                    pass
 
     # -- write path (engine thread) ---------------------------------------------------------
     def write(self, record: FeedbackRecord) -> None:
@@ -302,6 +323,10 @@ class FeedbackWriter:
         with self._lock:
             if not self._buf:
                 self._buf_t0 = time.monotonic()
+            elif len(self._buf) >= self.max_pending:
+                # Storage has been failing for a while: drop the oldest rather than grow forever.
+                del self._buf[0]
+                self.dropped_records += 1
             self._buf.append(record)
             full = len(self._buf) >= self.shard_records
         if self._thread is not None:
@@ -345,10 +370,11 @@ class FeedbackWriter:
                 raise
 
     def _next_name(self) -> str:
-        ns = max(time.time_ns(), self._last_ns + 1)
-        self._last_ns = ns
-        self._seq += 1
-        return f"shard-{ns:020d}-{os.getpid()}-{self._seq % 1_000_000:06d}.parquet"
+        with _NAME_LOCK:
+            ns = max(time.time_ns(), _NAME_STATE["last_ns"] + 1)
+            _NAME_STATE["last_ns"] = ns
+            _NAME_STATE["seq"] = seq = (_NAME_STATE["seq"] + 1) % 1_000_000
+        return f"shard-{ns:020d}-{os.getpid()}-{seq:06d}.parquet"
 
     def _write_shard(self, batch: list[FeedbackRecord]) -> str:
         table = records_to_table(batch)

@@ -256,3 +256,24 @@ def test_write_cost_microbenchmark(tmp_path, capsys):
             f"flush (off the engine path): {flush_us:.1f} us/record"
         )
     assert write_us < 50
+
+
+def test_stale_tmp_cleaned_and_pending_bounded(tmp_path):
+    root = tmp_path / "fb"
+    root.mkdir()
+    stale = root / ".tmp-1-2.parquet"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    fresh = root / ".tmp-3-4.parquet"
+    fresh.write_bytes(b"x")  # might be another live writer's
+    w = FeedbackWriter(root, shard_records=100, max_pending=3)
+    assert not stale.exists() and fresh.exists()
+    for i in range(5):
+        w.write(make_record(i))
+    assert w.pending() == 3 and w.dropped_records == 2
+    w.close()
+    assert [r.request_id for r in FeedbackReader(root).iter_records(FeedbackReader(root).poll())] == [
+        "r2",
+        "r3",
+        "r4",
+    ]
