@@ -195,8 +195,8 @@ class RolloutEngine:
         """`n` samples for each prompt, ordered prompt-major (all of prompt 0's samples first).
 
         The batch of ``len(prompts) * n`` sequences decodes together (in chunks of
-        `max_batch_size` if set). `seed` makes the batch reproducible; chunk `c` uses
-        ``seed + c``.
+        `max_batch_size` if set). `seed` makes the batch reproducible: sequence `i` of the
+        flattened batch is seeded with ``seed + i`` (the engine's convention), whatever the chunking.
         """
         plist = _validate_prompts(prompts)
         if n < 1:
@@ -210,7 +210,7 @@ class RolloutEngine:
         chunk = self.max_batch_size or len(flat) or 1
         t0 = time.perf_counter()
         results = []
-        for c, start in enumerate(range(0, len(flat), chunk)):
+        for start in range(0, len(flat), chunk):
             part = flat[start: start + chunk]
             results.extend(
                 self.engine.generate(
@@ -219,7 +219,7 @@ class RolloutEngine:
                     temperature=temperature,
                     top_k=top_k,
                     top_p=top_p,
-                    seed=None if seed is None else seed + c,
+                    seed=None if seed is None else seed + start,
                     stop_token_ids=stops,
                 )
             )
