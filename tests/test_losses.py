@@ -48,6 +48,24 @@ def test_tail_bucket_sees_mass_outside_topk():
     assert topk_kl_loss(student, ids, lps, tail_bucket=True).item() > 0.1
 
 
+@pytest.mark.parametrize("tail", [True, False])
+def test_kl_padding_ignored_and_finite(tail):
+    torch.manual_seed(5)
+    target = torch.randn(3, 10)
+    ids, lps = topk_of(target, 3)
+    logits = torch.randn(3, 10, requires_grad=True)
+    ref = topk_kl_loss(logits, ids, lps, tail_bucket=tail)
+    # pad to k=5 two ways: repeat the first id at -inf, or id -1
+    pad_ids = torch.cat([ids, ids[:, :1], torch.full((3, 1), -1)], 1)
+    pad_lps = torch.cat([lps, torch.full((3, 1), float("-inf")), torch.zeros(3, 1)], 1)
+    got = topk_kl_loss(logits, pad_ids, pad_lps, tail_bucket=tail)
+    assert got.item() == pytest.approx(ref.item(), abs=1e-6)
+    # a row that is all padding, masked out, must not poison the gradient
+    pad_ids[2] = -1
+    topk_kl_loss(logits, pad_ids, pad_lps, torch.tensor([1, 1, 0]), tail_bucket=tail).backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[2].abs().sum() == 0
+
+
 def test_kl_mask_and_batch_shape():
     torch.manual_seed(1)
     logits = torch.randn(2, 3, 10)

@@ -59,8 +59,8 @@ def topk_kl_loss(
     `tail_bucket=False`: KL(target top-k renormalised || student restricted to the same k ids and
     renormalised). Only ratios among the k ids matter; kept for comparison.
 
-    Shapes: student_logits [..., V], topk_ids [..., k] (valid ids, no padding), topk_logprobs
-    [..., k], mask [...] (bool or 0/1).
+    Shapes: student_logits [..., V], topk_ids [..., k], topk_logprobs [..., k], mask [...] (bool
+    or 0/1). Short rows may be padded with id -1 or log-prob -inf (any id); padding is ignored.
     """
     logits = _rows(student_logits, 1).float()
     ids = _rows(topk_ids, 1).long()
@@ -71,22 +71,31 @@ def topk_kl_loss(
             f"topk_ids {tuple(ids.shape)} / topk_logprobs {tuple(tlp.shape)} do not match logits rows {n}"
         )
     m = _mask(mask, n, logits.device)
+    # Padding: entries with id < 0 or log-prob -inf carry no target mass and no student support.
+    valid = torch.isfinite(tlp) & (ids >= 0)
+    ids_c = ids.clamp_min(0)
+    tlp = tlp.masked_fill(~valid, 0.0)  # keep every branch finite (nan-free gradients)
     slp = F.log_softmax(logits, dim=-1)
-    s_k = slp.gather(1, ids)  # student log q on the logged ids
+    s_k = slp.gather(1, ids_c)  # student log q on the logged ids
     if not tail_bucket:
-        p = F.softmax(tlp, dim=-1)
-        kl = (p * (F.log_softmax(tlp, dim=-1) - F.log_softmax(s_k, dim=-1))).sum(-1)
+        row_ok = valid.any(-1)
+        m = m * row_ok.float()
+        ok = valid & row_ok[:, None]
+        neg = torch.finfo(torch.float32).min
+        t_lp = F.log_softmax(torch.where(ok, tlp, neg), dim=-1)
+        s_lp = F.log_softmax(torch.where(ok, s_k, neg), dim=-1)
+        kl = torch.where(ok, t_lp.exp() * (t_lp - s_lp), 0.0).sum(-1)
         return _masked_mean(kl, m)
-    p_k = tlp.exp()
-    kl = (p_k * (tlp - s_k)).sum(-1)
-    if ids.shape[1] < v:
-        p_tail = (1.0 - p_k.sum(-1)).clamp_min(0.0)
-        # log of the student's mass outside the k ids, exactly: logsumexp over the others.
-        outside = logits.scatter(1, ids, float("-inf"))
-        s_tail = torch.logsumexp(outside, dim=-1) - torch.logsumexp(logits, dim=-1)
-        tail = torch.where(p_tail > 0, p_tail * (torch.log(p_tail.clamp_min(1e-30)) - s_tail), 0.0)
-        kl = kl + tail
-    return _masked_mean(kl, m)
+    p_k = torch.where(valid, tlp.exp(), 0.0)
+    kl = torch.where(valid, p_k * (tlp - s_k), 0.0).sum(-1)
+    # log of the student's mass outside the k ids, exactly: logsumexp over the other ids.
+    in_k = torch.zeros_like(logits).scatter_add(1, ids_c, valid.float()) > 0
+    has_out = (~in_k).any(-1)
+    outside = torch.where(has_out[:, None], logits.masked_fill(in_k, float("-inf")), logits)
+    s_tail = torch.logsumexp(outside, dim=-1) - torch.logsumexp(logits, dim=-1)
+    p_tail = torch.where(has_out, (1.0 - p_k.sum(-1)).clamp_min(0.0), 0.0)
+    tail = torch.where(p_tail > 0, p_tail * (torch.log(p_tail.clamp_min(1e-30)) - s_tail), 0.0)
+    return _masked_mean(kl + tail, m)
 
 
 def reward_loss(
