@@ -1,0 +1,183 @@
+"""Admin endpoints, behind their own token (`serve.admin_token`; admin is off when unset).
+
+- ``POST /admin/target`` ``{"path": ..., "version": N}``: new target weights (a ``.safetensors``
+  file or a ``save_pretrained`` dir) applied between engine steps; `version` defaults to the
+  current one + 1. The path must resolve (symlinks followed) inside one of `serve.allowed_dirs`.
+- ``POST /admin/drafter/pin`` ``{"version": N}``: serve exactly version N (0 = the startup drafter)
+  and stop auto-promotion; ``{"version": null}`` unpins.
+- ``POST /admin/drafter/rollback`` ``{"reason": ...}``: back to the previous drafter.
+- ``POST /admin/trainer/pause`` / ``/admin/trainer/resume``: writes / removes
+  `<run_dir>/trainer.pause` and, for a supervised trainer, SIGSTOP / SIGCONT its process group
+  (see `serving.supervisor`).
+- ``GET /admin/status``: the health document plus the swap history.
+
+Errors: 401 without a bearer token, 403 for a wrong one, when admin is disabled, or for a path
+outside the allowed dirs; 400 for bad bodies; 409 when the action does not apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from dvi.registry import AdapterRejected
+
+from .protocol import ApiError
+
+log = logging.getLogger("dvi.serving.admin")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetUpdate(_Body):
+    path: str = Field(min_length=1)
+    version: StrictInt | None = Field(None, ge=0)
+
+
+class PinRequest(_Body):
+    version: StrictInt | None = Field(..., ge=0)
+
+
+class RollbackRequest(_Body):
+    reason: str = "admin rollback"
+
+
+def _state(request: Request) -> Any:
+    return request.app.state.dvi
+
+
+def _check_admin(request: Request) -> Any:
+    s = _state(request)
+    token = s.cfg.serve.admin_token
+    if not token:
+        raise ApiError(403, "admin API is disabled (set serve.admin_token)", type_="permission_error")
+    auth = request.headers.get("authorization", "")
+    if not auth.startswith("Bearer "):
+        raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin_token>'",
+                       type_="authentication_error")
+    if not hmac.compare_digest(auth[len("Bearer "):].encode(), token.encode()):
+        raise ApiError(403, "wrong admin token", type_="permission_error")
+    return s
+
+
+async def _body(request: Request, model: type) -> Any:
+    from .app import _validation_error
+
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def confine_path(path: str, allowed_dirs: list[Path]) -> Path:
+    """`path` with symlinks resolved, if it lies inside an allowed dir; ApiError(403/400) otherwise."""
+    if not allowed_dirs:
+        raise ApiError(403, "no serve.allowed_dirs configured; admin paths are refused", param="path",
+                       type_="permission_error")
+    try:
+        resolved = Path(path).expanduser().resolve(strict=True)
+    except (FileNotFoundError, RuntimeError, OSError):
+        # Do not reveal whether a path outside the allowed dirs exists.
+        resolved = Path(path).expanduser().resolve(strict=False)
+        if not any(resolved.is_relative_to(Path(d).expanduser().resolve()) for d in allowed_dirs):
+            raise ApiError(403, f"path {path!r} is outside the allowed dirs", param="path",
+                           type_="permission_error") from None
+        raise ApiError(400, f"path {path!r} does not exist", param="path") from None
+    for d in allowed_dirs:
+        if resolved.is_relative_to(Path(d).expanduser().resolve()):
+            return resolved
+    raise ApiError(403, f"path {path!r} is outside the allowed dirs", param="path", type_="permission_error")
+
+
+def admin_router() -> APIRouter:
+    """The /admin routes; every one checks the admin token first."""
+    router = APIRouter(prefix="/admin")
+
+    @router.post("/target")
+    async def update_target(request: Request) -> dict:
+        s = _check_admin(request)
+        body: TargetUpdate = await _body(request, TargetUpdate)
+        path = confine_path(body.path, list(s.cfg.serve.allowed_dirs))
+        version = body.version if body.version is not None else s.target_version + 1
+        engine = s.engine
+        fut = s.scheduler.call_between_steps(lambda: engine.update_target_weights(str(path), version))
+        try:
+            await asyncio.wrap_future(fut)
+        except (ValueError, KeyError, FileNotFoundError, OSError, RuntimeError) as exc:
+            raise ApiError(400, f"cannot load target weights from {body.path!r}: {exc}", param="path") from None
+        s.target_version = version
+        s.metrics.observe_target_update(version)
+        log.warning("target weights updated from %s (target version %d)", path, version)
+        return {"target_version": version, "path": str(path)}
+
+    @router.post("/drafter/pin")
+    async def pin(request: Request) -> dict:
+        s = _check_admin(request)
+        body: PinRequest = await _body(request, PinRequest)
+        if s.swapper is None:
+            raise ApiError(409, "no drafter is loaded (speculation off)")
+        try:
+            version = await asyncio.to_thread(s.swapper.pin, body.version)
+        except AdapterRejected as exc:
+            raise ApiError(400, f"drafter version {body.version} refused: {exc.reason}", param="version") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="version") from None
+        return {"drafter_version": version, "pinned": s.swapper.pinned}
+
+    @router.post("/drafter/rollback")
+    async def rollback(request: Request) -> dict:
+        s = _check_admin(request)
+        body: RollbackRequest = await _body(request, RollbackRequest)
+        if s.swapper is None:
+            raise ApiError(409, "no drafter is loaded (speculation off)")
+        try:
+            version = await asyncio.to_thread(s.swapper.rollback, body.reason)
+        except (ValueError, AdapterRejected) as exc:
+            raise ApiError(409, str(exc)) from None
+        return {"drafter_version": version}
+
+    @router.post("/trainer/pause")
+    async def pause(request: Request) -> dict:
+        s = _check_admin(request)
+        try:
+            s.supervisor.pause()
+        except RuntimeError as exc:
+            raise ApiError(409, str(exc)) from None
+        return s.supervisor.info()
+
+    @router.post("/trainer/resume")
+    async def resume(request: Request) -> dict:
+        s = _check_admin(request)
+        try:
+            s.supervisor.resume()
+        except RuntimeError as exc:
+            raise ApiError(409, str(exc)) from None
+        return s.supervisor.info()
+
+    @router.get("/status")
+    async def status(request: Request) -> dict:
+        from .app import health_info
+
+        s = _check_admin(request)
+        info = health_info(s)
+        if s.swapper is not None:
+            info["swap_events"] = [e.as_dict() for e in s.swapper.events]
+        return info
+
+    return router

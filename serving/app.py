@@ -1,0 +1,500 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, server state, and `run_server`.
+
+One process holds the models, one engine thread (`serving.scheduler`), the registry watcher
+(`serving.swap`), the trainer supervisor (`serving.supervisor`) and the feedback writer. Every
+request error is a 4xx with an OpenAI-style error body that names the field; a 500 only means a
+bug or an engine failure, and it fails one request, never the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dvi.config import DviConfig
+from dvi.engine import SamplingParams, SpeculativeEngine
+from dvi.feedback import FeedbackWriter
+from dvi.registry import DrafterRegistry
+
+from .protocol import (
+    FALLBACK_CHAT_FORMAT,
+    FALLBACK_CHAT_SUFFIX,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    new_id,
+    now,
+)
+from .scheduler import Finished, Handle, QueueFull, Scheduler
+from .supervisor import TrainerSupervisor
+from .swap import DrafterSwapper, SwapEvent
+from .telemetry import ServerMetrics
+
+log = logging.getLogger("dvi.serving")
+
+DISCONNECT_POLL_S = 0.25
+
+
+# -- models --------------------------------------------------------------------------------------
+def pair_paths(cfg: DviConfig) -> tuple[Path, Path | None, Path | None]:
+    """(target, drafter, tokenizer) paths: the config's, else the embedded preset's."""
+    from dvi.embedded import embedded_paths
+
+    m = cfg.models
+    if m.target is not None:
+        return Path(m.target), (Path(m.drafter) if m.drafter else None), (Path(m.tokenizer) if m.tokenizer else None)
+    p = embedded_paths(m.preset)
+    return p.target, (Path(m.drafter) if m.drafter else p.drafter), (Path(m.tokenizer) if m.tokenizer else p.tokenizer)
+
+
+def ensure_pair(cfg: DviConfig) -> None:
+    """Bootstrap the embedded pair in a subprocess if the config uses it and it is not built.
+
+    A subprocess, because serving must not import trainers (DESIGN.md import arrows).
+    """
+    from dvi.embedded import embedded_dir, is_built
+
+    if cfg.models.target is not None:
+        return
+    preset = cfg.models.preset
+    if is_built(embedded_dir(preset), preset):
+        return
+    log.warning("embedded pair %r not built; running `dvi bootstrap --preset %s`", preset, preset)
+    subprocess.run([sys.executable, "-m", "dvi.cli", "bootstrap", "--preset", preset], check=True)
+
+
+# -- state -----------------------------------------------------------------------------------------
+@dataclass
+class ServerState:
+    """Everything the endpoints need; built once per server."""
+
+    cfg: DviConfig
+    tokenizer: Any
+    engine: Any
+    scheduler: Scheduler
+    swapper: DrafterSwapper | None
+    supervisor: TrainerSupervisor
+    feedback: FeedbackWriter | None
+    metrics: ServerMetrics
+    model_name: str
+    context_len: int
+    vocab_size: int
+    started_at: float = field(default_factory=time.time)
+    target_version: int = 0
+
+    def start(self) -> None:
+        self.scheduler.start()
+        if self.swapper is not None:
+            self.swapper.start()
+        self.supervisor.start()
+
+    def stop(self) -> None:
+        """Stop in dependency order: trainer, watcher, engine loop, then flush the feedback."""
+        self.supervisor.stop()
+        if self.swapper is not None:
+            self.swapper.stop()
+        self.scheduler.stop()
+        if self.feedback is not None:
+            try:
+                self.feedback.close()
+            except Exception:  # noqa: BLE001
+                log.exception("final feedback flush failed")
+        self.metrics.close()
+
+
+def build_state(cfg: DviConfig) -> ServerState:
+    """Load the pair, build engine, scheduler, feedback writer, swapper, supervisor, metrics."""
+    from dvi.models import load_pair
+
+    torch.set_num_threads(cfg.serve.num_threads)
+    target_path, drafter_path, tok_path = pair_paths(cfg)
+    pair = load_pair(target_path, drafter_path, tok_path, device=cfg.models.device, dtype=cfg.models.dtype)
+    tokenizer = pair.tokenizer
+    spec = cfg.speculation
+    engine = SpeculativeEngine(
+        pair.target, pair.drafter if spec.num_draft_tokens > 0 or spec.adaptive else None,
+        num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
+        max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
+        target_version=0, drafter_version=0,
+    )
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fb = cfg.feedback
+    feedback = FeedbackWriter(fb.dir, shard_records=fb.shard_records, flush_seconds=fb.flush_seconds,
+                              retention_bytes=fb.retention_bytes, retention_shards=fb.retention_shards,
+                              background=True)
+    metrics = ServerMetrics(cfg)
+    scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
+                          feedback=feedback, num_threads=cfg.serve.num_threads)
+    supervisor = TrainerSupervisor(cfg)
+    swapper = None
+    if pair.drafter is not None:
+        swapper = DrafterSwapper(
+            DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last), scheduler, pair.drafter,
+            poll_seconds=cfg.serve.registry_poll_seconds, shadow_margin=cfg.trainer.shadow_margin,
+            rollback_window=cfg.serve.rollback_window, rollback_margin=cfg.serve.rollback_margin,
+            on_event=lambda ev: _on_swap_event(metrics, ev), event_log=str(run_dir / "swap_events.jsonl"),
+        )
+    state = ServerState(
+        cfg=cfg, tokenizer=tokenizer, engine=engine, scheduler=scheduler, swapper=swapper,
+        supervisor=supervisor, feedback=feedback, metrics=metrics, model_name=cfg.serve.model_name,
+        context_len=int(getattr(pair.target.config, "max_position_embeddings", 0) or 1 << 30),
+        vocab_size=int(pair.target.get_output_embeddings().weight.shape[0]),
+    )
+    scheduler.observers.append(lambda fin: _on_finished(state, fin))
+    return state
+
+
+def _on_finished(state: ServerState, fin: Finished) -> None:
+    """Engine thread: per-request metrics and the swapper's live-α window and shadow records."""
+    state.metrics.observe_request(fin)
+    if state.swapper is not None and fin.result is not None:
+        state.swapper.observe(fin.drafted, fin.accepted, fin.drafter_version)
+        if fin.record is not None and fin.record.token_ids:
+            state.swapper.observe_record(fin.record)
+
+
+def _on_swap_event(metrics: Any, ev: SwapEvent) -> None:
+    metrics.observe_swap(ev.kind, ev.version, ev.reason)
+
+
+# -- request handling -----------------------------------------------------------------------------
+def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
+    errs = exc.errors()
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        msg = f"missing required field '{param}'"
+    elif param:
+        msg = f"invalid '{param}': {msg}"
+    return ApiError(400, msg, param=param)
+
+
+async def _parse(request: Request, model: type) -> Any:
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _check_auth(state: ServerState, request: Request) -> None:
+    key = state.cfg.serve.api_key
+    if not key:
+        return
+    auth = request.headers.get("authorization", "")
+    if auth != f"Bearer {key}":
+        raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                       type_="authentication_error", code="invalid_api_key")
+
+
+def _chat_prompt(tokenizer: Any, messages: list) -> list[int]:
+    msgs = [{"role": m.role, "content": m.content} for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    text = "".join(FALLBACK_CHAT_FORMAT.format(role=m["role"], content=m["content"]) for m in msgs)
+    return tokenizer.encode(text + FALLBACK_CHAT_SUFFIX, add_special_tokens=True)
+
+
+def _prepare(state: ServerState, req: Any, prompt_ids: list[int]) -> SamplingParams:
+    """Config-dependent checks (model, limits, context) and the engine's sampling params."""
+    cfg = state.cfg
+    if req.model is not None and req.model != state.model_name:
+        raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{state.model_name}'",
+                       param="model", code="model_not_found")
+    if not prompt_ids:
+        raise ApiError(400, "prompt is empty after tokenization", param="prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                       param="prompt")
+    limit = cfg.serve.max_tokens_limit
+    if req.max_tokens is not None and req.max_tokens > limit:
+        raise ApiError(400, f"max_tokens {req.max_tokens} exceeds this server's limit of {limit}",
+                       param="max_tokens")
+    room = state.context_len - len(prompt_ids)
+    if room <= 0:
+        raise ApiError(400, f"prompt has {len(prompt_ids)} tokens; the model's context is "
+                            f"{state.context_len} tokens", param="prompt", code="context_length_exceeded")
+    max_tokens = req.max_tokens if req.max_tokens is not None else min(cfg.sampling.max_new_tokens, room, limit)
+    if max_tokens > room:
+        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                            f"model's context of {state.context_len} tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    temperature = req.temperature if req.temperature is not None else cfg.sampling.temperature
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=temperature,
+        top_k=req.top_k if req.top_k is not None else cfg.sampling.top_k,
+        top_p=req.top_p if req.top_p is not None else cfg.sampling.top_p,
+        seed=req.seed, stop_token_ids=state.scheduler.eos_ids,
+    )
+
+
+def _usage(fin: Finished) -> dict[str, int]:
+    n = len(fin.token_ids)
+    return {"prompt_tokens": fin.prompt_len, "completion_tokens": n, "total_tokens": fin.prompt_len + n}
+
+
+async def _next_event(state: ServerState, h: Handle, request: Request) -> tuple:
+    """The request's next event; cancels it (frees the slot) if the client disconnects."""
+    while True:
+        try:
+            return await asyncio.wait_for(h.queue.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                state.scheduler.cancel(h)
+                raise asyncio.CancelledError from None
+
+
+def _submit(state: ServerState, req: Any, prompt_ids: list[int], params: SamplingParams) -> Handle:
+    try:
+        h = state.scheduler.submit(prompt_ids, params, domain=req.domain(), stop=req.stop_list(),
+                                   stream=req.stream)
+    except QueueFull as exc:
+        state.metrics.observe_rejected("queue_full")
+        raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
+    return h
+
+
+async def _complete(state: ServerState, request: Request, req: Any, prompt_ids: list[int],
+                    chat: bool) -> Response:
+    params = _prepare(state, req, prompt_ids)
+    h = _submit(state, req, prompt_ids, params)
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    created = now()
+    if req.stream:
+        return StreamingResponse(_stream(state, request, h, rid, created, chat),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        while True:
+            ev = await _next_event(state, h, request)
+            if ev[0] == "error":
+                raise ev[1]
+            if ev[0] == "done":
+                fin: Finished = ev[1]
+                break
+    except asyncio.CancelledError:
+        state.scheduler.cancel(h)
+        raise
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": fin.text},
+                  "finish_reason": fin.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": fin.finish_reason}
+        obj = "text_completion"
+    return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                         "choices": [choice], "usage": _usage(fin), "dvi": fin.stats()})
+
+
+async def _stream(state: ServerState, request: Request, h: Handle, rid: str, created: int,
+                  chat: bool) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None = None, extra: dict | None = None,
+              first: bool = False) -> bytes:
+        if chat:
+            d: dict[str, Any] = {"role": "assistant"} if first else {}
+            if delta:
+                d["content"] = delta
+            choice = {"index": 0, "delta": d, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]}
+        if extra:
+            body.update(extra)
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    try:
+        if chat:
+            yield chunk(None, first=True)
+        while True:
+            ev = await _next_event(state, h, request)
+            if ev[0] == "delta":
+                yield chunk(ev[1])
+            elif ev[0] == "done":
+                fin: Finished = ev[1]
+                yield chunk(None, fin.finish_reason, {"usage": _usage(fin), "dvi": fin.stats()})
+                yield b"data: [DONE]\n\n"
+                return
+            else:
+                err: ApiError = ev[1]
+                yield f"data: {json.dumps(err.body())}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+                return
+    finally:
+        if not h.done:
+            state.scheduler.cancel(h)
+
+
+# -- app -------------------------------------------------------------------------------------------
+def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
+    """The FastAPI app; builds (and on shutdown stops) its ServerState unless one is given."""
+    from .admin import admin_router
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        st = state if state is not None else await asyncio.to_thread(build_state, cfg)
+        app.state.dvi = st
+        st.start()
+        log.info("dvi serving %s (context %d, batch %d, trainer %s)", st.model_name, st.context_len,
+                 cfg.serve.max_batch_size, cfg.serve.trainer)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(st.stop)
+
+    app = FastAPI(title="dvi", version="0.1.0", lifespan=lifespan)
+
+    def st(request: Request) -> ServerState:
+        return request.app.state.dvi
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _req_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        s = st(request)
+        _check_auth(s, request)
+        req = await _parse(request, CompletionRequest)
+        if isinstance(req.prompt, str):
+            ids = s.tokenizer.encode(req.prompt, add_special_tokens=True)
+        else:
+            ids = list(req.prompt)
+        return await _complete(s, request, req, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        s = st(request)
+        _check_auth(s, request)
+        req = await _parse(request, ChatCompletionRequest)
+        return await _complete(s, request, req, _chat_prompt(s.tokenizer, req.messages), chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        s = st(request)
+        _check_auth(s, request)
+        return {"object": "list", "data": [{
+            "id": s.model_name, "object": "model", "created": int(s.started_at), "owned_by": "dvi",
+            "max_model_len": s.context_len}]}
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse(health_info(st(request)))
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> PlainTextResponse:
+        s = st(request)
+        s.metrics.update_gauges(s)
+        body, content_type = s.metrics.render()
+        return PlainTextResponse(body, media_type=content_type)
+
+    app.include_router(admin_router())
+    return app
+
+
+def health_info(s: ServerState) -> dict[str, Any]:
+    alive = s.scheduler.alive
+    sw = s.swapper.info() if s.swapper is not None else None
+    trainer = s.supervisor.info()
+    ok = alive and trainer["state"] not in ("restarting",)
+    return {
+        "status": "ok" if ok else ("degraded" if alive else "down"),
+        "model": s.model_name,
+        "uptime_s": round(time.time() - s.started_at, 3),
+        "engine": {"alive": alive, "running": s.scheduler.num_running(), "queue": s.scheduler.queue_depth(),
+                   "steps": s.scheduler.steps, "completed": s.scheduler.completed,
+                   "step_errors": s.scheduler.step_errors, "request_errors": s.scheduler.request_errors,
+                   "max_batch_size": s.cfg.serve.max_batch_size, "queue_limit": s.cfg.serve.queue_limit},
+        "drafter_version": sw["live_version"] if sw else None,
+        "target_version": s.target_version,
+        "drafter": sw,
+        "trainer": trainer,
+        "feedback": {"dir": s.cfg.feedback.dir, "records_written": getattr(s.feedback, "records_written", 0),
+                     "pending": s.feedback.pending() if s.feedback is not None else 0,
+                     "errors": s.scheduler.feedback_errors},
+    }
+
+
+# -- running ---------------------------------------------------------------------------------------
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0 = a free one), so callers know the port before serving."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(cfg: DviConfig, sock: socket.socket, state: ServerState | None = None):
+    """A uvicorn.Server for the app (call `.run(sockets=[sock])` in a thread or the main thread)."""
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(create_app(cfg, state), host=host, port=port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+    return uvicorn.Server(config)
+
+
+def run_server(cfg: DviConfig) -> int:
+    """`dvi serve`: bootstrap the pair if needed, then serve until SIGINT/SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.serve.num_threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ensure_pair(cfg)
+    sock = bind_socket(cfg.serve.host, cfg.serve.port)
+    host, port = sock.getsockname()[:2]
+    print(f"dvi serving on http://{host}:{port}  (health: /health, metrics: /metrics)", flush=True)
+    server = make_server(cfg, sock)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,401 @@
+"""Continuous batching: one engine thread runs the engine's step loop for every request.
+
+Requests join the running batch between steps (up to `max_batch_size` rows) and leave it the
+moment they finish, so a short request never waits for a long one. Each step's new tokens are
+handed to the request's asyncio queue at once (streaming), and a finished request resolves at
+once. Everything that changes the engine (new drafter, new target weights) runs on the engine
+thread between steps via `call_between_steps`, so the engine is never touched concurrently.
+
+Failure isolation: an exception while adding one request fails only that request (a ValueError
+from the engine is the client's fault -> 400); an exception inside `engine.step()` fails the
+rows that were active in that step (500 for them, logged) and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dvi.engine import Request, SamplingParams
+from dvi.feedback import FeedbackRecord, FeedbackWriter
+
+from .protocol import ApiError, new_id
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at `serve.queue_limit`; the app answers 429."""
+
+
+@dataclass
+class Finished:
+    """What a request ends with (handed to the client and to observers)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_len: int
+    finish_reason: str
+    domain: str
+    result: Any  # the engine's GenerationResult (None if the engine gave none)
+    latency_s: float
+    ttft_s: float | None
+    record: FeedbackRecord | None = None
+
+    @property
+    def drafted(self) -> int:
+        return int(getattr(self.result, "num_drafted", 0) or 0)
+
+    @property
+    def accepted(self) -> int:
+        return int(getattr(self.result, "num_accepted", 0) or 0)
+
+    @property
+    def steps(self) -> int:
+        return int(getattr(self.result, "num_steps", 0) or 0)
+
+    @property
+    def drafter_version(self) -> int:
+        return int(getattr(self.result, "drafter_version", 0) or 0)
+
+    @property
+    def target_version(self) -> int:
+        return int(getattr(self.result, "target_version", 0) or 0)
+
+    def stats(self) -> dict[str, Any]:
+        steps = self.steps
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "alpha": (self.accepted / self.drafted) if self.drafted else None,
+            "mean_accepted_length": (1.0 + self.accepted / steps) if steps else 1.0,
+            "steps": steps,
+            "drafter_version": self.drafter_version,
+            "target_version": self.target_version,
+            "domain": self.domain,
+        }
+
+
+@dataclass
+class Handle:
+    """One request's state: shared between the event loop (queue) and the engine thread."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    domain: str
+    stop: list[str]
+    stream: bool
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    submitted_at: float = field(default_factory=time.perf_counter)
+    # engine-thread state
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_chars: int = 0
+    first_token_at: float | None = None
+    added: bool = False
+    done: bool = False
+    cancelled: bool = False
+
+    def emit(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # loop closed: the client is gone
+            pass
+
+
+class Scheduler:
+    """Owns the engine thread; the app submits requests and awaits their events."""
+
+    def __init__(self, engine: Any, tokenizer: Any, max_batch_size: int, queue_limit: int,
+                 feedback: FeedbackWriter | None = None, num_threads: int = 1) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.queue_limit = queue_limit
+        self.feedback = feedback
+        self.num_threads = num_threads
+        self.observers: list[Callable[[Finished], None]] = []
+        self.step_observers: list[Callable[[float, int], None]] = []
+        self._waiting: collections.deque[Handle] = collections.deque()
+        self._active: dict[str, Handle] = {}
+        self._controls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            collections.deque())
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.step_errors = 0
+        self.request_errors = 0
+        self.feedback_errors = 0
+        self.completed = 0
+        self.last_step_at = time.time()
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_ids: tuple[int, ...] = (int(eos),) if eos is not None else ()
+
+    # -- public API (event loop side) --------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="dvi-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def num_running(self) -> int:
+        return len(self._active)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, domain: str = "default",
+               stop: list[str] | None = None, stream: bool = False) -> Handle:
+        """Queue a request (call from the event loop); raises QueueFull at the queue limit."""
+        h = Handle(request_id=new_id("req"), prompt_ids=list(prompt_ids), params=params, domain=domain,
+                   stop=list(stop or []), stream=stream, loop=asyncio.get_running_loop())
+        with self._cv:
+            if self._stop:
+                raise ApiError(503, "server is shutting down", type_="server_error")
+            if len(self._waiting) >= self.queue_limit:
+                raise QueueFull(f"queue is full ({self.queue_limit} waiting requests)")
+            self._waiting.append(h)
+            self._cv.notify_all()
+        return h
+
+    def cancel(self, handle: Handle) -> None:
+        """The client went away: free its slot at the next step boundary."""
+        with self._cv:
+            if handle.done:
+                return
+            handle.cancelled = True
+            self._cv.notify_all()
+
+    def call_between_steps(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between two steps; the future holds its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stop or not self.alive:
+                fut.set_exception(RuntimeError("engine loop is not running"))
+                return fut
+            self._controls.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_num_threads(self.num_threads)
+        while True:
+            with self._cv:
+                while (not self._stop and not self._controls and not self._waiting
+                       and not self._active):
+                    self._cv.wait(timeout=1.0)
+                if self._stop:
+                    break
+                controls = list(self._controls)
+                self._controls.clear()
+            for fn, fut in controls:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 - reported through the future
+                        fut.set_exception(exc)
+            self._reap_cancelled()
+            self._admit()
+            if self._active:
+                self._step()
+        self._shutdown()
+
+    def _admit(self) -> None:
+        while len(self._active) < self.max_batch_size:
+            with self._cv:
+                if not self._waiting:
+                    return
+                h = self._waiting.popleft()
+            if h.cancelled:
+                self._finish_cancelled(h)
+                continue
+            try:
+                self.engine.add_request(Request(request_id=h.request_id, prompt_ids=h.prompt_ids,
+                                                params=h.params, domain=h.domain))
+            except ValueError as exc:
+                self._fail(h, ApiError(400, str(exc), param="prompt"))
+                continue
+            except Exception as exc:  # noqa: BLE001 - one request must not kill the loop
+                log.exception("engine.add_request failed for %s", h.request_id)
+                self._fail(h, ApiError(500, f"engine error: {exc}", type_="server_error"))
+                continue
+            h.added = True
+            self._active[h.request_id] = h
+
+    def _reap_cancelled(self) -> None:
+        for h in [h for h in self._active.values() if h.cancelled]:
+            result = self._abort(h)
+            self._active.pop(h.request_id, None)
+            self._complete(h, "abort", result, notify=False)
+
+    def _abort(self, h: Handle) -> Any:
+        try:
+            return self.engine.abort(h.request_id)
+        except Exception:  # noqa: BLE001
+            log.exception("engine.abort failed for %s", h.request_id)
+            return None
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the rows of this step, keep serving
+            self.step_errors += 1
+            log.exception("engine.step failed; failing %d active request(s)", len(self._active))
+            for h in list(self._active.values()):
+                self._abort(h)
+                self._active.pop(h.request_id, None)
+                self._fail(h, ApiError(500, f"engine error: {exc}", type_="server_error"))
+            return
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        self.last_step_at = time.time()
+        ntok = 0
+        for out in outs:
+            h = self._active.get(out.request_id)
+            if h is None:
+                continue
+            try:
+                ntok += len(out.new_token_ids)
+                self._on_tokens(h, out)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("post-processing failed for %s", h.request_id)
+                if not out.finished:
+                    self._abort(h)
+                self._active.pop(h.request_id, None)
+                self._fail(h, ApiError(500, f"server error: {exc}", type_="server_error"))
+        for obs in self.step_observers:
+            try:
+                obs(dt, ntok)
+            except Exception:  # noqa: BLE001
+                log.exception("step observer failed")
+
+    def _on_tokens(self, h: Handle, out: Any) -> None:
+        new = list(out.new_token_ids)
+        if new and h.first_token_at is None:
+            h.first_token_at = time.perf_counter()
+        h.token_ids.extend(new)
+        finished = bool(out.finished)
+        result = out.result if finished else None
+        reason = getattr(result, "finish_reason", None) or "length"
+        if h.stop or h.stream:
+            h.text = self._decode(h.token_ids)
+            if h.stop:
+                cut = self._find_stop(h)
+                if cut is not None:
+                    h.text = h.text[:cut]
+                    if not finished:
+                        result = self._abort(h)
+                    finished, reason = True, "stop"
+            if h.stream:
+                safe = len(h.text) if finished else self._safe_len(h)
+                if safe > h.sent_chars:
+                    h.emit(("delta", h.text[h.sent_chars:safe]))
+                    h.sent_chars = safe
+        if finished:
+            self._active.pop(h.request_id, None)
+            if not (h.stop or h.stream):
+                h.text = self._decode(h.token_ids)
+            if reason not in ("stop", "length"):
+                reason = "stop" if reason == "eos" else reason
+            self._complete(h, reason, result)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _find_stop(self, h: Handle) -> int | None:
+        longest = max(len(s) for s in h.stop)
+        start = max(0, h.sent_chars - longest)
+        hits = [i for i in (h.text.find(s, start) for s in h.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _safe_len(self, h: Handle) -> int:
+        """Chars that can be streamed: not a partial UTF-8 char, not a possible stop prefix."""
+        n = len(h.text)
+        while n > h.sent_chars and h.text[n - 1] == "\ufffd":
+            n -= 1
+        for s in h.stop:
+            for k in range(min(len(s) - 1, n), 0, -1):
+                if h.text[n - k:n] == s[:k]:
+                    n -= k
+                    break
+        return max(n, h.sent_chars)
+
+    def _complete(self, h: Handle, reason: str, result: Any, notify: bool = True) -> None:
+        now = time.perf_counter()
+        record = None
+        if result is not None:
+            try:
+                record = FeedbackRecord.from_result(result, temperature=h.params.temperature, domain=h.domain,
+                                                    prompt_ids=h.prompt_ids)
+            except Exception:  # noqa: BLE001 - feedback must never cost a request
+                self.feedback_errors += 1
+                log.exception("feedback record for %s dropped", h.request_id)
+        fin = Finished(
+            request_id=h.request_id, text=h.text, token_ids=list(h.token_ids), prompt_len=len(h.prompt_ids),
+            finish_reason=reason, domain=h.domain, result=result, latency_s=now - h.submitted_at,
+            ttft_s=(h.first_token_at - h.submitted_at) if h.first_token_at is not None else None,
+            record=record,
+        )
+        h.done = True
+        self.completed += 1
+        if notify:
+            h.emit(("done", fin))
+        if record is not None and self.feedback is not None:
+            try:
+                self.feedback.write(record)
+            except Exception:  # noqa: BLE001 - feedback must never cost a request
+                self.feedback_errors += 1
+                log.exception("feedback record for %s dropped", h.request_id)
+        for obs in self.observers:
+            try:
+                obs(fin)
+            except Exception:  # noqa: BLE001
+                log.exception("result observer failed")
+
+    def _finish_cancelled(self, h: Handle) -> None:
+        h.done = True
+
+    def _fail(self, h: Handle, err: ApiError) -> None:
+        h.done = True
+        self.request_errors += 1
+        h.emit(("error", err))
+
+    def _shutdown(self) -> None:
+        err = ApiError(503, "server is shutting down", type_="server_error")
+        for h in list(self._active.values()):
+            self._abort(h)
+            self._fail(h, err)
+        self._active.clear()
+        with self._cv:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            controls = list(self._controls)
+            self._controls.clear()
+        for h in waiting:
+            self._fail(h, err)
+        for _fn, fut in controls:
+            fut.cancel()

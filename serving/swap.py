@@ -1,0 +1,321 @@
+"""Drafter hot-swap: watch the registry, validate, shadow-check, swap between steps, roll back.
+
+The watcher thread polls `LATEST` every `serve.registry_poll_seconds`. A new version is
+
+1. loaded and validated by `DrafterRegistry` (shapes, dtypes, finiteness; a bad one raises
+   `AdapterRejected` and is *refused*: logged, counted, never retried);
+2. shadow-checked: the most recent finished requests (held back from this decision: kept in
+   memory by the server, possibly not yet trained on) are replayed through the candidate and the
+   live drafter with `dvi.shadow.shadow_alpha` (teacher-forced, no target run); if the
+   candidate's α is below the live one's by more than `trainer.shadow_margin` it is refused;
+3. swapped in between two engine steps (`engine.set_drafter` via the scheduler), so sequences in
+   flight continue with the new drafter and nothing waits on the load;
+4. watched: once `serve.rollback_window` requests finished on the new version, its live α is
+   compared with its predecessor's over that predecessor's last window; if it is lower by more
+   than `serve.rollback_margin`, the registry is rolled back and the predecessor (kept in
+   memory) is swapped back in.
+
+LoRA versions are applied to a pristine copy of the base drafter and merged
+(`merge_and_unload`), so a served LoRA drafter costs exactly what the base drafter costs.
+Version 0 is the drafter the server started with (not in the registry).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
+from dvi.shadow import hf_logits_fn, shadow_alpha
+
+log = logging.getLogger(__name__)
+
+SHADOW_MIN_RECORDS = 4
+SHADOW_MAX_POSITIONS = 4096
+
+
+@dataclass
+class SwapEvent:
+    """One promotion / refusal / rollback, as logged, counted and shown on /health."""
+
+    kind: str  # "promoted" | "refused" | "rolled_back" | "pinned"
+    version: int
+    previous: int | None
+    reason: str
+    at: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "version": self.version, "previous": self.previous,
+                "reason": self.reason, "at": self.at}
+
+
+def load_drafter_version(registry: DrafterRegistry, version: int, base: torch.nn.Module) -> tuple[Any, dict]:
+    """Validated drafter model of `version`: base + merged LoRA, or a full model.
+
+    Raises AdapterRejected with the reason for anything that does not load or fit.
+    """
+    sd, man = registry.validate(version)
+    d = registry.version_dir(version)
+    ref = next(base.parameters())
+    try:
+        if man["kind"] == "lora":
+            from peft import PeftModel, get_peft_model_state_dict
+
+            pm = PeftModel.from_pretrained(copy.deepcopy(base), str(d), is_trainable=False)
+            live = get_peft_model_state_dict(pm)
+            check_state_dict(sd, {k: (tuple(v.shape), None) for k, v in live.items()}, version)
+            model = pm.merge_and_unload()
+        else:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(str(d))
+            model = AutoModelForCausalLM.from_config(config)
+            expected = {k: (tuple(v.shape), None) for k, v in model.state_dict().items()}
+            tied = {k for k in expected if k not in sd and k.endswith("lm_head.weight")}
+            check_state_dict(sd, {k: v for k, v in expected.items() if k not in tied}, version)
+            model.load_state_dict(sd, strict=not tied)
+            if tied:
+                model.tie_weights()
+    except AdapterRejected:
+        raise
+    except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
+        raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version) from None
+    base_rows = base.get_output_embeddings().weight.shape[0]
+    rows = model.get_output_embeddings().weight.shape[0]
+    if rows != base_rows:
+        raise AdapterRejected(f"vocabulary has {rows} rows, the live drafter {base_rows}", version)
+    model = model.to(device=ref.device, dtype=ref.dtype).eval()
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise AdapterRejected(f"parameter {name} is not finite after loading", version)
+    return model, man
+
+
+class DrafterSwapper:
+    """Owns the live drafter version; the registry watcher thread and the admin API use it."""
+
+    def __init__(self, registry: DrafterRegistry, scheduler: Any, base_drafter: torch.nn.Module,
+                 poll_seconds: float, shadow_margin: float, rollback_window: int, rollback_margin: float,
+                 shadow_records: int = 64, on_event: Callable[[SwapEvent], None] | None = None,
+                 event_log: str | None = None) -> None:
+        self.registry = registry
+        self.scheduler = scheduler
+        self.base = copy.deepcopy(base_drafter).eval()
+        self.poll_seconds = poll_seconds
+        self.shadow_margin = shadow_margin
+        self.rollback_window = rollback_window
+        self.rollback_margin = rollback_margin
+        self.on_event = on_event or (lambda _e: None)
+        self.event_log = event_log
+        self.live_version = 0
+        self.models: dict[int, Any] = {0: base_drafter}
+        self.predecessor: int | None = None
+        self.pinned: int | None = None
+        self.refused: dict[int, str] = {}
+        self.events: collections.deque[SwapEvent] = collections.deque(maxlen=100)
+        self.counts = collections.Counter()
+        self.recent: collections.deque = collections.deque(maxlen=shadow_records)
+        self._per_version: dict[int, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=rollback_window))
+        self._since_swap = 0
+        self._watching = False
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- observers (engine thread; cheap) ------------------------------------------------------
+    def observe_record(self, record: Any) -> None:
+        self.recent.append(record)
+
+    def observe(self, drafted: int, accepted: int, drafter_version: int) -> None:
+        self._per_version[drafter_version].append((drafted, accepted))
+        if drafter_version == self.live_version and self._watching:
+            self._since_swap += 1
+
+    def live_alpha(self, version: int) -> float | None:
+        window = list(self._per_version.get(version, ()))
+        drafted = sum(d for d, _ in window)
+        return sum(a for _, a in window) / drafted if drafted else None
+
+    # -- watcher thread --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dvi-registry-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+                self.check_rollback()
+            except Exception:  # noqa: BLE001 - the watcher must outlive any one bad version
+                log.exception("registry watcher iteration failed")
+            self._stop.wait(self.poll_seconds)
+
+    def poll_once(self) -> None:
+        latest = self.registry.latest()
+        with self._lock:
+            if (latest is None or latest == self.live_version or latest in self.refused
+                    or self.pinned is not None):
+                return
+        self.consider(latest)
+
+    def consider(self, version: int) -> bool:
+        """Validate, shadow-check and promote `version`; False if refused."""
+        try:
+            model, _man = load_drafter_version(self.registry, version, self.base)
+        except AdapterRejected as exc:
+            self._refuse(version, exc.reason)
+            return False
+        records = list(self.recent)
+        reason = "no recent feedback to shadow-check; validated only"
+        if len(records) >= SHADOW_MIN_RECORDS:
+            with self._lock:
+                live_model = self.models[self.live_version]
+            new = shadow_alpha(hf_logits_fn(model), records, device=self._device(model),
+                               max_positions=SHADOW_MAX_POSITIONS)
+            old = shadow_alpha(hf_logits_fn(live_model), records, device=self._device(model),
+                               max_positions=SHADOW_MAX_POSITIONS)
+            reason = (f"shadow α {new.alpha:.3f} vs live {old.alpha:.3f} on {new.records} records "
+                      f"({new.positions} positions)")
+            if new.alpha < old.alpha - self.shadow_margin:
+                self._refuse(version, reason + f"; worse by more than {self.shadow_margin}")
+                return False
+        self._swap(model, version, "promoted", reason)
+        return True
+
+    @staticmethod
+    def _device(model: Any) -> torch.device:
+        return next(model.parameters()).device
+
+    def _swap(self, model: Any, version: int, kind: str, reason: str) -> None:
+        engine = self.scheduler.engine
+        fut = self.scheduler.call_between_steps(lambda: engine.set_drafter(model, version))
+        fut.result(timeout=120)
+        with self._lock:
+            prev = self.live_version
+            self.models[version] = model
+            if kind != "rolled_back":
+                self.predecessor = prev
+            self.live_version = version
+            keep = {version, 0}
+            if self.predecessor is not None:
+                keep.add(self.predecessor)
+            self.models = {v: m for v, m in self.models.items() if v in keep}
+            self._per_version[version].clear()
+            self._since_swap = 0
+            self._watching = kind == "promoted" and prev is not None
+        self._record(SwapEvent(kind, version, prev, reason, time.time()))
+
+    def _refuse(self, version: int, reason: str) -> None:
+        with self._lock:
+            self.refused[version] = reason
+        self._record(SwapEvent("refused", version, self.live_version, reason, time.time()))
+
+    def _record(self, ev: SwapEvent) -> None:
+        self.events.append(ev)
+        self.counts[ev.kind] += 1
+        level = logging.WARNING if ev.kind in ("refused", "rolled_back") else logging.INFO
+        log.log(level, "drafter %s v%d (previous %s): %s", ev.kind, ev.version, ev.previous, ev.reason)
+        if self.event_log:
+            try:
+                with open(self.event_log, "a") as f:
+                    f.write(json.dumps(ev.as_dict()) + "\n")
+            except OSError:
+                log.exception("cannot append to %s", self.event_log)
+        try:
+            self.on_event(ev)
+        except Exception:  # noqa: BLE001
+            log.exception("swap event observer failed")
+
+    # -- rollback ----------------------------------------------------------------------------------
+    def check_rollback(self) -> bool:
+        """Roll back if the live version's α over its window fell below its predecessor's."""
+        with self._lock:
+            if not self._watching or self._since_swap < self.rollback_window or self.predecessor is None:
+                return False
+            self._watching = False
+            live, prev = self.live_version, self.predecessor
+        a_new, a_old = self.live_alpha(live), self.live_alpha(prev)
+        if a_new is None or a_old is None:
+            return False
+        if a_new < a_old - self.rollback_margin:
+            self.rollback(f"live α {a_new:.3f} < predecessor v{prev} {a_old:.3f} - {self.rollback_margin} "
+                          f"over {self.rollback_window} requests")
+            return True
+        log.info("drafter v%d kept: live α %.3f vs predecessor %.3f", live, a_new, a_old)
+        return False
+
+    def rollback(self, reason: str) -> int:
+        """Swap back to the predecessor (in memory) and move the registry's LATEST back."""
+        with self._lock:
+            bad, target = self.live_version, self.predecessor
+        if target is None or target == bad:
+            try:
+                target = self.registry.rollback(None, reason=reason)
+            except AdapterRejected as exc:
+                raise ValueError(f"nothing to roll back to: {exc.reason}") from None
+        elif target != 0:
+            try:
+                self.registry.rollback(target, reason=reason)
+            except AdapterRejected as exc:
+                log.warning("registry rollback to v%d failed (%s); swapping back in memory only",
+                            target, exc.reason)
+        if target in self.models:
+            model = self.models[target]
+        else:
+            model, _ = load_drafter_version(self.registry, target, self.base)
+        with self._lock:
+            self.refused[bad] = f"rolled back: {reason}"
+            self.predecessor = None
+        self._swap(model, target, "rolled_back", reason + f" (from v{bad})")
+        return target
+
+    def pin(self, version: int | None) -> int:
+        """Serve exactly `version` (0 = the startup drafter) and stop auto-promotion; None unpins."""
+        if version is None:
+            with self._lock:
+                old, self.pinned = self.pinned, None
+            if old:
+                try:
+                    self.registry.unpin(old)
+                except (OSError, ValueError):
+                    pass
+            return self.live_version
+        if version == 0:
+            model = self.models.get(0) or self.base
+        else:
+            model, _ = load_drafter_version(self.registry, version, self.base)
+            self.registry.pin(version)
+        with self._lock:
+            self.pinned = version
+        if version != self.live_version:
+            self._swap(model, version, "pinned", "pinned by admin")
+        return version
+
+    def info(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "live_version": self.live_version,
+                "predecessor": self.predecessor,
+                "pinned": self.pinned,
+                "latest": self.registry.latest(),
+                "refused": {str(k): v for k, v in self.refused.items()},
+                "counts": dict(self.counts),
+                "live_alpha": self.live_alpha(self.live_version),
+                "events": [e.as_dict() for e in list(self.events)[-10:]],
+            }

@@ -1,0 +1,117 @@
+"""The server's side of `dvi.metrics`: Prometheus for /metrics, plus JSONL + wandb rows.
+
+All names come from `dvi.metrics`; this module only decides *when* the server updates them:
+per finished request (counters, rolling α, latency and TTFT measured from submission, so queue
+time counts), per swap event, and at scrape time (queue depth, versions, trainer state). Every
+`log_every` finished requests it appends one row per domain to `<run_dir>/metrics.jsonl` (and
+wandb), with `step` = requests finished so far, which is what `dvi report` and the demo plot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from dvi import metrics as M
+from dvi.config import DviConfig, dump_config
+
+log = logging.getLogger(__name__)
+
+# Supervisor states -> dvi.metrics.TRAINER_STATES codes.
+_TRAINER_STATE = {"running": "running", "starting": "starting", "restarting": "backoff", "paused": "stopped",
+                  "stopped": "stopped", "off": "stopped", "external": "running"}
+
+
+class ServerMetrics:
+    """Prometheus collectors on a private registry, and the JSONL/wandb logger of the run."""
+
+    def __init__(self, cfg: DviConfig, log_every: int = 16, window: int = 200) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry()
+        self.m = M.build_prometheus_metrics(self.registry, window=window)
+        self.log_every = log_every
+        self.requests = 0
+        self.rejected = 0
+        self._recent: dict[str, deque] = {}
+        self._lock = threading.Lock()
+        self.logger: M.MetricsLogger | None = None
+        try:
+            self.logger = M.MetricsLogger(cfg.run_dir, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
+                                          config=dump_config(cfg), name=f"serve-{int(time.time())}")
+        except Exception:  # noqa: BLE001 - metrics must never stop the server
+            log.exception("metrics logger failed to start; /metrics still works")
+
+    def observe_request(self, fin: Any) -> None:
+        """Engine thread, once per finished request (aborted ones included, they carry stats)."""
+        if fin.result is None:
+            return
+        r = fin.result
+        view = {name: getattr(r, name, None) for name in (
+            "token_ids", "num_drafted", "num_accepted", "num_steps", "accepted_per_position",
+            "drafted_per_position", "drafter_version")}
+        view.update(domain=fin.domain, finish_reason=fin.finish_reason, started_at=0.0,
+                    finished_at=fin.latency_s, ttft=fin.ttft_s)
+        stats = self.m.observe_result(view)
+        with self._lock:
+            self.requests += 1
+            q = self._recent.setdefault(fin.domain, deque(maxlen=self.log_every * 4))
+            q.append(stats)
+            due = self.requests % self.log_every == 0
+        if due and self.logger is not None:
+            self._log_rows()
+
+    def _log_rows(self) -> None:
+        with self._lock:
+            snap = {d: list(q)[-self.log_every:] for d, q in self._recent.items() if q}
+            step = self.requests
+        for domain, stats in snap.items():
+            if stats[-1] is None:
+                continue
+            version = stats[-1].drafter_version
+            rows = [s for s in stats if s.drafter_version == version] or stats
+            values = M.summarize_results(rows)
+            try:
+                self.logger.log(values, step=step, domain=domain, drafter_version=version)
+            except Exception:  # noqa: BLE001
+                log.exception("metrics row dropped")
+
+    def observe_swap(self, kind: str, version: int, reason: str = "") -> None:
+        if kind in ("promoted", "pinned"):
+            self.m.record_promotion()
+            self.m.set_versions(drafter_version=version)
+        elif kind == "refused":
+            self.m.record_refusal("shadow" if "shadow" in reason else "validation")
+        elif kind == "rolled_back":
+            self.m.record_rollback()
+            self.m.set_versions(drafter_version=version)
+
+    def observe_rejected(self, reason: str) -> None:
+        with self._lock:
+            self.rejected += 1
+
+    def observe_target_update(self, version: int) -> None:
+        self.m.set_versions(target_version=version)
+
+    def update_gauges(self, state: Any) -> None:
+        """Scrape time: queue depth, versions, trainer state."""
+        self.m.set_queue_depth(state.scheduler.queue_depth())
+        dv = state.swapper.live_version if state.swapper is not None else 0
+        self.m.set_versions(drafter_version=dv, target_version=state.target_version)
+        self.m.set_trainer_state(_TRAINER_STATE.get(state.supervisor.state, "stopped"))
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def close(self) -> None:
+        if self.logger is not None:
+            try:
+                self._log_rows()
+            finally:
+                self.logger.close()
+                self.logger = None
