@@ -1,0 +1,208 @@
+"""The stdlib corpus: Python source ("code") and pydoc topic prose ("prose").
+
+Every Python install carries both, so the embedded pair can be trained anywhere without a
+network. Documents are split into train / held-out by *name* (file path or topic key) with a
+fixed hash, so the split is the same on every machine with the same Python, independent of the
+build seed, and held-out text is never trained on. Later issues use `prompt_stream` over the
+held-out split as traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sysconfig
+from collections.abc import Iterator, Sequence
+from functools import lru_cache
+from pathlib import Path
+
+DOMAINS = ("code", "prose")
+SPLITS = ("train", "heldout")
+HELDOUT_FRACTION = 0.1
+
+# Directory names skipped anywhere in the stdlib tree: tests (huge, repetitive, and would leak
+# near-copies of library code), third-party packages, generated tables and data-like modules.
+_SKIP_DIRS = frozenset({
+    "test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "__pycache__",
+    "encodings", "pydoc_data", "ensurepip", "lib-dynload",
+})
+_SKIP_PREFIXES = ("config-", "_sysconfigdata")
+
+
+def stdlib_dir() -> Path:
+    """The running interpreter's standard library directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _skip(rel: Path) -> bool:
+    parts = rel.parts
+    if any(p in _SKIP_DIRS or p.startswith(_SKIP_PREFIXES) for p in parts[:-1]):
+        return True
+    return parts[-1].startswith(_SKIP_PREFIXES)
+
+
+@lru_cache(maxsize=4)
+def code_files(root: str | None = None) -> tuple[str, ...]:
+    """Sorted stdlib `.py` paths (posix, relative to the stdlib dir) that make up the code domain.
+
+    Empty files and exact duplicates (first name kept) are dropped, so no held-out file has a
+    verbatim copy in the train split.
+    """
+    base = Path(root) if root else stdlib_dir()
+    names = sorted(p.relative_to(base).as_posix() for p in base.rglob("*.py")
+                   if not _skip(p.relative_to(base)) and p.is_file())
+    out, seen = [], set()
+    for name in names:
+        blob = (base / name).read_bytes()
+        digest = hashlib.sha256(blob).digest()
+        if blob.strip() and digest not in seen:
+            seen.add(digest)
+            out.append(name)
+    return tuple(out)
+
+
+@lru_cache(maxsize=1)
+def prose_topics() -> dict[str, str]:
+    """pydoc's topic texts (the prose domain), keyed by topic name."""
+    from pydoc_data.topics import topics
+
+    return dict(sorted(topics.items()))
+
+
+def _heldout_score(name: str) -> float:
+    h = hashlib.sha256(name.encode("utf-8")).digest()
+    return int.from_bytes(h[:8], "big") / 2**64
+
+
+def split_files(names: Sequence[str], heldout_fraction: float = HELDOUT_FRACTION) -> tuple[list[str], list[str]]:
+    """Split document names into (train, heldout) by a fixed hash of each name.
+
+    Deterministic and stable under adding/removing other names; at least one name is held out
+    when there are two or more.
+    """
+    names = sorted(set(names))
+    heldout = [n for n in names if _heldout_score(n) < heldout_fraction]
+    if not heldout and len(names) >= 2:
+        heldout = [min(names, key=_heldout_score)]
+    hs = set(heldout)
+    return [n for n in names if n not in hs], heldout
+
+
+def _check(domain: str, split: str) -> None:
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+
+
+def doc_names(domain: str, split: str) -> list[str]:
+    """Names (relative file paths or topic keys) of the documents in one domain/split, sorted."""
+    _check(domain, split)
+    names = code_files() if domain == "code" else tuple(prose_topics())
+    train, heldout = split_files(names)
+    return train if split == "train" else heldout
+
+
+@lru_cache(maxsize=8)
+def _load_docs(domain: str, split: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    if domain == "code":
+        base = stdlib_dir()
+        for name in doc_names(domain, split):
+            text = (base / name).read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                out.append((name, text))
+    else:
+        topics = prose_topics()
+        out = [(k, topics[k]) for k in doc_names(domain, split) if topics[k].strip()]
+    return tuple(out)
+
+
+def load_docs(domain: str, split: str) -> list[tuple[str, str]]:
+    """(name, text) for every non-empty document of one domain/split, in name order."""
+    _check(domain, split)
+    return list(_load_docs(domain, split))
+
+
+def load_texts(domain: str, split: str) -> list[str]:
+    """Texts of one domain/split, in name order."""
+    return [t for _, t in load_docs(domain, split)]
+
+
+def held_out_docs(domain: str) -> list[str]:
+    """Held-out texts of a domain (never trained on)."""
+    return load_texts(domain, "heldout")
+
+
+def sample_docs(domain: str, split: str, max_chars: int | None, seed: int = 0) -> list[str]:
+    """A deterministic subset of whole documents totalling about `max_chars` (all if None).
+
+    Documents are taken in a seeded shuffled order so a cap still covers many files.
+    """
+    docs = load_texts(domain, split)
+    if max_chars is None:
+        return docs
+    order = list(range(len(docs)))
+    random.Random(f"{domain}/{split}/{seed}").shuffle(order)
+    out, total = [], 0
+    for i in order:
+        if total >= max_chars:
+            break
+        out.append(docs[i])
+        total += len(docs[i])
+    return out
+
+
+def corpus_stats() -> dict:
+    """Files and chars per domain and split (recorded in the bootstrap manifest)."""
+    stats: dict = {}
+    for domain in DOMAINS:
+        stats[domain] = {}
+        for split in SPLITS:
+            texts = load_texts(domain, split)
+            stats[domain][split] = {"files": len(texts), "chars": sum(map(len, texts))}
+    return stats
+
+
+def prompt_stream(
+    domain: str,
+    tokenizer,
+    split: str = "heldout",
+    prompt_tokens: tuple[int, int] = (32, 128),
+    seed: int = 0,
+) -> Iterator[list[int]]:
+    """Endless prompts (token-id lists) cut from `split` documents of `domain`: traffic for demos.
+
+    Each prompt starts at a line start of a randomly chosen document and has a uniformly drawn
+    length in `prompt_tokens` (inclusive; shorter only if no document is long enough). Same seed
+    and tokenizer give the same stream.
+    """
+    _check(domain, split)
+    lo, hi = prompt_tokens
+    if not (1 <= lo <= hi):
+        raise ValueError(f"prompt_tokens must satisfy 1 <= lo <= hi, got {prompt_tokens}")
+    rng = random.Random(f"prompts/{domain}/{split}/{seed}")
+    texts = load_texts(domain, split)
+    # Line-start offsets per document, tokenized lazily: only the documents actually drawn.
+    encoded: dict[int, tuple[list[int], list[int]]] = {}
+
+    def enc(i: int) -> tuple[list[int], list[int]]:
+        if i not in encoded:
+            e = tokenizer(texts[i], add_special_tokens=False, return_offsets_mapping=True)
+            ids, offs = e["input_ids"], e["offset_mapping"]
+            starts = [0] + [j for j in range(1, len(ids)) if texts[i][offs[j][0] - 1: offs[j][0]] == "\n"]
+            encoded[i] = (ids, starts)
+        return encoded[i]
+
+    weights = [len(t) for t in texts]
+    while True:
+        i = rng.choices(range(len(texts)), weights=weights)[0]
+        ids, starts = enc(i)
+        n = rng.randint(lo, hi)
+        fits = [s for s in starts if s + n <= len(ids)]
+        if not fits:
+            if len(ids) >= lo:
+                yield list(ids[:n])
+            continue
+        s = rng.choice(fits)
+        yield list(ids[s: s + n])

@@ -1,0 +1,207 @@
+"""The embedded model pair: presets, cache locations, and "is it built?".
+
+No machine here can download weights, so `dvi bootstrap` trains a tokenizer, a Llama target and a
+much smaller Llama drafter from the Python standard library. This module is the single source of
+the presets (model dims and training budgets) and of where the built pair lives, so the CLI,
+the config schema and the tests all agree without importing the trainers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# Bump when the build recipe changes in a way that should invalidate cached pairs.
+BUILD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Llama dimensions of one model of the pair."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    num_key_value_heads: int | None = None
+    tie_word_embeddings: bool = False
+
+    def llama_kwargs(self) -> dict:
+        kw = asdict(self)
+        kw["num_key_value_heads"] = self.num_key_value_heads or self.num_attention_heads
+        return kw
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Everything that decides what `bootstrap(preset)` builds (and so its cache fingerprint)."""
+
+    name: str
+    vocab_size: int
+    seq_len: int
+    max_position_embeddings: int
+    target: ModelDims
+    drafter: ModelDims
+    # corpus caps (chars) so tiny stays fast; None = whole split
+    tokenizer_chars: int
+    train_chars: int | None
+    eval_chars: int
+    prose_fraction: float  # share of target training windows drawn from prose
+    # target pretraining
+    target_steps: int
+    target_batch: int
+    target_lr: float
+    target_warmup: int
+    # drafter distillation (code only)
+    drafter_steps: int
+    drafter_batch: int
+    drafter_lr: float
+    drafter_warmup: int
+    # measurement
+    latency_steps: int = 64
+    continuation_prompts: int = 8
+    continuation_tokens: int = 64
+    extra: dict = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        """Short hash of the recipe; a cached pair with another fingerprint is rebuilt."""
+        blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+PRESETS: dict[str, Preset] = {
+    # Seconds on 2 CPU cores; for tests. Quality is irrelevant, shapes and plumbing are not.
+    "tiny": Preset(
+        name="tiny",
+        vocab_size=512,
+        seq_len=128,
+        max_position_embeddings=1024,
+        target=ModelDims(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
+        drafter=ModelDims(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            tie_word_embeddings=True,
+        ),
+        tokenizer_chars=200_000,
+        train_chars=600_000,
+        eval_chars=10_000,
+        prose_fraction=0.2,
+        target_steps=60,
+        target_batch=8,
+        target_lr=5e-3,
+        target_warmup=5,
+        drafter_steps=40,
+        drafter_batch=8,
+        drafter_lr=1e-2,
+        drafter_warmup=4,
+        latency_steps=16,
+        continuation_prompts=2,
+        continuation_tokens=32,
+    ),
+    # ~20 minutes on 2 CPU cores; the demo and benchmark pair. Target: deep enough that one
+    # KV-cached decode step costs >= 5x a drafter step; trained to <= 1.4 bits/char on code.
+    "small": Preset(
+        name="small",
+        vocab_size=8192,
+        seq_len=256,
+        max_position_embeddings=2048,
+        target=ModelDims(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, intermediate_size=768),
+        drafter=ModelDims(
+            hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=256,
+            tie_word_embeddings=True,
+        ),
+        tokenizer_chars=4_000_000,
+        train_chars=None,
+        eval_chars=200_000,
+        prose_fraction=0.2,
+        target_steps=330,
+        target_batch=16,
+        target_lr=2e-3,
+        target_warmup=30,
+        drafter_steps=150,
+        drafter_batch=16,
+        drafter_lr=5e-3,
+        drafter_warmup=10,
+        latency_steps=96,
+        continuation_prompts=8,
+        continuation_tokens=64,
+    ),
+}
+
+
+def get_preset(preset: str | Preset) -> Preset:
+    """Look a preset up by name, with an error that lists the known ones."""
+    if isinstance(preset, Preset):
+        return preset
+    try:
+        return PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"unknown preset {preset!r}; known presets: {sorted(PRESETS)}") from None
+
+
+def cache_root() -> Path:
+    """Root holding one directory per preset: `$DVI_CACHE` if set, else `~/.cache/dvi/models`."""
+    env = os.environ.get("DVI_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "dvi" / "models"
+
+
+def embedded_dir(preset: str, root: str | Path | None = None) -> Path:
+    """Directory of a preset's pair: `<root or cache_root()>/<preset>`."""
+    get_preset(preset)
+    return Path(root).expanduser() / preset if root is not None else cache_root() / preset
+
+
+@dataclass(frozen=True)
+class EmbeddedPaths:
+    """Where each part of a built pair lives (layout `<dir>/{tokenizer,target,drafter}/manifest.json`)."""
+
+    root: Path
+    target: Path
+    drafter: Path
+    tokenizer: Path
+    manifest: Path
+
+    @classmethod
+    def at(cls, path: str | Path) -> EmbeddedPaths:
+        p = Path(path)
+        return cls(root=p, target=p / "target", drafter=p / "drafter", tokenizer=p / "tokenizer",
+                   manifest=p / "manifest.json")
+
+
+def embedded_paths(preset: str, root: str | Path | None = None) -> EmbeddedPaths:
+    """Paths of a preset's pair in the cache (whether built or not)."""
+    return EmbeddedPaths.at(embedded_dir(preset, root))
+
+
+def read_manifest(path: str | Path) -> dict | None:
+    """The manifest of a built pair dir, or None if absent/unreadable."""
+    m = EmbeddedPaths.at(path).manifest
+    try:
+        return json.loads(m.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_built(path: str | Path, preset: str | None = None) -> bool:
+    """True if `path` holds a complete pair (manifest written last) built by the current recipe of `preset`.
+
+    `path` may also be a preset name, meaning its default cache dir.
+    """
+    if preset is None and isinstance(path, str) and path in PRESETS and not Path(path).exists():
+        preset, path = path, embedded_dir(path)
+    paths = EmbeddedPaths.at(path)
+    manifest = read_manifest(paths.root)
+    if manifest is None:
+        return False
+    if not all((d / "config.json").exists() for d in (paths.target, paths.drafter)):
+        return False
+    if not paths.tokenizer.is_dir():
+        return False
+    if preset is not None:
+        p = get_preset(preset)
+        return manifest.get("preset") == p.name and manifest.get("fingerprint") == p.fingerprint()
+    return True

@@ -1,0 +1,216 @@
+"""Loading any Hugging Face causal-LM pair (target + drafter + tokenizer) from paths.
+
+The embedded pair and a user's own checkpoints go through the same `from_pretrained` calls, so
+nothing downstream knows which it got. `check_compatible` refuses pairs that cannot speculate
+for each other (different vocabularies), with a message that says why.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class IncompatibleModelsError(ValueError):
+    """Target and drafter cannot be used together (vocab or tokenizer mismatch)."""
+
+
+@dataclass
+class ModelPair:
+    """A target, an optional drafter and the tokenizer they share."""
+
+    target: Any
+    drafter: Any | None
+    tokenizer: Any
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """'auto' -> cuda if available, else mps, else cpu; anything else is passed to torch.device."""
+    if device is None or str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"invalid device {device!r}: {e}") from None
+
+
+def resolve_dtype(dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "cpu") -> torch.dtype:
+    """'auto' -> float32 on CPU (no fast half kernels here), bfloat16 on GPUs that support it, else float16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        dev = resolve_device(device)
+        if dev.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if dev.type == "mps":
+            return torch.float16
+        return torch.float32
+    key = str(dtype).removeprefix("torch.").lower()
+    if key not in _DTYPES:
+        raise ValueError(f"invalid dtype {dtype!r}; expected 'auto' or one of {sorted(set(_DTYPES))}")
+    return _DTYPES[key]
+
+
+def load_causal_lm(path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"):
+    """`AutoModelForCausalLM.from_pretrained(path)` on `device` in `dtype`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if not Path(path).exists() and not _looks_like_hub_id(path):
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
+    return model.to(dev).eval()
+
+
+def _looks_like_hub_id(path: str | Path) -> bool:
+    s = str(path)
+    return not s.startswith(("/", ".", "~")) and s.count("/") == 1
+
+
+def _has_tokenizer(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and any((p / f).exists() for f in _TOKENIZER_FILES)
+
+
+def find_tokenizer_path(model_path: str | Path) -> Path:
+    """The model dir itself if it holds a tokenizer, else a sibling `tokenizer/` (the embedded layout)."""
+    p = Path(model_path)
+    if _has_tokenizer(p):
+        return p
+    if _has_tokenizer(p.parent / "tokenizer"):
+        return p.parent / "tokenizer"
+    return p
+
+
+def load_tokenizer(path: str | Path):
+    """`AutoTokenizer.from_pretrained(path)`; a pad token is set (eos) if the tokenizer lacks one."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _vocab_rows(model) -> int:
+    emb = model.get_output_embeddings()
+    if emb is not None and getattr(emb, "weight", None) is not None:
+        return int(emb.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def check_compatible(target, drafter, tokenizer, drafter_tokenizer=None) -> None:
+    """Raise IncompatibleModelsError unless the drafter can propose tokens the target verifies.
+
+    Both models must have the same output vocabulary size, the tokenizer must fit in it, and a
+    drafter tokenizer (if it has its own) must map the same strings to the same ids.
+    """
+    t_rows = _vocab_rows(target)
+    n_tok = len(tokenizer) if tokenizer is not None else 0
+    if tokenizer is not None and n_tok > t_rows:
+        raise IncompatibleModelsError(
+            f"tokenizer has {n_tok} tokens but the target's vocabulary has only {t_rows} rows; "
+            "they were not trained together"
+        )
+    if drafter is None:
+        return
+    d_rows = _vocab_rows(drafter)
+    if d_rows != t_rows:
+        raise IncompatibleModelsError(
+            f"vocab size mismatch: target has {t_rows} output tokens, drafter has {d_rows}; "
+            "a drafter must share the target's tokenizer and vocabulary"
+        )
+    if drafter_tokenizer is not None and tokenizer is not None:
+        if drafter_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise IncompatibleModelsError(
+                "tokenizer mismatch: the drafter's tokenizer maps tokens to different ids than the "
+                "target's; a drafter must share the target's tokenizer"
+            )
+
+
+def load_pair(
+    target_path: str | Path,
+    drafter_path: str | Path | None = None,
+    tokenizer_path: str | Path | None = None,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    drafter_dtype: str | torch.dtype | None = None,
+) -> ModelPair:
+    """Load target (+ drafter) + tokenizer from paths and check that they fit together.
+
+    The tokenizer comes from `tokenizer_path`, else from the target dir, else from a sibling
+    `tokenizer/` dir (the embedded layout). If the drafter dir holds its own tokenizer it must
+    match the target's.
+    """
+    tok_path = tokenizer_path if tokenizer_path is not None else find_tokenizer_path(target_path)
+    tokenizer = load_tokenizer(tok_path)
+    target = load_causal_lm(target_path, device, dtype)
+    drafter = drafter_tok = None
+    if drafter_path is not None:
+        drafter = load_causal_lm(drafter_path, device, drafter_dtype or dtype)
+        if _has_tokenizer(drafter_path) and Path(drafter_path).resolve() != Path(tok_path).resolve():
+            drafter_tok = load_tokenizer(drafter_path)
+    check_compatible(target, drafter, tokenizer, drafter_tok)
+    return ModelPair(target=target, drafter=drafter, tokenizer=tokenizer)
+
+
+def load_embedded_pair(preset: str = "tiny", root: str | Path | None = None, device="auto", dtype="auto") -> ModelPair:
+    """The built embedded pair of `preset` (see `trainers.bootstrap` / `dvi bootstrap`)."""
+    from dvi.embedded import embedded_paths, is_built
+
+    p = embedded_paths(preset, root)
+    if not is_built(p.root):
+        raise FileNotFoundError(f"embedded pair {preset!r} not built at {p.root}; run `dvi bootstrap --preset {preset}`")
+    return load_pair(p.target, p.drafter, p.tokenizer, device=device, dtype=dtype)
+
+
+def num_params(model) -> int:
+    """Parameter count (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+@torch.inference_mode()
+def decode_step_latency(model, steps: int = 64, prompt_len: int = 32, warmup: int = 8, seed: int = 0) -> float:
+    """Median seconds of one batch-1, KV-cached decode step (HF forward + DynamicCache).
+
+    This is the per-token cost speculative decoding trades against; on CPU it is dominated by
+    per-layer overhead, not FLOPs.
+    """
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, int(model.config.vocab_size), (1, prompt_len), generator=g).to(dev)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    tok = out.logits[:, -1:].argmax(-1)
+    times = []
+    for i in range(warmup + steps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

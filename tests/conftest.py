@@ -1,0 +1,22 @@
+"""Shared fixtures. `tiny_pair_dir`: the tiny embedded pair, bootstrapped once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dir(tmp_path_factory) -> Path:
+    """Path of a built tiny pair (`<dir>/{tokenizer,target,drafter}/`, `manifest.json`).
+
+    Built into the session's tmp dir (~15 s), or reused from `$DVI_TEST_CACHE/tiny` when that
+    env var is set (the manifest's recipe fingerprint guards against stale builds).
+    """
+    from trainers.bootstrap import bootstrap
+
+    cache = os.environ.get("DVI_TEST_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("dvi-models")
+    return bootstrap("tiny", out=root / "tiny", seed=0, progress=False)

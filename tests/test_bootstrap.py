@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from dvi import data
+from dvi.embedded import PRESETS, EmbeddedPaths, cache_root, embedded_dir, embedded_paths, is_built
+from dvi.models import load_causal_lm, load_tokenizer
+from trainers.bootstrap import bootstrap, build_pair, save_pair, summary_table
+from trainers.offline import evaluate_lms
+
+
+@pytest.fixture(scope="module")
+def tiny_built():
+    """A second, in-memory tiny build with the fixture's seed (for reload and determinism checks)."""
+    return build_pair("tiny", seed=0, progress=False)
+
+
+def test_layout_and_manifest(tiny_pair_dir):
+    paths = EmbeddedPaths.at(tiny_pair_dir)
+    assert is_built(tiny_pair_dir) and is_built(tiny_pair_dir, "tiny")
+    for d in (paths.target, paths.drafter):
+        assert (d / "config.json").exists() and (d / "model.safetensors").exists()
+    assert (paths.tokenizer / "tokenizer.json").exists()
+    m = json.loads(paths.manifest.read_text())
+    assert m["preset"] == "tiny" and m["seed"] == 0
+    for dom in ("code", "prose"):
+        for split in ("train", "heldout"):
+            assert m["corpus"][dom][split]["files"] > 0
+        for who in ("target", "drafter"):
+            assert m["heldout"][who][dom]["bits_per_char"] > 0
+        assert 0 <= m["agreement"][dom] <= 1
+        assert 0 < m["continuations"][dom]["target"] <= 1
+    assert m["latency"]["target_ms"] > 0 and m["latency"]["drafter_ms"] > 0
+    assert m["target"]["train_tokens"] > 0 and m["drafter"]["train_tokens"] > 0
+    assert m["versions"]["torch"] == torch.__version__
+    # no temp dirs left beside the result
+    assert not [p for p in tiny_pair_dir.parent.iterdir() if p.name.startswith(".tiny.")]
+    s = summary_table(m)
+    assert "bits/char" in s and "latency ratio" in s and "params" in s
+
+
+def test_drafter_is_code_student_better_than_untrained(tiny_pair_dir):
+    m = json.loads((tiny_pair_dir / "manifest.json").read_text())
+    trained = m["heldout"]["drafter"]["code"]["loss"]
+    untrained = m["heldout"]["untrained_drafter"]["code"]["loss"]
+    assert trained < untrained - 0.5, (trained, untrained)
+    # independent check on held-out code
+    tok = load_tokenizer(tiny_pair_dir / "tokenizer")
+    drafter = load_causal_lm(tiny_pair_dir / "drafter", device="cpu")
+    torch.manual_seed(123)
+    fresh = type(drafter)(drafter.config).eval()
+    docs = data.sample_docs("code", "heldout", 5_000)
+    ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    r = evaluate_lms({"drafter": drafter, "fresh": fresh}, ids, sum(map(len, docs)), tok.bos_token_id, 128)
+    assert r["drafter"]["loss"] < r["fresh"]["loss"] - 0.5
+
+
+def test_rerun_reuses_cache(tiny_pair_dir):
+    manifest = (tiny_pair_dir / "manifest.json").read_text()
+    mtime = (tiny_pair_dir / "manifest.json").stat().st_mtime_ns
+    t0 = time.perf_counter()
+    out = bootstrap("tiny", out=tiny_pair_dir, seed=0, progress=False)
+    assert time.perf_counter() - t0 < 2.0
+    assert out == tiny_pair_dir
+    assert (tiny_pair_dir / "manifest.json").read_text() == manifest
+    assert (tiny_pair_dir / "manifest.json").stat().st_mtime_ns == mtime
+
+
+def test_saved_pair_reloads_with_identical_logits(tiny_built, tmp_path):
+    out = save_pair(tiny_built, tmp_path / "pair")
+    ids = torch.tensor([[tiny_built.tokenizer.bos_token_id] + tiny_built.tokenizer("import os\nx = 1\n")["input_ids"]])
+    for name in ("target", "drafter"):
+        mem = getattr(tiny_built, name)
+        disk = load_causal_lm(out / name, device="cpu", dtype="float32")
+        with torch.inference_mode():
+            assert torch.equal(mem(input_ids=ids).logits, disk(input_ids=ids).logits), name
+    tok = load_tokenizer(out / "tokenizer")
+    text = "def f(a, b):\n    return a + b  # sum\n"
+    assert tok(text)["input_ids"] == tiny_built.tokenizer(text)["input_ids"]
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_same_seed_same_pair(tiny_built, tiny_pair_dir):
+    """The fixture's build (bootstrap, maybe another process) and this in-memory one agree exactly."""
+    tok = load_tokenizer(tiny_pair_dir / "tokenizer")
+    assert tok.get_vocab() == tiny_built.tokenizer.get_vocab()
+    for name in ("target", "drafter"):
+        disk = load_causal_lm(tiny_pair_dir / name, device="cpu").state_dict()
+        mem = getattr(tiny_built, name).state_dict()
+        assert disk.keys() == mem.keys()
+        for k in disk:
+            assert torch.equal(disk[k], mem[k]), f"{name}.{k} differs between two builds with seed 0"
+
+
+def test_cache_paths(monkeypatch, tmp_path):
+    monkeypatch.setenv("DVI_CACHE", str(tmp_path / "c"))
+    assert cache_root() == tmp_path / "c"
+    assert embedded_dir("small") == tmp_path / "c" / "small"
+    assert embedded_paths("tiny").target == tmp_path / "c" / "tiny" / "target"
+    assert not is_built(embedded_dir("tiny"))
+    monkeypatch.delenv("DVI_CACHE")
+    assert embedded_dir("tiny").parts[-4:] == (".cache", "dvi", "models", "tiny")
+    with pytest.raises(ValueError, match="unknown preset"):
+        embedded_dir("huge")
+    assert set(PRESETS) >= {"tiny", "small"}

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import pytest
+
+from dvi import data
+
+
+def test_code_files_exclude_tests_and_third_party():
+    files = data.code_files()
+    assert len(files) > 300
+    assert list(files) == sorted(files)
+    for f in files:
+        parts = f.split("/")
+        assert f.endswith(".py")
+        assert not {"test", "tests", "idle_test", "site-packages", "idlelib", "encodings"} & set(parts[:-1])
+    assert "os.py" in files and "json/decoder.py" in files
+
+
+@pytest.mark.parametrize("domain", data.DOMAINS)
+def test_split_is_disjoint_and_complete(domain):
+    train = data.doc_names(domain, "train")
+    held = data.doc_names(domain, "heldout")
+    assert held and train
+    assert not set(train) & set(held)
+    allnames = data.code_files() if domain == "code" else tuple(data.prose_topics())
+    assert set(train) | set(held) == set(allnames)
+    assert 0.03 < len(held) / len(allnames) < 0.25
+
+
+def test_split_is_per_name_and_stable():
+    names = [f"pkg/mod{i}.py" for i in range(200)]
+    train, held = data.split_files(names)
+    # dropping other names never moves a name between splits
+    t2, h2 = data.split_files(names[:50])
+    assert set(h2) == set(held) & set(names[:50])
+    assert set(t2) == set(train) & set(names[:50])
+
+
+def test_heldout_texts_never_in_train():
+    for domain in data.DOMAINS:
+        train = set(data.load_texts(domain, "train"))
+        held = data.held_out_docs(domain)
+        assert held
+        assert not train & set(held)
+
+
+def test_bad_domain_or_split():
+    with pytest.raises(ValueError, match="domain"):
+        data.load_texts("poetry", "train")
+    with pytest.raises(ValueError, match="split"):
+        data.load_texts("code", "test")
+
+
+def test_corpus_stats_shape():
+    s = data.corpus_stats()
+    for d in data.DOMAINS:
+        for sp in data.SPLITS:
+            assert s[d][sp]["files"] > 0 and s[d][sp]["chars"] > 0
+    assert s["code"]["train"]["chars"] > 1_000_000
+
+
+def test_prompt_stream_deterministic_and_in_range(tiny_pair_dir):
+    from dvi.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_pair_dir / "tokenizer")
+    a = data.prompt_stream("code", tok, prompt_tokens=(8, 16), seed=3)
+    b = data.prompt_stream("code", tok, prompt_tokens=(8, 16), seed=3)
+    pa = [next(a) for _ in range(20)]
+    pb = [next(b) for _ in range(20)]
+    assert pa == pb
+    assert all(8 <= len(p) <= 16 for p in pa)
+    assert all(isinstance(t, int) and 0 <= t < len(tok) for p in pa for t in p)
+    c = data.prompt_stream("code", tok, prompt_tokens=(8, 16), seed=4)
+    assert [next(c) for _ in range(20)] != pa
+    # prompts come from held-out text
+    held = "".join(data.held_out_docs("prose"))
+    p = next(data.prompt_stream("prose", tok, prompt_tokens=(4, 4), seed=0))
+    assert tok.decode(p) in held

@@ -1,0 +1,351 @@
+"""Build the embedded model pair from the Python standard library (`dvi bootstrap`).
+
+tokenizer (byte-level BPE on code + prose) -> target (Llama, both domains) -> drafter (1-layer
+Llama, KL-distilled from the target on code only, so it is a code specialist and prose is the
+drift later issues recover from) -> held-out evaluation and latency measurement -> save with
+`save_pretrained` into `<dir>/{tokenizer,target,drafter}/` + `manifest.json`, atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dvi import data
+from dvi.embedded import EmbeddedPaths, Preset, embedded_dir, get_preset, is_built, read_manifest
+from dvi.models import decode_step_latency, num_params
+from trainers.offline import (
+    distill,
+    distinct_token_ratio,
+    evaluate_lms,
+    pack_docs,
+    pretrain_lm,
+    token_batches,
+)
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+
+
+@dataclass
+class BuiltPair:
+    """An in-memory pair as trained, before (or after) saving."""
+
+    tokenizer: Any
+    target: Any
+    drafter: Any
+    manifest: dict
+
+
+def _log(msg: str, progress: bool) -> None:
+    if progress:
+        print(f"[bootstrap] {msg}", file=sys.stderr, flush=True)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE (GPT-2 style pre-tokenization, so indentation runs become tokens) with
+    bos/eos/pad specials, wrapped as a `PreTrainedTokenizerFast` that prepends BOS like Llama's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD], min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   model_max_length=2048, clean_up_tokenization_spaces=False)
+
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Whole documents to ids without BOS (added when packing), via the fast backend (no length warnings)."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def make_llama(dims, vocab_size: int, max_positions: int, tokenizer, seed: int):
+    """A freshly initialised LlamaForCausalLM with the pair's special-token ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **dims.llama_kwargs(),
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _latency(target, drafter, steps: int, rounds: int = 3) -> dict:
+    """Interleaved rounds so machine noise hits both models alike; median of round medians."""
+    t_ms, d_ms = [], []
+    for r in range(rounds):
+        t_ms.append(decode_step_latency(target, steps=steps, seed=r) * 1e3)
+        d_ms.append(decode_step_latency(drafter, steps=steps, seed=r) * 1e3)
+    t, d = statistics.median(t_ms), statistics.median(d_ms)
+    return {"target_ms": t, "drafter_ms": d, "ratio": t / d, "steps": steps, "rounds": rounds,
+            "threads": torch.get_num_threads()}
+
+
+def _versions() -> dict:
+    import tokenizers
+    import transformers
+
+    try:
+        from importlib.metadata import version
+
+        dvi_v = version("dvi")
+    except Exception:  # not installed as a distribution
+        dvi_v = "unknown"
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__, "dvi": dvi_v}
+
+
+def build_pair(preset: str | Preset = "tiny", seed: int = 0, progress: bool = True) -> BuiltPair:
+    """Train tokenizer, target and drafter in memory and measure them; nothing is written to disk."""
+    p = get_preset(preset)
+    t_start = time.perf_counter()
+    walls: dict[str, float] = {}
+    torch.manual_seed(seed)
+
+    # --- corpus
+    t0 = time.perf_counter()
+    stats = data.corpus_stats()
+    code_train = data.sample_docs("code", "train", p.train_chars, seed=0)
+    prose_train = data.load_texts("prose", "train")
+    tok_texts = data.sample_docs("code", "train", max(0, p.tokenizer_chars - sum(map(len, prose_train))), seed=1)
+    tok_texts = tok_texts + prose_train
+    walls["corpus_s"] = time.perf_counter() - t0
+
+    # --- tokenizer
+    t0 = time.perf_counter()
+    tokenizer = train_tokenizer(tok_texts, p.vocab_size)
+    code_ids = _encode(tokenizer, code_train)
+    prose_ids = _encode(tokenizer, prose_train)
+    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    code_stream = pack_docs(code_ids, bos, eos)
+    prose_stream = pack_docs(prose_ids, bos, eos)
+    walls["tokenizer_s"] = time.perf_counter() - t0
+    _log(f"tokenizer: {len(tokenizer)} tokens; train stream code={code_stream.numel():,} "
+         f"prose={prose_stream.numel():,} tokens ({walls['tokenizer_s']:.1f}s)", progress)
+
+    # --- target: both domains
+    t0 = time.perf_counter()
+    target = make_llama(p.target, len(tokenizer), p.max_position_embeddings, tokenizer, seed)
+    batches = token_batches([code_stream, prose_stream], p.target_batch, p.seq_len,
+                            weights=[1 - p.prose_fraction, p.prose_fraction], seed=seed)
+    t_stats = pretrain_lm(target, batches, p.target_steps, lr=p.target_lr, warmup=p.target_warmup,
+                          progress=progress, desc=f"target[{p.name}]")
+    walls["target_s"] = time.perf_counter() - t0
+    _log(f"target: {t_stats['tokens']:,} tokens, loss {t_stats['final_loss']:.3f}, "
+         f"{t_stats['tokens_per_s']:.0f} tok/s ({walls['target_s']:.0f}s)", progress)
+
+    # --- drafter: distilled from the target on code only
+    t0 = time.perf_counter()
+    drafter = make_llama(p.drafter, len(tokenizer), p.max_position_embeddings, tokenizer, seed + 1)
+    heldout = {}
+    for domain in data.DOMAINS:
+        docs = data.sample_docs(domain, "heldout", p.eval_chars, seed=0)
+        heldout[domain] = (_encode(tokenizer, docs), sum(map(len, docs)))
+    untrained = evaluate_lms({"drafter": drafter}, heldout["code"][0], heldout["code"][1], bos, p.seq_len,
+                             pad_id=pad)["drafter"]
+    d_batches = token_batches([code_stream], p.drafter_batch, p.seq_len, seed=seed + 1)
+    d_stats = distill(drafter, target, d_batches, p.drafter_steps, lr=p.drafter_lr, warmup=p.drafter_warmup,
+                      progress=progress, desc=f"drafter[{p.name}]")
+    walls["drafter_s"] = time.perf_counter() - t0
+    _log(f"drafter: {d_stats['tokens']:,} tokens, KL {d_stats['final_loss']:.3f} ({walls['drafter_s']:.0f}s)",
+         progress)
+
+    # --- evaluation
+    t0 = time.perf_counter()
+    evals = {}
+    for domain, (ids, chars) in heldout.items():
+        evals[domain] = evaluate_lms({"target": target, "drafter": drafter}, ids, chars, bos, p.seq_len,
+                                     pad_id=pad, agree_with="target")
+    latency = _latency(target, drafter, p.latency_steps)
+    cont = {}
+    for domain in data.DOMAINS:
+        stream = data.prompt_stream(domain, tokenizer, "heldout", prompt_tokens=(32, 64), seed=seed)
+        prompts = [[bos] + next(stream) for _ in range(p.continuation_prompts)]
+        cont[domain] = {}
+        for name, m in (("target", target), ("drafter", drafter)):
+            r = distinct_token_ratio(m, prompts, p.continuation_tokens, pad_id=pad)
+            cont[domain][name] = r["distinct_token_ratio"]
+            if name == "target" and r["samples"]:
+                cont[domain]["target_sample"] = tokenizer.decode(r["samples"][0])
+    walls["eval_s"] = time.perf_counter() - t0
+    walls["total_s"] = time.perf_counter() - t_start
+
+    def per_model(name: str) -> dict:
+        out = {}
+        for domain in data.DOMAINS:
+            e = evals[domain][name]
+            out[domain] = {"loss": e["loss"], "bits_per_char": e["bits_per_char"]}
+            if "top1_agreement" in e:
+                out[domain]["top1_agreement"] = e["top1_agreement"]
+        return out
+
+    manifest = {
+        "preset": p.name,
+        "fingerprint": p.fingerprint(),
+        "seed": seed,
+        "created_at": time.time(),
+        "preset_config": asdict(p),
+        "corpus": {**stats, "split": {"method": "sha256(name) < fraction", "heldout_fraction": data.HELDOUT_FRACTION},
+                   "stdlib": str(data.stdlib_dir())},
+        "tokenizer": {
+            "vocab_size": len(tokenizer), "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
+            "chars_per_token": {d: heldout[d][1] / max(1, sum(map(len, heldout[d][0]))) for d in heldout},
+        },
+        "target": {"params": num_params(target), "train_tokens": t_stats["tokens"], "train": t_stats,
+                   "dims": asdict(p.target)},
+        "drafter": {"params": num_params(drafter), "train_tokens": d_stats["tokens"], "train": d_stats,
+                    "dims": asdict(p.drafter), "distilled_on": "code"},
+        "heldout": {
+            "eval_tokens": {d: evals[d]["tokens"] for d in evals},
+            "eval_chars": {d: evals[d]["chars"] for d in evals},
+            "target": per_model("target"),
+            "drafter": per_model("drafter"),
+            "untrained_drafter": {"code": untrained},
+        },
+        "agreement": {d: evals[d]["drafter"]["top1_agreement"] for d in evals},
+        "latency": latency,
+        "continuations": {"tokens": p.continuation_tokens, "prompts": p.continuation_prompts, **cont},
+        "wall": walls,
+        "threads": torch.get_num_threads(),
+        "versions": _versions(),
+    }
+    return BuiltPair(tokenizer=tokenizer, target=target, drafter=drafter, manifest=_jsonable(manifest))
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def save_pair(built: BuiltPair, path: str | Path) -> Path:
+    """Write tokenizer, target, drafter with save_pretrained, then manifest.json (last: it marks completion)."""
+    paths = EmbeddedPaths.at(path)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    built.tokenizer.save_pretrained(str(paths.tokenizer))
+    built.target.save_pretrained(str(paths.target))
+    built.drafter.save_pretrained(str(paths.drafter))
+    tmp = paths.manifest.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(built.manifest, indent=2, sort_keys=True))
+    os.replace(tmp, paths.manifest)
+    return paths.root
+
+
+def _matches(manifest: dict | None, p: Preset, seed: int) -> bool:
+    return bool(manifest) and manifest.get("preset") == p.name and manifest.get("fingerprint") == p.fingerprint() \
+        and manifest.get("seed") == seed
+
+
+def bootstrap(preset: str = "small", out: str | Path | None = None, seed: int = 0, force: bool = False,
+              progress: bool = True) -> Path:
+    """Build (or reuse from cache) the embedded pair of `preset`; returns its directory.
+
+    `out` defaults to `embedded_dir(preset)` (`$DVI_CACHE/<preset>` or `~/.cache/dvi/models/<preset>`).
+    A complete dir whose manifest matches preset, recipe fingerprint and seed is returned as is
+    unless `force`. The pair is built in a temp dir beside `out` and renamed into place, so a
+    crash never leaves a half-written pair, and concurrent builders don't clobber each other.
+    """
+    p = get_preset(preset)
+    out = Path(out).expanduser() if out is not None else embedded_dir(p.name)
+    if not force and is_built(out) and _matches(read_manifest(out), p, seed):
+        return out
+    built = build_pair(p, seed=seed, progress=progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        t0 = time.perf_counter()
+        save_pair(built, tmp)
+        built.manifest["wall"]["save_s"] = time.perf_counter() - t0
+        (tmp / "manifest.json").write_text(json.dumps(built.manifest, indent=2, sort_keys=True))
+        _replace_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"saved to {out}", progress)
+    return out
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.rename(dst, old)
+    try:
+        os.rename(src, dst)
+    except OSError:
+        # another process renamed its complete build into place first; keep theirs
+        if not is_built(dst):
+            raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_manifest(path: str | Path) -> dict:
+    """The manifest of a built pair dir (raises FileNotFoundError if not built)."""
+    m = read_manifest(path)
+    if m is None:
+        raise FileNotFoundError(f"no embedded pair at {path} (manifest.json missing)")
+    return m
+
+
+def summary_table(manifest: dict) -> str:
+    """Human-readable summary of a bootstrap manifest (what `dvi bootstrap` prints)."""
+    h = manifest["heldout"]
+    lat = manifest["latency"]
+    cont = manifest.get("continuations", {})
+    rows = [
+        ("", "target", "drafter"),
+        ("params", f"{manifest['target']['params'] / 1e6:.2f}M", f"{manifest['drafter']['params'] / 1e6:.2f}M"),
+        ("layers x hidden", f"{manifest['target']['dims']['num_hidden_layers']} x {manifest['target']['dims']['hidden_size']}",
+         f"{manifest['drafter']['dims']['num_hidden_layers']} x {manifest['drafter']['dims']['hidden_size']}"),
+        ("train tokens", f"{manifest['target']['train_tokens']:,}", f"{manifest['drafter']['train_tokens']:,} (code)"),
+    ]
+    for d in ("code", "prose"):
+        t, dr = h["target"][d], h["drafter"][d]
+        rows.append((f"held-out {d} loss", f"{t['loss']:.3f}", f"{dr['loss']:.3f}"))
+        rows.append((f"held-out {d} bits/char", f"{t['bits_per_char']:.3f}", f"{dr['bits_per_char']:.3f}"))
+    for d in ("code", "prose"):
+        rows.append((f"top-1 agreement {d}", "", f"{manifest['agreement'][d]:.3f}"))
+    for d in ("code", "prose"):
+        if d in cont:
+            rows.append((f"distinct-token ratio {d}", f"{cont[d]['target']:.2f}", f"{cont[d]['drafter']:.2f}"))
+    rows.append(("decode step (b=1, KV)", f"{lat['target_ms']:.2f} ms", f"{lat['drafter_ms']:.2f} ms"))
+    rows.append(("train wall", f"{manifest['wall']['target_s']:.0f} s", f"{manifest['wall']['drafter_s']:.0f} s"))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    lines = [f"embedded pair '{manifest['preset']}' (seed {manifest['seed']}, vocab {manifest['tokenizer']['vocab_size']})"]
+    lines += [f"  {a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
+    lines.append(f"  latency ratio target/drafter: {lat['ratio']:.1f}x")
+    lines.append(f"  total build time: {manifest['wall']['total_s']:.0f} s")
+    return "\n".join(lines)

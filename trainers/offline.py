@@ -1,0 +1,305 @@
+"""Offline training loops: LM pretraining and full-vocab KL distillation, plus held-out evaluation.
+
+Used by `trainers.bootstrap` to build the embedded pair, and by the drift benchmark to build its
+"ceiling" drafter (distilled on prose for a fixed wall-time budget, hence `max_seconds`).
+Plain functions over plain batches of token ids; no framework.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+def pack_docs(docs_ids: Iterable[Sequence[int]], bos_id: int | None, eos_id: int | None) -> torch.Tensor:
+    """Concatenate documents into one 1-D stream, each as [bos] + ids + [eos]."""
+    parts = []
+    for ids in docs_ids:
+        row = ([bos_id] if bos_id is not None else []) + list(ids) + ([eos_id] if eos_id is not None else [])
+        parts.append(torch.tensor(row, dtype=torch.long))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def token_batches(
+    streams: Sequence[torch.Tensor],
+    batch_size: int,
+    seq_len: int,
+    weights: Sequence[float] | None = None,
+    seed: int = 0,
+) -> Iterator[torch.Tensor]:
+    """Endless (batch_size, seq_len + 1) windows cut at random offsets from packed token streams.
+
+    Each row picks a stream with probability proportional to `weights` (default equal), so the
+    domain mix is exact in expectation whatever the streams' sizes. Deterministic for a seed.
+    """
+    streams = [s for s in streams]
+    for s in streams:
+        if s.numel() < seq_len + 2:
+            raise ValueError(f"a token stream has {s.numel()} tokens, fewer than seq_len + 2 = {seq_len + 2}")
+    w = torch.tensor(weights if weights is not None else [1.0] * len(streams), dtype=torch.double)
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        which = torch.multinomial(w, batch_size, replacement=True, generator=g).tolist()
+        rows = []
+        for k in which:
+            s = streams[k]
+            off = int(torch.randint(0, s.numel() - seq_len - 1, (1,), generator=g))
+            rows.append(s[off: off + seq_len + 1])
+        yield torch.stack(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# optimisation
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float = 0.1, progress: float | None = None) -> float:
+    """Linear warmup then cosine decay to `min_ratio`; `progress` (0..1) overrides step/total."""
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    p = progress if progress is not None else (step - warmup) / max(1, total - warmup)
+    p = min(1.0, max(0.0, p))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1,
+                   betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
+    """AdamW with decay on matrices only (not norms/biases); fused kernel where supported."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    seen, decay, no_decay = set(), [], []
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    try:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def _train_loop(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    batches: Iterable[torch.Tensor],
+    steps: int,
+    lr: float,
+    warmup: int,
+    min_lr_ratio: float,
+    weight_decay: float,
+    grad_clip: float | None,
+    max_seconds: float | None,
+    progress: bool,
+    desc: str,
+) -> dict:
+    if steps <= 0 and not max_seconds:
+        raise ValueError("need steps > 0 or a max_seconds budget")
+    total = steps if steps > 0 else 10**9
+    opt = make_optimizer(model, lr, weight_decay)
+    model.train()
+    it = iter(batches)
+    t0 = time.perf_counter()
+    tokens, losses, step = 0, [], 0
+    bar = tqdm(total=steps if steps > 0 else None, desc=desc, disable=not progress, unit="step",
+               dynamic_ncols=True, leave=False, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    ema = None
+    try:
+        while step < total:
+            elapsed = time.perf_counter() - t0
+            if max_seconds is not None and elapsed >= max_seconds:
+                break
+            # the schedule follows whichever budget (steps or seconds) is further spent
+            prog = None
+            if max_seconds:
+                prog = max(elapsed / max_seconds, (step - warmup) / max(1, total - warmup) if steps > 0 else 0.0)
+            f = lr_factor(step, total, warmup, min_lr_ratio, prog)
+            for gr in opt.param_groups:
+                gr["lr"] = lr * f
+            batch = next(it)
+            loss = loss_fn(batch)
+            loss.backward()
+            if grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            lv = float(loss.detach())
+            losses.append(lv)
+            ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+            tokens += batch.shape[0] * (batch.shape[1] - 1)
+            step += 1
+            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):.0f}",
+                            refresh=False)
+            bar.update(1)
+    finally:
+        bar.close()
+        model.eval()
+    wall = time.perf_counter() - t0
+    tail = losses[-max(1, len(losses) // 10):] if losses else [float("nan")]
+    return {"steps": step, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9),
+            "final_loss": sum(tail) / len(tail), "first_loss": losses[0] if losses else float("nan")}
+
+
+def pretrain_lm(
+    model: torch.nn.Module,
+    batches: Iterable[torch.Tensor],
+    steps: int,
+    lr: float = 1e-3,
+    warmup: int = 20,
+    min_lr_ratio: float = 0.1,
+    weight_decay: float = 0.1,
+    grad_clip: float | None = 1.0,
+    max_seconds: float | None = None,
+    progress: bool = True,
+    desc: str = "pretrain",
+) -> dict:
+    """Next-token cross-entropy training on (B, T+1) id batches; returns steps/tokens/loss/wall stats."""
+
+    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=batch[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+    return _train_loop(model, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
+                       max_seconds, progress, desc)
+
+
+def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student) over the full vocabulary (x T^2, as usual)."""
+    v = student_logits.shape[-1]
+    s = F.log_softmax(student_logits.reshape(-1, v).float() / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.reshape(-1, v).float() / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+
+
+def distill(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    batches: Iterable[torch.Tensor],
+    steps: int,
+    lr: float = 3e-3,
+    temperature: float = 1.0,
+    ce_weight: float = 0.0,
+    warmup: int = 10,
+    min_lr_ratio: float = 0.1,
+    weight_decay: float = 0.0,
+    grad_clip: float | None = 1.0,
+    max_seconds: float | None = None,
+    progress: bool = True,
+    desc: str = "distill",
+) -> dict:
+    """Train `student` toward `teacher`'s full next-token distribution: KL(teacher || student).
+
+    `ce_weight` > 0 mixes in the plain next-token loss. Either `steps` or `max_seconds` (or both)
+    bounds the run; the LR schedule follows whichever is further spent.
+    """
+    teacher.eval()
+
+    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+        x = batch[:, :-1]
+        with torch.inference_mode():
+            t_logits = teacher(input_ids=x).logits
+        t_logits = t_logits.clone()  # leave inference mode so autograd can use it as a constant
+        s_logits = student(input_ids=x).logits
+        loss = kl_loss(s_logits, t_logits, temperature)
+        if ce_weight:
+            loss = loss + ce_weight * F.cross_entropy(
+                s_logits.reshape(-1, s_logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+        return loss
+
+    return _train_loop(student, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
+                       max_seconds, progress, desc)
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+
+
+def _eval_windows(docs_ids: Sequence[Sequence[int]], bos_id: int | None, seq_len: int) -> list[torch.Tensor]:
+    """Windows of <= seq_len + 1 tokens per doc, overlapping by one so each doc token is predicted once."""
+    out = []
+    for ids in docs_ids:
+        row = ([bos_id] if bos_id is not None else []) + list(ids)
+        if len(row) < 2:
+            continue
+        for s in range(0, len(row) - 1, seq_len):
+            out.append(torch.tensor(row[s: s + seq_len + 1], dtype=torch.long))
+    return out
+
+
+@torch.inference_mode()
+def evaluate_lms(
+    models: dict[str, torch.nn.Module],
+    docs_ids: Sequence[Sequence[int]],
+    chars: int,
+    bos_id: int | None,
+    seq_len: int = 256,
+    batch_size: int = 16,
+    pad_id: int = 0,
+    agree_with: str | None = None,
+) -> dict:
+    """Held-out loss of each model on the same documents: mean NLL/token, bits/char, and (optionally)
+    top-1 agreement of every model's argmax with the model named `agree_with`.
+
+    bits/char = summed token NLL / `chars` / ln 2, with `chars` the documents' total characters, so
+    tokenizers of different granularity compare fairly.
+    """
+    wins = sorted(_eval_windows(docs_ids, bos_id, seq_len), key=len)
+    nll = {k: 0.0 for k in models}
+    agree = {k: 0 for k in models}
+    n_tok = 0
+    for i in range(0, len(wins), batch_size):
+        chunk = wins[i: i + batch_size]
+        L = max(len(w) for w in chunk)
+        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), L), dtype=torch.long)
+        for r, w in enumerate(chunk):
+            ids[r, : len(w)] = w
+            mask[r, : len(w)] = 1
+        tgt = ids[:, 1:]
+        valid = mask[:, 1:].bool()
+        n_tok += int(valid.sum())
+        argmax = {}
+        for name, m in models.items():
+            dev = next(m.parameters()).device
+            logits = m(input_ids=ids[:, :-1].to(dev), attention_mask=mask[:, :-1].to(dev)).logits.float().cpu()
+            lp = F.log_softmax(logits, dim=-1)
+            tok_nll = -lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+            nll[name] += float(tok_nll[valid].sum())
+            argmax[name] = logits.argmax(-1)
+        if agree_with is not None:
+            ref = argmax[agree_with]
+            for name in models:
+                agree[name] += int(((argmax[name] == ref) & valid).sum())
+    out = {"tokens": n_tok, "chars": chars}
+    for name in models:
+        out[name] = {
+            "loss": nll[name] / max(1, n_tok),
+            "bits_per_char": nll[name] / max(1, chars) / math.log(2),
+        }
+        if agree_with is not None and name != agree_with:
+            out[name]["top1_agreement"] = agree[name] / max(1, n_tok)
+    return out
+
+
+@torch.inference_mode()
+def distinct_token_ratio(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
+                         pad_id: int | None = None) -> dict:
+    """Greedy continuations of each prompt; mean share of distinct tokens (low = looping/degenerate)."""
+    dev = next(model.parameters()).device
+    ratios, samples = [], []
+    for p in prompts:
+        ids = torch.tensor([list(p)], dtype=torch.long, device=dev)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad_id, eos_token_id=None)
+        new = out[0, ids.shape[1]:].tolist()
+        ratios.append(len(set(new)) / max(1, len(new)))
+        samples.append(new)
+    return {"distinct_token_ratio": sum(ratios) / max(1, len(ratios)), "per_prompt": ratios, "samples": samples}
