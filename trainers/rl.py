@@ -42,13 +42,16 @@ def upper_reward(prompt: str, completion: str) -> float:
 def ast_reward(prompt: str, completion: str) -> float:
     """1 if prompt + the completion's complete lines parse as Python, else 0.
 
-    The prompt is cut at a line start but may open a block, so a bare `pass` body is tried too.
+    The text may end by opening a block (`if x:`), so a `pass` indented one level under the
+    last line is tried too. A completion without one complete non-blank line scores 0.
     """
     body = completion[: completion.rfind("\n") + 1] if "\n" in completion else ""
     if not body.strip():
         return 0.0
     text = prompt + body
-    for candidate in (text, text + "    pass\n"):
+    last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), "")
+    indent = last[: len(last) - len(last.lstrip())]
+    for candidate in (text, f"{text}{indent}    pass\n"):
         try:
             ast.parse(candidate)
             return 1.0

@@ -1,0 +1,142 @@
+"""RL with dvi rollouts: TRL's GRPOTrainer through `rollout_func`, and the self-contained loop.
+
+Real tiny pair, real SpeculativeEngine, real TRL; a few steps each so the suite stays fast.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+from dvi.data import prompt_stream
+from dvi.engine import SpeculativeEngine
+from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
+from dvi.rollout import policy_state_dict, trl_rollout_func
+from trainers.rl import (
+    RLConfig,
+    RLRun,
+    ast_reward,
+    completion_logprobs,
+    group_advantages,
+    upper_reward,
+)
+
+torch.set_num_threads(1)
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = policy_state_dict(a), policy_state_dict(b)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_trl_grpo_steps_with_dvi_rollout_func(tiny_pair_dir, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = load_tokenizer(find_tokenizer_path(tiny_pair_dir / "target"))
+    policy = AutoModelForCausalLM.from_pretrained(str(tiny_pair_dir / "target"), dtype=torch.float32)
+    initial = {k: v.clone() for k, v in policy.state_dict().items()}
+    engine = SpeculativeEngine(load_causal_lm(tiny_pair_dir / "target", device="cpu", dtype="float32"),
+                               drafter=load_causal_lm(tiny_pair_dir / "drafter", device="cpu", dtype="float32"),
+                               num_draft_tokens=3)
+    calls: list[tuple[int, int]] = []
+    rollout_func = trl_rollout_func(engine, on_rollouts=lambda rolls, stats, trainer: calls.append(
+        (len(rolls), int(trainer.state.global_step))))
+
+    seen_fields: list[dict] = []
+
+    def reward(prompts, completions, completion_ids, **kw):
+        seen_fields.append({k: kw[k] for k in ("dvi_alpha", "dvi_target_version") if k in kw})
+        return [upper_reward("", c) for c in completions]
+
+    prompts = [tok.decode(p) for p in itertools.islice(prompt_stream("code", tok, prompt_tokens=(8, 16), seed=1), 16)]
+    args = GRPOConfig(output_dir=str(tmp_path / "grpo"), use_cpu=True, max_steps=3, learning_rate=1e-3,
+                      logging_steps=1, report_to="none", save_strategy="no", per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=8, seed=0, disable_tqdm=True)
+    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, processing_class=tok,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), rollout_func=rollout_func)
+    trainer.train()
+
+    assert trainer.state.global_step == 3
+    # TRL passes the sampler's per-process slice (each prompt already repeated num_generations times);
+    # dvi returns one completion per entry, and synced the policy before every generation.
+    assert calls == [(4, 0), (4, 1), (4, 2)]
+    assert rollout_func.num_syncs == 3
+    assert [h["target_version"] for h in rollout_func.history] == [0, 1, 2]
+    assert all(h["num_drafted"] > 0 for h in rollout_func.history)
+    # Extra keys reach the reward functions, one value per completion.
+    assert [f["dvi_target_version"] for f in seen_fields] == [[0] * 4, [1] * 4, [2] * 4]
+    assert all(len(f["dvi_alpha"]) == 4 for f in seen_fields)
+    # GRPO really trained the policy, and the next generation would sample exactly it.
+    assert any(not torch.equal(initial[k], v) for k, v in policy.state_dict().items())
+    trainer.state.global_step += 1
+    rollout_func(prompts[:2], trainer)
+    assert _same_weights(policy, engine.target)
+    assert engine.target_version == 4
+
+
+def test_group_advantages_and_rewards():
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.4])
+    adv = group_advantages(r, 2, scale=False)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.0, 0.0, -0.1, 0.1]))
+    scaled = group_advantages(r, 2)
+    assert scaled[0] > 0 > scaled[1] and scaled[2] == 0
+    with pytest.raises(ValueError, match="groups of n=4"):
+        group_advantages(r, 4)
+    assert upper_reward("", "ABc d") == pytest.approx(0.5)
+    assert upper_reward("", "123") == 0.0
+    assert ast_reward("def f(x):\n", "    return x\n") == 1.0
+    assert ast_reward("def f(x):\n", "    return (x\n") == 0.0
+    assert ast_reward("def f(x):\n", "    if x:\n") == 1.0  # open block completed with `pass`
+    assert ast_reward("if x:\n", "\n") == 0.0  # nothing written
+    assert ast_reward("x = 1\n", "y = (") == 0.0  # no complete line
+
+
+def test_completion_logprobs_batched_equals_per_row(tiny_pair_dir):
+    model = load_causal_lm(tiny_pair_dir / "target", device="cpu", dtype="float32")
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    comps = [[20, 21], [22, 23, 24, 25], [26]]
+    with torch.no_grad():
+        lp, mask = completion_logprobs(model, prompts, comps, temperature=0.8)
+    assert mask.sum(1).tolist() == [2, 4, 1]
+    for i, (p, c) in enumerate(zip(prompts, comps, strict=True)):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + c])).logits[0]
+        ref = torch.log_softmax(logits / 0.8, -1)[torch.arange(len(p) - 1, len(p) + len(c) - 1), torch.tensor(c)]
+        torch.testing.assert_close(lp[i, : len(c)], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rl_loop_online_arm_pushes_policy_and_trains_drafter(tiny_pair_dir):
+    cfg = RLConfig(arm="online", pair_dir=str(tiny_pair_dir), steps=3, prompts_per_step=2, n=2,
+                   max_new_tokens=8, prompt_tokens=(8, 16), lr=1e-3, kl_every=2, feedback_top_k=8)
+    run = RLRun(cfg, log=None)
+    drafter0 = {k: v.clone() for k, v in run.drafter.state_dict().items()}
+    logs = run.run()
+    assert [r.target_version for r in logs] == [0, 1, 2]  # rollouts of step i sampled policy version i
+    assert [r.drafter_version for r in logs] == [0, 1, 2]
+    assert run.engine.target_version == 3 and _same_weights(run.policy, run.engine.target)
+    assert any(not torch.equal(drafter0[k], v) for k, v in run.drafter.state_dict().items())
+    assert not math.isnan(logs[2].kl_to_init) and logs[2].kl_to_init > 0  # the target moved
+    assert all(0 <= r.alpha <= 1 and r.tokens > 0 and r.rollout_s > 0 for r in logs)
+    s = run.summary()
+    assert s["steps"] == 3 and s["rollout_s_total"] > 0
+
+
+def test_rl_loop_plain_arm_has_no_drafter(tiny_pair_dir, tmp_path):
+    from dvi.feedback import FeedbackReader
+
+    cfg = RLConfig(arm="plain", pair_dir=str(tiny_pair_dir), steps=2, prompts_per_step=2, n=2,
+                   max_new_tokens=6, prompt_tokens=(8, 16), kl_every=0, feedback_dir=str(tmp_path / "fb"))
+    run = RLRun(cfg, log=None)
+    logs = run.run()
+    assert run.engine.drafter is None and all(r.drafter_s == 0 for r in logs)
+    reader = FeedbackReader(tmp_path / "fb")
+    versions = sorted({r.target_version for r in reader.iter_records(reader.poll())})
+    assert versions == [0, 1]
+
