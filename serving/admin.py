@@ -119,8 +119,9 @@ def admin_router() -> APIRouter:
         fut = s.scheduler.call_between_steps(lambda: engine.update_target_weights(str(path), version))
         try:
             await asyncio.wrap_future(fut)
-        except (ValueError, KeyError, FileNotFoundError, OSError, RuntimeError) as exc:
-            raise ApiError(400, f"cannot load target weights from {body.path!r}: {exc}", param="path") from None
+        except Exception as exc:  # noqa: BLE001 - unreadable weights are the caller's input error
+            raise ApiError(400, f"cannot load target weights from {body.path!r}: {type(exc).__name__}: {exc}",
+                           param="path") from None
         s.target_version = version
         s.metrics.observe_target_update(version)
         log.warning("target weights updated from %s (target version %d)", path, version)

@@ -1,0 +1,96 @@
+"""A real dvi server (uvicorn, real engine, tiny pair) on a free loopback port, for the serving tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from dvi.config import DviConfig, load_config
+
+
+def tiny_config(pair_dir: Path, run_dir: Path, *overrides: str) -> DviConfig:
+    """Config serving the tiny pair from `pair_dir`, everything written under `run_dir`."""
+    base = [
+        f"models.target={pair_dir / 'target'}",
+        f"models.drafter={pair_dir / 'drafter'}",
+        f"models.tokenizer={pair_dir / 'tokenizer'}",
+        f"run_dir={run_dir}",
+        f"feedback.dir={run_dir / 'feedback'}",
+        f"registry.dir={run_dir / 'registry'}",
+        "feedback.flush_seconds=0.5",
+        "serve.trainer='off'",
+        "serve.registry_poll_seconds=0.2",
+        "wandb.mode=disabled",
+        "speculation.adaptive=false",
+        "speculation.num_draft_tokens=3",
+        "sampling.max_new_tokens=24",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+class ServerThread:
+    """`with ServerThread(cfg) as s:` -> a started server; `s.url`, `s.client()`, `s.state`."""
+
+    def __init__(self, cfg: DviConfig) -> None:
+        self.cfg = cfg
+        self.server = None
+        self.thread: threading.Thread | None = None
+        self.url = ""
+
+    def __enter__(self) -> ServerThread:
+        from serving.app import bind_socket, make_server
+
+        assert self.cfg.serve.host == "127.0.0.1"
+        sock = bind_socket("127.0.0.1", 0)
+        self.sock = sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = make_server(self.cfg, sock)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        return self
+
+    @property
+    def state(self):
+        return self.server.config.app.state.dvi
+
+    def client(self, **headers: str) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        self.sock.close()
+
+
+def wait_for(pred, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
+    """Poll `pred()` until truthy; returns its value or fails with `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def sse_events(text: str) -> list:
+    """Parse an SSE body into JSON payloads (and the final '[DONE]' marker)."""
+    import json
+
+    out = []
+    for block in text.split("\n\n"):
+        block = block.strip()
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
