@@ -252,9 +252,9 @@ class SpeculativeEngine:
             self._validate_params(base, len(p), prompt_name=f"prompts[{i}]")
         self._gen_calls += 1
         ids = [f"generate-{self._gen_calls}-{i}" for i in range(len(prompts))]
-        for i, (rid, p) in enumerate(zip(ids, prompts)):
-            sp = SamplingParams(max_new_tokens, temperature, top_k, top_p,
-                                None if seed is None else seed + i, tuple(stop_token_ids or ()))
+        for i, (rid, p) in enumerate(zip(ids, prompts, strict=True)):
+            seed_i = None if seed is None else seed + i
+            sp = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed_i, tuple(stop_token_ids or ()))
             self.add_request(Request(rid, list(p), sp))
         done: dict[str, GenerationResult] = {}
         mine = set(ids)

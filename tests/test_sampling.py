@@ -1,0 +1,308 @@
+"""Sampling is lossless: exact enumeration of the acceptance rule, and chi-square tests of the engine.
+
+Each statistical test is also run against deliberately wrong rules, which must fail it (testing the test).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import dvi.engine
+from dvi.engine import SpeculativeEngine
+from dvi.sampling import (
+    acceptance_prob,
+    greedy_accept,
+    rejection_accept,
+    residual_distribution,
+    sample_from,
+    warp_probs,
+)
+
+torch.set_num_threads(1)
+
+
+# --------------------------------------------------------------------------- exact enumeration
+def _always_accept(p, q, d):
+    return torch.ones((), dtype=p.dtype)
+
+
+def _resample_from_p(p, q):
+    return p
+
+
+class Tables:
+    """Random target p(.|ctx) and draft q(.|ctx) over a tiny vocabulary, created on demand per context."""
+
+    def __init__(self, v: int, seed: int):
+        self.v, self.g = v, torch.Generator().manual_seed(seed)
+        self.p: dict[tuple, torch.Tensor] = {}
+        self.q: dict[tuple, torch.Tensor] = {}
+
+    def _draw(self, store, ctx):
+        if ctx not in store:
+            x = torch.rand(self.v, generator=self.g, dtype=torch.float64) ** 2
+            x[torch.randint(self.v, (1,), generator=self.g)] = 0.0  # some zero-probability tokens
+            store[ctx] = x / x.sum()
+        return store[ctx]
+
+    def P(self, ctx):
+        return self._draw(self.p, ctx)
+
+    def Q(self, ctx):
+        return self._draw(self.q, ctx)
+
+
+def step_outcomes(t: Tables, ctx: tuple, k: int, acc=acceptance_prob, res=residual_distribution) -> dict:
+    """Exact distribution over the token tuple one speculative step with k drafts emits from ctx."""
+    out: dict[tuple, float] = {}
+
+    def rec(c: tuple, emitted: tuple, prob: float, j: int):
+        p = t.P(c)
+        if j == k:  # all accepted: bonus from p
+            for x in range(t.v):
+                if p[x] > 0:
+                    out[emitted + (x,)] = out.get(emitted + (x,), 0.0) + prob * float(p[x])
+            return
+        q = t.Q(c)
+        r = res(p, q)
+        for d in range(t.v):
+            if q[d] == 0:
+                continue
+            a = float(acc(p, q, torch.tensor(d)))
+            if a > 0:
+                rec(c + (d,), emitted + (d,), prob * float(q[d]) * a, j + 1)
+            if a < 1:
+                for x in range(t.v):
+                    w = prob * float(q[d]) * (1 - a) * float(r[x])
+                    if w > 0:
+                        out[emitted + (x,)] = out.get(emitted + (x,), 0.0) + w
+
+    rec(ctx, (), 1.0, 0)
+    return out
+
+
+def first_tokens_dist(t: Tables, ctx: tuple, k: int, length: int, **rule) -> dict:
+    """Exact joint law of the first `length` emitted tokens (repeated steps until enough are emitted)."""
+    out: dict[tuple, float] = {}
+    for toks, pr in step_outcomes(t, ctx, k, **rule).items():
+        if len(toks) >= length:
+            out[toks[:length]] = out.get(toks[:length], 0.0) + pr
+        else:
+            for rest, pr2 in first_tokens_dist(t, ctx + toks, k, length - len(toks), **rule).items():
+                out[toks + rest] = out.get(toks + rest, 0.0) + pr * pr2
+    return out
+
+
+def target_joint(t: Tables, ctx: tuple, length: int) -> dict:
+    out = {}
+    for toks in itertools.product(range(t.v), repeat=length):
+        pr, c = 1.0, ctx
+        for x in toks:
+            pr *= float(t.P(c)[x])
+            c = c + (x,)
+        out[toks] = pr
+    return out
+
+
+def max_err(a: dict, b: dict) -> float:
+    return max(abs(a.get(x, 0.0) - b.get(x, 0.0)) for x in set(a) | set(b))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_enumeration_exact(k, seed):
+    t = Tables(v=4, seed=seed)
+    length = min(k + 1, 3)
+    exact = target_joint(t, (), length)
+    assert max_err(first_tokens_dist(t, (), k, length), exact) < 1e-6
+    # testing the test: both classic mistakes are visibly wrong
+    assert max_err(first_tokens_dist(t, (), k, length, acc=_always_accept), exact) > 1e-2
+    assert max_err(first_tokens_dist(t, (), k, length, res=_resample_from_p), exact) > 1e-3
+
+
+def test_rejection_accept_matches_enumeration():
+    """The vectorised `rejection_accept` reproduces the exact one-step outcome law (chi-square)."""
+    v, k, n = 4, 2, 60000
+    t = Tables(v, seed=5)
+    g = torch.Generator().manual_seed(0)
+    q1 = t.Q(()).float().expand(n, v)
+    d1 = sample_from(q1, torch.rand(n, generator=g))
+    q2 = torch.stack([t.Q((int(x),)).float() for x in range(v)])[d1]
+    d2 = sample_from(q2, torch.rand(n, generator=g))
+    p1 = t.P(()).float().expand(n, v)
+    p2 = torch.stack([t.P((int(x),)).float() for x in range(v)])[d1]
+    p3tab = torch.stack([torch.stack([t.P((a, b)).float() for b in range(v)]) for a in range(v)])
+    p3 = p3tab[d1, d2]
+    drafts = torch.stack([d1, d2], 1)
+    nacc, nxt = rejection_accept(
+        drafts, torch.stack([q1, q2], 1), torch.stack([p1, p2, p3], 1), torch.rand(n, k, generator=g), torch.rand(n, generator=g)
+    )
+    counts: dict[tuple, int] = {}
+    for dd, m, x in zip(drafts.tolist(), nacc.tolist(), nxt.tolist(), strict=True):
+        key = tuple(dd[:m]) + (x,)
+        counts[key] = counts.get(key, 0) + 1
+    exact = step_outcomes(t, (), k)
+    assert set(counts) <= {key for key, pr in exact.items() if pr > 0}
+    keys = [key for key, pr in exact.items() if pr * n >= 5]
+    obs = [counts.get(key, 0) for key in keys]
+    exp = [exact[key] * n for key in keys]
+    scale = sum(obs) / sum(exp)
+    assert chisquare(obs, [e * scale for e in exp]).pvalue > 1e-3
+
+
+def test_greedy_accept_prefix():
+    logits = torch.full((3, 4, 10), -5.0)
+    for b, row in enumerate([[1, 2, 3, 4], [1, 9, 3, 4], [7, 2, 3, 4]]):
+        for j, x in enumerate(row):
+            logits[b, j, x] = 5.0
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    n, nxt = greedy_accept(drafts, logits)
+    assert n.tolist() == [3, 1, 0] and nxt.tolist() == [4, 9, 7]
+
+
+def test_warp_matches_hf_warpers():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 3
+    for temp, k, p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 10, 0.6)]:
+        x = TemperatureLogitsWarper(temp)(None, logits.clone())
+        if k:
+            x = TopKLogitsWarper(k)(None, x)
+        if p < 1:
+            x = TopPLogitsWarper(p)(None, x)
+        ref = torch.softmax(x, -1)
+        got = warp_probs(
+            logits,
+            torch.full((6,), temp),
+            torch.full((6,), k, dtype=torch.long) if k else None,
+            torch.full((6,), p) if p < 1 else None,
+        )
+        assert torch.allclose(got, ref, atol=1e-6)
+    greedy = warp_probs(logits, torch.zeros(6))
+    assert torch.equal(greedy.argmax(-1), logits.argmax(-1)) and torch.all(greedy.max(-1).values == 1)
+
+
+# --------------------------------------------------------------------------- the engine, chi-square
+def tiny_lm(seed: int, v: int = 8, layers: int = 1, init: float = 0.15):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=v,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=init,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+PROMPT = [1, 2, 3]
+
+
+def exact_two_token_law(target, temperature, top_k, top_p) -> dict:
+    v = target.config.vocab_size
+
+    def warped(ctx):
+        with torch.no_grad():
+            lg = target(torch.tensor([ctx])).logits[:, -1]
+        return warp_probs(
+            lg,
+            torch.tensor([temperature]),
+            torch.tensor([top_k]) if top_k else None,
+            torch.tensor([top_p]) if top_p < 1 else None,
+        )[0].double()
+
+    p1 = warped(PROMPT)
+    return {(a, b): float(p1[a]) * float(warped(PROMPT + [a])[b]) for a in range(v) for b in range(v) if p1[a] > 0}
+
+
+def engine_pvalue(target, drafter, n, temperature, top_k=0, top_p=1.0, seed=0) -> tuple[float, float]:
+    eng = SpeculativeEngine(target, drafter, num_draft_tokens=2)
+    res = eng.generate([PROMPT] * n, max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    exact = exact_two_token_law(target, temperature, top_k, top_p)
+    counts: dict[tuple, int] = {}
+    for r in res:
+        key = tuple(r.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    big = [key for key, pr in exact.items() if pr * n >= 5]
+    obs = [counts.get(key, 0) for key in big] + [n - sum(counts.get(key, 0) for key in big)]
+    exp = [exact[key] * n for key in big] + [n - sum(exact[key] * n for key in big)]
+    if exp[-1] < 1e-6:
+        obs, exp = obs[:-1], exp[:-1]
+    exp = [e * sum(obs) / sum(exp) for e in exp]  # float rounding only
+    alpha = sum(r.num_accepted for r in res) / max(1, sum(r.num_drafted for r in res))
+    return float(chisquare(obs, exp).pvalue), alpha
+
+
+N_SAMPLES = 3000
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_lm(0), tiny_lm(1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 1.0), (1.0, 0, 0.8)])
+def test_engine_sampling_matches_target(pair, temperature, top_k, top_p):
+    target, drafter = pair
+    pv, alpha = engine_pvalue(target, drafter, N_SAMPLES, temperature, top_k, top_p, seed=11)
+    assert 0.1 < alpha < 0.95  # the rule really had to accept and reject
+    assert pv > 1e-3, pv
+
+
+def _wrong_always_accept(draft_ids, draft_probs, target_probs, u_accept, u_sample):
+    n = torch.full((draft_ids.shape[0],), draft_ids.shape[1], dtype=torch.long)
+    return n, sample_from(target_probs[:, -1], u_sample)
+
+
+def _wrong_resample_from_p(draft_ids, draft_probs, target_probs, u_accept, u_sample):
+    b, k = draft_ids.shape
+    pd = target_probs[:, :k].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
+    qd = draft_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
+    n = (u_accept * qd < pd).long().cumprod(1).sum(1)
+    return n, sample_from(target_probs[torch.arange(b), n], u_sample)
+
+
+@pytest.mark.parametrize("wrong", [_wrong_always_accept, _wrong_resample_from_p])
+def test_chi_square_catches_wrong_rules(pair, monkeypatch, wrong):
+    target, drafter = pair
+    monkeypatch.setattr(dvi.engine, "rejection_accept", wrong)
+    pv, _ = engine_pvalue(target, drafter, N_SAMPLES, 1.0, seed=11)
+    assert pv < 1e-4, pv
+
+
+def test_seeded_runs_reproducible_and_batch_independent(pair):
+    target, drafter = pair
+    eng = SpeculativeEngine(target, drafter, num_draft_tokens=3)
+    prompts = [PROMPT, [4, 5], [6, 7, 1, 2, 3]]
+    a = eng.generate(prompts, 8, temperature=1.0, seed=42)
+    b = eng.generate(prompts, 8, temperature=1.0, seed=42)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    c = eng.generate(prompts, 8, temperature=1.0, seed=43)
+    assert [r.token_ids for r in a] != [r.token_ids for r in c]
+    # row i of a batch is seeded with seed + i: alone it samples the same tokens
+    alone = eng.generate([prompts[2]], 8, temperature=1.0, seed=44)[0]
+    assert alone.token_ids == a[2].token_ids
+
+
+def test_token_logprobs_are_target_logprobs(pair):
+    target, drafter = pair
+    eng = SpeculativeEngine(target, drafter, num_draft_tokens=2)
+    r = eng.generate([PROMPT], 6, temperature=0.7, seed=3)[0]
+    with torch.no_grad():
+        lg = target(torch.tensor([PROMPT + r.token_ids])).logits[0, len(PROMPT) - 1 : -1]
+    ref = torch.log_softmax(lg / 0.7, -1).gather(-1, torch.tensor(r.token_ids).unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(torch.tensor(r.token_logprobs), ref, atol=1e-4)
