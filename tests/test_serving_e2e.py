@@ -1,0 +1,213 @@
+"""End-to-end: the registry loop (hot-swap while streaming, refusals, rollback) and trainer supervision.
+
+Real server in a thread, real engine and tiny pair, real registry on disk, real HTTP; the trainer
+test runs the real `dvi train --online` subprocess and SIGKILLs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from test_serving_helpers import ServerThread, sse_events, tiny_config, wait_for
+
+from dvi import metrics as M
+from dvi.registry import DrafterRegistry
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self", "for i in range("]
+
+
+def _lora(drafter, scale: float = 0.0, seed: int = 0):
+    """A peft LoRA on a copy of the drafter; scale 0 = identity (B = 0), large = a garbage drafter."""
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(copy.deepcopy(drafter), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                              "up_proj"]))
+    if scale:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return pm
+
+
+def _manifest(**kw) -> dict:
+    return {"target_version": 0, "steps": 1, "records_seen": 0, "heldout_alpha": None, **kw}
+
+
+def _counter(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _traffic(url: str, n: int, results: list, stream: bool = True, max_tokens: int = 16) -> None:
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for i in range(n):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+            if r.status_code != 200:
+                results.append((prompt, r.status_code, r.text, None))
+                continue
+            if stream:
+                ev = sse_events(r.text)
+                ok = ev[-1] == "[DONE]" and "error" not in ev[-2]
+                text = "".join(e["choices"][0]["text"] for e in ev[:-1] if "choices" in e)
+                results.append((prompt, 200 if ok else 500, text, ev[-2].get("dvi", {}).get("drafter_version")))
+            else:
+                b = r.json()
+                results.append((prompt, 200, b["choices"][0]["text"], b["dvi"]["drafter_version"]))
+
+
+def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
+    cfg = tiny_config(tiny_pair_dir, tmp_path)
+    with ServerThread(cfg) as s:
+        reg = DrafterRegistry(cfg.registry.dir)
+        base = s.state.swapper.base
+        # greedy reference before any swap (an identity LoRA must not change a single token)
+        ref: dict[str, str] = {}
+        with s.client() as c:
+            for p in PROMPTS:
+                ref[p] = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16}).json()["choices"][0]["text"]
+
+        results: list = []
+        workers = [threading.Thread(target=_traffic, args=(s.url, 12, results)) for _ in range(3)]
+        for w in workers:
+            w.start()
+        time.sleep(0.5)  # requests are streaming now
+        v1 = reg.publish_peft_adapter(_lora(base), _manifest())
+        wait_for(lambda: s.state.swapper.live_version == v1, 30, what="v1 to be promoted")
+        for w in workers:
+            w.join(120)
+        assert len(results) == 36
+        assert all(code == 200 for _, code, _, _ in results), [r for r in results if r[1] != 200]
+        assert all(text == ref[p] for p, _, text, _ in results), "a swap changed greedy output"
+        assert {v for *_, v in results} >= {v1}, "traffic after the swap must run on v1"
+        with s.client() as c:
+            h = c.get("/health").json()
+            assert h["drafter_version"] == v1 and h["drafter"]["counts"]["promoted"] == 1
+
+            # a corrupted adapter (garbage bytes) is refused, counted, and the live drafter keeps serving
+            cfg_json = (reg.version_dir(v1) / "adapter_config.json").read_bytes()
+            v2 = reg.publish({"adapter_model.safetensors": b"\x00garbage" * 64, "adapter_config.json": cfg_json},
+                             _manifest(kind="lora"))
+            wait_for(lambda: str(v2) in c.get("/health").json()["drafter"]["refused"], 30, what="v2 refused")
+            # a wrongly shaped one (LoRA made for another model) too
+            other = copy.deepcopy(base)
+            other.resize_token_embeddings(base.config.vocab_size + 8)
+            v3 = reg.publish_peft_adapter(_lora(other), _manifest())
+            wait_for(lambda: str(v3) in c.get("/health").json()["drafter"]["refused"], 30, what="v3 refused")
+            # a valid but much worse drafter fails the shadow check
+            v4 = reg.publish_peft_adapter(_lora(base, scale=2.0), _manifest())
+            h = wait_for(lambda: (lambda j: j if str(v4) in j["drafter"]["refused"] else None)(
+                c.get("/health").json()), 30, what="v4 refused by the shadow check")
+            assert "shadow" in h["drafter"]["refused"][str(v4)]
+            assert h["drafter_version"] == v1
+            metrics = c.get("/metrics").text
+            assert _counter(metrics, M.DRAFTER_REFUSALS + "{") == 3
+            assert _counter(metrics, M.DRAFTER_PROMOTIONS + " ") == 1
+            r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16})
+            assert r.status_code == 200 and r.json()["dvi"]["drafter_version"] == v1
+            assert r.json()["choices"][0]["text"] == ref[PROMPTS[0]]
+        events = [json.loads(line) for line in open(tmp_path / "swap_events.jsonl")]
+        assert [e["kind"] for e in events] == ["promoted", "refused", "refused", "refused"]
+
+
+def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path) -> None:
+    # shadow margin 1.0 lets a bad drafter through, so the live check must catch it
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "trainer.shadow_margin=1.0", "serve.rollback_window=6",
+                      "serve.rollback_margin=0.05")
+    with ServerThread(cfg) as s:
+        reg = DrafterRegistry(cfg.registry.dir)
+        results: list = []
+        _traffic(s.url, 8, results, stream=False)
+        bad = reg.publish_peft_adapter(_lora(s.state.swapper.base, scale=2.0, seed=1), _manifest())
+        wait_for(lambda: s.state.swapper.live_version == bad, 30, what="the bad version to be promoted")
+        _traffic(s.url, 10, results, stream=False)
+        wait_for(lambda: s.state.swapper.counts["rolled_back"] == 1, 30, what="the rollback")
+        assert s.state.swapper.live_version == 0
+        assert all(code == 200 for _, code, _, _ in results)
+        with s.client() as c:
+            h = c.get("/health").json()
+            assert h["drafter_version"] == 0 and str(bad) in h["drafter"]["refused"]
+            assert _counter(c.get("/metrics").text, M.DRAFTER_ROLLBACKS + " ") == 1
+            r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8})
+            assert r.json()["dvi"]["drafter_version"] == 0
+        time.sleep(3 * cfg.serve.registry_poll_seconds)
+        assert s.state.swapper.live_version == 0, "a rolled-back version must not be re-promoted"
+
+
+def test_admin_rollback_and_pin(tiny_pair_dir, tmp_path) -> None:
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.admin_token=tok")
+    with ServerThread(cfg) as s, s.client(Authorization="Bearer tok") as admin:
+        reg = DrafterRegistry(cfg.registry.dir)
+        v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest())
+        wait_for(lambda: s.state.swapper.live_version == v1, 30, what="v1")
+        v2 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest())
+        wait_for(lambda: s.state.swapper.live_version == v2, 30, what="v2")
+        r = admin.post("/admin/drafter/rollback", json={"reason": "test"})
+        assert r.status_code == 200 and r.json()["drafter_version"] == v1
+        assert reg.latest() == v1
+        r = admin.post("/admin/drafter/pin", json={"version": v2})
+        assert r.status_code == 200 and s.state.swapper.live_version == v2
+        v3 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest())
+        time.sleep(4 * cfg.serve.registry_poll_seconds)
+        assert s.state.swapper.live_version == v2, "a pinned server must not auto-promote"
+        assert admin.post("/admin/drafter/pin", json={"version": None}).status_code == 200
+        wait_for(lambda: s.state.swapper.live_version == v3, 30, what="v3 after unpin")
+
+
+def test_trainer_sigkill_is_restarted_without_failing_requests(tiny_pair_dir, tmp_path) -> None:
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.trainer=supervised", "serve.trainer_restart_backoff_s=0.2",
+                      "serve.admin_token=tok")
+    with ServerThread(cfg) as s:
+        sup = s.state.supervisor
+        pid = wait_for(lambda: sup.pid, 30, what="the trainer to start")
+        assert (tmp_path / "trainer_config.yaml").is_file()
+
+        async def load(url: str) -> list[int]:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                codes = []
+                for _ in range(6):
+                    rs = await asyncio.gather(*(c.post("/v1/completions", json={"prompt": p, "max_tokens": 12})
+                                                for p in PROMPTS))
+                    codes += [r.status_code for r in rs]
+                return codes
+
+        box: list = []
+        t = threading.Thread(target=lambda: box.append(asyncio.run(load(s.url))))
+        t.start()
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: sup.restarts >= 1 and sup.pid not in (None, pid), 30, what="the trainer restart")
+        t.join(120)
+        assert box and box[0] == [200] * len(box[0])
+        with s.client() as c:
+            h = c.get("/health").json()
+            assert h["trainer"]["restarts"] >= 1 and h["trainer"]["state"] == "running"
+            assert f'{M.TRAINER_STATE} {float(M.TRAINER_STATES["running"])}' in c.get("/metrics").text
+        with s.client(Authorization="Bearer tok") as admin:
+            r = admin.post("/admin/trainer/pause")
+            assert r.status_code == 200 and r.json()["state"] == "paused"
+            assert (tmp_path / "trainer.pause").exists()
+            r = admin.post("/admin/trainer/resume")
+            assert r.status_code == 200 and r.json()["state"] == "running"
+        child = sup.pid
+    # server stopped: no orphan trainer
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):
+            os.kill(child, 0)
+            time.sleep(0.1)
