@@ -23,7 +23,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -196,9 +196,11 @@ class StepLog:
     drafter_s: float
     target_version: int
     drafter_version: int
+    num_drafted: int = 0
+    num_accepted: int = 0
     kl_to_init: float = float("nan")
     loss: float = float("nan")
-    extra: dict = field(default_factory=dict)
+    drafter_loss: float = float("nan")
 
 
 def _json_float(x: float) -> float | None:
@@ -391,10 +393,10 @@ class RLRun:
         self.rollouts.update_target_weights(policy_state_dict(self.policy), version=i + 1)
         sync_s = time.perf_counter() - t0
 
-        drafter_s = 0.0
+        drafter_s, drafter_loss = 0.0, float("nan")
         if self.drafter_trainer is not None:
             t0 = time.perf_counter()
-            self.drafter_trainer.train_on(self.rollouts.last_records(cfg.temperature))
+            drafter_loss = self.drafter_trainer.train_on(self.rollouts.last_records(cfg.temperature))
             self.rollouts.set_drafter(self.drafter, self.rollouts.drafter_version + 1)
             drafter_s = time.perf_counter() - t0
 
@@ -404,7 +406,8 @@ class RLRun:
             step=i, reward=float(rewards.mean()), alpha=stats.alpha,
             mean_accepted_length=stats.mean_accepted_length, rollout_s=stats.seconds, tokens=stats.num_tokens,
             update_s=update_s, sync_s=sync_s, drafter_s=drafter_s, target_version=stats.target_version,
-            drafter_version=stats.drafter_version, kl_to_init=kl, loss=float(loss.detach()),
+            drafter_version=stats.drafter_version, num_drafted=stats.num_drafted,
+            num_accepted=stats.num_accepted, kl_to_init=kl, loss=float(loss.detach()), drafter_loss=drafter_loss,
         )
         self.logs.append(rec)
         self.log(
@@ -421,14 +424,14 @@ class RLRun:
             self.writer.close()
         return self.logs
 
-    def summary(self) -> dict[str, Any]:
-        """Per-arm totals the benchmark compares."""
+    def summary(self, alpha_from: int = 20) -> dict[str, Any]:
+        """Per-arm totals the benchmark compares; α is token-weighted (accepted / drafted)."""
         logs = self.logs
-        late = [r for r in logs if r.step >= 20] or logs
+        late = [r for r in logs if r.step >= alpha_from] or logs
 
         def alpha_of(rs: list[StepLog]) -> float:
-            vals = [r.alpha for r in rs if not math.isnan(r.alpha)]
-            return sum(vals) / len(vals) if vals else float("nan")
+            drafted = sum(r.num_drafted for r in rs)
+            return sum(r.num_accepted for r in rs) / drafted if drafted else float("nan")
 
         return {
             "arm": self.cfg.arm,
@@ -439,7 +442,9 @@ class RLRun:
             "drafter_s_total": sum(r.drafter_s for r in logs),
             "tokens_total": sum(r.tokens for r in logs),
             "alpha_mean": alpha_of(logs),
-            "alpha_after_20": alpha_of(late),
+            "alpha_from_step": alpha_from,
+            "alpha_late": alpha_of(late),
+            "alpha_first5": alpha_of(logs[:5]),
             "reward_first5": sum(r.reward for r in logs[:5]) / max(1, len(logs[:5])),
             "reward_last5": sum(r.reward for r in logs[-5:]) / max(1, len(logs[-5:])),
         }
