@@ -1,0 +1,78 @@
+"""Adaptive K: the chooser switches speculation off when it cannot pay, on when it does."""
+
+from __future__ import annotations
+
+import pytest
+
+from dvi.adaptive import AcceptanceEMA, AdaptiveK, CostModel, choose_k, expected_tokens, predicted_speedup
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def cpu_batch1(k: int) -> float:
+    return 0.012 * (1 + 0.12 * k)  # (K+1)-token verify ~1.6x a plain step at K=5
+
+
+def cpu_batch16(k: int) -> float:
+    return 0.030 * (k + 1)  # compute bound: cost grows with every token verified
+
+
+def test_choose_k_off_when_alpha_low_or_drafter_expensive():
+    assert choose_k([0.1], draft_cost=0.002, verify_cost=cpu_batch1, k_max=8) == 0
+    assert choose_k([0.8], draft_cost=0.012, verify_cost=cpu_batch1, k_max=8) == 0
+    assert choose_k([0.9] * 16, draft_cost=0.004, verify_cost=cpu_batch16, k_max=8) == 0
+
+
+def test_choose_k_on_when_alpha_high_and_drafter_cheap():
+    k = choose_k([0.85], draft_cost=0.002, verify_cost=cpu_batch1, k_max=8)
+    assert 2 <= k <= 8
+    assert choose_k([0.99], draft_cost=0.0005, verify_cost=cpu_batch1, k_max=8) >= 5
+    # GPU-like flat verify cost: speculate even at batch 16
+    assert choose_k([0.8] * 16, draft_cost=0.001, verify_cost=lambda k: 0.02, k_max=8) > 0
+    assert predicted_speedup(0.85, k, 0.002, cpu_batch1(k), cpu_batch1(0)) > 1.3
+
+
+def test_cost_model_interpolates():
+    c = CostModel(beta=1.0)
+    assert c.verify_cost(1, 3) is None
+    c.record_verify(1, 0, 0.010)
+    assert c.verify_cost(1, 4) == pytest.approx(0.010 * (1 + 0.12 * 4))
+    c.record_verify(1, 4, 0.018)
+    assert c.verify_cost(1, 2) == pytest.approx(0.014)
+    assert c.verify_cost(1, 6) == pytest.approx(0.022)
+    assert c.verify_cost(2, 0) == pytest.approx(0.010)  # nearest batch size
+    assert c.draft_cost(1) == pytest.approx(0.0025)  # prior until measured
+    c.record_draft(1, 0.001)
+    assert c.draft_cost(1) == 0.001
+
+
+def test_adaptive_controller_measures_then_switches_off_at_batch_16():
+    ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5)
+    alphas = [0.7] * 16
+    assert ctl.choose(16, alphas) == 0  # measure plain step first
+    ctl.costs.record_verify(16, 0, cpu_batch16(0))
+    assert ctl.choose(16, alphas) == 4  # then the default K
+    ctl.costs.record_verify(16, 4, cpu_batch16(4))
+    ctl.costs.record_draft(16, 0.004)
+    picks = [ctl.choose(16, alphas) for _ in range(10)]
+    assert picks.count(0) == 8 and all(k in (0, 2) for k in picks)  # off, with occasional probes
+    # batch 1 with a cheap drafter and high alpha: on
+    ctl.costs.record_verify(1, 0, cpu_batch1(0))
+    ctl.costs.record_verify(1, 4, cpu_batch1(4))
+    ctl.costs.record_draft(1, 0.002)
+    assert ctl.choose(1, [0.85]) >= 2
+
+
+def test_acceptance_ema():
+    a = AcceptanceEMA(prior=0.5)
+    for _ in range(30):
+        a.update(4, 4)
+    assert a.alpha > 0.9
+    for _ in range(30):
+        a.update(4, 0)
+    assert a.alpha < 0.2

@@ -1,0 +1,95 @@
+"""Bad input raises ValueError naming the argument (never a crash deep inside a forward, never a hang)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dvi.engine import Request, SamplingParams, SpeculativeEngine
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=40,
+    )
+    target = LlamaForCausalLM(cfg).eval()
+    return SpeculativeEngine(target, LlamaForCausalLM(cfg).eval(), num_draft_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(prompts=[]), "prompts"),
+        (dict(prompts=[[1, 2], []]), "prompts"),
+        (dict(prompts=[[1, 50]]), "prompts"),
+        (dict(prompts=[[-1, 2]]), "prompts"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=-3), "max_new_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(prompts=[[1] * 30], max_new_tokens=11), "max_new_tokens"),
+        (dict(seed=1.5), "seed"),
+    ],
+)
+def test_generate_bad_inputs(engine, kwargs, name):
+    args = dict(prompts=[[1, 2, 3]], max_new_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=name):
+        engine.generate(**args)
+    assert not engine.has_unfinished()  # nothing half-added
+
+
+def test_add_request_bad_inputs(engine):
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.add_request(Request("a", [], SamplingParams(4)))
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.add_request(Request("a", [99], SamplingParams(4)))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add_request(Request("a", [1], SamplingParams(0)))
+    engine.add_request(Request("dup", [1], SamplingParams(2)))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request(Request("dup", [1], SamplingParams(2)))
+    engine.abort("dup")
+    engine.step()
+    assert not engine.has_unfinished()
+
+
+def test_constructor_limits(engine):
+    t = engine.target
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeEngine(t, t, num_draft_tokens=9, max_draft_tokens=8)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeEngine(t, t, num_draft_tokens=-1)
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        SpeculativeEngine(t, t, num_draft_tokens=4, max_draft_tokens=33)
+    with pytest.raises(ValueError, match="feedback_top_k"):
+        SpeculativeEngine(t, t, feedback_top_k=-1)
+
+
+def test_update_target_weights_bad_input(engine, tmp_path):
+    with pytest.raises(ValueError, match="state_dict_or_path"):
+        engine.update_target_weights({"nope.weight": torch.zeros(1)}, version=1)
+    with pytest.raises(ValueError, match="state_dict_or_path"):
+        engine.update_target_weights(tmp_path / "missing", version=1)
+    sd = engine.target.state_dict()
+    k = next(iter(sd))
+    with pytest.raises(ValueError, match="state_dict_or_path"):
+        engine.update_target_weights({k: torch.zeros(3)}, version=1)
+
+
+def test_max_context_exactly_fits(engine):
+    r = engine.generate([[1] * 30], max_new_tokens=10)[0]
+    assert len(r.token_ids) == 10
