@@ -324,7 +324,8 @@ class TRLRolloutFunc:
     ``trainer.state.global_step`` changed since the last sync (and on the first call), tagging
     the target with ``version = global_step``. Sampling settings default to the trainer's
     (``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, eos ids); pass values to
-    override.
+    override. With `log_metrics`, α, mean accepted length, tokens/s and the versions of each
+    generation batch join the trainer's logged metrics under the `dvi.metrics` names.
     """
 
     def __init__(
@@ -337,8 +338,10 @@ class TRLRolloutFunc:
         top_k: int | None = None,
         seed: int | None = None,
         on_rollouts: Callable[[list[Rollout], RolloutStats, Any], None] | None = None,
+        log_metrics: bool = True,
     ) -> None:
         self.rollouts = rollout_engine
+        self.log_metrics = log_metrics
         self.sync_weights = sync_weights
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
@@ -373,6 +376,31 @@ class TRLRolloutFunc:
             return [list(x) for x in tok(text=prompts)["input_ids"]]
         return _validate_prompts(prompts)  # already token ids
 
+    @staticmethod
+    def _log_to_trainer(stats: RolloutStats, trainer: Any) -> None:
+        """Put α & co. into GRPOTrainer's own per-step metrics, so they reach its loggers (wandb, ...).
+
+        Uses `trainer._metrics[mode]` (lists TRL averages at each log step); skipped when absent.
+        """
+        from dvi import metrics as M
+
+        store = getattr(trainer, "_metrics", None)
+        if not isinstance(store, dict):
+            return
+        model = getattr(trainer, "model", None)
+        mode = "train" if getattr(model, "training", True) else "eval"
+        if mode not in store:
+            return
+        values = {
+            M.ACCEPTANCE_RATE: stats.alpha,
+            M.MEAN_ACCEPTED_LENGTH: stats.mean_accepted_length,
+            M.TOKENS_PER_SECOND: stats.tokens_per_s,
+            M.TARGET_VERSION: float(stats.target_version),
+            M.DRAFTER_VERSION: float(stats.drafter_version),
+        }
+        for name, value in values.items():
+            store[mode][name].append(float(value))
+
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
         self._maybe_sync(trainer)
         prompt_ids = self._tokenize(prompts, trainer)
@@ -395,6 +423,8 @@ class TRLRolloutFunc:
         stats = self.rollouts.last_stats
         assert stats is not None
         self.history.append({"global_step": int(trainer.state.global_step), **stats.as_dict()})
+        if self.log_metrics:
+            self._log_to_trainer(stats, trainer)
         if self.on_rollouts is not None:
             self.on_rollouts(rollouts, stats, trainer)
         return {

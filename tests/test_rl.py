@@ -73,6 +73,12 @@ def test_trl_grpo_steps_with_dvi_rollout_func(tiny_pair_dir, tmp_path):
     # Extra keys reach the reward functions, one value per completion.
     assert [f["dvi_target_version"] for f in seen_fields] == [[0] * 4, [1] * 4, [2] * 4]
     assert all(len(f["dvi_alpha"]) == 4 for f in seen_fields)
+    # α reaches TRL's own logs (and so wandb/trackio) under the dvi metric name, per step.
+    from dvi.metrics import ACCEPTANCE_RATE, TARGET_VERSION
+
+    logged = [x for x in trainer.state.log_history if ACCEPTANCE_RATE in x]
+    assert len(logged) == 3 and all(0 <= x[ACCEPTANCE_RATE] <= 1 for x in logged)
+    assert [x[TARGET_VERSION] for x in logged] == [0, 1, 2]
     # GRPO really trained the policy, and the next generation would sample exactly it.
     assert any(not torch.equal(initial[k], v) for k, v in policy.state_dict().items())
     trainer.state.global_step += 1
