@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = [tokenizer.decode(p) for p in itertools.islice(
         prompt_stream("code", tokenizer, split="heldout", prompt_tokens=(12, 32), seed=0), 64)]
+    scratch = tempfile.TemporaryDirectory(prefix="dvi-grpo-") if a.output_dir is None else None
     args = GRPOConfig(
-        output_dir=a.output_dir or tempfile.mkdtemp(prefix="dvi-grpo-"),
+        output_dir=a.output_dir or scratch.name,
         use_cpu=True, max_steps=a.steps, learning_rate=a.lr, logging_steps=1, report_to="none",
         save_strategy="no", per_device_train_batch_size=a.num_generations * a.prompts_per_step,
         num_generations=a.num_generations, max_completion_length=a.max_completion_length,
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if rewards:
         print(f"reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}")
     print(f"weight syncs into the dvi target: {rollout_func.num_syncs}")
+    if scratch is not None:
+        scratch.cleanup()
     return 0
 
 
