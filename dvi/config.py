@@ -131,6 +131,12 @@ class ServeConfig(_Strict):
     allowed_dirs: list[Path] = Field(default_factory=list)
     num_threads: int = Field(1, ge=1)
 
+    @field_validator("trainer", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as False; `trainer: off` must still mean "off".
+        return "off" if v is False else v
+
 
 class WandbConfig(_Strict):
     mode: Literal["offline", "online", "disabled"] = "offline"
