@@ -188,7 +188,7 @@ def prompt_stream(
 
     def enc(i: int) -> tuple[list[int], list[int]]:
         if i not in encoded:
-            e = tokenizer(texts[i], add_special_tokens=False, return_offsets_mapping=True)
+            e = tokenizer(texts[i], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
             ids, offs = e["input_ids"], e["offset_mapping"]
             starts = [0] + [j for j in range(1, len(ids)) if texts[i][offs[j][0] - 1: offs[j][0]] == "\n"]
             encoded[i] = (ids, starts)

@@ -62,6 +62,9 @@ class Preset:
     drafter_warmup: int
     # measurement
     latency_steps: int = 64
+    # torch threads during the build (None: leave as is). 1 for tiny: tiny models are overhead-bound
+    # and two threads fighting a busy second core run several times slower.
+    threads: int | None = None
     continuation_prompts: int = 8
     continuation_tokens: int = 64
     extra: dict = field(default_factory=dict)
@@ -97,6 +100,7 @@ PRESETS: dict[str, Preset] = {
         drafter_lr=1e-2,
         drafter_warmup=4,
         latency_steps=16,
+        threads=1,
         continuation_prompts=2,
         continuation_tokens=32,
     ),

@@ -125,6 +125,16 @@ def _versions() -> dict:
 def build_pair(preset: str | Preset = "tiny", seed: int = 0, progress: bool = True) -> BuiltPair:
     """Train tokenizer, target and drafter in memory and measure them; nothing is written to disk."""
     p = get_preset(preset)
+    prev_threads = torch.get_num_threads()
+    if p.threads:
+        torch.set_num_threads(p.threads)
+    try:
+        return _build_pair(p, seed, progress)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
     t_start = time.perf_counter()
     walls: dict[str, float] = {}
     torch.manual_seed(seed)
