@@ -101,6 +101,7 @@ class TrainerConfig(_Strict):
     reward_ramp_start: int = Field(50, ge=0)
     reward_ramp_steps: int = Field(200, ge=0)
     replay_ratio: float = Field(0.25, ge=0, le=1)
+    replay_buffer_records: int = Field(2048, ge=0)
     stale_target_policy: Literal["drop", "downweight", "keep"] = "downweight"
     stale_weight: float = Field(0.25, ge=0, le=1)
     publish_every_steps: int = Field(20, ge=1)
@@ -108,6 +109,8 @@ class TrainerConfig(_Strict):
     poll_seconds: float = Field(1.0, gt=0)
     heldout_fraction: float = Field(0.1, ge=0, lt=1)
     shadow_margin: float = Field(0.01, ge=0, le=1)
+    shadow_records: int = Field(128, ge=1)
+    grad_clip: float | None = Field(1.0, gt=0)
     num_threads: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     seed: int = 0
