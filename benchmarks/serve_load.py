@@ -1,0 +1,283 @@
+"""Closed-loop load on the dvi server over loopback: speculation (adaptive K) vs none.
+
+For each arm a real `dvi serve` process is started (its own process, one torch thread, trainer
+off, feedback logging on), and for each concurrency level C in --concurrency, C clients each send
+a streamed greedy completion, wait for it to finish, and send the next (closed loop), until
+--requests (default max(24, 2C)) have finished. Prompts are held-out code prompts from
+`dvi.data.prompt_stream`, sent as token ids so both arms see identical inputs.
+
+Figures per (arm, C): generated tokens/s, p50/p99 request latency and time to first token
+(client-side: first content chunk), α (accepted / drafted, from the responses' `dvi` field), and
+errors (non-200, or an error chunk in the stream). Goals: 0 errors at every level; speculation
+>= 1.3x the no-speculation throughput at C=1 and >= 0.95x at C=64.
+
+    .venv/bin/python benchmarks/serve_load.py --preset small [--json bench_results/serve_load.json]
+
+Writes JSON (settings, raw figures, `goals`), prints a table ending with the goals, exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+ARMS = {"spec": ["speculation.adaptive=true"],
+        "nospec": ["speculation.adaptive=false", "speculation.num_draft_tokens=0"]}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def _goal(name: str, value: float, target: float, higher_is_better: bool = True) -> dict:
+    ok = (not math.isnan(value)) and (value >= target if higher_is_better else value <= target)
+    return {"name": name, "value": value, "target": target, "higher_is_better": higher_is_better, "met": bool(ok)}
+
+
+def _clean(x):
+    if isinstance(x, float):
+        return None if math.isnan(x) or math.isinf(x) else x
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+class ServerProcess:
+    """`dvi serve` in a subprocess on a free loopback port; stopped with SIGINT (then SIGKILL)."""
+
+    def __init__(self, overrides: list[str], workdir: Path, log_path: Path) -> None:
+        self.cmd = [sys.executable, "-m", "dvi.cli", "serve", *overrides, "serve.port=0", "serve.host=127.0.0.1"]
+        self.workdir = workdir
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def __enter__(self) -> ServerProcess:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env=env)
+        deadline = time.monotonic() + 600
+        for line in self.proc.stdout:
+            self._log.write(line)
+            m = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                self.url = m.group(1)
+                break
+            if time.monotonic() > deadline:
+                break
+        if not self.url:
+            self.__exit__()
+            raise RuntimeError(f"server did not start; see {self.log_path}")
+        import httpx
+
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited; see {self.log_path}")
+            time.sleep(0.2)
+        raise RuntimeError("server not healthy in time")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+async def _one(client, prompt: list[int], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    ttft = None
+    out = {"ok": False, "tokens": 0, "drafted": 0, "accepted": 0}
+    try:
+        async with client.stream("POST", "/v1/completions", json={
+                "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "metadata": {"domain": "code"}}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                out["error"] = f"HTTP {r.status_code}: {r.text[:200]}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                ev = json.loads(data)
+                if "error" in ev:
+                    out["error"] = ev["error"]["message"]
+                    return out
+                if ttft is None and ev["choices"][0].get("text"):
+                    ttft = time.perf_counter() - t0
+                if "usage" in ev:
+                    out["tokens"] = ev["usage"]["completion_tokens"]
+                    out["drafted"] = ev["dvi"]["drafted"]
+                    out["accepted"] = ev["dvi"]["accepted"]
+                    out["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - every failure is an error figure
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["latency"] = time.perf_counter() - t0
+    out["ttft"] = ttft if ttft is not None else out["latency"]
+    return out
+
+
+async def _level(url: str, prompts: list[list[int]], concurrency: int, n_requests: int, max_tokens: int,
+                 warmup: int) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        for i in range(warmup):
+            await _one(client, prompts[i % len(prompts)], max_tokens)
+        counter = iter(range(n_requests))
+        results: list[dict] = []
+
+        async def worker() -> None:
+            for i in counter:
+                results.append(await _one(client, prompts[i % len(prompts)], max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    tokens = sum(r["tokens"] for r in ok)
+    drafted = sum(r["drafted"] for r in ok)
+    lat = [r["latency"] for r in ok]
+    ttft = [r["ttft"] for r in ok]
+    errors = [r.get("error") for r in results if not r["ok"]]
+    return {
+        "concurrency": concurrency, "requests": len(results), "wall_s": wall, "tokens": tokens,
+        "throughput_tok_s": tokens / wall if wall > 0 else float("nan"),
+        "requests_per_s": len(ok) / wall if wall > 0 else float("nan"),
+        "latency_p50_s": _pct(lat, 0.5), "latency_p99_s": _pct(lat, 0.99),
+        "latency_mean_s": statistics.fmean(lat) if lat else float("nan"),
+        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+        "alpha": sum(r["accepted"] for r in ok) / drafted if drafted else None,
+        "drafted": drafted, "accepted": sum(r["accepted"] for r in ok),
+        "errors": len(errors), "error_samples": errors[:3],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=("tiny", "small"), default="small")
+    ap.add_argument("--json", type=Path, default=Path("bench_results/serve_load.json"))
+    ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(24, 2C))")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+
+    from dvi.config import load_config
+    from dvi.data import prompt_stream
+    from dvi.embedded import embedded_paths
+    from dvi.models import load_tokenizer
+    from serving.app import ensure_pair
+
+    ensure_pair(load_config(None, [f"models.preset={args.preset}"]))
+    tok = load_tokenizer(embedded_paths(args.preset).tokenizer)
+    stream = prompt_stream("code", tok, split="heldout", prompt_tokens=(32, 96), seed=args.seed)
+    prompts = [next(stream) for _ in range(64)]
+
+    work = Path(tempfile.mkdtemp(prefix="dvi-serve-load-"))
+    base = [f"models.preset={args.preset}", f"run_dir={work}", "serve.trainer=off", "wandb.mode=disabled",
+            f"serve.max_batch_size={args.max_batch_size}", "serve.queue_limit=1024",
+            f"serve.max_tokens_limit={max(args.max_tokens, 64)}"]
+    figures: dict[str, list[dict]] = {}
+    t_start = time.time()
+    for arm, extra in ARMS.items():
+        arm_dir = work / arm
+        arm_dir.mkdir(parents=True, exist_ok=True)
+        overrides = base + extra + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
+                                    f"registry.dir={arm_dir / 'registry'}"]
+        print(f"[{arm}] starting server ...", flush=True)
+        with ServerProcess(overrides, arm_dir, arm_dir / "server.log") as srv:
+            figures[arm] = []
+            for c in levels:
+                n = args.requests or max(24, 2 * c)
+                fig = asyncio.run(_level(srv.url, prompts, c, n, args.max_tokens, args.warmup))
+                figures[arm].append(fig)
+                a = fig["alpha"]
+                print(f"[{arm}] C={c:>3}: {fig['throughput_tok_s']:7.1f} tok/s  p50 {fig['latency_p50_s']:.3f}s "
+                      f"p99 {fig['latency_p99_s']:.3f}s  ttft p50 {fig['ttft_p50_s']:.3f}s  "
+                      f"α {'-' if a is None else f'{a:.3f}'}  errors {fig['errors']}", flush=True)
+
+    def tput(arm: str, c: int) -> float:
+        for f in figures[arm]:
+            if f["concurrency"] == c:
+                return f["throughput_tok_s"]
+        return float("nan")
+
+    goals = [_goal("errors at every level", float(sum(f["errors"] for fs in figures.values() for f in fs)), 0.0,
+                   higher_is_better=False)]
+    lo, hi = min(levels), max(levels)
+    goals.append(_goal(f"speculation throughput ratio at concurrency {lo}", tput("spec", lo) / tput("nospec", lo),
+                       1.3))
+    goals.append(_goal(f"speculation throughput ratio at concurrency {hi}", tput("spec", hi) / tput("nospec", hi),
+                       0.95))
+
+    header = f"{'arm':<7} {'C':>3} {'req':>4} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'ttft50':>7} {'ttft99':>7} " \
+             f"{'alpha':>6} {'err':>4}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for arm, fs in figures.items():
+        for f in fs:
+            a = "-" if f["alpha"] is None else f"{f['alpha']:.3f}"
+            print(f"{arm:<7} {f['concurrency']:>3} {f['requests']:>4} {f['throughput_tok_s']:>8.1f} "
+                  f"{f['latency_p50_s']:>7.3f} {f['latency_p99_s']:>7.3f} {f['ttft_p50_s']:>7.3f} "
+                  f"{f['ttft_p99_s']:>7.3f} {a:>6} {f['errors']:>4}")
+    print("\ngoals:")
+    for g in goals:
+        print(f"  [{'met' if g['met'] else 'MISSED'}] {g['name']}: {g['value']:.3f} "
+              f"({'>=' if g['higher_is_better'] else '<='} {g['target']})")
+    out = {
+        "benchmark": "serve_load",
+        "settings": {"preset": args.preset, "concurrency": levels, "requests": args.requests,
+                     "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size, "warmup": args.warmup,
+                     "arms": ARMS, "prompts": "held-out code (dvi.data.prompt_stream, 32-96 tokens)",
+                     "greedy": True, "trainer": "off", "feedback_logging": True,
+                     "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                                 "platform": platform.platform()}},
+        "figures": figures,
+        "goals": goals,
+        "wall_s": time.time() - t_start,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(_clean(out), indent=1))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
