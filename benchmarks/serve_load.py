@@ -24,10 +24,7 @@ import json
 import math
 import os
 import platform
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,57 +58,6 @@ def _clean(x):
     if isinstance(x, list | tuple):
         return [_clean(v) for v in x]
     return x
-
-
-class ServerProcess:
-    """`dvi serve` in a subprocess on a free loopback port; stopped with SIGINT (then SIGKILL)."""
-
-    def __init__(self, overrides: list[str], workdir: Path, log_path: Path) -> None:
-        self.cmd = [sys.executable, "-m", "dvi.cli", "serve", *overrides, "serve.port=0", "serve.host=127.0.0.1"]
-        self.workdir = workdir
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def __enter__(self) -> ServerProcess:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=env)
-        deadline = time.monotonic() + 600
-        for line in self.proc.stdout:
-            self._log.write(line)
-            m = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line)
-            if m:
-                self.url = m.group(1)
-                break
-            if time.monotonic() > deadline:
-                break
-        if not self.url:
-            self.__exit__()
-            raise RuntimeError(f"server did not start; see {self.log_path}")
-        import httpx
-
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {self.log_path}")
-            time.sleep(0.2)
-        raise RuntimeError("server not healthy in time")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 async def _one(client, prompt: list[int], max_tokens: int) -> dict:
@@ -205,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from dvi.embedded import embedded_paths
     from dvi.models import load_tokenizer
     from serving.app import ensure_pair
+    from serving.demo import ServerProcess
 
     ensure_pair(load_config(None, [f"models.preset={args.preset}"]))
     tok = load_tokenizer(embedded_paths(args.preset).tokenizer)
@@ -223,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = base + extra + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
                                     f"registry.dir={arm_dir / 'registry'}"]
         print(f"[{arm}] starting server ...", flush=True)
-        with ServerProcess(overrides, arm_dir, arm_dir / "server.log") as srv:
+        with ServerProcess(overrides, arm_dir / "server.log", cwd=ROOT) as srv:
             figures[arm] = []
             for c in levels:
                 n = args.requests or max(24, 2 * c)

@@ -100,6 +100,7 @@ class ServerState:
     vocab_size: int
     started_at: float = field(default_factory=time.time)
     target_version: int = 0
+    stopped: bool = False
 
     def start(self) -> None:
         self.scheduler.start()
@@ -109,6 +110,9 @@ class ServerState:
 
     def stop(self) -> None:
         """Stop in dependency order: trainer, watcher, engine loop, then flush the feedback."""
+        if self.stopped:
+            return
+        self.stopped = True
         self.supervisor.stop()
         if self.swapper is not None:
             self.swapper.stop()
@@ -497,4 +501,8 @@ def run_server(cfg: DviConfig) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        # A forced exit (second Ctrl-C) skips the lifespan shutdown: still stop the trainer.
+        state = getattr(server.config.app.state, "dvi", None)
+        if state is not None:
+            state.stop()
     return 0

@@ -1,0 +1,299 @@
+"""`make demo` / `dvi demo`: the main job, end to end, over loopback HTTP.
+
+1. bootstrap the embedded pair if absent (`dvi bootstrap` in a subprocess: serving never imports
+   trainers);
+2. start `dvi serve` as a subprocess with its supervised online trainer, everything written under
+   `runs/<id>/` (feedback, registry, trainer log, metrics.jsonl, the offline wandb run);
+3. replay a drift scenario: code prompts, then prose prompts (held-out, `dvi.data.prompt_stream`),
+   then a target update through the admin endpoint (a slightly perturbed copy of the target,
+   saved under `runs/<id>/targets/`, the only allowed dir) followed by more prose;
+4. show live progress (requests, rolling α, drafter and target versions, trainer state);
+5. print the α timeline, write `runs/<id>/timeline.json` and `runs/<id>/alpha.png`.
+
+Ctrl-C stops the traffic, then the server (SIGTERM: graceful shutdown, which stops the trainer;
+SIGKILL after a timeout, and the trainer dies with it through PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dvi.config import DviConfig, dump_config
+
+DEFAULT_REQUESTS = {"tiny": 48, "small": 160}
+CONCURRENCY = 4
+WINDOW = 16
+
+
+class ServerProcess:
+    """`dvi serve` in a subprocess on a free loopback port (serve.port=0; the port is read from its
+    first stdout line). Stopped with SIGTERM (uvicorn's graceful shutdown), then SIGKILL."""
+
+    def __init__(self, args: list[str], log_path: Path, cwd: Path | None = None,
+                 start_timeout_s: float = 600.0) -> None:
+        self.cmd = [sys.executable, "-m", "dvi.cli", "serve", *args, "serve.port=0", "serve.host=127.0.0.1"]
+        self.log_path = Path(log_path)
+        self.cwd = cwd
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def __enter__(self) -> ServerProcess:
+        import httpx
+
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in __exit__
+        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env=env)
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            for line in self.proc.stdout:
+                self._log.write(line)
+                m = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line)
+                if m:
+                    self.url = m.group(1)
+                    break
+            if not self.url:
+                raise RuntimeError(f"server exited before serving; see {self.log_path}")
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited; see {self.log_path}")
+                time.sleep(0.2)
+            raise RuntimeError(f"server not healthy after {self.start_timeout_s}s; see {self.log_path}")
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _perturbed_target(target_dir: Path, out: Path, scale: float = 0.05, seed: int = 0) -> Path:
+    """A slightly different target: every 2-D weight + Gaussian noise of `scale` x its std.
+
+    Stands in for one update of an RL trainer: same architecture, shifted distribution.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sd: dict[str, Any] = {}
+    for f in sorted(Path(target_dir).glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    if not sd:
+        raise FileNotFoundError(f"no safetensors weights in {target_dir}")
+    g = torch.Generator().manual_seed(seed)
+    new = {}
+    for k, v in sd.items():
+        if v.is_floating_point() and v.ndim == 2 and "embed" not in k:
+            v = v + torch.randn(v.shape, generator=g, dtype=v.dtype) * (scale * float(v.float().std()))
+        new[k] = v.contiguous()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(new, str(out))
+    return out
+
+
+class Timeline:
+    """Per-window α as the client sees it (from each response's `dvi` block)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.window = window
+        self.rows: list[dict[str, Any]] = []
+        self._buf: list[dict[str, Any]] = []
+        self.recent: deque = deque(maxlen=32)
+        self.done = 0
+        self.errors = 0
+
+    def add(self, phase: str, stats: dict[str, Any] | None) -> None:
+        self.done += 1
+        if stats is None:
+            self.errors += 1
+            return
+        stats = dict(stats, phase=phase)
+        self.recent.append(stats)
+        self._buf.append(stats)
+        if len(self._buf) >= self.window:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buf:
+            return
+        b, self._buf = self._buf, []
+        drafted = sum(s["drafted"] for s in b)
+        steps = sum(s["steps"] for s in b)
+        self.rows.append({
+            "requests": self.done, "phase": b[-1]["phase"], "n": len(b),
+            "alpha": sum(s["accepted"] for s in b) / drafted if drafted else None,
+            "mean_accepted_length": 1 + sum(s["accepted"] for s in b) / steps if steps else None,
+            "drafter_version": b[-1]["drafter_version"], "target_version": b[-1]["target_version"],
+        })
+
+    def rolling_alpha(self) -> float | None:
+        drafted = sum(s["drafted"] for s in self.recent)
+        return sum(s["accepted"] for s in self.recent) / drafted if drafted else None
+
+
+async def _phase(url: str, name: str, domain: str, prompts: Any, n: int, max_tokens: int, timeline: Timeline,
+                 progress: Any, task: Any, health: dict) -> None:
+    import httpx
+
+    it = iter(range(n))
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        for _ in it:
+            body = {"prompt": next(prompts), "max_tokens": max_tokens, "temperature": 0.0,
+                    "metadata": {"domain": domain}}
+            try:
+                r = await client.post("/v1/completions", json=body)
+                stats = r.json()["dvi"] if r.status_code == 200 else None
+            except httpx.HTTPError:
+                stats = None
+            timeline.add(name, stats)
+            a = timeline.rolling_alpha()
+            progress.update(task, advance=1, description=(
+                f"{name:<18} α {'-' if a is None else f'{a:.3f}'}  drafter v{health.get('drafter_version')}  "
+                f"target v{health.get('target_version')}  trainer {health.get('trainer', '?')}"
+                f"  errors {timeline.errors}"))
+
+    async def poll_health(client: httpx.AsyncClient, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                h = (await client.get("/health")).json()
+                health.update(drafter_version=h["drafter_version"], target_version=h["target_version"],
+                              trainer=f"{h['trainer']['state']} (restarts {h['trainer']['restarts']})")
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except TimeoutError:
+                pass
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        stop = asyncio.Event()
+        poller = asyncio.create_task(poll_health(client, stop))
+        try:
+            await asyncio.gather(*(worker(client) for _ in range(CONCURRENCY)))
+        finally:
+            stop.set()
+            await poller
+
+
+def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
+    """The drift scenario against a real server + trainer; returns a process exit code."""
+    import httpx
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from dvi.data import prompt_stream
+    from dvi.metrics import plot_alpha
+
+    from .app import ensure_pair, pair_paths
+
+    console = Console()
+    preset = cfg.models.preset
+    n = requests_per_phase or DEFAULT_REQUESTS.get(preset, 64)
+    run_id = time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir = (Path(cfg.run_dir).parent / run_id).resolve()
+    targets = run_dir / "targets"
+    targets.mkdir(parents=True, exist_ok=True)
+    console.rule(f"dvi demo · preset {preset} · {n} requests per phase · {run_dir}")
+
+    ensure_pair(cfg)
+    data = dump_config(cfg)
+    data["run_dir"] = str(run_dir)
+    data["feedback"]["dir"] = str(run_dir / "feedback")
+    data["registry"]["dir"] = str(run_dir / "registry")
+    admin_token = secrets.token_hex(16)
+    data["serve"].update(admin_token=admin_token, allowed_dirs=[str(targets)], api_key=None,
+                         trainer="supervised" if cfg.serve.trainer == "off" else cfg.serve.trainer)
+    if data["wandb"]["mode"] == "disabled":
+        data["wandb"]["mode"] = "offline"
+    config_path = run_dir / "serve_config.yaml"
+    config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+    target_path, _, tok_path = pair_paths(cfg)
+    from dvi.models import find_tokenizer_path, load_tokenizer
+
+    tok = load_tokenizer(tok_path or find_tokenizer_path(target_path))
+    max_tokens = min(64, cfg.sampling.max_new_tokens)
+    timeline = Timeline()
+    health: dict[str, Any] = {}
+    status = 0
+    console.print(f"starting server + trainer (logs: {run_dir}/server.log, {run_dir}/trainer.log) ...")
+    try:
+        with ServerProcess(["--config", str(config_path)], run_dir / "server.log") as srv, Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=console) as progress:
+            code = prompt_stream("code", tok, seed=cfg.seed)
+            prose = prompt_stream("prose", tok, seed=cfg.seed)
+            phases = [("code", "code", code), ("prose", "prose", prose), ("prose · new target", "prose", prose)]
+            for i, (name, domain, prompts) in enumerate(phases):
+                if i == 2:
+                    path = _perturbed_target(target_path, targets / "target_v1.safetensors", seed=cfg.seed)
+                    r = httpx.post(srv.url + "/admin/target", json={"path": str(path), "version": 1},
+                                   headers={"Authorization": f"Bearer {admin_token}"}, timeout=600)
+                    if r.status_code != 200:
+                        raise RuntimeError(f"target update failed: {r.status_code} {r.text}")
+                    progress.console.print(f"target updated through /admin/target -> version {r.json()['target_version']}")
+                task = progress.add_task(name, total=n)
+                asyncio.run(_phase(srv.url, name, domain, prompts, n, max_tokens, timeline, progress, task, health))
+                timeline.flush()
+            final = httpx.get(srv.url + "/health", timeout=30).json()
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping the server and its trainer ...[/yellow]")
+        status = 130
+        final = {}
+    except RuntimeError as exc:
+        console.print(f"[red]demo failed: {exc}[/red]")
+        return 1
+    timeline.flush()
+
+    table = Table(title="α timeline (client side, per window of requests)")
+    for col in ("requests", "phase", "α", "mean accepted length", "drafter", "target"):
+        table.add_column(col, justify="right" if col not in ("phase",) else "left")
+    for row in timeline.rows:
+        a, m = row["alpha"], row["mean_accepted_length"]
+        table.add_row(str(row["requests"]), row["phase"], "-" if a is None else f"{a:.3f}",
+                      "-" if m is None else f"{m:.2f}", f"v{row['drafter_version']}", f"v{row['target_version']}")
+    console.print(table)
+    (run_dir / "timeline.json").write_text(json.dumps({"rows": timeline.rows, "errors": timeline.errors,
+                                                       "health": final}, indent=1))
+    metrics_jsonl = run_dir / "metrics.jsonl"
+    if metrics_jsonl.is_file():
+        png = plot_alpha(metrics_jsonl, run_dir / "alpha.png")
+        console.print(f"α plot: {png}")
+    drafter = (final.get("drafter") or {}).get("counts", {})
+    console.print(f"requests {timeline.done}, errors {timeline.errors}; drafter promotions {drafter.get('promoted', 0)}, "
+                  f"refusals {drafter.get('refused', 0)}, rollbacks {drafter.get('rolled_back', 0)}; "
+                  f"trainer restarts {(final.get('trainer') or {}).get('restarts', 0)}")
+    wandb_dir = run_dir / "wandb"
+    if wandb_dir.exists():
+        console.print(f"offline wandb run: {wandb_dir} (`wandb sync {wandb_dir}/offline-run-*` to upload)")
+    console.print(f"run dir: {run_dir}")
+    return status or (1 if timeline.errors else 0)
