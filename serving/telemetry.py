@@ -37,6 +37,7 @@ class ServerMetrics:
         self.requests = 0
         self.rejected = 0
         self._recent: dict[str, deque] = {}
+        self._fresh: set[str] = set()
         self._lock = threading.Lock()
         self.logger: M.MetricsLogger | None = None
         try:
@@ -60,17 +61,18 @@ class ServerMetrics:
             self.requests += 1
             q = self._recent.setdefault(fin.domain, deque(maxlen=self.log_every * 4))
             q.append(stats)
+            self._fresh.add(fin.domain)
             due = self.requests % self.log_every == 0
         if due and self.logger is not None:
             self._log_rows()
 
     def _log_rows(self) -> None:
         with self._lock:
-            snap = {d: list(q)[-self.log_every:] for d, q in self._recent.items() if q}
+            # only domains with traffic since the last row: a quiet domain's α is not re-plotted flat
+            snap = {d: list(q)[-self.log_every:] for d, q in self._recent.items() if q and d in self._fresh}
+            self._fresh.clear()
             step = self.requests
         for domain, stats in snap.items():
-            if stats[-1] is None:
-                continue
             version = stats[-1].drafter_version
             rows = [s for s in stats if s.drafter_version == version] or stats
             values = M.summarize_results(rows)
