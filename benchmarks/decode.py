@@ -1,0 +1,261 @@
+"""Decode speed of dvi's speculative engine on the embedded pair (issue 3).
+
+Per setting (domain x temperature x batch size) it measures, on the same held-out prompts in one run:
+dvi speculative (adaptive K), dvi with speculation off, HF `generate` of the target alone, and HF
+assisted generation (`assistant_model=` the same drafter, batch 1 only); plus alpha, mean accepted length,
+per-position acceptance, and the speedup that alpha, K and the measured draft/verify costs predict
+(E[tokens/step] / (K*c_draft + c_verify(K)) relative to a plain step), and measured / predicted.
+Writes one JSON (settings, raw figures, goals) and prints a table that ends with the goals. Exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dvi.adaptive import expected_tokens
+from dvi.engine import Request, SamplingParams, SpeculativeEngine
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="dvi bench decode", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--root", default=None, help="models cache root (default: dvi.embedded's)")
+    p.add_argument("--json", default="bench_results/decode.json")
+    p.add_argument("--domains", default="code,prose")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts-b1", type=int, default=4, help="prompts (one at a time) for batch-1 settings")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--max-draft-tokens", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _hf_config(model, temperature: float):
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = None
+    gc.pad_token_id = 0 if gc.pad_token_id is None else gc.pad_token_id
+    gc.do_sample = temperature > 0
+    gc.temperature = temperature if temperature > 0 else None
+    gc.top_k = 0 if temperature > 0 else None
+    gc.top_p = None
+    return gc
+
+
+@torch.inference_mode()
+def hf_generate(target, batches, n, temperature, assistant=None, seed=0) -> tuple[float, int]:
+    """Seconds and tokens for HF generate over `batches` (left-padded)."""
+    gc = _hf_config(target, temperature)
+    total_t, total_tok = 0.0, 0
+    for bi, batch in enumerate(batches):
+        m = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), m, dtype=torch.long)
+        mask = torch.zeros(len(batch), m, dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, m - len(p) :] = torch.tensor(p)
+            mask[i, m - len(p) :] = 1
+        kw = dict(generation_config=gc, max_new_tokens=n, min_new_tokens=n, attention_mask=mask)
+        if assistant is not None:
+            kw["assistant_model"] = assistant
+        torch.manual_seed(seed + bi)
+        t0 = time.perf_counter()
+        out = target.generate(ids, **kw)
+        total_t += time.perf_counter() - t0
+        total_tok += int((out.shape[1] - m) * len(batch))
+    return total_t, total_tok
+
+
+def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
+    """Run batches through the step API; record per-step K for the predicted-speedup model."""
+    total_t, tokens, drafted, accepted, steps = 0.0, 0, 0, 0, 0
+    ks: list[tuple[int, int]] = []  # (batch size, K) per step
+    acc_pos = [0] * engine.max_draft_tokens
+    dr_pos = [0] * engine.max_draft_tokens
+    for bi, batch in enumerate(batches):
+        for i, p in enumerate(batch):
+            sp = SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed + 1000 * bi + i)
+            engine.add_request(Request(f"b{bi}-{i}", p, sp))
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            b = engine._seqs.__len__() + len(engine._waiting)
+            for o in engine.step():
+                if o.finished and o.result is not None:
+                    r = o.result
+                    tokens += len(r.token_ids)
+                    drafted += r.num_drafted
+                    accepted += r.num_accepted
+                    steps += r.num_steps
+                    for j in range(len(acc_pos)):
+                        acc_pos[j] += r.accepted_per_position[j]
+                        dr_pos[j] += r.drafted_per_position[j]
+            ks.append((b, engine.last_k))
+        total_t += time.perf_counter() - t0
+    return dict(
+        seconds=total_t,
+        tokens=tokens,
+        tokens_per_s=tokens / total_t if total_t else 0.0,
+        alpha=accepted / drafted if drafted else 0.0,
+        mean_accepted_length=1 + accepted / steps if steps else 1.0,
+        per_position_acceptance=[a / d if d else None for a, d in zip(acc_pos, dr_pos, strict=True)],
+        k_per_step=ks,
+    )
+
+
+def predicted(engine: SpeculativeEngine, plain: SpeculativeEngine, run: dict) -> dict:
+    """Speedup over plain decoding that alpha, the K used and the measured costs allow."""
+    c = engine.costs
+    alpha = run["alpha"]
+    tok = tim = base = 0.0
+    for b, k in run["k_per_step"]:
+        c_plain = plain.costs.verify_cost(b, 0) or c.verify_cost(b, 0)
+        c_v = c.verify_cost(b, k) or c_plain
+        c_d = (c.draft_cost(b) or 0.0) if k else 0.0
+        tok += b * expected_tokens(alpha, k)
+        tim += k * c_d + c_v
+        base += c_plain  # a plain step of b rows emits b tokens
+    steps = max(1, len(run["k_per_step"]))
+    plain_rate = sum(b for b, _ in run["k_per_step"]) / base if base else 0.0
+    rate = tok / tim if tim else 0.0
+    ks = [k for _, k in run["k_per_step"]]
+    return dict(
+        predicted_speedup=rate / plain_rate if plain_rate else None,
+        mean_k=sum(ks) / steps,
+        c_draft_ms={b: v * 1e3 for b, v in c.draft.items()},
+        c_verify_ms={b: {k: v * 1e3 for k, v in d.items()} for b, d in c.verify.items()},
+    )
+
+
+def goal(name, value, target, higher=True):
+    met = value is not None and (value >= target if higher else value <= target)
+    return {"name": name, "value": value, "target": target, "higher_is_better": higher, "met": bool(met)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from dvi import data
+    from dvi.models import load_embedded_pair
+
+    t_start = time.perf_counter()
+    pair = load_embedded_pair(args.preset, args.root, device="cpu", dtype="float32")
+    target, drafter, tok = pair.target.eval(), pair.drafter.eval(), pair.tokenizer
+    domains = [d for d in args.domains.split(",") if d]
+    temps = [float(t) for t in args.temperatures.split(",") if t]
+    bss = [int(b) for b in args.batch_sizes.split(",") if b]
+    n = args.max_new_tokens
+
+    spec = SpeculativeEngine(
+        target, drafter, num_draft_tokens=args.num_draft_tokens, adaptive=True, max_draft_tokens=args.max_draft_tokens
+    )
+    plain = SpeculativeEngine(target, None)
+    # Warm up every code path (and the cost model at each batch size) on prompts not measured below.
+    warm = data.prompt_stream(domains[0], tok, split="heldout", prompt_tokens=(48, 96), seed=args.seed + 99)
+    for b in bss:
+        wb = [[next(warm) for _ in range(b)]]
+        dvi_run(spec, wb, 24, 0.0)
+        dvi_run(plain, wb, 8, 0.0)
+    hf_generate(target, [[next(warm)]], 8, 0.0)
+    hf_generate(target, [[next(warm)]], 8, 0.0, assistant=drafter)
+
+    rows = []
+    for domain, temp, b in itertools.product(domains, temps, bss):
+        stream = data.prompt_stream(domain, tok, split="heldout", prompt_tokens=(48, 96), seed=args.seed)
+        nb = args.prompts_b1 if b == 1 else 1
+        batches = [[next(stream) for _ in range(b)] for _ in range(nb)]
+        off = dvi_run(plain, batches, n, temp, seed=args.seed)
+        run = dvi_run(spec, batches, n, temp, seed=args.seed)
+        pred = predicted(spec, plain, run)
+        hf_t, hf_n = hf_generate(target, batches, n, temp, seed=args.seed)
+        hf_rate = hf_n / hf_t
+        row = dict(
+            domain=domain,
+            temperature=temp,
+            batch_size=b,
+            prompts=sum(len(x) for x in batches),
+            dvi=run | {"k_per_step": None},
+            dvi_off=off | {"k_per_step": None},
+            hf_generate_tokens_per_s=hf_rate,
+            speedup_vs_off=run["tokens_per_s"] / off["tokens_per_s"],
+            speedup_vs_hf=run["tokens_per_s"] / hf_rate,
+            **pred,
+        )
+        if b == 1:
+            as_t, as_n = hf_generate(target, batches, n, temp, assistant=drafter, seed=args.seed)
+            row["hf_assisted_tokens_per_s"] = as_n / as_t
+            row["speedup_vs_hf_assisted"] = run["tokens_per_s"] / row["hf_assisted_tokens_per_s"]
+        ps = row["predicted_speedup"]
+        row["measured_over_predicted"] = row["speedup_vs_off"] / ps if ps else None
+        rows.append(row)
+        print(
+            f"  {domain:5s} T={temp:g} B={b:2d}: dvi {run['tokens_per_s']:7.1f} tok/s  off {off['tokens_per_s']:7.1f}"
+            f"  hf {hf_rate:7.1f}  alpha {run['alpha']:.2f}  K~{pred['mean_k']:.1f}",
+            flush=True,
+        )
+
+    def find(domain, temp, b):
+        return next((r for r in rows if r["domain"] == domain and r["temperature"] == temp and r["batch_size"] == b), None)
+
+    key = find("code", 0.0, 1) or rows[0]
+    b16 = find("code", 0.0, 16) or find(domains[0], temps[0], max(bss))
+    goals = [
+        goal("speedup vs HF generate (code, greedy, batch 1)", key["speedup_vs_hf"], 1.3),
+        goal("speedup vs HF assisted (code, greedy, batch 1)", key.get("speedup_vs_hf_assisted"), 1.2),
+        goal("measured / predicted speedup (code, greedy, batch 1)", key["measured_over_predicted"], 0.85),
+        goal(f"adaptive vs speculation off (batch {b16['batch_size']})", b16["speedup_vs_off"], 1.0),
+    ]
+    out = dict(
+        benchmark="decode",
+        settings=vars(args) | {"device": "cpu", "torch_threads": torch.get_num_threads()},
+        models=dict(
+            target_layers=target.config.num_hidden_layers,
+            target_hidden=target.config.hidden_size,
+            drafter_layers=drafter.config.num_hidden_layers,
+            drafter_hidden=drafter.config.hidden_size,
+            vocab=target.config.vocab_size,
+        ),
+        results=rows,
+        goals=goals,
+        runtime_s=time.perf_counter() - t_start,
+    )
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=str))
+
+    hdr = (
+        f"{'domain':6s} {'T':>3s} {'B':>3s} {'dvi tok/s':>9s} {'off':>7s} {'HF':>7s} {'HFasst':>7s} {'alpha':>5s} "
+        f"{'acc.len':>7s} {'K':>4s} {'xoff':>5s} {'xHF':>5s} {'xAsst':>5s} {'pred':>5s} {'m/p':>5s}  per-position acceptance"
+    )
+    print("\n" + hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        pp = " ".join("-" if a is None else f"{a:.2f}" for a in r["dvi"]["per_position_acceptance"][:6])
+        asst = r.get("hf_assisted_tokens_per_s")
+        xa = r.get("speedup_vs_hf_assisted")
+        ps, mp = r["predicted_speedup"], r["measured_over_predicted"]
+        print(
+            f"{r['domain']:6s} {r['temperature']:3g} {r['batch_size']:3d} {r['dvi']['tokens_per_s']:9.1f} "
+            f"{r['dvi_off']['tokens_per_s']:7.1f} {r['hf_generate_tokens_per_s']:7.1f} "
+            f"{(f'{asst:7.1f}' if asst else '      -')} {r['dvi']['alpha']:5.2f} {r['dvi']['mean_accepted_length']:7.2f} "
+            f"{r['mean_k']:4.1f} {r['speedup_vs_off']:5.2f} {r['speedup_vs_hf']:5.2f} "
+            f"{(f'{xa:5.2f}' if xa else '    -')} {(f'{ps:5.2f}' if ps else '    -')} {(f'{mp:5.2f}' if mp else '    -')}  {pp}"
+        )
+    print("\ngoals:")
+    for g in goals:
+        v = "n/a" if g["value"] is None else f"{g['value']:.3f}"
+        print(f"  [{'met' if g['met'] else 'NOT met'}] {g['name']}: {v} (target {'>=' if g['higher_is_better'] else '<='} {g['target']})")
+    print(f"\nwrote {path} ({out['runtime_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
