@@ -7,8 +7,7 @@
   and stop auto-promotion; ``{"version": null}`` unpins.
 - ``POST /admin/drafter/rollback`` ``{"reason": ...}``: back to the previous drafter.
 - ``POST /admin/trainer/pause`` / ``/admin/trainer/resume``: writes / removes
-  `<run_dir>/trainer.pause` and, for a supervised trainer, SIGSTOP / SIGCONT its process group
-  (see `serving.supervisor`).
+  `<run_dir>/trainer.pause`, which the online trainer honours (see `serving.supervisor`).
 - ``GET /admin/status``: the health document plus the swap history.
 
 Errors: 401 without a bearer token, 403 for a wrong one, when admin is disabled, or for a path
@@ -21,6 +20,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,14 @@ def confine_path(path: str, allowed_dirs: list[Path]) -> Path:
     raise ApiError(403, f"path {path!r} is outside the allowed dirs", param="path", type_="permission_error")
 
 
+def _write_target_version(run_dir: Path, version: int) -> None:
+    """`<run_dir>/target_version`: tells the online trainer about the new target before its first
+    feedback record arrives (trainers.online reads this file)."""
+    tmp = run_dir / f".target_version.{os.getpid()}"
+    tmp.write_text(f"{version}\n")
+    os.replace(tmp, run_dir / "target_version")
+
+
 def admin_router() -> APIRouter:
     """The /admin routes; every one checks the admin token first."""
     router = APIRouter(prefix="/admin")
@@ -123,6 +131,7 @@ def admin_router() -> APIRouter:
             raise ApiError(400, f"cannot load target weights from {body.path!r}: {type(exc).__name__}: {exc}",
                            param="path") from None
         s.target_version = version
+        _write_target_version(Path(s.cfg.run_dir), version)
         s.metrics.observe_target_update(version)
         log.warning("target weights updated from %s (target version %d)", path, version)
         return {"target_version": version, "path": str(path)}

@@ -13,10 +13,10 @@ Modes (`serve.trainer`):
 - ``external``: a trainer started elsewhere (e.g. `accelerate launch` on other GPUs) shares the
   feedback and registry dirs; the server only reports ``external``.
 
-Pause / resume: the supervisor writes `<run_dir>/trainer.pause` (a trainer that honours the file
-stops taking steps while it exists; this is the only mechanism for external trainers) and, in
-supervised mode, also sends SIGSTOP / SIGCONT to the trainer's process group so the pause takes
-effect at once even mid-step. A stopped trainer is not treated as dead.
+Pause / resume: the supervisor writes / removes `<run_dir>/trainer.pause`; the online trainer
+(`trainers.online`) checks it before every round and takes no steps while it exists, so the same
+mechanism works for supervised and external trainers, and a paused trainer stays responsive to
+SIGTERM (no SIGSTOP). A paused trainer is alive, and is reported as ``paused``.
 
 The child runs in its own session (so the whole group can be signalled) and, on Linux, gets
 PR_SET_PDEATHSIG so it dies with the server even when the server is SIGKILLed. Spawning happens
@@ -114,7 +114,6 @@ class TrainerSupervisor:
             proc = self.proc
         if proc is None or proc.poll() is not None:
             return
-        self._signal(proc, signal.SIGCONT)
         self._signal(proc, signal.SIGTERM)
         try:
             proc.wait(timeout=timeout)
@@ -159,8 +158,6 @@ class TrainerSupervisor:
             if proc is not None:
                 with self._lock:
                     self.proc = proc
-                    if self.paused:
-                        self._signal(proc, signal.SIGSTOP)
                 self.state = "paused" if self.paused else "running"
                 log.info("trainer started (pid %d, restarts %d)", proc.pid, self.restarts)
                 self.on_event("started")
@@ -190,7 +187,6 @@ class TrainerSupervisor:
         with self._lock:
             self.paused = True
             if self.proc is not None and self.proc.poll() is None:
-                self._signal(self.proc, signal.SIGSTOP)
                 self.state = "paused"
 
     def resume(self) -> None:
@@ -200,7 +196,6 @@ class TrainerSupervisor:
         with self._lock:
             self.paused = False
             if self.proc is not None and self.proc.poll() is None:
-                self._signal(self.proc, signal.SIGCONT)
                 self.state = "running"
 
     # -- reporting ---------------------------------------------------------------------------

@@ -9,10 +9,12 @@ wandb), with `step` = requests finished so far, which is what `dvi report` and t
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from dvi import metrics as M
@@ -23,6 +25,19 @@ log = logging.getLogger(__name__)
 # Supervisor states -> dvi.metrics.TRAINER_STATES codes.
 _TRAINER_STATE = {"running": "running", "starting": "starting", "restarting": "backoff", "paused": "stopped",
                   "stopped": "stopped", "off": "stopped", "external": "running"}
+
+
+def read_trainer_status(run_dir: str) -> dict[str, Any]:
+    """The online trainer's gauges from `<run_dir>/trainer/status.json` ({} if absent or torn).
+
+    The trainer replaces that file atomically after every round (trainers.online); reading it at
+    scrape time puts the trainer's losses and held-out α on the server's /metrics.
+    """
+    try:
+        data = json.loads((Path(run_dir) / "trainer" / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 class ServerMetrics:
@@ -104,6 +119,8 @@ class ServerMetrics:
         dv = state.swapper.live_version if state.swapper is not None else 0
         self.m.set_versions(drafter_version=dv, target_version=state.target_version)
         self.m.set_trainer_state(_TRAINER_STATE.get(state.supervisor.state, "stopped"))
+        if state.supervisor.mode != "off":
+            self.m.set_trainer(read_trainer_status(state.cfg.run_dir))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
