@@ -7,7 +7,8 @@ push the new weights into the rollout engine. The arms differ only in how rollou
 * `plain`  - the target samples alone (the engine with speculation off: K = 0, same code path);
 * `frozen` - dvi speculative sampling with the bootstrap drafter, never updated;
 * `online` - dvi speculative sampling, the drafter trained between RL steps on the feedback
-  records of the current policy (`trainers.rl.InProcessDrafterTrainer`, the online loss).
+  records of the current policy (`trainers.online.OnlineTrainer` driven in process: the online
+  trainer's loss, replay and stale-version handling, without a second process competing for cores).
 
 The arms advance in lockstep (step i of every arm before step i+1 of any), so machine-load drift
 hits all three alike. Sampling is lossless in every arm, so the arms sample the same
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--adaptive", action="store_true", help="let the engine choose K per step")
     ap.add_argument("--drafter-lr", type=float, default=None)
-    ap.add_argument("--drafter-updates-per-step", type=int, default=None)
+    ap.add_argument("--drafter-mode", default=None, choices=["lora", "full"])
+    ap.add_argument("--drafter-batch-size", type=int, default=None)
+    ap.add_argument("--drafter-passes", type=int, default=None, help="trainer passes over each step's records")
     ap.add_argument("--alpha-from", type=int, default=20, help="goal α is measured from this step on")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="bench_results/rl.json")
@@ -153,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         root = bootstrap(a.preset, out=root.parent if a.pair_dir is None else root)
     alpha_from = min(a.alpha_from, a.steps // 2)
 
-    overrides = {k: v for k, v in {"lr": a.lr, "drafter_lr": a.drafter_lr,
-                                   "drafter_updates_per_step": a.drafter_updates_per_step}.items() if v is not None}
+    overrides = {k: v for k, v in {"lr": a.lr, "drafter_lr": a.drafter_lr, "drafter_mode": a.drafter_mode,
+                                   "drafter_batch_size": a.drafter_batch_size,
+                                   "drafter_passes": a.drafter_passes}.items() if v is not None}
     runs: dict[str, RLRun] = {}
     for arm in arms:
         cfg = RLConfig(arm=arm, preset=a.preset, pair_dir=str(root), steps=a.steps, prompts_per_step=a.prompts_per_step,

@@ -161,10 +161,13 @@ class RLConfig:
     grad_clip: float = 1.0
     num_draft_tokens: int = 4
     adaptive: bool = False
-    # online drafter training (arm == "online")
+    # online drafter training (arm == "online"): trainers.online.OnlineTrainer, in process
+    drafter_mode: str = "lora"  # lora | full (trainer.mode)
     drafter_lr: float = 3e-3
-    drafter_updates_per_step: int = 2
-    feedback_top_k: int = 16
+    drafter_batch_size: int = 8
+    drafter_passes: int = 1  # train_on_records calls per RL step (each sees the batch's records once)
+    drafter_reward_ramp_start: int = 20  # trainer steps of pure KL before the accept/reject reward ramps in
+    feedback_top_k: int = 32
     seed: int = 0
     threads: int | None = 1
     kl_every: int = 5
@@ -173,6 +176,8 @@ class RLConfig:
     def __post_init__(self) -> None:
         if self.arm not in ("plain", "frozen", "online"):
             raise ValueError(f"arm must be 'plain', 'frozen' or 'online', got {self.arm!r}")
+        if self.drafter_mode not in ("lora", "full"):
+            raise ValueError(f"drafter_mode must be 'lora' or 'full', got {self.drafter_mode!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {sorted(REWARDS)}, got {self.reward!r}")
         for name in ("steps", "prompts_per_step", "n", "max_new_tokens"):
@@ -205,92 +210,6 @@ class StepLog:
 
 def _json_float(x: float) -> float | None:
     return None if (isinstance(x, float) and (math.isnan(x) or math.isinf(x))) else x
-
-
-class InProcessDrafterTrainer:
-    """The online arm's drafter learner, run between RL steps in the same process.
-
-    Consumes the feedback records of the last rollout batch (target version on each, top-k of
-    the current policy's distribution at every generated position) and takes
-    `updates_per_step` AdamW steps of `trainers.losses.dvi_loss` on the drafter: the same
-    objective the online trainer process uses, without the shard round trip, so the benchmark
-    times rollouts without a second process competing for the two cores.
-    """
-
-    def __init__(self, drafter: torch.nn.Module, lr: float = 3e-3, updates_per_step: int = 2,
-                 reward_start: int = 10, reward_ramp_steps: int = 40, reward_max_weight: float = 0.1,
-                 pad_id: int = 0) -> None:
-        self.drafter = drafter
-        self.updates_per_step = updates_per_step
-        self.reward_start = reward_start
-        self.reward_ramp_steps = reward_ramp_steps
-        self.reward_max_weight = reward_max_weight
-        self.pad_id = pad_id
-        self.opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr,
-                                     betas=(0.9, 0.99), weight_decay=0.0)
-        self.steps = 0
-        self.records_seen = 0
-        self.last_loss = float("nan")
-
-    def _batch(self, records: Sequence[Any]) -> dict[str, torch.Tensor] | None:
-        """Right-padded inputs + per-position targets; logits at index len(prompt)-1+j predict token j."""
-        recs = [r for r in records if len(r.token_ids) and len(r.topk_ids) == len(r.token_ids)]
-        if not recs:
-            return None
-        k = max(len(t) for r in recs for t in r.topk_ids)
-        width = max(len(r.prompt_ids) + len(r.token_ids) - 1 for r in recs)
-        b = len(recs)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        pos = torch.zeros((b, width), dtype=torch.bool)
-        topk_ids = torch.zeros((b, width, k), dtype=torch.long)
-        topk_lp = torch.full((b, width, k), float("-inf"))
-        drafted = torch.full((b, width), -1, dtype=torch.long)
-        accepted = torch.zeros((b, width), dtype=torch.bool)
-        for i, r in enumerate(recs):
-            seq = list(r.prompt_ids) + list(r.token_ids)[:-1]
-            ids[i, : len(seq)] = torch.tensor(seq)
-            attn[i, : len(seq)] = 1
-            start = len(r.prompt_ids) - 1
-            for j in range(len(r.token_ids)):
-                kk = len(r.topk_ids[j])
-                pos[i, start + j] = True
-                topk_ids[i, start + j, :kk] = torch.tensor(r.topk_ids[j])
-                topk_lp[i, start + j, :kk] = torch.tensor(r.topk_logprobs[j])
-                # pad a short row by repeating its first id at -inf log-prob: zero target mass
-                topk_ids[i, start + j, kk:] = r.topk_ids[j][0]
-                drafted[i, start + j] = r.drafted_ids[j]
-                accepted[i, start + j] = r.accepted[j]
-        return {"ids": ids, "attn": attn, "pos": pos, "topk_ids": topk_ids, "topk_lp": topk_lp,
-                "drafted": drafted, "accepted": accepted}
-
-    def train_on(self, records: Sequence[Any]) -> float:
-        """A few optimiser steps on these records; returns the last loss (nan if nothing usable)."""
-        from trainers.losses import dvi_loss
-
-        batch = self._batch(records)
-        if batch is None:
-            return float("nan")
-        self.records_seen += len(records)
-        was_training = self.drafter.training
-        self.drafter.train()
-        try:
-            for _ in range(self.updates_per_step):
-                logits = self.drafter(input_ids=batch["ids"], attention_mask=batch["attn"]).logits
-                out = dvi_loss(
-                    logits, batch["topk_ids"], batch["topk_lp"], batch["drafted"], batch["accepted"],
-                    batch["pos"], step=self.steps, reward_start=self.reward_start,
-                    reward_ramp_steps=self.reward_ramp_steps, reward_max_weight=self.reward_max_weight,
-                )
-                self.opt.zero_grad(set_to_none=True)
-                out.loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
-                self.opt.step()
-                self.steps += 1
-                self.last_loss = float(out.loss.detach())
-        finally:
-            self.drafter.train(was_training)
-        return self.last_loss
 
 
 class RLRun:
@@ -342,11 +261,36 @@ class RLRun:
         self._prompts = prompt_stream("code", self.tokenizer, split="heldout", prompt_tokens=cfg.prompt_tokens,
                                       seed=cfg.seed)
         self.drafter_trainer = None
+        self._scratch = None
         if cfg.arm == "online":
-            self.drafter_trainer = InProcessDrafterTrainer(self.drafter, lr=cfg.drafter_lr,
-                                                           updates_per_step=cfg.drafter_updates_per_step,
-                                                           pad_id=self.pad_id)
+            self.drafter_trainer = self._online_trainer()
+            # The trainer trains its module in place (a peft wrapper in LoRA mode): serve that one.
+            self.drafter = self.drafter_trainer.model
+            self.drafter.eval()
+            self.engine.set_drafter(self.drafter, 0)
         self.logs: list[StepLog] = []
+
+    def _online_trainer(self) -> Any:
+        """`trainers.online.OnlineTrainer` over this run's drafter: the online loss, replay, stale-version
+        down-weighting, exactly as the trainer process runs them, minus the shard round trip."""
+        import tempfile
+
+        from dvi.config import DviConfig
+        from trainers.online import OnlineTrainer
+
+        cfg = self.cfg
+        self._scratch = tempfile.TemporaryDirectory(prefix="dvi-rl-")
+        dcfg = DviConfig.model_validate({
+            "run_dir": self._scratch.name,
+            "seed": cfg.seed,
+            "models": {"device": "cpu", "dtype": "float32"},
+            "trainer": {
+                "mode": cfg.drafter_mode, "learning_rate": cfg.drafter_lr, "batch_size": cfg.drafter_batch_size,
+                "heldout_fraction": 0.0, "reward_ramp_start": cfg.drafter_reward_ramp_start,
+                "num_threads": cfg.threads or 1, "seed": cfg.seed,
+            },
+        })
+        return OnlineTrainer(dcfg, self.drafter, run_dir=self._scratch.name, pad_id=self.pad_id)
 
     def _kl_to_init(self, prompts: list[list[int]], completions: list[list[int]], logps: torch.Tensor,
                     mask: torch.Tensor) -> float:
@@ -396,7 +340,12 @@ class RLRun:
         drafter_s, drafter_loss = 0.0, float("nan")
         if self.drafter_trainer is not None:
             t0 = time.perf_counter()
-            drafter_loss = self.drafter_trainer.train_on(self.rollouts.last_records(cfg.temperature))
+            records = self.rollouts.last_records(cfg.temperature)
+            for _ in range(cfg.drafter_passes):
+                out = self.drafter_trainer.train_on_records(records)
+                drafter_loss = float(out.get("loss", float("nan")))
+            self.drafter.eval()
+            # In place already; the version bump makes the engine rebuild its drafter cache and tags records.
             self.rollouts.set_drafter(self.drafter, self.rollouts.drafter_version + 1)
             drafter_s = time.perf_counter() - t0
 
@@ -420,9 +369,17 @@ class RLRun:
     def run(self) -> list[StepLog]:
         for i in range(self.cfg.steps):
             self.step(i)
+        self.close()
+        return self.logs
+
+    def close(self) -> None:
+        """Flush feedback and remove scratch dirs (idempotent)."""
         if self.writer is not None:
             self.writer.close()
-        return self.logs
+            self.writer = None
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
 
     def summary(self, alpha_from: int = 20) -> dict[str, Any]:
         """Per-arm totals the benchmark compares; α is token-weighted (accepted / drafted)."""
