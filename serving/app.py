@@ -130,6 +130,9 @@ def build_state(cfg: DviConfig) -> ServerState:
     from dvi.models import load_pair
 
     torch.set_num_threads(cfg.serve.num_threads)
+    if cfg.models.drafter_kind != "separate":
+        raise ValueError(f"models.drafter_kind={cfg.models.drafter_kind!r}: the server hot-swaps separate drafters "
+                         "only; serve with models.drafter_kind=separate")
     target_path, drafter_path, tok_path = pair_paths(cfg)
     pair = load_pair(target_path, drafter_path, tok_path, device=cfg.models.device, dtype=cfg.models.dtype)
     tokenizer = pair.tokenizer

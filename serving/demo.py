@@ -163,6 +163,7 @@ async def _phase(url: str, name: str, domain: str, prompts: Any, n: int, max_tok
     import httpx
 
     it = iter(range(n))
+    unreachable = [0]
 
     async def worker(client: httpx.AsyncClient) -> None:
         for _ in it:
@@ -171,8 +172,12 @@ async def _phase(url: str, name: str, domain: str, prompts: Any, n: int, max_tok
             try:
                 r = await client.post("/v1/completions", json=body)
                 stats = r.json()["dvi"] if r.status_code == 200 else None
-            except httpx.HTTPError:
+                unreachable[0] = 0
+            except httpx.TransportError:
                 stats = None
+                unreachable[0] += 1
+                if unreachable[0] >= 3:  # the server is gone (e.g. Ctrl-C reached it first)
+                    raise RuntimeError("the server stopped answering") from None
             timeline.add(name, stats)
             a = timeline.rolling_alpha()
             progress.update(task, advance=1, description=(
@@ -269,9 +274,10 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
         console.print("[yellow]interrupted: stopping the server and its trainer ...[/yellow]")
         status = 130
         final = {}
-    except RuntimeError as exc:
-        console.print(f"[red]demo failed: {exc}[/red]")
-        return 1
+    except (RuntimeError, httpx.HTTPError) as exc:
+        console.print(f"[red]demo stopped: {exc}[/red]")
+        status = 1
+        final = {}
     timeline.flush()
 
     table = Table(title="α timeline (client side, per window of requests)")
