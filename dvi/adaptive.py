@@ -128,13 +128,17 @@ class AcceptanceEMA:
 class AdaptiveK:
     """Chooses K each step; measures K=0 and the default K first at each batch size, probes when K=0."""
 
-    def __init__(self, k_max: int, k_default: int, probe_every: int = 16, probe_k: int | None = None):
+    def __init__(self, k_max: int, k_default: int, probe_every: int = 16, probe_k: int | None = None,
+                 max_probe_every: int = 256):
         self.k_max = k_max
         self.k_default = max(1, min(k_default, k_max)) if k_max > 0 else 0
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
         self.probe_k = probe_k
         self.costs = CostModel()
         self._zero_streak = 0
+        self._interval = probe_every
+        self._next_probe = probe_every
         self.last_choice = self.k_default
 
     def choose(self, batch: int, alphas: Sequence[float]) -> int:
@@ -148,10 +152,14 @@ class AdaptiveK:
         k = choose_k(alphas, c.draft_cost(batch), lambda kk: c.verify_cost(batch, kk), self.k_max)
         if k == 0:
             self._zero_streak += 1
-            if self._zero_streak % self.probe_every == 0:
-                # Keep alpha (and the K>0 costs) from going stale while speculation is off.
+            if self._zero_streak >= self._next_probe:
+                # Keep alpha (and the K>0 costs) from going stale while speculation is off; back off
+                # exponentially while probes keep confirming K = 0 (each probe costs a drafter catch-up).
                 k = self.probe_k or max(1, min(2, self.k_max))
+                self._interval = min(2 * self._interval, self.max_probe_every)
+                self._next_probe = self._zero_streak + self._interval
         else:
             self._zero_streak = 0
+            self._interval = self._next_probe = self.probe_every
         self.last_choice = k
         return k

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dvi.adaptive import AcceptanceEMA, AdaptiveK, CostModel
-from dvi.drafters import Drafter, as_drafter, hf_forward
+from dvi.drafters import Drafter, as_drafter, model_forward
 from dvi.kv import RaggedKV, prefill
 from dvi.sampling import greedy_accept, rejection_accept, sample_from, warp_probs
 
@@ -132,7 +132,7 @@ class SpeculativeEngine:
         if not _is_int(feedback_top_k) or feedback_top_k < 0:
             raise ValueError(f"feedback_top_k must be an int >= 0, got {feedback_top_k!r}")
         self.target = target.eval()
-        self._tfn = hf_forward(self.target)
+        self._tfn = model_forward(self.target)
         p0 = next(self.target.parameters())
         self.device, self.dtype = p0.device, p0.dtype
         self.vocab_size = int(self.target.get_output_embeddings().weight.shape[0])
@@ -158,6 +158,7 @@ class SpeculativeEngine:
         self._outbox: list[StepOutput] = []
         self._target_dirty = self._drafter_dirty = False
         self._gen_calls = 0
+        self._catchup = False
         self._refresh_params()
 
     # ------------------------------------------------------------------ public API
@@ -404,6 +405,7 @@ class SpeculativeEngine:
     def _draft(self, k: int, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         pend = [s.pending for s in self._seqs]
         m = max(len(p) for p in pend)
+        self._catchup = m > 2
         if m == 1:
             ids = torch.tensor(pend, dtype=torch.long, device=self.device)
             valid = None
@@ -531,7 +533,7 @@ class SpeculativeEngine:
             outs.append(StepOutput(s.req.request_id, new, reason is not None, r if reason else None))
         t2 = time.perf_counter()
         self.costs.record_verify(b, k, t2 - t1)
-        if k > 0:
+        if k > 0 and not self._catchup:  # a drafter catch-up after K=0 steps is not a typical draft cost
             self.costs.record_draft(b, (t1 - t0) / k)
         if finished:
             self._remove_rows(finished)

@@ -99,7 +99,10 @@ class RaggedKV:
         if self.max_position is not None:
             # Only inputs past a finishing row's last emitted token can get here; their outputs are discarded.
             qpos.clamp_(max=self.max_position - 1)
-        mask = self._build_mask(qpos, new_valid) if holes else None
+        # HF forwards build their own causal mask when there are no holes; lean forwards need one for any
+        # multi-token query or windowed attention (SDPA's is_causal is wrong with a cache).
+        need = holes or (getattr(fn, "explicit_mask", False) and (q > 1 or self.kind != "full"))
+        mask = self._build_mask(qpos, new_valid) if need else None
         logits = fn(input_ids, mask, qpos, self.cache, logits_to_keep)
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.pos = torch.cat([self.pos, qpos], dim=1)
