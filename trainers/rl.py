@@ -157,7 +157,7 @@ class RLConfig:
     top_p: float = 1.0
     top_k: int = 0
     reward: str = "upper"
-    lr: float = 3e-4
+    lr: float = 1e-3
     grad_clip: float = 1.0
     num_draft_tokens: int = 4
     adaptive: bool = False
