@@ -211,3 +211,30 @@ def test_trainer_sigkill_is_restarted_without_failing_requests(tiny_pair_dir, tm
         for _ in range(50):
             os.kill(child, 0)
             time.sleep(0.1)
+
+
+def test_dvi_serve_process_serves_and_stops_cleanly(tiny_pair_dir, tmp_path) -> None:
+    """`dvi serve` as its own process (port 0 on loopback), with its trainer; SIGTERM stops both."""
+    import yaml
+
+    from dvi.config import dump_config
+    from serving.demo import ServerProcess
+
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.trainer=supervised")
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(dump_config(cfg)))
+    with ServerProcess(["--config", str(path)], tmp_path / "server.log") as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            trainer_pid = wait_for(lambda: c.get("/health").json()["trainer"]["pid"], 30, what="trainer pid")
+        proc = srv.proc
+    log = (tmp_path / "server.log").read_text()
+    # uvicorn re-raises the captured SIGTERM after its graceful shutdown
+    assert proc.returncode in (0, -signal.SIGTERM), log[-2000:]
+    assert "Traceback" not in log, log[-2000:]
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):
+            os.kill(trainer_pid, 0)
+            time.sleep(0.1)
