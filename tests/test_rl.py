@@ -123,11 +123,13 @@ def test_rl_loop_online_arm_pushes_policy_and_trains_drafter(tiny_pair_dir):
                    max_new_tokens=8, prompt_tokens=(8, 16), lr=1e-3, kl_every=2, feedback_top_k=8)
     run = RLRun(cfg, log=None)
     drafter0 = {k: v.clone() for k, v in run.drafter.state_dict().items()}
-    logs = run.run()
+    logs = [run.step(i) for i in range(3)]
     assert [r.target_version for r in logs] == [0, 1, 2]  # rollouts of step i sampled policy version i
     assert [r.drafter_version for r in logs] == [0, 1, 2]
     assert run.engine.target_version == 3 and _same_weights(run.policy, run.engine.target)
     assert any(not torch.equal(drafter0[k], v) for k, v in run.drafter.state_dict().items())
+    assert run.drafter_trainer.records_seen == 3 * 4 and run.drafter_trainer.current_target_version() == 3
+    run.close()
     assert not math.isnan(logs[2].kl_to_init) and logs[2].kl_to_init > 0  # the target moved
     assert all(0 <= r.alpha <= 1 and r.tokens > 0 and r.rollout_s > 0 for r in logs)
     s = run.summary()

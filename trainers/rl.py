@@ -347,6 +347,11 @@ class RLRun:
             self.drafter.eval()
             # In place already; the version bump makes the engine rebuild its drafter cache and tags records.
             self.rollouts.set_drafter(self.drafter, self.rollouts.drafter_version + 1)
+            # The trainer-process protocol: whoever updates the target announces its version, so
+            # records of older policies are down-weighted from now on.
+            from trainers.online import TARGET_VERSION_FILE, write_json_atomic
+
+            write_json_atomic(Path(self.drafter_trainer.run_dir) / TARGET_VERSION_FILE, i + 1)
             drafter_s = time.perf_counter() - t0
 
         if self.writer is not None:
