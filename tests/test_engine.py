@@ -23,6 +23,8 @@ def tiny(family: str, seed: int, layers: int = 2, **over):
     from transformers import (
         GPT2Config,
         GPT2LMHeadModel,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -58,6 +60,12 @@ def tiny(family: str, seed: int, layers: int = 2, **over):
             vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=128, initializer_range=0.25, **over
         )
         cls = GPT2LMHeadModel
+    elif family == "gpt_neox":
+        cfg = GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+            max_position_embeddings=128, initializer_range=0.25, tie_word_embeddings=False, **over,
+        )
+        cls = GPTNeoXForCausalLM
     else:
         raise ValueError(family)
     m = cls(cfg).eval()
@@ -94,7 +102,7 @@ def assert_greedy_equal(target, prompt: list[int], got: list[int], ref: list[int
     assert gap < TIE_EPS, f"divergence at {j}: got {got[j]} ref {ref[j]}, top-2 gap {gap:.3g} is not float noise"
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gpt2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gpt2", "gpt_neox"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -263,3 +271,19 @@ def test_set_drafter_and_update_target_midflight():
         assert r.token_ids[:c] == old_ref[:c]
         ctx = PROMPTS[i] + r.token_ids[:c]
         assert_greedy_equal(new_target, ctx, r.token_ids[c:], reference(new_target, ctx, NEW - c))
+
+
+def test_update_target_weights_from_path_with_early_exit(tmp_path):
+    target = tiny("llama", seed=0, layers=3)
+    ee = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=2)
+    eng = SpeculativeEngine(target, ee, num_draft_tokens=3)
+    eng.generate(PROMPTS[:2], 4)
+    new = tiny("llama", seed=8, layers=3)
+    new.save_pretrained(tmp_path / "t2")
+    eng.update_target_weights(tmp_path / "t2", version=3)
+    # the early-exit drafter reads the same (updated in place) Parameters
+    assert ee.model.model.embed_tokens.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(target.model.embed_tokens.weight, new.model.embed_tokens.weight)
+    for p, r in zip(PROMPTS, eng.generate(PROMPTS, NEW), strict=True):
+        assert_greedy_equal(new, p, r.token_ids, reference(new, p, NEW))
+        assert r.target_version == 3
