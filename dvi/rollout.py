@@ -293,14 +293,15 @@ def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     except ImportError:  # pragma: no cover - peft is a hard dependency
         PeftModel = ()  # type: ignore[assignment]
     if isinstance(model, PeftModel):
+        active = getattr(model, "active_adapter", "default")
+        saved = f".modules_to_save.{active}."
         model.merge_adapter()
         try:
-            sd = model.get_base_model().state_dict()
             out = {}
-            for k, v in sd.items():
-                if "lora_" in k or ".modules_to_save." in k:
+            for k, v in model.get_base_model().state_dict().items():
+                if "lora_" in k or ".original_module." in k or (".modules_to_save." in k and saved not in k):
                     continue
-                out[k.replace(".base_layer.", ".")] = v.detach().clone()
+                out[k.replace(saved, ".").replace(".base_layer.", ".")] = v.detach().clone()
             return out
         finally:
             model.unmerge_adapter()

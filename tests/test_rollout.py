@@ -143,3 +143,25 @@ def test_bad_input_names_the_field(pair):
     with pytest.raises(TypeError, match="prompts"):
         engine.generate_rollouts("def f():")
     assert callable(trl_rollout_func(engine))
+
+
+def test_policy_state_dict_merges_a_peft_policy(tiny_pair_dir):
+    """A LoRA-wrapped GRPO policy (TRL's peft_config path) lands in the dvi target as merged weights."""
+    from peft import LoraConfig, get_peft_model
+
+    base = load_causal_lm(tiny_pair_dir / "target", device="cpu", dtype="float32")
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                             modules_to_save=["lm_head"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    target = load_causal_lm(tiny_pair_dir / "target", device="cpu", dtype="float32")
+    engine = RolloutEngine(SpeculativeEngine(target))
+    sd = policy_state_dict(policy)
+    assert set(sd) == set(target.state_dict())
+    engine.update_target_weights(sd, version=1)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(target(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
