@@ -97,15 +97,22 @@ def make_llama(dims, vocab_size: int, max_positions: int, tokenizer, seed: int):
     return LlamaForCausalLM(cfg).eval()
 
 
-def _latency(target, drafter, steps: int, rounds: int = 3) -> dict:
-    """Interleaved rounds so machine noise hits both models alike; median of round medians."""
-    t_ms, d_ms = [], []
-    for r in range(rounds):
-        t_ms.append(decode_step_latency(target, steps=steps, seed=r) * 1e3)
-        d_ms.append(decode_step_latency(drafter, steps=steps, seed=r) * 1e3)
+def _latency(target, drafter, steps: int, rounds: int = 3, threads: int = 1) -> dict:
+    """Per-token decode cost of each model (batch 1, KV cache), at `threads` torch threads (the
+    serving setting; batch-1 steps gain nothing from more, and a busy second core makes two
+    threads erratic). Interleaved rounds so machine noise hits both alike; median of medians."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t_ms, d_ms = [], []
+        for r in range(rounds):
+            t_ms.append(decode_step_latency(target, steps=steps, seed=r) * 1e3)
+            d_ms.append(decode_step_latency(drafter, steps=steps, seed=r) * 1e3)
+    finally:
+        torch.set_num_threads(prev)
     t, d = statistics.median(t_ms), statistics.median(d_ms)
     return {"target_ms": t, "drafter_ms": d, "ratio": t / d, "steps": steps, "rounds": rounds,
-            "threads": torch.get_num_threads()}
+            "threads": threads, "target_rounds_ms": t_ms, "drafter_rounds_ms": d_ms}
 
 
 def _versions() -> dict:
@@ -166,7 +173,7 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
     batches = token_batches([code_stream, prose_stream], p.target_batch, p.seq_len,
                             weights=[1 - p.prose_fraction, p.prose_fraction], seed=seed)
     t_stats = pretrain_lm(target, batches, p.target_steps, lr=p.target_lr, warmup=p.target_warmup,
-                          progress=progress, desc=f"target[{p.name}]")
+                          max_seconds=p.target_max_seconds, time_schedule=True, progress=progress, desc=f"target[{p.name}]")
     walls["target_s"] = time.perf_counter() - t0
     _log(f"target: {t_stats['tokens']:,} tokens, loss {t_stats['final_loss']:.3f}, "
          f"{t_stats['tokens_per_s']:.0f} tok/s ({walls['target_s']:.0f}s)", progress)
@@ -182,7 +189,7 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
                              pad_id=pad)["drafter"]
     d_batches = token_batches([code_stream], p.drafter_batch, p.seq_len, seed=seed + 1)
     d_stats = distill(drafter, target, d_batches, p.drafter_steps, lr=p.drafter_lr, warmup=p.drafter_warmup,
-                      progress=progress, desc=f"drafter[{p.name}]")
+                      max_seconds=p.drafter_max_seconds, time_schedule=True, progress=progress, desc=f"drafter[{p.name}]")
     walls["drafter_s"] = time.perf_counter() - t0
     _log(f"drafter: {d_stats['tokens']:,} tokens, KL {d_stats['final_loss']:.3f} ({walls['drafter_s']:.0f}s)",
          progress)
@@ -244,6 +251,8 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
         "continuations": {"tokens": p.continuation_tokens, "prompts": p.continuation_prompts, **cont},
         "wall": walls,
         "threads": torch.get_num_threads(),
+        # False when a wall budget (not the step count) shaped training: the machine was too slow/busy
+        "deterministic": not (t_stats["time_bound"] or d_stats["time_bound"]),
         "versions": _versions(),
     }
     return BuiltPair(tokenizer=tokenizer, target=target, drafter=drafter, manifest=_jsonable(manifest))

@@ -100,6 +100,7 @@ def _train_loop(
     max_seconds: float | None,
     progress: bool,
     desc: str,
+    time_schedule: bool = True,
 ) -> dict:
     if steps <= 0 and not max_seconds:
         raise ValueError("need steps > 0 or a max_seconds budget")
@@ -112,6 +113,7 @@ def _train_loop(
     bar = tqdm(total=steps if steps > 0 else None, desc=desc, disable=not progress, unit="step",
                dynamic_ncols=True, leave=False, mininterval=0.5 if sys.stderr.isatty() else 10.0)
     ema = None
+    time_bound = False  # the wall budget, not the step count, drove the schedule at some step
     try:
         while step < total:
             elapsed = time.perf_counter() - t0
@@ -119,8 +121,10 @@ def _train_loop(
                 break
             # the schedule follows whichever budget (steps or seconds) is further spent
             prog = None
-            if max_seconds:
-                prog = max(elapsed / max_seconds, (step - warmup) / max(1, total - warmup) if steps > 0 else 0.0)
+            if max_seconds and time_schedule:
+                step_prog = (step - warmup) / max(1, total - warmup) if steps > 0 else 0.0
+                prog = max(elapsed / max_seconds, step_prog)
+                time_bound = time_bound or (step >= warmup and elapsed / max_seconds > step_prog)
             f = lr_factor(step, total, warmup, min_lr_ratio, prog)
             for gr in opt.param_groups:
                 gr["lr"] = lr * f
@@ -145,7 +149,8 @@ def _train_loop(
     wall = time.perf_counter() - t0
     tail = losses[-max(1, len(losses) // 10):] if losses else [float("nan")]
     return {"steps": step, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9),
-            "final_loss": sum(tail) / len(tail), "first_loss": losses[0] if losses else float("nan")}
+            "final_loss": sum(tail) / len(tail), "first_loss": losses[0] if losses else float("nan"),
+            "time_bound": time_bound or (steps > 0 and step < steps)}
 
 
 def pretrain_lm(
@@ -160,15 +165,21 @@ def pretrain_lm(
     max_seconds: float | None = None,
     progress: bool = True,
     desc: str = "pretrain",
+    time_schedule: bool = True,
 ) -> dict:
-    """Next-token cross-entropy training on (B, T+1) id batches; returns steps/tokens/loss/wall stats."""
+    """Next-token cross-entropy training on (B, T+1) id batches; returns steps/tokens/loss/wall stats.
+
+    With `max_seconds`, training stops when the budget is spent; `time_schedule` makes the LR
+    schedule follow elapsed time too (a pure time budget), False keeps it step-based (a safety cap
+    that leaves the run deterministic unless hit).
+    """
 
     def loss_fn(batch: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=batch[:, :-1]).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
     return _train_loop(model, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
-                       max_seconds, progress, desc)
+                       max_seconds, progress, desc, time_schedule)
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -194,11 +205,13 @@ def distill(
     max_seconds: float | None = None,
     progress: bool = True,
     desc: str = "distill",
+    time_schedule: bool = True,
 ) -> dict:
     """Train `student` toward `teacher`'s full next-token distribution: KL(teacher || student).
 
     `ce_weight` > 0 mixes in the plain next-token loss. Either `steps` or `max_seconds` (or both)
-    bounds the run; the LR schedule follows whichever is further spent.
+    bounds the run; the LR schedule follows whichever is further spent (step-based only when
+    `time_schedule` is False; see `pretrain_lm`).
     """
     teacher.eval()
 
@@ -215,7 +228,7 @@ def distill(
         return loss
 
     return _train_loop(student, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
-                       max_seconds, progress, desc)
+                       max_seconds, progress, desc, time_schedule)
 
 
 # ---------------------------------------------------------------------------------------------
