@@ -57,6 +57,8 @@ TRAINER_STEP = "dvi_trainer_step"
 TRAINER_RECORDS_SEEN = "dvi_trainer_records_seen"
 TRAINER_HELDOUT_ALPHA = "dvi_trainer_heldout_alpha"
 TRAINER_LOST_SHARDS = "dvi_trainer_feedback_shards_lost"
+TRAINER_RESTARTS = "dvi_trainer_restarts"
+REQUESTS_REJECTED = "dvi_requests_rejected_total"
 
 # labels
 L_DRAFTER_VERSION = "drafter_version"
@@ -65,7 +67,8 @@ L_POSITION = "position"
 L_REASON = "reason"
 L_FINISH = "finish_reason"
 
-TRAINER_STATES = {"stopped": 0, "starting": 1, "running": 2, "backoff": 3, "failed": 4}
+TRAINER_STATES = {"stopped": 0, "starting": 1, "running": 2, "backoff": 3, "failed": 4, "paused": 5, "off": 6,
+                  "external": 7}
 """Numeric codes of `dvi_trainer_state` (a gauge, so wandb and JSONL can plot it too)."""
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -128,6 +131,9 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             TRAINER_LOST_SHARDS, "gauge", "Feedback shards deleted by retention before the trainer read them."
         ),
+        MetricSpec(TRAINER_RESTARTS, "gauge", "Times the supervisor restarted the trainer process."),
+        MetricSpec(REQUESTS_REJECTED, "counter", "Requests refused before decoding (e.g. queue full).",
+                   (L_REASON,)),
     ]
 }
 

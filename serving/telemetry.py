@@ -23,8 +23,8 @@ from dvi.config import DviConfig, dump_config
 log = logging.getLogger(__name__)
 
 # Supervisor states -> dvi.metrics.TRAINER_STATES codes.
-_TRAINER_STATE = {"running": "running", "starting": "starting", "restarting": "backoff", "paused": "stopped",
-                  "stopped": "stopped", "off": "stopped", "external": "running"}
+_TRAINER_STATE = {"running": "running", "starting": "starting", "restarting": "backoff", "paused": "paused",
+                  "stopped": "stopped", "off": "off", "external": "external"}
 
 
 def read_trainer_status(run_dir: str) -> dict[str, Any]:
@@ -109,6 +109,7 @@ class ServerMetrics:
     def observe_rejected(self, reason: str) -> None:
         with self._lock:
             self.rejected += 1
+        self.m[M.REQUESTS_REJECTED].labels(reason=reason).inc()
 
     def observe_target_update(self, version: int) -> None:
         self.m.set_versions(target_version=version)
@@ -119,6 +120,7 @@ class ServerMetrics:
         dv = state.swapper.live_version if state.swapper is not None else 0
         self.m.set_versions(drafter_version=dv, target_version=state.target_version)
         self.m.set_trainer_state(_TRAINER_STATE.get(state.supervisor.state, "stopped"))
+        self.m[M.TRAINER_RESTARTS].set(state.supervisor.restarts)
         if state.supervisor.mode != "off":
             self.m.set_trainer(read_trainer_status(state.cfg.run_dir))
 

@@ -320,3 +320,6 @@ def test_queue_limit_answers_429(tiny_pair_dir, tmp_path) -> None:
             r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert r.status_code == 200  # the server recovered
             assert json.loads(r.text)["usage"]["completion_tokens"] >= 1
+            rejected = [ln for ln in c.get("/metrics").text.splitlines()
+                        if ln.startswith(M.REQUESTS_REJECTED + "{")]
+            assert rejected and float(rejected[0].split()[-1]) == codes.count(429), rejected

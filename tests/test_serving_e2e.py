@@ -198,7 +198,10 @@ def test_trainer_sigkill_is_restarted_without_failing_requests(tiny_pair_dir, tm
         with s.client() as c:
             h = c.get("/health").json()
             assert h["trainer"]["restarts"] >= 1 and h["trainer"]["state"] == "running"
-            assert f'{M.TRAINER_STATE} {float(M.TRAINER_STATES["running"])}' in c.get("/metrics").text
+            text = c.get("/metrics").text
+            assert f'{M.TRAINER_STATE} {float(M.TRAINER_STATES["running"])}' in text
+            restarts = [ln for ln in text.splitlines() if ln.startswith(M.TRAINER_RESTARTS + " ")]
+            assert restarts and float(restarts[0].split()[1]) >= 1, restarts
         with s.client(Authorization="Bearer tok") as admin:
             r = admin.post("/admin/trainer/pause")
             assert r.status_code == 200 and r.json()["state"] == "paused"
