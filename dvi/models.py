@@ -214,3 +214,18 @@ def decode_step_latency(model, steps: int = 64, prompt_len: int = 32, warmup: in
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def load_pair_from_config(models_cfg) -> ModelPair:
+    """`load_pair` from a `ModelsConfig`-like object: its paths, else the embedded preset's (must be built)."""
+    from dvi.embedded import embedded_paths, is_built
+
+    target, drafter, tok = models_cfg.target, models_cfg.drafter, models_cfg.tokenizer
+    if target is None:
+        p = embedded_paths(models_cfg.preset)
+        if not is_built(p.root):
+            raise FileNotFoundError(
+                f"embedded pair {models_cfg.preset!r} not built at {p.root}; run `dvi bootstrap --preset {models_cfg.preset}`")
+        target, drafter, tok = p.target, drafter or p.drafter, tok or p.tokenizer
+    return load_pair(target, drafter, tok, device=getattr(models_cfg, "device", "auto"),
+                     dtype=getattr(models_cfg, "dtype", "auto"))

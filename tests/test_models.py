@@ -93,3 +93,14 @@ def test_decode_step_latency_positive(tiny_pair_dir):
     m = load_causal_lm(tiny_pair_dir / "drafter", device="cpu")
     s = decode_step_latency(m, steps=4, warmup=1)
     assert 0 < s < 1.0
+
+
+def test_load_pair_from_config(tiny_pair_dir):
+    from types import SimpleNamespace
+
+    from dvi.models import load_pair_from_config
+
+    cfg = SimpleNamespace(preset="tiny", target=tiny_pair_dir / "target", drafter=tiny_pair_dir / "drafter",
+                          tokenizer=None, device="cpu", dtype="auto")
+    pair = load_pair_from_config(cfg)
+    assert pair.drafter is not None and len(pair.tokenizer) == pair.target.config.vocab_size
