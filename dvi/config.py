@@ -112,6 +112,7 @@ class TrainerConfig(_Strict):
     shadow_records: int = Field(128, ge=1)
     grad_clip: float | None = Field(1.0, gt=0)
     num_threads: int = Field(1, ge=1)
+    nice: int = Field(10, ge=0, le=19)  # CPU priority increment of the trainer process: serving wins a contended core
     max_steps: int | None = Field(None, ge=1)
     seed: int = 0
 
