@@ -33,6 +33,9 @@ admin API or an RL loop), so a target update is honoured even before its first f
 The trainer's gauges also go to `<run_dir>/trainer/status.json` (atomically replaced) for the
 server's /metrics; losses and α go to `<run_dir>/trainer/metrics.jsonl` and wandb.
 
+CPU: the process uses `trainer.num_threads` torch threads and lowers its priority by `trainer.nice`,
+so on a shared machine the server's engine thread wins any contended core.
+
 Accelerate: one process on CPU; under `accelerate launch`, rank 0 picks the shards and the
 stop/pause decisions and broadcasts them, every rank trains on its slice of each batch (DDP
 averages gradients), and only rank 0 checkpoints, commits and publishes.
@@ -1007,6 +1010,11 @@ def run_trainer(cfg: DviConfig) -> int:
     """`dvi train --online`: the trainer process. Returns the exit code (0 on SIGTERM)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.trainer.num_threads)
+    if cfg.trainer.nice and hasattr(os, "nice"):
+        try:
+            os.nice(cfg.trainer.nice)  # serving never waits on training: lose every contended core to it
+        except OSError:
+            log.warning("cannot lower the trainer's CPU priority")
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
