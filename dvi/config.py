@@ -102,6 +102,7 @@ class TrainerConfig(_Strict):
     reward_ramp_steps: int = Field(200, ge=0)
     replay_ratio: float = Field(0.25, ge=0, le=1)
     replay_buffer_records: int = Field(2048, ge=0)
+    idle_replay_steps: int = Field(0, ge=0)  # replay-only steps per idle poll (recent records); 0 = sleep when idle
     stale_target_policy: Literal["drop", "downweight", "keep"] = "downweight"
     stale_weight: float = Field(0.25, ge=0, le=1)
     publish_every_steps: int = Field(20, ge=1)
