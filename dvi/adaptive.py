@@ -4,11 +4,13 @@ Speed of one step with K drafts: E[tokens/step] / (K * c_draft + c_verify(K)), w
 E[tokens/step] = (1 - a^(K+1)) / (1 - a) for acceptance rate a, and K = 0 is plain decoding
 (1 token per c_verify(0)). On CPU c_verify grows with K and with batch size (a (K+1)-token verify is
 ~1.6x a one-token step at batch 1, ~(K+1)x at batch 16), so speculation must switch itself off there.
-Costs are EMAs of measured step timings keyed by batch size; unmeasured K are interpolated.
+Costs are running medians of measured step timings keyed by batch size; unmeasured K are interpolated.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 
 __all__ = ["expected_tokens", "choose_k", "predicted_speedup", "CostModel", "AcceptanceEMA", "AdaptiveK"]
@@ -49,24 +51,32 @@ def predicted_speedup(alpha: float, k: int, draft_cost: float, verify_cost: floa
 
 
 class CostModel:
-    """EMA of measured seconds: per drafter forward, and per verify step with K drafts, keyed by batch size."""
+    """Measured seconds per drafter forward and per verify step with K drafts, keyed by batch size.
 
-    def __init__(self, beta: float = 0.2, verify_slope_prior: float = 0.12, draft_ratio_prior: float = 0.25):
-        self.beta = beta
+    Each figure is the median of its last `window` samples: robust to the stalls a CPU shared with
+    other processes produces, while still following real drift.
+    """
+
+    def __init__(self, window: int = 15, verify_slope_prior: float = 0.12, draft_ratio_prior: float = 0.25):
+        self.window = window
         self.verify_slope_prior = verify_slope_prior
         self.draft_ratio_prior = draft_ratio_prior
         self.verify: dict[int, dict[int, float]] = {}
         self.draft: dict[int, float] = {}
+        self._samples: dict[tuple, deque] = {}
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.beta * (new - old)
+    def _median(self, key: tuple, new: float) -> float:
+        d = self._samples.get(key)
+        if d is None:
+            d = self._samples[key] = deque(maxlen=self.window)
+        d.append(new)
+        return statistics.median(d)
 
     def record_verify(self, batch: int, k: int, seconds: float) -> None:
-        d = self.verify.setdefault(batch, {})
-        d[k] = self._ema(d.get(k), seconds)
+        self.verify.setdefault(batch, {})[k] = self._median(("v", batch, k), seconds)
 
     def record_draft(self, batch: int, seconds_per_forward: float) -> None:
-        self.draft[batch] = self._ema(self.draft.get(batch), seconds_per_forward)
+        self.draft[batch] = self._median(("d", batch), seconds_per_forward)
 
     def _nearest(self, table: dict, batch: int):
         if not table:

@@ -38,7 +38,7 @@ def test_choose_k_on_when_alpha_high_and_drafter_cheap():
 
 
 def test_cost_model_interpolates():
-    c = CostModel(beta=1.0)
+    c = CostModel(window=1)
     assert c.verify_cost(1, 3) is None
     c.record_verify(1, 0, 0.010)
     assert c.verify_cost(1, 4) == pytest.approx(0.010 * (1 + 0.12 * 4))
@@ -67,6 +67,13 @@ def test_adaptive_controller_measures_then_switches_off_at_batch_16():
     ctl.costs.record_verify(1, 4, cpu_batch1(4))
     ctl.costs.record_draft(1, 0.002)
     assert ctl.choose(1, [0.85]) >= 2
+
+
+def test_cost_model_ignores_stalls():
+    c = CostModel()
+    for x in [0.010] * 8 + [0.5]:  # one descheduled step
+        c.record_verify(1, 0, x)
+    assert c.verify_cost(1, 0) == pytest.approx(0.010)
 
 
 def test_acceptance_ema():
