@@ -191,6 +191,9 @@ def test_recent_first_and_replay_share(pair, prose, tiny_pair_dir, tmp_path) -> 
     assert st["new"] == 6 and st["replayed"] == 2 * 1  # 3 new + 1 replayed per batch of 4
     assert all(set(b[3:]) <= {r.request_id for r in first} for b in batches)
     assert tr.records_seen == 14 and tr.replayed == 2
+    # idle replay: steps on recent trained records, counted as replay, never as new records
+    st = tr.train_on_replay(steps=2, recent=6)
+    assert st["steps"] == 2 and tr.records_seen == 14 and tr.replayed == 2 + 2 * 4
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])

@@ -77,6 +77,7 @@ CONSUMED_LOG = "consumed.jsonl"
 STATUS_FILE = "status.json"
 SHADOW_MAX_POSITIONS = 8192
 STALE_SHARD_S = 10.0  # train a pending shard below min_new_records once it is this old (x poll_seconds)
+REPLAY_RECENT = 256  # idle replay draws from this many newest trained records
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,9 +483,9 @@ class OnlineTrainer:
         """Train on new records (each once), with replay; returns what happened.
 
         Held-out records (by request-id hash) are kept for evaluation and never trained on.
-        New records go newest first, `round(batch_size * (1 - replay_ratio))` per batch, the rest
-        of each batch is sampled from the replay buffer (records trained on before). Afterwards
-        the new records join the replay buffer.
+        New records go newest first, `round(batch_size * (1 - replay_ratio))` per batch, and each
+        batch gets replayed records (sampled from the buffer of records trained on before) so
+        that they are a `replay_ratio` share of it. Afterwards the new records join the buffer.
         """
         t0 = time.perf_counter()
         examples = [Example.of(r) for r in records]
@@ -511,7 +512,9 @@ class OnlineTrainer:
             chunk = new[i: i + n_new]
             extra = []
             if self.replay and self.tc.replay_ratio > 0:
-                extra = [self.replay[self.rng.randrange(len(self.replay))] for _ in range(bs - len(chunk))]
+                r = self.tc.replay_ratio
+                m = bs - len(chunk) if r >= 1 else min(bs - len(chunk), round(len(chunk) * r / (1 - r)))
+                extra = self._sample_replay(max(0, m))
             out = self._train_step(chunk + extra, current)
             if out is not None:
                 losses.append(out)
@@ -536,6 +539,39 @@ class OnlineTrainer:
                        M.TRAINER_REWARD_LOSS: mean["reward"], M.TRAINER_REWARD_WEIGHT: mean["reward_weight"],
                        M.TRAINER_STEP: self.step, M.TRAINER_RECORDS_SEEN: self.records_seen,
                        "train_seconds": self.train_seconds, "tokens_per_s": mean["tokens"] / max(1e-9, mean["seconds"])})
+        return stats
+
+    def _sample_replay(self, n: int, recent: int | None = None) -> list[Example]:
+        pool = len(self.replay) if recent is None else min(recent, len(self.replay))
+        if not pool:
+            return []
+        lo = len(self.replay) - pool
+        return [self.replay[lo + self.rng.randrange(pool)] for _ in range(n)]
+
+    def train_on_replay(self, steps: int = 1, recent: int = REPLAY_RECENT) -> dict[str, Any]:
+        """Replay-only steps on the `recent` newest trained records (an idle trainer's spare time).
+
+        Counted as replay, never as new records; no cursor or checkpoint is involved.
+        """
+        t0 = time.perf_counter()
+        current = self.current_target_version()
+        losses = []
+        for _ in range(steps):
+            batch = self._sample_replay(self.tc.batch_size, recent)
+            if not batch:
+                break
+            out = self._train_step(batch, current)
+            if out is not None:
+                losses.append(out)
+            self.replayed += len(batch)
+        dt = time.perf_counter() - t0
+        self.train_seconds += dt
+        stats: dict[str, Any] = {"steps": len(losses), "seconds": dt}
+        if losses:
+            stats.update({k: sum(x[k] for x in losses) / len(losses) for k in losses[0]})
+            self.last_losses = {k: stats[k] for k in losses[0]}
+            self._log({M.TRAINER_LOSS: stats["loss"], M.TRAINER_KL_LOSS: stats["kl"], M.TRAINER_STEP: self.step,
+                       "replay_only": True, "train_seconds": self.train_seconds})
         return stats
 
     def _train_step(self, examples: list[Example], current: int) -> dict[str, float] | None:
@@ -988,6 +1024,11 @@ class TrainerLoop:
                 continue
             stats = self.run_round()
             if stats is None:
+                if t.tc.idle_replay_steps and t.replay:
+                    t.train_on_replay(t.tc.idle_replay_steps)
+                    t.maybe_publish()
+                    self._write_status("idle")
+                    continue
                 self._write_status("idle")
                 time.sleep(t.tc.poll_seconds)
                 continue
