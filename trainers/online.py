@@ -630,7 +630,7 @@ class OnlineTrainer:
         was = self.module.training
         self.module.eval()
         try:
-            return shadow_alpha(self._logits_fn(), recs, device="cpu", max_positions=SHADOW_MAX_POSITIONS)
+            return shadow_alpha(self._logits_fn(), recs, device=self.device, max_positions=SHADOW_MAX_POSITIONS)
         finally:
             if saved is not None:
                 self.trainable.load_state(saved)
