@@ -287,3 +287,19 @@ def test_update_target_weights_from_path_with_early_exit(tmp_path):
     for p, r in zip(PROMPTS, eng.generate(PROMPTS, NEW), strict=True):
         assert_greedy_equal(new, p, r.token_ids, reference(new, p, NEW))
         assert r.target_version == 3
+
+
+def test_mixed_greedy_and_sampled_rows():
+    """A greedy row stays exact while it shares the batch with sampled rows (one-hot path of the same rule)."""
+    target = tiny("llama", seed=0)
+    eng = SpeculativeEngine(target, perturbed(target), num_draft_tokens=3)
+    eng.add_request(Request("g", PROMPTS[0], SamplingParams(max_new_tokens=NEW)))
+    eng.add_request(Request("s1", PROMPTS[3], SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=1)))
+    eng.add_request(Request("s2", PROMPTS[1], SamplingParams(max_new_tokens=NEW, temperature=0.7, top_k=5, seed=2)))
+    res = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                res[o.request_id] = o.result
+    assert_greedy_equal(target, PROMPTS[0], res["g"].token_ids, reference(target, PROMPTS[0], NEW))
+    assert all(len(r.token_ids) == NEW for r in res.values())
