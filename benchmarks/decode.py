@@ -41,8 +41,9 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def _hf_config(model, temperature: float):
+def _hf_config(model, temperature: float, n: int):
     gc = copy.deepcopy(model.generation_config)
+    gc.max_new_tokens = gc.min_new_tokens = n
     gc.eos_token_id = None
     gc.pad_token_id = 0 if gc.pad_token_id is None else gc.pad_token_id
     gc.do_sample = temperature > 0
@@ -55,7 +56,7 @@ def _hf_config(model, temperature: float):
 @torch.inference_mode()
 def hf_generate(target, batches, n, temperature, assistant=None, seed=0) -> tuple[float, int]:
     """Seconds and tokens for HF generate over `batches` (left-padded)."""
-    gc = _hf_config(target, temperature)
+    gc = _hf_config(target, temperature, n)
     total_t, total_tok = 0.0, 0
     for bi, batch in enumerate(batches):
         m = max(len(p) for p in batch)
@@ -64,7 +65,7 @@ def hf_generate(target, batches, n, temperature, assistant=None, seed=0) -> tupl
         for i, p in enumerate(batch):
             ids[i, m - len(p) :] = torch.tensor(p)
             mask[i, m - len(p) :] = 1
-        kw = dict(generation_config=gc, max_new_tokens=n, min_new_tokens=n, attention_mask=mask)
+        kw = dict(generation_config=gc, attention_mask=mask)
         if assistant is not None:
             kw["assistant_model"] = assistant
         torch.manual_seed(seed + bi)
