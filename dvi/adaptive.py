@@ -151,15 +151,25 @@ class AdaptiveK:
         self._next_probe = probe_every
         self.last_choice = self.k_default
 
+    def _near(self, batch: int) -> int | None:
+        """Nearest batch size (within 25%) with a plain step, a default-K step and a draft step measured."""
+        c, kd = self.costs, self.k_default
+        known = [
+            b for b, d in c.verify.items()
+            if 0 in d and kd in d and b in c.draft and abs(b - batch) <= max(1, batch // 4)
+        ]
+        return min(known, key=lambda b: (abs(b - batch), b)) if known else None
+
     def choose(self, batch: int, alphas: Sequence[float]) -> int:
         if self.k_max <= 0 or not alphas:
             return 0
         c = self.costs
-        if not c.has_verify(batch, 0):
-            return 0
-        if not c.has_verify(batch, self.k_default) or batch not in c.draft:
-            return self.k_default
-        k = choose_k(alphas, c.draft_cost(batch), lambda kk: c.verify_cost(batch, kk), self.k_max)
+        # Explore (a plain step, then the default K) only where no measured neighbour exists: rows
+        # finishing one by one must not each trigger expensive exploration steps.
+        near = self._near(batch)
+        if near is None:
+            return 0 if not c.has_verify(batch, 0) else self.k_default
+        k = choose_k(alphas, c.draft_cost(near), lambda kk: c.verify_cost(near, kk), self.k_max)
         if k == 0:
             self._zero_streak += 1
             if self._zero_streak >= self._next_probe:
