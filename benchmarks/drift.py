@@ -544,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     code_ret_rows = by["online"]["code_return"][: max(w, len(by["online"]["code_return"]) // 2)]
     code_ret = _alpha(code_ret_rows)
     frozen_ratio = _alpha(by["frozen"]["prose"][-w:]) / ceiling_alpha
+    # control: the same windows in the frozen arm (phase 3 prompts differ from phase 1's)
+    frozen_code_shift = (_alpha(by["frozen"]["code_return"][: len(code_ret_rows)])
+                         - _alpha(by["frozen"]["code"][len(by["frozen"]["code"]) // 2:]))
     summary = {"online": _phase_summary(online), "frozen": _phase_summary(frozen),
                "ceiling": {"requests": len(ceiling_rows), "alpha": ceiling_alpha,
                            "tokens_per_s": _phase_summary([{**r, "phase": "prose"} for r in ceiling_rows])
@@ -572,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                      "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__},
         "summary": summary,
         "alpha_code_pre": code_pre, "alpha_code_return": code_ret, "ceiling_alpha": ceiling_alpha,
+        "frozen_code_return_minus_pre": frozen_code_shift,
         "budget_to_90pct_ceiling": budget,
         "lossless_mismatches": lossless,
         "online": online, "frozen": frozen, "ceiling": ceiling_rows,
@@ -588,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
             r.pop("token_ids", None)
     json_path.write_text(json.dumps(_clean(result), indent=1))
     print(_table(summary, goals))
+    print(f"code α: online pre-switch {code_pre:.3f}, on return {code_ret:.3f}; the frozen arm's same windows "
+          f"differ by {frozen_code_shift:+.3f} (prompt-set effect)")
     print(f"lossless: {lossless} requests differ between arms (must be 0); swaps: "
           f"{sum('refused' not in s for s in swaps)} promoted, {sum('refused' in s for s in swaps)} refused")
     print(f"wrote {json_path} and {png_path} ({timings['total_s']:.0f}s)")
