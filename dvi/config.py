@@ -108,6 +108,7 @@ class TrainerConfig(_Strict):
     publish_every_steps: int = Field(20, ge=1)
     min_new_records: int = Field(8, ge=1)
     poll_seconds: float = Field(1.0, gt=0)
+    checkpoint_seconds: float = Field(5.0, ge=0)  # checkpoint + cursor commit at most this often (and when idle)
     heldout_fraction: float = Field(0.1, ge=0, lt=1)
     shadow_margin: float = Field(0.01, ge=0, le=1)
     shadow_records: int = Field(128, ge=1)
