@@ -354,9 +354,12 @@ def _drain(loop: TrainerLoop, max_rounds: int = 100) -> None:
     raise AssertionError("rounds did not drain the log")
 
 
-@pytest.mark.parametrize("crash_at", ["train", "checkpoint", "log", "commit"])
+@pytest.mark.parametrize("crash_at", ["train", "checkpoint", "log", "commit", "unflushed"])
 def test_crash_windows_never_train_twice_or_skip(pair, prose, tiny_pair_dir, tmp_path, crash_at) -> None:
-    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=4")
+    # checkpoint_seconds=0: every round flushes (checkpoint -> log -> commit), so each window is hit;
+    # "unflushed": rounds trained since the last flush die with the process and are trained again.
+    every = 3600 if crash_at == "unflushed" else 0
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=4", f"trainer.checkpoint_seconds={every}")
     recs = prose[:40]
     _write_shards(Path(cfg.feedback.dir), recs[:24], per_shard=4)
 
@@ -371,7 +374,8 @@ def test_crash_windows_never_train_twice_or_skip(pair, prose, tiny_pair_dir, tmp
     loop.run_round()
     loop.run_round()
     target = {"train": (loop.trainer, "train_on_records"), "checkpoint": (loop.trainer, "save_checkpoint"),
-              "log": (loop, "_append_consumed"), "commit": (loop, "_commit_prefix")}[crash_at]
+              "log": (loop, "_append_consumed"), "commit": (loop, "_commit_prefix"),
+              "unflushed": (loop.trainer, "train_on_records")}[crash_at]
 
     def boom(*a, **k):
         raise RuntimeError("killed")
@@ -385,7 +389,10 @@ def test_crash_windows_never_train_twice_or_skip(pair, prose, tiny_pair_dir, tmp
     loop = new_loop()
     if crash_at in ("log", "commit"):  # the crashed round was checkpointed: its updates survive
         assert loop.trainer.step == steps_at_crash
+    if crash_at == "unflushed":  # nothing was ever flushed: a fresh start
+        assert loop.trainer.step == 0 and not _consumed(tmp_path)
     _drain(loop)
+    loop.flush()
     entries = _consumed(tmp_path)
     ids = [i for e in entries for key in ("trained", "heldout", "dropped") for i in e[key]]
     assert sorted(ids) == sorted(r.request_id for r in recs), "a record was trained twice or skipped"

@@ -14,14 +14,15 @@ Two layers, so the same training can run as a process or inside another loop:
   shards with a `FeedbackReader` cursor, honours `<run_dir>/trainer.pause` and SIGTERM, and
   checkpoints so that a killed trainer resumes without training a record twice or skipping one.
 
-Exactly-once (process mode). Each round trains some untrained shards, then writes
-`<run_dir>/trainer/checkpoint/` atomically (weights, optimizer, step counters, the names of the
-shards trained but not yet committed, and the round's consumed record ids), then appends the
-round to `<run_dir>/trainer/consumed.jsonl`, then commits the reader's cursor up to the longest
-prefix of trained shards. A kill anywhere loses at most the round in progress, whose weight
-updates die with it, so its shards are trained again; shards in the checkpoint's list are never
-retrained. Replay (older records re-used in batches) is separate and explicit, counted as
-`replayed`, never as new.
+Exactly-once (process mode). Rounds train untrained shards; every `trainer.checkpoint_seconds`
+(and when idle, paused or stopping) the trainer flushes: it writes `<run_dir>/trainer/checkpoint/`
+atomically (weights, optimizer, counters, the names of trained-but-uncommitted shards, and the
+consumed record ids of the rounds since the last flush), then appends those rounds to
+`<run_dir>/trainer/consumed.jsonl`, then commits the reader's cursor up to the longest prefix of
+trained shards. A kill loses only the rounds since the last flush, whose weight updates die with
+them, so their shards are trained again; shards in the checkpoint are never retrained, and a round
+the checkpoint holds but the log lacks is logged on restart. Replay (older records re-used in
+batches) is separate and explicit, counted as `replayed`, never as new.
 
 Recent-first: when shards pile up, the newest are trained first (the traffic that matters now);
 older ones are trained when the trainer catches up. Their cursor commit waits for them.
@@ -382,12 +383,14 @@ def read_target_version_file(run_dir: str | os.PathLike) -> int | None:
         return None
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any, fsync: bool = True) -> None:
+    """Temp file + rename: readers see the old or the new content, never half (fsync for durability)."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(obj, f, default=str)
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -856,6 +859,8 @@ class TrainerLoop:
         self.pause_path = self.run_dir / PAUSE_FILE
         self.reader = FeedbackReader(cfg.feedback.dir, cursor_path=self.dir / "cursor.json")
         self.trained: set[str] = set()  # trained shards whose cursor commit may still be pending
+        self.unflushed: list[dict[str, Any]] = []  # rounds trained since the last checkpoint
+        self.last_flush = time.monotonic()
         self.seq = 0
         self.stop = _Stop()
         self.rounds = 0
@@ -868,9 +873,10 @@ class TrainerLoop:
         if state is not None:
             self.trained = set(state.get("trained_uncommitted", []))
             self.seq = int(state.get("seq", 0))
-            last = state.get("last_round")
-            if t.is_main and last is not None and self._last_logged_seq() < int(last["seq"]):
-                self._append_consumed(last)  # killed between checkpoint and log append
+            logged = self._last_logged_seq()
+            for entry in state.get("rounds", []):
+                if t.is_main and int(entry["seq"]) > logged:
+                    self._append_consumed(entry)  # killed between the checkpoint and its log append
             log.info("trainer: resumed from checkpoint at step %d (%d records trained)", t.step, t.records_seen)
         elif t.registry is not None and (latest := t.registry.latest()) is not None:
             try:
@@ -974,8 +980,28 @@ class TrainerLoop:
         broadcast_object_list(box, from_process=0)
         return box[0]
 
+    def flush(self) -> None:
+        """Checkpoint, then log the rounds it covers, then commit the cursor (the exactly-once order).
+
+        Rounds trained since the previous flush live only in memory: a kill loses their weight
+        updates and their log lines together, so their shards are simply trained again.
+        """
+        self.last_flush = time.monotonic()
+        if not self.unflushed:
+            return
+        t = self.trainer
+        if t.is_main:
+            t.save_checkpoint(self.ckpt, {"seq": self.seq, "trained_uncommitted": sorted(self.trained),
+                                          "rounds": self.unflushed})
+            for entry in self.unflushed:
+                self._append_consumed(entry)
+            self.unflushed = []
+            self._commit_prefix()
+        else:
+            self.unflushed = []
+
     def run_round(self) -> dict[str, Any] | None:
-        """Train one round of shards; checkpoint, log, commit. None when there was nothing to do."""
+        """Train one round of shards (flushed every `checkpoint_seconds`). None when there was nothing to do."""
         t = self.trainer
         shards = self._broadcast(self._choose() if t.is_main else None)
         if not shards:
@@ -987,11 +1013,9 @@ class TrainerLoop:
         self.trained |= set(shards)
         entry = {"seq": self.seq, "shards": shards, "trained": stats["trained_ids"], "heldout": stats["heldout_ids"],
                  "dropped": stats["dropped_ids"], "step": t.step, "time": time.time()}
-        if t.is_main:
-            t.save_checkpoint(self.ckpt, {"seq": self.seq, "trained_uncommitted": sorted(self.trained),
-                                          "last_round": entry})
-            self._append_consumed(entry)
-            self._commit_prefix()
+        self.unflushed.append(entry)
+        if time.monotonic() - self.last_flush >= t.tc.checkpoint_seconds:
+            self.flush()
         self.rounds += 1
         return stats
 
@@ -999,7 +1023,8 @@ class TrainerLoop:
         if not self.trainer.is_main:
             return
         try:
-            write_json_atomic(self.dir / STATUS_FILE, {"state": state, "pid": os.getpid(), **self.trainer.status()})
+            write_json_atomic(self.dir / STATUS_FILE, {"state": state, "pid": os.getpid(), **self.trainer.status()},
+                              fsync=False)  # a gauge, rewritten every round
         except OSError:
             log.exception("cannot write trainer status")
 
@@ -1019,11 +1044,13 @@ class TrainerLoop:
                 log.info("trainer: reached max_steps=%d", t.tc.max_steps)
                 break
             if paused:
+                self.flush()
                 self._write_status("paused")
                 time.sleep(min(0.5, t.tc.poll_seconds))
                 continue
             stats = self.run_round()
             if stats is None:
+                self.flush()
                 if t.tc.idle_replay_steps and t.replay:
                     t.train_on_replay(t.tc.idle_replay_steps)
                     t.maybe_publish()
@@ -1036,8 +1063,9 @@ class TrainerLoop:
             self._write_status("running")
             log.info("trainer: step %d, +%d records (%d held out, %d replayed), loss %.4f", t.step, stats["new"],
                      stats["heldout"], stats["replayed"], stats.get("loss", float("nan")))
-        # SIGTERM lands between rounds (the handler only sets a flag): the last round is checkpointed
-        # and committed already; publish what was trained since the last publish.
+        # SIGTERM lands between rounds (the handler only sets a flag): checkpoint and commit what was
+        # trained, then publish what was trained since the last publish.
+        self.flush()
         if t.step > t.last_publish_step:
             try:
                 t.maybe_publish(force=True)
