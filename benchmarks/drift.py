@@ -454,11 +454,14 @@ def _run(args: argparse.Namespace) -> int:
     engine_cpu, trainer_cpu = None, (cpus[-1] if pin else None)
 
     pair_dir = Path(args.pair_dir) if args.pair_dir else embedded_dir(args.preset)
-    if not is_built(pair_dir, args.preset if not args.pair_dir else None):
+    if not is_built(pair_dir):
         from trainers.bootstrap import bootstrap
 
         print(f"building the {args.preset} pair into {pair_dir} (once) ...", flush=True)
         bootstrap(args.preset, out=pair_dir, seed=0)
+    elif not args.pair_dir and not is_built(pair_dir, args.preset):
+        print(f"note: {pair_dir} was built by an older {args.preset} recipe; using it as is "
+              f"(`dvi bootstrap --preset {args.preset} --force` rebuilds)", flush=True)
     paths = EmbeddedPaths.at(pair_dir)
     base_cfg = load_config(args.config, [f"models.preset={args.preset}", *args.overrides])
     pair = load_pair(paths.target, paths.drafter, paths.tokenizer, device="cpu")
