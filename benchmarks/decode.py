@@ -34,6 +34,7 @@ def parse_args(argv):
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts-b1", type=int, default=4, help="prompts (one at a time) for batch-1 settings")
+    p.add_argument("--batches", type=int, default=2, help="batches per setting for batch sizes > 1")
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--max-draft-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
@@ -77,9 +78,10 @@ def hf_generate(target, batches, n, temperature, assistant=None, seed=0) -> tupl
 
 
 def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
-    """Run batches through the step API; record per-step K for the predicted-speedup model."""
+    """Run batches through the step API; record per-step K and accepted counts for the predicted speedup."""
     total_t, tokens, drafted, accepted, steps = 0.0, 0, 0, 0, 0
     ks: list[tuple[int, int]] = []  # (batch size, K) per step
+    acc_n = tried_n = 0  # per-position (iid) acceptance: accepted / (accepted + first rejections)
     acc_pos = [0] * engine.max_draft_tokens
     dr_pos = [0] * engine.max_draft_tokens
     for bi, batch in enumerate(batches):
@@ -88,8 +90,15 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
             engine.add_request(Request(f"b{bi}-{i}", p, sp))
         t0 = time.perf_counter()
         while engine.has_unfinished():
-            b = engine._seqs.__len__() + len(engine._waiting)
-            for o in engine.step():
+            b = engine.num_active()
+            outs = engine.step()
+            k = engine.last_k
+            ks.append((b, k))
+            for o in outs:
+                if k and not o.finished:
+                    m = len(o.new_token_ids) - 1
+                    acc_n += m
+                    tried_n += m + (1 if m < k else 0)
                 if o.finished and o.result is not None:
                     r = o.result
                     tokens += len(r.token_ids)
@@ -99,23 +108,51 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
                     for j in range(len(acc_pos)):
                         acc_pos[j] += r.accepted_per_position[j]
                         dr_pos[j] += r.drafted_per_position[j]
-            ks.append((b, engine.last_k))
         total_t += time.perf_counter() - t0
     return dict(
         seconds=total_t,
         tokens=tokens,
         tokens_per_s=tokens / total_t if total_t else 0.0,
         alpha=accepted / drafted if drafted else 0.0,
+        alpha_per_position=acc_n / tried_n if tried_n else 0.0,
         mean_accepted_length=1 + accepted / steps if steps else 1.0,
         per_position_acceptance=[a / d if d else None for a, d in zip(acc_pos, dr_pos, strict=True)],
         k_per_step=ks,
     )
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """Aggregate several dvi_run results (sums of time/tokens, token-weighted alphas)."""
+    if len(runs) == 1:
+        return runs[0]
+    sec = sum(r["seconds"] for r in runs)
+    tok = sum(r["tokens"] for r in runs)
+    w = [r["tokens"] for r in runs]
+
+    def avg(key):
+        return sum(r[key] * x for r, x in zip(runs, w, strict=True)) / max(1, sum(w))
+
+    pp = []
+    for j in range(len(runs[0]["per_position_acceptance"])):
+        vals = [(r["per_position_acceptance"][j], x) for r, x in zip(runs, w, strict=True)]
+        vals = [(v, x) for v, x in vals if v is not None]
+        pp.append(sum(v * x for v, x in vals) / sum(x for _, x in vals) if vals else None)
+    return dict(
+        seconds=sec,
+        tokens=tok,
+        tokens_per_s=tok / sec if sec else 0.0,
+        alpha=avg("alpha"),
+        alpha_per_position=avg("alpha_per_position"),
+        mean_accepted_length=avg("mean_accepted_length"),
+        per_position_acceptance=pp,
+        k_per_step=[x for r in runs for x in r["k_per_step"]],
+    )
+
+
 def predicted(engine: SpeculativeEngine, plain: SpeculativeEngine, run: dict) -> dict:
     """Speedup over plain decoding that alpha, the K used and the measured costs allow."""
     c = engine.costs
-    alpha = run["alpha"]
+    alpha = run["alpha_per_position"]  # E[tokens/step] assumes i.i.d. per-position acceptance
     tok = tim = base = 0.0
     for b, k in run["k_per_step"]:
         c_plain = plain.costs.verify_cost(b, 0) or c.verify_cost(b, 0)
@@ -171,18 +208,30 @@ def main(argv=None) -> int:
     rows = []
     for domain, temp, b in itertools.product(domains, temps, bss):
         stream = data.prompt_stream(domain, tok, split="heldout", prompt_tokens=(48, 96), seed=args.seed)
-        nb = args.prompts_b1 if b == 1 else 1
-        batches = [[next(stream) for _ in range(b)] for _ in range(nb)]
-        off = dvi_run(plain, batches, n, temp, seed=args.seed)
-        run = dvi_run(spec, batches, n, temp, seed=args.seed)
+        nb = args.prompts_b1 if b == 1 else args.batches
+        units = [[next(stream) for _ in range(b)] for _ in range(nb)]
+        systems = ["off", "dvi", "hf"] + (["assisted"] if b == 1 else [])
+        res: dict[str, list] = {s: [] for s in systems}
+        # Round-robin over systems per unit (rotating who goes first): load from other processes on a
+        # shared CPU then hits every system alike instead of whichever ran during a busy spell.
+        for ui, unit in enumerate(units):
+            order = systems[ui % len(systems) :] + systems[: ui % len(systems)]
+            for sname in order:
+                seed = args.seed + 7919 * ui
+                if sname == "off":
+                    res[sname].append(dvi_run(plain, [unit], n, temp, seed=seed))
+                elif sname == "dvi":
+                    res[sname].append(dvi_run(spec, [unit], n, temp, seed=seed))
+                else:
+                    res[sname].append(hf_generate(target, [unit], n, temp, drafter if sname == "assisted" else None, seed))
+        off, run = merge_runs(res["off"]), merge_runs(res["dvi"])
         pred = predicted(spec, plain, run)
-        hf_t, hf_n = hf_generate(target, batches, n, temp, seed=args.seed)
-        hf_rate = hf_n / hf_t
+        hf_rate = sum(x[1] for x in res["hf"]) / sum(x[0] for x in res["hf"])
         row = dict(
             domain=domain,
             temperature=temp,
             batch_size=b,
-            prompts=sum(len(x) for x in batches),
+            prompts=sum(len(x) for x in units),
             dvi=run | {"k_per_step": None},
             dvi_off=off | {"k_per_step": None},
             hf_generate_tokens_per_s=hf_rate,
@@ -191,15 +240,15 @@ def main(argv=None) -> int:
             **pred,
         )
         if b == 1:
-            as_t, as_n = hf_generate(target, batches, n, temp, assistant=drafter, seed=args.seed)
-            row["hf_assisted_tokens_per_s"] = as_n / as_t
+            row["hf_assisted_tokens_per_s"] = sum(x[1] for x in res["assisted"]) / sum(x[0] for x in res["assisted"])
             row["speedup_vs_hf_assisted"] = run["tokens_per_s"] / row["hf_assisted_tokens_per_s"]
         ps = row["predicted_speedup"]
         row["measured_over_predicted"] = row["speedup_vs_off"] / ps if ps else None
         rows.append(row)
         print(
             f"  {domain:5s} T={temp:g} B={b:2d}: dvi {run['tokens_per_s']:7.1f} tok/s  off {off['tokens_per_s']:7.1f}"
-            f"  hf {hf_rate:7.1f}  alpha {run['alpha']:.2f}  K~{pred['mean_k']:.1f}",
+            f"  hf {hf_rate:7.1f}  alpha {run['alpha']:.2f} (per position {run['alpha_per_position']:.2f})"
+            f"  K~{pred['mean_k']:.1f}",
             flush=True,
         )
 

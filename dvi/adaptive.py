@@ -31,10 +31,16 @@ def choose_k(
     draft_cost: float,
     verify_cost: Callable[[int], float] | Sequence[float],
     k_max: int,
+    margin: float = 1.0,
 ) -> int:
-    """K in [0, k_max] maximising batch tokens/second; `verify_cost(0)` is a plain decoding step."""
+    """K in [0, k_max] maximising batch tokens/second; `verify_cost(0)` is a plain decoding step.
+
+    Speculation must beat plain decoding by `margin` (e.g. 1.05) to be chosen: the cost model has
+    errors (per-step overheads it does not see, timing noise) and a marginal win is not worth them.
+    """
     vc = verify_cost if callable(verify_cost) else (lambda k: verify_cost[k])
-    best_k, best = 0, sum(1.0 for _ in alphas) / max(vc(0), 1e-12)
+    plain = sum(1.0 for _ in alphas) / max(vc(0), 1e-12)
+    best_k, best = 0, plain * margin
     for k in range(1, k_max + 1):
         t = k * draft_cost + vc(k)
         rate = sum(expected_tokens(a, k) for a in alphas) / max(t, 1e-12)
@@ -139,7 +145,8 @@ class AdaptiveK:
     """Chooses K each step; measures K=0 and the default K first at each batch size, probes when K=0."""
 
     def __init__(self, k_max: int, k_default: int, probe_every: int = 16, probe_k: int | None = None,
-                 max_probe_every: int = 256):
+                 max_probe_every: int = 256, margin: float = 1.05):
+        self.margin = margin
         self.k_max = k_max
         self.k_default = max(1, min(k_default, k_max)) if k_max > 0 else 0
         self.probe_every = probe_every
@@ -169,7 +176,7 @@ class AdaptiveK:
         near = self._near(batch)
         if near is None:
             return 0 if not c.has_verify(batch, 0) else self.k_default
-        k = choose_k(alphas, c.draft_cost(near), lambda kk: c.verify_cost(near, kk), self.k_max)
+        k = choose_k(alphas, c.draft_cost(near), lambda kk: c.verify_cost(near, kk), self.k_max, self.margin)
         if k == 0:
             self._zero_streak += 1
             if self._zero_streak >= self._next_probe:
