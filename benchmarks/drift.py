@@ -196,7 +196,7 @@ def trainer_config(base_cfg: Any, paths: Any, run_dir: Path, overrides: list[str
 # -- serving one arm ----------------------------------------------------------------------------------
 def serve_stream(engine: Any, phases: list[tuple[str, str, list[list[int]]]], batch: int, max_new_tokens: int,
                  arm: str, progress: Progress, writer: Any = None, registry: Any = None, base: Any = None,
-                 t_zero: float | None = None) -> tuple[list[dict], list[dict]]:
+                 t_zero: float | None = None, on_phase_end: Any = None) -> tuple[list[dict], list[dict]]:
     """Serve every phase's prompts in batches; between batches, hot-swap LATEST if a registry is given.
 
     Returns per-request rows (α, tokens, version, times) and swap events.
@@ -229,6 +229,8 @@ def serve_stream(engine: Any, phases: list[tuple[str, str, list[list[int]]]], ba
                 writer.flush()  # one shard per batch: the trainer sees traffic within a batch
             progress.update(len(chunk), f"{arm}:{phase}", alpha=f"{_alpha(rows[-len(chunk):]):.2f}",
                             v=engine.drafter_version)
+        if on_phase_end is not None:
+            on_phase_end(phase)
     return rows, swaps
 
 
@@ -408,7 +410,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=None, help="requests per phase (default: small 48, tiny 16)")
     ap.add_argument("--batch", type=int, default=4, help="requests decoded together (greedy)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: small 48, tiny 24")
-    ap.add_argument("--window", type=int, default=8, help="rolling window (requests) for α")
+    ap.add_argument("--window", type=int, default=None, help="rolling window (requests) for α (default N/4, >= 8)")
     ap.add_argument("--probe-prompts", type=int, default=8)
     ap.add_argument("--probe-blocks", type=int, default=3, help="paused/running block pairs in the throughput probe")
     ap.add_argument("--ceiling-batch", type=int, default=8)
@@ -438,7 +440,7 @@ def _run(args: argparse.Namespace) -> int:
     from dvi.registry import DrafterRegistry
 
     small = args.preset == "small"
-    n = args.requests or (48 if small else 16)
+    n = args.requests or (64 if small else 16)
     max_new = args.max_new_tokens or (48 if small else 24)
     json_path = Path(args.json)
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -493,9 +495,11 @@ def _run(args: argparse.Namespace) -> int:
         writer = FeedbackWriter(cfg_a.feedback.dir, shard_records=10**6, flush_seconds=3600.0)
         registry = DrafterRegistry(cfg_a.registry.dir)
         eng_a = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=k, feedback_top_k=top_k)
+        trainer_cpu_s: dict[str, float] = {"start": _cpu_seconds(trainer.proc.pid)}
         t0 = time.perf_counter()
         online, swaps = serve_stream(eng_a, phase_prompts, args.batch, max_new, "online", progress, writer=writer,
-                                     registry=registry, base=pair.drafter, t_zero=t0)
+                                     registry=registry, base=pair.drafter, t_zero=t0,
+                                     on_phase_end=lambda ph: trainer_cpu_s.__setitem__(ph, _cpu_seconds(trainer.proc.pid)))
         timings["online_serve_s"] = time.perf_counter() - t0
         writer.close()
     except BaseException:
@@ -556,7 +560,7 @@ def _run(args: argparse.Namespace) -> int:
     lossless += sum(a["token_ids"] != b["token_ids"] for a, b in
                     zip([r for r in frozen if r["phase"] == "prose"], ceiling_rows, strict=True))
     ceiling_alpha = _alpha(ceiling_rows)
-    w = args.window
+    w = args.window or max(8, n // 4)
     by = {arm: {p: [r for r in rows if r["phase"] == p] for p, _ in PHASES} for arm, rows in
           (("online", online), ("frozen", frozen))}
     on_prose = by["online"]["prose"]
@@ -608,7 +612,10 @@ def _run(args: argparse.Namespace) -> int:
         "lossless_mismatches": lossless,
         "online": online, "frozen": frozen, "ceiling": ceiling_rows,
         "swaps": swaps, "trainer": {"exit_code": rc, "final_status": trainer_final, "train_seconds_total": train_s_total,
-                                    "train_seconds_to_prose_end": train_s_prose_end, "publish_decisions": publishes},
+                                    "train_seconds_to_prose_end": train_s_prose_end, "publish_decisions": publishes,
+                                    "cpu_seconds_at": trainer_cpu_s,
+                                    "note": "train_seconds is wall time inside training steps (the ceiling's budget); "
+                                            "cpu_seconds_at is the process's CPU time (after model loading at 'start')"},
         "ceiling_training": ceiling_stats,
         "throughput_probe": probe,
         "timings": timings,
