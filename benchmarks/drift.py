@@ -263,7 +263,7 @@ def run_ceiling(pair: Any, seconds: float, batch_size: int, seq_len: int, lr: fl
 
     tok = pair.tokenizer
     texts = load_texts("prose", "train")
-    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    ids = tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
     stream = pack_docs(ids, tok.bos_token_id, tok.eos_token_id)
     student = copy.deepcopy(pair.drafter)
     stats = distill(student, pair.target, token_batches([stream], batch_size, seq_len, seed=seed), steps=0, lr=lr,
