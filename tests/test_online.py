@@ -399,3 +399,16 @@ def test_crash_windows_never_train_twice_or_skip(pair, prose, tiny_pair_dir, tmp
     assert loop.trainer.records_seen == sum(len(e["trained"]) for e in entries)
     assert loop.reader.poll() == []
     assert [e["seq"] for e in entries] == list(range(1, len(entries) + 1))
+
+
+@pytest.mark.parametrize("overrides,kind", [((), "lora"), (("trainer.mode=full",), "full"),
+                                            (("models.drafter_kind=early_exit",), "early_exit")])
+def test_from_config_loads_each_drafter_kind(prose, tiny_pair_dir, tmp_path, overrides, kind) -> None:
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.lora_targets=[q_proj,v_proj]", *overrides)
+    tr = OnlineTrainer.from_config(cfg)
+    assert tr.trainable.kind == kind and tr.registry is not None
+    n_train = sum(p.numel() for p in tr.trainable.parameters())
+    n_all = sum(p.numel() for p in tr.model.parameters())
+    assert (n_train == n_all) == (kind == "full")
+    st = tr.train_on_records(prose[:8])
+    assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
