@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter-lr", type=float, default=None)
     ap.add_argument("--drafter-mode", default=None, choices=["lora", "full"])
     ap.add_argument("--drafter-batch-size", type=int, default=None)
-    ap.add_argument("--drafter-passes", type=int, default=None, help="trainer passes over each step's records")
+    ap.add_argument("--drafter-replay-steps", type=int, default=None,
+                    help="extra replay-only online-trainer steps per RL step")
     ap.add_argument("--alpha-from", type=int, default=20, help="goal α is measured from this step on")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="bench_results/rl.json")
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {k: v for k, v in {"lr": a.lr, "drafter_lr": a.drafter_lr, "drafter_mode": a.drafter_mode,
                                    "drafter_batch_size": a.drafter_batch_size,
-                                   "drafter_passes": a.drafter_passes}.items() if v is not None}
+                                   "drafter_replay_steps": a.drafter_replay_steps}.items() if v is not None}
     runs: dict[str, RLRun] = {}
     for arm in arms:
         cfg = RLConfig(arm=arm, preset=a.preset, pair_dir=str(root), steps=a.steps, prompts_per_step=a.prompts_per_step,

@@ -165,7 +165,7 @@ class RLConfig:
     drafter_mode: str = "lora"  # lora | full (trainer.mode)
     drafter_lr: float = 3e-3
     drafter_batch_size: int = 8
-    drafter_passes: int = 1  # train_on_records calls per RL step (each sees the batch's records once)
+    drafter_replay_steps: int = 2  # extra replay-only trainer steps per RL step on the newest records
     drafter_reward_ramp_start: int = 20  # trainer steps of pure KL before the accept/reject reward ramps in
     feedback_top_k: int = 32
     seed: int = 0
@@ -263,14 +263,14 @@ class RLRun:
         self.drafter_trainer = None
         self._scratch = None
         if cfg.arm == "online":
-            self.drafter_trainer = self._online_trainer()
-            # The trainer trains its module in place (a peft wrapper in LoRA mode): serve that one.
-            self.drafter = self.drafter_trainer.model
-            self.drafter.eval()
-            self.engine.set_drafter(self.drafter, 0)
+            # The trainer trains its own copy (a peft wrapper in LoRA mode); the engine serves a plain
+            # model with the adapter merged in, as a server does on swap: an unmerged LoRA forward
+            # costs several extra small matmuls per layer, a real share of a tiny drafter's step.
+            self.drafter_trainer = self._online_trainer(load_causal_lm(root / "drafter", device="cpu",
+                                                                       dtype="float32"))
         self.logs: list[StepLog] = []
 
-    def _online_trainer(self) -> Any:
+    def _online_trainer(self, drafter: torch.nn.Module) -> Any:
         """`trainers.online.OnlineTrainer` over this run's drafter: the online loss, replay, stale-version
         down-weighting, exactly as the trainer process runs them, minus the shard round trip."""
         import tempfile
@@ -290,16 +290,21 @@ class RLRun:
                 "num_threads": cfg.threads or 1, "seed": cfg.seed,
             },
         })
-        return OnlineTrainer(dcfg, self.drafter, run_dir=self._scratch.name, pad_id=self.pad_id)
+        return OnlineTrainer(dcfg, drafter, run_dir=self._scratch.name, pad_id=self.pad_id)
 
     def _kl_to_init(self, prompts: list[list[int]], completions: list[list[int]], logps: torch.Tensor,
                     mask: torch.Tensor) -> float:
-        """Monte-Carlo KL(policy || initial target) on the sampled tokens: how far the target moved."""
+        """KL(policy || initial target) per token on the sampled tokens: how far the target moved.
+
+        The k3 estimator E[r - 1 - log r], r = p_init / p_policy: unbiased and never negative.
+        """
         assert self.ref is not None
         with torch.no_grad():
             ref_logps, _ = completion_logprobs(self.ref, prompts, completions, self.cfg.temperature, self.pad_id)
         m = mask.float()
-        return float(((logps.detach() - ref_logps) * m).sum() / m.sum().clamp_min(1.0))
+        log_r = (ref_logps - logps.detach()) * m
+        k3 = (torch.exp(log_r) - 1.0 - log_r) * m
+        return float(k3.sum() / m.sum().clamp_min(1.0))
 
     def step(self, i: int) -> StepLog:
         cfg = self.cfg
@@ -341,11 +346,14 @@ class RLRun:
         if self.drafter_trainer is not None:
             t0 = time.perf_counter()
             records = self.rollouts.last_records(cfg.temperature)
-            for _ in range(cfg.drafter_passes):
-                out = self.drafter_trainer.train_on_records(records)
-                drafter_loss = float(out.get("loss", float("nan")))
-            self.drafter.eval()
-            # In place already; the version bump makes the engine rebuild its drafter cache and tags records.
+            out = self.drafter_trainer.train_on_records(records)
+            if cfg.drafter_replay_steps:
+                out = self.drafter_trainer.train_on_replay(cfg.drafter_replay_steps)
+            drafter_loss = float(out.get("loss", float("nan")))
+            from dvi.rollout import policy_state_dict
+
+            self.drafter.load_state_dict(policy_state_dict(self.drafter_trainer.model))
+            # The version bump makes the engine rebuild its drafter cache and tags the next records.
             self.rollouts.set_drafter(self.drafter, self.rollouts.drafter_version + 1)
             # The trainer-process protocol: whoever updates the target announces its version, so
             # records of older policies are down-weighted from now on.
