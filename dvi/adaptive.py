@@ -4,12 +4,11 @@ Speed of one step with K drafts: E[tokens/step] / (K * c_draft + c_verify(K)), w
 E[tokens/step] = (1 - a^(K+1)) / (1 - a) for acceptance rate a, and K = 0 is plain decoding
 (1 token per c_verify(0)). On CPU c_verify grows with K and with batch size (a (K+1)-token verify is
 ~1.6x a one-token step at batch 1, ~(K+1)x at batch 16), so speculation must switch itself off there.
-Costs are running medians of measured step timings keyed by batch size; unmeasured K are interpolated.
+Costs are running low quantiles of measured step timings keyed by batch size; unmeasured K are interpolated.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -59,30 +58,40 @@ def predicted_speedup(alpha: float, k: int, draft_cost: float, verify_cost: floa
 class CostModel:
     """Measured seconds per drafter forward and per verify step with K drafts, keyed by batch size.
 
-    Each figure is the median of its last `window` samples: robust to the stalls a CPU shared with
-    other processes produces, while still following real drift.
+    Each figure is a low quantile (default: 25th percentile) of its last `window` samples. On a CPU
+    shared with other processes, step times double for stretches of several steps when we are
+    descheduled; a mean or even a median then depends on which K happened to run during the stall,
+    while a low quantile tracks the uncontended cost that the choice between K values depends on.
     """
 
-    def __init__(self, window: int = 15, verify_slope_prior: float = 0.12, draft_ratio_prior: float = 0.25):
+    def __init__(
+        self,
+        window: int = 31,
+        quantile: float = 0.25,
+        verify_slope_prior: float = 0.12,
+        draft_ratio_prior: float = 0.25,
+    ):
         self.window = window
+        self.quantile = quantile
         self.verify_slope_prior = verify_slope_prior
         self.draft_ratio_prior = draft_ratio_prior
         self.verify: dict[int, dict[int, float]] = {}
         self.draft: dict[int, float] = {}
         self._samples: dict[tuple, deque] = {}
 
-    def _median(self, key: tuple, new: float) -> float:
+    def _robust(self, key: tuple, new: float) -> float:
         d = self._samples.get(key)
         if d is None:
             d = self._samples[key] = deque(maxlen=self.window)
         d.append(new)
-        return statistics.median(d)
+        xs = sorted(d)
+        return xs[int(self.quantile * (len(xs) - 1))]
 
     def record_verify(self, batch: int, k: int, seconds: float) -> None:
-        self.verify.setdefault(batch, {})[k] = self._median(("v", batch, k), seconds)
+        self.verify.setdefault(batch, {})[k] = self._robust(("v", batch, k), seconds)
 
     def record_draft(self, batch: int, seconds_per_forward: float) -> None:
-        self.draft[batch] = self._median(("d", batch), seconds_per_forward)
+        self.draft[batch] = self._robust(("d", batch), seconds_per_forward)
 
     def _nearest(self, table: dict, batch: int):
         if not table:
