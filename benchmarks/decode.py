@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dvi.adaptive import expected_tokens
+from dvi.adaptive import batch_bucket, expected_tokens
 from dvi.engine import Request, SamplingParams, SpeculativeEngine
 
 
@@ -149,27 +149,30 @@ def merge_runs(runs: list[dict]) -> dict:
     )
 
 
-def predicted(engine: SpeculativeEngine, plain: SpeculativeEngine, run: dict) -> dict:
-    """Speedup over plain decoding that alpha, the K used and the measured costs allow."""
-    c = engine.costs
+def predicted(engine: SpeculativeEngine, run: dict) -> dict:
+    """Speedup over plain decoding that alpha, the K used and the measured (calibrated) costs allow:
+    sum of E[tokens/step] over the run's steps / sum of (K*c_draft + c_verify(K)), relative to c_verify(0)."""
+    c = engine.controller.costs
     alpha = run["alpha_per_position"]  # E[tokens/step] assumes i.i.d. per-position acceptance
     tok = tim = base = 0.0
     for b, k in run["k_per_step"]:
-        c_plain = plain.costs.verify_cost(b, 0) or c.verify_cost(b, 0)
-        c_v = c.verify_cost(b, k) or c_plain
-        c_d = (c.draft_cost(b) or 0.0) if k else 0.0
+        bb = batch_bucket(b)
+        c_plain = c.verify_cost(bb, 0)
+        if c_plain is None:
+            continue
         tok += b * expected_tokens(alpha, k)
-        tim += k * c_d + c_v
+        tim += (k * (c.draft_cost(bb) or 0.0) if k else 0.0) + c.verify_cost(bb, k)
         base += c_plain  # a plain step of b rows emits b tokens
-    steps = max(1, len(run["k_per_step"]))
     plain_rate = sum(b for b, _ in run["k_per_step"]) / base if base else 0.0
     rate = tok / tim if tim else 0.0
     ks = [k for _, k in run["k_per_step"]]
     return dict(
         predicted_speedup=rate / plain_rate if plain_rate else None,
-        mean_k=sum(ks) / steps,
-        c_draft_ms={b: v * 1e3 for b, v in c.draft.items()},
-        c_verify_ms={b: {k: v * 1e3 for k, v in d.items()} for b, d in c.verify.items()},
+        mean_k=sum(ks) / max(1, len(ks)),
+        calibrated_c_draft_ms={b: v * 1e3 for b, v in c.draft.items()},
+        calibrated_c_verify_ms={b: {k: v * 1e3 for k, v in d.items()} for b, d in c.verify.items()},
+        online_c_draft_ms={b: v * 1e3 for b, v in engine.costs.draft.items()},
+        online_c_verify_ms={b: {k: v * 1e3 for k, v in d.items()} for b, d in engine.costs.verify.items()},
     )
 
 
@@ -198,6 +201,7 @@ def main(argv=None) -> int:
     plain = SpeculativeEngine(target, None)
     # Warm up every code path (and the cost model at each batch size) on prompts not measured below.
     warm = data.prompt_stream(domains[0], tok, split="heldout", prompt_tokens=(48, 96), seed=args.seed + 99)
+    spec.calibrate(sorted({batch_bucket(x) for b in bss for x in range(1, b + 1)}))
     for b in bss:
         wb = [[next(warm) for _ in range(b)]]
         dvi_run(spec, wb, 24, 0.0)
@@ -225,7 +229,7 @@ def main(argv=None) -> int:
                 else:
                     res[sname].append(hf_generate(target, [unit], n, temp, drafter if sname == "assisted" else None, seed))
         off, run = merge_runs(res["off"]), merge_runs(res["dvi"])
-        pred = predicted(spec, plain, run)
+        pred = predicted(spec, run)
         hf_rate = sum(x[1] for x in res["hf"]) / sum(x[0] for x in res["hf"])
         row = dict(
             domain=domain,

@@ -4,15 +4,19 @@ Speed of one step with K drafts: E[tokens/step] / (K * c_draft + c_verify(K)), w
 E[tokens/step] = (1 - a^(K+1)) / (1 - a) for acceptance rate a, and K = 0 is plain decoding
 (1 token per c_verify(0)). On CPU c_verify grows with K and with batch size (a (K+1)-token verify is
 ~1.6x a one-token step at batch 1, ~(K+1)x at batch 16), so speculation must switch itself off there.
-Costs are running low quantiles of measured step timings keyed by batch size; unmeasured K are interpolated.
+Costs come from a short interleaved calibration per batch-size bucket (see `AdaptiveK`); the engine also
+keeps online timings (`CostModel`, robust low quantiles) for reporting.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-__all__ = ["expected_tokens", "choose_k", "predicted_speedup", "CostModel", "AcceptanceEMA", "AdaptiveK"]
+__all__ = [
+    "expected_tokens", "choose_k", "predicted_speedup", "CostModel", "AcceptanceEMA", "AdaptiveK", "batch_bucket",
+]
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -150,8 +154,20 @@ class AcceptanceEMA:
         return self.acc / self.tried if self.tried > 0 else 0.0
 
 
+def batch_bucket(batch: int) -> int:
+    """Nearest power of two: batch sizes whose costs are calibrated together."""
+    return 1 << max(0, round(math.log2(max(1, batch))))
+
+
 class AdaptiveK:
-    """Chooses K each step; measures K=0 and the default K first at each batch size, probes when K=0."""
+    """Chooses K each step from calibrated costs (per batch-size bucket) and per-sequence alphas.
+
+    Costs come from `calibrate` (the engine runs K=0..k_max verifies and a draft step interleaved,
+    min of a few repetitions, once per bucket): comparing K values needs their cost *ratios*, and
+    on a CPU shared with other processes only interleaved measurements give those reliably (online
+    timings of the K we happen to choose are biased by whichever stalls hit them). While K = 0 is
+    chosen, probes with a small K keep alpha fresh, backing off exponentially.
+    """
 
     def __init__(self, k_max: int, k_default: int, probe_every: int = 16, probe_k: int | None = None,
                  max_probe_every: int = 256, margin: float = 1.05):
@@ -161,36 +177,36 @@ class AdaptiveK:
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.probe_k = probe_k
-        self.costs = CostModel()
+        self.costs = CostModel(window=1, quantile=0.0)
         self._zero_streak = 0
         self._interval = probe_every
         self._next_probe = probe_every
         self.last_choice = self.k_default
 
-    def _near(self, batch: int) -> int | None:
-        """Nearest batch size (within 25%) with a plain step, a default-K step and a draft step measured."""
-        c, kd = self.costs, self.k_default
-        known = [
-            b for b, d in c.verify.items()
-            if 0 in d and kd in d and b in c.draft and abs(b - batch) <= max(1, batch // 4)
-        ]
-        return min(known, key=lambda b: (abs(b - batch), b)) if known else None
+    def needs_calibration(self, batch: int) -> bool:
+        b = batch_bucket(batch)
+        return self.k_max > 0 and (b not in self.costs.draft or 0 not in self.costs.verify.get(b, {}))
+
+    def set_costs(self, batch: int, verify: dict[int, float], draft: float) -> None:
+        b = batch_bucket(batch)
+        for k, v in verify.items():
+            self.costs.record_verify(b, k, v)
+        self.costs.record_draft(b, draft)
 
     def choose(self, batch: int, alphas: Sequence[float]) -> int:
         if self.k_max <= 0 or not alphas:
             return 0
         c = self.costs
-        # Explore (a plain step, then the default K) only where no measured neighbour exists: rows
-        # finishing one by one must not each trigger expensive exploration steps.
-        near = self._near(batch)
-        if near is None:
-            return 0 if not c.has_verify(batch, 0) else self.k_default
-        k = choose_k(alphas, c.draft_cost(near), lambda kk: c.verify_cost(near, kk), self.k_max, self.margin)
+        b = batch_bucket(batch)
+        if b not in c.draft or 0 not in c.verify.get(b, {}):
+            return self.k_default
+        # Expected tokens scale with the rows, costs are those of the bucket: use the mean per row.
+        k = choose_k(alphas, c.draft_cost(b), lambda kk: c.verify_cost(b, kk), self.k_max, self.margin)
         if k == 0:
             self._zero_streak += 1
             if self._zero_streak >= self._next_probe:
-                # Keep alpha (and the K>0 costs) from going stale while speculation is off; back off
-                # exponentially while probes keep confirming K = 0 (each probe costs a drafter catch-up).
+                # Keep alpha from going stale while speculation is off; back off exponentially while
+                # probes keep confirming K = 0 (each probe costs a drafter catch-up).
                 k = self.probe_k or max(1, min(2, self.k_max))
                 self._interval = min(2 * self._interval, self.max_probe_every)
                 self._next_probe = self._zero_streak + self._interval

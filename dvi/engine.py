@@ -147,7 +147,7 @@ class SpeculativeEngine:
         self.drafter: Drafter | None = None
         self._set_drafter(drafter)
         self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
-        self.costs: CostModel = self.controller.costs
+        self.costs = CostModel()  # online step timings (reporting); K is chosen from calibrated costs
         self.global_alpha = 0.5
         self.last_k = 0
         self._waiting: list[_Seq] = []
@@ -385,10 +385,54 @@ class SpeculativeEngine:
             s.pending = [s.tokens()[-1]]
 
     # ------------------------------------------------------------------ the speculative step
+    def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
+        """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket.
+
+        Runs on dummy rows with their own caches (in-flight requests are untouched); adaptive K calls it
+        lazily the first time a bucket is seen.
+        """
+        if self.drafter is None or self.max_draft_tokens == 0:
+            return
+        with torch.inference_mode():
+            for b in batch_sizes:
+                self._calibrate(int(b), context, reps)
+
+    def _calibrate(self, b: int, context: int = 128, reps: int = 3) -> None:
+        kmax = self.max_draft_tokens
+        if self.max_context is not None:
+            context = max(1, min(context, self.max_context - kmax - 2))
+        g = torch.Generator().manual_seed(0)
+        rows = torch.randint(0, self.vocab_size, (b, context), generator=g).tolist()
+        tkv = prefill(self.target.config, self._tfn, rows, self.device, self.dtype)
+        dkv = prefill(self.drafter.config, self.drafter, rows, self.device, self.drafter.dtype)
+        ks = sorted({k for k in (0, 1, 2, 4, kmax) if k <= kmax})
+        vt: dict[int, list[float]] = {k: [] for k in ks}
+        dt: list[float] = []
+        zeros = torch.zeros(b, dtype=torch.long, device=self.device)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        for _ in range(reps):
+            for k in ks:
+                ids = torch.randint(0, self.vocab_size, (b, k + 1), generator=g).to(self.device)
+                sync()
+                t0 = time.perf_counter()
+                tkv.forward(self._tfn, ids).argmax(-1).tolist()
+                sync()
+                vt[k].append(time.perf_counter() - t0)
+                tkv.rollback(k + 1, zeros)
+            ids = torch.randint(0, self.vocab_size, (b, 1), generator=g).to(self.device)
+            t0 = time.perf_counter()
+            dkv.forward(self.drafter, ids, None, logits_to_keep=1)[:, -1].argmax(-1).tolist()
+            sync()
+            dt.append(time.perf_counter() - t0)
+            dkv.rollback(1, zeros)
+        self.controller.set_costs(b, {k: min(v) for k, v in vt.items()}, min(dt))
+
     def _choose_k(self, batch: int) -> int:
         if self.drafter is None:
             return 0
         if self.adaptive:
+            if self.controller.needs_calibration(batch):
+                self._calibrate(batch)
             k = self.controller.choose(batch, [s.acc.alpha for s in self._seqs])
         else:
             k = self.num_draft_tokens

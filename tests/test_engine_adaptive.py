@@ -51,22 +51,19 @@ def test_cost_model_interpolates():
     assert c.draft_cost(1) == 0.001
 
 
-def test_adaptive_controller_measures_then_switches_off_at_batch_16():
+def test_adaptive_controller_switches_off_at_batch_16():
     ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5)
     alphas = [0.7] * 16
-    assert ctl.choose(16, alphas) == 0  # measure plain step first
-    ctl.costs.record_verify(16, 0, cpu_batch16(0))
-    assert ctl.choose(16, alphas) == 4  # then the default K
-    ctl.costs.record_verify(16, 4, cpu_batch16(4))
-    ctl.costs.record_draft(16, 0.004)
+    assert ctl.needs_calibration(16) and ctl.choose(16, alphas) == 4  # default until calibrated
+    ctl.set_costs(16, {k: cpu_batch16(k) for k in (0, 1, 2, 4, 8)}, draft=0.004)
+    assert not ctl.needs_calibration(16) and not ctl.needs_calibration(13)  # same bucket
     picks = [ctl.choose(16, alphas) for _ in range(40)]
     probes = [i for i, k in enumerate(picks) if k]
     assert all(picks[i] == 2 for i in probes) and probes == [4, 14, 34]  # off; probes back off exponentially
     # batch 1 with a cheap drafter and high alpha: on
-    ctl.costs.record_verify(1, 0, cpu_batch1(0))
-    ctl.costs.record_verify(1, 4, cpu_batch1(4))
-    ctl.costs.record_draft(1, 0.002)
+    ctl.set_costs(1, {k: cpu_batch1(k) for k in (0, 1, 2, 4, 8)}, draft=0.002)
     assert ctl.choose(1, [0.85]) >= 2
+    assert ctl.choose(1, [0.2]) == 0
 
 
 def test_cost_model_ignores_stalls():
