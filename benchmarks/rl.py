@@ -83,6 +83,30 @@ def _plot(path: Path, logs: dict[str, list], alpha_from: int, title: str) -> Non
     plt.close(fig)
 
 
+def _ceiling(runs: dict, arm: str, batch: int, alpha_from: int) -> dict:
+    """Speedup the measured costs allow at this arm's measured tokens/step (DESIGN.md, "closeness to the limit").
+
+    predicted = E[tokens/step] * c_plain / (K * c_draft + c_verify(K)), with the engines' own cost
+    models (median step timings at this batch size); also the tokens/step that 1.3x would need.
+    """
+    run = runs[arm]
+    k = run.cfg.num_draft_tokens
+    costs = run.engine.costs
+    plain_costs = runs["plain"].engine.costs if "plain" in runs else costs
+    c_d, c_v, c_p = costs.draft_cost(batch), costs.verify_cost(batch, k), plain_costs.verify_cost(batch, 0)
+    late = [r for r in run.logs if r.step >= alpha_from] or run.logs
+    steps = sum(r.num_steps for r in late)
+    tps = 1.0 + sum(r.num_accepted for r in late) / steps if steps else float("nan")
+    out = {"k": k, "batch": batch, "draft_s": c_d, "verify_s": c_v, "plain_step_s": c_p,
+           "tokens_per_step_late": tps, "adaptive": run.cfg.adaptive}
+    if None not in (c_d, c_v, c_p) and not run.cfg.adaptive:
+        step_cost = k * c_d + c_v
+        out["predicted_speedup_late"] = tps * c_p / step_cost
+        out["tokens_per_step_needed_for_1.3x"] = 1.3 * step_cost / c_p
+        out["max_speedup_at_alpha_1"] = (k + 1) * c_p / step_cost
+    return out
+
+
 def _plain_reference(run, prompts_per_step: int, n: int, max_new_tokens: int, seed: int) -> dict:
     """HF `generate(do_sample=True)` vs the plain arm's engine on one batch: is the baseline fair?"""
     import torch
@@ -180,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t_start
 
     summaries = {arm: runs[arm].summary(alpha_from=alpha_from) for arm in arms}
+    ceilings = {arm: _ceiling(runs, arm, a.prompts_per_step * a.n, alpha_from) for arm in arms if arm != "plain"}
     reference = _plain_reference(runs[arms[0]], a.prompts_per_step, a.n, a.max_new_tokens, a.seed)
 
     goals = []
@@ -200,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "arms": summaries,
         "steps": {arm: logs_to_jsonable(runs[arm].logs) for arm in arms},
         "plain_reference": reference,
+        "speedup_ceiling": ceilings,
         "goals": goals,
     }
     json_path = Path(a.json)
@@ -221,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm:<8} {s['rollout_s_total']:>10.1f} {tps:>8.1f} {s['alpha_mean']:>7.3f} {s['alpha_late']:>7.3f} "
               f"{s['reward_first5']:>10.3f} {s['reward_last5']:>12.3f} {s['update_s_total']:>9.1f} "
               f"{s['drafter_s_total']:>9.1f}")
+    for arm, c in ceilings.items():
+        if "predicted_speedup_late" in c:
+            print(f"{arm}: K={c['k']}, costs at batch {c['batch']}: draft {1e3 * c['draft_s']:.1f} ms, verify "
+                  f"{1e3 * c['verify_s']:.1f} ms, plain step {1e3 * c['plain_step_s']:.1f} ms; tokens/step "
+                  f"{c['tokens_per_step_late']:.2f} -> predicted {c['predicted_speedup_late']:.2f}x (1.3x needs "
+                  f"{c['tokens_per_step_needed_for_1.3x']:.2f}; all {c['k']} accepted would give "
+                  f"{c['max_speedup_at_alpha_1']:.2f}x)")
     print(f"plain-arm reference: HF generate takes {reference['hf_over_engine']:.2f}x the plain engine's time "
           f"on one {reference['sequences']}-sequence batch")
     print("\ngoals:")

@@ -157,7 +157,7 @@ class RLConfig:
     top_p: float = 1.0
     top_k: int = 0
     reward: str = "upper"
-    lr: float = 1e-3
+    lr: float = 3e-4
     grad_clip: float = 1.0
     num_draft_tokens: int = 4
     adaptive: bool = False
@@ -203,6 +203,7 @@ class StepLog:
     drafter_version: int
     num_drafted: int = 0
     num_accepted: int = 0
+    num_steps: int = 0  # engine steps summed over sequences (tokens/step = 1 + accepted / num_steps)
     kl_to_init: float = float("nan")
     loss: float = float("nan")
     drafter_loss: float = float("nan")
@@ -369,7 +370,7 @@ class RLRun:
             mean_accepted_length=stats.mean_accepted_length, rollout_s=stats.seconds, tokens=stats.num_tokens,
             update_s=update_s, sync_s=sync_s, drafter_s=drafter_s, target_version=stats.target_version,
             drafter_version=stats.drafter_version, num_drafted=stats.num_drafted,
-            num_accepted=stats.num_accepted, kl_to_init=kl, loss=float(loss.detach()), drafter_loss=drafter_loss,
+            num_accepted=stats.num_accepted, num_steps=stats.num_steps, kl_to_init=kl, loss=float(loss.detach()), drafter_loss=drafter_loss,
         )
         self.logs.append(rec)
         self.log(
