@@ -35,6 +35,7 @@ def choose_k(
     verify_cost: Callable[[int], float] | Sequence[float],
     k_max: int,
     margin: float = 1.0,
+    remaining: Sequence[int] | None = None,
 ) -> int:
     """K in [0, k_max] maximising batch tokens/second; `verify_cost(0)` is a plain decoding step.
 
@@ -42,6 +43,19 @@ def choose_k(
     errors (per-step overheads it does not see, timing noise) and a marginal win is not worth them.
     """
     vc = verify_cost if callable(verify_cost) else (lambda k: verify_cost[k])
+    if remaining is not None:
+        # Drain mode (no requests waiting to backfill finished rows): the batch is done when its slowest
+        # row is, so minimise max_i(remaining_i / E_i[tokens/step]) * step time instead of throughput.
+        def drain(k: int) -> float:
+            t = k * draft_cost + vc(k)
+            return max(r / expected_tokens(a, k) for a, r in zip(alphas, remaining, strict=True)) * t
+
+        best_k, best = 0, drain(0) / margin
+        for k in range(1, k_max + 1):
+            d = drain(k)
+            if d < best * 0.9999:
+                best_k, best = k, d
+        return best_k
     plain = sum(1.0 for _ in alphas) / max(vc(0), 1e-12)
     best_k, best = 0, plain * margin
     for k in range(1, k_max + 1):
@@ -193,7 +207,7 @@ class AdaptiveK:
             self.costs.record_verify(b, k, v)
         self.costs.record_draft(b, draft)
 
-    def choose(self, batch: int, alphas: Sequence[float]) -> int:
+    def choose(self, batch: int, alphas: Sequence[float], remaining: Sequence[int] | None = None) -> int:
         if self.k_max <= 0 or not alphas:
             return 0
         c = self.costs
@@ -201,7 +215,7 @@ class AdaptiveK:
         if b not in c.draft or 0 not in c.verify.get(b, {}):
             return self.k_default
         # Expected tokens scale with the rows, costs are those of the bucket: use the mean per row.
-        k = choose_k(alphas, c.draft_cost(b), lambda kk: c.verify_cost(b, kk), self.k_max, self.margin)
+        k = choose_k(alphas, c.draft_cost(b), lambda kk: c.verify_cost(b, kk), self.k_max, self.margin, remaining)
         if k == 0:
             self._zero_streak += 1
             if self._zero_streak >= self._next_probe:

@@ -149,6 +149,9 @@ class SpeculativeEngine:
         self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
         self.costs = CostModel()  # online step timings (reporting); K is chosen from calibrated costs
         self.global_alpha = 0.5
+        # Adaptive K optimises the completion of the current batch (its slowest row) when True, plain
+        # throughput when False (a server that backfills finished rows continuously may prefer False).
+        self.drain_aware = True
         self.last_k = 0
         self._waiting: list[_Seq] = []
         self._seqs: list[_Seq] = []
@@ -433,7 +436,9 @@ class SpeculativeEngine:
         if self.adaptive:
             if self.controller.needs_calibration(batch):
                 self._calibrate(batch)
-            k = self.controller.choose(batch, [s.acc.alpha for s in self._seqs])
+            alphas = [s.acc.alpha for s in self._seqs]
+            rem = [s.remaining for s in self._seqs] if self.drain_aware and batch > 1 else None
+            k = self.controller.choose(batch, alphas, rem)
         else:
             k = self.num_draft_tokens
         # Drafts past every row's token budget would be thrown away.

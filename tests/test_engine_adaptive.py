@@ -28,6 +28,15 @@ def test_choose_k_off_when_alpha_low_or_drafter_expensive():
     assert choose_k([0.9] * 16, draft_cost=0.004, verify_cost=cpu_batch16, k_max=8) == 0
 
 
+def test_drain_mode_follows_the_slowest_row():
+    alphas = [0.9] * 15 + [0.05]
+    flat = lambda k: 0.025 + 0.002 * k  # noqa: E731 - verify barely grows: throughput says speculate
+    assert choose_k(alphas, 0.003, flat, 8) > 0
+    # ... but the low-alpha row needs as many steps either way, so for draining the batch it does not pay
+    assert choose_k(alphas, 0.003, flat, 8, remaining=[64] * 16) == 0
+    assert choose_k(alphas, 0.003, flat, 8, remaining=[64] * 15 + [1]) > 0
+
+
 def test_choose_k_on_when_alpha_high_and_drafter_cheap():
     k = choose_k([0.85], draft_cost=0.002, verify_cost=cpu_batch1, k_max=8)
     assert 2 <= k <= 8
