@@ -7,11 +7,19 @@ gradient step on a trainable copy of the target, and pushes the new weights into
 engine with `update_target_weights`, so the next batch samples the new policy. That is the
 situation dvi is for: the target drifts away from what the drafter was distilled on, so a
 frozen drafter's α falls, while the online arm keeps training the drafter on the feedback of
-the current policy (target version on every record) and keeps α up.
+the current policy (target version on every record) and keeps α up. The online arm drives
+`trainers.online.OnlineTrainer` in process between RL steps (same loss, replay and stale-version
+handling as the trainer process) and serves a merged plain copy of the drafter.
 
 Rewards (`REWARDS`): `upper` (share of upper-case letters in the completion: dense, so the
 policy visibly moves within ~40 CPU steps, and far from the code the drafter was distilled on),
 `ast` (the prompt plus the completion's complete lines parse with `ast`), `short_lines`.
+With the defaults (lr 3e-4, 16 sequences of 32 tokens per step) the `upper` reward climbs from
+~0.07 to ~0.3 in 20-40 steps on the `small` target, and the policy's per-token KL to its start
+grows steadily: a real, gradual drift, not a collapse in the first update.
+
+Run one arm: ``python -m trainers.rl --arm online --preset small --steps 40``; all three side by
+side: ``benchmarks/rl.py``.
 """
 
 from __future__ import annotations
@@ -159,7 +167,7 @@ class RLConfig:
     reward: str = "upper"
     lr: float = 3e-4
     grad_clip: float = 1.0
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 2  # best fixed K for the small pair on CPU at T=1 (K=4 verifies cost more than α repays)
     adaptive: bool = False
     # online drafter training (arm == "online"): trainers.online.OnlineTrainer, in process
     drafter_mode: str = "lora"  # lora | full (trainer.mode)
