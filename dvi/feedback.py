@@ -33,6 +33,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from dvi.fsutil import TMP_PREFIX, atomic_write_bytes, fsync_path
+
 log = logging.getLogger(__name__)
 
 SCHEMA = pa.schema(
@@ -59,7 +61,6 @@ _NAME_LOCK = threading.Lock()
 _NAME_STATE = {"last_ns": 0, "seq": 0}
 
 SHARD_RE = re.compile(r"^shard-(\d{20})-(\d+)-(\d{6})\.parquet$")
-TMP_PREFIX = ".tmp-"
 
 
 def _as_list(x: Any) -> list:
@@ -212,31 +213,13 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write to a temp name in the same dir, fsync (local) and rename over `path`."""
     d, base = posixpath.split(path)
     tmp = posixpath.join(d, f"{TMP_PREFIX}{base}-{os.getpid()}-{threading.get_ident()}")
     if _is_local(fs):
         os.makedirs(d, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(d)
+        atomic_write_bytes(path, data)
     else:
         fs.makedirs(d, exist_ok=True)
         with fs.open(tmp, "wb") as f:
@@ -407,7 +390,7 @@ class FeedbackWriter:
                 # (readers rely on that, with a grace window for other processes).
                 name = self._next_name()
                 os.replace(tmp, posixpath.join(self.path, name))
-                _fsync_dir(self.path)
+                fsync_path(self.path)
             else:
                 with self.fs.open(tmp, "wb") as f:
                     pq.write_table(table, f)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from dvi.fsutil import TMP_PREFIX, atomic_write_text, fsync_path
+
 log = logging.getLogger(__name__)
 
 LORA_WEIGHTS = "adapter_model.safetensors"
@@ -48,7 +50,6 @@ MANIFEST_FIELDS = (
 )
 FILES_BY_KIND = {"lora": (LORA_WEIGHTS, LORA_CONFIG), "full": (FULL_WEIGHTS, FULL_CONFIG)}
 VERSION_RE = re.compile(r"^v(\d{6})$")
-TMP_PREFIX = ".tmp-"
 
 Expected = Mapping[str, Any]
 """name -> (shape, dtype | None) or name -> reference tensor."""
@@ -65,29 +66,6 @@ class AdapterRejected(Exception):
 
 def vname(version: int) -> str:
     return f"v{version:06d}"
-
-
-def _fsync_path(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
 
 
 def _to_dtype(d: Any) -> torch.dtype | None:
@@ -183,7 +161,7 @@ class DrafterRegistry:
             os.fsync(f.fileno())
 
     def _set_latest(self, version: int) -> None:
-        _atomic_write_text(self.dir / "LATEST", vname(version) + "\n")
+        atomic_write_text(self.dir / "LATEST", vname(version) + "\n")
 
     # -- publishing -------------------------------------------------------------------------
     def _publish(self, write_files: Any, manifest: Mapping[str, Any], kind: str, set_latest: bool) -> int:
@@ -215,7 +193,7 @@ class DrafterRegistry:
                 for p in tmp.iterdir():
                     with open(p, "rb") as f:
                         os.fsync(f.fileno())
-                _fsync_path(tmp)
+                fsync_path(tmp)
                 dest = self.version_dir(version)
                 if dest.exists():  # another publisher won the number
                     version += 1
@@ -226,7 +204,7 @@ class DrafterRegistry:
                     version += 1
                     continue
                 break
-            _fsync_path(self.dir)
+            fsync_path(self.dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -426,11 +404,11 @@ class DrafterRegistry:
         """Protect a version from garbage collection."""
         if version not in self.list_versions():
             raise ValueError(f"no version {vname(version)}")
-        _atomic_write_text(self.dir / "PINNED", json.dumps(sorted(self.pinned() | {version})))
+        atomic_write_text(self.dir / "PINNED", json.dumps(sorted(self.pinned() | {version})))
         self._event(event="pin", version=version)
 
     def unpin(self, version: int) -> None:
-        _atomic_write_text(self.dir / "PINNED", json.dumps(sorted(self.pinned() - {version})))
+        atomic_write_text(self.dir / "PINNED", json.dumps(sorted(self.pinned() - {version})))
         self._event(event="unpin", version=version)
 
     def gc(self) -> list[int]:
