@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-generations", type=int, default=4)
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--max-completion-length", type=int, default=24)
-    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--num-draft-tokens", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--output-dir", default=None)
