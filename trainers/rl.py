@@ -453,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    seed=a.seed, threads=a.threads)
     run = RLRun(cfg)
     run.run()
-    summary = run.summary()
+    summary = {k: (_json_float(v) if isinstance(v, float) else v) for k, v in run.summary().items()}
     print(json.dumps(summary, indent=2))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
