@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from dvi.registry import AdapterRejected
 
@@ -70,19 +69,9 @@ def _check_admin(request: Request) -> Any:
 
 
 async def _body(request: Request, model: type) -> Any:
-    from .app import _validation_error
+    from .app import _parse
 
-    raw = await request.body()
-    try:
-        data = json.loads(raw) if raw.strip() else {}
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
+    return await _parse(request, model, allow_empty=True)
 
 
 def confine_path(path: str, allowed_dirs: list[Path]) -> Path:

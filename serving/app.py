@@ -198,10 +198,11 @@ def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError
     return ApiError(400, msg, param=param)
 
 
-async def _parse(request: Request, model: type) -> Any:
+async def _parse(request: Request, model: type, allow_empty: bool = False) -> Any:
+    """Validate a JSON body against a pydantic model; errors are 400s that name the field."""
     body = await request.body()
     try:
-        data = json.loads(body)
+        data = {} if allow_empty and not body.strip() else json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
