@@ -407,12 +407,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", default="small", choices=["small", "tiny"])
     ap.add_argument("--pair-dir", default=None, help="a built pair (default: the preset's cache dir; built if absent)")
     ap.add_argument("--config", default=str(ROOT / "configs" / "drift.yaml"), help="trainer/engine settings")
-    ap.add_argument("--requests", type=int, default=None, help="requests per phase (default: small 48, tiny 16)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per phase (default: small 128, tiny 16)")
     ap.add_argument("--batch", type=int, default=4, help="requests decoded together (greedy)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: small 48, tiny 24")
     ap.add_argument("--window", type=int, default=None, help="rolling window (requests) for α (default N/4, >= 8)")
     ap.add_argument("--probe-prompts", type=int, default=8)
     ap.add_argument("--probe-blocks", type=int, default=3, help="paused/running block pairs in the throughput probe")
+    ap.add_argument("--no-probe-equal-priority", dest="probe_equal_priority", action="store_false",
+                    help="skip the second probe with the trainer at the engine's CPU priority (trainer.nice=0)")
     ap.add_argument("--ceiling-batch", type=int, default=8)
     ap.add_argument("--ceiling-seq-len", type=int, default=128)
     ap.add_argument("--ceiling-lr", type=float, default=3e-3)
@@ -440,7 +442,7 @@ def _run(args: argparse.Namespace) -> int:
     from dvi.registry import DrafterRegistry
 
     small = args.preset == "small"
-    n = args.requests or (64 if small else 16)
+    n = args.requests or (128 if small else 16)
     max_new = args.max_new_tokens or (48 if small else 24)
     json_path = Path(args.json)
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -479,7 +481,7 @@ def _run(args: argparse.Namespace) -> int:
                      ("prose", "prose", prompts("prose", args.seed, n)),
                      ("code_return", "code", prompts("code", args.seed + 1, n))]
     probe_prompts = prompts("code", args.seed + 2, args.probe_prompts)
-    total = 3 * n * 2 + n + 2 * args.probe_blocks * args.probe_prompts
+    total = 3 * n * 2 + n + 2 * args.probe_blocks * args.probe_prompts * (2 if args.probe_equal_priority else 1)
     progress = Progress(total, enabled=not args.no_progress)
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
@@ -539,19 +541,26 @@ def _run(args: argparse.Namespace) -> int:
     for r in ceiling_rows:
         r["i"] += n  # align with the prose phase of the stream
 
-    # ---- throughput probe: frozen drafter, a busy vs paused trainer process
-    run_p = work / "probe"
-    copied = _copy_backlog(Path(cfg_a.feedback.dir), run_p / "feedback", copies=3)
-    cfg_p = trainer_config(base_cfg, paths, run_p, ["trainer.publish_every_steps=1000000"])
-    probe_trainer = TrainerProc(cfg_p, run_p, trainer_cpu)
-    try:
-        probe_trainer.wait_state(("idle", "running"))
-        eng_p = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=k, feedback_top_k=top_k)
-        eng_p.generate(probe_prompts[:1], max_new_tokens=4)  # warm-up
-        probe = throughput_probe(eng_p, probe_prompts, args.batch, max_new, probe_trainer, args.probe_blocks, progress)
-        probe["backlog_shards"] = copied
-    finally:
-        probe_trainer.stop()
+    # ---- throughput probe: frozen drafter, a busy vs paused trainer process. Run twice: with the
+    # configured trainer (trainer.nice as in arm A: the goal) and with trainer.nice=0 (a trainer that
+    # competes at the engine's priority: the worst case, reported beside it).
+    eng_p = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=k, feedback_top_k=top_k)
+    eng_p.generate(probe_prompts[:1], max_new_tokens=4)  # warm-up
+    probes = {}
+    variants = [("configured", [])] + ([("equal_priority", ["trainer.nice=0"])] if args.probe_equal_priority else [])
+    for name, extra in variants:
+        run_p = work / f"probe_{name}"
+        copied = _copy_backlog(Path(cfg_a.feedback.dir), run_p / "feedback", copies=3)
+        cfg_p = trainer_config(base_cfg, paths, run_p, ["trainer.publish_every_steps=1000000", *extra])
+        probe_trainer = TrainerProc(cfg_p, run_p, trainer_cpu)
+        try:
+            probe_trainer.wait_state(("idle", "running"))
+            probes[name] = throughput_probe(eng_p, probe_prompts, args.batch, max_new, probe_trainer,
+                                            args.probe_blocks, progress)
+            probes[name].update(backlog_shards=copied, trainer_nice=cfg_p.trainer.nice)
+        finally:
+            probe_trainer.stop()
+    probe = probes["configured"]
     progress.close()
     timings["total_s"] = time.perf_counter() - t_all
 
@@ -618,6 +627,7 @@ def _run(args: argparse.Namespace) -> int:
                                             "cpu_seconds_at is the process's CPU time (after model loading at 'start')"},
         "ceiling_training": ceiling_stats,
         "throughput_probe": probe,
+        "throughput_probe_equal_priority": probes.get("equal_priority"),
         "timings": timings,
         "goals": goals,
         "png": str(png_path),
@@ -629,6 +639,10 @@ def _run(args: argparse.Namespace) -> int:
     print(_table(summary, goals))
     print(f"code α: online pre-switch {code_pre:.3f}, on return {code_ret:.3f}; the frozen arm's same windows "
           f"differ by {frozen_code_shift:+.3f} (prompt-set effect)")
+    for name, pr in probes.items():
+        print(f"throughput probe ({name}, trainer nice {pr['trainer_nice']}): {pr['tokens_per_s_running']:.1f} tok/s "
+              f"running vs {pr['tokens_per_s_paused']:.1f} paused = {pr['ratio']:.3f}x; trainer used "
+              f"{pr['trainer_busy_running']:.0%} of a core while running")
     print(f"lossless: {lossless} requests differ between arms (must be 0); swaps: "
           f"{sum('refused' not in s for s in swaps)} promoted, {sum('refused' in s for s in swaps)} refused")
     print(f"wrote {json_path} and {png_path} ({timings['total_s']:.0f}s)")
