@@ -13,6 +13,11 @@ explicit per-row `position_ids` (RoPE and GPT-2's absolute embeddings both read 
 * remove rows: `select_rows` (batch index select), then trim columns nobody uses.
 
 When there are no holes at all we pass `attention_mask=None` and let HF build its (fast) causal mask.
+
+The cache is a `BufferedCache`: each layer keeps K/V buffers with spare capacity, writes new K/V in
+place and hands the model views of its window of valid columns (HF's `DynamicLayer` concatenates the
+whole cache on every forward). Rollback/trim only move the window; compaction, row selection and
+merges write into fresh buffers that again keep spare capacity.
 """
 
 from __future__ import annotations
@@ -21,9 +26,147 @@ from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 # fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep) -> logits
 ModelFn = Callable[..., torch.Tensor]
+
+
+def _capacity(n: int) -> int:
+    """Columns to allocate for `n` used ones (doubling: amortised O(1) copies per appended column)."""
+    return max(2 * n, n + 32)
+
+
+class BufferedLayer(DynamicLayer):
+    """A `DynamicLayer` whose K/V live in preallocated buffers [B, H, capacity, D].
+
+    `keys`/`values` are views of the window `[off, off + len)` of the buffers; `update` copies the new
+    states in place after the window (growing the buffers by doubling when full) instead of
+    concatenating the whole cache.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._kb: torch.Tensor | None = None
+        self._vb: torch.Tensor | None = None
+        self._off = 0
+        self._len = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _views(self) -> None:
+        self.keys = self._kb.narrow(2, self._off, self._len)
+        self.values = self._vb.narrow(2, self._off, self._len)
+
+    def _alloc(self, b: int, k_like: torch.Tensor, v_like: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kb = k_like.new_empty(b, k_like.shape[1], cap, k_like.shape[3])
+        vb = v_like.new_empty(b, v_like.shape[1], cap, v_like.shape[3])
+        return kb, vb
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        end = self._off + self._len
+        kb = self._kb
+        if kb is None or end + n > kb.shape[2] or kb.shape[0] != key_states.shape[0]:
+            need = self._len + n
+            nkb, nvb = self._alloc(key_states.shape[0], key_states, value_states, _capacity(need))
+            if self._len:
+                nkb[:, :, : self._len].copy_(self.keys)
+                nvb[:, :, : self._len].copy_(self.values)
+            self._kb, self._vb, self._off, end = nkb, nvb, 0, self._len
+        self._kb[:, :, end : end + n].copy_(key_states)
+        self._vb[:, :, end : end + n].copy_(value_states)
+        self._len += n
+        self._views()
+        return self.keys, self.values
+
+    # ------------------------------------------------------------ window / contents (used by RaggedKV)
+    def set_window(self, start: int, end: int) -> None:
+        """Keep columns [start, end) of the current window (no copy)."""
+        if self._kb is None:
+            return
+        self._off += start
+        self._len = max(0, end - start)
+        self._views()
+
+    def assign(self, keys: torch.Tensor, values: torch.Tensor, spare: bool = True) -> None:
+        """Replace the contents by `keys`/`values` [B, H, L, D] (copied into buffers with spare capacity)."""
+        length = keys.shape[2]
+        cap = _capacity(length) if spare else length
+        self._kb, self._vb = self._alloc(keys.shape[0], keys, values, cap)
+        self._kb[:, :, :length].copy_(keys)
+        self._vb[:, :, :length].copy_(values)
+        self._off, self._len = 0, length
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._views()
+
+    def gather_cols(self, idx: torch.Tensor) -> None:
+        """Per row, keep the columns `idx` [B, L'] of the window (in that order)."""
+        b, h, _, d = self.keys.shape
+        n = idx.shape[1]
+        nkb, nvb = self._alloc(b, self.keys, self.values, _capacity(n))
+        torch.gather(self.keys, 2, idx.view(b, 1, n, 1).expand(b, h, n, d), out=nkb[:, :, :n])
+        dv = self.values.shape[3]
+        hv = self.values.shape[1]
+        torch.gather(self.values, 2, idx.view(b, 1, n, 1).expand(b, hv, n, dv), out=nvb[:, :, :n])
+        self._kb, self._vb, self._off, self._len = nkb, nvb, 0, n
+        self._views()
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (in that order)."""
+        n = self._len
+        nkb, nvb = self._alloc(index.numel(), self.keys, self.values, _capacity(n))
+        torch.index_select(self.keys, 0, index, out=nkb[:, :, :n])
+        torch.index_select(self.values, 0, index, out=nvb[:, :, :n])
+        self._kb, self._vb, self._off = nkb, nvb, 0
+        self._views()
+
+    # ------------------------------------------------------------ HF cache-layer API
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        if tokens_to_remove == 0 or self._kb is None:
+            return
+        self._len = max(0, self._len - abs(tokens_to_remove))
+        self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:
+            self.select_rows(torch.as_tensor(indices, device=self.keys.device).reshape(-1))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.get_seq_length() > 0:
+            self.select_rows(beam_idx.to(self.keys.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length() > 0:
+            self.assign(self.keys.repeat_interleave(repeats, dim=0), self.values.repeat_interleave(repeats, dim=0))
+
+    def reset(self) -> None:
+        self._kb = self._vb = None
+        self._off = self._len = 0
+        super().reset()
+
+
+class BufferedCache(DynamicCache):
+    """A `DynamicCache` whose layers are `BufferedLayer`s (created lazily, one per model layer)."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        super().__init__()
+        self.layer_class_to_replicate = BufferedLayer
+        for k, v in layers or ():
+            layer = BufferedLayer()
+            layer.assign(k, v)
+            self.layers.append(layer)
+
+
+def _live(layer) -> bool:
+    return getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0
 
 
 def _mask_kind(config) -> tuple[str, int | None]:
@@ -50,7 +193,7 @@ class RaggedKV:
         self.kind, self.window = _mask_kind(config)
         mp = getattr(config, "max_position_embeddings", None)
         self.max_position = int(mp) if mp else None
-        self.cache = DynamicCache()
+        self.cache = BufferedCache()
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
         self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
@@ -102,38 +245,46 @@ class RaggedKV:
         # HF forwards build their own causal mask when there are no holes; lean forwards need one for any
         # multi-token query or windowed attention (SDPA's is_causal is wrong with a cache).
         need = holes or (getattr(fn, "explicit_mask", False) and (q > 1 or self.kind != "full"))
-        mask = self._build_mask(qpos, new_valid) if need else None
+        kv_valid = torch.cat([self.valid, new_valid], dim=1)
+        kv_pos = torch.cat([self.pos, qpos], dim=1)
+        mask = self._build_mask(qpos, kv_valid, kv_pos) if need else None
         logits = fn(input_ids, mask, qpos, self.cache, logits_to_keep)
-        self.valid = torch.cat([self.valid, new_valid], dim=1)
-        self.pos = torch.cat([self.pos, qpos], dim=1)
+        self.valid, self.pos = kv_valid, kv_pos
         self.lengths = self.lengths + added
         self.has_holes = holes
         return logits
 
-    def _build_mask(self, qpos: torch.Tensor, new_valid: torch.Tensor):
-        b, q = qpos.shape
-        kv_valid = torch.cat([self.valid, new_valid], dim=1)
-        kv_pos = torch.cat([self.pos, qpos], dim=1)
+    def _build_mask(self, qpos: torch.Tensor, kv_valid: torch.Tensor, kv_pos: torch.Tensor):
+        q = qpos.shape[1]
         length = kv_valid.shape[1]
         allowed = kv_valid.unsqueeze(1) & (kv_pos.unsqueeze(1) <= qpos.unsqueeze(2))
         # Every query may see itself, so padded queries never get an all-masked row (NaN-free hole slots).
-        diag = torch.zeros(q, length, dtype=torch.bool, device=self.device)
-        diag[:, length - q :] = torch.eye(q, dtype=torch.bool, device=self.device)
-        full = allowed | diag
-        neg = torch.finfo(self.dtype).min
+        eye = self._eye(q)
         if self.kind == "full":
-            return self._to_additive(full, neg)
-        windowed = (allowed & (qpos.unsqueeze(2) - kv_pos.unsqueeze(1) < self.window)) | diag
+            allowed[:, :, length - q :] |= eye
+            return self._to_additive(allowed)
+        windowed = allowed & (qpos.unsqueeze(2) - kv_pos.unsqueeze(1) < self.window)
+        windowed[:, :, length - q :] |= eye
         if self.kind == "window":
-            return self._to_additive(windowed, neg)
-        return {
-            "full_attention": self._to_additive(full, neg),
-            "sliding_attention": self._to_additive(windowed, neg),
-        }
+            return self._to_additive(windowed)
+        allowed[:, :, length - q :] |= eye
+        return {"full_attention": self._to_additive(allowed), "sliding_attention": self._to_additive(windowed)}
 
-    def _to_additive(self, allowed: torch.Tensor, neg: float) -> torch.Tensor:
-        m = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return m.masked_fill_(~allowed, neg).unsqueeze(1)
+    def _eye(self, q: int) -> torch.Tensor:
+        cache = self.__dict__.setdefault("_eyes", {})
+        e = cache.get(q)
+        if e is None:
+            e = cache[q] = torch.eye(q, dtype=torch.bool, device=self.device)
+        return e
+
+    def _to_additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        consts = self.__dict__.get("_mask_consts")
+        if consts is None:
+            consts = self._mask_consts = (
+                torch.zeros((), dtype=self.dtype, device=self.device),
+                torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device),
+            )
+        return torch.where(allowed, *consts).unsqueeze(1)
 
     # ---------------------------------------------------------------- rollback / trimming
     def rollback(self, tail: int, keep: torch.Tensor) -> None:
@@ -165,13 +316,12 @@ class RaggedKV:
         self.valid = self.valid[:, start:end]
         self.pos = self.pos[:, start:end]
         if end <= start:
-            self.cache = DynamicCache()
+            self.cache = BufferedCache()
             self.has_holes = False
             return
         for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0:
-                layer.keys = layer.keys[:, :, start:end]
-                layer.values = layer.values[:, :, start:end]
+            if _live(layer):
+                layer.set_window(start, end)
 
     def compact(self) -> None:
         """Move each row's valid slots to the right end (left padding only), shrinking the column count."""
@@ -184,11 +334,8 @@ class RaggedKV:
         self.valid = self.valid.gather(1, idx)
         self.pos = self.pos.gather(1, idx)
         for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0:
-                b, h, _, d = layer.keys.shape
-                gi = idx.view(b, 1, new_len, 1).expand(b, h, new_len, d)
-                layer.keys = layer.keys.gather(2, gi)
-                layer.values = layer.values.gather(2, gi)
+            if _live(layer):
+                layer.gather_cols(idx)
         self.has_holes = not bool(self.valid.all())
 
     def maybe_compact(self, max_hole_fraction: float = 0.3, min_cols: int = 8) -> None:
@@ -202,15 +349,14 @@ class RaggedKV:
         self.pos = self.pos.index_select(0, index)
         self.lengths = self.lengths.index_select(0, index)
         if self.num_cols == 0 or index.numel() == 0:
-            self.cache = DynamicCache()
+            self.cache = BufferedCache()
             self.valid = self.valid[:, :0]
             self.pos = self.pos[:, :0]
             self.has_holes = False
             return
         for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0:
-                layer.keys = layer.keys.index_select(0, index)
-                layer.values = layer.values.index_select(0, index)
+            if _live(layer):
+                layer.select_rows(index)
         self.trim()
 
     def merge(self, other: RaggedKV) -> None:
@@ -224,25 +370,28 @@ class RaggedKV:
         la, lb = self.num_cols, other.num_cols
         length = max(la, lb)
         ka, kb = _layers(self.cache), _layers(other.cache)
-        layers = []
-        if length > 0:
-            ref = ka if ka else kb
+        na, nb = self.batch_size, other.batch_size
+        cache = BufferedCache()
+        ref = ka if ka else kb
+        if length > 0 and ref:
+            cap = _capacity(length)
             for i in range(len(ref)):
-                parts_k, parts_v = [], []
-                for kv, n, l_own in ((ka, self.batch_size, la), (kb, other.batch_size, lb)):
-                    k, v = (kv[i] if kv else (None, None))
-                    rk, rv = ref[i]
-                    if k is None:
-                        k = rk.new_zeros(n, rk.shape[1], 0, rk.shape[3])
-                        v = rv.new_zeros(n, rv.shape[1], 0, rv.shape[3])
-                    pad = length - l_own
+                layer = BufferedLayer()
+                rk, rv = ref[i]
+                kbuf, vbuf = layer._alloc(na + nb, rk, rv, cap)
+                for kv, r0, n, l_own in ((ka, 0, na, la), (kb, na, nb, lb)):
+                    pad = length - l_own if kv else length
                     if pad:
-                        k = torch.cat([k.new_zeros(n, k.shape[1], pad, k.shape[3]), k], dim=2)
-                        v = torch.cat([v.new_zeros(n, v.shape[1], pad, v.shape[3]), v], dim=2)
-                    parts_k.append(k)
-                    parts_v.append(v)
-                layers.append((torch.cat(parts_k, 0), torch.cat(parts_v, 0)))
-        self.cache = DynamicCache(ddp_cache_data=layers) if layers else DynamicCache()
+                        kbuf[r0 : r0 + n, :, :pad].zero_()
+                        vbuf[r0 : r0 + n, :, :pad].zero_()
+                    if kv and l_own:
+                        kbuf[r0 : r0 + n, :, pad:length].copy_(kv[i][0])
+                        vbuf[r0 : r0 + n, :, pad:length].copy_(kv[i][1])
+                layer._kb, layer._vb, layer._off, layer._len = kbuf, vbuf, 0, length
+                layer.lazy_initialization(rk, rv)
+                layer._views()
+                cache.layers.append(layer)
+        self.cache = cache
 
         def lpad(t: torch.Tensor, n: int, fill) -> torch.Tensor:
             return torch.cat([torch.full((t.shape[0], n), fill, dtype=t.dtype, device=t.device), t], 1) if n else t
@@ -256,7 +405,7 @@ class RaggedKV:
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for layer in cache.layers:
-        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0:
+        if _live(layer):
             out.append((layer.keys, layer.values))
         else:
             return []
