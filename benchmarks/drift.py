@@ -275,10 +275,17 @@ def run_ceiling(pair: Any, seconds: float, batch_size: int, seq_len: int, lr: fl
 
 def throughput_probe(engine: Any, prompts: list[list[int]], batch: int, max_new_tokens: int, proc: TrainerProc,
                      blocks: int, progress: Progress) -> dict:
-    """Alternate paused / running blocks over the same prompts; tokens/s of each, trainer busy share."""
+    """Paused / running blocks over the same prompts in ABBA order; tokens/s, trainer CPU share.
+
+    Other users' load drifts during the probe; ABBA order cancels a linear drift, and the ratio is
+    the median over adjacent (paused, running) pairs, so one noisy block cannot decide it.
+    """
+    import statistics
+
     out: dict[str, list[dict]] = {"paused": [], "running": []}
-    for b in range(2 * blocks):
-        mode = "paused" if b % 2 == 0 else "running"
+    seq: list[dict] = []
+    order = [m for p in range(blocks) for m in (("paused", "running") if p % 2 == 0 else ("running", "paused"))]
+    for mode in order:
         proc.pause(mode == "paused")
         st0 = proc.wait_state(("paused",) if mode == "paused" else ("running", "idle"))
         c0 = _cpu_seconds(proc.proc.pid)
@@ -291,15 +298,23 @@ def throughput_probe(engine: Any, prompts: list[list[int]], batch: int, max_new_
         wall = time.perf_counter() - t0
         st1 = proc.status()
         busy = (_cpu_seconds(proc.proc.pid) - c0) / wall if wall else 0.0  # trainer CPU share of one core
-        out[mode].append({"tokens": toks, "seconds": wall, "tokens_per_s": toks / wall, "trainer_busy": busy,
-                          "trainer_steps": int(st1.get("dvi_trainer_step", 0)) - int(st0.get("dvi_trainer_step", 0))})
+        blk = {"mode": mode, "tokens": toks, "seconds": wall, "tokens_per_s": toks / wall, "trainer_busy": busy,
+               "trainer_steps": int(st1.get("dvi_trainer_step", 0)) - int(st0.get("dvi_trainer_step", 0))}
+        out[mode].append(blk)
+        seq.append(blk)
     proc.pause(False)
 
     def tps(xs: list[dict]) -> float:
         return sum(x["tokens"] for x in xs) / sum(x["seconds"] for x in xs)
 
-    return {"blocks": out, "tokens_per_s_paused": tps(out["paused"]), "tokens_per_s_running": tps(out["running"]),
-            "ratio": tps(out["running"]) / tps(out["paused"]),
+    pair_ratios = []
+    for a, b in zip(seq[::2], seq[1::2], strict=True):
+        run, paused = (a, b) if a["mode"] == "running" else (b, a)
+        pair_ratios.append(run["tokens_per_s"] / paused["tokens_per_s"])
+    return {"blocks": out, "order": [b["mode"] for b in seq], "pair_ratios": pair_ratios,
+            "tokens_per_s_paused": tps(out["paused"]), "tokens_per_s_running": tps(out["running"]),
+            "pooled_ratio": tps(out["running"]) / tps(out["paused"]),
+            "ratio": statistics.median(pair_ratios),
             "trainer_busy_running": sum(x["trainer_busy"] * x["seconds"] for x in out["running"])
             / sum(x["seconds"] for x in out["running"])}
 
@@ -412,7 +427,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: small 48, tiny 24")
     ap.add_argument("--window", type=int, default=None, help="rolling window (requests) for α (default N/4, >= 8)")
     ap.add_argument("--probe-prompts", type=int, default=8)
-    ap.add_argument("--probe-blocks", type=int, default=3, help="paused/running block pairs in the throughput probe")
+    ap.add_argument("--probe-blocks", type=int, default=4, help="paused/running block pairs in the throughput probe")
     ap.add_argument("--no-probe-equal-priority", dest="probe_equal_priority", action="store_false",
                     help="skip the second probe with the trainer at the engine's CPU priority (trainer.nice=0)")
     ap.add_argument("--ceiling-batch", type=int, default=8)
@@ -600,8 +615,8 @@ def _run(args: argparse.Namespace) -> int:
               f"(last {len(by['online']['code']) - len(by['online']['code']) // 2})", code_ret - code_pre, -0.02),
         _goal(f"frozen prose α (last {w} prose requests) / ceiling α (stays down)", frozen_ratio, 0.9,
               higher_is_better=False),
-        _goal(f"serving tokens/s with the trainer running / paused (trainer used {probe['trainer_busy_running']:.0%}"
-              " of a core while running)",
+        _goal(f"serving tokens/s with the trainer running / paused (median of {len(probe['pair_ratios'])} ABBA pairs;"
+              f" trainer used {probe['trainer_busy_running']:.0%} of a core while running)",
               probe["ratio"], 0.9),
     ]
     title = (f"dvi drift ({args.preset}): code -> prose -> code, {n} requests/phase, greedy, K={k}, batch {args.batch}, "
@@ -640,9 +655,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"code α: online pre-switch {code_pre:.3f}, on return {code_ret:.3f}; the frozen arm's same windows "
           f"differ by {frozen_code_shift:+.3f} (prompt-set effect)")
     for name, pr in probes.items():
-        print(f"throughput probe ({name}, trainer nice {pr['trainer_nice']}): {pr['tokens_per_s_running']:.1f} tok/s "
-              f"running vs {pr['tokens_per_s_paused']:.1f} paused = {pr['ratio']:.3f}x; trainer used "
-              f"{pr['trainer_busy_running']:.0%} of a core while running")
+        print(f"throughput probe ({name}, trainer nice {pr['trainer_nice']}): median pair ratio {pr['ratio']:.3f}x "
+              f"(pooled {pr['tokens_per_s_running']:.1f} tok/s running vs {pr['tokens_per_s_paused']:.1f} paused = "
+              f"{pr['pooled_ratio']:.3f}x); trainer used {pr['trainer_busy_running']:.0%} of a core while running")
     print(f"lossless: {lossless} requests differ between arms (must be 0); swaps: "
           f"{sum('refused' not in s for s in swaps)} promoted, {sum('refused' in s for s in swaps)} refused")
     print(f"wrote {json_path} and {png_path} ({timings['total_s']:.0f}s)")
