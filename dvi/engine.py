@@ -586,7 +586,8 @@ class SpeculativeEngine:
             self.costs.record_draft(b, (t1 - t0) / k)
         if finished:
             self._remove_rows(finished)
-        self._tkv.maybe_compact()
+        # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
+        self._tkv.maybe_compact(0.3 if k else 0.1)
         self._dkv.maybe_compact()
         return outs
 

@@ -291,6 +291,13 @@ class RaggedKV:
         """Among the last `tail` columns keep only each row's first `keep[b]` valid slots."""
         if tail <= 0:
             return
+        if self.batch_size == 1 and not self.has_holes:
+            # One hole-free row: rejected slots are the trailing ones; just shorten the window.
+            drop = max(0, min(tail, self.num_cols) - int(keep[0]))
+            if drop:
+                self.lengths = self.lengths - drop
+                self._set_cols(0, self.num_cols - drop)
+            return
         tv = self.valid[:, -tail:]
         new_tv = tv & (tv.long().cumsum(1) <= keep.unsqueeze(1))
         self.lengths = self.lengths - (tv.long().sum(1) - new_tv.long().sum(1))
@@ -302,12 +309,12 @@ class RaggedKV:
         if self.num_cols == 0:
             self.has_holes = False
             return
-        used = self.valid.any(0)
-        if self.batch_size == 0 or not bool(used.any()):
+        idx = self.valid.any(0).nonzero().squeeze(1) if self.batch_size else self.valid.new_zeros(0)
+        if idx.numel() == 0:
             self._set_cols(0, 0)
             return
-        idx = used.nonzero().squeeze(1)
-        start, end = int(idx[0]), int(idx[-1]) + 1
+        start, end = idx[[0, -1]].tolist()
+        end += 1
         if start > 0 or end < self.num_cols:
             self._set_cols(start, end)
         self.has_holes = not bool(self.valid.all())
@@ -339,8 +346,12 @@ class RaggedKV:
         self.has_holes = not bool(self.valid.all())
 
     def maybe_compact(self, max_hole_fraction: float = 0.3, min_cols: int = 8) -> None:
-        if self.has_holes and self.num_cols >= min_cols and self.hole_fraction() > max_hole_fraction:
-            self.compact()
+        """Compact when more than `max_hole_fraction` of the columns would go (left padding that
+        compaction cannot remove does not count, so a padded batch is not re-gathered every step)."""
+        if self.has_holes and self.num_cols >= min_cols and self.batch_size:
+            removable = 1.0 - int(self.valid.sum(1).max()) / self.num_cols
+            if removable > max_hole_fraction:
+                self.compact()
 
     # ---------------------------------------------------------------- rows
     def select_rows(self, index: torch.Tensor) -> None:

@@ -169,3 +169,20 @@ def test_ragged_merge_select_compact_match_plain_tensors():
             sel_k, sel_v = k[[2, 0]], v[[2, 0]]
             cut = sel_k.shape[2] - a.num_cols  # leading columns nobody uses any more are trimmed
             assert torch.equal(layer.keys, sel_k[:, :, cut:]) and torch.equal(layer.values, sel_v[:, :, cut:])
+
+
+def test_maybe_compact_ignores_left_padding_it_cannot_remove():
+    model = _model("llama")
+    fn = model_forward(model)
+    with torch.inference_mode():
+        kv = prefill(model.config, fn, [list(range(1, 21)), [1, 2]])  # 90% of row 1 is left padding
+        assert kv.hole_fraction() > 0.4
+        layer_buf = kv.cache.layers[0]._kb
+        kv.maybe_compact()
+        assert kv.num_cols == 20 and kv.cache.layers[0]._kb is layer_buf  # nothing to gain: no re-gather
+        kv.forward(fn, torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]] * 2))
+        kv.rollback(10, torch.tensor([2, 10]))  # row 0 keeps 2 of 10: 8 removable columns of 30
+        kv.maybe_compact(0.3)
+        assert kv.num_cols == 30
+        kv.maybe_compact(0.1)
+        assert kv.num_cols == 22 and kv.lengths.tolist() == [22, 12]
