@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dvi.adaptive import batch_bucket
 from dvi.config import DviConfig
 from dvi.engine import SamplingParams, SpeculativeEngine
 from dvi.feedback import FeedbackWriter
@@ -143,6 +144,13 @@ def build_state(cfg: DviConfig) -> ServerState:
         max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
         target_version=0, drafter_version=0,
     )
+    if spec.adaptive and pair.drafter is not None:
+        # Measure draft/verify costs for every batch bucket now, so no request pays for a
+        # calibration the first time the running batch reaches a new size.
+        buckets = sorted({batch_bucket(n) for n in range(1, cfg.serve.max_batch_size + 1)})
+        t0 = time.perf_counter()
+        engine.calibrate(buckets)
+        log.info("adaptive K calibrated for batch sizes %s in %.1fs", buckets, time.perf_counter() - t0)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     fb = cfg.feedback
