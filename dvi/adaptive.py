@@ -43,12 +43,26 @@ def choose_k(
     errors (per-step overheads it does not see, timing noise) and a marginal win is not worth them.
     """
     vc = verify_cost if callable(verify_cost) else (lambda k: verify_cost[k])
+    # Hot path (every engine step): alphas clamped once, E[tokens/step] inlined (same arithmetic as
+    # `expected_tokens`, so the same choice).
+    clamped = [min(max(float(a), 0.0), 1.0) for a in alphas]
+    ones = 1.0 - 1e-9
+
+    def tokens(k: int) -> list[float]:
+        return [float(k + 1) if a >= ones else (1.0 - a ** (k + 1)) / (1.0 - a) for a in clamped]
+
     if remaining is not None:
         # Drain mode (no requests waiting to backfill finished rows): the batch is done when its slowest
         # row is, so minimise max_i(remaining_i / E_i[tokens/step]) * step time instead of throughput.
+        rem = list(remaining)
+        if len(rem) != len(clamped):
+            raise ValueError("alphas and remaining differ in length")
+
         def drain(k: int) -> float:
             t = k * draft_cost + vc(k)
-            return max(r / expected_tokens(a, k) for a, r in zip(alphas, remaining, strict=True)) * t
+            if k <= 0:
+                return max(r / 1.0 for r in rem) * t
+            return max(r / e for r, e in zip(rem, tokens(k), strict=True)) * t
 
         best_k, best = 0, drain(0) / margin
         for k in range(1, k_max + 1):
@@ -60,7 +74,7 @@ def choose_k(
     best_k, best = 0, plain * margin
     for k in range(1, k_max + 1):
         t = k * draft_cost + vc(k)
-        rate = sum(expected_tokens(a, k) for a in alphas) / max(t, 1e-12)
+        rate = sum(tokens(k)) / max(t, 1e-12)
         if rate > best * 1.0001:
             best_k, best = k, rate
     return best_k
@@ -196,6 +210,7 @@ class AdaptiveK:
         self._interval = probe_every
         self._next_probe = probe_every
         self.last_choice = self.k_default
+        self._cost_cache: dict[int, tuple[float, list[float]]] = {}  # bucket -> (draft, verify per K)
 
     def needs_calibration(self, batch: int) -> bool:
         b = batch_bucket(batch)
@@ -206,6 +221,7 @@ class AdaptiveK:
         for k, v in verify.items():
             self.costs.record_verify(b, k, v)
         self.costs.record_draft(b, draft)
+        self._cost_cache.clear()
 
     def choose(self, batch: int, alphas: Sequence[float], remaining: Sequence[int] | None = None) -> int:
         if self.k_max <= 0 or not alphas:
@@ -215,7 +231,11 @@ class AdaptiveK:
         if b not in c.draft or 0 not in c.verify.get(b, {}):
             return self.k_default
         # Expected tokens scale with the rows, costs are those of the bucket: use the mean per row.
-        k = choose_k(alphas, c.draft_cost(b), lambda kk: c.verify_cost(b, kk), self.k_max, self.margin, remaining)
+        # Interpolated costs per K are cached per bucket until the next `set_costs`.
+        cached = self._cost_cache.get(b)
+        if cached is None:
+            cached = self._cost_cache[b] = (c.draft_cost(b), [c.verify_cost(b, kk) for kk in range(self.k_max + 1)])
+        k = choose_k(alphas, cached[0], cached[1], self.k_max, self.margin, remaining)
         if k == 0:
             self._zero_streak += 1
             if self._zero_streak >= self._next_probe:

@@ -90,3 +90,46 @@ def test_acceptance_ema():
     for _ in range(30):
         a.update(4, 0)
     assert a.alpha < 0.2
+
+
+def test_choose_k_matches_reference_formula():
+    """The inlined hot path picks the K the plain formula (`expected_tokens` per row and K) picks."""
+    import random
+
+    from dvi.adaptive import choose_k, expected_tokens
+
+    def ref(alphas, dc, vc, k_max, margin, remaining):
+        if remaining is not None:
+            def drain(k):
+                return max(r / expected_tokens(a, k) for a, r in zip(alphas, remaining, strict=True)) * (k * dc + vc[k])
+            best_k, best = 0, drain(0) / margin
+            for k in range(1, k_max + 1):
+                if drain(k) < best * 0.9999:
+                    best_k, best = k, drain(k)
+            return best_k
+        best_k, best = 0, len(alphas) / max(vc[0], 1e-12) * margin
+        for k in range(1, k_max + 1):
+            rate = sum(expected_tokens(a, k) for a in alphas) / max(k * dc + vc[k], 1e-12)
+            if rate > best * 1.0001:
+                best_k, best = k, rate
+        return best_k
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(1, 16)
+        al = [rng.choice([0.0, 1.0, rng.random()]) for _ in range(n)]
+        vc = sorted(rng.uniform(0.005, 0.05) for _ in range(9))
+        dc = rng.uniform(0.0005, 0.01)
+        rem = [rng.randint(1, 64) for _ in range(n)] if rng.random() < 0.5 else None
+        assert choose_k(al, dc, vc, 8, 1.05, rem) == ref(al, dc, vc, 8, 1.05, rem)
+
+
+def test_adaptive_cost_cache_follows_set_costs():
+    from dvi.adaptive import AdaptiveK
+
+    c = AdaptiveK(4, 2)
+    c.set_costs(1, {0: 0.010, 1: 0.011, 2: 0.012, 4: 0.014}, 0.001)
+    assert c.choose(1, [0.9]) > 0
+    c.set_costs(1, {0: 0.010, 1: 0.050, 2: 0.090, 4: 0.170}, 0.010)  # speculation now far too expensive
+    c._zero_streak, c._next_probe = 0, 10**9
+    assert c.choose(1, [0.9]) == 0
