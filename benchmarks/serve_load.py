@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -164,16 +165,21 @@ def main(argv: list[str] | None = None) -> int:
             f"serve.max_tokens_limit={max(args.max_tokens, 64)}"]
     figures: dict[str, list[dict]] = {}
     t_start = time.time()
-    for arm, extra in ARMS.items():
-        arm_dir = work / arm
-        arm_dir.mkdir(parents=True, exist_ok=True)
-        overrides = base + extra + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
-                                    f"registry.dir={arm_dir / 'registry'}"]
-        print(f"[{arm}] starting server ...", flush=True)
-        with ServerProcess(overrides, arm_dir / "server.log", cwd=ROOT) as srv:
+    # Both servers run side by side (each one thread, idle while the other is measured) and the arms
+    # alternate level by level, so a change in the machine's other load hits both arms alike.
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for arm, extra in ARMS.items():
+            arm_dir = work / arm
+            arm_dir.mkdir(parents=True, exist_ok=True)
+            overrides = base + extra + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
+                                        f"registry.dir={arm_dir / 'registry'}"]
+            print(f"[{arm}] starting server ...", flush=True)
+            servers[arm] = stack.enter_context(ServerProcess(overrides, arm_dir / "server.log", cwd=ROOT))
             figures[arm] = []
-            for c in levels:
-                n = args.requests or max(24, 2 * c)
+        for c in levels:
+            n = args.requests or max(24, 2 * c)
+            for arm, srv in servers.items():
                 fig = asyncio.run(_level(srv.url, prompts, c, n, args.max_tokens, args.warmup))
                 figures[arm].append(fig)
                 a = fig["alpha"]
