@@ -8,7 +8,8 @@ One step for all active rows:
 
 Invariant between steps, per row: the target cache holds every token except the last emitted one
 (`_last`); the drafter cache holds every token except `pending` (1 token, 2 after a fully accepted step
-since d_K was never fed to it, more after K=0 steps). K = 0 is plain decoding through the same path.
+since d_K was never fed to it, more after K=0 steps, the whole prompt until the row's first draft:
+the drafter cache is filled lazily). K = 0 is plain decoding through the same path.
 """
 
 from __future__ import annotations
@@ -343,9 +344,11 @@ class SpeculativeEngine:
         ctx = [list(s.req.prompt_ids[:-1]) for s in new]
         self._tkv.merge(prefill(self.target.config, self._tfn, ctx, self.device, self.dtype))
         if self.drafter is not None:
-            self._dkv.merge(prefill(self.drafter.config, self.drafter, ctx, self.device, self.drafter.dtype))
+            # The drafter cache is filled lazily: the whole prompt is pending and goes through the drafter
+            # in the row's first draft forward (no drafter prefill at all while adaptive K stays at 0).
+            self._dkv.merge(RaggedKV(self.drafter.config, len(new), self.device, self.drafter.dtype))
         for s in new:
-            s.pending = [int(s.req.prompt_ids[-1])]
+            s.pending = [int(t) for t in s.req.prompt_ids] if self.drafter is not None else [int(s.req.prompt_ids[-1])]
         last = torch.tensor([int(s.req.prompt_ids[-1]) for s in new], dtype=torch.long, device=self.device)
         self._last = torch.cat([self._last, last])
         self._seqs.extend(new)
