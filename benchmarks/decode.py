@@ -20,6 +20,11 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import goal
 from dvi.adaptive import batch_bucket, expected_tokens
 from dvi.engine import Request, SamplingParams, SpeculativeEngine
 
@@ -174,11 +179,6 @@ def predicted(engine: SpeculativeEngine, run: dict) -> dict:
         online_c_draft_ms={b: v * 1e3 for b, v in engine.costs.draft.items()},
         online_c_verify_ms={b: {k: v * 1e3 for k, v in d.items()} for b, d in engine.costs.verify.items()},
     )
-
-
-def goal(name, value, target, higher=True):
-    met = value is not None and (value >= target if higher else value <= target)
-    return {"name": name, "value": value, "target": target, "higher_is_better": higher, "met": bool(met)}
 
 
 def main(argv=None) -> int:

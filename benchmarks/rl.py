@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
@@ -35,23 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import clean_json, goal
+
 ARMS = ("plain", "frozen", "online")
-
-
-def _clean(x):
-    """JSON-safe: NaN/inf -> None, recursively."""
-    if isinstance(x, float):
-        return None if math.isnan(x) or math.isinf(x) else x
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
-def _goal(name: str, value: float, target: float, higher_is_better: bool = True) -> dict:
-    ok = (not math.isnan(value)) and (value >= target if higher_is_better else value <= target)
-    return {"name": name, "value": value, "target": target, "higher_is_better": higher_is_better, "met": bool(ok)}
 
 
 def _plot(path: Path, logs: dict[str, list], alpha_from: int, title: str) -> None:
@@ -211,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     goals = []
     if "online" in summaries and "frozen" in summaries:
         gap = summaries["online"]["alpha_late"] - summaries["frozen"]["alpha_late"]
-        goals.append(_goal(f"online α minus frozen α, steps >= {alpha_from}", gap, 0.1))
+        goals.append(goal(f"online α minus frozen α, steps >= {alpha_from}", gap, 0.1))
     if "online" in summaries and "plain" in summaries:
         speed = summaries["plain"]["rollout_s_total"] / summaries["online"]["rollout_s_total"]
-        goals.append(_goal("plain / online total rollout time (speedup)", speed, 1.3))
+        goals.append(goal("plain / online total rollout time (speedup)", speed, 1.3))
 
     out = {
         "benchmark": "rl",
@@ -231,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     json_path = Path(a.json)
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(_clean(out), indent=2))
+    json_path.write_text(json.dumps(clean_json(out), indent=2))
     png_path = Path(a.png) if a.png else json_path.with_suffix(".png")
     try:
         _plot(png_path, {arm: runs[arm].logs for arm in arms}, alpha_from,

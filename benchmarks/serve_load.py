@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import clean_json, goal
+
 ARMS = {"spec": ["speculation.adaptive=true"],
         "nospec": ["speculation.adaptive=false", "speculation.num_draft_tokens=0"]}
 
@@ -44,21 +46,6 @@ def _pct(xs: list[float], q: float) -> float:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
-
-
-def _goal(name: str, value: float, target: float, higher_is_better: bool = True) -> dict:
-    ok = (not math.isnan(value)) and (value >= target if higher_is_better else value <= target)
-    return {"name": name, "value": value, "target": target, "higher_is_better": higher_is_better, "met": bool(ok)}
-
-
-def _clean(x):
-    if isinstance(x, float):
-        return None if math.isnan(x) or math.isinf(x) else x
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    return x
 
 
 async def _one(client, prompt: list[int], max_tokens: int) -> dict:
@@ -193,12 +180,12 @@ def main(argv: list[str] | None = None) -> int:
                 return f["throughput_tok_s"]
         return float("nan")
 
-    goals = [_goal("errors at every level", float(sum(f["errors"] for fs in figures.values() for f in fs)), 0.0,
+    goals = [goal("errors at every level", float(sum(f["errors"] for fs in figures.values() for f in fs)), 0.0,
                    higher_is_better=False)]
     lo, hi = min(levels), max(levels)
-    goals.append(_goal(f"speculation throughput ratio at concurrency {lo}", tput("spec", lo) / tput("nospec", lo),
+    goals.append(goal(f"speculation throughput ratio at concurrency {lo}", tput("spec", lo) / tput("nospec", lo),
                        1.3))
-    goals.append(_goal(f"speculation throughput ratio at concurrency {hi}", tput("spec", hi) / tput("nospec", hi),
+    goals.append(goal(f"speculation throughput ratio at concurrency {hi}", tput("spec", hi) / tput("nospec", hi),
                        0.95))
 
     header = f"{'arm':<7} {'C':>3} {'req':>4} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'ttft50':>7} {'ttft99':>7} " \
@@ -227,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.time() - t_start,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(_clean(out), indent=1))
+    args.json.write_text(json.dumps(clean_json(out), indent=1))
     print(f"\nwrote {args.json}")
     return 0
 
