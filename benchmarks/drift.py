@@ -49,26 +49,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import clean_json, goal
+
 PHASES = (("code", "code"), ("prose", "prose"), ("code_return", "code"))
 
 
 # -- small helpers --------------------------------------------------------------------------------
-def _clean(x: Any) -> Any:
-    """JSON-safe: NaN/inf -> None, recursively."""
-    if isinstance(x, float):
-        return None if math.isnan(x) or math.isinf(x) else x
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
-def _goal(name: str, value: float, target: float, higher_is_better: bool = True) -> dict:
-    ok = (not math.isnan(value)) and (value >= target if higher_is_better else value <= target)
-    return {"name": name, "value": value, "target": target, "higher_is_better": higher_is_better, "met": bool(ok)}
-
-
 def _alpha(rows: list[dict]) -> float:
     """Token-weighted α = accepted / drafted over a list of per-request rows."""
     d = sum(r["drafted"] for r in rows)
@@ -412,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"benchmark": "drift", "error": f"{type(exc).__name__}: {exc}",
-                                    "settings": _clean(vars(args)), "goals": []}, indent=1))
+                                    "settings": clean_json(vars(args)), "goals": []}, indent=1))
         print(f"drift benchmark failed: {exc}; wrote {path}")
         return 0
 
@@ -608,14 +594,14 @@ def _run(args: argparse.Namespace) -> int:
                            "tokens_per_s": _phase_summary([{**r, "phase": "prose"} for r in ceiling_rows])
                            .get("prose", {}).get("tokens_per_s", float("nan"))}}
     goals = [
-        _goal(f"online prose α (last {w} of {len(on_prose)} prose requests) / ceiling α; reached 90% at request "
+        goal(f"online prose α (last {w} of {len(on_prose)} prose requests) / ceiling α; reached 90% at request "
               f"{budget['reached_at_request']} after {budget['reached_after_s'] or float('nan'):.0f}s "
               f"(budget: {len(on_prose)} requests, {budget['prose_phase_s']:.0f}s)", online_end_ratio, 0.9),
-        _goal(f"online code α when code returns (first {len(code_ret_rows)} requests) minus pre-switch code α "
+        goal(f"online code α when code returns (first {len(code_ret_rows)} requests) minus pre-switch code α "
               f"(last {len(by['online']['code']) - len(by['online']['code']) // 2})", code_ret - code_pre, -0.02),
-        _goal(f"frozen prose α (last {w} prose requests) / ceiling α (stays down)", frozen_ratio, 0.9,
+        goal(f"frozen prose α (last {w} prose requests) / ceiling α (stays down)", frozen_ratio, 0.9,
               higher_is_better=False),
-        _goal(f"serving tokens/s with the trainer running / paused (median of {len(probe['pair_ratios'])} ABBA pairs;"
+        goal(f"serving tokens/s with the trainer running / paused (median of {len(probe['pair_ratios'])} ABBA pairs;"
               f" trainer used {probe['trainer_busy_running']:.0%} of a core while running)",
               probe["ratio"], 0.9),
     ]
@@ -650,7 +636,7 @@ def _run(args: argparse.Namespace) -> int:
     for rows in (online, frozen, ceiling_rows):
         for r in rows:
             r.pop("token_ids", None)
-    json_path.write_text(json.dumps(_clean(result), indent=1))
+    json_path.write_text(json.dumps(clean_json(result), indent=1))
     print(_table(summary, goals))
     print(f"code α: online pre-switch {code_pre:.3f}, on return {code_ret:.3f}; the frozen arm's same windows "
           f"differ by {frozen_code_shift:+.3f} (prompt-set effect)")
