@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -95,14 +96,24 @@ def _num_embeddings(model: nn.Module) -> int:
 
 
 class Drafter:
-    """Interface: a stateless draft model callable; the engine keeps its KV cache."""
+    """Interface: a stateless draft model callable; the engine keeps its KV cache.
+
+    A kind sets `model` (the nn.Module whose parameters it runs) and `_fn` (its forward, from
+    `model_forward`), plus `config` and `vocab_size`; calling, devices and parameters follow from those.
+    """
 
     config = None
     vocab_size: int = 0
     kind: str = "base"
+    model: nn.Module
+    _fn: Callable[..., torch.Tensor]
 
     def __call__(self, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0) -> torch.Tensor:
-        raise NotImplementedError
+        return self._fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
+
+    @property
+    def explicit_mask(self) -> bool:
+        return getattr(self._fn, "explicit_mask", False)
 
     @property
     def device(self) -> torch.device:
@@ -113,7 +124,7 @@ class Drafter:
         return next(self.parameters()).dtype
 
     def parameters(self):
-        raise NotImplementedError
+        return self.model.parameters()
 
     def shares_weights_with_target(self) -> bool:
         """True when the drafter reads the target's parameters (its cache must be rebuilt on target updates)."""
@@ -131,16 +142,6 @@ class SeparateDrafter(Drafter):
         self._fn = model_forward(base)
         self.config = base.config
         self.vocab_size = _num_embeddings(base)
-
-    def __call__(self, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0):
-        return self._fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
-
-    @property
-    def explicit_mask(self) -> bool:
-        return getattr(self._fn, "explicit_mask", False)
-
-    def parameters(self):
-        return self.model.parameters()
 
 
 class ExitHead(nn.Module):
@@ -255,16 +256,6 @@ class EarlyExitDrafter(Drafter):
         exit_rank: int = 16,
     ) -> EarlyExitDrafter:
         return cls(target, num_layers, lora_rank, lora_alpha, target_modules, exit_rank)
-
-    def __call__(self, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0):
-        return self._fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
-
-    @property
-    def explicit_mask(self) -> bool:
-        return getattr(self._fn, "explicit_mask", False)
-
-    def parameters(self):
-        return self.model.parameters()
 
     def shares_weights_with_target(self) -> bool:
         return True

@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from dvi.fsutil import atomic_write_text
 from dvi.registry import AdapterRejected
 
 from .protocol import ApiError
@@ -97,9 +97,7 @@ def confine_path(path: str, allowed_dirs: list[Path]) -> Path:
 def _write_target_version(run_dir: Path, version: int) -> None:
     """`<run_dir>/target_version`: tells the online trainer about the new target before its first
     feedback record arrives (trainers.online reads this file)."""
-    tmp = run_dir / f".target_version.{os.getpid()}"
-    tmp.write_text(f"{version}\n")
-    os.replace(tmp, run_dir / "target_version")
+    atomic_write_text(run_dir / "target_version", f"{version}\n")
 
 
 def admin_router() -> APIRouter:

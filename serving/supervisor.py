@@ -39,6 +39,7 @@ from pathlib import Path
 import yaml
 
 from dvi.config import DviConfig, dump_config
+from dvi.fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,7 @@ class TrainerSupervisor:
 
     def write_config(self) -> Path:
         """The resolved config the trainer runs with (so it sees the server's dirs and preset)."""
-        tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(yaml.safe_dump(dump_config(self.cfg), sort_keys=False))
-        os.replace(tmp, self.config_path)
+        atomic_write_text(self.config_path, yaml.safe_dump(dump_config(self.cfg), sort_keys=False))
         return self.config_path
 
     def stop(self, timeout: float = 10.0) -> None:

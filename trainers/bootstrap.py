@@ -25,6 +25,7 @@ import torch
 
 from dvi import data
 from dvi.embedded import EmbeddedPaths, Preset, embedded_dir, get_preset, is_built, read_manifest
+from dvi.fsutil import atomic_write_text
 from dvi.models import decode_step_latency, num_params
 from trainers.offline import (
     distill,
@@ -275,9 +276,7 @@ def save_pair(built: BuiltPair, path: str | Path) -> Path:
     built.tokenizer.save_pretrained(str(paths.tokenizer))
     built.target.save_pretrained(str(paths.target))
     built.drafter.save_pretrained(str(paths.drafter))
-    tmp = paths.manifest.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(built.manifest, indent=2, sort_keys=True))
-    os.replace(tmp, paths.manifest)
+    atomic_write_text(paths.manifest, json.dumps(built.manifest, indent=2, sort_keys=True))
     return paths.root
 
 

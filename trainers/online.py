@@ -52,6 +52,7 @@ import os
 import random
 import signal
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,7 @@ from torch import nn
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
 from dvi.feedback import FeedbackReader, FeedbackRecord
+from dvi.fsutil import atomic_write_json
 from dvi.registry import AdapterRejected, DrafterRegistry
 from dvi.shadow import hf_logits_fn, shadow_alpha
 from trainers.losses import dvi_loss
@@ -224,7 +226,7 @@ def build_batch(
 # the trainable drafter, three kinds behind one small interface
 
 
-class _Trainable:
+class _Trainable(ABC):
     """What the trainer needs from a drafter kind: params, forward, snapshot/restore, publish."""
 
     kind = "base"
@@ -239,14 +241,17 @@ class _Trainable:
     def forward_module(self) -> nn.Module:
         return self.module
 
+    @abstractmethod
     def state(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The trained weights, keyed as they are published."""
 
+    @abstractmethod
     def load_state(self, sd: Mapping[str, torch.Tensor]) -> None:
-        raise NotImplementedError
+        """Restore weights from `state()` (checkpoint resume, rollback to a published version)."""
 
+    @abstractmethod
     def publish(self, registry: DrafterRegistry, manifest: dict) -> int:
-        raise NotImplementedError
+        """Write the current weights to the registry; returns the new version."""
 
     def load_version(self, registry: DrafterRegistry, version: int) -> dict[str, torch.Tensor]:
         """A published version's weights as a `state()`-shaped dict (validated by the registry)."""
@@ -384,14 +389,8 @@ def read_target_version_file(run_dir: str | os.PathLike) -> int | None:
 
 
 def write_json_atomic(path: Path, obj: Any, fsync: bool = True) -> None:
-    """Temp file + rename: readers see the old or the new content, never half (fsync for durability)."""
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, default=str)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Readers see the old or the new content, never half (fsync for durability)."""
+    atomic_write_json(path, obj, fsync=fsync)
 
 
 class OnlineTrainer:
