@@ -107,3 +107,46 @@ def test_cache_paths(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="unknown preset"):
         embedded_dir("huge")
     assert set(PRESETS) >= {"tiny", "small"}
+
+
+@pytest.mark.parametrize("stride", [None, 64, 1])
+def test_sliding_eval_windows_score_every_token_once_with_context(stride):
+    from trainers.offline import _eval_windows
+
+    seq_len = 8
+    docs = [list(range(3, 3 + n)) for n in (0, 1, 7, 8, 9, 40)]
+    wins = _eval_windows(docs, 0, seq_len, None if stride is None else min(stride, seq_len))
+    scored = []
+    for w, skip in wins:
+        t = w.tolist()
+        assert len(t) <= seq_len + 1 and 0 <= skip < len(t) - 1
+        # each scored target sees at least seq_len - stride tokens (or the whole doc prefix)
+        s = seq_len if stride is None else min(stride, seq_len)
+        assert skip in (0, seq_len - s)
+        scored += [(t[i], t[i + 1]) for i in range(skip, len(t) - 1)]
+    expected = [(r[i], r[i + 1]) for r in ([0] + d for d in docs) for i in range(len(r) - 1)]
+    assert sorted(scored) == sorted(expected) and len(scored) == len(expected)
+    with pytest.raises(ValueError, match="stride"):
+        _eval_windows(docs, 0, seq_len, 0)
+
+
+def test_mixed_precision_training_lowers_loss():
+    """bf16 autocast (the small preset's setting) trains: the loss falls and the weights stay fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainers.offline import pretrain_lm
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=2, intermediate_size=64))
+    seq = torch.arange(64).repeat(20)  # a deterministic pattern a 1-layer model learns in a few steps
+
+    def batches():
+        g = torch.Generator().manual_seed(0)
+        while True:
+            offs = torch.randint(0, seq.numel() - 34, (4,), generator=g).tolist()
+            yield torch.stack([seq[o: o + 33] for o in offs])
+
+    stats = pretrain_lm(m, batches(), steps=40, lr=1e-2, warmup=2, progress=False, mixed_precision=True)
+    assert stats["final_loss"] < 0.5 * stats["first_loss"]
+    assert all(p.dtype == torch.float32 for p in m.parameters())

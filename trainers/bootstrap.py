@@ -174,7 +174,8 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
     batches = token_batches([code_stream, prose_stream], p.target_batch, p.seq_len,
                             weights=[1 - p.prose_fraction, p.prose_fraction], seed=seed)
     t_stats = pretrain_lm(target, batches, p.target_steps, lr=p.target_lr, warmup=p.target_warmup,
-                          max_seconds=p.target_max_seconds, time_schedule=True, progress=progress, desc=f"target[{p.name}]")
+                          max_seconds=p.target_max_seconds, time_schedule=True, progress=progress, desc=f"target[{p.name}]",
+                          mixed_precision=p.mixed_precision, compile=p.compile)
     walls["target_s"] = time.perf_counter() - t0
     _log(f"target: {t_stats['tokens']:,} tokens, loss {t_stats['final_loss']:.3f}, "
          f"{t_stats['tokens_per_s']:.0f} tok/s ({walls['target_s']:.0f}s)", progress)
@@ -187,10 +188,11 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
         docs = data.sample_docs(domain, "heldout", p.eval_chars, seed=0)
         heldout[domain] = (_encode(tokenizer, docs), sum(map(len, docs)))
     untrained = evaluate_lms({"drafter": drafter}, heldout["code"][0], heldout["code"][1], bos, p.seq_len,
-                             pad_id=pad)["drafter"]
+                             pad_id=pad, stride=p.eval_stride)["drafter"]
     d_batches = token_batches([code_stream], p.drafter_batch, p.seq_len, seed=seed + 1)
     d_stats = distill(drafter, target, d_batches, p.drafter_steps, lr=p.drafter_lr, warmup=p.drafter_warmup,
-                      max_seconds=p.drafter_max_seconds, time_schedule=True, progress=progress, desc=f"drafter[{p.name}]")
+                      max_seconds=p.drafter_max_seconds, time_schedule=True, progress=progress, desc=f"drafter[{p.name}]",
+                      mixed_precision=p.mixed_precision, compile=p.compile)
     walls["drafter_s"] = time.perf_counter() - t0
     _log(f"drafter: {d_stats['tokens']:,} tokens, KL {d_stats['final_loss']:.3f} ({walls['drafter_s']:.0f}s)",
          progress)
@@ -200,7 +202,7 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
     evals = {}
     for domain, (ids, chars) in heldout.items():
         evals[domain] = evaluate_lms({"target": target, "drafter": drafter}, ids, chars, bos, p.seq_len,
-                                     pad_id=pad, agree_with="target")
+                                     pad_id=pad, agree_with="target", stride=p.eval_stride)
     latency = _latency(target, drafter, p.latency_steps)
     cont = {}
     for domain in data.DOMAINS:

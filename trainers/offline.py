@@ -7,6 +7,7 @@ Plain functions over plain batches of token ids; no framework.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -59,6 +60,38 @@ def token_batches(
 
 # ---------------------------------------------------------------------------------------------
 # optimisation
+
+
+def autocast_ctx(model: torch.nn.Module, mixed_precision: bool):
+    """bf16 autocast on the model's device where it pays (CUDA, and CPUs with bf16 matmul units:
+    measured 1.4-1.8x training tok/s on this Xeon); a no-op context otherwise. Losses stay fp32."""
+    if not mixed_precision:
+        return contextlib.nullcontext()
+    dev = next(model.parameters()).device.type
+    return torch.autocast(dev, dtype=torch.bfloat16)
+
+
+def maybe_compile(model: torch.nn.Module, enabled: bool) -> Callable[..., object]:
+    """The model's forward, through `torch.compile` for fixed-shape training batches when enabled
+    (fuses the norm/rotary/SiLU glue that dominates narrow models: measured 1.3-1.6x tok/s here).
+    Compilation happens at the first call; if it fails (no C++ toolchain, unsupported backend) a
+    warning says why and training goes on eagerly with the same parameters."""
+    if not enabled:
+        return model
+    compiled = torch.compile(model, dynamic=False)
+    state = {"fn": compiled}
+
+    def forward(*args, **kwargs):
+        if state["fn"] is compiled:
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - compile is an optimisation, never a requirement
+                print(f"[train] torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eagerly",
+                      file=sys.stderr, flush=True)
+                state["fn"] = model
+        return state["fn"](*args, **kwargs)
+
+    return forward
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float = 0.1, progress: float | None = None) -> float:
@@ -166,16 +199,21 @@ def pretrain_lm(
     progress: bool = True,
     desc: str = "pretrain",
     time_schedule: bool = True,
+    mixed_precision: bool = False,
+    compile: bool = False,
 ) -> dict:
     """Next-token cross-entropy training on (B, T+1) id batches; returns steps/tokens/loss/wall stats.
 
     With `max_seconds`, training stops when the budget is spent; `time_schedule` makes the LR
     schedule follow elapsed time too (a pure time budget), False keeps it step-based (a safety cap
-    that leaves the run deterministic unless hit).
+    that leaves the run deterministic unless hit). `mixed_precision` (bf16 autocast) and `compile`
+    trade bit-exactness across machines for 2-3x tokens per second.
     """
+    fwd = maybe_compile(model, compile)
 
     def loss_fn(batch: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=batch[:, :-1]).logits
+        with autocast_ctx(model, mixed_precision):
+            logits = fwd(input_ids=batch[:, :-1]).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
     return _train_loop(model, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
@@ -206,21 +244,25 @@ def distill(
     progress: bool = True,
     desc: str = "distill",
     time_schedule: bool = True,
+    mixed_precision: bool = False,
+    compile: bool = False,
 ) -> dict:
     """Train `student` toward `teacher`'s full next-token distribution: KL(teacher || student).
 
     `ce_weight` > 0 mixes in the plain next-token loss. Either `steps` or `max_seconds` (or both)
     bounds the run; the LR schedule follows whichever is further spent (step-based only when
-    `time_schedule` is False; see `pretrain_lm`).
+    `time_schedule` is False; see `pretrain_lm`, also for `mixed_precision` and `compile`).
     """
     teacher.eval()
+    s_fwd = maybe_compile(student, compile)
 
     def loss_fn(batch: torch.Tensor) -> torch.Tensor:
         x = batch[:, :-1]
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast_ctx(teacher, mixed_precision):
             t_logits = teacher(input_ids=x).logits
-        t_logits = t_logits.clone()  # leave inference mode so autograd can use it as a constant
-        s_logits = student(input_ids=x).logits
+        t_logits = t_logits.to(torch.float32, copy=True)  # a normal tensor: autograd may save it
+        with autocast_ctx(student, mixed_precision):
+            s_logits = s_fwd(input_ids=x).logits
         loss = kl_loss(s_logits, t_logits, temperature)
         if ce_weight:
             loss = loss + ce_weight * F.cross_entropy(
@@ -235,15 +277,29 @@ def distill(
 # evaluation
 
 
-def _eval_windows(docs_ids: Sequence[Sequence[int]], bos_id: int | None, seq_len: int) -> list[torch.Tensor]:
-    """Windows of <= seq_len + 1 tokens per doc, overlapping by one so each doc token is predicted once."""
+def _eval_windows(docs_ids: Sequence[Sequence[int]], bos_id: int | None, seq_len: int,
+                  stride: int | None = None) -> list[tuple[torch.Tensor, int]]:
+    """(window, skip) pairs covering each doc so every token is scored exactly once.
+
+    Windows hold <= seq_len + 1 tokens and start every `stride` tokens (default seq_len: disjoint);
+    a later window re-reads the previous seq_len - stride tokens as context and scores only the
+    targets after its first `skip`, so every scored token sees >= seq_len - stride tokens of context
+    (the usual sliding-window perplexity, instead of restarting from nothing at each boundary).
+    """
+    stride = seq_len if stride is None else stride
+    if not 0 < stride <= seq_len:
+        raise ValueError(f"stride must be in 1..seq_len={seq_len}, got {stride}")
     out = []
     for ids in docs_ids:
         row = ([bos_id] if bos_id is not None else []) + list(ids)
-        if len(row) < 2:
-            continue
-        for s in range(0, len(row) - 1, seq_len):
-            out.append(torch.tensor(row[s: s + seq_len + 1], dtype=torch.long))
+        n_targets = len(row) - 1
+        scored = 0
+        start = 0
+        while scored < n_targets:
+            win = row[start: start + seq_len + 1]
+            out.append((torch.tensor(win, dtype=torch.long), scored - start))
+            scored = start + len(win) - 1
+            start += stride
     return out
 
 
@@ -257,27 +313,30 @@ def evaluate_lms(
     batch_size: int = 16,
     pad_id: int = 0,
     agree_with: str | None = None,
+    stride: int | None = None,
 ) -> dict:
     """Held-out loss of each model on the same documents: mean NLL/token, bits/char, and (optionally)
     top-1 agreement of every model's argmax with the model named `agree_with`.
 
     bits/char = summed token NLL / `chars` / ln 2, with `chars` the documents' total characters, so
-    tokenizers of different granularity compare fairly.
+    tokenizers of different granularity compare fairly. `stride` < seq_len scores with sliding
+    windows (see `_eval_windows`).
     """
-    wins = sorted(_eval_windows(docs_ids, bos_id, seq_len), key=len)
+    wins = sorted(_eval_windows(docs_ids, bos_id, seq_len, stride), key=lambda w: len(w[0]))
     nll = {k: 0.0 for k in models}
     agree = {k: 0 for k in models}
     n_tok = 0
     for i in range(0, len(wins), batch_size):
         chunk = wins[i: i + batch_size]
-        L = max(len(w) for w in chunk)
+        L = max(len(w) for w, _ in chunk)
         ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), L), dtype=torch.long)
-        for r, w in enumerate(chunk):
+        valid = torch.zeros((len(chunk), L - 1), dtype=torch.bool)
+        for r, (w, skip) in enumerate(chunk):
             ids[r, : len(w)] = w
             mask[r, : len(w)] = 1
+            valid[r, skip: len(w) - 1] = True
         tgt = ids[:, 1:]
-        valid = mask[:, 1:].bool()
         n_tok += int(valid.sum())
         argmax = {}
         for name, m in models.items():
