@@ -210,7 +210,7 @@ class AdaptiveK:
         self._interval = probe_every
         self._next_probe = probe_every
         self.last_choice = self.k_default
-        self._cost_cache: dict[int, tuple[float, list[float]]] = {}  # bucket -> (draft, verify per K)
+        self._cost_cache: dict[int, tuple[float, list[float], bool]] = {}  # bucket -> (draft, verify/K, can pay)
 
     def needs_calibration(self, batch: int) -> bool:
         b = batch_bucket(batch)
@@ -234,11 +234,16 @@ class AdaptiveK:
         # Interpolated costs per K are cached per bucket until the next `set_costs`.
         cached = self._cost_cache.get(b)
         if cached is None:
-            cached = self._cost_cache[b] = (c.draft_cost(b), [c.verify_cost(b, kk) for kk in range(self.k_max + 1)])
+            draft, verify = c.draft_cost(b), [c.verify_cost(b, kk) for kk in range(self.k_max + 1)]
+            # Can any K beat plain decoding here even if every draft were accepted? If not (large
+            # batches on CPU: verify cost grows ~linearly with K), speculation is structurally off
+            # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.
+            can_pay = choose_k([1.0], draft, verify, self.k_max, self.margin) > 0
+            cached = self._cost_cache[b] = (draft, verify, can_pay)
         k = choose_k(alphas, cached[0], cached[1], self.k_max, self.margin, remaining)
         if k == 0:
             self._zero_streak += 1
-            if self._zero_streak >= self._next_probe:
+            if cached[2] and self._zero_streak >= self._next_probe:
                 # Keep alpha from going stale while speculation is off; back off exponentially while
                 # probes keep confirming K = 0 (each probe costs a drafter catch-up).
                 k = self.probe_k or max(1, min(2, self.k_max))

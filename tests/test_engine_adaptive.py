@@ -66,9 +66,16 @@ def test_adaptive_controller_switches_off_at_batch_16():
     assert ctl.needs_calibration(16) and ctl.choose(16, alphas) == 4  # default until calibrated
     ctl.set_costs(16, {k: cpu_batch16(k) for k in (0, 1, 2, 4, 8)}, draft=0.004)
     assert not ctl.needs_calibration(16) and not ctl.needs_calibration(13)  # same bucket
-    picks = [ctl.choose(16, alphas) for _ in range(40)]
+    # verify cost ~ (K+1) tokens: no K could pay even at alpha = 1, so no probes either
+    assert [ctl.choose(16, alphas) for _ in range(40)] == [0] * 40
+    # a bucket where speculation pays only at high alpha: off at 0.7, probes back off exponentially
+    ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5)
+    ctl.set_costs(4, {k: 0.030 * (1 + 0.5 * k) for k in (0, 1, 2, 4, 8)}, draft=0.004)
+    picks = [ctl.choose(4, [0.7] * 4) for _ in range(40)]
     probes = [i for i, k in enumerate(picks) if k]
-    assert all(picks[i] == 2 for i in probes) and probes == [4, 14, 34]  # off; probes back off exponentially
+    assert all(picks[i] == 2 for i in probes) and probes == [4, 14, 34]
+    assert ctl.choose(4, [0.99] * 4) > 0
+    ctl.set_costs(16, {k: cpu_batch16(k) for k in (0, 1, 2, 4, 8)}, draft=0.004)
     # batch 1 with a cheap drafter and high alpha: on
     ctl.set_costs(1, {k: cpu_batch1(k) for k in (0, 1, 2, 4, 8)}, draft=0.002)
     assert ctl.choose(1, [0.85]) >= 2
