@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 __all__ = [
     "expected_tokens", "choose_k", "predicted_speedup", "CostModel", "AcceptanceEMA", "AdaptiveK", "batch_bucket",
@@ -187,6 +188,12 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, round(math.log2(max(1, batch))))
 
 
+class _BucketCosts(NamedTuple):
+    draft: float
+    verify: list[float]  # per K, 0..k_max
+    can_pay: bool  # some K beats plain decoding at alpha = 1
+
+
 class AdaptiveK:
     """Chooses K each step from calibrated costs (per batch-size bucket) and per-sequence alphas.
 
@@ -210,7 +217,7 @@ class AdaptiveK:
         self._interval = probe_every
         self._next_probe = probe_every
         self.last_choice = self.k_default
-        self._cost_cache: dict[int, tuple[float, list[float], bool]] = {}  # bucket -> (draft, verify/K, can pay)
+        self._cost_cache: dict[int, _BucketCosts] = {}
 
     def needs_calibration(self, batch: int) -> bool:
         b = batch_bucket(batch)
@@ -239,11 +246,11 @@ class AdaptiveK:
             # batches on CPU: verify cost grows ~linearly with K), speculation is structurally off
             # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.
             can_pay = choose_k([1.0], draft, verify, self.k_max, self.margin) > 0
-            cached = self._cost_cache[b] = (draft, verify, can_pay)
-        k = choose_k(alphas, cached[0], cached[1], self.k_max, self.margin, remaining)
+            cached = self._cost_cache[b] = _BucketCosts(draft, verify, can_pay)
+        k = choose_k(alphas, cached.draft, cached.verify, self.k_max, self.margin, remaining)
         if k == 0:
             self._zero_streak += 1
-            if cached[2] and self._zero_streak >= self._next_probe:
+            if cached.can_pay and self._zero_streak >= self._next_probe:
                 # Keep alpha from going stale while speculation is off; back off exponentially while
                 # probes keep confirming K = 0 (each probe costs a drafter catch-up).
                 k = self.probe_k or max(1, min(2, self.k_max))

@@ -138,8 +138,8 @@ PRESETS: dict[str, Preset] = {
         train_chars=None,
         eval_chars=120_000,
         prose_fraction=0.2,
-        # Budget by tokens: 2 threads + bf16 autocast + torch.compile train ~4.8k tok/s on an idle
-        # machine (vs ~1.2k eager/fp32/1 thread under load), so ~4.5M tokens fit in 17 minutes.
+        # Budget by tokens: 2 threads + bf16 autocast + torch.compile trained 3.5k tok/s here (vs
+        # 1.2k eager/fp32/1 thread under load): 3.6M target tokens in 17 minutes.
         # Steps are sized for an idle machine; the wall budgets take over (and anneal in time)
         # when it is busy.
         target_steps=2400,

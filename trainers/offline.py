@@ -62,13 +62,12 @@ def token_batches(
 # optimisation
 
 
-def autocast_ctx(model: torch.nn.Module, mixed_precision: bool):
-    """bf16 autocast on the model's device where it pays (CUDA, and CPUs with bf16 matmul units:
+def autocast_ctx(device_type: str, mixed_precision: bool):
+    """bf16 autocast on `device_type` where it pays (CUDA, and CPUs with bf16 matmul units:
     measured 1.4-1.8x training tok/s on this Xeon); a no-op context otherwise. Losses stay fp32."""
     if not mixed_precision:
         return contextlib.nullcontext()
-    dev = next(model.parameters()).device.type
-    return torch.autocast(dev, dtype=torch.bfloat16)
+    return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
 def maybe_compile(model: torch.nn.Module, enabled: bool) -> Callable[..., object]:
@@ -210,9 +209,10 @@ def pretrain_lm(
     trade bit-exactness across machines for 2-3x tokens per second.
     """
     fwd = maybe_compile(model, compile)
+    dev = next(model.parameters()).device.type
 
     def loss_fn(batch: torch.Tensor) -> torch.Tensor:
-        with autocast_ctx(model, mixed_precision):
+        with autocast_ctx(dev, mixed_precision):
             logits = fwd(input_ids=batch[:, :-1]).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
@@ -255,13 +255,14 @@ def distill(
     """
     teacher.eval()
     s_fwd = maybe_compile(student, compile)
+    dev = next(student.parameters()).device.type
 
     def loss_fn(batch: torch.Tensor) -> torch.Tensor:
         x = batch[:, :-1]
-        with torch.inference_mode(), autocast_ctx(teacher, mixed_precision):
+        with torch.inference_mode(), autocast_ctx(dev, mixed_precision):
             t_logits = teacher(input_ids=x).logits
         t_logits = t_logits.to(torch.float32, copy=True)  # a normal tensor: autograd may save it
-        with autocast_ctx(student, mixed_precision):
+        with autocast_ctx(dev, mixed_precision):
             s_logits = s_fwd(input_ids=x).logits
         loss = kl_loss(s_logits, t_logits, temperature)
         if ce_weight:
