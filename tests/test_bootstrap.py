@@ -150,3 +150,35 @@ def test_mixed_precision_training_lowers_loss():
     stats = pretrain_lm(m, batches(), steps=40, lr=1e-2, warmup=2, progress=False, mixed_precision=True)
     assert stats["final_loss"] < 0.5 * stats["first_loss"]
     assert all(p.dtype == torch.float32 for p in m.parameters())
+
+
+def test_drafter_warm_start_is_the_targets_first_layer_exit():
+    """drafter_init='target': before any distillation the drafter computes exactly the target cut
+    after its first layer (embeddings, layer 0, final norm, LM head), so it starts in the target's
+    token and output space."""
+    import copy
+
+    from dvi.embedded import ModelDims, Preset
+    from trainers.bootstrap import init_drafter_from_target, make_llama, train_tokenizer
+
+    tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300)
+    t_dims = ModelDims(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64)
+    target = make_llama(t_dims, len(tok), 128, tok, seed=0)
+    drafter = make_llama(ModelDims(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+                         len(tok), 128, tok, seed=1)
+    init_drafter_from_target(drafter, target)
+    cut = copy.deepcopy(target)
+    cut.model.layers = cut.model.layers[:1]
+    cut.config.num_hidden_layers = 1
+    x = torch.randint(0, len(tok), (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(drafter(input_ids=x).logits, cut(input_ids=x).logits)
+        assert not torch.allclose(drafter(input_ids=x).logits, target(input_ids=x).logits)
+    fields = dict(name="x", vocab_size=300, seq_len=16, max_position_embeddings=128, target=t_dims,
+                  tokenizer_chars=1, train_chars=1, eval_chars=1, prose_fraction=0.0, target_steps=1, target_batch=1,
+                  target_lr=1e-3, target_warmup=0, drafter_steps=1, drafter_batch=1, drafter_lr=1e-3, drafter_warmup=0)
+    with pytest.raises(ValueError, match="drafter_init='target' needs"):
+        Preset(drafter=ModelDims(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+               drafter_init="target", **fields)
+    with pytest.raises(ValueError, match="drafter_init must be"):
+        Preset(drafter=t_dims, drafter_init="copy", **fields)

@@ -98,6 +98,18 @@ def make_llama(dims, vocab_size: int, max_positions: int, tokenizer, seed: int):
     return LlamaForCausalLM(cfg).eval()
 
 
+def init_drafter_from_target(drafter, target) -> None:
+    """Copy the target's embeddings, first decoder layer, final norm and LM head into a drafter of
+    the same width: a layer-skip start (the target exiting after its first layer) that already
+    speaks the target's token and output space."""
+    d, t = drafter.model, target.model
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(t.embed_tokens.weight)
+        d.norm.weight.copy_(t.norm.weight)
+        drafter.lm_head.weight.copy_(target.lm_head.weight)
+        d.layers[0].load_state_dict(t.layers[0].state_dict())
+
+
 def _latency(target, drafter, steps: int, rounds: int = 3, threads: int = 1) -> dict:
     """Per-token decode cost of each model (batch 1, KV cache), at `threads` torch threads (the
     serving setting; batch-1 steps gain nothing from more, and a busy second core makes two
@@ -174,7 +186,8 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
     batches = token_batches([code_stream, prose_stream], p.target_batch, p.seq_len,
                             weights=[1 - p.prose_fraction, p.prose_fraction], seed=seed)
     t_stats = pretrain_lm(target, batches, p.target_steps, lr=p.target_lr, warmup=p.target_warmup,
-                          max_seconds=p.target_max_seconds, time_schedule=True, progress=progress, desc=f"target[{p.name}]",
+                          min_lr_ratio=p.min_lr_ratio, max_seconds=p.target_max_seconds, time_schedule=True,
+                          progress=progress, desc=f"target[{p.name}]",
                           mixed_precision=p.mixed_precision, compile=p.compile)
     walls["target_s"] = time.perf_counter() - t0
     _log(f"target: {t_stats['tokens']:,} tokens, loss {t_stats['final_loss']:.3f}, "
@@ -188,10 +201,13 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
         docs = data.sample_docs(domain, "heldout", p.eval_chars, seed=0)
         heldout[domain] = (_encode(tokenizer, docs), sum(map(len, docs)))
     untrained = evaluate_lms({"drafter": drafter}, heldout["code"][0], heldout["code"][1], bos, p.seq_len,
-                             pad_id=pad, stride=p.eval_stride)["drafter"]
+                             pad_id=pad, stride=p.eval_stride)["drafter"]  # random init: the baseline
+    if p.drafter_init == "target":
+        init_drafter_from_target(drafter, target)
     d_batches = token_batches([code_stream], p.drafter_batch, p.seq_len, seed=seed + 1)
     d_stats = distill(drafter, target, d_batches, p.drafter_steps, lr=p.drafter_lr, warmup=p.drafter_warmup,
-                      max_seconds=p.drafter_max_seconds, time_schedule=True, progress=progress, desc=f"drafter[{p.name}]",
+                      min_lr_ratio=p.min_lr_ratio, max_seconds=p.drafter_max_seconds, time_schedule=True,
+                      progress=progress, desc=f"drafter[{p.name}]",
                       mixed_precision=p.mixed_precision, compile=p.compile)
     walls["drafter_s"] = time.perf_counter() - t0
     _log(f"drafter: {d_stats['tokens']:,} tokens, KL {d_stats['final_loss']:.3f} ({walls['drafter_s']:.0f}s)",

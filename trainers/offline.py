@@ -70,27 +70,29 @@ def autocast_ctx(device_type: str, mixed_precision: bool):
     return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
-def maybe_compile(model: torch.nn.Module, enabled: bool) -> Callable[..., object]:
-    """The model's forward, through `torch.compile` for fixed-shape training batches when enabled
-    (fuses the norm/rotary/SiLU glue that dominates narrow models: measured 1.3-1.6x tok/s here).
+def maybe_compile(fn: Callable[..., object], enabled: bool) -> Callable[..., object]:
+    """`fn` (a module or a whole loss function) through `torch.compile` for fixed-shape training
+    batches when enabled. Compiling the loss with the forward fuses the norm/rotary/SiLU glue that
+    dominates narrow models and the logits' cast + cross-entropy (measured on this CPU, 10x160
+    target, batch 8: eager 3.0k tok/s, compiled model 4.2k, compiled model + loss 4.5k).
     Compilation happens at the first call; if it fails (no C++ toolchain, unsupported backend) a
     warning says why and training goes on eagerly with the same parameters."""
     if not enabled:
-        return model
-    compiled = torch.compile(model, dynamic=False)
+        return fn
+    compiled = torch.compile(fn, dynamic=False)
     state = {"fn": compiled}
 
-    def forward(*args, **kwargs):
+    def call(*args, **kwargs):
         if state["fn"] is compiled:
             try:
                 return compiled(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - compile is an optimisation, never a requirement
                 print(f"[train] torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eagerly",
                       file=sys.stderr, flush=True)
-                state["fn"] = model
+                state["fn"] = fn
         return state["fn"](*args, **kwargs)
 
-    return forward
+    return call
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float = 0.1, progress: float | None = None) -> float:
@@ -208,13 +210,14 @@ def pretrain_lm(
     that leaves the run deterministic unless hit). `mixed_precision` (bf16 autocast) and `compile`
     trade bit-exactness across machines for 2-3x tokens per second.
     """
-    fwd = maybe_compile(model, compile)
     dev = next(model.parameters()).device.type
 
-    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+    def lm_loss(batch: torch.Tensor) -> torch.Tensor:
         with autocast_ctx(dev, mixed_precision):
-            logits = fwd(input_ids=batch[:, :-1]).logits
+            logits = model(input_ids=batch[:, :-1]).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+    loss_fn = maybe_compile(lm_loss, compile)
 
     return _train_loop(model, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
                        max_seconds, progress, desc, time_schedule)
@@ -254,21 +257,27 @@ def distill(
     `time_schedule` is False; see `pretrain_lm`, also for `mixed_precision` and `compile`).
     """
     teacher.eval()
-    s_fwd = maybe_compile(student, compile)
     dev = next(student.parameters()).device.type
 
-    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
-        x = batch[:, :-1]
-        with torch.inference_mode(), autocast_ctx(dev, mixed_precision):
-            t_logits = teacher(input_ids=x).logits
-        t_logits = t_logits.to(torch.float32, copy=True)  # a normal tensor: autograd may save it
+    def teacher_logits(x: torch.Tensor) -> torch.Tensor:
         with autocast_ctx(dev, mixed_precision):
-            s_logits = s_fwd(input_ids=x).logits
+            return teacher(input_ids=x).logits.float()
+
+    def student_loss(batch: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
+        with autocast_ctx(dev, mixed_precision):
+            s_logits = student(input_ids=batch[:, :-1]).logits
         loss = kl_loss(s_logits, t_logits, temperature)
         if ce_weight:
             loss = loss + ce_weight * F.cross_entropy(
                 s_logits.reshape(-1, s_logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
         return loss
+
+    t_fwd, s_loss = maybe_compile(teacher_logits, compile), maybe_compile(student_loss, compile)
+
+    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            t_logits = t_fwd(batch[:, :-1])
+        return s_loss(batch, t_logits)
 
     return _train_loop(student, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
                        max_seconds, progress, desc, time_schedule)
