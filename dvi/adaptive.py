@@ -2,8 +2,10 @@
 
 Speed of one step with K drafts: E[tokens/step] / (K * c_draft + c_verify(K)), where
 E[tokens/step] = (1 - a^(K+1)) / (1 - a) for acceptance rate a, and K = 0 is plain decoding
-(1 token per c_verify(0)). On CPU c_verify grows with K and with batch size (a (K+1)-token verify is
-~1.6x a one-token step at batch 1, ~(K+1)x at batch 16), so speculation must switch itself off there.
+(1 token per c_verify(0)). On CPU c_verify grows with K and with batch size (small pair, K = 2: ~1.15x
+a one-token step at batch 1, ~1.6x at batch 16, ~1.8x at batch 64), so speculation must switch itself
+off in large batches, and not even probe there when the drafter's catch-up would cost more than a probe
+can win back.
 Costs come from a short interleaved calibration per batch-size bucket (see `AdaptiveK`); the engine also
 keeps online timings (`CostModel`, robust low quantiles) for reporting.
 """
@@ -205,8 +207,13 @@ class AdaptiveK:
     """
 
     def __init__(self, k_max: int, k_default: int, probe_every: int = 16, probe_k: int | None = None,
-                 max_probe_every: int = 256, margin: float = 1.05):
+                 max_probe_every: int = 256, margin: float = 1.05, probe_budget_steps: float = 2.0):
         self.margin = margin
+        # A probe first runs the drafter over every token it skipped while K = 0 (its catch-up); a probe
+        # whose catch-up would cost more than this many plain steps is skipped (large CPU batches: a
+        # 64-row catch-up costs more than the probes could win back).
+        self.probe_budget_steps = probe_budget_steps
+        self.catchup_cost: dict[int, float] = {}  # seconds per caught-up token, per bucket
         self.k_max = k_max
         self.k_default = max(1, min(k_default, k_max)) if k_max > 0 else 0
         self.probe_every = probe_every
@@ -223,14 +230,18 @@ class AdaptiveK:
         b = batch_bucket(batch)
         return self.k_max > 0 and (b not in self.costs.draft or 0 not in self.costs.verify.get(b, {}))
 
-    def set_costs(self, batch: int, verify: dict[int, float], draft: float) -> None:
+    def set_costs(self, batch: int, verify: dict[int, float], draft: float, catchup_per_token: float | None = None) -> None:
         b = batch_bucket(batch)
+        if catchup_per_token is not None:
+            self.catchup_cost[b] = catchup_per_token
         for k, v in verify.items():
             self.costs.record_verify(b, k, v)
         self.costs.record_draft(b, draft)
         self._cost_cache.clear()
 
-    def choose(self, batch: int, alphas: Sequence[float], remaining: Sequence[int] | None = None) -> int:
+    def choose(self, batch: int, alphas: Sequence[float], remaining: Sequence[int] | None = None,
+               pending_tokens: int = 0) -> int:
+        """K for the next step; `pending_tokens` (all rows' tokens the drafter has not seen yet) prices a probe."""
         if self.k_max <= 0 or not alphas:
             return 0
         c = self.costs
@@ -253,7 +264,9 @@ class AdaptiveK:
             if cached.can_pay and self._zero_streak >= self._next_probe:
                 # Keep alpha from going stale while speculation is off; back off exponentially while
                 # probes keep confirming K = 0 (each probe costs a drafter catch-up).
-                k = self.probe_k or max(1, min(2, self.k_max))
+                catchup = pending_tokens * self.catchup_cost.get(b, 0.0)
+                if catchup <= self.probe_budget_steps * cached.verify[0]:
+                    k = self.probe_k or max(1, min(2, self.k_max))
                 self._interval = min(2 * self._interval, self.max_probe_every)
                 self._next_probe = self._zero_streak + self._interval
         else:

@@ -82,6 +82,18 @@ def test_adaptive_controller_switches_off_at_batch_16():
     assert ctl.choose(1, [0.2]) == 0
 
 
+def test_probes_skipped_when_catchup_would_cost_more_than_they_can_win():
+    """A probe first runs the drafter over every token skipped while K = 0; with many rows x pending
+    tokens that catch-up costs more than the probe could win back, so it is skipped (and backs off)."""
+    costs = {k: 0.030 * (1 + 0.5 * k) for k in (0, 1, 2, 4, 8)}
+    cheap, dear = AdaptiveK(k_max=8, k_default=4, probe_every=5), AdaptiveK(k_max=8, k_default=4, probe_every=5)
+    for ctl in (cheap, dear):
+        ctl.set_costs(4, costs, draft=0.004, catchup_per_token=1e-4)  # 2 plain steps = 600 tokens
+    assert [i for i in range(40) if cheap.choose(4, [0.7] * 4, pending_tokens=400)] == [4, 14, 34]
+    assert not any(dear.choose(4, [0.7] * 4, pending_tokens=4 * 200) for _ in range(40))
+    assert dear.choose(4, [0.99] * 4, pending_tokens=10_000) > 0  # a K that pays is still chosen directly
+
+
 def test_cost_model_ignores_stalls():
     c = CostModel()
     for x in [0.010] * 8 + [0.02] * 5:  # a stretch of descheduled steps
