@@ -125,6 +125,10 @@ class CostModel:
     def record_verify(self, batch: int, k: int, seconds: float) -> None:
         self.verify.setdefault(batch, {})[k] = self._robust(("v", batch, k), seconds)
 
+    def record_overhead(self, batch: int, seconds: float) -> float:
+        """Record one step's host work outside the model forwards; returns the robust figure."""
+        return self._robust(("o", batch), seconds)
+
     def record_draft(self, batch: int, seconds_per_forward: float) -> None:
         self.draft[batch] = self._robust(("d", batch), seconds_per_forward)
 
@@ -225,6 +229,10 @@ class AdaptiveK:
         self._next_probe = probe_every
         self.last_choice = self.k_default
         self._cost_cache: dict[int, _BucketCosts] = {}
+        # Seconds every engine step spends outside the model forwards (acceptance, log-probs, per-token
+        # bookkeeping), per bucket, measured online: the calibration times bare forwards, and a cost
+        # that K = 0 pays per token but speculation shares over several tokens must count.
+        self.step_overhead: dict[int, float] = {}
 
     def needs_calibration(self, batch: int) -> bool:
         b = batch_bucket(batch)
@@ -239,6 +247,11 @@ class AdaptiveK:
         self.costs.record_draft(b, draft)
         self._cost_cache.clear()
 
+    def set_step_overhead(self, batch: int, seconds: float) -> None:
+        b = batch_bucket(batch)
+        self.step_overhead[b] = max(0.0, float(seconds))
+        self._cost_cache.pop(b, None)
+
     def choose(self, batch: int, alphas: Sequence[float], remaining: Sequence[int] | None = None,
                pending_tokens: int = 0) -> int:
         """K for the next step; `pending_tokens` (all rows' tokens the drafter has not seen yet) prices a probe."""
@@ -252,7 +265,8 @@ class AdaptiveK:
         # Interpolated costs per K are cached per bucket until the next `set_costs`.
         cached = self._cost_cache.get(b)
         if cached is None:
-            draft, verify = c.draft_cost(b), [c.verify_cost(b, kk) for kk in range(self.k_max + 1)]
+            o = self.step_overhead.get(b, 0.0)
+            draft, verify = c.draft_cost(b), [c.verify_cost(b, kk) + o for kk in range(self.k_max + 1)]
             # Can any K beat plain decoding here even if every draft were accepted? If not (large
             # batches on CPU: verify cost grows ~linearly with K), speculation is structurally off
             # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.adaptive import AcceptanceEMA, AdaptiveK, CostModel
+from dvi.adaptive import AcceptanceEMA, AdaptiveK, CostModel, batch_bucket
 from dvi.drafters import Drafter, as_drafter, model_forward
 from dvi.kv import RaggedKV, prefill
 from dvi.sampling import greedy_accept, rejection_accept, sample_from, warp_probs
@@ -163,6 +163,7 @@ class SpeculativeEngine:
         self._target_dirty = self._drafter_dirty = False
         self._gen_calls = 0
         self._catchup = False
+        self._overhead_steps = 0
         self._refresh_params()
 
     # ------------------------------------------------------------------ public API
@@ -525,6 +526,7 @@ class SpeculativeEngine:
         t1 = time.perf_counter()
         ids = self._last.unsqueeze(1) if k == 0 else torch.cat([self._last.unsqueeze(1), draft_ids], 1)
         logits = self._tkv.forward(self._tfn, ids)
+        t_fwd = time.perf_counter()
         if logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size]
         if self._all_greedy:
@@ -603,6 +605,16 @@ class SpeculativeEngine:
             outs.append(StepOutput(s.req.request_id, new, reason is not None, r if reason else None))
         t2 = time.perf_counter()
         self.costs.record_verify(b, k, t2 - t1)
+        if self.adaptive and b <= 2 and self.device.type == "cpu":
+            # On CPU the forward above is synchronous, so t2 - t_fwd is the step's host work after it
+            # (on CUDA it would include the kernels the first .tolist() waits for). Only for one or two
+            # rows is that work a fixed cost per step; with more rows the per-token loops dominate it,
+            # which plain steps pay per token just like speculative ones (no reason to favour either).
+            bb = batch_bucket(b)
+            o = self.costs.record_overhead(bb, t2 - t_fwd)
+            self._overhead_steps += 1
+            if self._overhead_steps % 16 == 0:
+                self.controller.set_step_overhead(bb, o)
         if k > 0 and not self._catchup:  # a drafter catch-up after K=0 steps is not a typical draft cost
             self.costs.record_draft(b, (t1 - t0) / k)
         if finished:

@@ -94,6 +94,18 @@ def test_probes_skipped_when_catchup_would_cost_more_than_they_can_win():
     assert dear.choose(4, [0.99] * 4, pending_tokens=10_000) > 0  # a K that pays is still chosen directly
 
 
+def test_step_overhead_counts_for_every_k_and_favours_speculation():
+    """Host work per step (measured online) is paid once per step: plain decoding pays it per token,
+    speculation shares it over the accepted tokens, so a marginal alpha tips towards K > 0."""
+    ctl = AdaptiveK(k_max=8, k_default=2, probe_every=10**6)
+    ctl.set_costs(1, {k: cpu_batch1(k) for k in (0, 1, 2, 4, 8)}, draft=0.004)
+    a = next(x / 100 for x in range(1, 100) if ctl.choose(1, [x / 100]) > 0)  # break-even alpha
+    ctl.set_step_overhead(1, 0.004)
+    assert ctl.choose(1, [a - 0.03]) > 0
+    ctl.set_step_overhead(1, 0.0)
+    assert ctl.choose(1, [a - 0.03]) == 0
+
+
 def test_cost_model_ignores_stalls():
     c = CostModel()
     for x in [0.010] * 8 + [0.02] * 5:  # a stretch of descheduled steps
