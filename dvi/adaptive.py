@@ -253,8 +253,9 @@ class AdaptiveK:
         self._cost_cache.pop(b, None)
 
     def choose(self, batch: int, alphas: Sequence[float], remaining: Sequence[int] | None = None,
-               pending_tokens: int = 0) -> int:
-        """K for the next step; `pending_tokens` (all rows' tokens the drafter has not seen yet) prices a probe."""
+               pending_tokens: int | Callable[[], int] = 0) -> int:
+        """K for the next step; `pending_tokens` (all rows' tokens the drafter has not seen yet, or a
+        function giving it, called only when a probe is due) prices a probe."""
         if self.k_max <= 0 or not alphas:
             return 0
         c = self.costs
@@ -262,7 +263,7 @@ class AdaptiveK:
         if b not in c.draft or 0 not in c.verify.get(b, {}):
             return self.k_default
         # Expected tokens scale with the rows, costs are those of the bucket: use the mean per row.
-        # Interpolated costs per K are cached per bucket until the next `set_costs`.
+        # Interpolated costs per K are cached per bucket until the next `set_costs` / `set_step_overhead`.
         cached = self._cost_cache.get(b)
         if cached is None:
             o = self.step_overhead.get(b, 0.0)
@@ -278,7 +279,8 @@ class AdaptiveK:
             if cached.can_pay and self._zero_streak >= self._next_probe:
                 # Keep alpha from going stale while speculation is off; back off exponentially while
                 # probes keep confirming K = 0 (each probe costs a drafter catch-up).
-                catchup = pending_tokens * self.catchup_cost.get(b, 0.0)
+                pending = pending_tokens() if callable(pending_tokens) else pending_tokens
+                catchup = pending * self.catchup_cost.get(b, 0.0)
                 if catchup <= self.probe_budget_steps * cached.verify[0]:
                     k = self.probe_k or max(1, min(2, self.k_max))
                 self._interval = min(2 * self._interval, self.max_probe_every)

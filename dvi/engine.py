@@ -460,7 +460,7 @@ class SpeculativeEngine:
                 self._calibrate(batch)
             alphas = [s.acc.alpha for s in self._seqs]
             rem = [s.remaining for s in self._seqs] if self.drain_aware and batch > 1 else None
-            k = self.controller.choose(batch, alphas, rem, sum(len(s.pending) for s in self._seqs))
+            k = self.controller.choose(batch, alphas, rem, lambda: sum(len(s.pending) for s in self._seqs))
         else:
             k = self.num_draft_tokens
         # Drafts past every row's token budget would be thrown away.
