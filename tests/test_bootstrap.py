@@ -164,21 +164,60 @@ def test_drafter_warm_start_is_the_targets_first_layer_exit():
     tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300)
     t_dims = ModelDims(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64)
     target = make_llama(t_dims, len(tok), 128, tok, seed=0)
-    drafter = make_llama(ModelDims(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
-                         len(tok), 128, tok, seed=1)
-    init_drafter_from_target(drafter, target)
     cut = copy.deepcopy(target)
     cut.model.layers = cut.model.layers[:1]
     cut.config.num_hidden_layers = 1
     x = torch.randint(0, len(tok), (2, 12))
-    with torch.no_grad():
-        torch.testing.assert_close(drafter(input_ids=x).logits, cut(input_ids=x).logits)
-        assert not torch.allclose(drafter(input_ids=x).logits, target(input_ids=x).logits)
+    for inter in (64, 160):  # same FFN as the target's, and a wider one (extra units start silent)
+        drafter = make_llama(ModelDims(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=inter), len(tok), 128, tok, seed=1)
+        init_drafter_from_target(drafter, target)
+        with torch.no_grad():
+            torch.testing.assert_close(drafter(input_ids=x).logits, cut(input_ids=x).logits)
+            assert not torch.allclose(drafter(input_ids=x).logits, target(input_ids=x).logits)
+        up = drafter.model.layers[0].mlp.up_proj.weight
+        assert up.shape[0] == inter and bool(up.abs().sum() > 0)
     fields = dict(name="x", vocab_size=300, seq_len=16, max_position_embeddings=128, target=t_dims,
                   tokenizer_chars=1, train_chars=1, eval_chars=1, prose_fraction=0.0, target_steps=1, target_batch=1,
                   target_lr=1e-3, target_warmup=0, drafter_steps=1, drafter_batch=1, drafter_lr=1e-3, drafter_warmup=0)
-    with pytest.raises(ValueError, match="drafter_init='target' needs"):
-        Preset(drafter=ModelDims(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
-               drafter_init="target", **fields)
+    for bad in (ModelDims(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+                ModelDims(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48)):
+        with pytest.raises(ValueError, match="drafter_init='target' needs"):
+            Preset(drafter=bad, drafter_init="target", **fields)
     with pytest.raises(ValueError, match="drafter_init must be"):
         Preset(drafter=t_dims, drafter_init="copy", **fields)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        Preset(drafter=t_dims, optimizer="sgd", **fields)
+
+
+def test_muon_trains_hidden_matrices_and_adamw_the_rest():
+    """optimizer='muon': decoder-layer matrices go to Muon, embeddings / LM head / norms to AdamW, each
+    group keeps its own peak LR for the schedule, and training with it lowers the loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainers.offline import make_optimizer, pretrain_lm
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=2, intermediate_size=64))
+    opt = make_optimizer(m, lr=1e-3, kind="muon", muon_lr=5e-3)
+    muon, adamw = (next(o for o in opt.opts if isinstance(o, cls)) for cls in (torch.optim.Muon, torch.optim.AdamW))
+    muon_ids = {id(p) for g in muon.param_groups for p in g["params"]}
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert {names[i] for i in muon_ids} == {n for n, p in m.named_parameters() if ".layers." in n and p.dim() == 2}
+    assert all(".layers." not in names[id(p)] or p.dim() == 1 for g in adamw.param_groups for p in g["params"])
+    assert {g["initial_lr"] for g in muon.param_groups} == {5e-3}
+    assert {g["initial_lr"] for g in adamw.param_groups} == {1e-3}
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        make_optimizer(m, lr=1e-3, kind="sgd")
+
+    seq = torch.arange(64).repeat(20)
+
+    def batches():
+        g = torch.Generator().manual_seed(0)
+        while True:
+            offs = torch.randint(0, seq.numel() - 34, (4,), generator=g).tolist()
+            yield torch.stack([seq[o: o + 33] for o in offs])
+
+    stats = pretrain_lm(m, batches(), steps=40, lr=1e-2, warmup=2, progress=False, optimizer="muon", muon_lr=2e-2)
+    assert stats["final_loss"] < 0.5 * stats["first_loss"]

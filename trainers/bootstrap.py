@@ -101,13 +101,27 @@ def make_llama(dims, vocab_size: int, max_positions: int, tokenizer, seed: int):
 def init_drafter_from_target(drafter, target) -> None:
     """Copy the target's embeddings, first decoder layer, final norm and LM head into a drafter of
     the same width: a layer-skip start (the target exiting after its first layer) that already
-    speaks the target's token and output space."""
+    speaks the target's token and output space.
+
+    A drafter FFN wider than the target's keeps its extra units' random gate/up weights but starts
+    with their down-projection at zero, so it still computes exactly that layer-skip exit and grows
+    the extra capacity during distillation (a batch-1 step barely pays for FFN width on CPU).
+    """
     d, t = drafter.model, target.model
     with torch.no_grad():
         d.embed_tokens.weight.copy_(t.embed_tokens.weight)
         d.norm.weight.copy_(t.norm.weight)
         drafter.lm_head.weight.copy_(target.lm_head.weight)
-        d.layers[0].load_state_dict(t.layers[0].state_dict())
+        src = t.layers[0].state_dict()
+        for name, w in d.layers[0].state_dict().items():
+            v = src[name]
+            if w.shape == v.shape:
+                w.copy_(v)
+            elif name.endswith("down_proj.weight"):
+                w.zero_()
+                w[:, : v.shape[1]].copy_(v)
+            else:  # gate_proj / up_proj: [intermediate, hidden]
+                w[: v.shape[0]].copy_(v)
 
 
 def _latency(target, drafter, steps: int, rounds: int = 3, threads: int = 1) -> dict:
@@ -188,7 +202,8 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
     t_stats = pretrain_lm(target, batches, p.target_steps, lr=p.target_lr, warmup=p.target_warmup,
                           min_lr_ratio=p.min_lr_ratio, max_seconds=p.target_max_seconds, time_schedule=True,
                           progress=progress, desc=f"target[{p.name}]",
-                          mixed_precision=p.mixed_precision, compile=p.compile)
+                          mixed_precision=p.mixed_precision, compile=p.compile,
+                          optimizer=p.optimizer, muon_lr=p.target_muon_lr)
     walls["target_s"] = time.perf_counter() - t0
     _log(f"target: {t_stats['tokens']:,} tokens, loss {t_stats['final_loss']:.3f}, "
          f"{t_stats['tokens_per_s']:.0f} tok/s ({walls['target_s']:.0f}s)", progress)
@@ -208,7 +223,8 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
     d_stats = distill(drafter, target, d_batches, p.drafter_steps, lr=p.drafter_lr, warmup=p.drafter_warmup,
                       min_lr_ratio=p.min_lr_ratio, max_seconds=p.drafter_max_seconds, time_schedule=True,
                       progress=progress, desc=f"drafter[{p.name}]",
-                      mixed_precision=p.mixed_precision, compile=p.compile)
+                      mixed_precision=p.mixed_precision, compile=p.compile,
+                      optimizer=p.optimizer, muon_lr=p.drafter_muon_lr)
     walls["drafter_s"] = time.perf_counter() - t0
     _log(f"drafter: {d_stats['tokens']:,} tokens, KL {d_stats['final_loss']:.3f} ({walls['drafter_s']:.0f}s)",
          progress)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from dvi.embedded import OPTIMIZERS
+
 # ---------------------------------------------------------------------------------------------
 # data
 
@@ -104,21 +106,61 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float = 0.1, progre
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1,
-                   betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
-    """AdamW with decay on matrices only (not norms/biases); fused kernel where supported."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    seen, decay, no_decay = set(), [], []
-    for p in params:
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+class _Optimizers:
+    """Several optimizers stepped as one (Muon for hidden matrices, AdamW for the rest)."""
+
+    def __init__(self, *opts: torch.optim.Optimizer):
+        self.opts = opts
+        self.param_groups = [g for o in opts for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def _adamw(groups: list[dict], lr: float, betas: tuple[float, float]) -> torch.optim.Optimizer:
     try:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1,
+                   betas: tuple[float, float] = (0.9, 0.95), kind: str = "adamw",
+                   muon_lr: float | None = None) -> torch.optim.Optimizer | _Optimizers:
+    """AdamW with decay on matrices only (not norms/biases); fused kernel where supported.
+
+    `kind="muon"`: the decoder layers' weight matrices go to Muon (orthogonalised momentum, which
+    learns more per token than AdamW at a fixed budget) at `muon_lr` (default: `lr`, RMS-matched
+    to AdamW); embeddings, LM head and norms stay on AdamW, as Muon is meant only for hidden
+    matrices. Every param group keeps its peak LR as `initial_lr` for the schedule.
+    """
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
+    seen, decay, no_decay, hidden = set(), [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.dim() < 2:
+            no_decay.append(p)
+        elif kind == "muon" and ".layers." in f".{name}" and "embed" not in name:
+            hidden.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt: torch.optim.Optimizer | _Optimizers = _adamw([g for g in groups if g["params"]], lr, betas)
+    if hidden:
+        muon = torch.optim.Muon(hidden, lr=muon_lr or lr, weight_decay=weight_decay,
+                                adjust_lr_fn="match_rms_adamw")
+        opt = _Optimizers(opt, muon)
+    for g in opt.param_groups:
+        g["initial_lr"] = g["lr"]
+    return opt
 
 
 def _train_loop(
@@ -135,11 +177,13 @@ def _train_loop(
     progress: bool,
     desc: str,
     time_schedule: bool = True,
+    optimizer: str = "adamw",
+    muon_lr: float | None = None,
 ) -> dict:
     if steps <= 0 and not max_seconds:
         raise ValueError("need steps > 0 or a max_seconds budget")
     total = steps if steps > 0 else 10**9
-    opt = make_optimizer(model, lr, weight_decay)
+    opt = make_optimizer(model, lr, weight_decay, kind=optimizer, muon_lr=muon_lr)
     model.train()
     it = iter(batches)
     t0 = time.perf_counter()
@@ -161,7 +205,7 @@ def _train_loop(
                 time_bound = time_bound or (step >= warmup and elapsed / max_seconds > step_prog)
             f = lr_factor(step, total, warmup, min_lr_ratio, prog)
             for gr in opt.param_groups:
-                gr["lr"] = lr * f
+                gr["lr"] = gr["initial_lr"] * f
             batch = next(it)
             loss = loss_fn(batch)
             loss.backward()
@@ -202,6 +246,8 @@ def pretrain_lm(
     time_schedule: bool = True,
     mixed_precision: bool = False,
     compile: bool = False,
+    optimizer: str = "adamw",
+    muon_lr: float | None = None,
 ) -> dict:
     """Next-token cross-entropy training on (B, T+1) id batches; returns steps/tokens/loss/wall stats.
 
@@ -220,7 +266,7 @@ def pretrain_lm(
     loss_fn = maybe_compile(lm_loss, compile)
 
     return _train_loop(model, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
-                       max_seconds, progress, desc, time_schedule)
+                       max_seconds, progress, desc, time_schedule, optimizer, muon_lr)
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -249,6 +295,8 @@ def distill(
     time_schedule: bool = True,
     mixed_precision: bool = False,
     compile: bool = False,
+    optimizer: str = "adamw",
+    muon_lr: float | None = None,
 ) -> dict:
     """Train `student` toward `teacher`'s full next-token distribution: KL(teacher || student).
 
@@ -280,7 +328,7 @@ def distill(
         return s_loss(batch, t_logits)
 
     return _train_loop(student, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
-                       max_seconds, progress, desc, time_schedule)
+                       max_seconds, progress, desc, time_schedule, optimizer, muon_lr)
 
 
 # ---------------------------------------------------------------------------------------------
