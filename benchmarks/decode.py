@@ -43,6 +43,8 @@ def parse_args(argv):
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--max-draft-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | auto (models and engine on this device)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto (bf16 on CUDA)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -71,15 +73,22 @@ def hf_generate(target, batches, n, temperature, assistant=None, seed=0) -> tupl
         for i, p in enumerate(batch):
             ids[i, m - len(p) :] = torch.tensor(p)
             mask[i, m - len(p) :] = 1
+        ids, mask = ids.to(target.device), mask.to(target.device)
         kw = dict(generation_config=gc, attention_mask=mask)
         if assistant is not None:
             kw["assistant_model"] = assistant
         torch.manual_seed(seed + bi)
         t0 = time.perf_counter()
         out = target.generate(ids, **kw)
+        _sync(out.device)
         total_t += time.perf_counter() - t0
         total_tok += int((out.shape[1] - m) * len(batch))
     return total_t, total_tok
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
@@ -188,7 +197,7 @@ def main(argv=None) -> int:
     from dvi.models import load_embedded_pair
 
     t_start = time.perf_counter()
-    pair = load_embedded_pair(args.preset, args.root, device="cpu", dtype="float32")
+    pair = load_embedded_pair(args.preset, args.root, device=args.device, dtype=args.dtype)
     target, drafter, tok = pair.target.eval(), pair.drafter.eval(), pair.tokenizer
     domains = [d for d in args.domains.split(",") if d]
     temps = [float(t) for t in args.temperatures.split(",") if t]
@@ -269,7 +278,13 @@ def main(argv=None) -> int:
     ]
     out = dict(
         benchmark="decode",
-        settings=vars(args) | {"device": "cpu", "torch_threads": torch.get_num_threads()},
+        settings=vars(args)
+        | {
+            "device": str(target.device),
+            "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu",
+            "dtype": str(target.dtype),
+            "torch_threads": torch.get_num_threads(),
+        },
         models=dict(
             target_layers=target.config.num_hidden_layers,
             target_hidden=target.config.hidden_size,

@@ -85,21 +85,21 @@ def perturbed(model, scale: float = 0.03, seed: int = 123):
 
 
 def reference(target, prompt: list[int], n: int) -> list[int]:
-    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+    out = target.generate(torch.tensor([prompt], device=target.device), do_sample=False, max_new_tokens=n)
     return out[0, len(prompt) :].tolist()
 
 
-def assert_greedy_equal(target, prompt: list[int], got: list[int], ref: list[int]) -> None:
+def assert_greedy_equal(target, prompt: list[int], got: list[int], ref: list[int], tie_eps: float = TIE_EPS) -> None:
     """Equal, or the first divergence sits on a float-noise tie of the target's top-2 logits (shown here)."""
     assert len(got) == len(ref)
     if got == ref:
         return
     j = next(i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b)
     with torch.no_grad():
-        logits = target(torch.tensor([prompt + ref[:j]])).logits[0, -1]
+        logits = target(torch.tensor([prompt + ref[:j]], device=target.device)).logits[0, -1].float()
     top2 = logits.topk(2).values
     gap = float(top2[0] - top2[1])
-    assert gap < TIE_EPS, f"divergence at {j}: got {got[j]} ref {ref[j]}, top-2 gap {gap:.3g} is not float noise"
+    assert gap < tie_eps, f"divergence at {j}: got {got[j]} ref {ref[j]}, top-2 gap {gap:.3g} is not float noise"
 
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gpt2", "gpt_neox"]

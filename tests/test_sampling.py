@@ -229,10 +229,12 @@ def exact_two_token_law(target, temperature, top_k, top_p) -> dict:
     return {(a, b): float(p1[a]) * float(warped(PROMPT + [a])[b]) for a in range(v) for b in range(v) if p1[a] > 0}
 
 
-def engine_pvalue(target, drafter, n, temperature, top_k=0, top_p=1.0, seed=0) -> tuple[float, float]:
+def engine_pvalue(target, drafter, n, temperature, top_k=0, top_p=1.0, seed=0, reference=None) -> tuple[float, float]:
+    """Chi-square p-value of the engine's first two tokens against the exact law of `reference` (default: target,
+    on CPU), and the step's acceptance rate."""
     eng = SpeculativeEngine(target, drafter, num_draft_tokens=2)
     res = eng.generate([PROMPT] * n, max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    exact = exact_two_token_law(target, temperature, top_k, top_p)
+    exact = exact_two_token_law(reference if reference is not None else target, temperature, top_k, top_p)
     counts: dict[tuple, int] = {}
     for r in res:
         key = tuple(r.token_ids[:2])
