@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.adaptive import AcceptanceEMA, AdaptiveK, CostModel, batch_bucket
+from dvi.adaptive import AcceptanceEMA, AcceptanceTracker, AdaptiveK, CostModel, batch_bucket
 from dvi.drafters import Drafter, as_drafter, model_forward
 from dvi.kv import RaggedKV, prefill
 from dvi.sampling import greedy_accept, rejection_accept, sample_from, warp_probs
@@ -149,7 +149,7 @@ class SpeculativeEngine:
         self._set_drafter(drafter)
         self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
         self.costs = CostModel()  # online step timings (reporting); K is chosen from calibrated costs
-        self.global_alpha = 0.5
+        self.acceptance = AcceptanceTracker()
         # Adaptive K optimises the completion of the current batch (its slowest row) when True, plain
         # throughput when False (a server that backfills finished rows continuously may prefer False).
         self.drain_aware = True
@@ -190,7 +190,7 @@ class SpeculativeEngine:
                 gen.seed()
             else:
                 gen.manual_seed(int(p.seed))
-        self._waiting.append(_Seq(request, res, gen, AcceptanceEMA(prior=self.global_alpha)))
+        self._waiting.append(_Seq(request, res, gen, self.acceptance.new_row()))
 
     def abort(self, request_id: str) -> GenerationResult | None:
         """Remove a request between steps; its result (finish_reason 'abort') also comes out of the next step()."""
@@ -204,6 +204,10 @@ class SpeculativeEngine:
                 return self._finish_aborted(s)
         return None
 
+    def pooled_alpha(self, domain: str = "default") -> float:
+        """Acceptance rate of recent draft positions over all rows of `domain` (what its rows start from)."""
+        return self.acceptance.pool(domain).alpha
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._seqs)
 
@@ -216,6 +220,7 @@ class SpeculativeEngine:
         self._set_drafter(drafter)
         self.drafter_version = int(version)
         self._drafter_dirty = True
+        self.acceptance.reset()  # acceptance of the old drafter says little about the new one
 
     def update_target_weights(self, state_dict_or_path: dict | str | Path, version: int) -> None:
         """Load new target weights in place (Parameter objects kept); in-flight target KV is recomputed."""
@@ -233,6 +238,7 @@ class SpeculativeEngine:
             self.target.load_state_dict(sd, strict=False)
         self.target_version = int(version)
         self._target_dirty = True
+        self.acceptance.reset()
         if self.drafter is not None and self.drafter.shares_weights_with_target():
             self._drafter_dirty = True
 
@@ -458,7 +464,8 @@ class SpeculativeEngine:
         if self.adaptive:
             if self.controller.needs_calibration(batch):
                 self._calibrate(batch)
-            alphas = [s.acc.alpha for s in self._seqs]
+            est = self.acceptance.estimate
+            alphas = [est(s.acc, s.req.domain) for s in self._seqs]
             rem = [s.remaining for s in self._seqs] if self.drain_aware and batch > 1 else None
             k = self.controller.choose(batch, alphas, rem, lambda: sum(len(s.pending) for s in self._seqs))
         else:
@@ -574,12 +581,12 @@ class SpeculativeEngine:
                     r.drafted_per_position[j] += 1
                 for j in range(ni):
                     r.accepted_per_position[j] += 1
-                s.acc.update(k, ni)
-                self.global_alpha += 0.02 * (s.acc.alpha - self.global_alpha)
+                self.acceptance.update(s.acc, s.req.domain, k, ni)
                 dl = draft_l[i]
                 s.pending = [dl[k - 1], tok_l[i][ni]] if ni == k else [tok_l[i][ni]]
             elif have_drafter:
                 s.pending.append(tok_l[i][0])
+                self.acceptance.update(s.acc, s.req.domain, 0, 0)
             new: list[int] = []
             reason = None
             for j in range(ni + 1):
@@ -603,6 +610,7 @@ class SpeculativeEngine:
                 self._close(s, reason)
                 finished.append(i)
             outs.append(StepOutput(s.req.request_id, new, reason is not None, r if reason else None))
+        self.acceptance.end_step(k)
         t2 = time.perf_counter()
         self.costs.record_verify(b, k, t2 - t1)
         if self.adaptive and b <= 2 and self.device.type == "cpu":
