@@ -8,7 +8,9 @@ a streamed greedy completion, wait for it to finish, and send the next (closed l
 
 Figures per (arm, C): generated tokens/s, p50/p99 request latency and time to first token
 (client-side: first content chunk), α (accepted / drafted, from the responses' `dvi` field), and
-errors (non-200, or an error chunk in the stream). Goals: 0 errors at every level; speculation
+errors (non-200, or an error chunk in the stream). Each level is measured --rounds times per arm in
+ABBA order and the figures pool the rounds (this 2-core machine's speed drifts by +-15% over tens
+of seconds, more than the effects measured at high concurrency). Goals: 0 errors at every level; speculation
 >= 1.3x the no-speculation throughput at C=1 and >= 0.95x at C=64.
 
     .venv/bin/python benchmarks/serve_load.py --preset small [--json bench_results/serve_load.json]
@@ -85,7 +87,8 @@ async def _one(client, prompt: list[int], max_tokens: int) -> dict:
 
 
 async def _level(url: str, prompts: list[list[int]], concurrency: int, n_requests: int, max_tokens: int,
-                 warmup: int) -> dict:
+                 warmup: int) -> tuple[list[dict], float]:
+    """One closed-loop run: every request's outcome, and the wall time of the measured part."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -102,6 +105,13 @@ async def _level(url: str, prompts: list[list[int]], concurrency: int, n_request
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+    return results, wall
+
+
+def _summarize(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
+    """Figures of one (arm, level) pooled over its rounds: throughput = all tokens / all wall time."""
+    results = [r for rs, _ in runs for r in rs]
+    wall = sum(w for _, w in runs)
     ok = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
     drafted = sum(r["drafted"] for r in ok)
@@ -109,8 +119,11 @@ async def _level(url: str, prompts: list[list[int]], concurrency: int, n_request
     ttft = [r["ttft"] for r in ok]
     errors = [r.get("error") for r in results if not r["ok"]]
     return {
-        "concurrency": concurrency, "requests": len(results), "wall_s": wall, "tokens": tokens,
+        "concurrency": concurrency, "requests": len(results), "rounds": len(runs), "wall_s": wall,
+        "tokens": tokens,
         "throughput_tok_s": tokens / wall if wall > 0 else float("nan"),
+        "round_throughputs_tok_s": [sum(r["tokens"] for r in rs if r["ok"]) / w if w > 0 else float("nan")
+                                    for rs, w in runs],
         "requests_per_s": len(ok) / wall if wall > 0 else float("nan"),
         "latency_p50_s": _pct(lat, 0.5), "latency_p99_s": _pct(lat, 0.99),
         "latency_mean_s": statistics.fmean(lat) if lat else float("nan"),
@@ -130,8 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measurements per arm and level, in ABBA order; figures pool all rounds")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
 
     from dvi.config import load_config
@@ -166,13 +183,22 @@ def main(argv: list[str] | None = None) -> int:
             figures[arm] = []
         for c in levels:
             n = args.requests or max(24, 2 * c)
-            for arm, srv in servers.items():
-                fig = asyncio.run(_level(srv.url, prompts, c, n, args.max_tokens, args.warmup))
+            runs: dict[str, list] = {arm: [] for arm in servers}
+            for r in range(args.rounds):
+                # ABBA: the arm measured first alternates, so a drift in machine speed within a level
+                # hits both arms alike.
+                order = list(servers) if r % 2 == 0 else list(servers)[::-1]
+                for arm in order:
+                    runs[arm].append(asyncio.run(_level(servers[arm].url, prompts, c, n, args.max_tokens,
+                                                        args.warmup)))
+            for arm in servers:
+                fig = _summarize(c, runs[arm])
                 figures[arm].append(fig)
                 a = fig["alpha"]
                 print(f"[{arm}] C={c:>3}: {fig['throughput_tok_s']:7.1f} tok/s  p50 {fig['latency_p50_s']:.3f}s "
                       f"p99 {fig['latency_p99_s']:.3f}s  ttft p50 {fig['ttft_p50_s']:.3f}s  "
-                      f"α {'-' if a is None else f'{a:.3f}'}  errors {fig['errors']}", flush=True)
+                      f"α {'-' if a is None else f'{a:.3f}'}  errors {fig['errors']}  rounds "
+                      f"{', '.join(f'{x:.0f}' for x in fig['round_throughputs_tok_s'])}", flush=True)
 
     def tput(arm: str, c: int) -> float:
         for f in figures[arm]:
@@ -205,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "serve_load",
         "settings": {"preset": args.preset, "concurrency": levels, "requests": args.requests,
                      "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size, "warmup": args.warmup,
+                     "rounds": args.rounds,
                      "arms": ARMS, "prompts": "held-out code (dvi.data.prompt_stream, 32-96 tokens)",
                      "greedy": True, "trainer": "off", "feedback_logging": True,
                      "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),

@@ -128,6 +128,18 @@ def test_acceptance_ema():
     assert a.alpha == pytest.approx(0.5, abs=0.02)
 
 
+def test_adaptive_k_weighs_the_drafter_catch_up():
+    """Speculation that barely pays is not started when the drafter must first catch up on whole prompts;
+    the same gain with nothing to catch up, or a big gain, is taken."""
+    ctl = AdaptiveK(4, 2, margin=1.0)
+    # Batch 16 on this CPU: verify(K) grows fast, a draft costs ~1/5 of a plain step.
+    ctl.set_costs(16, {0: 10e-3, 1: 13.5e-3, 2: 17e-3, 4: 24e-3}, 2e-3, catchup_per_token=20e-6)
+    rows = 16
+    assert ctl.choose(16, [0.6] * rows, pending_tokens=2 * rows) == 1  # 1.6 / 1.55: a 3% gain
+    assert ctl.choose(16, [0.6] * rows, pending_tokens=lambda: rows * 80) == 0  # 16 prompts to catch up
+    assert ctl.choose(16, [0.95] * rows, pending_tokens=lambda: rows * 80) > 0  # a big gain pays for it
+
+
 def _simulate(true_alphas: dict[str, float], rows: int = 60, seed: int = 0) -> dict[str, float]:
     """Rows of 64 tokens, one at a time, drafts accepted i.i.d. at their domain's rate; returns, per
     domain, the fraction of steps on which the controller drafted. Costs: the small pair on this CPU
