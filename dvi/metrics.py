@@ -491,8 +491,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
-def plot_alpha(jsonl_path: str | os.PathLike, out_png: str | os.PathLike) -> Path:
-    """α per domain over steps (or time), with a vertical line wherever the drafter version changes."""
+def plot_alpha(jsonl_path: str | os.PathLike, out_png: str | os.PathLike, step_label: str = "step") -> Path:
+    """α per domain over steps (or time), with a vertical line wherever the drafter version changes;
+    `step_label` names what a row's `step` counts (trainer steps, requests served, ...)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -522,7 +523,7 @@ def plot_alpha(jsonl_path: str | os.PathLike, out_png: str | os.PathLike) -> Pat
             ax.annotate(f"v{v}", (x_of(r), 1.0), fontsize=7, color="grey", ha="left", va="top")
         prev = v
     ax.set_ylim(0, 1.02)
-    ax.set_xlabel("step" if use_step else "seconds")
+    ax.set_xlabel(step_label if use_step else "seconds")
     ax.set_ylabel("acceptance rate α")
     ax.set_title("α by domain (dashed: drafter version change)")
     if by_domain:

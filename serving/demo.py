@@ -292,7 +292,7 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
                                                        "health": final}, indent=1))
     metrics_jsonl = run_dir / "metrics.jsonl"
     if metrics_jsonl.is_file():
-        png = plot_alpha(metrics_jsonl, run_dir / "alpha.png")
+        png = plot_alpha(metrics_jsonl, run_dir / "alpha.png", step_label="requests served")
         console.print(f"α plot: {png}")
     drafter = (final.get("drafter") or {}).get("counts", {})
     console.print(f"requests {timeline.done}, errors {timeline.errors}; drafter promotions {drafter.get('promoted', 0)}, "
