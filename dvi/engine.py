@@ -204,10 +204,6 @@ class SpeculativeEngine:
                 return self._finish_aborted(s)
         return None
 
-    def pooled_alpha(self, domain: str = "default") -> float:
-        """Acceptance rate of recent draft positions over all rows of `domain` (what its rows start from)."""
-        return self.acceptance.pool(domain).alpha
-
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._seqs)
 
