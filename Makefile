@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DVI    := $(VENV)/bin/dvi
 STAMP  := $(VENV)/.dvi-installed
-PRESET ?= small
+PRESET ?= smollm2
 
 .PHONY: setup test test-fast demo bootstrap lint bench-decode bench-drift bench-serve bench-rl clean
 

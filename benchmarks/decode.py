@@ -31,7 +31,7 @@ from dvi.engine import Request, SamplingParams, SpeculativeEngine
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="dvi bench decode", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="small")
+    p.add_argument("--preset", default="smollm2")
     p.add_argument("--root", default=None, help="models cache root (default: dvi.embedded's)")
     p.add_argument("--json", default="bench_results/decode.json")
     p.add_argument("--domains", default="code,prose")

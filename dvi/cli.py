@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("bootstrap", help="build the embedded target/drafter pair from local text")
-    p.add_argument("--preset", choices=PRESETS, default="small")
+    p.add_argument("--preset", choices=PRESETS, default="smollm2")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ~/.cache/dvi/models/<preset>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if cached")

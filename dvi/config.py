@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PRESETS = ("tiny", "small")
+PRESETS = ("tiny", "smollm2")
 
 
 class ConfigError(ValueError):
@@ -36,7 +36,7 @@ def _existing_path(value: Path | None) -> Path | None:
 class ModelsConfig(_Strict):
     """Which target / drafter to load. Leave paths empty to use the embedded preset."""
 
-    preset: Literal["tiny", "small"] = "small"
+    preset: Literal["tiny", "smollm2"] = "smollm2"
     target: Path | None = None
     drafter: Path | None = None
     tokenizer: Path | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import sysconfig
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
@@ -206,3 +207,80 @@ def prompt_stream(
             continue
         s = rng.choice(fits)
         yield list(ids[s: s + n])
+
+
+# ---------------------------------------------------------------------------------------------
+# chat: instructions built from the corpus, rendered with the tokenizer's chat template
+
+CHAT_KINDS = ("explain", "write", "summarise", "answer")
+_DEF_RE = re.compile(r"^def (\w+)\((.*?)\)[^:\n]*:\n((?:[ \t]+.*\n|\n)+)", re.M)
+_DOC_RE = re.compile(r'^[ \t]+(?:"""|\'\'\')\s*(.+?)\s*$', re.M)
+
+
+def _functions(text: str, max_lines: int = 30) -> list[tuple[str, str, str, str]]:
+    """(name, args, source, docstring first line) of the top-level functions of a module."""
+    out = []
+    for m in _DEF_RE.finditer(text):
+        body = m.group(0).rstrip("\n")
+        if body.count("\n") > max_lines:
+            continue
+        doc = _DOC_RE.search(m.group(3))
+        first = doc.group(1).strip().strip('"\'').rstrip(".") if doc else ""
+        out.append((m.group(1), m.group(2), body, first))
+    return out
+
+
+def _paragraphs(text: str, lo: int = 200, hi: int = 900) -> list[str]:
+    paras = [" ".join(p.split()) for p in text.split("\n\n")]
+    return [p for p in paras if lo <= len(p) <= hi]
+
+
+def chat_instructions(split: str = "heldout", seed: int = 0) -> Iterator[list[dict]]:
+    """Endless single-turn chats (`[{"role": "user", "content": ...}]`) built from `split` documents:
+    explain a function, write a function from its docstring, summarise or answer a question about a
+    prose paragraph. The instructions the chat domain of demos, benchmarks and distillation uses."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    rng = random.Random(f"chat/{split}/{seed}")
+    funcs = [f for t in load_texts("code", split) for f in _functions(t)]
+    documented = [f for f in funcs if len(f[3]) >= 12]
+    paras = [p for t in load_texts("prose", split) for p in _paragraphs(t)]
+    while True:
+        kind = rng.choice(CHAT_KINDS)
+        if kind == "explain" and funcs:
+            name, _, src, _ = rng.choice(funcs)
+            text = f"Explain what this Python function does:\n\n```python\n{src}\n```"
+        elif kind == "write" and documented:
+            name, args, _, doc = rng.choice(documented)
+            text = f"Write a Python function `{name}({args})` that does the following: {doc}."
+        elif kind == "summarise" and paras:
+            text = f"Summarize the following text in two sentences:\n\n{rng.choice(paras)}"
+        elif paras:
+            text = f"Read the text below and answer: what is its main point?\n\n{rng.choice(paras)}"
+        else:
+            continue
+        yield [{"role": "user", "content": text}]
+
+
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` ready for the assistant's reply: the tokenizer's chat template, or
+    (for tokenizers without one, like the self-trained test pair) one `role: content` line per
+    message followed by `assistant:`."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    text = "".join(FALLBACK_CHAT_FORMAT.format(role=m["role"], content=m["content"]) for m in messages)
+    return tokenizer.encode(text + FALLBACK_CHAT_SUFFIX, add_special_tokens=True)
+
+
+# The chat format for tokenizers without a chat template.
+FALLBACK_CHAT_FORMAT = "{role}: {content}\n"
+FALLBACK_CHAT_SUFFIX = "assistant:"
+
+
+def chat_prompt_stream(tokenizer, split: str = "heldout", seed: int = 0, max_tokens: int = 384) -> Iterator[list[int]]:
+    """`chat_instructions` rendered to token ids (longer than `max_tokens`: skipped)."""
+    for msgs in chat_instructions(split, seed):
+        ids = render_chat(tokenizer, msgs)
+        if len(ids) <= max_tokens:
+            yield ids

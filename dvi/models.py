@@ -68,6 +68,29 @@ def resolve_dtype(dtype: str | torch.dtype | None = "auto", device: str | torch.
     return _DTYPES[key]
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there a memory-bound decode
+    step of a real LM runs ~1.3x faster in bf16 and a (K+1)-token verify costs about one step
+    (SmolLM2-135M, measured: fp32 48 ms with verifies 1.6-2.4x; bf16 35 ms with 0.8-1.2x)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def serving_dtype(preset: str, dtype: str, device: str | torch.device = "auto") -> str:
+    """`models.dtype` as served for an embedded preset: "auto" becomes the preset's measured serving
+    dtype (bf16 for the real pretrained pair on a CPU with native bf16); anything else is kept."""
+    from dvi.embedded import PretrainedPreset, get_preset
+
+    if dtype != "auto" or not isinstance(get_preset(preset), PretrainedPreset):
+        return dtype
+    if resolve_device(device).type == "cpu" and not cpu_has_native_bf16():
+        return "float32"
+    return "bfloat16"
+
+
 def load_causal_lm(path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"):
     """`AutoModelForCausalLM.from_pretrained(path)` on `device` in `dtype`, in eval mode."""
     from transformers import AutoModelForCausalLM
@@ -179,7 +202,7 @@ def load_embedded_pair(preset: str = "tiny", root: str | Path | None = None, dev
     p = embedded_paths(preset, root)
     if not is_built(p.root):
         raise FileNotFoundError(f"embedded pair {preset!r} not built at {p.root}; run `dvi bootstrap --preset {preset}`")
-    return load_pair(p.target, p.drafter, p.tokenizer, device=device, dtype=dtype)
+    return load_pair(p.target, p.drafter, p.tokenizer, device=device, dtype=serving_dtype(preset, dtype, device))
 
 
 def num_params(model) -> int:
@@ -221,11 +244,12 @@ def load_pair_from_config(models_cfg) -> ModelPair:
     from dvi.embedded import embedded_paths, is_built
 
     target, drafter, tok = models_cfg.target, models_cfg.drafter, models_cfg.tokenizer
+    device, dtype = getattr(models_cfg, "device", "auto"), getattr(models_cfg, "dtype", "auto")
     if target is None:
         p = embedded_paths(models_cfg.preset)
         if not is_built(p.root):
             raise FileNotFoundError(
                 f"embedded pair {models_cfg.preset!r} not built at {p.root}; run `dvi bootstrap --preset {models_cfg.preset}`")
         target, drafter, tok = p.target, drafter or p.drafter, tok or p.tokenizer
-    return load_pair(target, drafter, tok, device=getattr(models_cfg, "device", "auto"),
-                     dtype=getattr(models_cfg, "dtype", "auto"))
+        dtype = serving_dtype(models_cfg.preset, dtype, device)
+    return load_pair(target, drafter, tok, device=device, dtype=dtype)

@@ -4,9 +4,11 @@
    trainers);
 2. start `dvi serve` as a subprocess with its supervised online trainer, everything written under
    `runs/<id>/` (feedback, registry, trainer log, metrics.jsonl, the offline wandb run);
-3. replay a drift scenario: code prompts, then prose prompts (held-out, `dvi.data.prompt_stream`),
-   then a target update through the admin endpoint (a slightly perturbed copy of the target,
-   saved under `runs/<id>/targets/`, the only allowed dir) followed by more prose;
+3. replay a drift scenario: code completions (held-out stdlib source, `dvi.data.prompt_stream`), then
+   chat requests through `/v1/chat/completions` (instructions built from held-out code and prose,
+   `dvi.data.chat_instructions`), then a target update through the admin endpoint (a slightly
+   perturbed copy of the target, saved under `runs/<id>/targets/`, the only allowed dir) followed
+   by more chat;
 4. show live progress (requests, rolling α, drafter and target versions, trainer state);
 5. print the α timeline, write `runs/<id>/timeline.json` and `runs/<id>/alpha.png`.
 
@@ -33,7 +35,7 @@ import yaml
 
 from dvi.config import DviConfig, dump_config
 
-DEFAULT_REQUESTS = {"tiny": 48, "small": 160}
+DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
 CONCURRENCY = 4
 WINDOW = 16
 
@@ -167,10 +169,12 @@ async def _phase(url: str, name: str, domain: str, prompts: Any, n: int, max_tok
 
     async def worker(client: httpx.AsyncClient) -> None:
         for _ in it:
-            body = {"prompt": next(prompts), "max_tokens": max_tokens, "temperature": 0.0,
+            item = next(prompts)
+            chat = isinstance(item[0], dict)  # a list of chat messages, else prompt token ids
+            body = {"messages" if chat else "prompt": item, "max_tokens": max_tokens, "temperature": 0.0,
                     "metadata": {"domain": domain}}
             try:
-                r = await client.post("/v1/completions", json=body)
+                r = await client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
                 stats = r.json()["dvi"] if r.status_code == 200 else None
                 unreachable[0] = 0
             except httpx.TransportError:
@@ -215,7 +219,7 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from dvi.data import prompt_stream
+    from dvi.data import chat_instructions, prompt_stream
     from dvi.metrics import plot_alpha
 
     from .app import ensure_pair, pair_paths
@@ -256,8 +260,13 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 console=console) as progress:
             code = prompt_stream("code", tok, seed=cfg.seed)
-            prose = prompt_stream("prose", tok, seed=cfg.seed)
-            phases = [("code", "code", code), ("prose", "prose", prose), ("prose · new target", "prose", prose)]
+            # chat for a tokenizer with a chat template (the real pair); prose for the test pair
+            if getattr(tok, "chat_template", None):
+                drift, drift_name = chat_instructions("heldout", seed=cfg.seed), "chat"
+            else:
+                drift, drift_name = prompt_stream("prose", tok, seed=cfg.seed), "prose"
+            phases = [("code", "code", code), (drift_name, drift_name, drift),
+                      (f"{drift_name} · new target", drift_name, drift)]
             for i, (name, domain, prompts) in enumerate(phases):
                 if i == 2:
                     path = _perturbed_target(target_path, targets / "target_v1.safetensors", seed=cfg.seed)

@@ -24,9 +24,19 @@ from typing import Any
 import torch
 
 from dvi import data
-from dvi.embedded import EmbeddedPaths, Preset, embedded_dir, get_preset, is_built, read_manifest
+from dvi.embedded import (
+    DEFAULT_PRESET,
+    EmbeddedPaths,
+    Preset,
+    PretrainedPreset,
+    embedded_dir,
+    get_preset,
+    is_built,
+    read_manifest,
+)
 from dvi.fsutil import atomic_write_text
 from dvi.models import decode_step_latency, num_params
+from trainers import pretrained_build
 from trainers.offline import (
     distill,
     distinct_token_ratio,
@@ -314,12 +324,12 @@ def save_pair(built: BuiltPair, path: str | Path) -> Path:
     return paths.root
 
 
-def _matches(manifest: dict | None, p: Preset, seed: int) -> bool:
+def _matches(manifest: dict | None, p: Preset | PretrainedPreset, seed: int) -> bool:
     return bool(manifest) and manifest.get("preset") == p.name and manifest.get("fingerprint") == p.fingerprint() \
         and manifest.get("seed") == seed
 
 
-def bootstrap(preset: str = "small", out: str | Path | None = None, seed: int = 0, force: bool = False,
+def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed: int = 0, force: bool = False,
               progress: bool = True) -> Path:
     """Build (or reuse from cache) the embedded pair of `preset`; returns its directory.
 
@@ -332,14 +342,18 @@ def bootstrap(preset: str = "small", out: str | Path | None = None, seed: int = 
     out = Path(out).expanduser() if out is not None else embedded_dir(p.name)
     if not force and is_built(out) and _matches(read_manifest(out), p, seed):
         return out
-    built = build_pair(p, seed=seed, progress=progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        t0 = time.perf_counter()
-        save_pair(built, tmp)
-        built.manifest["wall"]["save_s"] = time.perf_counter() - t0
-        (tmp / "manifest.json").write_text(json.dumps(built.manifest, indent=2, sort_keys=True))
+        if isinstance(p, PretrainedPreset):
+            manifest = pretrained_build.build(p, tmp, seed=seed, progress=progress)
+            atomic_write_text(tmp / "manifest.json", json.dumps(_jsonable(manifest), indent=2, sort_keys=True))
+        else:
+            built = build_pair(p, seed=seed, progress=progress)
+            t0 = time.perf_counter()
+            save_pair(built, tmp)
+            built.manifest["wall"]["save_s"] = time.perf_counter() - t0
+            atomic_write_text(tmp / "manifest.json", json.dumps(built.manifest, indent=2, sort_keys=True))
         _replace_dir(tmp, out)
     finally:
         if tmp.exists():
@@ -373,6 +387,8 @@ def load_manifest(path: str | Path) -> dict:
 
 def summary_table(manifest: dict) -> str:
     """Human-readable summary of a bootstrap manifest (what `dvi bootstrap` prints)."""
+    if "source" in manifest:
+        return pretrained_build.summary_table(manifest)
     h = manifest["heldout"]
     lat = manifest["latency"]
     cont = manifest.get("continuations", {})

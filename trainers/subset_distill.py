@@ -1,0 +1,94 @@
+"""Distillation over a draft vocabulary from cached teacher states (FR-Spec style), for real targets.
+
+A 135M-parameter teacher's forward is the dominant cost of distilling a small drafter on this CPU,
+and the full 49k-row heads of both models dominate what remains. So the teacher runs once over
+the training windows and its final (normed) hidden states are kept in bf16 (1.1 KB a token); a
+training step then rebuilds the teacher's logits over the draft vocabulary only (one small
+matmul with its head rows) and trains the student's head rows of the same ids, for as many
+epochs as the budget allows. The loss is KL(teacher || student) with both renormalised over the
+draft vocabulary, which is the law the served drafter samples from.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from trainers.offline import lr_factor, make_optimizer
+
+
+@torch.inference_mode()
+def teacher_states(teacher, windows: torch.Tensor, batch: int = 8, progress: bool = False,
+                   desc: str = "teacher states") -> torch.Tensor:
+    """Final hidden states `[N, T, H]` (bf16) of `teacher` on `windows[:, :-1]` (`windows`: `[N, T + 1]`)."""
+    out = []
+    dtype = next(teacher.parameters()).dtype
+    for i in tqdm(range(0, windows.shape[0], batch), desc=desc, disable=not progress, leave=False,
+                  mininterval=0.5 if sys.stderr.isatty() else 10.0):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+            h = teacher.model(input_ids=windows[i: i + batch, :-1]).last_hidden_state
+        out.append(h.to(torch.bfloat16))
+    return torch.cat(out)
+
+
+def subset_kl(s_logits: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student), both `[..., N]` over the same draft ids."""
+    t_logp = F.log_softmax(t_logits.float(), -1)
+    s_logp = F.log_softmax(s_logits.float(), -1)
+    return (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
+
+
+def distill_subset(student, teacher_head: torch.Tensor, windows: torch.Tensor, states: torch.Tensor,
+                   vocab_ids: torch.Tensor, steps: int, batch: int = 8, lr: float = 1e-3, warmup: int = 20,
+                   min_lr_ratio: float = 0.1, grad_clip: float | None = 1.0, seed: int = 0,
+                   progress: bool = True, desc: str = "distill") -> dict:
+    """Train `student` (an HF Llama-style causal LM) toward the teacher over `vocab_ids`.
+
+    `teacher_head`: `[V, H]` the teacher's LM head; `windows`: `[N, T + 1]` token ids; `states`:
+    `[N, T, H]` from `teacher_states`; `vocab_ids`: `[n]` the draft vocabulary. Windows are drawn
+    in seeded epochs (reshuffled each pass) until `steps` optimizer steps are done.
+    """
+    t_head = teacher_head[vocab_ids].detach().to(torch.bfloat16)  # [n, H]
+    opt = make_optimizer(student, lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(windows.shape[0], generator=g)
+    pos, losses, tokens = 0, [], 0
+    student.train()
+    t0 = time.perf_counter()
+    bar = tqdm(total=steps, desc=desc, disable=not progress, unit="step", leave=False,
+               mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    try:
+        for step in range(steps):
+            if pos + batch > order.numel():
+                order, pos = torch.randperm(windows.shape[0], generator=g), 0
+            idx = order[pos: pos + batch]
+            pos += batch
+            f = lr_factor(step, steps, warmup, min_lr_ratio)
+            for gr in opt.param_groups:
+                gr["lr"] = gr["initial_lr"] * f
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = student.model(input_ids=windows[idx, :-1]).last_hidden_state  # [B, T, H]
+                s_logits = F.linear(h, student.lm_head.weight[vocab_ids])  # [B, T, n]
+                t_logits = F.linear(states[idx], t_head)  # [B, T, n]
+            loss = subset_kl(s_logits, t_logits)
+            loss.backward()
+            if grad_clip:
+                torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            tokens += idx.numel() * (windows.shape[1] - 1)
+            bar.set_postfix(kl=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", refresh=False)
+            bar.update(1)
+    finally:
+        bar.close()
+        student.eval()
+    wall = time.perf_counter() - t0
+    tail = losses[-max(1, len(losses) // 10):]
+    return {"steps": steps, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9),
+            "first_loss": losses[0], "final_loss": sum(tail) / len(tail),
+            "epochs": tokens / max(1, windows.numel() - windows.shape[0])}
