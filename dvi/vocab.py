@@ -41,6 +41,7 @@ __all__ = [
     "DRAFT_VOCAB_FILE",
     "SubsetHead",
     "frequent_token_ids",
+    "build_draft_vocab",
     "save_draft_vocab",
     "load_draft_vocab",
     "draft_vocab_path",
@@ -80,6 +81,18 @@ def frequent_token_ids(
     taken = set(head)
     out = head + [t for t in ranked if t not in taken]
     return torch.tensor(out[:n], dtype=torch.long)
+
+
+def build_draft_vocab(tokenizer, texts: Iterable[str], path: str | Path, vocab_size: int) -> torch.Tensor:
+    """Count `texts` with `tokenizer`, write the full priority order (specials first) to `path`; returns it.
+
+    The whole vocabulary is stored (never-seen ids last), so any N can be chosen at load time.
+    """
+    seqs = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    specials = [i for i in getattr(tokenizer, "all_special_ids", []) if i is not None and 0 <= i < vocab_size]
+    ids = frequent_token_ids(seqs, vocab_size, always=specials, vocab_size=vocab_size)
+    save_draft_vocab(path, ids, vocab_size)
+    return ids
 
 
 def draft_vocab_path(path: str | Path) -> Path:

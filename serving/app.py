@@ -467,6 +467,12 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     return app
 
 
+def _draft_vocab_size(engine: Any) -> int | None:
+    """N of the live drafter's reduced draft vocabulary; None for the full vocabulary or no drafter."""
+    ids = getattr(getattr(engine, "drafter", None), "draft_vocab", None)
+    return None if ids is None else int(ids.numel())
+
+
 def health_info(s: ServerState) -> dict[str, Any]:
     alive = s.scheduler.alive
     sw = s.swapper.info() if s.swapper is not None else None
@@ -483,6 +489,8 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "drafter_version": sw["live_version"] if sw else None,
         "target_version": s.target_version,
         "drafter": sw,
+        "drafter_kind": s.cfg.models.drafter_kind,
+        "draft_vocab_size": _draft_vocab_size(s.engine),
         "trainer": trainer,
         "feedback": {"dir": s.cfg.feedback.dir, "records_written": getattr(s.feedback, "records_written", 0),
                      "pending": s.feedback.pending() if s.feedback is not None else 0,

@@ -304,6 +304,8 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
 
         for p in PROMPTS:
             assert served(p) == (ref[p], 0)
+        h = c.get("/health").json()
+        assert h["drafter_kind"] == "early_exit" and h["draft_vocab_size"] is None
         reg = DrafterRegistry(cfg.registry.dir)
         # a trained-looking version (small perturbation) is validated, shadow-checked and promoted
         vdir, sd = _early_exit_version(live, tmp_path / "ee-v1", scale=1e-3, seed=1)

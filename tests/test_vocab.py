@@ -38,6 +38,21 @@ def test_frequent_token_ids_priority_order():
         frequent_token_ids(seqs, 3, vocab_size=8)
 
 
+def test_build_draft_vocab_from_text(tiny_pair_dir, tmp_path):
+    from dvi.models import load_tokenizer
+    from dvi.vocab import build_draft_vocab
+
+    tok = load_tokenizer(tiny_pair_dir / "tokenizer")
+    texts = ["def f(x):\n    return x + 1\n", "for i in range(10):\n    print(i)\n"] * 3
+    order = build_draft_vocab(tok, texts, tmp_path, vocab_size=len(tok))
+    assert sorted(order.tolist()) == list(range(len(tok)))  # the whole vocabulary, any prefix usable
+    specials = set(tok.all_special_ids)
+    assert set(order[: len(specials)].tolist()) == specials  # EOS / BOS / pad always kept
+    seen = {t for s in texts for t in tok.encode(s, add_special_tokens=False)}
+    assert set(order[len(specials): len(specials) + len(seen - specials)].tolist()) == seen - specials
+    assert load_draft_vocab(tmp_path, 20, len(tok)).tolist() == sorted(order[:20].tolist())
+
+
 def test_file_round_trip_and_size_semantics(tmp_path):
     ids = torch.tensor([9, 2, 40, 7, 31, 0])  # priority order, as stored
     path = save_draft_vocab(tmp_path, ids, vocab_size=50)
