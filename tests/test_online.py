@@ -461,3 +461,18 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
     _swap_midway_and_compare(pair, new, v, prompts, _greedy_reference(pair.target, prompts, 20))
     with pytest.raises(AdapterRejected, match="draft vocabulary of 16 ids"):
         load_drafter_version(reg, v, make(ids[:8]))
+
+
+@pytest.mark.parametrize("kind", ["separate", "early_exit"])
+def test_from_config_loads_the_configured_draft_vocabulary(prose, tiny_pair_dir, tmp_path, kind) -> None:
+    from dvi.vocab import save_draft_vocab
+
+    save_draft_vocab(tmp_path / "vocab", torch.arange(511, -1, -1), vocab_size=512)
+    extra = ["models.drafter_kind=early_exit"] if kind == "early_exit" else []
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.lora_targets=[q_proj,v_proj]",
+                        f"models.draft_vocab={tmp_path / 'vocab'}", "models.draft_vocab_size=32", *extra)
+    tr = OnlineTrainer.from_config(cfg)
+    assert tr.draft_vocab_size == 32
+    st = tr.train_on_records(prose[:8])
+    assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
+    assert tr.registry.manifest(1)["draft_vocab_size"] == 32

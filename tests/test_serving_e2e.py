@@ -340,3 +340,43 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
         assert new_ref != ref
         for p in PROMPTS:
             assert served(p) == (new_ref[p], v1)
+
+
+def test_reduced_vocab_drafter_served_and_lora_promoted(tiny_pair_dir, tmp_path) -> None:
+    """A drafter dir with draft_vocab.safetensors is served reduced (N from the config), losslessly, and a
+    published LoRA for it keeps the same subset."""
+    import shutil
+
+    from dvi.vocab import find_subset_head, frequent_token_ids, save_draft_vocab
+
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny_pair_dir / "drafter", d)
+    save_draft_vocab(d, frequent_token_ids([[1, 2, 3]], 512, vocab_size=512), vocab_size=512)
+    cfg = tiny_config(tiny_pair_dir, tmp_path, f"models.drafter={d}", "models.draft_vocab_size=64")
+    with ServerThread(cfg) as s, s.client() as c:
+        ref = {}
+        for p in PROMPTS:
+            r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16})
+            ref[p] = r.json()["choices"][0]["text"]
+        base = _target_greedy_fn(tiny_pair_dir)
+        assert ref == {p: base(p, 16) for p in PROMPTS}
+        assert c.get("/health").json()["draft_vocab_size"] == 64
+        reg = DrafterRegistry(cfg.registry.dir)
+        v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest(draft_vocab_size=64))
+        wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the LoRA version to be promoted")
+        assert find_subset_head(s.state.engine.drafter.model).num_ids == 64
+        for p in PROMPTS:
+            r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16}).json()
+            assert (r["choices"][0]["text"], r["dvi"]["drafter_version"]) == (ref[p], v1)
+        v2 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest(draft_vocab_size=None))
+        wait_for(lambda: v2 in s.state.swapper.refused, 30, what="a full-vocab version to be refused")
+        assert "draft vocabulary" in s.state.swapper.refused[v2]
+
+
+def _target_greedy_fn(pair_dir):
+    """Greedy text of the target alone (HF generate), stopping at EOS, as the server decodes it."""
+    from dvi.models import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(pair_dir / "tokenizer")
+    target = load_causal_lm(pair_dir / "target", "cpu")
+    return lambda prompt, n: _hf_greedy(target, tok, prompt, n)
