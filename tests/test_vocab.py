@@ -73,6 +73,19 @@ def test_file_round_trip_and_size_semantics(tmp_path):
         save_draft_vocab(tmp_path / "dup", [1, 2, 1], vocab_size=50)
 
 
+def test_reduced_model_saves_as_the_plain_full_vocab_model(tiny_pair_dir, tmp_path):
+    model = load_causal_lm(tiny_pair_dir / "drafter", "cpu")
+    x = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+    apply_draft_vocab(model, torch.arange(0, 512, 7))
+    model.save_pretrained(tmp_path / "saved")
+    again = load_causal_lm(tmp_path / "saved", "cpu")
+    assert find_subset_head(again) is None
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=x).logits, want)
+
+
 def test_subset_head_shares_weights_and_refreshes_its_slice(tiny_pair_dir):
     model = load_causal_lm(tiny_pair_dir / "drafter", "cpu")
     keys = set(model.state_dict())
