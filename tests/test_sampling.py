@@ -362,3 +362,21 @@ def test_engine_sampling_matches_target_with_reduced_vocab_drafter(pair, kind, t
     pv, alpha = engine_pvalue(target, drafter, N_SAMPLES, temperature, top_k, top_p, seed=11)
     assert 0.02 < alpha < 0.95, alpha
     assert pv > 1e-3, pv
+
+
+def _wrong_residual_inside_subset(p, q):
+    """A reduced-vocab bug: resample the correction only among the drafter's own ids."""
+    r = (p - q).clamp_min(0) * (q > 0)
+    z = r.sum(-1, keepdim=True)
+    return torch.where(z > 0, r / z.clamp_min(1e-30), p)
+
+
+def test_chi_square_catches_a_residual_restricted_to_the_subset(pair, monkeypatch):
+    import dvi.sampling
+    from dvi.drafters import SeparateDrafter
+
+    target, _ = pair
+    drafter = SeparateDrafter(tiny_lm(1), vocab_ids=_subset(target, "unlikely"))
+    monkeypatch.setattr(dvi.sampling, "residual_distribution", _wrong_residual_inside_subset)
+    pv, _ = engine_pvalue(target, drafter, N_SAMPLES, 1.0, seed=11)
+    assert pv < 1e-4, pv
