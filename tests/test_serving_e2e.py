@@ -288,7 +288,7 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
     allowed.mkdir()
     cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=early_exit", "models.drafter=null",
                       "models.early_exit_layers=1", "trainer.lora_rank=4", "serve.admin_token=tok",
-                      f"serve.allowed_dirs=[{allowed}]")
+                      f"serve.allowed_dirs=[{allowed}]", "trainer.shadow_margin=0.05")
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
     target = load_causal_lm(tiny_pair_dir / "target", "cpu")
     ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
