@@ -42,10 +42,16 @@ class ModelsConfig(_Strict):
     tokenizer: Path | None = None
     drafter_kind: Literal["separate", "early_exit"] = "separate"
     early_exit_layers: int = Field(1, ge=1)
+    # Reduced draft vocabulary (dvi.vocab): ids come from `draft_vocab` (a draft_vocab.safetensors file or a
+    # dir holding one), else from the drafter dir (early_exit: `drafter` if set, else the target dir).
+    # draft_vocab_size: null = every id stored there (full vocabulary without a file), 0 = full vocabulary,
+    # N = the N first ids of the stored priority order (most frequent first).
+    draft_vocab: Path | None = None
+    draft_vocab_size: int | None = Field(None, ge=0)
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
-    _check_paths = field_validator("target", "drafter", "tokenizer")(_existing_path)
+    _check_paths = field_validator("target", "drafter", "tokenizer", "draft_vocab")(_existing_path)
 
 
 class SpeculationConfig(_Strict):

@@ -9,6 +9,10 @@ owns the caches; drafters stay stateless so they can be hot-swapped between step
   target's Parameter objects (no second copy). LoRA is injected into the drafter's OWN module objects
   (which hold the shared Parameters), so the target's modules, forward and state_dict are untouched and
   verification stays lossless by construction.
+
+Any kind may draft over a reduced vocabulary (`vocab_ids`, see `dvi.vocab`): its output embedding becomes
+a `SubsetHead` (N rows computed, -inf elsewhere), so the engine sees full-vocab logits with q = 0 outside.
+A future `eagle` kind does the same with `apply_draft_vocab` on the head it owns.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from dvi.vocab import apply_draft_vocab, find_subset_head
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -130,13 +136,25 @@ class Drafter:
         """True when the drafter reads the target's parameters (its cache must be rebuilt on target updates)."""
         return False
 
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """Sorted target ids the drafter predicts over ([N]), None for the full vocabulary."""
+        head = find_subset_head(self.model)
+        return None if head is None else head.token_ids
+
 
 class SeparateDrafter(Drafter):
-    """A separate small HF causal LM (PreTrainedModel or peft PeftModel with LoRA) with the target's tokenizer."""
+    """A separate small HF causal LM (PreTrainedModel or peft PeftModel with LoRA) with the target's tokenizer.
+
+    `vocab_ids` reduces its head in place (`dvi.vocab.apply_draft_vocab`); a model loaded by
+    `dvi.models.load_pair` from a dir with `draft_vocab.safetensors` already has it.
+    """
 
     kind = "separate"
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, vocab_ids: torch.Tensor | None = None):
+        if vocab_ids is not None:
+            apply_draft_vocab(model, vocab_ids)
         self.model = model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._fn = model_forward(base)
@@ -181,6 +199,7 @@ class EarlyExitDrafter(Drafter):
         lora_alpha: int | None = None,
         target_modules: list[str] | None = None,
         exit_rank: int = 16,
+        vocab_ids: torch.Tensor | None = None,
     ):
         n_target = int(target.config.num_hidden_layers)
         if not 1 <= num_layers <= n_target:
@@ -223,6 +242,8 @@ class EarlyExitDrafter(Drafter):
             if t.is_meta:
                 raise ValueError(f"early-exit drafter: {name} was not shared from the target")
         shallow.eval()
+        if vocab_ids is not None:  # a row slice of the target's lm_head (shared Parameter, cached slice)
+            apply_draft_vocab(shallow, vocab_ids)
         self.shallow = shallow
         self.exit_head = head
         self.peft_model = None
@@ -254,8 +275,9 @@ class EarlyExitDrafter(Drafter):
         lora_alpha: int | None = None,
         target_modules: list[str] | None = None,
         exit_rank: int = 16,
+        vocab_ids: torch.Tensor | None = None,
     ) -> EarlyExitDrafter:
-        return cls(target, num_layers, lora_rank, lora_alpha, target_modules, exit_rank)
+        return cls(target, num_layers, lora_rank, lora_alpha, target_modules, exit_rank, vocab_ids)
 
     def shares_weights_with_target(self) -> bool:
         return True
@@ -313,7 +335,7 @@ class EarlyExitDrafter(Drafter):
         return path
 
     @classmethod
-    def load(cls, target: nn.Module, path: str | Path) -> EarlyExitDrafter:
+    def load(cls, target: nn.Module, path: str | Path, vocab_ids: torch.Tensor | None = None) -> EarlyExitDrafter:
         """Rebuild from `save()` output on top of `target` (shares its weights)."""
         from safetensors.torch import load_file
 
@@ -328,6 +350,7 @@ class EarlyExitDrafter(Drafter):
             lora_alpha=cfg.get("lora_alpha"),
             target_modules=cfg.get("target_modules"),
             exit_rank=cfg.get("exit_rank", 16),
+            vocab_ids=vocab_ids,
         )
         sd = load_file(str(path / ADAPTER_WEIGHTS), device=str(next(target.parameters()).device))
         d.load_trainable_state_dict(sd)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dvi.vocab import apply_draft_vocab, load_draft_vocab
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -176,12 +178,15 @@ def load_pair(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
     drafter_dtype: str | torch.dtype | None = None,
+    draft_vocab_size: int | None = None,
+    draft_vocab: str | Path | None = None,
 ) -> ModelPair:
     """Load target (+ drafter) + tokenizer from paths and check that they fit together.
 
     The tokenizer comes from `tokenizer_path`, else from the target dir, else from a sibling
     `tokenizer/` dir (the embedded layout). If the drafter dir holds its own tokenizer it must
-    match the target's.
+    match the target's. A `draft_vocab.safetensors` in the drafter dir (or at `draft_vocab`) gives the
+    drafter a reduced draft vocabulary, sized by `draft_vocab_size` (see `dvi.vocab.load_draft_vocab`).
     """
     tok_path = tokenizer_path if tokenizer_path is not None else find_tokenizer_path(target_path)
     tokenizer = load_tokenizer(tok_path)
@@ -192,7 +197,42 @@ def load_pair(
         if _has_tokenizer(drafter_path) and Path(drafter_path).resolve() != Path(tok_path).resolve():
             drafter_tok = load_tokenizer(drafter_path)
     check_compatible(target, drafter, tokenizer, drafter_tok)
+    if drafter is not None:
+        ids = load_draft_vocab(draft_vocab or drafter_path, draft_vocab_size, _vocab_rows(target))
+        if ids is not None:
+            apply_draft_vocab(drafter, ids)
     return ModelPair(target=target, drafter=drafter, tokenizer=tokenizer)
+
+
+def load_early_exit_drafter(target, target_path: str | Path, cfg):
+    """The early-exit drafter a `DviConfig` describes, on `target` (shares its weights).
+
+    `models.drafter`, when it is an `EarlyExitDrafter.save()` dir (LoRA + exit head), is loaded as is
+    (a separate drafter's dir there is not this kind's business and is ignored); otherwise a fresh one is
+    built with `models.early_exit_layers` and the trainer's LoRA settings (what the online trainer builds
+    too, so its published versions fit). Its draft vocabulary comes from `models.draft_vocab`, else the
+    saved dir, else the target dir.
+    """
+    from dvi.drafters import EarlyExitDrafter
+
+    m, t = cfg.models, cfg.trainer
+    saved = Path(m.drafter) if m.drafter is not None and _is_early_exit_dir(Path(m.drafter)) else None
+    ids = load_draft_vocab(m.draft_vocab or saved or target_path, m.draft_vocab_size, _vocab_rows(target))
+    if saved is not None:
+        return EarlyExitDrafter.load(target, saved, vocab_ids=ids)
+    return EarlyExitDrafter(target, m.early_exit_layers, lora_rank=t.lora_rank, lora_alpha=int(t.lora_alpha),
+                            target_modules=list(t.lora_targets), vocab_ids=ids)
+
+
+def _is_early_exit_dir(path: Path) -> bool:
+    import json
+
+    from dvi.drafters import ADAPTER_CONFIG
+
+    try:
+        return json.loads((path / ADAPTER_CONFIG).read_text()).get("dvi_kind") == "early_exit"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def load_embedded_pair(preset: str = "tiny", root: str | Path | None = None, device="auto", dtype="auto") -> ModelPair:
@@ -252,4 +292,6 @@ def load_pair_from_config(models_cfg) -> ModelPair:
                 f"embedded pair {models_cfg.preset!r} not built at {p.root}; run `dvi bootstrap --preset {models_cfg.preset}`")
         target, drafter, tok = p.target, drafter or p.drafter, tok or p.tokenizer
         dtype = serving_dtype(models_cfg.preset, dtype, device)
-    return load_pair(target, drafter, tok, device=device, dtype=dtype)
+    return load_pair(target, drafter, tok, device=device, dtype=dtype,
+                     draft_vocab_size=getattr(models_cfg, "draft_vocab_size", None),
+                     draft_vocab=getattr(models_cfg, "draft_vocab", None))

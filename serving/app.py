@@ -83,6 +83,25 @@ def ensure_pair(cfg: DviConfig) -> None:
     subprocess.run([sys.executable, "-m", "dvi.cli", "bootstrap", "--preset", preset], check=True)
 
 
+def load_serving_pair(cfg: DviConfig) -> Any:
+    """The `ModelPair` to serve; its drafter is of `models.drafter_kind`.
+
+    separate: the drafter dir's HF model (reduced head if it has a draft vocabulary);
+    early_exit: an `EarlyExitDrafter` on the loaded target (`dvi.models.load_early_exit_drafter`, the
+    same one the online trainer builds, so its published versions fit).
+    """
+    from dvi.models import load_early_exit_drafter, load_pair
+
+    m = cfg.models
+    target_path, drafter_path, tok_path = pair_paths(cfg)
+    early = m.drafter_kind == "early_exit"
+    pair = load_pair(target_path, None if early else drafter_path, tok_path, device=m.device, dtype=m.dtype,
+                     draft_vocab_size=m.draft_vocab_size, draft_vocab=m.draft_vocab)
+    if early:
+        pair.drafter = load_early_exit_drafter(pair.target, target_path, cfg)
+    return pair
+
+
 # -- state -----------------------------------------------------------------------------------------
 @dataclass
 class ServerState:
@@ -128,14 +147,8 @@ class ServerState:
 
 def build_state(cfg: DviConfig) -> ServerState:
     """Load the pair, build engine, scheduler, feedback writer, swapper, supervisor, metrics."""
-    from dvi.models import load_pair
-
     torch.set_num_threads(cfg.serve.num_threads)
-    if cfg.models.drafter_kind != "separate":
-        raise ValueError(f"models.drafter_kind={cfg.models.drafter_kind!r}: the server hot-swaps separate drafters "
-                         "only; serve with models.drafter_kind=separate")
-    target_path, drafter_path, tok_path = pair_paths(cfg)
-    pair = load_pair(target_path, drafter_path, tok_path, device=cfg.models.device, dtype=cfg.models.dtype)
+    pair = load_serving_pair(cfg)
     tokenizer = pair.tokenizer
     spec = cfg.speculation
     engine = SpeculativeEngine(
@@ -454,6 +467,12 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     return app
 
 
+def _draft_vocab_size(engine: Any) -> int | None:
+    """N of the live drafter's reduced draft vocabulary; None for the full vocabulary or no drafter."""
+    ids = getattr(getattr(engine, "drafter", None), "draft_vocab", None)
+    return None if ids is None else int(ids.numel())
+
+
 def health_info(s: ServerState) -> dict[str, Any]:
     alive = s.scheduler.alive
     sw = s.swapper.info() if s.swapper is not None else None
@@ -470,6 +489,8 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "drafter_version": sw["live_version"] if sw else None,
         "target_version": s.target_version,
         "drafter": sw,
+        "drafter_kind": s.cfg.models.drafter_kind,
+        "draft_vocab_size": _draft_vocab_size(s.engine),
         "trainer": trainer,
         "feedback": {"dir": s.cfg.feedback.dir, "records_written": getattr(s.feedback, "records_written", 0),
                      "pending": s.feedback.pending() if s.feedback is not None else 0,

@@ -18,6 +18,14 @@ The watcher thread polls `LATEST` every `serve.registry_poll_seconds`. A new ver
 LoRA versions are applied to a pristine copy of the base drafter and merged
 (`merge_and_unload`), so a served LoRA drafter costs exactly what the base drafter costs.
 Version 0 is the drafter the server started with (not in the registry).
+
+Early-exit drafters (`dvi.drafters.EarlyExitDrafter`): a version is its LoRA + exit head, rebuilt on
+the live target (the drafter shares the target's Parameters, so it is never deep-copied and its
+LoRA is never merged: that would write into the target). Target weight updates load in place, so
+every kept early-exit version reads the new weights at once; the engine rebuilds its drafter cache.
+
+A reduced draft vocabulary (`dvi.vocab`) is the live drafter's: every version is loaded with the
+same subset, and a version whose manifest says it was trained for another size is refused.
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ from typing import Any
 
 import torch
 
+from dvi.drafters import ADAPTER_CONFIG, Drafter, EarlyExitDrafter
 from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
 from dvi.shadow import hf_logits_fn, shadow_alpha
+from dvi.vocab import apply_draft_vocab, find_subset_head
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +68,57 @@ class SwapEvent:
                 "reason": self.reason, "at": self.at}
 
 
-def load_drafter_version(registry: DrafterRegistry, version: int, base: torch.nn.Module) -> tuple[Any, dict]:
-    """Validated drafter model of `version`: base + merged LoRA, or a full model.
+def _module(drafter: Any) -> torch.nn.Module:
+    """The HF-style module whose `.logits` are the drafter's (for shadow checks)."""
+    return drafter.model if isinstance(drafter, Drafter) else drafter
+
+
+def _check_vocab(man: dict, base: Any, version: int) -> None:
+    head = find_subset_head(_module(base))
+    live = None if head is None else head.num_ids
+    trained = man.get("draft_vocab_size", live)
+    if trained != live:
+        raise AdapterRejected(f"trained for a draft vocabulary of {trained or 'all'} ids, the server drafts over "
+                              f"{live or 'all'}", version)
+
+
+def load_early_exit_version(registry: DrafterRegistry, version: int, base: EarlyExitDrafter) -> tuple[Any, dict]:
+    """Validated early-exit drafter of `version` on the live drafter's target (LoRA + exit head, unmerged)."""
+    sd, man = registry.validate(version)
+    _check_vocab(man, base, version)
+    d = registry.version_dir(version)
+    if man.get("drafter_kind", "early_exit") != "early_exit":
+        raise AdapterRejected(f"published by a {man.get('drafter_kind')!r} trainer, the server drafts early-exit",
+                              version)
+    try:
+        cfg = json.loads((d / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterRejected(f"{ADAPTER_CONFIG} does not load: {exc}", version) from None
+    if not isinstance(cfg, dict) or cfg.get("dvi_kind") != "early_exit":
+        raise AdapterRejected("not an early-exit drafter (adapter_config.json lacks dvi_kind 'early_exit')", version)
+    live = base.trainable_state_dict()
+    check_state_dict(sd, {k: (tuple(v.shape), None) for k, v in live.items()}, version)
+    head = find_subset_head(base.model)
+    try:
+        drafter = EarlyExitDrafter.load(base.target_ref, d,
+                                        vocab_ids=head.token_ids.cpu() if head is not None else None)
+    except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
+        raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version) from None
+    for name, p in drafter.trainable_state_dict().items():
+        if not bool(torch.isfinite(p).all()):
+            raise AdapterRejected(f"parameter {name} is not finite after loading", version)
+    return drafter, man
+
+
+def load_drafter_version(registry: DrafterRegistry, version: int, base: Any) -> tuple[Any, dict]:
+    """Validated drafter of `version`: base + merged LoRA, a full model, or an early-exit drafter.
 
     Raises AdapterRejected with the reason for anything that does not load or fit.
     """
+    if isinstance(base, EarlyExitDrafter):
+        return load_early_exit_version(registry, version, base)
     sd, man = registry.validate(version)
+    _check_vocab(man, base, version)
     d = registry.version_dir(version)
     ref = next(base.parameters())
     try:
@@ -93,6 +148,9 @@ def load_drafter_version(registry: DrafterRegistry, version: int, base: torch.nn
     rows = model.get_output_embeddings().weight.shape[0]
     if rows != base_rows:
         raise AdapterRejected(f"vocabulary has {rows} rows, the live drafter {base_rows}", version)
+    head = find_subset_head(base)
+    if head is not None and find_subset_head(model) is None:  # a full version: same draft vocabulary as live
+        apply_draft_vocab(model, head.token_ids.cpu())
     model = model.to(device=ref.device, dtype=ref.dtype).eval()
     for name, p in model.named_parameters():
         if not bool(torch.isfinite(p).all()):
@@ -109,7 +167,8 @@ class DrafterSwapper:
                  event_log: str | None = None) -> None:
         self.registry = registry
         self.scheduler = scheduler
-        self.base = copy.deepcopy(base_drafter).eval()
+        # An early-exit drafter shares the target's weights: keep it as is (a deep copy would copy the target).
+        self.base = base_drafter if isinstance(base_drafter, Drafter) else copy.deepcopy(base_drafter).eval()
         self.poll_seconds = poll_seconds
         self.shadow_margin = shadow_margin
         self.rollback_window = rollback_window
@@ -186,9 +245,9 @@ class DrafterSwapper:
         if len(records) >= SHADOW_MIN_RECORDS:
             with self._lock:
                 live_model = self.models[self.live_version]
-            new = shadow_alpha(hf_logits_fn(model), records, device=self._device(model),
+            new = shadow_alpha(hf_logits_fn(_module(model)), records, device=self._device(model),
                                max_positions=SHADOW_MAX_POSITIONS)
-            old = shadow_alpha(hf_logits_fn(live_model), records, device=self._device(model),
+            old = shadow_alpha(hf_logits_fn(_module(live_model)), records, device=self._device(model),
                                max_positions=SHADOW_MAX_POSITIONS)
             reason = (f"shadow α {new.alpha:.3f} vs live {old.alpha:.3f} on {new.records} records "
                       f"({new.positions} positions)")

@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 
-from dvi.drafters import EarlyExitDrafter
+from dvi.drafters import EarlyExitDrafter, SeparateDrafter
 from dvi.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.vocab import frequent_token_ids
 
 torch.set_num_threads(1)
 
@@ -102,6 +103,25 @@ def assert_greedy_equal(target, prompt: list[int], got: list[int], ref: list[int
     assert gap < tie_eps, f"divergence at {j}: got {got[j]} ref {ref[j]}, top-2 gap {gap:.3g} is not float noise"
 
 
+def reduced_ids(refs: list[list[int]], keep: float = 0.5) -> torch.Tensor:
+    """A draft vocabulary of the most frequent `keep` share of the target's greedy tokens (+ id 0).
+
+    Some of the target's own greedy tokens fall outside it, so the drafter must miss them and the
+    engine must reject and correct there.
+    """
+    distinct = {t for r in refs for t in r}
+    ids = frequent_token_ids(refs, n=max(1, int(len(distinct) * keep)), always=[0])
+    assert distinct - set(ids.tolist()), "the subset must leave some target tokens out"
+    return ids
+
+
+def assert_drafts_in(results, ids: torch.Tensor) -> None:
+    """A reduced drafter only ever proposes ids of its subset."""
+    allowed = set(ids.tolist())
+    drafted = [d for r in results for d in r.drafted_ids if d >= 0]
+    assert drafted and set(drafted) <= allowed
+
+
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gpt2", "gpt_neox"]
 
 
@@ -114,10 +134,14 @@ def family_models(request):
     return fam, target, other, refs
 
 
-@pytest.mark.parametrize("drafter_kind", ["other", "perturbed"])
+@pytest.mark.parametrize("drafter_kind", ["other", "perturbed", "perturbed_reduced"])
 def test_greedy_equals_hf_generate(family_models, drafter_kind):
     fam, target, other, refs = family_models
     drafter = other if drafter_kind == "other" else perturbed(target)
+    ids = None
+    if drafter_kind.endswith("_reduced"):  # reduced draft vocabulary: q = 0 outside `ids`
+        ids = reduced_ids(refs)
+        drafter = SeparateDrafter(drafter, vocab_ids=ids)
     alphas = []
     for k in (1, 3, 5):
         eng = SpeculativeEngine(target, drafter, num_draft_tokens=k)
@@ -132,10 +156,15 @@ def test_greedy_equals_hf_generate(family_models, drafter_kind):
             assert r.finish_reason == "length"
             assert len(r.drafted_ids) == len(r.accepted) == len(r.token_logprobs) == NEW
         alphas += [r.alpha for r in res]
+        if ids is not None:
+            assert_drafts_in(res, ids)
     mean_alpha = sum(alphas) / len(alphas)
     if drafter_kind == "perturbed":
         # acceptance exercised both ways: many accepts and some rejects
         assert 0.3 < mean_alpha < 1.0, mean_alpha
+    elif drafter_kind == "perturbed_reduced":
+        # tokens outside the subset are always rejected, the rest mostly accepted
+        assert 0.1 < mean_alpha < 1.0, mean_alpha
     else:
         assert mean_alpha < 0.5, mean_alpha
 
@@ -150,18 +179,23 @@ def test_self_drafter_accepts_everything():
         assert r.mean_accepted_length == pytest.approx(NEW / r.num_steps)
 
 
+@pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "reduced_vocab"])
 @pytest.mark.parametrize("fam", ["llama", "gpt2"])
-def test_early_exit_drafter_lossless(fam):
+def test_early_exit_drafter_lossless(fam, reduced):
     target = tiny(fam, seed=0, layers=3)
-    ee = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=4)
+    refs = [reference(target, p, NEW) for p in PROMPTS]
+    ids = reduced_ids(refs) if reduced else None
+    ee = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=4, vocab_ids=ids)
     with torch.no_grad():  # make the LoRA / exit head non-trivial
         for p in ee.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    refs = [reference(target, p, NEW) for p in PROMPTS]
     for k in (1, 3):
         eng = SpeculativeEngine(target, ee, num_draft_tokens=k)
-        for p, ref, r in zip(PROMPTS, refs, eng.generate(PROMPTS, NEW), strict=True):
+        res = eng.generate(PROMPTS, NEW)
+        for p, ref, r in zip(PROMPTS, refs, res, strict=True):
             assert_greedy_equal(target, p, r.token_ids, ref)
+        if ids is not None:
+            assert_drafts_in(res, ids)
     # and the target still equals its own reference after the engine ran (no LoRA leaked into it)
     assert refs == [reference(target, p, NEW) for p in PROMPTS]
 
@@ -273,9 +307,12 @@ def test_set_drafter_and_update_target_midflight():
         assert_greedy_equal(new_target, ctx, r.token_ids[c:], reference(new_target, ctx, NEW - c))
 
 
-def test_update_target_weights_from_path_with_early_exit(tmp_path):
+@pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "reduced_vocab"])
+def test_update_target_weights_from_path_with_early_exit(tmp_path, reduced):
     target = tiny("llama", seed=0, layers=3)
-    ee = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=2)
+    # reduced: the drafter's head is a cached row slice of the target's lm_head; it must follow the update
+    ids = torch.arange(0, VOCAB, 2) if reduced else None
+    ee = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=2, vocab_ids=ids)
     eng = SpeculativeEngine(target, ee, num_draft_tokens=3)
     eng.generate(PROMPTS[:2], 4)
     new = tiny("llama", seed=8, layers=3)
@@ -287,6 +324,14 @@ def test_update_target_weights_from_path_with_early_exit(tmp_path):
     for p, r in zip(PROMPTS, eng.generate(PROMPTS, NEW), strict=True):
         assert_greedy_equal(new, p, r.token_ids, reference(new, p, NEW))
         assert r.target_version == 3
+    if reduced:
+        x = torch.tensor([PROMPTS[0]])
+        with torch.no_grad():
+            got = ee.model(input_ids=x).logits[0, -1]
+        head_rows = new.lm_head.weight[ids]
+        h = ee.model.model(input_ids=x).last_hidden_state[0, -1]
+        assert torch.allclose(got[ids], head_rows @ h, atol=1e-5)
+        assert bool(torch.isinf(got[1::2]).all())
 
 
 def test_mixed_greedy_and_sampled_rows():

@@ -152,3 +152,63 @@ def test_dvi_loss_combines():
     assert late.reward_weight == 0.3 and late.loss.item() == pytest.approx(want.item(), abs=1e-6)
     late.loss.backward()
     assert torch.isfinite(logits.grad).all()
+
+
+# --------------------------------------------------------------------------- reduced draft vocabulary
+def _subset_index(v: int, ids: list[int]) -> torch.Tensor:
+    index = torch.full((v,), -1, dtype=torch.long)
+    index[torch.tensor(ids)] = torch.arange(len(ids))
+    return index
+
+
+def test_subset_loss_equals_full_vocab_loss_when_target_topk_inside():
+    """Same value as the full-vocab loss on the -inf-padded logits the engine serves, when that one is finite."""
+    torch.manual_seed(0)
+    v, subset = 20, [1, 2, 4, 5, 8, 9, 11, 13, 16, 19]
+    sub = torch.randn(3, 6, len(subset), requires_grad=True)
+    full = torch.full((3, 6, v), float("-inf")).index_copy(-1, torch.tensor(subset), sub)
+    target = torch.randn(3, 6, v).index_fill(-1, torch.tensor([0, 3, 6, 7, 10, 12, 14, 15, 17, 18]), -30.0)
+    ids, lps = topk_of(target, 5)
+    assert bool(torch.isin(ids, torch.tensor(subset)).all())
+    drafted = torch.tensor(subset)[torch.randint(len(subset), (3, 6))]
+    accepted = torch.rand(3, 6) < 0.5
+    kw = dict(step=10, reward_start=0, reward_ramp_steps=1, reward_max_weight=0.5)
+    got = dvi_loss(sub, ids, lps, drafted, accepted, subset_index=_subset_index(v, subset), **kw)
+    want = dvi_loss(full, ids, lps, drafted, accepted, **kw)
+    assert got.loss.item() == pytest.approx(want.loss.item(), abs=1e-5) and got.reward.item() != 0
+
+
+def test_subset_loss_drops_outside_ids_and_renormalises():
+    # V=4, subset {0, 1, 2}; target logs id 0 (0.5) and id 3 (0.3), tail 0.2; student q = (0.5, 0.25, 0.25) on S
+    sub = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    ids, lps = torch.tensor([[0, 3]]), torch.log(torch.tensor([[0.5, 0.3]]))
+    index = _subset_index(4, [0, 1, 2])
+    # id 3 dropped, the rest renormalised by 1 - 0.3: p_S = (5/7 on id 0, tail 2/7); student tail = 0.5
+    want = 5 / 7 * math.log((5 / 7) / 0.5) + 2 / 7 * math.log((2 / 7) / 0.5)
+    out = dvi_loss(sub, ids, lps, torch.tensor([3]), torch.tensor([False]), subset_index=index)
+    assert out.kl.item() == pytest.approx(want, abs=1e-6)
+    # the full-vocab loss on the served (-inf outside S) logits is not usable: that is what the mapping avoids
+    served = torch.cat([sub, torch.tensor([[float("-inf")]])], -1)
+    assert not math.isfinite(topk_kl_loss(served, ids, lps).item())
+
+
+@pytest.mark.parametrize("case", ["top1_outside", "all_outside", "no_topk_logged"])
+def test_subset_loss_finite_with_finite_gradients(case):
+    torch.manual_seed(1)
+    v, subset = 30, list(range(0, 30, 3))
+    index = _subset_index(v, subset)
+    sub = torch.randn(2, 5, len(subset), requires_grad=True)
+    target = torch.randn(2, 5, v)
+    if case == "top1_outside":
+        target[..., 1] = 10.0  # id 1 is not in the subset and holds most of the mass
+    elif case == "all_outside":
+        target[..., subset] = -50.0
+    ids, lps = topk_of(target, 4)
+    if case == "no_topk_logged":  # records without top-k: the target token as a one-hot (Example.of)
+        ids, lps = ids[..., :1], torch.zeros(2, 5, 1)
+    drafted = torch.tensor(subset)[torch.randint(len(subset), (2, 5))]
+    drafted[0, 0] = 1  # a draft outside the subset (an older full-vocab drafter's) is ignored
+    out = dvi_loss(sub, ids, lps, drafted, torch.rand(2, 5) < 0.5, step=5, reward_start=0, reward_ramp_steps=1,
+                   subset_index=index)
+    out.loss.backward()
+    assert math.isfinite(out.loss.item()) and bool(torch.isfinite(sub.grad).all())

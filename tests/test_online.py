@@ -196,13 +196,19 @@ def test_recent_first_and_replay_share(pair, prose, tiny_pair_dir, tmp_path) -> 
     assert st["steps"] == 2 and tr.records_seen == 14 and tr.replayed == 2 + 2 * 4
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.parametrize("mode", ["lora", "full", "lora_reduced_vocab"])
 def test_training_on_feedback_raises_heldout_shadow_alpha(pair, prose, tiny_pair_dir, tmp_path, mode) -> None:
     # The tiny target is nearly flat (its argmax hinges on near-ties), so pure KL barely flips argmaxes
     # in a few dozen LoRA steps; the accept/reject reward does. Ramp it in early here.
-    cfg = online_config(tiny_pair_dir, tmp_path, f"trainer.mode={mode}", "trainer.reward_weight=0.5",
+    from dvi.vocab import apply_draft_vocab, frequent_token_ids
+
+    cfg = online_config(tiny_pair_dir, tmp_path, f"trainer.mode={mode.split('_')[0]}", "trainer.reward_weight=0.5",
                         "trainer.reward_ramp_start=0", "trainer.reward_ramp_steps=10")
-    tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
+    torch.manual_seed(0)  # LoRA init: a few dozen steps on this flat target are seed-sensitive
+    drafter = copy.deepcopy(pair.drafter)
+    if mode.endswith("reduced_vocab"):  # trained on its subset logits, the loss over the subset
+        apply_draft_vocab(drafter, frequent_token_ids([r.token_ids for r in prose], n=16))
+    tr = OnlineTrainer(cfg, drafter)
     held = [r for r in prose if is_heldout(r.request_id, 0.25)]
     assert len(held) >= 10
     before = tr.shadow(held)
@@ -412,3 +418,61 @@ def test_from_config_loads_each_drafter_kind(prose, tiny_pair_dir, tmp_path, ove
     assert (n_train == n_all) == (kind == "full")
     st = tr.train_on_records(prose[:8])
     assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
+
+
+# -- reduced draft vocabulary ---------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["lora", "full", "early_exit"])
+def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose, tiny_pair_dir, tmp_path,
+                                                                      mode) -> None:
+    """The trainer trains a reduced drafter on its subset logits; the server's loader rebuilds it with the
+    same subset (and refuses it for a server drafting over another subset size)."""
+    import math
+
+    from dvi.drafters import EarlyExitDrafter
+    from dvi.vocab import apply_draft_vocab, find_subset_head, frequent_token_ids
+    from serving.swap import load_drafter_version
+
+    ids = frequent_token_ids([r.token_ids for r in prose], n=16, always=[pair.tokenizer.eos_token_id])
+    assert {t for r in prose for t in r.token_ids} - set(ids.tolist())  # some target tokens lie outside
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.shadow_margin=1.0",
+                        *(["trainer.mode=full"] if mode == "full" else []))
+    reg = DrafterRegistry(cfg.registry.dir)
+    target = copy.deepcopy(pair.target)
+
+    def make(vocab: torch.Tensor):
+        if mode == "early_exit":
+            return EarlyExitDrafter(target, 1, lora_rank=4, target_modules=["q_proj", "v_proj"], vocab_ids=vocab)
+        return apply_draft_vocab(copy.deepcopy(pair.drafter), vocab)
+
+    tr = OnlineTrainer(cfg, make(ids), registry=reg)
+    st = tr.train_on_records(prose[:48])
+    assert st["steps"] >= 1 and math.isfinite(st["loss"]) and math.isfinite(st["kl"])
+    v = tr.maybe_publish(force=True)["published"]
+    assert reg.manifest(v)["draft_vocab_size"] == 16
+    new, _ = load_drafter_version(reg, v, make(ids))
+    module = new.model if mode == "early_exit" else new
+    assert torch.equal(find_subset_head(module).token_ids, torch.sort(ids).values)
+    x = torch.tensor([list(prose[0].prompt_ids)])
+    with torch.no_grad():
+        want, got = tr.model(input_ids=x).logits, module(input_ids=x).logits  # [1, L, V], -inf outside
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and int(torch.isfinite(got[0, 0]).sum()) == 16
+    torch.testing.assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], atol=1e-4, rtol=1e-4)
+    prompts = [list(r.prompt_ids) for r in prose[:4]]
+    _swap_midway_and_compare(pair, new, v, prompts, _greedy_reference(pair.target, prompts, 20))
+    with pytest.raises(AdapterRejected, match="draft vocabulary of 16 ids"):
+        load_drafter_version(reg, v, make(ids[:8]))
+
+
+@pytest.mark.parametrize("kind", ["separate", "early_exit"])
+def test_from_config_loads_the_configured_draft_vocabulary(prose, tiny_pair_dir, tmp_path, kind) -> None:
+    from dvi.vocab import save_draft_vocab
+
+    save_draft_vocab(tmp_path / "vocab", torch.arange(511, -1, -1), vocab_size=512)
+    extra = ["models.drafter_kind=early_exit"] if kind == "early_exit" else []
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.lora_targets=[q_proj,v_proj]",
+                        f"models.draft_vocab={tmp_path / 'vocab'}", "models.draft_vocab_size=32", *extra)
+    tr = OnlineTrainer.from_config(cfg)
+    assert tr.draft_vocab_size == 32
+    st = tr.train_on_records(prose[:8])
+    assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
+    assert tr.registry.manifest(1)["draft_vocab_size"] == 32

@@ -308,3 +308,75 @@ def test_token_logprobs_are_target_logprobs(pair):
         lg = target(torch.tensor([PROMPT + r.token_ids])).logits[0, len(PROMPT) - 1 : -1]
     ref = torch.log_softmax(lg / 0.7, -1).gather(-1, torch.tensor(r.token_ids).unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(torch.tensor(r.token_logprobs), ref, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- reduced draft vocabulary
+def test_warp_and_residual_with_minus_inf_draft_logits():
+    """A reduced-vocab drafter's logits are -inf outside its subset: exact zeros there, no NaN, any warping."""
+    g = torch.Generator().manual_seed(1)
+    v, ids = 50, torch.tensor([3, 7, 8, 20, 41])
+    sub = torch.randn(6, ids.numel(), generator=g) * 2
+    logits = torch.full((6, v), float("-inf")).index_copy(1, ids, sub)
+    outside = torch.ones(v, dtype=torch.bool)
+    outside[ids] = False
+    for temp, k, p in [(1.0, 0, 1.0), (0.7, 3, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.3), (0.0, 0, 1.0)]:
+        args = (torch.full((6,), temp), torch.full((6,), k) if k else None, torch.full((6,), p) if p < 1 else None)
+        q = warp_probs(logits, *args)
+        assert bool(torch.isfinite(q).all()) and bool((q[:, outside] == 0).all())
+        assert torch.allclose(q.sum(-1), torch.ones(6))
+        # same law as warping the subset logits alone (top-k larger than the subset keeps all of it)
+        kk = min(k, ids.numel())
+        sub_args = (args[0], torch.full((6,), kk) if kk else None, args[2])
+        assert torch.allclose(q[:, ids], warp_probs(sub, *sub_args), atol=1e-6)
+        target = torch.softmax(torch.randn(6, v, generator=g), -1)
+        r = residual_distribution(target, q)
+        assert bool(torch.isfinite(r).all()) and torch.allclose(r.sum(-1), torch.ones(6))
+        # outside the subset the residual is p itself, rescaled: (p - 0)+ / Z
+        z = (target - q).clamp_min(0).sum(-1, keepdim=True)
+        assert torch.allclose(r[:, outside], target[:, outside] / z, atol=1e-6)
+        d = sample_from(q, torch.rand(6, generator=g))
+        assert not bool(outside[d].any())
+        a = acceptance_prob(target, q, d)
+        assert bool(torch.isfinite(a).all()) and bool(((a >= 0) & (a <= 1)).all())
+
+
+def _subset(target, kind: str) -> torch.Tensor:
+    """'likely': the target's 4 most likely first tokens; 'unlikely': its 3 least likely (most mass outside)."""
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([PROMPT])).logits[0, -1], -1)
+    order = p1.argsort(descending=(kind == "likely"))
+    ids = order[: 4 if kind == "likely" else 3]
+    if kind == "unlikely":
+        assert float(p1[ids].sum()) < 0.5, "the target must put most of its mass outside the subset"
+    return torch.sort(ids).values
+
+
+@pytest.mark.parametrize("kind", ["likely", "unlikely"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 1.0), (1.0, 0, 0.8)])
+def test_engine_sampling_matches_target_with_reduced_vocab_drafter(pair, kind, temperature, top_k, top_p):
+    from dvi.drafters import SeparateDrafter
+
+    target, _ = pair
+    ids = _subset(target, kind)
+    drafter = SeparateDrafter(tiny_lm(1), vocab_ids=ids)  # q = 0 outside `ids`
+    pv, alpha = engine_pvalue(target, drafter, N_SAMPLES, temperature, top_k, top_p, seed=11)
+    assert 0.02 < alpha < 0.95, alpha
+    assert pv > 1e-3, pv
+
+
+def _wrong_residual_inside_subset(p, q):
+    """A reduced-vocab bug: resample the correction only among the drafter's own ids."""
+    r = (p - q).clamp_min(0) * (q > 0)
+    z = r.sum(-1, keepdim=True)
+    return torch.where(z > 0, r / z.clamp_min(1e-30), p)
+
+
+def test_chi_square_catches_a_residual_restricted_to_the_subset(pair, monkeypatch):
+    import dvi.sampling
+    from dvi.drafters import SeparateDrafter
+
+    target, _ = pair
+    drafter = SeparateDrafter(tiny_lm(1), vocab_ids=_subset(target, "unlikely"))
+    monkeypatch.setattr(dvi.sampling, "residual_distribution", _wrong_residual_inside_subset)
+    pv, _ = engine_pvalue(target, drafter, N_SAMPLES, 1.0, seed=11)
+    assert pv < 1e-4, pv

@@ -129,15 +129,20 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
         assert [e["kind"] for e in events] == ["promoted", "refused", "refused", "refused"]
 
 
-def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["separate", "early_exit"])
+def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path, kind) -> None:
     # shadow margin 1.0 lets a bad drafter through, so the live check must catch it
+    extra = ["models.drafter_kind=early_exit", "models.drafter=null", "trainer.lora_rank=4"] if kind == "early_exit" else []
     cfg = tiny_config(tiny_pair_dir, tmp_path, "trainer.shadow_margin=1.0", "serve.rollback_window=6",
-                      "serve.rollback_margin=0.05")
+                      "serve.rollback_margin=0.05", *extra)
     with ServerThread(cfg) as s:
         reg = DrafterRegistry(cfg.registry.dir)
         results: list = []
         _traffic(s.url, 8, results, stream=False)
-        bad = reg.publish_peft_adapter(_lora(s.state.swapper.base, scale=2.0, seed=1), _manifest())
+        if kind == "early_exit":
+            bad = _publish_dir(reg, _early_exit_version(s.state.swapper.base, tmp_path / "bad", scale=3.0)[0])
+        else:
+            bad = reg.publish_peft_adapter(_lora(s.state.swapper.base, scale=2.0, seed=1), _manifest())
         wait_for(lambda: s.state.swapper.live_version == bad, 30, what="the bad version to be promoted")
         _traffic(s.url, 10, results, stream=False)
         wait_for(lambda: s.state.swapper.counts["rolled_back"] == 1, 30, what="the rollback")
@@ -244,3 +249,134 @@ def test_dvi_serve_process_serves_and_stops_cleanly(tiny_pair_dir, tmp_path) -> 
         for _ in range(50):
             os.kill(trainer_pid, 0)
             time.sleep(0.1)
+
+
+# -- early-exit drafter ------------------------------------------------------------------------------
+def _early_exit_version(live, out_dir, scale: float = 0.0, seed: int = 0):
+    """A publishable early-exit version dir: the live drafter's LoRA + exit head, perturbed by `scale`."""
+    from dvi.drafters import EarlyExitDrafter
+
+    d = EarlyExitDrafter(copy.deepcopy(live.target_ref), live.num_layers, lora_rank=live.lora_rank,
+                         lora_alpha=live.lora_alpha, target_modules=live.target_modules, exit_rank=live.exit_rank)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return d.save(out_dir), d.trainable_state_dict()
+
+
+def _publish_dir(reg, path, **manifest) -> int:
+    return reg.publish({f.name: f for f in path.iterdir()}, _manifest(kind="lora", drafter_kind="early_exit",
+                                                                       **manifest))
+
+
+def _hf_greedy(model, tok, prompt: str, n: int) -> str:
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=True)])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pair_dir, tmp_path) -> None:
+    """`dvi serve` with models.drafter_kind=early_exit: lossless, a published version promoted, bad ones refused,
+    and after an admin target update the drafter reads the new weights and output equals the new target's."""
+    from dvi.drafters import EarlyExitDrafter
+    from dvi.models import load_causal_lm, load_tokenizer
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=early_exit", "models.drafter=null",
+                      "models.early_exit_layers=1", "trainer.lora_rank=4", "serve.admin_token=tok",
+                      f"serve.allowed_dirs=[{allowed}]", "trainer.shadow_margin=0.05")
+    tok = load_tokenizer(tiny_pair_dir / "tokenizer")
+    target = load_causal_lm(tiny_pair_dir / "target", "cpu")
+    ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
+    with ServerThread(cfg) as s, s.client() as c, s.client(Authorization="Bearer tok") as admin:
+        live = s.state.engine.drafter
+        assert isinstance(live, EarlyExitDrafter) and s.state.swapper.base is live
+        assert live.target_ref is s.state.engine.target  # no second target in memory
+
+        def served(prompt: str) -> tuple[str, int]:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"], r.json()["dvi"]["drafter_version"]
+
+        for p in PROMPTS:
+            assert served(p) == (ref[p], 0)
+        h = c.get("/health").json()
+        assert h["drafter_kind"] == "early_exit" and h["draft_vocab_size"] is None
+        reg = DrafterRegistry(cfg.registry.dir)
+        # a trained-looking version (small perturbation) is validated, shadow-checked and promoted
+        vdir, sd = _early_exit_version(live, tmp_path / "ee-v1", scale=1e-3, seed=1)
+        v1 = _publish_dir(reg, vdir)
+        wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the early-exit version to be promoted")
+        now = s.state.engine.drafter
+        assert isinstance(now, EarlyExitDrafter) and now.target_ref is s.state.engine.target
+        for k, v in now.trainable_state_dict().items():
+            torch.testing.assert_close(v, sd[k])
+        for p in PROMPTS:
+            assert served(p) == (ref[p], v1)
+        # a separate drafter's LoRA is not an early-exit version; a garbage one fails the shadow check
+        v2 = reg.publish_peft_adapter(_lora(load_causal_lm(tiny_pair_dir / "drafter", "cpu")), _manifest())
+        wait_for(lambda: v2 in s.state.swapper.refused, 30, what="the separate LoRA to be refused")
+        vdir3, _ = _early_exit_version(live, tmp_path / "ee-v3", scale=3.0, seed=3)
+        v3 = _publish_dir(reg, vdir3)
+        wait_for(lambda: str(v3) in c.get("/health").json()["drafter"]["refused"], 30, what="v3 refused")
+        assert "shadow" in s.state.swapper.refused[v3] and s.state.swapper.live_version == v1
+        # new target weights through the admin API: the drafter shares them, output follows the new target
+        new = copy.deepcopy(target)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(7)
+            for prm in new.parameters():
+                prm.add_(torch.randn(prm.shape, generator=g) * 0.5 * prm.abs().mean())
+        new.save_pretrained(allowed / "t2")
+        r = admin.post("/admin/target", json={"path": str(allowed / "t2")})
+        assert r.status_code == 200, r.text
+        layer = s.state.engine.drafter.shallow.model.layers[0].mlp.down_proj
+        w = getattr(layer, "base_layer", layer).weight
+        assert torch.equal(w, new.model.layers[0].mlp.down_proj.weight)
+        new_ref = {p: _hf_greedy(new, tok, p, 16) for p in PROMPTS}
+        assert new_ref != ref
+        for p in PROMPTS:
+            assert served(p) == (new_ref[p], v1)
+
+
+def test_reduced_vocab_drafter_served_and_lora_promoted(tiny_pair_dir, tmp_path) -> None:
+    """A drafter dir with draft_vocab.safetensors is served reduced (N from the config), losslessly, and a
+    published LoRA for it keeps the same subset."""
+    import shutil
+
+    from dvi.vocab import find_subset_head, frequent_token_ids, save_draft_vocab
+
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny_pair_dir / "drafter", d)
+    save_draft_vocab(d, frequent_token_ids([[1, 2, 3]], 512, vocab_size=512), vocab_size=512)
+    cfg = tiny_config(tiny_pair_dir, tmp_path, f"models.drafter={d}", "models.draft_vocab_size=64")
+    with ServerThread(cfg) as s, s.client() as c:
+        ref = {}
+        for p in PROMPTS:
+            r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16})
+            ref[p] = r.json()["choices"][0]["text"]
+        base = _target_greedy_fn(tiny_pair_dir)
+        assert ref == {p: base(p, 16) for p in PROMPTS}
+        assert c.get("/health").json()["draft_vocab_size"] == 64
+        reg = DrafterRegistry(cfg.registry.dir)
+        v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest(draft_vocab_size=64))
+        wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the LoRA version to be promoted")
+        assert find_subset_head(s.state.engine.drafter.model).num_ids == 64
+        for p in PROMPTS:
+            r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16}).json()
+            assert (r["choices"][0]["text"], r["dvi"]["drafter_version"]) == (ref[p], v1)
+        v2 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest(draft_vocab_size=None))
+        wait_for(lambda: v2 in s.state.swapper.refused, 30, what="a full-vocab version to be refused")
+        assert "draft vocabulary" in s.state.swapper.refused[v2]
+
+
+def _target_greedy_fn(pair_dir):
+    """Greedy text of the target alone (HF generate), stopping at EOS, as the server decodes it."""
+    from dvi.models import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(pair_dir / "tokenizer")
+    target = load_causal_lm(pair_dir / "target", "cpu")
+    return lambda prompt, n: _hf_greedy(target, tok, prompt, n)

@@ -10,6 +10,10 @@ Two terms, both computed from what the server logged (no target forward pass in 
 dense, stable signal; the reward targets exactly what raises acceptance once the drafter is close.
 
 All inputs may have any leading shape ([N, ...] or [B, T, ...]); they are flattened to rows.
+
+Reduced draft vocabulary (`dvi.vocab`): the student's logits are the [.., N] subset logits and
+`to_subset` maps the logged target ids onto subset positions first, so no term ever sees the -inf
+the served drafter has outside its subset (see `to_subset` for how the target mass is treated).
 """
 
 from __future__ import annotations
@@ -130,6 +134,41 @@ def reward_loss(
     return _masked_mean(-(r - b) * logq, m)
 
 
+class SubsetTargets(NamedTuple):
+    topk_ids: torch.Tensor  # [..., k] subset positions, -1 where the logged id is outside the subset
+    topk_logprobs: torch.Tensor  # [..., k] renormalised over what remains, -inf where dropped
+    drafted_ids: torch.Tensor  # [...] subset positions, -1 outside (or no draft)
+
+
+def to_subset(
+    subset_index: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, drafted_ids: torch.Tensor
+) -> SubsetTargets:
+    """Map logged target ids onto a reduced draft vocabulary; drop the ids outside it, renormalise.
+
+    `subset_index` [V] holds each target id's position in the subset (-1 outside). A drafter over a
+    subset S can at best match the target conditioned on S, p_S(x) = p(x) / p(S): that q maximises the
+    acceptance sum_x min(p, q) over drafters supported on S (it reaches p(S)), and it is the KL
+    optimum. So logged ids outside S are dropped and the remaining log-probs are shifted by
+    -log(1 - dropped mass). The unlogged tail (mass beyond the top-k) is counted as inside S (its
+    split is unknown; the subset holds the frequent tokens), so it stays the tail bucket of
+    `topk_kl_loss`, renormalised the same way. Drafts outside S (an older full-vocab drafter's) get -1
+    and are ignored by `reward_loss`.
+    """
+    index = subset_index.to(topk_ids.device)
+    ids = topk_ids.long()
+    lp = topk_logprobs.float()
+    logged = (ids >= 0) & torch.isfinite(lp)
+    pos = index[ids.clamp_min(0)]  # [..., k]
+    inside = logged & (pos >= 0)
+    dropped = torch.where(logged & ~inside, lp.exp(), torch.zeros_like(lp)).sum(-1, keepdim=True)  # [..., 1]
+    remaining = (1.0 - dropped).clamp_min(1e-6)
+    new_lp = torch.where(inside, lp - remaining.log(), torch.full_like(lp, float("-inf")))
+    new_ids = torch.where(inside, pos, torch.full_like(pos, -1))
+    d = drafted_ids.long().to(index.device)
+    new_d = torch.where(d >= 0, index[d.clamp_min(0)], torch.full_like(d, -1))
+    return SubsetTargets(new_ids, new_lp, new_d)
+
+
 def ramp_weight(step: int, start: int, ramp_steps: int, max_weight: float) -> float:
     """0 before `start`, then linear up to `max_weight` over `ramp_steps` (a step if 0)."""
     if step < start:
@@ -161,12 +200,17 @@ def dvi_loss(
     reward_max_weight: float = 0.1,
     tail_bucket: bool = True,
     baseline: float | str = "mean",
+    subset_index: torch.Tensor | None = None,
 ) -> DviLoss:
     """kl_weight * KL + ramp_weight(step) * reward; returns the parts for logging.
 
     `mask` selects the positions to train on (e.g. real generated positions with logged top-k);
-    the reward term additionally skips positions without a draft.
+    the reward term additionally skips positions without a draft. With a reduced draft vocabulary,
+    `student_logits` are the [..., N] subset logits and `subset_index` [V] maps target ids to subset
+    positions (`dvi.vocab.SubsetHead.index`); ids, log-probs and drafts are mapped by `to_subset`.
     """
+    if subset_index is not None:
+        topk_ids, topk_logprobs, drafted_ids = to_subset(subset_index, topk_ids, topk_logprobs, drafted_ids)
     kl = topk_kl_loss(student_logits, topk_ids, topk_logprobs, mask, tail_bucket=tail_bucket)
     w = ramp_weight(step, reward_start, reward_ramp_steps, reward_max_weight)
     if w > 0:

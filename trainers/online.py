@@ -68,6 +68,7 @@ from dvi.feedback import FeedbackReader, FeedbackRecord
 from dvi.fsutil import atomic_write_json
 from dvi.registry import AdapterRejected, DrafterRegistry
 from dvi.shadow import hf_logits_fn, shadow_alpha
+from dvi.vocab import find_subset_head, subset_mode
 from trainers.losses import dvi_loss
 
 log = logging.getLogger("dvi.trainer")
@@ -465,6 +466,12 @@ class OnlineTrainer:
         return self.trainable.module
 
     @property
+    def draft_vocab_size(self) -> int | None:
+        """N of a reduced draft vocabulary (None = full); recorded in every published manifest."""
+        head = find_subset_head(self.trainable.module)
+        return None if head is None else head.num_ids
+
+    @property
     def is_main(self) -> bool:
         return bool(self.accelerator.is_main_process)
 
@@ -589,13 +596,16 @@ class OnlineTrainer:
         t0 = time.perf_counter()
         batch = batch.to(self.device)
         self.module.train()
-        logits = self.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                             position_ids=batch.position_ids, use_cache=False,
-                             logits_to_keep=batch.width).logits
+        # A reduced draft vocabulary trains on its [B, T, N] subset logits (never the served -inf padding).
+        with subset_mode(self.trainable.module) as head:
+            logits = self.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 position_ids=batch.position_ids, use_cache=False,
+                                 logits_to_keep=batch.width).logits  # [B, T, V] or [B, T, N]
         out = dvi_loss(logits, batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted,
                        batch.weights, step=self.step, kl_weight=self.tc.kl_weight,
                        reward_start=self.tc.reward_ramp_start, reward_ramp_steps=self.tc.reward_ramp_steps,
-                       reward_max_weight=self.tc.reward_weight)
+                       reward_max_weight=self.tc.reward_weight,
+                       subset_index=head.index if head is not None else None)
         w = batch.weights
         # dvi_loss normalises by the weight sum; rescale so down-weighted rows count less in absolute terms
         scale = w.sum() / (w > 0).sum().clamp_min(1)
@@ -695,6 +705,7 @@ class OnlineTrainer:
                 "created_at": time.time(),
                 "drafter_kind": self.trainable.kind,
                 "trainer_mode": self.tc.mode,
+                "draft_vocab_size": self.draft_vocab_size,
             }
             version = self.trainable.publish(self.registry, manifest)
             self.last_published = version
@@ -818,16 +829,18 @@ def load_drafter_for_training(cfg: DviConfig, accelerator: Any = None) -> tuple[
     except Exception:  # noqa: BLE001 - padding is masked anyway; any valid id will do
         pad_id = 0
     if m.drafter_kind == "early_exit":
-        from dvi.drafters import EarlyExitDrafter
+        from dvi.models import load_early_exit_drafter
 
         target = load_causal_lm(target_path, device, dtype)
-        t = cfg.trainer
-        drafter = EarlyExitDrafter(target, m.early_exit_layers, lora_rank=t.lora_rank, lora_alpha=int(t.lora_alpha),
-                                   target_modules=list(t.lora_targets))
-        return drafter, pad_id
+        return load_early_exit_drafter(target, target_path, cfg), pad_id  # the server builds the same one
     if drafter_path is None:
         raise ValueError("models.drafter is not set and there is no embedded drafter: nothing to train")
-    return load_causal_lm(drafter_path, device, dtype), pad_id
+    from dvi.vocab import apply_draft_vocab, load_draft_vocab
+
+    drafter = load_causal_lm(drafter_path, device, dtype)
+    rows = int(drafter.get_output_embeddings().weight.shape[0])
+    ids = load_draft_vocab(m.draft_vocab or drafter_path, m.draft_vocab_size, rows)  # as `dvi.models.load_pair`
+    return (apply_draft_vocab(drafter, ids) if ids is not None else drafter), pad_id
 
 
 # ---------------------------------------------------------------------------------------------
