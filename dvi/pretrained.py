@@ -122,6 +122,12 @@ def plain_copy(model):
     with torch.device("meta"):
         clean = type(model)(clean_cfg)
     clean.load_state_dict(model.state_dict(), assign=True)
+    # non-persistent buffers (rotary `inv_freq`) are not in the state dict and would stay on meta
+    src_buffers = dict(model.named_buffers())
+    for name, buf in list(clean.named_buffers()):
+        if buf.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            setattr(clean.get_submodule(owner), leaf, src_buffers[name].clone())
     if getattr(clean_cfg, "tie_word_embeddings", False):
         clean.tie_weights()
     return clean.eval()
