@@ -99,14 +99,14 @@ def test_same_seed_same_pair(tiny_built, tiny_pair_dir):
 def test_cache_paths(monkeypatch, tmp_path):
     monkeypatch.setenv("DVI_CACHE", str(tmp_path / "c"))
     assert cache_root() == tmp_path / "c"
-    assert embedded_dir("small") == tmp_path / "c" / "small"
+    assert embedded_dir("smollm2") == tmp_path / "c" / "smollm2"
     assert embedded_paths("tiny").target == tmp_path / "c" / "tiny" / "target"
     assert not is_built(embedded_dir("tiny"))
     monkeypatch.delenv("DVI_CACHE")
     assert embedded_dir("tiny").parts[-4:] == (".cache", "dvi", "models", "tiny")
     with pytest.raises(ValueError, match="unknown preset"):
         embedded_dir("huge")
-    assert set(PRESETS) >= {"tiny", "small"}
+    assert set(PRESETS) >= {"tiny", "smollm2"}
 
 
 @pytest.mark.parametrize("stride", [None, 64, 1])
