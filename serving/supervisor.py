@@ -39,7 +39,7 @@ from pathlib import Path
 import yaml
 
 from dvi.config import DviConfig, dump_config
-from dvi.fsutil import atomic_write_text
+from dvi.fsutil import PRIVATE, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,11 @@ class TrainerSupervisor:
         self._thread.start()
 
     def write_config(self) -> Path:
-        """The resolved config the trainer runs with (so it sees the server's dirs and preset)."""
-        atomic_write_text(self.config_path, yaml.safe_dump(dump_config(self.cfg), sort_keys=False))
+        """The resolved config the trainer runs with (so it sees the server's dirs and preset).
+
+        `dump_config` leaves the secrets out; the file is still owner-only, as it names the run's dirs.
+        """
+        atomic_write_text(self.config_path, yaml.safe_dump(dump_config(self.cfg), sort_keys=False), mode=PRIVATE)
         return self.config_path
 
     def stop(self, timeout: float = 10.0) -> None:

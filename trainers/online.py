@@ -67,7 +67,7 @@ from dvi.config import DviConfig, dump_config
 from dvi.feedback import FeedbackReader, FeedbackRecord
 from dvi.fsutil import atomic_write_json
 from dvi.registry import AdapterRejected, DrafterRegistry
-from dvi.shadow import hf_logits_fn, shadow_alpha
+from dvi.shadow import hf_logits_fn, shadow_alpha, shadow_passes
 from trainers.losses import dvi_loss
 
 log = logging.getLogger("dvi.trainer")
@@ -671,7 +671,7 @@ class OnlineTrainer:
             old = self.shadow(state=parent_state)
             decision.update(heldout_alpha=new.alpha, parent_heldout_alpha=old.alpha, heldout_records=new.records,
                             heldout_positions=new.positions)
-            ok = not (new.alpha < old.alpha - self.tc.shadow_margin)
+            ok = shadow_passes(new.alpha, old.alpha, self.tc.shadow_margin)
             reason = (f"shadow α {new.alpha:.4f} vs parent {old.alpha:.4f} (v{parent_cmp if parent_cmp is not None else 0})"
                       f" on {new.records} held-out records")
         else:
