@@ -334,7 +334,7 @@ class SpeculativeEngine:
         if any(not _is_int(t) for t in (p.stop_token_ids or ())):
             raise ValueError("stop_token_ids must be ints")
         if self.max_context is not None and prompt_len + p.max_new_tokens > self.max_context:
-            raise InvalidParam("max_tokens", 
+            raise InvalidParam("max_tokens",
                 f"max_new_tokens={p.max_new_tokens} + {prompt_name} length {prompt_len} exceeds the target's "
                 f"max_position_embeddings={self.max_context}"
             )

@@ -950,24 +950,20 @@ class TrainerLoop:
 
         chosen, n = [], 0
         for name in reversed(pending):
-            chosen.append(name)
-            try:
-                n += self._num_rows(name)
-            except FileNotFoundError:
+            rows = self.reader.num_rows(name)  # None: vanished, or unreadable and quarantined
+            if rows is None:
                 continue
+            chosen.append(name)
+            n += rows
             if n >= self.cfg.trainer.min_new_records:
                 break
+        if not chosen:
+            return []
         if n < self.cfg.trainer.min_new_records:
             age = time.time() - shard_time_ns(pending[0]) / 1e9
             if age < STALE_SHARD_S * self.cfg.trainer.poll_seconds and not self.stop.requested:
                 return []  # wait for more records
         return sorted(chosen)
-
-    def _num_rows(self, name: str) -> int:
-        import pyarrow.parquet as pq
-
-        with self.reader.fs.open(self.reader.shard_path(name), "rb") as f:
-            return int(pq.ParquetFile(f).metadata.num_rows)
 
     def _broadcast(self, obj: Any) -> Any:
         acc = self.trainer.accelerator
@@ -1022,7 +1018,10 @@ class TrainerLoop:
         if not self.trainer.is_main:
             return
         try:
-            write_json_atomic(self.dir / STATUS_FILE, {"state": state, "pid": os.getpid(), **self.trainer.status()},
+            # also the heartbeat the server's supervisor watches (serve.trainer_stale_s)
+            write_json_atomic(self.dir / STATUS_FILE, {"state": state, "pid": os.getpid(), "heartbeat": time.time(),
+                                                       M.TRAINER_QUARANTINED_SHARDS: self.reader.quarantined_total(),
+                                                       **self.trainer.status()},
                               fsync=False)  # a gauge, rewritten every round
         except OSError:
             log.exception("cannot write trainer status")
