@@ -169,6 +169,8 @@ class ServeConfig(_Strict):
     # the trainer is restarted when its heartbeat (`<run_dir>/trainer/status.json`, rewritten every
     # loop iteration) is older than this: a SIGSTOPped or hung trainer, not only a dead one
     trainer_stale_s: float = Field(300.0, gt=0)
+    # until its first heartbeat a starting trainer (imports, model load) may take this long instead
+    trainer_start_grace_s: float = Field(120.0, gt=0)
     allowed_dirs: list[Path] = Field(default_factory=list)
     num_threads: int = Field(1, ge=1)
     # request limits (hostile or careless clients): checked before any tokenising or decoding

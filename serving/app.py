@@ -13,6 +13,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -208,10 +209,15 @@ def _on_swap_event(metrics: Any, ev: SwapEvent) -> None:
 
 
 # -- request handling -----------------------------------------------------------------------------
+# pydantic puts the union member that failed into `loc` ("str", "list[int]",
+# "function-after[_unicode(), str]"); the client's parameter is the field path without them.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+
+
 def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
     errs = exc.errors()
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p))]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     if first.get("type") == "missing":

@@ -15,8 +15,8 @@ Modes (`serve.trainer`):
 
 Liveness: a process that exists is not necessarily working (SIGSTOP, a deadlock, a hung
 filesystem). The trainer rewrites `<run_dir>/trainer/status.json` on every loop iteration (running,
-idle or paused); when that heartbeat (or, before the first one, the spawn) is older than
-`serve.trainer_stale_s`, the supervisor kills the process group with SIGKILL (which also ends a
+idle or paused); when that heartbeat is older than `serve.trainer_stale_s` (or, before the first
+one, the spawn is older than `serve.trainer_start_grace_s`), the supervisor kills the process group with SIGKILL (which also ends a
 stopped process), counts a stale restart, logs it and restarts as after a crash. `/health` shows
 the heartbeat age and is degraded while the trainer restarts.
 
@@ -84,6 +84,7 @@ class TrainerSupervisor:
         self.restarts = 0
         self.stale_restarts = 0
         self.stale_after_s = cfg.serve.trainer_stale_s
+        self.start_grace_s = max(cfg.serve.trainer_start_grace_s, cfg.serve.trainer_stale_s)
         self.heartbeat_path = self.run_dir.joinpath(*HEARTBEAT_FILE)
         self._spawned_at: float | None = None  # wall clock, comparable with file mtimes
         self.state = "off" if self.mode == "off" else ("external" if self.mode == "external" else "starting")
@@ -197,23 +198,31 @@ class TrainerSupervisor:
             self.restarts += 1
             self.on_event("restarted")
 
-    def heartbeat_age(self) -> float | None:
-        """Seconds since the running trainer's last heartbeat (or its spawn, before the first one)."""
+    def _heartbeat(self) -> tuple[float, float] | None:
+        """(seconds since the running trainer's last heartbeat or, before its first, its spawn; the
+        limit that age is held to), or None when no trainer process runs."""
         with self._lock:
             spawned, proc = self._spawned_at, self.proc
         if spawned is None or proc is None or proc.poll() is not None:
             return None
         try:
-            beat = max(spawned, self.heartbeat_path.stat().st_mtime)
+            beat = self.heartbeat_path.stat().st_mtime
         except OSError:
-            beat = spawned
-        return max(0.0, time.time() - beat)
+            beat = 0.0
+        if beat >= spawned:
+            return max(0.0, time.time() - beat), self.stale_after_s
+        return max(0.0, time.time() - spawned), self.start_grace_s
+
+    def heartbeat_age(self) -> float | None:
+        hb = self._heartbeat()
+        return None if hb is None else hb[0]
 
     def _check_stale(self, proc: subprocess.Popen) -> bool:
         """Kill a trainer whose heartbeat is older than `serve.trainer_stale_s` (stopped or hung)."""
-        age = self.heartbeat_age()
-        if age is None or age <= self.stale_after_s:
+        hb = self._heartbeat()
+        if hb is None or hb[0] <= hb[1]:
             return False
+        age = hb[0]
         self.stale_restarts += 1
         log.error("trainer pid %d: no heartbeat for %.1fs (limit %.1fs): stopped or hung; killing it and "
                   "restarting (stale restarts %d)", proc.pid, age, self.stale_after_s, self.stale_restarts)
@@ -248,10 +257,10 @@ class TrainerSupervisor:
         return p.pid if p is not None and p.poll() is None else None
 
     def info(self) -> dict:
-        age = self.heartbeat_age()
+        hb = self._heartbeat()
         return {"mode": self.mode, "state": self.state, "restarts": self.restarts, "pid": self.pid,
-                "heartbeat_age_s": None if age is None else round(age, 3),
-                "stale": age is not None and age > self.stale_after_s, "stale_after_s": self.stale_after_s,
+                "heartbeat_age_s": None if hb is None else round(hb[0], 3),
+                "stale": hb is not None and hb[0] > hb[1], "stale_after_s": self.stale_after_s,
                 "stale_restarts": self.stale_restarts,
                 "paused": self.paused or self.pause_path.exists(), "last_exit_code": self.last_exit_code,
                 "log": str(self.log_path) if self.mode == "supervised" else None}
