@@ -358,9 +358,10 @@ class Metrics:
                 continue
             c = self.collectors[spec.name]
             i = spec.labels.index(L_DRAFTER_VERSION)
-            for key in list(getattr(c, "_metrics", {})):  # prometheus_client keeps label tuples here
-                if key[i] == value:
-                    c.remove(*key)
+            with c._lock:  # prometheus_client keeps its label tuples in `_metrics`, guarded by `_lock`
+                keys = [k for k in c._metrics if k[i] == value]
+            for key in keys:
+                c.remove(*key)
         self.alpha_window.forget_version(version)
 
     def __getitem__(self, name: str) -> Any:
