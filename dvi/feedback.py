@@ -483,6 +483,15 @@ class FeedbackWriter:
         self.close()
 
 
+def _complete_table(table: pa.Table) -> pa.Table:
+    """Reading with `schema=SCHEMA` fills a column the file lacks with nulls; every field is
+    required, so a null means a foreign or damaged file (ValueError -> quarantined)."""
+    for f, col in zip(SCHEMA, table.columns, strict=True):
+        if col.null_count:
+            raise ValueError(f"column {f.name} is missing or has nulls")
+    return table
+
+
 class FeedbackReader:
     """Tails complete shards under `root` for the trainer, with a persisted cursor.
 
@@ -583,7 +592,7 @@ class FeedbackReader:
         for name in shards:
             try:
                 with self.fs.open(self.shard_path(name), "rb") as f:
-                    tables.append(pq.read_table(f, schema=SCHEMA))
+                    tables.append(_complete_table(pq.read_table(f, schema=SCHEMA)))
             except FileNotFoundError:
                 self.missed_shards += 1
                 log.warning("feedback shard %s vanished before it was read (retention)", name)

@@ -320,3 +320,10 @@ def test_unreadable_shard_is_quarantined_and_counted(tmp_path):
     assert bad in names and r.num_rows(bad) is None
     assert (tmp_path / QUARANTINE_DIR / bad).exists() and bad not in r.poll()
     assert r.read(r.poll()).num_rows == 4 and r.quarantined_shards == 1 and r.quarantined_total() == 1
+    # valid parquet, foreign schema: read with SCHEMA it would come back as nulls
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    foreign = f"shard-{time.time_ns():020d}-1-000002.parquet"
+    pq.write_table(pa.table({"request_id": ["x", "y"]}), tmp_path / foreign)
+    assert r.read(r.poll()).num_rows == 4 and r.quarantined_total() == 2
