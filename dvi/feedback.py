@@ -585,14 +585,22 @@ class FeedbackReader:
             self.quarantine(name, f"{type(exc).__name__}: {exc}")
             return None
 
-    def read(self, shards: Iterable[str]) -> pa.Table:
+    def read(self, shards: Iterable[str], validate: bool = False) -> pa.Table:
         """Concatenate shards into one table; shards deleted by retention are skipped (counted),
-        unreadable ones (bad parquet, wrong schema) are quarantined (counted) and skipped."""
+        unreadable ones (bad parquet, wrong schema) are quarantined (counted) and skipped.
+
+        `validate=True` (the trainer) also checks every record (`FeedbackRecord.validate`), so a
+        shard whose per-position lists disagree is quarantined instead of failing a training step.
+        """
         tables = []
         for name in shards:
             try:
                 with self.fs.open(self.shard_path(name), "rb") as f:
-                    tables.append(_complete_table(pq.read_table(f, schema=SCHEMA)))
+                    table = _complete_table(pq.read_table(f, schema=SCHEMA))
+                if validate:
+                    for row in table.to_pylist():
+                        FeedbackRecord.from_row(row)
+                tables.append(table)
             except FileNotFoundError:
                 self.missed_shards += 1
                 log.warning("feedback shard %s vanished before it was read (retention)", name)

@@ -327,3 +327,12 @@ def test_unreadable_shard_is_quarantined_and_counted(tmp_path):
     foreign = f"shard-{time.time_ns():020d}-1-000002.parquet"
     pq.write_table(pa.table({"request_id": ["x", "y"]}), tmp_path / foreign)
     assert r.read(r.poll()).num_rows == 4 and r.quarantined_total() == 2
+    # right schema, inconsistent record (accepted draft != token): quarantined when validating
+    from dvi.feedback import records_to_table
+
+    rec = make_record(9)
+    rec.accepted = [True] * len(rec.token_ids)
+    inconsistent = f"shard-{time.time_ns():020d}-1-000003.parquet"
+    pq.write_table(records_to_table([rec]), tmp_path / inconsistent)
+    assert r.read(r.poll()).num_rows == 5  # the plain read does not look inside records
+    assert r.read(r.poll(), validate=True).num_rows == 4 and r.quarantined_total() == 3

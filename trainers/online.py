@@ -894,7 +894,7 @@ class TrainerLoop:
         done = [s for s in self.reader.list_shards() if s not in pending or s in self.trained][-max_shards:]
         if not done:
             return
-        table = self.reader.read(done)
+        table = self.reader.read(done, validate=True)
         n_held = 0
         for row in table.to_pylist():
             e = Example.of(row)
@@ -1001,7 +1001,7 @@ class TrainerLoop:
         shards = self._broadcast(self._choose() if t.is_main else None)
         if not shards:
             return None
-        table = self.reader.read(shards)
+        table = self.reader.read(shards, validate=True)
         rows = table.to_pylist()
         stats = t.train_on_records(rows)
         self.seq += 1
