@@ -419,6 +419,7 @@ async def _stream(state: ServerState, request: Request, h: Handle, rid: str, cre
                 return
             else:
                 err: ApiError = ev[1]
+                count_refusal(state, err.status, err.code)
                 yield f"data: {json.dumps(err.body())}\n\n".encode()
                 yield b"data: [DONE]\n\n"
                 return
@@ -452,7 +453,7 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     def refused(request: Request, status: int, code: str | None) -> None:
         s = getattr(request.app.state, "dvi", None)
         if s is not None:
-            s.metrics.observe_rejected(rejection_reason(status, code))
+            count_refusal(s, status, code)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -526,6 +527,12 @@ REJECTION_REASONS = {400: "invalid_request", 401: "unauthorized", 403: "forbidde
 def rejection_reason(status: int, code: str | None) -> str:
     """A bounded label for a refused request: our own error code, else one per HTTP status."""
     return code or REJECTION_REASONS.get(status, "other")
+
+
+def count_refusal(s: ServerState, status: int, code: str | None) -> None:
+    """Count a request the server refused (a 500 is a failure, not a refusal)."""
+    if status != 500:
+        s.metrics.observe_rejected(rejection_reason(status, code))
 
 
 def degraded_reasons(s: ServerState, trainer: dict[str, Any]) -> list[str]:
