@@ -200,25 +200,34 @@ def test_06_tiny_temperature_is_served_greedy(srv, client) -> None:
 
 
 def test_07_metric_labels_are_bounded(srv, client) -> None:
+    _text(client, metadata={"domain": "code"})
     for i in range(40):
         r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1,
                                                  "metadata": {"domain": f"tenant-{i}"}})
         assert r.status_code == 200
-    _text(client, metadata={"domain": "code"})
-    text = client.get("/metrics").text
-    domains = {part.split('domain="')[1].split('"')[0] for line in text.splitlines()
-               if 'domain="' in line and not line.startswith("#") for part in [line]}
-    assert domains <= set(srv.cfg.serve.domains) | {"other"}, domains
-    assert "other" in domains and "code" in domains
+
+    def domains() -> set[str]:
+        text = client.get("/metrics").text
+        return {line.split('domain="')[1].split('"')[0] for line in text.splitlines()
+                if 'domain="' in line and not line.startswith("#")}
+
+    # metrics are observed just after the response is sent: wait for the last one to land
+    seen = wait_for(lambda: (lambda d: d if {"other", "code"} <= d else None)(domains()), 10,
+                    what="the code and other series")
+    assert seen <= set(srv.cfg.serve.domains) | {"other"}, seen
 
 
 def test_08_feedback_dir_unwritable_then_writable(srv, client) -> None:
     fb = srv.state.feedback
     fb_dir = Path(srv.cfg.feedback.dir)
     assert fb.max_pending_bytes == srv.cfg.feedback.max_buffer_bytes
-    wait_for(lambda: fb.pending() == 0 and not fb.failing, 20, what="the buffer to drain")
-    _text(client, max_tokens=8)
-    wait_for(lambda: fb.pending() == 0, 20, what="the buffer to drain")
+    def settled() -> int:  # records that reached a shard or were dropped (none left in the buffer)
+        return fb.records_written + fb.dropped_records if fb.pending() == 0 else -1
+
+    wait_for(lambda: settled() >= 0 and not fb.failing, 20, what="the buffer to drain")
+    before = settled()
+    _text(client, max_tokens=8)  # the record is buffered just after the response: wait for it
+    wait_for(lambda: settled() == before + 1, 20, what="the record to be written")
     size = record_nbytes(srv.state.swapper.recent[-1])
     fb.max_pending_bytes = int(3.5 * size)  # room for 3 of the records below, so the 4th+ drop
     w0, d0, e0 = fb.records_written, fb.dropped_records, fb.flush_errors
@@ -239,7 +248,7 @@ def test_08_feedback_dir_unwritable_then_writable(srv, client) -> None:
         fb_dir.unlink()
         aside.rename(fb_dir)
     wait_for(lambda: client.get("/health").json()["status"] == "ok", 20, what="/health ok again")
-    wait_for(lambda: fb.pending() == 0, 20, what="the buffered records to be written")
+    wait_for(lambda: settled() - w0 - d0 >= n, 20, what="the buffered records to be written")
     written, dropped = fb.records_written - w0, fb.dropped_records - d0
     assert dropped > 0 and written + dropped == n, (written, dropped)
     reader = FeedbackReader(fb_dir)
