@@ -397,7 +397,7 @@ def test_16_api_key_compared_in_constant_time_and_params_named(srv, client, monk
 def trainer_srv(tiny_pair_dir, tmp_path_factory):
     run = tmp_path_factory.mktemp("faults-trainer-run")
     cfg = tiny_config(tiny_pair_dir, run, "serve.trainer=supervised", f"serve.api_key={API_KEY}",
-                      f"serve.admin_token={ADMIN}", "serve.trainer_stale_s=3", "serve.trainer_start_grace_s=90",
+                      f"serve.admin_token={ADMIN}", "serve.trainer_stale_s=5", "serve.trainer_start_grace_s=90",
                       "serve.trainer_restart_backoff_s=1.0", "wandb.mode=offline", "feedback.shard_records=2",
                       "trainer.min_new_records=1", "trainer.poll_seconds=0.5", "trainer.batch_size=2",
                       "trainer.publish_every_steps=1000000", "models.device=cpu")
@@ -432,7 +432,7 @@ def test_04_10_03_trainer_faults_and_secrets(trainer_srv, caplog) -> None:
         assert sup.pid == pid and sup.restarts == 0, "the corrupt shard must not crash the trainer"
         text = wait_for(lambda: (lambda t: t if _total(t, M.TRAINER_QUARANTINED_SHARDS) == 1 else None)(
             c.get("/metrics").text), 10, what="the quarantine gauge")
-        assert _total(text, M.TRAINER_HEARTBEAT_AGE) < 3
+        assert _total(text, M.TRAINER_HEARTBEAT_AGE) < s.cfg.serve.trainer_stale_s
         # 10: a SIGSTOPped trainer is detected within the staleness limit, killed, restarted, reported
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -445,7 +445,7 @@ def test_04_10_03_trainer_faults_and_secrets(trainer_srv, caplog) -> None:
             assert time.monotonic() - t0 < 30, "the stopped trainer was not detected and restarted"
             time.sleep(0.05)
         stale = s.cfg.serve.trainer_stale_s
-        assert detected is not None and stale - 1.0 <= detected < stale + 2.0, detected
+        assert detected is not None and stale - 1.0 <= detected < stale + 3.0, detected
         assert any(st == "degraded" and any("trainer" in r for r in rs) for st, rs in seen), seen
         h = c.get("/health").json()
         assert h["trainer"]["stale_restarts"] == 1 and h["trainer"]["restarts"] >= 1
