@@ -13,7 +13,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from dvi.config import PRESETS, ConfigError, dump_config, load_config
+from dvi.config import PRESETS, SECRET_KEYS, ConfigError, dump_config, load_config
 
 BENCHMARKS = ("decode", "drift", "serve_load", "rl")
 
@@ -81,7 +81,11 @@ def cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
     cfg = _config(args)
-    print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
+    data = dump_config(cfg)
+    for section, key in SECRET_KEYS:  # show that a secret is set, never its value
+        if getattr(getattr(cfg, section), key) is not None:
+            data[section][key] = "**********"
+    print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0
 
 

@@ -6,18 +6,44 @@ schema does not know is an error, not a silent no-op. Errors name the file and t
 
 from __future__ import annotations
 
+import hmac
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 PRESETS = ("tiny", "smollm2")
 
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the file and the key."""
+
+
+class Secret(SecretStr):
+    """A credential: prints and dumps as ``**********``; compares to its value in constant time.
+
+    Equality with a plain ``str`` is allowed (constant time) so code and configs can check a
+    presented token without ever handling the secret as an ordinary string.
+    """
+
+    def __eq__(self, other: object) -> bool:
+        value = other.get_secret_value() if isinstance(other, SecretStr) else other
+        if not isinstance(value, str):
+            return False
+        return hmac.compare_digest(value.encode("utf-8", "surrogatepass"),
+                                   self.get_secret_value().encode("utf-8", "surrogatepass"))
+
+    __hash__ = SecretStr.__hash__
 
 
 class _Strict(BaseModel):
@@ -73,6 +99,9 @@ class SamplingConfig(_Strict):
     temperature: float = Field(0.0, ge=0.0)
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # A temperature in (0, greedy_below_temperature) is served as greedy (temperature 0): logits / 1e-45
+    # overflow to inf and softmax to NaN, and below ~1e-3 sampling is argmax in all but float noise anyway.
+    greedy_below_temperature: float = Field(1e-3, ge=0.0, le=1.0)
 
 
 class FeedbackConfig(_Strict):
@@ -82,6 +111,9 @@ class FeedbackConfig(_Strict):
     flush_seconds: float = Field(10.0, gt=0)
     retention_bytes: int | None = Field(2_000_000_000, gt=0)
     retention_shards: int | None = Field(None, gt=0)
+    # Records held in memory while shard writes fail (disk full, read-only dir); beyond this many
+    # bytes (estimated) the oldest are dropped and counted, never the server's memory.
+    max_buffer_bytes: int = Field(256 * 2**20, ge=1)
 
 
 class RegistryConfig(_Strict):
@@ -129,8 +161,8 @@ class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     model_name: str = "dvi"
-    api_key: str | None = None
-    admin_token: str | None = None
+    api_key: Secret | None = None
+    admin_token: Secret | None = None
     max_batch_size: int = Field(16, ge=1)
     queue_limit: int = Field(256, ge=1)
     max_tokens_limit: int = Field(1024, ge=1)
@@ -140,8 +172,22 @@ class ServeConfig(_Strict):
     registry_poll_seconds: float = Field(2.0, gt=0)
     rollback_margin: float = Field(0.05, ge=0, le=1)
     rollback_window: int = Field(32, ge=1)
+    # the trainer is restarted when its heartbeat (`<run_dir>/trainer/status.json`, rewritten every
+    # loop iteration) is older than this: a SIGSTOPped or hung trainer, not only a dead one
+    trainer_stale_s: float = Field(300.0, gt=0)
+    # until its first heartbeat a starting trainer (imports, model load) may take this long instead
+    trainer_start_grace_s: float = Field(120.0, gt=0)
     allowed_dirs: list[Path] = Field(default_factory=list)
     num_threads: int = Field(1, ge=1)
+    # request limits (hostile or careless clients): checked before any tokenising or decoding
+    max_body_bytes: int = Field(4 * 2**20, ge=1024)
+    max_prompt_chars: int = Field(1_000_000, ge=1)
+    max_stop_strings: int = Field(16, ge=0)
+    max_stop_chars: int = Field(256, ge=1)
+    # `metadata.domain` values that get their own metrics series / α pool; any other -> "other"
+    domains: list[str] = Field(default_factory=lambda: ["default", "code", "prose", "chat"])
+    # drafter versions whose per-version series stay on /metrics (older ones are removed)
+    metrics_versions: int = Field(4, ge=1)
 
     @field_validator("trainer", mode="before")
     @classmethod
@@ -243,5 +289,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def dump_config(cfg: DviConfig) -> dict[str, Any]:
-    """Plain dict (paths as strings) for manifests, wandb and JSON."""
-    return cfg.model_dump(mode="json")
+    """Plain dict (paths as strings) for manifests, wandb and JSON; secrets are left out (None).
+
+    Nothing that reads a dumped config (the trainer, wandb, a manifest) needs a credential, and a
+    masked ``**********`` would load back as a wrong one.
+    """
+    data = cfg.model_dump(mode="json")
+    for section, key in SECRET_KEYS:
+        data[section][key] = None
+    return data
+
+
+SECRET_KEYS = (("serve", "api_key"), ("serve", "admin_token"))

@@ -14,6 +14,7 @@ the drafter cache is filled lazily). K = 0 is plain decoding through the same pa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -26,11 +27,20 @@ from torch import nn
 from dvi.adaptive import AcceptanceEMA, AcceptanceTracker, AdaptiveK, CostModel, batch_bucket
 from dvi.drafters import Drafter, as_drafter, model_forward
 from dvi.kv import RaggedKV, prefill
-from dvi.sampling import greedy_accept, rejection_accept, sample_from, warp_probs
+from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
 
 MAX_DRAFT_TOKENS_LIMIT = 32
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
-__all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine"]
+__all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam"]
+
+
+class InvalidParam(ValueError):
+    """A request parameter the engine cannot serve; `param` names it (the server's 400 says which)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -123,6 +133,7 @@ class SpeculativeEngine:
         feedback_top_k: int = 0,
         target_version: int = 0,
         drafter_version: int = 0,
+        greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE,
     ):
         if not _is_int(max_draft_tokens) or not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS_LIMIT:
             raise ValueError(f"max_draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS_LIMIT}], got {max_draft_tokens!r}")
@@ -144,6 +155,7 @@ class SpeculativeEngine:
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = bool(adaptive)
         self.feedback_top_k = feedback_top_k
+        self.greedy_below_temperature = float(greedy_below_temperature)
         self.target_version, self.drafter_version = int(target_version), int(drafter_version)
         self.drafter: Drafter | None = None
         self._set_drafter(drafter)
@@ -173,6 +185,7 @@ class SpeculativeEngine:
         self._validate_params(request.params, len(request.prompt_ids))
         if any(s.req.request_id == request.request_id for s in self._waiting + self._seqs):
             raise ValueError(f"request_id {request.request_id!r} is already active")
+        request = self._normalized(request)
         p = request.params
         res = GenerationResult(
             request_id=request.request_id,
@@ -191,6 +204,13 @@ class SpeculativeEngine:
             else:
                 gen.manual_seed(int(p.seed))
         self._waiting.append(_Seq(request, res, gen, self.acceptance.new_row()))
+
+    def _normalized(self, request: Request) -> Request:
+        """A temperature below the floor is served as greedy: logits / 1e-45 overflow to NaN."""
+        t = request.params.temperature
+        if 0 < t < self.greedy_below_temperature:
+            return dataclasses.replace(request, params=dataclasses.replace(request.params, temperature=0.0))
+        return request
 
     def abort(self, request_id: str) -> GenerationResult | None:
         """Remove a request between steps; its result (finish_reason 'abort') also comes out of the next step()."""
@@ -218,18 +238,19 @@ class SpeculativeEngine:
         self._drafter_dirty = True
         self.acceptance.reset()  # acceptance of the old drafter says little about the new one
 
-    def update_target_weights(self, state_dict_or_path: dict | str | Path, version: int) -> None:
-        """Load new target weights in place (Parameter objects kept); in-flight target KV is recomputed."""
+    def update_target_weights(self, state_dict_or_path: dict | str | Path, version: int,
+                              complete: bool = False) -> None:
+        """Load new target weights in place (Parameter objects kept); in-flight target KV is recomputed.
+
+        Refused (ValueError, nothing changed) for unknown keys, wrong shapes, non-finite values, and,
+        with `complete=True` (the server's admin API), for a file lacking any of the target's
+        tensors (weights tied to a present tensor excepted): half-updated weights serve garbage.
+        """
         sd = _load_state_dict(state_dict_or_path) if isinstance(state_dict_or_path, (str, Path)) else state_dict_or_path
         if not isinstance(sd, dict) or not sd:
             raise ValueError("state_dict_or_path must be a non-empty state dict or a path to one")
         own = self.target.state_dict()
-        unexpected = [k for k in sd if k not in own]
-        if unexpected:
-            raise ValueError(f"state_dict_or_path has keys the target does not: {unexpected[:5]}")
-        for k, v in sd.items():
-            if tuple(v.shape) != tuple(own[k].shape):
-                raise ValueError(f"state_dict_or_path: shape of {k} is {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+        _check_target_state_dict(sd, own, complete)
         with torch.no_grad():
             self.target.load_state_dict(sd, strict=False)
         self.target_version = int(version)
@@ -299,19 +320,21 @@ class SpeculativeEngine:
 
     def _validate_params(self, p: SamplingParams, prompt_len: int, prompt_name: str = "prompt_ids") -> None:
         if not _is_int(p.max_new_tokens) or p.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int, got {p.max_new_tokens!r}")
+            raise InvalidParam("max_tokens", f"max_new_tokens must be a positive int, got {p.max_new_tokens!r}")
         if not isinstance(p.temperature, (int, float)) or not math.isfinite(p.temperature) or p.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
-        if not _is_int(p.top_k) or p.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {p.top_k!r}")
+            raise InvalidParam("temperature", f"temperature must be a finite number >= 0, got {p.temperature!r}")
+        if not _is_int(p.top_k) or not 0 <= p.top_k <= self.vocab_size:
+            raise InvalidParam("top_k", f"top_k must be an int in [0, {self.vocab_size}] (the vocabulary), "
+                                        f"got {p.top_k!r}")
         if not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
-        if p.seed is not None and not _is_int(p.seed):
-            raise ValueError(f"seed must be an int or None, got {p.seed!r}")
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {p.top_p!r}")
+        if p.seed is not None and (not _is_int(p.seed) or not SEED_RANGE[0] <= p.seed <= SEED_RANGE[1]):
+            raise InvalidParam("seed", f"seed must be an int in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] or None, "
+                                       f"got {p.seed!r}")
         if any(not _is_int(t) for t in (p.stop_token_ids or ())):
             raise ValueError("stop_token_ids must be ints")
         if self.max_context is not None and prompt_len + p.max_new_tokens > self.max_context:
-            raise ValueError(
+            raise InvalidParam("max_tokens",
                 f"max_new_tokens={p.max_new_tokens} + {prompt_name} length {prompt_len} exceeds the target's "
                 f"max_position_embeddings={self.max_context}"
             )
@@ -633,6 +656,26 @@ def g_rand(gen: torch.Generator | None, n: int) -> torch.Tensor:
     if gen is None:
         return torch.zeros(n)
     return torch.rand(n, generator=gen)
+
+
+def _check_target_state_dict(sd: dict, own: dict, complete: bool) -> None:
+    """Refuse weights that would break the target: unknown keys, wrong shapes, NaN/inf, missing tensors."""
+    unexpected = [k for k in sd if k not in own]
+    if unexpected:
+        raise ValueError(f"state_dict_or_path has keys the target does not: {unexpected[:5]}")
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"state_dict_or_path: {k} is not a tensor")
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise ValueError(f"state_dict_or_path: shape of {k} is {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"state_dict_or_path: {k} has non-finite values (NaN or inf)")
+    if complete:
+        present = {own[k].data_ptr() for k in sd}
+        missing = [k for k in own if k not in sd and own[k].data_ptr() not in present]
+        if missing:
+            raise ValueError(f"state_dict_or_path is partial: it lacks {len(missing)} of the target's tensors, "
+                             f"e.g. {missing[:3]}")
 
 
 def _load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

@@ -60,6 +60,7 @@ SCHEMA = pa.schema(
 _NAME_LOCK = threading.Lock()
 _NAME_STATE = {"last_ns": 0, "seq": 0}
 
+QUARANTINE_DIR = "quarantine"  # unreadable shards are moved here by the reader (never deleted)
 SHARD_RE = re.compile(r"^shard-(\d{20})-(\d+)-(\d{6})\.parquet$")
 
 
@@ -178,6 +179,15 @@ class FeedbackRecord:
 
 
 FIELD_NAMES = tuple(f.name for f in fields(FeedbackRecord))
+RECORD_OVERHEAD_BYTES = 512
+BYTES_PER_VALUE = 36  # a list slot (8) + a boxed int/float (28-32) in CPython
+
+
+def record_nbytes(r: FeedbackRecord) -> int:
+    """Estimated memory of a buffered record (CPython lists of boxed numbers), for the buffer cap."""
+    k = len(r.topk_ids[0]) if r.topk_ids else 0  # every position holds the same k (O(1), engine thread)
+    n = len(r.prompt_ids) + 3 * len(r.token_ids) + 2 * k * len(r.topk_ids)
+    return RECORD_OVERHEAD_BYTES + BYTES_PER_VALUE * n
 
 
 def _wide(t: pa.DataType) -> pa.DataType:
@@ -259,7 +269,10 @@ class FeedbackWriter:
     the engine loop pays about a microsecond per record. Flushing (parquet encoding + IO) runs either in a background
     thread (`background=True`) or inline in `write()`/`maybe_flush()` once `shard_records`
     records are buffered or the oldest is `flush_seconds` old. If storage keeps failing, at most
-    `max_pending` records are held; older ones are dropped and counted (`dropped_records`).
+    `max_pending` records and `max_pending_bytes` (estimated, `record_nbytes`) are held; the oldest
+    beyond either are dropped and counted (`dropped_records`). `failing` is True from a failed
+    shard write until the next successful one (`last_error` says what failed), so a server can
+    report it; records held meanwhile are written in order once storage works again.
     """
 
     def __init__(
@@ -271,6 +284,7 @@ class FeedbackWriter:
         retention_shards: int | None = None,
         background: bool = False,
         max_pending: int = 100_000,
+        max_pending_bytes: int | None = None,
     ) -> None:
         if shard_records < 1:
             raise ValueError("shard_records must be >= 1")
@@ -289,6 +303,10 @@ class FeedbackWriter:
         self._lock = threading.Lock()  # guards _buf
         self._io_lock = threading.Lock()  # serialises shard writes
         self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self._buf_bytes = 0
+        self.failing = False
+        self.last_error: str | None = None
         self._closed = False
         self.records_written = 0
         self.shards_written = 0
@@ -321,14 +339,17 @@ class FeedbackWriter:
         """Append one record; cheap. May flush inline when not in background mode."""
         if self._closed:
             raise RuntimeError("FeedbackWriter is closed")
+        size = record_nbytes(record)
         with self._lock:
             if not self._buf:
                 self._buf_t0 = time.monotonic()
-            elif len(self._buf) >= self.max_pending:
-                # Storage has been failing for a while: drop the oldest rather than grow forever.
-                del self._buf[0]
+            # Storage has been failing for a while: drop the oldest rather than grow forever.
+            while self._buf and (len(self._buf) >= self.max_pending or (
+                    self.max_pending_bytes is not None and self._buf_bytes + size > self.max_pending_bytes)):
+                self._buf_bytes -= record_nbytes(self._buf.pop(0))
                 self.dropped_records += 1
             self._buf.append(record)
+            self._buf_bytes += size
             full = len(self._buf) >= self.shard_records
         if self._thread is not None:
             if full:
@@ -348,6 +369,10 @@ class FeedbackWriter:
         with self._lock:
             return len(self._buf)
 
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return self._buf_bytes
+
     # -- flushing ---------------------------------------------------------------------------
     def flush(self) -> str | None:
         """Write everything buffered as shard(s); returns the last shard name or None."""
@@ -356,19 +381,28 @@ class FeedbackWriter:
             with self._lock:
                 batch = self._buf[: self.shard_records]
                 del self._buf[: self.shard_records]
+                nbytes = sum(record_nbytes(r) for r in batch)
+                self._buf_bytes -= nbytes
                 if self._buf:
                     self._buf_t0 = time.monotonic()
             if not batch:
                 return last
             try:
                 last = self._write_shard(batch)
-            except Exception:
+            except Exception as exc:
                 # Put the records back (in order) so nothing is lost; the caller sees the error.
                 with self._lock:
                     self._buf[:0] = batch
+                    self._buf_bytes += nbytes
                     self._buf_t0 = time.monotonic()
                 self.flush_errors += 1
+                if not self.failing:
+                    log.error("feedback shard write to %s failed: %s: %s", self.root, type(exc).__name__, exc)
+                self.failing, self.last_error = True, f"{type(exc).__name__}: {exc}"
                 raise
+            if self.failing:
+                log.warning("feedback shard writes to %s work again", self.root)
+            self.failing, self.last_error = False, None
 
     def _next_name(self) -> str:
         with _NAME_LOCK:
@@ -427,8 +461,8 @@ class FeedbackWriter:
             self._wake.clear()
             try:
                 self.maybe_flush()
-            except Exception:
-                log.exception("feedback flush failed; records kept in memory for the next try")
+            except Exception:  # logged once per outage by flush(); `failing` reports it meanwhile
+                log.debug("feedback flush failed; records kept in memory for the next try", exc_info=True)
                 time.sleep(min(1.0, self.flush_seconds))
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -447,6 +481,15 @@ class FeedbackWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _complete_table(table: pa.Table) -> pa.Table:
+    """Reading with `schema=SCHEMA` fills a column the file lacks with nulls; every field is
+    required, so a null means a foreign or damaged file (ValueError -> quarantined)."""
+    for f, col in zip(SCHEMA, table.columns, strict=True):
+        if col.null_count:
+            raise ValueError(f"column {f.name} is missing or has nulls")
+    return table
 
 
 class FeedbackReader:
@@ -472,6 +515,7 @@ class FeedbackReader:
         self.last: str | None = None
         self.recent: set[str] = set()
         self.missed_shards = 0
+        self.quarantined_shards = 0  # by this reader; `quarantined_total()` counts the dir
         self._polled: list[str] = []
         self._load_cursor()
 
@@ -511,16 +555,57 @@ class FeedbackReader:
     def shard_path(self, name: str) -> str:
         return posixpath.join(self.path, name)
 
-    def read(self, shards: Iterable[str]) -> pa.Table:
-        """Concatenate shards into one table; shards deleted by retention are skipped (counted)."""
+    def quarantine(self, name: str, why: str) -> None:
+        """Move an unreadable shard to `quarantine/` (kept for a person to look at), so a reader
+        skips it instead of failing on it forever; it is then neither pending nor retried."""
+        qdir = posixpath.join(self.path, QUARANTINE_DIR)
+        try:
+            self.fs.makedirs(qdir, exist_ok=True)
+            self.fs.mv(self.shard_path(name), posixpath.join(qdir, name))
+        except FileNotFoundError:
+            return  # another reader moved it first
+        self.quarantined_shards += 1
+        log.error("feedback shard %s is unreadable (%s); moved to %s/", name, why, qdir)
+
+    def quarantined_total(self) -> int:
+        """Shards in `quarantine/` (by any reader, any run)."""
+        try:
+            return len(self.fs.ls(posixpath.join(self.path, QUARANTINE_DIR), detail=False))
+        except FileNotFoundError:
+            return 0
+
+    def num_rows(self, name: str) -> int | None:
+        """Records in a shard from its footer; None if it vanished or was quarantined as unreadable."""
+        try:
+            with self.fs.open(self.shard_path(name), "rb") as f:
+                return int(pq.ParquetFile(f).metadata.num_rows)
+        except FileNotFoundError:
+            return None
+        except (pa.ArrowException, ValueError) as exc:
+            self.quarantine(name, f"{type(exc).__name__}: {exc}")
+            return None
+
+    def read(self, shards: Iterable[str], validate: bool = False) -> pa.Table:
+        """Concatenate shards into one table; shards deleted by retention are skipped (counted),
+        unreadable ones (bad parquet, wrong schema) are quarantined (counted) and skipped.
+
+        `validate=True` (the trainer) also checks every record (`FeedbackRecord.validate`), so a
+        shard whose per-position lists disagree is quarantined instead of failing a training step.
+        """
         tables = []
         for name in shards:
             try:
                 with self.fs.open(self.shard_path(name), "rb") as f:
-                    tables.append(pq.read_table(f, schema=SCHEMA))
+                    table = _complete_table(pq.read_table(f, schema=SCHEMA))
+                if validate:
+                    for row in table.to_pylist():
+                        FeedbackRecord.from_row(row)
+                tables.append(table)
             except FileNotFoundError:
                 self.missed_shards += 1
                 log.warning("feedback shard %s vanished before it was read (retention)", name)
+            except (pa.ArrowException, ValueError) as exc:
+                self.quarantine(name, f"{type(exc).__name__}: {exc}")
         if not tables:
             return SCHEMA.empty_table()
         return pa.concat_tables(tables)

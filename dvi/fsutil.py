@@ -30,10 +30,20 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
+PRIVATE = 0o600
+"""Mode of files that may hold a credential (a resolved config): owner read/write only."""
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True, mode: int | None = None) -> None:
+    """Replace `path` with `data` atomically; `mode` (e.g. PRIVATE) is set when the temp file is
+    created, so the content is never readable by others, not even for a moment."""
     path = Path(path)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "wb") as f:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = os.open(tmp, flags, 0o666 if mode is None else mode)
+    if mode is not None:
+        os.fchmod(fd, mode)  # an existing temp file keeps its old mode otherwise
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         if fsync:
             f.flush()
@@ -43,8 +53,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True)
         fsync_path(path.parent)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = True) -> None:
-    atomic_write_bytes(path, text.encode(), fsync=fsync)
+def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = True, mode: int | None = None) -> None:
+    atomic_write_bytes(path, text.encode(), fsync=fsync, mode=mode)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, fsync: bool = True) -> None:

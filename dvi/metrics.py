@@ -59,6 +59,14 @@ TRAINER_HELDOUT_ALPHA = "dvi_trainer_heldout_alpha"
 TRAINER_LOST_SHARDS = "dvi_trainer_feedback_shards_lost"
 TRAINER_RESTARTS = "dvi_trainer_restarts"
 REQUESTS_REJECTED = "dvi_requests_rejected_total"
+FEEDBACK_WRITE_ERRORS = "dvi_feedback_write_errors_total"
+FEEDBACK_DROPPED_RECORDS = "dvi_feedback_dropped_records_total"
+FEEDBACK_PENDING_RECORDS = "dvi_feedback_pending_records"
+FEEDBACK_FAILING = "dvi_feedback_failing"
+TRAINER_HEARTBEAT_AGE = "dvi_trainer_heartbeat_age_seconds"
+TRAINER_STALE_RESTARTS = "dvi_trainer_stale_restarts_total"
+TRAINER_QUARANTINED_SHARDS = "dvi_trainer_feedback_shards_quarantined"
+OTHER_DOMAIN = "other"
 
 # labels
 L_DRAFTER_VERSION = "drafter_version"
@@ -132,8 +140,18 @@ METRICS: dict[str, MetricSpec] = {
             TRAINER_LOST_SHARDS, "gauge", "Feedback shards deleted by retention before the trainer read them."
         ),
         MetricSpec(TRAINER_RESTARTS, "gauge", "Times the supervisor restarted the trainer process."),
-        MetricSpec(REQUESTS_REJECTED, "counter", "Requests refused before decoding (e.g. queue full).",
-                   (L_REASON,)),
+        MetricSpec(REQUESTS_REJECTED, "counter", "Requests refused before decoding, by reason (queue_full, "
+                   "invalid_request, body_too_large, unauthorized, ...).", (L_REASON,)),
+        MetricSpec(FEEDBACK_WRITE_ERRORS, "counter", "Failed feedback shard writes (records kept and retried)."),
+        MetricSpec(FEEDBACK_DROPPED_RECORDS, "counter",
+                   "Feedback records dropped because the write buffer hit feedback.max_buffer_bytes."),
+        MetricSpec(FEEDBACK_PENDING_RECORDS, "gauge", "Feedback records buffered in memory, not yet in a shard."),
+        MetricSpec(FEEDBACK_FAILING, "gauge", "1 while feedback shard writes fail, else 0."),
+        MetricSpec(TRAINER_HEARTBEAT_AGE, "gauge", "Seconds since the online trainer's last heartbeat."),
+        MetricSpec(TRAINER_STALE_RESTARTS, "counter",
+                   "Trainer processes killed and restarted because their heartbeat went stale (stopped or hung)."),
+        MetricSpec(TRAINER_QUARANTINED_SHARDS, "gauge",
+                   "Unreadable feedback shards the trainer moved to quarantine/ (skipped, not retried)."),
     ]
 }
 
@@ -146,6 +164,7 @@ TRAINER_GAUGES = (
     TRAINER_RECORDS_SEEN,
     TRAINER_HELDOUT_ALPHA,
     TRAINER_LOST_SHARDS,
+    TRAINER_QUARANTINED_SHARDS,
 )
 
 
@@ -230,6 +249,10 @@ class AlphaWindow:
     def keys(self) -> list[tuple[str, int]]:
         return list(self._q)
 
+    def forget_version(self, drafter_version: int) -> None:
+        for key in [k for k in self._q if k[1] == drafter_version]:
+            del self._q[key]
+
     def count(self, domain: str, drafter_version: int) -> int:
         return len(self._q.get((domain, drafter_version), ()))
 
@@ -287,9 +310,16 @@ def summarize_results(results: Iterable[Any], domain: str | None = None) -> dict
 
 
 class Metrics:
-    """Prometheus collectors for every spec in METRICS, plus helpers that update them."""
+    """Prometheus collectors for every spec in METRICS, plus helpers that update them.
 
-    def __init__(self, registry: Any, window: int = 200, rate_window_s: float = 10.0) -> None:
+    Label values are bounded, so no client and no long run can grow the series without limit:
+    with `domains` set, any other domain is counted as "other"; with `max_versions` set, only
+    the most recently served that many drafter versions keep their per-version series (others are removed;
+    `dvi_drafter_version` says which version serves now).
+    """
+
+    def __init__(self, registry: Any, window: int = 200, rate_window_s: float = 10.0,
+                 domains: Iterable[str] | None = None, max_versions: int | None = None) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
         self.registry = registry
@@ -305,6 +335,34 @@ class Metrics:
         self.alpha_window = AlphaWindow(window)
         self.rate_window_s = rate_window_s
         self._tok_times: deque[tuple[float, int]] = deque()
+        self.domains = frozenset(domains) if domains is not None else None
+        self.max_versions = max_versions
+        self._versions: dict[int, None] = {}  # drafter versions with series, least recently used first
+
+    def bounded_domain(self, domain: str) -> str:
+        return domain if self.domains is None or domain in self.domains else OTHER_DOMAIN
+
+    def _track_version(self, version: int) -> None:
+        """Mark `version` used; drop every series of the least recently used versions beyond `max_versions`."""
+        self._versions.pop(version, None)
+        self._versions[version] = None
+        while self.max_versions is not None and len(self._versions) > self.max_versions:
+            oldest = next(iter(self._versions))
+            del self._versions[oldest]
+            self._forget_version(oldest)
+
+    def _forget_version(self, version: int) -> None:
+        value = str(version)
+        for spec in METRICS.values():
+            if L_DRAFTER_VERSION not in spec.labels:
+                continue
+            c = self.collectors[spec.name]
+            i = spec.labels.index(L_DRAFTER_VERSION)
+            with c._lock:  # prometheus_client keeps its label tuples in `_metrics`, guarded by `_lock`
+                keys = [k for k in c._metrics if k[i] == value]
+            for key in keys:
+                c.remove(*key)
+        self.alpha_window.forget_version(version)
 
     def __getitem__(self, name: str) -> Any:
         return self.collectors[name]
@@ -312,6 +370,8 @@ class Metrics:
     def observe_result(self, result: Any, domain: str | None = None) -> ResultStats:
         """Count one finished request and refresh the rolling α gauges of its (domain, version)."""
         s = ResultStats.of(result, domain)
+        s.domain = self.bounded_domain(s.domain)
+        self._track_version(s.drafter_version)
         lv = {L_DRAFTER_VERSION: str(s.drafter_version), L_DOMAIN: s.domain}
         c = self.collectors
         c[NUM_DRAFTS].labels(**lv).inc(s.num_drafts)

@@ -55,12 +55,24 @@ Expected = Mapping[str, Any]
 """name -> (shape, dtype | None) or name -> reference tensor."""
 
 
-class AdapterRejected(Exception):
-    """A published drafter version failed validation; `reason` says why."""
+REFUSAL_KINDS = ("missing", "symlink", "manifest", "files", "load", "shape", "nonfinite", "architecture",
+                 "shadow", "other")
+"""Bounded categories of a refusal (the `reason` label of dvi_drafter_refusals_total)."""
 
-    def __init__(self, reason: str, version: int | None = None) -> None:
+
+class AdapterRejected(Exception):
+    """A published drafter version failed validation; `reason` says why, `kind` in REFUSAL_KINDS.
+
+    `transient` refusals (the version dir is not there yet: LATEST written before the rename
+    became visible, a slow shared filesystem) may succeed later and are retried by the server.
+    """
+
+    def __init__(self, reason: str, version: int | None = None, kind: str = "other",
+                 transient: bool = False) -> None:
         self.reason = reason
         self.version = version
+        self.kind = kind if kind in REFUSAL_KINDS else "other"
+        self.transient = transient
         super().__init__(f"{vname(version) if version is not None else 'drafter'} rejected: {reason}")
 
 
@@ -149,6 +161,17 @@ class DrafterRegistry:
         return {
             e["from"] for e in self.events() if e.get("event") == "rollback" and e.get("from") is not None
         }
+
+    def _check_confined(self, d: Path, version: int) -> None:
+        """The version dir and its files must resolve inside the registry: a version dir (or a
+        weights file) symlinked elsewhere would make the server load whatever it points at."""
+        root = self.dir.resolve()
+        if not d.resolve().is_relative_to(root) or d.resolve() == root:
+            raise AdapterRejected("version directory is a symlink to outside the registry", version, kind="symlink")
+        for p in d.iterdir():
+            if not p.resolve().is_relative_to(d.resolve()):
+                raise AdapterRejected(f"{p.name} is a symlink to outside the version directory", version,
+                                      kind="symlink")
 
     def manifest(self, version: int) -> dict[str, Any]:
         return json.loads((self.version_dir(version) / MANIFEST).read_text())
@@ -286,44 +309,45 @@ class DrafterRegistry:
         """Load and check a version; raise AdapterRejected(reason) on anything wrong."""
         d = self.version_dir(version)
         if not d.is_dir():
-            raise AdapterRejected("version directory does not exist", version)
+            raise AdapterRejected("version directory does not exist (yet)", version, kind="missing", transient=True)
+        self._check_confined(d, version)
         try:
             man = json.loads((d / MANIFEST).read_text())
         except FileNotFoundError:
-            raise AdapterRejected(f"{MANIFEST} missing", version) from None
+            raise AdapterRejected(f"{MANIFEST} missing", version, kind="manifest") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise AdapterRejected(f"{MANIFEST} does not parse: {e}", version) from None
+            raise AdapterRejected(f"{MANIFEST} does not parse: {e}", version, kind="manifest") from None
         if not isinstance(man, dict):
-            raise AdapterRejected(f"{MANIFEST} is not a JSON object", version)
+            raise AdapterRejected(f"{MANIFEST} is not a JSON object", version, kind="manifest")
         missing = [f for f in MANIFEST_FIELDS if f not in man]
         if missing:
-            raise AdapterRejected(f"{MANIFEST} lacks field(s) {missing}", version)
+            raise AdapterRejected(f"{MANIFEST} lacks field(s) {missing}", version, kind="manifest")
         if man["version"] != version:
             raise AdapterRejected(
                 f"{MANIFEST} says version {man['version']!r}, dir is {vname(version)}", version
             )
         kind = man["kind"]
         if kind not in FILES_BY_KIND:
-            raise AdapterRejected(f"unknown kind {kind!r}", version)
+            raise AdapterRejected(f"unknown kind {kind!r}", version, kind="manifest")
         weights, config = FILES_BY_KIND[kind]
         for fname in (weights, config):
             if not (d / fname).is_file():
-                raise AdapterRejected(f"{fname} missing", version)
+                raise AdapterRejected(f"{fname} missing", version, kind="files")
         try:
             json.loads((d / config).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise AdapterRejected(f"{config} does not parse: {e}", version) from None
+            raise AdapterRejected(f"{config} does not parse: {e}", version, kind="files") from None
         try:
             sd = load_file(str(d / weights))
         except Exception as e:  # safetensors raises its own error types on corrupt files
-            raise AdapterRejected(f"{weights} does not load: {e}", version) from None
+            raise AdapterRejected(f"{weights} does not load: {e}", version, kind="load") from None
         if not sd:
-            raise AdapterRejected(f"{weights} holds no tensors", version)
+            raise AdapterRejected(f"{weights} holds no tensors", version, kind="load")
         if expected is not None:
             check_state_dict(sd, expected, version)
         for name, t in sd.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise AdapterRejected(f"tensor {name} has non-finite values", version)
+                raise AdapterRejected(f"tensor {name} has non-finite values", version, kind="nonfinite")
         return sd, man
 
     def load(
@@ -429,19 +453,28 @@ class DrafterRegistry:
                 os.rename(d, trash)
             except FileNotFoundError:
                 continue
-            shutil.rmtree(trash, ignore_errors=True)
+            _remove_tree(trash)
             removed.append(v)
-        # Temp dirs left by crashed publishers (older than an hour).
+        # Temp dirs left by crashed publishers (older than an hour); temp symlinks at once (a
+        # publisher never makes one, and rmtree refuses them, so they used to stay forever).
         now = time.time()
         for p in self.dir.glob(f"{TMP_PREFIX}*"):
             try:
-                if p.is_dir() and now - p.stat().st_mtime > 3600:
-                    shutil.rmtree(p, ignore_errors=True)
+                if p.is_symlink() or (p.is_dir() and now - p.stat().st_mtime > 3600):
+                    _remove_tree(p)
             except FileNotFoundError:
                 pass
         if removed:
             self._event(event="gc", removed=removed)
         return removed
+
+
+def _remove_tree(p: Path) -> None:
+    """Delete a dir tree, or just the link if `p` is a symlink (never what it points at)."""
+    if p.is_symlink():
+        p.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def check_state_dict(sd: Mapping[str, torch.Tensor], expected: Expected, version: int | None = None) -> None:
@@ -450,12 +483,14 @@ def check_state_dict(sd: Mapping[str, torch.Tensor], expected: Expected, version
     missing = sorted(set(spec) - set(sd))
     extra = sorted(set(sd) - set(spec))
     if missing:
-        raise AdapterRejected(f"missing tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''}", version)
+        raise AdapterRejected(f"missing tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''}", version,
+                              kind="shape")
     if extra:
-        raise AdapterRejected(f"unexpected tensor(s) {extra[:3]}{' ...' if len(extra) > 3 else ''}", version)
+        raise AdapterRejected(f"unexpected tensor(s) {extra[:3]}{' ...' if len(extra) > 3 else ''}", version,
+                              kind="shape")
     for name, (shape, dtype) in spec.items():
         t = sd[name]
         if tuple(t.shape) != shape:
-            raise AdapterRejected(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}", version)
+            raise AdapterRejected(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}", version, kind="shape")
         if dtype is not None and t.dtype != dtype:
-            raise AdapterRejected(f"tensor {name} has dtype {t.dtype}, expected {dtype}", version)
+            raise AdapterRejected(f"tensor {name} has dtype {t.dtype}, expected {dtype}", version, kind="shape")

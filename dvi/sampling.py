@@ -20,6 +20,10 @@ __all__ = [
 ]
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-3
+"""Temperatures in (0, this) are served as greedy (logits / 1e-45 overflow: NaN probabilities)."""
+
+
 def warp_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -44,7 +48,7 @@ def warp_probs(
         sorted_x, sorted_idx = x.sort(dim=-1, descending=True)
         remove = torch.zeros_like(sorted_x, dtype=torch.bool)
         if top_k is not None:
-            k = top_k.view(n, 1, 1).clamp(min=0)
+            k = top_k.view(n, 1, 1).clamp(min=0, max=v)  # k >= V keeps everything
             ranks = torch.arange(v, device=x.device).view(1, 1, v)
             # k == 0 disables top-k; ties at the k-th value are kept (as in HF).
             kth = sorted_x.gather(-1, (k - 1).clamp(min=0).expand(n, s, 1))

@@ -16,11 +16,14 @@ use this, so a promotion decision and its reported estimate always agree.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from dvi.sampling import GREEDY_BELOW_TEMPERATURE
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """Maps input ids ``[1, L]`` to logits ``[1, L, V]`` (teacher forcing, no cache)."""
@@ -31,6 +34,17 @@ class ShadowEstimate:
     alpha: float
     positions: int
     records: int
+
+
+def shadow_passes(new_alpha: float, old_alpha: float, margin: float) -> bool:
+    """Whether a candidate with shadow α `new_alpha` may replace one with `old_alpha`.
+
+    A NaN/inf candidate estimate never passes (``not (nan < x)`` is True, which once promoted a
+    worse drafter); a candidate is compared only with a finite live estimate.
+    """
+    if not math.isfinite(new_alpha):
+        return False
+    return not math.isfinite(old_alpha) or new_alpha >= old_alpha - margin
 
 
 def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
@@ -68,6 +82,8 @@ def shadow_alpha(
         if not prompt or not tokens:
             continue
         temperature = float(_get(rec, "temperature") or 0.0)
+        if not temperature >= GREEDY_BELOW_TEMPERATURE:  # tiny (or NaN) temperatures were served greedy
+            temperature = 0.0
         ids = torch.tensor([list(prompt) + list(tokens)[:-1]], device=device)
         logits = logits_fn(ids)[0, len(prompt) - 1 :].float()  # predicts tokens[0..]
         n = len(tokens)

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from dvi.fsutil import atomic_write_text
 from dvi.registry import AdapterRejected
 
-from .protocol import ApiError
+from .protocol import ApiError, Text
 
 log = logging.getLogger("dvi.serving.admin")
 
@@ -37,17 +37,29 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MAX_PATH_CHARS = 4096
+MAX_REASON_CHARS = 500
+
+
 class TargetUpdate(_Body):
-    path: str = Field(min_length=1)
-    version: StrictInt | None = Field(None, ge=0)
+    path: Text = Field(min_length=1, max_length=MAX_PATH_CHARS)
+    version: StrictInt | None = Field(None, ge=0, le=2**62)
+
+    @field_validator("path")
+    @classmethod
+    def _no_nul(cls, v: str) -> str:
+        if "\x00" in v:
+            raise ValueError("path contains a NUL byte")
+        return v
 
 
 class PinRequest(_Body):
-    version: StrictInt | None = Field(..., ge=0)
+    version: StrictInt | None = Field(..., ge=0, le=2**62)
 
 
 class RollbackRequest(_Body):
-    reason: str = "admin rollback"
+    # kept in memory, logged and written to the event logs: bounded
+    reason: Text = Field("admin rollback", max_length=MAX_REASON_CHARS)
 
 
 def _state(request: Request) -> Any:
@@ -57,13 +69,14 @@ def _state(request: Request) -> Any:
 def _check_admin(request: Request) -> Any:
     s = _state(request)
     token = s.cfg.serve.admin_token
-    if not token:
+    if token is None or not token.get_secret_value():
         raise ApiError(403, "admin API is disabled (set serve.admin_token)", type_="permission_error")
     auth = request.headers.get("authorization", "")
     if not auth.startswith("Bearer "):
         raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin_token>'",
                        type_="authentication_error")
-    if not hmac.compare_digest(auth[len("Bearer "):].encode(), token.encode()):
+    if not hmac.compare_digest(auth[len("Bearer "):].encode("utf-8", "surrogatepass"),
+                               token.get_secret_value().encode("utf-8", "surrogatepass")):
         raise ApiError(403, "wrong admin token", type_="permission_error")
     return s
 
@@ -111,12 +124,14 @@ def admin_router() -> APIRouter:
         path = confine_path(body.path, list(s.cfg.serve.allowed_dirs))
         version = body.version if body.version is not None else s.target_version + 1
         engine = s.engine
-        fut = s.scheduler.call_between_steps(lambda: engine.update_target_weights(str(path), version))
+        fut = s.scheduler.call_between_steps(
+            lambda: engine.update_target_weights(str(path), version, complete=True))
         try:
             await asyncio.wrap_future(fut)
-        except Exception as exc:  # noqa: BLE001 - unreadable weights are the caller's input error
+        except Exception as exc:  # noqa: BLE001 - unreadable / NaN / partial weights are the caller's error
+            log.warning("target update from %s refused: %s: %s", path, type(exc).__name__, exc)
             raise ApiError(400, f"cannot load target weights from {body.path!r}: {type(exc).__name__}: {exc}",
-                           param="path") from None
+                           param="path", code="target_refused") from None
         s.target_version = version
         _write_target_version(Path(s.cfg.run_dir), version)
         s.metrics.observe_target_update(version)

@@ -9,9 +9,11 @@ bug or an engine failure, and it fails one request, never the server.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,7 +43,9 @@ from .protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    RequestLimits,
     error_body,
+    limits_context,
     new_id,
     now,
 )
@@ -121,6 +125,17 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     target_version: int = 0
     stopped: bool = False
+    # one worker: tokenising a long prompt must not block the event loop (/health included), and
+    # HF fast tokenizers are not meant for concurrent encodes
+    tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dvi-tokenize"))
+
+    @property
+    def limits(self) -> RequestLimits:
+        sv = self.cfg.serve
+        return RequestLimits(max_prompt_chars=sv.max_prompt_chars, max_stop_strings=sv.max_stop_strings,
+                             max_stop_chars=sv.max_stop_chars, vocab_size=self.vocab_size,
+                             domains=tuple(sv.domains))
 
     def start(self) -> None:
         self.scheduler.start()
@@ -137,6 +152,7 @@ class ServerState:
         if self.swapper is not None:
             self.swapper.stop()
         self.scheduler.stop()
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if self.feedback is not None:
             try:
                 self.feedback.close()
@@ -155,7 +171,7 @@ def build_state(cfg: DviConfig) -> ServerState:
         pair.target, pair.drafter if spec.num_draft_tokens > 0 or spec.adaptive else None,
         num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
         max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
-        target_version=0, drafter_version=0,
+        target_version=0, drafter_version=0, greedy_below_temperature=cfg.sampling.greedy_below_temperature,
     )
     if spec.adaptive and pair.drafter is not None:
         # Measure draft/verify costs for every batch bucket now, so no request pays for a
@@ -169,8 +185,8 @@ def build_state(cfg: DviConfig) -> ServerState:
     fb = cfg.feedback
     feedback = FeedbackWriter(fb.dir, shard_records=fb.shard_records, flush_seconds=fb.flush_seconds,
                               retention_bytes=fb.retention_bytes, retention_shards=fb.retention_shards,
-                              background=True)
-    metrics = ServerMetrics(cfg)
+                              background=True, max_pending_bytes=fb.max_buffer_bytes)
+    metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions)
     scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
                           feedback=feedback, num_threads=cfg.serve.num_threads)
     supervisor = TrainerSupervisor(cfg)
@@ -202,14 +218,19 @@ def _on_finished(state: ServerState, fin: Finished) -> None:
 
 
 def _on_swap_event(metrics: Any, ev: SwapEvent) -> None:
-    metrics.observe_swap(ev.kind, ev.version, ev.reason)
+    metrics.observe_swap(ev.kind, ev.version, ev.reason, category=ev.category)
 
 
 # -- request handling -----------------------------------------------------------------------------
+# pydantic puts the union member that failed into `loc` ("str", "list[int]",
+# "function-after[_unicode(), str]"); the client's parameter is the field path without them.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+
+
 def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
     errs = exc.errors()
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p))]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     if first.get("type") == "missing":
@@ -219,29 +240,64 @@ def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError
     return ApiError(400, msg, param=param)
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it passes `limit` bytes: never buffer 10 MB."""
+    declared = request.headers.get("content-length")
+    too_big = ApiError(413, f"request body exceeds this server's limit of {limit} bytes",
+                       code="body_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _parse(request: Request, model: type, allow_empty: bool = False) -> Any:
-    """Validate a JSON body against a pydantic model; errors are 400s that name the field."""
-    body = await request.body()
+    """Validate a JSON body against a pydantic model; errors are 400s that name the field.
+
+    The config's limits (prompt characters, stop strings, top_k <= vocabulary, the domain
+    allowlist) reach the model's validators as pydantic context.
+    """
+    state: ServerState = request.app.state.dvi
+    body = await read_body(request, state.cfg.serve.max_body_bytes)
     try:
         data = {} if allow_empty and not body.strip() else json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=limits_context(state.limits))
     except ValidationError as exc:
         raise _validation_error(exc) from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
 
 
 def _check_auth(state: ServerState, request: Request) -> None:
     key = state.cfg.serve.api_key
-    if not key:
+    if key is None or not key.get_secret_value():
         return
     auth = request.headers.get("authorization", "")
-    if auth != f"Bearer {key}":
+    if not (auth.startswith("Bearer ") and key == auth[len("Bearer "):]):  # Secret.__eq__: constant time
         raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
                        type_="authentication_error", code="invalid_api_key")
+
+
+async def _tokenize(state: ServerState, fn: Any, *args: Any) -> list[int]:
+    """Run a tokenizer call on the tokenize thread, so the event loop keeps answering."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.tokenize_pool, fn, *args)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=True)
 
 
 def _chat_prompt(tokenizer: Any, messages: list) -> list[int]:
@@ -307,8 +363,7 @@ def _submit(state: ServerState, req: Any, prompt_ids: list[int], params: Samplin
     try:
         h = state.scheduler.submit(prompt_ids, params, domain=req.domain(), stop=req.stop_list(),
                                    stream=req.stream)
-    except QueueFull as exc:
-        state.metrics.observe_rejected("queue_full")
+    except QueueFull as exc:  # counted by the ApiError handler (reason queue_full)
         raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
     return h
 
@@ -377,6 +432,7 @@ async def _stream(state: ServerState, request: Request, h: Handle, rid: str, cre
                 return
             else:
                 err: ApiError = ev[1]
+                count_refusal(state, err.status, err.code)
                 yield f"data: {json.dumps(err.body())}\n\n".encode()
                 yield b"data: [DONE]\n\n"
                 return
@@ -407,17 +463,25 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     def st(request: Request) -> ServerState:
         return request.app.state.dvi
 
+    def refused(request: Request, status: int, code: str | None) -> None:
+        s = getattr(request.app.state, "dvi", None)
+        if s is not None:
+            count_refusal(s, status, code)
+
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        refused(request, exc.status, exc.code)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _req_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _req_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = _validation_error(exc)
+        refused(request, err.status, err.code)
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        refused(request, exc.status_code, None)
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
@@ -432,7 +496,7 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
         _check_auth(s, request)
         req = await _parse(request, CompletionRequest)
         if isinstance(req.prompt, str):
-            ids = s.tokenizer.encode(req.prompt, add_special_tokens=True)
+            ids = await _tokenize(s, _encode, s.tokenizer, req.prompt)
         else:
             ids = list(req.prompt)
         return await _complete(s, request, req, ids, chat=False)
@@ -442,7 +506,8 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
         s = st(request)
         _check_auth(s, request)
         req = await _parse(request, ChatCompletionRequest)
-        return await _complete(s, request, req, _chat_prompt(s.tokenizer, req.messages), chat=True)
+        ids = await _tokenize(s, _chat_prompt, s.tokenizer, req.messages)
+        return await _complete(s, request, req, ids, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -473,13 +538,49 @@ def _draft_vocab_size(engine: Any) -> int | None:
     return None if ids is None else int(ids.numel())
 
 
+REJECTION_REASONS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                     405: "method_not_allowed", 409: "conflict", 413: "body_too_large", 422: "invalid_request",
+                     429: "queue_full", 503: "unavailable"}
+
+
+def rejection_reason(status: int, code: str | None) -> str:
+    """A bounded label for a refused request: our own error code, else one per HTTP status."""
+    return code or REJECTION_REASONS.get(status, "other")
+
+
+def count_refusal(s: ServerState, status: int, code: str | None) -> None:
+    """Count a request the server refused (a 500 is a failure, not a refusal)."""
+    if status != 500:
+        s.metrics.observe_rejected(rejection_reason(status, code))
+
+
+def degraded_reasons(s: ServerState, trainer: dict[str, Any]) -> list[str]:
+    """Why /health is not ok (empty: ok); each line is what an operator must look at."""
+    reasons = []
+    if not s.scheduler.alive:
+        reasons.append("engine loop is not running")
+    if trainer["state"] == "restarting":
+        reasons.append(f"trainer is restarting (last exit code {trainer['last_exit_code']}, "
+                       f"restarts {trainer['restarts']})")
+    if trainer.get("stale"):
+        reasons.append(f"trainer heartbeat is {trainer['heartbeat_age_s']:.0f}s old "
+                       f"(limit {s.cfg.serve.trainer_stale_s:g}s)")
+    fb = s.feedback
+    if fb is not None and fb.failing:
+        reasons.append(f"feedback writes failing ({fb.last_error}); {fb.pending()} records buffered, "
+                       f"{fb.dropped_records} dropped")
+    return reasons
+
+
 def health_info(s: ServerState) -> dict[str, Any]:
     alive = s.scheduler.alive
     sw = s.swapper.info() if s.swapper is not None else None
     trainer = s.supervisor.info()
-    ok = alive and trainer["state"] not in ("restarting",)
+    reasons = degraded_reasons(s, trainer)
+    fb = s.feedback
     return {
-        "status": "ok" if ok else ("degraded" if alive else "down"),
+        "status": "ok" if not reasons else ("degraded" if alive else "down"),
+        "reasons": reasons,
         "model": s.model_name,
         "uptime_s": round(time.time() - s.started_at, 3),
         "engine": {"alive": alive, "running": s.scheduler.num_running(), "queue": s.scheduler.queue_depth(),
@@ -492,8 +593,13 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "drafter_kind": s.cfg.models.drafter_kind,
         "draft_vocab_size": _draft_vocab_size(s.engine),
         "trainer": trainer,
-        "feedback": {"dir": s.cfg.feedback.dir, "records_written": getattr(s.feedback, "records_written", 0),
-                     "pending": s.feedback.pending() if s.feedback is not None else 0,
+        "feedback": {"dir": s.cfg.feedback.dir, "records_written": getattr(fb, "records_written", 0),
+                     "pending": fb.pending() if fb is not None else 0,
+                     "pending_bytes": fb.pending_bytes() if fb is not None else 0,
+                     "write_errors": getattr(fb, "flush_errors", 0),
+                     "dropped": getattr(fb, "dropped_records", 0),
+                     "failing": bool(fb is not None and fb.failing),
+                     "last_error": getattr(fb, "last_error", None),
                      "errors": s.scheduler.feedback_errors},
     }
 

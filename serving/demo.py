@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from dvi.config import DviConfig, dump_config
+from dvi.fsutil import PRIVATE, atomic_write_text
 
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
 CONCURRENCY = 4
@@ -244,7 +245,7 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
     if data["wandb"]["mode"] == "disabled":
         data["wandb"]["mode"] = "offline"
     config_path = run_dir / "serve_config.yaml"
-    config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    atomic_write_text(config_path, yaml.safe_dump(data, sort_keys=False), mode=PRIVATE)  # holds the admin token
 
     target_path, _, tok_path = pair_paths(cfg)
     from dvi.models import find_tokenizer_path, load_tokenizer

@@ -10,9 +10,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+)
 
 # The fallback chat format, used when the tokenizer has no chat template: one line per message,
 # "<role>: <content>", then "assistant:" so the model continues as the assistant.
@@ -41,20 +51,65 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """Config-dependent bounds, handed to validation as pydantic context (`limits_context`)."""
+
+    max_prompt_chars: int = 1_000_000
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    vocab_size: int | None = None
+    domains: tuple[str, ...] | None = None  # None: any domain; else others are reported as OTHER_DOMAIN
+
+
+OTHER_DOMAIN = "other"
+DEFAULT_LIMITS = RequestLimits()
+
+
+def limits_context(limits: RequestLimits) -> dict[str, Any]:
+    return {"limits": limits}
+
+
+def _limits(info: ValidationInfo) -> RequestLimits:
+    ctx = info.context or {}
+    return ctx.get("limits", DEFAULT_LIMITS)
+
+
+def _unicode(v: str) -> str:
+    """Strings must be encodable (a lone surrogate from a JSON escape is not text; it crashed the tokenizer)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("contains a lone surrogate (not valid Unicode text)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: StrictInt | None = Field(None, gt=0)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt | None = Field(None, ge=0)
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    stop: Text | list[Text] | None = None
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: StrictBool = False
     n: StrictInt = Field(1, ge=1)
     metadata: dict[str, Any] | None = None
-    user: str | None = None
+    user: Text | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_in_vocab(cls, v: int | None, info: ValidationInfo) -> int | None:
+        vocab = _limits(info).vocab_size
+        if v is not None and vocab is not None and v > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size ({vocab})")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -65,21 +120,29 @@ class _Request(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+    def _stops(cls, v: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
+        lim = _limits(info)
         items = [v] if isinstance(v, str) else (v or [])
         if any(s == "" for s in items):
             raise ValueError("stop strings must be non-empty")
-        if len(items) > 16:
-            raise ValueError("at most 16 stop strings")
+        if len(items) > lim.max_stop_strings:
+            raise ValueError(f"at most {lim.max_stop_strings} stop strings")
+        if any(len(s) > lim.max_stop_chars for s in items):
+            raise ValueError(f"stop strings must be at most {lim.max_stop_chars} characters")
         return v
 
     @field_validator("metadata")
     @classmethod
-    def _domain(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _domain(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        """Clients choose the domain, so it is a metrics label only if the config lists it."""
         if v is not None and "domain" in v:
             d = v["domain"]
             if not isinstance(d, str) or not d or len(d) > 64:
                 raise ValueError("metadata.domain must be a non-empty string of at most 64 characters")
+            _unicode(d)
+            allowed = _limits(info).domains
+            if allowed is not None and d not in allowed:
+                v = {**v, "domain": OTHER_DOMAIN}
         return v
 
     def stop_list(self) -> list[str]:
@@ -89,15 +152,21 @@ class _Request(BaseModel):
         return str((self.metadata or {}).get("domain") or "default")
 
 
+def _check_prompt_chars(n: int, info: ValidationInfo) -> None:
+    limit = _limits(info).max_prompt_chars
+    if n > limit:
+        raise ValueError(f"prompt has {n} characters; this server's limit is {limit}")
+
+
 class CompletionRequest(_Request):
     """POST /v1/completions: a prompt (text, or a list of token ids, or a one-element list)."""
 
-    prompt: str | list[StrictInt] | list[str]
+    prompt: Text | list[StrictInt] | list[Text]
     echo: StrictBool = False
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: str | list) -> str | list:
+    def _prompt(cls, v: str | list, info: ValidationInfo) -> str | list:
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt must not be empty")
@@ -107,6 +176,8 @@ class CompletionRequest(_Request):
                 v = v[0]
         if isinstance(v, str) and not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, str):
+            _check_prompt_chars(len(v), info)
         return v
 
 
@@ -114,13 +185,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: Text
 
 
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_chars(cls, v: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
+        _check_prompt_chars(sum(len(m.content) for m in v), info)
+        return v
 
 
 class Usage(BaseModel):

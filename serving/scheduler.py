@@ -235,8 +235,8 @@ class Scheduler:
             try:
                 self.engine.add_request(Request(request_id=h.request_id, prompt_ids=h.prompt_ids,
                                                 params=h.params, domain=h.domain))
-            except ValueError as exc:
-                self._fail(h, ApiError(400, str(exc), param="prompt"))
+            except ValueError as exc:  # the client's input; InvalidParam names the field
+                self._fail(h, ApiError(400, str(exc), param=getattr(exc, "param", "prompt")))
                 continue
             except Exception as exc:  # noqa: BLE001 - one request must not kill the loop
                 log.exception("engine.add_request failed for %s", h.request_id)

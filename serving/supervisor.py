@@ -13,6 +13,13 @@ Modes (`serve.trainer`):
 - ``external``: a trainer started elsewhere (e.g. `accelerate launch` on other GPUs) shares the
   feedback and registry dirs; the server only reports ``external``.
 
+Liveness: a process that exists is not necessarily working (SIGSTOP, a deadlock, a hung
+filesystem). The trainer rewrites `<run_dir>/trainer/status.json` on every loop iteration (running,
+idle or paused); when that heartbeat is older than `serve.trainer_stale_s` (or, before the first
+one, the spawn is older than `serve.trainer_start_grace_s`), the supervisor kills the process group with SIGKILL (which also ends a
+stopped process), counts a stale restart, logs it and restarts as after a crash. `/health` shows
+the heartbeat age and is degraded while the trainer restarts.
+
 Pause / resume: the supervisor writes / removes `<run_dir>/trainer.pause`; the online trainer
 (`trainers.online`) checks it before every round and takes no steps while it exists, so the same
 mechanism works for supervised and external trainers, and a paused trainer stays responsive to
@@ -39,7 +46,7 @@ from pathlib import Path
 import yaml
 
 from dvi.config import DviConfig, dump_config
-from dvi.fsutil import atomic_write_text
+from dvi.fsutil import PRIVATE, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,7 @@ STABLE_AFTER_S = 60.0
 PAUSE_FILE = "trainer.pause"
 CONFIG_FILE = "trainer_config.yaml"
 LOG_FILE = "trainer.log"
+HEARTBEAT_FILE = ("trainer", "status.json")  # written by trainers.online every loop iteration
 
 
 def _pdeathsig() -> None:  # pragma: no cover - runs in the child
@@ -74,6 +82,11 @@ class TrainerSupervisor:
                                    "--config", str(self.config_path)]
         self.on_event = on_event or (lambda _event: None)
         self.restarts = 0
+        self.stale_restarts = 0
+        self.stale_after_s = cfg.serve.trainer_stale_s
+        self.start_grace_s = max(cfg.serve.trainer_start_grace_s, cfg.serve.trainer_stale_s)
+        self.heartbeat_path = self.run_dir.joinpath(*HEARTBEAT_FILE)
+        self._spawned_at: float | None = None  # wall clock, comparable with file mtimes
         self.state = "off" if self.mode == "off" else ("external" if self.mode == "external" else "starting")
         self.paused = False
         self.last_exit_code: int | None = None
@@ -94,8 +107,11 @@ class TrainerSupervisor:
         self._thread.start()
 
     def write_config(self) -> Path:
-        """The resolved config the trainer runs with (so it sees the server's dirs and preset)."""
-        atomic_write_text(self.config_path, yaml.safe_dump(dump_config(self.cfg), sort_keys=False))
+        """The resolved config the trainer runs with (so it sees the server's dirs and preset).
+
+        `dump_config` leaves the secrets out; the file is still owner-only, as it names the run's dirs.
+        """
+        atomic_write_text(self.config_path, yaml.safe_dump(dump_config(self.cfg), sort_keys=False), mode=PRIVATE)
         return self.config_path
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -157,14 +173,18 @@ class TrainerSupervisor:
             if proc is not None:
                 with self._lock:
                     self.proc = proc
+                    self._spawned_at = time.time()
                 self.state = "paused" if self.paused else "running"
                 log.info("trainer started (pid %d, restarts %d)", proc.pid, self.restarts)
                 self.on_event("started")
                 while not self._stop.is_set() and proc.poll() is None:
                     self._wake.wait(0.2)
                     self._wake.clear()
+                    if self._check_stale(proc):
+                        break
                 if self._stop.is_set():
                     return
+                proc.wait()
                 self.last_exit_code = proc.returncode
                 log.warning("trainer exited with code %s; restarting in %.1fs (see %s)",
                             proc.returncode, backoff, self.log_path)
@@ -177,6 +197,38 @@ class TrainerSupervisor:
             backoff = min(backoff * 2, max_backoff)
             self.restarts += 1
             self.on_event("restarted")
+
+    def _heartbeat(self) -> tuple[float, float] | None:
+        """(seconds since the running trainer's last heartbeat or, before its first, its spawn; the
+        limit that age is held to), or None when no trainer process runs."""
+        with self._lock:
+            spawned, proc = self._spawned_at, self.proc
+        if spawned is None or proc is None or proc.poll() is not None:
+            return None
+        try:
+            beat = self.heartbeat_path.stat().st_mtime
+        except OSError:
+            beat = 0.0
+        if beat >= spawned:
+            return max(0.0, time.time() - beat), self.stale_after_s
+        return max(0.0, time.time() - spawned), self.start_grace_s
+
+    def heartbeat_age(self) -> float | None:
+        hb = self._heartbeat()
+        return None if hb is None else hb[0]
+
+    def _check_stale(self, proc: subprocess.Popen) -> bool:
+        """Kill a trainer whose heartbeat is older than `serve.trainer_stale_s` (stopped or hung)."""
+        hb = self._heartbeat()
+        if hb is None or hb[0] <= hb[1]:
+            return False
+        age = hb[0]
+        self.stale_restarts += 1
+        log.error("trainer pid %d: no heartbeat for %.1fs (limit %.1fs): stopped or hung; killing it and "
+                  "restarting (stale restarts %d)", proc.pid, age, self.stale_after_s, self.stale_restarts)
+        self.on_event("stale")
+        self._signal(proc, signal.SIGKILL)
+        return True
 
     # -- pause / resume ----------------------------------------------------------------------
     def pause(self) -> None:
@@ -205,6 +257,10 @@ class TrainerSupervisor:
         return p.pid if p is not None and p.poll() is None else None
 
     def info(self) -> dict:
+        hb = self._heartbeat()
         return {"mode": self.mode, "state": self.state, "restarts": self.restarts, "pid": self.pid,
+                "heartbeat_age_s": None if hb is None else round(hb[0], 3),
+                "stale": hb is not None and hb[0] > hb[1], "stale_after_s": self.stale_after_s,
+                "stale_restarts": self.stale_restarts,
                 "paused": self.paused or self.pause_path.exists(), "last_exit_code": self.last_exit_code,
                 "log": str(self.log_path) if self.mode == "supervised" else None}

@@ -34,6 +34,7 @@ import collections
 import copy
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ import torch
 
 from dvi.drafters import ADAPTER_CONFIG, Drafter, EarlyExitDrafter
 from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
-from dvi.shadow import hf_logits_fn, shadow_alpha
+from dvi.shadow import hf_logits_fn, shadow_alpha, shadow_passes
 from dvi.vocab import apply_draft_vocab, find_subset_head
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,35 @@ class SwapEvent:
     previous: int | None
     reason: str
     at: float
+    category: str = ""  # refusals: one of dvi.registry.REFUSAL_KINDS (a bounded metrics label)
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "version": self.version, "previous": self.previous,
-                "reason": self.reason, "at": self.at}
+                "reason": self.reason, "at": self.at, "category": self.category}
+
+
+MAX_CONFIG_BYTES = 1 << 20
+# config keys that fix a drafter's architecture and size; a `full` version must match the live one
+ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "intermediate_size", "head_dim", "tie_word_embeddings")
+
+
+def check_full_config(d: Any, version: int, base: torch.nn.Module) -> None:
+    """Compare a `full` version's config.json with the live drafter's before anything is built:
+    instantiating a config first costs seconds (and memory) for a huge one, and a drafter of
+    another architecture would otherwise be promoted."""
+    path = d / "config.json"
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterRejected(f"config.json is {path.stat().st_size} bytes (> {MAX_CONFIG_BYTES})", version,
+                              kind="architecture")
+    cfg = json.loads(path.read_text())
+    if not isinstance(cfg, dict):
+        raise AdapterRejected("config.json is not a JSON object", version, kind="architecture")
+    live = base.config.to_dict()
+    for key in ARCH_KEYS:
+        if key in live and cfg.get(key, live[key]) != live[key]:
+            raise AdapterRejected(f"config.json {key}={cfg.get(key)!r}, the live drafter has {live[key]!r}",
+                                  version, kind="architecture")
 
 
 def _module(drafter: Any) -> torch.nn.Module:
@@ -79,7 +105,7 @@ def _check_vocab(man: dict, base: Any, version: int) -> None:
     trained = man.get("draft_vocab_size", live)
     if trained != live:
         raise AdapterRejected(f"trained for a draft vocabulary of {trained or 'all'} ids, the server drafts over "
-                              f"{live or 'all'}", version)
+                              f"{live or 'all'}", version, kind="architecture")
 
 
 def load_early_exit_version(registry: DrafterRegistry, version: int, base: EarlyExitDrafter) -> tuple[Any, dict]:
@@ -89,13 +115,14 @@ def load_early_exit_version(registry: DrafterRegistry, version: int, base: Early
     d = registry.version_dir(version)
     if man.get("drafter_kind", "early_exit") != "early_exit":
         raise AdapterRejected(f"published by a {man.get('drafter_kind')!r} trainer, the server drafts early-exit",
-                              version)
+                              version, kind="architecture")
     try:
         cfg = json.loads((d / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as exc:
-        raise AdapterRejected(f"{ADAPTER_CONFIG} does not load: {exc}", version) from None
+        raise AdapterRejected(f"{ADAPTER_CONFIG} does not load: {exc}", version, kind="files") from None
     if not isinstance(cfg, dict) or cfg.get("dvi_kind") != "early_exit":
-        raise AdapterRejected("not an early-exit drafter (adapter_config.json lacks dvi_kind 'early_exit')", version)
+        raise AdapterRejected("not an early-exit drafter (adapter_config.json lacks dvi_kind 'early_exit')", version,
+                              kind="architecture")
     live = base.trainable_state_dict()
     check_state_dict(sd, {k: (tuple(v.shape), None) for k, v in live.items()}, version)
     head = find_subset_head(base.model)
@@ -103,10 +130,10 @@ def load_early_exit_version(registry: DrafterRegistry, version: int, base: Early
         drafter = EarlyExitDrafter.load(base.target_ref, d,
                                         vocab_ids=head.token_ids.cpu() if head is not None else None)
     except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
-        raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version) from None
+        raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, kind="load") from None
     for name, p in drafter.trainable_state_dict().items():
         if not bool(torch.isfinite(p).all()):
-            raise AdapterRejected(f"parameter {name} is not finite after loading", version)
+            raise AdapterRejected(f"parameter {name} is not finite after loading", version, kind="nonfinite")
     return drafter, man
 
 
@@ -132,6 +159,7 @@ def load_drafter_version(registry: DrafterRegistry, version: int, base: Any) -> 
         else:
             from transformers import AutoConfig, AutoModelForCausalLM
 
+            check_full_config(d, version, base)
             config = AutoConfig.from_pretrained(str(d))
             model = AutoModelForCausalLM.from_config(config)
             expected = {k: (tuple(v.shape), None) for k, v in model.state_dict().items()}
@@ -143,18 +171,18 @@ def load_drafter_version(registry: DrafterRegistry, version: int, base: Any) -> 
     except AdapterRejected:
         raise
     except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
-        raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version) from None
+        raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, kind="load") from None
     base_rows = base.get_output_embeddings().weight.shape[0]
     rows = model.get_output_embeddings().weight.shape[0]
     if rows != base_rows:
-        raise AdapterRejected(f"vocabulary has {rows} rows, the live drafter {base_rows}", version)
+        raise AdapterRejected(f"vocabulary has {rows} rows, the live drafter {base_rows}", version, kind="shape")
     head = find_subset_head(base)
     if head is not None and find_subset_head(model) is None:  # a full version: same draft vocabulary as live
         apply_draft_vocab(model, head.token_ids.cpu())
     model = model.to(device=ref.device, dtype=ref.dtype).eval()
     for name, p in model.named_parameters():
         if not bool(torch.isfinite(p).all()):
-            raise AdapterRejected(f"parameter {name} is not finite after loading", version)
+            raise AdapterRejected(f"parameter {name} is not finite after loading", version, kind="nonfinite")
     return model, man
 
 
@@ -180,6 +208,7 @@ class DrafterSwapper:
         self.predecessor: int | None = None
         self.pinned: int | None = None
         self.refused: dict[int, str] = {}
+        self.retry: set[int] = set()  # refused for a reason that may pass later (dir not there yet)
         self.events: collections.deque[SwapEvent] = collections.deque(maxlen=100)
         self.counts = collections.Counter()
         self.recent: collections.deque = collections.deque(maxlen=shadow_records)
@@ -228,8 +257,8 @@ class DrafterSwapper:
     def poll_once(self) -> None:
         latest = self.registry.latest()
         with self._lock:
-            if (latest is None or latest == self.live_version or latest in self.refused
-                    or self.pinned is not None):
+            if (latest is None or latest == self.live_version or self.pinned is not None
+                    or (latest in self.refused and latest not in self.retry)):
                 return
         self.consider(latest)
 
@@ -238,7 +267,7 @@ class DrafterSwapper:
         try:
             model, _man = load_drafter_version(self.registry, version, self.base)
         except AdapterRejected as exc:
-            self._refuse(version, exc.reason)
+            self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
             return False
         records = list(self.recent)
         reason = "no recent feedback to shadow-check; validated only"
@@ -251,8 +280,9 @@ class DrafterSwapper:
                                max_positions=SHADOW_MAX_POSITIONS)
             reason = (f"shadow α {new.alpha:.3f} vs live {old.alpha:.3f} on {new.records} records "
                       f"({new.positions} positions)")
-            if new.alpha < old.alpha - self.shadow_margin:
-                self._refuse(version, reason + f"; worse by more than {self.shadow_margin}")
+            if not shadow_passes(new.alpha, old.alpha, self.shadow_margin):
+                why = "not finite" if not math.isfinite(new.alpha) else f"worse by more than {self.shadow_margin}"
+                self._refuse(version, reason + f"; {why}", kind="shadow")
                 return False
         self._swap(model, version, "promoted", reason)
         return True
@@ -267,6 +297,9 @@ class DrafterSwapper:
         fut.result(timeout=120)
         with self._lock:
             prev = self.live_version
+            if version in self.retry:  # a retried version made it after all
+                self.retry.discard(version)
+                self.refused.pop(version, None)
             self.models[version] = model
             if kind != "rolled_back":
                 self.predecessor = prev
@@ -280,10 +313,17 @@ class DrafterSwapper:
             self._watching = kind == "promoted" and prev is not None
         self._record(SwapEvent(kind, version, prev, reason, time.time()))
 
-    def _refuse(self, version: int, reason: str) -> None:
+    def _refuse(self, version: int, reason: str, kind: str = "other", transient: bool = False) -> None:
+        """Refuse `version` (logged, counted once); a transient refusal is retried at every poll."""
         with self._lock:
-            self.refused[version] = reason
-        self._record(SwapEvent("refused", version, self.live_version, reason, time.time()))
+            again = transient and version in self.retry
+            self.refused[version] = reason + (" (will retry)" if transient else "")
+            if transient:
+                self.retry.add(version)
+            else:
+                self.retry.discard(version)
+        if not again:
+            self._record(SwapEvent("refused", version, self.live_version, reason, time.time(), category=kind))
 
     def _record(self, ev: SwapEvent) -> None:
         self.events.append(ev)

@@ -43,11 +43,13 @@ def read_trainer_status(run_dir: str) -> dict[str, Any]:
 class ServerMetrics:
     """Prometheus collectors on a private registry, and the JSONL/wandb logger of the run."""
 
-    def __init__(self, cfg: DviConfig, log_every: int = 16, window: int = 200) -> None:
+    def __init__(self, cfg: DviConfig, log_every: int = 16, window: int = 200,
+                 domains: list[str] | None = None, max_versions: int | None = None) -> None:
         from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry()
-        self.m = M.build_prometheus_metrics(self.registry, window=window)
+        self.m = M.Metrics(self.registry, window=window, domains=domains, max_versions=max_versions)
+        self._synced: dict[str, float] = {}
         self.log_every = log_every
         self.requests = 0
         self.rejected = 0
@@ -96,12 +98,12 @@ class ServerMetrics:
             except Exception:  # noqa: BLE001
                 log.exception("metrics row dropped")
 
-    def observe_swap(self, kind: str, version: int, reason: str = "") -> None:
+    def observe_swap(self, kind: str, version: int, reason: str = "", category: str = "") -> None:
         if kind in ("promoted", "pinned"):
             self.m.record_promotion()
             self.m.set_versions(drafter_version=version)
         elif kind == "refused":
-            self.m.record_refusal("shadow" if "shadow" in reason else "validation")
+            self.m.record_refusal(category or ("shadow" if "shadow" in reason else "other"))
         elif kind == "rolled_back":
             self.m.record_rollback()
             self.m.set_versions(drafter_version=version)
@@ -114,15 +116,34 @@ class ServerMetrics:
     def observe_target_update(self, version: int) -> None:
         self.m.set_versions(target_version=version)
 
+    def _sync_counter(self, name: str, total: float) -> None:
+        """Advance counter `name` to `total` (a count another object keeps), never backwards."""
+        with self._lock:
+            delta = total - self._synced.get(name, 0.0)
+            if delta > 0:
+                self._synced[name] = total
+                self.m[name].inc(delta)
+
     def update_gauges(self, state: Any) -> None:
-        """Scrape time: queue depth, versions, trainer state."""
+        """Scrape time: queue depth, versions, trainer state and heartbeat, feedback write health."""
         self.m.set_queue_depth(state.scheduler.queue_depth())
         dv = state.swapper.live_version if state.swapper is not None else 0
         self.m.set_versions(drafter_version=dv, target_version=state.target_version)
-        self.m.set_trainer_state(_TRAINER_STATE.get(state.supervisor.state, "stopped"))
-        self.m[M.TRAINER_RESTARTS].set(state.supervisor.restarts)
-        if state.supervisor.mode != "off":
+        sup = state.supervisor
+        self.m.set_trainer_state(_TRAINER_STATE.get(sup.state, "stopped"))
+        self.m[M.TRAINER_RESTARTS].set(sup.restarts)
+        self._sync_counter(M.TRAINER_STALE_RESTARTS, sup.stale_restarts)
+        age = sup.heartbeat_age()
+        if age is not None:
+            self.m[M.TRAINER_HEARTBEAT_AGE].set(age)
+        if sup.mode != "off":
             self.m.set_trainer(read_trainer_status(state.cfg.run_dir))
+        fb = state.feedback
+        if fb is not None:
+            self._sync_counter(M.FEEDBACK_WRITE_ERRORS, fb.flush_errors)
+            self._sync_counter(M.FEEDBACK_DROPPED_RECORDS, fb.dropped_records)
+            self.m[M.FEEDBACK_PENDING_RECORDS].set(fb.pending())
+            self.m[M.FEEDBACK_FAILING].set(1 if fb.failing else 0)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

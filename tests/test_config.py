@@ -72,3 +72,17 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
         load_config(None, ["speculation.num_draft_tokens=x"])
     with pytest.raises(ConfigError, match="expected key.sub=value"):
         load_config(None, ["speculation.num_draft_tokens"])
+
+
+def test_secrets_never_print_or_dump() -> None:
+    """Issue 17 item 3: credentials are SecretStr; dumps (trainer config, wandb, manifests) leave them out."""
+    import json
+
+    from dvi.config import Secret, dump_config
+
+    cfg = load_config(None, ["serve.api_key=k-s3cret", "serve.admin_token=t-s3cret"])
+    assert isinstance(cfg.serve.api_key, Secret) and cfg.serve.api_key == "k-s3cret"
+    assert cfg.serve.admin_token != "wrong" and cfg.serve.api_key != 5
+    for text in (repr(cfg), str(cfg.serve.api_key), cfg.model_dump_json(), json.dumps(dump_config(cfg))):
+        assert "s3cret" not in text
+    assert dump_config(cfg)["serve"]["api_key"] is None and dump_config(cfg)["serve"]["admin_token"] is None

@@ -93,3 +93,34 @@ def test_update_target_weights_bad_input(engine, tmp_path):
 def test_max_context_exactly_fits(engine):
     r = engine.generate([[1] * 30], max_new_tokens=10)[0]
     assert len(r.token_ids) == 10
+
+
+def test_invalid_params_name_the_field_and_tiny_temperature_is_greedy(engine):
+    """Issue 17 items 1, 6, 16: the error names the parameter; top_k is bounded by the vocabulary."""
+    from dvi.engine import InvalidParam
+
+    for params, field in ((SamplingParams(4, top_k=51), "top_k"), (SamplingParams(4, temperature=float("inf")),
+                          "temperature"), (SamplingParams(4, temperature=1.0, seed=2**70), "seed"),
+                          (SamplingParams(4, top_p=0.0), "top_p")):
+        with pytest.raises(InvalidParam) as exc:
+            engine.add_request(Request("bad", [1, 2], params))
+        assert exc.value.param == field
+    greedy = engine.generate([[1, 2, 3]], max_new_tokens=6)[0].token_ids
+    tiny = engine.generate([[1, 2, 3]], max_new_tokens=6, temperature=1e-45, seed=0)[0]
+    assert tiny.token_ids == greedy and tiny.temperature == 0.0
+
+
+def test_update_target_weights_refuses_non_finite_and_partial(engine):
+    """Issue 17 item 9: NaN / inf / (with complete=True) partial weights are refused, nothing changes."""
+    own = {k: v.clone() for k, v in engine.target.state_dict().items()}
+    name = next(k for k in own if k.endswith("q_proj.weight"))
+    for bad in (float("nan"), float("inf")):
+        sd = {k: v.clone() for k, v in own.items()}
+        sd[name][0, 0] = bad
+        with pytest.raises(ValueError, match="non-finite"):
+            engine.update_target_weights(sd, version=1)
+    partial = {k: v for k, v in own.items() if k != name}
+    with pytest.raises(ValueError, match="partial"):
+        engine.update_target_weights(partial, version=1, complete=True)
+    assert all(torch.equal(v, own[k]) for k, v in engine.target.state_dict().items())
+    assert engine.target_version == 0

@@ -277,3 +277,62 @@ def test_stale_tmp_cleaned_and_pending_bounded(tmp_path):
         "r3",
         "r4",
     ]
+
+
+def test_buffer_bytes_cap_and_failing_state(tmp_path):
+    """Issue 17 item 8: while shard writes fail the buffer is capped in bytes (oldest dropped and
+    counted), `failing` says so, and once storage works again every kept record is written once."""
+    from dvi.feedback import record_nbytes
+
+    root = tmp_path / "fb"
+    size = record_nbytes(make_record(0))
+    w = FeedbackWriter(root, shard_records=100, max_pending_bytes=int(3.5 * size))
+    aside = tmp_path / "aside"
+    root.rename(aside)
+    root.write_text("a file where the dir was: writes fail")
+    for i in range(7):
+        w.write(make_record(i))
+    with pytest.raises(OSError):
+        w.flush()
+    assert w.failing and w.last_error and w.flush_errors == 1
+    assert w.pending() == 3 and w.dropped_records == 4 and w.pending_bytes() == 3 * size
+    root.unlink()
+    aside.rename(root)
+    w.close()
+    assert not w.failing and w.last_error is None and w.pending_bytes() == 0
+    r = FeedbackReader(root)
+    ids = r.read(r.list_shards()).column("request_id").to_pylist()
+    assert ids == ["r4", "r5", "r6"] and w.records_written + w.dropped_records == 7
+
+
+def test_unreadable_shard_is_quarantined_and_counted(tmp_path):
+    """Issue 17 item 4 (library side): a corrupt file named like a shard is moved aside, not retried."""
+    from dvi.feedback import QUARANTINE_DIR
+
+    w = FeedbackWriter(tmp_path, shard_records=2)
+    for i in range(4):
+        w.write(make_record(i))
+    w.close()
+    bad = f"shard-{time.time_ns():020d}-1-000001.parquet"
+    (tmp_path / bad).write_bytes(b"PAR1 not parquet")
+    r = FeedbackReader(tmp_path)
+    names = r.poll()
+    assert bad in names and r.num_rows(bad) is None
+    assert (tmp_path / QUARANTINE_DIR / bad).exists() and bad not in r.poll()
+    assert r.read(r.poll()).num_rows == 4 and r.quarantined_shards == 1 and r.quarantined_total() == 1
+    # valid parquet, foreign schema: read with SCHEMA it would come back as nulls
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    foreign = f"shard-{time.time_ns():020d}-1-000002.parquet"
+    pq.write_table(pa.table({"request_id": ["x", "y"]}), tmp_path / foreign)
+    assert r.read(r.poll()).num_rows == 4 and r.quarantined_total() == 2
+    # right schema, inconsistent record (accepted draft != token): quarantined when validating
+    from dvi.feedback import records_to_table
+
+    rec = make_record(9)
+    rec.accepted = [True] * len(rec.token_ids)
+    inconsistent = f"shard-{time.time_ns():020d}-1-000003.parquet"
+    pq.write_table(records_to_table([rec]), tmp_path / inconsistent)
+    assert r.read(r.poll()).num_rows == 5  # the plain read does not look inside records
+    assert r.read(r.poll(), validate=True).num_rows == 4 and r.quarantined_total() == 3

@@ -156,3 +156,18 @@ def test_logger_passes_values_to_wandb(tmp_path, monkeypatch):
     )
     assert logged[0] == {f"{M.ACCEPTANCE_RATE}/code": 0.8, "drafter_version": 5, "step": 3}
     assert logged[-1] == "finished"
+
+
+def test_label_values_are_bounded():
+    """Issue 17 item 7: unknown domains count as "other"; only the newest drafter versions keep series."""
+    reg = CollectorRegistry()
+    m = M.Metrics(reg, domains=["code"], max_versions=2)
+    for v in range(1, 6):
+        for d in ("code", f"tenant-{v}"):
+            m.observe_result(result(domain=d, version=v), domain=d)
+    text = generate_latest(reg).decode()
+    assert 'domain="tenant' not in text and 'domain="other"' in text
+    versions = {ln.split('drafter_version="')[1].split('"')[0] for ln in text.splitlines() if "drafter_version=" in ln}
+    assert versions == {"4", "5"}
+    assert sample(reg, M.NUM_DRAFT_TOKENS, drafter_version="5", domain="other") == 8
+    assert {k[1] for k in m.alpha_window.keys()} == {4, 5}

@@ -196,3 +196,24 @@ def test_peft_publish_and_load_into(tmp_path):
     # a new adapter name is created from the version dir
     reg.load_peft_adapter_into(server, v, adapter_name="fresh")
     assert "fresh" in server.peft_config
+
+
+def test_symlinked_version_or_file_outside_is_refused_missing_is_transient(tmp_path):
+    """Issue 17 items 12 and 13: a version dir (or file) symlinked out of the registry is refused;
+    a version whose dir is not there (yet) is refused as transient, so the server retries it."""
+    reg = DrafterRegistry(tmp_path / "reg")
+    other = DrafterRegistry(tmp_path / "other")
+    v = other.publish_full(sd(1), {"model_type": "llama"}, {})
+    with pytest.raises(AdapterRejected) as exc:
+        reg.validate(1)
+    assert exc.value.kind == "missing" and exc.value.transient
+    os.symlink(other.version_dir(v), reg.version_dir(1))
+    with pytest.raises(AdapterRejected) as exc:
+        reg.validate(1)
+    assert exc.value.kind == "symlink" and not exc.value.transient
+    v2 = reg.publish_full(sd(2), {"model_type": "llama"}, {})
+    weights = reg.version_dir(v2) / "model.safetensors"
+    weights.unlink()
+    os.symlink(other.version_dir(v) / "model.safetensors", weights)
+    with pytest.raises(AdapterRejected, match="outside the version directory"):
+        reg.validate(v2)

@@ -53,3 +53,12 @@ def test_different_drafter_scores_less() -> None:
     for temperature in (0.0, 1.0):
         est = shadow_alpha(hf_logits_fn(other), _records(target, temperature))
         assert 0.0 <= est.alpha < 0.9, (temperature, est)
+
+
+def test_nan_shadow_alpha_never_passes():
+    """Issue 17 item 5: `not (nan < x)` is True; a NaN or inf candidate estimate must not pass."""
+    from dvi.shadow import shadow_passes
+
+    assert not shadow_passes(float("nan"), 0.5, 0.01) and not shadow_passes(float("inf"), 0.5, 0.01)
+    assert shadow_passes(0.495, 0.5, 0.01) and not shadow_passes(0.48, 0.5, 0.01)
+    assert shadow_passes(0.3, float("nan"), 0.01)  # no live estimate to compare with

@@ -67,7 +67,7 @@ from dvi.config import DviConfig, dump_config
 from dvi.feedback import FeedbackReader, FeedbackRecord
 from dvi.fsutil import atomic_write_json
 from dvi.registry import AdapterRejected, DrafterRegistry
-from dvi.shadow import hf_logits_fn, shadow_alpha
+from dvi.shadow import hf_logits_fn, shadow_alpha, shadow_passes
 from dvi.vocab import find_subset_head, subset_mode
 from trainers.losses import dvi_loss
 
@@ -681,7 +681,7 @@ class OnlineTrainer:
             old = self.shadow(state=parent_state)
             decision.update(heldout_alpha=new.alpha, parent_heldout_alpha=old.alpha, heldout_records=new.records,
                             heldout_positions=new.positions)
-            ok = not (new.alpha < old.alpha - self.tc.shadow_margin)
+            ok = shadow_passes(new.alpha, old.alpha, self.tc.shadow_margin)
             reason = (f"shadow α {new.alpha:.4f} vs parent {old.alpha:.4f} (v{parent_cmp if parent_cmp is not None else 0})"
                       f" on {new.records} held-out records")
         else:
@@ -907,7 +907,7 @@ class TrainerLoop:
         done = [s for s in self.reader.list_shards() if s not in pending or s in self.trained][-max_shards:]
         if not done:
             return
-        table = self.reader.read(done)
+        table = self.reader.read(done, validate=True)
         n_held = 0
         for row in table.to_pylist():
             e = Example.of(row)
@@ -963,24 +963,20 @@ class TrainerLoop:
 
         chosen, n = [], 0
         for name in reversed(pending):
-            chosen.append(name)
-            try:
-                n += self._num_rows(name)
-            except FileNotFoundError:
+            rows = self.reader.num_rows(name)  # None: vanished, or unreadable and quarantined
+            if rows is None:
                 continue
+            chosen.append(name)
+            n += rows
             if n >= self.cfg.trainer.min_new_records:
                 break
+        if not chosen:
+            return []
         if n < self.cfg.trainer.min_new_records:
             age = time.time() - shard_time_ns(pending[0]) / 1e9
             if age < STALE_SHARD_S * self.cfg.trainer.poll_seconds and not self.stop.requested:
                 return []  # wait for more records
         return sorted(chosen)
-
-    def _num_rows(self, name: str) -> int:
-        import pyarrow.parquet as pq
-
-        with self.reader.fs.open(self.reader.shard_path(name), "rb") as f:
-            return int(pq.ParquetFile(f).metadata.num_rows)
 
     def _broadcast(self, obj: Any) -> Any:
         acc = self.trainer.accelerator
@@ -1018,7 +1014,7 @@ class TrainerLoop:
         shards = self._broadcast(self._choose() if t.is_main else None)
         if not shards:
             return None
-        table = self.reader.read(shards)
+        table = self.reader.read(shards, validate=True)
         rows = table.to_pylist()
         stats = t.train_on_records(rows)
         self.seq += 1
@@ -1035,7 +1031,10 @@ class TrainerLoop:
         if not self.trainer.is_main:
             return
         try:
-            write_json_atomic(self.dir / STATUS_FILE, {"state": state, "pid": os.getpid(), **self.trainer.status()},
+            # also the heartbeat the server's supervisor watches (serve.trainer_stale_s)
+            write_json_atomic(self.dir / STATUS_FILE, {"state": state, "pid": os.getpid(), "heartbeat": time.time(),
+                                                       M.TRAINER_QUARANTINED_SHARDS: self.reader.quarantined_total(),
+                                                       **self.trainer.status()},
                               fsync=False)  # a gauge, rewritten every round
         except OSError:
             log.exception("cannot write trainer status")
