@@ -141,28 +141,25 @@ class PretrainedPreset:
     # distillation (trainers.subset_distill): the target labels `label_tokens` tokens of code, prose
     # and its own chat replies once (cached hidden states); the drafter then trains for
     # `distill_tokens` token-passes (several epochs) on KL over the first `train_vocab` draft ids
-    label_tokens: int = 262_144
-    distill_tokens: int = 1_048_576
-    train_vocab: int = 32768
+    label_tokens: int = 196_608
+    distill_tokens: int = 524_288
+    train_vocab: int = 16384
     distill_batch: int = 8
     seq_len: int = 256
     distill_lr: float = 1e-3
     distill_warmup: int = 20
     min_lr_ratio: float = 0.1
     mix: tuple[tuple[str, float], ...] = (("code", 0.6), ("chat", 0.3), ("prose", 0.1))
-    chat_replies: int = 256  # chat instructions (train split) the target answers to make chat training text
-    chat_reply_tokens: int = 192
-    # draft vocabulary: the token ids are stored in frequency order (counted on the training text);
-    # `draft_vocab` is the default size served, `draft_vocab_sizes` the sizes the build measures
+    chat_replies: int = 96  # chat instructions (train split) the target answers to make chat training text
+    chat_reply_tokens: int = 160
+    # draft vocabulary (counted on the training text): the drafter dir stores its first `draft_vocab`
+    # ids (what is served); the build measures agreement and latency at each of `draft_vocab_sizes`
     draft_vocab: int = 16384
     draft_vocab_sizes: tuple[int, ...] = (0, 32768, 16384, 8192)  # 0: the full vocabulary
     eval_chars: int = 40_000
     eval_chat: int = 24
     latency_steps: int = 48
     latency_dtype: str = "bfloat16"
-    mixed_precision: bool = True
-    compile: bool = True
-    threads: int | None = None
 
     def fingerprint(self) -> str:
         blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)

@@ -265,7 +265,8 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
 
     # --- save
     drafter.save_pretrained(str(paths.drafter))  # bf16: the served dtype, as evaluated
-    save_draft_vocab(paths.drafter, order, vocab_size)
+    if p.draft_vocab:
+        save_draft_vocab(paths.drafter, order[: p.draft_vocab], vocab_size)
     walls["total_s"] = time.perf_counter() - t_start
     return {
         "preset": p.name, "fingerprint": p.fingerprint(), "seed": seed, "created_at": time.time(),
