@@ -23,7 +23,7 @@ Goals (issue 4): after the switch the online arm's prose α reaches >= 90% of th
 code returns is within 0.02 of its pre-switch code α, the frozen arm stays down (< 90% of the
 ceiling), and serving throughput with the trainer running is >= 0.9x without it.
 
-    .venv/bin/python benchmarks/drift.py --preset small --requests 48 [--json bench_results/drift.json]
+    .venv/bin/python benchmarks/drift.py --preset smollm2 --requests 48 [--json bench_results/drift.json]
 
 Writes JSON (settings, per-request α of every arm, drafter versions, timings, `goals`) and a PNG
 beside it, prints a table ending with the goals, and exits 0 whether or not they are met.
@@ -405,12 +405,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="small", choices=["small", "tiny"])
+    ap.add_argument("--preset", default="smollm2", choices=["smollm2", "tiny"])
     ap.add_argument("--pair-dir", default=None, help="a built pair (default: the preset's cache dir; built if absent)")
     ap.add_argument("--config", default=str(ROOT / "configs" / "drift.yaml"), help="trainer/engine settings")
-    ap.add_argument("--requests", type=int, default=None, help="requests per phase (default: small 128, tiny 16)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per phase (default: smollm2 64, tiny 16)")
     ap.add_argument("--batch", type=int, default=4, help="requests decoded together (greedy)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: small 48, tiny 24")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: smollm2 48, tiny 24")
     ap.add_argument("--window", type=int, default=None, help="rolling window (requests) for α (default N/4, >= 8)")
     ap.add_argument("--probe-prompts", type=int, default=8)
     ap.add_argument("--probe-blocks", type=int, default=4, help="paused/running block pairs in the throughput probe")
@@ -442,8 +442,8 @@ def _run(args: argparse.Namespace) -> int:
     from dvi.models import load_pair
     from dvi.registry import DrafterRegistry
 
-    small = args.preset == "small"
-    n = args.requests or (128 if small else 16)
+    small = args.preset != "tiny"
+    n = args.requests or (64 if small else 16)
     max_new = args.max_new_tokens or (48 if small else 24)
     json_path = Path(args.json)
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -476,7 +476,8 @@ def _run(args: argparse.Namespace) -> int:
 
     def prompts(domain: str, seed: int, count: int) -> list[list[int]]:
         s = prompt_stream(domain, tok, split="heldout", prompt_tokens=(32, 96) if small else (16, 48), seed=seed)
-        return [[tok.bos_token_id] + p for p in itertools.islice(s, count)]
+        bos = [tok.bos_token_id] if tok.bos_token_id is not None and not tok.chat_template else []
+        return [bos + p for p in itertools.islice(s, count)]
 
     phase_prompts = [("code", "code", prompts("code", args.seed, n)),
                      ("prose", "prose", prompts("prose", args.seed, n)),

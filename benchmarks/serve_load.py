@@ -13,7 +13,7 @@ ABBA order and the figures pool the rounds (this 2-core machine's speed drifts b
 of seconds, more than the effects measured at high concurrency). Goals: 0 errors at every level; speculation
 >= 1.3x the no-speculation throughput at C=1 and >= 0.95x at C=64.
 
-    .venv/bin/python benchmarks/serve_load.py --preset small [--json bench_results/serve_load.json]
+    .venv/bin/python benchmarks/serve_load.py --preset smollm2 [--json bench_results/serve_load.json]
 
 Writes JSON (settings, raw figures, `goals`), prints a table ending with the goals, exits 0.
 """
@@ -136,7 +136,7 @@ def _summarize(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=("tiny", "small"), default="small")
+    ap.add_argument("--preset", choices=("tiny", "smollm2"), default="smollm2")
     ap.add_argument("--json", type=Path, default=Path("bench_results/serve_load.json"))
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(24, 2C))")

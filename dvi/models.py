@@ -211,13 +211,18 @@ def load_early_exit_drafter(target, target_path: str | Path, cfg):
     (a separate drafter's dir there is not this kind's business and is ignored); otherwise a fresh one is
     built with `models.early_exit_layers` and the trainer's LoRA settings (what the online trainer builds
     too, so its published versions fit). Its draft vocabulary comes from `models.draft_vocab`, else the
-    saved dir, else the target dir.
+    saved dir, else (embedded pair) the separate drafter's, else the target dir.
     """
     from dvi.drafters import EarlyExitDrafter
+    from dvi.embedded import embedded_paths
+    from dvi.vocab import draft_vocab_path
 
     m, t = cfg.models, cfg.trainer
     saved = Path(m.drafter) if m.drafter is not None and _is_early_exit_dir(Path(m.drafter)) else None
-    ids = load_draft_vocab(m.draft_vocab or saved or target_path, m.draft_vocab_size, _vocab_rows(target))
+    embedded = embedded_paths(m.preset).drafter if m.target is None else None
+    if embedded is not None and not draft_vocab_path(embedded).is_file():
+        embedded = None
+    ids = load_draft_vocab(m.draft_vocab or saved or embedded or target_path, m.draft_vocab_size, _vocab_rows(target))
     if saved is not None:
         return EarlyExitDrafter.load(target, saved, vocab_ids=ids)
     return EarlyExitDrafter(target, m.early_exit_layers, lora_rank=t.lora_rank, lora_alpha=int(t.lora_alpha),

@@ -12,7 +12,7 @@ trained; it returns `prompt_ids`, `completion_ids` and the target's per-token `l
 `rollout_func` contract requires, plus `dvi_alpha` per completion.
 
     .venv/bin/python examples/trl_grpo.py --preset tiny --steps 4
-    .venv/bin/python examples/trl_grpo.py --preset small --steps 20
+    .venv/bin/python examples/trl_grpo.py --preset tiny --steps 20
 
 Builds the embedded pair first if it is not in the cache (tiny: ~30 s; small: ~20 min).
 """

@@ -18,7 +18,7 @@ With the defaults (lr 3e-4, 16 sequences of 32 tokens per step) the `upper` rewa
 ~0.07 to ~0.3 in 20-40 steps on the `small` target, and the policy's per-token KL to its start
 grows steadily: a real, gradual drift, not a collapse in the first update.
 
-Run one arm: ``python -m trainers.rl --arm online --preset small --steps 40``; all three side by
+Run one arm: ``python -m trainers.rl --arm online --preset tiny --steps 40``; all three side by
 side: ``benchmarks/rl.py``.
 """
 
@@ -154,7 +154,7 @@ class RLConfig:
     """Settings of one RL run (one arm of the benchmark)."""
 
     arm: str = "online"  # plain | frozen | online
-    preset: str = "small"
+    preset: str = "tiny"
     pair_dir: str | None = None  # built pair dir (defaults to the preset's cache dir)
     steps: int = 40
     prompts_per_step: int = 4
@@ -438,10 +438,10 @@ def logs_to_jsonable(logs: Sequence[StepLog]) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m trainers.rl --arm online --preset small --steps 40`: one arm, per-step log lines."""
+    """`python -m trainers.rl --arm online --preset tiny --steps 40`: one arm, per-step log lines."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arm", default="online", choices=["plain", "frozen", "online"])
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--preset", default="tiny")
     ap.add_argument("--pair-dir", default=None)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--reward", default="upper", choices=sorted(REWARDS))
