@@ -176,8 +176,14 @@ def test_build_manifest_and_layout(built):
     drafter = AutoModelForCausalLM.from_pretrained(str(paths.drafter), dtype=torch.float32)
     trained_rows = int((drafter.lm_head.weight.abs().sum(-1) > 0).sum())
     assert 64 <= trained_rows <= preset.train_vocab  # rows outside the trained ids are zeroed
+    start = pretrained_build.make_drafter(target, (0,)).to(torch.bfloat16).float()  # as saved, before distilling
+    assert torch.equal(drafter.model.embed_tokens.weight, start.model.embed_tokens.weight)  # frozen
+    assert not torch.equal(drafter.model.layers[0].mlp.down_proj.weight, start.model.layers[0].mlp.down_proj.weight)
     ee_drafter = EarlyExitDrafter.load(target, paths.early_exit)
     assert ee_drafter.num_layers == 1
+    trained = ee_drafter.trainable_state_dict()  # LoRA B and the exit up-projection start at zero: trained
+    assert bool(trained["exit_head.up.weight"].abs().sum() > 0)
+    assert all(bool(v.abs().sum() > 0) for k, v in trained.items() if "lora_B" in k)
 
 
 def test_second_bootstrap_is_a_cache_hit(built, monkeypatch):
