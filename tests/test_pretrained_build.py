@@ -28,7 +28,13 @@ from dvi.config import DviConfig
 from dvi.drafters import EarlyExitDrafter
 from dvi.embedded import PRESETS, EmbeddedPaths, PretrainedPreset, embedded_paths, is_built, read_manifest
 from dvi.engine import SpeculativeEngine
-from dvi.models import cpu_has_native_bf16, load_early_exit_drafter, load_pair, serving_dtype
+from dvi.models import (
+    cpu_has_native_bf16,
+    load_early_exit_drafter,
+    load_pair,
+    load_pair_from_config,
+    serving_dtype,
+)
 from dvi.pretrained import WheelModel, load_gguf
 from dvi.vocab import SubsetHead, describe, find_subset_head, load_draft_vocab
 from trainers import bootstrap as bootstrap_mod
@@ -236,9 +242,10 @@ def _assert_drafts_in(results, vocab: torch.Tensor) -> None:
 
 
 def test_engine_with_the_separate_drafter(built):
-    _, _, _, out, _, _ = built
-    paths = EmbeddedPaths.at(out)
-    pair = load_pair(paths.target, paths.drafter, paths.tokenizer, dtype="float32")
+    """The separate drafter a config selects by preset alone (`built` set `$DVI_CACHE` and the preset)."""
+    # paths empty: the embedded pair at `$DVI_CACHE/smollm2`, through `load_pair`
+    pair = load_pair_from_config(DviConfig(models={"preset": "smollm2", "dtype": "float32"}).models)
+    assert next(pair.target.parameters()).dtype == next(pair.drafter.parameters()).dtype == torch.float32
     head = find_subset_head(pair.drafter)
     assert isinstance(head, SubsetHead) and head.num_ids == 64  # the reduced drafter, as served
     results = _assert_engine_is_hf_greedy(pair.target, pair.drafter, pair.tokenizer)
