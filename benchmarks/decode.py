@@ -40,7 +40,7 @@ def parse_args(argv):
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--kinds", default="separate,early_exit", help="drafter kinds to measure")
     p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft vocabulary size (None: the drafter dir's stored one; 0: full)")
+                   help="draft vocabulary size (default: the preset's served size, else all stored ids; 0: full)")
     p.add_argument("--early-exit-layers", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts-b1", type=int, default=4, help="prompts (one at a time) for batch-1 settings")
@@ -228,14 +228,15 @@ def build_drafters(pair, kinds: list[str], args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dvi.embedded import embedded_paths
+    from dvi.embedded import embedded_paths, get_preset
     from dvi.models import load_causal_lm, load_pair, serving_dtype
 
     t_start = time.perf_counter()
     paths = embedded_paths(args.preset, args.root)
     dtype = serving_dtype(args.preset, args.dtype, args.device)
+    vocab = args.draft_vocab if args.draft_vocab is not None else getattr(get_preset(args.preset), "serve_draft_vocab", None)
     pair = load_pair(paths.target, paths.drafter, paths.tokenizer, device=args.device, dtype=dtype,
-                     draft_vocab_size=args.draft_vocab)
+                     draft_vocab_size=vocab)
     target, tok = pair.target.eval(), pair.tokenizer
     # HF assisted generation gets the same separate drafter with its full vocabulary (a plain HF model)
     assistant = load_causal_lm(paths.drafter, args.device, dtype)

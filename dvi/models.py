@@ -93,6 +93,19 @@ def serving_dtype(preset: str, dtype: str, device: str | torch.device = "auto") 
     return "bfloat16"
 
 
+def draft_vocab_size_for(models_cfg) -> int | None:
+    """`models.draft_vocab_size`, or for the embedded pretrained pair (no paths of one's own) its measured
+    serving default (`PretrainedPreset.serve_draft_vocab`)."""
+    from dvi.embedded import PretrainedPreset, get_preset
+
+    size = getattr(models_cfg, "draft_vocab_size", None)
+    own = [getattr(models_cfg, k, None) for k in ("target", "drafter", "draft_vocab")]
+    if size is not None or any(x is not None for x in own):
+        return size
+    p = get_preset(models_cfg.preset)
+    return p.serve_draft_vocab if isinstance(p, PretrainedPreset) else None
+
+
 def load_causal_lm(path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"):
     """`AutoModelForCausalLM.from_pretrained(path)` on `device` in `dtype`, in eval mode."""
     from transformers import AutoModelForCausalLM
@@ -225,7 +238,8 @@ def load_early_exit_drafter(target, target_path: str | Path, cfg):
     embedded = embedded_paths(m.preset).drafter if m.target is None else None
     if embedded is not None and not draft_vocab_path(embedded).is_file():
         embedded = None
-    ids = load_draft_vocab(m.draft_vocab or saved or embedded or target_path, m.draft_vocab_size, _vocab_rows(target))
+    ids = load_draft_vocab(m.draft_vocab or saved or embedded or target_path, draft_vocab_size_for(m),
+                           _vocab_rows(target))
     if saved is not None:
         return EarlyExitDrafter.load(target, saved, vocab_ids=ids)
     return EarlyExitDrafter(target, m.early_exit_layers, lora_rank=t.lora_rank, lora_alpha=int(t.lora_alpha),
@@ -301,5 +315,5 @@ def load_pair_from_config(models_cfg) -> ModelPair:
         target, drafter, tok = p.target, drafter or p.drafter, tok or p.tokenizer
         dtype = serving_dtype(models_cfg.preset, dtype, device)
     return load_pair(target, drafter, tok, device=device, dtype=dtype,
-                     draft_vocab_size=getattr(models_cfg, "draft_vocab_size", None),
+                     draft_vocab_size=draft_vocab_size_for(models_cfg),
                      draft_vocab=getattr(models_cfg, "draft_vocab", None))

@@ -94,14 +94,14 @@ def load_serving_pair(cfg: DviConfig) -> Any:
     early_exit: an `EarlyExitDrafter` on the loaded target (`dvi.models.load_early_exit_drafter`, the
     same one the online trainer builds, so its published versions fit).
     """
-    from dvi.models import load_early_exit_drafter, load_pair, serving_dtype
+    from dvi.models import draft_vocab_size_for, load_early_exit_drafter, load_pair, serving_dtype
 
     m = cfg.models
     target_path, drafter_path, tok_path = pair_paths(cfg)
     early = m.drafter_kind == "early_exit"
     dtype = m.dtype if m.target is not None else serving_dtype(m.preset, m.dtype, m.device)
     pair = load_pair(target_path, None if early else drafter_path, tok_path, device=m.device, dtype=dtype,
-                     draft_vocab_size=m.draft_vocab_size, draft_vocab=m.draft_vocab)
+                     draft_vocab_size=draft_vocab_size_for(m), draft_vocab=m.draft_vocab)
     if early:
         pair.drafter = load_early_exit_drafter(pair.target, target_path, cfg)
     return pair

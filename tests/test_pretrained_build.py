@@ -53,7 +53,7 @@ def _tiny_preset(sha256: str) -> PretrainedPreset:
     """`smollm2`'s recipe (under its name, so configs can select it) with budgets of a few seconds."""
     return dataclasses.replace(
         PRESETS["smollm2"], name="smollm2", package=PACKAGE, version=VERSION, sha256=sha256, member=MEMBER,
-        drafter_layers=(0,), label_tokens=4096, distill_tokens=4096, train_vocab=128, draft_vocab=64,
+        drafter_layers=(0,), label_tokens=4096, distill_tokens=4096, train_vocab=128, draft_vocab=64, serve_draft_vocab=64,
         draft_vocab_sizes=SIZES, chat_replies=2, chat_reply_tokens=8, eval_chars=3000, eval_chat=1,
         latency_steps=2, early_exit_layers=1, early_exit_tokens=2048, seq_len=64, distill_batch=2)
 

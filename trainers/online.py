@@ -835,11 +835,12 @@ def load_drafter_for_training(cfg: DviConfig, accelerator: Any = None) -> tuple[
         return load_early_exit_drafter(target, target_path, cfg), pad_id  # the server builds the same one
     if drafter_path is None:
         raise ValueError("models.drafter is not set and there is no embedded drafter: nothing to train")
+    from dvi.models import draft_vocab_size_for
     from dvi.vocab import apply_draft_vocab, load_draft_vocab
 
     drafter = load_causal_lm(drafter_path, device, dtype)
     rows = int(drafter.get_output_embeddings().weight.shape[0])
-    ids = load_draft_vocab(m.draft_vocab or drafter_path, m.draft_vocab_size, rows)  # as `dvi.models.load_pair`
+    ids = load_draft_vocab(m.draft_vocab or drafter_path, draft_vocab_size_for(m), rows)  # as `dvi.models.load_pair`
     return (apply_draft_vocab(drafter, ids) if ids is not None else drafter), pad_id
 
 
