@@ -649,6 +649,8 @@ class SpeculativeEngine:
         # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
         self._tkv.maybe_compact(0.3 if k else 0.1)
         self._dkv.maybe_compact()
+        if self.adaptive and not (k > 0 and self._catchup):
+            self.controller.observe_step(b, k, sum(len(o.new_token_ids) for o in outs), time.perf_counter() - t0)
         return outs
 
 

@@ -220,3 +220,30 @@ def test_adaptive_cost_cache_follows_set_costs():
     c.set_costs(1, {0: 0.010, 1: 0.050, 2: 0.090, 4: 0.170}, 0.010)  # speculation now far too expensive
     c._zero_streak, c._next_probe = 0, 10**9
     assert c.choose(1, [0.9]) == 0
+
+
+def test_measured_goodput_overrides_a_calibration_that_favours_speculation():
+    """Real pair, CPU, batch 16: the calibration said K = 1 pays (predicted 1.4x) while whole steps
+    measured 0.74x of plain decoding. Once speculative and plain steps are measured, the slower one
+    loses; the speculative measurement is forgotten after `max_probe_every` guarded steps."""
+    ctl = AdaptiveK(k_max=4, k_default=2, max_probe_every=32, goodput_window=4)
+    ctl.set_costs(16, {0: 0.100, 1: 0.102, 2: 0.104, 4: 0.108}, draft=0.002)
+    alphas = [0.6] * 16
+    assert ctl.choose(16, alphas) > 0  # the calibrated model alone speculates
+    for _ in range(4):  # speculative steps measured: 16 rows x 1.6 tokens in 0.3 s
+        ctl.observe_step(16, 2, 26, 0.300)
+    assert ctl.measured_verdict(16) == "measure_plain"
+    assert ctl.choose(16, alphas) == 0  # plain steps next, to measure them
+    for _ in range(4):  # plain steps: 16 tokens in 0.1 s, twice the speculative goodput
+        ctl.observe_step(16, 0, 16, 0.100)
+    assert ctl.measured_verdict(16) == "plain"
+    ks = [ctl.choose(16, alphas) for _ in range(31)]
+    assert all(k == 0 or k == ctl.probe_k or k <= 2 for k in ks) and ks.count(0) >= 29
+    ctl.choose(16, alphas)  # the 32nd guarded step forgets the speculative measurement
+    assert ctl.measured_verdict(16) == "unknown" and ctl.choose(16, alphas) > 0
+    # another bucket is unaffected; a measured win keeps speculating
+    for _ in range(4):
+        ctl.observe_step(1, 3, 3, 0.040)
+        ctl.observe_step(1, 0, 1, 0.035)
+    ctl.set_costs(1, {0: 0.035, 1: 0.036, 2: 0.037, 4: 0.040}, draft=0.002)
+    assert ctl.measured_verdict(1) == "spec" and ctl.choose(1, [0.8]) > 0
