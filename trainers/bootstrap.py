@@ -38,6 +38,7 @@ from dvi.fsutil import atomic_write_text
 from dvi.models import decode_step_latency, num_params
 from trainers import pretrained_build
 from trainers.offline import (
+    copy_layer,
     distill,
     distinct_token_ratio,
     evaluate_lms,
@@ -122,16 +123,7 @@ def init_drafter_from_target(drafter, target) -> None:
         d.embed_tokens.weight.copy_(t.embed_tokens.weight)
         d.norm.weight.copy_(t.norm.weight)
         drafter.lm_head.weight.copy_(target.lm_head.weight)
-        src = t.layers[0].state_dict()
-        for name, w in d.layers[0].state_dict().items():
-            v = src[name]
-            if w.shape == v.shape:
-                w.copy_(v)
-            elif name.endswith("down_proj.weight"):
-                w.zero_()
-                w[:, : v.shape[1]].copy_(v)
-            else:  # gate_proj / up_proj: [intermediate, hidden]
-                w[: v.shape[0]].copy_(v)
+    copy_layer(d.layers[0], t.layers[0])
 
 
 def _latency(target, drafter, steps: int, rounds: int = 3, threads: int = 1) -> dict:

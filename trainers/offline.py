@@ -60,6 +60,22 @@ def token_batches(
         yield torch.stack(rows)
 
 
+@torch.no_grad()
+def copy_layer(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """Copy decoder layer `src` into `dst` of the same width; a wider FFN in `dst` keeps its extra
+    units' random gate/up weights with their down-projection at zero, so `dst` computes exactly `src`."""
+    weights = src.state_dict()
+    for name, w in dst.state_dict().items():
+        v = weights[name]
+        if w.shape == v.shape:
+            w.copy_(v)
+        elif name.endswith("down_proj.weight"):
+            w.zero_()
+            w[:, : v.shape[1]].copy_(v)
+        else:  # gate_proj / up_proj: [intermediate, hidden]
+            w[: v.shape[0]].copy_(v)
+
+
 # ---------------------------------------------------------------------------------------------
 # optimisation
 

