@@ -28,6 +28,7 @@ import torch
 from dvi.engine import Request, SamplingParams
 from dvi.feedback import FeedbackRecord, FeedbackWriter
 
+from .detok import TextStream
 from .protocol import ApiError, new_id
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class Handle:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     sent_chars: int = 0
+    stop_scanned: int = 0  # chars of `text` already searched for stop strings
+    detok: TextStream | None = None
     first_token_at: float | None = None
     added: bool = False
     done: bool = False
@@ -302,7 +305,10 @@ class Scheduler:
         result = out.result if finished else None
         reason = getattr(result, "finish_reason", None) or "length"
         if h.stop or h.stream:
-            h.text = self._decode(h.token_ids)
+            if h.detok is None:
+                h.detok = TextStream(self.tokenizer)
+            h.detok.add(new)
+            h.text = h.detok.final_text() if finished else h.detok.text
             if h.stop:
                 cut = self._find_stop(h)
                 if cut is not None:
@@ -327,8 +333,10 @@ class Scheduler:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _find_stop(self, h: Handle) -> int | None:
+        """First stop-string hit in the text not searched yet (plus an overlap for a hit across steps)."""
         longest = max(len(s) for s in h.stop)
-        start = max(0, h.sent_chars - longest)
+        start = max(0, h.stop_scanned - longest + 1)
+        h.stop_scanned = len(h.text)
         hits = [i for i in (h.text.find(s, start) for s in h.stop) if i >= 0]
         return min(hits) if hits else None
 
