@@ -37,6 +37,7 @@ from dvi.engine import SamplingParams, SpeculativeEngine
 from dvi.feedback import FeedbackWriter
 from dvi.registry import DrafterRegistry
 
+from .logprobs import chat_logprobs, completion_logprobs, token_logprobs
 from .protocol import (
     FALLBACK_CHAT_FORMAT,
     FALLBACK_CHAT_SUFFIX,
@@ -313,6 +314,8 @@ def _chat_prompt(tokenizer: Any, messages: list) -> list[int]:
 def _prepare(state: ServerState, req: Any, prompt_ids: list[int]) -> SamplingParams:
     """Config-dependent checks (model, limits, context) and the engine's sampling params."""
     cfg = state.cfg
+    if req.stream and req.wants_logprobs():
+        raise ApiError(400, "logprobs are not supported with stream=true", param="logprobs")
     if req.model is not None and req.model != state.model_name:
         raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{state.model_name}'",
                        param="model", code="model_not_found")
@@ -390,15 +393,24 @@ async def _complete(state: ServerState, request: Request, req: Any, prompt_ids: 
     except asyncio.CancelledError:
         state.scheduler.cancel(h)
         raise
+    lps = _logprobs(state, fin, chat) if req.wants_logprobs() else None
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": fin.text},
+        choice = {"index": 0, "message": {"role": "assistant", "content": fin.text}, "logprobs": lps,
                   "finish_reason": fin.finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": fin.finish_reason}
+        choice = {"index": 0, "text": fin.text, "logprobs": lps, "finish_reason": fin.finish_reason}
         obj = "text_completion"
     return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_name,
                          "choices": [choice], "usage": _usage(fin), "dvi": fin.stats()})
+
+
+def _logprobs(state: ServerState, fin: Finished, chat: bool) -> dict[str, Any]:
+    """The chosen tokens' target log-probs in the endpoint's OpenAI shape."""
+    lps = list(getattr(fin.result, "token_logprobs", None) or [])
+    cut = len(fin.text) if fin.finish_reason == "stop" else None
+    items = token_logprobs(state.tokenizer, fin.token_ids, lps, cut_at=cut)
+    return chat_logprobs(items) if chat else completion_logprobs(items)
 
 
 async def _stream(state: ServerState, request: Request, h: Handle, rid: str, created: int,

@@ -3,7 +3,8 @@
 Requests are validated here so that every bad field becomes a 4xx naming the field (OpenAI's
 `{"error": {"message", "type", "param", "code"}}`), never a 500. Limits that depend on the
 config (max_tokens ceiling, context length, served model name) are checked in the app.
-Unknown extra fields are ignored, as OpenAI clients send many (presence_penalty, logprobs, ...).
+Unknown extra fields are ignored, as OpenAI clients send many (presence_penalty, ...); `logprobs`
+is served for the chosen tokens and asking for top alternatives is a 400 (serving/logprobs.py).
 """
 
 from __future__ import annotations
@@ -163,6 +164,17 @@ class CompletionRequest(_Request):
 
     prompt: Text | list[StrictInt] | list[Text]
     echo: StrictBool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _chosen_only(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("only logprobs=0 (the chosen tokens' log-probs) is supported; top alternatives are not")
+        return v
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     @field_validator("prompt")
     @classmethod
@@ -192,6 +204,19 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _chosen_only(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("only top_logprobs=0 is supported (the chosen tokens' log-probs); "
+                             "top alternatives are not")
+        return v
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
 
     @field_validator("messages")
     @classmethod

@@ -16,6 +16,7 @@ import pytest
 
 from dvi.engine import GenerationResult, SamplingParams, StepOutput
 from serving.detok import TextStream
+from serving.logprobs import token_bytes, token_logprobs
 from serving.scheduler import Scheduler
 
 TEXT = "héllo wörld 日本語 🙂 naïve café — ok. Ünïcödé ∑ 𝔘 end"
@@ -128,3 +129,17 @@ def test_decode_work_per_step_does_not_grow(tokenizer, monkeypatch) -> None:
         deltas, fin = _run(tokenizer, ids, stream=True, stop=stop)
         assert "".join(deltas) == fin.text == real(ids, skip_special_tokens=True)
         assert sum(decoded) == len(ids), decoded
+
+
+def test_logprob_tokens_carry_their_bytes_and_offsets(tokenizer) -> None:
+    """Multi-byte characters split across tokens: the bytes concatenate to the text, offsets are
+    character offsets into it, and tokens starting after a stop-string cut are left out."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    items = token_logprobs(tokenizer, ids + [tokenizer.eos_token_id], [-0.5] * (len(ids) + 1))
+    assert len(items) == len(ids)
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == b"".join(t.raw for t in items) == TEXT.encode()
+    offsets = [t.offset for t in items]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(TEXT)
+    cut = TEXT.index("日本")
+    kept = token_logprobs(tokenizer, ids, [-0.5] * len(ids), cut_at=cut)
+    assert all(t.offset < cut for t in kept) and len(kept) < len(items)
