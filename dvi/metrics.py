@@ -457,6 +457,7 @@ class MetricsLogger:
         project: str = "dvi",
         config: Mapping[str, Any] | None = None,
         name: str | None = None,
+        entity: str | None = None,
     ) -> None:
         if wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb_mode must be offline, online or disabled, got {wandb_mode!r}")
@@ -471,6 +472,7 @@ class MetricsLogger:
 
                 self._run = wandb.init(
                     project=project,
+                    entity=entity,
                     dir=str(self.run_dir),
                     mode=wandb_mode,
                     config=dict(config or {}),

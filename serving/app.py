@@ -316,6 +316,9 @@ def _prepare(state: ServerState, req: Any, prompt_ids: list[int]) -> SamplingPar
     cfg = state.cfg
     if req.stream and req.wants_logprobs():
         raise ApiError(400, "logprobs are not supported with stream=true", param="logprobs")
+    if _echoes(req) and req.wants_logprobs():
+        raise ApiError(400, "echo with logprobs is not supported (the prompt's log-probs are not computed)",
+                       param="echo")
     if req.model is not None and req.model != state.model_name:
         raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{state.model_name}'",
                        param="model", code="model_not_found")
@@ -372,14 +375,28 @@ def _submit(state: ServerState, req: Any, prompt_ids: list[int], params: Samplin
     return h
 
 
+def _echoes(req: Any) -> bool:
+    return bool(getattr(req, "echo", False))
+
+
+def _echo_text(state: ServerState, req: Any, prompt_ids: list[int]) -> str:
+    """The prompt, returned before the completion when a completions request sets `echo`."""
+    if not _echoes(req):
+        return ""
+    if isinstance(req.prompt, str):
+        return req.prompt
+    return state.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+
+
 async def _complete(state: ServerState, request: Request, req: Any, prompt_ids: list[int],
                     chat: bool) -> Response:
     params = _prepare(state, req, prompt_ids)
     h = _submit(state, req, prompt_ids, params)
     rid = new_id("chatcmpl" if chat else "cmpl")
     created = now()
+    echo = _echo_text(state, req, prompt_ids)
     if req.stream:
-        return StreamingResponse(_stream(state, request, h, rid, created, chat),
+        return StreamingResponse(_stream(state, request, h, rid, created, chat, echo),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
@@ -399,7 +416,7 @@ async def _complete(state: ServerState, request: Request, req: Any, prompt_ids: 
                   "finish_reason": fin.finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": fin.text, "logprobs": lps, "finish_reason": fin.finish_reason}
+        choice = {"index": 0, "text": echo + fin.text, "logprobs": lps, "finish_reason": fin.finish_reason}
         obj = "text_completion"
     return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_name,
                          "choices": [choice], "usage": _usage(fin), "dvi": fin.stats()})
@@ -414,7 +431,7 @@ def _logprobs(state: ServerState, fin: Finished, chat: bool) -> dict[str, Any]:
 
 
 async def _stream(state: ServerState, request: Request, h: Handle, rid: str, created: int,
-                  chat: bool) -> AsyncIterator[bytes]:
+                  chat: bool, echo: str = "") -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: str | None, finish: str | None = None, extra: dict | None = None,
@@ -434,6 +451,8 @@ async def _stream(state: ServerState, request: Request, h: Handle, rid: str, cre
     try:
         if chat:
             yield chunk(None, first=True)
+        elif echo:
+            yield chunk(echo)
         while True:
             ev = await _next_event(state, h, request)
             if ev[0] == "delta":

@@ -225,25 +225,6 @@ class ChatCompletionRequest(_Request):
         return v
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class DviStats(BaseModel):
-    """Per-response speculation stats (like vLLM's per-request spec-decode metrics)."""
-
-    drafted: int
-    accepted: int
-    alpha: float | None
-    mean_accepted_length: float
-    steps: int
-    drafter_version: int
-    target_version: int
-    domain: str
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

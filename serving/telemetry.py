@@ -59,7 +59,8 @@ class ServerMetrics:
         self.logger: M.MetricsLogger | None = None
         try:
             self.logger = M.MetricsLogger(cfg.run_dir, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
-                                          config=dump_config(cfg), name=f"serve-{int(time.time())}")
+                                          entity=cfg.wandb.entity, config=dump_config(cfg),
+                                          name=f"serve-{int(time.time())}")
         except Exception:  # noqa: BLE001 - metrics must never stop the server
             log.exception("metrics logger failed to start; /metrics still works")
 

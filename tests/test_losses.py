@@ -212,3 +212,16 @@ def test_subset_loss_finite_with_finite_gradients(case):
                    subset_index=index)
     out.loss.backward()
     assert math.isfinite(out.loss.item()) and bool(torch.isfinite(sub.grad).all())
+
+
+def test_dvi_loss_defaults_are_the_config_defaults():
+    """Leaving a weight out of dvi_loss trains what a default config trains."""
+    import inspect
+
+    from dvi.config import TrainerConfig
+
+    tc, sig = TrainerConfig(), inspect.signature(dvi_loss).parameters
+    assert sig["kl_weight"].default == tc.kl_weight
+    assert sig["reward_start"].default == tc.reward_ramp_start
+    assert sig["reward_ramp_steps"].default == tc.reward_ramp_steps
+    assert sig["reward_max_weight"].default == tc.reward_weight

@@ -154,6 +154,7 @@ def test_logger_passes_values_to_wandb(tmp_path, monkeypatch):
     assert (
         inits[0]["mode"] == "offline" and inits[0]["dir"] == str(tmp_path) and inits[0]["config"] == {"k": 4}
     )
+    assert inits[0]["entity"] is None
     assert logged[0] == {f"{M.ACCEPTANCE_RATE}/code": 0.8, "drafter_version": 5, "step": 3}
     assert logged[-1] == "finished"
 
@@ -171,3 +172,18 @@ def test_label_values_are_bounded():
     assert versions == {"4", "5"}
     assert sample(reg, M.NUM_DRAFT_TOKENS, drafter_version="5", domain="other") == 8
     assert {k[1] for k in m.alpha_window.keys()} == {4, 5}
+
+
+def test_logger_passes_the_wandb_entity(tmp_path, monkeypatch):
+    """`wandb.entity` in the config reaches wandb.init (it used to be accepted and ignored)."""
+    inits = []
+
+    class FakeWandb:
+        @staticmethod
+        def init(**kw):
+            inits.append(kw)
+            return None
+
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
+    M.MetricsLogger(tmp_path, project="p", entity="my-team").close()
+    assert inits[0]["entity"] == "my-team" and inits[0]["project"] == "p"

@@ -188,6 +188,20 @@ def test_chat_logprobs_shape(client) -> None:
     assert r.json()["choices"][0]["logprobs"] is None
 
 
+def test_echo_returns_the_prompt_first(client, reference) -> None:
+    prompt = PROMPTS[2]
+    _, text = reference(prompt, 10)
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == prompt + text
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10, "echo": True, "stream": True})
+    chunks = sse_events(r.text)[:-1]
+    assert chunks[0]["choices"][0]["text"] == prompt
+    assert "".join(c["choices"][0]["text"] for c in chunks) == prompt + text
+    ids = reference.tokenizer.encode(prompt)
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 10, "echo": True})
+    assert r.json()["choices"][0]["text"] == reference.tokenizer.decode(ids, skip_special_tokens=True) + text
+
+
 def test_sixteen_concurrent_clients(server, reference) -> None:
     """16 clients at once (more than max_batch_size=8): all succeed, each equals its greedy reference."""
 
@@ -267,6 +281,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logprobs": 0, "stream": True}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                               "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 0, "echo": True}, 400, "echo"),
     ("/v1/completions", "{not json", 400, "JSON"),
     ("/v1/completions", "[1, 2]", 400, "object"),
 ]

@@ -23,6 +23,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dvi.config import TrainerConfig
+
+# dvi_loss's defaults are the config's (trainer.kl_weight, reward_weight, reward_ramp_*), so a
+# caller that leaves them out trains what a default config trains.
+_DEFAULTS = TrainerConfig()
+
 
 def _rows(x: torch.Tensor, trailing: int) -> torch.Tensor:
     return x.reshape(-1, *x.shape[x.dim() - trailing :]) if trailing else x.reshape(-1)
@@ -194,10 +200,10 @@ def dvi_loss(
     mask: torch.Tensor | None = None,
     *,
     step: int = 0,
-    kl_weight: float = 1.0,
-    reward_start: int = 0,
-    reward_ramp_steps: int = 1000,
-    reward_max_weight: float = 0.1,
+    kl_weight: float = _DEFAULTS.kl_weight,
+    reward_start: int = _DEFAULTS.reward_ramp_start,
+    reward_ramp_steps: int = _DEFAULTS.reward_ramp_steps,
+    reward_max_weight: float = _DEFAULTS.reward_weight,
     tail_bucket: bool = True,
     baseline: float | str = "mean",
     subset_index: torch.Tensor | None = None,

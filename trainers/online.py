@@ -1106,7 +1106,8 @@ def run_trainer(cfg: DviConfig) -> int:
     metrics = None
     if accelerator.is_main_process:
         metrics = M.MetricsLogger(run_dir / TRAINER_DIR, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
-                                  config=dump_config(cfg), name=f"trainer-{int(time.time())}")
+                                  entity=cfg.wandb.entity, config=dump_config(cfg),
+                                  name=f"trainer-{int(time.time())}")
     try:
         trainer = OnlineTrainer.from_config(cfg, accelerator=accelerator, metrics=metrics)
         return TrainerLoop(trainer, cfg).run()
