@@ -143,3 +143,15 @@ def test_logprob_tokens_carry_their_bytes_and_offsets(tokenizer) -> None:
     cut = TEXT.index("日本")
     kept = token_logprobs(tokenizer, ids, [-0.5] * len(ids), cut_at=cut)
     assert all(t.offset < cut for t in kept) and len(kept) < len(items)
+
+
+def test_tokenizers_decode_stream_cannot_copy_fall_back_to_full_decodes(tokenizer, monkeypatch) -> None:
+    """transformers' space clean-up rewrites text across tokens: the full decode every step (exact)."""
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True, raising=False)
+    ids = tokenizer.encode("a , b . c 日本", add_special_tokens=False)
+    ts = TextStream(tokenizer)
+    for i in ids:
+        ts.add([i])
+    assert ts.text == ts.final_text() == tokenizer.decode(ids, skip_special_tokens=True)
+    deltas, fin = _run(tokenizer, ids, stream=True)
+    assert "".join(deltas) == fin.text == tokenizer.decode(ids, skip_special_tokens=True)
