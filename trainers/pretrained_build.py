@@ -9,6 +9,7 @@ Everything is written under one directory that `bootstrap` renames into place.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import sys
@@ -210,15 +211,68 @@ def _windows(docs: list[list[int]], seq_len: int) -> list[list[int]]:
     return [d[i: i + seq_len] for d in docs for i in range(0, max(1, len(d) - 1), seq_len) if len(d[i: i + seq_len]) > 8]
 
 
+@contextlib.contextmanager
+def _timed(walls: dict[str, float], key: str):
+    t0 = time.perf_counter()
+    yield
+    walls[key] = time.perf_counter() - t0
+
+
+def distill_separate(p: PretrainedPreset, target, windows: torch.Tensor, states: torch.Tensor, order: torch.Tensor,
+                     seed: int, progress: bool):
+    """The separate drafter: layer-skip start, KL distillation over the first `train_vocab` draft ids; head
+    rows it never trained on are zeroed (logit 0, far below trained ones) so its full-vocabulary version
+    is the same drafter. Returned in bf16, the served dtype."""
+    drafter = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size).float()
+    steps = max(1, p.distill_tokens // (p.distill_batch * p.seq_len))
+    stats = distill_subset(drafter, target.lm_head.weight, windows, states, order[: p.train_vocab], steps,
+                           batch=p.distill_batch, lr=p.distill_lr, warmup=p.distill_warmup,
+                           min_lr_ratio=p.min_lr_ratio, seed=seed, progress=progress, desc=f"drafter[{p.name}]")
+    with torch.no_grad():
+        untrained = torch.ones(drafter.lm_head.weight.shape[0], dtype=torch.bool)
+        untrained[order[: p.train_vocab]] = False
+        drafter.lm_head.weight[untrained] = 0.0
+    _log(f"drafter: {stats['tokens']:,} tokens ({stats['epochs']:.1f} epochs of {windows.numel():,}), KL "
+         f"{stats['first_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['tokens_per_s']:.0f} tok/s)", progress)
+    return drafter.to(torch.bfloat16), stats
+
+
+def evaluate(p: PretrainedPreset, paths: EmbeddedPaths, target, tokenizer, drafter, early, order: torch.Tensor,
+             streams: dict[str, torch.Tensor], seed: int) -> dict:
+    """Top-1 agreement with the target per domain (held-out code and prose windows, the target's replies to
+    held-out chat instructions) and draft vocabulary size, token coverage, decode-step latencies."""
+    heldout = {d: _windows(_encode(tokenizer, data.sample_docs(d, "heldout", p.eval_chars, seed=0)), p.seq_len)
+               for d in ("code", "prose")}
+    chat_eval = chat_replies(target, tokenizer, "heldout", p.eval_chat, p.chat_reply_tokens, seed)
+    n_prompt = [len(c) for c in itertools.islice(data.chat_prompt_stream(tokenizer, "heldout", seed=seed,
+                                                                         max_tokens=320), p.eval_chat)]
+    skips = {"chat": [n - 1 for n in n_prompt]}  # score the replies only
+    evals = {**heldout, "chat": chat_eval}
+    agree = {d: agreement(target, drafter, w, order, p.draft_vocab_sizes, skip=skips.get(d)) for d, w in evals.items()}
+    lat = latencies(target, drafter, p.draft_vocab_sizes, p.latency_steps, p.latency_dtype)
+    out = {"agreement": {d: {str(n): a for n, a in v.items()} for d, v in agree.items()},
+           "coverage": {d: {str(n): coverage(order, [streams[d]], n) for n in p.draft_vocab_sizes if n}
+                        for d in streams},
+           "latency": lat, "early_exit_agreement": None}
+    if early is not None:
+        out["early_exit_agreement"] = {
+            d: agreement(target, early.model, w, order, (p.draft_vocab,), skip=skips.get(d))[p.draft_vocab]
+            for d, w in evals.items()}
+        served = EarlyExitDrafter.load(target, paths.early_exit)  # on the bf16 target, as served
+        lat["early_exit_ms"] = _head_slice_latency(served.model, p.draft_vocab, p.latency_steps, rows=order)
+        lat["early_exit_ratio"] = lat["target_ms"] / lat["early_exit_ms"]
+    return out
+
+
 def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True) -> dict:
-    """Write target, tokenizer and drafter under `root` (the embedded layout); returns the manifest."""
+    """Write target, tokenizer and drafters under `root` (the embedded layout); returns the manifest."""
     from dvi.models import load_causal_lm, load_tokenizer
 
     paths = EmbeddedPaths.at(root)
     walls: dict[str, float] = {}
     t_start = time.perf_counter()
-    source = obtain_target(p, paths)
-    walls["obtain_s"] = time.perf_counter() - t_start
+    with _timed(walls, "obtain_s"):
+        source = obtain_target(p, paths)
     _log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
     tokenizer = load_tokenizer(paths.tokenizer)
     # the build runs the target in bf16 (the CPU serving dtype): 3x the fp32 tokens/s here
@@ -226,81 +280,36 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
     for prm in target.parameters():
         prm.requires_grad_(False)
     torch.manual_seed(seed)
+    vocab_size = int(target.config.vocab_size)
 
-    # --- training text: code, prose, and the target's own chat replies
-    t0 = time.perf_counter()
-    eos = tokenizer.eos_token_id
-    streams = {
-        "code": pack_docs(_encode(tokenizer, data.load_texts("code", "train")), None, eos),
-        "prose": pack_docs(_encode(tokenizer, data.load_texts("prose", "train")), None, eos),
-    }
-    walls["tokenize_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    streams["chat"] = pack_docs(
-        chat_replies(target, tokenizer, "train", p.chat_replies, p.chat_reply_tokens, seed, progress=progress),
-        None, None)
-    walls["chat_replies_s"] = time.perf_counter() - t0
+    # training text: stdlib code, pydoc prose, and the target's own replies to chat instructions
+    with _timed(walls, "tokenize_s"):
+        eos = tokenizer.eos_token_id
+        streams = {d: pack_docs(_encode(tokenizer, data.load_texts(d, "train")), None, eos) for d in ("code", "prose")}
+    with _timed(walls, "chat_replies_s"):
+        chats = chat_replies(target, tokenizer, "train", p.chat_replies, p.chat_reply_tokens, seed, progress=progress)
+        streams["chat"] = pack_docs(chats, None, None)
     _log("training text: " + ", ".join(f"{k} {v.numel():,} tokens" for k, v in streams.items())
          + f" (chat replies {walls['chat_replies_s']:.0f}s)", progress)
-    vocab_size = int(target.config.vocab_size)
     # the draft vocabulary's priority order: special tokens, then by count on the training text
     order = frequent_token_ids(list(streams.values()), vocab_size, always=sorted(set(tokenizer.all_special_ids)),
                                vocab_size=vocab_size)
-
-    # --- teacher states on the training windows (once)
-    t0 = time.perf_counter()
     mix = dict(p.mix)
     names = [k for k in mix if mix[k] > 0]
-    n_windows = max(p.distill_batch, p.label_tokens // p.seq_len)
-    windows = next(token_batches([streams[k] for k in names], n_windows, p.seq_len,
-                                 weights=[mix[k] for k in names], seed=seed + 1))  # [N, T + 1]
-    states = teacher_states(target, windows, progress=progress, desc=f"target states[{p.name}]")
-    walls["label_s"] = time.perf_counter() - t0
-
-    # --- drafter: layer-skip start, then KL distillation over the draft vocabulary
-    t0 = time.perf_counter()
-    drafter = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size).float()
-    steps = max(1, p.distill_tokens // (p.distill_batch * p.seq_len))
-    d_stats = distill_subset(drafter, target.lm_head.weight, windows, states, order[: p.train_vocab], steps,
-                             batch=p.distill_batch, lr=p.distill_lr, warmup=p.distill_warmup,
-                             min_lr_ratio=p.min_lr_ratio, seed=seed, progress=progress, desc=f"drafter[{p.name}]")
-    with torch.no_grad():  # rows it never trained on must not outrank the trained ones (logit 0, far below)
-        untrained = torch.ones(vocab_size, dtype=torch.bool)
-        untrained[order[: p.train_vocab]] = False
-        drafter.lm_head.weight[untrained] = 0.0
-    drafter = drafter.to(torch.bfloat16)
-    walls["distill_s"] = time.perf_counter() - t0
-    _log(f"drafter: {d_stats['tokens']:,} tokens ({d_stats['epochs']:.1f} epochs of {windows.numel():,}), KL "
-         f"{d_stats['first_loss']:.3f} -> {d_stats['final_loss']:.3f} ({d_stats['tokens_per_s']:.0f} tok/s, "
-         f"{walls['distill_s']:.0f}s)", progress)
+    with _timed(walls, "label_s"):  # the target's states on the training windows, once
+        n_windows = max(p.distill_batch, p.label_tokens // p.seq_len)
+        windows = next(token_batches([streams[k] for k in names], n_windows, p.seq_len,
+                                     weights=[mix[k] for k in names], seed=seed + 1))  # [N, T + 1]
+        states = teacher_states(target, windows, progress=progress, desc=f"target states[{p.name}]")  # [N, T, H]
+    with _timed(walls, "distill_s"):
+        drafter, d_stats = distill_separate(p, target, windows, states, order, seed, progress)
     early, e_stats = None, None
     if p.early_exit_layers:
-        t0 = time.perf_counter()
-        early, e_stats = train_early_exit(p, paths, target, windows, states, order, seed, progress)
-        walls["early_exit_s"] = time.perf_counter() - t0
+        with _timed(walls, "early_exit_s"):
+            early, e_stats = train_early_exit(p, paths, target, windows, states, order, seed, progress)
     del states
-
-    # --- evaluation: agreement per domain and draft vocabulary size, latency per size
-    t0 = time.perf_counter()
-    heldout = {d: _windows(_encode(tokenizer, data.sample_docs(d, "heldout", p.eval_chars, seed=0)), p.seq_len)
-               for d in ("code", "prose")}
-    chat_eval = chat_replies(target, tokenizer, "heldout", p.eval_chat, p.chat_reply_tokens, seed)
-    n_prompt = [len(c) for c in itertools.islice(data.chat_prompt_stream(tokenizer, "heldout", seed=seed,
-                                                                         max_tokens=320), p.eval_chat)]
-    skips = {"chat": [n - 1 for n in n_prompt]}
-    evals = {**heldout, "chat": chat_eval}
-    agree = {d: agreement(target, drafter, w, order, p.draft_vocab_sizes, skip=skips.get(d)) for d, w in evals.items()}
-    agree_ee = {d: agreement(target, early.model, w, order, (p.draft_vocab,), skip=skips.get(d))[p.draft_vocab]
-                for d, w in evals.items()} if early is not None else None
-    cover = {d: {str(n): coverage(order, [streams[d]], n) for n in p.draft_vocab_sizes if n} for d in streams}
-    lat = latencies(target, drafter, p.draft_vocab_sizes, p.latency_steps, p.latency_dtype)
-    if early is not None:
-        ee_serving = EarlyExitDrafter.load(target, paths.early_exit)  # on the bf16 target, as served
-        lat["early_exit_ms"] = _head_slice_latency(ee_serving.model, p.draft_vocab, p.latency_steps, rows=order)
-        lat["early_exit_ratio"] = lat["target_ms"] / lat["early_exit_ms"]
-    walls["eval_s"] = time.perf_counter() - t0
-
-    # --- save
+    with _timed(walls, "eval_s"):
+        ev = evaluate(p, paths, target, tokenizer, drafter, early, order, streams, seed)
     drafter.save_pretrained(str(paths.drafter))  # bf16: the served dtype, as evaluated
     if p.draft_vocab:
         save_draft_vocab(paths.drafter, order[: p.draft_vocab], vocab_size)
@@ -308,20 +317,20 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
     return {
         "preset": p.name, "fingerprint": p.fingerprint(), "seed": seed, "created_at": time.time(),
         "preset_config": asdict(p), "source": source,
-        "tokenizer": {"vocab_size": len(tokenizer), "eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id,
-                      "bos_token_id": tokenizer.bos_token_id, "chat_template": bool(tokenizer.chat_template)},
+        "tokenizer": {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                      "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                      "chat_template": bool(tokenizer.chat_template)},
         "target": {"params": num_params(target), "layers": target.config.num_hidden_layers,
                    "hidden": target.config.hidden_size},
         "drafter": {"params": num_params(drafter), "layers_from_target": list(p.drafter_layers),
                     "train_tokens": d_stats["tokens"], "train": d_stats, "distilled_on": mix},
         "early_exit": None if early is None else {
             "layers": p.early_exit_layers, "lora_rank": p.early_exit_lora_rank, "train": e_stats,
-            "agreement": agree_ee},
+            "agreement": ev["early_exit_agreement"]},
         "draft_vocab": {"file": DRAFT_VOCAB_FILE, "default": p.draft_vocab, "sizes": list(p.draft_vocab_sizes),
-                        "coverage": cover},
+                        "coverage": ev["coverage"]},
         "training_text_tokens": {k: int(v.numel()) for k, v in streams.items()},
-        "agreement": {d: {str(n): a for n, a in v.items()} for d, v in agree.items()},
-        "latency": lat, "wall": walls, "threads": torch.get_num_threads(),
+        "agreement": ev["agreement"], "latency": ev["latency"], "wall": walls, "threads": torch.get_num_threads(),
     }
 
 
