@@ -33,12 +33,12 @@ class Example:
     drafter_version: int
     finished_at: float
     temperature: float
-    prompt_ids: np.ndarray
-    token_ids: np.ndarray
-    drafted_ids: np.ndarray
-    accepted: np.ndarray
-    topk_ids: np.ndarray  # [n, k]
-    topk_logprobs: np.ndarray  # [n, k]
+    prompt_ids: np.ndarray  # [p] int64
+    token_ids: np.ndarray  # [n] int64, the generated tokens
+    drafted_ids: np.ndarray  # [n] int64, -1 where nothing was drafted
+    accepted: np.ndarray  # [n] bool
+    topk_ids: np.ndarray  # [n, k] int64, -1 padding
+    topk_logprobs: np.ndarray  # [n, k] float32, -inf padding
 
     @classmethod
     def of(cls, rec: FeedbackRecord | Mapping[str, Any] | Example) -> Example:
@@ -53,17 +53,17 @@ class Example:
         def g(name: str) -> Any:
             return rec[name] if isinstance(rec, Mapping) else getattr(rec, name)
 
-        tokens = np.asarray(g("token_ids"), dtype=np.int64)
-        tk, tl = g("topk_ids"), g("topk_logprobs")
+        tokens = np.asarray(g("token_ids"), dtype=np.int64)  # [n]
+        tk, tl = g("topk_ids"), g("topk_logprobs")  # n ragged lists (k or fewer each), or empty
         if len(tk) == len(tokens) and len(tokens):
-            k = max(len(r) for r in tk)
+            k = max(len(r) for r in tk)  # pad every position to [k]
             ids = np.full((len(tokens), k), -1, dtype=np.int64)
             lps = np.full((len(tokens), k), -np.inf, dtype=np.float32)
             for j, (a, b) in enumerate(zip(tk, tl, strict=True)):
                 ids[j, : len(a)] = a
                 lps[j, : len(b)] = b
         else:
-            ids = tokens.reshape(-1, 1).copy()
+            ids = tokens.reshape(-1, 1).copy()  # [n, 1]: the token itself, log-prob 0 (one-hot)
             lps = np.zeros((len(tokens), 1), dtype=np.float32)
         return cls(
             request_id=str(g("request_id")),
@@ -125,32 +125,32 @@ def build_batch(
         return None
     seqs, keeps = [], []
     for e, _ in rows:
-        seq = np.concatenate([e.prompt_ids, e.token_ids[:-1]])
+        seq = np.concatenate([e.prompt_ids, e.token_ids[:-1]])  # [p + n - 1]: input j predicts token j + 1
         n = len(e.token_ids)
-        n_keep = min(n, max_seq_len)
-        seqs.append(seq[-max_seq_len:])
+        n_keep = min(n, max_seq_len)  # generated positions of this row that stay in the window
+        seqs.append(seq[-max_seq_len:])  # [<= max_seq_len], oldest tokens dropped
         keeps.append(n_keep)
-    b, w_len, t_len = len(rows), max(len(s) for s in seqs), max(keeps)
+    b, w_len, t_len = len(rows), max(len(s) for s in seqs), max(keeps)  # B, W, T
     k = max(e.topk_ids.shape[1] for e, _ in rows)
-    ids = torch.full((b, w_len), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, w_len), dtype=torch.long)
-    weights_t = torch.zeros((b, t_len))
-    tk = torch.full((b, t_len, k), -1, dtype=torch.long)
-    tl = torch.full((b, t_len, k), float("-inf"))
-    dr = torch.full((b, t_len), -1, dtype=torch.long)
-    ac = torch.zeros((b, t_len), dtype=torch.bool)
+    ids = torch.full((b, w_len), pad_id, dtype=torch.long)  # [B, W]
+    attn = torch.zeros((b, w_len), dtype=torch.long)  # [B, W]
+    weights_t = torch.zeros((b, t_len))  # [B, T]
+    tk = torch.full((b, t_len, k), -1, dtype=torch.long)  # [B, T, k]
+    tl = torch.full((b, t_len, k), float("-inf"))  # [B, T, k]
+    dr = torch.full((b, t_len), -1, dtype=torch.long)  # [B, T]
+    ac = torch.zeros((b, t_len), dtype=torch.bool)  # [B, T]
     for i, ((e, w), seq, nk) in enumerate(zip(rows, seqs, keeps, strict=True)):
-        ids[i, w_len - len(seq):] = torch.from_numpy(seq)
+        ids[i, w_len - len(seq):] = torch.from_numpy(seq)  # right-aligned: left padding
         attn[i, w_len - len(seq):] = 1
         n = len(e.token_ids)
-        sl = slice(n - nk, n)
-        c = slice(t_len - nk, t_len)
+        sl = slice(n - nk, n)  # the row's kept generated positions, in its own [n] arrays
+        c = slice(t_len - nk, t_len)  # where they sit in the batch's last T columns
         weights_t[i, c] = w
         kk = e.topk_ids.shape[1]
         tk[i, c, :kk] = torch.from_numpy(e.topk_ids[sl])
         tl[i, c, :kk] = torch.from_numpy(e.topk_logprobs[sl].astype(np.float32))
         dr[i, c] = torch.from_numpy(e.drafted_ids[sl])
         ac[i, c] = torch.from_numpy(e.accepted[sl])
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)  # [B, W]: 0 at each row's first real token
     return Batch(ids, attn, pos, weights_t, tk, tl, dr, ac, tokens=int(sum(keeps)))
 

@@ -44,6 +44,11 @@ SHADOW_MAX_POSITIONS = 8192
 REPLAY_RECENT = 256  # idle replay draws from this many newest trained records
 
 
+def _mean(losses: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per-key mean of the step results (keys of the first)."""
+    return {k: sum(x[k] for x in losses) / len(losses) for k in losses[0]}
+
+
 class OnlineTrainer:
     """Trains a drafter on feedback records with the DVI objective; publishes shadow-checked versions.
 
@@ -151,18 +156,46 @@ class OnlineTrainer:
         for e in examples:
             self.max_target_version = max(self.max_target_version, e.target_version)
         current = self.current_target_version()
-        new, held, dropped = [], [], 0
+        new, held, dropped = self._split(examples, current)
+        self.heldout.extend(sorted(held, key=lambda e: e.finished_at))
+        self.heldout_seen += len(held)
+        self.dropped_stale += len(dropped)
+        new.sort(key=lambda e: e.finished_at, reverse=True)  # recent first
+        losses, replayed = self._train_new(new, current)
+        self.replay.extend(reversed(new))  # oldest first, so the deque drops the oldest
+        self.replayed += replayed
+        dt = time.perf_counter() - t0
+        self.train_seconds += dt
+        stats: dict[str, Any] = {
+            "new": len(new), "heldout": len(held), "dropped_stale": len(dropped), "replayed": replayed,
+            "steps": len(losses), "seconds": dt, "target_version": current,
+            "trained_ids": [e.request_id for e in new], "heldout_ids": [e.request_id for e in held],
+            "dropped_ids": [e.request_id for e in dropped],
+        }
+        if losses:
+            mean = _mean(losses)
+            stats.update(mean)
+            self.last_losses = mean
+            self._log({M.TRAINER_LOSS: mean["loss"], M.TRAINER_KL_LOSS: mean["kl"],
+                       M.TRAINER_REWARD_LOSS: mean["reward"], M.TRAINER_REWARD_WEIGHT: mean["reward_weight"],
+                       M.TRAINER_STEP: self.step, M.TRAINER_RECORDS_SEEN: self.records_seen,
+                       "train_seconds": self.train_seconds, "tokens_per_s": mean["tokens"] / max(1e-9, mean["seconds"])})
+        return stats
+
+    def _split(self, examples: list[Example], current: int) -> tuple[list[Example], list[Example], list[Example]]:
+        """(new, held out, dropped as stale), each in the order given."""
+        new, held, dropped = [], [], []
         for e in examples:
             if is_heldout(e.request_id, self.tc.heldout_fraction):
                 held.append(e)
             elif self._weight(e, current) <= 0:
-                dropped += 1
+                dropped.append(e)
             else:
                 new.append(e)
-        self.heldout.extend(sorted(held, key=lambda e: e.finished_at))
-        self.heldout_seen += len(held)
-        self.dropped_stale += dropped
-        new.sort(key=lambda e: e.finished_at, reverse=True)  # recent first
+        return new, held, dropped
+
+    def _train_new(self, new: list[Example], current: int) -> tuple[list[dict[str, float]], int]:
+        """One step per chunk of `new` records, topped up with replayed ones; (step losses, replayed)."""
         bs = self.tc.batch_size
         n_new = max(1, round(bs * (1.0 - self.tc.replay_ratio))) if self.replay else bs
         losses: list[dict[str, float]] = []
@@ -179,26 +212,7 @@ class OnlineTrainer:
                 losses.append(out)
             replayed += len(extra)
             self.records_seen += len(chunk)
-        self.replay.extend(reversed(new))  # oldest first, so the deque drops the oldest
-        self.replayed += replayed
-        dt = time.perf_counter() - t0
-        self.train_seconds += dt
-        stats: dict[str, Any] = {
-            "new": len(new), "heldout": len(held), "dropped_stale": dropped, "replayed": replayed,
-            "steps": len(losses), "seconds": dt, "target_version": current,
-            "trained_ids": [e.request_id for e in new], "heldout_ids": [e.request_id for e in held],
-            "dropped_ids": [e.request_id for e in examples
-                            if not is_heldout(e.request_id, self.tc.heldout_fraction) and self._weight(e, current) <= 0],
-        }
-        if losses:
-            mean = {k: sum(x[k] for x in losses) / len(losses) for k in losses[0]}
-            stats.update(mean)
-            self.last_losses = mean
-            self._log({M.TRAINER_LOSS: mean["loss"], M.TRAINER_KL_LOSS: mean["kl"],
-                       M.TRAINER_REWARD_LOSS: mean["reward"], M.TRAINER_REWARD_WEIGHT: mean["reward_weight"],
-                       M.TRAINER_STEP: self.step, M.TRAINER_RECORDS_SEEN: self.records_seen,
-                       "train_seconds": self.train_seconds, "tokens_per_s": mean["tokens"] / max(1e-9, mean["seconds"])})
-        return stats
+        return losses, replayed
 
     def _sample_replay(self, n: int, recent: int | None = None) -> list[Example]:
         pool = len(self.replay) if recent is None else min(recent, len(self.replay))
@@ -227,7 +241,7 @@ class OnlineTrainer:
         self.train_seconds += dt
         stats: dict[str, Any] = {"steps": len(losses), "seconds": dt}
         if losses:
-            stats.update({k: sum(x[k] for x in losses) / len(losses) for k in losses[0]})
+            stats.update(_mean(losses))
             self.last_losses = {k: stats[k] for k in losses[0]}
             self._log({M.TRAINER_LOSS: stats["loss"], M.TRAINER_KL_LOSS: stats["kl"], M.TRAINER_STEP: self.step,
                        "replay_only": True, "train_seconds": self.train_seconds})
@@ -326,6 +340,28 @@ class OnlineTrainer:
         parent = self.registry.latest() if self.registry is not None else None
         parent_state, parent_cmp = self._parent_state(parent)
         decision: dict[str, Any] = {"step": self.step, "parent_version": parent, "time": time.time()}
+        ok = self._shadow_check(parent_state, parent_cmp, decision)
+        if self.registry is None or not ok:
+            decision["published"] = None
+            if not ok:
+                decision["reason"] += f"; worse by more than {self.tc.shadow_margin}, not published"
+                log.info("trainer: not publishing at step %d: %s", self.step, decision["reason"])
+        else:
+            version = self._publish(parent, decision)
+            decision["published"] = version
+            log.info("trainer: published v%d at step %d: %s", version, self.step, decision["reason"])
+        if decision.get("heldout_alpha") is not None:
+            self.last_heldout_alpha = decision["heldout_alpha"]
+        self.publish_log.append(decision)
+        self._log({M.TRAINER_HELDOUT_ALPHA: decision.get("heldout_alpha"),
+                   "parent_heldout_alpha": decision.get("parent_heldout_alpha"),
+                   "published": decision["published"] is not None, M.TRAINER_STEP: self.step},
+                  drafter_version=decision["published"])
+        return decision
+
+    def _shadow_check(self, parent_state: Mapping[str, torch.Tensor], parent_cmp: int | None,
+                      decision: dict[str, Any]) -> bool:
+        """Held-out shadow α of the current weights vs the parent's, into `decision`; True if not worse."""
         if len(self.heldout) >= 1:
             new = self.shadow()
             old = self.shadow(state=parent_state)
@@ -338,38 +374,27 @@ class OnlineTrainer:
             ok, reason = True, "no held-out records yet; published unchecked"
             decision.update(heldout_alpha=None, parent_heldout_alpha=None, heldout_records=0, heldout_positions=0)
         decision["reason"] = reason
-        if self.registry is None or not ok:
-            decision["published"] = None
-            if not ok:
-                decision["reason"] += f"; worse by more than {self.tc.shadow_margin}, not published"
-                log.info("trainer: not publishing at step %d: %s", self.step, decision["reason"])
-        else:
-            manifest = {
-                "parent_version": parent,
-                "target_version": self.current_target_version(),
-                "steps": self.step,
-                "records_seen": self.records_seen,
-                "heldout_alpha": decision["heldout_alpha"],
-                "parent_heldout_alpha": decision["parent_heldout_alpha"],
-                "heldout_records": decision["heldout_records"],
-                "created_at": time.time(),
-                "drafter_kind": self.trainable.kind,
-                "trainer_mode": self.tc.mode,
-                "draft_vocab_size": self.draft_vocab_size,
-            }
-            version = self.trainable.publish(self.registry, manifest)
-            self.last_published = version
-            self.last_published_state = self.trainable.state()
-            decision["published"] = version
-            log.info("trainer: published v%d at step %d: %s", version, self.step, reason)
-        if decision.get("heldout_alpha") is not None:
-            self.last_heldout_alpha = decision["heldout_alpha"]
-        self.publish_log.append(decision)
-        self._log({M.TRAINER_HELDOUT_ALPHA: decision.get("heldout_alpha"),
-                   "parent_heldout_alpha": decision.get("parent_heldout_alpha"),
-                   "published": decision["published"] is not None, M.TRAINER_STEP: self.step},
-                  drafter_version=decision["published"])
-        return decision
+        return ok
+
+    def _publish(self, parent: int | None, decision: Mapping[str, Any]) -> int:
+        """Write the current weights to the registry as a child of `parent`; returns the new version."""
+        manifest = {
+            "parent_version": parent,
+            "target_version": self.current_target_version(),
+            "steps": self.step,
+            "records_seen": self.records_seen,
+            "heldout_alpha": decision["heldout_alpha"],
+            "parent_heldout_alpha": decision["parent_heldout_alpha"],
+            "heldout_records": decision["heldout_records"],
+            "created_at": time.time(),
+            "drafter_kind": self.trainable.kind,
+            "trainer_mode": self.tc.mode,
+            "draft_vocab_size": self.draft_vocab_size,
+        }
+        version = self.trainable.publish(self.registry, manifest)
+        self.last_published = version
+        self.last_published_state = self.trainable.state()
+        return version
 
     def _log(self, values: Mapping[str, Any], drafter_version: int | None = None) -> None:
         if self.metrics is None or not self.is_main:
