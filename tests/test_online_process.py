@@ -124,3 +124,11 @@ def test_trainer_sigkill_restart_resumes_exactly_once_pause_and_sigterm(tiny_pai
     assert latest is not None
     _, man = reg.validate(latest)
     assert man["records_seen"] == sum(len(e["trained"]) for e in entries)
+
+
+def test_python_m_trainers_online_is_dvi_train_online() -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "trainers.online", "--help"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage: dvi train" in out.stdout and "--online" in out.stdout

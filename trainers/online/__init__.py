@@ -1,0 +1,47 @@
+"""The online drafter trainer: tail the feedback log, train the drafter, publish versions.
+
+Two layers, so the same training can run as a process or inside another loop:
+
+* `OnlineTrainer` (in-process core, `trainer.py`): `train_on_records(records)` trains on
+  feedback records with replay, held-out records and stale-target handling; `maybe_publish()`
+  publishes a version only if its held-out shadow α is not worse than LATEST's. The drift
+  benchmark and `trainers.rl` drive it directly.
+* `run_trainer(cfg)` (the `dvi train --online` process, `process.py`): a thin loop around it
+  (`TrainerLoop`, `loop.py`) that tails the shards with a `FeedbackReader` cursor, honours
+  `<run_dir>/trainer.pause` and SIGTERM, and checkpoints so that a killed trainer resumes
+  without training a record twice or skipping one.
+
+The parts, in the order a record meets them:
+
+| module | job |
+|---|---|
+| `collate.py` | `Example` (a record in numpy form), `is_heldout`, `Batch` / `build_batch` (tensors for the loss) |
+| `trainables.py` | the drafter kinds (LoRA, full, early-exit) behind `Trainable`; `load_drafter_for_training` |
+| `trainer.py` | `OnlineTrainer`: steps, replay, shadow-checked publishing, checkpoints |
+| `loop.py` | `TrainerLoop`: shard choice, the exactly-once flush order, pause/stop, status heartbeat |
+| `process.py` | `run_trainer`: logging, threads, priority, accelerator, metrics, then the loop |
+| `files.py` | the run-dir file names the trainer shares with the server and RL loops |
+
+Every name below is importable from `trainers.online`, as it was when this was one module.
+"""
+
+from trainers.online.collate import Batch, Example, build_batch, is_heldout
+from trainers.online.files import (
+    CHECKPOINT_DIR,
+    CONSUMED_LOG,
+    PAUSE_FILE,
+    STATUS_FILE,
+    TARGET_VERSION_FILE,
+    TRAINER_DIR,
+    read_target_version_file,
+    write_json_atomic,
+)
+from trainers.online.loop import STALE_SHARD_S, TrainerLoop
+from trainers.online.process import run_trainer
+from trainers.online.trainables import load_drafter_for_training
+from trainers.online.trainer import REPLAY_RECENT, SHADOW_MAX_POSITIONS, OnlineTrainer
+
+__all__ = ["Example", "Batch", "build_batch", "is_heldout", "OnlineTrainer", "TrainerLoop", "run_trainer",
+           "load_drafter_for_training", "read_target_version_file", "write_json_atomic", "PAUSE_FILE",
+           "TARGET_VERSION_FILE", "TRAINER_DIR", "CHECKPOINT_DIR", "CONSUMED_LOG", "STATUS_FILE",
+           "SHADOW_MAX_POSITIONS", "STALE_SHARD_S", "REPLAY_RECENT"]

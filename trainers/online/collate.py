@@ -1,0 +1,156 @@
+"""Feedback records to training batches: the compact `Example`, the held-out split, collation.
+
+Its own module because it is the one place that knows the tensor layout the loss expects
+(`trainers.losses.dvi_loss`); the trainer only moves batches to the device and steps.
+
+Shapes: B rows, W input width (prompt + generated tokens but the last, left-padded), T
+generated positions trained on (the last T inputs of each row), k top-k entries per position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dvi.feedback import FeedbackRecord
+
+
+@dataclass
+class Example:
+    """One feedback record in compact numpy form (the replay buffer holds thousands).
+
+    Field names match `FeedbackRecord`, so `dvi.shadow.shadow_alpha` reads it directly.
+    """
+
+    request_id: str
+    domain: str
+    target_version: int
+    drafter_version: int
+    finished_at: float
+    temperature: float
+    prompt_ids: np.ndarray  # [p] int64
+    token_ids: np.ndarray  # [n] int64, the generated tokens
+    drafted_ids: np.ndarray  # [n] int64, -1 where nothing was drafted
+    accepted: np.ndarray  # [n] bool
+    topk_ids: np.ndarray  # [n, k] int64, -1 padding
+    topk_logprobs: np.ndarray  # [n, k] float32, -inf padding
+
+    @classmethod
+    def of(cls, rec: FeedbackRecord | Mapping[str, Any] | Example) -> Example:
+        """From a FeedbackRecord, a parquet row dict or an Example.
+
+        Records logged without top-k (feedback_top_k=0) train on the target's own token as a
+        one-hot target distribution (cross-entropy), the best the log allows.
+        """
+        if isinstance(rec, Example):
+            return rec
+
+        def g(name: str) -> Any:
+            return rec[name] if isinstance(rec, Mapping) else getattr(rec, name)
+
+        tokens = np.asarray(g("token_ids"), dtype=np.int64)  # [n]
+        tk, tl = g("topk_ids"), g("topk_logprobs")  # n ragged lists (k or fewer each), or empty
+        if len(tk) == len(tokens) and len(tokens):
+            k = max(len(r) for r in tk)  # pad every position to [k]
+            ids = np.full((len(tokens), k), -1, dtype=np.int64)
+            lps = np.full((len(tokens), k), -np.inf, dtype=np.float32)
+            for j, (a, b) in enumerate(zip(tk, tl, strict=True)):
+                ids[j, : len(a)] = a
+                lps[j, : len(b)] = b
+        else:
+            ids = tokens.reshape(-1, 1).copy()  # [n, 1]: the token itself, log-prob 0 (one-hot)
+            lps = np.zeros((len(tokens), 1), dtype=np.float32)
+        return cls(
+            request_id=str(g("request_id")),
+            domain=str(g("domain")),
+            target_version=int(g("target_version")),
+            drafter_version=int(g("drafter_version")),
+            finished_at=float(g("finished_at")),
+            temperature=float(g("temperature")),
+            prompt_ids=np.asarray(g("prompt_ids"), dtype=np.int64),
+            token_ids=tokens,
+            drafted_ids=np.asarray(g("drafted_ids"), dtype=np.int64),
+            accepted=np.asarray(g("accepted"), dtype=bool),
+            topk_ids=ids,
+            topk_logprobs=lps,
+        )
+
+
+def is_heldout(request_id: str, fraction: float) -> bool:
+    """Deterministic held-out split by request id (same answer on every rank and restart)."""
+    if fraction <= 0:
+        return False
+    h = hashlib.sha256(("heldout/" + request_id).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+@dataclass
+class Batch:
+    """Left-padded inputs; the last `T` positions of each row predict its generated tokens."""
+
+    input_ids: torch.Tensor  # [B, W]
+    attention_mask: torch.Tensor  # [B, W]
+    position_ids: torch.Tensor  # [B, W]
+    weights: torch.Tensor  # [B, T] per-position loss weights (0 = padding)
+    topk_ids: torch.Tensor  # [B, T, k]
+    topk_logprobs: torch.Tensor  # [B, T, k]
+    drafted_ids: torch.Tensor  # [B, T]
+    accepted: torch.Tensor  # [B, T]
+    tokens: int  # generated positions trained on
+
+    @property
+    def width(self) -> int:
+        return int(self.topk_ids.shape[1])
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
+
+
+def build_batch(
+    examples: Sequence[Example], weights: Sequence[float], pad_id: int = 0, max_seq_len: int = 512
+) -> Batch | None:
+    """Teacher-forced batch over prompt + generated tokens.
+
+    Left padding (with explicit position ids) puts every row's generated positions at the end,
+    so the model computes logits only there (`logits_to_keep`): the vocabulary projection is
+    most of a small drafter's cost. Rows longer than `max_seq_len` lose their oldest tokens.
+    """
+    rows = [(e, float(w)) for e, w in zip(examples, weights, strict=True) if len(e.token_ids) and w > 0]
+    if not rows:
+        return None
+    seqs, keeps = [], []
+    for e, _ in rows:
+        seq = np.concatenate([e.prompt_ids, e.token_ids[:-1]])  # [p + n - 1]: input j predicts token j + 1
+        n = len(e.token_ids)
+        n_keep = min(n, max_seq_len)  # generated positions of this row that stay in the window
+        seqs.append(seq[-max_seq_len:])  # [<= max_seq_len], oldest tokens dropped
+        keeps.append(n_keep)
+    b, w_len, t_len = len(rows), max(len(s) for s in seqs), max(keeps)  # B, W, T
+    k = max(e.topk_ids.shape[1] for e, _ in rows)
+    ids = torch.full((b, w_len), pad_id, dtype=torch.long)  # [B, W]
+    attn = torch.zeros((b, w_len), dtype=torch.long)  # [B, W]
+    weights_t = torch.zeros((b, t_len))  # [B, T]
+    tk = torch.full((b, t_len, k), -1, dtype=torch.long)  # [B, T, k]
+    tl = torch.full((b, t_len, k), float("-inf"))  # [B, T, k]
+    dr = torch.full((b, t_len), -1, dtype=torch.long)  # [B, T]
+    ac = torch.zeros((b, t_len), dtype=torch.bool)  # [B, T]
+    for i, ((e, w), seq, nk) in enumerate(zip(rows, seqs, keeps, strict=True)):
+        ids[i, w_len - len(seq):] = torch.from_numpy(seq)  # right-aligned: left padding
+        attn[i, w_len - len(seq):] = 1
+        n = len(e.token_ids)
+        sl = slice(n - nk, n)  # the row's kept generated positions, in its own [n] arrays
+        c = slice(t_len - nk, t_len)  # where they sit in the batch's last T columns
+        weights_t[i, c] = w
+        kk = e.topk_ids.shape[1]
+        tk[i, c, :kk] = torch.from_numpy(e.topk_ids[sl])
+        tl[i, c, :kk] = torch.from_numpy(e.topk_logprobs[sl].astype(np.float32))
+        dr[i, c] = torch.from_numpy(e.drafted_ids[sl])
+        ac[i, c] = torch.from_numpy(e.accepted[sl])
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)  # [B, W]: 0 at each row's first real token
+    return Batch(ids, attn, pos, weights_t, tk, tl, dr, ac, tokens=int(sum(keeps)))
+

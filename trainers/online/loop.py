@@ -1,0 +1,294 @@
+"""`TrainerLoop`: tails the feedback shards for an `OnlineTrainer`, exactly once across kills.
+
+Its own module because the cursor, checkpoint and consumed-log ordering is the subtle part of
+the trainer and reads best alone. It honours `<run_dir>/trainer.pause` and SIGTERM, and
+checkpoints so that a killed trainer resumes without training a record twice or skipping one.
+
+Exactly-once. Rounds train untrained shards; every `trainer.checkpoint_seconds` (and when idle,
+paused or stopping) the loop flushes: it writes `<run_dir>/trainer/checkpoint/` atomically
+(weights, optimizer, counters, the names of trained-but-uncommitted shards, and the consumed
+record ids of the rounds since the last flush), then appends those rounds to
+`<run_dir>/trainer/consumed.jsonl`, then commits the reader's cursor up to the longest prefix of
+trained shards. A kill loses only the rounds since the last flush, whose weight updates die with
+them, so their shards are trained again; shards in the checkpoint are never retrained, and a round
+the checkpoint holds but the log lacks is logged on restart. Replay (older records re-used in
+batches) is separate and explicit, counted as `replayed`, never as new.
+
+Recent-first: when shards pile up, the newest are trained first (the traffic that matters now);
+older ones are trained when the trainer catches up. Their cursor commit waits for them.
+
+The trainer's gauges go to `<run_dir>/trainer/status.json` (atomically replaced, also the
+supervisor's heartbeat) for the server's /metrics.
+
+Accelerate: rank 0 picks the shards and the stop/pause decisions and broadcasts them, every rank
+trains on its slice of each batch, and only rank 0 checkpoints, commits and publishes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dvi import metrics as M
+from dvi.config import DviConfig
+from dvi.feedback import FeedbackReader
+from dvi.registry import AdapterRejected
+from trainers.online.collate import Example, is_heldout
+from trainers.online.files import (
+    CHECKPOINT_DIR,
+    CONSUMED_LOG,
+    PAUSE_FILE,
+    STATUS_FILE,
+    TRAINER_DIR,
+    write_json_atomic,
+)
+from trainers.online.trainer import OnlineTrainer
+
+log = logging.getLogger("dvi.trainer")
+
+STALE_SHARD_S = 10.0  # train a pending shard below min_new_records once it is this old (x poll_seconds)
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        self.requested = True
+        self.signal = signum
+
+
+class TrainerLoop:
+    """Tails the feedback shards for an `OnlineTrainer`, with checkpoints and an exactly-once cursor."""
+
+    def __init__(self, trainer: OnlineTrainer, cfg: DviConfig) -> None:
+        self.trainer = trainer
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.dir = self.run_dir / TRAINER_DIR
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt = self.dir / CHECKPOINT_DIR
+        self.consumed_path = self.dir / CONSUMED_LOG
+        self.pause_path = self.run_dir / PAUSE_FILE
+        self.reader = FeedbackReader(cfg.feedback.dir, cursor_path=self.dir / "cursor.json")
+        self.trained: set[str] = set()  # trained shards whose cursor commit may still be pending
+        self.unflushed: list[dict[str, Any]] = []  # rounds trained since the last checkpoint
+        self.last_flush = time.monotonic()
+        self.seq = 0
+        self.stop = _Stop()
+        self.rounds = 0
+
+    # -- startup ----------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Resume: weights/optimizer from the checkpoint (else LATEST from the registry), then the cursor."""
+        t = self.trainer
+        state = t.load_checkpoint(self.ckpt)  # every rank (the run dir is shared)
+        if state is not None:
+            self.trained = set(state.get("trained_uncommitted", []))
+            self.seq = int(state.get("seq", 0))
+            logged = self._last_logged_seq()
+            for entry in state.get("rounds", []):
+                if t.is_main and int(entry["seq"]) > logged:
+                    self._append_consumed(entry)  # killed between the checkpoint and its log append
+            log.info("trainer: resumed from checkpoint at step %d (%d records trained)", t.step, t.records_seen)
+        elif t.registry is not None and (latest := t.registry.latest()) is not None:
+            try:
+                t.trainable.load_state(t.trainable.load_version(t.registry, latest))
+                t.last_published, t.last_published_state = latest, t.trainable.state()
+                log.info("trainer: no checkpoint; starting from registry LATEST v%d", latest)
+            except (AdapterRejected, ValueError, OSError) as exc:
+                log.warning("trainer: LATEST v%d does not load into this drafter (%s); starting from the base", latest, exc)
+        self._commit_prefix()
+        self._warm_buffers()
+
+    def _warm_buffers(self, max_shards: int = 8) -> None:
+        """Refill held-out and replay buffers from the newest already-consumed shards (replay only)."""
+        t = self.trainer
+        pending = set(self.reader.poll())
+        done = [s for s in self.reader.list_shards() if s not in pending or s in self.trained][-max_shards:]
+        if not done:
+            return
+        table = self.reader.read(done, validate=True)
+        n_held = 0
+        for row in table.to_pylist():
+            e = Example.of(row)
+            t.max_target_version = max(t.max_target_version, e.target_version)
+            if is_heldout(e.request_id, t.tc.heldout_fraction):
+                t.heldout.append(e)
+                n_held += 1
+            else:
+                t.replay.append(e)
+        log.info("trainer: warmed buffers from %d consumed shards (%d held-out, %d replay)", len(done), n_held,
+                 len(t.replay))
+
+    # -- bookkeeping --------------------------------------------------------------------------------
+    def _last_logged_seq(self) -> int:
+        try:
+            lines = self.consumed_path.read_text().splitlines()
+        except FileNotFoundError:
+            return 0
+        for line in reversed(lines):
+            try:
+                return int(json.loads(line)["seq"])
+            except (ValueError, KeyError):
+                continue  # a torn last line from a kill mid-append
+        return 0
+
+    def _append_consumed(self, entry: Mapping[str, Any]) -> None:
+        with open(self.consumed_path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _commit_prefix(self) -> None:
+        """Commit the cursor up to the longest prefix of pending shards that were all trained."""
+        if not self.trainer.is_main:
+            return
+        pending = self.reader.poll()
+        upto = None
+        for name in pending:
+            if name not in self.trained:
+                break
+            upto = name
+        if upto is not None:
+            self.reader.commit(upto)
+            self.trained = {s for s in self.trained if s > upto}
+
+    # -- one round ----------------------------------------------------------------------------------
+    def _choose(self) -> list[str]:
+        """Newest untrained shards holding >= min_new_records records (recent-first)."""
+        pending = [s for s in self.reader.poll() if s not in self.trained]
+        if not pending:
+            return []
+        from dvi.feedback import shard_time_ns
+
+        chosen, n = [], 0
+        for name in reversed(pending):
+            rows = self.reader.num_rows(name)  # None: vanished, or unreadable and quarantined
+            if rows is None:
+                continue
+            chosen.append(name)
+            n += rows
+            if n >= self.cfg.trainer.min_new_records:
+                break
+        if not chosen:
+            return []
+        if n < self.cfg.trainer.min_new_records:
+            age = time.time() - shard_time_ns(pending[0]) / 1e9
+            if age < STALE_SHARD_S * self.cfg.trainer.poll_seconds and not self.stop.requested:
+                return []  # wait for more records
+        return sorted(chosen)
+
+    def _broadcast(self, obj: Any) -> Any:
+        acc = self.trainer.accelerator
+        if acc.num_processes <= 1:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        box = [obj]
+        broadcast_object_list(box, from_process=0)
+        return box[0]
+
+    def flush(self) -> None:
+        """Checkpoint, then log the rounds it covers, then commit the cursor (the exactly-once order).
+
+        Rounds trained since the previous flush live only in memory: a kill loses their weight
+        updates and their log lines together, so their shards are simply trained again.
+        """
+        self.last_flush = time.monotonic()
+        if not self.unflushed:
+            return
+        t = self.trainer
+        if t.is_main:
+            t.save_checkpoint(self.ckpt, {"seq": self.seq, "trained_uncommitted": sorted(self.trained),
+                                          "rounds": self.unflushed})
+            for entry in self.unflushed:
+                self._append_consumed(entry)
+            self.unflushed = []
+            self._commit_prefix()
+        else:
+            self.unflushed = []
+
+    def run_round(self) -> dict[str, Any] | None:
+        """Train one round of shards (flushed every `checkpoint_seconds`). None when there was nothing to do."""
+        t = self.trainer
+        shards = self._broadcast(self._choose() if t.is_main else None)
+        if not shards:
+            return None
+        table = self.reader.read(shards, validate=True)
+        rows = table.to_pylist()
+        stats = t.train_on_records(rows)
+        self.seq += 1
+        self.trained |= set(shards)
+        entry = {"seq": self.seq, "shards": shards, "trained": stats["trained_ids"], "heldout": stats["heldout_ids"],
+                 "dropped": stats["dropped_ids"], "step": t.step, "time": time.time()}
+        self.unflushed.append(entry)
+        if time.monotonic() - self.last_flush >= t.tc.checkpoint_seconds:
+            self.flush()
+        self.rounds += 1
+        return stats
+
+    def _write_status(self, state: str) -> None:
+        if not self.trainer.is_main:
+            return
+        try:
+            # also the heartbeat the server's supervisor watches (serve.trainer_stale_s)
+            write_json_atomic(self.dir / STATUS_FILE, {"state": state, "pid": os.getpid(), "heartbeat": time.time(),
+                                                       M.TRAINER_QUARANTINED_SHARDS: self.reader.quarantined_total(),
+                                                       **self.trainer.status()},
+                              fsync=False)  # a gauge, rewritten every round
+        except OSError:
+            log.exception("cannot write trainer status")
+
+    def run(self) -> int:
+        t = self.trainer
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        self.restore()
+        self._write_status("running")
+        log.info("trainer: tailing %s (cursor %s), publishing to %s", self.cfg.feedback.dir, self.reader.cursor,
+                 self.cfg.registry.dir)
+        while True:
+            stop, paused = self._broadcast((self.stop.requested, self.pause_path.exists()) if t.is_main else None)
+            if stop:
+                break
+            if t.tc.max_steps is not None and t.step >= t.tc.max_steps:
+                log.info("trainer: reached max_steps=%d", t.tc.max_steps)
+                break
+            if paused:
+                self.flush()
+                self._write_status("paused")
+                time.sleep(min(0.5, t.tc.poll_seconds))
+                continue
+            stats = self.run_round()
+            if stats is None:
+                self.flush()
+                if t.tc.idle_replay_steps and t.replay:
+                    t.train_on_replay(t.tc.idle_replay_steps)
+                    t.maybe_publish()
+                    self._write_status("idle")
+                    continue
+                self._write_status("idle")
+                time.sleep(t.tc.poll_seconds)
+                continue
+            t.maybe_publish()
+            self._write_status("running")
+            log.info("trainer: step %d, +%d records (%d held out, %d replayed), loss %.4f", t.step, stats["new"],
+                     stats["heldout"], stats["replayed"], stats.get("loss", float("nan")))
+        # SIGTERM lands between rounds (the handler only sets a flag): checkpoint and commit what was
+        # trained, then publish what was trained since the last publish.
+        self.flush()
+        if t.step > t.last_publish_step:
+            try:
+                t.maybe_publish(force=True)
+            except Exception:  # noqa: BLE001 - exit cleanly; the checkpoint has the weights
+                log.exception("final publish failed")
+        self._write_status("stopped")
+        return 0

@@ -1,0 +1,57 @@
+"""`run_trainer(cfg)`: the `dvi train --online` process set-up around `TrainerLoop`.
+
+Its own module so what is process-wide (logging, torch threads, CPU priority, seed, the
+accelerator, the metrics logger) is set in one place and never by the library parts.
+
+CPU: the process uses `trainer.num_threads` torch threads and lowers its priority by
+`trainer.nice`, so on a shared machine the server's engine thread wins any contended core.
+Accelerate: one process on CPU; under `accelerate launch`, one per rank (DDP averages gradients).
+Losses and α go to `<run_dir>/trainer/metrics.jsonl` and wandb.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from dvi import metrics as M
+from dvi.config import DviConfig, dump_config
+from trainers.online.files import TRAINER_DIR
+from trainers.online.loop import TrainerLoop
+from trainers.online.trainer import OnlineTrainer
+
+log = logging.getLogger("dvi.trainer")
+
+
+def run_trainer(cfg: DviConfig) -> int:
+    """`dvi train --online`: the trainer process. Returns the exit code (0 on SIGTERM)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.trainer.num_threads)
+    if cfg.trainer.nice and hasattr(os, "nice"):
+        try:
+            os.nice(cfg.trainer.nice)  # serving never waits on training: lose every contended core to it
+        except OSError:
+            log.warning("cannot lower the trainer's CPU priority")
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.trainer.seed)
+    accelerator = Accelerator(cpu=str(cfg.models.device) == "cpu")
+    run_dir = Path(cfg.run_dir)
+    (run_dir / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
+    metrics = None
+    if accelerator.is_main_process:
+        metrics = M.MetricsLogger(run_dir / TRAINER_DIR, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
+                                  entity=cfg.wandb.entity, config=dump_config(cfg),
+                                  name=f"trainer-{int(time.time())}")
+    try:
+        trainer = OnlineTrainer.from_config(cfg, accelerator=accelerator, metrics=metrics)
+        return TrainerLoop(trainer, cfg).run()
+    finally:
+        if metrics is not None:
+            metrics.close()
+

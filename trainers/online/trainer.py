@@ -1,0 +1,483 @@
+"""`OnlineTrainer`, the in-process core: feedback records in, DVI steps, shadow-checked publishes.
+
+Its own module so it runs without the process around it: the trainer loop (`loop.py`) drives it
+from the feedback log, and the drift benchmark and `trainers.rl` drive it directly.
+
+`train_on_records(records)` turns records into batches (new records recent-first, a
+`replay_ratio` share of each batch replayed from older ones, stale target versions dropped or
+down-weighted), takes `trainers.losses.dvi_loss` steps (pure top-k KL first, the accept/reject
+reward ramped in), and holds back `heldout_fraction` of the records (by a hash of the request id)
+for evaluation. `maybe_publish()` compares the held-out shadow α (`dvi.shadow`) of the current
+weights with the registry's LATEST (the parent) and publishes only if it is not worse by
+`shadow_margin`. Checkpoints (weights, optimizer, counters) are the loop's resume point.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dvi import metrics as M
+from dvi.config import DviConfig
+from dvi.feedback import FeedbackRecord
+from dvi.registry import AdapterRejected, DrafterRegistry
+from dvi.shadow import hf_logits_fn, shadow_alpha, shadow_passes
+from dvi.vocab import find_subset_head, subset_mode
+from trainers.losses import dvi_loss
+from trainers.online.collate import Example, build_batch, is_heldout
+from trainers.online.files import read_target_version_file
+from trainers.online.trainables import load_drafter_for_training, make_trainable
+
+log = logging.getLogger("dvi.trainer")
+
+SHADOW_MAX_POSITIONS = 8192
+REPLAY_RECENT = 256  # idle replay draws from this many newest trained records
+
+
+def _mean(losses: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per-key mean of the step results (keys of the first)."""
+    return {k: sum(x[k] for x in losses) / len(losses) for k in losses[0]}
+
+
+class OnlineTrainer:
+    """Trains a drafter on feedback records with the DVI objective; publishes shadow-checked versions.
+
+    `drafter`: a HF causal LM (wrapped in a LoRA when `cfg.trainer.mode == "lora"`, trained
+    whole when "full"), a peft model (its adapter is trained), or a `dvi.drafters.EarlyExitDrafter`
+    (its LoRA + exit head). The module is trained in place, so an engine in the same process that
+    holds it sees every update (`trainers.rl` style); `model` is what to hand to an engine.
+    Without a `registry`, `maybe_publish` only evaluates.
+    """
+
+    def __init__(
+        self,
+        cfg: DviConfig,
+        drafter: Any,
+        *,
+        registry: DrafterRegistry | None = None,
+        metrics: M.MetricsLogger | None = None,
+        accelerator: Any = None,
+        run_dir: str | os.PathLike | None = None,
+        pad_id: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.tc = cfg.trainer
+        if accelerator is None:
+            from accelerate import Accelerator
+
+            accelerator = Accelerator(cpu=str(cfg.models.device) == "cpu")
+        self.accelerator = accelerator
+        self.registry = registry
+        self.metrics = metrics
+        self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
+        self.pad_id = pad_id
+        self.trainable = make_trainable(drafter, self.tc.mode, cfg)
+        self.base_state = self.trainable.state()  # version 0: the drafter as loaded (no updates)
+        params = self.trainable.parameters()
+        if not params:
+            raise ValueError("the drafter has no trainable parameters")
+        opt = torch.optim.AdamW(params, lr=self.tc.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
+        self.module, self.optimizer = accelerator.prepare(self.trainable.module, opt)
+        self.device = accelerator.device
+        self.rng = random.Random(self.tc.seed)
+        self.replay: collections.deque[Example] = collections.deque(maxlen=max(1, self.tc.replay_buffer_records))
+        self.heldout: collections.deque[Example] = collections.deque(maxlen=self.tc.shadow_records)
+        self.step = 0
+        self.records_seen = 0  # records trained on as new
+        self.replayed = 0
+        self.heldout_seen = 0
+        self.dropped_stale = 0
+        self.train_seconds = 0.0
+        self.tokens_trained = 0
+        self.max_target_version = 0
+        self.last_publish_step = 0
+        self.last_published: int | None = None
+        self.last_published_state: dict[str, torch.Tensor] | None = None
+        self.last_heldout_alpha: float | None = None
+        self.last_losses: dict[str, float] = {}
+        self.publish_log: list[dict[str, Any]] = []
+
+    # -- construction from a config ------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: DviConfig, accelerator: Any = None, **kw: Any) -> OnlineTrainer:
+        """Load the drafter the config names (and the target for early-exit), registry and metrics."""
+        drafter, pad_id = load_drafter_for_training(cfg, accelerator)
+        registry = DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last)
+        return cls(cfg, drafter, registry=registry, accelerator=accelerator, pad_id=pad_id, **kw)
+
+    @property
+    def model(self) -> nn.Module:
+        """The trained module (peft model, HF model, or the early-exit drafter's shallow model)."""
+        return self.trainable.module
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """N of a reduced draft vocabulary (None = full); recorded in every published manifest."""
+        head = find_subset_head(self.trainable.module)
+        return None if head is None else head.num_ids
+
+    @property
+    def is_main(self) -> bool:
+        return bool(self.accelerator.is_main_process)
+
+    # -- target versions -------------------------------------------------------------------------
+    def current_target_version(self) -> int:
+        file_v = read_target_version_file(self.run_dir)
+        return max(self.max_target_version, file_v if file_v is not None else 0)
+
+    def _weight(self, e: Example, current: int) -> float:
+        if e.target_version >= current or self.tc.stale_target_policy == "keep":
+            return 1.0
+        if self.tc.stale_target_policy == "drop":
+            return 0.0
+        return float(self.tc.stale_weight)
+
+    # -- training ----------------------------------------------------------------------------------
+    def train_on_records(self, records: Iterable[FeedbackRecord | Mapping[str, Any] | Example]) -> dict[str, Any]:
+        """Train on new records (each once), with replay; returns what happened.
+
+        Held-out records (by request-id hash) are kept for evaluation and never trained on.
+        New records go newest first, `round(batch_size * (1 - replay_ratio))` per batch, and each
+        batch gets replayed records (sampled from the buffer of records trained on before) so
+        that they are a `replay_ratio` share of it. Afterwards the new records join the buffer.
+        """
+        t0 = time.perf_counter()
+        examples = [Example.of(r) for r in records]
+        for e in examples:
+            self.max_target_version = max(self.max_target_version, e.target_version)
+        current = self.current_target_version()
+        new, held, dropped = self._split(examples, current)
+        self.heldout.extend(sorted(held, key=lambda e: e.finished_at))
+        self.heldout_seen += len(held)
+        self.dropped_stale += len(dropped)
+        new.sort(key=lambda e: e.finished_at, reverse=True)  # recent first
+        losses, replayed = self._train_new(new, current)
+        self.replay.extend(reversed(new))  # oldest first, so the deque drops the oldest
+        self.replayed += replayed
+        dt = time.perf_counter() - t0
+        self.train_seconds += dt
+        stats: dict[str, Any] = {
+            "new": len(new), "heldout": len(held), "dropped_stale": len(dropped), "replayed": replayed,
+            "steps": len(losses), "seconds": dt, "target_version": current,
+            "trained_ids": [e.request_id for e in new], "heldout_ids": [e.request_id for e in held],
+            "dropped_ids": [e.request_id for e in dropped],
+        }
+        if losses:
+            mean = _mean(losses)
+            stats.update(mean)
+            self.last_losses = mean
+            self._log({M.TRAINER_LOSS: mean["loss"], M.TRAINER_KL_LOSS: mean["kl"],
+                       M.TRAINER_REWARD_LOSS: mean["reward"], M.TRAINER_REWARD_WEIGHT: mean["reward_weight"],
+                       M.TRAINER_STEP: self.step, M.TRAINER_RECORDS_SEEN: self.records_seen,
+                       "train_seconds": self.train_seconds, "tokens_per_s": mean["tokens"] / max(1e-9, mean["seconds"])})
+        return stats
+
+    def _split(self, examples: list[Example], current: int) -> tuple[list[Example], list[Example], list[Example]]:
+        """(new, held out, dropped as stale), each in the order given."""
+        new, held, dropped = [], [], []
+        for e in examples:
+            if is_heldout(e.request_id, self.tc.heldout_fraction):
+                held.append(e)
+            elif self._weight(e, current) <= 0:
+                dropped.append(e)
+            else:
+                new.append(e)
+        return new, held, dropped
+
+    def _train_new(self, new: list[Example], current: int) -> tuple[list[dict[str, float]], int]:
+        """One step per chunk of `new` records, topped up with replayed ones; (step losses, replayed)."""
+        bs = self.tc.batch_size
+        n_new = max(1, round(bs * (1.0 - self.tc.replay_ratio))) if self.replay else bs
+        losses: list[dict[str, float]] = []
+        replayed = 0
+        for i in range(0, len(new), n_new):  # max_steps is checked between calls, never mid-records
+            chunk = new[i: i + n_new]
+            extra = []
+            if self.replay and self.tc.replay_ratio > 0:
+                r = self.tc.replay_ratio
+                m = bs - len(chunk) if r >= 1 else min(bs - len(chunk), round(len(chunk) * r / (1 - r)))
+                extra = self._sample_replay(max(0, m))
+            out = self._train_step(chunk + extra, current)
+            if out is not None:
+                losses.append(out)
+            replayed += len(extra)
+            self.records_seen += len(chunk)
+        return losses, replayed
+
+    def _sample_replay(self, n: int, recent: int | None = None) -> list[Example]:
+        pool = len(self.replay) if recent is None else min(recent, len(self.replay))
+        if not pool:
+            return []
+        lo = len(self.replay) - pool
+        return [self.replay[lo + self.rng.randrange(pool)] for _ in range(n)]
+
+    def train_on_replay(self, steps: int = 1, recent: int = REPLAY_RECENT) -> dict[str, Any]:
+        """Replay-only steps on the `recent` newest trained records (an idle trainer's spare time).
+
+        Counted as replay, never as new records; no cursor or checkpoint is involved.
+        """
+        t0 = time.perf_counter()
+        current = self.current_target_version()
+        losses = []
+        for _ in range(steps):
+            batch = self._sample_replay(self.tc.batch_size, recent)
+            if not batch:
+                break
+            out = self._train_step(batch, current)
+            if out is not None:
+                losses.append(out)
+            self.replayed += len(batch)
+        dt = time.perf_counter() - t0
+        self.train_seconds += dt
+        stats: dict[str, Any] = {"steps": len(losses), "seconds": dt}
+        if losses:
+            stats.update(_mean(losses))
+            self.last_losses = {k: stats[k] for k in losses[0]}
+            self._log({M.TRAINER_LOSS: stats["loss"], M.TRAINER_KL_LOSS: stats["kl"], M.TRAINER_STEP: self.step,
+                       "replay_only": True, "train_seconds": self.train_seconds})
+        return stats
+
+    def _train_step(self, examples: list[Example], current: int) -> dict[str, float] | None:
+        acc = self.accelerator
+        if acc.num_processes > 1:  # each rank takes its slice; every rank gets at least one row
+            while len(examples) < acc.num_processes:
+                examples = examples + examples
+            examples = examples[acc.process_index:: acc.num_processes]
+        weights = [self._weight(e, current) for e in examples]
+        batch = build_batch(examples, weights, self.pad_id, self.tc.max_seq_len)
+        if batch is None:
+            return None
+        t0 = time.perf_counter()
+        batch = batch.to(self.device)
+        self.module.train()
+        # A reduced draft vocabulary trains on its [B, T, N] subset logits (never the served -inf padding).
+        with subset_mode(self.trainable.module) as head:
+            logits = self.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 position_ids=batch.position_ids, use_cache=False,
+                                 logits_to_keep=batch.width).logits  # [B, T, V] or [B, T, N]
+        out = dvi_loss(logits, batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted,
+                       batch.weights, step=self.step, kl_weight=self.tc.kl_weight,
+                       reward_start=self.tc.reward_ramp_start, reward_ramp_steps=self.tc.reward_ramp_steps,
+                       reward_max_weight=self.tc.reward_weight,
+                       subset_index=head.index if head is not None else None)
+        w = batch.weights
+        # dvi_loss normalises by the weight sum; rescale so down-weighted rows count less in absolute terms
+        scale = w.sum() / (w > 0).sum().clamp_min(1)
+        loss = out.loss * scale
+        acc.backward(loss)
+        if self.tc.grad_clip:
+            acc.clip_grad_norm_(self.trainable.parameters(), self.tc.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.module.eval()
+        self.step += 1
+        self.tokens_trained += batch.tokens
+        return {"loss": float(loss.detach()), "kl": float(out.kl), "reward": float(out.reward),
+                "reward_weight": float(out.reward_weight), "tokens": float(batch.tokens),
+                "seconds": time.perf_counter() - t0}
+
+    # -- evaluation and publishing --------------------------------------------------------------
+    def _logits_fn(self):
+        fn = hf_logits_fn(self.accelerator.unwrap_model(self.module))
+        dev = self.device
+
+        def f(ids: torch.Tensor) -> torch.Tensor:
+            return fn(ids.to(dev))
+
+        return f
+
+    def shadow(self, records: Sequence[Any] | None = None, state: Mapping[str, torch.Tensor] | None = None):
+        """Shadow α (teacher-forced, `dvi.shadow`) of the current weights, or of `state`, on held-out records."""
+        recs = list(self.heldout) if records is None else [Example.of(r) for r in records]
+        saved = None
+        if state is not None:
+            saved = self.trainable.state()
+            self.trainable.load_state(state)
+        was = self.module.training
+        self.module.eval()
+        try:
+            return shadow_alpha(self._logits_fn(), recs, device=self.device, max_positions=SHADOW_MAX_POSITIONS)
+        finally:
+            if saved is not None:
+                self.trainable.load_state(saved)
+            self.module.train(was)
+
+    def _parent_state(self, parent: int | None) -> tuple[dict[str, torch.Tensor], int | None]:
+        """Weights of the version serving now (LATEST), to compare against; base if unknown."""
+        if parent is None:
+            return self.base_state, None
+        if parent == self.last_published and self.last_published_state is not None:
+            return self.last_published_state, parent
+        try:
+            return self.trainable.load_version(self.registry, parent), parent
+        except (AdapterRejected, OSError, ValueError) as exc:
+            log.warning("cannot compare against LATEST v%s (%s); comparing against the base drafter", parent, exc)
+            return self.base_state, None
+
+    def maybe_publish(self, force: bool = False) -> dict[str, Any] | None:
+        """Every `publish_every_steps` steps: shadow-check against LATEST, publish if not worse.
+
+        Returns the decision (published version or refusal reason), or None when not due. Only
+        the main process publishes; other ranks return None.
+        """
+        if not force and self.step - self.last_publish_step < self.tc.publish_every_steps:
+            return None
+        if self.step == self.last_publish_step and not force:
+            return None
+        self.last_publish_step = self.step
+        if not self.is_main:
+            return None
+        parent = self.registry.latest() if self.registry is not None else None
+        parent_state, parent_cmp = self._parent_state(parent)
+        decision: dict[str, Any] = {"step": self.step, "parent_version": parent, "time": time.time()}
+        ok = self._shadow_check(parent_state, parent_cmp, decision)
+        if self.registry is None or not ok:
+            decision["published"] = None
+            if not ok:
+                decision["reason"] += f"; worse by more than {self.tc.shadow_margin}, not published"
+                log.info("trainer: not publishing at step %d: %s", self.step, decision["reason"])
+        else:
+            version = self._publish(parent, decision)
+            decision["published"] = version
+            log.info("trainer: published v%d at step %d: %s", version, self.step, decision["reason"])
+        if decision.get("heldout_alpha") is not None:
+            self.last_heldout_alpha = decision["heldout_alpha"]
+        self.publish_log.append(decision)
+        self._log({M.TRAINER_HELDOUT_ALPHA: decision.get("heldout_alpha"),
+                   "parent_heldout_alpha": decision.get("parent_heldout_alpha"),
+                   "published": decision["published"] is not None, M.TRAINER_STEP: self.step},
+                  drafter_version=decision["published"])
+        return decision
+
+    def _shadow_check(self, parent_state: Mapping[str, torch.Tensor], parent_cmp: int | None,
+                      decision: dict[str, Any]) -> bool:
+        """Held-out shadow α of the current weights vs the parent's, into `decision`; True if not worse."""
+        if len(self.heldout) >= 1:
+            new = self.shadow()
+            old = self.shadow(state=parent_state)
+            decision.update(heldout_alpha=new.alpha, parent_heldout_alpha=old.alpha, heldout_records=new.records,
+                            heldout_positions=new.positions)
+            ok = shadow_passes(new.alpha, old.alpha, self.tc.shadow_margin)
+            reason = (f"shadow α {new.alpha:.4f} vs parent {old.alpha:.4f} (v{parent_cmp if parent_cmp is not None else 0})"
+                      f" on {new.records} held-out records")
+        else:
+            ok, reason = True, "no held-out records yet; published unchecked"
+            decision.update(heldout_alpha=None, parent_heldout_alpha=None, heldout_records=0, heldout_positions=0)
+        decision["reason"] = reason
+        return ok
+
+    def _publish(self, parent: int | None, decision: Mapping[str, Any]) -> int:
+        """Write the current weights to the registry as a child of `parent`; returns the new version."""
+        manifest = {
+            "parent_version": parent,
+            "target_version": self.current_target_version(),
+            "steps": self.step,
+            "records_seen": self.records_seen,
+            "heldout_alpha": decision["heldout_alpha"],
+            "parent_heldout_alpha": decision["parent_heldout_alpha"],
+            "heldout_records": decision["heldout_records"],
+            "created_at": time.time(),
+            "drafter_kind": self.trainable.kind,
+            "trainer_mode": self.tc.mode,
+            "draft_vocab_size": self.draft_vocab_size,
+        }
+        version = self.trainable.publish(self.registry, manifest)
+        self.last_published = version
+        self.last_published_state = self.trainable.state()
+        return version
+
+    def _log(self, values: Mapping[str, Any], drafter_version: int | None = None) -> None:
+        if self.metrics is None or not self.is_main:
+            return
+        try:
+            self.metrics.log(dict(values), step=self.step, drafter_version=drafter_version)
+        except Exception:  # noqa: BLE001 - metrics never stop training
+            log.exception("trainer metrics row dropped")
+
+    def status(self) -> dict[str, Any]:
+        """Gauges for the server's /metrics (also written to `<run_dir>/trainer/status.json`)."""
+        return {
+            M.TRAINER_STEP: self.step,
+            M.TRAINER_RECORDS_SEEN: self.records_seen,
+            M.TRAINER_HELDOUT_ALPHA: self.last_heldout_alpha,
+            M.TRAINER_LOSS: self.last_losses.get("loss"),
+            M.TRAINER_KL_LOSS: self.last_losses.get("kl"),
+            M.TRAINER_REWARD_LOSS: self.last_losses.get("reward"),
+            M.TRAINER_REWARD_WEIGHT: self.last_losses.get("reward_weight"),
+            "last_published": self.last_published,
+            "target_version": self.current_target_version(),
+            "replayed": self.replayed,
+            "heldout_seen": self.heldout_seen,
+            "dropped_stale": self.dropped_stale,
+            "train_seconds": self.train_seconds,
+            "tokens_trained": self.tokens_trained,
+            "time": time.time(),
+        }
+
+    # -- checkpoints (process mode) ---------------------------------------------------------------
+    def save_checkpoint(self, path: Path, extra: Mapping[str, Any]) -> None:
+        """Weights + optimizer + counters + `extra`, written to a temp dir and renamed over `path`."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{time.time_ns()}")
+        tmp.mkdir(parents=True)
+        save_file(self.trainable.state(), str(tmp / "trainable.safetensors"))
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        state = {
+            "step": self.step, "records_seen": self.records_seen, "replayed": self.replayed,
+            "heldout_seen": self.heldout_seen, "dropped_stale": self.dropped_stale,
+            "train_seconds": self.train_seconds, "tokens_trained": self.tokens_trained,
+            "max_target_version": self.max_target_version, "last_publish_step": self.last_publish_step,
+            "last_published": self.last_published, "kind": self.trainable.kind, **dict(extra),
+        }
+        (tmp / "state.json").write_text(json.dumps(state))
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        old = path.with_name(f".old-{path.name}-{os.getpid()}-{time.time_ns()}")
+        if path.exists():
+            os.rename(path, old)  # the only window without `path`; load_checkpoint falls back to it
+        os.rename(tmp, path)
+        if old.exists():
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any] | None:
+        """Restore from `save_checkpoint` output; returns its state dict (None if absent)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not path.exists():
+            olds = sorted(path.parent.glob(f".old-{path.name}-*"))
+            if not olds:
+                return None
+            path = olds[-1]
+        state = json.loads((path / "state.json").read_text())
+        if state.get("kind") != self.trainable.kind:
+            raise ValueError(f"checkpoint {path} is for a {state.get('kind')!r} drafter, this is {self.trainable.kind!r}")
+        self.trainable.load_state(load_file(str(path / "trainable.safetensors")))
+        try:
+            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        except Exception as exc:  # noqa: BLE001 - fresh moments are better than no resume
+            log.warning("optimizer state not restored (%s); continuing with fresh moments", exc)
+        for k in ("step", "records_seen", "replayed", "heldout_seen", "dropped_stale", "tokens_trained",
+                  "max_target_version", "last_publish_step"):
+            setattr(self, k, int(state.get(k, 0) or 0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.last_published = state.get("last_published")
+        if self.last_published is not None:
+            self.last_published_state = self.trainable.state()
+        return state
+
