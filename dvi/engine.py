@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.adaptive import AcceptanceEMA, AcceptanceTracker, AdaptiveK, CostModel, batch_bucket
+from dvi.adaptive import AcceptanceEMA, AcceptanceTracker, AdaptiveK, CostModel, batch_bucket, calibrate
 from dvi.drafters import Drafter, as_drafter, model_forward
 from dvi.kv import RaggedKV, prefill
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
@@ -433,49 +433,7 @@ class SpeculativeEngine:
         kmax = self.max_draft_tokens
         if self.max_context is not None:
             context = max(1, min(context, self.max_context - kmax - 2))
-        g = torch.Generator().manual_seed(0)
-        rows = torch.randint(0, self.vocab_size, (b, context), generator=g).tolist()
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        tkv = prefill(self.target.config, self._tfn, rows, self.device, self.dtype)
-        sync()
-        t0 = time.perf_counter()
-        dkv = prefill(self.drafter.config, self.drafter, rows, self.device, self.drafter.dtype)
-        sync()
-        catchup_per_token = (time.perf_counter() - t0) / (b * context)  # what a drafter catch-up costs
-        ks = sorted({k for k in (0, 1, 2, 4, kmax) if k <= kmax})
-        vt: dict[int, list[float]] = {k: [] for k in ks}
-        chains: list[list[float]] = []  # cumulative seconds of the first 1..kmax drafts after a verify
-        zeros = torch.zeros(b, dtype=torch.long, device=self.device)
-        for _ in range(reps):
-            for k in ks:
-                ids = torch.randint(0, self.vocab_size, (b, k + 1), generator=g).to(self.device)
-                sync()
-                t0 = time.perf_counter()
-                tkv.forward(self._tfn, ids).argmax(-1).tolist()
-                sync()
-                vt[k].append(time.perf_counter() - t0)
-                tkv.rollback(k + 1, zeros)
-            # Draft chains as decoding runs them: right after a verify, the first forward takes the
-            # two pending tokens (last draft + bonus) with the drafter's weights cold in the CPU caches;
-            # later ones run warmer (measured here, 1-layer drafter: 1.3, 1.0, 0.75, 0.6 ms).
-            t, cum = 0.0, []
-            for j in range(kmax):
-                ids = torch.randint(0, self.vocab_size, (b, 2 if j == 0 else 1), generator=g).to(self.device)
-                sync()
-                t0 = time.perf_counter()
-                dkv.forward(self.drafter, ids, None, logits_to_keep=1)[:, -1].argmax(-1).tolist()
-                sync()
-                t += time.perf_counter() - t0
-                cum.append(t)
-            dkv.rollback(kmax + 1, zeros)
-            chains.append(cum)
-        chain = [min(c[j] for c in chains) for j in range(kmax)]
-        # The controller prices a step as K * draft + verify(K): draft is the warm marginal cost and
-        # each measured K's verify carries the rest of its chain, so calibrated K values cost exactly
-        # chain(K) + verify(K).
-        draft = (chain[-1] - chain[0]) / (kmax - 1) if kmax > 1 else chain[0]
-        verify = {k: min(v) + (chain[k - 1] - k * draft if k > 0 else 0.0) for k, v in vt.items()}
-        self.controller.set_costs(b, verify, draft, catchup_per_token)
+        self.controller.set_costs(b, *calibrate(_DummyRows(self, b, context), kmax, reps))
 
     def _choose_k(self, batch: int) -> int:
         if self.drafter is None:
@@ -652,6 +610,41 @@ class SpeculativeEngine:
         if self.adaptive and not (k > 0 and self._catchup):
             self.controller.observe_step(b, k, sum(len(o.new_token_ids) for o in outs), time.perf_counter() - t0)
         return outs
+
+
+class _DummyRows:
+    """b rows of `context` random tokens (one generator, seeded 0) with their own target and drafter
+    caches: what `dvi.adaptive.calibrate` times (`dvi.adaptive.CalibrationRows`)."""
+
+    def __init__(self, eng: SpeculativeEngine, b: int, context: int):
+        self.eng, self.b, self.tokens = eng, b, b * context
+        self.g = torch.Generator().manual_seed(0)
+        self.rows = torch.randint(0, eng.vocab_size, (b, context), generator=self.g).tolist()
+        self.sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+        self.tkv = prefill(eng.target.config, eng._tfn, self.rows, eng.device, eng.dtype)
+        self.dkv: RaggedKV | None = None
+        self.zeros = torch.zeros(b, dtype=torch.long, device=eng.device)
+
+    def _ids(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.eng.vocab_size, (self.b, n), generator=self.g).to(self.eng.device)  # [b, n]
+
+    def prefill_drafter(self) -> None:
+        d = self.eng.drafter
+        self.dkv = prefill(d.config, d, self.rows, self.eng.device, d.dtype)
+
+    def verify(self, k: int):
+        ids = self._ids(k + 1)  # [b, K + 1]
+        return lambda: self.tkv.forward(self.eng._tfn, ids).argmax(-1).tolist()
+
+    def undo_verify(self, k: int) -> None:
+        self.tkv.rollback(k + 1, self.zeros)
+
+    def draft(self, j: int):
+        ids = self._ids(2 if j == 0 else 1)  # [b, 2] right after a verify (last draft + bonus), then [b, 1]
+        return lambda: self.dkv.forward(self.eng.drafter, ids, None, logits_to_keep=1)[:, -1].argmax(-1).tolist()
+
+    def undo_drafts(self, n: int) -> None:
+        self.dkv.rollback(n, self.zeros)
 
 
 def g_rand(gen: torch.Generator | None, n: int) -> torch.Tensor:
