@@ -26,6 +26,7 @@ from torch import nn
 
 from dvi.adaptive import AcceptanceEMA, AcceptanceTracker, AdaptiveK, CostModel, batch_bucket, calibrate
 from dvi.drafters import Drafter, as_drafter, model_forward
+from dvi.emit import append_tokens, count_drafts, emitted
 from dvi.kv import RaggedKV, prefill
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
 
@@ -498,110 +499,23 @@ class SpeculativeEngine:
         return torch.cat([logits, pad], -1)
 
     def _spec_step(self) -> list[StepOutput]:
-        seqs = self._seqs
-        b = len(seqs)
-        k = self._choose_k(b)
-        self.last_k = k
+        """choose K -> draft -> verify -> accept -> roll back -> emit, then timings and finished rows out."""
+        b = len(self._seqs)
+        k = self.last_k = self._choose_k(b)
         t0 = time.perf_counter()
-        u = self._uniforms(2 * k + 1)
+        u = self._uniforms(2 * k + 1)  # [B, 2K + 1]: K draft samples, K accept tests, 1 resample; None if greedy
         draft_ids = q = None
         if k > 0:
-            draft_ids, q = self._draft(k, u)
+            draft_ids, q = self._draft(k, u)  # [B, K], [B, K, V] (q None if greedy)
         t1 = time.perf_counter()
-        ids = self._last.unsqueeze(1) if k == 0 else torch.cat([self._last.unsqueeze(1), draft_ids], 1)
-        logits = self._tkv.forward(self._tfn, ids)
+        logits = self._verify(draft_ids)  # [B, K + 1, V_head]
         t_fwd = time.perf_counter()
-        if logits.shape[-1] != self.vocab_size:
-            logits = logits[..., : self.vocab_size]
-        if self._all_greedy:
-            if k > 0:
-                n, nxt = greedy_accept(draft_ids, logits)
-            else:
-                nxt = logits[:, 0].argmax(-1)
-                n = torch.zeros_like(nxt)
-        else:
-            p = warp_probs(logits, self._temp, self._topk, self._topp)
-            if k > 0:
-                n, nxt = rejection_accept(draft_ids, q, p, u[:, k : 2 * k], u[:, 2 * k])
-            else:
-                nxt = sample_from(p[:, 0], u[:, 0])
-                n = torch.zeros_like(nxt)
-        self._tkv.rollback(k + 1, n + 1)
-        if k > 1:
-            self._dkv.rollback(k - 1, n.clamp(max=k - 1))
-        # Emitted tokens per row: d_1..d_n then nxt at column n.
-        tok = nxt.unsqueeze(1) if k == 0 else torch.cat([draft_ids, nxt.unsqueeze(1)], 1)
-        if k > 0:
-            tok = tok.scatter(1, n.unsqueeze(1), nxt.unsqueeze(1))
-        lf = logits.float()
-        scaled = lf if self._all_t1 else lf / torch.where(self._temp > 0, self._temp, 1.0).view(b, 1, 1)
-        tok_lp = scaled.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
-        topk_i = topk_v = None
-        if self.feedback_top_k > 0:
-            raw = lf.log_softmax(-1)
-            tv, ti = raw.topk(min(self.feedback_top_k, self.vocab_size), dim=-1)
-            topk_i, topk_v = ti.tolist(), tv.tolist()
-        n_l, tok_l, lp_l = n.tolist(), tok.tolist(), tok_lp.tolist()
-        draft_l = draft_ids.tolist() if k > 0 else None
-        self._last = nxt
-        outs: list[StepOutput] = []
-        finished: list[int] = []
-        have_drafter = self.drafter is not None
-        for i, s in enumerate(seqs):
-            r = s.res
-            ni = n_l[i]
-            r.num_steps += 1
-            if k > 0:
-                r.num_drafted += k
-                r.num_accepted += ni
-                for j in range(k):
-                    r.drafted_per_position[j] += 1
-                for j in range(ni):
-                    r.accepted_per_position[j] += 1
-                self.acceptance.update(s.acc, s.req.domain, k, ni)
-                dl = draft_l[i]
-                s.pending = [dl[k - 1], tok_l[i][ni]] if ni == k else [tok_l[i][ni]]
-            elif have_drafter:
-                s.pending.append(tok_l[i][0])
-                self.acceptance.update(s.acc, s.req.domain, 0, 0)
-            new: list[int] = []
-            reason = None
-            for j in range(ni + 1):
-                t = tok_l[i][j]
-                new.append(t)
-                r.token_ids.append(t)
-                r.token_logprobs.append(lp_l[i][j])
-                r.drafted_ids.append(draft_l[i][j] if j < k else -1)
-                r.accepted.append(j < ni)
-                if topk_i is not None:
-                    r.topk_ids.append(topk_i[i][j])
-                    r.topk_logprobs.append(topk_v[i][j])
-                s.remaining -= 1
-                if t in s.stop:
-                    reason = "stop"
-                    break
-                if s.remaining <= 0:
-                    reason = "length"
-                    break
-            if reason is not None:
-                self._close(s, reason)
-                finished.append(i)
-            outs.append(StepOutput(s.req.request_id, new, reason is not None, r if reason else None))
-        self.acceptance.end_step(k)
+        logits = self._fit_vocab(logits)  # [B, K + 1, V]
+        n, nxt = self._accept(k, draft_ids, q, logits, u)  # [B] drafts accepted, [B] the target's token after them
+        self._roll_back(k, n)
+        outs, finished = self._emit(k, draft_ids, logits, n, nxt)
         t2 = time.perf_counter()
-        self.costs.record_verify(b, k, t2 - t1)
-        if self.adaptive and b <= 2 and self.device.type == "cpu":
-            # On CPU the forward above is synchronous, so t2 - t_fwd is the step's host work after it
-            # (on CUDA it would include the kernels the first .tolist() waits for). Only for one or two
-            # rows is that work a fixed cost per step; with more rows the per-token loops dominate it,
-            # which plain steps pay per token just like speculative ones (no reason to favour either).
-            bb = batch_bucket(b)
-            o = self.costs.record_overhead(bb, t2 - t_fwd)
-            self._overhead_steps += 1
-            if self._overhead_steps % 16 == 0:
-                self.controller.set_step_overhead(bb, o)
-        if k > 0 and not self._catchup:  # a drafter catch-up after K=0 steps is not a typical draft cost
-            self.costs.record_draft(b, (t1 - t0) / k)
+        self._record_costs(b, k, t1 - t0, t2 - t1, t2 - t_fwd)
         if finished:
             self._remove_rows(finished)
         # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
@@ -610,6 +524,79 @@ class SpeculativeEngine:
         if self.adaptive and not (k > 0 and self._catchup):
             self.controller.observe_step(b, k, sum(len(o.new_token_ids) for o in outs), time.perf_counter() - t0)
         return outs
+
+    def _verify(self, draft_ids: torch.Tensor | None) -> torch.Tensor:
+        """The target scores [last token, d_1..d_K] of every row in one forward (K + 1 positions)."""
+        ids = self._last.unsqueeze(1)  # [B, 1]
+        if draft_ids is not None:
+            ids = torch.cat([ids, draft_ids], 1)  # [B, K + 1]
+        return self._tkv.forward(self._tfn, ids)  # [B, K + 1, V_head]
+
+    def _accept(self, k: int, draft_ids: torch.Tensor | None, q: torch.Tensor | None, logits: torch.Tensor,
+                u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, how many drafts the target keeps (n [B]) and its token after them (nxt [B]): greedy exact
+        match, or rejection sampling with the row's uniforms u[:, K:2K] (tests) and u[:, 2K] (resample)."""
+        if self._all_greedy:
+            if k > 0:
+                return greedy_accept(draft_ids, logits)
+            nxt = logits[:, 0].argmax(-1)  # [B]
+            return torch.zeros_like(nxt), nxt
+        p = warp_probs(logits, self._temp, self._topk, self._topp)  # [B, K + 1, V]
+        if k > 0:
+            return rejection_accept(draft_ids, q, p, u[:, k : 2 * k], u[:, 2 * k])
+        nxt = sample_from(p[:, 0], u[:, 0])  # [B]
+        return torch.zeros_like(nxt), nxt
+
+    def _roll_back(self, k: int, n: torch.Tensor) -> None:
+        """Drop the rejected slots: the target keeps [last, d_1..d_n] of its K + 1 new entries, the drafter
+        d_1..d_n of the K - 1 drafts it was fed (d_K never was)."""
+        self._tkv.rollback(k + 1, n + 1)
+        if k > 1:
+            self._dkv.rollback(k - 1, n.clamp(max=k - 1))
+
+    def _emit(self, k: int, draft_ids: torch.Tensor | None, logits: torch.Tensor, n: torch.Tensor,
+              nxt: torch.Tensor) -> tuple[list[StepOutput], list[int]]:
+        """Emitted tokens onto each row's result, its pending drafter tokens and acceptance estimate; rows
+        that hit a stop token or their budget are closed. Returns the outputs and the finished rows."""
+        e = emitted(draft_ids, n, nxt, logits, self._temp, self._all_t1, self.feedback_top_k)
+        self._last = nxt
+        outs: list[StepOutput] = []
+        finished: list[int] = []
+        have_drafter = self.drafter is not None
+        for i, s in enumerate(self._seqs):
+            ni = e.n[i]
+            s.res.num_steps += 1
+            if k > 0:
+                count_drafts(s.res, k, ni)
+                self.acceptance.update(s.acc, s.req.domain, k, ni)
+                s.pending = [e.drafts[i][k - 1], e.tokens[i][ni]] if ni == k else [e.tokens[i][ni]]
+            elif have_drafter:
+                s.pending.append(e.tokens[i][0])
+                self.acceptance.update(s.acc, s.req.domain, 0, 0)
+            new, reason = append_tokens(s.res, e, i, k, s.stop, s.remaining)
+            s.remaining -= len(new)
+            if reason is not None:
+                self._close(s, reason)
+                finished.append(i)
+            outs.append(StepOutput(s.req.request_id, new, reason is not None, s.res if reason else None))
+        self.acceptance.end_step(k)
+        return outs, finished
+
+    def _record_costs(self, b: int, k: int, t_draft: float, t_verify: float, t_host: float) -> None:
+        """Online timings of the step (reporting) and, on CPU, the host work per step the controller adds."""
+        self.costs.record_verify(b, k, t_verify)
+        if self.adaptive and b <= 2 and self.device.type == "cpu":
+            # On CPU the verify forward is synchronous, so t_host is the step's host work after it
+            # (on CUDA it would include the kernels the first .tolist() waits for). Only for one or two
+            # rows is that work a fixed cost per step; with more rows the per-token loops dominate it,
+            # which plain steps pay per token just like speculative ones (no reason to favour either).
+            bb = batch_bucket(b)
+            o = self.costs.record_overhead(bb, t_host)
+            self._overhead_steps += 1
+            if self._overhead_steps % 16 == 0:
+                self.controller.set_step_overhead(bb, o)
+        if k > 0 and not self._catchup:  # a drafter catch-up after K=0 steps is not a typical draft cost
+            self.costs.record_draft(b, t_draft / k)
 
 
 class _DummyRows:
