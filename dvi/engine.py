@@ -28,6 +28,7 @@ from dvi.adaptive import AcceptanceEMA, AcceptanceTracker, AdaptiveK, CostModel,
 from dvi.drafters import Drafter, as_drafter, model_forward
 from dvi.emit import append_tokens, count_drafts, emitted
 from dvi.kv import RaggedKV, prefill
+from dvi.models import check_target_state_dict, load_state_dict
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
 
 MAX_DRAFT_TOKENS_LIMIT = 32
@@ -247,11 +248,11 @@ class SpeculativeEngine:
         with `complete=True` (the server's admin API), for a file lacking any of the target's
         tensors (weights tied to a present tensor excepted): half-updated weights serve garbage.
         """
-        sd = _load_state_dict(state_dict_or_path) if isinstance(state_dict_or_path, (str, Path)) else state_dict_or_path
+        sd = load_state_dict(state_dict_or_path) if isinstance(state_dict_or_path, (str, Path)) else state_dict_or_path
         if not isinstance(sd, dict) or not sd:
             raise ValueError("state_dict_or_path must be a non-empty state dict or a path to one")
         own = self.target.state_dict()
-        _check_target_state_dict(sd, own, complete)
+        check_target_state_dict(sd, own, complete)
         with torch.no_grad():
             self.target.load_state_dict(sd, strict=False)
         self.target_version = int(version)
@@ -638,47 +639,3 @@ def g_rand(gen: torch.Generator | None, n: int) -> torch.Tensor:
     if gen is None:
         return torch.zeros(n)
     return torch.rand(n, generator=gen)
-
-
-def _check_target_state_dict(sd: dict, own: dict, complete: bool) -> None:
-    """Refuse weights that would break the target: unknown keys, wrong shapes, NaN/inf, missing tensors."""
-    unexpected = [k for k in sd if k not in own]
-    if unexpected:
-        raise ValueError(f"state_dict_or_path has keys the target does not: {unexpected[:5]}")
-    for k, v in sd.items():
-        if not isinstance(v, torch.Tensor):
-            raise ValueError(f"state_dict_or_path: {k} is not a tensor")
-        if tuple(v.shape) != tuple(own[k].shape):
-            raise ValueError(f"state_dict_or_path: shape of {k} is {tuple(v.shape)}, expected {tuple(own[k].shape)}")
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            raise ValueError(f"state_dict_or_path: {k} has non-finite values (NaN or inf)")
-    if complete:
-        present = {own[k].data_ptr() for k in sd}
-        missing = [k for k in own if k not in sd and own[k].data_ptr() not in present]
-        if missing:
-            raise ValueError(f"state_dict_or_path is partial: it lacks {len(missing)} of the target's tensors, "
-                             f"e.g. {missing[:3]}")
-
-
-def _load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Weights from a .safetensors / .bin file or an HF model directory (sharded safetensors included)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            files = sorted(path.glob("*.bin"))
-        if not files:
-            raise ValueError(f"state_dict_or_path: no weights found in {path}")
-    elif path.exists():
-        files = [path]
-    else:
-        raise ValueError(f"state_dict_or_path: {path} does not exist")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        if f.suffix == ".safetensors":
-            sd.update(load_file(str(f)))
-        else:
-            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
-    return sd
