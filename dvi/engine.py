@@ -15,7 +15,6 @@ the drafter cache is filled lazily). K = 0 is plain decoding through the same pa
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,38 +28,12 @@ from dvi.drafters import Drafter, as_drafter, model_forward
 from dvi.emit import append_tokens, count_drafts, emitted
 from dvi.kv import RaggedKV, prefill
 from dvi.models import check_target_state_dict, load_state_dict
+from dvi.request import InvalidParam, Request, SamplingParams, is_int, validate_params, validate_prompt
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
 
 MAX_DRAFT_TOKENS_LIMIT = 32
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 __all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam"]
-
-
-class InvalidParam(ValueError):
-    """A request parameter the engine cannot serve; `param` names it (the server's 400 says which)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: Sequence[int] = ()
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    domain: str = "default"
 
 
 @dataclass
@@ -118,10 +91,6 @@ class _Seq:
         return list(self.req.prompt_ids) + self.res.token_ids
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 class SpeculativeEngine:
     """Speculative decoding over HF causal LMs; see docs/contracts.md for the API."""
 
@@ -137,13 +106,13 @@ class SpeculativeEngine:
         drafter_version: int = 0,
         greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE,
     ):
-        if not _is_int(max_draft_tokens) or not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS_LIMIT:
+        if not is_int(max_draft_tokens) or not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS_LIMIT:
             raise ValueError(f"max_draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS_LIMIT}], got {max_draft_tokens!r}")
-        if not _is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= max_draft_tokens:
+        if not is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= max_draft_tokens:
             raise ValueError(
                 f"num_draft_tokens must be an int in [0, max_draft_tokens={max_draft_tokens}], got {num_draft_tokens!r}"
             )
-        if not _is_int(feedback_top_k) or feedback_top_k < 0:
+        if not is_int(feedback_top_k) or feedback_top_k < 0:
             raise ValueError(f"feedback_top_k must be an int >= 0, got {feedback_top_k!r}")
         self.target = target.eval()
         self._tfn = model_forward(self.target)
@@ -276,7 +245,7 @@ class SpeculativeEngine:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         for i, p in enumerate(prompts):
             self._validate_prompt(p, f"prompts[{i}]")
-        if seed is not None and not _is_int(seed):
+        if seed is not None and not is_int(seed):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         base = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids or ()))
         for i, p in enumerate(prompts):
@@ -311,35 +280,10 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ validation
     def _validate_prompt(self, prompt, name: str) -> None:
-        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-            raise ValueError(f"{name} must be a non-empty list of token ids")
-        if not all(_is_int(t) for t in prompt):
-            raise ValueError(f"{name} must contain only ints")
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or hi >= self.vocab_size or hi >= self.num_embeddings:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} has token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        validate_prompt(prompt, name, self.vocab_size, self.num_embeddings)
 
     def _validate_params(self, p: SamplingParams, prompt_len: int, prompt_name: str = "prompt_ids") -> None:
-        if not _is_int(p.max_new_tokens) or p.max_new_tokens <= 0:
-            raise InvalidParam("max_tokens", f"max_new_tokens must be a positive int, got {p.max_new_tokens!r}")
-        if not isinstance(p.temperature, (int, float)) or not math.isfinite(p.temperature) or p.temperature < 0:
-            raise InvalidParam("temperature", f"temperature must be a finite number >= 0, got {p.temperature!r}")
-        if not _is_int(p.top_k) or not 0 <= p.top_k <= self.vocab_size:
-            raise InvalidParam("top_k", f"top_k must be an int in [0, {self.vocab_size}] (the vocabulary), "
-                                        f"got {p.top_k!r}")
-        if not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
-            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {p.top_p!r}")
-        if p.seed is not None and (not _is_int(p.seed) or not SEED_RANGE[0] <= p.seed <= SEED_RANGE[1]):
-            raise InvalidParam("seed", f"seed must be an int in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] or None, "
-                                       f"got {p.seed!r}")
-        if any(not _is_int(t) for t in (p.stop_token_ids or ())):
-            raise ValueError("stop_token_ids must be ints")
-        if self.max_context is not None and prompt_len + p.max_new_tokens > self.max_context:
-            raise InvalidParam("max_tokens",
-                f"max_new_tokens={p.max_new_tokens} + {prompt_name} length {prompt_len} exceeds the target's "
-                f"max_position_embeddings={self.max_context}"
-            )
+        validate_params(p, prompt_len, self.vocab_size, self.max_context, prompt_name)
 
     def _set_drafter(self, drafter) -> None:
         d = as_drafter(drafter)
