@@ -1,10 +1,14 @@
 """Lossless batched speculative decoding engine with a step-level API for continuous batching.
 
-One step for all active rows:
-  1. the drafter proposes K tokens per row (K forwards of the drafter, batch-wide K);
-  2. the target scores [last token, d1..dK] for every row in ONE forward (K+1 positions);
-  3. per row: greedy exact match, or Leviathan/Chen rejection sampling (lossless at any temperature);
-  4. both KV caches drop the rejected slots (`dvi.kv.RaggedKV`: holes + per-row positions, compaction).
+One step for all active rows (`SpeculativeEngine._spec_step`, one method per phase):
+  1. choose K (`_choose_k`: fixed, or `dvi.adaptive.AdaptiveK` from calibrated costs; K = 0 is plain decoding);
+  2. draft (`_draft`): K drafter forwards propose d_1..d_K per row (batch-wide K);
+  3. verify (`_verify`): the target scores [last token, d_1..d_K] for every row in ONE forward (K + 1 positions);
+  4. accept (`_accept`): per row, greedy exact match or Leviathan/Chen rejection sampling (lossless at any
+     temperature, `dvi.sampling`): n drafts kept and the target's token after them;
+  5. roll back (`_roll_back`): both KV caches drop the rejected slots (`dvi.kv.RaggedKV`: holes + per-row
+     positions, compaction);
+  6. emit (`_emit`, `dvi.emit`): the n + 1 tokens onto each row's result; finished rows leave the batch.
 
 Invariant between steps, per row: the target cache holds every token except the last emitted one
 (`_last`); the drafter cache holds every token except `pending` (1 token, 2 after a fully accepted step
@@ -363,86 +367,6 @@ class SpeculativeEngine:
             s.pending = [s.tokens()[-1]]
 
     # ------------------------------------------------------------------ the speculative step
-    def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
-        """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket.
-
-        Runs on dummy rows with their own caches (in-flight requests are untouched); adaptive K calls it
-        lazily the first time a bucket is seen.
-        """
-        if self.drafter is None or self.max_draft_tokens == 0:
-            return
-        with torch.inference_mode():
-            for b in batch_sizes:
-                self._calibrate(int(b), context, reps)
-
-    def _calibrate(self, b: int, context: int = 128, reps: int = 3) -> None:
-        kmax = self.max_draft_tokens
-        if self.max_context is not None:
-            context = max(1, min(context, self.max_context - kmax - 2))
-        self.controller.set_costs(b, *calibrate(_DummyRows(self, b, context), kmax, reps))
-
-    def _choose_k(self, batch: int) -> int:
-        if self.drafter is None:
-            return 0
-        if self.adaptive:
-            if self.controller.needs_calibration(batch):
-                self._calibrate(batch)
-            est = self.acceptance.estimate
-            alphas = [est(s.acc, s.req.domain) for s in self._seqs]
-            rem = [s.remaining for s in self._seqs] if self.drain_aware and batch > 1 else None
-            k = self.controller.choose(batch, alphas, rem, lambda: sum(len(s.pending) for s in self._seqs))
-        else:
-            k = self.num_draft_tokens
-        # Drafts past every row's token budget would be thrown away.
-        return max(0, min(k, max(s.remaining for s in self._seqs) - 1))
-
-    def _uniforms(self, n: int) -> torch.Tensor | None:
-        """Per-row uniforms from each request's own generator (greedy rows: zeros, unused)."""
-        if self._all_greedy:
-            return None
-        rows = [g_rand(g, n) for g in self._gens]
-        return torch.stack(rows).to(self.device)
-
-    def _draft(self, k: int, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pend = [s.pending for s in self._seqs]
-        m = max(len(p) for p in pend)
-        self._catchup = m > 2
-        if m == 1:
-            ids = torch.tensor(pend, dtype=torch.long, device=self.device)
-            valid = None
-        else:
-            ids = torch.zeros(len(pend), m, dtype=torch.long)
-            valid = torch.zeros(len(pend), m, dtype=torch.bool)
-            for i, p in enumerate(pend):
-                ids[i, m - len(p) :] = torch.tensor(p, dtype=torch.long)
-                valid[i, m - len(p) :] = True
-            ids, valid = ids.to(self.device), valid.to(self.device)
-        drafts, qs = [], []
-        d = None
-        for j in range(k):
-            if j == 0:
-                logits = self._dkv.forward(self.drafter, ids, valid, logits_to_keep=1)[:, -1]
-            else:
-                logits = self._dkv.forward(self.drafter, d.unsqueeze(1), None, logits_to_keep=1)[:, -1]
-            logits = self._fit_vocab(logits)
-            if self._all_greedy:
-                d = logits.argmax(-1)
-            else:
-                q = warp_probs(logits, self._temp, self._topk, self._topp)
-                d = sample_from(q, u[:, j])
-                qs.append(q)
-            drafts.append(d)
-        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
-
-    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        v = logits.shape[-1]
-        if v == self.vocab_size:
-            return logits
-        if v > self.vocab_size:
-            return logits[..., : self.vocab_size]
-        pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
-        return torch.cat([logits, pad], -1)
-
     def _spec_step(self) -> list[StepOutput]:
         """choose K -> draft -> verify -> accept -> roll back -> emit, then timings and finished rows out."""
         b = len(self._seqs)
@@ -469,6 +393,61 @@ class SpeculativeEngine:
         if self.adaptive and not (k > 0 and self._catchup):
             self.controller.observe_step(b, k, sum(len(o.new_token_ids) for o in outs), time.perf_counter() - t0)
         return outs
+
+    def _choose_k(self, batch: int) -> int:
+        if self.drafter is None:
+            return 0
+        if self.adaptive:
+            if self.controller.needs_calibration(batch):
+                self._calibrate(batch)
+            est = self.acceptance.estimate
+            alphas = [est(s.acc, s.req.domain) for s in self._seqs]
+            rem = [s.remaining for s in self._seqs] if self.drain_aware and batch > 1 else None
+            k = self.controller.choose(batch, alphas, rem, lambda: sum(len(s.pending) for s in self._seqs))
+        else:
+            k = self.num_draft_tokens
+        # Drafts past every row's token budget would be thrown away.
+        return max(0, min(k, max(s.remaining for s in self._seqs) - 1))
+
+    def _uniforms(self, n: int) -> torch.Tensor | None:
+        """Per-row uniforms from each request's own generator (greedy rows: zeros, unused)."""
+        if self._all_greedy:
+            return None
+        rows = [g_rand(g, n) for g in self._gens]
+        return torch.stack(rows).to(self.device)
+
+    def _draft(self, k: int, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K drafter forwards: the first feeds every row's pending tokens, the others the previous draft.
+        Returns draft ids [B, K] and, when sampling, the drafter's warped probabilities q [B, K, V]."""
+        ids, valid = self._pending_ids()  # [B, M], [B, M] (None when M = 1)
+        drafts, qs = [], []
+        for j in range(k):
+            logits = self._dkv.forward(self.drafter, ids, valid, logits_to_keep=1)[:, -1]  # [B, V_draft]
+            logits = self._fit_vocab(logits)  # [B, V]
+            if self._all_greedy:
+                d = logits.argmax(-1)  # [B]
+            else:
+                q = warp_probs(logits, self._temp, self._topk, self._topp)  # [B, V]
+                d = sample_from(q, u[:, j])
+                qs.append(q)
+            drafts.append(d)
+            ids, valid = d.unsqueeze(1), None  # [B, 1]
+        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+
+    def _pending_ids(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every row's pending tokens (those its drafter cache lacks), left-padded to the longest M:
+        ids [B, M] and valid [B, M] (None when every row has one)."""
+        pend = [s.pending for s in self._seqs]
+        m = max(len(p) for p in pend)
+        self._catchup = m > 2
+        if m == 1:
+            return torch.tensor(pend, dtype=torch.long, device=self.device), None  # [B, 1]
+        ids = torch.zeros(len(pend), m, dtype=torch.long)
+        valid = torch.zeros(len(pend), m, dtype=torch.bool)
+        for i, p in enumerate(pend):
+            ids[i, m - len(p) :] = torch.tensor(p, dtype=torch.long)
+            valid[i, m - len(p) :] = True
+        return ids.to(self.device), valid.to(self.device)
 
     def _verify(self, draft_ids: torch.Tensor | None) -> torch.Tensor:
         """The target scores [last token, d_1..d_K] of every row in one forward (K + 1 positions)."""
@@ -542,6 +521,35 @@ class SpeculativeEngine:
                 self.controller.set_step_overhead(bb, o)
         if k > 0 and not self._catchup:  # a drafter catch-up after K=0 steps is not a typical draft cost
             self.costs.record_draft(b, t_draft / k)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V_head] logits as [..., V]: extra head rows cut, a smaller head padded with -inf."""
+        v = logits.shape[-1]
+        if v == self.vocab_size:
+            return logits
+        if v > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
+        return torch.cat([logits, pad], -1)
+
+    # ------------------------------------------------------------------ cost calibration (dvi.adaptive.calibrate)
+    def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
+        """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket.
+
+        Runs on dummy rows with their own caches (in-flight requests are untouched); adaptive K calls it
+        lazily the first time a bucket is seen.
+        """
+        if self.drafter is None or self.max_draft_tokens == 0:
+            return
+        with torch.inference_mode():
+            for b in batch_sizes:
+                self._calibrate(int(b), context, reps)
+
+    def _calibrate(self, b: int, context: int = 128, reps: int = 3) -> None:
+        kmax = self.max_draft_tokens
+        if self.max_context is not None:
+            context = max(1, min(context, self.max_context - kmax - 2))
+        self.controller.set_costs(b, *calibrate(_DummyRows(self, b, context), kmax, reps))
 
 
 class _DummyRows:
