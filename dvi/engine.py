@@ -395,6 +395,7 @@ class SpeculativeEngine:
         return outs
 
     def _choose_k(self, batch: int) -> int:
+        """Drafts per row this step (batch-wide): fixed, or adaptive from calibrated costs and row alphas."""
         if self.drafter is None:
             return 0
         if self.adaptive:
@@ -410,7 +411,7 @@ class SpeculativeEngine:
         return max(0, min(k, max(s.remaining for s in self._seqs) - 1))
 
     def _uniforms(self, n: int) -> torch.Tensor | None:
-        """Per-row uniforms from each request's own generator (greedy rows: zeros, unused)."""
+        """Per-row uniforms [B, n] from each request's own generator (greedy rows: zeros, unused)."""
         if self._all_greedy:
             return None
         rows = [g_rand(g, n) for g in self._gens]
