@@ -1,10 +1,14 @@
 """Lossless batched speculative decoding engine with a step-level API for continuous batching.
 
-One step for all active rows:
-  1. the drafter proposes K tokens per row (K forwards of the drafter, batch-wide K);
-  2. the target scores [last token, d1..dK] for every row in ONE forward (K+1 positions);
-  3. per row: greedy exact match, or Leviathan/Chen rejection sampling (lossless at any temperature);
-  4. both KV caches drop the rejected slots (`dvi.kv.RaggedKV`: holes + per-row positions, compaction).
+One step for all active rows (`SpeculativeEngine._spec_step`, one method per phase):
+  1. choose K (`_choose_k`: fixed, or `dvi.adaptive.AdaptiveK` from calibrated costs; K = 0 is plain decoding);
+  2. draft (`_draft`): K drafter forwards propose d_1..d_K per row (batch-wide K);
+  3. verify (`_verify`): the target scores [last token, d_1..d_K] for every row in ONE forward (K + 1 positions);
+  4. accept (`_accept`): per row, greedy exact match or Leviathan/Chen rejection sampling (lossless at any
+     temperature, `dvi.sampling`): n drafts kept and the target's token after them;
+  5. roll back (`_roll_back`): both KV caches drop the rejected slots (`dvi.kv.RaggedKV`: holes + per-row
+     positions, compaction);
+  6. emit (`_emit`, `dvi.emit`): the n + 1 tokens onto each row's result; finished rows leave the batch.
 
 Invariant between steps, per row: the target cache holds every token except the last emitted one
 (`_last`); the drafter cache holds every token except `pending` (1 token, 2 after a fully accepted step
@@ -15,7 +19,6 @@ the drafter cache is filled lazily). K = 0 is plain decoding through the same pa
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,41 +27,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.adaptive import AcceptanceEMA, AcceptanceTracker, AdaptiveK, CostModel, batch_bucket
+from dvi.adaptive import AcceptanceEMA, AcceptanceTracker, AdaptiveK, CostModel, batch_bucket, calibrate
 from dvi.drafters import Drafter, as_drafter, model_forward
+from dvi.emit import append_tokens, count_drafts, emitted
 from dvi.kv import RaggedKV, prefill
+from dvi.models import check_target_state_dict, load_state_dict
+from dvi.request import InvalidParam, Request, SamplingParams, is_int, validate_params, validate_prompt
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
 
 MAX_DRAFT_TOKENS_LIMIT = 32
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 __all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam"]
-
-
-class InvalidParam(ValueError):
-    """A request parameter the engine cannot serve; `param` names it (the server's 400 says which)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: Sequence[int] = ()
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    domain: str = "default"
 
 
 @dataclass
@@ -116,10 +95,6 @@ class _Seq:
         return list(self.req.prompt_ids) + self.res.token_ids
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 class SpeculativeEngine:
     """Speculative decoding over HF causal LMs; see docs/contracts.md for the API."""
 
@@ -135,13 +110,13 @@ class SpeculativeEngine:
         drafter_version: int = 0,
         greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE,
     ):
-        if not _is_int(max_draft_tokens) or not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS_LIMIT:
+        if not is_int(max_draft_tokens) or not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS_LIMIT:
             raise ValueError(f"max_draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS_LIMIT}], got {max_draft_tokens!r}")
-        if not _is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= max_draft_tokens:
+        if not is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= max_draft_tokens:
             raise ValueError(
                 f"num_draft_tokens must be an int in [0, max_draft_tokens={max_draft_tokens}], got {num_draft_tokens!r}"
             )
-        if not _is_int(feedback_top_k) or feedback_top_k < 0:
+        if not is_int(feedback_top_k) or feedback_top_k < 0:
             raise ValueError(f"feedback_top_k must be an int >= 0, got {feedback_top_k!r}")
         self.target = target.eval()
         self._tfn = model_forward(self.target)
@@ -246,11 +221,11 @@ class SpeculativeEngine:
         with `complete=True` (the server's admin API), for a file lacking any of the target's
         tensors (weights tied to a present tensor excepted): half-updated weights serve garbage.
         """
-        sd = _load_state_dict(state_dict_or_path) if isinstance(state_dict_or_path, (str, Path)) else state_dict_or_path
+        sd = load_state_dict(state_dict_or_path) if isinstance(state_dict_or_path, (str, Path)) else state_dict_or_path
         if not isinstance(sd, dict) or not sd:
             raise ValueError("state_dict_or_path must be a non-empty state dict or a path to one")
         own = self.target.state_dict()
-        _check_target_state_dict(sd, own, complete)
+        check_target_state_dict(sd, own, complete)
         with torch.no_grad():
             self.target.load_state_dict(sd, strict=False)
         self.target_version = int(version)
@@ -274,7 +249,7 @@ class SpeculativeEngine:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         for i, p in enumerate(prompts):
             self._validate_prompt(p, f"prompts[{i}]")
-        if seed is not None and not _is_int(seed):
+        if seed is not None and not is_int(seed):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         base = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids or ()))
         for i, p in enumerate(prompts):
@@ -309,35 +284,10 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ validation
     def _validate_prompt(self, prompt, name: str) -> None:
-        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-            raise ValueError(f"{name} must be a non-empty list of token ids")
-        if not all(_is_int(t) for t in prompt):
-            raise ValueError(f"{name} must contain only ints")
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or hi >= self.vocab_size or hi >= self.num_embeddings:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} has token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        validate_prompt(prompt, name, self.vocab_size, self.num_embeddings)
 
     def _validate_params(self, p: SamplingParams, prompt_len: int, prompt_name: str = "prompt_ids") -> None:
-        if not _is_int(p.max_new_tokens) or p.max_new_tokens <= 0:
-            raise InvalidParam("max_tokens", f"max_new_tokens must be a positive int, got {p.max_new_tokens!r}")
-        if not isinstance(p.temperature, (int, float)) or not math.isfinite(p.temperature) or p.temperature < 0:
-            raise InvalidParam("temperature", f"temperature must be a finite number >= 0, got {p.temperature!r}")
-        if not _is_int(p.top_k) or not 0 <= p.top_k <= self.vocab_size:
-            raise InvalidParam("top_k", f"top_k must be an int in [0, {self.vocab_size}] (the vocabulary), "
-                                        f"got {p.top_k!r}")
-        if not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
-            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {p.top_p!r}")
-        if p.seed is not None and (not _is_int(p.seed) or not SEED_RANGE[0] <= p.seed <= SEED_RANGE[1]):
-            raise InvalidParam("seed", f"seed must be an int in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] or None, "
-                                       f"got {p.seed!r}")
-        if any(not _is_int(t) for t in (p.stop_token_ids or ())):
-            raise ValueError("stop_token_ids must be ints")
-        if self.max_context is not None and prompt_len + p.max_new_tokens > self.max_context:
-            raise InvalidParam("max_tokens",
-                f"max_new_tokens={p.max_new_tokens} + {prompt_name} length {prompt_len} exceeds the target's "
-                f"max_position_embeddings={self.max_context}"
-            )
+        validate_params(p, prompt_len, self.vocab_size, self.max_context, prompt_name)
 
     def _set_drafter(self, drafter) -> None:
         d = as_drafter(drafter)
@@ -417,6 +367,173 @@ class SpeculativeEngine:
             s.pending = [s.tokens()[-1]]
 
     # ------------------------------------------------------------------ the speculative step
+    def _spec_step(self) -> list[StepOutput]:
+        """choose K -> draft -> verify -> accept -> roll back -> emit, then timings and finished rows out."""
+        b = len(self._seqs)
+        k = self.last_k = self._choose_k(b)
+        t0 = time.perf_counter()
+        u = self._uniforms(2 * k + 1)  # [B, 2K + 1]: K draft samples, K accept tests, 1 resample; None if greedy
+        draft_ids = q = None
+        if k > 0:
+            draft_ids, q = self._draft(k, u)  # [B, K], [B, K, V] (q None if greedy)
+        t1 = time.perf_counter()
+        logits = self._verify(draft_ids)  # [B, K + 1, V_head]
+        t_fwd = time.perf_counter()
+        logits = self._fit_vocab(logits)  # [B, K + 1, V]
+        n, nxt = self._accept(k, draft_ids, q, logits, u)  # [B] drafts accepted, [B] the target's token after them
+        self._roll_back(k, n)
+        outs, finished = self._emit(k, draft_ids, logits, n, nxt)
+        t2 = time.perf_counter()
+        self._record_costs(b, k, t1 - t0, t2 - t1, t2 - t_fwd)
+        if finished:
+            self._remove_rows(finished)
+        # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
+        self._tkv.maybe_compact(0.3 if k else 0.1)
+        self._dkv.maybe_compact()
+        if self.adaptive and not (k > 0 and self._catchup):
+            self.controller.observe_step(b, k, sum(len(o.new_token_ids) for o in outs), time.perf_counter() - t0)
+        return outs
+
+    def _choose_k(self, batch: int) -> int:
+        """Drafts per row this step (batch-wide): fixed, or adaptive from calibrated costs and row alphas."""
+        if self.drafter is None:
+            return 0
+        if self.adaptive:
+            if self.controller.needs_calibration(batch):
+                self._calibrate(batch)
+            est = self.acceptance.estimate
+            alphas = [est(s.acc, s.req.domain) for s in self._seqs]
+            rem = [s.remaining for s in self._seqs] if self.drain_aware and batch > 1 else None
+            k = self.controller.choose(batch, alphas, rem, lambda: sum(len(s.pending) for s in self._seqs))
+        else:
+            k = self.num_draft_tokens
+        # Drafts past every row's token budget would be thrown away.
+        return max(0, min(k, max(s.remaining for s in self._seqs) - 1))
+
+    def _uniforms(self, n: int) -> torch.Tensor | None:
+        """Per-row uniforms [B, n] from each request's own generator (greedy rows: zeros, unused)."""
+        if self._all_greedy:
+            return None
+        rows = [g_rand(g, n) for g in self._gens]
+        return torch.stack(rows).to(self.device)
+
+    def _draft(self, k: int, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K drafter forwards: the first feeds every row's pending tokens, the others the previous draft.
+        Returns draft ids [B, K] and, when sampling, the drafter's warped probabilities q [B, K, V]."""
+        ids, valid = self._pending_ids()  # [B, M], [B, M] (None when M = 1)
+        drafts, qs = [], []
+        for j in range(k):
+            logits = self._dkv.forward(self.drafter, ids, valid, logits_to_keep=1)[:, -1]  # [B, V_draft]
+            logits = self._fit_vocab(logits)  # [B, V]
+            if self._all_greedy:
+                d = logits.argmax(-1)  # [B]
+            else:
+                q = warp_probs(logits, self._temp, self._topk, self._topp)  # [B, V]
+                d = sample_from(q, u[:, j])
+                qs.append(q)
+            drafts.append(d)
+            ids, valid = d.unsqueeze(1), None  # [B, 1]
+        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+
+    def _pending_ids(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every row's pending tokens (those its drafter cache lacks), left-padded to the longest M:
+        ids [B, M] and valid [B, M] (None when every row has one)."""
+        pend = [s.pending for s in self._seqs]
+        m = max(len(p) for p in pend)
+        self._catchup = m > 2
+        if m == 1:
+            return torch.tensor(pend, dtype=torch.long, device=self.device), None  # [B, 1]
+        ids = torch.zeros(len(pend), m, dtype=torch.long)
+        valid = torch.zeros(len(pend), m, dtype=torch.bool)
+        for i, p in enumerate(pend):
+            ids[i, m - len(p) :] = torch.tensor(p, dtype=torch.long)
+            valid[i, m - len(p) :] = True
+        return ids.to(self.device), valid.to(self.device)
+
+    def _verify(self, draft_ids: torch.Tensor | None) -> torch.Tensor:
+        """The target scores [last token, d_1..d_K] of every row in one forward (K + 1 positions)."""
+        ids = self._last.unsqueeze(1)  # [B, 1]
+        if draft_ids is not None:
+            ids = torch.cat([ids, draft_ids], 1)  # [B, K + 1]
+        return self._tkv.forward(self._tfn, ids)  # [B, K + 1, V_head]
+
+    def _accept(self, k: int, draft_ids: torch.Tensor | None, q: torch.Tensor | None, logits: torch.Tensor,
+                u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, how many drafts the target keeps (n [B]) and its token after them (nxt [B]): greedy exact
+        match, or rejection sampling with the row's uniforms u[:, K:2K] (tests) and u[:, 2K] (resample)."""
+        if self._all_greedy:
+            if k > 0:
+                return greedy_accept(draft_ids, logits)
+            nxt = logits[:, 0].argmax(-1)  # [B]
+            return torch.zeros_like(nxt), nxt
+        p = warp_probs(logits, self._temp, self._topk, self._topp)  # [B, K + 1, V]
+        if k > 0:
+            return rejection_accept(draft_ids, q, p, u[:, k : 2 * k], u[:, 2 * k])
+        nxt = sample_from(p[:, 0], u[:, 0])  # [B]
+        return torch.zeros_like(nxt), nxt
+
+    def _roll_back(self, k: int, n: torch.Tensor) -> None:
+        """Drop the rejected slots: the target keeps [last, d_1..d_n] of its K + 1 new entries, the drafter
+        d_1..d_n of the K - 1 drafts it was fed (d_K never was)."""
+        self._tkv.rollback(k + 1, n + 1)
+        if k > 1:
+            self._dkv.rollback(k - 1, n.clamp(max=k - 1))
+
+    def _emit(self, k: int, draft_ids: torch.Tensor | None, logits: torch.Tensor, n: torch.Tensor,
+              nxt: torch.Tensor) -> tuple[list[StepOutput], list[int]]:
+        """Emitted tokens onto each row's result, its pending drafter tokens and acceptance estimate; rows
+        that hit a stop token or their budget are closed. Returns the outputs and the finished rows."""
+        e = emitted(draft_ids, n, nxt, logits, self._temp, self._all_t1, self.feedback_top_k)
+        self._last = nxt
+        outs: list[StepOutput] = []
+        finished: list[int] = []
+        have_drafter = self.drafter is not None
+        for i, s in enumerate(self._seqs):
+            ni = e.n[i]
+            s.res.num_steps += 1
+            if k > 0:
+                count_drafts(s.res, k, ni)
+                self.acceptance.update(s.acc, s.req.domain, k, ni)
+                s.pending = [e.drafts[i][k - 1], e.tokens[i][ni]] if ni == k else [e.tokens[i][ni]]
+            elif have_drafter:
+                s.pending.append(e.tokens[i][0])
+                self.acceptance.update(s.acc, s.req.domain, 0, 0)
+            new, reason = append_tokens(s.res, e, i, k, s.stop, s.remaining)
+            s.remaining -= len(new)
+            if reason is not None:
+                self._close(s, reason)
+                finished.append(i)
+            outs.append(StepOutput(s.req.request_id, new, reason is not None, s.res if reason else None))
+        self.acceptance.end_step(k)
+        return outs, finished
+
+    def _record_costs(self, b: int, k: int, t_draft: float, t_verify: float, t_host: float) -> None:
+        """Online timings of the step (reporting) and, on CPU, the host work per step the controller adds."""
+        self.costs.record_verify(b, k, t_verify)
+        if self.adaptive and b <= 2 and self.device.type == "cpu":
+            # On CPU the verify forward is synchronous, so t_host is the step's host work after it
+            # (on CUDA it would include the kernels the first .tolist() waits for). Only for one or two
+            # rows is that work a fixed cost per step; with more rows the per-token loops dominate it,
+            # which plain steps pay per token just like speculative ones (no reason to favour either).
+            bb = batch_bucket(b)
+            o = self.costs.record_overhead(bb, t_host)
+            self._overhead_steps += 1
+            if self._overhead_steps % 16 == 0:
+                self.controller.set_step_overhead(bb, o)
+        if k > 0 and not self._catchup:  # a drafter catch-up after K=0 steps is not a typical draft cost
+            self.costs.record_draft(b, t_draft / k)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V_head] logits as [..., V]: extra head rows cut, a smaller head padded with -inf."""
+        v = logits.shape[-1]
+        if v == self.vocab_size:
+            return logits
+        if v > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
+        return torch.cat([logits, pad], -1)
+
+    # ------------------------------------------------------------------ cost calibration (dvi.adaptive.calibrate)
     def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
         """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket.
 
@@ -433,272 +550,45 @@ class SpeculativeEngine:
         kmax = self.max_draft_tokens
         if self.max_context is not None:
             context = max(1, min(context, self.max_context - kmax - 2))
-        g = torch.Generator().manual_seed(0)
-        rows = torch.randint(0, self.vocab_size, (b, context), generator=g).tolist()
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        tkv = prefill(self.target.config, self._tfn, rows, self.device, self.dtype)
-        sync()
-        t0 = time.perf_counter()
-        dkv = prefill(self.drafter.config, self.drafter, rows, self.device, self.drafter.dtype)
-        sync()
-        catchup_per_token = (time.perf_counter() - t0) / (b * context)  # what a drafter catch-up costs
-        ks = sorted({k for k in (0, 1, 2, 4, kmax) if k <= kmax})
-        vt: dict[int, list[float]] = {k: [] for k in ks}
-        chains: list[list[float]] = []  # cumulative seconds of the first 1..kmax drafts after a verify
-        zeros = torch.zeros(b, dtype=torch.long, device=self.device)
-        for _ in range(reps):
-            for k in ks:
-                ids = torch.randint(0, self.vocab_size, (b, k + 1), generator=g).to(self.device)
-                sync()
-                t0 = time.perf_counter()
-                tkv.forward(self._tfn, ids).argmax(-1).tolist()
-                sync()
-                vt[k].append(time.perf_counter() - t0)
-                tkv.rollback(k + 1, zeros)
-            # Draft chains as decoding runs them: right after a verify, the first forward takes the
-            # two pending tokens (last draft + bonus) with the drafter's weights cold in the CPU caches;
-            # later ones run warmer (measured here, 1-layer drafter: 1.3, 1.0, 0.75, 0.6 ms).
-            t, cum = 0.0, []
-            for j in range(kmax):
-                ids = torch.randint(0, self.vocab_size, (b, 2 if j == 0 else 1), generator=g).to(self.device)
-                sync()
-                t0 = time.perf_counter()
-                dkv.forward(self.drafter, ids, None, logits_to_keep=1)[:, -1].argmax(-1).tolist()
-                sync()
-                t += time.perf_counter() - t0
-                cum.append(t)
-            dkv.rollback(kmax + 1, zeros)
-            chains.append(cum)
-        chain = [min(c[j] for c in chains) for j in range(kmax)]
-        # The controller prices a step as K * draft + verify(K): draft is the warm marginal cost and
-        # each measured K's verify carries the rest of its chain, so calibrated K values cost exactly
-        # chain(K) + verify(K).
-        draft = (chain[-1] - chain[0]) / (kmax - 1) if kmax > 1 else chain[0]
-        verify = {k: min(v) + (chain[k - 1] - k * draft if k > 0 else 0.0) for k, v in vt.items()}
-        self.controller.set_costs(b, verify, draft, catchup_per_token)
+        self.controller.set_costs(b, *calibrate(_DummyRows(self, b, context), kmax, reps))
 
-    def _choose_k(self, batch: int) -> int:
-        if self.drafter is None:
-            return 0
-        if self.adaptive:
-            if self.controller.needs_calibration(batch):
-                self._calibrate(batch)
-            est = self.acceptance.estimate
-            alphas = [est(s.acc, s.req.domain) for s in self._seqs]
-            rem = [s.remaining for s in self._seqs] if self.drain_aware and batch > 1 else None
-            k = self.controller.choose(batch, alphas, rem, lambda: sum(len(s.pending) for s in self._seqs))
-        else:
-            k = self.num_draft_tokens
-        # Drafts past every row's token budget would be thrown away.
-        return max(0, min(k, max(s.remaining for s in self._seqs) - 1))
 
-    def _uniforms(self, n: int) -> torch.Tensor | None:
-        """Per-row uniforms from each request's own generator (greedy rows: zeros, unused)."""
-        if self._all_greedy:
-            return None
-        rows = [g_rand(g, n) for g in self._gens]
-        return torch.stack(rows).to(self.device)
+class _DummyRows:
+    """b rows of `context` random tokens (one generator, seeded 0) with their own target and drafter
+    caches: what `dvi.adaptive.calibrate` times (`dvi.adaptive.CalibrationRows`)."""
 
-    def _draft(self, k: int, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pend = [s.pending for s in self._seqs]
-        m = max(len(p) for p in pend)
-        self._catchup = m > 2
-        if m == 1:
-            ids = torch.tensor(pend, dtype=torch.long, device=self.device)
-            valid = None
-        else:
-            ids = torch.zeros(len(pend), m, dtype=torch.long)
-            valid = torch.zeros(len(pend), m, dtype=torch.bool)
-            for i, p in enumerate(pend):
-                ids[i, m - len(p) :] = torch.tensor(p, dtype=torch.long)
-                valid[i, m - len(p) :] = True
-            ids, valid = ids.to(self.device), valid.to(self.device)
-        drafts, qs = [], []
-        d = None
-        for j in range(k):
-            if j == 0:
-                logits = self._dkv.forward(self.drafter, ids, valid, logits_to_keep=1)[:, -1]
-            else:
-                logits = self._dkv.forward(self.drafter, d.unsqueeze(1), None, logits_to_keep=1)[:, -1]
-            logits = self._fit_vocab(logits)
-            if self._all_greedy:
-                d = logits.argmax(-1)
-            else:
-                q = warp_probs(logits, self._temp, self._topk, self._topp)
-                d = sample_from(q, u[:, j])
-                qs.append(q)
-            drafts.append(d)
-        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+    def __init__(self, eng: SpeculativeEngine, b: int, context: int):
+        self.eng, self.b, self.tokens = eng, b, b * context
+        self.g = torch.Generator().manual_seed(0)
+        self.rows = torch.randint(0, eng.vocab_size, (b, context), generator=self.g).tolist()
+        self.sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+        self.tkv = prefill(eng.target.config, eng._tfn, self.rows, eng.device, eng.dtype)
+        self.dkv: RaggedKV | None = None
+        self.zeros = torch.zeros(b, dtype=torch.long, device=eng.device)
 
-    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        v = logits.shape[-1]
-        if v == self.vocab_size:
-            return logits
-        if v > self.vocab_size:
-            return logits[..., : self.vocab_size]
-        pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
-        return torch.cat([logits, pad], -1)
+    def _ids(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.eng.vocab_size, (self.b, n), generator=self.g).to(self.eng.device)  # [b, n]
 
-    def _spec_step(self) -> list[StepOutput]:
-        seqs = self._seqs
-        b = len(seqs)
-        k = self._choose_k(b)
-        self.last_k = k
-        t0 = time.perf_counter()
-        u = self._uniforms(2 * k + 1)
-        draft_ids = q = None
-        if k > 0:
-            draft_ids, q = self._draft(k, u)
-        t1 = time.perf_counter()
-        ids = self._last.unsqueeze(1) if k == 0 else torch.cat([self._last.unsqueeze(1), draft_ids], 1)
-        logits = self._tkv.forward(self._tfn, ids)
-        t_fwd = time.perf_counter()
-        if logits.shape[-1] != self.vocab_size:
-            logits = logits[..., : self.vocab_size]
-        if self._all_greedy:
-            if k > 0:
-                n, nxt = greedy_accept(draft_ids, logits)
-            else:
-                nxt = logits[:, 0].argmax(-1)
-                n = torch.zeros_like(nxt)
-        else:
-            p = warp_probs(logits, self._temp, self._topk, self._topp)
-            if k > 0:
-                n, nxt = rejection_accept(draft_ids, q, p, u[:, k : 2 * k], u[:, 2 * k])
-            else:
-                nxt = sample_from(p[:, 0], u[:, 0])
-                n = torch.zeros_like(nxt)
-        self._tkv.rollback(k + 1, n + 1)
-        if k > 1:
-            self._dkv.rollback(k - 1, n.clamp(max=k - 1))
-        # Emitted tokens per row: d_1..d_n then nxt at column n.
-        tok = nxt.unsqueeze(1) if k == 0 else torch.cat([draft_ids, nxt.unsqueeze(1)], 1)
-        if k > 0:
-            tok = tok.scatter(1, n.unsqueeze(1), nxt.unsqueeze(1))
-        lf = logits.float()
-        scaled = lf if self._all_t1 else lf / torch.where(self._temp > 0, self._temp, 1.0).view(b, 1, 1)
-        tok_lp = scaled.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
-        topk_i = topk_v = None
-        if self.feedback_top_k > 0:
-            raw = lf.log_softmax(-1)
-            tv, ti = raw.topk(min(self.feedback_top_k, self.vocab_size), dim=-1)
-            topk_i, topk_v = ti.tolist(), tv.tolist()
-        n_l, tok_l, lp_l = n.tolist(), tok.tolist(), tok_lp.tolist()
-        draft_l = draft_ids.tolist() if k > 0 else None
-        self._last = nxt
-        outs: list[StepOutput] = []
-        finished: list[int] = []
-        have_drafter = self.drafter is not None
-        for i, s in enumerate(seqs):
-            r = s.res
-            ni = n_l[i]
-            r.num_steps += 1
-            if k > 0:
-                r.num_drafted += k
-                r.num_accepted += ni
-                for j in range(k):
-                    r.drafted_per_position[j] += 1
-                for j in range(ni):
-                    r.accepted_per_position[j] += 1
-                self.acceptance.update(s.acc, s.req.domain, k, ni)
-                dl = draft_l[i]
-                s.pending = [dl[k - 1], tok_l[i][ni]] if ni == k else [tok_l[i][ni]]
-            elif have_drafter:
-                s.pending.append(tok_l[i][0])
-                self.acceptance.update(s.acc, s.req.domain, 0, 0)
-            new: list[int] = []
-            reason = None
-            for j in range(ni + 1):
-                t = tok_l[i][j]
-                new.append(t)
-                r.token_ids.append(t)
-                r.token_logprobs.append(lp_l[i][j])
-                r.drafted_ids.append(draft_l[i][j] if j < k else -1)
-                r.accepted.append(j < ni)
-                if topk_i is not None:
-                    r.topk_ids.append(topk_i[i][j])
-                    r.topk_logprobs.append(topk_v[i][j])
-                s.remaining -= 1
-                if t in s.stop:
-                    reason = "stop"
-                    break
-                if s.remaining <= 0:
-                    reason = "length"
-                    break
-            if reason is not None:
-                self._close(s, reason)
-                finished.append(i)
-            outs.append(StepOutput(s.req.request_id, new, reason is not None, r if reason else None))
-        self.acceptance.end_step(k)
-        t2 = time.perf_counter()
-        self.costs.record_verify(b, k, t2 - t1)
-        if self.adaptive and b <= 2 and self.device.type == "cpu":
-            # On CPU the forward above is synchronous, so t2 - t_fwd is the step's host work after it
-            # (on CUDA it would include the kernels the first .tolist() waits for). Only for one or two
-            # rows is that work a fixed cost per step; with more rows the per-token loops dominate it,
-            # which plain steps pay per token just like speculative ones (no reason to favour either).
-            bb = batch_bucket(b)
-            o = self.costs.record_overhead(bb, t2 - t_fwd)
-            self._overhead_steps += 1
-            if self._overhead_steps % 16 == 0:
-                self.controller.set_step_overhead(bb, o)
-        if k > 0 and not self._catchup:  # a drafter catch-up after K=0 steps is not a typical draft cost
-            self.costs.record_draft(b, (t1 - t0) / k)
-        if finished:
-            self._remove_rows(finished)
-        # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
-        self._tkv.maybe_compact(0.3 if k else 0.1)
-        self._dkv.maybe_compact()
-        if self.adaptive and not (k > 0 and self._catchup):
-            self.controller.observe_step(b, k, sum(len(o.new_token_ids) for o in outs), time.perf_counter() - t0)
-        return outs
+    def prefill_drafter(self) -> None:
+        d = self.eng.drafter
+        self.dkv = prefill(d.config, d, self.rows, self.eng.device, d.dtype)
+
+    def verify(self, k: int):
+        ids = self._ids(k + 1)  # [b, K + 1]
+        return lambda: self.tkv.forward(self.eng._tfn, ids).argmax(-1).tolist()
+
+    def undo_verify(self, k: int) -> None:
+        self.tkv.rollback(k + 1, self.zeros)
+
+    def draft(self, j: int):
+        ids = self._ids(2 if j == 0 else 1)  # [b, 2] right after a verify (last draft + bonus), then [b, 1]
+        return lambda: self.dkv.forward(self.eng.drafter, ids, None, logits_to_keep=1)[:, -1].argmax(-1).tolist()
+
+    def undo_drafts(self, n: int) -> None:
+        self.dkv.rollback(n, self.zeros)
 
 
 def g_rand(gen: torch.Generator | None, n: int) -> torch.Tensor:
     if gen is None:
         return torch.zeros(n)
     return torch.rand(n, generator=gen)
-
-
-def _check_target_state_dict(sd: dict, own: dict, complete: bool) -> None:
-    """Refuse weights that would break the target: unknown keys, wrong shapes, NaN/inf, missing tensors."""
-    unexpected = [k for k in sd if k not in own]
-    if unexpected:
-        raise ValueError(f"state_dict_or_path has keys the target does not: {unexpected[:5]}")
-    for k, v in sd.items():
-        if not isinstance(v, torch.Tensor):
-            raise ValueError(f"state_dict_or_path: {k} is not a tensor")
-        if tuple(v.shape) != tuple(own[k].shape):
-            raise ValueError(f"state_dict_or_path: shape of {k} is {tuple(v.shape)}, expected {tuple(own[k].shape)}")
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            raise ValueError(f"state_dict_or_path: {k} has non-finite values (NaN or inf)")
-    if complete:
-        present = {own[k].data_ptr() for k in sd}
-        missing = [k for k in own if k not in sd and own[k].data_ptr() not in present]
-        if missing:
-            raise ValueError(f"state_dict_or_path is partial: it lacks {len(missing)} of the target's tensors, "
-                             f"e.g. {missing[:3]}")
-
-
-def _load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Weights from a .safetensors / .bin file or an HF model directory (sharded safetensors included)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            files = sorted(path.glob("*.bin"))
-        if not files:
-            raise ValueError(f"state_dict_or_path: no weights found in {path}")
-    elif path.exists():
-        files = [path]
-    else:
-        raise ValueError(f"state_dict_or_path: {path} does not exist")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        if f.suffix == ".safetensors":
-            sd.update(load_file(str(f)))
-        else:
-            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
-    return sd

@@ -2,7 +2,8 @@
 
 The embedded pair and a user's own checkpoints go through the same `from_pretrained` calls, so
 nothing downstream knows which it got. `check_compatible` refuses pairs that cannot speculate
-for each other (different vocabularies), with a message that says why.
+for each other (different vocabularies), with a message that says why. `load_state_dict` and
+`check_target_state_dict` read and vet new target weights (`SpeculativeEngine.update_target_weights`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from dvi.vocab import apply_draft_vocab, load_draft_vocab
 
@@ -317,3 +319,45 @@ def load_pair_from_config(models_cfg) -> ModelPair:
     return load_pair(target, drafter, tok, device=device, dtype=dtype,
                      draft_vocab_size=draft_vocab_size_for(models_cfg),
                      draft_vocab=getattr(models_cfg, "draft_vocab", None))
+
+
+def check_target_state_dict(sd: dict, own: dict, complete: bool) -> None:
+    """Refuse weights that would break the target: unknown keys, wrong shapes, NaN/inf, missing tensors."""
+    unexpected = [k for k in sd if k not in own]
+    if unexpected:
+        raise ValueError(f"state_dict_or_path has keys the target does not: {unexpected[:5]}")
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"state_dict_or_path: {k} is not a tensor")
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise ValueError(f"state_dict_or_path: shape of {k} is {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"state_dict_or_path: {k} has non-finite values (NaN or inf)")
+    if complete:
+        present = {own[k].data_ptr() for k in sd}
+        missing = [k for k in own if k not in sd and own[k].data_ptr() not in present]
+        if missing:
+            raise ValueError(f"state_dict_or_path is partial: it lacks {len(missing)} of the target's tensors, "
+                             f"e.g. {missing[:3]}")
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Weights from a .safetensors / .bin file or an HF model directory (sharded safetensors included)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            files = sorted(path.glob("*.bin"))
+        if not files:
+            raise ValueError(f"state_dict_or_path: no weights found in {path}")
+    elif path.exists():
+        files = [path]
+    else:
+        raise ValueError(f"state_dict_or_path: {path} does not exist")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            sd.update(load_file(str(f)))
+        else:
+            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
+    return sd

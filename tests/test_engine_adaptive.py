@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import dvi.adaptive
 from dvi.adaptive import AcceptanceEMA, AdaptiveK, CostModel, choose_k, expected_tokens, predicted_speedup
 
 
@@ -247,3 +248,52 @@ def test_measured_goodput_overrides_a_calibration_that_favours_speculation():
         ctl.observe_step(1, 0, 1, 0.035)
     ctl.set_costs(1, {0: 0.035, 1: 0.036, 2: 0.037, 4: 0.040}, draft=0.002)
     assert ctl.measured_verdict(1) == "spec" and ctl.choose(1, [0.8]) > 0
+
+
+class _FakeRows:
+    """Calibration rows whose forwards 'take' scripted seconds; logs what runs, in order."""
+
+    tokens = 100
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.rep = 0
+
+    def sync(self) -> None:
+        pass
+
+    def prefill_drafter(self):
+        self.log.append(("prefill",))
+        return 0.02
+
+    def verify(self, k):
+        self.log.append(("verify", k))
+        return lambda: 0.010 * (1 + 0.1 * k) + 0.001 * self.rep  # later reps slower: the min is the first
+
+    def undo_verify(self, k):
+        self.log.append(("undo_verify", k))
+
+    def draft(self, j):
+        self.log.append(("draft", j))
+        return lambda: 0.002 if j == 0 else 0.001  # the first draft after a verify runs cold
+
+    def undo_drafts(self, n):
+        self.log.append(("undo_drafts", n))
+        self.rep += 1
+
+
+def test_calibrate_interleaves_and_prices_chains(monkeypatch):
+    monkeypatch.setattr(dvi.adaptive, "_timed", lambda run, sync: run())  # the scripted seconds
+    rows = _FakeRows()
+    c = dvi.adaptive.calibrate(rows, k_max=4, reps=2)
+    one_rep = [("verify", 0), ("undo_verify", 0), ("verify", 1), ("undo_verify", 1), ("verify", 2),
+               ("undo_verify", 2), ("verify", 4), ("undo_verify", 4),
+               ("draft", 0), ("draft", 1), ("draft", 2), ("draft", 3), ("undo_drafts", 5)]
+    assert rows.log == [("prefill",)] + one_rep * 2
+    assert c.catchup_per_token == pytest.approx(0.02 / 100)
+    assert c.draft == pytest.approx(0.001)  # the warm marginal draft
+    chain = [0.002, 0.003, 0.004, 0.005]
+    for k in (0, 1, 2, 4):
+        # K * draft + verify(K) is the measured chain of K drafts plus the (fastest) verify of K + 1 tokens
+        assert k * c.draft + c.verify[k] == pytest.approx((chain[k - 1] if k else 0.0) + 0.010 * (1 + 0.1 * k))
+    assert set(c.verify) == {0, 1, 2, 4}

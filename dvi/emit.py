@@ -1,0 +1,87 @@
+"""What one verify step emits, per row: its accepted drafts d_1..d_n and the target's token after them
+(the correction at the first rejection, or the bonus after K accepted), with their log-probs and the
+target's top-k (tensor side, once per step), and how they land on the row's `GenerationResult`.
+
+Row i's emitted tokens are columns 0..n_i of the [B, K + 1] grid `tokens`: d_1..d_{n_i}, then the
+target's token at column n_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from dvi.engine import GenerationResult
+
+__all__ = ["Emitted", "emitted", "count_drafts", "append_tokens"]
+
+
+@dataclass
+class Emitted:
+    """One step's emitted tokens on the host, as lists indexed [row][column]."""
+
+    n: list[int]  # [B] drafts accepted, in [0, K]
+    tokens: list[list[int]]  # [B, K + 1]; columns past n_i are rejected drafts, not emitted
+    logprobs: list[list[float]]  # [B, K + 1] target log-prob of each token under log_softmax(logits / T)
+    drafts: list[list[int]] | None  # [B, K]; None when K = 0
+    topk_ids: list[list[list[int]]] | None  # [B, K + 1, top_k] target raw top-k; None when top_k = 0
+    topk_logprobs: list[list[list[float]]] | None  # [B, K + 1, top_k]
+
+
+def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, logits: torch.Tensor,
+            temp: torch.Tensor, all_t1: bool, top_k: int) -> Emitted:
+    """draft_ids [B, K] (None: K = 0), n [B], nxt [B], logits [B, K + 1, V], temp [B] (0: greedy, scored at T = 1)."""
+    b, v = logits.shape[0], logits.shape[-1]
+    # Emitted tokens per row: d_1..d_n then nxt at column n.
+    if draft_ids is None:
+        tok = nxt.unsqueeze(1)  # [B, 1]
+    else:
+        tok = torch.cat([draft_ids, nxt.unsqueeze(1)], 1)  # [B, K + 1]
+        tok = tok.scatter(1, n.unsqueeze(1), nxt.unsqueeze(1))
+    lf = logits.float()  # [B, K + 1, V]
+    scaled = lf if all_t1 else lf / torch.where(temp > 0, temp, 1.0).view(b, 1, 1)
+    tok_lp = scaled.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)  # [B, K + 1]
+    topk_i = topk_v = None
+    if top_k > 0:
+        raw = lf.log_softmax(-1)
+        tv, ti = raw.topk(min(top_k, v), dim=-1)  # [B, K + 1, top_k]
+        topk_i, topk_v = ti.tolist(), tv.tolist()
+    n_l, tok_l, lp_l = n.tolist(), tok.tolist(), tok_lp.tolist()
+    draft_l = draft_ids.tolist() if draft_ids is not None else None
+    return Emitted(n_l, tok_l, lp_l, draft_l, topk_i, topk_v)
+
+
+def count_drafts(res: GenerationResult, k: int, n: int) -> None:
+    """A step with K > 0 drafts, n of them accepted, on the row's acceptance counts."""
+    res.num_drafted += k
+    res.num_accepted += n
+    for j in range(k):
+        res.drafted_per_position[j] += 1
+    for j in range(n):
+        res.accepted_per_position[j] += 1
+
+
+def append_tokens(res: GenerationResult, e: Emitted, i: int, k: int, stop: frozenset[int],
+                  remaining: int) -> tuple[list[int], str | None]:
+    """Row i's emitted tokens (and their feedback fields) onto its result, up to and including the first
+    stop token or the last of its `remaining` budget; returns them and the finish reason (None: running)."""
+    ni = e.n[i]
+    new: list[int] = []
+    for j in range(ni + 1):
+        t = e.tokens[i][j]
+        new.append(t)
+        res.token_ids.append(t)
+        res.token_logprobs.append(e.logprobs[i][j])
+        res.drafted_ids.append(e.drafts[i][j] if j < k else -1)
+        res.accepted.append(j < ni)
+        if e.topk_ids is not None:
+            res.topk_ids.append(e.topk_ids[i][j])
+            res.topk_logprobs.append(e.topk_logprobs[i][j])
+        if t in stop:
+            return new, "stop"
+        if remaining - len(new) <= 0:
+            return new, "length"
+    return new, None

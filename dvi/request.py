@@ -1,0 +1,76 @@
+"""A request to the engine: its sampling parameters and the checks a request must pass before it joins a
+batch (bad ones raise `InvalidParam` naming the field, the server's 400)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["InvalidParam", "SamplingParams", "Request", "SEED_RANGE", "is_int", "validate_prompt", "validate_params"]
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+class InvalidParam(ValueError):
+    """A request parameter the engine cannot serve; `param` names it (the server's 400 says which)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    domain: str = "default"
+
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_prompt(prompt, name: str, vocab_size: int, num_embeddings: int) -> None:
+    if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+        raise ValueError(f"{name} must be a non-empty list of token ids")
+    if not all(is_int(t) for t in prompt):
+        raise ValueError(f"{name} must contain only ints")
+    lo, hi = min(prompt), max(prompt)
+    if lo < 0 or hi >= vocab_size or hi >= num_embeddings:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} has token id {bad} outside the vocabulary [0, {vocab_size})")
+
+
+def validate_params(p: SamplingParams, prompt_len: int, vocab_size: int, max_context: int | None,
+                    prompt_name: str = "prompt_ids") -> None:
+    if not is_int(p.max_new_tokens) or p.max_new_tokens <= 0:
+        raise InvalidParam("max_tokens", f"max_new_tokens must be a positive int, got {p.max_new_tokens!r}")
+    if not isinstance(p.temperature, (int, float)) or not math.isfinite(p.temperature) or p.temperature < 0:
+        raise InvalidParam("temperature", f"temperature must be a finite number >= 0, got {p.temperature!r}")
+    if not is_int(p.top_k) or not 0 <= p.top_k <= vocab_size:
+        raise InvalidParam("top_k", f"top_k must be an int in [0, {vocab_size}] (the vocabulary), "
+                                    f"got {p.top_k!r}")
+    if not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
+        raise InvalidParam("top_p", f"top_p must be in (0, 1], got {p.top_p!r}")
+    if p.seed is not None and (not is_int(p.seed) or not SEED_RANGE[0] <= p.seed <= SEED_RANGE[1]):
+        raise InvalidParam("seed", f"seed must be an int in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] or None, "
+                                   f"got {p.seed!r}")
+    if any(not is_int(t) for t in (p.stop_token_ids or ())):
+        raise ValueError("stop_token_ids must be ints")
+    if max_context is not None and prompt_len + p.max_new_tokens > max_context:
+        raise InvalidParam("max_tokens",
+            f"max_new_tokens={p.max_new_tokens} + {prompt_name} length {prompt_len} exceeds the target's "
+            f"max_position_embeddings={max_context}"
+        )
