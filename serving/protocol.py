@@ -159,6 +159,18 @@ def _check_prompt_chars(n: int, info: ValidationInfo) -> None:
         raise ValueError(f"prompt has {n} characters; this server's limit is {limit}")
 
 
+def _chosen_tokens_only(field: str):
+    """Validator: log-probs of the chosen tokens only (`field` 0 or absent). Top alternatives would need the
+    served distribution's top-k per token, which the engine does not keep (its feedback top-k is at T=1)."""
+
+    def check(v: int | None) -> int | None:
+        if v:
+            raise ValueError(f"only {field}=0 (the chosen tokens' log-probs) is supported; top alternatives are not")
+        return v
+
+    return field_validator(field)(check)
+
+
 class CompletionRequest(_Request):
     """POST /v1/completions: a prompt (text, or a list of token ids, or a one-element list)."""
 
@@ -166,12 +178,7 @@ class CompletionRequest(_Request):
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
 
-    @field_validator("logprobs")
-    @classmethod
-    def _chosen_only(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("only logprobs=0 (the chosen tokens' log-probs) is supported; top alternatives are not")
-        return v
+    _chosen_only = _chosen_tokens_only("logprobs")
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
@@ -207,13 +214,7 @@ class ChatCompletionRequest(_Request):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _chosen_only(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("only top_logprobs=0 is supported (the chosen tokens' log-probs); "
-                             "top alternatives are not")
-        return v
+    _chosen_only = _chosen_tokens_only("top_logprobs")
 
     def wants_logprobs(self) -> bool:
         return self.logprobs

@@ -8,7 +8,6 @@ Each test names the issue item it proves (1-16); every one failed on the code be
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import json
 import os
@@ -22,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_serving_helpers import ServerThread, tiny_config, wait_for
+from test_serving_helpers import ServerThread, lora_copy, tiny_config, version_manifest, wait_for
 
 from dvi import metrics as M
 from dvi.feedback import QUARANTINE_DIR, FeedbackReader, record_nbytes
@@ -51,21 +50,9 @@ def _total(text: str, name: str, **labels: str) -> float:
 
 
 def _lora(drafter, scale: float = 0.0, seed: int = 0):
-    """A peft LoRA on a copy of the drafter; scale 0 = identity, large = a much worse drafter."""
-    from peft import LoraConfig, get_peft_model
-
-    pm = get_peft_model(copy.deepcopy(drafter), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    if scale:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in pm.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * scale)
-    return pm
+    return lora_copy(drafter, scale, seed)
 
 
-def _manifest(**kw) -> dict:
-    return {"target_version": 0, "steps": 1, "records_seen": 0, "heldout_alpha": None, **kw}
 
 
 # -- the request-level server ------------------------------------------------------------------------
@@ -184,7 +171,7 @@ def test_05_nan_shadow_alpha_never_promotes_a_worse_drafter(srv, client) -> None
         sw.observe_record(dataclasses.replace(rec, temperature=1e-45))
     reg = DrafterRegistry(srv.cfg.registry.dir)
     live = sw.live_version
-    bad = reg.publish_peft_adapter(_lora(sw.base, scale=2.0), _manifest())
+    bad = reg.publish_peft_adapter(_lora(sw.base, scale=2.0), version_manifest())
     wait_for(lambda: str(bad) in sw.info()["refused"], 30, what="the worse drafter refused")
     assert sw.live_version == live
     reason = sw.info()["refused"][str(bad)]
@@ -307,7 +294,7 @@ def test_12_version_missing_at_first_is_retried(srv, client) -> None:
     nxt = max(reg.list_versions(), default=0) + 1
     (reg.dir / "LATEST").write_text(vname(nxt) + "\n")  # LATEST seen before its version dir
     assert "will retry" in _wait_refused(sw, nxt, "the missing version refused")
-    v = reg.publish_peft_adapter(_lora(sw.base), _manifest())
+    v = reg.publish_peft_adapter(_lora(sw.base), version_manifest())
     assert v == nxt
     wait_for(lambda: sw.live_version == v, 30, what="the version promoted once it exists")
     assert str(v) not in sw.info()["refused"]
@@ -319,7 +306,7 @@ def test_13_registry_does_not_follow_a_symlinked_version(srv, client, tmp_path) 
     reg = DrafterRegistry(srv.cfg.registry.dir)
     live = sw.live_version
     elsewhere = DrafterRegistry(tmp_path / "elsewhere")
-    src = elsewhere.version_dir(elsewhere.publish_peft_adapter(_lora(sw.base), _manifest()))
+    src = elsewhere.version_dir(elsewhere.publish_peft_adapter(_lora(sw.base), version_manifest()))
     nxt = max(reg.list_versions()) + 1
     man = json.loads((src / "manifest.json").read_text())
     (src / "manifest.json").write_text(json.dumps({**man, "version": nxt}))
@@ -343,12 +330,12 @@ def test_14_full_drafter_config_checked_before_instantiation(srv, client) -> Non
     base_cfg = sw.base.config.to_dict()
     # the same tensors under another architecture (Mistral names its weights as Llama does)
     mistral = {**base_cfg, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
-    v1 = reg.publish({"model.safetensors": path, "config.json": json.dumps(mistral).encode()}, _manifest(kind="full"))
+    v1 = reg.publish({"model.safetensors": path, "config.json": json.dumps(mistral).encode()}, version_manifest(kind="full"))
     assert "model_type" in _wait_refused(sw, v1, "the other architecture refused")
     # a config that would take seconds and gigabytes to instantiate
     huge = {**base_cfg, "hidden_size": 8192, "num_hidden_layers": 80, "intermediate_size": 28672}
     t0 = time.perf_counter()
-    v2 = reg.publish({"model.safetensors": path, "config.json": json.dumps(huge).encode()}, _manifest(kind="full"))
+    v2 = reg.publish({"model.safetensors": path, "config.json": json.dumps(huge).encode()}, version_manifest(kind="full"))
     assert "hidden_size" in _wait_refused(sw, v2, "the huge config refused")
     assert time.perf_counter() - t0 < 10
     assert sw.live_version == live

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 import torch
-from test_serving_helpers import ServerThread, sse_events, tiny_config, wait_for
+from test_serving_helpers import ServerThread, lora_copy, sse_events, tiny_config, version_manifest, wait_for
 
 from dvi import metrics as M
 from dvi.registry import DrafterRegistry
@@ -28,22 +28,9 @@ PROMPTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo:\n    def 
 
 
 def _lora(drafter, scale: float = 0.0, seed: int = 0):
-    """A peft LoRA on a copy of the drafter; scale 0 = identity (B = 0), large = a garbage drafter."""
-    from peft import LoraConfig, get_peft_model
-
-    pm = get_peft_model(copy.deepcopy(drafter), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
-                                                                                              "up_proj"]))
-    if scale:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in pm.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * scale)
-    return pm
+    return lora_copy(drafter, scale, seed, ("q_proj", "v_proj", "up_proj"))
 
 
-def _manifest(**kw) -> dict:
-    return {"target_version": 0, "steps": 1, "records_seen": 0, "heldout_alpha": None, **kw}
 
 
 def _counter(text: str, name: str) -> float:
@@ -88,7 +75,7 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
         for w in workers:
             w.start()
         time.sleep(0.5)  # requests are streaming now
-        v1 = reg.publish_peft_adapter(_lora(base), _manifest())
+        v1 = reg.publish_peft_adapter(_lora(base), version_manifest())
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="v1 to be promoted")
         for w in workers:
             w.join(120)
@@ -106,15 +93,15 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
             # a corrupted adapter (garbage bytes) is refused, counted, and the live drafter keeps serving
             cfg_json = (reg.version_dir(v1) / "adapter_config.json").read_bytes()
             v2 = reg.publish({"adapter_model.safetensors": b"\x00garbage" * 64, "adapter_config.json": cfg_json},
-                             _manifest(kind="lora"))
+                             version_manifest(kind="lora"))
             wait_for(lambda: str(v2) in c.get("/health").json()["drafter"]["refused"], 30, what="v2 refused")
             # a wrongly shaped one (LoRA made for another model) too
             other = copy.deepcopy(base)
             other.resize_token_embeddings(base.config.vocab_size + 8)
-            v3 = reg.publish_peft_adapter(_lora(other), _manifest())
+            v3 = reg.publish_peft_adapter(_lora(other), version_manifest())
             wait_for(lambda: str(v3) in c.get("/health").json()["drafter"]["refused"], 30, what="v3 refused")
             # a valid but much worse drafter fails the shadow check
-            v4 = reg.publish_peft_adapter(_lora(base, scale=2.0), _manifest())
+            v4 = reg.publish_peft_adapter(_lora(base, scale=2.0), version_manifest())
             h = wait_for(lambda: (lambda j: j if str(v4) in j["drafter"]["refused"] else None)(
                 c.get("/health").json()), 30, what="v4 refused by the shadow check")
             assert "shadow" in h["drafter"]["refused"][str(v4)]
@@ -142,7 +129,7 @@ def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path, kind) -> None:
         if kind == "early_exit":
             bad = _publish_dir(reg, _early_exit_version(s.state.swapper.base, tmp_path / "bad", scale=3.0)[0])
         else:
-            bad = reg.publish_peft_adapter(_lora(s.state.swapper.base, scale=2.0, seed=1), _manifest())
+            bad = reg.publish_peft_adapter(_lora(s.state.swapper.base, scale=2.0, seed=1), version_manifest())
         wait_for(lambda: s.state.swapper.live_version == bad, 30, what="the bad version to be promoted")
         _traffic(s.url, 10, results, stream=False)
         wait_for(lambda: s.state.swapper.counts["rolled_back"] == 1, 30, what="the rollback")
@@ -162,16 +149,16 @@ def test_admin_rollback_and_pin(tiny_pair_dir, tmp_path) -> None:
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.admin_token=tok")
     with ServerThread(cfg) as s, s.client(Authorization="Bearer tok") as admin:
         reg = DrafterRegistry(cfg.registry.dir)
-        v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest())
+        v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest())
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="v1")
-        v2 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest())
+        v2 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest())
         wait_for(lambda: s.state.swapper.live_version == v2, 30, what="v2")
         r = admin.post("/admin/drafter/rollback", json={"reason": "test"})
         assert r.status_code == 200 and r.json()["drafter_version"] == v1
         assert reg.latest() == v1
         r = admin.post("/admin/drafter/pin", json={"version": v2})
         assert r.status_code == 200 and s.state.swapper.live_version == v2
-        v3 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest())
+        v3 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest())
         time.sleep(4 * cfg.serve.registry_poll_seconds)
         assert s.state.swapper.live_version == v2, "a pinned server must not auto-promote"
         assert admin.post("/admin/drafter/pin", json={"version": None}).status_code == 200
@@ -266,7 +253,7 @@ def _early_exit_version(live, out_dir, scale: float = 0.0, seed: int = 0):
 
 
 def _publish_dir(reg, path, **manifest) -> int:
-    return reg.publish({f.name: f for f in path.iterdir()}, _manifest(kind="lora", drafter_kind="early_exit",
+    return reg.publish({f.name: f for f in path.iterdir()}, version_manifest(kind="lora", drafter_kind="early_exit",
                                                                        **manifest))
 
 
@@ -318,7 +305,7 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
         for p in PROMPTS:
             assert served(p) == (ref[p], v1)
         # a separate drafter's LoRA is not an early-exit version; a garbage one fails the shadow check
-        v2 = reg.publish_peft_adapter(_lora(load_causal_lm(tiny_pair_dir / "drafter", "cpu")), _manifest())
+        v2 = reg.publish_peft_adapter(_lora(load_causal_lm(tiny_pair_dir / "drafter", "cpu")), version_manifest())
         wait_for(lambda: v2 in s.state.swapper.refused, 30, what="the separate LoRA to be refused")
         vdir3, _ = _early_exit_version(live, tmp_path / "ee-v3", scale=3.0, seed=3)
         v3 = _publish_dir(reg, vdir3)
@@ -362,13 +349,13 @@ def test_reduced_vocab_drafter_served_and_lora_promoted(tiny_pair_dir, tmp_path)
         assert ref == {p: base(p, 16) for p in PROMPTS}
         assert c.get("/health").json()["draft_vocab_size"] == 64
         reg = DrafterRegistry(cfg.registry.dir)
-        v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest(draft_vocab_size=64))
+        v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest(draft_vocab_size=64))
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the LoRA version to be promoted")
         assert find_subset_head(s.state.engine.drafter.model).num_ids == 64
         for p in PROMPTS:
             r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16}).json()
             assert (r["choices"][0]["text"], r["dvi"]["drafter_version"]) == (ref[p], v1)
-        v2 = reg.publish_peft_adapter(_lora(s.state.swapper.base), _manifest(draft_vocab_size=None))
+        v2 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest(draft_vocab_size=None))
         wait_for(lambda: v2 in s.state.swapper.refused, 30, what="a full-vocab version to be refused")
         assert "draft vocabulary" in s.state.swapper.refused[v2]
 

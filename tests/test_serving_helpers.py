@@ -94,3 +94,25 @@ def sse_events(text: str) -> list:
         payload = block[len("data: "):]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
+
+
+def lora_copy(drafter, scale: float = 0.0, seed: int = 0, targets: tuple[str, ...] = ("q_proj", "v_proj")):
+    """A peft LoRA on a copy of the drafter; scale 0 = identity (B = 0), large = a much worse drafter."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(copy.deepcopy(drafter), LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    if scale:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return pm
+
+
+def version_manifest(**kw) -> dict:
+    """The fields a published drafter version's manifest needs, overridable."""
+    return {"target_version": 0, "steps": 1, "records_seen": 0, "heldout_alpha": None, **kw}
