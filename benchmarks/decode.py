@@ -228,18 +228,15 @@ def build_drafters(pair, kinds: list[str], args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dvi.embedded import embedded_paths, get_preset
-    from dvi.models import load_causal_lm, load_pair, serving_dtype
+    from dvi.embedded import embedded_paths
+    from dvi.models import load_causal_lm, load_embedded_pair
 
     t_start = time.perf_counter()
-    paths = embedded_paths(args.preset, args.root)
-    dtype = serving_dtype(args.preset, args.dtype, args.device)
-    vocab = args.draft_vocab if args.draft_vocab is not None else getattr(get_preset(args.preset), "serve_draft_vocab", None)
-    pair = load_pair(paths.target, paths.drafter, paths.tokenizer, device=args.device, dtype=dtype,
-                     draft_vocab_size=vocab)
+    pair = load_embedded_pair(args.preset, args.root, device=args.device, dtype=args.dtype,
+                              draft_vocab_size=args.draft_vocab)
     target, tok = pair.target.eval(), pair.tokenizer
     # HF assisted generation gets the same separate drafter with its full vocabulary (a plain HF model)
-    assistant = load_causal_lm(paths.drafter, args.device, dtype)
+    assistant = load_causal_lm(embedded_paths(args.preset, args.root).drafter, args.device, target.dtype)
     domains = [d for d in args.domains.split(",") if d]
     temps = [float(t) for t in args.temperatures.split(",") if t]
     bss = [int(b) for b in args.batch_sizes.split(",") if b]

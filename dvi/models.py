@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ def resolve_dtype(dtype: str | torch.dtype | None = "auto", device: str | torch.
     return _DTYPES[key]
 
 
+@lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
     """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there a memory-bound decode
     step of a real LM runs ~1.3x faster in bf16 and a (K+1)-token verify costs about one step
@@ -98,13 +100,18 @@ def serving_dtype(preset: str, dtype: str, device: str | torch.device = "auto") 
 def draft_vocab_size_for(models_cfg) -> int | None:
     """`models.draft_vocab_size`, or for the embedded pretrained pair (no paths of one's own) its measured
     serving default (`PretrainedPreset.serve_draft_vocab`)."""
-    from dvi.embedded import PretrainedPreset, get_preset
-
     size = getattr(models_cfg, "draft_vocab_size", None)
     own = [getattr(models_cfg, k, None) for k in ("target", "drafter", "draft_vocab")]
     if size is not None or any(x is not None for x in own):
         return size
-    p = get_preset(models_cfg.preset)
+    return preset_draft_vocab(models_cfg.preset)
+
+
+def preset_draft_vocab(preset: str) -> int | None:
+    """The draft vocabulary size an embedded preset serves by default (None: every stored id)."""
+    from dvi.embedded import PretrainedPreset, get_preset
+
+    p = get_preset(preset)
     return p.serve_draft_vocab if isinstance(p, PretrainedPreset) else None
 
 
@@ -259,14 +266,18 @@ def _is_early_exit_dir(path: Path) -> bool:
         return False
 
 
-def load_embedded_pair(preset: str = "tiny", root: str | Path | None = None, device="auto", dtype="auto") -> ModelPair:
-    """The built embedded pair of `preset` (see `trainers.bootstrap` / `dvi bootstrap`)."""
+def load_embedded_pair(preset: str = "tiny", root: str | Path | None = None, device="auto", dtype="auto",
+                       draft_vocab_size: int | None = None) -> ModelPair:
+    """The built embedded pair of `preset` (see `trainers.bootstrap` / `dvi bootstrap`), served as its preset
+    says unless told otherwise (dtype "auto", draft vocabulary size None)."""
     from dvi.embedded import embedded_paths, is_built
 
     p = embedded_paths(preset, root)
     if not is_built(p.root):
         raise FileNotFoundError(f"embedded pair {preset!r} not built at {p.root}; run `dvi bootstrap --preset {preset}`")
-    return load_pair(p.target, p.drafter, p.tokenizer, device=device, dtype=serving_dtype(preset, dtype, device))
+    size = draft_vocab_size if draft_vocab_size is not None else preset_draft_vocab(preset)
+    return load_pair(p.target, p.drafter, p.tokenizer, device=device, dtype=serving_dtype(preset, dtype, device),
+                     draft_vocab_size=size)
 
 
 def num_params(model) -> int:

