@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from dvi.engine import GenerationResult
+    from dvi.results import GenerationResult
 
 __all__ = ["Emitted", "emitted", "count_drafts", "append_tokens"]
 

@@ -14,6 +14,8 @@ Invariant between steps, per row: the target cache holds every token except the 
 (`_last`); the drafter cache holds every token except `pending` (1 token, 2 after a fully accepted step
 since d_K was never fed to it, more after K=0 steps, the whole prompt until the row's first draft:
 the drafter cache is filled lazily). K = 0 is plain decoding through the same path.
+Elsewhere, by job: result types `dvi.results` (re-exported here), row state `dvi.seq`, calibration rows
+`dvi.calibration_rows`.
 """
 
 from __future__ import annotations
@@ -21,78 +23,25 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from dvi.adaptive import AcceptanceEMA, AcceptanceTracker, AdaptiveK, CostModel, batch_bucket, calibrate
+from dvi.adaptive import AcceptanceTracker, AdaptiveK, CostModel, batch_bucket, calibrate
+from dvi.calibration_rows import DummyRows
 from dvi.drafters import Drafter, as_drafter, model_forward
 from dvi.emit import append_tokens, count_drafts, emitted
 from dvi.kv import RaggedKV, prefill
 from dvi.models import check_target_state_dict, load_state_dict
 from dvi.request import InvalidParam, Request, SamplingParams, is_int, validate_params, validate_prompt
+from dvi.results import GenerationResult, StepOutput
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
+from dvi.seq import Seq, g_rand
 
 MAX_DRAFT_TOKENS_LIMIT = 32
 
 __all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam"]
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_steps: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    drafted_ids: list[int] = field(default_factory=list)
-    accepted: list[bool] = field(default_factory=list)
-    topk_ids: list[list[int]] = field(default_factory=list)
-    topk_logprobs: list[list[float]] = field(default_factory=list)
-    target_version: int = 0
-    drafter_version: int = 0
-    domain: str = "default"
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    temperature: float = 0.0
-
-    @property
-    def alpha(self) -> float:
-        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else 0.0
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    result: GenerationResult | None = None
-
-
-class _Seq:
-    """Per-row bookkeeping (host side)."""
-
-    __slots__ = ("req", "res", "gen", "pending", "stop", "remaining", "acc")
-
-    def __init__(self, req: Request, res: GenerationResult, gen, acc: AcceptanceEMA):
-        self.req, self.res, self.gen, self.acc = req, res, gen, acc
-        self.pending: list[int] = []
-        self.stop = frozenset(int(t) for t in req.params.stop_token_ids or ())
-        self.remaining = int(req.params.max_new_tokens)
-
-    def tokens(self) -> list[int]:
-        return list(self.req.prompt_ids) + self.res.token_ids
 
 
 class SpeculativeEngine:
@@ -141,8 +90,8 @@ class SpeculativeEngine:
         # throughput when False (a server that backfills finished rows continuously may prefer False).
         self.drain_aware = True
         self.last_k = 0
-        self._waiting: list[_Seq] = []
-        self._seqs: list[_Seq] = []
+        self._waiting: list[Seq] = []
+        self._seqs: list[Seq] = []
         self._tkv = RaggedKV(self.target.config, 0, self.device, self.dtype)
         self._dkv = self._new_dkv()
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -178,7 +127,7 @@ class SpeculativeEngine:
                 gen.seed()
             else:
                 gen.manual_seed(int(p.seed))
-        self._waiting.append(_Seq(request, res, gen, self.acceptance.new_row()))
+        self._waiting.append(Seq(request, res, gen, self.acceptance.new_row()))
 
     def _normalized(self, request: Request) -> Request:
         """A temperature below the floor is served as greedy: logits / 1e-45 overflow to NaN."""
@@ -341,12 +290,12 @@ class SpeculativeEngine:
         self._seqs = [self._seqs[i] for i in keep]
         self._refresh_params()
 
-    def _finish_aborted(self, s: _Seq) -> GenerationResult:
+    def _finish_aborted(self, s: Seq) -> GenerationResult:
         self._close(s, "abort")
         self._outbox.append(StepOutput(s.req.request_id, [], True, s.res))
         return s.res
 
-    def _close(self, s: _Seq, reason: str) -> None:
+    def _close(self, s: Seq, reason: str) -> None:
         s.res.finish_reason = reason
         s.res.finished_at = time.time()
         s.res.target_version, s.res.drafter_version = self.target_version, self.drafter_version
@@ -550,45 +499,4 @@ class SpeculativeEngine:
         kmax = self.max_draft_tokens
         if self.max_context is not None:
             context = max(1, min(context, self.max_context - kmax - 2))
-        self.controller.set_costs(b, *calibrate(_DummyRows(self, b, context), kmax, reps))
-
-
-class _DummyRows:
-    """b rows of `context` random tokens (one generator, seeded 0) with their own target and drafter
-    caches: what `dvi.adaptive.calibrate` times (`dvi.adaptive.CalibrationRows`)."""
-
-    def __init__(self, eng: SpeculativeEngine, b: int, context: int):
-        self.eng, self.b, self.tokens = eng, b, b * context
-        self.g = torch.Generator().manual_seed(0)
-        self.rows = torch.randint(0, eng.vocab_size, (b, context), generator=self.g).tolist()
-        self.sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
-        self.tkv = prefill(eng.target.config, eng._tfn, self.rows, eng.device, eng.dtype)
-        self.dkv: RaggedKV | None = None
-        self.zeros = torch.zeros(b, dtype=torch.long, device=eng.device)
-
-    def _ids(self, n: int) -> torch.Tensor:
-        return torch.randint(0, self.eng.vocab_size, (self.b, n), generator=self.g).to(self.eng.device)  # [b, n]
-
-    def prefill_drafter(self) -> None:
-        d = self.eng.drafter
-        self.dkv = prefill(d.config, d, self.rows, self.eng.device, d.dtype)
-
-    def verify(self, k: int):
-        ids = self._ids(k + 1)  # [b, K + 1]
-        return lambda: self.tkv.forward(self.eng._tfn, ids).argmax(-1).tolist()
-
-    def undo_verify(self, k: int) -> None:
-        self.tkv.rollback(k + 1, self.zeros)
-
-    def draft(self, j: int):
-        ids = self._ids(2 if j == 0 else 1)  # [b, 2] right after a verify (last draft + bonus), then [b, 1]
-        return lambda: self.dkv.forward(self.eng.drafter, ids, None, logits_to_keep=1)[:, -1].argmax(-1).tolist()
-
-    def undo_drafts(self, n: int) -> None:
-        self.dkv.rollback(n, self.zeros)
-
-
-def g_rand(gen: torch.Generator | None, n: int) -> torch.Tensor:
-    if gen is None:
-        return torch.zeros(n)
-    return torch.rand(n, generator=gen)
+        self.controller.set_costs(b, *calibrate(DummyRows(self, b, context), kmax, reps))

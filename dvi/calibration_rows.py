@@ -1,0 +1,53 @@
+"""The dummy rows the engine hands to `dvi.adaptive.calibrate` (its `CalibrationRows`): b rows of random
+tokens with their own target and drafter caches, so cost calibration never touches in-flight requests.
+
+Kept apart from `dvi.engine`, whose job is serving real rows; this module only times forwards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dvi.kv import RaggedKV, prefill
+
+if TYPE_CHECKING:
+    from dvi.engine import SpeculativeEngine
+
+__all__ = ["DummyRows"]
+
+
+class DummyRows:
+    """b rows of `context` random tokens (one generator, seeded 0) with their own target and drafter
+    caches: what `dvi.adaptive.calibrate` times (`dvi.adaptive.CalibrationRows`)."""
+
+    def __init__(self, eng: SpeculativeEngine, b: int, context: int):
+        self.eng, self.b, self.tokens = eng, b, b * context
+        self.g = torch.Generator().manual_seed(0)
+        self.rows = torch.randint(0, eng.vocab_size, (b, context), generator=self.g).tolist()
+        self.sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+        self.tkv = prefill(eng.target.config, eng._tfn, self.rows, eng.device, eng.dtype)
+        self.dkv: RaggedKV | None = None
+        self.zeros = torch.zeros(b, dtype=torch.long, device=eng.device)
+
+    def _ids(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.eng.vocab_size, (self.b, n), generator=self.g).to(self.eng.device)  # [b, n]
+
+    def prefill_drafter(self) -> None:
+        d = self.eng.drafter
+        self.dkv = prefill(d.config, d, self.rows, self.eng.device, d.dtype)
+
+    def verify(self, k: int):
+        ids = self._ids(k + 1)  # [b, K + 1]
+        return lambda: self.tkv.forward(self.eng._tfn, ids).argmax(-1).tolist()
+
+    def undo_verify(self, k: int) -> None:
+        self.tkv.rollback(k + 1, self.zeros)
+
+    def draft(self, j: int):
+        ids = self._ids(2 if j == 0 else 1)  # [b, 2] right after a verify (last draft + bonus), then [b, 1]
+        return lambda: self.dkv.forward(self.eng.drafter, ids, None, logits_to_keep=1)[:, -1].argmax(-1).tolist()
+
+    def undo_drafts(self, n: int) -> None:
+        self.dkv.rollback(n, self.zeros)
