@@ -1,0 +1,48 @@
+"""Feedback records: what the target said about each drafted token, logged as parquet shards.
+
+The engine produces one `FeedbackRecord` per finished sequence. `FeedbackWriter` buffers them
+and writes parquet shards that are whole or absent (temp name in the same dir, fsync, rename),
+so a crash never leaves half a shard. `FeedbackReader` tails the shards for the online trainer
+with a persisted cursor, so a killed and restarted trainer neither trains a record twice nor
+skips one.
+
+Retention wins over readers: a writer with `retention_bytes` / `retention_shards` deletes the
+oldest shards even if no trainer consumed them yet. A trainer that falls behind by more than the
+retention window misses that data; the writer counts and logs every deletion
+(`FeedbackWriter.deleted_shards`) and the reader counts shards that vanished before it read them
+(`FeedbackReader.missed_shards`).
+
+Roots are local paths or any fsspec URL (`memory://`, `s3://...`); fsync only applies locally.
+
+The package is split by job: `record` (schema and conversions), `storage` (shard names, listing,
+fsspec and atomic-write helpers shared by both sides), `writer` and `reader`. Every name that
+callers import from `dvi.feedback` (all its public names) is re-exported here.
+"""
+
+from dvi.feedback.reader import QUARANTINE_DIR, FeedbackReader
+from dvi.feedback.record import (
+    BYTES_PER_VALUE,
+    FIELD_NAMES,
+    RECORD_OVERHEAD_BYTES,
+    SCHEMA,
+    FeedbackRecord,
+    record_nbytes,
+    records_to_table,
+)
+from dvi.feedback.storage import SHARD_RE, shard_time_ns
+from dvi.feedback.writer import FeedbackWriter
+
+__all__ = [
+    "BYTES_PER_VALUE",
+    "FIELD_NAMES",
+    "QUARANTINE_DIR",
+    "RECORD_OVERHEAD_BYTES",
+    "SCHEMA",
+    "SHARD_RE",
+    "FeedbackReader",
+    "FeedbackRecord",
+    "FeedbackWriter",
+    "record_nbytes",
+    "records_to_table",
+    "shard_time_ns",
+]

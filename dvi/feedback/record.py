@@ -1,0 +1,182 @@
+"""The feedback record schema: `FeedbackRecord`, the parquet `SCHEMA` and the conversions.
+
+Kept apart from the writer and reader because the engine, rollout and trainer collation build
+and read records without touching storage; this module has no filesystem code at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import pyarrow as pa
+
+SCHEMA = pa.schema(
+    [
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("domain", pa.string(), nullable=False),
+        pa.field("target_version", pa.int64(), nullable=False),
+        pa.field("drafter_version", pa.int64(), nullable=False),
+        pa.field("started_at", pa.float64(), nullable=False),
+        pa.field("finished_at", pa.float64(), nullable=False),
+        pa.field("temperature", pa.float32(), nullable=False),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("drafted_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("accepted", pa.list_(pa.bool_()), nullable=False),
+        pa.field("topk_ids", pa.list_(pa.list_(pa.int32())), nullable=False),
+        pa.field("topk_logprobs", pa.list_(pa.list_(pa.float32())), nullable=False),
+    ]
+)
+"""Parquet schema of a shard; one column per `FeedbackRecord` field (docs/contracts.md)."""
+
+
+def _as_list(x: Any) -> list:
+    """Plain list from a list, tuple, numpy array or tensor (tensors via `.tolist()`)."""
+    if type(x) is list:
+        return x
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return list(x)
+
+
+def _or_empty(x: Any) -> Any:
+    return [] if x is None else x
+
+
+@dataclass
+class FeedbackRecord:
+    """One finished sequence with per-position draft/accept feedback (docs/contracts.md)."""
+
+    request_id: str
+    domain: str
+    target_version: int
+    drafter_version: int
+    started_at: float
+    finished_at: float
+    temperature: float
+    prompt_ids: list[int]
+    token_ids: list[int]
+    drafted_ids: list[int]
+    accepted: list[bool]
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when per-position lists disagree with token_ids."""
+        if not isinstance(self.request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(self.request_id).__name__}")
+        if not isinstance(self.domain, str):
+            raise ValueError(f"domain must be a str, got {type(self.domain).__name__}")
+        n = len(self.token_ids)
+        for name in ("drafted_ids", "accepted"):
+            m = len(getattr(self, name))
+            if m != n:
+                raise ValueError(f"{name} has {m} entries but token_ids has {n}")
+        nk, nl = len(self.topk_ids), len(self.topk_logprobs)
+        if nk != nl:
+            raise ValueError(f"topk_logprobs has {nl} positions but topk_ids has {nk}")
+        if nk and nk != n:
+            raise ValueError(f"topk_ids has {nk} positions but token_ids has {n} (must be equal or empty)")
+        if nk and any(len(a) != len(b) for a, b in zip(self.topk_ids, self.topk_logprobs, strict=True)):
+            j = next(j for j in range(nk) if len(self.topk_ids[j]) != len(self.topk_logprobs[j]))
+            raise ValueError(
+                f"topk_ids[{j}] has {len(self.topk_ids[j])} ids but topk_logprobs[{j}] "
+                f"has {len(self.topk_logprobs[j])}"
+            )
+        bad = [
+            j
+            for j, (a, t, d) in enumerate(zip(self.accepted, self.token_ids, self.drafted_ids, strict=True))
+            if a and t != d
+        ]
+        if bad:
+            j = bad[0]
+            raise ValueError(
+                f"accepted[{j}] is true but token_ids[{j}]={self.token_ids[j]} != drafted_ids[{j}]={self.drafted_ids[j]}"
+            )
+
+    @classmethod
+    def from_result(
+        cls,
+        result: Any,
+        temperature: float = 0.0,
+        domain: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> FeedbackRecord:
+        """Build from a GenerationResult-like object (duck-typed on the contract's field names).
+
+        `temperature` is the request's sampling temperature (not on GenerationResult); `domain`
+        and `prompt_ids` override the result's when given.
+        """
+
+        def get(name: str, default: Any = None) -> Any:
+            if isinstance(result, dict):
+                return result.get(name, default)
+            return getattr(result, name, default)
+
+        missing = [n for n in ("request_id", "token_ids", "drafted_ids", "accepted") if get(n) is None]
+        if missing:
+            raise ValueError(f"result lacks required field(s): {', '.join(missing)}")
+        temp = get("temperature", None)
+        return cls(
+            request_id=str(get("request_id")),
+            domain=str(domain if domain is not None else (get("domain") or "default")),
+            target_version=int(get("target_version", 0) or 0),
+            drafter_version=int(get("drafter_version", 0) or 0),
+            started_at=float(get("started_at", 0.0) or 0.0),
+            finished_at=float(get("finished_at", 0.0) or 0.0),
+            temperature=float(temp if temp is not None else temperature),
+            prompt_ids=_as_list(prompt_ids if prompt_ids is not None else _or_empty(get("prompt_ids"))),
+            token_ids=_as_list(get("token_ids")),
+            drafted_ids=_as_list(get("drafted_ids")),
+            accepted=[bool(a) for a in _as_list(get("accepted"))],
+            # Rows are shared, not copied: the result is finished, and copying 128x32 lists
+            # would dominate the engine-side logging cost.
+            topk_ids=_as_list(_or_empty(get("topk_ids"))),
+            topk_logprobs=_as_list(_or_empty(get("topk_logprobs"))),
+        )
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> FeedbackRecord:
+        """Inverse of the parquet row layout (as produced by `pyarrow.Table.to_pylist`)."""
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
+
+
+FIELD_NAMES = tuple(f.name for f in fields(FeedbackRecord))
+RECORD_OVERHEAD_BYTES = 512
+BYTES_PER_VALUE = 36  # a list slot (8) + a boxed int/float (28-32) in CPython
+
+
+def record_nbytes(r: FeedbackRecord) -> int:
+    """Estimated memory of a buffered record (CPython lists of boxed numbers), for the buffer cap."""
+    k = len(r.topk_ids[0]) if r.topk_ids else 0  # every position holds the same k (O(1), engine thread)
+    n = len(r.prompt_ids) + 3 * len(r.token_ids) + 2 * k * len(r.topk_ids)
+    return RECORD_OVERHEAD_BYTES + BYTES_PER_VALUE * n
+
+
+def _wide(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_float32(t):
+        return pa.float64()
+    if pa.types.is_list(t):
+        return pa.list_(_wide(t.value_type))
+    return t
+
+
+def records_to_table(records: Sequence[FeedbackRecord]) -> pa.Table:
+    """Columnar conversion with the explicit schema (done off the engine's write path).
+
+    Python floats go in as float64 and are cast to float32: pyarrow converts nested Python
+    floats straight to float32 ~15x slower, and this runs in a thread that shares the GIL with
+    the engine loop.
+    """
+    arrays = []
+    for f in SCHEMA:
+        col = [getattr(r, f.name) for r in records]
+        wide = _wide(f.type)
+        arr = pa.array(col, type=wide)
+        arrays.append(arr.cast(f.type) if wide != f.type else arr)
+    return pa.Table.from_arrays(arrays, schema=SCHEMA)

@@ -1,0 +1,247 @@
+"""`FeedbackWriter`: buffers records on the engine thread and writes whole-or-absent shards.
+
+Its own module because only the server writes shards, and the writer's concerns (bounded
+buffer, background flushing, outage reporting, retention, shard naming) are shared by neither
+the reader nor the record schema.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import threading
+import time
+
+import pyarrow.parquet as pq
+
+from dvi.feedback.record import FeedbackRecord, record_nbytes, records_to_table
+from dvi.feedback.storage import _fs, _is_local, _list_shards
+from dvi.fsutil import TMP_PREFIX, fsync_path
+
+log = logging.getLogger(__name__)
+
+# Per-process name state shared by all writers, so two writers in one process never collide.
+_NAME_LOCK = threading.Lock()
+_NAME_STATE = {"last_ns": 0, "seq": 0}
+
+
+class FeedbackWriter:
+    """Buffers records and flushes them as atomically renamed parquet shards.
+
+    `write()` only appends to a list under a lock (records validate themselves when built), so
+    the engine loop pays about a microsecond per record. Flushing (parquet encoding + IO) runs either in a background
+    thread (`background=True`) or inline in `write()`/`maybe_flush()` once `shard_records`
+    records are buffered or the oldest is `flush_seconds` old. If storage keeps failing, at most
+    `max_pending` records and `max_pending_bytes` (estimated, `record_nbytes`) are held; the oldest
+    beyond either are dropped and counted (`dropped_records`). `failing` is True from a failed
+    shard write until the next successful one (`last_error` says what failed), so a server can
+    report it; records held meanwhile are written in order once storage works again.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        shard_records: int = 256,
+        flush_seconds: float = 30.0,
+        retention_bytes: int | None = None,
+        retention_shards: int | None = None,
+        background: bool = False,
+        max_pending: int = 100_000,
+        max_pending_bytes: int | None = None,
+    ) -> None:
+        if shard_records < 1:
+            raise ValueError("shard_records must be >= 1")
+        if flush_seconds <= 0:
+            raise ValueError("flush_seconds must be > 0")
+        self.root = os.fspath(root)
+        self.fs, self.path = _fs(self.root)
+        self.fs.makedirs(self.path, exist_ok=True)
+        self._clean_stale_tmp()
+        self.shard_records = shard_records
+        self.flush_seconds = flush_seconds
+        self.retention_bytes = retention_bytes
+        self.retention_shards = retention_shards
+        self._buf: list[FeedbackRecord] = []
+        self._buf_t0 = 0.0
+        self._lock = threading.Lock()  # guards _buf
+        self._io_lock = threading.Lock()  # serialises shard writes
+        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self._buf_bytes = 0
+        self.failing = False
+        self.last_error: str | None = None
+        self._closed = False
+        self.records_written = 0
+        self.shards_written = 0
+        self.deleted_shards = 0
+        self.deleted_bytes = 0
+        self.flush_errors = 0
+        self.dropped_records = 0
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="dvi-feedback-flush", daemon=True)
+            self._thread.start()
+
+    def _clean_stale_tmp(self, age_s: float = 3600.0) -> None:
+        """Remove temp files left by writers that crashed mid-shard (local roots only)."""
+        if not _is_local(self.fs):
+            return
+        now = time.time()
+        for name in os.listdir(self.path):
+            if name.startswith(TMP_PREFIX):
+                p = os.path.join(self.path, name)
+                try:
+                    if now - os.path.getmtime(p) > age_s:
+                        os.remove(p)
+                except OSError:
+                    pass
+
+    # -- write path (engine thread) ---------------------------------------------------------
+    def write(self, record: FeedbackRecord) -> None:
+        """Append one record; cheap. May flush inline when not in background mode."""
+        if self._closed:
+            raise RuntimeError("FeedbackWriter is closed")
+        size = record_nbytes(record)
+        with self._lock:
+            if not self._buf:
+                self._buf_t0 = time.monotonic()
+            # Storage has been failing for a while: drop the oldest rather than grow forever.
+            while self._buf and (len(self._buf) >= self.max_pending or (
+                    self.max_pending_bytes is not None and self._buf_bytes + size > self.max_pending_bytes)):
+                self._buf_bytes -= record_nbytes(self._buf.pop(0))
+                self.dropped_records += 1
+            self._buf.append(record)
+            self._buf_bytes += size
+            full = len(self._buf) >= self.shard_records
+        if self._thread is not None:
+            if full:
+                self._wake.set()
+        elif full:
+            self.flush()
+
+    def maybe_flush(self) -> bool:
+        """Flush if the buffer is full or old enough; returns whether a shard was written."""
+        with self._lock:
+            due = bool(self._buf) and (
+                len(self._buf) >= self.shard_records or time.monotonic() - self._buf_t0 >= self.flush_seconds
+            )
+        return self.flush() is not None if due else False
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._buf)
+
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return self._buf_bytes
+
+    # -- flushing ---------------------------------------------------------------------------
+    def flush(self) -> str | None:
+        """Write everything buffered as shard(s); returns the last shard name or None."""
+        last = None
+        while True:
+            with self._lock:
+                batch = self._buf[: self.shard_records]
+                del self._buf[: self.shard_records]
+                nbytes = sum(record_nbytes(r) for r in batch)
+                self._buf_bytes -= nbytes
+                if self._buf:
+                    self._buf_t0 = time.monotonic()
+            if not batch:
+                return last
+            try:
+                last = self._write_shard(batch)
+            except Exception as exc:
+                # Put the records back (in order) so nothing is lost; the caller sees the error.
+                with self._lock:
+                    self._buf[:0] = batch
+                    self._buf_bytes += nbytes
+                    self._buf_t0 = time.monotonic()
+                self.flush_errors += 1
+                if not self.failing:
+                    log.error("feedback shard write to %s failed: %s: %s", self.root, type(exc).__name__, exc)
+                self.failing, self.last_error = True, f"{type(exc).__name__}: {exc}"
+                raise
+            if self.failing:
+                log.warning("feedback shard writes to %s work again", self.root)
+            self.failing, self.last_error = False, None
+
+    def _next_name(self) -> str:
+        with _NAME_LOCK:
+            ns = max(time.time_ns(), _NAME_STATE["last_ns"] + 1)
+            _NAME_STATE["last_ns"] = ns
+            _NAME_STATE["seq"] = seq = (_NAME_STATE["seq"] + 1) % 1_000_000
+        return f"shard-{ns:020d}-{os.getpid()}-{seq:06d}.parquet"
+
+    def _write_shard(self, batch: list[FeedbackRecord]) -> str:
+        table = records_to_table(batch)
+        with self._io_lock:
+            tmp = posixpath.join(self.path, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}.parquet")
+            if _is_local(self.fs):
+                with open(tmp, "wb") as f:
+                    pq.write_table(table, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                # Name taken right before the rename, so names sort in order of appearance
+                # (readers rely on that, with a grace window for other processes).
+                name = self._next_name()
+                os.replace(tmp, posixpath.join(self.path, name))
+                fsync_path(self.path)
+            else:
+                with self.fs.open(tmp, "wb") as f:
+                    pq.write_table(table, f)
+                name = self._next_name()
+                self.fs.mv(tmp, posixpath.join(self.path, name))
+            self.records_written += len(batch)
+            self.shards_written += 1
+            self._apply_retention()
+        return name
+
+    def _apply_retention(self) -> None:
+        if self.retention_bytes is None and self.retention_shards is None:
+            return
+        shards = _list_shards(self.fs, self.path)
+        total = sum(s for _, s in shards)
+        # Always keep the newest shard, even if it alone exceeds retention_bytes.
+        while len(shards) > 1 and (
+            (self.retention_shards is not None and len(shards) > self.retention_shards)
+            or (self.retention_bytes is not None and total > self.retention_bytes)
+        ):
+            name, size = shards.pop(0)
+            total -= size
+            try:
+                self.fs.rm(posixpath.join(self.path, name))
+            except FileNotFoundError:
+                continue  # another writer process deleted it first
+            self.deleted_shards += 1
+            self.deleted_bytes += size
+            log.warning("feedback retention deleted %s (%d bytes); unread records in it are lost", name, size)
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(timeout=min(1.0, self.flush_seconds))
+            self._wake.clear()
+            try:
+                self.maybe_flush()
+            except Exception:  # logged once per outage by flush(); `failing` reports it meanwhile
+                log.debug("feedback flush failed; records kept in memory for the next try", exc_info=True)
+                time.sleep(min(1.0, self.flush_seconds))
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the background thread and flush what is left."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._wake.set()
+            self._thread.join()
+        self.flush()
+
+    def __enter__(self) -> FeedbackWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
