@@ -3,7 +3,7 @@
 Names follow vLLM's spec-decode counters with a `dvi_` prefix, so dashboards built for vLLM
 read naturally. Use the constants below everywhere (server, trainer, benchmarks) so a figure
 has one name on /metrics, in wandb and in `metrics.jsonl`. The other `dvi.metrics` modules
-(stats, Prometheus, logger, report) only import names from here; none defines its own.
+(stats, prometheus, logger, reporting) only import names from here; none defines its own.
 """
 
 from __future__ import annotations
