@@ -1,0 +1,151 @@
+"""The metric-name catalogue: the ONE place every dvi metric name, label and spec lives.
+
+Names follow vLLM's spec-decode counters with a `dvi_` prefix, so dashboards built for vLLM
+read naturally. Use the constants below everywhere (server, trainer, benchmarks) so a figure
+has one name on /metrics, in wandb and in `metrics.jsonl`. The other `dvi.metrics` modules
+(stats, prometheus, logger, reporting) only import names from here; none defines its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# -- names ------------------------------------------------------------------------------------
+NUM_DRAFTS = "dvi_spec_decode_num_drafts_total"
+NUM_DRAFT_TOKENS = "dvi_spec_decode_num_draft_tokens_total"
+NUM_ACCEPTED_TOKENS = "dvi_spec_decode_num_accepted_tokens_total"
+NUM_ACCEPTED_PER_POS = "dvi_spec_decode_num_accepted_tokens_per_pos_total"
+NUM_DRAFTED_PER_POS = "dvi_spec_decode_num_drafted_tokens_per_pos_total"
+ACCEPTANCE_RATE = "dvi_spec_decode_acceptance_rate"
+MEAN_ACCEPTED_LENGTH = "dvi_spec_decode_mean_accepted_length"
+ACCEPTANCE_RATE_PER_POS = "dvi_spec_decode_acceptance_rate_per_pos"
+GENERATION_TOKENS = "dvi_generation_tokens_total"
+REQUESTS = "dvi_requests_total"
+TOKENS_PER_SECOND = "dvi_tokens_per_second"
+REQUEST_LATENCY = "dvi_request_latency_seconds"
+TIME_TO_FIRST_TOKEN = "dvi_time_to_first_token_seconds"
+QUEUE_DEPTH = "dvi_queue_depth"
+DRAFTER_VERSION = "dvi_drafter_version"
+TARGET_VERSION = "dvi_target_version"
+TRAINER_STATE = "dvi_trainer_state"
+DRAFTER_PROMOTIONS = "dvi_drafter_promotions_total"
+DRAFTER_REFUSALS = "dvi_drafter_refusals_total"
+DRAFTER_ROLLBACKS = "dvi_drafter_rollbacks_total"
+TRAINER_LOSS = "dvi_trainer_loss"
+TRAINER_KL_LOSS = "dvi_trainer_kl_loss"
+TRAINER_REWARD_LOSS = "dvi_trainer_reward_loss"
+TRAINER_REWARD_WEIGHT = "dvi_trainer_reward_weight"
+TRAINER_STEP = "dvi_trainer_step"
+TRAINER_RECORDS_SEEN = "dvi_trainer_records_seen"
+TRAINER_HELDOUT_ALPHA = "dvi_trainer_heldout_alpha"
+TRAINER_LOST_SHARDS = "dvi_trainer_feedback_shards_lost"
+TRAINER_RESTARTS = "dvi_trainer_restarts"
+REQUESTS_REJECTED = "dvi_requests_rejected_total"
+FEEDBACK_WRITE_ERRORS = "dvi_feedback_write_errors_total"
+FEEDBACK_DROPPED_RECORDS = "dvi_feedback_dropped_records_total"
+FEEDBACK_PENDING_RECORDS = "dvi_feedback_pending_records"
+FEEDBACK_FAILING = "dvi_feedback_failing"
+TRAINER_HEARTBEAT_AGE = "dvi_trainer_heartbeat_age_seconds"
+TRAINER_STALE_RESTARTS = "dvi_trainer_stale_restarts_total"
+TRAINER_QUARANTINED_SHARDS = "dvi_trainer_feedback_shards_quarantined"
+OTHER_DOMAIN = "other"
+
+# labels
+L_DRAFTER_VERSION = "drafter_version"
+L_DOMAIN = "domain"
+L_POSITION = "position"
+L_REASON = "reason"
+L_FINISH = "finish_reason"
+
+TRAINER_STATES = {"stopped": 0, "starting": 1, "running": 2, "backoff": 3, "failed": 4, "paused": 5, "off": 6,
+                  "external": 7}
+"""Numeric codes of `dvi_trainer_state` (a gauge, so wandb and JSONL can plot it too)."""
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+_DV = (L_DRAFTER_VERSION, L_DOMAIN)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+METRICS: dict[str, MetricSpec] = {
+    s.name: s
+    for s in [
+        MetricSpec(
+            NUM_DRAFTS, "counter", "Draft proposals (steps in which the drafter proposed >= 1 token).", _DV
+        ),
+        MetricSpec(NUM_DRAFT_TOKENS, "counter", "Drafted tokens proposed to the target.", _DV),
+        MetricSpec(NUM_ACCEPTED_TOKENS, "counter", "Drafted tokens accepted by the target.", _DV),
+        MetricSpec(
+            NUM_ACCEPTED_PER_POS, "counter", "Accepted drafted tokens by draft position.", (*_DV, L_POSITION)
+        ),
+        MetricSpec(NUM_DRAFTED_PER_POS, "counter", "Drafted tokens by draft position.", (*_DV, L_POSITION)),
+        MetricSpec(ACCEPTANCE_RATE, "gauge", "Rolling acceptance rate alpha = accepted / drafted.", _DV),
+        MetricSpec(MEAN_ACCEPTED_LENGTH, "gauge", "Rolling tokens per step = 1 + accepted / steps.", _DV),
+        MetricSpec(
+            ACCEPTANCE_RATE_PER_POS, "gauge", "Rolling acceptance rate by draft position.", (*_DV, L_POSITION)
+        ),
+        MetricSpec(GENERATION_TOKENS, "counter", "Generated (new) tokens.", _DV),
+        MetricSpec(REQUESTS, "counter", "Finished requests.", (*_DV, L_FINISH)),
+        MetricSpec(TOKENS_PER_SECOND, "gauge", "Generated tokens per second over a recent window."),
+        MetricSpec(REQUEST_LATENCY, "histogram", "End-to-end request latency.", (L_DOMAIN,), LATENCY_BUCKETS),
+        MetricSpec(
+            TIME_TO_FIRST_TOKEN, "histogram", "Time to first generated token.", (L_DOMAIN,), TTFT_BUCKETS
+        ),
+        MetricSpec(QUEUE_DEPTH, "gauge", "Requests waiting for a batch slot."),
+        MetricSpec(DRAFTER_VERSION, "gauge", "Drafter version serving now."),
+        MetricSpec(TARGET_VERSION, "gauge", "Target weights version serving now."),
+        MetricSpec(TRAINER_STATE, "gauge", f"Online trainer state code {TRAINER_STATES}."),
+        MetricSpec(DRAFTER_PROMOTIONS, "counter", "Drafter versions swapped into serving."),
+        MetricSpec(
+            DRAFTER_REFUSALS, "counter", "Drafter versions refused (validation / shadow).", (L_REASON,)
+        ),
+        MetricSpec(DRAFTER_ROLLBACKS, "counter", "Drafter rollbacks after live alpha fell."),
+        MetricSpec(TRAINER_LOSS, "gauge", "Online trainer total loss."),
+        MetricSpec(TRAINER_KL_LOSS, "gauge", "Online trainer top-k KL loss."),
+        MetricSpec(TRAINER_REWARD_LOSS, "gauge", "Online trainer accept/reject reward loss."),
+        MetricSpec(TRAINER_REWARD_WEIGHT, "gauge", "Current weight of the reward loss."),
+        MetricSpec(TRAINER_STEP, "gauge", "Online trainer optimizer steps."),
+        MetricSpec(TRAINER_RECORDS_SEEN, "gauge", "Feedback records the trainer has trained on."),
+        MetricSpec(
+            TRAINER_HELDOUT_ALPHA, "gauge", "Shadow alpha of the last published drafter on held-out feedback."
+        ),
+        MetricSpec(
+            TRAINER_LOST_SHARDS, "gauge", "Feedback shards deleted by retention before the trainer read them."
+        ),
+        MetricSpec(TRAINER_RESTARTS, "gauge", "Times the supervisor restarted the trainer process."),
+        MetricSpec(REQUESTS_REJECTED, "counter", "Requests refused before decoding, by reason (queue_full, "
+                   "invalid_request, body_too_large, unauthorized, ...).", (L_REASON,)),
+        MetricSpec(FEEDBACK_WRITE_ERRORS, "counter", "Failed feedback shard writes (records kept and retried)."),
+        MetricSpec(FEEDBACK_DROPPED_RECORDS, "counter",
+                   "Feedback records dropped because the write buffer hit feedback.max_buffer_bytes."),
+        MetricSpec(FEEDBACK_PENDING_RECORDS, "gauge", "Feedback records buffered in memory, not yet in a shard."),
+        MetricSpec(FEEDBACK_FAILING, "gauge", "1 while feedback shard writes fail, else 0."),
+        MetricSpec(TRAINER_HEARTBEAT_AGE, "gauge", "Seconds since the online trainer's last heartbeat."),
+        MetricSpec(TRAINER_STALE_RESTARTS, "counter",
+                   "Trainer processes killed and restarted because their heartbeat went stale (stopped or hung)."),
+        MetricSpec(TRAINER_QUARANTINED_SHARDS, "gauge",
+                   "Unreadable feedback shards the trainer moved to quarantine/ (skipped, not retried)."),
+    ]
+}
+
+TRAINER_GAUGES = (
+    TRAINER_LOSS,
+    TRAINER_KL_LOSS,
+    TRAINER_REWARD_LOSS,
+    TRAINER_REWARD_WEIGHT,
+    TRAINER_STEP,
+    TRAINER_RECORDS_SEEN,
+    TRAINER_HELDOUT_ALPHA,
+    TRAINER_LOST_SHARDS,
+    TRAINER_QUARANTINED_SHARDS,
+)
+

@@ -1,0 +1,177 @@
+"""The server's Prometheus collectors: one per spec in `METRICS`, plus the helpers that update them.
+
+Separate from the name catalogue so that importing a metric name never imports
+prometheus_client (it is imported lazily, when a `Metrics` is built).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from dvi.metrics.names import (
+    ACCEPTANCE_RATE,
+    ACCEPTANCE_RATE_PER_POS,
+    DRAFTER_PROMOTIONS,
+    DRAFTER_REFUSALS,
+    DRAFTER_ROLLBACKS,
+    DRAFTER_VERSION,
+    GENERATION_TOKENS,
+    L_DOMAIN,
+    L_DRAFTER_VERSION,
+    MEAN_ACCEPTED_LENGTH,
+    METRICS,
+    NUM_ACCEPTED_PER_POS,
+    NUM_ACCEPTED_TOKENS,
+    NUM_DRAFT_TOKENS,
+    NUM_DRAFTED_PER_POS,
+    NUM_DRAFTS,
+    OTHER_DOMAIN,
+    QUEUE_DEPTH,
+    REQUEST_LATENCY,
+    REQUESTS,
+    TARGET_VERSION,
+    TIME_TO_FIRST_TOKEN,
+    TOKENS_PER_SECOND,
+    TRAINER_GAUGES,
+    TRAINER_STATE,
+    TRAINER_STATES,
+)
+from dvi.metrics.stats import AlphaWindow, ResultStats
+
+
+class Metrics:
+    """Prometheus collectors for every spec in METRICS, plus helpers that update them.
+
+    Label values are bounded, so no client and no long run can grow the series without limit:
+    with `domains` set, any other domain is counted as "other"; with `max_versions` set, only
+    the most recently served that many drafter versions keep their per-version series (others are removed;
+    `dvi_drafter_version` says which version serves now).
+    """
+
+    def __init__(self, registry: Any, window: int = 200, rate_window_s: float = 10.0,
+                 domains: Iterable[str] | None = None, max_versions: int | None = None) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.registry = registry
+        self.collectors: dict[str, Any] = {}
+        for spec in METRICS.values():
+            if spec.kind == "counter":
+                c = Counter(spec.name, spec.help, spec.labels, registry=registry)
+            elif spec.kind == "gauge":
+                c = Gauge(spec.name, spec.help, spec.labels, registry=registry)
+            else:
+                c = Histogram(spec.name, spec.help, spec.labels, registry=registry, buckets=spec.buckets)
+            self.collectors[spec.name] = c
+        self.alpha_window = AlphaWindow(window)
+        self.rate_window_s = rate_window_s
+        self._tok_times: deque[tuple[float, int]] = deque()
+        self.domains = frozenset(domains) if domains is not None else None
+        self.max_versions = max_versions
+        self._versions: dict[int, None] = {}  # drafter versions with series, least recently used first
+
+    def bounded_domain(self, domain: str) -> str:
+        return domain if self.domains is None or domain in self.domains else OTHER_DOMAIN
+
+    def _track_version(self, version: int) -> None:
+        """Mark `version` used; drop every series of the least recently used versions beyond `max_versions`."""
+        self._versions.pop(version, None)
+        self._versions[version] = None
+        while self.max_versions is not None and len(self._versions) > self.max_versions:
+            oldest = next(iter(self._versions))
+            del self._versions[oldest]
+            self._forget_version(oldest)
+
+    def _forget_version(self, version: int) -> None:
+        value = str(version)
+        for spec in METRICS.values():
+            if L_DRAFTER_VERSION not in spec.labels:
+                continue
+            c = self.collectors[spec.name]
+            i = spec.labels.index(L_DRAFTER_VERSION)
+            with c._lock:  # prometheus_client keeps its label tuples in `_metrics`, guarded by `_lock`
+                keys = [k for k in c._metrics if k[i] == value]
+            for key in keys:
+                c.remove(*key)
+        self.alpha_window.forget_version(version)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.collectors[name]
+
+    def observe_result(self, result: Any, domain: str | None = None) -> ResultStats:
+        """Count one finished request and refresh the rolling α gauges of its (domain, version)."""
+        s = ResultStats.of(result, domain)
+        s.domain = self.bounded_domain(s.domain)
+        self._track_version(s.drafter_version)
+        lv = {L_DRAFTER_VERSION: str(s.drafter_version), L_DOMAIN: s.domain}
+        c = self.collectors
+        c[NUM_DRAFTS].labels(**lv).inc(s.num_drafts)
+        c[NUM_DRAFT_TOKENS].labels(**lv).inc(s.num_drafted)
+        c[NUM_ACCEPTED_TOKENS].labels(**lv).inc(s.num_accepted)
+        for i, (a, d) in enumerate(zip(s.accepted_per_position, s.drafted_per_position, strict=False)):
+            c[NUM_ACCEPTED_PER_POS].labels(**lv, position=str(i)).inc(a)
+            c[NUM_DRAFTED_PER_POS].labels(**lv, position=str(i)).inc(d)
+        c[GENERATION_TOKENS].labels(**lv).inc(s.num_tokens)
+        c[REQUESTS].labels(**lv, finish_reason=s.finish_reason).inc()
+        if s.latency is not None:
+            c[REQUEST_LATENCY].labels(domain=s.domain).observe(s.latency)
+        if s.ttft is not None:
+            c[TIME_TO_FIRST_TOKEN].labels(domain=s.domain).observe(s.ttft)
+        key = self.alpha_window.observe(s)
+        alpha = self.alpha_window.alpha(*key)
+        if alpha is not None:
+            c[ACCEPTANCE_RATE].labels(**lv).set(alpha)
+        mal = self.alpha_window.mean_accepted_length(*key)
+        if mal is not None:
+            c[MEAN_ACCEPTED_LENGTH].labels(**lv).set(mal)
+        for i, a in enumerate(self.alpha_window.per_position(*key)):
+            if a is not None:
+                c[ACCEPTANCE_RATE_PER_POS].labels(**lv, position=str(i)).set(a)
+        self._observe_tokens(s.num_tokens)
+        return s
+
+    def _observe_tokens(self, n: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._tok_times.append((now, n))
+        while self._tok_times and self._tok_times[0][0] < now - self.rate_window_s:
+            self._tok_times.popleft()
+        span = max(now - self._tok_times[0][0], 1e-3) if len(self._tok_times) > 1 else self.rate_window_s
+        self.collectors[TOKENS_PER_SECOND].set(sum(k for _, k in self._tok_times) / span)
+
+    def set_versions(self, drafter_version: int | None = None, target_version: int | None = None) -> None:
+        if drafter_version is not None:
+            self.collectors[DRAFTER_VERSION].set(drafter_version)
+        if target_version is not None:
+            self.collectors[TARGET_VERSION].set(target_version)
+
+    def set_queue_depth(self, n: int) -> None:
+        self.collectors[QUEUE_DEPTH].set(n)
+
+    def set_trainer_state(self, state: str | int) -> None:
+        code = TRAINER_STATES[state] if isinstance(state, str) else int(state)
+        self.collectors[TRAINER_STATE].set(code)
+
+    def set_trainer(self, values: Mapping[str, float]) -> None:
+        """Copy trainer gauges (e.g. read from the trainer's metrics.jsonl) into Prometheus."""
+        for name in TRAINER_GAUGES:
+            v = values.get(name)
+            if isinstance(v, int | float) and math.isfinite(v):
+                self.collectors[name].set(v)
+
+    def record_promotion(self) -> None:
+        self.collectors[DRAFTER_PROMOTIONS].inc()
+
+    def record_refusal(self, reason: str) -> None:
+        self.collectors[DRAFTER_REFUSALS].labels(reason=reason).inc()
+
+    def record_rollback(self) -> None:
+        self.collectors[DRAFTER_ROLLBACKS].inc()
+
+
+def build_prometheus_metrics(registry: Any, window: int = 200) -> Metrics:
+    """All dvi metrics registered on `registry` (a prometheus_client.CollectorRegistry)."""
+    return Metrics(registry, window=window)
+
