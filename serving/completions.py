@@ -1,0 +1,355 @@
+"""/v1/completions and /v1/chat/completions: from the request body to the OpenAI response.
+
+Its own module because this is the request path (parse and validate the body, tokenise off the
+event loop, check it against the config's limits and the model's context, submit to the
+scheduler, then one JSON body or an SSE stream), apart from how the server is built and run
+(`serving.app`). Every refusal here is an `ApiError`, which `add_error_handlers` turns into an
+OpenAI-style 4xx that names the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dvi.engine import SamplingParams
+
+from .health import count_refusal
+from .logprobs import chat_logprobs, completion_logprobs, token_logprobs
+from .protocol import (
+    FALLBACK_CHAT_FORMAT,
+    FALLBACK_CHAT_SUFFIX,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    limits_context,
+    new_id,
+    now,
+)
+from .scheduler import Finished, Handle, QueueFull
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+log = logging.getLogger("dvi.serving")
+
+DISCONNECT_POLL_S = 0.25
+
+
+# -- request handling -----------------------------------------------------------------------------
+# pydantic puts the union member that failed into `loc` ("str", "list[int]",
+# "function-after[_unicode(), str]"); the client's parameter is the field path without them.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+
+
+def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
+    errs = exc.errors()
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p))]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        msg = f"missing required field '{param}'"
+    elif param:
+        msg = f"invalid '{param}': {msg}"
+    return ApiError(400, msg, param=param)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it passes `limit` bytes: never buffer 10 MB."""
+    declared = request.headers.get("content-length")
+    too_big = ApiError(413, f"request body exceeds this server's limit of {limit} bytes",
+                       code="body_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type, allow_empty: bool = False) -> Any:
+    """Validate a JSON body against a pydantic model; errors are 400s that name the field.
+
+    The config's limits (prompt characters, stop strings, top_k <= vocabulary, the domain
+    allowlist) reach the model's validators as pydantic context.
+    """
+    state: ServerState = request.app.state.dvi
+    body = await read_body(request, state.cfg.serve.max_body_bytes)
+    try:
+        data = {} if allow_empty and not body.strip() else json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data, context=limits_context(state.limits))
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
+
+
+def _check_auth(state: ServerState, request: Request) -> None:
+    key = state.cfg.serve.api_key
+    if key is None or not key.get_secret_value():
+        return
+    auth = request.headers.get("authorization", "")
+    if not (auth.startswith("Bearer ") and key == auth[len("Bearer "):]):  # Secret.__eq__: constant time
+        raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                       type_="authentication_error", code="invalid_api_key")
+
+
+async def _tokenize(state: ServerState, fn: Any, *args: Any) -> list[int]:
+    """Run a tokenizer call on the tokenize thread, so the event loop keeps answering."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.tokenize_pool, fn, *args)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+def _chat_prompt(tokenizer: Any, messages: list) -> list[int]:
+    msgs = [{"role": m.role, "content": m.content} for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    text = "".join(FALLBACK_CHAT_FORMAT.format(role=m["role"], content=m["content"]) for m in msgs)
+    return tokenizer.encode(text + FALLBACK_CHAT_SUFFIX, add_special_tokens=True)
+
+
+def _prepare(state: ServerState, req: Any, prompt_ids: list[int]) -> SamplingParams:
+    """Config-dependent checks (model, limits, context) and the engine's sampling params."""
+    cfg = state.cfg
+    if req.stream and req.wants_logprobs():
+        raise ApiError(400, "logprobs are not supported with stream=true", param="logprobs")
+    if _echoes(req) and req.wants_logprobs():
+        raise ApiError(400, "echo with logprobs is not supported (the prompt's log-probs are not computed)",
+                       param="echo")
+    if req.model is not None and req.model != state.model_name:
+        raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{state.model_name}'",
+                       param="model", code="model_not_found")
+    if not prompt_ids:
+        raise ApiError(400, "prompt is empty after tokenization", param="prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                       param="prompt")
+    limit = cfg.serve.max_tokens_limit
+    if req.max_tokens is not None and req.max_tokens > limit:
+        raise ApiError(400, f"max_tokens {req.max_tokens} exceeds this server's limit of {limit}",
+                       param="max_tokens")
+    room = state.context_len - len(prompt_ids)
+    if room <= 0:
+        raise ApiError(400, f"prompt has {len(prompt_ids)} tokens; the model's context is "
+                            f"{state.context_len} tokens", param="prompt", code="context_length_exceeded")
+    max_tokens = req.max_tokens if req.max_tokens is not None else min(cfg.sampling.max_new_tokens, room, limit)
+    if max_tokens > room:
+        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                            f"model's context of {state.context_len} tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    temperature = req.temperature if req.temperature is not None else cfg.sampling.temperature
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=temperature,
+        top_k=req.top_k if req.top_k is not None else cfg.sampling.top_k,
+        top_p=req.top_p if req.top_p is not None else cfg.sampling.top_p,
+        seed=req.seed, stop_token_ids=state.scheduler.eos_ids,
+    )
+
+
+def _usage(fin: Finished) -> dict[str, int]:
+    n = len(fin.token_ids)
+    return {"prompt_tokens": fin.prompt_len, "completion_tokens": n, "total_tokens": fin.prompt_len + n}
+
+
+async def _next_event(state: ServerState, h: Handle, request: Request) -> tuple:
+    """The request's next event; cancels it (frees the slot) if the client disconnects."""
+    while True:
+        try:
+            return await asyncio.wait_for(h.queue.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                state.scheduler.cancel(h)
+                raise asyncio.CancelledError from None
+
+
+def _submit(state: ServerState, req: Any, prompt_ids: list[int], params: SamplingParams) -> Handle:
+    try:
+        h = state.scheduler.submit(prompt_ids, params, domain=req.domain(), stop=req.stop_list(),
+                                   stream=req.stream)
+    except QueueFull as exc:  # counted by the ApiError handler (reason queue_full)
+        raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
+    return h
+
+
+def _echoes(req: Any) -> bool:
+    return bool(getattr(req, "echo", False))
+
+
+def _echo_text(state: ServerState, req: Any, prompt_ids: list[int]) -> str:
+    """The prompt, returned before the completion when a completions request sets `echo`."""
+    if not _echoes(req):
+        return ""
+    if isinstance(req.prompt, str):
+        return req.prompt
+    return state.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+
+
+async def _complete(state: ServerState, request: Request, req: Any, prompt_ids: list[int],
+                    chat: bool) -> Response:
+    params = _prepare(state, req, prompt_ids)
+    h = _submit(state, req, prompt_ids, params)
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    created = now()
+    echo = _echo_text(state, req, prompt_ids)
+    if req.stream:
+        return StreamingResponse(_stream(state, request, h, rid, created, chat, echo),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        while True:
+            ev = await _next_event(state, h, request)
+            if ev[0] == "error":
+                raise ev[1]
+            if ev[0] == "done":
+                fin: Finished = ev[1]
+                break
+    except asyncio.CancelledError:
+        state.scheduler.cancel(h)
+        raise
+    lps = _logprobs(state, fin, chat) if req.wants_logprobs() else None
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": fin.text}, "logprobs": lps,
+                  "finish_reason": fin.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": echo + fin.text, "logprobs": lps, "finish_reason": fin.finish_reason}
+        obj = "text_completion"
+    return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                         "choices": [choice], "usage": _usage(fin), "dvi": fin.stats()})
+
+
+def _logprobs(state: ServerState, fin: Finished, chat: bool) -> dict[str, Any]:
+    """The chosen tokens' target log-probs in the endpoint's OpenAI shape."""
+    lps = list(getattr(fin.result, "token_logprobs", None) or [])
+    cut = len(fin.text) if fin.finish_reason == "stop" else None
+    items = token_logprobs(state.tokenizer, fin.token_ids, lps, cut_at=cut)
+    return chat_logprobs(items) if chat else completion_logprobs(items)
+
+
+async def _stream(state: ServerState, request: Request, h: Handle, rid: str, created: int,
+                  chat: bool, echo: str = "") -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None = None, extra: dict | None = None,
+              first: bool = False) -> bytes:
+        if chat:
+            d: dict[str, Any] = {"role": "assistant"} if first else {}
+            if delta:
+                d["content"] = delta
+            choice = {"index": 0, "delta": d, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]}
+        if extra:
+            body.update(extra)
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    try:
+        if chat:
+            yield chunk(None, first=True)
+        elif echo:
+            yield chunk(echo)
+        while True:
+            ev = await _next_event(state, h, request)
+            if ev[0] == "delta":
+                yield chunk(ev[1])
+            elif ev[0] == "done":
+                fin: Finished = ev[1]
+                yield chunk(None, fin.finish_reason, {"usage": _usage(fin), "dvi": fin.stats()})
+                yield b"data: [DONE]\n\n"
+                return
+            else:
+                err: ApiError = ev[1]
+                count_refusal(state, err.status, err.code)
+                yield f"data: {json.dumps(err.body())}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+                return
+    finally:
+        if not h.done:
+            state.scheduler.cancel(h)
+
+
+# -- routes ----------------------------------------------------------------------------------------
+async def completions_endpoint(request: Request) -> Response:
+    """POST /v1/completions: a string prompt is tokenised here, a token-id prompt is used as is."""
+    s: ServerState = request.app.state.dvi
+    _check_auth(s, request)
+    req = await _parse(request, CompletionRequest)
+    if isinstance(req.prompt, str):
+        ids = await _tokenize(s, _encode, s.tokenizer, req.prompt)
+    else:
+        ids = list(req.prompt)
+    return await _complete(s, request, req, ids, chat=False)
+
+
+async def chat_completions_endpoint(request: Request) -> Response:
+    """POST /v1/chat/completions: the messages through the chat template, then as a completion."""
+    s: ServerState = request.app.state.dvi
+    _check_auth(s, request)
+    req = await _parse(request, ChatCompletionRequest)
+    ids = await _tokenize(s, _chat_prompt, s.tokenizer, req.messages)
+    return await _complete(s, request, req, ids, chat=True)
+
+
+def _refused(request: Request, status: int, code: str | None) -> None:
+    s = getattr(request.app.state, "dvi", None)
+    if s is not None:
+        count_refusal(s, status, code)
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    _refused(request, exc.status, exc.code)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _req_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    err = _validation_error(exc)
+    _refused(request, err.status, err.code)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    _refused(request, exc.status_code, None)
+    return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error")
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """OpenAI-style error bodies: 4xx refusals are counted by reason; anything else is a 500."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _req_validation)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,86 @@
+"""What /health reports and how refused requests are counted.
+
+Its own module because both the app's error handlers and the admin routes read it, and because
+what makes the server "degraded" (engine loop, trainer, feedback writer) is a policy apart from
+answering requests. It only reads a `ServerState`; it never changes one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+
+def _draft_vocab_size(engine: Any) -> int | None:
+    """N of the live drafter's reduced draft vocabulary; None for the full vocabulary or no drafter."""
+    ids = getattr(getattr(engine, "drafter", None), "draft_vocab", None)
+    return None if ids is None else int(ids.numel())
+
+
+REJECTION_REASONS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                     405: "method_not_allowed", 409: "conflict", 413: "body_too_large", 422: "invalid_request",
+                     429: "queue_full", 503: "unavailable"}
+
+
+def rejection_reason(status: int, code: str | None) -> str:
+    """A bounded label for a refused request: our own error code, else one per HTTP status."""
+    return code or REJECTION_REASONS.get(status, "other")
+
+
+def count_refusal(s: ServerState, status: int, code: str | None) -> None:
+    """Count a request the server refused (a 500 is a failure, not a refusal)."""
+    if status != 500:
+        s.metrics.observe_rejected(rejection_reason(status, code))
+
+
+def degraded_reasons(s: ServerState, trainer: dict[str, Any]) -> list[str]:
+    """Why /health is not ok (empty: ok); each line is what an operator must look at."""
+    reasons = []
+    if not s.scheduler.alive:
+        reasons.append("engine loop is not running")
+    if trainer["state"] == "restarting":
+        reasons.append(f"trainer is restarting (last exit code {trainer['last_exit_code']}, "
+                       f"restarts {trainer['restarts']})")
+    if trainer.get("stale"):
+        reasons.append(f"trainer heartbeat is {trainer['heartbeat_age_s']:.0f}s old "
+                       f"(limit {s.cfg.serve.trainer_stale_s:g}s)")
+    fb = s.feedback
+    if fb is not None and fb.failing:
+        reasons.append(f"feedback writes failing ({fb.last_error}); {fb.pending()} records buffered, "
+                       f"{fb.dropped_records} dropped")
+    return reasons
+
+
+def health_info(s: ServerState) -> dict[str, Any]:
+    alive = s.scheduler.alive
+    sw = s.swapper.info() if s.swapper is not None else None
+    trainer = s.supervisor.info()
+    reasons = degraded_reasons(s, trainer)
+    fb = s.feedback
+    return {
+        "status": "ok" if not reasons else ("degraded" if alive else "down"),
+        "reasons": reasons,
+        "model": s.model_name,
+        "uptime_s": round(time.time() - s.started_at, 3),
+        "engine": {"alive": alive, "running": s.scheduler.num_running(), "queue": s.scheduler.queue_depth(),
+                   "steps": s.scheduler.steps, "completed": s.scheduler.completed,
+                   "step_errors": s.scheduler.step_errors, "request_errors": s.scheduler.request_errors,
+                   "max_batch_size": s.cfg.serve.max_batch_size, "queue_limit": s.cfg.serve.queue_limit},
+        "drafter_version": sw["live_version"] if sw else None,
+        "target_version": s.target_version,
+        "drafter": sw,
+        "drafter_kind": s.cfg.models.drafter_kind,
+        "draft_vocab_size": _draft_vocab_size(s.engine),
+        "trainer": trainer,
+        "feedback": {"dir": s.cfg.feedback.dir, "records_written": getattr(fb, "records_written", 0),
+                     "pending": fb.pending() if fb is not None else 0,
+                     "pending_bytes": fb.pending_bytes() if fb is not None else 0,
+                     "write_errors": getattr(fb, "flush_errors", 0),
+                     "dropped": getattr(fb, "dropped_records", 0),
+                     "failing": bool(fb is not None and fb.failing),
+                     "last_error": getattr(fb, "last_error", None),
+                     "errors": s.scheduler.feedback_errors},
+    }

@@ -1,0 +1,65 @@
+"""Which model pair the server serves, and building it when it is missing.
+
+Its own module because it is the one part of serving that reads `cfg.models` and touches model
+files: `serving.app` calls it once at startup, `dvi demo` and the load benchmark call it to
+bootstrap the embedded pair, and none of them need the HTTP layer to do so.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from dvi.config import DviConfig
+
+log = logging.getLogger("dvi.serving")
+
+
+def pair_paths(cfg: DviConfig) -> tuple[Path, Path | None, Path | None]:
+    """(target, drafter, tokenizer) paths: the config's, else the embedded preset's."""
+    from dvi.embedded import embedded_paths
+
+    m = cfg.models
+    if m.target is not None:
+        return Path(m.target), (Path(m.drafter) if m.drafter else None), (Path(m.tokenizer) if m.tokenizer else None)
+    p = embedded_paths(m.preset)
+    return p.target, (Path(m.drafter) if m.drafter else p.drafter), (Path(m.tokenizer) if m.tokenizer else p.tokenizer)
+
+
+def ensure_pair(cfg: DviConfig) -> None:
+    """Bootstrap the embedded pair in a subprocess if the config uses it and it is not built.
+
+    A subprocess, because serving must not import trainers (DESIGN.md import arrows).
+    """
+    from dvi.embedded import embedded_dir, is_built
+
+    if cfg.models.target is not None:
+        return
+    preset = cfg.models.preset
+    if is_built(embedded_dir(preset), preset):
+        return
+    log.warning("embedded pair %r not built; running `dvi bootstrap --preset %s`", preset, preset)
+    subprocess.run([sys.executable, "-m", "dvi.cli", "bootstrap", "--preset", preset], check=True)
+
+
+def load_serving_pair(cfg: DviConfig) -> Any:
+    """The `ModelPair` to serve; its drafter is of `models.drafter_kind`.
+
+    separate: the drafter dir's HF model (reduced head if it has a draft vocabulary);
+    early_exit: an `EarlyExitDrafter` on the loaded target (`dvi.models.load_early_exit_drafter`, the
+    same one the online trainer builds, so its published versions fit).
+    """
+    from dvi.models import draft_vocab_size_for, load_early_exit_drafter, load_pair, serving_dtype
+
+    m = cfg.models
+    target_path, drafter_path, tok_path = pair_paths(cfg)
+    early = m.drafter_kind == "early_exit"
+    dtype = m.dtype if m.target is not None else serving_dtype(m.preset, m.dtype, m.device)
+    pair = load_pair(target_path, None if early else drafter_path, tok_path, device=m.device, dtype=dtype,
+                     draft_vocab_size=draft_vocab_size_for(m), draft_vocab=m.draft_vocab)
+    if early:
+        pair.drafter = load_early_exit_drafter(pair.target, target_path, cfg)
+    return pair
