@@ -273,7 +273,8 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text + FALLBACK_CHAT_SUFFIX, add_special_tokens=True)
 
 
-# The chat format for tokenizers without a chat template.
+# The chat format for tokenizers without a chat template (also what the server renders): one line per
+# message, "<role>: <content>", then "assistant:" so the model continues as the assistant.
 FALLBACK_CHAT_FORMAT = "{role}: {content}\n"
 FALLBACK_CHAT_SUFFIX = "assistant:"
 

@@ -22,13 +22,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dvi.data import render_chat
 from dvi.engine import SamplingParams
 
 from .health import count_refusal
 from .logprobs import chat_logprobs, completion_logprobs, token_logprobs
 from .protocol import (
-    FALLBACK_CHAT_FORMAT,
-    FALLBACK_CHAT_SUFFIX,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -127,12 +126,8 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def _chat_prompt(tokenizer: Any, messages: list) -> list[int]:
-    msgs = [{"role": m.role, "content": m.content} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)
-    text = "".join(FALLBACK_CHAT_FORMAT.format(role=m["role"], content=m["content"]) for m in msgs)
-    return tokenizer.encode(text + FALLBACK_CHAT_SUFFIX, add_special_tokens=True)
+    """Validated chat messages rendered the one way dvi renders chats (`dvi.data.render_chat`)."""
+    return render_chat(tokenizer, [{"role": m.role, "content": m.content} for m in messages])
 
 
 def _prepare(state: ServerState, req: Any, prompt_ids: list[int]) -> SamplingParams:

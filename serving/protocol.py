@@ -25,11 +25,6 @@ from pydantic import (
     field_validator,
 )
 
-# The fallback chat format, used when the tokenizer has no chat template: one line per message,
-# "<role>: <content>", then "assistant:" so the model continues as the assistant.
-FALLBACK_CHAT_FORMAT = "{role}: {content}\n"
-FALLBACK_CHAT_SUFFIX = "assistant:"
-
 
 class ApiError(Exception):
     """An error the client caused (or a server state it must know about), as an HTTP status."""
