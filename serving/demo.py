@@ -103,13 +103,11 @@ def _perturbed_target(target_dir: Path, out: Path, scale: float = 0.05, seed: in
     Stands in for one update of an RL trainer: same architecture, shifted distribution.
     """
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    sd: dict[str, Any] = {}
-    for f in sorted(Path(target_dir).glob("*.safetensors")):
-        sd.update(load_file(str(f)))
-    if not sd:
-        raise FileNotFoundError(f"no safetensors weights in {target_dir}")
+    from dvi.models import load_state_dict
+
+    sd = load_state_dict(target_dir)
     g = torch.Generator().manual_seed(seed)
     new = {}
     for k, v in sd.items():
