@@ -34,9 +34,16 @@ class DummyRows:
     def _ids(self, n: int) -> torch.Tensor:
         return torch.randint(0, self.eng.vocab_size, (self.b, n), generator=self.g).to(self.eng.device)  # [b, n]
 
+    def _drafter_fn(self, n: int):
+        """The drafter callable for n inputs per row (an eagle head gets zero features: same cost)."""
+        d = self.eng.drafter
+        if not getattr(d, "needs_features", False):
+            return d
+        return d.with_features(torch.zeros(self.b, n, int(d.config.hidden_size), dtype=d.dtype, device=self.eng.device))
+
     def prefill_drafter(self) -> None:
         d = self.eng.drafter
-        self.dkv = prefill(d.config, d, self.rows, self.eng.device, d.dtype)
+        self.dkv = prefill(d.config, self._drafter_fn(len(self.rows[0])), self.rows, self.eng.device, d.dtype)
 
     def verify(self, k: int):
         ids = self._ids(k + 1)  # [b, K + 1]
@@ -47,7 +54,13 @@ class DummyRows:
 
     def draft(self, j: int):
         ids = self._ids(2 if j == 0 else 1)  # [b, 2] right after a verify (last draft + bonus), then [b, 1]
-        return lambda: self.dkv.forward(self.eng.drafter, ids, None, logits_to_keep=1)[:, -1].argmax(-1).tolist()
+        fn = self._drafter_fn(ids.shape[1])
+
+        def run():
+            out = self.dkv.forward(fn, ids, None, logits_to_keep=1)
+            return (out[0] if isinstance(out, tuple) else out)[:, -1].argmax(-1).tolist()
+
+        return run
 
     def undo_drafts(self, n: int) -> None:
         self.dkv.rollback(n, self.zeros)

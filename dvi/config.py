@@ -66,7 +66,7 @@ class ModelsConfig(_Strict):
     target: Path | None = None
     drafter: Path | None = None
     tokenizer: Path | None = None
-    drafter_kind: Literal["separate", "early_exit"] = "separate"
+    drafter_kind: Literal["separate", "early_exit", "eagle"] = "separate"
     early_exit_layers: int = Field(1, ge=1)
     # Reduced draft vocabulary (dvi.vocab): ids come from `draft_vocab` (a draft_vocab.safetensors file or a
     # dir holding one), else from the drafter dir (early_exit: `drafter` if set, else the target dir).
@@ -135,6 +135,9 @@ class TrainerConfig(_Strict):
     batch_size: int = Field(8, ge=1)
     max_seq_len: int = Field(512, ge=8)
     kl_weight: float = Field(1.0, ge=0)
+    # eagle drafters: weight of the smooth-L1 regression of the head's predicted feature onto the target's
+    # (what later drafts of a step feed back in); 0 trains the token distribution only
+    feature_weight: float = Field(1.0, ge=0)
     reward_weight: float = Field(0.5, ge=0)
     reward_ramp_start: int = Field(50, ge=0)
     reward_ramp_steps: int = Field(200, ge=0)

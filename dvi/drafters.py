@@ -51,7 +51,7 @@ def hf_forward(model: nn.Module):
 _FAST_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 
 
-def model_forward(model: nn.Module):
+def model_forward(model: nn.Module, with_features: bool = False):
     """The engine's model callable: a lean direct path for Llama-family decoders, else `hf_forward`.
 
     HF's top-level forward costs ~0.5 ms of Python per call on CPU (output capturing, mask factory,
@@ -59,6 +59,9 @@ def model_forward(model: nn.Module):
     layers -> norm -> lm_head directly and always receives an explicit 4-D mask from `RaggedKV` (except a
     single hole-free query on full attention, where no mask is needed). Equality with HF `generate` is
     what tests/test_engine.py checks for these architectures.
+
+    `with_features`: the callable returns (logits, f) with f [B, q, H] the final normed hidden state of
+    every input position (what an `eagle` drafter reads); Llama-family decoders only.
     """
     cfg = model.config
     base = getattr(model, "model", None)
@@ -70,6 +73,9 @@ def model_forward(model: nn.Module):
         and hasattr(model, "lm_head")
     )
     if not ok:
+        if with_features:
+            raise ValueError(f"target features (eagle drafters) need a {sorted(_FAST_TYPES)} target with sdpa "
+                             f"or eager attention, got {getattr(cfg, 'model_type', None)!r}")
         return hf_forward(model)
     embed, rotary, norm, head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
     layers = list(base.layers[: cfg.num_hidden_layers])
@@ -88,6 +94,9 @@ def model_forward(model: nn.Module):
                 use_cache=True,
                 position_embeddings=pe,
             )
+        if with_features:
+            f = norm(h)  # [B, q, H]
+            return head(f[:, -logits_to_keep:] if logits_to_keep else f), f
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         return head(norm(h))

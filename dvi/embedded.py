@@ -265,12 +265,13 @@ class EmbeddedPaths:
     tokenizer: Path
     manifest: Path
     early_exit: Path  # an `EarlyExitDrafter.save()` dir (pretrained presets build one)
+    eagle: Path  # an `EagleDrafter.save()` dir (pretrained presets build one)
 
     @classmethod
     def at(cls, path: str | Path) -> EmbeddedPaths:
         p = Path(path)
         return cls(root=p, target=p / "target", drafter=p / "drafter", tokenizer=p / "tokenizer",
-                   manifest=p / "manifest.json", early_exit=p / "early_exit")
+                   manifest=p / "manifest.json", early_exit=p / "early_exit", eagle=p / "eagle")
 
 
 def embedded_paths(preset: str, root: str | Path | None = None) -> EmbeddedPaths:

@@ -82,6 +82,8 @@ class SpeculativeEngine:
         self.greedy_below_temperature = float(greedy_below_temperature)
         self.target_version, self.drafter_version = int(target_version), int(drafter_version)
         self.drafter: Drafter | None = None
+        self._features = False  # the drafter reads the target's features (eagle): rows keep them
+        self._tfn_f = None  # the target callable that also returns them
         self._set_drafter(drafter)
         self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
         self.costs = CostModel()  # online step timings (reporting); K is chosen from calibrated costs
@@ -245,6 +247,12 @@ class SpeculativeEngine:
                 f"drafter embeds {d.vocab_size} token ids but the target emits {self.vocab_size}: not the same tokenizer"
             )
         self.drafter = d
+        features = bool(getattr(d, "needs_features", False))
+        if features and self._tfn_f is None:
+            self._tfn_f = model_forward(self.target, with_features=True)
+        if features and not self._features and (getattr(self, "_seqs", None) or getattr(self, "_waiting", None)):
+            self._target_dirty = True  # in-flight rows were admitted without features: recompute them
+        self._features = features
 
     # ------------------------------------------------------------------ batch membership
     def _new_dkv(self) -> RaggedKV:
@@ -267,7 +275,7 @@ class SpeculativeEngine:
     def _admit(self) -> None:
         new, self._waiting = self._waiting, []
         ctx = [list(s.req.prompt_ids[:-1]) for s in new]
-        self._tkv.merge(prefill(self.target.config, self._tfn, ctx, self.device, self.dtype))
+        self._tkv.merge(self._target_prefill(ctx, new))
         if self.drafter is not None:
             # The drafter cache is filled lazily: the whole prompt is pending and goes through the drafter
             # in the row's first draft forward (no drafter prefill at all while adaptive K stays at 0).
@@ -296,19 +304,36 @@ class SpeculativeEngine:
         return s.res
 
     def _close(self, s: Seq, reason: str) -> None:
+        if self._features and s.feats:  # the feedback record's f_0..f_{L-2} (fp16 on the host)
+            s.res.hidden = torch.cat(s.feats).to("cpu", torch.float16)
         s.res.finish_reason = reason
         s.res.finished_at = time.time()
         s.res.target_version, s.res.drafter_version = self.target_version, self.drafter_version
 
+    def _target_prefill(self, ctx: list[list[int]], seqs: list[Seq]) -> RaggedKV:
+        """The target's cache of `ctx` (one list per row); with an eagle drafter each row's features too."""
+        if not self._features:
+            return prefill(self.target.config, self._tfn, ctx, self.device, self.dtype)
+        kv, out = prefill(self.target.config, self._tfn_f, ctx, self.device, self.dtype, return_output=True)
+        for i, (s, c) in enumerate(zip(seqs, ctx, strict=True)):
+            f = out[1][i, out[1].shape[1] - len(c):] if out is not None else None  # [len(c), H], left padding cut
+            s.feats = [f.clone()] if f is not None and len(c) else []
+        return kv
+
     def _rebuild_target(self) -> None:
         self._target_dirty = False
         ctx = [s.tokens()[:-1] for s in self._seqs]
-        self._tkv = prefill(self.target.config, self._tfn, ctx, self.device, self.dtype)
+        self._tkv = self._target_prefill(ctx, self._seqs)
 
     def _rebuild_drafter(self) -> None:
         self._drafter_dirty = False
         self._dkv = self._new_dkv()
         if self.drafter is None:
+            return
+        if self._features:  # filled lazily, as at admission: every token pending, fed with its true feature
+            self._dkv = RaggedKV(self.drafter.config, len(self._seqs), self.device, self.drafter.dtype)
+            for s in self._seqs:
+                s.pending = s.tokens()
             return
         ctx = [s.tokens()[:-1] for s in self._seqs]
         self._dkv = prefill(self.drafter.config, self.drafter, ctx, self.device, self.drafter.dtype)
@@ -370,9 +395,14 @@ class SpeculativeEngine:
         """K drafter forwards: the first feeds every row's pending tokens, the others the previous draft.
         Returns draft ids [B, K] and, when sampling, the drafter's warped probabilities q [B, K, V]."""
         ids, valid = self._pending_ids()  # [B, M], [B, M] (None when M = 1)
+        feats = self._pending_features(ids.shape[1]) if self._features else None  # [B, M, H]
         drafts, qs = [], []
         for j in range(k):
-            logits = self._dkv.forward(self.drafter, ids, valid, logits_to_keep=1)[:, -1]  # [B, V_draft]
+            if feats is None:
+                logits = self._dkv.forward(self.drafter, ids, valid, logits_to_keep=1)[:, -1]  # [B, V_draft]
+            else:  # eagle: later drafts read the head's own predicted feature of the previous position
+                logits, feats = self._dkv.forward(self.drafter.with_features(feats), ids, valid, logits_to_keep=1)
+                logits = logits[:, -1]  # [B, V_draft]; feats [B, 1, H]
             logits = self._fit_vocab(logits)  # [B, V]
             if self._all_greedy:
                 d = logits.argmax(-1)  # [B]
@@ -399,11 +429,24 @@ class SpeculativeEngine:
             valid[i, m - len(p) :] = True
         return ids.to(self.device), valid.to(self.device)
 
+    def _pending_features(self, m: int) -> torch.Tensor:
+        """Features [B, M, H] of every row's pending tokens, left-padded with zeros like `_pending_ids`."""
+        h = int(self.target.config.hidden_size)
+        rows = [s.pending_features(h) for s in self._seqs]
+        out = torch.zeros(len(rows), m, h, dtype=self.dtype, device=self.device)
+        for i, r in enumerate(rows):
+            out[i, m - r.shape[0]:] = r
+        return out
+
     def _verify(self, draft_ids: torch.Tensor | None) -> torch.Tensor:
-        """The target scores [last token, d_1..d_K] of every row in one forward (K + 1 positions)."""
+        """The target scores [last token, d_1..d_K] of every row in one forward (K + 1 positions);
+        with an eagle drafter it also leaves their features in `_step_feats` [B, K + 1, H]."""
         ids = self._last.unsqueeze(1)  # [B, 1]
         if draft_ids is not None:
             ids = torch.cat([ids, draft_ids], 1)  # [B, K + 1]
+        if self._features:
+            logits, self._step_feats = self._tkv.forward(self._tfn_f, ids)
+            return logits  # [B, K + 1, V_head]
         return self._tkv.forward(self._tfn, ids)  # [B, K + 1, V_head]
 
     def _accept(self, k: int, draft_ids: torch.Tensor | None, q: torch.Tensor | None, logits: torch.Tensor,
@@ -425,8 +468,8 @@ class SpeculativeEngine:
         """Drop the rejected slots: the target keeps [last, d_1..d_n] of its K + 1 new entries, the drafter
         d_1..d_n of the K - 1 drafts it was fed (d_K never was)."""
         self._tkv.rollback(k + 1, n + 1)
-        if k > 1:
-            self._dkv.rollback(k - 1, n.clamp(max=k - 1))
+        if k > 1:  # eagle: the drafts were fed predicted features; accepted ones are re-fed with true ones
+            self._dkv.rollback(k - 1, torch.zeros_like(n) if self._features else n.clamp(max=k - 1))
 
     def _emit(self, k: int, draft_ids: torch.Tensor | None, logits: torch.Tensor, n: torch.Tensor,
               nxt: torch.Tensor) -> tuple[list[StepOutput], list[int]]:
@@ -443,11 +486,16 @@ class SpeculativeEngine:
             if k > 0:
                 count_drafts(s.res, k, ni)
                 self.acceptance.update(s.acc, s.req.domain, k, ni)
-                s.pending = [e.drafts[i][k - 1], e.tokens[i][ni]] if ni == k else [e.tokens[i][ni]]
+                if self._features:
+                    s.pending = e.tokens[i][: ni + 1]
+                else:
+                    s.pending = [e.drafts[i][k - 1], e.tokens[i][ni]] if ni == k else [e.tokens[i][ni]]
             elif have_drafter:
                 s.pending.append(e.tokens[i][0])
                 self.acceptance.update(s.acc, s.req.domain, 0, 0)
             new, reason = append_tokens(s.res, e, i, k, s.stop, s.remaining)
+            if self._features:
+                s.feats.append(self._step_feats[i, : len(new)].clone())  # [len(new), H]
             s.remaining -= len(new)
             if reason is not None:
                 self._close(s, reason)

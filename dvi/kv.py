@@ -169,7 +169,7 @@ def _live(layer) -> bool:
     return getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0
 
 
-def _mask_kind(config) -> tuple[str, int | None]:
+def mask_kind(config) -> tuple[str, int | None]:
     """How this architecture wants its mask: 'full', 'window' (one windowed mask) or 'dict' (hybrid layers)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
@@ -190,7 +190,7 @@ class RaggedKV:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.kind, self.window = _mask_kind(config)
+        self.kind, self.window = mask_kind(config)
         mp = getattr(config, "max_position_embeddings", None)
         self.max_position = int(mp) if mp else None
         self.cache = BufferedCache()
@@ -429,18 +429,23 @@ def prefill(
     token_lists: list[list[int]],
     device: torch.device | str = "cpu",
     dtype=torch.float32,
-) -> RaggedKV:
-    """Build a RaggedKV for new rows holding `token_lists` (may be empty lists), left-padded, one forward."""
+    return_output: bool = False,
+):
+    """Build a RaggedKV for new rows holding `token_lists` (may be empty lists), left-padded, one forward.
+
+    With `return_output`, returns (RaggedKV, what `fn` returned): the caller wants the outputs, e.g.
+    the target's features for an eagle drafter (None when no row has tokens)."""
     kv = RaggedKV(config, len(token_lists), device=device, dtype=dtype)
     m = max((len(t) for t in token_lists), default=0)
+    want = return_output
     if m == 0:
-        return kv
+        return (kv, None) if want else kv
     ids = torch.zeros(len(token_lists), m, dtype=torch.long)
     valid = torch.zeros(len(token_lists), m, dtype=torch.bool)
     for i, t in enumerate(token_lists):
         if t:
             ids[i, m - len(t) :] = torch.tensor(t, dtype=torch.long)
             valid[i, m - len(t) :] = True
-    kv.forward(fn, ids.to(kv.device), valid.to(kv.device), logits_to_keep=1)
+    out = kv.forward(fn, ids.to(kv.device), valid.to(kv.device), logits_to_keep=1)
     kv.trim()
-    return kv
+    return (kv, out) if want else kv

@@ -226,44 +226,51 @@ def load_pair(
     return ModelPair(target=target, drafter=drafter, tokenizer=tokenizer)
 
 
-def load_early_exit_drafter(target, target_path: str | Path, cfg):
-    """The early-exit drafter a `DviConfig` describes, on `target` (shares its weights).
+def load_shared_target_drafter(target, target_path: str | Path, cfg):
+    """The drafter of `models.drafter_kind` that runs on `target`'s own weights (early_exit, eagle).
 
-    `models.drafter`, when it is an `EarlyExitDrafter.save()` dir (LoRA + exit head), is loaded as is
-    (a separate drafter's dir there is not this kind's business and is ignored), else the embedded pair's
-    `early_exit/` dir when it was built; otherwise a fresh one is
-    built with `models.early_exit_layers` and the trainer's LoRA settings (what the online trainer builds
-    too, so its published versions fit). Its draft vocabulary comes from `models.draft_vocab`, else the
-    saved dir, else (embedded pair) the separate drafter's, else the target dir.
+    `models.drafter`, when it is a saved dir of that kind (`EarlyExitDrafter.save()` / `EagleDrafter.save()`),
+    is loaded as is (another kind's dir there is ignored), else the embedded pair's `early_exit/` or `eagle/`
+    dir when it was built; otherwise a fresh one is built (early exit: `models.early_exit_layers` and the
+    trainer's LoRA settings), what the online trainer builds too, so its published versions fit. Its draft
+    vocabulary comes from `models.draft_vocab`, else the saved dir, else (embedded pair) the separate
+    drafter's, else the target dir.
     """
     from dvi.drafters import EarlyExitDrafter
+    from dvi.eagle import EagleDrafter
     from dvi.embedded import embedded_paths
     from dvi.vocab import draft_vocab_path
 
     m, t = cfg.models, cfg.trainer
-    saved = Path(m.drafter) if m.drafter is not None and _is_early_exit_dir(Path(m.drafter)) else None
-    if saved is None and m.drafter is None and m.target is None and _is_early_exit_dir(embedded_paths(m.preset).early_exit):
-        saved = embedded_paths(m.preset).early_exit  # the one the embedded pair's bootstrap trained
+    kind = m.drafter_kind
+    built = getattr(embedded_paths(m.preset), kind)
+    saved = Path(m.drafter) if m.drafter is not None and saved_kind(Path(m.drafter)) == kind else None
+    if saved is None and m.drafter is None and m.target is None and saved_kind(built) == kind:
+        saved = built  # the one the embedded pair's bootstrap trained
     embedded = embedded_paths(m.preset).drafter if m.target is None else None
     if embedded is not None and not draft_vocab_path(embedded).is_file():
         embedded = None
     ids = load_draft_vocab(m.draft_vocab or saved or embedded or target_path, draft_vocab_size_for(m),
                            _vocab_rows(target))
+    cls = {"early_exit": EarlyExitDrafter, "eagle": EagleDrafter}[kind]
     if saved is not None:
-        return EarlyExitDrafter.load(target, saved, vocab_ids=ids)
+        return cls.load(target, saved, vocab_ids=ids)
+    if kind == "eagle":
+        return EagleDrafter(target, vocab_ids=ids)
     return EarlyExitDrafter(target, m.early_exit_layers, lora_rank=t.lora_rank, lora_alpha=int(t.lora_alpha),
                             target_modules=list(t.lora_targets), vocab_ids=ids)
 
 
-def _is_early_exit_dir(path: Path) -> bool:
+def saved_kind(path: Path) -> str | None:
+    """The `dvi_kind` of a saved target-sharing drafter dir (early_exit, eagle), or None."""
     import json
 
     from dvi.drafters import ADAPTER_CONFIG
 
     try:
-        return json.loads((path / ADAPTER_CONFIG).read_text()).get("dvi_kind") == "early_exit"
+        return json.loads((path / ADAPTER_CONFIG).read_text()).get("dvi_kind")
     except (OSError, ValueError, AttributeError):
-        return False
+        return None
 
 
 def load_embedded_pair(preset: str = "tiny", root: str | Path | None = None, device="auto", dtype="auto",

@@ -8,6 +8,7 @@ tests) without the engine's machinery; `dvi.engine` re-exports both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["GenerationResult", "StepOutput"]
 
@@ -34,6 +35,7 @@ class GenerationResult:
     started_at: float = 0.0
     finished_at: float = 0.0
     temperature: float = 0.0
+    hidden: Any = None  # eagle drafters: the target's features f_0..f_{L-2}, fp16 tensor [L - 1, H]
 
     @property
     def alpha(self) -> float:

@@ -25,8 +25,9 @@ import torch
 
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE
 
-LogitsFn = Callable[[torch.Tensor], torch.Tensor]
-"""Maps input ids ``[1, L]`` to logits ``[1, L, V]`` (teacher forcing, no cache)."""
+LogitsFn = Callable[..., torch.Tensor]
+"""Maps input ids ``[1, L]`` (and, for an eagle head, its input features ``[1, L, H]``) to logits
+``[1, L, V]`` (teacher forcing, no cache). ``fn.needs_features`` marks the eagle kind."""
 
 
 @dataclass
@@ -50,11 +51,32 @@ def shadow_passes(new_alpha: float, old_alpha: float, margin: float) -> bool:
 def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
     """Teacher-forced logits of a Hugging Face causal LM (or any module returning ``.logits``)."""
 
-    def fn(ids: torch.Tensor) -> torch.Tensor:
-        out = model(input_ids=ids, use_cache=False)
+    from dvi.eagle import EagleModel
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def fn(ids: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        extra = {} if features is None else {"features": features}
+        out = model(input_ids=ids, use_cache=False, **extra)
         return out.logits if hasattr(out, "logits") else out
 
+    fn.needs_features = isinstance(base, EagleModel)
     return fn
+
+
+def _record_features(record: Mapping[str, Any] | Any, device) -> torch.Tensor | None:
+    """An eagle head's input features F [1, L - 1, H] from a record's logged target features, or None."""
+    from dvi.eagle import features_from_hidden
+
+    h = getattr(record, "hidden", None) if not isinstance(record, Mapping) else record.get("hidden")
+    if h is None or (isinstance(h, (bytes, bytearray)) and not h):
+        return None
+    if isinstance(h, (bytes, bytearray)):
+        dim = record["hidden_dim"] if isinstance(record, Mapping) else record.hidden_dim
+        h = torch.frombuffer(bytearray(h), dtype=torch.float16).reshape(-1, int(dim))
+    else:
+        h = torch.as_tensor(h)
+    return features_from_hidden(h).unsqueeze(0).to(device)
 
 
 def _get(record: Mapping[str, Any] | Any, name: str) -> Any:
@@ -71,8 +93,10 @@ def shadow_alpha(
     """Estimated α of the drafter behind ``logits_fn`` on logged records.
 
     Every generated position counts (not only those that were drafted live), so the estimate
-    does not depend on which K the live engine happened to use.
+    does not depend on which K the live engine happened to use. An eagle head is scored on the
+    records that carry the target's features (teacher-forced: true features at every input).
     """
+    needs_features = bool(getattr(logits_fn, "needs_features", False))
     hits = 0.0
     total = 0
     n_records = 0
@@ -85,7 +109,13 @@ def shadow_alpha(
         if not temperature >= GREEDY_BELOW_TEMPERATURE:  # tiny (or NaN) temperatures were served greedy
             temperature = 0.0
         ids = torch.tensor([list(prompt) + list(tokens)[:-1]], device=device)
-        logits = logits_fn(ids)[0, len(prompt) - 1 :].float()  # predicts tokens[0..]
+        if needs_features:
+            feats = _record_features(rec, device)
+            if feats is None:
+                continue
+            logits = logits_fn(ids, feats)[0, len(prompt) - 1 :].float()  # predicts tokens[0..]
+        else:
+            logits = logits_fn(ids)[0, len(prompt) - 1 :].float()
         n = len(tokens)
         if temperature <= 0.0:
             pred = logits.argmax(-1).cpu()

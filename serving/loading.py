@@ -49,17 +49,18 @@ def load_serving_pair(cfg: DviConfig) -> Any:
     """The `ModelPair` to serve; its drafter is of `models.drafter_kind`.
 
     separate: the drafter dir's HF model (reduced head if it has a draft vocabulary);
-    early_exit: an `EarlyExitDrafter` on the loaded target (`dvi.models.load_early_exit_drafter`, the
-    same one the online trainer builds, so its published versions fit).
+    early_exit / eagle: an `EarlyExitDrafter` / `EagleDrafter` on the loaded target
+    (`dvi.models.load_shared_target_drafter`, the same one the online trainer builds, so its published
+    versions fit).
     """
-    from dvi.models import draft_vocab_size_for, load_early_exit_drafter, load_pair, serving_dtype
+    from dvi.models import draft_vocab_size_for, load_pair, load_shared_target_drafter, serving_dtype
 
     m = cfg.models
     target_path, drafter_path, tok_path = pair_paths(cfg)
-    early = m.drafter_kind == "early_exit"
+    early = m.drafter_kind in ("early_exit", "eagle")
     dtype = m.dtype if m.target is not None else serving_dtype(m.preset, m.dtype, m.device)
     pair = load_pair(target_path, None if early else drafter_path, tok_path, device=m.device, dtype=dtype,
                      draft_vocab_size=draft_vocab_size_for(m), draft_vocab=m.draft_vocab)
     if early:
-        pair.drafter = load_early_exit_drafter(pair.target, target_path, cfg)
+        pair.drafter = load_shared_target_drafter(pair.target, target_path, cfg)
     return pair

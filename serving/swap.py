@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from dvi.drafters import ADAPTER_CONFIG, Drafter, EarlyExitDrafter
+from dvi.eagle import EagleDrafter
 from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
 from dvi.shadow import hf_logits_fn, shadow_alpha, shadow_passes
 from dvi.vocab import apply_draft_vocab, find_subset_head
@@ -108,27 +109,28 @@ def _check_vocab(man: dict, base: Any, version: int) -> None:
                               f"{live or 'all'}", version, kind="architecture")
 
 
-def load_early_exit_version(registry: DrafterRegistry, version: int, base: EarlyExitDrafter) -> tuple[Any, dict]:
-    """Validated early-exit drafter of `version` on the live drafter's target (LoRA + exit head, unmerged)."""
+def load_shared_target_version(registry: DrafterRegistry, version: int, base: Any) -> tuple[Any, dict]:
+    """Validated drafter of `version` of the live drafter's kind (early_exit: LoRA + exit head, unmerged;
+    eagle: fc + layer + norm), built on the live drafter's target."""
+    kind = base.kind
     sd, man = registry.validate(version)
     _check_vocab(man, base, version)
     d = registry.version_dir(version)
-    if man.get("drafter_kind", "early_exit") != "early_exit":
-        raise AdapterRejected(f"published by a {man.get('drafter_kind')!r} trainer, the server drafts early-exit",
+    if man.get("drafter_kind", kind) != kind:
+        raise AdapterRejected(f"published by a {man.get('drafter_kind')!r} trainer, the server drafts {kind}",
                               version, kind="architecture")
     try:
         cfg = json.loads((d / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as exc:
         raise AdapterRejected(f"{ADAPTER_CONFIG} does not load: {exc}", version, kind="files") from None
-    if not isinstance(cfg, dict) or cfg.get("dvi_kind") != "early_exit":
-        raise AdapterRejected("not an early-exit drafter (adapter_config.json lacks dvi_kind 'early_exit')", version,
+    if not isinstance(cfg, dict) or cfg.get("dvi_kind") != kind:
+        raise AdapterRejected(f"not an {kind} drafter (adapter_config.json lacks dvi_kind {kind!r})", version,
                               kind="architecture")
     live = base.trainable_state_dict()
     check_state_dict(sd, {k: (tuple(v.shape), None) for k, v in live.items()}, version)
     head = find_subset_head(base.model)
     try:
-        drafter = EarlyExitDrafter.load(base.target_ref, d,
-                                        vocab_ids=head.token_ids.cpu() if head is not None else None)
+        drafter = type(base).load(base.target_ref, d, vocab_ids=head.token_ids.cpu() if head is not None else None)
     except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
         raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, kind="load") from None
     for name, p in drafter.trainable_state_dict().items():
@@ -142,8 +144,8 @@ def load_drafter_version(registry: DrafterRegistry, version: int, base: Any) -> 
 
     Raises AdapterRejected with the reason for anything that does not load or fit.
     """
-    if isinstance(base, EarlyExitDrafter):
-        return load_early_exit_version(registry, version, base)
+    if isinstance(base, (EarlyExitDrafter, EagleDrafter)):
+        return load_shared_target_version(registry, version, base)
     sd, man = registry.validate(version)
     _check_vocab(man, base, version)
     d = registry.version_dir(version)

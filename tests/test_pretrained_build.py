@@ -30,9 +30,9 @@ from dvi.embedded import PRESETS, EmbeddedPaths, PretrainedPreset, embedded_path
 from dvi.engine import SpeculativeEngine
 from dvi.models import (
     cpu_has_native_bf16,
-    load_early_exit_drafter,
     load_pair,
     load_pair_from_config,
+    load_shared_target_drafter,
     serving_dtype,
 )
 from dvi.pretrained import WheelModel, load_gguf
@@ -257,7 +257,7 @@ def test_engine_with_the_early_exit_drafter(built):
     paths = EmbeddedPaths.at(out)
     cfg = DviConfig(models={"preset": "smollm2", "drafter_kind": "early_exit", "dtype": "float32"})
     pair = load_pair(paths.target, None, paths.tokenizer, dtype=cfg.models.dtype)
-    drafter = load_early_exit_drafter(pair.target, paths.target, cfg)
+    drafter = load_shared_target_drafter(pair.target, paths.target, cfg)
     assert isinstance(drafter, EarlyExitDrafter) and drafter.num_layers == 1  # the built one, not a fresh one
     saved = EarlyExitDrafter.load(pair.target, paths.early_exit)
     got, want = drafter.trainable_state_dict(), saved.trainable_state_dict()  # LoRA + exit head as trained

@@ -224,3 +224,16 @@ def dvi_loss(
     else:
         rl = torch.zeros((), device=kl.device)
     return DviLoss(kl_weight * kl + w * rl, kl.detach(), rl.detach(), w)
+
+
+def feature_loss(out, batch) -> torch.Tensor | None:
+    """Smooth-L1 of an eagle head's predicted features `out.features` [B, T, H] onto the target's
+    `batch.feature_targets` [B, T, H] over the trained positions (EAGLE's regression term); None for
+    drafters without features."""
+    targets = getattr(batch, "feature_targets", None)
+    if targets is None or getattr(out, "features", None) is None:
+        return None
+    pred = out.features[:, -targets.shape[1]:].float()  # [B, T, H]
+    keep = (batch.weights > 0).unsqueeze(-1)  # [B, T, 1]
+    err = torch.nn.functional.smooth_l1_loss(pred, targets.float(), reduction="none") * keep
+    return err.sum() / (keep.sum() * pred.shape[-1]).clamp_min(1)

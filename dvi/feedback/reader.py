@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dvi.feedback.record import SCHEMA, FeedbackRecord
+from dvi.feedback.record import OPTIONAL_FIELDS, SCHEMA, FeedbackRecord
 from dvi.feedback.storage import SHARD_RE, _atomic_write_bytes, _fs, _list_shards, shard_time_ns
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def _complete_table(table: pa.Table) -> pa.Table:
     """Reading with `schema=SCHEMA` fills a column the file lacks with nulls; every field is
     required, so a null means a foreign or damaged file (ValueError -> quarantined)."""
     for f, col in zip(SCHEMA, table.columns, strict=True):
-        if col.null_count:
+        if col.null_count and f.name not in OPTIONAL_FIELDS:
             raise ValueError(f"column {f.name} is missing or has nulls")
     return table
 

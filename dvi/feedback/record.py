@@ -27,9 +27,16 @@ SCHEMA = pa.schema(
         pa.field("accepted", pa.list_(pa.bool_()), nullable=False),
         pa.field("topk_ids", pa.list_(pa.list_(pa.int32())), nullable=False),
         pa.field("topk_logprobs", pa.list_(pa.list_(pa.float32())), nullable=False),
+        # eagle drafters: the target's features f_0..f_{L-2} as raw fp16 bytes [L - 1, hidden_dim]
+        # (empty, 0 otherwise). Optional: shards written before they existed read as empty.
+        pa.field("hidden", pa.large_binary(), nullable=True),
+        pa.field("hidden_dim", pa.int32(), nullable=True),
     ]
 )
 """Parquet schema of a shard; one column per `FeedbackRecord` field (docs/contracts.md)."""
+
+OPTIONAL_FIELDS = {"hidden": b"", "hidden_dim": 0}
+"""Fields a shard may lack (older writers): their value when absent or null."""
 
 
 def _as_list(x: Any) -> list:
@@ -62,6 +69,8 @@ class FeedbackRecord:
     accepted: list[bool]
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
+    hidden: bytes = b""
+    hidden_dim: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +97,7 @@ class FeedbackRecord:
                 f"topk_ids[{j}] has {len(self.topk_ids[j])} ids but topk_logprobs[{j}] "
                 f"has {len(self.topk_logprobs[j])}"
             )
+        self._validate_hidden()
         bad = [
             j
             for j, (a, t, d) in enumerate(zip(self.accepted, self.token_ids, self.drafted_ids, strict=True))
@@ -98,6 +108,22 @@ class FeedbackRecord:
             raise ValueError(
                 f"accepted[{j}] is true but token_ids[{j}]={self.token_ids[j]} != drafted_ids[{j}]={self.drafted_ids[j]}"
             )
+
+    def _validate_hidden(self) -> None:
+        if not self.hidden:
+            return
+        n = len(self.prompt_ids) + len(self.token_ids) - 1
+        if self.hidden_dim <= 0 or len(self.hidden) != 2 * n * self.hidden_dim:
+            raise ValueError(f"hidden has {len(self.hidden)} bytes but {n} positions x hidden_dim "
+                             f"{self.hidden_dim} x 2 (fp16) were expected")
+
+    def features(self):
+        """The target's features f_0..f_{L-2} as a float16 numpy array [L - 1, hidden_dim], or None."""
+        if not self.hidden:
+            return None
+        import numpy as np
+
+        return np.frombuffer(self.hidden, dtype=np.float16).reshape(-1, self.hidden_dim)
 
     @classmethod
     def from_result(
@@ -122,6 +148,7 @@ class FeedbackRecord:
         if missing:
             raise ValueError(f"result lacks required field(s): {', '.join(missing)}")
         temp = get("temperature", None)
+        hidden = get("hidden")
         return cls(
             request_id=str(get("request_id")),
             domain=str(domain if domain is not None else (get("domain") or "default")),
@@ -138,12 +165,18 @@ class FeedbackRecord:
             # would dominate the engine-side logging cost.
             topk_ids=_as_list(_or_empty(get("topk_ids"))),
             topk_logprobs=_as_list(_or_empty(get("topk_logprobs"))),
+            hidden=b"" if hidden is None else hidden.contiguous().numpy().tobytes(),
+            hidden_dim=0 if hidden is None else int(hidden.shape[-1]),
         )
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> FeedbackRecord:
         """Inverse of the parquet row layout (as produced by `pyarrow.Table.to_pylist`)."""
-        return cls(**{f.name: row[f.name] for f in fields(cls)})
+        def value(name: str) -> Any:
+            v = row.get(name)
+            return OPTIONAL_FIELDS[name] if v is None and name in OPTIONAL_FIELDS else v
+
+        return cls(**{f.name: value(f.name) for f in fields(cls)})
 
 
 FIELD_NAMES = tuple(f.name for f in fields(FeedbackRecord))
@@ -155,7 +188,7 @@ def record_nbytes(r: FeedbackRecord) -> int:
     """Estimated memory of a buffered record (CPython lists of boxed numbers), for the buffer cap."""
     k = len(r.topk_ids[0]) if r.topk_ids else 0  # every position holds the same k (O(1), engine thread)
     n = len(r.prompt_ids) + 3 * len(r.token_ids) + 2 * k * len(r.topk_ids)
-    return RECORD_OVERHEAD_BYTES + BYTES_PER_VALUE * n
+    return RECORD_OVERHEAD_BYTES + BYTES_PER_VALUE * n + len(r.hidden)
 
 
 def _wide(t: pa.DataType) -> pa.DataType:

@@ -39,6 +39,7 @@ class Example:
     accepted: np.ndarray  # [n] bool
     topk_ids: np.ndarray  # [n, k] int64, -1 padding
     topk_logprobs: np.ndarray  # [n, k] float32, -inf padding
+    hidden: np.ndarray | None = None  # [p + n - 1, H] float16: the target's features (eagle drafters)
 
     @classmethod
     def of(cls, rec: FeedbackRecord | Mapping[str, Any] | Example) -> Example:
@@ -54,6 +55,8 @@ class Example:
             return rec[name] if isinstance(rec, Mapping) else getattr(rec, name)
 
         tokens = np.asarray(g("token_ids"), dtype=np.int64)  # [n]
+        raw, dim = (rec.get("hidden"), rec.get("hidden_dim")) if isinstance(rec, Mapping) else (rec.hidden, rec.hidden_dim)
+        hidden = np.frombuffer(raw, dtype=np.float16).reshape(-1, int(dim)) if raw else None
         tk, tl = g("topk_ids"), g("topk_logprobs")  # n ragged lists (k or fewer each), or empty
         if len(tk) == len(tokens) and len(tokens):
             k = max(len(r) for r in tk)  # pad every position to [k]
@@ -78,6 +81,7 @@ class Example:
             accepted=np.asarray(g("accepted"), dtype=bool),
             topk_ids=ids,
             topk_logprobs=lps,
+            hidden=hidden,
         )
 
 
@@ -102,6 +106,12 @@ class Batch:
     drafted_ids: torch.Tensor  # [B, T]
     accepted: torch.Tensor  # [B, T]
     tokens: int  # generated positions trained on
+    features: torch.Tensor | None = None  # [B, W, H] eagle inputs F_j = f_{j-1} (float16), zero on padding
+    feature_targets: torch.Tensor | None = None  # [B, T, H] f_j, what the head predicts at input j
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """Extra forward arguments of the drafter kind the batch was built for (eagle: its features)."""
+        return {} if self.features is None else {"features": self.features}
 
     @property
     def width(self) -> int:
@@ -152,5 +162,28 @@ def build_batch(
         dr[i, c] = torch.from_numpy(e.drafted_ids[sl])
         ac[i, c] = torch.from_numpy(e.accepted[sl])
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # [B, W]: 0 at each row's first real token
-    return Batch(ids, attn, pos, weights_t, tk, tl, dr, ac, tokens=int(sum(keeps)))
+    feats = _features([e for e, _ in rows], seqs, keeps, w_len, t_len)
+    return Batch(ids, attn, pos, weights_t, tk, tl, dr, ac, tokens=int(sum(keeps)),
+                 features=None if feats is None else feats[0], feature_targets=None if feats is None else feats[1])
+
+
+def _features(examples: Sequence[Example], seqs: Sequence[np.ndarray], keeps: Sequence[int], w_len: int,
+              t_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Eagle inputs F [B, W, H] and targets f [B, T, H], aligned with `build_batch`'s left padding and
+    truncation; None unless every row carries features (a batch trains one drafter kind)."""
+    if any(e.hidden is None for e in examples):
+        return None
+    from dvi.eagle import features_from_hidden
+
+    h = examples[0].hidden.shape[1]
+    feats = torch.zeros((len(examples), w_len, h), dtype=torch.float16)  # [B, W, H]
+    targets = torch.zeros((len(examples), t_len, h), dtype=torch.float16)  # [B, T, H]
+    for i, (e, seq, nk) in enumerate(zip(examples, seqs, keeps, strict=True)):
+        f = torch.from_numpy(np.array(e.hidden))  # [L - 1, H]: f_j of input j
+        if f.shape[0] != len(e.prompt_ids) + len(e.token_ids) - 1:
+            raise ValueError(f"record {e.request_id}: {f.shape[0]} feature rows for "
+                             f"{len(e.prompt_ids) + len(e.token_ids) - 1} inputs")
+        feats[i, w_len - len(seq):] = features_from_hidden(f)[-len(seq):]
+        targets[i, t_len - nk:] = f[-nk:]
+    return feats, targets
 

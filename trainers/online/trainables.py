@@ -109,15 +109,16 @@ class _FullTrainable(Trainable):
         return registry.publish_full(self.module.state_dict(), self.module.config, manifest)
 
 
-class _EarlyExitTrainable(Trainable):
-    """The early-exit drafter's LoRA + exit head (the target's shared weights stay frozen)."""
+class _SharedTargetTrainable(Trainable):
+    """A drafter on the target's own weights, which stay frozen: the early-exit drafter's LoRA + exit
+    head, or an eagle head's fc + layer + norm (published as `publish_kind` "lora": a small file set)."""
 
-    kind = "early_exit"
     publish_kind = "lora"
 
     def __init__(self, drafter: Any) -> None:
         super().__init__(drafter.model)
         self.drafter = drafter
+        self.kind = drafter.kind
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.drafter.trainable_parameters())
@@ -140,16 +141,17 @@ class _EarlyExitTrainable(Trainable):
 
 def make_trainable(drafter: Any, mode: str, cfg: DviConfig) -> Trainable:
     from dvi.drafters import EarlyExitDrafter
+    from dvi.eagle import EagleDrafter
 
     t = cfg.trainer
-    if isinstance(drafter, EarlyExitDrafter):
-        if mode == "full":
+    if isinstance(drafter, (EarlyExitDrafter, EagleDrafter)):
+        if mode == "full" and isinstance(drafter, EarlyExitDrafter):
             raise ValueError("trainer.mode 'full' trains a separate drafter; the early-exit drafter trains LoRA + head")
         for p in drafter.target_ref.parameters():
             p.requires_grad_(False)
         for p in drafter.trainable_parameters():
             p.requires_grad_(True)
-        return _EarlyExitTrainable(drafter)
+        return _SharedTargetTrainable(drafter)
     if mode == "full":
         if hasattr(drafter, "peft_config"):
             raise ValueError("trainer.mode 'full' needs a plain HF model, got a peft model")
@@ -172,7 +174,7 @@ def make_trainable(drafter: Any, mode: str, cfg: DviConfig) -> Trainable:
 
 
 def load_drafter_for_training(cfg: DviConfig, accelerator: Any = None) -> tuple[Any, int]:
-    """The drafter to train, as the config describes it: (model or EarlyExitDrafter, pad id)."""
+    """The drafter to train, as the config describes it: (model, EarlyExitDrafter or EagleDrafter, pad id)."""
     from dvi.embedded import embedded_paths
     from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
 
@@ -192,11 +194,11 @@ def load_drafter_for_training(cfg: DviConfig, accelerator: Any = None) -> tuple[
         pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
     except Exception:  # noqa: BLE001 - padding is masked anyway; any valid id will do
         pad_id = 0
-    if m.drafter_kind == "early_exit":
-        from dvi.models import load_early_exit_drafter
+    if m.drafter_kind in ("early_exit", "eagle"):
+        from dvi.models import load_shared_target_drafter
 
         target = load_causal_lm(target_path, device, dtype)
-        return load_early_exit_drafter(target, target_path, cfg), pad_id  # the server builds the same one
+        return load_shared_target_drafter(target, target_path, cfg), pad_id  # the server builds the same one
     if drafter_path is None:
         raise ValueError("models.drafter is not set and there is no embedded drafter: nothing to train")
     from dvi.models import draft_vocab_size_for

@@ -33,7 +33,7 @@ from dvi.feedback import FeedbackRecord
 from dvi.registry import AdapterRejected, DrafterRegistry
 from dvi.shadow import hf_logits_fn, shadow_alpha, shadow_passes
 from dvi.vocab import find_subset_head, subset_mode
-from trainers.losses import dvi_loss
+from trainers.losses import dvi_loss, feature_loss
 from trainers.online.collate import Example, build_batch, is_heldout
 from trainers.online.files import read_target_version_file
 from trainers.online.trainables import load_drafter_for_training, make_trainable
@@ -262,9 +262,10 @@ class OnlineTrainer:
         self.module.train()
         # A reduced draft vocabulary trains on its [B, T, N] subset logits (never the served -inf padding).
         with subset_mode(self.trainable.module) as head:
-            logits = self.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                 position_ids=batch.position_ids, use_cache=False,
-                                 logits_to_keep=batch.width).logits  # [B, T, V] or [B, T, N]
+            fwd = self.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids, use_cache=False,
+                              logits_to_keep=batch.width, **batch.model_inputs())
+            logits = fwd.logits  # [B, T, V] or [B, T, N]
         out = dvi_loss(logits, batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted,
                        batch.weights, step=self.step, kl_weight=self.tc.kl_weight,
                        reward_start=self.tc.reward_ramp_start, reward_ramp_steps=self.tc.reward_ramp_steps,
@@ -274,6 +275,9 @@ class OnlineTrainer:
         # dvi_loss normalises by the weight sum; rescale so down-weighted rows count less in absolute terms
         scale = w.sum() / (w > 0).sum().clamp_min(1)
         loss = out.loss * scale
+        feat_loss = feature_loss(fwd, batch)
+        if feat_loss is not None:
+            loss = loss + self.tc.feature_weight * feat_loss
         acc.backward(loss)
         if self.tc.grad_clip:
             acc.clip_grad_norm_(self.trainable.parameters(), self.tc.grad_clip)
@@ -283,6 +287,7 @@ class OnlineTrainer:
         self.step += 1
         self.tokens_trained += batch.tokens
         return {"loss": float(loss.detach()), "kl": float(out.kl), "reward": float(out.reward),
+                "feature": float(feat_loss.detach()) if feat_loss is not None else 0.0,
                 "reward_weight": float(out.reward_weight), "tokens": float(batch.tokens),
                 "seconds": time.perf_counter() - t0}
 
@@ -291,9 +296,10 @@ class OnlineTrainer:
         fn = hf_logits_fn(self.accelerator.unwrap_model(self.module))
         dev = self.device
 
-        def f(ids: torch.Tensor) -> torch.Tensor:
-            return fn(ids.to(dev))
+        def f(ids: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+            return fn(ids.to(dev), None if features is None else features.to(dev))
 
+        f.needs_features = fn.needs_features
         return f
 
     def shadow(self, records: Sequence[Any] | None = None, state: Mapping[str, torch.Tensor] | None = None):

@@ -1,0 +1,219 @@
+"""EAGLE-style drafter: a one-layer head that reads the target's own hidden states.
+
+Per input position j the head sees the embedding of token x_j fused with the target's feature of the
+position before, F_j = f_{j-1} (f = the target's final *normed* hidden state, the vector its LM head
+multiplies; F_0 = 0), runs one decoder layer of the target's architecture and a norm, and predicts
+f_j; logits are the target's own LM head on that prediction, over the reduced draft vocabulary.
+The embedding and the head are the target's modules (no copy); fc, the layer and the norm are trained.
+
+How the engine drives it (`dvi.engine`): the verify pass returns the target's features of the K + 1
+positions it scored, so the first draft of the next step feeds every accepted token with its true
+feature; later drafts feed the head its own predicted feature (EAGLE's autoregression on features).
+Drafted entries are always dropped from the head's cache after verification and re-fed with true
+features, which is what the trainer sees too: training and serving agree on every input.
+
+The feedback record stores f_0..f_{L-2} (fp16) for a sequence of L tokens (`features_from_hidden`
+shifts them into F); the online trainer never runs the target.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dvi.drafters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Drafter
+from dvi.kv import mask_kind
+from dvi.vocab import apply_draft_vocab
+
+__all__ = ["EagleModel", "EagleDrafter", "EagleOutput", "features_from_hidden", "causal_mask"]
+
+EAGLE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+
+
+class EagleOutput:
+    """What `EagleModel.forward` returns: logits [B, T, V (or N in subset mode)] and features [B, T, H]."""
+
+    __slots__ = ("logits", "features")
+
+    def __init__(self, logits: torch.Tensor, features: torch.Tensor):
+        self.logits, self.features = logits, features
+
+
+def features_from_hidden(hidden: torch.Tensor) -> torch.Tensor:
+    """The head's input features F [..., L-1, H] from the target's features f_0..f_{L-2} [..., L-1, H]:
+    F_0 = 0, F_j = f_{j-1} (input j sees the feature of the position before it)."""
+    zero = hidden.new_zeros((*hidden.shape[:-2], 1, hidden.shape[-1]))
+    return torch.cat([zero, hidden[..., :-1, :]], -2)
+
+
+def causal_mask(attention_mask: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """Additive [B, 1, T, T] causal mask from a [B, T] padding mask (padded queries see themselves)."""
+    t = attention_mask.shape[1]
+    i = torch.arange(t, device=attention_mask.device)
+    allowed = (i.view(1, t, 1) >= i.view(1, 1, t)) & attention_mask.bool().unsqueeze(1)  # [B, T, T]
+    if window:
+        allowed &= (i.view(1, t, 1) - i.view(1, 1, t)) < window
+    allowed |= torch.eye(t, dtype=torch.bool, device=attention_mask.device)
+    zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
+    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=attention_mask.device)
+    return torch.where(allowed, zero, neg).unsqueeze(1)
+
+
+class EagleModel(nn.Module):
+    """fc(cat(embed(x_j), F_j)) -> one decoder layer -> norm -> the target's LM head.
+
+    `embed_tokens`, `rotary_emb` and `lm_head` are the target's own modules; `fc`, `layer` and `norm`
+    are this head's. The layer starts as a copy of the target's layer 0 and fc as [I | 0], so the
+    untrained head is the target exiting after its first layer; training teaches it to use F.
+    """
+
+    def __init__(self, target: nn.Module):
+        super().__init__()
+        tcfg = target.config
+        if getattr(tcfg, "model_type", None) not in EAGLE_TYPES:
+            raise ValueError(f"eagle drafters support {sorted(EAGLE_TYPES)} targets, got {tcfg.model_type!r}")
+        cfg = copy.deepcopy(tcfg)
+        cfg.num_hidden_layers = 1
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = list(cfg.layer_types)[:1]
+        self.config = cfg
+        base = target.model
+        p0 = base.embed_tokens.weight
+        hidden = int(cfg.hidden_size)
+        self.embed_tokens = base.embed_tokens
+        self.rotary_emb = base.rotary_emb
+        self.lm_head = target.get_output_embeddings()
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False, device=p0.device, dtype=p0.dtype)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hidden].copy_(torch.eye(hidden))
+        self.layer = copy.deepcopy(base.layers[0])
+        self.layer.self_attn.layer_idx = 0
+        self.norm = copy.deepcopy(base.norm)
+        kind, window = mask_kind(cfg)
+        self.window = window if kind != "full" else None  # for the masks it builds itself (training)
+
+    def own_modules(self) -> dict[str, nn.Module]:
+        """The trained parts (what a version publishes)."""
+        return {"fc": self.fc, "layer": self.layer, "norm": self.norm}
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def set_output_embeddings(self, head: nn.Module) -> None:
+        self.lm_head = head
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, attention_mask=None,
+                position_ids: torch.Tensor | None = None, past_key_values=None, logits_to_keep: int = 0,
+                use_cache: bool = False) -> EagleOutput:
+        """input_ids [B, T], features F [B, T, H]; attention_mask: a 4-D additive mask (the engine's) or
+        a [B, T] padding mask (training, no cache). Returns logits of the last `logits_to_keep` positions
+        (all when 0) and the predicted features of those positions."""
+        e = self.embed_tokens(input_ids)  # [B, T, H]
+        h = self.fc(torch.cat([e, features.to(e.dtype)], -1))  # [B, T, H]
+        if position_ids is None:
+            ref = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+            position_ids = ((ref.long().cumsum(-1) - 1).clamp_min(0) if ref is not None
+                            else torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids))
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = causal_mask(attention_mask, h.dtype, self.window)
+        elif attention_mask is None and past_key_values is None and input_ids.shape[1] > 1:
+            attention_mask = causal_mask(torch.ones_like(input_ids), h.dtype, self.window)
+        if isinstance(attention_mask, dict):
+            attention_mask = next(iter(attention_mask.values()))
+        pe = self.rotary_emb(h, position_ids)
+        h = self.layer(h, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=past_key_values, use_cache=use_cache, position_embeddings=pe)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        f = self.norm(h)  # [B, T', H]: the predicted target features
+        return EagleOutput(self.lm_head(f), f)
+
+
+class EagleDrafter(Drafter):
+    """The engine's view of an `EagleModel`: called with the features of its inputs, returns (logits, features)."""
+
+    kind = "eagle"
+    needs_features = True
+
+    def __init__(self, target: nn.Module, vocab_ids: torch.Tensor | None = None):
+        self.target_ref = target
+        self.model = EagleModel(target)
+        if vocab_ids is not None:  # a row slice of the target's head (shared Parameter, cached slice)
+            apply_draft_vocab(self.model, vocab_ids)
+        self.model.eval()
+        self.config = self.model.config
+        self.vocab_size = int(target.get_input_embeddings().weight.shape[0])
+
+    def _fn(self, *args, **kwargs):
+        raise TypeError("an eagle drafter needs features: call it through `with_features`")
+
+    @property
+    def explicit_mask(self) -> bool:
+        return True
+
+    def with_features(self, features: torch.Tensor):
+        """The engine's model callable for one forward whose inputs have features [B, M, H]."""
+
+        def fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0):
+            out = self.model(input_ids, features, attention_mask, position_ids, past_key_values, logits_to_keep,
+                             use_cache=True)
+            return out.logits, out.features
+
+        fn.explicit_mask = True
+        return fn
+
+    def shares_weights_with_target(self) -> bool:
+        return True
+
+    # ---------------------------------------------------------------- trainable parts
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.model.own_modules().values() for p in m.parameters()]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{k}": v for name, m in self.model.own_modules().items() for k, v in m.state_dict().items()}
+
+    def load_trainable_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for name, m in self.model.own_modules().items():
+            own = {k[len(name) + 1:]: v for k, v in sd.items() if k.startswith(name + ".")}
+            m.load_state_dict(own, strict=True)
+        extra = [k for k in sd if k.split(".", 1)[0] not in self.model.own_modules()]
+        if extra:
+            raise ValueError(f"eagle state has tensors this head lacks: {extra[:3]}")
+
+    def config_dict(self) -> dict:
+        return {"dvi_kind": "eagle", "feature": "final_normed", "num_layers": 1,
+                "base_model_type": getattr(self.config, "model_type", None),
+                "hidden_size": int(self.config.hidden_size)}
+
+    def save(self, path: str | Path) -> Path:
+        """Write `adapter_model.safetensors` (fc + layer + norm) and `adapter_config.json` into dir `path`."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
+        save_file(sd, str(path / ADAPTER_WEIGHTS))
+        (path / ADAPTER_CONFIG).write_text(json.dumps(self.config_dict(), indent=2))
+        return path
+
+    @classmethod
+    def load(cls, target: nn.Module, path: str | Path, vocab_ids: torch.Tensor | None = None) -> EagleDrafter:
+        """Rebuild from `save()` output on top of `target` (shares its embedding and head)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+        if cfg.get("dvi_kind") != "eagle":
+            raise ValueError(f"{path} is not an eagle drafter (dvi_kind={cfg.get('dvi_kind')!r})")
+        if int(cfg.get("hidden_size", target.config.hidden_size)) != int(target.config.hidden_size):
+            raise ValueError(f"{path} was trained for hidden size {cfg['hidden_size']}, "
+                             f"the target has {target.config.hidden_size}")
+        d = cls(target, vocab_ids=vocab_ids)
+        sd = load_file(str(path / ADAPTER_WEIGHTS), device=str(next(target.parameters()).device))
+        d.load_trainable_state_dict({k: v.to(d.dtype) for k, v in sd.items()})
+        return d
