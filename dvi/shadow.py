@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE
@@ -75,7 +76,7 @@ def _record_features(record: Mapping[str, Any] | Any, device) -> torch.Tensor | 
         dim = record["hidden_dim"] if isinstance(record, Mapping) else record.hidden_dim
         h = torch.frombuffer(bytearray(h), dtype=torch.float16).reshape(-1, int(dim))
     else:
-        h = torch.as_tensor(h)
+        h = torch.from_numpy(np.array(h))  # a copy: logged arrays are read-only
     return features_from_hidden(h).unsqueeze(0).to(device)
 
 
