@@ -109,10 +109,11 @@ class EagleModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, attention_mask=None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, logits_to_keep: int = 0,
-                use_cache: bool = False) -> EagleOutput:
+                use_cache: bool = False, with_logits: bool = True) -> EagleOutput:
         """input_ids [B, T], features F [B, T, H]; attention_mask: a 4-D additive mask (the engine's) or
         a [B, T] padding mask (training, no cache). Returns logits of the last `logits_to_keep` positions
-        (all when 0) and the predicted features of those positions."""
+        (all when 0) and the predicted features of those positions (`with_logits=False`: features only,
+        for a trainer that applies its own head slice)."""
         e = self.embed_tokens(input_ids)  # [B, T, H]
         h = self.fc(torch.cat([e, features.to(e.dtype)], -1))  # [B, T, H]
         if position_ids is None:
@@ -131,7 +132,7 @@ class EagleModel(nn.Module):
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         f = self.norm(h)  # [B, T', H]: the predicted target features
-        return EagleOutput(self.lm_head(f), f)
+        return EagleOutput(self.lm_head(f) if with_logits else None, f)
 
 
 class EagleDrafter(Drafter):

@@ -158,6 +158,11 @@ class PretrainedPreset:
     early_exit_layers: int = 4
     early_exit_tokens: int = 262_144
     early_exit_lora_rank: int = 16
+    # the eagle head (dvi.eagle): one layer on the target's features, trained on the same cached target
+    # states for `eagle_tokens` token-passes (0: none is built); KL + `eagle_feature_weight` x smooth-L1
+    eagle_tokens: int = 393_216
+    eagle_lr: float = 1e-3
+    eagle_feature_weight: float = 1.0
     chat_replies: int = 96  # chat instructions (train split) the target answers to make chat training text
     chat_reply_tokens: int = 160
     # draft vocabulary (counted on the training text): the drafter dir stores its first `draft_vocab`

@@ -55,7 +55,7 @@ def _tiny_preset(sha256: str) -> PretrainedPreset:
         PRESETS["smollm2"], name="smollm2", package=PACKAGE, version=VERSION, sha256=sha256, member=MEMBER,
         drafter_layers=(0,), label_tokens=4096, distill_tokens=4096, train_vocab=128, draft_vocab=64, serve_draft_vocab=64,
         draft_vocab_sizes=SIZES, chat_replies=2, chat_reply_tokens=8, eval_chars=3000, eval_chat=1,
-        latency_steps=2, early_exit_layers=1, early_exit_tokens=2048, seq_len=64, distill_batch=2)
+        latency_steps=2, early_exit_layers=1, early_exit_tokens=2048, eagle_tokens=2048, seq_len=64, distill_batch=2)
 
 
 class _NoPip:
@@ -110,7 +110,7 @@ def test_build_manifest_and_layout(built):
     assert not nopip.calls
     assert is_built(out) and is_built(out, "smollm2") and is_built("smollm2")
     assert not is_built(out, dataclasses.replace(preset, distill_tokens=8192))  # another recipe: rebuild
-    assert sorted(p.name for p in out.iterdir()) == ["drafter", "early_exit", "manifest.json", "target", "tokenizer"]
+    assert sorted(p.name for p in out.iterdir()) == ["drafter", "eagle", "early_exit", "manifest.json", "target", "tokenizer"]
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp dir left behind
 
     m = read_manifest(out)
@@ -250,6 +250,43 @@ def test_engine_with_the_separate_drafter(built):
     assert isinstance(head, SubsetHead) and head.num_ids == 64  # the reduced drafter, as served
     results = _assert_engine_is_hf_greedy(pair.target, pair.drafter, pair.tokenizer)
     _assert_drafts_in(results, head.token_ids)
+
+
+def test_eagle_head_built_scored_and_served_losslessly(built):
+    from dvi.eagle import EagleDrafter
+
+    preset, *_, out, _spy, _secs = built
+    m = read_manifest(out)
+    ea = m["eagle"]
+    assert ea["train"]["tokens"] >= preset.eagle_tokens and ea["draft_vocab"] == preset.serve_draft_vocab
+    assert set(ea["agreement"]) == set(DOMAINS) and all(0 <= a <= 1 for a in ea["agreement"].values())
+    assert ea["step_ms"] > 0
+    cfg = DviConfig.model_validate({"models": {"preset": "smollm2", "drafter_kind": "eagle", "device": "cpu"}})
+    from serving.loading import load_serving_pair
+
+    pair = load_serving_pair(cfg)
+    assert isinstance(pair.drafter, EagleDrafter) and find_subset_head(pair.drafter.model).num_ids == 64
+    prompt = pair.tokenizer.encode("def f(x):\n    return")
+    ref = pair.target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    got = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3).generate([prompt], 12)[0]
+    assert_greedy_equal(pair.target, prompt, got.token_ids, ref)
+
+
+def test_a_pair_built_before_the_eagle_head_gets_only_the_head(built, monkeypatch):
+    """An older build (same recipe, no eagle head) is upgraded in place: only the head is trained."""
+    preset, *_, out, _spy, _secs = built
+    m = read_manifest(out)
+    old = {**m, "eagle": None, "fingerprint": "older"}
+    old["preset_config"] = {**m["preset_config"], "eagle_tokens": 0}
+    (out / "manifest.json").write_text(json.dumps(old))
+    import shutil
+
+    shutil.rmtree(out / "eagle")
+    monkeypatch.setattr(pretrained_build, "build", lambda *a, **k: pytest.fail("a full rebuild was started"))
+    assert bootstrap("smollm2", out=out, progress=False) == out
+    new = read_manifest(out)
+    assert new["fingerprint"] == preset.fingerprint() and new["eagle"]["train"]["tokens"] >= preset.eagle_tokens
+    assert (out / "eagle" / "adapter_config.json").is_file() and is_built(out, preset)
 
 
 def test_engine_with_the_early_exit_drafter(built):

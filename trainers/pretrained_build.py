@@ -198,6 +198,67 @@ def train_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, windows:
     return early, stats
 
 
+def build_eagle(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torch.Tensor, states: torch.Tensor,
+                order: torch.Tensor, seed: int, progress: bool) -> dict:
+    """Train the eagle head (`trainers.eagle_build`), save it to `paths.eagle` with its draft vocabulary, and
+    score it on the bf16 target as served: first-draft agreement per held-out domain and step latency."""
+    from dvi.eagle import EagleDrafter
+    from trainers.eagle_build import eagle_agreement, eagle_step_ms, train_eagle
+
+    d, stats = train_eagle(p, paths.target, windows, states, order, seed, progress)
+    d.save(paths.eagle)
+    if p.draft_vocab:
+        save_draft_vocab(paths.eagle, order[: p.draft_vocab], int(target.config.vocab_size))
+    served = EagleDrafter.load(target, paths.eagle)
+    from dvi.models import load_tokenizer
+
+    tokenizer = load_tokenizer(paths.tokenizer)
+    evals, skips = heldout_sets(p, target, tokenizer, seed)
+    n = p.serve_draft_vocab or p.draft_vocab
+    agree = {dom: eagle_agreement(target, served, w, order[:n], skip=skips.get(dom)) for dom, w in evals.items()}
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        apply_draft_vocab(served.model, order[:n])
+        ms = eagle_step_ms(served, p.latency_steps)
+    finally:
+        torch.set_num_threads(prev)
+    _log(f"eagle head: {stats['tokens']:,} tokens, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
+         f"({stats['tokens_per_s']:.0f} tok/s); first-draft agreement "
+         + ", ".join(f"{k} {v:.3f}" for k, v in agree.items()) + f" at {n} ids; step {ms:.2f} ms", progress)
+    return {"train": stats, "agreement": agree, "draft_vocab": n, "step_ms": ms}
+
+
+def heldout_sets(p: PretrainedPreset, target, tokenizer, seed: int) -> tuple[dict, dict]:
+    """Held-out scoring windows per domain (code and prose text, the target's replies to held-out chat
+    instructions) and, per chat window, how many prompt positions to skip (only replies are scored)."""
+    heldout = {d: _windows(_encode(tokenizer, data.sample_docs(d, "heldout", p.eval_chars, seed=0)), p.seq_len)
+               for d in ("code", "prose")}
+    chat_eval = chat_replies(target, tokenizer, "heldout", p.eval_chat, p.chat_reply_tokens, seed)
+    n_prompt = [len(c) for c in itertools.islice(data.chat_prompt_stream(tokenizer, "heldout", seed=seed,
+                                                                         max_tokens=320), p.eval_chat)]
+    return {**heldout, "chat": chat_eval}, {"chat": [n - 1 for n in n_prompt]}
+
+
+def add_eagle(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True) -> dict:
+    """Add the eagle head to a pair built before it existed (same recipe otherwise): the training windows
+    and target states are recomputed (deterministic in `seed`), the rest of the pair is kept. Returns the
+    updated manifest (the caller writes it)."""
+    import json
+
+    paths = EmbeddedPaths.at(root)
+    manifest = json.loads(paths.manifest.read_text())
+    walls: dict[str, float] = {}
+    target, tokenizer = _load_target(paths)
+    _streams, order, windows, states = labelled_windows(p, target, tokenizer, seed, progress, walls)
+    with _timed(walls, "eagle_s"):
+        manifest["eagle"] = build_eagle(p, paths, target, windows, states, order, seed, progress)
+    manifest["wall"] = {**manifest.get("wall", {}), **{f"upgrade_{k}": v for k, v in walls.items()}}
+    manifest["preset_config"] = asdict(p)
+    manifest["fingerprint"] = p.fingerprint()
+    return manifest
+
+
 def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
 
@@ -237,13 +298,7 @@ def evaluate(p: PretrainedPreset, paths: EmbeddedPaths, target, tokenizer, draft
              streams: dict[str, torch.Tensor], seed: int) -> dict:
     """Top-1 agreement with the target per domain (held-out code and prose windows, the target's replies to
     held-out chat instructions) and draft vocabulary size, token coverage, decode-step latencies."""
-    heldout = {d: _windows(_encode(tokenizer, data.sample_docs(d, "heldout", p.eval_chars, seed=0)), p.seq_len)
-               for d in ("code", "prose")}
-    chat_eval = chat_replies(target, tokenizer, "heldout", p.eval_chat, p.chat_reply_tokens, seed)
-    n_prompt = [len(c) for c in itertools.islice(data.chat_prompt_stream(tokenizer, "heldout", seed=seed,
-                                                                         max_tokens=320), p.eval_chat)]
-    skips = {"chat": [n - 1 for n in n_prompt]}  # score the replies only
-    evals = {**heldout, "chat": chat_eval}
+    evals, skips = heldout_sets(p, target, tokenizer, seed)
     agree = {d: agreement(target, drafter, w, order, p.draft_vocab_sizes, skip=skips.get(d)) for d, w in evals.items()}
     lat = latencies(target, drafter, p.draft_vocab_sizes, p.latency_steps, p.latency_dtype)
     out = {"agreement": {d: {str(n): a for n, a in v.items()} for d, v in agree.items()},
@@ -260,21 +315,20 @@ def evaluate(p: PretrainedPreset, paths: EmbeddedPaths, target, tokenizer, draft
     return out
 
 
-def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True) -> dict:
-    """Write target, tokenizer and drafters under `root` (the embedded layout); returns the manifest."""
+def _load_target(paths: EmbeddedPaths):
+    """The converted target in bf16 (the CPU serving dtype: 3x the fp32 tokens/s here), frozen, + tokenizer."""
     from dvi.models import load_causal_lm, load_tokenizer
 
-    paths = EmbeddedPaths.at(root)
-    walls: dict[str, float] = {}
-    t_start = time.perf_counter()
-    with _timed(walls, "obtain_s"):
-        source = obtain_target(p, paths)
-    _log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
-    tokenizer = load_tokenizer(paths.tokenizer)
-    # the build runs the target in bf16 (the CPU serving dtype): 3x the fp32 tokens/s here
     target = load_causal_lm(paths.target, "cpu", "bfloat16")
     for prm in target.parameters():
         prm.requires_grad_(False)
+    return target, load_tokenizer(paths.tokenizer)
+
+
+def labelled_windows(p: PretrainedPreset, target, tokenizer, seed: int, progress: bool, walls: dict[str, float]):
+    """Training text (stdlib code, pydoc prose, the target's replies to chat instructions), the draft
+    vocabulary's priority order, and the training windows [N, T + 1] with the target's final normed
+    hidden states on them [N, T, H] (bf16), computed once for every drafter. Deterministic in `seed`."""
     torch.manual_seed(seed)
     vocab_size = int(target.config.vocab_size)
 
@@ -297,12 +351,30 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
         windows = next(token_batches([streams[k] for k in names], n_windows, p.seq_len,
                                      weights=[mix[k] for k in names], seed=seed + 1))  # [N, T + 1]
         states = teacher_states(target, windows, progress=progress, desc=f"target states[{p.name}]")  # [N, T, H]
+    return streams, order, windows, states
+
+
+def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True) -> dict:
+    """Write target, tokenizer and drafters under `root` (the embedded layout); returns the manifest."""
+    paths = EmbeddedPaths.at(root)
+    walls: dict[str, float] = {}
+    t_start = time.perf_counter()
+    with _timed(walls, "obtain_s"):
+        source = obtain_target(p, paths)
+    _log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
+    target, tokenizer = _load_target(paths)
+    vocab_size = int(target.config.vocab_size)
+    streams, order, windows, states = labelled_windows(p, target, tokenizer, seed, progress, walls)
     with _timed(walls, "distill_s"):
         drafter, d_stats = distill_separate(p, target, windows, states, order, seed, progress)
     early, e_stats = None, None
     if p.early_exit_layers:
         with _timed(walls, "early_exit_s"):
             early, e_stats = train_early_exit(p, paths, target, windows, states, order, seed, progress)
+    eagle = None
+    if p.eagle_tokens:
+        with _timed(walls, "eagle_s"):
+            eagle = build_eagle(p, paths, target, windows, states, order, seed, progress)
     del states
     with _timed(walls, "eval_s"):
         ev = evaluate(p, paths, target, tokenizer, drafter, early, order, streams, seed)
@@ -319,10 +391,11 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
         "target": {"params": num_params(target), "layers": target.config.num_hidden_layers,
                    "hidden": target.config.hidden_size},
         "drafter": {"params": num_params(drafter), "layers_from_target": list(p.drafter_layers),
-                    "train_tokens": d_stats["tokens"], "train": d_stats, "distilled_on": mix},
+                    "train_tokens": d_stats["tokens"], "train": d_stats, "distilled_on": dict(p.mix)},
         "early_exit": None if early is None else {
             "layers": p.early_exit_layers, "lora_rank": p.early_exit_lora_rank, "train": e_stats,
             "agreement": ev["early_exit_agreement"]},
+        "eagle": eagle,
         "draft_vocab": {"file": DRAFT_VOCAB_FILE, "default": p.draft_vocab, "sizes": list(p.draft_vocab_sizes),
                         "coverage": ev["coverage"]},
         "training_text_tokens": {k: int(v.numel()) for k, v in streams.items()},

@@ -1,0 +1,144 @@
+"""The `eagle` head of the embedded pair: distilled offline from the target states the build already
+caches (the final normed hidden states are exactly the features the head reads), then scored.
+
+Per window x_0..x_T with target features f_0..f_{T-1}: the head reads (x_j, f_{j-1}) and is trained
+toward the target's next-token distribution head(f_j) over the draft vocabulary (KL) and toward f_j
+itself (smooth L1, EAGLE's regression: later drafts of a step feed the head its own predicted f).
+No extra target pass is needed. `add_eagle` adds the head to a pair built before it existed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from dvi.eagle import EagleDrafter, features_from_hidden
+from trainers.offline import lr_factor
+from trainers.subset_distill import subset_kl
+
+__all__ = ["distill_eagle", "eagle_agreement", "eagle_step_ms", "train_eagle"]
+
+
+def _eagle_loss(d: EagleDrafter, x: torch.Tensor, f: torch.Tensor, head: torch.Tensor,
+                feature_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T] inputs, f [B, T, H] the target's features of them, head [n, H] the target's head rows of the
+    draft vocabulary; returns (KL + weighted feature loss, feature loss)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pred = d.model(input_ids=x, features=features_from_hidden(f), with_logits=False).features  # [B, T, H]
+        s_logits = F.linear(pred, head)  # [B, T, n]
+        t_logits = F.linear(f, head)  # [B, T, n]: the target's own next-token logits
+    kl = subset_kl(s_logits, t_logits)
+    feat = F.smooth_l1_loss(pred.float(), f.float())
+    return kl + feature_weight * feat, feat
+
+
+def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, vocab_ids: torch.Tensor, steps: int,
+                  batch: int = 8, lr: float = 1e-3, warmup: int = 20, min_lr_ratio: float = 0.1,
+                  feature_weight: float = 1.0, seed: int = 0, progress: bool = True) -> dict:
+    """Train `d`'s own weights (fc, layer, norm); windows [N, T + 1] token ids, states [N, T, H] (bf16)
+    the target's final normed hidden states on windows[:, :-1], vocab_ids [n] the draft vocabulary."""
+    w = d.model.lm_head.weight.detach()
+    head = w[vocab_ids].to(torch.bfloat16)  # [n, H]: the target's head rows (frozen, shared)
+    params = d.trainable_parameters()
+    for prm in params:
+        prm.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    order, pos, losses, feats, tokens = torch.randperm(windows.shape[0], generator=g), 0, [], [], 0
+    d.model.train()
+    t0 = time.perf_counter()
+    bar = tqdm(total=steps, desc="eagle head", disable=not progress, unit="step", leave=False,
+               mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    try:
+        for step in range(steps):
+            if pos + batch > order.numel():
+                order, pos = torch.randperm(windows.shape[0], generator=g), 0
+            idx = order[pos: pos + batch]
+            pos += batch
+            for gr in opt.param_groups:
+                gr["lr"] = lr * lr_factor(step, steps, warmup, min_lr_ratio)
+            loss, feat = _eagle_loss(d, windows[idx, :-1], states[idx], head, feature_weight)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            feats.append(float(feat.detach()))
+            tokens += idx.numel() * (windows.shape[1] - 1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", refresh=False)
+            bar.update(1)
+    finally:
+        bar.close()
+        d.model.eval()
+    wall = time.perf_counter() - t0
+    n = max(1, len(losses) // 10)
+    return {"steps": steps, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9),
+            "first_loss": losses[0], "final_loss": sum(losses[-n:]) / n, "final_feature_loss": sum(feats[-n:]) / n,
+            "feature_weight": feature_weight}
+
+
+@torch.inference_mode()
+def eagle_agreement(target, d: EagleDrafter, windows: list[list[int]], vocab_ids: torch.Tensor,
+                    skip: list[int] | None = None, batch: int = 8) -> float:
+    """Top-1 agreement of the head's first draft (true features of every input, as the engine's first
+    draft of a step) over the draft vocabulary `vocab_ids` with the target's greedy token."""
+    hits = total = 0
+    for i in range(0, len(windows), batch):
+        chunk = windows[i: i + batch]
+        width = max(map(len, chunk))
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        valid = torch.zeros((len(chunk), width), dtype=torch.bool)
+        for r, w in enumerate(chunk):  # right padding: causal attention never looks at it
+            ids[r, : len(w)] = torch.tensor(w)
+            valid[r, (skip[i + r] if skip else 0): len(w) - 1] = True
+        f = target.model(input_ids=ids).last_hidden_state  # [B, T, H]
+        t_top = target.lm_head(f).argmax(-1)  # [B, T]
+        pred = d.model(input_ids=ids, features=features_from_hidden(f), with_logits=False).features
+        sub = vocab_ids.to(f.device)
+        d_top = sub[F.linear(pred, d.model.lm_head.weight[sub]).argmax(-1)]  # [B, T]
+        hits += int(((d_top == t_top) & valid).sum())
+        total += int(valid.sum())
+    return hits / max(1, total)
+
+
+@torch.inference_mode()
+def eagle_step_ms(d: EagleDrafter, steps: int = 48, context: int = 128) -> float:
+    """Batch-1 KV-cached draft step of the head (ms, median, one thread), as the engine runs it."""
+    import statistics
+
+    from dvi.kv import RaggedKV
+
+    h = int(d.config.hidden_size)
+    kv = RaggedKV(d.config, 1, "cpu", d.dtype)
+    ids = torch.randint(0, d.vocab_size, (1, context))
+    out = kv.forward(d.with_features(torch.zeros(1, context, h, dtype=d.dtype)), ids, logits_to_keep=1)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits, f = kv.forward(d.with_features(out[1][:, -1:]), ids[:, -1:], logits_to_keep=1)
+        logits.argmax(-1).tolist()
+        times.append(time.perf_counter() - t0)
+        out = (logits, f)
+    return statistics.median(times) * 1e3
+
+
+def train_eagle(p, target_path, windows: torch.Tensor, states: torch.Tensor, order: torch.Tensor, seed: int,
+                progress: bool) -> tuple[EagleDrafter, dict]:
+    """The eagle head on an fp32 copy of the target (its own weights fp32, autocast bf16), trained for
+    `p.eagle_tokens` token-passes over the first `p.train_vocab` draft ids."""
+    from dvi.models import load_causal_lm
+
+    base = load_causal_lm(target_path, "cpu", "float32")
+    for prm in base.parameters():
+        prm.requires_grad_(False)
+    torch.manual_seed(seed + 3)
+    d = EagleDrafter(base)
+    steps = max(1, p.eagle_tokens // (p.distill_batch * p.seq_len))
+    stats = distill_eagle(d, windows, states, order[: p.train_vocab], steps, batch=p.distill_batch, lr=p.eagle_lr,
+                          warmup=p.distill_warmup, min_lr_ratio=p.min_lr_ratio,
+                          feature_weight=p.eagle_feature_weight, seed=seed, progress=progress)
+    return d, stats
