@@ -38,7 +38,8 @@ def parse_args(argv):
                    "instructions from held-out code and prose) | prose")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--batch-sizes", default="1,4,16")
-    p.add_argument("--kinds", default="separate,early_exit", help="drafter kinds to measure")
+    p.add_argument("--kinds", default="separate,eagle,early_exit", help="drafter kinds to measure: separate | eagle "
+                   "(the built head on the target's features) | early_exit")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft vocabulary size (default: the preset's served size, else all stored ids; 0: full)")
     p.add_argument("--early-exit-layers", type=int, default=4)
@@ -208,8 +209,11 @@ def prompt_source(domain: str, tok, seed: int):
 
 def build_drafters(pair, kinds: list[str], args) -> dict:
     """name -> engine drafter for every kind measured: `separate` (the pair's drafter, reduced head as
-    stored or `--draft-vocab`), `early_exit` (the target's first layers + exit head, same draft vocabulary)."""
+    stored or `--draft-vocab`), `eagle` (the head `dvi bootstrap` built, same draft vocabulary),
+    `early_exit` (the target's first layers + exit head, same draft vocabulary)."""
     from dvi.drafters import EarlyExitDrafter, SeparateDrafter
+    from dvi.eagle import EagleDrafter
+    from dvi.embedded import embedded_paths
     from dvi.vocab import find_subset_head
 
     out = {}
@@ -218,10 +222,15 @@ def build_drafters(pair, kinds: list[str], args) -> dict:
     for kind in kinds:
         if kind == "separate":
             out[kind] = SeparateDrafter(pair.drafter)
+        elif kind == "eagle":
+            path = embedded_paths(args.preset, args.root).eagle
+            if not path.is_dir():
+                raise SystemExit(f"no eagle head at {path}: run `dvi bootstrap --preset {args.preset}`")
+            out[kind] = EagleDrafter.load(pair.target, path, vocab_ids=ids)
         elif kind == "early_exit":
             out[kind] = EarlyExitDrafter(pair.target, args.early_exit_layers, lora_rank=0, vocab_ids=ids)
         else:
-            raise SystemExit(f"unknown drafter kind {kind!r}; expected separate or early_exit")
+            raise SystemExit(f"unknown drafter kind {kind!r}; expected separate, eagle or early_exit")
     return out
 
 
@@ -306,8 +315,13 @@ def main(argv=None) -> int:
         return max(cands, key=lambda r: r[key] or 0.0) if cands else None
 
     code1, chat1 = best("code", 0.0, 1), best("chat", 0.0, 1)
+    eagle1 = next((r for r in rows if r["kind"] == "eagle" and r["domain"] == "code" and r["temperature"] == 0.0
+                   and r["batch_size"] == 1), None)
     b16 = [r for r in rows if r["batch_size"] == max(bss)]
     goals = [
+        goal("eagle vs HF generate (code, greedy, batch 1)", eagle1 and eagle1["speedup_vs_hf"], 2.0),
+        goal("eagle vs HF assisted generation (code, greedy, batch 1)",
+             eagle1 and eagle1.get("speedup_vs_hf_assisted"), 1.5),
         goal("best drafter vs HF generate (code, greedy, batch 1)", code1 and code1["speedup_vs_hf"], 1.8),
         goal("best drafter vs HF generate (chat, greedy, batch 1)", chat1 and chat1["speedup_vs_hf"], 1.4),
         goal("best drafter vs HF assisted generation (code, greedy, batch 1)",
