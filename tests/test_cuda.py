@@ -77,6 +77,14 @@ def test_early_exit_drafter_cuda():
     _greedy_case(target, ee, ks=(1, 3))
 
 
+@pytest.mark.parametrize("fam", ["llama", "qwen3", "mistral"])
+def test_eagle_drafter_cuda(fam):
+    from test_eagle import noisy_eagle
+
+    target = tiny(fam, seed=0).to(CUDA)
+    _greedy_case(target, noisy_eagle(target), ks=(1, 3, 5))
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 1.0), (1.0, 0, 0.8)])
 def test_sampling_matches_target_cuda(temperature, top_k, top_p):
     """Engine on the GPU, exact law from the same weights on the CPU: the chi-square test of test_sampling."""

@@ -24,7 +24,7 @@ def noisy_eagle(target, scale: float = 0.05, seed: int = 3, vocab_ids=None) -> E
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in d.trainable_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean().clamp_min(0.05))
+            p.add_(torch.randn(p.shape, generator=g).to(p.device, p.dtype) * scale * p.abs().mean().clamp_min(0.05))
     return d
 
 

@@ -252,8 +252,8 @@ def _early_exit_version(live, out_dir, scale: float = 0.0, seed: int = 0):
     return d.save(out_dir), d.trainable_state_dict()
 
 
-def _publish_dir(reg, path, **manifest) -> int:
-    return reg.publish({f.name: f for f in path.iterdir()}, version_manifest(kind="lora", drafter_kind="early_exit",
+def _publish_dir(reg, path, drafter_kind: str = "early_exit", **manifest) -> int:
+    return reg.publish({f.name: f for f in path.iterdir()}, version_manifest(kind="lora", drafter_kind=drafter_kind,
                                                                        **manifest))
 
 
@@ -367,3 +367,72 @@ def _target_greedy_fn(pair_dir):
     tok = load_tokenizer(pair_dir / "tokenizer")
     target = load_causal_lm(pair_dir / "target", "cpu")
     return lambda prompt, n: _hf_greedy(target, tok, prompt, n)
+
+
+# -- eagle head -------------------------------------------------------------------------------------------
+def _eagle_version(live, out_dir, scale: float, seed: int):
+    """A publishable eagle version dir: the live head's weights perturbed by `scale` (relative)."""
+    from dvi.eagle import EagleDrafter
+
+    d = EagleDrafter(live.target_ref)
+    d.load_trainable_state_dict(live.trainable_state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean().clamp_min(0.05))
+    return d.save(out_dir)
+
+
+def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tiny_pair_dir, tmp_path) -> None:
+    """`dvi serve` with models.drafter_kind=eagle: lossless, feedback shards carry the target's features,
+    a published version is shadow-checked on them and promoted, a garbage one refused, and after an admin
+    target update the features (and output) are the new target's."""
+    from dvi.eagle import EagleDrafter
+    from dvi.feedback import FeedbackReader
+    from dvi.models import load_causal_lm, load_tokenizer
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=eagle", "models.drafter=null",
+                      "serve.admin_token=tok", f"serve.allowed_dirs=[{allowed}]", "trainer.shadow_margin=0.05")
+    tok = load_tokenizer(tiny_pair_dir / "tokenizer")
+    target = load_causal_lm(tiny_pair_dir / "target", "cpu")
+    ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
+    with ServerThread(cfg) as s, s.client() as c, s.client(Authorization="Bearer tok") as admin:
+        live = s.state.engine.drafter
+        assert isinstance(live, EagleDrafter) and live.target_ref is s.state.engine.target
+
+        def served(prompt: str) -> tuple[str, int]:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"], r.json()["dvi"]["drafter_version"]
+
+        for _ in range(3):
+            for p in PROMPTS:
+                assert served(p) == (ref[p], 0)
+        assert c.get("/health").json()["drafter_kind"] == "eagle"
+        s.state.scheduler.feedback.flush()
+        reader = FeedbackReader(cfg.feedback.dir)
+        recs = list(reader.iter_records(reader.poll()))
+        assert recs and all(r.hidden_dim == target.config.hidden_size and r.features() is not None for r in recs)
+        reg = DrafterRegistry(cfg.registry.dir)
+        v1 = _publish_dir(reg, _eagle_version(live, tmp_path / "e1", 1e-3, 1), drafter_kind="eagle")
+        wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the eagle version to be promoted")
+        promoted = [e for e in s.state.swapper.events if e.kind == "promoted" and e.version == v1]
+        assert promoted and "shadow α" in promoted[0].reason  # checked on the logged features, not skipped
+        for p in PROMPTS:
+            assert served(p) == (ref[p], v1)
+        v2 = _publish_dir(reg, _eagle_version(live, tmp_path / "e2", 3.0, 2), drafter_kind="eagle")
+        wait_for(lambda: v2 in s.state.swapper.refused, 30, what="the garbage eagle version to be refused")
+        assert "shadow" in s.state.swapper.refused[v2] and s.state.swapper.live_version == v1
+        new = copy.deepcopy(target)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(7)
+            for prm in new.parameters():
+                prm.add_(torch.randn(prm.shape, generator=g) * 0.5 * prm.abs().mean())
+        new.save_pretrained(allowed / "t2")
+        assert admin.post("/admin/target", json={"path": str(allowed / "t2")}).status_code == 200
+        new_ref = {p: _hf_greedy(new, tok, p, 16) for p in PROMPTS}
+        assert new_ref != ref
+        for p in PROMPTS:
+            assert served(p) == (new_ref[p], v1)
