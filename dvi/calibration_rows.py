@@ -47,7 +47,10 @@ class DummyRows:
 
     def verify(self, k: int):
         ids = self._ids(k + 1)  # [b, K + 1]
-        return lambda: self.tkv.forward(self.eng._tfn, ids).argmax(-1).tolist()
+        eng = self.eng
+        if eng._features:  # the verify an eagle drafter needs also returns the target's features
+            return lambda: self.tkv.forward(eng._tfn_f, ids)[0].argmax(-1).tolist()
+        return lambda: self.tkv.forward(eng._tfn, ids).argmax(-1).tolist()
 
     def undo_verify(self, k: int) -> None:
         self.tkv.rollback(k + 1, self.zeros)
