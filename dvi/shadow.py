@@ -25,6 +25,10 @@ import torch
 
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE
 
+SHADOW_MAX_POSITIONS = 4096
+"""Generated positions one shadow estimate reads at most: the trainer's held-out check before a
+publish and the server's check before a promotion use the same cap, so they estimate alike."""
+
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """Maps input ids ``[1, L]`` to logits ``[1, L, V]`` (teacher forcing, no cache)."""
 

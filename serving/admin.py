@@ -6,8 +6,8 @@
 - ``POST /admin/drafter/pin`` ``{"version": N}``: serve exactly version N (0 = the startup drafter)
   and stop auto-promotion; ``{"version": null}`` unpins.
 - ``POST /admin/drafter/rollback`` ``{"reason": ...}``: back to the previous drafter.
-- ``POST /admin/trainer/pause`` / ``/admin/trainer/resume``: writes / removes
-  `<run_dir>/trainer.pause`, which the online trainer honours (see `serving.supervisor`).
+- ``POST /admin/trainer/pause`` / ``/admin/trainer/resume``: sets / clears the run dir's pause
+  flag (`dvi.rundir`), which the online trainer honours (see `serving.supervisor`).
 - ``GET /admin/status``: the health document plus the swap history.
 
 Errors: 401 without a bearer token, 403 for a wrong one, when admin is disabled, or for a path
@@ -25,8 +25,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from dvi.fsutil import atomic_write_text
 from dvi.registry import AdapterRejected
+from dvi.rundir import RunDir
 
 from .protocol import ApiError, Text
 
@@ -107,12 +107,6 @@ def confine_path(path: str, allowed_dirs: list[Path]) -> Path:
     raise ApiError(403, f"path {path!r} is outside the allowed dirs", param="path", type_="permission_error")
 
 
-def _write_target_version(run_dir: Path, version: int) -> None:
-    """`<run_dir>/target_version`: tells the online trainer about the new target before its first
-    feedback record arrives (trainers.online reads this file)."""
-    atomic_write_text(run_dir / "target_version", f"{version}\n")
-
-
 def admin_router() -> APIRouter:
     """The /admin routes; every one checks the admin token first."""
     router = APIRouter(prefix="/admin")
@@ -133,7 +127,7 @@ def admin_router() -> APIRouter:
             raise ApiError(400, f"cannot load target weights from {body.path!r}: {type(exc).__name__}: {exc}",
                            param="path", code="target_refused") from None
         s.target_version = version
-        _write_target_version(Path(s.cfg.run_dir), version)
+        RunDir.of(s.cfg).write_target_version(version)  # the trainer learns of it before any feedback
         s.metrics.observe_target_update(version)
         log.warning("target weights updated from %s (target version %d)", path, version)
         return {"target_version": version, "path": str(path)}

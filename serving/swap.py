@@ -44,14 +44,14 @@ from typing import Any
 import torch
 
 from dvi.drafters import ADAPTER_CONFIG, Drafter, EarlyExitDrafter
+from dvi.fsutil import append_jsonl
 from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
-from dvi.shadow import hf_logits_fn, shadow_alpha, shadow_passes
+from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_passes
 from dvi.vocab import apply_draft_vocab, find_subset_head
 
 log = logging.getLogger(__name__)
 
 SHADOW_MIN_RECORDS = 4
-SHADOW_MAX_POSITIONS = 4096
 
 
 @dataclass
@@ -332,8 +332,7 @@ class DrafterSwapper:
         log.log(level, "drafter %s v%d (previous %s): %s", ev.kind, ev.version, ev.previous, ev.reason)
         if self.event_log:
             try:
-                with open(self.event_log, "a") as f:
-                    f.write(json.dumps(ev.as_dict()) + "\n")
+                append_jsonl(self.event_log, ev.as_dict(), fsync=False)
             except OSError:
                 log.exception("cannot append to %s", self.event_log)
         try:

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import shutil
 import statistics
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ from dvi.embedded import (
     is_built,
     read_manifest,
 )
-from dvi.fsutil import atomic_write_text
+from dvi.fsutil import atomic_write_text, replace_dir, tmp_dir_beside
 from dvi.models import decode_step_latency, num_params
 from trainers import pretrained_build
 from trainers.offline import (
@@ -335,7 +333,7 @@ def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed:
     if not force and is_built(out) and _matches(read_manifest(out), p, seed):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = tmp_dir_beside(out)
     try:
         if isinstance(p, PretrainedPreset):
             manifest = pretrained_build.build(p, tmp, seed=seed, progress=progress)
@@ -346,27 +344,12 @@ def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed:
             save_pair(built, tmp)
             built.manifest["wall"]["save_s"] = time.perf_counter() - t0
             atomic_write_text(tmp / "manifest.json", json.dumps(built.manifest, indent=2, sort_keys=True))
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out, keep_theirs=is_built)  # a concurrent builder that renamed first wins
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     _log(f"saved to {out}", progress)
     return out
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        os.rename(dst, old)
-    try:
-        os.rename(src, dst)
-    except OSError:
-        # another process renamed its complete build into place first; keep theirs
-        if not is_built(dst):
-            raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_manifest(path: str | Path) -> dict:

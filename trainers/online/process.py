@@ -14,13 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
-from trainers.online.files import TRAINER_DIR
+from dvi.rundir import RunDir
 from trainers.online.loop import TrainerLoop
 from trainers.online.trainer import OnlineTrainer
 
@@ -41,11 +40,10 @@ def run_trainer(cfg: DviConfig) -> int:
 
     set_seed(cfg.trainer.seed)
     accelerator = Accelerator(cpu=str(cfg.models.device) == "cpu")
-    run_dir = Path(cfg.run_dir)
-    (run_dir / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
+    rundir = RunDir.of(cfg).make()
     metrics = None
     if accelerator.is_main_process:
-        metrics = M.MetricsLogger(run_dir / TRAINER_DIR, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
+        metrics = M.MetricsLogger(rundir.trainer_dir, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
                                   entity=cfg.wandb.entity, config=dump_config(cfg),
                                   name=f"trainer-{int(time.time())}")
     try:
