@@ -34,7 +34,8 @@ class ServerMetrics:
         from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry()
-        self.m = M.Metrics(self.registry, window=window, domains=domains, max_versions=max_versions)
+        self.m = M.Metrics(self.registry, window=window, domains=domains, max_versions=max_versions,
+                           model_name=cfg.serve.model_name)
         self._synced: dict[str, float] = {}
         self.log_every = log_every
         self.requests = 0
