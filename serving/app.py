@@ -69,7 +69,7 @@ from .loading import ensure_pair, load_serving_pair, pair_paths  # noqa: F401  (
 from .protocol import RequestLimits
 from .scheduler import Finished, Scheduler
 from .supervisor import TrainerSupervisor
-from .swap import DrafterSwapper, SwapEvent
+from .swap import DrafterSwapper, SwapEvent, SwapPolicy
 from .telemetry import ServerMetrics
 
 log = logging.getLogger("dvi.serving")
@@ -163,9 +163,7 @@ def build_state(cfg: DviConfig) -> ServerState:
     if pair.drafter is not None:
         swapper = DrafterSwapper(
             DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last), scheduler, pair.drafter,
-            poll_seconds=cfg.serve.registry_poll_seconds, shadow_margin=cfg.trainer.shadow_margin,
-            rollback_window=cfg.serve.rollback_window, rollback_margin=cfg.serve.rollback_margin,
-            on_event=lambda ev: _on_swap_event(metrics, ev), event_log=str(rundir.swap_events_path),
+            SwapPolicy.of(cfg), on_event=lambda ev: _on_swap_event(metrics, ev), event_log=str(rundir.swap_events_path),
         )
     state = ServerState(
         cfg=cfg, tokenizer=tokenizer, engine=engine, scheduler=scheduler, swapper=swapper,
