@@ -129,17 +129,18 @@ async def update_target(request: Request) -> dict:
     return {"target_version": version, "path": str(path)}
 
 
-def _swapper(s: Any) -> Any:
+async def _swapper_request(request: Request, model: type) -> tuple[Any, Any]:
+    """(the parsed body, the swapper) of a /admin/drafter request; 409 when no drafter is loaded."""
+    s = _check_admin(request)
+    body = await _body(request, model)
     if s.swapper is None:
         raise ApiError(409, "no drafter is loaded (speculation off)")
-    return s.swapper
+    return body, s.swapper
 
 
 async def pin(request: Request) -> dict:
     """POST /admin/drafter/pin: serve exactly one version (null unpins)."""
-    s = _check_admin(request)
-    body: PinRequest = await _body(request, PinRequest)
-    swapper = _swapper(s)
+    body, swapper = await _swapper_request(request, PinRequest)
     try:
         version = await asyncio.to_thread(swapper.pin, body.version)
     except AdapterRejected as exc:
@@ -151,9 +152,7 @@ async def pin(request: Request) -> dict:
 
 async def rollback(request: Request) -> dict:
     """POST /admin/drafter/rollback: back to the previous drafter."""
-    s = _check_admin(request)
-    body: RollbackRequest = await _body(request, RollbackRequest)
-    swapper = _swapper(s)
+    body, swapper = await _swapper_request(request, RollbackRequest)
     try:
         version = await asyncio.to_thread(swapper.rollback, body.reason)
     except (ValueError, AdapterRejected) as exc:
