@@ -224,22 +224,23 @@ class TrainerSupervisor:
 
     # -- pause / resume ----------------------------------------------------------------------
     def pause(self) -> None:
-        if self.mode == "off":
-            raise RuntimeError("trainer is off (serve.trainer=off)")
-        self.rundir.pause_trainer()
-        with self._lock:
-            self.paused = True
-            if self.proc is not None and self.proc.poll() is None:
-                self.state = "paused"
+        self._set_paused(True)
 
     def resume(self) -> None:
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
+        """Set / clear the run dir's pause flag; a running trainer is reported as paused / running."""
         if self.mode == "off":
             raise RuntimeError("trainer is off (serve.trainer=off)")
-        self.rundir.resume_trainer()
+        if paused:
+            self.rundir.pause_trainer()
+        else:
+            self.rundir.resume_trainer()
         with self._lock:
-            self.paused = False
+            self.paused = paused
             if self.proc is not None and self.proc.poll() is None:
-                self.state = "running"
+                self.state = "paused" if paused else "running"
 
     # -- reporting ---------------------------------------------------------------------------
     @property
