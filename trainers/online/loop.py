@@ -230,6 +230,7 @@ class TrainerLoop:
         try:
             # also the heartbeat the server's supervisor watches (serve.trainer_stale_s)
             self.rundir.write_trainer_status({"state": state, "pid": os.getpid(),
+                                              "processes": self.trainer.accelerator.num_processes,
                                               M.TRAINER_QUARANTINED_SHARDS: self.reader.quarantined_total(),
                                               **self.trainer.status()})
         except OSError:

@@ -21,7 +21,7 @@ from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
 from dvi.rundir import RunDir
 from trainers.online.loop import TrainerLoop
-from trainers.online.trainer import OnlineTrainer
+from trainers.online.trainer import OnlineTrainer, make_accelerator
 
 log = logging.getLogger("dvi.trainer")
 
@@ -35,11 +35,12 @@ def run_trainer(cfg: DviConfig) -> int:
             os.nice(cfg.trainer.nice)  # serving never waits on training: lose every contended core to it
         except OSError:
             log.warning("cannot lower the trainer's CPU priority")
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     set_seed(cfg.trainer.seed)
-    accelerator = Accelerator(cpu=str(cfg.models.device) == "cpu")
+    accelerator = make_accelerator(cfg)
+    if not accelerator.is_main_process:
+        logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports the rounds; the others would repeat them
     rundir = RunDir.of(cfg).make()
     metrics = None
     if accelerator.is_main_process:

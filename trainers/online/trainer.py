@@ -44,6 +44,23 @@ log = logging.getLogger("dvi.trainer")
 REPLAY_RECENT = 256  # idle replay draws from this many newest trained records
 
 
+def make_accelerator(cfg: DviConfig) -> Any:
+    """The `Accelerator` of the configured device (`models.device`, "auto" resolved as the models
+    resolve it). Under `accelerate launch` / torchrun every rank must join one process group: a
+    CPU-only machine with `device: auto` used to leave each rank alone, and every rank then trained,
+    committed and published every record as if it were the only one."""
+    from accelerate import Accelerator
+
+    from dvi.models import resolve_device
+
+    accelerator = Accelerator(cpu=resolve_device(cfg.models.device).type == "cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if accelerator.num_processes != world:
+        raise RuntimeError(f"launched as {world} processes but accelerate formed a group of "
+                           f"{accelerator.num_processes} ({accelerator.distributed_type}); refusing to train twice")
+    return accelerator
+
+
 def _mean(losses: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """Per-key mean of the step results (keys of the first)."""
     return {k: sum(x[k] for x in losses) / len(losses) for k in losses[0]}
@@ -72,11 +89,7 @@ class OnlineTrainer:
     ) -> None:
         self.cfg = cfg
         self.tc = cfg.trainer
-        if accelerator is None:
-            from accelerate import Accelerator
-
-            accelerator = Accelerator(cpu=str(cfg.models.device) == "cpu")
-        self.accelerator = accelerator
+        self.accelerator = accelerator = accelerator if accelerator is not None else make_accelerator(cfg)
         self.registry = registry
         self.metrics = metrics
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
