@@ -12,16 +12,18 @@ keeps online timings (`CostModel`, robust low quantiles) for reporting.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 __all__ = [
-    "expected_tokens", "choose_k", "predicted_speedup", "CostModel", "AcceptanceEMA", "AcceptanceTracker", "AdaptiveK",
+    "expected_tokens", "choose_k", "predicted_speedup", "CostModel", "AcceptanceEMA", "AcceptanceTracker", "AdaptiveK", "AdaptiveTuning",
     "batch_bucket", "CalibrationRows", "Calibrated", "calibrate",
 ]
 
@@ -265,6 +267,23 @@ class _BucketCosts(NamedTuple):
     can_pay: bool  # some K beats plain decoding at alpha = 1
 
 
+@dataclass(frozen=True)
+class AdaptiveTuning:
+    """`AdaptiveK`'s knobs. While K = 0 is chosen, a probe with K = `probe_k` (default: min(2, k_max))
+    runs after `probe_every` K = 0 steps, the interval doubling up to `max_probe_every`; a probe whose
+    drafter catch-up would cost more than `probe_budget_steps` plain steps is skipped, and leaving
+    K = 0 must pay for the catch-up within `catchup_horizon` steps. A K must beat plain decoding by
+    `margin`; measured goodput over `goodput_window` steps guards the prediction."""
+
+    probe_every: int = 16
+    probe_k: int | None = None
+    max_probe_every: int = 256
+    margin: float = 1.05
+    probe_budget_steps: float = 2.0
+    catchup_horizon: int = 16
+    goodput_window: int = 8
+
+
 class AdaptiveK:
     """Chooses K each step from calibrated costs (per batch-size bucket) and per-sequence alphas.
 
@@ -275,21 +294,22 @@ class AdaptiveK:
     chosen, probes with a small K keep alpha fresh, backing off exponentially.
     """
 
-    def __init__(self, k_max: int, k_default: int, probe_every: int = 16, probe_k: int | None = None,
-                 max_probe_every: int = 256, margin: float = 1.05, probe_budget_steps: float = 2.0,
-                 catchup_horizon: int = 16, goodput_window: int = 8):
-        self.margin = margin
+    def __init__(self, k_max: int, k_default: int, tuning: AdaptiveTuning | None = None, **overrides: Any):
+        """`tuning` (default `AdaptiveTuning()`) with `overrides` (its fields, e.g. ``probe_every=5``) applied."""
+        t = self.tuning = dataclasses.replace(tuning or AdaptiveTuning(), **overrides)
+        probe_every, goodput_window = t.probe_every, t.goodput_window
+        self.margin = t.margin
         # A probe first runs the drafter over every token it skipped while K = 0 (its catch-up); a probe
         # whose catch-up would cost more than this many plain steps is skipped (large CPU batches: a
         # 64-row catch-up costs more than the probes could win back).
-        self.probe_budget_steps = probe_budget_steps
-        self.catchup_horizon = catchup_horizon
+        self.probe_budget_steps = t.probe_budget_steps
+        self.catchup_horizon = t.catchup_horizon
         self.catchup_cost: dict[int, float] = {}  # seconds per caught-up token, per bucket
         self.k_max = k_max
         self.k_default = max(1, min(k_default, k_max)) if k_max > 0 else 0
         self.probe_every = probe_every
-        self.max_probe_every = max_probe_every
-        self.probe_k = probe_k
+        self.max_probe_every = t.max_probe_every
+        self.probe_k = t.probe_k
         self.costs = CostModel(window=1, quantile=0.0)
         self._zero_streak = 0
         self._interval = probe_every

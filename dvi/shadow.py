@@ -26,6 +26,10 @@ import torch
 
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE
 
+SHADOW_MAX_POSITIONS = 4096
+"""Generated positions one shadow estimate reads at most: the trainer's held-out check before a
+publish and the server's check before a promotion use the same cap, so they estimate alike."""
+
 LogitsFn = Callable[..., torch.Tensor]
 """Maps input ids ``[1, L]`` (and, for an eagle head, its input features ``[1, L, H]``) to logits
 ``[1, L, V]`` (teacher forcing, no cache). ``fn.needs_features`` marks the eagle kind."""

@@ -6,8 +6,8 @@
 - ``POST /admin/drafter/pin`` ``{"version": N}``: serve exactly version N (0 = the startup drafter)
   and stop auto-promotion; ``{"version": null}`` unpins.
 - ``POST /admin/drafter/rollback`` ``{"reason": ...}``: back to the previous drafter.
-- ``POST /admin/trainer/pause`` / ``/admin/trainer/resume``: writes / removes
-  `<run_dir>/trainer.pause`, which the online trainer honours (see `serving.supervisor`).
+- ``POST /admin/trainer/pause`` / ``/admin/trainer/resume``: sets / clears the run dir's pause
+  flag (`dvi.rundir`), which the online trainer honours (see `serving.supervisor`).
 - ``GET /admin/status``: the health document plus the swap history.
 
 Errors: 401 without a bearer token, 403 for a wrong one, when admin is disabled, or for a path
@@ -25,8 +25,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from dvi.fsutil import atomic_write_text
 from dvi.registry import AdapterRejected
+from dvi.rundir import RunDir
 
 from .protocol import ApiError, Text
 
@@ -107,89 +107,97 @@ def confine_path(path: str, allowed_dirs: list[Path]) -> Path:
     raise ApiError(403, f"path {path!r} is outside the allowed dirs", param="path", type_="permission_error")
 
 
-def _write_target_version(run_dir: Path, version: int) -> None:
-    """`<run_dir>/target_version`: tells the online trainer about the new target before its first
-    feedback record arrives (trainers.online reads this file)."""
-    atomic_write_text(run_dir / "target_version", f"{version}\n")
+# -- the routes: each checks the admin token first ---------------------------------------------------
+async def update_target(request: Request) -> dict:
+    """POST /admin/target: load new target weights between engine steps, then announce the version."""
+    s = _check_admin(request)
+    body: TargetUpdate = await _body(request, TargetUpdate)
+    path = confine_path(body.path, list(s.cfg.serve.allowed_dirs))
+    version = body.version if body.version is not None else s.target_version + 1
+    engine = s.engine
+    fut = s.scheduler.call_between_steps(lambda: engine.update_target_weights(str(path), version, complete=True))
+    try:
+        await asyncio.wrap_future(fut)
+    except Exception as exc:  # noqa: BLE001 - unreadable / NaN / partial weights are the caller's error
+        log.warning("target update from %s refused: %s: %s", path, type(exc).__name__, exc)
+        raise ApiError(400, f"cannot load target weights from {body.path!r}: {type(exc).__name__}: {exc}",
+                       param="path", code="target_refused") from None
+    s.target_version = version
+    RunDir.of(s.cfg).write_target_version(version)  # the trainer learns of it before any feedback
+    s.metrics.observe_target_update(version)
+    log.warning("target weights updated from %s (target version %d)", path, version)
+    return {"target_version": version, "path": str(path)}
+
+
+async def _swapper_request(request: Request, model: type) -> tuple[Any, Any]:
+    """(the parsed body, the swapper) of a /admin/drafter request; 409 when no drafter is loaded."""
+    s = _check_admin(request)
+    body = await _body(request, model)
+    if s.swapper is None:
+        raise ApiError(409, "no drafter is loaded (speculation off)")
+    return body, s.swapper
+
+
+async def pin(request: Request) -> dict:
+    """POST /admin/drafter/pin: serve exactly one version (null unpins)."""
+    body, swapper = await _swapper_request(request, PinRequest)
+    try:
+        version = await asyncio.to_thread(swapper.pin, body.version)
+    except AdapterRejected as exc:
+        raise ApiError(400, f"drafter version {body.version} refused: {exc.reason}", param="version") from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="version") from None
+    return {"drafter_version": version, "pinned": swapper.pinned}
+
+
+async def rollback(request: Request) -> dict:
+    """POST /admin/drafter/rollback: back to the previous drafter."""
+    body, swapper = await _swapper_request(request, RollbackRequest)
+    try:
+        version = await asyncio.to_thread(swapper.rollback, body.reason)
+    except (ValueError, AdapterRejected) as exc:
+        raise ApiError(409, str(exc)) from None
+    return {"drafter_version": version}
+
+
+def _trainer_action(request: Request, action: str) -> dict:
+    s = _check_admin(request)
+    try:
+        getattr(s.supervisor, action)()
+    except RuntimeError as exc:
+        raise ApiError(409, str(exc)) from None
+    return s.supervisor.info()
+
+
+async def pause(request: Request) -> dict:
+    """POST /admin/trainer/pause: set the run dir's pause flag."""
+    return _trainer_action(request, "pause")
+
+
+async def resume(request: Request) -> dict:
+    """POST /admin/trainer/resume: clear the run dir's pause flag."""
+    return _trainer_action(request, "resume")
+
+
+async def status(request: Request) -> dict:
+    """GET /admin/status: the health document plus the swap history."""
+    from .app import health_info
+
+    s = _check_admin(request)
+    info = health_info(s)
+    if s.swapper is not None:
+        info["swap_events"] = [e.as_dict() for e in s.swapper.events]
+    return info
+
+
+ROUTES = (("POST", "/target", update_target), ("POST", "/drafter/pin", pin),
+          ("POST", "/drafter/rollback", rollback), ("POST", "/trainer/pause", pause),
+          ("POST", "/trainer/resume", resume), ("GET", "/status", status))
 
 
 def admin_router() -> APIRouter:
-    """The /admin routes; every one checks the admin token first."""
+    """The /admin routes (`ROUTES`); every one checks the admin token first."""
     router = APIRouter(prefix="/admin")
-
-    @router.post("/target")
-    async def update_target(request: Request) -> dict:
-        s = _check_admin(request)
-        body: TargetUpdate = await _body(request, TargetUpdate)
-        path = confine_path(body.path, list(s.cfg.serve.allowed_dirs))
-        version = body.version if body.version is not None else s.target_version + 1
-        engine = s.engine
-        fut = s.scheduler.call_between_steps(
-            lambda: engine.update_target_weights(str(path), version, complete=True))
-        try:
-            await asyncio.wrap_future(fut)
-        except Exception as exc:  # noqa: BLE001 - unreadable / NaN / partial weights are the caller's error
-            log.warning("target update from %s refused: %s: %s", path, type(exc).__name__, exc)
-            raise ApiError(400, f"cannot load target weights from {body.path!r}: {type(exc).__name__}: {exc}",
-                           param="path", code="target_refused") from None
-        s.target_version = version
-        _write_target_version(Path(s.cfg.run_dir), version)
-        s.metrics.observe_target_update(version)
-        log.warning("target weights updated from %s (target version %d)", path, version)
-        return {"target_version": version, "path": str(path)}
-
-    @router.post("/drafter/pin")
-    async def pin(request: Request) -> dict:
-        s = _check_admin(request)
-        body: PinRequest = await _body(request, PinRequest)
-        if s.swapper is None:
-            raise ApiError(409, "no drafter is loaded (speculation off)")
-        try:
-            version = await asyncio.to_thread(s.swapper.pin, body.version)
-        except AdapterRejected as exc:
-            raise ApiError(400, f"drafter version {body.version} refused: {exc.reason}", param="version") from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="version") from None
-        return {"drafter_version": version, "pinned": s.swapper.pinned}
-
-    @router.post("/drafter/rollback")
-    async def rollback(request: Request) -> dict:
-        s = _check_admin(request)
-        body: RollbackRequest = await _body(request, RollbackRequest)
-        if s.swapper is None:
-            raise ApiError(409, "no drafter is loaded (speculation off)")
-        try:
-            version = await asyncio.to_thread(s.swapper.rollback, body.reason)
-        except (ValueError, AdapterRejected) as exc:
-            raise ApiError(409, str(exc)) from None
-        return {"drafter_version": version}
-
-    @router.post("/trainer/pause")
-    async def pause(request: Request) -> dict:
-        s = _check_admin(request)
-        try:
-            s.supervisor.pause()
-        except RuntimeError as exc:
-            raise ApiError(409, str(exc)) from None
-        return s.supervisor.info()
-
-    @router.post("/trainer/resume")
-    async def resume(request: Request) -> dict:
-        s = _check_admin(request)
-        try:
-            s.supervisor.resume()
-        except RuntimeError as exc:
-            raise ApiError(409, str(exc)) from None
-        return s.supervisor.info()
-
-    @router.get("/status")
-    async def status(request: Request) -> dict:
-        from .app import health_info
-
-        s = _check_admin(request)
-        info = health_info(s)
-        if s.swapper is not None:
-            info["swap_events"] = [e.as_dict() for e in s.swapper.events]
-        return info
-
+    for method, path, endpoint in ROUTES:
+        router.add_api_route(path, endpoint, methods=[method])
     return router

@@ -21,7 +21,6 @@ import socket
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from dvi.config import DviConfig
 from dvi.engine import SpeculativeEngine
 from dvi.feedback import FeedbackWriter
 from dvi.registry import DrafterRegistry
+from dvi.rundir import RunDir
 
 from .completions import (  # noqa: F401  (re-exported: serving.app is the callers' import path)
     _UNION_TAG,
@@ -69,7 +69,7 @@ from .loading import ensure_pair, load_serving_pair, pair_paths  # noqa: F401  (
 from .protocol import RequestLimits
 from .scheduler import Finished, Scheduler
 from .supervisor import TrainerSupervisor
-from .swap import DrafterSwapper, SwapEvent
+from .swap import DrafterSwapper, SwapEvent, SwapPolicy
 from .telemetry import ServerMetrics
 
 log = logging.getLogger("dvi.serving")
@@ -149,8 +149,8 @@ def build_state(cfg: DviConfig) -> ServerState:
         t0 = time.perf_counter()
         engine.calibrate(buckets)
         log.info("adaptive K calibrated for batch sizes %s in %.1fs", buckets, time.perf_counter() - t0)
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir = RunDir.of(cfg)
+    rundir.root.mkdir(parents=True, exist_ok=True)
     fb = cfg.feedback
     feedback = FeedbackWriter(fb.dir, shard_records=fb.shard_records, flush_seconds=fb.flush_seconds,
                               retention_bytes=fb.retention_bytes, retention_shards=fb.retention_shards,
@@ -163,9 +163,7 @@ def build_state(cfg: DviConfig) -> ServerState:
     if pair.drafter is not None:
         swapper = DrafterSwapper(
             DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last), scheduler, pair.drafter,
-            poll_seconds=cfg.serve.registry_poll_seconds, shadow_margin=cfg.trainer.shadow_margin,
-            rollback_window=cfg.serve.rollback_window, rollback_margin=cfg.serve.rollback_margin,
-            on_event=lambda ev: _on_swap_event(metrics, ev), event_log=str(run_dir / "swap_events.jsonl"),
+            SwapPolicy.of(cfg), on_event=lambda ev: _on_swap_event(metrics, ev), event_log=str(rundir.swap_events_path),
         )
     state = ServerState(
         cfg=cfg, tokenizer=tokenizer, engine=engine, scheduler=scheduler, swapper=swapper,

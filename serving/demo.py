@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ import yaml
 
 from dvi.config import DviConfig, dump_config
 from dvi.fsutil import PRIVATE, atomic_write_text
+from dvi.rundir import RunDir
 
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
 CONCURRENCY = 4
@@ -159,21 +161,70 @@ class Timeline:
         return sum(s["accepted"] for s in self.recent) / drafted if drafted else None
 
 
-async def _phase(url: str, name: str, domain: str, prompts: Any, n: int, max_tokens: int, timeline: Timeline,
-                 progress: Any, task: Any, health: dict) -> None:
+@dataclass
+class Phase:
+    """One phase of the scenario: `n` requests of `domain` drawn from `prompts` (token-id lists for
+    /v1/completions, or chat message lists for /v1/chat/completions)."""
+
+    name: str
+    domain: str
+    prompts: Any
+    n: int
+    max_tokens: int
+
+    def request(self) -> tuple[str, dict]:
+        """(endpoint, body) of the next request."""
+        item = next(self.prompts)
+        chat = isinstance(item[0], dict)  # a list of chat messages, else prompt token ids
+        body = {"messages" if chat else "prompt": item, "max_tokens": self.max_tokens, "temperature": 0.0,
+                "metadata": {"domain": self.domain}}
+        return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+@dataclass
+class Live:
+    """What the phases update as they go: the timeline, the progress bar and the last /health."""
+
+    timeline: Timeline
+    progress: Any
+    health: dict = field(default_factory=dict)
+    task: Any = None
+
+    def show(self, name: str) -> None:
+        a, h = self.timeline.rolling_alpha(), self.health
+        self.progress.update(self.task, advance=1, description=(
+            f"{name:<18} α {'-' if a is None else f'{a:.3f}'}  drafter v{h.get('drafter_version')}  "
+            f"target v{h.get('target_version')}  trainer {h.get('trainer', '?')}  errors {self.timeline.errors}"))
+
+
+async def _poll_health(client: Any, live: Live, stop: asyncio.Event) -> None:
     import httpx
 
-    it = iter(range(n))
+    while not stop.is_set():
+        try:
+            h = (await client.get("/health")).json()
+            live.health.update(drafter_version=h["drafter_version"], target_version=h["target_version"],
+                               trainer=f"{h['trainer']['state']} (restarts {h['trainer']['restarts']})")
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except TimeoutError:
+            pass
+
+
+async def _phase(url: str, phase: Phase, live: Live) -> None:
+    """Send the phase's requests, CONCURRENCY at a time, while polling /health for the display."""
+    import httpx
+
+    it = iter(range(phase.n))
     unreachable = [0]
 
     async def worker(client: httpx.AsyncClient) -> None:
         for _ in it:
-            item = next(prompts)
-            chat = isinstance(item[0], dict)  # a list of chat messages, else prompt token ids
-            body = {"messages" if chat else "prompt": item, "max_tokens": max_tokens, "temperature": 0.0,
-                    "metadata": {"domain": domain}}
+            endpoint, body = phase.request()
             try:
-                r = await client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+                r = await client.post(endpoint, json=body)
                 stats = r.json()["dvi"] if r.status_code == 200 else None
                 unreachable[0] = 0
             except httpx.TransportError:
@@ -181,29 +232,12 @@ async def _phase(url: str, name: str, domain: str, prompts: Any, n: int, max_tok
                 unreachable[0] += 1
                 if unreachable[0] >= 3:  # the server is gone (e.g. Ctrl-C reached it first)
                     raise RuntimeError("the server stopped answering") from None
-            timeline.add(name, stats)
-            a = timeline.rolling_alpha()
-            progress.update(task, advance=1, description=(
-                f"{name:<18} α {'-' if a is None else f'{a:.3f}'}  drafter v{health.get('drafter_version')}  "
-                f"target v{health.get('target_version')}  trainer {health.get('trainer', '?')}"
-                f"  errors {timeline.errors}"))
-
-    async def poll_health(client: httpx.AsyncClient, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                h = (await client.get("/health")).json()
-                health.update(drafter_version=h["drafter_version"], target_version=h["target_version"],
-                              trainer=f"{h['trainer']['state']} (restarts {h['trainer']['restarts']})")
-            except (httpx.HTTPError, KeyError, ValueError):
-                pass
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except TimeoutError:
-                pass
+            live.timeline.add(phase.name, stats)
+            live.show(phase.name)
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         stop = asyncio.Event()
-        poller = asyncio.create_task(poll_health(client, stop))
+        poller = asyncio.create_task(_poll_health(client, live, stop))
         try:
             await asyncio.gather(*(worker(client) for _ in range(CONCURRENCY)))
         finally:
@@ -211,28 +245,9 @@ async def _phase(url: str, name: str, domain: str, prompts: Any, n: int, max_tok
             await poller
 
 
-def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
-    """The drift scenario against a real server + trainer; returns a process exit code."""
-    import httpx
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from dvi.data import chat_instructions, prompt_stream
-    from dvi.metrics import plot_alpha
-
-    from .app import ensure_pair, pair_paths
-
-    console = Console()
-    preset = cfg.models.preset
-    n = requests_per_phase or DEFAULT_REQUESTS.get(preset, 64)
-    run_id = time.strftime("demo-%Y%m%d-%H%M%S")
-    run_dir = (Path(cfg.run_dir).parent / run_id).resolve()
-    targets = run_dir / "targets"
-    targets.mkdir(parents=True, exist_ok=True)
-    console.rule(f"dvi demo · preset {preset} · {n} requests per phase · {run_dir}")
-
-    ensure_pair(cfg)
+def _write_serve_config(cfg: DviConfig, run_dir: Path, targets: Path) -> tuple[Path, str]:
+    """The demo server's config under `run_dir` (everything written there; `targets` the only allowed
+    dir; a supervised trainer); returns (its path, the admin token it holds)."""
     data = dump_config(cfg)
     data["run_dir"] = str(run_dir)
     data["feedback"]["dir"] = str(run_dir / "feedback")
@@ -244,49 +259,69 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
         data["wandb"]["mode"] = "offline"
     config_path = run_dir / "serve_config.yaml"
     atomic_write_text(config_path, yaml.safe_dump(data, sort_keys=False), mode=PRIVATE)  # holds the admin token
+    return config_path, admin_token
 
-    target_path, _, tok_path = pair_paths(cfg)
+
+def _phases(cfg: DviConfig, tok: Any, n: int) -> list[Phase]:
+    """code, then the drift domain (chat for a tokenizer with a chat template, the real pair; prose
+    for the test pair), then the drift domain again after the target update."""
+    from dvi.data import chat_instructions, prompt_stream
+
+    max_tokens = min(64, cfg.sampling.max_new_tokens)
+    if getattr(tok, "chat_template", None):
+        drift, drift_name = chat_instructions("heldout", seed=cfg.seed), "chat"
+    else:
+        drift, drift_name = prompt_stream("prose", tok, seed=cfg.seed), "prose"
+    return [Phase("code", "code", prompt_stream("code", tok, seed=cfg.seed), n, max_tokens),
+            Phase(drift_name, drift_name, drift, n, max_tokens),
+            Phase(f"{drift_name} · new target", drift_name, drift, n, max_tokens)]
+
+
+def _update_target(url: str, path: Path, admin_token: str) -> int:
+    """POST /admin/target with the perturbed target; returns the new target version."""
+    import httpx
+
+    r = httpx.post(url + "/admin/target", json={"path": str(path), "version": 1},
+                   headers={"Authorization": f"Bearer {admin_token}"}, timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"target update failed: {r.status_code} {r.text}")
+    return r.json()["target_version"]
+
+
+def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, console: Any) -> dict:
+    """Start the server, run the phases (the target update before the third); the final /health."""
+    import httpx
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from dvi.models import find_tokenizer_path, load_tokenizer
 
+    from .app import pair_paths
+
+    targets = rundir.root / "targets"
+    config_path, admin_token = _write_serve_config(cfg, rundir.root, targets)
+    target_path, _, tok_path = pair_paths(cfg)
     tok = load_tokenizer(tok_path or find_tokenizer_path(target_path))
-    max_tokens = min(64, cfg.sampling.max_new_tokens)
-    timeline = Timeline()
-    health: dict[str, Any] = {}
-    status = 0
-    console.print(f"starting server + trainer (logs: {run_dir}/server.log, {run_dir}/trainer.log) ...")
-    try:
-        with ServerProcess(["--config", str(config_path)], run_dir / "server.log") as srv, Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                console=console) as progress:
-            code = prompt_stream("code", tok, seed=cfg.seed)
-            # chat for a tokenizer with a chat template (the real pair); prose for the test pair
-            if getattr(tok, "chat_template", None):
-                drift, drift_name = chat_instructions("heldout", seed=cfg.seed), "chat"
-            else:
-                drift, drift_name = prompt_stream("prose", tok, seed=cfg.seed), "prose"
-            phases = [("code", "code", code), (drift_name, drift_name, drift),
-                      (f"{drift_name} · new target", drift_name, drift)]
-            for i, (name, domain, prompts) in enumerate(phases):
-                if i == 2:
-                    path = _perturbed_target(target_path, targets / "target_v1.safetensors", seed=cfg.seed)
-                    r = httpx.post(srv.url + "/admin/target", json={"path": str(path), "version": 1},
-                                   headers={"Authorization": f"Bearer {admin_token}"}, timeout=600)
-                    if r.status_code != 200:
-                        raise RuntimeError(f"target update failed: {r.status_code} {r.text}")
-                    progress.console.print(f"target updated through /admin/target -> version {r.json()['target_version']}")
-                task = progress.add_task(name, total=n)
-                asyncio.run(_phase(srv.url, name, domain, prompts, n, max_tokens, timeline, progress, task, health))
-                timeline.flush()
-            final = httpx.get(srv.url + "/health", timeout=30).json()
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: stopping the server and its trainer ...[/yellow]")
-        status = 130
-        final = {}
-    except (RuntimeError, httpx.HTTPError) as exc:
-        console.print(f"[red]demo stopped: {exc}[/red]")
-        status = 1
-        final = {}
-    timeline.flush()
+    console.print(f"starting server + trainer (logs: {rundir.root}/server.log, {rundir.trainer_log_path}) ...")
+    with ServerProcess(["--config", str(config_path)], rundir.root / "server.log") as srv, Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=console) as progress:
+        live = Live(timeline, progress)
+        for i, phase in enumerate(_phases(cfg, tok, n)):
+            if i == 2:
+                path = _perturbed_target(target_path, targets / "target_v1.safetensors", seed=cfg.seed)
+                version = _update_target(srv.url, path, admin_token)
+                progress.console.print(f"target updated through /admin/target -> version {version}")
+            live.task = progress.add_task(phase.name, total=phase.n)
+            asyncio.run(_phase(srv.url, phase, live))
+            timeline.flush()
+        return httpx.get(srv.url + "/health", timeout=30).json()
+
+
+def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict) -> None:
+    """The α timeline table, timeline.json, alpha.png and the run's counts."""
+    from rich.table import Table
+
+    from dvi.metrics import plot_alpha
 
     table = Table(title="α timeline (client side, per window of requests)")
     for col in ("requests", "phase", "α", "mean accepted length", "drafter", "target"):
@@ -296,11 +331,11 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
         table.add_row(str(row["requests"]), row["phase"], "-" if a is None else f"{a:.3f}",
                       "-" if m is None else f"{m:.2f}", f"v{row['drafter_version']}", f"v{row['target_version']}")
     console.print(table)
+    run_dir = rundir.root
     (run_dir / "timeline.json").write_text(json.dumps({"rows": timeline.rows, "errors": timeline.errors,
                                                        "health": final}, indent=1))
-    metrics_jsonl = run_dir / "metrics.jsonl"
-    if metrics_jsonl.is_file():
-        png = plot_alpha(metrics_jsonl, run_dir / "alpha.png", step_label="requests served")
+    if rundir.metrics_path.is_file():
+        png = plot_alpha(rundir.metrics_path, run_dir / "alpha.png", step_label="requests served")
         console.print(f"α plot: {png}")
     drafter = (final.get("drafter") or {}).get("counts", {})
     console.print(f"requests {timeline.done}, errors {timeline.errors}; drafter promotions {drafter.get('promoted', 0)}, "
@@ -310,4 +345,31 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
     if wandb_dir.exists():
         console.print(f"offline wandb run: {wandb_dir} (`wandb sync {wandb_dir}/offline-run-*` to upload)")
     console.print(f"run dir: {run_dir}")
+
+
+def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
+    """The drift scenario against a real server + trainer; returns a process exit code."""
+    import httpx
+    from rich.console import Console
+
+    from .app import ensure_pair
+
+    console = Console()
+    n = requests_per_phase or DEFAULT_REQUESTS.get(cfg.models.preset, 64)
+    rundir = RunDir((Path(cfg.run_dir).parent / time.strftime("demo-%Y%m%d-%H%M%S")).resolve())
+    (rundir.root / "targets").mkdir(parents=True, exist_ok=True)
+    console.rule(f"dvi demo · preset {cfg.models.preset} · {n} requests per phase · {rundir.root}")
+    ensure_pair(cfg)
+    timeline = Timeline()
+    status, final = 0, {}
+    try:
+        final = _run_scenario(cfg, rundir, n, timeline, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping the server and its trainer ...[/yellow]")
+        status = 130
+    except (RuntimeError, httpx.HTTPError) as exc:
+        console.print(f"[red]demo stopped: {exc}[/red]")
+        status = 1
+    timeline.flush()
+    _report(console, rundir, timeline, final)
     return status or (1 if timeline.errors else 0)

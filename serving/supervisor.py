@@ -2,7 +2,7 @@
 
 Serving never waits on training (DESIGN.md invariant 3): the trainer runs as its own OS process
 (`python -m dvi.cli train --online --config <run_dir>/trainer_config.yaml`), its output goes to
-`<run_dir>/trainer.log`, and when it dies it is restarted with exponential back-off
+`<run_dir>/trainer.log` (both paths are `dvi.rundir.RunDir`'s), and when it dies it is restarted with exponential back-off
 (`serve.trainer_restart_backoff_s` doubling up to `serve.trainer_restart_backoff_max_s`; the
 delay resets after the process stays up for 60 s).
 
@@ -46,15 +46,11 @@ from pathlib import Path
 import yaml
 
 from dvi.config import DviConfig, dump_config
-from dvi.fsutil import PRIVATE, atomic_write_text
+from dvi.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 STABLE_AFTER_S = 60.0
-PAUSE_FILE = "trainer.pause"
-CONFIG_FILE = "trainer_config.yaml"
-LOG_FILE = "trainer.log"
-HEARTBEAT_FILE = ("trainer", "status.json")  # written by trainers.online every loop iteration
 
 
 def _pdeathsig() -> None:  # pragma: no cover - runs in the child
@@ -74,10 +70,11 @@ class TrainerSupervisor:
                  command: list[str] | None = None) -> None:
         self.cfg = cfg
         self.mode = cfg.serve.trainer
-        self.run_dir = Path(cfg.run_dir)
-        self.config_path = self.run_dir / CONFIG_FILE
-        self.log_path = self.run_dir / LOG_FILE
-        self.pause_path = self.run_dir / PAUSE_FILE
+        self.rundir = RunDir.of(cfg)
+        self.run_dir = self.rundir.root
+        self.config_path = self.rundir.trainer_config_path
+        self.log_path = self.rundir.trainer_log_path
+        self.pause_path = self.rundir.pause_path
         self.command = command or [sys.executable, "-m", "dvi.cli", "train", "--online",
                                    "--config", str(self.config_path)]
         self.on_event = on_event or (lambda _event: None)
@@ -85,7 +82,6 @@ class TrainerSupervisor:
         self.stale_restarts = 0
         self.stale_after_s = cfg.serve.trainer_stale_s
         self.start_grace_s = max(cfg.serve.trainer_start_grace_s, cfg.serve.trainer_stale_s)
-        self.heartbeat_path = self.run_dir.joinpath(*HEARTBEAT_FILE)
         self._spawned_at: float | None = None  # wall clock, comparable with file mtimes
         self.state = "off" if self.mode == "off" else ("external" if self.mode == "external" else "starting")
         self.paused = False
@@ -102,7 +98,7 @@ class TrainerSupervisor:
         if self.mode != "supervised":
             return
         self.write_config()
-        self.pause_path.unlink(missing_ok=True)
+        self.rundir.resume_trainer()
         self._thread = threading.Thread(target=self._run, name="dvi-trainer-supervisor", daemon=True)
         self._thread.start()
 
@@ -111,8 +107,7 @@ class TrainerSupervisor:
 
         `dump_config` leaves the secrets out; the file is still owner-only, as it names the run's dirs.
         """
-        atomic_write_text(self.config_path, yaml.safe_dump(dump_config(self.cfg), sort_keys=False), mode=PRIVATE)
-        return self.config_path
+        return self.rundir.write_trainer_config(yaml.safe_dump(dump_config(self.cfg), sort_keys=False))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop supervising and terminate the trainer (SIGTERM, then SIGKILL after `timeout`)."""
@@ -205,10 +200,7 @@ class TrainerSupervisor:
             spawned, proc = self._spawned_at, self.proc
         if spawned is None or proc is None or proc.poll() is not None:
             return None
-        try:
-            beat = self.heartbeat_path.stat().st_mtime
-        except OSError:
-            beat = 0.0
+        beat = self.rundir.heartbeat_time() or 0.0
         if beat >= spawned:
             return max(0.0, time.time() - beat), self.stale_after_s
         return max(0.0, time.time() - spawned), self.start_grace_s
@@ -232,22 +224,23 @@ class TrainerSupervisor:
 
     # -- pause / resume ----------------------------------------------------------------------
     def pause(self) -> None:
-        if self.mode == "off":
-            raise RuntimeError("trainer is off (serve.trainer=off)")
-        self.pause_path.write_text(f"paused at {time.time()}\n")
-        with self._lock:
-            self.paused = True
-            if self.proc is not None and self.proc.poll() is None:
-                self.state = "paused"
+        self._set_paused(True)
 
     def resume(self) -> None:
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
+        """Set / clear the run dir's pause flag; a running trainer is reported as paused / running."""
         if self.mode == "off":
             raise RuntimeError("trainer is off (serve.trainer=off)")
-        self.pause_path.unlink(missing_ok=True)
+        if paused:
+            self.rundir.pause_trainer()
+        else:
+            self.rundir.resume_trainer()
         with self._lock:
-            self.paused = False
+            self.paused = paused
             if self.proc is not None and self.proc.poll() is None:
-                self.state = "running"
+                self.state = "paused" if paused else "running"
 
     # -- reporting ---------------------------------------------------------------------------
     @property
@@ -262,5 +255,5 @@ class TrainerSupervisor:
                 "heartbeat_age_s": None if hb is None else round(hb[0], 3),
                 "stale": hb is not None and hb[0] > hb[1], "stale_after_s": self.stale_after_s,
                 "stale_restarts": self.stale_restarts,
-                "paused": self.paused or self.pause_path.exists(), "last_exit_code": self.last_exit_code,
+                "paused": self.paused or self.rundir.trainer_paused(), "last_exit_code": self.last_exit_code,
                 "log": str(self.log_path) if self.mode == "supervised" else None}

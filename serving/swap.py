@@ -45,14 +45,14 @@ import torch
 
 from dvi.drafters import ADAPTER_CONFIG, Drafter, EarlyExitDrafter
 from dvi.eagle import EagleDrafter
+from dvi.fsutil import append_jsonl
 from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
-from dvi.shadow import hf_logits_fn, shadow_alpha, shadow_passes
+from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_passes
 from dvi.vocab import apply_draft_vocab, find_subset_head
 
 log = logging.getLogger(__name__)
 
 SHADOW_MIN_RECORDS = 4
-SHADOW_MAX_POSITIONS = 4096
 
 
 @dataclass
@@ -188,21 +188,40 @@ def load_drafter_version(registry: DrafterRegistry, version: int, base: Any) -> 
     return model, man
 
 
+@dataclass(frozen=True)
+class SwapPolicy:
+    """When the swapper looks, promotes and rolls back (module docstring): poll LATEST every
+    `poll_seconds`; refuse a candidate whose shadow α on the last `shadow_records` finished requests
+    is below the live one's by more than `shadow_margin`; roll back when live α over
+    `rollback_window` requests falls by more than `rollback_margin`."""
+
+    poll_seconds: float
+    shadow_margin: float
+    rollback_window: int
+    rollback_margin: float
+    shadow_records: int = 64
+
+    @classmethod
+    def of(cls, cfg: Any) -> SwapPolicy:
+        """From a `DviConfig` (serve.registry_poll_seconds, serve.rollback_*, trainer.shadow_margin)."""
+        return cls(poll_seconds=cfg.serve.registry_poll_seconds, shadow_margin=cfg.trainer.shadow_margin,
+                   rollback_window=cfg.serve.rollback_window, rollback_margin=cfg.serve.rollback_margin)
+
+
 class DrafterSwapper:
     """Owns the live drafter version; the registry watcher thread and the admin API use it."""
 
-    def __init__(self, registry: DrafterRegistry, scheduler: Any, base_drafter: torch.nn.Module,
-                 poll_seconds: float, shadow_margin: float, rollback_window: int, rollback_margin: float,
-                 shadow_records: int = 64, on_event: Callable[[SwapEvent], None] | None = None,
-                 event_log: str | None = None) -> None:
+    def __init__(self, registry: DrafterRegistry, scheduler: Any, base_drafter: torch.nn.Module, policy: SwapPolicy,
+                 on_event: Callable[[SwapEvent], None] | None = None, event_log: str | None = None) -> None:
         self.registry = registry
         self.scheduler = scheduler
         # An early-exit drafter shares the target's weights: keep it as is (a deep copy would copy the target).
         self.base = base_drafter if isinstance(base_drafter, Drafter) else copy.deepcopy(base_drafter).eval()
-        self.poll_seconds = poll_seconds
-        self.shadow_margin = shadow_margin
-        self.rollback_window = rollback_window
-        self.rollback_margin = rollback_margin
+        self.policy = policy
+        self.poll_seconds = policy.poll_seconds
+        self.shadow_margin = policy.shadow_margin
+        self.rollback_window = rollback_window = policy.rollback_window
+        self.rollback_margin = policy.rollback_margin
         self.on_event = on_event or (lambda _e: None)
         self.event_log = event_log
         self.live_version = 0
@@ -213,7 +232,7 @@ class DrafterSwapper:
         self.retry: set[int] = set()  # refused for a reason that may pass later (dir not there yet)
         self.events: collections.deque[SwapEvent] = collections.deque(maxlen=100)
         self.counts = collections.Counter()
-        self.recent: collections.deque = collections.deque(maxlen=shadow_records)
+        self.recent: collections.deque = collections.deque(maxlen=policy.shadow_records)
         self._per_version: dict[int, collections.deque] = collections.defaultdict(
             lambda: collections.deque(maxlen=rollback_window))
         self._since_swap = 0
@@ -334,8 +353,7 @@ class DrafterSwapper:
         log.log(level, "drafter %s v%d (previous %s): %s", ev.kind, ev.version, ev.previous, ev.reason)
         if self.event_log:
             try:
-                with open(self.event_log, "a") as f:
-                    f.write(json.dumps(ev.as_dict()) + "\n")
+                append_jsonl(self.event_log, ev.as_dict(), fsync=False)
             except OSError:
                 log.exception("cannot append to %s", self.event_log)
         try:

@@ -9,35 +9,21 @@ wandb), with `step` = requests finished so far, which is what `dvi report` and t
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
+from dvi.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 # Supervisor states -> dvi.metrics.TRAINER_STATES codes.
 _TRAINER_STATE = {"running": "running", "starting": "starting", "restarting": "backoff", "paused": "paused",
                   "stopped": "stopped", "off": "off", "external": "external"}
-
-
-def read_trainer_status(run_dir: str) -> dict[str, Any]:
-    """The online trainer's gauges from `<run_dir>/trainer/status.json` ({} if absent or torn).
-
-    The trainer replaces that file atomically after every round (trainers.online); reading it at
-    scrape time puts the trainer's losses and held-out α on the server's /metrics.
-    """
-    try:
-        data = json.loads((Path(run_dir) / "trainer" / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 class ServerMetrics:
@@ -48,7 +34,8 @@ class ServerMetrics:
         from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry()
-        self.m = M.Metrics(self.registry, window=window, domains=domains, max_versions=max_versions)
+        self.m = M.Metrics(self.registry, window=window, domains=domains, max_versions=max_versions,
+                           model_name=cfg.serve.model_name)
         self._synced: dict[str, float] = {}
         self.log_every = log_every
         self.requests = 0
@@ -137,8 +124,8 @@ class ServerMetrics:
         age = sup.heartbeat_age()
         if age is not None:
             self.m[M.TRAINER_HEARTBEAT_AGE].set(age)
-        if sup.mode != "off":
-            self.m.set_trainer(read_trainer_status(state.cfg.run_dir))
+        if sup.mode != "off":  # the trainer's losses and held-out α, from its last status write
+            self.m.set_trainer(RunDir.of(state.cfg).read_trainer_status())
         fb = state.feedback
         if fb is not None:
             self._sync_counter(M.FEEDBACK_WRITE_ERRORS, fb.flush_errors)

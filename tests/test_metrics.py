@@ -187,3 +187,35 @@ def test_logger_passes_the_wandb_entity(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
     M.MetricsLogger(tmp_path, project="p", entity="my-team").close()
     assert inits[0]["entity"] == "my-team" and inits[0]["project"] == "p"
+
+
+def test_vllm_named_counters_count_what_ours_count():
+    """vLLM v1's spec-decode counter names sit beside ours, labelled by model_name (and position) only."""
+    reg = CollectorRegistry()
+    m = M.Metrics(reg, domains=["code"], max_versions=2, model_name="tiny")
+    for v in range(1, 5):  # versions beyond max_versions lose their dvi_ series, never the vllm: counts
+        m.observe_result(result(domain="code", version=v), domain="code")
+        m.observe_result(result(domain="tenant", version=v, drafted=4, accepted=1, acc_pos=(1,), dr_pos=(2, 2)),
+                         domain="tenant")
+    assert sample(reg, M.VLLM_NUM_DRAFTS, model_name="tiny") == 4 * (3 + 2)
+    assert sample(reg, M.VLLM_NUM_DRAFT_TOKENS, model_name="tiny") == 4 * (8 + 4)
+    assert sample(reg, M.VLLM_NUM_ACCEPTED_TOKENS, model_name="tiny") == 4 * (6 + 1)
+    assert sample(reg, M.VLLM_NUM_ACCEPTED_PER_POS, model_name="tiny", position="0") == 4 * (3 + 1)
+    assert sample(reg, M.VLLM_NUM_ACCEPTED_PER_POS, model_name="tiny", position="2") == 4 * 1
+    # the newest version's dvi_ series equal its share of the vllm: counts
+    assert sample(reg, M.NUM_DRAFT_TOKENS, drafter_version="4", domain="code") == 8
+    text = generate_latest(reg).decode()
+    vllm_lines = [ln for ln in text.splitlines() if ln.startswith("vllm:spec_decode_")]
+    assert vllm_lines and not [ln for ln in vllm_lines if "drafter_version" in ln or "domain" in ln]
+    assert set(M.VLLM_ALIASES.values()) == set(M.VLLM_METRICS)
+    assert all(n.startswith("vllm:spec_decode_num_") and n.endswith("_total") for n in M.VLLM_METRICS)
+
+
+def test_drafter_version_is_a_gauge():
+    spec = M.METRICS[M.DRAFTER_VERSION]
+    assert spec.kind == "gauge" and spec.labels == ()
+    reg = CollectorRegistry()
+    m = M.Metrics(reg)
+    for v in (3, 4):
+        m.set_versions(drafter_version=v)
+    assert sample(reg, M.DRAFTER_VERSION) == 4

@@ -240,6 +240,8 @@ def test_models_health_metrics(client, server) -> None:
                  M.TIME_TO_FIRST_TOKEN, M.QUEUE_DEPTH, M.DRAFTER_VERSION, M.TARGET_VERSION, M.TRAINER_STATE):
         assert name in text, name
     assert 'domain="prose"' in text
+    for name in M.VLLM_METRICS:  # vLLM's names of the spec-decode counters, labelled by the served model
+        assert f'{name}{{model_name="dvi"' in text, name
     # feedback records reach parquet shards with the domain tag
     fb = Path(server.cfg.feedback.dir)
     wait_for(lambda: list(fb.glob("shard-*.parquet")), 10, what="a feedback shard")

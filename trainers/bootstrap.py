@@ -8,16 +8,16 @@ drift later issues recover from) -> held-out evaluation and latency measurement 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
 import platform
 import shutil
 import statistics
 import sys
 import time
-import uuid
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,13 @@ from dvi.embedded import (
     is_built,
     read_manifest,
 )
-from dvi.fsutil import atomic_write_text
+from dvi.fsutil import atomic_write_text, replace_dir, tmp_dir_beside
 from dvi.models import decode_step_latency, num_params
 from trainers import pretrained_build
 from trainers.offline import (
+    DISTILL_DEFAULTS,
+    PRETRAIN_DEFAULTS,
+    TrainSchedule,
     copy_layer,
     distill,
     distinct_token_ratio,
@@ -170,129 +173,169 @@ def build_pair(preset: str | Preset = "tiny", seed: int = 0, progress: bool = Tr
         torch.set_num_threads(prev_threads)
 
 
+@dataclass
+class _Build:
+    """What `_build_pair`'s steps produce, in order; `_manifest` reads it all."""
+
+    walls: dict[str, float] = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # corpus statistics
+    tokenizer: Any = None
+    bos: int | None = None
+    eos: int | None = None
+    pad: int | None = None
+    code_stream: Any = None  # packed ids, both 1-D tensors
+    prose_stream: Any = None
+    target: Any = None
+    t_stats: dict = field(default_factory=dict)
+    drafter: Any = None
+    d_stats: dict = field(default_factory=dict)
+    heldout: dict = field(default_factory=dict)  # domain -> (docs as ids, characters)
+    untrained: dict = field(default_factory=dict)  # the randomly initialised drafter's held-out code loss
+    evals: dict = field(default_factory=dict)
+    latency: dict = field(default_factory=dict)
+    cont: dict = field(default_factory=dict)  # continuation diversity per domain and model
+
+
+@contextlib.contextmanager
+def _timed(b: _Build, key: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        b.walls[key] = time.perf_counter() - t0
+
+
 def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
+    """corpus -> tokenizer -> target -> drafter -> evaluation -> manifest (steps below, in this order)."""
     t_start = time.perf_counter()
-    walls: dict[str, float] = {}
+    b = _Build()
     torch.manual_seed(seed)
+    _tokenize(b, p, progress)
+    _train_target(b, p, seed, progress)
+    _train_drafter(b, p, seed, progress)
+    _evaluate(b, p, seed)
+    b.walls["total_s"] = time.perf_counter() - t_start
+    return BuiltPair(tokenizer=b.tokenizer, target=b.target, drafter=b.drafter, manifest=_jsonable(_manifest(b, p, seed)))
 
-    # --- corpus
-    t0 = time.perf_counter()
-    stats = data.corpus_stats()
-    code_train = data.sample_docs("code", "train", p.train_chars, seed=0)
-    prose_train = data.load_texts("prose", "train")
-    tok_texts = data.sample_docs("code", "train", max(0, p.tokenizer_chars - sum(map(len, prose_train))), seed=1)
-    tok_texts = tok_texts + prose_train
-    walls["corpus_s"] = time.perf_counter() - t0
 
-    # --- tokenizer
-    t0 = time.perf_counter()
-    tokenizer = train_tokenizer(tok_texts, p.vocab_size)
-    code_ids = _encode(tokenizer, code_train)
-    prose_ids = _encode(tokenizer, prose_train)
-    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
-    code_stream = pack_docs(code_ids, bos, eos)
-    prose_stream = pack_docs(prose_ids, bos, eos)
-    walls["tokenizer_s"] = time.perf_counter() - t0
-    _log(f"tokenizer: {len(tokenizer)} tokens; train stream code={code_stream.numel():,} "
-         f"prose={prose_stream.numel():,} tokens ({walls['tokenizer_s']:.1f}s)", progress)
+def _tokenize(b: _Build, p: Preset, progress: bool) -> None:
+    """Sample the training corpus, train the tokenizer on code + prose, pack both domains' ids."""
+    with _timed(b, "corpus_s"):
+        b.stats = data.corpus_stats()
+        code_train = data.sample_docs("code", "train", p.train_chars, seed=0)
+        prose_train = data.load_texts("prose", "train")
+        tok_texts = data.sample_docs("code", "train", max(0, p.tokenizer_chars - sum(map(len, prose_train))), seed=1)
+        tok_texts = tok_texts + prose_train
+    with _timed(b, "tokenizer_s"):
+        b.tokenizer = tokenizer = train_tokenizer(tok_texts, p.vocab_size)
+        b.bos, b.eos, b.pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+        b.code_stream = pack_docs(_encode(tokenizer, code_train), b.bos, b.eos)
+        b.prose_stream = pack_docs(_encode(tokenizer, prose_train), b.bos, b.eos)
+    _log(f"tokenizer: {len(tokenizer)} tokens; train stream code={b.code_stream.numel():,} "
+         f"prose={b.prose_stream.numel():,} tokens ({b.walls['tokenizer_s']:.1f}s)", progress)
 
-    # --- target: both domains
-    t0 = time.perf_counter()
-    target = make_llama(p.target, len(tokenizer), p.max_position_embeddings, tokenizer, seed)
-    batches = token_batches([code_stream, prose_stream], p.target_batch, p.seq_len,
-                            weights=[1 - p.prose_fraction, p.prose_fraction], seed=seed)
-    t_stats = pretrain_lm(target, batches, p.target_steps, lr=p.target_lr, warmup=p.target_warmup,
-                          min_lr_ratio=p.min_lr_ratio, max_seconds=p.target_max_seconds, time_schedule=True,
-                          progress=progress, desc=f"target[{p.name}]",
-                          mixed_precision=p.mixed_precision, compile=p.compile,
-                          optimizer=p.optimizer, muon_lr=p.target_muon_lr)
-    walls["target_s"] = time.perf_counter() - t0
-    _log(f"target: {t_stats['tokens']:,} tokens, loss {t_stats['final_loss']:.3f}, "
-         f"{t_stats['tokens_per_s']:.0f} tok/s ({walls['target_s']:.0f}s)", progress)
 
-    # --- drafter: distilled from the target on code only
-    t0 = time.perf_counter()
-    drafter = make_llama(p.drafter, len(tokenizer), p.max_position_embeddings, tokenizer, seed + 1)
-    heldout = {}
-    for domain in data.DOMAINS:
-        docs = data.sample_docs(domain, "heldout", p.eval_chars, seed=0)
-        heldout[domain] = (_encode(tokenizer, docs), sum(map(len, docs)))
-    untrained = evaluate_lms({"drafter": drafter}, heldout["code"][0], heldout["code"][1], bos, p.seq_len,
-                             pad_id=pad, stride=p.eval_stride)["drafter"]  # random init: the baseline
-    if p.drafter_init == "target":
-        init_drafter_from_target(drafter, target)
-    d_batches = token_batches([code_stream], p.drafter_batch, p.seq_len, seed=seed + 1)
-    d_stats = distill(drafter, target, d_batches, p.drafter_steps, lr=p.drafter_lr, warmup=p.drafter_warmup,
-                      min_lr_ratio=p.min_lr_ratio, max_seconds=p.drafter_max_seconds, time_schedule=True,
-                      progress=progress, desc=f"drafter[{p.name}]",
-                      mixed_precision=p.mixed_precision, compile=p.compile,
-                      optimizer=p.optimizer, muon_lr=p.drafter_muon_lr)
-    walls["drafter_s"] = time.perf_counter() - t0
-    _log(f"drafter: {d_stats['tokens']:,} tokens, KL {d_stats['final_loss']:.3f} ({walls['drafter_s']:.0f}s)",
+def _preset_schedule(p: Preset, who: str, progress: bool) -> TrainSchedule:
+    """The preset's training schedule for the `target` or the `drafter`."""
+    return TrainSchedule(steps=getattr(p, f"{who}_steps"), lr=getattr(p, f"{who}_lr"),
+                         warmup=getattr(p, f"{who}_warmup"), min_lr_ratio=p.min_lr_ratio,
+                         weight_decay=(PRETRAIN_DEFAULTS if who == "target" else DISTILL_DEFAULTS)["weight_decay"],
+                         max_seconds=getattr(p, f"{who}_max_seconds"), time_schedule=True, progress=progress,
+                         desc=f"{who}[{p.name}]", mixed_precision=p.mixed_precision, compile=p.compile,
+                         optimizer=p.optimizer, muon_lr=getattr(p, f"{who}_muon_lr"))
+
+
+def _train_target(b: _Build, p: Preset, seed: int, progress: bool) -> None:
+    """The target: next-token training on both domains, mixed at `p.prose_fraction`."""
+    with _timed(b, "target_s"):
+        b.target = make_llama(p.target, len(b.tokenizer), p.max_position_embeddings, b.tokenizer, seed)
+        batches = token_batches([b.code_stream, b.prose_stream], p.target_batch, p.seq_len,
+                                weights=[1 - p.prose_fraction, p.prose_fraction], seed=seed)
+        b.t_stats = pretrain_lm(b.target, batches, schedule=_preset_schedule(p, "target", progress))
+    _log(f"target: {b.t_stats['tokens']:,} tokens, loss {b.t_stats['final_loss']:.3f}, "
+         f"{b.t_stats['tokens_per_s']:.0f} tok/s ({b.walls['target_s']:.0f}s)", progress)
+
+
+def _train_drafter(b: _Build, p: Preset, seed: int, progress: bool) -> None:
+    """The drafter: distilled from the target on code only (its untrained held-out loss first)."""
+    with _timed(b, "drafter_s"):
+        b.drafter = make_llama(p.drafter, len(b.tokenizer), p.max_position_embeddings, b.tokenizer, seed + 1)
+        for domain in data.DOMAINS:
+            docs = data.sample_docs(domain, "heldout", p.eval_chars, seed=0)
+            b.heldout[domain] = (_encode(b.tokenizer, docs), sum(map(len, docs)))
+        code_ids, code_chars = b.heldout["code"]
+        b.untrained = evaluate_lms({"drafter": b.drafter}, code_ids, code_chars, b.bos, p.seq_len,
+                                   pad_id=b.pad, stride=p.eval_stride)["drafter"]  # random init: the baseline
+        if p.drafter_init == "target":
+            init_drafter_from_target(b.drafter, b.target)
+        batches = token_batches([b.code_stream], p.drafter_batch, p.seq_len, seed=seed + 1)
+        b.d_stats = distill(b.drafter, b.target, batches, schedule=_preset_schedule(p, "drafter", progress))
+    _log(f"drafter: {b.d_stats['tokens']:,} tokens, KL {b.d_stats['final_loss']:.3f} ({b.walls['drafter_s']:.0f}s)",
          progress)
 
-    # --- evaluation
-    t0 = time.perf_counter()
-    evals = {}
-    for domain, (ids, chars) in heldout.items():
-        evals[domain] = evaluate_lms({"target": target, "drafter": drafter}, ids, chars, bos, p.seq_len,
-                                     pad_id=pad, agree_with="target", stride=p.eval_stride)
-    latency = _latency(target, drafter, p.latency_steps)
-    cont = {}
-    for domain in data.DOMAINS:
-        stream = data.prompt_stream(domain, tokenizer, "heldout", prompt_tokens=(32, 64), seed=seed)
-        prompts = [[bos] + next(stream) for _ in range(p.continuation_prompts)]
-        cont[domain] = {}
-        for name, m in (("target", target), ("drafter", drafter)):
-            r = distinct_token_ratio(m, prompts, p.continuation_tokens, pad_id=pad)
-            cont[domain][name] = r["distinct_token_ratio"]
-            if name == "target" and r["samples"]:
-                cont[domain]["target_sample"] = tokenizer.decode(r["samples"][0])
-    walls["eval_s"] = time.perf_counter() - t0
-    walls["total_s"] = time.perf_counter() - t_start
 
-    def per_model(name: str) -> dict:
-        out = {}
+def _evaluate(b: _Build, p: Preset, seed: int) -> None:
+    """Held-out losses and agreement per domain, decode latency, continuation diversity."""
+    with _timed(b, "eval_s"):
+        for domain, (ids, chars) in b.heldout.items():
+            b.evals[domain] = evaluate_lms({"target": b.target, "drafter": b.drafter}, ids, chars, b.bos, p.seq_len,
+                                           pad_id=b.pad, agree_with="target", stride=p.eval_stride)
+        b.latency = _latency(b.target, b.drafter, p.latency_steps)
         for domain in data.DOMAINS:
-            e = evals[domain][name]
-            out[domain] = {"loss": e["loss"], "bits_per_char": e["bits_per_char"]}
-            if "top1_agreement" in e:
-                out[domain]["top1_agreement"] = e["top1_agreement"]
-        return out
+            stream = data.prompt_stream(domain, b.tokenizer, "heldout", prompt_tokens=(32, 64), seed=seed)
+            prompts = [[b.bos] + next(stream) for _ in range(p.continuation_prompts)]
+            b.cont[domain] = {}
+            for name, m in (("target", b.target), ("drafter", b.drafter)):
+                r = distinct_token_ratio(m, prompts, p.continuation_tokens, pad_id=b.pad)
+                b.cont[domain][name] = r["distinct_token_ratio"]
+                if name == "target" and r["samples"]:
+                    b.cont[domain]["target_sample"] = b.tokenizer.decode(r["samples"][0])
 
-    manifest = {
+
+def _per_model(evals: dict, name: str) -> dict:
+    out = {}
+    for domain in data.DOMAINS:
+        e = evals[domain][name]
+        out[domain] = {"loss": e["loss"], "bits_per_char": e["bits_per_char"]}
+        if "top1_agreement" in e:
+            out[domain]["top1_agreement"] = e["top1_agreement"]
+    return out
+
+
+def _manifest(b: _Build, p: Preset, seed: int) -> dict:
+    tok, heldout, evals = b.tokenizer, b.heldout, b.evals
+    return {
         "preset": p.name,
         "fingerprint": p.fingerprint(),
         "seed": seed,
         "created_at": time.time(),
         "preset_config": asdict(p),
-        "corpus": {**stats, "split": {"method": "sha256(name) < fraction", "heldout_fraction": data.HELDOUT_FRACTION},
+        "corpus": {**b.stats, "split": {"method": "sha256(name) < fraction", "heldout_fraction": data.HELDOUT_FRACTION},
                    "stdlib": str(data.stdlib_dir())},
         "tokenizer": {
-            "vocab_size": len(tokenizer), "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
+            "vocab_size": len(tok), "bos_token_id": b.bos, "eos_token_id": b.eos, "pad_token_id": b.pad,
             "chars_per_token": {d: heldout[d][1] / max(1, sum(map(len, heldout[d][0]))) for d in heldout},
         },
-        "target": {"params": num_params(target), "train_tokens": t_stats["tokens"], "train": t_stats,
+        "target": {"params": num_params(b.target), "train_tokens": b.t_stats["tokens"], "train": b.t_stats,
                    "dims": asdict(p.target)},
-        "drafter": {"params": num_params(drafter), "train_tokens": d_stats["tokens"], "train": d_stats,
+        "drafter": {"params": num_params(b.drafter), "train_tokens": b.d_stats["tokens"], "train": b.d_stats,
                     "dims": asdict(p.drafter), "distilled_on": "code"},
         "heldout": {
             "eval_tokens": {d: evals[d]["tokens"] for d in evals},
             "eval_chars": {d: evals[d]["chars"] for d in evals},
-            "target": per_model("target"),
-            "drafter": per_model("drafter"),
-            "untrained_drafter": {"code": untrained},
+            "target": _per_model(evals, "target"),
+            "drafter": _per_model(evals, "drafter"),
+            "untrained_drafter": {"code": b.untrained},
         },
         "agreement": {d: evals[d]["drafter"]["top1_agreement"] for d in evals},
-        "latency": latency,
-        "continuations": {"tokens": p.continuation_tokens, "prompts": p.continuation_prompts, **cont},
-        "wall": walls,
+        "latency": b.latency,
+        "continuations": {"tokens": p.continuation_tokens, "prompts": p.continuation_prompts, **b.cont},
+        "wall": b.walls,
         "threads": torch.get_num_threads(),
         # False when a wall budget (not the step count) shaped training: the machine was too slow/busy
-        "deterministic": not (t_stats["time_bound"] or d_stats["time_bound"]),
+        "deterministic": not (b.t_stats["time_bound"] or b.d_stats["time_bound"]),
         "versions": _versions(),
     }
-    return BuiltPair(tokenizer=tokenizer, target=target, drafter=drafter, manifest=_jsonable(manifest))
 
 
 def _jsonable(x):
@@ -356,7 +399,7 @@ def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed:
         atomic_write_text(out / "manifest.json", json.dumps(_jsonable(manifest), indent=2, sort_keys=True))
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = tmp_dir_beside(out)
     try:
         if isinstance(p, PretrainedPreset):
             manifest = pretrained_build.build(p, tmp, seed=seed, progress=progress)
@@ -367,27 +410,12 @@ def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed:
             save_pair(built, tmp)
             built.manifest["wall"]["save_s"] = time.perf_counter() - t0
             atomic_write_text(tmp / "manifest.json", json.dumps(built.manifest, indent=2, sort_keys=True))
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out, keep_theirs=is_built)  # a concurrent builder that renamed first wins
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     _log(f"saved to {out}", progress)
     return out
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        os.rename(dst, old)
-    try:
-        os.rename(src, dst)
-    except OSError:
-        # another process renamed its complete build into place first; keep theirs
-        if not is_built(dst):
-            raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_manifest(path: str | Path) -> dict:

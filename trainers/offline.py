@@ -8,10 +8,13 @@ Plain functions over plain batches of token ids; no framework.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -179,110 +182,150 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1,
     return opt
 
 
-def _train_loop(
-    model: torch.nn.Module,
-    loss_fn: Callable[[torch.Tensor], torch.Tensor],
-    batches: Iterable[torch.Tensor],
-    steps: int,
-    lr: float,
-    warmup: int,
-    min_lr_ratio: float,
-    weight_decay: float,
-    grad_clip: float | None,
-    max_seconds: float | None,
-    progress: bool,
-    desc: str,
-    time_schedule: bool = True,
-    optimizer: str = "adamw",
-    muon_lr: float | None = None,
-) -> dict:
-    if steps <= 0 and not max_seconds:
+@dataclass
+class TrainSchedule:
+    """How an offline loop trains: budget, LR schedule, optimizer, precision, progress bar.
+
+    Either `steps` or `max_seconds` (or both) bounds the run; the LR (linear warmup, then cosine
+    to `min_lr_ratio` x `lr`) follows whichever budget is further spent when `time_schedule`,
+    else the step count only (a safety cap that leaves the run deterministic unless hit).
+    `mixed_precision` (bf16 autocast) and `compile` trade bit-exactness across machines for 2-3x
+    tokens per second. `optimizer` is one of `dvi.embedded.OPTIMIZERS` (Muon at `muon_lr`).
+    """
+
+    steps: int = 0
+    lr: float = 1e-3
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+    max_seconds: float | None = None
+    time_schedule: bool = True
+    optimizer: str = "adamw"
+    muon_lr: float | None = None
+    mixed_precision: bool = False
+    compile: bool = False
+    progress: bool = True
+    desc: str = "train"
+
+
+PRETRAIN_DEFAULTS = {"lr": 1e-3, "warmup": 20, "weight_decay": 0.1, "desc": "pretrain"}
+DISTILL_DEFAULTS = {"lr": 3e-3, "warmup": 10, "weight_decay": 0.0, "desc": "distill"}
+
+
+def _schedule(schedule: TrainSchedule | None, defaults: dict[str, Any], options: dict[str, Any]) -> TrainSchedule:
+    """`schedule` with `options` (TrainSchedule fields) applied; built from `defaults` when None."""
+    if schedule is None:
+        return TrainSchedule(**{**defaults, **options})
+    return dataclasses.replace(schedule, **options)
+
+
+class _Clock:
+    """Wall time against the budget, and the LR factor of each step (see `TrainSchedule`)."""
+
+    def __init__(self, s: TrainSchedule) -> None:
+        self.s = s
+        self.total = s.steps if s.steps > 0 else 10**9
+        self.t0 = time.perf_counter()
+        self.time_bound = False  # the wall budget, not the step count, drove the schedule at some step
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def out_of_time(self, elapsed: float) -> bool:
+        return self.s.max_seconds is not None and elapsed >= self.s.max_seconds
+
+    def lr_factor(self, step: int, elapsed: float) -> float:
+        """The schedule follows whichever budget (steps or seconds) is further spent."""
+        s, prog = self.s, None
+        if s.max_seconds and s.time_schedule:
+            time_prog = elapsed / s.max_seconds
+            step_prog = (step - s.warmup) / max(1, self.total - s.warmup) if s.steps > 0 else 0.0
+            prog = max(time_prog, step_prog)
+            self.time_bound = self.time_bound or (step >= s.warmup and time_prog > step_prog)
+        return lr_factor(step, self.total, s.warmup, s.min_lr_ratio, prog)
+
+
+class _RunLog:
+    """Losses, tokens and the progress bar of one training run."""
+
+    def __init__(self, s: TrainSchedule, clock: _Clock) -> None:
+        self.clock = clock
+        self.tokens, self.losses, self.step, self.ema = 0, [], 0, None
+        self.bar = tqdm(total=s.steps if s.steps > 0 else None, desc=s.desc, disable=not s.progress, unit="step",
+                        dynamic_ncols=True, leave=False, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+
+    def record(self, loss: float, batch: torch.Tensor) -> None:
+        self.losses.append(loss)
+        self.ema = loss if self.ema is None else 0.95 * self.ema + 0.05 * loss
+        self.tokens += batch.shape[0] * (batch.shape[1] - 1)
+        self.step += 1
+        self.bar.set_postfix(loss=f"{self.ema:.3f}", tok_s=f"{self.tokens / max(1e-9, self.clock.elapsed()):.0f}",
+                             refresh=False)
+        self.bar.update(1)
+
+    def summary(self, steps: int) -> dict:
+        wall = self.clock.elapsed()
+        losses = self.losses
+        tail = losses[-max(1, len(losses) // 10):] if losses else [float("nan")]
+        return {"steps": self.step, "tokens": self.tokens, "wall_s": wall,
+                "tokens_per_s": self.tokens / max(wall, 1e-9), "final_loss": sum(tail) / len(tail),
+                "first_loss": losses[0] if losses else float("nan"),
+                "time_bound": self.clock.time_bound or (steps > 0 and self.step < steps)}
+
+
+def _optimizer_step(model: torch.nn.Module, opt: Any, loss: torch.Tensor, grad_clip: float | None) -> float:
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _train_loop(model: torch.nn.Module, loss_fn: Callable[[torch.Tensor], torch.Tensor],
+                batches: Iterable[torch.Tensor], s: TrainSchedule) -> dict:
+    """Train until `s.steps` or `s.max_seconds` runs out; returns steps/tokens/loss/wall stats."""
+    if s.steps <= 0 and not s.max_seconds:
         raise ValueError("need steps > 0 or a max_seconds budget")
-    total = steps if steps > 0 else 10**9
-    opt = make_optimizer(model, lr, weight_decay, kind=optimizer, muon_lr=muon_lr)
+    opt = make_optimizer(model, s.lr, s.weight_decay, kind=s.optimizer, muon_lr=s.muon_lr)
     model.train()
     it = iter(batches)
-    t0 = time.perf_counter()
-    tokens, losses, step = 0, [], 0
-    bar = tqdm(total=steps if steps > 0 else None, desc=desc, disable=not progress, unit="step",
-               dynamic_ncols=True, leave=False, mininterval=0.5 if sys.stderr.isatty() else 10.0)
-    ema = None
-    time_bound = False  # the wall budget, not the step count, drove the schedule at some step
+    clock = _Clock(s)
+    run = _RunLog(s, clock)
     try:
-        while step < total:
-            elapsed = time.perf_counter() - t0
-            if max_seconds is not None and elapsed >= max_seconds:
+        while run.step < clock.total:
+            elapsed = clock.elapsed()
+            if clock.out_of_time(elapsed):
                 break
-            # the schedule follows whichever budget (steps or seconds) is further spent
-            prog = None
-            if max_seconds and time_schedule:
-                step_prog = (step - warmup) / max(1, total - warmup) if steps > 0 else 0.0
-                prog = max(elapsed / max_seconds, step_prog)
-                time_bound = time_bound or (step >= warmup and elapsed / max_seconds > step_prog)
-            f = lr_factor(step, total, warmup, min_lr_ratio, prog)
+            f = clock.lr_factor(run.step, elapsed)
             for gr in opt.param_groups:
                 gr["lr"] = gr["initial_lr"] * f
             batch = next(it)
-            loss = loss_fn(batch)
-            loss.backward()
-            if grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            lv = float(loss.detach())
-            losses.append(lv)
-            ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-            tokens += batch.shape[0] * (batch.shape[1] - 1)
-            step += 1
-            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):.0f}",
-                            refresh=False)
-            bar.update(1)
+            run.record(_optimizer_step(model, opt, loss_fn(batch), s.grad_clip), batch)
     finally:
-        bar.close()
+        run.bar.close()
         model.eval()
-    wall = time.perf_counter() - t0
-    tail = losses[-max(1, len(losses) // 10):] if losses else [float("nan")]
-    return {"steps": step, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9),
-            "final_loss": sum(tail) / len(tail), "first_loss": losses[0] if losses else float("nan"),
-            "time_bound": time_bound or (steps > 0 and step < steps)}
+    return run.summary(s.steps)
 
 
-def pretrain_lm(
-    model: torch.nn.Module,
-    batches: Iterable[torch.Tensor],
-    steps: int,
-    lr: float = 1e-3,
-    warmup: int = 20,
-    min_lr_ratio: float = 0.1,
-    weight_decay: float = 0.1,
-    grad_clip: float | None = 1.0,
-    max_seconds: float | None = None,
-    progress: bool = True,
-    desc: str = "pretrain",
-    time_schedule: bool = True,
-    mixed_precision: bool = False,
-    compile: bool = False,
-    optimizer: str = "adamw",
-    muon_lr: float | None = None,
-) -> dict:
+def pretrain_lm(model: torch.nn.Module, batches: Iterable[torch.Tensor], steps: int = 0,
+                schedule: TrainSchedule | None = None, **options: Any) -> dict:
     """Next-token cross-entropy training on (B, T+1) id batches; returns steps/tokens/loss/wall stats.
 
-    With `max_seconds`, training stops when the budget is spent; `time_schedule` makes the LR
-    schedule follow elapsed time too (a pure time budget), False keeps it step-based (a safety cap
-    that leaves the run deterministic unless hit). `mixed_precision` (bf16 autocast) and `compile`
-    trade bit-exactness across machines for 2-3x tokens per second.
+    `schedule` (a `TrainSchedule`; `PRETRAIN_DEFAULTS` when None) says how; `options` are
+    `TrainSchedule` fields that override it (``lr=1e-2, max_seconds=60, ...``). A positive `steps`
+    sets the step budget.
     """
+    s = _schedule(schedule, PRETRAIN_DEFAULTS, {**options, **({"steps": steps} if steps else {})})
     dev = next(model.parameters()).device.type
 
     def lm_loss(batch: torch.Tensor) -> torch.Tensor:
-        with autocast_ctx(dev, mixed_precision):
+        with autocast_ctx(dev, s.mixed_precision):
             logits = model(input_ids=batch[:, :-1]).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
-    loss_fn = maybe_compile(lm_loss, compile)
-
-    return _train_loop(model, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
-                       max_seconds, progress, desc, time_schedule, optimizer, muon_lr)
+    return _train_loop(model, maybe_compile(lm_loss, s.compile), batches, s)
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -293,42 +336,24 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
 
 
-def distill(
-    student: torch.nn.Module,
-    teacher: torch.nn.Module,
-    batches: Iterable[torch.Tensor],
-    steps: int,
-    lr: float = 3e-3,
-    temperature: float = 1.0,
-    ce_weight: float = 0.0,
-    warmup: int = 10,
-    min_lr_ratio: float = 0.1,
-    weight_decay: float = 0.0,
-    grad_clip: float | None = 1.0,
-    max_seconds: float | None = None,
-    progress: bool = True,
-    desc: str = "distill",
-    time_schedule: bool = True,
-    mixed_precision: bool = False,
-    compile: bool = False,
-    optimizer: str = "adamw",
-    muon_lr: float | None = None,
-) -> dict:
+def distill(student: torch.nn.Module, teacher: torch.nn.Module, batches: Iterable[torch.Tensor], steps: int = 0,
+            temperature: float = 1.0, ce_weight: float = 0.0, schedule: TrainSchedule | None = None,
+            **options: Any) -> dict:
     """Train `student` toward `teacher`'s full next-token distribution: KL(teacher || student).
 
-    `ce_weight` > 0 mixes in the plain next-token loss. Either `steps` or `max_seconds` (or both)
-    bounds the run; the LR schedule follows whichever is further spent (step-based only when
-    `time_schedule` is False; see `pretrain_lm`, also for `mixed_precision` and `compile`).
+    `ce_weight` > 0 mixes in the plain next-token loss. `schedule` / `options` / `steps` as in
+    `pretrain_lm` (defaults `DISTILL_DEFAULTS`).
     """
+    s = _schedule(schedule, DISTILL_DEFAULTS, {**options, **({"steps": steps} if steps else {})})
     teacher.eval()
     dev = next(student.parameters()).device.type
 
     def teacher_logits(x: torch.Tensor) -> torch.Tensor:
-        with autocast_ctx(dev, mixed_precision):
+        with autocast_ctx(dev, s.mixed_precision):
             return teacher(input_ids=x).logits.float()
 
     def student_loss(batch: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
-        with autocast_ctx(dev, mixed_precision):
+        with autocast_ctx(dev, s.mixed_precision):
             s_logits = student(input_ids=batch[:, :-1]).logits
         loss = kl_loss(s_logits, t_logits, temperature)
         if ce_weight:
@@ -336,15 +361,14 @@ def distill(
                 s_logits.reshape(-1, s_logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
         return loss
 
-    t_fwd, s_loss = maybe_compile(teacher_logits, compile), maybe_compile(student_loss, compile)
+    t_fwd, s_loss = maybe_compile(teacher_logits, s.compile), maybe_compile(student_loss, s.compile)
 
     def loss_fn(batch: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             t_logits = t_fwd(batch[:, :-1])
         return s_loss(batch, t_logits)
 
-    return _train_loop(student, loss_fn, batches, steps, lr, warmup, min_lr_ratio, weight_decay, grad_clip,
-                       max_seconds, progress, desc, time_schedule, optimizer, muon_lr)
+    return _train_loop(student, loss_fn, batches, s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,39 +401,48 @@ def _eval_windows(docs_ids: Sequence[Sequence[int]], bos_id: int | None, seq_len
     return out
 
 
+@dataclass
+class EvalOptions:
+    """How `evaluate_lms` batches and scores: rows per forward pass, the pad id, the model whose
+    argmax the others' top-1 agreement is measured against (None: no agreement), the window stride."""
+
+    batch_size: int = 16
+    pad_id: int = 0
+    agree_with: str | None = None
+    stride: int | None = None
+
+
+def _window_batch(chunk: Sequence[tuple[torch.Tensor, int]], pad_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, L], attention mask [B, L], and the scored targets [B, L-1] of some windows."""
+    L = max(len(w) for w, _ in chunk)
+    ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(chunk), L), dtype=torch.long)
+    valid = torch.zeros((len(chunk), L - 1), dtype=torch.bool)
+    for r, (w, skip) in enumerate(chunk):
+        ids[r, : len(w)] = w
+        mask[r, : len(w)] = 1
+        valid[r, skip: len(w) - 1] = True
+    return ids, mask, valid
+
+
 @torch.inference_mode()
-def evaluate_lms(
-    models: dict[str, torch.nn.Module],
-    docs_ids: Sequence[Sequence[int]],
-    chars: int,
-    bos_id: int | None,
-    seq_len: int = 256,
-    batch_size: int = 16,
-    pad_id: int = 0,
-    agree_with: str | None = None,
-    stride: int | None = None,
-) -> dict:
+def evaluate_lms(models: dict[str, torch.nn.Module], docs_ids: Sequence[Sequence[int]], chars: int,
+                 bos_id: int | None, seq_len: int = 256, **options: Any) -> dict:
     """Held-out loss of each model on the same documents: mean NLL/token, bits/char, and (optionally)
     top-1 agreement of every model's argmax with the model named `agree_with`.
 
     bits/char = summed token NLL / `chars` / ln 2, with `chars` the documents' total characters, so
     tokenizers of different granularity compare fairly. `stride` < seq_len scores with sliding
-    windows (see `_eval_windows`).
+    windows (see `_eval_windows`). `options`: `EvalOptions` fields (batch_size, pad_id, agree_with, stride).
     """
-    wins = sorted(_eval_windows(docs_ids, bos_id, seq_len, stride), key=lambda w: len(w[0]))
+    o = EvalOptions(**options)
+    wins = sorted(_eval_windows(docs_ids, bos_id, seq_len, o.stride), key=lambda w: len(w[0]))
     nll = {k: 0.0 for k in models}
     agree = {k: 0 for k in models}
     n_tok = 0
-    for i in range(0, len(wins), batch_size):
-        chunk = wins[i: i + batch_size]
-        L = max(len(w) for w, _ in chunk)
-        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), L), dtype=torch.long)
-        valid = torch.zeros((len(chunk), L - 1), dtype=torch.bool)
-        for r, (w, skip) in enumerate(chunk):
-            ids[r, : len(w)] = w
-            mask[r, : len(w)] = 1
-            valid[r, skip: len(w) - 1] = True
+    for i in range(0, len(wins), o.batch_size):
+        ids, mask, valid = _window_batch(wins[i: i + o.batch_size], o.pad_id)
         tgt = ids[:, 1:]
         n_tok += int(valid.sum())
         argmax = {}
@@ -420,17 +453,13 @@ def evaluate_lms(
             tok_nll = -lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
             nll[name] += float(tok_nll[valid].sum())
             argmax[name] = logits.argmax(-1)
-        if agree_with is not None:
-            ref = argmax[agree_with]
+        if o.agree_with is not None:
             for name in models:
-                agree[name] += int(((argmax[name] == ref) & valid).sum())
+                agree[name] += int(((argmax[name] == argmax[o.agree_with]) & valid).sum())
     out = {"tokens": n_tok, "chars": chars}
     for name in models:
-        out[name] = {
-            "loss": nll[name] / max(1, n_tok),
-            "bits_per_char": nll[name] / max(1, chars) / math.log(2),
-        }
-        if agree_with is not None and name != agree_with:
+        out[name] = {"loss": nll[name] / max(1, n_tok), "bits_per_char": nll[name] / max(1, chars) / math.log(2)}
+        if o.agree_with is not None and name != o.agree_with:
             out[name]["top1_agreement"] = agree[name] / max(1, n_tok)
     return out
 

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dvi.rundir import METRICS_FILE
+
 log = logging.getLogger(__name__)
 
 
@@ -44,7 +46,7 @@ class MetricsLogger:
             raise ValueError(f"wandb_mode must be offline, online or disabled, got {wandb_mode!r}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = self.run_dir / METRICS_FILE
         self._f = open(self.path, "a", buffering=1)
         self._run: Any = None
         if wandb_mode != "disabled":

@@ -1,7 +1,9 @@
 """The metric-name catalogue: the ONE place every dvi metric name, label and spec lives.
 
-Names follow vLLM's spec-decode counters with a `dvi_` prefix, so dashboards built for vLLM
-read naturally. Use the constants below everywhere (server, trainer, benchmarks) so a figure
+Names follow vLLM's spec-decode counters with a `dvi_` prefix, and the four counters that mean
+what vLLM's mean are also exported under vLLM v1's own names (`VLLM_METRICS`:
+`vllm:spec_decode_num_drafts_total`, ..., labelled by `model_name` only, as vLLM labels them), so
+a dashboard built for vLLM reads a dvi server unchanged. Use the constants below everywhere (server, trainer, benchmarks) so a figure
 has one name on /metrics, in wandb and in `metrics.jsonl`. The other `dvi.metrics` modules
 (stats, prometheus, logger, reporting) only import names from here; none defines its own.
 """
@@ -50,7 +52,14 @@ TRAINER_STALE_RESTARTS = "dvi_trainer_stale_restarts_total"
 TRAINER_QUARANTINED_SHARDS = "dvi_trainer_feedback_shards_quarantined"
 OTHER_DOMAIN = "other"
 
+# vLLM v1's names of the same counters (vllm/v1/spec_decode/metrics.py; prometheus_client allows ':')
+VLLM_NUM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+VLLM_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens_total"
+VLLM_NUM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
 # labels
+L_MODEL_NAME = "model_name"
 L_DRAFTER_VERSION = "drafter_version"
 L_DOMAIN = "domain"
 L_POSITION = "position"
@@ -135,6 +144,21 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(TRAINER_QUARANTINED_SHARDS, "gauge",
                    "Unreadable feedback shards the trainer moved to quarantine/ (skipped, not retried)."),
     ]
+}
+
+VLLM_ALIASES: dict[str, str] = {
+    NUM_DRAFTS: VLLM_NUM_DRAFTS,
+    NUM_DRAFT_TOKENS: VLLM_NUM_DRAFT_TOKENS,
+    NUM_ACCEPTED_TOKENS: VLLM_NUM_ACCEPTED_TOKENS,
+    NUM_ACCEPTED_PER_POS: VLLM_NUM_ACCEPTED_PER_POS,
+}
+"""Our counter -> vLLM's name for the same count. vLLM's carry `model_name` (and `position`) only:
+no drafter version or domain, so their series never multiply; ours carry both (bounded)."""
+
+VLLM_METRICS: dict[str, MetricSpec] = {
+    vllm: MetricSpec(vllm, "counter", f"{METRICS[ours].help} (vLLM's name of {ours}.)",
+                     (L_MODEL_NAME, L_POSITION) if L_POSITION in METRICS[ours].labels else (L_MODEL_NAME,))
+    for ours, vllm in VLLM_ALIASES.items()
 }
 
 TRAINER_GAUGES = (

@@ -1,7 +1,38 @@
-"""The server's Prometheus collectors: one per spec in `METRICS`, plus the helpers that update them.
+"""The server's Prometheus collectors: one per spec in `METRICS` and `VLLM_METRICS`, plus the
+helpers that update them.
 
 Separate from the name catalogue so that importing a metric name never imports
 prometheus_client (it is imported lazily, when a `Metrics` is built).
+
+Counters only count; rates are PromQL's job (as in vLLM). Recipes, over a 5-minute window:
+
+* acceptance rate α (accepted / drafted tokens)::
+
+    sum(rate(vllm:spec_decode_num_accepted_tokens_total[5m]))
+      / sum(rate(vllm:spec_decode_num_draft_tokens_total[5m]))
+
+* mean accepted length (tokens per draft, the bonus token included)::
+
+    1 + sum(rate(vllm:spec_decode_num_accepted_tokens_total[5m]))
+          / sum(rate(vllm:spec_decode_num_drafts_total[5m]))
+
+* acceptance at each draft position (vLLM's convention: per draft; ours per drafted token)::
+
+    sum by (position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total[5m]))
+      / scalar(sum(rate(vllm:spec_decode_num_drafts_total[5m])))
+    sum by (position) (rate(dvi_spec_decode_num_accepted_tokens_per_pos_total[5m]))
+      / sum by (position) (rate(dvi_spec_decode_num_drafted_tokens_per_pos_total[5m]))
+
+* α by domain, or by drafter version (`drafter_version` is kept for the newest
+  `serve.metrics_versions` versions only; `dvi_drafter_version`, a gauge, says which one serves)::
+
+    sum by (domain) (rate(dvi_spec_decode_num_accepted_tokens_total[5m]))
+      / sum by (domain) (rate(dvi_spec_decode_num_draft_tokens_total[5m]))
+
+* generated tokens per second: ``sum(rate(dvi_generation_tokens_total[1m]))``;
+  publishes, rollbacks: ``changes(dvi_drafter_version[1h])``, ``increase(dvi_drafter_rollbacks_total[1h])``.
+
+The `vllm:` counters count exactly what their `dvi_` twins count, summed over domains and versions.
 """
 
 from __future__ import annotations
@@ -22,6 +53,7 @@ from dvi.metrics.names import (
     GENERATION_TOKENS,
     L_DOMAIN,
     L_DRAFTER_VERSION,
+    L_MODEL_NAME,
     MEAN_ACCEPTED_LENGTH,
     METRICS,
     NUM_ACCEPTED_PER_POS,
@@ -39,6 +71,8 @@ from dvi.metrics.names import (
     TRAINER_GAUGES,
     TRAINER_STATE,
     TRAINER_STATES,
+    VLLM_ALIASES,
+    VLLM_METRICS,
 )
 from dvi.metrics.stats import AlphaWindow, ResultStats
 
@@ -49,16 +83,19 @@ class Metrics:
     Label values are bounded, so no client and no long run can grow the series without limit:
     with `domains` set, any other domain is counted as "other"; with `max_versions` set, only
     the most recently served that many drafter versions keep their per-version series (others are removed;
-    `dvi_drafter_version` says which version serves now).
+    `dvi_drafter_version` says which version serves now). The `vllm:` twins of the spec-decode
+    counters carry only `model_name` (and `position`).
     """
 
     def __init__(self, registry: Any, window: int = 200, rate_window_s: float = 10.0,
-                 domains: Iterable[str] | None = None, max_versions: int | None = None) -> None:
+                 domains: Iterable[str] | None = None, max_versions: int | None = None,
+                 model_name: str = "dvi") -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
         self.registry = registry
+        self.model_name = model_name
         self.collectors: dict[str, Any] = {}
-        for spec in METRICS.values():
+        for spec in (*METRICS.values(), *VLLM_METRICS.values()):
             if spec.kind == "counter":
                 c = Counter(spec.name, spec.help, spec.labels, registry=registry)
             elif spec.kind == "gauge":
@@ -108,11 +145,11 @@ class Metrics:
         self._track_version(s.drafter_version)
         lv = {L_DRAFTER_VERSION: str(s.drafter_version), L_DOMAIN: s.domain}
         c = self.collectors
-        c[NUM_DRAFTS].labels(**lv).inc(s.num_drafts)
-        c[NUM_DRAFT_TOKENS].labels(**lv).inc(s.num_drafted)
-        c[NUM_ACCEPTED_TOKENS].labels(**lv).inc(s.num_accepted)
+        self._count(NUM_DRAFTS, lv, s.num_drafts)
+        self._count(NUM_DRAFT_TOKENS, lv, s.num_drafted)
+        self._count(NUM_ACCEPTED_TOKENS, lv, s.num_accepted)
         for i, (a, d) in enumerate(zip(s.accepted_per_position, s.drafted_per_position, strict=False)):
-            c[NUM_ACCEPTED_PER_POS].labels(**lv, position=str(i)).inc(a)
+            self._count(NUM_ACCEPTED_PER_POS, {**lv, "position": str(i)}, a)
             c[NUM_DRAFTED_PER_POS].labels(**lv, position=str(i)).inc(d)
         c[GENERATION_TOKENS].labels(**lv).inc(s.num_tokens)
         c[REQUESTS].labels(**lv, finish_reason=s.finish_reason).inc()
@@ -132,6 +169,14 @@ class Metrics:
                 c[ACCEPTANCE_RATE_PER_POS].labels(**lv, position=str(i)).set(a)
         self._observe_tokens(s.num_tokens)
         return s
+
+    def _count(self, name: str, labels: Mapping[str, str], n: float) -> None:
+        """Increment counter `name` and, if it has one, its vLLM-named twin (model_name [+ position])."""
+        self.collectors[name].labels(**labels).inc(n)
+        twin = VLLM_ALIASES.get(name)
+        if twin is not None:
+            extra = {"position": labels["position"]} if "position" in labels else {}
+            self.collectors[twin].labels(**{L_MODEL_NAME: self.model_name}, **extra).inc(n)
 
     def _observe_tokens(self, n: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

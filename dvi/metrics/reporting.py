@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dvi.metrics.names import ACCEPTANCE_RATE
+from dvi.rundir import RunDir
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -80,7 +81,7 @@ def plot_alpha(jsonl_path: str | os.PathLike, out_png: str | os.PathLike, step_l
 def report(run_dir: str | os.PathLike) -> Path:
     """Backs `dvi report RUN_DIR`: plots run_dir/metrics.jsonl to run_dir/alpha.png."""
     run_dir = Path(run_dir)
-    src = run_dir / "metrics.jsonl"
+    src = RunDir(run_dir).metrics_path
     if not src.is_file():
         raise FileNotFoundError(f"{src} not found (is {run_dir} a dvi run directory?)")
     return plot_alpha(src, run_dir / "alpha.png")

@@ -20,26 +20,36 @@ The parts, in the order a record meets them:
 | `trainer.py` | `OnlineTrainer`: steps, replay, shadow-checked publishing, checkpoints |
 | `loop.py` | `TrainerLoop`: shard choice, the exactly-once flush order, pause/stop, status heartbeat |
 | `process.py` | `run_trainer`: logging, threads, priority, accelerator, metrics, then the loop |
-| `files.py` | the run-dir file names the trainer shares with the server and RL loops |
+
+The run-dir files the trainer shares with the server, the supervisor and RL loops (pause flag,
+target version, status heartbeat, checkpoint, consumed log, cursor) are `dvi.rundir.RunDir`'s.
 
 Every name below is importable from `trainers.online`, as it was when this was one module.
 """
 
-from trainers.online.collate import Batch, Example, build_batch, is_heldout
-from trainers.online.files import (
+import os
+
+from dvi.fsutil import atomic_write_json as write_json_atomic
+from dvi.rundir import (
     CHECKPOINT_DIR,
     CONSUMED_LOG,
     PAUSE_FILE,
     STATUS_FILE,
     TARGET_VERSION_FILE,
     TRAINER_DIR,
-    read_target_version_file,
-    write_json_atomic,
+    RunDir,
 )
+from trainers.online.collate import Batch, Example, build_batch, is_heldout
 from trainers.online.loop import STALE_SHARD_S, TrainerLoop
 from trainers.online.process import run_trainer
 from trainers.online.trainables import load_drafter_for_training
 from trainers.online.trainer import REPLAY_RECENT, SHADOW_MAX_POSITIONS, OnlineTrainer
+
+
+def read_target_version_file(run_dir: str | os.PathLike) -> int | None:
+    """`RunDir(run_dir).read_target_version()` (kept for callers of the one-module trainer)."""
+    return RunDir(run_dir).read_target_version()
+
 
 __all__ = ["Example", "Batch", "build_batch", "is_heldout", "OnlineTrainer", "TrainerLoop", "run_trainer",
            "load_drafter_for_training", "read_target_version_file", "write_json_atomic", "PAUSE_FILE",

@@ -1,7 +1,7 @@
 """`TrainerLoop`: tails the feedback shards for an `OnlineTrainer`, exactly once across kills.
 
 Its own module because the cursor, checkpoint and consumed-log ordering is the subtle part of
-the trainer and reads best alone. It honours `<run_dir>/trainer.pause` and SIGTERM, and
+the trainer and reads best alone. It honours the run dir's pause flag (`dvi.rundir`) and SIGTERM, and
 checkpoints so that a killed trainer resumes without training a record twice or skipping one.
 
 Exactly-once. Rounds train untrained shards; every `trainer.checkpoint_seconds` (and when idle,
@@ -17,8 +17,8 @@ batches) is separate and explicit, counted as `replayed`, never as new.
 Recent-first: when shards pile up, the newest are trained first (the traffic that matters now);
 older ones are trained when the trainer catches up. Their cursor commit waits for them.
 
-The trainer's gauges go to `<run_dir>/trainer/status.json` (atomically replaced, also the
-supervisor's heartbeat) for the server's /metrics.
+The trainer's gauges go to `RunDir.write_trainer_status` (`<run_dir>/trainer/status.json`,
+atomically replaced, also the supervisor's heartbeat) for the server's /metrics.
 
 Accelerate: rank 0 picks the shards and the stop/pause decisions and broadcasts them, every rank
 trains on its slice of each batch, and only rank 0 checkpoints, commits and publishes.
@@ -32,22 +32,15 @@ import os
 import signal
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from dvi import metrics as M
 from dvi.config import DviConfig
 from dvi.feedback import FeedbackReader
+from dvi.fsutil import append_jsonl
 from dvi.registry import AdapterRejected
+from dvi.rundir import RunDir
 from trainers.online.collate import Example, is_heldout
-from trainers.online.files import (
-    CHECKPOINT_DIR,
-    CONSUMED_LOG,
-    PAUSE_FILE,
-    STATUS_FILE,
-    TRAINER_DIR,
-    write_json_atomic,
-)
 from trainers.online.trainer import OnlineTrainer
 
 log = logging.getLogger("dvi.trainer")
@@ -71,13 +64,12 @@ class TrainerLoop:
     def __init__(self, trainer: OnlineTrainer, cfg: DviConfig) -> None:
         self.trainer = trainer
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
-        self.dir = self.run_dir / TRAINER_DIR
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.ckpt = self.dir / CHECKPOINT_DIR
-        self.consumed_path = self.dir / CONSUMED_LOG
-        self.pause_path = self.run_dir / PAUSE_FILE
-        self.reader = FeedbackReader(cfg.feedback.dir, cursor_path=self.dir / "cursor.json")
+        self.rundir = RunDir.of(cfg).make()
+        self.run_dir = self.rundir.root
+        self.dir = self.rundir.trainer_dir
+        self.ckpt = self.rundir.checkpoint_dir
+        self.consumed_path = self.rundir.consumed_path
+        self.reader = FeedbackReader(cfg.feedback.dir, cursor_path=self.rundir.cursor_path)
         self.trained: set[str] = set()  # trained shards whose cursor commit may still be pending
         self.unflushed: list[dict[str, Any]] = []  # rounds trained since the last checkpoint
         self.last_flush = time.monotonic()
@@ -142,10 +134,7 @@ class TrainerLoop:
         return 0
 
     def _append_consumed(self, entry: Mapping[str, Any]) -> None:
-        with open(self.consumed_path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_jsonl(self.consumed_path, entry)
 
     def _commit_prefix(self) -> None:
         """Commit the cursor up to the longest prefix of pending shards that were all trained."""
@@ -240,10 +229,10 @@ class TrainerLoop:
             return
         try:
             # also the heartbeat the server's supervisor watches (serve.trainer_stale_s)
-            write_json_atomic(self.dir / STATUS_FILE, {"state": state, "pid": os.getpid(), "heartbeat": time.time(),
-                                                       M.TRAINER_QUARANTINED_SHARDS: self.reader.quarantined_total(),
-                                                       **self.trainer.status()},
-                              fsync=False)  # a gauge, rewritten every round
+            self.rundir.write_trainer_status({"state": state, "pid": os.getpid(),
+                                              "processes": self.trainer.accelerator.num_processes,
+                                              M.TRAINER_QUARANTINED_SHARDS: self.reader.quarantined_total(),
+                                              **self.trainer.status()})
         except OSError:
             log.exception("cannot write trainer status")
 
@@ -256,7 +245,7 @@ class TrainerLoop:
         log.info("trainer: tailing %s (cursor %s), publishing to %s", self.cfg.feedback.dir, self.reader.cursor,
                  self.cfg.registry.dir)
         while True:
-            stop, paused = self._broadcast((self.stop.requested, self.pause_path.exists()) if t.is_main else None)
+            stop, paused = self._broadcast((self.stop.requested, self.rundir.trainer_paused()) if t.is_main else None)
             if stop:
                 break
             if t.tc.max_steps is not None and t.step >= t.tc.max_steps:

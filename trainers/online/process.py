@@ -14,15 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
-from trainers.online.files import TRAINER_DIR
+from dvi.rundir import RunDir
 from trainers.online.loop import TrainerLoop
-from trainers.online.trainer import OnlineTrainer
+from trainers.online.trainer import OnlineTrainer, make_accelerator
 
 log = logging.getLogger("dvi.trainer")
 
@@ -36,16 +35,16 @@ def run_trainer(cfg: DviConfig) -> int:
             os.nice(cfg.trainer.nice)  # serving never waits on training: lose every contended core to it
         except OSError:
             log.warning("cannot lower the trainer's CPU priority")
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     set_seed(cfg.trainer.seed)
-    accelerator = Accelerator(cpu=str(cfg.models.device) == "cpu")
-    run_dir = Path(cfg.run_dir)
-    (run_dir / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
+    accelerator = make_accelerator(cfg)
+    if not accelerator.is_main_process:
+        logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports the rounds; the others would repeat them
+    rundir = RunDir.of(cfg).make()
     metrics = None
     if accelerator.is_main_process:
-        metrics = M.MetricsLogger(run_dir / TRAINER_DIR, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
+        metrics = M.MetricsLogger(rundir.trainer_dir, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
                                   entity=cfg.wandb.entity, config=dump_config(cfg),
                                   name=f"trainer-{int(time.time())}")
     try:

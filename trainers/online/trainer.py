@@ -30,18 +30,35 @@ from torch import nn
 from dvi import metrics as M
 from dvi.config import DviConfig
 from dvi.feedback import FeedbackRecord
+from dvi.fsutil import fsync_tree, old_dirs, replace_dir, tmp_dir_beside
 from dvi.registry import AdapterRejected, DrafterRegistry
-from dvi.shadow import hf_logits_fn, shadow_alpha, shadow_passes
+from dvi.rundir import RunDir
+from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_passes
 from dvi.vocab import find_subset_head, subset_mode
 from trainers.losses import dvi_loss, feature_loss
 from trainers.online.collate import Example, build_batch, is_heldout
-from trainers.online.files import read_target_version_file
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
 log = logging.getLogger("dvi.trainer")
 
-SHADOW_MAX_POSITIONS = 8192
 REPLAY_RECENT = 256  # idle replay draws from this many newest trained records
+
+
+def make_accelerator(cfg: DviConfig) -> Any:
+    """The `Accelerator` of the configured device (`models.device`, "auto" resolved as the models
+    resolve it). Under `accelerate launch` / torchrun every rank must join one process group: a
+    CPU-only machine with `device: auto` used to leave each rank alone, and every rank then trained,
+    committed and published every record as if it were the only one."""
+    from accelerate import Accelerator
+
+    from dvi.models import resolve_device
+
+    accelerator = Accelerator(cpu=resolve_device(cfg.models.device).type == "cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if accelerator.num_processes != world:
+        raise RuntimeError(f"launched as {world} processes but accelerate formed a group of "
+                           f"{accelerator.num_processes} ({accelerator.distributed_type}); refusing to train twice")
+    return accelerator
 
 
 def _mean(losses: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -72,14 +89,11 @@ class OnlineTrainer:
     ) -> None:
         self.cfg = cfg
         self.tc = cfg.trainer
-        if accelerator is None:
-            from accelerate import Accelerator
-
-            accelerator = Accelerator(cpu=str(cfg.models.device) == "cpu")
-        self.accelerator = accelerator
+        self.accelerator = accelerator = accelerator if accelerator is not None else make_accelerator(cfg)
         self.registry = registry
         self.metrics = metrics
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
+        self.rundir = RunDir(self.run_dir)
         self.pad_id = pad_id
         self.trainable = make_trainable(drafter, self.tc.mode, cfg)
         self.base_state = self.trainable.state()  # version 0: the drafter as loaded (no updates)
@@ -132,7 +146,7 @@ class OnlineTrainer:
 
     # -- target versions -------------------------------------------------------------------------
     def current_target_version(self) -> int:
-        file_v = read_target_version_file(self.run_dir)
+        file_v = self.rundir.read_target_version()
         return max(self.max_target_version, file_v if file_v is not None else 0)
 
     def _weight(self, e: Example, current: int) -> float:
@@ -411,7 +425,7 @@ class OnlineTrainer:
             log.exception("trainer metrics row dropped")
 
     def status(self) -> dict[str, Any]:
-        """Gauges for the server's /metrics (also written to `<run_dir>/trainer/status.json`)."""
+        """Gauges for the server's /metrics (also `RunDir.write_trainer_status`'s content)."""
         return {
             M.TRAINER_STEP: self.step,
             M.TRAINER_RECORDS_SEEN: self.records_seen,
@@ -435,8 +449,7 @@ class OnlineTrainer:
         """Weights + optimizer + counters + `extra`, written to a temp dir and renamed over `path`."""
         from safetensors.torch import save_file
 
-        path = Path(path)
-        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{time.time_ns()}")
+        tmp = tmp_dir_beside(path)
         tmp.mkdir(parents=True)
         save_file(self.trainable.state(), str(tmp / "trainable.safetensors"))
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
@@ -448,17 +461,8 @@ class OnlineTrainer:
             "last_published": self.last_published, "kind": self.trainable.kind, **dict(extra),
         }
         (tmp / "state.json").write_text(json.dumps(state))
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        old = path.with_name(f".old-{path.name}-{os.getpid()}-{time.time_ns()}")
-        if path.exists():
-            os.rename(path, old)  # the only window without `path`; load_checkpoint falls back to it
-        os.rename(tmp, path)
-        if old.exists():
-            import shutil
-
-            shutil.rmtree(old, ignore_errors=True)
+        fsync_tree(tmp)
+        replace_dir(tmp, path)  # a kill between its two renames leaves `old_dirs(path)`; load_checkpoint reads it
 
     def load_checkpoint(self, path: Path) -> dict[str, Any] | None:
         """Restore from `save_checkpoint` output; returns its state dict (None if absent)."""
@@ -466,7 +470,7 @@ class OnlineTrainer:
 
         path = Path(path)
         if not path.exists():
-            olds = sorted(path.parent.glob(f".old-{path.name}-*"))
+            olds = old_dirs(path)
             if not olds:
                 return None
             path = olds[-1]

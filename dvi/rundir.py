@@ -1,0 +1,172 @@
+"""The run directory: every path and file that the server, the trainer, the supervisor, the admin
+API and the benchmarks share, with typed reads and writes (docs/contracts.md, "Run dir").
+
+Layout::
+
+    <run_dir>/
+      trainer.pause           exists while the trainer must take no steps (supervisor, admin API)
+      target_version          the target's current version, one integer (admin API, RL loops)
+      trainer_config.yaml     the resolved config a supervised trainer runs with (owner-only)
+      trainer.log             a supervised trainer's stdout and stderr
+      metrics.jsonl           the server's metric rows (`dvi.metrics.MetricsLogger`)
+      swap_events.jsonl       the server's promotions, refusals and rollbacks
+      trainer/                the trainer's own
+        status.json           its gauges and a `heartbeat` time, replaced every loop iteration;
+                              the file's mtime is the heartbeat the supervisor watches
+        checkpoint/           weights, optimizer, counters (replaced whole)
+        consumed.jsonl        one line per flushed round (exactly-once accounting)
+        cursor.json           the feedback reader's cursor
+        metrics.jsonl         the trainer's metric rows
+    <feedback.dir>            parquet shards (`dvi.feedback`; a local dir or an fsspec URL)
+    <registry.dir>/drafter/   published versions and LATEST (`dvi.registry`)
+
+Writers replace files atomically (`dvi.fsutil`), so a reader sees the old content or the new.
+The target version is written as plain text (``"7\\n"``) and read as an integer; a JSON integer
+(``7``) reads the same. Readers that find a file absent or torn get None / {} instead of an error:
+these files are signals between processes, and a missing one means "nothing said yet".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from dvi.fsutil import PRIVATE, atomic_write_json, atomic_write_text
+
+PAUSE_FILE = "trainer.pause"
+TARGET_VERSION_FILE = "target_version"
+TRAINER_CONFIG_FILE = "trainer_config.yaml"
+TRAINER_LOG_FILE = "trainer.log"
+METRICS_FILE = "metrics.jsonl"
+SWAP_EVENTS_FILE = "swap_events.jsonl"
+TRAINER_DIR = "trainer"
+STATUS_FILE = "status.json"  # under TRAINER_DIR
+CHECKPOINT_DIR = "checkpoint"  # under TRAINER_DIR
+CONSUMED_LOG = "consumed.jsonl"  # under TRAINER_DIR
+CURSOR_FILE = "cursor.json"  # under TRAINER_DIR
+
+
+class RunDir:
+    """One run's shared files. `RunDir.of(cfg)` for a config's run; paths only, nothing is created
+    until `make()` or a write. `feedback_dir` (a path or fsspec URL) and `registry_dir` are
+    configured separately and may lie elsewhere (shared by several servers, see docs/design.md)."""
+
+    def __init__(self, root: str | os.PathLike, feedback_dir: str | os.PathLike | None = None,
+                 registry_dir: str | os.PathLike | None = None) -> None:
+        self.root = Path(root)
+        self.feedback_dir = None if feedback_dir is None else str(feedback_dir)
+        self.registry_dir = None if registry_dir is None else Path(registry_dir)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.root)!r}, feedback_dir={self.feedback_dir!r}, registry_dir={self.registry_dir!r})"
+
+    @classmethod
+    def of(cls, cfg: Any) -> RunDir:
+        """The run dir of a `dvi.config.DviConfig` (its `run_dir`, `feedback.dir` and `registry.dir`)."""
+        return cls(cfg.run_dir, cfg.feedback.dir, cfg.registry.dir)
+
+    def make(self) -> RunDir:
+        """Create `<run_dir>/` and `<run_dir>/trainer/`; returns self."""
+        self.trainer_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # -- paths --------------------------------------------------------------------------------------
+    @property
+    def pause_path(self) -> Path:
+        return self.root / PAUSE_FILE
+
+    @property
+    def target_version_path(self) -> Path:
+        return self.root / TARGET_VERSION_FILE
+
+    @property
+    def trainer_config_path(self) -> Path:
+        return self.root / TRAINER_CONFIG_FILE
+
+    @property
+    def trainer_log_path(self) -> Path:
+        return self.root / TRAINER_LOG_FILE
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def swap_events_path(self) -> Path:
+        return self.root / SWAP_EVENTS_FILE
+
+    @property
+    def trainer_dir(self) -> Path:
+        return self.root / TRAINER_DIR
+
+    @property
+    def status_path(self) -> Path:
+        return self.trainer_dir / STATUS_FILE
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.trainer_dir / CHECKPOINT_DIR
+
+    @property
+    def consumed_path(self) -> Path:
+        return self.trainer_dir / CONSUMED_LOG
+
+    @property
+    def cursor_path(self) -> Path:
+        return self.trainer_dir / CURSOR_FILE
+
+    # -- trainer pause flag ---------------------------------------------------------------------------
+    def pause_trainer(self) -> None:
+        """No trainer steps from the next round on (supervised and external trainers alike)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.pause_path, f"paused at {time.time()}\n", fsync=False)
+
+    def resume_trainer(self) -> None:
+        self.pause_path.unlink(missing_ok=True)
+
+    def trainer_paused(self) -> bool:
+        return self.pause_path.exists()
+
+    # -- target version -------------------------------------------------------------------------------
+    def write_target_version(self, version: int) -> None:
+        """Tell the trainer about a new target before its first feedback record arrives."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.target_version_path, f"{int(version)}\n")
+
+    def read_target_version(self) -> int | None:
+        """The integer in `<run_dir>/target_version`, or None when absent or unreadable."""
+        try:
+            return int(self.target_version_path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    # -- trainer status (gauges + heartbeat) ----------------------------------------------------------
+    def write_trainer_status(self, status: dict[str, Any]) -> None:
+        """Replace `trainer/status.json` (not fsynced: a gauge, rewritten every round). Adds `heartbeat`."""
+        self.trainer_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.status_path, {"heartbeat": time.time(), **status}, fsync=False)
+
+    def read_trainer_status(self) -> dict[str, Any]:
+        """The trainer's last status ({} if absent or torn)."""
+        try:
+            data = json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def heartbeat_time(self) -> float | None:
+        """Wall-clock time of the trainer's last status write (the file's mtime), None if never."""
+        try:
+            return self.status_path.stat().st_mtime
+        except OSError:
+            return None
+
+    # -- supervised trainer config ----------------------------------------------------------------------
+    def write_trainer_config(self, text: str) -> Path:
+        """The resolved config a supervised trainer runs with; owner-only (it names the run's dirs)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.trainer_config_path, text, mode=PRIVATE)
+        return self.trainer_config_path
