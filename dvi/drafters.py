@@ -195,6 +195,44 @@ def _set_tensor(root: nn.Module, name: str, value: torch.Tensor, is_buffer: bool
         mod._parameters[attr] = value
 
 
+def _shallow_copy(target: nn.Module, num_layers: int, exit_rank: int) -> tuple[nn.Module, ExitHead]:
+    """A `num_layers`-layer model of the target's class whose Parameters and buffers ARE the target's,
+    except its final norm, replaced by a fresh `ExitHead` (returned too)."""
+    cfg = copy.deepcopy(target.config)
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:num_layers]
+    cfg.num_hidden_layers = num_layers
+    with torch.device("meta"):
+        shallow = type(target)(cfg)
+    base_name = shallow.base_model_prefix
+    t_base, s_base = getattr(target, base_name), getattr(shallow, base_name)
+    norm_name = next((n for n in _FINAL_NORM_NAMES if hasattr(t_base, n)), None)
+    if norm_name is None:
+        raise ValueError(f"cannot find the final norm of {type(target).__name__}")
+    hidden = int(cfg.hidden_size)
+    head = ExitHead(copy.deepcopy(getattr(t_base, norm_name)), hidden, exit_rank)
+    setattr(s_base, norm_name, head)
+    head_prefix = f"{base_name}.{norm_name}."
+    # Share every other Parameter / buffer object with the target (no copies).
+    t_params = dict(target.named_parameters(remove_duplicate=False))
+    for name, _ in list(shallow.named_parameters(remove_duplicate=False)):
+        if name.startswith(head_prefix):
+            continue
+        if name not in t_params:
+            raise ValueError(f"early-exit drafter: target has no parameter {name!r}")
+        _set_tensor(shallow, name, t_params[name], is_buffer=False)
+    t_bufs = dict(target.named_buffers(remove_duplicate=False))
+    for name, _ in list(shallow.named_buffers(remove_duplicate=False)):
+        if name.startswith(head_prefix):
+            continue
+        if name in t_bufs:
+            _set_tensor(shallow, name, t_bufs[name], is_buffer=True)
+    for name, t in list(shallow.named_parameters()) + list(shallow.named_buffers()):
+        if t.is_meta:
+            raise ValueError(f"early-exit drafter: {name} was not shared from the target")
+    return shallow, head
+
+
 class EarlyExitDrafter(Drafter):
     """Self-speculative drafter: the target's first `num_layers` layers + LoRA + `ExitHead` + the target's lm_head."""
 
@@ -218,38 +256,7 @@ class EarlyExitDrafter(Drafter):
         self.num_layers, self.lora_rank, self.exit_rank = int(num_layers), int(lora_rank), int(exit_rank)
         self.lora_alpha = int(lora_alpha if lora_alpha is not None else 2 * max(lora_rank, 1))
         self.target_ref = target
-        cfg = copy.deepcopy(target.config)
-        if getattr(cfg, "layer_types", None):
-            cfg.layer_types = list(cfg.layer_types)[:num_layers]
-        cfg.num_hidden_layers = num_layers
-        with torch.device("meta"):
-            shallow = type(target)(cfg)
-        base_name = shallow.base_model_prefix
-        t_base, s_base = getattr(target, base_name), getattr(shallow, base_name)
-        norm_name = next((n for n in _FINAL_NORM_NAMES if hasattr(t_base, n)), None)
-        if norm_name is None:
-            raise ValueError(f"cannot find the final norm of {type(target).__name__}")
-        hidden = int(cfg.hidden_size)
-        head = ExitHead(copy.deepcopy(getattr(t_base, norm_name)), hidden, exit_rank)
-        setattr(s_base, norm_name, head)
-        head_prefix = f"{base_name}.{norm_name}."
-        # Share every other Parameter / buffer object with the target (no copies).
-        t_params = dict(target.named_parameters(remove_duplicate=False))
-        for name, _ in list(shallow.named_parameters(remove_duplicate=False)):
-            if name.startswith(head_prefix):
-                continue
-            if name not in t_params:
-                raise ValueError(f"early-exit drafter: target has no parameter {name!r}")
-            _set_tensor(shallow, name, t_params[name], is_buffer=False)
-        t_bufs = dict(target.named_buffers(remove_duplicate=False))
-        for name, _ in list(shallow.named_buffers(remove_duplicate=False)):
-            if name.startswith(head_prefix):
-                continue
-            if name in t_bufs:
-                _set_tensor(shallow, name, t_bufs[name], is_buffer=True)
-        for name, t in list(shallow.named_parameters()) + list(shallow.named_buffers()):
-            if t.is_meta:
-                raise ValueError(f"early-exit drafter: {name} was not shared from the target")
+        shallow, head = _shallow_copy(target, num_layers, exit_rank)
         shallow.eval()
         if vocab_ids is not None:  # a row slice of the target's lm_head (shared Parameter, cached slice)
             apply_draft_vocab(shallow, vocab_ids)

@@ -37,7 +37,8 @@ from dvi.models import check_target_state_dict, load_state_dict
 from dvi.request import InvalidParam, Request, SamplingParams, is_int, validate_params, validate_prompt
 from dvi.results import GenerationResult, StepOutput
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
-from dvi.seq import Seq, g_rand
+from dvi.seq import BatchParams, Seq, g_rand, pending_features, pending_ids
+from dvi.vocab import fit_vocab
 
 MAX_DRAFT_TOKENS_LIMIT = 32
 
@@ -107,8 +108,8 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------ public API
     def add_request(self, request: Request) -> None:
         """Queue a request; it joins the batch (prefill) at the next step()."""
-        self._validate_prompt(request.prompt_ids, "prompt_ids")
-        self._validate_params(request.params, len(request.prompt_ids))
+        validate_prompt(request.prompt_ids, "prompt_ids", self.vocab_size, self.num_embeddings)
+        validate_params(request.params, len(request.prompt_ids), self.vocab_size, self.max_context, "prompt_ids")
         if any(s.req.request_id == request.request_id for s in self._waiting + self._seqs):
             raise ValueError(f"request_id {request.request_id!r} is already active")
         request = self._normalized(request)
@@ -199,12 +200,12 @@ class SpeculativeEngine:
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         for i, p in enumerate(prompts):
-            self._validate_prompt(p, f"prompts[{i}]")
+            validate_prompt(p, f"prompts[{i}]", self.vocab_size, self.num_embeddings)
         if seed is not None and not is_int(seed):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         base = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids or ()))
         for i, p in enumerate(prompts):
-            self._validate_params(base, len(p), prompt_name=f"prompts[{i}]")
+            validate_params(base, len(p), self.vocab_size, self.max_context, f"prompts[{i}]")
         self._gen_calls += 1
         ids = [f"generate-{self._gen_calls}-{i}" for i in range(len(prompts))]
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True)):
@@ -234,12 +235,6 @@ class SpeculativeEngine:
         return outs
 
     # ------------------------------------------------------------------ validation
-    def _validate_prompt(self, prompt, name: str) -> None:
-        validate_prompt(prompt, name, self.vocab_size, self.num_embeddings)
-
-    def _validate_params(self, p: SamplingParams, prompt_len: int, prompt_name: str = "prompt_ids") -> None:
-        validate_params(p, prompt_len, self.vocab_size, self.max_context, prompt_name)
-
     def _set_drafter(self, drafter) -> None:
         d = as_drafter(drafter)
         if d is not None and d.vocab_size < self.vocab_size:
@@ -261,16 +256,7 @@ class SpeculativeEngine:
         return RaggedKV(self.drafter.config, 0, self.device, self.drafter.dtype)
 
     def _refresh_params(self) -> None:
-        seqs = self._seqs
-        dev = self.device
-        self._temp = torch.tensor([float(s.req.params.temperature) for s in seqs], dtype=torch.float32, device=dev)
-        tk = [int(s.req.params.top_k) for s in seqs]
-        tp = [float(s.req.params.top_p) for s in seqs]
-        self._topk = torch.tensor(tk, dtype=torch.long, device=dev) if any(tk) else None
-        self._topp = torch.tensor(tp, dtype=torch.float32, device=dev) if any(x < 1.0 for x in tp) else None
-        self._all_greedy = all(s.req.params.temperature == 0 for s in seqs)
-        self._all_t1 = all(s.req.params.temperature in (0, 1) for s in seqs)
-        self._gens = [s.gen for s in seqs]
+        self._p = BatchParams.of(self._seqs, self.device)
 
     def _admit(self) -> None:
         new, self._waiting = self._waiting, []
@@ -353,7 +339,7 @@ class SpeculativeEngine:
         t1 = time.perf_counter()
         logits = self._verify(draft_ids)  # [B, K + 1, V_head]
         t_fwd = time.perf_counter()
-        logits = self._fit_vocab(logits)  # [B, K + 1, V]
+        logits = fit_vocab(logits, self.vocab_size)  # [B, K + 1, V]
         n, nxt = self._accept(k, draft_ids, q, logits, u)  # [B] drafts accepted, [B] the target's token after them
         self._roll_back(k, n)
         outs, finished = self._emit(k, draft_ids, logits, n, nxt)
@@ -386,16 +372,20 @@ class SpeculativeEngine:
 
     def _uniforms(self, n: int) -> torch.Tensor | None:
         """Per-row uniforms [B, n] from each request's own generator (greedy rows: zeros, unused)."""
-        if self._all_greedy:
+        if self._p.all_greedy:
             return None
-        rows = [g_rand(g, n) for g in self._gens]
+        rows = [g_rand(g, n) for g in self._p.gens]
         return torch.stack(rows).to(self.device)
 
     def _draft(self, k: int, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K drafter forwards: the first feeds every row's pending tokens, the others the previous draft.
         Returns draft ids [B, K] and, when sampling, the drafter's warped probabilities q [B, K, V]."""
-        ids, valid = self._pending_ids()  # [B, M], [B, M] (None when M = 1)
-        feats = self._pending_features(ids.shape[1]) if self._features else None  # [B, M, H]
+        ids, valid = pending_ids(self._seqs, self.device)  # [B, M], [B, M] (None when M = 1)
+        self._catchup = ids.shape[1] > 2
+        feats = None
+        if self._features:
+            feats = pending_features(self._seqs, ids.shape[1], int(self.target.config.hidden_size),
+                                     self.dtype, self.device)  # [B, M, H]
         drafts, qs = [], []
         for j in range(k):
             if feats is None:
@@ -403,40 +393,16 @@ class SpeculativeEngine:
             else:  # eagle: later drafts read the head's own predicted feature of the previous position
                 logits, feats = self._dkv.forward(self.drafter.with_features(feats), ids, valid, logits_to_keep=1)
                 logits = logits[:, -1]  # [B, V_draft]; feats [B, 1, H]
-            logits = self._fit_vocab(logits)  # [B, V]
-            if self._all_greedy:
+            logits = fit_vocab(logits, self.vocab_size)  # [B, V]
+            if self._p.all_greedy:
                 d = logits.argmax(-1)  # [B]
             else:
-                q = warp_probs(logits, self._temp, self._topk, self._topp)  # [B, V]
+                q = warp_probs(logits, self._p.temp, self._p.top_k, self._p.top_p)  # [B, V]
                 d = sample_from(q, u[:, j])
                 qs.append(q)
             drafts.append(d)
             ids, valid = d.unsqueeze(1), None  # [B, 1]
         return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
-
-    def _pending_ids(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every row's pending tokens (those its drafter cache lacks), left-padded to the longest M:
-        ids [B, M] and valid [B, M] (None when every row has one)."""
-        pend = [s.pending for s in self._seqs]
-        m = max(len(p) for p in pend)
-        self._catchup = m > 2
-        if m == 1:
-            return torch.tensor(pend, dtype=torch.long, device=self.device), None  # [B, 1]
-        ids = torch.zeros(len(pend), m, dtype=torch.long)
-        valid = torch.zeros(len(pend), m, dtype=torch.bool)
-        for i, p in enumerate(pend):
-            ids[i, m - len(p) :] = torch.tensor(p, dtype=torch.long)
-            valid[i, m - len(p) :] = True
-        return ids.to(self.device), valid.to(self.device)
-
-    def _pending_features(self, m: int) -> torch.Tensor:
-        """Features [B, M, H] of every row's pending tokens, left-padded with zeros like `_pending_ids`."""
-        h = int(self.target.config.hidden_size)
-        rows = [s.pending_features(h) for s in self._seqs]
-        out = torch.zeros(len(rows), m, h, dtype=self.dtype, device=self.device)
-        for i, r in enumerate(rows):
-            out[i, m - r.shape[0]:] = r
-        return out
 
     def _verify(self, draft_ids: torch.Tensor | None) -> torch.Tensor:
         """The target scores [last token, d_1..d_K] of every row in one forward (K + 1 positions);
@@ -453,12 +419,12 @@ class SpeculativeEngine:
                 u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row, how many drafts the target keeps (n [B]) and its token after them (nxt [B]): greedy exact
         match, or rejection sampling with the row's uniforms u[:, K:2K] (tests) and u[:, 2K] (resample)."""
-        if self._all_greedy:
+        if self._p.all_greedy:
             if k > 0:
                 return greedy_accept(draft_ids, logits)
             nxt = logits[:, 0].argmax(-1)  # [B]
             return torch.zeros_like(nxt), nxt
-        p = warp_probs(logits, self._temp, self._topk, self._topp)  # [B, K + 1, V]
+        p = warp_probs(logits, self._p.temp, self._p.top_k, self._p.top_p)  # [B, K + 1, V]
         if k > 0:
             return rejection_accept(draft_ids, q, p, u[:, k : 2 * k], u[:, 2 * k])
         nxt = sample_from(p[:, 0], u[:, 0])  # [B]
@@ -475,7 +441,7 @@ class SpeculativeEngine:
               nxt: torch.Tensor) -> tuple[list[StepOutput], list[int]]:
         """Emitted tokens onto each row's result, its pending drafter tokens and acceptance estimate; rows
         that hit a stop token or their budget are closed. Returns the outputs and the finished rows."""
-        e = emitted(draft_ids, n, nxt, logits, self._temp, self._all_t1, self.feedback_top_k)
+        e = emitted(draft_ids, n, nxt, logits, self._p.temp, self._p.all_t1, self.feedback_top_k)
         self._last = nxt
         outs: list[StepOutput] = []
         finished: list[int] = []
@@ -519,16 +485,6 @@ class SpeculativeEngine:
                 self.controller.set_step_overhead(bb, o)
         if k > 0 and not self._catchup:  # a drafter catch-up after K=0 steps is not a typical draft cost
             self.costs.record_draft(b, t_draft / k)
-
-    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., V_head] logits as [..., V]: extra head rows cut, a smaller head padded with -inf."""
-        v = logits.shape[-1]
-        if v == self.vocab_size:
-            return logits
-        if v > self.vocab_size:
-            return logits[..., : self.vocab_size]
-        pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
-        return torch.cat([logits, pad], -1)
 
     # ------------------------------------------------------------------ cost calibration (dvi.adaptive.calibrate)
     def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:

@@ -6,13 +6,15 @@ Kept apart from `dvi.engine` (which batches rows and runs the step) so a row's b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dvi.adaptive import AcceptanceEMA
 from dvi.request import Request
 from dvi.results import GenerationResult
 
-__all__ = ["Seq", "g_rand"]
+__all__ = ["Seq", "BatchParams", "g_rand", "pending_ids", "pending_features"]
 
 
 class Seq:
@@ -45,7 +47,55 @@ class Seq:
         return torch.cat(rows[::-1]) if len(rows) > 1 else rows[0]
 
 
+@dataclass
+class BatchParams:
+    """The batch's sampling parameters as tensors, rebuilt whenever rows join or leave."""
+
+    temp: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor | None  # [B] long, None when no row uses top-k
+    top_p: torch.Tensor | None  # [B] float32, None when no row uses top-p
+    all_greedy: bool
+    all_t1: bool  # every row at temperature 0 or 1 (log-probs need no rescaling)
+    gens: list  # per-row torch.Generator (None for greedy rows)
+
+    @classmethod
+    def of(cls, seqs: list[Seq], device: torch.device) -> BatchParams:
+        ps = [s.req.params for s in seqs]
+        tk, tp = [int(p.top_k) for p in ps], [float(p.top_p) for p in ps]
+        return cls(
+            temp=torch.tensor([float(p.temperature) for p in ps], dtype=torch.float32, device=device),
+            top_k=torch.tensor(tk, dtype=torch.long, device=device) if any(tk) else None,
+            top_p=torch.tensor(tp, dtype=torch.float32, device=device) if any(x < 1.0 for x in tp) else None,
+            all_greedy=all(p.temperature == 0 for p in ps), all_t1=all(p.temperature in (0, 1) for p in ps),
+            gens=[s.gen for s in seqs])
+
+
 def g_rand(gen: torch.Generator | None, n: int) -> torch.Tensor:
     if gen is None:
         return torch.zeros(n)
     return torch.rand(n, generator=gen)
+
+
+def pending_ids(seqs: list[Seq], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every row's pending tokens (those its drafter cache lacks), left-padded to the longest M:
+    ids [B, M] and valid [B, M] (None when every row has one)."""
+    pend = [s.pending for s in seqs]
+    m = max(len(p) for p in pend)
+    if m == 1:
+        return torch.tensor(pend, dtype=torch.long, device=device), None  # [B, 1]
+    ids = torch.zeros(len(pend), m, dtype=torch.long)
+    valid = torch.zeros(len(pend), m, dtype=torch.bool)
+    for i, p in enumerate(pend):
+        ids[i, m - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid[i, m - len(p):] = True
+    return ids.to(device), valid.to(device)
+
+
+def pending_features(seqs: list[Seq], m: int, hidden_size: int, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """Eagle features [B, M, H] of every row's pending tokens, left-padded with zeros like `pending_ids`."""
+    out = torch.zeros(len(seqs), m, hidden_size, dtype=dtype, device=device)
+    for i, s in enumerate(seqs):
+        r = s.pending_features(hidden_size)
+        out[i, m - r.shape[0]:] = r
+    return out

@@ -48,6 +48,7 @@ __all__ = [
     "apply_draft_vocab",
     "find_subset_head",
     "subset_mode",
+    "fit_vocab",
 ]
 
 
@@ -266,6 +267,18 @@ def subset_mode(module: nn.Module) -> Iterator[SubsetHead | None]:
         yield head
     finally:
         head.subset_only = prev
+
+
+def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., V_head] logits as [..., V]: extra head rows (padding to a multiple) cut, a smaller head
+    padded with -inf (a drafter whose vocabulary ends before the target's)."""
+    v = logits.shape[-1]
+    if v == vocab_size:
+        return logits
+    if v > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - v), float("-inf"))
+    return torch.cat([logits, pad], -1)
 
 
 def describe(path: str | Path) -> dict:
