@@ -461,7 +461,7 @@ class SpeculativeEngine:
                 self.acceptance.update(s.acc, s.req.domain, 0, 0)
             new, reason = append_tokens(s.res, e, i, k, s.stop, s.remaining)
             if self._features:
-                s.feats.append(self._step_feats[i, : len(new)].clone())  # [len(new), H]
+                self._keep_features(s, i, len(new))
             s.remaining -= len(new)
             if reason is not None:
                 self._close(s, reason)
@@ -469,6 +469,10 @@ class SpeculativeEngine:
             outs.append(StepOutput(s.req.request_id, new, reason is not None, s.res if reason else None))
         self.acceptance.end_step(k)
         return outs, finished
+
+    def _keep_features(self, s: Seq, i: int, n: int) -> None:
+        """Row i's target features of its n emitted positions onto its history (eagle)."""
+        s.feats.append(self._step_feats[i, :n].clone())  # [n, H]
 
     def _record_costs(self, b: int, k: int, t_draft: float, t_verify: float, t_host: float) -> None:
         """Online timings of the step (reporting) and, on CPU, the host work per step the controller adds."""
