@@ -82,6 +82,42 @@ def test_trl_grpo_steps_with_dvi_rollout_func(tiny_pair_dir, tmp_path):
     assert engine.target_version == 4
 
 
+def test_trl_example_grpo_with_lora_policy_on_tiny(tiny_pair_dir, tmp_path):
+    """examples/trl_grpo.py end to end on the tiny pair: peft LoRA policy, arithmetic reward, dvi rollouts."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    from peft import PeftModel
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "trl_grpo.py"
+    spec = importlib.util.spec_from_file_location("dvi_trl_grpo_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    # The tiny pair cannot do arithmetic (every reward 0, no gradient); upper-case share is dense.
+    a = argparse.Namespace(preset="tiny", root=str(tiny_pair_dir.parent), steps=3, reward="upper", num_generations=2,
+                           prompts_per_step=2, max_completion_length=8, num_draft_tokens=2, lr=1e-2, threads=1,
+                           output_dir=str(tmp_path / "grpo"))
+    trainer, rollout_func = example.build(a)
+    engine = rollout_func.rollouts.engine
+    base = {k: v.clone() for k, v in engine.target.state_dict().items()}
+    trainer.train()
+
+    assert trainer.state.global_step == 3 and isinstance(trainer.model, PeftModel)
+    assert [h["target_version"] for h in rollout_func.history] == [0, 1, 2]
+    assert all(h["num_sequences"] == 4 and 0 <= h["speculated_share"] <= 1 for h in rollout_func.history)
+    rewards = [x["reward"] for x in trainer.state.log_history if "reward" in x]
+    assert len(rewards) == 3 and all(0 <= r <= 1 for r in rewards)
+    # The next generation samples exactly the LoRA-merged policy; only adapted matrices moved.
+    trainer.state.global_step += 1
+    rollout_func(["user: Ann has 2 pens and buys 3 more.\nassistant:"], trainer)
+    merged = policy_state_dict(trainer.model)
+    target = engine.target.state_dict()
+    assert engine.target_version == 4 and all(torch.equal(merged[k], target[k]) for k in merged)
+    moved = {k for k in target if not torch.equal(target[k], base[k])}
+    assert moved and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in moved)
+
+
 def test_group_advantages_and_rewards():
     r = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.4])
     adv = group_advantages(r, 2, scale=False)
@@ -161,7 +197,7 @@ def test_lora_merge_is_out_of_place_and_matches_peft_merge(tiny_pair_dir):
 
 
 def test_arith_task_prompts_and_reward(tiny_pair_dir):
-    from trainers.rl_tasks import Problem, arith_reward, arithmetic_problems, task_prompts
+    from trainers.rl_tasks import Problem, arith_reward, arithmetic_problems, task_prompts, trl_reward
 
     tok = load_tokenizer(find_tokenizer_path(tiny_pair_dir / "target"))
     a = list(itertools.islice(arithmetic_problems(3), 20))
@@ -177,6 +213,8 @@ def test_arith_task_prompts_and_reward(tiny_pair_dir):
     assert arith_reward(p, "12 ... Answer: 13") == 0.5  # format, and 12 was mentioned, but the answer is wrong
     assert arith_reward(p, "Answer: 11") == 0.25
     assert arith_reward(p, "no idea") == 0.0
+    trl = trl_reward("arith")  # TRL's reward signature: the dataset's `answer` column as a keyword
+    assert trl(["q"] * 2, [[{"role": "assistant", "content": "Answer: 12"}], "no"], answer=[12, 3]) == [1.0, 0.0]
 
 
 def test_rl_loop_plain_arm_has_no_drafter(tiny_pair_dir, tmp_path):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "Problem", "arithmetic_problems", "arith_reward", "upper_reward", "ast_reward", "short_lines_reward",
+    "Problem", "arithmetic_problems", "arith_reward", "arith_messages", "arith_dataset", "trl_reward", "upper_reward", "ast_reward", "short_lines_reward",
     "REWARDS", "TASKS", "task_prompts",
 ]
 
@@ -108,6 +108,35 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
 TASKS = ("arith", *REWARDS)
 
 
+def arith_messages(problem: Problem) -> list[dict[str, str]]:
+    """The chat a word problem is asked in (system instruction + the problem)."""
+    return [{"role": "system", "content": ARITH_SYSTEM}, {"role": "user", "content": problem.text}]
+
+
+def arith_dataset(num: int, seed: int) -> dict[str, list]:
+    """Columns of a TRL dataset: conversational ``prompt`` and the integer ``answer`` (passed to rewards)."""
+    problems = [p for p, _ in zip(arithmetic_problems(seed), range(num), strict=False)]
+    return {"prompt": [arith_messages(p) for p in problems], "answer": [p.answer for p in problems]}
+
+
+def trl_reward(task: str) -> Callable[..., list[float]]:
+    """A task's reward as a TRL reward function (completions as text or as assistant messages).
+
+    `arith` reads the dataset's ``answer`` column (TRL passes extra columns as keyword arguments).
+    """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+
+    def reward(prompts: list, completions: list, answer: list[int] | None = None, **kwargs: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else str(c) for c in completions]
+        if task == "arith":
+            return [arith_reward(Problem("", int(a)), t) for t, a in zip(texts, answer or [], strict=True)]
+        return [REWARDS[task](str(p), t) for p, t in zip(prompts, texts, strict=True)]
+
+    reward.__name__ = f"{task}_reward"
+    return reward
+
+
 def task_prompts(task: str, tokenizer: Any, seed: int,
                  prompt_tokens: tuple[int, int] = (16, 48)) -> Iterator[tuple[list[int], Problem]]:
     """(prompt ids, problem) pairs of `task`: chat-rendered word problems, or held-out code prompts."""
@@ -115,8 +144,7 @@ def task_prompts(task: str, tokenizer: Any, seed: int,
 
     if task == "arith":
         for p in arithmetic_problems(seed):
-            msgs = [{"role": "system", "content": ARITH_SYSTEM}, {"role": "user", "content": p.text}]
-            yield render_chat(tokenizer, msgs), p
+            yield render_chat(tokenizer, arith_messages(p)), p
         return
     if task not in REWARDS:
         raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
