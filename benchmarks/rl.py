@@ -138,6 +138,10 @@ def _goals(pooled: dict[str, dict], alpha_from: int) -> list[dict]:
     if on and pl:
         goals.append(goal("plain / online total rollout time (speedup)",
                           pl["rollout_s_total"] / on["rollout_s_total"], 1.15))
+        # The arms sample different completions (lengths differ): the same ratio per generated token.
+        per_token = {arm: pooled[arm]["rollout_s_total"] / max(1, pooled[arm]["tokens_total"]) for arm in ("plain", "online")}
+        goals.append(goal("plain / online rollout seconds per token (speedup)", per_token["plain"] / per_token["online"],
+                          1.15))
     if pl and len(pl["mean_reward_per_seed"]) > 1:
         spread = statistics.stdev(pl["mean_reward_per_seed"])
         for arm in ("frozen", "online"):
@@ -225,7 +229,7 @@ def _run_seed(a: argparse.Namespace, root: Path, seed: int) -> tuple[dict, dict,
             alpha = r.alpha if r.num_drafted else float("nan")
             cells.append(f"{r.reward:>10.3f} {alpha:>9.3f} {_share(r):>9.2f} {r.rollout_s:>9.2f}")
         print(f"{i:>4} " + " ".join(cells), flush=True)
-    alpha_from = min(a.alpha_from, a.steps // 2)
+    alpha_from = min(a.alpha_from, a.steps - 1)
     out = ({arm: run.logs for arm, run in runs.items()},
            {arm: run.summary(alpha_from=alpha_from) for arm, run in runs.items()},
            {arm: asdict(cfg) for arm, cfg in cfgs.items()})
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"building the {a.preset} pair into {root} ...", flush=True)
         root = bootstrap(a.preset, out=root.parent if a.pair_dir is None else root)
-    alpha_from = min(a.alpha_from, a.steps // 2)
+    alpha_from = min(a.alpha_from, a.steps - 1)
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
 
     t_start = time.perf_counter()
