@@ -1,22 +1,24 @@
-"""RL rollout benchmark: one RL run, three ways (plain sampling, dvi + frozen drafter, dvi + online drafter).
+"""RL rollout benchmark: one GRPO run, three ways (plain sampling, dvi + frozen drafter, dvi + online drafter).
 
-Each arm is the same `trainers.rl` run (same seed, prompts, reward, optimiser, steps): sample
-`n` completions per prompt, reward them, take a GRPO-style policy-gradient step on the target,
-push the new weights into the rollout engine. The arms differ only in how rollouts are made:
+Each arm is the same `trainers.rl` run (same seed, prompts, reward, optimiser, steps) on the real target
+(SmolLM2-135M-Instruct, LoRA policy): sample `n` completions per prompt at temperature 1 with EOS, reward
+them (seeded arithmetic word problems), take a GRPO step, push the merged LoRA weights into the rollout
+engine. The arms differ only in how rollouts are made:
 
-* `plain`  - the target samples alone (the engine with speculation off: K = 0, same code path);
-* `frozen` - dvi speculative sampling with the bootstrap drafter, never updated;
-* `online` - dvi speculative sampling, the drafter trained between RL steps on the feedback
-  records of the current policy (`trainers.online.OnlineTrainer` driven in process: the online
-  trainer's loss, replay and stale-version handling, without a second process competing for cores).
+* `plain`  - the target samples alone (the engine without a drafter: K = 0, same code path);
+* `frozen` - dvi speculative sampling with the built drafter, never updated;
+* `online` - dvi speculative sampling, the drafter trained between RL steps on the feedback records of
+  the current policy (`trainers.online.OnlineTrainer` driven in process).
 
-The arms advance in lockstep (step i of every arm before step i+1 of any), so machine-load drift
-hits all three alike. Sampling is lossless in every arm, so the arms sample the same
-distributions; their random streams differ, so their trajectories differ by sampling noise only.
+Both dvi arms choose K per step from calibrated costs (adaptive K): plain steps while the batch is
+full, speculation as it drains to a few long rows. The arms advance in lockstep (step i of every arm
+before step i+1 of any), so machine-load drift hits all three alike. Sampling is lossless in every arm,
+so the arms sample the same distributions; their random streams differ, so their trajectories differ by
+sampling noise only: the reward goal compares the dvi arms with plain's seed-to-seed spread.
 
-    .venv/bin/python benchmarks/rl.py --preset tiny --steps 40 [--json bench_results/rl.json]
+    .venv/bin/python benchmarks/rl.py --steps 16 --seeds 0,1,2 [--json bench_results/rl.json]
 
-Writes JSON (settings, per-step figures, per-arm totals, `goals`) and a PNG beside it, prints a
+Writes JSON (settings, per-step figures per seed, per-arm totals, `goals`) and a PNG beside it, prints a
 table ending with the goals, and exits 0 whether or not they are met.
 """
 
@@ -25,10 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -37,217 +41,281 @@ if str(ROOT) not in sys.path:
 from benchmarks._common import clean_json, goal
 
 ARMS = ("plain", "frozen", "online")
+COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:green"}
 
 
-def _plot(path: Path, logs: dict[str, list], alpha_from: int, title: str) -> None:
+def _per_step(logs: dict[str, dict[int, list]], arm: str, field: str) -> tuple[list[int], list[list[float]]]:
+    """Steps and, per step, the values of `field` over the seeds of `arm`."""
+    runs = list(logs[arm].values())
+    steps = [r.step for r in runs[0]]
+    return steps, [[getattr(run[i], field) for run in runs] for i in range(len(steps))]
+
+
+def _share(r: Any) -> float:
+    return r.speculated_tokens / r.tokens if r.tokens else float("nan")
+
+
+def _plot(path: Path, logs: dict[str, dict[int, list]], alpha_from: int, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    colors = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:green"}
-    for arm in ("frozen", "online"):
-        if arm in logs:
-            axes[0].plot([r.step for r in logs[arm]], [r.alpha for r in logs[arm]], label=f"dvi, {arm} drafter",
-                         color=colors[arm])
-    axes[0].axvline(alpha_from, color="k", ls=":", lw=1)
-    axes[0].set(title="acceptance rate α per RL step", xlabel="RL step", ylabel="α", ylim=(0, 1))
-    for arm, rs in logs.items():
-        axes[1].plot([r.step for r in rs], [r.rollout_s for r in rs], label=arm, color=colors[arm])
-    axes[1].set(title="rollout time per RL step", xlabel="RL step", ylabel="seconds")
-    for arm, rs in logs.items():
-        axes[2].plot([r.step for r in rs], [r.reward for r in rs], label=arm, color=colors[arm])
-    axes[2].set(title="mean reward (the policy moves)", xlabel="RL step", ylabel="reward")
-    for ax in axes:
-        ax.legend()
-        ax.grid(alpha=0.3)
+    fig, ax = plt.subplots(2, 3, figsize=(17, 9))
+    panels = [
+        (ax[0, 0], "alpha", ("frozen", "online"), "acceptance rate α per RL step (mean over seeds)", "α"),
+        (ax[0, 1], "rollout_s", ARMS, "rollout seconds per RL step", "seconds"),
+        (ax[0, 2], "reward", ARMS, "mean reward (band: plain's min-max over seeds)", "reward"),
+        (ax[1, 0], "share", ("frozen", "online"), "share of tokens generated with K > 0", "share"),
+        (ax[1, 1], "kl_to_init", ("plain", "online"), "KL(policy || initial target) per token", "KL"),
+    ]
+    for a, field, arms, name, ylabel in panels:
+        for arm in (x for x in arms if x in logs):
+            if field == "share":
+                runs = list(logs[arm].values())
+                steps = [r.step for r in runs[0]]
+                vals = [[_share(run[i]) for run in runs] for i in range(len(steps))]
+            else:
+                steps, vals = _per_step(logs, arm, field)
+            pts = [(s, statistics.fmean(v)) for s, v in zip(steps, vals, strict=True) if all(x == x for x in v)]
+            a.plot([p[0] for p in pts], [p[1] for p in pts], label=arm, color=COLORS[arm], marker=".")
+            if field == "reward" and arm == "plain" and len(logs[arm]) > 1:
+                a.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=COLORS[arm], alpha=0.2)
+        a.set(title=name, xlabel="RL step", ylabel=ylabel)
+        a.legend()
+        a.grid(alpha=0.3)
+    ax[0, 0].axvline(alpha_from, color="k", ls=":", lw=1)
+    wall = {arm: sum(_arm_wall(run) for run in logs[arm].values()) for arm in logs}
+    ax[1, 2].bar(list(wall), list(wall.values()), color=[COLORS[a] for a in wall])
+    ax[1, 2].set(title="total wall seconds (rollouts + updates + drafter), all seeds", ylabel="seconds")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def _ceiling(runs: dict, arm: str, batch: int, alpha_from: int) -> dict:
-    """Speedup the measured costs allow at this arm's measured tokens/step (DESIGN.md, "closeness to the limit").
-
-    predicted = E[tokens/step] * c_plain / (K * c_draft + c_verify(K)), with the engines' own cost
-    models (median step timings at this batch size); also the tokens/step that 1.3x would need.
-    """
-    run = runs[arm]
-    k = run.cfg.num_draft_tokens
-    costs = run.engine.costs
-    plain_costs = runs["plain"].engine.costs if "plain" in runs else costs
-    c_d, c_v, c_p = costs.draft_cost(batch), costs.verify_cost(batch, k), plain_costs.verify_cost(batch, 0)
-    late = [r for r in run.logs if r.step >= alpha_from] or run.logs
-    steps = sum(r.num_steps for r in late)
-    tps = 1.0 + sum(r.num_accepted for r in late) / steps if steps else float("nan")
-    out = {"k": k, "batch": batch, "draft_s": c_d, "verify_s": c_v, "plain_step_s": c_p,
-           "tokens_per_step_late": tps, "adaptive": run.cfg.adaptive}
-    if None not in (c_d, c_v, c_p) and not run.cfg.adaptive:
-        step_cost = k * c_d + c_v
-        out["predicted_speedup_late"] = tps * c_p / step_cost
-        out["tokens_per_step_needed_for_1.3x"] = 1.3 * step_cost / c_p
-        out["max_speedup_at_alpha_1"] = (k + 1) * c_p / step_cost
-    return out
+def _arm_wall(logs: list) -> float:
+    return sum(r.rollout_s + r.update_s + r.sync_s + r.drafter_s for r in logs)
 
 
-def _plain_reference(run, prompts_per_step: int, n: int, max_new_tokens: int, seed: int) -> dict:
-    """HF `generate(do_sample=True)` vs the plain arm's engine on one batch: is the baseline fair?"""
+def _pooled(summaries: list[dict], logs: list[list], alpha_from: int) -> dict:
+    """One arm's totals over all its seeds (α token-weighted; reward per seed for the spread)."""
+    late = [r for run in logs for r in run if r.step >= alpha_from]
+    drafted = sum(r.num_drafted for r in late)
+    tokens = sum(r.tokens for run in logs for r in run)
+    mean_rewards = [statistics.fmean(r.reward for r in run) for run in logs]
+    return {
+        "seeds": [s["seed"] for s in summaries],
+        "rollout_s_total": sum(s["rollout_s_total"] for s in summaries),
+        "update_s_total": sum(s["update_s_total"] for s in summaries),
+        "drafter_s_total": sum(s["drafter_s_total"] for s in summaries),
+        "calibrate_s_total": sum(s["calibrate_s"] for s in summaries),
+        "wall_s_total": sum(_arm_wall(run) for run in logs),
+        "tokens_total": tokens,
+        "speculated_share": sum(r.speculated_tokens for run in logs for r in run) / tokens if tokens else None,
+        "alpha_late": sum(r.num_accepted for r in late) / drafted if drafted else None,
+        "alpha_all": _alpha([r for run in logs for r in run]),
+        "mean_reward_per_seed": mean_rewards,
+        "mean_reward": statistics.fmean(mean_rewards),
+        "reward_first5": statistics.fmean(s["reward_first5"] for s in summaries),
+        "reward_last5": statistics.fmean(s["reward_last5"] for s in summaries),
+    }
+
+
+def _alpha(rs: list) -> float | None:
+    drafted = sum(r.num_drafted for r in rs)
+    return sum(r.num_accepted for r in rs) / drafted if drafted else None
+
+
+def _goals(pooled: dict[str, dict], alpha_from: int) -> list[dict]:
+    """The issue's three goals, from the pooled per-arm figures."""
+    goals = []
+    on, fr, pl = pooled.get("online"), pooled.get("frozen"), pooled.get("plain")
+    if on and fr:  # no α (nothing drafted) is a miss, not a skipped goal
+        both = on["alpha_late"] is not None and fr["alpha_late"] is not None
+        gap = on["alpha_late"] - fr["alpha_late"] if both else None
+        goals.append(goal(f"online α minus frozen α, steps >= {alpha_from}", gap, 0.1))
+    if on and pl:
+        goals.append(goal("plain / online total rollout time (speedup)",
+                          pl["rollout_s_total"] / on["rollout_s_total"], 1.15))
+        # The arms sample different completions (lengths differ): the same ratio per generated token.
+        per_token = {arm: pooled[arm]["rollout_s_total"] / max(1, pooled[arm]["tokens_total"]) for arm in ("plain", "online")}
+        goals.append(goal("plain / online rollout seconds per token (speedup)", per_token["plain"] / per_token["online"],
+                          1.15))
+    if pl and len(pl["mean_reward_per_seed"]) > 1:
+        spread = statistics.stdev(pl["mean_reward_per_seed"])
+        for arm in ("frozen", "online"):
+            if arm in pooled:
+                gap = abs(pooled[arm]["mean_reward"] - pl["mean_reward"])
+                goals.append(goal(f"|{arm} - plain| mean reward over seeds, in plain's seed-to-seed std "
+                                  f"({spread:.4f})", gap / spread if spread > 0 else float("inf"), 1.0,
+                                  higher_is_better=False))
+    return goals
+
+
+def _plain_reference(run: Any, rows: int, max_new_tokens: int, seed: int) -> dict:
+    """HF `generate(do_sample=True)` vs the plain arm's engine on one batch of the task: is the baseline fair?"""
     import torch
 
-    from dvi.data import prompt_stream
-
-    tok = run.tokenizer
-    prompts = []
-    stream = prompt_stream("code", tok, split="heldout", prompt_tokens=run.cfg.prompt_tokens, seed=seed + 999)
-    for _ in range(prompts_per_step):
-        prompts.extend([next(stream)] * n)
-    model = run.engine.target
+    prompts = [next(run._prompts)[0] for _ in range(rows)]
     t0 = time.perf_counter()
     run.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed)
     engine_s = time.perf_counter() - t0
+    pad = run.pad_id
     width = max(len(p) for p in prompts)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                       max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=pad,
-                       eos_token_id=None)
+        run.engine.target.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
+                                   top_p=1.0, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                   pad_token_id=pad, eos_token_id=None)
     hf_s = time.perf_counter() - t0
-    return {"sequences": len(prompts), "max_new_tokens": max_new_tokens, "plain_engine_s": engine_s,
-            "hf_generate_s": hf_s, "hf_over_engine": hf_s / engine_s if engine_s > 0 else float("nan")}
+    return {"sequences": rows, "max_new_tokens": max_new_tokens, "plain_engine_s": engine_s, "hf_generate_s": hf_s,
+            "hf_over_engine": hf_s / engine_s if engine_s > 0 else float("nan")}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    # tiny until the RL loop moves to the real target (issue 19): full fine-tuning of SmolLM2 on this CPU
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--preset", default="smollm2")
     ap.add_argument("--pair-dir", default=None, help="a built pair (default: the preset's cache dir; built if absent)")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every arm runs every seed")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of plain,frozen,online")
-    ap.add_argument("--reward", default="upper")
-    ap.add_argument("--prompts-per-step", type=int, default=4)
+    ap.add_argument("--reward", default="arith")
+    ap.add_argument("--prompts-per-step", type=int, default=3)
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group size)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--lr", type=float, default=None, help="policy learning rate (default: RLConfig's)")
-    ap.add_argument("--num-draft-tokens", type=int, default=2,
-                    help="fixed K (2 measured fastest for the small pair at T=1 on CPU)")
-    ap.add_argument("--adaptive", action="store_true", help="let the engine choose K per step")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=None, help="policy (LoRA) learning rate (default: RLConfig's)")
+    ap.add_argument("--num-draft-tokens", type=int, default=None, help="fixed K, or the default K when adaptive")
+    ap.add_argument("--fixed-k", action="store_true", help="no adaptive K: draft num-draft-tokens every step")
     ap.add_argument("--drafter-lr", type=float, default=None)
     ap.add_argument("--drafter-mode", default=None, choices=["lora", "full"])
-    ap.add_argument("--drafter-batch-size", type=int, default=None)
     ap.add_argument("--drafter-replay-steps", type=int, default=None,
                     help="extra replay-only online-trainer steps per RL step")
-    ap.add_argument("--alpha-from", type=int, default=20, help="goal α is measured from this step on")
+    ap.add_argument("--alpha-from", type=int, default=10, help="goal α is measured from this step on")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="bench_results/rl.json")
     ap.add_argument("--png", default=None, help="default: the JSON path with .png")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def _configs(a: argparse.Namespace, root: Path, seed: int) -> dict[str, Any]:
+    from trainers.rl import RLConfig
+
+    overrides = {k: v for k, v in {"lr": a.lr, "drafter_lr": a.drafter_lr, "drafter_mode": a.drafter_mode,
+                                   "drafter_replay_steps": a.drafter_replay_steps,
+                                   "num_draft_tokens": a.num_draft_tokens}.items() if v is not None}
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    return {arm: RLConfig(arm=arm, preset=a.preset, pair_dir=str(root), steps=a.steps,
+                          prompts_per_step=a.prompts_per_step, n=a.n, max_new_tokens=a.max_new_tokens,
+                          reward=a.reward, adaptive=not a.fixed_k, seed=seed, threads=a.threads, **overrides)
+            for arm in arms}
+
+
+def _run_seed(a: argparse.Namespace, root: Path, seed: int) -> tuple[dict, dict, dict]:
+    """Every arm for one seed, in lockstep; (per-arm step logs, summaries, configs)."""
+    from trainers.rl import RLRun
+
+    cfgs = _configs(a, root, seed)
+    runs = {arm: RLRun(cfg, log=None) for arm, cfg in cfgs.items()}
+    print(f"\nseed {seed}\n{'step':>4} " + " ".join(f"{arm + ' rew':>10} {arm + ' α':>9} {arm + ' spec':>9} "
+                                                   f"{arm + ' s':>9}" for arm in runs), flush=True)
+    for i in range(a.steps):
+        cells = []
+        for run in runs.values():
+            r = run.step(i)
+            alpha = r.alpha if r.num_drafted else float("nan")
+            cells.append(f"{r.reward:>10.3f} {alpha:>9.3f} {_share(r):>9.2f} {r.rollout_s:>9.2f}")
+        print(f"{i:>4} " + " ".join(cells), flush=True)
+    alpha_from = min(a.alpha_from, a.steps - 1)
+    out = ({arm: run.logs for arm, run in runs.items()},
+           {arm: run.summary(alpha_from=alpha_from) for arm, run in runs.items()},
+           {arm: asdict(cfg) for arm, cfg in cfgs.items()})
+    if seed == int(a.seeds.split(",")[0]) and "plain" in runs:
+        out[1]["plain"]["reference"] = _plain_reference(runs["plain"], a.prompts_per_step * a.n, a.max_new_tokens, seed)
+    for run in runs.values():
+        run.close()
+    return out
+
+
+def _print_table(pooled: dict[str, dict], goals: list[dict]) -> None:
+    print(f"\n{'arm':<8} {'rollout s':>10} {'wall s':>8} {'tok/s':>7} {'spec':>6} {'α all':>7} {'α late':>7} "
+          f"{'reward':>7} {'first5':>7} {'last5':>7} {'update s':>9} {'drafter s':>9}")
+    for arm, s in pooled.items():
+        tps = s["tokens_total"] / s["rollout_s_total"] if s["rollout_s_total"] else float("nan")
+
+        def f(x: Any) -> str:
+            return f"{x:.3f}" if isinstance(x, float) else "-"
+
+        print(f"{arm:<8} {s['rollout_s_total']:>10.1f} {s['wall_s_total']:>8.1f} {tps:>7.1f} "
+              f"{f(s['speculated_share']):>6} {f(s['alpha_all']):>7} {f(s['alpha_late']):>7} {s['mean_reward']:>7.3f} "
+              f"{s['reward_first5']:>7.3f} {s['reward_last5']:>7.3f} {s['update_s_total']:>9.1f} "
+              f"{s['drafter_s_total']:>9.1f}")
+    print("\ngoals:")
+    for g in goals:
+        value = "n/a" if g["value"] is None else f"{g['value']:.3f}"
+        print(f"  [{'met' if g['met'] else 'NOT met'}] {g['name']}: {value} (target "
+              f"{'>=' if g['higher_is_better'] else '<='} {g['target']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
     import torch
 
     from dvi.embedded import embedded_dir, is_built
-    from trainers.rl import RLConfig, RLRun, logs_to_jsonable
+    from trainers.rl import logs_to_jsonable
 
     torch.set_num_threads(a.threads)
-    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    bad = [x for x in arms if x not in ARMS]
+    bad = [x for x in a.arms.split(",") if x.strip() and x.strip() not in ARMS]
     if bad:
-        ap.error(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
+        raise SystemExit(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
     root = Path(a.pair_dir) if a.pair_dir else embedded_dir(a.preset)
     if not is_built(root):
         from trainers.bootstrap import bootstrap
 
         print(f"building the {a.preset} pair into {root} ...", flush=True)
         root = bootstrap(a.preset, out=root.parent if a.pair_dir is None else root)
-    alpha_from = min(a.alpha_from, a.steps // 2)
-
-    overrides = {k: v for k, v in {"lr": a.lr, "drafter_lr": a.drafter_lr, "drafter_mode": a.drafter_mode,
-                                   "drafter_batch_size": a.drafter_batch_size,
-                                   "drafter_replay_steps": a.drafter_replay_steps}.items() if v is not None}
-    runs: dict[str, RLRun] = {}
-    for arm in arms:
-        cfg = RLConfig(arm=arm, preset=a.preset, pair_dir=str(root), steps=a.steps, prompts_per_step=a.prompts_per_step,
-                       n=a.n, max_new_tokens=a.max_new_tokens, temperature=a.temperature, reward=a.reward,
-                       num_draft_tokens=a.num_draft_tokens, adaptive=a.adaptive, seed=a.seed, threads=a.threads,
-                       **overrides)
-        runs[arm] = RLRun(cfg, log=None)
+    alpha_from = min(a.alpha_from, a.steps - 1)
+    seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
 
     t_start = time.perf_counter()
-    hdr = " ".join(f"{arm + ' rew':>10} {arm + ' α':>9} {arm + ' s':>9}" for arm in arms)
-    print(f"{'step':>4} {hdr}", flush=True)
-    for i in range(a.steps):
-        cells = []
-        for arm in arms:
-            r = runs[arm].step(i)
-            cells.append(f"{r.reward:>10.3f} {r.alpha if r.num_drafted else float('nan'):>9.3f} {r.rollout_s:>9.2f}")
-        print(f"{i:>4} " + " ".join(cells), flush=True)
+    logs: dict[str, dict[int, list]] = {}
+    summaries: dict[str, list[dict]] = {}
+    configs: dict[str, Any] = {}
+    for seed in seeds:
+        seed_logs, seed_summaries, configs = _run_seed(a, root, seed)
+        for arm in seed_logs:
+            logs.setdefault(arm, {})[seed] = seed_logs[arm]
+            summaries.setdefault(arm, []).append(seed_summaries[arm])
     wall = time.perf_counter() - t_start
 
-    summaries = {arm: runs[arm].summary(alpha_from=alpha_from) for arm in arms}
-    ceilings = {arm: _ceiling(runs, arm, a.prompts_per_step * a.n, alpha_from) for arm in arms if arm != "plain"}
-    reference = _plain_reference(runs[arms[0]], a.prompts_per_step, a.n, a.max_new_tokens, a.seed)
-
-    goals = []
-    if "online" in summaries and "frozen" in summaries:
-        gap = summaries["online"]["alpha_late"] - summaries["frozen"]["alpha_late"]
-        goals.append(goal(f"online α minus frozen α, steps >= {alpha_from}", gap, 0.1))
-    if "online" in summaries and "plain" in summaries:
-        speed = summaries["plain"]["rollout_s_total"] / summaries["online"]["rollout_s_total"]
-        goals.append(goal("plain / online total rollout time (speedup)", speed, 1.3))
-
+    pooled = {arm: _pooled(summaries[arm], list(logs[arm].values()), alpha_from) for arm in logs}
+    goals = _goals(pooled, alpha_from)
     out = {
         "benchmark": "rl",
-        "settings": {**vars(a), "alpha_from_effective": alpha_from, "pair_dir": str(root),
-                     "rl_config": {arm: asdict(runs[arm].cfg) for arm in arms},
+        "settings": {**vars(a), "alpha_from_effective": alpha_from, "pair_dir": str(root), "rl_config": configs,
                      "machine": {"python": platform.python_version(), "torch": torch.__version__,
                                  "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}},
         "wall_s": wall,
-        "arms": summaries,
-        "steps": {arm: logs_to_jsonable(runs[arm].logs) for arm in arms},
-        "plain_reference": reference,
-        "speedup_ceiling": ceilings,
+        "arms": pooled,
+        "per_seed": summaries,
+        "steps": {arm: {str(seed): logs_to_jsonable(run) for seed, run in per.items()} for arm, per in logs.items()},
         "goals": goals,
     }
     json_path = Path(a.json)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(clean_json(out), indent=2))
-    png_path = Path(a.png) if a.png else json_path.with_suffix(".png")
+    png_path: Path | None = Path(a.png) if a.png else json_path.with_suffix(".png")
     try:
-        _plot(png_path, {arm: runs[arm].logs for arm in arms}, alpha_from,
-              f"RL rollouts, {a.preset} pair, {a.steps} steps, reward={a.reward}")
+        _plot(png_path, logs, alpha_from, f"GRPO rollouts, {a.preset}, {a.steps} steps x seeds {seeds}, "
+              f"{a.prompts_per_step}x{a.n} rows, reward={a.reward}; benchmark wall {wall:.0f} s")
     except Exception as e:  # a plotting failure must not lose the JSON
         print(f"PNG not written: {e}", file=sys.stderr)
         png_path = None
-
-    print()
-    print(f"{'arm':<8} {'rollout s':>10} {'tok/s':>8} {'α all':>7} {'α late':>7} {'reward 0-4':>10} "
-          f"{'reward last5':>12} {'update s':>9} {'drafter s':>9}")
-    for arm, s in summaries.items():
-        tps = s["tokens_total"] / s["rollout_s_total"] if s["rollout_s_total"] else float("nan")
-        print(f"{arm:<8} {s['rollout_s_total']:>10.1f} {tps:>8.1f} {s['alpha_mean']:>7.3f} {s['alpha_late']:>7.3f} "
-              f"{s['reward_first5']:>10.3f} {s['reward_last5']:>12.3f} {s['update_s_total']:>9.1f} "
-              f"{s['drafter_s_total']:>9.1f}")
-    for arm, c in ceilings.items():
-        if "predicted_speedup_late" in c:
-            print(f"{arm}: K={c['k']}, costs at batch {c['batch']}: draft {1e3 * c['draft_s']:.1f} ms, verify "
-                  f"{1e3 * c['verify_s']:.1f} ms, plain step {1e3 * c['plain_step_s']:.1f} ms; tokens/step "
-                  f"{c['tokens_per_step_late']:.2f} -> predicted {c['predicted_speedup_late']:.2f}x (1.3x needs "
-                  f"{c['tokens_per_step_needed_for_1.3x']:.2f}; all {c['k']} accepted would give "
-                  f"{c['max_speedup_at_alpha_1']:.2f}x)")
-    print(f"plain-arm reference: HF generate takes {reference['hf_over_engine']:.2f}x the plain engine's time "
-          f"on one {reference['sequences']}-sequence batch")
-    print("\ngoals:")
-    for g in goals:
-        print(f"  [{'met' if g['met'] else 'NOT met'}] {g['name']}: {g['value']:.3f} (target "
-              f"{'>=' if g['higher_is_better'] else '<='} {g['target']})")
-    print(f"\nJSON: {json_path}" + (f"\nPNG:  {png_path}" if png_path else ""))
+    _print_table(pooled, goals)
+    print(f"\nbenchmark wall time {wall:.1f} s\nJSON: {json_path}" + (f"\nPNG:  {png_path}" if png_path else ""))
     return 0
 
 

@@ -93,6 +93,7 @@ class SpeculativeEngine:
         # throughput when False (a server that backfills finished rows continuously may prefer False).
         self.drain_aware = True
         self.last_k = 0
+        self.tokens_emitted = self.tokens_speculated = 0  # since construction (`_count_tokens`)
         self._waiting: list[Seq] = []
         self._seqs: list[Seq] = []
         self._tkv = RaggedKV(self.target.config, 0, self.device, self.dtype)
@@ -345,6 +346,7 @@ class SpeculativeEngine:
         outs, finished = self._emit(k, draft_ids, logits, n, nxt)
         t2 = time.perf_counter()
         self._record_costs(b, k, t1 - t0, t2 - t1, t2 - t_fwd)
+        self._count_tokens(k, outs)
         if finished:
             self._remove_rows(finished)
         # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
@@ -353,6 +355,13 @@ class SpeculativeEngine:
         if self.adaptive and not (k > 0 and self._catchup):
             self.controller.observe_step(b, k, sum(len(o.new_token_ids) for o in outs), time.perf_counter() - t0)
         return outs
+
+    def _count_tokens(self, k: int, outs: list[StepOutput]) -> None:
+        """Tokens emitted, and those emitted by steps that drafted (K > 0): the share of a workload speculated."""
+        n = sum(len(o.new_token_ids) for o in outs)
+        self.tokens_emitted += n
+        if k > 0:
+            self.tokens_speculated += n
 
     def _choose_k(self, batch: int) -> int:
         """Drafts per row this step (batch-wide): fixed, or adaptive from calibrated costs and row alphas."""

@@ -78,10 +78,16 @@ class RolloutStats:
     num_accepted: int
     target_version: int
     drafter_version: int
+    num_speculated_tokens: int = 0  # tokens emitted by engine steps that drafted (K > 0)
 
     @property
     def alpha(self) -> float:
         return self.num_accepted / self.num_drafted if self.num_drafted else float("nan")
+
+    @property
+    def speculated_share(self) -> float:
+        """Share of the batch's tokens generated with speculation on (adaptive K > 0)."""
+        return self.num_speculated_tokens / self.num_tokens if self.num_tokens else float("nan")
 
     @property
     def mean_accepted_length(self) -> float:
@@ -105,7 +111,36 @@ class RolloutStats:
             "tokens_per_s": self.tokens_per_s,
             "target_version": self.target_version,
             "drafter_version": self.drafter_version,
+            "num_speculated_tokens": self.num_speculated_tokens,
+            "speculated_share": self.speculated_share,
         }
+
+
+def _check_sampling(n: int, max_new_tokens: int, temperature: float) -> None:
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+
+def _to_rollout(prompt_index: int, sample_index: int, prompt_ids: list[int], r: Any) -> Rollout:
+    """One engine `GenerationResult` as a `Rollout`."""
+    return Rollout(
+        prompt_index=prompt_index,
+        sample_index=sample_index,
+        prompt_ids=list(prompt_ids),
+        completion_ids=list(r.token_ids),
+        logprobs=[float(x) for x in r.token_logprobs],
+        finish_reason=str(r.finish_reason),
+        num_steps=int(r.num_steps),
+        num_drafted=int(r.num_drafted),
+        num_accepted=int(r.num_accepted),
+        target_version=int(r.target_version),
+        drafter_version=int(r.drafter_version),
+        accepted=[bool(a) for a in (r.accepted or [])],
+    )
 
 
 def _validate_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -199,55 +234,37 @@ class RolloutEngine:
         flattened batch is seeded with ``seed + i`` (the engine's convention), whatever the chunking.
         """
         plist = _validate_prompts(prompts)
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        _check_sampling(n, max_new_tokens, temperature)
         stops = list(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
         flat = [(i, s, p) for i, p in enumerate(plist) for s in range(n)]
-        chunk = self.max_batch_size or len(flat) or 1
+        spec0 = int(getattr(self.engine, "tokens_speculated", 0))
         t0 = time.perf_counter()
-        results = []
-        for start in range(0, len(flat), chunk):
-            part = flat[start: start + chunk]
-            results.extend(
-                self.engine.generate(
-                    [p for _, _, p in part],
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    seed=None if seed is None else seed + start,
-                    stop_token_ids=stops,
-                )
-            )
+        results = self._generate_chunks([p for _, _, p in flat], dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            stop_token_ids=stops), seed)
         seconds = time.perf_counter() - t0
         self._calls += 1
         self.last_results = results
-
-        out: list[Rollout] = []
-        for (i, s, p), r in zip(flat, results, strict=True):
-            out.append(
-                Rollout(
-                    prompt_index=i,
-                    sample_index=s,
-                    prompt_ids=list(p),
-                    completion_ids=list(r.token_ids),
-                    logprobs=[float(x) for x in r.token_logprobs],
-                    finish_reason=str(r.finish_reason),
-                    num_steps=int(r.num_steps),
-                    num_drafted=int(r.num_drafted),
-                    num_accepted=int(r.num_accepted),
-                    target_version=int(r.target_version),
-                    drafter_version=int(r.drafter_version),
-                    accepted=[bool(a) for a in (r.accepted or [])],
-                )
-            )
-            if self.feedback_writer is not None:
+        out = [_to_rollout(i, s, p, r) for (i, s, p), r in zip(flat, results, strict=True)]
+        if self.feedback_writer is not None:
+            for (_, _, p), r in zip(flat, results, strict=True):
                 self._write_feedback(r, temperature, p)
-        self.last_stats = RolloutStats(
+        speculated = int(getattr(self.engine, "tokens_speculated", 0)) - spec0
+        self.last_stats = self._stats(out, seconds, speculated)
+        return out
+
+    def _generate_chunks(self, prompts: list[list[int]], sampling: dict[str, Any],
+                         seed: int | None) -> list[Any]:
+        """`engine.generate` over `max_batch_size` chunks; row i keeps seed + i whatever the chunking."""
+        chunk = self.max_batch_size or len(prompts) or 1
+        results: list[Any] = []
+        for start in range(0, len(prompts), chunk):
+            results.extend(self.engine.generate(prompts[start: start + chunk],
+                                                seed=None if seed is None else seed + start, **sampling))
+        return results
+
+    def _stats(self, out: list[Rollout], seconds: float, speculated: int) -> RolloutStats:
+        return RolloutStats(
             num_sequences=len(out),
             num_tokens=sum(len(r.completion_ids) for r in out),
             seconds=seconds,
@@ -256,8 +273,8 @@ class RolloutEngine:
             num_accepted=sum(r.num_accepted for r in out),
             target_version=self.target_version,
             drafter_version=self.drafter_version,
+            num_speculated_tokens=speculated,
         )
-        return out
 
     def _write_feedback(self, result: Any, temperature: float, prompt_ids: list[int]) -> None:
         from dvi.feedback import FeedbackRecord
@@ -282,30 +299,48 @@ class RolloutEngine:
 # -- policy weights ---------------------------------------------------------------------------
 
 
-def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def policy_state_dict(model: torch.nn.Module, adapted_only: bool = False) -> dict[str, torch.Tensor]:
     """Plain (un-wrapped, LoRA-merged) state dict of a policy, keyed like its base HF model.
 
-    A peft-wrapped policy is merged for the copy and unmerged afterwards, so a dvi target that
-    is the plain base architecture can load it with `update_target_weights`.
+    A peft-wrapped policy's LoRA layers are merged out of place (W + ΔW, computed in float32 and
+    stored in W's dtype), so the policy itself is never touched: merging and unmerging a bf16 base
+    in place would drift its weights by a rounding error every step. With `adapted_only`, only
+    the LoRA-merged weights are returned: all a target that started from the same base needs
+    each step (`update_target_weights` takes partial state dicts), at a fraction of the copy.
     """
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a hard dependency
-        PeftModel = ()  # type: ignore[assignment]
-    if isinstance(model, PeftModel):
-        active = getattr(model, "active_adapter", "default")
-        saved = f".modules_to_save.{active}."
-        model.merge_adapter()
-        try:
-            out = {}
-            for k, v in model.get_base_model().state_dict().items():
-                if "lora_" in k or ".original_module." in k or (".modules_to_save." in k and saved not in k):
-                    continue
-                out[k.replace(saved, ".").replace(".base_layer.", ".")] = v.detach().clone()
-            return out
-        finally:
-            model.unmerge_adapter()
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    merged = _merged_lora_weights(model)
+    if adapted_only:
+        return merged
+    saved = f".modules_to_save.{getattr(model, 'active_adapter', 'default')}."
+    out = {}
+    for k, v in model.get_base_model().state_dict().items():
+        if "lora_" in k or ".original_module." in k or (".modules_to_save." in k and saved not in k):
+            continue
+        out[k.replace(saved, ".").replace(".base_layer.", ".")] = v.detach().clone()
+    out.update(merged)
+    return out
+
+
+def _merged_lora_weights(model: Any) -> dict[str, torch.Tensor]:
+    """``{"<module>.weight": W + ΔW}`` for every LoRA layer of a peft model's active adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    active = getattr(model, "active_adapter", "default")
+    out = {}
+    with torch.no_grad():
+        for name, module in model.get_base_model().named_modules():
+            if not isinstance(module, LoraLayer) or active not in module.scaling:
+                continue
+            w = module.get_base_layer().weight
+            merged = w.detach().float()
+            if not getattr(module, "merged", False) and not getattr(module, "disable_adapters", False):
+                merged = merged + module.get_delta_weight(active).float()
+            out[f"{name}.weight"] = merged.to(w.dtype)
+    return out
 
 
 # -- TRL ---------------------------------------------------------------------------------------

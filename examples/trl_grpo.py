@@ -2,19 +2,21 @@
 
 The switch is three lines on top of an ordinary GRPO script:
 
-    engine = SpeculativeEngine(load_causal_lm(target_path), drafter=load_causal_lm(drafter_path))
-    rollout_func = trl_rollout_func(engine)          # dvi.rollout
+    engine = SpeculativeEngine(pair.target, drafter=pair.drafter, adaptive=True)   # dvi.engine
+    rollout_func = trl_rollout_func(engine)                                         # dvi.rollout
     trainer = GRPOTrainer(..., rollout_func=rollout_func)
 
-Before each generation the rollout function copies the GRPO policy's current weights into the dvi
-target (whenever `trainer.state.global_step` moved), so dvi always samples the policy being
-trained; it returns `prompt_ids`, `completion_ids` and the target's per-token `logprobs` as TRL's
-`rollout_func` contract requires, plus `dvi_alpha` per completion.
+Here on the real pair (SmolLM2-135M-Instruct + its 1-layer drafter over a 16k draft vocabulary, served in
+the preset's dtype), a LoRA policy (``peft_config``) and seeded arithmetic word problems with an exact
+integer answer (`trainers.rl_tasks`). Before each generation the rollout function copies the policy's
+LoRA-merged weights into the dvi target (whenever `trainer.state.global_step` moved), so dvi always
+samples the policy being trained; it returns `prompt_ids`, `completion_ids` and the target's per-token
+`logprobs` as TRL's `rollout_func` contract requires, plus `dvi_alpha` per completion.
 
-    .venv/bin/python examples/trl_grpo.py --preset tiny --steps 4
-    .venv/bin/python examples/trl_grpo.py --preset tiny --steps 20
+    .venv/bin/python examples/trl_grpo.py --steps 4
+    .venv/bin/python examples/trl_grpo.py --preset tiny --steps 4      # the self-trained test pair
 
-Builds the embedded pair first if it is not in the cache (tiny: ~30 s; small: ~20 min).
+The embedded pair must be built (`dvi bootstrap --preset smollm2`).
 """
 
 from __future__ import annotations
@@ -26,84 +28,81 @@ import tempfile
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
-def upper_case_reward(prompts: list, completions: list, **kwargs) -> list[float]:
-    """Share of upper-case letters in each completion (a reward the policy learns in a few steps)."""
-    out = []
-    for c in completions:
-        letters = [ch for ch in c if ch.isalpha()]
-        out.append(sum(ch.isupper() for ch in letters) / len(letters) if letters else 0.0)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--pair-dir", default=None, help="a built pair dir (default: the preset's cache dir)")
+    ap.add_argument("--preset", default="smollm2")
+    ap.add_argument("--root", default=None, help="the models root holding <preset>/ (default: the dvi cache)")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--reward", default="arith", choices=["arith", "upper", "short_lines"],
+                    help="arith: exact answers to the word problems (trainers.rl_tasks); the others score text only")
     ap.add_argument("--num-generations", type=int, default=4)
     ap.add_argument("--prompts-per-step", type=int, default=2)
-    ap.add_argument("--max-completion-length", type=int, default=24)
-    ap.add_argument("--num-draft-tokens", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--max-completion-length", type=int, default=64)
+    ap.add_argument("--num-draft-tokens", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--output-dir", default=None)
     a = ap.parse_args(argv)
+    trainer, rollout_func = build(a)
+    trainer.train()
+    report(trainer, rollout_func)
+    return 0
 
-    import itertools
-    from pathlib import Path
 
+def build(a: argparse.Namespace) -> tuple:
+    """(GRPOTrainer, dvi rollout function) for the parsed arguments; nothing trained yet."""
     import torch
     from datasets import Dataset
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from dvi.data import prompt_stream
-    from dvi.embedded import embedded_dir, is_built
+    from dvi.data import render_chat
+    from dvi.embedded import embedded_paths
     from dvi.engine import SpeculativeEngine
-    from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
+    from dvi.models import load_embedded_pair
     from dvi.rollout import trl_rollout_func
+    from trainers.rl_tasks import arith_dataset, trl_reward
 
     torch.set_num_threads(a.threads)
-    root = Path(a.pair_dir) if a.pair_dir else embedded_dir(a.preset)
-    if not is_built(root):
-        from trainers.bootstrap import bootstrap
-
-        root = bootstrap(a.preset, out=a.pair_dir)
-    tokenizer = load_tokenizer(find_tokenizer_path(root / "target"))
-
-    # The policy TRL trains, and dvi's own copy of the target + the drafter.
-    policy = AutoModelForCausalLM.from_pretrained(str(root / "target"), dtype=torch.float32)
-    engine = SpeculativeEngine(load_causal_lm(root / "target", device="cpu", dtype="float32"),
-                               drafter=load_causal_lm(root / "drafter", device="cpu", dtype="float32"),
-                               num_draft_tokens=a.num_draft_tokens)
+    pair = load_embedded_pair(a.preset, root=a.root, device="cpu")
+    tokenizer = pair.tokenizer
+    # dvi's copy of the target + the drafter; adaptive K speculates where it pays (the batch's tail).
+    engine = SpeculativeEngine(pair.target, drafter=pair.drafter, num_draft_tokens=a.num_draft_tokens,
+                               max_draft_tokens=max(4, a.num_draft_tokens), adaptive=True)
     rollout_func = trl_rollout_func(engine)
+    # The policy TRL trains: the same weights (float32 for the optimiser) + a LoRA adapter.
+    policy = AutoModelForCausalLM.from_pretrained(str(embedded_paths(a.preset, a.root).target), dtype=torch.float32)
+    lora = LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
-    prompts = [tokenizer.decode(p) for p in itertools.islice(
-        prompt_stream("code", tokenizer, split="heldout", prompt_tokens=(12, 32), seed=0), 64)]
-    scratch = tempfile.TemporaryDirectory(prefix="dvi-grpo-") if a.output_dir is None else None
+    data = arith_dataset(64, seed=0)
+    if not getattr(tokenizer, "chat_template", None):  # the self-trained pair: plain-text prompts
+        data["prompt"] = [tokenizer.decode(render_chat(tokenizer, m)) for m in data["prompt"]]
+    output_dir = a.output_dir or tempfile.mkdtemp(prefix="dvi-grpo-")  # nothing is saved there (save_strategy no)
     args = GRPOConfig(
-        output_dir=a.output_dir or scratch.name,
+        output_dir=output_dir,
         use_cpu=True, max_steps=a.steps, learning_rate=a.lr, logging_steps=1, report_to="none",
         save_strategy="no", per_device_train_batch_size=a.num_generations * a.prompts_per_step,
         num_generations=a.num_generations, max_completion_length=a.max_completion_length,
         temperature=1.0, seed=0, disable_tqdm=True, dataloader_num_workers=0,
     )
-    trainer = GRPOTrainer(model=policy, reward_funcs=upper_case_reward, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+    trainer = GRPOTrainer(model=policy, reward_funcs=trl_reward(a.reward), args=args, peft_config=lora,
+                          train_dataset=Dataset.from_dict(data), processing_class=tokenizer,
                           rollout_func=rollout_func)
-    trainer.train()
+    return trainer, rollout_func
 
-    print(f"\n{'step':>4} {'target_v':>8} {'seqs':>5} {'tokens':>6} {'alpha':>6} {'tok/s':>7}")
+
+def report(trainer, rollout_func) -> None:
+    """Per generation batch: policy version, rows, tokens, α, tokens/s; then the reward's first and last step."""
+    print(f"\n{'step':>4} {'target_v':>8} {'seqs':>5} {'tokens':>6} {'alpha':>6} {'spec':>5} {'tok/s':>7}")
     for h in rollout_func.history:
         print(f"{h['global_step']:>4} {h['target_version']:>8} {h['num_sequences']:>5} {h['num_tokens']:>6} "
-              f"{h['alpha']:>6.3f} {h['tokens_per_s']:>7.1f}")
+              f"{h['alpha']:>6.3f} {h['speculated_share']:>5.2f} {h['tokens_per_s']:>7.1f}")
     rewards = [x["reward"] for x in trainer.state.log_history if "reward" in x]
     if rewards:
         print(f"reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}")
     print(f"weight syncs into the dvi target: {rollout_func.num_syncs}")
-    if scratch is not None:
-        scratch.cleanup()
-    return 0
 
 
 if __name__ == "__main__":

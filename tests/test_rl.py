@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -16,14 +17,8 @@ from dvi.data import prompt_stream
 from dvi.engine import SpeculativeEngine
 from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import policy_state_dict, trl_rollout_func
-from trainers.rl import (
-    RLConfig,
-    RLRun,
-    ast_reward,
-    completion_logprobs,
-    group_advantages,
-    upper_reward,
-)
+from trainers.rl import RLConfig, RLRun, completion_logprobs, group_advantages
+from trainers.rl_tasks import ast_reward, upper_reward
 
 torch.set_num_threads(1)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -87,6 +82,42 @@ def test_trl_grpo_steps_with_dvi_rollout_func(tiny_pair_dir, tmp_path):
     assert engine.target_version == 4
 
 
+def test_trl_example_grpo_with_lora_policy_on_tiny(tiny_pair_dir, tmp_path):
+    """examples/trl_grpo.py end to end on the tiny pair: peft LoRA policy, arithmetic reward, dvi rollouts."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    from peft import PeftModel
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "trl_grpo.py"
+    spec = importlib.util.spec_from_file_location("dvi_trl_grpo_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    # The tiny pair cannot do arithmetic (every reward 0, no gradient); upper-case share is dense.
+    a = argparse.Namespace(preset="tiny", root=str(tiny_pair_dir.parent), steps=3, reward="upper", num_generations=2,
+                           prompts_per_step=2, max_completion_length=8, num_draft_tokens=2, lr=1e-2, threads=1,
+                           output_dir=str(tmp_path / "grpo"))
+    trainer, rollout_func = example.build(a)
+    engine = rollout_func.rollouts.engine
+    base = {k: v.clone() for k, v in engine.target.state_dict().items()}
+    trainer.train()
+
+    assert trainer.state.global_step == 3 and isinstance(trainer.model, PeftModel)
+    assert [h["target_version"] for h in rollout_func.history] == [0, 1, 2]
+    assert all(h["num_sequences"] == 4 and 0 <= h["speculated_share"] <= 1 for h in rollout_func.history)
+    rewards = [x["reward"] for x in trainer.state.log_history if "reward" in x]
+    assert len(rewards) == 3 and all(0 <= r <= 1 for r in rewards)
+    # The next generation samples exactly the LoRA-merged policy; only adapted matrices moved.
+    trainer.state.global_step += 1
+    rollout_func(["user: Ann has 2 pens and buys 3 more.\nassistant:"], trainer)
+    merged = policy_state_dict(trainer.model)
+    target = engine.target.state_dict()
+    assert engine.target_version == 4 and all(torch.equal(merged[k], target[k]) for k in merged)
+    moved = {k for k in target if not torch.equal(target[k], base[k])}
+    assert moved and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in moved)
+
+
 def test_group_advantages_and_rewards():
     r = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.4])
     adv = group_advantages(r, 2, scale=False)
@@ -119,31 +150,81 @@ def test_completion_logprobs_batched_equals_per_row(tiny_pair_dir):
 
 
 def test_rl_loop_online_arm_pushes_policy_and_trains_drafter(tiny_pair_dir):
-    cfg = RLConfig(arm="online", pair_dir=str(tiny_pair_dir), steps=3, prompts_per_step=2, n=2,
-                   max_new_tokens=8, prompt_tokens=(8, 16), lr=1e-3, kl_every=2, feedback_top_k=8)
+    cfg = RLConfig(arm="online", preset="tiny", reward="short_lines", pair_dir=str(tiny_pair_dir), steps=3,
+                   prompts_per_step=2, n=4, max_new_tokens=16, prompt_tokens=(8, 16), lr=1e-2, kl_every=2,
+                   feedback_top_k=8, adaptive=False, num_draft_tokens=2, lora_top_layers=0)
     run = RLRun(cfg, log=None)
+    assert type(run.policy).__name__ == "PeftModelForCausalLM"
     drafter0 = {k: v.clone() for k, v in run.drafter.state_dict().items()}
     logs = [run.step(i) for i in range(3)]
     assert [r.target_version for r in logs] == [0, 1, 2]  # rollouts of step i sampled policy version i
     assert [r.drafter_version for r in logs] == [0, 1, 2]
     assert run.engine.target_version == 3 and _same_weights(run.policy, run.engine.target)
     assert any(not torch.equal(drafter0[k], v) for k, v in run.drafter.state_dict().items())
-    assert run.drafter_trainer.records_seen == 3 * 4 and run.drafter_trainer.current_target_version() == 3
+    assert run.drafter_trainer.records_seen == 3 * 8 and run.drafter_trainer.current_target_version() == 3
     run.close()
     assert not math.isnan(logs[2].kl_to_init) and logs[2].kl_to_init > 0  # the target moved
+    # The served target is the policy the gradient was taken on (same fp32 weights, merged LoRA).
+    assert all(r.logprob_gap < 1e-3 for r in logs)
     assert all(0 <= r.alpha <= 1 and r.tokens > 0 and r.rollout_s > 0 for r in logs)
+    # Fixed K = 2 drafts on every step but a row's last (K is capped by the tokens left).
+    assert all(0.5 * r.tokens < r.speculated_tokens <= r.tokens for r in logs)
     s = run.summary()
-    assert s["steps"] == 3 and s["rollout_s_total"] > 0
+    assert s["steps"] == 3 and s["rollout_s_total"] > 0 and 0.5 < s["speculated_share"] <= 1.0
+
+
+def test_lora_merge_is_out_of_place_and_matches_peft_merge(tiny_pair_dir):
+    from trainers.rl import lora_policy
+
+    policy = lora_policy(tiny_pair_dir / "target", "float32", 4, ("q_proj", "v_proj"), top_layers=1)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    adapted = policy_state_dict(policy, adapted_only=True)
+    full = policy_state_dict(policy)
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())  # policy untouched
+    n_layers = policy.config.num_hidden_layers
+    assert sorted(adapted) == [f"model.layers.{n_layers - 1}.self_attn.{m}.weight" for m in ("q_proj", "v_proj")]
+    merged = policy.merge_and_unload().state_dict()
+    assert full.keys() == merged.keys()
+    for k, v in full.items():
+        torch.testing.assert_close(v, merged[k], atol=1e-6, rtol=1e-6)
+        if k in adapted:
+            base = before[f"base_model.model.{k.removesuffix('.weight')}.base_layer.weight"]
+            assert torch.equal(adapted[k], v) and not torch.equal(v, base)
+
+
+def test_arith_task_prompts_and_reward(tiny_pair_dir):
+    from trainers.rl_tasks import Problem, arith_reward, arithmetic_problems, task_prompts, trl_reward
+
+    tok = load_tokenizer(find_tokenizer_path(tiny_pair_dir / "target"))
+    a = list(itertools.islice(arithmetic_problems(3), 20))
+    assert a == list(itertools.islice(arithmetic_problems(3), 20)) != list(itertools.islice(arithmetic_problems(4), 20))
+    for p in a:  # the stated answer is what the text asks for
+        nums = [int(x) for x in re.findall(r"\d+", p.text)]
+        assert p.answer == (nums[0] + nums[1] if "buys" in p.text else nums[0] - nums[1])
+    ids, prob = next(task_prompts("arith", tok, 3))
+    assert prob == a[0] and prob.text in tok.decode(ids)
+    p = Problem("x", 12)
+    assert arith_reward(p, "5 + 7 = 12. Answer: 12") == 1.0
+    assert arith_reward(p, "so 12 apples") == 0.75  # right, stated last, not in the asked format
+    assert arith_reward(p, "12 ... Answer: 13") == 0.5  # format, and 12 was mentioned, but the answer is wrong
+    assert arith_reward(p, "Answer: 11") == 0.25
+    assert arith_reward(p, "no idea") == 0.0
+    trl = trl_reward("arith")  # TRL's reward signature: the dataset's `answer` column as a keyword
+    assert trl(["q"] * 2, [[{"role": "assistant", "content": "Answer: 12"}], "no"], answer=[12, 3]) == [1.0, 0.0]
 
 
 def test_rl_loop_plain_arm_has_no_drafter(tiny_pair_dir, tmp_path):
     from dvi.feedback import FeedbackReader
 
-    cfg = RLConfig(arm="plain", pair_dir=str(tiny_pair_dir), steps=2, prompts_per_step=2, n=2,
-                   max_new_tokens=6, prompt_tokens=(8, 16), kl_every=0, feedback_dir=str(tmp_path / "fb"))
+    cfg = RLConfig(arm="plain", preset="tiny", reward="upper", pair_dir=str(tiny_pair_dir), steps=2,
+                   prompts_per_step=2, n=2, max_new_tokens=6, prompt_tokens=(8, 16), kl_every=0, feedback_dir=str(tmp_path / "fb"))
     run = RLRun(cfg, log=None)
     logs = run.run()
-    assert run.engine.drafter is None and all(r.drafter_s == 0 for r in logs)
+    assert run.engine.drafter is None and all(r.drafter_s == 0 and r.speculated_tokens == 0 for r in logs)
     reader = FeedbackReader(tmp_path / "fb")
     versions = sorted({r.target_version for r in reader.iter_records(reader.poll())})
     assert versions == [0, 1]

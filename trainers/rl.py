@@ -1,31 +1,25 @@
-"""A small, self-contained RL loop that really moves the target, for demos and benchmarks.
+"""A small, self-contained GRPO loop on the real target, for demos and benchmarks.
 
-GRPO-style REINFORCE with a group baseline: each step samples `n` completions for each of
-`prompts_per_step` code prompts (with dvi's speculative `RolloutEngine`, or the same engine with
-speculation off for the plain-sampling arm), scores them with a real reward, takes one policy-
-gradient step on a trainable copy of the target, and pushes the new weights into the rollout
-engine with `update_target_weights`, so the next batch samples the new policy. That is the
-situation dvi is for: the target drifts away from what the drafter was distilled on, so a
-frozen drafter's α falls, while the online arm keeps training the drafter on the feedback of
-the current policy (target version on every record) and keeps α up. The online arm drives
-`trainers.online.OnlineTrainer` in process between RL steps (same loss, replay and stale-version
-handling as the trainer process) and serves a merged plain copy of the drafter.
+Each step samples `n` completions at temperature 1 (with EOS, so rows finish at different lengths) for
+each of `prompts_per_step` prompts of a task (`trainers.rl_tasks`: by default seeded arithmetic word
+problems with a verifiable reward) with dvi's speculative `RolloutEngine` (or the same engine without a
+drafter: the plain-sampling arm), takes one GRPO step on a LoRA policy (peft) and pushes the LoRA-merged
+weights into the rollout engine with `update_target_weights`, so the next batch samples the new policy.
 
-Rewards (`REWARDS`): `upper` (share of upper-case letters in the completion: dense, so the
-policy visibly moves within ~40 CPU steps, and far from the code the drafter was distilled on),
-`ast` (the prompt plus the completion's complete lines parse with `ast`), `short_lines`.
-With the defaults (lr 3e-4, 16 sequences of 32 tokens per step) the `upper` reward climbs from
-~0.07 to ~0.3 in 20-40 steps on the `small` target, and the policy's per-token KL to its start
-grows steadily: a real, gradual drift, not a collapse in the first update.
+The target drifts away from what the drafter was distilled on, so a frozen drafter's α lags, while the
+online arm trains the drafter between RL steps on the feedback of the current policy (target version on
+every record; older versions down-weighted by `trainers.online.OnlineTrainer`, exactly as the trainer
+process does). Speculation pays only where the batch has drained to a few long rows: with `adaptive`,
+the engine picks K per step from calibrated costs per batch-size bucket, so full batches decode plainly
+and the tail speculates; `StepLog.speculated_tokens` counts the tokens generated with K > 0.
 
-Run one arm: ``python -m trainers.rl --arm online --preset tiny --steps 40``; all three side by
-side: ``benchmarks/rl.py``.
+Run one arm: ``python -m trainers.rl --arm online --steps 20`` (smollm2); all three side by side:
+``benchmarks/rl.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import random
@@ -37,48 +31,7 @@ from typing import Any
 
 import torch
 
-# ---------------------------------------------------------------------------------------------
-# rewards: (prompt_text, completion_text) -> float in [0, 1]
-
-
-def upper_reward(prompt: str, completion: str) -> float:
-    """Share of letters in the completion that are upper case (SHOUTING code)."""
-    letters = [c for c in completion if c.isalpha()]
-    return sum(c.isupper() for c in letters) / len(letters) if letters else 0.0
-
-
-def ast_reward(prompt: str, completion: str) -> float:
-    """1 if prompt + the completion's complete lines parse as Python, else 0.
-
-    The text may end by opening a block (`if x:`), so a `pass` indented one level under the
-    last line is tried too. A completion without one complete non-blank line scores 0.
-    """
-    body = completion[: completion.rfind("\n") + 1] if "\n" in completion else ""
-    if not body.strip():
-        return 0.0
-    text = prompt + body
-    last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), "")
-    indent = last[: len(last) - len(last.lstrip())]
-    for candidate in (text, f"{text}{indent}    pass\n"):
-        try:
-            ast.parse(candidate)
-            return 1.0
-        except (SyntaxError, ValueError):
-            continue
-    return 0.0
-
-
-def short_lines_reward(prompt: str, completion: str) -> float:
-    """Rewards many line breaks: 1 at one newline per 8 characters or more."""
-    return min(1.0, 8.0 * completion.count("\n") / max(1, len(completion)))
-
-
-REWARDS: dict[str, Callable[[str, str], float]] = {
-    "upper": upper_reward,
-    "ast": ast_reward,
-    "short_lines": short_lines_reward,
-}
-
+from trainers.rl_tasks import TASKS, Problem, score, task_prompts
 
 # ---------------------------------------------------------------------------------------------
 # policy-gradient pieces
@@ -96,18 +49,22 @@ def group_advantages(rewards: torch.Tensor, n: int, scale: bool = True, eps: flo
 
 
 def _pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+completion ids, attention mask, and a mask of completion positions."""
-    rows = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    cmask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompts, rows, strict=True)):
-        ids[i, : len(r)] = torch.tensor(r)
-        attn[i, : len(r)] = 1
-        cmask[i, len(p): len(r)] = True
-    return ids.to(device), attn.to(device), cmask.to(device)
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts left-padded and completions right-padded, so every completion starts at the same column.
+
+    Returns ids, attention mask, position ids (counting real tokens only) and a [B, C] mask of the
+    completion columns that hold real tokens.
+    """
+    width_p = max(len(p) for p in prompts)
+    width_c = max(len(c) for c in completions)
+    ids = torch.full((len(prompts), width_p + width_c), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        lo, hi = width_p - len(p), width_p + len(c)
+        ids[i, lo:hi] = torch.tensor(list(p) + list(c), dtype=torch.long)
+        attn[i, lo:hi] = 1
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    return ids.to(device), attn.to(device), pos.to(device), attn[:, width_p:].bool().to(device)
 
 
 def completion_logprobs(
@@ -120,23 +77,27 @@ def completion_logprobs(
     """Per-token ``log_softmax(logits / T)`` of each completion token under `model`, one padded batch.
 
     Returns ``(logps, mask)`` of shape (B, max completion length); gradients flow unless the
-    caller disables them. Right padding keeps positions 0..L-1 for every real token, so this is
-    exactly a plain forward pass over each prompt + completion.
+    caller disables them. Explicit position ids make each row exactly a plain forward pass over its
+    prompt + completion; the LM head runs on the completion columns only (the prompt's logits would
+    be a fifth of a 135M model's forward, and their log-softmax over 49k ids more still).
     """
     dev = next(model.parameters()).device
-    ids, attn, cmask = _pad_batch(prompts, completions, pad_id, dev)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    width_c = max(len(c) for c in completions)
+    if width_c == 0:
+        z = torch.zeros((len(completions), 1), device=dev)
+        return z, z.bool()
+    ids, attn, pos, mask = _pad_batch(prompts, completions, pad_id, dev)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1, use_cache=False,
+                output_hidden_states=True)
+    hidden = out.hidden_states[-1][:, -width_c - 1: -1]  # [B, C, H], after the final norm
+    # The head on a flat [B*C, H] matrix: on CPU a bf16 linear over a sliced 3-D input takes a
+    # copy-heavy batched path ~10x slower than this one matmul.
+    head = model.get_output_embeddings()
+    logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias)
+    logits = logits.view(len(completions), width_c, -1).float()  # [B, C, V]
     t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits / t, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    tmask = cmask[:, 1:]
-    width = max(1, max(len(c) for c in completions))
-    out = torch.zeros((len(completions), width), dtype=logp.dtype, device=dev)
-    mask = torch.zeros((len(completions), width), dtype=torch.bool, device=dev)
-    for i, c in enumerate(completions):
-        if len(c):
-            out[i, : len(c)] = logp[i][tmask[i]]
-            mask[i, : len(c)] = True
-    return out, mask
+    logp = torch.log_softmax(logits / t, dim=-1).gather(-1, ids[:, -width_c:, None]).squeeze(-1)
+    return logp * mask, mask
 
 
 def policy_gradient_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
@@ -154,21 +115,28 @@ class RLConfig:
     """Settings of one RL run (one arm of the benchmark)."""
 
     arm: str = "online"  # plain | frozen | online
-    preset: str = "tiny"
+    preset: str = "smollm2"
     pair_dir: str | None = None  # built pair dir (defaults to the preset's cache dir)
-    steps: int = 40
-    prompts_per_step: int = 4
+    steps: int = 20
+    prompts_per_step: int = 3
     n: int = 4  # samples per prompt (GRPO group size)
-    max_new_tokens: int = 32
-    prompt_tokens: tuple[int, int] = (16, 48)
+    max_new_tokens: int = 64
+    prompt_tokens: tuple[int, int] = (16, 48)  # code tasks only
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    reward: str = "upper"
-    lr: float = 3e-4
+    reward: str = "arith"  # the task: arith | upper | ast | short_lines (trainers.rl_tasks)
+    lr: float = 2e-3  # LoRA: moves the policy measurably within ~15 steps of 12-16 rows
     grad_clip: float = 1.0
-    num_draft_tokens: int = 2  # best fixed K for the small pair on CPU at T=1 (K=4 verifies cost more than α repays)
-    adaptive: bool = False
+    lora_rank: int = 16  # the policy's LoRA (peft)
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # LoRA on the top N decoder layers only (0: all): the backward pass stops at the lowest adapted
+    # layer, so a GRPO step on CPU costs about half of an all-layer adapter's.
+    lora_top_layers: int = 10
+    dtype: str = "auto"  # target, policy and served drafter: the preset's serving dtype (bf16 for smollm2)
+    num_draft_tokens: int = 3  # fixed K, or the controller's default K when adaptive
+    max_draft_tokens: int = 4
+    adaptive: bool = True  # K per step from calibrated costs: plain at full batch, speculation in the tail
     # online drafter training (arm == "online"): trainers.online.OnlineTrainer, in process
     drafter_mode: str = "lora"  # lora | full (trainer.mode)
     drafter_lr: float = 3e-3
@@ -186,12 +154,13 @@ class RLConfig:
             raise ValueError(f"arm must be 'plain', 'frozen' or 'online', got {self.arm!r}")
         if self.drafter_mode not in ("lora", "full"):
             raise ValueError(f"drafter_mode must be 'lora' or 'full', got {self.drafter_mode!r}")
-        if self.reward not in REWARDS:
-            raise ValueError(f"reward must be one of {sorted(REWARDS)}, got {self.reward!r}")
-        for name in ("steps", "prompts_per_step", "n", "max_new_tokens"):
+        if self.reward not in TASKS:
+            raise ValueError(f"reward must be one of {list(TASKS)}, got {self.reward!r}")
+        for name in ("steps", "prompts_per_step", "n", "max_new_tokens", "lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.prompt_tokens = tuple(self.prompt_tokens)  # type: ignore[assignment]
+        self.lora_targets = tuple(self.lora_targets)
 
 
 @dataclass
@@ -212,7 +181,9 @@ class StepLog:
     num_drafted: int = 0
     num_accepted: int = 0
     num_steps: int = 0  # engine steps summed over sequences (tokens/step = 1 + accepted / num_steps)
+    speculated_tokens: int = 0  # tokens emitted by engine steps with K > 0
     kl_to_init: float = float("nan")
+    logprob_gap: float = float("nan")  # mean |policy - rollout| log-prob of the sampled tokens
     loss: float = float("nan")
     drafter_loss: float = float("nan")
 
@@ -221,21 +192,36 @@ def _json_float(x: float) -> float | None:
     return None if (isinstance(x, float) and (math.isnan(x) or math.isinf(x))) else x
 
 
-class RLRun:
-    """One arm of the RL benchmark: rollouts -> reward -> policy-gradient step -> weight push.
+def lora_policy(path: str | Path, dtype: str, rank: int, targets: Sequence[str], top_layers: int = 0) -> Any:
+    """The trainable policy: the target's weights (frozen) + a peft LoRA adapter, in train mode.
 
-    The rollout engine's target and the trainable policy are separate copies (as in any RL
-    system where the generator and the learner differ), so the weight push is real. The
-    `frozen` and `online` arms share everything except that the online arm trains the drafter
-    on each batch's feedback records between RL steps and hot-swaps it into the engine.
+    LoRA keeps a GRPO step affordable on CPU and makes the weight push small: only the adapted
+    matrices change (`policy_state_dict(..., adapted_only=True)`).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from dvi.models import load_causal_lm
+
+    base = load_causal_lm(path, device="cpu", dtype=dtype)
+    n = int(base.config.num_hidden_layers)
+    layers = list(range(n - top_layers, n)) if 0 < top_layers < n else None
+    cfg = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(targets),
+                     layers_to_transform=layers)
+    return get_peft_model(base, cfg).train()
+
+
+class RLRun:
+    """One arm of the RL benchmark: rollouts -> reward -> GRPO step on the LoRA policy -> weight push.
+
+    The rollout engine's target and the trainable policy are separate modules (as in any RL system
+    where the generator and the learner differ), so the weight push is real. The `frozen` and
+    `online` arms share everything except that the online arm trains the drafter on each batch's
+    feedback records between RL steps and hot-swaps it into the engine.
     """
 
     def __init__(self, cfg: RLConfig, log: Callable[[str], None] | None = print) -> None:
-        from dvi.data import prompt_stream
         from dvi.embedded import embedded_dir
-        from dvi.engine import SpeculativeEngine
-        from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
-        from dvi.rollout import RolloutEngine
+        from dvi.models import serving_dtype
 
         self.cfg = cfg
         self.log = log or (lambda _m: None)
@@ -243,21 +229,53 @@ class RLRun:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        root = Path(cfg.pair_dir) if cfg.pair_dir else embedded_dir(cfg.preset)
-        self.tokenizer = load_tokenizer(find_tokenizer_path(root / "target"))
+        self.root = Path(cfg.pair_dir) if cfg.pair_dir else embedded_dir(cfg.preset)
+        self.dtype = serving_dtype(cfg.preset, cfg.dtype, "cpu")
+        self._load_pair()
+        self.policy = lora_policy(self.root / "target", self.dtype, cfg.lora_rank, cfg.lora_targets,
+                                  cfg.lora_top_layers)
+        self.opt = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=cfg.lr,
+                                     betas=(0.9, 0.99), weight_decay=0.0)
+        self._build_engine()
+        self._prompts = task_prompts(cfg.reward, self.tokenizer, cfg.seed, cfg.prompt_tokens)
+        self.drafter_trainer = None
+        self._scratch: Any = None
+        if cfg.arm == "online":
+            self.drafter_trainer = self._online_trainer()
+        self.logs: list[StepLog] = []
+
+    def _load_pair(self) -> None:
+        """Tokenizer, target and (dvi arms) drafter with the preset's draft vocabulary, in the serving dtype."""
+        from dvi.models import load_pair, preset_draft_vocab
+
+        drafter_dir = self.root / "drafter" if self.cfg.arm != "plain" else None
+        pair = load_pair(self.root / "target", drafter_dir, self.root / "tokenizer", device="cpu",
+                         dtype=self.dtype, draft_vocab_size=preset_draft_vocab(self.cfg.preset))
+        self.tokenizer, self.drafter = pair.tokenizer, pair.drafter
+        self.target = pair.target
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
-        target = load_causal_lm(root / "target", device="cpu", dtype="float32")
-        self.policy = load_causal_lm(root / "target", device="cpu", dtype="float32").train()
-        self.ref = load_causal_lm(root / "target", device="cpu", dtype="float32") if cfg.kl_every else None
-        self.drafter = None
-        if cfg.arm != "plain":
-            self.drafter = load_causal_lm(root / "drafter", device="cpu", dtype="float32")
+
+    def _build_engine(self) -> None:
+        """The speculative engine (no drafter in the plain arm), its costs calibrated up front."""
+        from dvi.engine import SpeculativeEngine
+        from dvi.rollout import RolloutEngine
+
+        cfg = self.cfg
         self.engine = SpeculativeEngine(
-            target, drafter=self.drafter, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
-            feedback_top_k=cfg.feedback_top_k if cfg.arm == "online" else 0,
-            target_version=0, drafter_version=0,
+            self.target, drafter=self.drafter, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
+            max_draft_tokens=max(cfg.max_draft_tokens, cfg.num_draft_tokens),
+            feedback_top_k=cfg.feedback_top_k if cfg.arm == "online" else 0, target_version=0, drafter_version=0,
         )
+        self.calibrate_s = 0.0
+        if cfg.adaptive and self.drafter is not None:
+            # One-off cost per bucket, the same whatever the weights: measured here, outside the rollouts.
+            t0 = time.perf_counter()
+            batch, buckets = cfg.prompts_per_step * cfg.n, [1]
+            while buckets[-1] < batch:
+                buckets.append(buckets[-1] * 2)
+            self.engine.calibrate(buckets)
+            self.calibrate_s = time.perf_counter() - t0
         self.writer = None
         if cfg.feedback_dir:
             from dvi.feedback import FeedbackWriter
@@ -265,34 +283,27 @@ class RLRun:
             self.writer = FeedbackWriter(cfg.feedback_dir, shard_records=10**9, flush_seconds=1e9)
         self.rollouts = RolloutEngine(self.engine, feedback_writer=self.writer, domain="rl",
                                       stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
-        self.opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
-        self.reward_fn = REWARDS[cfg.reward]
-        self._prompts = prompt_stream("code", self.tokenizer, split="heldout", prompt_tokens=cfg.prompt_tokens,
-                                      seed=cfg.seed)
-        self.drafter_trainer = None
-        self._scratch = None
-        if cfg.arm == "online":
-            # The trainer trains its own copy (a peft wrapper in LoRA mode); the engine serves a plain
-            # model with the adapter merged in, as a server does on swap: an unmerged LoRA forward
-            # costs several extra small matmuls per layer, a real share of a tiny drafter's step.
-            self.drafter_trainer = self._online_trainer(load_causal_lm(root / "drafter", device="cpu",
-                                                                       dtype="float32"))
-        self.logs: list[StepLog] = []
 
-    def _online_trainer(self, drafter: torch.nn.Module) -> Any:
-        """`trainers.online.OnlineTrainer` over this run's drafter: the online loss, replay, stale-version
-        down-weighting, exactly as the trainer process runs them, minus the shard round trip."""
+    def _online_trainer(self) -> Any:
+        """`trainers.online.OnlineTrainer` over a float32 copy of the drafter (same draft vocabulary): the
+        online loss, replay, stale-version down-weighting, exactly as the trainer process runs them, minus
+        the shard round trip. The engine serves a plain copy with the adapter merged in, as a server does
+        on swap: an unmerged LoRA forward costs several extra small matmuls per layer."""
         import tempfile
 
         from dvi.config import DviConfig
+        from dvi.models import load_causal_lm
+        from dvi.vocab import apply_draft_vocab, find_subset_head
         from trainers.online import OnlineTrainer
 
         cfg = self.cfg
+        drafter = load_causal_lm(self.root / "drafter", device="cpu", dtype="float32")
+        head = find_subset_head(self.drafter)
+        if head is not None:
+            apply_draft_vocab(drafter, head.token_ids.cpu())
         self._scratch = tempfile.TemporaryDirectory(prefix="dvi-rl-")
         dcfg = DviConfig.model_validate({
-            "run_dir": self._scratch.name,
-            "seed": cfg.seed,
-            "models": {"device": "cpu", "dtype": "float32"},
+            "run_dir": self._scratch.name, "seed": cfg.seed, "models": {"device": "cpu", "dtype": "float32"},
             "trainer": {
                 "mode": cfg.drafter_mode, "learning_rate": cfg.drafter_lr, "batch_size": cfg.drafter_batch_size,
                 "heldout_fraction": 0.0, "reward_ramp_start": cfg.drafter_reward_ramp_start,
@@ -301,90 +312,108 @@ class RLRun:
         })
         return OnlineTrainer(dcfg, drafter, run_dir=self._scratch.name, pad_id=self.pad_id)
 
+    # -- one step, phase by phase ------------------------------------------------------------------
+    def _rollouts(self, i: int) -> tuple[list[Problem], list[Any]]:
+        """This step's prompts and `n` rollouts of each (seeded by run seed and step)."""
+        cfg = self.cfg
+        batch = [next(self._prompts) for _ in range(cfg.prompts_per_step)]
+        rolls = self.rollouts.generate_rollouts(
+            [ids for ids, _ in batch], n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed * 100_003 + i,
+        )
+        return [batch[r.prompt_index][1] for r in rolls], rolls
+
+    def _rewards(self, problems: list[Problem], rolls: list[Any]) -> torch.Tensor:
+        texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rolls]
+        return torch.tensor([score(self.cfg.reward, p, t) for p, t in zip(problems, texts, strict=True)])
+
+    def _update_policy(self, i: int, rolls: list[Any], rewards: torch.Tensor) -> dict[str, float]:
+        """One GRPO step (on-policy, group-normalised advantages); loss, seconds, KL to init, log-prob gap."""
+        cfg = self.cfg
+        p_ids, c_ids = [r.prompt_ids for r in rolls], [r.completion_ids for r in rolls]
+        t0 = time.perf_counter()
+        logps, mask = completion_logprobs(self.policy, p_ids, c_ids, cfg.temperature, self.pad_id)
+        loss = policy_gradient_loss(logps, mask, group_advantages(rewards, cfg.n))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], cfg.grad_clip)
+        self.opt.step()
+        out = {"loss": float(loss.detach()), "update_s": time.perf_counter() - t0,
+               "logprob_gap": _logprob_gap(logps, mask, rolls), "kl": float("nan")}
+        if cfg.kl_every and (i % cfg.kl_every == 0 or i == cfg.steps - 1):
+            out["kl"] = self._kl_to_init(p_ids, c_ids, logps, mask)
+        return out
+
     def _kl_to_init(self, prompts: list[list[int]], completions: list[list[int]], logps: torch.Tensor,
                     mask: torch.Tensor) -> float:
         """KL(policy || initial target) per token on the sampled tokens: how far the target moved.
 
-        The k3 estimator E[r - 1 - log r], r = p_init / p_policy: unbiased and never negative.
+        The k3 estimator E[r - 1 - log r], r = p_init / p_policy: unbiased and never negative. The
+        initial target is the policy with its adapter switched off (no third model in memory).
         """
-        assert self.ref is not None
-        with torch.no_grad():
-            ref_logps, _ = completion_logprobs(self.ref, prompts, completions, self.cfg.temperature, self.pad_id)
+        with torch.no_grad(), self.policy.disable_adapter():
+            ref_logps, _ = completion_logprobs(self.policy, prompts, completions, self.cfg.temperature, self.pad_id)
         m = mask.float()
         log_r = (ref_logps - logps.detach()) * m
         k3 = (torch.exp(log_r) - 1.0 - log_r) * m
         return float(k3.sum() / m.sum().clamp_min(1.0))
 
-    def step(self, i: int) -> StepLog:
-        cfg = self.cfg
-        prompts = [next(self._prompts) for _ in range(cfg.prompts_per_step)]
-        rolls = self.rollouts.generate_rollouts(
-            prompts, n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed * 100_003 + i,
-        )
-        stats = self.rollouts.last_stats
-        assert stats is not None
-        p_ids = [r.prompt_ids for r in rolls]
-        c_ids = [r.completion_ids for r in rolls]
-        rewards = torch.tensor([
-            self.reward_fn(self.tokenizer.decode(p), self.tokenizer.decode(c)) for p, c in zip(p_ids, c_ids, strict=True)
-        ])
-        adv = group_advantages(rewards, cfg.n)
-
-        t0 = time.perf_counter()
-        self.policy.train()
-        logps, mask = completion_logprobs(self.policy, p_ids, c_ids, cfg.temperature, self.pad_id)
-        loss = policy_gradient_loss(logps, mask, adv)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
-        self.opt.step()
-        update_s = time.perf_counter() - t0
-        kl = float("nan")
-        if self.ref is not None and cfg.kl_every and (i % cfg.kl_every == 0 or i == cfg.steps - 1):
-            kl = self._kl_to_init(p_ids, c_ids, logps, mask)
-
-        t0 = time.perf_counter()
+    def _push_policy(self, i: int) -> float:
+        """The LoRA-merged weights into the engine's target as version i + 1; seconds taken."""
         from dvi.rollout import policy_state_dict
 
-        self.rollouts.update_target_weights(policy_state_dict(self.policy), version=i + 1)
-        sync_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.rollouts.update_target_weights(policy_state_dict(self.policy, adapted_only=True), version=i + 1)
+        return time.perf_counter() - t0
 
-        drafter_s, drafter_loss = 0.0, float("nan")
-        if self.drafter_trainer is not None:
-            t0 = time.perf_counter()
-            records = self.rollouts.last_records(cfg.temperature)
-            out = self.drafter_trainer.train_on_records(records)
-            if cfg.drafter_replay_steps:
-                out = self.drafter_trainer.train_on_replay(cfg.drafter_replay_steps)
-            drafter_loss = float(out.get("loss", float("nan")))
-            from dvi.rollout import policy_state_dict
+    def _train_drafter(self, i: int) -> tuple[float, float]:
+        """Online arm: train on this batch's records (+ replay), swap the merged drafter in; (seconds, loss)."""
+        if self.drafter_trainer is None:
+            return 0.0, float("nan")
+        from dvi.rollout import policy_state_dict
+        from trainers.online import TARGET_VERSION_FILE, write_json_atomic
 
-            self.drafter.load_state_dict(policy_state_dict(self.drafter_trainer.model))
-            # The version bump makes the engine rebuild its drafter cache and tags the next records.
-            self.rollouts.set_drafter(self.drafter, self.rollouts.drafter_version + 1)
-            # The trainer-process protocol: whoever updates the target announces its version, so
-            # records of older policies are down-weighted from now on.
-            from trainers.online import TARGET_VERSION_FILE, write_json_atomic
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        out = self.drafter_trainer.train_on_records(self.rollouts.last_records(cfg.temperature))
+        if cfg.drafter_replay_steps:
+            out = self.drafter_trainer.train_on_replay(cfg.drafter_replay_steps)
+        adapted = cfg.drafter_mode == "lora"
+        self.drafter.load_state_dict(policy_state_dict(self.drafter_trainer.model, adapted_only=adapted),
+                                     strict=not adapted)
+        # The version bump makes the engine rebuild its drafter cache and tags the next records.
+        self.rollouts.set_drafter(self.drafter, self.rollouts.drafter_version + 1)
+        # The trainer-process protocol: whoever updates the target announces its version, so records
+        # of older policies are down-weighted from now on.
+        write_json_atomic(Path(self.drafter_trainer.run_dir) / TARGET_VERSION_FILE, i + 1)
+        return time.perf_counter() - t0, float(out.get("loss", float("nan")))
 
-            write_json_atomic(Path(self.drafter_trainer.run_dir) / TARGET_VERSION_FILE, i + 1)
-            drafter_s = time.perf_counter() - t0
-
+    def step(self, i: int) -> StepLog:
+        """Rollouts -> rewards -> GRPO step -> weight push -> (online) drafter step; one StepLog."""
+        problems, rolls = self._rollouts(i)
+        stats = self.rollouts.last_stats
+        assert stats is not None
+        rewards = self._rewards(problems, rolls)
+        upd = self._update_policy(i, rolls, rewards)
+        sync_s = self._push_policy(i)
+        drafter_s, drafter_loss = self._train_drafter(i)
         if self.writer is not None:
             self.writer.flush()
         rec = StepLog(
-            step=i, reward=float(rewards.mean()), alpha=stats.alpha,
-            mean_accepted_length=stats.mean_accepted_length, rollout_s=stats.seconds, tokens=stats.num_tokens,
-            update_s=update_s, sync_s=sync_s, drafter_s=drafter_s, target_version=stats.target_version,
-            drafter_version=stats.drafter_version, num_drafted=stats.num_drafted,
-            num_accepted=stats.num_accepted, num_steps=stats.num_steps, kl_to_init=kl, loss=float(loss.detach()), drafter_loss=drafter_loss,
+            step=i, reward=float(rewards.mean()), alpha=stats.alpha, mean_accepted_length=stats.mean_accepted_length,
+            rollout_s=stats.seconds, tokens=stats.num_tokens, update_s=upd["update_s"], sync_s=sync_s,
+            drafter_s=drafter_s, target_version=stats.target_version, drafter_version=stats.drafter_version,
+            num_drafted=stats.num_drafted, num_accepted=stats.num_accepted, num_steps=stats.num_steps,
+            speculated_tokens=stats.num_speculated_tokens, kl_to_init=upd["kl"], logprob_gap=upd["logprob_gap"],
+            loss=upd["loss"], drafter_loss=drafter_loss,
         )
         self.logs.append(rec)
         self.log(
-            f"[{cfg.arm}] step {i:3d} reward {rec.reward:.3f} alpha {rec.alpha:.3f} "
-            f"rollout {rec.rollout_s:.2f}s ({rec.tokens / max(rec.rollout_s, 1e-9):.0f} tok/s) "
-            f"update {update_s:.2f}s drafter {drafter_s:.2f}s kl {kl:.3f}"
+            f"[{self.cfg.arm}] step {i:3d} reward {rec.reward:.3f} alpha {rec.alpha:.3f} "
+            f"spec {rec.speculated_tokens / max(rec.tokens, 1):.2f} rollout {rec.rollout_s:.2f}s "
+            f"({rec.tokens / max(rec.rollout_s, 1e-9):.0f} tok/s) update {rec.update_s:.2f}s "
+            f"drafter {drafter_s:.2f}s kl {rec.kl_to_init:.4f}"
         )
         return rec
 
@@ -403,30 +432,46 @@ class RLRun:
             self._scratch.cleanup()
             self._scratch = None
 
-    def summary(self, alpha_from: int = 20) -> dict[str, Any]:
+    def summary(self, alpha_from: int = 10) -> dict[str, Any]:
         """Per-arm totals the benchmark compares; α is token-weighted (accepted / drafted)."""
         logs = self.logs
         late = [r for r in logs if r.step >= alpha_from] or logs
-
-        def alpha_of(rs: list[StepLog]) -> float:
-            drafted = sum(r.num_drafted for r in rs)
-            return sum(r.num_accepted for r in rs) / drafted if drafted else float("nan")
-
+        tokens = sum(r.tokens for r in logs)
         return {
             "arm": self.cfg.arm,
+            "seed": self.cfg.seed,
             "steps": len(logs),
+            "calibrate_s": self.calibrate_s,
             "rollout_s_total": sum(r.rollout_s for r in logs),
             "update_s_total": sum(r.update_s for r in logs),
             "sync_s_total": sum(r.sync_s for r in logs),
             "drafter_s_total": sum(r.drafter_s for r in logs),
-            "tokens_total": sum(r.tokens for r in logs),
-            "alpha_mean": alpha_of(logs),
+            "tokens_total": tokens,
+            "speculated_share": sum(r.speculated_tokens for r in logs) / tokens if tokens else float("nan"),
+            "alpha_mean": _alpha_of(logs),
             "alpha_from_step": alpha_from,
-            "alpha_late": alpha_of(late),
-            "alpha_first5": alpha_of(logs[:5]),
+            "alpha_late": _alpha_of(late),
+            "alpha_first5": _alpha_of(logs[:5]),
             "reward_first5": sum(r.reward for r in logs[:5]) / max(1, len(logs[:5])),
             "reward_last5": sum(r.reward for r in logs[-5:]) / max(1, len(logs[-5:])),
         }
+
+
+def _alpha_of(rs: Sequence[StepLog]) -> float:
+    drafted = sum(r.num_drafted for r in rs)
+    return sum(r.num_accepted for r in rs) / drafted if drafted else float("nan")
+
+
+def _logprob_gap(logps: torch.Tensor, mask: torch.Tensor, rolls: Sequence[Any]) -> float:
+    """Mean |log p_policy - log p_rollout| over the sampled tokens: how far the served (merged, serving
+    dtype) target is from the policy the gradient was taken on (0 = exactly on-policy)."""
+    gaps = []
+    for i, r in enumerate(rolls):
+        n = len(r.logprobs)
+        if n:
+            served = torch.tensor(r.logprobs, dtype=logps.dtype)
+            gaps.append((logps[i, :n].detach().cpu() - served).abs()[mask[i, :n].cpu()])
+    return float(torch.cat(gaps).mean()) if gaps else float("nan")
 
 
 def logs_to_jsonable(logs: Sequence[StepLog]) -> list[dict]:
@@ -438,13 +483,13 @@ def logs_to_jsonable(logs: Sequence[StepLog]) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m trainers.rl --arm online --preset tiny --steps 40`: one arm, per-step log lines."""
+    """`python -m trainers.rl --arm online --steps 20`: one arm on the real pair, per-step log lines."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arm", default="online", choices=["plain", "frozen", "online"])
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--preset", default="smollm2")
     ap.add_argument("--pair-dir", default=None)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--reward", default="upper", choices=sorted(REWARDS))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--reward", default="arith", choices=list(TASKS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None, help="write per-step logs here")
