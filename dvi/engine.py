@@ -110,7 +110,7 @@ class SpeculativeEngine:
     def add_request(self, request: Request) -> None:
         """Queue a request; it joins the batch (prefill) at the next step()."""
         validate_prompt(request.prompt_ids, "prompt_ids", self.vocab_size, self.num_embeddings)
-        validate_params(request.params, len(request.prompt_ids), self.vocab_size, self.max_context, "prompt_ids")
+        self._validate_params(request.params, len(request.prompt_ids))
         if any(s.req.request_id == request.request_id for s in self._waiting + self._seqs):
             raise ValueError(f"request_id {request.request_id!r} is already active")
         request = self._normalized(request)
@@ -206,7 +206,7 @@ class SpeculativeEngine:
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         base = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids or ()))
         for i, p in enumerate(prompts):
-            validate_params(base, len(p), self.vocab_size, self.max_context, f"prompts[{i}]")
+            self._validate_params(base, len(p), f"prompts[{i}]")
         self._gen_calls += 1
         ids = [f"generate-{self._gen_calls}-{i}" for i in range(len(prompts))]
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True)):
@@ -236,6 +236,9 @@ class SpeculativeEngine:
         return outs
 
     # ------------------------------------------------------------------ validation
+    def _validate_params(self, p: SamplingParams, prompt_len: int, prompt_name: str = "prompt_ids") -> None:
+        validate_params(p, prompt_len, self.vocab_size, self.max_context, prompt_name)
+
     def _set_drafter(self, drafter) -> None:
         d = as_drafter(drafter)
         if d is not None and d.vocab_size < self.vocab_size:
