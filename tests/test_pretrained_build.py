@@ -272,21 +272,22 @@ def test_eagle_head_built_scored_and_served_losslessly(built):
     assert_greedy_equal(pair.target, prompt, got.token_ids, ref)
 
 
-def test_a_pair_built_before_the_eagle_head_gets_only_the_head(built, monkeypatch):
-    """An older build (same recipe, no eagle head) is upgraded in place: only the head is trained."""
+def test_a_pair_built_by_another_eagle_recipe_gets_only_the_head(built, monkeypatch):
+    """A build whose recipe differs only in the eagle head's fields (or predates the head) is upgraded in
+    place: only the head is retrained."""
     preset, *_, out, _spy, _secs = built
     m = read_manifest(out)
     old = {**m, "eagle": None, "fingerprint": "older"}
     old["preset_config"] = {**m["preset_config"], "eagle_tokens": 0}
     (out / "manifest.json").write_text(json.dumps(old))
-    import shutil
-
-    shutil.rmtree(out / "eagle")
+    before = (out / "eagle").stat().st_ino
     monkeypatch.setattr(pretrained_build, "build", lambda *a, **k: pytest.fail("a full rebuild was started"))
     assert bootstrap("smollm2", out=out, progress=False) == out
     new = read_manifest(out)
     assert new["fingerprint"] == preset.fingerprint() and new["eagle"]["train"]["tokens"] >= preset.eagle_tokens
     assert (out / "eagle" / "adapter_config.json").is_file() and is_built(out, preset)
+    assert new["eagle"]["train"]["chained"] is preset.eagle_chained
+    assert (out / "eagle").stat().st_ino != before  # retrained into a new dir, renamed over the old one
 
 
 def test_engine_with_the_early_exit_drafter(built):

@@ -364,15 +364,16 @@ def _matches(manifest: dict | None, p: Preset | PretrainedPreset, seed: int) -> 
         and manifest.get("seed") == seed
 
 
-EAGLE_FIELDS = ("eagle_tokens", "eagle_lr", "eagle_feature_weight")
+EAGLE_FIELDS = ("eagle_tokens", "eagle_lr", "eagle_feature_weight", "eagle_chained")
 
 
-def _lacks_only_eagle(out: Path, p: PretrainedPreset, seed: int) -> bool:
-    """A complete pair built by this recipe before it had an eagle head (so only the head is missing)."""
+def _only_eagle_differs(out: Path, p: PretrainedPreset, seed: int) -> bool:
+    """A complete pair built by this recipe except for its eagle head (none yet, or one from another eagle
+    recipe): only the head needs (re)training."""
     from dvi.embedded import SERVING_FIELDS
 
     m = read_manifest(out) if (out / "manifest.json").is_file() else None
-    if not m or m.get("seed") != seed or m.get("preset") != p.name or m.get("eagle") or not p.eagle_tokens:
+    if not m or m.get("seed") != seed or m.get("preset") != p.name or not p.eagle_tokens:
         return False
     skip = set(EAGLE_FIELDS) | set(SERVING_FIELDS)
     want = json.loads(json.dumps({k: v for k, v in asdict(p).items() if k not in skip}))
@@ -393,7 +394,7 @@ def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed:
     out = Path(out).expanduser() if out is not None else embedded_dir(p.name)
     if not force and is_built(out) and _matches(read_manifest(out), p, seed):
         return out
-    if not force and isinstance(p, PretrainedPreset) and _lacks_only_eagle(out, p, seed):
+    if not force and isinstance(p, PretrainedPreset) and _only_eagle_differs(out, p, seed):
         _log(f"adding the eagle head to the pair built at {out}", progress)
         manifest = pretrained_build.add_eagle(p, out, seed=seed, progress=progress)
         atomic_write_text(out / "manifest.json", json.dumps(_jsonable(manifest), indent=2, sort_keys=True))

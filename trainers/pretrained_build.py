@@ -211,9 +211,13 @@ def build_eagle(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torc
     from trainers.eagle_build import eagle_agreement, eagle_step_ms, train_eagle
 
     d, stats = train_eagle(p, paths.target, windows, states, order, seed, progress)
-    d.save(paths.eagle)
+    from dvi.fsutil import replace_dir, tmp_dir_beside
+
+    tmp = tmp_dir_beside(paths.eagle)  # whole or absent: a server may be loading the previous head
+    d.save(tmp)
     if p.draft_vocab:
-        save_draft_vocab(paths.eagle, order[: p.draft_vocab], int(target.config.vocab_size))
+        save_draft_vocab(tmp, order[: p.draft_vocab], int(target.config.vocab_size))
+    replace_dir(tmp, paths.eagle)
     served = EagleDrafter.load(target, paths.eagle)
     from dvi.models import load_tokenizer
 
