@@ -138,6 +138,8 @@ class TrainerConfig(_Strict):
     # eagle drafters: weight of the smooth-L1 regression of the head's predicted feature onto the target's
     # (what later drafts of a step feed back in); 0 trains the token distribution only
     feature_weight: float = Field(1.0, ge=0)
+    # eagle drafters: a second pass whose generated positions read the head's own predicted features (2x compute)
+    eagle_chained: bool = True
     reward_weight: float = Field(0.5, ge=0)
     reward_ramp_start: int = Field(50, ge=0)
     reward_ramp_steps: int = Field(200, ge=0)

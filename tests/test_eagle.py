@@ -282,3 +282,23 @@ def test_trainer_from_config_builds_an_eagle_head(tiny_pair, tiny_pair_dir, tmp_
     assert tr.trainable.kind == "eagle"
     n_train = sum(p.numel() for p in tr.trainable.parameters())
     assert 0 < n_train < sum(p.numel() for p in tr.trainable.drafter.target_ref.parameters())
+
+
+def test_chained_pass_feeds_generated_positions_the_heads_own_features():
+    """The trainer's second eagle pass: prompt inputs keep the target's features, input j of the generated
+    region reads the head's prediction at input j - 1 (what draft j of a step reads)."""
+    from trainers.losses import chained_features
+    from trainers.online.collate import Example, build_batch
+
+    target = tiny("llama", seed=0)
+    d = noisy_eagle(target)
+    got = run(SpeculativeEngine(target, d, num_draft_tokens=2, feedback_top_k=4), PROMPTS[:3])
+    batch = build_batch([Example.of(FeedbackRecord.from_result(r)) for r in got], [1.0] * 3)
+    with torch.no_grad():
+        out = d.model(input_ids=batch.input_ids, features=batch.features, attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids, logits_to_keep=batch.width)
+    f2 = chained_features(batch, out)
+    w, t = batch.features.shape[1], batch.width
+    assert f2.shape == batch.features.shape
+    assert torch.equal(f2[:, : w - t + 1], batch.features[:, : w - t + 1])
+    assert torch.equal(f2[:, w - t + 1:], out.features[:, :-1].to(f2.dtype))

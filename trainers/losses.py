@@ -237,3 +237,11 @@ def feature_loss(out, batch) -> torch.Tensor | None:
     keep = (batch.weights > 0).unsqueeze(-1)  # [B, T, 1]
     err = torch.nn.functional.smooth_l1_loss(pred, targets.float(), reduction="none") * keep
     return err.sum() / (keep.sum() * pred.shape[-1]).clamp_min(1)
+
+
+def chained_features(batch, out) -> torch.Tensor:
+    """Eagle inputs [B, W, H] for a second pass: the generated positions read the head's own predicted
+    feature of the position before (as drafts 2..K of a step do), the prompt keeps the target's."""
+    t = out.features.shape[1]  # [B, T, H], the predictions at the last T inputs
+    own = out.features[:, :-1].to(batch.features.dtype)  # predictions of f at inputs W-T .. W-2
+    return torch.cat([batch.features[:, : batch.features.shape[1] - t + 1], own], 1)

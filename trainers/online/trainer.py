@@ -35,7 +35,7 @@ from dvi.registry import AdapterRejected, DrafterRegistry
 from dvi.rundir import RunDir
 from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_passes
 from dvi.vocab import find_subset_head, subset_mode
-from trainers.losses import dvi_loss, feature_loss
+from trainers.losses import chained_features, dvi_loss, feature_loss
 from trainers.online.collate import Example, build_batch, is_heldout
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
@@ -274,24 +274,9 @@ class OnlineTrainer:
         t0 = time.perf_counter()
         batch = batch.to(self.device)
         self.module.train()
-        # A reduced draft vocabulary trains on its [B, T, N] subset logits (never the served -inf padding).
-        with subset_mode(self.trainable.module) as head:
-            fwd = self.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=batch.position_ids, use_cache=False,
-                              logits_to_keep=batch.width, **batch.model_inputs())
-            logits = fwd.logits  # [B, T, V] or [B, T, N]
-        out = dvi_loss(logits, batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted,
-                       batch.weights, step=self.step, kl_weight=self.tc.kl_weight,
-                       reward_start=self.tc.reward_ramp_start, reward_ramp_steps=self.tc.reward_ramp_steps,
-                       reward_max_weight=self.tc.reward_weight,
-                       subset_index=head.index if head is not None else None)
-        w = batch.weights
-        # dvi_loss normalises by the weight sum; rescale so down-weighted rows count less in absolute terms
-        scale = w.sum() / (w > 0).sum().clamp_min(1)
-        loss = out.loss * scale
-        feat_loss = feature_loss(fwd, batch)
-        if feat_loss is not None:
-            loss = loss + self.tc.feature_weight * feat_loss
+        loss, out, feat_loss, fwd = self._batch_loss(batch, batch.model_inputs())
+        if batch.features is not None and self.tc.eagle_chained:  # drafts 2..K read the head's own features
+            loss = loss + self._batch_loss(batch, {"features": chained_features(batch, fwd)})[0]
         acc.backward(loss)
         if self.tc.grad_clip:
             acc.clip_grad_norm_(self.trainable.parameters(), self.tc.grad_clip)
@@ -304,6 +289,25 @@ class OnlineTrainer:
                 "feature": float(feat_loss.detach()) if feat_loss is not None else 0.0,
                 "reward_weight": float(out.reward_weight), "tokens": float(batch.tokens),
                 "seconds": time.perf_counter() - t0}
+
+    def _batch_loss(self, batch, inputs: dict):
+        """(loss, dvi_loss output, feature loss or None, forward output) of one teacher-forced pass."""
+        # A reduced draft vocabulary trains on its [B, T, N] subset logits (never the served -inf padding).
+        with subset_mode(self.trainable.module) as head:
+            fwd = self.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids, use_cache=False, logits_to_keep=batch.width, **inputs)
+        out = dvi_loss(fwd.logits, batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted,
+                       batch.weights, step=self.step, kl_weight=self.tc.kl_weight,
+                       reward_start=self.tc.reward_ramp_start, reward_ramp_steps=self.tc.reward_ramp_steps,
+                       reward_max_weight=self.tc.reward_weight,
+                       subset_index=head.index if head is not None else None)
+        w = batch.weights
+        # dvi_loss normalises by the weight sum; rescale so down-weighted rows count less in absolute terms
+        loss = out.loss * (w.sum() / (w > 0).sum().clamp_min(1))
+        feat_loss = feature_loss(fwd, batch)
+        if feat_loss is not None:
+            loss = loss + self.tc.feature_weight * feat_loss
+        return loss, out, feat_loss, fwd
 
     # -- evaluation and publishing --------------------------------------------------------------
     def _logits_fn(self):
