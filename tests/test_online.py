@@ -488,7 +488,7 @@ def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_
                         "trainer.batch_size=4", f"trainer.feedback_tokens_per_step={per_step}")
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
     st = tr.train_on_records(recs)
-    assert tr.feedback_tokens == tokens and tr.steps_allowed() == 2
+    assert tr.feedback_tokens == tokens and tr.records_read == 24 and tr.steps_allowed() == 2
     assert st["steps"] == 2 and tr.step == 2 and st["budget_deferred"] == 24 - 2 * 4
     assert tr.records_seen == 8 and tr.budget_deferred == 16 and len(tr.replay) == 24  # deferred kept for replay
     assert tr.train_on_replay(steps=3)["steps"] == 0 and tr.step == 2  # budget spent: no replay either
@@ -510,4 +510,5 @@ def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_
     tr.save_checkpoint(tmp_path / "ckpt", {})
     back = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
     back.load_checkpoint(tmp_path / "ckpt")
-    assert (back.feedback_tokens, back.budget_deferred, back.step) == (tr.feedback_tokens, tr.budget_deferred, tr.step)
+    saved = (tr.records_read, tr.feedback_tokens, tr.budget_deferred, tr.step)
+    assert (back.records_read, back.feedback_tokens, back.budget_deferred, back.step) == saved

@@ -105,7 +105,8 @@ class OnlineTrainer:
         self.dropped_stale = 0
         self.train_seconds = 0.0
         self.tokens_trained = 0
-        self.feedback_tokens = 0  # generated tokens of every record read as new (the budget's unit)
+        self.records_read = 0  # every record read as new: trained, deferred, held out or dropped
+        self.feedback_tokens = 0  # their generated tokens (the budget's unit)
         self.budget_deferred = 0  # records read whose step the budget withheld (kept for replay)
         self.max_target_version = 0
         self.last_publish_step = 0
@@ -175,6 +176,7 @@ class OnlineTrainer:
         for e in examples:
             self.max_target_version = max(self.max_target_version, e.target_version)
             self.feedback_tokens += len(e.token_ids)
+        self.records_read += len(examples)
         deferred0 = self.budget_deferred
         current = self.current_target_version()
         new, held, dropped = self._split(examples, current)
@@ -458,6 +460,7 @@ class OnlineTrainer:
             "dropped_stale": self.dropped_stale,
             "train_seconds": self.train_seconds,
             "tokens_trained": self.tokens_trained,
+            "records_read": self.records_read,
             "feedback_tokens": self.feedback_tokens,
             "feedback_tokens_per_step": self.tc.feedback_tokens_per_step,
             "steps_allowed": self.steps_allowed(),
@@ -479,7 +482,8 @@ class OnlineTrainer:
             "step": self.step, "records_seen": self.records_seen, "replayed": self.replayed,
             "heldout_seen": self.heldout_seen, "dropped_stale": self.dropped_stale,
             "train_seconds": self.train_seconds, "tokens_trained": self.tokens_trained,
-            "feedback_tokens": self.feedback_tokens, "budget_deferred": self.budget_deferred,
+            "records_read": self.records_read, "feedback_tokens": self.feedback_tokens,
+            "budget_deferred": self.budget_deferred,
             "max_target_version": self.max_target_version, "last_publish_step": self.last_publish_step,
             "last_published": self.last_published, "kind": self.trainable.kind, **dict(extra),
         }
@@ -515,7 +519,7 @@ class OnlineTrainer:
         except Exception as exc:  # noqa: BLE001 - fresh moments are better than no resume
             log.warning("optimizer state not restored (%s); continuing with fresh moments", exc)
         for k in ("step", "records_seen", "replayed", "heldout_seen", "dropped_stale", "tokens_trained",
-                  "feedback_tokens", "budget_deferred", "max_target_version", "last_publish_step"):
+                  "records_read", "feedback_tokens", "budget_deferred", "max_target_version", "last_publish_step"):
             setattr(self, k, int(state.get(k, 0) or 0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.last_published = state.get("last_published")
