@@ -399,10 +399,13 @@ def plot(path: Path, results: dict[str, dict], w: int, title: str) -> None:
     for ax, (kind, res) in zip(axes[:, 0], results.items(), strict=True):
         arms = res["arms"]
         n_code = len(phase_rows(arms["frozen"], "code"))
+        top = 0.0
         for name, color in (("online", "tab:green"), ("frozen", "tab:gray"), ("ceiling", "tab:purple")):
             rows = arms[name]["rows"]
             x0 = n_code if name == "ceiling" else 0
-            ax.plot(range(x0 + 1, x0 + len(rows) + 1), rolling(rows, w), color=color, label=f"{name} (rolling {w})")
+            ys = [a for p in PHASES for a in rolling(phase_rows(arms[name], p), w)]  # windows restart per phase
+            top = max([top, *(y for y in ys if not math.isnan(y))])
+            ax.plot(range(x0 + 1, x0 + len(rows) + 1), ys, color=color, label=f"{name} (rolling {w}, per phase)")
         ends = list(itertools.accumulate(len(phase_rows(arms["frozen"], p)) for p in PHASES))
         for x in ends[:-1]:
             ax.axvline(x + 0.5, color="k", ls=":", lw=1)
@@ -413,7 +416,7 @@ def plot(path: Path, results: dict[str, dict], w: int, title: str) -> None:
         ax2.step(range(1, len(on) + 1), [r.get("drafter_version", 0) for r in on], color="tab:orange", where="post",
                  alpha=0.6, label="online drafter version")
         ax2.set_ylabel("drafter version")
-        ax.set(ylim=(0, 1), xlabel="request (completion order)", ylabel="α", title=f"{kind}")
+        ax.set(ylim=(0, min(1.0, 1.25 * top) or 1.0), xlabel="request (completion order)", ylabel="α", title=kind)
         ax.legend(loc="upper left", fontsize=8)
         ax2.legend(loc="upper right", fontsize=8)
     fig.suptitle(title)
