@@ -139,7 +139,6 @@ class Server:
         cfg = load_config(args.config, [
             f"run_dir={run_dir}", f"feedback.dir={run_dir / 'feedback'}", f"registry.dir={run_dir / 'registry'}",
             "feedback.shard_records=8", "feedback.flush_seconds=1", "serve.registry_poll_seconds=1",
-            "trainer.publish_every_steps=5",
             f"serve.max_batch_size={args.concurrency}", "wandb.mode=disabled",
             f"trainer.feedback_tokens_per_step={args.feedback_tokens_per_step}", *overrides, *args.overrides])
         self.cfg = cfg
