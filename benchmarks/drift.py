@@ -447,7 +447,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--config", default=str(ROOT / "configs" / "drift.yaml"))
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--code-requests", type=int, default=12, help="per code phase")
-    ap.add_argument("--chat-requests", type=int, default=36)
+    ap.add_argument("--chat-requests", type=int, default=72)
     ap.add_argument("--chat-prompt-tokens", type=int, default=320)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=4)
