@@ -1,45 +1,46 @@
-"""Drift benchmark: α over a code -> prose -> code traffic stream, online trainer vs frozen drafter.
+"""Drift benchmark on the real `dvi serve` path: α over code -> chat -> code traffic, per drafter kind.
 
-The headline of dvi. One script, same pair, same prompts, greedy decoding (temperature 0, so
-every arm emits exactly the target's greedy tokens, which the script checks, and α differences
-are the drafters' alone):
+For each drafter kind (`separate`, `eagle`) and arm, a real `dvi serve` process (scheduler, swapper
+with its shadow check and rollback, supervisor; `serving.demo.ServerProcess`) gets the same greedy
+traffic over loopback HTTP, C clients at a time: held-out code prompts (`/v1/completions`, token
+ids), then held-out chat instructions (`/v1/chat/completions`, `dvi.data.chat_instructions`), then
+other held-out code prompts. α per request is read from each response's `dvi` block.
 
-* arm A, ``online``: the engine serves the stream in batches and logs feedback shards; the real
-  trainer process (`python -m dvi.cli train --online`, 1 torch thread, pinned to its own core
-  when the machine has two, niced by `trainer.nice`; the engine thread is not pinned) tails them, trains the drafter's LoRA and publishes shadow-checked
-  versions; the serving loop polls the registry's LATEST between batches and hot-swaps it in
-  (`serving.swap.load_drafter_version`: validated, LoRA merged into a copy of the base drafter).
-* arm B, ``frozen``: the same stream with the bootstrap drafter, never updated, no trainer.
-* arm C, ``ceiling``: the bootstrap drafter distilled offline on prose *training* text with the
-  target as teacher (`trainers.offline.distill`, full-vocab KL, all weights) for as many seconds
-  as arm A's trainer spent training up to the end of the prose phase; its α on the same prose
-  prompts is the reference the online arm should approach.
-* throughput probe: the frozen drafter serving a fixed prompt set in alternating blocks with a
-  second trainer process busy (training on a backlog copied from arm A's log) or paused (its
-  pause file), so "serving with the trainer running" vs "without it" differ in nothing else.
+* ``online``: the server's supervised trainer trains the drafter from the feedback log under a
+  machine-independent budget: at most one step per `trainer.feedback_tokens_per_step` feedback
+  tokens (enforced by the trainer, reported in its status: steps, feedback tokens read); idle
+  replay fills the budget, never more. Between phases the client waits until the trainer has read
+  every record and the swapper has decided on LATEST, so phase boundaries do not depend on the
+  machine's speed. Afterwards the throughput probe: the same code prompts in ABBA blocks with the
+  trainer paused / running (`/admin/trainer/pause`, `/admin/trainer/resume`).
+* ``frozen``: `serve.trainer=off`; the bootstrap drafter serves all three phases.
+* ``ceiling``: the bootstrap drafter distilled offline on chat *training* text (the target's greedy
+  replies to training-split chat instructions, `trainers.pretrained_build.chat_replies`) for 5x the
+  online arm's trained tokens up to the end of its chat phase (`trainers.subset_distill` for
+  separate, `trainers.eagle_build.distill_eagle` for eagle), then *served* by `dvi serve` (trainer
+  off) on the same chat requests.
 
-Goals (issue 4): after the switch the online arm's prose α reaches >= 90% of the ceiling's
-(within the prose phase; requests and seconds to get there are reported), its α on code when
-code returns is within 0.02 of its pre-switch code α, the frozen arm stays down (< 90% of the
-ceiling), and serving throughput with the trainer running is >= 0.9x without it.
+Goals per kind: online chat α (last window) >= 90% of the ceiling's, with the budget reported in
+feedback tokens and trainer steps (seconds for information); online code α on return within 0.02
+of before the switch; frozen chat α < 90% of the ceiling's; tokens/s with the trainer running
+>= 0.9x paused. Every arm's greedy text must be identical (lossless).
 
-    .venv/bin/python benchmarks/drift.py --preset smollm2 --requests 48 [--json bench_results/drift.json]
+    python benchmarks/drift.py --preset smollm2 [--kinds separate,eagle] [--json bench_results/drift.json]
 
-Writes JSON (settings, per-request α of every arm, drafter versions, timings, `goals`) and a PNG
-beside it, prints a table ending with the goals, and exits 0 whether or not they are met.
+Writes JSON (settings, per-request rows of every arm, swap events, trainer status, `goals`) and a
+PNG beside it, prints a table ending with the goals, exits 0 whether or not they are met.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import math
-import os
-import platform
+import secrets
 import shutil
-import signal
-import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,603 +52,481 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import clean_json, goal
 
-PHASES = (("code", "code"), ("prose", "prose"), ("code_return", "code"))
+PHASES = ("code", "chat", "code_return")
+KINDS = ("separate", "eagle")
 
 
-# -- small helpers --------------------------------------------------------------------------------
-def _alpha(rows: list[dict]) -> float:
-    """Token-weighted α = accepted / drafted over a list of per-request rows."""
-    d = sum(r["drafted"] for r in rows)
-    return sum(r["accepted"] for r in rows) / d if d else float("nan")
+# -- traffic ----------------------------------------------------------------------------------------
+def traffic(tok: Any, args: argparse.Namespace) -> dict[str, list]:
+    """Per phase: code prompts (token ids) or chat messages (rendered <= --chat-prompt-tokens)."""
+    from dvi.data import chat_instructions, prompt_stream, render_chat
+
+    def code(seed: int) -> list[list[int]]:
+        s = prompt_stream("code", tok, split="heldout", prompt_tokens=(32, 96), seed=seed)
+        return list(itertools.islice(s, args.code_requests))
+
+    chats = (m for m in chat_instructions("heldout", seed=args.seed) if len(render_chat(tok, m)) <= args.chat_prompt_tokens)
+    return {"code": code(args.seed), "chat": list(itertools.islice(chats, args.chat_requests)),
+            "code_return": code(args.seed + 1), "probe": code(args.seed + 2)[: args.probe_prompts]}
 
 
-def _rolling(rows: list[dict], w: int) -> list[float]:
-    return [_alpha(rows[max(0, i + 1 - w): i + 1]) for i in range(len(rows))]
+async def _send(client: Any, item: list, max_tokens: int) -> dict:
+    chat = isinstance(item[0], dict)
+    body = {"messages" if chat else "prompt": item, "max_tokens": max_tokens, "temperature": 0.0,
+            "metadata": {"domain": "chat" if chat else "code"}}
+    r = await client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+    if r.status_code != 200:
+        return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+    b = r.json()
+    c = b["choices"][0]
+    text = c["message"]["content"] if chat else c["text"]
+    return {**{k: b["dvi"][k] for k in ("drafted", "accepted", "steps", "drafter_version")},
+            "tokens": b["usage"]["completion_tokens"], "text": text}
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc; nan elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
+def run_requests(url: str, items: list, args: argparse.Namespace, on_done: Any = None,
+                 first: int = 0) -> tuple[list[dict], float]:
+    """Every item once (numbered from `first`), `args.concurrency` in flight; rows in completion order, wall time."""
+    import httpx
+
+    async def go() -> list[dict]:
+        rows: list[dict] = []
+        queue = iter(enumerate(items, first))
+        async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+            async def worker() -> None:
+                for i, item in queue:
+                    row = {"prompt": i, **await _send(client, item, args.max_tokens), "t": time.time()}
+                    rows.append({**row, **(on_done() if on_done else {})})
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        return rows
+
+    t0 = time.perf_counter()
+    rows = asyncio.run(go())
+    return rows, time.perf_counter() - t0
 
 
-def _pin(pid: int, cpu: int | None) -> None:
-    if cpu is None or not hasattr(os, "sched_setaffinity"):
-        return
-    try:
-        os.sched_setaffinity(pid, {cpu})
-    except OSError:
-        pass
+# -- the server --------------------------------------------------------------------------------------
+def pair_overrides(pair_dir: Path, preset: str, kind: str, drafter: Path | None) -> list[str]:
+    """Explicit paths (so `dvi serve` never bootstraps), the preset's served dtype and draft vocabulary."""
+    from dvi.embedded import EmbeddedPaths
+    from dvi.models import preset_draft_vocab, saved_kind, serving_dtype
+    from dvi.vocab import draft_vocab_path
+
+    p = EmbeddedPaths.at(pair_dir)
+    if drafter is None:
+        drafter = p.drafter if kind == "separate" else (p.eagle if saved_kind(p.eagle) == kind else None)
+    n = preset_draft_vocab(preset)
+    out = [f"models.preset={preset}", f"models.target={p.target}", f"models.tokenizer={p.tokenizer}",
+           f"models.drafter_kind={kind}", f"models.dtype={serving_dtype(preset, 'auto', 'cpu')}", "models.device=cpu"]
+    out += [f"models.drafter={drafter}"] if drafter is not None else []
+    out += [f"models.draft_vocab_size={n}"] if n is not None else []
+    if kind != "separate" and draft_vocab_path(p.drafter).is_file():  # the pair's one draft vocabulary
+        out += [f"models.draft_vocab={p.drafter}"]
+    return out
 
 
-class Progress:
-    """One bar over every request of every arm (tqdm), with a phase label."""
+class Server:
+    """`dvi serve` with the benchmark's config (written owner-only: it holds the admin token)."""
 
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, unit="req", dynamic_ncols=True, disable=not enabled,
-                        mininterval=0.5 if sys.stderr.isatty() else 15.0)
-
-    def update(self, n: int, label: str, **post: Any) -> None:
-        self.bar.set_description(label, refresh=False)
-        if post:
-            self.bar.set_postfix(post, refresh=False)
-        self.bar.update(n)
-
-    def write(self, msg: str) -> None:
-        self.bar.write(msg)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-# -- the trainer process ------------------------------------------------------------------------------
-class TrainerProc:
-    """`python -m dvi.cli train --online --config <work>/trainer.yaml` with its own core and one thread."""
-
-    def __init__(self, cfg: Any, work: Path, cpu: int | None) -> None:
+    def __init__(self, args: argparse.Namespace, run_dir: Path, overrides: list[str]) -> None:
         import yaml
 
-        from dvi.config import dump_config
+        from dvi.config import dump_config, load_config
+        from dvi.fsutil import PRIVATE, atomic_write_text
 
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir, self.token = run_dir, secrets.token_hex(16)
+        cfg = load_config(args.config, [
+            f"run_dir={run_dir}", f"feedback.dir={run_dir / 'feedback'}", f"registry.dir={run_dir / 'registry'}",
+            "feedback.shard_records=8", "feedback.flush_seconds=1", "serve.registry_poll_seconds=1",
+            f"serve.max_batch_size={args.concurrency}", "wandb.mode=disabled",
+            f"trainer.feedback_tokens_per_step={args.feedback_tokens_per_step}", *overrides, *args.overrides])
         self.cfg = cfg
-        self.work = work
-        self.config_path = work / "trainer.yaml"
-        self.config_path.write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
-        self.log_path = work / "trainer.log"
-        self.status_path = Path(cfg.run_dir) / "trainer" / "status.json"
-        self.pause_path = Path(cfg.run_dir) / "trainer.pause"
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dvi.cli", "train", "--online", "--config", str(self.config_path)],
-            cwd=ROOT, env=env, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
-        )
-        _pin(self.proc.pid, cpu)
+        data = dump_config(cfg)
+        data["serve"]["admin_token"] = self.token
+        self.config_path = run_dir / "serve_config.yaml"
+        atomic_write_text(self.config_path, yaml.safe_dump(data, sort_keys=False), mode=PRIVATE)
 
-    def status(self) -> dict:
+    def __enter__(self) -> Server:
+        from serving.demo import ServerProcess
+
+        self.proc = ServerProcess(["--config", str(self.config_path)], self.run_dir / "server.log", cwd=ROOT)
+        self.proc.__enter__()
+        self.url = self.proc.url
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.__exit__(*exc)
+
+    def admin(self, method: str, path: str) -> dict:
+        import httpx
+
+        r = httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {self.token}"}, timeout=60)
+        r.raise_for_status()
+        return r.json()
+
+    def trainer(self) -> dict:
         try:
-            return json.loads(self.status_path.read_text())
+            return json.loads((self.run_dir / "trainer" / "status.json").read_text())
         except (OSError, ValueError):
             return {}
 
-    def wait_state(self, states: tuple[str, ...], timeout: float = 300.0) -> dict:
+    def snapshot(self) -> dict:
+        st = self.trainer()
+        return {"trainer_step": st.get("dvi_trainer_step"), "feedback_tokens": st.get("feedback_tokens"),
+                "records_read": st.get("records_read"), "tokens_trained": st.get("tokens_trained"),
+                "train_seconds": st.get("train_seconds")}
+
+    def wait_trainer(self, states: tuple[str, ...], timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            st = self.status()
-            if st.get("state") in states:
+            if (st := self.trainer()).get("state") in states and st.get("heartbeat", 0) > time.time() - 5:
                 return st
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"trainer exited ({self.proc.returncode}); see {self.log_path}")
-            time.sleep(0.1)
-        raise TimeoutError(f"trainer did not reach {states} in {timeout}s; see {self.log_path}")
+            time.sleep(0.25)
+        raise TimeoutError(f"trainer not {states} after {timeout}s; see {self.run_dir}/trainer.log")
 
-    def pause(self, on: bool) -> None:
-        if on:
-            self.pause_path.write_text("")
-        else:
-            self.pause_path.unlink(missing_ok=True)
-
-    def stop(self, timeout: float = 120.0) -> int | None:
-        """SIGTERM (finish the round, commit, publish, exit 0); SIGKILL if it hangs."""
-        if self.proc.poll() is None:
-            self.pause(False)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+    def settle(self, timeout: float) -> float:
+        """Wait until every record is written and read by the trainer, its steps have stopped (budget spent or
+        nothing to replay), and the swapper has decided on LATEST (promoted, refused or rolled back); returns
+        the seconds waited. This makes α a function of the budget, not of how fast this machine trains."""
+        t0, last = time.monotonic(), None
+        while time.monotonic() - t0 < timeout:
+            h, st = self.admin("GET", "/health"), self.trainer()
+            sw, fb = h["drafter"] or {}, h["feedback"]
+            decided = sw.get("latest") in (None, sw.get("live_version")) or str(sw.get("latest")) in sw.get("refused", {})
+            read = fb["pending"] == 0 and (st.get("records_read") or 0) >= fb["records_written"]
+            now = (st.get("records_read"), st.get("dvi_trainer_step"))
+            if read and st.get("state") == "idle" and decided and now == last:
+                break
+            last = now
+            time.sleep(1.0)
+        return time.monotonic() - t0
 
 
-def trainer_config(base_cfg: Any, paths: Any, run_dir: Path, overrides: list[str]) -> Any:
-    """The arm-A trainer's config: the benchmark config with this work dir's paths."""
-    from dvi.config import DviConfig, apply_overrides, dump_config
-
-    data = dump_config(base_cfg)
-    data["run_dir"] = str(run_dir)
-    data["models"].update(target=str(paths.target), drafter=str(paths.drafter), tokenizer=str(paths.tokenizer),
-                          device="cpu")
-    data["feedback"]["dir"] = str(run_dir / "feedback")
-    data["registry"]["dir"] = str(run_dir / "registry")
-    data["trainer"]["num_threads"] = 1
-    data = apply_overrides(data, overrides)
-    return DviConfig.model_validate(data)
-
-
-# -- serving one arm ----------------------------------------------------------------------------------
-def serve_stream(engine: Any, phases: list[tuple[str, str, list[list[int]]]], batch: int, max_new_tokens: int,
-                 arm: str, progress: Progress, writer: Any = None, registry: Any = None, base: Any = None,
-                 t_zero: float | None = None, on_phase_end: Any = None) -> tuple[list[dict], list[dict]]:
-    """Serve every phase's prompts in batches; between batches, hot-swap LATEST if a registry is given.
-
-    Returns per-request rows (α, tokens, version, times) and swap events.
-    """
-    from dvi.feedback import FeedbackRecord
-
-    rows: list[dict] = []
-    swaps: list[dict] = []
-    t0 = t_zero if t_zero is not None else time.perf_counter()
-    idx = 0
-    for phase, domain, prompts in phases:
-        for i in range(0, len(prompts), batch):
-            if registry is not None:
-                _maybe_swap(engine, registry, base, swaps, idx, t0)
-            chunk = prompts[i: i + batch]
-            tb = time.perf_counter()
-            results = engine.generate(chunk, max_new_tokens=max_new_tokens)
-            te = time.perf_counter()
-            for r in results:
-                rows.append({
-                    "i": idx, "phase": phase, "domain": domain, "alpha": r.alpha, "accepted": r.num_accepted,
-                    "drafted": r.num_drafted, "steps": r.num_steps, "tokens": len(r.token_ids),
-                    "drafter_version": r.drafter_version, "t_end": te - t0, "batch_s": te - tb, "wall": time.time(),
-                    "token_ids": list(r.token_ids),
-                })
-                if writer is not None:
-                    writer.write(FeedbackRecord.from_result(r, temperature=0.0, domain=domain))
-                idx += 1
-            if writer is not None:
-                writer.flush()  # one shard per batch: the trainer sees traffic within a batch
-            progress.update(len(chunk), f"{arm}:{phase}", alpha=f"{_alpha(rows[-len(chunk):]):.2f}",
-                            v=engine.drafter_version)
-        if on_phase_end is not None:
-            on_phase_end(phase)
-    return rows, swaps
+def run_arm(name: str, args: argparse.Namespace, work: Path, overrides: list[str], phases: dict[str, list],
+            probe: list | None = None) -> dict:
+    """Serve `phases` in order on a fresh server; the online arm settles between phases and ends with the probe."""
+    online = name == "online"
+    with Server(args, work / name, [f"serve.trainer={'supervised' if online else 'off'}", *overrides]) as srv:
+        out: dict[str, Any] = {"rows": [], "phases": {}, "settle_s": {}}
+        if online:
+            out["trainer_start"] = srv.wait_trainer(("idle", "running"), 600)
+        for phase, items in phases.items():
+            rows, wall, step = [], 0.0, args.wave if online else len(items)
+            for i in range(0, len(items), step):  # online: waves, each followed by the trainer's budget
+                r, w = run_requests(srv.url, items[i: i + step], args, srv.snapshot if online else None, first=i)
+                rows, wall = rows + r, wall + w
+                if online:
+                    out["settle_s"][f"{phase}@{i}"] = srv.settle(args.settle_s)
+            out["rows"] += [{**r, "phase": phase} for r in rows]
+            out["phases"][phase] = {"wall_s": wall, "end": srv.snapshot()}
+            print(f"  {name}: {phase} α {alpha(rows):.3f} ({len(rows)} requests, {wall:.0f}s serving)", flush=True)
+        if probe is not None:
+            out["probe"] = throughput_probe(srv, probe, args)
+        out["status"] = srv.admin("GET", "/admin/status")
+        out["trainer_final"] = srv.trainer()
+    return out
 
 
-def _maybe_swap(engine: Any, registry: Any, base: Any, swaps: list[dict], idx: int, t0: float) -> None:
-    from dvi.registry import AdapterRejected
-    from serving.swap import load_drafter_version
+def throughput_probe(srv: Server, prompts: list, args: argparse.Namespace) -> dict:
+    """Paused / running blocks of the same prompts in ABBA order; ratio = median over adjacent pairs."""
+    blocks = []
+    for p in range(args.probe_pairs):
+        for mode in (("paused", "running") if p % 2 == 0 else ("running", "paused")):
+            srv.admin("POST", "/admin/trainer/pause" if mode == "paused" else "/admin/trainer/resume")
+            srv.wait_trainer(("paused",) if mode == "paused" else ("idle", "running"), 120)
+            s0, c0 = srv.snapshot(), srv.admin("GET", "/health")["drafter"]["counts"]
+            rows, wall = run_requests(srv.url, prompts, args)
+            s1, c1 = srv.snapshot(), srv.admin("GET", "/health")["drafter"]["counts"]
+            toks = sum(r.get("tokens", 0) for r in rows)
+            blocks.append({"mode": mode, "tokens": toks, "seconds": wall, "tokens_per_s": toks / wall,
+                           "alpha": alpha(rows), "trainer_steps": (s1["trainer_step"] or 0) - (s0["trainer_step"] or 0),
+                           "swap_decisions": sum(c1.values()) - sum(c0.values())})
+    srv.admin("POST", "/admin/trainer/resume")
+    ratios = []
+    for a, b in zip(blocks[::2], blocks[1::2], strict=True):
+        run, paused = (a, b) if a["mode"] == "running" else (b, a)
+        ratios.append(run["tokens_per_s"] / paused["tokens_per_s"])
 
-    latest = registry.latest()
-    if latest is None or latest == engine.drafter_version or any(s["version"] == latest for s in swaps):
-        return
-    tl = time.perf_counter()
-    try:
-        model, man = load_drafter_version(registry, latest, base)
-    except AdapterRejected as exc:
-        swaps.append({"version": latest, "at_request": idx, "t": tl - t0, "refused": exc.reason})
-        return
-    engine.set_drafter(model, latest)
-    swaps.append({"version": latest, "at_request": idx, "t": tl - t0, "load_s": time.perf_counter() - tl,
-                  "heldout_alpha": man.get("heldout_alpha"), "parent_heldout_alpha": man.get("parent_heldout_alpha"),
-                  "steps": man.get("steps"), "records_seen": man.get("records_seen")})
-
-
-# -- arms -----------------------------------------------------------------------------------------------
-def run_ceiling(pair: Any, seconds: float, batch_size: int, seq_len: int, lr: float, seed: int) -> tuple[Any, dict]:
-    """The base drafter distilled on prose training text for `seconds` (target as teacher, full-vocab KL)."""
-    import copy
-
-    from dvi.data import load_texts
-    from trainers.offline import distill, pack_docs, token_batches
-
-    tok = pair.tokenizer
-    texts = load_texts("prose", "train")
-    ids = tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
-    stream = pack_docs(ids, tok.bos_token_id, tok.eos_token_id)
-    student = copy.deepcopy(pair.drafter)
-    stats = distill(student, pair.target, token_batches([stream], batch_size, seq_len, seed=seed), steps=0, lr=lr,
-                    warmup=5, max_seconds=max(1.0, seconds), progress=False, desc="ceiling")
-    student.eval()
-    return student, {**stats, "budget_s": seconds, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
-                     "train_tokens_available": int(stream.numel())}
-
-
-def throughput_probe(engine: Any, prompts: list[list[int]], batch: int, max_new_tokens: int, proc: TrainerProc,
-                     blocks: int, progress: Progress) -> dict:
-    """Paused / running blocks over the same prompts in ABBA order; tokens/s, trainer CPU share.
-
-    Other users' load drifts during the probe; ABBA order cancels a linear drift, and the ratio is
-    the median over adjacent (paused, running) pairs, so one noisy block cannot decide it.
-    """
-    import statistics
-
-    out: dict[str, list[dict]] = {"paused": [], "running": []}
-    seq: list[dict] = []
-    order = [m for p in range(blocks) for m in (("paused", "running") if p % 2 == 0 else ("running", "paused"))]
-    for mode in order:
-        proc.pause(mode == "paused")
-        st0 = proc.wait_state(("paused",) if mode == "paused" else ("running", "idle"))
-        c0 = _cpu_seconds(proc.proc.pid)
-        t0 = time.perf_counter()
-        toks = 0
-        for i in range(0, len(prompts), batch):
-            res = engine.generate(prompts[i: i + batch], max_new_tokens=max_new_tokens)
-            toks += sum(len(r.token_ids) for r in res)
-            progress.update(len(res), f"probe:{mode}")
-        wall = time.perf_counter() - t0
-        st1 = proc.status()
-        busy = (_cpu_seconds(proc.proc.pid) - c0) / wall if wall else 0.0  # trainer CPU share of one core
-        blk = {"mode": mode, "tokens": toks, "seconds": wall, "tokens_per_s": toks / wall, "trainer_busy": busy,
-               "trainer_steps": int(st1.get("dvi_trainer_step", 0)) - int(st0.get("dvi_trainer_step", 0))}
-        out[mode].append(blk)
-        seq.append(blk)
-    proc.pause(False)
-
-    def tps(xs: list[dict]) -> float:
+    def tps(mode: str) -> float:
+        xs = [b for b in blocks if b["mode"] == mode]
         return sum(x["tokens"] for x in xs) / sum(x["seconds"] for x in xs)
 
-    pair_ratios = []
-    for a, b in zip(seq[::2], seq[1::2], strict=True):
-        run, paused = (a, b) if a["mode"] == "running" else (b, a)
-        pair_ratios.append(run["tokens_per_s"] / paused["tokens_per_s"])
-    return {"blocks": out, "order": [b["mode"] for b in seq], "pair_ratios": pair_ratios,
-            "tokens_per_s_paused": tps(out["paused"]), "tokens_per_s_running": tps(out["running"]),
-            "pooled_ratio": tps(out["running"]) / tps(out["paused"]),
-            "ratio": statistics.median(pair_ratios),
-            "trainer_busy_running": sum(x["trainer_busy"] * x["seconds"] for x in out["running"])
-            / sum(x["seconds"] for x in out["running"])}
+    return {"blocks": blocks, "pair_ratios": ratios, "ratio": statistics.median(ratios),
+            "tokens_per_s_paused": tps("paused"), "tokens_per_s_running": tps("running")}
 
 
-def _copy_backlog(src: Path, dst: Path, copies: int) -> int:
-    """Copy arm A's shards `copies` times under fresh shard names (a backlog for the probe's trainer)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    shards = sorted(p for p in src.glob("shard-*.parquet"))
-    n = 0
-    base = time.time_ns() - 10**12  # older than anything new, well outside the reader's grace window
-    for _ in range(copies):
-        for s in shards:
-            n += 1
-            shutil.copyfile(s, dst / f"shard-{base + n:020d}-{os.getpid()}-{n % 1_000_000:06d}.parquet")
-    return n
+# -- the ceiling ---------------------------------------------------------------------------------------
+def chat_training_set(pair_dir: Path, args: argparse.Namespace) -> dict:
+    """The target's greedy replies to training-split chat instructions, cut into windows, with its states."""
+    import torch
+
+    from dvi.embedded import EmbeddedPaths
+    from dvi.models import load_causal_lm, load_tokenizer
+    from trainers.offline import pack_docs
+    from trainers.pretrained_build import chat_replies
+    from trainers.subset_distill import teacher_states
+
+    p = EmbeddedPaths.at(pair_dir)
+    t0 = time.perf_counter()
+    target = load_causal_lm(p.target, "cpu", "bfloat16")
+    tok = load_tokenizer(p.tokenizer)
+    chats = chat_replies(target, tok, "train", args.ceiling_chats, args.ceiling_reply_tokens, args.seed)
+    stream = pack_docs(chats, None, None)
+    t = args.ceiling_seq_len
+    n = stream.numel() // (t + 1)
+    windows = stream[: n * (t + 1)].view(n, t + 1)
+    states = teacher_states(target, windows)
+    del target
+    return {"windows": windows, "states": states, "conversations": len(chats), "tokens": int(stream.numel()),
+            "label_s": time.perf_counter() - t0, "dtype": str(torch.bfloat16)}
 
 
-# -- report ---------------------------------------------------------------------------------------------
-def _plot(path: Path, online: list[dict], frozen: list[dict], ceiling_alpha: float, ceiling_span: tuple[int, int],
-          swaps: list[dict], window: int, title: str) -> None:
+def build_ceiling(kind: str, pair_dir: Path, data: dict, tokens: int, out: Path, args: argparse.Namespace) -> dict:
+    """The bootstrap drafter of `kind` distilled on the chat windows for >= `tokens` token-passes; saved to `out`."""
+    import torch
+
+    from dvi.embedded import EmbeddedPaths, get_preset
+    from dvi.models import load_causal_lm, saved_kind
+    from dvi.vocab import draft_vocab_path, load_draft_vocab
+
+    p = EmbeddedPaths.at(pair_dir)
+    w, s = data["windows"], data["states"]
+    steps = max(1, math.ceil(tokens / (args.ceiling_batch * (w.shape[1] - 1))))
+    src = p.drafter if kind == "separate" else p.eagle
+    train_vocab = getattr(get_preset(args.preset), "train_vocab", None)
+    target = load_causal_lm(p.target, "cpu", "float32")
+    for prm in target.parameters():
+        prm.requires_grad_(False)
+    ids = load_draft_vocab(p.drafter, train_vocab, int(target.config.vocab_size))
+    ids = torch.arange(int(target.config.vocab_size)) if ids is None else ids
+    kw = {"batch": args.ceiling_batch, "lr": args.ceiling_lr, "warmup": 5, "seed": args.seed, "progress": False}
+    if kind == "separate":
+        from trainers.subset_distill import distill_subset
+
+        student = load_causal_lm(src, "cpu", "float32")
+        stats = distill_subset(student, target.lm_head.weight, w, s, ids, steps, **kw)
+        student.to(torch.bfloat16).save_pretrained(out)
+    else:
+        from dvi.eagle import EagleDrafter
+        from trainers.eagle_build import distill_eagle
+
+        d = EagleDrafter.load(target, src) if saved_kind(src) == "eagle" else EagleDrafter(target)
+        stats = distill_eagle(d, w, s, ids, steps, **kw)
+        d.save(out)
+    if draft_vocab_path(p.drafter).is_file():
+        shutil.copyfile(draft_vocab_path(p.drafter), draft_vocab_path(out))
+    return {**stats, "online_tokens_x5": tokens, "from": str(src)}
+
+
+# -- figures -------------------------------------------------------------------------------------------
+def alpha(rows: list[dict]) -> float:
+    d = sum(r.get("drafted", 0) for r in rows)
+    return sum(r.get("accepted", 0) for r in rows) / d if d else float("nan")
+
+
+def rolling(rows: list[dict], w: int) -> list[float]:
+    return [alpha(rows[max(0, i + 1 - w): i + 1]) for i in range(len(rows))]
+
+
+def phase_rows(arm: dict, phase: str) -> list[dict]:
+    return [r for r in arm["rows"] if r["phase"] == phase]
+
+
+def text_mismatches(arms: dict[str, dict]) -> int:
+    """Requests whose greedy text differs from the frozen arm's for the same prompt. Not a goal: bf16 CPU serving
+    is not batch-invariant (the same server and drafter give different greedy text at another concurrency)."""
+    ref = {(r["phase"], r["prompt"]): r.get("text") for r in arms["frozen"]["rows"]}
+    return sum(ref.get((r["phase"], r["prompt"])) != r.get("text") for a in ("online", "ceiling") for r in arms[a]["rows"])
+
+
+def budget_to_reach(chat: list[dict], ceiling: float, w: int, start: dict) -> dict:
+    """Feedback tokens / trainer steps / seconds into the chat phase when the rolling α first reaches 90%."""
+    roll = rolling(chat, w)
+    hit = next((j for j, a in enumerate(roll) if j + 1 >= w and a >= 0.9 * ceiling), None)
+    end = chat[-1] if hit is None else chat[hit]
+
+    def delta(key: str) -> float | None:
+        a, b = end.get(key), start.get(key)
+        return None if a is None or b is None else a - b
+
+    return {"reached": hit is not None, "at_request": None if hit is None else hit + 1,
+            "feedback_tokens": delta("feedback_tokens"), "trainer_steps": delta("trainer_step"),
+            "tokens_trained": delta("tokens_trained"), "train_seconds": delta("train_seconds"),
+            "seconds": end["t"] - chat[0]["t"]}
+
+
+def kind_goals(kind: str, arms: dict[str, dict], w: int) -> tuple[dict, list[dict]]:
+    on, fr = arms["online"], arms["frozen"]
+    ceiling = alpha(arms["ceiling"]["rows"])
+    chat_on, chat_fr = phase_rows(on, "chat"), phase_rows(fr, "chat")
+    start = on["phases"]["code"]["end"]
+    b = budget_to_reach(chat_on, ceiling, w, start)
+    chat_end = on["phases"]["chat"]["end"]
+    spent = {k: (chat_end.get(k) or 0) - (start.get(k) or 0) for k in ("feedback_tokens", "trainer_step",
+                                                                       "tokens_trained", "train_seconds")}
+    code_pre, code_ret = alpha(phase_rows(on, "code")), alpha(phase_rows(on, "code_return"))
+    shift_fr = alpha(phase_rows(fr, "code_return")) - alpha(phase_rows(fr, "code"))
+    probe = on["probe"]
+    summary = {"ceiling_alpha": ceiling, "online_chat_last_window": alpha(chat_on[-w:]),
+               "frozen_chat_last_window": alpha(chat_fr[-w:]), "code_pre": code_pre, "code_return": code_ret,
+               "frozen_code_return_minus_pre": shift_fr, "budget_to_90pct": b, "chat_phase_budget": spent,
+               "throughput_ratio": probe["ratio"], "greedy_text_mismatches": text_mismatches(arms)}
+    reach = (f"reached at request {b['at_request']}: {b['feedback_tokens']} feedback tokens, {b['trainer_steps']} "
+             f"steps, {b['seconds']:.0f}s" if b["reached"] else "not reached")
+    goals = [
+        goal(f"{kind}: online chat α (last {w}) / ceiling α; {reach} (chat phase: {spent['feedback_tokens']} "
+             f"feedback tokens, {spent['trainer_step']} steps, {spent['train_seconds']:.0f}s training)",
+             summary["online_chat_last_window"] / ceiling, 0.9),
+        goal(f"{kind}: online code α on return minus before the switch (frozen arm's shift: {shift_fr:+.3f})",
+             code_ret - code_pre, -0.02),
+        goal(f"{kind}: frozen chat α (last {w}) / ceiling α (stays down)", summary["frozen_chat_last_window"] / ceiling,
+             0.9, higher_is_better=False),
+        goal(f"{kind}: tokens/s trainer running / paused (median of {len(probe['pair_ratios'])} ABBA pairs)",
+             probe["ratio"], 0.9),
+    ]
+    return summary, goals
+
+
+def plot(path: Path, results: dict[str, dict], w: int, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(12, 5))
-    for rows, name, color in ((online, "online trainer (arm A)", "tab:green"), (frozen, "frozen drafter (arm B)",
-                                                                               "tab:blue")):
-        x = [r["i"] for r in rows]
-        ax.scatter(x, [r["alpha"] for r in rows], s=6, color=color, alpha=0.25)
-        ax.plot(x, _rolling(rows, window), color=color, lw=2, label=f"{name}, rolling {window}")
-    lo, hi = ceiling_span
-    if not math.isnan(ceiling_alpha):
-        ax.hlines(ceiling_alpha, lo, hi, colors="tab:red", linestyles="--", label=f"offline ceiling α {ceiling_alpha:.3f}")
-        ax.hlines(0.9 * ceiling_alpha, lo, hi, colors="tab:red", linestyles=":", lw=1, label="90% of ceiling")
-    bounds = sorted({r["i"] for r in online if r["i"] > 0 and r["phase"] != online[r["i"] - 1]["phase"]})
-    for b in bounds:
-        ax.axvline(b - 0.5, color="k", lw=1)
-    for s in swaps:
-        if "refused" not in s:
-            ax.axvline(s["at_request"] - 0.5, color="tab:green", lw=0.6, ls=":", alpha=0.6)
-    phases = [(online[0]["phase"], 0)] + [(online[b]["phase"], b) for b in bounds]
-    for name, start in phases:
-        ax.text(start + 0.5, 0.96, name, transform=ax.get_xaxis_transform(), fontsize=9, va="top")
-    ax.set(xlabel="request (serving order); dotted green = drafter version swapped in", ylabel="α (accepted / drafted)",
-           ylim=(0, 1), title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize=8)
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 4.5 * len(results)), squeeze=False)
+    for ax, (kind, res) in zip(axes[:, 0], results.items(), strict=True):
+        arms = res["arms"]
+        n_code = len(phase_rows(arms["frozen"], "code"))
+        top = 0.0
+        for name, color in (("online", "tab:green"), ("frozen", "tab:gray"), ("ceiling", "tab:purple")):
+            rows = arms[name]["rows"]
+            x0 = n_code if name == "ceiling" else 0
+            ys = [a for p in PHASES for a in rolling(phase_rows(arms[name], p), w)]  # windows restart per phase
+            top = max([top, *(y for y in ys if not math.isnan(y))])
+            ax.plot(range(x0 + 1, x0 + len(rows) + 1), ys, color=color, label=f"{name} (rolling {w}, per phase)")
+        ends = list(itertools.accumulate(len(phase_rows(arms["frozen"], p)) for p in PHASES))
+        for x in ends[:-1]:
+            ax.axvline(x + 0.5, color="k", ls=":", lw=1)
+        for x, p in zip([0, *ends[:-1]], PHASES, strict=True):
+            ax.text(x + 1, 0.02, p, fontsize=9)
+        ax2 = ax.twinx()
+        on = arms["online"]["rows"]
+        ax2.step(range(1, len(on) + 1), [r.get("drafter_version", 0) for r in on], color="tab:orange", where="post",
+                 alpha=0.6, label="online drafter version")
+        ax2.set_ylabel("drafter version")
+        ax.set(ylim=(0, min(1.0, 1.25 * top) or 1.0), xlabel="request (completion order)", ylabel="α", title=kind)
+        ax.legend(loc="upper left", fontsize=8)
+        ax2.legend(loc="upper right", fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _table(summary: dict, goals: list[dict]) -> str:
-    lines = []
-    lines.append(f"{'arm':<10} {'phase':<12} {'requests':>8} {'α':>7} {'tok/s':>8}")
-    for arm in ("online", "frozen"):
-        for phase, s in summary[arm].items():
-            lines.append(f"{arm:<10} {phase:<12} {s['requests']:>8} {s['alpha']:>7.3f} {s['tokens_per_s']:>8.1f}")
-    c = summary["ceiling"]
-    lines.append(f"{'ceiling':<10} {'prose':<12} {c['requests']:>8} {c['alpha']:>7.3f} {c['tokens_per_s']:>8.1f}")
-    lines.append("")
-    lines.append("goals:")
+def table(results: dict[str, dict], goals: list[dict]) -> str:
+    lines = [f"{'kind':<9} {'arm':<8} " + " ".join(f"{p:>12}" for p in PHASES), "-" * 70]
+    for kind, res in results.items():
+        for arm in ("online", "frozen", "ceiling"):
+            a = res["arms"][arm]
+            cells = [phase_rows(a, p) for p in PHASES]
+            lines.append(f"{kind:<9} {arm:<8} " + " ".join(f"{alpha(c):>12.3f}" if c else f"{'-':>12}" for c in cells))
+    lines.append("\ngoals:")
     for g in goals:
-        op = ">=" if g["higher_is_better"] else "<="
-        lines.append(f"  [{'MET ' if g['met'] else 'MISS'}] {g['name']}: {g['value']:.3f} (target {op} {g['target']})")
+        v = "nan" if g["value"] is None else f"{g['value']:.3f}"
+        lines.append(f"  [{'met' if g['met'] else 'MISSED'}] {g['name']}: {v} "
+                     f"({'>=' if g['higher_is_better'] else '<='} {g['target']})")
     return "\n".join(lines)
 
 
-def _phase_summary(rows: list[dict]) -> dict:
-    """α and tokens/s per phase; each row carries its batch's wall time, counted once per batch."""
-    out = {}
-    for phase, _ in PHASES:
-        rs = [r for r in rows if r["phase"] == phase]
-        if not rs:
-            continue
-        secs = sum({r["t_end"]: r["batch_s"] for r in rs}.values())
-        toks = sum(r["tokens"] for r in rs)
-        out[phase] = {"requests": len(rs), "alpha": _alpha(rs), "tokens": toks, "seconds": secs,
-                      "tokens_per_s": toks / secs if secs else float("nan")}
-    return out
-
-
-# -- main -----------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; exits 0 even when it fails (the JSON then carries the error)."""
-    ap = _parser()
-    args = ap.parse_args(argv)
-    try:
-        return _run(args)
-    except Exception as exc:  # noqa: BLE001 - a benchmark reports, it does not crash CI
-        import traceback
-
-        traceback.print_exc()
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"benchmark": "drift", "error": f"{type(exc).__name__}: {exc}",
-                                    "settings": clean_json(vars(args)), "goals": []}, indent=1))
-        print(f"drift benchmark failed: {exc}; wrote {path}")
-        return 0
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="smollm2", choices=["smollm2", "tiny"])
-    ap.add_argument("--pair-dir", default=None, help="a built pair (default: the preset's cache dir; built if absent)")
-    ap.add_argument("--config", default=str(ROOT / "configs" / "drift.yaml"), help="trainer/engine settings")
-    ap.add_argument("--requests", type=int, default=None, help="requests per phase (default: smollm2 64, tiny 16)")
-    ap.add_argument("--batch", type=int, default=4, help="requests decoded together (greedy)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: smollm2 48, tiny 24")
-    ap.add_argument("--window", type=int, default=None, help="rolling window (requests) for α (default N/4, >= 8)")
+# -- main ----------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=("tiny", "smollm2"), default="smollm2")
+    ap.add_argument("--pair-dir", type=Path, default=None, help="a built pair (default: the preset's cache dir)")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "drift.yaml"))
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--code-requests", type=int, default=12, help="per code phase")
+    ap.add_argument("--chat-requests", type=int, default=72)
+    ap.add_argument("--chat-prompt-tokens", type=int, default=320)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--feedback-tokens-per-step", type=int, default=64, help="the online trainer's budget")
+    ap.add_argument("--window", type=int, default=12, help="requests in the rolling α window")
+    ap.add_argument("--wave", type=int, default=8, help="online arm: requests between waits for the trainer")
+    ap.add_argument("--settle-s", type=float, default=180.0, help="max wait for the trainer after a wave")
     ap.add_argument("--probe-prompts", type=int, default=8)
-    ap.add_argument("--probe-blocks", type=int, default=4, help="paused/running block pairs in the throughput probe")
-    ap.add_argument("--no-probe-equal-priority", dest="probe_equal_priority", action="store_false",
-                    help="skip the second probe with the trainer at the engine's CPU priority (trainer.nice=0)")
-    ap.add_argument("--ceiling-batch", type=int, default=8)
+    ap.add_argument("--probe-pairs", type=int, default=2)
+    ap.add_argument("--ceiling-chats", type=int, default=96, help="training-split chat replies to distill on")
+    ap.add_argument("--ceiling-reply-tokens", type=int, default=128)
     ap.add_argument("--ceiling-seq-len", type=int, default=128)
-    ap.add_argument("--ceiling-lr", type=float, default=3e-3)
+    ap.add_argument("--ceiling-batch", type=int, default=8)
+    ap.add_argument("--ceiling-lr", type=float, default=5e-4)
+    ap.add_argument("--ceiling-multiple", type=float, default=5.0, help="x the online arm's trained tokens")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--work-dir", default=None, help="scratch dir (default: <json dir>/drift_work)")
-    ap.add_argument("--no-pin", action="store_true", help="do not pin engine / trainer to separate cores")
-    ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--json", default="bench_results/drift.json")
-    ap.add_argument("--png", default=None, help="default: the JSON path with .png")
-    ap.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (e.g. trainer.mode=full)")
-    return ap
+    ap.add_argument("--json", type=Path, default=Path("bench_results/drift.json"))
+    ap.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for every server")
+    return ap.parse_args(argv)
 
 
-def _run(args: argparse.Namespace) -> int:
-
-    import torch
-
-    torch.set_num_threads(1)
-    from dvi.config import load_config
-    from dvi.data import prompt_stream
-    from dvi.embedded import EmbeddedPaths, embedded_dir, is_built
-    from dvi.engine import SpeculativeEngine
-    from dvi.feedback import FeedbackWriter
-    from dvi.models import load_pair
-    from dvi.registry import DrafterRegistry
-
-    small = args.preset != "tiny"
-    n = args.requests or (64 if small else 16)
-    max_new = args.max_new_tokens or (48 if small else 24)
-    json_path = Path(args.json)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    png_path = Path(args.png) if args.png else json_path.with_suffix(".png")
-    work = Path(args.work_dir) if args.work_dir else json_path.parent / "drift_work"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    # The trainer gets a core of its own (pinned, and niced by trainer.nice); the engine is left free
-    # to run on either core, so a busy trainer can only take a core the engine is not using.
-    pin = not args.no_pin and len(cpus) >= 2
-    engine_cpu, trainer_cpu = None, (cpus[-1] if pin else None)
-
-    pair_dir = Path(args.pair_dir) if args.pair_dir else embedded_dir(args.preset)
-    if not is_built(pair_dir):
-        from trainers.bootstrap import bootstrap
-
-        print(f"building the {args.preset} pair into {pair_dir} (once) ...", flush=True)
-        bootstrap(args.preset, out=pair_dir, seed=0)
-    elif not args.pair_dir and not is_built(pair_dir, args.preset):
-        print(f"note: {pair_dir} was built by an older {args.preset} recipe; using it as is "
-              f"(`dvi bootstrap --preset {args.preset} --force` rebuilds)", flush=True)
-    paths = EmbeddedPaths.at(pair_dir)
-    base_cfg = load_config(args.config, [f"models.preset={args.preset}", *args.overrides])
-    pair = load_pair(paths.target, paths.drafter, paths.tokenizer, device="cpu")
-    tok = pair.tokenizer
-    k = base_cfg.speculation.num_draft_tokens
-    top_k = base_cfg.feedback.top_k
-
-    def prompts(domain: str, seed: int, count: int) -> list[list[int]]:
-        s = prompt_stream(domain, tok, split="heldout", prompt_tokens=(32, 96) if small else (16, 48), seed=seed)
-        bos = [tok.bos_token_id] if tok.bos_token_id is not None and not tok.chat_template else []
-        return [bos + p for p in itertools.islice(s, count)]
-
-    phase_prompts = [("code", "code", prompts("code", args.seed, n)),
-                     ("prose", "prose", prompts("prose", args.seed, n)),
-                     ("code_return", "code", prompts("code", args.seed + 1, n))]
-    probe_prompts = prompts("code", args.seed + 2, args.probe_prompts)
-    total = 3 * n * 2 + n + 2 * args.probe_blocks * args.probe_prompts * (2 if args.probe_equal_priority else 1)
-    progress = Progress(total, enabled=not args.no_progress)
-    timings: dict[str, float] = {}
-    t_all = time.perf_counter()
-
-    # ---- arm A: online trainer process
-    run_a = work / "online"
-    cfg_a = trainer_config(base_cfg, paths, run_a, [])
-    trainer = TrainerProc(cfg_a, work, trainer_cpu)
-    try:
-        t0 = time.perf_counter()
-        trainer.wait_state(("idle", "running"))
-        timings["trainer_startup_s"] = time.perf_counter() - t0
-        writer = FeedbackWriter(cfg_a.feedback.dir, shard_records=10**6, flush_seconds=3600.0)
-        registry = DrafterRegistry(cfg_a.registry.dir)
-        eng_a = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=k, feedback_top_k=top_k)
-        trainer_cpu_s: dict[str, float] = {"start": _cpu_seconds(trainer.proc.pid)}
-        t0 = time.perf_counter()
-        online, swaps = serve_stream(eng_a, phase_prompts, args.batch, max_new, "online", progress, writer=writer,
-                                     registry=registry, base=pair.drafter, t_zero=t0,
-                                     on_phase_end=lambda ph: trainer_cpu_s.__setitem__(ph, _cpu_seconds(trainer.proc.pid)))
-        timings["online_serve_s"] = time.perf_counter() - t0
-        writer.close()
-    except BaseException:
-        trainer.stop(timeout=10)
-        raise
-    # when did the prose phase end (in trainer time)? the trainer's metrics rows carry wall clock
-    t_prose_end_wall = max(r["wall"] for r in online if r["phase"] == "prose")
-    rc = trainer.stop()
-    trainer_rows = []
-    mpath = run_a / "trainer" / "metrics.jsonl"
-    if mpath.exists():
-        trainer_rows = [json.loads(x) for x in mpath.read_text().splitlines() if x.strip()]
-    train_s_rows = [r for r in trainer_rows if r.get("train_seconds") is not None]
-    train_s_total = max((r["train_seconds"] for r in train_s_rows), default=0.0)
-    train_s_prose_end = max((r["train_seconds"] for r in train_s_rows if r["time"] <= t_prose_end_wall), default=0.0)
-    publishes = [r for r in trainer_rows if "published" in r]
-    trainer_final = trainer.status()
-    progress.write(f"online arm: {len(swaps)} swaps, trainer {trainer_final.get('dvi_trainer_step')} steps, "
-                   f"{train_s_total:.0f}s training (exit {rc})")
-
-    # ---- arm B: frozen drafter, no trainer
-    eng_b = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=k, feedback_top_k=top_k)
+def run_kind(kind: str, pair_dir: Path, args: argparse.Namespace, items: dict[str, list], work: Path,
+             chat_set: dict) -> dict:
+    base = pair_overrides(pair_dir, args.preset, kind, None)
+    phases = {p: items[p] for p in PHASES}
     t0 = time.perf_counter()
-    frozen, _ = serve_stream(eng_b, phase_prompts, args.batch, max_new, "frozen", progress, t_zero=t0)
-    timings["frozen_serve_s"] = time.perf_counter() - t0
+    arms = {"online": run_arm("online", args, work, base, phases, probe=items["probe"])}
+    arms["frozen"] = run_arm("frozen", args, work, base, phases)
+    if "windows" not in chat_set:
+        chat_set.update(chat_training_set(pair_dir, args))
+    chat_end = arms["online"]["phases"]["chat"]["end"]
+    tokens = int(args.ceiling_multiple * (chat_end.get("tokens_trained") or 0))
+    ceiling_dir = work / "ceiling_drafter"
+    tc = time.perf_counter()
+    stats = build_ceiling(kind, pair_dir, chat_set, tokens, ceiling_dir, args)
+    stats["build_s"] = time.perf_counter() - tc
+    print(f"  ceiling: {stats['tokens']} token-passes ({stats['steps']} steps, {stats['build_s']:.0f}s), "
+          f"loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}", flush=True)
+    arms["ceiling"] = run_arm("ceiling", args, work, pair_overrides(pair_dir, args.preset, kind, ceiling_dir),
+                              {"chat": items["chat"]})
+    arms["ceiling"]["training"] = stats
+    summary, goals = kind_goals(kind, arms, args.window)
+    return {"arms": arms, "summary": summary, "goals": goals, "wall_s": time.perf_counter() - t0}
 
-    # ---- arm C: offline ceiling, same wall time as arm A trained until the end of the prose phase
-    progress.write(f"ceiling: distilling on prose training text for {train_s_prose_end:.0f}s ...")
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from dvi.embedded import embedded_dir, read_manifest
+    from dvi.models import load_tokenizer
+
+    pair_dir = args.pair_dir or embedded_dir(args.preset)
+    if read_manifest(pair_dir) is None:
+        sys.exit(f"no built pair at {pair_dir}: run `dvi bootstrap --preset {args.preset}` first")
+    tok = load_tokenizer(pair_dir / "tokenizer")
+    items = traffic(tok, args)
+    work = args.json.parent / "drift_work"
+    shutil.rmtree(work, ignore_errors=True)
+    results, goals, chat_set = {}, [], {}
     t0 = time.perf_counter()
-    ceiling_model, ceiling_stats = run_ceiling(pair, train_s_prose_end, args.ceiling_batch, args.ceiling_seq_len,
-                                               args.ceiling_lr, args.seed)
-    timings["ceiling_train_s"] = time.perf_counter() - t0
-    eng_c = SpeculativeEngine(pair.target, ceiling_model, num_draft_tokens=k, feedback_top_k=top_k)
-    t0 = time.perf_counter()
-    ceiling_rows, _ = serve_stream(eng_c, [phase_prompts[1]], args.batch, max_new, "ceiling", progress, t_zero=t0)
-    timings["ceiling_serve_s"] = time.perf_counter() - t0
-    for r in ceiling_rows:
-        r["i"] += n  # align with the prose phase of the stream
-
-    # ---- throughput probe: frozen drafter, a busy vs paused trainer process. Run twice: with the
-    # configured trainer (trainer.nice as in arm A: the goal) and with trainer.nice=0 (a trainer that
-    # competes at the engine's priority: the worst case, reported beside it).
-    eng_p = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=k, feedback_top_k=top_k)
-    eng_p.generate(probe_prompts[:1], max_new_tokens=4)  # warm-up
-    probes = {}
-    variants = [("configured", [])] + ([("equal_priority", ["trainer.nice=0"])] if args.probe_equal_priority else [])
-    for name, extra in variants:
-        run_p = work / f"probe_{name}"
-        copied = _copy_backlog(Path(cfg_a.feedback.dir), run_p / "feedback", copies=3)
-        cfg_p = trainer_config(base_cfg, paths, run_p, ["trainer.publish_every_steps=1000000", *extra])
-        probe_trainer = TrainerProc(cfg_p, run_p, trainer_cpu)
-        try:
-            probe_trainer.wait_state(("idle", "running"))
-            probes[name] = throughput_probe(eng_p, probe_prompts, args.batch, max_new, probe_trainer,
-                                            args.probe_blocks, progress)
-            probes[name].update(backlog_shards=copied, trainer_nice=cfg_p.trainer.nice)
-        finally:
-            probe_trainer.stop()
-    probe = probes["configured"]
-    progress.close()
-    timings["total_s"] = time.perf_counter() - t_all
-
-    # ---- figures
-    lossless = sum(a["token_ids"] != b["token_ids"] for a, b in zip(online, frozen, strict=True))
-    lossless += sum(a["token_ids"] != b["token_ids"] for a, b in
-                    zip([r for r in frozen if r["phase"] == "prose"], ceiling_rows, strict=True))
-    ceiling_alpha = _alpha(ceiling_rows)
-    w = args.window or max(8, n // 4)
-    by = {arm: {p: [r for r in rows if r["phase"] == p] for p, _ in PHASES} for arm, rows in
-          (("online", online), ("frozen", frozen))}
-    on_prose = by["online"]["prose"]
-    roll = _rolling(on_prose, w)
-    reach = next((j for j, a in enumerate(roll) if j + 1 >= min(w, len(roll)) and a >= 0.9 * ceiling_alpha), None)
-    t_switch = on_prose[0]["t_end"] - on_prose[0]["batch_s"]
-    budget = {"window": w, "reached_at_request": None if reach is None else reach + 1,
-              "reached_after_s": None if reach is None else on_prose[reach]["t_end"] - t_switch,
-              "prose_requests": len(on_prose), "prose_phase_s": on_prose[-1]["t_end"] - t_switch}
-    last_w = on_prose[-w:]
-    online_end_ratio = _alpha(last_w) / ceiling_alpha
-    code_pre = _alpha(by["online"]["code"][len(by["online"]["code"]) // 2:])
-    code_ret_rows = by["online"]["code_return"][: max(w, len(by["online"]["code_return"]) // 2)]
-    code_ret = _alpha(code_ret_rows)
-    frozen_ratio = _alpha(by["frozen"]["prose"][-w:]) / ceiling_alpha
-    # control: the same windows in the frozen arm (phase 3 prompts differ from phase 1's)
-    frozen_code_shift = (_alpha(by["frozen"]["code_return"][: len(code_ret_rows)])
-                         - _alpha(by["frozen"]["code"][len(by["frozen"]["code"]) // 2:]))
-    summary = {"online": _phase_summary(online), "frozen": _phase_summary(frozen),
-               "ceiling": {"requests": len(ceiling_rows), "alpha": ceiling_alpha,
-                           "tokens_per_s": _phase_summary([{**r, "phase": "prose"} for r in ceiling_rows])
-                           .get("prose", {}).get("tokens_per_s", float("nan"))}}
-    goals = [
-        goal(f"online prose α (last {w} of {len(on_prose)} prose requests) / ceiling α; reached 90% at request "
-              f"{budget['reached_at_request']} after {budget['reached_after_s'] or float('nan'):.0f}s "
-              f"(budget: {len(on_prose)} requests, {budget['prose_phase_s']:.0f}s)", online_end_ratio, 0.9),
-        goal(f"online code α when code returns (first {len(code_ret_rows)} requests) minus pre-switch code α "
-              f"(last {len(by['online']['code']) - len(by['online']['code']) // 2})", code_ret - code_pre, -0.02),
-        goal(f"frozen prose α (last {w} prose requests) / ceiling α (stays down)", frozen_ratio, 0.9,
-              higher_is_better=False),
-        goal(f"serving tokens/s with the trainer running / paused (median of {len(probe['pair_ratios'])} ABBA pairs;"
-              f" trainer used {probe['trainer_busy_running']:.0%} of a core while running)",
-              probe["ratio"], 0.9),
-    ]
-    title = (f"dvi drift ({args.preset}): code -> prose -> code, {n} requests/phase, greedy, K={k}, batch {args.batch}, "
-             f"trainer {base_cfg.trainer.mode}")
-    _plot(png_path, online, frozen, ceiling_alpha, (n, 2 * n), swaps, w, title)
-    result = {
-        "benchmark": "drift",
-        "settings": {**{k_: v for k_, v in vars(args).items()}, "requests_per_phase": n, "max_new_tokens": max_new,
-                     "num_draft_tokens": k, "feedback_top_k": top_k, "temperature": 0.0, "pair_dir": str(pair_dir),
-                     "trainer_config": json.loads(json.dumps(cfg_a.model_dump(mode="json"))),
-                     "pinned_cpus": {"engine": engine_cpu, "trainer": trainer_cpu}, "cpus": cpus,
-                     "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__},
-        "summary": summary,
-        "alpha_code_pre": code_pre, "alpha_code_return": code_ret, "ceiling_alpha": ceiling_alpha,
-        "frozen_code_return_minus_pre": frozen_code_shift,
-        "budget_to_90pct_ceiling": budget,
-        "lossless_mismatches": lossless,
-        "online": online, "frozen": frozen, "ceiling": ceiling_rows,
-        "swaps": swaps, "trainer": {"exit_code": rc, "final_status": trainer_final, "train_seconds_total": train_s_total,
-                                    "train_seconds_to_prose_end": train_s_prose_end, "publish_decisions": publishes,
-                                    "cpu_seconds_at": trainer_cpu_s,
-                                    "note": "train_seconds is wall time inside training steps (the ceiling's budget); "
-                                            "cpu_seconds_at is the process's CPU time (after model loading at 'start')"},
-        "ceiling_training": ceiling_stats,
-        "throughput_probe": probe,
-        "throughput_probe_equal_priority": probes.get("equal_priority"),
-        "timings": timings,
-        "goals": goals,
-        "png": str(png_path),
-    }
-    for rows in (online, frozen, ceiling_rows):
-        for r in rows:
-            r.pop("token_ids", None)
-    json_path.write_text(json.dumps(clean_json(result), indent=1))
-    print(_table(summary, goals))
-    print(f"code α: online pre-switch {code_pre:.3f}, on return {code_ret:.3f}; the frozen arm's same windows "
-          f"differ by {frozen_code_shift:+.3f} (prompt-set effect)")
-    for name, pr in probes.items():
-        print(f"throughput probe ({name}, trainer nice {pr['trainer_nice']}): median pair ratio {pr['ratio']:.3f}x "
-              f"(pooled {pr['tokens_per_s_running']:.1f} tok/s running vs {pr['tokens_per_s_paused']:.1f} paused = "
-              f"{pr['pooled_ratio']:.3f}x); trainer used {pr['trainer_busy_running']:.0%} of a core while running")
-    print(f"lossless: {lossless} requests differ between arms (must be 0); swaps: "
-          f"{sum('refused' not in s for s in swaps)} promoted, {sum('refused' in s for s in swaps)} refused")
-    print(f"wrote {json_path} and {png_path} ({timings['total_s']:.0f}s)")
+    for kind in [k for k in args.kinds.split(",") if k]:
+        print(f"[{kind}] online, frozen, ceiling ...", flush=True)
+        results[kind] = run_kind(kind, pair_dir, args, items, work / kind, chat_set)
+        goals += results[kind]["goals"]
+    png = args.json.with_suffix(".png")
+    plot(png, results, args.window, f"dvi drift ({args.preset}): code -> chat -> code over `dvi serve`, greedy, "
+         f"{args.concurrency} clients, budget 1 step / {args.feedback_tokens_per_step} feedback tokens")
+    out = {"benchmark": "drift", "settings": {**vars(args), "pair_dir": str(pair_dir),
+                                              "chat_training": {k: v for k, v in chat_set.items()
+                                                                if k not in ("windows", "states")}},
+           "kinds": results, "goals": goals, "wall_s": time.perf_counter() - t0, "png": str(png)}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(clean_json(out), indent=1, default=str))
+    print(table(results, goals))
+    for kind, res in results.items():
+        s = res["summary"]
+        print(f"{kind}: ceiling α {s['ceiling_alpha']:.3f}; chat budget {s['chat_phase_budget']}; throughput "
+              f"{s['throughput_ratio']:.3f}x; greedy text differs from the frozen arm's in {s['greedy_text_mismatches']} "
+              f"requests (bf16 batch numerics, see text_mismatches)")
+    print(f"wrote {args.json} and {png} ({out['wall_s']:.0f}s)")
     return 0
 
 

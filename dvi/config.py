@@ -146,6 +146,10 @@ class TrainerConfig(_Strict):
     replay_ratio: float = Field(0.25, ge=0, le=1)
     replay_buffer_records: int = Field(2048, ge=0)
     idle_replay_steps: int = Field(0, ge=0)  # replay-only steps per idle poll (recent records); 0 = sleep when idle
+    # Compute budget per served token, independent of the machine's speed: at most one optimizer step
+    # (new or replay) per this many feedback tokens (generated tokens of the records read); records read
+    # beyond the budget are kept for replay, not stepped on. 0 = unlimited.
+    feedback_tokens_per_step: int = Field(0, ge=0)
     stale_target_policy: Literal["drop", "downweight", "keep"] = "downweight"
     stale_weight: float = Field(0.25, ge=0, le=1)
     publish_every_steps: int = Field(20, ge=1)

@@ -476,3 +476,39 @@ def test_from_config_loads_the_configured_draft_vocabulary(prose, tiny_pair_dir,
     st = tr.train_on_records(prose[:8])
     assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
     assert tr.registry.manifest(1)["draft_vocab_size"] == 32
+
+
+def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_dir, tmp_path) -> None:
+    """At most one step per `feedback_tokens_per_step` tokens read: new records beyond it are deferred
+    (kept for replay), replay steps stop at the budget, and status reports steps, tokens and the cap."""
+    recs = prose[:24]
+    tokens = sum(len(r.token_ids) for r in recs)
+    per_step = tokens // 2  # two steps' worth for records that would take six (4 new each)
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.heldout_fraction=0", "trainer.replay_ratio=0",
+                        "trainer.batch_size=4", f"trainer.feedback_tokens_per_step={per_step}")
+    tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
+    st = tr.train_on_records(recs)
+    assert tr.feedback_tokens == tokens and tr.records_read == 24 and tr.steps_allowed() == 2
+    assert st["steps"] == 2 and tr.step == 2 and st["budget_deferred"] == 24 - 2 * 4
+    assert tr.records_seen == 8 and tr.budget_deferred == 16 and len(tr.replay) == 24  # deferred kept for replay
+    assert tr.train_on_replay(steps=3)["steps"] == 0 and tr.step == 2  # budget spent: no replay either
+    more = prose[24:40]
+    tr.train_on_records(more)  # enough tokens for about one more step; replay may use what is left
+    allowed = (tokens + sum(len(r.token_ids) for r in more)) // per_step
+    assert tr.step <= allowed
+    tr.train_on_replay(steps=10)
+    assert tr.step == allowed and not tr.budget_left()
+    status = tr.status()
+    assert status["feedback_tokens"] == tr.feedback_tokens and status["steps_allowed"] == allowed
+    assert status["feedback_tokens_per_step"] == per_step and status["budget_deferred"] == tr.budget_deferred
+    # unlimited (0): every chunk steps, nothing deferred
+    free = OnlineTrainer(online_config(tiny_pair_dir, tmp_path / "free", "trainer.heldout_fraction=0",
+                                       "trainer.replay_ratio=0", "trainer.batch_size=4"), copy.deepcopy(pair.drafter))
+    st = free.train_on_records(recs)
+    assert st["steps"] == 6 and free.budget_deferred == 0 and free.steps_allowed() is None
+    # the counters survive a checkpoint round trip (the loop's resume point)
+    tr.save_checkpoint(tmp_path / "ckpt", {})
+    back = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
+    back.load_checkpoint(tmp_path / "ckpt")
+    saved = (tr.records_read, tr.feedback_tokens, tr.budget_deferred, tr.step)
+    assert (back.records_read, back.feedback_tokens, back.budget_deferred, back.step) == saved

@@ -259,7 +259,7 @@ class TrainerLoop:
             stats = self.run_round()
             if stats is None:
                 self.flush()
-                if t.tc.idle_replay_steps and t.replay:
+                if t.tc.idle_replay_steps and t.replay and t.budget_left():  # replay only within the budget
                     t.train_on_replay(t.tc.idle_replay_steps)
                     t.maybe_publish()
                     self._write_status("idle")

@@ -10,6 +10,12 @@ reward ramped in), and holds back `heldout_fraction` of the records (by a hash o
 for evaluation. `maybe_publish()` compares the held-out shadow α (`dvi.shadow`) of the current
 weights with the registry's LATEST (the parent) and publishes only if it is not worse by
 `shadow_margin`. Checkpoints (weights, optimizer, counters) are the loop's resume point.
+
+Compute budget: with `trainer.feedback_tokens_per_step = N > 0` the trainer takes at most one step
+(new or replay) per N feedback tokens read (`feedback_tokens`: generated tokens of every record
+read, held-out ones included), so its share of compute per served token is fixed, not whatever a
+machine's speed leaves; records beyond the budget are counted in `budget_deferred` and kept for
+replay. Both counters and `steps_allowed` are in `status()`.
 """
 
 from __future__ import annotations
@@ -113,6 +119,9 @@ class OnlineTrainer:
         self.dropped_stale = 0
         self.train_seconds = 0.0
         self.tokens_trained = 0
+        self.records_read = 0  # every record read as new: trained, deferred, held out or dropped
+        self.feedback_tokens = 0  # their generated tokens (the budget's unit)
+        self.budget_deferred = 0  # records read whose step the budget withheld (kept for replay)
         self.max_target_version = 0
         self.last_publish_step = 0
         self.last_published: int | None = None
@@ -156,6 +165,17 @@ class OnlineTrainer:
             return 0.0
         return float(self.tc.stale_weight)
 
+    # -- the compute budget ----------------------------------------------------------------------
+    def steps_allowed(self) -> int | None:
+        """Steps the budget allows so far (`trainer.feedback_tokens_per_step`): one per N feedback tokens
+        read; None when unlimited."""
+        n = self.tc.feedback_tokens_per_step
+        return None if not n else self.feedback_tokens // n
+
+    def budget_left(self) -> bool:
+        allowed = self.steps_allowed()
+        return allowed is None or self.step < allowed
+
     # -- training ----------------------------------------------------------------------------------
     def train_on_records(self, records: Iterable[FeedbackRecord | Mapping[str, Any] | Example]) -> dict[str, Any]:
         """Train on new records (each once), with replay; returns what happened.
@@ -169,6 +189,9 @@ class OnlineTrainer:
         examples = [Example.of(r) for r in records]
         for e in examples:
             self.max_target_version = max(self.max_target_version, e.target_version)
+            self.feedback_tokens += len(e.token_ids)
+        self.records_read += len(examples)
+        deferred0 = self.budget_deferred
         current = self.current_target_version()
         new, held, dropped = self._split(examples, current)
         self.heldout.extend(sorted(held, key=lambda e: e.finished_at))
@@ -183,6 +206,7 @@ class OnlineTrainer:
         stats: dict[str, Any] = {
             "new": len(new), "heldout": len(held), "dropped_stale": len(dropped), "replayed": replayed,
             "steps": len(losses), "seconds": dt, "target_version": current,
+            "budget_deferred": self.budget_deferred - deferred0,
             "trained_ids": [e.request_id for e in new], "heldout_ids": [e.request_id for e in held],
             "dropped_ids": [e.request_id for e in dropped],
         }
@@ -209,13 +233,20 @@ class OnlineTrainer:
         return new, held, dropped
 
     def _train_new(self, new: list[Example], current: int) -> tuple[list[dict[str, float]], int]:
-        """One step per chunk of `new` records, topped up with replayed ones; (step losses, replayed)."""
+        """One step per chunk of `new` records, topped up with replayed ones; (step losses, replayed).
+
+        Chunks beyond the step budget (`budget_left`) take no step: they are counted as deferred and,
+        like every new record, join the replay buffer afterwards.
+        """
         bs = self.tc.batch_size
         n_new = max(1, round(bs * (1.0 - self.tc.replay_ratio))) if self.replay else bs
         losses: list[dict[str, float]] = []
         replayed = 0
         for i in range(0, len(new), n_new):  # max_steps is checked between calls, never mid-records
             chunk = new[i: i + n_new]
+            if not self.budget_left():
+                self.budget_deferred += len(chunk)
+                continue
             extra = []
             if self.replay and self.tc.replay_ratio > 0:
                 r = self.tc.replay_ratio
@@ -244,6 +275,8 @@ class OnlineTrainer:
         current = self.current_target_version()
         losses = []
         for _ in range(steps):
+            if not self.budget_left():
+                break
             batch = self._sample_replay(self.tc.batch_size, recent)
             if not batch:
                 break
@@ -445,6 +478,11 @@ class OnlineTrainer:
             "dropped_stale": self.dropped_stale,
             "train_seconds": self.train_seconds,
             "tokens_trained": self.tokens_trained,
+            "records_read": self.records_read,
+            "feedback_tokens": self.feedback_tokens,
+            "feedback_tokens_per_step": self.tc.feedback_tokens_per_step,
+            "steps_allowed": self.steps_allowed(),
+            "budget_deferred": self.budget_deferred,
             "time": time.time(),
         }
 
@@ -461,6 +499,8 @@ class OnlineTrainer:
             "step": self.step, "records_seen": self.records_seen, "replayed": self.replayed,
             "heldout_seen": self.heldout_seen, "dropped_stale": self.dropped_stale,
             "train_seconds": self.train_seconds, "tokens_trained": self.tokens_trained,
+            "records_read": self.records_read, "feedback_tokens": self.feedback_tokens,
+            "budget_deferred": self.budget_deferred,
             "max_target_version": self.max_target_version, "last_publish_step": self.last_publish_step,
             "last_published": self.last_published, "kind": self.trainable.kind, **dict(extra),
         }
@@ -487,7 +527,7 @@ class OnlineTrainer:
         except Exception as exc:  # noqa: BLE001 - fresh moments are better than no resume
             log.warning("optimizer state not restored (%s); continuing with fresh moments", exc)
         for k in ("step", "records_seen", "replayed", "heldout_seen", "dropped_stale", "tokens_trained",
-                  "max_target_version", "last_publish_step"):
+                  "records_read", "feedback_tokens", "budget_deferred", "max_target_version", "last_publish_step"):
             setattr(self, k, int(state.get(k, 0) or 0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.last_published = state.get("last_published")
