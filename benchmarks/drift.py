@@ -300,19 +300,22 @@ def build_ceiling(kind: str, pair_dir: Path, data: dict, tokens: int, out: Path,
         prm.requires_grad_(False)
     ids = load_draft_vocab(p.drafter, train_vocab, int(target.config.vocab_size))
     ids = torch.arange(int(target.config.vocab_size)) if ids is None else ids
-    kw = {"batch": args.ceiling_batch, "lr": args.ceiling_lr, "warmup": 5, "seed": args.seed, "progress": False}
+    from trainers.offline import TrainSchedule
+
+    sched = TrainSchedule(steps=steps, lr=args.ceiling_lr, warmup=5, progress=False, desc=f"ceiling[{kind}]")
+    kw = {"batch": args.ceiling_batch, "seed": args.seed}
     if kind == "separate":
         from trainers.subset_distill import distill_subset
 
         student = load_causal_lm(src, "cpu", "float32")
-        stats = distill_subset(student, target.lm_head.weight, w, s, ids, steps, **kw)
+        stats = distill_subset(student, target.lm_head.weight, w, s, ids, sched, **kw)
         student.to(torch.bfloat16).save_pretrained(out)
     else:
         from dvi.eagle import EagleDrafter
         from trainers.eagle_build import distill_eagle
 
         d = EagleDrafter.load(target, src) if saved_kind(src) == "eagle" else EagleDrafter(target)
-        stats = distill_eagle(d, w, s, ids, steps, **kw)
+        stats = distill_eagle(d, w, s, ids, sched, **kw)
         d.save(out)
     if draft_vocab_path(p.drafter).is_file():
         shutil.copyfile(draft_vocab_path(p.drafter), draft_vocab_path(out))
