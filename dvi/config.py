@@ -132,6 +132,9 @@ class TrainerConfig(_Strict):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     learning_rate: float = Field(1e-3, gt=0)
+    # eagle heads train all their weights (no LoRA): replaying real smollm2 chat feedback, lr 1e-3 dropped the
+    # built head's held-out shadow α 0.356 -> 0.172 within 5 steps; 3e-4 rose to 0.381 in 22 steps
+    eagle_learning_rate: float = Field(3e-4, gt=0)
     batch_size: int = Field(8, ge=1)
     max_seq_len: int = Field(512, ge=8)
     kl_weight: float = Field(1.0, ge=0)

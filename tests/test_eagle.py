@@ -245,7 +245,7 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
     recs = eagle_records(tiny_pair, base, 64)
     assert all(r.hidden for r in recs)
     cfg = online_config(tiny_pair_dir, tmp_path, "models.drafter_kind=eagle", "trainer.shadow_margin=1.0",
-                        "trainer.learning_rate=0.003")
+                        "trainer.eagle_learning_rate=0.003")  # far from the target: a bold lr
     reg = DrafterRegistry(cfg.registry.dir)
     torch.manual_seed(0)
     tr = OnlineTrainer(cfg, noisy_eagle(tiny_pair.target, scale=0.3), registry=reg)  # far from the target

@@ -106,7 +106,8 @@ class OnlineTrainer:
         params = self.trainable.parameters()
         if not params:
             raise ValueError("the drafter has no trainable parameters")
-        opt = torch.optim.AdamW(params, lr=self.tc.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
+        lr = self.tc.eagle_learning_rate if self.trainable.kind == "eagle" else self.tc.learning_rate
+        opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.module, self.optimizer = accelerator.prepare(self.trainable.module, opt)
         self.device = accelerator.device
         self.rng = random.Random(self.tc.seed)
