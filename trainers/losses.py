@@ -245,3 +245,26 @@ def chained_features(batch, out) -> torch.Tensor:
     t = out.features.shape[1]  # [B, T, H], the predictions at the last T inputs
     own = out.features[:, :-1].to(batch.features.dtype)  # predictions of f at inputs W-T .. W-2
     return torch.cat([batch.features[:, : batch.features.shape[1] - t + 1], own], 1)
+
+
+def batch_loss(module, batch, inputs: dict, tc: TrainerConfig, step: int):
+    """(loss, dvi_loss output, feature loss or None, forward output) of one teacher-forced pass of the online
+    trainer's `module` over a collated `batch` (`trainers.online.collate.Batch`); `inputs` are the extra
+    forward arguments (an eagle head's features)."""
+    from dvi.vocab import subset_mode
+
+    # A reduced draft vocabulary trains on its [B, T, N] subset logits (never the served -inf padding).
+    with subset_mode(module) as head:
+        fwd = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                     position_ids=batch.position_ids, use_cache=False, logits_to_keep=batch.width, **inputs)
+    out = dvi_loss(fwd.logits, batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted,
+                   batch.weights, step=step, kl_weight=tc.kl_weight, reward_start=tc.reward_ramp_start,
+                   reward_ramp_steps=tc.reward_ramp_steps, reward_max_weight=tc.reward_weight,
+                   subset_index=head.index if head is not None else None)
+    w = batch.weights
+    # dvi_loss normalises by the weight sum; rescale so down-weighted rows count less in absolute terms
+    loss = out.loss * (w.sum() / (w > 0).sum().clamp_min(1))
+    feat_loss = feature_loss(fwd, batch)
+    if feat_loss is not None:
+        loss = loss + tc.feature_weight * feat_loss
+    return loss, out, feat_loss, fwd

@@ -40,31 +40,15 @@ from dvi.fsutil import fsync_tree, old_dirs, replace_dir, tmp_dir_beside
 from dvi.registry import AdapterRejected, DrafterRegistry
 from dvi.rundir import RunDir
 from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_passes
-from dvi.vocab import find_subset_head, subset_mode
-from trainers.losses import chained_features, dvi_loss, feature_loss
+from dvi.vocab import find_subset_head
+from trainers.losses import batch_loss, chained_features
+from trainers.online.accel import make_accelerator
 from trainers.online.collate import Example, build_batch, is_heldout
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
 log = logging.getLogger("dvi.trainer")
 
 REPLAY_RECENT = 256  # idle replay draws from this many newest trained records
-
-
-def make_accelerator(cfg: DviConfig) -> Any:
-    """The `Accelerator` of the configured device (`models.device`, "auto" resolved as the models
-    resolve it). Under `accelerate launch` / torchrun every rank must join one process group: a
-    CPU-only machine with `device: auto` used to leave each rank alone, and every rank then trained,
-    committed and published every record as if it were the only one."""
-    from accelerate import Accelerator
-
-    from dvi.models import resolve_device
-
-    accelerator = Accelerator(cpu=resolve_device(cfg.models.device).type == "cpu")
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if accelerator.num_processes != world:
-        raise RuntimeError(f"launched as {world} processes but accelerate formed a group of "
-                           f"{accelerator.num_processes} ({accelerator.distributed_type}); refusing to train twice")
-    return accelerator
 
 
 def _mean(losses: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -308,9 +292,10 @@ class OnlineTrainer:
         t0 = time.perf_counter()
         batch = batch.to(self.device)
         self.module.train()
-        loss, out, feat_loss, fwd = self._batch_loss(batch, batch.model_inputs())
+        loss, out, feat_loss, fwd = batch_loss(self.module, batch, batch.model_inputs(), self.tc, self.step)
         if batch.features is not None and self.tc.eagle_chained:  # drafts 2..K read the head's own features
-            loss = loss + self._batch_loss(batch, {"features": chained_features(batch, fwd)})[0]
+            loss = loss + batch_loss(self.module, batch, {"features": chained_features(batch, fwd)}, self.tc,
+                                     self.step)[0]
         acc.backward(loss)
         if self.tc.grad_clip:
             acc.clip_grad_norm_(self.trainable.parameters(), self.tc.grad_clip)
@@ -324,26 +309,6 @@ class OnlineTrainer:
                 "reward_weight": float(out.reward_weight), "tokens": float(batch.tokens),
                 "seconds": time.perf_counter() - t0}
 
-    def _batch_loss(self, batch, inputs: dict):
-        """(loss, dvi_loss output, feature loss or None, forward output) of one teacher-forced pass."""
-        # A reduced draft vocabulary trains on its [B, T, N] subset logits (never the served -inf padding).
-        with subset_mode(self.trainable.module) as head:
-            fwd = self.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=batch.position_ids, use_cache=False, logits_to_keep=batch.width, **inputs)
-        out = dvi_loss(fwd.logits, batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted,
-                       batch.weights, step=self.step, kl_weight=self.tc.kl_weight,
-                       reward_start=self.tc.reward_ramp_start, reward_ramp_steps=self.tc.reward_ramp_steps,
-                       reward_max_weight=self.tc.reward_weight,
-                       subset_index=head.index if head is not None else None)
-        w = batch.weights
-        # dvi_loss normalises by the weight sum; rescale so down-weighted rows count less in absolute terms
-        loss = out.loss * (w.sum() / (w > 0).sum().clamp_min(1))
-        feat_loss = feature_loss(fwd, batch)
-        if feat_loss is not None:
-            loss = loss + self.tc.feature_weight * feat_loss
-        return loss, out, feat_loss, fwd
-
-    # -- evaluation and publishing --------------------------------------------------------------
     def _logits_fn(self):
         fn = hf_logits_fn(self.accelerator.unwrap_model(self.module))
         dev = self.device
