@@ -233,7 +233,47 @@ def _shallow_copy(target: nn.Module, num_layers: int, exit_rank: int) -> tuple[n
     return shallow, head
 
 
-class EarlyExitDrafter(Drafter):
+class SharedTargetDrafter(Drafter):
+    """A drafter that runs on the target's own Parameters plus a few trained weights of its own (early exit,
+    eagle): saved as those weights (`adapter_model.safetensors`) + `adapter_config.json` with its `dvi_kind`,
+    rebuilt on a target by `load`."""
+
+    def shares_weights_with_target(self) -> bool:
+        return True
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def config_dict(self) -> dict:
+        raise NotImplementedError
+
+    def save(self, path: str | Path) -> Path:
+        """Write `adapter_model.safetensors` (the trained weights) and `adapter_config.json` into dir `path`."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
+        save_file(sd, str(path / ADAPTER_WEIGHTS))
+        (path / ADAPTER_CONFIG).write_text(json.dumps(self.config_dict(), indent=2))
+        return path
+
+    @classmethod
+    def saved_config(cls, path: Path) -> dict:
+        """The `adapter_config.json` of a `save()` dir, refused unless it is this kind's."""
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+        if cfg.get("dvi_kind") != cls.kind:
+            raise ValueError(f"{path} is not an {cls.kind} drafter (dvi_kind={cfg.get('dvi_kind')!r})")
+        return cfg
+
+    @staticmethod
+    def saved_weights(path: Path, target: nn.Module) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(str(path / ADAPTER_WEIGHTS), device=str(next(target.parameters()).device))
+
+
+class EarlyExitDrafter(SharedTargetDrafter):
     """Self-speculative drafter: the target's first `num_layers` layers + LoRA + `ExitHead` + the target's lm_head."""
 
     kind = "early_exit"
@@ -295,9 +335,6 @@ class EarlyExitDrafter(Drafter):
     ) -> EarlyExitDrafter:
         return cls(target, num_layers, lora_rank, lora_alpha, target_modules, exit_rank, vocab_ids)
 
-    def shares_weights_with_target(self) -> bool:
-        return True
-
     # ---------------------------------------------------------------- trainable parts
     def trainable_parameters(self) -> list[nn.Parameter]:
         """LoRA + exit head parameters (what the trainer optimises)."""
@@ -339,26 +376,11 @@ class EarlyExitDrafter(Drafter):
             "base_model_type": getattr(self.config, "model_type", None),
         }
 
-    def save(self, path: str | Path) -> Path:
-        """Write `adapter_model.safetensors` (LoRA + exit head) and `adapter_config.json` into dir `path`."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
-        save_file(sd, str(path / ADAPTER_WEIGHTS))
-        (path / ADAPTER_CONFIG).write_text(json.dumps(self.config_dict(), indent=2))
-        return path
-
     @classmethod
     def load(cls, target: nn.Module, path: str | Path, vocab_ids: torch.Tensor | None = None) -> EarlyExitDrafter:
         """Rebuild from `save()` output on top of `target` (shares its weights)."""
-        from safetensors.torch import load_file
-
         path = Path(path)
-        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
-        if cfg.get("dvi_kind") != "early_exit":
-            raise ValueError(f"{path} is not an early-exit drafter (dvi_kind={cfg.get('dvi_kind')!r})")
+        cfg = cls.saved_config(path)
         d = cls(
             target,
             num_layers=cfg["num_layers"],
@@ -368,8 +390,7 @@ class EarlyExitDrafter(Drafter):
             exit_rank=cfg.get("exit_rank", 16),
             vocab_ids=vocab_ids,
         )
-        sd = load_file(str(path / ADAPTER_WEIGHTS), device=str(next(target.parameters()).device))
-        d.load_trainable_state_dict(sd)
+        d.load_trainable_state_dict(cls.saved_weights(path, target))
         return d
 
 

@@ -19,13 +19,12 @@ shifts them into F); the online trainer never runs the target.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from dvi.drafters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Drafter
+from dvi.drafters import SharedTargetDrafter
 from dvi.kv import mask_kind
 from dvi.vocab import apply_draft_vocab
 
@@ -124,8 +123,6 @@ class EagleModel(nn.Module):
             attention_mask = causal_mask(attention_mask, h.dtype, self.window)
         elif attention_mask is None and past_key_values is None and input_ids.shape[1] > 1:
             attention_mask = causal_mask(torch.ones_like(input_ids), h.dtype, self.window)
-        if isinstance(attention_mask, dict):
-            attention_mask = next(iter(attention_mask.values()))
         pe = self.rotary_emb(h, position_ids)
         h = self.layer(h, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=past_key_values, use_cache=use_cache, position_embeddings=pe)
@@ -135,7 +132,7 @@ class EagleModel(nn.Module):
         return EagleOutput(self.lm_head(f) if with_logits else None, f)
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(SharedTargetDrafter):
     """The engine's view of an `EagleModel`: called with the features of its inputs, returns (logits, features)."""
 
     kind = "eagle"
@@ -168,9 +165,6 @@ class EagleDrafter(Drafter):
         fn.explicit_mask = True
         return fn
 
-    def shares_weights_with_target(self) -> bool:
-        return True
-
     # ---------------------------------------------------------------- trainable parts
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for m in self.model.own_modules().values() for p in m.parameters()]
@@ -191,30 +185,14 @@ class EagleDrafter(Drafter):
                 "base_model_type": getattr(self.config, "model_type", None),
                 "hidden_size": int(self.config.hidden_size)}
 
-    def save(self, path: str | Path) -> Path:
-        """Write `adapter_model.safetensors` (fc + layer + norm) and `adapter_config.json` into dir `path`."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
-        save_file(sd, str(path / ADAPTER_WEIGHTS))
-        (path / ADAPTER_CONFIG).write_text(json.dumps(self.config_dict(), indent=2))
-        return path
-
     @classmethod
     def load(cls, target: nn.Module, path: str | Path, vocab_ids: torch.Tensor | None = None) -> EagleDrafter:
         """Rebuild from `save()` output on top of `target` (shares its embedding and head)."""
-        from safetensors.torch import load_file
-
         path = Path(path)
-        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
-        if cfg.get("dvi_kind") != "eagle":
-            raise ValueError(f"{path} is not an eagle drafter (dvi_kind={cfg.get('dvi_kind')!r})")
+        cfg = cls.saved_config(path)
         if int(cfg.get("hidden_size", target.config.hidden_size)) != int(target.config.hidden_size):
             raise ValueError(f"{path} was trained for hidden size {cfg['hidden_size']}, "
                              f"the target has {target.config.hidden_size}")
         d = cls(target, vocab_ids=vocab_ids)
-        sd = load_file(str(path / ADAPTER_WEIGHTS), device=str(next(target.parameters()).device))
-        d.load_trainable_state_dict({k: v.to(d.dtype) for k, v in sd.items()})
+        d.load_trainable_state_dict({k: v.to(d.dtype) for k, v in cls.saved_weights(path, target).items()})
         return d

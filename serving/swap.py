@@ -43,8 +43,7 @@ from typing import Any
 
 import torch
 
-from dvi.drafters import ADAPTER_CONFIG, Drafter, EarlyExitDrafter
-from dvi.eagle import EagleDrafter
+from dvi.drafters import ADAPTER_CONFIG, Drafter, SharedTargetDrafter
 from dvi.fsutil import append_jsonl
 from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
 from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_passes
@@ -144,7 +143,7 @@ def load_drafter_version(registry: DrafterRegistry, version: int, base: Any) -> 
 
     Raises AdapterRejected with the reason for anything that does not load or fit.
     """
-    if isinstance(base, (EarlyExitDrafter, EagleDrafter)):
+    if isinstance(base, SharedTargetDrafter):
         return load_shared_target_version(registry, version, base)
     sd, man = registry.validate(version)
     _check_vocab(man, base, version)

@@ -9,16 +9,14 @@ No extra target pass is needed. `add_eagle` adds the head to a pair built before
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from dvi.eagle import EagleDrafter, features_from_hidden
 from trainers.offline import TrainSchedule, lr_factor
-from trainers.subset_distill import subset_kl
+from trainers.subset_distill import progress_bar, subset_kl, window_batches
 
 __all__ = ["distill_eagle", "eagle_agreement", "eagle_step_ms", "train_eagle"]
 
@@ -55,18 +53,12 @@ def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, 
     for prm in params:
         prm.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
-    order, pos, losses, feats, tokens = torch.randperm(windows.shape[0], generator=g), 0, [], [], 0
+    losses, feats, tokens = [], [], 0
     d.model.train()
     t0 = time.perf_counter()
-    bar = tqdm(total=steps, desc=sched.desc, disable=not progress, unit="step", leave=False,
-               mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    bar = progress_bar(steps, sched.desc, progress)
     try:
-        for step in range(steps):
-            if pos + batch > order.numel():
-                order, pos = torch.randperm(windows.shape[0], generator=g), 0
-            idx = order[pos: pos + batch]
-            pos += batch
+        for step, idx in window_batches(windows.shape[0], batch, steps, seed):
             for gr in opt.param_groups:
                 gr["lr"] = lr * lr_factor(step, steps, warmup, min_lr_ratio)
             loss, feat = _eagle_loss(d, windows[idx, :-1], states[idx], head, feature_weight, chained)

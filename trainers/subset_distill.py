@@ -35,6 +35,23 @@ def teacher_states(teacher, windows: torch.Tensor, batch: int = 8, progress: boo
     return torch.cat(out)
 
 
+def window_batches(n_windows: int, batch: int, steps: int, seed: int):
+    """(step, window indices [batch]) for `steps` steps, drawn in seeded epochs reshuffled each pass."""
+    g = torch.Generator().manual_seed(seed)
+    order, pos = torch.randperm(n_windows, generator=g), 0
+    for step in range(steps):
+        if pos + batch > order.numel():
+            order, pos = torch.randperm(n_windows, generator=g), 0
+        yield step, order[pos: pos + batch]
+        pos += batch
+
+
+def progress_bar(steps: int, desc: str, progress: bool):
+    """The offline loops' step bar (sparse updates when stderr is not a terminal)."""
+    return tqdm(total=steps, desc=desc, disable=not progress, unit="step", leave=False,
+                mininterval=0.5 if sys.stderr.isatty() else 10.0)
+
+
 def subset_kl(s_logits: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
     """Mean over positions of KL(teacher || student), both `[..., N]` over the same draft ids."""
     t_logp = F.log_softmax(t_logits.float(), -1)
@@ -55,19 +72,12 @@ def distill_subset(student, teacher_head: torch.Tensor, windows: torch.Tensor, s
     grad_clip, progress, desc = sched.grad_clip, sched.progress, sched.desc
     t_head = teacher_head[vocab_ids].detach().to(torch.bfloat16)  # [n, H]
     opt = make_optimizer(student, lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(windows.shape[0], generator=g)
-    pos, losses, tokens = 0, [], 0
+    losses, tokens = [], 0
     student.train()
     t0 = time.perf_counter()
-    bar = tqdm(total=steps, desc=desc, disable=not progress, unit="step", leave=False,
-               mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    bar = progress_bar(steps, desc, progress)
     try:
-        for step in range(steps):
-            if pos + batch > order.numel():
-                order, pos = torch.randperm(windows.shape[0], generator=g), 0
-            idx = order[pos: pos + batch]
-            pos += batch
+        for step, idx in window_batches(windows.shape[0], batch, steps, seed):
             f = lr_factor(step, steps, warmup, min_lr_ratio)
             for gr in opt.param_groups:
                 gr["lr"] = gr["initial_lr"] * f

@@ -140,11 +140,10 @@ class _SharedTargetTrainable(Trainable):
 
 
 def make_trainable(drafter: Any, mode: str, cfg: DviConfig) -> Trainable:
-    from dvi.drafters import EarlyExitDrafter
-    from dvi.eagle import EagleDrafter
+    from dvi.drafters import EarlyExitDrafter, SharedTargetDrafter
 
     t = cfg.trainer
-    if isinstance(drafter, (EarlyExitDrafter, EagleDrafter)):
+    if isinstance(drafter, SharedTargetDrafter):
         if mode == "full" and isinstance(drafter, EarlyExitDrafter):
             raise ValueError("trainer.mode 'full' trains a separate drafter; the early-exit drafter trains LoRA + head")
         for p in drafter.target_ref.parameters():
