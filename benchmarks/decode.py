@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:
 from benchmarks._common import goal
 from dvi.adaptive import batch_bucket, expected_tokens
 from dvi.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.results import acceptance_rate, fmt_rate, mean_accepted_length
 
 
 def parse_args(argv):
@@ -134,24 +135,23 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
         seconds=total_t,
         tokens=tokens,
         tokens_per_s=tokens / total_t if total_t else 0.0,
-        alpha=accepted / drafted if drafted else 0.0,
-        alpha_per_position=acc_n / tried_n if tried_n else 0.0,
-        mean_accepted_length=1 + accepted / steps if steps else 1.0,
+        num_drafted=drafted, num_accepted=accepted, num_steps=steps, acc_n=acc_n, tried_n=tried_n,
+        alpha=acceptance_rate(accepted, drafted),
+        alpha_per_position=acceptance_rate(acc_n, tried_n),
+        mean_accepted_length=mean_accepted_length(accepted, steps),
         per_position_acceptance=[a / d if d else None for a, d in zip(acc_pos, dr_pos, strict=True)],
         k_per_step=ks,
     )
 
 
 def merge_runs(runs: list[dict]) -> dict:
-    """Aggregate several dvi_run results (sums of time/tokens, token-weighted alphas)."""
+    """Aggregate several dvi_run results: counts are summed, then the rates computed once (pooled)."""
     if len(runs) == 1:
         return runs[0]
     sec = sum(r["seconds"] for r in runs)
     tok = sum(r["tokens"] for r in runs)
     w = [r["tokens"] for r in runs]
-
-    def avg(key):
-        return sum(r[key] * x for r, x in zip(runs, w, strict=True)) / max(1, sum(w))
+    n = {key: sum(r[key] for r in runs) for key in ("num_drafted", "num_accepted", "num_steps", "acc_n", "tried_n")}
 
     pp = []
     for j in range(len(runs[0]["per_position_acceptance"])):
@@ -162,9 +162,10 @@ def merge_runs(runs: list[dict]) -> dict:
         seconds=sec,
         tokens=tok,
         tokens_per_s=tok / sec if sec else 0.0,
-        alpha=avg("alpha"),
-        alpha_per_position=avg("alpha_per_position"),
-        mean_accepted_length=avg("mean_accepted_length"),
+        **n,
+        alpha=acceptance_rate(n["num_accepted"], n["num_drafted"]),
+        alpha_per_position=acceptance_rate(n["acc_n"], n["tried_n"]),
+        mean_accepted_length=mean_accepted_length(n["num_accepted"], n["num_steps"]),
         per_position_acceptance=pp,
         k_per_step=[x for r in runs for x in r["k_per_step"]],
     )
@@ -174,7 +175,7 @@ def predicted(engine: SpeculativeEngine, run: dict) -> dict:
     """Speedup over plain decoding that alpha, the K used and the measured (calibrated) costs allow:
     sum of E[tokens/step] over the run's steps / sum of (K*c_draft + c_verify(K)), relative to c_verify(0)."""
     c = engine.controller.costs
-    alpha = run["alpha_per_position"]  # E[tokens/step] assumes i.i.d. per-position acceptance
+    alpha = run["alpha_per_position"] or 0.0  # i.i.d. per-position acceptance; None only if K was 0 throughout
     tok = tim = base = 0.0
     for b, k in run["k_per_step"]:
         bb = batch_bucket(b)
@@ -307,7 +308,7 @@ def main(argv=None) -> int:
             row["measured_over_predicted"] = row["speedup_vs_off"] / ps if ps else None
             rows.append(row)
             print(f"  {domain:5s} T={temp:g} B={b:2d} {kind:10s}: dvi {run['tokens_per_s']:7.1f} tok/s  "
-                  f"off {off['tokens_per_s']:7.1f}  hf {hf_rate:7.1f}  alpha {run['alpha']:.2f}  K~{pred['mean_k']:.1f}",
+                  f"off {off['tokens_per_s']:7.1f}  hf {hf_rate:7.1f}  alpha {fmt_rate(run['alpha'], 2)}  K~{pred['mean_k']:.1f}",
                   flush=True)
 
     def best(domain, temp, b, key="speedup_vs_hf"):
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
         print(
             f"{r['domain']:6s} {r['temperature']:3g} {r['batch_size']:3d} {r['kind']:10s} {r['dvi']['tokens_per_s']:9.1f} "
             f"{r['dvi_off']['tokens_per_s']:7.1f} {r['hf_generate_tokens_per_s']:7.1f} "
-            f"{(f'{asst:7.1f}' if asst else '      -')} {r['dvi']['alpha']:5.2f} {r['dvi']['mean_accepted_length']:7.2f} "
+            f"{(f'{asst:7.1f}' if asst else '      -')} {fmt_rate(r['dvi']['alpha'], 2):>5} {fmt_rate(r['dvi']['mean_accepted_length'], 2):>7} "
             f"{r['mean_k']:4.1f} {r['speedup_vs_off']:5.2f} {r['speedup_vs_hf']:5.2f} "
             f"{(f'{xa:5.2f}' if xa else '    -')} {(f'{ps:5.2f}' if ps else '    -')} {(f'{mp:5.2f}' if mp else '    -')}  {pp}"
         )

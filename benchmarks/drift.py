@@ -51,6 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, goal
+from dvi.results import acceptance_rate
 
 PHASES = ("code", "chat", "code_return")
 KINDS = ("separate", "eagle")
@@ -324,8 +325,10 @@ def build_ceiling(kind: str, pair_dir: Path, data: dict, tokens: int, out: Path,
 
 # -- figures -------------------------------------------------------------------------------------------
 def alpha(rows: list[dict]) -> float:
-    d = sum(r.get("drafted", 0) for r in rows)
-    return sum(r.get("accepted", 0) for r in rows) / d if d else float("nan")
+    """Pooled α of response rows; NaN (not dvi.results' None) where nothing was drafted, because the
+    figures do arithmetic on it and plot NaN as a gap (`clean_json` writes it as null)."""
+    a = acceptance_rate(sum(r.get("accepted", 0) for r in rows), sum(r.get("drafted", 0) for r in rows))
+    return float("nan") if a is None else a
 
 
 def rolling(rows: list[dict], w: int) -> list[float]:

@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, goal
+from dvi.results import fmt_rate, pooled_rates
 
 ARMS = ("plain", "frozen", "online")
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:green"}
@@ -101,7 +102,6 @@ def _arm_wall(logs: list) -> float:
 def _pooled(summaries: list[dict], logs: list[list], alpha_from: int) -> dict:
     """One arm's totals over all its seeds (α token-weighted; reward per seed for the spread)."""
     late = [r for run in logs for r in run if r.step >= alpha_from]
-    drafted = sum(r.num_drafted for r in late)
     tokens = sum(r.tokens for run in logs for r in run)
     mean_rewards = [statistics.fmean(r.reward for r in run) for run in logs]
     return {
@@ -113,7 +113,7 @@ def _pooled(summaries: list[dict], logs: list[list], alpha_from: int) -> dict:
         "wall_s_total": sum(_arm_wall(run) for run in logs),
         "tokens_total": tokens,
         "speculated_share": sum(r.speculated_tokens for run in logs for r in run) / tokens if tokens else None,
-        "alpha_late": sum(r.num_accepted for r in late) / drafted if drafted else None,
+        "alpha_late": pooled_rates(late)[0],
         "alpha_all": _alpha([r for run in logs for r in run]),
         "mean_reward_per_seed": mean_rewards,
         "mean_reward": statistics.fmean(mean_rewards),
@@ -123,8 +123,7 @@ def _pooled(summaries: list[dict], logs: list[list], alpha_from: int) -> dict:
 
 
 def _alpha(rs: list) -> float | None:
-    drafted = sum(r.num_drafted for r in rs)
-    return sum(r.num_accepted for r in rs) / drafted if drafted else None
+    return pooled_rates(rs)[0]
 
 
 def _goals(pooled: dict[str, dict], alpha_from: int) -> list[dict]:
@@ -226,8 +225,7 @@ def _run_seed(a: argparse.Namespace, root: Path, seed: int) -> tuple[dict, dict,
         cells = []
         for run in runs.values():
             r = run.step(i)
-            alpha = r.alpha if r.num_drafted else float("nan")
-            cells.append(f"{r.reward:>10.3f} {alpha:>9.3f} {_share(r):>9.2f} {r.rollout_s:>9.2f}")
+            cells.append(f"{r.reward:>10.3f} {fmt_rate(r.alpha):>9} {_share(r):>9.2f} {r.rollout_s:>9.2f}")
         print(f"{i:>4} " + " ".join(cells), flush=True)
     alpha_from = min(a.alpha_from, a.steps - 1)
     out = ({arm: run.logs for arm, run in runs.items()},

@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, goal
+from dvi.results import acceptance_rate
 
 ARMS = {"spec": ["speculation.adaptive=true"],
         "nospec": ["speculation.adaptive=false", "speculation.num_draft_tokens=0"]}
@@ -128,7 +129,7 @@ def _summarize(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
         "latency_p50_s": _pct(lat, 0.5), "latency_p99_s": _pct(lat, 0.99),
         "latency_mean_s": statistics.fmean(lat) if lat else float("nan"),
         "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-        "alpha": sum(r["accepted"] for r in ok) / drafted if drafted else None,
+        "alpha": acceptance_rate(sum(r["accepted"] for r in ok), drafted),
         "drafted": drafted, "accepted": sum(r["accepted"] for r in ok),
         "errors": len(errors), "error_samples": errors[:3],
     }

@@ -1,16 +1,60 @@
-"""What the engine hands back per request: `GenerationResult` (a finished or in-flight sequence's tokens,
-log-probs, acceptance counts, versions) and `StepOutput` (one row's tokens from one `step()`).
+"""The one record of a decoded sequence, `GenerationResult`, and the one place α is computed.
 
-Kept apart from `dvi.engine` so the result types can be read, built and imported (`dvi.emit`, serving,
-tests) without the engine's machinery; `dvi.engine` re-exports both.
+The engine emits a `GenerationResult` per sequence; the scheduler (`serving.scheduler.Finished` wraps it
+with the text and latency), telemetry (`dvi.metrics.ResultStats.of`), the feedback writer
+(`FeedbackRecord.from_result`, its on-disk projection), the trainer's collation (which reads those
+records) and RL rollouts (`dvi.rollout.Rollout` is a view of it) all consume this type, not look-alikes.
+
+α (accepted / drafted) and mean accepted length (1 + accepted / steps) are computed by
+`acceptance_rate` and `mean_accepted_length` below and nowhere else. "No data" (nothing drafted, no
+step yet) is None everywhere, never 0.0 (a false "the drafter is useless") or NaN (which poisons sums
+and JSON): a dashboard shows a gap.
+
+Kept apart from `dvi.engine` so the result types can be read, built and imported without the engine's
+machinery; `dvi.engine` re-exports them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["GenerationResult", "StepOutput"]
+__all__ = ["GenerationResult", "StepOutput", "DraftCounts", "acceptance_rate", "mean_accepted_length",
+           "pooled_rates", "fmt_rate"]
+
+
+def acceptance_rate(accepted: int, drafted: int) -> float | None:
+    """α = accepted / drafted; None when nothing was drafted."""
+    return accepted / drafted if drafted else None
+
+
+def mean_accepted_length(accepted: int, steps: int) -> float | None:
+    """Tokens per engine step, 1 + accepted / steps; None before the first step."""
+    return 1.0 + accepted / steps if steps else None
+
+
+class DraftCounts(Protocol):
+    """Anything that counts drafts: a result, a rollout, a stats row, a step log."""
+
+    num_drafted: int
+    num_accepted: int
+    num_steps: int
+
+
+def pooled_rates(items: Iterable[DraftCounts]) -> tuple[float | None, float | None]:
+    """Token-weighted (α, mean accepted length) over many sequences: sums first, then one division."""
+    drafted = accepted = steps = 0
+    for it in items:
+        drafted += it.num_drafted
+        accepted += it.num_accepted
+        steps += it.num_steps
+    return acceptance_rate(accepted, drafted), mean_accepted_length(accepted, steps)
+
+
+def fmt_rate(x: float | None, digits: int = 3) -> str:
+    """A rate for a log line: 'n/a' for no data."""
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 @dataclass
@@ -38,12 +82,12 @@ class GenerationResult:
     hidden: Any = None  # eagle drafters: the target's features f_0..f_{L-2}, fp16 tensor [L - 1, H]
 
     @property
-    def alpha(self) -> float:
-        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+    def alpha(self) -> float | None:
+        return acceptance_rate(self.num_accepted, self.num_drafted)
 
     @property
-    def mean_accepted_length(self) -> float:
-        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else 0.0
+    def mean_accepted_length(self) -> float | None:
+        return mean_accepted_length(self.num_accepted, self.num_steps)
 
 
 @dataclass

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from dvi.feedback import FeedbackRecord
+from dvi.results import GenerationResult, acceptance_rate, mean_accepted_length
 
 __all__ = [
     "Rollout",
@@ -39,36 +42,68 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rollout:
-    """One sampled completion of one prompt.
+    """One sampled completion of one prompt: which prompt and sample it is, and the engine's result.
 
+    A view, not a copy: the fields an RL trainer reads are the result's under RL names.
     `logprobs[j]` is the target's ``log_softmax(logits / T)`` of `completion_ids[j]` (see the
-    module docstring); `drafted`/`accepted` count the speculative proposals for this sequence.
+    module docstring).
     """
 
     prompt_index: int
     sample_index: int
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    num_steps: int
-    num_drafted: int
-    num_accepted: int
-    target_version: int
-    drafter_version: int
-    accepted: list[bool] = field(default_factory=list)
+    result: GenerationResult
 
     @property
-    def alpha(self) -> float:
-        """Share of drafted tokens the target accepted (nan when nothing was drafted)."""
-        return self.num_accepted / self.num_drafted if self.num_drafted else float("nan")
+    def prompt_ids(self) -> list[int]:
+        return self.result.prompt_ids
+
+    @property
+    def completion_ids(self) -> list[int]:
+        return self.result.token_ids
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.result.token_logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.result.finish_reason
+
+    @property
+    def accepted(self) -> list[bool]:
+        return self.result.accepted
+
+    @property
+    def num_steps(self) -> int:
+        return self.result.num_steps
+
+    @property
+    def num_drafted(self) -> int:
+        return self.result.num_drafted
+
+    @property
+    def num_accepted(self) -> int:
+        return self.result.num_accepted
+
+    @property
+    def target_version(self) -> int:
+        return self.result.target_version
+
+    @property
+    def drafter_version(self) -> int:
+        return self.result.drafter_version
+
+    @property
+    def alpha(self) -> float | None:
+        return self.result.alpha
 
 
 @dataclass
 class RolloutStats:
-    """Aggregates of one `generate_rollouts` call (what an RL dashboard plots per step)."""
+    """Aggregates of one `generate_rollouts` call (what an RL dashboard plots per step); every rate
+    is None when it has no data (`dvi.results`)."""
 
     num_sequences: int
     num_tokens: int
@@ -81,24 +116,24 @@ class RolloutStats:
     num_speculated_tokens: int = 0  # tokens emitted by engine steps that drafted (K > 0)
 
     @property
-    def alpha(self) -> float:
-        return self.num_accepted / self.num_drafted if self.num_drafted else float("nan")
+    def alpha(self) -> float | None:
+        return acceptance_rate(self.num_accepted, self.num_drafted)
 
     @property
-    def speculated_share(self) -> float:
+    def speculated_share(self) -> float | None:
         """Share of the batch's tokens generated with speculation on (adaptive K > 0)."""
-        return self.num_speculated_tokens / self.num_tokens if self.num_tokens else float("nan")
+        return self.num_speculated_tokens / self.num_tokens if self.num_tokens else None
 
     @property
-    def mean_accepted_length(self) -> float:
+    def mean_accepted_length(self) -> float | None:
         """Tokens emitted per engine step per sequence (1 + accepted drafts per step)."""
-        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else float("nan")
+        return mean_accepted_length(self.num_accepted, self.num_steps)
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
+    def tokens_per_s(self) -> float | None:
+        return self.num_tokens / self.seconds if self.seconds > 0 else None
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | None]:
         return {
             "num_sequences": self.num_sequences,
             "num_tokens": self.num_tokens,
@@ -123,24 +158,6 @@ def _check_sampling(n: int, max_new_tokens: int, temperature: float) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-
-
-def _to_rollout(prompt_index: int, sample_index: int, prompt_ids: list[int], r: Any) -> Rollout:
-    """One engine `GenerationResult` as a `Rollout`."""
-    return Rollout(
-        prompt_index=prompt_index,
-        sample_index=sample_index,
-        prompt_ids=list(prompt_ids),
-        completion_ids=list(r.token_ids),
-        logprobs=[float(x) for x in r.token_logprobs],
-        finish_reason=str(r.finish_reason),
-        num_steps=int(r.num_steps),
-        num_drafted=int(r.num_drafted),
-        num_accepted=int(r.num_accepted),
-        target_version=int(r.target_version),
-        drafter_version=int(r.drafter_version),
-        accepted=[bool(a) for a in (r.accepted or [])],
-    )
 
 
 def _validate_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -181,7 +198,7 @@ class RolloutEngine:
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
         self.max_batch_size = max_batch_size
         self.last_stats: RolloutStats | None = None
-        self.last_results: list[Any] = []  # the engine's GenerationResults of the last batch
+        self.last_results: list[GenerationResult] = []  # the engine's results of the last batch
         self._calls = 0
 
     # -- versions -------------------------------------------------------------------------
@@ -245,10 +262,10 @@ class RolloutEngine:
         seconds = time.perf_counter() - t0
         self._calls += 1
         self.last_results = results
-        out = [_to_rollout(i, s, p, r) for (i, s, p), r in zip(flat, results, strict=True)]
+        out = [Rollout(i, s, r) for (i, s, _), r in zip(flat, results, strict=True)]
         if self.feedback_writer is not None:
             for (_, _, p), r in zip(flat, results, strict=True):
-                self._write_feedback(r, temperature, p)
+                self._write_feedback(r, p)
         speculated = int(getattr(self.engine, "tokens_speculated", 0)) - spec0
         self.last_stats = self._stats(out, seconds, speculated)
         return out
@@ -276,18 +293,12 @@ class RolloutEngine:
             num_speculated_tokens=speculated,
         )
 
-    def _write_feedback(self, result: Any, temperature: float, prompt_ids: list[int]) -> None:
-        from dvi.feedback import FeedbackRecord
+    def _write_feedback(self, result: GenerationResult, prompt_ids: list[int]) -> None:
+        self.feedback_writer.write(FeedbackRecord.from_result(result, domain=self.domain, prompt_ids=prompt_ids))
 
-        record = FeedbackRecord.from_result(result, temperature=temperature, domain=self.domain,
-                                            prompt_ids=prompt_ids)
-        self.feedback_writer.write(record)
-
-    def last_records(self, temperature: float = 1.0) -> list[Any]:
+    def last_records(self) -> list[FeedbackRecord]:
         """FeedbackRecords of the last batch (what an in-process drafter trainer consumes)."""
-        from dvi.feedback import FeedbackRecord
-
-        return [FeedbackRecord.from_result(r, temperature=temperature, domain=self.domain) for r in self.last_results]
+        return [FeedbackRecord.from_result(r, domain=self.domain) for r in self.last_results]
 
     def flush_feedback(self) -> str | None:
         """Write buffered records now (so a trainer tailing the log sees this batch)."""
@@ -435,7 +446,8 @@ class TRLRolloutFunc:
             M.DRAFTER_VERSION: float(stats.drafter_version),
         }
         for name, value in values.items():
-            store[mode][name].append(float(value))
+            if value is not None:  # no data (nothing drafted): leave a gap, not a false number
+                store[mode][name].append(float(value))
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
         self._maybe_sync(trainer)

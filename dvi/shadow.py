@@ -17,13 +17,14 @@ use this, so a promotion decision and its reported estimate always agree.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from dvi.results import acceptance_rate
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE
 
 SHADOW_MAX_POSITIONS = 4096
@@ -35,22 +36,45 @@ LogitsFn = Callable[..., torch.Tensor]
 ``[1, L, V]`` (teacher forcing, no cache). ``fn.needs_features`` marks the eagle kind."""
 
 
+class ScoredRecord(Protocol):
+    """What a shadow estimate reads of a record: `FeedbackRecord` and the trainer's `Example` both are."""
+
+    prompt_ids: Sequence[int]
+    token_ids: Sequence[int]
+    temperature: float
+    topk_ids: Sequence[Sequence[int]]
+    topk_logprobs: Sequence[Sequence[float]]
+
+    def features(self) -> np.ndarray | None: ...  # the target's features [L - 1, H] (eagle), or None
+
+
 @dataclass
 class ShadowEstimate:
-    alpha: float
+    alpha: float | None  # None: no scored position (dvi.results' convention); NaN: the drafter's logits were
     positions: int
     records: int
 
 
-def shadow_passes(new_alpha: float, old_alpha: float, margin: float) -> bool:
+def _usable(alpha: float | None) -> bool:
+    return alpha is not None and math.isfinite(alpha)
+
+
+def shadow_passes(new_alpha: float | None, old_alpha: float | None, margin: float) -> bool:
     """Whether a candidate with shadow α `new_alpha` may replace one with `old_alpha`.
 
-    A NaN/inf candidate estimate never passes (``not (nan < x)`` is True, which once promoted a
-    worse drafter); a candidate is compared only with a finite live estimate.
+    A candidate without a finite estimate (no data, NaN, inf) never passes (``not (nan < x)`` is
+    True, which once promoted a worse drafter); it is compared only with a usable live estimate.
     """
-    if not math.isfinite(new_alpha):
+    if not _usable(new_alpha):
         return False
-    return not math.isfinite(old_alpha) or new_alpha >= old_alpha - margin
+    return not _usable(old_alpha) or new_alpha >= old_alpha - margin
+
+
+def shadow_failure(new_alpha: float | None, margin: float) -> str:
+    """Why `shadow_passes` said no, for the refusal reason."""
+    if new_alpha is None:
+        return "no scored position"
+    return "not finite" if not math.isfinite(new_alpha) else f"worse by more than {margin}"
 
 
 def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
@@ -69,29 +93,21 @@ def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
     return fn
 
 
-def _record_features(record: Mapping[str, Any] | Any, device) -> torch.Tensor | None:
+def _record_features(record: ScoredRecord, device: torch.device | str) -> torch.Tensor | None:
     """An eagle head's input features F [1, L - 1, H] from a record's logged target features, or None."""
     from dvi.eagle import features_from_hidden
 
-    h = getattr(record, "hidden", None) if not isinstance(record, Mapping) else record.get("hidden")
-    if h is None or (isinstance(h, (bytes, bytearray)) and not h):
+    h = record.features()
+    if h is None:
         return None
-    if isinstance(h, (bytes, bytearray)):
-        dim = record["hidden_dim"] if isinstance(record, Mapping) else record.hidden_dim
-        h = torch.frombuffer(bytearray(h), dtype=torch.float16).reshape(-1, int(dim))
-    else:
-        h = torch.from_numpy(np.array(h))  # a copy: logged arrays are read-only
+    h = torch.from_numpy(np.array(h))  # a copy: logged arrays are read-only
     return features_from_hidden(h).unsqueeze(0).to(device)
-
-
-def _get(record: Mapping[str, Any] | Any, name: str) -> Any:
-    return record[name] if isinstance(record, Mapping) else getattr(record, name)
 
 
 @torch.inference_mode()
 def shadow_alpha(
     logits_fn: LogitsFn,
-    records: Iterable[Mapping[str, Any] | Any],
+    records: Iterable[ScoredRecord],
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
 ) -> ShadowEstimate:
@@ -106,11 +122,11 @@ def shadow_alpha(
     total = 0
     n_records = 0
     for rec in records:
-        prompt: Sequence[int] = list(_get(rec, "prompt_ids"))
-        tokens: Sequence[int] = list(_get(rec, "token_ids"))
+        prompt: Sequence[int] = list(rec.prompt_ids)
+        tokens: Sequence[int] = list(rec.token_ids)
         if not prompt or not tokens:
             continue
-        temperature = float(_get(rec, "temperature") or 0.0)
+        temperature = float(rec.temperature or 0.0)
         if not temperature >= GREEDY_BELOW_TEMPERATURE:  # tiny (or NaN) temperatures were served greedy
             temperature = 0.0
         ids = torch.tensor([list(prompt) + list(tokens)[:-1]], device=device)
@@ -126,8 +142,8 @@ def shadow_alpha(
             pred = logits.argmax(-1).cpu()
             hits += float((pred == torch.tensor(tokens)).sum())
         else:
-            topk_ids = torch.tensor([list(x) for x in _get(rec, "topk_ids")], device=device)
-            topk_lp = torch.tensor([list(x) for x in _get(rec, "topk_logprobs")], device=device)
+            topk_ids = torch.tensor([list(x) for x in rec.topk_ids], device=device)
+            topk_lp = torch.tensor([list(x) for x in rec.topk_logprobs], device=device)
             q = torch.softmax(logits / temperature, dim=-1)
             p = torch.softmax(topk_lp / temperature, dim=-1)  # target warped on its top-k
             hits += float(torch.minimum(p, q.gather(-1, topk_ids)).sum())
@@ -135,4 +151,4 @@ def shadow_alpha(
         n_records += 1
         if max_positions is not None and total >= max_positions:
             break
-    return ShadowEstimate(alpha=hits / total if total else float("nan"), positions=total, records=n_records)
+    return ShadowEstimate(alpha=acceptance_rate(hits, total), positions=total, records=n_records)

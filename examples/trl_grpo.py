@@ -25,6 +25,8 @@ import argparse
 import os
 import tempfile
 
+from dvi.results import fmt_rate
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
@@ -98,7 +100,7 @@ def report(trainer, rollout_func) -> None:
     print(f"\n{'step':>4} {'target_v':>8} {'seqs':>5} {'tokens':>6} {'alpha':>6} {'spec':>5} {'tok/s':>7}")
     for h in rollout_func.history:
         print(f"{h['global_step']:>4} {h['target_version']:>8} {h['num_sequences']:>5} {h['num_tokens']:>6} "
-              f"{h['alpha']:>6.3f} {h['speculated_share']:>5.2f} {h['tokens_per_s']:>7.1f}")
+              f"{fmt_rate(h['alpha']):>6} {fmt_rate(h['speculated_share'], 2):>5} {fmt_rate(h['tokens_per_s'], 1):>7}")
     rewards = [x["reward"] for x in trainer.state.log_history if "reward" in x]
     if rewards:
         print(f"reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}")

@@ -179,7 +179,8 @@ def _on_finished(state: ServerState, fin: Finished) -> None:
     """Engine thread: per-request metrics and the swapper's live-α window and shadow records."""
     state.metrics.observe_request(fin)
     if state.swapper is not None and fin.result is not None:
-        state.swapper.observe(fin.drafted, fin.accepted, fin.drafter_version)
+        r = fin.result
+        state.swapper.observe(r.num_drafted, r.num_accepted, r.drafter_version)
         if fin.record is not None and fin.record.token_ids:
             state.swapper.observe_record(fin.record)
 

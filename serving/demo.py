@@ -36,6 +36,7 @@ import yaml
 
 from dvi.config import DviConfig, dump_config
 from dvi.fsutil import PRIVATE, atomic_write_text
+from dvi.results import acceptance_rate, mean_accepted_length
 from dvi.rundir import RunDir
 
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
@@ -147,18 +148,16 @@ class Timeline:
         if not self._buf:
             return
         b, self._buf = self._buf, []
-        drafted = sum(s["drafted"] for s in b)
-        steps = sum(s["steps"] for s in b)
+        accepted = sum(s["accepted"] for s in b)
         self.rows.append({
             "requests": self.done, "phase": b[-1]["phase"], "n": len(b),
-            "alpha": sum(s["accepted"] for s in b) / drafted if drafted else None,
-            "mean_accepted_length": 1 + sum(s["accepted"] for s in b) / steps if steps else None,
+            "alpha": acceptance_rate(accepted, sum(s["drafted"] for s in b)),
+            "mean_accepted_length": mean_accepted_length(accepted, sum(s["steps"] for s in b)),
             "drafter_version": b[-1]["drafter_version"], "target_version": b[-1]["target_version"],
         })
 
     def rolling_alpha(self) -> float | None:
-        drafted = sum(s["drafted"] for s in self.recent)
-        return sum(s["accepted"] for s in self.recent) / drafted if drafted else None
+        return acceptance_rate(sum(s["accepted"] for s in self.recent), sum(s["drafted"] for s in self.recent))
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dvi.engine import Request, SamplingParams
+from dvi.engine import GenerationResult, Request, SamplingParams
 from dvi.feedback import FeedbackRecord, FeedbackWriter
 
 from .detok import TextStream
@@ -40,7 +40,8 @@ class QueueFull(Exception):
 
 @dataclass
 class Finished:
-    """What a request ends with (handed to the client and to observers)."""
+    """What a request ends with: the engine's `GenerationResult` plus what only the server knows (the
+    text after stop strings, the reason it ended, latency measured from submission, the feedback record)."""
 
     request_id: str
     text: str
@@ -48,41 +49,22 @@ class Finished:
     prompt_len: int
     finish_reason: str
     domain: str
-    result: Any  # the engine's GenerationResult (None if the engine gave none)
+    result: GenerationResult | None  # None when the engine gave none (the request never reached it)
     latency_s: float
     ttft_s: float | None
     record: FeedbackRecord | None = None
 
-    @property
-    def drafted(self) -> int:
-        return int(getattr(self.result, "num_drafted", 0) or 0)
-
-    @property
-    def accepted(self) -> int:
-        return int(getattr(self.result, "num_accepted", 0) or 0)
-
-    @property
-    def steps(self) -> int:
-        return int(getattr(self.result, "num_steps", 0) or 0)
-
-    @property
-    def drafter_version(self) -> int:
-        return int(getattr(self.result, "drafter_version", 0) or 0)
-
-    @property
-    def target_version(self) -> int:
-        return int(getattr(self.result, "target_version", 0) or 0)
-
     def stats(self) -> dict[str, Any]:
-        steps = self.steps
+        """The response's `dvi` block (α and mean accepted length None when there is no data)."""
+        r = self.result or GenerationResult(request_id=self.request_id, prompt_ids=[])
         return {
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "alpha": (self.accepted / self.drafted) if self.drafted else None,
-            "mean_accepted_length": (1.0 + self.accepted / steps) if steps else 1.0,
-            "steps": steps,
-            "drafter_version": self.drafter_version,
-            "target_version": self.target_version,
+            "drafted": r.num_drafted,
+            "accepted": r.num_accepted,
+            "alpha": r.alpha,
+            "mean_accepted_length": r.mean_accepted_length,
+            "steps": r.num_steps,
+            "drafter_version": r.drafter_version,
+            "target_version": r.target_version,
             "domain": self.domain,
         }
 
@@ -352,13 +334,12 @@ class Scheduler:
                     break
         return max(n, h.sent_chars)
 
-    def _complete(self, h: Handle, reason: str, result: Any, notify: bool = True) -> None:
+    def _complete(self, h: Handle, reason: str, result: GenerationResult | None, notify: bool = True) -> None:
         now = time.perf_counter()
         record = None
         if result is not None:
             try:
-                record = FeedbackRecord.from_result(result, temperature=h.params.temperature, domain=h.domain,
-                                                    prompt_ids=h.prompt_ids)
+                record = FeedbackRecord.from_result(result, domain=h.domain, prompt_ids=h.prompt_ids)
             except Exception:  # noqa: BLE001 - feedback must never cost a request
                 self.feedback_errors += 1
                 log.exception("feedback record for %s dropped", h.request_id)

@@ -34,7 +34,6 @@ import collections
 import copy
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -44,9 +43,11 @@ from typing import Any
 import torch
 
 from dvi.drafters import ADAPTER_CONFIG, Drafter, SharedTargetDrafter
+from dvi.feedback import FeedbackRecord
 from dvi.fsutil import append_jsonl
 from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
-from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_passes
+from dvi.results import acceptance_rate, fmt_rate
+from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_failure, shadow_passes
 from dvi.vocab import apply_draft_vocab, find_subset_head
 
 log = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ class DrafterSwapper:
         self._thread: threading.Thread | None = None
 
     # -- observers (engine thread; cheap) ------------------------------------------------------
-    def observe_record(self, record: Any) -> None:
+    def observe_record(self, record: FeedbackRecord) -> None:
         self.recent.append(record)
 
     def observe(self, drafted: int, accepted: int, drafter_version: int) -> None:
@@ -251,8 +252,7 @@ class DrafterSwapper:
 
     def live_alpha(self, version: int) -> float | None:
         window = list(self._per_version.get(version, ()))
-        drafted = sum(d for d, _ in window)
-        return sum(a for _, a in window) / drafted if drafted else None
+        return acceptance_rate(sum(a for _, a in window), sum(d for d, _ in window))
 
     # -- watcher thread --------------------------------------------------------------------------
     def start(self) -> None:
@@ -298,11 +298,10 @@ class DrafterSwapper:
                                max_positions=SHADOW_MAX_POSITIONS)
             old = shadow_alpha(hf_logits_fn(_module(live_model)), records, device=self._device(model),
                                max_positions=SHADOW_MAX_POSITIONS)
-            reason = (f"shadow α {new.alpha:.3f} vs live {old.alpha:.3f} on {new.records} records "
+            reason = (f"shadow α {fmt_rate(new.alpha)} vs live {fmt_rate(old.alpha)} on {new.records} records "
                       f"({new.positions} positions)")
             if not shadow_passes(new.alpha, old.alpha, self.shadow_margin):
-                why = "not finite" if not math.isfinite(new.alpha) else f"worse by more than {self.shadow_margin}"
-                self._refuse(version, reason + f"; {why}", kind="shadow")
+                self._refuse(version, reason + f"; {shadow_failure(new.alpha, self.shadow_margin)}", kind="shadow")
                 return False
         self._swap(model, version, "promoted", reason)
         return True

@@ -13,11 +13,14 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
 from dvi.rundir import RunDir
+
+if TYPE_CHECKING:
+    from .scheduler import Finished
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +54,12 @@ class ServerMetrics:
         except Exception:  # noqa: BLE001 - metrics must never stop the server
             log.exception("metrics logger failed to start; /metrics still works")
 
-    def observe_request(self, fin: Any) -> None:
+    def observe_request(self, fin: Finished) -> None:
         """Engine thread, once per finished request (aborted ones included, they carry stats)."""
         if fin.result is None:
             return
-        r = fin.result
-        view = {name: getattr(r, name, None) for name in (
-            "token_ids", "num_drafted", "num_accepted", "num_steps", "accepted_per_position",
-            "drafted_per_position", "drafter_version")}
-        view.update(domain=fin.domain, finish_reason=fin.finish_reason, started_at=0.0,
-                    finished_at=fin.latency_s, ttft=fin.ttft_s)
-        stats = self.m.observe_result(view)
+        stats = self.m.observe_result(M.ResultStats.of(fin.result, domain=fin.domain, finish_reason=fin.finish_reason,
+                                                       latency=fin.latency_s, ttft=fin.ttft_s))
         with self._lock:
             self.requests += 1
             q = self._recent.setdefault(fin.domain, deque(maxlen=self.log_every * 4))

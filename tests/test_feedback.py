@@ -1,12 +1,12 @@
 import os
 import time
 import uuid
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dvi.feedback import SCHEMA, FeedbackReader, FeedbackRecord, FeedbackWriter
+from dvi.results import GenerationResult
 
 torch.set_num_threads(1)
 
@@ -32,8 +32,8 @@ def make_record(i: int = 0, n: int = 4, k: int = 3, domain: str = "code") -> Fee
     )
 
 
-def fake_result(n=3):
-    return SimpleNamespace(
+def fake_result(n=3, temperature=0.0):
+    return GenerationResult(
         request_id="abc",
         prompt_ids=[5, 6],
         token_ids=[7, 8, 9][:n],
@@ -47,11 +47,12 @@ def fake_result(n=3):
         domain="prose",
         started_at=10.0,
         finished_at=11.5,
+        temperature=temperature,
     )
 
 
-def test_from_result_duck_typed():
-    rec = FeedbackRecord.from_result(fake_result(), temperature=0.7)
+def test_from_result():
+    rec = FeedbackRecord.from_result(fake_result(temperature=0.7))
     assert rec.request_id == "abc" and rec.domain == "prose"
     assert rec.target_version == 3 and rec.drafter_version == 4
     assert rec.temperature == pytest.approx(0.7)

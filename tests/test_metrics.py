@@ -1,18 +1,18 @@
 import json
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dvi import metrics as M
+from dvi.results import GenerationResult
 
 torch.set_num_threads(1)
 
 
 def result(domain="code", version=1, drafted=8, accepted=6, steps=3, acc_pos=(3, 2, 1), dr_pos=(3, 3, 2)):
-    return SimpleNamespace(
+    return GenerationResult(
         request_id="r",
         prompt_ids=[1],
         token_ids=list(range(9)),
@@ -90,10 +90,9 @@ def test_alpha_window_rolls():
     assert w.summary()[("code", 2)][M.ACCEPTANCE_RATE] == 0.25
 
 
-def test_summarize_results_duck_typed():
-    r = SimpleNamespace(
-        token_ids=[1, 2, 3], drafted_ids=[1, 5, -1], accepted=[True, False, False], num_steps=2
-    )
+def test_summarize_results():
+    r = GenerationResult(request_id="r", prompt_ids=[1], token_ids=[1, 2, 3], drafted_ids=[1, 5, -1],
+                         accepted=[True, False, False], num_steps=2, num_drafted=2, num_accepted=1)
     s = M.summarize_results([r])
     assert s[M.NUM_DRAFT_TOKENS] == 2 and s[M.ACCEPTANCE_RATE] == 0.5 and s[M.MEAN_ACCEPTED_LENGTH] == 1.5
 

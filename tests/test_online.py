@@ -67,7 +67,7 @@ def engine_records(pair, domain: str, n: int, max_new_tokens: int = 24, prefix: 
     while eng.has_unfinished():
         for o in eng.step():
             if o.finished:
-                out.append(FeedbackRecord.from_result(o.result, temperature=0.0))
+                out.append(FeedbackRecord.from_result(o.result))
     return out
 
 

@@ -3,6 +3,7 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dvi.feedback import FeedbackRecord
 from dvi.shadow import hf_logits_fn, shadow_alpha
 
 torch.set_num_threads(1)
@@ -16,7 +17,7 @@ def _llama(seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-def _records(target: LlamaForCausalLM, temperature: float) -> list[dict]:
+def _records(target: LlamaForCausalLM, temperature: float) -> list[FeedbackRecord]:
     recs = []
     gen = torch.Generator().manual_seed(0)
     for i in range(4):
@@ -35,8 +36,11 @@ def _records(target: LlamaForCausalLM, temperature: float) -> list[dict]:
                 else:
                     nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
                 ids.append(nxt)
-        recs.append({"prompt_ids": prompt, "token_ids": ids[len(prompt):], "temperature": temperature,
-                     "topk_ids": topk_ids, "topk_logprobs": topk_lp})
+        tokens = ids[len(prompt):]
+        recs.append(FeedbackRecord(request_id=f"r{i}", domain="default", target_version=0, drafter_version=0,
+                                   started_at=0.0, finished_at=0.0, temperature=temperature, prompt_ids=prompt,
+                                   token_ids=tokens, drafted_ids=[-1] * len(tokens), accepted=[False] * len(tokens),
+                                   topk_ids=topk_ids, topk_logprobs=topk_lp))
     return recs
 
 

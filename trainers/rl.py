@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from dvi.results import fmt_rate, pooled_rates
 from trainers.rl_tasks import TASKS, Problem, score, task_prompts
 
 # ---------------------------------------------------------------------------------------------
@@ -169,8 +170,8 @@ class StepLog:
 
     step: int
     reward: float
-    alpha: float
-    mean_accepted_length: float
+    alpha: float | None  # None: nothing drafted this step (dvi.results)
+    mean_accepted_length: float | None
     rollout_s: float
     tokens: int
     update_s: float
@@ -376,7 +377,7 @@ class RLRun:
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        out = self.drafter_trainer.train_on_records(self.rollouts.last_records(cfg.temperature))
+        out = self.drafter_trainer.train_on_records(self.rollouts.last_records())
         if cfg.drafter_replay_steps:
             out = self.drafter_trainer.train_on_replay(cfg.drafter_replay_steps)
         adapted = cfg.drafter_mode == "lora"
@@ -410,7 +411,7 @@ class RLRun:
         )
         self.logs.append(rec)
         self.log(
-            f"[{self.cfg.arm}] step {i:3d} reward {rec.reward:.3f} alpha {rec.alpha:.3f} "
+            f"[{self.cfg.arm}] step {i:3d} reward {rec.reward:.3f} alpha {fmt_rate(rec.alpha)} "
             f"spec {rec.speculated_tokens / max(rec.tokens, 1):.2f} rollout {rec.rollout_s:.2f}s "
             f"({rec.tokens / max(rec.rollout_s, 1e-9):.0f} tok/s) update {rec.update_s:.2f}s "
             f"drafter {drafter_s:.2f}s kl {rec.kl_to_init:.4f}"
@@ -447,7 +448,7 @@ class RLRun:
             "sync_s_total": sum(r.sync_s for r in logs),
             "drafter_s_total": sum(r.drafter_s for r in logs),
             "tokens_total": tokens,
-            "speculated_share": sum(r.speculated_tokens for r in logs) / tokens if tokens else float("nan"),
+            "speculated_share": sum(r.speculated_tokens for r in logs) / tokens if tokens else None,
             "alpha_mean": _alpha_of(logs),
             "alpha_from_step": alpha_from,
             "alpha_late": _alpha_of(late),
@@ -457,9 +458,8 @@ class RLRun:
         }
 
 
-def _alpha_of(rs: Sequence[StepLog]) -> float:
-    drafted = sum(r.num_drafted for r in rs)
-    return sum(r.num_accepted for r in rs) / drafted if drafted else float("nan")
+def _alpha_of(rs: Sequence[StepLog]) -> float | None:
+    return pooled_rates(rs)[0]
 
 
 def _logprob_gap(logps: torch.Tensor, mask: torch.Tensor, rolls: Sequence[Any]) -> float:

@@ -152,6 +152,10 @@ class FeedbackReader:
             return SCHEMA.empty_table()
         return pa.concat_tables(tables)
 
+    def read_records(self, shards: Iterable[str]) -> list[FeedbackRecord]:
+        """The shards' records, validated (bad shards quarantined and skipped, as `read(validate=True)`)."""
+        return [FeedbackRecord.from_row(row) for row in self.read(shards, validate=True).to_pylist()]
+
     def iter_records(self, shards: Iterable[str]) -> Iterator[FeedbackRecord]:
         for name in shards:
             for row in self.read([name]).to_pylist():

@@ -12,6 +12,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from dvi.results import GenerationResult
+
 SCHEMA = pa.schema(
     [
         pa.field("request_id", pa.string(), nullable=False),
@@ -46,10 +48,6 @@ def _as_list(x: Any) -> list:
     if hasattr(x, "tolist"):
         return x.tolist()
     return list(x)
-
-
-def _or_empty(x: Any) -> Any:
-    return [] if x is None else x
 
 
 @dataclass
@@ -128,43 +126,29 @@ class FeedbackRecord:
     @classmethod
     def from_result(
         cls,
-        result: Any,
-        temperature: float = 0.0,
+        result: GenerationResult,
         domain: str | None = None,
         prompt_ids: Sequence[int] | None = None,
     ) -> FeedbackRecord:
-        """Build from a GenerationResult-like object (duck-typed on the contract's field names).
-
-        `temperature` is the request's sampling temperature (not on GenerationResult); `domain`
-        and `prompt_ids` override the result's when given.
-        """
-
-        def get(name: str, default: Any = None) -> Any:
-            if isinstance(result, dict):
-                return result.get(name, default)
-            return getattr(result, name, default)
-
-        missing = [n for n in ("request_id", "token_ids", "drafted_ids", "accepted") if get(n) is None]
-        if missing:
-            raise ValueError(f"result lacks required field(s): {', '.join(missing)}")
-        temp = get("temperature", None)
-        hidden = get("hidden")
+        """The stored projection of an engine result (its temperature is the one served: below the
+        greedy floor that is 0); `domain` and `prompt_ids` override the result's when given."""
+        hidden = result.hidden
         return cls(
-            request_id=str(get("request_id")),
-            domain=str(domain if domain is not None else (get("domain") or "default")),
-            target_version=int(get("target_version", 0) or 0),
-            drafter_version=int(get("drafter_version", 0) or 0),
-            started_at=float(get("started_at", 0.0) or 0.0),
-            finished_at=float(get("finished_at", 0.0) or 0.0),
-            temperature=float(temp if temp is not None else temperature),
-            prompt_ids=_as_list(prompt_ids if prompt_ids is not None else _or_empty(get("prompt_ids"))),
-            token_ids=_as_list(get("token_ids")),
-            drafted_ids=_as_list(get("drafted_ids")),
-            accepted=[bool(a) for a in _as_list(get("accepted"))],
+            request_id=str(result.request_id),
+            domain=str(domain if domain is not None else (result.domain or "default")),
+            target_version=int(result.target_version),
+            drafter_version=int(result.drafter_version),
+            started_at=float(result.started_at),
+            finished_at=float(result.finished_at),
+            temperature=float(result.temperature),
+            prompt_ids=_as_list(prompt_ids if prompt_ids is not None else result.prompt_ids),
+            token_ids=_as_list(result.token_ids),
+            drafted_ids=_as_list(result.drafted_ids),
+            accepted=[bool(a) for a in _as_list(result.accepted)],
             # Rows are shared, not copied: the result is finished, and copying 128x32 lists
             # would dominate the engine-side logging cost.
-            topk_ids=_as_list(_or_empty(get("topk_ids"))),
-            topk_logprobs=_as_list(_or_empty(get("topk_logprobs"))),
+            topk_ids=_as_list(result.topk_ids),
+            topk_logprobs=_as_list(result.topk_logprobs),
             hidden=b"" if hidden is None else hidden.contiguous().numpy().tobytes(),
             hidden_dim=0 if hidden is None else int(hidden.shape[-1]),
         )

@@ -86,7 +86,6 @@ from dvi.metrics.reporting import (
 from dvi.metrics.stats import (
     AlphaWindow,
     ResultStats,
-    _get,  # noqa: F401  (private, kept importable)
     summarize_results,
 )
 

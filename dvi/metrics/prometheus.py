@@ -75,6 +75,7 @@ from dvi.metrics.names import (
     VLLM_METRICS,
 )
 from dvi.metrics.stats import AlphaWindow, ResultStats
+from dvi.results import GenerationResult
 
 
 class Metrics:
@@ -138,9 +139,11 @@ class Metrics:
     def __getitem__(self, name: str) -> Any:
         return self.collectors[name]
 
-    def observe_result(self, result: Any, domain: str | None = None) -> ResultStats:
+    def observe_result(self, result: GenerationResult | ResultStats, domain: str | None = None) -> ResultStats:
         """Count one finished request and refresh the rolling α gauges of its (domain, version)."""
-        s = ResultStats.of(result, domain)
+        s = result if isinstance(result, ResultStats) else ResultStats.of(result, domain=domain)
+        if domain is not None:
+            s.domain = domain
         s.domain = self.bounded_domain(s.domain)
         self._track_version(s.drafter_version)
         lv = {L_DRAFTER_VERSION: str(s.drafter_version), L_DOMAIN: s.domain}

@@ -1,15 +1,14 @@
 """Per-result spec-decode stats: what one finished request drafted and accepted, rolled up.
 
 Kept apart from the Prometheus collectors so the trainer, the rollout hook and benchmarks can
-compute α and mean accepted length (`ResultStats`, `AlphaWindow`, `summarize_results`)
-without touching prometheus_client. Results are duck-typed: a GenerationResult, a dict, or
-anything with the same attribute names.
+roll results up (`ResultStats`, `AlphaWindow`, `summarize_results`) without touching
+prometheus_client. The rates themselves come from `dvi.results` (None = no data).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,17 +22,16 @@ from dvi.metrics.names import (
     NUM_DRAFTS,
     REQUESTS,
 )
-
-
-def _get(result: Any, name: str, default: Any = None) -> Any:
-    if isinstance(result, Mapping):
-        return result.get(name, default)
-    return getattr(result, name, default)
+from dvi.results import GenerationResult, acceptance_rate, mean_accepted_length, pooled_rates
 
 
 @dataclass
 class ResultStats:
-    """The spec-decode numbers of one GenerationResult-like object (duck-typed)."""
+    """The spec-decode numbers of one `GenerationResult`, light enough to keep hundreds in a window.
+
+    A result holds its top-k rows (tens of KB); the rolling windows and the telemetry log keep only
+    these counts.
+    """
 
     domain: str
     drafter_version: int
@@ -48,40 +46,36 @@ class ResultStats:
     latency: float | None
     ttft: float | None
 
+    @property
+    def alpha(self) -> float | None:
+        return acceptance_rate(self.num_accepted, self.num_drafted)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return mean_accepted_length(self.num_accepted, self.num_steps)
+
     @classmethod
-    def of(cls, result: Any, domain: str | None = None) -> ResultStats:
-        acc_pos = list(_get(result, "accepted_per_position", None) or [])
-        dr_pos = list(_get(result, "drafted_per_position", None) or [])
-        drafted = _get(result, "num_drafted", None)
-        if drafted is None:
-            drafted = sum(1 for d in _get(result, "drafted_ids", None) or [] if d >= 0)
-        accepted = _get(result, "num_accepted", None)
-        if accepted is None:
-            accepted = sum(1 for a in _get(result, "accepted", None) or [] if a)
-        steps = int(_get(result, "num_steps", 0) or 0)
+    def of(cls, result: GenerationResult, *, domain: str | None = None, finish_reason: str | None = None,
+           latency: float | None = None, ttft: float | None = None) -> ResultStats:
+        """`domain`, `finish_reason`, `latency` and `ttft` override the result's (the server measures
+        latency from submission and may end a sequence on a stop string the engine never saw)."""
+        r = result
+        if latency is None and r.finished_at >= r.started_at > 0:
+            latency = r.finished_at - r.started_at
+        dr_pos = list(r.drafted_per_position)
         # drafted_per_position[0] counts the steps in which at least one token was drafted.
-        num_drafts = dr_pos[0] if dr_pos else (steps if drafted else 0)
-        started, finished = _get(result, "started_at", None), _get(result, "finished_at", None)
-        latency = (
-            finished - started
-            if started is not None and finished is not None and finished >= started
-            else None
-        )
-        first = _get(result, "first_token_at", None)
-        ttft = first - started if first is not None and started is not None and first >= started else None
-        if ttft is None:
-            ttft = _get(result, "ttft", None)
+        num_drafts = dr_pos[0] if dr_pos else (r.num_steps if r.num_drafted else 0)
         return cls(
-            domain=str(domain if domain is not None else (_get(result, "domain", None) or "default")),
-            drafter_version=int(_get(result, "drafter_version", 0) or 0),
+            domain=str(domain if domain is not None else (r.domain or "default")),
+            drafter_version=int(r.drafter_version),
             num_drafts=int(num_drafts),
-            num_drafted=int(drafted),
-            num_accepted=int(accepted),
-            num_steps=steps,
-            num_tokens=len(_get(result, "token_ids", None) or []),
-            accepted_per_position=[int(x) for x in acc_pos],
+            num_drafted=int(r.num_drafted),
+            num_accepted=int(r.num_accepted),
+            num_steps=int(r.num_steps),
+            num_tokens=len(r.token_ids),
+            accepted_per_position=[int(x) for x in r.accepted_per_position],
             drafted_per_position=[int(x) for x in dr_pos],
-            finish_reason=str(_get(result, "finish_reason", None) or "unknown"),
+            finish_reason=str(finish_reason or r.finish_reason or "unknown"),
             latency=latency,
             ttft=ttft,
         )
@@ -96,9 +90,9 @@ class AlphaWindow:
         self.window = window
         self._q: dict[tuple[str, int], deque[ResultStats]] = {}
 
-    def observe(self, result: Any, domain: str | None = None) -> tuple[str, int]:
-        """Add a result (GenerationResult-like or ResultStats); returns its (domain, version) key."""
-        s = result if isinstance(result, ResultStats) else ResultStats.of(result, domain)
+    def observe(self, result: GenerationResult | ResultStats, domain: str | None = None) -> tuple[str, int]:
+        """Add a result (or its stats); returns its (domain, version) key."""
+        s = result if isinstance(result, ResultStats) else ResultStats.of(result, domain=domain)
         key = (s.domain, s.drafter_version)
         self._q.setdefault(key, deque(maxlen=self.window)).append(s)
         return key
@@ -114,14 +108,10 @@ class AlphaWindow:
         return len(self._q.get((domain, drafter_version), ()))
 
     def alpha(self, domain: str, drafter_version: int) -> float | None:
-        q = self._q.get((domain, drafter_version))
-        drafted = sum(s.num_drafted for s in q) if q else 0
-        return sum(s.num_accepted for s in q) / drafted if drafted else None
+        return pooled_rates(self._q.get((domain, drafter_version), ()))[0]
 
     def mean_accepted_length(self, domain: str, drafter_version: int) -> float | None:
-        q = self._q.get((domain, drafter_version))
-        steps = sum(s.num_steps for s in q) if q else 0
-        return 1.0 + sum(s.num_accepted for s in q) / steps if steps else None
+        return pooled_rates(self._q.get((domain, drafter_version), ()))[1]
 
     def per_position(self, domain: str, drafter_version: int) -> list[float | None]:
         q = self._q.get((domain, drafter_version)) or ()
@@ -131,7 +121,7 @@ class AlphaWindow:
             for i, (a, d) in enumerate(zip(s.accepted_per_position, s.drafted_per_position, strict=False)):
                 acc[i] += a
                 dr[i] += d
-        return [a / d if d else None for a, d in zip(acc, dr, strict=True)]
+        return [acceptance_rate(a, d) for a, d in zip(acc, dr, strict=True)]
 
     def summary(self) -> dict[tuple[str, int], dict[str, Any]]:
         """{(domain, version): {ACCEPTANCE_RATE, MEAN_ACCEPTED_LENGTH, ACCEPTANCE_RATE_PER_POS, n}}."""
@@ -146,9 +136,11 @@ class AlphaWindow:
         }
 
 
-def summarize_results(results: Iterable[Any], domain: str | None = None) -> dict[str, float]:
-    """Aggregate a batch of results into {metric name: number} (for JSONL / wandb / benchmarks)."""
-    stats = [r if isinstance(r, ResultStats) else ResultStats.of(r, domain) for r in results]
+def summarize_results(results: Iterable[GenerationResult | ResultStats], domain: str | None = None
+                      ) -> dict[str, float]:
+    """Aggregate a batch of results into {metric name: number} (for JSONL / wandb / benchmarks);
+    the rates are left out when there is no data for them."""
+    stats = [r if isinstance(r, ResultStats) else ResultStats.of(r, domain=domain) for r in results]
     drafted = sum(s.num_drafted for s in stats)
     accepted = sum(s.num_accepted for s in stats)
     steps = sum(s.num_steps for s in stats)
@@ -159,9 +151,10 @@ def summarize_results(results: Iterable[Any], domain: str | None = None) -> dict
         NUM_ACCEPTED_TOKENS: accepted,
         GENERATION_TOKENS: sum(s.num_tokens for s in stats),
     }
-    if drafted:
-        out[ACCEPTANCE_RATE] = accepted / drafted
-    if steps:
-        out[MEAN_ACCEPTED_LENGTH] = 1.0 + accepted / steps
+    alpha, mal = acceptance_rate(accepted, drafted), mean_accepted_length(accepted, steps)
+    if alpha is not None:
+        out[ACCEPTANCE_RATE] = alpha
+    if mal is not None:
+        out[MEAN_ACCEPTED_LENGTH] = mal
     return out
 

@@ -10,9 +10,8 @@ generated positions trained on (the last T inputs of each row), k top-k entries 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -41,23 +40,17 @@ class Example:
     topk_logprobs: np.ndarray  # [n, k] float32, -inf padding
     hidden: np.ndarray | None = None  # [p + n - 1, H] float16: the target's features (eagle drafters)
 
-    @classmethod
-    def of(cls, rec: FeedbackRecord | Mapping[str, Any] | Example) -> Example:
-        """From a FeedbackRecord, a parquet row dict or an Example.
+    def features(self) -> np.ndarray | None:
+        return self.hidden
 
-        Records logged without top-k (feedback_top_k=0) train on the target's own token as a
-        one-hot target distribution (cross-entropy), the best the log allows.
-        """
+    @classmethod
+    def of(cls, rec: FeedbackRecord | Example) -> Example:
+        """Records logged without top-k (feedback_top_k=0) train on the target's own token as a
+        one-hot target distribution (cross-entropy), the best the log allows."""
         if isinstance(rec, Example):
             return rec
-
-        def g(name: str) -> Any:
-            return rec[name] if isinstance(rec, Mapping) else getattr(rec, name)
-
-        tokens = np.asarray(g("token_ids"), dtype=np.int64)  # [n]
-        raw, dim = (rec.get("hidden"), rec.get("hidden_dim")) if isinstance(rec, Mapping) else (rec.hidden, rec.hidden_dim)
-        hidden = np.frombuffer(raw, dtype=np.float16).reshape(-1, int(dim)) if raw else None
-        tk, tl = g("topk_ids"), g("topk_logprobs")  # n ragged lists (k or fewer each), or empty
+        tokens = np.asarray(rec.token_ids, dtype=np.int64)  # [n]
+        tk, tl = rec.topk_ids, rec.topk_logprobs  # n ragged lists (k or fewer each), or empty
         if len(tk) == len(tokens) and len(tokens):
             k = max(len(r) for r in tk)  # pad every position to [k]
             ids = np.full((len(tokens), k), -1, dtype=np.int64)
@@ -69,19 +62,19 @@ class Example:
             ids = tokens.reshape(-1, 1).copy()  # [n, 1]: the token itself, log-prob 0 (one-hot)
             lps = np.zeros((len(tokens), 1), dtype=np.float32)
         return cls(
-            request_id=str(g("request_id")),
-            domain=str(g("domain")),
-            target_version=int(g("target_version")),
-            drafter_version=int(g("drafter_version")),
-            finished_at=float(g("finished_at")),
-            temperature=float(g("temperature")),
-            prompt_ids=np.asarray(g("prompt_ids"), dtype=np.int64),
+            request_id=str(rec.request_id),
+            domain=str(rec.domain),
+            target_version=int(rec.target_version),
+            drafter_version=int(rec.drafter_version),
+            finished_at=float(rec.finished_at),
+            temperature=float(rec.temperature),
+            prompt_ids=np.asarray(rec.prompt_ids, dtype=np.int64),
             token_ids=tokens,
-            drafted_ids=np.asarray(g("drafted_ids"), dtype=np.int64),
-            accepted=np.asarray(g("accepted"), dtype=bool),
+            drafted_ids=np.asarray(rec.drafted_ids, dtype=np.int64),
+            accepted=np.asarray(rec.accepted, dtype=bool),
             topk_ids=ids,
             topk_logprobs=lps,
-            hidden=hidden,
+            hidden=rec.features(),
         )
 
 

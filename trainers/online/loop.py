@@ -107,10 +107,9 @@ class TrainerLoop:
         done = [s for s in self.reader.list_shards() if s not in pending or s in self.trained][-max_shards:]
         if not done:
             return
-        table = self.reader.read(done, validate=True)
         n_held = 0
-        for row in table.to_pylist():
-            e = Example.of(row)
+        for rec in self.reader.read_records(done):
+            e = Example.of(rec)
             t.max_target_version = max(t.max_target_version, e.target_version)
             if is_heldout(e.request_id, t.tc.heldout_fraction):
                 t.heldout.append(e)
@@ -211,9 +210,7 @@ class TrainerLoop:
         shards = self._broadcast(self._choose() if t.is_main else None)
         if not shards:
             return None
-        table = self.reader.read(shards, validate=True)
-        rows = table.to_pylist()
-        stats = t.train_on_records(rows)
+        stats = t.train_on_records(self.reader.read_records(shards))
         self.seq += 1
         self.trained |= set(shards)
         entry = {"seq": self.seq, "shards": shards, "trained": stats["trained_ids"], "heldout": stats["heldout_ids"],

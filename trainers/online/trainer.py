@@ -38,6 +38,7 @@ from dvi.config import DviConfig
 from dvi.feedback import FeedbackRecord
 from dvi.fsutil import fsync_tree, old_dirs, replace_dir, tmp_dir_beside
 from dvi.registry import AdapterRejected, DrafterRegistry
+from dvi.results import fmt_rate
 from dvi.rundir import RunDir
 from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_passes
 from dvi.vocab import find_subset_head
@@ -162,7 +163,7 @@ class OnlineTrainer:
         return allowed is None or self.step < allowed
 
     # -- training ----------------------------------------------------------------------------------
-    def train_on_records(self, records: Iterable[FeedbackRecord | Mapping[str, Any] | Example]) -> dict[str, Any]:
+    def train_on_records(self, records: Iterable[FeedbackRecord | Example]) -> dict[str, Any]:
         """Train on new records (each once), with replay; returns what happened.
 
         Held-out records (by request-id hash) are kept for evaluation and never trained on.
@@ -319,7 +320,7 @@ class OnlineTrainer:
         f.needs_features = fn.needs_features
         return f
 
-    def shadow(self, records: Sequence[Any] | None = None, state: Mapping[str, torch.Tensor] | None = None):
+    def shadow(self, records: Sequence[FeedbackRecord | Example] | None = None, state: Mapping[str, torch.Tensor] | None = None):
         """Shadow α (teacher-forced, `dvi.shadow`) of the current weights, or of `state`, on held-out records."""
         recs = list(self.heldout) if records is None else [Example.of(r) for r in records]
         saved = None
@@ -391,7 +392,8 @@ class OnlineTrainer:
             decision.update(heldout_alpha=new.alpha, parent_heldout_alpha=old.alpha, heldout_records=new.records,
                             heldout_positions=new.positions)
             ok = shadow_passes(new.alpha, old.alpha, self.tc.shadow_margin)
-            reason = (f"shadow α {new.alpha:.4f} vs parent {old.alpha:.4f} (v{parent_cmp if parent_cmp is not None else 0})"
+            reason = (f"shadow α {fmt_rate(new.alpha, 4)} vs parent {fmt_rate(old.alpha, 4)} "
+                      f"(v{parent_cmp if parent_cmp is not None else 0})"
                       f" on {new.records} held-out records")
         else:
             ok, reason = True, "no held-out records yet; published unchecked"
