@@ -25,12 +25,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dvi.feedback import FeedbackRecord
+from dvi.feedback import FeedbackRecord, FeedbackWriter
 from dvi.results import GenerationResult, acceptance_rate, mean_accepted_length
+
+if TYPE_CHECKING:
+    from dvi.engine import SpeculativeEngine
 
 __all__ = [
     "Rollout",
@@ -184,8 +187,8 @@ class RolloutEngine:
 
     def __init__(
         self,
-        engine: Any,
-        feedback_writer: Any | None = None,
+        engine: SpeculativeEngine,
+        feedback_writer: FeedbackWriter | None = None,
         domain: str = "rl",
         stop_token_ids: Sequence[int] | None = None,
         max_batch_size: int | None = None,
@@ -271,10 +274,10 @@ class RolloutEngine:
         return out
 
     def _generate_chunks(self, prompts: list[list[int]], sampling: dict[str, Any],
-                         seed: int | None) -> list[Any]:
+                         seed: int | None) -> list[GenerationResult]:
         """`engine.generate` over `max_batch_size` chunks; row i keeps seed + i whatever the chunking."""
         chunk = self.max_batch_size or len(prompts) or 1
-        results: list[Any] = []
+        results: list[GenerationResult] = []
         for start in range(0, len(prompts), chunk):
             results.extend(self.engine.generate(prompts[start: start + chunk],
                                                 seed=None if seed is None else seed + start, **sampling))

@@ -32,9 +32,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dvi.fsutil import PRIVATE, atomic_write_json, atomic_write_text
+
+if TYPE_CHECKING:
+    from dvi.config import DviConfig
 
 PAUSE_FILE = "trainer.pause"
 TARGET_VERSION_FILE = "target_version"
@@ -64,7 +67,7 @@ class RunDir:
         return f"RunDir({str(self.root)!r}, feedback_dir={self.feedback_dir!r}, registry_dir={self.registry_dir!r})"
 
     @classmethod
-    def of(cls, cfg: Any) -> RunDir:
+    def of(cls, cfg: DviConfig) -> RunDir:
         """The run dir of a `dvi.config.DviConfig` (its `run_dir`, `feedback.dir` and `registry.dir`)."""
         return cls(cfg.run_dir, cfg.feedback.dir, cfg.registry.dir)
 

@@ -185,7 +185,7 @@ def _on_finished(state: ServerState, fin: Finished) -> None:
             state.swapper.observe_record(fin.record)
 
 
-def _on_swap_event(metrics: Any, ev: SwapEvent) -> None:
+def _on_swap_event(metrics: ServerMetrics, ev: SwapEvent) -> None:
     metrics.observe_swap(ev.kind, ev.version, ev.reason, category=ev.category)
 
 

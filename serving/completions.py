@@ -45,6 +45,8 @@ log = logging.getLogger("dvi.serving")
 
 DISCONNECT_POLL_S = 0.25
 
+ApiRequest = CompletionRequest | ChatCompletionRequest
+
 
 # -- request handling -----------------------------------------------------------------------------
 # pydantic puts the union member that failed into `loc` ("str", "list[int]",
@@ -130,7 +132,7 @@ def _chat_prompt(tokenizer: Any, messages: list) -> list[int]:
     return render_chat(tokenizer, [{"role": m.role, "content": m.content} for m in messages])
 
 
-def _prepare(state: ServerState, req: Any, prompt_ids: list[int]) -> SamplingParams:
+def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> SamplingParams:
     """Config-dependent checks (model, limits, context) and the engine's sampling params."""
     cfg = state.cfg
     if req.stream and req.wants_logprobs():
@@ -185,7 +187,7 @@ async def _next_event(state: ServerState, h: Handle, request: Request) -> tuple:
                 raise asyncio.CancelledError from None
 
 
-def _submit(state: ServerState, req: Any, prompt_ids: list[int], params: SamplingParams) -> Handle:
+def _submit(state: ServerState, req: ApiRequest, prompt_ids: list[int], params: SamplingParams) -> Handle:
     try:
         h = state.scheduler.submit(prompt_ids, params, domain=req.domain(), stop=req.stop_list(),
                                    stream=req.stream)
@@ -194,11 +196,11 @@ def _submit(state: ServerState, req: Any, prompt_ids: list[int], params: Samplin
     return h
 
 
-def _echoes(req: Any) -> bool:
-    return bool(getattr(req, "echo", False))
+def _echoes(req: ApiRequest) -> bool:
+    return isinstance(req, CompletionRequest) and req.echo
 
 
-def _echo_text(state: ServerState, req: Any, prompt_ids: list[int]) -> str:
+def _echo_text(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> str:
     """The prompt, returned before the completion when a completions request sets `echo`."""
     if not _echoes(req):
         return ""
@@ -207,7 +209,7 @@ def _echo_text(state: ServerState, req: Any, prompt_ids: list[int]) -> str:
     return state.tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
 
-async def _complete(state: ServerState, request: Request, req: Any, prompt_ids: list[int],
+async def _complete(state: ServerState, request: Request, req: ApiRequest, prompt_ids: list[int],
                     chat: bool) -> Response:
     params = _prepare(state, req, prompt_ids)
     h = _submit(state, req, prompt_ids, params)
@@ -243,7 +245,7 @@ async def _complete(state: ServerState, request: Request, req: Any, prompt_ids: 
 
 def _logprobs(state: ServerState, fin: Finished, chat: bool) -> dict[str, Any]:
     """The chosen tokens' target log-probs in the endpoint's OpenAI shape."""
-    lps = list(getattr(fin.result, "token_logprobs", None) or [])
+    lps = fin.result.token_logprobs if fin.result is not None else []
     cut = len(fin.text) if fin.finish_reason == "stop" else None
     items = token_logprobs(state.tokenizer, fin.token_ids, lps, cut_at=cut)
     return chat_logprobs(items) if chat else completion_logprobs(items)

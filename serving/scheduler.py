@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dvi.engine import GenerationResult, Request, SamplingParams
+from dvi.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
 from dvi.feedback import FeedbackRecord, FeedbackWriter
 
 from .detok import TextStream
@@ -103,7 +103,7 @@ class Handle:
 class Scheduler:
     """Owns the engine thread; the app submits requests and awaits their events."""
 
-    def __init__(self, engine: Any, tokenizer: Any, max_batch_size: int, queue_limit: int,
+    def __init__(self, engine: SpeculativeEngine, tokenizer: Any, max_batch_size: int, queue_limit: int,
                  feedback: FeedbackWriter | None = None, num_threads: int = 1) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -236,7 +236,7 @@ class Scheduler:
             self._active.pop(h.request_id, None)
             self._complete(h, "abort", result, notify=False)
 
-    def _abort(self, h: Handle) -> Any:
+    def _abort(self, h: Handle) -> GenerationResult | None:
         try:
             return self.engine.abort(h.request_id)
         except Exception:  # noqa: BLE001
@@ -278,14 +278,14 @@ class Scheduler:
             except Exception:  # noqa: BLE001
                 log.exception("step observer failed")
 
-    def _on_tokens(self, h: Handle, out: Any) -> None:
-        new = list(out.new_token_ids)
+    def _on_tokens(self, h: Handle, out: StepOutput) -> None:
+        new = out.new_token_ids
         if new and h.first_token_at is None:
             h.first_token_at = time.perf_counter()
         h.token_ids.extend(new)
-        finished = bool(out.finished)
+        finished = out.finished
         result = out.result if finished else None
-        reason = getattr(result, "finish_reason", None) or "length"
+        reason = (result.finish_reason if result is not None else None) or "length"
         if h.stop or h.stream:
             if h.detok is None:
                 h.detok = TextStream(self.tokenizer)

@@ -38,10 +38,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dvi.config import DviConfig
 from dvi.drafters import ADAPTER_CONFIG, Drafter, SharedTargetDrafter
 from dvi.feedback import FeedbackRecord
 from dvi.fsutil import append_jsonl
@@ -49,6 +50,9 @@ from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
 from dvi.results import acceptance_rate, fmt_rate
 from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_failure, shadow_passes
 from dvi.vocab import apply_draft_vocab, find_subset_head
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +206,7 @@ class SwapPolicy:
     shadow_records: int = 64
 
     @classmethod
-    def of(cls, cfg: Any) -> SwapPolicy:
+    def of(cls, cfg: DviConfig) -> SwapPolicy:
         """From a `DviConfig` (serve.registry_poll_seconds, serve.rollback_*, trainer.shadow_margin)."""
         return cls(poll_seconds=cfg.serve.registry_poll_seconds, shadow_margin=cfg.trainer.shadow_margin,
                    rollback_window=cfg.serve.rollback_window, rollback_margin=cfg.serve.rollback_margin)
@@ -211,7 +215,7 @@ class SwapPolicy:
 class DrafterSwapper:
     """Owns the live drafter version; the registry watcher thread and the admin API use it."""
 
-    def __init__(self, registry: DrafterRegistry, scheduler: Any, base_drafter: torch.nn.Module, policy: SwapPolicy,
+    def __init__(self, registry: DrafterRegistry, scheduler: Scheduler, base_drafter: torch.nn.Module, policy: SwapPolicy,
                  on_event: Callable[[SwapEvent], None] | None = None, event_log: str | None = None) -> None:
         self.registry = registry
         self.scheduler = scheduler

@@ -13,13 +13,14 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
 from dvi.rundir import RunDir
 
 if TYPE_CHECKING:
+    from .app import ServerState
     from .scheduler import Finished
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class ServerMetrics:
                 self._synced[name] = total
                 self.m[name].inc(delta)
 
-    def update_gauges(self, state: Any) -> None:
+    def update_gauges(self, state: ServerState) -> None:
         """Scrape time: queue depth, versions, trainer state and heartbeat, feedback write health."""
         self.m.set_queue_depth(state.scheduler.queue_depth())
         dv = state.swapper.live_version if state.swapper is not None else 0

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from dvi.results import fmt_rate, pooled_rates
+from dvi.rollout import Rollout
 from trainers.rl_tasks import TASKS, Problem, score, task_prompts
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +315,7 @@ class RLRun:
         return OnlineTrainer(dcfg, drafter, run_dir=self._scratch.name, pad_id=self.pad_id)
 
     # -- one step, phase by phase ------------------------------------------------------------------
-    def _rollouts(self, i: int) -> tuple[list[Problem], list[Any]]:
+    def _rollouts(self, i: int) -> tuple[list[Problem], list[Rollout]]:
         """This step's prompts and `n` rollouts of each (seeded by run seed and step)."""
         cfg = self.cfg
         batch = [next(self._prompts) for _ in range(cfg.prompts_per_step)]
@@ -324,11 +325,11 @@ class RLRun:
         )
         return [batch[r.prompt_index][1] for r in rolls], rolls
 
-    def _rewards(self, problems: list[Problem], rolls: list[Any]) -> torch.Tensor:
+    def _rewards(self, problems: list[Problem], rolls: list[Rollout]) -> torch.Tensor:
         texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rolls]
         return torch.tensor([score(self.cfg.reward, p, t) for p, t in zip(problems, texts, strict=True)])
 
-    def _update_policy(self, i: int, rolls: list[Any], rewards: torch.Tensor) -> dict[str, float]:
+    def _update_policy(self, i: int, rolls: list[Rollout], rewards: torch.Tensor) -> dict[str, float]:
         """One GRPO step (on-policy, group-normalised advantages); loss, seconds, KL to init, log-prob gap."""
         cfg = self.cfg
         p_ids, c_ids = [r.prompt_ids for r in rolls], [r.completion_ids for r in rolls]
@@ -462,7 +463,7 @@ def _alpha_of(rs: Sequence[StepLog]) -> float | None:
     return pooled_rates(rs)[0]
 
 
-def _logprob_gap(logps: torch.Tensor, mask: torch.Tensor, rolls: Sequence[Any]) -> float:
+def _logprob_gap(logps: torch.Tensor, mask: torch.Tensor, rolls: Sequence[Rollout]) -> float:
     """Mean |log p_policy - log p_rollout| over the sampled tokens: how far the served (merged, serving
     dtype) target is from the policy the gradient was taken on (0 = exactly on-policy)."""
     gaps = []
