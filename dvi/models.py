@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from dvi.vocab import apply_draft_vocab, load_draft_vocab
 
@@ -360,22 +359,35 @@ def check_target_state_dict(sd: dict, own: dict, complete: bool) -> None:
 
 
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Weights from a .safetensors / .bin file or an HF model directory (sharded safetensors included)."""
+    """Weights from one checkpoint file, or from an HF model directory laid out as `save_pretrained`
+    writes it: the shards its index lists (`model.safetensors.index.json` / `pytorch_model.bin.index.json`,
+    resolved by transformers' `get_checkpoint_shard_files`) or the single weights file. Files are read
+    by transformers' own loader (safetensors, or a weights-only torch pickle)."""
+    from transformers.modeling_utils import get_checkpoint_shard_files
+    from transformers.modeling_utils import load_state_dict as read_checkpoint
+    from transformers.utils import (
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+
     path = Path(path)
-    if path.is_dir():
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            files = sorted(path.glob("*.bin"))
-        if not files:
-            raise ValueError(f"state_dict_or_path: no weights found in {path}")
-    elif path.exists():
-        files = [path]
+    if path.is_file():
+        files = [str(path)]
+    elif path.is_dir():
+        index = next((path / n for n in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME) if (path / n).is_file()), None)
+        single = next((path / n for n in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME) if (path / n).is_file()), None)
+        if index is not None:
+            files = get_checkpoint_shard_files(str(path), str(index))[0]
+        elif single is not None:
+            files = [str(single)]
+        else:
+            raise ValueError(f"state_dict_or_path: {path} holds no {SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or a shard "
+                             f"index ({SAFE_WEIGHTS_INDEX_NAME}); give a weights file or a save_pretrained directory")
     else:
         raise ValueError(f"state_dict_or_path: {path} does not exist")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        if f.suffix == ".safetensors":
-            sd.update(load_file(str(f)))
-        else:
-            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
+        sd.update(read_checkpoint(f))
     return sd

@@ -104,3 +104,26 @@ def test_load_pair_from_config(tiny_pair_dir):
                           tokenizer=None, device="cpu", dtype="auto")
     pair = load_pair_from_config(cfg)
     assert pair.drafter is not None and len(pair.tokenizer) == pair.target.config.vocab_size
+
+
+def test_load_state_dict_reads_sharded_and_single_checkpoints(tmp_path):
+    """A target update from a directory reads it as save_pretrained wrote it: every shard of the index."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dvi.models import load_state_dict
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    model.save_pretrained(tmp_path / "single")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    (tmp_path / "sharded" / "stray.safetensors").write_bytes(b"not a shard")  # not in the index: never read
+    want = model.state_dict()
+    for d in ("sharded", "single"):
+        got = load_state_dict(tmp_path / d)
+        assert got.keys() == want.keys(), d
+        assert all(torch.equal(got[k], want[k]) for k in want), d
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="state_dict_or_path.*save_pretrained"):
+        load_state_dict(tmp_path / "empty")
