@@ -280,19 +280,20 @@ class DrafterRegistry:
         adapter_name: str = "default",
         set_latest: bool = True,
     ) -> int:
-        """Publish one LoRA adapter of a peft model in peft's own on-disk format.
+        """Publish one LoRA adapter of a peft model, written by peft's own `save_pretrained`.
 
         The version dir loads with `PeftModel.from_pretrained(base, dir)` as well.
         """
-        from peft import get_peft_model_state_dict
-
         if adapter_name not in peft_model.peft_config:
             raise ValueError(f"peft model has no adapter {adapter_name!r}")
 
         def write(tmp: Path) -> None:
-            sd = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
-            save_file(_cpu_state_dict(sd), str(tmp / LORA_WEIGHTS), metadata={"format": "pt"})
-            peft_model.peft_config[adapter_name].save_pretrained(str(tmp))
+            peft_model.save_pretrained(str(tmp), selected_adapters=[adapter_name], safe_serialization=True)
+            if adapter_name != "default":  # peft puts a named adapter in its own subdir
+                for f in (tmp / adapter_name).iterdir():
+                    f.rename(tmp / f.name)
+                (tmp / adapter_name).rmdir()
+            (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: a version dir holds weights and config
 
         return self._publish(write, dict(manifest or {}), "lora", set_latest)
 

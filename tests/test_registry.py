@@ -217,3 +217,21 @@ def test_symlinked_version_or_file_outside_is_refused_missing_is_transient(tmp_p
     os.symlink(other.version_dir(v) / "model.safetensors", weights)
     with pytest.raises(AdapterRejected, match="outside the version directory"):
         reg.validate(v2)
+
+
+def test_peft_publish_named_adapter_round_trips(tmp_path):
+    """peft saves a non-default adapter in a subdir; the version dir still holds the two files at its top."""
+    from peft import get_peft_model_state_dict
+
+    reg = DrafterRegistry(tmp_path)
+    trained = _tiny_peft(seed=1)
+    trained.add_adapter("drafty", trained.peft_config["default"])
+    v = reg.publish_peft_adapter(trained, {}, adapter_name="drafty")
+    assert sorted(os.listdir(reg.version_dir(v))) == ["adapter_config.json", "adapter_model.safetensors",
+                                                      "manifest.json"]
+    server = _tiny_peft(seed=2)
+    server.add_adapter("drafty", server.peft_config["default"])
+    reg.load_peft_adapter_into(server, v, adapter_name="drafty")
+    want = get_peft_model_state_dict(trained, adapter_name="drafty")
+    got = get_peft_model_state_dict(server, adapter_name="drafty")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
