@@ -139,7 +139,7 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
         alpha=acceptance_rate(accepted, drafted),
         alpha_per_position=acceptance_rate(acc_n, tried_n),
         mean_accepted_length=mean_accepted_length(accepted, steps),
-        per_position_acceptance=[a / d if d else None for a, d in zip(acc_pos, dr_pos, strict=True)],
+        per_position_acceptance=[acceptance_rate(a, d) for a, d in zip(acc_pos, dr_pos, strict=True)],
         k_per_step=ks,
     )
 
