@@ -147,7 +147,7 @@ def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path, kind) -> None:
 
 def test_admin_rollback_and_pin(tiny_pair_dir, tmp_path) -> None:
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.admin_token=tok")
-    with ServerThread(cfg) as s, s.client(Authorization="Bearer tok") as admin:
+    with ServerThread(cfg) as s, s.client(token="tok") as admin:
         reg = DrafterRegistry(cfg.registry.dir)
         v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest())
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="v1")
@@ -197,7 +197,7 @@ def test_trainer_sigkill_is_restarted_without_failing_requests(tiny_pair_dir, tm
             assert f'{M.TRAINER_STATE} {float(M.TRAINER_STATES["running"])}' in text
             restarts = [ln for ln in text.splitlines() if ln.startswith(M.TRAINER_RESTARTS + " ")]
             assert restarts and float(restarts[0].split()[1]) >= 1, restarts
-        with s.client(Authorization="Bearer tok") as admin:
+        with s.client(token="tok") as admin:
             r = admin.post("/admin/trainer/pause")
             assert r.status_code == 200 and r.json()["state"] == "paused"
             assert (tmp_path / "trainer.pause").exists()
@@ -279,7 +279,7 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
     target = load_causal_lm(tiny_pair_dir / "target", "cpu")
     ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
-    with ServerThread(cfg) as s, s.client() as c, s.client(Authorization="Bearer tok") as admin:
+    with ServerThread(cfg) as s, s.client() as c, s.client(token="tok") as admin:
         live = s.state.engine.drafter
         assert isinstance(live, EarlyExitDrafter) and s.state.swapper.base is live
         assert live.target_ref is s.state.engine.target  # no second target in memory
@@ -398,7 +398,7 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
     target = load_causal_lm(tiny_pair_dir / "target", "cpu")
     ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
-    with ServerThread(cfg) as s, s.client() as c, s.client(Authorization="Bearer tok") as admin:
+    with ServerThread(cfg) as s, s.client() as c, s.client(token="tok") as admin:
         live = s.state.engine.drafter
         assert isinstance(live, EagleDrafter) and live.target_ref is s.state.engine.target
 
