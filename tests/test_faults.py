@@ -60,8 +60,6 @@ def _lora(drafter, scale: float = 0.0, seed: int = 0):
     return lora_copy(drafter, scale, seed)
 
 
-
-
 # -- the request-level server ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def srv(tiny_pair_dir, tmp_path_factory, allowed_dir):
