@@ -20,8 +20,6 @@ from .protocol import ApiError
 if TYPE_CHECKING:
     from dvi.config import Secret
 
-    from .app import ServerState
-
 _bearer = HTTPBearer(auto_error=False, description="`serve.api_key` (/v1) or `serve.admin_token` (/admin)")
 
 
@@ -48,13 +46,9 @@ async def require_api_key(request: Request, token: str | None = Depends(bearer_t
                        type_="authentication_error", code="invalid_api_key")
 
 
-async def require_admin(request: Request, token: str | None = Depends(bearer_token)) -> ServerState:
-    """The server state, for a request that carries `serve.admin_token`.
-
-    403 when admin is disabled (no token configured) or the token is wrong; 401 without one.
-    """
-    s: ServerState = request.app.state.dvi
-    admin_token = s.cfg.serve.admin_token
+async def require_admin(request: Request, token: str | None = Depends(bearer_token)) -> None:
+    """403 when admin is disabled (no token configured) or the token is wrong; 401 without one."""
+    admin_token = request.app.state.dvi.cfg.serve.admin_token
     if not _configured(admin_token):
         raise ApiError(403, "admin API is disabled (set serve.admin_token)", type_="permission_error")
     if token is None:
@@ -62,4 +56,3 @@ async def require_admin(request: Request, token: str | None = Depends(bearer_tok
                        type_="authentication_error")
     if not (admin_token == token):  # Secret.__eq__: constant time
         raise ApiError(403, "wrong admin token", type_="permission_error")
-    return s
