@@ -21,6 +21,7 @@ import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -323,17 +324,9 @@ class EarlyExitDrafter(SharedTargetDrafter):
         self.vocab_size = _num_embeddings(target)
 
     @classmethod
-    def from_target(
-        cls,
-        target: nn.Module,
-        num_layers: int,
-        lora_rank: int = 8,
-        lora_alpha: int | None = None,
-        target_modules: list[str] | None = None,
-        exit_rank: int = 16,
-        vocab_ids: torch.Tensor | None = None,
-    ) -> EarlyExitDrafter:
-        return cls(target, num_layers, lora_rank, lora_alpha, target_modules, exit_rank, vocab_ids)
+    def from_target(cls, target: nn.Module, *args: Any, **kwargs: Any) -> EarlyExitDrafter:
+        """The constructor under a name that says what it builds on (its arguments, not a copy of them)."""
+        return cls(target, *args, **kwargs)
 
     # ---------------------------------------------------------------- trainable parts
     def trainable_parameters(self) -> list[nn.Parameter]:

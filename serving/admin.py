@@ -17,17 +17,17 @@ outside the allowed dirs; 400 for bad bodies; 409 when the action does not apply
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from dvi.registry import AdapterRejected
 from dvi.rundir import RunDir
 
+from .auth import require_admin
 from .protocol import ApiError, Text
 
 log = logging.getLogger("dvi.serving.admin")
@@ -66,21 +66,6 @@ def _state(request: Request) -> Any:
     return request.app.state.dvi
 
 
-def _check_admin(request: Request) -> Any:
-    s = _state(request)
-    token = s.cfg.serve.admin_token
-    if token is None or not token.get_secret_value():
-        raise ApiError(403, "admin API is disabled (set serve.admin_token)", type_="permission_error")
-    auth = request.headers.get("authorization", "")
-    if not auth.startswith("Bearer "):
-        raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin_token>'",
-                       type_="authentication_error")
-    if not hmac.compare_digest(auth[len("Bearer "):].encode("utf-8", "surrogatepass"),
-                               token.get_secret_value().encode("utf-8", "surrogatepass")):
-        raise ApiError(403, "wrong admin token", type_="permission_error")
-    return s
-
-
 async def _body(request: Request, model: type) -> Any:
     from .app import _parse
 
@@ -107,10 +92,10 @@ def confine_path(path: str, allowed_dirs: list[Path]) -> Path:
     raise ApiError(403, f"path {path!r} is outside the allowed dirs", param="path", type_="permission_error")
 
 
-# -- the routes: each checks the admin token first ---------------------------------------------------
+# -- the routes (admin_router checks the admin token before each) -------------------------------------
 async def update_target(request: Request) -> dict:
     """POST /admin/target: load new target weights between engine steps, then announce the version."""
-    s = _check_admin(request)
+    s = _state(request)
     body: TargetUpdate = await _body(request, TargetUpdate)
     path = confine_path(body.path, list(s.cfg.serve.allowed_dirs))
     version = body.version if body.version is not None else s.target_version + 1
@@ -131,7 +116,7 @@ async def update_target(request: Request) -> dict:
 
 async def _swapper_request(request: Request, model: type) -> tuple[Any, Any]:
     """(the parsed body, the swapper) of a /admin/drafter request; 409 when no drafter is loaded."""
-    s = _check_admin(request)
+    s = _state(request)
     body = await _body(request, model)
     if s.swapper is None:
         raise ApiError(409, "no drafter is loaded (speculation off)")
@@ -161,7 +146,7 @@ async def rollback(request: Request) -> dict:
 
 
 def _trainer_action(request: Request, action: str) -> dict:
-    s = _check_admin(request)
+    s = _state(request)
     try:
         getattr(s.supervisor, action)()
     except RuntimeError as exc:
@@ -183,7 +168,7 @@ async def status(request: Request) -> dict:
     """GET /admin/status: the health document plus the swap history."""
     from .app import health_info
 
-    s = _check_admin(request)
+    s = _state(request)
     info = health_info(s)
     if s.swapper is not None:
         info["swap_events"] = [e.as_dict() for e in s.swapper.events]
@@ -196,8 +181,8 @@ ROUTES = (("POST", "/target", update_target), ("POST", "/drafter/pin", pin),
 
 
 def admin_router() -> APIRouter:
-    """The /admin routes (`ROUTES`); every one checks the admin token first."""
-    router = APIRouter(prefix="/admin")
+    """The /admin routes (`ROUTES`); the router checks the admin token before any of them runs."""
+    router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
     for method, path, endpoint in ROUTES:
         router.add_api_route(path, endpoint, methods=[method])
     return router

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from dvi.adaptive import batch_bucket
@@ -34,11 +34,11 @@ from dvi.feedback import FeedbackWriter
 from dvi.registry import DrafterRegistry
 from dvi.rundir import RunDir
 
+from .auth import require_api_key
 from .completions import (  # noqa: F401  (re-exported: serving.app is the callers' import path)
     _UNION_TAG,
     DISCONNECT_POLL_S,
     _chat_prompt,
-    _check_auth,
     _complete,
     _echo_text,
     _echoes,
@@ -209,13 +209,13 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
 
     app = FastAPI(title="dvi", version="0.1.0", lifespan=lifespan)
     add_error_handlers(app)
-    app.post("/v1/completions")(completions_endpoint)
-    app.post("/v1/chat/completions")(chat_completions_endpoint)
+    api_key = [Depends(require_api_key)]
+    app.post("/v1/completions", dependencies=api_key)(completions_endpoint)
+    app.post("/v1/chat/completions", dependencies=api_key)(chat_completions_endpoint)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=api_key)
     async def models(request: Request) -> dict:
         s: ServerState = request.app.state.dvi
-        _check_auth(s, request)
         return {"object": "list", "data": [{
             "id": s.model_name, "object": "model", "created": int(s.started_at), "owned_by": "dvi",
             "max_model_len": s.context_len}]}

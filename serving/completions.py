@@ -107,16 +107,6 @@ async def _parse(request: Request, model: type, allow_empty: bool = False) -> An
         raise ApiError(400, "request body is nested too deeply") from None
 
 
-def _check_auth(state: ServerState, request: Request) -> None:
-    key = state.cfg.serve.api_key
-    if key is None or not key.get_secret_value():
-        return
-    auth = request.headers.get("authorization", "")
-    if not (auth.startswith("Bearer ") and key == auth[len("Bearer "):]):  # Secret.__eq__: constant time
-        raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                       type_="authentication_error", code="invalid_api_key")
-
-
 async def _tokenize(state: ServerState, fn: Any, *args: Any) -> list[int]:
     """Run a tokenizer call on the tokenize thread, so the event loop keeps answering."""
     loop = asyncio.get_running_loop()
@@ -298,7 +288,6 @@ async def _stream(state: ServerState, request: Request, h: Handle, rid: str, cre
 async def completions_endpoint(request: Request) -> Response:
     """POST /v1/completions: a string prompt is tokenised here, a token-id prompt is used as is."""
     s: ServerState = request.app.state.dvi
-    _check_auth(s, request)
     req = await _parse(request, CompletionRequest)
     if isinstance(req.prompt, str):
         ids = await _tokenize(s, _encode, s.tokenizer, req.prompt)
@@ -310,7 +299,6 @@ async def completions_endpoint(request: Request) -> Response:
 async def chat_completions_endpoint(request: Request) -> Response:
     """POST /v1/chat/completions: the messages through the chat template, then as a completion."""
     s: ServerState = request.app.state.dvi
-    _check_auth(s, request)
     req = await _parse(request, ChatCompletionRequest)
     ids = await _tokenize(s, _chat_prompt, s.tokenizer, req.messages)
     return await _complete(s, request, req, ids, chat=True)

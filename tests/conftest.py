@@ -1,4 +1,5 @@
-"""Shared fixtures. `tiny_pair_dir`: the tiny embedded pair, bootstrapped once per test session."""
+"""Shared fixtures. `tiny_pair_dir`: the tiny embedded pair, bootstrapped once per test session;
+`allowed_dir`: a module's admin-path sandbox."""
 
 from __future__ import annotations
 
@@ -20,3 +21,9 @@ def tiny_pair_dir(tmp_path_factory) -> Path:
     cache = os.environ.get("DVI_TEST_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("dvi-models")
     return bootstrap("tiny", out=root / "tiny", seed=0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def allowed_dir(tmp_path_factory) -> Path:
+    """A module's `serve.allowed_dirs` entry: the one place admin paths may point into."""
+    return tmp_path_factory.mktemp("allowed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from dvi.drafters import EarlyExitDrafter, SeparateDrafter, as_drafter
 
@@ -11,21 +12,8 @@ torch.set_num_threads(1)
 
 
 def _llama(seed=0, layers=3, tie=False):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=120,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.2,
-        tie_word_embeddings=tie,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(seed, vocab_size=120, num_hidden_layers=layers, num_attention_heads=4,
+                      max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=tie)
 
 
 def _gpt2(seed=0):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from dvi.engine import Request, SamplingParams, SpeculativeEngine
 
@@ -12,20 +13,9 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def engine():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=40,
-    )
-    target = LlamaForCausalLM(cfg).eval()
-    return SpeculativeEngine(target, LlamaForCausalLM(cfg).eval(), num_draft_tokens=2)
+    dims = dict(vocab_size=50, num_key_value_heads=1, max_position_embeddings=40)
+    target = tiny_llama(0, **dims)
+    return SpeculativeEngine(target, tiny_llama(None, **dims), num_draft_tokens=2)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_serving_helpers import ServerThread, lora_copy, tiny_config, version_manifest, wait_for
+from test_serving_helpers import (
+    ServerThread,
+    guarded_config,
+    lora_copy,
+    tiny_config,
+    version_manifest,
+    wait_for,
+)
 
 from dvi import metrics as M
 from dvi.feedback import QUARANTINE_DIR, FeedbackReader, record_nbytes
@@ -53,34 +60,26 @@ def _lora(drafter, scale: float = 0.0, seed: int = 0):
     return lora_copy(drafter, scale, seed)
 
 
-
-
 # -- the request-level server ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def allowed_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("faults-allowed")
-
-
 @pytest.fixture(scope="module")
 def srv(tiny_pair_dir, tmp_path_factory, allowed_dir):
     run = tmp_path_factory.mktemp("faults-run")
-    cfg = tiny_config(tiny_pair_dir, run, f"serve.api_key={API_KEY}", f"serve.admin_token={ADMIN}",
-                      f"serve.allowed_dirs=[{allowed_dir}]", "serve.max_body_bytes=3000000",
-                      "serve.max_prompt_chars=1200000", "serve.max_stop_chars=64", "feedback.shard_records=4",
-                      "feedback.max_buffer_bytes=123456789")
+    cfg = guarded_config(tiny_pair_dir, run, API_KEY, ADMIN, allowed_dir, "serve.max_body_bytes=3000000",
+                         "serve.max_prompt_chars=1200000", "serve.max_stop_chars=64", "feedback.shard_records=4",
+                         "feedback.max_buffer_bytes=123456789")
     with ServerThread(cfg) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(srv):
-    with srv.client(Authorization=f"Bearer {API_KEY}") as c:
+    with srv.client(token=API_KEY) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def admin(srv):
-    with srv.client(Authorization=f"Bearer {ADMIN}") as c:
+    with srv.client(token=ADMIN) as c:
         yield c
 
 
@@ -365,7 +364,7 @@ def test_16_api_key_compared_in_constant_time_and_params_named(srv, client, monk
         return real(a, b)
 
     monkeypatch.setattr(dvi.config.hmac, "compare_digest", spy)
-    with srv.client(Authorization="Bearer " + API_KEY[:-1] + "x") as wrong:
+    with srv.client(token=API_KEY[:-1] + "x") as wrong:
         assert wrong.post("/v1/completions", json={"prompt": PROMPT}).status_code == 401
     assert calls, "the API key must be compared with hmac.compare_digest"
     monkeypatch.undo()
@@ -410,7 +409,7 @@ def test_04_10_03_trainer_faults_and_secrets(trainer_srv, caplog) -> None:
     fb.mkdir(parents=True, exist_ok=True)
     corrupt = fb / f"shard-{time.time_ns():020d}-1-000001.parquet"
     corrupt.write_bytes(b"PAR1 this is not parquet" * 10)
-    with s.client(Authorization=f"Bearer {API_KEY}") as c:
+    with s.client(token=API_KEY) as c:
         for i in range(4):
             assert c.post("/v1/completions", json={"prompt": PROMPT + " " * i, "max_tokens": 6}).status_code == 200
         wait_for(lambda: (fb / QUARANTINE_DIR / corrupt.name).exists(), 30, what="the corrupt shard quarantined")

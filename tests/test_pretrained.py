@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from dvi import data
 from dvi.pretrained import (
@@ -73,13 +74,10 @@ def chat_tokenizer(tiny_pair_dir):
 
 
 def _tiny_llama(vocab_size: int, tied: bool, layers: int = N_LAYERS, seed: int = 0, **ids):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
-                      rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied, **ids)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(seed, vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=FFN,
+                       num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                       max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=tied, **ids)
     with torch.no_grad():  # norms away from 1 and a larger init, so a misplaced tensor shows in the logits
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -3,8 +3,9 @@ import os
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
-from dvi.registry import AdapterRejected, DrafterRegistry
+from dvi.registry import MANIFEST_FIELDS, AdapterRejected, DrafterRegistry
 
 torch.set_num_threads(1)
 
@@ -28,16 +29,7 @@ def test_publish_layout_latest_and_load(tmp_path):
     assert sorted(os.listdir(d)) == ["config.json", "manifest.json", "model.safetensors"]
     assert (tmp_path / "drafter" / "LATEST").read_text().strip() == "v000001"
     man = json.loads((d / "manifest.json").read_text())
-    for f in (
-        "version",
-        "parent_version",
-        "target_version",
-        "kind",
-        "steps",
-        "records_seen",
-        "heldout_alpha",
-        "created_at",
-    ):
+    for f in MANIFEST_FIELDS:
         assert f in man
     assert man["version"] == 1 and man["kind"] == "full" and man["parent_version"] is None
     v2 = reg.publish_full(sd(2), {"model_type": "llama"}, {"heldout_alpha": 0.5})
@@ -145,19 +137,9 @@ def test_latest_garbage_is_none(tmp_path):
 
 def _tiny_peft(r=4, seed=0):
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)  # same base everywhere; `seed` only changes the adapter
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    base = LlamaForCausalLM(cfg)
+    # same base everywhere; `seed` only changes the adapter
+    base = tiny_llama(0, hidden_size=16, intermediate_size=32, max_position_embeddings=64)
     torch.manual_seed(seed)
     lcfg = LoraConfig(r=r, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     return get_peft_model(base, lcfg)

@@ -10,6 +10,7 @@ import itertools
 import pytest
 import torch
 from scipy.stats import chisquare
+from tiny_models import tiny_llama
 
 import dvi.engine
 from dvi.engine import SpeculativeEngine
@@ -193,20 +194,8 @@ def test_warp_matches_hf_warpers():
 
 # --------------------------------------------------------------------------- the engine, chi-square
 def tiny_lm(seed: int, v: int = 8, layers: int = 1, init: float = 0.15):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=v,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        initializer_range=init,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(seed, vocab_size=v, num_hidden_layers=layers, num_key_value_heads=1,
+                      initializer_range=init, max_position_embeddings=32)
 
 
 PROMPT = [1, 2, 3]

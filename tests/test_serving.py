@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serving_helpers import ServerThread, sse_events, tiny_config, wait_for
+from test_serving_helpers import ServerThread, guarded_config, sse_events, tiny_config, wait_for
 
 from dvi import metrics as M
 
@@ -24,23 +24,17 @@ PROMPTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo:\n    def 
 
 
 @pytest.fixture(scope="module")
-def allowed_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("allowed")
-
-
-@pytest.fixture(scope="module")
 def server(tiny_pair_dir, tmp_path_factory, allowed_dir):
     run = tmp_path_factory.mktemp("serve-run")
-    cfg = tiny_config(tiny_pair_dir, run, f"serve.api_key={API_KEY}", f"serve.admin_token={ADMIN}",
-                      f"serve.allowed_dirs=[{allowed_dir}]", "serve.max_tokens_limit=64",
-                      "serve.max_batch_size=8")
+    cfg = guarded_config(tiny_pair_dir, run, API_KEY, ADMIN, allowed_dir, "serve.max_tokens_limit=64",
+                         "serve.max_batch_size=8")
     with ServerThread(cfg) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with server.client(Authorization=f"Bearer {API_KEY}") as c:
+    with server.client(token=API_KEY) as c:
         yield c
 
 
@@ -310,13 +304,13 @@ def test_prompt_over_context(client, server) -> None:
 
 
 def test_auth(server) -> None:
-    with server.client() as anon, server.client(Authorization="Bearer wrong") as wrong:
+    with server.client() as anon, server.client(token="wrong") as wrong:
         for c in (anon, wrong):
             r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
             assert c.get("/v1/models").status_code == 401
         assert anon.get("/health").status_code == 200  # probes need no key
-    with server.client(Authorization=f"Bearer {API_KEY}") as user:
+    with server.client(token=API_KEY) as user:
         # the API key is not the admin token
         for path in ("/admin/trainer/pause", "/admin/drafter/rollback", "/admin/target"):
             r = user.post(path, json={})
@@ -329,7 +323,7 @@ def test_auth(server) -> None:
 def test_admin_target_update_and_path_confinement(server, client, allowed_dir, tmp_path, reference) -> None:
     from safetensors.torch import save_file
 
-    admin = server.client(Authorization=f"Bearer {ADMIN}")
+    admin = server.client(token=ADMIN)
     target = server.state.engine.target
     sd = {k: v.detach().clone().contiguous() for k, v in target.state_dict().items()}
     good = allowed_dir / "target_v1.safetensors"

@@ -147,7 +147,7 @@ def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path, kind) -> None:
 
 def test_admin_rollback_and_pin(tiny_pair_dir, tmp_path) -> None:
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.admin_token=tok")
-    with ServerThread(cfg) as s, s.client(Authorization="Bearer tok") as admin:
+    with ServerThread(cfg) as s, s.client(token="tok") as admin:
         reg = DrafterRegistry(cfg.registry.dir)
         v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest())
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="v1")
@@ -197,7 +197,7 @@ def test_trainer_sigkill_is_restarted_without_failing_requests(tiny_pair_dir, tm
             assert f'{M.TRAINER_STATE} {float(M.TRAINER_STATES["running"])}' in text
             restarts = [ln for ln in text.splitlines() if ln.startswith(M.TRAINER_RESTARTS + " ")]
             assert restarts and float(restarts[0].split()[1]) >= 1, restarts
-        with s.client(Authorization="Bearer tok") as admin:
+        with s.client(token="tok") as admin:
             r = admin.post("/admin/trainer/pause")
             assert r.status_code == 200 and r.json()["state"] == "paused"
             assert (tmp_path / "trainer.pause").exists()
@@ -265,6 +265,18 @@ def _hf_greedy(model, tok, prompt: str, n: int) -> str:
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def _saved_new_target(target, out_dir):
+    """New target weights for an admin update: a copy of `target` with noise of half each tensor's mean
+    magnitude (its greedy output differs), saved at `out_dir`."""
+    new = copy.deepcopy(target)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for prm in new.parameters():
+            prm.add_(torch.randn(prm.shape, generator=g) * 0.5 * prm.abs().mean())
+    new.save_pretrained(out_dir)
+    return new
+
+
 def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pair_dir, tmp_path) -> None:
     """`dvi serve` with models.drafter_kind=early_exit: lossless, a published version promoted, bad ones refused,
     and after an admin target update the drafter reads the new weights and output equals the new target's."""
@@ -279,7 +291,7 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
     target = load_causal_lm(tiny_pair_dir / "target", "cpu")
     ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
-    with ServerThread(cfg) as s, s.client() as c, s.client(Authorization="Bearer tok") as admin:
+    with ServerThread(cfg) as s, s.client() as c, s.client(token="tok") as admin:
         live = s.state.engine.drafter
         assert isinstance(live, EarlyExitDrafter) and s.state.swapper.base is live
         assert live.target_ref is s.state.engine.target  # no second target in memory
@@ -312,12 +324,7 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
         wait_for(lambda: str(v3) in c.get("/health").json()["drafter"]["refused"], 30, what="v3 refused")
         assert "shadow" in s.state.swapper.refused[v3] and s.state.swapper.live_version == v1
         # new target weights through the admin API: the drafter shares them, output follows the new target
-        new = copy.deepcopy(target)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(7)
-            for prm in new.parameters():
-                prm.add_(torch.randn(prm.shape, generator=g) * 0.5 * prm.abs().mean())
-        new.save_pretrained(allowed / "t2")
+        new = _saved_new_target(target, allowed / "t2")
         r = admin.post("/admin/target", json={"path": str(allowed / "t2")})
         assert r.status_code == 200, r.text
         layer = s.state.engine.drafter.shallow.model.layers[0].mlp.down_proj
@@ -398,7 +405,7 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
     target = load_causal_lm(tiny_pair_dir / "target", "cpu")
     ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
-    with ServerThread(cfg) as s, s.client() as c, s.client(Authorization="Bearer tok") as admin:
+    with ServerThread(cfg) as s, s.client() as c, s.client(token="tok") as admin:
         live = s.state.engine.drafter
         assert isinstance(live, EagleDrafter) and live.target_ref is s.state.engine.target
 
@@ -425,12 +432,7 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
         v2 = _publish_dir(reg, _eagle_version(live, tmp_path / "e2", 3.0, 2), drafter_kind="eagle")
         wait_for(lambda: v2 in s.state.swapper.refused, 30, what="the garbage eagle version to be refused")
         assert "shadow" in s.state.swapper.refused[v2] and s.state.swapper.live_version == v1
-        new = copy.deepcopy(target)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(7)
-            for prm in new.parameters():
-                prm.add_(torch.randn(prm.shape, generator=g) * 0.5 * prm.abs().mean())
-        new.save_pretrained(allowed / "t2")
+        new = _saved_new_target(target, allowed / "t2")
         assert admin.post("/admin/target", json={"path": str(allowed / "t2")}).status_code == 200
         new_ref = {p: _hf_greedy(new, tok, p, 16) for p in PROMPTS}
         assert new_ref != ref

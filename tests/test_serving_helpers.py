@@ -31,6 +31,13 @@ def tiny_config(pair_dir: Path, run_dir: Path, *overrides: str) -> DviConfig:
     return load_config(None, base + list(overrides))
 
 
+def guarded_config(pair_dir: Path, run_dir: Path, api_key: str, admin_token: str, allowed_dir: Path,
+                   *overrides: str) -> DviConfig:
+    """`tiny_config` behind an API key and an admin token, admin paths confined to `allowed_dir`."""
+    return tiny_config(pair_dir, run_dir, f"serve.api_key={api_key}", f"serve.admin_token={admin_token}",
+                       f"serve.allowed_dirs=[{allowed_dir}]", *overrides)
+
+
 class ServerThread:
     """`with ServerThread(cfg) as s:` -> a started server; `s.url`, `s.client()`, `s.state`."""
 
@@ -61,7 +68,10 @@ class ServerThread:
     def state(self):
         return self.server.config.app.state.dvi
 
-    def client(self, **headers: str) -> httpx.Client:
+    def client(self, token: str | None = None, **headers: str) -> httpx.Client:
+        """An HTTP client for this server; `token` is sent as `Authorization: Bearer <token>`."""
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
 
     def __exit__(self, *exc: object) -> None:

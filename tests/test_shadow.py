@@ -1,7 +1,8 @@
 """Offline α estimates: a drafter equal to the target scores 1, a different one scores less."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama
+from transformers import LlamaForCausalLM
 
 from dvi.feedback import FeedbackRecord
 from dvi.shadow import hf_logits_fn, shadow_alpha
@@ -10,11 +11,8 @@ torch.set_num_threads(1)
 
 
 def _llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    return tiny_llama(seed, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
                       initializer_range=0.3)
-    return LlamaForCausalLM(cfg).eval()
 
 
 def _records(target: LlamaForCausalLM, temperature: float) -> list[FeedbackRecord]:

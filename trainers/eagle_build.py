@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dvi.eagle import EagleDrafter, features_from_hidden
-from trainers.offline import TrainSchedule, lr_factor
+from trainers.offline import TrainSchedule, lr_factor, optimizer_step
 from trainers.subset_distill import progress_bar, subset_kl, window_batches
 
 __all__ = ["distill_eagle", "eagle_agreement", "eagle_step_ms", "train_eagle"]
@@ -62,12 +62,7 @@ def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, 
             for gr in opt.param_groups:
                 gr["lr"] = lr * lr_factor(step, steps, warmup, min_lr_ratio)
             loss, feat = _eagle_loss(d, windows[idx, :-1], states[idx], head, feature_weight, chained)
-            loss.backward()
-            if sched.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, sched.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+            losses.append(optimizer_step(params, opt, loss, sched.grad_clip))
             feats.append(float(feat.detach()))
             tokens += idx.numel() * (windows.shape[1] - 1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", refresh=False)

@@ -274,10 +274,12 @@ class _RunLog:
                 "time_bound": self.clock.time_bound or (steps > 0 and self.step < steps)}
 
 
-def _optimizer_step(model: torch.nn.Module, opt: Any, loss: torch.Tensor, grad_clip: float | None) -> float:
+def optimizer_step(params: Iterable[torch.nn.Parameter], opt: Any, loss: torch.Tensor,
+                   grad_clip: float | None) -> float:
+    """One step of every offline loop: backward, clip `params` (if `grad_clip`), step, zero; the loss value."""
     loss.backward()
     if grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return float(loss.detach())
@@ -302,7 +304,7 @@ def _train_loop(model: torch.nn.Module, loss_fn: Callable[[torch.Tensor], torch.
             for gr in opt.param_groups:
                 gr["lr"] = gr["initial_lr"] * f
             batch = next(it)
-            run.record(_optimizer_step(model, opt, loss_fn(batch), s.grad_clip), batch)
+            run.record(optimizer_step(model.parameters(), opt, loss_fn(batch), s.grad_clip), batch)
     finally:
         run.bar.close()
         model.eval()

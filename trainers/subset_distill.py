@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from trainers.offline import TrainSchedule, lr_factor, make_optimizer
+from trainers.offline import TrainSchedule, lr_factor, make_optimizer, optimizer_step
 
 
 @torch.inference_mode()
@@ -85,13 +85,7 @@ def distill_subset(student, teacher_head: torch.Tensor, windows: torch.Tensor, s
                 h = student.model(input_ids=windows[idx, :-1]).last_hidden_state  # [B, T, H]
                 s_logits = F.linear(h, student.lm_head.weight[vocab_ids])  # [B, T, n]
                 t_logits = F.linear(states[idx], t_head)  # [B, T, n]
-            loss = subset_kl(s_logits, t_logits)
-            loss.backward()
-            if grad_clip:
-                torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+            losses.append(optimizer_step(student.parameters(), opt, subset_kl(s_logits, t_logits), grad_clip))
             tokens += idx.numel() * (windows.shape[1] - 1)
             bar.set_postfix(kl=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", refresh=False)
             bar.update(1)

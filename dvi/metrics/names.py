@@ -173,3 +173,6 @@ TRAINER_GAUGES = (
     TRAINER_QUARANTINED_SHARDS,
 )
 
+__all__ = [name for name in dict(globals()) if name.isupper() and not name.startswith("_")] + ["MetricSpec"]
+"""Every public name defined above (constants and `MetricSpec`), so `dvi.metrics` re-exports them
+without a second list to keep in step."""
