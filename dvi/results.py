@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["GenerationResult", "StepOutput", "DraftCounts", "acceptance_rate", "mean_accepted_length",
+__all__ = ["GenerationResult", "StepOutput", "DraftCounts", "Counted", "acceptance_rate", "mean_accepted_length",
            "pooled_rates", "fmt_rate"]
 
 
@@ -34,15 +34,37 @@ def mean_accepted_length(accepted: int, steps: int) -> float | None:
     return 1.0 + accepted / steps if steps else None
 
 
-class DraftCounts(Protocol):
-    """Anything that counts drafts: a result, a rollout, a stats row, a step log."""
+class Counted(Protocol):
+    """Anything that counts drafts: a result, its stats, a rollout, an RL step log."""
 
     num_drafted: int
     num_accepted: int
     num_steps: int
 
 
-def pooled_rates(items: Iterable[DraftCounts]) -> tuple[float | None, float | None]:
+@dataclass(kw_only=True)
+class DraftCounts:
+    """What one sequence drafted and kept: the counts α and mean accepted length are made of.
+
+    Position j of the per-position lists counts the steps that drafted at least j + 1 tokens (drafted)
+    and those whose first j + 1 drafts were all accepted (accepted)."""
+
+    num_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def alpha(self) -> float | None:
+        return acceptance_rate(self.num_accepted, self.num_drafted)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return mean_accepted_length(self.num_accepted, self.num_steps)
+
+
+def pooled_rates(items: Iterable[Counted]) -> tuple[float | None, float | None]:
     """Token-weighted (α, mean accepted length) over many sequences: sums first, then one division."""
     drafted = accepted = steps = 0
     for it in items:
@@ -58,16 +80,14 @@ def fmt_rate(x: float | None, digits: int = 3) -> str:
 
 
 @dataclass
-class GenerationResult:
+class GenerationResult(DraftCounts):
+    """A decoded sequence (finished or in flight): its tokens and log-probs, per-position draft/accept
+    feedback and the target's top-k (what the trainer learns from), versions, timing; its `DraftCounts`."""
+
     request_id: str
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    num_steps: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     drafted_ids: list[int] = field(default_factory=list)
     accepted: list[bool] = field(default_factory=list)
@@ -80,14 +100,6 @@ class GenerationResult:
     finished_at: float = 0.0
     temperature: float = 0.0
     hidden: Any = None  # eagle drafters: the target's features f_0..f_{L-2}, fp16 tensor [L - 1, H]
-
-    @property
-    def alpha(self) -> float | None:
-        return acceptance_rate(self.num_accepted, self.num_drafted)
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        return mean_accepted_length(self.num_accepted, self.num_steps)
 
 
 @dataclass

@@ -22,37 +22,24 @@ from dvi.metrics.names import (
     NUM_DRAFTS,
     REQUESTS,
 )
-from dvi.results import GenerationResult, acceptance_rate, mean_accepted_length, pooled_rates
+from dvi.results import DraftCounts, GenerationResult, acceptance_rate, mean_accepted_length, pooled_rates
 
 
 @dataclass
-class ResultStats:
+class ResultStats(DraftCounts):
     """The spec-decode numbers of one `GenerationResult`, light enough to keep hundreds in a window.
 
     A result holds its top-k rows (tens of KB); the rolling windows and the telemetry log keep only
-    these counts.
+    its `DraftCounts` and these few fields.
     """
 
     domain: str
     drafter_version: int
     num_drafts: int
-    num_drafted: int
-    num_accepted: int
-    num_steps: int
     num_tokens: int
-    accepted_per_position: list[int]
-    drafted_per_position: list[int]
     finish_reason: str
     latency: float | None
     ttft: float | None
-
-    @property
-    def alpha(self) -> float | None:
-        return acceptance_rate(self.num_accepted, self.num_drafted)
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        return mean_accepted_length(self.num_accepted, self.num_steps)
 
     @classmethod
     def of(cls, result: GenerationResult, *, domain: str | None = None, finish_reason: str | None = None,
