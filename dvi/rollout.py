@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,62 +45,31 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Rollout:
-    """One sampled completion of one prompt: which prompt and sample it is, and the engine's result.
+@dataclass(kw_only=True)
+class Rollout(GenerationResult):
+    """One sampled completion of one prompt: the engine's record of it, plus its place in the batch.
 
-    A view, not a copy: the fields an RL trainer reads are the result's under RL names.
-    `logprobs[j]` is the target's ``log_softmax(logits / T)`` of `completion_ids[j]` (see the
+    `completion_ids` and `logprobs` are the record's `token_ids` and `token_logprobs` under the names RL
+    trainers use; `logprobs[j]` is the target's ``log_softmax(logits / T)`` of `completion_ids[j]` (see the
     module docstring).
     """
 
     prompt_index: int
     sample_index: int
-    result: GenerationResult
 
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.result.prompt_ids
+    @classmethod
+    def of(cls, result: GenerationResult, prompt_index: int, sample_index: int) -> Rollout:
+        """The result's fields shared, not copied (the engine is done with them)."""
+        return cls(prompt_index=prompt_index, sample_index=sample_index,
+                   **{f.name: getattr(result, f.name) for f in fields(GenerationResult)})
 
     @property
     def completion_ids(self) -> list[int]:
-        return self.result.token_ids
+        return self.token_ids
 
     @property
     def logprobs(self) -> list[float]:
-        return self.result.token_logprobs
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.result.finish_reason
-
-    @property
-    def accepted(self) -> list[bool]:
-        return self.result.accepted
-
-    @property
-    def num_steps(self) -> int:
-        return self.result.num_steps
-
-    @property
-    def num_drafted(self) -> int:
-        return self.result.num_drafted
-
-    @property
-    def num_accepted(self) -> int:
-        return self.result.num_accepted
-
-    @property
-    def target_version(self) -> int:
-        return self.result.target_version
-
-    @property
-    def drafter_version(self) -> int:
-        return self.result.drafter_version
-
-    @property
-    def alpha(self) -> float | None:
-        return self.result.alpha
+        return self.token_logprobs
 
 
 @dataclass
@@ -265,7 +234,7 @@ class RolloutEngine:
         seconds = time.perf_counter() - t0
         self._calls += 1
         self.last_results = results
-        out = [Rollout(i, s, r) for (i, s, _), r in zip(flat, results, strict=True)]
+        out = [Rollout.of(r, i, s) for (i, s, _), r in zip(flat, results, strict=True)]
         if self.feedback_writer is not None:
             for (_, _, p), r in zip(flat, results, strict=True):
                 self._write_feedback(r, p)
