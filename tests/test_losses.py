@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainers.losses import dvi_loss, ramp_weight, reward_loss, topk_kl_loss
+from trainers.losses import LoggedTargets, LossWeights, dvi_loss, ramp_weight, reward_loss, topk_kl_loss
 
 torch.set_num_threads(1)
 
@@ -145,9 +145,10 @@ def test_dvi_loss_combines():
     ids, lps = topk_of(torch.randn(5, 16), 4)
     drafted = torch.tensor([1, 2, -1, 3, 4])
     acc = torch.tensor([1, 0, 0, 1, 0])
-    early = dvi_loss(logits, ids, lps, drafted, acc, step=0, reward_start=100)
+    early = dvi_loss(logits, LoggedTargets(ids, lps, drafted, acc), step=0, weights=LossWeights(reward_start=100))
     assert early.reward_weight == 0.0 and early.loss.item() == pytest.approx(early.kl.item())
-    late = dvi_loss(logits, ids, lps, drafted, acc, step=10_000, reward_start=100, reward_max_weight=0.3)
+    late = dvi_loss(logits, LoggedTargets(ids, lps, drafted, acc), step=10_000,
+                    weights=LossWeights(reward_start=100, reward_max_weight=0.3))
     want = late.kl + 0.3 * reward_loss(logits, drafted, acc)
     assert late.reward_weight == 0.3 and late.loss.item() == pytest.approx(want.item(), abs=1e-6)
     late.loss.backward()
@@ -172,9 +173,10 @@ def test_subset_loss_equals_full_vocab_loss_when_target_topk_inside():
     assert bool(torch.isin(ids, torch.tensor(subset)).all())
     drafted = torch.tensor(subset)[torch.randint(len(subset), (3, 6))]
     accepted = torch.rand(3, 6) < 0.5
-    kw = dict(step=10, reward_start=0, reward_ramp_steps=1, reward_max_weight=0.5)
-    got = dvi_loss(sub, ids, lps, drafted, accepted, subset_index=_subset_index(v, subset), **kw)
-    want = dvi_loss(full, ids, lps, drafted, accepted, **kw)
+    kw = dict(step=10, weights=LossWeights(reward_start=0, reward_ramp_steps=1, reward_max_weight=0.5))
+    logged = LoggedTargets(ids, lps, drafted, accepted)
+    got = dvi_loss(sub, logged, subset_index=_subset_index(v, subset), **kw)
+    want = dvi_loss(full, logged, **kw)
     assert got.loss.item() == pytest.approx(want.loss.item(), abs=1e-5) and got.reward.item() != 0
 
 
@@ -185,7 +187,7 @@ def test_subset_loss_drops_outside_ids_and_renormalises():
     index = _subset_index(4, [0, 1, 2])
     # id 3 dropped, the rest renormalised by 1 - 0.3: p_S = (5/7 on id 0, tail 2/7); student tail = 0.5
     want = 5 / 7 * math.log((5 / 7) / 0.5) + 2 / 7 * math.log((2 / 7) / 0.5)
-    out = dvi_loss(sub, ids, lps, torch.tensor([3]), torch.tensor([False]), subset_index=index)
+    out = dvi_loss(sub, LoggedTargets(ids, lps, torch.tensor([3]), torch.tensor([False])), subset_index=index)
     assert out.kl.item() == pytest.approx(want, abs=1e-6)
     # the full-vocab loss on the served (-inf outside S) logits is not usable: that is what the mapping avoids
     served = torch.cat([sub, torch.tensor([[float("-inf")]])], -1)
@@ -208,8 +210,8 @@ def test_subset_loss_finite_with_finite_gradients(case):
         ids, lps = ids[..., :1], torch.zeros(2, 5, 1)
     drafted = torch.tensor(subset)[torch.randint(len(subset), (2, 5))]
     drafted[0, 0] = 1  # a draft outside the subset (an older full-vocab drafter's) is ignored
-    out = dvi_loss(sub, ids, lps, drafted, torch.rand(2, 5) < 0.5, step=5, reward_start=0, reward_ramp_steps=1,
-                   subset_index=index)
+    out = dvi_loss(sub, LoggedTargets(ids, lps, drafted, torch.rand(2, 5) < 0.5), step=5,
+                   weights=LossWeights(reward_start=0, reward_ramp_steps=1), subset_index=index)
     out.loss.backward()
     assert math.isfinite(out.loss.item()) and bool(torch.isfinite(sub.grad).all())
 
@@ -220,8 +222,9 @@ def test_dvi_loss_defaults_are_the_config_defaults():
 
     from dvi.config import TrainerConfig
 
-    tc, sig = TrainerConfig(), inspect.signature(dvi_loss).parameters
-    assert sig["kl_weight"].default == tc.kl_weight
-    assert sig["reward_start"].default == tc.reward_ramp_start
-    assert sig["reward_ramp_steps"].default == tc.reward_ramp_steps
-    assert sig["reward_max_weight"].default == tc.reward_weight
+    tc, w = TrainerConfig(), inspect.signature(dvi_loss).parameters["weights"].default
+    assert w.kl_weight == tc.kl_weight
+    assert w.reward_start == tc.reward_ramp_start
+    assert w.reward_ramp_steps == tc.reward_ramp_steps
+    assert w.reward_max_weight == tc.reward_weight
+    assert LossWeights.of(tc) == w

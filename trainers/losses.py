@@ -18,6 +18,7 @@ the served drafter has outside its subset (see `to_subset` for how the target ma
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -25,9 +26,7 @@ import torch.nn.functional as F
 
 from dvi.config import TrainerConfig
 
-# dvi_loss's defaults are the config's (trainer.kl_weight, reward_weight, reward_ramp_*), so a
-# caller that leaves them out trains what a default config trains.
-_DEFAULTS = TrainerConfig()
+_DEFAULTS = TrainerConfig()  # LossWeights' defaults
 
 
 def _rows(x: torch.Tensor, trailing: int) -> torch.Tensor:
@@ -140,15 +139,17 @@ def reward_loss(
     return _masked_mean(-(r - b) * logq, m)
 
 
-class SubsetTargets(NamedTuple):
-    topk_ids: torch.Tensor  # [..., k] subset positions, -1 where the logged id is outside the subset
-    topk_logprobs: torch.Tensor  # [..., k] renormalised over what remains, -inf where dropped
-    drafted_ids: torch.Tensor  # [...] subset positions, -1 outside (or no draft)
+class LoggedTargets(NamedTuple):
+    """What the feedback log says at each trained position: the target's top-k ids [..., k] (-1 padding) and
+    log-probs [..., k], the token drafted there [...] (-1: none) and whether the target accepted it [...]."""
+
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+    drafted_ids: torch.Tensor
+    accepted: torch.Tensor
 
 
-def to_subset(
-    subset_index: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, drafted_ids: torch.Tensor
-) -> SubsetTargets:
+def to_subset(subset_index: torch.Tensor, logged: LoggedTargets) -> LoggedTargets:
     """Map logged target ids onto a reduced draft vocabulary; drop the ids outside it, renormalise.
 
     `subset_index` [V] holds each target id's position in the subset (-1 outside). A drafter over a
@@ -160,19 +161,19 @@ def to_subset(
     `topk_kl_loss`, renormalised the same way. Drafts outside S (an older full-vocab drafter's) get -1
     and are ignored by `reward_loss`.
     """
-    index = subset_index.to(topk_ids.device)
-    ids = topk_ids.long()
-    lp = topk_logprobs.float()
-    logged = (ids >= 0) & torch.isfinite(lp)
+    index = subset_index.to(logged.topk_ids.device)
+    ids = logged.topk_ids.long()
+    lp = logged.topk_logprobs.float()
+    is_logged = (ids >= 0) & torch.isfinite(lp)
     pos = index[ids.clamp_min(0)]  # [..., k]
-    inside = logged & (pos >= 0)
-    dropped = torch.where(logged & ~inside, lp.exp(), torch.zeros_like(lp)).sum(-1, keepdim=True)  # [..., 1]
+    inside = is_logged & (pos >= 0)
+    dropped = torch.where(is_logged & ~inside, lp.exp(), torch.zeros_like(lp)).sum(-1, keepdim=True)  # [..., 1]
     remaining = (1.0 - dropped).clamp_min(1e-6)
     new_lp = torch.where(inside, lp - remaining.log(), torch.full_like(lp, float("-inf")))
     new_ids = torch.where(inside, pos, torch.full_like(pos, -1))
-    d = drafted_ids.long().to(index.device)
+    d = logged.drafted_ids.long().to(index.device)
     new_d = torch.where(d >= 0, index[d.clamp_min(0)], torch.full_like(d, -1))
-    return SubsetTargets(new_ids, new_lp, new_d)
+    return LoggedTargets(new_ids, new_lp, new_d, logged.accepted)
 
 
 def ramp_weight(step: int, start: int, ramp_steps: int, max_weight: float) -> float:
@@ -191,21 +192,31 @@ class DviLoss(NamedTuple):
     reward_weight: float
 
 
+@dataclass(frozen=True)
+class LossWeights:
+    """How `dvi_loss` mixes its terms. The defaults are the config's (trainer.kl_weight, reward_weight,
+    reward_ramp_*), so a caller that leaves them out trains what a default config trains."""
+
+    kl_weight: float = _DEFAULTS.kl_weight
+    reward_start: int = _DEFAULTS.reward_ramp_start
+    reward_ramp_steps: int = _DEFAULTS.reward_ramp_steps
+    reward_max_weight: float = _DEFAULTS.reward_weight
+    tail_bucket: bool = True
+    baseline: float | str = "mean"
+
+    @classmethod
+    def of(cls, tc: TrainerConfig) -> LossWeights:
+        return cls(kl_weight=tc.kl_weight, reward_start=tc.reward_ramp_start, reward_ramp_steps=tc.reward_ramp_steps,
+                   reward_max_weight=tc.reward_weight)
+
+
 def dvi_loss(
     student_logits: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_logprobs: torch.Tensor,
-    drafted_ids: torch.Tensor,
-    accepted: torch.Tensor,
+    logged: LoggedTargets,
     mask: torch.Tensor | None = None,
     *,
     step: int = 0,
-    kl_weight: float = _DEFAULTS.kl_weight,
-    reward_start: int = _DEFAULTS.reward_ramp_start,
-    reward_ramp_steps: int = _DEFAULTS.reward_ramp_steps,
-    reward_max_weight: float = _DEFAULTS.reward_weight,
-    tail_bucket: bool = True,
-    baseline: float | str = "mean",
+    weights: LossWeights = LossWeights(),
     subset_index: torch.Tensor | None = None,
 ) -> DviLoss:
     """kl_weight * KL + ramp_weight(step) * reward; returns the parts for logging.
@@ -213,17 +224,17 @@ def dvi_loss(
     `mask` selects the positions to train on (e.g. real generated positions with logged top-k);
     the reward term additionally skips positions without a draft. With a reduced draft vocabulary,
     `student_logits` are the [..., N] subset logits and `subset_index` [V] maps target ids to subset
-    positions (`dvi.vocab.SubsetHead.index`); ids, log-probs and drafts are mapped by `to_subset`.
+    positions (`dvi.vocab.SubsetHead.index`); the logged targets are mapped by `to_subset`.
     """
     if subset_index is not None:
-        topk_ids, topk_logprobs, drafted_ids = to_subset(subset_index, topk_ids, topk_logprobs, drafted_ids)
-    kl = topk_kl_loss(student_logits, topk_ids, topk_logprobs, mask, tail_bucket=tail_bucket)
-    w = ramp_weight(step, reward_start, reward_ramp_steps, reward_max_weight)
+        logged = to_subset(subset_index, logged)
+    kl = topk_kl_loss(student_logits, logged.topk_ids, logged.topk_logprobs, mask, tail_bucket=weights.tail_bucket)
+    w = ramp_weight(step, weights.reward_start, weights.reward_ramp_steps, weights.reward_max_weight)
     if w > 0:
-        rl = reward_loss(student_logits, drafted_ids, accepted, mask, baseline=baseline)
+        rl = reward_loss(student_logits, logged.drafted_ids, logged.accepted, mask, baseline=weights.baseline)
     else:
         rl = torch.zeros((), device=kl.device)
-    return DviLoss(kl_weight * kl + w * rl, kl.detach(), rl.detach(), w)
+    return DviLoss(weights.kl_weight * kl + w * rl, kl.detach(), rl.detach(), w)
 
 
 def feature_loss(out, batch) -> torch.Tensor | None:
@@ -257,9 +268,8 @@ def batch_loss(module, batch, inputs: dict, tc: TrainerConfig, step: int):
     with subset_mode(module) as head:
         fwd = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                      position_ids=batch.position_ids, use_cache=False, logits_to_keep=batch.width, **inputs)
-    out = dvi_loss(fwd.logits, batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted,
-                   batch.weights, step=step, kl_weight=tc.kl_weight, reward_start=tc.reward_ramp_start,
-                   reward_ramp_steps=tc.reward_ramp_steps, reward_max_weight=tc.reward_weight,
+    logged = LoggedTargets(batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted)
+    out = dvi_loss(fwd.logits, logged, batch.weights, step=step, weights=LossWeights.of(tc),
                    subset_index=head.index if head is not None else None)
     w = batch.weights
     # dvi_loss normalises by the weight sum; rescale so down-weighted rows count less in absolute terms
