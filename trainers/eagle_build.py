@@ -10,6 +10,7 @@ No extra target pass is needed. `add_eagle` adds the head to a pair built before
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,27 +22,36 @@ from trainers.subset_distill import progress_bar, subset_kl, window_batches
 __all__ = ["distill_eagle", "eagle_agreement", "eagle_step_ms", "train_eagle"]
 
 
-def _eagle_loss(d: EagleDrafter, x: torch.Tensor, f: torch.Tensor, head: torch.Tensor, feature_weight: float,
-                chained: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class EagleObjective:
+    """What the head is trained on beside the KL: EAGLE's feature regression (`feature_weight` x smooth-L1 on
+    the target's next feature) and, when `chained`, a second pass on its own predicted features."""
+
+    feature_weight: float = 1.0
+    chained: bool = True
+
+
+def _eagle_loss(d: EagleDrafter, x: torch.Tensor, f: torch.Tensor, head: torch.Tensor,
+                objective: EagleObjective) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, T] inputs, f [B, T, H] the target's features of them, head [n, H] the target's head rows of the
     draft vocabulary; returns (KL + weighted feature loss, feature loss). `chained` adds a second pass whose
     inputs carry the head's own predicted features (what drafts 2..K of a step read; EAGLE-3's
     "training-time test"): measured on held-out code it lifts chained agreement 0.122 -> 0.193."""
     t_logits = F.linear(f, head)  # [B, T, n]: the target's own next-token logits
     feats, loss, feat = features_from_hidden(f), 0.0, None
-    for _ in range(2 if chained else 1):
+    for _ in range(2 if objective.chained else 1):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             pred = d.model(input_ids=x, features=feats, with_logits=False).features  # [B, T, H]
             s_logits = F.linear(pred, head)  # [B, T, n]
         f_loss = F.smooth_l1_loss(pred.float(), f.float())
-        loss = loss + subset_kl(s_logits, t_logits) + feature_weight * f_loss
+        loss = loss + subset_kl(s_logits, t_logits) + objective.feature_weight * f_loss
         feat = f_loss if feat is None else feat
         feats = features_from_hidden(pred)
     return loss, feat
 
 
 def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, vocab_ids: torch.Tensor,
-                  sched: TrainSchedule, batch: int = 8, feature_weight: float = 1.0, chained: bool = True,
+                  sched: TrainSchedule, batch: int = 8, objective: EagleObjective = EagleObjective(),
                   seed: int = 0) -> dict:
     """Train `d`'s own weights (fc, layer, norm) for `sched.steps` steps; windows [N, T + 1] token ids,
     states [N, T, H] (bf16) the target's final normed hidden states on windows[:, :-1], vocab_ids [n] the
@@ -61,7 +71,7 @@ def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, 
         for step, idx in window_batches(windows.shape[0], batch, steps, seed):
             for gr in opt.param_groups:
                 gr["lr"] = lr * lr_factor(step, steps, warmup, min_lr_ratio)
-            loss, feat = _eagle_loss(d, windows[idx, :-1], states[idx], head, feature_weight, chained)
+            loss, feat = _eagle_loss(d, windows[idx, :-1], states[idx], head, objective)
             losses.append(optimizer_step(params, opt, loss, sched.grad_clip))
             feats.append(float(feat.detach()))
             tokens += idx.numel() * (windows.shape[1] - 1)
@@ -74,7 +84,7 @@ def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, 
     n = max(1, len(losses) // 10)
     return {"steps": steps, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9),
             "first_loss": losses[0], "final_loss": sum(losses[-n:]) / n, "final_feature_loss": sum(feats[-n:]) / n,
-            "feature_weight": feature_weight, "chained": chained}
+            "feature_weight": objective.feature_weight, "chained": objective.chained}
 
 
 @torch.inference_mode()
@@ -136,6 +146,7 @@ def train_eagle(p, target_path, windows: torch.Tensor, states: torch.Tensor, ord
     from trainers.pretrained_build import schedule
 
     sched = schedule(p, p.eagle_tokens, f"eagle head[{p.name}]", progress, lr=p.eagle_lr)
+    objective = EagleObjective(feature_weight=p.eagle_feature_weight, chained=p.eagle_chained)
     stats = distill_eagle(d, windows, states, order[: p.train_vocab], sched, batch=p.distill_batch,
-                          feature_weight=p.eagle_feature_weight, chained=p.eagle_chained, seed=seed)
+                          objective=objective, seed=seed)
     return d, stats

@@ -81,14 +81,14 @@ def make_drafter(target, layers: tuple[int, ...], intermediate_size: int | None 
 
 @torch.inference_mode()
 def chat_replies(target, tokenizer, split: str, n: int, max_new_tokens: int, seed: int, batch: int = 16,
-                 progress: bool = False, desc: str = "chat replies") -> list[list[int]]:
+                 progress: bool = False) -> list[list[int]]:
     """Token ids of `n` chat conversations (instruction + the target's greedy reply, ending at EOS)
     on instructions of `split`: the text the chat domain's drafts are judged on."""
     stream = data.chat_prompt_stream(tokenizer, split, seed=seed, max_tokens=320)
     prompts = list(itertools.islice(stream, n))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     out = []
-    for i in tqdm(range(0, len(prompts), batch), desc=desc, disable=not progress, leave=False):
+    for i in tqdm(range(0, len(prompts), batch), desc=f"chat replies ({split})", disable=not progress, leave=False):
         chunk = prompts[i: i + batch]
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
@@ -302,24 +302,30 @@ def distill_separate(p: PretrainedPreset, target, windows: torch.Tensor, states:
     return drafter.to(torch.bfloat16), stats
 
 
-def evaluate(p: PretrainedPreset, paths: EmbeddedPaths, target, tokenizer, drafter, early, order: torch.Tensor,
-             streams: dict[str, torch.Tensor], seed: int) -> dict:
-    """Top-1 agreement with the target per domain (held-out code and prose windows, the target's replies to
-    held-out chat instructions) and draft vocabulary size, token coverage, decode-step latencies."""
-    evals, skips = heldout_sets(p, target, tokenizer, seed)
+def evaluate(p: PretrainedPreset, target, drafter, order: torch.Tensor, streams: dict[str, torch.Tensor],
+             heldout: tuple[dict, dict]) -> dict:
+    """Top-1 agreement with the target per domain on the `heldout_sets` (held-out code and prose windows, the
+    target's replies to held-out chat instructions) and per draft vocabulary size, token coverage, decode-step
+    latencies."""
+    evals, skips = heldout
     agree = {d: agreement(target, drafter, w, order, p.draft_vocab_sizes, skip=skips.get(d)) for d, w in evals.items()}
-    lat = latencies(target, drafter, p.draft_vocab_sizes, p.latency_steps, p.latency_dtype)
-    out = {"agreement": {d: {str(n): a for n, a in v.items()} for d, v in agree.items()},
-           "coverage": {d: {str(n): coverage(order, [streams[d]], n) for n in p.draft_vocab_sizes if n}
-                        for d in streams},
-           "latency": lat, "early_exit_agreement": None}
-    if early is not None:
-        out["early_exit_agreement"] = {
-            d: agreement(target, early.model, w, order, (p.draft_vocab,), skip=skips.get(d))[p.draft_vocab]
-            for d, w in evals.items()}
-        served = EarlyExitDrafter.load(target, paths.early_exit)  # on the bf16 target, as served
-        lat["early_exit_ms"] = _head_slice_latency(served.model, p.draft_vocab, p.latency_steps, rows=order)
-        lat["early_exit_ratio"] = lat["target_ms"] / lat["early_exit_ms"]
+    return {"agreement": {d: {str(n): a for n, a in v.items()} for d, v in agree.items()},
+            "coverage": {d: {str(n): coverage(order, [streams[d]], n) for n in p.draft_vocab_sizes if n}
+                         for d in streams},
+            "latency": latencies(target, drafter, p.draft_vocab_sizes, p.latency_steps, p.latency_dtype),
+            "early_exit_agreement": None}
+
+
+def evaluate_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, early, order: torch.Tensor,
+                        heldout: tuple[dict, dict], latency: dict) -> dict[str, float]:
+    """The early-exit drafter's agreement per domain at the default draft vocabulary; its step time (as
+    served: reloaded on the bf16 target) goes into `latency`."""
+    evals, skips = heldout
+    out = {d: agreement(target, early.model, w, order, (p.draft_vocab,), skip=skips.get(d))[p.draft_vocab]
+           for d, w in evals.items()}
+    served = EarlyExitDrafter.load(target, paths.early_exit)
+    latency["early_exit_ms"] = _head_slice_latency(served.model, p.draft_vocab, p.latency_steps, rows=order)
+    latency["early_exit_ratio"] = latency["target_ms"] / latency["early_exit_ms"]
     return out
 
 
@@ -385,7 +391,10 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
             eagle = build_eagle(p, paths, target, windows, states, order, seed, progress)
     del states
     with _timed(walls, "eval_s"):
-        ev = evaluate(p, paths, target, tokenizer, drafter, early, order, streams, seed)
+        heldout = heldout_sets(p, target, tokenizer, seed)
+        ev = evaluate(p, target, drafter, order, streams, heldout)
+        if early is not None:
+            ev["early_exit_agreement"] = evaluate_early_exit(p, paths, target, early, order, heldout, ev["latency"])
     drafter.save_pretrained(str(paths.drafter))  # bf16: the served dtype, as evaluated
     if p.draft_vocab:
         save_draft_vocab(paths.drafter, order[: p.draft_vocab], vocab_size)
