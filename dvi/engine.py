@@ -35,14 +35,14 @@ from dvi.emit import append_tokens, count_drafts, emitted
 from dvi.kv import RaggedKV, prefill
 from dvi.models import check_target_state_dict, load_state_dict
 from dvi.request import InvalidParam, Request, SamplingParams, is_int, validate_params, validate_prompt
-from dvi.results import GenerationResult, StepOutput
+from dvi.results import GenerationResult, StepOutput, Versions
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
 from dvi.seq import BatchParams, Seq, g_rand, pending_features, pending_ids
 from dvi.vocab import fit_vocab
 
 MAX_DRAFT_TOKENS_LIMIT = 32
 
-__all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam"]
+__all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam", "Versions"]
 
 
 class SpeculativeEngine:
@@ -56,8 +56,7 @@ class SpeculativeEngine:
         adaptive: bool = False,
         max_draft_tokens: int = 8,
         feedback_top_k: int = 0,
-        target_version: int = 0,
-        drafter_version: int = 0,
+        versions: Versions = Versions(),
         greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE,
     ):
         if not is_int(max_draft_tokens) or not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS_LIMIT:
@@ -81,7 +80,7 @@ class SpeculativeEngine:
         self.adaptive = bool(adaptive)
         self.feedback_top_k = feedback_top_k
         self.greedy_below_temperature = float(greedy_below_temperature)
-        self.target_version, self.drafter_version = int(target_version), int(drafter_version)
+        self.target_version, self.drafter_version = int(versions.target), int(versions.drafter)
         self.drafter: Drafter | None = None
         self._features = False  # the drafter reads the target's features (eagle): rows keep them
         self._tfn_f = None  # the target callable that also returns them

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-__all__ = ["GenerationResult", "StepOutput", "DraftCounts", "Counted", "acceptance_rate", "mean_accepted_length",
+__all__ = ["GenerationResult", "StepOutput", "Versions", "DraftCounts", "Counted", "acceptance_rate", "mean_accepted_length",
            "pooled_rates", "fmt_rate"]
 
 
@@ -100,6 +100,13 @@ class GenerationResult(DraftCounts):
     finished_at: float = 0.0
     temperature: float = 0.0
     hidden: Any = None  # eagle drafters: the target's features f_0..f_{L-2}, fp16 tensor [L - 1, H]
+
+
+class Versions(NamedTuple):
+    """The (target, drafter) weights versions a sequence was decoded with; every record carries both."""
+
+    target: int = 0
+    drafter: int = 0
 
 
 @dataclass

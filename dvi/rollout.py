@@ -40,6 +40,7 @@ __all__ = [
     "RolloutStats",
     "RolloutEngine",
     "TRLRolloutFunc",
+    "SamplingOverrides",
     "trl_rollout_func",
     "policy_state_dict",
 ]
@@ -329,6 +330,36 @@ def _merged_lora_weights(model: Any) -> dict[str, torch.Tensor]:
 # -- TRL ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """Sampling settings that replace the GRPO trainer's own; None keeps the trainer's (or, where it has none,
+    temperature 1, top-p 1, no top-k, 64 new tokens)."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None  # step i samples with seed + i; None: unseeded
+
+    def resolve(self, trainer: Any) -> dict[str, Any]:
+        """`generate_rollouts` keyword arguments for the trainer's current step."""
+
+        def pick(mine: Any, theirs: Any, default: Any) -> Any:
+            if mine is not None:
+                return mine
+            return theirs if theirs is not None else default
+
+        step = int(trainer.state.global_step)
+        return {
+            "max_new_tokens": int(pick(self.max_new_tokens, getattr(trainer, "max_completion_length", None), 64)),
+            "temperature": float(pick(self.temperature, getattr(trainer, "temperature", None), 1.0)),
+            "top_p": float(pick(self.top_p, getattr(trainer, "top_p", None), 1.0)),
+            "top_k": int(pick(self.top_k, getattr(trainer, "top_k", None), 0) or 0),
+            "seed": None if self.seed is None else self.seed + step,
+            "stop_token_ids": list(getattr(trainer, "eos_token_ids", None) or []) or None,
+        }
+
+
 class TRLRolloutFunc:
     """Callable for ``trl.GRPOTrainer(rollout_func=...)`` that generates with dvi.
 
@@ -342,8 +373,8 @@ class TRLRolloutFunc:
     Before generating it copies the GRPO policy's weights into the dvi target whenever
     ``trainer.state.global_step`` changed since the last sync (and on the first call), tagging
     the target with ``version = global_step``. Sampling settings default to the trainer's
-    (``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, eos ids); pass values to
-    override. With `log_metrics`, α, mean accepted length, tokens/s and the versions of each
+    (``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, eos ids); a `SamplingOverrides`
+    replaces any of them. With `log_metrics`, α, mean accepted length, tokens/s and the versions of each
     generation batch join the trainer's logged metrics under the `dvi.metrics` names.
     """
 
@@ -351,22 +382,14 @@ class TRLRolloutFunc:
         self,
         rollout_engine: RolloutEngine,
         sync_weights: bool = True,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
+        sampling: SamplingOverrides = SamplingOverrides(),
         on_rollouts: Callable[[list[Rollout], RolloutStats, Any], None] | None = None,
         log_metrics: bool = True,
     ) -> None:
         self.rollouts = rollout_engine
         self.log_metrics = log_metrics
         self.sync_weights = sync_weights
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.seed = seed
+        self.sampling = sampling
         self.on_rollouts = on_rollouts
         self.last_synced_step: int | None = None
         self.num_syncs = 0
@@ -424,22 +447,7 @@ class TRLRolloutFunc:
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
         self._maybe_sync(trainer)
         prompt_ids = self._tokenize(prompts, trainer)
-
-        def pick(mine: Any, theirs: Any, default: Any) -> Any:
-            if mine is not None:
-                return mine
-            return theirs if theirs is not None else default
-
-        temperature = float(pick(self.temperature, getattr(trainer, "temperature", None), 1.0))
-        top_p = float(pick(self.top_p, getattr(trainer, "top_p", None), 1.0))
-        top_k = int(pick(self.top_k, getattr(trainer, "top_k", None), 0) or 0)
-        max_new = int(pick(self.max_new_tokens, getattr(trainer, "max_completion_length", None), 64))
-        stops = list(getattr(trainer, "eos_token_ids", None) or []) or None
-        seed = None if self.seed is None else self.seed + int(trainer.state.global_step)
-        rollouts = self.rollouts.generate_rollouts(
-            prompt_ids, n=1, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop_token_ids=stops,
-        )
+        rollouts = self.rollouts.generate_rollouts(prompt_ids, n=1, **self.sampling.resolve(trainer))
         stats = self.rollouts.last_stats
         assert stats is not None
         self.history.append({"global_step": int(trainer.state.global_step), **stats.as_dict()})
@@ -461,7 +469,7 @@ def trl_rollout_func(engine: Any, **kwargs: Any) -> TRLRolloutFunc:
     """``GRPOTrainer(..., rollout_func=trl_rollout_func(engine))``: dvi as TRL's generator.
 
     `engine` is a `RolloutEngine` or a bare `SpeculativeEngine` (wrapped here); `kwargs` go to
-    `TRLRolloutFunc` (sampling overrides, ``sync_weights``, ``seed``, ``on_rollouts``).
+    `TRLRolloutFunc` (``sync_weights``, ``sampling=SamplingOverrides(...)``, ``on_rollouts``, ``log_metrics``).
     """
     re = engine if isinstance(engine, RolloutEngine) else RolloutEngine(engine)
     return TRLRolloutFunc(re, **kwargs)

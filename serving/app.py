@@ -140,7 +140,7 @@ def build_state(cfg: DviConfig) -> ServerState:
         pair.target, pair.drafter if spec.num_draft_tokens > 0 or spec.adaptive else None,
         num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
         max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
-        target_version=0, drafter_version=0, greedy_below_temperature=cfg.sampling.greedy_below_temperature,
+        greedy_below_temperature=cfg.sampling.greedy_below_temperature,
     )
     if spec.adaptive and pair.drafter is not None:
         # Measure draft/verify costs for every batch bucket now, so no request pays for a

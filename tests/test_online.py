@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dvi.config import DviConfig, load_config
-from dvi.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.engine import Request, SamplingParams, SpeculativeEngine, Versions
 from dvi.feedback import FeedbackRecord, FeedbackWriter
 from dvi.registry import AdapterRejected, DrafterRegistry
 from trainers.online import (
@@ -59,7 +59,7 @@ def engine_records(pair, domain: str, n: int, max_new_tokens: int = 24, prefix: 
     from dvi.data import prompt_stream
 
     eng = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3, feedback_top_k=16,
-                            target_version=target_version)
+                            versions=Versions(target=target_version))
     prompts = list(itertools.islice(prompt_stream(domain, pair.tokenizer, prompt_tokens=(12, 40), seed=seed), n))
     out = []
     for i, p in enumerate(prompts):
@@ -300,7 +300,7 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     tr.train_on_records(prose[:32])
     v1 = tr.maybe_publish(force=True)["published"]
     live = PeftModel.from_pretrained(copy.deepcopy(pair.drafter), str(reg.version_dir(v1)))
-    eng = SpeculativeEngine(pair.target, live, num_draft_tokens=3, drafter_version=v1)
+    eng = SpeculativeEngine(pair.target, live, num_draft_tokens=3, versions=Versions(drafter=v1))
     prompts = [list(r.prompt_ids) for r in prose[:3]]
     ref = _greedy_reference(pair.target, prompts, 16)
 

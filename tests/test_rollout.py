@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dvi.data import prompt_stream
-from dvi.engine import SpeculativeEngine
+from dvi.engine import SpeculativeEngine, Versions
 from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import Rollout, RolloutEngine, policy_state_dict, trl_rollout_func
 
@@ -122,7 +122,7 @@ def test_feedback_records_carry_versions(pair, tmp_path):
     _, target, drafter, prompts = pair
     writer = FeedbackWriter(tmp_path / "fb", shard_records=1000)
     engine = RolloutEngine(SpeculativeEngine(target, drafter=drafter, num_draft_tokens=3, feedback_top_k=4,
-                                             target_version=3, drafter_version=2), feedback_writer=writer)
+                                             versions=Versions(target=3, drafter=2)), feedback_writer=writer)
     engine.generate_rollouts(prompts[:2], n=2, max_new_tokens=6, seed=0)
     assert engine.flush_feedback() is not None
     reader = FeedbackReader(tmp_path / "fb")

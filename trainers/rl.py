@@ -267,7 +267,7 @@ class RLRun:
         self.engine = SpeculativeEngine(
             self.target, drafter=self.drafter, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
             max_draft_tokens=max(cfg.max_draft_tokens, cfg.num_draft_tokens),
-            feedback_top_k=cfg.feedback_top_k if cfg.arm == "online" else 0, target_version=0, drafter_version=0,
+            feedback_top_k=cfg.feedback_top_k if cfg.arm == "online" else 0,
         )
         self.calibrate_s = 0.0
         if cfg.adaptive and self.drafter is not None:
