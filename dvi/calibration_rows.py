@@ -10,12 +10,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dvi.adaptive import Calibrated, calibrate
 from dvi.kv import RaggedKV, prefill
 
 if TYPE_CHECKING:
     from dvi.engine import SpeculativeEngine
 
-__all__ = ["DummyRows"]
+__all__ = ["DummyRows", "calibrate_bucket"]
+
+
+def calibrate_bucket(eng: SpeculativeEngine, b: int, context: int = 128, reps: int = 3) -> Calibrated:
+    """Draft and verify costs of batch size `b`, timed on `b` dummy rows of `context` tokens (capped so that
+    K + 2 more still fit the target's context)."""
+    if eng.max_context is not None:
+        context = max(1, min(context, eng.max_context - eng.max_draft_tokens - 2))
+    return calibrate(DummyRows(eng, b, context), eng.max_draft_tokens, reps)
 
 
 class DummyRows:

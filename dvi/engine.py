@@ -28,19 +28,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.adaptive import AcceptanceTracker, AdaptiveK, CostModel, batch_bucket, calibrate
-from dvi.calibration_rows import DummyRows
+from dvi.acceptance import AcceptanceTracker
+from dvi.adaptive import AdaptiveK, CostModel
+from dvi.calibration_rows import calibrate_bucket
 from dvi.drafters import Drafter, as_drafter, model_forward
 from dvi.emit import append_tokens, count_drafts, emitted
 from dvi.kv import RaggedKV, prefill
 from dvi.models import check_target_state_dict, load_state_dict
-from dvi.request import InvalidParam, Request, SamplingParams, is_int, validate_params, validate_prompt
+from dvi.request import (
+    InvalidParam,
+    Request,
+    SamplingParams,
+    is_int,
+    validate_engine_limits,
+    validate_params,
+    validate_prompt,
+)
 from dvi.results import GenerationResult, StepOutput, Versions
 from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
-from dvi.seq import BatchParams, Seq, g_rand, pending_features, pending_ids
+from dvi.seq import BatchParams, Seq, g_rand, pending_features, pending_ids, row_generator
 from dvi.vocab import fit_vocab
-
-MAX_DRAFT_TOKENS_LIMIT = 32
 
 __all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam", "Versions"]
 
@@ -59,14 +66,7 @@ class SpeculativeEngine:
         versions: Versions = Versions(),
         greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE,
     ):
-        if not is_int(max_draft_tokens) or not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS_LIMIT:
-            raise ValueError(f"max_draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS_LIMIT}], got {max_draft_tokens!r}")
-        if not is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= max_draft_tokens:
-            raise ValueError(
-                f"num_draft_tokens must be an int in [0, max_draft_tokens={max_draft_tokens}], got {num_draft_tokens!r}"
-            )
-        if not is_int(feedback_top_k) or feedback_top_k < 0:
-            raise ValueError(f"feedback_top_k must be an int >= 0, got {feedback_top_k!r}")
+        validate_engine_limits(num_draft_tokens, max_draft_tokens, feedback_top_k)
         self.target = target.eval()
         self._tfn = model_forward(self.target)
         p0 = next(self.target.parameters())
@@ -102,7 +102,6 @@ class SpeculativeEngine:
         self._target_dirty = self._drafter_dirty = False
         self._gen_calls = 0
         self._catchup = False
-        self._overhead_steps = 0
         self._refresh_params()
 
     # ------------------------------------------------------------------ public API
@@ -123,14 +122,7 @@ class SpeculativeEngine:
             started_at=time.time(),
             temperature=float(p.temperature),
         )
-        gen = None
-        if p.temperature > 0:
-            gen = torch.Generator(device="cpu")
-            if p.seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(int(p.seed))
-        self._waiting.append(Seq(request, res, gen, self.acceptance.new_row()))
+        self._waiting.append(Seq(request, res, row_generator(p), self.acceptance.new_row()))
 
     def _normalized(self, request: Request) -> Request:
         """A temperature below the floor is served as greedy: logits / 1e-45 overflow to NaN."""
@@ -174,10 +166,7 @@ class SpeculativeEngine:
         tensors (weights tied to a present tensor excepted): half-updated weights serve garbage.
         """
         sd = load_state_dict(state_dict_or_path) if isinstance(state_dict_or_path, (str, Path)) else state_dict_or_path
-        if not isinstance(sd, dict) or not sd:
-            raise ValueError("state_dict_or_path must be a non-empty state dict or a path to one")
-        own = self.target.state_dict()
-        check_target_state_dict(sd, own, complete)
+        check_target_state_dict(sd, self.target.state_dict(), complete)
         with torch.no_grad():
             self.target.load_state_dict(sd, strict=False)
         self.target_version = int(version)
@@ -199,18 +188,17 @@ class SpeculativeEngine:
         """Decode a batch of prompts (different lengths); request i is seeded with seed + i."""
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of token-id lists")
-        for i, p in enumerate(prompts):
-            validate_prompt(p, f"prompts[{i}]", self.vocab_size, self.num_embeddings)
         if seed is not None and not is_int(seed):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        base = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids or ()))
-        for i, p in enumerate(prompts):
-            self._validate_params(base, len(p), f"prompts[{i}]")
+        stops = tuple(stop_token_ids or ())
+        params = [SamplingParams(max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i, stops)
+                  for i in range(len(prompts))]
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):  # all checked before any is queued
+            validate_prompt(p, f"prompts[{i}]", self.vocab_size, self.num_embeddings)
+            self._validate_params(sp, len(p), f"prompts[{i}]")
         self._gen_calls += 1
         ids = [f"generate-{self._gen_calls}-{i}" for i in range(len(prompts))]
-        for i, (rid, p) in enumerate(zip(ids, prompts, strict=True)):
-            seed_i = None if seed is None else seed + i
-            sp = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed_i, tuple(stop_token_ids or ()))
+        for rid, p, sp in zip(ids, prompts, params, strict=True):
             self.add_request(Request(rid, list(p), sp))
         done: dict[str, GenerationResult] = {}
         mine = set(ids)
@@ -248,8 +236,12 @@ class SpeculativeEngine:
         features = bool(getattr(d, "needs_features", False))
         if features and self._tfn_f is None:
             self._tfn_f = model_forward(self.target, with_features=True)
-        if features and not self._features and (getattr(self, "_seqs", None) or getattr(self, "_waiting", None)):
+        rows = getattr(self, "_seqs", []) + getattr(self, "_waiting", [])
+        if features and not self._features and rows:
             self._target_dirty = True  # in-flight rows were admitted without features: recompute them
+        if self._features and not features:
+            for s in rows:  # a drafter without features: the history would only grow stale (and mislead the record)
+                s.feats = []
         self._features = features
 
     # ------------------------------------------------------------------ batch membership
@@ -288,16 +280,11 @@ class SpeculativeEngine:
         self._refresh_params()
 
     def _finish_aborted(self, s: Seq) -> GenerationResult:
-        self._close(s, "abort")
-        self._outbox.append(StepOutput(s.req.request_id, [], True, s.res))
+        self._outbox.append(StepOutput(s.req.request_id, [], True, self._close(s, "abort")))
         return s.res
 
-    def _close(self, s: Seq, reason: str) -> None:
-        if self._features and s.feats:  # the feedback record's f_0..f_{L-2} (fp16 on the host)
-            s.res.hidden = torch.cat(s.feats).to("cpu", torch.float16)
-        s.res.finish_reason = reason
-        s.res.finished_at = time.time()
-        s.res.target_version, s.res.drafter_version = self.target_version, self.drafter_version
+    def _close(self, s: Seq, reason: str) -> GenerationResult:
+        return s.close(reason, Versions(self.target_version, self.drafter_version))
 
     def _target_prefill(self, ctx: list[list[int]], seqs: list[Seq]) -> RaggedKV:
         """The target's cache of `ctx` (one list per row); with an eagle drafter each row's features too."""
@@ -488,16 +475,10 @@ class SpeculativeEngine:
     def _record_costs(self, b: int, k: int, t_draft: float, t_verify: float, t_host: float) -> None:
         """Online timings of the step (reporting) and, on CPU, the host work per step the controller adds."""
         self.costs.record_verify(b, k, t_verify)
-        if self.adaptive and b <= 2 and self.device.type == "cpu":
-            # On CPU the verify forward is synchronous, so t_host is the step's host work after it
-            # (on CUDA it would include the kernels the first .tolist() waits for). Only for one or two
-            # rows is that work a fixed cost per step; with more rows the per-token loops dominate it,
-            # which plain steps pay per token just like speculative ones (no reason to favour either).
-            bb = batch_bucket(b)
-            o = self.costs.record_overhead(bb, t_host)
-            self._overhead_steps += 1
-            if self._overhead_steps % 16 == 0:
-                self.controller.set_step_overhead(bb, o)
+        if self.adaptive and self.device.type == "cpu":
+            # On CPU the verify forward is synchronous, so t_host is the step's host work after it (on CUDA
+            # it would include the kernels the first .tolist() waits for).
+            self.controller.observe_host_work(b, t_host, self.costs)
         if k > 0 and not self._catchup:  # a drafter catch-up after K=0 steps is not a typical draft cost
             self.costs.record_draft(b, t_draft / k)
 
@@ -515,7 +496,4 @@ class SpeculativeEngine:
                 self._calibrate(int(b), context, reps)
 
     def _calibrate(self, b: int, context: int = 128, reps: int = 3) -> None:
-        kmax = self.max_draft_tokens
-        if self.max_context is not None:
-            context = max(1, min(context, self.max_context - kmax - 2))
-        self.controller.set_costs(b, *calibrate(DummyRows(self, b, context), kmax, reps))
+        self.controller.set_costs(b, *calibrate_bucket(self, b, context, reps))

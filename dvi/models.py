@@ -339,7 +339,10 @@ def load_pair_from_config(models_cfg) -> ModelPair:
 
 
 def check_target_state_dict(sd: dict, own: dict, complete: bool) -> None:
-    """Refuse weights that would break the target: unknown keys, wrong shapes, NaN/inf, missing tensors."""
+    """Refuse weights that would break the target: not a state dict, unknown keys, wrong shapes, NaN/inf,
+    missing tensors (with `complete`)."""
+    if not isinstance(sd, dict) or not sd:
+        raise ValueError("state_dict_or_path must be a non-empty state dict or a path to one")
     unexpected = [k for k in sd if k not in own]
     if unexpected:
         raise ValueError(f"state_dict_or_path has keys the target does not: {unexpected[:5]}")

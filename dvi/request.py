@@ -7,7 +7,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["InvalidParam", "SamplingParams", "Request", "SEED_RANGE", "is_int", "validate_prompt", "validate_params"]
+__all__ = ["InvalidParam", "SamplingParams", "Request", "SEED_RANGE", "MAX_DRAFT_TOKENS_LIMIT", "is_int",
+           "validate_prompt", "validate_params", "validate_engine_limits"]
+
+MAX_DRAFT_TOKENS_LIMIT = 32
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
@@ -74,3 +77,15 @@ def validate_params(p: SamplingParams, prompt_len: int, vocab_size: int, max_con
             f"max_new_tokens={p.max_new_tokens} + {prompt_name} length {prompt_len} exceeds the target's "
             f"max_position_embeddings={max_context}"
         )
+
+
+def validate_engine_limits(num_draft_tokens: int, max_draft_tokens: int, feedback_top_k: int) -> None:
+    """The engine's own settings: K within [0, max_draft_tokens], max_draft_tokens within the hard limit."""
+    if not is_int(max_draft_tokens) or not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS_LIMIT:
+        raise ValueError(f"max_draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS_LIMIT}], got {max_draft_tokens!r}")
+    if not is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= max_draft_tokens:
+        raise ValueError(
+            f"num_draft_tokens must be an int in [0, max_draft_tokens={max_draft_tokens}], got {num_draft_tokens!r}"
+        )
+    if not is_int(feedback_top_k) or feedback_top_k < 0:
+        raise ValueError(f"feedback_top_k must be an int >= 0, got {feedback_top_k!r}")

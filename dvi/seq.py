@@ -6,15 +6,16 @@ Kept apart from `dvi.engine` (which batches rows and runs the step) so a row's b
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
-from dvi.adaptive import AcceptanceEMA
-from dvi.request import Request
-from dvi.results import GenerationResult
+from dvi.acceptance import AcceptanceEMA
+from dvi.request import Request, SamplingParams
+from dvi.results import GenerationResult, Versions
 
-__all__ = ["Seq", "BatchParams", "g_rand", "pending_ids", "pending_features"]
+__all__ = ["Seq", "BatchParams", "row_generator", "g_rand", "pending_ids", "pending_features"]
 
 
 class Seq:
@@ -32,6 +33,16 @@ class Seq:
 
     def tokens(self) -> list[int]:
         return list(self.req.prompt_ids) + self.res.token_ids
+
+    def close(self, reason: str, versions: Versions) -> GenerationResult:
+        """Seal the row's result: why it ended, when, the weights that decoded it and (eagle) its features
+        f_0..f_{L-2} as fp16 on the host, for the feedback record."""
+        if self.feats:
+            self.res.hidden = torch.cat(self.feats).to("cpu", torch.float16)
+        self.res.finish_reason = reason
+        self.res.finished_at = time.time()
+        self.res.target_version, self.res.drafter_version = versions
+        return self.res
 
     def pending_features(self, hidden_size: int) -> torch.Tensor:
         """Features F [m, H] of the m pending tokens (the row's last m): F_j = f_{j-1}, F_0 = 0."""
@@ -68,6 +79,19 @@ class BatchParams:
             top_p=torch.tensor(tp, dtype=torch.float32, device=device) if any(x < 1.0 for x in tp) else None,
             all_greedy=all(p.temperature == 0 for p in ps), all_t1=all(p.temperature in (0, 1) for p in ps),
             gens=[s.gen for s in seqs])
+
+
+def row_generator(p: SamplingParams) -> torch.Generator | None:
+    """A sampled row's own CPU generator (seeded when the request is), so its draws do not depend on its
+    batch-mates; None for a greedy row."""
+    if p.temperature <= 0:
+        return None
+    gen = torch.Generator(device="cpu")
+    if p.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(p.seed))
+    return gen
 
 
 def g_rand(gen: torch.Generator | None, n: int) -> torch.Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import dvi.adaptive
-from dvi.adaptive import AcceptanceEMA, AdaptiveK, CostModel, choose_k, expected_tokens, predicted_speedup
+from dvi.acceptance import AcceptanceEMA
+from dvi.adaptive import AdaptiveK, CostModel, choose_k, expected_tokens, predicted_speedup
 
 
 def test_expected_tokens():
@@ -147,7 +148,7 @@ def _simulate(true_alphas: dict[str, float], rows: int = 60, seed: int = 0) -> d
     (break-even acceptance ~0.55)."""
     import random
 
-    from dvi.adaptive import AcceptanceTracker
+    from dvi.acceptance import AcceptanceTracker
 
     rng = random.Random(seed)
     ctl = AdaptiveK(8, 4)
