@@ -374,7 +374,6 @@ class RLRun:
         if self.drafter_trainer is None:
             return 0.0, float("nan")
         from dvi.rollout import policy_state_dict
-        from trainers.online import TARGET_VERSION_FILE, write_json_atomic
 
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -388,7 +387,7 @@ class RLRun:
         self.rollouts.set_drafter(self.drafter, self.rollouts.drafter_version + 1)
         # The trainer-process protocol: whoever updates the target announces its version, so records
         # of older policies are down-weighted from now on.
-        write_json_atomic(Path(self.drafter_trainer.run_dir) / TARGET_VERSION_FILE, i + 1)
+        self.drafter_trainer.rundir.write_target_version(i + 1)
         return time.perf_counter() - t0, float(out.get("loss", float("nan")))
 
     def step(self, i: int) -> StepLog:

@@ -29,7 +29,6 @@ Every name below is importable from `trainers.online`, as it was when this was o
 
 import os
 
-from dvi.fsutil import atomic_write_json as write_json_atomic
 from dvi.rundir import (
     CHECKPOINT_DIR,
     CONSUMED_LOG,
@@ -52,6 +51,6 @@ def read_target_version_file(run_dir: str | os.PathLike) -> int | None:
 
 
 __all__ = ["Example", "Batch", "build_batch", "is_heldout", "OnlineTrainer", "TrainerLoop", "run_trainer",
-           "load_drafter_for_training", "read_target_version_file", "write_json_atomic", "PAUSE_FILE",
+           "load_drafter_for_training", "read_target_version_file", "PAUSE_FILE",
            "TARGET_VERSION_FILE", "TRAINER_DIR", "CHECKPOINT_DIR", "CONSUMED_LOG", "STATUS_FILE",
            "SHADOW_MAX_POSITIONS", "STALE_SHARD_S", "REPLAY_RECENT"]
