@@ -17,7 +17,8 @@ from dvi.data import prompt_stream
 from dvi.engine import SpeculativeEngine
 from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import policy_state_dict, trl_rollout_func
-from trainers.rl import RLConfig, RLRun, completion_logprobs, group_advantages
+from trainers.grpo import completion_logprobs, group_advantages
+from trainers.rl import RLConfig, RLRun
 from trainers.rl_tasks import ast_reward, upper_reward
 
 torch.set_num_threads(1)
@@ -174,7 +175,7 @@ def test_rl_loop_online_arm_pushes_policy_and_trains_drafter(tiny_pair_dir):
 
 
 def test_lora_merge_is_out_of_place_and_matches_peft_merge(tiny_pair_dir):
-    from trainers.rl import lora_policy
+    from trainers.grpo import lora_policy
 
     policy = lora_policy(tiny_pair_dir / "target", "float32", 4, ("q_proj", "v_proj"), top_layers=1)
     with torch.no_grad():
