@@ -16,8 +16,10 @@ The parts, in the order a record meets them:
 | module | job |
 |---|---|
 | `collate.py` | `Example` (a record in numpy form), `is_heldout`, `Batch` / `build_batch` (tensors for the loss) |
-| `trainables.py` | the drafter kinds (LoRA, full, early-exit) behind `Trainable`; `load_drafter_for_training` |
-| `trainer.py` | `OnlineTrainer`: steps, replay, shadow-checked publishing, checkpoints |
+| `trainables.py` | the drafter kinds (LoRA, full, early-exit, eagle) behind `Trainable`; `load_drafter_for_training` |
+| `trainer.py` | `OnlineTrainer`: steps, replay, shadow-checked publishing |
+| `checkpoint.py` | the trainer's checkpoint (trained tensors, optimizer, counters), written atomically |
+| `accel.py` | the `Accelerator` (one process group per launch, or it refuses to start) |
 | `loop.py` | `TrainerLoop`: shard choice, the exactly-once flush order, pause/stop, status heartbeat |
 | `process.py` | `run_trainer`: logging, threads, priority, accelerator, metrics, then the loop |
 

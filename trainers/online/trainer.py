@@ -21,7 +21,6 @@ replay. Both counters and `steps_allowed` are in `status()`.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import random
@@ -36,7 +35,6 @@ from torch import nn
 from dvi import metrics as M
 from dvi.config import DviConfig
 from dvi.feedback import FeedbackRecord
-from dvi.fsutil import fsync_tree, old_dirs, replace_dir, tmp_dir_beside
 from dvi.registry import AdapterRejected, DrafterRegistry
 from dvi.results import fmt_rate
 from dvi.rundir import RunDir
@@ -44,6 +42,7 @@ from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_
 from dvi.vocab import find_subset_head
 from trainers.losses import batch_loss, chained_features
 from trainers.online.accel import make_accelerator
+from trainers.online.checkpoint import load_checkpoint, save_checkpoint
 from trainers.online.collate import Example, build_batch, is_heldout
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
@@ -454,52 +453,10 @@ class OnlineTrainer:
             "time": time.time(),
         }
 
-    # -- checkpoints (process mode) ---------------------------------------------------------------
+    # -- checkpoints (process mode): trainers.online.checkpoint ------------------------------------
     def save_checkpoint(self, path: Path, extra: Mapping[str, Any]) -> None:
-        """Weights + optimizer + counters + `extra`, written to a temp dir and renamed over `path`."""
-        from safetensors.torch import save_file
-
-        tmp = tmp_dir_beside(path)
-        tmp.mkdir(parents=True)
-        save_file(self.trainable.state(), str(tmp / "trainable.safetensors"))
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {
-            "step": self.step, "records_seen": self.records_seen, "replayed": self.replayed,
-            "heldout_seen": self.heldout_seen, "dropped_stale": self.dropped_stale,
-            "train_seconds": self.train_seconds, "tokens_trained": self.tokens_trained,
-            "records_read": self.records_read, "feedback_tokens": self.feedback_tokens,
-            "budget_deferred": self.budget_deferred,
-            "max_target_version": self.max_target_version, "last_publish_step": self.last_publish_step,
-            "last_published": self.last_published, "kind": self.trainable.kind, **dict(extra),
-        }
-        (tmp / "state.json").write_text(json.dumps(state))
-        fsync_tree(tmp)
-        replace_dir(tmp, path)  # a kill between its two renames leaves `old_dirs(path)`; load_checkpoint reads it
+        save_checkpoint(self, path, extra)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any] | None:
-        """Restore from `save_checkpoint` output; returns its state dict (None if absent)."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        if not path.exists():
-            olds = old_dirs(path)
-            if not olds:
-                return None
-            path = olds[-1]
-        state = json.loads((path / "state.json").read_text())
-        if state.get("kind") != self.trainable.kind:
-            raise ValueError(f"checkpoint {path} is for a {state.get('kind')!r} drafter, this is {self.trainable.kind!r}")
-        self.trainable.load_state(load_file(str(path / "trainable.safetensors")))
-        try:
-            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-        except Exception as exc:  # noqa: BLE001 - fresh moments are better than no resume
-            log.warning("optimizer state not restored (%s); continuing with fresh moments", exc)
-        for k in ("step", "records_seen", "replayed", "heldout_seen", "dropped_stale", "tokens_trained",
-                  "records_read", "feedback_tokens", "budget_deferred", "max_target_version", "last_publish_step"):
-            setattr(self, k, int(state.get(k, 0) or 0))
-        self.train_seconds = float(state.get("train_seconds", 0.0))
-        self.last_published = state.get("last_published")
-        if self.last_published is not None:
-            self.last_published_state = self.trainable.state()
-        return state
+        return load_checkpoint(self, path)
 
