@@ -281,10 +281,10 @@ class OnlineTrainer:
 
     def _train_step(self, examples: list[Example], current: int) -> dict[str, float] | None:
         acc = self.accelerator
-        if acc.num_processes > 1:  # each rank takes its slice; every rank gets at least one row
-            while len(examples) < acc.num_processes:
-                examples = examples + examples
-            examples = examples[acc.process_index:: acc.num_processes]
+        # Each rank trains its slice (DDP averages the gradients); padding repeats the last row so that no
+        # rank is left without one (a rank without a backward would hang the others' all-reduce).
+        with acc.split_between_processes(examples, apply_padding=True) as mine:
+            examples = list(mine)
         weights = [self._weight(e, current) for e in examples]
         batch = build_batch(examples, weights, self.pad_id, self.tc.max_seq_len)
         if batch is None:
