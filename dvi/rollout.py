@@ -33,6 +33,7 @@ from dvi.feedback import FeedbackRecord, FeedbackWriter
 from dvi.results import GenerationResult, acceptance_rate, mean_accepted_length
 
 if TYPE_CHECKING:
+    from dvi.drafters import Drafter
     from dvi.engine import SpeculativeEngine
 
 __all__ = [
@@ -201,7 +202,7 @@ class RolloutEngine:
         self.engine.update_target_weights(state_dict_or_path, int(version))
         return int(version)
 
-    def set_drafter(self, drafter: Any, version: int) -> None:
+    def set_drafter(self, drafter: torch.nn.Module | Drafter | None, version: int) -> None:
         """Hot-swap the drafter (e.g. a new adapter from the online trainer); next batch uses it."""
         self.engine.set_drafter(drafter, int(version))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
@@ -28,7 +28,10 @@ from dvi.registry import AdapterRejected
 from dvi.rundir import RunDir
 
 from .auth import require_admin
-from .protocol import ApiError, Text
+from .protocol import ApiError, BodyT, Text
+
+if TYPE_CHECKING:
+    from .app import ServerState
 
 log = logging.getLogger("dvi.serving.admin")
 
@@ -62,11 +65,11 @@ class RollbackRequest(_Body):
     reason: Text = Field("admin rollback", max_length=MAX_REASON_CHARS)
 
 
-def _state(request: Request) -> Any:
+def _state(request: Request) -> ServerState:
     return request.app.state.dvi
 
 
-async def _body(request: Request, model: type) -> Any:
+async def _body(request: Request, model: type[BodyT]) -> BodyT:
     from .app import _parse
 
     return await _parse(request, model, allow_empty=True)

@@ -29,6 +29,7 @@ from .health import count_refusal
 from .logprobs import chat_logprobs, completion_logprobs, token_logprobs
 from .protocol import (
     ApiError,
+    BodyT,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
@@ -83,7 +84,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse(request: Request, model: type, allow_empty: bool = False) -> Any:
+async def _parse(request: Request, model: type[BodyT], allow_empty: bool = False) -> BodyT:
     """Validate a JSON body against a pydantic model; errors are 400s that name the field.
 
     The config's limits (prompt characters, stop strings, top_k <= vocabulary, the domain

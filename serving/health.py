@@ -11,12 +11,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dvi.engine import SpeculativeEngine
+
     from .app import ServerState
 
 
-def _draft_vocab_size(engine: Any) -> int | None:
+def _draft_vocab_size(engine: SpeculativeEngine) -> int | None:
     """N of the live drafter's reduced draft vocabulary; None for the full vocabulary or no drafter."""
-    ids = getattr(getattr(engine, "drafter", None), "draft_vocab", None)
+    ids = engine.drafter.draft_vocab if engine.drafter is not None else None
     return None if ids is None else int(ids.numel())
 
 

@@ -11,9 +11,12 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dvi.config import DviConfig
+
+if TYPE_CHECKING:
+    from dvi.models import ModelPair
 
 log = logging.getLogger("dvi.serving")
 
@@ -45,7 +48,7 @@ def ensure_pair(cfg: DviConfig) -> None:
     subprocess.run([sys.executable, "-m", "dvi.cli", "bootstrap", "--preset", preset], check=True)
 
 
-def load_serving_pair(cfg: DviConfig) -> Any:
+def load_serving_pair(cfg: DviConfig) -> ModelPair:
     """The `ModelPair` to serve; its drafter is of `models.drafter_kind`.
 
     separate: the drafter dir's HF model (reduced head if it has a draft vocabulary);

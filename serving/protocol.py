@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -24,6 +24,9 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+"""A request body model (`_parse` returns the validated instance of the model it is given)."""
 
 
 class ApiError(Exception):

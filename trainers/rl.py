@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from trainers.grpo import (
     policy_gradient_loss,
 )
 from trainers.rl_tasks import TASKS, Problem, score, task_prompts
+
+if TYPE_CHECKING:
+    from trainers.online import OnlineTrainer
 
 # ---------------------------------------------------------------------------------------------
 # the loop
@@ -202,7 +205,7 @@ class RLRun:
         self.rollouts = RolloutEngine(self.engine, feedback_writer=self.writer, domain="rl",
                                       stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
 
-    def _online_trainer(self) -> Any:
+    def _online_trainer(self) -> OnlineTrainer:
         """`trainers.online.OnlineTrainer` over a float32 copy of the drafter (same draft vocabulary): the
         online loss, replay, stale-version down-weighting, exactly as the trainer process runs them, minus
         the shard round trip. The engine serves a plain copy with the adapter merged in, as a server does

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dvi.config import DviConfig
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 __all__ = ["make_accelerator"]
 
 
-def make_accelerator(cfg: DviConfig) -> Any:
+def make_accelerator(cfg: DviConfig) -> Accelerator:
     """The `Accelerator` of the configured device (`models.device`, "auto" resolved as the models
     resolve it). Under `accelerate launch` / torchrun every rank must join one process group: a
     CPU-only machine with `device: auto` used to leave each rank alone, and every rank then trained,

@@ -11,13 +11,16 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dvi.config import DviConfig
 from dvi.registry import AdapterRejected, DrafterRegistry
+
+if TYPE_CHECKING:
+    from dvi.drafters import Drafter
 
 
 class Trainable(ABC):
@@ -139,7 +142,7 @@ class _SharedTargetTrainable(Trainable):
         return registry.publish({ADAPTER_WEIGHTS: blob, ADAPTER_CONFIG: cfg.encode()}, {**manifest, "kind": "lora"})
 
 
-def make_trainable(drafter: Any, mode: str, cfg: DviConfig) -> Trainable:
+def make_trainable(drafter: nn.Module | Drafter, mode: str, cfg: DviConfig) -> Trainable:
     from dvi.drafters import EarlyExitDrafter, SharedTargetDrafter
 
     t = cfg.trainer

@@ -27,7 +27,7 @@ import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from trainers.online.accel import make_accelerator
 from trainers.online.checkpoint import load_checkpoint, save_checkpoint
 from trainers.online.collate import Example, build_batch, is_heldout
 from trainers.online.trainables import load_drafter_for_training, make_trainable
+
+if TYPE_CHECKING:
+    from dvi.drafters import Drafter
 
 log = logging.getLogger("dvi.trainer")
 
@@ -69,7 +72,7 @@ class OnlineTrainer:
     def __init__(
         self,
         cfg: DviConfig,
-        drafter: Any,
+        drafter: nn.Module | Drafter,
         *,
         registry: DrafterRegistry | None = None,
         metrics: M.MetricsLogger | None = None,
