@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="seeds the data order and every rollout (step i: seed + i)")
     ap.add_argument("--output-dir", default=None)
     a = ap.parse_args(argv)
     trainer, rollout_func = build(a)
@@ -63,7 +64,7 @@ def build(a: argparse.Namespace) -> tuple:
     from dvi.embedded import embedded_paths
     from dvi.engine import SpeculativeEngine
     from dvi.models import load_embedded_pair
-    from dvi.rollout import trl_rollout_func
+    from dvi.rollout import SamplingOverrides, trl_rollout_func
     from trainers.rl_tasks import arith_dataset, trl_reward
 
     torch.set_num_threads(a.threads)
@@ -72,7 +73,7 @@ def build(a: argparse.Namespace) -> tuple:
     # dvi's copy of the target + the drafter; adaptive K speculates where it pays (the batch's tail).
     engine = SpeculativeEngine(pair.target, drafter=pair.drafter, num_draft_tokens=a.num_draft_tokens,
                                max_draft_tokens=max(4, a.num_draft_tokens), adaptive=True)
-    rollout_func = trl_rollout_func(engine)
+    rollout_func = trl_rollout_func(engine, sampling=SamplingOverrides(seed=a.seed))  # reproducible rollouts
     # The policy TRL trains: the same weights (float32 for the optimiser) + a LoRA adapter.
     policy = AutoModelForCausalLM.from_pretrained(str(embedded_paths(a.preset, a.root).target), dtype=torch.float32)
     lora = LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0,
@@ -87,7 +88,7 @@ def build(a: argparse.Namespace) -> tuple:
         use_cpu=True, max_steps=a.steps, learning_rate=a.lr, logging_steps=1, report_to="none",
         save_strategy="no", per_device_train_batch_size=a.num_generations * a.prompts_per_step,
         num_generations=a.num_generations, max_completion_length=a.max_completion_length,
-        temperature=1.0, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        temperature=1.0, seed=a.seed, disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(model=policy, reward_funcs=trl_reward(a.reward), args=args, peft_config=lora,
                           train_dataset=Dataset.from_dict(data), processing_class=tokenizer,

@@ -512,3 +512,21 @@ def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_
     back.load_checkpoint(tmp_path / "ckpt")
     saved = (tr.records_read, tr.feedback_tokens, tr.budget_deferred, tr.step)
     assert (back.records_read, back.feedback_tokens, back.budget_deferred, back.step) == saved
+
+
+def test_trainer_ignores_a_mixed_precision_another_accelerator_fixed(pair, tiny_pair_dir, tmp_path) -> None:
+    """accelerate keeps one process-wide state: a TRL trainer created first (GRPOConfig defaults to bf16) used
+    to make the online trainer's forward run under bf16 autocast, silently (found by running test_rl before
+    this module). The trainer's module must compute exactly what the drafter computes."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    try:
+        Accelerator(cpu=True, mixed_precision="bf16")  # what GRPOTrainer(args=GRPOConfig(...)) does first
+        tr = OnlineTrainer(online_config(tiny_pair_dir, tmp_path), copy.deepcopy(pair.drafter))
+        ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+        with torch.no_grad():
+            torch.testing.assert_close(tr.module(input_ids=ids).logits, pair.drafter(input_ids=ids).logits,
+                                       atol=0, rtol=0)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # leave no process-wide state to later tests

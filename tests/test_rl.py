@@ -98,7 +98,7 @@ def test_trl_example_grpo_with_lora_policy_on_tiny(tiny_pair_dir, tmp_path):
     # The tiny pair cannot do arithmetic (every reward 0, no gradient); upper-case share is dense.
     a = argparse.Namespace(preset="tiny", root=str(tiny_pair_dir.parent), steps=3, reward="upper", num_generations=2,
                            prompts_per_step=2, max_completion_length=8, num_draft_tokens=2, lr=1e-2, threads=1,
-                           output_dir=str(tmp_path / "grpo"))
+                           output_dir=str(tmp_path / "grpo"), seed=0)
     trainer, rollout_func = example.build(a)
     engine = rollout_func.rollouts.engine
     base = {k: v.clone() for k, v in engine.target.state_dict().items()}
