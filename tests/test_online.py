@@ -522,7 +522,9 @@ def test_trainer_ignores_a_mixed_precision_another_accelerator_fixed(pair, tiny_
     from accelerate.state import AcceleratorState
 
     try:
-        Accelerator(cpu=True, mixed_precision="bf16")  # what GRPOTrainer(args=GRPOConfig(...)) does first
+        # what GRPOTrainer(args=GRPOConfig(...)) does first: transformers resets the state, then fixes bf16
+        AcceleratorState._reset_state(reset_partial_state=True)
+        Accelerator(cpu=True, mixed_precision="bf16")
         tr = OnlineTrainer(online_config(tiny_pair_dir, tmp_path), copy.deepcopy(pair.drafter))
         ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
         with torch.no_grad():
