@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -234,19 +235,21 @@ def _shallow_copy(target: nn.Module, num_layers: int, exit_rank: int) -> tuple[n
     return shallow, head
 
 
-class SharedTargetDrafter(Drafter):
+class SharedTargetDrafter(Drafter, ABC):
     """A drafter that runs on the target's own Parameters plus a few trained weights of its own (early exit,
     eagle): saved as those weights (`adapter_model.safetensors`) + `adapter_config.json` with its `dvi_kind`,
-    rebuilt on a target by `load`."""
+    rebuilt on a target by `load`. A kind supplies the two abstract methods; `save` does the rest."""
 
     def shares_weights_with_target(self) -> bool:
         return True
 
+    @abstractmethod
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The kind's own trained weights (never the target's shared ones), as `save` writes them."""
 
+    @abstractmethod
     def config_dict(self) -> dict:
-        raise NotImplementedError
+        """What `load` needs to rebuild the kind on a target, with `dvi_kind` set."""
 
     def save(self, path: str | Path) -> Path:
         """Write `adapter_model.safetensors` (the trained weights) and `adapter_config.json` into dir `path`."""
