@@ -22,7 +22,6 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -50,7 +49,8 @@ def hf_forward(model: nn.Module):
     return fn
 
 
-_FAST_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+FAST_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+"""Decoders `model_forward` runs layer by layer (and the only ones whose features an eagle head can read)."""
 
 
 def model_forward(model: nn.Module, with_features: bool = False):
@@ -68,7 +68,7 @@ def model_forward(model: nn.Module, with_features: bool = False):
     cfg = model.config
     base = getattr(model, "model", None)
     ok = (
-        getattr(cfg, "model_type", None) in _FAST_TYPES
+        getattr(cfg, "model_type", None) in FAST_TYPES
         and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager")
         and base is not None
         and all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
@@ -76,7 +76,7 @@ def model_forward(model: nn.Module, with_features: bool = False):
     )
     if not ok:
         if with_features:
-            raise ValueError(f"target features (eagle drafters) need a {sorted(_FAST_TYPES)} target with sdpa "
+            raise ValueError(f"target features (eagle drafters) need a {sorted(FAST_TYPES)} target with sdpa "
                              f"or eager attention, got {getattr(cfg, 'model_type', None)!r}")
         return hf_forward(model)
     embed, rotary, norm, head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
@@ -325,11 +325,6 @@ class EarlyExitDrafter(SharedTargetDrafter):
         self._fn = model_forward(fwd_model)
         self.config = shallow.config
         self.vocab_size = _num_embeddings(target)
-
-    @classmethod
-    def from_target(cls, target: nn.Module, *args: Any, **kwargs: Any) -> EarlyExitDrafter:
-        """The constructor under a name that says what it builds on (its arguments, not a copy of them)."""
-        return cls(target, *args, **kwargs)
 
     # ---------------------------------------------------------------- trainable parts
     def trainable_parameters(self) -> list[nn.Parameter]:

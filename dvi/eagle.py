@@ -24,13 +24,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.drafters import SharedTargetDrafter
+from dvi.drafters import FAST_TYPES, SharedTargetDrafter
 from dvi.kv import mask_kind
 from dvi.vocab import apply_draft_vocab
 
 __all__ = ["EagleModel", "EagleDrafter", "EagleOutput", "features_from_hidden", "causal_mask"]
-
-EAGLE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 
 
 class EagleOutput:
@@ -73,8 +71,8 @@ class EagleModel(nn.Module):
     def __init__(self, target: nn.Module):
         super().__init__()
         tcfg = target.config
-        if getattr(tcfg, "model_type", None) not in EAGLE_TYPES:
-            raise ValueError(f"eagle drafters support {sorted(EAGLE_TYPES)} targets, got {tcfg.model_type!r}")
+        if getattr(tcfg, "model_type", None) not in FAST_TYPES:
+            raise ValueError(f"eagle drafters support {sorted(FAST_TYPES)} targets, got {tcfg.model_type!r}")
         cfg = copy.deepcopy(tcfg)
         cfg.num_hidden_layers = 1
         if getattr(cfg, "layer_types", None):

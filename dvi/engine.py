@@ -82,6 +82,8 @@ class SpeculativeEngine:
         self.greedy_below_temperature = float(greedy_below_temperature)
         self.target_version, self.drafter_version = int(versions.target), int(versions.drafter)
         self.drafter: Drafter | None = None
+        self._waiting: list[Seq] = []
+        self._seqs: list[Seq] = []
         self._features = False  # the drafter reads the target's features (eagle): rows keep them
         self._tfn_f = None  # the target callable that also returns them
         self._set_drafter(drafter)
@@ -93,8 +95,6 @@ class SpeculativeEngine:
         self.drain_aware = True
         self.last_k = 0
         self.tokens_emitted = self.tokens_speculated = 0  # since construction (`_count_tokens`)
-        self._waiting: list[Seq] = []
-        self._seqs: list[Seq] = []
         self._tkv = RaggedKV(self.target.config, 0, self.device, self.dtype)
         self._dkv = self._new_dkv()
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -236,7 +236,7 @@ class SpeculativeEngine:
         features = bool(getattr(d, "needs_features", False))
         if features and self._tfn_f is None:
             self._tfn_f = model_forward(self.target, with_features=True)
-        rows = getattr(self, "_seqs", []) + getattr(self, "_waiting", [])
+        rows = self._seqs + self._waiting
         if features and not self._features and rows:
             self._target_dirty = True  # in-flight rows were admitted without features: recompute them
         if self._features and not features:
@@ -335,19 +335,19 @@ class SpeculativeEngine:
         outs, finished = self._emit(k, draft_ids, logits, n, nxt)
         t2 = time.perf_counter()
         self._record_costs(b, k, t1 - t0, t2 - t1, t2 - t_fwd)
-        self._count_tokens(k, outs)
+        n_new = sum(len(o.new_token_ids) for o in outs)
+        self._count_tokens(k, n_new)
         if finished:
             self._remove_rows(finished)
         # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
         self._tkv.maybe_compact(0.3 if k else 0.1)
         self._dkv.maybe_compact()
         if self.adaptive and not (k > 0 and self._catchup):
-            self.controller.observe_step(b, k, sum(len(o.new_token_ids) for o in outs), time.perf_counter() - t0)
+            self.controller.observe_step(b, k, n_new, time.perf_counter() - t0)
         return outs
 
-    def _count_tokens(self, k: int, outs: list[StepOutput]) -> None:
+    def _count_tokens(self, k: int, n: int) -> None:
         """Tokens emitted, and those emitted by steps that drafted (K > 0): the share of a workload speculated."""
-        n = sum(len(o.new_token_ids) for o in outs)
         self.tokens_emitted += n
         if k > 0:
             self.tokens_speculated += n

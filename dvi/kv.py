@@ -436,16 +436,21 @@ def prefill(
     With `return_output`, returns (RaggedKV, what `fn` returned): the caller wants the outputs, e.g.
     the target's features for an eagle drafter (None when no row has tokens)."""
     kv = RaggedKV(config, len(token_lists), device=device, dtype=dtype)
-    m = max((len(t) for t in token_lists), default=0)
-    want = return_output
-    if m == 0:
-        return (kv, None) if want else kv
+    if max((len(t) for t in token_lists), default=0) == 0:
+        return (kv, None) if return_output else kv
+    ids, valid = left_pad(token_lists, kv.device)
+    out = kv.forward(fn, ids, valid, logits_to_keep=1)
+    kv.trim()
+    return (kv, out) if return_output else kv
+
+
+def left_pad(token_lists: list[list[int]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths right-aligned to the longest M: ids [B, M] (0 where padded) and valid [B, M]."""
+    m = max(len(t) for t in token_lists)
     ids = torch.zeros(len(token_lists), m, dtype=torch.long)
     valid = torch.zeros(len(token_lists), m, dtype=torch.bool)
     for i, t in enumerate(token_lists):
         if t:
-            ids[i, m - len(t) :] = torch.tensor(t, dtype=torch.long)
-            valid[i, m - len(t) :] = True
-    out = kv.forward(fn, ids.to(kv.device), valid.to(kv.device), logits_to_keep=1)
-    kv.trim()
-    return (kv, out) if want else kv
+            ids[i, m - len(t):] = torch.tensor(t, dtype=torch.long)
+            valid[i, m - len(t):] = True
+    return ids.to(device), valid.to(device)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dvi.acceptance import AcceptanceEMA
+from dvi.kv import left_pad
 from dvi.request import Request, SamplingParams
 from dvi.results import GenerationResult, Versions
 
@@ -104,15 +105,9 @@ def pending_ids(seqs: list[Seq], device: torch.device) -> tuple[torch.Tensor, to
     """Every row's pending tokens (those its drafter cache lacks), left-padded to the longest M:
     ids [B, M] and valid [B, M] (None when every row has one)."""
     pend = [s.pending for s in seqs]
-    m = max(len(p) for p in pend)
-    if m == 1:
+    if max(len(p) for p in pend) == 1:
         return torch.tensor(pend, dtype=torch.long, device=device), None  # [B, 1]
-    ids = torch.zeros(len(pend), m, dtype=torch.long)
-    valid = torch.zeros(len(pend), m, dtype=torch.bool)
-    for i, p in enumerate(pend):
-        ids[i, m - len(p):] = torch.tensor(p, dtype=torch.long)
-        valid[i, m - len(p):] = True
-    return ids.to(device), valid.to(device)
+    return left_pad(pend, device)
 
 
 def pending_features(seqs: list[Seq], m: int, hidden_size: int, dtype: torch.dtype,

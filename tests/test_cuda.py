@@ -70,7 +70,7 @@ def test_greedy_bf16_cuda(fam):
 
 def test_early_exit_drafter_cuda():
     target = tiny("llama", seed=0, layers=3).to(CUDA)
-    ee = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=4)
+    ee = EarlyExitDrafter(target, num_layers=1, lora_rank=4)
     with torch.no_grad():
         for p in ee.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.05)

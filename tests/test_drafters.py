@@ -36,7 +36,7 @@ def test_early_exit_shares_target_weights(make):
         ref = target(ids).logits
     t_params = {id(p) for p in target.parameters()}
     t_ptrs = {_storage(p) for p in target.parameters()}
-    ee = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=4)
+    ee = EarlyExitDrafter(target, num_layers=1, lora_rank=4)
     own = {id(p) for p in ee.trainable_parameters()}
     for name, p in ee.model.named_parameters():
         if id(p) in own:
@@ -65,7 +65,7 @@ def test_early_exit_shares_target_weights(make):
 
 def test_early_exit_sees_in_place_target_updates():
     target = _llama()
-    ee = EarlyExitDrafter.from_target(target, num_layers=2, lora_rank=0)
+    ee = EarlyExitDrafter(target, num_layers=2, lora_rank=0)
     ids = torch.tensor([[3, 4, 5]])
     pos = torch.arange(3)[None]
     with torch.no_grad():
@@ -77,7 +77,7 @@ def test_early_exit_sees_in_place_target_updates():
 
 def test_early_exit_save_load_roundtrip(tmp_path):
     target = _llama()
-    ee = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=4, exit_rank=8)
+    ee = EarlyExitDrafter(target, num_layers=1, lora_rank=4, exit_rank=8)
     with torch.no_grad():
         for p in ee.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -87,7 +87,7 @@ def test_early_exit_save_load_roundtrip(tmp_path):
     ids, pos = torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None]
     with torch.no_grad():
         assert torch.allclose(ee(ids, None, pos, None, 0), loaded(ids, None, pos, None, 0))
-    fresh = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=4, exit_rank=8)
+    fresh = EarlyExitDrafter(target, num_layers=1, lora_rank=4, exit_rank=8)
     with torch.no_grad():
         assert not torch.allclose(ee(ids, None, pos, None, 0), fresh(ids, None, pos, None, 0))
     assert loaded.config_dict()["num_layers"] == 1
@@ -96,11 +96,11 @@ def test_early_exit_save_load_roundtrip(tmp_path):
 def test_early_exit_bad_args():
     target = _llama()
     with pytest.raises(ValueError, match="num_layers"):
-        EarlyExitDrafter.from_target(target, num_layers=0)
+        EarlyExitDrafter(target, num_layers=0)
     with pytest.raises(ValueError, match="num_layers"):
-        EarlyExitDrafter.from_target(target, num_layers=4)
+        EarlyExitDrafter(target, num_layers=4)
     with pytest.raises(ValueError, match="lora_rank"):
-        EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=-1)
+        EarlyExitDrafter(target, num_layers=1, lora_rank=-1)
 
 
 def test_separate_drafter_wraps_hf_and_peft():

@@ -185,7 +185,7 @@ def test_early_exit_drafter_lossless(fam, reduced):
     target = tiny(fam, seed=0, layers=3)
     refs = [reference(target, p, NEW) for p in PROMPTS]
     ids = reduced_ids(refs) if reduced else None
-    ee = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=4, vocab_ids=ids)
+    ee = EarlyExitDrafter(target, num_layers=1, lora_rank=4, vocab_ids=ids)
     with torch.no_grad():  # make the LoRA / exit head non-trivial
         for p in ee.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -312,7 +312,7 @@ def test_update_target_weights_from_path_with_early_exit(tmp_path, reduced):
     target = tiny("llama", seed=0, layers=3)
     # reduced: the drafter's head is a cached row slice of the target's lm_head; it must follow the update
     ids = torch.arange(0, VOCAB, 2) if reduced else None
-    ee = EarlyExitDrafter.from_target(target, num_layers=1, lora_rank=2, vocab_ids=ids)
+    ee = EarlyExitDrafter(target, num_layers=1, lora_rank=2, vocab_ids=ids)
     eng = SpeculativeEngine(target, ee, num_draft_tokens=3)
     eng.generate(PROMPTS[:2], 4)
     new = tiny("llama", seed=8, layers=3)
