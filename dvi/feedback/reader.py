@@ -131,30 +131,30 @@ class FeedbackReader:
         """Concatenate shards into one table; shards deleted by retention are skipped (counted),
         unreadable ones (bad parquet, wrong schema) are quarantined (counted) and skipped.
 
-        `validate=True` (the trainer) also checks every record (`FeedbackRecord.validate`), so a
-        shard whose per-position lists disagree is quarantined instead of failing a training step.
+        `validate=True` also checks every record (`FeedbackRecord.validate`), so a shard whose
+        per-position lists disagree is quarantined instead of failing a training step.
         """
-        tables = []
-        for name in shards:
-            try:
-                with self.fs.open(self.shard_path(name), "rb") as f:
-                    table = _complete_table(pq.read_table(f, schema=SCHEMA))
-                if validate:
-                    for row in table.to_pylist():
-                        FeedbackRecord.from_row(row)
-                tables.append(table)
-            except FileNotFoundError:
-                self.missed_shards += 1
-                log.warning("feedback shard %s vanished before it was read (retention)", name)
-            except (pa.ArrowException, ValueError) as exc:
-                self.quarantine(name, f"{type(exc).__name__}: {exc}")
-        if not tables:
-            return SCHEMA.empty_table()
-        return pa.concat_tables(tables)
+        tables = [loaded[0] for name in shards if (loaded := self._load(name, validate)) is not None]
+        return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
     def read_records(self, shards: Iterable[str]) -> list[FeedbackRecord]:
-        """The shards' records, validated (bad shards quarantined and skipped, as `read(validate=True)`)."""
-        return [FeedbackRecord.from_row(row) for row in self.read(shards, validate=True).to_pylist()]
+        """The shards' records, validated as `read(validate=True)` validates them (built once, not twice)."""
+        return [rec for name in shards if (loaded := self._load(name, True)) is not None for rec in loaded[1]]
+
+    def _load(self, name: str, validate: bool) -> tuple[pa.Table, list[FeedbackRecord]] | None:
+        """One shard as (table, its validated records, [] unless `validate`); None when it vanished (retention,
+        counted) or was quarantined (unreadable, foreign schema, or an invalid record when validating)."""
+        try:
+            with self.fs.open(self.shard_path(name), "rb") as f:
+                table = _complete_table(pq.read_table(f, schema=SCHEMA))
+            records = [FeedbackRecord.from_row(row) for row in table.to_pylist()] if validate else []
+            return table, records
+        except FileNotFoundError:
+            self.missed_shards += 1
+            log.warning("feedback shard %s vanished before it was read (retention)", name)
+        except (pa.ArrowException, ValueError) as exc:
+            self.quarantine(name, f"{type(exc).__name__}: {exc}")
+        return None
 
     def iter_records(self, shards: Iterable[str]) -> Iterator[FeedbackRecord]:
         for name in shards:
