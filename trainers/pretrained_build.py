@@ -204,25 +204,29 @@ def train_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, windows:
 
 
 def build_eagle(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torch.Tensor, states: torch.Tensor,
-                order: torch.Tensor, seed: int, progress: bool) -> dict:
-    """Train the eagle head (`trainers.eagle_build`), save it to `paths.eagle` with its draft vocabulary, and
-    score it on the bf16 target as served: first-draft agreement per held-out domain and step latency."""
+                order: torch.Tensor, seed: int, progress: bool) -> tuple:
+    """Train the eagle head (`trainers.eagle_build`) and save it to `paths.eagle` with its draft vocabulary;
+    returns the head as served (reloaded on the bf16 target) and its training stats."""
     from dvi.eagle import EagleDrafter
-    from trainers.eagle_build import eagle_agreement, eagle_step_ms, train_eagle
+    from dvi.fsutil import replace_dir, tmp_dir_beside
+    from trainers.eagle_build import train_eagle
 
     d, stats = train_eagle(p, paths.target, windows, states, order, seed, progress)
-    from dvi.fsutil import replace_dir, tmp_dir_beside
-
     tmp = tmp_dir_beside(paths.eagle)  # whole or absent: a server may be loading the previous head
     d.save(tmp)
     if p.draft_vocab:
         save_draft_vocab(tmp, order[: p.draft_vocab], int(target.config.vocab_size))
     replace_dir(tmp, paths.eagle)
-    served = EagleDrafter.load(target, paths.eagle)
-    from dvi.models import load_tokenizer
+    return EagleDrafter.load(target, paths.eagle), stats
 
-    tokenizer = load_tokenizer(paths.tokenizer)
-    evals, skips = heldout_sets(p, target, tokenizer, seed)
+
+def evaluate_eagle(p: PretrainedPreset, target, served, order: torch.Tensor, heldout: tuple[dict, dict],
+                   stats: dict, progress: bool) -> dict:
+    """The served head's first-draft agreement per held-out domain (the `heldout_sets` the drafter is scored
+    on) and its step latency, with its training stats: the manifest's `eagle` entry."""
+    from trainers.eagle_build import eagle_agreement, eagle_step_ms
+
+    evals, skips = heldout
     n = p.serve_draft_vocab or p.draft_vocab
     agree = {dom: eagle_agreement(target, served, w, order[:n], skip=skips.get(dom)) for dom, w in evals.items()}
     prev = torch.get_num_threads()
@@ -261,7 +265,9 @@ def add_eagle(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = T
     target, tokenizer = _load_target(paths)
     _streams, order, windows, states = labelled_windows(p, target, tokenizer, seed, progress, walls)
     with _timed(walls, "eagle_s"):
-        manifest["eagle"] = build_eagle(p, paths, target, windows, states, order, seed, progress)
+        served, stats = build_eagle(p, paths, target, windows, states, order, seed, progress)
+        heldout = heldout_sets(p, target, tokenizer, seed)
+        manifest["eagle"] = evaluate_eagle(p, target, served, order, heldout, stats, progress)
     manifest["wall"] = {**manifest.get("wall", {}), **{f"upgrade_{k}": v for k, v in walls.items()}}
     manifest["preset_config"] = asdict(p)
     manifest["fingerprint"] = p.fingerprint()
@@ -385,16 +391,18 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
     if p.early_exit_layers:
         with _timed(walls, "early_exit_s"):
             early, e_stats = train_early_exit(p, paths, target, windows, states, order, seed, progress)
-    eagle = None
+    served_eagle = None
     if p.eagle_tokens:
         with _timed(walls, "eagle_s"):
-            eagle = build_eagle(p, paths, target, windows, states, order, seed, progress)
+            served_eagle, eagle_stats = build_eagle(p, paths, target, windows, states, order, seed, progress)
     del states
-    with _timed(walls, "eval_s"):
+    with _timed(walls, "eval_s"):  # every drafter scored on the same held-out sets, built once
         heldout = heldout_sets(p, target, tokenizer, seed)
         ev = evaluate(p, target, drafter, order, streams, heldout)
         if early is not None:
             ev["early_exit_agreement"] = evaluate_early_exit(p, paths, target, early, order, heldout, ev["latency"])
+        eagle = (evaluate_eagle(p, target, served_eagle, order, heldout, eagle_stats, progress)
+                 if served_eagle is not None else None)
     drafter.save_pretrained(str(paths.drafter))  # bf16: the served dtype, as evaluated
     if p.draft_vocab:
         save_draft_vocab(paths.drafter, order[: p.draft_vocab], vocab_size)
