@@ -136,6 +136,7 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
         tokens=tokens,
         tokens_per_s=tokens / total_t if total_t else 0.0,
         num_drafted=drafted, num_accepted=accepted, num_steps=steps, acc_n=acc_n, tried_n=tried_n,
+        accepted_per_position=acc_pos, drafted_per_position=dr_pos,
         alpha=acceptance_rate(accepted, drafted),
         alpha_per_position=acceptance_rate(acc_n, tried_n),
         mean_accepted_length=mean_accepted_length(accepted, steps),
@@ -150,14 +151,9 @@ def merge_runs(runs: list[dict]) -> dict:
         return runs[0]
     sec = sum(r["seconds"] for r in runs)
     tok = sum(r["tokens"] for r in runs)
-    w = [r["tokens"] for r in runs]
     n = {key: sum(r[key] for r in runs) for key in ("num_drafted", "num_accepted", "num_steps", "acc_n", "tried_n")}
-
-    pp = []
-    for j in range(len(runs[0]["per_position_acceptance"])):
-        vals = [(r["per_position_acceptance"][j], x) for r, x in zip(runs, w, strict=True)]
-        vals = [(v, x) for v, x in vals if v is not None]
-        pp.append(sum(v * x for v, x in vals) / sum(x for _, x in vals) if vals else None)
+    acc_pos, dr_pos = ([sum(col) for col in zip(*(r[key] for r in runs), strict=True)]
+                       for key in ("accepted_per_position", "drafted_per_position"))
     return dict(
         seconds=sec,
         tokens=tok,
@@ -166,7 +162,8 @@ def merge_runs(runs: list[dict]) -> dict:
         alpha=acceptance_rate(n["num_accepted"], n["num_drafted"]),
         alpha_per_position=acceptance_rate(n["acc_n"], n["tried_n"]),
         mean_accepted_length=mean_accepted_length(n["num_accepted"], n["num_steps"]),
-        per_position_acceptance=pp,
+        accepted_per_position=acc_pos, drafted_per_position=dr_pos,
+        per_position_acceptance=[acceptance_rate(a, d) for a, d in zip(acc_pos, dr_pos, strict=True)],
         k_per_step=[x for r in runs for x in r["k_per_step"]],
     )
 

@@ -52,6 +52,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import clean_json, goal
 from dvi.results import acceptance_rate
+from dvi.rundir import RunDir
 
 PHASES = ("code", "chat", "code_return")
 KINDS = ("separate", "eagle")
@@ -167,10 +168,7 @@ class Server:
         return r.json()
 
     def trainer(self) -> dict:
-        try:
-            return json.loads((self.run_dir / "trainer" / "status.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return RunDir(self.run_dir).read_trainer_status()
 
     def snapshot(self) -> dict:
         st = self.trainer()

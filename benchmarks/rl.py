@@ -113,7 +113,7 @@ def _pooled(summaries: list[dict], logs: list[list], alpha_from: int) -> dict:
         "wall_s_total": sum(_arm_wall(run) for run in logs),
         "tokens_total": tokens,
         "speculated_share": sum(r.speculated_tokens for run in logs for r in run) / tokens if tokens else None,
-        "alpha_late": pooled_rates(late)[0],
+        "alpha_late": _alpha(late),
         "alpha_all": _alpha([r for run in logs for r in run]),
         "mean_reward_per_seed": mean_rewards,
         "mean_reward": statistics.fmean(mean_rewards),

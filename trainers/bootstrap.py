@@ -8,7 +8,6 @@ drift later issues recover from) -> held-out evaluation and latency measurement 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import platform
@@ -16,7 +15,6 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +45,7 @@ from trainers.offline import (
     evaluate_lms,
     pack_docs,
     pretrain_lm,
+    timed,
     token_batches,
 )
 
@@ -196,15 +195,6 @@ class _Build:
     cont: dict = field(default_factory=dict)  # continuation diversity per domain and model
 
 
-@contextlib.contextmanager
-def _timed(b: _Build, key: str) -> Iterator[None]:
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        b.walls[key] = time.perf_counter() - t0
-
-
 def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
     """corpus -> tokenizer -> target -> drafter -> evaluation -> manifest (steps below, in this order)."""
     t_start = time.perf_counter()
@@ -220,13 +210,13 @@ def _build_pair(p: Preset, seed: int, progress: bool) -> BuiltPair:
 
 def _tokenize(b: _Build, p: Preset, progress: bool) -> None:
     """Sample the training corpus, train the tokenizer on code + prose, pack both domains' ids."""
-    with _timed(b, "corpus_s"):
+    with timed(b.walls, "corpus_s"):
         b.stats = data.corpus_stats()
         code_train = data.sample_docs("code", "train", p.train_chars, seed=0)
         prose_train = data.load_texts("prose", "train")
         tok_texts = data.sample_docs("code", "train", max(0, p.tokenizer_chars - sum(map(len, prose_train))), seed=1)
         tok_texts = tok_texts + prose_train
-    with _timed(b, "tokenizer_s"):
+    with timed(b.walls, "tokenizer_s"):
         b.tokenizer = tokenizer = train_tokenizer(tok_texts, p.vocab_size)
         b.bos, b.eos, b.pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
         b.code_stream = pack_docs(_encode(tokenizer, code_train), b.bos, b.eos)
@@ -247,7 +237,7 @@ def _preset_schedule(p: Preset, who: str, progress: bool) -> TrainSchedule:
 
 def _train_target(b: _Build, p: Preset, seed: int, progress: bool) -> None:
     """The target: next-token training on both domains, mixed at `p.prose_fraction`."""
-    with _timed(b, "target_s"):
+    with timed(b.walls, "target_s"):
         b.target = make_llama(p.target, len(b.tokenizer), p.max_position_embeddings, b.tokenizer, seed)
         batches = token_batches([b.code_stream, b.prose_stream], p.target_batch, p.seq_len,
                                 weights=[1 - p.prose_fraction, p.prose_fraction], seed=seed)
@@ -258,7 +248,7 @@ def _train_target(b: _Build, p: Preset, seed: int, progress: bool) -> None:
 
 def _train_drafter(b: _Build, p: Preset, seed: int, progress: bool) -> None:
     """The drafter: distilled from the target on code only (its untrained held-out loss first)."""
-    with _timed(b, "drafter_s"):
+    with timed(b.walls, "drafter_s"):
         b.drafter = make_llama(p.drafter, len(b.tokenizer), p.max_position_embeddings, b.tokenizer, seed + 1)
         for domain in data.DOMAINS:
             docs = data.sample_docs(domain, "heldout", p.eval_chars, seed=0)
@@ -276,7 +266,7 @@ def _train_drafter(b: _Build, p: Preset, seed: int, progress: bool) -> None:
 
 def _evaluate(b: _Build, p: Preset, seed: int) -> None:
     """Held-out losses and agreement per domain, decode latency, continuation diversity."""
-    with _timed(b, "eval_s"):
+    with timed(b.walls, "eval_s"):
         for domain, (ids, chars) in b.heldout.items():
             b.evals[domain] = evaluate_lms({"target": b.target, "drafter": b.drafter}, ids, chars, b.bos, p.seq_len,
                                            pad_id=b.pad, agree_with="target", stride=p.eval_stride)

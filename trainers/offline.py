@@ -182,6 +182,16 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1,
     return opt
 
 
+@contextlib.contextmanager
+def timed(walls: dict[str, float], key: str) -> Iterator[None]:
+    """Wall seconds of the block into `walls[key]` (a build's per-stage times, kept in its manifest)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        walls[key] = time.perf_counter() - t0
+
+
 @dataclass
 class TrainSchedule:
     """How an offline loop trains: budget, LR schedule, optimizer, precision, progress bar.

