@@ -172,10 +172,9 @@ def _features(examples: Sequence[Example], seqs: Sequence[np.ndarray], keeps: Se
     feats = torch.zeros((len(examples), w_len, h), dtype=torch.float16)  # [B, W, H]
     targets = torch.zeros((len(examples), t_len, h), dtype=torch.float16)  # [B, T, H]
     for i, (e, seq, nk) in enumerate(zip(examples, seqs, keeps, strict=True)):
-        f = torch.from_numpy(np.array(e.hidden))  # [L - 1, H]: f_j of input j
-        if f.shape[0] != len(e.prompt_ids) + len(e.token_ids) - 1:
-            raise ValueError(f"record {e.request_id}: {f.shape[0]} feature rows for "
-                             f"{len(e.prompt_ids) + len(e.token_ids) - 1} inputs")
+        # f_j of input j, [L - 1, H] (row count checked when the record was built); only the rows this
+        # batch keeps are copied (F_j = f_{j-1}, so one more than the inputs kept).
+        f = torch.from_numpy(np.array(e.hidden[-(len(seq) + 1):]))
         feats[i, w_len - len(seq):] = features_from_hidden(f)[-len(seq):]
         targets[i, t_len - nk:] = f[-nk:]
     return feats, targets
