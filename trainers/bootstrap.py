@@ -358,12 +358,15 @@ EAGLE_FIELDS = ("eagle_tokens", "eagle_lr", "eagle_feature_weight", "eagle_chain
 
 
 def _only_eagle_differs(out: Path, p: PretrainedPreset, seed: int) -> bool:
-    """A complete pair built by this recipe except for its eagle head (none yet, or one from another eagle
-    recipe): only the head needs (re)training."""
-    from dvi.embedded import SERVING_FIELDS
+    """A complete pair built by this recipe and BUILD_VERSION except for its eagle head (none yet, or one from
+    another eagle recipe): only the head needs (re)training. Manifests written before `build_version` was
+    recorded count as this version (the fingerprint check of `_matches` covers them as before)."""
+    from dvi.embedded import BUILD_VERSION, SERVING_FIELDS
 
-    m = read_manifest(out) if (out / "manifest.json").is_file() else None
+    m = read_manifest(out)
     if not m or m.get("seed") != seed or m.get("preset") != p.name or not p.eagle_tokens:
+        return False
+    if m.get("build_version", BUILD_VERSION) != BUILD_VERSION:
         return False
     skip = set(EAGLE_FIELDS) | set(SERVING_FIELDS)
     want = json.loads(json.dumps({k: v for k, v in asdict(p).items() if k not in skip}))

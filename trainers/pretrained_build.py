@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from dvi import data
 from dvi.drafters import EarlyExitDrafter
-from dvi.embedded import EmbeddedPaths, PretrainedPreset, cache_root
+from dvi.embedded import BUILD_VERSION, EmbeddedPaths, PretrainedPreset, cache_root
 from dvi.models import decode_step_latency, num_params
 from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.vocab import DRAFT_VOCAB_FILE, apply_draft_vocab, frequent_token_ids, save_draft_vocab
@@ -269,7 +269,7 @@ def add_eagle(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = T
         manifest["eagle"] = evaluate_eagle(p, target, served, order, heldout, stats, progress)
     manifest["wall"] = {**manifest.get("wall", {}), **{f"upgrade_{k}": v for k, v in walls.items()}}
     manifest["preset_config"] = asdict(p)
-    manifest["fingerprint"] = p.fingerprint()
+    manifest["fingerprint"], manifest["build_version"] = p.fingerprint(), BUILD_VERSION
     return manifest
 
 
@@ -400,7 +400,8 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
         save_draft_vocab(paths.drafter, order[: p.draft_vocab], vocab_size)
     walls["total_s"] = time.perf_counter() - t_start
     return {
-        "preset": p.name, "fingerprint": p.fingerprint(), "seed": seed, "created_at": time.time(),
+        "preset": p.name, "fingerprint": p.fingerprint(), "build_version": BUILD_VERSION, "seed": seed,
+        "created_at": time.time(),
         "preset_config": asdict(p), "source": source,
         "tokenizer": {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
                       "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
