@@ -173,6 +173,7 @@ class RolloutEngine:
         self.max_batch_size = max_batch_size
         self.last_stats: RolloutStats | None = None
         self.last_results: list[GenerationResult] = []  # the engine's results of the last batch
+        self._last_records: list[FeedbackRecord] | None = None  # their records, once asked for
         self._calls = 0
 
     # -- versions -------------------------------------------------------------------------
@@ -235,11 +236,11 @@ class RolloutEngine:
             stop_token_ids=stops), seed)
         seconds = time.perf_counter() - t0
         self._calls += 1
-        self.last_results = results
+        self.last_results, self._last_records = results, None
         out = [Rollout.of(r, i, s) for (i, s, _), r in zip(flat, results, strict=True)]
         if self.feedback_writer is not None:
-            for (_, _, p), r in zip(flat, results, strict=True):
-                self._write_feedback(r, p)
+            for rec in self.last_records():
+                self.feedback_writer.write(rec)
         speculated = int(getattr(self.engine, "tokens_speculated", 0)) - spec0
         self.last_stats = self._stats(out, seconds, speculated)
         return out
@@ -267,12 +268,12 @@ class RolloutEngine:
             num_speculated_tokens=speculated,
         )
 
-    def _write_feedback(self, result: GenerationResult, prompt_ids: list[int]) -> None:
-        self.feedback_writer.write(FeedbackRecord.from_result(result, domain=self.domain, prompt_ids=prompt_ids))
-
     def last_records(self) -> list[FeedbackRecord]:
-        """FeedbackRecords of the last batch (what an in-process drafter trainer consumes)."""
-        return [FeedbackRecord.from_result(r, domain=self.domain) for r in self.last_results]
+        """FeedbackRecords of the last batch (what the feedback log and an in-process drafter trainer consume),
+        built once per batch."""
+        if self._last_records is None:
+            self._last_records = [FeedbackRecord.from_result(r, domain=self.domain) for r in self.last_results]
+        return self._last_records
 
     def flush_feedback(self) -> str | None:
         """Write buffered records now (so a trainer tailing the log sees this batch)."""

@@ -25,7 +25,6 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from dvi.registry import AdapterRejected
-from dvi.rundir import RunDir
 
 from .auth import require_admin
 from .protocol import ApiError, BodyT, Text
@@ -111,7 +110,7 @@ async def update_target(request: Request) -> dict:
         raise ApiError(400, f"cannot load target weights from {body.path!r}: {type(exc).__name__}: {exc}",
                        param="path", code="target_refused") from None
     s.target_version = version
-    RunDir.of(s.cfg).write_target_version(version)  # the trainer learns of it before any feedback
+    s.supervisor.rundir.write_target_version(version)  # the trainer learns of it before any feedback
     s.metrics.observe_target_update(version)
     log.warning("target weights updated from %s (target version %d)", path, version)
     return {"target_version": version, "path": str(path)}

@@ -339,7 +339,7 @@ class Scheduler:
         record = None
         if result is not None:
             try:
-                record = FeedbackRecord.from_result(result, domain=h.domain, prompt_ids=h.prompt_ids)
+                record = FeedbackRecord.from_result(result)  # the engine's result carries the request's prompt and domain
             except Exception:  # noqa: BLE001 - feedback must never cost a request
                 self.feedback_errors += 1
                 log.exception("feedback record for %s dropped", h.request_id)

@@ -71,12 +71,8 @@ class TrainerSupervisor:
         self.cfg = cfg
         self.mode = cfg.serve.trainer
         self.rundir = RunDir.of(cfg)
-        self.run_dir = self.rundir.root
-        self.config_path = self.rundir.trainer_config_path
-        self.log_path = self.rundir.trainer_log_path
-        self.pause_path = self.rundir.pause_path
         self.command = command or [sys.executable, "-m", "dvi.cli", "train", "--online",
-                                   "--config", str(self.config_path)]
+                                   "--config", str(self.rundir.trainer_config_path)]
         self.on_event = on_event or (lambda _event: None)
         self.restarts = 0
         self.stale_restarts = 0
@@ -94,7 +90,7 @@ class TrainerSupervisor:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.rundir.root.mkdir(parents=True, exist_ok=True)
         if self.mode != "supervised":
             return
         self.write_config()
@@ -145,7 +141,7 @@ class TrainerSupervisor:
     def _spawn(self) -> subprocess.Popen:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(self.cfg.trainer.num_threads))
-        logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        logf = open(self.rundir.trainer_log_path, "ab")  # noqa: SIM115 - the child owns it
         try:
             return subprocess.Popen(
                 self.command, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -182,7 +178,7 @@ class TrainerSupervisor:
                 proc.wait()
                 self.last_exit_code = proc.returncode
                 log.warning("trainer exited with code %s; restarting in %.1fs (see %s)",
-                            proc.returncode, backoff, self.log_path)
+                            proc.returncode, backoff, self.rundir.trainer_log_path)
             if time.monotonic() - started >= STABLE_AFTER_S:
                 backoff = self.cfg.serve.trainer_restart_backoff_s
             self.state = "restarting"
@@ -256,4 +252,4 @@ class TrainerSupervisor:
                 "stale": hb is not None and hb[0] > hb[1], "stale_after_s": self.stale_after_s,
                 "stale_restarts": self.stale_restarts,
                 "paused": self.paused or self.rundir.trainer_paused(), "last_exit_code": self.last_exit_code,
-                "log": str(self.log_path) if self.mode == "supervised" else None}
+                "log": str(self.rundir.trainer_log_path) if self.mode == "supervised" else None}

@@ -222,10 +222,6 @@ class DrafterSwapper:
         # An early-exit drafter shares the target's weights: keep it as is (a deep copy would copy the target).
         self.base = base_drafter if isinstance(base_drafter, Drafter) else copy.deepcopy(base_drafter).eval()
         self.policy = policy
-        self.poll_seconds = policy.poll_seconds
-        self.shadow_margin = policy.shadow_margin
-        self.rollback_window = rollback_window = policy.rollback_window
-        self.rollback_margin = policy.rollback_margin
         self.on_event = on_event or (lambda _e: None)
         self.event_log = event_log
         self.live_version = 0
@@ -238,7 +234,7 @@ class DrafterSwapper:
         self.counts = collections.Counter()
         self.recent: collections.deque = collections.deque(maxlen=policy.shadow_records)
         self._per_version: dict[int, collections.deque] = collections.defaultdict(
-            lambda: collections.deque(maxlen=rollback_window))
+            lambda: collections.deque(maxlen=policy.rollback_window))
         self._since_swap = 0
         self._watching = False
         self._lock = threading.RLock()
@@ -276,7 +272,7 @@ class DrafterSwapper:
                 self.check_rollback()
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad version
                 log.exception("registry watcher iteration failed")
-            self._stop.wait(self.poll_seconds)
+            self._stop.wait(self.policy.poll_seconds)
 
     def poll_once(self) -> None:
         latest = self.registry.latest()
@@ -304,8 +300,8 @@ class DrafterSwapper:
                                max_positions=SHADOW_MAX_POSITIONS)
             reason = (f"shadow α {fmt_rate(new.alpha)} vs live {fmt_rate(old.alpha)} on {new.records} records "
                       f"({new.positions} positions)")
-            if not shadow_passes(new.alpha, old.alpha, self.shadow_margin):
-                self._refuse(version, reason + f"; {shadow_failure(new.alpha, self.shadow_margin)}", kind="shadow")
+            if not shadow_passes(new.alpha, old.alpha, self.policy.shadow_margin):
+                self._refuse(version, reason + f"; {shadow_failure(new.alpha, self.policy.shadow_margin)}", kind="shadow")
                 return False
         self._swap(model, version, "promoted", reason)
         return True
@@ -367,16 +363,16 @@ class DrafterSwapper:
     def check_rollback(self) -> bool:
         """Roll back if the live version's α over its window fell below its predecessor's."""
         with self._lock:
-            if not self._watching or self._since_swap < self.rollback_window or self.predecessor is None:
+            if not self._watching or self._since_swap < self.policy.rollback_window or self.predecessor is None:
                 return False
             self._watching = False
             live, prev = self.live_version, self.predecessor
         a_new, a_old = self.live_alpha(live), self.live_alpha(prev)
         if a_new is None or a_old is None:
             return False
-        if a_new < a_old - self.rollback_margin:
-            self.rollback(f"live α {a_new:.3f} < predecessor v{prev} {a_old:.3f} - {self.rollback_margin} "
-                          f"over {self.rollback_window} requests")
+        if a_new < a_old - self.policy.rollback_margin:
+            self.rollback(f"live α {a_new:.3f} < predecessor v{prev} {a_old:.3f} - {self.policy.rollback_margin} "
+                          f"over {self.policy.rollback_window} requests")
             return True
         log.info("drafter v%d kept: live α %.3f vs predecessor %.3f", live, a_new, a_old)
         return False

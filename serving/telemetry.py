@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
-from dvi.rundir import RunDir
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -124,7 +123,7 @@ class ServerMetrics:
         if age is not None:
             self.m[M.TRAINER_HEARTBEAT_AGE].set(age)
         if sup.mode != "off":  # the trainer's losses and held-out α, from its last status write
-            self.m.set_trainer(RunDir.of(state.cfg).read_trainer_status())
+            self.m.set_trainer(sup.rundir.read_trainer_status())
         fb = state.feedback
         if fb is not None:
             self._sync_counter(M.FEEDBACK_WRITE_ERRORS, fb.flush_errors)

@@ -139,7 +139,7 @@ class FeedbackReader:
 
     def read_records(self, shards: Iterable[str]) -> list[FeedbackRecord]:
         """The shards' records, validated as `read(validate=True)` validates them (built once, not twice)."""
-        return [rec for name in shards if (loaded := self._load(name, True)) is not None for rec in loaded[1]]
+        return list(self.iter_records(shards))
 
     def _load(self, name: str, validate: bool) -> tuple[pa.Table, list[FeedbackRecord]] | None:
         """One shard as (table, its validated records, [] unless `validate`); None when it vanished (retention,
@@ -157,9 +157,10 @@ class FeedbackReader:
         return None
 
     def iter_records(self, shards: Iterable[str]) -> Iterator[FeedbackRecord]:
+        """`read_records`, one shard at a time (an invalid shard is quarantined and skipped, as there)."""
         for name in shards:
-            for row in self.read([name]).to_pylist():
-                yield FeedbackRecord.from_row(row)
+            if (loaded := self._load(name, True)) is not None:
+                yield from loaded[1]
 
     def as_dataset(self, shards: Iterable[str]) -> Any:
         """The shards as a `datasets.Dataset` (in memory, arrow-backed)."""

@@ -128,10 +128,9 @@ class FeedbackRecord:
         cls,
         result: GenerationResult,
         domain: str | None = None,
-        prompt_ids: Sequence[int] | None = None,
     ) -> FeedbackRecord:
         """The stored projection of an engine result (its temperature is the one served: below the
-        greedy floor that is 0); `domain` and `prompt_ids` override the result's when given."""
+        greedy floor that is 0); `domain` overrides the result's (`engine.generate` sets none)."""
         hidden = result.hidden
         return cls(
             request_id=str(result.request_id),
@@ -141,7 +140,7 @@ class FeedbackRecord:
             started_at=float(result.started_at),
             finished_at=float(result.finished_at),
             temperature=float(result.temperature),
-            prompt_ids=_as_list(prompt_ids if prompt_ids is not None else result.prompt_ids),
+            prompt_ids=_as_list(result.prompt_ids),
             token_ids=_as_list(result.token_ids),
             drafted_ids=_as_list(result.drafted_ids),
             accepted=[bool(a) for a in _as_list(result.accepted)],

@@ -161,10 +161,9 @@ class Metrics:
         if s.ttft is not None:
             c[TIME_TO_FIRST_TOKEN].labels(domain=s.domain).observe(s.ttft)
         key = self.alpha_window.observe(s)
-        alpha = self.alpha_window.alpha(*key)
+        alpha, mal = self.alpha_window.rates(*key)
         if alpha is not None:
             c[ACCEPTANCE_RATE].labels(**lv).set(alpha)
-        mal = self.alpha_window.mean_accepted_length(*key)
         if mal is not None:
             c[MEAN_ACCEPTED_LENGTH].labels(**lv).set(mal)
         for i, a in enumerate(self.alpha_window.per_position(*key)):

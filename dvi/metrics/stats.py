@@ -94,11 +94,15 @@ class AlphaWindow:
     def count(self, domain: str, drafter_version: int) -> int:
         return len(self._q.get((domain, drafter_version), ()))
 
+    def rates(self, domain: str, drafter_version: int) -> tuple[float | None, float | None]:
+        """(α, mean accepted length) over the window, in one pass."""
+        return pooled_rates(self._q.get((domain, drafter_version), ()))
+
     def alpha(self, domain: str, drafter_version: int) -> float | None:
-        return pooled_rates(self._q.get((domain, drafter_version), ()))[0]
+        return self.rates(domain, drafter_version)[0]
 
     def mean_accepted_length(self, domain: str, drafter_version: int) -> float | None:
-        return pooled_rates(self._q.get((domain, drafter_version), ()))[1]
+        return self.rates(domain, drafter_version)[1]
 
     def per_position(self, domain: str, drafter_version: int) -> list[float | None]:
         q = self._q.get((domain, drafter_version)) or ()
