@@ -311,16 +311,6 @@ class OnlineTrainer:
                 "reward_weight": float(out.reward_weight), "tokens": float(batch.tokens),
                 "seconds": time.perf_counter() - t0}
 
-    def _logits_fn(self):
-        fn = hf_logits_fn(self.accelerator.unwrap_model(self.module))
-        dev = self.device
-
-        def f(ids: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
-            return fn(ids.to(dev), None if features is None else features.to(dev))
-
-        f.needs_features = fn.needs_features
-        return f
-
     def shadow(self, records: Sequence[FeedbackRecord | Example] | None = None, state: Mapping[str, torch.Tensor] | None = None):
         """Shadow α (teacher-forced, `dvi.shadow`) of the current weights, or of `state`, on held-out records."""
         recs = list(self.heldout) if records is None else [Example.of(r) for r in records]
@@ -331,7 +321,8 @@ class OnlineTrainer:
         was = self.module.training
         self.module.eval()
         try:
-            return shadow_alpha(self._logits_fn(), recs, device=self.device, max_positions=SHADOW_MAX_POSITIONS)
+            fn = hf_logits_fn(self.accelerator.unwrap_model(self.module))
+            return shadow_alpha(fn, recs, device=self.device, max_positions=SHADOW_MAX_POSITIONS)
         finally:
             if saved is not None:
                 self.trainable.load_state(saved)
