@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dvi.feedback import FeedbackRecord, FeedbackWriter
-from dvi.results import GenerationResult, acceptance_rate, mean_accepted_length
+from dvi.results import DraftCounts, GenerationResult
 
 if TYPE_CHECKING:
     from dvi.drafters import Drafter
@@ -75,33 +75,21 @@ class Rollout(GenerationResult):
 
 
 @dataclass
-class RolloutStats:
-    """Aggregates of one `generate_rollouts` call (what an RL dashboard plots per step); every rate
-    is None when it has no data (`dvi.results`)."""
+class RolloutStats(DraftCounts):
+    """Aggregates of one `generate_rollouts` call (what an RL dashboard plots per step): its `DraftCounts`
+    (α, mean accepted length) summed over the batch; every rate is None when it has no data (`dvi.results`)."""
 
     num_sequences: int
     num_tokens: int
     seconds: float
-    num_steps: int
-    num_drafted: int
-    num_accepted: int
     target_version: int
     drafter_version: int
     num_speculated_tokens: int = 0  # tokens emitted by engine steps that drafted (K > 0)
 
     @property
-    def alpha(self) -> float | None:
-        return acceptance_rate(self.num_accepted, self.num_drafted)
-
-    @property
     def speculated_share(self) -> float | None:
         """Share of the batch's tokens generated with speculation on (adaptive K > 0)."""
         return self.num_speculated_tokens / self.num_tokens if self.num_tokens else None
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        """Tokens emitted per engine step per sequence (1 + accepted drafts per step)."""
-        return mean_accepted_length(self.num_accepted, self.num_steps)
 
     @property
     def tokens_per_s(self) -> float | None:
