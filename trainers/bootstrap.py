@@ -35,6 +35,7 @@ from dvi.embedded import (
 from dvi.fsutil import atomic_write_text, replace_dir, tmp_dir_beside
 from dvi.models import decode_step_latency, num_params
 from trainers import pretrained_build
+from trainers.build_common import timed
 from trainers.offline import (
     DISTILL_DEFAULTS,
     PRETRAIN_DEFAULTS,
@@ -45,7 +46,6 @@ from trainers.offline import (
     evaluate_lms,
     pack_docs,
     pretrain_lm,
-    timed,
     token_batches,
 )
 

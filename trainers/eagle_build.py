@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from dvi.eagle import EagleDrafter, features_from_hidden
-from trainers.offline import TrainSchedule, lr_factor, optimizer_step, scoring_batches
+from trainers.build_common import scoring_batches
+from trainers.offline import TrainSchedule, lr_factor, optimizer_step
 from trainers.subset_distill import progress_bar, subset_kl, window_batches
 
 __all__ = ["distill_eagle", "eagle_agreement", "eagle_step_ms", "train_eagle"]

@@ -182,34 +182,6 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1,
     return opt
 
 
-def scoring_batches(windows: list[list[int]], skip: list[int] | None = None,
-                    batch: int = 8) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Held-out windows for agreement scoring, `batch` at a time: ids [B, T] right-padded (causal attention never
-    looks at the padding), real [B, T] (the tokens, as an attention mask) and valid [B, T] (the positions scored:
-    after `skip[i]`, before each row's last)."""
-    for i in range(0, len(windows), batch):
-        chunk = windows[i: i + batch]
-        width = max(map(len, chunk))
-        ids = torch.zeros((len(chunk), width), dtype=torch.long)
-        real = torch.zeros((len(chunk), width), dtype=torch.long)
-        valid = torch.zeros((len(chunk), width), dtype=torch.bool)
-        for r, w in enumerate(chunk):
-            ids[r, : len(w)] = torch.tensor(w)
-            real[r, : len(w)] = 1
-            valid[r, (skip[i + r] if skip else 0): len(w) - 1] = True
-        yield ids, real, valid
-
-
-@contextlib.contextmanager
-def timed(walls: dict[str, float], key: str) -> Iterator[None]:
-    """Wall seconds of the block into `walls[key]` (a build's per-stage times, kept in its manifest)."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        walls[key] = time.perf_counter() - t0
-
-
 @dataclass
 class TrainSchedule:
     """How an offline loop trains: budget, LR schedule, optimizer, precision, progress bar.

