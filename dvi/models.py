@@ -8,8 +8,10 @@ for each other (different vocabularies), with a message that says why. `load_sta
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -361,13 +363,12 @@ def check_target_state_dict(sd: dict, own: dict, complete: bool) -> None:
                              f"e.g. {missing[:3]}")
 
 
-def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Weights from one checkpoint file, or from an HF model directory laid out as `save_pretrained`
-    writes it: the shards its index lists (`model.safetensors.index.json` / `pytorch_model.bin.index.json`,
-    resolved by transformers' `get_checkpoint_shard_files`) or the single weights file. Files are read
-    by transformers' own loader (safetensors, or a weights-only torch pickle)."""
-    from transformers.modeling_utils import get_checkpoint_shard_files
-    from transformers.modeling_utils import load_state_dict as read_checkpoint
+def weight_files(path: str | Path, confine: Callable[[Path], Path] | None = None) -> list[Path]:
+    """The files `load_state_dict(path)` opens: `path` itself, or an HF model directory's shards as its
+    index (`model.safetensors.index.json` / `pytorch_model.bin.index.json`) lists them, or its single
+    weights file. `confine(p)` sees every file before it is opened (the index before it is read) and
+    returns the path to open or raises: the admin API's check that no file lies outside its allowed
+    dirs, whatever `../` names or symlinks the directory holds."""
     from transformers.utils import (
         SAFE_WEIGHTS_INDEX_NAME,
         SAFE_WEIGHTS_NAME,
@@ -375,22 +376,32 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         WEIGHTS_NAME,
     )
 
+    check = confine or (lambda p: p)
     path = Path(path)
     if path.is_file():
-        files = [str(path)]
-    elif path.is_dir():
-        index = next((path / n for n in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME) if (path / n).is_file()), None)
-        single = next((path / n for n in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME) if (path / n).is_file()), None)
-        if index is not None:
-            files = get_checkpoint_shard_files(str(path), str(index))[0]
-        elif single is not None:
-            files = [str(single)]
-        else:
-            raise ValueError(f"state_dict_or_path: {path} holds no {SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or a shard "
-                             f"index ({SAFE_WEIGHTS_INDEX_NAME}); give a weights file or a save_pretrained directory")
-    else:
+        return [check(path)]
+    if not path.is_dir():
         raise ValueError(f"state_dict_or_path: {path} does not exist")
+    index = next((path / n for n in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME) if (path / n).is_file()), None)
+    if index is not None:
+        weight_map = json.loads(check(index).read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+            raise ValueError(f"state_dict_or_path: {index} has no weight_map of tensor name -> shard file")
+        return [check(path / f) for f in sorted(set(weight_map.values()))]
+    single = next((path / n for n in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME) if (path / n).is_file()), None)
+    if single is None:
+        raise ValueError(f"state_dict_or_path: {path} holds no {SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or a shard "
+                         f"index ({SAFE_WEIGHTS_INDEX_NAME}); give a weights file or a save_pretrained directory")
+    return [check(single)]
+
+
+def load_state_dict(path: str | Path, confine: Callable[[Path], Path] | None = None) -> dict[str, torch.Tensor]:
+    """Weights from one checkpoint file, or from an HF model directory laid out as `save_pretrained`
+    writes it (`weight_files`; `confine` vets every file before it is opened). Files are read by
+    transformers' own loader (safetensors, or a weights-only torch pickle)."""
+    from transformers.modeling_utils import load_state_dict as read_checkpoint
+
     sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(read_checkpoint(f))
+    for f in weight_files(path, confine):
+        sd.update(read_checkpoint(str(f)))
     return sd

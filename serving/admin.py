@@ -2,7 +2,8 @@
 
 - ``POST /admin/target`` ``{"path": ..., "version": N}``: new target weights (a ``.safetensors``
   file or a ``save_pretrained`` dir) applied between engine steps; `version` defaults to the
-  current one + 1. The path must resolve (symlinks followed) inside one of `serve.allowed_dirs`.
+  current one + 1. The path, and every file loading it opens (a directory's shard index and the
+  shards it names, symlinks followed), must resolve inside one of `serve.allowed_dirs`.
 - ``POST /admin/drafter/pin`` ``{"version": N}``: serve exactly version N (0 = the startup drafter)
   and stop auto-promotion; ``{"version": null}`` unpins.
 - ``POST /admin/drafter/rollback`` ``{"reason": ...}``: back to the previous drafter.
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from dvi.models import load_state_dict
 from dvi.registry import AdapterRejected
 
 from .auth import require_admin
@@ -99,12 +101,17 @@ async def update_target(request: Request) -> dict:
     """POST /admin/target: load new target weights between engine steps, then announce the version."""
     s = _state(request)
     body: TargetUpdate = await _body(request, TargetUpdate)
-    path = confine_path(body.path, list(s.cfg.serve.allowed_dirs))
+    allowed = list(s.cfg.serve.allowed_dirs)
+    path = confine_path(body.path, allowed)
     version = body.version if body.version is not None else s.target_version + 1
     engine = s.engine
-    fut = s.scheduler.call_between_steps(lambda: engine.update_target_weights(str(path), version, complete=True))
     try:
-        await asyncio.wrap_future(fut)
+        # read off the engine thread; every file it opens (index, shards, symlinks followed) is confined
+        sd = await asyncio.to_thread(load_state_dict, path, lambda p: confine_path(str(p), allowed))
+        await asyncio.wrap_future(s.scheduler.call_between_steps(
+            lambda: engine.update_target_weights(sd, version, complete=True)))
+    except ApiError:
+        raise
     except Exception as exc:  # noqa: BLE001 - unreadable / NaN / partial weights are the caller's error
         log.warning("target update from %s refused: %s: %s", path, type(exc).__name__, exc)
         raise ApiError(400, f"cannot load target weights from {body.path!r}: {type(exc).__name__}: {exc}",
