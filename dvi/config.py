@@ -200,6 +200,9 @@ class ServeConfig(_Strict):
     domains: list[str] = Field(default_factory=lambda: ["default", "code", "prose", "chat"])
     # drafter versions whose per-version series stay on /metrics (older ones are removed)
     metrics_versions: int = Field(4, ge=1)
+    # FastAPI's /docs, /redoc and /openapi.json: off unless asked for (they list every route and
+    # body schema, admin included, to anyone who can connect)
+    api_docs: bool = False
 
     @field_validator("trainer", mode="before")
     @classmethod

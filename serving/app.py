@@ -34,7 +34,7 @@ from dvi.feedback import FeedbackWriter
 from dvi.registry import DrafterRegistry
 from dvi.rundir import RunDir
 
-from .auth import require_api_key
+from .auth import bearer_token, is_admin, require_api_key
 from .completions import (  # noqa: F401  (re-exported: serving.app is the callers' import path)
     _UNION_TAG,
     DISCONNECT_POLL_S,
@@ -63,6 +63,7 @@ from .health import (  # noqa: F401  (re-exported)
     count_refusal,
     degraded_reasons,
     health_info,
+    public_health,
     rejection_reason,
 )
 from .loading import ensure_pair, load_serving_pair, pair_paths  # noqa: F401  (re-exported)
@@ -207,7 +208,9 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
         finally:
             await asyncio.to_thread(st.stop)
 
-    app = FastAPI(title="dvi", version="0.1.0", lifespan=lifespan)
+    docs = cfg.serve.api_docs
+    app = FastAPI(title="dvi", version="0.1.0", lifespan=lifespan, openapi_url="/openapi.json" if docs else None,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     add_error_handlers(app)
     api_key = [Depends(require_api_key)]
     app.post("/v1/completions", dependencies=api_key)(completions_endpoint)
@@ -221,8 +224,9 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
             "max_model_len": s.context_len}]}
 
     @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        return JSONResponse(health_info(request.app.state.dvi))
+    async def health(request: Request, token: str | None = Depends(bearer_token)) -> JSONResponse:
+        s: ServerState = request.app.state.dvi
+        return JSONResponse(health_info(s) if is_admin(request, token) else public_health(s))
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:

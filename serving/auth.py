@@ -46,6 +46,12 @@ async def require_api_key(request: Request, token: str | None = Depends(bearer_t
                        type_="authentication_error", code="invalid_api_key")
 
 
+def is_admin(request: Request, token: str | None) -> bool:
+    """True when `token` is the configured admin token (never when admin is disabled)."""
+    admin_token = request.app.state.dvi.cfg.serve.admin_token
+    return _configured(admin_token) and token is not None and admin_token == token  # constant time
+
+
 async def require_admin(request: Request, token: str | None = Depends(bearer_token)) -> None:
     """403 when admin is disabled (no token configured) or the token is wrong; 401 without one."""
     admin_token = request.app.state.dvi.cfg.serve.admin_token

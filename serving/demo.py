@@ -196,12 +196,13 @@ class Live:
             f"target v{h.get('target_version')}  trainer {h.get('trainer', '?')}  errors {self.timeline.errors}"))
 
 
-async def _poll_health(client: Any, live: Live, stop: asyncio.Event) -> None:
+async def _poll_health(client: Any, live: Live, stop: asyncio.Event, admin_token: str) -> None:
+    """The full /health (trainer state included) needs the admin token."""
     import httpx
 
     while not stop.is_set():
         try:
-            h = (await client.get("/health")).json()
+            h = (await client.get("/health", headers=_bearer(admin_token))).json()
             live.health.update(drafter_version=h["drafter_version"], target_version=h["target_version"],
                                trainer=f"{h['trainer']['state']} (restarts {h['trainer']['restarts']})")
         except (httpx.HTTPError, KeyError, ValueError):
@@ -212,7 +213,7 @@ async def _poll_health(client: Any, live: Live, stop: asyncio.Event) -> None:
             pass
 
 
-async def _phase(url: str, phase: Phase, live: Live) -> None:
+async def _phase(url: str, phase: Phase, live: Live, admin_token: str) -> None:
     """Send the phase's requests, CONCURRENCY at a time, while polling /health for the display."""
     import httpx
 
@@ -236,7 +237,7 @@ async def _phase(url: str, phase: Phase, live: Live) -> None:
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         stop = asyncio.Event()
-        poller = asyncio.create_task(_poll_health(client, live, stop))
+        poller = asyncio.create_task(_poll_health(client, live, stop, admin_token))
         try:
             await asyncio.gather(*(worker(client) for _ in range(CONCURRENCY)))
         finally:
@@ -276,12 +277,16 @@ def _phases(cfg: DviConfig, tok: Any, n: int) -> list[Phase]:
             Phase(f"{drift_name} · new target", drift_name, drift, n, max_tokens)]
 
 
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
 def _update_target(url: str, path: Path, admin_token: str) -> int:
     """POST /admin/target with the perturbed target; returns the new target version."""
     import httpx
 
     r = httpx.post(url + "/admin/target", json={"path": str(path), "version": 1},
-                   headers={"Authorization": f"Bearer {admin_token}"}, timeout=600)
+                   headers=_bearer(admin_token), timeout=600)
     if r.status_code != 200:
         raise RuntimeError(f"target update failed: {r.status_code} {r.text}")
     return r.json()["target_version"]
@@ -311,9 +316,9 @@ def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, co
                 version = _update_target(srv.url, path, admin_token)
                 progress.console.print(f"target updated through /admin/target -> version {version}")
             live.task = progress.add_task(phase.name, total=phase.n)
-            asyncio.run(_phase(srv.url, phase, live))
+            asyncio.run(_phase(srv.url, phase, live, admin_token))
             timeline.flush()
-        return httpx.get(srv.url + "/health", timeout=30).json()
+        return httpx.get(srv.url + "/health", headers=_bearer(admin_token), timeout=30).json()
 
 
 def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict) -> None:

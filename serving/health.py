@@ -56,7 +56,21 @@ def degraded_reasons(s: ServerState, trainer: dict[str, Any]) -> list[str]:
     return reasons
 
 
+def public_health(s: ServerState) -> dict[str, Any]:
+    """What /health tells a caller without the admin token: liveness and versions, nothing else.
+
+    No paths, pids, limits or reasons (an error text may name a file): those are `health_info`'s,
+    for the admin token only.
+    """
+    reasons = degraded_reasons(s, s.supervisor.info())
+    sw = s.swapper
+    return {"status": "ok" if not reasons else ("degraded" if s.scheduler.alive else "down"),
+            "drafter_version": sw.live_version if sw is not None else None,
+            "target_version": s.target_version}
+
+
 def health_info(s: ServerState) -> dict[str, Any]:
+    """The full health document (`/health` with the admin token, `/admin/status`)."""
     alive = s.scheduler.alive
     sw = s.swapper.info() if s.swapper is not None else None
     trainer = s.supervisor.info()

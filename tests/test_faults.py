@@ -228,7 +228,7 @@ def test_08_feedback_dir_unwritable_then_writable(srv, client) -> None:
     try:
         for i in range(n):
             _text(client, prompt=PROMPT + "#" * i, max_tokens=8)  # serving continues
-        h = wait_for(lambda: (lambda j: j if j["status"] == "degraded" else None)(client.get("/health").json()),
+        h = wait_for(lambda: (lambda j: j if j["status"] == "degraded" else None)(srv.health()),
                      20, what="/health degraded")
         assert any("feedback writes failing" in r for r in h["reasons"]), h["reasons"]
         metrics = client.get("/metrics").text
@@ -424,7 +424,7 @@ def test_04_10_03_trainer_faults_and_secrets(trainer_srv, caplog) -> None:
         t0 = time.monotonic()
         seen, detected = set(), None
         while sup.pid in (None, pid):
-            h = c.get("/health").json()
+            h = s.health()
             seen.add((h["status"], tuple(h["reasons"])))
             if detected is None and sup.stale_restarts:
                 detected = time.monotonic() - t0
@@ -433,7 +433,7 @@ def test_04_10_03_trainer_faults_and_secrets(trainer_srv, caplog) -> None:
         stale = s.cfg.serve.trainer_stale_s
         assert detected is not None and stale - 1.0 <= detected < stale + 3.0, detected
         assert any(st == "degraded" and any("trainer" in r for r in rs) for st, rs in seen), seen
-        h = c.get("/health").json()
+        h = s.health()
         assert h["trainer"]["stale_restarts"] == 1 and h["trainer"]["restarts"] >= 1
         assert _total(c.get("/metrics").text, M.TRAINER_STALE_RESTARTS) == 1
         assert any("no heartbeat" in rec.getMessage() for rec in caplog.records)

@@ -17,7 +17,15 @@ import time
 import httpx
 import pytest
 import torch
-from test_serving_helpers import ServerThread, lora_copy, sse_events, tiny_config, version_manifest, wait_for
+from test_serving_helpers import (
+    TEST_ADMIN_TOKEN,
+    ServerThread,
+    lora_copy,
+    sse_events,
+    tiny_config,
+    version_manifest,
+    wait_for,
+)
 
 from dvi import metrics as M
 from dvi.registry import DrafterRegistry
@@ -87,23 +95,23 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
         _traffic(s.url, 2, after)
         assert [(code, text == ref[p], v) for p, code, text, v in after] == [(200, True, v1)] * 2, after
         with s.client() as c:
-            h = c.get("/health").json()
+            h = s.health()
             assert h["drafter_version"] == v1 and h["drafter"]["counts"]["promoted"] == 1
 
             # a corrupted adapter (garbage bytes) is refused, counted, and the live drafter keeps serving
             cfg_json = (reg.version_dir(v1) / "adapter_config.json").read_bytes()
             v2 = reg.publish({"adapter_model.safetensors": b"\x00garbage" * 64, "adapter_config.json": cfg_json},
                              version_manifest(kind="lora"))
-            wait_for(lambda: str(v2) in c.get("/health").json()["drafter"]["refused"], 30, what="v2 refused")
+            wait_for(lambda: str(v2) in s.health()["drafter"]["refused"], 30, what="v2 refused")
             # a wrongly shaped one (LoRA made for another model) too
             other = copy.deepcopy(base)
             other.resize_token_embeddings(base.config.vocab_size + 8)
             v3 = reg.publish_peft_adapter(_lora(other), version_manifest())
-            wait_for(lambda: str(v3) in c.get("/health").json()["drafter"]["refused"], 30, what="v3 refused")
+            wait_for(lambda: str(v3) in s.health()["drafter"]["refused"], 30, what="v3 refused")
             # a valid but much worse drafter fails the shadow check
             v4 = reg.publish_peft_adapter(_lora(base, scale=2.0), version_manifest())
             h = wait_for(lambda: (lambda j: j if str(v4) in j["drafter"]["refused"] else None)(
-                c.get("/health").json()), 30, what="v4 refused by the shadow check")
+                s.health()), 30, what="v4 refused by the shadow check")
             assert "shadow" in h["drafter"]["refused"][str(v4)]
             assert h["drafter_version"] == v1
             metrics = c.get("/metrics").text
@@ -136,7 +144,7 @@ def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path, kind) -> None:
         assert s.state.swapper.live_version == 0
         assert all(code == 200 for _, code, _, _ in results)
         with s.client() as c:
-            h = c.get("/health").json()
+            h = s.health()
             assert h["drafter_version"] == 0 and str(bad) in h["drafter"]["refused"]
             assert _counter(c.get("/metrics").text, M.DRAFTER_ROLLBACKS + " ") == 1
             r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8})
@@ -191,7 +199,7 @@ def test_trainer_sigkill_is_restarted_without_failing_requests(tiny_pair_dir, tm
         t.join(120)
         assert box and box[0] == [200] * len(box[0])
         with s.client() as c:
-            h = c.get("/health").json()
+            h = s.health()
             assert h["trainer"]["restarts"] >= 1 and h["trainer"]["state"] == "running"
             text = c.get("/metrics").text
             assert f'{M.TRAINER_STATE} {float(M.TRAINER_STATES["running"])}' in text
@@ -221,8 +229,9 @@ def test_dvi_serve_process_serves_and_stops_cleanly(tiny_pair_dir, tmp_path) -> 
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.trainer=supervised")
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(dump_config(cfg)))
-    with ServerProcess(["--config", str(path)], tmp_path / "server.log") as srv:
-        with httpx.Client(base_url=srv.url, timeout=60) as c:
+    with ServerProcess(["--config", str(path), f"serve.admin_token={TEST_ADMIN_TOKEN}"],
+                       tmp_path / "server.log") as srv:
+        with httpx.Client(base_url=srv.url, timeout=60, headers={"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}) as c:
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                      "max_tokens": 8})
             assert r.status_code == 200, r.text
@@ -303,7 +312,7 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
 
         for p in PROMPTS:
             assert served(p) == (ref[p], 0)
-        h = c.get("/health").json()
+        h = s.health()
         assert h["drafter_kind"] == "early_exit" and h["draft_vocab_size"] is None
         reg = DrafterRegistry(cfg.registry.dir)
         # a trained-looking version (small perturbation) is validated, shadow-checked and promoted
@@ -321,7 +330,7 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
         wait_for(lambda: v2 in s.state.swapper.refused, 30, what="the separate LoRA to be refused")
         vdir3, _ = _early_exit_version(live, tmp_path / "ee-v3", scale=3.0, seed=3)
         v3 = _publish_dir(reg, vdir3)
-        wait_for(lambda: str(v3) in c.get("/health").json()["drafter"]["refused"], 30, what="v3 refused")
+        wait_for(lambda: str(v3) in s.health()["drafter"]["refused"], 30, what="v3 refused")
         assert "shadow" in s.state.swapper.refused[v3] and s.state.swapper.live_version == v1
         # new target weights through the admin API: the drafter shares them, output follows the new target
         new = _saved_new_target(target, allowed / "t2")
@@ -354,7 +363,7 @@ def test_reduced_vocab_drafter_served_and_lora_promoted(tiny_pair_dir, tmp_path)
             ref[p] = r.json()["choices"][0]["text"]
         base = _target_greedy_fn(tiny_pair_dir)
         assert ref == {p: base(p, 16) for p in PROMPTS}
-        assert c.get("/health").json()["draft_vocab_size"] == 64
+        assert s.health()["draft_vocab_size"] == 64
         reg = DrafterRegistry(cfg.registry.dir)
         v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest(draft_vocab_size=64))
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the LoRA version to be promoted")
@@ -417,7 +426,7 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
         for _ in range(3):
             for p in PROMPTS:
                 assert served(p) == (ref[p], 0)
-        assert c.get("/health").json()["drafter_kind"] == "eagle"
+        assert s.health()["drafter_kind"] == "eagle"
         s.state.scheduler.feedback.flush()
         reader = FeedbackReader(cfg.feedback.dir)
         recs = list(reader.iter_records(reader.poll()))

@@ -11,6 +11,9 @@ import httpx
 from dvi.config import DviConfig, load_config
 
 
+TEST_ADMIN_TOKEN = "test-admin-token"
+
+
 def tiny_config(pair_dir: Path, run_dir: Path, *overrides: str) -> DviConfig:
     """Config serving the tiny pair from `pair_dir`, everything written under `run_dir`."""
     base = [
@@ -27,6 +30,7 @@ def tiny_config(pair_dir: Path, run_dir: Path, *overrides: str) -> DviConfig:
         "speculation.adaptive=false",
         "speculation.num_draft_tokens=3",
         "sampling.max_new_tokens=24",
+        f"serve.admin_token={TEST_ADMIN_TOKEN}",  # /health's details need it
     ]
     return load_config(None, base + list(overrides))
 
@@ -73,6 +77,14 @@ class ServerThread:
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+
+    def health(self) -> dict:
+        """The full /health document (what the config's admin token sees)."""
+        token = self.cfg.serve.admin_token.get_secret_value()
+        with self.client(token=token) as c:
+            r = c.get("/health")
+        assert r.status_code == 200, r.text
+        return r.json()
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True

@@ -1,0 +1,51 @@
+"""What a caller without a token can see (issue 27 §4): a minimal liveness answer, no paths, pids or
+reasons; the full health document only with the admin token; the API docs pages only when configured."""
+
+from __future__ import annotations
+
+import pytest
+from test_serving_helpers import ServerThread, guarded_config
+
+API_KEY, ADMIN = "k", "admin-secret"
+PUBLIC = {"status", "drafter_version", "target_version"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair_dir, tmp_path_factory, allowed_dir):
+    run = tmp_path_factory.mktemp("open-run")
+    with ServerThread(guarded_config(tiny_pair_dir, run, API_KEY, ADMIN, allowed_dir)) as s:
+        yield s
+
+
+def test_health_without_admin_token_is_minimal(server) -> None:
+    run_dir = str(server.cfg.run_dir)
+    for token in (None, API_KEY, "wrong"):
+        with server.client(token=token) as c:
+            r = c.get("/health")
+        assert r.status_code == 200
+        body = r.json()
+        assert set(body) == PUBLIC, sorted(body)
+        assert body["status"] == "ok" and body["target_version"] == 0
+        assert run_dir not in r.text and "feedback" not in r.text and "pid" not in r.text
+
+
+def test_health_with_admin_token_has_the_details(server) -> None:
+    with server.client(token=ADMIN) as admin:
+        full = admin.get("/health").json()
+        status = admin.get("/admin/status").json()
+    assert PUBLIC <= set(full)
+    assert full["feedback"]["dir"] == server.cfg.feedback.dir and "trainer" in full and "reasons" in full
+    assert "feedback" in status
+
+
+def test_api_docs_are_off_by_default(server) -> None:
+    with server.client(token=ADMIN) as c:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert c.get(path).status_code == 404, path
+
+
+def test_api_docs_can_be_switched_on(tiny_pair_dir, tmp_path, allowed_dir) -> None:
+    cfg = guarded_config(tiny_pair_dir, tmp_path, API_KEY, ADMIN, allowed_dir, "serve.api_docs=true")
+    with ServerThread(cfg) as s, s.client() as c:
+        assert c.get("/openapi.json").status_code == 200
+        assert c.get("/docs").status_code == 200
