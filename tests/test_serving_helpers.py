@@ -10,7 +10,6 @@ import httpx
 
 from dvi.config import DviConfig, load_config
 
-
 TEST_ADMIN_TOKEN = "test-admin-token"
 
 
