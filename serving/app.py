@@ -57,6 +57,7 @@ from .completions import (  # noqa: F401  (re-exported: serving.app is the calle
     completions_endpoint,
     read_body,
 )
+from .connection import deadline_protocol
 from .health import (  # noqa: F401  (re-exported)
     REJECTION_REASONS,
     _draft_vocab_size,
@@ -256,8 +257,11 @@ def make_server(cfg: DviConfig, sock: socket.socket, state: ServerState | None =
     import uvicorn
 
     host, port = sock.getsockname()[:2]
+    sv = cfg.serve
     config = uvicorn.Config(create_app(cfg, state), host=host, port=port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+                            access_log=False, timeout_graceful_shutdown=5, lifespan="on",
+                            http=deadline_protocol(sv.header_timeout_s, sv.body_timeout_s),
+                            timeout_keep_alive=sv.keep_alive_s, h11_max_incomplete_event_size=sv.max_header_bytes)
     return uvicorn.Server(config)
 
 
