@@ -111,9 +111,24 @@ class FeedbackConfig(_Strict):
     flush_seconds: float = Field(10.0, gt=0)
     retention_bytes: int | None = Field(2_000_000_000, gt=0)
     retention_shards: int | None = Field(None, gt=0)
+    retention_seconds: float | None = Field(None, gt=0)  # shards older than this are deleted too
     # Records held in memory while shard writes fail (disk full, read-only dir); beyond this many
     # bytes (estimated) the oldest are dropped and counted, never the server's memory.
     max_buffer_bytes: int = Field(256 * 2**20, ge=1)
+
+
+class FilesConfig(_Strict):
+    """Modes and size bounds of what dvi writes in the run dir and the feedback dir."""
+
+    # private: dirs 0700, files 0600 (feedback holds every prompt and completion); group: 0770 / 0660
+    # (a trainer or replica running as another user of the same group); umask: the process umask decides
+    access: Literal["private", "group", "umask"] = "private"
+    # metrics.jsonl (server and trainer), swap_events.jsonl and trainer.log are rotated at log_max_bytes,
+    # keeping log_backups old files: at most 4 x (1 + log_backups) x log_max_bytes on disk
+    log_max_bytes: int = Field(32 * 2**20, ge=4096)
+    log_backups: int = Field(2, ge=0, le=100)
+    # the trainer's consumed.jsonl is compacted (a summary line + the newest rounds) past this size
+    consumed_log_max_bytes: int = Field(4 * 2**20, ge=4096)
 
 
 class RegistryConfig(_Strict):
@@ -240,6 +255,7 @@ class DviConfig(_Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    files: FilesConfig = Field(default_factory=FilesConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)

@@ -8,7 +8,11 @@ fsync the directory"; this is the one implementation of it:
   streamed);
 * `fsync_tree` + `replace_dir`: replace a whole directory built under a temp name;
 * `append_line` / `append_jsonl`: durable appends to an event log (a kill tears at most the
-  last line, which readers skip).
+  last line, which readers skip); given an `AppendLog` they also rotate it by size;
+* `rotate_log`: the one size-based rotation (`<log>.1` ... `<log>.N`, oldest dropped) of every
+  log dvi keeps growing (`metrics.jsonl`, `swap_events.jsonl`, `trainer.log`);
+* `make_dirs` / `access_modes`: the modes of what dvi creates (`files.access`: private 0700/0600 by
+  default, group 0770/0660, or whatever the umask gives).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -88,20 +94,115 @@ def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = True, mo
     atomic_write_bytes(path, text.encode(), fsync=fsync, mode=mode)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, fsync: bool = True) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=str), fsync=fsync)
+def atomic_write_json(path: str | os.PathLike, obj: Any, fsync: bool = True, mode: int | None = None) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=str), fsync=fsync, mode=mode)
 
 
-def append_line(path: str | os.PathLike, line: str, fsync: bool = True) -> None:
-    """Append `line` (a newline is added) to `path`, flushed and (by default) fsynced."""
-    with open(path, "a") as f:
-        f.write(line + "\n")
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
+ACCESS_MODES: dict[str, tuple[int | None, int | None]] = {
+    "private": (0o700, PRIVATE), "group": (0o770, 0o660), "umask": (None, None)}
+"""`files.access` -> (dir mode, file mode) of the dirs and files dvi creates (None: the umask decides)."""
 
 
-def append_jsonl(path: str | os.PathLike, obj: Any, fsync: bool = True) -> None:
+def access_modes(access: str) -> tuple[int | None, int | None]:
+    """(dir mode, file mode) for a `files.access` value."""
+    try:
+        return ACCESS_MODES[access]
+    except KeyError:
+        raise ValueError(f"files.access must be one of {sorted(ACCESS_MODES)}, got {access!r}") from None
+
+
+def make_dirs(path: str | os.PathLike, access: str = "private") -> Path:
+    """`mkdir -p path`, then give `path` itself the access's dir mode (when this user owns it).
+
+    An existing dir is tightened (or loosened) too: the mode is the config's, not the history's.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dir_mode = access_modes(access)[0]
+    if dir_mode is not None:
+        st = path.stat()
+        if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != dir_mode:
+            os.chmod(path, dir_mode)
+    return path
+
+
+def open_append(path: str | os.PathLike, mode: int | None = None) -> int:
+    """An O_APPEND file descriptor on `path`; a file it creates gets `mode` (umask ignored)."""
+    existed = os.path.exists(path)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666 if mode is None else mode)
+    if mode is not None and not existed:
+        os.fchmod(fd, mode)
+    return fd
+
+
+@dataclass(frozen=True)
+class LogRotation:
+    """A log is rotated once it holds `max_bytes`; `backups` old files are kept (`<log>.1` newest)."""
+
+    max_bytes: int
+    backups: int = 2
+
+
+def rotate_log(path: str | os.PathLike, rotation: LogRotation, copy_truncate: bool = False) -> bool:
+    """Rotate `path` if it holds at least `rotation.max_bytes`: `<log>.k` -> `<log>.k+1` (the oldest
+    dropped), `<log>` -> `<log>.1`; returns whether it rotated.
+
+    `copy_truncate` copies and then truncates in place instead of renaming, for a log another
+    process holds open with O_APPEND (the trainer's stdout): its next write lands at the new start.
+    Lines written between the copy and the truncation are lost; that is the price of not stopping it.
+    """
+    path = Path(path)
+    try:
+        if path.stat().st_size < rotation.max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    old = [path.with_name(f"{path.name}.{k}") for k in range(1, rotation.backups + 1)]
+    for k in range(len(old) - 1, 0, -1):
+        if old[k - 1].exists():
+            os.replace(old[k - 1], old[k])
+    if copy_truncate:
+        if old:
+            shutil.copy2(path, old[0])
+        os.truncate(path, 0)
+    elif old:
+        os.replace(path, old[0])
+    else:
+        path.unlink(missing_ok=True)
+    return True
+
+
+@dataclass(frozen=True)
+class AppendLog:
+    """An append-only log file, rotated by size and created with a mode (`append_line` takes one)."""
+
+    path: Path
+    rotation: LogRotation | None = None
+    mode: int | None = PRIVATE
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def append(self, line: str, fsync: bool = True) -> None:
+        if self.rotation is not None:
+            rotate_log(self.path, self.rotation)
+        fd = open_append(self.path, self.mode)
+        try:
+            os.write(fd, (line + "\n").encode())
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def append_line(path: str | os.PathLike | AppendLog, line: str, fsync: bool = True) -> None:
+    """Append `line` (a newline is added) to `path`, flushed and (by default) fsynced; an `AppendLog`
+    is rotated first when it is full, and created with its mode."""
+    log = path if isinstance(path, AppendLog) else AppendLog(Path(path), mode=None)
+    log.append(line, fsync=fsync)
+
+
+def append_jsonl(path: str | os.PathLike | AppendLog, obj: Any, fsync: bool = True) -> None:
     """Append one JSON line to an event log (`consumed.jsonl`, the registry's `events.jsonl`, ...)."""
     append_line(path, json.dumps(obj), fsync=fsync)
 

@@ -34,7 +34,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dvi.fsutil import PRIVATE, atomic_write_json, atomic_write_text
+from dvi.config import FilesConfig
+from dvi.fsutil import (
+    PRIVATE,
+    AppendLog,
+    LogRotation,
+    access_modes,
+    atomic_write_json,
+    atomic_write_text,
+    make_dirs,
+)
 
 if TYPE_CHECKING:
     from dvi.config import DviConfig
@@ -58,10 +67,13 @@ class RunDir:
     configured separately and may lie elsewhere (shared by several servers, see docs/design.md)."""
 
     def __init__(self, root: str | os.PathLike, feedback_dir: str | os.PathLike | None = None,
-                 registry_dir: str | os.PathLike | None = None) -> None:
+                 registry_dir: str | os.PathLike | None = None, files: FilesConfig | None = None) -> None:
         self.root = Path(root)
         self.feedback_dir = None if feedback_dir is None else str(feedback_dir)
         self.registry_dir = None if registry_dir is None else Path(registry_dir)
+        self.files = files if files is not None else FilesConfig()
+        self.dir_mode, self.file_mode = access_modes(self.files.access)
+        self.rotation = LogRotation(self.files.log_max_bytes, self.files.log_backups)
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.root)!r}, feedback_dir={self.feedback_dir!r}, registry_dir={self.registry_dir!r})"
@@ -69,12 +81,21 @@ class RunDir:
     @classmethod
     def of(cls, cfg: DviConfig) -> RunDir:
         """The run dir of a `dvi.config.DviConfig` (its `run_dir`, `feedback.dir` and `registry.dir`)."""
-        return cls(cfg.run_dir, cfg.feedback.dir, cfg.registry.dir)
+        return cls(cfg.run_dir, cfg.feedback.dir, cfg.registry.dir, cfg.files)
 
     def make(self) -> RunDir:
-        """Create `<run_dir>/` and `<run_dir>/trainer/`; returns self."""
-        self.trainer_dir.mkdir(parents=True, exist_ok=True)
+        """Create `<run_dir>/` and `<run_dir>/trainer/` (with `files.access`'s dir mode); returns self."""
+        make_dirs(self.root, self.files.access)
+        make_dirs(self.trainer_dir, self.files.access)
         return self
+
+    def make_root(self) -> Path:
+        """Create `<run_dir>/` (with `files.access`'s dir mode); returns it."""
+        return make_dirs(self.root, self.files.access)
+
+    def log(self, path: Path) -> AppendLog:
+        """A log of this run dir: rotated at `files.log_max_bytes`, created with `files.access`'s mode."""
+        return AppendLog(path, self.rotation, self.file_mode)
 
     # -- paths --------------------------------------------------------------------------------------
     @property
@@ -124,8 +145,8 @@ class RunDir:
     # -- trainer pause flag ---------------------------------------------------------------------------
     def pause_trainer(self) -> None:
         """No trainer steps from the next round on (supervised and external trainers alike)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.pause_path, f"paused at {time.time()}\n", fsync=False)
+        self.make_root()
+        atomic_write_text(self.pause_path, f"paused at {time.time()}\n", fsync=False, mode=self.file_mode)
 
     def resume_trainer(self) -> None:
         self.pause_path.unlink(missing_ok=True)
@@ -136,8 +157,8 @@ class RunDir:
     # -- target version -------------------------------------------------------------------------------
     def write_target_version(self, version: int) -> None:
         """Tell the trainer about a new target before its first feedback record arrives."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.target_version_path, f"{int(version)}\n")
+        self.make_root()
+        atomic_write_text(self.target_version_path, f"{int(version)}\n", mode=self.file_mode)
 
     def read_target_version(self) -> int | None:
         """The integer in `<run_dir>/target_version`, or None when absent or unreadable."""
@@ -149,8 +170,8 @@ class RunDir:
     # -- trainer status (gauges + heartbeat) ----------------------------------------------------------
     def write_trainer_status(self, status: dict[str, Any]) -> None:
         """Replace `trainer/status.json` (not fsynced: a gauge, rewritten every round). Adds `heartbeat`."""
-        self.trainer_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.status_path, {"heartbeat": time.time(), **status}, fsync=False)
+        make_dirs(self.trainer_dir, self.files.access)
+        atomic_write_json(self.status_path, {"heartbeat": time.time(), **status}, fsync=False, mode=self.file_mode)
 
     def read_trainer_status(self) -> dict[str, Any]:
         """The trainer's last status ({} if absent or torn)."""
@@ -170,6 +191,6 @@ class RunDir:
     # -- supervised trainer config ----------------------------------------------------------------------
     def write_trainer_config(self, text: str) -> Path:
         """The resolved config a supervised trainer runs with; owner-only (it names the run's dirs)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.make_root()
         atomic_write_text(self.trainer_config_path, text, mode=PRIVATE)
         return self.trainer_config_path

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from dvi.adaptive import batch_bucket
 from dvi.config import DviConfig
 from dvi.engine import SpeculativeEngine
-from dvi.feedback import FeedbackWriter
+from dvi.feedback import FeedbackWriter, Retention
 from dvi.registry import DrafterRegistry
 from dvi.rundir import RunDir
 
@@ -152,11 +152,11 @@ def build_state(cfg: DviConfig) -> ServerState:
         engine.calibrate(buckets)
         log.info("adaptive K calibrated for batch sizes %s in %.1fs", buckets, time.perf_counter() - t0)
     rundir = RunDir.of(cfg)
-    rundir.root.mkdir(parents=True, exist_ok=True)
+    rundir.make_root()
     fb = cfg.feedback
     feedback = FeedbackWriter(fb.dir, shard_records=fb.shard_records, flush_seconds=fb.flush_seconds,
-                              retention_bytes=fb.retention_bytes, retention_shards=fb.retention_shards,
-                              background=True, max_pending_bytes=fb.max_buffer_bytes)
+                              retention=Retention(fb.retention_bytes, fb.retention_shards, fb.retention_seconds),
+                              background=True, max_pending_bytes=fb.max_buffer_bytes, access=cfg.files.access)
     metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions)
     scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
                           feedback=feedback, num_threads=cfg.serve.num_threads)
@@ -165,7 +165,7 @@ def build_state(cfg: DviConfig) -> ServerState:
     if pair.drafter is not None:
         swapper = DrafterSwapper(
             DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last), scheduler, pair.drafter,
-            SwapPolicy.of(cfg), on_event=lambda ev: _on_swap_event(metrics, ev), event_log=str(rundir.swap_events_path),
+            SwapPolicy.of(cfg), on_event=lambda ev: _on_swap_event(metrics, ev), event_log=rundir.log(rundir.swap_events_path),
         )
     state = ServerState(
         cfg=cfg, tokenizer=tokenizer, engine=engine, scheduler=scheduler, swapper=swapper,

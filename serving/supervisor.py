@@ -46,11 +46,13 @@ from pathlib import Path
 import yaml
 
 from dvi.config import DviConfig, dump_config
+from dvi.fsutil import open_append, rotate_log
 from dvi.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 STABLE_AFTER_S = 60.0
+LOG_CHECK_S = 5.0  # how often the watch loop looks at trainer.log's size
 
 
 def _pdeathsig() -> None:  # pragma: no cover - runs in the child
@@ -87,10 +89,11 @@ class TrainerSupervisor:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._log_checked = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self.rundir.root.mkdir(parents=True, exist_ok=True)
+        self.rundir.make_root()
         if self.mode != "supervised":
             return
         self.write_config()
@@ -141,7 +144,8 @@ class TrainerSupervisor:
     def _spawn(self) -> subprocess.Popen:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(self.cfg.trainer.num_threads))
-        logf = open(self.rundir.trainer_log_path, "ab")  # noqa: SIM115 - the child owns it
+        self._rotate_log(force=True)
+        logf = open_append(self.rundir.trainer_log_path, self.rundir.file_mode)  # the child keeps its own copy
         try:
             return subprocess.Popen(
                 self.command, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -149,7 +153,18 @@ class TrainerSupervisor:
                 preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
             )
         finally:
-            logf.close()
+            os.close(logf)
+
+    def _rotate_log(self, force: bool = False) -> None:
+        """Rotate trainer.log at `files.log_max_bytes` (copy + truncate: the child holds it O_APPEND)."""
+        now = time.monotonic()
+        if not force and now - self._log_checked < LOG_CHECK_S:
+            return
+        self._log_checked = now
+        try:
+            rotate_log(self.rundir.trainer_log_path, self.rundir.rotation, copy_truncate=True)
+        except OSError as exc:
+            log.warning("cannot rotate %s: %s", self.rundir.trainer_log_path, exc)
 
     def _run(self) -> None:
         backoff = self.cfg.serve.trainer_restart_backoff_s
@@ -171,6 +186,7 @@ class TrainerSupervisor:
                 while not self._stop.is_set() and proc.poll() is None:
                     self._wake.wait(0.2)
                     self._wake.clear()
+                    self._rotate_log()
                     if self._check_stale(proc):
                         break
                 if self._stop.is_set():

@@ -45,7 +45,7 @@ import torch
 from dvi.config import DviConfig
 from dvi.drafters import ADAPTER_CONFIG, Drafter, SharedTargetDrafter
 from dvi.feedback import FeedbackRecord
-from dvi.fsutil import append_jsonl
+from dvi.fsutil import AppendLog, append_jsonl
 from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
 from dvi.results import acceptance_rate, fmt_rate
 from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_failure, shadow_passes
@@ -216,7 +216,7 @@ class DrafterSwapper:
     """Owns the live drafter version; the registry watcher thread and the admin API use it."""
 
     def __init__(self, registry: DrafterRegistry, scheduler: Scheduler, base_drafter: torch.nn.Module, policy: SwapPolicy,
-                 on_event: Callable[[SwapEvent], None] | None = None, event_log: str | None = None) -> None:
+                 on_event: Callable[[SwapEvent], None] | None = None, event_log: str | AppendLog | None = None) -> None:
         self.registry = registry
         self.scheduler = scheduler
         # An early-exit drafter shares the target's weights: keep it as is (a deep copy would copy the target).

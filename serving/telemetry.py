@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
+from dvi.rundir import RunDir
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -50,7 +51,8 @@ class ServerMetrics:
         try:
             self.logger = M.MetricsLogger(cfg.run_dir, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
                                           entity=cfg.wandb.entity, config=dump_config(cfg),
-                                          name=f"serve-{int(time.time())}")
+                                          name=f"serve-{int(time.time())}", access=cfg.files.access,
+                                          rotation=RunDir.of(cfg).rotation)
         except Exception:  # noqa: BLE001 - metrics must never stop the server
             log.exception("metrics logger failed to start; /metrics still works")
 

@@ -5,7 +5,7 @@ import uuid
 import pytest
 import torch
 
-from dvi.feedback import SCHEMA, FeedbackReader, FeedbackRecord, FeedbackWriter
+from dvi.feedback import SCHEMA, FeedbackReader, FeedbackRecord, FeedbackWriter, Retention
 from dvi.results import GenerationResult
 
 torch.set_num_threads(1)
@@ -179,7 +179,7 @@ def test_temp_files_ignored_and_names_unique(tmp_path):
 
 def test_retention_by_count_and_bytes(tmp_path):
     root = tmp_path / "fb"
-    with FeedbackWriter(root, shard_records=1, retention_shards=3) as w:
+    with FeedbackWriter(root, shard_records=1, retention=Retention(shards=3)) as w:
         for i in range(5):
             w.write(make_record(i))
     assert w.deleted_shards == 2
@@ -192,7 +192,7 @@ def test_retention_by_count_and_bytes(tmp_path):
     with FeedbackWriter(root2, shard_records=1) as w:
         w.write(make_record(0))
     size = os.path.getsize(root2 / os.listdir(root2)[0])
-    with FeedbackWriter(root2, shard_records=1, retention_bytes=int(size * 2.5)) as w:
+    with FeedbackWriter(root2, shard_records=1, retention=Retention(bytes=int(size * 2.5))) as w:
         for i in range(4):
             w.write(make_record(i + 1))
     assert len(FeedbackReader(root2).poll()) == 2
@@ -337,3 +337,19 @@ def test_unreadable_shard_is_quarantined_and_counted(tmp_path):
     pq.write_table(records_to_table([rec]), tmp_path / inconsistent)
     assert r.read(r.poll()).num_rows == 5  # the plain read does not look inside records
     assert r.read(r.poll(), validate=True).num_rows == 4 and r.quarantined_total() == 3
+
+
+def test_retention_by_age(tmp_path):
+    # a shard named (written) more than age_s ago is deleted at the next write; the newest always stays
+    root = tmp_path / "fb"
+    with FeedbackWriter(root, shard_records=1, retention=Retention(age_s=3600)) as w:
+        w.write(make_record(0))
+        w.flush()
+        old = next(root.glob("shard-*.parquet"))
+        name = old.name.split("-", 2)
+        aged = root / f"shard-{time.time_ns() - 7200 * 10**9:020d}-{name[2]}"
+        old.rename(aged)
+        w.write(make_record(1))
+        w.flush()
+    left = sorted(p.name for p in root.glob("shard-*.parquet"))
+    assert len(left) == 1 and aged.name not in left and w.deleted_shards == 1

@@ -6,7 +6,7 @@ so a crash never leaves half a shard. `FeedbackReader` tails the shards for the 
 with a persisted cursor, so a killed and restarted trainer neither trains a record twice nor
 skips one.
 
-Retention wins over readers: a writer with `retention_bytes` / `retention_shards` deletes the
+Retention wins over readers: a writer with a `Retention` (bytes, shards, age) deletes the
 oldest shards even if no trainer consumed them yet. A trainer that falls behind by more than the
 retention window misses that data; the writer counts and logs every deletion
 (`FeedbackWriter.deleted_shards`) and the reader counts shards that vanished before it read them
@@ -30,7 +30,7 @@ from dvi.feedback.record import (
     records_to_table,
 )
 from dvi.feedback.storage import SHARD_RE, shard_time_ns
-from dvi.feedback.writer import FeedbackWriter
+from dvi.feedback.writer import FeedbackWriter, Retention
 
 __all__ = [
     "BYTES_PER_VALUE",
@@ -42,6 +42,7 @@ __all__ = [
     "FeedbackReader",
     "FeedbackRecord",
     "FeedbackWriter",
+    "Retention",
     "record_nbytes",
     "records_to_table",
     "shard_time_ns",

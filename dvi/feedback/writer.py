@@ -12,18 +12,29 @@ import os
 import posixpath
 import threading
 import time
+from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
 from dvi.feedback.record import FeedbackRecord, record_nbytes, records_to_table
-from dvi.feedback.storage import _fs, _is_local, _list_shards
-from dvi.fsutil import TMP_PREFIX, fsync_path
+from dvi.feedback.storage import _fs, _is_local, _list_shards, shard_time_ns
+from dvi.fsutil import TMP_PREFIX, access_modes, fsync_path, make_dirs
 
 log = logging.getLogger(__name__)
 
 # Per-process name state shared by all writers, so two writers in one process never collide.
 _NAME_LOCK = threading.Lock()
 _NAME_STATE = {"last_ns": 0, "seq": 0}
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How much feedback a writer keeps: the oldest shards go once there are more than `shards`,
+    more than `bytes` in all, or once they are older than `age_s` (None: no bound of that kind)."""
+
+    bytes: int | None = None
+    shards: int | None = None
+    age_s: float | None = None
 
 
 class FeedbackWriter:
@@ -44,11 +55,11 @@ class FeedbackWriter:
         root: str | os.PathLike,
         shard_records: int = 256,
         flush_seconds: float = 30.0,
-        retention_bytes: int | None = None,
-        retention_shards: int | None = None,
+        retention: Retention | None = None,
         background: bool = False,
         max_pending: int = 100_000,
         max_pending_bytes: int | None = None,
+        access: str = "private",
     ) -> None:
         if shard_records < 1:
             raise ValueError("shard_records must be >= 1")
@@ -56,12 +67,16 @@ class FeedbackWriter:
             raise ValueError("flush_seconds must be > 0")
         self.root = os.fspath(root)
         self.fs, self.path = _fs(self.root)
-        self.fs.makedirs(self.path, exist_ok=True)
+        # every prompt and completion lands here: private by default (`files.access`; local dirs only)
+        self.dir_mode, self.file_mode = access_modes(access)
+        if _is_local(self.fs):
+            make_dirs(self.path, access)
+        else:
+            self.fs.makedirs(self.path, exist_ok=True)
         self._clean_stale_tmp()
         self.shard_records = shard_records
         self.flush_seconds = flush_seconds
-        self.retention_bytes = retention_bytes
-        self.retention_shards = retention_shards
+        self.retention = retention or Retention()
         self._buf: list[FeedbackRecord] = []
         self._buf_t0 = 0.0
         self._lock = threading.Lock()  # guards _buf
@@ -180,7 +195,11 @@ class FeedbackWriter:
         with self._io_lock:
             tmp = posixpath.join(self.path, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}.parquet")
             if _is_local(self.fs):
-                with open(tmp, "wb") as f:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                             0o666 if self.file_mode is None else self.file_mode)
+                if self.file_mode is not None:
+                    os.fchmod(fd, self.file_mode)
+                with os.fdopen(fd, "wb") as f:
                     pq.write_table(table, f)
                     f.flush()
                     os.fsync(f.fileno())
@@ -200,14 +219,17 @@ class FeedbackWriter:
         return name
 
     def _apply_retention(self) -> None:
-        if self.retention_bytes is None and self.retention_shards is None:
+        keep = self.retention
+        if keep.bytes is None and keep.shards is None and keep.age_s is None:
             return
         shards = _list_shards(self.fs, self.path)
         total = sum(s for _, s in shards)
-        # Always keep the newest shard, even if it alone exceeds retention_bytes.
+        oldest_ns = None if keep.age_s is None else time.time_ns() - int(keep.age_s * 1e9)
+        # Always keep the newest shard, even if it alone exceeds retention.bytes.
         while len(shards) > 1 and (
-            (self.retention_shards is not None and len(shards) > self.retention_shards)
-            or (self.retention_bytes is not None and total > self.retention_bytes)
+            (keep.shards is not None and len(shards) > keep.shards)
+            or (keep.bytes is not None and total > keep.bytes)
+            or (oldest_ns is not None and shard_time_ns(shards[0][0]) < oldest_ns)
         ):
             name, size = shards.pop(0)
             total -= size

@@ -18,9 +18,9 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from dvi.fsutil import AppendLog, LogRotation, access_modes, make_dirs
 from dvi.rundir import METRICS_FILE
 
 log = logging.getLogger(__name__)
@@ -41,13 +41,15 @@ class MetricsLogger:
         config: Mapping[str, Any] | None = None,
         name: str | None = None,
         entity: str | None = None,
+        access: str = "private",
+        rotation: LogRotation | None = None,
     ) -> None:
         if wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb_mode must be offline, online or disabled, got {wandb_mode!r}")
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = make_dirs(run_dir, access)
         self.path = self.run_dir / METRICS_FILE
-        self._f = open(self.path, "a", buffering=1)
+        # a row is appended whole per call (O_APPEND), rotated at `rotation` (files.log_max_bytes)
+        self._log = AppendLog(self.path, rotation, access_modes(access)[1])
         self._run: Any = None
         if wandb_mode != "disabled":
             try:
@@ -87,7 +89,7 @@ class MetricsLogger:
             if isinstance(v, float) and not math.isfinite(v):
                 v = None
             row[k] = v
-        self._f.write(json.dumps(row, default=str) + "\n")
+        self._log.append(json.dumps(row, default=str), fsync=False)
         if self._run is not None:
             data: dict[str, Any] = {}
             for k, v in values.items():
@@ -106,7 +108,6 @@ class MetricsLogger:
         return row
 
     def close(self) -> None:
-        self._f.close()
         if self._run is not None:
             try:
                 self._run.finish()

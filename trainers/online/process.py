@@ -46,7 +46,8 @@ def run_trainer(cfg: DviConfig) -> int:
     if accelerator.is_main_process:
         metrics = M.MetricsLogger(rundir.trainer_dir, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
                                   entity=cfg.wandb.entity, config=dump_config(cfg),
-                                  name=f"trainer-{int(time.time())}")
+                                  name=f"trainer-{int(time.time())}", access=cfg.files.access,
+                                  rotation=rundir.rotation)
     try:
         trainer = OnlineTrainer.from_config(cfg, accelerator=accelerator, metrics=metrics)
         return TrainerLoop(trainer, cfg).run()
