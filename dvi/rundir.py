@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ from dvi.fsutil import (
     AppendLog,
     LogRotation,
     access_modes,
+    append_jsonl,
     atomic_write_json,
     atomic_write_text,
     make_dirs,
@@ -194,3 +196,76 @@ class RunDir:
         self.make_root()
         atomic_write_text(self.trainer_config_path, text, mode=PRIVATE)
         return self.trainer_config_path
+
+    # -- consumed log (the trainer's exactly-once accounting) ---------------------------------------------
+    def append_consumed(self, entry: Mapping[str, Any]) -> None:
+        """Append one flushed round to `trainer/consumed.jsonl`. Past `files.consumed_log_max_bytes` the
+        log is compacted (`_compact_consumed`), so it never grows with the records served."""
+        make_dirs(self.trainer_dir, self.files.access)
+        append_jsonl(AppendLog(self.consumed_path, None, self.file_mode), entry)
+        try:
+            if self.consumed_path.stat().st_size > self.files.consumed_log_max_bytes:
+                self._compact_consumed()
+        except OSError:
+            pass  # compaction is an economy; the append itself succeeded
+
+    def _compact_consumed(self) -> None:
+        """Replace the log by one summary line (`compacted`: the rounds, records and shards it stands for,
+        their seqs and times; empty id lists) and the newest rounds, a quarter of the limit at most.
+
+        Nothing reads the dropped rounds' ids: every round in the log is already in a checkpoint and
+        committed or about to be, and a restart needs only the last seq (`last_consumed_seq`)."""
+        pairs = []
+        for line in self.consumed_path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # a torn line from a kill mid-append
+            if isinstance(entry, dict) and "seq" in entry:
+                pairs.append((entry, line))
+        kept, size = 0, 0
+        for _, line in reversed(pairs):
+            if kept and size + len(line) + 1 > self.files.consumed_log_max_bytes // 4:
+                break
+            kept, size = kept + 1, size + len(line) + 1
+        dropped = pairs[: len(pairs) - kept]
+        if not dropped:
+            return
+        total = {"rounds": 0, "records": 0, "shards": 0, "first_seq": None, "first_time": None}
+        for e, _ in dropped:
+            c = e.get("compacted") or {"rounds": 1, "shards": len(e.get("shards", [])), "first_seq": e["seq"],
+                                       "first_time": e.get("time"),
+                                       "records": sum(len(e.get(k, [])) for k in ("trained", "heldout", "dropped"))}
+            for k in ("rounds", "records", "shards"):
+                total[k] += int(c.get(k, 0))
+            for k in ("first_seq", "first_time"):
+                total[k] = c.get(k) if total[k] is None else total[k]
+        last = dropped[-1][0]
+        summary = {"seq": last["seq"], "time": last.get("time"), "step": last.get("step"),
+                   "compacted": total, "shards": [], "trained": [], "heldout": [], "dropped": []}
+        text = "\n".join([json.dumps(summary)] + [line for _, line in pairs[len(pairs) - kept:]]) + "\n"
+        atomic_write_text(self.consumed_path, text, mode=self.file_mode)
+
+    def last_consumed_seq(self, chunk: int = 64 * 1024) -> int:
+        """The `seq` of the log's last whole line (0 when there is none), read from the end: a restart
+        reads a few KB, not the whole log."""
+        try:
+            f = open(self.consumed_path, "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            return 0
+        with f:
+            end = f.seek(0, os.SEEK_END)
+            start = end
+            while True:
+                start = max(0, start - chunk)
+                f.seek(start)
+                lines = f.read(end - start).splitlines()
+                for line in reversed(lines[1:] if start > 0 else lines):  # the first may be cut
+                    try:
+                        return int(json.loads(line)["seq"])
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a torn last line from a kill mid-append
+                if start == 0:
+                    return 0
+                chunk *= 2
+

@@ -26,7 +26,6 @@ trains on its slice of each batch, and only rank 0 checkpoints, commits and publ
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -37,7 +36,6 @@ from typing import Any
 from dvi import metrics as M
 from dvi.config import DviConfig
 from dvi.feedback import FeedbackReader
-from dvi.fsutil import append_jsonl
 from dvi.registry import AdapterRejected
 from dvi.rundir import RunDir
 from trainers.online.collate import Example, is_heldout
@@ -117,19 +115,10 @@ class TrainerLoop:
 
     # -- bookkeeping --------------------------------------------------------------------------------
     def _last_logged_seq(self) -> int:
-        try:
-            lines = self.rundir.consumed_path.read_text().splitlines()
-        except FileNotFoundError:
-            return 0
-        for line in reversed(lines):
-            try:
-                return int(json.loads(line)["seq"])
-            except (ValueError, KeyError):
-                continue  # a torn last line from a kill mid-append
-        return 0
+        return self.rundir.last_consumed_seq()
 
     def _append_consumed(self, entry: Mapping[str, Any]) -> None:
-        append_jsonl(self.rundir.consumed_path, entry)
+        self.rundir.append_consumed(entry)
 
     def _commit_prefix(self) -> None:
         """Commit the cursor up to the longest prefix of pending shards that were all trained."""
