@@ -207,6 +207,27 @@ def append_jsonl(path: str | os.PathLike | AppendLog, obj: Any, fsync: bool = Tr
     append_line(path, json.dumps(obj), fsync=fsync)
 
 
+def tree_bytes(path: str | os.PathLike | None) -> int:
+    """Bytes of the regular files under `path` (symlinks not followed; 0 if it is missing)."""
+    if path is None:
+        return 0
+    total, stack = 0, [os.fspath(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            total += e.stat(follow_symlinks=False).st_size
+                    except OSError:
+                        continue  # removed while we looked
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+    return total
+
+
 def fsync_tree(directory: str | os.PathLike) -> None:
     """fsync every file directly inside `directory`, then the directory itself."""
     for p in Path(directory).iterdir():

@@ -28,6 +28,7 @@ these files are signals between processes, and a missing one means "nothing said
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -45,6 +46,7 @@ from dvi.fsutil import (
     atomic_write_json,
     atomic_write_text,
     make_dirs,
+    tree_bytes,
 )
 
 if TYPE_CHECKING:
@@ -268,4 +270,21 @@ class RunDir:
                 if start == 0:
                     return 0
                 chunk *= 2
+
+    # -- disk use -------------------------------------------------------------------------------------------
+    LOG_NAMES = (TRAINER_LOG_FILE, METRICS_FILE, SWAP_EVENTS_FILE, CONSUMED_LOG)
+
+    def disk_usage(self) -> dict[str, int]:
+        """Bytes on disk per part (`dvi.metrics.DISK_PARTS`): feedback shards (a local feedback dir only),
+        the registry, the run dir's logs (rotated copies included), the trainer's checkpoint, wandb."""
+        logs = 0
+        for d in (self.root, self.trainer_dir):
+            for name in self.LOG_NAMES:
+                for p in d.glob(name + "*"):
+                    with contextlib.suppress(OSError):
+                        logs += p.stat().st_size
+        local_feedback = self.feedback_dir is not None and "://" not in self.feedback_dir
+        return {"feedback": tree_bytes(self.feedback_dir) if local_feedback else 0,
+                "registry": tree_bytes(self.registry_dir), "logs": logs,
+                "checkpoint": tree_bytes(self.checkpoint_dir), "wandb": tree_bytes(self.root / "wandb") + tree_bytes(self.trainer_dir / "wandb")}
 

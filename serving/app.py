@@ -233,6 +233,7 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     async def metrics(request: Request) -> PlainTextResponse:
         s: ServerState = request.app.state.dvi
         s.metrics.update_gauges(s)
+        s.metrics.observe_http_timeouts(getattr(request.app.state, "http_timeouts", {}))
         body, content_type = s.metrics.render()
         return PlainTextResponse(body, media_type=content_type)
 
@@ -258,9 +259,10 @@ def make_server(cfg: DviConfig, sock: socket.socket, state: ServerState | None =
 
     host, port = sock.getsockname()[:2]
     sv = cfg.serve
-    config = uvicorn.Config(create_app(cfg, state), host=host, port=port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=5, lifespan="on",
-                            http=deadline_protocol(sv.header_timeout_s, sv.body_timeout_s),
+    app, protocol = create_app(cfg, state), deadline_protocol(sv.header_timeout_s, sv.body_timeout_s)
+    app.state.http_timeouts = protocol.timeouts
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=5, lifespan="on", http=protocol,
                             timeout_keep_alive=sv.keep_alive_s, h11_max_incomplete_event_size=sv.max_header_bytes)
     return uvicorn.Server(config)
 

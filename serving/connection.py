@@ -23,14 +23,14 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from dvi.metrics import HTTP_PHASES
+
 log = logging.getLogger("dvi.serving.connection")
 
 _TIMEOUT_BODY = json.dumps({"error": {"message": "request not received in time", "type": "invalid_request_error",
                                       "param": None, "code": "request_timeout"}}).encode()
 TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                     b"content-length: %d\r\n\r\n" % len(_TIMEOUT_BODY)) + _TIMEOUT_BODY
-TIMEOUTS = {"headers": 0, "body": 0}
-"""Connections cut per phase since the process started (shown on /metrics)."""
 
 
 class DeadlineH11Protocol(H11Protocol):
@@ -39,6 +39,7 @@ class DeadlineH11Protocol(H11Protocol):
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    timeouts: dict[str, int] = {"headers": 0, "body": 0}  # connections cut, per phase (this server's class)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -92,7 +93,7 @@ class DeadlineH11Protocol(H11Protocol):
         if phase == "headers" and not self._partial:
             self.transport.close()  # an idle keep-alive connection: closed without a word, as uvicorn does
             return
-        TIMEOUTS[phase] += 1
+        self.timeouts[phase] += 1
         log.info("closing a connection from %s: request %s not received within %gs", self.client, phase,
                  self.header_timeout_s if phase == "headers" else self.body_timeout_s)
         cycle = self.cycle
@@ -110,4 +111,5 @@ class DeadlineH11Protocol(H11Protocol):
 def deadline_protocol(header_timeout_s: float, body_timeout_s: float) -> type[DeadlineH11Protocol]:
     """A `DeadlineH11Protocol` class with these deadlines (uvicorn instantiates it per connection)."""
     return type("ServerH11Protocol", (DeadlineH11Protocol,),
-                {"header_timeout_s": float(header_timeout_s), "body_timeout_s": float(body_timeout_s)})
+                {"header_timeout_s": float(header_timeout_s), "body_timeout_s": float(body_timeout_s),
+                 "timeouts": dict.fromkeys(HTTP_PHASES, 0)})

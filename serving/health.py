@@ -91,6 +91,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "drafter_kind": s.cfg.models.drafter_kind,
         "draft_vocab_size": _draft_vocab_size(s.engine),
         "trainer": trainer,
+        "disk_bytes": s.metrics.disk_usage(s.supervisor.rundir),
         "feedback": {"dir": s.cfg.feedback.dir, "records_written": getattr(fb, "records_written", 0),
                      "pending": fb.pending() if fb is not None else 0,
                      "pending_bytes": fb.pending_bytes() if fb is not None else 0,

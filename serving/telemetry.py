@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+DISK_SCAN_S = 10.0  # /metrics re-walks the dirs for dvi_disk_bytes at most this often
+
 # Supervisor states -> dvi.metrics.TRAINER_STATES codes.
 _TRAINER_STATE = {"running": "running", "starting": "starting", "restarting": "backoff", "paused": "paused",
                   "stopped": "stopped", "off": "off", "external": "external"}
@@ -41,6 +43,7 @@ class ServerMetrics:
         self.m = M.Metrics(self.registry, window=window, domains=domains, max_versions=max_versions,
                            model_name=cfg.serve.model_name)
         self._synced: dict[str, float] = {}
+        self._disk: tuple[float, dict[str, int]] | None = None
         self.log_every = log_every
         self.requests = 0
         self.rejected = 0
@@ -104,13 +107,26 @@ class ServerMetrics:
     def observe_target_update(self, version: int) -> None:
         self.m.set_versions(target_version=version)
 
-    def _sync_counter(self, name: str, total: float) -> None:
-        """Advance counter `name` to `total` (a count another object keeps), never backwards."""
+    def _sync_counter(self, name: str, total: float, **labels: str) -> None:
+        """Advance counter `name` (`labels`) to `total` (a count another object keeps), never backwards."""
+        key = name + repr(sorted(labels.items()))
         with self._lock:
-            delta = total - self._synced.get(name, 0.0)
+            delta = total - self._synced.get(key, 0.0)
             if delta > 0:
-                self._synced[name] = total
-                self.m[name].inc(delta)
+                self._synced[key] = total
+                (self.m[name].labels(**labels) if labels else self.m[name]).inc(delta)
+
+    def disk_usage(self, rundir: RunDir) -> dict[str, int]:
+        """`RunDir.disk_usage`, walked at most every DISK_SCAN_S seconds (a scrape must stay cheap)."""
+        now = time.monotonic()
+        if self._disk is None or now - self._disk[0] >= DISK_SCAN_S:
+            self._disk = (now, rundir.disk_usage())
+        return self._disk[1]
+
+    def observe_http_timeouts(self, counts: dict[str, int]) -> None:
+        """Connections the server cut for slow headers / bodies (`serving.connection`)."""
+        for phase, n in counts.items():
+            self._sync_counter(M.HTTP_REQUEST_TIMEOUTS, n, phase=phase)
 
     def update_gauges(self, state: ServerState) -> None:
         """Scrape time: queue depth, versions, trainer state and heartbeat, feedback write health."""
@@ -132,6 +148,8 @@ class ServerMetrics:
             self._sync_counter(M.FEEDBACK_DROPPED_RECORDS, fb.dropped_records)
             self.m[M.FEEDBACK_PENDING_RECORDS].set(fb.pending())
             self.m[M.FEEDBACK_FAILING].set(1 if fb.failing else 0)
+        for part, n in self.disk_usage(sup.rundir).items():
+            self.m[M.DISK_BYTES].labels(part=part).set(n)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

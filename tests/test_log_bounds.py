@@ -97,3 +97,30 @@ def test_last_consumed_seq_reads_long_lines(tmp_path, size) -> None:
     rd.append_consumed({"seq": 7, "trained": ["x" * size]})
     rd.append_consumed({"seq": 8, "trained": ["y" * size]})
     assert rd.last_consumed_seq() == 8
+
+
+def _gauge(text: str, name: str, **labels: str) -> float | None:
+    want = name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+    for line in text.splitlines():
+        if line.startswith(want + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_disk_use_per_part_on_metrics(tiny_pair_dir, tmp_path) -> None:
+    from test_serving_helpers import ServerThread, tiny_config
+
+    from dvi import metrics as M
+    from dvi.fsutil import tree_bytes
+
+    cfg = tiny_config(tiny_pair_dir, tmp_path / "run")
+    with ServerThread(cfg) as s, s.client() as c:
+        for i in range(4):
+            assert c.post("/v1/completions", json={"prompt": f"x{i} = ", "max_tokens": 4}).status_code == 200
+        s.state.feedback.flush()
+        text = c.get("/metrics").text
+        feedback = tree_bytes(cfg.feedback.dir)
+        assert feedback > 0 and _gauge(text, M.DISK_BYTES, part="feedback") == feedback
+        for part in M.DISK_PARTS:
+            assert _gauge(text, M.DISK_BYTES, part=part) is not None, part
+        assert s.health()["disk_bytes"]["feedback"] == feedback

@@ -122,3 +122,13 @@ def test_bystander_is_served_while_slow_clients_trickle(server) -> None:
         t.join(15)
     assert max(lat) < max(1.0, 5 * alone), (lat, alone)
     assert len(results) == N_SLOW and all(took < HEADER_S + 1.5 for took, _ in results), results
+
+
+def test_cut_connections_are_counted(server) -> None:
+    from dvi import metrics as M
+
+    with server.client() as c:
+        text = c.get("/metrics").text
+    counts = {ln.split('phase="')[1].split('"')[0]: float(ln.split()[-1]) for ln in text.splitlines()
+              if ln.startswith(M.HTTP_REQUEST_TIMEOUTS + "{")}
+    assert counts.get("headers", 0) >= 1 + N_SLOW and counts.get("body", 0) >= 1, counts

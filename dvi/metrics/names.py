@@ -50,6 +50,8 @@ FEEDBACK_FAILING = "dvi_feedback_failing"
 TRAINER_HEARTBEAT_AGE = "dvi_trainer_heartbeat_age_seconds"
 TRAINER_STALE_RESTARTS = "dvi_trainer_stale_restarts_total"
 TRAINER_QUARANTINED_SHARDS = "dvi_trainer_feedback_shards_quarantined"
+DISK_BYTES = "dvi_disk_bytes"
+HTTP_REQUEST_TIMEOUTS = "dvi_http_request_timeouts_total"
 OTHER_DOMAIN = "other"
 
 # vLLM v1's names of the same counters (vllm/v1/spec_decode/metrics.py; prometheus_client allows ':')
@@ -65,6 +67,13 @@ L_DOMAIN = "domain"
 L_POSITION = "position"
 L_REASON = "reason"
 L_FINISH = "finish_reason"
+L_PART = "part"
+L_PHASE = "phase"
+
+DISK_PARTS = ("feedback", "registry", "logs", "checkpoint", "wandb")
+"""The `part` label of `dvi_disk_bytes` (`dvi.rundir.RunDir.disk_usage`)."""
+HTTP_PHASES = ("headers", "body")
+"""The `phase` label of `dvi_http_request_timeouts_total` (`serving.connection`)."""
 
 TRAINER_STATES = {"stopped": 0, "starting": 1, "running": 2, "backoff": 3, "failed": 4, "paused": 5, "off": 6,
                   "external": 7}
@@ -143,6 +152,10 @@ METRICS: dict[str, MetricSpec] = {
                    "Trainer processes killed and restarted because their heartbeat went stale (stopped or hung)."),
         MetricSpec(TRAINER_QUARANTINED_SHARDS, "gauge",
                    "Unreadable feedback shards the trainer moved to quarantine/ (skipped, not retried)."),
+        MetricSpec(DISK_BYTES, "gauge", f"Bytes on disk by part {DISK_PARTS}: feedback shards, the drafter "
+                   "registry, the run dir's logs, the trainer's checkpoint, wandb's offline files.", (L_PART,)),
+        MetricSpec(HTTP_REQUEST_TIMEOUTS, "counter", "Connections closed with a 408 because a request's headers "
+                   "or body did not arrive in time (serve.header_timeout_s / serve.body_timeout_s).", (L_PHASE,)),
     ]
 }
 
