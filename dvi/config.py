@@ -221,7 +221,7 @@ class ServeConfig(_Strict):
     # slow clients (serving/connection.py): a request's headers must arrive within header_timeout_s of
     # the connection opening (or the previous response), its body within body_timeout_s of its headers
     # (4 MiB at 140 KB/s); past either: 408 and the connection closed. keep_alive_s: an idle connection
-    # is closed after this long; max_header_bytes: larger request headers get a 400 (h11's limit)
+    # is closed after this long; max_header_bytes: larger request headers get a 431 (a 400 when trickled)
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
     keep_alive_s: float = Field(5.0, gt=0)

@@ -57,7 +57,7 @@ from .completions import (  # noqa: F401  (re-exported: serving.app is the calle
     completions_endpoint,
     read_body,
 )
-from .connection import deadline_protocol
+from .connection import HeaderLimit, deadline_protocol
 from .health import (  # noqa: F401  (re-exported)
     REJECTION_REASONS,
     _draft_vocab_size,
@@ -213,6 +213,7 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     app = FastAPI(title="dvi", version="0.1.0", lifespan=lifespan, openapi_url="/openapi.json" if docs else None,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     add_error_handlers(app)
+    app.add_middleware(HeaderLimit, max_bytes=cfg.serve.max_header_bytes)
     api_key = [Depends(require_api_key)]
     app.post("/v1/completions", dependencies=api_key)(completions_endpoint)
     app.post("/v1/chat/completions", dependencies=api_key)(chat_completions_endpoint)

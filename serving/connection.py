@@ -113,3 +113,31 @@ def deadline_protocol(header_timeout_s: float, body_timeout_s: float) -> type[De
     return type("ServerH11Protocol", (DeadlineH11Protocol,),
                 {"header_timeout_s": float(header_timeout_s), "body_timeout_s": float(body_timeout_s),
                  "timeouts": dict.fromkeys(HTTP_PHASES, 0)})
+
+
+class HeaderLimit:
+    """ASGI middleware: a request whose request line and headers exceed `max_bytes` gets a 431.
+
+    h11's `max_incomplete_event_size` only bounds headers that arrive in pieces; a request that
+    arrives whole is parsed at any size. This bounds both (uvicorn gets the same number).
+    """
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(
+                len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.max_bytes:
+                body = json.dumps({"error": {"message": f"request headers exceed {self.max_bytes} bytes",
+                                             "type": "invalid_request_error", "param": None,
+                                             "code": "headers_too_large"}}).encode()
+                await send({"type": "http.response.start", "status": 431,
+                            "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+

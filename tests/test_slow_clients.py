@@ -132,3 +132,25 @@ def test_cut_connections_are_counted(server) -> None:
     counts = {ln.split('phase="')[1].split('"')[0]: float(ln.split()[-1]) for ln in text.splitlines()
               if ln.startswith(M.HTTP_REQUEST_TIMEOUTS + "{")}
     assert counts.get("headers", 0) >= 1 + N_SLOW and counts.get("body", 0) >= 1, counts
+
+
+def test_silent_connection_is_closed_at_the_header_deadline(server) -> None:
+    # connect and send nothing: uvicorn arms no timer before the first byte of the first request
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=8.0) as sock:
+        t0 = time.monotonic()
+        try:
+            got = sock.recv(4096)
+        except TimeoutError:
+            got = None
+        took = time.monotonic() - t0
+    assert got == b"" and took < HEADER_S + 1.5, (got, took)
+
+
+def test_oversized_headers_are_refused(server) -> None:
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=8.0) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (server.cfg.serve.max_header_bytes + 1024)
+                     + b"\r\n\r\n")
+        got = sock.recv(4096)
+    assert got.startswith(b"HTTP/1.1 431"), got[:80]  # whole at once: our limit (trickled: h11's 400)
