@@ -62,7 +62,8 @@ class ServerProcess:
 
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in __exit__
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE)  # the run dir's log: owner-only
+        self._log = os.fdopen(fd, "w")  # closed in __exit__
         self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, stdout=subprocess.PIPE, stderr=self._log, text=True,
                                      env=env)
         deadline = time.monotonic() + self.start_timeout_s
