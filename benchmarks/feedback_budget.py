@@ -12,6 +12,9 @@ rotated logs + the compacted consumed log; registry versions and the checkpoint 
 and reported apart).
 
     .venv/bin/python benchmarks/feedback_budget.py --preset smollm2 [--json bench_results/feedback_budget.json]
+        [models.target=DIR models.tokenizer=DIR]   # any pair; with no drafter the records are as large
+
+Measured (2-core CPU, 64 records): smollm2 16.7 KB per record (eagle 180 KB), tiny 13.3 KB.
 
 Writes JSON (settings, raw figures, `goals`), prints the figures, exits 0.
 """
