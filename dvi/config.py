@@ -200,6 +200,9 @@ class ServeConfig(_Strict):
     domains: list[str] = Field(default_factory=lambda: ["default", "code", "prose", "chat"])
     # drafter versions whose per-version series stay on /metrics (older ones are removed)
     metrics_versions: int = Field(4, ge=1)
+    # on SIGTERM/SIGINT: new requests get a 503, those in flight may finish for this long; the rest
+    # are then ended with a 503 (or an SSE error event and [DONE]) and logged as "shutdown"
+    drain_timeout_s: float = Field(30.0, ge=0)
 
     @field_validator("trainer", mode="before")
     @classmethod

@@ -94,6 +94,7 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     target_version: int = 0
     stopped: bool = False
+    draining: bool = False  # a stop was asked for (`serving.drain`): new requests get a 503
     # one worker: tokenising a long prompt must not block the event loop (/health included), and
     # HF fast tokenizers are not meant for concurrent encodes
     tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
@@ -222,7 +223,8 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse(health_info(request.app.state.dvi))
+        s: ServerState = request.app.state.dvi
+        return JSONResponse(health_info(s), status_code=503 if s.draining else 200)  # draining: route elsewhere
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
@@ -248,13 +250,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def make_server(cfg: DviConfig, sock: socket.socket, state: ServerState | None = None):
-    """A uvicorn.Server for the app (call `.run(sockets=[sock])` in a thread or the main thread)."""
+    """A uvicorn.Server for the app (call `.run(sockets=[sock])` in a thread or the main thread) that drains
+    requests on SIGTERM/SIGINT or `should_exit` (`serving.drain`) before uvicorn's own shutdown."""
     import uvicorn
+
+    from .drain import DrainingServer
 
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(create_app(cfg, state), host=host, port=port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5, lifespan="on")
-    return uvicorn.Server(config)
+    return DrainingServer(config, cfg.serve.drain_timeout_s)
 
 
 def run_server(cfg: DviConfig) -> int:

@@ -36,6 +36,7 @@ from .protocol import (
     limits_context,
     new_id,
     now,
+    shutting_down,
 )
 from .scheduler import Finished, Handle, QueueFull
 
@@ -286,9 +287,16 @@ async def _stream(state: ServerState, request: Request, h: Handle, rid: str, cre
 
 
 # -- routes ----------------------------------------------------------------------------------------
+def _refuse_if_draining(s: ServerState) -> None:
+    """A stopping server takes no new work: 503 with `Retry-After` (before the body is even read)."""
+    if s.draining:
+        raise shutting_down(s.cfg.serve.drain_timeout_s)
+
+
 async def completions_endpoint(request: Request) -> Response:
     """POST /v1/completions: a string prompt is tokenised here, a token-id prompt is used as is."""
     s: ServerState = request.app.state.dvi
+    _refuse_if_draining(s)
     req = await _parse(request, CompletionRequest)
     if isinstance(req.prompt, str):
         ids = await _tokenize(s, _encode, s.tokenizer, req.prompt)
@@ -300,6 +308,7 @@ async def completions_endpoint(request: Request) -> Response:
 async def chat_completions_endpoint(request: Request) -> Response:
     """POST /v1/chat/completions: the messages through the chat template, then as a completion."""
     s: ServerState = request.app.state.dvi
+    _refuse_if_draining(s)
     req = await _parse(request, ChatCompletionRequest)
     ids = await _tokenize(s, _chat_prompt, s.tokenizer, req.messages)
     return await _complete(s, request, req, ids, chat=True)
@@ -313,7 +322,7 @@ def _refused(request: Request, status: int, code: str | None) -> None:
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     _refused(request, exc.status, exc.code)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _req_validation(request: Request, exc: RequestValidationError) -> JSONResponse:

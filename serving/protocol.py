@@ -9,6 +9,7 @@ is served for the chosen tokens and asking for top alternatives is a 400 (servin
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,16 +34,24 @@ class ApiError(Exception):
     """An error the client caused (or a server state it must know about), as an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def shutting_down(retry_after_s: float) -> ApiError:
+    """The 503 of a draining server: for a new request, and for one the drain cut (`Retry-After` in seconds)."""
+    return ApiError(503, "server is shutting down", type_="server_error", code="shutting_down",
+                    headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

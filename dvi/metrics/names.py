@@ -50,6 +50,7 @@ FEEDBACK_FAILING = "dvi_feedback_failing"
 TRAINER_HEARTBEAT_AGE = "dvi_trainer_heartbeat_age_seconds"
 TRAINER_STALE_RESTARTS = "dvi_trainer_stale_restarts_total"
 TRAINER_QUARANTINED_SHARDS = "dvi_trainer_feedback_shards_quarantined"
+REQUESTS_CUT = "dvi_requests_cut_at_shutdown_total"
 OTHER_DOMAIN = "other"
 
 # vLLM v1's names of the same counters (vllm/v1/spec_decode/metrics.py; prometheus_client allows ':')
@@ -65,6 +66,7 @@ L_DOMAIN = "domain"
 L_POSITION = "position"
 L_REASON = "reason"
 L_FINISH = "finish_reason"
+L_STAGE = "stage"
 
 TRAINER_STATES = {"stopped": 0, "starting": 1, "running": 2, "backoff": 3, "failed": 4, "paused": 5, "off": 6,
                   "external": 7}
@@ -141,6 +143,8 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(TRAINER_HEARTBEAT_AGE, "gauge", "Seconds since the online trainer's last heartbeat."),
         MetricSpec(TRAINER_STALE_RESTARTS, "counter",
                    "Trainer processes killed and restarted because their heartbeat went stale (stopped or hung)."),
+        MetricSpec(REQUESTS_CUT, "counter", "Requests a shutdown ended after serve.drain_timeout_s (stage "
+                   "running: decoding, logged with finish_reason shutdown; waiting: never started).", (L_STAGE,)),
         MetricSpec(TRAINER_QUARANTINED_SHARDS, "gauge",
                    "Unreadable feedback shards the trainer moved to quarantine/ (skipped, not retried)."),
     ]
