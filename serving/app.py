@@ -14,7 +14,6 @@ This module builds that state and wires the routes; the parts live by job: `serv
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import socket
@@ -71,6 +70,7 @@ from .scheduler import Finished, Scheduler
 from .supervisor import TrainerSupervisor
 from .swap import DrafterSwapper, SwapEvent, SwapPolicy
 from .telemetry import ServerMetrics
+from .tokenize import PromptTokenizer
 
 log = logging.getLogger("dvi.serving")
 
@@ -91,14 +91,12 @@ class ServerState:
     model_name: str
     context_len: int
     vocab_size: int
+    # tokenising off the event loop: an early context check, and large prompts on their own worker
+    prompts: PromptTokenizer
     started_at: float = field(default_factory=time.time)
     target_version: int = 0
     stopped: bool = False
     draining: bool = False  # a stop was asked for (`serving.drain`): new requests get a 503
-    # one worker: tokenising a long prompt must not block the event loop (/health included), and
-    # HF fast tokenizers are not meant for concurrent encodes
-    tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dvi-tokenize"))
 
     @property
     def limits(self) -> RequestLimits:
@@ -122,7 +120,7 @@ class ServerState:
         if self.swapper is not None:
             self.swapper.stop()
         self.scheduler.stop()
-        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
         if self.feedback is not None:
             try:
                 self.feedback.close()
@@ -171,6 +169,7 @@ def build_state(cfg: DviConfig) -> ServerState:
         supervisor=supervisor, feedback=feedback, metrics=metrics, model_name=cfg.serve.model_name,
         context_len=int(getattr(pair.target.config, "max_position_embeddings", 0) or 1 << 30),
         vocab_size=int(pair.target.get_output_embeddings().weight.shape[0]),
+        prompts=PromptTokenizer(tokenizer, cfg.serve.tokenize_large_bytes),
     )
     scheduler.observers.append(lambda fin: _on_finished(state, fin))
     return state

@@ -39,6 +39,7 @@ from .protocol import (
     shutting_down,
 )
 from .scheduler import Finished, Handle, QueueFull
+from .tokenize import utf8_len
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -109,10 +110,14 @@ async def _parse(request: Request, model: type[BodyT], allow_empty: bool = False
         raise ApiError(400, "request body is nested too deeply") from None
 
 
-async def _tokenize(state: ServerState, fn: Any, *args: Any) -> list[int]:
-    """Run a tokenizer call on the tokenize thread, so the event loop keeps answering."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(state.tokenize_pool, fn, *args)
+async def _tokenize(state: ServerState, fn: Any, texts: list[str], param: str, *args: Any) -> list[int]:
+    """`fn(tokenizer, *args)` off the event loop, on the worker for the size of `texts` (the prompt's text);
+    a prompt that cannot fit the context is refused first, without an encode (`serving.tokenize`)."""
+    least = state.prompts.min_tokens(*texts)
+    if least > state.context_len:
+        raise ApiError(400, f"prompt has at least {least} tokens; the model's context is {state.context_len} "
+                            "tokens", param=param, code="context_length_exceeded")
+    return await state.prompts.run(fn, sum(utf8_len(t) for t in texts), *args)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -299,7 +304,7 @@ async def completions_endpoint(request: Request) -> Response:
     _refuse_if_draining(s)
     req = await _parse(request, CompletionRequest)
     if isinstance(req.prompt, str):
-        ids = await _tokenize(s, _encode, s.tokenizer, req.prompt)
+        ids = await _tokenize(s, _encode, [req.prompt], "prompt", req.prompt)
     else:
         ids = list(req.prompt)
     return await _complete(s, request, req, ids, chat=False)
@@ -310,7 +315,7 @@ async def chat_completions_endpoint(request: Request) -> Response:
     s: ServerState = request.app.state.dvi
     _refuse_if_draining(s)
     req = await _parse(request, ChatCompletionRequest)
-    ids = await _tokenize(s, _chat_prompt, s.tokenizer, req.messages)
+    ids = await _tokenize(s, _chat_prompt, [m.content for m in req.messages], "messages", req.messages)
     return await _complete(s, request, req, ids, chat=True)
 
 
