@@ -15,6 +15,7 @@ from dvi.acceptance import AcceptanceEMA
 from dvi.kv import left_pad
 from dvi.request import Request, SamplingParams
 from dvi.results import GenerationResult, Versions
+from dvi.sampling import Penalties, penalize
 
 __all__ = ["Seq", "BatchParams", "row_generator", "g_rand", "pending_ids", "pending_features"]
 
@@ -69,9 +70,10 @@ class BatchParams:
     all_greedy: bool
     all_t1: bool  # every row at temperature 0 or 1 (log-probs need no rescaling)
     gens: list  # per-row torch.Generator (None for greedy rows)
+    pen: Penalties | None = None  # None when no row has a penalty or a logit_bias
 
     @classmethod
-    def of(cls, seqs: list[Seq], device: torch.device) -> BatchParams:
+    def of(cls, seqs: list[Seq], device: torch.device, vocab_size: int = 0) -> BatchParams:
         ps = [s.req.params for s in seqs]
         tk, tp = [int(p.top_k) for p in ps], [float(p.top_p) for p in ps]
         return cls(
@@ -79,7 +81,53 @@ class BatchParams:
             top_k=torch.tensor(tk, dtype=torch.long, device=device) if any(tk) else None,
             top_p=torch.tensor(tp, dtype=torch.float32, device=device) if any(x < 1.0 for x in tp) else None,
             all_greedy=all(p.temperature == 0 for p in ps), all_t1=all(p.temperature in (0, 1) for p in ps),
-            gens=[s.gen for s in seqs])
+            gens=[s.gen for s in seqs], pen=_penalties(ps, vocab_size, device))
+
+    def transform(self, logits: torch.Tensor, seqs: list[Seq],
+                  drafts: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Each row's penalties and logit_bias on `logits` (`dvi.sampling.penalize`); `logits` itself when no
+        row has any. logits [B, S, V]: position s follows drafts d_1..d_s of `drafts` [B, >= S - 1] (the
+        verify step); or [B, V]: follows every draft of `drafts` (a list of [B], the draft step so far)."""
+        if self.pen is None:
+            return logits
+        flat = logits.dim() == 2
+        x = logits.unsqueeze(1) if flat else logits  # [B, S, V]
+        b, s, v = x.shape
+        d = (torch.stack(drafts, 1) if drafts else None) if isinstance(drafts, list) else drafts  # [B, J] or None
+        counts = torch.zeros(b, v, device=x.device)  # output tokens emitted so far, per row
+        prompt_seen = torch.zeros(b, v, dtype=torch.bool, device=x.device)
+        for i, sq in enumerate(seqs):
+            if sq.res.token_ids:
+                out = torch.tensor(sq.res.token_ids, device=x.device)
+                counts[i].scatter_add_(0, out, torch.ones(out.numel(), device=x.device))
+            prompt_seen[i, torch.tensor(sq.req.prompt_ids, device=x.device)] = True
+        counts = counts.unsqueeze(1).repeat(1, s, 1)  # [B, S, V]
+        if d is not None and d.numel():
+            step = torch.zeros(b, s, v, device=x.device)
+            if flat:
+                step[:, 0].scatter_add_(-1, d, torch.ones(d.shape, device=x.device))
+            else:  # position j counts d_1..d_j
+                step[:, 1:].scatter_add_(-1, d[:, : s - 1].unsqueeze(-1), torch.ones(b, s - 1, 1, device=x.device))
+                step = step.cumsum(1)
+            counts = counts + step
+        out = penalize(x, counts, prompt_seen, self.pen)
+        return out.squeeze(1) if flat else out
+
+
+def _penalties(ps: list[SamplingParams], vocab_size: int, device: torch.device) -> Penalties | None:
+    """The batch's logit transforms as tensors; None when no row has one."""
+    if not any(p.transforms_logits() for p in ps):
+        return None
+    bias = None
+    if any(p.logit_bias for p in ps):
+        bias = torch.zeros(len(ps), vocab_size, device=device)
+        for i, p in enumerate(ps):
+            for t, val in (p.logit_bias or {}).items():
+                bias[i, int(t)] = float(val)
+    return Penalties(
+        presence=torch.tensor([float(p.presence_penalty) for p in ps], device=device),
+        frequency=torch.tensor([float(p.frequency_penalty) for p in ps], device=device),
+        repetition=torch.tensor([float(p.repetition_penalty) for p in ps], device=device), bias=bias)
 
 
 def row_generator(p: SamplingParams) -> torch.Generator | None:
