@@ -37,6 +37,7 @@ from .protocol import (
     new_id,
     now,
     shutting_down,
+    unsupported_field,
 )
 from .scheduler import Finished, Handle, QueueFull
 from .tokenize import utf8_len
@@ -102,6 +103,9 @@ async def _parse(request: Request, model: type[BodyT], allow_empty: bool = False
         raise ApiError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
+    refused = unsupported_field(data)
+    if refused is not None:
+        raise refused
     try:
         return model.model_validate(data, context=limits_context(state.limits))
     except ValidationError as exc:
@@ -126,7 +130,7 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 def _chat_prompt(tokenizer: Any, messages: list) -> list[int]:
     """Validated chat messages rendered the one way dvi renders chats (`dvi.data.render_chat`)."""
-    return render_chat(tokenizer, [{"role": m.role, "content": m.content} for m in messages])
+    return render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in messages])
 
 
 def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> SamplingParams:
@@ -147,17 +151,17 @@ def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> Samp
         raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
                        param="prompt")
     limit = cfg.serve.max_tokens_limit
-    if req.max_tokens is not None and req.max_tokens > limit:
-        raise ApiError(400, f"max_tokens {req.max_tokens} exceeds this server's limit of {limit}",
-                       param="max_tokens")
+    asked, limit_param = req.token_limit()
+    if asked is not None and asked > limit:
+        raise ApiError(400, f"{limit_param} {asked} exceeds this server's limit of {limit}", param=limit_param)
     room = state.context_len - len(prompt_ids)
     if room <= 0:
         raise ApiError(400, f"prompt has {len(prompt_ids)} tokens; the model's context is "
                             f"{state.context_len} tokens", param="prompt", code="context_length_exceeded")
-    max_tokens = req.max_tokens if req.max_tokens is not None else min(cfg.sampling.max_new_tokens, room, limit)
+    max_tokens = asked if asked is not None else min(cfg.sampling.max_new_tokens, room, limit)
     if max_tokens > room:
-        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                            f"model's context of {state.context_len} tokens", param="max_tokens",
+        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + {limit_param} ({max_tokens}) exceeds the "
+                            f"model's context of {state.context_len} tokens", param=limit_param,
                        code="context_length_exceeded")
     temperature = req.temperature if req.temperature is not None else cfg.sampling.temperature
     return SamplingParams(
@@ -165,6 +169,9 @@ def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> Samp
         top_k=req.top_k if req.top_k is not None else cfg.sampling.top_k,
         top_p=req.top_p if req.top_p is not None else cfg.sampling.top_p,
         seed=req.seed, stop_token_ids=state.scheduler.eos_ids,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        logit_bias=req.bias(),
     )
 
 
@@ -315,7 +322,7 @@ async def chat_completions_endpoint(request: Request) -> Response:
     s: ServerState = request.app.state.dvi
     _refuse_if_draining(s)
     req = await _parse(request, ChatCompletionRequest)
-    ids = await _tokenize(s, _chat_prompt, [m.content for m in req.messages], "messages", req.messages)
+    ids = await _tokenize(s, _chat_prompt, [m.text() for m in req.messages], "messages", req.messages)
     return await _complete(s, request, req, ids, chat=True)
 
 
