@@ -71,6 +71,7 @@ class BatchParams:
     all_t1: bool  # every row at temperature 0 or 1 (log-probs need no rescaling)
     gens: list  # per-row torch.Generator (None for greedy rows)
     pen: Penalties | None = None  # None when no row has a penalty or a logit_bias
+    _seen_cache: tuple | None = None  # (output lengths, counts, prompt_seen) of the current step
 
     @classmethod
     def of(cls, seqs: list[Seq], device: torch.device, vocab_size: int = 0) -> BatchParams:
@@ -94,13 +95,7 @@ class BatchParams:
         x = logits.unsqueeze(1) if flat else logits  # [B, S, V]
         b, s, v = x.shape
         d = (torch.stack(drafts, 1) if drafts else None) if isinstance(drafts, list) else drafts  # [B, J] or None
-        counts = torch.zeros(b, v, device=x.device)  # output tokens emitted so far, per row
-        prompt_seen = torch.zeros(b, v, dtype=torch.bool, device=x.device)
-        for i, sq in enumerate(seqs):
-            if sq.res.token_ids:
-                out = torch.tensor(sq.res.token_ids, device=x.device)
-                counts[i].scatter_add_(0, out, torch.ones(out.numel(), device=x.device))
-            prompt_seen[i, torch.tensor(sq.req.prompt_ids, device=x.device)] = True
+        counts, prompt_seen = self._seen(seqs, v, x.device)  # [B, V] each
         counts = counts.unsqueeze(1).repeat(1, s, 1)  # [B, S, V]
         if d is not None and d.numel():
             step = torch.zeros(b, s, v, device=x.device)
@@ -112,6 +107,21 @@ class BatchParams:
             counts = counts + step
         out = penalize(x, counts, prompt_seen, self.pen)
         return out.squeeze(1) if flat else out
+
+    def _seen(self, seqs: list[Seq], v: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the counts [B, V] of its output tokens and its prompt's tokens [B, V] (bool); built once per
+        step (the rows' outputs only grow between steps, and a new batch gets new BatchParams)."""
+        key = tuple(len(sq.res.token_ids) for sq in seqs)
+        if self._seen_cache is None or self._seen_cache[0] != key:
+            counts = torch.zeros(len(seqs), v, device=device)
+            prompt_seen = torch.zeros(len(seqs), v, dtype=torch.bool, device=device)
+            for i, sq in enumerate(seqs):
+                if sq.res.token_ids:
+                    out = torch.tensor(sq.res.token_ids, device=device)
+                    counts[i].scatter_add_(0, out, torch.ones(out.numel(), device=device))
+                prompt_seen[i, torch.tensor(sq.req.prompt_ids, device=device)] = True
+            self._seen_cache = (key, counts, prompt_seen)
+        return self._seen_cache[1], self._seen_cache[2]
 
 
 def _penalties(ps: list[SamplingParams], vocab_size: int, device: torch.device) -> Penalties | None:
