@@ -119,7 +119,7 @@ class Scheduler:
             collections.deque())
         self._cv = threading.Condition()
         self._stop = False
-        self._closed: ApiError | None = None  # set by `close`: what a new submit is answered
+        self._retry_after: float | None = None  # set by `close`: new submits get a 503 with this Retry-After
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.step_errors = 0
@@ -158,8 +158,8 @@ class Scheduler:
         h = Handle(request_id=new_id("req"), prompt_ids=list(prompt_ids), params=params, domain=domain,
                    stop=list(stop or []), stream=stream, loop=asyncio.get_running_loop())
         with self._cv:
-            if self._stop or self._closed is not None:
-                raise self._closed or shutting_down(1)
+            if self._stop or self._retry_after is not None:
+                raise shutting_down(self._retry_after or 1)
             if len(self._waiting) >= self.queue_limit:
                 raise QueueFull(f"queue is full ({self.queue_limit} waiting requests)")
             self._waiting.append(h)
@@ -169,7 +169,7 @@ class Scheduler:
     def close(self, retry_after_s: float) -> None:
         """Draining: refuse new requests (503, `Retry-After`); those submitted keep running."""
         with self._cv:
-            self._closed = shutting_down(retry_after_s)
+            self._retry_after = retry_after_s
 
     def busy(self) -> bool:
         """Requests running or waiting for a slot."""
@@ -391,7 +391,6 @@ class Scheduler:
         h.emit(("error", err))
 
     def _cut(self) -> tuple[int, int]:
-        err = self._closed or shutting_down(1)
         running = list(self._active.values())
         for h in running:
             result = self._abort(h)
@@ -399,20 +398,19 @@ class Scheduler:
                 result.finish_reason = "shutdown"
             self._active.pop(h.request_id, None)
             self._complete(h, "shutdown", result, notify=False)  # the record and metrics: what was cut
-            h.emit(("error", err))
+            h.emit(("error", shutting_down(self._retry_after or 1)))
         with self._cv:
             waiting = list(self._waiting)
             self._waiting.clear()
         for h in waiting:
             h.done = True
-            h.emit(("error", err))
+            h.emit(("error", shutting_down(self._retry_after or 1)))
         return len(running), len(waiting)
 
     def _shutdown(self) -> None:
-        err = self._closed or shutting_down(1)
         for h in list(self._active.values()):
             self._abort(h)
-            self._fail(h, err)
+            self._fail(h, shutting_down(self._retry_after or 1))
         self._active.clear()
         with self._cv:
             waiting = list(self._waiting)
@@ -420,6 +418,6 @@ class Scheduler:
             controls = list(self._controls)
             self._controls.clear()
         for h in waiting:
-            self._fail(h, err)
+            self._fail(h, shutting_down(self._retry_after or 1))
         for _fn, fut in controls:
             fut.cancel()
