@@ -67,7 +67,7 @@ def _params(i: int, greedy_top: list[int]) -> SamplingParams:
     return SamplingParams(NEW, **kinds[i])
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [0, 1, 3])
 def test_greedy_with_penalties_equals_the_reference(k):
     target = tiny("llama", seed=0)
     drafter = perturbed(target)  # agrees often: drafts reach deep positions, where within-step counts matter
@@ -77,7 +77,7 @@ def test_greedy_with_penalties_equals_the_reference(k):
     refs = [ref_greedy(target, pr, NEW, sp) for pr, sp in zip(PROMPTS, params, strict=True)]
     assert sum(a != b for a, b in zip(plain[:3], refs[:3], strict=True)) == 3, "the transforms must change the text"
     res = run(SpeculativeEngine(target, drafter, num_draft_tokens=k), PROMPTS, params)
-    assert sum(r.num_accepted for r in res) > 0
+    assert sum(r.num_accepted for r in res) > 0 or k == 0
     for pr, r, ref in zip(PROMPTS, res, refs, strict=True):
         assert r.token_ids == ref, (pr, r.token_ids, ref)
 

@@ -185,3 +185,24 @@ def test_cut_requests_are_counted_on_metrics(tiny_pair_dir, tmp_path) -> None:
               for stage in ("running", "waiting")}
     assert counts == {"running": 2.0, "waiting": 2.0}, counts
     assert sorted(_outcome(r) for r in clients.results) == ["cut"] * 4, clients.results
+
+
+def test_a_second_signal_cuts_at_once(tiny_pair_dir, tmp_path) -> None:
+    """With a long drain window, a second SIGTERM ends the drain: everything still running is cut now."""
+    cfg = _serve_cfg(tiny_pair_dir, tmp_path, "serve.drain_timeout_s=120")
+    with ServerThread(cfg) as srv:
+        clients = Clients(srv.url)
+        clients.start(True, LONG, 4)
+        clients.start(False, LONG, 8)
+        wait_for(lambda: srv.state.scheduler.queue_depth() >= 6, 30, what="requests queued")
+        t0 = time.monotonic()
+        srv.server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
+        time.sleep(0.5)
+        assert srv.thread.is_alive()  # draining
+        srv.server.handle_exit(signal.SIGTERM, None)
+        clients.join(30)
+        srv.thread.join(30)
+        took = time.monotonic() - t0
+    outcomes = [_outcome(r) for r in clients.results]
+    assert set(outcomes) <= {"done", "cut"} and "cut" in outcomes, outcomes
+    assert took < 15, took
