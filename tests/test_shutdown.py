@@ -168,14 +168,13 @@ def test_signal_drains_then_cuts_with_an_answer_and_exits_cleanly(tiny_pair_dir,
 
 
 def test_cut_requests_are_counted_on_metrics(tiny_pair_dir, tmp_path) -> None:
-    """The in-process server: what the drain cut is on /metrics, by stage."""
-    cfg = _serve_cfg(tiny_pair_dir, tmp_path, "serve.drain_timeout_s=0.5", "serve.max_batch_size=2")
+    """The in-process server: what the drain cut is on /metrics, by stage (no drain window: cut at once)."""
+    cfg = _serve_cfg(tiny_pair_dir, tmp_path, "serve.drain_timeout_s=0", "serve.max_batch_size=2")
     with ServerThread(cfg) as srv:
         clients = Clients(srv.url)
         clients.start(True, LONG, 2)
-        clients.start(False, LONG, 2)  # waiting: the batch holds 2
-        assert clients.first_delta.wait(60)
-        wait_for(lambda: srv.state.scheduler.queue_depth() == 2, 30, what="two waiting")
+        clients.start(False, LONG, 6)  # waiting: the batch holds 2
+        wait_for(lambda: srv.state.scheduler.queue_depth() >= 4, 30, what="requests waiting")
         srv.server.should_exit = True
         clients.join(60)
         srv.thread.join(30)
@@ -183,8 +182,10 @@ def test_cut_requests_are_counted_on_metrics(tiny_pair_dir, tmp_path) -> None:
     counts = {stage: sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                          if line.startswith(M.REQUESTS_CUT + "{") and f'stage="{stage}"' in line)
               for stage in ("running", "waiting")}
-    assert counts == {"running": 2.0, "waiting": 2.0}, counts
-    assert sorted(_outcome(r) for r in clients.results) == ["cut"] * 4, clients.results
+    outcomes = [_outcome(r) for r in clients.results]
+    assert set(outcomes) <= {"done", "cut"}, outcomes
+    assert counts["running"] == 2.0, counts  # a full batch
+    assert counts["running"] + counts["waiting"] == outcomes.count("cut") >= 4, (counts, outcomes)
 
 
 def test_a_second_signal_cuts_at_once(tiny_pair_dir, tmp_path) -> None:
