@@ -226,6 +226,11 @@ class ServeConfig(_Strict):
     body_timeout_s: float = Field(30.0, gt=0)
     keep_alive_s: float = Field(5.0, gt=0)
     max_header_bytes: int = Field(16 * 1024, ge=1024)
+    # on SIGTERM/SIGINT: new requests get a 503, those in flight may finish for this long; the rest
+    # are then ended with a 503 (or an SSE error event and [DONE]) and logged as "shutdown"
+    drain_timeout_s: float = Field(30.0, ge=0)
+    # prompts over this many UTF-8 bytes are tokenised on their own worker (small ones never wait behind them)
+    tokenize_large_bytes: int = Field(16384, ge=1)
 
     @field_validator("trainer", mode="before")
     @classmethod

@@ -251,7 +251,7 @@ class SpeculativeEngine:
         return RaggedKV(self.drafter.config, 0, self.device, self.drafter.dtype)
 
     def _refresh_params(self) -> None:
-        self._p = BatchParams.of(self._seqs, self.device)
+        self._p = BatchParams.of(self._seqs, self.device, self.vocab_size)
 
     def _admit(self) -> None:
         new, self._waiting = self._waiting, []
@@ -330,7 +330,7 @@ class SpeculativeEngine:
         logits = self._verify(draft_ids)  # [B, K + 1, V_head]
         t_fwd = time.perf_counter()
         logits = fit_vocab(logits, self.vocab_size)  # [B, K + 1, V]
-        n, nxt = self._accept(k, draft_ids, q, logits, u)  # [B] drafts accepted, [B] the target's token after them
+        n, nxt = self._accept(k, draft_ids, q, self._p.transform(logits, self._seqs, draft_ids), u)  # penalized p
         self._roll_back(k, n)
         outs, finished = self._emit(k, draft_ids, logits, n, nxt)
         t2 = time.perf_counter()
@@ -391,7 +391,7 @@ class SpeculativeEngine:
             else:  # eagle: later drafts read the head's own predicted feature of the previous position
                 logits, feats = self._dkv.forward(self.drafter.with_features(feats), ids, valid, logits_to_keep=1)
                 logits = logits[:, -1]  # [B, V_draft]; feats [B, 1, H]
-            logits = fit_vocab(logits, self.vocab_size)  # [B, V]
+            logits = self._p.transform(fit_vocab(logits, self.vocab_size), self._seqs, drafts)  # [B, V], as p
             if self._p.all_greedy:
                 d = logits.argmax(-1)  # [B]
             else:

@@ -4,13 +4,17 @@ batch (bad ones raise `InvalidParam` naming the field, the server's 400)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["InvalidParam", "SamplingParams", "Request", "SEED_RANGE", "MAX_DRAFT_TOKENS_LIMIT", "is_int",
-           "validate_prompt", "validate_params", "validate_engine_limits"]
+__all__ = ["InvalidParam", "SamplingParams", "Request", "SEED_RANGE", "MAX_DRAFT_TOKENS_LIMIT", "PENALTY_RANGE",
+           "REPETITION_RANGE", "LOGIT_BIAS_RANGE", "is_int", "validate_prompt", "validate_params",
+           "validate_penalties", "validate_engine_limits"]
 
 MAX_DRAFT_TOKENS_LIMIT = 32
+PENALTY_RANGE = (-2.0, 2.0)  # presence / frequency penalties (OpenAI's range)
+REPETITION_RANGE = (0.0, 10.0)  # repetition_penalty in (0, 10]; 1 = off
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
@@ -31,6 +35,16 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
+    # transforms of the target's logits (`dvi.sampling.penalize`), lossless: drafts are judged against them
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+
+    def transforms_logits(self) -> bool:
+        """Whether any penalty or bias is set (rows without one skip the transform)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass
@@ -72,11 +86,34 @@ def validate_params(p: SamplingParams, prompt_len: int, vocab_size: int, max_con
                                    f"got {p.seed!r}")
     if any(not is_int(t) for t in (p.stop_token_ids or ())):
         raise ValueError("stop_token_ids must be ints")
+    validate_penalties(p, vocab_size)
     if max_context is not None and prompt_len + p.max_new_tokens > max_context:
         raise InvalidParam("max_tokens",
             f"max_new_tokens={p.max_new_tokens} + {prompt_name} length {prompt_len} exceeds the target's "
             f"max_position_embeddings={max_context}"
         )
+
+
+def _finite_in(x, lo: float, hi: float, lo_open: bool = False) -> bool:
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return ok and (lo < x if lo_open else lo <= x) and x <= hi
+
+
+def validate_penalties(p: SamplingParams, vocab_size: int) -> None:
+    """The logit transforms: penalties in range, logit_bias keys token ids of the vocabulary, values in range."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not _finite_in(getattr(p, name), *PENALTY_RANGE):
+            raise InvalidParam(name, f"{name} must be a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], "
+                                     f"got {getattr(p, name)!r}")
+    if not _finite_in(p.repetition_penalty, *REPETITION_RANGE, lo_open=True):
+        raise InvalidParam("repetition_penalty", f"repetition_penalty must be in (0, {REPETITION_RANGE[1]:g}], "
+                                                 f"got {p.repetition_penalty!r}")
+    for t, b in (p.logit_bias or {}).items():
+        if not is_int(t) or not 0 <= t < vocab_size:
+            raise InvalidParam("logit_bias", f"logit_bias key {t!r} is not a token id in [0, {vocab_size})")
+        if not _finite_in(b, *LOGIT_BIAS_RANGE):
+            raise InvalidParam("logit_bias", f"logit_bias[{t}] must be in [{LOGIT_BIAS_RANGE[0]:g}, "
+                                             f"{LOGIT_BIAS_RANGE[1]:g}], got {b!r}")
 
 
 def validate_engine_limits(num_draft_tokens: int, max_draft_tokens: int, feedback_top_k: int) -> None:

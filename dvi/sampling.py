@@ -8,9 +8,13 @@ all-greedy batch takes the cheaper argmax fast path (`greedy_accept`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 __all__ = [
+    "Penalties",
+    "penalize",
     "warp_probs",
     "sample_from",
     "greedy_accept",
@@ -22,6 +26,36 @@ __all__ = [
 
 GREEDY_BELOW_TEMPERATURE = 1e-3
 """Temperatures in (0, this) are served as greedy (logits / 1e-45 overflow: NaN probabilities)."""
+
+
+@dataclass
+class Penalties:
+    """One batch's logit transforms, one value per row (rows without any: 0, 0, 1, zero bias)."""
+
+    presence: torch.Tensor  # [N] float32
+    frequency: torch.Tensor  # [N] float32
+    repetition: torch.Tensor  # [N] float32, 1 = off
+    bias: torch.Tensor | None  # [N, V] float32 added to the logits; None when no row has a logit_bias
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """The target's logits as the request asked for them (OpenAI / vLLM semantics), before warping:
+    + logit_bias; then the repetition penalty r on every token of the prompt or the output so far
+    (logit / r if positive, * r if not); then - frequency * count - presence * (count > 0) over the
+    output so far. A transform of the distribution: speculation stays lossless when drafts are
+    judged against it (the engine passes, at draft position j, counts that include d_1..d_{j-1}).
+
+    logits [N, S, V]; counts [N, S, V] (float) output-token counts each position has seen;
+    prompt_seen [N, V] bool. Returns float32 [N, S, V]; -inf stays -inf.
+    """
+    n = logits.shape[0]
+    x = logits.float()
+    if pen.bias is not None:
+        x = x + pen.bias.view(n, 1, -1)
+    seen = (counts > 0) | prompt_seen.view(n, 1, -1)
+    r = pen.repetition.view(n, 1, 1)
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    return x - pen.frequency.view(n, 1, 1) * counts - pen.presence.view(n, 1, 1) * (counts > 0).float()
 
 
 def warp_probs(

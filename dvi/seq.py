@@ -15,6 +15,7 @@ from dvi.acceptance import AcceptanceEMA
 from dvi.kv import left_pad
 from dvi.request import Request, SamplingParams
 from dvi.results import GenerationResult, Versions
+from dvi.sampling import Penalties, penalize
 
 __all__ = ["Seq", "BatchParams", "row_generator", "g_rand", "pending_ids", "pending_features"]
 
@@ -69,9 +70,11 @@ class BatchParams:
     all_greedy: bool
     all_t1: bool  # every row at temperature 0 or 1 (log-probs need no rescaling)
     gens: list  # per-row torch.Generator (None for greedy rows)
+    pen: Penalties | None = None  # None when no row has a penalty or a logit_bias
+    _seen_cache: tuple | None = None  # (output lengths, counts, prompt_seen) of the current step
 
     @classmethod
-    def of(cls, seqs: list[Seq], device: torch.device) -> BatchParams:
+    def of(cls, seqs: list[Seq], device: torch.device, vocab_size: int = 0) -> BatchParams:
         ps = [s.req.params for s in seqs]
         tk, tp = [int(p.top_k) for p in ps], [float(p.top_p) for p in ps]
         return cls(
@@ -79,7 +82,62 @@ class BatchParams:
             top_k=torch.tensor(tk, dtype=torch.long, device=device) if any(tk) else None,
             top_p=torch.tensor(tp, dtype=torch.float32, device=device) if any(x < 1.0 for x in tp) else None,
             all_greedy=all(p.temperature == 0 for p in ps), all_t1=all(p.temperature in (0, 1) for p in ps),
-            gens=[s.gen for s in seqs])
+            gens=[s.gen for s in seqs], pen=_penalties(ps, vocab_size, device))
+
+    def transform(self, logits: torch.Tensor, seqs: list[Seq],
+                  drafts: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Each row's penalties and logit_bias on `logits` (`dvi.sampling.penalize`); `logits` itself when no
+        row has any. logits [B, S, V]: position s follows drafts d_1..d_s of `drafts` [B, >= S - 1] (the
+        verify step); or [B, V]: follows every draft of `drafts` (a list of [B], the draft step so far)."""
+        if self.pen is None:
+            return logits
+        flat = logits.dim() == 2
+        x = logits.unsqueeze(1) if flat else logits  # [B, S, V]
+        b, s, v = x.shape
+        d = (torch.stack(drafts, 1) if drafts else None) if isinstance(drafts, list) else drafts  # [B, J] or None
+        counts, prompt_seen = self._seen(seqs, v, x.device)  # [B, V] each
+        counts = counts.unsqueeze(1).repeat(1, s, 1)  # [B, S, V]
+        if d is not None and d.numel():
+            step = torch.zeros(b, s, v, device=x.device)
+            if flat:
+                step[:, 0].scatter_add_(-1, d, torch.ones(d.shape, device=x.device))
+            else:  # position j counts d_1..d_j
+                step[:, 1:].scatter_add_(-1, d[:, : s - 1].unsqueeze(-1), torch.ones(b, s - 1, 1, device=x.device))
+                step = step.cumsum(1)
+            counts = counts + step
+        out = penalize(x, counts, prompt_seen, self.pen)
+        return out.squeeze(1) if flat else out
+
+    def _seen(self, seqs: list[Seq], v: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the counts [B, V] of its output tokens and its prompt's tokens [B, V] (bool); built once per
+        step (the rows' outputs only grow between steps, and a new batch gets new BatchParams)."""
+        key = tuple(len(sq.res.token_ids) for sq in seqs)
+        if self._seen_cache is None or self._seen_cache[0] != key:
+            counts = torch.zeros(len(seqs), v, device=device)
+            prompt_seen = torch.zeros(len(seqs), v, dtype=torch.bool, device=device)
+            for i, sq in enumerate(seqs):
+                if sq.res.token_ids:
+                    out = torch.tensor(sq.res.token_ids, device=device)
+                    counts[i].scatter_add_(0, out, torch.ones(out.numel(), device=device))
+                prompt_seen[i, torch.tensor(sq.req.prompt_ids, device=device)] = True
+            self._seen_cache = (key, counts, prompt_seen)
+        return self._seen_cache[1], self._seen_cache[2]
+
+
+def _penalties(ps: list[SamplingParams], vocab_size: int, device: torch.device) -> Penalties | None:
+    """The batch's logit transforms as tensors; None when no row has one."""
+    if not any(p.transforms_logits() for p in ps):
+        return None
+    bias = None
+    if any(p.logit_bias for p in ps):
+        bias = torch.zeros(len(ps), vocab_size, device=device)
+        for i, p in enumerate(ps):
+            for t, val in (p.logit_bias or {}).items():
+                bias[i, int(t)] = float(val)
+    return Penalties(
+        presence=torch.tensor([float(p.presence_penalty) for p in ps], device=device),
+        frequency=torch.tensor([float(p.frequency_penalty) for p in ps], device=device),
+        repetition=torch.tensor([float(p.repetition_penalty) for p in ps], device=device), bias=bias)
 
 
 def row_generator(p: SamplingParams) -> torch.Generator | None:

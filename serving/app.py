@@ -14,7 +14,6 @@ This module builds that state and wires the routes; the parts live by job: `serv
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import socket
@@ -73,6 +72,7 @@ from .scheduler import Finished, Scheduler
 from .supervisor import TrainerSupervisor
 from .swap import DrafterSwapper, SwapEvent, SwapPolicy
 from .telemetry import ServerMetrics
+from .tokenize import PromptTokenizer
 
 log = logging.getLogger("dvi.serving")
 
@@ -93,13 +93,12 @@ class ServerState:
     model_name: str
     context_len: int
     vocab_size: int
+    # tokenising off the event loop: an early context check, and large prompts on their own worker
+    prompts: PromptTokenizer
     started_at: float = field(default_factory=time.time)
     target_version: int = 0
     stopped: bool = False
-    # one worker: tokenising a long prompt must not block the event loop (/health included), and
-    # HF fast tokenizers are not meant for concurrent encodes
-    tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dvi-tokenize"))
+    draining: bool = False  # a stop was asked for (`serving.drain`): new requests get a 503
 
     @property
     def limits(self) -> RequestLimits:
@@ -123,7 +122,7 @@ class ServerState:
         if self.swapper is not None:
             self.swapper.stop()
         self.scheduler.stop()
-        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
         if self.feedback is not None:
             try:
                 self.feedback.close()
@@ -172,6 +171,7 @@ def build_state(cfg: DviConfig) -> ServerState:
         supervisor=supervisor, feedback=feedback, metrics=metrics, model_name=cfg.serve.model_name,
         context_len=int(getattr(pair.target.config, "max_position_embeddings", 0) or 1 << 30),
         vocab_size=int(pair.target.get_output_embeddings().weight.shape[0]),
+        prompts=PromptTokenizer(tokenizer, cfg.serve.tokenize_large_bytes),
     )
     scheduler.observers.append(lambda fin: _on_finished(state, fin))
     return state
@@ -228,7 +228,8 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     @app.get("/health")
     async def health(request: Request, token: str | None = Depends(bearer_token)) -> JSONResponse:
         s: ServerState = request.app.state.dvi
-        return JSONResponse(health_info(s) if is_admin(request, token) else public_health(s))
+        body = health_info(s) if is_admin(request, token) else public_health(s)
+        return JSONResponse(body, status_code=503 if s.draining else 200)  # draining: route elsewhere
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
@@ -255,8 +256,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def make_server(cfg: DviConfig, sock: socket.socket, state: ServerState | None = None):
-    """A uvicorn.Server for the app (call `.run(sockets=[sock])` in a thread or the main thread)."""
+    """A uvicorn.Server for the app (call `.run(sockets=[sock])` in a thread or the main thread) that drains
+    requests on SIGTERM/SIGINT or `should_exit` (`serving.drain`) before uvicorn's own shutdown."""
     import uvicorn
+
+    from .drain import DrainingServer
 
     host, port = sock.getsockname()[:2]
     sv = cfg.serve
@@ -265,7 +269,7 @@ def make_server(cfg: DviConfig, sock: socket.socket, state: ServerState | None =
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5, lifespan="on", http=protocol,
                             timeout_keep_alive=sv.keep_alive_s, h11_max_incomplete_event_size=sv.max_header_bytes)
-    return uvicorn.Server(config)
+    return DrainingServer(config, sv.drain_timeout_s)
 
 
 def run_server(cfg: DviConfig) -> int:

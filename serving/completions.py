@@ -36,8 +36,11 @@ from .protocol import (
     limits_context,
     new_id,
     now,
+    shutting_down,
+    unsupported_field,
 )
 from .scheduler import Finished, Handle, QueueFull
+from .tokenize import utf8_len
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -100,6 +103,9 @@ async def _parse(request: Request, model: type[BodyT], allow_empty: bool = False
         raise ApiError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
+    refused = unsupported_field(data)
+    if refused is not None:
+        raise refused
     try:
         return model.model_validate(data, context=limits_context(state.limits))
     except ValidationError as exc:
@@ -108,10 +114,14 @@ async def _parse(request: Request, model: type[BodyT], allow_empty: bool = False
         raise ApiError(400, "request body is nested too deeply") from None
 
 
-async def _tokenize(state: ServerState, fn: Any, *args: Any) -> list[int]:
-    """Run a tokenizer call on the tokenize thread, so the event loop keeps answering."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(state.tokenize_pool, fn, *args)
+async def _tokenize(state: ServerState, fn: Any, texts: list[str], param: str, *args: Any) -> list[int]:
+    """`fn(tokenizer, *args)` off the event loop, on the worker for the size of `texts` (the prompt's text);
+    a prompt that cannot fit the context is refused first, without an encode (`serving.tokenize`)."""
+    least = state.prompts.min_tokens(*texts)
+    if least > state.context_len:
+        raise ApiError(400, f"prompt has at least {least} tokens; the model's context is {state.context_len} "
+                            "tokens", param=param, code="context_length_exceeded")
+    return await state.prompts.run(fn, sum(utf8_len(t) for t in texts), *args)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -120,7 +130,7 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 def _chat_prompt(tokenizer: Any, messages: list) -> list[int]:
     """Validated chat messages rendered the one way dvi renders chats (`dvi.data.render_chat`)."""
-    return render_chat(tokenizer, [{"role": m.role, "content": m.content} for m in messages])
+    return render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in messages])
 
 
 def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> SamplingParams:
@@ -141,17 +151,17 @@ def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> Samp
         raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
                        param="prompt")
     limit = cfg.serve.max_tokens_limit
-    if req.max_tokens is not None and req.max_tokens > limit:
-        raise ApiError(400, f"max_tokens {req.max_tokens} exceeds this server's limit of {limit}",
-                       param="max_tokens")
+    asked, limit_param = req.token_limit()
+    if asked is not None and asked > limit:
+        raise ApiError(400, f"{limit_param} {asked} exceeds this server's limit of {limit}", param=limit_param)
     room = state.context_len - len(prompt_ids)
     if room <= 0:
         raise ApiError(400, f"prompt has {len(prompt_ids)} tokens; the model's context is "
                             f"{state.context_len} tokens", param="prompt", code="context_length_exceeded")
-    max_tokens = req.max_tokens if req.max_tokens is not None else min(cfg.sampling.max_new_tokens, room, limit)
+    max_tokens = asked if asked is not None else min(cfg.sampling.max_new_tokens, room, limit)
     if max_tokens > room:
-        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                            f"model's context of {state.context_len} tokens", param="max_tokens",
+        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + {limit_param} ({max_tokens}) exceeds the "
+                            f"model's context of {state.context_len} tokens", param=limit_param,
                        code="context_length_exceeded")
     temperature = req.temperature if req.temperature is not None else cfg.sampling.temperature
     return SamplingParams(
@@ -159,6 +169,9 @@ def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> Samp
         top_k=req.top_k if req.top_k is not None else cfg.sampling.top_k,
         top_p=req.top_p if req.top_p is not None else cfg.sampling.top_p,
         seed=req.seed, stop_token_ids=state.scheduler.eos_ids,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        logit_bias=req.bias(),
     )
 
 
@@ -286,12 +299,19 @@ async def _stream(state: ServerState, request: Request, h: Handle, rid: str, cre
 
 
 # -- routes ----------------------------------------------------------------------------------------
+def _refuse_if_draining(s: ServerState) -> None:
+    """A stopping server takes no new work: 503 with `Retry-After` (before the body is even read)."""
+    if s.draining:
+        raise shutting_down(s.cfg.serve.drain_timeout_s)
+
+
 async def completions_endpoint(request: Request) -> Response:
     """POST /v1/completions: a string prompt is tokenised here, a token-id prompt is used as is."""
     s: ServerState = request.app.state.dvi
+    _refuse_if_draining(s)
     req = await _parse(request, CompletionRequest)
     if isinstance(req.prompt, str):
-        ids = await _tokenize(s, _encode, s.tokenizer, req.prompt)
+        ids = await _tokenize(s, _encode, [req.prompt], "prompt", req.prompt)
     else:
         ids = list(req.prompt)
     return await _complete(s, request, req, ids, chat=False)
@@ -300,8 +320,9 @@ async def completions_endpoint(request: Request) -> Response:
 async def chat_completions_endpoint(request: Request) -> Response:
     """POST /v1/chat/completions: the messages through the chat template, then as a completion."""
     s: ServerState = request.app.state.dvi
+    _refuse_if_draining(s)
     req = await _parse(request, ChatCompletionRequest)
-    ids = await _tokenize(s, _chat_prompt, s.tokenizer, req.messages)
+    ids = await _tokenize(s, _chat_prompt, [m.text() for m in req.messages], "messages", req.messages)
     return await _complete(s, request, req, ids, chat=True)
 
 
@@ -313,7 +334,7 @@ def _refused(request: Request, status: int, code: str | None) -> None:
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     _refused(request, exc.status, exc.code)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _req_validation(request: Request, exc: RequestValidationError) -> JSONResponse:

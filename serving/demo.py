@@ -46,7 +46,7 @@ WINDOW = 16
 
 class ServerProcess:
     """`dvi serve` in a subprocess on a free loopback port (serve.port=0; the port is read from its
-    first stdout line). Stopped with SIGTERM (uvicorn's graceful shutdown), then SIGKILL."""
+    first stdout line). Stopped with SIGTERM (the server drains, `serving.drain`), then SIGKILL."""
 
     def __init__(self, args: list[str], log_path: Path, cwd: Path | None = None,
                  start_timeout_s: float = 600.0) -> None:

@@ -3,12 +3,19 @@
 Requests are validated here so that every bad field becomes a 4xx naming the field (OpenAI's
 `{"error": {"message", "type", "param", "code"}}`), never a 500. Limits that depend on the
 config (max_tokens ceiling, context length, served model name) are checked in the app.
-Unknown extra fields are ignored, as OpenAI clients send many (presence_penalty, ...); `logprobs`
-is served for the chosen tokens and asking for top alternatives is a 400 (serving/logprobs.py).
+Every field that changes the answer is honoured or refused with a 400 naming it: the penalties and
+`logit_bias` are served (a lossless transform of the target), `max_completion_tokens` is chat's
+token limit; `best_of`, `suffix`, `response_format` other than text, tool calling, `n` > 1,
+non-text content parts and vLLM's sampling extras dvi does not implement (`UNSUPPORTED`) are
+refused. Fields that do not change the tokens (`user`, `store`, `service_tier`, `stream_options`,
+`parallel_tool_calls`, ...) and unknown ones are ignored. `logprobs` is served for the chosen
+tokens and asking for top alternatives is a 400 (serving/logprobs.py).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,6 +32,8 @@ from pydantic import (
     field_validator,
 )
 
+from dvi.request import LOGIT_BIAS_RANGE, PENALTY_RANGE, REPETITION_RANGE
+
 BodyT = TypeVar("BodyT", bound=BaseModel)
 """A request body model (`_parse` returns the validated instance of the model it is given)."""
 
@@ -33,16 +42,24 @@ class ApiError(Exception):
     """An error the client caused (or a server state it must know about), as an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def shutting_down(retry_after_s: float) -> ApiError:
+    """The 503 of a draining server: for a new request, and for one the drain cut (`Retry-After` in seconds)."""
+    return ApiError(503, "server is shutting down", type_="server_error", code="shutting_down",
+                    headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -101,6 +118,29 @@ class _Request(BaseModel):
     n: StrictInt = Field(1, ge=1)
     metadata: dict[str, Any] | None = None
     user: Text | None = None
+    presence_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=REPETITION_RANGE[0], le=REPETITION_RANGE[1],
+                                             allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None, info: ValidationInfo) -> dict[str, float] | None:
+        vocab = _limits(info).vocab_size
+        for key, b in (v or {}).items():
+            if not key.strip().isdigit() or (vocab is not None and int(key) >= vocab):
+                raise ValueError(f"key {key!r} is not a token id in [0, {vocab})")
+            if not (math.isfinite(b) and LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1]):
+                raise ValueError(f"bias of {key} must be in [{LOGIT_BIAS_RANGE[0]:g}, {LOGIT_BIAS_RANGE[1]:g}]")
+        return v
+
+    def token_limit(self) -> tuple[int | None, str]:
+        """(the requested completion-token limit, the field it came from)."""
+        return self.max_tokens, "max_tokens"
+
+    def bias(self) -> dict[int, float] | None:
+        return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("top_k")
     @classmethod
@@ -175,6 +215,22 @@ class CompletionRequest(_Request):
     prompt: Text | list[StrictInt] | list[Text]
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    best_of: StrictInt | None = None
+    suffix: Text | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
 
     _chosen_only = _chosen_tokens_only("logprobs")
 
@@ -198,11 +254,49 @@ class CompletionRequest(_Request):
         return v
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Text
+    arguments: Text = ""
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """A message: `content` a string, a list of text parts (joined with newlines, as vLLM does), or null on an
+    assistant message with `tool_calls` (rendered into its text as one JSON object per call)."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text
+    tool_calls: list[ToolCall] | None = None  # before content: its check reads them
+    content: Text | list[dict[str, Any]] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, v: str | list | None, info: ValidationInfo) -> str | None:
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (null only on an assistant message with tool_calls)")
+        if not isinstance(v, list):
+            return v
+        texts = []
+        for part in v:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+            texts.append(_unicode(part["text"]))
+        return "\n".join(texts)
+
+    def text(self) -> str:
+        calls = [json.dumps({"name": c.function.name, "arguments": c.function.arguments}, ensure_ascii=False)
+                 for c in self.tool_calls or []]
+        return "\n".join(([self.content] if self.content else []) + calls)
 
 
 class ChatCompletionRequest(_Request):
@@ -211,17 +305,85 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    # OpenAI's current name of the limit (max_tokens is deprecated on chat); when both are set it wins
+    max_completion_tokens: StrictInt | None = Field(None, gt=0)
+    response_format: dict[str, Any] | None = None
+    # tool_choice before tools: the tools check reads it
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
 
     _chosen_only = _chosen_tokens_only("top_logprobs")
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
 
+    def token_limit(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
     @field_validator("messages")
     @classmethod
     def _messages_chars(cls, v: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
-        _check_prompt_chars(sum(len(m.content) for m in v), info)
+        _check_prompt_chars(sum(len(m.text()) for m in v), info)
         return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type") != "text":
+            raise ValueError(f"only type 'text' is supported (structured output is not), got {v.get('type')!r}")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_forced_tools(cls, v: str | dict | None) -> str | dict | None:
+        if v not in (None, "none", "auto"):
+            raise ValueError("tool calling is not supported: the model never calls a tool")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_unused(cls, v: list | None, info: ValidationInfo) -> list | None:
+        if v and info.data.get("tool_choice") != "none":
+            raise ValueError("tool calling is not supported; send tool_choice 'none' (the tools are then unused)")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, v: list[str] | None) -> list[str] | None:
+        if v and set(v) != {"text"}:
+            raise ValueError("only the text modality is supported")
+        return v
+
+
+UNSUPPORTED = {
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "min_p": "min_p sampling is not supported",
+    "min_tokens": "min_tokens is not supported",
+    "ignore_eos": "ignore_eos is not supported",
+    "stop_token_ids": "stop_token_ids is not supported (use stop strings)",
+    "use_beam_search": "beam search is not supported",
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+    "structured_outputs": "structured output is not supported",
+    "prompt_logprobs": "prompt log-probs are not computed",
+}
+"""Request fields (OpenAI's and vLLM's) that change the answer and dvi does not implement: refused when set."""
+
+
+def unsupported_field(data: dict[str, Any]) -> ApiError | None:
+    """The 400 for the first `UNSUPPORTED` field the body sets (None, false and empty count as unset)."""
+    for name, why in UNSUPPORTED.items():
+        if data.get(name) not in (None, False, [], {}):
+            return ApiError(400, f"{why} (parameter '{name}')", param=name)
+    return None
 
 
 def new_id(prefix: str) -> str:

@@ -29,7 +29,7 @@ from dvi.engine import GenerationResult, Request, SamplingParams, SpeculativeEng
 from dvi.feedback import FeedbackRecord, FeedbackWriter
 
 from .detok import TextStream
-from .protocol import ApiError, new_id
+from .protocol import ApiError, new_id, shutting_down
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class Scheduler:
             collections.deque())
         self._cv = threading.Condition()
         self._stop = False
+        self._retry_after: float | None = None  # set by `close`: new submits get a 503 with this Retry-After
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.step_errors = 0
@@ -157,13 +158,28 @@ class Scheduler:
         h = Handle(request_id=new_id("req"), prompt_ids=list(prompt_ids), params=params, domain=domain,
                    stop=list(stop or []), stream=stream, loop=asyncio.get_running_loop())
         with self._cv:
-            if self._stop:
-                raise ApiError(503, "server is shutting down", type_="server_error")
+            if self._stop or self._retry_after is not None:
+                raise shutting_down(self._retry_after or 1)
             if len(self._waiting) >= self.queue_limit:
                 raise QueueFull(f"queue is full ({self.queue_limit} waiting requests)")
             self._waiting.append(h)
             self._cv.notify_all()
         return h
+
+    def close(self, retry_after_s: float) -> None:
+        """Draining: refuse new requests (503, `Retry-After`); those submitted keep running."""
+        with self._cv:
+            self._retry_after = retry_after_s
+
+    def busy(self) -> bool:
+        """Requests running or waiting for a slot."""
+        with self._cv:
+            return bool(self._active or self._waiting)
+
+    def cut(self) -> concurrent.futures.Future:
+        """End every request now (between steps), each answered with the 503 and the running ones logged with
+        finish_reason "shutdown"; the future holds (running, waiting) cut."""
+        return self.call_between_steps(self._cut)
 
     def cancel(self, handle: Handle) -> None:
         """The client went away: free its slot at the next step boundary."""
@@ -340,6 +356,7 @@ class Scheduler:
         if result is not None:
             try:
                 record = FeedbackRecord.from_result(result)  # the engine's result carries the request's prompt and domain
+                record.finish_reason = reason  # as answered: a stop string is "stop", not the engine's "abort"
             except Exception:  # noqa: BLE001 - feedback must never cost a request
                 self.feedback_errors += 1
                 log.exception("feedback record for %s dropped", h.request_id)
@@ -373,11 +390,27 @@ class Scheduler:
         self.request_errors += 1
         h.emit(("error", err))
 
+    def _cut(self) -> tuple[int, int]:
+        running = list(self._active.values())
+        for h in running:
+            result = self._abort(h)
+            if result is not None:
+                result.finish_reason = "shutdown"
+            self._active.pop(h.request_id, None)
+            self._complete(h, "shutdown", result, notify=False)  # the record and metrics: what was cut
+            h.emit(("error", shutting_down(self._retry_after or 1)))
+        with self._cv:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for h in waiting:
+            h.done = True
+            h.emit(("error", shutting_down(self._retry_after or 1)))
+        return len(running), len(waiting)
+
     def _shutdown(self) -> None:
-        err = ApiError(503, "server is shutting down", type_="server_error")
         for h in list(self._active.values()):
             self._abort(h)
-            self._fail(h, err)
+            self._fail(h, shutting_down(self._retry_after or 1))
         self._active.clear()
         with self._cv:
             waiting = list(self._waiting)
@@ -385,6 +418,6 @@ class Scheduler:
             controls = list(self._controls)
             self._controls.clear()
         for h in waiting:
-            self._fail(h, err)
+            self._fail(h, shutting_down(self._retry_after or 1))
         for _fn, fut in controls:
             fut.cancel()

@@ -104,6 +104,10 @@ class ServerMetrics:
             self.rejected += 1
         self.m[M.REQUESTS_REJECTED].labels(reason=reason).inc()
 
+    def observe_cut(self, stage: str, n: int) -> None:
+        """Requests a shutdown ended after its drain window ("running" or "waiting")."""
+        self.m[M.REQUESTS_CUT].labels(stage=stage).inc(n)
+
     def observe_target_update(self, version: int) -> None:
         self.m.set_versions(target_version=version)
 

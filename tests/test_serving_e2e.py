@@ -238,8 +238,8 @@ def test_dvi_serve_process_serves_and_stops_cleanly(tiny_pair_dir, tmp_path) -> 
             trainer_pid = wait_for(lambda: c.get("/health").json()["trainer"]["pid"], 30, what="trainer pid")
         proc = srv.proc
     log = (tmp_path / "server.log").read_text()
-    # uvicorn re-raises the captured SIGTERM after its graceful shutdown
-    assert proc.returncode in (0, -signal.SIGTERM), log[-2000:]
+    # a drained stop is a clean exit (uvicorn alone re-raised the signal: -SIGTERM)
+    assert proc.returncode == 0, log[-2000:]
     assert "Traceback" not in log, log[-2000:]
     with pytest.raises(ProcessLookupError):
         for _ in range(50):

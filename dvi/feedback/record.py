@@ -33,11 +33,14 @@ SCHEMA = pa.schema(
         # (empty, 0 otherwise). Optional: shards written before they existed read as empty.
         pa.field("hidden", pa.large_binary(), nullable=True),
         pa.field("hidden_dim", pa.int32(), nullable=True),
+        # why the request ended, as the server answered it ("stop", "length", "abort": the client left,
+        # "shutdown": cut by a server stop); optional, "" in shards written before it existed
+        pa.field("finish_reason", pa.string(), nullable=True),
     ]
 )
 """Parquet schema of a shard; one column per `FeedbackRecord` field (docs/contracts.md)."""
 
-OPTIONAL_FIELDS = {"hidden": b"", "hidden_dim": 0}
+OPTIONAL_FIELDS = {"hidden": b"", "hidden_dim": 0, "finish_reason": ""}
 """Fields a shard may lack (older writers): their value when absent or null."""
 
 
@@ -69,6 +72,7 @@ class FeedbackRecord:
     topk_logprobs: list[list[float]] = field(default_factory=list)
     hidden: bytes = b""
     hidden_dim: int = 0
+    finish_reason: str = ""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -150,6 +154,7 @@ class FeedbackRecord:
             topk_logprobs=_as_list(result.topk_logprobs),
             hidden=b"" if hidden is None else hidden.contiguous().numpy().tobytes(),
             hidden_dim=0 if hidden is None else int(hidden.shape[-1]),
+            finish_reason=str(result.finish_reason or ""),
         )
 
     @classmethod

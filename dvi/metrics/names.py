@@ -52,6 +52,7 @@ TRAINER_STALE_RESTARTS = "dvi_trainer_stale_restarts_total"
 TRAINER_QUARANTINED_SHARDS = "dvi_trainer_feedback_shards_quarantined"
 DISK_BYTES = "dvi_disk_bytes"
 HTTP_REQUEST_TIMEOUTS = "dvi_http_request_timeouts_total"
+REQUESTS_CUT = "dvi_requests_cut_at_shutdown_total"
 OTHER_DOMAIN = "other"
 
 # vLLM v1's names of the same counters (vllm/v1/spec_decode/metrics.py; prometheus_client allows ':')
@@ -74,6 +75,7 @@ DISK_PARTS = ("feedback", "registry", "logs", "checkpoint", "wandb")
 """The `part` label of `dvi_disk_bytes` (`dvi.rundir.RunDir.disk_usage`)."""
 HTTP_PHASES = ("headers", "body")
 """The `phase` label of `dvi_http_request_timeouts_total` (`serving.connection`)."""
+L_STAGE = "stage"
 
 TRAINER_STATES = {"stopped": 0, "starting": 1, "running": 2, "backoff": 3, "failed": 4, "paused": 5, "off": 6,
                   "external": 7}
@@ -150,6 +152,8 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(TRAINER_HEARTBEAT_AGE, "gauge", "Seconds since the online trainer's last heartbeat."),
         MetricSpec(TRAINER_STALE_RESTARTS, "counter",
                    "Trainer processes killed and restarted because their heartbeat went stale (stopped or hung)."),
+        MetricSpec(REQUESTS_CUT, "counter", "Requests a shutdown ended after serve.drain_timeout_s (stage "
+                   "running: decoding, logged with finish_reason shutdown; waiting: never started).", (L_STAGE,)),
         MetricSpec(TRAINER_QUARANTINED_SHARDS, "gauge",
                    "Unreadable feedback shards the trainer moved to quarantine/ (skipped, not retried)."),
         MetricSpec(DISK_BYTES, "gauge", f"Bytes on disk by part {DISK_PARTS}: feedback shards, the drafter "

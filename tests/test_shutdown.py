@@ -1,0 +1,209 @@
+"""Shutdown drains (issue 27 §1): a signal with requests in flight fails none of them silently.
+
+On SIGTERM/SIGINT a real `dvi serve` process stops accepting work (JSON 503 + Retry-After),
+lets the requests it has finish for up to `serve.drain_timeout_s`, then ends the rest with a JSON
+503 (non-streamed) or an SSE error event and `data: [DONE]` (streamed), writes what was cut to the
+feedback log (finish_reason "shutdown"), counts it on /metrics and exits 0 with its trainer stopped.
+Before the fix: uvicorn cancelled the handlers after its 5 s window (plain-text 500s, streams cut
+without `[DONE]`) and the process died of the re-raised signal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from test_serving_helpers import ServerThread, sse_events, tiny_config, wait_for
+
+from dvi import metrics as M
+from dvi.feedback import FeedbackReader
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "def main(argv):\n"
+LONG, SHORT = 1000, 48  # tokens; 40 long ones at batch 4 take ~10 s on the tiny pair, longer than the drain
+DRAIN_S = 6
+
+
+class Clients:
+    """Plain and streamed completions in threads; each outcome is kept raw (status, headers, body)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.results: list[dict] = []
+        self.first_delta = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def start(self, stream: bool, max_tokens: int, n: int) -> None:
+        for _ in range(n):
+            t = threading.Thread(target=self._one, args=(stream, max_tokens), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _one(self, stream: bool, max_tokens: int) -> None:
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": stream, "temperature": 1.0, "seed": 1}
+        out: dict = {"stream": stream, "max_tokens": max_tokens}
+        try:
+            with httpx.Client(base_url=self.url, timeout=120) as c, c.stream("POST", "/v1/completions",
+                                                                                json=body) as r:
+                out["status"], out["headers"] = r.status_code, dict(r.headers)
+                chunks = []
+                for chunk in r.iter_text():
+                    chunks.append(chunk)
+                    if stream and '"text"' in chunk:
+                        self.first_delta.set()
+                out["body"] = "".join(chunks)
+        except httpx.HTTPError as exc:
+            out["exc"] = repr(exc)
+        out["t_end"] = time.monotonic()
+        with self._lock:
+            self.results.append(out)
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), "a client hung after the server stopped"
+
+
+def _outcome(r: dict) -> str:
+    """'done' (finished with a finish_reason), 'cut' (told so: a JSON 503 / an SSE error then [DONE]),
+    or a description of what went wrong."""
+    if "exc" in r:
+        return f"transport error {r['exc']}"
+    if not r["stream"] or r["status"] != 200:
+        try:
+            body = json.loads(r["body"])
+        except ValueError:
+            return f"non-JSON {r['status']}: {r['body'][:80]!r}"
+        if r["status"] == 200 and body["choices"][0]["finish_reason"] in ("stop", "length"):
+            return "done"
+        if r["status"] == 503 and body["error"]["code"] == "shutting_down":
+            return "cut"
+        return f"unexpected {r['status']}: {r['body'][:120]!r}"
+    try:
+        events = sse_events(r["body"])
+    except (AssertionError, ValueError):
+        return f"unparsable stream {r['body'][-120:]!r}"
+    if len(events) < 2 or events[-1] != "[DONE]":
+        return f"stream ended without [DONE] ({len(events)} events)"
+    last = events[-2]
+    if "error" in last and last["error"]["code"] == "shutting_down":
+        return "cut"
+    if "choices" in last and last["choices"][0]["finish_reason"] in ("stop", "length"):
+        return "done"
+    return f"stream ended with {last!r}"
+
+
+def _gauge(url: str, name: str) -> float:
+    lines = [ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith(name + " ")]
+    return float(lines[0].split()[1]) if lines else 0.0
+
+
+def _serve_cfg(tiny_pair_dir, tmp_path, *extra: str):
+    return tiny_config(tiny_pair_dir, tmp_path, "serve.max_batch_size=4", f"serve.drain_timeout_s={DRAIN_S}",
+                       "serve.max_tokens_limit=1000", "speculation.num_draft_tokens=2", *extra)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_drains_then_cuts_with_an_answer_and_exits_cleanly(tiny_pair_dir, tmp_path, sig) -> None:
+    import yaml
+
+    from dvi.config import dump_config
+    from serving.demo import ServerProcess
+
+    cfg = _serve_cfg(tiny_pair_dir, tmp_path, "serve.trainer=supervised")
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(dump_config(cfg)))
+    with ServerProcess(["--config", str(path)], tmp_path / "server.log") as srv:
+        trainer_pid = wait_for(lambda: httpx.get(srv.url + "/health").json()["trainer"]["pid"], 60,
+                               what="trainer pid")
+        clients = Clients(srv.url)
+        for stream in (False, True):  # the short ones take the batch first, the long ones queue behind
+            clients.start(stream, SHORT, 2)
+        time.sleep(0.3)
+        for stream in (False, True):
+            clients.start(stream, LONG, 20)
+        wait_for(lambda: _gauge(srv.url, M.QUEUE_DEPTH) >= 36, 60, what="every long request queued")
+        t_sig = time.monotonic()
+        srv.proc.send_signal(sig)
+        time.sleep(0.3)
+        try:
+            late = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=30)
+        except httpx.HTTPError as exc:  # before the fix: the listener closed at once
+            late = exc
+        clients.join(60)
+        rc = srv.proc.wait(60)
+        elapsed = time.monotonic() - t_sig
+    log = (tmp_path / "server.log").read_text()
+    outcomes = [_outcome(r) for r in clients.results]
+    bad = [o for o in outcomes if o not in ("done", "cut")]
+    assert not bad, (bad, log[-3000:])
+    assert isinstance(late, httpx.Response), late
+    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
+    assert int(late.headers["retry-after"]) > 0
+    # requests in flight at the signal finished during the drain; the rest were cut with an answer
+    assert any(o == "done" and r["t_end"] > t_sig for o, r in zip(outcomes, clients.results, strict=True)), outcomes
+    cut = [o for o in outcomes if o == "cut"]
+    assert cut, outcomes
+    assert rc == 0, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert elapsed < DRAIN_S + 20, elapsed
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):
+            os.kill(trainer_pid, 0)
+            time.sleep(0.1)
+    # every request that reached the engine is in the feedback log: the finished ones, and the 4 the
+    # cut found decoding (a full batch) as "shutdown"; the waiting ones never produced a token
+    reader = FeedbackReader(cfg.feedback.dir)
+    reasons = [r.finish_reason for r in reader.read_records(reader.list_shards())]
+    assert sum(r in ("stop", "length") for r in reasons) == outcomes.count("done"), reasons
+    assert reasons.count("shutdown") == 4, reasons
+
+
+def test_cut_requests_are_counted_on_metrics(tiny_pair_dir, tmp_path) -> None:
+    """The in-process server: what the drain cut is on /metrics, by stage (no drain window: cut at once)."""
+    cfg = _serve_cfg(tiny_pair_dir, tmp_path, "serve.drain_timeout_s=0", "serve.max_batch_size=2")
+    with ServerThread(cfg) as srv:
+        clients = Clients(srv.url)
+        clients.start(True, LONG, 2)
+        clients.start(False, LONG, 6)  # waiting: the batch holds 2
+        wait_for(lambda: srv.state.scheduler.queue_depth() >= 4, 30, what="requests waiting")
+        srv.server.should_exit = True
+        clients.join(60)
+        srv.thread.join(30)
+    body = srv.state.metrics.render()[0].decode()
+    counts = {stage: sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                         if line.startswith(M.REQUESTS_CUT + "{") and f'stage="{stage}"' in line)
+              for stage in ("running", "waiting")}
+    outcomes = [_outcome(r) for r in clients.results]
+    assert set(outcomes) <= {"done", "cut"}, outcomes
+    assert counts["running"] == 2.0, counts  # a full batch
+    assert counts["running"] + counts["waiting"] == outcomes.count("cut") >= 4, (counts, outcomes)
+
+
+def test_a_second_signal_cuts_at_once(tiny_pair_dir, tmp_path) -> None:
+    """With a long drain window, a second SIGTERM ends the drain: everything still running is cut now."""
+    cfg = _serve_cfg(tiny_pair_dir, tmp_path, "serve.drain_timeout_s=120")
+    with ServerThread(cfg) as srv:
+        clients = Clients(srv.url)
+        clients.start(True, LONG, 4)
+        clients.start(False, LONG, 8)
+        wait_for(lambda: srv.state.scheduler.queue_depth() >= 6, 30, what="requests queued")
+        t0 = time.monotonic()
+        srv.server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
+        time.sleep(0.5)
+        assert srv.thread.is_alive()  # draining
+        srv.server.handle_exit(signal.SIGTERM, None)
+        clients.join(30)
+        srv.thread.join(30)
+        took = time.monotonic() - t0
+    outcomes = [_outcome(r) for r in clients.results]
+    assert set(outcomes) <= {"done", "cut"} and "cut" in outcomes, outcomes
+    assert took < 15, took
