@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from test_serving_helpers import ServerThread, sse_events, tiny_config, wait_for
+from test_serving_helpers import TEST_ADMIN_TOKEN, ServerThread, sse_events, tiny_config, wait_for
 
 from dvi import metrics as M
 from dvi.feedback import FeedbackReader
@@ -121,8 +121,9 @@ def test_signal_drains_then_cuts_with_an_answer_and_exits_cleanly(tiny_pair_dir,
     cfg = _serve_cfg(tiny_pair_dir, tmp_path, "serve.trainer=supervised")
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(dump_config(cfg)))
-    with ServerProcess(["--config", str(path)], tmp_path / "server.log") as srv:
-        trainer_pid = wait_for(lambda: httpx.get(srv.url + "/health").json()["trainer"]["pid"], 60,
+    admin = {"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}  # dump_config leaves secrets out: pass it again
+    with ServerProcess(["--config", str(path), f"serve.admin_token={TEST_ADMIN_TOKEN}"], tmp_path / "server.log") as srv:
+        trainer_pid = wait_for(lambda: httpx.get(srv.url + "/health", headers=admin).json()["trainer"]["pid"], 60,
                                what="trainer pid")
         clients = Clients(srv.url)
         for stream in (False, True):  # the short ones take the batch first, the long ones queue behind
