@@ -243,8 +243,10 @@ class RaggedKV:
             # Only inputs past a finishing row's last emitted token can get here; their outputs are discarded.
             qpos.clamp_(max=self.max_position - 1)
         # HF forwards build their own causal mask when there are no holes; lean forwards need one for any
-        # multi-token query or windowed attention (SDPA's is_causal is wrong with a cache).
-        need = holes or (getattr(fn, "explicit_mask", False) and (q > 1 or self.kind != "full"))
+        # multi-token query over a cache or windowed attention (SDPA's is_causal is wrong with a cache). A
+        # hole-free prefill over an empty cache takes SDPA's is_causal path, as HF's own forward does: same
+        # kernel, same rounding, so bf16 greedy decoding starts from the same cache as HF `generate`.
+        need = holes or (getattr(fn, "explicit_mask", False) and ((q > 1 and self.num_cols > 0) or self.kind != "full"))
         kv_valid = torch.cat([self.valid, new_valid], dim=1)
         kv_pos = torch.cat([self.pos, qpos], dim=1)
         mask = self._build_mask(qpos, kv_valid, kv_pos) if need else None
