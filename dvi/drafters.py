@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.numerics import ROWWISE_KWARG, rowwise_ok
+from dvi.numerics import ROWWISE_KWARG, is_exact_greedy, rowwise_mode
 from dvi.numerics import install as install_rowwise
 from dvi.vocab import apply_draft_vocab, find_subset_head
 
@@ -69,7 +69,8 @@ def model_forward(model: nn.Module, with_features: bool = False, width_invariant
 
     `width_invariant` (the target's forwards): a multi-token forward over a cached, hole-free prefix (a
     verify) attends row by row (`dvi.numerics`), so its logits are bit-equal to one-token steps in any
-    dtype; drafters pass False (their rounding decides nothing).
+    dtype; drafters pass False (their rounding decides nothing). A target marked by
+    `dvi.numerics.set_exact_greedy` also attends holed/padded batches row by row (the exact mode).
     """
     cfg = model.config
     base = getattr(model, "model", None)
@@ -89,13 +90,15 @@ def model_forward(model: nn.Module, with_features: bool = False, width_invariant
     layers = list(base.layers[: cfg.num_hidden_layers])
     types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers))
     rowwise = width_invariant and getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
+    exact = rowwise and is_exact_greedy(model)
     if rowwise:
         install_rowwise()
 
     def fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0):
         h = embed(input_ids)
         pe = rotary(h, position_ids)
-        extra = {ROWWISE_KWARG: True} if rowwise and input_ids.shape[1] > 1 and rowwise_ok(attention_mask, cfg) else {}
+        mode = rowwise_mode(attention_mask, cfg, input_ids.shape[1], exact) if rowwise else None
+        extra = {ROWWISE_KWARG: mode} if mode else {}
         for layer, kind in zip(layers, types, strict=False):
             m = attention_mask[kind] if isinstance(attention_mask, dict) else attention_mask
             h = layer(
@@ -115,6 +118,7 @@ def model_forward(model: nn.Module, with_features: bool = False, width_invariant
         return head(norm(h))
 
     fn.explicit_mask = True
+    fn.exact_rows = exact  # `dvi.kv.prefill` then prefills rows one by one
     return fn
 
 

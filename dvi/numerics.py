@@ -5,13 +5,19 @@ kernels round differently for a 1-token query over L columns (packed GQA, no mas
 (K+1)-token query over L + K + 1 columns with the tail masked. One bf16 ulp of difference in one layer's
 attention output is amplified by the 30 layers of SmolLM2-135M to up to ~1 logit, so greedy text with
 speculation parted from greedy text without it (measured: benchmarks/greedy_agreement.py). The linear
-layers, norms, RoPE and the LM head are row-independent (bit-equal for 1 and K+1 rows, checked there).
+layers, norms, RoPE and the LM head are row-independent (bit-equal for 1 to 32 rows on this CPU's bf16
+GEMM; from 33 rows the kernel changes).
 
-So a multi-token forward over a non-empty, hole-free cache computes attention one query row at a time,
-each row exactly as the 1-token step at that position would: the same SDPA call on the columns before
-it and no mask. Everything else stays batched. Only attention, the cheap part at these contexts, is
-looped. Masked (holed, padded, windowed) batches keep the one masked call: their column layout already
-differs from the plain decode's, so no slicing could make them bit-equal.
+So a multi-token forward over a non-empty, hole-free cache computes attention one query row at a time
+("prefix"), each row exactly as the 1-token step at that position would: the same SDPA call on the
+columns before it and no mask. Everything else stays batched; only attention, the cheap part at these
+contexts, is looped. That makes one request at a time bit-exact in any dtype.
+
+Batches with holes or left padding have another column layout than a lone request's decode, so the
+default keeps their one masked call (divergences there are near-ties: `dvi.sampling.tie_bound`). The
+exact mode (`models.exact_greedy`, `set_exact_greedy`) also attends those row by row on each row's own
+valid columns ("gather") and prefills rows one by one: every row is then computed as its lone plain
+decode (while a forward scores at most 32 rows x positions), at B x (K+1) SDPA calls per layer.
 """
 
 from __future__ import annotations
@@ -27,17 +33,32 @@ ROWWISE_KWARG = "dvi_rowwise"
 
 
 def _sdpa(module, query, key, value, attention_mask, **kwargs):
-    """HF's SDPA attention, or (when `dvi_rowwise` is passed) one SDPA call per query row."""
+    """HF's SDPA attention, or (`dvi_rowwise` = "prefix" / "gather") one SDPA call per query row."""
+    mode = kwargs.pop(ROWWISE_KWARG, None)
     q, kv = query.shape[2], key.shape[2]
-    if not kwargs.pop(ROWWISE_KWARG, False) or q == 1 or kv == q:  # a step, or a prefill over an empty cache
+    if mode is None or (mode == "prefix" and (q == 1 or kv == q)):  # a step, or a prefill over an empty cache
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if mode == "prefix":
+        ends = [[kv - q + j + 1] * query.shape[0] for j in range(q)]  # the columns a 1-token step would have
+        return _rows(module, query, key, value, ends, None, **kwargs), None
+    allowed = attention_mask[:, 0] == 0  # [B, q, L]
+    return _rows(module, query, key, value, None, allowed, **kwargs), None
+
+
+def _rows(module, query, key, value, ends, allowed, **kwargs) -> torch.Tensor:
+    """Attention of every (row b, query j) alone, over key columns [0, ends[j][b]) or `allowed[b, j]`."""
     outs = []
-    for j in range(q):
-        end = kv - q + j + 1  # the columns a 1-token step at this position would have cached
-        out, _ = sdpa_attention_forward(module, query[:, :, j : j + 1], key[:, :, :end], value[:, :, :end], None,
-                                        **kwargs)
-        outs.append(out)  # [B, 1, H, D]
-    return torch.cat(outs, 1), None
+    for j in range(query.shape[2]):
+        per_b = []
+        for b in range(query.shape[0] if allowed is not None else 1):
+            if allowed is None:
+                k, v, qq = key[:, :, : ends[j][0]], value[:, :, : ends[j][0]], query[:, :, j : j + 1]
+            else:
+                idx = allowed[b, j].nonzero().squeeze(1)
+                k, v, qq = key[b : b + 1, :, idx], value[b : b + 1, :, idx], query[b : b + 1, :, j : j + 1]
+            per_b.append(sdpa_attention_forward(module, qq, k, v, None, **kwargs)[0])  # [b, 1, H, D]
+        outs.append(torch.cat(per_b, 0))
+    return torch.cat(outs, 1)
 
 
 def install() -> None:
@@ -46,12 +67,28 @@ def install() -> None:
         AttentionInterface.register("sdpa", _sdpa)
 
 
-def rowwise_ok(attention_mask, config) -> bool:
-    """True when a multi-token forward may attend row by row: full attention only (no sliding window) and
-    no masked column before the last query (no holes, no padding), i.e. the plain step would pass no mask."""
+def rowwise_mode(attention_mask, config, q: int, exact: bool) -> str | None:
+    """How a forward of q new positions attends (`_sdpa`): "prefix" for a multi-token query over a hole-free
+    cache (the plain step would pass no mask), "gather" in the exact mode when columns are masked (holes,
+    padding), None (one SDPA call) otherwise and always for windowed or hybrid attention."""
     if attention_mask is None or isinstance(attention_mask, dict) or mask_kind(config)[0] != "full":
-        return False
-    return bool((attention_mask[:, :, -1] == 0).all())
+        return None
+    if bool((attention_mask[:, :, -1] == 0).all()):
+        return "prefix" if q > 1 else None
+    return "gather" if exact else None
+
+
+EXACT_ATTR = "dvi_exact_greedy"
+
+
+def set_exact_greedy(model, on: bool = True):
+    """Mark a target for the exact mode (read when the engine builds its forward); returns `model`."""
+    setattr(model, EXACT_ATTR, bool(on))
+    return model
+
+
+def is_exact_greedy(model) -> bool:
+    return bool(getattr(model, EXACT_ATTR, False))
 
 
 @torch.inference_mode()

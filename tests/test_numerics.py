@@ -17,7 +17,7 @@ import dvi.engine
 from dvi.drafters import model_forward
 from dvi.engine import SpeculativeEngine
 from dvi.kv import prefill
-from dvi.numerics import plain_greedy
+from dvi.numerics import plain_greedy, set_exact_greedy
 from dvi.sampling import first_divergence, tie_bound
 
 BF16 = torch.bfloat16
@@ -108,3 +108,50 @@ def test_tie_bound_scales_with_dtype_and_magnitude():
     assert tie_bound(20.0, BF16) == pytest.approx(16 * 2**-7 * 20)
     assert tie_bound(0.1, BF16) == tie_bound(1.0, BF16)  # never below the bound at |logit| 1
     assert tie_bound(20.0, torch.float32) < 1e-3 < tie_bound(20.0, BF16)
+
+
+def test_plain_decode_equals_hf_generate_bf16():
+    """The engine's plain decode is HF `generate` of the same weights in bf16 (same prefill kernel)."""
+    target = bf16_target(seed=2)
+    for p in prompts(6, seed=3):
+        ref = target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+        assert plain_greedy(target, p, NEW)[0] == ref[0, len(p):].tolist()
+
+
+def exact_case(target, drafter, ks=(2, 5), n_prompts: int = 5) -> list[dict]:
+    ps = prompts(n_prompts, seed=11)
+    refs = [plain_greedy(target, p, NEW) for p in ps]
+    divs = []
+    for k in ks:  # 5 rows x (K + 1) <= 30 positions per forward: within the row-invariant GEMM range
+        eng = SpeculativeEngine(target, drafter, num_draft_tokens=k, adaptive=False)
+        for (ref, logits), r in zip(refs, eng.generate(ps, NEW), strict=True):
+            d = first_divergence(ref, list(r.token_ids), logits, BF16)
+            divs += [d] if d else []
+    return divs
+
+
+def test_exact_mode_ragged_batches_equal_plain_decode_bf16():
+    """models.exact_greedy: ragged batches (left padding, holes) with speculation give every request the
+    target's own greedy decoding, token for token, in bf16."""
+    target = set_exact_greedy(bf16_target(seed=1))
+    assert exact_case(target, perturbed(target, scale=0.1)) == []
+
+
+def test_exact_mode_eagle_bf16():
+    """The exact mode's row-by-row prefill returns the features an eagle drafter reads."""
+    from test_eagle import noisy_eagle
+
+    target = set_exact_greedy(bf16_target(seed=1, layers=4))
+    assert exact_case(target, noisy_eagle(target), ks=(3,)) == []
+
+
+def test_exact_greedy_config_marks_the_target(tmp_path):
+    from dvi.config import DviConfig
+    from dvi.numerics import is_exact_greedy
+
+    target = bf16_target(layers=1)
+    target.save_pretrained(tmp_path / "t")
+    cfg = DviConfig.model_validate({"models": {"target": str(tmp_path / "t"), "tokenizer": str(tmp_path / "t"),
+                                               "exact_greedy": True}})
+    assert cfg.models.exact_greedy and not DviConfig().models.exact_greedy
+    assert is_exact_greedy(set_exact_greedy(target, cfg.models.exact_greedy))
