@@ -55,6 +55,18 @@ FAST_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 """Decoders `model_forward` runs layer by layer (and the only ones whose features an eagle head can read)."""
 
 
+def _lean_ok(model: nn.Module) -> bool:
+    """A Llama-family decoder with sdpa or eager attention and the parts `model_forward` calls directly."""
+    cfg, base = model.config, getattr(model, "model", None)
+    return (
+        getattr(cfg, "model_type", None) in FAST_TYPES
+        and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager")
+        and base is not None
+        and all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
+        and hasattr(model, "lm_head")
+    )
+
+
 def model_forward(model: nn.Module, with_features: bool = False, width_invariant: bool = True):
     """The engine's model callable: a lean direct path for Llama-family decoders, else `hf_forward`.
 
@@ -74,14 +86,7 @@ def model_forward(model: nn.Module, with_features: bool = False, width_invariant
     """
     cfg = model.config
     base = getattr(model, "model", None)
-    ok = (
-        getattr(cfg, "model_type", None) in FAST_TYPES
-        and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager")
-        and base is not None
-        and all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
-        and hasattr(model, "lm_head")
-    )
-    if not ok:
+    if not _lean_ok(model):
         if with_features:
             raise ValueError(f"target features (eagle drafters) need a {sorted(FAST_TYPES)} target with sdpa "
                              f"or eager attention, got {getattr(cfg, 'model_type', None)!r}")
