@@ -111,13 +111,14 @@ def width_check(target, ps: list[list[int]], k: int, steps: int, invariant: bool
 
 @torch.inference_mode()
 def prefill_vs_hf(target, ps: list[list[int]]) -> float:
-    """Max abs difference of the last-position logits: the engine's prefill vs HF's own forward."""
+    """Max abs difference of the last-position logits: the engine's prefill vs HF's own forward (last
+    position only, as `generate` runs it: the head over all L rows would round differently past 32 rows)."""
     from dvi.kv import prefill
 
     fn, worst = target_fn(target, True, None), 0.0
     for p in ps:
         kv, out = prefill(target.config, fn, [p], target.device, target.dtype, return_output=True)
-        hf = target(torch.tensor([p])).logits[0, -1].float()
+        hf = target(torch.tensor([p]), logits_to_keep=1).logits[0, -1].float()  # as `generate` asks for them
         worst = max(worst, float((out[0][0, -1].float() - hf).abs().max()))
         del kv
     return worst
