@@ -155,3 +155,28 @@ def test_exact_greedy_config_marks_the_target(tmp_path):
                                                "exact_greedy": True}})
     assert cfg.models.exact_greedy and not DviConfig().models.exact_greedy
     assert is_exact_greedy(set_exact_greedy(target, cfg.models.exact_greedy))
+
+
+@pytest.mark.slow
+def test_real_pair_bf16_speculation_equals_plain_decode():
+    """SmolLM2-135M in bf16 (skipped where the embedded pair is not built): one request at a time with an
+    early-exit drafter, greedy text with speculation is the plain greedy text (before the fix: 5 of 10
+    prompts differed, benchmarks/greedy_agreement.py)."""
+    from dvi import data
+    from dvi.drafters import EarlyExitDrafter
+    from dvi.embedded import embedded_paths, is_built
+    from dvi.models import load_causal_lm, load_tokenizer
+
+    paths = embedded_paths("smollm2")
+    if not is_built(paths.root, "smollm2"):
+        pytest.skip("the smollm2 pair is not built (dvi bootstrap --preset smollm2)")
+    torch.set_num_threads(1)
+    target = load_causal_lm(paths.target, "cpu", "bfloat16")
+    tok = load_tokenizer(paths.tokenizer)
+    chat = data.chat_prompt_stream(tok, "heldout", seed=7, max_tokens=320)
+    drafter = EarlyExitDrafter(target, 8, lora_rank=0)
+    for _ in range(3):
+        p = list(next(chat))
+        ref, logits = plain_greedy(target, p, 32)
+        got = SpeculativeEngine(target, drafter, num_draft_tokens=4, adaptive=False).generate([p], 32)[0]
+        assert first_divergence(ref, list(got.token_ids), logits, BF16) is None
