@@ -145,16 +145,18 @@ def test_exact_mode_eagle_bf16():
     assert exact_case(target, noisy_eagle(target), ks=(3,)) == []
 
 
-def test_exact_greedy_config_marks_the_target(tmp_path):
+def test_exact_greedy_config_marks_the_served_target(tiny_pair_dir):
+    """`models.exact_greedy` reaches the target the server loads (and is off by default)."""
     from dvi.config import DviConfig
     from dvi.numerics import is_exact_greedy
+    from serving.loading import load_serving_pair
 
-    target = bf16_target(layers=1)
-    target.save_pretrained(tmp_path / "t")
-    cfg = DviConfig.model_validate({"models": {"target": str(tmp_path / "t"), "tokenizer": str(tmp_path / "t"),
-                                               "exact_greedy": True}})
-    assert cfg.models.exact_greedy and not DviConfig().models.exact_greedy
-    assert is_exact_greedy(set_exact_greedy(target, cfg.models.exact_greedy))
+    def served(**models) -> bool:
+        cfg = DviConfig.model_validate({"models": {"preset": "tiny", "target": str(tiny_pair_dir / "target"),
+                                                   "drafter": str(tiny_pair_dir / "drafter"), **models}})
+        return is_exact_greedy(load_serving_pair(cfg).target)
+
+    assert served(exact_greedy=True) and not served()
 
 
 @pytest.mark.slow
