@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--width-prompts", type=int, default=4)
     p.add_argument("--timing-prompts", type=int, default=4)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--batch", type=int, default=0,
+                   help="also decode the first N prompts as one ragged batch, default vs exact mode (0: skip)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="greedy_agreement.json")
@@ -217,6 +219,31 @@ def agreement(target, drafters: dict, ps: list[list[int]], n: int, k: int, hf: b
     return rows
 
 
+def batched(target, drafter, ps: list[list[int]], n: int, k: int) -> dict | None:
+    """One ragged batch with speculation, default vs `models.exact_greedy`: requests equal to their plain
+    decode, first divergences, seconds."""
+    try:
+        from dvi.numerics import plain_greedy, set_exact_greedy
+    except ImportError:
+        return None
+    from dvi.engine import SpeculativeEngine
+    from dvi.sampling import first_divergence
+
+    refs = [plain_greedy(target, p, n) for p in ps]
+    out = {}
+    for exact in (False, True):
+        set_exact_greedy(target, exact)
+        eng = SpeculativeEngine(target, drafter, num_draft_tokens=k, adaptive=False)
+        t0 = time.perf_counter()
+        res = eng.generate(ps, n)
+        secs = time.perf_counter() - t0
+        divs = [first_divergence(r, list(g.token_ids), lg, target.dtype) for (r, lg), g in zip(refs, res, strict=True)]
+        out["exact" if exact else "default"] = {"equal": sum(d is None for d in divs), "n": len(ps), "seconds": secs,
+                                                "divergences": [d for d in divs if d]}
+    set_exact_greedy(target, False)
+    return out
+
+
 def timing(target, drafter, ps: list[list[int]], n: int, k: int) -> dict | None:
     """Tokens/s with speculation, width-invariant attention on vs off, interleaved prompt by prompt."""
     if target_fn(target, False, False) is None:
@@ -256,11 +283,12 @@ def main(argv=None) -> int:
     agree = agreement(target, drafters, ps, args.max_new_tokens, args.k, not args.skip_hf)
     first = next(iter(drafters.values()), None)
     cost = timing(target, first, ps[: args.timing_prompts], args.max_new_tokens, args.k) if first else None
-    report(args, target.dtype, width, pre, agree, cost, len(ps))
+    batch = batched(target, first, ps[: args.batch], args.max_new_tokens, args.k) if first and args.batch else None
+    report(args, target.dtype, width, pre, agree, cost, len(ps), batch)
     return 0
 
 
-def report(args, dtype, width, pre, agree, cost, n) -> None:
+def report(args, dtype, width, pre, agree, cost, n, batch=None) -> None:
     print(f"\n{'comparison':<28}{'equal':>8}{'rate':>8}  first divergences (gap <= bound?)")
     for name, r in agree.items():
         divs = ", ".join(f"p{d['prompt']}@{d['index']} gap {d['gap']:.3f}/{d['bound'] or float('nan'):.3f}"
@@ -270,7 +298,12 @@ def report(args, dtype, width, pre, agree, cost, n) -> None:
     if cost:
         print(f"tokens/s with speculation: width-invariant {cost['tok_s_invariant']:.1f}, plain "
               f"{cost['tok_s_plain']:.1f} (cost {100 * cost['cost']:+.1f}%)")
+    for mode, b in (batch or {}).items():
+        print(f"batch of {b['n']}, {mode} mode: {b['equal']}/{b['n']} equal to the plain decode, {b['seconds']:.1f} s; "
+              + ", ".join(f"@{d['index']} gap {d['gap']:.3f}/{d['bound']:.3f}" for d in b["divergences"]))
     goals = [goal(f"greedy_agreement_{name}", r["rate"], 0.95) for name, r in agree.items()]
+    if batch:
+        goals.append(goal("exact_mode_batch_agreement", batch["exact"]["equal"] / batch["exact"]["n"], 1.0))
     goals.append(goal("divergences_beyond_tie_bound", float(sum(
         not d["near_tie"] for r in agree.values() for d in r["divergences"] if d["near_tie"] is not None)), 0,
         higher_is_better=False))
@@ -281,7 +314,7 @@ def report(args, dtype, width, pre, agree, cost, n) -> None:
         goals.append(goal("width_invariant_speed_cost", cost["cost"], 0.10, higher_is_better=False))
     out = {"dtype": str(dtype), "prompts": n, "max_new_tokens": args.max_new_tokens, "k": args.k,
            "threads": args.threads, "width": width, "prefill_vs_hf_max_abs_logit_diff": pre,
-           "agreement": agree, "speed": cost, "goals": goals}
+           "agreement": agree, "speed": cost, "batched": batch, "goals": goals}
     Path(args.out).write_text(json.dumps(clean_json(out), indent=1))
     print(json.dumps(goals, indent=1))
 

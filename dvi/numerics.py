@@ -38,27 +38,23 @@ def _sdpa(module, query, key, value, attention_mask, **kwargs):
     q, kv = query.shape[2], key.shape[2]
     if mode is None or (mode == "prefix" and (q == 1 or kv == q)):  # a step, or a prefill over an empty cache
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if mode == "prefix":
-        ends = [[kv - q + j + 1] * query.shape[0] for j in range(q)]  # the columns a 1-token step would have
-        return _rows(module, query, key, value, ends, None, **kwargs), None
-    allowed = attention_mask[:, 0] == 0  # [B, q, L]
-    return _rows(module, query, key, value, None, allowed, **kwargs), None
-
-
-def _rows(module, query, key, value, ends, allowed, **kwargs) -> torch.Tensor:
-    """Attention of every (row b, query j) alone, over key columns [0, ends[j][b]) or `allowed[b, j]`."""
     outs = []
-    for j in range(query.shape[2]):
-        per_b = []
-        for b in range(query.shape[0] if allowed is not None else 1):
-            if allowed is None:
-                k, v, qq = key[:, :, : ends[j][0]], value[:, :, : ends[j][0]], query[:, :, j : j + 1]
-            else:
-                idx = allowed[b, j].nonzero().squeeze(1)
-                k, v, qq = key[b : b + 1, :, idx], value[b : b + 1, :, idx], query[b : b + 1, :, j : j + 1]
-            per_b.append(sdpa_attention_forward(module, qq, k, v, None, **kwargs)[0])  # [b, 1, H, D]
-        outs.append(torch.cat(per_b, 0))
-    return torch.cat(outs, 1)
+    for j in range(q):
+        if mode == "prefix":  # every row: the kv - q + j + 1 columns a 1-token step here would have cached
+            end = kv - q + j + 1
+            outs.append(sdpa_attention_forward(module, query[:, :, j : j + 1], key[:, :, :end], value[:, :, :end],
+                                               None, **kwargs)[0])
+        else:  # "gather": each row alone over the columns its mask allows
+            outs.append(torch.cat([_one(module, query, key, value, attention_mask, b, j, **kwargs)
+                                   for b in range(query.shape[0])], 0))
+    return torch.cat(outs, 1), None  # [B, q, H, D]
+
+
+def _one(module, query, key, value, attention_mask, b: int, j: int, **kwargs) -> torch.Tensor:
+    """Attention of row b's query j alone over the key columns its mask allows, unmasked: [1, 1, H, D]."""
+    idx = (attention_mask[b, 0, j] == 0).nonzero().squeeze(1)
+    return sdpa_attention_forward(module, query[b : b + 1, :, j : j + 1], key[b : b + 1, :, idx],
+                                  value[b : b + 1, :, idx], None, **kwargs)[0]
 
 
 def install() -> None:
