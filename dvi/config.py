@@ -76,6 +76,11 @@ class ModelsConfig(_Strict):
     draft_vocab_size: int | None = Field(None, ge=0)
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Greedy with speculation equals the target's own greedy decoding bit for bit (bf16, fp32; CPU) for one
+    # request at a time (width-invariant verify attention, always on). exact_greedy extends that to ragged
+    # batches (row-by-row attention over each row's own columns, row-by-row prefill; dvi.numerics), at
+    # B x (K + 1) attention calls per layer; off, batched rows may part from it at near-ties of the dtype.
+    exact_greedy: bool = False
 
     _check_paths = field_validator("target", "drafter", "tokenizer", "draft_vocab")(_existing_path)
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dvi.numerics import ROWWISE_KWARG, is_exact_greedy, rowwise_mode
+from dvi.numerics import install as install_rowwise
 from dvi.vocab import apply_draft_vocab, find_subset_head
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -53,7 +55,19 @@ FAST_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 """Decoders `model_forward` runs layer by layer (and the only ones whose features an eagle head can read)."""
 
 
-def model_forward(model: nn.Module, with_features: bool = False):
+def _lean_ok(model: nn.Module) -> bool:
+    """A Llama-family decoder with sdpa or eager attention and the parts `model_forward` calls directly."""
+    cfg, base = model.config, getattr(model, "model", None)
+    return (
+        getattr(cfg, "model_type", None) in FAST_TYPES
+        and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager")
+        and base is not None
+        and all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
+        and hasattr(model, "lm_head")
+    )
+
+
+def model_forward(model: nn.Module, with_features: bool = False, width_invariant: bool = True):
     """The engine's model callable: a lean direct path for Llama-family decoders, else `hf_forward`.
 
     HF's top-level forward costs ~0.5 ms of Python per call on CPU (output capturing, mask factory,
@@ -64,17 +78,15 @@ def model_forward(model: nn.Module, with_features: bool = False):
 
     `with_features`: the callable returns (logits, f) with f [B, q, H] the final normed hidden state of
     every input position (what an `eagle` drafter reads); Llama-family decoders only.
+
+    `width_invariant` (the target's forwards): a multi-token forward over a cached, hole-free prefix (a
+    verify) attends row by row (`dvi.numerics`), so its logits are bit-equal to one-token steps in any
+    dtype; drafters pass False (their rounding decides nothing). A target marked by
+    `dvi.numerics.set_exact_greedy` also attends holed/padded batches row by row (the exact mode).
     """
     cfg = model.config
     base = getattr(model, "model", None)
-    ok = (
-        getattr(cfg, "model_type", None) in FAST_TYPES
-        and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager")
-        and base is not None
-        and all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
-        and hasattr(model, "lm_head")
-    )
-    if not ok:
+    if not _lean_ok(model):
         if with_features:
             raise ValueError(f"target features (eagle drafters) need a {sorted(FAST_TYPES)} target with sdpa "
                              f"or eager attention, got {getattr(cfg, 'model_type', None)!r}")
@@ -82,10 +94,16 @@ def model_forward(model: nn.Module, with_features: bool = False):
     embed, rotary, norm, head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
     layers = list(base.layers[: cfg.num_hidden_layers])
     types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers))
+    rowwise = width_invariant and getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
+    exact = rowwise and is_exact_greedy(model)
+    if rowwise:
+        install_rowwise()
 
     def fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0):
         h = embed(input_ids)
         pe = rotary(h, position_ids)
+        mode = rowwise_mode(attention_mask, cfg, input_ids.shape[1], exact) if rowwise else None
+        extra = {ROWWISE_KWARG: mode} if mode else {}
         for layer, kind in zip(layers, types, strict=False):
             m = attention_mask[kind] if isinstance(attention_mask, dict) else attention_mask
             h = layer(
@@ -95,6 +113,7 @@ def model_forward(model: nn.Module, with_features: bool = False):
                 past_key_values=past_key_values,
                 use_cache=True,
                 position_embeddings=pe,
+                **extra,
             )
         if with_features:
             f = norm(h)  # [B, q, H]
@@ -104,6 +123,7 @@ def model_forward(model: nn.Module, with_features: bool = False):
         return head(norm(h))
 
     fn.explicit_mask = True
+    fn.exact_rows = exact  # `dvi.kv.prefill` then prefills rows one by one
     return fn
 
 
@@ -168,7 +188,7 @@ class SeparateDrafter(Drafter):
             apply_draft_vocab(model, vocab_ids)
         self.model = model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self._fn = model_forward(base)
+        self._fn = model_forward(base, width_invariant=False)
         self.config = base.config
         self.vocab_size = _num_embeddings(base)
 
@@ -322,7 +342,7 @@ class EarlyExitDrafter(SharedTargetDrafter):
         for p in head.parameters():
             p.requires_grad_(True)
         self.model = fwd_model
-        self._fn = model_forward(fwd_model)
+        self._fn = model_forward(fwd_model, width_invariant=False)
         self.config = shallow.config
         self.vocab_size = _num_embeddings(target)
 

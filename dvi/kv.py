@@ -243,8 +243,10 @@ class RaggedKV:
             # Only inputs past a finishing row's last emitted token can get here; their outputs are discarded.
             qpos.clamp_(max=self.max_position - 1)
         # HF forwards build their own causal mask when there are no holes; lean forwards need one for any
-        # multi-token query or windowed attention (SDPA's is_causal is wrong with a cache).
-        need = holes or (getattr(fn, "explicit_mask", False) and (q > 1 or self.kind != "full"))
+        # multi-token query over a cache or windowed attention (SDPA's is_causal is wrong with a cache). A
+        # hole-free prefill over an empty cache takes SDPA's is_causal path, as HF's own forward does: same
+        # kernel, same rounding, so bf16 greedy decoding starts from the same cache as HF `generate`.
+        need = holes or (getattr(fn, "explicit_mask", False) and ((q > 1 and self.num_cols > 0) or self.kind != "full"))
         kv_valid = torch.cat([self.valid, new_valid], dim=1)
         kv_pos = torch.cat([self.pos, qpos], dim=1)
         mask = self._build_mask(qpos, kv_valid, kv_pos) if need else None
@@ -435,6 +437,8 @@ def prefill(
 
     With `return_output`, returns (RaggedKV, what `fn` returned): the caller wants the outputs, e.g.
     the target's features for an eagle drafter (None when no row has tokens)."""
+    if getattr(fn, "exact_rows", False) and len(token_lists) > 1:
+        return _prefill_rows(config, fn, token_lists, device, dtype, return_output)
     kv = RaggedKV(config, len(token_lists), device=device, dtype=dtype)
     if max((len(t) for t in token_lists), default=0) == 0:
         return (kv, None) if return_output else kv
@@ -442,6 +446,33 @@ def prefill(
     out = kv.forward(fn, ids, valid, logits_to_keep=1)
     kv.trim()
     return (kv, out) if return_output else kv
+
+
+def _prefill_rows(config, fn: ModelFn, token_lists: list[list[int]], device, dtype, return_output: bool):
+    """`prefill` one row at a time, merged (the exact mode: each row's cache as its lone prefill makes it).
+    Outputs are stacked as the batched prefill returns them: logits [B, 1, V] and, when `fn` returns
+    (logits, features), features [B, M, H] left-padded with zeros to the longest row."""
+    kv = RaggedKV(config, 0, device=device, dtype=dtype)
+    outs = []
+    for t in token_lists:
+        one, out = prefill(config, fn, [t], device, dtype, return_output=True)
+        kv.merge(one)
+        outs.append(out)
+    ref = next((o for o in outs if o is not None), None)
+    if not return_output or ref is None:
+        return (kv, None) if return_output else kv
+    pairs = isinstance(ref, tuple)
+    m = max(len(t) for t in token_lists)
+    lg0, f0 = (ref[0], ref[1]) if pairs else (ref, None)
+    logits, feats = [], []
+    for o in outs:
+        lg, f = (o if pairs else (o, None)) if o is not None else (torch.zeros_like(lg0), None)
+        logits.append(lg)
+        if pairs:
+            f = f if f is not None else f0.new_zeros(1, 0, f0.shape[2])
+            feats.append(torch.cat([f.new_zeros(1, m - f.shape[1], f.shape[2]), f], 1))
+    logits = torch.cat(logits, 0)
+    return kv, ((logits, torch.cat(feats, 0)) if pairs else logits)
 
 
 def left_pad(token_lists: list[list[int]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dvi.numerics import set_exact_greedy
 from dvi.vocab import apply_draft_vocab, load_draft_vocab
 
 _DTYPES = {
@@ -323,7 +324,8 @@ def decode_step_latency(model, steps: int = 64, prompt_len: int = 32, warmup: in
 
 
 def load_pair_from_config(models_cfg) -> ModelPair:
-    """`load_pair` from a `ModelsConfig`-like object: its paths, else the embedded preset's (must be built)."""
+    """`load_pair` from a `ModelsConfig`-like object: its paths, else the embedded preset's (must be built);
+    the target is marked for `models.exact_greedy` (dvi.numerics)."""
     from dvi.embedded import embedded_paths, is_built
 
     target, drafter, tok = models_cfg.target, models_cfg.drafter, models_cfg.tokenizer
@@ -335,9 +337,11 @@ def load_pair_from_config(models_cfg) -> ModelPair:
                 f"embedded pair {models_cfg.preset!r} not built at {p.root}; run `dvi bootstrap --preset {models_cfg.preset}`")
         target, drafter, tok = p.target, drafter or p.drafter, tok or p.tokenizer
         dtype = serving_dtype(models_cfg.preset, dtype, device)
-    return load_pair(target, drafter, tok, device=device, dtype=dtype,
+    pair = load_pair(target, drafter, tok, device=device, dtype=dtype,
                      draft_vocab_size=draft_vocab_size_for(models_cfg),
                      draft_vocab=getattr(models_cfg, "draft_vocab", None))
+    set_exact_greedy(pair.target, getattr(models_cfg, "exact_greedy", False))
+    return pair
 
 
 def check_target_state_dict(sd: dict, own: dict, complete: bool) -> None:

@@ -21,6 +21,9 @@ __all__ = [
     "acceptance_prob",
     "residual_distribution",
     "rejection_accept",
+    "tie_bound",
+    "TIE_ULPS",
+    "first_divergence",
 ]
 
 
@@ -99,6 +102,38 @@ def warp_probs(
         onehot = torch.zeros_like(probs).scatter_(-1, logits.float().view(n, s, v).argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.view(n, 1, 1), onehot, probs)
     return probs.squeeze(1) if squeeze else probs
+
+
+TIE_ULPS = 16
+"""How many of the dtype's relative rounding steps (eps) at the top logit's magnitude two forwards of the
+same tokens may disagree by. A 1-ulp difference in one layer's attention grows through a deep residual
+stream: SmolLM2-135M in bf16, a verify's logits against the 1-token steps' before width-invariant
+attention, up to 6.1 eps x |top logit| (0.81 logit; benchmarks/greedy_agreement.py); 16 keeps a 2.6x
+margin. bf16: |top| / 8; fp32: ~4e-5 at |top| 20."""
+
+
+def tie_bound(top_logit: torch.Tensor | float, dtype: torch.dtype) -> float:
+    """The top-2 logit gap below which `dtype`'s rounding may decide the argmax (a near-tie): a greedy
+    decode that parts from another one of the same target only where the gap is this small is as exact as
+    the dtype allows."""
+    return TIE_ULPS * torch.finfo(dtype).eps * max(1.0, abs(float(top_logit)))
+
+
+def first_divergence(ref: list[int], other: list[int], ref_logits: list[torch.Tensor], dtype: torch.dtype
+                     ) -> dict | None:
+    """Where `other` first leaves the greedy decode `ref` (None if never), judged on the reference's logits
+    there (`ref_logits[i]` [V]): `gap` = its top logit minus its logit of the token `other` chose (at least
+    the top-2 gap), `bound` = `tie_bound`, `near_tie` = gap <= bound (the only place a lossless engine in
+    `dtype` may part from the target's own decode)."""
+    i = next((j for j, (a, b) in enumerate(zip(ref, other, strict=False)) if a != b), None)
+    if i is None:
+        return None
+    lg = ref_logits[i].float()
+    top2 = lg.topk(2).values
+    gap = float(top2[0] - lg[other[i]])
+    bound = tie_bound(top2[0], dtype)
+    return {"index": i, "ref": ref[i], "other": other[i], "top": float(top2[0]), "top2_gap": float(top2[0] - top2[1]),
+            "gap": gap, "bound": bound, "near_tie": gap <= bound}
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

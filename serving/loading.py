@@ -57,6 +57,7 @@ def load_serving_pair(cfg: DviConfig) -> ModelPair:
     versions fit).
     """
     from dvi.models import draft_vocab_size_for, load_pair, load_shared_target_drafter, serving_dtype
+    from dvi.numerics import set_exact_greedy
 
     m = cfg.models
     target_path, drafter_path, tok_path = pair_paths(cfg)
@@ -64,6 +65,7 @@ def load_serving_pair(cfg: DviConfig) -> ModelPair:
     dtype = m.dtype if m.target is not None else serving_dtype(m.preset, m.dtype, m.device)
     pair = load_pair(target_path, None if early else drafter_path, tok_path, device=m.device, dtype=dtype,
                      draft_vocab_size=draft_vocab_size_for(m), draft_vocab=m.draft_vocab)
+    set_exact_greedy(pair.target, m.exact_greedy)
     if early:
         pair.drafter = load_shared_target_drafter(pair.target, target_path, cfg)
     return pair

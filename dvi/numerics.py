@@ -1,0 +1,107 @@
+"""Width-invariant attention: a (K+1)-token verify whose rounding equals K+1 one-token steps.
+
+In bf16 the target's logits at a position depend on how many positions one forward scores: SDPA's CPU
+kernels round differently for a 1-token query over L columns (packed GQA, no mask) than for row j of a
+(K+1)-token query over L + K + 1 columns with the tail masked. One bf16 ulp of difference in one layer's
+attention output is amplified by the 30 layers of SmolLM2-135M to up to ~1 logit, so greedy text with
+speculation parted from greedy text without it (measured: benchmarks/greedy_agreement.py). The linear
+layers, norms, RoPE and the LM head are row-independent (bit-equal for 1 to 32 rows on this CPU's bf16
+GEMM; from 33 rows the kernel changes).
+
+So a multi-token forward over a non-empty, hole-free cache computes attention one query row at a time
+("prefix"), each row exactly as the 1-token step at that position would: the same SDPA call on the
+columns before it and no mask. Everything else stays batched; only attention, the cheap part at these
+contexts, is looped. That makes one request at a time bit-exact in any dtype.
+
+Batches with holes or left padding have another column layout than a lone request's decode, so the
+default keeps their one masked call (divergences there are near-ties: `dvi.sampling.tie_bound`). The
+exact mode (`models.exact_greedy`, `set_exact_greedy`) also attends those row by row on each row's own
+valid columns ("gather") and prefills rows one by one: every row is then computed as its lone plain
+decode (while a forward scores at most 32 rows x positions), at B x (K+1) SDPA calls per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import AttentionInterface
+
+from dvi.kv import mask_kind
+
+ROWWISE_KWARG = "dvi_rowwise"
+"""Keyword the lean forward passes down through the decoder layers to ask for row-by-row attention."""
+
+
+def _sdpa(module, query, key, value, attention_mask, **kwargs):
+    """HF's SDPA attention, or (`dvi_rowwise` = "prefix" / "gather") one SDPA call per query row."""
+    mode = kwargs.pop(ROWWISE_KWARG, None)
+    q, kv = query.shape[2], key.shape[2]
+    if mode is None or (mode == "prefix" and (q == 1 or kv == q)):  # a step, or a prefill over an empty cache
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outs = []
+    for j in range(q):
+        if mode == "prefix":  # every row: the kv - q + j + 1 columns a 1-token step here would have cached
+            end = kv - q + j + 1
+            outs.append(sdpa_attention_forward(module, query[:, :, j : j + 1], key[:, :, :end], value[:, :, :end],
+                                               None, **kwargs)[0])
+        else:  # "gather": each row alone over the columns its mask allows
+            outs.append(torch.cat([_one(module, query, key, value, attention_mask, b, j, **kwargs)
+                                   for b in range(query.shape[0])], 0))
+    return torch.cat(outs, 1), None  # [B, q, H, D]
+
+
+def _one(module, query, key, value, attention_mask, b: int, j: int, **kwargs) -> torch.Tensor:
+    """Attention of row b's query j alone over the key columns its mask allows, unmasked: [1, 1, H, D]."""
+    idx = (attention_mask[b, 0, j] == 0).nonzero().squeeze(1)
+    return sdpa_attention_forward(module, query[b : b + 1, :, j : j + 1], key[b : b + 1, :, idx],
+                                  value[b : b + 1, :, idx], None, **kwargs)[0]
+
+
+def install() -> None:
+    """Route "sdpa" through `_sdpa` (idempotent). Without the keyword it is HF's function unchanged."""
+    if AttentionInterface._global_mapping.get("sdpa") is not _sdpa:
+        AttentionInterface.register("sdpa", _sdpa)
+
+
+def rowwise_mode(attention_mask, config, q: int, exact: bool) -> str | None:
+    """How a forward of q new positions attends (`_sdpa`): "prefix" for a multi-token query over a hole-free
+    cache (the plain step would pass no mask), "gather" in the exact mode when columns are masked (holes,
+    padding), None (one SDPA call) otherwise and always for windowed or hybrid attention."""
+    if attention_mask is None or isinstance(attention_mask, dict) or mask_kind(config)[0] != "full":
+        return None
+    if bool((attention_mask[:, :, -1] == 0).all()):
+        return "prefix" if q > 1 else None
+    return "gather" if exact else None
+
+
+EXACT_ATTR = "dvi_exact_greedy"
+
+
+def set_exact_greedy(model, on: bool = True):
+    """Mark a target for the exact mode (read when the engine builds its forward); returns `model`."""
+    setattr(model, EXACT_ATTR, bool(on))
+    return model
+
+
+def is_exact_greedy(model) -> bool:
+    return bool(getattr(model, EXACT_ATTR, False))
+
+
+@torch.inference_mode()
+def plain_greedy(target, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The target's own greedy decoding as the engine serves it without speculation (prefill, then 1-token
+    steps through the same forward): n tokens and each step's logits [V] (fp32), the reference that
+    `dvi.sampling.first_divergence` judges another decode against."""
+    from dvi.drafters import model_forward
+    from dvi.kv import prefill
+
+    fn = model_forward(target)
+    p0 = next(target.parameters())
+    kv = prefill(target.config, fn, [prompt[:-1]], p0.device, p0.dtype)
+    last, out, steps = prompt[-1], [], []
+    for _ in range(n):
+        logits = kv.forward(fn, torch.tensor([[last]], device=p0.device))[0, -1].float()
+        steps.append(logits)
+        last = int(logits.argmax())
+        out.append(last)
+    return out, steps
