@@ -79,16 +79,22 @@ def make_drafter(target, layers: tuple[int, ...], intermediate_size: int | None 
     return drafter.eval()
 
 
-@torch.inference_mode()
 def chat_replies(target, tokenizer, split: str, n: int, max_new_tokens: int, seed: int, batch: int = 16,
                  progress: bool = False) -> list[list[int]]:
     """Token ids of `n` chat conversations (instruction + the target's greedy reply, ending at EOS)
     on instructions of `split`: the text the chat domain's drafts are judged on."""
-    stream = data.chat_prompt_stream(tokenizer, split, seed=seed, max_tokens=320)
-    prompts = list(itertools.islice(stream, n))
+    prompts = list(itertools.islice(data.chat_prompt_stream(tokenizer, split, seed=seed, max_tokens=320), n))
+    return greedy_replies(target, tokenizer, prompts, max_new_tokens, batch, progress, desc=f"chat replies ({split})")
+
+
+@torch.inference_mode()
+def greedy_replies(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch: int = 16,
+                   progress: bool = False, desc: str = "replies") -> list[list[int]]:
+    """Each prompt followed by the target's greedy reply (ending at EOS, at most `max_new_tokens`):
+    text a drafter is judged or trained on for a chat-shaped domain (chat, sql)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     out = []
-    for i in tqdm(range(0, len(prompts), batch), desc=f"chat replies ({split})", disable=not progress, leave=False):
+    for i in tqdm(range(0, len(prompts), batch), desc=desc, disable=not progress, leave=False):
         chunk = prompts[i: i + batch]
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
