@@ -13,11 +13,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # Bump when the build recipe changes in a way that should invalidate cached pairs.
 BUILD_VERSION = 5
+
+# Drafter kinds a pretrained build can train, and what `dvi bootstrap` builds unless asked for more: only what
+# the default config serves and trains (`models.drafter_kind: separate`). The other kinds are built on demand
+# (`dvi bootstrap --kinds eagle`, or `dvi serve` when its config asks for one the pair lacks), adding to the pair
+# in place; what is built is a choice, not part of the recipe (a pair with more kinds is the same pair).
+DRAFTER_KINDS = ("separate", "early_exit", "eagle")
+DEFAULT_BUILD_KINDS = ("separate",)
 
 # Optimizers the offline trainers know ("muon": Muon on hidden matrices, AdamW on the rest).
 OPTIMIZERS = ("adamw", "muon")
@@ -316,3 +324,23 @@ def is_built(path: str | Path, preset: str | None = None) -> bool:
         p = get_preset(preset)
         return manifest.get("preset") == p.name and manifest.get("fingerprint") == p.fingerprint()
     return True
+
+
+def built_kinds(path: str | Path) -> tuple[str, ...]:
+    """The drafter kinds a built pair dir holds trained weights for (its manifest's `kinds`; manifests
+    written before kinds were optional built every kind their preset enabled: their `eagle` / `early_exit`
+    entries say which)."""
+    m = read_manifest(path)
+    if not m:
+        return ()
+    if "kinds" in m:
+        return tuple(k for k in DRAFTER_KINDS if k in m["kinds"])
+    return tuple(k for k in DRAFTER_KINDS if k == "separate" or m.get(k))
+
+
+def check_kinds(kinds: Sequence[str]) -> tuple[str, ...]:
+    """`kinds` validated and in canonical order (`separate` always included: every pair has it)."""
+    bad = [k for k in kinds if k not in DRAFTER_KINDS]
+    if bad:
+        raise ValueError(f"unknown drafter kind(s) {bad}; expected some of {DRAFTER_KINDS}")
+    return tuple(k for k in DRAFTER_KINDS if k == "separate" or k in kinds)
