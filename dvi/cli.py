@@ -16,7 +16,7 @@ from pathlib import Path
 from dvi.config import PRESETS, SECRET_KEYS, ConfigError, dump_config, load_config
 from dvi.embedded import DEFAULT_BUILD_KINDS, DRAFTER_KINDS
 
-BENCHMARKS = ("decode", "drift", "serve_load", "rl", "feedback_budget")
+BENCHMARKS = ("decode", "drift", "serve_load", "rl", "feedback_budget", "soak", "domain_gap")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
