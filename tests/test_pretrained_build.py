@@ -403,3 +403,20 @@ def test_serve_builds_a_kind_the_pair_lacks_on_demand(built, monkeypatch):
     finally:
         (out / "manifest.json").write_text(json.dumps(m))
     assert len(runs) == 1 and runs[0][-4:] == ["--preset", "smollm2", "--kinds", "eagle"]
+
+
+def test_measurement_fields_never_change_the_fingerprint():
+    """How much the build measures (held-out chars and chats, timed steps) is not the recipe: changing it keeps a
+    built pair valid, and the fingerprint equals the one computed before these fields left the recipe."""
+    import hashlib
+
+    from dvi.embedded import BUILD_VERSION, MEASUREMENT_FIELDS, SERVING_FIELDS
+
+    p = _tiny_preset("0" * 64)
+    short = dataclasses.replace(p, eval_chars=1000, eval_chat=1, latency_steps=2)
+    assert short.fingerprint() == p.fingerprint()
+    assert dataclasses.replace(p, distill_tokens=p.distill_tokens + 1).fingerprint() != p.fingerprint()
+    legacy = dataclasses.replace(p, **MEASUREMENT_FIELDS)  # the old way: every field but the serving ones
+    blob = json.dumps({"build_version": BUILD_VERSION, **{k: v for k, v in dataclasses.asdict(legacy).items()
+                                                          if k not in SERVING_FIELDS}}, sort_keys=True)
+    assert p.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()[:16]
