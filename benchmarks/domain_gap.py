@@ -27,6 +27,9 @@ from benchmarks._common import clean_json
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="smollm2")
+    ap.add_argument("--pair-dir", type=Path, default=None,
+                    help="a pair dir (default: the preset's built pair); needs target/, tokenizer/ and the kind's dir")
+    ap.add_argument("--kind", choices=("separate", "early_exit"), default="separate")
     ap.add_argument("--prompts", type=int, default=24, help="held-out chat and sql requests scored")
     ap.add_argument("--reply-tokens", type=int, default=128)
     ap.add_argument("--code-chars", type=int, default=20_000, help="held-out code text scored")
@@ -83,7 +86,7 @@ def distill_sql(target, tok, drafter, order: torch.Tensor, p, args: argparse.Nam
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dvi.embedded import PRESETS, embedded_paths, is_built
+    from dvi.embedded import PRESETS, EmbeddedPaths, embedded_paths, is_built
     from dvi.models import load_causal_lm
     from dvi.vocab import load_draft_vocab
     from trainers.pretrained_build import _load_target
@@ -92,22 +95,30 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     p = PRESETS[args.preset]
-    paths = embedded_paths(args.preset)
-    if not is_built(paths.root, args.preset):
-        raise SystemExit(f"no built {args.preset} pair at {paths.root}: run `dvi bootstrap` first")
+    paths = EmbeddedPaths.at(args.pair_dir) if args.pair_dir else embedded_paths(args.preset)
+    src = paths.drafter if args.kind == "separate" else paths.early_exit
+    if not (args.pair_dir or is_built(paths.root, args.preset)) or not src.is_dir():
+        raise SystemExit(f"no {args.kind} drafter at {src}: run `dvi bootstrap --kinds {args.kind}` first")
+    if args.distill_tokens and args.kind != "separate":
+        raise SystemExit("--distill-tokens distils the separate drafter only")
     target, tok = _load_target(paths)
-    drafter = load_causal_lm(paths.drafter, "cpu", "bfloat16")
+    if args.kind == "separate":
+        drafter = load_causal_lm(paths.drafter, "cpu", "bfloat16")
+    else:
+        from dvi.drafters import EarlyExitDrafter
+
+        drafter = EarlyExitDrafter.load(target, paths.early_exit).model
     # the first train_vocab ids of the stored priority order (what was trained); scored at the served prefix
-    order = load_draft_vocab(paths.drafter, size=p.train_vocab)
+    order = load_draft_vocab(src, size=p.train_vocab)
     n = p.serve_draft_vocab
-    served = load_draft_vocab(paths.drafter, size=n)
+    served = load_draft_vocab(src, size=n)
     t0 = time.perf_counter()
     sets, skips = heldout(target, tok, p, args)
-    out = {"preset": args.preset, "draft_vocab": n, "args": {k: str(v) for k, v in vars(args).items()},
+    out = {"preset": args.preset, "kind": args.kind, "pair_dir": str(paths.root), "draft_vocab": n, "args": {k: str(v) for k, v in vars(args).items()},
            "scored_tokens": {d: sum(len(w) for w in ws) - sum(skips.get(d, [0])) for d, ws in sets.items()},
            "frozen": score(target, drafter, served, n, sets, skips)}
     out["heldout_s"] = time.perf_counter() - t0
-    print("frozen separate α (top-1 agreement): " + json.dumps(out["frozen"]), file=sys.stderr)
+    print(f"frozen {args.kind} α (top-1 agreement): " + json.dumps(out["frozen"]), file=sys.stderr)
     if args.distill_tokens:
         student, stats = distill_sql(target, tok, drafter, order, p, args)
         out["sql_distilled"] = {"stats": stats, "agreement": score(target, student, served, n, sets, skips)}
