@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         drafter = EarlyExitDrafter.load(target, paths.early_exit).model
     # the first train_vocab ids of the stored priority order (what was trained); scored at the served prefix
-    order = load_draft_vocab(src, size=p.train_vocab)
+    order = load_draft_vocab(src, size=min(p.train_vocab, p.draft_vocab))  # the stored ids (16k: the trained ones)
     n = p.serve_draft_vocab
     served = load_draft_vocab(src, size=n)
     t0 = time.perf_counter()

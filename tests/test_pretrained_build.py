@@ -420,3 +420,22 @@ def test_measurement_fields_never_change_the_fingerprint():
     blob = json.dumps({"build_version": BUILD_VERSION, **{k: v for k, v in dataclasses.asdict(legacy).items()
                                                           if k not in SERVING_FIELDS}}, sort_keys=True)
     assert p.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def test_domain_gap_scores_sql_code_and_chat_and_distils_a_copy(built, tmp_path):
+    """`benchmarks/domain_gap.py` on the built pair: the frozen drafter's agreement on held-out code, chat and sql,
+    then a short sql distillation of a copy (the pair's drafter is left as it was)."""
+    from benchmarks import domain_gap
+
+    *_, out, _spy, _secs = built
+    before = (out / "drafter" / "model.safetensors").read_bytes()
+    res_path = tmp_path / "gap.json"
+    assert domain_gap.main(["--prompts", "2", "--reply-tokens", "4", "--code-chars", "600", "--distill-tokens", "512",
+                            "--train-prompts", "2", "--out", str(res_path)]) == 0
+    res = json.loads(res_path.read_text())
+    assert set(res["frozen"]) == {"code", "chat", "sql"} and all(0.0 <= a <= 1.0 for a in res["frozen"].values())
+    assert all(n > 0 for n in res["scored_tokens"].values())
+    d = res["sql_distilled"]
+    assert d["stats"]["tokens"] >= 512 and set(d["agreement"]) == {"code", "chat", "sql"}
+    assert res["gap"] == pytest.approx(d["agreement"]["sql"] - res["frozen"]["sql"])
+    assert (out / "drafter" / "model.safetensors").read_bytes() == before
