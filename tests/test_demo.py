@@ -49,3 +49,11 @@ def test_frozen_reference_is_the_engine_alpha_per_domain(tiny_pair_dir):
     assert t.rows[0]["domain"] == "code" and t.rows[0]["alpha"] == 0.5
     assert list(itertools.islice(demo._phases(cfg, tok, 2)[0].prompts, 2)) == [
         list(x) for x in itertools.islice(demo._phases(cfg, tok, 2)[0].prompts, 2)]
+
+
+def test_every_demo_and_soak_domain_gets_its_own_metrics_series():
+    """The server pools any `metadata.domain` outside `serve.domains` as "other": the drift domain must be in."""
+    from benchmarks import soak
+
+    domains = set(load_config(None).serve.domains)
+    assert {"code", "prose", "chat", "sql"} | set(soak.DOMAINS) <= domains
