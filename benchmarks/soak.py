@@ -41,7 +41,8 @@ from dvi.results import acceptance_rate
 
 ARMS = ("online", "frozen")
 DOMAINS = ("code", "chat", "sql")
-# feedback tokens per arm by default: about 30 minutes of this 2-core machine for the real pair
+# feedback tokens per arm by default; the real pair's is a guess at 30 minutes of this 2-core machine (~20 served
+# tokens/s), not yet measured: size it from the first real run
 DEFAULT_TOKENS = {"smollm2": 40_000, "tiny": 2_000}
 
 
