@@ -1,10 +1,11 @@
-"""Drift benchmark on the real `dvi serve` path: α over code -> chat -> code traffic, per drafter kind.
+"""Drift benchmark on the real `dvi serve` path: α over code -> sql (or chat) -> code traffic, per drafter kind.
 
 For each drafter kind (`separate`, `eagle`) and arm, a real `dvi serve` process (scheduler, swapper
 with its shadow check and rollback, supervisor; `serving.demo.ServerProcess`) gets the same greedy
 traffic over loopback HTTP, C clients at a time: held-out code prompts (`/v1/completions`, token
-ids), then held-out chat instructions (`/v1/chat/completions`, `dvi.data.chat_instructions`), then
-other held-out code prompts. α per request is read from each response's `dvi` block.
+ids), then held-out requests of the drift domain (`/v1/chat/completions`; `--drift sql`, the default:
+`dvi.data.sql_instructions`, SQLite queries, a domain the build never trained on; `--drift chat`:
+`dvi.data.chat_instructions`, 30% of the build's text), then other held-out code prompts. α per request is read from each response's `dvi` block.
 
 * ``online``: the server's supervised trainer trains the drafter from the feedback log under a
   machine-independent budget: at most one step per `trainer.feedback_tokens_per_step` feedback
@@ -14,15 +15,15 @@ other held-out code prompts. α per request is read from each response's `dvi` b
   machine's speed. Afterwards the throughput probe: the same code prompts in ABBA blocks with the
   trainer paused / running (`/admin/trainer/pause`, `/admin/trainer/resume`).
 * ``frozen``: `serve.trainer=off`; the bootstrap drafter serves all three phases.
-* ``ceiling``: the bootstrap drafter distilled offline on chat *training* text (the target's greedy
-  replies to training-split chat instructions, `trainers.pretrained_build.chat_replies`) for 5x the
-  online arm's trained tokens up to the end of its chat phase (`trainers.subset_distill` for
+* ``ceiling``: the bootstrap drafter distilled offline on the drift domain's *training* text (the target's
+  greedy replies to its training-split requests, `trainers.pretrained_build.greedy_replies`) for 5x the
+  online arm's trained tokens up to the end of its drift phase (`trainers.subset_distill` for
   separate, `trainers.eagle_build.distill_eagle` for eagle), then *served* by `dvi serve` (trainer
-  off) on the same chat requests.
+  off) on the same drift requests.
 
-Goals per kind: online chat α (last window) >= 90% of the ceiling's, with the budget reported in
+Goals per kind: online drift α (last window) >= 90% of the ceiling's, with the budget reported in
 feedback tokens and trainer steps (seconds for information); online code α on return within 0.02
-of before the switch; frozen chat α < 90% of the ceiling's; tokens/s with the trainer running
+of before the switch; frozen drift α < 90% of the ceiling's; tokens/s with the trainer running
 >= 0.9x paused. Every arm's greedy text must be identical (lossless).
 
     python benchmarks/drift.py --preset smollm2 [--kinds separate,eagle] [--json bench_results/drift.json]
@@ -54,28 +55,30 @@ from benchmarks._common import clean_json, goal
 from dvi.results import acceptance_rate
 from dvi.rundir import RunDir
 
-PHASES = ("code", "chat", "code_return")
+PHASES = ("code", "drift", "code_return")
+DRIFTS = ("sql", "chat")  # sql: never in the build's text; chat: 30% of it
 KINDS = ("separate", "eagle")
 
 
 # -- traffic ----------------------------------------------------------------------------------------
 def traffic(tok: Any, args: argparse.Namespace) -> dict[str, list]:
-    """Per phase: code prompts (token ids) or chat messages (rendered <= --chat-prompt-tokens)."""
-    from dvi.data import chat_instructions, prompt_stream, render_chat
+    """Per phase: code prompts (token ids) or the drift domain's chat messages (rendered <= --drift-prompt-tokens)."""
+    from dvi.data import chat_instructions, prompt_stream, render_chat, sql_instructions
 
     def code(seed: int) -> list[list[int]]:
         s = prompt_stream("code", tok, split="heldout", prompt_tokens=(32, 96), seed=seed)
         return list(itertools.islice(s, args.code_requests))
 
-    chats = (m for m in chat_instructions("heldout", seed=args.seed) if len(render_chat(tok, m)) <= args.chat_prompt_tokens)
-    return {"code": code(args.seed), "chat": list(itertools.islice(chats, args.chat_requests)),
+    source = sql_instructions if args.drift == "sql" else chat_instructions
+    chats = (m for m in source("heldout", seed=args.seed) if len(render_chat(tok, m)) <= args.drift_prompt_tokens)
+    return {"code": code(args.seed), "drift": list(itertools.islice(chats, args.drift_requests)),
             "code_return": code(args.seed + 1), "probe": code(args.seed + 2)[: args.probe_prompts]}
 
 
-async def _send(client: Any, item: list, max_tokens: int) -> dict:
+async def _send(client: Any, item: list, max_tokens: int, drift: str) -> dict:
     chat = isinstance(item[0], dict)
     body = {"messages" if chat else "prompt": item, "max_tokens": max_tokens, "temperature": 0.0,
-            "metadata": {"domain": "chat" if chat else "code"}}
+            "metadata": {"domain": drift if chat else "code"}}
     r = await client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
     if r.status_code != 200:
         return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
@@ -97,7 +100,7 @@ def run_requests(url: str, items: list, args: argparse.Namespace, on_done: Any =
         async with httpx.AsyncClient(base_url=url, timeout=900) as client:
             async def worker() -> None:
                 for i, item in queue:
-                    row = {"prompt": i, **await _send(client, item, args.max_tokens), "t": time.time()}
+                    row = {"prompt": i, **await _send(client, item, args.max_tokens, args.drift), "t": time.time()}
                     rows.append({**row, **(on_done() if on_done else {})})
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         return rows
@@ -256,21 +259,26 @@ def throughput_probe(srv: Server, prompts: list, args: argparse.Namespace) -> di
 
 
 # -- the ceiling ---------------------------------------------------------------------------------------
-def chat_training_set(pair_dir: Path, args: argparse.Namespace) -> dict:
-    """The target's greedy replies to training-split chat instructions, cut into windows, with its states."""
+def drift_training_set(pair_dir: Path, args: argparse.Namespace) -> dict:
+    """The target's greedy replies to training-split requests of the drift domain, cut into windows, with its
+    states."""
     import torch
 
+    from dvi.data import chat_prompt_stream, sql_prompt_stream
     from dvi.embedded import EmbeddedPaths
     from dvi.models import load_causal_lm, load_tokenizer
     from trainers.offline import pack_docs
-    from trainers.pretrained_build import chat_replies
+    from trainers.pretrained_build import greedy_replies
     from trainers.subset_distill import teacher_states
 
     p = EmbeddedPaths.at(pair_dir)
     t0 = time.perf_counter()
     target = load_causal_lm(p.target, "cpu", "bfloat16")
     tok = load_tokenizer(p.tokenizer)
-    chats = chat_replies(target, tok, "train", args.ceiling_chats, args.ceiling_reply_tokens, args.seed)
+    stream_of = sql_prompt_stream if args.drift == "sql" else chat_prompt_stream
+    prompts = list(itertools.islice(stream_of(tok, "train", seed=args.seed, max_tokens=args.drift_prompt_tokens),
+                                    args.ceiling_prompts))
+    chats = greedy_replies(target, tok, prompts, args.ceiling_reply_tokens)
     stream = pack_docs(chats, None, None)
     t = args.ceiling_seq_len
     n = stream.numel() // (t + 1)
@@ -282,7 +290,7 @@ def chat_training_set(pair_dir: Path, args: argparse.Namespace) -> dict:
 
 
 def build_ceiling(kind: str, pair_dir: Path, data: dict, tokens: int, out: Path, args: argparse.Namespace) -> dict:
-    """The bootstrap drafter of `kind` distilled on the chat windows for >= `tokens` token-passes; saved to `out`."""
+    """The bootstrap drafter of `kind` distilled on the drift domain's windows for >= `tokens` token-passes; saved to `out`."""
     import torch
 
     from dvi.embedded import EmbeddedPaths, get_preset
@@ -345,7 +353,7 @@ def text_mismatches(arms: dict[str, dict]) -> int:
 
 
 def budget_to_reach(chat: list[dict], ceiling: float, w: int, start: dict) -> dict:
-    """Feedback tokens / trainer steps / seconds into the chat phase when the rolling α first reaches 90%."""
+    """Feedback tokens / trainer steps / seconds into the drift phase when the rolling α first reaches 90%."""
     roll = rolling(chat, w)
     hit = next((j for j, a in enumerate(roll) if j + 1 >= w and a >= 0.9 * ceiling), None)
     end = chat[-1] if hit is None else chat[hit]
@@ -363,28 +371,28 @@ def budget_to_reach(chat: list[dict], ceiling: float, w: int, start: dict) -> di
 def kind_goals(kind: str, arms: dict[str, dict], w: int) -> tuple[dict, list[dict]]:
     on, fr = arms["online"], arms["frozen"]
     ceiling = alpha(arms["ceiling"]["rows"])
-    chat_on, chat_fr = phase_rows(on, "chat"), phase_rows(fr, "chat")
+    chat_on, chat_fr = phase_rows(on, "drift"), phase_rows(fr, "drift")
     start = on["phases"]["code"]["end"]
     b = budget_to_reach(chat_on, ceiling, w, start)
-    chat_end = on["phases"]["chat"]["end"]
+    chat_end = on["phases"]["drift"]["end"]
     spent = {k: (chat_end.get(k) or 0) - (start.get(k) or 0) for k in ("feedback_tokens", "trainer_step",
                                                                        "tokens_trained", "train_seconds")}
     code_pre, code_ret = alpha(phase_rows(on, "code")), alpha(phase_rows(on, "code_return"))
     shift_fr = alpha(phase_rows(fr, "code_return")) - alpha(phase_rows(fr, "code"))
     probe = on["probe"]
-    summary = {"ceiling_alpha": ceiling, "online_chat_last_window": alpha(chat_on[-w:]),
-               "frozen_chat_last_window": alpha(chat_fr[-w:]), "code_pre": code_pre, "code_return": code_ret,
-               "frozen_code_return_minus_pre": shift_fr, "budget_to_90pct": b, "chat_phase_budget": spent,
+    summary = {"ceiling_alpha": ceiling, "online_drift_last_window": alpha(chat_on[-w:]),
+               "frozen_drift_last_window": alpha(chat_fr[-w:]), "code_pre": code_pre, "code_return": code_ret,
+               "frozen_code_return_minus_pre": shift_fr, "budget_to_90pct": b, "drift_phase_budget": spent,
                "throughput_ratio": probe["ratio"], "greedy_text_mismatches": text_mismatches(arms)}
     reach = (f"reached at request {b['at_request']}: {b['feedback_tokens']} feedback tokens, {b['trainer_steps']} "
              f"steps, {b['seconds']:.0f}s" if b["reached"] else "not reached")
     goals = [
-        goal(f"{kind}: online chat α (last {w}) / ceiling α; {reach} (chat phase: {spent['feedback_tokens']} "
+        goal(f"{kind}: online drift α (last {w}) / ceiling α; {reach} (drift phase: {spent['feedback_tokens']} "
              f"feedback tokens, {spent['trainer_step']} steps, {spent['train_seconds']:.0f}s training)",
-             summary["online_chat_last_window"] / ceiling, 0.9),
+             summary["online_drift_last_window"] / ceiling, 0.9),
         goal(f"{kind}: online code α on return minus before the switch (frozen arm's shift: {shift_fr:+.3f})",
              code_ret - code_pre, -0.02),
-        goal(f"{kind}: frozen chat α (last {w}) / ceiling α (stays down)", summary["frozen_chat_last_window"] / ceiling,
+        goal(f"{kind}: frozen drift α (last {w}) / ceiling α (stays down)", summary["frozen_drift_last_window"] / ceiling,
              0.9, higher_is_better=False),
         goal(f"{kind}: tokens/s trainer running / paused (median of {len(probe['pair_ratios'])} ABBA pairs)",
              probe["ratio"], 0.9),
@@ -451,8 +459,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--config", default=str(ROOT / "configs" / "drift.yaml"))
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--code-requests", type=int, default=12, help="per code phase")
-    ap.add_argument("--chat-requests", type=int, default=72)
-    ap.add_argument("--chat-prompt-tokens", type=int, default=320)
+    ap.add_argument("--drift", choices=DRIFTS, default="sql", help="the domain traffic drifts to")
+    ap.add_argument("--drift-requests", type=int, default=72)
+    ap.add_argument("--drift-prompt-tokens", type=int, default=320)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--feedback-tokens-per-step", type=int, default=64, help="the online trainer's budget")
@@ -461,7 +470,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--settle-s", type=float, default=180.0, help="max wait for the trainer after a wave")
     ap.add_argument("--probe-prompts", type=int, default=8)
     ap.add_argument("--probe-pairs", type=int, default=2)
-    ap.add_argument("--ceiling-chats", type=int, default=96, help="training-split chat replies to distill on")
+    ap.add_argument("--ceiling-prompts", type=int, default=96, help="training-split drift requests whose replies the ceiling distils on")
     ap.add_argument("--ceiling-reply-tokens", type=int, default=128)
     ap.add_argument("--ceiling-seq-len", type=int, default=128)
     ap.add_argument("--ceiling-batch", type=int, default=8)
@@ -481,8 +490,8 @@ def run_kind(kind: str, pair_dir: Path, args: argparse.Namespace, items: dict[st
     arms = {"online": run_arm("online", args, work, base, phases, probe=items["probe"])}
     arms["frozen"] = run_arm("frozen", args, work, base, phases)
     if "windows" not in chat_set:
-        chat_set.update(chat_training_set(pair_dir, args))
-    chat_end = arms["online"]["phases"]["chat"]["end"]
+        chat_set.update(drift_training_set(pair_dir, args))
+    chat_end = arms["online"]["phases"]["drift"]["end"]
     tokens = int(args.ceiling_multiple * (chat_end.get("tokens_trained") or 0))
     ceiling_dir = work / "ceiling_drafter"
     tc = time.perf_counter()
@@ -491,7 +500,7 @@ def run_kind(kind: str, pair_dir: Path, args: argparse.Namespace, items: dict[st
     print(f"  ceiling: {stats['tokens']} token-passes ({stats['steps']} steps, {stats['build_s']:.0f}s), "
           f"loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}", flush=True)
     arms["ceiling"] = run_arm("ceiling", args, work, pair_overrides(pair_dir, args.preset, kind, ceiling_dir),
-                              {"chat": items["chat"]})
+                              {"drift": items["drift"]})
     arms["ceiling"]["training"] = stats
     summary, goals = kind_goals(kind, arms, args.window)
     return {"arms": arms, "summary": summary, "goals": goals, "wall_s": time.perf_counter() - t0}
@@ -516,10 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         results[kind] = run_kind(kind, pair_dir, args, items, work / kind, chat_set)
         goals += results[kind]["goals"]
     png = args.json.with_suffix(".png")
-    plot(png, results, args.window, f"dvi drift ({args.preset}): code -> chat -> code over `dvi serve`, greedy, "
+    plot(png, results, args.window, f"dvi drift ({args.preset}): code -> {args.drift} -> code over `dvi serve`, greedy, "
          f"{args.concurrency} clients, budget 1 step / {args.feedback_tokens_per_step} feedback tokens")
     out = {"benchmark": "drift", "settings": {**vars(args), "pair_dir": str(pair_dir),
-                                              "chat_training": {k: v for k, v in chat_set.items()
+                                              "drift_training": {k: v for k, v in chat_set.items()
                                                                 if k not in ("windows", "states")}},
            "kinds": results, "goals": goals, "wall_s": time.perf_counter() - t0, "png": str(png)}
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -527,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results, goals))
     for kind, res in results.items():
         s = res["summary"]
-        print(f"{kind}: ceiling α {s['ceiling_alpha']:.3f}; chat budget {s['chat_phase_budget']}; throughput "
+        print(f"{kind}: ceiling α {s['ceiling_alpha']:.3f}; drift budget {s['drift_phase_budget']}; throughput "
               f"{s['throughput_ratio']:.3f}x; greedy text differs from the frozen arm's in {s['greedy_text_mismatches']} "
               f"requests (bf16 batch numerics, see text_mismatches)")
     print(f"wrote {args.json} and {png} ({out['wall_s']:.0f}s)")

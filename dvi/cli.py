@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from dvi.config import PRESETS, SECRET_KEYS, ConfigError, dump_config, load_config
+from dvi.embedded import DEFAULT_BUILD_KINDS, DRAFTER_KINDS
 
-BENCHMARKS = ("decode", "drift", "serve_load", "rl", "feedback_budget")
+BENCHMARKS = ("decode", "drift", "serve_load", "rl", "feedback_budget", "soak", "domain_gap")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -27,10 +28,20 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None):
     return load_config(args.config, list(args.overrides or []) + list(extra or []))
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    """`--kinds` parsed: comma-separated drafter kinds (an unknown one is a usage error naming it)."""
+    from dvi.embedded import check_kinds
+
+    try:
+        return check_kinds([k.strip() for k in text.split(",") if k.strip()])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from trainers.bootstrap import bootstrap, summary_table
 
-    path = bootstrap(preset=args.preset, out=args.out, seed=args.seed, force=args.force)
+    path = bootstrap(preset=args.preset, out=args.out, seed=args.seed, force=args.force, kinds=args.kinds)
     import json
 
     manifest = json.loads((path / "manifest.json").read_text())
@@ -121,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output dir (default ~/.cache/dvi/models/<preset>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--kinds", type=_kinds, default=DEFAULT_BUILD_KINDS, metavar="KIND[,KIND]",
+                   help=f"drafter kinds to build, comma-separated, of {','.join(DRAFTER_KINDS)} (default: "
+                        f"{','.join(DEFAULT_BUILD_KINDS)}, what the default config serves); kinds a built pair "
+                        "lacks are added to it in place")
     p.set_defaults(func=cmd_bootstrap)
 
     p = sub.add_parser("serve", help="OpenAI-compatible server with the online trainer in the background")

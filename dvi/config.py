@@ -217,7 +217,7 @@ class ServeConfig(_Strict):
     max_stop_strings: int = Field(16, ge=0)
     max_stop_chars: int = Field(256, ge=1)
     # `metadata.domain` values that get their own metrics series / α pool; any other -> "other"
-    domains: list[str] = Field(default_factory=lambda: ["default", "code", "prose", "chat"])
+    domains: list[str] = Field(default_factory=lambda: ["default", "code", "prose", "chat", "sql"])
     # drafter versions whose per-version series stay on /metrics (older ones are removed)
     metrics_versions: int = Field(4, ge=1)
     # FastAPI's /docs, /redoc and /openapi.json: off unless asked for (they list every route and

@@ -1,4 +1,4 @@
-"""The stdlib corpus: Python source ("code") and pydoc topic prose ("prose").
+"""The stdlib corpus: Python source ("code") and pydoc topic prose ("prose"); chat and SQL requests built on them.
 
 Every Python install carries both, so the embedded pair can be trained anywhere without a
 network. Documents are split into train / held-out by *name* (file path or topic key) with a
@@ -282,6 +282,97 @@ FALLBACK_CHAT_SUFFIX = "assistant:"
 def chat_prompt_stream(tokenizer, split: str = "heldout", seed: int = 0, max_tokens: int = 384) -> Iterator[list[int]]:
     """`chat_instructions` rendered to token ids (longer than `max_tokens`: skipped)."""
     for msgs in chat_instructions(split, seed):
+        ids = render_chat(tokenizer, msgs)
+        if len(ids) <= max_tokens:
+            yield ids
+
+
+# ---------------------------------------------------------------------------------------------
+# sql: natural-language requests for SQLite queries over generated schemas (a domain the build never
+# trains on: its text is stdlib code, pydoc prose and chat about those). The split is by *table theme*,
+# so a held-out request never names a table or column the train split uses.
+
+SQL_THEMES: dict[str, tuple[str, ...]] = {
+    "employees": ("name TEXT", "department TEXT", "salary REAL", "hire_date TEXT", "manager_id REAL"),
+    "orders": ("customer_id REAL", "order_date TEXT", "total REAL", "status TEXT", "shipping_city TEXT"),
+    "products": ("name TEXT", "category TEXT", "price REAL", "stock REAL", "supplier TEXT"),
+    "students": ("name TEXT", "grade REAL", "age REAL", "school TEXT", "gpa REAL"),
+    "books": ("title TEXT", "author TEXT", "year REAL", "genre TEXT", "pages REAL"),
+    "movies": ("title TEXT", "director TEXT", "release_year REAL", "rating REAL", "duration REAL"),
+    "flights": ("origin TEXT", "destination TEXT", "departure_time TEXT", "airline TEXT", "seats REAL"),
+    "patients": ("name TEXT", "birth_date TEXT", "doctor TEXT", "ward TEXT", "age REAL"),
+    "invoices": ("customer TEXT", "amount REAL", "due_date TEXT", "paid REAL", "currency TEXT"),
+    "songs": ("title TEXT", "artist TEXT", "album TEXT", "length_seconds REAL", "plays REAL"),
+    "cars": ("make TEXT", "model TEXT", "year REAL", "mileage REAL", "price REAL"),
+    "hotels": ("name TEXT", "city TEXT", "stars REAL", "rooms REAL", "nightly_rate REAL"),
+    "tickets": ("subject TEXT", "priority REAL", "status TEXT", "opened_at TEXT", "assignee TEXT"),
+    "recipes": ("name TEXT", "cuisine TEXT", "prep_minutes REAL", "calories REAL", "servings REAL"),
+    "players": ("name TEXT", "team TEXT", "position TEXT", "goals REAL", "matches REAL"),
+    "sensors": ("location TEXT", "reading REAL", "unit TEXT", "recorded_at TEXT", "battery REAL"),
+    "courses": ("title TEXT", "instructor TEXT", "credits REAL", "semester TEXT", "capacity REAL"),
+    "accounts": ("owner TEXT", "balance REAL", "opened_on TEXT", "branch TEXT", "account_type TEXT"),
+    "shipments": ("carrier TEXT", "weight_kg REAL", "sent_on TEXT", "delivered_on TEXT", "destination TEXT"),
+    "restaurants": ("name TEXT", "cuisine TEXT", "city TEXT", "rating REAL", "price_level REAL"),
+    "vehicles": ("plate TEXT", "owner TEXT", "color TEXT", "seats REAL", "fuel_type TEXT"),
+    "events": ("name TEXT", "venue TEXT", "event_date TEXT", "attendees REAL", "ticket_price REAL"),
+    "repositories": ("name TEXT", "language TEXT", "stars REAL", "forks REAL", "created_at TEXT"),
+    "loans": ("borrower TEXT", "principal REAL", "interest_rate REAL", "start_date TEXT", "term_months REAL"),
+}
+SQL_TASKS = ("filter", "aggregate", "order", "group", "count", "join", "update")
+
+
+def _sql_schema(theme: str) -> str:
+    return f"CREATE TABLE {theme} (id INTEGER PRIMARY KEY, " + ", ".join(SQL_THEMES[theme]) + ");"
+
+
+def _sql_cols(theme: str, kind: str | None = None) -> list[str]:
+    """Column names of `theme` (of one SQL type if `kind`)."""
+    return [c.split()[0] for c in SQL_THEMES[theme] if kind is None or c.endswith(kind)]
+
+
+def _sql_request(rng: random.Random, theme: str, other: str) -> str:
+    """One natural-language request over `theme` (and `other` for joins)."""
+    text, num = rng.choice(_sql_cols(theme, "TEXT")), rng.choice(_sql_cols(theme, "REAL"))
+    n = rng.choice((3, 5, 10, 20, 100, 1000))
+    word = rng.choice(("alpha", "north", "basic", "gold", "open", "red"))
+    task = rng.choice(SQL_TASKS)
+    if task == "filter":
+        return f"List the {text} of every row in {theme} whose {num} is greater than {n}."
+    if task == "aggregate":
+        return f"What is the average {num} in {theme} for each {text}?"
+    if task == "order":
+        return f"Show the {n} rows of {theme} with the highest {num}, including their {text}."
+    if task == "group":
+        return f"For each {text} in {theme}, count the rows and the maximum {num}, largest count first."
+    if task == "count":
+        return f"How many rows in {theme} have {text} equal to '{word}'?"
+    if task == "join":
+        return (f"Join {theme} with {other} on {theme}.id = {other}.id and list {theme}.{text} with "
+                f"{other}.{_sql_cols(other)[0]}.")
+    return f"Set {num} to 0 in {theme} for every row whose {text} is '{word}'."
+
+
+def sql_instructions(split: str = "heldout", seed: int = 0) -> Iterator[list[dict]]:
+    """Endless single-turn chats asking for one SQLite query: a schema (one or two generated tables of
+    `split`'s themes) and a request. The new domain the real pair's drift and soak benchmarks use."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    train, heldout = split_files(list(SQL_THEMES), heldout_fraction=0.25)
+    themes = train if split == "train" else heldout
+    rng = random.Random(f"sql/{split}/{seed}")
+    while True:
+        theme = rng.choice(themes)
+        other = rng.choice([t for t in themes if t != theme] or [theme])
+        request = _sql_request(rng, theme, other)
+        tables = [theme, other] if other != theme and f"{other}." in request else [theme]
+        schema = "\n".join(_sql_schema(t) for t in tables)
+        text = f"Given this SQLite schema:\n\n```sql\n{schema}\n```\n\nWrite one SQL query: {request}"
+        yield [{"role": "user", "content": text}]
+
+
+def sql_prompt_stream(tokenizer, split: str = "heldout", seed: int = 0, max_tokens: int = 384) -> Iterator[list[int]]:
+    """`sql_instructions` rendered to token ids (longer than `max_tokens`: skipped)."""
+    for msgs in sql_instructions(split, seed):
         ids = render_chat(tokenizer, msgs)
         if len(ids) <= max_tokens:
             yield ids

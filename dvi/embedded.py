@@ -13,11 +13,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # Bump when the build recipe changes in a way that should invalidate cached pairs.
 BUILD_VERSION = 5
+
+# Drafter kinds a pretrained build can train, and what `dvi bootstrap` builds unless asked for more: only what
+# the default config serves and trains (`models.drafter_kind: separate`). The other kinds are built on demand
+# (`dvi bootstrap --kinds eagle`, or `dvi serve` when its config asks for one the pair lacks), adding to the pair
+# in place; what is built is a choice, not part of the recipe (a pair with more kinds is the same pair).
+DRAFTER_KINDS = ("separate", "early_exit", "eagle")
+DEFAULT_BUILD_KINDS = ("separate",)
 
 # Optimizers the offline trainers know ("muon": Muon on hidden matrices, AdamW on the rest).
 OPTIMIZERS = ("adamw", "muon")
@@ -178,8 +186,11 @@ class PretrainedPreset:
     # Measured (build of 16k trained ids): top-1 agreement at 8k equals 16k's to 3 decimals on code,
     # chat and prose (token coverage 98.5-98.7% vs 99.9%), drafter step 1.79 vs 2.64 ms (target 31 ms)
     serve_draft_vocab: int = 8192
-    eval_chars: int = 40_000
-    eval_chat: int = 24
+    # the build's evaluation (MEASUREMENT_FIELDS: not part of the recipe's fingerprint): held-out code and prose
+    # chars and chat conversations scored, decode steps timed. 16k chars is ~4k tokens a domain (agreement
+    # std ~0.007); 12 conversations fit one generation batch (24 took two: most of the evaluation's wall)
+    eval_chars: int = 16_000
+    eval_chat: int = 12
     latency_steps: int = 48
     latency_dtype: str = "bfloat16"
 
@@ -190,12 +201,18 @@ class PretrainedPreset:
 
     def fingerprint(self) -> str:
         recipe = {k: v for k, v in asdict(self).items() if k not in SERVING_FIELDS}
+        recipe.update(MEASUREMENT_FIELDS)  # what is measured is not what is built: hashed at fixed values
         blob = json.dumps({"build_version": BUILD_VERSION, **recipe}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 # PretrainedPreset fields that choose how a built pair is served, not how it is built
 SERVING_FIELDS = ("serve_draft_vocab",)
+# PretrainedPreset fields that only choose how much the build *measures* (the manifest's held-out agreement and
+# latencies), never the weights it writes: the fingerprint hashes them at these fixed values (the ones they had
+# while they were part of it, so pairs built before keep their fingerprint), so shortening the evaluation never
+# invalidates a built pair.
+MEASUREMENT_FIELDS = {"eval_chars": 40_000, "eval_chat": 24, "latency_steps": 48}
 
 PRESETS: dict[str, Preset | PretrainedPreset] = {
     # Seconds on 2 CPU cores; for tests. Quality is irrelevant, shapes and plumbing are not.
@@ -316,3 +333,23 @@ def is_built(path: str | Path, preset: str | None = None) -> bool:
         p = get_preset(preset)
         return manifest.get("preset") == p.name and manifest.get("fingerprint") == p.fingerprint()
     return True
+
+
+def built_kinds(path: str | Path) -> tuple[str, ...]:
+    """The drafter kinds a built pair dir holds trained weights for (its manifest's `kinds`; manifests
+    written before kinds were optional built every kind their preset enabled: their `eagle` / `early_exit`
+    entries say which)."""
+    m = read_manifest(path)
+    if not m:
+        return ()
+    if "kinds" in m:
+        return tuple(k for k in DRAFTER_KINDS if k in m["kinds"])
+    return tuple(k for k in DRAFTER_KINDS if k == "separate" or m.get(k))
+
+
+def check_kinds(kinds: Sequence[str]) -> tuple[str, ...]:
+    """`kinds` validated and in canonical order (`separate` always included: every pair has it)."""
+    bad = [k for k in kinds if k not in DRAFTER_KINDS]
+    if bad:
+        raise ValueError(f"unknown drafter kind(s) {bad}; expected some of {DRAFTER_KINDS}")
+    return tuple(k for k in DRAFTER_KINDS if k == "separate" or k in kinds)

@@ -4,13 +4,15 @@
    trainers);
 2. start `dvi serve` as a subprocess with its supervised online trainer, everything written under
    `runs/<id>/` (feedback, registry, trainer log, metrics.jsonl, the offline wandb run);
-3. replay a drift scenario: code completions (held-out stdlib source, `dvi.data.prompt_stream`), then
-   chat requests through `/v1/chat/completions` (instructions built from held-out code and prose,
-   `dvi.data.chat_instructions`), then a target update through the admin endpoint (a slightly
-   perturbed copy of the target, saved under `runs/<id>/targets/`, the only allowed dir) followed
-   by more chat;
-4. show live progress (requests, rolling α, drafter and target versions, trainer state);
-5. print the α timeline, write `runs/<id>/timeline.json` and `runs/<id>/alpha.png`.
+3. decode a few prompts of each domain with the frozen drafter in this process: the reference α;
+4. replay a drift scenario: code completions (held-out stdlib source, `dvi.data.prompt_stream`), then
+   requests for SQLite queries through `/v1/chat/completions` (`dvi.data.sql_instructions`, a domain the
+   build never trained on; prose completions for the test pair), then a target update through the admin
+   endpoint (a slightly perturbed copy of the target, saved under `runs/<id>/targets/`, the only allowed
+   dir) followed by more of the drift domain;
+5. show live progress (requests, rolling α, drafter and target versions, trainer state);
+6. print the α timeline beside the frozen α (and the gain over it), write `runs/<id>/timeline.json`
+   and `runs/<id>/alpha.png`.
 
 Ctrl-C stops the traffic, then the server (SIGTERM: graceful shutdown, which stops the trainer;
 SIGKILL after a timeout, and the trainer dies with it through PR_SET_PDEATHSIG).
@@ -41,6 +43,7 @@ from dvi.rundir import RunDir
 
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
 CONCURRENCY = 4
+FROZEN_PROMPTS = 8  # prompts per domain the frozen drafter's reference α is decoded on (about 40 s on the real pair)
 WINDOW = 16
 
 
@@ -133,13 +136,14 @@ class Timeline:
         self.recent: deque = deque(maxlen=32)
         self.done = 0
         self.errors = 0
+        self.frozen: dict[str, float | None] = {}  # the frozen drafter's α per domain (`_frozen_reference`)
 
-    def add(self, phase: str, stats: dict[str, Any] | None) -> None:
+    def add(self, phase: str, stats: dict[str, Any] | None, domain: str | None = None) -> None:
         self.done += 1
         if stats is None:
             self.errors += 1
             return
-        stats = dict(stats, phase=phase)
+        stats = dict(stats, phase=phase, domain=domain)
         self.recent.append(stats)
         self._buf.append(stats)
         if len(self._buf) >= self.window:
@@ -155,6 +159,7 @@ class Timeline:
             "alpha": acceptance_rate(accepted, sum(s["drafted"] for s in b)),
             "mean_accepted_length": mean_accepted_length(accepted, sum(s["steps"] for s in b)),
             "drafter_version": b[-1]["drafter_version"], "target_version": b[-1]["target_version"],
+            "domain": b[-1].get("domain"),
         })
 
     def rolling_alpha(self) -> float | None:
@@ -233,7 +238,7 @@ async def _phase(url: str, phase: Phase, live: Live, admin_token: str) -> None:
                 unreachable[0] += 1
                 if unreachable[0] >= 3:  # the server is gone (e.g. Ctrl-C reached it first)
                     raise RuntimeError("the server stopped answering") from None
-            live.timeline.add(phase.name, stats)
+            live.timeline.add(phase.name, stats, phase.domain)
             live.show(phase.name)
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -264,18 +269,51 @@ def _write_serve_config(cfg: DviConfig, run_dir: Path, targets: Path) -> tuple[P
 
 
 def _phases(cfg: DviConfig, tok: Any, n: int) -> list[Phase]:
-    """code, then the drift domain (chat for a tokenizer with a chat template, the real pair; prose
-    for the test pair), then the drift domain again after the target update."""
-    from dvi.data import chat_instructions, prompt_stream
+    """code, then the drift domain, then the drift domain again after the target update. The drift is sql
+    (requests for SQLite queries, a domain the build never trained on) for a tokenizer with a chat template
+    (the real pair), prose for the test pair. Each phase's prompts are a fresh seeded stream, so
+    `_frozen_reference` can score the frozen drafter on the first ones a phase sends."""
+    from dvi.data import prompt_stream, sql_instructions
 
     max_tokens = min(64, cfg.sampling.max_new_tokens)
     if getattr(tok, "chat_template", None):
-        drift, drift_name = chat_instructions("heldout", seed=cfg.seed), "chat"
+        drift, drift_name = sql_instructions("heldout", seed=cfg.seed), "sql"
     else:
         drift, drift_name = prompt_stream("prose", tok, seed=cfg.seed), "prose"
     return [Phase("code", "code", prompt_stream("code", tok, seed=cfg.seed), n, max_tokens),
             Phase(drift_name, drift_name, drift, n, max_tokens),
             Phase(f"{drift_name} · new target", drift_name, drift, n, max_tokens)]
+
+
+def _frozen_reference(cfg: DviConfig, tok: Any, k: int = FROZEN_PROMPTS) -> dict[str, float | None]:
+    """α of the frozen drafter (the one the server starts with) per phase domain, decoded in this process by
+    the same engine on the first `k` prompts each domain's phase sends (greedy, `speculation.num_draft_tokens`
+    or its adaptive cap): the line the served α is read against, so a gain over it is the trainer's."""
+    import torch
+
+    from dvi.data import render_chat
+    from dvi.engine import SpeculativeEngine
+
+    from .loading import load_serving_pair
+
+    pair = load_serving_pair(cfg)
+    spec = cfg.speculation
+    engine = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=spec.num_draft_tokens or spec.max_draft_tokens)
+    out: dict[str, float | None] = {}
+    with torch.inference_mode():
+        for phase in _phases(cfg, tok, k):
+            if phase.domain in out:
+                continue
+            items = [next(phase.prompts) for _ in range(k)]
+            prompts = [render_chat(tok, x) if isinstance(x[0], dict) else list(x) for x in items]
+            res = engine.generate(prompts, phase.max_tokens, stop_token_ids=[tok.eos_token_id])
+            out[phase.domain] = acceptance_rate(sum(r.num_accepted for r in res), sum(r.num_drafted for r in res))
+    return out
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    """A number for the table ('-' for none)."""
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def _bearer(token: str) -> dict[str, str]:
@@ -306,6 +344,9 @@ def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, co
     config_path, admin_token = _write_serve_config(cfg, rundir.root, targets)
     target_path, _, tok_path = pair_paths(cfg)
     tok = load_tokenizer(tok_path or find_tokenizer_path(target_path))
+    console.print(f"frozen drafter's α per domain ({FROZEN_PROMPTS} prompts each, decoded here): the reference ...")
+    timeline.frozen = _frozen_reference(cfg, tok)
+    console.print("frozen α: " + ", ".join(f"{d} {fmt(a)}" for d, a in timeline.frozen.items()))
     console.print(f"starting server + trainer (logs: {rundir.root}/server.log, {rundir.trainer_log_path}) ...")
     with ServerProcess(["--config", str(config_path)], rundir.root / "server.log") as srv, Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -329,16 +370,17 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict) -> No
     from dvi.metrics import plot_alpha
 
     table = Table(title="α timeline (client side, per window of requests)")
-    for col in ("requests", "phase", "α", "mean accepted length", "drafter", "target"):
+    for col in ("requests", "phase", "α", "frozen α", "gain", "mean accepted length", "drafter", "target"):
         table.add_column(col, justify="right" if col not in ("phase",) else "left")
     for row in timeline.rows:
-        a, m = row["alpha"], row["mean_accepted_length"]
-        table.add_row(str(row["requests"]), row["phase"], "-" if a is None else f"{a:.3f}",
-                      "-" if m is None else f"{m:.2f}", f"v{row['drafter_version']}", f"v{row['target_version']}")
+        a, m, f = row["alpha"], row["mean_accepted_length"], timeline.frozen.get(row.get("domain"))
+        gain = None if a is None or f is None else a - f
+        table.add_row(str(row["requests"]), row["phase"], fmt(a), fmt(f), "-" if gain is None else f"{gain:+.3f}",
+                      fmt(m, 2), f"v{row['drafter_version']}", f"v{row['target_version']}")
     console.print(table)
     run_dir = rundir.root
     (run_dir / "timeline.json").write_text(json.dumps({"rows": timeline.rows, "errors": timeline.errors,
-                                                       "health": final}, indent=1))
+                                                       "frozen_alpha": timeline.frozen, "health": final}, indent=1))
     if rundir.metrics_path.is_file():
         png = plot_alpha(rundir.metrics_path, run_dir / "alpha.png", step_label="requests served")
         console.print(f"α plot: {png}")

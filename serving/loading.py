@@ -37,15 +37,21 @@ def ensure_pair(cfg: DviConfig) -> None:
 
     A subprocess, because serving must not import trainers (DESIGN.md import arrows).
     """
-    from dvi.embedded import embedded_dir, is_built
+    from dvi.embedded import PretrainedPreset, built_kinds, embedded_dir, get_preset, is_built
 
-    if cfg.models.target is not None:
+    m = cfg.models
+    if m.target is not None:
         return
-    preset = cfg.models.preset
-    if is_built(embedded_dir(preset), preset):
+    preset, kind = m.preset, m.drafter_kind
+    # a kind beside `separate` is built on demand for a pretrained pair when no drafter dir is configured
+    want = kind if kind != "separate" and m.drafter is None and isinstance(get_preset(preset), PretrainedPreset) \
+        else "separate"
+    if is_built(embedded_dir(preset), preset) and want in built_kinds(embedded_dir(preset)):
         return
-    log.warning("embedded pair %r not built; running `dvi bootstrap --preset %s`", preset, preset)
-    subprocess.run([sys.executable, "-m", "dvi.cli", "bootstrap", "--preset", preset], check=True)
+    cmd = [sys.executable, "-m", "dvi.cli", "bootstrap", "--preset", preset, "--kinds", want]
+    log.warning("embedded pair %r has no trained %s drafter yet; running `dvi bootstrap --preset %s --kinds %s` "
+                "(minutes on a CPU)", preset, want, preset, want)
+    subprocess.run(cmd, check=True)
 
 
 def load_serving_pair(cfg: DviConfig) -> ModelPair:

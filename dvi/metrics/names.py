@@ -53,6 +53,9 @@ TRAINER_QUARANTINED_SHARDS = "dvi_trainer_feedback_shards_quarantined"
 DISK_BYTES = "dvi_disk_bytes"
 HTTP_REQUEST_TIMEOUTS = "dvi_http_request_timeouts_total"
 REQUESTS_CUT = "dvi_requests_cut_at_shutdown_total"
+# sampled by benchmarks (`benchmarks/soak.py`) from /proc, not exported on /metrics
+SERVER_RSS_BYTES = "dvi_server_rss_bytes"
+TRAINER_RSS_BYTES = "dvi_trainer_rss_bytes"
 OTHER_DOMAIN = "other"
 
 # vLLM v1's names of the same counters (vllm/v1/spec_decode/metrics.py; prometheus_client allows ':')
