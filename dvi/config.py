@@ -159,8 +159,15 @@ class TrainerConfig(_Strict):
     min_new_records: int = Field(8, ge=1)
     poll_seconds: float = Field(1.0, gt=0)
     checkpoint_seconds: float = Field(5.0, ge=0)  # checkpoint + cursor commit at most this often (and when idle)
+    # the held-out slice (`dvi.shadow.is_heldout`, by request id): never trained on by any rank; the trainer's
+    # publish check and the server's shadow check score candidates on it only (the server reads this too)
     heldout_fraction: float = Field(0.1, ge=0, lt=1)
+    # the server refuses a candidate whose held-out shadow α is below the served one's by more than this
     shadow_margin: float = Field(0.01, ge=0, le=1)
+    # held-out positions a publish check (trainer) and a shadow check (server) need before any decision
+    shadow_min_positions: int = Field(256, ge=1)
+    # the trainer publishes only a candidate whose held-out α beats the served version's by at least this
+    publish_margin: float = Field(0.005, ge=0, le=1)
     shadow_records: int = Field(128, ge=1)
     grad_clip: float | None = Field(1.0, gt=0)
     num_threads: int = Field(1, ge=1)

@@ -259,7 +259,7 @@ def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_
     man = reg.manifest(v)
     for key in ("version", "parent_version", "target_version", "steps", "records_seen", "heldout_alpha", "created_at"):
         assert key in man
-    assert man["steps"] == tr.step and man["records_seen"] == tr.records_seen and man["heldout_alpha"] is not None
+    assert man.steps == tr.step and man.records_seen == tr.records_seen and man.heldout_alpha is not None
     vdir = reg.version_dir(v)
     if mode == "lora":
         from peft import PeftModel
@@ -310,7 +310,7 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     blob = weights.read_bytes()
     weights.write_bytes(blob[: len(blob) // 2])  # torn / corrupted file
     with pytest.raises(AdapterRejected, match="does not load"):
-        reg.validate(v2)
+        reg.open_version(v2)
     with pytest.raises(AdapterRejected):
         reg.load_peft_adapter_into(live, v2)
     # NaNs and wrong shapes are refused too
@@ -448,7 +448,7 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
     st = tr.train_on_records(prose[:48])
     assert st["steps"] >= 1 and math.isfinite(st["loss"]) and math.isfinite(st["kl"])
     v = tr.maybe_publish(force=True)["published"]
-    assert reg.manifest(v)["draft_vocab_size"] == 16
+    assert reg.manifest(v).draft_vocab_size == 16
     new, _ = load_drafter_version(reg, v, make(ids))
     module = new.model if mode == "early_exit" else new
     assert torch.equal(find_subset_head(module).token_ids, torch.sort(ids).values)
@@ -475,7 +475,7 @@ def test_from_config_loads_the_configured_draft_vocabulary(prose, tiny_pair_dir,
     assert tr.draft_vocab_size == 32
     st = tr.train_on_records(prose[:8])
     assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
-    assert tr.registry.manifest(1)["draft_vocab_size"] == 32
+    assert tr.registry.manifest(1).draft_vocab_size == 32
 
 
 def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_dir, tmp_path) -> None:

@@ -122,8 +122,8 @@ def test_trainer_sigkill_restart_resumes_exactly_once_pause_and_sigterm(tiny_pai
     reg = DrafterRegistry(cfg.registry.dir)
     latest = reg.latest()
     assert latest is not None
-    _, man = reg.validate(latest)
-    assert man["records_seen"] == sum(len(e["trained"]) for e in entries)
+    _, man = reg.open_version(latest)
+    assert man.records_seen == sum(len(e["trained"]) for e in entries)
 
 
 def test_python_m_trainers_online_is_dvi_train_online() -> None:
