@@ -167,7 +167,8 @@ class TrainerConfig(_Strict):
     # held-out positions a publish check (trainer) and a shadow check (server) need before any decision
     shadow_min_positions: int = Field(256, ge=1)
     # the trainer publishes only a candidate whose held-out α beats the served version's by at least this
-    publish_margin: float = Field(0.005, ge=0, le=1)
+    # (a negative margin publishes one up to that much worse: a deliberate reset, or a test of the server)
+    publish_margin: float = Field(0.005, ge=-1, le=1)
     shadow_records: int = Field(128, ge=1)
     grad_clip: float | None = Field(1.0, gt=0)
     num_threads: int = Field(1, ge=1)

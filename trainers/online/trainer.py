@@ -393,8 +393,7 @@ class OnlineTrainer:
         old = self.shadow(state=served_state)
         decision.update(heldout_alpha=new.alpha, parent_heldout_alpha=old.alpha, heldout_records=new.records,
                         heldout_positions=new.positions)
-        ok = shadow_passes(new.alpha, old.alpha, 0.0) and (old.alpha is None or
-                                                          new.alpha >= old.alpha + self.tc.publish_margin)
+        ok = shadow_passes(new.alpha, old.alpha, -self.tc.publish_margin)  # new >= old + publish_margin
         decision["reason"] = (f"held-out shadow α {fmt_rate(new.alpha, 4)} vs served v{served} "
                               f"{fmt_rate(old.alpha, 4)} on {new.records} records ({new.positions} positions)"
                               + ("" if ok else f"; not better by {self.tc.publish_margin}, not published"))
