@@ -136,6 +136,7 @@ class DrafterSwapper:
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()  # newest MAX_REFUSED_SHOWN
         self.retry: set[int] = set()  # refused for a reason that may pass later (dir not there yet)
         self.waiting: int | None = None  # the version waiting for enough held-out positions (logged once)
+        self._pending: tuple[int, Any] | None = None  # LATEST, validated and loaded, waiting for its check
         self.events: collections.deque[SwapEvent] = collections.deque(maxlen=100)
         self.counts = collections.Counter()
         self.recent: collections.deque = collections.deque(maxlen=policy.shadow_records)  # held-out records
@@ -220,9 +221,11 @@ class DrafterSwapper:
             self._save_serving()
 
     def poll_once(self) -> None:
+        """Validate a new LATEST at once (a broken one is refused even while a watch runs); promote it only
+        when no watch runs and the held-out records hold enough positions for its shadow check."""
         latest = self.registry.latest()
         with self._lock:
-            if (latest is None or latest == self.live_version or self.pinned is not None or self.watch is not None
+            if (latest is None or latest == self.live_version or self.pinned is not None
                     or (latest in self.refused and latest not in self.retry)):
                 return
         durable = self.registry.refusals().get(latest)
@@ -230,7 +233,17 @@ class DrafterSwapper:
             with self._lock:
                 self._remember_refusal(latest, durable)
             return
+        if self._pending is None or self._pending[0] != latest:
+            self._pending = None
+            try:
+                self._pending = (latest, load_drafter_version(self.registry, latest, self.base)[0])
+            except AdapterRejected as exc:
+                self._refuse(latest, exc.reason, kind=exc.kind, transient=exc.transient)
+                return
         have = self.heldout_positions()
+        with self._lock:
+            if self.watch is not None:
+                return
         if have < self.policy.min_positions:
             if self.waiting != latest:
                 self.waiting = latest
@@ -241,11 +254,15 @@ class DrafterSwapper:
 
     def consider(self, version: int) -> bool:
         """Validate, shadow-check (held-out records) and promote `version`; False if refused or waiting."""
-        try:
-            model, _man = load_drafter_version(self.registry, version, self.base)
-        except AdapterRejected as exc:
-            self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
-            return False
+        if self._pending is not None and self._pending[0] == version:
+            model = self._pending[1]
+        else:
+            try:
+                model, _man = load_drafter_version(self.registry, version, self.base)
+            except AdapterRejected as exc:
+                self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
+                return False
+        self._pending = None
         records = list(self.recent)
         with self._lock:
             live_model = self.models[self.live_version]
@@ -254,6 +271,7 @@ class DrafterSwapper:
         if new.positions < self.policy.min_positions:  # an eagle head scores only records with features
             log.info("drafter v%d: %d scorable held-out positions of %d; waiting", version, new.positions,
                      self.policy.min_positions)
+            self._pending = (version, model)
             return False
         old = shadow_alpha(hf_logits_fn(_module(live_model)), records, device=dev, max_positions=SHADOW_MAX_POSITIONS)
         reason = (f"held-out shadow α {fmt_rate(new.alpha)} vs served v{self.live_version} {fmt_rate(old.alpha)} "
