@@ -41,6 +41,7 @@ from dvi.registry_base import (
     ServingState,
     _is_int,
     _is_num,
+    _publisher_dead,
     _remove_tree,
     check_state_dict,
     vname,
@@ -478,15 +479,16 @@ class DrafterRegistry(ServerRecords):
                 continue
             _remove_tree(trash)
             removed.append(v)
-        # Temp dirs left by crashed publishers (older than an hour); temp symlinks at once (a
-        # publisher never makes one, and rmtree refuses them, so they used to stay forever).
+        # Temp dirs left by crashed publishers (a killed one's at once: its pid is gone; any other after
+        # an hour); temp symlinks at once (a publisher never makes one, and rmtree refuses them).
         now = time.time()
         for p in self.dir.glob(f"{TMP_PREFIX}*"):
             try:
-                if p.is_symlink() or (p.is_dir() and now - p.stat().st_mtime > 3600):
+                if p.is_symlink() or _publisher_dead(p.name) or (p.is_dir() and now - p.stat().st_mtime > 3600):
                     _remove_tree(p)
             except FileNotFoundError:
                 pass
         if removed:
             self._event(event="gc", removed=removed)
         return removed
+

@@ -7,16 +7,17 @@ Its own module so `dvi/registry.py` stays one readable file; `dvi.registry` re-e
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dvi.fsutil import atomic_write_text
+from dvi.fsutil import TMP_PREFIX, atomic_write_text
 
 Expected = Mapping[str, Any]
 """name -> (shape, dtype | None) or name -> reference tensor."""
@@ -120,7 +121,7 @@ def _is_num(x: Any) -> bool:
 
 def _remove_tree(p: Path) -> None:
     """Delete a dir tree, or just the link if `p` is a symlink (never what it points at)."""
-    if p.is_symlink():
+    if p.is_symlink() or p.is_file():
         p.unlink(missing_ok=True)
     else:
         shutil.rmtree(p, ignore_errors=True)
@@ -135,9 +136,7 @@ class ServerRecords:
     again, durable so that a restarted server and the trainer agree with it (mixed into DrafterRegistry)."""
 
     dir: Path
-
-    def _event(self, **fields: Any) -> None:
-        raise NotImplementedError
+    _event: Callable[..., None]  # DrafterRegistry's history append
 
     def serving(self) -> ServingState:
         """What the server serves now, its last good version and its pin (`ServingState`)."""
@@ -171,3 +170,18 @@ class ServerRecords:
         """Versions refused or rolled back from (skipped by `rollback(None)`)."""
         return set(self.refusals())
 
+
+def _publisher_dead(name: str) -> bool:
+    """Whether the process that made a registry temp entry is gone (a SIGKILLed trainer's half-written
+    version or LATEST): `.tmp-<pid>-<ns>` (publish), `.tmp-gc-<version>-<pid>`, `.tmp-<FILE>-<pid>-<tid>`."""
+    parts = name[len(TMP_PREFIX):].split("-")
+    pid = parts[0] if parts[0].isdigit() else (parts[-1] if parts[0] == "gc" else (parts[1:2] or [""])[0])
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -193,3 +193,4 @@ def test_trainer_kill9_during_publish_leaves_a_valid_registry_and_restarts(tiny_
             proc.wait()
     assert "resumed from checkpoint" in log.read_text()
     reg.open_version(reg.latest())
+    assert not _tmp_dirs(reg), "the killed publishers' temp dirs were left behind"

@@ -293,7 +293,8 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
     allowed.mkdir()
     cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=early_exit", "models.drafter=null",
                       "models.early_exit_layers=1", "trainer.lora_rank=4", "serve.admin_token=tok",
-                      f"serve.allowed_dirs=[{allowed}]", "trainer.shadow_margin=0.05")
+                      f"serve.allowed_dirs=[{allowed}]", "trainer.shadow_margin=0.05",
+                      "serve.rollback_window=4")  # v1's watch ends within the 4 requests after its promotion
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
     target = load_causal_lm(tiny_pair_dir / "target", "cpu")
     ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
@@ -407,7 +408,8 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=eagle", "models.drafter=null",
-                      "serve.admin_token=tok", f"serve.allowed_dirs=[{allowed}]", "trainer.shadow_margin=0.05")
+                      "serve.admin_token=tok", f"serve.allowed_dirs=[{allowed}]", "trainer.shadow_margin=0.05",
+                      "serve.rollback_window=4")  # v1's watch ends within the 4 requests after its promotion
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
     target = load_causal_lm(tiny_pair_dir / "target", "cpu")
     ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
