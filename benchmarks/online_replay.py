@@ -88,7 +88,7 @@ def replay(cfg: Any, records: list, steps: int) -> dict[str, Any]:
             tr.train_on_replay(1)  # the records ran out: replay, as an idle trainer does
         if tr.step == before:
             break
-        if tr.step in REPORT_STEPS:
+        if tr.step in REPORT_STEPS or tr.step == steps:
             alphas[tr.step] = tr.shadow().alpha
             print(f"  step {tr.step:3d}: held-out α {alphas[tr.step]:.4f} (start {start.alpha:.4f}, "
                   f"loss {tr.last_losses.get('loss', float('nan')):.4f})", flush=True)
@@ -131,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     results = [run_kind(args, k) for k in args.kinds.split(",") if k]
-    print(f"\n{'kind':<11} {'start':>7} " + " ".join(f"{s:>6}" for s in REPORT_STEPS if s <= args.steps))
+    shown = sorted({s for s in REPORT_STEPS if s <= args.steps} | {args.steps})
+    print(f"\n{'kind':<11} {'start':>7} " + " ".join(f"{s:>6}" for s in shown))
     for r in results:
-        row = " ".join(f"{r['alphas'].get(s, float('nan')):6.3f}" for s in REPORT_STEPS if s <= args.steps)
+        row = " ".join(f"{(r['alphas'].get(s) or float('nan')):6.3f}" for s in shown)
         print(f"{r['kind']:<11} {r['start']:7.3f} {row}")
     for r in results:
         for g in r["goals"]:

@@ -218,3 +218,16 @@ def test_config_fields_are_the_ones_both_sides_read(tiny_pair_dir, tmp_path) -> 
     cfg = load_config(None, ["trainer.heldout_fraction=0.3", "trainer.shadow_min_positions=7"])
     pol = SwapPolicy.of(cfg)
     assert pol.heldout_fraction == 0.3 and pol.min_positions == 7
+
+
+def test_swapper_memory_is_bounded(pair, tmp_path) -> None:
+    """Issue 27 §5: the swapper's refusals and per-version α windows do not grow by one entry per version."""
+    from serving.swap import MAX_REFUSED_SHOWN
+
+    reg = DrafterRegistry(tmp_path / "registry")
+    sw = DrafterSwapper(reg, None, pair.drafter, SwapPolicy(0.1, 0.01, 8, 0.05))
+    for v in range(1, 3 * MAX_REFUSED_SHOWN):
+        sw._refuse(v, "test")
+        sw.observe(3, 1, v)
+    assert len(sw.refused) == MAX_REFUSED_SHOWN and list(sw.refused)[-1] == 3 * MAX_REFUSED_SHOWN - 1
+    assert set(sw._windows) <= set(sw.models) and len(reg.refusals()) == 3 * MAX_REFUSED_SHOWN - 1

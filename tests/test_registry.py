@@ -217,3 +217,24 @@ def test_peft_publish_named_adapter_round_trips(tmp_path):
     want = get_peft_model_state_dict(trained, adapter_name="drafty")
     got = get_peft_model_state_dict(server, adapter_name="drafty")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_history_and_refusals_are_bounded(tmp_path, monkeypatch):
+    """Issue 27 §5: events.jsonl rotates (one old generation), REFUSED keeps the newest MAX_REFUSED, and a
+    rollback reads REFUSED, not the whole history."""
+    import dvi.registry as R
+    import dvi.registry_base as RB
+
+    monkeypatch.setattr(R, "EVENTS_MAX_BYTES", 2000)
+    monkeypatch.setattr(RB, "MAX_REFUSED", 5)
+    reg = DrafterRegistry(tmp_path, keep_last=100)
+    for i in range(12):
+        reg.publish_full(sd(i), {"model_type": "llama"}, {})
+    for v in range(1, 12):
+        reg.refuse(v, "x" * 100)
+    sizes = [(reg.dir / n).stat().st_size for n in ("events.jsonl", "events.1.jsonl")]
+    assert all(s <= 2000 + 400 for s in sizes)
+    assert sorted(reg.refusals()) == [7, 8, 9, 10, 11]
+    monkeypatch.setattr(DrafterRegistry, "events", lambda self: pytest.fail("rollback read the whole history"))
+    assert reg.rollback(None, reason="test") == 6  # 7-11 refused; 12 is LATEST
+    assert 12 in reg.refusals()
