@@ -320,21 +320,22 @@ class DrafterSwapper:
             self.refused.popitem(last=False)
 
     def _refuse(self, version: int, reason: str, kind: str = "other", transient: bool = False) -> None:
-        """Refuse `version` (logged, counted once, durable unless transient: retried at every poll)."""
-        with self._lock:
-            again = transient and version in self.retry
-            self._remember_refusal(version, reason + (" (will retry)" if transient else ""))
-            if transient:
-                self.retry.add(version)
-            else:
-                self.retry.discard(version)
+        """Refuse `version` (logged, counted once, durable unless transient: retried at every poll). Durable
+        first, then counted, then shown: whoever sees it on /health finds it on /metrics and in REFUSED."""
         if not transient:
             try:
                 self.registry.refuse(version, reason)
             except OSError:
                 log.exception("cannot record the refusal of v%d in the registry", version)
+        again = transient and version in self.retry
         if not again:
             self._record(SwapEvent("refused", version, self.live_version, reason, time.time(), category=kind))
+        with self._lock:
+            self._remember_refusal(version, reason + (" (will retry)" if transient else ""))
+            if transient:
+                self.retry.add(version)
+            else:
+                self.retry.discard(version)
 
     def _record(self, ev: SwapEvent) -> None:
         self.events.append(ev)

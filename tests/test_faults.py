@@ -299,6 +299,8 @@ def _wait_refused(sw, version: int, what: str) -> str:
 
 def test_12_version_missing_at_first_is_retried(srv, client) -> None:
     sw = srv.state.swapper
+    for i in range(8):  # held-out records for the shadow check of the version below
+        _text(client, prompt=PROMPT + "\t" * i)
     reg = DrafterRegistry(srv.cfg.registry.dir)
     nxt = max(reg.list_versions(), default=0) + 1
     (reg.dir / "LATEST").write_text(vname(nxt) + "\n")  # LATEST seen before its version dir

@@ -148,7 +148,7 @@ def test_5_watch_keeps_a_version_identical_to_the_last_good_when_traffic_changes
         wait_for(lambda: sw.live_version == v1, 30, what="v1 promoted")
         a0 = sw.live_alpha(0) if sw.live_alpha(0) is not None else 1.0
         _traffic(s.url, 10, OTHER)  # other prompts, greedy: a much lower α for any drafter
-        wait_for(lambda: sw.good == v1 or sw.counts["rolled_back"], 60, what="v1's watch to end")
+        wait_for(lambda: sw.counts["kept"] or sw.counts["rolled_back"], 60, what="v1's watch to end")
         assert sw.counts["rolled_back"] == 0 and sw.live_version == v1, sw.info()["events"]
         kept = [e for e in sw.events if e.kind == "kept"][-1]
         assert "not worse on the same records" in kept.reason
@@ -204,8 +204,9 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
         assert sw.live_version == 0 and sw.heldout_positions() < cfg.trainer.shadow_min_positions
         done = threading.Event()
         threading.Thread(target=lambda: (_traffic(s.url, 8), done.set()), daemon=True).start()
-        wait_for(lambda: sw.live_version == good, 60, what="the new version promoted after its check")
-        assert "held-out shadow α" in [e for e in sw.events if e.kind == "promoted"][-1].reason
+        ev = wait_for(lambda: [e for e in list(sw.events) if e.kind == "promoted" and e.version == good], 60,
+                      what="the new version promoted after its check")
+        assert "held-out shadow α" in ev[-1].reason and sw.live_version == good
 
 
 def pair_drafter(cfg):
