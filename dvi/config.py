@@ -135,6 +135,11 @@ class TrainerConfig(_Strict):
     # eagle heads train all their weights (no LoRA): replaying real smollm2 chat feedback, lr 1e-3 dropped the
     # built head's held-out shadow α 0.356 -> 0.172 within 5 steps; 3e-4 rose to 0.381 in 22 steps
     eagle_learning_rate: float = Field(3e-4, gt=0)
+    # the first online steps on a good drafter must not damage it (issue 24 §2): the learning rate ramps up
+    # linearly over `warmup_steps`; `anchor_weight` > 0 adds anchor_weight * ||θ - θ_start||² (θ_start: the
+    # weights the trainer started from, i.e. the served version), a trust region in weight space
+    warmup_steps: int = Field(0, ge=0)
+    anchor_weight: float = Field(0.0, ge=0)
     batch_size: int = Field(8, ge=1)
     max_seq_len: int = Field(512, ge=8)
     kl_weight: float = Field(1.0, ge=0)

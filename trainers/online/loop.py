@@ -95,6 +95,7 @@ class TrainerLoop:
             except (AdapterRejected, ValueError, OSError) as exc:
                 log.warning("trainer: the served v%d does not load into this drafter (%s); starting from the base",
                             served, exc)
+        t.reset_anchor()
         self._commit_prefix()
         self._warm_buffers()
 

@@ -93,8 +93,10 @@ class OnlineTrainer:
         params = self.trainable.parameters()
         if not params:
             raise ValueError("the drafter has no trainable parameters")
-        lr = self.tc.eagle_learning_rate if self.trainable.kind == "eagle" else self.tc.learning_rate
-        opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.lr = self.tc.eagle_learning_rate if self.trainable.kind == "eagle" else self.tc.learning_rate
+        opt = torch.optim.AdamW(params, lr=self.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        # trust region: an L2 pull towards the weights the trainer started from (the served version)
+        self.anchor = [p.detach().clone() for p in params] if self.tc.anchor_weight > 0 else None
         self.module, self.optimizer = accelerator.prepare(self.trainable.module, opt)
         self.device = accelerator.device
         self.rng = random.Random(self.tc.seed)
@@ -299,6 +301,11 @@ class OnlineTrainer:
         if batch.features is not None and self.tc.eagle_chained:  # drafts 2..K read the head's own features
             loss = loss + batch_loss(self.module, batch, {"features": chained_features(batch, fwd)}, self.tc,
                                      self.step)[0]
+        if self.anchor is not None:
+            loss = loss + self.tc.anchor_weight * sum(((p - a) ** 2).sum() for p, a in
+                                                       zip(self.trainable.parameters(), self.anchor, strict=True))
+        for group in self.optimizer.param_groups:  # linear warm-up over the first trainer.warmup_steps steps
+            group["lr"] = self.lr * min(1.0, (self.step + 1) / max(1, self.tc.warmup_steps))
         acc.backward(loss)
         if self.tc.grad_clip:
             acc.clip_grad_norm_(self.trainable.parameters(), self.tc.grad_clip)
@@ -311,6 +318,11 @@ class OnlineTrainer:
                 "feature": float(feat_loss.detach()) if feat_loss is not None else 0.0,
                 "reward_weight": float(out.reward_weight), "tokens": float(batch.tokens),
                 "seconds": time.perf_counter() - t0}
+
+    def reset_anchor(self) -> None:
+        """Re-centre the trust region (`trainer.anchor_weight`) on the current weights (after a resume)."""
+        if self.anchor is not None:
+            self.anchor = [p.detach().clone() for p in self.trainable.parameters()]
 
     def shadow(self, records: Sequence[FeedbackRecord | Example] | None = None, state: Mapping[str, torch.Tensor] | None = None):
         """Shadow α (teacher-forced, `dvi.shadow`) of the current weights, or of `state`, on held-out records."""
