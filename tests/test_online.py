@@ -535,3 +535,22 @@ def test_trainer_ignores_a_mixed_precision_another_accelerator_fixed(pair, tiny_
                                        atol=0, rtol=0)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # leave no process-wide state to later tests
+
+
+def test_warmup_ramps_the_learning_rate_and_the_anchor_holds_weights_near_the_start(pair, prose, tiny_pair_dir,
+                                                                                  tmp_path) -> None:
+    """Issue 24 §2's knobs: `trainer.warmup_steps` ramps the LR linearly; `trainer.anchor_weight` pulls the
+    weights towards where the trainer started (a trust region), so the same steps move them less."""
+    def moved(*extra: str) -> tuple[float, float]:
+        cfg = online_config(tiny_pair_dir, tmp_path, "trainer.heldout_fraction=0", "trainer.mode=full", *extra)
+        tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
+        start = [p.detach().clone() for p in tr.trainable.parameters()]
+        tr.train_on_records(prose[:12])
+        lr = tr.optimizer.param_groups[0]["lr"]
+        return lr, float(sum(((p - s) ** 2).sum() for p, s in zip(tr.trainable.parameters(), start, strict=True)))
+
+    lr_free, free = moved()
+    lr_warm, warm = moved("trainer.warmup_steps=10")
+    assert lr_free == pytest.approx(0.003) and lr_warm == pytest.approx(0.003 * 2 / 10) and warm < free
+    _, anchored = moved("trainer.anchor_weight=1000")
+    assert anchored < free
