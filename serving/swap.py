@@ -400,12 +400,15 @@ class DrafterSwapper:
         model = self.models.get(target)
         if model is None:
             model, _ = load_drafter_version(self.registry, target, self.base)
+        moved = False
         if self.registry.latest() == bad and target != 0:
             try:
                 self.registry.rollback(target, reason=reason)  # moves LATEST back and refuses `bad`
+                moved = True
             except AdapterRejected as exc:
                 log.warning("registry rollback to v%d failed (%s)", target, exc.reason)
-        self.registry.refuse(bad, f"rolled back: {reason}")
+        if not moved:
+            self.registry.refuse(bad, f"rolled back: {reason}")
         with self._lock:
             self._remember_refusal(bad, f"rolled back: {reason}")
             self.good = target

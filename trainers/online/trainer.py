@@ -6,7 +6,8 @@ from the feedback log, and the drift benchmark and `trainers.rl` drive it direct
 `train_on_records(records)` turns records into batches (new records recent-first, a
 `replay_ratio` share of each batch replayed from older ones, stale target versions dropped or
 down-weighted), takes `trainers.losses.dvi_loss` steps (pure top-k KL first, the accept/reject
-reward ramped in), and holds back `heldout_fraction` of the records (by a hash of the request id)
+reward ramped in; `warmup_steps` ramps the LR up, `anchor_weight` adds an L2 trust region towards the
+weights it started from), and holds back `heldout_fraction` of the records (by a hash of the request id)
 for evaluation (`dvi.shadow.is_heldout`). `maybe_publish()` compares the held-out shadow α
 (`dvi.shadow`) of the current weights with the version the server SERVES now (the registry's
 SERVING; 0 = the bootstrap drafter) and publishes only a candidate better by `publish_margin` on at
