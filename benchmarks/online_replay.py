@@ -11,7 +11,7 @@ held-out shadow α (`OnlineTrainer.shadow`, what a publish check scores) is prin
 Goal per kind: α after each of steps 1..10 >= start - 0.01, and α at step 40 > start.
 
     python benchmarks/online_replay.py --preset smollm2 [--kinds separate,eagle,early_exit] [--records 240]
-        [--set trainer.learning_rate=3e-4 ...] [--json bench_results/online_replay.json]
+        [--set trainer.learning_rate=3e-4 ...] [--json bench_results/online_replay.json] [--cache DIR]
 
 Exits 0 whether or not the goals are met (they are in the JSON's `goals`).
 """
@@ -64,6 +64,25 @@ def chat_feedback(cfg: Any, n: int, max_new_tokens: int, seed: int, batch: int =
     return out
 
 
+def cached_feedback(args: argparse.Namespace, kind: str, cfg: Any) -> list:
+    """`chat_feedback`, kept as feedback shards under `--cache/<kind>` so that arms with other trainer
+    settings replay the very same records (and skip the decoding)."""
+    from dvi.feedback import FeedbackReader, FeedbackWriter
+
+    if args.cache is None:
+        return chat_feedback(cfg, args.records, args.max_new_tokens, args.seed)
+    d = args.cache / kind
+    reader = FeedbackReader(d) if d.is_dir() else None
+    if reader is not None and reader.list_shards():
+        return reader.read_records(reader.list_shards())
+    records = chat_feedback(cfg, args.records, args.max_new_tokens, args.seed)
+    w = FeedbackWriter(d, shard_records=64)
+    for r in records:
+        w.write(r)
+    w.close()
+    return records
+
+
 def replay(cfg: Any, records: list, steps: int) -> dict[str, Any]:
     """Train on `records` (held-out ones scored only) for `steps` steps; held-out α at REPORT_STEPS."""
     from dvi.shadow import is_heldout
@@ -101,7 +120,7 @@ def run_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"online-replay-{kind}-") as tmp:
         cfg = _config(args.preset, kind, Path(tmp), args.set)
         t0 = time.perf_counter()
-        records = chat_feedback(cfg, args.records, args.max_new_tokens, args.seed)
+        records = cached_feedback(args, kind, cfg)
         gen_s = time.perf_counter() - t0
         print(f"{kind}: {len(records)} chat records in {gen_s:.0f}s", flush=True)
         res = replay(cfg, records, args.steps)
@@ -126,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. trainer.learning_rate=3e-4")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cache", type=Path, default=None, help="dir keeping the decoded feedback per kind")
     args = ap.parse_args(argv)
     import torch
 
