@@ -445,6 +445,7 @@ class DrafterSwapper:
         return version
 
     def info(self) -> dict[str, Any]:
+        latest, positions = self.registry.latest(), self.heldout_positions()  # no file read under the lock
         with self._lock:
             w = self.watch
             return {
@@ -454,8 +455,8 @@ class DrafterSwapper:
                 "pinned": self.pinned,
                 "watch": None if w is None else {"version": w.version, "against": w.good, "records": len(w.records),
                                                  "of": self.policy.rollback_window},
-                "latest": self.registry.latest(),
-                "waiting_heldout_positions": self.heldout_positions(),
+                "latest": latest,
+                "heldout_positions": positions,
                 "refused": {str(k): v for k, v in self.refused.items()},
                 "counts": dict(self.counts),
                 "live_alpha": self.live_alpha(self.live_version),
