@@ -57,6 +57,16 @@ def _traffic(url: str, n: int, prompts=PROMPTS, **body) -> list[int]:
     return out
 
 
+def _heldout_traffic(s, **body) -> None:
+    """Requests until the held-out records hold the positions a shadow check needs (half are held out)."""
+    need = s.cfg.trainer.shadow_min_positions
+    for _ in range(40):
+        if s.state.swapper.heldout_positions() >= need:
+            return
+        _traffic(s.url, 2, **body)
+    raise AssertionError("no held-out records after 80 requests")
+
+
 def _bad(sw, seed: int = 1):
     return lora_copy(sw.base, 2.0, seed, ("q_proj", "v_proj", "up_proj"))
 
@@ -97,14 +107,14 @@ def test_3_watch_runs_to_its_end_and_rollback_returns_to_the_last_good(tiny_pair
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=8", "trainer.shadow_margin=1.0")
     with ServerThread(cfg) as s:
         sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
-        _traffic(s.url, 6)
+        _heldout_traffic(s)
         v1 = reg.publish_peft_adapter(lora_copy(sw.base), version_manifest())
         wait_for(lambda: sw.live_version == v1, 30, what="v1 promoted")
         v2 = reg.publish_peft_adapter(lora_copy(sw.base), version_manifest())
         _traffic(s.url, 3)
         time.sleep(5 * cfg.serve.registry_poll_seconds)
         assert sw.live_version == v1 and sw.watch is not None, "v2 promoted before v1's watch ended"
-        _traffic(s.url, 6)
+        _traffic(s.url, 6)  # 9 requests since v1's promotion: its watch (8) ends
         wait_for(lambda: sw.live_version == v2, 30, what="v2 promoted once v1 passed its watch")
         assert sw.good == v1
         _traffic(s.url, 8)
@@ -144,6 +154,7 @@ def test_5_watch_keeps_a_version_identical_to_the_last_good_when_traffic_changes
     with ServerThread(cfg) as s:
         sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
         _traffic(s.url, 12, temperature=1.5)  # sampled code prompts: high α for v0 on the tiny pair
+        _heldout_traffic(s, temperature=1.5)
         v1 = reg.publish_peft_adapter(lora_copy(sw.base), version_manifest())  # drafts exactly as v0
         wait_for(lambda: sw.live_version == v1, 30, what="v1 promoted")
         a0 = sw.live_alpha(0) if sw.live_alpha(0) is not None else 1.0
@@ -162,7 +173,7 @@ def test_6_pin_holds_against_a_failed_watch_and_survives_a_restart(tiny_pair_dir
                       "serve.admin_token=tok")
     with ServerThread(cfg) as s, s.client(token="tok") as admin:
         sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
-        _traffic(s.url, 6)
+        _heldout_traffic(s)
         bad = reg.publish_peft_adapter(_bad(sw), version_manifest())
         wait_for(lambda: sw.live_version == bad, 30, what="the bad version promoted")
         r = admin.post("/admin/drafter/pin", json={"version": bad})
@@ -185,7 +196,7 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
     cfg = tiny_config(tiny_pair_dir, tmp_path)
     with ServerThread(cfg) as s:
         sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
-        _traffic(s.url, 6)
+        _heldout_traffic(s)
         bad = reg.publish_peft_adapter(_bad(sw), version_manifest())
         wait_for(lambda: str(bad) in sw.info()["refused"], 30, what="the bad version refused")
     assert reg.latest() == bad and bad in reg.refusals()
@@ -203,7 +214,8 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
         time.sleep(5 * cfg.serve.registry_poll_seconds)
         assert sw.live_version == 0 and sw.heldout_positions() < cfg.trainer.shadow_min_positions
         done = threading.Event()
-        threading.Thread(target=lambda: (_traffic(s.url, 8), done.set()), daemon=True).start()
+        threading.Thread(target=lambda: (_traffic(s.url, 30), done.set()), daemon=True).start()
+        done.wait(300)  # the traffic ends before the server does
         ev = wait_for(lambda: [e for e in list(sw.events) if e.kind == "promoted" and e.version == good], 60,
                       what="the new version promoted after its check")
         assert "held-out shadow α" in ev[-1].reason and sw.live_version == good

@@ -150,7 +150,8 @@ def test_admin_rollback_and_pin(tiny_pair_dir, tmp_path) -> None:
     with ServerThread(cfg) as s, s.client(token="tok") as admin:
         reg = DrafterRegistry(cfg.registry.dir)
         sw = s.state.swapper
-        _traffic(s.url, 6, [], stream=False)  # held-out records for the shadow checks
+        while sw.heldout_positions() < cfg.trainer.shadow_min_positions:  # held-out records for the shadow checks
+            _traffic(s.url, 2, [], stream=False)
         v1 = reg.publish_peft_adapter(_lora(sw.base), version_manifest())
         wait_for(lambda: sw.live_version == v1, 30, what="v1")
         _traffic(s.url, 3, [], stream=False)  # v1's watch (2 requests) ends: v1 is the last good version
