@@ -155,6 +155,11 @@ class TrainerConfig(_Strict):
     # eagle heads train all their weights (no LoRA): replaying real smollm2 chat feedback, lr 1e-3 dropped the
     # built head's held-out shadow α 0.356 -> 0.172 within 5 steps; 3e-4 rose to 0.381 in 22 steps
     eagle_learning_rate: float = Field(3e-4, gt=0)
+    # the first online steps on a good drafter must not damage it (issue 24 §2): the learning rate ramps up
+    # linearly over `warmup_steps`; `anchor_weight` > 0 adds anchor_weight * ||θ - θ_start||² (θ_start: the
+    # weights the trainer started from, i.e. the served version), a trust region in weight space
+    warmup_steps: int = Field(0, ge=0)
+    anchor_weight: float = Field(0.0, ge=0)
     batch_size: int = Field(8, ge=1)
     max_seq_len: int = Field(512, ge=8)
     kl_weight: float = Field(1.0, ge=0)
@@ -179,8 +184,16 @@ class TrainerConfig(_Strict):
     min_new_records: int = Field(8, ge=1)
     poll_seconds: float = Field(1.0, gt=0)
     checkpoint_seconds: float = Field(5.0, ge=0)  # checkpoint + cursor commit at most this often (and when idle)
+    # the held-out slice (`dvi.shadow.is_heldout`, by request id): never trained on by any rank; the trainer's
+    # publish check and the server's shadow check score candidates on it only (the server reads this too)
     heldout_fraction: float = Field(0.1, ge=0, lt=1)
+    # the server refuses a candidate whose held-out shadow α is below the served one's by more than this
     shadow_margin: float = Field(0.01, ge=0, le=1)
+    # held-out positions a publish check (trainer) and a shadow check (server) need before any decision
+    shadow_min_positions: int = Field(256, ge=1)
+    # the trainer publishes only a candidate whose held-out α beats the served version's by at least this
+    # (a negative margin publishes one up to that much worse: a deliberate reset, or a test of the server)
+    publish_margin: float = Field(0.005, ge=-1, le=1)
     shadow_records: int = Field(128, ge=1)
     grad_clip: float | None = Field(1.0, gt=0)
     num_threads: int = Field(1, ge=1)

@@ -5,8 +5,10 @@ Layout (docs/contracts.md)::
     <root>/drafter/v000017/{adapter_model.safetensors | model.safetensors,
                             adapter_config.json | config.json, manifest.json}
     <root>/drafter/LATEST          "v000017"
-    <root>/drafter/PINNED          JSON list of pinned versions
-    <root>/drafter/events.jsonl    publish / rollback / pin / gc history
+    <root>/drafter/PINNED          JSON list of versions kept from garbage collection
+    <root>/drafter/SERVING         what the server serves, its last good version, its admin pin (ServingState)
+    <root>/drafter/REFUSED         versions the server refused or rolled back from: never promoted again
+    <root>/drafter/events.jsonl    publish / promote / rollback / refuse / pin / gc history (+ events.1.jsonl)
 
 A version dir is built under a temp name, fsynced and renamed, and LATEST is replaced via
 tmp + rename, so the server never sees a half-written version. Everything the server loads is
@@ -23,6 +25,7 @@ import re
 import shutil
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,22 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dvi.fsutil import TMP_PREFIX, append_jsonl, atomic_write_text, fsync_path, fsync_tree
+from dvi.registry_base import (
+    REFUSAL_KINDS,
+    AdapterRejected,
+    Expected,
+    ServerRecords,
+    ServingState,
+    _is_int,
+    _is_num,
+    _publisher_dead,
+    _remove_tree,
+    check_state_dict,
+    vname,
+)
+
+__all__ = ["REFUSAL_KINDS", "AdapterRejected", "DrafterRegistry", "Expected", "Manifest", "ServingState",
+           "check_state_dict", "vname"]
 
 log = logging.getLogger(__name__)
 
@@ -38,67 +57,85 @@ LORA_CONFIG = "adapter_config.json"
 FULL_WEIGHTS = "model.safetensors"
 FULL_CONFIG = "config.json"
 MANIFEST = "manifest.json"
-MANIFEST_FIELDS = (
-    "version",
-    "parent_version",
-    "target_version",
-    "kind",
-    "steps",
-    "records_seen",
-    "heldout_alpha",
-    "created_at",
-)
+MANIFEST_FIELDS = ("version", "parent_version", "target_version", "kind", "steps", "records_seen", "heldout_alpha",
+                   "created_at")
 FILES_BY_KIND = {"lora": (LORA_WEIGHTS, LORA_CONFIG), "full": (FULL_WEIGHTS, FULL_CONFIG)}
 VERSION_RE = re.compile(r"^v(\d{6})$")
 
-Expected = Mapping[str, Any]
-"""name -> (shape, dtype | None) or name -> reference tensor."""
+EVENTS_MAX_BYTES = 1 << 20
+"""events.jsonl is rotated to events.1.jsonl past this size: the history costs at most twice this on disk."""
+_ANY = object()
 
 
-REFUSAL_KINDS = ("missing", "symlink", "manifest", "files", "load", "shape", "nonfinite", "architecture",
-                 "shadow", "other")
-"""Bounded categories of a refusal (the `reason` label of dvi_drafter_refusals_total)."""
+@dataclass(frozen=True)
+class Manifest:
+    """A version's manifest.json, typed. `Manifest.parse` is the one place its fields are checked;
+    `check_fits` is the one place a version is matched with the drafter that would load it."""
 
+    version: int
+    parent_version: int | None
+    target_version: int
+    kind: str  # "lora" | "full": which files the version dir holds (FILES_BY_KIND)
+    steps: int
+    records_seen: int
+    heldout_alpha: float | None
+    created_at: float
+    drafter_kind: str | None = None  # the trainer's drafter kind (lora/full/early_exit/eagle); None: hand-published
+    draft_vocab_size: Any = _ANY  # N of the reduced draft vocabulary it was trained for, None = full, _ANY = unstated
+    extra: Mapping[str, Any] = field(default_factory=dict)  # every other field (parent_heldout_alpha, ...)
 
-class AdapterRejected(Exception):
-    """A published drafter version failed validation; `reason` says why, `kind` in REFUSAL_KINDS.
+    @classmethod
+    def parse(cls, raw: Any, version: int) -> Manifest:
+        """Check the fields of a loaded manifest.json; AdapterRejected(kind="manifest") names what is wrong."""
+        if not isinstance(raw, dict):
+            raise AdapterRejected(f"{MANIFEST} is not a JSON object", version, kind="manifest")
+        missing = [f for f in MANIFEST_FIELDS if f not in raw]
+        if missing:
+            raise AdapterRejected(f"{MANIFEST} lacks field(s) {missing}", version, kind="manifest")
+        if raw["version"] != version:
+            raise AdapterRejected(f"{MANIFEST} says version {raw['version']!r}, dir is {vname(version)}", version,
+                                  kind="manifest")
+        if raw["kind"] not in FILES_BY_KIND:
+            raise AdapterRejected(f"unknown kind {raw['kind']!r}", version, kind="manifest")
+        ints = ("target_version", "steps", "records_seen")
+        bad = [f for f in ints if not _is_int(raw[f])] + [f for f in ("parent_version",) if
+                                                         raw[f] is not None and not _is_int(raw[f])]
+        bad += [f for f in ("heldout_alpha", "created_at") if raw[f] is not None and not _is_num(raw[f])]
+        if raw.get("draft_vocab_size") is not None and not _is_int(raw["draft_vocab_size"]):
+            bad.append("draft_vocab_size")
+        if bad:
+            raise AdapterRejected(f"{MANIFEST} field(s) {bad} have the wrong type", version, kind="manifest")
+        known = {f.name for f in cls.__dataclass_fields__.values()} - {"extra"}
+        return cls(**{k: raw[k] for k in known if k in raw and k != "created_at"},
+                   created_at=float(raw["created_at"] or 0.0),
+                   extra={k: v for k, v in raw.items() if k not in known})
 
-    `transient` refusals (the version dir is not there yet: LATEST written before the rename
-    became visible, a slow shared filesystem) may succeed later and are retried by the server.
-    """
+    def as_dict(self) -> dict[str, Any]:
+        """The manifest.json content."""
+        out = {f: getattr(self, f) for f in MANIFEST_FIELDS}
+        out.update(self.extra)
+        out["drafter_kind"] = self.drafter_kind
+        if self.draft_vocab_size is not _ANY:
+            out["draft_vocab_size"] = self.draft_vocab_size
+        return out
 
-    def __init__(self, reason: str, version: int | None = None, kind: str = "other",
-                 transient: bool = False) -> None:
-        self.reason = reason
-        self.version = version
-        self.kind = kind if kind in REFUSAL_KINDS else "other"
-        self.transient = transient
-        super().__init__(f"{vname(version) if version is not None else 'drafter'} rejected: {reason}")
-
-
-def vname(version: int) -> str:
-    return f"v{version:06d}"
-
-
-def _to_dtype(d: Any) -> torch.dtype | None:
-    if d is None or isinstance(d, torch.dtype):
-        return d
-    name = str(d).removeprefix("torch.")
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {d!r}")
-    return dt
-
-
-def _expected_spec(expected: Expected) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-    spec = {}
-    for name, v in expected.items():
-        if isinstance(v, torch.Tensor):
-            spec[name] = (tuple(v.shape), v.dtype)
-        else:
-            shape, dtype = v
-            spec[name] = (tuple(shape), _to_dtype(dtype))
-    return spec
+    def check_fits(self, drafter_kind: str, publish_kind: str | None = None,
+                   draft_vocab_size: Any = _ANY) -> None:
+        """Refuse (AdapterRejected kind="architecture") a version made for another drafter kind, file
+        kind or draft vocabulary. A hand-published version (no drafter_kind) fits a lora/full/separate one."""
+        mine = self.drafter_kind
+        if mine is not None and mine != drafter_kind and not (
+                {mine, drafter_kind} <= {"lora", "full", "separate"}):
+            raise AdapterRejected(f"published by a {mine!r} trainer, this drafter is {drafter_kind!r}", self.version,
+                                  kind="architecture")
+        if publish_kind is not None and self.kind != publish_kind:
+            raise AdapterRejected(f"kind is {self.kind!r}, expected {publish_kind!r}", self.version,
+                                  kind="architecture")
+        if (draft_vocab_size is not _ANY and self.draft_vocab_size is not _ANY
+                and self.draft_vocab_size != draft_vocab_size):
+            raise AdapterRejected(f"trained for a draft vocabulary of {self.draft_vocab_size or 'all'} ids, the "
+                                  f"drafter drafts over {draft_vocab_size or 'all'}", self.version,
+                                  kind="architecture")
 
 
 def _cpu_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -106,7 +143,7 @@ def _cpu_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
 
 
-class DrafterRegistry:
+class DrafterRegistry(ServerRecords):
     """Publish, validate, load, roll back and garbage-collect drafter versions."""
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 5) -> None:
@@ -149,18 +186,19 @@ class DrafterRegistry:
             return set()
 
     def events(self) -> list[dict[str, Any]]:
-        """The registry's history (publish, rollback, pin, gc)."""
-        try:
-            lines = (self.dir / "events.jsonl").read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        return [json.loads(line) for line in lines if line.strip()]
-
-    def rolled_back(self) -> set[int]:
-        """Versions that were rolled back away from (skipped by `rollback(None)`)."""
-        return {
-            e["from"] for e in self.events() if e.get("event") == "rollback" and e.get("from") is not None
-        }
+        """The registry's history (publish, promote, rollback, refuse, pin, gc), the rotated part first."""
+        out = []
+        for name in ("events.1.jsonl", "events.jsonl"):
+            try:
+                lines = (self.dir / name).read_text().splitlines()
+            except FileNotFoundError:
+                continue
+            for line in lines:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue  # a torn last line from a kill mid-append
+        return out
 
     def _check_confined(self, d: Path, version: int) -> None:
         """The version dir and its files must resolve inside the registry: a version dir (or a
@@ -173,12 +211,25 @@ class DrafterRegistry:
                 raise AdapterRejected(f"{p.name} is a symlink to outside the version directory", version,
                                       kind="symlink")
 
-    def manifest(self, version: int) -> dict[str, Any]:
-        return json.loads((self.version_dir(version) / MANIFEST).read_text())
+    def manifest(self, version: int) -> Manifest:
+        """The parsed manifest of `version` (AdapterRejected when it is missing or malformed)."""
+        try:
+            raw = json.loads((self.version_dir(version) / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise AdapterRejected(f"{MANIFEST} missing", version, kind="manifest") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise AdapterRejected(f"{MANIFEST} does not parse: {e}", version, kind="manifest") from None
+        return Manifest.parse(raw, version)
 
     def _event(self, **fields: Any) -> None:
         fields.setdefault("time", time.time())
-        append_jsonl(self.dir / "events.jsonl", fields)
+        path = self.dir / "events.jsonl"
+        try:
+            if path.stat().st_size > EVENTS_MAX_BYTES:
+                os.replace(path, self.dir / "events.1.jsonl")  # bounded: one rotated generation
+        except FileNotFoundError:
+            pass
+        append_jsonl(path, fields)
 
     def _set_latest(self, version: int) -> None:
         atomic_write_text(self.dir / "LATEST", vname(version) + "\n")
@@ -298,33 +349,21 @@ class DrafterRegistry:
         return self._publish(write, dict(manifest or {}), "lora", set_latest)
 
     # -- validation and loading -------------------------------------------------------------
-    def validate(
-        self, version: int, expected: Expected | None = None
-    ) -> tuple[dict[str, torch.Tensor], dict]:
-        """Load and check a version; raise AdapterRejected(reason) on anything wrong."""
+    def open_version(self, version: int, expected: Expected | None = None, drafter_kind: str | None = None,
+                     publish_kind: str | None = None, draft_vocab_size: Any = _ANY
+                     ) -> tuple[dict[str, torch.Tensor], Manifest]:
+        """THE check of a version, for the server and the trainer alike: files confined to the registry,
+        manifest parsed (`Manifest.parse`), fits the loading drafter (`Manifest.check_fits`, when
+        `drafter_kind` is given), config parses, weights load, names/shapes/dtypes as `expected`, finite.
+        Returns (state_dict, Manifest); anything wrong raises AdapterRejected(reason)."""
         d = self.version_dir(version)
         if not d.is_dir():
             raise AdapterRejected("version directory does not exist (yet)", version, kind="missing", transient=True)
         self._check_confined(d, version)
-        try:
-            man = json.loads((d / MANIFEST).read_text())
-        except FileNotFoundError:
-            raise AdapterRejected(f"{MANIFEST} missing", version, kind="manifest") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise AdapterRejected(f"{MANIFEST} does not parse: {e}", version, kind="manifest") from None
-        if not isinstance(man, dict):
-            raise AdapterRejected(f"{MANIFEST} is not a JSON object", version, kind="manifest")
-        missing = [f for f in MANIFEST_FIELDS if f not in man]
-        if missing:
-            raise AdapterRejected(f"{MANIFEST} lacks field(s) {missing}", version, kind="manifest")
-        if man["version"] != version:
-            raise AdapterRejected(
-                f"{MANIFEST} says version {man['version']!r}, dir is {vname(version)}", version
-            )
-        kind = man["kind"]
-        if kind not in FILES_BY_KIND:
-            raise AdapterRejected(f"unknown kind {kind!r}", version, kind="manifest")
-        weights, config = FILES_BY_KIND[kind]
+        man = self.manifest(version)
+        if drafter_kind is not None:
+            man.check_fits(drafter_kind, publish_kind, draft_vocab_size)
+        weights, config = FILES_BY_KIND[man.kind]
         for fname in (weights, config):
             if not (d / fname).is_file():
                 raise AdapterRejected(f"{fname} missing", version, kind="files")
@@ -345,19 +384,9 @@ class DrafterRegistry:
                 raise AdapterRejected(f"tensor {name} has non-finite values", version, kind="nonfinite")
         return sd, man
 
-    def load(
-        self, version: int | None = None, expected: Expected | None = None
-    ) -> tuple[dict[str, torch.Tensor], dict]:
-        """Validated (state_dict, manifest) of `version` (LATEST if None)."""
-        if version is None:
-            version = self.latest()
-            if version is None:
-                raise AdapterRejected("registry has no LATEST version")
-        return self.validate(version, expected)
-
     def load_peft_adapter_into(
         self, peft_model: Any, version: int | None = None, adapter_name: str = "default"
-    ) -> dict[str, Any]:
+    ) -> Manifest:
         """Validate `version` against the live adapter's names/shapes and load it in place.
 
         Float tensors are cast to the live adapter's dtype. Returns the manifest. If the model
@@ -370,15 +399,12 @@ class DrafterRegistry:
             if version is None:
                 raise AdapterRejected("registry has no LATEST version")
         if adapter_name not in peft_model.peft_config:
-            _, man = self.validate(version)
-            if man["kind"] != "lora":
-                raise AdapterRejected(f"kind is {man['kind']!r}, expected 'lora'", version)
+            _, man = self.open_version(version, drafter_kind="lora", publish_kind="lora")
             peft_model.load_adapter(str(self.version_dir(version)), adapter_name=adapter_name)
             return man
         live = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
-        sd, man = self.validate(version, {k: (tuple(v.shape), None) for k, v in live.items()})
-        if man["kind"] != "lora":
-            raise AdapterRejected(f"kind is {man['kind']!r}, expected 'lora'", version)
+        sd, man = self.open_version(version, {k: (tuple(v.shape), None) for k, v in live.items()},
+                                    drafter_kind="lora", publish_kind="lora")
         sd = {k: v.to(device=live[k].device, dtype=live[k].dtype) for k, v in sd.items()}
         res = set_peft_model_state_dict(peft_model, sd, adapter_name=adapter_name)
         unexpected = list(getattr(res, "unexpected_keys", []) or [])
@@ -389,7 +415,7 @@ class DrafterRegistry:
     # -- moving LATEST ----------------------------------------------------------------------
     def promote(self, version: int, expected: Expected | None = None) -> None:
         """Point LATEST at an existing valid version (e.g. one published with set_latest=False)."""
-        self.validate(version, expected)
+        self.open_version(version, expected)
         prev = self.latest()
         self._set_latest(version)
         self._event(event="promote", version=version, previous=prev)
@@ -402,7 +428,7 @@ class DrafterRegistry:
             candidates = [v for v in self.list_versions() if (cur is None or v < cur) and v not in bad]
             for v in reversed(candidates):
                 try:
-                    self.validate(v)
+                    self.open_version(v)
                 except AdapterRejected as e:
                     log.warning("rollback skips %s: %s", vname(v), e.reason)
                     continue
@@ -411,9 +437,11 @@ class DrafterRegistry:
             if to_version is None:
                 raise AdapterRejected(f"no valid version to roll back to from {cur}")
         else:
-            self.validate(to_version)
+            self.open_version(to_version)
         self._set_latest(to_version)
         self._event(event="rollback", **{"from": cur}, to=to_version, reason=reason)
+        if cur is not None and cur != to_version:
+            self.refuse(cur, f"rolled back: {reason}")
         log.warning(
             "drafter registry rolled back %s -> %s (%s)", cur, vname(to_version), reason or "no reason"
         )
@@ -431,9 +459,10 @@ class DrafterRegistry:
         self._event(event="unpin", version=version)
 
     def gc(self) -> list[int]:
-        """Delete versions beyond the newest `keep_last`, never LATEST or pinned ones."""
+        """Delete versions beyond the newest `keep_last`, never LATEST, pinned or served ones."""
         versions = self.list_versions()
-        keep = set(versions[-self.keep_last :]) | self.pinned()
+        serving = self.serving()
+        keep = set(versions[-self.keep_last :]) | self.pinned() | {serving.version, serving.good, serving.pinned}
         cur = self.latest()
         if cur is not None:
             keep.add(cur)
@@ -450,12 +479,12 @@ class DrafterRegistry:
                 continue
             _remove_tree(trash)
             removed.append(v)
-        # Temp dirs left by crashed publishers (older than an hour); temp symlinks at once (a
-        # publisher never makes one, and rmtree refuses them, so they used to stay forever).
+        # Temp dirs left by crashed publishers (a killed one's at once: its pid is gone; any other after
+        # an hour); temp symlinks at once (a publisher never makes one, and rmtree refuses them).
         now = time.time()
         for p in self.dir.glob(f"{TMP_PREFIX}*"):
             try:
-                if p.is_symlink() or (p.is_dir() and now - p.stat().st_mtime > 3600):
+                if p.is_symlink() or _publisher_dead(p.name) or (p.is_dir() and now - p.stat().st_mtime > 3600):
                     _remove_tree(p)
             except FileNotFoundError:
                 pass
@@ -463,29 +492,3 @@ class DrafterRegistry:
             self._event(event="gc", removed=removed)
         return removed
 
-
-def _remove_tree(p: Path) -> None:
-    """Delete a dir tree, or just the link if `p` is a symlink (never what it points at)."""
-    if p.is_symlink():
-        p.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def check_state_dict(sd: Mapping[str, torch.Tensor], expected: Expected, version: int | None = None) -> None:
-    """Names, shapes and dtypes of `sd` must equal `expected`; raise AdapterRejected otherwise."""
-    spec = _expected_spec(expected)
-    missing = sorted(set(spec) - set(sd))
-    extra = sorted(set(sd) - set(spec))
-    if missing:
-        raise AdapterRejected(f"missing tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''}", version,
-                              kind="shape")
-    if extra:
-        raise AdapterRejected(f"unexpected tensor(s) {extra[:3]}{' ...' if len(extra) > 3 else ''}", version,
-                              kind="shape")
-    for name, (shape, dtype) in spec.items():
-        t = sd[name]
-        if tuple(t.shape) != shape:
-            raise AdapterRejected(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}", version, kind="shape")
-        if dtype is not None and t.dtype != dtype:
-            raise AdapterRejected(f"tensor {name} has dtype {t.dtype}, expected {dtype}", version, kind="shape")

@@ -16,6 +16,7 @@ use this, so a promotion decision and its reported estimate always agree.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,16 @@ class ScoredRecord(Protocol):
     topk_logprobs: Sequence[Sequence[float]]
 
     def features(self) -> np.ndarray | None: ...  # the target's features [L - 1, H] (eagle), or None
+
+
+def is_heldout(request_id: str, fraction: float) -> bool:
+    """Whether a record is in the held-out slice (`trainer.heldout_fraction` of records, by a hash of the
+    request id): never trained on by any trainer rank, the only records a publish check, a server's shadow
+    check scores. Every process, rank and restart agrees without talking."""
+    if fraction <= 0:
+        return False
+    h = hashlib.sha256(("heldout/" + request_id).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
 @dataclass
@@ -105,6 +116,51 @@ def _record_features(record: ScoredRecord, device: torch.device | str) -> torch.
 
 
 @torch.inference_mode()
+def record_scores(logits_fn: LogitsFn, records: Iterable[ScoredRecord], device: torch.device | str = "cpu",
+                  max_positions: int | None = None) -> list[tuple[ScoredRecord, float, int]]:
+    """(record, expected accepted positions, positions) of every scored record, in order; records
+    that cannot be scored (empty, an eagle record without features) are left out."""
+    needs_features = bool(getattr(logits_fn, "needs_features", False))
+    out: list[tuple[ScoredRecord, float, int]] = []
+    total = 0
+    for rec in records:
+        prompt: Sequence[int] = list(rec.prompt_ids)
+        tokens: Sequence[int] = list(rec.token_ids)
+        if not prompt or not tokens:
+            continue
+        ids = torch.tensor([list(prompt) + list(tokens)[:-1]], device=device)
+        if needs_features:
+            feats = _record_features(rec, device)
+            if feats is None:
+                continue
+            logits = logits_fn(ids, feats)[0, len(prompt) - 1 :].float()  # predicts tokens[0..]
+        else:
+            logits = logits_fn(ids)[0, len(prompt) - 1 :].float()
+        out.append((rec, _hits(rec, logits, tokens, device), len(tokens)))
+        total += len(tokens)
+        if max_positions is not None and total >= max_positions:
+            break
+    return out
+
+
+def _hits(rec: ScoredRecord, logits: torch.Tensor, tokens: Sequence[int], device: torch.device | str) -> float:
+    """Expected accepted positions of one record: argmax matches (greedy) or Σ min(p, q) (sampled)."""
+    temperature = served_temperature(rec.temperature)
+    if temperature <= 0.0:
+        return float((logits.argmax(-1).cpu() == torch.tensor(list(tokens))).sum())
+    topk_ids = torch.tensor([list(x) for x in rec.topk_ids], device=device)
+    topk_lp = torch.tensor([list(x) for x in rec.topk_logprobs], device=device)
+    q = torch.softmax(logits / temperature, dim=-1)
+    p = torch.softmax(topk_lp / temperature, dim=-1)  # target warped on its top-k
+    return float(torch.minimum(p, q.gather(-1, topk_ids)).sum())
+
+
+def served_temperature(temperature: float | None) -> float:
+    """The temperature a record was served at: tiny (or NaN) temperatures were served greedy (0.0)."""
+    t = float(temperature or 0.0)
+    return t if t >= GREEDY_BELOW_TEMPERATURE else 0.0
+
+
 def shadow_alpha(
     logits_fn: LogitsFn,
     records: Iterable[ScoredRecord],
@@ -117,38 +173,53 @@ def shadow_alpha(
     does not depend on which K the live engine happened to use. An eagle head is scored on the
     records that carry the target's features (teacher-forced: true features at every input).
     """
-    needs_features = bool(getattr(logits_fn, "needs_features", False))
-    hits = 0.0
-    total = 0
-    n_records = 0
-    for rec in records:
-        prompt: Sequence[int] = list(rec.prompt_ids)
-        tokens: Sequence[int] = list(rec.token_ids)
-        if not prompt or not tokens:
-            continue
-        temperature = float(rec.temperature or 0.0)
-        if not temperature >= GREEDY_BELOW_TEMPERATURE:  # tiny (or NaN) temperatures were served greedy
-            temperature = 0.0
-        ids = torch.tensor([list(prompt) + list(tokens)[:-1]], device=device)
-        if needs_features:
-            feats = _record_features(rec, device)
-            if feats is None:
-                continue
-            logits = logits_fn(ids, feats)[0, len(prompt) - 1 :].float()  # predicts tokens[0..]
-        else:
-            logits = logits_fn(ids)[0, len(prompt) - 1 :].float()
-        n = len(tokens)
-        if temperature <= 0.0:
-            pred = logits.argmax(-1).cpu()
-            hits += float((pred == torch.tensor(tokens)).sum())
-        else:
-            topk_ids = torch.tensor([list(x) for x in rec.topk_ids], device=device)
-            topk_lp = torch.tensor([list(x) for x in rec.topk_logprobs], device=device)
-            q = torch.softmax(logits / temperature, dim=-1)
-            p = torch.softmax(topk_lp / temperature, dim=-1)  # target warped on its top-k
-            hits += float(torch.minimum(p, q.gather(-1, topk_ids)).sum())
-        total += n
-        n_records += 1
-        if max_positions is not None and total >= max_positions:
-            break
-    return ShadowEstimate(alpha=acceptance_rate(hits, total), positions=total, records=n_records)
+    scores = record_scores(logits_fn, records, device, max_positions)
+    hits = sum(h for _, h, _ in scores)
+    total = sum(n for _, _, n in scores)
+    return ShadowEstimate(alpha=acceptance_rate(hits, total), positions=total, records=len(scores))
+
+
+Scores = list[tuple[ScoredRecord, float, int]]
+"""What `record_scores` returns: (record, expected accepted positions, positions) per scored record."""
+
+
+@dataclass
+class PairedVerdict:
+    """A rollback watch's judgement of a new version against the last good one on the same records."""
+
+    worse: bool
+    reason: str
+    groups: dict[str, tuple[float, float, int]]  # "domain/temperature" -> (mean α difference, z, records)
+
+
+def _group(rec: ScoredRecord) -> str:
+    t = served_temperature(rec.temperature)
+    return f"{getattr(rec, 'domain', 'default')}/{'greedy' if t == 0 else f't{t:.2g}'}"
+
+
+def paired_verdict(new: Scores, old: Scores, margin: float, z: float = 2.0, min_records: int = 4) -> PairedVerdict:
+    """Like with like: the same records replayed through both versions (`record_scores`), compared per
+    domain and temperature. A group of at least `min_records` is *worse* when its mean per-record α
+    difference is below -`margin` and significantly so (mean / standard error < -`z`); the verdict is
+    worse when any group is. Traffic that changes between the two versions' live windows moves both
+    sides of every pair alike, so it cannot roll back a version that drafts as well as its predecessor."""
+    by_group: dict[str, list[float]] = {}
+    for (rec, h_new, n), (rec_old, h_old, n_old) in zip(new, old, strict=True):
+        if rec is not rec_old or n != n_old:
+            raise ValueError("paired_verdict needs both versions' scores of the same records")
+        by_group.setdefault(_group(rec), []).append((h_new - h_old) / n)
+    groups: dict[str, tuple[float, float, int]] = {}
+    worse = []
+    for key, diffs in sorted(by_group.items()):
+        m = len(diffs)
+        mean = float(np.mean(diffs))
+        se = float(np.std(diffs, ddof=1)) / math.sqrt(m) if m > 1 else 0.0
+        zscore = mean / se if se > 0 else (0.0 if mean == 0 else math.copysign(math.inf, mean))
+        groups[key] = (mean, zscore, m)
+        if m >= min_records and mean < -margin and zscore < -z:
+            worse.append(f"{key}: α {mean:+.3f} (z {zscore:.1f}) over {m} records")
+    if worse:
+        return PairedVerdict(True, "worse than the last good version on the same records: " + "; ".join(worse),
+                             groups)
+    shown = ", ".join(f"{k} {v[0]:+.3f} ({v[2]})" for k, v in groups.items())
+    return PairedVerdict(False, f"not worse on the same records ({shown or 'no records'})", groups)

@@ -5,8 +5,11 @@
   current one + 1. The path, and every file loading it opens (a directory's shard index and the
   shards it names, symlinks followed), must resolve inside one of `serve.allowed_dirs`.
 - ``POST /admin/drafter/pin`` ``{"version": N}``: serve exactly version N (0 = the startup drafter)
-  and stop auto-promotion; ``{"version": null}`` unpins.
-- ``POST /admin/drafter/rollback`` ``{"reason": ...}``: back to the previous drafter.
+  until ``{"version": null}`` unpins; no automatic promotion or rollback overrides it (a failed
+  rollback watch under a pin only alerts), and it is durable in the registry (SERVING): a restarted
+  server serves it again.
+- ``POST /admin/drafter/rollback`` ``{"reason": ...}``: back to the last version that passed its
+  rollback watch (from such a version: the one before it); 409 while pinned.
 - ``POST /admin/trainer/pause`` / ``/admin/trainer/resume``: sets / clears the run dir's pause
   flag (`dvi.rundir`), which the online trainer honours (see `serving.supervisor`).
 - ``GET /admin/status``: the health document plus the swap history.

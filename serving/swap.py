@@ -1,69 +1,78 @@
-"""Drafter hot-swap: watch the registry, validate, shadow-check, swap between steps, roll back.
+"""Drafter hot-swap: watch the registry, validate, shadow-check, swap between steps, watch, roll back.
 
 The watcher thread polls `LATEST` every `serve.registry_poll_seconds`. A new version is
 
-1. loaded and validated by `DrafterRegistry` (shapes, dtypes, finiteness; a bad one raises
-   `AdapterRejected` and is *refused*: logged, counted, never retried);
-2. shadow-checked: the most recent finished requests (held back from this decision: kept in
-   memory by the server, possibly not yet trained on) are replayed through the candidate and the
-   live drafter with `dvi.shadow.shadow_alpha` (teacher-forced, no target run); if the
-   candidate's α is below the live one's by more than `trainer.shadow_margin` it is refused;
-3. swapped in between two engine steps (`engine.set_drafter` via the scheduler), so sequences in
-   flight continue with the new drafter and nothing waits on the load;
-4. watched: once `serve.rollback_window` requests finished on the new version, its live α is
-   compared with its predecessor's over that predecessor's last window; if it is lower by more
-   than `serve.rollback_margin`, the registry is rolled back and the predecessor (kept in
-   memory) is swapped back in.
+1. skipped while a pin holds (`POST /admin/drafter/pin`), while the live version's rollback watch runs,
+   and for good when the registry's REFUSED lists it (refusals and rollbacks are durable: a restarted
+   server never promotes what it refused);
+2. loaded and validated (`serving.drafter_load`, which calls the registry's one check,
+   `DrafterRegistry.open_version`); a bad one is *refused*: logged, counted, recorded in REFUSED;
+3. shadow-checked on HELD-OUT records only (`dvi.shadow.is_heldout`: the slice no trainer rank trains
+   on), replayed through the candidate and the live drafter (`dvi.shadow.shadow_alpha`, teacher-forced,
+   no target run). It waits until those records hold `trainer.shadow_min_positions` positions (a
+   restarted server has none: nothing is promoted "validated only"); a candidate whose α is below the
+   live one's by more than `trainer.shadow_margin` is refused;
+4. swapped in between two engine steps (`engine.set_drafter` via the scheduler);
+5. watched: the next `serve.rollback_window` finished requests (none of which any version was trained
+   on before it was published) are replayed through the new version and the last good one, per domain
+   and temperature (`dvi.shadow.paired_verdict`: like with like, with a significance rule). Worse: the
+   server rolls back to the last version that passed its watch; not worse: the new version becomes the
+   last good one. No promotion is considered until the watch ends. Under a pin a failed watch only alerts.
 
-LoRA versions are applied to a pristine copy of the base drafter and merged
-(`merge_and_unload`), so a served LoRA drafter costs exactly what the base drafter costs.
+What is served, the last good version and the pin are written to the registry's SERVING
+(`ServingState`): the trainer compares its candidates with what is served, and a restarted server
+serves its pin, else its last good version, before it considers anything newer.
 Version 0 is the drafter the server started with (not in the registry).
-
-Early-exit drafters (`dvi.drafters.EarlyExitDrafter`): a version is its LoRA + exit head, rebuilt on
-the live target (the drafter shares the target's Parameters, so it is never deep-copied and its
-LoRA is never merged: that would write into the target). Target weight updates load in place, so
-every kept early-exit version reads the new weights at once; the engine rebuilds its drafter cache.
-
-A reduced draft vocabulary (`dvi.vocab`) is the live drafter's: every version is loaded with the
-same subset, and a version whose manifest says it was trained for another size is refused.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dvi.config import DviConfig
-from dvi.drafters import ADAPTER_CONFIG, Drafter, SharedTargetDrafter
+from dvi.drafters import Drafter
 from dvi.feedback import FeedbackRecord
 from dvi.fsutil import AppendLog, append_jsonl
-from dvi.registry import AdapterRejected, DrafterRegistry, check_state_dict
+from dvi.registry import AdapterRejected, DrafterRegistry, ServingState
 from dvi.results import acceptance_rate, fmt_rate
-from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_failure, shadow_passes
-from dvi.vocab import apply_draft_vocab, find_subset_head
+from dvi.shadow import (
+    SHADOW_MAX_POSITIONS,
+    hf_logits_fn,
+    is_heldout,
+    paired_verdict,
+    record_scores,
+    shadow_alpha,
+    shadow_failure,
+    shadow_passes,
+)
+
+from .drafter_load import _module, check_full_config, load_drafter_version
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
+__all__ = ["DrafterSwapper", "SwapEvent", "SwapPolicy", "check_full_config", "load_drafter_version"]
+
 log = logging.getLogger(__name__)
 
-SHADOW_MIN_RECORDS = 4
+MAX_REFUSED_SHOWN = 64  # refusals kept in memory for /health (all of them are in the registry's REFUSED)
+GOOD_HISTORY = 8  # versions that passed their watch, newest last: where successive admin rollbacks go
 
 
 @dataclass
 class SwapEvent:
-    """One promotion / refusal / rollback, as logged, counted and shown on /health."""
+    """One promotion / refusal / rollback / pin / alert, as logged, counted and shown on /health."""
 
-    kind: str  # "promoted" | "refused" | "rolled_back" | "pinned"
+    kind: str  # "promoted" | "refused" | "rolled_back" | "pinned" | "restored" | "kept" | "alert"
     version: int
     previous: int | None
     reason: str
@@ -75,141 +84,35 @@ class SwapEvent:
                 "reason": self.reason, "at": self.at, "category": self.category}
 
 
-MAX_CONFIG_BYTES = 1 << 20
-# config keys that fix a drafter's architecture and size; a `full` version must match the live one
-ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "intermediate_size", "head_dim", "tie_word_embeddings")
-
-
-def check_full_config(d: Any, version: int, base: torch.nn.Module) -> None:
-    """Compare a `full` version's config.json with the live drafter's before anything is built:
-    instantiating a config first costs seconds (and memory) for a huge one, and a drafter of
-    another architecture would otherwise be promoted."""
-    path = d / "config.json"
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdapterRejected(f"config.json is {path.stat().st_size} bytes (> {MAX_CONFIG_BYTES})", version,
-                              kind="architecture")
-    cfg = json.loads(path.read_text())
-    if not isinstance(cfg, dict):
-        raise AdapterRejected("config.json is not a JSON object", version, kind="architecture")
-    live = base.config.to_dict()
-    for key in ARCH_KEYS:
-        if key in live and cfg.get(key, live[key]) != live[key]:
-            raise AdapterRejected(f"config.json {key}={cfg.get(key)!r}, the live drafter has {live[key]!r}",
-                                  version, kind="architecture")
-
-
-def _module(drafter: Any) -> torch.nn.Module:
-    """The HF-style module whose `.logits` are the drafter's (for shadow checks)."""
-    return drafter.model if isinstance(drafter, Drafter) else drafter
-
-
-def _check_vocab(man: dict, base: Any, version: int) -> None:
-    head = find_subset_head(_module(base))
-    live = None if head is None else head.num_ids
-    trained = man.get("draft_vocab_size", live)
-    if trained != live:
-        raise AdapterRejected(f"trained for a draft vocabulary of {trained or 'all'} ids, the server drafts over "
-                              f"{live or 'all'}", version, kind="architecture")
-
-
-def load_shared_target_version(registry: DrafterRegistry, version: int, base: Any) -> tuple[Any, dict]:
-    """Validated drafter of `version` of the live drafter's kind (early_exit: LoRA + exit head, unmerged;
-    eagle: fc + layer + norm), built on the live drafter's target."""
-    kind = base.kind
-    sd, man = registry.validate(version)
-    _check_vocab(man, base, version)
-    d = registry.version_dir(version)
-    if man.get("drafter_kind", kind) != kind:
-        raise AdapterRejected(f"published by a {man.get('drafter_kind')!r} trainer, the server drafts {kind}",
-                              version, kind="architecture")
-    try:
-        cfg = json.loads((d / ADAPTER_CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise AdapterRejected(f"{ADAPTER_CONFIG} does not load: {exc}", version, kind="files") from None
-    if not isinstance(cfg, dict) or cfg.get("dvi_kind") != kind:
-        raise AdapterRejected(f"not an {kind} drafter (adapter_config.json lacks dvi_kind {kind!r})", version,
-                              kind="architecture")
-    live = base.trainable_state_dict()
-    check_state_dict(sd, {k: (tuple(v.shape), None) for k, v in live.items()}, version)
-    head = find_subset_head(base.model)
-    try:
-        drafter = type(base).load(base.target_ref, d, vocab_ids=head.token_ids.cpu() if head is not None else None)
-    except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
-        raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, kind="load") from None
-    for name, p in drafter.trainable_state_dict().items():
-        if not bool(torch.isfinite(p).all()):
-            raise AdapterRejected(f"parameter {name} is not finite after loading", version, kind="nonfinite")
-    return drafter, man
-
-
-def load_drafter_version(registry: DrafterRegistry, version: int, base: Any) -> tuple[Any, dict]:
-    """Validated drafter of `version`: base + merged LoRA, a full model, or an early-exit drafter.
-
-    Raises AdapterRejected with the reason for anything that does not load or fit.
-    """
-    if isinstance(base, SharedTargetDrafter):
-        return load_shared_target_version(registry, version, base)
-    sd, man = registry.validate(version)
-    _check_vocab(man, base, version)
-    d = registry.version_dir(version)
-    ref = next(base.parameters())
-    try:
-        if man["kind"] == "lora":
-            from peft import PeftModel, get_peft_model_state_dict
-
-            pm = PeftModel.from_pretrained(copy.deepcopy(base), str(d), is_trainable=False)
-            live = get_peft_model_state_dict(pm)
-            check_state_dict(sd, {k: (tuple(v.shape), None) for k, v in live.items()}, version)
-            model = pm.merge_and_unload()
-        else:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            check_full_config(d, version, base)
-            config = AutoConfig.from_pretrained(str(d))
-            model = AutoModelForCausalLM.from_config(config)
-            expected = {k: (tuple(v.shape), None) for k, v in model.state_dict().items()}
-            tied = {k for k in expected if k not in sd and k.endswith("lm_head.weight")}
-            check_state_dict(sd, {k: v for k, v in expected.items() if k not in tied}, version)
-            model.load_state_dict(sd, strict=not tied)
-            if tied:
-                model.tie_weights()
-    except AdapterRejected:
-        raise
-    except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
-        raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, kind="load") from None
-    base_rows = base.get_output_embeddings().weight.shape[0]
-    rows = model.get_output_embeddings().weight.shape[0]
-    if rows != base_rows:
-        raise AdapterRejected(f"vocabulary has {rows} rows, the live drafter {base_rows}", version, kind="shape")
-    head = find_subset_head(base)
-    if head is not None and find_subset_head(model) is None:  # a full version: same draft vocabulary as live
-        apply_draft_vocab(model, head.token_ids.cpu())
-    model = model.to(device=ref.device, dtype=ref.dtype).eval()
-    for name, p in model.named_parameters():
-        if not bool(torch.isfinite(p).all()):
-            raise AdapterRejected(f"parameter {name} is not finite after loading", version, kind="nonfinite")
-    return model, man
-
-
 @dataclass(frozen=True)
 class SwapPolicy:
-    """When the swapper looks, promotes and rolls back (module docstring): poll LATEST every
-    `poll_seconds`; refuse a candidate whose shadow α on the last `shadow_records` finished requests
-    is below the live one's by more than `shadow_margin`; roll back when live α over
-    `rollback_window` requests falls by more than `rollback_margin`."""
+    """When the swapper looks, promotes and rolls back (module docstring)."""
 
     poll_seconds: float
     shadow_margin: float
     rollback_window: int
     rollback_margin: float
     shadow_records: int = 64
+    heldout_fraction: float = 0.1
+    min_positions: int = 256
+    rollback_z: float = 2.0
 
     @classmethod
     def of(cls, cfg: DviConfig) -> SwapPolicy:
-        """From a `DviConfig` (serve.registry_poll_seconds, serve.rollback_*, trainer.shadow_margin)."""
-        return cls(poll_seconds=cfg.serve.registry_poll_seconds, shadow_margin=cfg.trainer.shadow_margin,
-                   rollback_window=cfg.serve.rollback_window, rollback_margin=cfg.serve.rollback_margin)
+        """From a `DviConfig` (serve.registry_poll_seconds, serve.rollback_*, trainer.shadow_* / heldout_fraction)."""
+        t = cfg.trainer
+        return cls(poll_seconds=cfg.serve.registry_poll_seconds, shadow_margin=t.shadow_margin,
+                   rollback_window=cfg.serve.rollback_window, rollback_margin=cfg.serve.rollback_margin,
+                   heldout_fraction=t.heldout_fraction, min_positions=t.shadow_min_positions)
+
+
+@dataclass
+class _Watch:
+    """A promoted version on probation: the records finished since, to replay through it and `good`."""
+
+    version: int
+    good: int
+    records: list = field(default_factory=list)
 
 
 class DrafterSwapper:
@@ -225,34 +128,47 @@ class DrafterSwapper:
         self.on_event = on_event or (lambda _e: None)
         self.event_log = event_log
         self.live_version = 0
+        self.good = 0  # the newest version that passed its rollback watch (0: the startup drafter)
+        self.good_history: collections.deque[int] = collections.deque([0], maxlen=GOOD_HISTORY)
         self.models: dict[int, Any] = {0: base_drafter}
-        self.predecessor: int | None = None
         self.pinned: int | None = None
-        self.refused: dict[int, str] = {}
+        self.watch: _Watch | None = None
+        self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()  # newest MAX_REFUSED_SHOWN
         self.retry: set[int] = set()  # refused for a reason that may pass later (dir not there yet)
+        self.waiting: int | None = None  # the version waiting for enough held-out positions (logged once)
+        self._pending: tuple[int, Any] | None = None  # LATEST, validated and loaded, waiting for its check
         self.events: collections.deque[SwapEvent] = collections.deque(maxlen=100)
         self.counts = collections.Counter()
-        self.recent: collections.deque = collections.deque(maxlen=policy.shadow_records)
-        self._per_version: dict[int, collections.deque] = collections.defaultdict(
-            lambda: collections.deque(maxlen=policy.rollback_window))
-        self._since_swap = 0
-        self._watching = False
+        self.recent: collections.deque = collections.deque(maxlen=policy.shadow_records)  # held-out records
+        self._windows: dict[int, collections.deque] = {}  # live α per kept version (bounded like `models`)
+        self._restored = False
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- observers (engine thread; cheap) ------------------------------------------------------
     def observe_record(self, record: FeedbackRecord) -> None:
-        self.recent.append(record)
+        """A finished request's record: held-out ones feed shadow checks, all of them a running watch."""
+        if is_heldout(record.request_id, self.policy.heldout_fraction):
+            self.recent.append(record)
+        with self._lock:
+            w = self.watch
+            if w is not None and len(w.records) < self.policy.rollback_window:
+                w.records.append(record)
 
     def observe(self, drafted: int, accepted: int, drafter_version: int) -> None:
-        self._per_version[drafter_version].append((drafted, accepted))
-        if drafter_version == self.live_version and self._watching:
-            self._since_swap += 1
+        window = self._windows.get(drafter_version)
+        if window is None and drafter_version in self.models:
+            window = self._windows[drafter_version] = collections.deque(maxlen=self.policy.rollback_window)
+        if window is not None:
+            window.append((drafted, accepted))
 
     def live_alpha(self, version: int) -> float | None:
-        window = list(self._per_version.get(version, ()))
+        window = list(self._windows.get(version, ()))
         return acceptance_rate(sum(a for _, a in window), sum(d for d, _ in window))
+
+    def heldout_positions(self) -> int:
+        return sum(len(r.token_ids) for r in list(self.recent))
 
     # -- watcher thread --------------------------------------------------------------------------
     def start(self) -> None:
@@ -268,41 +184,101 @@ class DrafterSwapper:
         torch.set_num_threads(1)
         while not self._stop.is_set():
             try:
+                self.restore()
                 self.poll_once()
                 self.check_rollback()
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad version
                 log.exception("registry watcher iteration failed")
             self._stop.wait(self.policy.poll_seconds)
 
+    def restore(self) -> None:
+        """Once, at start: the durable refusals, then serve the pin, else the last good version (each passed
+        its check before the restart); anything newer waits for a check like any candidate."""
+        if self._restored:
+            return
+        self._restored = True
+        for v, reason in sorted(self.registry.refusals().items())[-MAX_REFUSED_SHOWN:]:
+            self.refused[v] = reason
+        st = self.registry.serving()
+        want = st.pinned if st.pinned is not None else st.good
+        if want in self.refused and st.pinned is None:
+            want = 0
+        model = self.models[0]
+        if want:
+            try:
+                model, _ = load_drafter_version(self.registry, want, self.base)
+            except AdapterRejected as exc:
+                log.error("cannot restore drafter v%d (%s); serving the startup drafter", want, exc.reason)
+                want = 0
+        with self._lock:
+            self.pinned = st.pinned if (st.pinned is None or want == st.pinned) else None
+            self.good = want
+            self.good_history.append(want)
+        if want:
+            self._swap(model, want, "restored", "pinned before the restart" if self.pinned is not None
+                       else "last good version before the restart")
+        else:
+            self._save_serving()
+
     def poll_once(self) -> None:
+        """Validate a new LATEST at once (a broken one is refused even while a watch runs); promote it only
+        when no watch runs and the held-out records hold enough positions for its shadow check."""
         latest = self.registry.latest()
         with self._lock:
             if (latest is None or latest == self.live_version or self.pinned is not None
                     or (latest in self.refused and latest not in self.retry)):
                 return
+        durable = self.registry.refusals().get(latest)
+        if durable is not None:  # refused by this server before, or by a replica sharing the registry
+            with self._lock:
+                self._remember_refusal(latest, durable)
+            return
+        if self._pending is None or self._pending[0] != latest:
+            self._pending = None
+            try:
+                self._pending = (latest, load_drafter_version(self.registry, latest, self.base)[0])
+            except AdapterRejected as exc:
+                self._refuse(latest, exc.reason, kind=exc.kind, transient=exc.transient)
+                return
+        have = self.heldout_positions()
+        with self._lock:
+            if self.watch is not None:
+                return
+        if have < self.policy.min_positions:
+            if self.waiting != latest:
+                self.waiting = latest
+                log.info("drafter v%d waits for a shadow check: %d held-out positions of %d", latest, have,
+                         self.policy.min_positions)
+            return
         self.consider(latest)
 
     def consider(self, version: int) -> bool:
-        """Validate, shadow-check and promote `version`; False if refused."""
-        try:
-            model, _man = load_drafter_version(self.registry, version, self.base)
-        except AdapterRejected as exc:
-            self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
-            return False
-        records = list(self.recent)
-        reason = "no recent feedback to shadow-check; validated only"
-        if len(records) >= SHADOW_MIN_RECORDS:
-            with self._lock:
-                live_model = self.models[self.live_version]
-            new = shadow_alpha(hf_logits_fn(_module(model)), records, device=self._device(model),
-                               max_positions=SHADOW_MAX_POSITIONS)
-            old = shadow_alpha(hf_logits_fn(_module(live_model)), records, device=self._device(model),
-                               max_positions=SHADOW_MAX_POSITIONS)
-            reason = (f"shadow α {fmt_rate(new.alpha)} vs live {fmt_rate(old.alpha)} on {new.records} records "
-                      f"({new.positions} positions)")
-            if not shadow_passes(new.alpha, old.alpha, self.policy.shadow_margin):
-                self._refuse(version, reason + f"; {shadow_failure(new.alpha, self.policy.shadow_margin)}", kind="shadow")
+        """Validate, shadow-check (held-out records) and promote `version`; False if refused or waiting."""
+        if self._pending is not None and self._pending[0] == version:
+            model = self._pending[1]
+        else:
+            try:
+                model, _man = load_drafter_version(self.registry, version, self.base)
+            except AdapterRejected as exc:
+                self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
                 return False
+        self._pending = None
+        records = list(self.recent)
+        with self._lock:
+            live_model = self.models[self.live_version]
+        dev = self._device(model)
+        new = shadow_alpha(hf_logits_fn(_module(model)), records, device=dev, max_positions=SHADOW_MAX_POSITIONS)
+        if new.positions < self.policy.min_positions:  # an eagle head scores only records with features
+            log.info("drafter v%d: %d scorable held-out positions of %d; waiting", version, new.positions,
+                     self.policy.min_positions)
+            self._pending = (version, model)
+            return False
+        old = shadow_alpha(hf_logits_fn(_module(live_model)), records, device=dev, max_positions=SHADOW_MAX_POSITIONS)
+        reason = (f"held-out shadow α {fmt_rate(new.alpha)} vs served v{self.live_version} {fmt_rate(old.alpha)} "
+                  f"on {new.records} records ({new.positions} positions)")
+        if not shadow_passes(new.alpha, old.alpha, self.policy.shadow_margin):
+            self._refuse(version, reason + f"; {shadow_failure(new.alpha, self.policy.shadow_margin)}", kind="shadow")
+            return False
         self._swap(model, version, "promoted", reason)
         return True
 
@@ -320,34 +296,51 @@ class DrafterSwapper:
                 self.retry.discard(version)
                 self.refused.pop(version, None)
             self.models[version] = model
-            if kind != "rolled_back":
-                self.predecessor = prev
             self.live_version = version
-            keep = {version, 0}
-            if self.predecessor is not None:
-                keep.add(self.predecessor)
+            self.watch = _Watch(version, self.good) if kind == "promoted" else None
+            keep = {version, self.good, 0}
             self.models = {v: m for v, m in self.models.items() if v in keep}
-            self._per_version[version].clear()
-            self._since_swap = 0
-            self._watching = kind == "promoted" and prev is not None
+            self._windows = {v: w for v, w in self._windows.items() if v in keep}
+            self._windows[version] = collections.deque(maxlen=self.policy.rollback_window)
+        self._save_serving()
         self._record(SwapEvent(kind, version, prev, reason, time.time()))
 
-    def _refuse(self, version: int, reason: str, kind: str = "other", transient: bool = False) -> None:
-        """Refuse `version` (logged, counted once); a transient refusal is retried at every poll."""
+    def _save_serving(self) -> None:
         with self._lock:
-            again = transient and version in self.retry
-            self.refused[version] = reason + (" (will retry)" if transient else "")
+            st = ServingState(version=self.live_version, good=self.good, pinned=self.pinned)
+        try:
+            self.registry.set_serving(st)
+        except OSError:
+            log.exception("cannot record the served drafter in the registry")
+
+    def _remember_refusal(self, version: int, reason: str) -> None:
+        self.refused[version] = reason
+        self.refused.move_to_end(version)
+        while len(self.refused) > MAX_REFUSED_SHOWN:
+            self.refused.popitem(last=False)
+
+    def _refuse(self, version: int, reason: str, kind: str = "other", transient: bool = False) -> None:
+        """Refuse `version` (logged, counted once, durable unless transient: retried at every poll). Durable
+        first, then counted, then shown: whoever sees it on /health finds it on /metrics and in REFUSED."""
+        if not transient:
+            try:
+                self.registry.refuse(version, reason)
+            except OSError:
+                log.exception("cannot record the refusal of v%d in the registry", version)
+        again = transient and version in self.retry
+        if not again:
+            self._record(SwapEvent("refused", version, self.live_version, reason, time.time(), category=kind))
+        with self._lock:
+            self._remember_refusal(version, reason + (" (will retry)" if transient else ""))
             if transient:
                 self.retry.add(version)
             else:
                 self.retry.discard(version)
-        if not again:
-            self._record(SwapEvent("refused", version, self.live_version, reason, time.time(), category=kind))
 
     def _record(self, ev: SwapEvent) -> None:
         self.events.append(ev)
         self.counts[ev.kind] += 1
-        level = logging.WARNING if ev.kind in ("refused", "rolled_back") else logging.INFO
+        level = logging.WARNING if ev.kind in ("refused", "rolled_back", "alert") else logging.INFO
         log.log(level, "drafter %s v%d (previous %s): %s", ev.kind, ev.version, ev.previous, ev.reason)
         if self.event_log:
             try:
@@ -359,51 +352,73 @@ class DrafterSwapper:
         except Exception:  # noqa: BLE001
             log.exception("swap event observer failed")
 
-    # -- rollback ----------------------------------------------------------------------------------
+    # -- the rollback watch --------------------------------------------------------------------------
     def check_rollback(self) -> bool:
-        """Roll back if the live version's α over its window fell below its predecessor's."""
+        """End a full watch: replay its records through the watched and the last good version; roll back
+        when worse (`paired_verdict`), else make it the last good one. True if it rolled back."""
         with self._lock:
-            if not self._watching or self._since_swap < self.policy.rollback_window or self.predecessor is None:
+            w = self.watch
+            if w is None or len(w.records) < self.policy.rollback_window:
                 return False
-            self._watching = False
-            live, prev = self.live_version, self.predecessor
-        a_new, a_old = self.live_alpha(live), self.live_alpha(prev)
-        if a_new is None or a_old is None:
+            new_model, old_model = self.models.get(w.version), self.models.get(w.good)
+        if new_model is None or old_model is None:
+            with self._lock:
+                self.watch = None
             return False
-        if a_new < a_old - self.policy.rollback_margin:
-            self.rollback(f"live α {a_new:.3f} < predecessor v{prev} {a_old:.3f} - {self.policy.rollback_margin} "
-                          f"over {self.policy.rollback_window} requests")
-            return True
-        log.info("drafter v%d kept: live α %.3f vs predecessor %.3f", live, a_new, a_old)
-        return False
+        dev = self._device(new_model)
+        new = record_scores(hf_logits_fn(_module(new_model)), w.records, dev)
+        old = record_scores(hf_logits_fn(_module(old_model)), w.records, dev)
+        verdict = paired_verdict(new, old, self.policy.rollback_margin, z=self.policy.rollback_z)
+        with self._lock:
+            self.watch = None
+            pinned = self.pinned
+            if not verdict.worse:
+                self.good = w.version
+                self.good_history.append(w.version)
+        if not verdict.worse:
+            self._save_serving()
+            self._record(SwapEvent("kept", w.version, w.good, verdict.reason, time.time()))
+            return False
+        if pinned is not None:
+            self._record(SwapEvent("alert", w.version, w.good, f"pinned, not rolled back: {verdict.reason}",
+                                   time.time()))
+            return False
+        self.rollback(verdict.reason)
+        return True
 
     def rollback(self, reason: str) -> int:
-        """Swap back to the predecessor (in memory) and move the registry's LATEST back."""
+        """Back to the last version that passed its watch (from a good version: the one before it); the
+        version left is refused for good. Refused under a pin (ValueError: unpin first)."""
         with self._lock:
-            bad, target = self.live_version, self.predecessor
-        if target is None or target == bad:
-            try:
-                target = self.registry.rollback(None, reason=reason)
-            except AdapterRejected as exc:
-                raise ValueError(f"nothing to roll back to: {exc.reason}") from None
-        elif target != 0:
-            try:
-                self.registry.rollback(target, reason=reason)
-            except AdapterRejected as exc:
-                log.warning("registry rollback to v%d failed (%s); swapping back in memory only",
-                            target, exc.reason)
-        if target in self.models:
-            model = self.models[target]
-        else:
+            if self.pinned is not None:
+                raise ValueError(f"the drafter is pinned to v{self.pinned}; unpin it before a rollback")
+            bad = self.live_version
+            history = [v for v in self.good_history if v != bad]
+            target = self.good if self.good != bad else (history[-1] if history else 0)
+        if bad == 0:
+            raise ValueError("nothing to roll back to: the startup drafter is served")
+        model = self.models.get(target)
+        if model is None:
             model, _ = load_drafter_version(self.registry, target, self.base)
+        moved = False
+        if self.registry.latest() == bad and target != 0:
+            try:
+                self.registry.rollback(target, reason=reason)  # moves LATEST back and refuses `bad`
+                moved = True
+            except AdapterRejected as exc:
+                log.warning("registry rollback to v%d failed (%s)", target, exc.reason)
+        if not moved:
+            self.registry.refuse(bad, f"rolled back: {reason}")
         with self._lock:
-            self.refused[bad] = f"rolled back: {reason}"
-            self.predecessor = None
+            self._remember_refusal(bad, f"rolled back: {reason}")
+            self.good = target
+            self.good_history = collections.deque([v for v in self.good_history if v != bad], maxlen=GOOD_HISTORY)
         self._swap(model, target, "rolled_back", reason + f" (from v{bad})")
         return target
 
     def pin(self, version: int | None) -> int:
-        """Serve exactly `version` (0 = the startup drafter) and stop auto-promotion; None unpins."""
+        """Serve exactly `version` (0 = the startup drafter) until unpinned (None); durable in the registry.
+        No automatic promotion or rollback overrides a pin: a failed watch under it only alerts."""
         if version is None:
             with self._lock:
                 old, self.pinned = self.pinned, None
@@ -412,25 +427,36 @@ class DrafterSwapper:
                     self.registry.unpin(old)
                 except (OSError, ValueError):
                     pass
+            self._save_serving()
             return self.live_version
         if version == 0:
-            model = self.models.get(0) or self.base
+            model = self.models[0]
         else:
             model, _ = load_drafter_version(self.registry, version, self.base)
             self.registry.pin(version)
         with self._lock:
             self.pinned = version
+            if self.watch is not None and self.watch.version != version:
+                self.watch = None
         if version != self.live_version:
             self._swap(model, version, "pinned", "pinned by admin")
+        else:
+            self._save_serving()
         return version
 
     def info(self) -> dict[str, Any]:
+        latest, positions = self.registry.latest(), self.heldout_positions()  # no file read under the lock
         with self._lock:
+            w = self.watch
             return {
                 "live_version": self.live_version,
-                "predecessor": self.predecessor,
+                "serving": getattr(self.scheduler.engine, "drafter_version", self.live_version),
+                "good": self.good,
                 "pinned": self.pinned,
-                "latest": self.registry.latest(),
+                "watch": None if w is None else {"version": w.version, "against": w.good, "records": len(w.records),
+                                                 "of": self.policy.rollback_window},
+                "latest": latest,
+                "heldout_positions": positions,
                 "refused": {str(k): v for k, v in self.refused.items()},
                 "counts": dict(self.counts),
                 "live_alpha": self.live_alpha(self.live_version),

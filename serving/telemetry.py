@@ -98,6 +98,8 @@ class ServerMetrics:
         elif kind == "rolled_back":
             self.m.record_rollback()
             self.m.set_versions(drafter_version=version)
+        elif kind == "restored":  # a restarted server serves its pin / last good version again
+            self.m.set_versions(drafter_version=version)
 
     def observe_rejected(self, reason: str) -> None:
         with self._lock:

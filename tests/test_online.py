@@ -44,6 +44,7 @@ def online_config(pair_dir: Path, run_dir: Path, *overrides: str) -> DviConfig:
         "trainer.batch_size=8",
         "trainer.learning_rate=0.003",
         "trainer.heldout_fraction=0.25",
+        "trainer.shadow_min_positions=16",
         "trainer.min_new_records=4",
         "trainer.poll_seconds=0.1",
         "trainer.reward_ramp_start=20",
@@ -240,7 +241,7 @@ def _swap_midway_and_compare(pair, drafter_v1, version, prompts, ref, k=3):
 
 @pytest.mark.parametrize("mode", ["lora", "full", "early_exit"])
 def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_pair_dir, tmp_path, mode) -> None:
-    extra = ["trainer.shadow_margin=1.0"]
+    extra = ["trainer.publish_margin=-1.0"]
     if mode == "full":
         extra.append("trainer.mode=full")
     cfg = online_config(tiny_pair_dir, tmp_path, *extra)
@@ -258,8 +259,8 @@ def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_
     assert v == 1 and reg.latest() == 1
     man = reg.manifest(v)
     for key in ("version", "parent_version", "target_version", "steps", "records_seen", "heldout_alpha", "created_at"):
-        assert key in man
-    assert man["steps"] == tr.step and man["records_seen"] == tr.records_seen and man["heldout_alpha"] is not None
+        assert key in man.as_dict()
+    assert man.steps == tr.step and man.records_seen == tr.records_seen and man.heldout_alpha is not None
     vdir = reg.version_dir(v)
     if mode == "lora":
         from peft import PeftModel
@@ -294,7 +295,7 @@ def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_
 def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pair_dir, tmp_path) -> None:
     from peft import PeftModel
 
-    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.shadow_margin=1.0")
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.publish_margin=-1.0")
     reg = DrafterRegistry(cfg.registry.dir)
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
     tr.train_on_records(prose[:32])
@@ -310,7 +311,7 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     blob = weights.read_bytes()
     weights.write_bytes(blob[: len(blob) // 2])  # torn / corrupted file
     with pytest.raises(AdapterRejected, match="does not load"):
-        reg.validate(v2)
+        reg.open_version(v2)
     with pytest.raises(AdapterRejected):
         reg.load_peft_adapter_into(live, v2)
     # NaNs and wrong shapes are refused too
@@ -328,10 +329,10 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     # the live drafter keeps serving, unchanged and lossless
     out = eng.generate(prompts, 16)
     assert [r.token_ids for r in out] == ref and {r.drafter_version for r in out} == {v1}
-    # the trainer survives a corrupt LATEST: it compares against the base and publishes again
+    # the trainer survives a corrupt LATEST: it compares with what is served (nothing recorded: the base)
     tr.train_on_records(prose[:16])
     d = tr.maybe_publish(force=True)
-    assert d["published"] == v2 + 1 and d["parent_version"] == v2
+    assert d["published"] == v2 + 1 and d["parent_version"] == 0
     # and a fresh trainer process start (no checkpoint) with a corrupt LATEST starts from the base
     (reg.dir / "LATEST").write_text(f"v{v2:06d}\n")
     tr2 = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
@@ -410,7 +411,8 @@ def test_crash_windows_never_train_twice_or_skip(pair, prose, tiny_pair_dir, tmp
 @pytest.mark.parametrize("overrides,kind", [((), "lora"), (("trainer.mode=full",), "full"),
                                             (("models.drafter_kind=early_exit",), "early_exit")])
 def test_from_config_loads_each_drafter_kind(prose, tiny_pair_dir, tmp_path, overrides, kind) -> None:
-    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.lora_targets=[q_proj,v_proj]", *overrides)
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.lora_targets=[q_proj,v_proj]",
+                        "trainer.publish_margin=-1.0", *overrides)
     tr = OnlineTrainer.from_config(cfg)
     assert tr.trainable.kind == kind and tr.registry is not None
     n_train = sum(p.numel() for p in tr.trainable.parameters())
@@ -434,7 +436,7 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
 
     ids = frequent_token_ids([r.token_ids for r in prose], n=16, always=[pair.tokenizer.eos_token_id])
     assert {t for r in prose for t in r.token_ids} - set(ids.tolist())  # some target tokens lie outside
-    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.shadow_margin=1.0",
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.publish_margin=-1.0",
                         *(["trainer.mode=full"] if mode == "full" else []))
     reg = DrafterRegistry(cfg.registry.dir)
     target = copy.deepcopy(pair.target)
@@ -448,7 +450,7 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
     st = tr.train_on_records(prose[:48])
     assert st["steps"] >= 1 and math.isfinite(st["loss"]) and math.isfinite(st["kl"])
     v = tr.maybe_publish(force=True)["published"]
-    assert reg.manifest(v)["draft_vocab_size"] == 16
+    assert reg.manifest(v).draft_vocab_size == 16
     new, _ = load_drafter_version(reg, v, make(ids))
     module = new.model if mode == "early_exit" else new
     assert torch.equal(find_subset_head(module).token_ids, torch.sort(ids).values)
@@ -470,12 +472,13 @@ def test_from_config_loads_the_configured_draft_vocabulary(prose, tiny_pair_dir,
     save_draft_vocab(tmp_path / "vocab", torch.arange(511, -1, -1), vocab_size=512)
     extra = ["models.drafter_kind=early_exit"] if kind == "early_exit" else []
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.lora_targets=[q_proj,v_proj]",
-                        f"models.draft_vocab={tmp_path / 'vocab'}", "models.draft_vocab_size=32", *extra)
+                        f"models.draft_vocab={tmp_path / 'vocab'}", "models.draft_vocab_size=32",
+                        "trainer.publish_margin=-1.0", *extra)
     tr = OnlineTrainer.from_config(cfg)
     assert tr.draft_vocab_size == 32
     st = tr.train_on_records(prose[:8])
     assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
-    assert tr.registry.manifest(1)["draft_vocab_size"] == 32
+    assert tr.registry.manifest(1).draft_vocab_size == 32
 
 
 def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_dir, tmp_path) -> None:
@@ -532,3 +535,22 @@ def test_trainer_ignores_a_mixed_precision_another_accelerator_fixed(pair, tiny_
                                        atol=0, rtol=0)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # leave no process-wide state to later tests
+
+
+def test_warmup_ramps_the_learning_rate_and_the_anchor_holds_weights_near_the_start(pair, prose, tiny_pair_dir,
+                                                                                  tmp_path) -> None:
+    """Issue 24 §2's knobs: `trainer.warmup_steps` ramps the LR linearly; `trainer.anchor_weight` pulls the
+    weights towards where the trainer started (a trust region), so the same steps move them less."""
+    def moved(*extra: str) -> tuple[float, float]:
+        cfg = online_config(tiny_pair_dir, tmp_path, "trainer.heldout_fraction=0", "trainer.mode=full", *extra)
+        tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
+        start = [p.detach().clone() for p in tr.trainable.parameters()]
+        tr.train_on_records(prose[:12])
+        lr = tr.optimizer.param_groups[0]["lr"]
+        return lr, float(sum(((p - s) ** 2).sum() for p, s in zip(tr.trainable.parameters(), start, strict=True)))
+
+    lr_free, free = moved()
+    lr_warm, warm = moved("trainer.warmup_steps=10")
+    assert lr_free == pytest.approx(0.003) and lr_warm == pytest.approx(0.003 * 2 / 10) and warm < free
+    _, anchored = moved("trainer.anchor_weight=1000")
+    assert anchored < free

@@ -20,6 +20,7 @@ import torch
 import yaml
 from test_online import engine_records, online_config
 
+from dvi import metrics as M
 from dvi.config import dump_config
 from dvi.feedback import FeedbackReader, FeedbackWriter
 from dvi.registry import DrafterRegistry
@@ -69,7 +70,7 @@ def test_trainer_sigkill_restart_resumes_exactly_once_pause_and_sigterm(tiny_pai
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=2", "trainer.publish_every_steps=4",
                         "trainer.min_new_records=2", "trainer.poll_seconds=0.1",
-                        "trainer.shadow_margin=1.0")
+                        "trainer.publish_margin=-1.0")
     config = tmp_path / "trainer.yaml"
     config.write_text(yaml.safe_dump(dump_config(cfg)))
     fb = Path(cfg.feedback.dir)
@@ -122,8 +123,8 @@ def test_trainer_sigkill_restart_resumes_exactly_once_pause_and_sigterm(tiny_pai
     reg = DrafterRegistry(cfg.registry.dir)
     latest = reg.latest()
     assert latest is not None
-    _, man = reg.validate(latest)
-    assert man["records_seen"] == sum(len(e["trained"]) for e in entries)
+    _, man = reg.open_version(latest)
+    assert man.records_seen == sum(len(e["trained"]) for e in entries)
 
 
 def test_python_m_trainers_online_is_dvi_train_online() -> None:
@@ -132,3 +133,64 @@ def test_python_m_trainers_online_is_dvi_train_online() -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "usage: dvi train" in out.stdout and "--online" in out.stdout
+
+
+def _tmp_dirs(reg: DrafterRegistry) -> set[str]:
+    from dvi.fsutil import TMP_PREFIX
+
+    try:
+        return {p.name for p in reg.dir.iterdir() if p.name.startswith(TMP_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+def test_trainer_kill9_during_publish_leaves_a_valid_registry_and_restarts(tiny_pair_dir, tmp_path) -> None:
+    """Issue 27 §7: SIGKILL the real trainer while a version is being written (its temp dir exists), three
+    times; every listed version and LATEST must validate each time, and the restarted trainer carries on."""
+    from dvi.models import load_pair
+    from dvi.registry import VERSION_RE
+
+    pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=2", "trainer.publish_every_steps=1",
+                        "trainer.min_new_records=2", "trainer.publish_margin=-1.0", "trainer.idle_replay_steps=1",
+                        "trainer.checkpoint_seconds=0")
+    config = tmp_path / "trainer.yaml"
+    config.write_text(yaml.safe_dump(dump_config(cfg)))
+    w = FeedbackWriter(Path(cfg.feedback.dir), shard_records=2)
+    for r in engine_records(pair, "prose", 32, max_new_tokens=16, prefix="k"):
+        w.write(r)
+    w.close()
+    reg = DrafterRegistry(cfg.registry.dir)
+    log = tmp_path / "trainer.log"
+    status = tmp_path / TRAINER_DIR / STATUS_FILE
+    for _ in range(3):
+        before = _tmp_dirs(reg)
+        proc = _start(config, log)
+        try:
+            _wait(lambda: bool(_tmp_dirs(reg) - before), 120, proc, "a publish in progress")  # noqa: B023
+        finally:
+            proc.kill()
+            proc.wait()
+        for v in reg.list_versions():
+            reg.open_version(v)  # never a half-written version under a version name
+        assert VERSION_RE.match((reg.dir / "LATEST").read_text().strip()) if reg.latest() else True
+        if reg.latest() is not None:
+            reg.open_version(reg.latest())
+
+    def step() -> int:
+        return json.loads(status.read_text())[M.TRAINER_STEP] if status.exists() else 0
+
+    n_versions, step0 = len(reg.list_versions()), step()
+    proc = _start(config, log)
+    try:
+        _wait(lambda: len(reg.list_versions()) > n_versions and step() > step0,
+              120, proc, "the restarted trainer to train and publish")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "resumed from checkpoint" in log.read_text()
+    reg.open_version(reg.latest())
+    assert not _tmp_dirs(reg), "the killed publishers' temp dirs were left behind"

@@ -33,11 +33,11 @@ def test_publish_layout_latest_and_load(tmp_path):
         assert f in man
     assert man["version"] == 1 and man["kind"] == "full" and man["parent_version"] is None
     v2 = reg.publish_full(sd(2), {"model_type": "llama"}, {"heldout_alpha": 0.5})
-    assert v2 == 2 and reg.latest() == 2 and reg.manifest(2)["parent_version"] == 1
-    state, man = reg.load(expected=sd(0))
-    assert man["version"] == 2 and torch.equal(state["a.weight"], sd(2)["a.weight"])
+    assert v2 == 2 and reg.latest() == 2 and reg.manifest(2).parent_version == 1
+    state, man = reg.open_version(reg.latest(), expected=sd(0))
+    assert man.version == 2 and torch.equal(state["a.weight"], sd(2)["a.weight"])
     # expected given as name -> (shape, dtype)
-    reg.load(1, expected={"a.weight": ((4, 3), "float32"), "b.bias": ([5], torch.float32)})
+    reg.open_version(1, expected={"a.weight": ((4, 3), "float32"), "b.bias": ([5], torch.float32)})
     assert not [p for p in os.listdir(tmp_path / "drafter") if p.startswith(".tmp")]
 
 
@@ -48,8 +48,8 @@ def test_publish_files_dict(tmp_path):
     p = tmp_path / "w.safetensors"
     save_file(sd(0), str(p))
     v = reg.publish({"adapter_model.safetensors": p, "adapter_config.json": b"{}"}, {"steps": 1})
-    assert reg.manifest(v)["kind"] == "lora"
-    reg.load(v, expected=sd(0))
+    assert reg.manifest(v).kind == "lora"
+    reg.open_version(v, expected=sd(0))
     with pytest.raises(ValueError, match="adapter_config.json"):
         reg.publish({"adapter_model.safetensors": p}, {})
 
@@ -74,7 +74,7 @@ def test_corrupt_versions_rejected(tmp_path, corrupt, reason):
     v = reg.publish_full(sd(), {"a": 1}, {})
     corrupt(reg.version_dir(v))
     with pytest.raises(AdapterRejected, match=reason) as ei:
-        reg.load(v, expected=sd())
+        reg.open_version(v, expected=sd())
     assert ei.value.version == v and ei.value.reason
 
 
@@ -95,9 +95,9 @@ def test_shape_dtype_names_nan_rejected(tmp_path):
     for state, reason in cases:
         v = reg.publish_full(state, {}, {})
         with pytest.raises(AdapterRejected, match=reason):
-            reg.load(v, expected=ref)
+            reg.open_version(v, expected=ref)
     with pytest.raises(AdapterRejected, match="does not exist"):
-        reg.load(999)
+        reg.open_version(999)
 
 
 def test_rollback_pin_gc(tmp_path):
@@ -159,7 +159,7 @@ def test_peft_publish_and_load_into(tmp_path):
 
     server = _tiny_peft(seed=2)  # same base shapes, different adapter values
     man = reg.load_peft_adapter_into(server, v)
-    assert man["version"] == v and man["kind"] == "lora"
+    assert man.version == v and man.kind == "lora"
     a = get_peft_model_state_dict(trained)
     b = get_peft_model_state_dict(server)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -187,18 +187,18 @@ def test_symlinked_version_or_file_outside_is_refused_missing_is_transient(tmp_p
     other = DrafterRegistry(tmp_path / "other")
     v = other.publish_full(sd(1), {"model_type": "llama"}, {})
     with pytest.raises(AdapterRejected) as exc:
-        reg.validate(1)
+        reg.open_version(1)
     assert exc.value.kind == "missing" and exc.value.transient
     os.symlink(other.version_dir(v), reg.version_dir(1))
     with pytest.raises(AdapterRejected) as exc:
-        reg.validate(1)
+        reg.open_version(1)
     assert exc.value.kind == "symlink" and not exc.value.transient
     v2 = reg.publish_full(sd(2), {"model_type": "llama"}, {})
     weights = reg.version_dir(v2) / "model.safetensors"
     weights.unlink()
     os.symlink(other.version_dir(v) / "model.safetensors", weights)
     with pytest.raises(AdapterRejected, match="outside the version directory"):
-        reg.validate(v2)
+        reg.open_version(v2)
 
 
 def test_peft_publish_named_adapter_round_trips(tmp_path):
@@ -217,3 +217,24 @@ def test_peft_publish_named_adapter_round_trips(tmp_path):
     want = get_peft_model_state_dict(trained, adapter_name="drafty")
     got = get_peft_model_state_dict(server, adapter_name="drafty")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_history_and_refusals_are_bounded(tmp_path, monkeypatch):
+    """Issue 27 §5: events.jsonl rotates (one old generation), REFUSED keeps the newest MAX_REFUSED, and a
+    rollback reads REFUSED, not the whole history."""
+    import dvi.registry as R
+    import dvi.registry_base as RB
+
+    monkeypatch.setattr(R, "EVENTS_MAX_BYTES", 2000)
+    monkeypatch.setattr(RB, "MAX_REFUSED", 5)
+    reg = DrafterRegistry(tmp_path, keep_last=100)
+    for i in range(12):
+        reg.publish_full(sd(i), {"model_type": "llama"}, {})
+    for v in range(1, 12):
+        reg.refuse(v, "x" * 100)
+    sizes = [(reg.dir / n).stat().st_size for n in ("events.jsonl", "events.1.jsonl")]
+    assert all(s <= 2000 + 400 for s in sizes)
+    assert sorted(reg.refusals()) == [7, 8, 9, 10, 11]
+    monkeypatch.setattr(DrafterRegistry, "events", lambda self: pytest.fail("rollback read the whole history"))
+    assert reg.rollback(None, reason="test") == 6  # 7-11 refused; 12 is LATEST
+    assert 12 in reg.refusals()

@@ -99,12 +99,12 @@ def test_two_replicas_one_accelerate_trainer_share_feedback_and_registry(tiny_pa
     from serving.demo import ServerProcess
 
     shared = [f"feedback.dir={tmp_path / 'shared' / 'feedback'}", f"registry.dir={tmp_path / 'shared' / 'registry'}",
-              "trainer.shadow_margin=1.0", "feedback.shard_records=4"]
+              "trainer.shadow_margin=1.0", "trainer.publish_margin=-1.0", "feedback.shard_records=4"]
     replicas = [tiny_config(tiny_pair_dir, tmp_path / name, *shared, "serve.trainer=external",
                             "serve.rollback_margin=1.0") for name in ("replica-a", "replica-b")]
     trainer_cfg = tiny_config(tiny_pair_dir, tmp_path / "trainer", *shared, "trainer.batch_size=4",
                               "trainer.min_new_records=2", "trainer.poll_seconds=0.2",
-                              "trainer.publish_every_steps=2", "trainer.heldout_fraction=0.25")
+                              "trainer.publish_every_steps=2")  # the replicas' held-out slice (tiny_config)
     trainer_dir = RunDir.of(trainer_cfg)
     fb = Path(trainer_cfg.feedback.dir)
     trainer = _launch_trainer(_write_config(trainer_cfg, tmp_path / "trainer.yaml"), tmp_path / "trainer.log")

@@ -30,6 +30,9 @@ def tiny_config(pair_dir: Path, run_dir: Path, *overrides: str) -> DviConfig:
         "speculation.num_draft_tokens=3",
         "sampling.max_new_tokens=24",
         f"serve.admin_token={TEST_ADMIN_TOKEN}",  # /health's details need it
+        # half the records held out, so that a few requests let the server shadow-check a candidate
+        "trainer.heldout_fraction=0.5",
+        "trainer.shadow_min_positions=16",
     ]
     return load_config(None, base + list(overrides))
 

@@ -9,7 +9,6 @@ generated positions trained on (the last T inputs of each row), k top-k entries 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +16,9 @@ import numpy as np
 import torch
 
 from dvi.feedback import FeedbackRecord
+from dvi.shadow import is_heldout
+
+__all__ = ["Batch", "Example", "build_batch", "is_heldout"]
 
 
 @dataclass
@@ -76,14 +78,6 @@ class Example:
             topk_logprobs=lps,
             hidden=rec.features(),
         )
-
-
-def is_heldout(request_id: str, fraction: float) -> bool:
-    """Deterministic held-out split by request id (same answer on every rank and restart)."""
-    if fraction <= 0:
-        return False
-    h = hashlib.sha256(("heldout/" + request_id).encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
 @dataclass

@@ -38,7 +38,8 @@ from dvi.config import DviConfig
 from dvi.feedback import FeedbackReader
 from dvi.registry import AdapterRejected
 from dvi.rundir import RunDir
-from trainers.online.collate import Example, is_heldout
+from dvi.shadow import is_heldout
+from trainers.online.collate import Example
 from trainers.online.trainer import OnlineTrainer
 
 log = logging.getLogger("dvi.trainer")
@@ -73,7 +74,7 @@ class TrainerLoop:
 
     # -- startup ----------------------------------------------------------------------------------
     def restore(self) -> None:
-        """Resume: weights/optimizer from the checkpoint (else LATEST from the registry), then the cursor."""
+        """Resume: weights/optimizer from the checkpoint (else the version the server serves), then the cursor."""
         t = self.trainer
         state = t.load_checkpoint(self.rundir.checkpoint_dir)  # every rank (the run dir is shared)
         if state is not None:
@@ -84,13 +85,15 @@ class TrainerLoop:
                 if t.is_main and int(entry["seq"]) > logged:
                     self._append_consumed(entry)  # killed between the checkpoint and its log append
             log.info("trainer: resumed from checkpoint at step %d (%d records trained)", t.step, t.records_seen)
-        elif t.registry is not None and (latest := t.registry.latest()) is not None:
+        elif t.registry is not None and (served := t.served_version()) != 0:
             try:
-                t.trainable.load_state(t.trainable.load_version(t.registry, latest))
-                t.last_published, t.last_published_state = latest, t.trainable.state()
-                log.info("trainer: no checkpoint; starting from registry LATEST v%d", latest)
+                t.trainable.load_state(t.trainable.load_version(t.registry, served))
+                t.last_published, t.last_published_state = served, t.trainable.state()
+                log.info("trainer: no checkpoint; starting from the served v%d", served)
             except (AdapterRejected, ValueError, OSError) as exc:
-                log.warning("trainer: LATEST v%d does not load into this drafter (%s); starting from the base", latest, exc)
+                log.warning("trainer: the served v%d does not load into this drafter (%s); starting from the base",
+                            served, exc)
+        t.reset_anchor()
         self._commit_prefix()
         self._warm_buffers()
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dvi.config import DviConfig
-from dvi.registry import AdapterRejected, DrafterRegistry
+from dvi.registry import DrafterRegistry, check_state_dict
 
 if TYPE_CHECKING:
     from dvi.drafters import Drafter
@@ -51,19 +51,13 @@ class Trainable(ABC):
         """Write the current weights to the registry; returns the new version."""
 
     def load_version(self, registry: DrafterRegistry, version: int) -> dict[str, torch.Tensor]:
-        """A published version's weights as a `state()`-shaped dict (validated by the registry)."""
-        sd, man = registry.validate(version)
-        if man.get("drafter_kind", self.kind) != self.kind and not (
-            self.kind in ("lora", "full") and man.get("drafter_kind") is None
-        ):
-            raise AdapterRejected(f"published by a {man.get('drafter_kind')!r} trainer, this is {self.kind!r}", version)
-        if man["kind"] != self.publish_kind:
-            raise AdapterRejected(f"kind is {man['kind']!r}, this trainer needs {self.publish_kind!r}", version)
+        """A published version's weights as a `state()`-shaped dict (checked by `DrafterRegistry.open_version`)."""
+        sd, _ = registry.open_version(version, drafter_kind=self.kind, publish_kind=self.publish_kind)
         own = self.state()
-        missing = [k for k in own if k not in sd and not k.endswith("lm_head.weight")]
-        bad = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
-        if missing or bad:
-            raise AdapterRejected(f"does not fit this drafter (missing {missing[:2]}, shape {bad[:2]})", version)
+        # a full version may leave out a tied lm_head; tensors this drafter does not train are ignored
+        need = {k: (tuple(v.shape), None) for k, v in own.items()
+                if not (self.kind == "full" and k.endswith("lm_head.weight") and k not in sd)}
+        check_state_dict({k: v for k, v in sd.items() if k in need}, need, version)
         return {k: sd[k].to(own[k].dtype) for k in own if k in sd}
 
 

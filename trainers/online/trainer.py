@@ -6,10 +6,12 @@ from the feedback log, and the drift benchmark and `trainers.rl` drive it direct
 `train_on_records(records)` turns records into batches (new records recent-first, a
 `replay_ratio` share of each batch replayed from older ones, stale target versions dropped or
 down-weighted), takes `trainers.losses.dvi_loss` steps (pure top-k KL first, the accept/reject
-reward ramped in), and holds back `heldout_fraction` of the records (by a hash of the request id)
-for evaluation. `maybe_publish()` compares the held-out shadow α (`dvi.shadow`) of the current
-weights with the registry's LATEST (the parent) and publishes only if it is not worse by
-`shadow_margin`. Checkpoints (weights, optimizer, counters) are the loop's resume point.
+reward ramped in; `warmup_steps` ramps the LR up, `anchor_weight` adds an L2 trust region towards the
+weights it started from), and holds back `heldout_fraction` of the records (by a hash of the request id)
+for evaluation (`dvi.shadow.is_heldout`). `maybe_publish()` compares the held-out shadow α
+(`dvi.shadow`) of the current weights with the version the server SERVES now (the registry's
+SERVING; 0 = the bootstrap drafter) and publishes only a candidate better by `publish_margin` on at
+least `shadow_min_positions` held-out positions; any other decision is logged with its reason. Checkpoints (weights, optimizer, counters) are the loop's resume point.
 
 Compute budget: with `trainer.feedback_tokens_per_step = N > 0` the trainer takes at most one step
 (new or replay) per N feedback tokens read (`feedback_tokens`: generated tokens of every record
@@ -38,12 +40,12 @@ from dvi.feedback import FeedbackRecord
 from dvi.registry import AdapterRejected, DrafterRegistry
 from dvi.results import fmt_rate
 from dvi.rundir import RunDir
-from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, shadow_alpha, shadow_passes
+from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, is_heldout, shadow_alpha, shadow_passes
 from dvi.vocab import find_subset_head
 from trainers.losses import batch_loss, chained_features
 from trainers.online.accel import make_accelerator
 from trainers.online.checkpoint import load_checkpoint, save_checkpoint
-from trainers.online.collate import Example, build_batch, is_heldout
+from trainers.online.collate import Example, build_batch
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
 if TYPE_CHECKING:
@@ -92,8 +94,10 @@ class OnlineTrainer:
         params = self.trainable.parameters()
         if not params:
             raise ValueError("the drafter has no trainable parameters")
-        lr = self.tc.eagle_learning_rate if self.trainable.kind == "eagle" else self.tc.learning_rate
-        opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.lr = self.tc.eagle_learning_rate if self.trainable.kind == "eagle" else self.tc.learning_rate
+        opt = torch.optim.AdamW(params, lr=self.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        # trust region: an L2 pull towards the weights the trainer started from (the served version)
+        self.anchor = [p.detach().clone() for p in params] if self.tc.anchor_weight > 0 else None
         self.module, self.optimizer = accelerator.prepare(self.trainable.module, opt)
         self.device = accelerator.device
         self.rng = random.Random(self.tc.seed)
@@ -298,6 +302,11 @@ class OnlineTrainer:
         if batch.features is not None and self.tc.eagle_chained:  # drafts 2..K read the head's own features
             loss = loss + batch_loss(self.module, batch, {"features": chained_features(batch, fwd)}, self.tc,
                                      self.step)[0]
+        if self.anchor is not None:
+            loss = loss + self.tc.anchor_weight * sum(((p - a) ** 2).sum() for p, a in
+                                                       zip(self.trainable.parameters(), self.anchor, strict=True))
+        for group in self.optimizer.param_groups:  # linear warm-up over the first trainer.warmup_steps steps
+            group["lr"] = self.lr * min(1.0, (self.step + 1) / max(1, self.tc.warmup_steps))
         acc.backward(loss)
         if self.tc.grad_clip:
             acc.clip_grad_norm_(self.trainable.parameters(), self.tc.grad_clip)
@@ -310,6 +319,11 @@ class OnlineTrainer:
                 "feature": float(feat_loss.detach()) if feat_loss is not None else 0.0,
                 "reward_weight": float(out.reward_weight), "tokens": float(batch.tokens),
                 "seconds": time.perf_counter() - t0}
+
+    def reset_anchor(self) -> None:
+        """Re-centre the trust region (`trainer.anchor_weight`) on the current weights (after a resume)."""
+        if self.anchor is not None:
+            self.anchor = [p.detach().clone() for p in self.trainable.parameters()]
 
     def shadow(self, records: Sequence[FeedbackRecord | Example] | None = None, state: Mapping[str, torch.Tensor] | None = None):
         """Shadow α (teacher-forced, `dvi.shadow`) of the current weights, or of `state`, on held-out records."""
@@ -328,23 +342,27 @@ class OnlineTrainer:
                 self.trainable.load_state(saved)
             self.module.train(was)
 
-    def _parent_state(self, parent: int | None) -> tuple[dict[str, torch.Tensor], int | None]:
-        """Weights of the version serving now (LATEST), to compare against; base if unknown."""
-        if parent is None:
-            return self.base_state, None
-        if parent == self.last_published and self.last_published_state is not None:
-            return self.last_published_state, parent
+    def _served_state(self, served: int) -> tuple[dict[str, torch.Tensor] | None, str]:
+        """Weights of the version the server serves now (0: the bootstrap drafter), or (None, why not)."""
+        if served == 0:
+            return self.base_state, ""
+        if served == self.last_published and self.last_published_state is not None:
+            return self.last_published_state, ""
         try:
-            return self.trainable.load_version(self.registry, parent), parent
+            return self.trainable.load_version(self.registry, served), ""
         except (AdapterRejected, OSError, ValueError) as exc:
-            log.warning("cannot compare against LATEST v%s (%s); comparing against the base drafter", parent, exc)
-            return self.base_state, None
+            return None, f"the served v{served} does not load here ({exc})"
+
+    def served_version(self) -> int:
+        """What the server serves now, as it recorded in the registry's SERVING (0 = the bootstrap drafter)."""
+        return self.registry.serving().version if self.registry is not None else 0
 
     def maybe_publish(self, force: bool = False) -> dict[str, Any] | None:
-        """Every `publish_every_steps` steps: shadow-check against LATEST, publish if not worse.
+        """Every `publish_every_steps` steps: compare with the SERVED version on held-out records; publish
+        only a candidate that is better by `publish_margin` on at least `shadow_min_positions` positions.
 
-        Returns the decision (published version or refusal reason), or None when not due. Only
-        the main process publishes; other ranks return None.
+        Returns the decision (published version, or why not: logged), or None when not due. Only the main
+        process publishes; other ranks return None.
         """
         if not force and self.step - self.last_publish_step < self.tc.publish_every_steps:
             return None
@@ -353,17 +371,16 @@ class OnlineTrainer:
         self.last_publish_step = self.step
         if not self.is_main:
             return None
-        parent = self.registry.latest() if self.registry is not None else None
-        parent_state, parent_cmp = self._parent_state(parent)
-        decision: dict[str, Any] = {"step": self.step, "parent_version": parent, "time": time.time()}
-        ok = self._shadow_check(parent_state, parent_cmp, decision)
+        served = self.served_version()
+        decision: dict[str, Any] = {"step": self.step, "parent_version": served, "time": time.time(),
+                                    "heldout_alpha": None, "parent_heldout_alpha": None, "heldout_records": 0,
+                                    "heldout_positions": 0}
+        ok = self._publish_check(served, decision)
         if self.registry is None or not ok:
             decision["published"] = None
-            if not ok:
-                decision["reason"] += f"; worse by more than {self.tc.shadow_margin}, not published"
-                log.info("trainer: not publishing at step %d: %s", self.step, decision["reason"])
+            log.info("trainer: not publishing at step %d: %s", self.step, decision["reason"])
         else:
-            version = self._publish(parent, decision)
+            version = self._publish(served, decision)
             decision["published"] = version
             log.info("trainer: published v%d at step %d: %s", version, self.step, decision["reason"])
         if decision.get("heldout_alpha") is not None:
@@ -375,22 +392,24 @@ class OnlineTrainer:
                   drafter_version=decision["published"])
         return decision
 
-    def _shadow_check(self, parent_state: Mapping[str, torch.Tensor], parent_cmp: int | None,
-                      decision: dict[str, Any]) -> bool:
-        """Held-out shadow α of the current weights vs the parent's, into `decision`; True if not worse."""
-        if len(self.heldout) >= 1:
-            new = self.shadow()
-            old = self.shadow(state=parent_state)
-            decision.update(heldout_alpha=new.alpha, parent_heldout_alpha=old.alpha, heldout_records=new.records,
-                            heldout_positions=new.positions)
-            ok = shadow_passes(new.alpha, old.alpha, self.tc.shadow_margin)
-            reason = (f"shadow α {fmt_rate(new.alpha, 4)} vs parent {fmt_rate(old.alpha, 4)} "
-                      f"(v{parent_cmp if parent_cmp is not None else 0})"
-                      f" on {new.records} held-out records")
-        else:
-            ok, reason = True, "no held-out records yet; published unchecked"
-            decision.update(heldout_alpha=None, parent_heldout_alpha=None, heldout_records=0, heldout_positions=0)
-        decision["reason"] = reason
+    def _publish_check(self, served: int, decision: dict[str, Any]) -> bool:
+        """Held-out shadow α of the current weights vs the served version's, into `decision`; True to publish."""
+        served_state, why = self._served_state(served)
+        if served_state is None:
+            decision["reason"] = why + "; not published"
+            return False
+        new = self.shadow()
+        if new.positions < self.tc.shadow_min_positions:
+            decision["reason"] = (f"{new.positions} held-out positions of the {self.tc.shadow_min_positions} a "
+                                  f"check needs; not published")
+            return False
+        old = self.shadow(state=served_state)
+        decision.update(heldout_alpha=new.alpha, parent_heldout_alpha=old.alpha, heldout_records=new.records,
+                        heldout_positions=new.positions)
+        ok = shadow_passes(new.alpha, old.alpha, -self.tc.publish_margin)  # new >= old + publish_margin
+        decision["reason"] = (f"held-out shadow α {fmt_rate(new.alpha, 4)} vs served v{served} "
+                              f"{fmt_rate(old.alpha, 4)} on {new.records} records ({new.positions} positions)"
+                              + ("" if ok else f"; not better by {self.tc.publish_margin}, not published"))
         return ok
 
     def _publish(self, parent: int | None, decision: Mapping[str, Any]) -> int:
