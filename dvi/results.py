@@ -90,6 +90,9 @@ class GenerationResult(DraftCounts):
     finish_reason: str | None = None
     token_logprobs: list[float] = field(default_factory=list)
     drafted_ids: list[int] = field(default_factory=list)
+    # per emitted token, who proposed its draft: 0 none, 1 model, 2 suffix_request, 3 suffix_global (dvi.emit)
+    draft_source: list[int] = field(default_factory=list)
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [steps, drafted, accepted]
     accepted: list[bool] = field(default_factory=list)
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
