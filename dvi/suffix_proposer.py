@@ -206,3 +206,25 @@ class HybridProposer(Proposer):
                 feats: torch.Tensor | None) -> None:
         self.learned.observe(draft, n, emitted, feats)
         self.suffix.observe(draft, n, emitted, feats)
+
+
+def build_proposer(kind: str, drafter: Drafter | None, vocab_size: int, device: torch.device | str,
+                   cache: SuffixCache | None = None, *, threshold: float = 1.0, max_tokens: int = 16,
+                   min_prob: float = 0.1) -> Proposer:
+    """The proposer of a drafter kind: `suffix` (the tree alone), `hybrid` (the tree, else `drafter`), or any
+    learned kind (`drafter` as is). `cache` defaults to a fresh `SuffixCache`; pass one to share it."""
+    from dvi.proposers import model_proposer
+
+    device = torch.device(device)
+    if kind not in ("suffix", "hybrid"):
+        return model_proposer(drafter, vocab_size, device)
+    if cache is None:
+        from dvi.suffix import SuffixCache
+
+        cache = SuffixCache()
+    sp = SuffixProposer(cache, vocab_size, device, max_tokens=max_tokens, min_prob=min_prob)
+    if kind == "suffix":
+        return sp
+    if drafter is None:
+        raise ValueError("drafter_kind hybrid needs a learned drafter")
+    return HybridProposer(model_proposer(drafter, vocab_size, device), sp, threshold)
