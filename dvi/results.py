@@ -104,6 +104,14 @@ class GenerationResult(DraftCounts):
     temperature: float = 0.0
     hidden: Any = None  # eagle drafters: the target's features f_0..f_{L-2}, fp16 tensor [L - 1, H]
 
+    def model_counts(self) -> tuple[int, int]:
+        """(drafted, accepted) of the learned drafter's own drafts (`hybrid`: suffix drafts left out); a result
+        without per-source counts drafted from the model only."""
+        if not self.by_source:
+            return self.num_drafted, self.num_accepted
+        c = self.by_source.get("model", [0, 0, 0])
+        return c[1], c[2]
+
 
 class Versions(NamedTuple):
     """The (target, drafter) weights versions a sequence was decoded with; every record carries both."""
