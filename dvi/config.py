@@ -99,6 +99,8 @@ class SuffixConfig(_Strict):
     # longest suffix draft (it costs no model pass; adaptive K prices its length against the verify cost)
     max_draft_tokens: int = Field(16, ge=1, le=32)
     min_prob: float = Field(0.1, gt=0, le=1)  # a proposal stops where its path probability falls below this
+    # new target weights (RL): finished outputs of a version `age` versions old count version_decay ** age
+    version_decay: float = Field(0.5, gt=0, le=1)
     # the global index of finished outputs: bounded by tokens and sequences, oldest evicted
     max_tokens: int = Field(1_000_000, ge=1)
     max_seqs: int = Field(10_000, ge=1)

@@ -188,6 +188,7 @@ class SpeculativeEngine:
         with torch.no_grad():
             self.target.load_state_dict(sd, strict=False)
         self.target_version = int(version)
+        self.proposer.target_updated(self.target_version)
         self._target_dirty = True
         self.acceptance.reset()
         if self.drafter is not None and self.drafter.shares_weights_with_target():
@@ -348,8 +349,7 @@ class SpeculativeEngine:
 
     def _observe_suffix_work(self) -> None:
         """The suffix tree's host work this step (lookups + appends), kept for /metrics (bounded)."""
-        sec = getattr(self.proposer, "step_seconds", None) or getattr(getattr(self.proposer, "suffix", None),
-                                                                      "step_seconds", None)
+        sec = self.proposer.step_seconds
         if sec is not None and len(self.suffix_step_seconds) < 4096:
             self.suffix_step_seconds.append(float(sec))
 

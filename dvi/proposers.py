@@ -72,6 +72,7 @@ class Proposer:
     drafter: Drafter | None = None  # the learned drafter, if any (what swaps and the trainer replace)
     max_tokens = 0  # longest draft it proposes beyond the learned drafter's K (suffix proposals)
     last_catchup = False  # the last model draft fed more than the usual 1-2 pending tokens a row
+    step_seconds: float | None = None  # host seconds of index work in the current step (suffix kinds)
 
     def admit(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
         """Rows `seqs` join at the end of the batch; `feats[i]` [len(prompt) - 1, H] when `needs_features`."""
@@ -118,6 +119,9 @@ class Proposer:
     def stats(self) -> dict:
         """Counters for /metrics (suffix: index size, hits, seconds spent on lookups)."""
         return {}
+
+    def target_updated(self, version: int) -> None:
+        """The target's weights changed to `version` (suffix: older outputs decay)."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device

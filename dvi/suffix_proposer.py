@@ -7,13 +7,17 @@ after a rejection samples from p with x removed (`dvi.sampling.point_mass_accept
 temperature. `hybrid`: per row and step the suffix proposal when its score clears `threshold`, else the
 learned drafter (`separate`, `eagle` or `early_exit`, a `dvi.proposers` proposer it wraps).
 
-Every finished row's output joins the cache's global index at once (`close_row` -> `SuffixCache.finish`);
-the time spent on lookups and appends is counted (`stats()["seconds"]`, on /metrics).
+Every finished row's output joins the cache's global index at once (`close_row`), with the last `prompt_tail`
+tokens of its prompt in front, so a later request with the same prompt (an RL prompt's next samples, its
+siblings still running, a repeated agent call) drafts its first tokens from it too. When the target's weights
+change (`target_updated`, RL), outputs of older versions decay: weight `version_decay ** age`. The time spent
+on lookups and appends is counted (`stats()["seconds"]`, on /metrics).
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +25,7 @@ import torch
 from dvi.proposers import Draft, Plan, Proposer
 
 if TYPE_CHECKING:
+    from dvi.config import SuffixConfig
     from dvi.drafters import Drafter
     from dvi.seq import BatchParams, Seq
     from dvi.suffix import SuffixCache
@@ -39,9 +44,12 @@ class SuffixProposer(Proposer):
     kind = "suffix"
 
     def __init__(self, cache: SuffixCache, vocab_size: int, device: torch.device, max_tokens: int = 16,
-                 min_prob: float = 0.1):
+                 min_prob: float = 0.1, prompt_tail: int = 16, version_decay: float = 0.5):
         super().__init__(vocab_size, device)
         self.cache, self.max_tokens, self.min_prob = cache, int(max_tokens), float(min_prob)
+        self.prompt_tail, self.version_decay = int(prompt_tail), float(version_decay)
+        self.version = 0  # the target's weights version (outputs of older ones decay)
+        self._versions: OrderedDict[str, int] = OrderedDict()  # finished seq id -> its target version (bounded)
         self.rids: list[str] = []
         self.seconds = 0.0  # host time in lookups and appends (the tree's own work)
         self.step_seconds = 0.0  # that time in the current step (the engine observes it per step)
@@ -65,12 +73,29 @@ class SuffixProposer(Proposer):
         """Nothing to rebuild: the tree holds tokens, not weights."""
 
     def close_row(self, i: int, seq: Seq, keep: bool) -> None:
+        """A finished row's prompt tail + output joins the global index now; an aborted one is forgotten."""
         t0 = time.perf_counter()
-        if keep:
-            self.cache.finish(self.rids[i], keep=True)
-        else:
-            self.cache.forget(self.rids[i])
+        rid = self.rids[i]
+        self.cache.forget(rid)
+        out = [int(t) for t in seq.res.token_ids]
+        if keep and out:
+            tail = [int(t) for t in seq.req.prompt_ids[len(seq.req.prompt_ids) - self.prompt_tail:]] \
+                if self.prompt_tail > 0 else []
+            self.cache.add_finished(rid, tail + out)
+            self._versions[rid] = self.version
+            self._versions.move_to_end(rid)
+            while len(self._versions) > 100_000:
+                self._versions.popitem(last=False)
         self._timed(t0)
+
+    def target_updated(self, version: int) -> None:
+        """New target weights: finished outputs of older versions count `version_decay ** age` in proposals."""
+        self.version = int(version)
+        for sid, v in list(self._versions.items()):
+            try:
+                self.cache.set_weight(sid, max(self.version_decay ** max(self.version - v, 0), 1e-6))
+            except ValueError:  # evicted from the bounded index meanwhile
+                del self._versions[sid]
 
     def with_drafter(self, drafter: Drafter | None) -> Proposer:
         """A learned drafter joins the suffix tree as a `hybrid` (score threshold 1 expected token)."""
@@ -146,6 +171,10 @@ class HybridProposer(Proposer):
     def last_catchup(self) -> bool:  # type: ignore[override]
         return self.learned.last_catchup
 
+    @property
+    def step_seconds(self) -> float:  # type: ignore[override]
+        return self.suffix.step_seconds
+
     def admit(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
         self.learned.admit(seqs, feats)
         self.suffix.admit(seqs, feats)
@@ -176,6 +205,9 @@ class HybridProposer(Proposer):
 
     def stats(self) -> dict:
         return self.suffix.stats()
+
+    def target_updated(self, version: int) -> None:
+        self.suffix.target_updated(version)
 
     def plan(self, seqs: list[Seq], k_cap: list[int]) -> Plan:
         sp = self.suffix.plan(seqs, k_cap)
@@ -209,22 +241,25 @@ class HybridProposer(Proposer):
 
 
 def build_proposer(kind: str, drafter: Drafter | None, vocab_size: int, device: torch.device | str,
-                   cache: SuffixCache | None = None, *, threshold: float = 1.0, max_tokens: int = 16,
-                   min_prob: float = 0.1) -> Proposer:
+                   cache: SuffixCache | None = None, settings: SuffixConfig | None = None) -> Proposer:
     """The proposer of a drafter kind: `suffix` (the tree alone), `hybrid` (the tree, else `drafter`), or any
-    learned kind (`drafter` as is). `cache` defaults to a fresh `SuffixCache`; pass one to share it."""
+    learned kind (`drafter` as is). `cache` defaults to a fresh `SuffixCache` bounded by `settings` (the config's
+    `suffix:` section; default: its defaults); pass one to share it."""
+    from dvi.config import SuffixConfig
     from dvi.proposers import model_proposer
 
     device = torch.device(device)
     if kind not in ("suffix", "hybrid"):
         return model_proposer(drafter, vocab_size, device)
+    sx = settings or SuffixConfig()
     if cache is None:
         from dvi.suffix import SuffixCache
 
-        cache = SuffixCache()
-    sp = SuffixProposer(cache, vocab_size, device, max_tokens=max_tokens, min_prob=min_prob)
+        cache = SuffixCache(max_tokens=sx.max_tokens, max_seqs=sx.max_seqs, max_depth=sx.max_depth)
+    sp = SuffixProposer(cache, vocab_size, device, max_tokens=sx.max_draft_tokens, min_prob=sx.min_prob,
+                        version_decay=sx.version_decay)
     if kind == "suffix":
         return sp
     if drafter is None:
         raise ValueError("drafter_kind hybrid needs a learned drafter")
-    return HybridProposer(model_proposer(drafter, vocab_size, device), sp, threshold)
+    return HybridProposer(model_proposer(drafter, vocab_size, device), sp, sx.threshold)

@@ -73,16 +73,13 @@ def load_serving_pair(cfg: DviConfig) -> ModelPair:
 def serving_proposer(cfg: DviConfig, pair: ModelPair):
     """The engine's drafter: the pair's learned drafter, or for `suffix` / `hybrid` the proposer over a
     `SuffixCache` bounded by `cfg.suffix` (hybrid: around the learned drafter). None: speculation off."""
-    from dvi.suffix import SuffixCache
     from dvi.suffix_proposer import build_proposer
 
-    spec, m, sx = cfg.speculation, cfg.models, cfg.suffix
+    spec, m = cfg.speculation, cfg.models
     if spec.num_draft_tokens == 0 and not spec.adaptive:
         return None
     if m.drafter_kind not in ("suffix", "hybrid"):
         return pair.drafter
     vocab = int(pair.target.get_output_embeddings().weight.shape[0])
     device = next(pair.target.parameters()).device
-    cache = SuffixCache(max_tokens=sx.max_tokens, max_seqs=sx.max_seqs, max_depth=sx.max_depth)
-    return build_proposer(m.drafter_kind, pair.drafter, vocab, device, cache, threshold=sx.threshold,
-                          max_tokens=sx.max_draft_tokens, min_prob=sx.min_prob)
+    return build_proposer(m.drafter_kind, pair.drafter, vocab, device, settings=cfg.suffix)

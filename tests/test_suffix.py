@@ -113,3 +113,33 @@ def test_suffix_server_learns_from_finished_requests_and_trains_nothing(suffix_s
     for name in (M.SUFFIX_INDEX_TOKENS, M.SUFFIX_LOOKUPS, M.SUFFIX_STEP_SECONDS, M.SOURCE_ACCEPTANCE_RATE):
         assert name in text, name
     assert f'{M.SOURCE_ACCEPTED_TOKENS}{{source="suffix_global"}}' in text
+
+
+def test_outputs_of_older_target_versions_decay():
+    """RL: a prompt's finished samples join the index with its prompt tail (later samples draft their first
+    tokens from them); after new weights, the newer version's continuation wins the vote."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dvi.suffix import SuffixCache
+    from dvi.suffix_proposer import SuffixProposer
+
+    cache = SuffixCache()
+    sp = SuffixProposer(cache, 50, torch.device("cpu"), max_tokens=4, min_prob=0.01, version_decay=0.25)
+    prompt = [1, 2, 3]
+
+    def finish(rid: str, out: list[int]) -> None:
+        cache.start(rid, prompt)
+        sp.rids = [rid]
+        sp.close_row(0, SimpleNamespace(req=SimpleNamespace(prompt_ids=prompt), res=SimpleNamespace(token_ids=out)),
+                     keep=True)
+
+    finish("old-a", [7, 8, 9])
+    finish("old-b", [7, 8, 9])
+    sp.target_updated(1)
+    finish("new", [5, 6, 4])
+    cache.start("next", prompt)
+    assert cache.propose("next", 4, min_prob=0.01).tokens[:1] == [5]  # 2 x 0.25 < 1
+    sp.target_updated(1)  # idempotent
+    assert cache.propose("next", 4, min_prob=0.01).tokens[:1] == [5]
