@@ -104,8 +104,8 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
     total_t, tokens, drafted, accepted, steps = 0.0, 0, 0, 0, 0
     ks: list[tuple[int, int]] = []  # (batch size, K) per step
     acc_n = tried_n = 0  # per-position (iid) acceptance: accepted / (accepted + first rejections)
-    acc_pos = [0] * engine.max_draft_tokens
-    dr_pos = [0] * engine.max_draft_tokens
+    acc_pos = [0] * engine.k_cap
+    dr_pos = [0] * engine.k_cap
     for bi, batch in enumerate(batches):
         for i, p in enumerate(batch):
             sp = SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed + 1000 * bi + i)
@@ -227,8 +227,13 @@ def build_drafters(pair, kinds: list[str], args) -> dict:
             out[kind] = EagleDrafter.load(pair.target, path, vocab_ids=ids)
         elif kind == "early_exit":
             out[kind] = EarlyExitDrafter(pair.target, args.early_exit_layers, lora_rank=0, vocab_ids=ids)
+        elif kind in ("suffix", "hybrid"):  # the suffix index (hybrid: else the separate drafter), config defaults
+            from dvi.suffix_proposer import build_proposer
+
+            vocab = int(pair.target.get_output_embeddings().weight.shape[0])
+            out[kind] = build_proposer(kind, SeparateDrafter(pair.drafter), vocab, next(pair.target.parameters()).device)
         else:
-            raise SystemExit(f"unknown drafter kind {kind!r}; expected separate, eagle or early_exit")
+            raise SystemExit(f"unknown drafter kind {kind!r}; expected separate, eagle, early_exit, suffix or hybrid")
     return out
 
 
