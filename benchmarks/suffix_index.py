@@ -42,6 +42,8 @@ RULES = {   # name -> propose keywords (the defaults: longest match, factor 2, m
     "scan+f2": {"scan": True, "max_spec_factor": 2.0},
     "f2+p0.3": {"min_prob": 0.3},
     "f2+p0.05": {"min_prob": 0.05},
+    "f2 uncalibrated": {"_calibrate": False},
+    "uncalibrated": {"_calibrate": False, "max_spec_factor": None},
 }
 
 
@@ -142,9 +144,14 @@ def fill_global(cache: SuffixCache, tok, n_tokens: int, seed: int) -> dict:
             "bytes_per_token": mem / max(n, 1)}
 
 
+BUCKETS = (1, 2, 3, 5, 8, 16, 64)   # match-length bucket upper bounds for the calibration table
+
+
 def replay(cache: SuffixCache, reqs, args, kw: dict, times: list | None = None) -> dict:
-    """Decode each request against its true continuation; returns per-step means."""
+    """Decode each request against its true continuation; returns per-step means and, per source and
+    match-length bucket, proposals / mean score / mean accepted (is the score calibrated?)."""
     steps = accepted = drafted = 0
+    calib: dict[str, list[float]] = {}
     for r, (prompt, truth) in enumerate(reqs):
         rid = ("r", r)
         cache.start(rid, prompt)
@@ -158,10 +165,16 @@ def replay(cache: SuffixCache, reqs, args, kw: dict, times: list | None = None) 
             while a < len(prop.tokens) and prop.tokens[a] == truth[i + a]:
                 a += 1
             emit = truth[i:i + a + 1]
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             cache.append(rid, emit)
-            if times is not None:
-                times.append((-(time.perf_counter() - t1), 0.0))   # negative: append timings
+            if times is not None:   # negative: append timings
+                times.append((-(time.perf_counter() - t1), -(time.thread_time() - c1)))
+            if prop.tokens:
+                b = next(u for u in BUCKETS if prop.match_len <= u)
+                row = calib.setdefault(f"{prop.source}/L<={b}", [0, 0.0, 0.0])
+                row[0] += 1
+                row[1] += prop.score
+                row[2] += a
             i += len(emit)
             steps += 1
             accepted += a
@@ -169,7 +182,9 @@ def replay(cache: SuffixCache, reqs, args, kw: dict, times: list | None = None) 
         cache.finish(rid)
     cost = steps + args.verify_cost * drafted
     return {"steps": steps, "accepted_per_step": accepted / steps, "drafted_per_step": drafted / steps,
-            "tokens_per_step": (accepted + steps) / steps, "speedup_est": (accepted + steps) / cost}
+            "tokens_per_step": (accepted + steps) / steps, "speedup_est": (accepted + steps) / cost,
+            "calibration": {k: {"n": n, "score": sc / n, "accepted": ac / n}
+                            for k, (n, sc, ac) in sorted(calib.items())}}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -191,27 +206,34 @@ def main(argv=None) -> int:
     prop_us = [1e6 * t for t, _ in times if t > 0]
     cpu_us = [1e6 * c for t, c in times if t > 0]
     app_us = [-1e6 * t for t, _ in times if t < 0]
+    app_cpu_us = [-1e6 * c for t, c in times if t < 0]
     costs = {**fill, "propose_median_us": statistics.median(prop_us), "propose_p99_us": pct(prop_us, 0.99),
              "propose_cpu_median_us": statistics.median(cpu_us), "propose_cpu_p99_us": pct(cpu_us, 0.99),
              "propose_max_us": max(prop_us), "append_median_us": statistics.median(app_us),
-             "append_p99_us": pct(app_us, 0.99), "proposes": len(prop_us)}
+             "append_p99_us": pct(app_us, 0.99), "append_cpu_median_us": statistics.median(app_cpu_us), "proposes": len(prop_us)}
     print(f"global index: {fill['tokens']} tokens in {fill['seqs']} seqs, {fill['bytes_per_token']:.1f} B/token, "
           f"bulk extend {fill['extend_bulk_us_per_token']:.2f} us/token "
           f"({fill['extend_bulk_cpu_us_per_token']:.2f} CPU)")
     print(f"propose (request + global, {len(prop_us)} calls): median {costs['propose_median_us']:.0f} us, "
           f"p99 {costs['propose_p99_us']:.0f} us, max {costs['propose_max_us']:.0f} us (thread CPU time: median "
           f"{costs['propose_cpu_median_us']:.0f} us, p99 {costs['propose_cpu_p99_us']:.0f} us); "
-          f"append median {costs['append_median_us']:.1f} us, p99 {costs['append_p99_us']:.1f} us")
+          f"append median {costs['append_median_us']:.1f} us (CPU {costs['append_cpu_median_us']:.1f}), "
+          f"p99 {costs['append_p99_us']:.1f} us")
     # Quality: every rule on every workload, each from an empty global index (history = earlier requests).
     quality: dict = {}
     print(f"\n{'workload':9} {'rule':14} {'acc/step':>8} {'draft/step':>10} {'tok/step':>8} {'speedup~':>8}")
     for w, reqs in loads.items():
         quality[w] = {}
         for rule in args.rules.split(","):
-            res = replay(SuffixCache(), reqs, args, RULES[rule])
+            kw = dict(RULES[rule])
+            res = replay(SuffixCache(calibrate=kw.pop("_calibrate", True)), reqs, args, kw)
             quality[w][rule] = res
             print(f"{w:9} {rule:14} {res['accepted_per_step']:8.2f} {res['drafted_per_step']:10.2f} "
                   f"{res['tokens_per_step']:8.2f} {res['speedup_est']:8.2f}")
+    print("\ncalibration of the default rule (mean score vs mean accepted per proposal):")
+    for w in loads:
+        for k, c in quality[w].get("longest+f2", {}).get("calibration", {}).items():
+            print(f"  {w:8} {k:18} n={c['n']:5d} score {c['score']:5.2f} accepted {c['accepted']:5.2f}")
     overhead = 1e-3 * costs["propose_cpu_median_us"] / args.step_ms
     goals = [
         # CPU time of the calling thread: the wall clock on a shared 2-core machine mostly measures
@@ -219,7 +241,7 @@ def main(argv=None) -> int:
         goal("propose median, CPU (us)", costs["propose_cpu_median_us"], 250, higher_is_better=False),
         goal("propose p99, CPU (us)", costs["propose_cpu_p99_us"], 500, higher_is_better=False),
         goal("extend bulk, CPU (us/token)", costs["extend_bulk_cpu_us_per_token"], 10, higher_is_better=False),
-        goal("append one step (us/call)", costs["append_median_us"], 10, higher_is_better=False),
+        goal("append one step, CPU (us/call)", costs["append_cpu_median_us"], 10, higher_is_better=False),
         goal("memory at 200k tokens (B/token)", costs["bytes_per_token"], 64, higher_is_better=False),
         goal("propose share of a decode step", overhead, 0.01, higher_is_better=False),
     ]

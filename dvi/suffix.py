@@ -6,10 +6,79 @@ why it is not a tree, is in `dvi.suffix_index`; everything a caller needs is imp
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 
 from dvi.suffix_index import MAX_TOKEN_ID, MAX_VOTERS, SuffixIndex, SuffixProposal, check_weight, token_list
 
-__all__ = ["MAX_VOTERS", "SuffixCache", "SuffixIndex", "SuffixProposal"]
+__all__ = ["MAX_VOTERS", "Calibrator", "SuffixCache", "SuffixIndex", "SuffixProposal"]
+
+_LEN_BUCKETS = (1, 2, 3, 5, 8, 16, 32)
+_POS_BUCKETS = (0, 1, 2, 3, 5, 8, 16)
+
+
+def _bucket(x: int, bounds: tuple[int, ...]) -> int:
+    return next((i for i, b in enumerate(bounds) if x <= b), len(bounds))
+
+
+class Calibrator:
+    """Online correction of a proposal's path probabilities from what the target then emitted.
+
+    The raw per-step share (SuffixDecoding's count ratio) is 1.0 whenever the matched occurrences
+    agree, so a short match seen once promises its whole continuation: replayed, matches of <= 3
+    tokens scored 2.6-5 expected tokens and got 0.7-1.5. Per (source, match-length bucket, draft
+    position bucket) this keeps the predicted step probabilities and the observed successes (a
+    position counts once it is observed with every earlier draft token confirmed; the target's
+    token is the observation, whichever drafter was used, which is what acceptance measures in law)
+    and scales each step by successes / predicted, starting at 1 (`prior` pseudo-observations).
+    Old evidence fades (sums halve past `horizon`), so a changing target re-calibrates."""
+
+    def __init__(self, prior: float = 4.0, horizon: float = 2000.0) -> None:
+        self.prior, self.horizon = float(prior), float(horizon)
+        self._sums: dict[tuple, list[float]] = {}
+
+    def _key(self, prop: SuffixProposal, j: int) -> tuple:
+        return prop.source, _bucket(prop.match_len, _LEN_BUCKETS), _bucket(j, _POS_BUCKETS)
+
+    def ratio(self, key: tuple) -> float:
+        pred, hit = self._sums.get(key, (0.0, 0.0))
+        return (hit + self.prior) / (pred + self.prior)
+
+    def adjust(self, prop: SuffixProposal, min_prob: float) -> SuffixProposal:
+        """`prop` with calibrated probs and score, cut where the probability falls below `min_prob`."""
+        probs, p, before = [], 1.0, 1.0
+        for j, raw in enumerate(prop.probs):
+            p *= min(1.0, raw / before * self.ratio(self._key(prop, j)))
+            before = raw
+            if p < min_prob:
+                break
+            probs.append(p)
+        return replace(prop, tokens=prop.tokens[:len(probs)], probs=probs, score=float(sum(probs)),
+                       raw_score=prop.score)
+
+    def observe(self, prop: SuffixProposal, emitted: Sequence[int]) -> None:
+        """Learn from the raw proposal `prop` and the tokens the target emitted after it."""
+        before = 1.0
+        for j, (tok, raw) in enumerate(zip(prop.tokens, prop.probs, strict=True)):
+            if j >= len(emitted):
+                break
+            sums = self._sums.setdefault(self._key(prop, j), [0.0, 0.0])
+            sums[0] += raw / before
+            sums[1] += tok == emitted[j]
+            before = raw
+            if sums[0] > self.horizon:
+                sums[0] *= 0.5
+                sums[1] *= 0.5
+            if tok != emitted[j]:
+                break
+
+    def table(self) -> dict[str, dict]:
+        """The learned ratios, for reports: 'source/L<=b/pos<=q' -> {predicted, hits, ratio}."""
+        out = {}
+        for key, (pred, hit) in sorted(self._sums.items()):
+            src, lb, pb = key
+            name = f"{src}/L<={(*_LEN_BUCKETS, 'inf')[lb]}/pos<={(*_POS_BUCKETS, 'inf')[pb]}"
+            out[name] = {"predicted": pred, "hits": hit, "ratio": self.ratio(key)}
+        return out
 
 
 class SuffixCache:
@@ -17,7 +86,10 @@ class SuffixCache:
     global index over recently finished outputs. propose() asks both and returns the higher-scoring
     proposal (ties: the request's own)."""
 
-    def __init__(self, max_tokens: int = 1_000_000, max_seqs: int = 10_000, max_depth: int = 64) -> None:
+    def __init__(self, max_tokens: int = 1_000_000, max_seqs: int = 10_000, max_depth: int = 64,
+                 *, calibrate: bool = True) -> None:
+        self.calibrator = Calibrator() if calibrate else None
+        self._pending: dict[Hashable, tuple[SuffixProposal, ...]] = {}
         self.global_index = SuffixIndex(max_tokens, max_seqs, max_depth, source="global")
         self.max_depth = self.global_index.max_depth
         self._requests: dict[Hashable, SuffixIndex] = {}
@@ -42,9 +114,12 @@ class SuffixCache:
         self._prompt_len[req_id] = len(toks)
 
     def append(self, req_id: Hashable, tokens: Sequence[int]) -> None:
-        """Record the tokens `req_id` emitted this step."""
+        """Record the tokens `req_id` emitted this step (they also grade the step's proposal)."""
         idx = self._request(req_id)
         toks = token_list(tokens)
+        if self.calibrator is not None:
+            for raw in self._pending.pop(req_id, ()):
+                self.calibrator.observe(raw, toks)
         idx.extend(req_id, toks)
         self._context[req_id].extend(toks)
 
@@ -61,6 +136,7 @@ class SuffixCache:
         self._requests.pop(req_id, None)
         self._context.pop(req_id, None)
         self._prompt_len.pop(req_id, None)
+        self._pending.pop(req_id, None)
 
     def add_finished(self, seq_id: Hashable, tokens: Sequence[int], weight: float = 1.0) -> None:
         """Add a finished output to the global index (other replicas' shards, RL siblings); an
@@ -77,13 +153,16 @@ class SuffixCache:
     def propose(self, req_id: Hashable, max_tokens: int, *, min_prob: float = 0.1,
                 max_match: int = 32, max_spec_factor: float | None = 2.0, scan: bool = False) -> SuffixProposal:
         """The better of the request's own and the global proposal for `req_id`'s next tokens
-        (keywords as `SuffixIndex.propose`)."""
+        (keywords as `SuffixIndex.propose`), compared by calibrated score when calibrating."""
         idx = self._request(req_id)
         ctx = self._context[req_id]
         self.lookups += 1
         kw = {"min_prob": min_prob, "max_match": max_match, "max_spec_factor": max_spec_factor, "scan": scan}
         local = idx.propose(ctx, max_tokens, **kw)
         remote = self.global_index.propose(ctx, max_tokens, exclude=req_id, **kw)
+        if self.calibrator is not None:
+            self._pending[req_id] = (local, remote)   # both are graded by the next append
+            local, remote = (self.calibrator.adjust(x, min_prob) for x in (local, remote))
         best = remote if remote.score > local.score else local
         if best.tokens:
             self.hits[best.source] += 1

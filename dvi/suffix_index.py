@@ -53,6 +53,7 @@ class SuffixProposal:
     score: float
     match_len: int
     source: str
+    raw_score: float | None = None   # before calibration (dvi.suffix.Calibrator), if calibrated
 
     @staticmethod
     def empty(source: str = "global") -> SuffixProposal:

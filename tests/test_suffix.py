@@ -237,3 +237,38 @@ def test_degenerate_inputs():
 def test_bad_arguments_raise_value_error_naming_them(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_calibrator_learns_from_emitted_tokens_and_cuts():
+    from dvi.suffix import Calibrator
+
+    cal = Calibrator(prior=1.0)
+    raw = SuffixProposal([5, 6, 7, 8], [1.0, 1.0, 1.0, 1.0], 4.0, 2, "global")
+    assert cal.adjust(raw, 0.1).probs == [1.0] * 4                  # no evidence: unchanged
+    for _ in range(20):
+        cal.observe(raw, [5, 9, 9, 9])                              # first token right, second wrong
+    adj = cal.adjust(raw, 0.1)
+    assert adj.raw_score == 4.0 and adj.tokens == [5] and adj.score == pytest.approx(1.0)
+    assert adj.probs == pytest.approx([1.0])                        # 21/21 then 1/21 < 0.1: cut
+    other = SuffixProposal([5, 6], [1.0, 1.0], 2.0, 30, "global")   # another match-length bucket
+    assert cal.adjust(other, 0.1).tokens == [5, 6]
+    cal.observe(raw, [5])                                           # censored: only position 0 seen
+    assert any(v["hits"] == 21 for v in cal.table().values())
+
+
+def test_cache_calibration_changes_the_choice_between_sources():
+    def cache(calibrate: bool) -> SuffixCache:
+        c = SuffixCache(calibrate=calibrate)
+        c.add_finished("g", [1, 2, 3, 4, 5, 6])
+        for step in range(60):                 # the global 2-token match keeps being wrong
+            c.start(step, [1, 2])
+            c.propose(step, 4, max_spec_factor=None)
+            c.append(step, [9, 9, 9])
+            c.forget(step)
+        c.start("r", [1, 2, 7, 1, 2])           # the request's own [1, 2] -> [7, 1, 2] (score 3)
+        return c
+
+    plain = cache(calibrate=False).propose("r", 4, max_spec_factor=None)
+    assert plain.tokens == [3, 4, 5, 6] and plain.source == "global" and plain.raw_score is None
+    learned = cache(calibrate=True).propose("r", 4, max_spec_factor=None)
+    assert learned.tokens == [7, 1, 2] and learned.source == "request" and learned.raw_score == 3.0
