@@ -146,6 +146,12 @@ class SuffixCache:
         self.global_index.remove(seq_id)
         self.global_index.extend(seq_id, toks, weight=w)
 
+    def clear(self) -> None:
+        """Empty the global index (live requests keep theirs, the calibration stays: it describes the
+        target, not the traffic); for benchmarks that replay the same prompts in several settings."""
+        g = self.global_index
+        self.global_index = SuffixIndex(g.max_tokens, g.max_seqs, g.max_depth, source="global")
+
     def set_weight(self, seq_id: Hashable, weight: float) -> None:
         """Reweight a finished output in the global index (RL: decay older target versions)."""
         self.global_index.set_weight(seq_id, weight)
