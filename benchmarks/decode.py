@@ -250,6 +250,15 @@ def build_drafters(pair, kinds: list[str], args, caches: list | None = None) -> 
 MODEL_FREE = ("suffix", "hybrid")
 
 
+def _draft_vocab(d) -> int | None:
+    """Draft vocabulary size of a drafter or of a hybrid's learned one (None: full, or a suffix drafter)."""
+    for obj in (d, getattr(d, "drafter", None)):
+        dv = getattr(obj, "draft_vocab", None)
+        if dv is not None:
+            return int(dv.numel())
+    return None
+
+
 def model_free_drafter(kind: str, target, learned, caches: list):
     """The engine drafter of `suffix` / `hybrid` (issue 26): the one place this benchmark builds them,
     from `dvi.suffix_proposer` (the engine's proposers) over a fresh `dvi.suffix.SuffixCache`, which is
@@ -399,8 +408,7 @@ def main(argv=None) -> int:
         models=dict(
             target_layers=target.config.num_hidden_layers, target_hidden=target.config.hidden_size,
             drafter_layers=pair.drafter.config.num_hidden_layers, vocab=target.config.vocab_size,
-            draft_vocab={k: None if d.draft_vocab is None else int(d.draft_vocab.numel())
-                         for k, d in drafters.items()},
+            draft_vocab={k: _draft_vocab(d) for k, d in drafters.items()},
         ),
         results=rows,
         goals=goals,

@@ -272,3 +272,12 @@ def test_cache_calibration_changes_the_choice_between_sources():
     assert plain.tokens == [3, 4, 5, 6] and plain.source == "global" and plain.raw_score is None
     learned = cache(calibrate=True).propose("r", 4, max_spec_factor=None)
     assert learned.tokens == [7, 1, 2] and learned.source == "request" and learned.raw_score == 3.0
+
+
+def test_clear_empties_the_global_index_only():
+    c = SuffixCache()
+    c.add_finished("g", [1, 2, 3])
+    c.start("r", [1, 2, 3, 1, 2])
+    c.clear()
+    assert c.stats()["seqs"] == 0 and c.stats()["requests"] == 1
+    assert c.propose("r", 2).tokens == [3, 1]
