@@ -39,6 +39,7 @@ RULES = {   # name -> propose keywords (the defaults: longest match, factor 2, m
     "scan": {"scan": True, "max_spec_factor": None},
     "longest+f1": {"max_spec_factor": 1.0},
     "longest+f2": {"max_spec_factor": 2.0},
+    "longest+f4": {"max_spec_factor": 4.0},
     "scan+f2": {"scan": True, "max_spec_factor": 2.0},
     "f2+p0.3": {"min_prob": 0.3},
     "f2+p0.05": {"min_prob": 0.05},

@@ -6,7 +6,6 @@ why it is not a tree, is in `dvi.suffix_index`; everything a caller needs is imp
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import replace
 
 from dvi.suffix_index import MAX_TOKEN_ID, MAX_VOTERS, SuffixIndex, SuffixProposal, check_weight, token_list
 
@@ -16,8 +15,12 @@ _LEN_BUCKETS = (1, 2, 3, 5, 8, 16, 32)
 _POS_BUCKETS = (0, 1, 2, 3, 5, 8, 16)
 
 
-def _bucket(x: int, bounds: tuple[int, ...]) -> int:
-    return next((i for i, b in enumerate(bounds) if x <= b), len(bounds))
+def _table(bounds: tuple[int, ...], size: int = 65) -> list[int]:
+    """x -> index of the first bound >= x (len(bounds) past the last), for x < size."""
+    return [next((i for i, b in enumerate(bounds) if x <= b), len(bounds)) for x in range(size)]
+
+
+_LEN_OF, _POS_OF = _table(_LEN_BUCKETS), _table(_POS_BUCKETS)
 
 
 class Calibrator:
@@ -36,8 +39,9 @@ class Calibrator:
         self.prior, self.horizon = float(prior), float(horizon)
         self._sums: dict[tuple, list[float]] = {}
 
-    def _key(self, prop: SuffixProposal, j: int) -> tuple:
-        return prop.source, _bucket(prop.match_len, _LEN_BUCKETS), _bucket(j, _POS_BUCKETS)
+    @staticmethod
+    def _key(prop: SuffixProposal, j: int) -> tuple:
+        return prop.source, _LEN_OF[min(prop.match_len, 64)], _POS_OF[min(j, 64)]
 
     def ratio(self, key: tuple) -> float:
         pred, hit = self._sums.get(key, (0.0, 0.0))
@@ -52,8 +56,8 @@ class Calibrator:
             if p < min_prob:
                 break
             probs.append(p)
-        return replace(prop, tokens=prop.tokens[:len(probs)], probs=probs, score=float(sum(probs)),
-                       raw_score=prop.score)
+        return SuffixProposal(prop.tokens[:len(probs)], probs, float(sum(probs)), prop.match_len, prop.source,
+                              raw_score=prop.score)
 
     def observe(self, prop: SuffixProposal, emitted: Sequence[int]) -> None:
         """Learn from the raw proposal `prop` and the tokens the target emitted after it."""
@@ -120,7 +124,7 @@ class SuffixCache:
         if self.calibrator is not None:
             for raw in self._pending.pop(req_id, ()):
                 self.calibrator.observe(raw, toks)
-        idx.extend(req_id, toks)
+        idx.extend_checked(req_id, toks)
         self._context[req_id].extend(toks)
 
     def finish(self, req_id: Hashable, keep: bool = True) -> None:

@@ -163,14 +163,17 @@ class SuffixIndex:
     def extend(self, seq_id: Hashable, tokens: Sequence[int], weight: float = 1.0) -> None:
         """Append `tokens` to `seq_id`, creating it with `weight` if new (an existing sequence keeps
         its weight; `set_weight` changes it). Evicts the oldest sequences past the bounds."""
-        toks = token_list(tokens)
+        self.extend_checked(seq_id, token_list(tokens), weight)
+
+    def extend_checked(self, seq_id: Hashable, toks: list[int], weight: float = 1.0) -> None:
+        """`extend` for tokens `token_list` already checked (a per-step caller validates once)."""
         slot = self._slots.get(seq_id)
         if slot is None:
             slot = self._new_slot(seq_id, check_weight(weight))
-        k = len(toks)
-        if k:
+        if toks:
             self._append(slot, toks)
-        self._evict()
+        if self._live > self.max_tokens or len(self._slots) > self.max_seqs:
+            self._evict()
 
     def _new_slot(self, seq_id: Hashable, weight: float) -> int:
         slot = len(self._last)
@@ -310,7 +313,11 @@ class SuffixIndex:
             raise ValueError(f"max_spec_factor must be > 0 or None, got {max_spec_factor!r}")
         self.lookups += 1
         budget = min(int(max_tokens), self.max_depth)
-        ctx = [int(t) for t in context[-min(max_match, self.max_depth):]]
+        ctx = context[-min(max_match, self.max_depth):]
+        if not isinstance(ctx, list):
+            ctx = [int(t) for t in ctx]
+        if ctx and min(ctx) < 0:
+            raise ValueError("context must hold token ids >= 0")
         if budget == 0 or not ctx:
             return SuffixProposal.empty(self.source)
         best = SuffixProposal.empty(self.source)

@@ -225,6 +225,7 @@ def test_degenerate_inputs():
     (lambda: SuffixIndex().set_weight("a", 1.0), "seq_id"),
     (lambda: SuffixIndex().tokens("a"), "seq_id"),
     (lambda: SuffixIndex().propose([1], -1), "max_tokens"),
+    (lambda: SuffixIndex().propose([3, -1], 4), "context"),
     (lambda: SuffixIndex().propose([1], 4, min_prob=1.5), "min_prob"),
     (lambda: SuffixIndex().propose([1], 4, max_match=0), "max_match"),
     (lambda: SuffixIndex().propose([1], 4, max_spec_factor=0), "max_spec_factor"),
