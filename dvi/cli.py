@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dvi.config import PRESETS, SECRET_KEYS, ConfigError, dump_config, load_config
 
-BENCHMARKS = ("decode", "drift", "serve_load", "rl")
+BENCHMARKS = ("decode", "drift", "serve_load", "rl", "suffix_index")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

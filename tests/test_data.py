@@ -76,3 +76,17 @@ def test_prompt_stream_deterministic_and_in_range(tiny_pair_dir):
     held = "".join(data.held_out_docs("prose"))
     p = next(data.prompt_stream("prose", tok, prompt_tokens=(4, 4), seed=0))
     assert tok.decode(p) in held
+
+
+def test_agentic_instructions_repeat_a_few_functions_deterministically():
+    import itertools
+
+    from dvi.data import AGENTIC_EDITS, agentic_instructions
+
+    first = [m[0]["content"] for m in itertools.islice(agentic_instructions(seed=1), 40)]
+    assert first == [m[0]["content"] for m in itertools.islice(agentic_instructions(seed=1), 40)]
+    funcs = {x.split("```python")[1].split("```")[0] for x in first}
+    assert len(funcs) <= 12 and len(funcs) < len(first) // 2          # functions recur: history repeats
+    assert all(any(e in x for e in AGENTIC_EDITS) for x in first)
+    with pytest.raises(ValueError, match="split"):
+        next(agentic_instructions("nope"))
