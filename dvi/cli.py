@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dvi.config import PRESETS, SECRET_KEYS, ConfigError, dump_config, load_config
 
-BENCHMARKS = ("decode", "drift", "serve_load", "rl", "suffix_index")
+BENCHMARKS = ("decode", "drift", "serve_load", "rl", "suffix_index", "suffix_b1")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -57,9 +57,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("dvi train: only --online is a training command; offline distillation runs in `dvi bootstrap`",
               file=sys.stderr)
         return 2
+    cfg = _config(args)
+    if cfg.models.learned_kind is None:
+        print("dvi train: models.drafter_kind is suffix: there is no learned drafter to train "
+              "(hybrid trains its models.hybrid_kind)", file=sys.stderr)
+        return 2
     from trainers.online import run_trainer
 
-    return run_trainer(_config(args))
+    return run_trainer(cfg)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -143,3 +143,10 @@ def test_outputs_of_older_target_versions_decay():
     assert cache.propose("next", 4, min_prob=0.01).tokens[:1] == [5]  # 2 x 0.25 < 1
     sp.target_updated(1)  # idempotent
     assert cache.propose("next", 4, min_prob=0.01).tokens[:1] == [5]
+
+
+def test_dvi_train_refuses_suffix_with_a_clear_message(capsys):
+    from dvi.cli import main
+
+    assert main(["train", "--online", "models.drafter_kind=suffix"]) == 2
+    assert "no learned drafter to train" in capsys.readouterr().err
