@@ -25,20 +25,22 @@ from dvi.results import acceptance_rate, mean_accepted_length
 SYSTEMS = ("off", "separate", "suffix", "hybrid")
 
 
-def _engines(pair, k_cap: int, threshold: float) -> dict[str, SpeculativeEngine]:
+def _engines(pair, k_cap: int, threshold: float, systems: list[str]) -> dict[str, SpeculativeEngine]:
     from dvi.config import SuffixConfig
     from dvi.drafters import SeparateDrafter
     from dvi.suffix_proposer import build_proposer
 
     vocab = int(pair.target.get_output_embeddings().weight.shape[0])
     sx = SuffixConfig(max_draft_tokens=k_cap, threshold=threshold)
-    drafter = SeparateDrafter(pair.drafter)
+    drafter = SeparateDrafter(pair.drafter) if pair.drafter is not None else None
     out = {"off": SpeculativeEngine(pair.target, None)}
-    out["separate"] = SpeculativeEngine(pair.target, drafter, adaptive=True)
+    if "separate" in systems:
+        out["separate"] = SpeculativeEngine(pair.target, drafter, adaptive=True)
     for kind in ("suffix", "hybrid"):
-        out[kind] = SpeculativeEngine(pair.target, build_proposer(kind, drafter, vocab, "cpu", settings=sx),
-                                      adaptive=True)
-    return out
+        if kind in systems:
+            out[kind] = SpeculativeEngine(pair.target, build_proposer(kind, drafter, vocab, "cpu", settings=sx),
+                                          adaptive=True)
+    return {s: out[s] for s in systems}
 
 
 def _run(eng: SpeculativeEngine, prompt: list[int], n: int, rid: str) -> dict:
@@ -92,19 +94,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-cap", type=int, default=16, help="longest suffix draft")
     ap.add_argument("--threshold", type=float, default=1.0, help="hybrid's suffix score threshold")
     ap.add_argument("--root", default=None, help="models cache root (default: dvi.embedded's)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="subset of off,separate,suffix,hybrid")
+    ap.add_argument("--pair-dir", default=None, help="a dir with target/ and tokenizer/ (and drafter/) instead of "
+                    "the built preset (suffix needs no drafter)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     from dvi.models import load_embedded_pair
 
-    pair = load_embedded_pair(a.preset, a.root)
+    if a.pair_dir:
+        from dvi.models import load_pair, serving_dtype
+
+        d = Path(a.pair_dir)
+        pair = load_pair(d / "target", d / "drafter" if (d / "drafter").is_dir() else None, d / "tokenizer",
+                         device="cpu", dtype=serving_dtype(a.preset, "auto", "cpu"))
+    else:
+        pair = load_embedded_pair(a.preset, a.root)
     tok = pair.tokenizer
-    engines = _engines(pair, a.k_cap, a.threshold)
+    systems = [s for s in a.systems.split(",") if s]
+    engines = _engines(pair, a.k_cap, a.threshold, systems)
     with torch.inference_mode():
         for e in engines.values():
             e.calibrate([1])
-    verify_ms = {k: round(v * 1e3, 2) for k, v in sorted(engines["suffix"].controller.costs.verify[1].items())}
-    print("calibrated verify ms per K at batch 1 (suffix engine):", verify_ms, flush=True)
+    sfx = engines.get("suffix") or engines.get("hybrid")
+    verify_ms = {k: round(v * 1e3, 2) for k, v in sorted(sfx.controller.costs.verify[1].items())} if sfx else {}
+    print("calibrated verify ms per K at batch 1 (suffix engine):", verify_ms, "dtype", pair.target.dtype, flush=True)
     warm = prompt_source("code", tok, 99)
     for name, e in engines.items():
         _run(e, next(warm), 16, f"warm-{name}")
@@ -112,16 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     for w in a.workloads.split(","):
         stream = prompt_source("code" if w == "repeat" else w, tok, 0)
         prompts = _repeat_prompts(tok, 0, a.prompts) if w == "repeat" else [next(stream) for _ in range(a.prompts)]
-        runs: dict[str, list] = {s: [] for s in SYSTEMS}
+        runs: dict[str, list] = {s: [] for s in systems}
         for i, p in enumerate(prompts):
-            order = SYSTEMS[i % 4:] + SYSTEMS[: i % 4]
+            order = systems[i % len(systems):] + systems[: i % len(systems)]
             for s in order:
                 runs[s].append(_run(engines[s], p, a.n, f"{w}-{i}-{s}"))
             ref = runs["off"][-1]["token_ids"]
-            same = {s: runs[s][-1]["token_ids"] == ref for s in SYSTEMS}
+            same = {s: runs[s][-1]["token_ids"] == ref for s in systems}
             print(f"{w} prompt {i}: same output as off: {same}", flush=True)
         res = {s: _summary(r) for s, r in runs.items()}
-        for s in SYSTEMS:
+        for s in systems:
             res[s]["speedup_vs_off"] = res[s]["tokens_per_s"] / res["off"]["tokens_per_s"]
         out["workloads"][w] = res
         for s, r in res.items():
