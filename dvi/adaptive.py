@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 
 __all__ = [
     "expected_tokens", "choose_k", "choose_point_k", "predicted_speedup", "CostModel", "AdaptiveK", "AdaptiveTuning",
-    "batch_bucket", "CalibrationRows", "Calibrated", "calibrate",
+    "batch_bucket", "CalibrationRows", "Calibrated", "calibrate", "GoodputGuard",
 ]
 
 
@@ -390,6 +390,38 @@ class AdaptiveK:
         spec_tokens = sum(expected_tokens(a, k) for a in alphas)
         saved_per_step = spec_tokens * cached.verify[0] / len(alphas) - t_k
         return saved_per_step * self.catchup_horizon >= catchup
+
+
+class GoodputGuard:
+    """Measured tokens/s per row of drafting vs plain steps, per batch bucket: the check on a cost model's promise
+    (suffix drafts at batch 16: predicted gains, measured 0.82x of plain). `allow(b)` is False while plain steps
+    measured faster by `margin` (or are not measured yet, once drafting is); after `retry_every` refusals the
+    drafting samples are forgotten, so it is tried again."""
+
+    def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256):
+        self.window, self.margin, self.retry_every = window, margin, retry_every
+        self._rates: dict[tuple[int, bool], deque] = {}
+        self._refused: dict[int, int] = {}
+
+    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if seconds > 0 and batch > 0:
+            key = (batch_bucket(batch), drafted)
+            self._rates.setdefault(key, deque(maxlen=self.window)).append(tokens / (seconds * batch))
+
+    def allow(self, batch: int) -> bool:
+        b = batch_bucket(batch)
+        spec, plain = self._rates.get((b, True)), self._rates.get((b, False))
+        need = max(2, self.window // 2)
+        if spec is None or len(spec) < need:
+            return True
+        if plain is not None and len(plain) >= need and \
+                statistics.median(spec) >= self.margin * statistics.median(plain):
+            return True
+        n = self._refused[b] = self._refused.get(b, 0) + 1
+        if n >= self.retry_every:
+            self._rates.pop((b, True), None)
+            self._refused[b] = 0
+        return False
 
 
 class CalibrationRows(Protocol):

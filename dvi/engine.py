@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dvi.acceptance import AcceptanceTracker
-from dvi.adaptive import AdaptiveK, CostModel, batch_bucket, choose_point_k
+from dvi.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
 from dvi.calibration_rows import calibrate_bucket
 from dvi.drafters import Drafter, model_forward
 from dvi.emit import append_tokens, count_drafts, emitted
@@ -96,6 +96,7 @@ class SpeculativeEngine:
         self._set_drafter(drafter)
         self._plan = Plan()
         self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
+        self.suffix_guard = GoodputGuard()  # suffix drafts' measured goodput vs plain steps (adaptive)
         self.costs = CostModel()  # online step timings (reporting); K is chosen from calibrated costs
         self.acceptance = AcceptanceTracker()
         # Adaptive K optimises the completion of the current batch (its slowest row) when True, plain
@@ -341,17 +342,15 @@ class SpeculativeEngine:
         # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
         self._tkv.maybe_compact(0.3 if k else 0.1)
         self.proposer.maybe_compact()
-        self._observe_suffix_work()
-        # The goodput guard compares the learned drafter's steps with plain ones: suffix steps are neither.
-        if self.adaptive and not self._plan.suffix and not (k_model > 0 and self.proposer.last_catchup):
-            self.controller.observe_step(b, k, n_new, time.perf_counter() - t0)
-        return outs
-
-    def _observe_suffix_work(self) -> None:
-        """The suffix tree's host work this step (lookups + appends), kept for /metrics (bounded)."""
-        sec = self.proposer.step_seconds
+        sec = self.proposer.step_seconds  # the suffix tree's host work this step, for /metrics (bounded)
         if sec is not None and len(self.suffix_step_seconds) < 4096:
             self.suffix_step_seconds.append(float(sec))
+        dt = time.perf_counter() - t0
+        if self.adaptive and not self._plan.suffix and not (k_model > 0 and self.proposer.last_catchup):
+            self.controller.observe_step(b, k, n_new, dt)
+        if self.adaptive and sec is not None and not k_model:
+            self.suffix_guard.observe(b, k > 0, n_new, dt)
+        return outs
 
     def _count_tokens(self, k: int, n: int) -> None:
         """Tokens emitted, and those emitted by steps that drafted (K > 0): the share of a workload speculated."""
@@ -385,6 +384,8 @@ class SpeculativeEngine:
         longest = max(len(p.tokens) for p in plan.suffix.values())
         if not self.adaptive:
             return longest
+        if not self.suffix_guard.allow(batch):
+            return 0
         if self.controller.needs_calibration(batch):
             self._calibrate(batch)
         b = batch_bucket(batch)

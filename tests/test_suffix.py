@@ -150,3 +150,21 @@ def test_dvi_train_refuses_suffix_with_a_clear_message(capsys):
 
     assert main(["train", "--online", "models.drafter_kind=suffix"]) == 2
     assert "no learned drafter to train" in capsys.readouterr().err
+
+
+def test_goodput_guard_stops_drafting_that_measures_slower():
+    from dvi.adaptive import GoodputGuard
+
+    g = GoodputGuard(window=4, margin=1.05, retry_every=3)
+    assert g.allow(16)  # nothing measured
+    for _ in range(2):
+        g.observe(16, True, 20, 0.4)  # 3.1 tokens/s/row drafting
+    assert not g.allow(16)  # plain not measured yet: measure it
+    for _ in range(2):
+        g.observe(16, False, 16, 0.2)  # 5 tokens/s/row plain
+    assert not g.allow(16) and g.allow(1)  # plain wins in this bucket only
+    assert not g.allow(16)  # the third refusal forgets the drafting samples...
+    assert g.allow(16)  # ...so drafting is tried again
+    for _ in range(2):
+        g.observe(16, True, 40, 0.3)
+    assert g.allow(16)
