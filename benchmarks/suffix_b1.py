@@ -1,4 +1,4 @@
-"""Batch-1 greedy decoding of the suffix and hybrid kinds against `separate` and speculation off (issue 26).
+"""Batch-1 greedy decoding of the suffix and hybrid kinds against a learned kind (`separate`, or `early_exit`) and speculation off (issue 26).
 
 The real pair (SmolLM2-135M-Instruct, the preset's serving dtype), one thread, batch 1, greedy, `--n` new tokens,
 held-out code and chat prompts plus a `repeat` workload where history repeats (the prompt holds code and asks
@@ -22,20 +22,32 @@ from benchmarks.decode import prompt_source
 from dvi.engine import Request, SamplingParams, SpeculativeEngine
 from dvi.results import acceptance_rate, mean_accepted_length
 
-SYSTEMS = ("off", "separate", "suffix", "hybrid")
+SYSTEMS = ("off", "learned", "suffix", "hybrid")
 
 
-def _engines(pair, k_cap: int, threshold: float, systems: list[str]) -> dict[str, SpeculativeEngine]:
+def _learned(pair, a):
+    """The learned drafter: the pair's separate one, or (`--learned early_exit`) the saved early-exit dir."""
+    from dvi.drafters import EarlyExitDrafter, SeparateDrafter
+
+    if a.learned == "separate":
+        return SeparateDrafter(pair.drafter) if pair.drafter is not None else None
+    from dvi.models import preset_draft_vocab
+    from dvi.vocab import load_draft_vocab
+
+    path = Path(a.pair_dir) / "early_exit"
+    rows = int(pair.target.get_output_embeddings().weight.shape[0])
+    return EarlyExitDrafter.load(pair.target, path, vocab_ids=load_draft_vocab(path, preset_draft_vocab(a.preset), rows))
+
+
+def _engines(pair, drafter, k_cap: int, threshold: float, systems: list[str]) -> dict[str, SpeculativeEngine]:
     from dvi.config import SuffixConfig
-    from dvi.drafters import SeparateDrafter
     from dvi.suffix_proposer import build_proposer
 
     vocab = int(pair.target.get_output_embeddings().weight.shape[0])
     sx = SuffixConfig(max_draft_tokens=k_cap, threshold=threshold)
-    drafter = SeparateDrafter(pair.drafter) if pair.drafter is not None else None
     out = {"off": SpeculativeEngine(pair.target, None)}
-    if "separate" in systems:
-        out["separate"] = SpeculativeEngine(pair.target, drafter, adaptive=True)
+    if "learned" in systems:
+        out["learned"] = SpeculativeEngine(pair.target, drafter, adaptive=True)
     for kind in ("suffix", "hybrid"):
         if kind in systems:
             out[kind] = SpeculativeEngine(pair.target, build_proposer(kind, drafter, vocab, "cpu", settings=sx),
@@ -94,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-cap", type=int, default=16, help="longest suffix draft")
     ap.add_argument("--threshold", type=float, default=1.0, help="hybrid's suffix score threshold")
     ap.add_argument("--root", default=None, help="models cache root (default: dvi.embedded's)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="subset of off,separate,suffix,hybrid")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="subset of off,learned,suffix,hybrid")
+    ap.add_argument("--learned", default="separate", choices=["separate", "early_exit"],
+                    help="the learned kind (alone and in hybrid); early_exit needs --pair-dir with early_exit/")
     ap.add_argument("--pair-dir", default=None, help="a dir with target/ and tokenizer/ (and drafter/) instead of "
                     "the built preset (suffix needs no drafter)")
     ap.add_argument("--json", default=None)
@@ -112,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         pair = load_embedded_pair(a.preset, a.root)
     tok = pair.tokenizer
     systems = [s for s in a.systems.split(",") if s]
-    engines = _engines(pair, a.k_cap, a.threshold, systems)
+    engines = _engines(pair, _learned(pair, a), a.k_cap, a.threshold, systems)
     with torch.inference_mode():
         for e in engines.values():
             e.calibrate([1])

@@ -394,7 +394,8 @@ class AdaptiveK:
 
 class GoodputGuard:
     """Measured tokens/s per row of drafting vs plain steps, per batch bucket: the check on a cost model's promise
-    (suffix drafts at batch 16: predicted gains, measured 0.82x of plain). `allow(b)` is False while plain steps
+    (suffix drafts at batch 16: predicted gains, measured 0.82x of plain; at batch 1 a few unlucky drafting steps
+    would switch it off for long, so the engine asks it from 3 rows on). `allow(b)` is False while plain steps
     measured faster by `margin` (or are not measured yet, once drafting is); after `retry_every` refusals the
     drafting samples are forgotten, so it is tried again."""
 
