@@ -242,11 +242,6 @@ def build_drafters(pair, kinds: list[str], args, caches: list | None = None) -> 
             out[kind] = EagleDrafter.load(pair.target, path, vocab_ids=ids)
         elif kind == "early_exit":
             out[kind] = EarlyExitDrafter(pair.target, args.early_exit_layers, lora_rank=0, vocab_ids=ids)
-        elif kind in ("suffix", "hybrid"):  # the suffix index (hybrid: else the separate drafter), config defaults
-            from dvi.suffix_proposer import build_proposer
-
-            vocab = int(pair.target.get_output_embeddings().weight.shape[0])
-            out[kind] = build_proposer(kind, SeparateDrafter(pair.drafter), vocab, next(pair.target.parameters()).device)
         else:
             raise SystemExit(f"unknown drafter kind {kind!r}; expected separate, eagle, early_exit, suffix or hybrid")
     return out
