@@ -1,8 +1,9 @@
 """Decode speed of dvi's speculative engine on the embedded pair (issue 3).
 
 Per setting (domain x temperature x batch size) it measures, on the same held-out prompts in one run:
-dvi speculative (adaptive K), dvi with speculation off, HF `generate` of the target alone, and HF
-assisted generation (`assistant_model=` the same drafter, batch 1 only); plus alpha, mean accepted length,
+dvi speculative (adaptive K), dvi with speculation off, HF `generate` of the target alone, HF
+assisted generation (`assistant_model=` the same drafter, batch 1 only) and HF prompt-lookup decoding
+(`prompt_lookup_num_tokens`, the model-free speculation a transformers user has, batch 1 only); plus alpha, mean accepted length,
 per-position acceptance, and the speedup that alpha, K and the measured draft/verify costs predict
 (E[tokens/step] / (K*c_draft + c_verify(K)) relative to a plain step), and measured / predicted.
 Writes one JSON (settings, raw figures, goals) and prints a table that ends with the goals. Exits 0.
@@ -36,11 +37,16 @@ def parse_args(argv):
     p.add_argument("--root", default=None, help="models cache root (default: dvi.embedded's)")
     p.add_argument("--json", default="bench_results/decode.json")
     p.add_argument("--domains", default="code,chat", help="code (held-out stdlib source) | chat (chat-template "
-                   "instructions from held-out code and prose) | prose")
+                   "instructions from held-out code and prose) | prose | agentic (an agent's edits of the same few "
+                   "functions, again and again: history repeats)")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--kinds", default="separate,eagle,early_exit", help="drafter kinds to measure: separate | eagle "
-                   "(the built head on the target's features) | early_exit")
+                   "(the built head on the target's features) | early_exit | suffix (model-free, dvi.suffix) | hybrid "
+                   "(suffix when its score clears the threshold, else --hybrid-kind)")
+    p.add_argument("--hybrid-kind", default="separate", help="the learned kind a hybrid falls back to")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=10,
+                   help="HF prompt lookup's prompt_lookup_num_tokens (0: skip that arm)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft vocabulary size (default: the preset's served size, else all stored ids; 0: full)")
     p.add_argument("--early-exit-layers", type=int, default=4)
@@ -70,9 +76,12 @@ def _hf_config(model, temperature: float, n: int):
 
 
 @torch.inference_mode()
-def hf_generate(target, batches, n, temperature, assistant=None, seed=0) -> tuple[float, int]:
-    """Seconds and tokens for HF generate over `batches` (left-padded)."""
+def hf_generate(target, batches, n, temperature, assistant=None, seed=0, lookup: int = 0) -> tuple[float, int]:
+    """Seconds and tokens for HF generate over `batches` (left-padded); `assistant`: assisted generation,
+    `lookup` > 0: prompt-lookup decoding with that many candidate tokens (both batch 1 only in HF)."""
     gc = _hf_config(target, temperature, n)
+    if lookup:
+        gc.prompt_lookup_num_tokens = lookup
     total_t, total_tok = 0.0, 0
     for bi, batch in enumerate(batches):
         m = max(len(p) for p in batch)
@@ -104,8 +113,8 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
     total_t, tokens, drafted, accepted, steps = 0.0, 0, 0, 0, 0
     ks: list[tuple[int, int]] = []  # (batch size, K) per step
     acc_n = tried_n = 0  # per-position (iid) acceptance: accepted / (accepted + first rejections)
-    acc_pos = [0] * engine.max_draft_tokens
-    dr_pos = [0] * engine.max_draft_tokens
+    acc_pos = [0] * engine.k_cap
+    dr_pos = [0] * engine.k_cap
     for bi, batch in enumerate(batches):
         for i, p in enumerate(batch):
             sp = SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed + 1000 * bi + i)
@@ -202,13 +211,16 @@ def prompt_source(domain: str, tok, seed: int):
 
     if domain == "chat":
         return data.chat_prompt_stream(tok, "heldout", seed=seed, max_tokens=320)
+    if domain == "agentic":
+        return data.agentic_prompt_stream(tok, "heldout", seed=seed, max_tokens=448)
     return data.prompt_stream(domain, tok, split="heldout", prompt_tokens=(48, 96), seed=seed)
 
 
-def build_drafters(pair, kinds: list[str], args) -> dict:
+def build_drafters(pair, kinds: list[str], args, caches: list | None = None) -> dict:
     """name -> engine drafter for every kind measured: `separate` (the pair's drafter, reduced head as
     stored or `--draft-vocab`), `eagle` (the head `dvi bootstrap` built, same draft vocabulary),
-    `early_exit` (the target's first layers + exit head, same draft vocabulary)."""
+    `early_exit` (the target's first layers + exit head, same draft vocabulary), `suffix` / `hybrid` (their
+    suffix caches are appended to `caches`)."""
     from dvi.drafters import EarlyExitDrafter, SeparateDrafter
     from dvi.eagle import EagleDrafter
     from dvi.embedded import embedded_paths
@@ -218,7 +230,10 @@ def build_drafters(pair, kinds: list[str], args) -> dict:
     head = find_subset_head(pair.drafter)
     ids = head.token_ids if head is not None else None
     for kind in kinds:
-        if kind == "separate":
+        if kind in MODEL_FREE:
+            learned = build_drafters(pair, [args.hybrid_kind], args)[args.hybrid_kind] if kind == "hybrid" else None
+            out[kind] = model_free_drafter(kind, pair.target, learned, caches if caches is not None else [])
+        elif kind == "separate":
             out[kind] = SeparateDrafter(pair.drafter)
         elif kind == "eagle":
             path = embedded_paths(args.preset, args.root).eagle
@@ -228,8 +243,36 @@ def build_drafters(pair, kinds: list[str], args) -> dict:
         elif kind == "early_exit":
             out[kind] = EarlyExitDrafter(pair.target, args.early_exit_layers, lora_rank=0, vocab_ids=ids)
         else:
-            raise SystemExit(f"unknown drafter kind {kind!r}; expected separate, eagle or early_exit")
+            raise SystemExit(f"unknown drafter kind {kind!r}; expected separate, eagle, early_exit, suffix or hybrid")
     return out
+
+
+MODEL_FREE = ("suffix", "hybrid")
+
+
+def _draft_vocab(d) -> int | None:
+    """Draft vocabulary size of a drafter or of a hybrid's learned one (None: full, or a suffix drafter)."""
+    for obj in (d, getattr(d, "drafter", None)):
+        dv = getattr(obj, "draft_vocab", None)
+        if dv is not None:
+            return int(dv.numel())
+    return None
+
+
+def model_free_drafter(kind: str, target, learned, caches: list):
+    """The engine drafter of `suffix` / `hybrid` (issue 26): the one place this benchmark builds them,
+    from `dvi.suffix_proposer` (the engine's proposers) over a fresh `dvi.suffix.SuffixCache`, which is
+    appended to `caches` (the benchmark empties it between settings)."""
+    from dvi.suffix import SuffixCache
+
+    try:
+        from dvi.suffix_proposer import build_proposer
+    except ImportError:
+        raise SystemExit(f"drafter kind {kind!r} needs the engine's suffix proposers (dvi.suffix_proposer)") from None
+    cache = SuffixCache()
+    caches.append(cache)
+    vocab = int(target.get_output_embeddings().weight.shape[0])
+    return build_proposer(kind, learned, vocab, next(target.parameters()).device, cache)
 
 
 def main(argv=None) -> int:
@@ -250,7 +293,8 @@ def main(argv=None) -> int:
     kinds = [k for k in args.kinds.split(",") if k]
     n = args.max_new_tokens
 
-    drafters = build_drafters(pair, kinds, args)
+    caches: list = []   # the suffix caches of `suffix` / `hybrid`
+    drafters = build_drafters(pair, kinds, args, caches)
     engines = {k: SpeculativeEngine(target, d, num_draft_tokens=args.num_draft_tokens, adaptive=True,
                                     max_draft_tokens=args.max_draft_tokens) for k, d in drafters.items()}
     plain = SpeculativeEngine(target, None)
@@ -266,13 +310,18 @@ def main(argv=None) -> int:
         dvi_run(plain, wb, 8, 0.0)
     hf_generate(target, [[next(warm)]], 8, 0.0)
     hf_generate(target, [[next(warm)]], 8, 0.0, assistant=assistant)
+    if args.prompt_lookup_tokens:
+        hf_generate(target, [[next(warm)]], 8, 0.0, lookup=args.prompt_lookup_tokens)
 
     rows = []
     for domain, temp, b in itertools.product(domains, temps, bss):
+        for cache in caches:   # settings reuse the prompts: no setting may draft from another's outputs
+            cache.clear()
         stream = prompt_source(domain, tok, args.seed)
         nb = args.prompts_b1 if b == 1 else args.batches
         units = [[next(stream) for _ in range(b)] for _ in range(nb)]
-        systems = ["off", "hf", *kinds] + (["assisted"] if b == 1 else [])
+        systems = ["off", "hf", *kinds] + (["assisted"] if b == 1 else []) + (
+            ["lookup"] if b == 1 and args.prompt_lookup_tokens else [])
         res: dict[str, list] = {s: [] for s in systems}
         # Round-robin over systems per unit (rotating who goes first): load from other processes on a
         # shared CPU then hits every system alike instead of whichever ran during a busy spell.
@@ -286,10 +335,13 @@ def main(argv=None) -> int:
                     res[sname].append(dvi_run(engines[sname], [unit], n, temp, seed=seed))
                 else:
                     res[sname].append(hf_generate(target, [unit], n, temp,
-                                                  assistant if sname == "assisted" else None, seed))
+                                                  assistant if sname == "assisted" else None, seed,
+                                                  args.prompt_lookup_tokens if sname == "lookup" else 0))
         off = merge_runs(res["off"])
         hf_rate = sum(x[1] for x in res["hf"]) / sum(x[0] for x in res["hf"])
         asst_rate = (sum(x[1] for x in res["assisted"]) / sum(x[0] for x in res["assisted"])) if b == 1 else None
+        look = res.get("lookup")
+        look_rate = sum(x[1] for x in look) / sum(x[0] for x in look) if look else None
         for kind in kinds:
             run = merge_runs(res[kind])
             pred = predicted(engines[kind], run)
@@ -301,11 +353,15 @@ def main(argv=None) -> int:
             if asst_rate:
                 row["hf_assisted_tokens_per_s"] = asst_rate
                 row["speedup_vs_hf_assisted"] = run["tokens_per_s"] / asst_rate
+            if look_rate:
+                row["hf_prompt_lookup_tokens_per_s"] = look_rate
+                row["hf_prompt_lookup_vs_hf"] = look_rate / hf_rate
+                row["speedup_vs_hf_prompt_lookup"] = run["tokens_per_s"] / look_rate
             ps = row["predicted_speedup"]
             row["measured_over_predicted"] = row["speedup_vs_off"] / ps if ps else None
             rows.append(row)
             print(f"  {domain:5s} T={temp:g} B={b:2d} {kind:10s}: dvi {run['tokens_per_s']:7.1f} tok/s  "
-                  f"off {off['tokens_per_s']:7.1f}  hf {hf_rate:7.1f}  alpha {fmt_rate(run['alpha'], 2)}  K~{pred['mean_k']:.1f}",
+                  f"off {off['tokens_per_s']:7.1f}  hf {hf_rate:7.1f}  lookup {look_rate or 0:7.1f}  alpha {fmt_rate(run['alpha'], 2)}  K~{pred['mean_k']:.1f}",
                   flush=True)
 
     def best(domain, temp, b, key="speedup_vs_hf"):
@@ -316,6 +372,13 @@ def main(argv=None) -> int:
     eagle1 = next((r for r in rows if r["kind"] == "eagle" and r["domain"] == "code" and r["temperature"] == 0.0
                    and r["batch_size"] == 1), None)
     b16 = [r for r in rows if r["batch_size"] == max(bss)]
+
+    def kind_row(kind, domain, temp=0.0, b=1):
+        return next((r for r in rows if r["kind"] == kind and r["domain"] == domain and r["temperature"] == temp
+                     and r["batch_size"] == b), None)
+
+    hyb_code, hyb_chat = kind_row("hybrid", "code"), kind_row("hybrid", "chat")
+    hyb16 = [r for r in b16 if r["kind"] == "hybrid"]
     goals = [
         goal("eagle vs HF generate (code, greedy, batch 1)", eagle1 and eagle1["speedup_vs_hf"], 2.0),
         goal("eagle vs HF assisted generation (code, greedy, batch 1)",
@@ -328,6 +391,11 @@ def main(argv=None) -> int:
              code1 and code1["measured_over_predicted"], 0.9),
         goal(f"batch {max(bss)}: worst dvi vs speculation off over domains, temperatures and kinds",
              min((r["speedup_vs_off"] for r in b16), default=None), 1.0),
+        goal("hybrid vs HF prompt lookup (code, greedy, batch 1)",
+             hyb_code and hyb_code.get("speedup_vs_hf_prompt_lookup"), 1.2),
+        goal("hybrid vs HF generate (chat, greedy, batch 1)", hyb_chat and hyb_chat["speedup_vs_hf"], 1.3),
+        goal(f"hybrid, batch {max(bss)}: worst vs speculation off over domains and temperatures",
+             min((r["speedup_vs_off"] for r in hyb16), default=None), 1.0),
     ]
     out = dict(
         benchmark="decode",
@@ -340,8 +408,7 @@ def main(argv=None) -> int:
         models=dict(
             target_layers=target.config.num_hidden_layers, target_hidden=target.config.hidden_size,
             drafter_layers=pair.drafter.config.num_hidden_layers, vocab=target.config.vocab_size,
-            draft_vocab={k: None if d.draft_vocab is None else int(d.draft_vocab.numel())
-                         for k, d in drafters.items()},
+            draft_vocab={k: _draft_vocab(d) for k, d in drafters.items()},
         ),
         results=rows,
         goals=goals,
@@ -353,7 +420,8 @@ def main(argv=None) -> int:
 
     hdr = (
         f"{'domain':6s} {'T':>3s} {'B':>3s} {'kind':10s} {'dvi tok/s':>9s} {'off':>7s} {'HF':>7s} {'HFasst':>7s} {'alpha':>5s} "
-        f"{'acc.len':>7s} {'K':>4s} {'xoff':>5s} {'xHF':>5s} {'xAsst':>5s} {'pred':>5s} {'m/p':>5s}  per-position acceptance"
+        f"{'acc.len':>7s} {'K':>4s} {'xoff':>5s} {'xHF':>5s} {'xAsst':>5s} {'PLD':>7s} {'PLDxHF':>6s} {'xPLD':>5s} {'pred':>5s} "
+        f"{'m/p':>5s}  per-position acceptance"
     )
     print("\n" + hdr)
     print("-" * len(hdr))
@@ -362,12 +430,15 @@ def main(argv=None) -> int:
         asst = r.get("hf_assisted_tokens_per_s")
         xa = r.get("speedup_vs_hf_assisted")
         ps, mp = r["predicted_speedup"], r["measured_over_predicted"]
+        pld, pld_hf, xpld = (r.get(k) for k in ("hf_prompt_lookup_tokens_per_s", "hf_prompt_lookup_vs_hf",
+                                                 "speedup_vs_hf_prompt_lookup"))
         print(
             f"{r['domain']:6s} {r['temperature']:3g} {r['batch_size']:3d} {r['kind']:10s} {r['dvi']['tokens_per_s']:9.1f} "
             f"{r['dvi_off']['tokens_per_s']:7.1f} {r['hf_generate_tokens_per_s']:7.1f} "
             f"{(f'{asst:7.1f}' if asst else '      -')} {fmt_rate(r['dvi']['alpha'], 2):>5} {fmt_rate(r['dvi']['mean_accepted_length'], 2):>7} "
             f"{r['mean_k']:4.1f} {r['speedup_vs_off']:5.2f} {r['speedup_vs_hf']:5.2f} "
-            f"{(f'{xa:5.2f}' if xa else '    -')} {(f'{ps:5.2f}' if ps else '    -')} {(f'{mp:5.2f}' if mp else '    -')}  {pp}"
+            f"{(f'{xa:5.2f}' if xa else '    -')} {(f'{pld:7.1f}' if pld else '      -')} "
+            f"{(f'{pld_hf:6.2f}' if pld_hf else '     -')} {(f'{xpld:5.2f}' if xpld else '    -')} {(f'{ps:5.2f}' if ps else '    -')} {(f'{mp:5.2f}' if mp else '    -')}  {pp}"
         )
     print("\ngoals:")
     for g in goals:

@@ -8,7 +8,10 @@ engine. The arms differ only in how rollouts are made:
 * `plain`  - the target samples alone (the engine without a drafter: K = 0, same code path);
 * `frozen` - dvi speculative sampling with the built drafter, never updated;
 * `online` - dvi speculative sampling, the drafter trained between RL steps on the feedback records of
-  the current policy (`trainers.online.OnlineTrainer` driven in process).
+  the current policy (`trainers.online.OnlineTrainer` driven in process);
+* `suffix` - dvi speculative sampling from a suffix index over the run's own rollouts (a prompt's earlier
+  samples and its siblings as they finish; older policy versions decay), no drafter;
+* `hybrid` - the suffix proposal where its score clears the threshold, else the frozen drafter.
 
 Both dvi arms choose K per step from calibrated costs (adaptive K): plain steps while the batch is
 full, speculation as it drains to a few long rows. The arms advance in lockstep (step i of every arm
@@ -40,9 +43,10 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import clean_json, goal
 from dvi.results import fmt_rate, pooled_rates
+from trainers.rl import ARMS
 
-ARMS = ("plain", "frozen", "online")
-COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:green"}
+COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:green", "suffix": "tab:orange",
+          "hybrid": "tab:red"}
 
 
 def _per_step(logs: dict[str, dict[int, list]], arm: str, field: str) -> tuple[list[int], list[list[float]]]:
@@ -134,6 +138,10 @@ def _goals(pooled: dict[str, dict], alpha_from: int) -> list[dict]:
         both = on["alpha_late"] is not None and fr["alpha_late"] is not None
         gap = on["alpha_late"] - fr["alpha_late"] if both else None
         goals.append(goal(f"online α minus frozen α, steps >= {alpha_from}", gap, 0.1))
+    for arm in ("suffix", "hybrid"):
+        if arm in pooled and pl:
+            goals.append(goal(f"plain / {arm} total rollout time (speedup)",
+                              pl["rollout_s_total"] / pooled[arm]["rollout_s_total"], 1.3))
     if on and pl:
         goals.append(goal("plain / online total rollout time (speedup)",
                           pl["rollout_s_total"] / on["rollout_s_total"], 1.15))
@@ -143,7 +151,7 @@ def _goals(pooled: dict[str, dict], alpha_from: int) -> list[dict]:
                           1.15))
     if pl and len(pl["mean_reward_per_seed"]) > 1:
         spread = statistics.stdev(pl["mean_reward_per_seed"])
-        for arm in ("frozen", "online"):
+        for arm in ("frozen", "online", "suffix", "hybrid"):
             if arm in pooled:
                 gap = abs(pooled[arm]["mean_reward"] - pl["mean_reward"])
                 goals.append(goal(f"|{arm} - plain| mean reward over seeds, in plain's seed-to-seed std "
@@ -181,7 +189,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--pair-dir", default=None, help="a built pair (default: the preset's cache dir; built if absent)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every arm runs every seed")
-    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of plain,frozen,online")
+    ap.add_argument("--arms", default="plain,frozen,online",
+                    help=f"comma-separated subset of {','.join(ARMS)} (suffix: the suffix index over the run's own "
+                         "rollouts; hybrid: suffix, else the frozen drafter)")
     ap.add_argument("--reward", default="arith")
     ap.add_argument("--prompts-per-step", type=int, default=3)
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group size)")

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 __all__ = [
-    "expected_tokens", "choose_k", "predicted_speedup", "CostModel", "AdaptiveK", "AdaptiveTuning",
-    "batch_bucket", "CalibrationRows", "Calibrated", "calibrate",
+    "expected_tokens", "choose_k", "choose_point_k", "predicted_speedup", "CostModel", "AdaptiveK", "AdaptiveTuning",
+    "batch_bucket", "CalibrationRows", "Calibrated", "calibrate", "GoodputGuard",
 ]
 
 
@@ -84,6 +84,26 @@ def choose_k(
     for k in range(1, k_max + 1):
         t = k * draft_cost + vc(k)
         rate = sum(tokens(k)) / max(t, 1e-12)
+        if rate > best * 1.0001:
+            best_k, best = k, rate
+    return best_k
+
+
+def choose_point_k(probs: Sequence[Sequence[float]], batch: int, verify_cost: Callable[[int], float], k_max: int,
+                   margin: float = 1.0) -> int:
+    """Verify width K in [0, k_max] for suffix proposals, which cost no model pass: each row of `probs` holds a
+    proposal's path probabilities (draft j is kept with probability probs[j], non-increasing: SuffixDecoding's
+    estimate); the `batch` rows all emit one token a step, proposal rows also their expected accepted drafts
+    sum(probs[:K]). K maximises tokens per second, `verify_cost(K)` the seconds of a step with K drafts; a K
+    must beat plain decoding by `margin`."""
+    gains = [0.0] * (k_max + 1)  # expected accepted drafts over all rows at K = index (increments)
+    for row in probs:
+        for j, pj in enumerate(row[:k_max]):
+            gains[j + 1] += min(max(float(pj), 0.0), 1.0)
+    best_k, best, total = 0, batch / max(verify_cost(0), 1e-12) * margin, 0.0
+    for k in range(1, k_max + 1):
+        total += gains[k]
+        rate = (batch + total) / max(verify_cost(k), 1e-12)
         if rate > best * 1.0001:
             best_k, best = k, rate
     return best_k
@@ -372,6 +392,39 @@ class AdaptiveK:
         return saved_per_step * self.catchup_horizon >= catchup
 
 
+class GoodputGuard:
+    """Measured tokens/s per row of drafting vs plain steps, per batch bucket: the check on a cost model's promise
+    (suffix drafts at batch 16: predicted gains, measured 0.82x of plain; at batch 1 a few unlucky drafting steps
+    would switch it off for long, so the engine asks it from 3 rows on). `allow(b)` is False while plain steps
+    measured faster by `margin` (or are not measured yet, once drafting is); after `retry_every` refusals the
+    drafting samples are forgotten, so it is tried again."""
+
+    def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256):
+        self.window, self.margin, self.retry_every = window, margin, retry_every
+        self._rates: dict[tuple[int, bool], deque] = {}
+        self._refused: dict[int, int] = {}
+
+    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if seconds > 0 and batch > 0:
+            key = (batch_bucket(batch), drafted)
+            self._rates.setdefault(key, deque(maxlen=self.window)).append(tokens / (seconds * batch))
+
+    def allow(self, batch: int) -> bool:
+        b = batch_bucket(batch)
+        spec, plain = self._rates.get((b, True)), self._rates.get((b, False))
+        need = max(2, self.window // 2)
+        if spec is None or len(spec) < need:
+            return True
+        if plain is not None and len(plain) >= need and \
+                statistics.median(spec) >= self.margin * statistics.median(plain):
+            return True
+        n = self._refused[b] = self._refused.get(b, 0) + 1
+        if n >= self.retry_every:
+            self._rates.pop((b, True), None)
+            self._refused[b] = 0
+        return False
+
+
 class CalibrationRows(Protocol):
     """Dummy rows with their own caches, built by the engine (in-flight rows are untouched). `verify(k)` and
     `draft(j)` draw their input ids and return the forward to time; `undo_*` drop the slots it added."""
@@ -407,10 +460,12 @@ def _timed(run: Callable[[], object], sync: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def calibrate(rows: CalibrationRows, k_max: int, reps: int = 3) -> Calibrated:
-    """Verify costs for several K and a draft chain, interleaved, min of `reps` (k_max >= 1)."""
+def calibrate(rows: CalibrationRows, k_max: int, reps: int = 3, verify_max: int = 0) -> Calibrated:
+    """Verify costs for several K (up to max(k_max, verify_max): suffix drafts may be longer than the learned
+    drafter's) and a draft chain of k_max, interleaved, min of `reps` (k_max >= 1)."""
     catchup_per_token = _timed(rows.prefill_drafter, rows.sync) / rows.tokens  # what a drafter catch-up costs
-    ks = sorted({k for k in (0, 1, 2, 4, k_max) if k <= k_max})
+    top = max(k_max, verify_max)
+    ks = sorted({k for k in (0, 1, 2, 4, 8, 12, 16, 24, k_max, top) if k <= top})
     vt: dict[int, list[float]] = {k: [] for k in ks}
     chains: list[list[float]] = []  # cumulative seconds of the first 1..k_max drafts after a verify
     for _ in range(reps):
@@ -427,5 +482,5 @@ def calibrate(rows: CalibrationRows, k_max: int, reps: int = 3) -> Calibrated:
     # each measured K's verify carries the rest of its chain, so calibrated K values cost exactly
     # chain(K) + verify(K).
     draft = (chain[-1] - chain[0]) / (k_max - 1) if k_max > 1 else chain[0]
-    verify = {k: min(v) + (chain[k - 1] - k * draft if k > 0 else 0.0) for k, v in vt.items()}
+    verify = {k: min(v) + (chain[k - 1] - k * draft if 0 < k <= k_max else 0.0) for k, v in vt.items()}
     return Calibrated(verify, draft, catchup_per_token)

@@ -23,13 +23,14 @@ def calibrate_bucket(eng: SpeculativeEngine, b: int, context: int = 128, reps: i
     """Draft and verify costs of batch size `b`, timed on `b` dummy rows of `context` tokens (capped so that
     K + 2 more still fit the target's context)."""
     if eng.max_context is not None:
-        context = max(1, min(context, eng.max_context - eng.max_draft_tokens - 2))
-    return calibrate(DummyRows(eng, b, context), eng.max_draft_tokens, reps)
+        context = max(1, min(context, eng.max_context - eng.k_cap - 2))
+    return calibrate(DummyRows(eng, b, context), max(1, eng.max_draft_tokens), reps, eng.k_cap)
 
 
 class DummyRows:
     """b rows of `context` random tokens (one generator, seeded 0) with their own target and drafter
-    caches: what `dvi.adaptive.calibrate` times (`dvi.adaptive.CalibrationRows`)."""
+    caches: what `dvi.adaptive.calibrate` times (`dvi.adaptive.CalibrationRows`). Without a learned drafter
+    (`suffix`) the draft forwards are no-ops: suffix drafts cost no model pass."""
 
     def __init__(self, eng: SpeculativeEngine, b: int, context: int):
         self.eng, self.b, self.tokens = eng, b, b * context
@@ -52,12 +53,14 @@ class DummyRows:
 
     def prefill_drafter(self) -> None:
         d = self.eng.drafter
+        if d is None:
+            return
         self.dkv = prefill(d.config, self._drafter_fn(len(self.rows[0])), self.rows, self.eng.device, d.dtype)
 
     def verify(self, k: int):
         ids = self._ids(k + 1)  # [b, K + 1]
         eng = self.eng
-        if eng._features:  # the verify an eagle drafter needs also returns the target's features
+        if eng.proposer.needs_features:  # the verify an eagle drafter needs also returns the target's features
             return lambda: self.tkv.forward(eng._tfn_f, ids)[0].argmax(-1).tolist()
         return lambda: self.tkv.forward(eng._tfn, ids).argmax(-1).tolist()
 
@@ -66,6 +69,8 @@ class DummyRows:
 
     def draft(self, j: int):
         ids = self._ids(2 if j == 0 else 1)  # [b, 2] right after a verify (last draft + bonus), then [b, 1]
+        if self.eng.drafter is None:
+            return lambda: None
         fn = self._drafter_fn(ids.shape[1])
 
         def run():
@@ -75,4 +80,5 @@ class DummyRows:
         return run
 
     def undo_drafts(self, n: int) -> None:
-        self.dkv.rollback(n, self.zeros)
+        if self.dkv is not None:
+            self.dkv.rollback(n, self.zeros)

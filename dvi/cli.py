@@ -16,7 +16,8 @@ from pathlib import Path
 from dvi.config import PRESETS, SECRET_KEYS, ConfigError, dump_config, load_config
 from dvi.embedded import DEFAULT_BUILD_KINDS, DRAFTER_KINDS
 
-BENCHMARKS = ("decode", "drift", "serve_load", "rl", "feedback_budget", "soak", "domain_gap")
+BENCHMARKS = ("decode", "drift", "serve_load", "rl", "feedback_budget", "soak", "domain_gap", "suffix_index",
+              "suffix_b1")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -68,9 +69,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("dvi train: only --online is a training command; offline distillation runs in `dvi bootstrap`",
               file=sys.stderr)
         return 2
+    cfg = _config(args)
+    if cfg.models.learned_kind is None:
+        print("dvi train: models.drafter_kind is suffix: there is no learned drafter to train "
+              "(hybrid trains its models.hybrid_kind)", file=sys.stderr)
+        return 2
     from trainers.online import run_trainer
 
-    return run_trainer(_config(args))
+    return run_trainer(cfg)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

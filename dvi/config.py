@@ -66,7 +66,11 @@ class ModelsConfig(_Strict):
     target: Path | None = None
     drafter: Path | None = None
     tokenizer: Path | None = None
-    drafter_kind: Literal["separate", "early_exit", "eagle"] = "separate"
+    # suffix: drafts from a suffix index over the prompt, the output so far and finished outputs (no model,
+    # nothing to train); hybrid: the suffix proposal when its score clears `suffix.threshold`, else the
+    # learned drafter of kind `hybrid_kind` (trained online as that kind)
+    drafter_kind: Literal["separate", "early_exit", "eagle", "suffix", "hybrid"] = "separate"
+    hybrid_kind: Literal["separate", "early_exit", "eagle"] = "separate"
     early_exit_layers: int = Field(1, ge=1)
     # Reduced draft vocabulary (dvi.vocab): ids come from `draft_vocab` (a draft_vocab.safetensors file or a
     # dir holding one), else from the drafter dir (early_exit: `drafter` if set, else the target dir).
@@ -83,6 +87,33 @@ class ModelsConfig(_Strict):
     exact_greedy: bool = False
 
     _check_paths = field_validator("target", "drafter", "tokenizer", "draft_vocab")(_existing_path)
+
+    @property
+    def learned_kind(self) -> str | None:
+        """The kind of the learned drafter that is loaded, served and trained (None: `suffix`, no model)."""
+        if self.drafter_kind == "suffix":
+            return None
+        return self.hybrid_kind if self.drafter_kind == "hybrid" else self.drafter_kind
+
+
+class SuffixConfig(_Strict):
+    """The suffix drafter (`models.drafter_kind: suffix | hybrid`, `dvi.suffix_proposer`)."""
+
+    # hybrid: a row drafts from the suffix index when its proposal's score (expected accepted tokens) is at least this
+    threshold: float = Field(1.0, ge=0)
+    # longest suffix draft (it costs no model pass; adaptive K prices its length against the verify cost)
+    max_draft_tokens: int = Field(16, ge=1, le=32)
+    min_prob: float = Field(0.1, gt=0, le=1)  # a proposal stops where its path probability falls below this
+    # new target weights (RL): finished outputs of a version `age` versions old count version_decay ** age
+    version_decay: float = Field(0.5, gt=0, le=1)
+    # the global index of finished outputs: bounded by tokens and sequences, oldest evicted
+    max_tokens: int = Field(1_000_000, ge=1)
+    max_seqs: int = Field(10_000, ge=1)
+    max_depth: int = Field(64, ge=1)
+    # several replicas sharing `feedback.dir`: every this many seconds the other writers' new shards join the
+    # global index (0 = off); at most `tail_records` records per poll
+    tail_seconds: float = Field(5.0, ge=0)
+    tail_records: int = Field(256, ge=1)
 
 
 class SpeculationConfig(_Strict):
@@ -275,6 +306,7 @@ class DviConfig(_Strict):
     seed: int = 0
     models: ModelsConfig = Field(default_factory=ModelsConfig)
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    suffix: SuffixConfig = Field(default_factory=SuffixConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)

@@ -376,3 +376,43 @@ def sql_prompt_stream(tokenizer, split: str = "heldout", seed: int = 0, max_toke
         ids = render_chat(tokenizer, msgs)
         if len(ids) <= max_tokens:
             yield ids
+
+
+# agentic: a coding agent's turns over a few files (issue 26's third workload, where history repeats)
+
+AGENTIC_EDITS = (
+    "add type hints to its signature",
+    "add a docstring that describes its arguments",
+    "raise ValueError when an argument is invalid",
+    "log its arguments with logging.debug",
+    "give its local variables clearer names",
+)
+
+
+def agentic_instructions(split: str = "heldout", seed: int = 0, files: int = 3,
+                         per_file: int = 4) -> Iterator[list[dict]]:
+    """Endless single-turn chats in which an agent edits the same few functions again and again: each
+    shows one of `per_file` functions of one of `files` `split` modules and asks for it back with one
+    of a few edits. Functions and edits recur, so replies repeat earlier replies and their prompts,
+    as agent traffic that reworks the same files does."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    rng = random.Random(f"agentic/{split}/{seed}")
+    docs = [(n, fs) for n, t in load_docs("code", split) if len(fs := _functions(t, max_lines=20)) >= per_file]
+    picked = rng.sample(docs, min(files, len(docs)))
+    funcs = [(name, f) for name, fs in picked for f in rng.sample(fs, per_file)]
+    if not funcs:
+        raise ValueError(f"no module of the {split} split has {per_file} short functions")
+    while True:
+        name, (fname, _, src, _) = rng.choice(funcs)
+        text = (f"You are editing `{name}`. This is its function `{fname}`:\n\n```python\n{src}\n```\n\n"
+                f"Rewrite `{fname}` to {rng.choice(AGENTIC_EDITS)}. Reply with the complete function only.")
+        yield [{"role": "user", "content": text}]
+
+
+def agentic_prompt_stream(tokenizer, split: str = "heldout", seed: int = 0, max_tokens: int = 448) -> Iterator[list[int]]:
+    """`agentic_instructions` rendered to token ids (longer than `max_tokens`: skipped)."""
+    for msgs in agentic_instructions(split, seed):
+        ids = render_chat(tokenizer, msgs)
+        if len(ids) <= max_tokens:
+            yield ids

@@ -16,7 +16,15 @@ import torch
 if TYPE_CHECKING:
     from dvi.results import GenerationResult
 
-__all__ = ["Emitted", "emitted", "count_drafts", "append_tokens"]
+__all__ = ["Emitted", "emitted", "count_drafts", "append_tokens", "source_code"]
+
+SOURCES = ("model", "suffix_request", "suffix_global")
+"""Who proposed a drafted token (the bounded `source` label on /metrics); code j + 1 in `draft_source`, 0: no draft."""
+
+
+def source_code(source: str | None) -> int:
+    """`draft_source` code of a source name (0: nothing drafted)."""
+    return 0 if source is None else SOURCES.index(source) + 1
 
 
 @dataclass
@@ -54,8 +62,12 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
     return Emitted(n_l, tok_l, lp_l, draft_l, topk_i, topk_v)
 
 
-def count_drafts(res: GenerationResult, k: int, n: int) -> None:
-    """A step with K > 0 drafts, n of them accepted, on the row's acceptance counts."""
+def count_drafts(res: GenerationResult, k: int, n: int, source: str | None = None) -> None:
+    """A step with K > 0 drafts of `source` (a `dvi.proposers.SOURCES` entry), n of them accepted, on the
+    row's acceptance counts (also per source: [steps, drafted, accepted])."""
+    if source is not None:
+        c = res.by_source.setdefault(source, [0, 0, 0])
+        c[0], c[1], c[2] = c[0] + 1, c[1] + k, c[2] + n
     res.num_drafted += k
     res.num_accepted += n
     for j in range(k):
@@ -65,10 +77,12 @@ def count_drafts(res: GenerationResult, k: int, n: int) -> None:
 
 
 def append_tokens(res: GenerationResult, e: Emitted, i: int, k: int, stop: frozenset[int],
-                  remaining: int) -> tuple[list[int], str | None]:
+                  remaining: int, source: str | None = None) -> tuple[list[int], str | None]:
     """Row i's emitted tokens (and their feedback fields) onto its result, up to and including the first
-    stop token or the last of its `remaining` budget; returns them and the finish reason (None: running)."""
+    stop token or the last of its `remaining` budget; returns them and the finish reason (None: running).
+    k: row i's real drafts this step; source: who proposed them (recorded per drafted token)."""
     ni = e.n[i]
+    code = source_code(source)
     new: list[int] = []
     for j in range(ni + 1):
         t = e.tokens[i][j]
@@ -76,6 +90,7 @@ def append_tokens(res: GenerationResult, e: Emitted, i: int, k: int, stop: froze
         res.token_ids.append(t)
         res.token_logprobs.append(e.logprobs[i][j])
         res.drafted_ids.append(e.drafts[i][j] if j < k else -1)
+        res.draft_source.append(code if j < k else 0)
         res.accepted.append(j < ni)
         if e.topk_ids is not None:
             res.topk_ids.append(e.topk_ids[i][j])

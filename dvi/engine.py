@@ -11,11 +11,11 @@ One step for all active rows (`SpeculativeEngine._spec_step`, one method per pha
   6. emit (`_emit`, `dvi.emit`): the n + 1 tokens onto each row's result; finished rows leave the batch.
 
 Invariant between steps, per row: the target cache holds every token except the last emitted one
-(`_last`); the drafter cache holds every token except `pending` (1 token, 2 after a fully accepted step
-since d_K was never fed to it, more after K=0 steps, the whole prompt until the row's first draft:
-the drafter cache is filled lazily). K = 0 is plain decoding through the same path.
+(`_last`). The draft state of a row (a drafter's cache and the tokens it lacks, eagle features, suffix match
+state) belongs to the drafter kind's `dvi.proposers.Proposer`, which the engine asks for drafts and tells what
+was accepted; the engine has no branch per kind. K = 0 is plain decoding through the same path.
 Elsewhere, by job: result types `dvi.results` (re-exported here), row state `dvi.seq`, calibration rows
-`dvi.calibration_rows`.
+`dvi.calibration_rows`, the suffix / hybrid kinds `dvi.suffix_proposer`.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ import torch
 from torch import nn
 
 from dvi.acceptance import AcceptanceTracker
-from dvi.adaptive import AdaptiveK, CostModel
+from dvi.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
 from dvi.calibration_rows import calibrate_bucket
-from dvi.drafters import Drafter, as_drafter, model_forward
+from dvi.drafters import Drafter, model_forward
 from dvi.emit import append_tokens, count_drafts, emitted
 from dvi.kv import RaggedKV, prefill
 from dvi.models import check_target_state_dict, load_state_dict
+from dvi.proposers import Draft, NoProposer, Plan, Proposer, model_proposer
 from dvi.request import (
     InvalidParam,
     Request,
@@ -45,8 +46,15 @@ from dvi.request import (
     validate_prompt,
 )
 from dvi.results import GenerationResult, StepOutput, Versions
-from dvi.sampling import GREEDY_BELOW_TEMPERATURE, greedy_accept, rejection_accept, sample_from, warp_probs
-from dvi.seq import BatchParams, Seq, g_rand, pending_features, pending_ids, row_generator
+from dvi.sampling import (
+    GREEDY_BELOW_TEMPERATURE,
+    greedy_accept,
+    point_mass_accept,
+    rejection_accept,
+    sample_from,
+    warp_probs,
+)
+from dvi.seq import BatchParams, Seq, g_rand, row_generator
 from dvi.vocab import fit_vocab
 
 __all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam", "Versions"]
@@ -58,7 +66,7 @@ class SpeculativeEngine:
     def __init__(
         self,
         target: nn.Module,
-        drafter: nn.Module | Drafter | None = None,
+        drafter: nn.Module | Drafter | Proposer | None = None,
         num_draft_tokens: int = 4,
         adaptive: bool = False,
         max_draft_tokens: int = 8,
@@ -81,13 +89,14 @@ class SpeculativeEngine:
         self.feedback_top_k = feedback_top_k
         self.greedy_below_temperature = float(greedy_below_temperature)
         self.target_version, self.drafter_version = int(versions.target), int(versions.drafter)
-        self.drafter: Drafter | None = None
         self._waiting: list[Seq] = []
         self._seqs: list[Seq] = []
-        self._features = False  # the drafter reads the target's features (eagle): rows keep them
-        self._tfn_f = None  # the target callable that also returns them
+        self.proposer: Proposer = model_proposer(None, self.vocab_size, self.device)
+        self._tfn_f = None  # the target callable that also returns its features (eagle)
         self._set_drafter(drafter)
+        self._plan = Plan()
         self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
+        self.suffix_guard = GoodputGuard()  # suffix drafts' measured goodput vs plain steps (adaptive)
         self.costs = CostModel()  # online step timings (reporting); K is chosen from calibrated costs
         self.acceptance = AcceptanceTracker()
         # Adaptive K optimises the completion of the current batch (its slowest row) when True, plain
@@ -95,13 +104,12 @@ class SpeculativeEngine:
         self.drain_aware = True
         self.last_k = 0
         self.tokens_emitted = self.tokens_speculated = 0  # since construction (`_count_tokens`)
+        self.suffix_step_seconds: list[float] = []  # the suffix tree's host work per step (drained by /metrics)
         self._tkv = RaggedKV(self.target.config, 0, self.device, self.dtype)
-        self._dkv = self._new_dkv()
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         self._outbox: list[StepOutput] = []
         self._target_dirty = self._drafter_dirty = False
         self._gen_calls = 0
-        self._catchup = False
         self._refresh_params()
 
     # ------------------------------------------------------------------ public API
@@ -116,8 +124,8 @@ class SpeculativeEngine:
         res = GenerationResult(
             request_id=request.request_id,
             prompt_ids=list(request.prompt_ids),
-            accepted_per_position=[0] * self.max_draft_tokens,
-            drafted_per_position=[0] * self.max_draft_tokens,
+            accepted_per_position=[0] * self.k_cap,
+            drafted_per_position=[0] * self.k_cap,
             domain=request.domain,
             started_at=time.time(),
             temperature=float(p.temperature),
@@ -139,6 +147,7 @@ class SpeculativeEngine:
                 return self._finish_aborted(s)
         for i, s in enumerate(self._seqs):
             if s.req.request_id == request_id:
+                self.proposer.close_row(i, s, keep=False)
                 self._remove_rows([i])
                 return self._finish_aborted(s)
         return None
@@ -150,8 +159,18 @@ class SpeculativeEngine:
         """Unfinished requests (running + waiting to join)."""
         return len(self._waiting) + len(self._seqs)
 
-    def set_drafter(self, drafter: nn.Module | Drafter | None, version: int) -> None:
-        """Hot swap; in-flight rows get their drafter cache rebuilt at the next step()."""
+    @property
+    def drafter(self) -> Drafter | None:
+        """The learned drafter (None for `suffix` alone or speculation off)."""
+        return self.proposer.drafter
+
+    @property
+    def k_cap(self) -> int:
+        """The longest draft a step may carry: the learned drafter's max K, or a suffix proposal's."""
+        return max(self.max_draft_tokens, self.proposer.max_tokens)
+
+    def set_drafter(self, drafter: nn.Module | Drafter | Proposer | None, version: int) -> None:
+        """Hot swap; in-flight rows get their drafter cache rebuilt at the next step() (`hybrid`: its learned part)."""
         self._set_drafter(drafter)
         self.drafter_version = int(version)
         self._drafter_dirty = True
@@ -170,6 +189,7 @@ class SpeculativeEngine:
         with torch.no_grad():
             self.target.load_state_dict(sd, strict=False)
         self.target_version = int(version)
+        self.proposer.target_updated(self.target_version)
         self._target_dirty = True
         self.acceptance.reset()
         if self.drafter is not None and self.drafter.shares_weights_with_target():
@@ -227,42 +247,33 @@ class SpeculativeEngine:
         validate_params(p, prompt_len, self.vocab_size, self.max_context, prompt_name)
 
     def _set_drafter(self, drafter) -> None:
-        d = as_drafter(drafter)
+        """A Proposer replaces the current one; a drafter model (or None) goes to the current proposer's kind."""
+        old, had = self.proposer, self.proposer.needs_features
+        new = drafter if isinstance(drafter, Proposer) else old.with_drafter(drafter)
+        d = new.drafter
         if d is not None and d.vocab_size < self.vocab_size:
             raise ValueError(
                 f"drafter embeds {d.vocab_size} token ids but the target emits {self.vocab_size}: not the same tokenizer"
             )
-        self.drafter = d
-        features = bool(getattr(d, "needs_features", False))
-        if features and self._tfn_f is None:
+        if new.needs_features and self._tfn_f is None:
             self._tfn_f = model_forward(self.target, with_features=True)
         rows = self._seqs + self._waiting
-        if features and not self._features and rows:
-            self._target_dirty = True  # in-flight rows were admitted without features: recompute them
-        if self._features and not features:
-            for s in rows:  # a drafter without features: the history would only grow stale (and mislead the record)
-                s.feats = []
-        self._features = features
+        if rows and new.needs_features and (new is not old or not had):
+            self._target_dirty = True  # in-flight rows have no features for it: recompute them
+        if rows and new is not old:
+            self._drafter_dirty = True
+        self.proposer = new
 
     # ------------------------------------------------------------------ batch membership
-    def _new_dkv(self) -> RaggedKV:
-        if self.drafter is None:
-            return RaggedKV(self.target.config, 0, self.device, self.dtype)
-        return RaggedKV(self.drafter.config, 0, self.device, self.drafter.dtype)
-
     def _refresh_params(self) -> None:
         self._p = BatchParams.of(self._seqs, self.device, self.vocab_size)
 
     def _admit(self) -> None:
         new, self._waiting = self._waiting, []
         ctx = [list(s.req.prompt_ids[:-1]) for s in new]
-        self._tkv.merge(self._target_prefill(ctx, new))
-        if self.drafter is not None:
-            # The drafter cache is filled lazily: the whole prompt is pending and goes through the drafter
-            # in the row's first draft forward (no drafter prefill at all while adaptive K stays at 0).
-            self._dkv.merge(RaggedKV(self.drafter.config, len(new), self.device, self.drafter.dtype))
-        for s in new:
-            s.pending = [int(t) for t in s.req.prompt_ids] if self.drafter is not None else [int(s.req.prompt_ids[-1])]
+        kv, feats = self._target_prefill(ctx)
+        self._tkv.merge(kv)
+        self.proposer.admit(new, feats)
         last = torch.tensor([int(s.req.prompt_ids[-1]) for s in new], dtype=torch.long, device=self.device)
         self._last = torch.cat([self._last, last])
         self._seqs.extend(new)
@@ -273,77 +284,72 @@ class SpeculativeEngine:
         keep = [i for i in range(len(self._seqs)) if i not in drop]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._tkv.select_rows(idx)
-        if self.drafter is not None:
-            self._dkv.select_rows(idx)
+        self.proposer.select_rows(keep, idx)
         self._last = self._last.index_select(0, idx)
         self._seqs = [self._seqs[i] for i in keep]
         self._refresh_params()
 
     def _finish_aborted(self, s: Seq) -> GenerationResult:
+        """An aborted row's result into the next step's outputs (its proposer row already closed)."""
         self._outbox.append(StepOutput(s.req.request_id, [], True, self._close(s, "abort")))
         return s.res
 
     def _close(self, s: Seq, reason: str) -> GenerationResult:
         return s.close(reason, Versions(self.target_version, self.drafter_version))
 
-    def _target_prefill(self, ctx: list[list[int]], seqs: list[Seq]) -> RaggedKV:
-        """The target's cache of `ctx` (one list per row); with an eagle drafter each row's features too."""
-        if not self._features:
-            return prefill(self.target.config, self._tfn, ctx, self.device, self.dtype)
+    def _target_prefill(self, ctx: list[list[int]]) -> tuple[RaggedKV, list[torch.Tensor | None] | None]:
+        """The target's cache of `ctx` (one list per row) and, when the proposer reads them (eagle), each row's
+        features [len(ctx[i]), H]."""
+        if not self.proposer.needs_features:
+            return prefill(self.target.config, self._tfn, ctx, self.device, self.dtype), None
         kv, out = prefill(self.target.config, self._tfn_f, ctx, self.device, self.dtype, return_output=True)
-        for i, (s, c) in enumerate(zip(seqs, ctx, strict=True)):
-            f = out[1][i, out[1].shape[1] - len(c):] if out is not None else None  # [len(c), H], left padding cut
-            s.feats = [f.clone()] if f is not None and len(c) else []
-        return kv
+        # [len(c), H] per row, left padding cut
+        feats = [out[1][i, out[1].shape[1] - len(c):] if out is not None and len(c) else None for i, c in enumerate(ctx)]
+        return kv, feats
 
     def _rebuild_target(self) -> None:
         self._target_dirty = False
-        ctx = [s.tokens()[:-1] for s in self._seqs]
-        self._tkv = self._target_prefill(ctx, self._seqs)
+        self._tkv, feats = self._target_prefill([s.tokens()[:-1] for s in self._seqs])
+        if feats is not None:
+            self.proposer.set_features(feats)
 
     def _rebuild_drafter(self) -> None:
         self._drafter_dirty = False
-        self._dkv = self._new_dkv()
-        if self.drafter is None:
-            return
-        if self._features:  # filled lazily, as at admission: every token pending, fed with its true feature
-            self._dkv = RaggedKV(self.drafter.config, len(self._seqs), self.device, self.drafter.dtype)
-            for s in self._seqs:
-                s.pending = s.tokens()
-            return
-        ctx = [s.tokens()[:-1] for s in self._seqs]
-        self._dkv = prefill(self.drafter.config, self.drafter, ctx, self.device, self.drafter.dtype)
-        for s in self._seqs:
-            s.pending = [s.tokens()[-1]]
+        self.proposer.rebuild(self._seqs)
 
     # ------------------------------------------------------------------ the speculative step
     def _spec_step(self) -> list[StepOutput]:
         """choose K -> draft -> verify -> accept -> roll back -> emit, then timings and finished rows out."""
         b = len(self._seqs)
-        k = self.last_k = self._choose_k(b)
+        k, k_model = self._choose_k(b)
+        self.last_k = k
         t0 = time.perf_counter()
         u = self._uniforms(2 * k + 1)  # [B, 2K + 1]: K draft samples, K accept tests, 1 resample; None if greedy
-        draft_ids = q = None
-        if k > 0:
-            draft_ids, q = self._draft(k, u)  # [B, K], [B, K, V] (q None if greedy)
+        draft = self._draft(k_model, k, u) if k > 0 else None  # ids [B, K], q [B, K, V] or None
         t1 = time.perf_counter()
-        logits = self._verify(draft_ids)  # [B, K + 1, V_head]
+        logits, feats = self._verify(draft)  # [B, K + 1, V_head], features [B, K + 1, H] or None
         t_fwd = time.perf_counter()
         logits = fit_vocab(logits, self.vocab_size)  # [B, K + 1, V]
-        n, nxt = self._accept(k, draft_ids, q, self._p.transform(logits, self._seqs, draft_ids), u)  # penalized p
+        n, nxt = self._accept(draft, self._p.transform(logits, self._seqs, draft and draft.ids), u)  # [B], [B]
         self._roll_back(k, n)
-        outs, finished = self._emit(k, draft_ids, logits, n, nxt)
+        outs, finished = self._emit(draft, logits, n, nxt, feats)
         t2 = time.perf_counter()
-        self._record_costs(b, k, t1 - t0, t2 - t1, t2 - t_fwd)
+        self._record_costs(b, k, k_model, t1 - t0, t2 - t1, t2 - t_fwd)
         n_new = sum(len(o.new_token_ids) for o in outs)
         self._count_tokens(k, n_new)
         if finished:
             self._remove_rows(finished)
         # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
         self._tkv.maybe_compact(0.3 if k else 0.1)
-        self._dkv.maybe_compact()
-        if self.adaptive and not (k > 0 and self._catchup):
-            self.controller.observe_step(b, k, n_new, time.perf_counter() - t0)
+        self.proposer.maybe_compact()
+        sec = self.proposer.step_seconds  # the suffix tree's host work this step, for /metrics (bounded)
+        if sec is not None and len(self.suffix_step_seconds) < 4096:
+            self.suffix_step_seconds.append(float(sec))
+        dt = time.perf_counter() - t0
+        if self.adaptive and not self._plan.suffix and not (k_model > 0 and self.proposer.last_catchup):
+            self.controller.observe_step(b, k, n_new, dt)
+        if self.adaptive and sec is not None and not k_model:
+            self.suffix_guard.observe(b, k > 0, n_new, dt)
         return outs
 
     def _count_tokens(self, k: int, n: int) -> None:
@@ -352,21 +358,40 @@ class SpeculativeEngine:
         if k > 0:
             self.tokens_speculated += n
 
-    def _choose_k(self, batch: int) -> int:
-        """Drafts per row this step (batch-wide): fixed, or adaptive from calibrated costs and row alphas."""
-        if self.drafter is None:
+    def _choose_k(self, batch: int) -> tuple[int, int]:
+        """This step's verify width K (batch-wide) and the learned drafter's k_model <= K: the proposer plans
+        which rows draft from where; model rows' K is fixed or adaptive (calibrated costs, row alphas), suffix
+        rows' the length of their proposals (adaptive: priced at zero draft cost against the verify cost)."""
+        cap = [s.remaining - 1 for s in self._seqs]  # drafts past a row's token budget would be thrown away
+        plan = self._plan = self.proposer.plan(self._seqs, cap)
+        k_model = self._model_k(batch, plan.model_rows) if plan.model_rows else 0
+        k_suffix = self._suffix_k(batch, plan) if plan.suffix else 0
+        k = max(0, min(max(k_model, k_suffix), max(cap)))
+        return k, min(k_model, k)
+
+    def _model_k(self, batch: int, rows: list[int]) -> int:
+        if not self.adaptive:
+            return self.num_draft_tokens
+        if self.controller.needs_calibration(batch):
+            self._calibrate(batch)
+        est = self.acceptance.estimate
+        seqs = [self._seqs[i] for i in rows]
+        alphas = [est(s.acc, s.req.domain) for s in seqs]
+        rem = [s.remaining for s in seqs] if self.drain_aware and batch > 1 else None
+        return self.controller.choose(batch, alphas, rem, self.proposer.pending_tokens)
+
+    def _suffix_k(self, batch: int, plan: Plan) -> int:
+        longest = max(len(p.tokens) for p in plan.suffix.values())
+        if not self.adaptive:
+            return longest
+        if batch > 2 and not self.suffix_guard.allow(batch):  # at 1-2 rows verify width is ~free: priced alone
             return 0
-        if self.adaptive:
-            if self.controller.needs_calibration(batch):
-                self._calibrate(batch)
-            est = self.acceptance.estimate
-            alphas = [est(s.acc, s.req.domain) for s in self._seqs]
-            rem = [s.remaining for s in self._seqs] if self.drain_aware and batch > 1 else None
-            k = self.controller.choose(batch, alphas, rem, lambda: sum(len(s.pending) for s in self._seqs))
-        else:
-            k = self.num_draft_tokens
-        # Drafts past every row's token budget would be thrown away.
-        return max(0, min(k, max(s.remaining for s in self._seqs) - 1))
+        if self.controller.needs_calibration(batch):
+            self._calibrate(batch)
+        b = batch_bucket(batch)
+        over = self.controller.step_overhead.get(b, 0.0)
+        return choose_point_k([list(p.probs) for p in plan.suffix.values()], batch,
+                              lambda k: self.controller.costs.verify_cost(b, k) + over, longest, self.controller.margin)
 
     def _uniforms(self, n: int) -> torch.Tensor | None:
         """Per-row uniforms [B, n] from each request's own generator (greedy rows: zeros, unused)."""
@@ -375,112 +400,88 @@ class SpeculativeEngine:
         rows = [g_rand(g, n) for g in self._p.gens]
         return torch.stack(rows).to(self.device)
 
-    def _draft(self, k: int, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """K drafter forwards: the first feeds every row's pending tokens, the others the previous draft.
-        Returns draft ids [B, K] and, when sampling, the drafter's warped probabilities q [B, K, V]."""
-        ids, valid = pending_ids(self._seqs, self.device)  # [B, M], [B, M] (None when M = 1)
-        self._catchup = ids.shape[1] > 2
-        feats = None
-        if self._features:
-            feats = pending_features(self._seqs, ids.shape[1], int(self.target.config.hidden_size),
-                                     self.dtype, self.device)  # [B, M, H]
-        drafts, qs = [], []
-        for j in range(k):
-            if feats is None:
-                logits = self._dkv.forward(self.drafter, ids, valid, logits_to_keep=1)[:, -1]  # [B, V_draft]
-            else:  # eagle: later drafts read the head's own predicted feature of the previous position
-                logits, feats = self._dkv.forward(self.drafter.with_features(feats), ids, valid, logits_to_keep=1)
-                logits = logits[:, -1]  # [B, V_draft]; feats [B, 1, H]
-            logits = self._p.transform(fit_vocab(logits, self.vocab_size), self._seqs, drafts)  # [B, V], as p
-            if self._p.all_greedy:
-                d = logits.argmax(-1)  # [B]
-            else:
-                q = warp_probs(logits, self._p.temp, self._p.top_k, self._p.top_p)  # [B, V]
-                d = sample_from(q, u[:, j])
-                qs.append(q)
-            drafts.append(d)
-            ids, valid = d.unsqueeze(1), None  # [B, 1]
-        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+    def _draft(self, k_model: int, k: int, u: torch.Tensor | None) -> Draft:
+        """The proposer's drafts for the plan: ids [B, K], q [B, K, V] (sampled model drafts) or None; u [B, 2K + 1]."""
+        return self.proposer.propose(self._plan, k_model, k, u, self._p)
 
-    def _verify(self, draft_ids: torch.Tensor | None) -> torch.Tensor:
-        """The target scores [last token, d_1..d_K] of every row in one forward (K + 1 positions);
-        with an eagle drafter it also leaves their features in `_step_feats` [B, K + 1, H]."""
+    def _verify(self, draft: Draft | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target scores [last token, d_1..d_K] of every row in one forward (K + 1 positions): logits
+        [B, K + 1, V_head] and, when the proposer reads them (eagle), the features [B, K + 1, H]."""
         ids = self._last.unsqueeze(1)  # [B, 1]
-        if draft_ids is not None:
-            ids = torch.cat([ids, draft_ids], 1)  # [B, K + 1]
-        if self._features:
-            logits, self._step_feats = self._tkv.forward(self._tfn_f, ids)
-            return logits  # [B, K + 1, V_head]
-        return self._tkv.forward(self._tfn, ids)  # [B, K + 1, V_head]
+        if draft is not None:
+            ids = torch.cat([ids, draft.ids], 1)  # [B, K + 1]
+        if self.proposer.needs_features:
+            return self._tkv.forward(self._tfn_f, ids)
+        return self._tkv.forward(self._tfn, ids), None
 
-    def _accept(self, k: int, draft_ids: torch.Tensor | None, q: torch.Tensor | None, logits: torch.Tensor,
-                u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, how many drafts the target keeps (n [B]) and its token after them (nxt [B]): greedy exact
-        match, or rejection sampling with the row's uniforms u[:, K:2K] (tests) and u[:, 2K] (resample)."""
+    def _accept(self, draft: Draft | None, logits: torch.Tensor, u: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the drafts kept (n [B]) and the target's token after them (nxt [B]), judged against the
+        penalized `logits`: greedy exact match, or rejection sampling with u[:, K:2K] (tests) and u[:, 2K]
+        (resample); suffix drafts are point masses (`point_mass_accept`); short rows get the bonus there."""
+        k = 0 if draft is None else draft.ids.shape[1]
+        lens = torch.tensor(draft.lens, device=self.device) if k and draft.ragged else None  # [B]
         if self._p.all_greedy:
             if k > 0:
-                return greedy_accept(draft_ids, logits)
+                return greedy_accept(draft.ids, logits, lens)
             nxt = logits[:, 0].argmax(-1)  # [B]
             return torch.zeros_like(nxt), nxt
         p = warp_probs(logits, self._p.temp, self._p.top_k, self._p.top_p)  # [B, K + 1, V]
         if k > 0:
-            return rejection_accept(draft_ids, q, p, u[:, k : 2 * k], u[:, 2 * k])
+            ua, us = u[:, k : 2 * k], u[:, 2 * k]
+            if draft.q is None:
+                return point_mass_accept(draft.ids, p, ua, us, lens)
+            if lens is None:
+                return rejection_accept(draft.ids, draft.q, p, ua, us)
+            return rejection_accept(draft.ids, draft.q, p, ua, us, lens)
         nxt = sample_from(p[:, 0], u[:, 0])  # [B]
         return torch.zeros_like(nxt), nxt
 
     def _roll_back(self, k: int, n: torch.Tensor) -> None:
-        """Drop the rejected slots: the target keeps [last, d_1..d_n] of its K + 1 new entries, the drafter
-        d_1..d_n of the K - 1 drafts it was fed (d_K never was)."""
+        """The target keeps [last, d_1..d_n] of its K + 1 new entries (the proposer rolls back its own in `observe`)."""
         self._tkv.rollback(k + 1, n + 1)
-        if k > 1:  # eagle: the drafts were fed predicted features; accepted ones are re-fed with true ones
-            self._dkv.rollback(k - 1, torch.zeros_like(n) if self._features else n.clamp(max=k - 1))
 
-    def _emit(self, k: int, draft_ids: torch.Tensor | None, logits: torch.Tensor, n: torch.Tensor,
-              nxt: torch.Tensor) -> tuple[list[StepOutput], list[int]]:
-        """Emitted tokens onto each row's result, its pending drafter tokens and acceptance estimate; rows
-        that hit a stop token or their budget are closed. Returns the outputs and the finished rows."""
-        e = emitted(draft_ids, n, nxt, logits, self._p.temp, self._p.all_t1, self.feedback_top_k)
+    def _emit(self, draft: Draft | None, logits: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
+              feats: torch.Tensor | None) -> tuple[list[StepOutput], list[int]]:
+        """Emitted tokens onto each row's result and acceptance estimate, and to the proposer; rows that hit a
+        stop token or their budget are closed. Returns the outputs and the finished rows."""
+        e = emitted(None if draft is None else draft.ids, n, nxt, logits, self._p.temp, self._p.all_t1,
+                    self.feedback_top_k)
         self._last = nxt
         outs: list[StepOutput] = []
-        finished: list[int] = []
-        have_drafter = self.drafter is not None
+        done: list[tuple[int, str]] = []
+        news: list[list[int]] = []
         for i, s in enumerate(self._seqs):
-            ni = e.n[i]
+            ni, ki = e.n[i], (draft.lens[i] if draft is not None else 0)
+            src = draft.sources[i] if draft is not None else None
             s.res.num_steps += 1
-            if k > 0:
-                count_drafts(s.res, k, ni)
-                self.acceptance.update(s.acc, s.req.domain, k, ni)
-                if self._features:
-                    s.pending = e.tokens[i][: ni + 1]
-                else:
-                    s.pending = [e.drafts[i][k - 1], e.tokens[i][ni]] if ni == k else [e.tokens[i][ni]]
-            elif have_drafter:
-                s.pending.append(e.tokens[i][0])
-                self.acceptance.update(s.acc, s.req.domain, 0, 0)
-            new, reason = append_tokens(s.res, e, i, k, s.stop, s.remaining)
-            if self._features:
-                self._keep_features(s, i, len(new))
+            if ki > 0:
+                count_drafts(s.res, ki, ni, src)
+            model = src == "model"
+            self.acceptance.update(s.acc, s.req.domain, ki if model else 0, ni if model else 0)
+            new, reason = append_tokens(s.res, e, i, ki, s.stop, s.remaining, src)
+            news.append(new)
             s.remaining -= len(new)
             if reason is not None:
-                self._close(s, reason)
-                finished.append(i)
+                done.append((i, reason))
             outs.append(StepOutput(s.req.request_id, new, reason is not None, s.res if reason else None))
-        self.acceptance.end_step(k)
-        return outs, finished
+        self.acceptance.end_step(draft.ids.shape[1] if draft is not None else 0)
+        self.proposer.observe(draft, e.n, news, feats)
+        for i, reason in done:
+            self.proposer.close_row(i, self._seqs[i], keep=True)
+            self._close(self._seqs[i], reason)
+        return outs, [i for i, _ in done]
 
-    def _keep_features(self, s: Seq, i: int, n: int) -> None:
-        """Row i's target features of its n emitted positions onto its history (eagle)."""
-        s.feats.append(self._step_feats[i, :n].clone())  # [n, H]
-
-    def _record_costs(self, b: int, k: int, t_draft: float, t_verify: float, t_host: float) -> None:
-        """Online timings of the step (reporting) and, on CPU, the host work per step the controller adds."""
+    def _record_costs(self, b: int, k: int, k_model: int, t_draft: float, t_verify: float, t_host: float) -> None:
+        """Online timings of the step (reporting) and, on CPU, the host work per step the controller adds;
+        k the verify width, k_model the learned drafter's forwards (t_draft also holds suffix lookups: tiny)."""
         self.costs.record_verify(b, k, t_verify)
         if self.adaptive and self.device.type == "cpu":
             # On CPU the verify forward is synchronous, so t_host is the step's host work after it (on CUDA
             # it would include the kernels the first .tolist() waits for).
             self.controller.observe_host_work(b, t_host, self.costs)
-        if k > 0 and not self._catchup:  # a drafter catch-up after K=0 steps is not a typical draft cost
-            self.costs.record_draft(b, t_draft / k)
+        if k_model > 0 and not self.proposer.last_catchup:  # a drafter catch-up is not a typical draft cost
+            self.costs.record_draft(b, t_draft / k_model)
 
     # ------------------------------------------------------------------ cost calibration (dvi.adaptive.calibrate)
     def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
@@ -489,7 +490,7 @@ class SpeculativeEngine:
         Runs on dummy rows with their own caches (in-flight requests are untouched); adaptive K calls it
         lazily the first time a bucket is seen.
         """
-        if self.drafter is None or self.max_draft_tokens == 0:
+        if self.k_cap == 0 or isinstance(self.proposer, NoProposer):
             return
         with torch.inference_mode():
             for b in batch_sizes:

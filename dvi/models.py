@@ -229,7 +229,7 @@ def load_pair(
 
 
 def load_shared_target_drafter(target, target_path: str | Path, cfg):
-    """The drafter of `models.drafter_kind` that runs on `target`'s own weights (early_exit, eagle).
+    """The drafter of `models.learned_kind` that runs on `target`'s own weights (early_exit, eagle).
 
     `models.drafter`, when it is a saved dir of that kind (`EarlyExitDrafter.save()` / `EagleDrafter.save()`),
     is loaded as is (another kind's dir there is ignored), else the embedded pair's `early_exit/` or `eagle/`
@@ -244,7 +244,7 @@ def load_shared_target_drafter(target, target_path: str | Path, cfg):
     from dvi.vocab import draft_vocab_path
 
     m, t = cfg.models, cfg.trainer
-    kind = m.drafter_kind
+    kind = m.learned_kind
     built = getattr(embedded_paths(m.preset), kind)
     saved = Path(m.drafter) if m.drafter is not None and saved_kind(Path(m.drafter)) == kind else None
     if saved is None and m.drafter is None and m.target is None and saved_kind(built) == kind:

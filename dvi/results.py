@@ -90,6 +90,9 @@ class GenerationResult(DraftCounts):
     finish_reason: str | None = None
     token_logprobs: list[float] = field(default_factory=list)
     drafted_ids: list[int] = field(default_factory=list)
+    # per emitted token, who proposed its draft: 0 none, 1 model, 2 suffix_request, 3 suffix_global (dvi.emit)
+    draft_source: list[int] = field(default_factory=list)
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [steps, drafted, accepted]
     accepted: list[bool] = field(default_factory=list)
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
@@ -100,6 +103,14 @@ class GenerationResult(DraftCounts):
     finished_at: float = 0.0
     temperature: float = 0.0
     hidden: Any = None  # eagle drafters: the target's features f_0..f_{L-2}, fp16 tensor [L - 1, H]
+
+    def model_counts(self) -> tuple[int, int]:
+        """(drafted, accepted) of the learned drafter's own drafts (`hybrid`: suffix drafts left out); a result
+        without per-source counts drafted from the model only."""
+        if not self.by_source:
+            return self.num_drafted, self.num_accepted
+        c = self.by_source.get("model", [0, 0, 0])
+        return c[1], c[2]
 
 
 class Versions(NamedTuple):

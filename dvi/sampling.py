@@ -24,6 +24,8 @@ __all__ = [
     "tie_bound",
     "TIE_ULPS",
     "first_divergence",
+    "point_mass_accept",
+    "draft_mask",
 ]
 
 
@@ -152,15 +154,28 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.squeeze(-1)
 
 
-def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_mask(lens: torch.Tensor | None, b: int, k: int, device: torch.device) -> torch.Tensor | None:
+    """[B, K] True where column j < lens[i] (row i's real drafts; padding after them is never accepted)."""
+    if lens is None:
+        return None
+    return torch.arange(k, device=device).view(1, k) < lens.view(b, 1)
+
+
+def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor,
+                  lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: accept the longest prefix of drafts equal to the target's argmax.
 
-    draft_ids [B, K], target_logits [B, K+1, V] -> (num_accepted [B], next_token [B]) where next_token is
-    the target's argmax right after the accepted prefix (correction or bonus token).
+    draft_ids [B, K], target_logits [B, K+1, V], lens [B] real drafts per row (None: all K) ->
+    (num_accepted [B], next_token [B]) where next_token is the target's argmax right after the accepted
+    prefix (correction or bonus token).
     """
     tgt = target_logits.argmax(-1)
-    k = draft_ids.shape[1]
-    match = (draft_ids == tgt[:, :k]).to(torch.int64)
+    b, k = draft_ids.shape
+    match = (draft_ids == tgt[:, :k])
+    valid = draft_mask(lens, b, k, draft_ids.device)
+    if valid is not None:
+        match = match & valid
+    match = match.to(torch.int64)
     n = match.cumprod(1).sum(1)
     return n, tgt.gather(1, n.unsqueeze(1)).squeeze(1)
 
@@ -185,21 +200,59 @@ def rejection_accept(
     target_probs: torch.Tensor,
     u_accept: torch.Tensor,
     u_sample: torch.Tensor,
+    lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Leviathan/Chen speculative sampling for a batch.
 
     draft_ids [B, K] were sampled from draft_probs q [B, K, V]; target_probs p [B, K+1, V] are the target's
     warped distributions at the K+1 verified positions. Draft j is accepted when u_accept[:, j] < p/q;
     the first rejection resamples from (p - q)+, and if all K survive the bonus token is drawn from p[:, K].
-    Returns (num_accepted [B], next_token [B]); every emitted token is distributed exactly as p.
+    `lens` [B] (None: all K): row i drafted only its first lens[i] columns; at column lens[i] its next token is
+    the bonus, drawn from p (a step with K = lens[i]). Returns (num_accepted [B], next_token [B]); every
+    emitted token is distributed exactly as p.
     """
     b, k = draft_ids.shape
     pd = target_probs[:, :k].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
     qd = draft_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
-    accept = (u_accept[:, :k].to(pd.dtype) * qd < pd).to(torch.int64)
-    n = accept.cumprod(1).sum(1)
+    accept = u_accept[:, :k].to(pd.dtype) * qd < pd
+    valid = draft_mask(lens, b, k, draft_ids.device)
+    if valid is not None:
+        accept = accept & valid
+        draft_probs = draft_probs * valid.unsqueeze(-1).to(draft_probs.dtype)  # q = 0 past a row's drafts
+    n = accept.to(torch.int64).cumprod(1).sum(1)
     rows = torch.arange(b, device=draft_ids.device)
     p_n = target_probs[rows, n]
     q_ext = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
     q_n = q_ext[rows, n]  # zeros at the bonus position -> residual == p
     return n, sample_from(residual_distribution(p_n, q_n), u_sample)
+
+
+def point_mass_accept(
+    draft_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_sample: torch.Tensor,
+    lens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of point-mass drafts (suffix proposals: q one-hot at the draft), without the
+    [B, K, V] one-hot: draft x is accepted with probability p(x) (min(1, p/q) with q(x) = 1), and the first
+    rejection samples from (p - q)+ = p with x removed.
+
+    draft_ids [B, K], target_probs p [B, K+1, V], u_accept [B, >= K], u_sample [B], lens [B] (None: all K;
+    row i's bonus at column lens[i] is drawn from p). Returns (num_accepted [B], next_token [B]).
+    """
+    b, k = draft_ids.shape
+    pd = target_probs[:, :k].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)  # [B, K]
+    accept = u_accept[:, :k].to(pd.dtype) < pd
+    valid = draft_mask(lens, b, k, draft_ids.device)
+    if valid is not None:
+        accept = accept & valid
+    n = accept.to(torch.int64).cumprod(1).sum(1)  # [B]
+    rows = torch.arange(b, device=draft_ids.device)
+    p_n = target_probs[rows, n].clone()  # [B, V]
+    rejected = n < (lens if lens is not None else torch.full_like(n, k))  # [B]: stopped at a draft, not the bonus
+    x = torch.cat([draft_ids, draft_ids[:, :1]], 1)[rows, n]  # [B] the rejected draft (ignored for bonus rows)
+    removed = p_n.scatter(1, x.unsqueeze(1), 0.0)
+    ok = rejected & (removed.sum(-1) > 0)  # p(x) = 1 is never rejected; guard float edge cases anyway
+    p_n = torch.where(ok.unsqueeze(1), removed, p_n)
+    return n, sample_from(p_n, u_sample)

@@ -1,5 +1,5 @@
 """The engine's per-row host state between steps: the request, its `GenerationResult`, its own RNG
-(`g_rand` draws its uniforms), the tokens its drafter cache still lacks, its stop set and token budget.
+(`g_rand` draws its uniforms), its stop set and token budget (its draft state lives in its `dvi.proposers` proposer).
 
 Kept apart from `dvi.engine` (which batches rows and runs the step) so a row's bookkeeping reads on its own.
 """
@@ -7,29 +7,25 @@ Kept apart from `dvi.engine` (which batches rows and runs the step) so a row's b
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dvi.acceptance import AcceptanceEMA
-from dvi.kv import left_pad
 from dvi.request import Request, SamplingParams
 from dvi.results import GenerationResult, Versions
 from dvi.sampling import Penalties, penalize
 
-__all__ = ["Seq", "BatchParams", "row_generator", "g_rand", "pending_ids", "pending_features"]
+__all__ = ["Seq", "BatchParams", "row_generator", "g_rand"]
 
 
 class Seq:
     """Per-row bookkeeping (host side)."""
 
-    __slots__ = ("req", "res", "gen", "pending", "stop", "remaining", "acc", "feats")
+    __slots__ = ("req", "res", "gen", "stop", "remaining", "acc")
 
     def __init__(self, req: Request, res: GenerationResult, gen, acc: AcceptanceEMA):
         self.req, self.res, self.gen, self.acc = req, res, gen, acc
-        self.pending: list[int] = []
-        # eagle drafters: the target's features f_0..f_{L-2} of the row's L tokens, as chunks [n, H]
-        self.feats: list[torch.Tensor] = []
         self.stop = frozenset(int(t) for t in req.params.stop_token_ids or ())
         self.remaining = int(req.params.max_new_tokens)
 
@@ -37,27 +33,12 @@ class Seq:
         return list(self.req.prompt_ids) + self.res.token_ids
 
     def close(self, reason: str, versions: Versions) -> GenerationResult:
-        """Seal the row's result: why it ended, when, the weights that decoded it and (eagle) its features
-        f_0..f_{L-2} as fp16 on the host, for the feedback record."""
-        if self.feats:
-            self.res.hidden = torch.cat(self.feats).to("cpu", torch.float16)
+        """Seal the row's result: why it ended, when, the weights that decoded it (its proposer has already
+        added its own fields, e.g. eagle features)."""
         self.res.finish_reason = reason
         self.res.finished_at = time.time()
         self.res.target_version, self.res.drafter_version = versions
         return self.res
-
-    def pending_features(self, hidden_size: int) -> torch.Tensor:
-        """Features F [m, H] of the m pending tokens (the row's last m): F_j = f_{j-1}, F_0 = 0."""
-        m, rows, have = len(self.pending), [], 0
-        for chunk in reversed(self.feats):
-            rows.append(chunk[max(0, chunk.shape[0] - (m - have)):])
-            have += rows[-1].shape[0]
-            if have >= m:
-                break
-        if have < m:  # the pending tokens include x_0, which no feature precedes
-            ref = self.feats[0] if self.feats else None
-            rows.append(torch.zeros(m - have, hidden_size) if ref is None else ref.new_zeros(m - have, hidden_size))
-        return torch.cat(rows[::-1]) if len(rows) > 1 else rows[0]
 
 
 @dataclass
@@ -72,6 +53,7 @@ class BatchParams:
     gens: list  # per-row torch.Generator (None for greedy rows)
     pen: Penalties | None = None  # None when no row has a penalty or a logit_bias
     _seen_cache: tuple | None = None  # (output lengths, counts, prompt_seen) of the current step
+    seqs: list = field(default_factory=list, repr=False)  # the rows, for the proposers' penalized drafts
 
     @classmethod
     def of(cls, seqs: list[Seq], device: torch.device, vocab_size: int = 0) -> BatchParams:
@@ -82,7 +64,7 @@ class BatchParams:
             top_k=torch.tensor(tk, dtype=torch.long, device=device) if any(tk) else None,
             top_p=torch.tensor(tp, dtype=torch.float32, device=device) if any(x < 1.0 for x in tp) else None,
             all_greedy=all(p.temperature == 0 for p in ps), all_t1=all(p.temperature in (0, 1) for p in ps),
-            gens=[s.gen for s in seqs], pen=_penalties(ps, vocab_size, device))
+            gens=[s.gen for s in seqs], pen=_penalties(ps, vocab_size, device), seqs=list(seqs))
 
     def transform(self, logits: torch.Tensor, seqs: list[Seq],
                   drafts: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -157,22 +139,3 @@ def g_rand(gen: torch.Generator | None, n: int) -> torch.Tensor:
     if gen is None:
         return torch.zeros(n)
     return torch.rand(n, generator=gen)
-
-
-def pending_ids(seqs: list[Seq], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every row's pending tokens (those its drafter cache lacks), left-padded to the longest M:
-    ids [B, M] and valid [B, M] (None when every row has one)."""
-    pend = [s.pending for s in seqs]
-    if max(len(p) for p in pend) == 1:
-        return torch.tensor(pend, dtype=torch.long, device=device), None  # [B, 1]
-    return left_pad(pend, device)
-
-
-def pending_features(seqs: list[Seq], m: int, hidden_size: int, dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor:
-    """Eagle features [B, M, H] of every row's pending tokens, left-padded with zeros like `pending_ids`."""
-    out = torch.zeros(len(seqs), m, hidden_size, dtype=dtype, device=device)
-    for i, s in enumerate(seqs):
-        r = s.pending_features(hidden_size)
-        out[i, m - r.shape[0]:] = r
-    return out

@@ -66,7 +66,7 @@ from .health import (  # noqa: F401  (re-exported)
     public_health,
     rejection_reason,
 )
-from .loading import ensure_pair, load_serving_pair, pair_paths  # noqa: F401  (re-exported)
+from .loading import ensure_pair, load_serving_pair, pair_paths, serving_proposer  # noqa: F401  (re-exported)
 from .protocol import RequestLimits
 from .scheduler import Finished, Scheduler
 from .supervisor import TrainerSupervisor
@@ -99,6 +99,7 @@ class ServerState:
     target_version: int = 0
     stopped: bool = False
     draining: bool = False  # a stop was asked for (`serving.drain`): new requests get a 503
+    suffix_tailer: Any = None  # serving.suffix_tail.SuffixTailer (suffix / hybrid with a shared feedback dir)
 
     @property
     def limits(self) -> RequestLimits:
@@ -112,12 +113,16 @@ class ServerState:
         if self.swapper is not None:
             self.swapper.start()
         self.supervisor.start()
+        if self.suffix_tailer is not None:
+            self.suffix_tailer.start()
 
     def stop(self) -> None:
         """Stop in dependency order: trainer, watcher, engine loop, then flush the feedback."""
         if self.stopped:
             return
         self.stopped = True
+        if self.suffix_tailer is not None:
+            self.suffix_tailer.stop()
         self.supervisor.stop()
         if self.swapper is not None:
             self.swapper.stop()
@@ -138,12 +143,11 @@ def build_state(cfg: DviConfig) -> ServerState:
     tokenizer = pair.tokenizer
     spec = cfg.speculation
     engine = SpeculativeEngine(
-        pair.target, pair.drafter if spec.num_draft_tokens > 0 or spec.adaptive else None,
-        num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
+        pair.target, serving_proposer(cfg, pair), num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
         max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
         greedy_below_temperature=cfg.sampling.greedy_below_temperature,
     )
-    if spec.adaptive and pair.drafter is not None:
+    if spec.adaptive and engine.proposer.kind != "none":
         # Measure draft/verify costs for every batch bucket now, so no request pays for a
         # calibration the first time the running batch reaches a new size.
         buckets = sorted({batch_bucket(n) for n in range(1, cfg.serve.max_batch_size + 1)})
@@ -174,6 +178,12 @@ def build_state(cfg: DviConfig) -> ServerState:
         prompts=PromptTokenizer(tokenizer, cfg.serve.tokenize_large_bytes),
     )
     scheduler.observers.append(lambda fin: _on_finished(state, fin))
+    cache = getattr(getattr(engine.proposer, "suffix", engine.proposer), "cache", None)
+    if cache is not None and cfg.suffix.tail_seconds > 0:
+        from .suffix_tail import SuffixTailer
+
+        state.suffix_tailer = SuffixTailer(fb.dir, cache, scheduler.call_between_steps, cfg.suffix.tail_seconds,
+                                           cfg.suffix.tail_records)
     return state
 
 
@@ -182,7 +192,8 @@ def _on_finished(state: ServerState, fin: Finished) -> None:
     state.metrics.observe_request(fin)
     if state.swapper is not None and fin.result is not None:
         r = fin.result
-        state.swapper.observe(r.num_drafted, r.num_accepted, r.drafter_version)
+        drafted, accepted = r.model_counts()  # the learned drafter's own drafts (hybrid: not the suffix ones)
+        state.swapper.observe(drafted, accepted, r.drafter_version)
         if fin.record is not None and fin.record.token_ids:
             state.swapper.observe_record(fin.record)
 

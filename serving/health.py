@@ -89,6 +89,8 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "target_version": s.target_version,
         "drafter": sw,
         "drafter_kind": s.cfg.models.drafter_kind,
+        "learned_kind": s.cfg.models.learned_kind,
+        "suffix": _suffix_info(s),
         "draft_vocab_size": _draft_vocab_size(s.engine),
         "trainer": trainer,
         "disk_bytes": s.metrics.disk_usage(s.supervisor.rundir),
@@ -101,3 +103,13 @@ def health_info(s: ServerState) -> dict[str, Any]:
                      "last_error": getattr(fb, "last_error", None),
                      "errors": s.scheduler.feedback_errors},
     }
+
+
+def _suffix_info(s: ServerState) -> dict[str, Any] | None:
+    """The suffix drafter's index size, lookups and hits, and what the tailer added (None: not a suffix kind)."""
+    st = s.engine.proposer.stats()
+    if not st:
+        return None
+    t = s.suffix_tailer
+    return {**st, "tailed_records": t.records_added if t is not None else 0,
+            "tail_errors": t.errors if t is not None else 0}

@@ -55,7 +55,8 @@ def ensure_pair(cfg: DviConfig) -> None:
 
 
 def load_serving_pair(cfg: DviConfig) -> ModelPair:
-    """The `ModelPair` to serve; its drafter is of `models.drafter_kind`.
+    """The `ModelPair` to serve; its drafter is of `models.learned_kind` (`hybrid`: its `hybrid_kind`; `suffix`:
+    none, the engine's proposer is built from the config, `dvi.suffix_proposer.build_proposer`).
 
     separate: the drafter dir's HF model (reduced head if it has a draft vocabulary);
     early_exit / eagle: an `EarlyExitDrafter` / `EagleDrafter` on the loaded target
@@ -67,11 +68,26 @@ def load_serving_pair(cfg: DviConfig) -> ModelPair:
 
     m = cfg.models
     target_path, drafter_path, tok_path = pair_paths(cfg)
-    early = m.drafter_kind in ("early_exit", "eagle")
+    early = m.learned_kind in ("early_exit", "eagle")
     dtype = m.dtype if m.target is not None else serving_dtype(m.preset, m.dtype, m.device)
-    pair = load_pair(target_path, None if early else drafter_path, tok_path, device=m.device, dtype=dtype,
+    pair = load_pair(target_path, None if early or m.learned_kind is None else drafter_path, tok_path, device=m.device, dtype=dtype,
                      draft_vocab_size=draft_vocab_size_for(m), draft_vocab=m.draft_vocab)
     set_exact_greedy(pair.target, m.exact_greedy)
     if early:
         pair.drafter = load_shared_target_drafter(pair.target, target_path, cfg)
     return pair
+
+
+def serving_proposer(cfg: DviConfig, pair: ModelPair):
+    """The engine's drafter: the pair's learned drafter, or for `suffix` / `hybrid` the proposer over a
+    `SuffixCache` bounded by `cfg.suffix` (hybrid: around the learned drafter). None: speculation off."""
+    from dvi.suffix_proposer import build_proposer
+
+    spec, m = cfg.speculation, cfg.models
+    if spec.num_draft_tokens == 0 and not spec.adaptive:
+        return None
+    if m.drafter_kind not in ("suffix", "hybrid"):
+        return pair.drafter
+    vocab = int(pair.target.get_output_embeddings().weight.shape[0])
+    device = next(pair.target.parameters()).device
+    return build_proposer(m.drafter_kind, pair.drafter, vocab, device, settings=cfg.suffix)

@@ -82,6 +82,10 @@ class TrainerSupervisor:
         self.start_grace_s = max(cfg.serve.trainer_start_grace_s, cfg.serve.trainer_stale_s)
         self._spawned_at: float | None = None  # wall clock, comparable with file mtimes
         self.state = "off" if self.mode == "off" else ("external" if self.mode == "external" else "starting")
+        # `suffix` alone has no learned drafter: nothing to train, so no trainer is started (said on /health)
+        self.note: str | None = None
+        if cfg.models.learned_kind is None and self.mode == "supervised":
+            self.state, self.note = "off", "models.drafter_kind is suffix: no learned drafter, nothing to train"
         self.paused = False
         self.last_exit_code: int | None = None
         self.proc: subprocess.Popen | None = None
@@ -94,7 +98,7 @@ class TrainerSupervisor:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self.rundir.make_root()
-        if self.mode != "supervised":
+        if self.mode != "supervised" or self.note is not None:
             return
         self.write_config()
         self.rundir.resume_trainer()
@@ -268,4 +272,5 @@ class TrainerSupervisor:
                 "stale": hb is not None and hb[0] > hb[1], "stale_after_s": self.stale_after_s,
                 "stale_restarts": self.stale_restarts,
                 "paused": self.paused or self.rundir.trainer_paused(), "last_exit_code": self.last_exit_code,
-                "log": str(self.rundir.trainer_log_path) if self.mode == "supervised" else None}
+                "log": str(self.rundir.trainer_log_path) if self.mode == "supervised" else None,
+                "note": self.note}

@@ -114,8 +114,8 @@ class ServerMetrics:
         self.m.set_versions(target_version=version)
 
     def _sync_counter(self, name: str, total: float, **labels: str) -> None:
-        """Advance counter `name` (`labels`) to `total` (a count another object keeps), never backwards."""
-        key = name + repr(sorted(labels.items()))
+        """Advance counter `name` (with `labels`) to `total` (a count another object keeps), never backwards."""
+        key = name + "".join(f",{k}={v}" for k, v in sorted(labels.items()))
         with self._lock:
             delta = total - self._synced.get(key, 0.0)
             if delta > 0:
@@ -148,6 +148,7 @@ class ServerMetrics:
             self.m[M.TRAINER_HEARTBEAT_AGE].set(age)
         if sup.mode != "off":  # the trainer's losses and held-out α, from its last status write
             self.m.set_trainer(sup.rundir.read_trainer_status())
+        self._update_suffix(state)
         fb = state.feedback
         if fb is not None:
             self._sync_counter(M.FEEDBACK_WRITE_ERRORS, fb.flush_errors)
@@ -156,6 +157,23 @@ class ServerMetrics:
             self.m[M.FEEDBACK_FAILING].set(1 if fb.failing else 0)
         for part, n in self.disk_usage(sup.rundir).items():
             self.m[M.DISK_BYTES].labels(part=part).set(n)
+
+    def _update_suffix(self, state: ServerState) -> None:
+        """Suffix index size and hits, the tree's host seconds per step (drained from the engine), tailed records."""
+        st = state.engine.proposer.stats()
+        if not st:
+            return
+        self.m[M.SUFFIX_INDEX_TOKENS].set(st.get("tokens", 0))
+        self.m[M.SUFFIX_INDEX_SEQS].set(st.get("seqs", 0))
+        self._sync_counter(M.SUFFIX_LOOKUPS, st.get("lookups", 0))
+        for src, key in (("suffix_request", "hits_request"), ("suffix_global", "hits_global")):
+            self._sync_counter(M.SUFFIX_HITS, st.get(key, 0), source=src)
+        secs, state.engine.suffix_step_seconds = state.engine.suffix_step_seconds, []
+        h = self.m[M.SUFFIX_STEP_SECONDS]
+        for x in secs:
+            h.observe(x)
+        if state.suffix_tailer is not None:
+            self._sync_counter(M.SUFFIX_TAILED_RECORDS, state.suffix_tailer.records_added)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

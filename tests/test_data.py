@@ -126,3 +126,15 @@ def test_sql_prompt_stream_renders_and_bounds(tiny_pair_dir):
     ids = list(itertools.islice(data.sql_prompt_stream(tok, "heldout", seed=0, max_tokens=200), 4))
     assert len(ids) == 4 and all(0 < len(x) <= 200 for x in ids)
     assert "CREATE TABLE" in tok.decode(ids[0])
+def test_agentic_instructions_repeat_a_few_functions_deterministically():
+    import itertools
+
+    from dvi.data import AGENTIC_EDITS, agentic_instructions
+
+    first = [m[0]["content"] for m in itertools.islice(agentic_instructions(seed=1), 40)]
+    assert first == [m[0]["content"] for m in itertools.islice(agentic_instructions(seed=1), 40)]
+    funcs = {x.split("```python")[1].split("```")[0] for x in first}
+    assert len(funcs) <= 12 and len(funcs) < len(first) // 2          # functions recur: history repeats
+    assert all(any(e in x for e in AGENTIC_EDITS) for x in first)
+    with pytest.raises(ValueError, match="split"):
+        next(agentic_instructions("nope"))

@@ -317,3 +317,25 @@ def test_chained_pass_feeds_generated_positions_the_heads_own_features():
     assert f2.shape == batch.features.shape
     assert torch.equal(f2[:, : w - t + 1], batch.features[:, : w - t + 1])
     assert torch.equal(f2[:, w - t + 1:], out.features[:, :-1].to(f2.dtype))
+
+
+def test_hybrid_with_an_eagle_head_is_greedy_equal_and_logs_true_features():
+    """`hybrid` over an eagle head: steps where suffix rows draft leave the head's cache without those drafts and
+    its features true (the head re-reads the kept tokens with the target's features), and every kind of step
+    logs the same features the target computes."""
+    from dvi.config import SuffixConfig
+    from dvi.suffix_proposer import build_proposer
+
+    target = tiny("llama", seed=0)
+    refs = [reference(target, p, NEW) for p in PROMPTS]
+    prop = build_proposer("hybrid", noisy_eagle(target), int(target.config.vocab_size), "cpu",
+                          settings=SuffixConfig(threshold=1.0, max_draft_tokens=8))
+    eng = SpeculativeEngine(target, prop, num_draft_tokens=3)
+    for _ in range(2):  # the second pass drafts mostly from the first one's outputs
+        got = run(eng, PROMPTS)
+        for p, r, ref in zip(PROMPTS, got, refs, strict=True):
+            assert_greedy_equal(target, p, r.token_ids, ref)
+            feats = target_features(target, p + r.token_ids)
+            assert torch.allclose(r.hidden.float(), feats, atol=2e-3, rtol=2e-3)
+    sources = {s for r in got for s in r.by_source}
+    assert "suffix_global" in sources

@@ -348,3 +348,33 @@ def test_mixed_greedy_and_sampled_rows():
                 res[o.request_id] = o.result
     assert_greedy_equal(target, PROMPTS[0], res["g"].token_ids, reference(target, PROMPTS[0], NEW))
     assert all(len(r.token_ids) == NEW for r in res.values())
+
+
+@pytest.mark.parametrize("kind", ["suffix", "hybrid"])
+def test_suffix_and_hybrid_greedy_equal_hf_generate(kind):
+    """Suffix drafts (point masses) keep greedy output equal at batch 1 and ragged batches; a second pass over
+    the same prompts drafts from the finished outputs (the global index) and accepts most of them."""
+    from dvi.config import SuffixConfig
+    from dvi.suffix_proposer import build_proposer
+
+    target = tiny("llama", seed=0)
+    refs = [reference(target, p, NEW) for p in PROMPTS]
+    prop = build_proposer(kind, perturbed(target), VOCAB, "cpu", settings=SuffixConfig(threshold=2.0, max_draft_tokens=12))
+    eng = SpeculativeEngine(target, prop, num_draft_tokens=3)
+    first = [eng.generate([p], NEW)[0] for p in PROMPTS]  # batch 1: nothing finished yet for the first prompt
+    for p, ref, r in zip(PROMPTS, refs, first, strict=True):
+        assert_greedy_equal(target, p, r.token_ids, ref)
+    res = eng.generate(PROMPTS, NEW)
+    for p, ref, r in zip(PROMPTS, refs, res, strict=True):
+        assert_greedy_equal(target, p, r.token_ids, ref)
+        assert len(r.drafted_ids) == len(r.draft_source) == NEW
+    if kind == "hybrid":  # the learned drafter drafted where the index had nothing (the first prompt's start)
+        assert sum(r.by_source.get("model", [0, 0, 0])[1] for r in first) > 0
+    by = {}
+    for r in res:
+        for src, c in r.by_source.items():
+            by.setdefault(src, [0, 0, 0])
+            by[src] = [a + b for a, b in zip(by[src], c, strict=True)]
+    assert by["suffix_global"][2] / by["suffix_global"][1] > 0.9, by  # the same prompts again: history repeats
+    assert max(r.num_drafted / r.num_steps for r in res) > 3  # suffix drafts longer than num_draft_tokens
+    assert prop.stats()["hits"] > 0 and prop.stats()["seqs"] == 2 * len(PROMPTS)

@@ -230,3 +230,18 @@ def test_rl_loop_plain_arm_has_no_drafter(tiny_pair_dir, tmp_path):
     versions = sorted({r.target_version for r in reader.iter_records(reader.poll())})
     assert versions == [0, 1]
 
+
+
+@pytest.mark.parametrize("arm", ["suffix", "hybrid"])
+def test_rl_loop_suffix_arms_draft_from_earlier_rollouts(tiny_pair_dir, arm):
+    """The suffix arms share one index over the run's rollouts: later steps draft from earlier samples and
+    siblings (`suffix_global`), whose weight decays with the policy version; the policy is pushed as usual."""
+    cfg = RLConfig(arm=arm, preset="tiny", reward="upper", pair_dir=str(tiny_pair_dir), steps=3, prompts_per_step=2,
+                   n=4, max_new_tokens=16, prompt_tokens=(8, 16), kl_every=0, adaptive=False, num_draft_tokens=2)
+    run = RLRun(cfg, log=None)
+    logs = run.run()
+    assert run.engine.target_version == 3 and run.engine.proposer.kind == arm
+    assert (run.engine.drafter is None) == (arm == "suffix")
+    assert run.engine.proposer.stats()["hits_global"] > 0 and all(r.tokens > 0 for r in logs)
+    sp = getattr(run.engine.proposer, "suffix", run.engine.proposer)
+    assert sp.version == 3 and min(sp._versions.values()) < 3  # older samples kept, down-weighted

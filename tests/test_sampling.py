@@ -17,6 +17,7 @@ from dvi.engine import SpeculativeEngine
 from dvi.sampling import (
     acceptance_prob,
     greedy_accept,
+    point_mass_accept,
     rejection_accept,
     residual_distribution,
     sample_from,
@@ -218,11 +219,20 @@ def exact_two_token_law(target, temperature, top_k, top_p) -> dict:
     return {(a, b): float(p1[a]) * float(warped(PROMPT + [a])[b]) for a in range(v) for b in range(v) if p1[a] > 0}
 
 
-def engine_pvalue(target, drafter, n, temperature, top_k=0, top_p=1.0, seed=0, reference=None) -> tuple[float, float]:
+def engine_pvalue(target, drafter, n, temperature, top_k=0, top_p=1.0, seed=0, reference=None,
+                  batch: int | None = None, filler: list[int] | None = None) -> tuple[float, float]:
     """Chi-square p-value of the engine's first two tokens against the exact law of `reference` (default: target,
-    on CPU), and the step's acceptance rate."""
+    on CPU), and the step's acceptance rate. `batch`: rows per generate call (default all n at once);
+    `filler`: a second prompt interleaved with PROMPT (a ragged batch; only PROMPT's rows are counted)."""
     eng = SpeculativeEngine(target, drafter, num_draft_tokens=2)
-    res = eng.generate([PROMPT] * n, max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    batch = batch or n
+    res = []
+    for start in range(0, n, batch):
+        rows = [PROMPT] * min(batch, n - start)
+        if filler is not None:
+            rows = [r for p in rows for r in (p, filler)]
+        out = eng.generate(rows, max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + start)
+        res += out[:: 2 if filler is not None else 1]
     exact = exact_two_token_law(reference if reference is not None else target, temperature, top_k, top_p)
     counts: dict[tuple, int] = {}
     for r in res:
@@ -368,4 +378,66 @@ def test_chi_square_catches_a_residual_restricted_to_the_subset(pair, monkeypatc
     drafter = SeparateDrafter(tiny_lm(1), vocab_ids=_subset(target, "unlikely"))
     monkeypatch.setattr(dvi.sampling, "residual_distribution", _wrong_residual_inside_subset)
     pv, _ = engine_pvalue(target, drafter, N_SAMPLES, 1.0, seed=11)
+    assert pv < 1e-4, pv
+
+
+# --------------------------------------------------------------------------- suffix drafts: point masses
+def test_point_mass_accept_equals_rejection_with_one_hot_q():
+    """`point_mass_accept` is `rejection_accept` with q one-hot at the drafts (same uniforms, same outcome),
+    ragged lengths included, without building the [B, K, V] one-hot."""
+    g = torch.Generator().manual_seed(0)
+    b, k, v = 4000, 3, 6
+    p = torch.softmax(torch.randn(b, k + 1, v, generator=g) * 2, -1)
+    ids = torch.randint(0, v, (b, k), generator=g)
+    lens = torch.randint(0, k + 1, (b,), generator=g)
+    ua, us = torch.rand(b, k, generator=g), torch.rand(b, generator=g)
+    one_hot = torch.zeros(b, k, v).scatter_(-1, ids.unsqueeze(-1), 1.0)
+    for ln in (None, lens):
+        n1, x1 = point_mass_accept(ids, p, ua, us, ln)
+        n2, x2 = rejection_accept(ids, one_hot, p, ua, us, ln)
+        assert torch.equal(n1, n2) and torch.equal(x1, x2)
+    n1, _ = point_mass_accept(ids, p, ua, us, lens)
+    assert bool((n1 <= lens).all()) and 0 < float((n1 > 0).float().mean()) < 1
+
+
+def _suffix(kind: str, drafter=None):
+    """A suffix / hybrid proposer whose global index already continues PROMPT (so step 1 drafts from it)."""
+    from dvi.config import SuffixConfig
+    from dvi.suffix import SuffixCache
+    from dvi.suffix_proposer import build_proposer
+
+    cache = SuffixCache()
+    for i, seq in enumerate([[1, 2, 3, 5, 6, 7], [1, 2, 3, 5, 6, 1], [2, 3, 4, 4, 0], [4, 5, 0, 0, 0]]):
+        cache.add_finished(f"seed{i}", seq)
+    return build_proposer(kind, drafter, 8, "cpu", cache, SuffixConfig(threshold=1.5, max_draft_tokens=4, min_prob=0.05))
+
+
+@pytest.mark.parametrize("kind", ["suffix", "hybrid"])
+@pytest.mark.parametrize("layout", ["batch1", "ragged"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 1.0)])
+def test_suffix_and_hybrid_sampling_match_target(pair, kind, layout, temperature, top_k, top_p):
+    """Suffix drafts are point masses: accepted with probability p(x), a rejection samples p without x. Batch 1
+    (every row alone), and ragged batches with a second prompt (hybrid: rows of both sources in one step)."""
+    target, drafter = pair
+    n = 1200 if layout == "batch1" else N_SAMPLES
+    kw = {"batch": 1} if layout == "batch1" else {"filler": [4, 5]}
+    prop = _suffix(kind, drafter)
+    pv, alpha = engine_pvalue(target, prop, n, temperature, top_k, top_p, seed=11, **kw)
+    assert 0.01 < alpha < 0.95, alpha  # (top-k 4 rejects every suffix draft outside it: alpha ~0.03)
+    assert pv > 1e-3, pv
+    assert prop.stats()["hits"] > 0
+
+
+def _wrong_point_mass_resample_from_p(draft_ids, target_probs, u_accept, u_sample, lens=None):
+    b, k = draft_ids.shape
+    pd = target_probs[:, :k].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
+    n = (u_accept[:, :k] < pd).long().cumprod(1).sum(1)
+    if lens is not None:
+        n = torch.minimum(n, lens)
+    return n, sample_from(target_probs[torch.arange(b), n], u_sample)
+
+
+def test_chi_square_catches_a_point_mass_rule_that_keeps_the_rejected_token(pair, monkeypatch):
+    monkeypatch.setattr(dvi.engine, "point_mass_accept", _wrong_point_mass_resample_from_p)
+    pv, _ = engine_pvalue(pair[0], _suffix("suffix"), N_SAMPLES, 1.0, seed=11, filler=[4, 5])
     assert pv < 1e-4, pv

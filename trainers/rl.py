@@ -42,6 +42,10 @@ from trainers.grpo import (
 )
 from trainers.rl_tasks import TASKS, Problem, score, task_prompts
 
+ARMS = ("plain", "frozen", "online", "suffix", "hybrid")
+"""How rollouts are made: no drafter, the built drafter frozen or trained online, the suffix index alone
+(over this run's own rollouts), or hybrid (suffix index, else the frozen drafter)."""
+
 if TYPE_CHECKING:
     from trainers.online import OnlineTrainer
 
@@ -53,7 +57,9 @@ if TYPE_CHECKING:
 class RLConfig:
     """Settings of one RL run (one arm of the benchmark)."""
 
-    arm: str = "online"  # plain | frozen | online
+    # plain | frozen | online | suffix (suffix index over this run's rollouts, no drafter) | hybrid (suffix, else
+    # the frozen drafter); the suffix arms' index decays outputs of older policy versions (`dvi.suffix_proposer`)
+    arm: str = "online"
     preset: str = "smollm2"
     pair_dir: str | None = None  # built pair dir (defaults to the preset's cache dir)
     steps: int = 20
@@ -89,8 +95,8 @@ class RLConfig:
     feedback_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.arm not in ("plain", "frozen", "online"):
-            raise ValueError(f"arm must be 'plain', 'frozen' or 'online', got {self.arm!r}")
+        if self.arm not in ARMS:
+            raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {self.arm!r}")
         if self.drafter_mode not in ("lora", "full"):
             raise ValueError(f"drafter_mode must be 'lora' or 'full', got {self.drafter_mode!r}")
         if self.reward not in TASKS:
@@ -169,7 +175,7 @@ class RLRun:
         """Tokenizer, target and (dvi arms) drafter with the preset's draft vocabulary, in the serving dtype."""
         from dvi.models import load_pair, preset_draft_vocab
 
-        drafter_dir = self.root / "drafter" if self.cfg.arm != "plain" else None
+        drafter_dir = self.root / "drafter" if self.cfg.arm not in ("plain", "suffix") else None
         pair = load_pair(self.root / "target", drafter_dir, self.root / "tokenizer", device="cpu",
                          dtype=self.dtype, draft_vocab_size=preset_draft_vocab(self.cfg.preset))
         self.tokenizer, self.drafter = pair.tokenizer, pair.drafter
@@ -181,15 +187,18 @@ class RLRun:
         """The speculative engine (no drafter in the plain arm), its costs calibrated up front."""
         from dvi.engine import SpeculativeEngine
         from dvi.rollout import RolloutEngine
+        from dvi.suffix_proposer import build_proposer
 
         cfg = self.cfg
+        vocab = int(self.target.get_output_embeddings().weight.shape[0])
+        drafter = build_proposer(cfg.arm, self.drafter, vocab, "cpu")  # frozen / online: the drafter as is
         self.engine = SpeculativeEngine(
-            self.target, drafter=self.drafter, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
+            self.target, drafter=drafter, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
             max_draft_tokens=max(cfg.max_draft_tokens, cfg.num_draft_tokens),
             feedback_top_k=cfg.feedback_top_k if cfg.arm == "online" else 0,
         )
         self.calibrate_s = 0.0
-        if cfg.adaptive and self.drafter is not None:
+        if cfg.adaptive and self.engine.proposer.kind != "none":
             # One-off cost per bucket, the same whatever the weights: measured here, outside the rollouts.
             t0 = time.perf_counter()
             batch, buckets = cfg.prompts_per_step * cfg.n, [1]

@@ -36,11 +36,15 @@ SCHEMA = pa.schema(
         # why the request ended, as the server answered it ("stop", "length", "abort": the client left,
         # "shutdown": cut by a server stop); optional, "" in shards written before it existed
         pa.field("finish_reason", pa.string(), nullable=True),
+        # per token, who proposed its draft: 0 none, 1 model, 2 suffix_request, 3 suffix_global
+        # (`dvi.emit.SOURCES`). Optional: shards written before it existed read as empty (every draft: model).
+        pa.field("draft_source", pa.list_(pa.int8()), nullable=True),
     ]
 )
 """Parquet schema of a shard; one column per `FeedbackRecord` field (docs/contracts.md)."""
 
 OPTIONAL_FIELDS = {"hidden": b"", "hidden_dim": 0, "finish_reason": ""}
+OPTIONAL_FIELDS = {"hidden": b"", "hidden_dim": 0, "draft_source": []}
 """Fields a shard may lack (older writers): their value when absent or null."""
 
 
@@ -73,6 +77,7 @@ class FeedbackRecord:
     hidden: bytes = b""
     hidden_dim: int = 0
     finish_reason: str = ""
+    draft_source: list[int] = field(default_factory=list)  # [n] or empty (old shards): see SCHEMA
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,9 +89,9 @@ class FeedbackRecord:
         if not isinstance(self.domain, str):
             raise ValueError(f"domain must be a str, got {type(self.domain).__name__}")
         n = len(self.token_ids)
-        for name in ("drafted_ids", "accepted"):
+        for name in ("drafted_ids", "accepted", "draft_source"):
             m = len(getattr(self, name))
-            if m != n:
+            if m != n and not (name == "draft_source" and m == 0):
                 raise ValueError(f"{name} has {m} entries but token_ids has {n}")
         nk, nl = len(self.topk_ids), len(self.topk_logprobs)
         if nk != nl:
@@ -155,6 +160,7 @@ class FeedbackRecord:
             hidden=b"" if hidden is None else hidden.contiguous().numpy().tobytes(),
             hidden_dim=0 if hidden is None else int(hidden.shape[-1]),
             finish_reason=str(result.finish_reason or ""),
+            draft_source=_as_list(result.draft_source),
         )
 
     @classmethod
@@ -162,7 +168,10 @@ class FeedbackRecord:
         """Inverse of the parquet row layout (as produced by `pyarrow.Table.to_pylist`)."""
         def value(name: str) -> Any:
             v = row.get(name)
-            return OPTIONAL_FIELDS[name] if v is None and name in OPTIONAL_FIELDS else v
+            if v is None and name in OPTIONAL_FIELDS:
+                d = OPTIONAL_FIELDS[name]
+                return list(d) if isinstance(d, list) else d
+            return v
 
         return cls(**{f.name: value(f.name) for f in fields(cls)})
 
@@ -175,7 +184,7 @@ BYTES_PER_VALUE = 36  # a list slot (8) + a boxed int/float (28-32) in CPython
 def record_nbytes(r: FeedbackRecord) -> int:
     """Estimated memory of a buffered record (CPython lists of boxed numbers), for the buffer cap."""
     k = len(r.topk_ids[0]) if r.topk_ids else 0  # every position holds the same k (O(1), engine thread)
-    n = len(r.prompt_ids) + 3 * len(r.token_ids) + 2 * k * len(r.topk_ids)
+    n = len(r.prompt_ids) + 4 * len(r.token_ids) + 2 * k * len(r.topk_ids)
     return RECORD_OVERHEAD_BYTES + BYTES_PER_VALUE * n + len(r.hidden)
 
 

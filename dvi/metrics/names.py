@@ -56,6 +56,17 @@ REQUESTS_CUT = "dvi_requests_cut_at_shutdown_total"
 # sampled by benchmarks (`benchmarks/soak.py`) from /proc, not exported on /metrics
 SERVER_RSS_BYTES = "dvi_server_rss_bytes"
 TRAINER_RSS_BYTES = "dvi_trainer_rss_bytes"
+SOURCE_DRAFTS = "dvi_spec_decode_source_num_drafts_total"
+SOURCE_DRAFT_TOKENS = "dvi_spec_decode_source_num_draft_tokens_total"
+SOURCE_ACCEPTED_TOKENS = "dvi_spec_decode_source_num_accepted_tokens_total"
+SOURCE_ACCEPTANCE_RATE = "dvi_spec_decode_source_acceptance_rate"
+SOURCE_MEAN_ACCEPTED_LENGTH = "dvi_spec_decode_source_mean_accepted_length"
+SUFFIX_INDEX_TOKENS = "dvi_suffix_index_tokens"
+SUFFIX_INDEX_SEQS = "dvi_suffix_index_sequences"
+SUFFIX_LOOKUPS = "dvi_suffix_lookups_total"
+SUFFIX_HITS = "dvi_suffix_hits_total"
+SUFFIX_STEP_SECONDS = "dvi_suffix_step_seconds"
+SUFFIX_TAILED_RECORDS = "dvi_suffix_tailed_records_total"
 OTHER_DOMAIN = "other"
 
 # vLLM v1's names of the same counters (vllm/v1/spec_decode/metrics.py; prometheus_client allows ':')
@@ -79,12 +90,14 @@ DISK_PARTS = ("feedback", "registry", "logs", "checkpoint", "wandb")
 HTTP_PHASES = ("headers", "body")
 """The `phase` label of `dvi_http_request_timeouts_total` (`serving.connection`)."""
 L_STAGE = "stage"
+L_SOURCE = "source"  # who proposed a draft: one of dvi.emit.SOURCES (model, suffix_request, suffix_global)
 
 TRAINER_STATES = {"stopped": 0, "starting": 1, "running": 2, "backoff": 3, "failed": 4, "paused": 5, "off": 6,
                   "external": 7}
 """Numeric codes of `dvi_trainer_state` (a gauge, so wandb and JSONL can plot it too)."""
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+SUFFIX_STEP_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 _DV = (L_DRAFTER_VERSION, L_DOMAIN)
@@ -157,6 +170,22 @@ METRICS: dict[str, MetricSpec] = {
                    "Trainer processes killed and restarted because their heartbeat went stale (stopped or hung)."),
         MetricSpec(REQUESTS_CUT, "counter", "Requests a shutdown ended after serve.drain_timeout_s (stage "
                    "running: decoding, logged with finish_reason shutdown; waiting: never started).", (L_STAGE,)),
+        MetricSpec(SOURCE_DRAFTS, "counter", "Draft proposals by who proposed them.", (L_SOURCE,)),
+        MetricSpec(SOURCE_DRAFT_TOKENS, "counter", "Drafted tokens by who proposed them.", (L_SOURCE,)),
+        MetricSpec(SOURCE_ACCEPTED_TOKENS, "counter", "Accepted drafted tokens by who proposed them.", (L_SOURCE,)),
+        MetricSpec(SOURCE_ACCEPTANCE_RATE, "gauge", "Acceptance rate by who proposed the drafts (since start).",
+                   (L_SOURCE,)),
+        MetricSpec(SOURCE_MEAN_ACCEPTED_LENGTH, "gauge",
+                   "Tokens per drafting step = 1 + accepted / drafts, by who proposed them (since start).", (L_SOURCE,)),
+        MetricSpec(SUFFIX_INDEX_TOKENS, "gauge", "Tokens in the suffix drafter's global index of finished outputs."),
+        MetricSpec(SUFFIX_INDEX_SEQS, "gauge", "Sequences in the suffix drafter's global index."),
+        MetricSpec(SUFFIX_LOOKUPS, "counter", "Suffix index lookups (one per row and drafting step)."),
+        MetricSpec(SUFFIX_HITS, "counter", "Suffix lookups that proposed tokens, by index.", (L_SOURCE,)),
+        MetricSpec(SUFFIX_STEP_SECONDS, "histogram",
+                   "Host seconds the suffix index spends per engine step (lookups and appends).", (),
+                   SUFFIX_STEP_BUCKETS),
+        MetricSpec(SUFFIX_TAILED_RECORDS, "counter",
+                   "Finished outputs of other replicas (shared feedback dir) added to the suffix index."),
         MetricSpec(TRAINER_QUARANTINED_SHARDS, "gauge",
                    "Unreadable feedback shards the trainer moved to quarantine/ (skipped, not retried)."),
         MetricSpec(DISK_BYTES, "gauge", f"Bytes on disk by part {DISK_PARTS}: feedback shards, the drafter "

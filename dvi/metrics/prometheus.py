@@ -65,6 +65,11 @@ from dvi.metrics.names import (
     QUEUE_DEPTH,
     REQUEST_LATENCY,
     REQUESTS,
+    SOURCE_ACCEPTANCE_RATE,
+    SOURCE_ACCEPTED_TOKENS,
+    SOURCE_DRAFT_TOKENS,
+    SOURCE_DRAFTS,
+    SOURCE_MEAN_ACCEPTED_LENGTH,
     TARGET_VERSION,
     TIME_TO_FIRST_TOKEN,
     TOKENS_PER_SECOND,
@@ -109,6 +114,7 @@ class Metrics:
         self._tok_times: deque[tuple[float, int]] = deque()
         self.domains = frozenset(domains) if domains is not None else None
         self.max_versions = max_versions
+        self._source_totals: dict[str, list[int]] = {}  # source -> [drafts, drafted, accepted] since start
         self._versions: dict[int, None] = {}  # drafter versions with series, least recently used first
 
     def bounded_domain(self, domain: str) -> str:
@@ -169,8 +175,29 @@ class Metrics:
         for i, a in enumerate(self.alpha_window.per_position(*key)):
             if a is not None:
                 c[ACCEPTANCE_RATE_PER_POS].labels(**lv, position=str(i)).set(a)
+        self._observe_sources(s)
         self._observe_tokens(s.num_tokens)
         return s
+
+    def _observe_sources(self, s: ResultStats) -> None:
+        """Per draft source (a bounded label: `dvi.emit.SOURCES`): counts, and α / mean accepted length since start."""
+        from dvi.emit import SOURCES
+        from dvi.results import acceptance_rate, mean_accepted_length
+
+        c = self.collectors
+        for src, (drafts, drafted, accepted) in s.by_source.items():
+            if src not in SOURCES:
+                continue
+            c[SOURCE_DRAFTS].labels(source=src).inc(drafts)
+            c[SOURCE_DRAFT_TOKENS].labels(source=src).inc(drafted)
+            c[SOURCE_ACCEPTED_TOKENS].labels(source=src).inc(accepted)
+            t = self._source_totals.setdefault(src, [0, 0, 0])
+            t[0], t[1], t[2] = t[0] + drafts, t[1] + drafted, t[2] + accepted
+            a, m = acceptance_rate(t[2], t[1]), mean_accepted_length(t[2], t[0])
+            if a is not None:
+                c[SOURCE_ACCEPTANCE_RATE].labels(source=src).set(a)
+            if m is not None:
+                c[SOURCE_MEAN_ACCEPTED_LENGTH].labels(source=src).set(m)
 
     def _count(self, name: str, labels: Mapping[str, str], n: float) -> None:
         """Increment counter `name` and, if it has one, its vLLM-named twin (model_name [+ position])."""

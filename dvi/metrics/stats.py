@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dvi.metrics.names import (
@@ -21,6 +21,8 @@ from dvi.metrics.names import (
     NUM_DRAFT_TOKENS,
     NUM_DRAFTS,
     REQUESTS,
+    SOURCE_ACCEPTANCE_RATE,
+    SOURCE_MEAN_ACCEPTED_LENGTH,
 )
 from dvi.results import DraftCounts, GenerationResult, acceptance_rate, mean_accepted_length, pooled_rates
 
@@ -40,6 +42,7 @@ class ResultStats(DraftCounts):
     finish_reason: str
     latency: float | None
     ttft: float | None
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafts, drafted, accepted]
 
     @classmethod
     def of(cls, result: GenerationResult, *, domain: str | None = None, finish_reason: str | None = None,
@@ -65,6 +68,7 @@ class ResultStats(DraftCounts):
             finish_reason=str(finish_reason or r.finish_reason or "unknown"),
             latency=latency,
             ttft=ttft,
+            by_source={k: list(v) for k, v in getattr(r, "by_source", {}).items()},
         )
 
 
@@ -147,5 +151,29 @@ def summarize_results(results: Iterable[GenerationResult | ResultStats], domain:
         out[ACCEPTANCE_RATE] = alpha
     if mal is not None:
         out[MEAN_ACCEPTED_LENGTH] = mal
+    out.update(source_rates(stats))
+    return out
+
+
+def source_totals(stats: Iterable[ResultStats]) -> dict[str, list[int]]:
+    """Per draft source: [drafts, drafted tokens, accepted tokens] summed over results."""
+    tot: dict[str, list[int]] = {}
+    for s in stats:
+        for src, c in s.by_source.items():
+            t = tot.setdefault(src, [0, 0, 0])
+            for j in range(3):
+                t[j] += int(c[j])
+    return tot
+
+
+def source_rates(stats: Iterable[ResultStats]) -> dict[str, float]:
+    """α and mean accepted length per draft source, keyed `<metric name>/<source>` (JSONL / wandb)."""
+    out: dict[str, float] = {}
+    for src, (drafts, drafted, accepted) in source_totals(stats).items():
+        a, m = acceptance_rate(accepted, drafted), mean_accepted_length(accepted, drafts)
+        if a is not None:
+            out[f"{SOURCE_ACCEPTANCE_RATE}/{src}"] = a
+        if m is not None:
+            out[f"{SOURCE_MEAN_ACCEPTED_LENGTH}/{src}"] = m
     return out
 

@@ -72,8 +72,7 @@ class Example:
             temperature=float(rec.temperature),
             prompt_ids=np.asarray(rec.prompt_ids, dtype=np.int64),
             token_ids=tokens,
-            drafted_ids=np.asarray(rec.drafted_ids, dtype=np.int64),
-            accepted=np.asarray(rec.accepted, dtype=bool),
+            **_model_drafts(rec),
             topk_ids=ids,
             topk_logprobs=lps,
             hidden=rec.features(),
@@ -173,3 +172,16 @@ def _features(examples: Sequence[Example], seqs: Sequence[np.ndarray], keeps: Se
         targets[i, t_len - nk:] = f[-nk:]
     return feats, targets
 
+
+def _model_drafts(rec: FeedbackRecord) -> dict[str, np.ndarray]:
+    """drafted_ids [n] and accepted [n] of the learned drafter's own drafts: a suffix proposal (`draft_source` 2
+    or 3, `hybrid`) was not the drafter's sample, so its position reads as undrafted (-1, not accepted) to the
+    reward loss; old records without `draft_source` drafted from the model only."""
+    drafted = np.asarray(rec.drafted_ids, dtype=np.int64)
+    accepted = np.asarray(rec.accepted, dtype=bool)
+    src = getattr(rec, "draft_source", None)
+    if src is not None and len(src) == len(drafted) and len(drafted):
+        other = np.asarray(src, dtype=np.int64) > 1
+        drafted = np.where(other, -1, drafted)
+        accepted = accepted & ~other
+    return {"drafted_ids": drafted, "accepted": accepted}

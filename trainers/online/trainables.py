@@ -190,7 +190,9 @@ def load_drafter_for_training(cfg: DviConfig, accelerator: Any = None) -> tuple[
         pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
     except Exception:  # noqa: BLE001 - padding is masked anyway; any valid id will do
         pad_id = 0
-    if m.drafter_kind in ("early_exit", "eagle"):
+    if m.learned_kind is None:
+        raise ValueError("models.drafter_kind is suffix: there is no learned drafter to train")
+    if m.learned_kind in ("early_exit", "eagle"):
         from dvi.models import load_shared_target_drafter
 
         target = load_causal_lm(target_path, device, dtype)

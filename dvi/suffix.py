@@ -1,0 +1,192 @@
+"""The suffix drafter's state in a server or rollout engine: per-request indices over prompt +
+output and a global index over finished outputs (SuffixDecoding's two trees). The index itself, and
+why it is not a tree, is in `dvi.suffix_index`; everything a caller needs is importable from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from dvi.suffix_index import MAX_TOKEN_ID, MAX_VOTERS, SuffixIndex, SuffixProposal, check_weight, token_list
+
+__all__ = ["MAX_VOTERS", "Calibrator", "SuffixCache", "SuffixIndex", "SuffixProposal"]
+
+_LEN_BUCKETS = (1, 2, 3, 5, 8, 16, 32)
+_POS_BUCKETS = (0, 1, 2, 3, 5, 8, 16)
+
+
+def _table(bounds: tuple[int, ...], size: int = 65) -> list[int]:
+    """x -> index of the first bound >= x (len(bounds) past the last), for x < size."""
+    return [next((i for i, b in enumerate(bounds) if x <= b), len(bounds)) for x in range(size)]
+
+
+_LEN_OF, _POS_OF = _table(_LEN_BUCKETS), _table(_POS_BUCKETS)
+
+
+class Calibrator:
+    """Online correction of a proposal's path probabilities from what the target then emitted.
+
+    The raw per-step share (SuffixDecoding's count ratio) is 1.0 whenever the matched occurrences
+    agree, so a short match seen once promises its whole continuation: replayed, matches of <= 3
+    tokens scored 2.6-5 expected tokens and got 0.7-1.5. Per (source, match-length bucket, draft
+    position bucket) this keeps the predicted step probabilities and the observed successes (a
+    position counts once it is observed with every earlier draft token confirmed; the target's
+    token is the observation, whichever drafter was used, which is what acceptance measures in law)
+    and scales each step by successes / predicted, starting at 1 (`prior` pseudo-observations).
+    Old evidence fades (sums halve past `horizon`), so a changing target re-calibrates."""
+
+    def __init__(self, prior: float = 4.0, horizon: float = 2000.0) -> None:
+        self.prior, self.horizon = float(prior), float(horizon)
+        self._sums: dict[tuple, list[float]] = {}
+
+    @staticmethod
+    def _key(prop: SuffixProposal, j: int) -> tuple:
+        return prop.source, _LEN_OF[min(prop.match_len, 64)], _POS_OF[min(j, 64)]
+
+    def ratio(self, key: tuple) -> float:
+        pred, hit = self._sums.get(key, (0.0, 0.0))
+        return (hit + self.prior) / (pred + self.prior)
+
+    def adjust(self, prop: SuffixProposal, min_prob: float) -> SuffixProposal:
+        """`prop` with calibrated probs and score, cut where the probability falls below `min_prob`."""
+        probs, p, before = [], 1.0, 1.0
+        for j, raw in enumerate(prop.probs):
+            p *= min(1.0, raw / before * self.ratio(self._key(prop, j)))
+            before = raw
+            if p < min_prob:
+                break
+            probs.append(p)
+        return SuffixProposal(prop.tokens[:len(probs)], probs, float(sum(probs)), prop.match_len, prop.source,
+                              raw_score=prop.score)
+
+    def observe(self, prop: SuffixProposal, emitted: Sequence[int]) -> None:
+        """Learn from the raw proposal `prop` and the tokens the target emitted after it."""
+        before = 1.0
+        for j, (tok, raw) in enumerate(zip(prop.tokens, prop.probs, strict=True)):
+            if j >= len(emitted):
+                break
+            sums = self._sums.setdefault(self._key(prop, j), [0.0, 0.0])
+            sums[0] += raw / before
+            sums[1] += tok == emitted[j]
+            before = raw
+            if sums[0] > self.horizon:
+                sums[0] *= 0.5
+                sums[1] *= 0.5
+            if tok != emitted[j]:
+                break
+
+    def table(self) -> dict[str, dict]:
+        """The learned ratios, for reports: 'source/L<=b/pos<=q' -> {predicted, hits, ratio}."""
+        out = {}
+        for key, (pred, hit) in sorted(self._sums.items()):
+            src, lb, pb = key
+            name = f"{src}/L<={(*_LEN_BUCKETS, 'inf')[lb]}/pos<={(*_POS_BUCKETS, 'inf')[pb]}"
+            out[name] = {"predicted": pred, "hits": hit, "ratio": self.ratio(key)}
+        return out
+
+
+class SuffixCache:
+    """What a server/rollout engine keeps: a per-request index over prompt + generated tokens, and a
+    global index over recently finished outputs. propose() asks both and returns the higher-scoring
+    proposal (ties: the request's own)."""
+
+    def __init__(self, max_tokens: int = 1_000_000, max_seqs: int = 10_000, max_depth: int = 64,
+                 *, calibrate: bool = True) -> None:
+        self.calibrator = Calibrator() if calibrate else None
+        self._pending: dict[Hashable, tuple[SuffixProposal, ...]] = {}
+        self.global_index = SuffixIndex(max_tokens, max_seqs, max_depth, source="global")
+        self.max_depth = self.global_index.max_depth
+        self._requests: dict[Hashable, SuffixIndex] = {}
+        self._context: dict[Hashable, list[int]] = {}
+        self._prompt_len: dict[Hashable, int] = {}
+        self.lookups = 0
+        self.hits = {"request": 0, "global": 0}
+
+    def _request(self, req_id: Hashable) -> SuffixIndex:
+        idx = self._requests.get(req_id)
+        if idx is None:
+            raise ValueError(f"req_id {req_id!r} was not started")
+        return idx
+
+    def start(self, req_id: Hashable, prompt_ids: Sequence[int]) -> None:
+        """Begin `req_id` with its prompt (a restarted id starts over)."""
+        toks = token_list(prompt_ids)
+        idx = SuffixIndex(max_tokens=MAX_TOKEN_ID, max_seqs=1, max_depth=self.max_depth, source="request")
+        idx.extend(req_id, toks)
+        self._requests[req_id] = idx
+        self._context[req_id] = toks
+        self._prompt_len[req_id] = len(toks)
+
+    def append(self, req_id: Hashable, tokens: Sequence[int]) -> None:
+        """Record the tokens `req_id` emitted this step (they also grade the step's proposal)."""
+        idx = self._request(req_id)
+        toks = token_list(tokens)
+        if self.calibrator is not None:
+            for raw in self._pending.pop(req_id, ()):
+                self.calibrator.observe(raw, toks)
+        idx.extend_checked(req_id, toks)
+        self._context[req_id].extend(toks)
+
+    def finish(self, req_id: Hashable, keep: bool = True) -> None:
+        """End `req_id`; with `keep`, its output (not its prompt) joins the global index."""
+        self._request(req_id)
+        out = self._context[req_id][self._prompt_len[req_id]:]
+        self.forget(req_id)
+        if keep and out:
+            self.add_finished(req_id, out)
+
+    def forget(self, req_id: Hashable) -> None:
+        """Drop `req_id`'s per-request state (no-op if unknown)."""
+        self._requests.pop(req_id, None)
+        self._context.pop(req_id, None)
+        self._prompt_len.pop(req_id, None)
+        self._pending.pop(req_id, None)
+
+    def add_finished(self, seq_id: Hashable, tokens: Sequence[int], weight: float = 1.0) -> None:
+        """Add a finished output to the global index (other replicas' shards, RL siblings); an
+        existing `seq_id` is replaced."""
+        toks = token_list(tokens)
+        w = check_weight(weight)
+        self.global_index.remove(seq_id)
+        self.global_index.extend(seq_id, toks, weight=w)
+
+    def clear(self) -> None:
+        """Empty the global index (live requests keep theirs, the calibration stays: it describes the
+        target, not the traffic); for benchmarks that replay the same prompts in several settings."""
+        g = self.global_index
+        self.global_index = SuffixIndex(g.max_tokens, g.max_seqs, g.max_depth, source="global")
+
+    def set_weight(self, seq_id: Hashable, weight: float) -> None:
+        """Reweight a finished output in the global index (RL: decay older target versions)."""
+        self.global_index.set_weight(seq_id, weight)
+
+    def propose(self, req_id: Hashable, max_tokens: int, *, min_prob: float = 0.1,
+                max_match: int = 32, max_spec_factor: float | None = 2.0, scan: bool = False) -> SuffixProposal:
+        """The better of the request's own and the global proposal for `req_id`'s next tokens
+        (keywords as `SuffixIndex.propose`), compared by calibrated score when calibrating."""
+        idx = self._request(req_id)
+        ctx = self._context[req_id]
+        self.lookups += 1
+        kw = {"min_prob": min_prob, "max_match": max_match, "max_spec_factor": max_spec_factor, "scan": scan}
+        local = idx.propose(ctx, max_tokens, **kw)
+        remote = self.global_index.propose(ctx, max_tokens, exclude=req_id, **kw)
+        if self.calibrator is not None:
+            self._pending[req_id] = (local, remote)   # both are graded by the next append
+            local, remote = (self.calibrator.adjust(x, min_prob) for x in (local, remote))
+        best = remote if remote.score > local.score else local
+        if best.tokens:
+            self.hits[best.source] += 1
+        return best
+
+    def stats(self) -> dict:
+        """Sizes and counters for /metrics: global tokens and sequences, live requests, lookups, hits."""
+        return {
+            "tokens": self.global_index.num_tokens,
+            "seqs": self.global_index.num_seqs,
+            "requests": len(self._requests),
+            "request_tokens": sum(len(c) for c in self._context.values()),
+            "lookups": self.lookups,
+            "hits": self.hits["request"] + self.hits["global"],
+            "hits_request": self.hits["request"],
+            "hits_global": self.hits["global"],
+        }
