@@ -21,7 +21,8 @@ current end of a sequence, e.g. the very position a request is continuing) are n
 
 Sequences are evicted whole, oldest first, past `max_tokens` / `max_seqs`; a removed sequence's
 slots are dropped from lookups at once (weight 0) and from memory at the next compaction (when
-dead positions outnumber live ones), which is linear and vectorised.
+dead positions outnumber live ones), which is linear and vectorised (~16 ms of CPU per 100k live
+tokens: rare, as it needs as many tokens evicted as are kept).
 """
 
 from __future__ import annotations
@@ -93,10 +94,14 @@ def token_list(tokens: Sequence[int]) -> list[int]:
 
 def _group(keys: np.ndarray, positions: np.ndarray) -> dict[int, array]:
     """{key: array('i') of its positions, in the given (ascending) order}."""
+    if not len(keys):
+        return {}
     order = np.argsort(keys, kind="stable")
-    ks, ps = keys[order], positions[order].astype(np.int32)
-    cuts = np.flatnonzero(np.diff(ks)) + 1
-    return {int(ks[g[0]]): array("i", ps[g].tobytes()) for g in np.split(np.arange(len(ks)), cuts) if g.size}
+    ks = keys[order]
+    ps = array("i", positions[order].astype(np.int32).tobytes())
+    cuts = (np.flatnonzero(ks[1:] != ks[:-1]) + 1).tolist()
+    starts, ends = [0, *cuts], [*cuts, len(ks)]
+    return {k: ps[a:b] for k, a, b in zip(ks[starts].tolist(), starts, ends, strict=True)}
 
 
 class SuffixIndex:
