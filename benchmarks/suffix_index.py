@@ -34,16 +34,16 @@ from benchmarks._common import clean_json, goal
 from dvi.data import load_texts
 from dvi.suffix import SuffixCache
 
-RULES = {   # name -> propose keywords (the defaults: longest match, factor 2, min_prob 0.1)
+RULES = {   # name -> propose keywords (the defaults: longest match, no factor cap, min_prob 0.1, calibrated)
     "longest": {"scan": False, "max_spec_factor": None},
     "scan": {"scan": True, "max_spec_factor": None},
     "longest+f1": {"max_spec_factor": 1.0},
     "longest+f2": {"max_spec_factor": 2.0},
     "longest+f4": {"max_spec_factor": 4.0},
     "scan+f2": {"scan": True, "max_spec_factor": 2.0},
-    "f2+p0.3": {"min_prob": 0.3},
-    "f2+p0.05": {"min_prob": 0.05},
-    "f2 uncalibrated": {"_calibrate": False},
+    "f2+p0.3": {"max_spec_factor": 2.0, "min_prob": 0.3},
+    "f2+p0.05": {"max_spec_factor": 2.0, "min_prob": 0.05},
+    "f2 uncalibrated": {"_calibrate": False, "max_spec_factor": 2.0},
     "uncalibrated": {"_calibrate": False, "max_spec_factor": None},
 }
 
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
                   f"{res['tokens_per_step']:8.2f} {res['speedup_est']:8.2f}")
     print("\ncalibration of the default rule (mean score vs mean accepted per proposal):")
     for w in loads:
-        for k, c in quality[w].get("longest+f2", {}).get("calibration", {}).items():
+        for k, c in quality[w].get("longest", {}).get("calibration", {}).items():
             print(f"  {w:8} {k:18} n={c['n']:5d} score {c['score']:5.2f} accepted {c['accepted']:5.2f}")
     overhead = 1e-3 * costs["propose_cpu_median_us"] / args.step_ms
     goals = [

@@ -300,14 +300,15 @@ class SuffixIndex:
 
     def propose(self, context: Sequence[int], max_tokens: int, *, min_prob: float = 0.1,
                 max_match: int = 32, exclude: Hashable | None = None,
-                max_spec_factor: float | None = 2.0, scan: bool = False) -> SuffixProposal:
+                max_spec_factor: float | None = None, scan: bool = False) -> SuffixProposal:
         """Draft up to `max_tokens` tokens continuing `context` (see the module docstring).
 
         `scan`: also score every shorter match length whose occurrence set differs and keep the
         best score (Arctic's rule; it drafted no better in benchmarks/suffix_index.py and costs
         more); otherwise only the longest match. `max_spec_factor`: cap a match of length L at
-        floor(L * factor) tokens (SuffixDecoding's rule; vLLM's default is 1, 2 measured best
-        there; None = no cap).
+        floor(L * factor) tokens (SuffixDecoding's rule, vLLM's default 1; None, the default here:
+        no cap, as the calibrated probabilities already shorten weak drafts and the engine prices the
+        draft length; with the real target at batch 1 the cap of 2 gave fewer tokens per step).
         `exclude`: a sequence id whose occurrences are ignored (e.g. the requester's own)."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
