@@ -161,7 +161,7 @@ class SuffixCache:
         self.global_index.set_weight(seq_id, weight)
 
     def propose(self, req_id: Hashable, max_tokens: int, *, min_prob: float = 0.1,
-                max_match: int = 32, max_spec_factor: float | None = 2.0, scan: bool = False) -> SuffixProposal:
+                max_match: int = 32, max_spec_factor: float | None = None, scan: bool = False) -> SuffixProposal:
         """The better of the request's own and the global proposal for `req_id`'s next tokens
         (keywords as `SuffixIndex.propose`), compared by calibrated score when calibrating."""
         idx = self._request(req_id)
