@@ -99,7 +99,7 @@ def test_near_tie_check_catches_a_lossy_engine(monkeypatch):
     far beyond bf16 rounding, and `first_divergence` says so (peaked logits: real gaps are wide)."""
     target = bf16_target(layers=2, init=0.5)
     monkeypatch.setattr(dvi.engine, "greedy_accept",
-                        lambda d, logits: (torch.full((d.shape[0],), d.shape[1]), logits[:, -1].argmax(-1)))
+                        lambda d, logits, lens=None: (torch.full((d.shape[0],), d.shape[1]), logits[:, -1].argmax(-1)))
     divs, n = divergences(target, perturbed(target, scale=0.3), 4, batched=False, ps=prompts(4))
     assert len(divs) == n and not any(d["near_tie"] for d in divs), divs
 
