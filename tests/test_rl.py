@@ -16,7 +16,7 @@ import torch
 from dvi.data import prompt_stream
 from dvi.engine import SpeculativeEngine
 from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
-from dvi.rollout import policy_state_dict, trl_rollout_func
+from dvi.rollout import SamplingOverrides, policy_state_dict, trl_rollout_func
 from trainers.grpo import completion_logprobs, group_advantages
 from trainers.rl import RLConfig, RLRun
 from trainers.rl_tasks import ast_reward, upper_reward
@@ -42,8 +42,9 @@ def test_trl_grpo_steps_with_dvi_rollout_func(tiny_pair_dir, tmp_path):
                                drafter=load_causal_lm(tiny_pair_dir / "drafter", device="cpu", dtype="float32"),
                                num_draft_tokens=3)
     calls: list[tuple[int, int]] = []
-    rollout_func = trl_rollout_func(engine, on_rollouts=lambda rolls, stats, trainer: calls.append(
-        (len(rolls), int(trainer.state.global_step))))
+    rollout_func = trl_rollout_func(  # seeded: unseeded samples can give a step equal rewards (no gradient)
+        engine, sampling=SamplingOverrides(seed=0),
+        on_rollouts=lambda rolls, stats, trainer: calls.append((len(rolls), int(trainer.state.global_step))))
 
     seen_fields: list[dict] = []
 

@@ -323,6 +323,8 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
         h = s.health()
         assert h["drafter_kind"] == "early_exit" and h["draft_vocab_size"] is None
         reg = DrafterRegistry(cfg.registry.dir)
+        while s.state.swapper.heldout_positions() < cfg.trainer.shadow_min_positions:  # for the shadow check
+            _traffic(s.url, 2, [], stream=False)
         # a trained-looking version (small perturbation) is validated, shadow-checked and promoted
         vdir, sd = _early_exit_version(live, tmp_path / "ee-v1", scale=1e-3, seed=1)
         v1 = _publish_dir(reg, vdir)

@@ -104,7 +104,7 @@ def test_suffix_server_learns_from_finished_requests_and_trains_nothing(suffix_s
     ref = SpeculativeEngine(pair.target, None).generate([ids], 32, stop_token_ids=[pair.tokenizer.eos_token_id])[0]
     with suffix_server.client() as c:
         outs = [c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 32}).json() for _ in range(2)]
-        h = c.get("/health").json()
+        h = suffix_server.health()  # the details need the admin token
         text = c.get("/metrics").text
     want = pair.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
     assert [o["choices"][0]["text"] for o in outs] == [want, want]
