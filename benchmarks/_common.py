@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -22,3 +24,14 @@ def clean_json(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [clean_json(v) for v in x]
     return x
+
+
+def built_pair(preset: str, pair_dir: Path | None) -> tuple[Path, Any]:
+    """The pair dir (`pair_dir`, else the preset's cache dir) and its tokenizer; exits with what to run if unbuilt."""
+    from dvi.embedded import embedded_dir, read_manifest
+    from dvi.models import load_tokenizer
+
+    pair_dir = pair_dir or embedded_dir(preset)
+    if read_manifest(pair_dir) is None:
+        sys.exit(f"no built pair at {pair_dir}: run `dvi bootstrap --preset {preset}` first")
+    return pair_dir, load_tokenizer(pair_dir / "tokenizer")

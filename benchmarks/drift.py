@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import clean_json, goal
+from benchmarks._common import built_pair, clean_json, goal
 from dvi.results import acceptance_rate
 from dvi.rundir import RunDir
 
@@ -508,13 +508,7 @@ def run_kind(kind: str, pair_dir: Path, args: argparse.Namespace, items: dict[st
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from dvi.embedded import embedded_dir, read_manifest
-    from dvi.models import load_tokenizer
-
-    pair_dir = args.pair_dir or embedded_dir(args.preset)
-    if read_manifest(pair_dir) is None:
-        sys.exit(f"no built pair at {pair_dir}: run `dvi bootstrap --preset {args.preset}` first")
-    tok = load_tokenizer(pair_dir / "tokenizer")
+    pair_dir, tok = built_pair(args.preset, args.pair_dir)
     items = traffic(tok, args)
     work = args.json.parent / "drift_work"
     shutil.rmtree(work, ignore_errors=True)

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import clean_json, goal
+from benchmarks._common import built_pair, clean_json, goal
 from benchmarks.drift import Server, _send, pair_overrides
 from dvi import metrics as M
 from dvi.results import acceptance_rate
@@ -258,13 +258,7 @@ def _mix(text: str) -> tuple[tuple[str, float], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from dvi.embedded import embedded_dir, read_manifest
-    from dvi.models import load_tokenizer
-
-    pair_dir = args.pair_dir or embedded_dir(args.preset)
-    if read_manifest(pair_dir) is None:
-        sys.exit(f"no built pair at {pair_dir}: run `dvi bootstrap --preset {args.preset}` first")
-    tok = load_tokenizer(pair_dir / "tokenizer")
+    pair_dir, tok = built_pair(args.preset, args.pair_dir)
     work = args.json.parent / "soak_work"
     base = pair_overrides(pair_dir, args.preset, args.kind, None)
     t0 = time.perf_counter()

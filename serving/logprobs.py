@@ -30,7 +30,7 @@ class TokenLogprob:
 
 
 @lru_cache(maxsize=1)
-def _byte_level_decoder() -> dict[str, int]:
+def byte_level_decoder() -> dict[str, int]:
     """GPT-2's byte<->unicode table, inverted: a ByteLevel token string back to its raw bytes."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
         range(ord("®"), ord("ÿ") + 1))
@@ -52,7 +52,7 @@ def _is_byte_level(tokenizer: Any) -> bool:
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     """The raw UTF-8 bytes a token stands for (a piece of a multi-byte character stays a piece)."""
     if _is_byte_level(tokenizer):
-        table = _byte_level_decoder()
+        table = byte_level_decoder()
         piece = tokenizer.convert_ids_to_tokens(token_id)
         if all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)

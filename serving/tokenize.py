@@ -23,6 +23,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from .logprobs import byte_level_decoder
+
 __all__ = ["PromptTokenizer", "utf8_len"]
 
 
@@ -31,22 +33,10 @@ def utf8_len(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
-def _gpt2_bytes() -> dict[str, int]:
-    """Byte-level BPE's alphabet: the character standing for each byte -> the byte (GPT-2's bytes_to_unicode)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
 def _token_byte_maxima(tokenizer: Any) -> tuple[int, int, int] | None:
     """(most bytes, most ASCII bytes, most other bytes) any token stands for; None if a vocabulary entry is not
     in the byte-level alphabet. Added (special) tokens match the raw text: their own UTF-8 bytes count."""
-    alphabet = _gpt2_bytes()
+    alphabet = byte_level_decoder()
     model_vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)
     entries = [[alphabet.get(c, -1) for c in tok] for tok in model_vocab]
     entries += [list(tok.encode("utf-8")) for tok in tokenizer.get_added_vocab()]

@@ -160,12 +160,14 @@ def test_signal_drains_then_cuts_with_an_answer_and_exits_cleanly(tiny_pair_dir,
         for _ in range(50):
             os.kill(trainer_pid, 0)
             time.sleep(0.1)
-    # every request that reached the engine is in the feedback log: the finished ones, and the 4 the
-    # cut found decoding (a full batch) as "shutdown"; the waiting ones never produced a token
+    # every request that reached the engine is in the feedback log: the finished ones, and those the cut
+    # found decoding (at most a full batch: a row may have just left it) as "shutdown"; the waiting ones
+    # never produced a token
     reader = FeedbackReader(cfg.feedback.dir)
     reasons = [r.finish_reason for r in reader.read_records(reader.list_shards())]
     assert sum(r in ("stop", "length") for r in reasons) == outcomes.count("done"), reasons
-    assert reasons.count("shutdown") == 4, reasons
+    assert 1 <= reasons.count("shutdown") <= cfg.serve.max_batch_size, reasons
+    assert len(reasons) == outcomes.count("done") + reasons.count("shutdown"), reasons
 
 
 def test_cut_requests_are_counted_on_metrics(tiny_pair_dir, tmp_path) -> None:
