@@ -18,9 +18,10 @@ Exits 0 whether or not the goals are met (they are in the JSON's `goals`).
 Measured (2026-11-24, 2-core CPU shared with a model build; default trainer settings, lr 1e-3, no warm-up):
 `early_exit` on the smollm2 build's early-exit drafter, 160 chat records (116 trained, 44 held out, 2112
 positions): held-out α 0.098 at the start, 0.098-0.120 over steps 1-10 (never below the start), 0.135 at
-20, 0.154 at 30, 0.161 at 40: both goals met today. `separate` and `eagle` were not measured (their
-drafters were not built when this ran). On the tiny pair (smoke, 64 records) eagle fell 0.957 -> 0.655
-at step 1 and recovered by step 4; `--set trainer.warmup_steps=10` kept it within 0.004 of the start.
+20, 0.154 at 30, 0.161 at 40: both goals met. `separate` (same records, default settings): 0.382 at the
+start, 0.387-0.394 over steps 1-10, 0.405 at 40: met. `eagle` (lr 3e-4): without warm-up 0.385 fell to 0.325
+at step 2 (a miss) and reached 0.471 at 40; with 10 warm-up steps (now `trainer.eagle_warmup_steps`' default)
+0.395-0.416 over steps 1-10 and 0.473 at 40: met.
 """
 
 from __future__ import annotations

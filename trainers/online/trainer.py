@@ -94,7 +94,9 @@ class OnlineTrainer:
         params = self.trainable.parameters()
         if not params:
             raise ValueError("the drafter has no trainable parameters")
-        self.lr = self.tc.eagle_learning_rate if self.trainable.kind == "eagle" else self.tc.learning_rate
+        eagle = self.trainable.kind == "eagle"
+        self.lr = self.tc.eagle_learning_rate if eagle else self.tc.learning_rate
+        self.warmup = self.tc.eagle_warmup_steps if eagle else self.tc.warmup_steps
         opt = torch.optim.AdamW(params, lr=self.lr, betas=(0.9, 0.99), weight_decay=0.0)
         # trust region: an L2 pull towards the weights the trainer started from (the served version)
         self.anchor = [p.detach().clone() for p in params] if self.tc.anchor_weight > 0 else None
@@ -305,8 +307,8 @@ class OnlineTrainer:
         if self.anchor is not None:
             loss = loss + self.tc.anchor_weight * sum(((p - a) ** 2).sum() for p, a in
                                                        zip(self.trainable.parameters(), self.anchor, strict=True))
-        for group in self.optimizer.param_groups:  # linear warm-up over the first trainer.warmup_steps steps
-            group["lr"] = self.lr * min(1.0, (self.step + 1) / max(1, self.tc.warmup_steps))
+        for group in self.optimizer.param_groups:  # linear warm-up (trainer.warmup_steps; eagle_warmup_steps)
+            group["lr"] = self.lr * min(1.0, (self.step + 1) / max(1, self.warmup))
         acc.backward(loss)
         if self.tc.grad_clip:
             acc.clip_grad_norm_(self.trainable.parameters(), self.tc.grad_clip)
