@@ -85,8 +85,9 @@ class Proposer:
         return Plan()
 
     def propose(self, plan: Plan, k_model: int, k: int, u: torch.Tensor | None, params: BatchParams) -> Draft:
-        """Drafts [B, k]: model rows k_model of them (<= k), suffix rows their proposal; u [B, 2k + 1] or None."""
-        raise NotImplementedError(f"{self.kind} proposes nothing")
+        """Drafts [B, k]: model rows k_model of them (<= k), suffix rows their proposal; u [B, 2k + 1] or None.
+        Without a drafter (`NoProposer`) the engine's `_choose_k` returns 0 and never asks."""
+        raise ValueError(f"drafter kind {self.kind!r} has no drafter: K must be 0, the engine asked for {k}")
 
     def observe(self, draft: Draft | None, n: list[int], emitted: list[list[int]],
                 feats: torch.Tensor | None) -> None:

@@ -168,3 +168,13 @@ def test_goodput_guard_stops_drafting_that_measures_slower():
     for _ in range(2):
         g.observe(16, True, 40, 0.3)
     assert g.allow(16)
+
+
+def test_no_drafter_proposes_nothing_and_says_why():
+    """Without a drafter the engine plans K = 0; a request for drafts is a contract error that says so."""
+    import torch
+
+    from dvi.proposers import NoProposer, Plan
+
+    with pytest.raises(ValueError, match="has no drafter: K must be 0"):
+        NoProposer(8, torch.device("cpu")).propose(Plan(), 0, 2, None, None)
