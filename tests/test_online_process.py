@@ -64,6 +64,19 @@ def _wait(pred, timeout: float, proc: subprocess.Popen, what: str) -> None:
         time.sleep(0.1)
 
 
+def _stop(proc: subprocess.Popen, log: Path) -> None:
+    """SIGTERM: the trainer finishes its round and exits 0."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """A trainer a failed test left running is killed, not leaked."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def test_trainer_sigkill_restart_resumes_exactly_once_pause_and_sigterm(tiny_pair_dir, tmp_path) -> None:
     from dvi.models import load_pair
 
@@ -104,12 +117,9 @@ def test_trainer_sigkill_restart_resumes_exactly_once_pause_and_sigterm(tiny_pai
         all_ids = sorted(r.request_id for r in recs)
         _wait(lambda: sorted(_ids(_consumed(tmp_path))) == all_ids or len(_ids(_consumed(tmp_path))) > len(all_ids),
               90, proc, "every record consumed")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        _stop(proc, log)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     entries = _consumed(tmp_path)
     ids = _ids(entries)
     assert len(ids) == len(set(ids)), "a record was trained (or held out) twice"
@@ -185,12 +195,9 @@ def test_trainer_kill9_during_publish_leaves_a_valid_registry_and_restarts(tiny_
     try:
         _wait(lambda: len(reg.list_versions()) > n_versions and step() > step0,
               120, proc, "the restarted trainer to train and publish")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        _stop(proc, log)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     assert "resumed from checkpoint" in log.read_text()
     reg.open_version(reg.latest())
     assert not _tmp_dirs(reg), "the killed publishers' temp dirs were left behind"
