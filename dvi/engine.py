@@ -330,7 +330,7 @@ class SpeculativeEngine:
         logits, feats = self._verify(draft)  # [B, K + 1, V_head], features [B, K + 1, H] or None
         t_fwd = time.perf_counter()
         logits = fit_vocab(logits, self.vocab_size)  # [B, K + 1, V]
-        n, nxt = self._accept(draft, self._p.transform(logits, self._seqs, draft and draft.ids), u)  # [B], [B]
+        n, nxt = self._accept(draft, self._p.transform(logits, draft and draft.ids), u)  # [B], [B]
         self._roll_back(k, n)
         outs, finished = self._emit(draft, logits, n, nxt, feats)
         t2 = time.perf_counter()

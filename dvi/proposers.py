@@ -196,7 +196,7 @@ class ModelProposer(Proposer):
         drafts, qs = [], []
         for j in range(k):
             logits = fit_vocab(self._forward(ids, valid, j == 0), self.vocab_size)  # [B, V]
-            logits = params.transform(logits, params.seqs, drafts)  # penalized as the target's p (better α)
+            logits = params.transform(logits, drafts)  # penalized as the target's p (better α)
             if params.all_greedy:
                 d = logits.argmax(-1)  # [B]
             else:

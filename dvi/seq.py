@@ -53,7 +53,7 @@ class BatchParams:
     gens: list  # per-row torch.Generator (None for greedy rows)
     pen: Penalties | None = None  # None when no row has a penalty or a logit_bias
     _seen_cache: tuple | None = None  # (output lengths, counts, prompt_seen) of the current step
-    seqs: list = field(default_factory=list, repr=False)  # the rows, for the proposers' penalized drafts
+    seqs: list = field(default_factory=list, repr=False)  # the rows (their outputs feed the penalties)
 
     @classmethod
     def of(cls, seqs: list[Seq], device: torch.device, vocab_size: int = 0) -> BatchParams:
@@ -66,7 +66,7 @@ class BatchParams:
             all_greedy=all(p.temperature == 0 for p in ps), all_t1=all(p.temperature in (0, 1) for p in ps),
             gens=[s.gen for s in seqs], pen=_penalties(ps, vocab_size, device), seqs=list(seqs))
 
-    def transform(self, logits: torch.Tensor, seqs: list[Seq],
+    def transform(self, logits: torch.Tensor,
                   drafts: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
         """Each row's penalties and logit_bias on `logits` (`dvi.sampling.penalize`); `logits` itself when no
         row has any. logits [B, S, V]: position s follows drafts d_1..d_s of `drafts` [B, >= S - 1] (the
@@ -77,7 +77,7 @@ class BatchParams:
         x = logits.unsqueeze(1) if flat else logits  # [B, S, V]
         b, s, v = x.shape
         d = (torch.stack(drafts, 1) if drafts else None) if isinstance(drafts, list) else drafts  # [B, J] or None
-        counts, prompt_seen = self._seen(seqs, v, x.device)  # [B, V] each
+        counts, prompt_seen = self._seen(self.seqs, v, x.device)  # [B, V] each
         counts = counts.unsqueeze(1).repeat(1, s, 1)  # [B, S, V]
         if d is not None and d.numel():
             step = torch.zeros(b, s, v, device=x.device)
