@@ -52,6 +52,10 @@ def parse_args(argv):
     p.add_argument("--early-exit-layers", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts-b1", type=int, default=4, help="prompts (one at a time) for batch-1 settings")
+    p.add_argument("--history", type=int, default=0,
+                   help="suffix / hybrid: before each setting, N other held-out prompts of its domain are served "
+                   "(greedy, untimed) and their outputs join the suffix index, as in a server that has been "
+                   "serving that traffic (0: a cold index)")
     p.add_argument("--batches", type=int, default=1, help="batches per setting for batch sizes > 1")
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--max-draft-tokens", type=int, default=8)
@@ -161,6 +165,19 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
 
 def _share(x: float | None) -> str:
     return "   -" if x is None else f"{x:4.2f}"
+
+
+def serve_history(plain: SpeculativeEngine, caches: list, stream, count: int, n: int) -> None:
+    """Serve `count` prompts of `stream` greedily (speculation off: the same text any kind would emit) and add
+    each output, behind its prompt's tail, to every suffix cache, as `SuffixProposer.close_row` does."""
+    from dvi.suffix_proposer import SuffixProposer
+
+    tail = SuffixProposer.prompt_tail_default
+    for i in range(count):
+        prompt = next(stream)
+        text = dvi_run(plain, [[prompt]], n, 0.0)["texts"][0]
+        for cache in caches:
+            cache.add_finished(f"history-{i}", list(prompt[len(prompt) - tail:]) + text)
 
 
 def same_text(a: list[list[int]], b: list[list[int]]) -> float | None:
@@ -332,9 +349,13 @@ def main(argv=None) -> int:
     for domain, temp, b in itertools.product(domains, temps, bss):
         for cache in caches:   # settings reuse the prompts: no setting may draft from another's outputs
             cache.clear()
+
         stream = prompt_source(domain, tok, args.seed)
         nb = args.prompts_b1 if b == 1 else args.batches
         units = [[next(stream) for _ in range(b)] for _ in range(nb)]
+        if args.history and caches:  # later draws of the same stream, none equal to a measured prompt
+            seen = {tuple(p) for u in units for p in u}
+            serve_history(plain, caches, (p for p in stream if tuple(p) not in seen), args.history, n)
         systems = ["off", "hf", *kinds] + (["assisted"] if b == 1 else []) + (
             ["lookup"] if b == 1 and args.prompt_lookup_tokens else [])
         res: dict[str, list] = {s: [] for s in systems}
