@@ -148,13 +148,26 @@ def point_drafts(plan: Plan, b: int, k: int, device: torch.device) -> Draft:
 
 
 class HybridProposer(Proposer):
-    """Per row and step: the suffix proposal when its score clears `threshold`, else the learned drafter."""
+    """Per row and step: the suffix proposal when its score clears the bar, else the learned drafter.
+
+    The bar is `threshold` (expected accepted tokens) until the learned drafter has drafted, then the lower of
+    it and what the drafter measurably delivers: accepted drafts per row-step it drafted, averaged over
+    about the last `1 / gain_rate` of them. A suffix proposal costs no model pass, so one that promises as
+    much as the drafter delivers wins; with a fixed bar of 1, a drafter accepting 0.3 tokens a step took the
+    rows of proposals scoring 0.3-1 and paid its forwards for it."""
 
     kind = "hybrid"
+    gain_rate = 0.05
 
     def __init__(self, learned: Proposer, suffix: SuffixProposer, threshold: float = 1.0):
         super().__init__(suffix.vocab_size, suffix.device)
         self.learned, self.suffix, self.threshold = learned, suffix, float(threshold)
+        self.model_gain: float | None = None  # accepted drafts per model-drafted row-step (moving average)
+
+    @property
+    def bar(self) -> float:
+        """The score a suffix proposal needs this step."""
+        return self.threshold if self.model_gain is None else min(self.threshold, self.model_gain)
 
     @property
     def needs_features(self) -> bool:  # type: ignore[override]
@@ -214,7 +227,8 @@ class HybridProposer(Proposer):
         sp = self.suffix.plan(seqs, k_cap)
         if self.learned.drafter is None:  # no learned part (swapped out): every proposal drafts
             return sp
-        chosen = {i: p for i, p in sp.suffix.items() if p.score >= self.threshold}
+        bar = self.bar
+        chosen = {i: p for i, p in sp.suffix.items() if p.score >= bar}
         return Plan(model_rows=[i for i in range(len(seqs)) if i not in chosen], suffix=chosen)
 
     def propose(self, plan: Plan, k_model: int, k: int, u: torch.Tensor | None, params: BatchParams) -> Draft:
@@ -237,6 +251,12 @@ class HybridProposer(Proposer):
 
     def observe(self, draft: Draft | None, n: list[int], emitted: list[list[int]],
                 feats: torch.Tensor | None) -> None:
+        if draft is not None:
+            for i, (src, ln) in enumerate(zip(draft.sources, draft.lens, strict=True)):
+                if src == "model" and ln > 0:
+                    g = float(min(n[i], ln))
+                    self.model_gain = g if self.model_gain is None else self.model_gain + self.gain_rate * (
+                        g - self.model_gain)
         self.learned.observe(draft, n, emitted, feats)
         self.suffix.observe(draft, n, emitted, feats)
 

@@ -178,3 +178,31 @@ def test_no_drafter_proposes_nothing_and_says_why():
 
     with pytest.raises(ValueError, match="has no drafter: K must be 0"):
         NoProposer(8, torch.device("cpu")).propose(Plan(), 0, 2, None, None)
+
+
+def test_hybrid_bar_falls_to_what_the_learned_drafter_delivers():
+    """A suffix proposal costs no model pass: once the learned drafter measurably accepts less per step than
+    a proposal promises, the proposal drafts that row even below `suffix.threshold`."""
+    from types import SimpleNamespace
+
+    import torch
+    from tiny_models import tiny_llama
+
+    from dvi.drafters import SeparateDrafter
+    from dvi.proposers import Draft, model_proposer
+    from dvi.suffix import SuffixCache
+    from dvi.suffix_proposer import HybridProposer, SuffixProposer
+
+    cache = SuffixCache()
+    cache.add_finished("done", [1, 2, 3, 7, 8, 9])
+    sp = SuffixProposer(cache, 64, torch.device("cpu"), max_tokens=4)
+    hy = HybridProposer(model_proposer(SeparateDrafter(tiny_llama(seed=1)), 64, torch.device("cpu")), sp,
+                        threshold=100.0)
+    seqs = [SimpleNamespace(req=SimpleNamespace(request_id="r", prompt_ids=[5, 1, 2, 3]))]
+    hy.admit(seqs, None)
+    assert hy.bar == 100.0 and not hy.plan(seqs, [4]).suffix  # nothing clears a bar of 100
+    # the learned drafter drafted 3 tokens and the target kept none of them: it emitted 7
+    hy.observe(Draft(torch.zeros(1, 3, dtype=torch.long), None, [3], ["model"], [False]), [0], [[7]], None)
+    assert hy.model_gain == 0.0 and hy.bar == 0.0
+    plan = hy.plan(seqs, [4])
+    assert list(plan.suffix) == [0] and plan.model_rows == [] and plan.suffix[0].tokens[:2] == [8, 9]
