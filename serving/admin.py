@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from dvi.models import load_state_dict
-from dvi.registry import AdapterRejected
+from dvi.models.loading import load_state_dict
+from dvi.registry.store import AdapterRejected
 
 from .auth import require_admin
 from .protocol import ApiError, BodyT, Text

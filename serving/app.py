@@ -26,11 +26,11 @@ import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from dvi.adaptive import batch_bucket
 from dvi.config import DviConfig
-from dvi.engine import SpeculativeEngine
+from dvi.decode.adaptive import batch_bucket
+from dvi.decode.engine import SpeculativeEngine
 from dvi.feedback import FeedbackWriter, Retention
-from dvi.registry import DrafterRegistry
+from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 
 from .auth import bearer_token, is_admin, require_api_key

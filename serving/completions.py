@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dvi.data import render_chat
-from dvi.engine import SamplingParams
+from dvi.decode.engine import SamplingParams
 
 from .health import count_refusal
 from .logprobs import chat_logprobs, completion_logprobs, token_logprobs

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dvi.engine import SpeculativeEngine
+    from dvi.decode.engine import SpeculativeEngine
 
     from .app import ServerState
 

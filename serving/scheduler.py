@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dvi.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
+from dvi.decode.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
 from dvi.feedback import FeedbackRecord, FeedbackWriter
 
 from .detok import TextStream

@@ -8,11 +8,11 @@ import torch
 from test_engine import NEW, PROMPTS, assert_greedy_equal, reference, tiny
 from test_sampling import N_SAMPLES, engine_pvalue, tiny_lm
 
-from dvi.eagle import EagleDrafter, features_from_hidden
-from dvi.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.drafters.eagle import EagleDrafter, features_from_hidden
 from dvi.feedback import FeedbackRecord
 from dvi.feedback.record import records_to_table
-from dvi.shadow import hf_logits_fn
+from dvi.feedback.shadow import hf_logits_fn
 
 torch.set_num_threads(1)
 
@@ -232,7 +232,7 @@ def test_non_llama_family_refused_with_a_clear_error():
 # -- online training, publishing, hot swap -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_pair_dir):
-    from dvi.models import load_pair
+    from dvi.models.loading import load_pair
 
     return load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
 
@@ -252,7 +252,7 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
                                                                                tmp_path):
     from test_online import online_config
 
-    from dvi.registry import DrafterRegistry
+    from dvi.registry.store import DrafterRegistry
     from serving.swap import load_drafter_version
     from trainers.online import OnlineTrainer, is_heldout
 
@@ -324,7 +324,7 @@ def test_hybrid_with_an_eagle_head_is_greedy_equal_and_logs_true_features():
     its features true (the head re-reads the kept tokens with the target's features), and every kind of step
     logs the same features the target computes."""
     from dvi.config import SuffixConfig
-    from dvi.suffix_proposer import build_proposer
+    from dvi.drafters.suffix_proposer import build_proposer
 
     target = tiny("llama", seed=0)
     refs = [reference(target, p, NEW) for p in PROMPTS]

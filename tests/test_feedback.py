@@ -5,8 +5,8 @@ import uuid
 import pytest
 import torch
 
+from dvi.decode.results import GenerationResult
 from dvi.feedback import SCHEMA, FeedbackReader, FeedbackRecord, FeedbackWriter, Retention
-from dvi.results import GenerationResult
 
 torch.set_num_threads(1)
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from dvi.config import DviConfig, load_config
-from dvi.engine import Request, SamplingParams, SpeculativeEngine, Versions
+from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine, Versions
 from dvi.feedback import FeedbackRecord, FeedbackWriter
-from dvi.registry import AdapterRejected, DrafterRegistry
+from dvi.registry.store import AdapterRejected, DrafterRegistry
 from trainers.online import (
     CONSUMED_LOG,
     TARGET_VERSION_FILE,
@@ -74,7 +74,7 @@ def engine_records(pair, domain: str, n: int, max_new_tokens: int = 24, prefix: 
 
 @pytest.fixture(scope="module")
 def pair(tiny_pair_dir):
-    from dvi.models import load_pair
+    from dvi.models.loading import load_pair
 
     return load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
 
@@ -201,7 +201,7 @@ def test_recent_first_and_replay_share(pair, prose, tiny_pair_dir, tmp_path) -> 
 def test_training_on_feedback_raises_heldout_shadow_alpha(pair, prose, tiny_pair_dir, tmp_path, mode) -> None:
     # The tiny target is nearly flat (its argmax hinges on near-ties), so pure KL barely flips argmaxes
     # in a few dozen LoRA steps; the accept/reject reward does. Ramp it in early here.
-    from dvi.vocab import apply_draft_vocab, frequent_token_ids
+    from dvi.drafters.vocab import apply_draft_vocab, frequent_token_ids
 
     cfg = online_config(tiny_pair_dir, tmp_path, f"trainer.mode={mode.split('_')[0]}", "trainer.reward_weight=0.5",
                         "trainer.reward_ramp_start=0", "trainer.reward_ramp_steps=10")
@@ -247,7 +247,7 @@ def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_
     cfg = online_config(tiny_pair_dir, tmp_path, *extra)
     reg = DrafterRegistry(cfg.registry.dir)
     if mode == "early_exit":
-        from dvi.drafters import EarlyExitDrafter
+        from dvi.drafters.learned import EarlyExitDrafter
 
         drafter = EarlyExitDrafter(copy.deepcopy(pair.target), 1, lora_rank=4, target_modules=["q_proj", "v_proj"])
     else:
@@ -275,7 +275,7 @@ def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_
 
         new = AutoModelForCausalLM.from_pretrained(str(vdir)).eval()
     else:
-        from dvi.drafters import EarlyExitDrafter
+        from dvi.drafters.learned import EarlyExitDrafter
 
         new = EarlyExitDrafter.load(pair.target, vdir)
     # the loaded drafter is the trained one (not the base): same teacher-forced logits as the trainer's
@@ -430,8 +430,8 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
     same subset (and refuses it for a server drafting over another subset size)."""
     import math
 
-    from dvi.drafters import EarlyExitDrafter
-    from dvi.vocab import apply_draft_vocab, find_subset_head, frequent_token_ids
+    from dvi.drafters.learned import EarlyExitDrafter
+    from dvi.drafters.vocab import apply_draft_vocab, find_subset_head, frequent_token_ids
     from serving.swap import load_drafter_version
 
     ids = frequent_token_ids([r.token_ids for r in prose], n=16, always=[pair.tokenizer.eos_token_id])
@@ -467,7 +467,7 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
 
 @pytest.mark.parametrize("kind", ["separate", "early_exit"])
 def test_from_config_loads_the_configured_draft_vocabulary(prose, tiny_pair_dir, tmp_path, kind) -> None:
-    from dvi.vocab import save_draft_vocab
+    from dvi.drafters.vocab import save_draft_vocab
 
     save_draft_vocab(tmp_path / "vocab", torch.arange(511, -1, -1), vocab_size=512)
     extra = ["models.drafter_kind=early_exit"] if kind == "early_exit" else []

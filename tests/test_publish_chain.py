@@ -23,9 +23,9 @@ from test_online import engine_records, online_config
 from test_serving_helpers import ServerThread, lora_copy, tiny_config, version_manifest, wait_for
 
 from dvi.config import load_config
-from dvi.models import load_pair
-from dvi.registry import AdapterRejected, DrafterRegistry, Manifest, ServingState
-from dvi.shadow import is_heldout
+from dvi.feedback.shadow import is_heldout
+from dvi.models.loading import load_pair
+from dvi.registry.store import AdapterRejected, DrafterRegistry, Manifest, ServingState
 from serving.swap import DrafterSwapper, SwapPolicy
 from trainers.online import Example, OnlineTrainer
 
@@ -222,7 +222,7 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
 
 
 def pair_drafter(cfg):
-    from dvi.models import load_causal_lm
+    from dvi.models.loading import load_causal_lm
 
     return load_causal_lm(cfg.models.drafter, "cpu", "float32")
 

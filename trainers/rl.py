@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dvi.results import fmt_rate, pooled_rates
+from dvi.decode.results import fmt_rate, pooled_rates
 from dvi.rollout import Rollout
 from trainers.grpo import (
     completion_logprobs,
@@ -58,7 +58,7 @@ class RLConfig:
     """Settings of one RL run (one arm of the benchmark)."""
 
     # plain | frozen | online | suffix (suffix index over this run's rollouts, no drafter) | hybrid (suffix, else
-    # the frozen drafter); the suffix arms' index decays outputs of older policy versions (`dvi.suffix_proposer`)
+    # the frozen drafter); the suffix arms' index decays outputs of older policy versions (`dvi.drafters.suffix_proposer`)
     arm: str = "online"
     preset: str = "smollm2"
     pair_dir: str | None = None  # built pair dir (defaults to the preset's cache dir)
@@ -114,7 +114,7 @@ class StepLog:
 
     step: int
     reward: float
-    alpha: float | None  # None: nothing drafted this step (dvi.results)
+    alpha: float | None  # None: nothing drafted this step (dvi.decode.results)
     mean_accepted_length: float | None
     rollout_s: float
     tokens: int
@@ -147,8 +147,8 @@ class RLRun:
     """
 
     def __init__(self, cfg: RLConfig, log: Callable[[str], None] | None = print) -> None:
-        from dvi.embedded import embedded_dir
-        from dvi.models import serving_dtype
+        from dvi.models.embedded import embedded_dir
+        from dvi.models.loading import serving_dtype
 
         self.cfg = cfg
         self.log = log or (lambda _m: None)
@@ -173,7 +173,7 @@ class RLRun:
 
     def _load_pair(self) -> None:
         """Tokenizer, target and (dvi arms) drafter with the preset's draft vocabulary, in the serving dtype."""
-        from dvi.models import load_pair, preset_draft_vocab
+        from dvi.models.loading import load_pair, preset_draft_vocab
 
         drafter_dir = self.root / "drafter" if self.cfg.arm not in ("plain", "suffix") else None
         pair = load_pair(self.root / "target", drafter_dir, self.root / "tokenizer", device="cpu",
@@ -185,9 +185,9 @@ class RLRun:
 
     def _build_engine(self) -> None:
         """The speculative engine (no drafter in the plain arm), its costs calibrated up front."""
-        from dvi.engine import SpeculativeEngine
+        from dvi.decode.engine import SpeculativeEngine
+        from dvi.drafters.suffix_proposer import build_proposer
         from dvi.rollout import RolloutEngine
-        from dvi.suffix_proposer import build_proposer
 
         cfg = self.cfg
         vocab = int(self.target.get_output_embeddings().weight.shape[0])
@@ -222,8 +222,8 @@ class RLRun:
         import tempfile
 
         from dvi.config import DviConfig
-        from dvi.models import load_causal_lm
-        from dvi.vocab import apply_draft_vocab, find_subset_head
+        from dvi.drafters.vocab import apply_draft_vocab, find_subset_head
+        from dvi.models.loading import load_causal_lm
         from trainers.online import OnlineTrainer
 
         cfg = self.cfg

@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from dvi.results import GenerationResult
+from dvi.decode.results import GenerationResult
 
 SCHEMA = pa.schema(
     [
@@ -37,7 +37,7 @@ SCHEMA = pa.schema(
         # "shutdown": cut by a server stop); optional, "" in shards written before it existed
         pa.field("finish_reason", pa.string(), nullable=True),
         # per token, who proposed its draft: 0 none, 1 model, 2 suffix_request, 3 suffix_global
-        # (`dvi.emit.SOURCES`). Optional: shards written before it existed read as empty (every draft: model).
+        # (`dvi.decode.emit.SOURCES`). Optional: shards written before it existed read as empty (every draft: model).
         pa.field("draft_source", pa.list_(pa.int8()), nullable=True),
     ]
 )

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dvi.feedback import FeedbackRecord
-from dvi.shadow import is_heldout
+from dvi.feedback.shadow import is_heldout
 
 __all__ = ["Batch", "Example", "build_batch", "is_heldout"]
 
@@ -25,7 +25,7 @@ __all__ = ["Batch", "Example", "build_batch", "is_heldout"]
 class Example:
     """One feedback record in compact numpy form (the replay buffer holds thousands).
 
-    Field names match `FeedbackRecord`, so `dvi.shadow.shadow_alpha` reads it directly.
+    Field names match `FeedbackRecord`, so `dvi.feedback.shadow.shadow_alpha` reads it directly.
     """
 
     request_id: str
@@ -159,7 +159,7 @@ def _features(examples: Sequence[Example], seqs: Sequence[np.ndarray], keeps: Se
     truncation; None unless every row carries features (a batch trains one drafter kind)."""
     if any(e.hidden is None for e in examples):
         return None
-    from dvi.eagle import features_from_hidden
+    from dvi.drafters.eagle import features_from_hidden
 
     h = examples[0].hidden.shape[1]
     feats = torch.zeros((len(examples), w_len, h), dtype=torch.float16)  # [B, W, H]

@@ -36,9 +36,9 @@ from typing import Any
 from dvi import metrics as M
 from dvi.config import DviConfig
 from dvi.feedback import FeedbackReader
-from dvi.registry import AdapterRejected
+from dvi.feedback.shadow import is_heldout
+from dvi.registry.store import AdapterRejected
 from dvi.rundir import RunDir
-from dvi.shadow import is_heldout
 from trainers.online.collate import Example
 from trainers.online.trainer import OnlineTrainer
 

@@ -8,8 +8,8 @@ from the feedback log, and the drift benchmark and `trainers.rl` drive it direct
 down-weighted), takes `trainers.losses.dvi_loss` steps (pure top-k KL first, the accept/reject
 reward ramped in; `warmup_steps` ramps the LR up, `anchor_weight` adds an L2 trust region towards the
 weights it started from), and holds back `heldout_fraction` of the records (by a hash of the request id)
-for evaluation (`dvi.shadow.is_heldout`). `maybe_publish()` compares the held-out shadow α
-(`dvi.shadow`) of the current weights with the version the server SERVES now (the registry's
+for evaluation (`dvi.feedback.shadow.is_heldout`). `maybe_publish()` compares the held-out shadow α
+(`dvi.feedback.shadow`) of the current weights with the version the server SERVES now (the registry's
 SERVING; 0 = the bootstrap drafter) and publishes only a candidate better by `publish_margin` on at
 least `shadow_min_positions` held-out positions; any other decision is logged with its reason. Checkpoints (weights, optimizer, counters) are the loop's resume point.
 
@@ -36,12 +36,12 @@ from torch import nn
 
 from dvi import metrics as M
 from dvi.config import DviConfig
+from dvi.decode.results import fmt_rate
+from dvi.drafters.vocab import find_subset_head
 from dvi.feedback import FeedbackRecord
-from dvi.registry import AdapterRejected, DrafterRegistry
-from dvi.results import fmt_rate
+from dvi.feedback.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, is_heldout, shadow_alpha, shadow_passes
+from dvi.registry.store import AdapterRejected, DrafterRegistry
 from dvi.rundir import RunDir
-from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, is_heldout, shadow_alpha, shadow_passes
-from dvi.vocab import find_subset_head
 from trainers.losses import batch_loss, chained_features
 from trainers.online.accel import make_accelerator
 from trainers.online.checkpoint import load_checkpoint, save_checkpoint
@@ -49,7 +49,7 @@ from trainers.online.collate import Example, build_batch
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
 if TYPE_CHECKING:
-    from dvi.drafters import Drafter
+    from dvi.drafters.learned import Drafter
 
 log = logging.getLogger("dvi.trainer")
 
@@ -65,7 +65,7 @@ class OnlineTrainer:
     """Trains a drafter on feedback records with the DVI objective; publishes shadow-checked versions.
 
     `drafter`: a HF causal LM (wrapped in a LoRA when `cfg.trainer.mode == "lora"`, trained
-    whole when "full"), a peft model (its adapter is trained), or a `dvi.drafters.EarlyExitDrafter`
+    whole when "full"), a peft model (its adapter is trained), or a `dvi.drafters.learned.EarlyExitDrafter`
     (its LoRA + exit head). The module is trained in place, so an engine in the same process that
     holds it sees every update (`trainers.rl` style); `model` is what to hand to an engine.
     Without a `registry`, `maybe_publish` only evaluates.
@@ -328,7 +328,7 @@ class OnlineTrainer:
             self.anchor = [p.detach().clone() for p in self.trainable.parameters()]
 
     def shadow(self, records: Sequence[FeedbackRecord | Example] | None = None, state: Mapping[str, torch.Tensor] | None = None):
-        """Shadow α (teacher-forced, `dvi.shadow`) of the current weights, or of `state`, on held-out records."""
+        """Shadow α (teacher-forced, `dvi.feedback.shadow`) of the current weights, or of `state`, on held-out records."""
         recs = list(self.heldout) if records is None else [Example.of(r) for r in records]
         saved = None
         if state is not None:

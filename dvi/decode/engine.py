@@ -1,21 +1,21 @@
 """Lossless batched speculative decoding engine with a step-level API for continuous batching.
 
 One step for all active rows (`SpeculativeEngine._spec_step`, one method per phase):
-  1. choose K (`_choose_k`: fixed, or `dvi.adaptive.AdaptiveK` from calibrated costs; K = 0 is plain decoding);
+  1. choose K (`_choose_k`: fixed, or `dvi.decode.adaptive.AdaptiveK` from calibrated costs; K = 0 is plain decoding);
   2. draft (`_draft`): K drafter forwards propose d_1..d_K per row (batch-wide K);
   3. verify (`_verify`): the target scores [last token, d_1..d_K] for every row in ONE forward (K + 1 positions);
   4. accept (`_accept`): per row, greedy exact match or Leviathan/Chen rejection sampling (lossless at any
-     temperature, `dvi.sampling`): n drafts kept and the target's token after them;
-  5. roll back (`_roll_back`): both KV caches drop the rejected slots (`dvi.kv.RaggedKV`: holes + per-row
+     temperature, `dvi.decode.sampling`): n drafts kept and the target's token after them;
+  5. roll back (`_roll_back`): both KV caches drop the rejected slots (`dvi.decode.kv.RaggedKV`: holes + per-row
      positions, compaction);
-  6. emit (`_emit`, `dvi.emit`): the n + 1 tokens onto each row's result; finished rows leave the batch.
+  6. emit (`_emit`, `dvi.decode.emit`): the n + 1 tokens onto each row's result; finished rows leave the batch.
 
 Invariant between steps, per row: the target cache holds every token except the last emitted one
 (`_last`). The draft state of a row (a drafter's cache and the tokens it lacks, eagle features, suffix match
-state) belongs to the drafter kind's `dvi.proposers.Proposer`, which the engine asks for drafts and tells what
+state) belongs to the drafter kind's `dvi.drafters.proposers.Proposer`, which the engine asks for drafts and tells what
 was accepted; the engine has no branch per kind. K = 0 is plain decoding through the same path.
-Elsewhere, by job: result types `dvi.results` (re-exported here), row state `dvi.seq`, calibration rows
-`dvi.calibration_rows`, the suffix / hybrid kinds `dvi.suffix_proposer`.
+Elsewhere, by job: result types `dvi.decode.results` (re-exported here), row state `dvi.decode.seq`, calibration rows
+`dvi.decode.calibration_rows`, the suffix / hybrid kinds `dvi.drafters.suffix_proposer`.
 """
 
 from __future__ import annotations
@@ -28,15 +28,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.acceptance import AcceptanceTracker
-from dvi.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
-from dvi.calibration_rows import calibrate_bucket
-from dvi.drafters import Drafter, model_forward
-from dvi.emit import append_tokens, count_drafts, emitted
-from dvi.kv import RaggedKV, prefill
-from dvi.models import check_target_state_dict, load_state_dict
-from dvi.proposers import Draft, NoProposer, Plan, Proposer, model_proposer
-from dvi.request import (
+from dvi.decode.acceptance import AcceptanceTracker
+from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
+from dvi.decode.calibration_rows import calibrate_bucket
+from dvi.decode.emit import append_tokens, count_drafts, emitted
+from dvi.decode.kv import RaggedKV, prefill
+from dvi.decode.request import (
     InvalidParam,
     Request,
     SamplingParams,
@@ -45,8 +42,8 @@ from dvi.request import (
     validate_params,
     validate_prompt,
 )
-from dvi.results import GenerationResult, StepOutput, Versions
-from dvi.sampling import (
+from dvi.decode.results import GenerationResult, StepOutput, Versions
+from dvi.decode.sampling import (
     GREEDY_BELOW_TEMPERATURE,
     greedy_accept,
     point_mass_accept,
@@ -54,8 +51,11 @@ from dvi.sampling import (
     sample_from,
     warp_probs,
 )
-from dvi.seq import BatchParams, Seq, g_rand, row_generator
-from dvi.vocab import fit_vocab
+from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
+from dvi.drafters.learned import Drafter, model_forward
+from dvi.drafters.proposers import Draft, NoProposer, Plan, Proposer, model_proposer
+from dvi.drafters.vocab import fit_vocab
+from dvi.models.loading import check_target_state_dict, load_state_dict
 
 __all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam", "Versions"]
 
@@ -483,7 +483,7 @@ class SpeculativeEngine:
         if k_model > 0 and not self.proposer.last_catchup:  # a drafter catch-up is not a typical draft cost
             self.costs.record_draft(b, t_draft / k_model)
 
-    # ------------------------------------------------------------------ cost calibration (dvi.adaptive.calibrate)
+    # ------------------------------------------------------------------ cost calibration (dvi.decode.adaptive.calibrate)
     def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
         """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket.
 

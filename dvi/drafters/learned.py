@@ -10,7 +10,7 @@ owns the caches; drafters stay stateless so they can be hot-swapped between step
   (which hold the shared Parameters), so the target's modules, forward and state_dict are untouched and
   verification stays lossless by construction.
 
-Any kind may draft over a reduced vocabulary (`vocab_ids`, see `dvi.vocab`): its output embedding becomes
+Any kind may draft over a reduced vocabulary (`vocab_ids`, see `dvi.drafters.vocab`): its output embedding becomes
 a `SubsetHead` (N rows computed, -inf elsewhere), so the engine sees full-vocab logits with q = 0 outside.
 A future `eagle` kind does the same with `apply_draft_vocab` on the head it owns.
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.numerics import ROWWISE_KWARG, is_exact_greedy, rowwise_mode
-from dvi.numerics import install as install_rowwise
-from dvi.vocab import apply_draft_vocab, find_subset_head
+from dvi.decode.numerics import ROWWISE_KWARG, is_exact_greedy, rowwise_mode
+from dvi.decode.numerics import install as install_rowwise
+from dvi.drafters.vocab import apply_draft_vocab, find_subset_head
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -80,9 +80,9 @@ def model_forward(model: nn.Module, with_features: bool = False, width_invariant
     every input position (what an `eagle` drafter reads); Llama-family decoders only.
 
     `width_invariant` (the target's forwards): a multi-token forward over a cached, hole-free prefix (a
-    verify) attends row by row (`dvi.numerics`), so its logits are bit-equal to one-token steps in any
+    verify) attends row by row (`dvi.decode.numerics`), so its logits are bit-equal to one-token steps in any
     dtype; drafters pass False (their rounding decides nothing). A target marked by
-    `dvi.numerics.set_exact_greedy` also attends holed/padded batches row by row (the exact mode).
+    `dvi.decode.numerics.set_exact_greedy` also attends holed/padded batches row by row (the exact mode).
     """
     cfg = model.config
     base = getattr(model, "model", None)
@@ -123,7 +123,7 @@ def model_forward(model: nn.Module, with_features: bool = False, width_invariant
         return head(norm(h))
 
     fn.explicit_mask = True
-    fn.exact_rows = exact  # `dvi.kv.prefill` then prefills rows one by one
+    fn.exact_rows = exact  # `dvi.decode.kv.prefill` then prefills rows one by one
     return fn
 
 
@@ -177,8 +177,8 @@ class Drafter:
 class SeparateDrafter(Drafter):
     """A separate small HF causal LM (PreTrainedModel or peft PeftModel with LoRA) with the target's tokenizer.
 
-    `vocab_ids` reduces its head in place (`dvi.vocab.apply_draft_vocab`); a model loaded by
-    `dvi.models.load_pair` from a dir with `draft_vocab.safetensors` already has it.
+    `vocab_ids` reduces its head in place (`dvi.drafters.vocab.apply_draft_vocab`); a model loaded by
+    `dvi.models.loading.load_pair` from a dir with `draft_vocab.safetensors` already has it.
     """
 
     kind = "separate"

@@ -25,8 +25,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from dvi.results import acceptance_rate
-from dvi.sampling import GREEDY_BELOW_TEMPERATURE
+from dvi.decode.results import acceptance_rate
+from dvi.decode.sampling import GREEDY_BELOW_TEMPERATURE
 
 SHADOW_MAX_POSITIONS = 4096
 """Generated positions one shadow estimate reads at most: the trainer's held-out check before a
@@ -61,7 +61,7 @@ def is_heldout(request_id: str, fraction: float) -> bool:
 
 @dataclass
 class ShadowEstimate:
-    alpha: float | None  # None: no scored position (dvi.results' convention); NaN: the drafter's logits were
+    alpha: float | None  # None: no scored position (dvi.decode.results' convention); NaN: the drafter's logits were
     positions: int
     records: int
 
@@ -91,7 +91,7 @@ def shadow_failure(new_alpha: float | None, margin: float) -> str:
 def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
     """Teacher-forced logits of a Hugging Face causal LM (or any module returning ``.logits``)."""
 
-    from dvi.eagle import EagleModel
+    from dvi.drafters.eagle import EagleModel
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -106,7 +106,7 @@ def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
 
 def _record_features(record: ScoredRecord, device: torch.device | str) -> torch.Tensor | None:
     """An eagle head's input features F [1, L - 1, H] from a record's logged target features, or None."""
-    from dvi.eagle import features_from_hidden
+    from dvi.drafters.eagle import features_from_hidden
 
     h = record.features()
     if h is None:

@@ -1,7 +1,7 @@
-"""The dummy rows the engine hands to `dvi.adaptive.calibrate` (its `CalibrationRows`): b rows of random
+"""The dummy rows the engine hands to `dvi.decode.adaptive.calibrate` (its `CalibrationRows`): b rows of random
 tokens with their own target and drafter caches, so cost calibration never touches in-flight requests.
 
-Kept apart from `dvi.engine`, whose job is serving real rows; this module only times forwards.
+Kept apart from `dvi.decode.engine`, whose job is serving real rows; this module only times forwards.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.adaptive import Calibrated, calibrate
-from dvi.kv import RaggedKV, prefill
+from dvi.decode.adaptive import Calibrated, calibrate
+from dvi.decode.kv import RaggedKV, prefill
 
 if TYPE_CHECKING:
-    from dvi.engine import SpeculativeEngine
+    from dvi.decode.engine import SpeculativeEngine
 
 __all__ = ["DummyRows", "calibrate_bucket"]
 
@@ -29,7 +29,7 @@ def calibrate_bucket(eng: SpeculativeEngine, b: int, context: int = 128, reps: i
 
 class DummyRows:
     """b rows of `context` random tokens (one generator, seeded 0) with their own target and drafter
-    caches: what `dvi.adaptive.calibrate` times (`dvi.adaptive.CalibrationRows`). Without a learned drafter
+    caches: what `dvi.decode.adaptive.calibrate` times (`dvi.decode.adaptive.CalibrationRows`). Without a learned drafter
     (`suffix`) the draft forwards are no-ops: suffix drafts cost no model pass."""
 
     def __init__(self, eng: SpeculativeEngine, b: int, context: int):
