@@ -64,7 +64,7 @@ def prompts(tok, n: int, seed: int) -> list[list[int]]:
 
 def target_fn(target, features: bool, invariant: bool | None):
     """The target forward as the engine builds it (invariant None), or with the switch set if it exists."""
-    from dvi.drafters.learned import model_forward
+    from dvi.decode.forward import model_forward
 
     if invariant is None:
         return model_forward(target, with_features=features)
@@ -223,7 +223,8 @@ def batched(target, drafter, ps: list[list[int]], n: int, k: int) -> dict | None
     """One ragged batch with speculation, default vs `models.exact_greedy`: requests equal to their plain
     decode, first divergences, seconds."""
     try:
-        from dvi.decode.numerics import plain_greedy, set_exact_greedy
+        from dvi.decode.forward import plain_greedy
+        from dvi.decode.numerics import set_exact_greedy
     except ImportError:
         return None
     from dvi.decode.engine import SpeculativeEngine

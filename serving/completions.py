@@ -14,7 +14,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,10 +40,8 @@ from .protocol import (
     unsupported_field,
 )
 from .scheduler import Finished, Handle, QueueFull
+from .state import ServerState
 from .tokenize import utf8_len
-
-if TYPE_CHECKING:
-    from .app import ServerState
 
 log = logging.getLogger("dvi.serving")
 

@@ -338,7 +338,7 @@ def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, co
 
     from dvi.models.loading import find_tokenizer_path, load_tokenizer
 
-    from .app import pair_paths
+    from .loading import pair_paths
 
     targets = rundir.root / "targets"
     config_path, admin_token = _write_serve_config(cfg, rundir.root, targets)
@@ -399,7 +399,7 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
     import httpx
     from rich.console import Console
 
-    from .app import ensure_pair
+    from .loading import ensure_pair
 
     console = Console()
     n = requests_per_phase or DEFAULT_REQUESTS.get(cfg.models.preset, 64)

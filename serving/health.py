@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dvi.decode.engine import SpeculativeEngine
 
-    from .app import ServerState
+from .state import ServerState
 
 
 def _draft_vocab_size(engine: SpeculativeEngine) -> int | None:

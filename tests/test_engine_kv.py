@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dvi.decode.forward import model_forward
 from dvi.decode.kv import prefill
-from dvi.drafters.learned import model_forward
 
 torch.set_num_threads(1)
 

@@ -15,10 +15,10 @@ from tiny_models import tiny_llama
 
 import dvi.decode.engine
 from dvi.decode.engine import SpeculativeEngine
+from dvi.decode.forward import model_forward, plain_greedy
 from dvi.decode.kv import prefill
-from dvi.decode.numerics import plain_greedy, set_exact_greedy
+from dvi.decode.numerics import set_exact_greedy
 from dvi.decode.sampling import first_divergence, tie_bound
-from dvi.drafters.learned import model_forward
 
 BF16 = torch.bfloat16
 NEW = 24

@@ -13,7 +13,7 @@ import pytest
 from test_serving_helpers import ServerThread, tiny_config
 
 from dvi.models.loading import load_tokenizer
-from serving.app import _chat_prompt
+from serving.completions import _chat_prompt
 from serving.protocol import ChatCompletionRequest
 
 # SmolLM2-135M-Instruct's chat template (ChatML, with a default system prompt when none is given).

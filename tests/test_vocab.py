@@ -148,7 +148,7 @@ def test_load_pair_reads_the_drafter_dirs_vocabulary(tiny_pair_dir, tmp_path):
 def test_serving_pair_and_config_keys(tiny_pair_dir, tmp_path):
     from dvi.config import ConfigError, load_config
     from dvi.drafters.learned import EarlyExitDrafter
-    from serving.app import load_serving_pair
+    from serving.loading import load_serving_pair
 
     save_draft_vocab(tmp_path, torch.arange(100, 0, -1), vocab_size=512)
     base = [f"models.target={tiny_pair_dir / 'target'}", f"models.drafter={tiny_pair_dir / 'drafter'}",

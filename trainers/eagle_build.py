@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dvi.drafters.eagle import EagleDrafter, features_from_hidden
-from trainers.build_common import scoring_batches
+from trainers.build_common import schedule, scoring_batches
 from trainers.offline import TrainSchedule, lr_factor, optimizer_step
 from trainers.subset_distill import progress_bar, subset_kl, window_batches
 
@@ -138,8 +138,6 @@ def train_eagle(p, target_path, windows: torch.Tensor, states: torch.Tensor, ord
         prm.requires_grad_(False)
     torch.manual_seed(seed + 3)
     d = EagleDrafter(base)
-    from trainers.pretrained_build import schedule
-
     sched = schedule(p, p.eagle_tokens, f"eagle head[{p.name}]", progress, lr=p.eagle_lr)
     objective = EagleObjective(feature_weight=p.eagle_feature_weight, chained=p.eagle_chained)
     stats = distill_eagle(d, windows, states, order[: p.train_vocab], sched, batch=p.distill_batch,

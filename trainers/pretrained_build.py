@@ -31,8 +31,8 @@ from dvi.models.embedded import (
 )
 from dvi.models.loading import decode_step_latency, num_params
 from dvi.models.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
-from trainers.build_common import scoring_batches, timed
-from trainers.offline import TrainSchedule, copy_layer, pack_docs, token_batches
+from trainers.build_common import schedule, scoring_batches, timed
+from trainers.offline import copy_layer, pack_docs, token_batches
 from trainers.subset_distill import distill_subset, teacher_states
 
 
@@ -174,13 +174,6 @@ def latencies(target, drafter, sizes: tuple[int, ...], steps: int, dtype: str, r
     return {"dtype": dtype, "target_ms": tm,
             "drafter_ms": {str(n): statistics.median(v) for n, v in d_ms.items()},
             "ratio": {str(n): tm / statistics.median(v) for n, v in d_ms.items()}}
-
-
-def schedule(p: PretrainedPreset, tokens: int, desc: str, progress: bool, lr: float | None = None) -> TrainSchedule:
-    """The optimizer steps and LR schedule that spend `tokens` token-passes in `p.distill_batch` windows."""
-    return TrainSchedule(steps=max(1, tokens // (p.distill_batch * p.seq_len)), lr=lr or p.distill_lr,
-                         warmup=p.distill_warmup, min_lr_ratio=p.min_lr_ratio, grad_clip=1.0, progress=progress,
-                         desc=desc)
 
 
 def train_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torch.Tensor, states: torch.Tensor,

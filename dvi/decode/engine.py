@@ -13,9 +13,8 @@ One step for all active rows (`SpeculativeEngine._spec_step`, one method per pha
 Invariant between steps, per row: the target cache holds every token except the last emitted one
 (`_last`). The draft state of a row (a drafter's cache and the tokens it lacks, eagle features, suffix match
 state) belongs to the drafter kind's `dvi.drafters.proposers.Proposer`, which the engine asks for drafts and tells what
-was accepted; the engine has no branch per kind. K = 0 is plain decoding through the same path.
-Elsewhere, by job: result types `dvi.decode.results` (re-exported here), row state `dvi.decode.seq`, calibration rows
-`dvi.decode.calibration_rows`, the suffix / hybrid kinds `dvi.drafters.suffix_proposer`.
+was accepted; the engine has no branch per kind. K = 0 is plain decoding through the same path. Elsewhere,
+by job: results `dvi.decode.results`, rows `dvi.decode.seq`, calibration `dvi.decode.calibration_rows`.
 """
 
 from __future__ import annotations
@@ -30,8 +29,9 @@ from torch import nn
 
 from dvi.decode.acceptance import AcceptanceTracker
 from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
-from dvi.decode.calibration_rows import calibrate_bucket
+from dvi.decode.calibration_rows import CalibrationSetup, calibrate_bucket
 from dvi.decode.emit import append_tokens, count_drafts, emitted
+from dvi.decode.forward import model_forward
 from dvi.decode.kv import RaggedKV, prefill
 from dvi.decode.request import (
     InvalidParam,
@@ -52,7 +52,7 @@ from dvi.decode.sampling import (
     warp_probs,
 )
 from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
-from dvi.drafters.learned import Drafter, model_forward
+from dvi.drafters.learned import Drafter
 from dvi.drafters.proposers import Draft, NoProposer, Plan, Proposer, model_proposer
 from dvi.drafters.vocab import fit_vocab
 from dvi.models.loading import check_target_state_dict, load_state_dict
@@ -242,7 +242,6 @@ class SpeculativeEngine:
                 outs.extend(self._spec_step())
         return outs
 
-    # ------------------------------------------------------------------ validation
     def _validate_params(self, p: SamplingParams, prompt_len: int, prompt_name: str = "prompt_ids") -> None:
         validate_params(p, prompt_len, self.vocab_size, self.max_context, prompt_name)
 
@@ -264,7 +263,6 @@ class SpeculativeEngine:
             self._drafter_dirty = True
         self.proposer = new
 
-    # ------------------------------------------------------------------ batch membership
     def _refresh_params(self) -> None:
         self._p = BatchParams.of(self._seqs, self.device, self.vocab_size)
 
@@ -485,11 +483,8 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ cost calibration (dvi.decode.adaptive.calibrate)
     def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
-        """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket.
-
-        Runs on dummy rows with their own caches (in-flight requests are untouched); adaptive K calls it
-        lazily the first time a bucket is seen.
-        """
+        """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket, on dummy rows
+        with their own caches (in-flight requests are untouched); adaptive K calls it lazily per new bucket."""
         if self.k_cap == 0 or isinstance(self.proposer, NoProposer):
             return
         with torch.inference_mode():
@@ -497,4 +492,8 @@ class SpeculativeEngine:
                 self._calibrate(int(b), context, reps)
 
     def _calibrate(self, b: int, context: int = 128, reps: int = 3) -> None:
-        self.controller.set_costs(b, *calibrate_bucket(self, b, context, reps))
+        feats = self.proposer.needs_features
+        setup = CalibrationSetup(self.target.config, self._tfn, self._tfn_f if feats else self._tfn, feats, self.drafter,
+                                 self.device, self.dtype, self.vocab_size, self.max_context, self.k_cap,
+                                 self.max_draft_tokens)
+        self.controller.set_costs(b, *calibrate_bucket(setup, b, context, reps))

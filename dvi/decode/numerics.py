@@ -85,23 +85,3 @@ def set_exact_greedy(model, on: bool = True):
 
 def is_exact_greedy(model) -> bool:
     return bool(getattr(model, EXACT_ATTR, False))
-
-
-@torch.inference_mode()
-def plain_greedy(target, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """The target's own greedy decoding as the engine serves it without speculation (prefill, then 1-token
-    steps through the same forward): n tokens and each step's logits [V] (fp32), the reference that
-    `dvi.decode.sampling.first_divergence` judges another decode against."""
-    from dvi.decode.kv import prefill
-    from dvi.drafters.learned import model_forward
-
-    fn = model_forward(target)
-    p0 = next(target.parameters())
-    kv = prefill(target.config, fn, [prompt[:-1]], p0.device, p0.dtype)
-    last, out, steps = prompt[-1], [], []
-    for _ in range(n):
-        logits = kv.forward(fn, torch.tensor([[last]], device=p0.device))[0, -1].float()
-        steps.append(logits)
-        last = int(logits.argmax())
-        out.append(last)
-    return out, steps

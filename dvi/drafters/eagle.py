@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dvi.decode.forward import FAST_TYPES
 from dvi.decode.kv import mask_kind
-from dvi.drafters.learned import FAST_TYPES, SharedTargetDrafter
+from dvi.drafters.learned import SharedTargetDrafter
 from dvi.drafters.vocab import apply_draft_vocab
 
 __all__ = ["EagleModel", "EagleDrafter", "EagleOutput", "features_from_hidden", "causal_mask"]

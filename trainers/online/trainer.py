@@ -44,7 +44,7 @@ from dvi.registry.store import AdapterRejected, DrafterRegistry
 from dvi.rundir import RunDir
 from trainers.losses import batch_loss, chained_features
 from trainers.online.accel import make_accelerator
-from trainers.online.checkpoint import load_checkpoint, save_checkpoint
+from trainers.online.checkpoint import COUNTERS, load_checkpoint, save_checkpoint
 from trainers.online.collate import Example, build_batch
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
@@ -469,8 +469,20 @@ class OnlineTrainer:
 
     # -- checkpoints (process mode): trainers.online.checkpoint ------------------------------------
     def save_checkpoint(self, path: Path, extra: Mapping[str, Any]) -> None:
-        save_checkpoint(self, path, extra)
+        counters = {k: getattr(self, k) for k in COUNTERS}
+        save_checkpoint(path, self.trainable, self.optimizer, {
+            **counters, "train_seconds": self.train_seconds, "last_published": self.last_published, **dict(extra)})
 
     def load_checkpoint(self, path: Path) -> dict[str, Any] | None:
-        return load_checkpoint(self, path)
+        """Weights, moments and counters from `save_checkpoint`; the state dict (with the loop's extra) or None."""
+        state = load_checkpoint(path, self.trainable, self.optimizer)
+        if state is None:
+            return None
+        for k in COUNTERS:
+            setattr(self, k, int(state.get(k, 0) or 0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.last_published = state.get("last_published")
+        if self.last_published is not None:
+            self.last_published_state = self.trainable.state()
+        return state
 
