@@ -101,7 +101,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
                      "dropped": getattr(fb, "dropped_records", 0),
                      "failing": bool(fb is not None and fb.failing),
                      "last_error": getattr(fb, "last_error", None),
-                     "errors": s.scheduler.feedback_errors},
+                     "errors": s.feedback_log.errors},
     }
 
 

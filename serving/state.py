@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from dvi.config import DviConfig
 from dvi.decode.adaptive import batch_bucket
 from dvi.decode.engine import SpeculativeEngine
-from dvi.feedback import FeedbackWriter, Retention
+from dvi.feedback import FeedbackRecord, FeedbackWriter, Retention
 from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 
@@ -33,6 +34,37 @@ from .tokenize import PromptTokenizer
 log = logging.getLogger("dvi.serving")
 
 
+class FeedbackLog:
+    """Engine thread, a scheduler observer: each finished request's feedback record (the stored projection of
+    the engine's result, `FeedbackRecord.from_result`, with the finish reason as answered: a stop string is
+    "stop", not the engine's "abort") to the writer, then to `consumers` (the swapper's shadow records).
+    A record that cannot be built or written is counted and logged; it never costs the request."""
+
+    def __init__(self, writer: FeedbackWriter | None) -> None:
+        self.writer = writer
+        self.consumers: list[Callable[[FeedbackRecord], None]] = []
+        self.errors = 0
+
+    def __call__(self, fin: Finished) -> None:
+        if fin.result is None:  # the request never reached the engine
+            return
+        try:
+            record = FeedbackRecord.from_result(fin.result)  # the result carries the request's prompt and domain
+            record.finish_reason = fin.finish_reason
+        except Exception:  # noqa: BLE001 - feedback must never cost a request
+            self.errors += 1
+            log.exception("feedback record for %s dropped", fin.request_id)
+            return
+        if self.writer is not None:
+            try:
+                self.writer.write(record)
+            except Exception:  # noqa: BLE001
+                self.errors += 1
+                log.exception("feedback record for %s dropped", fin.request_id)
+        for consume in self.consumers:
+            consume(record)
+
+
 @dataclass
 class ServerState:
     """Everything the endpoints need; built once per server."""
@@ -44,6 +76,7 @@ class ServerState:
     swapper: DrafterSwapper | None
     supervisor: TrainerSupervisor
     feedback: FeedbackWriter | None
+    feedback_log: FeedbackLog
     metrics: ServerMetrics
     model_name: str
     context_len: int
@@ -117,7 +150,7 @@ def build_state(cfg: DviConfig) -> ServerState:
                               background=True, max_pending_bytes=fb.max_buffer_bytes, access=cfg.files.access)
     metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions)
     scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
-                          feedback=feedback, num_threads=cfg.serve.num_threads)
+                          num_threads=cfg.serve.num_threads)
     supervisor = TrainerSupervisor(cfg)
     swapper = None
     if pair.drafter is not None:
@@ -127,12 +160,15 @@ def build_state(cfg: DviConfig) -> ServerState:
         )
     state = ServerState(
         cfg=cfg, tokenizer=tokenizer, engine=engine, scheduler=scheduler, swapper=swapper,
-        supervisor=supervisor, feedback=feedback, metrics=metrics, model_name=cfg.serve.model_name,
+        supervisor=supervisor, feedback=feedback, feedback_log=FeedbackLog(feedback), metrics=metrics,
+        model_name=cfg.serve.model_name,
         context_len=int(getattr(pair.target.config, "max_position_embeddings", 0) or 1 << 30),
         vocab_size=int(pair.target.get_output_embeddings().weight.shape[0]),
         prompts=PromptTokenizer(tokenizer, cfg.serve.tokenize_large_bytes),
     )
-    scheduler.observers.append(lambda fin: _on_finished(state, fin))
+    scheduler.observers += [lambda fin: _on_finished(state, fin), state.feedback_log]
+    if swapper is not None:  # the held-out records a shadow check scores
+        state.feedback_log.consumers.append(lambda rec: swapper.observe_record(rec) if rec.token_ids else None)
     cache = getattr(getattr(engine.proposer, "suffix", engine.proposer), "cache", None)
     if cache is not None and cfg.suffix.tail_seconds > 0:
         from .suffix_tail import SuffixTailer
@@ -143,14 +179,12 @@ def build_state(cfg: DviConfig) -> ServerState:
 
 
 def _on_finished(state: ServerState, fin: Finished) -> None:
-    """Engine thread: per-request metrics and the swapper's live-α window and shadow records."""
+    """Engine thread: per-request metrics and the swapper's live-α window."""
     state.metrics.observe_request(fin)
     if state.swapper is not None and fin.result is not None:
         r = fin.result
         drafted, accepted = r.model_counts()  # the learned drafter's own drafts (hybrid: not the suffix ones)
         state.swapper.observe(drafted, accepted, r.drafter_version)
-        if fin.record is not None and fin.record.token_ids:
-            state.swapper.observe_record(fin.record)
 
 
 def _on_swap_event(metrics: ServerMetrics, ev: SwapEvent) -> None:

@@ -166,10 +166,10 @@ def test_05_nan_shadow_alpha_never_promotes_a_worse_drafter(srv, client) -> None
 
 
 def _records(srv) -> list:
-    """Every feedback record the server finishes from now on (a scheduler observer; the swapper keeps only
-    the held-out ones)."""
+    """Every feedback record the server finishes from now on (a consumer of its feedback log; the swapper keeps
+    only the held-out ones)."""
     seen: list = []
-    srv.state.scheduler.observers.append(lambda fin: seen.append(fin.record) if fin.record is not None else None)
+    srv.state.feedback_log.consumers.append(seen.append)
     return seen
 
 

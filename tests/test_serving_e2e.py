@@ -438,7 +438,7 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
             for p in PROMPTS:
                 assert served(p) == (ref[p], 0)
         assert s.health()["drafter_kind"] == "eagle"
-        s.state.scheduler.feedback.flush()
+        s.state.feedback.flush()
         reader = FeedbackReader(cfg.feedback.dir)
         recs = list(reader.iter_records(reader.poll()))
         assert recs and all(r.hidden_dim == target.config.hidden_size and r.features() is not None for r in recs)
