@@ -270,8 +270,8 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
     for _ in range(3):
         st = tr.train_on_records(recs)
     after = tr.shadow(held)
-    assert st["feature"] > 0 and after.alpha > before.alpha + 0.3, (before, after)  # measured 0.10 -> 0.88
-    v = tr.maybe_publish(force=True)["published"]
+    assert st.losses["feature"] > 0 and after.alpha > before.alpha + 0.3, (before, after)  # measured 0.10 -> 0.88
+    v = tr.maybe_publish(force=True).published
     assert reg.manifest(v).drafter_kind == "eagle"
     live, _ = load_drafter_version(reg, v, base)
     for k, t in tr.trainable.state().items():

@@ -157,8 +157,8 @@ def test_stale_targets_dropped_or_downweighted_and_version_file(pair, prose, tin
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
     capture(tr)
     st = tr.train_on_records(recs)
-    assert st["dropped_stale"] == 8 and st["new"] == 8 and all(v == 1 for b in seen for v, _ in b)
-    assert sorted(st["dropped_ids"]) == sorted(r.request_id for r in recs if r.target_version == 0)
+    assert st.dropped_stale == 8 and st.new == 8 and all(v == 1 for b in seen for v, _ in b)
+    assert sorted(st.dropped_ids) == sorted(r.request_id for r in recs if r.target_version == 0)
 
     seen.clear()
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.stale_target_policy=downweight", "trainer.stale_weight=0.25",
@@ -166,13 +166,13 @@ def test_stale_targets_dropped_or_downweighted_and_version_file(pair, prose, tin
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
     capture(tr)
     st = tr.train_on_records(recs)
-    assert st["new"] == 16 and {(v, w) for b in seen for v, w in b} == {(0, 0.25), (1, 1.0)}
+    assert st.new == 16 and {(v, w) for b in seen for v, w in b} == {(0, 0.25), (1, 1.0)}
 
     # the server / RL loop announces target v2 before any v2 feedback exists: now all of it is stale
     (tmp_path / TARGET_VERSION_FILE).write_text("2\n")
     seen.clear()
     st = tr.train_on_records(recs)
-    assert st["target_version"] == 2 and {w for b in seen for _, w in b} == {0.25}
+    assert st.target_version == 2 and {w for b in seen for _, w in b} == {0.25}
 
 
 def test_recent_first_and_replay_share(pair, prose, tiny_pair_dir, tmp_path) -> None:
@@ -186,15 +186,15 @@ def test_recent_first_and_replay_share(pair, prose, tiny_pair_dir, tmp_path) -> 
     for i, r in enumerate(first):
         r.finished_at = 100.0 + i
     st = tr.train_on_records(first)
-    assert st["replayed"] == 0 and batches[0] == [r.request_id for r in first[::-1][:4]]  # newest first, no replay yet
+    assert st.replayed == 0 and batches[0] == [r.request_id for r in first[::-1][:4]]  # newest first, no replay yet
     batches.clear()
     st = tr.train_on_records(prose[8:14])
-    assert st["new"] == 6 and st["replayed"] == 2 * 1  # 3 new + 1 replayed per batch of 4
+    assert st.new == 6 and st.replayed == 2 * 1  # 3 new + 1 replayed per batch of 4
     assert all(set(b[3:]) <= {r.request_id for r in first} for b in batches)
     assert tr.records_seen == 14 and tr.replayed == 2
     # idle replay: steps on recent trained records, counted as replay, never as new records
     st = tr.train_on_replay(steps=2, recent=6)
-    assert st["steps"] == 2 and tr.records_seen == 14 and tr.replayed == 2 + 2 * 4
+    assert st.steps == 2 and tr.records_seen == 14 and tr.replayed == 2 + 2 * 4
 
 
 @pytest.mark.parametrize("mode", ["lora", "full", "lora_reduced_vocab"])
@@ -255,7 +255,7 @@ def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_
     tr = OnlineTrainer(cfg, drafter, registry=reg)
     tr.train_on_records(prose[:48])
     d = tr.maybe_publish(force=True)
-    v = d["published"]
+    v = d.published
     assert v == 1 and reg.latest() == 1
     man = reg.manifest(v)
     for key in ("version", "parent_version", "target_version", "steps", "records_seen", "heldout_alpha", "created_at"):
@@ -299,14 +299,14 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     reg = DrafterRegistry(cfg.registry.dir)
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
     tr.train_on_records(prose[:32])
-    v1 = tr.maybe_publish(force=True)["published"]
+    v1 = tr.maybe_publish(force=True).published
     live = PeftModel.from_pretrained(copy.deepcopy(pair.drafter), str(reg.version_dir(v1)))
     eng = SpeculativeEngine(pair.target, live, num_draft_tokens=3, versions=Versions(drafter=v1))
     prompts = [list(r.prompt_ids) for r in prose[:3]]
     ref = _greedy_reference(pair.target, prompts, 16)
 
     tr.train_on_records(prose[32:64])
-    v2 = tr.maybe_publish(force=True)["published"]
+    v2 = tr.maybe_publish(force=True).published
     weights = reg.version_dir(v2) / "adapter_model.safetensors"
     blob = weights.read_bytes()
     weights.write_bytes(blob[: len(blob) // 2])  # torn / corrupted file
@@ -332,7 +332,7 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     # the trainer survives a corrupt LATEST: it compares with what is served (nothing recorded: the base)
     tr.train_on_records(prose[:16])
     d = tr.maybe_publish(force=True)
-    assert d["published"] == v2 + 1 and d["parent_version"] == 0
+    assert d.published == v2 + 1 and d.parent_version == 0
     # and a fresh trainer process start (no checkpoint) with a corrupt LATEST starts from the base
     (reg.dir / "LATEST").write_text(f"v{v2:06d}\n")
     tr2 = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
@@ -419,7 +419,7 @@ def test_from_config_loads_each_drafter_kind(prose, tiny_pair_dir, tmp_path, ove
     n_all = sum(p.numel() for p in tr.model.parameters())
     assert (n_train == n_all) == (kind == "full")
     st = tr.train_on_records(prose[:8])
-    assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
+    assert st.steps >= 1 and tr.maybe_publish(force=True).published == 1
 
 
 # -- reduced draft vocabulary ---------------------------------------------------------------------------
@@ -448,8 +448,8 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
 
     tr = OnlineTrainer(cfg, make(ids), registry=reg)
     st = tr.train_on_records(prose[:48])
-    assert st["steps"] >= 1 and math.isfinite(st["loss"]) and math.isfinite(st["kl"])
-    v = tr.maybe_publish(force=True)["published"]
+    assert st.steps >= 1 and math.isfinite(st.losses["loss"]) and math.isfinite(st.losses["kl"])
+    v = tr.maybe_publish(force=True).published
     assert reg.manifest(v).draft_vocab_size == 16
     new, _ = load_drafter_version(reg, v, make(ids))
     module = new.model if mode == "early_exit" else new
@@ -477,7 +477,7 @@ def test_from_config_loads_the_configured_draft_vocabulary(prose, tiny_pair_dir,
     tr = OnlineTrainer.from_config(cfg)
     assert tr.draft_vocab_size == 32
     st = tr.train_on_records(prose[:8])
-    assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
+    assert st.steps >= 1 and tr.maybe_publish(force=True).published == 1
     assert tr.registry.manifest(1).draft_vocab_size == 32
 
 
@@ -492,9 +492,9 @@ def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
     st = tr.train_on_records(recs)
     assert tr.feedback_tokens == tokens and tr.records_read == 24 and tr.steps_allowed() == 2
-    assert st["steps"] == 2 and tr.step == 2 and st["budget_deferred"] == 24 - 2 * 4
+    assert st.steps == 2 and tr.step == 2 and st.budget_deferred == 24 - 2 * 4
     assert tr.records_seen == 8 and tr.budget_deferred == 16 and len(tr.replay) == 24  # deferred kept for replay
-    assert tr.train_on_replay(steps=3)["steps"] == 0 and tr.step == 2  # budget spent: no replay either
+    assert tr.train_on_replay(steps=3).steps == 0 and tr.step == 2  # budget spent: no replay either
     more = prose[24:40]
     tr.train_on_records(more)  # enough tokens for about one more step; replay may use what is left
     allowed = (tokens + sum(len(r.token_ids) for r in more)) // per_step
@@ -508,7 +508,7 @@ def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_
     free = OnlineTrainer(online_config(tiny_pair_dir, tmp_path / "free", "trainer.heldout_fraction=0",
                                        "trainer.replay_ratio=0", "trainer.batch_size=4"), copy.deepcopy(pair.drafter))
     st = free.train_on_records(recs)
-    assert st["steps"] == 6 and free.budget_deferred == 0 and free.steps_allowed() is None
+    assert st.steps == 6 and free.budget_deferred == 0 and free.steps_allowed() is None
     # the counters survive a checkpoint round trip (the loop's resume point)
     tr.save_checkpoint(tmp_path / "ckpt", {})
     back = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))

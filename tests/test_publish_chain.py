@@ -85,7 +85,7 @@ def test_1_server_shadow_checks_heldout_records_only_and_trainer_never_publishes
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
     tr.train_on_records(prose[:16])
     d = tr.maybe_publish(force=True)
-    assert d["published"] is None and "held-out positions" in d["reason"] and reg.latest() is None
+    assert d.published is None and "held-out positions" in d.reason and reg.latest() is None
 
 
 # -- 2. compared with what is served ------------------------------------------------------------------
@@ -97,8 +97,8 @@ def test_2_trainer_compares_with_the_served_version_not_latest(pair, prose, tiny
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
     tr.heldout.extend(Example.of(r) for r in prose)  # the candidate is the bootstrap drafter itself
     d = tr.maybe_publish(force=True)
-    assert d["parent_version"] == 0 and d["published"] is None, d
-    assert "vs served v0" in d["reason"] and "not better" in d["reason"]
+    assert d.parent_version == 0 and d.published is None, d
+    assert "vs served v0" in d.reason and "not better" in d.reason
     assert reg.latest() == bad and reg.list_versions() == [bad]
 
 

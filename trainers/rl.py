@@ -316,7 +316,7 @@ class RLRun:
         # The trainer-process protocol: whoever updates the target announces its version, so records
         # of older policies are down-weighted from now on.
         self.drafter_trainer.rundir.write_target_version(i + 1)
-        return time.perf_counter() - t0, float(out.get("loss", float("nan")))
+        return time.perf_counter() - t0, out.loss
 
     def step(self, i: int) -> StepLog:
         """Rollouts -> rewards -> GRPO step -> weight push -> (online) drafter step; one StepLog."""

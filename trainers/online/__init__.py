@@ -3,9 +3,9 @@
 Two layers, so the same training can run as a process or inside another loop:
 
 * `OnlineTrainer` (in-process core, `trainer.py`): `train_on_records(records)` trains on
-  feedback records with replay, held-out records and stale-target handling; `maybe_publish()`
-  publishes a version only if its held-out shadow α is not worse than LATEST's. The drift
-  benchmark and `trainers.rl` drive it directly.
+  feedback records with replay, held-out records and stale-target handling (a `RoundStats`);
+  `maybe_publish()` publishes a version only if its held-out shadow α beats the served version's by
+  `trainer.publish_margin` (a `PublishDecision`). The drift benchmark and `trainers.rl` drive it directly.
 * `run_trainer(cfg)` (the `dvi train --online` process, `process.py`): a thin loop around it
   (`TrainerLoop`, `loop.py`) that tails the shards with a `FeedbackReader` cursor, honours
   `<run_dir>/trainer.pause` and SIGTERM, and checkpoints so that a killed trainer resumes
@@ -18,6 +18,7 @@ The parts, in the order a record meets them:
 | `collate.py` | `Example` (a record in numpy form), `is_heldout`, `Batch` / `build_batch` (tensors for the loss) |
 | `trainables.py` | the drafter kinds (LoRA, full, early-exit, eagle) behind `Trainable`; `load_drafter_for_training` |
 | `trainer.py` | `OnlineTrainer`: steps, replay, shadow-checked publishing |
+| `decisions.py` | what it decided: `RoundStats` (one round), `PublishDecision` (one publish check) |
 | `checkpoint.py` | the trainer's checkpoint (trained tensors, optimizer, counters), written atomically |
 | `accel.py` | the `Accelerator` (one process group per launch, or it refuses to start) |
 | `loop.py` | `TrainerLoop`: shard choice, the exactly-once flush order, pause/stop, status heartbeat |

@@ -46,6 +46,7 @@ from trainers.losses import batch_loss, chained_features
 from trainers.online.accel import make_accelerator
 from trainers.online.checkpoint import COUNTERS, load_checkpoint, save_checkpoint
 from trainers.online.collate import Example, build_batch
+from trainers.online.decisions import PublishDecision, RoundStats
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ class OnlineTrainer:
         self.last_published_state: dict[str, torch.Tensor] | None = None
         self.last_heldout_alpha: float | None = None
         self.last_losses: dict[str, float] = {}
-        self.publish_log: list[dict[str, Any]] = []
+        self.publish_log: list[PublishDecision] = []
 
     # -- construction from a config ------------------------------------------------------------
     @classmethod
@@ -170,7 +171,7 @@ class OnlineTrainer:
         return allowed is None or self.step < allowed
 
     # -- training ----------------------------------------------------------------------------------
-    def train_on_records(self, records: Iterable[FeedbackRecord | Example]) -> dict[str, Any]:
+    def train_on_records(self, records: Iterable[FeedbackRecord | Example]) -> RoundStats:
         """Train on new records (each once), with replay; returns what happened.
 
         Held-out records (by request-id hash) are kept for evaluation and never trained on.
@@ -196,17 +197,13 @@ class OnlineTrainer:
         self.replayed += replayed
         dt = time.perf_counter() - t0
         self.train_seconds += dt
-        stats: dict[str, Any] = {
-            "new": len(new), "heldout": len(held), "dropped_stale": len(dropped), "replayed": replayed,
-            "steps": len(losses), "seconds": dt, "target_version": current,
-            "budget_deferred": self.budget_deferred - deferred0,
-            "trained_ids": [e.request_id for e in new], "heldout_ids": [e.request_id for e in held],
-            "dropped_ids": [e.request_id for e in dropped],
-        }
+        stats = RoundStats(
+            steps=len(losses), seconds=dt, losses=_mean(losses) if losses else {}, new=len(new), heldout=len(held),
+            dropped_stale=len(dropped), replayed=replayed, target_version=current,
+            budget_deferred=self.budget_deferred - deferred0, trained_ids=[e.request_id for e in new],
+            heldout_ids=[e.request_id for e in held], dropped_ids=[e.request_id for e in dropped])
         if losses:
-            mean = _mean(losses)
-            stats.update(mean)
-            self.last_losses = mean
+            mean = self.last_losses = stats.losses
             self._log({M.TRAINER_LOSS: mean["loss"], M.TRAINER_KL_LOSS: mean["kl"],
                        M.TRAINER_REWARD_LOSS: mean["reward"], M.TRAINER_REWARD_WEIGHT: mean["reward_weight"],
                        M.TRAINER_STEP: self.step, M.TRAINER_RECORDS_SEEN: self.records_seen,
@@ -259,7 +256,7 @@ class OnlineTrainer:
         lo = len(self.replay) - pool
         return [self.replay[lo + self.rng.randrange(pool)] for _ in range(n)]
 
-    def train_on_replay(self, steps: int = 1, recent: int = REPLAY_RECENT) -> dict[str, Any]:
+    def train_on_replay(self, steps: int = 1, recent: int = REPLAY_RECENT) -> RoundStats:
         """Replay-only steps on the `recent` newest trained records (an idle trainer's spare time).
 
         Counted as replay, never as new records; no cursor or checkpoint is involved.
@@ -279,11 +276,10 @@ class OnlineTrainer:
             self.replayed += len(batch)
         dt = time.perf_counter() - t0
         self.train_seconds += dt
-        stats: dict[str, Any] = {"steps": len(losses), "seconds": dt}
+        stats = RoundStats(steps=len(losses), seconds=dt, losses=_mean(losses) if losses else {})
         if losses:
-            stats.update(_mean(losses))
-            self.last_losses = {k: stats[k] for k in losses[0]}
-            self._log({M.TRAINER_LOSS: stats["loss"], M.TRAINER_KL_LOSS: stats["kl"], M.TRAINER_STEP: self.step,
+            self.last_losses = stats.losses
+            self._log({M.TRAINER_LOSS: stats.losses["loss"], M.TRAINER_KL_LOSS: stats.losses["kl"], M.TRAINER_STEP: self.step,
                        "replay_only": True, "train_seconds": self.train_seconds})
         return stats
 
@@ -359,7 +355,7 @@ class OnlineTrainer:
         """What the server serves now, as it recorded in the registry's SERVING (0 = the bootstrap drafter)."""
         return self.registry.serving().version if self.registry is not None else 0
 
-    def maybe_publish(self, force: bool = False) -> dict[str, Any] | None:
+    def maybe_publish(self, force: bool = False) -> PublishDecision | None:
         """Every `publish_every_steps` steps: compare with the SERVED version on held-out records; publish
         only a candidate that is better by `publish_margin` on at least `shadow_min_positions` positions.
 
@@ -374,56 +370,52 @@ class OnlineTrainer:
         if not self.is_main:
             return None
         served = self.served_version()
-        decision: dict[str, Any] = {"step": self.step, "parent_version": served, "time": time.time(),
-                                    "heldout_alpha": None, "parent_heldout_alpha": None, "heldout_records": 0,
-                                    "heldout_positions": 0}
+        decision = PublishDecision(step=self.step, parent_version=served, time=time.time())
         ok = self._publish_check(served, decision)
         if self.registry is None or not ok:
-            decision["published"] = None
-            log.info("trainer: not publishing at step %d: %s", self.step, decision["reason"])
+            log.info("trainer: not publishing at step %d: %s", self.step, decision.reason)
         else:
-            version = self._publish(served, decision)
-            decision["published"] = version
-            log.info("trainer: published v%d at step %d: %s", version, self.step, decision["reason"])
-        if decision.get("heldout_alpha") is not None:
-            self.last_heldout_alpha = decision["heldout_alpha"]
+            decision.published = self._publish(served, decision)
+            log.info("trainer: published v%d at step %d: %s", decision.published, self.step, decision.reason)
+        if decision.heldout_alpha is not None:
+            self.last_heldout_alpha = decision.heldout_alpha
         self.publish_log.append(decision)
-        self._log({M.TRAINER_HELDOUT_ALPHA: decision.get("heldout_alpha"),
-                   "parent_heldout_alpha": decision.get("parent_heldout_alpha"),
-                   "published": decision["published"] is not None, M.TRAINER_STEP: self.step},
-                  drafter_version=decision["published"])
+        self._log({M.TRAINER_HELDOUT_ALPHA: decision.heldout_alpha,
+                   "parent_heldout_alpha": decision.parent_heldout_alpha,
+                   "published": decision.published is not None, M.TRAINER_STEP: self.step},
+                  drafter_version=decision.published)
         return decision
 
-    def _publish_check(self, served: int, decision: dict[str, Any]) -> bool:
+    def _publish_check(self, served: int, decision: PublishDecision) -> bool:
         """Held-out shadow α of the current weights vs the served version's, into `decision`; True to publish."""
         served_state, why = self._served_state(served)
         if served_state is None:
-            decision["reason"] = why + "; not published"
+            decision.reason = why + "; not published"
             return False
         new = self.shadow()
         if new.positions < self.tc.shadow_min_positions:
-            decision["reason"] = (f"{new.positions} held-out positions of the {self.tc.shadow_min_positions} a "
-                                  f"check needs; not published")
+            decision.reason = (f"{new.positions} held-out positions of the {self.tc.shadow_min_positions} a "
+                               f"check needs; not published")
             return False
         old = self.shadow(state=served_state)
-        decision.update(heldout_alpha=new.alpha, parent_heldout_alpha=old.alpha, heldout_records=new.records,
-                        heldout_positions=new.positions)
+        decision.heldout_alpha, decision.parent_heldout_alpha = new.alpha, old.alpha
+        decision.heldout_records, decision.heldout_positions = new.records, new.positions
         ok = shadow_passes(new.alpha, old.alpha, -self.tc.publish_margin)  # new >= old + publish_margin
-        decision["reason"] = (f"held-out shadow α {fmt_rate(new.alpha, 4)} vs served v{served} "
-                              f"{fmt_rate(old.alpha, 4)} on {new.records} records ({new.positions} positions)"
-                              + ("" if ok else f"; not better by {self.tc.publish_margin}, not published"))
+        decision.reason = (f"held-out shadow α {fmt_rate(new.alpha, 4)} vs served v{served} "
+                           f"{fmt_rate(old.alpha, 4)} on {new.records} records ({new.positions} positions)"
+                           + ("" if ok else f"; not better by {self.tc.publish_margin}, not published"))
         return ok
 
-    def _publish(self, parent: int | None, decision: Mapping[str, Any]) -> int:
+    def _publish(self, parent: int | None, decision: PublishDecision) -> int:
         """Write the current weights to the registry as a child of `parent`; returns the new version."""
         manifest = {
             "parent_version": parent,
             "target_version": self.current_target_version(),
             "steps": self.step,
             "records_seen": self.records_seen,
-            "heldout_alpha": decision["heldout_alpha"],
-            "parent_heldout_alpha": decision["parent_heldout_alpha"],
-            "heldout_records": decision["heldout_records"],
+            "heldout_alpha": decision.heldout_alpha,
+            "parent_heldout_alpha": decision.parent_heldout_alpha,
+            "heldout_records": decision.heldout_records,
             "created_at": time.time(),
             "drafter_kind": self.trainable.kind,
             "trainer_mode": self.tc.mode,
