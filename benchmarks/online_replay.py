@@ -94,13 +94,13 @@ def cached_feedback(args: argparse.Namespace, kind: str, cfg: Any) -> list:
 def replay(cfg: Any, records: list, steps: int) -> dict[str, Any]:
     """Train on `records` (held-out ones scored only) for `steps` steps; held-out α at REPORT_STEPS."""
     from dvi.feedback.shadow import is_heldout
-    from trainers.online import Example, OnlineTrainer
+    from trainers.online import OnlineTrainer
 
     tr = OnlineTrainer.from_config(cfg)
     tr.registry = None  # measure only: nothing is published
     held = [r for r in records if is_heldout(r.request_id, cfg.trainer.heldout_fraction)]
     train = [r for r in records if not is_heldout(r.request_id, cfg.trainer.heldout_fraction)]
-    tr.heldout.extend(Example.of(r) for r in held)
+    tr.heldout.extend(r.compact() for r in held)
     start = tr.shadow()
     alphas: dict[int, float | None] = {0: start.alpha}
     n_new = max(1, round(cfg.trainer.batch_size * (1.0 - cfg.trainer.replay_ratio)))

@@ -100,14 +100,14 @@ def test_drafts_equal_the_teacher_forced_head_on_logged_features():
 
 
 def test_logged_features_round_trip_to_the_training_batch():
-    """engine -> FeedbackRecord -> parquet row -> Example -> Batch: the features are the target's own."""
-    from trainers.online.collate import Example, build_batch
+    """engine -> FeedbackRecord -> parquet row -> compact record -> Batch: the features are the target's own."""
+    from trainers.online.collate import build_batch
 
     target = tiny("llama", seed=0)
     got = run(SpeculativeEngine(target, noisy_eagle(target), num_draft_tokens=3, feedback_top_k=4), PROMPTS[:3])
     recs = [FeedbackRecord.from_result(r) for r in got]
     rows = records_to_table(recs).to_pylist()
-    exs = [Example.of(FeedbackRecord.from_row(row)) for row in rows]
+    exs = [FeedbackRecord.from_row(row).compact() for row in rows]
     batch = build_batch(exs, [1.0] * len(exs))
     for i, (p, r) in enumerate(zip(PROMPTS[:3], got, strict=True)):
         ref = target_features(target, p + r.token_ids)  # [L - 1, H]
@@ -303,12 +303,12 @@ def test_chained_pass_feeds_generated_positions_the_heads_own_features():
     """The trainer's second eagle pass: prompt inputs keep the target's features, input j of the generated
     region reads the head's prediction at input j - 1 (what draft j of a step reads)."""
     from trainers.losses import chained_features
-    from trainers.online.collate import Example, build_batch
+    from trainers.online.collate import build_batch
 
     target = tiny("llama", seed=0)
     d = noisy_eagle(target)
     got = run(SpeculativeEngine(target, d, num_draft_tokens=2, feedback_top_k=4), PROMPTS[:3])
-    batch = build_batch([Example.of(FeedbackRecord.from_result(r)) for r in got], [1.0] * 3)
+    batch = build_batch([FeedbackRecord.from_result(r).compact() for r in got], [1.0] * 3)
     with torch.no_grad():
         out = d.model(input_ids=batch.input_ids, features=batch.features, attention_mask=batch.attention_mask,
                       position_ids=batch.position_ids, logits_to_keep=batch.width)

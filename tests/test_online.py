@@ -21,7 +21,6 @@ from trainers.online import (
     CONSUMED_LOG,
     TARGET_VERSION_FILE,
     TRAINER_DIR,
-    Example,
     OnlineTrainer,
     TrainerLoop,
     build_batch,
@@ -97,7 +96,7 @@ def _greedy_reference(target, prompts, n):
 # -- batches ------------------------------------------------------------------------------------------
 def test_build_batch_matches_plain_teacher_forcing(pair, prose) -> None:
     """Left padding + position ids + logits_to_keep give the same logits as one row at a time."""
-    exs = [Example.of(r) for r in prose[:4]]
+    exs = [r.compact() for r in prose[:4]]
     exs[1].token_ids = exs[1].token_ids[:7]  # ragged generated lengths
     exs[1].drafted_ids, exs[1].accepted = exs[1].drafted_ids[:7], exs[1].accepted[:7]
     exs[1].topk_ids, exs[1].topk_logprobs = exs[1].topk_ids[:7], exs[1].topk_logprobs[:7]
@@ -117,7 +116,7 @@ def test_build_batch_matches_plain_teacher_forcing(pair, prose) -> None:
 
 
 def test_truncation_keeps_the_newest_tokens(prose) -> None:
-    e = Example.of(prose[0])
+    e = prose[0].compact()
     b = build_batch([e], [1.0], max_seq_len=10)
     assert b.input_ids.shape[1] == 10 and b.width == min(10, len(e.token_ids))
     assert b.input_ids[0].tolist() == (list(e.prompt_ids) + list(e.token_ids[:-1]))[-10:]
@@ -126,7 +125,7 @@ def test_truncation_keeps_the_newest_tokens(prose) -> None:
 def test_records_without_topk_train_on_the_targets_token(prose) -> None:
     r = copy.deepcopy(prose[0])
     r.topk_ids, r.topk_logprobs = [], []
-    e = Example.of(r)
+    e = r.compact()
     assert e.topk_ids[:, 0].tolist() == list(r.token_ids) and (e.topk_logprobs == 0).all()
 
 

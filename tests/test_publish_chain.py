@@ -27,7 +27,7 @@ from dvi.feedback.shadow import is_heldout
 from dvi.models.loading import load_pair
 from dvi.registry.store import AdapterRejected, DrafterRegistry, Manifest, ServingState
 from serving.swap import DrafterSwapper, SwapPolicy
-from trainers.online import Example, OnlineTrainer
+from trainers.online import OnlineTrainer
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -95,7 +95,7 @@ def test_2_trainer_compares_with_the_served_version_not_latest(pair, prose, tiny
     bad = reg.publish_peft_adapter(lora_copy(pair.drafter, 2.0, 1), version_manifest())  # LATEST, never served
     reg.set_serving(ServingState(version=0, good=0))
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
-    tr.heldout.extend(Example.of(r) for r in prose)  # the candidate is the bootstrap drafter itself
+    tr.heldout.extend(r.compact() for r in prose)  # the candidate is the bootstrap drafter itself
     d = tr.maybe_publish(force=True)
     assert d.parent_version == 0 and d.published is None, d
     assert "vs served v0" in d.reason and "not better" in d.reason

@@ -58,15 +58,13 @@ def test_draft_source_round_trips_and_old_shards_read_without_it(tmp_path):
 
 
 def test_trainer_sees_only_the_models_own_drafts():
-    from trainers.online.collate import Example
-
     rec = make_record(3, n=3)
     rec.drafted_ids, rec.accepted, rec.draft_source = [rec.token_ids[0], 4, rec.token_ids[2]], [True, False, True], \
         [3, 1, 1]
-    ex = Example.of(rec)
+    ex = rec.compact()
     assert ex.drafted_ids.tolist() == [-1, 4, rec.token_ids[2]] and ex.accepted.tolist() == [False, False, True]
     rec.draft_source = []  # an old record: every draft was the model's
-    assert Example.of(rec).drafted_ids.tolist() == rec.drafted_ids
+    assert rec.compact().drafted_ids.tolist() == rec.drafted_ids
 
 
 def test_tailer_adds_other_writers_outputs(tmp_path):

@@ -15,7 +15,7 @@ The parts, in the order a record meets them:
 
 | module | job |
 |---|---|
-| `collate.py` | `Example` (a record in numpy form), `is_heldout`, `Batch` / `build_batch` (tensors for the loss) |
+| `collate.py` | `is_heldout`, `Batch` / `build_batch` (compact `FeedbackRecord`s to tensors for the loss) |
 | `trainables.py` | the drafter kinds (LoRA, full, early-exit, eagle) behind `Trainable`; `load_drafter_for_training` |
 | `trainer.py` | `OnlineTrainer`: steps, replay, shadow-checked publishing |
 | `decisions.py` | what it decided: `RoundStats` (one round), `PublishDecision` (one publish check) |
@@ -41,7 +41,7 @@ from dvi.rundir import (
     TRAINER_DIR,
     RunDir,
 )
-from trainers.online.collate import Batch, Example, build_batch, is_heldout
+from trainers.online.collate import Batch, build_batch, is_heldout
 from trainers.online.loop import STALE_SHARD_S, TrainerLoop
 from trainers.online.process import run_trainer
 from trainers.online.trainables import load_drafter_for_training
@@ -53,7 +53,7 @@ def read_target_version_file(run_dir: str | os.PathLike) -> int | None:
     return RunDir(run_dir).read_target_version()
 
 
-__all__ = ["Example", "Batch", "build_batch", "is_heldout", "OnlineTrainer", "TrainerLoop", "run_trainer",
+__all__ = ["Batch", "build_batch", "is_heldout", "OnlineTrainer", "TrainerLoop", "run_trainer",
            "load_drafter_for_training", "read_target_version_file", "PAUSE_FILE",
            "TARGET_VERSION_FILE", "TRAINER_DIR", "CHECKPOINT_DIR", "CONSUMED_LOG", "STATUS_FILE",
            "SHADOW_MAX_POSITIONS", "STALE_SHARD_S", "REPLAY_RECENT"]

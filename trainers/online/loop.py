@@ -39,7 +39,6 @@ from dvi.feedback import FeedbackReader
 from dvi.feedback.shadow import is_heldout
 from dvi.registry.store import AdapterRejected
 from dvi.rundir import RunDir
-from trainers.online.collate import Example
 from trainers.online.decisions import RoundStats
 from trainers.online.trainer import OnlineTrainer
 
@@ -107,7 +106,7 @@ class TrainerLoop:
             return
         n_held = 0
         for rec in self.reader.read_records(done):
-            e = Example.of(rec)
+            e = rec.compact()
             t.max_target_version = max(t.max_target_version, e.target_version)
             if is_heldout(e.request_id, t.tc.heldout_fraction):
                 t.heldout.append(e)

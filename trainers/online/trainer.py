@@ -45,7 +45,7 @@ from dvi.rundir import RunDir
 from trainers.losses import batch_loss, chained_features
 from trainers.online.accel import make_accelerator
 from trainers.online.checkpoint import COUNTERS, load_checkpoint, save_checkpoint
-from trainers.online.collate import Example, build_batch
+from trainers.online.collate import build_batch
 from trainers.online.decisions import PublishDecision, RoundStats
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
@@ -104,8 +104,8 @@ class OnlineTrainer:
         self.module, self.optimizer = accelerator.prepare(self.trainable.module, opt)
         self.device = accelerator.device
         self.rng = random.Random(self.tc.seed)
-        self.replay: collections.deque[Example] = collections.deque(maxlen=max(1, self.tc.replay_buffer_records))
-        self.heldout: collections.deque[Example] = collections.deque(maxlen=self.tc.shadow_records)
+        self.replay: collections.deque[FeedbackRecord] = collections.deque(maxlen=max(1, self.tc.replay_buffer_records))
+        self.heldout: collections.deque[FeedbackRecord] = collections.deque(maxlen=self.tc.shadow_records)
         self.step = 0
         self.records_seen = 0  # records trained on as new
         self.replayed = 0
@@ -152,7 +152,7 @@ class OnlineTrainer:
         file_v = self.rundir.read_target_version()
         return max(self.max_target_version, file_v if file_v is not None else 0)
 
-    def _weight(self, e: Example, current: int) -> float:
+    def _weight(self, e: FeedbackRecord, current: int) -> float:
         if e.target_version >= current or self.tc.stale_target_policy == "keep":
             return 1.0
         if self.tc.stale_target_policy == "drop":
@@ -171,7 +171,7 @@ class OnlineTrainer:
         return allowed is None or self.step < allowed
 
     # -- training ----------------------------------------------------------------------------------
-    def train_on_records(self, records: Iterable[FeedbackRecord | Example]) -> RoundStats:
+    def train_on_records(self, records: Iterable[FeedbackRecord]) -> RoundStats:
         """Train on new records (each once), with replay; returns what happened.
 
         Held-out records (by request-id hash) are kept for evaluation and never trained on.
@@ -180,7 +180,7 @@ class OnlineTrainer:
         that they are a `replay_ratio` share of it. Afterwards the new records join the buffer.
         """
         t0 = time.perf_counter()
-        examples = [Example.of(r) for r in records]
+        examples = [r.compact() for r in records]
         for e in examples:
             self.max_target_version = max(self.max_target_version, e.target_version)
             self.feedback_tokens += len(e.token_ids)
@@ -210,7 +210,7 @@ class OnlineTrainer:
                        "train_seconds": self.train_seconds, "tokens_per_s": mean["tokens"] / max(1e-9, mean["seconds"])})
         return stats
 
-    def _split(self, examples: list[Example], current: int) -> tuple[list[Example], list[Example], list[Example]]:
+    def _split(self, examples: list[FeedbackRecord], current: int) -> tuple[list[FeedbackRecord], list[FeedbackRecord], list[FeedbackRecord]]:
         """(new, held out, dropped as stale), each in the order given."""
         new, held, dropped = [], [], []
         for e in examples:
@@ -222,7 +222,7 @@ class OnlineTrainer:
                 new.append(e)
         return new, held, dropped
 
-    def _train_new(self, new: list[Example], current: int) -> tuple[list[dict[str, float]], int]:
+    def _train_new(self, new: list[FeedbackRecord], current: int) -> tuple[list[dict[str, float]], int]:
         """One step per chunk of `new` records, topped up with replayed ones; (step losses, replayed).
 
         Chunks beyond the step budget (`budget_left`) take no step: they are counted as deferred and,
@@ -249,7 +249,7 @@ class OnlineTrainer:
             self.records_seen += len(chunk)
         return losses, replayed
 
-    def _sample_replay(self, n: int, recent: int | None = None) -> list[Example]:
+    def _sample_replay(self, n: int, recent: int | None = None) -> list[FeedbackRecord]:
         pool = len(self.replay) if recent is None else min(recent, len(self.replay))
         if not pool:
             return []
@@ -283,7 +283,7 @@ class OnlineTrainer:
                        "replay_only": True, "train_seconds": self.train_seconds})
         return stats
 
-    def _train_step(self, examples: list[Example], current: int) -> dict[str, float] | None:
+    def _train_step(self, examples: list[FeedbackRecord], current: int) -> dict[str, float] | None:
         acc = self.accelerator
         # Each rank trains its slice (DDP averages the gradients); padding repeats the last row so that no
         # rank is left without one (a rank without a backward would hang the others' all-reduce).
@@ -323,9 +323,9 @@ class OnlineTrainer:
         if self.anchor is not None:
             self.anchor = [p.detach().clone() for p in self.trainable.parameters()]
 
-    def shadow(self, records: Sequence[FeedbackRecord | Example] | None = None, state: Mapping[str, torch.Tensor] | None = None):
+    def shadow(self, records: Sequence[FeedbackRecord] | None = None, state: Mapping[str, torch.Tensor] | None = None):
         """Shadow α (teacher-forced, `dvi.feedback.shadow`) of the current weights, or of `state`, on held-out records."""
-        recs = list(self.heldout) if records is None else [Example.of(r) for r in records]
+        recs = list(self.heldout) if records is None else [r.compact() for r in records]
         saved = None
         if state is not None:
             saved = self.trainable.state()
