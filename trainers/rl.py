@@ -25,13 +25,13 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dvi.decode.results import fmt_rate, pooled_rates
+from dvi.decode.results import DraftCounts, fmt_rate, pooled_rates
 from dvi.rollout import Rollout
 from trainers.grpo import (
     completion_logprobs,
@@ -108,14 +108,13 @@ class RLConfig:
         self.lora_targets = tuple(self.lora_targets)
 
 
-@dataclass
-class StepLog:
-    """What one RL step measured."""
+@dataclass(kw_only=True)
+class StepLog(DraftCounts):
+    """What one RL step measured: the rollouts' `DraftCounts` summed over the batch (α and mean accepted
+    length are its properties: None when nothing was drafted, `dvi.decode.results`), plus the step's times."""
 
     step: int
     reward: float
-    alpha: float | None  # None: nothing drafted this step (dvi.decode.results)
-    mean_accepted_length: float | None
     rollout_s: float
     tokens: int
     update_s: float
@@ -123,9 +122,6 @@ class StepLog:
     drafter_s: float
     target_version: int
     drafter_version: int
-    num_drafted: int = 0
-    num_accepted: int = 0
-    num_steps: int = 0  # engine steps summed over sequences (tokens/step = 1 + accepted / num_steps)
     speculated_tokens: int = 0  # tokens emitted by engine steps with K > 0
     kl_to_init: float = float("nan")
     logprob_gap: float = float("nan")  # mean |policy - rollout| log-prob of the sampled tokens
@@ -330,11 +326,10 @@ class RLRun:
         if self.writer is not None:
             self.writer.flush()
         rec = StepLog(
-            step=i, reward=float(rewards.mean()), alpha=stats.alpha, mean_accepted_length=stats.mean_accepted_length,
-            rollout_s=stats.seconds, tokens=stats.num_tokens, update_s=upd["update_s"], sync_s=sync_s,
-            drafter_s=drafter_s, target_version=stats.target_version, drafter_version=stats.drafter_version,
-            num_drafted=stats.num_drafted, num_accepted=stats.num_accepted, num_steps=stats.num_steps,
-            speculated_tokens=stats.num_speculated_tokens, kl_to_init=upd["kl"], logprob_gap=upd["logprob_gap"],
+            **{f.name: getattr(stats, f.name) for f in fields(DraftCounts)},
+            step=i, reward=float(rewards.mean()), rollout_s=stats.seconds, tokens=stats.num_tokens,
+            update_s=upd["update_s"], sync_s=sync_s, drafter_s=drafter_s, target_version=stats.target_version,
+            drafter_version=stats.drafter_version, speculated_tokens=stats.num_speculated_tokens, kl_to_init=upd["kl"], logprob_gap=upd["logprob_gap"],
             loss=upd["loss"], drafter_loss=drafter_loss,
         )
         self.logs.append(rec)
@@ -393,7 +388,7 @@ def _alpha_of(rs: Sequence[StepLog]) -> float | None:
 def logs_to_jsonable(logs: Sequence[StepLog]) -> list[dict]:
     out = []
     for r in logs:
-        d = asdict(r)
+        d = {**asdict(r), "alpha": r.alpha, "mean_accepted_length": r.mean_accepted_length}
         out.append({k: (_json_float(v) if isinstance(v, float) else v) for k, v in d.items()})
     return out
 
