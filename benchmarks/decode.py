@@ -52,6 +52,10 @@ def parse_args(argv):
     p.add_argument("--early-exit-layers", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts-b1", type=int, default=4, help="prompts (one at a time) for batch-1 settings")
+    p.add_argument("--history", type=int, default=0,
+                   help="suffix / hybrid: before each setting, N other held-out prompts of its domain are served "
+                   "(greedy, untimed) and their outputs join the suffix index, as in a server that has been "
+                   "serving that traffic (0: a cold index)")
     p.add_argument("--batches", type=int, default=1, help="batches per setting for batch sizes > 1")
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--max-draft-tokens", type=int, default=8)
@@ -76,13 +80,14 @@ def _hf_config(model, temperature: float, n: int):
 
 
 @torch.inference_mode()
-def hf_generate(target, batches, n, temperature, assistant=None, seed=0, lookup: int = 0) -> tuple[float, int]:
-    """Seconds and tokens for HF generate over `batches` (left-padded); `assistant`: assisted generation,
-    `lookup` > 0: prompt-lookup decoding with that many candidate tokens (both batch 1 only in HF)."""
+def hf_generate(target, batches, n, temperature, assistant=None, seed=0, lookup: int = 0) -> tuple[float, int, list]:
+    """Seconds, tokens and the generated ids per row for HF generate over `batches` (left-padded); `assistant`:
+    assisted generation, `lookup` > 0: prompt-lookup decoding with that many candidate tokens (both batch 1
+    only in HF)."""
     gc = _hf_config(target, temperature, n)
     if lookup:
         gc.prompt_lookup_num_tokens = lookup
-    total_t, total_tok = 0.0, 0
+    total_t, total_tok, texts = 0.0, 0, []
     for bi, batch in enumerate(batches):
         m = max(len(p) for p in batch)
         ids = torch.zeros(len(batch), m, dtype=torch.long)
@@ -100,7 +105,8 @@ def hf_generate(target, batches, n, temperature, assistant=None, seed=0, lookup:
         _sync(out.device)
         total_t += time.perf_counter() - t0
         total_tok += int((out.shape[1] - m) * len(batch))
-    return total_t, total_tok
+        texts += out[:, m:].tolist()
+    return total_t, total_tok, texts
 
 
 def _sync(device: torch.device) -> None:
@@ -113,6 +119,7 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
     total_t, tokens, drafted, accepted, steps = 0.0, 0, 0, 0, 0
     ks: list[tuple[int, int]] = []  # (batch size, K) per step
     acc_n = tried_n = 0  # per-position (iid) acceptance: accepted / (accepted + first rejections)
+    texts: dict[str, list[int]] = {}  # request id -> generated ids
     acc_pos = [0] * engine.k_cap
     dr_pos = [0] * engine.k_cap
     for bi, batch in enumerate(batches):
@@ -132,6 +139,7 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
                     tried_n += m + (1 if m < k else 0)
                 if o.finished and o.result is not None:
                     r = o.result
+                    texts[o.request_id] = list(r.token_ids)
                     tokens += len(r.token_ids)
                     drafted += r.num_drafted
                     accepted += r.num_accepted
@@ -151,7 +159,30 @@ def dvi_run(engine: SpeculativeEngine, batches, n, temperature, seed=0) -> dict:
         mean_accepted_length=mean_accepted_length(accepted, steps),
         per_position_acceptance=[acceptance_rate(a, d) for a, d in zip(acc_pos, dr_pos, strict=True)],
         k_per_step=ks,
+        texts=[texts[k] for k in sorted(texts)],
     )
+
+
+def _share(x: float | None) -> str:
+    return "   -" if x is None else f"{x:4.2f}"
+
+
+def serve_history(plain: SpeculativeEngine, caches: list, stream, count: int, n: int) -> None:
+    """Serve `count` prompts of `stream` greedily (speculation off: the same text any kind would emit) and add
+    each output, behind its prompt's tail, to every suffix cache, as `SuffixProposer.close_row` does."""
+    from dvi.suffix_proposer import SuffixProposer
+
+    tail = SuffixProposer.prompt_tail_default
+    for i in range(count):
+        prompt = next(stream)
+        text = dvi_run(plain, [[prompt]], n, 0.0)["texts"][0]
+        for cache in caches:
+            cache.add_finished(f"history-{i}", list(prompt[len(prompt) - tail:]) + text)
+
+
+def same_text(a: list[list[int]], b: list[list[int]]) -> float | None:
+    """Share of rows whose generated ids are identical in two runs over the same prompts (None: no rows)."""
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a) if a else None
 
 
 def merge_runs(runs: list[dict]) -> dict:
@@ -173,6 +204,7 @@ def merge_runs(runs: list[dict]) -> dict:
         mean_accepted_length=mean_accepted_length(n["num_accepted"], n["num_steps"]),
         accepted_per_position=acc_pos, drafted_per_position=dr_pos,
         per_position_acceptance=[acceptance_rate(a, d) for a, d in zip(acc_pos, dr_pos, strict=True)],
+        texts=[t for r in runs for t in r["texts"]],
         k_per_step=[x for r in runs for x in r["k_per_step"]],
     )
 
@@ -317,9 +349,13 @@ def main(argv=None) -> int:
     for domain, temp, b in itertools.product(domains, temps, bss):
         for cache in caches:   # settings reuse the prompts: no setting may draft from another's outputs
             cache.clear()
+
         stream = prompt_source(domain, tok, args.seed)
         nb = args.prompts_b1 if b == 1 else args.batches
         units = [[next(stream) for _ in range(b)] for _ in range(nb)]
+        if args.history and caches:  # later draws of the same stream, none equal to a measured prompt
+            seen = {tuple(p) for u in units for p in u}
+            serve_history(plain, caches, (p for p in stream if tuple(p) not in seen), args.history, n)
         systems = ["off", "hf", *kinds] + (["assisted"] if b == 1 else []) + (
             ["lookup"] if b == 1 and args.prompt_lookup_tokens else [])
         res: dict[str, list] = {s: [] for s in systems}
@@ -339,6 +375,7 @@ def main(argv=None) -> int:
                                                   args.prompt_lookup_tokens if sname == "lookup" else 0))
         off = merge_runs(res["off"])
         hf_rate = sum(x[1] for x in res["hf"]) / sum(x[0] for x in res["hf"])
+        hf_texts = [t for x in res["hf"] for t in x[2]]
         asst_rate = (sum(x[1] for x in res["assisted"]) / sum(x[0] for x in res["assisted"])) if b == 1 else None
         look = res.get("lookup")
         look_rate = sum(x[1] for x in look) / sum(x[0] for x in look) if look else None
@@ -346,13 +383,17 @@ def main(argv=None) -> int:
             run = merge_runs(res[kind])
             pred = predicted(engines[kind], run)
             row = dict(domain=domain, temperature=temp, batch_size=b, kind=kind,
-                       prompts=sum(len(x) for x in units), dvi=run | {"k_per_step": None},
-                       dvi_off=off | {"k_per_step": None}, hf_generate_tokens_per_s=hf_rate,
+                       prompts=sum(len(x) for x in units), dvi=run | {"k_per_step": None, "texts": None},
+                       dvi_off=off | {"k_per_step": None, "texts": None}, hf_generate_tokens_per_s=hf_rate,
                        speedup_vs_off=run["tokens_per_s"] / off["tokens_per_s"],
                        speedup_vs_hf=run["tokens_per_s"] / hf_rate, **pred)
             if asst_rate:
                 row["hf_assisted_tokens_per_s"] = asst_rate
                 row["speedup_vs_hf_assisted"] = run["tokens_per_s"] / asst_rate
+            if temp == 0:  # greedy: is each fast path's text the plain decoding's? (bf16 width effects)
+                row["dvi_same_text_as_off"] = same_text(run["texts"], off["texts"])
+                if look:
+                    row["hf_prompt_lookup_same_text_as_hf"] = same_text([t for x in look for t in x[2]], hf_texts)
             if look_rate:
                 row["hf_prompt_lookup_tokens_per_s"] = look_rate
                 row["hf_prompt_lookup_vs_hf"] = look_rate / hf_rate
@@ -421,7 +462,7 @@ def main(argv=None) -> int:
     hdr = (
         f"{'domain':6s} {'T':>3s} {'B':>3s} {'kind':10s} {'dvi tok/s':>9s} {'off':>7s} {'HF':>7s} {'HFasst':>7s} {'alpha':>5s} "
         f"{'acc.len':>7s} {'K':>4s} {'xoff':>5s} {'xHF':>5s} {'xAsst':>5s} {'PLD':>7s} {'PLDxHF':>6s} {'xPLD':>5s} {'pred':>5s} "
-        f"{'m/p':>5s}  per-position acceptance"
+        f"{'m/p':>5s} {'=off':>4s} {'PLD=':>4s}  per-position acceptance"
     )
     print("\n" + hdr)
     print("-" * len(hdr))
@@ -438,7 +479,8 @@ def main(argv=None) -> int:
             f"{(f'{asst:7.1f}' if asst else '      -')} {fmt_rate(r['dvi']['alpha'], 2):>5} {fmt_rate(r['dvi']['mean_accepted_length'], 2):>7} "
             f"{r['mean_k']:4.1f} {r['speedup_vs_off']:5.2f} {r['speedup_vs_hf']:5.2f} "
             f"{(f'{xa:5.2f}' if xa else '    -')} {(f'{pld:7.1f}' if pld else '      -')} "
-            f"{(f'{pld_hf:6.2f}' if pld_hf else '     -')} {(f'{xpld:5.2f}' if xpld else '    -')} {(f'{ps:5.2f}' if ps else '    -')} {(f'{mp:5.2f}' if mp else '    -')}  {pp}"
+            f"{(f'{pld_hf:6.2f}' if pld_hf else '     -')} {(f'{xpld:5.2f}' if xpld else '    -')} {(f'{ps:5.2f}' if ps else '    -')} {(f'{mp:5.2f}' if mp else '    -')} "
+            f"{_share(r.get('dvi_same_text_as_off'))} {_share(r.get('hf_prompt_lookup_same_text_as_hf'))}  {pp}"
         )
     print("\ngoals:")
     for g in goals:

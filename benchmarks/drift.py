@@ -195,7 +195,10 @@ class Server:
         while time.monotonic() - t0 < timeout:
             h, st = self.admin("GET", "/health"), self.trainer()
             sw, fb = h["drafter"] or {}, h["feedback"]
-            decided = sw.get("latest") in (None, sw.get("live_version")) or str(sw.get("latest")) in sw.get("refused", {})
+            # decided, or waiting on traffic that only the next wave brings (a rollback watch counts served
+            # records): waiting for it here would only burn the timeout
+            decided = (sw.get("latest") in (None, sw.get("live_version")) or str(sw.get("latest")) in sw.get("refused", {})
+                       or sw.get("watch") is not None)
             read = fb["pending"] == 0 and (st.get("records_read") or 0) >= fb["records_written"]
             now = (st.get("records_read"), st.get("dvi_trainer_step"))
             if read and st.get("state") == "idle" and decided and now == last:

@@ -382,7 +382,8 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict) -> No
     (run_dir / "timeline.json").write_text(json.dumps({"rows": timeline.rows, "errors": timeline.errors,
                                                        "frozen_alpha": timeline.frozen, "health": final}, indent=1))
     if rundir.metrics_path.is_file():
-        png = plot_alpha(rundir.metrics_path, run_dir / "alpha.png", step_label="requests served")
+        png = plot_alpha(rundir.metrics_path, run_dir / "alpha.png", step_label="requests served",
+                         reference=timeline.frozen)
         console.print(f"α plot: {png}")
     drafter = (final.get("drafter") or {}).get("counts", {})
     console.print(f"requests {timeline.done}, errors {timeline.errors}; drafter promotions {drafter.get('promoted', 0)}, "

@@ -23,7 +23,7 @@ decode (while a forward scores at most 32 rows x positions), at B x (K+1) SDPA c
 from __future__ import annotations
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.modeling_utils import AttentionInterface
 
 from dvi.decode.kv import mask_kind
@@ -38,6 +38,8 @@ def _sdpa(module, query, key, value, attention_mask, **kwargs):
     q, kv = query.shape[2], key.shape[2]
     if mode is None or (mode == "prefix" and (q == 1 or kv == q)):  # a step, or a prefill over an empty cache
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if mode == "prefix" and use_gqa_in_sdpa(None, key, value) and not kwargs.get("dropout"):
+        return _prefix_rows(module, query, key, value, kwargs.get("scaling")), None
     outs = []
     for j in range(q):
         if mode == "prefix":  # every row: the kv - q + j + 1 columns a 1-token step here would have cached
@@ -48,6 +50,21 @@ def _sdpa(module, query, key, value, attention_mask, **kwargs):
             outs.append(torch.cat([_one(module, query, key, value, attention_mask, b, j, **kwargs)
                                    for b in range(query.shape[0])], 0))
     return torch.cat(outs, 1), None  # [B, q, H, D]
+
+
+def _prefix_rows(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
+    """Row j of query [B, H, q, D] over the kv - q + j + 1 columns of key/value [B, Hkv, kv, D] that a 1-token
+    step at its position would have cached: [B, q, H, D]. The SDPA call is the one HF's `sdpa_attention_forward`
+    makes for an unmasked 1-token query (GQA inside the kernel, the module's scale; the caller checks that HF
+    would take that path), made directly: its
+    per-call bookkeeping, 30 layers x (K + 1) times a verify, cost ~0.5 ms per verified token here."""
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    q, kv = query.shape[2], key.shape[2]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kw = {"enable_gqa": True} if gqa else {}
+    outs = [sdpa(query[:, :, j : j + 1], key[:, :, : kv - q + j + 1], value[:, :, : kv - q + j + 1],
+                 scale=scaling, **kw) for j in range(q)]  # each [B, H, 1, D]
+    return torch.cat(outs, 2).transpose(1, 2).contiguous()
 
 
 def _one(module, query, key, value, attention_mask, b: int, j: int, **kwargs) -> torch.Tensor:

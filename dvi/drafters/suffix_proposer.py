@@ -42,9 +42,10 @@ class SuffixProposer(Proposer):
     """Suffix-tree drafts from a `SuffixCache` (per-request index + global index of finished outputs)."""
 
     kind = "suffix"
+    prompt_tail_default = 16
 
     def __init__(self, cache: SuffixCache, vocab_size: int, device: torch.device, max_tokens: int = 16,
-                 min_prob: float = 0.1, prompt_tail: int = 16, version_decay: float = 0.5):
+                 min_prob: float = 0.1, prompt_tail: int = prompt_tail_default, version_decay: float = 0.5):
         super().__init__(vocab_size, device)
         self.cache, self.max_tokens, self.min_prob = cache, int(max_tokens), float(min_prob)
         self.prompt_tail, self.version_decay = int(prompt_tail), float(version_decay)
