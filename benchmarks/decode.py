@@ -170,7 +170,7 @@ def _share(x: float | None) -> str:
 def serve_history(plain: SpeculativeEngine, caches: list, stream, count: int, n: int) -> None:
     """Serve `count` prompts of `stream` greedily (speculation off: the same text any kind would emit) and add
     each output, behind its prompt's tail, to every suffix cache, as `SuffixProposer.close_row` does."""
-    from dvi.suffix_proposer import SuffixProposer
+    from dvi.drafters.suffix_proposer import SuffixProposer
 
     tail = SuffixProposer.prompt_tail_default
     for i in range(count):

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from dvi.decode.results import GenerationResult
 
+
 def _column(arrow: pa.DataType, optional: bool = False, **default: Any) -> Any:
     """A record field and its parquet column type; an `optional` column may be absent or null in shards
     written before it existed, and reads as the field's default."""
