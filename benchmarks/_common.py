@@ -28,8 +28,8 @@ def clean_json(x: Any) -> Any:
 
 def built_pair(preset: str, pair_dir: Path | None) -> tuple[Path, Any]:
     """The pair dir (`pair_dir`, else the preset's cache dir) and its tokenizer; exits with what to run if unbuilt."""
-    from dvi.embedded import embedded_dir, read_manifest
-    from dvi.models import load_tokenizer
+    from dvi.models.embedded import embedded_dir, read_manifest
+    from dvi.models.loading import load_tokenizer
 
     pair_dir = pair_dir or embedded_dir(preset)
     if read_manifest(pair_dir) is None:

@@ -26,15 +26,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import goal
-from dvi.adaptive import batch_bucket, expected_tokens
-from dvi.engine import Request, SamplingParams, SpeculativeEngine
-from dvi.results import acceptance_rate, fmt_rate, mean_accepted_length
+from dvi.decode.adaptive import batch_bucket, expected_tokens
+from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.decode.results import acceptance_rate, fmt_rate, mean_accepted_length
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="dvi bench decode", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="smollm2")
-    p.add_argument("--root", default=None, help="models cache root (default: dvi.embedded's)")
+    p.add_argument("--root", default=None, help="models cache root (default: dvi.models.embedded's)")
     p.add_argument("--json", default="bench_results/decode.json")
     p.add_argument("--domains", default="code,chat", help="code (held-out stdlib source) | chat (chat-template "
                    "instructions from held-out code and prose) | prose | agentic (an agent's edits of the same few "
@@ -42,7 +42,7 @@ def parse_args(argv):
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--kinds", default="separate,eagle,early_exit", help="drafter kinds to measure: separate | eagle "
-                   "(the built head on the target's features) | early_exit | suffix (model-free, dvi.suffix) | hybrid "
+                   "(the built head on the target's features) | early_exit | suffix (model-free, dvi.drafters.suffix) | hybrid "
                    "(suffix when its score clears the threshold, else --hybrid-kind)")
     p.add_argument("--hybrid-kind", default="separate", help="the learned kind a hybrid falls back to")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10,
@@ -170,7 +170,7 @@ def _share(x: float | None) -> str:
 def serve_history(plain: SpeculativeEngine, caches: list, stream, count: int, n: int) -> None:
     """Serve `count` prompts of `stream` greedily (speculation off: the same text any kind would emit) and add
     each output, behind its prompt's tail, to every suffix cache, as `SuffixProposer.close_row` does."""
-    from dvi.suffix_proposer import SuffixProposer
+    from dvi.drafters.suffix_proposer import SuffixProposer
 
     tail = SuffixProposer.prompt_tail_default
     for i in range(count):
@@ -253,10 +253,10 @@ def build_drafters(pair, kinds: list[str], args, caches: list | None = None) -> 
     stored or `--draft-vocab`), `eagle` (the head `dvi bootstrap` built, same draft vocabulary),
     `early_exit` (the target's first layers + exit head, same draft vocabulary), `suffix` / `hybrid` (their
     suffix caches are appended to `caches`)."""
-    from dvi.drafters import EarlyExitDrafter, SeparateDrafter
-    from dvi.eagle import EagleDrafter
-    from dvi.embedded import embedded_paths
-    from dvi.vocab import find_subset_head
+    from dvi.drafters.eagle import EagleDrafter
+    from dvi.drafters.learned import EarlyExitDrafter, SeparateDrafter
+    from dvi.drafters.vocab import find_subset_head
+    from dvi.models.embedded import embedded_paths
 
     out = {}
     head = find_subset_head(pair.drafter)
@@ -293,14 +293,14 @@ def _draft_vocab(d) -> int | None:
 
 def model_free_drafter(kind: str, target, learned, caches: list):
     """The engine drafter of `suffix` / `hybrid` (issue 26): the one place this benchmark builds them,
-    from `dvi.suffix_proposer` (the engine's proposers) over a fresh `dvi.suffix.SuffixCache`, which is
+    from `dvi.drafters.suffix_proposer` (the engine's proposers) over a fresh `dvi.drafters.suffix.SuffixCache`, which is
     appended to `caches` (the benchmark empties it between settings)."""
-    from dvi.suffix import SuffixCache
+    from dvi.drafters.suffix import SuffixCache
 
     try:
-        from dvi.suffix_proposer import build_proposer
+        from dvi.drafters.suffix_proposer import build_proposer
     except ImportError:
-        raise SystemExit(f"drafter kind {kind!r} needs the engine's suffix proposers (dvi.suffix_proposer)") from None
+        raise SystemExit(f"drafter kind {kind!r} needs the engine's suffix proposers (dvi.drafters.suffix_proposer)") from None
     cache = SuffixCache()
     caches.append(cache)
     vocab = int(target.get_output_embeddings().weight.shape[0])
@@ -310,8 +310,8 @@ def model_free_drafter(kind: str, target, learned, caches: list):
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dvi.embedded import embedded_paths
-    from dvi.models import load_causal_lm, load_embedded_pair
+    from dvi.models.embedded import embedded_paths
+    from dvi.models.loading import load_causal_lm, load_embedded_pair
 
     t_start = time.perf_counter()
     pair = load_embedded_pair(args.preset, args.root, device=args.device, dtype=args.dtype,

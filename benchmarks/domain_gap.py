@@ -86,9 +86,9 @@ def distill_sql(target, tok, drafter, order: torch.Tensor, p, args: argparse.Nam
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dvi.embedded import PRESETS, EmbeddedPaths, embedded_paths, is_built
-    from dvi.models import load_causal_lm
-    from dvi.vocab import load_draft_vocab
+    from dvi.drafters.vocab import load_draft_vocab
+    from dvi.models.embedded import PRESETS, EmbeddedPaths, embedded_paths, is_built
+    from dvi.models.loading import load_causal_lm
     from trainers.pretrained_build import _load_target
 
     args = parse_args(argv)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kind == "separate":
         drafter = load_causal_lm(paths.drafter, "cpu", "bfloat16")
     else:
-        from dvi.drafters import EarlyExitDrafter
+        from dvi.drafters.learned import EarlyExitDrafter
 
         drafter = EarlyExitDrafter.load(target, paths.early_exit).model
     # the first train_vocab ids of the stored priority order (what was trained); scored at the served prefix

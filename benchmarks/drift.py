@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import built_pair, clean_json, goal
-from dvi.results import acceptance_rate
+from dvi.decode.results import acceptance_rate
 from dvi.rundir import RunDir
 
 PHASES = ("code", "drift", "code_return")
@@ -113,9 +113,9 @@ def run_requests(url: str, items: list, args: argparse.Namespace, on_done: Any =
 # -- the server --------------------------------------------------------------------------------------
 def pair_overrides(pair_dir: Path, preset: str, kind: str, drafter: Path | None) -> list[str]:
     """Explicit paths (so `dvi serve` never bootstraps), the preset's served dtype and draft vocabulary."""
-    from dvi.embedded import EmbeddedPaths
-    from dvi.models import preset_draft_vocab, saved_kind, serving_dtype
-    from dvi.vocab import draft_vocab_path
+    from dvi.drafters.vocab import draft_vocab_path
+    from dvi.models.embedded import EmbeddedPaths
+    from dvi.models.loading import preset_draft_vocab, saved_kind, serving_dtype
 
     p = EmbeddedPaths.at(pair_dir)
     if drafter is None:
@@ -268,8 +268,8 @@ def drift_training_set(pair_dir: Path, args: argparse.Namespace) -> dict:
     import torch
 
     from dvi.data import chat_prompt_stream, sql_prompt_stream
-    from dvi.embedded import EmbeddedPaths
-    from dvi.models import load_causal_lm, load_tokenizer
+    from dvi.models.embedded import EmbeddedPaths
+    from dvi.models.loading import load_causal_lm, load_tokenizer
     from trainers.offline import pack_docs
     from trainers.pretrained_build import greedy_replies
     from trainers.subset_distill import teacher_states
@@ -296,9 +296,9 @@ def build_ceiling(kind: str, pair_dir: Path, data: dict, tokens: int, out: Path,
     """The bootstrap drafter of `kind` distilled on the drift domain's windows for >= `tokens` token-passes; saved to `out`."""
     import torch
 
-    from dvi.embedded import EmbeddedPaths, get_preset
-    from dvi.models import load_causal_lm, saved_kind
-    from dvi.vocab import draft_vocab_path, load_draft_vocab
+    from dvi.drafters.vocab import draft_vocab_path, load_draft_vocab
+    from dvi.models.embedded import EmbeddedPaths, get_preset
+    from dvi.models.loading import load_causal_lm, saved_kind
 
     p = EmbeddedPaths.at(pair_dir)
     w, s = data["windows"], data["states"]
@@ -321,7 +321,7 @@ def build_ceiling(kind: str, pair_dir: Path, data: dict, tokens: int, out: Path,
         stats = distill_subset(student, target.lm_head.weight, w, s, ids, sched, **kw)
         student.to(torch.bfloat16).save_pretrained(out)
     else:
-        from dvi.eagle import EagleDrafter
+        from dvi.drafters.eagle import EagleDrafter
         from trainers.eagle_build import distill_eagle
 
         d = EagleDrafter.load(target, src) if saved_kind(src) == "eagle" else EagleDrafter(target)
@@ -334,7 +334,7 @@ def build_ceiling(kind: str, pair_dir: Path, data: dict, tokens: int, out: Path,
 
 # -- figures -------------------------------------------------------------------------------------------
 def alpha(rows: list[dict]) -> float:
-    """Pooled α of response rows; NaN (not dvi.results' None) where nothing was drafted, because the
+    """Pooled α of response rows; NaN (not dvi.decode.results' None) where nothing was drafted, because the
     figures do arithmetic on it and plot NaN as a gap (`clean_json` writes it as null)."""
     a = acceptance_rate(sum(r.get("accepted", 0) for r in rows), sum(r.get("drafted", 0) for r in rows))
     return float("nan") if a is None else a

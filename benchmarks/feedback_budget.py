@@ -45,9 +45,9 @@ def _records(cfg: DviConfig, n: int, max_tokens: int, batch: int) -> list:
     import torch
 
     from dvi.data import prompt_stream
-    from dvi.engine import SpeculativeEngine
+    from dvi.decode.engine import SpeculativeEngine
     from dvi.feedback import FeedbackRecord
-    from dvi.models import load_pair_from_config
+    from dvi.models.loading import load_pair_from_config
 
     torch.set_num_threads(1)
     pair = load_pair_from_config(cfg.models)

@@ -8,7 +8,7 @@ On the real target in its serving dtype (bf16 on this CPU), one request at a tim
      logits against HF's own forward;
   2. agreement: token-for-token equality of 64-token greedy completions with speculation (each drafter
      kind) vs without, and without vs HF `generate`, over unseen code and chat prompts; at each first
-     divergence, the reference's top-2 logit gap against the dtype's rounding bound (dvi.sampling.tie_bound);
+     divergence, the reference's top-2 logit gap against the dtype's rounding bound (dvi.decode.sampling.tie_bound);
   3. cost: tokens/s with speculation, width-invariant attention on vs off, interleaved per prompt.
 Prints a table and writes JSON with a `goals` list. Runs against whatever `dvi` is importable, so the same
 script measures an older checkout (PYTHONPATH) for "before" numbers.
@@ -64,7 +64,7 @@ def prompts(tok, n: int, seed: int) -> list[list[int]]:
 
 def target_fn(target, features: bool, invariant: bool | None):
     """The target forward as the engine builds it (invariant None), or with the switch set if it exists."""
-    from dvi.drafters import model_forward
+    from dvi.decode.forward import model_forward
 
     if invariant is None:
         return model_forward(target, with_features=features)
@@ -77,7 +77,7 @@ def target_fn(target, features: bool, invariant: bool | None):
 @torch.inference_mode()
 def width_check(target, ps: list[list[int]], k: int, steps: int, invariant: bool | None) -> dict | None:
     """1-token steps vs (K+1)-token forwards over the same tokens: logit and hidden-state differences."""
-    from dvi.kv import prefill
+    from dvi.decode.kv import prefill
 
     fn = target_fn(target, True, invariant)
     if fn is None:
@@ -115,7 +115,7 @@ def width_check(target, ps: list[list[int]], k: int, steps: int, invariant: bool
 def prefill_vs_hf(target, ps: list[list[int]]) -> float:
     """Max abs difference of the last-position logits: the engine's prefill vs HF's own forward (last
     position only, as `generate` runs it: the head over all L rows would round differently past 32 rows)."""
-    from dvi.kv import prefill
+    from dvi.decode.kv import prefill
 
     fn, worst = target_fn(target, True, None), 0.0
     for p in ps:
@@ -129,9 +129,9 @@ def prefill_vs_hf(target, ps: list[list[int]]) -> float:
 def build_drafters(target, kinds: list[str], drafter_dir: Path | None, layers: int) -> dict:
     """name -> drafter: the built ones when present, else untrained eagle / plain early exit (the verify
     width, not the acceptance rate, is what decides agreement)."""
-    from dvi.drafters import EarlyExitDrafter, SeparateDrafter
-    from dvi.eagle import EagleDrafter
-    from dvi.models import load_causal_lm
+    from dvi.drafters.eagle import EagleDrafter
+    from dvi.drafters.learned import EarlyExitDrafter, SeparateDrafter
+    from dvi.models.loading import load_causal_lm
 
     out = {}
     for kind in kinds:
@@ -156,7 +156,7 @@ def hf_greedy(target, p: list[int], n: int) -> list[int]:
 def engine_greedy(target, drafter, p: list[int], n: int, k: int, invariant: bool | None = None
                   ) -> tuple[list[int], float, list[torch.Tensor]]:
     """The engine's greedy completion, its seconds, and (plain decoding) each step's logits [V]."""
-    from dvi.engine import SpeculativeEngine
+    from dvi.decode.engine import SpeculativeEngine
 
     eng = SpeculativeEngine(target, drafter, num_draft_tokens=k, adaptive=False)
     if invariant is not None:
@@ -183,10 +183,10 @@ def engine_greedy(target, drafter, p: list[int], n: int, k: int, invariant: bool
 
 
 def divergence(ref: list[int], other: list[int], tops: list[torch.Tensor], dtype) -> dict | None:
-    """`dvi.sampling.first_divergence` (the gap at the first divergence against the dtype's tie bound);
+    """`dvi.decode.sampling.first_divergence` (the gap at the first divergence against the dtype's tie bound);
     on code without it (a "before" checkout) the index and gap alone."""
     try:
-        from dvi.sampling import first_divergence
+        from dvi.decode.sampling import first_divergence
     except ImportError:
         i = next((j for j, (a, b) in enumerate(zip(ref, other, strict=False)) if a != b), None)
         if i is None:
@@ -223,11 +223,12 @@ def batched(target, drafter, ps: list[list[int]], n: int, k: int) -> dict | None
     """One ragged batch with speculation, default vs `models.exact_greedy`: requests equal to their plain
     decode, first divergences, seconds."""
     try:
-        from dvi.numerics import plain_greedy, set_exact_greedy
+        from dvi.decode.forward import plain_greedy
+        from dvi.decode.numerics import set_exact_greedy
     except ImportError:
         return None
-    from dvi.engine import SpeculativeEngine
-    from dvi.sampling import first_divergence
+    from dvi.decode.engine import SpeculativeEngine
+    from dvi.decode.sampling import first_divergence
 
     refs = [plain_greedy(target, p, n) for p in ps]
     out = {}
@@ -263,8 +264,8 @@ def timing(target, drafter, ps: list[list[int]], n: int, k: int) -> dict | None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dvi.embedded import embedded_paths
-    from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
+    from dvi.models.embedded import embedded_paths
+    from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 
     emb = embedded_paths("smollm2")
     tpath = Path(args.target) if args.target else emb.target

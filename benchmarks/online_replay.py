@@ -2,8 +2,8 @@
 
 Issue 24 §2: for each drafter kind, the served drafter (`serving.loading.load_serving_pair`, exactly what
 `dvi serve` loads) decodes held-out chat instructions greedily through the real engine
-(`dvi.engine.SpeculativeEngine`, feedback top-k as the server logs it; eagle rows carry the target's
-features); the records are split by `dvi.shadow.is_heldout` (as every trainer rank and server does), and
+(`dvi.decode.engine.SpeculativeEngine`, feedback top-k as the server logs it; eagle rows carry the target's
+features); the records are split by `dvi.feedback.shadow.is_heldout` (as every trainer rank and server does), and
 the training part is fed to `trainers.online.OnlineTrainer` (the trainer process's own core: same
 loss, replay, optimizer) a batch at a time. After each of the first 10 steps and at 20, 30, 40 the
 held-out shadow α (`OnlineTrainer.shadow`, what a publish check scores) is printed next to the start.
@@ -57,7 +57,7 @@ def _config(preset: str, kind: str, run_dir: Path, overrides: list[str]) -> Any:
 def chat_feedback(cfg: Any, n: int, max_new_tokens: int, seed: int, batch: int = 16) -> list:
     """`n` greedy chat feedback records of the served drafter of `cfg` (held-out chat instructions)."""
     from dvi.data import chat_prompt_stream
-    from dvi.engine import SpeculativeEngine
+    from dvi.decode.engine import SpeculativeEngine
     from dvi.feedback import FeedbackRecord
     from serving.loading import load_serving_pair
 
@@ -93,14 +93,14 @@ def cached_feedback(args: argparse.Namespace, kind: str, cfg: Any) -> list:
 
 def replay(cfg: Any, records: list, steps: int) -> dict[str, Any]:
     """Train on `records` (held-out ones scored only) for `steps` steps; held-out α at REPORT_STEPS."""
-    from dvi.shadow import is_heldout
-    from trainers.online import Example, OnlineTrainer
+    from dvi.feedback.shadow import is_heldout
+    from trainers.online import OnlineTrainer
 
     tr = OnlineTrainer.from_config(cfg)
     tr.registry = None  # measure only: nothing is published
     held = [r for r in records if is_heldout(r.request_id, cfg.trainer.heldout_fraction)]
     train = [r for r in records if not is_heldout(r.request_id, cfg.trainer.heldout_fraction)]
-    tr.heldout.extend(Example.of(r) for r in held)
+    tr.heldout.extend(r.compact() for r in held)
     start = tr.shadow()
     alphas: dict[int, float | None] = {0: start.alpha}
     n_new = max(1, round(cfg.trainer.batch_size * (1.0 - cfg.trainer.replay_ratio)))

@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, goal
-from dvi.results import fmt_rate, pooled_rates
+from dvi.decode.results import fmt_rate, pooled_rates
 from trainers.rl import ARMS
 
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:green", "suffix": "tab:orange",
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     import torch
 
-    from dvi.embedded import embedded_dir, is_built
+    from dvi.models.embedded import embedded_dir, is_built
     from trainers.rl import logs_to_jsonable
 
     torch.set_num_threads(a.threads)

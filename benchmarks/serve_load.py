@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, goal
-from dvi.results import acceptance_rate
+from dvi.decode.results import acceptance_rate
 
 ARMS = {"spec": ["speculation.adaptive=true"],
         "nospec": ["speculation.adaptive=false", "speculation.num_draft_tokens=0"]}
@@ -154,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from dvi.config import load_config
     from dvi.data import prompt_stream
-    from dvi.embedded import embedded_paths
-    from dvi.models import load_tokenizer
-    from serving.app import ensure_pair
+    from dvi.models.embedded import embedded_paths
+    from dvi.models.loading import load_tokenizer
     from serving.demo import ServerProcess
+    from serving.loading import ensure_pair
 
     ensure_pair(load_config(None, [f"models.preset={args.preset}"]))
     tok = load_tokenizer(embedded_paths(args.preset).tokenizer)

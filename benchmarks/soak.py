@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 from benchmarks._common import built_pair, clean_json, goal
 from benchmarks.drift import Server, _send, pair_overrides
 from dvi import metrics as M
-from dvi.results import acceptance_rate
+from dvi.decode.results import acceptance_rate
 
 ARMS = ("online", "frozen")
 DOMAINS = ("code", "chat", "sql")

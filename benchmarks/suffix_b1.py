@@ -19,20 +19,20 @@ from pathlib import Path
 import torch
 
 from benchmarks.decode import prompt_source
-from dvi.engine import Request, SamplingParams, SpeculativeEngine
-from dvi.results import acceptance_rate, mean_accepted_length
+from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.decode.results import acceptance_rate, mean_accepted_length
 
 SYSTEMS = ("off", "learned", "suffix", "hybrid")
 
 
 def _learned(pair, a):
     """The learned drafter: the pair's separate one, or (`--learned early_exit`) the saved early-exit dir."""
-    from dvi.drafters import EarlyExitDrafter, SeparateDrafter
+    from dvi.drafters.learned import EarlyExitDrafter, SeparateDrafter
 
     if a.learned == "separate":
         return SeparateDrafter(pair.drafter) if pair.drafter is not None else None
-    from dvi.models import preset_draft_vocab
-    from dvi.vocab import load_draft_vocab
+    from dvi.drafters.vocab import load_draft_vocab
+    from dvi.models.loading import preset_draft_vocab
 
     path = Path(a.pair_dir) / "early_exit"
     rows = int(pair.target.get_output_embeddings().weight.shape[0])
@@ -41,7 +41,7 @@ def _learned(pair, a):
 
 def _engines(pair, drafter, k_cap: int, threshold: float, systems: list[str]) -> dict[str, SpeculativeEngine]:
     from dvi.config import SuffixConfig
-    from dvi.suffix_proposer import build_proposer
+    from dvi.drafters.suffix_proposer import build_proposer
 
     vocab = int(pair.target.get_output_embeddings().weight.shape[0])
     sx = SuffixConfig(max_draft_tokens=k_cap, threshold=threshold)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--k-cap", type=int, default=16, help="longest suffix draft")
     ap.add_argument("--threshold", type=float, default=1.0, help="hybrid's suffix score threshold")
-    ap.add_argument("--root", default=None, help="models cache root (default: dvi.embedded's)")
+    ap.add_argument("--root", default=None, help="models cache root (default: dvi.models.embedded's)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="subset of off,learned,suffix,hybrid")
     ap.add_argument("--learned", default="separate", choices=["separate", "early_exit"],
                     help="the learned kind (alone and in hybrid); early_exit needs --pair-dir with early_exit/")
@@ -114,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from dvi.models import load_embedded_pair
+    from dvi.models.loading import load_embedded_pair
 
     if a.pair_dir:
-        from dvi.models import load_pair, serving_dtype
+        from dvi.models.loading import load_pair, serving_dtype
 
         d = Path(a.pair_dir)
         pair = load_pair(d / "target", d / "drafter" if (d / "drafter").is_dir() else None, d / "tokenizer",

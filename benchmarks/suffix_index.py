@@ -1,4 +1,4 @@
-"""Cost and drafting quality of the suffix index (`dvi.suffix`), no model involved (issue 26).
+"""Cost and drafting quality of the suffix index (`dvi.drafters.suffix`), no model involved (issue 26).
 
 Costs: `extend` per token (bulk, as finished outputs arrive, and one token per call, as a request
 decodes), memory per stored token with 200k tokens in the global index (tracemalloc), and
@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import clean_json, goal
 from dvi.data import load_texts
-from dvi.suffix import SuffixCache
+from dvi.drafters.suffix import SuffixCache
 
 RULES = {   # name -> propose keywords (the defaults: longest match, no factor cap, min_prob 0.1, calibrated)
     "longest": {"scan": False, "max_spec_factor": None},

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from dvi.config import PRESETS, SECRET_KEYS, ConfigError, dump_config, load_config
-from dvi.embedded import DEFAULT_BUILD_KINDS, DRAFTER_KINDS
+from dvi.models.embedded import DEFAULT_BUILD_KINDS, DRAFTER_KINDS
 
 BENCHMARKS = ("decode", "drift", "serve_load", "rl", "feedback_budget", "soak", "domain_gap", "suffix_index",
               "suffix_b1")
@@ -31,7 +31,7 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None):
 
 def _kinds(text: str) -> tuple[str, ...]:
     """`--kinds` parsed: comma-separated drafter kinds (an unknown one is a usage error naming it)."""
-    from dvi.embedded import check_kinds
+    from dvi.models.embedded import check_kinds
 
     try:
         return check_kinds([k.strip() for k in text.split(",") if k.strip()])

@@ -72,7 +72,7 @@ class ModelsConfig(_Strict):
     drafter_kind: Literal["separate", "early_exit", "eagle", "suffix", "hybrid"] = "separate"
     hybrid_kind: Literal["separate", "early_exit", "eagle"] = "separate"
     early_exit_layers: int = Field(1, ge=1)
-    # Reduced draft vocabulary (dvi.vocab): ids come from `draft_vocab` (a draft_vocab.safetensors file or a
+    # Reduced draft vocabulary (dvi.drafters.vocab): ids come from `draft_vocab` (a draft_vocab.safetensors file or a
     # dir holding one), else from the drafter dir (early_exit: `drafter` if set, else the target dir).
     # draft_vocab_size: null = every id stored there (full vocabulary without a file), 0 = full vocabulary,
     # N = the N first ids of the stored priority order (most frequent first).
@@ -82,7 +82,7 @@ class ModelsConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Greedy with speculation equals the target's own greedy decoding bit for bit (bf16, fp32; CPU) for one
     # request at a time (width-invariant verify attention, always on). exact_greedy extends that to ragged
-    # batches (row-by-row attention over each row's own columns, row-by-row prefill; dvi.numerics), at
+    # batches (row-by-row attention over each row's own columns, row-by-row prefill; dvi.decode.numerics), at
     # B x (K + 1) attention calls per layer; off, batched rows may part from it at near-ties of the dtype.
     exact_greedy: bool = False
 
@@ -97,7 +97,7 @@ class ModelsConfig(_Strict):
 
 
 class SuffixConfig(_Strict):
-    """The suffix drafter (`models.drafter_kind: suffix | hybrid`, `dvi.suffix_proposer`)."""
+    """The suffix drafter (`models.drafter_kind: suffix | hybrid`, `dvi.drafters.suffix_proposer`)."""
 
     # hybrid: a row drafts from the suffix index when its proposal's score (expected accepted tokens) is at least this
     threshold: float = Field(1.0, ge=0)
@@ -218,7 +218,7 @@ class TrainerConfig(_Strict):
     min_new_records: int = Field(8, ge=1)
     poll_seconds: float = Field(1.0, gt=0)
     checkpoint_seconds: float = Field(5.0, ge=0)  # checkpoint + cursor commit at most this often (and when idle)
-    # the held-out slice (`dvi.shadow.is_heldout`, by request id): never trained on by any rank; the trainer's
+    # the held-out slice (`dvi.feedback.shadow.is_heldout`, by request id): never trained on by any rank; the trainer's
     # publish check and the server's shadow check score candidates on it only (the server reads this too)
     heldout_fraction: float = Field(0.1, ge=0, lt=1)
     # the server refuses a candidate whose held-out shadow α is below the served one's by more than this

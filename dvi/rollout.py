@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dvi.decode.results import DraftCounts, GenerationResult
 from dvi.feedback import FeedbackRecord, FeedbackWriter
-from dvi.results import DraftCounts, GenerationResult
 
 if TYPE_CHECKING:
-    from dvi.drafters import Drafter
-    from dvi.engine import SpeculativeEngine
+    from dvi.decode.engine import SpeculativeEngine
+    from dvi.drafters.learned import Drafter
 
 __all__ = [
     "Rollout",
@@ -77,7 +77,7 @@ class Rollout(GenerationResult):
 @dataclass
 class RolloutStats(DraftCounts):
     """Aggregates of one `generate_rollouts` call (what an RL dashboard plots per step): its `DraftCounts`
-    (α, mean accepted length) summed over the batch; every rate is None when it has no data (`dvi.results`)."""
+    (α, mean accepted length) summed over the batch; every rate is None when it has no data (`dvi.decode.results`)."""
 
     num_sequences: int
     num_tokens: int
@@ -136,7 +136,7 @@ def _validate_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 class RolloutEngine:
-    """Batched speculative rollouts over a `dvi.engine.SpeculativeEngine`.
+    """Batched speculative rollouts over a `dvi.decode.engine.SpeculativeEngine`.
 
     Owns no decoding: it replicates prompts `n` times, calls `engine.generate`, regroups the
     results and (optionally) writes one feedback record per sequence. Build the engine with

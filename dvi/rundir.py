@@ -18,7 +18,7 @@ Layout::
         cursor.json           the feedback reader's cursor
         metrics.jsonl         the trainer's metric rows
     <feedback.dir>            parquet shards (`dvi.feedback`; a local dir or an fsspec URL)
-    <registry.dir>/drafter/   published versions and LATEST (`dvi.registry`)
+    <registry.dir>/drafter/   published versions and LATEST (`dvi.registry.store`)
 
 Writers replace files atomically (`dvi.fsutil`), so a reader sees the old content or the new.
 The target version is written as plain text (``"7\\n"``) and read as an integer; a JSON integer

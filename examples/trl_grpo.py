@@ -2,7 +2,7 @@
 
 The switch is three lines on top of an ordinary GRPO script:
 
-    engine = SpeculativeEngine(pair.target, drafter=pair.drafter, adaptive=True)   # dvi.engine
+    engine = SpeculativeEngine(pair.target, drafter=pair.drafter, adaptive=True)   # dvi.decode.engine
     rollout_func = trl_rollout_func(engine)                                         # dvi.rollout
     trainer = GRPOTrainer(..., rollout_func=rollout_func)
 
@@ -25,7 +25,7 @@ import argparse
 import os
 import tempfile
 
-from dvi.results import fmt_rate
+from dvi.decode.results import fmt_rate
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -61,9 +61,9 @@ def build(a: argparse.Namespace) -> tuple:
     from trl import GRPOConfig, GRPOTrainer
 
     from dvi.data import render_chat
-    from dvi.embedded import embedded_paths
-    from dvi.engine import SpeculativeEngine
-    from dvi.models import load_embedded_pair
+    from dvi.decode.engine import SpeculativeEngine
+    from dvi.models.embedded import embedded_paths
+    from dvi.models.loading import load_embedded_pair
     from dvi.rollout import SamplingOverrides, trl_rollout_func
     from trainers.rl_tasks import arith_dataset, trl_reward
 

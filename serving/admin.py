@@ -23,19 +23,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from dvi.models import load_state_dict
-from dvi.registry import AdapterRejected
+from dvi.models.loading import load_state_dict
+from dvi.registry.store import AdapterRejected
 
 from .auth import require_admin
+from .completions import _parse
+from .health import health_info
 from .protocol import ApiError, BodyT, Text
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import ServerState
 
 log = logging.getLogger("dvi.serving.admin")
 
@@ -74,8 +74,6 @@ def _state(request: Request) -> ServerState:
 
 
 async def _body(request: Request, model: type[BodyT]) -> BodyT:
-    from .app import _parse
-
     return await _parse(request, model, allow_empty=True)
 
 
@@ -178,8 +176,6 @@ async def resume(request: Request) -> dict:
 
 async def status(request: Request) -> dict:
     """GET /admin/status: the health document plus the swap history."""
-    from .app import health_info
-
     s = _state(request)
     info = health_info(s)
     if s.swapper is not None:

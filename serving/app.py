@@ -1,14 +1,13 @@
-"""The OpenAI-compatible HTTP server: server state, the FastAPI app, and `run_server`.
+"""The OpenAI-compatible HTTP server: the FastAPI app (`create_app`: routes) and `run_server`.
 
 One process holds the models, one engine thread (`serving.scheduler`), the registry watcher
-(`serving.swap`), the trainer supervisor (`serving.supervisor`) and the feedback writer. Every
-request error is a 4xx with an OpenAI-style error body that names the field; a 500 only means a
-bug or an engine failure, and it fails one request, never the server.
+(`serving.swap`), the trainer supervisor (`serving.supervisor`) and the feedback writer, all built by
+`serving.state.build_state`. Every request error is a 4xx with an OpenAI-style error body that names the
+field; a 500 only means a bug or an engine failure, and it fails one request, never the server.
 
-This module builds that state and wires the routes; the parts live by job: `serving.loading`
-(which pair to serve), `serving.completions` (the request path and error handlers),
-`serving.health` (/health and refusal counting). Their names are re-exported here, so
-`from serving.app import ...` keeps working for every caller.
+This module wires the routes; the parts live by job: `serving.state` (what the endpoints share),
+`serving.completions` (the request path and error handlers), `serving.health` (/health and refusal
+counting), `serving.admin` (the admin API), `serving.drain` (a stop that answers every request).
 """
 
 from __future__ import annotations
@@ -17,197 +16,29 @@ import asyncio
 import logging
 import os
 import socket
-import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from dvi.adaptive import batch_bucket
 from dvi.config import DviConfig
-from dvi.engine import SpeculativeEngine
-from dvi.feedback import FeedbackWriter, Retention
-from dvi.registry import DrafterRegistry
-from dvi.rundir import RunDir
 
+from .admin import admin_router
 from .auth import bearer_token, is_admin, require_api_key
-from .completions import (  # noqa: F401  (re-exported: serving.app is the callers' import path)
-    _UNION_TAG,
-    DISCONNECT_POLL_S,
-    _chat_prompt,
-    _complete,
-    _echo_text,
-    _echoes,
-    _encode,
-    _logprobs,
-    _next_event,
-    _parse,
-    _prepare,
-    _stream,
-    _submit,
-    _tokenize,
-    _usage,
-    _validation_error,
-    add_error_handlers,
-    chat_completions_endpoint,
-    completions_endpoint,
-    read_body,
-)
+from .completions import add_error_handlers, chat_completions_endpoint, completions_endpoint
 from .connection import HeaderLimit, deadline_protocol
-from .health import (  # noqa: F401  (re-exported)
-    REJECTION_REASONS,
-    _draft_vocab_size,
-    count_refusal,
-    degraded_reasons,
-    health_info,
-    public_health,
-    rejection_reason,
-)
-from .loading import ensure_pair, load_serving_pair, pair_paths, serving_proposer  # noqa: F401  (re-exported)
-from .protocol import RequestLimits
-from .scheduler import Finished, Scheduler
-from .supervisor import TrainerSupervisor
-from .swap import DrafterSwapper, SwapEvent, SwapPolicy
-from .telemetry import ServerMetrics
-from .tokenize import PromptTokenizer
+from .drain import DrainingServer
+from .health import health_info, public_health
+from .loading import ensure_pair
+from .state import ServerState, build_state
 
 log = logging.getLogger("dvi.serving")
-
-
-# -- state -----------------------------------------------------------------------------------------
-@dataclass
-class ServerState:
-    """Everything the endpoints need; built once per server."""
-
-    cfg: DviConfig
-    tokenizer: Any
-    engine: Any
-    scheduler: Scheduler
-    swapper: DrafterSwapper | None
-    supervisor: TrainerSupervisor
-    feedback: FeedbackWriter | None
-    metrics: ServerMetrics
-    model_name: str
-    context_len: int
-    vocab_size: int
-    # tokenising off the event loop: an early context check, and large prompts on their own worker
-    prompts: PromptTokenizer
-    started_at: float = field(default_factory=time.time)
-    target_version: int = 0
-    stopped: bool = False
-    draining: bool = False  # a stop was asked for (`serving.drain`): new requests get a 503
-    suffix_tailer: Any = None  # serving.suffix_tail.SuffixTailer (suffix / hybrid with a shared feedback dir)
-
-    @property
-    def limits(self) -> RequestLimits:
-        sv = self.cfg.serve
-        return RequestLimits(max_prompt_chars=sv.max_prompt_chars, max_stop_strings=sv.max_stop_strings,
-                             max_stop_chars=sv.max_stop_chars, vocab_size=self.vocab_size,
-                             domains=tuple(sv.domains))
-
-    def start(self) -> None:
-        self.scheduler.start()
-        if self.swapper is not None:
-            self.swapper.start()
-        self.supervisor.start()
-        if self.suffix_tailer is not None:
-            self.suffix_tailer.start()
-
-    def stop(self) -> None:
-        """Stop in dependency order: trainer, watcher, engine loop, then flush the feedback."""
-        if self.stopped:
-            return
-        self.stopped = True
-        if self.suffix_tailer is not None:
-            self.suffix_tailer.stop()
-        self.supervisor.stop()
-        if self.swapper is not None:
-            self.swapper.stop()
-        self.scheduler.stop()
-        self.prompts.close()
-        if self.feedback is not None:
-            try:
-                self.feedback.close()
-            except Exception:  # noqa: BLE001
-                log.exception("final feedback flush failed")
-        self.metrics.close()
-
-
-def build_state(cfg: DviConfig) -> ServerState:
-    """Load the pair, build engine, scheduler, feedback writer, swapper, supervisor, metrics."""
-    torch.set_num_threads(cfg.serve.num_threads)
-    pair = load_serving_pair(cfg)
-    tokenizer = pair.tokenizer
-    spec = cfg.speculation
-    engine = SpeculativeEngine(
-        pair.target, serving_proposer(cfg, pair), num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
-        max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
-        greedy_below_temperature=cfg.sampling.greedy_below_temperature,
-    )
-    if spec.adaptive and engine.proposer.kind != "none":
-        # Measure draft/verify costs for every batch bucket now, so no request pays for a
-        # calibration the first time the running batch reaches a new size.
-        buckets = sorted({batch_bucket(n) for n in range(1, cfg.serve.max_batch_size + 1)})
-        t0 = time.perf_counter()
-        engine.calibrate(buckets)
-        log.info("adaptive K calibrated for batch sizes %s in %.1fs", buckets, time.perf_counter() - t0)
-    rundir = RunDir.of(cfg)
-    rundir.make_root()
-    fb = cfg.feedback
-    feedback = FeedbackWriter(fb.dir, shard_records=fb.shard_records, flush_seconds=fb.flush_seconds,
-                              retention=Retention(fb.retention_bytes, fb.retention_shards, fb.retention_seconds),
-                              background=True, max_pending_bytes=fb.max_buffer_bytes, access=cfg.files.access)
-    metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions)
-    scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
-                          feedback=feedback, num_threads=cfg.serve.num_threads)
-    supervisor = TrainerSupervisor(cfg)
-    swapper = None
-    if pair.drafter is not None:
-        swapper = DrafterSwapper(
-            DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last), scheduler, pair.drafter,
-            SwapPolicy.of(cfg), on_event=lambda ev: _on_swap_event(metrics, ev), event_log=rundir.log(rundir.swap_events_path),
-        )
-    state = ServerState(
-        cfg=cfg, tokenizer=tokenizer, engine=engine, scheduler=scheduler, swapper=swapper,
-        supervisor=supervisor, feedback=feedback, metrics=metrics, model_name=cfg.serve.model_name,
-        context_len=int(getattr(pair.target.config, "max_position_embeddings", 0) or 1 << 30),
-        vocab_size=int(pair.target.get_output_embeddings().weight.shape[0]),
-        prompts=PromptTokenizer(tokenizer, cfg.serve.tokenize_large_bytes),
-    )
-    scheduler.observers.append(lambda fin: _on_finished(state, fin))
-    cache = getattr(getattr(engine.proposer, "suffix", engine.proposer), "cache", None)
-    if cache is not None and cfg.suffix.tail_seconds > 0:
-        from .suffix_tail import SuffixTailer
-
-        state.suffix_tailer = SuffixTailer(fb.dir, cache, scheduler.call_between_steps, cfg.suffix.tail_seconds,
-                                           cfg.suffix.tail_records)
-    return state
-
-
-def _on_finished(state: ServerState, fin: Finished) -> None:
-    """Engine thread: per-request metrics and the swapper's live-α window and shadow records."""
-    state.metrics.observe_request(fin)
-    if state.swapper is not None and fin.result is not None:
-        r = fin.result
-        drafted, accepted = r.model_counts()  # the learned drafter's own drafts (hybrid: not the suffix ones)
-        state.swapper.observe(drafted, accepted, r.drafter_version)
-        if fin.record is not None and fin.record.token_ids:
-            state.swapper.observe_record(fin.record)
-
-
-def _on_swap_event(metrics: ServerMetrics, ev: SwapEvent) -> None:
-    metrics.observe_swap(ev.kind, ev.version, ev.reason, category=ev.category)
-
 
 
 # -- app -------------------------------------------------------------------------------------------
 def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     """The FastAPI app; builds (and on shutdown stops) its ServerState unless one is given."""
-    from .admin import admin_router
-
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         st = state if state is not None else await asyncio.to_thread(build_state, cfg)
@@ -245,7 +76,8 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
         s: ServerState = request.app.state.dvi
-        s.metrics.update_gauges(s)
+        s.metrics.update_gauges(s.scheduler, s.swapper, s.supervisor, s.feedback, s.target_version)
+        s.metrics.update_suffix(s.engine, s.suffix_tailer)
         s.metrics.observe_http_timeouts(getattr(request.app.state, "http_timeouts", {}))
         body, content_type = s.metrics.render()
         return PlainTextResponse(body, media_type=content_type)
@@ -270,8 +102,6 @@ def make_server(cfg: DviConfig, sock: socket.socket, state: ServerState | None =
     """A uvicorn.Server for the app (call `.run(sockets=[sock])` in a thread or the main thread) that drains
     requests on SIGTERM/SIGINT or `should_exit` (`serving.drain`) before uvicorn's own shutdown."""
     import uvicorn
-
-    from .drain import DrainingServer
 
     host, port = sock.getsockname()[:2]
     sv = cfg.serve

@@ -14,7 +14,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dvi.data import render_chat
-from dvi.engine import SamplingParams
+from dvi.decode.engine import SamplingParams
 
 from .health import count_refusal
 from .logprobs import chat_logprobs, completion_logprobs, token_logprobs
@@ -39,11 +39,9 @@ from .protocol import (
     shutting_down,
     unsupported_field,
 )
-from .scheduler import Finished, Handle, QueueFull
+from .scheduler import Delta, Event, Finished, Handle, QueueFull
+from .state import ServerState
 from .tokenize import utf8_len
-
-if TYPE_CHECKING:
-    from .app import ServerState
 
 log = logging.getLogger("dvi.serving")
 
@@ -180,7 +178,7 @@ def _usage(fin: Finished) -> dict[str, int]:
     return {"prompt_tokens": fin.prompt_len, "completion_tokens": n, "total_tokens": fin.prompt_len + n}
 
 
-async def _next_event(state: ServerState, h: Handle, request: Request) -> tuple:
+async def _next_event(state: ServerState, h: Handle, request: Request) -> Event:
     """The request's next event; cancels it (frees the slot) if the client disconnects."""
     while True:
         try:
@@ -227,10 +225,10 @@ async def _complete(state: ServerState, request: Request, req: ApiRequest, promp
     try:
         while True:
             ev = await _next_event(state, h, request)
-            if ev[0] == "error":
-                raise ev[1]
-            if ev[0] == "done":
-                fin: Finished = ev[1]
+            if isinstance(ev, ApiError):
+                raise ev
+            if isinstance(ev, Finished):
+                fin = ev
                 break
     except asyncio.CancelledError:
         state.scheduler.cancel(h)
@@ -280,17 +278,15 @@ async def _stream(state: ServerState, request: Request, h: Handle, rid: str, cre
             yield chunk(echo)
         while True:
             ev = await _next_event(state, h, request)
-            if ev[0] == "delta":
-                yield chunk(ev[1])
-            elif ev[0] == "done":
-                fin: Finished = ev[1]
-                yield chunk(None, fin.finish_reason, {"usage": _usage(fin), "dvi": fin.stats()})
+            if isinstance(ev, Delta):
+                yield chunk(ev.text)
+            elif isinstance(ev, Finished):
+                yield chunk(None, ev.finish_reason, {"usage": _usage(ev), "dvi": ev.stats()})
                 yield b"data: [DONE]\n\n"
                 return
             else:
-                err: ApiError = ev[1]
-                count_refusal(state, err.status, err.code)
-                yield f"data: {json.dumps(err.body())}\n\n".encode()
+                count_refusal(state, ev.status, ev.code)
+                yield f"data: {json.dumps(ev.body())}\n\n".encode()
                 yield b"data: [DONE]\n\n"
                 return
     finally:

@@ -37,8 +37,8 @@ from typing import Any
 import yaml
 
 from dvi.config import DviConfig, dump_config
+from dvi.decode.results import acceptance_rate, mean_accepted_length
 from dvi.fsutil import PRIVATE, atomic_write_text
-from dvi.results import acceptance_rate, mean_accepted_length
 from dvi.rundir import RunDir
 
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
@@ -112,7 +112,7 @@ def _perturbed_target(target_dir: Path, out: Path, scale: float = 0.05, seed: in
     import torch
     from safetensors.torch import save_file
 
-    from dvi.models import load_state_dict
+    from dvi.models.loading import load_state_dict
 
     sd = load_state_dict(target_dir)
     g = torch.Generator().manual_seed(seed)
@@ -292,7 +292,7 @@ def _frozen_reference(cfg: DviConfig, tok: Any, k: int = FROZEN_PROMPTS) -> dict
     import torch
 
     from dvi.data import render_chat
-    from dvi.engine import SpeculativeEngine
+    from dvi.decode.engine import SpeculativeEngine
 
     from .loading import load_serving_pair
 
@@ -336,9 +336,9 @@ def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, co
     import httpx
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from dvi.models import find_tokenizer_path, load_tokenizer
+    from dvi.models.loading import find_tokenizer_path, load_tokenizer
 
-    from .app import pair_paths
+    from .loading import pair_paths
 
     targets = rundir.root / "targets"
     config_path, admin_token = _write_serve_config(cfg, rundir.root, targets)
@@ -400,7 +400,7 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
     import httpx
     from rich.console import Console
 
-    from .app import ensure_pair
+    from .loading import ensure_pair
 
     console = Console()
     n = requests_per_phase or DEFAULT_REQUESTS.get(cfg.models.preset, 64)

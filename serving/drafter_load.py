@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from dvi.drafters import ADAPTER_CONFIG, Drafter, SharedTargetDrafter
-from dvi.registry import AdapterRejected, DrafterRegistry, Manifest, check_state_dict
-from dvi.vocab import apply_draft_vocab, find_subset_head
+from dvi.drafters.learned import ADAPTER_CONFIG, Drafter, SharedTargetDrafter
+from dvi.drafters.vocab import apply_draft_vocab, find_subset_head
+from dvi.registry.store import AdapterRejected, DrafterRegistry, Manifest, check_state_dict
 
 MAX_CONFIG_BYTES = 1 << 20
 # config keys that fix a drafter's architecture and size; a `full` version must match the live one

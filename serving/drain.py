@@ -17,13 +17,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import ServerState
 
 log = logging.getLogger("dvi.serving")
 

@@ -11,9 +11,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dvi.engine import SpeculativeEngine
+    from dvi.decode.engine import SpeculativeEngine
 
-    from .app import ServerState
+from .state import ServerState
 
 
 def _draft_vocab_size(engine: SpeculativeEngine) -> int | None:
@@ -101,7 +101,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
                      "dropped": getattr(fb, "dropped_records", 0),
                      "failing": bool(fb is not None and fb.failing),
                      "last_error": getattr(fb, "last_error", None),
-                     "errors": s.scheduler.feedback_errors},
+                     "errors": s.feedback_log.errors},
     }
 
 

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 from dvi.config import DviConfig
 
 if TYPE_CHECKING:
-    from dvi.models import ModelPair
+    from dvi.models.loading import ModelPair
 
 log = logging.getLogger("dvi.serving")
 
 
 def pair_paths(cfg: DviConfig) -> tuple[Path, Path | None, Path | None]:
     """(target, drafter, tokenizer) paths: the config's, else the embedded preset's."""
-    from dvi.embedded import embedded_paths
+    from dvi.models.embedded import embedded_paths
 
     m = cfg.models
     if m.target is not None:
@@ -37,7 +37,7 @@ def ensure_pair(cfg: DviConfig) -> None:
 
     A subprocess, because serving must not import trainers (DESIGN.md import arrows).
     """
-    from dvi.embedded import PretrainedPreset, built_kinds, embedded_dir, get_preset, is_built
+    from dvi.models.embedded import PretrainedPreset, built_kinds, embedded_dir, get_preset, is_built
 
     m = cfg.models
     if m.target is not None:
@@ -56,15 +56,15 @@ def ensure_pair(cfg: DviConfig) -> None:
 
 def load_serving_pair(cfg: DviConfig) -> ModelPair:
     """The `ModelPair` to serve; its drafter is of `models.learned_kind` (`hybrid`: its `hybrid_kind`; `suffix`:
-    none, the engine's proposer is built from the config, `dvi.suffix_proposer.build_proposer`).
+    none, the engine's proposer is built from the config, `dvi.drafters.suffix_proposer.build_proposer`).
 
     separate: the drafter dir's HF model (reduced head if it has a draft vocabulary);
     early_exit / eagle: an `EarlyExitDrafter` / `EagleDrafter` on the loaded target
-    (`dvi.models.load_shared_target_drafter`, the same one the online trainer builds, so its published
+    (`dvi.models.loading.load_shared_target_drafter`, the same one the online trainer builds, so its published
     versions fit).
     """
-    from dvi.models import draft_vocab_size_for, load_pair, load_shared_target_drafter, serving_dtype
-    from dvi.numerics import set_exact_greedy
+    from dvi.decode.numerics import set_exact_greedy
+    from dvi.models.loading import draft_vocab_size_for, load_pair, load_shared_target_drafter, serving_dtype
 
     m = cfg.models
     target_path, drafter_path, tok_path = pair_paths(cfg)
@@ -81,7 +81,7 @@ def load_serving_pair(cfg: DviConfig) -> ModelPair:
 def serving_proposer(cfg: DviConfig, pair: ModelPair):
     """The engine's drafter: the pair's learned drafter, or for `suffix` / `hybrid` the proposer over a
     `SuffixCache` bounded by `cfg.suffix` (hybrid: around the learned drafter). None: speculation off."""
-    from dvi.suffix_proposer import build_proposer
+    from dvi.drafters.suffix_proposer import build_proposer
 
     spec, m = cfg.speculation, cfg.models
     if spec.num_draft_tokens == 0 and not spec.adaptive:

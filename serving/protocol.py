@@ -32,7 +32,7 @@ from pydantic import (
     field_validator,
 )
 
-from dvi.request import LOGIT_BIAS_RANGE, PENALTY_RANGE, REPETITION_RANGE
+from dvi.decode.request import LOGIT_BIAS_RANGE, PENALTY_RANGE, REPETITION_RANGE
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 """A request body model (`_parse` returns the validated instance of the model it is given)."""

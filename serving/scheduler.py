@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from dvi.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
-from dvi.feedback import FeedbackRecord, FeedbackWriter
+from dvi.decode.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
 
 from .detok import TextStream
 from .protocol import ApiError, new_id, shutting_down
@@ -41,7 +40,7 @@ class QueueFull(Exception):
 @dataclass
 class Finished:
     """What a request ends with: the engine's `GenerationResult` plus what only the server knows (the
-    text after stop strings, the reason it ended, latency measured from submission, the feedback record)."""
+    text after stop strings, the reason it ended, latency measured from submission)."""
 
     request_id: str
     text: str
@@ -52,7 +51,6 @@ class Finished:
     result: GenerationResult | None  # None when the engine gave none (the request never reached it)
     latency_s: float
     ttft_s: float | None
-    record: FeedbackRecord | None = None
 
     def stats(self) -> dict[str, Any]:
         """The response's `dvi` block (α and mean accepted length None when there is no data)."""
@@ -67,6 +65,17 @@ class Finished:
             "target_version": r.target_version,
             "domain": self.domain,
         }
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of a streaming request (after stop-string holdback)."""
+
+    text: str
+
+
+Event = Delta | Finished | ApiError
+"""What a request's queue carries to its endpoint: text as it streams, then one `Finished` or one `ApiError`."""
 
 
 @dataclass
@@ -93,7 +102,7 @@ class Handle:
     done: bool = False
     cancelled: bool = False
 
-    def emit(self, event: tuple) -> None:
+    def emit(self, event: Event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # loop closed: the client is gone
@@ -104,12 +113,11 @@ class Scheduler:
     """Owns the engine thread; the app submits requests and awaits their events."""
 
     def __init__(self, engine: SpeculativeEngine, tokenizer: Any, max_batch_size: int, queue_limit: int,
-                 feedback: FeedbackWriter | None = None, num_threads: int = 1) -> None:
+                 num_threads: int = 1) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.queue_limit = queue_limit
-        self.feedback = feedback
         self.num_threads = num_threads
         self.observers: list[Callable[[Finished], None]] = []
         self.step_observers: list[Callable[[float, int], None]] = []
@@ -124,7 +132,6 @@ class Scheduler:
         self.steps = 0
         self.step_errors = 0
         self.request_errors = 0
-        self.feedback_errors = 0
         self.completed = 0
         self.last_step_at = time.time()
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -317,7 +324,7 @@ class Scheduler:
             if h.stream:
                 safe = len(h.text) if finished else self._safe_len(h)
                 if safe > h.sent_chars:
-                    h.emit(("delta", h.text[h.sent_chars:safe]))
+                    h.emit(Delta(h.text[h.sent_chars:safe]))
                     h.sent_chars = safe
         if finished:
             self._active.pop(h.request_id, None)
@@ -351,31 +358,18 @@ class Scheduler:
         return max(n, h.sent_chars)
 
     def _complete(self, h: Handle, reason: str, result: GenerationResult | None, notify: bool = True) -> None:
+        """The request's `Finished` to its endpoint (unless `notify` is off: a cut answers with an error), then to
+        the observers (metrics, the swapper, the feedback log: `serving.state`)."""
         now = time.perf_counter()
-        record = None
-        if result is not None:
-            try:
-                record = FeedbackRecord.from_result(result)  # the engine's result carries the request's prompt and domain
-                record.finish_reason = reason  # as answered: a stop string is "stop", not the engine's "abort"
-            except Exception:  # noqa: BLE001 - feedback must never cost a request
-                self.feedback_errors += 1
-                log.exception("feedback record for %s dropped", h.request_id)
         fin = Finished(
             request_id=h.request_id, text=h.text, token_ids=list(h.token_ids), prompt_len=len(h.prompt_ids),
             finish_reason=reason, domain=h.domain, result=result, latency_s=now - h.submitted_at,
             ttft_s=(h.first_token_at - h.submitted_at) if h.first_token_at is not None else None,
-            record=record,
         )
         h.done = True
         self.completed += 1
         if notify:
-            h.emit(("done", fin))
-        if record is not None and self.feedback is not None:
-            try:
-                self.feedback.write(record)
-            except Exception:  # noqa: BLE001 - feedback must never cost a request
-                self.feedback_errors += 1
-                log.exception("feedback record for %s dropped", h.request_id)
+            h.emit(fin)
         for obs in self.observers:
             try:
                 obs(fin)
@@ -388,7 +382,7 @@ class Scheduler:
     def _fail(self, h: Handle, err: ApiError) -> None:
         h.done = True
         self.request_errors += 1
-        h.emit(("error", err))
+        h.emit(err)
 
     def _cut(self) -> tuple[int, int]:
         running = list(self._active.values())
@@ -398,13 +392,13 @@ class Scheduler:
                 result.finish_reason = "shutdown"
             self._active.pop(h.request_id, None)
             self._complete(h, "shutdown", result, notify=False)  # the record and metrics: what was cut
-            h.emit(("error", shutting_down(self._retry_after or 1)))
+            h.emit(shutting_down(self._retry_after or 1))
         with self._cv:
             waiting = list(self._waiting)
             self._waiting.clear()
         for h in waiting:
             h.done = True
-            h.emit(("error", shutting_down(self._retry_after or 1)))
+            h.emit(shutting_down(self._retry_after or 1))
         return len(running), len(waiting)
 
     def _shutdown(self) -> None:

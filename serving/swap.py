@@ -7,15 +7,15 @@ The watcher thread polls `LATEST` every `serve.registry_poll_seconds`. A new ver
    server never promotes what it refused);
 2. loaded and validated (`serving.drafter_load`, which calls the registry's one check,
    `DrafterRegistry.open_version`); a bad one is *refused*: logged, counted, recorded in REFUSED;
-3. shadow-checked on HELD-OUT records only (`dvi.shadow.is_heldout`: the slice no trainer rank trains
-   on), replayed through the candidate and the live drafter (`dvi.shadow.shadow_alpha`, teacher-forced,
+3. shadow-checked on HELD-OUT records only (`dvi.feedback.shadow.is_heldout`: the slice no trainer rank trains
+   on), replayed through the candidate and the live drafter (`dvi.feedback.shadow.shadow_alpha`, teacher-forced,
    no target run). It waits until those records hold `trainer.shadow_min_positions` positions (a
    restarted server has none: nothing is promoted "validated only"); a candidate whose α is below the
    live one's by more than `trainer.shadow_margin` is refused;
 4. swapped in between two engine steps (`engine.set_drafter` via the scheduler);
 5. watched: the next `serve.rollback_window` finished requests (none of which any version was trained
    on before it was published) are replayed through the new version and the last good one, per domain
-   and temperature (`dvi.shadow.paired_verdict`: like with like, with a significance rule). Worse: the
+   and temperature (`dvi.feedback.shadow.paired_verdict`: like with like, with a significance rule). Worse: the
    server rolls back to the last version that passed its watch; not worse: the new version becomes the
    last good one. No promotion is considered until the watch ends. Under a pin a failed watch only alerts.
 
@@ -39,12 +39,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dvi.config import DviConfig
-from dvi.drafters import Drafter
+from dvi.decode.results import acceptance_rate, fmt_rate
+from dvi.drafters.learned import Drafter
 from dvi.feedback import FeedbackRecord
-from dvi.fsutil import AppendLog, append_jsonl
-from dvi.registry import AdapterRejected, DrafterRegistry, ServingState
-from dvi.results import acceptance_rate, fmt_rate
-from dvi.shadow import (
+from dvi.feedback.shadow import (
     SHADOW_MAX_POSITIONS,
     hf_logits_fn,
     is_heldout,
@@ -54,6 +52,8 @@ from dvi.shadow import (
     shadow_failure,
     shadow_passes,
 )
+from dvi.fsutil import AppendLog, append_jsonl
+from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
 from .drafter_load import _module, check_full_config, load_drafter_version
 
@@ -77,7 +77,7 @@ class SwapEvent:
     previous: int | None
     reason: str
     at: float
-    category: str = ""  # refusals: one of dvi.registry.REFUSAL_KINDS (a bounded metrics label)
+    category: str = ""  # refusals: one of dvi.registry.store.REFUSAL_KINDS (a bounded metrics label)
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "version": self.version, "previous": self.previous,

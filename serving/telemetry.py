@@ -20,8 +20,13 @@ from dvi.config import DviConfig, dump_config
 from dvi.rundir import RunDir
 
 if TYPE_CHECKING:
-    from .app import ServerState
-    from .scheduler import Finished
+    from dvi.decode.engine import SpeculativeEngine
+    from dvi.feedback import FeedbackWriter
+
+    from .scheduler import Finished, Scheduler
+    from .suffix_tail import SuffixTailer
+    from .supervisor import TrainerSupervisor
+    from .swap import DrafterSwapper
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +139,13 @@ class ServerMetrics:
         for phase, n in counts.items():
             self._sync_counter(M.HTTP_REQUEST_TIMEOUTS, n, phase=phase)
 
-    def update_gauges(self, state: ServerState) -> None:
+    def update_gauges(self, scheduler: Scheduler, swapper: DrafterSwapper | None, supervisor: TrainerSupervisor,
+                      feedback: FeedbackWriter | None, target_version: int) -> None:
         """Scrape time: queue depth, versions, trainer state and heartbeat, feedback write health."""
-        self.m.set_queue_depth(state.scheduler.queue_depth())
-        dv = state.swapper.live_version if state.swapper is not None else 0
-        self.m.set_versions(drafter_version=dv, target_version=state.target_version)
-        sup = state.supervisor
+        self.m.set_queue_depth(scheduler.queue_depth())
+        dv = swapper.live_version if swapper is not None else 0
+        self.m.set_versions(drafter_version=dv, target_version=target_version)
+        sup = supervisor
         self.m.set_trainer_state(_TRAINER_STATE.get(sup.state, "stopped"))
         self.m[M.TRAINER_RESTARTS].set(sup.restarts)
         self._sync_counter(M.TRAINER_STALE_RESTARTS, sup.stale_restarts)
@@ -148,8 +154,7 @@ class ServerMetrics:
             self.m[M.TRAINER_HEARTBEAT_AGE].set(age)
         if sup.mode != "off":  # the trainer's losses and held-out α, from its last status write
             self.m.set_trainer(sup.rundir.read_trainer_status())
-        self._update_suffix(state)
-        fb = state.feedback
+        fb = feedback
         if fb is not None:
             self._sync_counter(M.FEEDBACK_WRITE_ERRORS, fb.flush_errors)
             self._sync_counter(M.FEEDBACK_DROPPED_RECORDS, fb.dropped_records)
@@ -158,9 +163,10 @@ class ServerMetrics:
         for part, n in self.disk_usage(sup.rundir).items():
             self.m[M.DISK_BYTES].labels(part=part).set(n)
 
-    def _update_suffix(self, state: ServerState) -> None:
-        """Suffix index size and hits, the tree's host seconds per step (drained from the engine), tailed records."""
-        st = state.engine.proposer.stats()
+    def update_suffix(self, engine: SpeculativeEngine, tailer: SuffixTailer | None) -> None:
+        """Scrape time: suffix index size and hits, the tree's host seconds per step (drained from the engine),
+        tailed records."""
+        st = engine.proposer.stats()
         if not st:
             return
         self.m[M.SUFFIX_INDEX_TOKENS].set(st.get("tokens", 0))
@@ -168,12 +174,12 @@ class ServerMetrics:
         self._sync_counter(M.SUFFIX_LOOKUPS, st.get("lookups", 0))
         for src, key in (("suffix_request", "hits_request"), ("suffix_global", "hits_global")):
             self._sync_counter(M.SUFFIX_HITS, st.get(key, 0), source=src)
-        secs, state.engine.suffix_step_seconds = state.engine.suffix_step_seconds, []
+        secs, engine.suffix_step_seconds = engine.suffix_step_seconds, []
         h = self.m[M.SUFFIX_STEP_SECONDS]
         for x in secs:
             h.observe(x)
-        if state.suffix_tailer is not None:
-            self._sync_counter(M.SUFFIX_TAILED_RECORDS, state.suffix_tailer.records_added)
+        if tailer is not None:
+            self._sync_counter(M.SUFFIX_TAILED_RECORDS, tailer.records_added)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

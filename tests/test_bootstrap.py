@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dvi import data
-from dvi.embedded import PRESETS, EmbeddedPaths, cache_root, embedded_dir, embedded_paths, is_built
-from dvi.models import load_causal_lm, load_tokenizer
+from dvi.models.embedded import PRESETS, EmbeddedPaths, cache_root, embedded_dir, embedded_paths, is_built
+from dvi.models.loading import load_causal_lm, load_tokenizer
 from trainers.bootstrap import bootstrap, build_pair, save_pair, summary_table
 from trainers.offline import evaluate_lms
 
@@ -158,7 +158,7 @@ def test_drafter_warm_start_is_the_targets_first_layer_exit():
     token and output space."""
     import copy
 
-    from dvi.embedded import ModelDims, Preset
+    from dvi.models.embedded import ModelDims, Preset
     from trainers.bootstrap import init_drafter_from_target, make_llama, train_tokenizer
 
     tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300)

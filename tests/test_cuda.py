@@ -15,8 +15,8 @@ import torch
 from test_engine import FAMILIES, NEW, PROMPTS, assert_greedy_equal, perturbed, reference, tiny
 from test_sampling import N_SAMPLES, engine_pvalue, tiny_lm
 
-from dvi.drafters import EarlyExitDrafter
-from dvi.engine import SpeculativeEngine
+from dvi.decode.engine import SpeculativeEngine
+from dvi.drafters.learned import EarlyExitDrafter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

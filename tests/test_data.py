@@ -60,7 +60,7 @@ def test_corpus_stats_shape():
 
 
 def test_prompt_stream_deterministic_and_in_range(tiny_pair_dir):
-    from dvi.models import load_tokenizer
+    from dvi.models.loading import load_tokenizer
 
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
     a = data.prompt_stream("code", tok, prompt_tokens=(8, 16), seed=3)
@@ -120,7 +120,7 @@ def test_sql_requests_use_the_schema_columns():
 def test_sql_prompt_stream_renders_and_bounds(tiny_pair_dir):
     import itertools
 
-    from dvi.models import load_tokenizer
+    from dvi.models.loading import load_tokenizer
 
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
     ids = list(itertools.islice(data.sql_prompt_stream(tok, "heldout", seed=0, max_tokens=200), 4))

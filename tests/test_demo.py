@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from dvi.config import load_config
-from dvi.models import load_tokenizer
+from dvi.models.loading import load_tokenizer
 from serving import demo
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from dvi.engine import GenerationResult, SamplingParams, StepOutput
+from dvi.decode.engine import GenerationResult, SamplingParams, StepOutput
 from serving.detok import TextStream
 from serving.logprobs import token_bytes, token_logprobs
-from serving.scheduler import Scheduler
+from serving.scheduler import Delta, Finished, Scheduler
 
 TEXT = "héllo wörld 日本語 🙂 naïve café — ok. Ünïcödé ∑ 𝔘 end"
 
@@ -63,13 +63,13 @@ def _run(tokenizer: Any, ids: list[int], stream: bool, stop: list[str] | None = 
             h = sched.submit([1], SamplingParams(max_new_tokens=len(ids)), stop=stop, stream=stream)
             deltas = []
             while True:
-                kind, val = await asyncio.wait_for(h.queue.get(), 30)
-                if kind == "delta":
-                    deltas.append(val)
-                elif kind == "done":
-                    return deltas, val
+                ev = await asyncio.wait_for(h.queue.get(), 30)
+                if isinstance(ev, Delta):
+                    deltas.append(ev.text)
+                elif isinstance(ev, Finished):
+                    return deltas, ev
                 else:
-                    raise val
+                    raise ev
         finally:
             sched.stop()
 

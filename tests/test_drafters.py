@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from dvi.drafters import EarlyExitDrafter, SeparateDrafter, as_drafter
+from dvi.drafters.learned import EarlyExitDrafter, SeparateDrafter, as_drafter
 
 torch.set_num_threads(1)
 

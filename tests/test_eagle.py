@@ -8,11 +8,11 @@ import torch
 from test_engine import NEW, PROMPTS, assert_greedy_equal, reference, tiny
 from test_sampling import N_SAMPLES, engine_pvalue, tiny_lm
 
-from dvi.eagle import EagleDrafter, features_from_hidden
-from dvi.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.drafters.eagle import EagleDrafter, features_from_hidden
 from dvi.feedback import FeedbackRecord
 from dvi.feedback.record import records_to_table
-from dvi.shadow import hf_logits_fn
+from dvi.feedback.shadow import hf_logits_fn
 
 torch.set_num_threads(1)
 
@@ -100,14 +100,14 @@ def test_drafts_equal_the_teacher_forced_head_on_logged_features():
 
 
 def test_logged_features_round_trip_to_the_training_batch():
-    """engine -> FeedbackRecord -> parquet row -> Example -> Batch: the features are the target's own."""
-    from trainers.online.collate import Example, build_batch
+    """engine -> FeedbackRecord -> parquet row -> compact record -> Batch: the features are the target's own."""
+    from trainers.online.collate import build_batch
 
     target = tiny("llama", seed=0)
     got = run(SpeculativeEngine(target, noisy_eagle(target), num_draft_tokens=3, feedback_top_k=4), PROMPTS[:3])
     recs = [FeedbackRecord.from_result(r) for r in got]
     rows = records_to_table(recs).to_pylist()
-    exs = [Example.of(FeedbackRecord.from_row(row)) for row in rows]
+    exs = [FeedbackRecord.from_row(row).compact() for row in rows]
     batch = build_batch(exs, [1.0] * len(exs))
     for i, (p, r) in enumerate(zip(PROMPTS[:3], got, strict=True)):
         ref = target_features(target, p + r.token_ids)  # [L - 1, H]
@@ -232,7 +232,7 @@ def test_non_llama_family_refused_with_a_clear_error():
 # -- online training, publishing, hot swap -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_pair_dir):
-    from dvi.models import load_pair
+    from dvi.models.loading import load_pair
 
     return load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
 
@@ -252,7 +252,7 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
                                                                                tmp_path):
     from test_online import online_config
 
-    from dvi.registry import DrafterRegistry
+    from dvi.registry.store import DrafterRegistry
     from serving.swap import load_drafter_version
     from trainers.online import OnlineTrainer, is_heldout
 
@@ -270,8 +270,8 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
     for _ in range(3):
         st = tr.train_on_records(recs)
     after = tr.shadow(held)
-    assert st["feature"] > 0 and after.alpha > before.alpha + 0.3, (before, after)  # measured 0.10 -> 0.88
-    v = tr.maybe_publish(force=True)["published"]
+    assert st.losses["feature"] > 0 and after.alpha > before.alpha + 0.3, (before, after)  # measured 0.10 -> 0.88
+    v = tr.maybe_publish(force=True).published
     assert reg.manifest(v).drafter_kind == "eagle"
     live, _ = load_drafter_version(reg, v, base)
     for k, t in tr.trainable.state().items():
@@ -303,12 +303,12 @@ def test_chained_pass_feeds_generated_positions_the_heads_own_features():
     """The trainer's second eagle pass: prompt inputs keep the target's features, input j of the generated
     region reads the head's prediction at input j - 1 (what draft j of a step reads)."""
     from trainers.losses import chained_features
-    from trainers.online.collate import Example, build_batch
+    from trainers.online.collate import build_batch
 
     target = tiny("llama", seed=0)
     d = noisy_eagle(target)
     got = run(SpeculativeEngine(target, d, num_draft_tokens=2, feedback_top_k=4), PROMPTS[:3])
-    batch = build_batch([Example.of(FeedbackRecord.from_result(r)) for r in got], [1.0] * 3)
+    batch = build_batch([FeedbackRecord.from_result(r).compact() for r in got], [1.0] * 3)
     with torch.no_grad():
         out = d.model(input_ids=batch.input_ids, features=batch.features, attention_mask=batch.attention_mask,
                       position_ids=batch.position_ids, logits_to_keep=batch.width)
@@ -324,7 +324,7 @@ def test_hybrid_with_an_eagle_head_is_greedy_equal_and_logs_true_features():
     its features true (the head re-reads the kept tokens with the target's features), and every kind of step
     logs the same features the target computes."""
     from dvi.config import SuffixConfig
-    from dvi.suffix_proposer import build_proposer
+    from dvi.drafters.suffix_proposer import build_proposer
 
     target = tiny("llama", seed=0)
     refs = [reference(target, p, NEW) for p in PROMPTS]

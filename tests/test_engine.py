@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from dvi.drafters import EarlyExitDrafter, SeparateDrafter
-from dvi.engine import Request, SamplingParams, SpeculativeEngine
-from dvi.vocab import frequent_token_ids
+from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.drafters.learned import EarlyExitDrafter, SeparateDrafter
+from dvi.drafters.vocab import frequent_token_ids
 
 torch.set_num_threads(1)
 
@@ -355,7 +355,7 @@ def test_suffix_and_hybrid_greedy_equal_hf_generate(kind):
     """Suffix drafts (point masses) keep greedy output equal at batch 1 and ragged batches; a second pass over
     the same prompts drafts from the finished outputs (the global index) and accepts most of them."""
     from dvi.config import SuffixConfig
-    from dvi.suffix_proposer import build_proposer
+    from dvi.drafters.suffix_proposer import build_proposer
 
     target = tiny("llama", seed=0)
     refs = [reference(target, p, NEW) for p in PROMPTS]

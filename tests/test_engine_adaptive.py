@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import dvi.adaptive
-from dvi.acceptance import AcceptanceEMA
-from dvi.adaptive import AdaptiveK, CostModel, choose_k, expected_tokens, predicted_speedup
+import dvi.decode.adaptive
+from dvi.decode.acceptance import AcceptanceEMA
+from dvi.decode.adaptive import AdaptiveK, CostModel, choose_k, expected_tokens, predicted_speedup
 
 
 def test_expected_tokens():
@@ -148,7 +148,7 @@ def _simulate(true_alphas: dict[str, float], rows: int = 60, seed: int = 0) -> d
     (break-even acceptance ~0.55)."""
     import random
 
-    from dvi.acceptance import AcceptanceTracker
+    from dvi.decode.acceptance import AcceptanceTracker
 
     rng = random.Random(seed)
     ctl = AdaptiveK(8, 4)
@@ -185,7 +185,7 @@ def test_choose_k_matches_reference_formula():
     """The inlined hot path picks the K the plain formula (`expected_tokens` per row and K) picks."""
     import random
 
-    from dvi.adaptive import choose_k, expected_tokens
+    from dvi.decode.adaptive import choose_k, expected_tokens
 
     def ref(alphas, dc, vc, k_max, margin, remaining):
         if remaining is not None:
@@ -214,7 +214,7 @@ def test_choose_k_matches_reference_formula():
 
 
 def test_adaptive_cost_cache_follows_set_costs():
-    from dvi.adaptive import AdaptiveK
+    from dvi.decode.adaptive import AdaptiveK
 
     c = AdaptiveK(4, 2)
     c.set_costs(1, {0: 0.010, 1: 0.011, 2: 0.012, 4: 0.014}, 0.001)
@@ -284,9 +284,9 @@ class _FakeRows:
 
 
 def test_calibrate_interleaves_and_prices_chains(monkeypatch):
-    monkeypatch.setattr(dvi.adaptive, "_timed", lambda run, sync: run())  # the scripted seconds
+    monkeypatch.setattr(dvi.decode.adaptive, "_timed", lambda run, sync: run())  # the scripted seconds
     rows = _FakeRows()
-    c = dvi.adaptive.calibrate(rows, k_max=4, reps=2)
+    c = dvi.decode.adaptive.calibrate(rows, k_max=4, reps=2)
     one_rep = [("verify", 0), ("undo_verify", 0), ("verify", 1), ("undo_verify", 1), ("verify", 2),
                ("undo_verify", 2), ("verify", 4), ("undo_verify", 4),
                ("draft", 0), ("draft", 1), ("draft", 2), ("draft", 3), ("undo_drafts", 5)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dvi.drafters import model_forward
-from dvi.kv import prefill
+from dvi.decode.forward import model_forward
+from dvi.decode.kv import prefill
 
 torch.set_num_threads(1)
 
@@ -77,7 +77,7 @@ def _kv(b, n, seed, h=2, d=4):
 
 
 def test_buffered_layer_grows_by_doubling_and_matches_cat():
-    from dvi.kv import BufferedLayer
+    from dvi.decode.kv import BufferedLayer
 
     layer = BufferedLayer()
     ref_k, ref_v = _kv(3, 0, 0)
@@ -96,7 +96,7 @@ def test_buffered_layer_grows_by_doubling_and_matches_cat():
 
 
 def test_buffered_layer_rollback_window_and_overwrite():
-    from dvi.kv import BufferedLayer
+    from dvi.decode.kv import BufferedLayer
 
     layer = BufferedLayer()
     k0, v0 = _kv(2, 10, 1)
@@ -112,7 +112,7 @@ def test_buffered_layer_rollback_window_and_overwrite():
 
 
 def test_buffered_layer_select_gather_match_plain_ops():
-    from dvi.kv import BufferedLayer
+    from dvi.decode.kv import BufferedLayer
 
     layer = BufferedLayer()
     k, v = _kv(4, 9, 3)

@@ -31,7 +31,7 @@ from test_serving_helpers import (
 
 from dvi import metrics as M
 from dvi.feedback import QUARANTINE_DIR, FeedbackReader, record_nbytes
-from dvi.registry import DrafterRegistry, vname
+from dvi.registry.store import DrafterRegistry, vname
 
 pytestmark = pytest.mark.slow
 
@@ -115,8 +115,8 @@ def test_01_top_k_above_vocabulary_is_a_400_and_bystanders_are_unharmed(srv, cli
 
 
 def test_01_engine_refuses_and_sampling_clamps_top_k(srv) -> None:
-    from dvi.engine import InvalidParam, SamplingParams
-    from dvi.sampling import warp_probs
+    from dvi.decode.engine import InvalidParam, SamplingParams
+    from dvi.decode.sampling import warp_probs
 
     with pytest.raises(InvalidParam) as exc:
         srv.state.engine._validate_params(SamplingParams(4, temperature=1.0, top_k=10**6), 3)
@@ -166,10 +166,10 @@ def test_05_nan_shadow_alpha_never_promotes_a_worse_drafter(srv, client) -> None
 
 
 def _records(srv) -> list:
-    """Every feedback record the server finishes from now on (a scheduler observer; the swapper keeps only
-    the held-out ones)."""
+    """Every feedback record the server finishes from now on (a consumer of its feedback log; the swapper keeps
+    only the held-out ones)."""
     seen: list = []
-    srv.state.scheduler.observers.append(lambda fin: seen.append(fin.record) if fin.record is not None else None)
+    srv.state.feedback_log.consumers.append(seen.append)
     return seen
 
 

@@ -5,8 +5,8 @@ import uuid
 import pytest
 import torch
 
+from dvi.decode.results import GenerationResult
 from dvi.feedback import SCHEMA, FeedbackReader, FeedbackRecord, FeedbackWriter, Retention
-from dvi.results import GenerationResult
 
 torch.set_num_threads(1)
 
@@ -353,3 +353,23 @@ def test_retention_by_age(tmp_path):
         w.flush()
     left = sorted(p.name for p in root.glob("shard-*.parquet"))
     assert len(left) == 1 and aged.name not in left and w.deleted_shards == 1
+
+
+@pytest.mark.parametrize("missing", ["finish_reason", "hidden", "hidden_dim", "draft_source"])
+def test_shards_from_before_an_optional_column_read_with_its_default(tmp_path, missing) -> None:
+    """A shard written before an optional column existed reads whole, the column as the field's default; it
+    is not quarantined (the finish_reason column was: two OPTIONAL_FIELDS literals, the second without it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "fb"
+    root.mkdir()
+    rec = make_record(1)
+    table = pa.Table.from_pylist([{k: v for k, v in rec.__dict__.items() if k != missing}],
+                                 schema=pa.schema([f for f in SCHEMA if f.name != missing]))
+    pq.write_table(table, root / "shard-00000000000000000001-1-000001.parquet")
+    r = FeedbackReader(root)
+    (got,) = r.read_records(r.poll())
+    assert r.quarantined_shards == 0
+    default = getattr(FeedbackRecord(**{k: v for k, v in rec.__dict__.items() if k != missing}), missing)
+    assert getattr(got, missing) == default and default is not None

@@ -36,7 +36,7 @@ def test_server_run_dir_and_feedback_are_private(tiny_pair_dir, tmp_path) -> Non
         for i in range(3):
             assert c.post("/v1/completions", json={"prompt": f"def f{i}(", "max_tokens": 4}).status_code == 200
         s.state.feedback.flush()
-        from dvi.registry import DrafterRegistry
+        from dvi.registry.store import DrafterRegistry
 
         reg = DrafterRegistry(cfg.registry.dir)
         v = reg.publish({"adapter_model.safetensors": b"\x00garbage" * 8, "adapter_config.json": b"{}"},

@@ -68,3 +68,79 @@ def test_modules_and_functions_stay_small() -> None:
     assert not too_long, f"modules over 500 lines: {too_long}"
     assert not too_big, f"functions over 60 lines: {too_big}"
     assert not too_many, f"functions with more than 8 parameters: {too_many}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports, from every import statement anywhere in it: module level,
+    under `if TYPE_CHECKING:`, and inside functions (a lazy import is still a dependency). `from p import x`
+    counts as an import of `p.x` when that is a module, else of `p`; a package's own `__init__` imported on
+    the way (`dvi` for `dvi.decode.kv`) is not counted."""
+    files = {_module_name(p): p for p in _code_files()}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                wanted = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                wanted = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            deps.update(w for w in wanted if w in files and w != name)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """Issue 28: no two modules of dvi/, trainers/ and serving/ import each other, directly or around a loop,
+    counting imports under TYPE_CHECKING and inside functions (neither removes the dependency)."""
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    """The check itself can fail: a two-module loop and a three-module loop are reported, a chain is not."""
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []

@@ -206,7 +206,7 @@ def test_subset_loss_finite_with_finite_gradients(case):
     elif case == "all_outside":
         target[..., subset] = -50.0
     ids, lps = topk_of(target, 4)
-    if case == "no_topk_logged":  # records without top-k: the target token as a one-hot (Example.of)
+    if case == "no_topk_logged":  # records without top-k: the target token as a one-hot (FeedbackRecord.compact)
         ids, lps = ids[..., :1], torch.zeros(2, 5, 1)
     drafted = torch.tensor(subset)[torch.randint(len(subset), (2, 5))]
     drafted[0, 0] = 1  # a draft outside the subset (an older full-vocab drafter's) is ignored

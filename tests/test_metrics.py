@@ -6,7 +6,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dvi import metrics as M
-from dvi.results import GenerationResult
+from dvi.decode.results import GenerationResult
 
 torch.set_num_threads(1)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dvi.models import (
+from dvi.models.loading import (
     IncompatibleModelsError,
     ModelPair,
     check_compatible,
@@ -98,7 +98,7 @@ def test_decode_step_latency_positive(tiny_pair_dir):
 def test_load_pair_from_config(tiny_pair_dir):
     from types import SimpleNamespace
 
-    from dvi.models import load_pair_from_config
+    from dvi.models.loading import load_pair_from_config
 
     cfg = SimpleNamespace(preset="tiny", target=tiny_pair_dir / "target", drafter=tiny_pair_dir / "drafter",
                           tokenizer=None, device="cpu", dtype="auto")
@@ -110,7 +110,7 @@ def test_load_state_dict_reads_sharded_and_single_checkpoints(tmp_path):
     """A target update from a directory reads it as save_pretrained wrote it: every shard of the index."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dvi.models import load_state_dict
+    from dvi.models.loading import load_state_dict
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

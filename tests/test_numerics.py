@@ -13,12 +13,12 @@ import torch
 from test_engine import perturbed
 from tiny_models import tiny_llama
 
-import dvi.engine
-from dvi.drafters import model_forward
-from dvi.engine import SpeculativeEngine
-from dvi.kv import prefill
-from dvi.numerics import plain_greedy, set_exact_greedy
-from dvi.sampling import first_divergence, tie_bound
+import dvi.decode.engine
+from dvi.decode.engine import SpeculativeEngine
+from dvi.decode.forward import model_forward, plain_greedy
+from dvi.decode.kv import prefill
+from dvi.decode.numerics import set_exact_greedy
+from dvi.decode.sampling import first_divergence, tie_bound
 
 BF16 = torch.bfloat16
 NEW = 24
@@ -98,7 +98,7 @@ def test_near_tie_check_catches_a_lossy_engine(monkeypatch):
     """The check above can fail: an engine that keeps every draft parts from the target where the gap is
     far beyond bf16 rounding, and `first_divergence` says so (peaked logits: real gaps are wide)."""
     target = bf16_target(layers=2, init=0.5)
-    monkeypatch.setattr(dvi.engine, "greedy_accept",
+    monkeypatch.setattr(dvi.decode.engine, "greedy_accept",
                         lambda d, logits, lens=None: (torch.full((d.shape[0],), d.shape[1]), logits[:, -1].argmax(-1)))
     divs, n = divergences(target, perturbed(target, scale=0.3), 4, batched=False, ps=prompts(4))
     assert len(divs) == n and not any(d["near_tie"] for d in divs), divs
@@ -148,7 +148,7 @@ def test_exact_mode_eagle_bf16():
 def test_exact_greedy_config_marks_the_served_target(tiny_pair_dir):
     """`models.exact_greedy` reaches the target the server loads (and is off by default)."""
     from dvi.config import DviConfig
-    from dvi.numerics import is_exact_greedy
+    from dvi.decode.numerics import is_exact_greedy
     from serving.loading import load_serving_pair
 
     def served(**models) -> bool:
@@ -165,9 +165,9 @@ def test_real_pair_bf16_speculation_equals_plain_decode():
     early-exit drafter, greedy text with speculation is the plain greedy text (before the fix: 5 of 10
     prompts differed, benchmarks/greedy_agreement.py)."""
     from dvi import data
-    from dvi.drafters import EarlyExitDrafter
-    from dvi.embedded import embedded_paths, is_built
-    from dvi.models import load_causal_lm, load_tokenizer
+    from dvi.drafters.learned import EarlyExitDrafter
+    from dvi.models.embedded import embedded_paths, is_built
+    from dvi.models.loading import load_causal_lm, load_tokenizer
 
     paths = embedded_paths("smollm2")
     if not is_built(paths.root, "smollm2"):

@@ -14,14 +14,13 @@ import pytest
 import torch
 
 from dvi.config import DviConfig, load_config
-from dvi.engine import Request, SamplingParams, SpeculativeEngine, Versions
+from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine, Versions
 from dvi.feedback import FeedbackRecord, FeedbackWriter
-from dvi.registry import AdapterRejected, DrafterRegistry
+from dvi.registry.store import AdapterRejected, DrafterRegistry
 from trainers.online import (
     CONSUMED_LOG,
     TARGET_VERSION_FILE,
     TRAINER_DIR,
-    Example,
     OnlineTrainer,
     TrainerLoop,
     build_batch,
@@ -74,7 +73,7 @@ def engine_records(pair, domain: str, n: int, max_new_tokens: int = 24, prefix: 
 
 @pytest.fixture(scope="module")
 def pair(tiny_pair_dir):
-    from dvi.models import load_pair
+    from dvi.models.loading import load_pair
 
     return load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
 
@@ -97,7 +96,7 @@ def _greedy_reference(target, prompts, n):
 # -- batches ------------------------------------------------------------------------------------------
 def test_build_batch_matches_plain_teacher_forcing(pair, prose) -> None:
     """Left padding + position ids + logits_to_keep give the same logits as one row at a time."""
-    exs = [Example.of(r) for r in prose[:4]]
+    exs = [r.compact() for r in prose[:4]]
     exs[1].token_ids = exs[1].token_ids[:7]  # ragged generated lengths
     exs[1].drafted_ids, exs[1].accepted = exs[1].drafted_ids[:7], exs[1].accepted[:7]
     exs[1].topk_ids, exs[1].topk_logprobs = exs[1].topk_ids[:7], exs[1].topk_logprobs[:7]
@@ -117,7 +116,7 @@ def test_build_batch_matches_plain_teacher_forcing(pair, prose) -> None:
 
 
 def test_truncation_keeps_the_newest_tokens(prose) -> None:
-    e = Example.of(prose[0])
+    e = prose[0].compact()
     b = build_batch([e], [1.0], max_seq_len=10)
     assert b.input_ids.shape[1] == 10 and b.width == min(10, len(e.token_ids))
     assert b.input_ids[0].tolist() == (list(e.prompt_ids) + list(e.token_ids[:-1]))[-10:]
@@ -126,7 +125,7 @@ def test_truncation_keeps_the_newest_tokens(prose) -> None:
 def test_records_without_topk_train_on_the_targets_token(prose) -> None:
     r = copy.deepcopy(prose[0])
     r.topk_ids, r.topk_logprobs = [], []
-    e = Example.of(r)
+    e = r.compact()
     assert e.topk_ids[:, 0].tolist() == list(r.token_ids) and (e.topk_logprobs == 0).all()
 
 
@@ -157,8 +156,8 @@ def test_stale_targets_dropped_or_downweighted_and_version_file(pair, prose, tin
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
     capture(tr)
     st = tr.train_on_records(recs)
-    assert st["dropped_stale"] == 8 and st["new"] == 8 and all(v == 1 for b in seen for v, _ in b)
-    assert sorted(st["dropped_ids"]) == sorted(r.request_id for r in recs if r.target_version == 0)
+    assert st.dropped_stale == 8 and st.new == 8 and all(v == 1 for b in seen for v, _ in b)
+    assert sorted(st.dropped_ids) == sorted(r.request_id for r in recs if r.target_version == 0)
 
     seen.clear()
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.stale_target_policy=downweight", "trainer.stale_weight=0.25",
@@ -166,13 +165,13 @@ def test_stale_targets_dropped_or_downweighted_and_version_file(pair, prose, tin
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
     capture(tr)
     st = tr.train_on_records(recs)
-    assert st["new"] == 16 and {(v, w) for b in seen for v, w in b} == {(0, 0.25), (1, 1.0)}
+    assert st.new == 16 and {(v, w) for b in seen for v, w in b} == {(0, 0.25), (1, 1.0)}
 
     # the server / RL loop announces target v2 before any v2 feedback exists: now all of it is stale
     (tmp_path / TARGET_VERSION_FILE).write_text("2\n")
     seen.clear()
     st = tr.train_on_records(recs)
-    assert st["target_version"] == 2 and {w for b in seen for _, w in b} == {0.25}
+    assert st.target_version == 2 and {w for b in seen for _, w in b} == {0.25}
 
 
 def test_recent_first_and_replay_share(pair, prose, tiny_pair_dir, tmp_path) -> None:
@@ -186,22 +185,22 @@ def test_recent_first_and_replay_share(pair, prose, tiny_pair_dir, tmp_path) -> 
     for i, r in enumerate(first):
         r.finished_at = 100.0 + i
     st = tr.train_on_records(first)
-    assert st["replayed"] == 0 and batches[0] == [r.request_id for r in first[::-1][:4]]  # newest first, no replay yet
+    assert st.replayed == 0 and batches[0] == [r.request_id for r in first[::-1][:4]]  # newest first, no replay yet
     batches.clear()
     st = tr.train_on_records(prose[8:14])
-    assert st["new"] == 6 and st["replayed"] == 2 * 1  # 3 new + 1 replayed per batch of 4
+    assert st.new == 6 and st.replayed == 2 * 1  # 3 new + 1 replayed per batch of 4
     assert all(set(b[3:]) <= {r.request_id for r in first} for b in batches)
     assert tr.records_seen == 14 and tr.replayed == 2
     # idle replay: steps on recent trained records, counted as replay, never as new records
     st = tr.train_on_replay(steps=2, recent=6)
-    assert st["steps"] == 2 and tr.records_seen == 14 and tr.replayed == 2 + 2 * 4
+    assert st.steps == 2 and tr.records_seen == 14 and tr.replayed == 2 + 2 * 4
 
 
 @pytest.mark.parametrize("mode", ["lora", "full", "lora_reduced_vocab"])
 def test_training_on_feedback_raises_heldout_shadow_alpha(pair, prose, tiny_pair_dir, tmp_path, mode) -> None:
     # The tiny target is nearly flat (its argmax hinges on near-ties), so pure KL barely flips argmaxes
     # in a few dozen LoRA steps; the accept/reject reward does. Ramp it in early here.
-    from dvi.vocab import apply_draft_vocab, frequent_token_ids
+    from dvi.drafters.vocab import apply_draft_vocab, frequent_token_ids
 
     cfg = online_config(tiny_pair_dir, tmp_path, f"trainer.mode={mode.split('_')[0]}", "trainer.reward_weight=0.5",
                         "trainer.reward_ramp_start=0", "trainer.reward_ramp_steps=10")
@@ -247,7 +246,7 @@ def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_
     cfg = online_config(tiny_pair_dir, tmp_path, *extra)
     reg = DrafterRegistry(cfg.registry.dir)
     if mode == "early_exit":
-        from dvi.drafters import EarlyExitDrafter
+        from dvi.drafters.learned import EarlyExitDrafter
 
         drafter = EarlyExitDrafter(copy.deepcopy(pair.target), 1, lora_rank=4, target_modules=["q_proj", "v_proj"])
     else:
@@ -255,7 +254,7 @@ def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_
     tr = OnlineTrainer(cfg, drafter, registry=reg)
     tr.train_on_records(prose[:48])
     d = tr.maybe_publish(force=True)
-    v = d["published"]
+    v = d.published
     assert v == 1 and reg.latest() == 1
     man = reg.manifest(v)
     for key in ("version", "parent_version", "target_version", "steps", "records_seen", "heldout_alpha", "created_at"):
@@ -275,7 +274,7 @@ def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_
 
         new = AutoModelForCausalLM.from_pretrained(str(vdir)).eval()
     else:
-        from dvi.drafters import EarlyExitDrafter
+        from dvi.drafters.learned import EarlyExitDrafter
 
         new = EarlyExitDrafter.load(pair.target, vdir)
     # the loaded drafter is the trained one (not the base): same teacher-forced logits as the trainer's
@@ -299,14 +298,14 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     reg = DrafterRegistry(cfg.registry.dir)
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
     tr.train_on_records(prose[:32])
-    v1 = tr.maybe_publish(force=True)["published"]
+    v1 = tr.maybe_publish(force=True).published
     live = PeftModel.from_pretrained(copy.deepcopy(pair.drafter), str(reg.version_dir(v1)))
     eng = SpeculativeEngine(pair.target, live, num_draft_tokens=3, versions=Versions(drafter=v1))
     prompts = [list(r.prompt_ids) for r in prose[:3]]
     ref = _greedy_reference(pair.target, prompts, 16)
 
     tr.train_on_records(prose[32:64])
-    v2 = tr.maybe_publish(force=True)["published"]
+    v2 = tr.maybe_publish(force=True).published
     weights = reg.version_dir(v2) / "adapter_model.safetensors"
     blob = weights.read_bytes()
     weights.write_bytes(blob[: len(blob) // 2])  # torn / corrupted file
@@ -332,7 +331,7 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     # the trainer survives a corrupt LATEST: it compares with what is served (nothing recorded: the base)
     tr.train_on_records(prose[:16])
     d = tr.maybe_publish(force=True)
-    assert d["published"] == v2 + 1 and d["parent_version"] == 0
+    assert d.published == v2 + 1 and d.parent_version == 0
     # and a fresh trainer process start (no checkpoint) with a corrupt LATEST starts from the base
     (reg.dir / "LATEST").write_text(f"v{v2:06d}\n")
     tr2 = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
@@ -419,7 +418,7 @@ def test_from_config_loads_each_drafter_kind(prose, tiny_pair_dir, tmp_path, ove
     n_all = sum(p.numel() for p in tr.model.parameters())
     assert (n_train == n_all) == (kind == "full")
     st = tr.train_on_records(prose[:8])
-    assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
+    assert st.steps >= 1 and tr.maybe_publish(force=True).published == 1
 
 
 # -- reduced draft vocabulary ---------------------------------------------------------------------------
@@ -430,8 +429,8 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
     same subset (and refuses it for a server drafting over another subset size)."""
     import math
 
-    from dvi.drafters import EarlyExitDrafter
-    from dvi.vocab import apply_draft_vocab, find_subset_head, frequent_token_ids
+    from dvi.drafters.learned import EarlyExitDrafter
+    from dvi.drafters.vocab import apply_draft_vocab, find_subset_head, frequent_token_ids
     from serving.swap import load_drafter_version
 
     ids = frequent_token_ids([r.token_ids for r in prose], n=16, always=[pair.tokenizer.eos_token_id])
@@ -448,8 +447,8 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
 
     tr = OnlineTrainer(cfg, make(ids), registry=reg)
     st = tr.train_on_records(prose[:48])
-    assert st["steps"] >= 1 and math.isfinite(st["loss"]) and math.isfinite(st["kl"])
-    v = tr.maybe_publish(force=True)["published"]
+    assert st.steps >= 1 and math.isfinite(st.losses["loss"]) and math.isfinite(st.losses["kl"])
+    v = tr.maybe_publish(force=True).published
     assert reg.manifest(v).draft_vocab_size == 16
     new, _ = load_drafter_version(reg, v, make(ids))
     module = new.model if mode == "early_exit" else new
@@ -467,7 +466,7 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
 
 @pytest.mark.parametrize("kind", ["separate", "early_exit"])
 def test_from_config_loads_the_configured_draft_vocabulary(prose, tiny_pair_dir, tmp_path, kind) -> None:
-    from dvi.vocab import save_draft_vocab
+    from dvi.drafters.vocab import save_draft_vocab
 
     save_draft_vocab(tmp_path / "vocab", torch.arange(511, -1, -1), vocab_size=512)
     extra = ["models.drafter_kind=early_exit"] if kind == "early_exit" else []
@@ -477,7 +476,7 @@ def test_from_config_loads_the_configured_draft_vocabulary(prose, tiny_pair_dir,
     tr = OnlineTrainer.from_config(cfg)
     assert tr.draft_vocab_size == 32
     st = tr.train_on_records(prose[:8])
-    assert st["steps"] >= 1 and tr.maybe_publish(force=True)["published"] == 1
+    assert st.steps >= 1 and tr.maybe_publish(force=True).published == 1
     assert tr.registry.manifest(1).draft_vocab_size == 32
 
 
@@ -492,9 +491,9 @@ def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
     st = tr.train_on_records(recs)
     assert tr.feedback_tokens == tokens and tr.records_read == 24 and tr.steps_allowed() == 2
-    assert st["steps"] == 2 and tr.step == 2 and st["budget_deferred"] == 24 - 2 * 4
+    assert st.steps == 2 and tr.step == 2 and st.budget_deferred == 24 - 2 * 4
     assert tr.records_seen == 8 and tr.budget_deferred == 16 and len(tr.replay) == 24  # deferred kept for replay
-    assert tr.train_on_replay(steps=3)["steps"] == 0 and tr.step == 2  # budget spent: no replay either
+    assert tr.train_on_replay(steps=3).steps == 0 and tr.step == 2  # budget spent: no replay either
     more = prose[24:40]
     tr.train_on_records(more)  # enough tokens for about one more step; replay may use what is left
     allowed = (tokens + sum(len(r.token_ids) for r in more)) // per_step
@@ -508,7 +507,7 @@ def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_
     free = OnlineTrainer(online_config(tiny_pair_dir, tmp_path / "free", "trainer.heldout_fraction=0",
                                        "trainer.replay_ratio=0", "trainer.batch_size=4"), copy.deepcopy(pair.drafter))
     st = free.train_on_records(recs)
-    assert st["steps"] == 6 and free.budget_deferred == 0 and free.steps_allowed() is None
+    assert st.steps == 6 and free.budget_deferred == 0 and free.steps_allowed() is None
     # the counters survive a checkpoint round trip (the loop's resume point)
     tr.save_checkpoint(tmp_path / "ckpt", {})
     back = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))

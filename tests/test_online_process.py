@@ -23,7 +23,7 @@ from test_online import engine_records, online_config
 from dvi import metrics as M
 from dvi.config import dump_config
 from dvi.feedback import FeedbackReader, FeedbackWriter
-from dvi.registry import DrafterRegistry
+from dvi.registry.store import DrafterRegistry
 from trainers.online import CONSUMED_LOG, PAUSE_FILE, STATUS_FILE, TRAINER_DIR
 
 pytestmark = pytest.mark.slow
@@ -78,7 +78,7 @@ def _reap(proc: subprocess.Popen) -> None:
 
 
 def test_trainer_sigkill_restart_resumes_exactly_once_pause_and_sigterm(tiny_pair_dir, tmp_path) -> None:
-    from dvi.models import load_pair
+    from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=2", "trainer.publish_every_steps=4",
@@ -157,8 +157,8 @@ def _tmp_dirs(reg: DrafterRegistry) -> set[str]:
 def test_trainer_kill9_during_publish_leaves_a_valid_registry_and_restarts(tiny_pair_dir, tmp_path) -> None:
     """Issue 27 §7: SIGKILL the real trainer while a version is being written (its temp dir exists), three
     times; every listed version and LATEST must validate each time, and the restarted trainer carries on."""
-    from dvi.models import load_pair
-    from dvi.registry import VERSION_RE
+    from dvi.models.loading import load_pair
+    from dvi.registry.store import VERSION_RE
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=2", "trainer.publish_every_steps=1",

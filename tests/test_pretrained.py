@@ -22,7 +22,8 @@ import torch
 from tiny_models import tiny_llama
 
 from dvi import data
-from dvi.pretrained import (
+from dvi.drafters.vocab import frequent_token_ids
+from dvi.models.pretrained import (
     SMOLLM2_135M_INSTRUCT,
     WheelModel,
     convert_gguf,
@@ -32,7 +33,6 @@ from dvi.pretrained import (
     max_logit_diff,
     plain_copy,
 )
-from dvi.vocab import frequent_token_ids
 from trainers.pretrained_build import agreement, coverage, make_drafter
 
 torch.set_num_threads(1)

@@ -22,11 +22,13 @@ import torch
 from test_engine import assert_greedy_equal
 from test_pretrained import CHAT_SPECIALS, CHATML, ENDOFTEXT, _fake_wheel, _tiny_llama, _write_llama_gguf
 
-import dvi.pretrained
+import dvi.models.pretrained
 from dvi import data
 from dvi.config import DviConfig
-from dvi.drafters import EarlyExitDrafter
-from dvi.embedded import (
+from dvi.decode.engine import SpeculativeEngine
+from dvi.drafters.learned import EarlyExitDrafter
+from dvi.drafters.vocab import SubsetHead, describe, find_subset_head, load_draft_vocab
+from dvi.models.embedded import (
     PRESETS,
     EmbeddedPaths,
     PretrainedPreset,
@@ -35,16 +37,14 @@ from dvi.embedded import (
     is_built,
     read_manifest,
 )
-from dvi.engine import SpeculativeEngine
-from dvi.models import (
+from dvi.models.loading import (
     cpu_has_native_bf16,
     load_pair,
     load_pair_from_config,
     load_shared_target_drafter,
     serving_dtype,
 )
-from dvi.pretrained import WheelModel, load_gguf
-from dvi.vocab import SubsetHead, describe, find_subset_head, load_draft_vocab
+from dvi.models.pretrained import WheelModel, load_gguf
 from trainers import bootstrap as bootstrap_mod
 from trainers import pretrained_build
 from trainers.bootstrap import bootstrap, summary_table
@@ -67,7 +67,7 @@ def _tiny_preset(sha256: str) -> PretrainedPreset:
 
 
 class _NoPip:
-    """Stands in for `dvi.pretrained.subprocess`: any pip run is a test failure."""
+    """Stands in for `dvi.models.pretrained.subprocess`: any pip run is a test failure."""
 
     def __init__(self):
         self.calls: list = []
@@ -99,7 +99,7 @@ def built(tiny_pair_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DVI_CACHE", str(tmp / "cache" / "models"))
         mp.setitem(PRESETS, "smollm2", preset)
-        mp.setattr(dvi.pretrained, "subprocess", types.SimpleNamespace(run=nopip.run))
+        mp.setattr(dvi.models.pretrained, "subprocess", types.SimpleNamespace(run=nopip.run))
         wheels = pretrained_build.wheels_dir()
         assert wheels == tmp / "cache" / "wheels"
         wheels.mkdir(parents=True)
@@ -289,7 +289,7 @@ def test_engine_with_the_separate_drafter(built):
 
 
 def test_eagle_head_built_scored_and_served_losslessly(built):
-    from dvi.eagle import EagleDrafter
+    from dvi.drafters.eagle import EagleDrafter
 
     preset, *_, out, _spy, _secs = built
     m = read_manifest(out)
@@ -344,7 +344,7 @@ def test_engine_with_the_early_exit_drafter(built):
 
 
 def test_serving_dtype(monkeypatch):
-    import dvi.models
+    import dvi.models.loading
 
     assert serving_dtype("tiny", "auto") == "auto"  # the tiny pair: unchanged
     for explicit in ("float32", "bfloat16", "float16"):
@@ -353,7 +353,7 @@ def test_serving_dtype(monkeypatch):
     want = "bfloat16" if cpu_has_native_bf16() else "float32"
     assert serving_dtype("smollm2", "auto", "cpu") == want
     for native, expect in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(dvi.models, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(dvi.models.loading, "cpu_has_native_bf16", lambda native=native: native)
         assert serving_dtype("smollm2", "auto", "cpu") == expect
         assert serving_dtype("tiny", "auto", "cpu") == "auto"
 
@@ -410,7 +410,7 @@ def test_measurement_fields_never_change_the_fingerprint():
     built pair valid, and the fingerprint equals the one computed before these fields left the recipe."""
     import hashlib
 
-    from dvi.embedded import BUILD_VERSION, MEASUREMENT_FIELDS, SERVING_FIELDS
+    from dvi.models.embedded import BUILD_VERSION, MEASUREMENT_FIELDS, SERVING_FIELDS
 
     p = _tiny_preset("0" * 64)
     short = dataclasses.replace(p, eval_chars=1000, eval_chat=1, latency_steps=2)

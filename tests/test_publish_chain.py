@@ -23,11 +23,11 @@ from test_online import engine_records, online_config
 from test_serving_helpers import ServerThread, lora_copy, tiny_config, version_manifest, wait_for
 
 from dvi.config import load_config
-from dvi.models import load_pair
-from dvi.registry import AdapterRejected, DrafterRegistry, Manifest, ServingState
-from dvi.shadow import is_heldout
+from dvi.feedback.shadow import is_heldout
+from dvi.models.loading import load_pair
+from dvi.registry.store import AdapterRejected, DrafterRegistry, Manifest, ServingState
 from serving.swap import DrafterSwapper, SwapPolicy
-from trainers.online import Example, OnlineTrainer
+from trainers.online import OnlineTrainer
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -85,7 +85,7 @@ def test_1_server_shadow_checks_heldout_records_only_and_trainer_never_publishes
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
     tr.train_on_records(prose[:16])
     d = tr.maybe_publish(force=True)
-    assert d["published"] is None and "held-out positions" in d["reason"] and reg.latest() is None
+    assert d.published is None and "held-out positions" in d.reason and reg.latest() is None
 
 
 # -- 2. compared with what is served ------------------------------------------------------------------
@@ -95,10 +95,10 @@ def test_2_trainer_compares_with_the_served_version_not_latest(pair, prose, tiny
     bad = reg.publish_peft_adapter(lora_copy(pair.drafter, 2.0, 1), version_manifest())  # LATEST, never served
     reg.set_serving(ServingState(version=0, good=0))
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
-    tr.heldout.extend(Example.of(r) for r in prose)  # the candidate is the bootstrap drafter itself
+    tr.heldout.extend(r.compact() for r in prose)  # the candidate is the bootstrap drafter itself
     d = tr.maybe_publish(force=True)
-    assert d["parent_version"] == 0 and d["published"] is None, d
-    assert "vs served v0" in d["reason"] and "not better" in d["reason"]
+    assert d.parent_version == 0 and d.published is None, d
+    assert "vs served v0" in d.reason and "not better" in d.reason
     assert reg.latest() == bad and reg.list_versions() == [bad]
 
 
@@ -222,7 +222,7 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
 
 
 def pair_drafter(cfg):
-    from dvi.models import load_causal_lm
+    from dvi.models.loading import load_causal_lm
 
     return load_causal_lm(cfg.models.drafter, "cpu", "float32")
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from dvi.registry import MANIFEST_FIELDS, AdapterRejected, DrafterRegistry
+from dvi.registry.store import MANIFEST_FIELDS, AdapterRejected, DrafterRegistry
 
 torch.set_num_threads(1)
 
@@ -222,8 +222,8 @@ def test_peft_publish_named_adapter_round_trips(tmp_path):
 def test_history_and_refusals_are_bounded(tmp_path, monkeypatch):
     """Issue 27 §5: events.jsonl rotates (one old generation), REFUSED keeps the newest MAX_REFUSED, and a
     rollback reads REFUSED, not the whole history."""
-    import dvi.registry as R
-    import dvi.registry_base as RB
+    import dvi.registry.base as RB
+    import dvi.registry.store as R
 
     monkeypatch.setattr(R, "EVENTS_MAX_BYTES", 2000)
     monkeypatch.setattr(RB, "MAX_REFUSED", 5)

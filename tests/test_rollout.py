@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dvi.data import prompt_stream
-from dvi.engine import SpeculativeEngine, Versions
-from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
+from dvi.decode.engine import SpeculativeEngine, Versions
+from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import Rollout, RolloutEngine, policy_state_dict, trl_rollout_func
 
 torch.set_num_threads(1)

@@ -12,9 +12,9 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import tiny_llama
 
-import dvi.engine
-from dvi.engine import SpeculativeEngine
-from dvi.sampling import (
+import dvi.decode.engine
+from dvi.decode.engine import SpeculativeEngine
+from dvi.decode.sampling import (
     acceptance_prob,
     greedy_accept,
     point_mass_accept,
@@ -280,7 +280,7 @@ def _wrong_resample_from_p(draft_ids, draft_probs, target_probs, u_accept, u_sam
 @pytest.mark.parametrize("wrong", [_wrong_always_accept, _wrong_resample_from_p])
 def test_chi_square_catches_wrong_rules(pair, monkeypatch, wrong):
     target, drafter = pair
-    monkeypatch.setattr(dvi.engine, "rejection_accept", wrong)
+    monkeypatch.setattr(dvi.decode.engine, "rejection_accept", wrong)
     pv, _ = engine_pvalue(target, drafter, N_SAMPLES, 1.0, seed=11)
     assert pv < 1e-4, pv
 
@@ -353,7 +353,7 @@ def _subset(target, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["likely", "unlikely"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 1.0), (1.0, 0, 0.8)])
 def test_engine_sampling_matches_target_with_reduced_vocab_drafter(pair, kind, temperature, top_k, top_p):
-    from dvi.drafters import SeparateDrafter
+    from dvi.drafters.learned import SeparateDrafter
 
     target, _ = pair
     ids = _subset(target, kind)
@@ -371,12 +371,12 @@ def _wrong_residual_inside_subset(p, q):
 
 
 def test_chi_square_catches_a_residual_restricted_to_the_subset(pair, monkeypatch):
-    import dvi.sampling
-    from dvi.drafters import SeparateDrafter
+    import dvi.decode.sampling
+    from dvi.drafters.learned import SeparateDrafter
 
     target, _ = pair
     drafter = SeparateDrafter(tiny_lm(1), vocab_ids=_subset(target, "unlikely"))
-    monkeypatch.setattr(dvi.sampling, "residual_distribution", _wrong_residual_inside_subset)
+    monkeypatch.setattr(dvi.decode.sampling, "residual_distribution", _wrong_residual_inside_subset)
     pv, _ = engine_pvalue(target, drafter, N_SAMPLES, 1.0, seed=11)
     assert pv < 1e-4, pv
 
@@ -403,8 +403,8 @@ def test_point_mass_accept_equals_rejection_with_one_hot_q():
 def _suffix(kind: str, drafter=None):
     """A suffix / hybrid proposer whose global index already continues PROMPT (so step 1 drafts from it)."""
     from dvi.config import SuffixConfig
-    from dvi.suffix import SuffixCache
-    from dvi.suffix_proposer import build_proposer
+    from dvi.drafters.suffix import SuffixCache
+    from dvi.drafters.suffix_proposer import build_proposer
 
     cache = SuffixCache()
     for i, seq in enumerate([[1, 2, 3, 5, 6, 7], [1, 2, 3, 5, 6, 1], [2, 3, 4, 4, 0], [4, 5, 0, 0, 0]]):
@@ -438,6 +438,6 @@ def _wrong_point_mass_resample_from_p(draft_ids, target_probs, u_accept, u_sampl
 
 
 def test_chi_square_catches_a_point_mass_rule_that_keeps_the_rejected_token(pair, monkeypatch):
-    monkeypatch.setattr(dvi.engine, "point_mass_accept", _wrong_point_mass_resample_from_p)
+    monkeypatch.setattr(dvi.decode.engine, "point_mass_accept", _wrong_point_mass_resample_from_p)
     pv, _ = engine_pvalue(pair[0], _suffix("suffix"), N_SAMPLES, 1.0, seed=11, filler=[4, 5])
     assert pv < 1e-4, pv

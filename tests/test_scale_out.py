@@ -27,7 +27,7 @@ from test_serving_helpers import tiny_config, wait_for
 
 from dvi.config import dump_config
 from dvi.feedback import FeedbackReader
-from dvi.registry import DrafterRegistry
+from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 
 pytestmark = pytest.mark.slow

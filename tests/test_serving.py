@@ -41,8 +41,8 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference(tiny_pair_dir):
     """Greedy output of `engine.generate` on the same pair (fresh engine, batch of one)."""
-    from dvi.engine import SpeculativeEngine
-    from dvi.models import load_pair
+    from dvi.decode.engine import SpeculativeEngine
+    from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer",
                      device="cpu")
@@ -136,7 +136,7 @@ def _target_logprobs(tiny_pair_dir, prompt_ids: list[int], ids: list[int]) -> li
     """log_softmax of the target's own logits at each generated token (greedy: T=1)."""
     import torch
 
-    from dvi.models import load_causal_lm
+    from dvi.models.loading import load_causal_lm
 
     target = load_causal_lm(tiny_pair_dir / "target", device="cpu", dtype=torch.float32)
     with torch.no_grad():

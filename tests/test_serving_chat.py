@@ -12,8 +12,8 @@ import shutil
 import pytest
 from test_serving_helpers import ServerThread, tiny_config
 
-from dvi.models import load_tokenizer
-from serving.app import _chat_prompt
+from dvi.models.loading import load_tokenizer
+from serving.completions import _chat_prompt
 from serving.protocol import ChatCompletionRequest
 
 # SmolLM2-135M-Instruct's chat template (ChatML, with a default system prompt when none is given).
@@ -81,8 +81,8 @@ def chat_server(tiny_pair_dir, chat_tokenizer_dir, tmp_path_factory):
 
 def test_server_serves_the_templated_prompt(tiny_pair_dir, chat_tokenizer_dir, chat_server) -> None:
     """Prompt tokens and the greedy answer are those of the template-rendered ids."""
-    from dvi.engine import SpeculativeEngine
-    from dvi.models import load_pair
+    from dvi.decode.engine import SpeculativeEngine
+    from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", chat_tokenizer_dir, device="cpu")
     engine = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3)

@@ -28,7 +28,7 @@ from test_serving_helpers import (
 )
 
 from dvi import metrics as M
-from dvi.registry import DrafterRegistry
+from dvi.registry.store import DrafterRegistry
 
 pytestmark = pytest.mark.slow
 
@@ -257,7 +257,7 @@ def test_dvi_serve_process_serves_and_stops_cleanly(tiny_pair_dir, tmp_path) -> 
 # -- early-exit drafter ------------------------------------------------------------------------------
 def _early_exit_version(live, out_dir, scale: float = 0.0, seed: int = 0):
     """A publishable early-exit version dir: the live drafter's LoRA + exit head, perturbed by `scale`."""
-    from dvi.drafters import EarlyExitDrafter
+    from dvi.drafters.learned import EarlyExitDrafter
 
     d = EarlyExitDrafter(copy.deepcopy(live.target_ref), live.num_layers, lora_rank=live.lora_rank,
                          lora_alpha=live.lora_alpha, target_modules=live.target_modules, exit_rank=live.exit_rank)
@@ -296,8 +296,8 @@ def _saved_new_target(target, out_dir):
 def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pair_dir, tmp_path) -> None:
     """`dvi serve` with models.drafter_kind=early_exit: lossless, a published version promoted, bad ones refused,
     and after an admin target update the drafter reads the new weights and output equals the new target's."""
-    from dvi.drafters import EarlyExitDrafter
-    from dvi.models import load_causal_lm, load_tokenizer
+    from dvi.drafters.learned import EarlyExitDrafter
+    from dvi.models.loading import load_causal_lm, load_tokenizer
 
     allowed = tmp_path / "allowed"
     allowed.mkdir()
@@ -360,7 +360,7 @@ def test_reduced_vocab_drafter_served_and_lora_promoted(tiny_pair_dir, tmp_path)
     published LoRA for it keeps the same subset."""
     import shutil
 
-    from dvi.vocab import find_subset_head, frequent_token_ids, save_draft_vocab
+    from dvi.drafters.vocab import find_subset_head, frequent_token_ids, save_draft_vocab
 
     d = tmp_path / "drafter"
     shutil.copytree(tiny_pair_dir / "drafter", d)
@@ -388,7 +388,7 @@ def test_reduced_vocab_drafter_served_and_lora_promoted(tiny_pair_dir, tmp_path)
 
 def _target_greedy_fn(pair_dir):
     """Greedy text of the target alone (HF generate), stopping at EOS, as the server decodes it."""
-    from dvi.models import load_causal_lm, load_tokenizer
+    from dvi.models.loading import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(pair_dir / "tokenizer")
     target = load_causal_lm(pair_dir / "target", "cpu")
@@ -398,7 +398,7 @@ def _target_greedy_fn(pair_dir):
 # -- eagle head -------------------------------------------------------------------------------------------
 def _eagle_version(live, out_dir, scale: float, seed: int):
     """A publishable eagle version dir: the live head's weights perturbed by `scale` (relative)."""
-    from dvi.eagle import EagleDrafter
+    from dvi.drafters.eagle import EagleDrafter
 
     d = EagleDrafter(live.target_ref)
     d.load_trainable_state_dict(live.trainable_state_dict())
@@ -413,9 +413,9 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
     """`dvi serve` with models.drafter_kind=eagle: lossless, feedback shards carry the target's features,
     a published version is shadow-checked on them and promoted, a garbage one refused, and after an admin
     target update the features (and output) are the new target's."""
-    from dvi.eagle import EagleDrafter
+    from dvi.drafters.eagle import EagleDrafter
     from dvi.feedback import FeedbackReader
-    from dvi.models import load_causal_lm, load_tokenizer
+    from dvi.models.loading import load_causal_lm, load_tokenizer
 
     allowed = tmp_path / "allowed"
     allowed.mkdir()
@@ -438,7 +438,7 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
             for p in PROMPTS:
                 assert served(p) == (ref[p], 0)
         assert s.health()["drafter_kind"] == "eagle"
-        s.state.scheduler.feedback.flush()
+        s.state.feedback.flush()
         reader = FeedbackReader(cfg.feedback.dir)
         recs = list(reader.iter_records(reader.poll()))
         assert recs and all(r.hidden_dim == target.config.hidden_size and r.features() is not None for r in recs)

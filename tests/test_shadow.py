@@ -5,7 +5,7 @@ from tiny_models import tiny_llama
 from transformers import LlamaForCausalLM
 
 from dvi.feedback import FeedbackRecord
-from dvi.shadow import hf_logits_fn, shadow_alpha
+from dvi.feedback.shadow import hf_logits_fn, shadow_alpha
 
 torch.set_num_threads(1)
 
@@ -59,7 +59,7 @@ def test_different_drafter_scores_less() -> None:
 
 def test_nan_shadow_alpha_never_passes():
     """Issue 17 item 5: `not (nan < x)` is True; a NaN or inf candidate estimate must not pass."""
-    from dvi.shadow import shadow_passes
+    from dvi.feedback.shadow import shadow_passes
 
     assert not shadow_passes(float("nan"), 0.5, 0.01) and not shadow_passes(float("inf"), 0.5, 0.01)
     assert shadow_passes(0.495, 0.5, 0.01) and not shadow_passes(0.48, 0.5, 0.01)

@@ -11,8 +11,8 @@ from test_feedback import fake_result, make_record
 from test_serving_helpers import ServerThread, tiny_config
 
 from dvi import metrics as M
-from dvi.adaptive import choose_point_k
 from dvi.config import ConfigError, load_config
+from dvi.decode.adaptive import choose_point_k
 from dvi.feedback import FeedbackReader, FeedbackRecord, FeedbackWriter
 from dvi.feedback.record import SCHEMA
 
@@ -58,19 +58,17 @@ def test_draft_source_round_trips_and_old_shards_read_without_it(tmp_path):
 
 
 def test_trainer_sees_only_the_models_own_drafts():
-    from trainers.online.collate import Example
-
     rec = make_record(3, n=3)
     rec.drafted_ids, rec.accepted, rec.draft_source = [rec.token_ids[0], 4, rec.token_ids[2]], [True, False, True], \
         [3, 1, 1]
-    ex = Example.of(rec)
+    ex = rec.compact()
     assert ex.drafted_ids.tolist() == [-1, 4, rec.token_ids[2]] and ex.accepted.tolist() == [False, False, True]
     rec.draft_source = []  # an old record: every draft was the model's
-    assert Example.of(rec).drafted_ids.tolist() == rec.drafted_ids
+    assert rec.compact().drafted_ids.tolist() == rec.drafted_ids
 
 
 def test_tailer_adds_other_writers_outputs(tmp_path):
-    from dvi.suffix import SuffixCache
+    from dvi.drafters.suffix import SuffixCache
     from serving.suffix_tail import SuffixTailer
 
     root = tmp_path / "fb"
@@ -95,8 +93,8 @@ def suffix_server(tiny_pair_dir, tmp_path_factory):
 
 
 def test_suffix_server_learns_from_finished_requests_and_trains_nothing(suffix_server, tiny_pair_dir):
-    from dvi.engine import SpeculativeEngine
-    from dvi.models import load_pair
+    from dvi.decode.engine import SpeculativeEngine
+    from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
     prompt = "def main(argv):\n"
@@ -122,8 +120,8 @@ def test_outputs_of_older_target_versions_decay():
 
     import torch
 
-    from dvi.suffix import SuffixCache
-    from dvi.suffix_proposer import SuffixProposer
+    from dvi.drafters.suffix import SuffixCache
+    from dvi.drafters.suffix_proposer import SuffixProposer
 
     cache = SuffixCache()
     sp = SuffixProposer(cache, 50, torch.device("cpu"), max_tokens=4, min_prob=0.01, version_decay=0.25)
@@ -153,7 +151,7 @@ def test_dvi_train_refuses_suffix_with_a_clear_message(capsys):
 
 
 def test_goodput_guard_stops_drafting_that_measures_slower():
-    from dvi.adaptive import GoodputGuard
+    from dvi.decode.adaptive import GoodputGuard
 
     g = GoodputGuard(window=4, margin=1.05, retry_every=3)
     assert g.allow(16)  # nothing measured
@@ -174,7 +172,7 @@ def test_no_drafter_proposes_nothing_and_says_why():
     """Without a drafter the engine plans K = 0; a request for drafts is a contract error that says so."""
     import torch
 
-    from dvi.proposers import NoProposer, Plan
+    from dvi.drafters.proposers import NoProposer, Plan
 
     with pytest.raises(ValueError, match="has no drafter: K must be 0"):
         NoProposer(8, torch.device("cpu")).propose(Plan(), 0, 2, None, None)

@@ -1,4 +1,4 @@
-"""The suffix index and cache (dvi.suffix): exact proposals on hand-made sequences, voting, the
+"""The suffix index and cache (dvi.drafters.suffix): exact proposals on hand-made sequences, voting, the
 probability cut, eviction, weights, exclusion, request vs global, degenerate input, bad arguments."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from dvi.suffix import MAX_VOTERS, SuffixCache, SuffixIndex, SuffixProposal
-from dvi.suffix_index import HOT
+from dvi.drafters.suffix import MAX_VOTERS, SuffixCache, SuffixIndex, SuffixProposal
+from dvi.drafters.suffix_index import HOT
 
 
 def prop(ix: SuffixIndex, ctx, k=8, **kw) -> SuffixProposal:
@@ -241,7 +241,7 @@ def test_bad_arguments_raise_value_error_naming_them(call, name):
 
 
 def test_calibrator_learns_from_emitted_tokens_and_cuts():
-    from dvi.suffix import Calibrator
+    from dvi.drafters.suffix import Calibrator
 
     cal = Calibrator(prior=1.0)
     raw = SuffixProposal([5, 6, 7, 8], [1.0, 1.0, 1.0, 1.0], 4.0, 2, "global")

@@ -11,8 +11,7 @@ import shutil
 import pytest
 import torch
 
-from dvi.models import load_causal_lm, load_pair
-from dvi.vocab import (
+from dvi.drafters.vocab import (
     DRAFT_VOCAB_FILE,
     SubsetHead,
     apply_draft_vocab,
@@ -22,6 +21,7 @@ from dvi.vocab import (
     save_draft_vocab,
     subset_mode,
 )
+from dvi.models.loading import load_causal_lm, load_pair
 
 torch.set_num_threads(1)
 
@@ -39,8 +39,8 @@ def test_frequent_token_ids_priority_order():
 
 
 def test_build_draft_vocab_from_text(tiny_pair_dir, tmp_path):
-    from dvi.models import load_tokenizer
-    from dvi.vocab import build_draft_vocab
+    from dvi.drafters.vocab import build_draft_vocab
+    from dvi.models.loading import load_tokenizer
 
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
     texts = ["def f(x):\n    return x + 1\n", "for i in range(10):\n    print(i)\n"] * 3
@@ -147,8 +147,8 @@ def test_load_pair_reads_the_drafter_dirs_vocabulary(tiny_pair_dir, tmp_path):
 
 def test_serving_pair_and_config_keys(tiny_pair_dir, tmp_path):
     from dvi.config import ConfigError, load_config
-    from dvi.drafters import EarlyExitDrafter
-    from serving.app import load_serving_pair
+    from dvi.drafters.learned import EarlyExitDrafter
+    from serving.loading import load_serving_pair
 
     save_draft_vocab(tmp_path, torch.arange(100, 0, -1), vocab_size=512)
     base = [f"models.target={tiny_pair_dir / 'target'}", f"models.drafter={tiny_pair_dir / 'drafter'}",

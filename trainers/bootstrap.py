@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from dvi import data
-from dvi.embedded import (
+from dvi.fsutil import atomic_write_text, replace_dir, tmp_dir_beside
+from dvi.models.embedded import (
     DEFAULT_BUILD_KINDS,
     DEFAULT_PRESET,
     EmbeddedPaths,
@@ -36,8 +37,7 @@ from dvi.embedded import (
     is_built,
     read_manifest,
 )
-from dvi.fsutil import atomic_write_text, replace_dir, tmp_dir_beside
-from dvi.models import decode_step_latency, num_params
+from dvi.models.loading import decode_step_latency, num_params
 from trainers import pretrained_build
 from trainers.build_common import timed
 from trainers.offline import (
@@ -365,7 +365,7 @@ def _only_eagle_differs(out: Path, p: PretrainedPreset, seed: int) -> bool:
     """A complete pair built by this recipe and BUILD_VERSION except for its eagle head's fields: the pair is
     kept (only a head it holds needs retraining). Manifests written before `build_version` was recorded count
     as this version (the fingerprint check of `_matches` covers them as before)."""
-    from dvi.embedded import BUILD_VERSION, SERVING_FIELDS
+    from dvi.models.embedded import BUILD_VERSION, SERVING_FIELDS
 
     m = read_manifest(out)
     if not m or m.get("seed") != seed or m.get("preset") != p.name or not p.eagle_tokens:

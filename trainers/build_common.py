@@ -1,5 +1,6 @@
 """What the offline builds (`trainers.bootstrap`, `trainers.pretrained_build`, `trainers.eagle_build`) share
-besides training: per-stage wall times for the manifest and the batches held-out agreement is scored on."""
+besides training: the training schedule a preset's token budget buys, per-stage wall times for the manifest and
+the batches held-out agreement is scored on."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["timed", "scoring_batches"]
+from dvi.models.embedded import PretrainedPreset
+from trainers.offline import TrainSchedule
+
+__all__ = ["schedule", "timed", "scoring_batches"]
+
+
+def schedule(p: PretrainedPreset, tokens: int, desc: str, progress: bool, lr: float | None = None) -> TrainSchedule:
+    """The optimizer steps and LR schedule that spend `tokens` token-passes in `p.distill_batch` windows."""
+    return TrainSchedule(steps=max(1, tokens // (p.distill_batch * p.seq_len)), lr=lr or p.distill_lr,
+                         warmup=p.distill_warmup, min_lr_ratio=p.min_lr_ratio, grad_clip=1.0, progress=progress,
+                         desc=desc)
 
 
 def scoring_batches(windows: list[list[int]], skip: list[int] | None = None,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dvi.eagle import EagleDrafter, features_from_hidden
-from trainers.build_common import scoring_batches
+from dvi.drafters.eagle import EagleDrafter, features_from_hidden
+from trainers.build_common import schedule, scoring_batches
 from trainers.offline import TrainSchedule, lr_factor, optimizer_step
 from trainers.subset_distill import progress_bar, subset_kl, window_batches
 
@@ -111,7 +111,7 @@ def eagle_step_ms(d: EagleDrafter, steps: int = 48, context: int = 128) -> float
     """Batch-1 KV-cached draft step of the head (ms, median, one thread), as the engine runs it."""
     import statistics
 
-    from dvi.kv import RaggedKV
+    from dvi.decode.kv import RaggedKV
 
     h = int(d.config.hidden_size)
     kv = RaggedKV(d.config, 1, "cpu", d.dtype)
@@ -131,15 +131,13 @@ def train_eagle(p, target_path, windows: torch.Tensor, states: torch.Tensor, ord
                 progress: bool) -> tuple[EagleDrafter, dict]:
     """The eagle head on an fp32 copy of the target (its own weights fp32, autocast bf16), trained for
     `p.eagle_tokens` token-passes over the first `p.train_vocab` draft ids."""
-    from dvi.models import load_causal_lm
+    from dvi.models.loading import load_causal_lm
 
     base = load_causal_lm(target_path, "cpu", "float32")
     for prm in base.parameters():
         prm.requires_grad_(False)
     torch.manual_seed(seed + 3)
     d = EagleDrafter(base)
-    from trainers.pretrained_build import schedule
-
     sched = schedule(p, p.eagle_tokens, f"eagle head[{p.name}]", progress, lr=p.eagle_lr)
     objective = EagleObjective(feature_weight=p.eagle_feature_weight, chained=p.eagle_chained)
     stats = distill_eagle(d, windows, states, order[: p.train_vocab], sched, batch=p.distill_batch,

@@ -94,7 +94,7 @@ def lora_policy(path: str | Path, dtype: str, rank: int, targets: Sequence[str],
     """
     from peft import LoraConfig, get_peft_model
 
-    from dvi.models import load_causal_lm
+    from dvi.models.loading import load_causal_lm
 
     base = load_causal_lm(path, device="cpu", dtype=dtype)
     n = int(base.config.num_hidden_layers)

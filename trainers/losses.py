@@ -11,7 +11,7 @@ dense, stable signal; the reward targets exactly what raises acceptance once the
 
 All inputs may have any leading shape ([N, ...] or [B, T, ...]); they are flattened to rows.
 
-Reduced draft vocabulary (`dvi.vocab`): the student's logits are the [.., N] subset logits and
+Reduced draft vocabulary (`dvi.drafters.vocab`): the student's logits are the [.., N] subset logits and
 `to_subset` maps the logged target ids onto subset positions first, so no term ever sees the -inf
 the served drafter has outside its subset (see `to_subset` for how the target mass is treated).
 """
@@ -224,7 +224,7 @@ def dvi_loss(
     `mask` selects the positions to train on (e.g. real generated positions with logged top-k);
     the reward term additionally skips positions without a draft. With a reduced draft vocabulary,
     `student_logits` are the [..., N] subset logits and `subset_index` [V] maps target ids to subset
-    positions (`dvi.vocab.SubsetHead.index`); the logged targets are mapped by `to_subset`.
+    positions (`dvi.drafters.vocab.SubsetHead.index`); the logged targets are mapped by `to_subset`.
     """
     if subset_index is not None:
         logged = to_subset(subset_index, logged)
@@ -262,7 +262,7 @@ def batch_loss(module, batch, inputs: dict, tc: TrainerConfig, step: int):
     """(loss, dvi_loss output, feature loss or None, forward output) of one teacher-forced pass of the online
     trainer's `module` over a collated `batch` (`trainers.online.collate.Batch`); `inputs` are the extra
     forward arguments (an eagle head's features)."""
-    from dvi.vocab import subset_mode
+    from dvi.drafters.vocab import subset_mode
 
     # A reduced draft vocabulary trains on its [B, T, N] subset logits (never the served -inf padding).
     with subset_mode(module) as head:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from dvi.embedded import OPTIMIZERS
+from dvi.models.embedded import OPTIMIZERS
 
 # ---------------------------------------------------------------------------------------------
 # data
@@ -190,7 +190,7 @@ class TrainSchedule:
     to `min_lr_ratio` x `lr`) follows whichever budget is further spent when `time_schedule`,
     else the step count only (a safety cap that leaves the run deterministic unless hit).
     `mixed_precision` (bf16 autocast) and `compile` trade bit-exactness across machines for 2-3x
-    tokens per second. `optimizer` is one of `dvi.embedded.OPTIMIZERS` (Muon at `muon_lr`).
+    tokens per second. `optimizer` is one of `dvi.models.embedded.OPTIMIZERS` (Muon at `muon_lr`).
     """
 
     steps: int = 0

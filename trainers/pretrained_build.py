@@ -20,13 +20,19 @@ import torch
 from tqdm.auto import tqdm
 
 from dvi import data
-from dvi.drafters import EarlyExitDrafter
-from dvi.embedded import BUILD_VERSION, DEFAULT_BUILD_KINDS, EmbeddedPaths, PretrainedPreset, cache_root
-from dvi.models import decode_step_latency, num_params
-from dvi.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
-from dvi.vocab import DRAFT_VOCAB_FILE, apply_draft_vocab, frequent_token_ids, save_draft_vocab
-from trainers.build_common import scoring_batches, timed
-from trainers.offline import TrainSchedule, copy_layer, pack_docs, token_batches
+from dvi.drafters.learned import EarlyExitDrafter
+from dvi.drafters.vocab import DRAFT_VOCAB_FILE, apply_draft_vocab, frequent_token_ids, save_draft_vocab
+from dvi.models.embedded import (
+    BUILD_VERSION,
+    DEFAULT_BUILD_KINDS,
+    EmbeddedPaths,
+    PretrainedPreset,
+    cache_root,
+)
+from dvi.models.loading import decode_step_latency, num_params
+from dvi.models.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
+from trainers.build_common import schedule, scoring_batches, timed
+from trainers.offline import copy_layer, pack_docs, token_batches
 from trainers.subset_distill import distill_subset, teacher_states
 
 
@@ -150,7 +156,7 @@ def _head_slice_latency(drafter, n: int, steps: int, rows: torch.Tensor | None =
 def latencies(target, drafter, sizes: tuple[int, ...], steps: int, dtype: str, rounds: int = 3) -> dict:
     """Batch-1 KV-cached decode step (ms, median of interleaved rounds, one thread) of the target and
     of the drafter at every draft vocabulary size, in the serving dtype."""
-    from dvi.models import resolve_dtype
+    from dvi.models.loading import resolve_dtype
 
     dt = resolve_dtype(dtype, "cpu")
     prev = torch.get_num_threads()
@@ -170,19 +176,12 @@ def latencies(target, drafter, sizes: tuple[int, ...], steps: int, dtype: str, r
             "ratio": {str(n): tm / statistics.median(v) for n, v in d_ms.items()}}
 
 
-def schedule(p: PretrainedPreset, tokens: int, desc: str, progress: bool, lr: float | None = None) -> TrainSchedule:
-    """The optimizer steps and LR schedule that spend `tokens` token-passes in `p.distill_batch` windows."""
-    return TrainSchedule(steps=max(1, tokens // (p.distill_batch * p.seq_len)), lr=lr or p.distill_lr,
-                         warmup=p.distill_warmup, min_lr_ratio=p.min_lr_ratio, grad_clip=1.0, progress=progress,
-                         desc=desc)
-
-
 def train_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torch.Tensor, states: torch.Tensor,
                      order: torch.Tensor, seed: int, progress: bool):
     """The early-exit drafter (target layers [0, k) + LoRA + exit head, the target's head over the draft
     vocabulary), trained on the cached target states and saved to `paths.early_exit` with its draft
     vocabulary. Trains on an fp32 copy of the target (LoRA and exit head in fp32); returns it and stats."""
-    from dvi.models import load_causal_lm
+    from dvi.models.loading import load_causal_lm
 
     base = load_causal_lm(paths.target, "cpu", "float32")
     for prm in base.parameters():
@@ -205,7 +204,7 @@ def build_eagle(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torc
                 order: torch.Tensor, seed: int, progress: bool) -> tuple:
     """Train the eagle head (`trainers.eagle_build`) and save it to `paths.eagle` with its draft vocabulary;
     returns the head as served (reloaded on the bf16 target) and its training stats."""
-    from dvi.eagle import EagleDrafter
+    from dvi.drafters.eagle import EagleDrafter
     from dvi.fsutil import replace_dir, tmp_dir_beside
     from trainers.eagle_build import train_eagle
 
@@ -258,7 +257,7 @@ def add_kinds(p: PretrainedPreset, root: Path, kinds: tuple[str, ...], seed: int
     Returns the updated manifest (the caller writes it)."""
     import json
 
-    from dvi.embedded import built_kinds
+    from dvi.models.embedded import built_kinds
 
     paths = EmbeddedPaths.at(root)
     manifest = json.loads(paths.manifest.read_text())
@@ -350,7 +349,7 @@ def evaluate_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, early
 
 def _load_target(paths: EmbeddedPaths):
     """The converted target in bf16 (the CPU serving dtype: 3x the fp32 tokens/s here), frozen, + tokenizer."""
-    from dvi.models import load_causal_lm, load_tokenizer
+    from dvi.models.loading import load_causal_lm, load_tokenizer
 
     target = load_causal_lm(paths.target, "cpu", "bfloat16")
     for prm in target.parameters():

@@ -25,13 +25,13 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dvi.results import fmt_rate, pooled_rates
+from dvi.decode.results import DraftCounts, fmt_rate, pooled_rates
 from dvi.rollout import Rollout
 from trainers.grpo import (
     completion_logprobs,
@@ -58,7 +58,7 @@ class RLConfig:
     """Settings of one RL run (one arm of the benchmark)."""
 
     # plain | frozen | online | suffix (suffix index over this run's rollouts, no drafter) | hybrid (suffix, else
-    # the frozen drafter); the suffix arms' index decays outputs of older policy versions (`dvi.suffix_proposer`)
+    # the frozen drafter); the suffix arms' index decays outputs of older policy versions (`dvi.drafters.suffix_proposer`)
     arm: str = "online"
     preset: str = "smollm2"
     pair_dir: str | None = None  # built pair dir (defaults to the preset's cache dir)
@@ -108,14 +108,13 @@ class RLConfig:
         self.lora_targets = tuple(self.lora_targets)
 
 
-@dataclass
-class StepLog:
-    """What one RL step measured."""
+@dataclass(kw_only=True)
+class StepLog(DraftCounts):
+    """What one RL step measured: the rollouts' `DraftCounts` summed over the batch (α and mean accepted
+    length are its properties: None when nothing was drafted, `dvi.decode.results`), plus the step's times."""
 
     step: int
     reward: float
-    alpha: float | None  # None: nothing drafted this step (dvi.results)
-    mean_accepted_length: float | None
     rollout_s: float
     tokens: int
     update_s: float
@@ -123,9 +122,6 @@ class StepLog:
     drafter_s: float
     target_version: int
     drafter_version: int
-    num_drafted: int = 0
-    num_accepted: int = 0
-    num_steps: int = 0  # engine steps summed over sequences (tokens/step = 1 + accepted / num_steps)
     speculated_tokens: int = 0  # tokens emitted by engine steps with K > 0
     kl_to_init: float = float("nan")
     logprob_gap: float = float("nan")  # mean |policy - rollout| log-prob of the sampled tokens
@@ -147,8 +143,8 @@ class RLRun:
     """
 
     def __init__(self, cfg: RLConfig, log: Callable[[str], None] | None = print) -> None:
-        from dvi.embedded import embedded_dir
-        from dvi.models import serving_dtype
+        from dvi.models.embedded import embedded_dir
+        from dvi.models.loading import serving_dtype
 
         self.cfg = cfg
         self.log = log or (lambda _m: None)
@@ -173,7 +169,7 @@ class RLRun:
 
     def _load_pair(self) -> None:
         """Tokenizer, target and (dvi arms) drafter with the preset's draft vocabulary, in the serving dtype."""
-        from dvi.models import load_pair, preset_draft_vocab
+        from dvi.models.loading import load_pair, preset_draft_vocab
 
         drafter_dir = self.root / "drafter" if self.cfg.arm not in ("plain", "suffix") else None
         pair = load_pair(self.root / "target", drafter_dir, self.root / "tokenizer", device="cpu",
@@ -185,9 +181,9 @@ class RLRun:
 
     def _build_engine(self) -> None:
         """The speculative engine (no drafter in the plain arm), its costs calibrated up front."""
-        from dvi.engine import SpeculativeEngine
+        from dvi.decode.engine import SpeculativeEngine
+        from dvi.drafters.suffix_proposer import build_proposer
         from dvi.rollout import RolloutEngine
-        from dvi.suffix_proposer import build_proposer
 
         cfg = self.cfg
         vocab = int(self.target.get_output_embeddings().weight.shape[0])
@@ -222,8 +218,8 @@ class RLRun:
         import tempfile
 
         from dvi.config import DviConfig
-        from dvi.models import load_causal_lm
-        from dvi.vocab import apply_draft_vocab, find_subset_head
+        from dvi.drafters.vocab import apply_draft_vocab, find_subset_head
+        from dvi.models.loading import load_causal_lm
         from trainers.online import OnlineTrainer
 
         cfg = self.cfg
@@ -316,7 +312,7 @@ class RLRun:
         # The trainer-process protocol: whoever updates the target announces its version, so records
         # of older policies are down-weighted from now on.
         self.drafter_trainer.rundir.write_target_version(i + 1)
-        return time.perf_counter() - t0, float(out.get("loss", float("nan")))
+        return time.perf_counter() - t0, out.loss
 
     def step(self, i: int) -> StepLog:
         """Rollouts -> rewards -> GRPO step -> weight push -> (online) drafter step; one StepLog."""
@@ -330,11 +326,10 @@ class RLRun:
         if self.writer is not None:
             self.writer.flush()
         rec = StepLog(
-            step=i, reward=float(rewards.mean()), alpha=stats.alpha, mean_accepted_length=stats.mean_accepted_length,
-            rollout_s=stats.seconds, tokens=stats.num_tokens, update_s=upd["update_s"], sync_s=sync_s,
-            drafter_s=drafter_s, target_version=stats.target_version, drafter_version=stats.drafter_version,
-            num_drafted=stats.num_drafted, num_accepted=stats.num_accepted, num_steps=stats.num_steps,
-            speculated_tokens=stats.num_speculated_tokens, kl_to_init=upd["kl"], logprob_gap=upd["logprob_gap"],
+            **{f.name: getattr(stats, f.name) for f in fields(DraftCounts)},
+            step=i, reward=float(rewards.mean()), rollout_s=stats.seconds, tokens=stats.num_tokens,
+            update_s=upd["update_s"], sync_s=sync_s, drafter_s=drafter_s, target_version=stats.target_version,
+            drafter_version=stats.drafter_version, speculated_tokens=stats.num_speculated_tokens, kl_to_init=upd["kl"], logprob_gap=upd["logprob_gap"],
             loss=upd["loss"], drafter_loss=drafter_loss,
         )
         self.logs.append(rec)
@@ -393,7 +388,7 @@ def _alpha_of(rs: Sequence[StepLog]) -> float | None:
 def logs_to_jsonable(logs: Sequence[StepLog]) -> list[dict]:
     out = []
     for r in logs:
-        d = asdict(r)
+        d = {**asdict(r), "alpha": r.alpha, "mean_accepted_length": r.mean_accepted_length}
         out.append({k: (_json_float(v) if isinstance(v, float) else v) for k, v in d.items()})
     return out
 

@@ -1,6 +1,8 @@
 """Feedback records: what the target said about each drafted token, logged as parquet shards.
 
-The engine produces one `FeedbackRecord` per finished sequence. `FeedbackWriter` buffers them
+One `FeedbackRecord` per finished sequence, the stored projection of the engine's `GenerationResult`
+(`FeedbackRecord.from_result`), built by whoever finishes it: the server's feedback log
+(`serving.state.FeedbackLog`, a scheduler observer) or an RL rollout (`dvi.rollout`). `FeedbackWriter` buffers them
 and writes parquet shards that are whole or absent (temp name in the same dir, fsync, rename),
 so a crash never leaves half a shard. `FeedbackReader` tails the shards for the online trainer
 with a persisted cursor, so a killed and restarted trainer neither trains a record twice nor
@@ -15,7 +17,8 @@ retention window misses that data; the writer counts and logs every deletion
 Roots are local paths or any fsspec URL (`memory://`, `s3://...`); fsync only applies locally.
 
 The package is split by job: `record` (schema and conversions), `storage` (shard names, listing,
-fsspec and atomic-write helpers shared by both sides), `writer` and `reader`. Every name that
+fsspec and atomic-write helpers shared by both sides), `writer`, `reader`, and `shadow` (acceptance
+estimated from logged records, without the target: the trainer's publish check, the server's swap check). Every name that
 callers import from `dvi.feedback` (all its public names) is re-exported here.
 """
 

@@ -6,46 +6,21 @@ and read records without touching storage; this module has no filesystem code at
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
-from dvi.results import GenerationResult
+from dvi.decode.results import GenerationResult
 
-SCHEMA = pa.schema(
-    [
-        pa.field("request_id", pa.string(), nullable=False),
-        pa.field("domain", pa.string(), nullable=False),
-        pa.field("target_version", pa.int64(), nullable=False),
-        pa.field("drafter_version", pa.int64(), nullable=False),
-        pa.field("started_at", pa.float64(), nullable=False),
-        pa.field("finished_at", pa.float64(), nullable=False),
-        pa.field("temperature", pa.float32(), nullable=False),
-        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("drafted_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("accepted", pa.list_(pa.bool_()), nullable=False),
-        pa.field("topk_ids", pa.list_(pa.list_(pa.int32())), nullable=False),
-        pa.field("topk_logprobs", pa.list_(pa.list_(pa.float32())), nullable=False),
-        # eagle drafters: the target's features f_0..f_{L-2} as raw fp16 bytes [L - 1, hidden_dim]
-        # (empty, 0 otherwise). Optional: shards written before they existed read as empty.
-        pa.field("hidden", pa.large_binary(), nullable=True),
-        pa.field("hidden_dim", pa.int32(), nullable=True),
-        # why the request ended, as the server answered it ("stop", "length", "abort": the client left,
-        # "shutdown": cut by a server stop); optional, "" in shards written before it existed
-        pa.field("finish_reason", pa.string(), nullable=True),
-        # per token, who proposed its draft: 0 none, 1 model, 2 suffix_request, 3 suffix_global
-        # (`dvi.emit.SOURCES`). Optional: shards written before it existed read as empty (every draft: model).
-        pa.field("draft_source", pa.list_(pa.int8()), nullable=True),
-    ]
-)
-"""Parquet schema of a shard; one column per `FeedbackRecord` field (docs/contracts.md)."""
 
-OPTIONAL_FIELDS = {"hidden": b"", "hidden_dim": 0, "finish_reason": ""}
-OPTIONAL_FIELDS = {"hidden": b"", "hidden_dim": 0, "draft_source": []}
-"""Fields a shard may lack (older writers): their value when absent or null."""
+def _column(arrow: pa.DataType, optional: bool = False, **default: Any) -> Any:
+    """A record field and its parquet column type; an `optional` column may be absent or null in shards
+    written before it existed, and reads as the field's default."""
+    return field(metadata={"arrow": arrow, "optional": optional}, **default)
 
 
 def _as_list(x: Any) -> list:
@@ -59,25 +34,32 @@ def _as_list(x: Any) -> list:
 
 @dataclass
 class FeedbackRecord:
-    """One finished sequence with per-position draft/accept feedback (docs/contracts.md)."""
+    """One finished sequence with per-position draft/accept feedback (docs/contracts.md): the one stored
+    record, as written and read (lists) and as the trainer holds it (`compact`: numpy arrays)."""
 
-    request_id: str
-    domain: str
-    target_version: int
-    drafter_version: int
-    started_at: float
-    finished_at: float
-    temperature: float
-    prompt_ids: list[int]
-    token_ids: list[int]
-    drafted_ids: list[int]
-    accepted: list[bool]
-    topk_ids: list[list[int]] = field(default_factory=list)
-    topk_logprobs: list[list[float]] = field(default_factory=list)
-    hidden: bytes = b""
-    hidden_dim: int = 0
-    finish_reason: str = ""
-    draft_source: list[int] = field(default_factory=list)  # [n] or empty (old shards): see SCHEMA
+    request_id: str = _column(pa.string())
+    domain: str = _column(pa.string())
+    target_version: int = _column(pa.int64())
+    drafter_version: int = _column(pa.int64())
+    started_at: float = _column(pa.float64())
+    finished_at: float = _column(pa.float64())
+    temperature: float = _column(pa.float32())
+    # per-token lists as written and read; numpy arrays in a compact record (`compact`)
+    prompt_ids: list[int] | np.ndarray = _column(pa.list_(pa.int32()))
+    token_ids: list[int] | np.ndarray = _column(pa.list_(pa.int32()))
+    drafted_ids: list[int] | np.ndarray = _column(pa.list_(pa.int32()))
+    accepted: list[bool] | np.ndarray = _column(pa.list_(pa.bool_()))
+    topk_ids: list[list[int]] | np.ndarray = _column(pa.list_(pa.list_(pa.int32())), default_factory=list)
+    topk_logprobs: list[list[float]] | np.ndarray = _column(pa.list_(pa.list_(pa.float32())), default_factory=list)
+    # eagle drafters: the target's features f_0..f_{L-2} as raw fp16 bytes [L - 1, hidden_dim] (empty, 0 otherwise)
+    hidden: bytes = _column(pa.large_binary(), optional=True, default=b"")
+    hidden_dim: int = _column(pa.int32(), optional=True, default=0)
+    # why the request ended, as the server answered it ("stop", "length", "abort": the client left,
+    # "shutdown": cut by a server stop)
+    finish_reason: str = _column(pa.string(), optional=True, default="")
+    # per token, who proposed its draft: 0 none, 1 model, 2 suffix_request, 3 suffix_global
+    # (`dvi.decode.emit.SOURCES`); empty in shards written before it existed (every draft: the model's)
+    draft_source: list[int] | np.ndarray = _column(pa.list_(pa.int8()), optional=True, default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,13 +106,40 @@ class FeedbackRecord:
             raise ValueError(f"hidden has {len(self.hidden)} bytes but {n} positions x hidden_dim "
                              f"{self.hidden_dim} x 2 (fp16) were expected")
 
-    def features(self):
+    def features(self) -> np.ndarray | None:
         """The target's features f_0..f_{L-2} as a float16 numpy array [L - 1, hidden_dim], or None."""
         if not self.hidden:
             return None
-        import numpy as np
-
         return np.frombuffer(self.hidden, dtype=np.float16).reshape(-1, self.hidden_dim)
+
+    def compact(self) -> FeedbackRecord:
+        """The record as the trainer holds it (a replay buffer holds thousands): numpy arrays in place of the
+        per-token lists (ids int64), top-k padded to [n, k] (-1 ids, -inf log-probs; a record logged without
+        top-k gets the target's own token as a one-hot [n, 1], log-prob 0, the best the log allows), and only
+        the learned drafter's own drafts (`draft_source` 2, 3: a suffix proposal, not the drafter's sample,
+        reads as undrafted: -1, not accepted). Compact records are never written; compacting one is a no-op."""
+        if isinstance(self.token_ids, np.ndarray):
+            return self
+        tokens = np.asarray(self.token_ids, dtype=np.int64)  # [n]
+        tk, tl = self.topk_ids, self.topk_logprobs  # n ragged lists (k or fewer each), or empty
+        if len(tk) == len(tokens) and len(tokens):
+            k = max(len(r) for r in tk)  # pad every position to [k]
+            ids = np.full((len(tokens), k), -1, dtype=np.int64)
+            lps = np.full((len(tokens), k), -np.inf, dtype=np.float32)
+            for j, (a, b) in enumerate(zip(tk, tl, strict=True)):
+                ids[j, : len(a)] = a
+                lps[j, : len(b)] = b
+        else:
+            ids = tokens.reshape(-1, 1).copy()  # [n, 1]: the token itself, log-prob 0 (one-hot)
+            lps = np.zeros((len(tokens), 1), dtype=np.float32)
+        drafted, accepted = np.asarray(self.drafted_ids, dtype=np.int64), np.asarray(self.accepted, dtype=bool)
+        src = np.asarray(self.draft_source, dtype=np.int8)
+        if len(src) == len(drafted) and len(drafted):
+            other = src > 1
+            drafted, accepted = np.where(other, -1, drafted), accepted & ~other
+        return dataclasses.replace(self, prompt_ids=np.asarray(self.prompt_ids, dtype=np.int64), token_ids=tokens,
+                                   drafted_ids=drafted, accepted=accepted, topk_ids=ids, topk_logprobs=lps,
+                                   draft_source=src)
 
     @classmethod
     def from_result(
@@ -175,6 +184,14 @@ class FeedbackRecord:
 
         return cls(**{f.name: value(f.name) for f in fields(cls)})
 
+
+SCHEMA = pa.schema([pa.field(f.name, f.metadata["arrow"], nullable=f.metadata["optional"])
+                    for f in fields(FeedbackRecord)])
+"""Parquet schema of a shard: one column per `FeedbackRecord` field, in field order (docs/contracts.md)."""
+
+OPTIONAL_FIELDS = {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
+                   for f in fields(FeedbackRecord) if f.metadata["optional"]}
+"""Fields a shard may lack (older writers): their value when absent or null."""
 
 FIELD_NAMES = tuple(f.name for f in fields(FeedbackRecord))
 RECORD_OVERHEAD_BYTES = 512

@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from dvi.decode.results import GenerationResult
 from dvi.metrics.names import (
     ACCEPTANCE_RATE,
     ACCEPTANCE_RATE_PER_POS,
@@ -80,7 +81,6 @@ from dvi.metrics.names import (
     VLLM_METRICS,
 )
 from dvi.metrics.stats import AlphaWindow, ResultStats
-from dvi.results import GenerationResult
 
 
 class Metrics:
@@ -180,9 +180,9 @@ class Metrics:
         return s
 
     def _observe_sources(self, s: ResultStats) -> None:
-        """Per draft source (a bounded label: `dvi.emit.SOURCES`): counts, and α / mean accepted length since start."""
-        from dvi.emit import SOURCES
-        from dvi.results import acceptance_rate, mean_accepted_length
+        """Per draft source (a bounded label: `dvi.decode.emit.SOURCES`): counts, and α / mean accepted length since start."""
+        from dvi.decode.emit import SOURCES
+        from dvi.decode.results import acceptance_rate, mean_accepted_length
 
         c = self.collectors
         for src, (drafts, drafted, accepted) in s.by_source.items():

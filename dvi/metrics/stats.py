@@ -2,7 +2,7 @@
 
 Kept apart from the Prometheus collectors so the trainer, the rollout hook and benchmarks can
 roll results up (`ResultStats`, `AlphaWindow`, `summarize_results`) without touching
-prometheus_client. The rates themselves come from `dvi.results` (None = no data).
+prometheus_client. The rates themselves come from `dvi.decode.results` (None = no data).
 """
 
 from __future__ import annotations
@@ -12,6 +12,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dvi.decode.results import (
+    DraftCounts,
+    GenerationResult,
+    acceptance_rate,
+    mean_accepted_length,
+    pooled_rates,
+)
 from dvi.metrics.names import (
     ACCEPTANCE_RATE,
     ACCEPTANCE_RATE_PER_POS,
@@ -24,7 +31,6 @@ from dvi.metrics.names import (
     SOURCE_ACCEPTANCE_RATE,
     SOURCE_MEAN_ACCEPTED_LENGTH,
 )
-from dvi.results import DraftCounts, GenerationResult, acceptance_rate, mean_accepted_length, pooled_rates
 
 
 @dataclass

@@ -3,9 +3,9 @@
 Two layers, so the same training can run as a process or inside another loop:
 
 * `OnlineTrainer` (in-process core, `trainer.py`): `train_on_records(records)` trains on
-  feedback records with replay, held-out records and stale-target handling; `maybe_publish()`
-  publishes a version only if its held-out shadow α is not worse than LATEST's. The drift
-  benchmark and `trainers.rl` drive it directly.
+  feedback records with replay, held-out records and stale-target handling (a `RoundStats`);
+  `maybe_publish()` publishes a version only if its held-out shadow α beats the served version's by
+  `trainer.publish_margin` (a `PublishDecision`). The drift benchmark and `trainers.rl` drive it directly.
 * `run_trainer(cfg)` (the `dvi train --online` process, `process.py`): a thin loop around it
   (`TrainerLoop`, `loop.py`) that tails the shards with a `FeedbackReader` cursor, honours
   `<run_dir>/trainer.pause` and SIGTERM, and checkpoints so that a killed trainer resumes
@@ -15,9 +15,10 @@ The parts, in the order a record meets them:
 
 | module | job |
 |---|---|
-| `collate.py` | `Example` (a record in numpy form), `is_heldout`, `Batch` / `build_batch` (tensors for the loss) |
+| `collate.py` | `is_heldout`, `Batch` / `build_batch` (compact `FeedbackRecord`s to tensors for the loss) |
 | `trainables.py` | the drafter kinds (LoRA, full, early-exit, eagle) behind `Trainable`; `load_drafter_for_training` |
 | `trainer.py` | `OnlineTrainer`: steps, replay, shadow-checked publishing |
+| `decisions.py` | what it decided: `RoundStats` (one round), `PublishDecision` (one publish check) |
 | `checkpoint.py` | the trainer's checkpoint (trained tensors, optimizer, counters), written atomically |
 | `accel.py` | the `Accelerator` (one process group per launch, or it refuses to start) |
 | `loop.py` | `TrainerLoop`: shard choice, the exactly-once flush order, pause/stop, status heartbeat |
@@ -40,7 +41,7 @@ from dvi.rundir import (
     TRAINER_DIR,
     RunDir,
 )
-from trainers.online.collate import Batch, Example, build_batch, is_heldout
+from trainers.online.collate import Batch, build_batch, is_heldout
 from trainers.online.loop import STALE_SHARD_S, TrainerLoop
 from trainers.online.process import run_trainer
 from trainers.online.trainables import load_drafter_for_training
@@ -52,7 +53,7 @@ def read_target_version_file(run_dir: str | os.PathLike) -> int | None:
     return RunDir(run_dir).read_target_version()
 
 
-__all__ = ["Example", "Batch", "build_batch", "is_heldout", "OnlineTrainer", "TrainerLoop", "run_trainer",
+__all__ = ["Batch", "build_batch", "is_heldout", "OnlineTrainer", "TrainerLoop", "run_trainer",
            "load_drafter_for_training", "read_target_version_file", "PAUSE_FILE",
            "TARGET_VERSION_FILE", "TRAINER_DIR", "CHECKPOINT_DIR", "CONSUMED_LOG", "STATUS_FILE",
            "SHADOW_MAX_POSITIONS", "STALE_SHARD_S", "REPLAY_RECENT"]

@@ -25,7 +25,7 @@ def make_accelerator(cfg: DviConfig) -> Accelerator:
     from accelerate import Accelerator
     from accelerate.utils import AutocastKwargs
 
-    from dvi.models import resolve_device
+    from dvi.models.loading import resolve_device
 
     accelerator = Accelerator(cpu=resolve_device(cfg.models.device).type == "cpu",
                               kwargs_handlers=[AutocastKwargs(enabled=False)])

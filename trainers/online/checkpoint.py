@@ -13,15 +13,13 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from dvi.fsutil import fsync_tree, old_dirs, replace_dir, tmp_dir_beside
-
-if TYPE_CHECKING:
-    from trainers.online.trainer import OnlineTrainer
+from trainers.online.trainables import Trainable
 
 log = logging.getLogger("dvi.trainer")
 
@@ -30,21 +28,22 @@ COUNTERS = ("step", "records_seen", "replayed", "heldout_seen", "dropped_stale",
 """The trainer's integer counters a resume restores (plus `train_seconds` and `last_published`)."""
 
 
-def save_checkpoint(t: OnlineTrainer, path: Path, extra: Mapping[str, Any]) -> None:
-    """Weights + optimizer + counters + `extra`, written to a temp dir and renamed over `path`."""
+def save_checkpoint(path: Path, trainable: Trainable, optimizer: torch.optim.Optimizer,
+                    state: Mapping[str, Any]) -> None:
+    """Weights + optimizer + `state` (the trainer's counters and the loop's extra, JSON-able), written to a temp
+    dir and renamed over `path`."""
     tmp = tmp_dir_beside(path)
     tmp.mkdir(parents=True)
-    save_file(t.trainable.state(), str(tmp / "trainable.safetensors"))
-    torch.save(t.optimizer.state_dict(), tmp / "optimizer.pt")
-    state = {**{k: getattr(t, k) for k in COUNTERS}, "train_seconds": t.train_seconds,
-             "last_published": t.last_published, "kind": t.trainable.kind, **dict(extra)}
-    (tmp / "state.json").write_text(json.dumps(state))
+    save_file(trainable.state(), str(tmp / "trainable.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps({**dict(state), "kind": trainable.kind}))
     fsync_tree(tmp)
     replace_dir(tmp, path)  # a kill between its two renames leaves `old_dirs(path)`; load_checkpoint reads it
 
 
-def load_checkpoint(t: OnlineTrainer, path: Path) -> dict[str, Any] | None:
-    """Restore `t` from `save_checkpoint` output; returns its state dict (None if there is none)."""
+def load_checkpoint(path: Path, trainable: Trainable, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """Restore `trainable` and `optimizer` from `save_checkpoint` output; returns its state dict (None if there is
+    none), whose counters the trainer restores."""
     path = Path(path)
     if not path.exists():
         olds = old_dirs(path)
@@ -52,17 +51,11 @@ def load_checkpoint(t: OnlineTrainer, path: Path) -> dict[str, Any] | None:
             return None
         path = olds[-1]
     state = json.loads((path / "state.json").read_text())
-    if state.get("kind") != t.trainable.kind:
-        raise ValueError(f"checkpoint {path} is for a {state.get('kind')!r} drafter, this is {t.trainable.kind!r}")
-    t.trainable.load_state(load_file(str(path / "trainable.safetensors")))
+    if state.get("kind") != trainable.kind:
+        raise ValueError(f"checkpoint {path} is for a {state.get('kind')!r} drafter, this is {trainable.kind!r}")
+    trainable.load_state(load_file(str(path / "trainable.safetensors")))
     try:
-        t.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     except Exception as exc:  # noqa: BLE001 - fresh moments are better than no resume
         log.warning("optimizer state not restored (%s); continuing with fresh moments", exc)
-    for k in COUNTERS:
-        setattr(t, k, int(state.get(k, 0) or 0))
-    t.train_seconds = float(state.get("train_seconds", 0.0))
-    t.last_published = state.get("last_published")
-    if t.last_published is not None:
-        t.last_published_state = t.trainable.state()
     return state

@@ -1,4 +1,5 @@
-"""Feedback records to training batches: the compact `Example`, the held-out split, collation.
+"""Feedback records to training batches: the held-out split, collation of compact records
+(`FeedbackRecord.compact`: numpy arrays, the learned drafter's own drafts) into the loss's tensors.
 
 Its own module because it is the one place that knows the tensor layout the loss expects
 (`trainers.losses.dvi_loss`); the trainer only moves batches to the device and steps.
@@ -16,67 +17,9 @@ import numpy as np
 import torch
 
 from dvi.feedback import FeedbackRecord
-from dvi.shadow import is_heldout
+from dvi.feedback.shadow import is_heldout
 
-__all__ = ["Batch", "Example", "build_batch", "is_heldout"]
-
-
-@dataclass
-class Example:
-    """One feedback record in compact numpy form (the replay buffer holds thousands).
-
-    Field names match `FeedbackRecord`, so `dvi.shadow.shadow_alpha` reads it directly.
-    """
-
-    request_id: str
-    domain: str
-    target_version: int
-    drafter_version: int
-    finished_at: float
-    temperature: float
-    prompt_ids: np.ndarray  # [p] int64
-    token_ids: np.ndarray  # [n] int64, the generated tokens
-    drafted_ids: np.ndarray  # [n] int64, -1 where nothing was drafted
-    accepted: np.ndarray  # [n] bool
-    topk_ids: np.ndarray  # [n, k] int64, -1 padding
-    topk_logprobs: np.ndarray  # [n, k] float32, -inf padding
-    hidden: np.ndarray | None = None  # [p + n - 1, H] float16: the target's features (eagle drafters)
-
-    def features(self) -> np.ndarray | None:
-        return self.hidden
-
-    @classmethod
-    def of(cls, rec: FeedbackRecord | Example) -> Example:
-        """Records logged without top-k (feedback_top_k=0) train on the target's own token as a
-        one-hot target distribution (cross-entropy), the best the log allows."""
-        if isinstance(rec, Example):
-            return rec
-        tokens = np.asarray(rec.token_ids, dtype=np.int64)  # [n]
-        tk, tl = rec.topk_ids, rec.topk_logprobs  # n ragged lists (k or fewer each), or empty
-        if len(tk) == len(tokens) and len(tokens):
-            k = max(len(r) for r in tk)  # pad every position to [k]
-            ids = np.full((len(tokens), k), -1, dtype=np.int64)
-            lps = np.full((len(tokens), k), -np.inf, dtype=np.float32)
-            for j, (a, b) in enumerate(zip(tk, tl, strict=True)):
-                ids[j, : len(a)] = a
-                lps[j, : len(b)] = b
-        else:
-            ids = tokens.reshape(-1, 1).copy()  # [n, 1]: the token itself, log-prob 0 (one-hot)
-            lps = np.zeros((len(tokens), 1), dtype=np.float32)
-        return cls(
-            request_id=str(rec.request_id),
-            domain=str(rec.domain),
-            target_version=int(rec.target_version),
-            drafter_version=int(rec.drafter_version),
-            finished_at=float(rec.finished_at),
-            temperature=float(rec.temperature),
-            prompt_ids=np.asarray(rec.prompt_ids, dtype=np.int64),
-            token_ids=tokens,
-            **_model_drafts(rec),
-            topk_ids=ids,
-            topk_logprobs=lps,
-            hidden=rec.features(),
-        )
+__all__ = ["Batch", "build_batch", "is_heldout"]
 
 
 @dataclass
@@ -108,7 +51,7 @@ class Batch:
 
 
 def build_batch(
-    examples: Sequence[Example], weights: Sequence[float], pad_id: int = 0, max_seq_len: int = 512
+    records: Sequence[FeedbackRecord], weights: Sequence[float], pad_id: int = 0, max_seq_len: int = 512
 ) -> Batch | None:
     """Teacher-forced batch over prompt + generated tokens.
 
@@ -116,7 +59,7 @@ def build_batch(
     so the model computes logits only there (`logits_to_keep`): the vocabulary projection is
     most of a small drafter's cost. Rows longer than `max_seq_len` lose their oldest tokens.
     """
-    rows = [(e, float(w)) for e, w in zip(examples, weights, strict=True) if len(e.token_ids) and w > 0]
+    rows = [(r.compact(), float(w)) for r, w in zip(records, weights, strict=True) if len(r.token_ids) and w > 0]
     if not rows:
         return None
     seqs, keeps = [], []
@@ -153,35 +96,22 @@ def build_batch(
                  features=None if feats is None else feats[0], feature_targets=None if feats is None else feats[1])
 
 
-def _features(examples: Sequence[Example], seqs: Sequence[np.ndarray], keeps: Sequence[int], w_len: int,
+def _features(examples: Sequence[FeedbackRecord], seqs: Sequence[np.ndarray], keeps: Sequence[int], w_len: int,
               t_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Eagle inputs F [B, W, H] and targets f [B, T, H], aligned with `build_batch`'s left padding and
     truncation; None unless every row carries features (a batch trains one drafter kind)."""
-    if any(e.hidden is None for e in examples):
+    hidden = [e.features() for e in examples]  # [L - 1, H] each, or None
+    if any(f is None for f in hidden):
         return None
-    from dvi.eagle import features_from_hidden
+    from dvi.drafters.eagle import features_from_hidden
 
-    h = examples[0].hidden.shape[1]
+    h = hidden[0].shape[1]
     feats = torch.zeros((len(examples), w_len, h), dtype=torch.float16)  # [B, W, H]
     targets = torch.zeros((len(examples), t_len, h), dtype=torch.float16)  # [B, T, H]
-    for i, (e, seq, nk) in enumerate(zip(examples, seqs, keeps, strict=True)):
+    for i, (e_hidden, seq, nk) in enumerate(zip(hidden, seqs, keeps, strict=True)):
         # f_j of input j, [L - 1, H] (row count checked when the record was built); only the rows this
         # batch keeps are copied (F_j = f_{j-1}, so one more than the inputs kept).
-        f = torch.from_numpy(np.array(e.hidden[-(len(seq) + 1):]))
+        f = torch.from_numpy(np.array(e_hidden[-(len(seq) + 1):]))
         feats[i, w_len - len(seq):] = features_from_hidden(f)[-len(seq):]
         targets[i, t_len - nk:] = f[-nk:]
     return feats, targets
-
-
-def _model_drafts(rec: FeedbackRecord) -> dict[str, np.ndarray]:
-    """drafted_ids [n] and accepted [n] of the learned drafter's own drafts: a suffix proposal (`draft_source` 2
-    or 3, `hybrid`) was not the drafter's sample, so its position reads as undrafted (-1, not accepted) to the
-    reward loss; old records without `draft_source` drafted from the model only."""
-    drafted = np.asarray(rec.drafted_ids, dtype=np.int64)
-    accepted = np.asarray(rec.accepted, dtype=bool)
-    src = getattr(rec, "draft_source", None)
-    if src is not None and len(src) == len(drafted) and len(drafted):
-        other = np.asarray(src, dtype=np.int64) > 1
-        drafted = np.where(other, -1, drafted)
-        accepted = accepted & ~other
-    return {"drafted_ids": drafted, "accepted": accepted}

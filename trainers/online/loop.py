@@ -36,10 +36,10 @@ from typing import Any
 from dvi import metrics as M
 from dvi.config import DviConfig
 from dvi.feedback import FeedbackReader
-from dvi.registry import AdapterRejected
+from dvi.feedback.shadow import is_heldout
+from dvi.registry.store import AdapterRejected
 from dvi.rundir import RunDir
-from dvi.shadow import is_heldout
-from trainers.online.collate import Example
+from trainers.online.decisions import RoundStats
 from trainers.online.trainer import OnlineTrainer
 
 log = logging.getLogger("dvi.trainer")
@@ -106,7 +106,7 @@ class TrainerLoop:
             return
         n_held = 0
         for rec in self.reader.read_records(done):
-            e = Example.of(rec)
+            e = rec.compact()
             t.max_target_version = max(t.max_target_version, e.target_version)
             if is_heldout(e.request_id, t.tc.heldout_fraction):
                 t.heldout.append(e)
@@ -192,7 +192,7 @@ class TrainerLoop:
         else:
             self.unflushed = []
 
-    def run_round(self) -> dict[str, Any] | None:
+    def run_round(self) -> RoundStats | None:
         """Train one round of shards (flushed every `checkpoint_seconds`). None when there was nothing to do."""
         t = self.trainer
         shards = self._broadcast(self._choose() if t.is_main else None)
@@ -201,8 +201,8 @@ class TrainerLoop:
         stats = t.train_on_records(self.reader.read_records(shards))
         self.seq += 1
         self.trained |= set(shards)
-        entry = {"seq": self.seq, "shards": shards, "trained": stats["trained_ids"], "heldout": stats["heldout_ids"],
-                 "dropped": stats["dropped_ids"], "step": t.step, "time": time.time()}
+        entry = {"seq": self.seq, "shards": shards, "trained": stats.trained_ids, "heldout": stats.heldout_ids,
+                 "dropped": stats.dropped_ids, "step": t.step, "time": time.time()}
         self.unflushed.append(entry)
         if time.monotonic() - self.last_flush >= t.tc.checkpoint_seconds:
             self.flush()
@@ -254,8 +254,8 @@ class TrainerLoop:
                 continue
             t.maybe_publish()
             self._write_status("running")
-            log.info("trainer: step %d, +%d records (%d held out, %d replayed), loss %.4f", t.step, stats["new"],
-                     stats["heldout"], stats["replayed"], stats.get("loss", float("nan")))
+            log.info("trainer: step %d, +%d records (%d held out, %d replayed), loss %.4f", t.step, stats.new,
+                     stats.heldout, stats.replayed, stats.loss)
         # SIGTERM lands between rounds (the handler only sets a flag): checkpoint and commit what was
         # trained, then publish what was trained since the last publish.
         self.flush()

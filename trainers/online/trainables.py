@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from dvi.config import DviConfig
-from dvi.registry import DrafterRegistry, check_state_dict
+from dvi.registry.store import DrafterRegistry, check_state_dict
 
 if TYPE_CHECKING:
-    from dvi.drafters import Drafter
+    from dvi.drafters.learned import Drafter
 
 
 class Trainable(ABC):
@@ -129,7 +129,7 @@ class _SharedTargetTrainable(Trainable):
     def publish(self, registry: DrafterRegistry, manifest: dict) -> int:
         from safetensors.torch import save
 
-        from dvi.drafters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+        from dvi.drafters.learned import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
         blob = save(self.state(), metadata={"format": "pt"})
         cfg = json.dumps(self.drafter.config_dict(), indent=2)
@@ -137,7 +137,7 @@ class _SharedTargetTrainable(Trainable):
 
 
 def make_trainable(drafter: nn.Module | Drafter, mode: str, cfg: DviConfig) -> Trainable:
-    from dvi.drafters import EarlyExitDrafter, SharedTargetDrafter
+    from dvi.drafters.learned import EarlyExitDrafter, SharedTargetDrafter
 
     t = cfg.trainer
     if isinstance(drafter, SharedTargetDrafter):
@@ -171,8 +171,8 @@ def make_trainable(drafter: nn.Module | Drafter, mode: str, cfg: DviConfig) -> T
 
 def load_drafter_for_training(cfg: DviConfig, accelerator: Any = None) -> tuple[Any, int]:
     """The drafter to train, as the config describes it: (model, EarlyExitDrafter or EagleDrafter, pad id)."""
-    from dvi.embedded import embedded_paths
-    from dvi.models import find_tokenizer_path, load_causal_lm, load_tokenizer
+    from dvi.models.embedded import embedded_paths
+    from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 
     m = cfg.models
     device = accelerator.device if accelerator is not None else m.device
@@ -193,17 +193,17 @@ def load_drafter_for_training(cfg: DviConfig, accelerator: Any = None) -> tuple[
     if m.learned_kind is None:
         raise ValueError("models.drafter_kind is suffix: there is no learned drafter to train")
     if m.learned_kind in ("early_exit", "eagle"):
-        from dvi.models import load_shared_target_drafter
+        from dvi.models.loading import load_shared_target_drafter
 
         target = load_causal_lm(target_path, device, dtype)
         return load_shared_target_drafter(target, target_path, cfg), pad_id  # the server builds the same one
     if drafter_path is None:
         raise ValueError("models.drafter is not set and there is no embedded drafter: nothing to train")
-    from dvi.models import draft_vocab_size_for
-    from dvi.vocab import apply_draft_vocab, load_draft_vocab
+    from dvi.drafters.vocab import apply_draft_vocab, load_draft_vocab
+    from dvi.models.loading import draft_vocab_size_for
 
     drafter = load_causal_lm(drafter_path, device, dtype)
     rows = int(drafter.get_output_embeddings().weight.shape[0])
-    ids = load_draft_vocab(m.draft_vocab or drafter_path, draft_vocab_size_for(m), rows)  # as `dvi.models.load_pair`
+    ids = load_draft_vocab(m.draft_vocab or drafter_path, draft_vocab_size_for(m), rows)  # as `dvi.models.loading.load_pair`
     return (apply_draft_vocab(drafter, ids) if ids is not None else drafter), pad_id
 

@@ -8,8 +8,8 @@ from the feedback log, and the drift benchmark and `trainers.rl` drive it direct
 down-weighted), takes `trainers.losses.dvi_loss` steps (pure top-k KL first, the accept/reject
 reward ramped in; `warmup_steps` ramps the LR up, `anchor_weight` adds an L2 trust region towards the
 weights it started from), and holds back `heldout_fraction` of the records (by a hash of the request id)
-for evaluation (`dvi.shadow.is_heldout`). `maybe_publish()` compares the held-out shadow α
-(`dvi.shadow`) of the current weights with the version the server SERVES now (the registry's
+for evaluation (`dvi.feedback.shadow.is_heldout`). `maybe_publish()` compares the held-out shadow α
+(`dvi.feedback.shadow`) of the current weights with the version the server SERVES now (the registry's
 SERVING; 0 = the bootstrap drafter) and publishes only a candidate better by `publish_margin` on at
 least `shadow_min_positions` held-out positions; any other decision is logged with its reason. Checkpoints (weights, optimizer, counters) are the loop's resume point.
 
@@ -36,20 +36,21 @@ from torch import nn
 
 from dvi import metrics as M
 from dvi.config import DviConfig
+from dvi.decode.results import fmt_rate
+from dvi.drafters.vocab import find_subset_head
 from dvi.feedback import FeedbackRecord
-from dvi.registry import AdapterRejected, DrafterRegistry
-from dvi.results import fmt_rate
+from dvi.feedback.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, is_heldout, shadow_alpha, shadow_passes
+from dvi.registry.store import AdapterRejected, DrafterRegistry
 from dvi.rundir import RunDir
-from dvi.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, is_heldout, shadow_alpha, shadow_passes
-from dvi.vocab import find_subset_head
 from trainers.losses import batch_loss, chained_features
 from trainers.online.accel import make_accelerator
-from trainers.online.checkpoint import load_checkpoint, save_checkpoint
-from trainers.online.collate import Example, build_batch
+from trainers.online.checkpoint import COUNTERS, load_checkpoint, save_checkpoint
+from trainers.online.collate import build_batch
+from trainers.online.decisions import PublishDecision, RoundStats
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
 if TYPE_CHECKING:
-    from dvi.drafters import Drafter
+    from dvi.drafters.learned import Drafter
 
 log = logging.getLogger("dvi.trainer")
 
@@ -65,7 +66,7 @@ class OnlineTrainer:
     """Trains a drafter on feedback records with the DVI objective; publishes shadow-checked versions.
 
     `drafter`: a HF causal LM (wrapped in a LoRA when `cfg.trainer.mode == "lora"`, trained
-    whole when "full"), a peft model (its adapter is trained), or a `dvi.drafters.EarlyExitDrafter`
+    whole when "full"), a peft model (its adapter is trained), or a `dvi.drafters.learned.EarlyExitDrafter`
     (its LoRA + exit head). The module is trained in place, so an engine in the same process that
     holds it sees every update (`trainers.rl` style); `model` is what to hand to an engine.
     Without a `registry`, `maybe_publish` only evaluates.
@@ -103,8 +104,8 @@ class OnlineTrainer:
         self.module, self.optimizer = accelerator.prepare(self.trainable.module, opt)
         self.device = accelerator.device
         self.rng = random.Random(self.tc.seed)
-        self.replay: collections.deque[Example] = collections.deque(maxlen=max(1, self.tc.replay_buffer_records))
-        self.heldout: collections.deque[Example] = collections.deque(maxlen=self.tc.shadow_records)
+        self.replay: collections.deque[FeedbackRecord] = collections.deque(maxlen=max(1, self.tc.replay_buffer_records))
+        self.heldout: collections.deque[FeedbackRecord] = collections.deque(maxlen=self.tc.shadow_records)
         self.step = 0
         self.records_seen = 0  # records trained on as new
         self.replayed = 0
@@ -121,7 +122,7 @@ class OnlineTrainer:
         self.last_published_state: dict[str, torch.Tensor] | None = None
         self.last_heldout_alpha: float | None = None
         self.last_losses: dict[str, float] = {}
-        self.publish_log: list[dict[str, Any]] = []
+        self.publish_log: list[PublishDecision] = []
 
     # -- construction from a config ------------------------------------------------------------
     @classmethod
@@ -151,7 +152,7 @@ class OnlineTrainer:
         file_v = self.rundir.read_target_version()
         return max(self.max_target_version, file_v if file_v is not None else 0)
 
-    def _weight(self, e: Example, current: int) -> float:
+    def _weight(self, e: FeedbackRecord, current: int) -> float:
         if e.target_version >= current or self.tc.stale_target_policy == "keep":
             return 1.0
         if self.tc.stale_target_policy == "drop":
@@ -170,7 +171,7 @@ class OnlineTrainer:
         return allowed is None or self.step < allowed
 
     # -- training ----------------------------------------------------------------------------------
-    def train_on_records(self, records: Iterable[FeedbackRecord | Example]) -> dict[str, Any]:
+    def train_on_records(self, records: Iterable[FeedbackRecord]) -> RoundStats:
         """Train on new records (each once), with replay; returns what happened.
 
         Held-out records (by request-id hash) are kept for evaluation and never trained on.
@@ -179,7 +180,7 @@ class OnlineTrainer:
         that they are a `replay_ratio` share of it. Afterwards the new records join the buffer.
         """
         t0 = time.perf_counter()
-        examples = [Example.of(r) for r in records]
+        examples = [r.compact() for r in records]
         for e in examples:
             self.max_target_version = max(self.max_target_version, e.target_version)
             self.feedback_tokens += len(e.token_ids)
@@ -196,24 +197,20 @@ class OnlineTrainer:
         self.replayed += replayed
         dt = time.perf_counter() - t0
         self.train_seconds += dt
-        stats: dict[str, Any] = {
-            "new": len(new), "heldout": len(held), "dropped_stale": len(dropped), "replayed": replayed,
-            "steps": len(losses), "seconds": dt, "target_version": current,
-            "budget_deferred": self.budget_deferred - deferred0,
-            "trained_ids": [e.request_id for e in new], "heldout_ids": [e.request_id for e in held],
-            "dropped_ids": [e.request_id for e in dropped],
-        }
+        stats = RoundStats(
+            steps=len(losses), seconds=dt, losses=_mean(losses) if losses else {}, new=len(new), heldout=len(held),
+            dropped_stale=len(dropped), replayed=replayed, target_version=current,
+            budget_deferred=self.budget_deferred - deferred0, trained_ids=[e.request_id for e in new],
+            heldout_ids=[e.request_id for e in held], dropped_ids=[e.request_id for e in dropped])
         if losses:
-            mean = _mean(losses)
-            stats.update(mean)
-            self.last_losses = mean
+            mean = self.last_losses = stats.losses
             self._log({M.TRAINER_LOSS: mean["loss"], M.TRAINER_KL_LOSS: mean["kl"],
                        M.TRAINER_REWARD_LOSS: mean["reward"], M.TRAINER_REWARD_WEIGHT: mean["reward_weight"],
                        M.TRAINER_STEP: self.step, M.TRAINER_RECORDS_SEEN: self.records_seen,
                        "train_seconds": self.train_seconds, "tokens_per_s": mean["tokens"] / max(1e-9, mean["seconds"])})
         return stats
 
-    def _split(self, examples: list[Example], current: int) -> tuple[list[Example], list[Example], list[Example]]:
+    def _split(self, examples: list[FeedbackRecord], current: int) -> tuple[list[FeedbackRecord], list[FeedbackRecord], list[FeedbackRecord]]:
         """(new, held out, dropped as stale), each in the order given."""
         new, held, dropped = [], [], []
         for e in examples:
@@ -225,7 +222,7 @@ class OnlineTrainer:
                 new.append(e)
         return new, held, dropped
 
-    def _train_new(self, new: list[Example], current: int) -> tuple[list[dict[str, float]], int]:
+    def _train_new(self, new: list[FeedbackRecord], current: int) -> tuple[list[dict[str, float]], int]:
         """One step per chunk of `new` records, topped up with replayed ones; (step losses, replayed).
 
         Chunks beyond the step budget (`budget_left`) take no step: they are counted as deferred and,
@@ -252,14 +249,14 @@ class OnlineTrainer:
             self.records_seen += len(chunk)
         return losses, replayed
 
-    def _sample_replay(self, n: int, recent: int | None = None) -> list[Example]:
+    def _sample_replay(self, n: int, recent: int | None = None) -> list[FeedbackRecord]:
         pool = len(self.replay) if recent is None else min(recent, len(self.replay))
         if not pool:
             return []
         lo = len(self.replay) - pool
         return [self.replay[lo + self.rng.randrange(pool)] for _ in range(n)]
 
-    def train_on_replay(self, steps: int = 1, recent: int = REPLAY_RECENT) -> dict[str, Any]:
+    def train_on_replay(self, steps: int = 1, recent: int = REPLAY_RECENT) -> RoundStats:
         """Replay-only steps on the `recent` newest trained records (an idle trainer's spare time).
 
         Counted as replay, never as new records; no cursor or checkpoint is involved.
@@ -279,15 +276,14 @@ class OnlineTrainer:
             self.replayed += len(batch)
         dt = time.perf_counter() - t0
         self.train_seconds += dt
-        stats: dict[str, Any] = {"steps": len(losses), "seconds": dt}
+        stats = RoundStats(steps=len(losses), seconds=dt, losses=_mean(losses) if losses else {})
         if losses:
-            stats.update(_mean(losses))
-            self.last_losses = {k: stats[k] for k in losses[0]}
-            self._log({M.TRAINER_LOSS: stats["loss"], M.TRAINER_KL_LOSS: stats["kl"], M.TRAINER_STEP: self.step,
+            self.last_losses = stats.losses
+            self._log({M.TRAINER_LOSS: stats.losses["loss"], M.TRAINER_KL_LOSS: stats.losses["kl"], M.TRAINER_STEP: self.step,
                        "replay_only": True, "train_seconds": self.train_seconds})
         return stats
 
-    def _train_step(self, examples: list[Example], current: int) -> dict[str, float] | None:
+    def _train_step(self, examples: list[FeedbackRecord], current: int) -> dict[str, float] | None:
         acc = self.accelerator
         # Each rank trains its slice (DDP averages the gradients); padding repeats the last row so that no
         # rank is left without one (a rank without a backward would hang the others' all-reduce).
@@ -327,9 +323,9 @@ class OnlineTrainer:
         if self.anchor is not None:
             self.anchor = [p.detach().clone() for p in self.trainable.parameters()]
 
-    def shadow(self, records: Sequence[FeedbackRecord | Example] | None = None, state: Mapping[str, torch.Tensor] | None = None):
-        """Shadow α (teacher-forced, `dvi.shadow`) of the current weights, or of `state`, on held-out records."""
-        recs = list(self.heldout) if records is None else [Example.of(r) for r in records]
+    def shadow(self, records: Sequence[FeedbackRecord] | None = None, state: Mapping[str, torch.Tensor] | None = None):
+        """Shadow α (teacher-forced, `dvi.feedback.shadow`) of the current weights, or of `state`, on held-out records."""
+        recs = list(self.heldout) if records is None else [r.compact() for r in records]
         saved = None
         if state is not None:
             saved = self.trainable.state()
@@ -359,7 +355,7 @@ class OnlineTrainer:
         """What the server serves now, as it recorded in the registry's SERVING (0 = the bootstrap drafter)."""
         return self.registry.serving().version if self.registry is not None else 0
 
-    def maybe_publish(self, force: bool = False) -> dict[str, Any] | None:
+    def maybe_publish(self, force: bool = False) -> PublishDecision | None:
         """Every `publish_every_steps` steps: compare with the SERVED version on held-out records; publish
         only a candidate that is better by `publish_margin` on at least `shadow_min_positions` positions.
 
@@ -374,56 +370,52 @@ class OnlineTrainer:
         if not self.is_main:
             return None
         served = self.served_version()
-        decision: dict[str, Any] = {"step": self.step, "parent_version": served, "time": time.time(),
-                                    "heldout_alpha": None, "parent_heldout_alpha": None, "heldout_records": 0,
-                                    "heldout_positions": 0}
+        decision = PublishDecision(step=self.step, parent_version=served, time=time.time())
         ok = self._publish_check(served, decision)
         if self.registry is None or not ok:
-            decision["published"] = None
-            log.info("trainer: not publishing at step %d: %s", self.step, decision["reason"])
+            log.info("trainer: not publishing at step %d: %s", self.step, decision.reason)
         else:
-            version = self._publish(served, decision)
-            decision["published"] = version
-            log.info("trainer: published v%d at step %d: %s", version, self.step, decision["reason"])
-        if decision.get("heldout_alpha") is not None:
-            self.last_heldout_alpha = decision["heldout_alpha"]
+            decision.published = self._publish(served, decision)
+            log.info("trainer: published v%d at step %d: %s", decision.published, self.step, decision.reason)
+        if decision.heldout_alpha is not None:
+            self.last_heldout_alpha = decision.heldout_alpha
         self.publish_log.append(decision)
-        self._log({M.TRAINER_HELDOUT_ALPHA: decision.get("heldout_alpha"),
-                   "parent_heldout_alpha": decision.get("parent_heldout_alpha"),
-                   "published": decision["published"] is not None, M.TRAINER_STEP: self.step},
-                  drafter_version=decision["published"])
+        self._log({M.TRAINER_HELDOUT_ALPHA: decision.heldout_alpha,
+                   "parent_heldout_alpha": decision.parent_heldout_alpha,
+                   "published": decision.published is not None, M.TRAINER_STEP: self.step},
+                  drafter_version=decision.published)
         return decision
 
-    def _publish_check(self, served: int, decision: dict[str, Any]) -> bool:
+    def _publish_check(self, served: int, decision: PublishDecision) -> bool:
         """Held-out shadow α of the current weights vs the served version's, into `decision`; True to publish."""
         served_state, why = self._served_state(served)
         if served_state is None:
-            decision["reason"] = why + "; not published"
+            decision.reason = why + "; not published"
             return False
         new = self.shadow()
         if new.positions < self.tc.shadow_min_positions:
-            decision["reason"] = (f"{new.positions} held-out positions of the {self.tc.shadow_min_positions} a "
-                                  f"check needs; not published")
+            decision.reason = (f"{new.positions} held-out positions of the {self.tc.shadow_min_positions} a "
+                               f"check needs; not published")
             return False
         old = self.shadow(state=served_state)
-        decision.update(heldout_alpha=new.alpha, parent_heldout_alpha=old.alpha, heldout_records=new.records,
-                        heldout_positions=new.positions)
+        decision.heldout_alpha, decision.parent_heldout_alpha = new.alpha, old.alpha
+        decision.heldout_records, decision.heldout_positions = new.records, new.positions
         ok = shadow_passes(new.alpha, old.alpha, -self.tc.publish_margin)  # new >= old + publish_margin
-        decision["reason"] = (f"held-out shadow α {fmt_rate(new.alpha, 4)} vs served v{served} "
-                              f"{fmt_rate(old.alpha, 4)} on {new.records} records ({new.positions} positions)"
-                              + ("" if ok else f"; not better by {self.tc.publish_margin}, not published"))
+        decision.reason = (f"held-out shadow α {fmt_rate(new.alpha, 4)} vs served v{served} "
+                           f"{fmt_rate(old.alpha, 4)} on {new.records} records ({new.positions} positions)"
+                           + ("" if ok else f"; not better by {self.tc.publish_margin}, not published"))
         return ok
 
-    def _publish(self, parent: int | None, decision: Mapping[str, Any]) -> int:
+    def _publish(self, parent: int | None, decision: PublishDecision) -> int:
         """Write the current weights to the registry as a child of `parent`; returns the new version."""
         manifest = {
             "parent_version": parent,
             "target_version": self.current_target_version(),
             "steps": self.step,
             "records_seen": self.records_seen,
-            "heldout_alpha": decision["heldout_alpha"],
-            "parent_heldout_alpha": decision["parent_heldout_alpha"],
-            "heldout_records": decision["heldout_records"],
+            "heldout_alpha": decision.heldout_alpha,
+            "parent_heldout_alpha": decision.parent_heldout_alpha,
+            "heldout_records": decision.heldout_records,
             "created_at": time.time(),
             "drafter_kind": self.trainable.kind,
             "trainer_mode": self.tc.mode,
@@ -469,8 +461,20 @@ class OnlineTrainer:
 
     # -- checkpoints (process mode): trainers.online.checkpoint ------------------------------------
     def save_checkpoint(self, path: Path, extra: Mapping[str, Any]) -> None:
-        save_checkpoint(self, path, extra)
+        counters = {k: getattr(self, k) for k in COUNTERS}
+        save_checkpoint(path, self.trainable, self.optimizer, {
+            **counters, "train_seconds": self.train_seconds, "last_published": self.last_published, **dict(extra)})
 
     def load_checkpoint(self, path: Path) -> dict[str, Any] | None:
-        return load_checkpoint(self, path)
+        """Weights, moments and counters from `save_checkpoint`; the state dict (with the loop's extra) or None."""
+        state = load_checkpoint(path, self.trainable, self.optimizer)
+        if state is None:
+            return None
+        for k in COUNTERS:
+            setattr(self, k, int(state.get(k, 0) or 0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.last_published = state.get("last_published")
+        if self.last_published is not None:
+            self.last_published_state = self.trainable.state()
+        return state
 

@@ -1,7 +1,7 @@
 """The engine's per-row host state between steps: the request, its `GenerationResult`, its own RNG
-(`g_rand` draws its uniforms), its stop set and token budget (its draft state lives in its `dvi.proposers` proposer).
+(`g_rand` draws its uniforms), its stop set and token budget (its draft state lives in its `dvi.drafters.proposers` proposer).
 
-Kept apart from `dvi.engine` (which batches rows and runs the step) so a row's bookkeeping reads on its own.
+Kept apart from `dvi.decode.engine` (which batches rows and runs the step) so a row's bookkeeping reads on its own.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dvi.acceptance import AcceptanceEMA
-from dvi.request import Request, SamplingParams
-from dvi.results import GenerationResult, Versions
-from dvi.sampling import Penalties, penalize
+from dvi.decode.acceptance import AcceptanceEMA
+from dvi.decode.request import Request, SamplingParams
+from dvi.decode.results import GenerationResult, Versions
+from dvi.decode.sampling import Penalties, penalize
 
 __all__ = ["Seq", "BatchParams", "row_generator", "g_rand"]
 
@@ -68,7 +68,7 @@ class BatchParams:
 
     def transform(self, logits: torch.Tensor,
                   drafts: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Each row's penalties and logit_bias on `logits` (`dvi.sampling.penalize`); `logits` itself when no
+        """Each row's penalties and logit_bias on `logits` (`dvi.decode.sampling.penalize`); `logits` itself when no
         row has any. logits [B, S, V]: position s follows drafts d_1..d_s of `drafts` [B, >= S - 1] (the
         verify step); or [B, V]: follows every draft of `drafts` (a list of [B], the draft step so far)."""
         if self.pen is None:

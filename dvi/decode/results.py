@@ -10,8 +10,8 @@ records) and RL rollouts (`dvi.rollout.Rollout` is a view of it) all consume thi
 step yet) is None everywhere, never 0.0 (a false "the drafter is useless") or NaN (which poisons sums
 and JSON): a dashboard shows a gap.
 
-Kept apart from `dvi.engine` so the result types can be read, built and imported without the engine's
-machinery; `dvi.engine` re-exports them.
+Kept apart from `dvi.decode.engine` so the result types can be read, built and imported without the engine's
+machinery; `dvi.decode.engine` re-exports them.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class GenerationResult(DraftCounts):
     finish_reason: str | None = None
     token_logprobs: list[float] = field(default_factory=list)
     drafted_ids: list[int] = field(default_factory=list)
-    # per emitted token, who proposed its draft: 0 none, 1 model, 2 suffix_request, 3 suffix_global (dvi.emit)
+    # per emitted token, who proposed its draft: 0 none, 1 model, 2 suffix_request, 3 suffix_global (dvi.decode.emit)
     draft_source: list[int] = field(default_factory=list)
     by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [steps, drafted, accepted]
     accepted: list[bool] = field(default_factory=list)

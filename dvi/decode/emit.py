@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from dvi.results import GenerationResult
+    from dvi.decode.results import GenerationResult
 
 __all__ = ["Emitted", "emitted", "count_drafts", "append_tokens", "source_code"]
 
@@ -63,7 +63,7 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
 
 
 def count_drafts(res: GenerationResult, k: int, n: int, source: str | None = None) -> None:
-    """A step with K > 0 drafts of `source` (a `dvi.proposers.SOURCES` entry), n of them accepted, on the
+    """A step with K > 0 drafts of `source` (a `dvi.drafters.proposers.SOURCES` entry), n of them accepted, on the
     row's acceptance counts (also per source: [steps, drafted, accepted])."""
     if source is not None:
         c = res.by_source.setdefault(source, [0, 0, 0])

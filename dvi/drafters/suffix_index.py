@@ -54,7 +54,7 @@ class SuffixProposal:
     score: float
     match_len: int
     source: str
-    raw_score: float | None = None   # before calibration (dvi.suffix.Calibrator), if calibrated
+    raw_score: float | None = None   # before calibration (dvi.drafters.suffix.Calibrator), if calibrated
 
     @staticmethod
     def empty(source: str = "global") -> SuffixProposal:

@@ -1,4 +1,4 @@
-"""Per-row and per-domain acceptance estimates, the α that adaptive K (`dvi.adaptive`) chooses K from.
+"""Per-row and per-domain acceptance estimates, the α that adaptive K (`dvi.decode.adaptive`) chooses K from.
 
 Its own module because estimating acceptance (decayed counts, shrinkage toward a pooled prior) is a
 different job from pricing a step with K drafts; the engine updates these after every step.

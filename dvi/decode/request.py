@@ -35,7 +35,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
-    # transforms of the target's logits (`dvi.sampling.penalize`), lossless: drafts are judged against them
+    # transforms of the target's logits (`dvi.decode.sampling.penalize`), lossless: drafts are judged against them
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

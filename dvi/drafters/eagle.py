@@ -6,7 +6,7 @@ multiplies; F_0 = 0), runs one decoder layer of the target's architecture and a 
 f_j; logits are the target's own LM head on that prediction, over the reduced draft vocabulary.
 The embedding and the head are the target's modules (no copy); fc, the layer and the norm are trained.
 
-How the engine drives it (`dvi.engine`): the verify pass returns the target's features of the K + 1
+How the engine drives it (`dvi.decode.engine`): the verify pass returns the target's features of the K + 1
 positions it scored, so the first draft of the next step feeds every accepted token with its true
 feature; later drafts feed the head its own predicted feature (EAGLE's autoregression on features).
 Drafted entries are always dropped from the head's cache after verification and re-fed with true
@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.drafters import FAST_TYPES, SharedTargetDrafter
-from dvi.kv import mask_kind
-from dvi.vocab import apply_draft_vocab
+from dvi.decode.forward import FAST_TYPES
+from dvi.decode.kv import mask_kind
+from dvi.drafters.learned import SharedTargetDrafter
+from dvi.drafters.vocab import apply_draft_vocab
 
 __all__ = ["EagleModel", "EagleDrafter", "EagleOutput", "features_from_hidden", "causal_mask"]
 

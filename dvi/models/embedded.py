@@ -130,7 +130,7 @@ class Preset:
 
 @dataclass(frozen=True)
 class PretrainedPreset:
-    """A real pretrained target fetched from PyPI (see `dvi.pretrained`) and drafters distilled for it.
+    """A real pretrained target fetched from PyPI (see `dvi.models.pretrained`) and drafters distilled for it.
 
     The separate drafter is a Llama of the target's width whose layers start as copies of the
     target layers `drafter_layers` (plus its embeddings, final norm and LM head): a layer-skip
@@ -166,7 +166,7 @@ class PretrainedPreset:
     early_exit_layers: int = 4
     early_exit_tokens: int = 262_144
     early_exit_lora_rank: int = 16
-    # the eagle head (dvi.eagle): one layer on the target's features, trained on the same cached target
+    # the eagle head (dvi.drafters.eagle): one layer on the target's features, trained on the same cached target
     # states for `eagle_tokens` token-passes (0: none is built); KL + `eagle_feature_weight` x smooth-L1
     eagle_tokens: int = 393_216
     eagle_lr: float = 1e-3

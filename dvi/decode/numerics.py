@@ -14,7 +14,7 @@ columns before it and no mask. Everything else stays batched; only attention, th
 contexts, is looped. That makes one request at a time bit-exact in any dtype.
 
 Batches with holes or left padding have another column layout than a lone request's decode, so the
-default keeps their one masked call (divergences there are near-ties: `dvi.sampling.tie_bound`). The
+default keeps their one masked call (divergences there are near-ties: `dvi.decode.sampling.tie_bound`). The
 exact mode (`models.exact_greedy`, `set_exact_greedy`) also attends those row by row on each row's own
 valid columns ("gather") and prefills rows one by one: every row is then computed as its lone plain
 decode (while a forward scores at most 32 rows x positions), at B x (K+1) SDPA calls per layer.
@@ -26,7 +26,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.modeling_utils import AttentionInterface
 
-from dvi.kv import mask_kind
+from dvi.decode.kv import mask_kind
 
 ROWWISE_KWARG = "dvi_rowwise"
 """Keyword the lean forward passes down through the decoder layers to ask for row-by-row attention."""
@@ -102,23 +102,3 @@ def set_exact_greedy(model, on: bool = True):
 
 def is_exact_greedy(model) -> bool:
     return bool(getattr(model, EXACT_ATTR, False))
-
-
-@torch.inference_mode()
-def plain_greedy(target, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """The target's own greedy decoding as the engine serves it without speculation (prefill, then 1-token
-    steps through the same forward): n tokens and each step's logits [V] (fp32), the reference that
-    `dvi.sampling.first_divergence` judges another decode against."""
-    from dvi.drafters import model_forward
-    from dvi.kv import prefill
-
-    fn = model_forward(target)
-    p0 = next(target.parameters())
-    kv = prefill(target.config, fn, [prompt[:-1]], p0.device, p0.dtype)
-    last, out, steps = prompt[-1], [], []
-    for _ in range(n):
-        logits = kv.forward(fn, torch.tensor([[last]], device=p0.device))[0, -1].float()
-        steps.append(logits)
-        last = int(logits.argmax())
-        out.append(last)
-    return out, steps

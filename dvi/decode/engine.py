@@ -1,21 +1,20 @@
 """Lossless batched speculative decoding engine with a step-level API for continuous batching.
 
 One step for all active rows (`SpeculativeEngine._spec_step`, one method per phase):
-  1. choose K (`_choose_k`: fixed, or `dvi.adaptive.AdaptiveK` from calibrated costs; K = 0 is plain decoding);
+  1. choose K (`_choose_k`: fixed, or `dvi.decode.adaptive.AdaptiveK` from calibrated costs; K = 0 is plain decoding);
   2. draft (`_draft`): K drafter forwards propose d_1..d_K per row (batch-wide K);
   3. verify (`_verify`): the target scores [last token, d_1..d_K] for every row in ONE forward (K + 1 positions);
   4. accept (`_accept`): per row, greedy exact match or Leviathan/Chen rejection sampling (lossless at any
-     temperature, `dvi.sampling`): n drafts kept and the target's token after them;
-  5. roll back (`_roll_back`): both KV caches drop the rejected slots (`dvi.kv.RaggedKV`: holes + per-row
+     temperature, `dvi.decode.sampling`): n drafts kept and the target's token after them;
+  5. roll back (`_roll_back`): both KV caches drop the rejected slots (`dvi.decode.kv.RaggedKV`: holes + per-row
      positions, compaction);
-  6. emit (`_emit`, `dvi.emit`): the n + 1 tokens onto each row's result; finished rows leave the batch.
+  6. emit (`_emit`, `dvi.decode.emit`): the n + 1 tokens onto each row's result; finished rows leave the batch.
 
 Invariant between steps, per row: the target cache holds every token except the last emitted one
 (`_last`). The draft state of a row (a drafter's cache and the tokens it lacks, eagle features, suffix match
-state) belongs to the drafter kind's `dvi.proposers.Proposer`, which the engine asks for drafts and tells what
-was accepted; the engine has no branch per kind. K = 0 is plain decoding through the same path.
-Elsewhere, by job: result types `dvi.results` (re-exported here), row state `dvi.seq`, calibration rows
-`dvi.calibration_rows`, the suffix / hybrid kinds `dvi.suffix_proposer`.
+state) belongs to the drafter kind's `dvi.drafters.proposers.Proposer`, which the engine asks for drafts and tells what
+was accepted; the engine has no branch per kind. K = 0 is plain decoding through the same path. Elsewhere,
+by job: results `dvi.decode.results`, rows `dvi.decode.seq`, calibration `dvi.decode.calibration_rows`.
 """
 
 from __future__ import annotations
@@ -28,15 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.acceptance import AcceptanceTracker
-from dvi.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
-from dvi.calibration_rows import calibrate_bucket
-from dvi.drafters import Drafter, model_forward
-from dvi.emit import append_tokens, count_drafts, emitted
-from dvi.kv import RaggedKV, prefill
-from dvi.models import check_target_state_dict, load_state_dict
-from dvi.proposers import Draft, NoProposer, Plan, Proposer, model_proposer
-from dvi.request import (
+from dvi.decode.acceptance import AcceptanceTracker
+from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
+from dvi.decode.calibration_rows import CalibrationSetup, calibrate_bucket
+from dvi.decode.emit import append_tokens, count_drafts, emitted
+from dvi.decode.forward import model_forward
+from dvi.decode.kv import RaggedKV, prefill
+from dvi.decode.request import (
     InvalidParam,
     Request,
     SamplingParams,
@@ -45,8 +42,8 @@ from dvi.request import (
     validate_params,
     validate_prompt,
 )
-from dvi.results import GenerationResult, StepOutput, Versions
-from dvi.sampling import (
+from dvi.decode.results import GenerationResult, StepOutput, Versions
+from dvi.decode.sampling import (
     GREEDY_BELOW_TEMPERATURE,
     greedy_accept,
     point_mass_accept,
@@ -54,8 +51,11 @@ from dvi.sampling import (
     sample_from,
     warp_probs,
 )
-from dvi.seq import BatchParams, Seq, g_rand, row_generator
-from dvi.vocab import fit_vocab
+from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
+from dvi.drafters.learned import Drafter
+from dvi.drafters.proposers import Draft, NoProposer, Plan, Proposer, model_proposer
+from dvi.drafters.vocab import fit_vocab
+from dvi.models.loading import check_target_state_dict, load_state_dict
 
 __all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam", "Versions"]
 
@@ -242,7 +242,6 @@ class SpeculativeEngine:
                 outs.extend(self._spec_step())
         return outs
 
-    # ------------------------------------------------------------------ validation
     def _validate_params(self, p: SamplingParams, prompt_len: int, prompt_name: str = "prompt_ids") -> None:
         validate_params(p, prompt_len, self.vocab_size, self.max_context, prompt_name)
 
@@ -264,7 +263,6 @@ class SpeculativeEngine:
             self._drafter_dirty = True
         self.proposer = new
 
-    # ------------------------------------------------------------------ batch membership
     def _refresh_params(self) -> None:
         self._p = BatchParams.of(self._seqs, self.device, self.vocab_size)
 
@@ -483,13 +481,10 @@ class SpeculativeEngine:
         if k_model > 0 and not self.proposer.last_catchup:  # a drafter catch-up is not a typical draft cost
             self.costs.record_draft(b, t_draft / k_model)
 
-    # ------------------------------------------------------------------ cost calibration (dvi.adaptive.calibrate)
+    # ------------------------------------------------------------------ cost calibration (dvi.decode.adaptive.calibrate)
     def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
-        """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket.
-
-        Runs on dummy rows with their own caches (in-flight requests are untouched); adaptive K calls it
-        lazily the first time a bucket is seen.
-        """
+        """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket, on dummy rows
+        with their own caches (in-flight requests are untouched); adaptive K calls it lazily per new bucket."""
         if self.k_cap == 0 or isinstance(self.proposer, NoProposer):
             return
         with torch.inference_mode():
@@ -497,4 +492,8 @@ class SpeculativeEngine:
                 self._calibrate(int(b), context, reps)
 
     def _calibrate(self, b: int, context: int = 128, reps: int = 3) -> None:
-        self.controller.set_costs(b, *calibrate_bucket(self, b, context, reps))
+        feats = self.proposer.needs_features
+        setup = CalibrationSetup(self.target.config, self._tfn, self._tfn_f if feats else self._tfn, feats, self.drafter,
+                                 self.device, self.dtype, self.vocab_size, self.max_context, self.k_cap,
+                                 self.max_draft_tokens)
+        self.controller.set_costs(b, *calibrate_bucket(setup, b, context, reps))

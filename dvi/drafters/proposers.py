@@ -1,7 +1,7 @@
 """Proposers: one object per drafter kind that owns its rows' draft state and proposes K tokens a step.
 
 In the spirit of HF's `CandidateGenerator` and vLLM's `v1/spec_decode` proposers, the engine
-(`dvi.engine`) keeps its phases (choose K, draft, verify, accept, roll back, emit) and talks to one
+(`dvi.decode.engine`) keeps its phases (choose K, draft, verify, accept, roll back, emit) and talks to one
 `Proposer` through a small interface, so it has no branch per kind:
 
 - `admit(seqs, feats)` rows join the batch (after the target's prefill; `feats` when `needs_features`);
@@ -14,7 +14,7 @@ In the spirit of HF's `CandidateGenerator` and vLLM's `v1/spec_decode` proposers
 
 Kinds: `NoProposer` (speculation off), `ModelProposer` (`separate` / `early_exit`: a drafter KV cache and
 the pending tokens it lacks), `EagleProposer` (+ the target's features per row), and in
-`dvi.suffix_proposer` `SuffixProposer` (`suffix`) and `HybridProposer` (`hybrid`).
+`dvi.drafters.suffix_proposer` `SuffixProposer` (`suffix`) and `HybridProposer` (`hybrid`).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dvi.drafters import Drafter, as_drafter
-from dvi.emit import SOURCES
-from dvi.kv import RaggedKV, left_pad, prefill
-from dvi.sampling import sample_from, warp_probs
-from dvi.vocab import fit_vocab
+from dvi.decode.emit import SOURCES
+from dvi.decode.kv import RaggedKV, left_pad, prefill
+from dvi.decode.sampling import sample_from, warp_probs
+from dvi.drafters.learned import Drafter, as_drafter
+from dvi.drafters.vocab import fit_vocab
 
 if TYPE_CHECKING:
-    from dvi.seq import BatchParams, Seq
+    from dvi.decode.seq import BatchParams, Seq
 
 __all__ = ["SOURCES", "Draft", "Plan", "Proposer", "NoProposer", "ModelProposer", "EagleProposer", "model_proposer"]
 
@@ -40,7 +40,7 @@ class Plan:
     """Who drafts this step: rows of the learned drafter, and rows with a suffix proposal (row -> proposal)."""
 
     model_rows: list[int] = field(default_factory=list)
-    suffix: dict[int, Any] = field(default_factory=dict)  # row -> dvi.suffix.SuffixProposal (tokens, probs, ...)
+    suffix: dict[int, Any] = field(default_factory=dict)  # row -> dvi.drafters.suffix.SuffixProposal (tokens, probs, ...)
 
 
 @dataclass
@@ -232,7 +232,7 @@ class ModelProposer(Proposer):
 
 
 class EagleProposer(ModelProposer):
-    """An eagle head (`dvi.eagle`): reads, per input token, the target's feature of the position before. Rows keep
+    """An eagle head (`dvi.drafters.eagle`): reads, per input token, the target's feature of the position before. Rows keep
     their features (the verify pass returns them) and log them in the finished record (`hidden`). Drafted
     entries always leave the head's cache after verification; accepted tokens are re-fed with true features."""
 

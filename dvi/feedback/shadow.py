@@ -20,13 +20,13 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from dvi.results import acceptance_rate
-from dvi.sampling import GREEDY_BELOW_TEMPERATURE
+from dvi.decode.results import acceptance_rate
+from dvi.decode.sampling import GREEDY_BELOW_TEMPERATURE
+from dvi.feedback.record import FeedbackRecord
 
 SHADOW_MAX_POSITIONS = 4096
 """Generated positions one shadow estimate reads at most: the trainer's held-out check before a
@@ -35,18 +35,6 @@ publish and the server's check before a promotion use the same cap, so they esti
 LogitsFn = Callable[..., torch.Tensor]
 """Maps input ids ``[1, L]`` (and, for an eagle head, its input features ``[1, L, H]``) to logits
 ``[1, L, V]`` (teacher forcing, no cache). ``fn.needs_features`` marks the eagle kind."""
-
-
-class ScoredRecord(Protocol):
-    """What a shadow estimate reads of a record: `FeedbackRecord` and the trainer's `Example` both are."""
-
-    prompt_ids: Sequence[int]
-    token_ids: Sequence[int]
-    temperature: float
-    topk_ids: Sequence[Sequence[int]]
-    topk_logprobs: Sequence[Sequence[float]]
-
-    def features(self) -> np.ndarray | None: ...  # the target's features [L - 1, H] (eagle), or None
 
 
 def is_heldout(request_id: str, fraction: float) -> bool:
@@ -61,7 +49,7 @@ def is_heldout(request_id: str, fraction: float) -> bool:
 
 @dataclass
 class ShadowEstimate:
-    alpha: float | None  # None: no scored position (dvi.results' convention); NaN: the drafter's logits were
+    alpha: float | None  # None: no scored position (dvi.decode.results' convention); NaN: the drafter's logits were
     positions: int
     records: int
 
@@ -91,7 +79,7 @@ def shadow_failure(new_alpha: float | None, margin: float) -> str:
 def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
     """Teacher-forced logits of a Hugging Face causal LM (or any module returning ``.logits``)."""
 
-    from dvi.eagle import EagleModel
+    from dvi.drafters.eagle import EagleModel
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -104,9 +92,9 @@ def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
     return fn
 
 
-def _record_features(record: ScoredRecord, device: torch.device | str) -> torch.Tensor | None:
+def _record_features(record: FeedbackRecord, device: torch.device | str) -> torch.Tensor | None:
     """An eagle head's input features F [1, L - 1, H] from a record's logged target features, or None."""
-    from dvi.eagle import features_from_hidden
+    from dvi.drafters.eagle import features_from_hidden
 
     h = record.features()
     if h is None:
@@ -116,12 +104,12 @@ def _record_features(record: ScoredRecord, device: torch.device | str) -> torch.
 
 
 @torch.inference_mode()
-def record_scores(logits_fn: LogitsFn, records: Iterable[ScoredRecord], device: torch.device | str = "cpu",
-                  max_positions: int | None = None) -> list[tuple[ScoredRecord, float, int]]:
+def record_scores(logits_fn: LogitsFn, records: Iterable[FeedbackRecord], device: torch.device | str = "cpu",
+                  max_positions: int | None = None) -> list[tuple[FeedbackRecord, float, int]]:
     """(record, expected accepted positions, positions) of every scored record, in order; records
     that cannot be scored (empty, an eagle record without features) are left out."""
     needs_features = bool(getattr(logits_fn, "needs_features", False))
-    out: list[tuple[ScoredRecord, float, int]] = []
+    out: list[tuple[FeedbackRecord, float, int]] = []
     total = 0
     for rec in records:
         prompt: Sequence[int] = list(rec.prompt_ids)
@@ -143,7 +131,7 @@ def record_scores(logits_fn: LogitsFn, records: Iterable[ScoredRecord], device: 
     return out
 
 
-def _hits(rec: ScoredRecord, logits: torch.Tensor, tokens: Sequence[int], device: torch.device | str) -> float:
+def _hits(rec: FeedbackRecord, logits: torch.Tensor, tokens: Sequence[int], device: torch.device | str) -> float:
     """Expected accepted positions of one record: argmax matches (greedy) or Σ min(p, q) (sampled)."""
     temperature = served_temperature(rec.temperature)
     if temperature <= 0.0:
@@ -163,7 +151,7 @@ def served_temperature(temperature: float | None) -> float:
 
 def shadow_alpha(
     logits_fn: LogitsFn,
-    records: Iterable[ScoredRecord],
+    records: Iterable[FeedbackRecord],
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
 ) -> ShadowEstimate:
@@ -179,7 +167,7 @@ def shadow_alpha(
     return ShadowEstimate(alpha=acceptance_rate(hits, total), positions=total, records=len(scores))
 
 
-Scores = list[tuple[ScoredRecord, float, int]]
+Scores = list[tuple[FeedbackRecord, float, int]]
 """What `record_scores` returns: (record, expected accepted positions, positions) per scored record."""
 
 
@@ -192,7 +180,7 @@ class PairedVerdict:
     groups: dict[str, tuple[float, float, int]]  # "domain/temperature" -> (mean α difference, z, records)
 
 
-def _group(rec: ScoredRecord) -> str:
+def _group(rec: FeedbackRecord) -> str:
     t = served_temperature(rec.temperature)
     return f"{getattr(rec, 'domain', 'default')}/{'greedy' if t == 0 else f't{t:.2g}'}"
 

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dvi.fsutil import TMP_PREFIX, append_jsonl, atomic_write_text, fsync_path, fsync_tree
-from dvi.registry_base import (
+from dvi.registry.base import (
     REFUSAL_KINDS,
     AdapterRejected,
     Expected,

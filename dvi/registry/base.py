@@ -1,7 +1,7 @@
 """The registry's parts below `DrafterRegistry`: what it refuses and why (`AdapterRejected`, its bounded
 kinds, the tensor-spec check) and the server's durable records (`ServingState`, refusals).
 
-Its own module so `dvi/registry.py` stays one readable file; `dvi.registry` re-exports every public name.
+Its own module so `dvi/registry/store.py` stays one readable file; `dvi.registry.store` re-exports every public name.
 """
 
 from __future__ import annotations

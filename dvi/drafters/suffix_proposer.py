@@ -1,11 +1,11 @@
-"""The `suffix` and `hybrid` proposers (`dvi.proposers` interface) over a `dvi.suffix.SuffixCache`.
+"""The `suffix` and `hybrid` proposers (`dvi.drafters.proposers` interface) over a `dvi.drafters.suffix.SuffixCache`.
 
 `suffix` (SuffixDecoding, arXiv 2411.04975): per row, the continuation that followed the longest match of
 its context's suffix, in the row's own prompt + output or in recently finished outputs; no model pass, so a
 long draft is almost free. A proposal is a point mass: the engine accepts draft x with probability p(x) and
-after a rejection samples from p with x removed (`dvi.sampling.point_mass_accept`), lossless at any
+after a rejection samples from p with x removed (`dvi.decode.sampling.point_mass_accept`), lossless at any
 temperature. `hybrid`: per row and step the suffix proposal when its score clears `threshold`, else the
-learned drafter (`separate`, `eagle` or `early_exit`, a `dvi.proposers` proposer it wraps).
+learned drafter (`separate`, `eagle` or `early_exit`, a `dvi.drafters.proposers` proposer it wraps).
 
 Every finished row's output joins the cache's global index at once (`close_row`), with the last `prompt_tail`
 tokens of its prompt in front, so a later request with the same prompt (an RL prompt's next samples, its
@@ -22,19 +22,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.proposers import Draft, Plan, Proposer
+from dvi.drafters.proposers import Draft, Plan, Proposer
 
 if TYPE_CHECKING:
     from dvi.config import SuffixConfig
-    from dvi.drafters import Drafter
-    from dvi.seq import BatchParams, Seq
-    from dvi.suffix import SuffixCache
+    from dvi.decode.seq import BatchParams, Seq
+    from dvi.drafters.learned import Drafter
+    from dvi.drafters.suffix import SuffixCache
 
 __all__ = ["SuffixProposer", "HybridProposer", "source_of"]
 
 
 def source_of(proposal) -> str:
-    """The `dvi.proposers.SOURCES` entry of a suffix proposal ("request" -> "suffix_request")."""
+    """The `dvi.drafters.proposers.SOURCES` entry of a suffix proposal ("request" -> "suffix_request")."""
     return "suffix_global" if proposal.source == "global" else "suffix_request"
 
 
@@ -102,7 +102,7 @@ class SuffixProposer(Proposer):
         """A learned drafter joins the suffix tree as a `hybrid` (score threshold 1 expected token)."""
         if drafter is None:
             return self
-        from dvi.proposers import model_proposer
+        from dvi.drafters.proposers import model_proposer
 
         return HybridProposer(model_proposer(drafter, self.vocab_size, self.device), self)
 
@@ -267,14 +267,14 @@ def build_proposer(kind: str, drafter: Drafter | None, vocab_size: int, device: 
     learned kind (`drafter` as is). `cache` defaults to a fresh `SuffixCache` bounded by `settings` (the config's
     `suffix:` section; default: its defaults); pass one to share it."""
     from dvi.config import SuffixConfig
-    from dvi.proposers import model_proposer
+    from dvi.drafters.proposers import model_proposer
 
     device = torch.device(device)
     if kind not in ("suffix", "hybrid"):
         return model_proposer(drafter, vocab_size, device)
     sx = settings or SuffixConfig()
     if cache is None:
-        from dvi.suffix import SuffixCache
+        from dvi.drafters.suffix import SuffixCache
 
         cache = SuffixCache(max_tokens=sx.max_tokens, max_seqs=sx.max_seqs, max_depth=sx.max_depth)
     sp = SuffixProposer(cache, vocab_size, device, max_tokens=sx.max_draft_tokens, min_prob=sx.min_prob,

@@ -10,7 +10,7 @@ owns the caches; drafters stay stateless so they can be hot-swapped between step
   (which hold the shared Parameters), so the target's modules, forward and state_dict are untouched and
   verification stays lossless by construction.
 
-Any kind may draft over a reduced vocabulary (`vocab_ids`, see `dvi.vocab`): its output embedding becomes
+Any kind may draft over a reduced vocabulary (`vocab_ids`, see `dvi.drafters.vocab`): its output embedding becomes
 a `SubsetHead` (N rows computed, -inf elsewhere), so the engine sees full-vocab logits with q = 0 outside.
 A future `eagle` kind does the same with `apply_draft_vocab` on the head it owns.
 """
@@ -26,105 +26,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.numerics import ROWWISE_KWARG, is_exact_greedy, rowwise_mode
-from dvi.numerics import install as install_rowwise
-from dvi.vocab import apply_draft_vocab, find_subset_head
+from dvi.decode.forward import model_forward
+from dvi.drafters.vocab import apply_draft_vocab, find_subset_head
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_norm")
-
-
-def hf_forward(model: nn.Module):
-    """Wrap an HF causal LM as the engine's model callable."""
-
-    def fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0):
-        return model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        ).logits
-
-    return fn
-
-
-FAST_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
-"""Decoders `model_forward` runs layer by layer (and the only ones whose features an eagle head can read)."""
-
-
-def _lean_ok(model: nn.Module) -> bool:
-    """A Llama-family decoder with sdpa or eager attention and the parts `model_forward` calls directly."""
-    cfg, base = model.config, getattr(model, "model", None)
-    return (
-        getattr(cfg, "model_type", None) in FAST_TYPES
-        and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager")
-        and base is not None
-        and all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
-        and hasattr(model, "lm_head")
-    )
-
-
-def model_forward(model: nn.Module, with_features: bool = False, width_invariant: bool = True):
-    """The engine's model callable: a lean direct path for Llama-family decoders, else `hf_forward`.
-
-    HF's top-level forward costs ~0.5 ms of Python per call on CPU (output capturing, mask factory,
-    ModelOutput), a quarter of a 1-layer drafter step. The lean path calls embed -> rotary -> decoder
-    layers -> norm -> lm_head directly and always receives an explicit 4-D mask from `RaggedKV` (except a
-    single hole-free query on full attention, where no mask is needed). Equality with HF `generate` is
-    what tests/test_engine.py checks for these architectures.
-
-    `with_features`: the callable returns (logits, f) with f [B, q, H] the final normed hidden state of
-    every input position (what an `eagle` drafter reads); Llama-family decoders only.
-
-    `width_invariant` (the target's forwards): a multi-token forward over a cached, hole-free prefix (a
-    verify) attends row by row (`dvi.numerics`), so its logits are bit-equal to one-token steps in any
-    dtype; drafters pass False (their rounding decides nothing). A target marked by
-    `dvi.numerics.set_exact_greedy` also attends holed/padded batches row by row (the exact mode).
-    """
-    cfg = model.config
-    base = getattr(model, "model", None)
-    if not _lean_ok(model):
-        if with_features:
-            raise ValueError(f"target features (eagle drafters) need a {sorted(FAST_TYPES)} target with sdpa "
-                             f"or eager attention, got {getattr(cfg, 'model_type', None)!r}")
-        return hf_forward(model)
-    embed, rotary, norm, head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
-    layers = list(base.layers[: cfg.num_hidden_layers])
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers))
-    rowwise = width_invariant and getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
-    exact = rowwise and is_exact_greedy(model)
-    if rowwise:
-        install_rowwise()
-
-    def fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep=0):
-        h = embed(input_ids)
-        pe = rotary(h, position_ids)
-        mode = rowwise_mode(attention_mask, cfg, input_ids.shape[1], exact) if rowwise else None
-        extra = {ROWWISE_KWARG: mode} if mode else {}
-        for layer, kind in zip(layers, types, strict=False):
-            m = attention_mask[kind] if isinstance(attention_mask, dict) else attention_mask
-            h = layer(
-                h,
-                attention_mask=m,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=True,
-                position_embeddings=pe,
-                **extra,
-            )
-        if with_features:
-            f = norm(h)  # [B, q, H]
-            return head(f[:, -logits_to_keep:] if logits_to_keep else f), f
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        return head(norm(h))
-
-    fn.explicit_mask = True
-    fn.exact_rows = exact  # `dvi.kv.prefill` then prefills rows one by one
-    return fn
 
 
 def _num_embeddings(model: nn.Module) -> int:
@@ -177,8 +84,8 @@ class Drafter:
 class SeparateDrafter(Drafter):
     """A separate small HF causal LM (PreTrainedModel or peft PeftModel with LoRA) with the target's tokenizer.
 
-    `vocab_ids` reduces its head in place (`dvi.vocab.apply_draft_vocab`); a model loaded by
-    `dvi.models.load_pair` from a dir with `draft_vocab.safetensors` already has it.
+    `vocab_ids` reduces its head in place (`dvi.drafters.vocab.apply_draft_vocab`); a model loaded by
+    `dvi.models.loading.load_pair` from a dir with `draft_vocab.safetensors` already has it.
     """
 
     kind = "separate"

@@ -1,13 +1,20 @@
 """The suffix drafter's state in a server or rollout engine: per-request indices over prompt +
 output and a global index over finished outputs (SuffixDecoding's two trees). The index itself, and
-why it is not a tree, is in `dvi.suffix_index`; everything a caller needs is importable from here.
+why it is not a tree, is in `dvi.drafters.suffix_index`; everything a caller needs is importable from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from dvi.suffix_index import MAX_TOKEN_ID, MAX_VOTERS, SuffixIndex, SuffixProposal, check_weight, token_list
+from dvi.drafters.suffix_index import (
+    MAX_TOKEN_ID,
+    MAX_VOTERS,
+    SuffixIndex,
+    SuffixProposal,
+    check_weight,
+    token_list,
+)
 
 __all__ = ["MAX_VOTERS", "Calibrator", "SuffixCache", "SuffixIndex", "SuffixProposal"]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from dvi.numerics import set_exact_greedy
-from dvi.vocab import apply_draft_vocab, load_draft_vocab
+from dvi.decode.numerics import set_exact_greedy
+from dvi.drafters.vocab import apply_draft_vocab, load_draft_vocab
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -90,7 +90,7 @@ def cpu_has_native_bf16() -> bool:
 def serving_dtype(preset: str, dtype: str, device: str | torch.device = "auto") -> str:
     """`models.dtype` as served for an embedded preset: "auto" becomes the preset's measured serving
     dtype (bf16 for the real pretrained pair on a CPU with native bf16); anything else is kept."""
-    from dvi.embedded import PretrainedPreset, get_preset
+    from dvi.models.embedded import PretrainedPreset, get_preset
 
     if dtype != "auto" or not isinstance(get_preset(preset), PretrainedPreset):
         return dtype
@@ -111,7 +111,7 @@ def draft_vocab_size_for(models_cfg) -> int | None:
 
 def preset_draft_vocab(preset: str) -> int | None:
     """The draft vocabulary size an embedded preset serves by default (None: every stored id)."""
-    from dvi.embedded import PretrainedPreset, get_preset
+    from dvi.models.embedded import PretrainedPreset, get_preset
 
     p = get_preset(preset)
     return p.serve_draft_vocab if isinstance(p, PretrainedPreset) else None
@@ -210,7 +210,7 @@ def load_pair(
     The tokenizer comes from `tokenizer_path`, else from the target dir, else from a sibling
     `tokenizer/` dir (the embedded layout). If the drafter dir holds its own tokenizer it must
     match the target's. A `draft_vocab.safetensors` in the drafter dir (or at `draft_vocab`) gives the
-    drafter a reduced draft vocabulary, sized by `draft_vocab_size` (see `dvi.vocab.load_draft_vocab`).
+    drafter a reduced draft vocabulary, sized by `draft_vocab_size` (see `dvi.drafters.vocab.load_draft_vocab`).
     """
     tok_path = tokenizer_path if tokenizer_path is not None else find_tokenizer_path(target_path)
     tokenizer = load_tokenizer(tok_path)
@@ -238,10 +238,10 @@ def load_shared_target_drafter(target, target_path: str | Path, cfg):
     vocabulary comes from `models.draft_vocab`, else the saved dir, else (embedded pair) the separate
     drafter's, else the target dir.
     """
-    from dvi.drafters import EarlyExitDrafter
-    from dvi.eagle import EagleDrafter
-    from dvi.embedded import embedded_paths
-    from dvi.vocab import draft_vocab_path
+    from dvi.drafters.eagle import EagleDrafter
+    from dvi.drafters.learned import EarlyExitDrafter
+    from dvi.drafters.vocab import draft_vocab_path
+    from dvi.models.embedded import embedded_paths
 
     m, t = cfg.models, cfg.trainer
     kind = m.learned_kind
@@ -267,7 +267,7 @@ def saved_kind(path: Path) -> str | None:
     """The `dvi_kind` of a saved target-sharing drafter dir (early_exit, eagle), or None."""
     import json
 
-    from dvi.drafters import ADAPTER_CONFIG
+    from dvi.drafters.learned import ADAPTER_CONFIG
 
     try:
         return json.loads((path / ADAPTER_CONFIG).read_text()).get("dvi_kind")
@@ -279,7 +279,7 @@ def load_embedded_pair(preset: str = "tiny", root: str | Path | None = None, dev
                        draft_vocab_size: int | None = None) -> ModelPair:
     """The built embedded pair of `preset` (see `trainers.bootstrap` / `dvi bootstrap`), served as its preset
     says unless told otherwise (dtype "auto", draft vocabulary size None)."""
-    from dvi.embedded import embedded_paths, is_built
+    from dvi.models.embedded import embedded_paths, is_built
 
     p = embedded_paths(preset, root)
     if not is_built(p.root):
@@ -325,8 +325,8 @@ def decode_step_latency(model, steps: int = 64, prompt_len: int = 32, warmup: in
 
 def load_pair_from_config(models_cfg) -> ModelPair:
     """`load_pair` from a `ModelsConfig`-like object: its paths, else the embedded preset's (must be built);
-    the target is marked for `models.exact_greedy` (dvi.numerics)."""
-    from dvi.embedded import embedded_paths, is_built
+    the target is marked for `models.exact_greedy` (dvi.decode.numerics)."""
+    from dvi.models.embedded import embedded_paths, is_built
 
     target, drafter, tok = models_cfg.target, models_cfg.drafter, models_cfg.tokenizer
     device, dtype = getattr(models_cfg, "device", "auto"), getattr(models_cfg, "dtype", "auto")
