@@ -186,10 +186,10 @@ def test_hybrid_bar_falls_to_what_the_learned_drafter_delivers():
     import torch
     from tiny_models import tiny_llama
 
-    from dvi.drafters import SeparateDrafter
-    from dvi.proposers import Draft, model_proposer
-    from dvi.suffix import SuffixCache
-    from dvi.suffix_proposer import HybridProposer, SuffixProposer
+    from dvi.drafters.learned import SeparateDrafter
+    from dvi.drafters.proposers import Draft, model_proposer
+    from dvi.drafters.suffix import SuffixCache
+    from dvi.drafters.suffix_proposer import HybridProposer, SuffixProposer
 
     cache = SuffixCache()
     cache.add_finished("done", [1, 2, 3, 7, 8, 9])
