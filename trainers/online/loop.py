@@ -254,8 +254,9 @@ class TrainerLoop:
                 continue
             t.maybe_publish()
             self._write_status("running")
-            log.info("trainer: step %d, +%d records (%d held out, %d replayed), loss %.4f", t.step, stats.new,
-                     stats.heldout, stats.replayed, stats.loss)
+            log.info("trainer: step %d, +%d records (%d held out, %d replayed), %s", t.step, stats.new,
+                     stats.heldout, stats.replayed,
+                     f"loss {stats.loss:.4f}" if stats.steps else "no step (nothing new to train on)")
         # SIGTERM lands between rounds (the handler only sets a flag): checkpoint and commit what was
         # trained, then publish what was trained since the last publish.
         self.flush()
