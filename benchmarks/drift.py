@@ -485,13 +485,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def save_partial(args: argparse.Namespace, kind: str, arms: dict) -> None:
+    """The arms finished so far, beside the final JSON (an hour-long run that dies late keeps them)."""
+    path = args.json.with_suffix(f".{kind}.partial.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clean_json({"kind": kind, "arms": arms}), default=str))
+
+
 def run_kind(kind: str, pair_dir: Path, args: argparse.Namespace, items: dict[str, list], work: Path,
              chat_set: dict) -> dict:
     base = pair_overrides(pair_dir, args.preset, kind, None)
     phases = {p: items[p] for p in PHASES}
     t0 = time.perf_counter()
     arms = {"online": run_arm("online", args, work, base, phases, probe=items["probe"])}
+    save_partial(args, kind, arms)
     arms["frozen"] = run_arm("frozen", args, work, base, phases)
+    save_partial(args, kind, arms)
     if "windows" not in chat_set:
         chat_set.update(drift_training_set(pair_dir, args))
     chat_end = arms["online"]["phases"]["drift"]["end"]
