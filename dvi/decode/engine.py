@@ -361,7 +361,10 @@ class SpeculativeEngine:
         which rows draft from where; model rows' K is fixed or adaptive (calibrated costs, row alphas), suffix
         rows' the length of their proposals (adaptive: priced at zero draft cost against the verify cost)."""
         cap = [s.remaining - 1 for s in self._seqs]  # drafts past a row's token budget would be thrown away
-        plan = self._plan = self.proposer.plan(self._seqs, cap)
+        # suffix drafts measured slower than plain steps at this batch size: no lookups either (hybrid: all model rows)
+        lookups = not (self.adaptive and batch > 2 and self.proposer.step_seconds is not None
+                       and not self.suffix_guard.allow(batch))
+        plan = self._plan = self.proposer.plan(self._seqs, cap, suffix=lookups)
         k_model = self._model_k(batch, plan.model_rows) if plan.model_rows else 0
         k_suffix = self._suffix_k(batch, plan) if plan.suffix else 0
         k = max(0, min(max(k_model, k_suffix), max(cap)))
@@ -382,8 +385,6 @@ class SpeculativeEngine:
         longest = max(len(p.tokens) for p in plan.suffix.values())
         if not self.adaptive:
             return longest
-        if batch > 2 and not self.suffix_guard.allow(batch):  # at 1-2 rows verify width is ~free: priced alone
-            return 0
         if self.controller.needs_calibration(batch):
             self._calibrate(batch)
         b = batch_bucket(batch)

@@ -80,8 +80,9 @@ class Proposer:
     def select_rows(self, keep: list[int], idx: torch.Tensor) -> None:
         """Only rows `keep` (idx: the same as a long tensor [B']) stay, in that order."""
 
-    def plan(self, seqs: list[Seq], k_cap: list[int]) -> Plan:
-        """Which rows draft from where this step; `k_cap[i]` the most drafts row i can use."""
+    def plan(self, seqs: list[Seq], k_cap: list[int], suffix: bool = True) -> Plan:
+        """Which rows draft from where this step; `k_cap[i]` the most drafts row i can use; `suffix`: False when
+        suffix drafts measured slower than plain steps at this batch size (no lookups this step)."""
         return Plan()
 
     def propose(self, plan: Plan, k_model: int, k: int, u: torch.Tensor | None, params: BatchParams) -> Draft:
@@ -174,7 +175,7 @@ class ModelProposer(Proposer):
         return model_proposer(d, self.vocab_size, self.device)
 
     # ---------------------------------------------------------------- one step
-    def plan(self, seqs: list[Seq], k_cap: list[int]) -> Plan:
+    def plan(self, seqs: list[Seq], k_cap: list[int], suffix: bool = True) -> Plan:
         return Plan(model_rows=list(range(len(seqs))))
 
     def _pending_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -106,10 +106,12 @@ class SuffixProposer(Proposer):
 
         return HybridProposer(model_proposer(drafter, self.vocab_size, self.device), self)
 
-    def plan(self, seqs: list[Seq], k_cap: list[int]) -> Plan:
+    def plan(self, seqs: list[Seq], k_cap: list[int], suffix: bool = True) -> Plan:
         t0 = time.perf_counter()
         self.step_seconds = 0.0
         out = Plan()
+        if not suffix:
+            return out
         for i, rid in enumerate(self.rids):
             cap = min(self.max_tokens, k_cap[i])
             if cap <= 0:
@@ -223,8 +225,8 @@ class HybridProposer(Proposer):
     def target_updated(self, version: int) -> None:
         self.suffix.target_updated(version)
 
-    def plan(self, seqs: list[Seq], k_cap: list[int]) -> Plan:
-        sp = self.suffix.plan(seqs, k_cap)
+    def plan(self, seqs: list[Seq], k_cap: list[int], suffix: bool = True) -> Plan:
+        sp = self.suffix.plan(seqs, k_cap, suffix)
         if self.learned.drafter is None:  # no learned part (swapped out): every proposal drafts
             return sp
         bar = self.bar
