@@ -287,18 +287,17 @@ def _phases(cfg: DviConfig, tok: Any, n: int) -> list[Phase]:
 
 def _frozen_reference(cfg: DviConfig, tok: Any, k: int = FROZEN_PROMPTS) -> dict[str, float | None]:
     """α of the frozen drafter (the one the server starts with) per phase domain, decoded in this process by
-    the same engine on the first `k` prompts each domain's phase sends (greedy, `speculation.num_draft_tokens`
-    or its adaptive cap): the line the served α is read against, so a gain over it is the trainer's."""
+    the server's engine (`serving.state.serving_engine`: same proposer and K rule; a fixed K here read 0.137 on
+    code where the server's adaptive K served the same drafter at 0.17-0.34) on the first `k` prompts each
+    domain's phase sends, one at a time: the line the served α is read against."""
     import torch
 
     from dvi.data import render_chat
-    from dvi.decode.engine import SpeculativeEngine
 
     from .loading import load_serving_pair
+    from .state import serving_engine
 
-    pair = load_serving_pair(cfg)
-    spec = cfg.speculation
-    engine = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=spec.num_draft_tokens or spec.max_draft_tokens)
+    engine = serving_engine(cfg, load_serving_pair(cfg))
     out: dict[str, float | None] = {}
     with torch.inference_mode():
         for phase in _phases(cfg, tok, k):
@@ -306,7 +305,7 @@ def _frozen_reference(cfg: DviConfig, tok: Any, k: int = FROZEN_PROMPTS) -> dict
                 continue
             items = [next(phase.prompts) for _ in range(k)]
             prompts = [render_chat(tok, x) if isinstance(x[0], dict) else list(x) for x in items]
-            res = engine.generate(prompts, phase.max_tokens, stop_token_ids=[tok.eos_token_id])
+            res = [engine.generate([p], phase.max_tokens, stop_token_ids=[tok.eos_token_id])[0] for p in prompts]
             out[phase.domain] = acceptance_rate(sum(r.num_accepted for r in res), sum(r.num_drafted for r in res))
     return out
 

@@ -124,17 +124,24 @@ class ServerState:
         self.metrics.close()
 
 
+def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
+    """The engine a server decodes with (its proposer, K rule, feedback top-k): also what the demo's frozen
+    reference decodes with, so the served α and that reference are read the same way."""
+    spec = cfg.speculation
+    return SpeculativeEngine(
+        pair.target, serving_proposer(cfg, pair), num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
+        max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
+        greedy_below_temperature=cfg.sampling.greedy_below_temperature,
+    )
+
+
 def build_state(cfg: DviConfig) -> ServerState:
     """Load the pair, build engine, scheduler, feedback writer, swapper, supervisor, metrics."""
     torch.set_num_threads(cfg.serve.num_threads)
     pair = load_serving_pair(cfg)
     tokenizer = pair.tokenizer
     spec = cfg.speculation
-    engine = SpeculativeEngine(
-        pair.target, serving_proposer(cfg, pair), num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
-        max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
-        greedy_below_temperature=cfg.sampling.greedy_below_temperature,
-    )
+    engine = serving_engine(cfg, pair)
     if spec.adaptive and engine.proposer.kind != "none":
         # Measure draft/verify costs for every batch bucket now, so no request pays for a
         # calibration the first time the running batch reaches a new size.
