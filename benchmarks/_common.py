@@ -15,6 +15,12 @@ def goal(name: str, value: float | None, target: float, higher_is_better: bool =
     return {"name": name, "value": value, "target": target, "higher_is_better": higher_is_better, "met": bool(ok)}
 
 
+def goal_line(g: dict) -> str:
+    """One `goal` entry as the goal lists at the end of every benchmark print it."""
+    v = "n/a" if g["value"] is None else f"{g['value']:.3f}"
+    return f"  [{'met' if g['met'] else 'NOT met'}] {g['name']}: {v} (target {'>=' if g['higher_is_better'] else '<='} {g['target']})"
+
+
 def clean_json(x: Any) -> Any:
     """JSON-safe copy: NaN/inf -> None, recursively."""
     if isinstance(x, float):

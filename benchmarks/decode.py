@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import goal
+from benchmarks._common import goal, goal_line
 from dvi.decode.adaptive import batch_bucket, expected_tokens
 from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
 from dvi.decode.results import acceptance_rate, fmt_rate, mean_accepted_length
@@ -170,14 +170,13 @@ def _share(x: float | None) -> str:
 def serve_history(plain: SpeculativeEngine, caches: list, stream, count: int, n: int) -> None:
     """Serve `count` prompts of `stream` greedily (speculation off: the same text any kind would emit) and add
     each output, behind its prompt's tail, to every suffix cache, as `SuffixProposer.close_row` does."""
-    from dvi.drafters.suffix_proposer import SuffixProposer
+    from dvi.drafters.suffix_proposer import finished_entry
 
-    tail = SuffixProposer.prompt_tail_default
     for i in range(count):
         prompt = next(stream)
-        text = dvi_run(plain, [[prompt]], n, 0.0)["texts"][0]
+        entry = finished_entry(prompt, dvi_run(plain, [[prompt]], n, 0.0)["texts"][0])
         for cache in caches:
-            cache.add_finished(f"history-{i}", list(prompt[len(prompt) - tail:]) + text)
+            cache.add_finished(f"history-{i}", entry)
 
 
 def same_text(a: list[list[int]], b: list[list[int]]) -> float | None:
@@ -484,8 +483,7 @@ def main(argv=None) -> int:
         )
     print("\ngoals:")
     for g in goals:
-        v = "n/a" if g["value"] is None else f"{g['value']:.3f}"
-        print(f"  [{'met' if g['met'] else 'NOT met'}] {g['name']}: {v} (target {'>=' if g['higher_is_better'] else '<='} {g['target']})")
+        print(goal_line(g))
     print(f"\nwrote {path} ({out['runtime_s']:.0f} s)")
     return 0
 

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import built_pair, clean_json, goal
+from benchmarks._common import built_pair, clean_json, goal, goal_line
 from dvi.decode.results import acceptance_rate
 from dvi.rundir import RunDir
 
@@ -544,9 +544,7 @@ def rescore(path: Path, w: int) -> int:
         out["goals"] += res["goals"]
     path.write_text(json.dumps(clean_json(out), indent=1, default=str))
     for g in out["goals"]:
-        v = "n/a" if g["value"] is None else f"{g['value']:.3f}"
-        print(f"  [{'met' if g['met'] else 'NOT met'}] {g['name']}: {v} (target {'>=' if g['higher_is_better'] else '<='} "
-              f"{g['target']})")
+        print(goal_line(g))
     return 0
 
 

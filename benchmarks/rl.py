@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import clean_json, goal
+from benchmarks._common import clean_json, goal, goal_line
 from dvi.decode.results import fmt_rate, pooled_rates
 from trainers.rl import ARMS
 
@@ -263,9 +263,7 @@ def _print_table(pooled: dict[str, dict], goals: list[dict]) -> None:
               f"{s['drafter_s_total']:>9.1f}")
     print("\ngoals:")
     for g in goals:
-        value = "n/a" if g["value"] is None else f"{g['value']:.3f}"
-        print(f"  [{'met' if g['met'] else 'NOT met'}] {g['name']}: {value} (target "
-              f"{'>=' if g['higher_is_better'] else '<='} {g['target']})")
+        print(goal_line(g))
 
 
 def main(argv: list[str] | None = None) -> int:

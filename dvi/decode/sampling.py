@@ -194,6 +194,16 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(z > 0, r / z.clamp_min(1e-30), p)
 
 
+def _accepted_run(accept: torch.Tensor, lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row the length of the leading run of accepted drafts: accept [B, K] bool, lens [B] real drafts per
+    row (None: all K). Returns (n [B], the valid-drafts mask [B, K] or None)."""
+    b, k = accept.shape
+    valid = draft_mask(lens, b, k, accept.device)
+    if valid is not None:
+        accept = accept & valid
+    return accept.to(torch.int64).cumprod(1).sum(1), valid
+
+
 def rejection_accept(
     draft_ids: torch.Tensor,
     draft_probs: torch.Tensor,
@@ -214,12 +224,9 @@ def rejection_accept(
     b, k = draft_ids.shape
     pd = target_probs[:, :k].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
     qd = draft_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
-    accept = u_accept[:, :k].to(pd.dtype) * qd < pd
-    valid = draft_mask(lens, b, k, draft_ids.device)
+    n, valid = _accepted_run(u_accept[:, :k].to(pd.dtype) * qd < pd, lens)
     if valid is not None:
-        accept = accept & valid
         draft_probs = draft_probs * valid.unsqueeze(-1).to(draft_probs.dtype)  # q = 0 past a row's drafts
-    n = accept.to(torch.int64).cumprod(1).sum(1)
     rows = torch.arange(b, device=draft_ids.device)
     p_n = target_probs[rows, n]
     q_ext = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
@@ -243,11 +250,7 @@ def point_mass_accept(
     """
     b, k = draft_ids.shape
     pd = target_probs[:, :k].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)  # [B, K]
-    accept = u_accept[:, :k].to(pd.dtype) < pd
-    valid = draft_mask(lens, b, k, draft_ids.device)
-    if valid is not None:
-        accept = accept & valid
-    n = accept.to(torch.int64).cumprod(1).sum(1)  # [B]
+    n, _ = _accepted_run(u_accept[:, :k].to(pd.dtype) < pd, lens)  # [B]
     rows = torch.arange(b, device=draft_ids.device)
     p_n = target_probs[rows, n].clone()  # [B, V]
     rejected = n < (lens if lens is not None else torch.full_like(n, k))  # [B]: stopped at a draft, not the bonus

@@ -30,7 +30,17 @@ if TYPE_CHECKING:
     from dvi.drafters.learned import Drafter
     from dvi.drafters.suffix import SuffixCache
 
-__all__ = ["SuffixProposer", "HybridProposer", "source_of"]
+__all__ = ["SuffixProposer", "HybridProposer", "PROMPT_TAIL", "finished_entry", "source_of"]
+
+
+PROMPT_TAIL = 16  # prompt tokens kept in front of a finished output in the global index
+
+
+def finished_entry(prompt_ids, output_ids: list[int], prompt_tail: int = PROMPT_TAIL) -> list[int]:
+    """What a finished row adds to the global index: its prompt's last `prompt_tail` tokens, then its output (a
+    later request with the same prompt drafts its first tokens from it)."""
+    tail = [int(t) for t in prompt_ids[len(prompt_ids) - prompt_tail:]] if prompt_tail > 0 else []
+    return tail + [int(t) for t in output_ids]
 
 
 def source_of(proposal) -> str:
@@ -42,10 +52,9 @@ class SuffixProposer(Proposer):
     """Suffix-tree drafts from a `SuffixCache` (per-request index + global index of finished outputs)."""
 
     kind = "suffix"
-    prompt_tail_default = 16
 
     def __init__(self, cache: SuffixCache, vocab_size: int, device: torch.device, max_tokens: int = 16,
-                 min_prob: float = 0.1, prompt_tail: int = prompt_tail_default, version_decay: float = 0.5):
+                 min_prob: float = 0.1, prompt_tail: int = PROMPT_TAIL, version_decay: float = 0.5):
         super().__init__(vocab_size, device)
         self.cache, self.max_tokens, self.min_prob = cache, int(max_tokens), float(min_prob)
         self.prompt_tail, self.version_decay = int(prompt_tail), float(version_decay)
@@ -80,9 +89,7 @@ class SuffixProposer(Proposer):
         self.cache.forget(rid)
         out = [int(t) for t in seq.res.token_ids]
         if keep and out:
-            tail = [int(t) for t in seq.req.prompt_ids[len(seq.req.prompt_ids) - self.prompt_tail:]] \
-                if self.prompt_tail > 0 else []
-            self.cache.add_finished(rid, tail + out)
+            self.cache.add_finished(rid, finished_entry(seq.req.prompt_ids, out, self.prompt_tail))
             self._versions[rid] = self.version
             self._versions.move_to_end(rid)
             while len(self._versions) > 100_000:
