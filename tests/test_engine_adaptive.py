@@ -240,7 +240,7 @@ def test_measured_goodput_overrides_a_calibration_that_favours_speculation():
         ctl.observe_step(16, 0, 16, 0.100)
     assert ctl.measured_verdict(16) == "plain"
     ks = [ctl.choose(16, alphas) for _ in range(31)]
-    assert all(k == 0 or k == ctl.probe_k or k <= 2 for k in ks) and ks.count(0) >= 29
+    assert ks == [0] * 31  # not even probes: each would cost what plain decoding measured faster
     ctl.choose(16, alphas)  # the 32nd guarded step forgets the speculative measurement
     assert ctl.measured_verdict(16) == "unknown" and ctl.choose(16, alphas) > 0
     # another bucket is unaffected; a measured win keeps speculating
