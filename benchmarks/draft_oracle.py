@@ -54,12 +54,16 @@ def verify_costs(engine, widths: tuple[int, ...] = WIDTHS, reps: int = 7, contex
     return best
 
 
-def greedy_streams(target, tok, domain: str, n: int, new_tokens: int, seed: int) -> list[dict]:
-    """The target's greedy continuation (HF `generate`) of `n` held-out prompts of `domain`."""
+def greedy_streams(target, tok, domain: str, n: int, new_tokens: int, seed: int, plain=None) -> list[dict]:
+    """The target's greedy continuation of `n` held-out prompts of `domain`: dvi's plain decoding (`plain`, the
+    text dvi serves) or HF `generate` (in bf16 the two differ on most prompts: different forward widths)."""
     stream = prompt_source(domain, tok, seed)
     out = []
     for _ in range(n):
         p = next(stream)
+        if plain is not None:
+            out.append({"prompt": p, "out": [int(t) for t in plain.generate([p], new_tokens)[0].token_ids]})
+            continue
         with torch.inference_mode():
             o = target.generate(torch.tensor([p]), generation_config=_hf_config(target, 0.0, new_tokens),
                                 attention_mask=torch.ones(1, len(p), dtype=torch.long))
@@ -151,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--branches", default="1,2,3,4,6")
     ap.add_argument("--depths", default="8,10,16")
+    ap.add_argument("--text", choices=("dvi", "hf"), default="dvi",
+                    help="whose greedy text is replayed: dvi's plain decoding (what dvi serves) or HF generate's")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=Path("bench_results/draft_oracle.json"))
@@ -179,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     results, goals = {}, []
     print(f"{'domain':8s} {'policy':7s} {'B':>2} {'depth':>5} {'tok/step':>8} {'width':>6} {'x off':>6} {'x lookup':>8}")
     for domain in [d for d in args.domains.split(",") if d]:
-        streams = greedy_streams(target, tok, domain, args.prompts, args.max_new_tokens, args.seed)
+        streams = greedy_streams(target, tok, domain, args.prompts, args.max_new_tokens, args.seed,
+                                 SpeculativeEngine(target, None) if args.text == "dvi" else None)
         off = 1.0 / costs[0]  # tokens/s of plain decoding: one token per plain step
         rows = []
         base = replay(streams, "lookup", 1, 10, cost)
