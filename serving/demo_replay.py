@@ -117,7 +117,7 @@ def plot_windows(rows: Sequence[dict[str, Any]], out_png: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     x = [r["requests"] for r in rows]
     for key, label, style in (("replay_alpha", "α̂ serving drafter (replayed on the window's responses)", "-o"),
                               ("frozen_alpha", "α̂ frozen v0 drafter (same responses)", "--s"),
@@ -129,17 +129,20 @@ def plot_windows(rows: Sequence[dict[str, Any]], out_png: str | Path) -> Path:
         if i + 1 == len(rows) or rows[i + 1]["phase"] != r["phase"]:  # the phase ends here
             if shade:
                 ax.axvspan(start, r["requests"], color="grey", alpha=0.08)
-            ax.annotate(r["phase"], ((start + r["requests"]) / 2, 0.98), ha="center", va="top", fontsize=8)
+            ax.annotate(r["phase"], ((start + r["requests"]) / 2, 0.98), xycoords=("data", "axes fraction"),
+                        ha="center", va="top", fontsize=8)
             start, shade = r["requests"], not shade
         if i and r["drafter_version"] != rows[i - 1]["drafter_version"]:
             mid = (rows[i - 1]["requests"] + r["requests"]) / 2
             ax.axvline(mid, color="grey", linestyle="--", linewidth=0.8)
-            ax.annotate(f"v{r['drafter_version']}", (mid, 0.9), fontsize=7, color="grey", ha="left")
-    ax.set_ylim(0, 1.0)
+            ax.annotate(f"v{r['drafter_version']}", (mid, 0.92), xycoords=("data", "axes fraction"), fontsize=7,
+                        color="grey", ha="left")
+    top = max([r.get(k) or 0.0 for r in rows for k in ("replay_alpha", "frozen_alpha", "alpha")], default=0.0)
+    ax.set_ylim(0, min(1.0, max(0.5, top + 0.15)))  # room for the phase labels; α of these pairs is well below 1
     ax.set_xlabel("requests served")
     ax.set_ylabel("acceptance rate α")
     ax.set_title("α per window: the serving drafter against the frozen one on the same responses")
-    ax.legend(loc="center right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8)  # below: never over the data
     ax.grid(alpha=0.3)
     out = Path(out_png)
     fig.tight_layout()
