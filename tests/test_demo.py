@@ -38,6 +38,18 @@ def test_phases_drift_to_sql_for_a_chat_tokenizer(tiny_pair_dir):
     assert body["metadata"] == {"domain": "sql"}
 
 
+def test_demo_trainer_checks_for_a_publish_sooner_unless_the_config_says(tiny_pair_dir, tmp_path):
+    """Promotions within the demo's minutes: publish checks every `PUBLISH_EVERY_STEPS` (default 20), a
+    value the user's config sets is kept."""
+    import yaml
+
+    path, _ = demo._write_serve_config(_cfg(tiny_pair_dir), tmp_path, tmp_path / "targets")
+    assert yaml.safe_load(path.read_text())["trainer"]["publish_every_steps"] == demo.PUBLISH_EVERY_STEPS == 5
+    own = load_config(None, ["trainer.publish_every_steps=30"])
+    path, _ = demo._write_serve_config(own, tmp_path, tmp_path / "targets")
+    assert yaml.safe_load(path.read_text())["trainer"]["publish_every_steps"] == 30
+
+
 def _records(cfg, tok, n):
     """Greedy feedback records of the tiny pair on the first `n` code prompts, as the server logs them."""
     from dvi.feedback.record import FeedbackRecord
