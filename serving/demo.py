@@ -2,8 +2,9 @@
 
 1. bootstrap the embedded pair if absent (`dvi bootstrap` in a subprocess: serving never imports
    trainers);
-2. start `dvi serve` as a subprocess with its supervised online trainer, everything written under
-   `runs/<id>/` (feedback, registry, trainer log, metrics.jsonl, the offline wandb run);
+2. start `dvi serve` as a subprocess with its supervised online trainer (publish checks every
+   `PUBLISH_EVERY_STEPS`), everything written under `runs/<id>/` (feedback, registry, trainer log,
+   metrics.jsonl, the offline wandb run);
 3. replay a drift scenario: code completions (held-out stdlib source, `dvi.data.prompt_stream`), then
    requests for SQLite queries through `/v1/chat/completions` (`dvi.data.sql_instructions`, a domain the
    build never trained on; prose completions for the test pair), then a target update through the admin
