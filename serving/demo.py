@@ -49,8 +49,10 @@ WINDOW = 16
 # The demo's trainer checks for a publish every 5 steps (the schema's default: 20) unless the config sets it.
 # Replayed offline on a demo run's own records (the live trainer's held-out rule, one training trajectory): the
 # drafter trained on sql passed the held-out check at step 45 with checks every 5 steps (served sql α̂ 0.158 ->
-# 0.246); with checks every 20 it was refused at step 40 and waited for step 60. A publish still needs held-out
-# α >= the served version's + publish_margin; a check costs two shadow passes (~9% of the trainer's time here).
+# 0.246); with checks every 20 it was refused at step 40 and waited for step 60. Live, two runs on a shared core
+# (confounded by its load): every 5 steps, 5 publishes and 3 promotions, the sql-trained one at step 55; every 20,
+# 3 and 3, at step 60. A publish still needs held-out α >= the served version's + publish_margin; a check costs
+# two shadow passes (~9% of the trainer's time here).
 PUBLISH_EVERY_STEPS = 5
 
 
