@@ -2,17 +2,19 @@
 
 1. bootstrap the embedded pair if absent (`dvi bootstrap` in a subprocess: serving never imports
    trainers);
-2. start `dvi serve` as a subprocess with its supervised online trainer, everything written under
-   `runs/<id>/` (feedback, registry, trainer log, metrics.jsonl, the offline wandb run);
-3. decode a few prompts of each domain with the frozen drafter in this process: the reference α;
-4. replay a drift scenario: code completions (held-out stdlib source, `dvi.data.prompt_stream`), then
+2. start `dvi serve` as a subprocess with its supervised online trainer (publish checks every
+   `PUBLISH_EVERY_STEPS`), everything written under `runs/<id>/` (feedback, registry, trainer log,
+   metrics.jsonl, the offline wandb run);
+3. replay a drift scenario: code completions (held-out stdlib source, `dvi.data.prompt_stream`), then
    requests for SQLite queries through `/v1/chat/completions` (`dvi.data.sql_instructions`, a domain the
    build never trained on; prose completions for the test pair), then a target update through the admin
    endpoint (a slightly perturbed copy of the target, saved under `runs/<id>/targets/`, the only allowed
    dir) followed by more of the drift domain;
-5. show live progress (requests, rolling α, drafter and target versions, trainer state);
-6. print the α timeline beside the frozen α (and the gain over it), write `runs/<id>/timeline.json`
-   and `runs/<id>/alpha.png`.
+4. show live progress (requests, rolling α, drafter and target versions, trainer state);
+5. once the server stopped (its feedback log flushed), replay each window's own responses through the drafter
+   version that served them and through the frozen v0 drafter (`serving.demo_replay`: the same tokens, so the
+   gain over the frozen drafter is 0 until a promotion); print the α timeline with both and the gain, write
+   `runs/<id>/timeline.json` and `runs/<id>/alpha.png`.
 
 Ctrl-C stops the traffic, then the server (SIGTERM: graceful shutdown, which stops the trainer;
 SIGKILL after a timeout, and the trainer dies with it through PR_SET_PDEATHSIG).
@@ -43,8 +45,15 @@ from dvi.rundir import RunDir
 
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
 CONCURRENCY = 4
-FROZEN_PROMPTS = 8  # prompts per domain the frozen drafter's reference α is decoded on (about 40 s on the real pair)
 WINDOW = 16
+# The demo's trainer checks for a publish every 5 steps (the schema's default: 20) unless the config sets it.
+# Replayed offline on a demo run's own records (the live trainer's held-out rule, one training trajectory): the
+# drafter trained on sql passed the held-out check at step 45 with checks every 5 steps (served sql α̂ 0.158 ->
+# 0.246); with checks every 20 it was refused at step 40 and waited for step 60. Live, two runs on a shared core
+# (confounded by its load): every 5 steps, 5 publishes and 3 promotions, the sql-trained one at step 55; every 20,
+# 3 and 3, at step 60. A publish still needs held-out α >= the served version's + publish_margin; a check costs
+# two shadow passes (~9% of the trainer's time here).
+PUBLISH_EVERY_STEPS = 5
 
 
 class ServerProcess:
@@ -127,7 +136,8 @@ def _perturbed_target(target_dir: Path, out: Path, scale: float = 0.05, seed: in
 
 
 class Timeline:
-    """Per-window α as the client sees it (from each response's `dvi` block)."""
+    """Per-window α as the client sees it (from each response's `dvi` block) and the request ids of the window's
+    responses (the feedback records `serving.demo_replay` replays)."""
 
     def __init__(self, window: int = WINDOW) -> None:
         self.window = window
@@ -136,7 +146,6 @@ class Timeline:
         self.recent: deque = deque(maxlen=32)
         self.done = 0
         self.errors = 0
-        self.frozen: dict[str, float | None] = {}  # the frozen drafter's α per domain (`_frozen_reference`)
 
     def add(self, phase: str, stats: dict[str, Any] | None, domain: str | None = None) -> None:
         self.done += 1
@@ -153,13 +162,13 @@ class Timeline:
         if not self._buf:
             return
         b, self._buf = self._buf, []
-        accepted = sum(s["accepted"] for s in b)
+        accepted, drafted = sum(s["accepted"] for s in b), sum(s["drafted"] for s in b)
         self.rows.append({
             "requests": self.done, "phase": b[-1]["phase"], "n": len(b),
-            "alpha": acceptance_rate(accepted, sum(s["drafted"] for s in b)),
+            "alpha": acceptance_rate(accepted, drafted), "drafted": drafted,
             "mean_accepted_length": mean_accepted_length(accepted, sum(s["steps"] for s in b)),
             "drafter_version": b[-1]["drafter_version"], "target_version": b[-1]["target_version"],
-            "domain": b[-1].get("domain"),
+            "domain": b[-1].get("domain"), "request_ids": [s["request_id"] for s in b if s.get("request_id")],
         })
 
     def rolling_alpha(self) -> float | None:
@@ -253,7 +262,8 @@ async def _phase(url: str, phase: Phase, live: Live, admin_token: str) -> None:
 
 def _write_serve_config(cfg: DviConfig, run_dir: Path, targets: Path) -> tuple[Path, str]:
     """The demo server's config under `run_dir` (everything written there; `targets` the only allowed
-    dir; a supervised trainer); returns (its path, the admin token it holds)."""
+    dir; a supervised trainer checking for a publish every `PUBLISH_EVERY_STEPS` unless the config says); returns
+    (its path, the admin token it holds)."""
     data = dump_config(cfg)
     data["run_dir"] = str(run_dir)
     data["feedback"]["dir"] = str(run_dir / "feedback")
@@ -263,6 +273,8 @@ def _write_serve_config(cfg: DviConfig, run_dir: Path, targets: Path) -> tuple[P
                          trainer="supervised" if cfg.serve.trainer == "off" else cfg.serve.trainer)
     if data["wandb"]["mode"] == "disabled":
         data["wandb"]["mode"] = "offline"
+    if "publish_every_steps" not in cfg.trainer.model_fields_set:
+        data["trainer"]["publish_every_steps"] = PUBLISH_EVERY_STEPS
     config_path = run_dir / "serve_config.yaml"
     atomic_write_text(config_path, yaml.safe_dump(data, sort_keys=False), mode=PRIVATE)  # holds the admin token
     return config_path, admin_token
@@ -271,8 +283,7 @@ def _write_serve_config(cfg: DviConfig, run_dir: Path, targets: Path) -> tuple[P
 def _phases(cfg: DviConfig, tok: Any, n: int) -> list[Phase]:
     """code, then the drift domain, then the drift domain again after the target update. The drift is sql
     (requests for SQLite queries, a domain the build never trained on) for a tokenizer with a chat template
-    (the real pair), prose for the test pair. Each phase's prompts are a fresh seeded stream, so
-    `_frozen_reference` can score the frozen drafter on the first ones a phase sends."""
+    (the real pair), prose for the test pair. Each phase's prompts are a fresh seeded stream."""
     from dvi.data import prompt_stream, sql_instructions
 
     max_tokens = min(64, cfg.sampling.max_new_tokens)
@@ -283,33 +294,6 @@ def _phases(cfg: DviConfig, tok: Any, n: int) -> list[Phase]:
     return [Phase("code", "code", prompt_stream("code", tok, seed=cfg.seed), n, max_tokens),
             Phase(drift_name, drift_name, drift, n, max_tokens),
             Phase(f"{drift_name} · new target", drift_name, drift, n, max_tokens)]
-
-
-def _frozen_reference(cfg: DviConfig, tok: Any, k: int = FROZEN_PROMPTS) -> dict[str, float | None]:
-    """α of the frozen drafter (the one the server starts with) per phase domain, decoded in this process by
-    the server's engine (`serving.state.serving_engine`: same proposer and K rule; a fixed K here read 0.137 on
-    code where the server's adaptive K served the same drafter at 0.17-0.34; one prompt at a time, 0.146 and sql
-    0.032 against a served 0.07-0.24: K depends on the batch) on the first `k` prompts each domain's phase sends,
-    `CONCURRENCY` at a time as the client sends them: the line the served α is read against."""
-    import torch
-
-    from dvi.data import render_chat
-
-    from .loading import load_serving_pair
-    from .state import serving_engine
-
-    engine = serving_engine(cfg, load_serving_pair(cfg))
-    out: dict[str, float | None] = {}
-    with torch.inference_mode():
-        for phase in _phases(cfg, tok, k):
-            if phase.domain in out:
-                continue
-            items = [next(phase.prompts) for _ in range(k)]
-            prompts = [render_chat(tok, x) if isinstance(x[0], dict) else list(x) for x in items]
-            res = [r for i in range(0, len(prompts), CONCURRENCY)  # batched as the server batches the client's
-                   for r in engine.generate(prompts[i:i + CONCURRENCY], phase.max_tokens, stop_token_ids=[tok.eos_token_id])]
-            out[phase.domain] = acceptance_rate(sum(r.num_accepted for r in res), sum(r.num_drafted for r in res))
-    return out
 
 
 def fmt(x: float | None, digits: int = 3) -> str:
@@ -345,9 +329,6 @@ def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, co
     config_path, admin_token = _write_serve_config(cfg, rundir.root, targets)
     target_path, _, tok_path = pair_paths(cfg)
     tok = load_tokenizer(tok_path or find_tokenizer_path(target_path))
-    console.print(f"frozen drafter's α per domain ({FROZEN_PROMPTS} prompts each, decoded here): the reference ...")
-    timeline.frozen = _frozen_reference(cfg, tok)
-    console.print("frozen α: " + ", ".join(f"{d} {fmt(a)}" for d, a in timeline.frozen.items()))
     console.print(f"starting server + trainer (logs: {rundir.root}/server.log, {rundir.trainer_log_path}) ...")
     with ServerProcess(["--config", str(config_path)], rundir.root / "server.log") as srv, Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -364,28 +345,44 @@ def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, co
         return httpx.get(srv.url + "/health", headers=_bearer(admin_token), timeout=30).json()
 
 
+def _replay(cfg: DviConfig, rundir: RunDir, timeline: Timeline, console: Any) -> None:
+    """Each window's responses replayed through the drafter that served them and the frozen one
+    (`serving.demo_replay`); a failure is shown, the table is still printed."""
+    from .demo_replay import drafter_scorers, read_records, replay_windows
+
+    console.print("replaying each window's responses through the serving and the frozen drafter ...")
+    try:
+        replay_windows(timeline.rows, read_records(rundir.root / "feedback"),
+                       drafter_scorers(cfg, rundir.root / "registry"))
+    except Exception as exc:  # noqa: BLE001 - the live table is still worth printing
+        console.print(f"[red]replay failed: {type(exc).__name__}: {exc}[/red]")
+
+
+def _gain(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.3f}"
+
+
 def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict) -> None:
     """The α timeline table, timeline.json, alpha.png and the run's counts."""
     from rich.table import Table
 
-    from dvi.metrics import plot_alpha
+    from .demo_replay import LEGEND, plot_windows
 
-    table = Table(title="α timeline (client side, per window of requests)")
-    for col in ("requests", "phase", "α", "frozen α", "gain", "mean accepted length", "drafter", "target"):
-        table.add_column(col, justify="right" if col not in ("phase",) else "left")
+    table = Table(title="α timeline (per window of requests)", caption=LEGEND, caption_justify="left")
+    cols = ("requests", "phase", "α live", "drafted", "α̂ served", "α̂ frozen", "gain", "acc. len", "drafter",
+            "target")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "phase" else "right")
     for row in timeline.rows:
-        a, m, f = row["alpha"], row["mean_accepted_length"], timeline.frozen.get(row.get("domain"))
-        gain = None if a is None or f is None else a - f
-        table.add_row(str(row["requests"]), row["phase"], fmt(a), fmt(f), "-" if gain is None else f"{gain:+.3f}",
-                      fmt(m, 2), f"v{row['drafter_version']}", f"v{row['target_version']}")
+        table.add_row(str(row["requests"]), row["phase"], fmt(row["alpha"]), str(row.get("drafted", "-")),
+                      fmt(row.get("replay_alpha")), fmt(row.get("frozen_alpha")), _gain(row.get("gain")),
+                      fmt(row["mean_accepted_length"], 2), f"v{row['drafter_version']}", f"v{row['target_version']}")
     console.print(table)
     run_dir = rundir.root
     (run_dir / "timeline.json").write_text(json.dumps({"rows": timeline.rows, "errors": timeline.errors,
-                                                       "frozen_alpha": timeline.frozen, "health": final}, indent=1))
-    if rundir.metrics_path.is_file():
-        png = plot_alpha(rundir.metrics_path, run_dir / "alpha.png", step_label="requests served",
-                         reference=timeline.frozen)
-        console.print(f"α plot: {png}")
+                                                       "legend": LEGEND, "health": final}, indent=1))
+    if timeline.rows:
+        console.print(f"α plot: {plot_windows(timeline.rows, run_dir / 'alpha.png')}")
     drafter = (final.get("drafter") or {}).get("counts", {})
     console.print(f"requests {timeline.done}, errors {timeline.errors}; drafter promotions {drafter.get('promoted', 0)}, "
                   f"refusals {drafter.get('refused', 0)}, rollbacks {drafter.get('rolled_back', 0)}; "
@@ -420,5 +417,6 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
         console.print(f"[red]demo stopped: {exc}[/red]")
         status = 1
     timeline.flush()
+    _replay(cfg, rundir, timeline, console)
     _report(console, rundir, timeline, final)
     return status or (1 if timeline.errors else 0)

@@ -53,9 +53,11 @@ class Finished:
     ttft_s: float | None
 
     def stats(self) -> dict[str, Any]:
-        """The response's `dvi` block (α and mean accepted length None when there is no data)."""
+        """The response's `dvi` block (α and mean accepted length None when there is no data). `request_id` is
+        the request's feedback record's: a client (the demo) can replay its own responses from the log."""
         r = self.result or GenerationResult(request_id=self.request_id, prompt_ids=[])
         return {
+            "request_id": self.request_id,
             "drafted": r.num_drafted,
             "accepted": r.num_accepted,
             "alpha": r.alpha,

@@ -1,8 +1,11 @@
-"""The demo's scenario on the test pair: its phases and the frozen drafter's reference α."""
+"""The demo's scenario on the test pair: its phases, the replayed reference (`serving.demo_replay`), end to end."""
 
 from __future__ import annotations
 
 import itertools
+import json
+
+import pytest
 
 from dvi.config import load_config
 from dvi.models.loading import load_tokenizer
@@ -35,20 +38,98 @@ def test_phases_drift_to_sql_for_a_chat_tokenizer(tiny_pair_dir):
     assert body["metadata"] == {"domain": "sql"}
 
 
-def test_frozen_reference_is_the_engine_alpha_per_domain(tiny_pair_dir):
-    """One α per phase domain, in [0, 1], deterministic (greedy), and the table says the gain over it."""
+def test_demo_trainer_checks_for_a_publish_sooner_unless_the_config_says(tiny_pair_dir, tmp_path):
+    """Promotions within the demo's minutes: publish checks every `PUBLISH_EVERY_STEPS` (default 20), a
+    value the user's config sets is kept."""
+    import yaml
+
+    path, _ = demo._write_serve_config(_cfg(tiny_pair_dir), tmp_path, tmp_path / "targets")
+    assert yaml.safe_load(path.read_text())["trainer"]["publish_every_steps"] == demo.PUBLISH_EVERY_STEPS == 5
+    own = load_config(None, ["trainer.publish_every_steps=30"])
+    path, _ = demo._write_serve_config(own, tmp_path, tmp_path / "targets")
+    assert yaml.safe_load(path.read_text())["trainer"]["publish_every_steps"] == 30
+
+
+def _records(cfg, tok, n):
+    """Greedy feedback records of the tiny pair on the first `n` code prompts, as the server logs them."""
+    from dvi.feedback.record import FeedbackRecord
+    from serving.loading import load_serving_pair
+    from serving.state import serving_engine
+
+    engine = serving_engine(cfg, load_serving_pair(cfg))
+    prompts = list(itertools.islice(demo._phases(cfg, tok, n)[0].prompts, n))
+    return [FeedbackRecord.from_result(r, domain="code") for r in engine.generate(prompts, 24)]
+
+
+def _perturbed_full_version(cfg, registry, scale):
+    """A `full` drafter version: the tiny drafter with noise on its weights (a stand-in for a trained one)."""
+    import torch
+
+    from serving.loading import load_serving_pair
+
+    d = load_serving_pair(cfg).drafter
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean())
+    return registry.publish_full(d.state_dict(), d.config)
+
+
+def test_replay_scores_each_window_through_the_frozen_and_the_serving_drafter_on_the_same_tokens(
+        tiny_pair_dir, tmp_path):
+    """The reference is the window's own responses replayed through v0: before a promotion α̂ served is it
+    exactly (gain 0); a window served by v1 reads v1's α̂ on the very tokens v0 is read on; a version that does
+    not load (pruned) leaves its records out of both, never mixing drafters."""
+    from dvi.feedback.shadow import hf_logits_fn, shadow_alpha
+    from dvi.registry.store import DrafterRegistry
+    from serving import demo_replay
+    from serving.drafter_load import load_drafter_version
+    from serving.loading import load_serving_pair
+
     cfg = _cfg(tiny_pair_dir)
     tok = load_tokenizer(tiny_pair_dir / "tokenizer")
-    ref = demo._frozen_reference(cfg, tok, k=2)
-    assert set(ref) == {"code", "prose"} and all(0.0 <= a <= 1.0 for a in ref.values())
-    assert demo._frozen_reference(cfg, tok, k=2) == ref
-    t = demo.Timeline(window=2)
-    t.frozen = ref
-    for _ in range(2):
-        t.add("code", {"accepted": 3, "drafted": 6, "steps": 4, "drafter_version": 0, "target_version": 0}, "code")
-    assert t.rows[0]["domain"] == "code" and t.rows[0]["alpha"] == 0.5
-    assert list(itertools.islice(demo._phases(cfg, tok, 2)[0].prompts, 2)) == [
-        list(x) for x in itertools.islice(demo._phases(cfg, tok, 2)[0].prompts, 2)]
+    recs = _records(cfg, tok, 6)
+    registry = DrafterRegistry(tmp_path / "registry")
+    v1 = _perturbed_full_version(cfg, registry, 2.0)  # enough noise to change its argmax
+    for r in recs[2:4]:
+        r.drafter_version = v1
+    recs[5].drafter_version = 7  # never published
+    by_id = {r.request_id: r for r in recs}
+    rows = [{"request_ids": [r.request_id for r in recs[i:i + 2]]} for i in (0, 2, 4)]
+    demo_replay.replay_windows(rows, by_id, demo_replay.drafter_scorers(cfg, tmp_path / "registry"))
+
+    base = load_serving_pair(cfg).drafter
+    v0_fn = hf_logits_fn(base)
+    v1_fn = hf_logits_fn(load_drafter_version(registry, v1, base)[0])
+    first, second, third = rows
+    assert first["gain"] == 0.0 and first["replay_alpha"] == first["frozen_alpha"] == shadow_alpha(v0_fn, recs[:2]).alpha
+    assert first["replay_records"] == 2 and first["replay_positions"] == sum(len(r.token_ids) for r in recs[:2])
+    assert second["replay_alpha"] == shadow_alpha(v1_fn, recs[2:4]).alpha
+    assert second["frozen_alpha"] == shadow_alpha(v0_fn, recs[2:4]).alpha
+    assert second["gain"] == pytest.approx(second["replay_alpha"] - second["frozen_alpha"])
+    assert second["gain"] != 0.0  # a different drafter, scored on the same tokens
+    assert third["replay_records"] == 1 and third["frozen_alpha"] == shadow_alpha(v0_fn, recs[4:5]).alpha
+
+
+def test_demo_end_to_end_on_the_test_pair_replays_every_response(tiny_pair_dir, tmp_path):
+    """`run_demo` through a real `dvi serve` + trainer: every window's responses are found in the feedback log
+    by their `dvi` block's request id and replayed; windows served by v0 show a gain of exactly 0 (the old
+    reference, prompts decoded apart with their own K choices, read +0.07..+0.11 on code before any training)."""
+    cfg = load_config(None, ["models.preset=tiny", f"models.target={tiny_pair_dir / 'target'}",
+                             f"models.drafter={tiny_pair_dir / 'drafter'}",
+                             f"models.tokenizer={tiny_pair_dir / 'tokenizer'}", f"run_dir={tmp_path / 'runs' / 'x'}",
+                             "wandb.mode=disabled"])
+    assert demo.run_demo(cfg, requests_per_phase=6) == 0
+    (run,) = (tmp_path / "runs").glob("demo-*")
+    out = json.loads((run / "timeline.json").read_text())
+    rows = out["rows"]
+    assert [r["n"] for r in rows] == [6, 6, 6] and out["errors"] == 0 and "frozen v0" in out["legend"]
+    for r in rows:
+        assert len(r["request_ids"]) == r["replay_records"] == 6 and r["replay_positions"] > 0
+        assert r["frozen_alpha"] is not None and r["replay_alpha"] is not None
+        if r["drafter_version"] == 0:
+            assert r["gain"] == 0.0
+    assert (run / "alpha.png").stat().st_size > 1000
 
 
 def test_every_demo_and_soak_domain_gets_its_own_metrics_series():

@@ -82,6 +82,24 @@ def test_completion_matches_engine_generate(client, reference) -> None:
     assert r.json()["choices"][0]["text"] == reference(ids, 12)[1]
 
 
+def test_dvi_block_names_the_feedback_record_of_the_response(client, server) -> None:
+    """A client finds its own response in the feedback log by the `dvi` block's `request_id` (the demo replays
+    each window's responses that way), streamed or not."""
+    from dvi.feedback import FeedbackReader
+
+    blocks = [client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 12}).json()]
+    events = sse_events(client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 12,
+                                                              "stream": True}).text)
+    blocks.append(events[-2])
+    server.state.feedback.flush()
+    reader = FeedbackReader(server.state.cfg.feedback.dir)
+    records = {r.request_id: r for r in reader.iter_records(reader.list_shards())}
+    for body in blocks:
+        rec = records[body["dvi"]["request_id"]]
+        assert len(rec.token_ids) == body["usage"]["completion_tokens"] == 12
+        assert rec.drafter_version == body["dvi"]["drafter_version"]
+
+
 def test_streaming_matches_engine_generate(client, reference) -> None:
     for prompt in PROMPTS[:2]:
         r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20, "stream": True})
