@@ -24,6 +24,7 @@ from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 
 from .loading import load_serving_pair, serving_proposer
+from .memory import HeapTrimmer
 from .protocol import RequestLimits
 from .scheduler import Finished, Scheduler
 from .supervisor import TrainerSupervisor
@@ -157,7 +158,7 @@ def build_state(cfg: DviConfig) -> ServerState:
                               background=True, max_pending_bytes=fb.max_buffer_bytes, access=cfg.files.access)
     metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions)
     scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
-                          num_threads=cfg.serve.num_threads)
+                          num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds))
     supervisor = TrainerSupervisor(cfg)
     swapper = None
     if pair.drafter is not None:
