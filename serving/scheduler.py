@@ -215,12 +215,15 @@ class Scheduler:
         while True:
             with self._cv:
                 while (not self._stop and not self._controls and not self._waiting
-                       and not self._active):
-                    self._cv.wait(timeout=1.0)
+                       and not self._active and not self.heap.idle_due()):
+                    self._cv.wait(timeout=self.heap.wait_s(1.0))
                 if self._stop:
                     break
                 controls = list(self._controls)
                 self._controls.clear()
+                idle = not (controls or self._waiting or self._active)
+            if idle and self.heap.idle_due():
+                self.heap.trim()
             for fn, fut in controls:
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -231,7 +234,7 @@ class Scheduler:
             self._admit()
             if self._active:
                 self._step()
-                self.heap.after_step(idle=not self._active and not self._waiting)
+                self.heap.after_step()
         self._shutdown()
 
     def _admit(self) -> None:

@@ -4,10 +4,17 @@ the server hands freed heap memory back to the OS (`serving.memory`)."""
 from __future__ import annotations
 
 import gc
+import os
 import random
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
+
+from serving.memory import glibc_trim
 
 
 def _live_tensors() -> int:
@@ -34,3 +41,48 @@ def test_engine_keeps_no_tensor_per_prompt_length(tiny_pair_dir):
     before = _live_tensors()
     serve(list(range(90, 150, 6)))
     assert _live_tensors() - before <= 2
+
+
+_FRAGMENT = """
+import sys
+from serving.memory import glibc_trim
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) >> 10
+trim = glibc_trim()
+blocks = [bytearray(1000) for _ in range(150_000)]  # ~150 MiB of heap blocks (over pymalloc's 512 B: malloc)
+pin = bytearray(1000)  # a live block above them: free() alone cannot shrink the heap
+del blocks
+before = rss()
+trim()
+print(before, rss())
+"""
+
+
+@pytest.mark.skipif(glibc_trim() is None, reason="needs glibc")
+def test_trim_returns_freed_heap_that_free_alone_keeps():
+    """The mechanism `serving.memory` relies on: memory freed below a live block stays resident until trimmed."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _FRAGMENT], capture_output=True, text=True, env=env, timeout=120,
+                         check=True).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    assert before - after >= 100, (before, after)
+
+
+def test_server_trims_when_idle_and_not_when_off(tiny_pair_dir, tmp_path):
+    """The engine thread trims once requests stop (and never with `serve.malloc_trim_seconds=0`), counting them."""
+    from test_serving_helpers import ServerThread, tiny_config, wait_for
+
+    for every, want in ((30.0, glibc_trim() is not None), (0.0, False)):
+        cfg = tiny_config(tiny_pair_dir, tmp_path / f"run{every}", f"serve.malloc_trim_seconds={every}")
+        with ServerThread(cfg) as srv, srv.client() as c:
+            heap = srv.state.scheduler.heap
+            assert heap.trims == 0
+            for n in (4, 9, 14):
+                r = c.post("/v1/completions", json={"model": "dvi", "prompt": "def f(x):\n" * n, "max_tokens": 8})
+                assert r.status_code == 200, r.text
+            if want:
+                wait_for(lambda h=heap: h.trims >= 1, timeout=10, what="a trim once idle")
+            n = heap.trims
+            time.sleep(0.6)  # idle: no steps since, so no further trim
+            assert heap.trims == n and (n >= 1) == want
