@@ -86,3 +86,39 @@ def test_server_trims_when_idle_and_not_when_off(tiny_pair_dir, tmp_path):
             n = heap.trims
             time.sleep(0.6)  # idle: no steps since, so no further trim
             assert heap.trims == n and (n >= 1) == want
+
+
+def _modules_of(cls: type) -> tuple[int, int]:
+    """(live instances of `cls`, bytes of all live tensor storages, each counted once)."""
+    gc.collect()
+    objs = gc.get_objects()
+    storages = {}
+    for o in objs:
+        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+            st = o.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(1 for o in objs if type(o) is cls), sum(storages.values())
+
+
+@pytest.mark.slow
+def test_promoted_drafters_are_freed_once_replaced(tiny_pair_dir, tmp_path):
+    """A chain of promotions keeps a fixed number of drafter models alive (the startup one, its pristine copy,
+    the last good one, the served one): each replaced version is freed, whatever steps it served."""
+    from test_serving_e2e import _lora, _traffic
+    from test_serving_helpers import ServerThread, tiny_config, version_manifest, wait_for
+
+    from dvi.registry.store import DrafterRegistry
+
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=2")
+    with ServerThread(cfg) as s:
+        reg, sw = DrafterRegistry(cfg.registry.dir), s.state.swapper
+        while sw.heldout_positions() < cfg.trainer.shadow_min_positions:
+            _traffic(s.url, 2, [], stream=False)
+        counts = []
+        for _ in range(5):
+            v = reg.publish_peft_adapter(_lora(sw.base), version_manifest())
+            wait_for(lambda v=v: sw.live_version == v, 30, what=f"v{v} promoted")
+            _traffic(s.url, 3, [], stream=False)  # served by v; its watch ends and it becomes the last good one
+            wait_for(lambda v=v: sw.good == v, 30, what=f"v{v} kept")
+            counts.append(_modules_of(type(sw.base)))
+        assert counts[-1][0] == counts[1][0] and counts[-1][1] <= counts[1][1] * 1.02, counts
