@@ -24,7 +24,7 @@ from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 
 from .loading import load_serving_pair, serving_proposer
-from .memory import HeapTrimmer
+from .memory import HeapTrimmer, cap_onednn_cache
 from .protocol import RequestLimits
 from .scheduler import Finished, Scheduler
 from .supervisor import TrainerSupervisor
@@ -139,6 +139,7 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
 def build_state(cfg: DviConfig) -> ServerState:
     """Load the pair, build engine, scheduler, feedback writer, swapper, supervisor, metrics."""
     torch.set_num_threads(cfg.serve.num_threads)
+    cap_onednn_cache(cfg.serve.onednn_primitive_cache)  # before any forward: oneDNN reads it once
     pair = load_serving_pair(cfg)
     tokenizer = pair.tokenizer
     spec = cfg.speculation
