@@ -69,13 +69,21 @@ def test_trim_returns_freed_heap_that_free_alone_keeps():
     assert before - after >= 100, (before, after)
 
 
-def test_server_trims_when_idle_and_not_when_off(tiny_pair_dir, tmp_path):
-    """The engine thread trims once requests stop (and never with `serve.malloc_trim_seconds=0`), counting them."""
+def test_server_trims_when_idle_and_not_when_off(tiny_pair_dir, tmp_path, monkeypatch):
+    """The engine thread trims once requests stop (and never with `serve.malloc_trim_seconds=0`), counting them;
+    the server bounds oneDNN's primitive cache unless the environment already does."""
     from test_serving_helpers import ServerThread, tiny_config, wait_for
 
-    for every, want in ((30.0, glibc_trim() is not None), (0.0, False)):
+    from serving.memory import ONEDNN_CACHE_ENV
+
+    for every, want, env in ((30.0, glibc_trim() is not None, None), (0.0, False, "77")):
+        if env is None:
+            monkeypatch.delenv(ONEDNN_CACHE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ONEDNN_CACHE_ENV, env)
         cfg = tiny_config(tiny_pair_dir, tmp_path / f"run{every}", f"serve.malloc_trim_seconds={every}")
         with ServerThread(cfg) as srv, srv.client() as c:
+            assert os.environ[ONEDNN_CACHE_ENV] == (env or str(cfg.serve.onednn_primitive_cache))
             heap = srv.state.scheduler.heap
             assert heap.trims == 0
             for n in (4, 9, 14):
