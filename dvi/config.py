@@ -287,7 +287,7 @@ class ServeConfig(_Strict):
     # when the batch empties and, under unbroken load, at most this often; 0: never (RSS then keeps what
     # glibc holds freed: +30-50 MiB per 12 requests on the real pair, issue 25)
     malloc_trim_seconds: float = Field(30.0, ge=0)
-    # oneDNN's primitive cache (CPU bf16 matmuls: one per shape, i.e. per new prefill length; ~0.3 MiB each)
+    # oneDNN's primitive cache (CPU bf16 matmuls: one per shape, i.e. per new prefill length; ~0.3 MiB each, estimated)
     # holds this many (oneDNN's own default, 1024, is ~300 MiB at that); set before the first forward, an
     # ONEDNN_PRIMITIVE_CACHE_CAPACITY in the environment wins; 0: oneDNN's default. Too few re-JITs hot shapes
     # (16 made decoding ~40% slower)

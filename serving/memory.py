@@ -39,7 +39,7 @@ ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 
 def cap_onednn_cache(entries: int) -> str | None:
     """Bound oneDNN's primitive cache (bf16 matmuls on CPU: one compiled primitive per shape, so one per new
-    prefill length and batch width, ~0.3 MiB each measured; oneDNN keeps 1024). oneDNN reads the variable at
+    prefill length and batch width, ~0.3 MiB each by our estimate; oneDNN keeps 1024). oneDNN reads the variable at
     its first use, so call this before the process's first forward; a value already in the environment wins,
     `entries` 0 leaves oneDNN's default. Returns the capacity in force (None: oneDNN's default)."""
     if entries > 0:
