@@ -283,6 +283,15 @@ class ServeConfig(_Strict):
     drain_timeout_s: float = Field(30.0, ge=0)
     # prompts over this many UTF-8 bytes are tokenised on their own worker (small ones never wait behind them)
     tokenize_large_bytes: int = Field(16384, ge=1)
+    # freed heap memory goes back to the OS (glibc malloc_trim, `serving/memory.py`, 10-30 ms on the real pair)
+    # when the batch empties and, under unbroken load, at most this often; 0: never (RSS then keeps what
+    # glibc holds freed: +30-50 MiB per 12 requests on the real pair, issue 25)
+    malloc_trim_seconds: float = Field(30.0, ge=0)
+    # oneDNN's primitive cache (CPU bf16 matmuls: one per shape, i.e. per new prefill length; ~0.3 MiB each, estimated)
+    # holds this many (oneDNN's own default, 1024, is ~300 MiB at that); set before the first forward, an
+    # ONEDNN_PRIMITIVE_CACHE_CAPACITY in the environment wins; 0: oneDNN's default. Too few re-JITs hot shapes
+    # (16 made decoding ~40% slower)
+    onednn_primitive_cache: int = Field(256, ge=0)
 
     @field_validator("trainer", mode="before")
     @classmethod

@@ -28,6 +28,7 @@ import torch
 from dvi.decode.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
 
 from .detok import TextStream
+from .memory import HeapTrimmer
 from .protocol import ApiError, new_id, shutting_down
 
 log = logging.getLogger(__name__)
@@ -115,12 +116,13 @@ class Scheduler:
     """Owns the engine thread; the app submits requests and awaits their events."""
 
     def __init__(self, engine: SpeculativeEngine, tokenizer: Any, max_batch_size: int, queue_limit: int,
-                 num_threads: int = 1) -> None:
+                 num_threads: int = 1, heap: HeapTrimmer | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.queue_limit = queue_limit
         self.num_threads = num_threads
+        self.heap = heap or HeapTrimmer(0)  # freed heap back to the OS (`serving.memory`); off unless given
         self.observers: list[Callable[[Finished], None]] = []
         self.step_observers: list[Callable[[float, int], None]] = []
         self._waiting: collections.deque[Handle] = collections.deque()
@@ -215,12 +217,15 @@ class Scheduler:
         while True:
             with self._cv:
                 while (not self._stop and not self._controls and not self._waiting
-                       and not self._active):
-                    self._cv.wait(timeout=1.0)
+                       and not self._active and not self.heap.idle_due()):
+                    self._cv.wait(timeout=self.heap.wait_s(1.0))
                 if self._stop:
                     break
                 controls = list(self._controls)
                 self._controls.clear()
+                idle = not (controls or self._waiting or self._active)
+            if idle and self.heap.idle_due():
+                self.heap.trim()
             for fn, fut in controls:
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -231,6 +236,7 @@ class Scheduler:
             self._admit()
             if self._active:
                 self._step()
+                self.heap.after_step()
         self._shutdown()
 
     def _admit(self) -> None:

@@ -24,6 +24,7 @@ from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 
 from .loading import load_serving_pair, serving_proposer
+from .memory import HeapTrimmer, cap_onednn_cache
 from .protocol import RequestLimits
 from .scheduler import Finished, Scheduler
 from .supervisor import TrainerSupervisor
@@ -138,6 +139,7 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
 def build_state(cfg: DviConfig) -> ServerState:
     """Load the pair, build engine, scheduler, feedback writer, swapper, supervisor, metrics."""
     torch.set_num_threads(cfg.serve.num_threads)
+    cap_onednn_cache(cfg.serve.onednn_primitive_cache)  # before any forward: oneDNN reads it once
     pair = load_serving_pair(cfg)
     tokenizer = pair.tokenizer
     spec = cfg.speculation
@@ -157,7 +159,7 @@ def build_state(cfg: DviConfig) -> ServerState:
                               background=True, max_pending_bytes=fb.max_buffer_bytes, access=cfg.files.access)
     metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions)
     scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
-                          num_threads=cfg.serve.num_threads)
+                          num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds))
     supervisor = TrainerSupervisor(cfg)
     swapper = None
     if pair.drafter is not None:

@@ -30,6 +30,8 @@ from transformers.cache_utils import DynamicLayer
 
 # fn(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep) -> logits
 ModelFn = Callable[..., torch.Tensor]
+# widest query whose [q, q] identity a RaggedKV keeps (every verify and catch-up width; prefills build theirs)
+EYE_CACHE_MAX = 64
 
 
 def _capacity(n: int) -> int:
@@ -273,6 +275,10 @@ class RaggedKV:
         return {"full_attention": self._to_additive(allowed), "sliding_attention": self._to_additive(windowed)}
 
     def _eye(self, q: int) -> torch.Tensor:
+        """[q, q] identity; kept for the widths a step repeats (verify, catch-up), not a prefill's: one per
+        distinct prompt length would grow with traffic (a 4k-token prompt's is 16 MiB)."""
+        if q > EYE_CACHE_MAX:
+            return torch.eye(q, dtype=torch.bool, device=self.device)
         cache = self.__dict__.setdefault("_eyes", {})
         e = cache.get(q)
         if e is None:

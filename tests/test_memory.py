@@ -1,0 +1,132 @@
+"""A long-serving process keeps its memory flat (issue 25): nothing per request stays behind in the engine, and
+the server hands freed heap memory back to the OS (`serving.memory`)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from serving.memory import glibc_trim
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_engine_keeps_no_tensor_per_prompt_length(tiny_pair_dir):
+    """Prompts of ever new lengths (each a new prefill / drafter catch-up width) leave no tensor behind: a mask
+    helper once kept a [q, q] identity per width on the drafter's long-lived cache (a 4k prompt: 16 MiB)."""
+    from dvi.decode.engine import SpeculativeEngine
+    from dvi.models.loading import load_pair
+
+    pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
+    engine = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3)
+    rng = random.Random(0)
+
+    def serve(lengths: list[int]) -> None:
+        for n in lengths:  # two rows of different lengths: a padded prefill, holes in the caches
+            engine.generate([[rng.randrange(3, 60) for _ in range(n)], [rng.randrange(3, 60) for _ in range(n // 2)]],
+                            max_new_tokens=6)
+
+    serve([70, 80])  # warm-up: the engine's lasting state exists
+    before = _live_tensors()
+    serve(list(range(90, 150, 6)))
+    assert _live_tensors() - before <= 2
+
+
+_FRAGMENT = """
+import sys
+from serving.memory import glibc_trim
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) >> 10
+trim = glibc_trim()
+blocks = [bytearray(1000) for _ in range(150_000)]  # ~150 MiB of heap blocks (over pymalloc's 512 B: malloc)
+pin = bytearray(1000)  # a live block above them: free() alone cannot shrink the heap
+del blocks
+before = rss()
+trim()
+print(before, rss())
+"""
+
+
+@pytest.mark.skipif(glibc_trim() is None, reason="needs glibc")
+def test_trim_returns_freed_heap_that_free_alone_keeps():
+    """The mechanism `serving.memory` relies on: memory freed below a live block stays resident until trimmed."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _FRAGMENT], capture_output=True, text=True, env=env, timeout=120,
+                         check=True).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    assert before - after >= 100, (before, after)
+
+
+def test_server_trims_when_idle_and_not_when_off(tiny_pair_dir, tmp_path, monkeypatch):
+    """The engine thread trims once requests stop (and never with `serve.malloc_trim_seconds=0`), counting them;
+    the server bounds oneDNN's primitive cache unless the environment already does."""
+    from test_serving_helpers import ServerThread, tiny_config, wait_for
+
+    from serving.memory import ONEDNN_CACHE_ENV
+
+    for every, want, env in ((30.0, glibc_trim() is not None, None), (0.0, False, "77")):
+        if env is None:
+            monkeypatch.delenv(ONEDNN_CACHE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ONEDNN_CACHE_ENV, env)
+        cfg = tiny_config(tiny_pair_dir, tmp_path / f"run{every}", f"serve.malloc_trim_seconds={every}")
+        with ServerThread(cfg) as srv, srv.client() as c:
+            assert os.environ[ONEDNN_CACHE_ENV] == (env or str(cfg.serve.onednn_primitive_cache))
+            heap = srv.state.scheduler.heap
+            assert heap.trims == 0
+            for n in (4, 9, 14):
+                r = c.post("/v1/completions", json={"model": "dvi", "prompt": "def f(x):\n" * n, "max_tokens": 8})
+                assert r.status_code == 200, r.text
+            if want:
+                wait_for(lambda h=heap: h.trims >= 1, timeout=10, what="a trim once idle")
+            n = heap.trims
+            time.sleep(0.6)  # idle: no steps since, so no further trim
+            assert heap.trims == n and (n >= 1) == want
+
+
+def _modules_of(cls: type) -> tuple[int, int]:
+    """(live instances of `cls`, bytes of all live tensor storages, each counted once)."""
+    gc.collect()
+    objs = gc.get_objects()
+    storages = {}
+    for o in objs:
+        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+            st = o.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(1 for o in objs if type(o) is cls), sum(storages.values())
+
+
+@pytest.mark.slow
+def test_promoted_drafters_are_freed_once_replaced(tiny_pair_dir, tmp_path):
+    """A chain of promotions keeps a fixed number of drafter models alive (the startup one, its pristine copy,
+    the last good one, the served one): each replaced version is freed, whatever steps it served."""
+    from test_serving_e2e import _lora, _traffic
+    from test_serving_helpers import ServerThread, tiny_config, version_manifest, wait_for
+
+    from dvi.registry.store import DrafterRegistry
+
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=2")
+    with ServerThread(cfg) as s:
+        reg, sw = DrafterRegistry(cfg.registry.dir), s.state.swapper
+        while sw.heldout_positions() < cfg.trainer.shadow_min_positions:
+            _traffic(s.url, 2, [], stream=False)
+        counts = []
+        for _ in range(5):
+            v = reg.publish_peft_adapter(_lora(sw.base), version_manifest())
+            wait_for(lambda v=v: sw.live_version == v, 30, what=f"v{v} promoted")
+            _traffic(s.url, 3, [], stream=False)  # served by v; its watch ends and it becomes the last good one
+            wait_for(lambda v=v: sw.good == v, 30, what=f"v{v} kept")
+            counts.append(_modules_of(type(sw.base)))
+        assert counts[-1][0] == counts[1][0] and counts[-1][1] <= counts[1][1] * 1.02, counts
