@@ -46,6 +46,7 @@ from dvi.rundir import RunDir
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
 CONCURRENCY = 4
 WINDOW = 16
+LOG_WIDTH = 132  # columns of the α table when stdout is not a terminal (rich would use 80)
 # The demo's trainer checks for a publish every 5 steps (the schema's default: 20) unless the config sets it.
 # Replayed offline on a demo run's own records (the live trainer's held-out rule, one training trajectory): the
 # drafter trained on sql passed the held-out check at step 45 with checks every 5 steps (served sql α̂ 0.158 ->
@@ -400,7 +401,8 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
 
     from .loading import ensure_pair
 
-    console = Console()
+    # A log file or pipe gets rich's 80 columns, which cut the table's gain column to "+0.0…": give it room.
+    console = Console() if sys.stdout.isatty() else Console(width=LOG_WIDTH)
     n = requests_per_phase or DEFAULT_REQUESTS.get(cfg.models.preset, 64)
     rundir = RunDir((Path(cfg.run_dir).parent / time.strftime("demo-%Y%m%d-%H%M%S")).resolve())
     (rundir.root / "targets").mkdir(parents=True, exist_ok=True)

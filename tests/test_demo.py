@@ -111,7 +111,7 @@ def test_replay_scores_each_window_through_the_frozen_and_the_serving_drafter_on
     assert third["replay_records"] == 1 and third["frozen_alpha"] == shadow_alpha(v0_fn, recs[4:5]).alpha
 
 
-def test_demo_end_to_end_on_the_test_pair_replays_every_response(tiny_pair_dir, tmp_path):
+def test_demo_end_to_end_on_the_test_pair_replays_every_response(tiny_pair_dir, tmp_path, capsys):
     """`run_demo` through a real `dvi serve` + trainer: every window's responses are found in the feedback log
     by their `dvi` block's request id and replayed; windows served by v0 show a gain of exactly 0 (the old
     reference, prompts decoded apart with their own K choices, read +0.07..+0.11 on code before any training)."""
@@ -130,6 +130,9 @@ def test_demo_end_to_end_on_the_test_pair_replays_every_response(tiny_pair_dir, 
         if r["drafter_version"] == 0:
             assert r["gain"] == 0.0
     assert (run / "alpha.png").stat().st_size > 1000
+    # printed to a pipe (make demo | tee, CI logs) the table keeps its numbers whole: 80 columns cut gain to "+0.0…"
+    printed = capsys.readouterr().out
+    assert "+0.000" in printed and "…" not in printed.split("α timeline")[-1].split("α live")[0]
 
 
 def test_every_demo_and_soak_domain_gets_its_own_metrics_series():
