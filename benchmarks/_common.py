@@ -21,6 +21,13 @@ def goal_line(g: dict) -> str:
     return f"  [{'met' if g['met'] else 'NOT met'}] {g['name']}: {v} (target {'>=' if g['higher_is_better'] else '<='} {g['target']})"
 
 
+def print_goals(goals: list[dict]) -> None:
+    """The goal list every benchmark ends with."""
+    print("\ngoals:")
+    for g in goals:
+        print(goal_line(g))
+
+
 def clean_json(x: Any) -> Any:
     """JSON-safe copy: NaN/inf -> None, recursively."""
     if isinstance(x, float):

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import goal, goal_line
+from benchmarks._common import goal, print_goals
 from dvi.decode.adaptive import batch_bucket, expected_tokens
 from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
 from dvi.decode.results import acceptance_rate, fmt_rate, mean_accepted_length
@@ -481,9 +481,7 @@ def main(argv=None) -> int:
             f"{(f'{pld_hf:6.2f}' if pld_hf else '     -')} {(f'{xpld:5.2f}' if xpld else '    -')} {(f'{ps:5.2f}' if ps else '    -')} {(f'{mp:5.2f}' if mp else '    -')} "
             f"{_share(r.get('dvi_same_text_as_off'))} {_share(r.get('hf_prompt_lookup_same_text_as_hf'))}  {pp}"
         )
-    print("\ngoals:")
-    for g in goals:
-        print(goal_line(g))
+    print_goals(goals)
     print(f"\nwrote {path} ({out['runtime_s']:.0f} s)")
     return 0
 

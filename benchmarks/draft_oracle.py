@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import clean_json, goal, goal_line  # noqa: E402
+from benchmarks._common import clean_json, goal, print_goals  # noqa: E402
 from benchmarks.decode import _hf_config, prompt_source  # noqa: E402
 
 WIDTHS = (0, 1, 2, 4, 8, 12, 16, 24, 32)
@@ -211,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
            "goals": goals, "wall_s": time.perf_counter() - t0}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(clean_json(out), indent=1, default=str))
-    print("\ngoals:")
-    for g in goals:
-        print(goal_line(g))
+    print_goals(goals)
     print(f"wrote {args.json} ({out['wall_s']:.0f}s)")
     return 0
 

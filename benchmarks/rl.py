@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import clean_json, goal, goal_line
+from benchmarks._common import clean_json, goal, print_goals
 from dvi.decode.results import fmt_rate, pooled_rates
 from trainers.rl import ARMS
 
@@ -267,9 +267,7 @@ def _print_table(pooled: dict[str, dict], goals: list[dict]) -> None:
               f"{f(s['speculated_share']):>6} {f(s['alpha_all']):>7} {f(s['alpha_late']):>7} {s['mean_reward']:>7.3f} "
               f"{s['reward_first5']:>7.3f} {s['reward_last5']:>7.3f} {s['update_s_total']:>9.1f} "
               f"{s['drafter_s_total']:>9.1f}")
-    print("\ngoals:")
-    for g in goals:
-        print(goal_line(g))
+    print_goals(goals)
 
 
 def main(argv: list[str] | None = None) -> int:

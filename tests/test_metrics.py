@@ -218,21 +218,3 @@ def test_drafter_version_is_a_gauge():
     for v in (3, 4):
         m.set_versions(drafter_version=v)
     assert sample(reg, M.DRAFTER_VERSION) == 4
-
-
-def test_alpha_plot_draws_the_frozen_reference_per_domain(tmp_path, monkeypatch):
-    """The demo's PNG shows the frozen drafter's α beside the live curve: one dotted line per domain."""
-    import matplotlib.axes
-
-    from dvi.metrics import plot_alpha
-
-    with M.MetricsLogger(tmp_path, wandb_mode="disabled") as lg:
-        for i in range(4):
-            lg.log({M.ACCEPTANCE_RATE: 0.3 + i / 20}, step=i, domain="sql" if i % 2 else "code", drafter_version=1)
-    lines = []
-    real = matplotlib.axes.Axes.axhline
-    monkeypatch.setattr(matplotlib.axes.Axes, "axhline",
-                        lambda self, y, **kw: lines.append((y, kw.get("label"))) or real(self, y, **kw))
-    plot_alpha(tmp_path / "metrics.jsonl", tmp_path / "a.png", reference={"code": 0.25, "sql": 0.1, "chat": None})
-    assert sorted(lines) == [(0.1, "sql (frozen)"), (0.25, "code (frozen)")]
-    assert (tmp_path / "a.png").stat().st_size > 1000

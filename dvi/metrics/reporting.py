@@ -30,11 +30,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
-def plot_alpha(jsonl_path: str | os.PathLike, out_png: str | os.PathLike, step_label: str = "step",
-               reference: dict[str, float | None] | None = None, reference_label: str = "frozen") -> Path:
+def plot_alpha(jsonl_path: str | os.PathLike, out_png: str | os.PathLike, step_label: str = "step") -> Path:
     """α per domain over steps (or time), with a vertical line wherever the drafter version changes;
-    `step_label` names what a row's `step` counts (trainer steps, requests served, ...). `reference`: a
-    flat α per domain (the frozen drafter's) drawn dotted in the domain's colour, so a gain reads at a glance."""
+    `step_label` names what a row's `step` counts (trainer steps, requests served, ...)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,14 +50,8 @@ def plot_alpha(jsonl_path: str | os.PathLike, out_png: str | os.PathLike, step_l
     by_domain: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         by_domain.setdefault(r.get("domain") or "all", []).append((x_of(r), r[ACCEPTANCE_RATE]))
-    colours = {}
     for dom, pts in sorted(by_domain.items()):
-        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=dom)
-        colours[dom] = line.get_color()
-    for dom, a in sorted((reference or {}).items()):
-        if a is not None:
-            ax.axhline(a, color=colours.get(dom, "black"), linestyle=":", linewidth=1.2,
-                       label=f"{dom} ({reference_label})")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=dom)
     prev = None
     for r in rows:
         v = r.get("drafter_version")
@@ -72,8 +64,7 @@ def plot_alpha(jsonl_path: str | os.PathLike, out_png: str | os.PathLike, step_l
     ax.set_ylim(0, 1.02)
     ax.set_xlabel(step_label if use_step else "seconds")
     ax.set_ylabel("acceptance rate α")
-    ax.set_title("α by domain (dashed: drafter version change" + (f"; dotted: {reference_label} drafter)"
-                                                                  if reference else ")"))
+    ax.set_title("α by domain (dashed: drafter version change)")
     if by_domain:
         ax.legend(loc="lower right")
     else:
