@@ -223,8 +223,8 @@ def batched(target, drafter, ps: list[list[int]], n: int, k: int) -> dict | None
     """One ragged batch with speculation, default vs `models.exact_greedy`: requests equal to their plain
     decode, first divergences, seconds."""
     try:
-        from dvi.decode.forward import plain_greedy
         from dvi.decode.numerics import set_exact_greedy
+        from dvi.decode.target import plain_greedy
     except ImportError:
         return None
     from dvi.decode.engine import SpeculativeEngine

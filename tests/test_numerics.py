@@ -15,10 +15,11 @@ from tiny_models import tiny_llama
 
 import dvi.decode.engine
 from dvi.decode.engine import SpeculativeEngine
-from dvi.decode.forward import model_forward, plain_greedy
+from dvi.decode.forward import model_forward
 from dvi.decode.kv import prefill
 from dvi.decode.numerics import set_exact_greedy
 from dvi.decode.sampling import first_divergence, tie_bound
+from dvi.decode.target import plain_greedy
 
 BF16 = torch.bfloat16
 NEW = 24
@@ -110,12 +111,16 @@ def test_tie_bound_scales_with_dtype_and_magnitude():
     assert tie_bound(20.0, torch.float32) < 1e-3 < tie_bound(20.0, BF16)
 
 
-def test_plain_decode_equals_hf_generate_bf16():
-    """The engine's plain decode is HF `generate` of the same weights in bf16 (same prefill kernel)."""
+def test_plain_decode_parts_from_hf_generate_only_at_near_ties_bf16():
+    """HF `generate` scores the prompt's last token inside its prefill and attends over exact column counts;
+    the engine's plain decode steps it and attends over bucketed ones (`dvi.decode.lean.Attention`). In bf16
+    the two may part, and only where the target's top-2 logits are within bf16 rounding (`tie_bound`)."""
     target = bf16_target(seed=2)
     for p in prompts(6, seed=3):
-        ref = target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
-        assert plain_greedy(target, p, NEW)[0] == ref[0, len(p):].tolist()
+        hf = target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+        ref, logits = plain_greedy(target, p, NEW)
+        d = first_divergence(ref, hf[0, len(p):].tolist(), logits, BF16)
+        assert d is None or d["near_tie"], d
 
 
 def exact_case(target, drafter, ks=(2, 5), n_prompts: int = 5) -> list[dict]:

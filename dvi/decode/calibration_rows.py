@@ -6,7 +6,6 @@ Kept apart from `dvi.decode.engine`, whose job is serving real rows; this module
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +19,11 @@ __all__ = ["CalibrationSetup", "DummyRows", "calibrate_bucket"]
 
 @dataclass(frozen=True)
 class CalibrationSetup:
-    """What the dummy rows time, handed over by the engine: its target's forwards (`verify_fn` returns
-    (logits, features) when the drafter reads features), its learned drafter (None: suffix drafts cost no
+    """What the dummy rows time, handed over by the engine: its target (verifies return (logits, features) when
+    the drafter reads features), its learned drafter (None: suffix drafts cost no
     model pass) and the limits K is chosen under."""
 
-    target_config: Any
-    target_fn: Callable
-    verify_fn: Callable
+    target: Any  # the engine's `dvi.decode.target.TargetRunner` (rows get a scratch runner over its weights)
     verify_features: bool
     drafter: Any
     device: torch.device
@@ -55,7 +52,8 @@ class DummyRows:
         self.g = torch.Generator().manual_seed(0)
         self.rows = torch.randint(0, setup.vocab_size, (b, context), generator=self.g).tolist()
         self.sync = torch.cuda.synchronize if setup.device.type == "cuda" else (lambda: None)
-        self.tkv = prefill(setup.target_config, setup.target_fn, self.rows, setup.device, setup.dtype)
+        self.tkv = setup.target.scratch()
+        self.tkv.admit(self.rows, False)
         self.dkv: RaggedKV | None = None
         self.zeros = torch.zeros(b, dtype=torch.long, device=setup.device)
 
@@ -77,13 +75,12 @@ class DummyRows:
 
     def verify(self, k: int):
         ids = self._ids(k + 1)  # [b, K + 1]
-        fn = self.setup.verify_fn
         if self.setup.verify_features:  # the verify an eagle drafter needs also returns the target's features
-            return lambda: self.tkv.forward(fn, ids)[0].argmax(-1).tolist()
-        return lambda: self.tkv.forward(fn, ids).argmax(-1).tolist()
+            return lambda: self.tkv.forward(ids, True)[0].argmax(-1).tolist()
+        return lambda: self.tkv.forward(ids, False).argmax(-1).tolist()
 
     def undo_verify(self, k: int) -> None:
-        self.tkv.rollback(k + 1, self.zeros)
+        self.tkv.keep(k + 1, [0] * self.b)
 
     def draft(self, j: int):
         ids = self._ids(2 if j == 0 else 1)  # [b, 2] right after a verify (last draft + bonus), then [b, 1]

@@ -30,9 +30,7 @@ from torch import nn
 from dvi.decode.acceptance import AcceptanceTracker
 from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
 from dvi.decode.calibration_rows import CalibrationSetup, calibrate_bucket
-from dvi.decode.emit import append_tokens, count_drafts, emitted
-from dvi.decode.forward import model_forward
-from dvi.decode.kv import RaggedKV, prefill
+from dvi.decode.emit import Emitted, append_tokens, count_drafts, emitted
 from dvi.decode.request import (
     InvalidParam,
     Request,
@@ -52,6 +50,7 @@ from dvi.decode.sampling import (
     warp_probs,
 )
 from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
+from dvi.decode.target import TargetRunner, target_runner
 from dvi.drafters.learned import Drafter
 from dvi.drafters.proposers import Draft, NoProposer, Plan, Proposer, model_proposer
 from dvi.drafters.vocab import fit_vocab
@@ -76,7 +75,7 @@ class SpeculativeEngine:
     ):
         validate_engine_limits(num_draft_tokens, max_draft_tokens, feedback_top_k)
         self.target = target.eval()
-        self._tfn = model_forward(self.target)
+        self._target: TargetRunner = target_runner(self.target)
         p0 = next(self.target.parameters())
         self.device, self.dtype = p0.device, p0.dtype
         self.vocab_size = int(self.target.get_output_embeddings().weight.shape[0])
@@ -92,7 +91,6 @@ class SpeculativeEngine:
         self._waiting: list[Seq] = []
         self._seqs: list[Seq] = []
         self.proposer: Proposer = model_proposer(None, self.vocab_size, self.device)
-        self._tfn_f = None  # the target callable that also returns its features (eagle)
         self._set_drafter(drafter)
         self._plan = Plan()
         self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
@@ -105,7 +103,6 @@ class SpeculativeEngine:
         self.last_k = 0
         self.tokens_emitted = self.tokens_speculated = 0  # since construction (`_count_tokens`)
         self.suffix_step_seconds: list[float] = []  # the suffix tree's host work per step (drained by /metrics)
-        self._tkv = RaggedKV(self.target.config, 0, self.device, self.dtype)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         self._outbox: list[StepOutput] = []
         self._target_dirty = self._drafter_dirty = False
@@ -254,8 +251,6 @@ class SpeculativeEngine:
             raise ValueError(
                 f"drafter embeds {d.vocab_size} token ids but the target emits {self.vocab_size}: not the same tokenizer"
             )
-        if new.needs_features and self._tfn_f is None:
-            self._tfn_f = model_forward(self.target, with_features=True)
         rows = self._seqs + self._waiting
         if rows and new.needs_features and (new is not old or not had):
             self._target_dirty = True  # in-flight rows have no features for it: recompute them
@@ -268,9 +263,7 @@ class SpeculativeEngine:
 
     def _admit(self) -> None:
         new, self._waiting = self._waiting, []
-        ctx = [list(s.req.prompt_ids[:-1]) for s in new]
-        kv, feats = self._target_prefill(ctx)
-        self._tkv.merge(kv)
+        feats = self._target.admit([list(s.req.prompt_ids[:-1]) for s in new], self.proposer.needs_features)
         self.proposer.admit(new, feats)
         last = torch.tensor([int(s.req.prompt_ids[-1]) for s in new], dtype=torch.long, device=self.device)
         self._last = torch.cat([self._last, last])
@@ -281,7 +274,7 @@ class SpeculativeEngine:
         drop = set(rows)
         keep = [i for i in range(len(self._seqs)) if i not in drop]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self._tkv.select_rows(idx)
+        self._target.select_rows(keep)
         self.proposer.select_rows(keep, idx)
         self._last = self._last.index_select(0, idx)
         self._seqs = [self._seqs[i] for i in keep]
@@ -295,19 +288,9 @@ class SpeculativeEngine:
     def _close(self, s: Seq, reason: str) -> GenerationResult:
         return s.close(reason, Versions(self.target_version, self.drafter_version))
 
-    def _target_prefill(self, ctx: list[list[int]]) -> tuple[RaggedKV, list[torch.Tensor | None] | None]:
-        """The target's cache of `ctx` (one list per row) and, when the proposer reads them (eagle), each row's
-        features [len(ctx[i]), H]."""
-        if not self.proposer.needs_features:
-            return prefill(self.target.config, self._tfn, ctx, self.device, self.dtype), None
-        kv, out = prefill(self.target.config, self._tfn_f, ctx, self.device, self.dtype, return_output=True)
-        # [len(c), H] per row, left padding cut
-        feats = [out[1][i, out[1].shape[1] - len(c):] if out is not None and len(c) else None for i, c in enumerate(ctx)]
-        return kv, feats
-
     def _rebuild_target(self) -> None:
         self._target_dirty = False
-        self._tkv, feats = self._target_prefill([s.tokens()[:-1] for s in self._seqs])
+        feats = self._target.rebuild([s.tokens()[:-1] for s in self._seqs], self.proposer.needs_features)
         if feats is not None:
             self.proposer.set_features(feats)
 
@@ -329,16 +312,18 @@ class SpeculativeEngine:
         t_fwd = time.perf_counter()
         logits = fit_vocab(logits, self.vocab_size)  # [B, K + 1, V]
         n, nxt = self._accept(draft, self._p.transform(logits, draft and draft.ids), u)  # [B], [B]
-        self._roll_back(k, n)
-        outs, finished = self._emit(draft, logits, n, nxt, feats)
+        e = emitted(None if draft is None else draft.ids, n, nxt, logits, self._p.temp, self._p.all_t1,
+                    self.feedback_top_k)  # the step's one device -> host transfer
+        self._last = nxt
+        self._target.keep(k + 1, [x + 1 for x in e.n])  # [last, d_1..d_n] of the K + 1 new entries stay
+        outs, finished = self._emit(draft, e, feats)
         t2 = time.perf_counter()
         self._record_costs(b, k, k_model, t1 - t0, t2 - t1, t2 - t_fwd)
         n_new = sum(len(o.new_token_ids) for o in outs)
         self._count_tokens(k, n_new)
         if finished:
             self._remove_rows(finished)
-        # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
-        self._tkv.maybe_compact(0.3 if k else 0.1)
+        self._target.tidy(k > 0)
         self.proposer.maybe_compact()
         sec = self.proposer.step_seconds  # the suffix tree's host work this step, for /metrics (bounded)
         if sec is not None and len(self.suffix_step_seconds) < 4096:
@@ -410,8 +395,8 @@ class SpeculativeEngine:
         if draft is not None:
             ids = torch.cat([ids, draft.ids], 1)  # [B, K + 1]
         if self.proposer.needs_features:
-            return self._tkv.forward(self._tfn_f, ids)
-        return self._tkv.forward(self._tfn, ids), None
+            return self._target.forward(ids, True)
+        return self._target.forward(ids, False), None
 
     def _accept(self, draft: Draft | None, logits: torch.Tensor, u: torch.Tensor | None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -436,17 +421,9 @@ class SpeculativeEngine:
         nxt = sample_from(p[:, 0], u[:, 0])  # [B]
         return torch.zeros_like(nxt), nxt
 
-    def _roll_back(self, k: int, n: torch.Tensor) -> None:
-        """The target keeps [last, d_1..d_n] of its K + 1 new entries (the proposer rolls back its own in `observe`)."""
-        self._tkv.rollback(k + 1, n + 1)
-
-    def _emit(self, draft: Draft | None, logits: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
-              feats: torch.Tensor | None) -> tuple[list[StepOutput], list[int]]:
+    def _emit(self, draft: Draft | None, e: Emitted, feats: torch.Tensor | None) -> tuple[list[StepOutput], list[int]]:
         """Emitted tokens onto each row's result and acceptance estimate, and to the proposer; rows that hit a
         stop token or their budget are closed. Returns the outputs and the finished rows."""
-        e = emitted(None if draft is None else draft.ids, n, nxt, logits, self._p.temp, self._p.all_t1,
-                    self.feedback_top_k)
-        self._last = nxt
         outs: list[StepOutput] = []
         done: list[tuple[int, str]] = []
         news: list[list[int]] = []
@@ -493,8 +470,6 @@ class SpeculativeEngine:
                 self._calibrate(int(b), context, reps)
 
     def _calibrate(self, b: int, context: int = 128, reps: int = 3) -> None:
-        feats = self.proposer.needs_features
-        setup = CalibrationSetup(self.target.config, self._tfn, self._tfn_f if feats else self._tfn, feats, self.drafter,
-                                 self.device, self.dtype, self.vocab_size, self.max_context, self.k_cap,
-                                 self.max_draft_tokens)
+        setup = CalibrationSetup(self._target, self.proposer.needs_features, self.drafter, self.device, self.dtype,
+                                 self.vocab_size, self.max_context, self.k_cap, self.max_draft_tokens)
         self.controller.set_costs(b, *calibrate_bucket(setup, b, context, reps))

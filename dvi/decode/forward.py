@@ -1,6 +1,5 @@
-"""The engine's model callable (`model_forward`): how a target or a drafter runs one forward over a
-`dvi.decode.kv.RaggedKV`, and the target's plain greedy decoding through it (`plain_greedy`, the reference a
-speculative decode is judged against).
+"""The engine's model callable (`model_forward`): how a target or a drafter runs HF's modules over a
+`dvi.decode.kv.RaggedKV` (drafters, and targets `dvi.decode.lean` does not run).
 
 Its own module below the engine and the drafter kinds, which both call it; the attention it asks for row by
 row lives in `dvi.decode.numerics`.
@@ -8,10 +7,8 @@ row lives in `dvi.decode.numerics`.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from dvi.decode.kv import prefill
 from dvi.decode.numerics import ROWWISE_KWARG, is_exact_greedy, rowwise_mode
 from dvi.decode.numerics import install as install_rowwise
 
@@ -106,20 +103,3 @@ def model_forward(model: nn.Module, with_features: bool = False, width_invariant
     fn.explicit_mask = True
     fn.exact_rows = exact  # `dvi.decode.kv.prefill` then prefills rows one by one
     return fn
-
-
-@torch.inference_mode()
-def plain_greedy(target, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """The target's own greedy decoding as the engine serves it without speculation (prefill, then 1-token
-    steps through the same forward): n tokens and each step's logits [V] (fp32), the reference that
-    `dvi.decode.sampling.first_divergence` judges another decode against."""
-    fn = model_forward(target)
-    p0 = next(target.parameters())
-    kv = prefill(target.config, fn, [prompt[:-1]], p0.device, p0.dtype)
-    last, out, steps = prompt[-1], [], []
-    for _ in range(n):
-        logits = kv.forward(fn, torch.tensor([[last]], device=p0.device))[0, -1].float()
-        steps.append(logits)
-        last = int(logits.argmax())
-        out.append(last)
-    return out, steps

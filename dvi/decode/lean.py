@@ -1,0 +1,336 @@
+"""A Llama-family decoder's forward as plain tensor functions over a static per-slot KV cache.
+
+HF's module forward dispatches about 60 aten ops per layer per step (norms in five ops, RoPE through
+`rotate_half`, three projections, a cache that concatenates); on a GPU every op is a launch and on a CPU a few
+microseconds of host work, which for a small target is most of a step. Here a layer is about 27 ops: the
+q/k/v and gate/up projections are one matmul each (the HF modules' weights become views into the fused
+tensors, so in-place weight updates reach both), RoPE is applied to the whole fused q/k/v row at once (v rows
+pass through with cos 1 and sin 0, exactly), and one `index_put_` writes a step's keys and values.
+
+The cache (`SlotCache`) is one tensor per model, [layers, slots, capacity, 2, kv_heads, head_dim]: batch row
+i lives in slot i with its tokens at positions 0..length-1. A forward writes its q new entries at
+length..length+q-1; `SlotCache.advance` then keeps n of them, so a rejected draft is overwritten later: no
+holes, no validity masks, no compaction, and every shape depends only on (rows, q, capacity).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
+
+LEAN_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+"""Architectures `LeanModel` runs (a Llama decoder layer, optionally with q/k biases or per-head q/k norms)."""
+
+
+def lean_supported(model: nn.Module) -> str | None:
+    """None when `LeanModel(model)` can run it, else why not (the engine then uses HF's module forward)."""
+    cfg, base = model.config, getattr(model, "model", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in LEAN_TYPES:
+        return f"model_type {kind!r} is not one of {sorted(LEAN_TYPES)}"
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return "not a decoder with embed_tokens / rotary_emb / layers / norm"
+    if not hasattr(model, "lm_head"):
+        return "no lm_head"
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    window = getattr(cfg, "sliding_window", None)
+    if types != {"full_attention"} or (window and not getattr(cfg, "layer_types", None)):
+        return "sliding-window attention"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in ("dynamic", "longrope"):
+        return f"rope_type {rope!r} depends on the sequence length"
+    layer = base.layers[0]
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "unexpected decoder layer"
+    if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
+        return "unexpected MLP"
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        return f"activation {act!r} (silu expected)"
+    return None
+
+
+def _fuse(mods: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum(out), in] (and bias) for `mods`, whose own Parameters become views of it: an in-place
+    update of either (load_state_dict, an optimizer, `update_target_weights`) is seen by both."""
+    w = torch.cat([m.weight.detach() for m in mods])
+    off = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight.data = w[off : off + n]
+        off += n
+    if all(m.bias is None for m in mods):
+        return w, None
+    b = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(m.weight.shape[0]) for m in mods])
+    off = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        if m.bias is not None:
+            m.bias.data = b[off : off + n]
+        off += n
+    return w, b
+
+
+class _Layer:
+    """One decoder layer's tensors, fused."""
+
+    __slots__ = ("ln_in", "qkv", "qkv_bias", "o", "ln_post", "gate_up", "down", "q_norm", "k_norm")
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.ln_in = layer.input_layernorm.weight
+        self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = attn.o_proj.weight
+        self.ln_post = layer.post_attention_layernorm.weight
+        self.gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.down = mlp.down_proj.weight
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.q_norm = qn.weight if qn is not None else None
+        self.k_norm = kn.weight if kn is not None else None
+
+
+class SlotCache:
+    """Keys and values of up to `slots` rows: [layers, slots, capacity, 2, kv_heads, head_dim], zero-filled
+    (masked columns are multiplied by 0 in attention: garbage there must be finite). `lengths` (host ints) is
+    what each row holds; capacity and slots grow by doubling (`reserve`), which a captured graph never sees
+    because its caller reserves the maximum first."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 slots: int = 1, capacity: int = 256):
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.lengths: list[int] = []
+        self._alloc(max(1, slots), max(16, capacity))
+
+    @torch.inference_mode()
+    def _alloc(self, slots: int, capacity: int) -> None:
+        old = getattr(self, "kv", None)
+        self.kv = torch.zeros(self.layers, slots, capacity, 2, self.kv_heads, self.head_dim, dtype=self.dtype,
+                              device=self.device)
+        if old is not None and self.lengths:
+            b, n = len(self.lengths), max(self.lengths)
+            self.kv[:, :b, :n].copy_(old[:, :b, :n])
+        self.per_layer = self.kv.unbind(0)  # [slots, capacity, 2, kv_heads, head_dim] each, for index_put_
+
+    @property
+    def slots(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def reserve(self, rows: int, columns: int) -> None:
+        """Room for `rows` rows of `columns` positions (doubling)."""
+        if rows > self.slots or columns > self.capacity:
+            s, c = self.slots, self.capacity
+            while s < rows:
+                s *= 2
+            while c < columns:
+                c *= 2
+            self._alloc(s, c)
+
+    def views(self, rows: int, columns: int, first: int = 0) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Per layer, keys and values of slots first..first+rows-1, positions 0..columns-1, as SDPA wants them:
+        [rows, kv_heads, columns, head_dim] (strided views, no copy)."""
+        kv = self.kv[:, first : first + rows, :columns]
+        return kv.select(3, 0).transpose(2, 3).unbind(0), kv.select(3, 1).transpose(2, 3).unbind(0)
+
+    def add_rows(self, n: int) -> list[int]:
+        """n empty rows at the end of the batch; returns their slots."""
+        b = len(self.lengths)
+        self.reserve(b + n, 1)
+        self.lengths.extend([0] * n)
+        return list(range(b, b + n))
+
+    def advance(self, kept: list[int]) -> None:
+        """Row i keeps the first kept[i] entries its last forward wrote."""
+        self.lengths = [a + int(k) for a, k in zip(self.lengths, kept, strict=True)]
+
+    def truncate(self, lengths: list[int]) -> None:
+        self.lengths = [int(x) for x in lengths]
+
+    @torch.inference_mode()
+    def select_rows(self, keep: list[int]) -> None:
+        """Only rows `keep` stay, in that order, in slots 0..len(keep)-1 (moved rows are copied)."""
+        n = max((self.lengths[i] for i in keep), default=0)
+        if keep != list(range(len(keep))) and n > 0:
+            idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self.kv[:, : len(keep), :n] = self.kv[:, :, :n].index_select(1, idx)
+        self.lengths = [self.lengths[i] for i in keep]
+
+
+class LeanModel:
+    """The forward of a Llama-family causal LM (`lean_supported`) over a `SlotCache`, in ~27 aten ops a layer.
+
+    `forward(cache, ids, start)` scores ids [B, q] placed at positions start[b]..start[b]+q-1 of rows 0..B-1,
+    writing their keys and values; attention sees, for the query at position p, the row's columns 0..p. It
+    returns logits [B, q or keep, V] and, with `features`, the final normed hidden states [B, q, H]."""
+
+    def __init__(self, model: nn.Module):
+        why = lean_supported(model)
+        if why is not None:
+            raise ValueError(f"lean forward: {why}")
+        cfg, base = model.config, model.model
+        self.config = cfg
+        p0 = next(model.parameters())
+        self.device, self.dtype = p0.device, p0.dtype
+        self.layers = [_Layer(layer) for layer in base.layers[: cfg.num_hidden_layers]]
+        attn = base.layers[0].self_attn
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(attn, "head_dim", None) or cfg.hidden_size // self.heads)
+        self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        self.eps = float(cfg.rms_norm_eps)
+        self.hidden = int(cfg.hidden_size)
+        self.embed = base.embed_tokens.weight
+        self.norm = base.norm.weight
+        self.head = model.lm_head.weight
+        self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
+        self._rope_tables(base.rotary_emb)
+
+    def _rope_tables(self, rotary: nn.Module) -> None:
+        """cos and sign-folded sin for every position, exactly as HF's rotary embedding computes them (its own
+        module on all positions at once), so the lean forward rotates as HF's does."""
+        pos = torch.arange(self.max_position, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            cos, sin = rotary(probe, pos)
+        half = self.head_dim // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin)
+        self.cos = cos[0].contiguous()  # [P, D]
+        self.sin = (sin[0] * sign).contiguous()  # [P, D]: rotate_half(x) * sin == flip_halves(x) * (sign * sin)
+        self._ones = torch.ones(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+        self._zeros = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def new_cache(self, slots: int = 1, capacity: int = 256) -> SlotCache:
+        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, slots, capacity)
+
+    def _rope(self, pos: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [N, heads + 2 kv_heads, D] for positions `pos` [N]: q and k heads rotate, v heads pass."""
+        rot = self.heads + self.kv_heads
+        cos, sin = self.cos.index_select(0, pos).unsqueeze(1), self.sin.index_select(0, pos).unsqueeze(1)
+        cos = torch.cat([cos.expand(n, rot, self.head_dim), self._ones.expand(n, self.kv_heads, self.head_dim)], 1)
+        sin = torch.cat([sin.expand(n, rot, self.head_dim), self._zeros.expand(n, self.kv_heads, self.head_dim)], 1)
+        return cos, sin
+
+    def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
+                logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, q] at positions start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
+        logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`)."""
+        b, q = ids.shape
+        n = b * q
+        heads, kvh, d = self.heads, self.kv_heads, self.head_dim
+        pos = (start.view(b, 1) + torch.arange(q, device=self.device)).view(n)  # [N]
+        if b > 1:
+            slot = torch.arange(first_slot, first_slot + b, device=self.device).repeat_interleave(q)
+        else:
+            slot = torch.full_like(pos, first_slot)
+        cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n)
+        keys, values = cache.views(b, attn.columns, first_slot)
+        rows = max(n, attn.min_rows)  # matmuls see at least this many rows (`dvi.decode.invariance`)
+        x = F.embedding(ids.view(n), self.embed)  # [N, H]
+        if rows > n:
+            x = torch.cat([x, x.new_zeros(rows - n, self.hidden)])
+        for i, lw in enumerate(self.layers):
+            h = F.rms_norm(x, (self.hidden,), lw.ln_in, self.eps)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            if rows > n:
+                qkv = qkv[:n]
+            qkv = qkv.view(n, heads + 2 * kvh, d)
+            if lw.q_norm is not None:
+                qkv = torch.cat([F.rms_norm(qkv[:, :heads], (d,), lw.q_norm, self.eps),
+                                 F.rms_norm(qkv[:, heads : heads + kvh], (d,), lw.k_norm, self.eps),
+                                 qkv[:, heads + kvh :]], 1)
+            rot = qkv.view(n, heads + 2 * kvh, 2, d // 2).flip(2).view(n, heads + 2 * kvh, d)
+            qkv = qkv * cos + rot * sin
+            cache.per_layer[i].index_put_((slot, pos), qkv[:, heads:].view(n, 2, kvh, d))
+            o = attn.attend(qkv[:, :heads].view(b, q, heads, d).transpose(1, 2), keys[i], values[i], self.scale)
+            if rows > n:
+                o = torch.cat([o, o.new_zeros(rows - n, heads * d)])
+            x = x + F.linear(o, lw.o)
+            h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
+            gate, up = F.linear(h, lw.gate_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, lw.down)
+        if rows > n:  # the head too sees the padded rows
+            f = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
+            logits = F.linear(f, self.head)[:n].view(b, q, -1)
+            f = f[:n].view(b, q, self.hidden)
+            if logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
+            return (logits, f) if features else logits
+        x = x.view(b, q, self.hidden)
+        if logits_to_keep and not features:
+            x = x[:, -logits_to_keep:]
+        f = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
+        logits = F.linear(f[:, -logits_to_keep:] if logits_to_keep else f, self.head)
+        return (logits, f) if features else logits
+
+
+class Attention:
+    """How one forward attends; the same for every layer, so it is decided once per forward.
+
+    `single`: one SDPA call for all queries over the first `columns` positions with `mask` [B, 1, q, columns]
+    (None: all visible; `causal`: a prefill over an empty row). `folded` (`groups`): every query is its own
+    batch element with exactly `bucket_columns(p)` columns and the mask col <= p, so a query's arithmetic is
+    the same whatever else the forward scores: a verify row rounds like the 1-token step at its position
+    (SDPA's kernels round a query differently with the number of queries beside it, and with the number of
+    masked columns after its own)."""
+
+    __slots__ = ("columns", "mask", "causal", "groups", "min_rows")
+
+    def __init__(self, columns: int, mask: torch.Tensor | None = None, causal: bool = False,
+                 groups: list[tuple[int, int, int, int, torch.Tensor]] | None = None, min_rows: int = 1):
+        self.columns, self.mask, self.causal, self.groups, self.min_rows = columns, mask, causal, groups, min_rows
+
+    def attend(self, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """qh [B, heads, q, D] over keys / values [B, kv_heads, columns, D] -> [B * q, heads * D]."""
+        b, heads, q, d = qh.shape
+        gqa = heads != keys.shape[1]
+        if self.groups is None:
+            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self.mask, is_causal=self.causal,
+                                               scale=scale, enable_gqa=gqa)
+            return o.transpose(1, 2).reshape(b * q, heads * d)
+        outs = []
+        for row, j0, j1, length, mask in self.groups:  # queries j0..j1-1 of batch row `row`, `length` columns
+            n = j1 - j0
+            qf = qh[row : row + 1, :, j0:j1].transpose(0, 2)  # [n, heads, 1, D]
+            kf = keys[row : row + 1, :, :length].expand(n, -1, -1, -1)
+            vf = values[row : row + 1, :, :length].expand(n, -1, -1, -1)
+            outs.append(F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=gqa))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B * q, heads, 1, D], rows in (b, j) order
+        return o.view(b * q, heads * d)
+
+
+BUCKET = 64
+"""Folded attention gives a query at position p exactly `bucket_columns(p)` columns (multiples of this)."""
+
+
+def bucket_columns(p: int) -> int:
+    return (p // BUCKET + 1) * BUCKET
+
+
+def folded_groups(starts: list[int], q: int, columns: torch.Tensor, rows: list[int] | None = None,
+                  ) -> list[tuple[int, int, int, int, torch.Tensor]]:
+    """`Attention.groups` for queries at positions starts[b] + j (j < q) of batch rows `rows` (default all):
+    runs of a row's queries that share a column bucket, each with its [n, 1, 1, length] mask. `columns` is an
+    arange at least as long as the longest bucket."""
+    groups = []
+    for b in rows if rows is not None else range(len(starts)):
+        j = 0
+        while j < q:
+            length = bucket_columns(starts[b] + j)
+            j1 = min(q, length - starts[b])  # queries whose position stays below `length`
+            pos = torch.arange(starts[b] + j, starts[b] + j1, device=columns.device).view(-1, 1)
+            groups.append((b, j, j1, length, (columns[:length].view(1, -1) <= pos).view(j1 - j, 1, 1, length)))
+            j = j1
+    return groups

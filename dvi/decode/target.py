@@ -1,0 +1,221 @@
+"""The target's side of the engine: its KV cache and forward behind one small interface (`TargetRunner`).
+
+Two implementations: `LeanTarget` (Llama-family targets: `dvi.decode.lean`'s fused forward over a static
+per-slot cache; no holes, so a rejected draft costs nothing to undo) and `RaggedTarget` (any HF causal LM:
+its module forward over a `dvi.decode.kv.RaggedKV`). The engine keeps one of them and never looks inside.
+
+Between steps the target's cache holds every token of a row but the last emitted one (the engine's `_last`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from dvi.decode.forward import model_forward
+from dvi.decode.invariance import Invariance, probe
+from dvi.decode.kv import RaggedKV, prefill
+from dvi.decode.lean import Attention, LeanModel, bucket_columns, folded_groups, lean_supported
+from dvi.decode.numerics import is_exact_greedy
+
+__all__ = ["TargetRunner", "LeanTarget", "RaggedTarget", "target_runner", "plain_greedy"]
+
+Features = list[torch.Tensor | None] | None
+
+
+class TargetRunner(Protocol):
+    """What the engine asks of its target."""
+
+    batch_size: int
+
+    def admit(self, contexts: list[list[int]], features: bool) -> Features:
+        """Rows holding `contexts` join at the end of the batch; with `features`, each row's final normed hidden
+        states [len(context), H] (None for an empty context)."""
+
+    def forward(self, ids: torch.Tensor, features: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Score ids [B, q] after each row's cached tokens: logits [B, q, V] (and features [B, q, H])."""
+
+    def keep(self, q: int, kept: list[int]) -> None:
+        """After a forward of width q, row i keeps the first kept[i] of its q new entries."""
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Only rows `keep` stay, in that order."""
+
+    def rebuild(self, contexts: list[list[int]], features: bool) -> Features:
+        """Recompute every row's cache from its tokens (new weights)."""
+
+    def scratch(self) -> TargetRunner:
+        """An empty runner over the same weights with its own cache (cost calibration's dummy rows)."""
+
+    def tidy(self, speculating: bool) -> None:
+        """Between steps: reclaim what rejected drafts left (RaggedKV's holes); a no-op for slots."""
+
+
+class LeanTarget:
+    """A Llama-family target through `LeanModel` over a `SlotCache`.
+
+    `exact`: every row's verify rounds like its 1-token steps (folded attention, `dvi.decode.lean.Attention`,
+    and matmuls of at least `min_rows` rows, `dvi.decode.invariance`); one request at a time always does, a
+    batch of several rows only in the exact mode (else one SDPA call: parting from the lone plain decode at
+    near-ties only, `dvi.decode.sampling.tie_bound`)."""
+
+    def __init__(self, model: nn.Module | None = None, lean: LeanModel | None = None, exact: bool = False,
+                 min_rows: int = 1, invariance: Invariance | None = None):
+        self.lean = lean if lean is not None else LeanModel(model)
+        self.exact, self.min_rows, self.invariance = bool(exact), int(min_rows), invariance
+        self.cache = self.lean.new_cache()
+        self._cols = torch.arange(0)
+
+    @property
+    def batch_size(self) -> int:
+        return self.cache.batch_size
+
+    def _columns(self, n: int) -> torch.Tensor:
+        if self._cols.numel() < n:
+            self._cols = torch.arange(max(n, 2 * self._cols.numel()), device=self.lean.device)
+        return self._cols[:n]
+
+    def admit(self, contexts: list[list[int]], features: bool) -> Features:
+        feats: list[torch.Tensor | None] = []
+        zero = torch.zeros(1, dtype=torch.long, device=self.lean.device)
+        for ctx in contexts:
+            (slot,) = self.cache.add_rows(1)
+            n = len(ctx)
+            if n == 0:
+                feats.append(None)
+                continue
+            self.cache.reserve(slot + 1, n)
+            ids = torch.tensor([ctx], dtype=torch.long, device=self.lean.device)
+            # causal attention over the row's own columns, as HF's prefill of a prompt
+            out = self.lean.forward(self.cache, ids, zero, Attention(n, causal=n > 1), logits_to_keep=1,
+                                    features=features, first_slot=slot)
+            feats.append(out[1][0] if features else None)
+            self.cache.lengths[slot] = n
+        return feats if features else None
+
+    def attention(self, q: int) -> Attention:
+        """How the next forward of q positions per row attends (see the class doc)."""
+        starts, b = self.cache.lengths, self.cache.batch_size
+        if b == 1 or self.exact:
+            columns = max(bucket_columns(s + q - 1) for s in starts)
+            return Attention(columns, groups=folded_groups(starts, q, self._columns(columns)),
+                             min_rows=self.min_rows)
+        columns = max(starts) + q
+        start = torch.tensor(starts, dtype=torch.long, device=self.lean.device)
+        pos = start.view(b, 1, 1) + torch.arange(q, device=self.lean.device).view(1, q, 1)  # [B, q, 1]
+        return Attention(columns, mask=(self._columns(columns).view(1, 1, columns) <= pos).unsqueeze(1))
+
+    def forward(self, ids: torch.Tensor, features: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        b, q = ids.shape
+        attn = self.attention(q)
+        self.cache.reserve(b, attn.columns)
+        start = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.lean.device)
+        return self.lean.forward(self.cache, ids, start, attn, features=features)
+
+    def keep(self, q: int, kept: list[int]) -> None:
+        self.cache.advance(kept)
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.cache.select_rows(keep)
+
+    def rebuild(self, contexts: list[list[int]], features: bool) -> Features:
+        self.cache = self.lean.new_cache(max(1, len(contexts)), self.cache.capacity)
+        return self.admit(contexts, features)
+
+    def scratch(self) -> LeanTarget:
+        return LeanTarget(lean=self.lean, exact=self.exact, min_rows=self.min_rows, invariance=self.invariance)
+
+    def tidy(self, speculating: bool) -> None:
+        pass
+
+
+class RaggedTarget:
+    """Any HF causal LM through its module forward (`dvi.decode.forward.model_forward`) over a `RaggedKV`."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        p0 = next(model.parameters())
+        self.device, self.dtype = p0.device, p0.dtype
+        self.fn = model_forward(model)
+        self._fn_features = None
+        self.kv = RaggedKV(model.config, 0, self.device, self.dtype)
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv.batch_size
+
+    def _fn(self, features: bool):
+        if not features:
+            return self.fn
+        if self._fn_features is None:
+            self._fn_features = model_forward(self.model, with_features=True)
+        return self._fn_features
+
+    def _prefill(self, contexts: list[list[int]], features: bool) -> tuple[RaggedKV, Features]:
+        if not features:
+            return prefill(self.model.config, self.fn, contexts, self.device, self.dtype), None
+        kv, out = prefill(self.model.config, self._fn(True), contexts, self.device, self.dtype, return_output=True)
+        # [len(c), H] per row, left padding cut
+        feats = [out[1][i, out[1].shape[1] - len(c):] if out is not None and len(c) else None
+                 for i, c in enumerate(contexts)]
+        return kv, feats
+
+    def admit(self, contexts: list[list[int]], features: bool) -> Features:
+        kv, feats = self._prefill(contexts, features)
+        self.kv.merge(kv)
+        return feats
+
+    def forward(self, ids: torch.Tensor, features: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.kv.forward(self._fn(features), ids)
+
+    def keep(self, q: int, kept: list[int]) -> None:
+        self.kv.rollback(q, torch.tensor(kept, dtype=torch.long, device=self.device))
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.kv.select_rows(torch.tensor(keep, dtype=torch.long, device=self.device))
+
+    def rebuild(self, contexts: list[list[int]], features: bool) -> Features:
+        self.kv, feats = self._prefill(contexts, features)
+        return feats
+
+    def scratch(self) -> RaggedTarget:
+        other = RaggedTarget.__new__(RaggedTarget)
+        other.model, other.device, other.dtype = self.model, self.device, self.dtype
+        other.fn, other._fn_features = self.fn, self._fn_features
+        other.kv = RaggedKV(self.model.config, 0, self.device, self.dtype)
+        return other
+
+    def tidy(self, speculating: bool) -> None:
+        # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
+        self.kv.maybe_compact(0.3 if speculating else 0.1)
+
+
+def target_runner(model: nn.Module, lean: bool = True, max_width: int = 17) -> TargetRunner:
+    """`LeanTarget` where the architecture allows (and `lean`), else `RaggedTarget`. A lean target pads its
+    matmuls to the row floor `dvi.decode.invariance.probe` measured for verifies up to `max_width` positions,
+    and with `dvi.decode.numerics.set_exact_greedy` keeps every row of a batch bit-equal to its plain decode."""
+    if lean and lean_supported(model) is None:
+        lm = LeanModel(model)
+        inv = probe(lm, max_width)
+        return LeanTarget(lean=lm, exact=is_exact_greedy(model), min_rows=inv.min_rows or 1, invariance=inv)
+    return RaggedTarget(model)
+
+
+@torch.inference_mode()
+def plain_greedy(target: nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The target's own greedy decoding as the engine serves it without speculation (its runner: prefill of the
+    prompt but its last token, then 1-token steps): n tokens and each step's logits [V] (fp32), the reference
+    `dvi.decode.sampling.first_divergence` judges another decode against."""
+    run = target_runner(target)
+    dev = next(target.parameters()).device
+    run.admit([list(prompt[:-1])], False)
+    last, out, steps = prompt[-1], [], []
+    for _ in range(n):
+        logits = run.forward(torch.tensor([[last]], device=dev), False)[0, -1].float()
+        run.keep(1, [1])
+        steps.append(logits)
+        last = int(logits.argmax())
+        out.append(last)
+    return out, steps
