@@ -42,10 +42,11 @@ def ensure_pair(cfg: DviConfig) -> None:
     m = cfg.models
     if m.target is not None:
         return
-    preset, kind = m.preset, m.drafter_kind
-    # a kind beside `separate` is built on demand for a pretrained pair when no drafter dir is configured
-    want = kind if kind != "separate" and m.drafter is None and isinstance(get_preset(preset), PretrainedPreset) \
-        else "separate"
+    preset, learned = m.preset, m.learned_kind  # `suffix`: no learned drafter; `hybrid`: its `hybrid_kind`
+    # a learned kind beside `separate` is built on demand for a pretrained pair when no drafter dir is configured;
+    # the pair itself (target, tokenizer, `separate`) is what every kind, `suffix` included, needs first
+    want = learned if learned not in (None, "separate") and m.drafter is None \
+        and isinstance(get_preset(preset), PretrainedPreset) else "separate"
     if is_built(embedded_dir(preset), preset) and want in built_kinds(embedded_dir(preset)):
         return
     cmd = [sys.executable, "-m", "dvi.cli", "bootstrap", "--preset", preset, "--kinds", want]

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from dvi.decode.adaptive import Calibrated, calibrate
-from dvi.decode.kv import RaggedKV, prefill
+from dvi.decode.kv import prefill
+from dvi.drafters.draft_cache import DraftCache, RaggedDraftCache, draft_cache
 
 __all__ = ["CalibrationSetup", "DummyRows", "calibrate_bucket"]
 
@@ -54,7 +55,7 @@ class DummyRows:
         self.sync = torch.cuda.synchronize if setup.device.type == "cuda" else (lambda: None)
         self.tkv = setup.target.scratch()
         self.tkv.admit(self.rows, False)
-        self.dkv: RaggedKV | None = None
+        self.dkv: DraftCache | None = None
         self.zeros = torch.zeros(b, dtype=torch.long, device=setup.device)
 
     def _ids(self, n: int) -> torch.Tensor:
@@ -71,7 +72,12 @@ class DummyRows:
         d = self.setup.drafter
         if d is None:
             return
-        self.dkv = prefill(d.config, self._drafter_fn(len(self.rows[0])), self.rows, self.setup.device, d.dtype)
+        if getattr(d, "needs_features", False):  # eagle: its cache filled through the zero-feature callable
+            self.dkv = RaggedDraftCache(d)
+            self.dkv.kv = prefill(d.config, self._drafter_fn(len(self.rows[0])), self.rows, self.setup.device, d.dtype)
+        else:  # the same cache the drafter's proposer serves with
+            self.dkv = draft_cache(d)
+            self.dkv.rebuild(self.rows)
 
     def verify(self, k: int):
         ids = self._ids(k + 1)  # [b, K + 1]
@@ -86,14 +92,15 @@ class DummyRows:
         ids = self._ids(2 if j == 0 else 1)  # [b, 2] right after a verify (last draft + bonus), then [b, 1]
         if self.setup.drafter is None:
             return lambda: None
-        fn = self._drafter_fn(ids.shape[1])
+        fn = self._drafter_fn(ids.shape[1]) if getattr(self.setup.drafter, "needs_features", False) else None
+        rows = ids.tolist()
 
         def run():
-            out = self.dkv.forward(fn, ids, None, logits_to_keep=1)
-            return (out[0] if isinstance(out, tuple) else out)[:, -1].argmax(-1).tolist()
+            out = self.dkv.forward_rows(rows, fn) if j == 0 else self.dkv.forward(ids, fn)
+            return (out[0] if isinstance(out, tuple) else out).argmax(-1).tolist()
 
         return run
 
     def undo_drafts(self, n: int) -> None:
         if self.dkv is not None:
-            self.dkv.rollback(n, self.zeros)
+            self.dkv.keep(n, [0] * self.b)

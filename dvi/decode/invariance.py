@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dvi.decode.lean import Attention, LeanModel, bucket_columns, folded_groups
+from dvi.decode.lean import LeanModel
+from dvi.decode.lean_target import LeanTarget
 
 __all__ = ["FLOORS", "Invariance", "probe"]
 
@@ -72,18 +73,17 @@ def _rows_agree(lean: LeanModel, floor: int, widths: tuple[int, ...], context: i
     dev = lean.device
     vocab = int(lean.embed.shape[0])
     g = torch.Generator().manual_seed(seed)
-    ctx = torch.randint(0, vocab, (1, context), generator=g).to(dev)
+    ctx = torch.randint(0, vocab, (context,), generator=g).tolist()
     toks = torch.randint(0, vocab, (max(widths),), generator=g).tolist()
-    cache = lean.new_cache(1, bucket_columns(context + max(widths)))
-    cache.add_rows(1)
-    lean.forward(cache, ctx, torch.zeros(1, dtype=torch.long, device=dev), Attention(context, causal=True),
-                 logits_to_keep=1)
-    cols = torch.arange(cache.capacity, device=dev)
+    run = LeanTarget(lean=lean, exact=True, min_rows=floor)
+    run.admit([ctx], False)
 
-    def run(start: int, ids: list[int]) -> torch.Tensor:
-        attn = Attention(bucket_columns(start + len(ids) - 1), groups=folded_groups([start], len(ids), cols),
-                         min_rows=floor)
-        return lean.forward(cache, torch.tensor([ids], device=dev), torch.tensor([start], device=dev), attn)[0]
+    def verify(ids: list[int]) -> torch.Tensor:
+        run.cache.truncate([context])
+        return run.forward(torch.tensor([ids], device=dev), False)[0]
 
-    steps = [run(context + j, [t])[0] for j, t in enumerate(toks)]
-    return all(torch.equal(run(context, toks[:w])[j], steps[j]) for w in widths for j in range(w))
+    steps = []
+    for t in toks:
+        steps.append(run.forward(torch.tensor([[t]], device=dev), False)[0, 0])
+        run.keep(1, [1])
+    return all(torch.equal(verify(toks[:w])[j], steps[j]) for w in widths for j in range(w))

@@ -48,6 +48,10 @@ def lean_supported(model: nn.Module) -> str | None:
         return "unexpected decoder layer"
     if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
         return "unexpected MLP"
+    if any(type(m) is not nn.Linear for layer in base.layers for m in (
+            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)):
+        return "projections that are not plain nn.Linear (LoRA adapters not merged?)"
     act = getattr(cfg, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         return f"activation {act!r} (silu expected)"
@@ -193,40 +197,47 @@ class LeanModel:
         self.hidden = int(cfg.hidden_size)
         self.embed = base.embed_tokens.weight
         self.norm = base.norm.weight
-        self.head = model.lm_head.weight
+        head = model.lm_head
+        self.head = head.weight
+        # a plain Linear runs as F.linear; anything else (a reduced draft vocabulary's SubsetHead) as itself
+        self.head_module = None if type(head) is nn.Linear and head.bias is None else head
         self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
-        self._rope_tables(base.rotary_emb)
+        self.rotary = base.rotary_emb
+        self.cos = self.sin = torch.zeros(0, (self.heads + 2 * self.kv_heads) * self.head_dim)
+        self._rope_tables(256)
 
-    def _rope_tables(self, rotary: nn.Module) -> None:
-        """cos and sign-folded sin for every position, exactly as HF's rotary embedding computes them (its own
-        module on all positions at once), so the lean forward rotates as HF's does."""
-        pos = torch.arange(self.max_position, device=self.device).unsqueeze(0)
+    @torch.inference_mode()
+    def _rope_tables(self, positions: int) -> None:
+        """Per position, cos and sign-folded sin for the whole fused q/k/v row [P, (heads + 2 kv_heads) * D]
+        (q and k heads rotate, v heads get cos 1 and sin 0), exactly as HF's rotary embedding computes them (its
+        own module, on all positions at once); grown by doubling as contexts get longer."""
+        positions = min(max(positions, 2 * self.cos.shape[0]), self.max_position)
+        pos = torch.arange(positions, device=self.device).unsqueeze(0)
         probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            cos, sin = rotary(probe, pos)
-        half = self.head_dim // 2
-        sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin)
-        self.cos = cos[0].contiguous()  # [P, D]
-        self.sin = (sin[0] * sign).contiguous()  # [P, D]: rotate_half(x) * sin == flip_halves(x) * (sign * sin)
-        self._ones = torch.ones(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
-        self._zeros = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(probe, pos)  # [1, P, D]
+        half, d, rot = self.head_dim // 2, self.head_dim, self.heads + self.kv_heads
+        sign = torch.cat([-torch.ones(half), torch.ones(d - half)]).to(sin)
+        sin = sin[0] * sign  # rotate_half(x) * sin == flip_halves(x) * (sign * sin), exactly
+        ones, zeros = torch.ones_like(sin), torch.zeros_like(sin)
+        self.cos = torch.cat([cos[0].repeat(1, rot), ones.repeat(1, self.kv_heads)], 1).contiguous()
+        self.sin = torch.cat([sin.repeat(1, rot), zeros.repeat(1, self.kv_heads)], 1).contiguous()
 
     def new_cache(self, slots: int = 1, capacity: int = 256) -> SlotCache:
         return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, slots, capacity)
 
-    def _rope(self, pos: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin [N, heads + 2 kv_heads, D] for positions `pos` [N]: q and k heads rotate, v heads pass."""
-        rot = self.heads + self.kv_heads
-        cos, sin = self.cos.index_select(0, pos).unsqueeze(1), self.sin.index_select(0, pos).unsqueeze(1)
-        cos = torch.cat([cos.expand(n, rot, self.head_dim), self._ones.expand(n, self.kv_heads, self.head_dim)], 1)
-        sin = torch.cat([sin.expand(n, rot, self.head_dim), self._zeros.expand(n, self.kv_heads, self.head_dim)], 1)
-        return cos, sin
+    def _rope(self, pos: torch.Tensor, n: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [N, heads + 2 kv_heads, 2, D / 2] for positions `pos` [N] (`last`: the largest)."""
+        if last >= self.cos.shape[0]:
+            self._rope_tables(last + 1)
+        shape = (n, self.heads + 2 * self.kv_heads, 2, self.head_dim // 2)
+        return self.cos.index_select(0, pos).view(shape), self.sin.index_select(0, pos).view(shape)
 
     def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
                 logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                pick: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids [B, q] at positions start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
-        logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`)."""
+        logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
+        with `pick` [B] only row b's position pick[b]: logits [B, V]."""
         b, q = ids.shape
         n = b * q
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
@@ -235,45 +246,35 @@ class LeanModel:
             slot = torch.arange(first_slot, first_slot + b, device=self.device).repeat_interleave(q)
         else:
             slot = torch.full_like(pos, first_slot)
-        cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n)
+        cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, attn.columns)
         keys, values = cache.views(b, attn.columns, first_slot)
-        rows = max(n, attn.min_rows)  # matmuls see at least this many rows (`dvi.decode.invariance`)
         x = F.embedding(ids.view(n), self.embed)  # [N, H]
-        if rows > n:
-            x = torch.cat([x, x.new_zeros(rows - n, self.hidden)])
         for i, lw in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden,), lw.ln_in, self.eps)
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
-            if rows > n:
-                qkv = qkv[:n]
-            qkv = qkv.view(n, heads + 2 * kvh, d)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias).view(n, heads + 2 * kvh, 2, d // 2)
             if lw.q_norm is not None:
-                qkv = torch.cat([F.rms_norm(qkv[:, :heads], (d,), lw.q_norm, self.eps),
-                                 F.rms_norm(qkv[:, heads : heads + kvh], (d,), lw.k_norm, self.eps),
-                                 qkv[:, heads + kvh :]], 1)
-            rot = qkv.view(n, heads + 2 * kvh, 2, d // 2).flip(2).view(n, heads + 2 * kvh, d)
-            qkv = qkv * cos + rot * sin
+                qkv = torch.cat([F.rms_norm(qkv[:, :heads].reshape(n, heads, d), (d,), lw.q_norm, self.eps),
+                                 F.rms_norm(qkv[:, heads : heads + kvh].reshape(n, kvh, d), (d,), lw.k_norm, self.eps),
+                                 qkv[:, heads + kvh :].reshape(n, kvh, d)], 1).view(n, heads + 2 * kvh, 2, d // 2)
+            qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, pos), qkv[:, heads:].view(n, 2, kvh, d))
-            o = attn.attend(qkv[:, :heads].view(b, q, heads, d).transpose(1, 2), keys[i], values[i], self.scale)
-            if rows > n:
-                o = torch.cat([o, o.new_zeros(rows - n, heads * d)])
+            o = attn.attend(qkv[:, :heads], b, keys[i], values[i], self.scale)
             x = x + F.linear(o, lw.o)
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
             gate, up = F.linear(h, lw.gate_up).chunk(2, -1)
             x = x + F.linear(F.silu(gate) * up, lw.down)
-        if rows > n:  # the head too sees the padded rows
-            f = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
-            logits = F.linear(f, self.head)[:n].view(b, q, -1)
-            f = f[:n].view(b, q, self.hidden)
-            if logits_to_keep:
-                logits = logits[:, -logits_to_keep:]
-            return (logits, f) if features else logits
         x = x.view(b, q, self.hidden)
+        if pick is not None:
+            x = x.view(n, self.hidden).index_select(0, pick + torch.arange(0, n, q, device=self.device))
+            return self._logits(F.rms_norm(x, (self.hidden,), self.norm, self.eps))
         if logits_to_keep and not features:
             x = x[:, -logits_to_keep:]
         f = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
-        logits = F.linear(f[:, -logits_to_keep:] if logits_to_keep else f, self.head)
-        return (logits, f) if features else logits
+        return (self._logits(f[:, -logits_to_keep:] if logits_to_keep else f), f) if features else \
+            self._logits(f[:, -logits_to_keep:] if logits_to_keep else f)
+
+    def _logits(self, f: torch.Tensor) -> torch.Tensor:
+        return F.linear(f, self.head) if self.head_module is None else self.head_module(f)
 
 
 class Attention:
@@ -286,29 +287,38 @@ class Attention:
     (SDPA's kernels round a query differently with the number of queries beside it, and with the number of
     masked columns after its own)."""
 
-    __slots__ = ("columns", "mask", "causal", "groups", "min_rows")
+    __slots__ = ("columns", "mask", "causal", "groups")
 
     def __init__(self, columns: int, mask: torch.Tensor | None = None, causal: bool = False,
-                 groups: list[tuple[int, int, int, int, torch.Tensor]] | None = None, min_rows: int = 1):
-        self.columns, self.mask, self.causal, self.groups, self.min_rows = columns, mask, causal, groups, min_rows
+                 groups: list[tuple[int, int, int, int, torch.Tensor]] | None = None):
+        self.columns, self.mask, self.causal, self.groups = columns, mask, causal, groups
 
-    def attend(self, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        """qh [B, heads, q, D] over keys / values [B, kv_heads, columns, D] -> [B * q, heads * D]."""
-        b, heads, q, d = qh.shape
+    def attend(self, qrows: torch.Tensor, b: int, keys: torch.Tensor, values: torch.Tensor, scale: float,
+               ) -> torch.Tensor:
+        """Queries qrows [B * q, heads, ...] (rows in (b, j) order, head_dim elements each) over keys / values
+        [B, kv_heads, columns, D] -> [B * q, heads * D]."""
+        n, heads = qrows.shape[0], qrows.shape[1]
+        q, d = n // b, keys.shape[3]
         gqa = heads != keys.shape[1]
         if self.groups is None:
+            qh = qrows.view(b, q, heads, d).transpose(1, 2)  # [B, heads, q, D]
             o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self.mask, is_causal=self.causal,
                                                scale=scale, enable_gqa=gqa)
-            return o.transpose(1, 2).reshape(b * q, heads * d)
+            return o.transpose(1, 2).reshape(n, heads * d)
+        qf = qrows.view(n, heads, 1, d)  # every query its own batch element
+        if b == 1 and len(self.groups) == 1:  # one row, one bucket: no slicing (every step of one request)
+            mask = self.groups[0][4]
+            kf, vf = (keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1)) if n > 1 else (keys, values)
+            o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            return o.view(n, heads * d)
         outs = []
         for row, j0, j1, length, mask in self.groups:  # queries j0..j1-1 of batch row `row`, `length` columns
-            n = j1 - j0
-            qf = qh[row : row + 1, :, j0:j1].transpose(0, 2)  # [n, heads, 1, D]
-            kf = keys[row : row + 1, :, :length].expand(n, -1, -1, -1)
-            vf = values[row : row + 1, :, :length].expand(n, -1, -1, -1)
-            outs.append(F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=gqa))
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B * q, heads, 1, D], rows in (b, j) order
-        return o.view(b * q, heads * d)
+            m = j1 - j0
+            kf = keys[row : row + 1, :, :length].expand(m, -1, -1, -1)
+            vf = values[row : row + 1, :, :length].expand(m, -1, -1, -1)
+            outs.append(F.scaled_dot_product_attention(qf[row * q + j0 : row * q + j1], kf, vf, attn_mask=mask,
+                                                       scale=scale, enable_gqa=gqa))
+        return torch.cat(outs).view(n, heads * d)
 
 
 BUCKET = 64

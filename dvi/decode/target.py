@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from dvi.decode.forward import model_forward
-from dvi.decode.invariance import Invariance, probe
+from dvi.decode.invariance import probe
 from dvi.decode.kv import RaggedKV, prefill
-from dvi.decode.lean import Attention, LeanModel, bucket_columns, folded_groups, lean_supported
+from dvi.decode.lean import LeanModel, lean_supported
+from dvi.decode.lean_target import LeanTarget
 from dvi.decode.numerics import is_exact_greedy
 
 __all__ = ["TargetRunner", "LeanTarget", "RaggedTarget", "target_runner", "plain_greedy"]
@@ -51,84 +52,6 @@ class TargetRunner(Protocol):
 
     def tidy(self, speculating: bool) -> None:
         """Between steps: reclaim what rejected drafts left (RaggedKV's holes); a no-op for slots."""
-
-
-class LeanTarget:
-    """A Llama-family target through `LeanModel` over a `SlotCache`.
-
-    `exact`: every row's verify rounds like its 1-token steps (folded attention, `dvi.decode.lean.Attention`,
-    and matmuls of at least `min_rows` rows, `dvi.decode.invariance`); one request at a time always does, a
-    batch of several rows only in the exact mode (else one SDPA call: parting from the lone plain decode at
-    near-ties only, `dvi.decode.sampling.tie_bound`)."""
-
-    def __init__(self, model: nn.Module | None = None, lean: LeanModel | None = None, exact: bool = False,
-                 min_rows: int = 1, invariance: Invariance | None = None):
-        self.lean = lean if lean is not None else LeanModel(model)
-        self.exact, self.min_rows, self.invariance = bool(exact), int(min_rows), invariance
-        self.cache = self.lean.new_cache()
-        self._cols = torch.arange(0)
-
-    @property
-    def batch_size(self) -> int:
-        return self.cache.batch_size
-
-    def _columns(self, n: int) -> torch.Tensor:
-        if self._cols.numel() < n:
-            self._cols = torch.arange(max(n, 2 * self._cols.numel()), device=self.lean.device)
-        return self._cols[:n]
-
-    def admit(self, contexts: list[list[int]], features: bool) -> Features:
-        feats: list[torch.Tensor | None] = []
-        zero = torch.zeros(1, dtype=torch.long, device=self.lean.device)
-        for ctx in contexts:
-            (slot,) = self.cache.add_rows(1)
-            n = len(ctx)
-            if n == 0:
-                feats.append(None)
-                continue
-            self.cache.reserve(slot + 1, n)
-            ids = torch.tensor([ctx], dtype=torch.long, device=self.lean.device)
-            # causal attention over the row's own columns, as HF's prefill of a prompt
-            out = self.lean.forward(self.cache, ids, zero, Attention(n, causal=n > 1), logits_to_keep=1,
-                                    features=features, first_slot=slot)
-            feats.append(out[1][0] if features else None)
-            self.cache.lengths[slot] = n
-        return feats if features else None
-
-    def attention(self, q: int) -> Attention:
-        """How the next forward of q positions per row attends (see the class doc)."""
-        starts, b = self.cache.lengths, self.cache.batch_size
-        if b == 1 or self.exact:
-            columns = max(bucket_columns(s + q - 1) for s in starts)
-            return Attention(columns, groups=folded_groups(starts, q, self._columns(columns)),
-                             min_rows=self.min_rows)
-        columns = max(starts) + q
-        start = torch.tensor(starts, dtype=torch.long, device=self.lean.device)
-        pos = start.view(b, 1, 1) + torch.arange(q, device=self.lean.device).view(1, q, 1)  # [B, q, 1]
-        return Attention(columns, mask=(self._columns(columns).view(1, 1, columns) <= pos).unsqueeze(1))
-
-    def forward(self, ids: torch.Tensor, features: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        b, q = ids.shape
-        attn = self.attention(q)
-        self.cache.reserve(b, attn.columns)
-        start = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.lean.device)
-        return self.lean.forward(self.cache, ids, start, attn, features=features)
-
-    def keep(self, q: int, kept: list[int]) -> None:
-        self.cache.advance(kept)
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.cache.select_rows(keep)
-
-    def rebuild(self, contexts: list[list[int]], features: bool) -> Features:
-        self.cache = self.lean.new_cache(max(1, len(contexts)), self.cache.capacity)
-        return self.admit(contexts, features)
-
-    def scratch(self) -> LeanTarget:
-        return LeanTarget(lean=self.lean, exact=self.exact, min_rows=self.min_rows, invariance=self.invariance)
-
-    def tidy(self, speculating: bool) -> None:
-        pass
 
 
 class RaggedTarget:

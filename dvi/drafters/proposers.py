@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dvi.decode.emit import SOURCES
-from dvi.decode.kv import RaggedKV, left_pad, prefill
 from dvi.decode.sampling import sample_from, warp_probs
+from dvi.drafters.draft_cache import DraftCache, RaggedDraftCache, draft_cache
 from dvi.drafters.learned import Drafter, as_drafter
 from dvi.drafters.vocab import fit_vocab
 
@@ -143,34 +143,37 @@ class ModelProposer(Proposer):
     def __init__(self, drafter: Drafter, vocab_size: int, device: torch.device):
         super().__init__(vocab_size, device)
         self.drafter = drafter
-        self.dkv = RaggedKV(drafter.config, 0, device, drafter.dtype)
+        self.dkv: DraftCache = self._new_cache()
         self.pending: list[list[int]] = []
         self._k = 0  # drafts the drafter ran this step (it was fed k - 1 of them)
 
+    def _new_cache(self) -> DraftCache:
+        return draft_cache(self.drafter)
+
     # ---------------------------------------------------------------- membership
     def admit(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
-        self.dkv.merge(RaggedKV(self.drafter.config, len(seqs), self.device, self.drafter.dtype))
+        self.dkv.add_rows(len(seqs))
         self.pending.extend([int(t) for t in s.req.prompt_ids] for s in seqs)
 
     def select_rows(self, keep: list[int], idx: torch.Tensor) -> None:
-        self.dkv.select_rows(idx)
+        self.dkv.select_rows(keep)
         self.pending = [self.pending[i] for i in keep]
 
     def rebuild(self, seqs: list[Seq]) -> None:
-        ctx = [s.tokens()[:-1] for s in seqs]
-        self.dkv = prefill(self.drafter.config, self.drafter, ctx, self.device, self.drafter.dtype)
+        self.dkv.rebuild([s.tokens()[:-1] for s in seqs])
         self.pending = [[s.tokens()[-1]] for s in seqs]
 
     def pending_tokens(self) -> int:
         return sum(len(p) for p in self.pending)
 
     def maybe_compact(self) -> None:
-        self.dkv.maybe_compact()
+        self.dkv.tidy()
 
     def with_drafter(self, drafter: Drafter | None) -> Proposer:
         d = as_drafter(drafter)
         if d is not None and bool(getattr(d, "needs_features", False)) == self.needs_features:
             self.drafter = d  # same kind: the engine rebuilds the rows' cache (`rebuild`) at the next step
+            self.dkv = self._new_cache()
             return self
         return model_proposer(d, self.vocab_size, self.device)
 
@@ -178,25 +181,20 @@ class ModelProposer(Proposer):
     def plan(self, seqs: list[Seq], k_cap: list[int], suffix: bool = True) -> Plan:
         return Plan(model_rows=list(range(len(seqs))))
 
-    def _pending_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every row's pending tokens left-padded: ids [B, M], valid [B, M] (None when every row has one)."""
-        if max(len(p) for p in self.pending) == 1:
-            return torch.tensor(self.pending, dtype=torch.long, device=self.device), None  # [B, 1]
-        return left_pad(self.pending, self.device)
-
-    def _forward(self, ids: torch.Tensor, valid: torch.Tensor | None, first: bool) -> torch.Tensor:
-        """One drafter forward over ids [B, M] (valid [B, M] or None) -> logits [B, V_draft] of the last position."""
-        return self.dkv.forward(self.drafter, ids, valid, logits_to_keep=1)[:, -1]
+    def _forward(self, ids: torch.Tensor | None, first: bool) -> torch.Tensor:
+        """One drafter forward: the first over every row's pending tokens, later ones over ids [B, 1] (the
+        previous drafts) -> logits [B, V_draft] after each row's last input."""
+        return self.dkv.forward_rows(self.pending) if first else self.dkv.forward(ids)
 
     def draft_model(self, k: int, u: torch.Tensor | None, params: BatchParams) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k drafter forwards, the first over every row's pending tokens, the others over the previous draft.
         u [B, >= k] draft uniforms (None: greedy). Returns ids [B, k] and, when sampling, q [B, k, V]."""
-        ids, valid = self._pending_batch()  # [B, M], [B, M] or None
-        self.last_catchup = ids.shape[1] > 2
+        self.last_catchup = max(len(p) for p in self.pending) > 2
         self._k = k
         drafts, qs = [], []
+        ids = None
         for j in range(k):
-            logits = fit_vocab(self._forward(ids, valid, j == 0), self.vocab_size)  # [B, V]
+            logits = fit_vocab(self._forward(ids, j == 0), self.vocab_size)  # [B, V]
             logits = params.transform(logits, drafts)  # penalized as the target's p (better α)
             if params.all_greedy:
                 d = logits.argmax(-1)  # [B]
@@ -205,7 +203,7 @@ class ModelProposer(Proposer):
                 d = sample_from(q, u[:, j])
                 qs.append(q)
             drafts.append(d)
-            ids, valid = d.unsqueeze(1), None  # [B, 1]
+            ids = d.unsqueeze(1)  # [B, 1]
         return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
 
     def propose(self, plan: Plan, k_model: int, k: int, u: torch.Tensor | None, params: BatchParams) -> Draft:
@@ -224,7 +222,7 @@ class ModelProposer(Proposer):
         # accepted when they were the drafter's own (`_keeps`); whatever it emitted past them is pending.
         keep = self._keeps(draft, n, k)
         if k > 1:
-            self.dkv.rollback(k - 1, torch.tensor(keep, dtype=torch.long, device=self.device))
+            self.dkv.keep(k - 1, keep)
         self.pending = [list(e[c:]) for e, c in zip(emitted, keep, strict=True)]
 
     def _keeps(self, draft: Draft | None, n: list[int], k: int) -> list[int]:
@@ -255,9 +253,13 @@ class EagleProposer(ModelProposer):
     def set_features(self, feats: list[torch.Tensor | None]) -> None:
         self.feats = [[f] if f is not None and f.shape[0] else [] for f in feats]
 
+    def _new_cache(self) -> DraftCache:
+        return RaggedDraftCache(self.drafter)
+
     def rebuild(self, seqs: list[Seq]) -> None:
         """Filled lazily, as at admission: every token pending, fed with its true feature."""
-        self.dkv = RaggedKV(self.drafter.config, len(seqs), self.device, self.drafter.dtype)
+        self.dkv = self._new_cache()
+        self.dkv.add_rows(len(seqs))
         self.pending = [s.tokens() for s in seqs]
         if len(self.feats) != len(seqs):
             self.feats = [[] for _ in seqs]
@@ -289,10 +291,11 @@ class EagleProposer(ModelProposer):
             self._feats[i, m - r.shape[0]:] = r
         return super().draft_model(k, u, params)
 
-    def _forward(self, ids: torch.Tensor, valid: torch.Tensor | None, first: bool) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor | None, first: bool) -> torch.Tensor:
         """Later drafts read the head's own predicted feature of the previous position."""
-        logits, self._feats = self.dkv.forward(self.drafter.with_features(self._feats), ids, valid, logits_to_keep=1)
-        return logits[:, -1]  # [B, V_draft]; _feats [B, 1, H]
+        fn = self.drafter.with_features(self._feats)
+        logits, self._feats = self.dkv.forward_rows(self.pending, fn) if first else self.dkv.forward(ids, fn)
+        return logits  # [B, V_draft]; _feats [B, 1, H]
 
     def _keeps(self, draft: Draft | None, n: list[int], k: int) -> list[int]:
         return [0] * len(n)

@@ -1,0 +1,155 @@
+"""A learned drafter's KV cache and forward, as its proposer uses them (`DraftCache`).
+
+`LeanDraftCache` runs a plain Llama-family drafter (`separate`, merged weights) through `dvi.decode.lean`
+over a static per-slot cache, as the target does: one forward of a draft step is ~27 aten ops a layer and
+rejected drafts cost nothing to undo. `RaggedDraftCache` runs any drafter callable (LoRA-wrapped, early exit,
+eagle) over a `dvi.decode.kv.RaggedKV`. A drafter's rounding decides nothing (its drafts are judged by the
+target), so both attend their whole batch in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from dvi.decode.kv import RaggedKV, left_pad, prefill
+from dvi.decode.lean import Attention, LeanModel, lean_supported
+
+__all__ = ["DraftCache", "LeanDraftCache", "RaggedDraftCache", "draft_cache"]
+
+
+class DraftCache(Protocol):
+    def add_rows(self, n: int) -> None:
+        """n empty rows at the end of the batch (their tokens arrive as the first forward's pending ones)."""
+
+    def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
+        """Append to each row its tokens `rows[i]` (at least one); logits [B, V] after each row's last one."""
+
+    def forward(self, ids: torch.Tensor, fn: Callable | None = None) -> torch.Tensor:
+        """Append ids [B, 1]; logits [B, V]."""
+
+    def keep(self, q: int, kept: list[int]) -> None:
+        """Of the last q entries appended per row, row i keeps its first kept[i]."""
+
+    def select_rows(self, keep: list[int]) -> None: ...
+
+    def rebuild(self, contexts: list[list[int]]) -> None:
+        """Every row's cache holding `contexts[i]` (prefilled at once)."""
+
+    def tidy(self) -> None: ...
+
+
+class RaggedDraftCache:
+    """Any drafter callable over a `RaggedKV` (`fn` overrides the callable per call: eagle's feature-bound one)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.kv = RaggedKV(drafter.config, 0, drafter.device, drafter.dtype)
+
+    def add_rows(self, n: int) -> None:
+        self.kv.merge(RaggedKV(self.drafter.config, n, self.drafter.device, self.drafter.dtype))
+
+    def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
+        if max(len(r) for r in rows) == 1:
+            ids, valid = torch.tensor(rows, dtype=torch.long, device=self.drafter.device), None  # [B, 1]
+        else:
+            ids, valid = left_pad(rows, self.drafter.device)  # [B, M] each
+        return self._last(self.kv.forward(fn or self.drafter, ids, valid, logits_to_keep=1))
+
+    def forward(self, ids: torch.Tensor, fn: Callable | None = None) -> torch.Tensor:
+        return self._last(self.kv.forward(fn or self.drafter, ids, None, logits_to_keep=1))
+
+    @staticmethod
+    def _last(out):
+        """[B, 1, V] logits (or (logits, features) from a feature-bound callable) -> the same, last position."""
+        return (out[0][:, -1], out[1]) if isinstance(out, tuple) else out[:, -1]
+
+    def keep(self, q: int, kept: list[int]) -> None:
+        self.kv.rollback(q, torch.tensor(kept, dtype=torch.long, device=self.drafter.device))
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.kv.select_rows(torch.tensor(keep, dtype=torch.long, device=self.drafter.device))
+
+    def rebuild(self, contexts: list[list[int]]) -> None:
+        d = self.drafter
+        self.kv = prefill(d.config, d, contexts, d.device, d.dtype)
+
+    def tidy(self) -> None:
+        self.kv.maybe_compact()
+
+
+class LeanDraftCache:
+    """A plain Llama-family drafter through `LeanModel` over a `SlotCache`."""
+
+    def __init__(self, model):
+        self.lean = LeanModel(model)
+        self.cache = self.lean.new_cache()
+        self._cols = torch.arange(0)
+        self.device = self.lean.device
+
+    def add_rows(self, n: int) -> None:
+        self.cache.add_rows(n)
+
+    def _columns(self, n: int) -> torch.Tensor:
+        if self._cols.numel() < n:
+            self._cols = torch.arange(max(n, 2 * self._cols.numel()), device=self.device)
+        return self._cols[:n]
+
+    def _run(self, ids: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+        b, q = ids.shape
+        starts = self.cache.lengths
+        columns = max(starts) + q
+        self.cache.reserve(b, columns)
+        start = torch.tensor(starts, dtype=torch.long, device=self.device)
+        mask = None
+        if b > 1 or q > 1:
+            pos = start.view(b, 1, 1) + torch.arange(q, device=self.device).view(1, q, 1)
+            mask = (self._columns(columns).view(1, 1, columns) <= pos).unsqueeze(1)  # [B, 1, q, columns]
+        return self.lean.forward(self.cache, ids, start, Attention(columns, mask=mask), pick=pick)
+
+    def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
+        """Rows are right-padded with their own last token: the padding's keys land past the row's length
+        (overwritten later, never attended: `keep`); each row's logits are read at its last real token."""
+        m = max(len(r) for r in rows)
+        ids = torch.tensor([r + [r[-1]] * (m - len(r)) for r in rows], dtype=torch.long, device=self.device)
+        pick = torch.tensor([len(r) - 1 for r in rows], dtype=torch.long, device=self.device)
+        out = self._run(ids, pick)
+        self.cache.advance([len(r) for r in rows])
+        return out
+
+    def forward(self, ids: torch.Tensor, fn: Callable | None = None) -> torch.Tensor:
+        out = self._run(ids, torch.zeros(ids.shape[0], dtype=torch.long, device=self.device))
+        self.cache.advance([1] * ids.shape[0])
+        return out
+
+    def keep(self, q: int, kept: list[int]) -> None:
+        self.cache.truncate([n - q + int(k) for n, k in zip(self.cache.lengths, kept, strict=True)])
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.cache.select_rows(keep)
+
+    def rebuild(self, contexts: list[list[int]]) -> None:
+        self.cache = self.lean.new_cache(max(1, len(contexts)), self.cache.capacity)
+        self.add_rows(len(contexts))
+        live = [i for i, c in enumerate(contexts) if c]
+        for i in live:  # one row at a time into its own slot (a causal prefill over an empty row)
+            ids = torch.tensor([contexts[i]], dtype=torch.long, device=self.device)
+            self.cache.reserve(i + 1, ids.shape[1])
+            self.lean.forward(self.cache, ids, torch.zeros(1, dtype=torch.long, device=self.device),
+                              Attention(ids.shape[1], causal=ids.shape[1] > 1), logits_to_keep=1, first_slot=i)
+            self.cache.lengths[i] = ids.shape[1]
+
+    def tidy(self) -> None:
+        pass
+
+
+def draft_cache(drafter) -> DraftCache:
+    """`LeanDraftCache` for a `separate` drafter that `dvi.decode.lean` runs (plain Llama-family, merged
+    weights), else `RaggedDraftCache`."""
+    model = getattr(drafter, "model", None)
+    if getattr(drafter, "kind", None) == "separate" and model is not None and not hasattr(model, "get_base_model") \
+            and lean_supported(model) is None:
+        return LeanDraftCache(model)
+    return RaggedDraftCache(drafter)
