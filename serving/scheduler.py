@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +85,7 @@ class Scheduler:
     """Owns the engine thread; the app submits requests and awaits their events."""
 
     def __init__(self, engine: SpeculativeEngine, tokenizer: Any, max_batch_size: int, queue_limit: int,
-                 num_threads: int = 1, heap: HeapTrimmer | None = None) -> None:
+                 num_threads: int = 1, heap: HeapTrimmer | None = None, eos_ids: Sequence[int] | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -107,8 +107,11 @@ class Scheduler:
         self.request_errors = 0
         self.completed = 0
         self.last_step_at = time.time()
+        # every id that ends a request: the model's eos ids and the tokenizer's (`ModelPair.stop_ids`), else the
+        # tokenizer's alone
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_ids: tuple[int, ...] = (int(eos),) if eos is not None else ()
+        self.eos_ids: tuple[int, ...] = (tuple(int(i) for i in eos_ids) if eos_ids
+                                         else (int(eos),) if eos is not None else ())
 
     # -- public API (event loop side) --------------------------------------------------------
     def start(self) -> None:

@@ -77,6 +77,7 @@ class ServerState:
     stopped: bool = False
     draining: bool = False  # a stop was asked for (`serving.drain`): new requests get a 503
     suffix_tailer: Any = None  # serving.suffix_tail.SuffixTailer (suffix / hybrid with a shared feedback dir)
+    tokenizer_warnings: list[str] = field(default_factory=list)  # its eos / bos vs the model's configs (logged)
 
     @property
     def limits(self) -> RequestLimits:
@@ -147,7 +148,8 @@ def build_state(cfg: DviConfig) -> ServerState:
                               background=True, max_pending_bytes=fb.max_buffer_bytes, access=cfg.files.access)
     metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions)
     scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
-                          num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds))
+                          num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds),
+                          eos_ids=pair.stop_ids)
     supervisor = TrainerSupervisor(cfg)
     swapper = None
     if pair.drafter is not None:
@@ -162,6 +164,7 @@ def build_state(cfg: DviConfig) -> ServerState:
         context_len=int(getattr(pair.target.config, "max_position_embeddings", 0) or 1 << 30),
         vocab_size=int(pair.target.get_output_embeddings().weight.shape[0]),
         prompts=PromptTokenizer(tokenizer, cfg.serve.tokenize_large_bytes),
+        tokenizer_warnings=list(pair.warnings),
     )
     scheduler.finished.subscribe(metrics.observe_request)
     scheduler.finished.subscribe(state.feedback_log)
