@@ -56,3 +56,14 @@ def test_japanese_tokens_keep_their_bytes(tiny_pair_dir) -> None:
         except UnicodeDecodeError:
             assert t.token == "bytes:" + "".join(f"\\x{b:02x}" for b in t.raw)
     assert sum(t.token.startswith("bytes:") for t in items) >= len(JAPANESE) // 2  # most are pieces
+
+
+def test_a_byte_level_decoder_inside_a_sequence_still_gives_bytes(tiny_pair_dir) -> None:
+    """A pair converted by transformers 5.17 before dvi normalised it has that decoder sequence."""
+    from tokenizers import decoders
+
+    tok = load_tokenizer(tiny_pair_dir / "tokenizer")
+    tok.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
+                                                       decoders.Replace("\u2581", " "), decoders.ByteLevel()])
+    ids = tok.encode(JAPANESE, add_special_tokens=False)
+    assert b"".join(t.raw for t in token_logprobs(tok, ids, [-0.5] * len(ids))) == JAPANESE.encode()
