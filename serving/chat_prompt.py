@@ -13,6 +13,8 @@ token were not special. A chat whose contents hold no special token's text takes
 encode of the rendered text: the same ids as before and as training renders them, `dvi.data.render_chat`).
 transformers 5.24's `apply_chat_template(sanitize_control_tokens=True)` does a similar thing but encodes the
 typed token apart from its neighbours and is missing from earlier versions; this works on every supported one.
+`split_special_tokens` flips a flag on the tokenizer's backend for the call: safe because the server encodes
+on one worker thread per tokenizer copy (`serving.tokenize.PromptTokenizer`).
 """
 
 from __future__ import annotations
