@@ -270,6 +270,10 @@ class ServeConfig(_Strict):
     # FastAPI's /docs, /redoc and /openapi.json: off unless asked for (they list every route and
     # body schema, admin included, to anyone who can connect)
     api_docs: bool = False
+    # who may read /metrics (per-domain traffic, α, latency, refusals, trainer state, disk use): "api_key" (the
+    # default) asks for `serve.api_key` (or the admin token) when an API key is set, as /v1 does; "admin" for
+    # the admin token only; "open" for anyone who can connect (a scraper that cannot send a bearer token)
+    metrics_access: Literal["api_key", "admin", "open"] = "api_key"
     # slow clients (serving/connection.py): a request's headers must arrive within header_timeout_s of
     # the connection opening (or the previous response), its body within body_timeout_s of its headers
     # (4 MiB at 140 KB/s); past either: 408 and the connection closed. keep_alive_s: an idle connection
@@ -298,6 +302,13 @@ class ServeConfig(_Strict):
     def _yaml_off(cls, v: Any) -> Any:
         # YAML 1.1 reads a bare `off` as False; `trainer: off` must still mean "off".
         return "off" if v is False else v
+
+    @model_validator(mode="after")
+    def _metrics_admin_needs_token(self) -> ServeConfig:
+        if self.metrics_access == "admin" and not (self.admin_token and self.admin_token.get_secret_value()):
+            raise ValueError("serve.metrics_access 'admin' needs serve.admin_token (without it nobody could "
+                             "read /metrics); set the token, or metrics_access 'api_key' or 'open'")
+        return self
 
 
 class WandbConfig(_Strict):

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from dvi.config import DviConfig
 
 from .admin import admin_router
-from .auth import bearer_token, is_admin, require_api_key
+from .auth import bearer_token, is_admin, require_api_key, require_metrics_access
 from .completions import add_error_handlers, chat_completions_endpoint, completions_endpoint
 from .connection import HeaderLimit, deadline_protocol
 from .drain import DrainingServer
@@ -73,7 +73,7 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
         body = health_info(s) if is_admin(request, token) else public_health(s)
         return JSONResponse(body, status_code=503 if s.draining else 200)  # draining: route elsewhere
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(require_metrics_access)])
     async def metrics(request: Request) -> PlainTextResponse:
         s: ServerState = request.app.state.dvi
         s.metrics.update_gauges(s.scheduler, s.swapper, s.supervisor, s.feedback, s.target_version)

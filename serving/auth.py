@@ -1,4 +1,5 @@
-"""Who may call what: the API key (`serve.api_key`) and the admin token (`serve.admin_token`).
+"""Who may call what: the API key (`serve.api_key`), the admin token (`serve.admin_token`) and, for
+/metrics, `serve.metrics_access`.
 
 FastAPI dependencies, attached to the routes (`serving.app`) and the /admin router
 (`serving.admin`), so no endpoint parses the Authorization header itself and none can forget
@@ -26,9 +27,10 @@ _bearer = HTTPBearer(auto_error=False, description="`serve.api_key` (/v1) or `se
 async def bearer_token(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> str | None:
     """The token of an `Authorization: Bearer <token>` header; None without one.
 
-    The scheme must be spelled `Bearer` exactly, as the server has always required.
+    The scheme is case-insensitive (RFC 9110 §11.1): `bearer KEY` and `BEARER KEY` carry the key too
+    (`HTTPBearer` has already refused any other scheme).
     """
-    if creds is None or creds.scheme != "Bearer":
+    if creds is None or creds.scheme.lower() != "bearer":
         return None
     return creds.credentials
 
@@ -62,3 +64,22 @@ async def require_admin(request: Request, token: str | None = Depends(bearer_tok
                        type_="authentication_error")
     if not (admin_token == token):  # Secret.__eq__: constant time
         raise ApiError(403, "wrong admin token", type_="permission_error")
+
+
+async def require_metrics_access(request: Request, token: str | None = Depends(bearer_token)) -> None:
+    """/metrics as `serve.metrics_access` says: "open"; "api_key" (the default): the API key or the admin
+    token when an API key is set, as /v1 asks; "admin": the admin token. A Prometheus scraper sends either
+    as `authorization: {credentials: ...}` (a bearer token)."""
+    serve = request.app.state.dvi.cfg.serve
+    if serve.metrics_access == "open" or is_admin(request, token):
+        return
+    if serve.metrics_access == "admin":
+        if token is None:
+            raise ApiError(401, "/metrics needs 'Authorization: Bearer <admin_token>' (serve.metrics_access: admin)",
+                           type_="authentication_error")
+        raise ApiError(403, "wrong admin token", type_="permission_error")
+    key = serve.api_key
+    if _configured(key) and not (key == token):  # Secret.__eq__: constant time
+        raise ApiError(401, "/metrics needs the API key (Authorization: Bearer <key>) or the admin token; "
+                       "serve.metrics_access: open serves it to anyone", type_="authentication_error",
+                       code="invalid_api_key")

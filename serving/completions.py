@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dvi.data import render_chat
 from dvi.decode.engine import SamplingParams
 
+from .chat_prompt import chat_prompt_ids
 from .health import count_refusal
 from .logprobs import chat_logprobs, completion_logprobs, token_logprobs
 from .protocol import (
@@ -123,12 +123,15 @@ async def _tokenize(state: ServerState, fn: Any, texts: list[str], param: str, *
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
+    """A /v1/completions prompt: the client's whole model input, so special-token text in it is parsed as the
+    special token (as vLLM does, and OpenAI's completions with `<|endoftext|>`); a token-id prompt can hold any id
+    anyway. Chat contents are text (`serving.chat_prompt`)."""
     return tokenizer.encode(text, add_special_tokens=True)
 
 
 def _chat_prompt(tokenizer: Any, messages: list) -> list[int]:
-    """Validated chat messages rendered the one way dvi renders chats (`dvi.data.render_chat`)."""
-    return render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in messages])
+    """Validated chat messages through the chat template, their contents encoded as text (`serving.chat_prompt`)."""
+    return chat_prompt_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in messages])
 
 
 def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> SamplingParams:

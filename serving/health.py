@@ -92,6 +92,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "learned_kind": s.cfg.models.learned_kind,
         "suffix": _suffix_info(s),
         "draft_vocab_size": _draft_vocab_size(s.engine),
+        "tokenizer": {"stop_token_ids": list(s.scheduler.eos_ids), "warnings": s.tokenizer_warnings},
         "trainer": trainer,
         "disk_bytes": s.metrics.disk_usage(s.supervisor.rundir),
         "feedback": {"dir": s.cfg.feedback.dir, "records_written": getattr(fb, "records_written", 0),

@@ -7,11 +7,15 @@ the app refuses asking for them (400).
 
 Tokens are the ones the response's text is made of: special tokens (skipped in the text) and
 tokens that start after a stop-string cut are left out. Offsets are character offsets into the
-returned completion text, found with one incremental decode (O(tokens)).
+returned completion text, found with one incremental decode (O(tokens)). A token that holds only part
+of a UTF-8 character (byte-level BPE splits most CJK and emoji characters) has no text of its own: its
+`token` is OpenAI's `bytes:\\xe6\\x97` form (its raw bytes, never "\ufffd"), and chat's `bytes` field
+carries the same bytes, so a client can join them into the characters.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -45,18 +49,37 @@ def byte_level_decoder() -> dict[str, int]:
 
 
 def _is_byte_level(tokenizer: Any) -> bool:
-    rust = getattr(tokenizer, "_tokenizer", None)
-    return type(getattr(rust, "decoder", None)).__name__ == "ByteLevel"
+    """A ByteLevel decoder, alone or last in a Sequence (transformers 5.17 built SmolLM2's GGUF tokenizer with
+    ByteFallback, Fuse, Replace, ByteLevel)."""
+    decoder = getattr(getattr(tokenizer, "_tokenizer", None), "decoder", None)
+    kind = type(decoder).__name__
+    return kind == "ByteLevel" or (kind == "Sequence" and b'"type":"ByteLevel"' in decoder.__getstate__())
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
 
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     """The raw UTF-8 bytes a token stands for (a piece of a multi-byte character stays a piece)."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
     if _is_byte_level(tokenizer):
         table = byte_level_decoder()
-        piece = tokenizer.convert_ids_to_tokens(token_id)
         if all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)
+    fallback = _BYTE_FALLBACK.fullmatch(piece or "")
+    if fallback is not None:
+        return bytes([int(fallback.group(1), 16)])
     return tokenizer.decode([token_id]).encode("utf-8")
+
+
+def token_text(tokenizer: Any, token_id: int, raw: bytes) -> str:
+    """What a token is called in a response: its text, or `bytes:\\xNN...` (OpenAI's form) when its bytes are
+    not whole UTF-8 characters (its decode alone would be "\ufffd")."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return tokenizer.decode([token_id])
 
 
 def token_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
@@ -72,8 +95,8 @@ def token_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
             continue
         if cut_at is not None and offset >= cut_at:
             break
-        out.append(TokenLogprob(token=tokenizer.decode([tid]), logprob=float(lp),
-                                raw=token_bytes(tokenizer, tid), offset=offset))
+        raw = token_bytes(tokenizer, tid)
+        out.append(TokenLogprob(token=token_text(tokenizer, tid, raw), logprob=float(lp), raw=raw, offset=offset))
     return out
 
 

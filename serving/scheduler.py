@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from dvi.decode.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
 
 from .detok import TextStream
+from .finished import Ending, Finished, FinishedFeed, final_reason
 from .memory import HeapTrimmer
 from .protocol import ApiError, new_id, shutting_down
 
@@ -36,38 +37,6 @@ log = logging.getLogger(__name__)
 
 class QueueFull(Exception):
     """The waiting queue is at `serve.queue_limit`; the app answers 429."""
-
-
-@dataclass
-class Finished:
-    """What a request ends with: the engine's `GenerationResult` plus what only the server knows (the
-    text after stop strings, the reason it ended, latency measured from submission)."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    prompt_len: int
-    finish_reason: str
-    domain: str
-    result: GenerationResult | None  # None when the engine gave none (the request never reached it)
-    latency_s: float
-    ttft_s: float | None
-
-    def stats(self) -> dict[str, Any]:
-        """The response's `dvi` block (α and mean accepted length None when there is no data). `request_id` is
-        the request's feedback record's: a client (the demo) can replay its own responses from the log."""
-        r = self.result or GenerationResult(request_id=self.request_id, prompt_ids=[])
-        return {
-            "request_id": self.request_id,
-            "drafted": r.num_drafted,
-            "accepted": r.num_accepted,
-            "alpha": r.alpha,
-            "mean_accepted_length": r.mean_accepted_length,
-            "steps": r.num_steps,
-            "drafter_version": r.drafter_version,
-            "target_version": r.target_version,
-            "domain": self.domain,
-        }
 
 
 @dataclass(frozen=True)
@@ -116,14 +85,14 @@ class Scheduler:
     """Owns the engine thread; the app submits requests and awaits their events."""
 
     def __init__(self, engine: SpeculativeEngine, tokenizer: Any, max_batch_size: int, queue_limit: int,
-                 num_threads: int = 1, heap: HeapTrimmer | None = None) -> None:
+                 num_threads: int = 1, heap: HeapTrimmer | None = None, eos_ids: Sequence[int] | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.queue_limit = queue_limit
         self.num_threads = num_threads
         self.heap = heap or HeapTrimmer(0)  # freed heap back to the OS (`serving.memory`); off unless given
-        self.observers: list[Callable[[Finished], None]] = []
+        self.finished = FinishedFeed()  # each request's final record, published once (`serving.finished`)
         self.step_observers: list[Callable[[float, int], None]] = []
         self._waiting: collections.deque[Handle] = collections.deque()
         self._active: dict[str, Handle] = {}
@@ -138,8 +107,11 @@ class Scheduler:
         self.request_errors = 0
         self.completed = 0
         self.last_step_at = time.time()
+        # every id that ends a request: the model's eos ids and the tokenizer's (`ModelPair.stop_ids`), else the
+        # tokenizer's alone
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_ids: tuple[int, ...] = (int(eos),) if eos is not None else ()
+        self.eos_ids: tuple[int, ...] = (tuple(int(i) for i in eos_ids) if eos_ids
+                                         else (int(eos),) if eos is not None else ())
 
     # -- public API (event loop side) --------------------------------------------------------
     def start(self) -> None:
@@ -265,7 +237,7 @@ class Scheduler:
         for h in [h for h in self._active.values() if h.cancelled]:
             result = self._abort(h)
             self._active.pop(h.request_id, None)
-            self._complete(h, "abort", result, notify=False)
+            self._complete(h, result, "cancelled", notify=False)
 
     def _abort(self, h: Handle) -> GenerationResult | None:
         try:
@@ -316,7 +288,7 @@ class Scheduler:
         h.token_ids.extend(new)
         finished = out.finished
         result = out.result if finished else None
-        reason = (result.finish_reason if result is not None else None) or "length"
+        ending: Ending = "engine"
         if h.stop or h.stream:
             if h.detok is None:
                 h.detok = TextStream(self.tokenizer)
@@ -328,7 +300,7 @@ class Scheduler:
                     h.text = h.text[:cut]
                     if not finished:
                         result = self._abort(h)
-                    finished, reason = True, "stop"
+                    finished, ending = True, "stop_string"
             if h.stream:
                 safe = len(h.text) if finished else self._safe_len(h)
                 if safe > h.sent_chars:
@@ -338,9 +310,7 @@ class Scheduler:
             self._active.pop(h.request_id, None)
             if not (h.stop or h.stream):
                 h.text = self._decode(h.token_ids)
-            if reason not in ("stop", "length"):
-                reason = "stop" if reason == "eos" else reason
-            self._complete(h, reason, result)
+            self._complete(h, result, ending)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -365,9 +335,13 @@ class Scheduler:
                     break
         return max(n, h.sent_chars)
 
-    def _complete(self, h: Handle, reason: str, result: GenerationResult | None, notify: bool = True) -> None:
-        """The request's `Finished` to its endpoint (unless `notify` is off: a cut answers with an error), then to
-        the observers (metrics, the swapper, the feedback log: `serving.state`)."""
+    def _complete(self, h: Handle, result: GenerationResult | None, ending: Ending, notify: bool = True) -> None:
+        """The request's one final record: its finish reason decided (`final_reason`, also written onto the
+        result), sent to its endpoint (unless `notify` is off: a cut answers with an error), then published
+        once to the subscribers (telemetry, feedback log, swapper: `serving.state`)."""
+        reason = final_reason(ending, result.finish_reason if result is not None else None)
+        if result is not None:
+            result.finish_reason = reason
         now = time.perf_counter()
         fin = Finished(
             request_id=h.request_id, text=h.text, token_ids=list(h.token_ids), prompt_len=len(h.prompt_ids),
@@ -378,11 +352,7 @@ class Scheduler:
         self.completed += 1
         if notify:
             h.emit(fin)
-        for obs in self.observers:
-            try:
-                obs(fin)
-            except Exception:  # noqa: BLE001
-                log.exception("result observer failed")
+        self.finished.publish(fin)
 
     def _finish_cancelled(self, h: Handle) -> None:
         h.done = True
@@ -396,10 +366,8 @@ class Scheduler:
         running = list(self._active.values())
         for h in running:
             result = self._abort(h)
-            if result is not None:
-                result.finish_reason = "shutdown"
             self._active.pop(h.request_id, None)
-            self._complete(h, "shutdown", result, notify=False)  # the record and metrics: what was cut
+            self._complete(h, result, "cut", notify=False)  # the record and metrics: what was cut
             h.emit(shutting_down(self._retry_after or 1))
         with self._cv:
             waiting = list(self._waiting)

@@ -1,6 +1,6 @@
 """What the endpoints share, built once per server (`build_state`): the engine behind its scheduler, the
-feedback writer, the swapper, the trainer supervisor and the metrics, and the observers that run on the
-engine thread when a request finishes.
+feedback writer, the swapper, the trainer supervisor and the metrics, and how they subscribe to each
+finished request's one final record (`serving.finished`, published once on the engine thread).
 
 Its own module so the endpoints (`serving.completions`, `serving.health`, `serving.admin`, `serving.drain`)
 import the state without importing the app that routes to them.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,14 +18,15 @@ import torch
 from dvi.config import DviConfig
 from dvi.decode.adaptive import batch_bucket
 from dvi.decode.engine import SpeculativeEngine
-from dvi.feedback import FeedbackRecord, FeedbackWriter, Retention
+from dvi.feedback import FeedbackWriter, Retention
 from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 
+from .finished import Finished
 from .loading import load_serving_pair, serving_proposer
 from .memory import HeapTrimmer, cap_onednn_cache
 from .protocol import RequestLimits
-from .scheduler import Finished, Scheduler
+from .scheduler import Scheduler
 from .supervisor import TrainerSupervisor
 from .swap import DrafterSwapper, SwapEvent, SwapPolicy
 from .telemetry import ServerMetrics
@@ -36,34 +36,22 @@ log = logging.getLogger("dvi.serving")
 
 
 class FeedbackLog:
-    """Engine thread, a scheduler observer: each finished request's feedback record (the stored projection of
-    the engine's result, `FeedbackRecord.from_result`, with the finish reason as answered: a stop string is
-    "stop", not the engine's "abort") to the writer, then to `consumers` (the swapper's shadow records).
-    A record that cannot be built or written is counted and logged; it never costs the request."""
+    """Engine thread, a subscriber of the scheduler's `FinishedFeed`: each finished request's feedback record
+    (the final record's projection, `Finished.feedback_record`, with the finish reason as answered) to the
+    writer. A record that cannot be built or written is counted and logged; it never costs the request."""
 
     def __init__(self, writer: FeedbackWriter | None) -> None:
         self.writer = writer
-        self.consumers: list[Callable[[FeedbackRecord], None]] = []
         self.errors = 0
 
     def __call__(self, fin: Finished) -> None:
-        if fin.result is None:  # the request never reached the engine
+        if fin.result is None or self.writer is None:  # the request never reached the engine / no log
             return
         try:
-            record = FeedbackRecord.from_result(fin.result)  # the result carries the request's prompt and domain
-            record.finish_reason = fin.finish_reason
+            self.writer.write(fin.feedback_record())
         except Exception:  # noqa: BLE001 - feedback must never cost a request
             self.errors += 1
             log.exception("feedback record for %s dropped", fin.request_id)
-            return
-        if self.writer is not None:
-            try:
-                self.writer.write(record)
-            except Exception:  # noqa: BLE001
-                self.errors += 1
-                log.exception("feedback record for %s dropped", fin.request_id)
-        for consume in self.consumers:
-            consume(record)
 
 
 @dataclass
@@ -89,6 +77,7 @@ class ServerState:
     stopped: bool = False
     draining: bool = False  # a stop was asked for (`serving.drain`): new requests get a 503
     suffix_tailer: Any = None  # serving.suffix_tail.SuffixTailer (suffix / hybrid with a shared feedback dir)
+    tokenizer_warnings: list[str] = field(default_factory=list)  # its eos / bos vs the model's configs (logged)
 
     @property
     def limits(self) -> RequestLimits:
@@ -159,7 +148,8 @@ def build_state(cfg: DviConfig) -> ServerState:
                               background=True, max_pending_bytes=fb.max_buffer_bytes, access=cfg.files.access)
     metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions)
     scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
-                          num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds))
+                          num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds),
+                          eos_ids=pair.stop_ids)
     supervisor = TrainerSupervisor(cfg)
     swapper = None
     if pair.drafter is not None:
@@ -174,10 +164,12 @@ def build_state(cfg: DviConfig) -> ServerState:
         context_len=int(getattr(pair.target.config, "max_position_embeddings", 0) or 1 << 30),
         vocab_size=int(pair.target.get_output_embeddings().weight.shape[0]),
         prompts=PromptTokenizer(tokenizer, cfg.serve.tokenize_large_bytes),
+        tokenizer_warnings=list(pair.warnings),
     )
-    scheduler.observers += [lambda fin: _on_finished(state, fin), state.feedback_log]
-    if swapper is not None:  # the held-out records a shadow check scores
-        state.feedback_log.consumers.append(lambda rec: swapper.observe_record(rec) if rec.token_ids else None)
+    scheduler.finished.subscribe(metrics.observe_request)
+    scheduler.finished.subscribe(state.feedback_log)
+    if swapper is not None:
+        scheduler.finished.subscribe(lambda fin: _to_swapper(swapper, fin))
     cache = getattr(getattr(engine.proposer, "suffix", engine.proposer), "cache", None)
     if cache is not None and cfg.suffix.tail_seconds > 0:
         from .suffix_tail import SuffixTailer
@@ -187,13 +179,16 @@ def build_state(cfg: DviConfig) -> ServerState:
     return state
 
 
-def _on_finished(state: ServerState, fin: Finished) -> None:
-    """Engine thread: per-request metrics and the swapper's live-α window."""
-    state.metrics.observe_request(fin)
-    if state.swapper is not None and fin.result is not None:
-        r = fin.result
-        drafted, accepted = r.model_counts()  # the learned drafter's own drafts (hybrid: not the suffix ones)
-        state.swapper.observe(drafted, accepted, r.drafter_version)
+def _to_swapper(swapper: DrafterSwapper, fin: Finished) -> None:
+    """Engine thread: the swapper's one subscription to finished requests: the live-α window (the learned
+    drafter's own drafts; hybrid: not the suffix ones) and the record the held-out shadow checks score."""
+    if fin.result is None:
+        return
+    drafted, accepted = fin.result.model_counts()
+    swapper.observe(drafted, accepted, fin.result.drafter_version)
+    record = fin.feedback_record()
+    if record is not None and record.token_ids:
+        swapper.observe_record(record)
 
 
 def _on_swap_event(metrics: ServerMetrics, ev: SwapEvent) -> None:

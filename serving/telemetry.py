@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from dvi.decode.engine import SpeculativeEngine
     from dvi.feedback import FeedbackWriter
 
-    from .scheduler import Finished, Scheduler
+    from .finished import Finished
+    from .scheduler import Scheduler
     from .suffix_tail import SuffixTailer
     from .supervisor import TrainerSupervisor
     from .swap import DrafterSwapper
@@ -65,10 +66,11 @@ class ServerMetrics:
             log.exception("metrics logger failed to start; /metrics still works")
 
     def observe_request(self, fin: Finished) -> None:
-        """Engine thread, once per finished request (aborted ones included, they carry stats)."""
+        """Engine thread, a subscriber of the final records: once per finished request (aborted ones included,
+        they carry stats; the result carries the final finish reason)."""
         if fin.result is None:
             return
-        stats = self.m.observe_result(M.ResultStats.of(fin.result, domain=fin.domain, finish_reason=fin.finish_reason,
+        stats = self.m.observe_result(M.ResultStats.of(fin.result, domain=fin.domain,
                                                        latency=fin.latency_s, ttft=fin.ttft_s))
         with self._lock:
             self.requests += 1

@@ -166,10 +166,10 @@ def test_05_nan_shadow_alpha_never_promotes_a_worse_drafter(srv, client) -> None
 
 
 def _records(srv) -> list:
-    """Every feedback record the server finishes from now on (a consumer of its feedback log; the swapper keeps
-    only the held-out ones)."""
+    """Every feedback record the server finishes from now on (a subscriber of its final records, as the feedback
+    log and the swapper are)."""
     seen: list = []
-    srv.state.feedback_log.consumers.append(seen.append)
+    srv.state.scheduler.finished.subscribe(lambda fin: seen.append(fin.feedback_record()) if fin.result else None)
     return seen
 
 

@@ -439,3 +439,13 @@ def test_domain_gap_scores_sql_code_and_chat_and_distils_a_copy(built, tmp_path)
     assert d["stats"]["tokens"] >= 512 and set(d["agreement"]) == {"code", "chat", "sql"}
     assert res["gap"] == pytest.approx(d["agreement"]["sql"] - res["frozen"]["sql"])
     assert (out / "drafter" / "model.safetensors").read_bytes() == before
+
+
+def test_manifest_records_the_tokenizer_conversion(built):
+    """Issue 36 item 10: the build says which library versions converted its tokenizer, and into what."""
+    from dvi.models.loading import load_tokenizer
+    from dvi.models.tokenizer_check import LIBRARIES, tokenizer_digest
+
+    conversion = FIRST_BUILD["manifest"]["source"]["conversion"]
+    assert set(conversion["libraries"]) == set(LIBRARIES)
+    assert conversion["tokenizer_digest"] == tokenizer_digest(load_tokenizer(EmbeddedPaths.at(built[3]).tokenizer))

@@ -7,10 +7,8 @@ the template's default system prompt), and bad messages get a 400 that names the
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from test_serving_helpers import ServerThread, tiny_config
+from test_serving_helpers import ServerThread, templated_tokenizer_dir, tiny_config
 
 from dvi.models.loading import load_tokenizer
 from serving.completions import _chat_prompt
@@ -39,11 +37,7 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def chat_tokenizer_dir(tiny_pair_dir, tmp_path_factory):
     """The tiny tokenizer with the ChatML template, saved as a tokenizer dir the server loads."""
-    d = tmp_path_factory.mktemp("chat-tokenizer")
-    shutil.rmtree(d)
-    tok = load_tokenizer(tiny_pair_dir / "tokenizer")
-    tok.chat_template = CHATML
-    tok.save_pretrained(d)
+    d = templated_tokenizer_dir(tiny_pair_dir, tmp_path_factory.mktemp("chat-tokenizer"), CHATML)
     assert load_tokenizer(d).chat_template == CHATML
     return d
 

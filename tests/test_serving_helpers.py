@@ -37,6 +37,19 @@ def tiny_config(pair_dir: Path, run_dir: Path, *overrides: str) -> DviConfig:
     return load_config(None, base + list(overrides))
 
 
+def templated_tokenizer_dir(pair_dir: Path, dest: Path, chat_template: str) -> Path:
+    """The tiny tokenizer with `chat_template`, saved at `dest` (a tokenizer dir a server loads)."""
+    import shutil
+
+    from dvi.models.loading import load_tokenizer
+
+    shutil.rmtree(dest, ignore_errors=True)
+    tok = load_tokenizer(pair_dir / "tokenizer")
+    tok.chat_template = chat_template
+    tok.save_pretrained(dest)
+    return dest
+
+
 def guarded_config(pair_dir: Path, run_dir: Path, api_key: str, admin_token: str, allowed_dir: Path,
                    *overrides: str) -> DviConfig:
     """`tiny_config` behind an API key and an admin token, admin paths confined to `allowed_dir`."""

