@@ -64,6 +64,9 @@ def parse_args(argv):
     p.add_argument("--dtype", default="auto", help="auto (the preset's serving dtype: bf16 on CPUs with native "
                    "bf16, and on CUDA) | float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-compile-timeout", type=float, default=0.0,
+                   help="seconds an arm of HF generate with a static cache + torch.compile(mode='reduce-overhead') "
+                        "may take, compilation included, per setting (its own process; 0: skip the arm)")
     return p.parse_args(argv)
 
 
@@ -107,6 +110,27 @@ def hf_generate(target, batches, n, temperature, assistant=None, seed=0, lookup:
         total_tok += int((out.shape[1] - m) * len(batch))
         texts += out[:, m:].tolist()
     return total_t, total_tok, texts
+
+
+def hf_compiled(args, batches, warmup, n: int) -> tuple[float, int, list] | None:
+    """HF generate with a static cache + torch.compile over `batches` (greedy), in its own process bounded by
+    --hf-compile-timeout (compilation included): (seconds, tokens, texts), None if it did not finish."""
+    import subprocess
+
+    job = dict(preset=args.preset, root=args.root, device=args.device, dtype=args.dtype, threads=args.threads,
+               batches=batches, warmup=warmup, max_new_tokens=n)
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_compiled.py")], input=json.dumps(job),
+                              capture_output=True, text=True, timeout=args.hf_compile_timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  HF static cache + torch.compile: not done within {args.hf_compile_timeout:.0f} s", flush=True)
+        return None
+    if proc.returncode != 0:
+        print(f"  HF static cache + torch.compile failed: {proc.stderr.strip().splitlines()[-1:]}", flush=True)
+        return None
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"  HF static cache + torch.compile: compiled in {r['compile_s']:.0f} s", flush=True)
+    return r["seconds"], r["tokens"], r["texts"]
 
 
 def _sync(device: torch.device) -> None:
@@ -374,6 +398,9 @@ def main(argv=None) -> int:
                                                   args.prompt_lookup_tokens if sname == "lookup" else 0))
         off = merge_runs(res["off"])
         hf_rate = sum(x[1] for x in res["hf"]) / sum(x[0] for x in res["hf"])
+        comp = hf_compiled(args, units, [[next(warm) for _ in range(b)]], n) if args.hf_compile_timeout > 0 and \
+            temp == 0 else None
+        comp_rate = comp[1] / comp[0] if comp else None
         hf_texts = [t for x in res["hf"] for t in x[2]]
         asst_rate = (sum(x[1] for x in res["assisted"]) / sum(x[0] for x in res["assisted"])) if b == 1 else None
         look = res.get("lookup")
@@ -386,6 +413,10 @@ def main(argv=None) -> int:
                        dvi_off=off | {"k_per_step": None, "texts": None}, hf_generate_tokens_per_s=hf_rate,
                        speedup_vs_off=run["tokens_per_s"] / off["tokens_per_s"],
                        speedup_vs_hf=run["tokens_per_s"] / hf_rate, **pred)
+            if comp_rate:
+                row["hf_compiled_tokens_per_s"] = comp_rate
+                row["speedup_vs_hf_compiled"] = run["tokens_per_s"] / comp_rate
+                row["off_vs_hf_compiled"] = off["tokens_per_s"] / comp_rate
             if asst_rate:
                 row["hf_assisted_tokens_per_s"] = asst_rate
                 row["speedup_vs_hf_assisted"] = run["tokens_per_s"] / asst_rate
@@ -437,6 +468,18 @@ def main(argv=None) -> int:
         goal(f"hybrid, batch {max(bss)}: worst vs speculation off over domains and temperatures",
              min((r["speedup_vs_off"] for r in hyb16), default=None), 1.0),
     ]
+    if target.device.type == "cuda":  # issue 33's GPU goals (speculation off is the same in every row of a setting)
+        def off_vs_hf(domain, b):
+            r = next((r for r in rows if r["domain"] == domain and r["temperature"] == 0.0 and r["batch_size"] == b), None)
+            return r and r["dvi_off"]["tokens_per_s"] / r["hf_generate_tokens_per_s"]
+
+        sfx = kind_row("suffix", "code")
+        goals += [
+            goal("GPU: dvi speculation off vs HF generate eager (code, greedy, batch 1)", off_vs_hf("code", 1), 5.0),
+            goal("GPU: suffix vs dvi speculation off (code, greedy, batch 1)", sfx and sfx["speedup_vs_off"], 1.5),
+            goal(f"GPU: dvi speculation off vs HF generate eager (code, greedy, batch {max(bss)})",
+                 off_vs_hf("code", max(bss)), 3.0),
+        ]
     out = dict(
         benchmark="decode",
         settings=vars(args) | {

@@ -243,6 +243,9 @@ class ServeConfig(_Strict):
     api_key: Secret | None = None
     admin_token: Secret | None = None
     max_batch_size: int = Field(16, ge=1)
+    # on CUDA, the target's forwards replay CUDA graphs captured at start-up (dvi.decode.graphs); not in the
+    # exact mode (models.exact_greedy), which runs eagerly
+    cuda_graphs: bool = True
     queue_limit: int = Field(256, ge=1)
     max_tokens_limit: int = Field(1024, ge=1)
     trainer: Literal["off", "supervised", "external"] = "supervised"

@@ -66,6 +66,8 @@ class Finished:
             "alpha": r.alpha,
             "mean_accepted_length": r.mean_accepted_length,
             "steps": r.num_steps,
+            "accepted_per_position": list(r.accepted_per_position),
+            "drafted_per_position": list(r.drafted_per_position),
             "drafter_version": r.drafter_version,
             "target_version": r.target_version,
             "domain": self.domain,

@@ -122,6 +122,7 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
         pair.target, serving_proposer(cfg, pair), num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
         max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
         greedy_below_temperature=cfg.sampling.greedy_below_temperature,
+        cuda_graphs=cfg.serve.cuda_graphs, max_batch_size=cfg.serve.max_batch_size,
     )
 
 

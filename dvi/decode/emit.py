@@ -52,13 +52,30 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
     lf = logits.float()  # [B, K + 1, V]
     scaled = lf if all_t1 else lf / torch.where(temp > 0, temp, 1.0).view(b, 1, 1)
     tok_lp = scaled.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)  # [B, K + 1]
-    topk_i = topk_v = None
+    k1 = tok.shape[1]
+    parts = [n.view(b, 1), tok, tok_lp]  # one device -> host transfer for the whole step (float64 holds ids exactly)
+    if draft_ids is not None:
+        parts.append(draft_ids)
+    kt = 0
     if top_k > 0:
-        raw = lf.log_softmax(-1)
-        tv, ti = raw.topk(min(top_k, v), dim=-1)  # [B, K + 1, top_k]
-        topk_i, topk_v = ti.tolist(), tv.tolist()
-    n_l, tok_l, lp_l = n.tolist(), tok.tolist(), tok_lp.tolist()
-    draft_l = draft_ids.tolist() if draft_ids is not None else None
+        tv, ti = lf.log_softmax(-1).topk(min(top_k, v), dim=-1)  # [B, K + 1, top_k]
+        kt = tv.shape[-1]
+        parts += [ti.view(b, -1), tv.view(b, -1)]
+    rows = torch.cat([x.double() for x in parts], 1).tolist()  # [B, 1 + 2 (K + 1) (+ K) (+ 2 (K + 1) top_k)]
+    n_l = [int(r[0]) for r in rows]
+    tok_l = [[int(x) for x in r[1 : 1 + k1]] for r in rows]
+    lp_l = [r[1 + k1 : 1 + 2 * k1] for r in rows]
+    at = 1 + 2 * k1
+    draft_l = None
+    if draft_ids is not None:
+        kd = draft_ids.shape[1]
+        draft_l = [[int(x) for x in r[at : at + kd]] for r in rows]
+        at += kd
+    topk_i = topk_v = None
+    if kt:
+        m = k1 * kt
+        topk_i = [[[int(x) for x in r[at + j * kt : at + (j + 1) * kt]] for j in range(k1)] for r in rows]
+        topk_v = [[r[at + m + j * kt : at + m + (j + 1) * kt] for j in range(k1)] for r in rows]
     return Emitted(n_l, tok_l, lp_l, draft_l, topk_i, topk_v)
 
 

@@ -72,10 +72,11 @@ class SpeculativeEngine:
         feedback_top_k: int = 0,
         versions: Versions = Versions(),
         greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE,
+        cuda_graphs: bool = True,
+        max_batch_size: int = 16,
     ):
         validate_engine_limits(num_draft_tokens, max_draft_tokens, feedback_top_k)
         self.target = target.eval()
-        self._target: TargetRunner = target_runner(self.target)
         p0 = next(self.target.parameters())
         self.device, self.dtype = p0.device, p0.dtype
         self.vocab_size = int(self.target.get_output_embeddings().weight.shape[0])
@@ -92,6 +93,9 @@ class SpeculativeEngine:
         self._seqs: list[Seq] = []
         self.proposer: Proposer = model_proposer(None, self.vocab_size, self.device)
         self._set_drafter(drafter)
+        # after the proposer: the widest verify (k_cap + 1) sizes the captured graphs
+        self._target: TargetRunner = target_runner(self.target, max_width=self.k_cap + 1, graphs=cuda_graphs,
+                                                   max_batch=max_batch_size, max_context=self.max_context)
         self._plan = Plan()
         self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
         self.suffix_guard = GoodputGuard()  # suffix drafts' measured goodput vs plain steps (adaptive)

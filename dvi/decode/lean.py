@@ -108,6 +108,7 @@ class SlotCache:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.lengths: list[int] = []
+        self.frozen = False  # a captured CUDA graph holds this cache's address: it may not move
         self._alloc(max(1, slots), max(16, capacity))
 
     @torch.inference_mode()
@@ -135,6 +136,10 @@ class SlotCache:
     def reserve(self, rows: int, columns: int) -> None:
         """Room for `rows` rows of `columns` positions (doubling)."""
         if rows > self.slots or columns > self.capacity:
+            if self.frozen:
+                raise ValueError(f"{rows} rows of {columns} positions do not fit the CUDA-graph KV cache "
+                                 f"({self.slots} slots of {self.capacity}): raise the engine's max_batch / "
+                                 "max_context, or serve without CUDA graphs")
             s, c = self.slots, self.capacity
             while s < rows:
                 s *= 2

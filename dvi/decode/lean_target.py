@@ -25,15 +25,24 @@ class LeanTarget:
     """A Llama-family target through `LeanModel` over a `SlotCache` (`dvi.decode.target.TargetRunner`)."""
 
     def __init__(self, model: nn.Module | None = None, lean: LeanModel | None = None, exact: bool = False,
-                 min_rows: int = 1, invariance=None):
+                 min_rows: int = 1, invariance=None, graphs=None):
         self.lean = lean if lean is not None else LeanModel(model)
         self.exact, self.min_rows, self.invariance = bool(exact), int(min_rows), invariance
-        self.cache = self.lean.new_cache()
+        self.graphs = graphs  # a `dvi.decode.graphs.GraphedForward` (CUDA): its cache is this runner's
+        self.cache = graphs.cache if graphs is not None else self.lean.new_cache()
         self._cols = torch.arange(0)
 
     @property
     def batch_size(self) -> int:
         return self.cache.batch_size
+
+    @property
+    def contract(self) -> str:
+        """What greedy speculation guarantees one request at a time: 'bitwise' or 'near-tie' (see the module
+        doc; CUDA graphs attend in one call)."""
+        if self.graphs is not None and not self.exact:
+            return "near-tie"
+        return "bitwise" if self.invariance is None or self.invariance.min_rows is not None else "near-tie"
 
     def _columns(self, n: int) -> torch.Tensor:
         if self._cols.numel() < n:
@@ -73,6 +82,13 @@ class LeanTarget:
         """Matmuls see at least `min_rows` rows: a shorter forward gets junk positions after each row's real ones
         (their keys land past the row's length, to be overwritten; their outputs are dropped)."""
         b, q = ids.shape
+        if not features and self.graphs is not None and not self.exact \
+                and self.graphs.fits(b, q, max(self.cache.lengths) + q):
+            return self.graphs(ids, self.cache.lengths)
+        return self._eager(ids, features)
+
+    def _eager(self, ids: torch.Tensor, features: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        b, q = ids.shape
         real = q
         if b * q < self.min_rows:
             q = -(-self.min_rows // b)
@@ -92,10 +108,12 @@ class LeanTarget:
         self.cache.select_rows(keep)
 
     def rebuild(self, contexts: list[list[int]], features: bool) -> Features:
-        self.cache = self.lean.new_cache(max(1, len(contexts)), self.cache.capacity)
+        self.cache.truncate([])  # the same cache (a captured graph holds its address); stale entries are masked
         return self.admit(contexts, features)
 
     def scratch(self) -> LeanTarget:
+        """Eager, with its own cache (captured graphs are bound to this runner's slots, which in-flight rows
+        hold): on CUDA, cost calibration times eager forwards."""
         return LeanTarget(lean=self.lean, exact=self.exact, min_rows=self.min_rows, invariance=self.invariance)
 
     def tidy(self, speculating: bool) -> None:

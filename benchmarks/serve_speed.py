@@ -1,0 +1,255 @@
+"""What a user gets at batch 1: `dvi serve` per drafter kind over HTTP vs HF `generate` and HF prompt lookup,
+on prompts the project never saw (issue 33's CPU goals, issue 34's learned-drafter goals).
+
+Code prompts are cuts of pip's own source (installed beside us, never in a build's data); chat prompts are
+instructions written for this benchmark, rendered with the chat template. One `dvi serve` process per kind
+(trainer off, feedback logging on, one thread), all started up front and idle while another is measured;
+HF `generate` and HF prompt lookup (`prompt_lookup_num_tokens`) run in this process, one thread. Prompt by
+prompt the arms run in a rotating order, so a busy spell on the machine hits every arm alike. Greedy; every
+arm stops at the model's eos or --max-tokens. Per arm and domain: tokens/s (client-side wall time for the
+server arms: HTTP, tokenizing and detokenizing included), ratios to HF generate and HF prompt lookup, α,
+tokens per step and per-position acceptance from the responses' `dvi` blocks, and how many answers equal
+speculation off's text.
+
+    .venv/bin/python benchmarks/serve_speed.py --kinds off,suffix,separate,hybrid [--json ...]
+
+Prints a table ending with the goals, writes JSON with a `goals` list, exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import clean_json, goal, print_goals
+
+CHAT = [
+    "Write a haiku about a lighthouse keeper who has never seen the sea.",
+    "Explain to a ten-year-old why the sky turns orange at sunset.",
+    "List three practical tips for keeping basil alive on a windowsill.",
+    "What is the difference between a list and a tuple in Python? Answer briefly.",
+    "Give me a short packing list for a two-day hiking trip in autumn.",
+    "Summarize the plot of a heist story set in a library, in four sentences.",
+    "How do I politely decline a meeting invitation from my manager?",
+    "Describe the smell of rain on hot asphalt in one vivid paragraph.",
+    "Suggest a name for a cat that loves sitting in cardboard boxes, and explain why.",
+    "Write a SQL query that counts orders per customer from a table named orders.",
+    "What are the main causes of inflation? Keep it under five sentences.",
+    "Translate 'the train leaves at noon' into French and Spanish.",
+    "Write a limerick about a robot learning to bake bread.",
+    "Give two arguments for and two against working from home.",
+    "How does a refrigerator keep food cold? Explain step by step.",
+    "Draft a friendly reminder email about an overdue library book.",
+]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="dvi bench serve_speed", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="smollm2")
+    p.add_argument("--kinds", default="off,suffix,separate,hybrid",
+                   help="server arms: off (speculation off) and any models.drafter_kind")
+    p.add_argument("--domains", default="code,chat")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per domain")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--set", action="append", default=[], help="extra config override for every server (key=value)")
+    p.add_argument("--json", default="bench_results/serve_speed.json")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def pip_code_prompts(tok, n: int, seed: int) -> list[list[int]]:
+    """n cuts of pip's source: the first 48-96 tokens of a function body's surroundings, ending at a line end."""
+    import random
+
+    import pip
+
+    files = sorted(Path(pip.__file__).parent.rglob("*.py"))
+    files = [f for f in files if "_vendor" not in f.parts and f.stat().st_size > 4000]
+    rng = random.Random(seed)
+    out = []
+    for f in rng.sample(files, min(len(files), 4 * n)):
+        lines = f.read_text(errors="replace").splitlines(keepends=True)
+        starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
+        if not starts:
+            continue
+        i = rng.choice(starts)
+        text = "".join(lines[max(0, i - 2): i + 12])
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) < 48:
+            continue
+        cut = len(tok.encode("".join(lines[max(0, i - 2): i + 4]), add_special_tokens=False))
+        ids = ids[: max(48, min(96, cut))]
+        out.append(ids)
+        if len(out) == n:
+            break
+    return out
+
+
+def chat_prompts(tok, n: int) -> list[list[int]]:
+    return [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
+            for c in CHAT[:n]]
+
+
+def server_arm(url: str, ids: list[int], n: int) -> dict:
+    import httpx
+
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": n, "temperature": 0}, timeout=600)
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    body = r.json()
+    d = body.get("dvi", {})
+    return {"seconds": dt, "tokens": int(body["usage"]["completion_tokens"]), "text": body["choices"][0]["text"],
+            "drafted": d.get("drafted", 0), "accepted": d.get("accepted", 0), "steps": d.get("steps"),
+            "accepted_per_position": d.get("accepted_per_position"), "drafted_per_position": d.get("drafted_per_position")}
+
+
+def hf_arm(target, tok, ids: list[int], n: int, stop: list[int], lookup: int = 0) -> dict:
+    x = torch.tensor([ids], device=target.device)
+    kw = dict(do_sample=False, max_new_tokens=n, eos_token_id=stop, pad_token_id=stop[0],
+              attention_mask=torch.ones_like(x))
+    if lookup:
+        kw["prompt_lookup_num_tokens"] = lookup
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(x, **kw)[0, len(ids):].tolist()
+    dt = time.perf_counter() - t0
+    while out and out[-1] in stop and len(out) > 1 and out[-2] in stop:  # HF pads a finished row with eos
+        out.pop()
+    return {"seconds": dt, "tokens": len(out), "text": tok.decode(out, skip_special_tokens=True)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    from dvi.config import load_config
+    from dvi.models.loading import load_embedded_pair
+    from serving.demo import ServerProcess
+    from serving.loading import ensure_pair
+
+    kinds = [k for k in args.kinds.split(",") if k]
+    domains = [d for d in args.domains.split(",") if d]
+    ensure_pair(load_config(None, [f"models.preset={args.preset}"] + [f"models.drafter_kind={k}" for k in kinds
+                                                                      if k not in ("off", "suffix")][:1]))
+    pair = load_embedded_pair(args.preset, device=args.device, dtype="auto")
+    target, tok = pair.target.eval(), pair.tokenizer
+    stop = list(getattr(pair, "stop_ids", None) or [tok.eos_token_id])
+    prompts = {"code": pip_code_prompts(tok, args.prompts, args.seed), "chat": chat_prompts(tok, args.prompts)}
+    work = Path(tempfile.mkdtemp(prefix="dvi-serve-speed-"))
+    base = [f"models.preset={args.preset}", f"models.device={args.device}", "serve.trainer=off",
+            "wandb.mode=disabled", f"serve.max_tokens_limit={max(64, args.max_tokens)}", *args.set]
+    results: dict[str, dict[str, list[dict]]] = {}
+    t_start = time.time()
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for kind in kinds:
+            d = work / kind
+            extra = ["speculation.adaptive=false", "speculation.num_draft_tokens=0"] if kind == "off" else \
+                [f"models.drafter_kind={kind}"]
+            print(f"[{kind}] starting dvi serve ...", flush=True)
+            servers[kind] = stack.enter_context(ServerProcess(
+                base + extra + [f"run_dir={d}", f"feedback.dir={d / 'feedback'}", f"registry.dir={d / 'registry'}"],
+                d / "server.log", cwd=ROOT))
+        arms = [*kinds, "hf", "lookup"]
+        for arm in arms:  # warm-up: one request each (first-call costs out of the measurement)
+            w = prompts[domains[0]][0]
+            server_arm(servers[arm].url, w, 8) if arm in servers else hf_arm(target, tok, w, 8, stop,
+                                                                            args.prompt_lookup_tokens * (arm == "lookup"))
+        for domain in domains:
+            res = results[domain] = {a: [] for a in arms}
+            for i, ids in enumerate(prompts[domain]):
+                order = arms[i % len(arms):] + arms[: i % len(arms)]
+                for arm in order:
+                    if arm in servers:
+                        res[arm].append(server_arm(servers[arm].url, ids, args.max_tokens))
+                    else:
+                        res[arm].append(hf_arm(target, tok, ids, args.max_tokens, stop,
+                                               args.prompt_lookup_tokens if arm == "lookup" else 0))
+                print(f"  {domain} {i + 1}/{len(prompts[domain])}", flush=True)
+
+    def rate(rs: list[dict]) -> float:
+        return sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+
+    rows = []
+    for domain, res in results.items():
+        hf, lookup = rate(res["hf"]), rate(res["lookup"])
+        for kind in kinds:
+            rs = res[kind]
+            drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
+            steps = sum(r["steps"] or 0 for r in rs)
+            acc = [sum((r["accepted_per_position"] or [0] * 8)[j] for r in rs) for j in range(8)]
+            dr = [sum((r["drafted_per_position"] or [0] * 8)[j] for r in rs) for j in range(8)]
+            same = sum(a["text"] == b["text"] for a, b in zip(rs, res["off"], strict=True)) if "off" in res else None
+            rows.append(dict(
+                domain=domain, kind=kind, tokens_per_s=rate(rs), hf_tokens_per_s=hf, lookup_tokens_per_s=lookup,
+                vs_hf=rate(rs) / hf, vs_lookup=rate(rs) / lookup, alpha=accepted / drafted if drafted else None,
+                drafted=drafted, tokens_per_step=(sum(r["tokens"] for r in rs) / steps) if steps else None,
+                per_position=[a / d if d else None for a, d in zip(acc, dr, strict=True)],
+                same_text_as_off=same, answers=len(rs)))
+    print(f"\nthrough dvi serve, batch 1, greedy, {args.max_tokens} tokens, {args.device}, {target.dtype}")
+    print(f"{'domain':6s} {'arm':9s} {'tok/s':>7s} {'xHF':>5s} {'xPLD':>5s} {'alpha':>6s} {'tok/step':>8s} "
+          f"{'=off':>5s}  per-position acceptance")
+    for r in rows:
+        pp = " ".join("-" if a is None else f"{a:.2f}" for a in r["per_position"][:5])
+        print(f"{r['domain']:6s} {r['kind']:9s} {r['tokens_per_s']:7.1f} {r['vs_hf']:5.2f} {r['vs_lookup']:5.2f} "
+              f"{'-' if r['alpha'] is None else format(r['alpha'], '.3f'):>6s} "
+              f"{'-' if r['tokens_per_step'] is None else format(r['tokens_per_step'], '.2f'):>8s} "
+              f"{'-' if r['same_text_as_off'] is None else str(r['same_text_as_off']) + '/' + str(r['answers']):>5s}  {pp}")
+    for domain in results:
+        print(f"{domain:6s} {'HF':9s} {rows[0]['hf_tokens_per_s'] if False else next(r['hf_tokens_per_s'] for r in rows if r['domain'] == domain):7.1f}"
+              f"   HF prompt lookup {next(r['lookup_tokens_per_s'] for r in rows if r['domain'] == domain):.1f} tok/s")
+
+    def row(domain, kind):
+        return next((r for r in rows if r["domain"] == domain and r["kind"] == kind), None)
+
+    def best(domain):
+        cands = [r for r in rows if r["domain"] == domain and r["kind"] != "off"]
+        return max(cands, key=lambda r: r["vs_hf"]) if cands else None
+
+    off_code, off_chat, b_code, b_chat = row("code", "off"), row("chat", "off"), best("code"), best("chat")
+    diffs = sum(r["answers"] - r["same_text_as_off"] for r in rows if r["same_text_as_off"] is not None)
+    goals = [
+        goal("speculation off vs HF generate (code)", off_code and off_code["vs_hf"], 1.3),
+        goal("speculation off vs HF generate (chat)", off_chat and off_chat["vs_hf"], 1.3),
+        goal(f"best kind vs HF generate (code: {b_code and b_code['kind']})", b_code and b_code["vs_hf"], 2.2),
+        goal(f"best kind vs HF prompt lookup (code: {b_code and b_code['kind']})", b_code and b_code["vs_lookup"], 1.25),
+        goal(f"best kind vs HF generate (chat: {b_chat and b_chat['kind']})", b_chat and b_chat["vs_hf"], 1.4),
+        goal("greedy answers that differ from speculation off's", float(diffs), 0.0, higher_is_better=False),
+    ]
+    for kind in kinds:
+        if kind in ("separate", "eagle", "early_exit"):
+            goals.append(goal(f"{kind} alone vs speculation off (chat)", row("chat", kind) and
+                              row("chat", kind)["tokens_per_s"] / off_chat["tokens_per_s"] if off_chat else None, 1.35))
+            goals.append(goal(f"{kind} alone vs speculation off (code)", row("code", kind) and
+                              row("code", kind)["tokens_per_s"] / off_code["tokens_per_s"] if off_code else None, 1.3))
+    if row("chat", "hybrid") and row("chat", "suffix"):
+        goals.append(goal("hybrid vs suffix alone (chat)", row("chat", "hybrid")["tokens_per_s"] /
+                          row("chat", "suffix")["tokens_per_s"], 1.15))
+    print_goals(goals)
+    out = clean_json({"benchmark": "serve_speed", "settings": vars(args) | {
+        "dtype": str(target.dtype), "machine": platform.platform(), "prompts": {d: len(p) for d, p in prompts.items()}},
+        "rows": rows, "raw": {d: {a: [{k: v for k, v in r.items() if k != "text"} for r in rs] for a, rs in res.items()}
+                               for d, res in results.items()},
+        "goals": goals, "wall_s": time.time() - t_start})
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
