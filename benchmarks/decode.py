@@ -321,13 +321,13 @@ def model_free_drafter(kind: str, target, learned, caches: list):
     from dvi.drafters.suffix import SuffixCache
 
     try:
-        from dvi.drafters.suffix_proposer import build_proposer
+        from dvi.drafters.factory import make_proposer
     except ImportError:
         raise SystemExit(f"drafter kind {kind!r} needs the engine's suffix proposers (dvi.drafters.suffix_proposer)") from None
     cache = SuffixCache()
     caches.append(cache)
     vocab = int(target.get_output_embeddings().weight.shape[0])
-    return build_proposer(kind, learned, vocab, next(target.parameters()).device, cache)
+    return make_proposer(kind, learned, vocab, next(target.parameters()).device, cache)
 
 
 def main(argv=None) -> int:

@@ -163,15 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from dvi.decode.engine import SpeculativeEngine
+    from dvi.drafters.factory import make_proposer
     from dvi.drafters.suffix import SuffixCache
-    from dvi.drafters.suffix_proposer import build_proposer
     from dvi.models.loading import load_embedded_pair
 
     t0 = time.perf_counter()
     pair = load_embedded_pair(args.preset, args.root, device="cpu", dtype="auto")
     target, tok = pair.target.eval(), pair.tokenizer
     vocab = int(target.get_output_embeddings().weight.shape[0])
-    engine = SpeculativeEngine(target, build_proposer("suffix", None, vocab, torch.device("cpu"), SuffixCache()),
+    engine = SpeculativeEngine(target, make_proposer("suffix", None, vocab, torch.device("cpu"), SuffixCache()),
                                adaptive=True, max_draft_tokens=max(WIDTHS))
     costs = verify_costs(engine)
     widths = sorted(costs)

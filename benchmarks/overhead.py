@@ -75,7 +75,7 @@ def models(width: int, dtype: torch.dtype, seed: int):
 
 
 def engine_for(kind: str, target, drafter) -> SpeculativeEngine:
-    from dvi.drafters.suffix_proposer import build_proposer
+    from dvi.drafters.factory import make_proposer
 
     if kind == "plain":
         return SpeculativeEngine(target, None, num_draft_tokens=0, adaptive=False)
@@ -83,7 +83,7 @@ def engine_for(kind: str, target, drafter) -> SpeculativeEngine:
         return SpeculativeEngine(target, drafter, num_draft_tokens=4, adaptive=False, max_draft_tokens=4)
     from dvi.config import SuffixConfig
 
-    prop = build_proposer("suffix", None, target.config.vocab_size, "cpu", settings=SuffixConfig(max_draft_tokens=4))
+    prop = make_proposer("suffix", None, target.config.vocab_size, "cpu", settings=SuffixConfig(max_draft_tokens=4))
     return SpeculativeEngine(target, prop, num_draft_tokens=4, adaptive=False, max_draft_tokens=4)
 
 
@@ -128,11 +128,11 @@ def verify_step(target, prompt: list[int], width: int, reps: int) -> dict:
     """One `suffix` step that verifies `width` positions: a prompt made of a repeated pattern, so the request's
     own suffix index proposes width - 1 drafts, and the step timed from proposal to emitted tokens."""
     from dvi.config import SuffixConfig
-    from dvi.drafters.suffix_proposer import build_proposer
+    from dvi.drafters.factory import make_proposer
 
     pattern = prompt[:40]
     rep_prompt = (pattern * (len(prompt) // len(pattern) + 2))[: len(prompt)]
-    prop = build_proposer("suffix", None, target.config.vocab_size, "cpu",
+    prop = make_proposer("suffix", None, target.config.vocab_size, "cpu",
                           settings=SuffixConfig(max_draft_tokens=width - 1))
     eng = SpeculativeEngine(target, prop, num_draft_tokens=width - 1, adaptive=False, max_draft_tokens=width - 1)
     ops, times, ks = [], [], []

@@ -41,7 +41,7 @@ def _learned(pair, a):
 
 def _engines(pair, drafter, k_cap: int, threshold: float, systems: list[str]) -> dict[str, SpeculativeEngine]:
     from dvi.config import SuffixConfig
-    from dvi.drafters.suffix_proposer import build_proposer
+    from dvi.drafters.factory import make_proposer
 
     vocab = int(pair.target.get_output_embeddings().weight.shape[0])
     sx = SuffixConfig(max_draft_tokens=k_cap, threshold=threshold)
@@ -50,7 +50,7 @@ def _engines(pair, drafter, k_cap: int, threshold: float, systems: list[str]) ->
         out["learned"] = SpeculativeEngine(pair.target, drafter, adaptive=True)
     for kind in ("suffix", "hybrid"):
         if kind in systems:
-            out[kind] = SpeculativeEngine(pair.target, build_proposer(kind, drafter, vocab, "cpu", settings=sx),
+            out[kind] = SpeculativeEngine(pair.target, make_proposer(kind, drafter, vocab, "cpu", settings=sx),
                                           adaptive=True)
     return {s: out[s] for s in systems}
 

@@ -57,7 +57,7 @@ def ensure_pair(cfg: DviConfig) -> None:
 
 def load_serving_pair(cfg: DviConfig) -> ModelPair:
     """The `ModelPair` to serve; its drafter is of `models.learned_kind` (`hybrid`: its `hybrid_kind`; `suffix`:
-    none, the engine's proposer is built from the config, `dvi.drafters.suffix_proposer.build_proposer`).
+    none, the engine's proposer is built from the config, `dvi.drafters.suffix_proposer.make_proposer`).
 
     separate: the drafter dir's HF model (reduced head if it has a draft vocabulary);
     early_exit / eagle: an `EarlyExitDrafter` / `EagleDrafter` on the loaded target
@@ -80,15 +80,13 @@ def load_serving_pair(cfg: DviConfig) -> ModelPair:
 
 
 def serving_proposer(cfg: DviConfig, pair: ModelPair):
-    """The engine's drafter: the pair's learned drafter, or for `suffix` / `hybrid` the proposer over a
-    `SuffixCache` bounded by `cfg.suffix` (hybrid: around the learned drafter). None: speculation off."""
-    from dvi.drafters.suffix_proposer import build_proposer
+    """The engine's proposer, by `models.drafter_kind` (`dvi.drafters.factory.make_proposer`): the pair's learned
+    drafter, or for `suffix` / `hybrid` the proposer over a `SuffixCache` bounded by `cfg.suffix` (hybrid: around
+    the learned drafter); kind `none` when speculation is off."""
+    from dvi.drafters.factory import make_proposer
 
     spec, m = cfg.speculation, cfg.models
-    if spec.num_draft_tokens == 0 and not spec.adaptive:
-        return None
-    if m.drafter_kind not in ("suffix", "hybrid"):
-        return pair.drafter
+    kind = "none" if spec.num_draft_tokens == 0 and not spec.adaptive else m.drafter_kind
     vocab = int(pair.target.get_output_embeddings().weight.shape[0])
     device = next(pair.target.parameters()).device
-    return build_proposer(m.drafter_kind, pair.drafter, vocab, device, settings=cfg.suffix)
+    return make_proposer(kind, pair.drafter, vocab, device, settings=cfg.suffix)

@@ -17,7 +17,7 @@ import torch
 
 from dvi.config import DviConfig
 from dvi.decode.adaptive import batch_bucket
-from dvi.decode.engine import SpeculativeEngine
+from dvi.decode.engine import EngineOptions, SpeculativeEngine
 from dvi.feedback import FeedbackWriter, Retention
 from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
@@ -121,8 +121,7 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
     return SpeculativeEngine(
         pair.target, serving_proposer(cfg, pair), num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
         max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
-        greedy_below_temperature=cfg.sampling.greedy_below_temperature,
-        cuda_graphs=cfg.serve.cuda_graphs, max_batch_size=cfg.serve.max_batch_size,
+        options=EngineOptions(cfg.sampling.greedy_below_temperature, cfg.serve.cuda_graphs, cfg.serve.max_batch_size),
     )
 
 

@@ -324,11 +324,11 @@ def test_hybrid_with_an_eagle_head_is_greedy_equal_and_logs_true_features():
     its features true (the head re-reads the kept tokens with the target's features), and every kind of step
     logs the same features the target computes."""
     from dvi.config import SuffixConfig
-    from dvi.drafters.suffix_proposer import build_proposer
+    from dvi.drafters.factory import make_proposer
 
     target = tiny("llama", seed=0)
     refs = [reference(target, p, NEW) for p in PROMPTS]
-    prop = build_proposer("hybrid", noisy_eagle(target), int(target.config.vocab_size), "cpu",
+    prop = make_proposer("hybrid", noisy_eagle(target), int(target.config.vocab_size), "cpu",
                           settings=SuffixConfig(threshold=1.0, max_draft_tokens=8))
     eng = SpeculativeEngine(target, prop, num_draft_tokens=3)
     for _ in range(2):  # the second pass drafts mostly from the first one's outputs

@@ -355,11 +355,11 @@ def test_suffix_and_hybrid_greedy_equal_hf_generate(kind):
     """Suffix drafts (point masses) keep greedy output equal at batch 1 and ragged batches; a second pass over
     the same prompts drafts from the finished outputs (the global index) and accepts most of them."""
     from dvi.config import SuffixConfig
-    from dvi.drafters.suffix_proposer import build_proposer
+    from dvi.drafters.factory import make_proposer
 
     target = tiny("llama", seed=0)
     refs = [reference(target, p, NEW) for p in PROMPTS]
-    prop = build_proposer(kind, perturbed(target), VOCAB, "cpu", settings=SuffixConfig(threshold=2.0, max_draft_tokens=12))
+    prop = make_proposer(kind, perturbed(target), VOCAB, "cpu", settings=SuffixConfig(threshold=2.0, max_draft_tokens=12))
     eng = SpeculativeEngine(target, prop, num_draft_tokens=3)
     first = [eng.generate([p], NEW)[0] for p in PROMPTS]  # batch 1: nothing finished yet for the first prompt
     for p, ref, r in zip(PROMPTS, refs, first, strict=True):

@@ -403,13 +403,13 @@ def test_point_mass_accept_equals_rejection_with_one_hot_q():
 def _suffix(kind: str, drafter=None):
     """A suffix / hybrid proposer whose global index already continues PROMPT (so step 1 drafts from it)."""
     from dvi.config import SuffixConfig
+    from dvi.drafters.factory import make_proposer
     from dvi.drafters.suffix import SuffixCache
-    from dvi.drafters.suffix_proposer import build_proposer
 
     cache = SuffixCache()
     for i, seq in enumerate([[1, 2, 3, 5, 6, 7], [1, 2, 3, 5, 6, 1], [2, 3, 4, 4, 0], [4, 5, 0, 0, 0]]):
         cache.add_finished(f"seed{i}", seq)
-    return build_proposer(kind, drafter, 8, "cpu", cache, SuffixConfig(threshold=1.5, max_draft_tokens=4, min_prob=0.05))
+    return make_proposer(kind, drafter, 8, "cpu", cache, SuffixConfig(threshold=1.5, max_draft_tokens=4, min_prob=0.05))
 
 
 @pytest.mark.parametrize("kind", ["suffix", "hybrid"])

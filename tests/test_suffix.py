@@ -130,16 +130,16 @@ def test_outputs_of_older_target_versions_decay():
     def finish(rid: str, out: list[int]) -> None:
         cache.start(rid, prompt)
         sp.rids = [rid]
-        sp.close_row(0, SimpleNamespace(req=SimpleNamespace(prompt_ids=prompt), res=SimpleNamespace(token_ids=out)),
-                     keep=True)
+        sp.release([(0, SimpleNamespace(req=SimpleNamespace(prompt_ids=prompt), res=SimpleNamespace(token_ids=out)),
+                     True)], [])
 
     finish("old-a", [7, 8, 9])
     finish("old-b", [7, 8, 9])
-    sp.target_updated(1)
+    sp.rebuild([], target_version=1)
     finish("new", [5, 6, 4])
     cache.start("next", prompt)
     assert cache.propose("next", 4, min_prob=0.01).tokens[:1] == [5]  # 2 x 0.25 < 1
-    sp.target_updated(1)  # idempotent
+    sp.rebuild([], target_version=1)  # idempotent
     assert cache.propose("next", 4, min_prob=0.01).tokens[:1] == [5]
 
 
@@ -168,14 +168,17 @@ def test_goodput_guard_stops_drafting_that_measures_slower():
     assert g.allow(16)
 
 
-def test_no_drafter_proposes_nothing_and_says_why():
-    """Without a drafter the engine plans K = 0; a request for drafts is a contract error that says so."""
+def test_no_drafter_proposes_nothing():
+    """Without a drafter (kind `none`) every step is a plain step: the proposer's draft has width 0 and carries the
+    one uniform per row a sampled token needs."""
     import torch
 
-    from dvi.drafters.proposers import NoProposer, Plan
+    from dvi.drafters.factory import make_proposer
 
-    with pytest.raises(ValueError, match="has no drafter: K must be 0"):
-        NoProposer(8, torch.device("cpu")).propose(Plan(), 0, 2, None, None)
+    calls = []
+    d = make_proposer("none", None, 8, "cpu").propose([object(), object()], [4, 4], None,
+                                                      lambda n: calls.append(n) or torch.zeros(2, n), None)
+    assert d.width == 0 and d.lens == [0, 0] and calls == [1]
 
 
 def test_hybrid_bar_falls_to_what_the_learned_drafter_delivers():
@@ -186,24 +189,26 @@ def test_hybrid_bar_falls_to_what_the_learned_drafter_delivers():
     import torch
     from tiny_models import tiny_llama
 
+    from dvi.drafters.factory import proposer_for_drafter
+    from dvi.drafters.hybrid_proposer import HybridProposer
     from dvi.drafters.learned import SeparateDrafter
-    from dvi.drafters.proposers import Draft, model_proposer
+    from dvi.drafters.proposer import Draft
     from dvi.drafters.suffix import SuffixCache
-    from dvi.drafters.suffix_proposer import HybridProposer, SuffixProposer
+    from dvi.drafters.suffix_proposer import SuffixProposer
 
     cache = SuffixCache()
     cache.add_finished("done", [1, 2, 3, 7, 8, 9])
     sp = SuffixProposer(cache, 64, torch.device("cpu"), max_tokens=4)
-    hy = HybridProposer(model_proposer(SeparateDrafter(tiny_llama(seed=1)), 64, torch.device("cpu")), sp,
+    hy = HybridProposer(proposer_for_drafter(SeparateDrafter(tiny_llama(seed=1)), 64, torch.device("cpu")), sp,
                         threshold=100.0)
     seqs = [SimpleNamespace(req=SimpleNamespace(request_id="r", prompt_ids=[5, 1, 2, 3]))]
-    hy.admit(seqs, None)
-    assert hy.bar == 100.0 and not hy.plan(seqs, [4]).suffix  # nothing clears a bar of 100
+    hy.join(seqs, None)
+    assert hy.bar == 100.0 and not hy.choose([4])[0]  # nothing clears a bar of 100
     # the learned drafter drafted 3 tokens and the target kept none of them: it emitted 7
-    hy.observe(Draft(torch.zeros(1, 3, dtype=torch.long), None, [3], ["model"], [False]), [0], [[7]], None)
+    hy.observe(Draft(torch.zeros(1, 3, dtype=torch.long), None, [3], ["model"], None), [0], [[7]], None)
     assert hy.model_gain == 0.0 and hy.bar == 0.0
-    plan = hy.plan(seqs, [4])
-    assert list(plan.suffix) == [0] and plan.model_rows == [] and plan.suffix[0].tokens[:2] == [8, 9]
+    chosen, model_rows = hy.choose([4])
+    assert list(chosen) == [0] and model_rows == [] and chosen[0].tokens[:2] == [8, 9]
 
 
 def test_a_refused_batch_size_does_no_suffix_lookups():
@@ -213,12 +218,12 @@ def test_a_refused_batch_size_does_no_suffix_lookups():
     from tiny_models import tiny_llama
 
     from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
+    from dvi.drafters.factory import make_proposer
     from dvi.drafters.suffix import SuffixCache
-    from dvi.drafters.suffix_proposer import build_proposer
 
     target = tiny_llama(seed=0, vocab_size=64)
     cache = SuffixCache()
-    eng = SpeculativeEngine(target, build_proposer("suffix", None, 64, "cpu", cache), adaptive=True)
+    eng = SpeculativeEngine(target, make_proposer("suffix", None, 64, "cpu", cache), adaptive=True)
     for _ in range(4):  # measured: drafting 3 tokens/s/row, plain 5
         eng.suffix_guard.observe(4, True, 12, 1.0)
         eng.suffix_guard.observe(4, False, 20, 1.0)

@@ -182,12 +182,13 @@ class RLRun:
     def _build_engine(self) -> None:
         """The speculative engine (no drafter in the plain arm), its costs calibrated up front."""
         from dvi.decode.engine import SpeculativeEngine
-        from dvi.drafters.suffix_proposer import build_proposer
+        from dvi.drafters.factory import make_proposer
         from dvi.rollout import RolloutEngine
 
         cfg = self.cfg
         vocab = int(self.target.get_output_embeddings().weight.shape[0])
-        drafter = build_proposer(cfg.arm, self.drafter, vocab, "cpu")  # frozen / online: the drafter as is
+        kind = {"plain": "none", "frozen": "separate", "online": "separate"}.get(cfg.arm, cfg.arm)
+        drafter = make_proposer(kind, self.drafter, vocab, "cpu")  # frozen / online: the drafter as is
         self.engine = SpeculativeEngine(
             self.target, drafter=drafter, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
             max_draft_tokens=max(cfg.max_draft_tokens, cfg.num_draft_tokens),

@@ -80,7 +80,7 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
 
 
 def count_drafts(res: GenerationResult, k: int, n: int, source: str | None = None) -> None:
-    """A step with K > 0 drafts of `source` (a `dvi.drafters.proposers.SOURCES` entry), n of them accepted, on the
+    """A step with K > 0 drafts of `source` (a `dvi.drafters.proposer.SOURCES` entry), n of them accepted, on the
     row's acceptance counts (also per source: [steps, drafted, accepted])."""
     if source is not None:
         c = res.by_source.setdefault(source, [0, 0, 0])

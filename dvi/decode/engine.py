@@ -1,20 +1,21 @@
 """Lossless batched speculative decoding engine with a step-level API for continuous batching.
 
 One step for all active rows (`SpeculativeEngine._spec_step`, one method per phase):
-  1. choose K (`_choose_k`: fixed, or `dvi.decode.adaptive.AdaptiveK` from calibrated costs; K = 0 is plain decoding);
-  2. draft (`_draft`): K drafter forwards propose d_1..d_K per row (batch-wide K);
-  3. verify (`_verify`): the target scores [last token, d_1..d_K] for every row in ONE forward (K + 1 positions);
-  4. accept (`_accept`): per row, greedy exact match or Leviathan/Chen rejection sampling (lossless at any
+  1. draft (`proposer.propose`): the drafter kind's `dvi.drafters.proposer.Proposer` proposes each row's drafts and
+     prices their number itself (`dvi.decode.pricing`: fixed K, or adaptive K from calibrated costs); a draft of
+     width 0 is a plain step;
+  2. verify (`_verify`): the target scores [last token, d_1..d_K] for every row in ONE forward (K + 1 positions,
+     `dvi.decode.target`);
+  3. accept (`_accept`): per row, greedy exact match or Leviathan/Chen rejection sampling (lossless at any
      temperature, `dvi.decode.sampling`): n drafts kept and the target's token after them;
-  5. roll back (`_roll_back`): both KV caches drop the rejected slots (`dvi.decode.kv.RaggedKV`: holes + per-row
-     positions, compaction);
-  6. emit (`_emit`, `dvi.decode.emit`): the n + 1 tokens onto each row's result; finished rows leave the batch.
+  4. the step's one device -> host transfer (`dvi.decode.emit.emitted`), then the target keeps [last, d_1..d_n];
+  5. emit (`_emit`): the n + 1 tokens onto each row's result; finished rows leave the batch.
 
-Invariant between steps, per row: the target cache holds every token except the last emitted one
-(`_last`). The draft state of a row (a drafter's cache and the tokens it lacks, eagle features, suffix match
-state) belongs to the drafter kind's `dvi.drafters.proposers.Proposer`, which the engine asks for drafts and tells what
-was accepted; the engine has no branch per kind. K = 0 is plain decoding through the same path. Elsewhere,
-by job: results `dvi.decode.results`, rows `dvi.decode.seq`, calibration `dvi.decode.calibration_rows`.
+Invariant between steps, per row: the target cache holds every token except the last emitted one (`_last`).
+A row's draft state (a drafter's cache and the tokens it lacks, eagle features, suffix match state) belongs
+to its proposer, which the engine asks for drafts and tells what was accepted; the engine has no branch per
+kind. Elsewhere, by job: results `dvi.decode.results`, rows `dvi.decode.seq`, calibration
+`dvi.decode.calibration_rows`.
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.decode.acceptance import AcceptanceTracker
-from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
 from dvi.decode.calibration_rows import CalibrationSetup, calibrate_bucket
 from dvi.decode.emit import Emitted, append_tokens, count_drafts, emitted
+from dvi.decode.pricing import KPolicy
 from dvi.decode.request import (
     InvalidParam,
     Request,
@@ -51,12 +51,24 @@ from dvi.decode.sampling import (
 )
 from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
 from dvi.decode.target import TargetRunner, target_runner
+from dvi.drafters.factory import swapped
 from dvi.drafters.learned import Drafter
-from dvi.drafters.proposers import Draft, NoProposer, Plan, Proposer, model_proposer
+from dvi.drafters.proposer import Draft, Proposer
 from dvi.drafters.vocab import fit_vocab
 from dvi.models.loading import check_target_state_dict, load_state_dict
 
-__all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "InvalidParam", "Versions"]
+__all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "EngineOptions",
+           "InvalidParam", "Versions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How a server runs the engine: temperatures below `greedy_below_temperature` are served as greedy (logits /
+    1e-45 overflow); on CUDA the target's forwards replay graphs captured for up to `max_batch_size` rows."""
+
+    greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE
+    cuda_graphs: bool = True
+    max_batch_size: int = 16
 
 
 class SpeculativeEngine:
@@ -71,9 +83,7 @@ class SpeculativeEngine:
         max_draft_tokens: int = 8,
         feedback_top_k: int = 0,
         versions: Versions = Versions(),
-        greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE,
-        cuda_graphs: bool = True,
-        max_batch_size: int = 16,
+        options: EngineOptions = EngineOptions(),
     ):
         validate_engine_limits(num_draft_tokens, max_draft_tokens, feedback_top_k)
         self.target = target.eval()
@@ -87,23 +97,16 @@ class SpeculativeEngine:
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = bool(adaptive)
         self.feedback_top_k = feedback_top_k
-        self.greedy_below_temperature = float(greedy_below_temperature)
+        self.greedy_below_temperature = float(options.greedy_below_temperature)
         self.target_version, self.drafter_version = int(versions.target), int(versions.drafter)
         self._waiting: list[Seq] = []
         self._seqs: list[Seq] = []
-        self.proposer: Proposer = model_proposer(None, self.vocab_size, self.device)
+        self.proposer: Proposer = Proposer(self.vocab_size, self.device)
         self._set_drafter(drafter)
         # after the proposer: the widest verify (k_cap + 1) sizes the captured graphs
-        self._target: TargetRunner = target_runner(self.target, max_width=self.k_cap + 1, graphs=cuda_graphs,
-                                                   max_batch=max_batch_size, max_context=self.max_context)
-        self._plan = Plan()
-        self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
-        self.suffix_guard = GoodputGuard()  # suffix drafts' measured goodput vs plain steps (adaptive)
-        self.costs = CostModel()  # online step timings (reporting); K is chosen from calibrated costs
-        self.acceptance = AcceptanceTracker()
-        # Adaptive K optimises the completion of the current batch (its slowest row) when True, plain
-        # throughput when False (a server that backfills finished rows continuously may prefer False).
-        self.drain_aware = True
+        self._target: TargetRunner = target_runner(self.target, max_width=self.k_cap + 1, graphs=options.cuda_graphs,
+                                                   max_batch=options.max_batch_size, max_context=self.max_context)
+        self.k_policy = KPolicy(adaptive, num_draft_tokens, max_draft_tokens, self._calibrate)
         self.last_k = 0
         self.tokens_emitted = self.tokens_speculated = 0  # since construction (`_count_tokens`)
         self.suffix_step_seconds: list[float] = []  # the suffix tree's host work per step (drained by /metrics)
@@ -112,6 +115,20 @@ class SpeculativeEngine:
         self._target_dirty = self._drafter_dirty = False
         self._gen_calls = 0
         self._refresh_params()
+
+    # the K policy's parts, for callers that read or tune them
+    controller = property(lambda self: self.k_policy.controller)
+    costs = property(lambda self: self.k_policy.costs)
+    suffix_guard = property(lambda self: self.k_policy.suffix_guard)
+    acceptance = property(lambda self: self.k_policy.acceptance)
+
+    @property
+    def drain_aware(self) -> bool:
+        return self.k_policy.drain_aware
+
+    @drain_aware.setter
+    def drain_aware(self, on: bool) -> None:
+        self.k_policy.drain_aware = bool(on)
 
     # ------------------------------------------------------------------ public API
     def add_request(self, request: Request) -> None:
@@ -148,8 +165,7 @@ class SpeculativeEngine:
                 return self._finish_aborted(s)
         for i, s in enumerate(self._seqs):
             if s.req.request_id == request_id:
-                self.proposer.close_row(i, s, keep=False)
-                self._remove_rows([i])
+                self._remove_rows([(i, s, False)])
                 return self._finish_aborted(s)
         return None
 
@@ -190,11 +206,8 @@ class SpeculativeEngine:
         with torch.no_grad():
             self.target.load_state_dict(sd, strict=False)
         self.target_version = int(version)
-        self.proposer.target_updated(self.target_version)
-        self._target_dirty = True
+        self._target_dirty = True  # the proposer learns the new version at the next step (`_rebuild`)
         self.acceptance.reset()
-        if self.drafter is not None and self.drafter.shares_weights_with_target():
-            self._drafter_dirty = True
 
     def generate(
         self,
@@ -233,10 +246,8 @@ class SpeculativeEngine:
         """One draft + verify for all active rows (new requests are prefilled and joined first)."""
         outs, self._outbox = self._outbox, []
         with torch.inference_mode():
-            if self._target_dirty:
-                self._rebuild_target()
-            if self._drafter_dirty:
-                self._rebuild_drafter()
+            if self._target_dirty or self._drafter_dirty:
+                self._rebuild()
             if self._waiting:
                 self._admit()
             if self._seqs:
@@ -249,7 +260,7 @@ class SpeculativeEngine:
     def _set_drafter(self, drafter) -> None:
         """A Proposer replaces the current one; a drafter model (or None) goes to the current proposer's kind."""
         old, had = self.proposer, self.proposer.needs_features
-        new = drafter if isinstance(drafter, Proposer) else old.with_drafter(drafter)
+        new = drafter if isinstance(drafter, Proposer) else swapped(old, drafter)
         d = new.drafter
         if d is not None and d.vocab_size < self.vocab_size:
             raise ValueError(
@@ -263,80 +274,75 @@ class SpeculativeEngine:
         self.proposer = new
 
     def _refresh_params(self) -> None:
-        self._p = BatchParams.of(self._seqs, self.device, self.vocab_size)
+        self.params = BatchParams.of(self._seqs, self.device, self.vocab_size)
 
     def _admit(self) -> None:
         new, self._waiting = self._waiting, []
         feats = self._target.admit([list(s.req.prompt_ids[:-1]) for s in new], self.proposer.needs_features)
-        self.proposer.admit(new, feats)
+        self.proposer.join(new, feats)
         last = torch.tensor([int(s.req.prompt_ids[-1]) for s in new], dtype=torch.long, device=self.device)
         self._last = torch.cat([self._last, last])
         self._seqs.extend(new)
         self._refresh_params()
 
-    def _remove_rows(self, rows: list[int]) -> None:
-        drop = set(rows)
+    def _remove_rows(self, leaving: list[tuple[int, Seq, bool]]) -> None:
+        """Rows (i, seq, learn) leave: learn, they finished (their output may be learned from); else aborted."""
+        drop = {i for i, _, _ in leaving}
         keep = [i for i in range(len(self._seqs)) if i not in drop]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._target.select_rows(keep)
-        self.proposer.select_rows(keep, idx)
+        self.proposer.release(leaving, keep)
         self._last = self._last.index_select(0, idx)
         self._seqs = [self._seqs[i] for i in keep]
         self._refresh_params()
 
     def _finish_aborted(self, s: Seq) -> GenerationResult:
-        """An aborted row's result into the next step's outputs (its proposer row already closed)."""
+        """An aborted row's result into the next step's outputs (its proposer row already released)."""
         self._outbox.append(StepOutput(s.req.request_id, [], True, self._close(s, "abort")))
         return s.res
 
     def _close(self, s: Seq, reason: str) -> GenerationResult:
         return s.close(reason, Versions(self.target_version, self.drafter_version))
 
-    def _rebuild_target(self) -> None:
-        self._target_dirty = False
-        feats = self._target.rebuild([s.tokens()[:-1] for s in self._seqs], self.proposer.needs_features)
-        if feats is not None:
-            self.proposer.set_features(feats)
-
-    def _rebuild_drafter(self) -> None:
-        self._drafter_dirty = False
-        self.proposer.rebuild(self._seqs)
+    def _rebuild(self) -> None:
+        """New target weights (the target's cache recomputed) and / or a new drafter: the proposer catches up."""
+        feats, version = None, None
+        if self._target_dirty:
+            feats = self._target.rebuild([s.tokens()[:-1] for s in self._seqs], self.proposer.needs_features)
+            version = self.target_version
+        self.proposer.rebuild(self._seqs, feats, version, drafter_changed=self._drafter_dirty)
+        self._target_dirty = self._drafter_dirty = False
 
     # ------------------------------------------------------------------ the speculative step
     def _spec_step(self) -> list[StepOutput]:
-        """choose K -> draft -> verify -> accept -> roll back -> emit, then timings and finished rows out."""
+        """draft -> verify -> accept -> one transfer -> keep -> emit, then timings and finished rows out."""
         b = len(self._seqs)
-        k, k_model = self._choose_k(b)
-        self.last_k = k
         t0 = time.perf_counter()
-        u = self._uniforms(2 * k + 1)  # [B, 2K + 1]: K draft samples, K accept tests, 1 resample; None if greedy
-        draft = self._draft(k_model, k, u) if k > 0 else None  # ids [B, K], q [B, K, V] or None
+        caps = [s.remaining - 1 for s in self._seqs]  # drafts past a row's token budget would be thrown away
+        draft = self.proposer.propose(self._seqs, caps, self.k_policy.for_step(self._seqs), self._uniforms,
+                                      self.params)
+        k = self.last_k = draft.width
         t1 = time.perf_counter()
         logits, feats = self._verify(draft)  # [B, K + 1, V_head], features [B, K + 1, H] or None
         t_fwd = time.perf_counter()
         logits = fit_vocab(logits, self.vocab_size)  # [B, K + 1, V]
-        n, nxt = self._accept(draft, self._p.transform(logits, draft and draft.ids), u)  # [B], [B]
-        e = emitted(None if draft is None else draft.ids, n, nxt, logits, self._p.temp, self._p.all_t1,
+        n, nxt = self._accept(draft, self.params.transform(logits, draft.ids if k else None))  # [B], [B]
+        e = emitted(draft.ids if k else None, n, nxt, logits, self.params.temp, self.params.all_t1,
                     self.feedback_top_k)  # the step's one device -> host transfer
         self._last = nxt
         self._target.keep(k + 1, [x + 1 for x in e.n])  # [last, d_1..d_n] of the K + 1 new entries stay
         outs, finished = self._emit(draft, e, feats)
         t2 = time.perf_counter()
-        self._record_costs(b, k, k_model, t1 - t0, t2 - t1, t2 - t_fwd)
         n_new = sum(len(o.new_token_ids) for o in outs)
         self._count_tokens(k, n_new)
         if finished:
             self._remove_rows(finished)
         self._target.tidy(k > 0)
-        self.proposer.maybe_compact()
-        sec = self.proposer.step_seconds  # the suffix tree's host work this step, for /metrics (bounded)
+        sec = draft.lookup_seconds  # history lookups' host work this step, for /metrics (bounded)
         if sec is not None and len(self.suffix_step_seconds) < 4096:
             self.suffix_step_seconds.append(float(sec))
-        dt = time.perf_counter() - t0
-        if self.adaptive and not self._plan.suffix and not (k_model > 0 and self.proposer.last_catchup):
-            self.controller.observe_step(b, k, n_new, dt)
-        if self.adaptive and sec is not None and not k_model:
-            self.suffix_guard.observe(b, k > 0, n_new, dt)
+        self.k_policy.observe(draft, b, t1 - t0, t2 - t1, t2 - t_fwd, n_new, time.perf_counter() - t0,
+                              self.device.type == "cpu")
         return outs
 
     def _count_tokens(self, k: int, n: int) -> None:
@@ -345,95 +351,54 @@ class SpeculativeEngine:
         if k > 0:
             self.tokens_speculated += n
 
-    def _choose_k(self, batch: int) -> tuple[int, int]:
-        """This step's verify width K (batch-wide) and the learned drafter's k_model <= K: the proposer plans
-        which rows draft from where; model rows' K is fixed or adaptive (calibrated costs, row alphas), suffix
-        rows' the length of their proposals (adaptive: priced at zero draft cost against the verify cost)."""
-        cap = [s.remaining - 1 for s in self._seqs]  # drafts past a row's token budget would be thrown away
-        # suffix drafts measured slower than plain steps at this batch size: no lookups either (hybrid: all model rows)
-        lookups = not (self.adaptive and batch > 2 and self.proposer.step_seconds is not None
-                       and not self.suffix_guard.allow(batch))
-        plan = self._plan = self.proposer.plan(self._seqs, cap, suffix=lookups)
-        k_model = self._model_k(batch, plan.model_rows) if plan.model_rows else 0
-        k_suffix = self._suffix_k(batch, plan) if plan.suffix else 0
-        k = max(0, min(max(k_model, k_suffix), max(cap)))
-        return k, min(k_model, k)
-
-    def _model_k(self, batch: int, rows: list[int]) -> int:
-        if not self.adaptive:
-            return self.num_draft_tokens
-        if self.controller.needs_calibration(batch):
-            self._calibrate(batch)
-        est = self.acceptance.estimate
-        seqs = [self._seqs[i] for i in rows]
-        alphas = [est(s.acc, s.req.domain) for s in seqs]
-        rem = [s.remaining for s in seqs] if self.drain_aware and batch > 1 else None
-        return self.controller.choose(batch, alphas, rem, self.proposer.pending_tokens)
-
-    def _suffix_k(self, batch: int, plan: Plan) -> int:
-        longest = max(len(p.tokens) for p in plan.suffix.values())
-        if not self.adaptive:
-            return longest
-        if self.controller.needs_calibration(batch):
-            self._calibrate(batch)
-        b = batch_bucket(batch)
-        over = self.controller.step_overhead.get(b, 0.0)
-        return choose_point_k([list(p.probs) for p in plan.suffix.values()], batch,
-                              lambda k: self.controller.costs.verify_cost(b, k) + over, longest, self.controller.margin)
-
     def _uniforms(self, n: int) -> torch.Tensor | None:
         """Per-row uniforms [B, n] from each request's own generator (greedy rows: zeros, unused)."""
-        if self._p.all_greedy:
+        if self.params.all_greedy:
             return None
-        rows = [g_rand(g, n) for g in self._p.gens]
+        rows = [g_rand(g, n) for g in self.params.gens]
         return torch.stack(rows).to(self.device)
 
-    def _draft(self, k_model: int, k: int, u: torch.Tensor | None) -> Draft:
-        """The proposer's drafts for the plan: ids [B, K], q [B, K, V] (sampled model drafts) or None; u [B, 2K + 1]."""
-        return self.proposer.propose(self._plan, k_model, k, u, self._p)
-
-    def _verify(self, draft: Draft | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _verify(self, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target scores [last token, d_1..d_K] of every row in one forward (K + 1 positions): logits
         [B, K + 1, V_head] and, when the proposer reads them (eagle), the features [B, K + 1, H]."""
         ids = self._last.unsqueeze(1)  # [B, 1]
-        if draft is not None:
+        if draft.width:
             ids = torch.cat([ids, draft.ids], 1)  # [B, K + 1]
         if self.proposer.needs_features:
             return self._target.forward(ids, True)
         return self._target.forward(ids, False), None
 
-    def _accept(self, draft: Draft | None, logits: torch.Tensor, u: torch.Tensor | None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _accept(self, draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row, the drafts kept (n [B]) and the target's token after them (nxt [B]), judged against the
-        penalized `logits`: greedy exact match, or rejection sampling with u[:, K:2K] (tests) and u[:, 2K]
-        (resample); suffix drafts are point masses (`point_mass_accept`); short rows get the bonus there."""
-        k = 0 if draft is None else draft.ids.shape[1]
+        penalized `logits`: greedy exact match, or rejection sampling with the draft's uniforms (K accept tests,
+        then one resample); history drafts are point masses (`point_mass_accept`); short rows get the bonus there."""
+        k, u = draft.width, draft.u
         lens = torch.tensor(draft.lens, device=self.device) if k and draft.ragged else None  # [B]
-        if self._p.all_greedy:
+        if self.params.all_greedy:
             if k > 0:
                 return greedy_accept(draft.ids, logits, lens)
             nxt = logits[:, 0].argmax(-1)  # [B]
             return torch.zeros_like(nxt), nxt
-        p = warp_probs(logits, self._p.temp, self._p.top_k, self._p.top_p)  # [B, K + 1, V]
+        p = warp_probs(logits, self.params.temp, self.params.top_k, self.params.top_p)  # [B, K + 1, V]
         if k > 0:
-            ua, us = u[:, k : 2 * k], u[:, 2 * k]
+            tests, resample = u[:, k : 2 * k], u[:, 2 * k]
             if draft.q is None:
-                return point_mass_accept(draft.ids, p, ua, us, lens)
+                return point_mass_accept(draft.ids, p, tests, resample, lens)
             if lens is None:
-                return rejection_accept(draft.ids, draft.q, p, ua, us)
-            return rejection_accept(draft.ids, draft.q, p, ua, us, lens)
+                return rejection_accept(draft.ids, draft.q, p, tests, resample)
+            return rejection_accept(draft.ids, draft.q, p, tests, resample, lens)
         nxt = sample_from(p[:, 0], u[:, 0])  # [B]
         return torch.zeros_like(nxt), nxt
 
-    def _emit(self, draft: Draft | None, e: Emitted, feats: torch.Tensor | None) -> tuple[list[StepOutput], list[int]]:
+    def _emit(self, draft: Draft, e: Emitted, feats: torch.Tensor | None,
+              ) -> tuple[list[StepOutput], list[tuple[int, Seq, bool]]]:
         """Emitted tokens onto each row's result and acceptance estimate, and to the proposer; rows that hit a
-        stop token or their budget are closed. Returns the outputs and the finished rows."""
+        stop token or their budget are closed. Returns the outputs and the finished rows (i, seq, True)."""
         outs: list[StepOutput] = []
         done: list[tuple[int, str]] = []
         news: list[list[int]] = []
         for i, s in enumerate(self._seqs):
-            ni, ki = e.n[i], (draft.lens[i] if draft is not None else 0)
-            src = draft.sources[i] if draft is not None else None
+            ni, ki, src = e.n[i], draft.lens[i], draft.sources[i]
             s.res.num_steps += 1
             if ki > 0:
                 count_drafts(s.res, ki, ni, src)
@@ -445,29 +410,17 @@ class SpeculativeEngine:
             if reason is not None:
                 done.append((i, reason))
             outs.append(StepOutput(s.req.request_id, new, reason is not None, s.res if reason else None))
-        self.acceptance.end_step(draft.ids.shape[1] if draft is not None else 0)
+        self.acceptance.end_step(draft.width)
         self.proposer.observe(draft, e.n, news, feats)
         for i, reason in done:
-            self.proposer.close_row(i, self._seqs[i], keep=True)
             self._close(self._seqs[i], reason)
-        return outs, [i for i, _ in done]
-
-    def _record_costs(self, b: int, k: int, k_model: int, t_draft: float, t_verify: float, t_host: float) -> None:
-        """Online timings of the step (reporting) and, on CPU, the host work per step the controller adds;
-        k the verify width, k_model the learned drafter's forwards (t_draft also holds suffix lookups: tiny)."""
-        self.costs.record_verify(b, k, t_verify)
-        if self.adaptive and self.device.type == "cpu":
-            # On CPU the verify forward is synchronous, so t_host is the step's host work after it (on CUDA
-            # it would include the kernels the first .tolist() waits for).
-            self.controller.observe_host_work(b, t_host, self.costs)
-        if k_model > 0 and not self.proposer.last_catchup:  # a drafter catch-up is not a typical draft cost
-            self.costs.record_draft(b, t_draft / k_model)
+        return outs, [(i, self._seqs[i], True) for i, _ in done]
 
     # ------------------------------------------------------------------ cost calibration (dvi.decode.adaptive.calibrate)
     def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
         """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket, on dummy rows
         with their own caches (in-flight requests are untouched); adaptive K calls it lazily per new bucket."""
-        if self.k_cap == 0 or isinstance(self.proposer, NoProposer):
+        if self.k_cap == 0 or self.proposer.kind == "none":
             return
         with torch.inference_mode():
             for b in batch_sizes:

@@ -111,15 +111,15 @@ class SlotCache:
         self.frozen = False  # a captured CUDA graph holds this cache's address: it may not move
         self._alloc(max(1, slots), max(16, capacity))
 
-    @torch.inference_mode()
     def _alloc(self, slots: int, capacity: int) -> None:
         old = getattr(self, "kv", None)
-        self.kv = torch.zeros(self.layers, slots, capacity, 2, self.kv_heads, self.head_dim, dtype=self.dtype,
-                              device=self.device)
-        if old is not None and self.lengths:
-            b, n = len(self.lengths), max(self.lengths)
-            self.kv[:, :b, :n].copy_(old[:, :b, :n])
-        self.per_layer = self.kv.unbind(0)  # [slots, capacity, 2, kv_heads, head_dim] each, for index_put_
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor: updatable in and out of inference mode
+            self.kv = torch.zeros(self.layers, slots, capacity, 2, self.kv_heads, self.head_dim, dtype=self.dtype,
+                                  device=self.device)
+            if old is not None and self.lengths:
+                b, n = len(self.lengths), max(self.lengths)
+                self.kv[:, :b, :n].copy_(old[:, :b, :n])
+            self.per_layer = self.kv.unbind(0)  # [slots, capacity, 2, kv_heads, head_dim] each, for index_put_
 
     @property
     def slots(self) -> int:
@@ -167,7 +167,7 @@ class SlotCache:
     def truncate(self, lengths: list[int]) -> None:
         self.lengths = [int(x) for x in lengths]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def select_rows(self, keep: list[int]) -> None:
         """Only rows `keep` stay, in that order, in slots 0..len(keep)-1 (moved rows are copied)."""
         n = max((self.lengths[i] for i in keep), default=0)
@@ -237,6 +237,7 @@ class LeanModel:
         shape = (n, self.heads + 2 * self.kv_heads, 2, self.head_dim // 2)
         return self.cos.index_select(0, pos).view(shape), self.sin.index_select(0, pos).view(shape)
 
+    @torch.no_grad()
     def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
                 logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
                 pick: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

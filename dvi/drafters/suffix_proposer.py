@@ -1,17 +1,15 @@
-"""The `suffix` and `hybrid` proposers (`dvi.drafters.proposers` interface) over a `dvi.drafters.suffix.SuffixCache`.
+"""`suffix` (SuffixDecoding, arXiv 2411.04975): drafts from history, over a `dvi.drafters.suffix.SuffixCache`.
 
-`suffix` (SuffixDecoding, arXiv 2411.04975): per row, the continuation that followed the longest match of
-its context's suffix, in the row's own prompt + output or in recently finished outputs; no model pass, so a
-long draft is almost free. A proposal is a point mass: the engine accepts draft x with probability p(x) and
-after a rejection samples from p with x removed (`dvi.decode.sampling.point_mass_accept`), lossless at any
-temperature. `hybrid`: per row and step the suffix proposal when its score clears `threshold`, else the
-learned drafter (`separate`, `eagle` or `early_exit`, a `dvi.drafters.proposers` proposer it wraps).
+Per row, the continuation that followed the longest match of its context's suffix, in the row's own prompt +
+output or in recently finished outputs; no model pass, so a long draft is almost free. A proposal is a point
+mass: the engine accepts draft x with probability p(x) and after a rejection samples from p with x removed
+(`dvi.decode.sampling.point_mass_accept`), lossless at any temperature.
 
-Every finished row's output joins the cache's global index at once (`close_row`), with the last `prompt_tail`
+Every finished row's output joins the cache's global index at once (`release`), with the last `prompt_tail`
 tokens of its prompt in front, so a later request with the same prompt (an RL prompt's next samples, its
 siblings still running, a repeated agent call) drafts its first tokens from it too. When the target's weights
-change (`target_updated`, RL), outputs of older versions decay: weight `version_decay ** age`. The time spent
-on lookups and appends is counted (`stats()["seconds"]`, on /metrics).
+change (`rebuild` with a new target version, RL), outputs of older versions decay: weight
+`version_decay ** age`. The time spent on lookups and appends is counted (`stats()["seconds"]`, on /metrics).
 """
 
 from __future__ import annotations
@@ -22,15 +20,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.drafters.proposers import Draft, Plan, Proposer
+from dvi.drafters.proposer import Draft, Pricing, Proposer, Uniforms
 
 if TYPE_CHECKING:
-    from dvi.config import SuffixConfig
     from dvi.decode.seq import BatchParams, Seq
-    from dvi.drafters.learned import Drafter
     from dvi.drafters.suffix import SuffixCache
 
-__all__ = ["SuffixProposer", "HybridProposer", "PROMPT_TAIL", "finished_entry", "source_of"]
+__all__ = ["SuffixProposer", "PROMPT_TAIL", "finished_entry", "source_of", "point_drafts"]
 
 
 PROMPT_TAIL = 16  # prompt tokens kept in front of a finished output in the global index
@@ -44,7 +40,7 @@ def finished_entry(prompt_ids, output_ids: list[int], prompt_tail: int = PROMPT_
 
 
 def source_of(proposal) -> str:
-    """The `dvi.drafters.proposers.SOURCES` entry of a suffix proposal ("request" -> "suffix_request")."""
+    """The `dvi.drafters.proposer.SOURCES` entry of a suffix proposal ("request" -> "suffix_request")."""
     return "suffix_global" if proposal.source == "global" else "suffix_request"
 
 
@@ -62,82 +58,85 @@ class SuffixProposer(Proposer):
         self._versions: OrderedDict[str, int] = OrderedDict()  # finished seq id -> its target version (bounded)
         self.rids: list[str] = []
         self.seconds = 0.0  # host time in lookups and appends (the tree's own work)
-        self.step_seconds = 0.0  # that time in the current step (the engine observes it per step)
+        self.step_seconds = 0.0  # that time in the current step
 
     def _timed(self, t0: float) -> None:
         dt = time.perf_counter() - t0
         self.seconds += dt
         self.step_seconds += dt
 
-    def admit(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
+    def join(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
         t0 = time.perf_counter()
         for s in seqs:
             self.cache.start(s.req.request_id, [int(t) for t in s.req.prompt_ids])
             self.rids.append(s.req.request_id)
         self._timed(t0)
 
-    def select_rows(self, keep: list[int], idx: torch.Tensor) -> None:
-        self.rids = [self.rids[i] for i in keep]
-
-    def rebuild(self, seqs: list[Seq]) -> None:
-        """Nothing to rebuild: the tree holds tokens, not weights."""
-
-    def close_row(self, i: int, seq: Seq, keep: bool) -> None:
+    def release(self, finished: list[tuple[int, Seq, bool]], keep: list[int]) -> None:
         """A finished row's prompt tail + output joins the global index now; an aborted one is forgotten."""
         t0 = time.perf_counter()
-        rid = self.rids[i]
-        self.cache.forget(rid)
-        out = [int(t) for t in seq.res.token_ids]
-        if keep and out:
-            self.cache.add_finished(rid, finished_entry(seq.req.prompt_ids, out, self.prompt_tail))
-            self._versions[rid] = self.version
-            self._versions.move_to_end(rid)
-            while len(self._versions) > 100_000:
-                self._versions.popitem(last=False)
+        for i, seq, learn in finished:
+            rid = self.rids[i]
+            self.cache.forget(rid)
+            out = [int(t) for t in seq.res.token_ids]
+            if learn and out:
+                self.cache.add_finished(rid, finished_entry(seq.req.prompt_ids, out, self.prompt_tail))
+                self._versions[rid] = self.version
+                self._versions.move_to_end(rid)
+                while len(self._versions) > 100_000:
+                    self._versions.popitem(last=False)
+        self.rids = [self.rids[i] for i in keep]
         self._timed(t0)
 
-    def target_updated(self, version: int) -> None:
-        """New target weights: finished outputs of older versions count `version_decay ** age` in proposals."""
-        self.version = int(version)
+    def rebuild(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None = None,
+                target_version: int | None = None, drafter_changed: bool = False) -> None:
+        """The tree holds tokens, not weights: new target weights only make older outputs count
+        `version_decay ** age` in proposals."""
+        if target_version is None:
+            return
+        self.version = int(target_version)
         for sid, v in list(self._versions.items()):
             try:
                 self.cache.set_weight(sid, max(self.version_decay ** max(self.version - v, 0), 1e-6))
             except ValueError:  # evicted from the bounded index meanwhile
                 del self._versions[sid]
 
-    def with_drafter(self, drafter: Drafter | None) -> Proposer:
-        """A learned drafter joins the suffix tree as a `hybrid` (score threshold 1 expected token)."""
-        if drafter is None:
-            return self
-        from dvi.drafters.proposers import model_proposer
-
-        return HybridProposer(model_proposer(drafter, self.vocab_size, self.device), self)
-
-    def plan(self, seqs: list[Seq], k_cap: list[int], suffix: bool = True) -> Plan:
+    def proposals(self, caps: list[int], lookups: bool = True) -> dict:
+        """Row -> its `SuffixProposal` (tokens, probs, score), for rows with one (`lookups` False: none)."""
         t0 = time.perf_counter()
         self.step_seconds = 0.0
-        out = Plan()
-        if not suffix:
-            return out
-        for i, rid in enumerate(self.rids):
-            cap = min(self.max_tokens, k_cap[i])
-            if cap <= 0:
-                continue
-            p = self.cache.propose(rid, cap, min_prob=self.min_prob)
-            if p.tokens:
-                out.suffix[i] = p
+        out = {}
+        if lookups:
+            for i, rid in enumerate(self.rids):
+                cap = min(self.max_tokens, caps[i])
+                if cap <= 0:
+                    continue
+                p = self.cache.propose(rid, cap, min_prob=self.min_prob)
+                if p.tokens:
+                    out[i] = p
         self._timed(t0)
         return out
 
-    def propose(self, plan: Plan, k_model: int, k: int, u: torch.Tensor | None, params: BatchParams) -> Draft:
-        return point_drafts(plan, len(self.rids), k, self.device)
+    def propose(self, seqs: list[Seq], caps: list[int], pricing: Pricing, uniforms: Uniforms,
+                params: BatchParams) -> Draft:
+        chosen = self.proposals(caps, pricing.lookups)
+        b = len(seqs)
+        k = 0
+        if chosen:
+            k = pricing.point_k([list(p.probs) for p in chosen.values()], max(len(p.tokens) for p in chosen.values()))
+            k = max(0, min(k, max(caps)))
+        if k == 0:
+            return Draft.empty(b, uniforms, self.device, self.step_seconds)
+        d = point_drafts(chosen, b, k, uniforms(2 * k + 1), self.device)
+        d.lookup_seconds = self.step_seconds
+        return d
 
-    def observe(self, draft: Draft | None, n: list[int], emitted: list[list[int]],
-                feats: torch.Tensor | None) -> None:
+    def observe(self, draft: Draft, n: list[int], emitted: list[list[int]], feats: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
         for rid, e in zip(self.rids, emitted, strict=True):
             self.cache.append(rid, e)
         self._timed(t0)
+        draft.lookup_seconds = self.step_seconds  # lookups and appends: the tree's host work this step
 
     def stats(self) -> dict:
         s = dict(self.cache.stats())
@@ -145,151 +144,14 @@ class SuffixProposer(Proposer):
         return s
 
 
-def point_drafts(plan: Plan, b: int, k: int, device: torch.device) -> Draft:
-    """Rows of `plan.suffix` draft their proposal (up to k tokens), the others nothing: ids [b, k] (padding 0)."""
+def point_drafts(chosen: dict, b: int, k: int, u: torch.Tensor | None, device: torch.device) -> Draft:
+    """Rows of `chosen` (row -> proposal) draft their proposal (up to k tokens), the others nothing: ids [b, k]
+    (padding 0)."""
     rows = [[0] * k for _ in range(b)]
-    lens, sources, point = [0] * b, [None] * b, [False] * b
-    for i, p in plan.suffix.items():
+    lens, sources = [0] * b, [None] * b
+    for i, p in chosen.items():
         toks = [int(t) for t in p.tokens[:k]]
         rows[i][: len(toks)] = toks
-        lens[i], sources[i], point[i] = len(toks), source_of(p), True
-    return Draft(torch.tensor(rows, dtype=torch.long, device=device).view(b, k), None, lens, sources, point)
-
-
-class HybridProposer(Proposer):
-    """Per row and step: the suffix proposal when its score clears the bar, else the learned drafter.
-
-    The bar is `threshold` (expected accepted tokens) until the learned drafter has drafted, then the lower of
-    it and what the drafter measurably delivers: accepted drafts per row-step it drafted, averaged over
-    about the last `1 / gain_rate` of them. A suffix proposal costs no model pass, so one that promises as
-    much as the drafter delivers wins; with a fixed bar of 1, a drafter accepting 0.3 tokens a step took the
-    rows of proposals scoring 0.3-1 and paid its forwards for it."""
-
-    kind = "hybrid"
-    gain_rate = 0.05
-
-    def __init__(self, learned: Proposer, suffix: SuffixProposer, threshold: float = 1.0):
-        super().__init__(suffix.vocab_size, suffix.device)
-        self.learned, self.suffix, self.threshold = learned, suffix, float(threshold)
-        self.model_gain: float | None = None  # accepted drafts per model-drafted row-step (moving average)
-
-    @property
-    def bar(self) -> float:
-        """The score a suffix proposal needs this step."""
-        return self.threshold if self.model_gain is None else min(self.threshold, self.model_gain)
-
-    @property
-    def needs_features(self) -> bool:  # type: ignore[override]
-        return self.learned.needs_features
-
-    @property
-    def drafter(self) -> Drafter | None:  # type: ignore[override]
-        return self.learned.drafter
-
-    @property
-    def max_tokens(self) -> int:  # type: ignore[override]
-        return self.suffix.max_tokens
-
-    @property
-    def last_catchup(self) -> bool:  # type: ignore[override]
-        return self.learned.last_catchup
-
-    @property
-    def step_seconds(self) -> float:  # type: ignore[override]
-        return self.suffix.step_seconds
-
-    def admit(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
-        self.learned.admit(seqs, feats)
-        self.suffix.admit(seqs, feats)
-
-    def select_rows(self, keep: list[int], idx: torch.Tensor) -> None:
-        self.learned.select_rows(keep, idx)
-        self.suffix.select_rows(keep, idx)
-
-    def close_row(self, i: int, seq: Seq, keep: bool) -> None:
-        self.learned.close_row(i, seq, keep)
-        self.suffix.close_row(i, seq, keep)
-
-    def rebuild(self, seqs: list[Seq]) -> None:
-        self.learned.rebuild(seqs)
-
-    def set_features(self, feats: list[torch.Tensor | None]) -> None:
-        self.learned.set_features(feats)
-
-    def pending_tokens(self) -> int:
-        return self.learned.pending_tokens()
-
-    def maybe_compact(self) -> None:
-        self.learned.maybe_compact()
-
-    def with_drafter(self, drafter: Drafter | None) -> Proposer:
-        self.learned = self.learned.with_drafter(drafter)
-        return self
-
-    def stats(self) -> dict:
-        return self.suffix.stats()
-
-    def target_updated(self, version: int) -> None:
-        self.suffix.target_updated(version)
-
-    def plan(self, seqs: list[Seq], k_cap: list[int], suffix: bool = True) -> Plan:
-        sp = self.suffix.plan(seqs, k_cap, suffix)
-        if self.learned.drafter is None:  # no learned part (swapped out): every proposal drafts
-            return sp
-        bar = self.bar
-        chosen = {i: p for i, p in sp.suffix.items() if p.score >= bar}
-        return Plan(model_rows=[i for i in range(len(seqs)) if i not in chosen], suffix=chosen)
-
-    def propose(self, plan: Plan, k_model: int, k: int, u: torch.Tensor | None, params: BatchParams) -> Draft:
-        """The learned drafter runs (all rows, one batch) only when some row uses it; suffix rows overwrite theirs."""
-        d = point_drafts(plan, len(self.suffix.rids), k, self.device)
-        if not plan.model_rows or k_model <= 0:
-            return d
-        ids, q = self.learned.draft_model(k_model, u, params)  # [B, k_model], [B, k_model, V] or None
-        for i in plan.model_rows:
-            d.ids[i, :k_model] = ids[i]
-            d.lens[i], d.sources[i] = k_model, "model"
-        if q is not None:  # sampled: suffix rows' point masses as one-hot rows of q (lossless, one rule)
-            full = q.new_zeros(q.shape[0], k, q.shape[2])  # [B, K, V]
-            full[:, :k_model] = q
-            for i in plan.suffix:
-                full[i] = 0
-                full[i, torch.arange(d.lens[i]), d.ids[i, : d.lens[i]]] = 1.0
-            d.q = full
-        return d
-
-    def observe(self, draft: Draft | None, n: list[int], emitted: list[list[int]],
-                feats: torch.Tensor | None) -> None:
-        if draft is not None:
-            for i, (src, ln) in enumerate(zip(draft.sources, draft.lens, strict=True)):
-                if src == "model" and ln > 0:
-                    g = float(min(n[i], ln))
-                    self.model_gain = g if self.model_gain is None else self.model_gain + self.gain_rate * (
-                        g - self.model_gain)
-        self.learned.observe(draft, n, emitted, feats)
-        self.suffix.observe(draft, n, emitted, feats)
-
-
-def build_proposer(kind: str, drafter: Drafter | None, vocab_size: int, device: torch.device | str,
-                   cache: SuffixCache | None = None, settings: SuffixConfig | None = None) -> Proposer:
-    """The proposer of a drafter kind: `suffix` (the tree alone), `hybrid` (the tree, else `drafter`), or any
-    learned kind (`drafter` as is). `cache` defaults to a fresh `SuffixCache` bounded by `settings` (the config's
-    `suffix:` section; default: its defaults); pass one to share it."""
-    from dvi.config import SuffixConfig
-    from dvi.drafters.proposers import model_proposer
-
-    device = torch.device(device)
-    if kind not in ("suffix", "hybrid"):
-        return model_proposer(drafter, vocab_size, device)
-    sx = settings or SuffixConfig()
-    if cache is None:
-        from dvi.drafters.suffix import SuffixCache
-
-        cache = SuffixCache(max_tokens=sx.max_tokens, max_seqs=sx.max_seqs, max_depth=sx.max_depth)
-    sp = SuffixProposer(cache, vocab_size, device, max_tokens=sx.max_draft_tokens, min_prob=sx.min_prob,
-                        version_decay=sx.version_decay)
-    if kind == "suffix":
-        return sp
-    if drafter is None:
-        raise ValueError("drafter_kind hybrid needs a learned drafter")
-    return HybridProposer(model_proposer(drafter, vocab_size, device), sp, sx.threshold)
+        lens[i], sources[i] = len(toks), source_of(p)
+    return Draft(torch.tensor(rows, dtype=torch.long, device=device).view(b, k), None, lens, sources, u,
+                 suffix_rows=bool(chosen))

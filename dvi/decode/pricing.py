@@ -1,0 +1,89 @@
+"""How many tokens a step drafts (`KPolicy`), and what a proposer prices its draft with (`StepPricing`).
+
+The engine owns one `KPolicy`: fixed K, or adaptive K (`dvi.decode.adaptive.AdaptiveK`) from calibrated costs per
+batch-size bucket and each row's acceptance estimate, the goodput guard for history drafts, and the timings
+that feed them after every step. Each step it hands the proposer a `StepPricing` bound to the batch: a learned
+kind asks `model_k(rows, pending)`, a history kind `point_k(probs, longest)` (a point-mass proposal costs no
+model pass: its width is priced against the verify cost alone) and reads `lookups` (no lookups where history
+drafts measured slower than plain steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from dvi.decode.acceptance import AcceptanceTracker
+from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
+
+__all__ = ["KPolicy", "StepPricing"]
+
+
+class KPolicy:
+    """Fixed or adaptive K, its cost measurements and the per-row acceptance estimates it reads."""
+
+    def __init__(self, adaptive: bool, num_draft_tokens: int, max_draft_tokens: int,
+                 calibrate: Callable[[int], None]):
+        self.adaptive, self.num_draft_tokens = bool(adaptive), int(num_draft_tokens)
+        self.calibrate = calibrate  # measures a batch bucket's draft / verify costs (the engine's dummy rows)
+        self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
+        self.suffix_guard = GoodputGuard()  # history drafts' measured goodput vs plain steps (adaptive)
+        self.costs = CostModel()  # online step timings (reporting); K is chosen from calibrated costs
+        self.acceptance = AcceptanceTracker()
+        # Adaptive K optimises the completion of the current batch (its slowest row) when True, plain
+        # throughput when False (a server that backfills finished rows continuously may prefer False).
+        self.drain_aware = True
+
+    def for_step(self, seqs: list) -> StepPricing:
+        return StepPricing(self, seqs)
+
+    def _ensure_costs(self, batch: int) -> None:
+        if self.controller.needs_calibration(batch):
+            self.calibrate(batch)
+
+    def observe(self, draft, batch: int, t_draft: float, t_verify: float, t_host: float, tokens: int,
+                seconds: float, cpu: bool) -> None:
+        """After a step: its timings (a drafter catch-up is not a typical draft cost, a step with history rows
+        not a learned-drafter step) and the goodput guards' samples."""
+        k, forwards = draft.width, draft.model_forwards
+        self.costs.record_verify(batch, k, t_verify)
+        if self.adaptive and cpu:
+            # On CPU the verify forward is synchronous, so t_host is the step's host work after it (on CUDA it
+            # would include the kernels the first transfer waits for).
+            self.controller.observe_host_work(batch, t_host, self.costs)
+        if forwards > 0 and not draft.catchup:
+            self.costs.record_draft(batch, t_draft / forwards)
+        if not self.adaptive:
+            return
+        if not draft.suffix_rows and not (forwards > 0 and draft.catchup):
+            self.controller.observe_step(batch, k, tokens, seconds)
+        if draft.lookup_seconds is not None and not forwards:
+            self.suffix_guard.observe(batch, k > 0, tokens, seconds)
+
+
+class StepPricing:
+    """One step's pricing for a batch of rows `seqs` (`dvi.drafters.proposer.Pricing`)."""
+
+    def __init__(self, policy: KPolicy, seqs: list):
+        self.policy, self.seqs, self.batch = policy, seqs, len(seqs)
+        # history drafts measured slower than plain steps at this batch size: no lookups either
+        self.lookups = not (policy.adaptive and self.batch > 2 and not policy.suffix_guard.allow(self.batch))
+
+    def model_k(self, rows: list[int], pending: Callable[[], int]) -> int:
+        p = self.policy
+        if not p.adaptive:
+            return p.num_draft_tokens
+        p._ensure_costs(self.batch)
+        seqs = [self.seqs[i] for i in rows]
+        alphas = [p.acceptance.estimate(s.acc, s.req.domain) for s in seqs]
+        rem = [s.remaining for s in seqs] if p.drain_aware and self.batch > 1 else None
+        return p.controller.choose(self.batch, alphas, rem, pending)
+
+    def point_k(self, probs: Sequence[Sequence[float]], longest: int) -> int:
+        p = self.policy
+        if not p.adaptive:
+            return longest
+        p._ensure_costs(self.batch)
+        b = batch_bucket(self.batch)
+        over = p.controller.step_overhead.get(b, 0.0)
+        return choose_point_k(probs, self.batch, lambda k: p.controller.costs.verify_cost(b, k) + over, longest,
+                              p.controller.margin)

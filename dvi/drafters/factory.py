@@ -1,0 +1,101 @@
+"""The one place a proposer is made: `make_proposer`, keyed by the config's `models.drafter_kind` names.
+
+`proposer_for_drafter` is the same factory for a learned drafter object (its own `kind` decides: `separate`,
+`early_exit`, `eagle`); `swapped` is what a hot swap to a new drafter makes of the serving proposer; `as_proposer`
+is what the engine does with whatever it is given (a proposer, a drafter, an HF causal LM, or None).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dvi.drafters.proposer import Proposer
+
+if TYPE_CHECKING:
+    from dvi.config import SuffixConfig
+    from dvi.drafters.learned import Drafter
+    from dvi.drafters.suffix import SuffixCache
+
+__all__ = ["KINDS", "make_proposer", "proposer_for_drafter", "as_proposer", "swapped"]
+
+KINDS = ("none", "separate", "early_exit", "eagle", "suffix", "hybrid")
+"""Proposer kinds: speculation off, then `models.drafter_kind`'s values."""
+
+
+def proposer_for_drafter(drafter: Any, vocab_size: int, device: torch.device | str) -> Proposer:
+    """The proposer of a learned drafter by its kind (None: speculation off)."""
+    from dvi.drafters.learned import as_drafter
+
+    device = torch.device(device)
+    d = as_drafter(drafter)
+    if d is None:
+        return Proposer(vocab_size, device)
+    if getattr(d, "needs_features", False):
+        from dvi.drafters.eagle_proposer import EagleProposer
+
+        return EagleProposer(d, vocab_size, device)
+    from dvi.drafters.model_proposer import ModelProposer
+
+    return ModelProposer(d, vocab_size, device)
+
+
+def make_proposer(kind: str, drafter: Drafter | None, vocab_size: int, device: torch.device | str,
+                  cache: SuffixCache | None = None, settings: SuffixConfig | None = None) -> Proposer:
+    """The proposer of a drafter kind: `none` (speculation off), a learned kind (`drafter` as is), `suffix` (the
+    history index alone) or `hybrid` (the index, else `drafter`). `cache` defaults to a fresh `SuffixCache`
+    bounded by `settings` (the config's `suffix:` section; default: its defaults); pass one to share it."""
+    if kind not in KINDS:
+        raise ValueError(f"drafter kind must be one of {KINDS}, got {kind!r}")
+    device = torch.device(device)
+    if kind == "none":
+        return Proposer(vocab_size, device)
+    if kind not in ("suffix", "hybrid"):
+        if drafter is None:
+            raise ValueError(f"drafter kind {kind} needs a drafter")
+        return proposer_for_drafter(drafter, vocab_size, device)
+    from dvi.config import SuffixConfig
+    from dvi.drafters.suffix_proposer import SuffixProposer
+
+    sx = settings or SuffixConfig()
+    if cache is None:
+        from dvi.drafters.suffix import SuffixCache
+
+        cache = SuffixCache(max_tokens=sx.max_tokens, max_seqs=sx.max_seqs, max_depth=sx.max_depth)
+    sp = SuffixProposer(cache, vocab_size, device, max_tokens=sx.max_draft_tokens, min_prob=sx.min_prob,
+                        version_decay=sx.version_decay)
+    if kind == "suffix":
+        return sp
+    if drafter is None:
+        raise ValueError("drafter_kind hybrid needs a learned drafter")
+    from dvi.drafters.hybrid_proposer import HybridProposer
+
+    return HybridProposer(proposer_for_drafter(drafter, vocab_size, device), sp, sx.threshold)
+
+
+def as_proposer(obj: Any, vocab_size: int, device: torch.device | str) -> Proposer:
+    """A proposer as is; a drafter or HF causal LM as its learned kind; None as speculation off."""
+    return obj if isinstance(obj, Proposer) else proposer_for_drafter(obj, vocab_size, device)
+
+
+def swapped(proposer: Proposer, drafter: Any) -> Proposer:
+    """The proposer after a hot swap to `drafter` (None: no learned drafter). Where the kind is unchanged it is
+    the same object (its rows' draft state is rebuilt at the next step); `suffix` plus a drafter becomes `hybrid`
+    around the same index; a hybrid keeps its index and swaps its learned part."""
+    from dvi.drafters.hybrid_proposer import HybridProposer
+    from dvi.drafters.learned import as_drafter
+    from dvi.drafters.model_proposer import ModelProposer
+    from dvi.drafters.suffix_proposer import SuffixProposer
+
+    d = as_drafter(drafter)
+    if isinstance(proposer, HybridProposer):
+        proposer.set_learned(swapped(proposer.learned, d))
+        return proposer
+    if isinstance(proposer, SuffixProposer):
+        return proposer if d is None else HybridProposer(proposer_for_drafter(d, proposer.vocab_size, proposer.device),
+                                                         proposer)
+    if isinstance(proposer, ModelProposer) and d is not None and d.kind == proposer.drafter.kind:
+        proposer.use(d)
+        return proposer
+    return proposer_for_drafter(d, proposer.vocab_size, proposer.device)

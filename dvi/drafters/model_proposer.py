@@ -1,0 +1,117 @@
+"""`separate` and `early_exit`: a learned drafter with its own KV cache (`dvi.drafters.draft_cache`).
+
+Per row, `pending` holds the tokens the drafter's cache lacks: 1 after a step, 2 after a fully accepted one
+(d_K was never fed), more after steps it did not draft, the whole prompt until its first draft (the cache is
+filled lazily).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dvi.decode.sampling import sample_from, warp_probs
+from dvi.drafters.draft_cache import DraftCache, draft_cache
+from dvi.drafters.proposer import Draft, Pricing, Proposer, Uniforms
+from dvi.drafters.vocab import fit_vocab
+
+if TYPE_CHECKING:
+    from dvi.decode.seq import BatchParams, Seq
+    from dvi.drafters.learned import Drafter
+
+__all__ = ["ModelProposer"]
+
+
+class ModelProposer(Proposer):
+    """K drafter forwards a step, the first over each row's pending tokens, the others over the previous draft."""
+
+    def __init__(self, drafter: Drafter, vocab_size: int, device: torch.device):
+        super().__init__(vocab_size, device)
+        self.drafter = drafter
+        self.kind = drafter.kind
+        self.dkv: DraftCache = self._new_cache()
+        self.pending: list[list[int]] = []
+        self._k = 0  # drafts the drafter ran this step (it was fed k - 1 of them)
+        self.last_catchup = False
+
+    def _new_cache(self) -> DraftCache:
+        return draft_cache(self.drafter)
+
+    # ---------------------------------------------------------------- membership
+    def join(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
+        self.dkv.add_rows(len(seqs))
+        self.pending.extend([int(t) for t in s.req.prompt_ids] for s in seqs)
+
+    def release(self, finished: list[tuple[int, Seq, bool]], keep: list[int]) -> None:
+        self.dkv.select_rows(keep)
+        self.pending = [self.pending[i] for i in keep]
+
+    def rebuild(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None = None,
+                target_version: int | None = None, drafter_changed: bool = False) -> None:
+        if drafter_changed or (target_version is not None and self.drafter.shares_weights_with_target()):
+            self.dkv.rebuild([s.tokens()[:-1] for s in seqs])
+            self.pending = [[s.tokens()[-1]] for s in seqs]
+
+    def pending_tokens(self) -> int:
+        """Tokens the drafter cache still lacks, over all rows (prices a catch-up)."""
+        return sum(len(p) for p in self.pending)
+
+    def use(self, drafter: Drafter) -> None:
+        """A new drafter of this kind (hot swap): the rows' cache is rebuilt at the next step (`rebuild`)."""
+        self.drafter = drafter
+        self.dkv = self._new_cache()
+
+    # ---------------------------------------------------------------- one step
+    def propose(self, seqs: list[Seq], caps: list[int], pricing: Pricing, uniforms: Uniforms,
+                params: BatchParams) -> Draft:
+        b = len(seqs)
+        k = max(0, min(pricing.model_k(list(range(b)), self.pending_tokens), max(caps)))
+        if k == 0:
+            return Draft.empty(b, uniforms, self.device)
+        u = uniforms(2 * k + 1)
+        ids, q = self.draft_model(k, u, params)
+        return Draft(ids, q, [k] * b, ["model"] * b, u, model_forwards=k, catchup=self.last_catchup)
+
+    def _forward(self, ids: torch.Tensor | None, first: bool) -> torch.Tensor:
+        """One drafter forward: the first over every row's pending tokens, later ones over ids [B, 1] (the
+        previous drafts) -> logits [B, V_draft] after each row's last input."""
+        return self.dkv.forward_rows(self.pending) if first else self.dkv.forward(ids)
+
+    def draft_model(self, k: int, u: torch.Tensor | None, params: BatchParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k drafter forwards. u [B, >= k] draft uniforms (None: greedy). Returns ids [B, k] and, when sampling,
+        q [B, k, V]."""
+        self.last_catchup = max(len(p) for p in self.pending) > 2
+        self._k = k
+        drafts, qs = [], []
+        ids = None
+        for j in range(k):
+            logits = fit_vocab(self._forward(ids, j == 0), self.vocab_size)  # [B, V]
+            logits = params.transform(logits, drafts)  # penalized as the target's p (better α)
+            if params.all_greedy:
+                d = logits.argmax(-1)  # [B]
+            else:
+                q = warp_probs(logits, params.temp, params.top_k, params.top_p)  # [B, V]
+                d = sample_from(q, u[:, j])
+                qs.append(q)
+            drafts.append(d)
+            ids = d.unsqueeze(1)  # [B, 1]
+        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+
+    def observe(self, draft: Draft, n: list[int], emitted: list[list[int]], feats: torch.Tensor | None) -> None:
+        k, self._k = self._k, 0
+        if k == 0:  # the drafter did not run: the emitted tokens join what its cache lacks
+            for p, e in zip(self.pending, emitted, strict=True):
+                p.extend(e)
+        else:
+            # It ran: its cache holds every pending token and d_1..d_{k-1}. A row keeps the drafts the target
+            # accepted when they were the drafter's own (`_keeps`); whatever it emitted past them is pending.
+            keep = self._keeps(draft, n, k)
+            if k > 1:
+                self.dkv.keep(k - 1, keep)
+            self.pending = [list(e[c:]) for e, c in zip(emitted, keep, strict=True)]
+        self.dkv.tidy()
+
+    def _keeps(self, draft: Draft, n: list[int], k: int) -> list[int]:
+        """Per row, how many of the k - 1 drafts fed to the drafter its cache keeps."""
+        return [min(ni, k - 1) if draft.sources[i] == "model" else 0 for i, ni in enumerate(n)]

@@ -1,0 +1,120 @@
+"""The one interface between the engine and a drafter kind: a `Proposer` owns its rows' draft state and, each
+step, proposes a `Draft` it has priced itself.
+
+Six verbs, in the spirit of HF's `CandidateGenerator` and vLLM's `v1/spec_decode` proposers:
+
+- `join(seqs, feats)` rows join the batch (after the target's prefill; `feats` when `needs_features`);
+- `propose(seqs, caps, pricing, uniforms, params)` -> `Draft`: who drafts what, and how many tokens, priced by the
+  engine's `pricing` (`dvi.decode.pricing.StepPricing`: adaptive K for learned drafts, point-mass pricing for
+  suffix proposals); a `Draft` of width 0 is a plain step;
+- `observe(draft, n, emitted, feats)` what the target kept;
+- `release(finished, keep)` rows leave (finished ones may be learned from), the rest stay in order;
+- `rebuild(seqs, feats, target_version, drafter_changed)` after new target weights or a new drafter;
+- `stats()` counters for /metrics.
+
+A hot swap to a new drafter goes through the factory (`dvi.drafters.factory.swapped`), which keeps the object
+where the kind is unchanged; `rebuild` then makes its rows' draft state current.
+
+One class per kind, one file each: `Proposer` itself is speculation off; `dvi.drafters.model_proposer`
+(`separate`, `early_exit`), `dvi.drafters.eagle_proposer` (`eagle`), `dvi.drafters.suffix_proposer` (`suffix`),
+`dvi.drafters.hybrid_proposer` (`hybrid`); `dvi.drafters.factory.make_proposer` builds them by the config's kind names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from dvi.decode.emit import SOURCES
+
+if TYPE_CHECKING:
+    from dvi.decode.seq import BatchParams, Seq
+    from dvi.drafters.learned import Drafter
+
+__all__ = ["SOURCES", "Draft", "Pricing", "Proposer", "Uniforms"]
+
+Uniforms = Callable[[int], "torch.Tensor | None"]
+"""n -> the batch's uniforms [B, n] from each row's own generator (None: an all-greedy batch)."""
+
+
+class Pricing(Protocol):
+    """What the engine offers a proposer to price its draft with (`dvi.decode.pricing.StepPricing`)."""
+
+    lookups: bool  # history lookups (suffix) are worth their host work at this batch size
+
+    def model_k(self, rows: list[int], pending: Callable[[], int]) -> int:
+        """Learned drafts for batch rows `rows` (fixed, or adaptive from costs and the rows' α); `pending` prices
+        the drafter's catch-up on tokens it has not seen."""
+
+    def point_k(self, probs: Sequence[Sequence[float]], longest: int) -> int:
+        """Verify width for point-mass proposals with these path probabilities (draft j kept with probs[j])."""
+
+
+@dataclass
+class Draft:
+    """One step's drafts. Row i's real drafts are ids[i, :lens[i]]; later columns are padding the target verifies
+    (batch-wide K) but the acceptance rule never keeps. Width 0: a plain step."""
+
+    ids: torch.Tensor  # [B, K] long
+    q: torch.Tensor | None  # [B, K, V] drafter probabilities (sampled model drafts); None: greedy or point masses
+    lens: list[int]  # [B] real drafts per row, each <= K
+    sources: list[str | None]  # [B] SOURCES entry of row i's drafts (None: it drafted nothing)
+    u: torch.Tensor | None  # [B, 2K + 1]: K draft samples, K accept tests, 1 resample (None: all greedy)
+    model_forwards: int = 0  # learned-drafter forwards this step
+    catchup: bool = False  # the first of them fed more than the usual 1-2 pending tokens a row
+    suffix_rows: bool = False  # some row drafted from the suffix index
+    lookup_seconds: float | None = None  # host seconds of history lookups this step (None: a kind without them)
+
+    @property
+    def width(self) -> int:
+        return int(self.ids.shape[1])
+
+    @property
+    def ragged(self) -> bool:
+        return any(n != self.width for n in self.lens)
+
+    @classmethod
+    def empty(cls, b: int, uniforms: Uniforms, device: torch.device, lookup_seconds: float | None = None) -> Draft:
+        """A plain step's draft: nothing proposed (its one uniform per row samples the next token)."""
+        return cls(torch.zeros(b, 0, dtype=torch.long, device=device), None, [0] * b, [None] * b, uniforms(1),
+                   lookup_seconds=lookup_seconds)
+
+
+class Proposer:
+    """Speculation off (kind `none`): every step is a plain step. The other kinds override what they need."""
+
+    kind = "none"
+    needs_features = False  # the verify pass must return the target's features (eagle)
+    drafter: Drafter | None = None  # the learned drafter, if any (what swaps and the trainer replace)
+    max_tokens = 0  # longest draft it proposes (the verify widths the engine prepares for)
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size, self.device = vocab_size, device
+
+    def join(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
+        """Rows `seqs` join at the end of the batch; `feats[i]` [len(prompt) - 1, H] when `needs_features`."""
+
+    def propose(self, seqs: list[Seq], caps: list[int], pricing: Pricing, uniforms: Uniforms,
+                params: BatchParams) -> Draft:
+        """This step's drafts; `caps[i]` the most drafts row i can use (its token budget)."""
+        return Draft.empty(len(seqs), uniforms, self.device)
+
+    def observe(self, draft: Draft, n: list[int], emitted: list[list[int]], feats: torch.Tensor | None) -> None:
+        """The step's outcome: n [B] drafts accepted, emitted [B][n_i + 1] tokens (a finishing row's may be cut
+        short), feats [B, K + 1, H] the verify pass's target features (when `needs_features`)."""
+
+    def release(self, finished: list[tuple[int, Seq, bool]], keep: list[int]) -> None:
+        """Rows leave: each (i, seq, learn) of `finished` closes (learn: it finished and its output may be learned
+        from; else aborted), then only rows `keep` stay, in that order."""
+
+    def rebuild(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None = None,
+                target_version: int | None = None, drafter_changed: bool = False) -> None:
+        """After new target weights (`target_version`; `feats` the rows' recomputed features when
+        `needs_features`) or a new drafter (`drafter_changed`): every row's draft state made current."""
+
+    def stats(self) -> dict:
+        """Counters for /metrics and /health (suffix: index size, hits, lookup seconds)."""
+        return {}
