@@ -50,6 +50,7 @@ FEEDBACK_FAILING = "dvi_feedback_failing"
 TRAINER_HEARTBEAT_AGE = "dvi_trainer_heartbeat_age_seconds"
 TRAINER_STALE_RESTARTS = "dvi_trainer_stale_restarts_total"
 TRAINER_QUARANTINED_SHARDS = "dvi_trainer_feedback_shards_quarantined"
+TRAINER_SKIPPED_SHARDS = "dvi_trainer_feedback_shards_skipped"
 DISK_BYTES = "dvi_disk_bytes"
 HTTP_REQUEST_TIMEOUTS = "dvi_http_request_timeouts_total"
 REQUESTS_CUT = "dvi_requests_cut_at_shutdown_total"
@@ -157,6 +158,8 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             TRAINER_LOST_SHARDS, "gauge", "Feedback shards deleted by retention before the trainer read them."
         ),
+        MetricSpec(TRAINER_SKIPPED_SHARDS, "gauge", "Feedback shards that appeared after the trainer's consumed "
+                   "state had passed them (never trained; a writer out of its own order)."),
         MetricSpec(TRAINER_RESTARTS, "gauge", "Times the supervisor restarted the trainer process."),
         MetricSpec(REQUESTS_REJECTED, "counter", "Requests refused before decoding, by reason (queue_full, "
                    "invalid_request, body_too_large, unauthorized, ...).", (L_REASON,)),
@@ -219,6 +222,7 @@ TRAINER_GAUGES = (
     TRAINER_RECORDS_SEEN,
     TRAINER_HELDOUT_ALPHA,
     TRAINER_LOST_SHARDS,
+    TRAINER_SKIPPED_SHARDS,
     TRAINER_QUARANTINED_SHARDS,
 )
 

@@ -8,14 +8,16 @@ Exactly-once. Rounds train untrained shards; every `trainer.checkpoint_seconds` 
 paused or stopping) the loop flushes: it writes `<run_dir>/trainer/checkpoint/` atomically
 (weights, optimizer, counters, the names of trained-but-uncommitted shards, and the consumed
 record ids of the rounds since the last flush), then appends those rounds to
-`<run_dir>/trainer/consumed.jsonl`, then commits the reader's cursor up to the longest prefix of
-trained shards. A kill loses only the rounds since the last flush, whose weight updates die with
-them, so their shards are trained again; shards in the checkpoint are never retrained, and a round
-the checkpoint holds but the log lacks is logged on restart. Replay (older records re-used in
-batches) is separate and explicit, counted as `replayed`, never as new.
+`<run_dir>/trainer/consumed.jsonl`, then commits every trained shard to the reader's consumed state
+(`dvi.feedback.consumed`: per writer, by the writer's own shard count, never by a clock). A kill loses
+only the rounds since the last flush, whose weight updates die with them, so their shards are trained
+again; shards in the checkpoint are never retrained, and a round the checkpoint holds but the log lacks
+is logged on restart. Replay (older records re-used in batches) is separate and explicit, counted as
+`replayed`, never as new.
 
-Recent-first: when shards pile up, the newest are trained first (the traffic that matters now);
-older ones are trained when the trainer catches up. Their cursor commit waits for them.
+Recent-first: when shards pile up, the newest-named are trained first (the traffic that matters now);
+older ones are trained when the trainer catches up. A writer's clock only orders them: a shard named in
+the future or the past is trained like any other.
 
 The trainer's gauges go to `RunDir.write_trainer_status` (`<run_dir>/trainer/status.json`,
 atomically replaced, also the supervisor's heartbeat) for the server's /metrics.
@@ -94,7 +96,7 @@ class TrainerLoop:
                 log.warning("trainer: the served v%d does not load into this drafter (%s); starting from the base",
                             served, exc)
         t.reset_anchor()
-        self._commit_prefix()
+        self._commit_trained()
         self._warm_buffers()
 
     def _warm_buffers(self, max_shards: int = 8) -> None:
@@ -105,7 +107,7 @@ class TrainerLoop:
         if not done:
             return
         n_held = 0
-        for rec in self.reader.read_records(done):
+        for rec in self.reader.read_records(done, unread=False):
             e = rec.compact()
             t.max_target_version = max(t.max_target_version, e.target_version)
             if is_heldout(e.request_id, t.tc.heldout_fraction):
@@ -123,19 +125,12 @@ class TrainerLoop:
     def _append_consumed(self, entry: Mapping[str, Any]) -> None:
         self.rundir.append_consumed(entry)
 
-    def _commit_prefix(self) -> None:
-        """Commit the cursor up to the longest prefix of pending shards that were all trained."""
-        if not self.trainer.is_main:
+    def _commit_trained(self) -> None:
+        """Mark every trained shard consumed (the reader's state takes them in any order)."""
+        if not self.trainer.is_main or not self.trained:
             return
-        pending = self.reader.poll()
-        upto = None
-        for name in pending:
-            if name not in self.trained:
-                break
-            upto = name
-        if upto is not None:
-            self.reader.commit(upto)
-            self.trained = {s for s in self.trained if s > upto}
+        self.reader.commit_shards(self.trained)
+        self.trained = set()
 
     # -- one round ----------------------------------------------------------------------------------
     def _choose(self) -> list[str]:
@@ -143,8 +138,6 @@ class TrainerLoop:
         pending = [s for s in self.reader.poll() if s not in self.trained]
         if not pending:
             return []
-        from dvi.feedback import shard_time_ns
-
         chosen, n = [], 0
         for name in reversed(pending):
             rows = self.reader.num_rows(name)  # None: vanished, or unreadable and quarantined
@@ -157,7 +150,7 @@ class TrainerLoop:
         if not chosen:
             return []
         if n < self.cfg.trainer.min_new_records:
-            age = time.time() - shard_time_ns(pending[0]) / 1e9
+            age = self.reader.waiting_seconds(pending)  # this reader's clock: a writer's may be off
             if age < STALE_SHARD_S * self.cfg.trainer.poll_seconds and not self.stop.requested:
                 return []  # wait for more records
         return sorted(chosen)
@@ -188,7 +181,7 @@ class TrainerLoop:
             for entry in self.unflushed:
                 self._append_consumed(entry)
             self.unflushed = []
-            self._commit_prefix()
+            self._commit_trained()
         else:
             self.unflushed = []
 
@@ -217,6 +210,8 @@ class TrainerLoop:
             self.rundir.write_trainer_status({"state": state, "pid": os.getpid(),
                                               "processes": self.trainer.accelerator.num_processes,
                                               M.TRAINER_QUARANTINED_SHARDS: self.reader.quarantined_total(),
+                                              M.TRAINER_LOST_SHARDS: self.reader.state.lost,
+                                              M.TRAINER_SKIPPED_SHARDS: self.reader.state.skipped,
                                               **self.trainer.status()})
         except OSError:
             log.exception("cannot write trainer status")
