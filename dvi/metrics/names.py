@@ -51,6 +51,7 @@ TRAINER_HEARTBEAT_AGE = "dvi_trainer_heartbeat_age_seconds"
 TRAINER_STALE_RESTARTS = "dvi_trainer_stale_restarts_total"
 TRAINER_QUARANTINED_SHARDS = "dvi_trainer_feedback_shards_quarantined"
 TRAINER_SKIPPED_SHARDS = "dvi_trainer_feedback_shards_skipped"
+TRAINER_QUARANTINED_RECORDS = "dvi_trainer_feedback_records_quarantined"
 DISK_BYTES = "dvi_disk_bytes"
 HTTP_REQUEST_TIMEOUTS = "dvi_http_request_timeouts_total"
 REQUESTS_CUT = "dvi_requests_cut_at_shutdown_total"
@@ -160,6 +161,9 @@ METRICS: dict[str, MetricSpec] = {
         ),
         MetricSpec(TRAINER_SKIPPED_SHARDS, "gauge", "Feedback shards that appeared after the trainer's consumed "
                    "state had passed them (never trained; a writer out of its own order)."),
+        MetricSpec(TRAINER_QUARANTINED_RECORDS, "gauge", "Feedback records the trainer could not train on (ids "
+                   "outside the vocabulary, collation or forward failed): kept in trainer/quarantined_records.jsonl, "
+                   "the rest of their shard trained."),
         MetricSpec(TRAINER_RESTARTS, "gauge", "Times the supervisor restarted the trainer process."),
         MetricSpec(REQUESTS_REJECTED, "counter", "Requests refused before decoding, by reason (queue_full, "
                    "invalid_request, body_too_large, unauthorized, ...).", (L_REASON,)),
@@ -224,6 +228,7 @@ TRAINER_GAUGES = (
     TRAINER_LOST_SHARDS,
     TRAINER_SKIPPED_SHARDS,
     TRAINER_QUARANTINED_SHARDS,
+    TRAINER_QUARANTINED_RECORDS,
 )
 
 __all__ = [name for name in dict(globals()) if name.isupper() and not name.startswith("_")] + ["MetricSpec"]
