@@ -93,6 +93,7 @@ class TrainerLoop:
             self.trained = set(state.get("trained_uncommitted", []))
             self.seq = int(state.get("seq", 0))
             self.screen.quarantined = int(state.get("quarantined_records", 0))
+            t.publish_backoff.failures = int(state.get("publish_failures", 0))
             self.screen.refused.update({(s, r): why for s, r, why in state.get("refused", [])})
             logged = self._last_logged_seq()
             for entry in state.get("rounds", []):
@@ -220,7 +221,7 @@ class TrainerLoop:
         if t.is_main:
             t.save_checkpoint(self.rundir.checkpoint_dir, {
                 "seq": self.seq, "trained_uncommitted": sorted(self.trained), "rounds": self.unflushed,
-                "quarantined_records": self.screen.quarantined,
+                "quarantined_records": self.screen.quarantined, "publish_failures": t.publish_backoff.failures,
                 "refused": [[s, r, why] for (s, r), why in sorted(self.screen.refused.items())]})
             for entry in self.unflushed:
                 self._append_consumed(entry)
@@ -266,6 +267,7 @@ class TrainerLoop:
                                               M.TRAINER_LOST_SHARDS: self.reader.state.lost,
                                               M.TRAINER_SKIPPED_SHARDS: self.reader.state.skipped,
                                               M.TRAINER_QUARANTINED_RECORDS: self.screen.quarantined,
+                                              M.TRAINER_PUBLISH_FAILURES: self.trainer.publish_backoff.failures,
                                               **self.trainer.status()})
         except OSError:
             log.exception("cannot write trainer status")
@@ -293,6 +295,8 @@ class TrainerLoop:
             stats = self.run_round()
             if stats is None:
                 self.flush()
+                if t.publish_backoff.pending:  # a publish the registry refused: retried when due, idle or not
+                    t.maybe_publish()
                 if t.tc.idle_replay_steps and t.replay and t.budget_left():  # replay only within the budget
                     t.train_on_replay(t.tc.idle_replay_steps)
                     t.maybe_publish()
