@@ -15,12 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from test_online import engine_records, online_config
-from test_online_process import REPO, _consumed, _ids, _reap, _start, _stop, _wait
+from test_online import engine_records
+from test_online_process import (
+    REPO,
+    _consumed,
+    _ids,
+    _reap,
+    _start,
+    _stop,
+    _wait,
+    tiny_pair,
+    trainer_config,
+    write_flushed,
+)
 
 from dvi import metrics as M
-from dvi.config import dump_config
 from dvi.feedback import FeedbackWriter
 
 pytestmark = pytest.mark.slow
@@ -38,20 +47,13 @@ def _replica(offset_s: float, records, tmp_path: Path, feedback: Path, name: str
 
 
 def test_skewed_replica_clocks_lose_no_record(tiny_pair_dir, tmp_path) -> None:
-    from dvi.models.loading import load_pair
-
-    pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
-    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=8", "trainer.min_new_records=16",
-                        "trainer.poll_seconds=0.2", "trainer.checkpoint_seconds=0",
-                        "trainer.publish_every_steps=1000000")
-    config = tmp_path / "trainer.yaml"
-    config.write_text(yaml.safe_dump(dump_config(cfg)))
+    cfg, config = trainer_config(tiny_pair_dir, tmp_path, "trainer.batch_size=8", "trainer.min_new_records=16",
+                                 "trainer.poll_seconds=0.2", "trainer.checkpoint_seconds=0",
+                                 "trainer.publish_every_steps=1000000")
     fb = Path(cfg.feedback.dir)
-    recs = engine_records(pair, "prose", 88, max_new_tokens=8, prefix="skew")
+    recs = engine_records(tiny_pair(tiny_pair_dir), "prose", 88, max_new_tokens=8, prefix="skew")
     right = FeedbackWriter(fb, shard_records=4)
-    for r in recs[:32]:
-        right.write(r)
-    right.flush()
+    write_flushed(right, recs[:32])
     log = tmp_path / "trainer.log"
     proc = _start(config, log)
     try:
@@ -61,9 +63,7 @@ def test_skewed_replica_clocks_lose_no_record(tiny_pair_dir, tmp_path) -> None:
         _wait(lambda: consumed() == 32, 120, proc, "the first 32 records")
         _replica(600, recs[32:36], tmp_path, fb, "fast")  # one shard from a replica 10 minutes fast
         _wait(lambda: consumed() == 36, 60, proc, "the fast replica's shard")
-        for r in recs[36:84]:  # 48 more requests on the right clock, named 10 minutes before the fast shard
-            right.write(r)
-        right.flush()
+        write_flushed(right, recs[36:84])  # 48 more requests on the right clock, named 10 minutes before the fast shard
         _replica(-600, recs[84:], tmp_path, fb, "slow")  # and a replica whose clock was stepped back
         _wait(lambda: consumed() >= 88, 60, proc, f"every record trained (at {consumed()} of 88)")
         status = json.loads((tmp_path / "trainer" / "status.json").read_text())

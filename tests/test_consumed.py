@@ -159,3 +159,29 @@ def test_writer_names_count_without_gaps(tmp_path, monkeypatch, offset) -> None:
     w = _write(tmp_path / "fb", range(3), offset, monkeypatch)
     seqs = sorted(parse_shard(n).seq for n in os.listdir(tmp_path / "fb"))
     assert seqs == [1, 2, 3] and w.seq == 3
+
+
+def test_a_full_disk_still_gets_the_consumed_state_out(tmp_path, monkeypatch) -> None:
+    """When the feedback disk is too full for `consumed.json`, the trainer deletes its oldest consumed shard first,
+    so the writers learn what else they may delete (else nothing consumed since the disk filled would ever go)."""
+    import errno
+
+    import dvi.feedback.reader as reader_module
+
+    root = tmp_path / "fb"
+    _write(root, range(3))
+    reader = FeedbackReader(root, cursor_path=tmp_path / "c.json")
+    names = reader.poll()
+    reader.commit_shards(names[:1])
+    real, refused = reader_module.write_state, []
+
+    def full_once(fs, path, state):
+        if path.endswith(MARKER) and not refused:
+            refused.append(path)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fs, path, state)
+
+    monkeypatch.setattr(reader_module, "write_state", full_once)
+    reader.commit_shards(names[1:2])
+    assert refused and not (root / names[0]).exists() and (root / names[2]).exists()
+    assert ConsumedState.from_json(json.loads((root / MARKER).read_text())).is_consumed(names[1])

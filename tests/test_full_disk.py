@@ -11,19 +11,27 @@ which from `feedback/consumed.json`) and writes again.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from full_disk import fill, free, tmpfs
-from test_online import engine_records, online_config
-from test_online_process import _consumed, _ids, _reap, _start, _stop, _wait
+from test_faults import _status
+from test_online import engine_records
+from test_online_process import (
+    _consumed,
+    _ids,
+    _reap,
+    _start,
+    _stop,
+    _wait,
+    tiny_pair,
+    trainer_config,
+    write_flushed,
+)
 from test_serving_helpers import ServerThread, tiny_config, wait_for
 
 from dvi import metrics as M
-from dvi.config import dump_config
 from dvi.feedback import FeedbackWriter
 from dvi.fsutil import TMP_PREFIX
 from dvi.registry.store import DrafterRegistry
@@ -32,28 +40,14 @@ pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
 
 
-def _status(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "trainer" / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def test_a_full_registry_costs_publishes_not_the_trainer(tiny_pair_dir, tmp_path) -> None:
-    from dvi.models.loading import load_pair
-
-    pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
+    recs = engine_records(tiny_pair(tiny_pair_dir), "prose", 48, max_new_tokens=12, prefix="full")
     with tmpfs(tmp_path / "registry", "1m") as reg_dir:
-        cfg = online_config(tiny_pair_dir, tmp_path, f"registry.dir={reg_dir}", "trainer.batch_size=4",
-                            "trainer.min_new_records=4", "trainer.poll_seconds=0.2", "trainer.publish_every_steps=1",
-                            "trainer.publish_margin=-1.0")
-        config = tmp_path / "trainer.yaml"
-        config.write_text(yaml.safe_dump(dump_config(cfg)))
-        recs = engine_records(pair, "prose", 48, max_new_tokens=12, prefix="full")
+        cfg, config = trainer_config(tiny_pair_dir, tmp_path, f"registry.dir={reg_dir}", "trainer.batch_size=4",
+                                     "trainer.min_new_records=4", "trainer.poll_seconds=0.2",
+                                     "trainer.publish_every_steps=1", "trainer.publish_margin=-1.0")
         w = FeedbackWriter(Path(cfg.feedback.dir), shard_records=4)
-        for r in recs[:32]:
-            w.write(r)
-        w.flush()
+        write_flushed(w, recs[:32])
         reg = DrafterRegistry(reg_dir)
         fill(reg_dir)
         log = tmp_path / "trainer.log"
@@ -61,9 +55,7 @@ def test_a_full_registry_costs_publishes_not_the_trainer(tiny_pair_dir, tmp_path
         try:
             _wait(lambda: _status(tmp_path).get(M.TRAINER_PUBLISH_FAILURES, 0) >= 2, 120, proc,
                   "a failed publish and its retry")
-            for r in recs[32:]:  # training goes on meanwhile
-                w.write(r)
-            w.flush()
+            write_flushed(w, recs[32:])  # training goes on meanwhile
             _wait(lambda: len(_ids(_consumed(tmp_path))) == len(recs), 60, proc, "every record trained")
             assert reg.list_versions() == [] and reg.latest() is None
             assert not [p for p in reg.dir.iterdir() if p.name.startswith(TMP_PREFIX)], "a half-written version"

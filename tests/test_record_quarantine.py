@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from test_online import _consumed, _write_shards, engine_records, online_config
-from test_online_process import _ids, _reap, _start, _stop, _wait
+from test_online_process import _ids, _reap, _start, _stop, _wait, tiny_pair, trainer_config
 
 from dvi import metrics as M
-from dvi.config import dump_config
 from dvi.feedback import FeedbackRecord
 from dvi.feedback.shadow import is_heldout
 from dvi.registry.store import DrafterRegistry
@@ -32,10 +30,7 @@ OUTSIDE = 10**6  # a token id no tiny vocabulary has
 
 @pytest.fixture(scope="module")
 def records(tiny_pair_dir) -> list[FeedbackRecord]:
-    from dvi.models.loading import load_pair
-
-    pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
-    return engine_records(pair, "prose", 24, max_new_tokens=12, prefix="q")
+    return engine_records(tiny_pair(tiny_pair_dir), "prose", 24, max_new_tokens=12, prefix="q")
 
 
 def _outside_vocab(rec: FeedbackRecord, fraction: float) -> FeedbackRecord:
@@ -66,10 +61,7 @@ def _loop(cfg, drafter) -> TrainerLoop:
 def test_a_forward_that_fails_anyway_rewinds_without_its_record(records, tiny_pair_dir, tmp_path, flushed) -> None:
     """The last resort: a record the screen lets through (here: it is told no vocabulary) fails the forward;
     the loop finds it, refuses it and rewinds to its last flush instead of crashing."""
-    from dvi.models.loading import load_pair
-
-    drafter = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer",
-                        device="cpu").drafter
+    drafter = tiny_pair(tiny_pair_dir).drafter
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=4", "trainer.checkpoint_seconds=3600")
     bad = _outside_vocab(records[5], cfg.trainer.heldout_fraction)
     recs = [*records[:5], bad, *records[6:]]
@@ -93,10 +85,8 @@ def test_a_forward_that_fails_anyway_rewinds_without_its_record(records, tiny_pa
 
 @pytest.mark.slow
 def test_the_trainer_process_quarantines_the_record_and_trains_the_rest(records, tiny_pair_dir, tmp_path) -> None:
-    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=4", "trainer.min_new_records=4",
-                        "trainer.poll_seconds=0.2", "trainer.publish_every_steps=1000000")
-    config = tmp_path / "trainer.yaml"
-    config.write_text(yaml.safe_dump(dump_config(cfg)))
+    cfg, config = trainer_config(tiny_pair_dir, tmp_path, "trainer.batch_size=4", "trainer.min_new_records=4",
+                                 "trainer.poll_seconds=0.2", "trainer.publish_every_steps=1000000")
     bad = _outside_vocab(records[3], cfg.trainer.heldout_fraction)
     recs = [*records[:3], bad, *records[4:]]
     _write_shards(Path(cfg.feedback.dir), recs, per_shard=4)  # the bad record shares its shard with 3 good ones
