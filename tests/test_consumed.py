@@ -185,3 +185,15 @@ def test_a_full_disk_still_gets_the_consumed_state_out(tmp_path, monkeypatch) ->
     reader.commit_shards(names[1:2])
     assert refused and not (root / names[0]).exists() and (root / names[2]).exists()
     assert ConsumedState.from_json(json.loads((root / MARKER).read_text())).is_consumed(names[1])
+
+
+def test_a_trained_shard_deleted_before_its_commit_is_not_lost(tmp_path) -> None:
+    root = tmp_path / "fb"
+    _write(root, range(3))
+    reader = FeedbackReader(root, cursor_path=tmp_path / "c.json")
+    names = reader.poll()
+    trained = set(names[:2])  # read and trained; the loop commits at its next flush
+    os.remove(root / names[0])  # retention got there first
+    assert reader.poll(in_flight=trained) == names[1:]
+    reader.commit_shards(trained)
+    assert reader.poll() == names[2:] and reader.state.lost == 0

@@ -9,8 +9,8 @@ place in order, so once seq s is listed every earlier seq of that writer was lis
 * per writer, `upto` (every seq <= upto is consumed or gone for good), `done` (consumed seqs above it: the
   trainer trains the newest first, so it consumes out of order) and `seen` (the highest seq ever listed);
 * a seq no longer listed was deleted (retention) or quarantined: when `upto` passes one that was neither
-  consumed nor quarantined it is counted in `lost` (retention deleted it before the trainer read it,
-  whether the trainer ever listed it or not);
+  consumed, quarantined nor trained (awaiting its commit) it is counted in `lost` (retention deleted it
+  before the trainer read it, whether the trainer ever listed it or not);
 * legacy names (no writer id) are kept by name (`legacy`), forgotten once they leave the dir.
 
 Bounded by the dir, never by the records served: `done` and `legacy` hold shards still listed (or above a
@@ -87,8 +87,9 @@ class ConsumedState:
         return name <= last and last_p is not None and p.time_ns < last_p.time_ns - grace_ns
 
     # -- updates ------------------------------------------------------------------------------------
-    def observe(self, listed: Iterable[str], quarantined: Callable[[], Iterable[str]] = tuple) -> None:
-        """Take a full listing of the dir: learn new writers, forget what left, count what left unconsumed."""
+    def observe(self, listed: Iterable[str], excused: Callable[[], Iterable[str]] = tuple) -> None:
+        """Take a full listing of the dir: learn new writers, forget what left, count what left unconsumed as lost
+        unless `excused()` names it (quarantined, or trained and about to be marked)."""
         by_writer: dict[str, set[int]] = {}
         legacy: set[str] = set()
         for name in listed:
@@ -111,7 +112,7 @@ class ConsumedState:
             cur.seen, cur.listed_at = max(cur.seen, max(seqs)), now
         self._listed = by_writer
         for w, cur in self.writers.items():
-            self._fold(w, cur, quarantined)
+            self._fold(w, cur, excused)
         self._evict()
 
     def mark(self, names: Iterable[str]) -> None:
@@ -133,7 +134,7 @@ class ConsumedState:
         for w in touched:
             self._fold(w, self.writers[w], tuple)
 
-    def _fold(self, writer: str, cur: WriterCursor, quarantined: Callable[[], Iterable[str]]) -> None:
+    def _fold(self, writer: str, cur: WriterCursor, excused: Callable[[], Iterable[str]]) -> None:
         """Advance `upto` to just below the first listed seq not yet consumed; count what it passes unconsumed."""
         listed = self._listed.get(writer, set())
         stop = min((s for s in listed if s > cur.upto and s not in cur.done), default=cur.seen + 1)
@@ -141,7 +142,7 @@ class ConsumedState:
             return
         gone = stop - 1 - cur.upto - sum(1 for s in cur.done if s < stop)  # passed, neither consumed nor listed
         if gone > 0:
-            q = {p.seq for n in quarantined() if (p := parse_shard(posixpath.basename(n))) and p.writer == writer
+            q = {p.seq for n in excused() if (p := parse_shard(posixpath.basename(n))) and p.writer == writer
                  and cur.upto < p.seq < stop and p.seq not in cur.done}
             if gone > len(q):
                 self.lost += gone - len(q)

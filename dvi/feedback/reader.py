@@ -84,10 +84,11 @@ class FeedbackReader:
         """All complete shard names currently present, oldest first."""
         return [n for n, _ in _list_shards(self.fs, self.path)]
 
-    def poll(self) -> list[str]:
-        """Complete shards not yet consumed, oldest-named first."""
+    def poll(self, in_flight: Iterable[str] = ()) -> list[str]:
+        """Complete shards not yet consumed, oldest-named first. `in_flight`: shards read and trained, not yet
+        committed; one that retention deletes meanwhile is not lost (its commit comes)."""
         listed = self.list_shards()
-        self.state.observe(listed, self._quarantined_names)
+        self.state.observe(listed, lambda: [*self._quarantined_names(), *in_flight])
         now, first_poll = time.monotonic(), self._polls == 0
         for name in listed:
             if name in self._first_listed:
@@ -198,7 +199,7 @@ class FeedbackReader:
         """Mark these shards consumed, in any order (after training on them); persist atomically."""
         done = set(names)
         if self._polls == 0:
-            self.poll()  # the state folds against a listing: take one first
+            self.poll(done)  # the state folds against a listing: take one first
         self.state.mark(done)
         self._polled = [n for n in self._polled if n not in done]
         if self.cursor_path is not None:

@@ -115,7 +115,7 @@ class TrainerLoop:
     def _warm_buffers(self, max_shards: int = 8) -> None:
         """Refill held-out and replay buffers from the newest already-consumed shards (replay only)."""
         t = self.trainer
-        pending = set(self.reader.poll())
+        pending = set(self.reader.poll(self.trained))
         done = [s for s in self.reader.list_shards() if s not in pending or s in self.trained][-max_shards:]
         if not done:
             return
@@ -178,7 +178,7 @@ class TrainerLoop:
     # -- one round ----------------------------------------------------------------------------------
     def _choose(self) -> list[str]:
         """Newest untrained shards holding >= min_new_records records (recent-first)."""
-        pending = [s for s in self.reader.poll() if s not in self.trained]
+        pending = [s for s in self.reader.poll(self.trained) if s not in self.trained]
         if not pending:
             return []
         chosen, n = [], 0
