@@ -195,6 +195,7 @@ class FeedbackWriter:
         return shard_name(self._last_ns, os.getpid(), self.writer_id, self.seq + 1)
 
     def _write_shard(self, batch: list[FeedbackRecord]) -> str:
+        """One shard, encoded in memory first (its size is the room a full disk must make), then `_put`."""
         buf = pa.BufferOutputStream()
         pq.write_table(records_to_table(batch), buf)
         data = buf.getvalue().to_pybytes()
