@@ -11,6 +11,7 @@ which from `feedback/consumed.json`) and writes again.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
 
 
-def test_a_full_registry_costs_publishes_not_the_trainer(tiny_pair_dir, tmp_path) -> None:
+def test_a_full_registry_costs_publishes_not_the_trainer(tiny_pair_dir, tmp_path, capsys) -> None:
     recs = engine_records(tiny_pair(tiny_pair_dir), "prose", 48, max_new_tokens=12, prefix="full")
     with tmpfs(tmp_path / "registry", "1m") as reg_dir:
         cfg, config = trainer_config(tiny_pair_dir, tmp_path, f"registry.dir={reg_dir}", "trainer.batch_size=4",
@@ -59,8 +60,12 @@ def test_a_full_registry_costs_publishes_not_the_trainer(tiny_pair_dir, tmp_path
             _wait(lambda: len(_ids(_consumed(tmp_path))) == len(recs), 60, proc, "every record trained")
             assert reg.list_versions() == [] and reg.latest() is None
             assert not [p for p in reg.dir.iterdir() if p.name.startswith(TMP_PREFIX)], "a half-written version"
+            failed, freed_at = _status(tmp_path)[M.TRAINER_PUBLISH_FAILURES], time.monotonic()
             free(reg_dir)  # room again: the pending retry publishes
             _wait(lambda: reg.latest() is not None, 60, proc, "the retried publish")
+            with capsys.disabled():
+                print(f"\n[full registry] {failed} failed publishes while full, all {len(recs)} records trained, "
+                      f"v{reg.latest()} published {time.monotonic() - freed_at:.1f} s after room was made")
             reg.open_version(reg.latest())
             pid = _status(tmp_path)["pid"]
             _stop(proc, log)
@@ -76,7 +81,7 @@ def _request_ids(consumed: list[dict]) -> set[str]:
     return {i for e in consumed for k in ("trained", "heldout", "dropped") for i in e[k]}
 
 
-def test_a_full_feedback_disk_makes_room_from_consumed_shards(tiny_pair_dir, tmp_path) -> None:
+def test_a_full_feedback_disk_makes_room_from_consumed_shards(tiny_pair_dir, tmp_path, capsys) -> None:
     with tmpfs(tmp_path / "feedback", "512k") as fb_dir:
         cfg = tiny_config(tiny_pair_dir, tmp_path / "run", f"feedback.dir={fb_dir}", "serve.trainer=supervised",
                           "feedback.shard_records=4", "feedback.flush_seconds=0.2", "trainer.min_new_records=4",
@@ -96,6 +101,10 @@ def test_a_full_feedback_disk_makes_room_from_consumed_shards(tiny_pair_dir, tmp
             wait_for(lambda: not fb.failing and fb.pending() == 0, 120, what="feedback writes to work again")
             text = c.get("/metrics").text
             health = s.health()
+            with capsys.disabled():
+                print(f"\n[full feedback disk, 512 KiB] {sent} requests, full from request {full_at}: "
+                      f"{fb.records_written} records written, {fb.reclaimed_shards} consumed shards deleted for room, "
+                      f"{fb.flush_errors} failed writes, {fb.dropped_records} dropped")
         consumed = _consumed(Path(cfg.run_dir))
     assert fb.records_written == sent and fb.dropped_records == 0
     assert fb.reclaimed_shards > 0 and health["feedback"]["reclaimed_shards"] == fb.reclaimed_shards
