@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     per = _bytes_per_record(records, fb.shard_records)
     per_eagle = _bytes_per_record(records, fb.shard_records, hidden_dim)
     n_week = a.rate * 86400 * a.days
-    logs_bound = 4 * (1 + files.log_backups) * files.log_max_bytes + files.consumed_log_max_bytes
+    # rotated logs: metrics.jsonl (server, trainer), swap_events.jsonl, trainer.log, trainer/quarantined_records.jsonl
+    logs_bound = 5 * (1 + files.log_backups) * files.log_max_bytes + files.consumed_log_max_bytes
     res = {
         "settings": {"preset": a.preset, "records": len(records), "max_tokens": a.max_tokens, "top_k": fb.top_k,
                      "shard_records": fb.shard_records, "rate_per_s": a.rate, "days": a.days,

@@ -159,8 +159,8 @@ class FilesConfig(_Strict):
     # private: dirs 0700, files 0600 (feedback holds every prompt and completion); group: 0770 / 0660
     # (a trainer or replica running as another user of the same group); umask: the process umask decides
     access: Literal["private", "group", "umask"] = "private"
-    # metrics.jsonl (server and trainer), swap_events.jsonl and trainer.log are rotated at log_max_bytes,
-    # keeping log_backups old files: at most 4 x (1 + log_backups) x log_max_bytes on disk
+    # metrics.jsonl (server and trainer), swap_events.jsonl, trainer.log and the trainer's quarantined_records.jsonl
+    # are rotated at log_max_bytes, keeping log_backups old files: at most 5 x (1 + log_backups) x log_max_bytes on disk
     log_max_bytes: int = Field(32 * 2**20, ge=4096)
     log_backups: int = Field(2, ge=0, le=100)
     # the trainer's consumed.jsonl is compacted (a summary line + the newest rounds) past this size

@@ -15,9 +15,11 @@ Layout::
                               the file's mtime is the heartbeat the supervisor watches
         checkpoint/           weights, optimizer, counters (replaced whole)
         consumed.jsonl        one line per flushed round (exactly-once accounting)
-        cursor.json           the feedback reader's cursor
+        cursor.json           the feedback reader's consumed state (`dvi.feedback.consumed`), per writer
+        quarantined_records.jsonl  records the trainer could not train on, with the reason (rotated)
         metrics.jsonl         the trainer's metric rows
-    <feedback.dir>            parquet shards (`dvi.feedback`; a local dir or an fsspec URL)
+    <feedback.dir>            parquet shards (`dvi.feedback`; a local dir or an fsspec URL), and
+                              consumed.json: a copy of the cursor, what writers may delete on a full disk
     <registry.dir>/drafter/   published versions and LATEST (`dvi.registry.store`)
 
 Writers replace files atomically (`dvi.fsutil`), so a reader sees the old content or the new.
@@ -63,6 +65,7 @@ STATUS_FILE = "status.json"  # under TRAINER_DIR
 CHECKPOINT_DIR = "checkpoint"  # under TRAINER_DIR
 CONSUMED_LOG = "consumed.jsonl"  # under TRAINER_DIR
 CURSOR_FILE = "cursor.json"  # under TRAINER_DIR
+QUARANTINED_RECORDS_LOG = "quarantined_records.jsonl"  # under TRAINER_DIR
 
 
 class RunDir:
@@ -145,6 +148,10 @@ class RunDir:
     @property
     def cursor_path(self) -> Path:
         return self.trainer_dir / CURSOR_FILE
+
+    @property
+    def quarantined_records_path(self) -> Path:
+        return self.trainer_dir / QUARANTINED_RECORDS_LOG
 
     # -- trainer pause flag ---------------------------------------------------------------------------
     def pause_trainer(self) -> None:
@@ -248,6 +255,12 @@ class RunDir:
         text = "\n".join([json.dumps(summary)] + [line for _, line in pairs[len(pairs) - kept:]]) + "\n"
         atomic_write_text(self.consumed_path, text, mode=self.file_mode)
 
+    def append_quarantined_record(self, entry: Mapping[str, Any]) -> None:
+        """Keep a record the trainer could not train on (one JSON line, for a person to look at); rotated at
+        `files.log_max_bytes` like the other logs, so a stream of bad records cannot fill the disk."""
+        make_dirs(self.trainer_dir, self.files.access)
+        append_jsonl(self.log(self.quarantined_records_path), entry)
+
     def last_consumed_seq(self, chunk: int = 64 * 1024) -> int:
         """The `seq` of the log's last whole line (0 when there is none), read from the end: a restart
         reads a few KB, not the whole log."""
@@ -272,7 +285,7 @@ class RunDir:
                 chunk *= 2
 
     # -- disk use -------------------------------------------------------------------------------------------
-    LOG_NAMES = (TRAINER_LOG_FILE, METRICS_FILE, SWAP_EVENTS_FILE, CONSUMED_LOG)
+    LOG_NAMES = (TRAINER_LOG_FILE, METRICS_FILE, SWAP_EVENTS_FILE, CONSUMED_LOG, QUARANTINED_RECORDS_LOG)
 
     def disk_usage(self) -> dict[str, int]:
         """Bytes on disk per part (`dvi.metrics.DISK_PARTS`): feedback shards (a local feedback dir only),

@@ -100,6 +100,8 @@ def health_info(s: ServerState) -> dict[str, Any]:
                      "pending_bytes": fb.pending_bytes() if fb is not None else 0,
                      "write_errors": getattr(fb, "flush_errors", 0),
                      "dropped": getattr(fb, "dropped_records", 0),
+                     "deleted_shards": getattr(fb, "deleted_shards", 0),
+                     "reclaimed_shards": getattr(fb, "reclaimed_shards", 0),
                      "failing": bool(fb is not None and fb.failing),
                      "last_error": getattr(fb, "last_error", None),
                      "errors": s.feedback_log.errors},

@@ -160,6 +160,7 @@ class ServerMetrics:
         if fb is not None:
             self._sync_counter(M.FEEDBACK_WRITE_ERRORS, fb.flush_errors)
             self._sync_counter(M.FEEDBACK_DROPPED_RECORDS, fb.dropped_records)
+            self._sync_counter(M.FEEDBACK_RECLAIMED_SHARDS, fb.reclaimed_shards)
             self.m[M.FEEDBACK_PENDING_RECORDS].set(fb.pending())
             self.m[M.FEEDBACK_FAILING].set(1 if fb.failing else 0)
         for part, n in self.disk_usage(sup.rundir).items():

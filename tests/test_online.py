@@ -380,7 +380,7 @@ def test_crash_windows_never_train_twice_or_skip(pair, prose, tiny_pair_dir, tmp
     loop.run_round()
     loop.run_round()
     target = {"train": (loop.trainer, "train_on_records"), "checkpoint": (loop.trainer, "save_checkpoint"),
-              "log": (loop, "_append_consumed"), "commit": (loop, "_commit_prefix"),
+              "log": (loop, "_append_consumed"), "commit": (loop, "_commit_trained"),
               "unflushed": (loop.trainer, "train_on_records")}[crash_at]
 
     def boom(*a, **k):

@@ -48,6 +48,26 @@ def _ids(entries: list[dict]) -> list[str]:
     return [i for e in entries for k in ("trained", "heldout", "dropped") for i in e[k]]
 
 
+def tiny_pair(pair_dir: Path):
+    from dvi.models.loading import load_pair
+
+    return load_pair(pair_dir / "target", pair_dir / "drafter", pair_dir / "tokenizer", device="cpu")
+
+
+def trainer_config(pair_dir: Path, run_dir: Path, *overrides: str):
+    """(`online_config`, the path of its YAML) for a `dvi train --online` process in `run_dir`."""
+    cfg = online_config(pair_dir, run_dir, *overrides)
+    config = run_dir / "trainer.yaml"
+    config.write_text(yaml.safe_dump(dump_config(cfg)))
+    return cfg, config
+
+
+def write_flushed(writer: FeedbackWriter, records) -> None:
+    for r in records:
+        writer.write(r)
+    writer.flush()
+
+
 def _start(config: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-m", "dvi.cli", "train", "--online", "--config", str(config)],
@@ -78,20 +98,14 @@ def _reap(proc: subprocess.Popen) -> None:
 
 
 def test_trainer_sigkill_restart_resumes_exactly_once_pause_and_sigterm(tiny_pair_dir, tmp_path) -> None:
-    from dvi.models.loading import load_pair
-
-    pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
-    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=2", "trainer.publish_every_steps=4",
-                        "trainer.min_new_records=2", "trainer.poll_seconds=0.1",
-                        "trainer.publish_margin=-1.0")
-    config = tmp_path / "trainer.yaml"
-    config.write_text(yaml.safe_dump(dump_config(cfg)))
+    pair = tiny_pair(tiny_pair_dir)
+    cfg, config = trainer_config(tiny_pair_dir, tmp_path, "trainer.batch_size=2", "trainer.publish_every_steps=4",
+                                 "trainer.min_new_records=2", "trainer.poll_seconds=0.1",
+                                 "trainer.publish_margin=-1.0")
     fb = Path(cfg.feedback.dir)
     recs = engine_records(pair, "prose", 48, max_new_tokens=16, prefix="p")
     w = FeedbackWriter(fb, shard_records=2)
-    for r in recs[:32]:
-        w.write(r)
-    w.flush()
+    write_flushed(w, recs[:32])
     log = tmp_path / "trainer.log"
 
     proc = _start(config, log)

@@ -5,19 +5,22 @@ One `FeedbackRecord` per finished sequence, the stored projection of the engine'
 (`serving.state.FeedbackLog`, a scheduler observer) or an RL rollout (`dvi.rollout`). `FeedbackWriter` buffers them
 and writes parquet shards that are whole or absent (temp name in the same dir, fsync, rename),
 so a crash never leaves half a shard. `FeedbackReader` tails the shards for the online trainer
-with a persisted cursor, so a killed and restarted trainer neither trains a record twice nor
-skips one.
+with a persisted consumed state (`consumed`: per writer, by the writer's own gapless shard count, never
+a clock), so a killed and restarted trainer neither trains a record twice nor skips one, whatever the
+replicas' clocks say.
 
 Retention wins over readers: a writer with a `Retention` (bytes, shards, age) deletes the
 oldest shards even if no trainer consumed them yet. A trainer that falls behind by more than the
 retention window misses that data; the writer counts and logs every deletion
-(`FeedbackWriter.deleted_shards`) and the reader counts shards that vanished before it read them
-(`FeedbackReader.missed_shards`).
+(`FeedbackWriter.deleted_shards`) and the reader counts every shard gone before it was read, listed or
+not (`FeedbackReader.state.lost`). A full disk is different: there the writer deletes only shards the
+trainer has consumed (`consumed.json`, the trainer's copy of its state) and writes again.
 
 Roots are local paths or any fsspec URL (`memory://`, `s3://...`); fsync only applies locally.
 
 The package is split by job: `record` (schema and conversions), `storage` (shard names, listing,
-fsspec and atomic-write helpers shared by both sides), `writer`, `reader`, and `shadow` (acceptance
+fsspec and atomic-write helpers shared by both sides), `writer`, `reader`, `consumed` (what the trainer
+consumed), and `shadow` (acceptance
 estimated from logged records, without the target: the trainer's publish check, the server's swap check). Every name that
 callers import from `dvi.feedback` (all its public names) is re-exported here.
 """

@@ -98,6 +98,19 @@ class FeedbackRecord:
                 f"accepted[{j}] is true but token_ids[{j}]={self.token_ids[j]} != drafted_ids[{j}]={self.drafted_ids[j]}"
             )
 
+    def check_ids(self, vocab_size: int) -> None:
+        """Raise ValueError naming the field and position of a token id outside [0, vocab_size) (drafted ids
+        and padded top-k ids may also be -1): a record checks its own shape, only a model knows its vocabulary,
+        and an id past it fails the trainer's forward, never a parquet write."""
+        e = self.compact()
+        for name, ids, lo in (("prompt_ids", e.prompt_ids, 0), ("token_ids", e.token_ids, 0),
+                              ("drafted_ids", e.drafted_ids, -1), ("topk_ids", e.topk_ids, -1)):
+            bad = np.flatnonzero((ids < lo) | (ids >= vocab_size))
+            if len(bad):
+                j = np.unravel_index(bad[0], ids.shape)
+                where = "][".join(str(int(x)) for x in j)
+                raise ValueError(f"{name}[{where}]={int(ids[j])} is outside the vocabulary of {vocab_size} ids")
+
     def _validate_hidden(self) -> None:
         if not self.hidden:
             return

@@ -7,24 +7,24 @@ the reader nor the record schema.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
+import secrets
 import threading
 import time
 from dataclasses import dataclass
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dvi.feedback.consumed import MARKER, read_state
 from dvi.feedback.record import FeedbackRecord, record_nbytes, records_to_table
-from dvi.feedback.storage import _fs, _is_local, _list_shards, shard_time_ns
+from dvi.feedback.storage import _fs, _is_local, _list_shards, is_disk_full, shard_name, shard_time_ns
 from dvi.fsutil import TMP_PREFIX, access_modes, fsync_path, make_dirs
 
 log = logging.getLogger(__name__)
-
-# Per-process name state shared by all writers, so two writers in one process never collide.
-_NAME_LOCK = threading.Lock()
-_NAME_STATE = {"last_ns": 0, "seq": 0}
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ class FeedbackWriter:
     `max_pending` records and `max_pending_bytes` (estimated, `record_nbytes`) are held; the oldest
     beyond either are dropped and counted (`dropped_records`). `failing` is True from a failed
     shard write until the next successful one (`last_error` says what failed), so a server can
-    report it; records held meanwhile are written in order once storage works again.
+    report it; records held meanwhile are written in order once storage works again. A write that
+    finds the disk full first deletes shards the trainer has consumed (`_make_room`) and tries once more.
     """
 
     def __init__(
@@ -74,6 +75,9 @@ class FeedbackWriter:
         else:
             self.fs.makedirs(self.path, exist_ok=True)
         self._clean_stale_tmp()
+        self.writer_id = secrets.token_hex(6)  # shard names carry it with a gapless count (`storage.shard_name`)
+        self.seq = 0  # shards renamed into place so far
+        self._last_ns = 0
         self.shard_records = shard_records
         self.flush_seconds = flush_seconds
         self.retention = retention or Retention()
@@ -91,6 +95,7 @@ class FeedbackWriter:
         self.shards_written = 0
         self.deleted_shards = 0
         self.deleted_bytes = 0
+        self.reclaimed_shards = 0  # consumed shards deleted to make room on a full disk
         self.flush_errors = 0
         self.dropped_records = 0
         self._wake = threading.Event()
@@ -184,39 +189,80 @@ class FeedbackWriter:
             self.failing, self.last_error = False, None
 
     def _next_name(self) -> str:
-        with _NAME_LOCK:
-            ns = max(time.time_ns(), _NAME_STATE["last_ns"] + 1)
-            _NAME_STATE["last_ns"] = ns
-            _NAME_STATE["seq"] = seq = (_NAME_STATE["seq"] + 1) % 1_000_000
-        return f"shard-{ns:020d}-{os.getpid()}-{seq:06d}.parquet"
+        """The name of the next shard: taken right before its rename, so names sort roughly by appearance; the
+        count advances only once the rename succeeded (`_write_shard`), so a writer's numbers have no gaps."""
+        self._last_ns = max(time.time_ns(), self._last_ns + 1)
+        return shard_name(self._last_ns, os.getpid(), self.writer_id, self.seq + 1)
 
     def _write_shard(self, batch: list[FeedbackRecord]) -> str:
-        table = records_to_table(batch)
+        """One shard, encoded in memory first (its size is the room a full disk must make), then `_put`."""
+        buf = pa.BufferOutputStream()
+        pq.write_table(records_to_table(batch), buf)
+        data = buf.getvalue().to_pybytes()
         with self._io_lock:
-            tmp = posixpath.join(self.path, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}.parquet")
+            try:
+                name = self._put(data)
+            except OSError as exc:
+                if not is_disk_full(exc) or not self._make_room(len(data)):
+                    raise
+                name = self._put(data)
+            self.seq += 1
+            self.records_written += len(batch)
+            self.shards_written += 1
+            self._apply_retention()
+        return name
+
+    def _put(self, data: bytes) -> str:
+        """Write `data` under a temp name (fsynced), rename it to the next shard name; no temp file is left
+        behind on failure (on a full disk it would hold the very room a retry needs)."""
+        tmp = posixpath.join(self.path, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}.parquet")
+        try:
             if _is_local(self.fs):
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                             0o666 if self.file_mode is None else self.file_mode)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if self.file_mode is None else self.file_mode)
                 if self.file_mode is not None:
                     os.fchmod(fd, self.file_mode)
                 with os.fdopen(fd, "wb") as f:
-                    pq.write_table(table, f)
+                    f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                # Name taken right before the rename, so names sort in order of appearance
-                # (readers rely on that, with a grace window for other processes).
                 name = self._next_name()
                 os.replace(tmp, posixpath.join(self.path, name))
                 fsync_path(self.path)
             else:
                 with self.fs.open(tmp, "wb") as f:
-                    pq.write_table(table, f)
+                    f.write(data)
                 name = self._next_name()
                 self.fs.mv(tmp, posixpath.join(self.path, name))
-            self.records_written += len(batch)
-            self.shards_written += 1
-            self._apply_retention()
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.fs.rm(tmp)
+            raise
         return name
+
+    def _make_room(self, need: int) -> bool:
+        """The disk is full: delete consumed shards, oldest first, until twice `need` bytes are free. What is
+        consumed comes from the trainer's state in the feedback dir (`consumed.json`), shared by every replica
+        writing here; with none, nothing is deleted (records stay buffered until the trainer publishes one)."""
+        state = read_state(self.fs, posixpath.join(self.path, MARKER))
+        if state is None:
+            return False
+        freed = 0
+        for name, size in _list_shards(self.fs, self.path):
+            if freed >= 2 * need:
+                break
+            if not state.is_consumed(name):
+                continue
+            try:
+                self.fs.rm(posixpath.join(self.path, name))
+            except FileNotFoundError:
+                continue  # another replica made room first
+            freed += size
+            self.reclaimed_shards += 1
+            self.deleted_shards += 1
+            self.deleted_bytes += size
+        if freed:
+            log.warning("feedback dir %s is full: deleted consumed shards (%d bytes) to make room", self.root, freed)
+        return freed > 0
 
     def _apply_retention(self) -> None:
         keep = self.retention

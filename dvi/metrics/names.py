@@ -47,9 +47,13 @@ FEEDBACK_WRITE_ERRORS = "dvi_feedback_write_errors_total"
 FEEDBACK_DROPPED_RECORDS = "dvi_feedback_dropped_records_total"
 FEEDBACK_PENDING_RECORDS = "dvi_feedback_pending_records"
 FEEDBACK_FAILING = "dvi_feedback_failing"
+FEEDBACK_RECLAIMED_SHARDS = "dvi_feedback_reclaimed_shards_total"
 TRAINER_HEARTBEAT_AGE = "dvi_trainer_heartbeat_age_seconds"
 TRAINER_STALE_RESTARTS = "dvi_trainer_stale_restarts_total"
 TRAINER_QUARANTINED_SHARDS = "dvi_trainer_feedback_shards_quarantined"
+TRAINER_SKIPPED_SHARDS = "dvi_trainer_feedback_shards_skipped"
+TRAINER_QUARANTINED_RECORDS = "dvi_trainer_feedback_records_quarantined"
+TRAINER_PUBLISH_FAILURES = "dvi_trainer_publish_failures"
 DISK_BYTES = "dvi_disk_bytes"
 HTTP_REQUEST_TIMEOUTS = "dvi_http_request_timeouts_total"
 REQUESTS_CUT = "dvi_requests_cut_at_shutdown_total"
@@ -157,6 +161,13 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             TRAINER_LOST_SHARDS, "gauge", "Feedback shards deleted by retention before the trainer read them."
         ),
+        MetricSpec(TRAINER_SKIPPED_SHARDS, "gauge", "Feedback shards that appeared after the trainer's consumed "
+                   "state had passed them (never trained; a writer out of its own order)."),
+        MetricSpec(TRAINER_QUARANTINED_RECORDS, "gauge", "Feedback records the trainer could not train on (ids "
+                   "outside the vocabulary, collation or forward failed): kept in trainer/quarantined_records.jsonl, "
+                   "the rest of their shard trained."),
+        MetricSpec(TRAINER_PUBLISH_FAILURES, "gauge", "Publishes the registry could not take (disk full, read-only): "
+                   "the trainer trains on and retries with backoff."),
         MetricSpec(TRAINER_RESTARTS, "gauge", "Times the supervisor restarted the trainer process."),
         MetricSpec(REQUESTS_REJECTED, "counter", "Requests refused before decoding, by reason (queue_full, "
                    "invalid_request, body_too_large, unauthorized, ...).", (L_REASON,)),
@@ -165,6 +176,8 @@ METRICS: dict[str, MetricSpec] = {
                    "Feedback records dropped because the write buffer hit feedback.max_buffer_bytes."),
         MetricSpec(FEEDBACK_PENDING_RECORDS, "gauge", "Feedback records buffered in memory, not yet in a shard."),
         MetricSpec(FEEDBACK_FAILING, "gauge", "1 while feedback shard writes fail, else 0."),
+        MetricSpec(FEEDBACK_RECLAIMED_SHARDS, "counter", "Feedback shards the trainer had consumed, deleted to make "
+                   "room because the feedback filesystem was full."),
         MetricSpec(TRAINER_HEARTBEAT_AGE, "gauge", "Seconds since the online trainer's last heartbeat."),
         MetricSpec(TRAINER_STALE_RESTARTS, "counter",
                    "Trainer processes killed and restarted because their heartbeat went stale (stopped or hung)."),
@@ -219,7 +232,10 @@ TRAINER_GAUGES = (
     TRAINER_RECORDS_SEEN,
     TRAINER_HELDOUT_ALPHA,
     TRAINER_LOST_SHARDS,
+    TRAINER_SKIPPED_SHARDS,
     TRAINER_QUARANTINED_SHARDS,
+    TRAINER_QUARANTINED_RECORDS,
+    TRAINER_PUBLISH_FAILURES,
 )
 
 __all__ = [name for name in dict(globals()) if name.isupper() and not name.startswith("_")] + ["MetricSpec"]

@@ -16,9 +16,11 @@ The parts, in the order a record meets them:
 | module | job |
 |---|---|
 | `collate.py` | `is_heldout`, `Batch` / `build_batch` (compact `FeedbackRecord`s to tensors for the loss) |
+| `screen.py` | `RecordScreen`: which records this drafter can train on; the others quarantined one by one |
 | `trainables.py` | the drafter kinds (LoRA, full, early-exit, eagle) behind `Trainable`; `load_drafter_for_training` |
 | `trainer.py` | `OnlineTrainer`: steps, replay, shadow-checked publishing |
 | `decisions.py` | what it decided: `RoundStats` (one round), `PublishDecision` (one publish check) |
+| `publish_retry.py` | `PublishBackoff`: a publish the registry refused is retried later, never fatal |
 | `checkpoint.py` | the trainer's checkpoint (trained tensors, optimizer, counters), written atomically |
 | `accel.py` | the `Accelerator` (one process group per launch, or it refuses to start) |
 | `loop.py` | `TrainerLoop`: shard choice, the exactly-once flush order, pause/stop, status heartbeat |

@@ -8,14 +8,23 @@ Exactly-once. Rounds train untrained shards; every `trainer.checkpoint_seconds` 
 paused or stopping) the loop flushes: it writes `<run_dir>/trainer/checkpoint/` atomically
 (weights, optimizer, counters, the names of trained-but-uncommitted shards, and the consumed
 record ids of the rounds since the last flush), then appends those rounds to
-`<run_dir>/trainer/consumed.jsonl`, then commits the reader's cursor up to the longest prefix of
-trained shards. A kill loses only the rounds since the last flush, whose weight updates die with
-them, so their shards are trained again; shards in the checkpoint are never retrained, and a round
-the checkpoint holds but the log lacks is logged on restart. Replay (older records re-used in
-batches) is separate and explicit, counted as `replayed`, never as new.
+`<run_dir>/trainer/consumed.jsonl`, then commits every trained shard to the reader's consumed state
+(`dvi.feedback.consumed`: per writer, by the writer's own shard count, never by a clock). A kill loses
+only the rounds since the last flush, whose weight updates die with them, so their shards are trained
+again; shards in the checkpoint are never retrained, and a round the checkpoint holds but the log lacks
+is logged on restart. Replay (older records re-used in batches) is separate and explicit, counted as
+`replayed`, never as new.
 
-Recent-first: when shards pile up, the newest are trained first (the traffic that matters now);
-older ones are trained when the trainer catches up. Their cursor commit waits for them.
+Unusable records: every record read is screened first (`screen.py`: ids against the drafter's
+vocabulary, feature width, a collation of it alone), on every rank alike; what fails is quarantined
+record by record (logged, counted, kept in `trainer/quarantined_records.jsonl`, listed under
+`quarantined` in its round's consumed-log line) and the rest of its shard trains. A forward that fails
+anyway (one process) is traced to its record by probing each alone; that record is refused from then
+on and the loop rewinds to its last flush, as a restart would, instead of crashing into a restart loop.
+
+Recent-first: when shards pile up, the newest-named are trained first (the traffic that matters now);
+older ones are trained when the trainer catches up. A writer's clock only orders them: a shard named in
+the future or the past is trained like any other.
 
 The trainer's gauges go to `RunDir.write_trainer_status` (`<run_dir>/trainer/status.json`,
 atomically replaced, also the supervisor's heartbeat) for the server's /metrics.
@@ -39,7 +48,9 @@ from dvi.feedback import FeedbackReader
 from dvi.feedback.shadow import is_heldout
 from dvi.registry.store import AdapterRejected
 from dvi.rundir import RunDir
+from trainers.online.checkpoint import COUNTERS
 from trainers.online.decisions import RoundStats
+from trainers.online.screen import RecordScreen
 from trainers.online.trainer import OnlineTrainer
 
 log = logging.getLogger("dvi.trainer")
@@ -71,6 +82,7 @@ class TrainerLoop:
         self.seq = 0
         self.stop = _Stop()
         self.rounds = 0
+        self.screen = RecordScreen.of(trainer, self.rundir)
 
     # -- startup ----------------------------------------------------------------------------------
     def restore(self) -> None:
@@ -80,6 +92,9 @@ class TrainerLoop:
         if state is not None:
             self.trained = set(state.get("trained_uncommitted", []))
             self.seq = int(state.get("seq", 0))
+            self.screen.quarantined = int(state.get("quarantined_records", 0))
+            t.publish_backoff.failures = int(state.get("publish_failures", 0))
+            self.screen.refused.update({(s, r): why for s, r, why in state.get("refused", [])})
             logged = self._last_logged_seq()
             for entry in state.get("rounds", []):
                 if t.is_main and int(entry["seq"]) > logged:
@@ -94,18 +109,19 @@ class TrainerLoop:
                 log.warning("trainer: the served v%d does not load into this drafter (%s); starting from the base",
                             served, exc)
         t.reset_anchor()
-        self._commit_prefix()
+        self._commit_trained()
         self._warm_buffers()
 
     def _warm_buffers(self, max_shards: int = 8) -> None:
         """Refill held-out and replay buffers from the newest already-consumed shards (replay only)."""
         t = self.trainer
-        pending = set(self.reader.poll())
+        pending = set(self.reader.poll(self.trained))
         done = [s for s in self.reader.list_shards() if s not in pending or s in self.trained][-max_shards:]
         if not done:
             return
         n_held = 0
-        for rec in self.reader.read_records(done):
+        keyed = [(name, rec) for name in done for rec in self.reader.iter_records([name], unread=False)]
+        for _, rec in self.screen.split(keyed)[0]:  # consumed already: an unusable one was counted then
             e = rec.compact()
             t.max_target_version = max(t.max_target_version, e.target_version)
             if is_heldout(e.request_id, t.tc.heldout_fraction):
@@ -123,28 +139,48 @@ class TrainerLoop:
     def _append_consumed(self, entry: Mapping[str, Any]) -> None:
         self.rundir.append_consumed(entry)
 
-    def _commit_prefix(self) -> None:
-        """Commit the cursor up to the longest prefix of pending shards that were all trained."""
-        if not self.trainer.is_main:
+    def _commit_trained(self) -> None:
+        """Mark every trained shard consumed (the reader's state takes them in any order)."""
+        if not self.trainer.is_main or not self.trained:
             return
-        pending = self.reader.poll()
-        upto = None
-        for name in pending:
-            if name not in self.trained:
-                break
-            upto = name
-        if upto is not None:
-            self.reader.commit(upto)
-            self.trained = {s for s in self.trained if s > upto}
+        self.reader.commit_shards(self.trained)
+        self.trained = set()
+        self.screen.refused = {k: v for k, v in self.screen.refused.items() if not self.reader.state.is_consumed(k[0])}
+
+    def _rewind(self) -> None:
+        """Forget the rounds since the last flush as a restart would: weights, optimizer and counters from the
+        checkpoint (or as a fresh process has them), those rounds' shards untrained again, buffers warmed anew."""
+        t = self.trainer
+        t.optimizer.zero_grad(set_to_none=True)  # the failed backward may have left partial gradients
+        t.optimizer.state.clear()
+        t.trainable.load_state(t.base_state)
+        for k in COUNTERS:
+            setattr(t, k, 0)
+        t.train_seconds, t.last_published, t.last_published_state = 0.0, None, None
+        t.heldout.clear()
+        t.replay.clear()
+        self.trained, self.unflushed, self.seq, self.screen.quarantined = set(), [], 0, 0
+        self.restore()
+
+    def _refuse_culprits(self, keyed: list[tuple[str, Any]]) -> bool:
+        """After a failed round: find the records whose own forward fails and refuse them from now on; False when
+        none does (or with several ranks, which a one-sided failure has already desynchronised)."""
+        t = self.trainer
+        if t.accelerator.num_processes > 1:
+            return False
+        bad = self.screen.probe(t.module, keyed, t.tc, t.step, t.device)
+        for (shard, rec), why in bad:
+            self.screen.refused[(shard, rec.request_id)] = why
+            log.error("trainer: the forward failed on record %s of %s (%s); rewinding to the last checkpoint "
+                      "without it", rec.request_id, shard, why)
+        return bool(bad)
 
     # -- one round ----------------------------------------------------------------------------------
     def _choose(self) -> list[str]:
         """Newest untrained shards holding >= min_new_records records (recent-first)."""
-        pending = [s for s in self.reader.poll() if s not in self.trained]
+        pending = [s for s in self.reader.poll(self.trained) if s not in self.trained]
         if not pending:
             return []
-        from dvi.feedback import shard_time_ns
-
         chosen, n = [], 0
         for name in reversed(pending):
             rows = self.reader.num_rows(name)  # None: vanished, or unreadable and quarantined
@@ -157,7 +193,7 @@ class TrainerLoop:
         if not chosen:
             return []
         if n < self.cfg.trainer.min_new_records:
-            age = time.time() - shard_time_ns(pending[0]) / 1e9
+            age = self.reader.waiting_seconds(pending)  # this reader's clock: a writer's may be off
             if age < STALE_SHARD_S * self.cfg.trainer.poll_seconds and not self.stop.requested:
                 return []  # wait for more records
         return sorted(chosen)
@@ -183,12 +219,14 @@ class TrainerLoop:
             return
         t = self.trainer
         if t.is_main:
-            t.save_checkpoint(self.rundir.checkpoint_dir, {"seq": self.seq, "trained_uncommitted": sorted(self.trained),
-                                          "rounds": self.unflushed})
+            t.save_checkpoint(self.rundir.checkpoint_dir, {
+                "seq": self.seq, "trained_uncommitted": sorted(self.trained), "rounds": self.unflushed,
+                "quarantined_records": self.screen.quarantined, "publish_failures": t.publish_backoff.failures,
+                "refused": [[s, r, why] for (s, r), why in sorted(self.screen.refused.items())]})
             for entry in self.unflushed:
                 self._append_consumed(entry)
             self.unflushed = []
-            self._commit_prefix()
+            self._commit_trained()
         else:
             self.unflushed = []
 
@@ -198,11 +236,20 @@ class TrainerLoop:
         shards = self._broadcast(self._choose() if t.is_main else None)
         if not shards:
             return None
-        stats = t.train_on_records(self.reader.read_records(shards))
+        keyed = [(name, rec) for name in shards for rec in self.reader.iter_records([name])]
+        good, bad = self.screen.split(keyed)
+        quarantined = self.screen.quarantine(bad)
+        try:
+            stats = t.train_on_records([rec for _, rec in good])
+        except Exception:
+            if not self._refuse_culprits(good):
+                raise
+            self._rewind()
+            return None
         self.seq += 1
         self.trained |= set(shards)
         entry = {"seq": self.seq, "shards": shards, "trained": stats.trained_ids, "heldout": stats.heldout_ids,
-                 "dropped": stats.dropped_ids, "step": t.step, "time": time.time()}
+                 "dropped": stats.dropped_ids, "quarantined": quarantined, "step": t.step, "time": time.time()}
         self.unflushed.append(entry)
         if time.monotonic() - self.last_flush >= t.tc.checkpoint_seconds:
             self.flush()
@@ -217,6 +264,10 @@ class TrainerLoop:
             self.rundir.write_trainer_status({"state": state, "pid": os.getpid(),
                                               "processes": self.trainer.accelerator.num_processes,
                                               M.TRAINER_QUARANTINED_SHARDS: self.reader.quarantined_total(),
+                                              M.TRAINER_LOST_SHARDS: self.reader.state.lost,
+                                              M.TRAINER_SKIPPED_SHARDS: self.reader.state.skipped,
+                                              M.TRAINER_QUARANTINED_RECORDS: self.screen.quarantined,
+                                              M.TRAINER_PUBLISH_FAILURES: self.trainer.publish_backoff.failures,
                                               **self.trainer.status()})
         except OSError:
             log.exception("cannot write trainer status")
@@ -244,6 +295,8 @@ class TrainerLoop:
             stats = self.run_round()
             if stats is None:
                 self.flush()
+                if t.publish_backoff.pending:  # a publish the registry refused: retried when due, idle or not
+                    t.maybe_publish()
                 if t.tc.idle_replay_steps and t.replay and t.budget_left():  # replay only within the budget
                     t.train_on_replay(t.tc.idle_replay_steps)
                     t.maybe_publish()

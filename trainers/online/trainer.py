@@ -47,6 +47,7 @@ from trainers.online.accel import make_accelerator
 from trainers.online.checkpoint import COUNTERS, load_checkpoint, save_checkpoint
 from trainers.online.collate import build_batch
 from trainers.online.decisions import PublishDecision, RoundStats
+from trainers.online.publish_retry import PublishBackoff
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
 if TYPE_CHECKING:
@@ -123,6 +124,7 @@ class OnlineTrainer:
         self.last_heldout_alpha: float | None = None
         self.last_losses: dict[str, float] = {}
         self.publish_log: list[PublishDecision] = []
+        self.publish_backoff = PublishBackoff()  # a registry that cannot take a version: retried, never fatal
 
     # -- construction from a config ------------------------------------------------------------
     @classmethod
@@ -364,9 +366,9 @@ class OnlineTrainer:
         """
         if not force and self.step - self.last_publish_step < self.tc.publish_every_steps:
             return None
-        if self.step == self.last_publish_step and not force:
+        if self.step == self.last_publish_step and not force or self.publish_backoff.waiting() and not force:
             return None
-        self.last_publish_step = self.step
+        due_since, self.last_publish_step = self.last_publish_step, self.step
         if not self.is_main:
             return None
         served = self.served_version()
@@ -375,8 +377,14 @@ class OnlineTrainer:
         if self.registry is None or not ok:
             log.info("trainer: not publishing at step %d: %s", self.step, decision.reason)
         else:
-            decision.published = self._publish(served, decision)
-            log.info("trainer: published v%d at step %d: %s", decision.published, self.step, decision.reason)
+            try:
+                decision.published = self._publish(served, decision)
+            except OSError as exc:  # disk full, read-only: keep training, retry the same candidate later
+                decision.reason = self.publish_backoff.failed(exc, self.step)
+                self.last_publish_step = due_since  # still due
+            else:
+                self.publish_backoff.succeeded()
+                log.info("trainer: published v%d at step %d: %s", decision.published, self.step, decision.reason)
         if decision.heldout_alpha is not None:
             self.last_heldout_alpha = decision.heldout_alpha
         self.publish_log.append(decision)
