@@ -207,6 +207,9 @@ class LeanModel:
         # a plain Linear runs as F.linear; anything else (a reduced draft vocabulary's SubsetHead) as itself
         self.head_module = None if type(head) is nn.Linear and head.bias is None else head
         self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
+        # what `features` returns: None, the final normed hidden state [.., H] (what the LM head multiplies); or
+        # the residual stream after each listed layer, concatenated [.., len * H] (EAGLE-3's low / mid / high)
+        self.feature_layers: tuple[int, ...] | None = None
         self.rotary = base.rotary_emb
         self.cos = self.sin = torch.zeros(0, (self.heads + 2 * self.kv_heads) * self.head_dim)
         self._rope_tables(256)
@@ -255,6 +258,8 @@ class LeanModel:
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, attn.columns)
         keys, values = cache.views(b, attn.columns, first_slot)
         x = F.embedding(ids.view(n), self.embed)  # [N, H]
+        taps = self.feature_layers if features else None
+        tapped = []
         for i, lw in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden,), lw.ln_in, self.eps)
             qkv = F.linear(h, lw.qkv, lw.qkv_bias).view(n, heads + 2 * kvh, 2, d // 2)
@@ -269,6 +274,8 @@ class LeanModel:
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
             gate, up = F.linear(h, lw.gate_up).chunk(2, -1)
             x = x + F.linear(F.silu(gate) * up, lw.down)
+            if taps and i in taps:
+                tapped.append(x)
         x = x.view(b, q, self.hidden)
         if pick is not None:
             x = x.view(n, self.hidden).index_select(0, pick + torch.arange(0, n, q, device=self.device))
@@ -276,6 +283,8 @@ class LeanModel:
         if logits_to_keep and not features:
             x = x[:, -logits_to_keep:]
         f = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
+        if taps:
+            return self._logits(f[:, -logits_to_keep:] if logits_to_keep else f), torch.cat(tapped, -1).view(b, q, -1)
         return (self._logits(f[:, -logits_to_keep:] if logits_to_keep else f), f) if features else \
             self._logits(f[:, -logits_to_keep:] if logits_to_keep else f)
 
