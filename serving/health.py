@@ -92,6 +92,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "learned_kind": s.cfg.models.learned_kind,
         "suffix": _suffix_info(s),
         "draft_vocab_size": _draft_vocab_size(s.engine),
+        "greedy_contract": s.engine.greedy_contract,  # bitwise / near-tie, measured on this device at start-up
         "tokenizer": {"stop_token_ids": list(s.scheduler.eos_ids), "warnings": s.tokenizer_warnings},
         "trainer": trainer,
         "disk_bytes": s.metrics.disk_usage(s.supervisor.rundir),

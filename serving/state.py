@@ -133,6 +133,8 @@ def build_state(cfg: DviConfig) -> ServerState:
     tokenizer = pair.tokenizer
     spec = cfg.speculation
     engine = serving_engine(cfg, pair)
+    log.info("greedy speculation on this device: %s (README \"Greedy in bf16\"; models.exact_greedy: every row "
+             "bitwise)", engine.greedy_contract)
     if spec.adaptive and engine.proposer.kind != "none":
         # Measure draft/verify costs for every batch bucket now, so no request pays for a
         # calibration the first time the running batch reaches a new size.

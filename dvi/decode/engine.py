@@ -177,6 +177,12 @@ class SpeculativeEngine:
         return len(self._waiting) + len(self._seqs)
 
     @property
+    def greedy_contract(self) -> dict[str, str]:
+        """What greedy speculation guarantees on this device ('bitwise' or 'near-tie', one request at a time and in
+        batches): measured at start-up (`dvi.decode.invariance`), on /health."""
+        return dict(self._target.contract)
+
+    @property
     def drafter(self) -> Drafter | None:
         """The learned drafter (None for `suffix` alone or speculation off)."""
         return self.proposer.drafter

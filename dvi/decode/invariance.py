@@ -27,15 +27,20 @@ __all__ = ["FLOORS", "Invariance", "probe"]
 log = logging.getLogger(__name__)
 
 FLOORS = (1, 2, 4, 8)
-"""Matmul row floors tried, cheapest first (a one-token step padded to 4 rows costs a 4-row GEMM)."""
+"""Matmul row floors tried, cheapest first (a one-token step padded to 4 rows costs a 4-row GEMM: in fp32 on an
+AVX2 CPU, MKL's GEMV for one row is 2.5x faster than its GEMM for four, so only the exact mode pays a floor)."""
 
 
 @dataclass(frozen=True)
 class Invariance:
-    """The probe's verdict: `min_rows` makes verifies of `widths` bit-equal to steps (None: no floor did)."""
+    """The probe's verdict: verifies of `widths` (and, in the exact mode, matmuls of up to `max_rows` rows) round
+    like one-token steps at matmul row floor `min_rows`; None: no floor tried made them (`searched`: floors
+    past 1 were tried, the exact mode's search)."""
 
     min_rows: int | None
     widths: tuple[int, ...]
+    max_rows: int
+    searched: bool
     device: str
     dtype: str
 
@@ -48,23 +53,49 @@ class Invariance:
 _VERDICTS: dict[tuple, Invariance] = {}
 
 
-def _key(lean: LeanModel, widths: tuple[int, ...]) -> tuple:
+def _key(lean: LeanModel, *rest) -> tuple:
     c = lean.config
-    return (type(lean).__name__, getattr(c, "model_type", None), lean.hidden, len(lean.layers), lean.heads,
-            lean.kv_heads, lean.head_dim, int(lean.layers[0].gate_up.shape[0]), int(lean.head.shape[0]),
-            lean.dtype, lean.device.type, widths)
+    return (getattr(c, "model_type", None), lean.hidden, len(lean.layers), lean.heads, lean.kv_heads,
+            lean.head_dim, int(lean.layers[0].gate_up.shape[0]), int(lean.head.shape[0]), lean.dtype,
+            lean.device.type, *rest)
 
 
-def probe(lean: LeanModel, max_width: int = 17, context: int = 48, seed: int = 0) -> Invariance:
-    """The smallest floor of `FLOORS` at which verifies of widths 2..max_width round like steps (cached)."""
+def probe(lean: LeanModel, max_width: int = 17, exact: bool = False, max_rows: int = 0, context: int = 48,
+          seed: int = 0) -> Invariance:
+    """Do verifies of widths 2..`max_width` round like one-token steps on this device's kernels (cached per model
+    shape and dtype)? Without `exact` only as the engine runs by default (floor 1: free); with it the smallest
+    floor of `FLOORS` that makes them, which must also keep rows of matmuls up to `max_rows` rows (a batch's
+    rows x positions) equal to a lone row's."""
     widths = tuple(w for w in (2, 3, 4, 5, 8, 9, 16, 17, 24, 32, 33) if w <= max(2, max_width))
-    key = _key(lean, widths)
+    max_rows = max(max_rows, max(widths))
+    key = _key(lean, widths, exact, max_rows)
     if key not in _VERDICTS:
-        floor = next((f for f in FLOORS if _rows_agree(lean, f, widths, context, seed)), None)
-        _VERDICTS[key] = v = Invariance(floor, widths, lean.device.type, str(lean.dtype).removeprefix("torch."))
-        log.info("greedy speculation on %s %s: %s (matmul row floor %s, verify widths up to %d)",
-                 v.device, v.dtype, v.contract, floor, max(widths))
+        floors = FLOORS if exact else (1,)
+        floor = next((f for f in floors if _rows_agree(lean, f, widths, context, seed)
+                      and (not exact or _matmul_rows_agree(lean, f, max_rows, seed))), None)
+        _VERDICTS[key] = v = Invariance(floor, widths, max_rows, exact, lean.device.type,
+                                        str(lean.dtype).removeprefix("torch."))
+        log.info("greedy speculation on %s %s%s: %s (matmul row floor %s, verify widths up to %d)", v.device, v.dtype,
+                 " (exact mode)" if exact else "", v.contract, floor, max(widths))
     return _VERDICTS[key]
+
+
+@torch.inference_mode()
+def _matmul_rows_agree(lean: LeanModel, floor: int, max_rows: int, seed: int) -> bool:
+    """Rows of the model's own matmuls at a few row counts up to `max_rows` equal a lone row padded to `floor`."""
+    g = torch.Generator().manual_seed(seed)
+    counts = sorted({m for m in (floor, floor + 1, 2 * floor + 1, 33, 64, 65, 128, 129, max_rows) if floor <= m <= max_rows})
+    lw = lean.layers[0]
+    for w in (lw.qkv, lw.gate_up, lw.down, lean.head):
+        x = torch.randn(max_rows, w.shape[1], generator=g).to(w)
+        pad = torch.randn(max(0, floor - 1), w.shape[1], generator=g).to(w)
+        for m in counts:
+            got = torch.nn.functional.linear(x[:m], w)
+            for r in (0, m // 2, m - 1):
+                alone = torch.nn.functional.linear(torch.cat([x[r : r + 1], pad]), w)[0]
+                if not torch.equal(got[r], alone):
+                    return False
+    return True
 
 
 @torch.inference_mode()

@@ -3,10 +3,13 @@
 A row's cache has no holes: a forward writes q entries after the row's length and `keep` moves the length past
 the ones the target kept, so undoing rejected drafts costs nothing.
 
-`exact`: every row's verify rounds like its 1-token steps (folded attention, `dvi.decode.lean.Attention`, and
-matmuls of at least `min_rows` rows, `dvi.decode.invariance`). One request at a time always does; a batch of
-several rows only in the exact mode, else one SDPA call for the batch, which parts from a row's lone plain
-decode at near-ties only (`dvi.decode.sampling.tie_bound`).
+What greedy speculation guarantees (`contract`, measured at start-up by `dvi.decode.invariance.probe`): one
+request at a time, a verify rounds like the 1-token steps it stands for (folded attention,
+`dvi.decode.lean.Attention`) wherever this device's matmuls round a row alike at any row count ("bitwise"),
+else greedy text may part from plain decoding at near-ties of the dtype (`dvi.decode.sampling.tie_bound`).
+A batch of several rows attends in one SDPA call (near-tie). The exact mode (`exact`) makes every row bitwise:
+folded attention for every row and matmuls padded to the probed row floor `min_rows`; where no floor works, each
+verified position runs as its own one-row step (exact, at K + 1 steps' cost).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class LeanTarget:
                  min_rows: int = 1, invariance=None, graphs=None):
         self.lean = lean if lean is not None else LeanModel(model)
         self.exact, self.min_rows, self.invariance = bool(exact), int(min_rows), invariance
+        # the exact mode where no row floor made verifies round like steps: every position its own step
+        self.stepwise = self.exact and invariance is not None and invariance.min_rows is None
         self.graphs = graphs  # a `dvi.decode.graphs.GraphedForward` (CUDA): its cache is this runner's
         self.cache = graphs.cache if graphs is not None else self.lean.new_cache()
         self._cols = torch.arange(0)
@@ -37,12 +42,13 @@ class LeanTarget:
         return self.cache.batch_size
 
     @property
-    def contract(self) -> str:
-        """What greedy speculation guarantees one request at a time: 'bitwise' or 'near-tie' (see the module
-        doc; CUDA graphs attend in one call)."""
-        if self.graphs is not None and not self.exact:
-            return "near-tie"
-        return "bitwise" if self.invariance is None or self.invariance.min_rows is not None else "near-tie"
+    def contract(self) -> dict[str, str]:
+        """What greedy speculation guarantees one request at a time and in batches: 'bitwise' or 'near-tie'
+        (see the module doc; CUDA graphs attend in one call)."""
+        if self.exact:
+            return {"one_request": "bitwise", "batched": "bitwise"}
+        one = self.invariance is None or self.invariance.min_rows is not None
+        return {"one_request": "bitwise" if one and self.graphs is None else "near-tie", "batched": "near-tie"}
 
     def _columns(self, n: int) -> torch.Tensor:
         if self._cols.numel() < n:
@@ -82,6 +88,8 @@ class LeanTarget:
         """Matmuls see at least `min_rows` rows: a shorter forward gets junk positions after each row's real ones
         (their keys land past the row's length, to be overwritten; their outputs are dropped)."""
         b, q = ids.shape
+        if self.stepwise and (q > 1 or b > 1):
+            return self._stepwise(ids, features)
         if not features and self.graphs is not None and not self.exact \
                 and self.graphs.fits(b, q, max(self.cache.lengths) + q):
             return self.graphs(ids, self.cache.lengths)
@@ -100,6 +108,28 @@ class LeanTarget:
         if q == real:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]
+
+    def _stepwise(self, ids: torch.Tensor, features: bool):
+        """Each row's positions one at a time, each a one-row forward over its own slot: what its plain decode
+        computes, bit for bit (the exact mode's last resort)."""
+        b, q = ids.shape
+        outs, feats = [], []
+        for i in range(b):
+            row, frow = [], []
+            for j in range(q):
+                start = self.cache.lengths[i] + j
+                attn = Attention(bucket_columns(start), groups=folded_groups([start], 1, self._columns(bucket_columns(start))))
+                self.cache.reserve(self.cache.batch_size, attn.columns)
+                out = self.lean.forward(self.cache, ids[i : i + 1, j : j + 1],
+                                        torch.tensor([start], device=self.lean.device), attn, features=features,
+                                        first_slot=i)
+                row.append(out[0] if features else out)
+                if features:
+                    frow.append(out[1])
+            outs.append(torch.cat(row, 1))
+            feats.append(torch.cat(frow, 1) if features else None)
+        logits = torch.cat(outs)
+        return (logits, torch.cat(feats)) if features else logits
 
     def keep(self, q: int, kept: list[int]) -> None:
         self.cache.advance(kept)
