@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2,
                     help="measurements per arm and level, in ABBA order; figures pool all rounds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], help="extra config override for both servers (key=value), "
+                    "e.g. models.device=cuda")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="dvi-serve-load-"))
     base = [f"models.preset={args.preset}", f"run_dir={work}", "serve.trainer=off", "wandb.mode=disabled",
             f"serve.max_batch_size={args.max_batch_size}", "serve.queue_limit=1024",
-            f"serve.max_tokens_limit={max(args.max_tokens, 64)}"]
+            f"serve.max_tokens_limit={max(args.max_tokens, 64)}", *args.set]
     figures: dict[str, list[dict]] = {}
     t_start = time.time()
     # Both servers run side by side (each one thread, idle while the other is measured) and the arms

@@ -22,6 +22,9 @@ from torch import nn
 __all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
 
 LEAN_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+
+HEAD_BLOCK = 1024
+"""Rows of the LM head per GEMM when a forward scores several rows on a CPU (`LeanModel._logits`)."""
 """Architectures `LeanModel` runs (a Llama decoder layer, optionally with q/k biases or per-head q/k norms)."""
 
 
@@ -206,6 +209,11 @@ class LeanModel:
         self.head = head.weight
         # a plain Linear runs as F.linear; anything else (a reduced draft vocabulary's SubsetHead) as itself
         self.head_module = None if type(head) is nn.Linear and head.bias is None else head
+        # On a CPU, a GEMM of a few rows against the whole LM head packs all of it (MKL, fp32): 2.5-4x the one-row
+        # GEMV for a 49k-row head. Blocks of HEAD_BLOCK rows are packed while they sit in cache: a verify's head
+        # runs blockwise (views of the same weight, no copy; each block's output equals the whole GEMM's rows).
+        big = self.head.device.type == "cpu" and self.head.shape[0] >= 4 * HEAD_BLOCK
+        self.head_blocks = self.head.split(HEAD_BLOCK) if big and self.head_module is None else None
         self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         # what `features` returns: None, the final normed hidden state [.., H] (what the LM head multiplies); or
         # the residual stream after each listed layer, concatenated [.., len * H] (EAGLE-3's low / mid / high)
@@ -289,7 +297,11 @@ class LeanModel:
             self._logits(f[:, -logits_to_keep:] if logits_to_keep else f)
 
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
-        return F.linear(f, self.head) if self.head_module is None else self.head_module(f)
+        if self.head_module is not None:
+            return self.head_module(f)
+        if self.head_blocks is not None and f.numel() > f.shape[-1]:  # more than one row: blockwise
+            return torch.cat([F.linear(f, w) for w in self.head_blocks], -1)
+        return F.linear(f, self.head)
 
 
 class Attention:
