@@ -52,6 +52,7 @@ class FeedbackLog:
         try:
             record = FeedbackRecord.from_result(fin.result)  # the result carries the request's prompt and domain
             record.finish_reason = fin.finish_reason
+            record.client, record.transformed = fin.client, fin.transformed
         except Exception:  # noqa: BLE001 - feedback must never cost a request
             self.errors += 1
             log.exception("feedback record for %s dropped", fin.request_id)
@@ -166,6 +167,7 @@ def build_state(cfg: DviConfig) -> ServerState:
         swapper = DrafterSwapper(
             DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last), scheduler, pair.drafter,
             SwapPolicy.of(cfg), on_event=lambda ev: _on_swap_event(metrics, ev), event_log=rundir.log(rundir.swap_events_path),
+            feedback_dir=fb.dir,
         )
     state = ServerState(
         cfg=cfg, tokenizer=tokenizer, engine=engine, scheduler=scheduler, swapper=swapper,
@@ -197,4 +199,4 @@ def _on_finished(state: ServerState, fin: Finished) -> None:
 
 
 def _on_swap_event(metrics: ServerMetrics, ev: SwapEvent) -> None:
-    metrics.observe_swap(ev.kind, ev.version, ev.reason, category=ev.category)
+    metrics.observe_swap(ev.kind, ev.version, ev.reason, category=ev.category, publish_to_verdict_s=ev.publish_to_verdict_s)
