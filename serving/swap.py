@@ -5,8 +5,8 @@ The watcher thread polls `LATEST` every `serve.registry_poll_seconds`. A new ver
 1. skipped while a pin holds (`POST /admin/drafter/pin`), while the live version's rollback watch runs,
    and for good when the registry's REFUSED lists it (refusals and rollbacks are durable: a restarted
    server never promotes what it refused);
-2. loaded and validated (`serving.drafter_load`, which calls the registry's one check,
-   `DrafterRegistry.open_version`); a bad one is *refused*: logged, counted, recorded in REFUSED;
+2. loaded and validated (`dvi.registry.codec.load_drafter_version`: the registry's one check,
+   `DrafterRegistry.open_version`, then its format's codec); a bad one is *refused*: logged, counted, recorded in REFUSED;
 3. shadow-checked on the held-out set (`dvi.feedback.heldout.HeldOutSet`: the slice no trainer rank trains on,
    balanced across domain x temperature class x client groups, warmed from the feedback log at start), replayed
    through the candidate and the live drafter by THE comparison (`dvi.feedback.verdict.compare`, rule
@@ -49,9 +49,9 @@ from dvi.feedback.heldout import HeldOutSet, newest_logged
 from dvi.feedback.shadow import hf_logits_fn
 from dvi.feedback.verdict import Rule, Scorer, Verdict, compare, scorer
 from dvi.fsutil import AppendLog, append_jsonl
+from dvi.registry.codec import check_full_config, load_drafter_version, scoring_module
 from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
-from .drafter_load import _module, check_full_config, load_drafter_version
 from .swap_policy import SwapEvent, SwapPolicy
 from .watch import Watch
 
@@ -266,7 +266,7 @@ class DrafterSwapper:
 
     @staticmethod
     def _scorer(model: Any, device: torch.device) -> Scorer:
-        return scorer(hf_logits_fn(_module(model)), device)
+        return scorer(hf_logits_fn(scoring_module(model)), device)
 
     @staticmethod
     def _device(model: Any) -> torch.device:
