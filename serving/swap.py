@@ -33,7 +33,6 @@ Version 0 is the drafter the server started with (not in the registry).
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 import threading
 import time
@@ -43,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dvi.decode.results import acceptance_rate, fmt_rate
-from dvi.drafters.learned import Drafter
 from dvi.feedback import FeedbackRecord
 from dvi.feedback.heldout import HeldOutSet, newest_logged
 from dvi.feedback.shadow import hf_logits_fn
@@ -52,6 +50,7 @@ from dvi.fsutil import AppendLog, append_jsonl
 from dvi.registry.codec import check_full_config, load_drafter_version, scoring_module
 from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
+from .memory import glibc_trim
 from .swap_policy import SwapEvent, SwapPolicy
 from .watch import Watch
 
@@ -75,8 +74,9 @@ class DrafterSwapper:
         self.registry = registry
         self.feedback_dir = feedback_dir  # the held-out set starts from its newest shards (`restore`)
         self.scheduler = scheduler
-        # An early-exit drafter shares the target's weights: keep it as is (a deep copy would copy the target).
-        self.base = base_drafter if isinstance(base_drafter, Drafter) else copy.deepcopy(base_drafter).eval()
+        # The startup drafter (version 0) is also what a LoRA version is merged into (a copy each time, so it stays
+        # pristine; nothing in the server trains it); an early-exit / eagle drafter shares the target's weights.
+        self.base = base_drafter
         self.policy = policy
         self.on_event = on_event or (lambda _e: None)
         self.event_log = event_log
@@ -97,6 +97,8 @@ class DrafterSwapper:
         self._verdict_seen: collections.OrderedDict[int, None] = collections.OrderedDict()  # versions with a verdict
         self._windows: dict[int, collections.deque] = {}  # live α per kept version (bounded like `models`)
         self._restored = False
+        self._trim = glibc_trim()  # a promotion's loads and checks free whole drafters: hand them back to the OS
+        self._freed = False  # a load, check or swap ran since the last trim
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -151,7 +153,20 @@ class DrafterSwapper:
                     self.poll_once()  # the watch ended: a waiting version is checked now, not a poll later
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad version
                 log.exception("registry watcher iteration failed")
+            self.release_memory()
             self._stop.wait(self.policy.poll_seconds)
+
+    def release_memory(self) -> None:
+        """After a load, a check or a swap: glibc's `malloc_trim`, from this thread (issue 36 §9). A version's load
+        (a copy of the base, its LoRA merged) and a check (logits of every held-out record through two drafters)
+        allocate and free drafter-sized blocks in this thread's heap, which glibc keeps; the engine thread's idle
+        trim often runs before they are freed."""
+        if self._freed and self._trim is not None:
+            self._freed = False
+            try:
+                self._trim()
+            except Exception:  # noqa: BLE001 - releasing memory must never cost a version
+                log.exception("malloc_trim failed")
 
     def restore(self) -> None:
         """Once, at start: the durable refusals, then serve the pin, else the last good version (each passed
@@ -212,6 +227,7 @@ class DrafterSwapper:
         if self._pending is None or self._pending[0] != latest:
             self._pending = None
             try:
+                self._freed = True
                 self._pending = (latest, load_drafter_version(self.registry, latest, self.base)[0])
             except AdapterRejected as exc:
                 self._refuse(latest, exc.reason, kind=exc.kind, transient=exc.transient)
@@ -259,6 +275,7 @@ class DrafterSwapper:
 
     def _compare(self, candidate: Any, incumbent: Any, records: list[FeedbackRecord], rule: Rule) -> Verdict:
         """THE comparison (`dvi.feedback.verdict.compare`) of two servable drafters; kept for /metrics."""
+        self._freed = True
         dev = self._device(candidate)
         verdict = compare(self._scorer(candidate, dev), self._scorer(incumbent, dev), records, rule)
         self.verdicts[rule.name] = verdict
@@ -273,6 +290,7 @@ class DrafterSwapper:
         return next(model.parameters()).device
 
     def _swap(self, model: Any, version: int, kind: str, reason: str) -> None:
+        self._freed = True
         engine = self.scheduler.engine
         fut = self.scheduler.call_between_steps(lambda: engine.set_drafter(model, version))
         fut.result(timeout=120)
@@ -284,7 +302,7 @@ class DrafterSwapper:
             self.models[version] = model
             self.live_version = version
             self.watch = Watch(version, self.good, self.policy.rollback_window) if kind == "promoted" else None
-            keep = {version, self.good, 0}
+            keep = {version, 0}  # the last good version is loaded again when a watch or a rollback needs it
             self.models = {v: m for v, m in self.models.items() if v in keep}
             self._windows = {v: w for v, w in self._windows.items() if v in keep}
             self._windows[version] = collections.deque(maxlen=self.policy.rollback_window)
@@ -328,7 +346,7 @@ class DrafterSwapper:
             self._verdict_seen[ev.version] = None
             while len(self._verdict_seen) > MAX_REFUSED_SHOWN:
                 self._verdict_seen.popitem(last=False)
-            published = self._published_at(ev.version)
+            published = self.registry.published_at(ev.version)
             ev.publish_to_verdict_s = None if published is None else max(0.0, ev.at - published)
         self.events.append(ev)
         self.counts[ev.kind] += 1
@@ -344,30 +362,23 @@ class DrafterSwapper:
         except Exception:  # noqa: BLE001
             log.exception("swap event observer failed")
 
-    def _published_at(self, version: int) -> float | None:
-        """When `version` was published: its manifest's `created_at`, else its dir's mtime (None: neither)."""
-        try:
-            return self.registry.manifest(version).created_at or None
-        except AdapterRejected:
-            pass
-        try:
-            return self.registry.version_dir(version).stat().st_mtime
-        except OSError:
-            return None
-
     # -- the rollback watch --------------------------------------------------------------------------
     def check_rollback(self) -> bool:
-        """End a full watch (or an idle one a newer version waits behind, `_ends_early`): replay its records
+        """End a full watch (or an idle one a newer version waits behind, `Watch.ends_early`): replay its records
         through the watched and the last good version (`watch_rule`); roll back when worse, else make it the
         last good one. True if it rolled back."""
         with self._lock:
             w = self.watch
             if w is None:
                 return False
-            early = "" if w.full else self._ends_early(w)
+            busy = self.scheduler is not None and self.scheduler.busy()
+            pending = self._pending[0] if self._pending is not None else None
+            early = "" if w.full else w.ends_early(pending, self.policy.watch_idle_s, busy)
             if not w.full and not early:
                 return False
             new_model, old_model = self.models.get(w.version), self.models.get(w.good)
+        if old_model is None:  # not kept between promotions (memory: issue 36 §9)
+            old_model = self._load_quietly(w.good)
         if new_model is None or old_model is None:
             with self._lock:
                 self.watch = None
@@ -387,18 +398,18 @@ class DrafterSwapper:
         if pinned is not None:
             self._record(SwapEvent("alert", w.version, w.good, f"pinned, not rolled back: {reason}", time.time()))
             return False
+        with self._lock:
+            self.models.setdefault(w.good, old_model)  # what the rollback swaps in
         self.rollback(reason)
         return True
 
-    def _ends_early(self, w: Watch) -> str:
-        """Why a watch that is not full ends now ("" when it does not): a newer version waits and the server has
-        been idle `serve.watch_idle_s` (no request running or queued, none finished since)."""
-        pending = self._pending
-        if pending is None or pending[0] == w.version or w.idle_for() < self.policy.watch_idle_s:
-            return ""
-        if self.scheduler is not None and self.scheduler.busy():
-            return ""
-        return f"ended early: v{pending[0]} waits and no request for {w.idle_for():.1f}s"
+    def _load_quietly(self, version: int) -> Any:
+        """A version the swapper once served, loaded again (None, logged, if it no longer loads)."""
+        try:
+            return load_drafter_version(self.registry, version, self.base)[0]
+        except AdapterRejected as exc:
+            log.error("cannot load v%d again (%s)", version, exc.reason)
+            return None
 
     def rollback(self, reason: str) -> int:
         """Back to the last version that passed its watch (from a good version: the one before it); the

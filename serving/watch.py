@@ -53,6 +53,13 @@ class Watch:
         """Seconds since the last finished request (or the promotion)."""
         return time.monotonic() - self.last_record
 
+    def ends_early(self, waiting: int | None, idle_s: float, busy: bool) -> str:
+        """Why this watch, not full, ends now ("" when it does not): version `waiting` waits behind it and the
+        server has been idle `idle_s` (nothing running or queued, no request finished since)."""
+        if waiting is None or waiting == self.version or busy or self.idle_for() < idle_s:
+            return ""
+        return f"ended early: v{waiting} waits and no request for {self.idle_for():.1f}s"
+
     def snapshot(self) -> list[FeedbackRecord]:
         with self._lock:
             return list(self.records)

@@ -217,6 +217,17 @@ class DrafterRegistry(ServerRecords):
             raise AdapterRejected(f"{MANIFEST} does not parse: {e}", version, kind="manifest") from None
         return Manifest.parse(raw, version)
 
+    def published_at(self, version: int) -> float | None:
+        """When `version` was published: its manifest's `created_at`, else its dir's mtime (None: neither)."""
+        try:
+            return self.manifest(version).created_at or None
+        except AdapterRejected:
+            pass
+        try:
+            return self.version_dir(version).stat().st_mtime
+        except OSError:
+            return None
+
     def _event(self, **fields: Any) -> None:
         fields.setdefault("time", time.time())
         path = self.dir / "events.jsonl"
