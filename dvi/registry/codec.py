@@ -256,13 +256,6 @@ LORA = LoraCodec()
 FULL = FullCodec()
 
 
-def codec_of(drafter: Any) -> DrafterCodec:
-    """The codec of a drafter being trained: its kind's (shared-target), a peft model's LoRA, else every weight."""
-    if isinstance(drafter, SharedTargetDrafter):
-        return SharedTargetCodec(drafter.kind)
-    return LORA if hasattr(drafter, "peft_config") else FULL
-
-
 def check_full_config(d: Path, version: int, base: nn.Module) -> None:
     """Compare a `full` version's config.json with the live drafter's before anything is built:
     instantiating a config first costs seconds (and memory) for a huge one, and a drafter of
