@@ -100,8 +100,11 @@ def one_run(args: argparse.Namespace, pair_dir: Path, run_dir: Path, rng: random
             v = reg.publish_peft_adapter(_lora(base, 2.0 if bad else 0.0, k),
                                          {"target_version": 0, "steps": 1, "records_seen": 0, "heldout_alpha": None})
             ev = _verdict(run_dir, v, args.timeout)
+            seconds = None if ev is None else ev.get("publish_to_verdict_s")
+            if ev is not None and seconds is None:  # a server from before the field: from the manifest's time
+                seconds = ev["at"] - reg.manifest(v).created_at
             rows.append({"version": v, "published_bad": bad, "verdict": ev["kind"] if ev else None,
-                         "seconds": ev["publish_to_verdict_s"] if ev else None})
+                         "seconds": seconds})
             print(f"  v{v}: {rows[-1]['verdict']} after {rows[-1]['seconds']} s", flush=True)
     return rows
 
