@@ -84,8 +84,9 @@ class Publishing:
         return self.registry.serving().version if self.registry is not None else 0
 
     def maybe_publish(self, force: bool = False) -> PublishDecision | None:
-        """Every `publish_every_steps` steps: compare with the SERVED version on held-out records; publish
-        only a candidate that is better by `publish_margin` on at least `shadow_min_positions` positions.
+        """Every `publish_every_steps` steps: compare with the SERVED version on the held-out set; publish only a
+        candidate that is better by `publish_margin` on at least `shadow_min_positions` positions and worse by no
+        more than `gate_group_margin` in any group with enough records (`_publish_check`).
 
         Returns the decision (published version, or why not: logged), or None when not due. Only the main
         process publishes; other ranks return None.
