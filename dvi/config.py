@@ -228,7 +228,15 @@ class TrainerConfig(_Strict):
     # the trainer publishes only a candidate whose held-out α beats the served version's by at least this
     # (a negative margin publishes one up to that much worse: a deliberate reset, or a test of the server)
     publish_margin: float = Field(0.005, ge=-1, le=1)
+    # the held-out set a publish / promotion check scores (`dvi.feedback.heldout.HeldOutSet`, trainer and server
+    # alike): at most this many records, balanced across groups (domain x temperature class x client)
     shadow_records: int = Field(128, ge=1)
+    # publish and promotion refuse a candidate whose held-out α falls by more than this in ANY group with at least
+    # `gate_min_group_records` records (issue 36 §3: one client's traffic must not decide for the others), or by
+    # more than shadow_margin / -publish_margin when those are wider (a gate loosened on purpose loosens every group);
+    # the rollback watch judges its groups with serve.rollback_margin
+    gate_group_margin: float = Field(0.02, ge=0, le=1)
+    gate_min_group_records: int = Field(4, ge=1)
     grad_clip: float | None = Field(1.0, gt=0)
     num_threads: int = Field(1, ge=1)
     nice: int = Field(10, ge=0, le=19)  # CPU priority increment of the trainer process: serving wins a contended core
@@ -254,6 +262,11 @@ class ServeConfig(_Strict):
     registry_poll_seconds: float = Field(2.0, gt=0)
     rollback_margin: float = Field(0.05, ge=0, le=1)
     rollback_window: int = Field(32, ge=1)
+    # a watched group rolls back only when its fall is also this many standard errors (fresh records are few)
+    rollback_z: float = Field(2.0, ge=0)
+    # a running watch ends early, on the records it has, once a newer version waits and no request has run for
+    # this long (an idle server never sends the rest of the window; issue 36 §8)
+    watch_idle_s: float = Field(2.0, gt=0)
     # the trainer is restarted when its heartbeat (`<run_dir>/trainer/status.json`, rewritten every
     # loop iteration) is older than this: a SIGSTOPped or hung trainer, not only a dead one
     trainer_stale_s: float = Field(300.0, gt=0)

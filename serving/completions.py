@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dvi.decode.engine import SamplingParams
+from dvi.feedback.heldout import client_key
 
 from .chat_prompt import chat_prompt_ids
 from .health import count_refusal
@@ -195,7 +196,7 @@ async def _next_event(state: ServerState, h: Handle, request: Request) -> Event:
 def _submit(state: ServerState, req: ApiRequest, prompt_ids: list[int], params: SamplingParams) -> Handle:
     try:
         h = state.scheduler.submit(prompt_ids, params, domain=req.domain(), stop=req.stop_list(),
-                                   stream=req.stream)
+                                   stream=req.stream, client=client_key(req.user))
     except QueueFull as exc:  # counted by the ApiError handler (reason queue_full)
         raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
     return h

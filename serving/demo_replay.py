@@ -44,12 +44,12 @@ def read_records(feedback_dir: str | Path) -> dict[str, FeedbackRecord]:
 
 def drafter_scorers(cfg: DviConfig, registry_dir: str | Path) -> Callable[[int], Scorer | None]:
     """Version -> scorer: v0 the drafter the server starts with, later ones loaded from the run's registry the
-    way the swapper loads them (`serving.drafter_load`); None for a version that does not load (pruned) or
+    way the swapper loads them (`dvi.registry.codec.load_drafter_version`); None for a version that does not load (pruned) or
     for a pair with no learned drafter."""
     from dvi.feedback.shadow import hf_logits_fn, record_scores
+    from dvi.registry.codec import load_drafter_version, scoring_module
     from dvi.registry.store import AdapterRejected, DrafterRegistry
 
-    from .drafter_load import _module, load_drafter_version
     from .loading import load_serving_pair
 
     base = load_serving_pair(cfg).drafter
@@ -68,7 +68,7 @@ def drafter_scorers(cfg: DviConfig, registry_dir: str | Path) -> Callable[[int],
         if model is None:
             cache[version] = None
             return None
-        fn = hf_logits_fn(_module(model))
+        fn = hf_logits_fn(scoring_module(model))
 
         def score(records: list[FeedbackRecord]) -> dict[str, tuple[float, int]]:
             return {r.request_id: (h, n) for r, h, n in record_scores(fn, records)}

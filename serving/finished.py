@@ -47,12 +47,15 @@ class Finished:
     result: GenerationResult | None  # None when the engine gave none (the request never reached it)
     latency_s: float
     ttft_s: float | None
+    client: str = ""  # the request's client (`dvi.feedback.heldout.client_key` of its `user`)
+    transformed: bool = False  # served under a logit_bias or penalty (`SamplingParams.transforms_logits`)
     _record: FeedbackRecord | None = field(default=None, init=False, repr=False, compare=False)
 
     def feedback_record(self) -> FeedbackRecord | None:
         """The stored projection of the result, built once for every subscriber; None without a result."""
         if self.result is not None and self._record is None:
             self._record = FeedbackRecord.from_result(self.result)
+            self._record.client, self._record.transformed = self.client, self.transformed
         return self._record
 
     def stats(self) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class Handle:
     stop: list[str]
     stream: bool
     loop: asyncio.AbstractEventLoop
+    client: str = ""
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted_at: float = field(default_factory=time.perf_counter)
     # engine-thread state
@@ -136,10 +137,10 @@ class Scheduler:
         return len(self._active)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, domain: str = "default",
-               stop: list[str] | None = None, stream: bool = False) -> Handle:
+               stop: list[str] | None = None, stream: bool = False, client: str = "") -> Handle:
         """Queue a request (call from the event loop); raises QueueFull at the queue limit."""
         h = Handle(request_id=new_id("req"), prompt_ids=list(prompt_ids), params=params, domain=domain,
-                   stop=list(stop or []), stream=stream, loop=asyncio.get_running_loop())
+                   stop=list(stop or []), stream=stream, loop=asyncio.get_running_loop(), client=client)
         with self._cv:
             if self._stop or self._retry_after is not None:
                 raise shutting_down(self._retry_after or 1)
@@ -347,6 +348,7 @@ class Scheduler:
             request_id=h.request_id, text=h.text, token_ids=list(h.token_ids), prompt_len=len(h.prompt_ids),
             finish_reason=reason, domain=h.domain, result=result, latency_s=now - h.submitted_at,
             ttft_s=(h.first_token_at - h.submitted_at) if h.first_token_at is not None else None,
+            client=h.client, transformed=h.params.transforms_logits(),
         )
         h.done = True
         self.completed += 1

@@ -158,6 +158,7 @@ def build_state(cfg: DviConfig) -> ServerState:
         swapper = DrafterSwapper(
             DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last), scheduler, pair.drafter,
             SwapPolicy.of(cfg), on_event=lambda ev: _on_swap_event(metrics, ev), event_log=rundir.log(rundir.swap_events_path),
+            feedback_dir=fb.dir,
         )
     state = ServerState(
         cfg=cfg, tokenizer=tokenizer, engine=engine, scheduler=scheduler, swapper=swapper,
@@ -194,4 +195,4 @@ def _to_swapper(swapper: DrafterSwapper, fin: Finished) -> None:
 
 
 def _on_swap_event(metrics: ServerMetrics, ev: SwapEvent) -> None:
-    metrics.observe_swap(ev.kind, ev.version, ev.reason, category=ev.category)
+    metrics.observe_swap(ev.kind, ev.version, ev.reason, category=ev.category, publish_to_verdict_s=ev.publish_to_verdict_s)

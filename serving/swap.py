@@ -5,19 +5,24 @@ The watcher thread polls `LATEST` every `serve.registry_poll_seconds`. A new ver
 1. skipped while a pin holds (`POST /admin/drafter/pin`), while the live version's rollback watch runs,
    and for good when the registry's REFUSED lists it (refusals and rollbacks are durable: a restarted
    server never promotes what it refused);
-2. loaded and validated (`serving.drafter_load`, which calls the registry's one check,
-   `DrafterRegistry.open_version`); a bad one is *refused*: logged, counted, recorded in REFUSED;
-3. shadow-checked on HELD-OUT records only (`dvi.feedback.shadow.is_heldout`: the slice no trainer rank trains
-   on), replayed through the candidate and the live drafter (`dvi.feedback.shadow.shadow_alpha`, teacher-forced,
-   no target run). It waits until those records hold `trainer.shadow_min_positions` positions (a
-   restarted server has none: nothing is promoted "validated only"); a candidate whose α is below the
-   live one's by more than `trainer.shadow_margin` is refused;
+2. loaded and validated (`dvi.registry.codec.load_drafter_version`: the registry's one check,
+   `DrafterRegistry.open_version`, then its format's codec); a bad one is *refused*: logged, counted, recorded in REFUSED;
+3. shadow-checked on the held-out set (`dvi.feedback.heldout.HeldOutSet`: the slice no trainer rank trains on,
+   balanced across domain x temperature class x client groups, warmed from the feedback log at start), replayed
+   through the candidate and the live drafter by THE comparison (`dvi.feedback.verdict.compare`, rule
+   `promotion_rule`: worse by at most `trainer.shadow_margin` pooled, and by at most `trainer.gate_group_margin`
+   in every group with `trainer.gate_min_group_records` records). It waits until the set holds
+   `trainer.shadow_min_positions` positions (nothing is promoted "validated only");
 4. swapped in between two engine steps (`engine.set_drafter` via the scheduler);
-5. watched: the next `serve.rollback_window` finished requests (none of which any version was trained
-   on before it was published) are replayed through the new version and the last good one, per domain
-   and temperature (`dvi.feedback.shadow.paired_verdict`: like with like, with a significance rule). Worse: the
-   server rolls back to the last version that passed its watch; not worse: the new version becomes the
-   last good one. No promotion is considered until the watch ends. Under a pin a failed watch only alerts.
+5. watched (`serving.watch.Watch`): the next `serve.rollback_window` finished requests (none of which any version
+   was trained on before it was published) are replayed through the new version and the last good one, per
+   group (rule `watch_rule`: like with like, with a significance rule). Worse: the server rolls back to the last
+   version that passed its watch; not worse: the new version becomes the last good one. No promotion is
+   considered until the watch ends; it ends early, on the records it has, when a newer version waits and the
+   server has been idle `serve.watch_idle_s`. Under a pin a failed watch only alerts.
+
+Every version's time from publish (its manifest's `created_at`) to its first verdict, promoted or refused, is
+a histogram on /metrics (`dvi_drafter_publish_to_verdict_seconds`).
 
 What is served, the last good version and the pin are written to the registry's SERVING
 (`ServingState`): the trainer compares its candidates with what is served, and a restarted server
@@ -28,34 +33,26 @@ Version 0 is the drafter the server started with (not in the registry).
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dvi.config import DviConfig
 from dvi.decode.results import acceptance_rate, fmt_rate
-from dvi.drafters.learned import Drafter
 from dvi.feedback import FeedbackRecord
-from dvi.feedback.shadow import (
-    SHADOW_MAX_POSITIONS,
-    hf_logits_fn,
-    is_heldout,
-    paired_verdict,
-    record_scores,
-    shadow_alpha,
-    shadow_failure,
-    shadow_passes,
-)
+from dvi.feedback.heldout import HeldOutSet, newest_logged
+from dvi.feedback.shadow import hf_logits_fn
+from dvi.feedback.verdict import Rule, Scorer, Verdict, compare, scorer
 from dvi.fsutil import AppendLog, append_jsonl
+from dvi.registry.codec import check_full_config, load_drafter_version, scoring_module
 from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
-from .drafter_load import _module, check_full_config, load_drafter_version
+from .memory import glibc_trim
+from .swap_policy import SwapEvent, SwapPolicy
+from .watch import Watch
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -68,62 +65,18 @@ MAX_REFUSED_SHOWN = 64  # refusals kept in memory for /health (all of them are i
 GOOD_HISTORY = 8  # versions that passed their watch, newest last: where successive admin rollbacks go
 
 
-@dataclass
-class SwapEvent:
-    """One promotion / refusal / rollback / pin / alert, as logged, counted and shown on /health."""
-
-    kind: str  # "promoted" | "refused" | "rolled_back" | "pinned" | "restored" | "kept" | "alert"
-    version: int
-    previous: int | None
-    reason: str
-    at: float
-    category: str = ""  # refusals: one of dvi.registry.store.REFUSAL_KINDS (a bounded metrics label)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "version": self.version, "previous": self.previous,
-                "reason": self.reason, "at": self.at, "category": self.category}
-
-
-@dataclass(frozen=True)
-class SwapPolicy:
-    """When the swapper looks, promotes and rolls back (module docstring)."""
-
-    poll_seconds: float
-    shadow_margin: float
-    rollback_window: int
-    rollback_margin: float
-    shadow_records: int = 64
-    heldout_fraction: float = 0.1
-    min_positions: int = 256
-    rollback_z: float = 2.0
-
-    @classmethod
-    def of(cls, cfg: DviConfig) -> SwapPolicy:
-        """From a `DviConfig` (serve.registry_poll_seconds, serve.rollback_*, trainer.shadow_* / heldout_fraction)."""
-        t = cfg.trainer
-        return cls(poll_seconds=cfg.serve.registry_poll_seconds, shadow_margin=t.shadow_margin,
-                   rollback_window=cfg.serve.rollback_window, rollback_margin=cfg.serve.rollback_margin,
-                   heldout_fraction=t.heldout_fraction, min_positions=t.shadow_min_positions)
-
-
-@dataclass
-class _Watch:
-    """A promoted version on probation: the records finished since, to replay through it and `good`."""
-
-    version: int
-    good: int
-    records: list = field(default_factory=list)
-
-
 class DrafterSwapper:
     """Owns the live drafter version; the registry watcher thread and the admin API use it."""
 
     def __init__(self, registry: DrafterRegistry, scheduler: Scheduler, base_drafter: torch.nn.Module, policy: SwapPolicy,
-                 on_event: Callable[[SwapEvent], None] | None = None, event_log: str | AppendLog | None = None) -> None:
+                 on_event: Callable[[SwapEvent], None] | None = None, event_log: str | AppendLog | None = None,
+                 feedback_dir: str | None = None) -> None:
         self.registry = registry
+        self.feedback_dir = feedback_dir  # the held-out set starts from its newest shards (`restore`)
         self.scheduler = scheduler
-        # An early-exit drafter shares the target's weights: keep it as is (a deep copy would copy the target).
-        self.base = base_drafter if isinstance(base_drafter, Drafter) else copy.deepcopy(base_drafter).eval()
+        # The startup drafter (version 0) is also what a LoRA version is merged into (a copy each time, so it stays
+        # pristine; nothing in the server trains it); an early-exit / eagle drafter shares the target's weights.
+        self.base = base_drafter
         self.policy = policy
         self.on_event = on_event or (lambda _e: None)
         self.event_log = event_log
@@ -132,29 +85,37 @@ class DrafterSwapper:
         self.good_history: collections.deque[int] = collections.deque([0], maxlen=GOOD_HISTORY)
         self.models: dict[int, Any] = {0: base_drafter}
         self.pinned: int | None = None
-        self.watch: _Watch | None = None
+        self.watch: Watch | None = None
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()  # newest MAX_REFUSED_SHOWN
         self.retry: set[int] = set()  # refused for a reason that may pass later (dir not there yet)
         self.waiting: int | None = None  # the version waiting for enough held-out positions (logged once)
         self._pending: tuple[int, Any] | None = None  # LATEST, validated and loaded, waiting for its check
         self.events: collections.deque[SwapEvent] = collections.deque(maxlen=100)
         self.counts = collections.Counter()
-        self.recent: collections.deque = collections.deque(maxlen=policy.shadow_records)  # held-out records
+        self.heldout = HeldOutSet(policy.shadow_records, policy.heldout_fraction)  # what a promotion is judged on
+        self.verdicts: dict[str, Verdict] = {}  # the last verdict of each gate ("promotion", "watch"), for /metrics
+        self._verdict_seen: collections.OrderedDict[int, None] = collections.OrderedDict()  # versions with a verdict
         self._windows: dict[int, collections.deque] = {}  # live α per kept version (bounded like `models`)
         self._restored = False
+        self._trim = glibc_trim()  # a promotion's loads and checks free whole drafters: hand them back to the OS
+        self._freed = False  # a load, check or swap ran since the last trim
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- observers (engine thread; cheap) ------------------------------------------------------
     def observe_record(self, record: FeedbackRecord) -> None:
-        """A finished request's record: held-out ones feed shadow checks, all of them a running watch."""
-        if is_heldout(record.request_id, self.policy.heldout_fraction):
-            self.recent.append(record)
+        """A finished request's record: held-out ones join the held-out set, all of them a running watch."""
+        self.heldout.offer(record)
         with self._lock:
             w = self.watch
-            if w is not None and len(w.records) < self.policy.rollback_window:
-                w.records.append(record)
+        if w is not None:
+            w.add(record)
+
+    @property
+    def recent(self) -> HeldOutSet:
+        """The held-out set (its records iterate in arrival order)."""
+        return self.heldout
 
     def observe(self, drafted: int, accepted: int, drafter_version: int) -> None:
         window = self._windows.get(drafter_version)
@@ -168,7 +129,7 @@ class DrafterSwapper:
         return acceptance_rate(sum(a for _, a in window), sum(d for d, _ in window))
 
     def heldout_positions(self) -> int:
-        return sum(len(r.token_ids) for r in list(self.recent))
+        return self.heldout.positions()
 
     # -- watcher thread --------------------------------------------------------------------------
     def start(self) -> None:
@@ -186,10 +147,26 @@ class DrafterSwapper:
             try:
                 self.restore()
                 self.poll_once()
+                watched = self.watch
                 self.check_rollback()
+                if watched is not None and self.watch is None:
+                    self.poll_once()  # the watch ended: a waiting version is checked now, not a poll later
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad version
                 log.exception("registry watcher iteration failed")
+            self.release_memory()
             self._stop.wait(self.policy.poll_seconds)
+
+    def release_memory(self) -> None:
+        """After a load, a check or a swap: glibc's `malloc_trim`, from this thread (issue 36 §9). A version's load
+        (a copy of the base, its LoRA merged) and a check (logits of every held-out record through two drafters)
+        allocate and free drafter-sized blocks in this thread's heap, which glibc keeps; the engine thread's idle
+        trim often runs before they are freed."""
+        if self._freed and self._trim is not None:
+            self._freed = False
+            try:
+                self._trim()
+            except Exception:  # noqa: BLE001 - releasing memory must never cost a version
+                log.exception("malloc_trim failed")
 
     def restore(self) -> None:
         """Once, at start: the durable refusals, then serve the pin, else the last good version (each passed
@@ -197,6 +174,7 @@ class DrafterSwapper:
         if self._restored:
             return
         self._restored = True
+        self._warm_heldout()
         for v, reason in sorted(self.registry.refusals().items())[-MAX_REFUSED_SHOWN:]:
             self.refused[v] = reason
         st = self.registry.serving()
@@ -220,6 +198,19 @@ class DrafterSwapper:
         else:
             self._save_serving()
 
+    def _warm_heldout(self) -> None:
+        """The held-out records of the feedback log's newest shards (what the trainer judges on, it reads them
+        too): a restarted server can check a version at once instead of waiting for new held-out traffic."""
+        if not self.feedback_dir:
+            return
+        try:
+            held = self.heldout.split(newest_logged(self.feedback_dir), lambda _r: None)
+        except Exception:  # noqa: BLE001 - an unreadable log only means starting empty
+            log.exception("cannot warm the held-out set from %s", self.feedback_dir)
+            return
+        log.info("held-out set warmed from the feedback log: %d held-out records, %d positions", held,
+                 self.heldout_positions())
+
     def poll_once(self) -> None:
         """Validate a new LATEST at once (a broken one is refused even while a watch runs); promote it only
         when no watch runs and the held-out records hold enough positions for its shadow check."""
@@ -236,6 +227,7 @@ class DrafterSwapper:
         if self._pending is None or self._pending[0] != latest:
             self._pending = None
             try:
+                self._freed = True
                 self._pending = (latest, load_drafter_version(self.registry, latest, self.base)[0])
             except AdapterRejected as exc:
                 self._refuse(latest, exc.reason, kind=exc.kind, transient=exc.transient)
@@ -253,7 +245,8 @@ class DrafterSwapper:
         self.consider(latest)
 
     def consider(self, version: int) -> bool:
-        """Validate, shadow-check (held-out records) and promote `version`; False if refused or waiting."""
+        """Validate, shadow-check (the held-out set, `promotion_rule`) and promote `version`; False if refused or
+        waiting."""
         if self._pending is not None and self._pending[0] == version:
             model = self._pending[1]
         else:
@@ -263,30 +256,41 @@ class DrafterSwapper:
                 self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
                 return False
         self._pending = None
-        records = list(self.recent)
         with self._lock:
-            live_model = self.models[self.live_version]
-        dev = self._device(model)
-        new = shadow_alpha(hf_logits_fn(_module(model)), records, device=dev, max_positions=SHADOW_MAX_POSITIONS)
-        if new.positions < self.policy.min_positions:  # an eagle head scores only records with features
-            log.info("drafter v%d: %d scorable held-out positions of %d; waiting", version, new.positions,
-                     self.policy.min_positions)
+            live_version = self.live_version
+            live_model = self.models[live_version]
+        verdict = self._compare(model, live_model, self.heldout.records(), self.policy.promotion)
+        if verdict.outcome == "wait":  # an eagle head scores only records with features
+            log.info("drafter v%d: %s; waiting", version, verdict.reason)
             self._pending = (version, model)
             return False
-        old = shadow_alpha(hf_logits_fn(_module(live_model)), records, device=dev, max_positions=SHADOW_MAX_POSITIONS)
-        reason = (f"held-out shadow α {fmt_rate(new.alpha)} vs served v{self.live_version} {fmt_rate(old.alpha)} "
-                  f"on {new.records} records ({new.positions} positions)")
-        if not shadow_passes(new.alpha, old.alpha, self.policy.shadow_margin):
-            self._refuse(version, reason + f"; {shadow_failure(new.alpha, self.policy.shadow_margin)}", kind="shadow")
+        reason = (f"held-out shadow α {fmt_rate(verdict.new_alpha)} vs served v{live_version} "
+                  f"{fmt_rate(verdict.old_alpha)} on {verdict.records} records ({verdict.positions} positions); "
+                  f"{verdict.group_summary()}")
+        if not verdict.passed:
+            self._refuse(version, f"{reason}; {verdict.reason}", kind="shadow")
             return False
         self._swap(model, version, "promoted", reason)
         return True
+
+    def _compare(self, candidate: Any, incumbent: Any, records: list[FeedbackRecord], rule: Rule) -> Verdict:
+        """THE comparison (`dvi.feedback.verdict.compare`) of two servable drafters; kept for /metrics."""
+        self._freed = True
+        dev = self._device(candidate)
+        verdict = compare(self._scorer(candidate, dev), self._scorer(incumbent, dev), records, rule)
+        self.verdicts[rule.name] = verdict
+        return verdict
+
+    @staticmethod
+    def _scorer(model: Any, device: torch.device) -> Scorer:
+        return scorer(hf_logits_fn(scoring_module(model)), device)
 
     @staticmethod
     def _device(model: Any) -> torch.device:
         return next(model.parameters()).device
 
     def _swap(self, model: Any, version: int, kind: str, reason: str) -> None:
+        self._freed = True
         engine = self.scheduler.engine
         fut = self.scheduler.call_between_steps(lambda: engine.set_drafter(model, version))
         fut.result(timeout=120)
@@ -297,8 +301,8 @@ class DrafterSwapper:
                 self.refused.pop(version, None)
             self.models[version] = model
             self.live_version = version
-            self.watch = _Watch(version, self.good) if kind == "promoted" else None
-            keep = {version, self.good, 0}
+            self.watch = Watch(version, self.good, self.policy.rollback_window) if kind == "promoted" else None
+            keep = {version, 0}  # the last good version is loaded again when a watch or a rollback needs it
             self.models = {v: m for v, m in self.models.items() if v in keep}
             self._windows = {v: w for v, w in self._windows.items() if v in keep}
             self._windows[version] = collections.deque(maxlen=self.policy.rollback_window)
@@ -338,6 +342,12 @@ class DrafterSwapper:
                 self.retry.discard(version)
 
     def _record(self, ev: SwapEvent) -> None:
+        if ev.kind in ("promoted", "refused") and ev.version not in self._verdict_seen:
+            self._verdict_seen[ev.version] = None
+            while len(self._verdict_seen) > MAX_REFUSED_SHOWN:
+                self._verdict_seen.popitem(last=False)
+            published = self.registry.published_at(ev.version)
+            ev.publish_to_verdict_s = None if published is None else max(0.0, ev.at - published)
         self.events.append(ev)
         self.counts[ev.kind] += 1
         level = logging.WARNING if ev.kind in ("refused", "rolled_back", "alert") else logging.INFO
@@ -354,37 +364,52 @@ class DrafterSwapper:
 
     # -- the rollback watch --------------------------------------------------------------------------
     def check_rollback(self) -> bool:
-        """End a full watch: replay its records through the watched and the last good version; roll back
-        when worse (`paired_verdict`), else make it the last good one. True if it rolled back."""
+        """End a full watch (or an idle one a newer version waits behind, `Watch.ends_early`): replay its records
+        through the watched and the last good version (`watch_rule`); roll back when worse, else make it the
+        last good one. True if it rolled back."""
         with self._lock:
             w = self.watch
-            if w is None or len(w.records) < self.policy.rollback_window:
+            if w is None:
+                return False
+            busy = self.scheduler is not None and self.scheduler.busy()
+            pending = self._pending[0] if self._pending is not None else None
+            early = "" if w.full else w.ends_early(pending, self.policy.watch_idle_s, busy)
+            if not w.full and not early:
                 return False
             new_model, old_model = self.models.get(w.version), self.models.get(w.good)
+        if old_model is None:  # not kept between promotions (memory: issue 36 §9)
+            old_model = self._load_quietly(w.good)
         if new_model is None or old_model is None:
             with self._lock:
                 self.watch = None
             return False
-        dev = self._device(new_model)
-        new = record_scores(hf_logits_fn(_module(new_model)), w.records, dev)
-        old = record_scores(hf_logits_fn(_module(old_model)), w.records, dev)
-        verdict = paired_verdict(new, old, self.policy.rollback_margin, z=self.policy.rollback_z)
+        verdict = self._compare(new_model, old_model, w.snapshot(), self.policy.watch)
+        reason = w.describe(verdict, early)
         with self._lock:
             self.watch = None
             pinned = self.pinned
-            if not verdict.worse:
+            if not verdict.failed:
                 self.good = w.version
                 self.good_history.append(w.version)
-        if not verdict.worse:
+        if not verdict.failed:
             self._save_serving()
-            self._record(SwapEvent("kept", w.version, w.good, verdict.reason, time.time()))
+            self._record(SwapEvent("kept", w.version, w.good, reason, time.time()))
             return False
         if pinned is not None:
-            self._record(SwapEvent("alert", w.version, w.good, f"pinned, not rolled back: {verdict.reason}",
-                                   time.time()))
+            self._record(SwapEvent("alert", w.version, w.good, f"pinned, not rolled back: {reason}", time.time()))
             return False
-        self.rollback(verdict.reason)
+        with self._lock:
+            self.models.setdefault(w.good, old_model)  # what the rollback swaps in
+        self.rollback(reason)
         return True
+
+    def _load_quietly(self, version: int) -> Any:
+        """A version the swapper once served, loaded again (None, logged, if it no longer loads)."""
+        try:
+            return load_drafter_version(self.registry, version, self.base)[0]
+        except AdapterRejected as exc:
+            log.error("cannot load v%d again (%s)", version, exc.reason)
+            return None
 
     def rollback(self, reason: str) -> int:
         """Back to the last version that passed its watch (from a good version: the one before it); the
@@ -457,6 +482,8 @@ class DrafterSwapper:
                                                  "of": self.policy.rollback_window},
                 "latest": latest,
                 "heldout_positions": positions,
+                "heldout": self.heldout.info(),
+                "gates": {name: {"outcome": v.outcome, "groups": v.group_summary()} for name, v in self.verdicts.items()},
                 "refused": {str(k): v for k, v in self.refused.items()},
                 "counts": dict(self.counts),
                 "live_alpha": self.live_alpha(self.live_version),

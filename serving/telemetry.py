@@ -96,7 +96,10 @@ class ServerMetrics:
             except Exception:  # noqa: BLE001
                 log.exception("metrics row dropped")
 
-    def observe_swap(self, kind: str, version: int, reason: str = "", category: str = "") -> None:
+    def observe_swap(self, kind: str, version: int, reason: str = "", category: str = "",
+                     publish_to_verdict_s: float | None = None) -> None:
+        if publish_to_verdict_s is not None and kind in M.VERDICTS:
+            self.m[M.DRAFTER_PUBLISH_TO_VERDICT].labels(verdict=kind).observe(publish_to_verdict_s)
         if kind in ("promoted", "pinned"):
             self.m.record_promotion()
             self.m.set_versions(drafter_version=version)
@@ -147,6 +150,8 @@ class ServerMetrics:
         self.m.set_queue_depth(scheduler.queue_depth())
         dv = swapper.live_version if swapper is not None else 0
         self.m.set_versions(drafter_version=dv, target_version=target_version)
+        if swapper is not None:
+            self.update_gates(swapper)
         sup = supervisor
         self.m.set_trainer_state(_TRAINER_STATE.get(sup.state, "stopped"))
         self.m[M.TRAINER_RESTARTS].set(sup.restarts)
@@ -165,6 +170,17 @@ class ServerMetrics:
             self.m[M.FEEDBACK_FAILING].set(1 if fb.failing else 0)
         for part, n in self.disk_usage(sup.rundir).items():
             self.m[M.DISK_BYTES].labels(part=part).set(n)
+
+    def update_gates(self, swapper: DrafterSwapper) -> None:
+        """Scrape time: the held-out set's size and unfit records, the groups each gate judged or could not."""
+        self.m[M.DRAFTER_HELDOUT_RECORDS].set(len(swapper.heldout))
+        for reason, n in swapper.heldout.unfit.items():
+            self.m[M.DRAFTER_HELDOUT_UNFIT].labels(reason=reason).set(n)
+        for gate, verdict in list(swapper.verdicts.items()):
+            if gate in M.GATES:
+                unjudged = len(verdict.unjudged)
+                self.m[M.DRAFTER_GATE_GROUPS].labels(gate=gate, judged="true").set(len(verdict.groups) - unjudged)
+                self.m[M.DRAFTER_GATE_GROUPS].labels(gate=gate, judged="false").set(unjudged)
 
     def update_suffix(self, engine: SpeculativeEngine, tailer: SuffixTailer | None) -> None:
         """Scrape time: suffix index size and hits, the tree's host seconds per step (drained from the engine),

@@ -81,9 +81,9 @@ def test_replay_scores_each_window_through_the_frozen_and_the_serving_drafter_on
     exactly (gain 0); a window served by v1 reads v1's α̂ on the very tokens v0 is read on; a version that does
     not load (pruned) leaves its records out of both, never mixing drafters."""
     from dvi.feedback.shadow import hf_logits_fn, shadow_alpha
+    from dvi.registry.codec import load_drafter_version
     from dvi.registry.store import DrafterRegistry
     from serving import demo_replay
-    from serving.drafter_load import load_drafter_version
     from serving.loading import load_serving_pair
 
     cfg = _cfg(tiny_pair_dir)

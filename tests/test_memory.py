@@ -130,3 +130,79 @@ def test_promoted_drafters_are_freed_once_replaced(tiny_pair_dir, tmp_path):
             wait_for(lambda v=v: sw.good == v, 30, what=f"v{v} kept")
             counts.append(_modules_of(type(sw.base)))
         assert counts[-1][0] == counts[1][0] and counts[-1][1] <= counts[1][1] * 1.02, counts
+
+
+def _drafter_sized_pair(tiny_pair_dir: Path, out: Path) -> Path:
+    """The tiny pair with a drafter of the real one's size (34M parameters, 136 MB in fp32; random weights: memory
+    does not care what it drafts), so that a drafter copy shows in the server's RSS."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True)
+    for part in ("target", "tokenizer"):
+        (out / part).symlink_to(tiny_pair_dir / part)
+    cfg = json.loads((tiny_pair_dir / "drafter" / "config.json").read_text())
+    cfg.update(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=16,
+               num_key_value_heads=16, head_dim=64)
+    torch.manual_seed(0)
+    keep = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version", "dtype")}
+    LlamaForCausalLM(LlamaConfig(**keep)).save_pretrained(out / "drafter")
+    return out
+
+
+def _rss_mib(pid: int) -> float:
+    return int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")).split()[1]) / 1024
+
+
+@pytest.mark.slow
+def test_server_rss_stays_flat_across_ten_promotions(tiny_pair_dir, tmp_path):
+    """Issue 36 §9 through a real `dvi serve` with a drafter-sized drafter: RSS after each of 10 promotions (each
+    watched and kept) within 5% of the first. Before: +12% (946 -> 1063 MiB), the swapper holding four drafter copies
+    (the startup one, a pristine copy of it, the last good, the served) and the freed blocks of each promotion's
+    loads and checks staying in glibc's heaps; now two (the startup one, the served) and a trim after each."""
+    import json
+
+    import httpx
+    import yaml
+    from test_serving_helpers import lora_copy, tiny_config, version_manifest, wait_for
+
+    from dvi.config import dump_config
+    from dvi.models.loading import load_causal_lm
+    from dvi.registry.store import DrafterRegistry
+    from serving.demo import ServerProcess
+
+    pair = _drafter_sized_pair(tiny_pair_dir, tmp_path / "pair")
+    cfg = tiny_config(pair, tmp_path / "run", "serve.rollback_window=4")
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(dump_config(cfg)))
+    base = load_causal_lm(pair / "drafter", "cpu", "float32")
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    events = tmp_path / "run" / "swap_events.jsonl"
+
+    def verdicts(v: int, kinds: tuple[str, ...]) -> bool:
+        return events.exists() and any(json.loads(line)["version"] == v and json.loads(line)["kind"] in kinds
+                                       for line in events.read_text().splitlines())
+
+    rss = []
+    with ServerProcess(["--config", str(path)], tmp_path / "server.log") as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as c:
+        n = 0
+
+        def traffic(k: int) -> None:
+            nonlocal n
+            for _ in range(k):
+                n += 1
+                r = c.post("/v1/completions", json={"prompt": "def main(argv):\n" + " " * (n % 7), "max_tokens": 16})
+                assert r.status_code == 200, r.text
+
+        traffic(24)
+        reg = DrafterRegistry(cfg.registry.dir)
+        for i in range(10):
+            v = reg.publish_peft_adapter(lora_copy(base, 0.0, i, targets), version_manifest())
+            wait_for(lambda v=v: verdicts(v, ("promoted", "refused")), 120, what=f"v{v}'s verdict")
+            traffic(5)  # its watch (4 requests) ends: kept
+            wait_for(lambda v=v: verdicts(v, ("kept", "rolled_back")), 120, what=f"v{v}'s watch")
+            time.sleep(1.0)  # idle: the engine's trim has run
+            rss.append(_rss_mib(srv.proc.pid))
+    assert max(rss) <= 1.05 * rss[0] and rss[-1] <= 1.05 * rss[0], rss

@@ -208,7 +208,10 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
         time.sleep(5 * cfg.serve.registry_poll_seconds)
         assert sw.live_version == 0 and sw.counts["promoted"] == 0, "a refused version was promoted after a restart"
     # a fresh, good version on LATEST at start-up waits for held-out records, then is checked and promoted
+    # (a server whose feedback log holds none: with one, it checks on the logged held-out records at once,
+    # issue 36 §8, tests/test_gates.py)
     good = reg.publish_peft_adapter(lora_copy(pair_drafter(cfg)), version_manifest())
+    cfg = tiny_config(tiny_pair_dir, tmp_path, f"feedback.dir={tmp_path / 'empty-feedback'}")
     with ServerThread(cfg) as s:
         sw = s.state.swapper
         time.sleep(5 * cfg.serve.registry_poll_seconds)

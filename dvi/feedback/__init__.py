@@ -20,9 +20,10 @@ Roots are local paths or any fsspec URL (`memory://`, `s3://...`); fsync only ap
 
 The package is split by job: `record` (schema and conversions), `storage` (shard names, listing,
 fsspec and atomic-write helpers shared by both sides), `writer`, `reader`, `consumed` (what the trainer
-consumed), and `shadow` (acceptance
-estimated from logged records, without the target: the trainer's publish check, the server's swap check). Every name that
-callers import from `dvi.feedback` (all its public names) is re-exported here.
+consumed), `shadow` (acceptance estimated from logged records, without the target), `heldout` (the held-out set a
+drafter version is judged on, balanced across groups of traffic) and `verdict` (THE comparison of two versions: the
+trainer's publish check, the server's promotion check and rollback watch). Every name that callers import from
+`dvi.feedback` (all its public names) is re-exported here; `heldout` and `verdict` are imported from their modules.
 """
 
 from dvi.feedback.reader import QUARANTINE_DIR, FeedbackReader

@@ -60,6 +60,12 @@ class FeedbackRecord:
     # per token, who proposed its draft: 0 none, 1 model, 2 suffix_request, 3 suffix_global
     # (`dvi.decode.emit.SOURCES`); empty in shards written before it existed (every draft: the model's)
     draft_source: list[int] | np.ndarray = _column(pa.list_(pa.int8()), optional=True, default_factory=list)
+    # who sent it: a short hash of the request's `user` ("" when it names none), a group of the held-out set
+    # (`dvi.feedback.heldout`); the raw identifier is never stored
+    client: str = _column(pa.string(), optional=True, default="")
+    # served under a logit_bias or a penalty: its tokens are the transformed target's, so it is no evidence of
+    # how well a drafter drafts the target (`dvi.feedback.heldout.unfit_reason`)
+    transformed: bool = _column(pa.bool_(), optional=True, default=False)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -11,7 +11,8 @@ over prompt + generated tokens and ask how often it would have been accepted.
   when the top-k hold nearly all the mass (k = 32 does on the embedded models).
 
 Both the trainer (the manifest's held-out α) and the server (shadow check before promotion)
-use this, so a promotion decision and its reported estimate always agree.
+use this, so a promotion decision and its reported estimate always agree; `dvi.feedback.verdict.compare` is the
+one comparison of two versions built on it, `dvi.feedback.heldout.HeldOutSet` the records it reads.
 """
 
 from __future__ import annotations
@@ -67,13 +68,6 @@ def shadow_passes(new_alpha: float | None, old_alpha: float | None, margin: floa
     if not _usable(new_alpha):
         return False
     return not _usable(old_alpha) or new_alpha >= old_alpha - margin
-
-
-def shadow_failure(new_alpha: float | None, margin: float) -> str:
-    """Why `shadow_passes` said no, for the refusal reason."""
-    if new_alpha is None:
-        return "no scored position"
-    return "not finite" if not math.isfinite(new_alpha) else f"worse by more than {margin}"
 
 
 def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
@@ -169,45 +163,3 @@ def shadow_alpha(
 
 Scores = list[tuple[FeedbackRecord, float, int]]
 """What `record_scores` returns: (record, expected accepted positions, positions) per scored record."""
-
-
-@dataclass
-class PairedVerdict:
-    """A rollback watch's judgement of a new version against the last good one on the same records."""
-
-    worse: bool
-    reason: str
-    groups: dict[str, tuple[float, float, int]]  # "domain/temperature" -> (mean α difference, z, records)
-
-
-def _group(rec: FeedbackRecord) -> str:
-    t = served_temperature(rec.temperature)
-    return f"{getattr(rec, 'domain', 'default')}/{'greedy' if t == 0 else f't{t:.2g}'}"
-
-
-def paired_verdict(new: Scores, old: Scores, margin: float, z: float = 2.0, min_records: int = 4) -> PairedVerdict:
-    """Like with like: the same records replayed through both versions (`record_scores`), compared per
-    domain and temperature. A group of at least `min_records` is *worse* when its mean per-record α
-    difference is below -`margin` and significantly so (mean / standard error < -`z`); the verdict is
-    worse when any group is. Traffic that changes between the two versions' live windows moves both
-    sides of every pair alike, so it cannot roll back a version that drafts as well as its predecessor."""
-    by_group: dict[str, list[float]] = {}
-    for (rec, h_new, n), (rec_old, h_old, n_old) in zip(new, old, strict=True):
-        if rec is not rec_old or n != n_old:
-            raise ValueError("paired_verdict needs both versions' scores of the same records")
-        by_group.setdefault(_group(rec), []).append((h_new - h_old) / n)
-    groups: dict[str, tuple[float, float, int]] = {}
-    worse = []
-    for key, diffs in sorted(by_group.items()):
-        m = len(diffs)
-        mean = float(np.mean(diffs))
-        se = float(np.std(diffs, ddof=1)) / math.sqrt(m) if m > 1 else 0.0
-        zscore = mean / se if se > 0 else (0.0 if mean == 0 else math.copysign(math.inf, mean))
-        groups[key] = (mean, zscore, m)
-        if m >= min_records and mean < -margin and zscore < -z:
-            worse.append(f"{key}: α {mean:+.3f} (z {zscore:.1f}) over {m} records")
-    if worse:
-        return PairedVerdict(True, "worse than the last good version on the same records: " + "; ".join(worse),
-                             groups)
-    shown = ", ".join(f"{k} {v[0]:+.3f} ({v[2]})" for k, v in groups.items())
-    return PairedVerdict(False, f"not worse on the same records ({shown or 'no records'})", groups)

@@ -33,6 +33,10 @@ TRAINER_STATE = "dvi_trainer_state"
 DRAFTER_PROMOTIONS = "dvi_drafter_promotions_total"
 DRAFTER_REFUSALS = "dvi_drafter_refusals_total"
 DRAFTER_ROLLBACKS = "dvi_drafter_rollbacks_total"
+DRAFTER_PUBLISH_TO_VERDICT = "dvi_drafter_publish_to_verdict_seconds"
+DRAFTER_GATE_GROUPS = "dvi_drafter_gate_groups"
+DRAFTER_HELDOUT_RECORDS = "dvi_drafter_heldout_records"
+DRAFTER_HELDOUT_UNFIT = "dvi_drafter_heldout_unfit_records"
 TRAINER_LOSS = "dvi_trainer_loss"
 TRAINER_KL_LOSS = "dvi_trainer_kl_loss"
 TRAINER_REWARD_LOSS = "dvi_trainer_reward_loss"
@@ -88,6 +92,9 @@ L_REASON = "reason"
 L_FINISH = "finish_reason"
 L_PART = "part"
 L_PHASE = "phase"
+L_VERDICT = "verdict"
+L_GATE = "gate"
+L_JUDGED = "judged"
 
 DISK_PARTS = ("feedback", "registry", "logs", "checkpoint", "wandb")
 """The `part` label of `dvi_disk_bytes` (`dvi.rundir.RunDir.disk_usage`)."""
@@ -102,6 +109,11 @@ TRAINER_STATES = {"stopped": 0, "starting": 1, "running": 2, "backoff": 3, "fail
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 SUFFIX_STEP_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
+VERDICT_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 15.0, 30.0, 60.0, 300.0, 1800.0)
+VERDICTS = ("promoted", "refused")
+"""The `verdict` label of `dvi_drafter_publish_to_verdict_seconds`: a version's first one."""
+GATES = ("promotion", "watch")
+"""The `gate` label of `dvi_drafter_gate_groups` (the server's; the trainer's publish gate logs its own)."""
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 _DV = (L_DRAFTER_VERSION, L_DOMAIN)
@@ -149,6 +161,16 @@ METRICS: dict[str, MetricSpec] = {
             DRAFTER_REFUSALS, "counter", "Drafter versions refused (validation / shadow).", (L_REASON,)
         ),
         MetricSpec(DRAFTER_ROLLBACKS, "counter", "Drafter rollbacks after live alpha fell."),
+        MetricSpec(DRAFTER_PUBLISH_TO_VERDICT, "histogram", "Seconds from a drafter version's publish (its manifest's "
+                   "created_at) to the server's first verdict on it, promoted or refused.", (L_VERDICT,),
+                   VERDICT_BUCKETS),
+        MetricSpec(DRAFTER_GATE_GROUPS, "gauge", "Groups (domain x temperature class x client) in the last verdict of "
+                   f"each gate {GATES}: judged, or with too few records to judge (judged=\"false\").",
+                   (L_GATE, L_JUDGED)),
+        MetricSpec(DRAFTER_HELDOUT_RECORDS, "gauge", "Records in the server's held-out set (what a promotion is "
+                   "judged on)."),
+        MetricSpec(DRAFTER_HELDOUT_UNFIT, "gauge", "Held-out records left out as no evidence, by reason (transformed: "
+                   "served under a logit_bias or penalty; empty).", (L_REASON,)),
         MetricSpec(TRAINER_LOSS, "gauge", "Online trainer total loss."),
         MetricSpec(TRAINER_KL_LOSS, "gauge", "Online trainer top-k KL loss."),
         MetricSpec(TRAINER_REWARD_LOSS, "gauge", "Online trainer accept/reject reward loss."),

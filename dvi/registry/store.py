@@ -10,6 +10,7 @@ Layout (docs/contracts.md)::
     <root>/drafter/REFUSED         versions the server refused or rolled back from: never promoted again
     <root>/drafter/events.jsonl    publish / promote / rollback / refuse / pin / gc history (+ events.1.jsonl)
 
+A version's files are written and read by its format's codec (`dvi.registry.codec`: LoRA, full, shared-target).
 A version dir is built under a temp name, fsynced and renamed, and LATEST is replaced via
 tmp + rename, so the server never sees a half-written version. Everything the server loads is
 validated first; anything wrong raises `AdapterRejected` with a reason it can show.
@@ -30,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from dvi.drafters.learned import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from dvi.fsutil import TMP_PREFIX, append_jsonl, atomic_write_text, fsync_path, fsync_tree
 from dvi.registry.base import (
     REFUSAL_KINDS,
@@ -46,16 +48,15 @@ from dvi.registry.base import (
     check_state_dict,
     vname,
 )
+from dvi.registry.codec import FULL_CONFIG, FULL_WEIGHTS, DrafterCodec, LoraCodec, write_full
 
 __all__ = ["REFUSAL_KINDS", "AdapterRejected", "DrafterRegistry", "Expected", "Manifest", "ServingState",
            "check_state_dict", "vname"]
 
 log = logging.getLogger(__name__)
 
-LORA_WEIGHTS = "adapter_model.safetensors"
-LORA_CONFIG = "adapter_config.json"
-FULL_WEIGHTS = "model.safetensors"
-FULL_CONFIG = "config.json"
+LORA_WEIGHTS = ADAPTER_WEIGHTS
+LORA_CONFIG = ADAPTER_CONFIG
 MANIFEST = "manifest.json"
 MANIFEST_FIELDS = ("version", "parent_version", "target_version", "kind", "steps", "records_seen", "heldout_alpha",
                    "created_at")
@@ -138,11 +139,6 @@ class Manifest:
                                   kind="architecture")
 
 
-def _cpu_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # clone() breaks storage sharing (tied weights), which safetensors refuses to save.
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-
-
 class DrafterRegistry(ServerRecords):
     """Publish, validate, load, roll back and garbage-collect drafter versions."""
 
@@ -220,6 +216,17 @@ class DrafterRegistry(ServerRecords):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise AdapterRejected(f"{MANIFEST} does not parse: {e}", version, kind="manifest") from None
         return Manifest.parse(raw, version)
+
+    def published_at(self, version: int) -> float | None:
+        """When `version` was published: its manifest's `created_at`, else its dir's mtime (None: neither)."""
+        try:
+            return self.manifest(version).created_at or None
+        except AdapterRejected:
+            pass
+        try:
+            return self.version_dir(version).stat().st_mtime
+        except OSError:
+            return None
 
     def _event(self, **fields: Any) -> None:
         fields.setdefault("time", time.time())
@@ -305,6 +312,13 @@ class DrafterRegistry(ServerRecords):
 
         return self._publish(write, manifest, kind, set_latest)
 
+    def publish_drafter(self, codec: DrafterCodec, drafter: Any, manifest: Mapping[str, Any] | None = None,
+                        set_latest: bool = True) -> int:
+        """Publish `drafter` in its format (`dvi.registry.codec`): the codec writes the files, the registry the
+        manifest, the rename and LATEST."""
+        man = {"drafter_kind": codec.drafter_kind, **dict(manifest or {})}
+        return self._publish(lambda tmp: codec.save(drafter, tmp), man, codec.file_kind, set_latest)
+
     def publish_full(
         self,
         state_dict: Mapping[str, torch.Tensor],
@@ -312,17 +326,8 @@ class DrafterRegistry(ServerRecords):
         manifest: Mapping[str, Any] | None = None,
         set_latest: bool = True,
     ) -> int:
-        """Publish a whole small drafter (full distillation): model.safetensors + config.json."""
-
-        def write(tmp: Path) -> None:
-            save_file(_cpu_state_dict(state_dict), str(tmp / FULL_WEIGHTS), metadata={"format": "pt"})
-            if hasattr(config, "save_pretrained"):
-                config.save_pretrained(str(tmp))
-            else:
-                cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-                (tmp / FULL_CONFIG).write_text(json.dumps(cfg, indent=1, sort_keys=True))
-
-        return self._publish(write, dict(manifest or {}), "full", set_latest)
+        """Publish a whole small drafter (full distillation) from its weights: `FULL`'s files."""
+        return self._publish(lambda tmp: write_full(tmp, state_dict, config), dict(manifest or {}), "full", set_latest)
 
     def publish_peft_adapter(
         self,
@@ -331,22 +336,12 @@ class DrafterRegistry(ServerRecords):
         adapter_name: str = "default",
         set_latest: bool = True,
     ) -> int:
-        """Publish one LoRA adapter of a peft model, written by peft's own `save_pretrained`.
-
-        The version dir loads with `PeftModel.from_pretrained(base, dir)` as well.
-        """
+        """Publish one LoRA adapter of a peft model (`LoraCodec`: peft's own files, which also load with
+        `PeftModel.from_pretrained(base, dir)`)."""
         if adapter_name not in peft_model.peft_config:
             raise ValueError(f"peft model has no adapter {adapter_name!r}")
-
-        def write(tmp: Path) -> None:
-            peft_model.save_pretrained(str(tmp), selected_adapters=[adapter_name], safe_serialization=True)
-            if adapter_name != "default":  # peft puts a named adapter in its own subdir
-                for f in (tmp / adapter_name).iterdir():
-                    f.rename(tmp / f.name)
-                (tmp / adapter_name).rmdir()
-            (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: a version dir holds weights and config
-
-        return self._publish(write, dict(manifest or {}), "lora", set_latest)
+        codec = LoraCodec(adapter_name)
+        return self._publish(lambda tmp: codec.save(peft_model, tmp), dict(manifest or {}), "lora", set_latest)
 
     # -- validation and loading -------------------------------------------------------------
     def open_version(self, version: int, expected: Expected | None = None, drafter_kind: str | None = None,
@@ -392,8 +387,6 @@ class DrafterRegistry(ServerRecords):
         Float tensors are cast to the live adapter's dtype. Returns the manifest. If the model
         has no adapter `adapter_name` yet, it is created from the version dir with `load_adapter`.
         """
-        from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
         if version is None:
             version = self.latest()
             if version is None:
@@ -402,14 +395,14 @@ class DrafterRegistry(ServerRecords):
             _, man = self.open_version(version, drafter_kind="lora", publish_kind="lora")
             peft_model.load_adapter(str(self.version_dir(version)), adapter_name=adapter_name)
             return man
-        live = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+        codec = LoraCodec(adapter_name)
+        live = codec.state(peft_model)
         sd, man = self.open_version(version, {k: (tuple(v.shape), None) for k, v in live.items()},
                                     drafter_kind="lora", publish_kind="lora")
-        sd = {k: v.to(device=live[k].device, dtype=live[k].dtype) for k, v in sd.items()}
-        res = set_peft_model_state_dict(peft_model, sd, adapter_name=adapter_name)
-        unexpected = list(getattr(res, "unexpected_keys", []) or [])
-        if unexpected:
-            raise AdapterRejected(f"peft did not place tensor(s) {unexpected[:3]}", version)
+        try:
+            codec.load_state(peft_model, {k: v.to(dtype=live[k].dtype) for k, v in sd.items()})
+        except ValueError as exc:
+            raise AdapterRejected(f"peft did not place every tensor: {exc}", version) from None
         return man
 
     # -- moving LATEST ----------------------------------------------------------------------

@@ -4,8 +4,8 @@ Two layers, so the same training can run as a process or inside another loop:
 
 * `OnlineTrainer` (in-process core, `trainer.py`): `train_on_records(records)` trains on
   feedback records with replay, held-out records and stale-target handling (a `RoundStats`);
-  `maybe_publish()` publishes a version only if its held-out shadow α beats the served version's by
-  `trainer.publish_margin` (a `PublishDecision`). The drift benchmark and `trainers.rl` drive it directly.
+  `maybe_publish()` publishes a version only if it passes the publish gate against the served version on the
+  held-out set (`dvi.feedback.verdict.compare`; a `PublishDecision`). The drift benchmark and `trainers.rl` drive it directly.
 * `run_trainer(cfg)` (the `dvi train --online` process, `process.py`): a thin loop around it
   (`TrainerLoop`, `loop.py`) that tails the shards with a `FeedbackReader` cursor, honours
   `<run_dir>/trainer.pause` and SIGTERM, and checkpoints so that a killed trainer resumes
@@ -18,7 +18,8 @@ The parts, in the order a record meets them:
 | `collate.py` | `is_heldout`, `Batch` / `build_batch` (compact `FeedbackRecord`s to tensors for the loss) |
 | `screen.py` | `RecordScreen`: which records this drafter can train on; the others quarantined one by one |
 | `trainables.py` | the drafter kinds (LoRA, full, early-exit, eagle) behind `Trainable`; `load_drafter_for_training` |
-| `trainer.py` | `OnlineTrainer`: steps, replay, shadow-checked publishing |
+| `trainer.py` | `OnlineTrainer`: steps, replay, the held-out set (`dvi.feedback.heldout.HeldOutSet`) |
+| `publishing.py` | the publish gate (`Publishing`, mixed into `OnlineTrainer`): shadow estimates, `maybe_publish` |
 | `decisions.py` | what it decided: `RoundStats` (one round), `PublishDecision` (one publish check) |
 | `publish_retry.py` | `PublishBackoff`: a publish the registry refused is retried later, never fatal |
 | `checkpoint.py` | the trainer's checkpoint (trained tensors, optimizer, counters), written atomically |
@@ -34,6 +35,7 @@ Every name below is importable from `trainers.online`, as it was when this was o
 
 import os
 
+from dvi.feedback.shadow import SHADOW_MAX_POSITIONS
 from dvi.rundir import (
     CHECKPOINT_DIR,
     CONSUMED_LOG,
@@ -47,7 +49,7 @@ from trainers.online.collate import Batch, build_batch, is_heldout
 from trainers.online.loop import STALE_SHARD_S, TrainerLoop
 from trainers.online.process import run_trainer
 from trainers.online.trainables import load_drafter_for_training
-from trainers.online.trainer import REPLAY_RECENT, SHADOW_MAX_POSITIONS, OnlineTrainer
+from trainers.online.trainer import REPLAY_RECENT, OnlineTrainer
 
 
 def read_target_version_file(run_dir: str | os.PathLike) -> int | None:

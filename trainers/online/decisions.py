@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dvi.feedback.verdict import Verdict
+
 __all__ = ["PublishDecision", "RoundStats"]
 
 
@@ -55,3 +57,4 @@ class PublishDecision:
     heldout_records: int = 0
     heldout_positions: int = 0
     published: int | None = None
+    verdict: Verdict | None = None  # the comparison behind it (per group); None when it could not run

@@ -45,7 +45,6 @@ from typing import Any
 from dvi import metrics as M
 from dvi.config import DviConfig
 from dvi.feedback import FeedbackReader
-from dvi.feedback.shadow import is_heldout
 from dvi.registry.store import AdapterRejected
 from dvi.rundir import RunDir
 from trainers.online.checkpoint import COUNTERS
@@ -119,16 +118,11 @@ class TrainerLoop:
         done = [s for s in self.reader.list_shards() if s not in pending or s in self.trained][-max_shards:]
         if not done:
             return
-        n_held = 0
         keyed = [(name, rec) for name in done for rec in self.reader.iter_records([name], unread=False)]
-        for _, rec in self.screen.split(keyed)[0]:  # consumed already: an unusable one was counted then
-            e = rec.compact()
+        records = [rec.compact() for _, rec in self.screen.split(keyed)[0]]  # an unusable one was counted when consumed
+        for e in records:
             t.max_target_version = max(t.max_target_version, e.target_version)
-            if is_heldout(e.request_id, t.tc.heldout_fraction):
-                t.heldout.append(e)
-                n_held += 1
-            else:
-                t.replay.append(e)
+        n_held = t.heldout.split(records, t.replay.append)
         log.info("trainer: warmed buffers from %d consumed shards (%d held-out, %d replay)", len(done), n_held,
                  len(t.replay))
 

@@ -1,14 +1,13 @@
-"""The drafter as the trainer sees it: three kinds (LoRA, full, early-exit) behind one interface.
+"""The drafter as the trainer sees it: every kind (LoRA, full, early exit, eagle) behind one `Trainable`.
 
-Its own module so the trainer is written once against `Trainable` (parameters, forward module,
-state snapshot/restore, publish) and a new drafter kind is one class here, not branches there.
-`load_drafter_for_training` loads the drafter the config names, as the server does.
+Its own module so the trainer is written once against `Trainable` (parameters, forward module, and through its
+format's codec, `dvi.registry.codec`: state snapshot/restore, publish, a published version's weights); a new
+drafter format is a codec, not branches here. `load_drafter_for_training` loads the drafter the config names, as
+the server does.
 """
 
 from __future__ import annotations
 
-import json
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,123 +16,48 @@ import torch
 from torch import nn
 
 from dvi.config import DviConfig
-from dvi.registry.store import DrafterRegistry, check_state_dict
+from dvi.registry.codec import FULL, LORA, DrafterCodec, SharedTargetCodec
+from dvi.registry.store import DrafterRegistry
 
 if TYPE_CHECKING:
     from dvi.drafters.learned import Drafter
 
 
-class Trainable(ABC):
-    """What the trainer needs from a drafter kind: params, forward, snapshot/restore, publish."""
+class Trainable:
+    """What the trainer needs from a drafter kind: the parameters it optimises and the module it runs; weights in
+    and out (state, resume, publish, a published version's weights) are its format's codec's
+    (`dvi.registry.codec`), the same the registry, the swapper and the demo replay use."""
 
-    kind = "base"
-    publish_kind = "lora"
-
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, codec: DrafterCodec, drafter: Any = None) -> None:
         self.module = module  # the nn.Module that is trained (accelerate prepares it)
+        self.codec = codec
+        self.drafter = drafter if drafter is not None else module  # what the codec reads and writes
+        self.kind = codec.drafter_kind
+        self.publish_kind = codec.file_kind
 
     def parameters(self) -> list[nn.Parameter]:
+        if isinstance(self.codec, SharedTargetCodec):
+            return list(self.drafter.trainable_parameters())
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def forward_module(self) -> nn.Module:
         return self.module
 
-    @abstractmethod
     def state(self) -> dict[str, torch.Tensor]:
         """The trained weights, keyed as they are published."""
+        return self.codec.state(self.drafter)
 
-    @abstractmethod
     def load_state(self, sd: Mapping[str, torch.Tensor]) -> None:
-        """Restore weights from `state()` (checkpoint resume, rollback to a published version)."""
+        """Restore weights from `state()` (checkpoint resume, the served version's weights)."""
+        self.codec.load_state(self.drafter, sd)
 
-    @abstractmethod
     def publish(self, registry: DrafterRegistry, manifest: dict) -> int:
         """Write the current weights to the registry; returns the new version."""
+        return registry.publish_drafter(self.codec, self.drafter, manifest)
 
     def load_version(self, registry: DrafterRegistry, version: int) -> dict[str, torch.Tensor]:
         """A published version's weights as a `state()`-shaped dict (checked by `DrafterRegistry.open_version`)."""
-        sd, _ = registry.open_version(version, drafter_kind=self.kind, publish_kind=self.publish_kind)
-        own = self.state()
-        # a full version may leave out a tied lm_head; tensors this drafter does not train are ignored
-        need = {k: (tuple(v.shape), None) for k, v in own.items()
-                if not (self.kind == "full" and k.endswith("lm_head.weight") and k not in sd)}
-        check_state_dict({k: v for k, v in sd.items() if k in need}, need, version)
-        return {k: sd[k].to(own[k].dtype) for k in own if k in sd}
-
-
-def _clone(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
-
-
-class _LoraTrainable(Trainable):
-    kind = "lora"
-    publish_kind = "lora"
-
-    def state(self) -> dict[str, torch.Tensor]:
-        from peft import get_peft_model_state_dict
-
-        return _clone(get_peft_model_state_dict(self.module))
-
-    def load_state(self, sd: Mapping[str, torch.Tensor]) -> None:
-        from peft import set_peft_model_state_dict
-
-        dev = next(self.module.parameters()).device
-        res = set_peft_model_state_dict(self.module, {k: v.to(dev) for k, v in sd.items()})
-        bad = list(getattr(res, "unexpected_keys", []) or [])
-        if bad:
-            raise ValueError(f"LoRA state has tensors this adapter lacks: {bad[:3]}")
-
-    def publish(self, registry: DrafterRegistry, manifest: dict) -> int:
-        return registry.publish_peft_adapter(self.module, manifest)
-
-
-class _FullTrainable(Trainable):
-    kind = "full"
-    publish_kind = "full"
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return _clone(self.module.state_dict())
-
-    def load_state(self, sd: Mapping[str, torch.Tensor]) -> None:
-        res = self.module.load_state_dict(dict(sd), strict=False)
-        missing = [k for k in res.missing_keys if not k.endswith("lm_head.weight")]
-        if missing or res.unexpected_keys:
-            raise ValueError(f"full state does not fit: missing {missing[:3]}, unexpected {res.unexpected_keys[:3]}")
-        if hasattr(self.module, "tie_weights"):
-            self.module.tie_weights()
-
-    def publish(self, registry: DrafterRegistry, manifest: dict) -> int:
-        return registry.publish_full(self.module.state_dict(), self.module.config, manifest)
-
-
-class _SharedTargetTrainable(Trainable):
-    """A drafter on the target's own weights, which stay frozen: the early-exit drafter's LoRA + exit
-    head, or an eagle head's fc + layer + norm (published as `publish_kind` "lora": a small file set)."""
-
-    publish_kind = "lora"
-
-    def __init__(self, drafter: Any) -> None:
-        super().__init__(drafter.model)
-        self.drafter = drafter
-        self.kind = drafter.kind
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self.drafter.trainable_parameters())
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return _clone(self.drafter.trainable_state_dict())
-
-    def load_state(self, sd: Mapping[str, torch.Tensor]) -> None:
-        self.drafter.load_trainable_state_dict(dict(sd))
-
-    def publish(self, registry: DrafterRegistry, manifest: dict) -> int:
-        from safetensors.torch import save
-
-        from dvi.drafters.learned import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-
-        blob = save(self.state(), metadata={"format": "pt"})
-        cfg = json.dumps(self.drafter.config_dict(), indent=2)
-        return registry.publish({ADAPTER_WEIGHTS: blob, ADAPTER_CONFIG: cfg.encode()}, {**manifest, "kind": "lora"})
+        return self.codec.read_state(registry, version, self.drafter)
 
 
 def make_trainable(drafter: nn.Module | Drafter, mode: str, cfg: DviConfig) -> Trainable:
@@ -147,13 +71,13 @@ def make_trainable(drafter: nn.Module | Drafter, mode: str, cfg: DviConfig) -> T
             p.requires_grad_(False)
         for p in drafter.trainable_parameters():
             p.requires_grad_(True)
-        return _SharedTargetTrainable(drafter)
+        return Trainable(drafter.model, SharedTargetCodec(drafter.kind), drafter)
     if mode == "full":
         if hasattr(drafter, "peft_config"):
             raise ValueError("trainer.mode 'full' needs a plain HF model, got a peft model")
         for p in drafter.parameters():
             p.requires_grad_(True)
-        return _FullTrainable(drafter)
+        return Trainable(drafter, FULL)
     if not hasattr(drafter, "peft_config"):
         from peft import LoraConfig, get_peft_model
 
@@ -165,7 +89,7 @@ def make_trainable(drafter: nn.Module | Drafter, mode: str, cfg: DviConfig) -> T
         lcfg = LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout,
                           target_modules=targets, bias="none")
         drafter = get_peft_model(drafter, lcfg)
-    return _LoraTrainable(drafter)
+    return Trainable(drafter, LORA)
 
 
 

@@ -7,11 +7,9 @@ from the feedback log, and the drift benchmark and `trainers.rl` drive it direct
 `replay_ratio` share of each batch replayed from older ones, stale target versions dropped or
 down-weighted), takes `trainers.losses.dvi_loss` steps (pure top-k KL first, the accept/reject
 reward ramped in; `warmup_steps` ramps the LR up, `anchor_weight` adds an L2 trust region towards the
-weights it started from), and holds back `heldout_fraction` of the records (by a hash of the request id)
-for evaluation (`dvi.feedback.shadow.is_heldout`). `maybe_publish()` compares the held-out shadow α
-(`dvi.feedback.shadow`) of the current weights with the version the server SERVES now (the registry's
-SERVING; 0 = the bootstrap drafter) and publishes only a candidate better by `publish_margin` on at
-least `shadow_min_positions` held-out positions; any other decision is logged with its reason. Checkpoints (weights, optimizer, counters) are the loop's resume point.
+weights it started from), and holds back `heldout_fraction` of the records (by a hash of the request id) in
+its `dvi.feedback.heldout.HeldOutSet`, never trained on. `maybe_publish()` (`publishing.py`) is the publish gate.
+Checkpoints (weights, optimizer, counters) are the loop's resume point.
 
 Compute budget: with `trainer.feedback_tokens_per_step = N > 0` the trainer takes at most one step
 (new or replay) per N feedback tokens read (`feedback_tokens`: generated tokens of every record
@@ -36,11 +34,11 @@ from torch import nn
 
 from dvi import metrics as M
 from dvi.config import DviConfig
-from dvi.decode.results import fmt_rate
 from dvi.drafters.vocab import find_subset_head
 from dvi.feedback import FeedbackRecord
-from dvi.feedback.shadow import SHADOW_MAX_POSITIONS, hf_logits_fn, is_heldout, shadow_alpha, shadow_passes
-from dvi.registry.store import AdapterRejected, DrafterRegistry
+from dvi.feedback.heldout import HeldOutSet
+from dvi.feedback.verdict import gates
+from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 from trainers.losses import batch_loss, chained_features
 from trainers.online.accel import make_accelerator
@@ -48,6 +46,7 @@ from trainers.online.checkpoint import COUNTERS, load_checkpoint, save_checkpoin
 from trainers.online.collate import build_batch
 from trainers.online.decisions import PublishDecision, RoundStats
 from trainers.online.publish_retry import PublishBackoff
+from trainers.online.publishing import Publishing
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
 if TYPE_CHECKING:
@@ -63,7 +62,7 @@ def _mean(losses: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {k: sum(x[k] for x in losses) / len(losses) for k in losses[0]}
 
 
-class OnlineTrainer:
+class OnlineTrainer(Publishing):
     """Trains a drafter on feedback records with the DVI objective; publishes shadow-checked versions.
 
     `drafter`: a HF causal LM (wrapped in a LoRA when `cfg.trainer.mode == "lora"`, trained
@@ -106,7 +105,8 @@ class OnlineTrainer:
         self.device = accelerator.device
         self.rng = random.Random(self.tc.seed)
         self.replay: collections.deque[FeedbackRecord] = collections.deque(maxlen=max(1, self.tc.replay_buffer_records))
-        self.heldout: collections.deque[FeedbackRecord] = collections.deque(maxlen=self.tc.shadow_records)
+        self.heldout = HeldOutSet(self.tc.shadow_records, self.tc.heldout_fraction)  # never trained on
+        self.gate = gates(cfg).publish
         self.step = 0
         self.records_seen = 0  # records trained on as new
         self.replayed = 0
@@ -190,7 +190,6 @@ class OnlineTrainer:
         deferred0 = self.budget_deferred
         current = self.current_target_version()
         new, held, dropped = self._split(examples, current)
-        self.heldout.extend(sorted(held, key=lambda e: e.finished_at))
         self.heldout_seen += len(held)
         self.dropped_stale += len(dropped)
         new.sort(key=lambda e: e.finished_at, reverse=True)  # recent first
@@ -213,10 +212,10 @@ class OnlineTrainer:
         return stats
 
     def _split(self, examples: list[FeedbackRecord], current: int) -> tuple[list[FeedbackRecord], list[FeedbackRecord], list[FeedbackRecord]]:
-        """(new, held out, dropped as stale), each in the order given."""
+        """(new, held out, dropped as stale), each in the order given; the held-out ones join `self.heldout`."""
         new, held, dropped = [], [], []
         for e in examples:
-            if is_heldout(e.request_id, self.tc.heldout_fraction):
+            if self.heldout.offer(e):
                 held.append(e)
             elif self._weight(e, current) <= 0:
                 dropped.append(e)
@@ -324,115 +323,6 @@ class OnlineTrainer:
         """Re-centre the trust region (`trainer.anchor_weight`) on the current weights (after a resume)."""
         if self.anchor is not None:
             self.anchor = [p.detach().clone() for p in self.trainable.parameters()]
-
-    def shadow(self, records: Sequence[FeedbackRecord] | None = None, state: Mapping[str, torch.Tensor] | None = None):
-        """Shadow α (teacher-forced, `dvi.feedback.shadow`) of the current weights, or of `state`, on held-out records."""
-        recs = list(self.heldout) if records is None else [r.compact() for r in records]
-        saved = None
-        if state is not None:
-            saved = self.trainable.state()
-            self.trainable.load_state(state)
-        was = self.module.training
-        self.module.eval()
-        try:
-            fn = hf_logits_fn(self.accelerator.unwrap_model(self.module))
-            return shadow_alpha(fn, recs, device=self.device, max_positions=SHADOW_MAX_POSITIONS)
-        finally:
-            if saved is not None:
-                self.trainable.load_state(saved)
-            self.module.train(was)
-
-    def _served_state(self, served: int) -> tuple[dict[str, torch.Tensor] | None, str]:
-        """Weights of the version the server serves now (0: the bootstrap drafter), or (None, why not)."""
-        if served == 0:
-            return self.base_state, ""
-        if served == self.last_published and self.last_published_state is not None:
-            return self.last_published_state, ""
-        try:
-            return self.trainable.load_version(self.registry, served), ""
-        except (AdapterRejected, OSError, ValueError) as exc:
-            return None, f"the served v{served} does not load here ({exc})"
-
-    def served_version(self) -> int:
-        """What the server serves now, as it recorded in the registry's SERVING (0 = the bootstrap drafter)."""
-        return self.registry.serving().version if self.registry is not None else 0
-
-    def maybe_publish(self, force: bool = False) -> PublishDecision | None:
-        """Every `publish_every_steps` steps: compare with the SERVED version on held-out records; publish
-        only a candidate that is better by `publish_margin` on at least `shadow_min_positions` positions.
-
-        Returns the decision (published version, or why not: logged), or None when not due. Only the main
-        process publishes; other ranks return None.
-        """
-        if not force and self.step - self.last_publish_step < self.tc.publish_every_steps:
-            return None
-        if self.step == self.last_publish_step and not force or self.publish_backoff.waiting() and not force:
-            return None
-        due_since, self.last_publish_step = self.last_publish_step, self.step
-        if not self.is_main:
-            return None
-        served = self.served_version()
-        decision = PublishDecision(step=self.step, parent_version=served, time=time.time())
-        ok = self._publish_check(served, decision)
-        if self.registry is None or not ok:
-            log.info("trainer: not publishing at step %d: %s", self.step, decision.reason)
-        else:
-            try:
-                decision.published = self._publish(served, decision)
-            except OSError as exc:  # disk full, read-only: keep training, retry the same candidate later
-                decision.reason = self.publish_backoff.failed(exc, self.step)
-                self.last_publish_step = due_since  # still due
-            else:
-                self.publish_backoff.succeeded()
-                log.info("trainer: published v%d at step %d: %s", decision.published, self.step, decision.reason)
-        if decision.heldout_alpha is not None:
-            self.last_heldout_alpha = decision.heldout_alpha
-        self.publish_log.append(decision)
-        self._log({M.TRAINER_HELDOUT_ALPHA: decision.heldout_alpha,
-                   "parent_heldout_alpha": decision.parent_heldout_alpha,
-                   "published": decision.published is not None, M.TRAINER_STEP: self.step},
-                  drafter_version=decision.published)
-        return decision
-
-    def _publish_check(self, served: int, decision: PublishDecision) -> bool:
-        """Held-out shadow α of the current weights vs the served version's, into `decision`; True to publish."""
-        served_state, why = self._served_state(served)
-        if served_state is None:
-            decision.reason = why + "; not published"
-            return False
-        new = self.shadow()
-        if new.positions < self.tc.shadow_min_positions:
-            decision.reason = (f"{new.positions} held-out positions of the {self.tc.shadow_min_positions} a "
-                               f"check needs; not published")
-            return False
-        old = self.shadow(state=served_state)
-        decision.heldout_alpha, decision.parent_heldout_alpha = new.alpha, old.alpha
-        decision.heldout_records, decision.heldout_positions = new.records, new.positions
-        ok = shadow_passes(new.alpha, old.alpha, -self.tc.publish_margin)  # new >= old + publish_margin
-        decision.reason = (f"held-out shadow α {fmt_rate(new.alpha, 4)} vs served v{served} "
-                           f"{fmt_rate(old.alpha, 4)} on {new.records} records ({new.positions} positions)"
-                           + ("" if ok else f"; not better by {self.tc.publish_margin}, not published"))
-        return ok
-
-    def _publish(self, parent: int | None, decision: PublishDecision) -> int:
-        """Write the current weights to the registry as a child of `parent`; returns the new version."""
-        manifest = {
-            "parent_version": parent,
-            "target_version": self.current_target_version(),
-            "steps": self.step,
-            "records_seen": self.records_seen,
-            "heldout_alpha": decision.heldout_alpha,
-            "parent_heldout_alpha": decision.parent_heldout_alpha,
-            "heldout_records": decision.heldout_records,
-            "created_at": time.time(),
-            "drafter_kind": self.trainable.kind,
-            "trainer_mode": self.tc.mode,
-            "draft_vocab_size": self.draft_vocab_size,
-        }
-        version = self.trainable.publish(self.registry, manifest)
-        self.last_published = version
-        self.last_published_state = self.trainable.state()
-        return version
 
     def _log(self, values: Mapping[str, Any], drafter_version: int | None = None) -> None:
         if self.metrics is None or not self.is_main:

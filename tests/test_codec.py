@@ -1,0 +1,99 @@
+"""Issue 35 §3: one codec per drafter format (`dvi.registry.codec`), used by the trainer, the registry, the swapper
+and the demo replay. Before, a version was written in two places (the trainer's kinds, the registry) and read in
+three (`serving/drafter_load.py`, `Trainable.load_version`, `open_version`), and the swapper and the demo replay
+imported a private `_module`."""
+
+from __future__ import annotations
+
+import ast
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from test_online import online_config
+from test_serving_helpers import lora_copy, version_manifest
+
+from dvi.drafters.eagle import EagleDrafter
+from dvi.drafters.learned import EarlyExitDrafter
+from dvi.models.loading import load_pair
+from dvi.registry.codec import FULL, LORA, SharedTargetCodec, load_drafter_version, scoring_module
+from dvi.registry.store import DrafterRegistry
+from trainers.online.trainables import make_trainable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair_dir):
+    return load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
+
+
+def _perturb(params, seed: int = 0, scale: float = 0.05) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _drafters(pair, kind: str):
+    """(the drafter a trainer trains, the live drafter a server builds versions on) of one format."""
+    if kind == "lora":
+        return lora_copy(pair.drafter, 0.3, 1), copy.deepcopy(pair.drafter)
+    if kind == "full":
+        trained = copy.deepcopy(pair.drafter)
+        _perturb(trained.parameters())
+        return trained, copy.deepcopy(pair.drafter)
+    make = (lambda t: EarlyExitDrafter(t, 1, lora_rank=4, target_modules=["q_proj", "v_proj"])) if kind == "early_exit" \
+        else EagleDrafter
+    target = copy.deepcopy(pair.target)
+    trained = make(target)
+    _perturb(trained.trainable_parameters())
+    return trained, make(target)
+
+
+@pytest.mark.parametrize("kind", ["lora", "full", "early_exit", "eagle"])
+def test_each_format_round_trips_through_its_one_codec(pair, tiny_pair_dir, tmp_path, kind) -> None:
+    """The trainer publishes through its codec, reads the version back through it, and the server builds from it
+    a drafter with the trained weights' logits."""
+    trained, live = _drafters(pair, kind)
+    tr = make_trainable(trained, "full" if kind == "full" else "lora",
+                        online_config(tiny_pair_dir, tmp_path, *(["models.drafter_kind=" + kind]
+                                                                 if kind in ("early_exit", "eagle") else [])))
+    codec = {"lora": LORA, "full": FULL}.get(kind)
+    assert tr.codec is codec if codec else isinstance(tr.codec, SharedTargetCodec) and tr.codec.drafter_kind == kind
+    reg = DrafterRegistry(tmp_path / "registry")
+    v = tr.publish(reg, version_manifest())
+    man = reg.manifest(v)
+    assert man.drafter_kind == tr.kind and man.kind == tr.publish_kind
+    back = tr.load_version(reg, v)
+    assert back.keys() == tr.state().keys() and all(torch.equal(back[k], t) for k, t in tr.state().items())
+    served, _ = load_drafter_version(reg, v, live)
+    ids = torch.tensor([[5, 9, 17, 33, 65, 3, 7]])
+    with torch.no_grad():
+        if kind == "eagle":
+            feats = torch.randn(1, ids.shape[1], pair.target.config.hidden_size)
+            got, want = served.model(ids, feats).logits, trained.model(ids, feats).logits
+        else:
+            got = scoring_module(served)(input_ids=ids).logits
+            want = scoring_module(trained)(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def _private_imports(path: Path) -> list[str]:
+    """Names starting with `_` that a module imports from another project module."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            out += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return out
+
+
+def test_version_readers_import_no_private_name_and_one_module_builds_a_drafter() -> None:
+    """The swapper, the demo replay and the trainer's kinds use the codec's public names; no second loader."""
+    for rel in ("serving/swap.py", "serving/demo_replay.py", "trainers/online/trainables.py"):
+        assert not _private_imports(ROOT / rel), (rel, _private_imports(ROOT / rel))
+    assert not (ROOT / "serving" / "drafter_load.py").exists()
+    builders = [p.relative_to(ROOT).as_posix() for pkg in ("dvi", "serving", "trainers")
+                for p in (ROOT / pkg).rglob("*.py") if "merge_and_unload" in p.read_text()]
+    assert builders == ["dvi/registry/codec.py"], builders
