@@ -39,8 +39,8 @@ def verify_costs(engine, widths: tuple[int, ...] = WIDTHS, reps: int = 7, contex
     """Seconds of one batch-1 target forward over k+1 tokens (k = 0: a plain step), min over interleaved reps."""
     from dvi.decode.calibration_rows import CalibrationSetup, DummyRows
 
-    setup = CalibrationSetup(engine.target.config, engine._tfn, engine._tfn, False, None, engine.device, engine.dtype,
-                             engine.vocab_size, engine.max_context, max(widths), max(widths))
+    setup = CalibrationSetup(engine._target, False, None, engine.device, engine.dtype, engine.vocab_size,
+                             engine.max_context, max(widths), max(widths))
     best = {k: float("inf") for k in widths}
     with torch.inference_mode():
         rows = DummyRows(setup, 1, context)

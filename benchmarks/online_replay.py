@@ -94,7 +94,7 @@ def cached_feedback(args: argparse.Namespace, kind: str, cfg: Any) -> list:
 def replay(cfg: Any, records: list, steps: int) -> dict[str, Any]:
     """Train on `records` (held-out ones scored only) for `steps` steps; held-out α at REPORT_STEPS."""
     from dvi.feedback.shadow import is_heldout
-    from trainers.online import OnlineTrainer
+    from trainers.online.trainer import OnlineTrainer
 
     tr = OnlineTrainer.from_config(cfg)
     tr.registry = None  # measure only: nothing is published

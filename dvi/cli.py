@@ -74,7 +74,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("dvi train: models.drafter_kind is suffix: there is no learned drafter to train "
               "(hybrid trains its models.hybrid_kind)", file=sys.stderr)
         return 2
-    from trainers.online import run_trainer
+    from trainers.online.process import run_trainer
 
     return run_trainer(cfg)
 

@@ -254,7 +254,8 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
 
     from dvi.registry.store import DrafterRegistry
     from serving.swap import load_drafter_version
-    from trainers.online import OnlineTrainer, is_heldout
+    from trainers.online.collate import is_heldout
+    from trainers.online.trainer import OnlineTrainer
 
     base = EagleDrafter(tiny_pair.target)
     recs = eagle_records(tiny_pair, base, 64)
@@ -290,7 +291,7 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
 def test_trainer_from_config_builds_an_eagle_head(tiny_pair, tiny_pair_dir, tmp_path):
     from test_online import online_config
 
-    from trainers.online import OnlineTrainer
+    from trainers.online.trainer import OnlineTrainer
 
     cfg = online_config(tiny_pair_dir, tmp_path, "models.drafter_kind=eagle")
     tr = OnlineTrainer.from_config(cfg)

@@ -196,7 +196,7 @@ def test_exact_greedy_config_marks_the_served_target(tiny_pair_dir):
 def test_real_pair_bf16_speculation_equals_plain_decode():
     """SmolLM2-135M in bf16 (skipped where the embedded pair is not built): one request at a time with an
     early-exit drafter, greedy text with speculation is the plain greedy text (before the fix: 5 of 10
-    prompts differed, benchmarks/greedy_agreement.py)."""
+    prompts differed)."""
     from dvi import data
     from dvi.drafters.learned import EarlyExitDrafter
     from dvi.models.embedded import embedded_paths, is_built

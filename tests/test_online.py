@@ -17,15 +17,10 @@ from dvi.config import DviConfig, load_config
 from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine, Versions
 from dvi.feedback import FeedbackRecord, FeedbackWriter
 from dvi.registry.store import AdapterRejected, DrafterRegistry
-from trainers.online import (
-    CONSUMED_LOG,
-    TARGET_VERSION_FILE,
-    TRAINER_DIR,
-    OnlineTrainer,
-    TrainerLoop,
-    build_batch,
-    is_heldout,
-)
+from dvi.rundir import CONSUMED_LOG, TARGET_VERSION_FILE, TRAINER_DIR
+from trainers.online.collate import build_batch, is_heldout
+from trainers.online.loop import TrainerLoop
+from trainers.online.trainer import OnlineTrainer
 
 torch.set_num_threads(1)
 

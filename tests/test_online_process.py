@@ -24,7 +24,7 @@ from dvi import metrics as M
 from dvi.config import dump_config
 from dvi.feedback import FeedbackReader, FeedbackWriter
 from dvi.registry.store import DrafterRegistry
-from trainers.online import CONSUMED_LOG, PAUSE_FILE, STATUS_FILE, TRAINER_DIR
+from dvi.rundir import CONSUMED_LOG, PAUSE_FILE, STATUS_FILE, TRAINER_DIR
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)

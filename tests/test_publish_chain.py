@@ -27,7 +27,7 @@ from dvi.feedback.shadow import is_heldout
 from dvi.models.loading import load_pair
 from dvi.registry.store import AdapterRejected, DrafterRegistry, Manifest, ServingState
 from serving.swap import DrafterSwapper, SwapPolicy
-from trainers.online import OnlineTrainer
+from trainers.online.trainer import OnlineTrainer
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)

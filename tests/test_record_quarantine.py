@@ -22,7 +22,8 @@ from dvi import metrics as M
 from dvi.feedback import FeedbackRecord
 from dvi.feedback.shadow import is_heldout
 from dvi.registry.store import DrafterRegistry
-from trainers.online import OnlineTrainer, TrainerLoop
+from trainers.online.loop import TrainerLoop
+from trainers.online.trainer import OnlineTrainer
 
 torch.set_num_threads(1)
 OUTSIDE = 10**6  # a token id no tiny vocabulary has

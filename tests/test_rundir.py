@@ -79,16 +79,6 @@ def test_trainer_config_is_owner_only(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == fsutil.PRIVATE
 
 
-def test_trainers_online_names_are_the_run_dirs(tmp_path):
-    import trainers.online as online
-
-    rd = RunDir(tmp_path)
-    assert tmp_path / online.PAUSE_FILE == rd.pause_path
-    assert tmp_path / online.TRAINER_DIR / online.STATUS_FILE == rd.status_path
-    rd.write_target_version(5)
-    assert online.read_target_version_file(tmp_path) == 5
-
-
 # -- dvi.fsutil ----------------------------------------------------------------------------------------
 def test_atomic_file_replaces_only_on_success(tmp_path):
     p = tmp_path / "f.bin"

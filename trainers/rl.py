@@ -47,7 +47,7 @@ ARMS = ("plain", "frozen", "online", "suffix", "hybrid")
 (over this run's own rollouts), or hybrid (suffix index, else the frozen drafter)."""
 
 if TYPE_CHECKING:
-    from trainers.online import OnlineTrainer
+    from trainers.online.trainer import OnlineTrainer
 
 # ---------------------------------------------------------------------------------------------
 # the loop
@@ -221,7 +221,7 @@ class RLRun:
         from dvi.config import DviConfig
         from dvi.drafters.vocab import apply_draft_vocab, find_subset_head
         from dvi.models.loading import load_causal_lm
-        from trainers.online import OnlineTrainer
+        from trainers.online.trainer import OnlineTrainer
 
         cfg = self.cfg
         drafter = load_causal_lm(self.root / "drafter", device="cpu", dtype="float32")

@@ -4,7 +4,7 @@ In bf16 the target's logits at a position depend on how many positions one forwa
 kernels round differently for a 1-token query over L columns (packed GQA, no mask) than for row j of a
 (K+1)-token query over L + K + 1 columns with the tail masked. One bf16 ulp of difference in one layer's
 attention output is amplified by the 30 layers of SmolLM2-135M to up to ~1 logit, so greedy text with
-speculation parted from greedy text without it (measured: benchmarks/greedy_agreement.py). The linear
+speculation parted from greedy text without it (measured then on the real pair: 5 of 10 prompts). The linear
 layers, norms, RoPE and the LM head are row-independent (bit-equal for 1 to 32 rows on this CPU's bf16
 GEMM; from 33 rows the kernel changes).
 

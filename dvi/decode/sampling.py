@@ -110,7 +110,7 @@ TIE_ULPS = 16
 """How many of the dtype's relative rounding steps (eps) at the top logit's magnitude two forwards of the
 same tokens may disagree by. A 1-ulp difference in one layer's attention grows through a deep residual
 stream: SmolLM2-135M in bf16, a verify's logits against the 1-token steps' before width-invariant
-attention, up to 6.1 eps x |top logit| (0.81 logit; benchmarks/greedy_agreement.py); 16 keeps a 2.6x
+attention, up to 6.1 eps x |top logit| (0.81 logit, measured before the folded attention); 16 keeps a 2.6x
 margin. bf16: |top| / 8; fp32: ~4e-5 at |top| 20."""
 
 

@@ -30,34 +30,5 @@ The parts, in the order a record meets them:
 The run-dir files the trainer shares with the server, the supervisor and RL loops (pause flag,
 target version, status heartbeat, checkpoint, consumed log, cursor) are `dvi.rundir.RunDir`'s.
 
-Every name below is importable from `trainers.online`, as it was when this was one module.
+Callers import from the module that defines a name.
 """
-
-import os
-
-from dvi.feedback.shadow import SHADOW_MAX_POSITIONS
-from dvi.rundir import (
-    CHECKPOINT_DIR,
-    CONSUMED_LOG,
-    PAUSE_FILE,
-    STATUS_FILE,
-    TARGET_VERSION_FILE,
-    TRAINER_DIR,
-    RunDir,
-)
-from trainers.online.collate import Batch, build_batch, is_heldout
-from trainers.online.loop import STALE_SHARD_S, TrainerLoop
-from trainers.online.process import run_trainer
-from trainers.online.trainables import load_drafter_for_training
-from trainers.online.trainer import REPLAY_RECENT, OnlineTrainer
-
-
-def read_target_version_file(run_dir: str | os.PathLike) -> int | None:
-    """`RunDir(run_dir).read_target_version()` (kept for callers of the one-module trainer)."""
-    return RunDir(run_dir).read_target_version()
-
-
-__all__ = ["Batch", "build_batch", "is_heldout", "OnlineTrainer", "TrainerLoop", "run_trainer",
-           "load_drafter_for_training", "read_target_version_file", "PAUSE_FILE",
-           "TARGET_VERSION_FILE", "TRAINER_DIR", "CHECKPOINT_DIR", "CONSUMED_LOG", "STATUS_FILE",
-           "SHADOW_MAX_POSITIONS", "STALE_SHARD_S", "REPLAY_RECENT"]
