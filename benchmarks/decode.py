@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 from benchmarks._common import goal, print_goals
 from dvi.decode.adaptive import batch_bucket, expected_tokens
 from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.decode.kv import left_pad
 from dvi.decode.results import acceptance_rate, fmt_rate, mean_accepted_length
 
 
@@ -92,14 +93,9 @@ def hf_generate(target, batches, n, temperature, assistant=None, seed=0, lookup:
         gc.prompt_lookup_num_tokens = lookup
     total_t, total_tok, texts = 0.0, 0, []
     for bi, batch in enumerate(batches):
-        m = max(len(p) for p in batch)
-        ids = torch.zeros(len(batch), m, dtype=torch.long)
-        mask = torch.zeros(len(batch), m, dtype=torch.long)
-        for i, p in enumerate(batch):
-            ids[i, m - len(p) :] = torch.tensor(p)
-            mask[i, m - len(p) :] = 1
-        ids, mask = ids.to(target.device), mask.to(target.device)
-        kw = dict(generation_config=gc, attention_mask=mask)
+        ids, valid = left_pad(batch, target.device)
+        m = ids.shape[1]
+        kw = dict(generation_config=gc, attention_mask=valid.long())
         if assistant is not None:
             kw["assistant_model"] = assistant
         torch.manual_seed(seed + bi)

@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
 
 def main() -> int:
     job = json.loads(sys.stdin.read())
+    from dvi.decode.kv import left_pad
     from dvi.models.loading import load_embedded_pair
 
     torch.set_num_threads(int(job.get("threads", 1)))
@@ -32,13 +33,9 @@ def main() -> int:
     kw = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
 
     def run(batch):
-        m = max(len(p) for p in batch)
-        ids = torch.zeros(len(batch), m, dtype=torch.long)
-        mask = torch.zeros(len(batch), m, dtype=torch.long)
-        for i, p in enumerate(batch):
-            ids[i, m - len(p):] = torch.tensor(p)
-            mask[i, m - len(p):] = 1
-        out = target.generate(ids.to(target.device), attention_mask=mask.to(target.device), **kw)
+        ids, valid = left_pad(batch, target.device)
+        m = ids.shape[1]
+        out = target.generate(ids, attention_mask=valid.long(), **kw)
         if out.device.type == "cuda":
             torch.cuda.synchronize()
         return out[:, m:].tolist()
