@@ -100,8 +100,14 @@ def pip_code_prompts(tok, n: int, seed: int) -> list[list[int]]:
 
 
 def chat_prompts(tok, n: int) -> list[list[int]]:
-    return [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
-            for c in CHAT[:n]]
+    """The instructions rendered with the chat template (a tokenizer without one: the plain text)."""
+    if getattr(tok, "chat_template", None) is None:
+        return [tok.encode(c, add_special_tokens=False) for c in CHAT[:n]]
+    out = []
+    for c in CHAT[:n]:
+        ids = tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return out
 
 
 def server_arm(url: str, ids: list[int], n: int) -> dict:

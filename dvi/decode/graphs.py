@@ -20,7 +20,7 @@ import torch
 
 from dvi.decode.lean import Attention, LeanModel, SlotCache
 
-__all__ = ["GraphedForward", "buckets_up_to"]
+__all__ = ["StaticForward", "GraphedForward", "buckets_up_to"]
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +34,16 @@ def _fit(n: int, rungs: tuple[int, ...]) -> int | None:
     return next((r for r in rungs if r >= n), None)
 
 
-class GraphedForward:
-    """Captured forwards of `lean` for `batches` x `widths` x `columns` buckets over its own `cache`.
+class StaticForward:
+    """`LeanModel.forward` at static shapes: per (rows, width, columns) bucket, over static input buffers and a
+    cache allocated for the largest bucket. What `GraphedForward` captures; run eagerly (any device) it is the
+    same arithmetic, so the bucketing and padding are tested where no GPU is.
 
-    `features`: graphs also return the final normed hidden states (an eagle drafter reads them); `pick`: graphs
-    return, per row, the logits at position pick[b] only (a drafter's first forward over its pending tokens)."""
+    `features`: the forwards also return the final normed hidden states (an eagle drafter reads them); `pick`:
+    they return, per row, the logits at position pick[b] only (a drafter's first forward over its pending tokens)."""
 
     def __init__(self, lean: LeanModel, max_batch: int, max_width: int, max_context: int,
-                 features: bool = False, pick: bool = False, progress: bool = True):
-        if lean.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
+                 features: bool = False, pick: bool = False):
         self.lean, self.features, self.pick_mode = lean, features, pick
         self.batches = buckets_up_to(max_batch, (1, 2, 4, 8, 16, 32, 64, 128))
         self.widths = buckets_up_to(max_width, (1, 2, 3, 5, 9, 17))
@@ -58,9 +58,6 @@ class GraphedForward:
         self.picks = torch.zeros(self.batches[-1], dtype=torch.long, device=dev)
         self._cols = torch.arange(capacity, device=dev)
         self._steps = torch.arange(self.widths[-1], device=dev)
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
-        self._capture_all(progress)
 
     @property
     def capacity(self) -> int:
@@ -72,6 +69,51 @@ class GraphedForward:
         mask = (self._cols[:c].view(1, 1, c) <= pos).unsqueeze(1)  # [b, 1, w, c]
         return self.lean.forward(self.cache, self.ids[:b, :w], start, Attention(c, mask=mask),
                                  features=self.features, pick=self.picks[:b] if self.pick_mode else None)
+
+    def fits(self, b: int, q: int, columns: int) -> bool:
+        return b <= self.batches[-1] and q <= self.widths[-1] and columns <= self.columns[-1]
+
+    def _key(self, b: int, q: int, starts: list[int]) -> tuple[int, int, int]:
+        return _fit(b, self.batches), _fit(q, self.widths), _fit(max(starts) + q, self.columns)
+
+    def _load(self, key: tuple[int, int, int], ids: torch.Tensor, starts: list[int], pick: torch.Tensor | None) -> None:
+        """The call's inputs into the static buffers (padding rows: free slots, from position 0)."""
+        b, q = ids.shape
+        self.ids[:b, :q].copy_(ids)
+        host = torch.tensor(starts, dtype=torch.long)
+        self.starts[:b].copy_(host.pin_memory() if self.starts.is_cuda else host, non_blocking=True)
+        if key[0] > b:
+            self.starts[b : key[0]].zero_()
+        if pick is not None:
+            self.picks[:b].copy_(pick)
+
+    def _cut(self, out, b: int, q: int):
+        if self.pick_mode:
+            return out[:b]
+        if self.features:
+            return out[0][:b, :q], out[1][:b, :q]
+        return out[:b, :q]
+
+    def __call__(self, ids: torch.Tensor, starts: list[int], pick: torch.Tensor | None = None):
+        """ids [b, q] after rows 0..b-1's `starts` (host lengths); the outputs as `LeanModel.forward` returns
+        them, cut to [b, q]."""
+        b, q = ids.shape
+        key = self._key(b, q, starts)
+        self._load(key, ids, starts, pick)
+        return self._cut(self._body(*key), b, q)
+
+
+class GraphedForward(StaticForward):
+    """`StaticForward` with every bucket captured as a `torch.cuda.CUDAGraph` at start-up and replayed."""
+
+    def __init__(self, lean: LeanModel, max_batch: int, max_width: int, max_context: int,
+                 features: bool = False, pick: bool = False, progress: bool = True):
+        if lean.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        super().__init__(lean, max_batch, max_width, max_context, features, pick)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._capture_all(progress)
 
     @torch.inference_mode()
     def _capture_all(self, progress: bool) -> None:
@@ -95,24 +137,12 @@ class GraphedForward:
         log.info("captured %d CUDA graphs (rows %s, widths %s, columns %s) in %.1fs", len(keys), self.batches,
                  self.widths, self.columns, time.perf_counter() - t0)
 
-    def fits(self, b: int, q: int, columns: int) -> bool:
-        return b <= self.batches[-1] and q <= self.widths[-1] and columns <= self.columns[-1]
-
     def __call__(self, ids: torch.Tensor, starts: list[int], pick: torch.Tensor | None = None):
-        """ids [b, q] after rows 0..b-1's `starts` (host lengths); the outputs as `LeanModel.forward` returns
-        them, cut to [b, q]: views of the graph's static output, valid until the next call."""
+        """As `StaticForward`, by replaying the bucket's graph: views of its static output, valid until the next
+        call."""
         b, q = ids.shape
-        key = (_fit(b, self.batches), _fit(q, self.widths), _fit(max(starts) + q, self.columns))
+        key = self._key(b, q, starts)
         g, out = self.graphs[key]
-        self.ids[:b, :q].copy_(ids)
-        self.starts[:b].copy_(torch.tensor(starts, dtype=torch.long).pin_memory(), non_blocking=True)
-        if key[0] > b:
-            self.starts[b : key[0]].zero_()  # padding rows: free slots, from position 0
-        if pick is not None:
-            self.picks[:b].copy_(pick)
+        self._load(key, ids, starts, pick)
         g.replay()
-        if self.pick_mode:
-            return out[:b]
-        if self.features:
-            return out[0][:b, :q], out[1][:b, :q]
-        return out[:b, :q]
+        return self._cut(out, b, q)

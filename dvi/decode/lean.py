@@ -265,7 +265,7 @@ class LeanModel:
             slot = torch.full_like(pos, first_slot)
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, attn.columns)
         keys, values = cache.views(b, attn.columns, first_slot)
-        x = F.embedding(ids.view(n), self.embed)  # [N, H]
+        x = F.embedding(ids.reshape(n), self.embed)  # [N, H]
         taps = self.feature_layers if features else None
         tapped = []
         for i, lw in enumerate(self.layers):

@@ -1,0 +1,43 @@
+"""The static-shape forward that CUDA graphs capture (`dvi.decode.graphs.StaticForward`), run eagerly on the CPU:
+bucketed rows, widths and columns, padding rows in free slots and padding positions past a row's length give
+what the eager lean target computes, step after step, as rows join, keep drafts and leave."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import tiny_llama
+
+from dvi.decode.graphs import StaticForward, buckets_up_to
+from dvi.decode.lean import LeanModel
+from dvi.decode.lean_target import LeanTarget
+
+
+def test_buckets_end_at_the_limit():
+    assert buckets_up_to(16, (1, 2, 4, 8, 16, 32)) == (1, 2, 4, 8, 16)
+    assert buckets_up_to(6, (1, 2, 3, 5, 9)) == (1, 2, 3, 5, 6)
+
+
+@torch.inference_mode()
+def test_static_shapes_compute_what_the_eager_forward_does():
+    target = tiny_llama(0, vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2)
+    lean = LeanModel(target)
+    static = LeanTarget(lean=lean, graphs=StaticForward(lean, max_batch=4, max_width=5, max_context=300))
+    eager = LeanTarget(lean=lean)
+    g = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 30, 2)]
+    for run in (static, eager):
+        run.admit(contexts, False)
+    for step, (q, kept) in enumerate([(1, [1, 1, 1]), (5, [2, 5, 1]), (3, [3, 1, 2]), (2, [1, 2, 2])]):
+        ids = torch.randint(0, 128, (3, q), generator=g)
+        a, b = static.forward(ids, False), eager.forward(ids, False)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), step
+        static.keep(q, kept)
+        eager.keep(q, kept)
+    for run in (static, eager):  # a row leaves, one joins
+        run.select_rows([0, 2])
+        run.admit([contexts[1][:11]], False)
+    ids = torch.randint(0, 128, (3, 4), generator=g)
+    torch.testing.assert_close(static.forward(ids, False), eager.forward(ids, False), rtol=1e-5, atol=1e-5)
+    assert static.cache.frozen and static.cache is static.graphs.cache
