@@ -212,8 +212,10 @@ class SpeculativeEngine:
         with torch.no_grad():
             self.target.load_state_dict(sd, strict=False)
         self.target_version = int(version)
-        self._target_dirty = True  # the proposer learns the new version at the next step (`_rebuild`)
+        self._target_dirty = True
         self.acceptance.reset()
+        with torch.inference_mode():  # between steps: in-flight rows' target cache and the proposer now
+            self._rebuild()
 
     def generate(
         self,

@@ -117,6 +117,12 @@ class HeldOutSet:
                 other(r)
         return held
 
+    def clear(self) -> None:
+        """Forget every record (a trainer rewinding to its last checkpoint refills the set from the log)."""
+        with self._lock:
+            self._groups.clear()
+            self._size = 0
+
     def _evict_one(self) -> None:
         """Drop the oldest record of the largest group (ties: the group whose oldest record is oldest)."""
         key = max(self._groups, key=lambda k: (len(self._groups[k]), -next(iter(self._groups[k].values()))[0]))
