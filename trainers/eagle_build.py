@@ -10,6 +10,7 @@ No extra target pass is needed. `pretrained_build.add_kinds` adds the head to a 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from dvi.drafters.eagle import EagleDrafter, features_from_hidden
 from trainers.build_common import schedule, scoring_batches
+from trainers.eagle_ttt import ttt_loss
 from trainers.offline import TrainSchedule, lr_factor, optimizer_step
 from trainers.subset_distill import progress_bar, subset_kl, window_batches
 
@@ -25,23 +27,41 @@ __all__ = ["distill_eagle", "eagle_agreement", "eagle_step_ms", "train_eagle"]
 
 @dataclass(frozen=True)
 class EagleObjective:
-    """What the head is trained on beside the KL: EAGLE's feature regression (`feature_weight` x smooth-L1 on
-    the target's next feature) and, when `chained`, a second pass on its own predicted features."""
+    """What the head is trained on beside the KL.
+
+    `ttt_steps` > 0: EAGLE-3's training-time test (`trainers.eagle_ttt`): every window is unrolled that many
+    draft steps, each chain reading the head's own outputs and attending to its own earlier drafts exactly as
+    served; the KL is taken at a `sample` share of each step's positions (the LM head is most of the cost).
+    `ttt_steps` = 0, the first recipe: one teacher-forced pass and, when `chained`, a second pass in which every
+    input reads the head's predicted feature. `feature_weight` x smooth-L1 onto the target's next final normed
+    state (EAGLE-1's regression; heads on fused layers have no such target and skip it)."""
 
     feature_weight: float = 1.0
     chained: bool = True
+    ttt_steps: int = 0
+    sample: float = 1.0
+
+
+def train_autocast():
+    """bf16 autocast where the CPU multiplies bf16 natively; elsewhere bf16 is emulated (several times slower than
+    fp32), so training stays fp32."""
+    import contextlib
+
+    from dvi.models.loading import cpu_has_native_bf16
+
+    return torch.autocast("cpu", dtype=torch.bfloat16) if cpu_has_native_bf16() else contextlib.nullcontext()
 
 
 def _eagle_loss(d: EagleDrafter, x: torch.Tensor, f: torch.Tensor, head: torch.Tensor,
                 objective: EagleObjective) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, T] inputs, f [B, T, H] the target's features of them, head [n, H] the target's head rows of the
     draft vocabulary; returns (KL + weighted feature loss, feature loss). `chained` adds a second pass whose
-    inputs carry the head's own predicted features (what drafts 2..K of a step read; EAGLE-3's
-    "training-time test"): measured on held-out code it lifts chained agreement 0.122 -> 0.193."""
+    inputs carry the head's own predicted features (what drafts 2..K of a step read): measured on held-out code
+    it lifts chained agreement 0.122 -> 0.193."""
     t_logits = F.linear(f, head)  # [B, T, n]: the target's own next-token logits
     feats, loss, feat = features_from_hidden(f), 0.0, None
     for _ in range(2 if objective.chained else 1):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with train_autocast():
             pred = d.model(input_ids=x, features=feats, with_logits=False).features  # [B, T, H]
             s_logits = F.linear(pred, head)  # [B, T, n]
         f_loss = F.smooth_l1_loss(pred.float(), f.float())
@@ -51,20 +71,39 @@ def _eagle_loss(d: EagleDrafter, x: torch.Tensor, f: torch.Tensor, head: torch.T
     return loss, feat
 
 
+def _window_loss(d: EagleDrafter, x: torch.Tensor, final: torch.Tensor, layers: torch.Tensor | None,
+                 head: torch.Tensor, objective: EagleObjective, g: torch.Generator) -> tuple[torch.Tensor, float]:
+    """One batch's loss under `objective`; (loss, the term logged beside it: feature loss or last-step KL)."""
+    if not objective.ttt_steps:
+        loss, feat = _eagle_loss(d, x, final, head.to(final.dtype), objective)
+        return loss, float(feat.detach())
+    fused = d.model.fuse is not None
+    src = layers if fused else final
+    with train_autocast():
+        loss, per_step = ttt_loss(d.model, x, features_from_hidden(src.float()), final, head, objective.ttt_steps,
+                                  sample=objective.sample, feature_weight=0.0 if fused else objective.feature_weight,
+                                  generator=g)
+    return loss, per_step[-1]
+
+
 def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, vocab_ids: torch.Tensor,
                   sched: TrainSchedule, batch: int = 8, objective: EagleObjective = EagleObjective(),
-                  seed: int = 0) -> dict:
-    """Train `d`'s own weights (fc, layer, norm) for `sched.steps` steps; windows [N, T + 1] token ids,
-    states [N, T, H] (bf16) the target's final normed hidden states on windows[:, :-1], vocab_ids [n] the
-    draft vocabulary."""
+                  seed: int = 0, layers: torch.Tensor | None = None,
+                  on_tokens: Callable[[int], None] | None = None) -> dict:
+    """Train `d`'s own weights (fc, layers, norm, fuse) for `sched.steps` steps; windows [N, T + 1] token ids,
+    states [N, T, H] the target's final normed hidden states on windows[:, :-1] (the teacher, and a first-recipe
+    head's input), layers [N, T, len * H] the residual streams a fused head reads, vocab_ids [n] the draft
+    vocabulary. `on_tokens(tokens)` is called after every step (learning curves evaluate from it)."""
+    if d.model.fuse is not None and layers is None:
+        raise ValueError("a head on fused target layers needs their states (`layers`)")
     steps, lr, warmup, min_lr_ratio, progress = sched.steps, sched.lr, sched.warmup, sched.min_lr_ratio, sched.progress
-    w = d.model.lm_head.weight.detach()
-    head = w[vocab_ids].to(torch.bfloat16)  # [n, H]: the target's head rows (frozen, shared)
+    head = d.model.lm_head.weight.detach()[vocab_ids].float()  # [n, H]: the target's head rows (frozen, shared)
     params = d.trainable_parameters()
     for prm in params:
         prm.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    losses, feats, tokens = [], [], 0
+    g = torch.Generator().manual_seed(seed + 7)
+    losses, side, tokens = [], [], 0
     d.model.train()
     t0 = time.perf_counter()
     bar = progress_bar(steps, sched.desc, progress)
@@ -72,20 +111,26 @@ def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, 
         for step, idx in window_batches(windows.shape[0], batch, steps, seed):
             for gr in opt.param_groups:
                 gr["lr"] = lr * lr_factor(step, steps, warmup, min_lr_ratio)
-            loss, feat = _eagle_loss(d, windows[idx, :-1], states[idx], head, objective)
+            loss, extra = _window_loss(d, windows[idx, :-1], states[idx].float(),
+                                       None if layers is None else layers[idx], head, objective, g)
             losses.append(optimizer_step(params, opt, loss, sched.grad_clip))
-            feats.append(float(feat.detach()))
+            side.append(extra)
             tokens += idx.numel() * (windows.shape[1] - 1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", refresh=False)
             bar.update(1)
+            if on_tokens is not None:
+                d.model.eval()
+                on_tokens(tokens)
+                d.model.train()
     finally:
         bar.close()
         d.model.eval()
     wall = time.perf_counter() - t0
     n = max(1, len(losses) // 10)
     return {"steps": steps, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9),
-            "first_loss": losses[0], "final_loss": sum(losses[-n:]) / n, "final_feature_loss": sum(feats[-n:]) / n,
-            "feature_weight": objective.feature_weight, "chained": objective.chained}
+            "first_loss": losses[0], "final_loss": sum(losses[-n:]) / n, "final_side_loss": sum(side[-n:]) / n,
+            "feature_weight": objective.feature_weight, "chained": objective.chained,
+            "ttt_steps": objective.ttt_steps, "sample": objective.sample}
 
 
 @torch.inference_mode()
