@@ -33,12 +33,14 @@ __all__ = ["EagleModel", "EagleDrafter", "EagleOutput", "features_from_hidden", 
 
 
 class EagleOutput:
-    """What `EagleModel.forward` returns: logits [B, T, V (or N in subset mode)] and features [B, T, H]."""
+    """What `EagleModel.forward` returns: logits [B, T, V (or N in subset mode)] and features [B, T, H]; `regress`:
+    whether those features are predictions of the target's next final normed state (first recipe: a trainer may
+    regress them onto it) or the head's own hidden state (fused heads: nothing to regress onto)."""
 
-    __slots__ = ("logits", "features")
+    __slots__ = ("logits", "features", "regress")
 
-    def __init__(self, logits: torch.Tensor, features: torch.Tensor):
-        self.logits, self.features = logits, features
+    def __init__(self, logits: torch.Tensor, features: torch.Tensor, regress: bool = True):
+        self.logits, self.features, self.regress = logits, features, regress
 
 
 def features_from_hidden(hidden: torch.Tensor) -> torch.Tensor:
@@ -173,7 +175,8 @@ class EagleModel(nn.Module):
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         f = self.norm(h)  # [B, T', H]: what the head multiplies (the predicted target feature, first recipe)
-        return EagleOutput(self.lm_head(f) if with_logits else None, h if self.fuse is not None else f)
+        fused = self.fuse is not None
+        return EagleOutput(self.lm_head(f) if with_logits else None, h if fused else f, regress=not fused)
 
 
 def _layer_copy(src: nn.Module, cfg, idx: int) -> nn.Module:
@@ -227,6 +230,14 @@ class EagleDrafter(SharedTargetDrafter):
     def feature_dim(self) -> int:
         """Width of one position's target feature, as the verify pass returns it and records log it."""
         return self.model.feature_dim
+
+    @torch.no_grad()
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., feature_dim] as the head's input [..., H]: a fused head's `fuse` applied
+        (per-chunk RMS norm, one matmul), the final normed state as is. A proposer stores, and a feedback record
+        logs, this projection: 2 H bytes a position (fp16) whatever the number of fused layers. The online trainer
+        then trains everything but `fuse`, which only the offline build moves (logged features stay valid)."""
+        return self.model.feature_input(features, self.dtype)
 
     def _fn(self, *args, **kwargs):
         raise TypeError("an eagle drafter needs features: call it through `with_features`")
