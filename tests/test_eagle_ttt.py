@@ -99,3 +99,38 @@ def test_ttt_loss_trains_chains():
     assert float(loss) < 0.7 * first and len(per_step) == 3
     preds = chain_predictions(d.model, ids, hidden, head, torch.arange(head.shape[0]), steps=3)
     assert preds.shape == (3, 2, 16)
+
+
+@pytest.mark.parametrize("design", ["final", "fused"])
+def test_chain_acceptance_equals_stepped_drafting_on_greedy_text(design):
+    """Accepted lengths from the parallel unroll equal those of drafting chain by chain on the target's greedy text
+    (a lightly perturbed first-recipe head on a 1-layer target is nearly the target: long chains get accepted)."""
+    from trainers.eagle_eval import chain_acceptance
+
+    fused = design == "fused"
+    target = tiny("llama", seed=0, layers=3 if fused else 1)
+    d = noisy(EagleDrafter(target, feature_layers=(0, 2) if fused else None), scale=0.05 if fused else 0.01)
+    prompt = torch.randint(0, target.config.vocab_size, (1, 5))
+    with torch.no_grad():
+        seq = target.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=0)[0].tolist()
+        hs = target(torch.tensor([seq]), output_hidden_states=True)
+    hidden = torch.cat([hs.hidden_states[1], hs.hidden_states[3]], -1) if fused else hs.hidden_states[-1]
+    top = hs.logits.argmax(-1)  # [1, L]
+    vocab = torch.arange(target.config.vocab_size)
+    k, start = 3, 4
+    res = chain_acceptance(d.model, [seq], [start], hidden, top, vocab, k=k)
+    feats = features_from_hidden(hidden)
+    reach, steps = [0] * k, 0
+    for s in range(start, len(seq) - k + 1):
+        outs = stepped_chain(d, torch.tensor([seq]), feats, s, k)
+        n = 0
+        for j, f in enumerate(outs):
+            if int(target.lm_head(f).argmax()) != int(top[0, s + j]):
+                break
+            n += 1
+        for j in range(n):
+            reach[j] += 1
+        steps += 1
+    assert res["steps"] == steps and res["greedy_share"] > 0.9
+    assert res["acceptance"] == pytest.approx([r / steps for r in reach])
+    assert fused or (reach[-1] > 0 and reach[0] < steps)

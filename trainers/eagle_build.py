@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dvi.drafters.eagle import EagleDrafter, features_from_hidden
-from trainers.build_common import schedule, scoring_batches
+from trainers.build_common import schedule
 from trainers.eagle_ttt import ttt_loss
 from trainers.offline import TrainSchedule, lr_factor, optimizer_step
 from trainers.subset_distill import progress_bar, subset_kl, window_batches
@@ -133,22 +133,29 @@ def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, 
             "ttt_steps": objective.ttt_steps, "sample": objective.sample}
 
 
-@torch.inference_mode()
+def eagle_scores(target, d: EagleDrafter, windows: list[list[int]], vocab_ids: torch.Tensor,
+                 skip: list[int] | None = None, k: int = 0) -> dict:
+    """Top-1 agreement of the head's first draft (true features of every input, as the engine's first draft of a
+    step) over the draft vocabulary `vocab_ids` with the target's greedy token, after `skip[i]` positions of each
+    window; with `k`, also the chained acceptance of K = k drafts a step (`trainers.eagle_eval.chain_acceptance`:
+    meaningful where the windows are the target's greedy text, e.g. its chat replies)."""
+    from trainers.eagle_eval import chain_acceptance
+    from trainers.target_features import target_states
+
+    st = target_states(target, windows, d.feature_layers or ())
+    hidden = st.layers if d.feature_layers else st.final
+    starts = [max(0, s) for s in skip] if skip else [0] * len(windows)
+    res = chain_acceptance(d.model, windows, starts, hidden, st.top, vocab_ids.to(hidden.device), k=max(1, k))
+    out = {"agreement": res["agreement"]}
+    if k:
+        out.update(accept_length=res["accept_length"], acceptance=res["acceptance"])
+    return out
+
+
 def eagle_agreement(target, d: EagleDrafter, windows: list[list[int]], vocab_ids: torch.Tensor,
                     skip: list[int] | None = None, batch: int = 8) -> float:
-    """Top-1 agreement of the head's first draft (true features of every input, as the engine's first
-    draft of a step) over the draft vocabulary `vocab_ids` with the target's greedy token."""
-    hits = total = 0
-    sub = vocab_ids.to(d.model.lm_head.weight.device)
-    head = d.model.lm_head.weight[sub]  # [n, H], once
-    for ids, _real, valid in scoring_batches(windows, skip, batch):
-        f = target.model(input_ids=ids).last_hidden_state  # [B, T, H]
-        t_top = target.lm_head(f).argmax(-1)  # [B, T]
-        pred = d.model(input_ids=ids, features=features_from_hidden(f), with_logits=False).features
-        d_top = sub[F.linear(pred, head).argmax(-1)]  # [B, T]
-        hits += int(((d_top == t_top) & valid).sum())
-        total += int(valid.sum())
-    return hits / max(1, total)
+    """`eagle_scores`' first-draft agreement alone."""
+    return eagle_scores(target, d, windows, vocab_ids, skip)["agreement"]
 
 
 @torch.inference_mode()
@@ -172,19 +179,59 @@ def eagle_step_ms(d: EagleDrafter, steps: int = 48, context: int = 128) -> float
     return statistics.median(times) * 1e3
 
 
+@dataclass(frozen=True)
+class EagleRecipe:
+    """A preset's eagle head: `fused` (EAGLE-3: the target's low / middle / high layers, `fused_layers`) or the final
+    normed state; `ttt_steps` > 0 trains by the training-time test (else the first recipe's two passes, `chained`);
+    `sample` the share of positions a TTT step's KL is taken at. Read from the preset's `eagle_*` fields (absent in
+    presets older than them: the first recipe)."""
+
+    tokens: int
+    lr: float
+    feature_weight: float = 1.0
+    chained: bool = True
+    fused: bool = False
+    ttt_steps: int = 0
+    sample: float = 1.0
+
+    @classmethod
+    def of(cls, p) -> EagleRecipe:
+        return cls(tokens=p.eagle_tokens, lr=p.eagle_lr, feature_weight=p.eagle_feature_weight,
+                   chained=p.eagle_chained, fused=bool(getattr(p, "eagle_fused", False)),
+                   ttt_steps=int(getattr(p, "eagle_ttt_steps", 0)), sample=float(getattr(p, "eagle_sample", 1.0)))
+
+    def objective(self) -> EagleObjective:
+        return EagleObjective(feature_weight=self.feature_weight, chained=self.chained, ttt_steps=self.ttt_steps,
+                              sample=self.sample)
+
+
+def fused_layers(num_layers: int) -> tuple[int, ...] | None:
+    """EAGLE-3's low, middle and high target layers for a target of `num_layers` (SmolLM2's 30: 2, 15, 28); None
+    where fewer than two distinct layers exist."""
+    layers = tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 2)}))
+    return layers if len(layers) >= 2 else None
+
+
+def recipe_feature_layers(p, num_layers: int) -> tuple[int, ...] | None:
+    """The target layers the preset's eagle head reads (None: the final normed state)."""
+    return fused_layers(num_layers) if EagleRecipe.of(p).fused else None
+
+
 def train_eagle(p, target_path, windows: torch.Tensor, states: torch.Tensor, order: torch.Tensor, seed: int,
-                progress: bool) -> tuple[EagleDrafter, dict]:
-    """The eagle head on an fp32 copy of the target (its own weights fp32, autocast bf16), trained for
-    `p.eagle_tokens` token-passes over the first `p.train_vocab` draft ids."""
+                progress: bool, layers: torch.Tensor | None = None) -> tuple[EagleDrafter, dict]:
+    """The preset's eagle head (`EagleRecipe`) on an fp32 copy of the target (bf16 autocast where native), trained
+    for `p.eagle_tokens` token-passes over the first `p.train_vocab` draft ids; `layers` the residual streams of
+    `recipe_feature_layers` on the windows (a fused head's input)."""
     from dvi.models.loading import load_causal_lm
 
+    recipe = EagleRecipe.of(p)
     base = load_causal_lm(target_path, "cpu", "float32")
     for prm in base.parameters():
         prm.requires_grad_(False)
     torch.manual_seed(seed + 3)
-    d = EagleDrafter(base)
-    sched = schedule(p, p.eagle_tokens, f"eagle head[{p.name}]", progress, lr=p.eagle_lr)
-    objective = EagleObjective(feature_weight=p.eagle_feature_weight, chained=p.eagle_chained)
+    d = EagleDrafter(base, feature_layers=recipe_feature_layers(p, int(base.config.num_hidden_layers)))
+    sched = schedule(p, recipe.tokens, f"eagle head[{p.name}]", progress, lr=recipe.lr)
     stats = distill_eagle(d, windows, states, order[: p.train_vocab], sched, batch=p.distill_batch,
-                          objective=objective, seed=seed)
+                          objective=recipe.objective(), seed=seed, layers=layers if d.model.fuse is not None else None)
+    stats["feature_layers"] = list(d.feature_layers) if d.feature_layers else None
     return d, stats

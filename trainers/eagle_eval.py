@@ -44,11 +44,13 @@ def chain_acceptance(model: EagleModel, seqs: list[list[int]], starts: list[int]
             hits, total = hits + int(first.sum()), total + first.numel()
             greedy += int((ids[r, s0 + 1: n] == tops[r, s0: n - 1]).sum())
             scored += n - 1 - s0
-            for st in range(s0, n - k + 1):  # a chain started at st drafts positions st .. st + k - 1
-                ok = torch.stack([preds[j, r, st + j] == tops[r, st + j] for j in range(k)])
-                length = int(ok.long().cumprod(0).sum())
-                reach[:length] += 1
-                steps += 1
+            m = n - k + 1 - s0  # chains started at s0 .. n - k, each drafting positions st .. st + k - 1
+            if m <= 0:
+                continue
+            ok = torch.stack([preds[j, r, s0 + j: s0 + j + m] == tops[r, s0 + j: s0 + j + m] for j in range(k)])
+            length = ok.long().cumprod(0).sum(0)  # [m]: accepted drafts of each chain
+            reach += torch.stack([(length > j).sum() for j in range(k)]).float()
+            steps += m
     per_position = (reach / max(1, steps)).tolist()
     return {"agreement": hits / max(1, total), "acceptance": per_position, "accept_length": sum(per_position),
             "steps": steps, "positions": total, "greedy_share": greedy / max(1, scored)}
