@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,20 @@ from dvi.drafters.eagle import EagleDrafter, features_from_hidden
 from trainers.build_common import schedule
 from trainers.eagle_ttt import ttt_loss
 from trainers.offline import TrainSchedule, lr_factor, optimizer_step
-from trainers.subset_distill import progress_bar, subset_kl, window_batches
+from trainers.subset_distill import progress_bar, subset_kl, train_autocast, window_batches
 
-__all__ = ["distill_eagle", "eagle_agreement", "eagle_step_ms", "train_eagle"]
+if TYPE_CHECKING:
+    from dvi.models.embedded import EmbeddedPaths, PretrainedPreset
+
+__all__ = ["build_eagle", "distill_eagle", "eagle_agreement", "eagle_scores", "eagle_step_ms", "evaluate_eagle",
+           "train_eagle"]
+
+
+def _log(msg: str, progress: bool) -> None:
+    if progress:
+        import sys
+
+        print(f"[bootstrap] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -40,16 +52,6 @@ class EagleObjective:
     chained: bool = True
     ttt_steps: int = 0
     sample: float = 1.0
-
-
-def train_autocast():
-    """bf16 autocast where the CPU multiplies bf16 natively; elsewhere bf16 is emulated (several times slower than
-    fp32), so training stays fp32."""
-    import contextlib
-
-    from dvi.models.loading import cpu_has_native_bf16
-
-    return torch.autocast("cpu", dtype=torch.bfloat16) if cpu_has_native_bf16() else contextlib.nullcontext()
 
 
 def _eagle_loss(d: EagleDrafter, x: torch.Tensor, f: torch.Tensor, head: torch.Tensor,
@@ -235,3 +237,48 @@ def train_eagle(p, target_path, windows: torch.Tensor, states: torch.Tensor, ord
                           objective=recipe.objective(), seed=seed, layers=layers if d.model.fuse is not None else None)
     stats["feature_layers"] = list(d.feature_layers) if d.feature_layers else None
     return d, stats
+
+
+def build_eagle(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torch.Tensor, states: torch.Tensor,
+                order: torch.Tensor, seed: int, progress: bool, layers: torch.Tensor | None = None) -> tuple:
+    """Train the eagle head (`trainers.eagle_build`) and save it to `paths.eagle` with its draft vocabulary;
+    returns the head as served (reloaded on the bf16 target) and its training stats."""
+    from dvi.drafters.vocab import save_draft_vocab
+    from dvi.fsutil import replace_dir, tmp_dir_beside
+
+    d, stats = train_eagle(p, paths.target, windows, states, order, seed, progress, layers=layers)
+    tmp = tmp_dir_beside(paths.eagle)  # whole or absent: a server may be loading the previous head
+    d.save(tmp)
+    if p.draft_vocab:
+        save_draft_vocab(tmp, order[: p.draft_vocab], int(target.config.vocab_size))
+    replace_dir(tmp, paths.eagle)
+    return EagleDrafter.load(target, paths.eagle), stats
+
+
+def evaluate_eagle(p: PretrainedPreset, target, served, order: torch.Tensor, heldout: tuple[dict, dict],
+                   stats: dict, progress: bool) -> dict:
+    """The served head's first-draft agreement per held-out domain (the `heldout_sets` the drafter is scored
+    on) and its step latency, with its training stats: the manifest's `eagle` entry."""
+    from dvi.drafters.vocab import apply_draft_vocab
+
+    evals, skips = heldout
+    n = p.serve_draft_vocab or p.draft_vocab
+    vocab = order[:n] if n else torch.arange(served.vocab_size)
+    # chat windows are the target's greedy replies: chained acceptance (K = 4) is exact there
+    scores = {dom: eagle_scores(target, served, w, vocab, skip=skips.get(dom), k=4 if dom == "chat" else 0)
+              for dom, w in evals.items()}
+    agree = {dom: v["agreement"] for dom, v in scores.items()}
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        apply_draft_vocab(served.model, order[:n])
+        ms = eagle_step_ms(served, p.latency_steps)
+    finally:
+        torch.set_num_threads(prev)
+    _log(f"eagle head: {stats['tokens']:,} tokens, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
+         f"({stats['tokens_per_s']:.0f} tok/s); first-draft agreement "
+         + ", ".join(f"{k} {v:.3f}" for k, v in agree.items()) + f" at {n} ids; chat accepted length (K=4) "
+         f"{scores.get('chat', {}).get('accept_length', float('nan')):.2f}; step {ms:.2f} ms", progress)
+    return {"train": stats, "agreement": agree, "draft_vocab": n, "step_ms": ms,
+            "chat_accept_length_k4": scores.get("chat", {}).get("accept_length"),
+            "chat_acceptance_k4": scores.get("chat", {}).get("acceptance")}
