@@ -310,6 +310,7 @@ def main(argv=None) -> int:
         write(out_path, meta, results, {}, args.k)
 
     from dvi.drafters.eagle import EagleDrafter
+    from dvi.drafters.vocab import save_draft_vocab
 
     heads = {}
     for name in [n for n in args.designs.split(",") if n]:
@@ -317,6 +318,7 @@ def main(argv=None) -> int:
         results[name] = res
         record(name, res)
         d.save(cache / "heads" / name)
+        save_draft_vocab(cache / "heads" / name, order[: args.train_vocab], int(target.config.vocab_size))
     for name in results:
         heads[name] = EagleDrafter.load(target, cache / "heads" / name)
     costs = step_costs(target, heads, order)
