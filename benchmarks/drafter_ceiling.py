@@ -150,7 +150,7 @@ def evaluate(d, evals: dict, order: torch.Tensor, k: int, vocab: int = 8192) -> 
 def run_design(name: str, target, data: dict, evals: dict, order: torch.Tensor, args, record) -> tuple:
     """Train one design to `args.budget` token-passes, evaluating at geometric checkpoints; returns (head, result)."""
     from dvi.drafters.eagle import EagleDrafter
-    from trainers.eagle_build import EagleObjective, distill_eagle
+    from trainers.eagle_build import EagleData, EagleObjective, distill_eagle
     from trainers.offline import TrainSchedule
 
     head_kw, obj_kw = DESIGNS[name]
@@ -177,9 +177,9 @@ def run_design(name: str, target, data: dict, evals: dict, order: torch.Tensor, 
 
     sched = TrainSchedule(steps=steps, lr=args.lr, warmup=20, min_lr_ratio=1.0, grad_clip=1.0, progress=True,
                           desc=f"ceiling[{name}]")
-    stats = distill_eagle(d, data["windows"], data["final"], order[: args.train_vocab], sched, batch=args.batch,
-                          objective=EagleObjective(**obj_kw), seed=args.seed,
-                          layers=data["layers"] if d.model.fuse is not None else None, on_tokens=on_tokens)
+    labels = EagleData(data["windows"], data["final"], data["layers"] if d.model.fuse is not None else None)
+    stats = distill_eagle(d, labels, order[: args.train_vocab], sched, batch=args.batch,
+                          objective=EagleObjective(**obj_kw), seed=args.seed, on_tokens=on_tokens)
     stats["wall_s"] -= evaluating[0]
     stats["tokens_per_s"] = stats["tokens"] / max(stats["wall_s"], 1e-9)
     final = curve[-1]

@@ -324,10 +324,10 @@ def build_ceiling(kind: str, pair_dir: Path, data: dict, tokens: int, out: Path,
         student.to(torch.bfloat16).save_pretrained(out)
     else:
         from dvi.drafters.eagle import EagleDrafter
-        from trainers.eagle_build import distill_eagle
+        from trainers.eagle_build import EagleData, distill_eagle
 
         d = EagleDrafter.load(target, src) if saved_kind(src) == "eagle" else EagleDrafter(target)
-        stats = distill_eagle(d, w, s, ids, sched, **kw)
+        stats = distill_eagle(d, EagleData(w, s), ids, sched, **kw)
         d.save(out)
     if draft_vocab_path(p.drafter).is_file():
         shutil.copyfile(draft_vocab_path(p.drafter), draft_vocab_path(out))

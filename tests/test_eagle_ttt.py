@@ -9,7 +9,7 @@ from test_engine import tiny
 from transformers import DynamicCache
 
 from dvi.drafters.eagle import EagleDrafter, features_from_hidden
-from trainers.eagle_ttt import chain_predictions, ttt_loss, unroll
+from trainers.eagle_ttt import EagleObjective, chain_predictions, ttt_loss, unroll
 
 torch.set_num_threads(1)
 
@@ -91,7 +91,8 @@ def test_ttt_loss_trains_chains():
     opt = torch.optim.AdamW(params, lr=3e-3)
     first = None
     for _ in range(25):
-        loss, per_step = ttt_loss(d.model, ids, features_from_hidden(hidden), final, head, steps=3)
+        loss, per_step = ttt_loss(d.model, ids, features_from_hidden(hidden), final, head,
+                                  EagleObjective(ttt_steps=3, feature_weight=0.0))
         first = first if first is not None else float(loss)
         opt.zero_grad()
         loss.backward()

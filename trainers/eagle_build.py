@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,14 +19,14 @@ import torch.nn.functional as F
 
 from dvi.drafters.eagle import EagleDrafter, features_from_hidden
 from trainers.build_common import schedule
-from trainers.eagle_ttt import ttt_loss
+from trainers.eagle_ttt import EagleObjective, ttt_loss
 from trainers.offline import TrainSchedule, lr_factor, optimizer_step
 from trainers.subset_distill import progress_bar, subset_kl, train_autocast, window_batches
 
 if TYPE_CHECKING:
     from dvi.models.embedded import EmbeddedPaths, PretrainedPreset
 
-__all__ = ["build_eagle", "distill_eagle", "eagle_agreement", "eagle_scores", "eagle_step_ms", "evaluate_eagle",
+__all__ = ["EagleData", "EagleObjective", "build_eagle", "distill_eagle", "eagle_agreement", "eagle_scores", "eagle_step_ms", "evaluate_eagle",
            "train_eagle"]
 
 
@@ -38,20 +38,16 @@ def _log(msg: str, progress: bool) -> None:
 
 
 @dataclass(frozen=True)
-class EagleObjective:
-    """What the head is trained on beside the KL.
+class EagleData:
+    """What a head trains on: `windows` [N, T + 1] token ids, `final` [N, T, H] the target's final normed hidden
+    states on windows[:, :-1] (the teacher, and a first-recipe head's input), `layers` [N, T, len * H] the residual
+    streams a fused head reads (None where the head reads `final`)."""
 
-    `ttt_steps` > 0: EAGLE-3's training-time test (`trainers.eagle_ttt`): every window is unrolled that many
-    draft steps, each chain reading the head's own outputs and attending to its own earlier drafts exactly as
-    served; the KL is taken at a `sample` share of each step's positions (the LM head is most of the cost).
-    `ttt_steps` = 0, the first recipe: one teacher-forced pass and, when `chained`, a second pass in which every
-    input reads the head's predicted feature. `feature_weight` x smooth-L1 onto the target's next final normed
-    state (EAGLE-1's regression; heads on fused layers have no such target and skip it)."""
+    windows: torch.Tensor
+    final: torch.Tensor
+    layers: torch.Tensor | None = None
 
-    feature_weight: float = 1.0
-    chained: bool = True
-    ttt_steps: int = 0
-    sample: float = 1.0
+
 
 
 def _eagle_loss(d: EagleDrafter, x: torch.Tensor, f: torch.Tensor, head: torch.Tensor,
@@ -82,20 +78,17 @@ def _window_loss(d: EagleDrafter, x: torch.Tensor, final: torch.Tensor, layers: 
     fused = d.model.fuse is not None
     src = layers if fused else final
     with train_autocast():
-        loss, per_step = ttt_loss(d.model, x, features_from_hidden(src.float()), final, head, objective.ttt_steps,
-                                  sample=objective.sample, feature_weight=0.0 if fused else objective.feature_weight,
-                                  generator=g)
+        own = replace(objective, feature_weight=0.0) if fused else objective  # no final state to regress onto
+        loss, per_step = ttt_loss(d.model, x, features_from_hidden(src.float()), final, head, own, generator=g)
     return loss, per_step[-1]
 
 
-def distill_eagle(d: EagleDrafter, windows: torch.Tensor, states: torch.Tensor, vocab_ids: torch.Tensor,
-                  sched: TrainSchedule, batch: int = 8, objective: EagleObjective = EagleObjective(),
-                  seed: int = 0, layers: torch.Tensor | None = None,
+def distill_eagle(d: EagleDrafter, data: EagleData, vocab_ids: torch.Tensor, sched: TrainSchedule, batch: int = 8,
+                  objective: EagleObjective = EagleObjective(), seed: int = 0,
                   on_tokens: Callable[[int], None] | None = None) -> dict:
-    """Train `d`'s own weights (fc, layers, norm, fuse) for `sched.steps` steps; windows [N, T + 1] token ids,
-    states [N, T, H] the target's final normed hidden states on windows[:, :-1] (the teacher, and a first-recipe
-    head's input), layers [N, T, len * H] the residual streams a fused head reads, vocab_ids [n] the draft
+    """Train `d`'s own weights (fc, layers, norm, fuse) for `sched.steps` steps on `data`, vocab_ids [n] the draft
     vocabulary. `on_tokens(tokens)` is called after every step (learning curves evaluate from it)."""
+    windows, states, layers = data.windows, data.final, data.layers
     if d.model.fuse is not None and layers is None:
         raise ValueError("a head on fused target layers needs their states (`layers`)")
     steps, lr, warmup, min_lr_ratio, progress = sched.steps, sched.lr, sched.warmup, sched.min_lr_ratio, sched.progress
@@ -219,8 +212,8 @@ def recipe_feature_layers(p, num_layers: int) -> tuple[int, ...] | None:
     return fused_layers(num_layers) if EagleRecipe.of(p).fused else None
 
 
-def train_eagle(p, target_path, windows: torch.Tensor, states: torch.Tensor, order: torch.Tensor, seed: int,
-                progress: bool, layers: torch.Tensor | None = None) -> tuple[EagleDrafter, dict]:
+def train_eagle(p, target_path, data: EagleData, order: torch.Tensor, seed: int,
+                progress: bool) -> tuple[EagleDrafter, dict]:
     """The preset's eagle head (`EagleRecipe`) on an fp32 copy of the target (bf16 autocast where native), trained
     for `p.eagle_tokens` token-passes over the first `p.train_vocab` draft ids; `layers` the residual streams of
     `recipe_feature_layers` on the windows (a fused head's input)."""
@@ -233,20 +226,22 @@ def train_eagle(p, target_path, windows: torch.Tensor, states: torch.Tensor, ord
     torch.manual_seed(seed + 3)
     d = EagleDrafter(base, feature_layers=recipe_feature_layers(p, int(base.config.num_hidden_layers)))
     sched = schedule(p, recipe.tokens, f"eagle head[{p.name}]", progress, lr=recipe.lr)
-    stats = distill_eagle(d, windows, states, order[: p.train_vocab], sched, batch=p.distill_batch,
-                          objective=recipe.objective(), seed=seed, layers=layers if d.model.fuse is not None else None)
+    if d.model.fuse is None:
+        data = replace(data, layers=None)
+    stats = distill_eagle(d, data, order[: p.train_vocab], sched, batch=p.distill_batch,
+                          objective=recipe.objective(), seed=seed)
     stats["feature_layers"] = list(d.feature_layers) if d.feature_layers else None
     return d, stats
 
 
-def build_eagle(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torch.Tensor, states: torch.Tensor,
-                order: torch.Tensor, seed: int, progress: bool, layers: torch.Tensor | None = None) -> tuple:
+def build_eagle(p: PretrainedPreset, paths: EmbeddedPaths, target, data: EagleData, order: torch.Tensor, seed: int,
+                progress: bool) -> tuple:
     """Train the eagle head (`trainers.eagle_build`) and save it to `paths.eagle` with its draft vocabulary;
     returns the head as served (reloaded on the bf16 target) and its training stats."""
     from dvi.drafters.vocab import save_draft_vocab
     from dvi.fsutil import replace_dir, tmp_dir_beside
 
-    d, stats = train_eagle(p, paths.target, windows, states, order, seed, progress, layers=layers)
+    d, stats = train_eagle(p, paths.target, data, order, seed, progress)
     tmp = tmp_dir_beside(paths.eagle)  # whole or absent: a server may be loading the previous head
     d.save(tmp)
     if p.draft_vocab:

@@ -14,13 +14,32 @@ chain position of every window (arXiv 2503.01840, "training-time test").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dvi.drafters.eagle import EagleModel, features_from_hidden
 
-__all__ = ["unroll", "ttt_loss", "chain_predictions"]
+__all__ = ["EagleObjective", "unroll", "ttt_loss", "chain_predictions"]
+
+
+@dataclass(frozen=True)
+class EagleObjective:
+    """What the head is trained on beside the KL.
+
+    `ttt_steps` > 0: EAGLE-3's training-time test (`trainers.eagle_ttt`): every window is unrolled that many
+    draft steps, each chain reading the head's own outputs and attending to its own earlier drafts exactly as
+    served; the KL is taken at a `sample` share of each step's positions (the LM head is most of the cost).
+    `ttt_steps` = 0, the first recipe: one teacher-forced pass and, when `chained`, a second pass in which every
+    input reads the head's predicted feature. `feature_weight` x smooth-L1 onto the target's next final normed
+    state (EAGLE-1's regression; heads on fused layers have no such target and skip it)."""
+
+    feature_weight: float = 1.0
+    chained: bool = True
+    ttt_steps: int = 0
+    sample: float = 1.0
 
 
 def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -91,14 +110,14 @@ def unroll(model: EagleModel, ids: torch.Tensor, feats: torch.Tensor, steps: int
 
 
 def ttt_loss(model: EagleModel, ids: torch.Tensor, feats: torch.Tensor, final: torch.Tensor, head: torch.Tensor,
-             steps: int, sample: float = 1.0, feature_weight: float = 0.0,
-             generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[float]]:
-    """Mean over unroll steps of KL(target || head) over the draft vocabulary rows `head` [n, H], at positions j >= k
-    (a `sample` share of them, drawn afresh per step: the LM head is most of a step's cost), plus `feature_weight` x
-    smooth-L1 of the head's normed output onto the target's final normed state `final` [B, T, H] (first recipe).
-    Returns (loss, per-step KL)."""
+             objective: EagleObjective, generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[float]]:
+    """Mean over `objective.ttt_steps` unroll steps of KL(target || head) over the draft vocabulary rows `head`
+    [n, H], at positions j >= k (an `objective.sample` share of them, drawn afresh per step: the LM head is most of a
+    step's cost), plus `objective.feature_weight` x smooth-L1 of the head's normed output onto the target's final
+    normed state `final` [B, T, H] (first recipe). Returns (loss, per-step KL)."""
     from trainers.subset_distill import subset_kl
 
+    steps, sample, feature_weight = objective.ttt_steps, objective.sample, objective.feature_weight
     outs = unroll(model, ids, feats, steps)
     b, t = ids.shape
     total, per_step = 0.0, []

@@ -33,7 +33,7 @@ from dvi.models.loading import decode_step_latency, num_params
 from dvi.models.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.models.tokenizer_check import read_conversion_record
 from trainers.build_common import schedule, scoring_batches, timed
-from trainers.eagle_build import build_eagle, evaluate_eagle
+from trainers.eagle_build import EagleData, build_eagle, evaluate_eagle
 from trainers.offline import copy_layer, pack_docs, token_batches
 from trainers.subset_distill import distill_subset
 from trainers.target_features import target_states
@@ -255,7 +255,7 @@ def _train_kinds(p: PretrainedPreset, paths: EmbeddedPaths, kinds: tuple[str, ..
                                   "train": e_stats, "agreement": agree}
     if "eagle" in kinds:
         with timed(walls, "eagle_s"):
-            served, stats = build_eagle(p, paths, target, windows, states, order, seed, progress, layers)
+            served, stats = build_eagle(p, paths, target, EagleData(windows, states, layers), order, seed, progress)
             manifest["eagle"] = evaluate_eagle(p, target, served, order, heldout, stats, progress)
 
 
@@ -388,8 +388,8 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
     served_eagle = None
     if "eagle" in kinds and p.eagle_tokens:
         with timed(walls, "eagle_s"):
-            served_eagle, eagle_stats = build_eagle(p, paths, target, windows, states, order, seed, progress,
-                                                    layers)
+            served_eagle, eagle_stats = build_eagle(p, paths, target, EagleData(windows, states, layers), order, seed,
+                                                    progress)
     del states, layers
     with timed(walls, "eval_s"):  # every drafter scored on the same held-out sets, built once
         heldout = heldout_sets(p, target, tokenizer, seed)
