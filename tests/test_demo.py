@@ -50,6 +50,24 @@ def test_demo_trainer_checks_for_a_publish_sooner_unless_the_config_says(tiny_pa
     assert yaml.safe_load(path.read_text())["trainer"]["publish_every_steps"] == 30
 
 
+@pytest.mark.parametrize(("acceptance", "k", "tokens"), [
+    ([1, 1, 0, 1, 1, 1], 3, 3 + 2 + 1 + 4 + 3 + 2),  # runs cut at K and at the response's end
+    ([1, 1, 1, 1], 2, 3 + 3 + 3 + 2),  # every draft agrees: K + 1 a step until the end
+    ([0, 0, 0], 4, 3),  # nothing agrees: the target's one token a step
+    ([1, 0, 1], 0, 3),  # speculation off: one token a step
+    ([0.5, 0.5], 2, (1 + 0.5 + 0.25) + (1 + 0.5)),  # sampled: expected run, positions independent
+])
+def test_chain_tokens_counts_tokens_per_drafting_step_from_per_position_agreement(acceptance, k, tokens):
+    """Replayed tokens per drafting step: every start position t drafts t .. t + K - 1 and keeps 1 + its run of
+    agreeing positions."""
+    import torch
+
+    from dvi.feedback.shadow import chain_tokens
+
+    assert chain_tokens(torch.tensor(acceptance, dtype=torch.float32), k) == pytest.approx(tokens)
+    assert chain_tokens(torch.zeros(0), 3) == 0.0
+
+
 def _records(cfg, tok, n):
     """Greedy feedback records of the tiny pair on the first `n` code prompts, as the server logs them."""
     from dvi.feedback.record import FeedbackRecord
