@@ -96,9 +96,10 @@ def _perturbed_full_version(cfg, registry, scale):
 def test_replay_scores_each_window_through_the_frozen_and_the_serving_drafter_on_the_same_tokens(
         tiny_pair_dir, tmp_path):
     """The reference is the window's own responses replayed through v0: before a promotion α̂ served is it
-    exactly (gain 0); a window served by v1 reads v1's α̂ on the very tokens v0 is read on; a version that does
-    not load (pruned) leaves its records out of both, never mixing drafters."""
-    from dvi.feedback.shadow import hf_logits_fn, shadow_alpha
+    exactly (gain 0), and so are its tokens per drafting step; a window served by v1 reads v1's α̂ and length on
+    the very tokens v0 is read on; a version that does not load (pruned) leaves its records out of both, never
+    mixing drafters."""
+    from dvi.feedback.shadow import chain_tokens, hf_logits_fn, record_acceptance, shadow_alpha
     from dvi.registry.codec import load_drafter_version
     from dvi.registry.store import DrafterRegistry
     from serving import demo_replay
@@ -127,6 +128,14 @@ def test_replay_scores_each_window_through_the_frozen_and_the_serving_drafter_on
     assert second["gain"] == pytest.approx(second["replay_alpha"] - second["frozen_alpha"])
     assert second["gain"] != 0.0  # a different drafter, scored on the same tokens
     assert third["replay_records"] == 1 and third["frozen_alpha"] == shadow_alpha(v0_fn, recs[4:5]).alpha
+
+    k = cfg.speculation.num_draft_tokens  # 3
+    per_position = record_acceptance(v0_fn, recs[:2])
+    assert first["replay_len"] == first["frozen_len"] == pytest.approx(
+        sum(chain_tokens(a, k) for _, a in per_position) / sum(a.numel() for _, a in per_position))
+    for row in rows:
+        assert 1.0 <= row["frozen_len"] <= k + 1 and 1.0 <= row["replay_len"] <= k + 1
+    assert second["replay_len"] != second["frozen_len"]  # v1's chains, on the same tokens
 
 
 def test_demo_end_to_end_on_the_test_pair_replays_every_response(tiny_pair_dir, tmp_path, capsys):
