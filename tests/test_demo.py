@@ -68,6 +68,15 @@ def test_chain_tokens_counts_tokens_per_drafting_step_from_per_position_agreemen
     assert chain_tokens(torch.zeros(0), 3) == 0.0
 
 
+def test_window_rate_divides_the_windows_tokens_by_its_wall_time_not_the_sum_of_latencies():
+    """Requests in flight together share the wall clock: the window runs from its first send to its last answer."""
+    stats = [{"completion_tokens": 30, "sent_s": 10.0, "received_s": 12.0},
+             {"completion_tokens": 20, "sent_s": 10.5, "received_s": 13.0},
+             {"completion_tokens": 50, "sent_s": 12.0, "received_s": 15.0}]
+    assert demo.window_rate(stats) == (100, 5.0, 20.0)
+    assert demo.window_rate([]) == (0, 0.0, None)
+
+
 def _records(cfg, tok, n):
     """Greedy feedback records of the tiny pair on the first `n` code prompts, as the server logs them."""
     from dvi.feedback.record import FeedbackRecord
@@ -154,12 +163,17 @@ def test_demo_end_to_end_on_the_test_pair_replays_every_response(tiny_pair_dir, 
     for r in rows:
         assert len(r["request_ids"]) == r["replay_records"] == 6 and r["replay_positions"] > 0
         assert r["frozen_alpha"] is not None and r["replay_alpha"] is not None
+        assert 1.0 <= r["frozen_len"] <= out["k"] + 1 and 1.0 <= r["replay_len"] <= out["k"] + 1
+        assert r["tok_s"] > 0 and r["completion_tokens"] > 0 and r["wall_s"] > 0
         if r["drafter_version"] == 0:
-            assert r["gain"] == 0.0
+            assert r["gain"] == 0.0 and r["replay_len"] == r["frozen_len"]
     assert (run / "alpha.png").stat().st_size > 1000
     # printed to a pipe (make demo | tee, CI logs) the table keeps its numbers whole: 80 columns cut gain to "+0.0…"
     printed = capsys.readouterr().out
     assert "+0.000" in printed and "…" not in printed.split("α timeline")[-1].split("α live")[0]
+    header = printed.split("α timeline")[-1].split("│")[0]
+    assert all(col in header for col in ("len served", "len frozen", "tok/s"))
+    assert "tok/s" in out["legend"] and "len served" in out["legend"]
 
 
 def test_every_demo_and_soak_domain_gets_its_own_metrics_series():
