@@ -46,7 +46,7 @@ from dvi.rundir import RunDir
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
 CONCURRENCY = 4
 WINDOW = 16
-LOG_WIDTH = 132  # columns of the α table when stdout is not a terminal (rich would use 80)
+LOG_WIDTH = 160  # columns of the α table when stdout is not a terminal (rich would use 80)
 # The demo's trainer checks for a publish every 5 steps (the schema's default: 20) unless the config sets it.
 # Replayed offline on a demo run's own records (the live trainer's held-out rule, one training trajectory): the
 # drafter trained on sql passed the held-out check at step 45 with checks every 5 steps (served sql α̂ 0.158 ->
@@ -136,9 +136,20 @@ def _perturbed_target(target_dir: Path, out: Path, scale: float = 0.05, seed: in
     return out
 
 
+def window_rate(stats: list[dict[str, Any]]) -> tuple[int, float, float | None]:
+    """(completion tokens, wall seconds, tokens/s) of a window's responses, as the client saw them: the wall time
+    runs from its first request sent to its last response, so concurrent requests are not counted twice (the
+    responses carry no server-side time). None without a timed response."""
+    timed = [s for s in stats if "sent_s" in s]
+    tokens = sum(s["completion_tokens"] for s in timed)
+    wall = max((s["received_s"] for s in timed), default=0.0) - min((s["sent_s"] for s in timed), default=0.0)
+    return tokens, wall, tokens / wall if wall > 0 else None
+
+
 class Timeline:
-    """Per-window α as the client sees it (from each response's `dvi` block) and the request ids of the window's
-    responses (the feedback records `serving.demo_replay` replays)."""
+    """Per-window α and tokens/s as the client sees them (from each response's `dvi` block and usage, and its
+    send and answer times) and the request ids of the window's responses (the feedback records
+    `serving.demo_replay` replays)."""
 
     def __init__(self, window: int = WINDOW) -> None:
         self.window = window
@@ -164,10 +175,12 @@ class Timeline:
             return
         b, self._buf = self._buf, []
         accepted, drafted = sum(s["accepted"] for s in b), sum(s["drafted"] for s in b)
+        tokens, wall, rate = window_rate(b)
         self.rows.append({
             "requests": self.done, "phase": b[-1]["phase"], "n": len(b),
             "alpha": acceptance_rate(accepted, drafted), "drafted": drafted,
             "mean_accepted_length": mean_accepted_length(accepted, sum(s["steps"] for s in b)),
+            "completion_tokens": tokens, "wall_s": wall, "tok_s": rate,
             "drafter_version": b[-1]["drafter_version"], "target_version": b[-1]["target_version"],
             "domain": b[-1].get("domain"), "request_ids": [s["request_id"] for s in b if s.get("request_id")],
         })
@@ -229,6 +242,13 @@ async def _poll_health(client: Any, live: Live, stop: asyncio.Event, admin_token
             pass
 
 
+def _timed_stats(response: dict[str, Any], sent: float, received: float) -> dict[str, Any]:
+    """A response's `dvi` block with what the window's tokens/s needs: its completion tokens and when the
+    client sent it and got it back (`window_rate`)."""
+    return dict(response["dvi"], completion_tokens=response["usage"]["completion_tokens"], sent_s=sent,
+                received_s=received)
+
+
 async def _phase(url: str, phase: Phase, live: Live, admin_token: str) -> None:
     """Send the phase's requests, CONCURRENCY at a time, while polling /health for the display."""
     import httpx
@@ -240,8 +260,10 @@ async def _phase(url: str, phase: Phase, live: Live, admin_token: str) -> None:
         for _ in it:
             endpoint, body = phase.request()
             try:
+                sent = time.perf_counter()
                 r = await client.post(endpoint, json=body)
-                stats = r.json()["dvi"] if r.status_code == 200 else None
+                received = time.perf_counter()
+                stats = _timed_stats(r.json(), sent, received) if r.status_code == 200 else None
                 unreachable[0] = 0
             except httpx.TransportError:
                 stats = None
@@ -363,24 +385,28 @@ def _gain(x: float | None) -> str:
     return "-" if x is None else f"{x:+.3f}"
 
 
-def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict) -> None:
-    """The α timeline table, timeline.json, alpha.png and the run's counts."""
+def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: int) -> None:
+    """The α timeline table, timeline.json, alpha.png and the run's counts; `k` the K the replayed lengths
+    chain (`speculation.num_draft_tokens`)."""
     from rich.table import Table
 
     from .demo_replay import LEGEND, plot_windows
 
-    table = Table(title="α timeline (per window of requests)", caption=LEGEND, caption_justify="left")
-    cols = ("requests", "phase", "α live", "drafted", "α̂ served", "α̂ frozen", "gain", "acc. len", "drafter",
-            "target")
+    table = Table(title=f"α timeline (per window of requests; len served / len frozen at K = {k})", caption=LEGEND,
+                  caption_justify="left")
+    cols = ("requests", "phase", "α live", "drafted", "α̂ served", "α̂ frozen", "gain", "acc. len", "len served",
+            "len frozen", "tok/s", "drafter", "target")
     for col in cols:
         table.add_column(col, justify="left" if col == "phase" else "right")
     for row in timeline.rows:
         table.add_row(str(row["requests"]), row["phase"], fmt(row["alpha"]), str(row.get("drafted", "-")),
                       fmt(row.get("replay_alpha")), fmt(row.get("frozen_alpha")), _gain(row.get("gain")),
-                      fmt(row["mean_accepted_length"], 2), f"v{row['drafter_version']}", f"v{row['target_version']}")
+                      fmt(row["mean_accepted_length"], 2), fmt(row.get("replay_len"), 2),
+                      fmt(row.get("frozen_len"), 2), fmt(row.get("tok_s"), 1), f"v{row['drafter_version']}",
+                      f"v{row['target_version']}")
     console.print(table)
     run_dir = rundir.root
-    (run_dir / "timeline.json").write_text(json.dumps({"rows": timeline.rows, "errors": timeline.errors,
+    (run_dir / "timeline.json").write_text(json.dumps({"rows": timeline.rows, "errors": timeline.errors, "k": k,
                                                        "legend": LEGEND, "health": final}, indent=1))
     if timeline.rows:
         console.print(f"α plot: {plot_windows(timeline.rows, run_dir / 'alpha.png')}")
@@ -420,5 +446,5 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
         status = 1
     timeline.flush()
     _replay(cfg, rundir, timeline, console)
-    _report(console, rundir, timeline, final)
+    _report(console, rundir, timeline, final, cfg.speculation.num_draft_tokens)
     return status or (1 if timeline.errors else 0)

@@ -9,7 +9,9 @@ A separate decode of the same 16 code prompts with the same v0 drafter read 0.14
 the controller than about the drafter. Replayed teacher-forced over every generated token (the held-out judge
 the trainer and the swapper use, `dvi.feedback.shadow.record_scores`) the same responses read 0.309 code,
 0.150 sql, and both drafters are scored on the very same tokens, so the gain is 0 before the first promotion
-and what a promotion bought after it.
+and what a promotion bought after it. The same per-position agreement chained at the configured K
+(`dvi.feedback.shadow.chain_tokens`) gives both drafters' tokens per drafting step: the gain in the unit a
+user's tokens/s follows, where α̂ alone hides how agreement clusters along a response.
 
 Offline: runs in the demo's process after the server stopped (its feedback log is flushed then).
 """
@@ -18,20 +20,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dvi.config import DviConfig
 from dvi.decode.results import acceptance_rate
 from dvi.feedback.record import FeedbackRecord
 
-Scorer = Callable[[list[FeedbackRecord]], dict[str, tuple[float, int]]]
-"""Records -> {request_id: (expected accepted positions, positions)} of those it could score."""
+
+class Replayed(NamedTuple):
+    """One record replayed through one drafter: what α̂ and the tokens per drafting step pool."""
+
+    hits: float  # expected accepted positions
+    positions: int  # generated positions, each one start of a drafting step
+    chain_tokens: float  # tokens a K-draft step started at each position emits, summed (`shadow.chain_tokens`)
+
+
+Scorer = Callable[[list[FeedbackRecord]], dict[str, Replayed]]
+"""Records -> {request_id: Replayed} of those it could score."""
 
 LEGEND = ("α live: accepted / drafted as the responses' `dvi` blocks report it (adaptive K drafts on few steps: "
-          "`drafted` tokens; acc. len: tokens per step). α̂ served / α̂ frozen: the window's own responses "
+          "`drafted` tokens; acc. len: tokens per engine step, undrafted steps included). tok/s: the window's "
+          "completion tokens over the wall time its requests took (first sent to last answered, as the client "
+          "measures it: the responses report no time). α̂ served / α̂ frozen: the window's own responses "
           "replayed teacher-forced (top-1 agreement with the target over every generated token: the trainer's "
           "and the swapper's held-out judge) through the drafter version that served each response and through "
-          "the frozen v0 drafter, on the same tokens; gain = α̂ served - α̂ frozen (0 until a promotion).")
+          "the frozen v0 drafter, on the same tokens; gain = α̂ served - α̂ frozen (0 until a promotion). "
+          "len served / len frozen: the same replay as tokens per drafting step at K = "
+          "speculation.num_draft_tokens (a step started at each generated position keeps its drafts up to the "
+          "first disagreement, plus the target's token): what either drafter buys when every step drafts.")
 
 
 def read_records(feedback_dir: str | Path) -> dict[str, FeedbackRecord]:
@@ -45,14 +61,15 @@ def read_records(feedback_dir: str | Path) -> dict[str, FeedbackRecord]:
 def drafter_scorers(cfg: DviConfig, registry_dir: str | Path) -> Callable[[int], Scorer | None]:
     """Version -> scorer: v0 the drafter the server starts with, later ones loaded from the run's registry the
     way the swapper loads them (`dvi.registry.codec.load_drafter_version`); None for a version that does not load (pruned) or
-    for a pair with no learned drafter."""
-    from dvi.feedback.shadow import hf_logits_fn, record_scores
+    for a pair with no learned drafter. Chains are scored at the configured K (`speculation.num_draft_tokens`)."""
+    from dvi.feedback.shadow import chain_tokens, hf_logits_fn, record_acceptance
     from dvi.registry.codec import load_drafter_version, scoring_module
     from dvi.registry.store import AdapterRejected, DrafterRegistry
 
     from .loading import load_serving_pair
 
     base = load_serving_pair(cfg).drafter
+    k = cfg.speculation.num_draft_tokens
     registry = DrafterRegistry(registry_dir)
     cache: dict[int, Scorer | None] = {}
 
@@ -70,8 +87,9 @@ def drafter_scorers(cfg: DviConfig, registry_dir: str | Path) -> Callable[[int],
             return None
         fn = hf_logits_fn(scoring_module(model))
 
-        def score(records: list[FeedbackRecord]) -> dict[str, tuple[float, int]]:
-            return {r.request_id: (h, n) for r, h, n in record_scores(fn, records)}
+        def score(records: list[FeedbackRecord]) -> dict[str, Replayed]:
+            return {r.request_id: Replayed(float(acc.sum()), int(acc.numel()), chain_tokens(acc, k))
+                    for r, acc in record_acceptance(fn, records)}
 
         cache[version] = score
         return score
@@ -79,26 +97,30 @@ def drafter_scorers(cfg: DviConfig, registry_dir: str | Path) -> Callable[[int],
     return scorer
 
 
-def _pooled(scores: Iterable[tuple[float, int]]) -> float | None:
-    pairs = list(scores)
-    return acceptance_rate(sum(h for h, _ in pairs), sum(n for _, n in pairs))
+def _pooled(scores: Iterable[Replayed]) -> tuple[float | None, float | None]:
+    """(α̂, tokens per drafting step) over many records: sums first, then one division each."""
+    got = list(scores)
+    positions = sum(s.positions for s in got)
+    return (acceptance_rate(sum(s.hits for s in got), positions),
+            sum(s.chain_tokens for s in got) / positions if positions else None)
 
 
 def replay_window(records: Sequence[FeedbackRecord], scorer: Callable[[int], Scorer | None]) -> dict[str, Any]:
-    """α̂ of the serving drafter (each record through the version that served it) and of the frozen v0 drafter,
-    over the records both could score (paired: the same tokens), and the gain."""
+    """α̂ and tokens per drafting step at K of the serving drafter (each record through the version that served
+    it) and of the frozen v0 drafter, over the records both could score (paired: the same tokens), and the gain."""
     frozen_fn = scorer(0)
     frozen = frozen_fn(list(records)) if frozen_fn is not None else {}
-    served: dict[str, tuple[float, int]] = {}
+    served: dict[str, Replayed] = {}
     for version in sorted({r.drafter_version for r in records}):
         fn = scorer(version)
         if fn is not None:
             served.update(fn([r for r in records if r.drafter_version == version]))
     both = [rid for rid in served if rid in frozen]
-    a_served, a_frozen = _pooled(served[i] for i in both), _pooled(frozen[i] for i in both)
+    (a_served, len_served), (a_frozen, len_frozen) = _pooled(served[i] for i in both), _pooled(frozen[i] for i in both)
     return {"replay_alpha": a_served, "frozen_alpha": a_frozen,
             "gain": None if a_served is None or a_frozen is None else a_served - a_frozen,
-            "replay_records": len(both), "replay_positions": sum(frozen[i][1] for i in both)}
+            "replay_len": len_served, "frozen_len": len_frozen,
+            "replay_records": len(both), "replay_positions": sum(frozen[i].positions for i in both)}
 
 
 def replay_windows(rows: list[dict[str, Any]], records: dict[str, FeedbackRecord],
@@ -109,41 +131,64 @@ def replay_windows(rows: list[dict[str, Any]], records: dict[str, FeedbackRecord
         row.update(replay_window(recs, scorer))
 
 
-def plot_windows(rows: Sequence[dict[str, Any]], out_png: str | Path) -> Path:
-    """α per window of requests: α̂ of the serving drafter and of the frozen v0 drafter on the same responses
-    (lines), the live α the responses reported (dots), drafter promotions (dashed) and phases (shaded)."""
-    import matplotlib
+_ALPHA = (("replay_alpha", "α̂ serving drafter (replayed on the window's responses)", "-o"),
+          ("frozen_alpha", "α̂ frozen v0 drafter (same responses)", "--s"),
+          ("alpha", "α live (probe drafts, adaptive K)", "."))
+_LENGTH = (("replay_len", "serving drafter, replayed at K", "-o"), ("frozen_len", "frozen v0 drafter, replayed at K", "--s"),
+           ("mean_accepted_length", "live acc. len (adaptive K)", "."))
+_RATE = (("tok_s", "live tok/s (client side)", "-^"),)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 5))
-    x = [r["requests"] for r in rows]
-    for key, label, style in (("replay_alpha", "α̂ serving drafter (replayed on the window's responses)", "-o"),
-                              ("frozen_alpha", "α̂ frozen v0 drafter (same responses)", "--s"),
-                              ("alpha", "α live (probe drafts, adaptive K)", ".")):
-        pts = [(xi, r.get(key)) for xi, r in zip(x, rows, strict=True) if r.get(key) is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, alpha=0.5 if key == "alpha" else 1.0)
+def _curves(ax: Any, rows: Sequence[dict[str, Any]], series: Sequence[tuple[str, str, str]]) -> None:
+    """One line per (row key, label, style); a window without the figure leaves a gap, never a 0."""
+    for key, label, style in series:
+        pts = [(r["requests"], r.get(key)) for r in rows if r.get(key) is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, alpha=0.5 if style == "." else 1.0)
+
+
+def _mark(ax: Any, rows: Sequence[dict[str, Any]], labels: bool) -> None:
+    """Phases shaded in turn (named when `labels`) and drafter promotions dashed, so the panels line up."""
     start, shade = 0, False
     for i, r in enumerate(rows):
         if i + 1 == len(rows) or rows[i + 1]["phase"] != r["phase"]:  # the phase ends here
             if shade:
                 ax.axvspan(start, r["requests"], color="grey", alpha=0.08)
-            ax.annotate(r["phase"], ((start + r["requests"]) / 2, 0.98), xycoords=("data", "axes fraction"),
-                        ha="center", va="top", fontsize=8)
+            if labels:
+                ax.annotate(r["phase"], ((start + r["requests"]) / 2, 0.98), xycoords=("data", "axes fraction"),
+                            ha="center", va="top", fontsize=8)
             start, shade = r["requests"], not shade
         if i and r["drafter_version"] != rows[i - 1]["drafter_version"]:
             mid = (rows[i - 1]["requests"] + r["requests"]) / 2
             ax.axvline(mid, color="grey", linestyle="--", linewidth=0.8)
-            ax.annotate(f"v{r['drafter_version']}", (mid, 0.92), xycoords=("data", "axes fraction"), fontsize=7,
-                        color="grey", ha="left")
+            if labels:
+                ax.annotate(f"v{r['drafter_version']}", (mid, 0.92), xycoords=("data", "axes fraction"),
+                            fontsize=7, color="grey", ha="left")
+
+
+def plot_windows(rows: Sequence[dict[str, Any]], out_png: str | Path) -> Path:
+    """Per window of requests, three panels on one x axis: α (α̂ of the serving drafter and of the frozen v0
+    drafter on the same responses, lines; the live α, dots), tokens per drafting step at K replayed for both
+    beside the live acc. len, and the live tok/s; drafter promotions dashed, phases shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_len, ax_rate) = plt.subplots(3, 1, figsize=(13, 10), sharex=True,
+                                              gridspec_kw={"height_ratios": [3, 2, 1.5]})
+    for a, series, ylabel in ((ax, _ALPHA, "acceptance rate α"), (ax_len, _LENGTH, "tokens per step"),
+                              (ax_rate, _RATE, "tokens / s")):
+        _curves(a, rows, series)
+        _mark(a, rows, labels=a is ax)
+        a.set_ylabel(ylabel)
+        a.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)  # beside: never over the data
+        a.grid(alpha=0.3)
     top = max([r.get(k) or 0.0 for r in rows for k in ("replay_alpha", "frozen_alpha", "alpha")], default=0.0)
     ax.set_ylim(0, min(1.0, max(0.5, top + 0.15)))  # room for the phase labels; α of these pairs is well below 1
-    ax.set_xlabel("requests served")
-    ax.set_ylabel("acceptance rate α")
-    ax.set_title("α per window: the serving drafter against the frozen one on the same responses")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8)  # below: never over the data
-    ax.grid(alpha=0.3)
+    ax.set_title("per window: the serving drafter against the frozen one on the same responses")
+    ax_len.set_ylim(bottom=1.0)  # a step emits at least the target's token
+    ax_rate.set_ylim(bottom=0.0)
+    ax_rate.set_xlabel("requests served")
     out = Path(out_png)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -50,6 +50,33 @@ def test_demo_trainer_checks_for_a_publish_sooner_unless_the_config_says(tiny_pa
     assert yaml.safe_load(path.read_text())["trainer"]["publish_every_steps"] == 30
 
 
+@pytest.mark.parametrize(("acceptance", "k", "tokens"), [
+    ([1, 1, 0, 1, 1, 1], 3, 3 + 2 + 1 + 4 + 3 + 2),  # runs cut at K and at the response's end
+    ([1, 1, 1, 1], 2, 3 + 3 + 3 + 2),  # every draft agrees: K + 1 a step until the end
+    ([0, 0, 0], 4, 3),  # nothing agrees: the target's one token a step
+    ([1, 0, 1], 0, 3),  # speculation off: one token a step
+    ([0.5, 0.5], 2, (1 + 0.5 + 0.25) + (1 + 0.5)),  # sampled: expected run, positions independent
+])
+def test_chain_tokens_counts_tokens_per_drafting_step_from_per_position_agreement(acceptance, k, tokens):
+    """Replayed tokens per drafting step: every start position t drafts t .. t + K - 1 and keeps 1 + its run of
+    agreeing positions."""
+    import torch
+
+    from dvi.feedback.shadow import chain_tokens
+
+    assert chain_tokens(torch.tensor(acceptance, dtype=torch.float32), k) == pytest.approx(tokens)
+    assert chain_tokens(torch.zeros(0), 3) == 0.0
+
+
+def test_window_rate_divides_the_windows_tokens_by_its_wall_time_not_the_sum_of_latencies():
+    """Requests in flight together share the wall clock: the window runs from its first send to its last answer."""
+    stats = [{"completion_tokens": 30, "sent_s": 10.0, "received_s": 12.0},
+             {"completion_tokens": 20, "sent_s": 10.5, "received_s": 13.0},
+             {"completion_tokens": 50, "sent_s": 12.0, "received_s": 15.0}]
+    assert demo.window_rate(stats) == (100, 5.0, 20.0)
+    assert demo.window_rate([]) == (0, 0.0, None)
+
+
 def _records(cfg, tok, n):
     """Greedy feedback records of the tiny pair on the first `n` code prompts, as the server logs them."""
     from dvi.feedback.record import FeedbackRecord
@@ -78,9 +105,10 @@ def _perturbed_full_version(cfg, registry, scale):
 def test_replay_scores_each_window_through_the_frozen_and_the_serving_drafter_on_the_same_tokens(
         tiny_pair_dir, tmp_path):
     """The reference is the window's own responses replayed through v0: before a promotion α̂ served is it
-    exactly (gain 0); a window served by v1 reads v1's α̂ on the very tokens v0 is read on; a version that does
-    not load (pruned) leaves its records out of both, never mixing drafters."""
-    from dvi.feedback.shadow import hf_logits_fn, shadow_alpha
+    exactly (gain 0), and so are its tokens per drafting step; a window served by v1 reads v1's α̂ and length on
+    the very tokens v0 is read on; a version that does not load (pruned) leaves its records out of both, never
+    mixing drafters."""
+    from dvi.feedback.shadow import chain_tokens, hf_logits_fn, record_acceptance, shadow_alpha
     from dvi.registry.codec import load_drafter_version
     from dvi.registry.store import DrafterRegistry
     from serving import demo_replay
@@ -110,6 +138,14 @@ def test_replay_scores_each_window_through_the_frozen_and_the_serving_drafter_on
     assert second["gain"] != 0.0  # a different drafter, scored on the same tokens
     assert third["replay_records"] == 1 and third["frozen_alpha"] == shadow_alpha(v0_fn, recs[4:5]).alpha
 
+    k = cfg.speculation.num_draft_tokens  # 3
+    per_position = record_acceptance(v0_fn, recs[:2])
+    assert first["replay_len"] == first["frozen_len"] == pytest.approx(
+        sum(chain_tokens(a, k) for _, a in per_position) / sum(a.numel() for _, a in per_position))
+    for row in rows:
+        assert 1.0 <= row["frozen_len"] <= k + 1 and 1.0 <= row["replay_len"] <= k + 1
+    assert second["replay_len"] != second["frozen_len"]  # v1's chains, on the same tokens
+
 
 def test_demo_end_to_end_on_the_test_pair_replays_every_response(tiny_pair_dir, tmp_path, capsys):
     """`run_demo` through a real `dvi serve` + trainer: every window's responses are found in the feedback log
@@ -127,12 +163,17 @@ def test_demo_end_to_end_on_the_test_pair_replays_every_response(tiny_pair_dir, 
     for r in rows:
         assert len(r["request_ids"]) == r["replay_records"] == 6 and r["replay_positions"] > 0
         assert r["frozen_alpha"] is not None and r["replay_alpha"] is not None
+        assert 1.0 <= r["frozen_len"] <= out["k"] + 1 and 1.0 <= r["replay_len"] <= out["k"] + 1
+        assert r["tok_s"] > 0 and r["completion_tokens"] > 0 and r["wall_s"] > 0
         if r["drafter_version"] == 0:
-            assert r["gain"] == 0.0
+            assert r["gain"] == 0.0 and r["replay_len"] == r["frozen_len"]
     assert (run / "alpha.png").stat().st_size > 1000
     # printed to a pipe (make demo | tee, CI logs) the table keeps its numbers whole: 80 columns cut gain to "+0.0…"
     printed = capsys.readouterr().out
     assert "+0.000" in printed and "…" not in printed.split("α timeline")[-1].split("α live")[0]
+    header = printed.split("α timeline")[-1].split("│")[0]
+    assert all(col in header for col in ("len served", "len frozen", "tok/s"))
+    assert "tok/s" in out["legend"] and "len served" in out["legend"]
 
 
 def test_every_demo_and_soak_domain_gets_its_own_metrics_series():

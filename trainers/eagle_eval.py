@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dvi.drafters.eagle import EagleModel
+from dvi.feedback.shadow import accepted_drafts
 from trainers.eagle_ttt import chain_predictions
 
 __all__ = ["chain_acceptance"]
@@ -48,7 +49,7 @@ def chain_acceptance(model: EagleModel, seqs: list[list[int]], starts: list[int]
             if m <= 0:
                 continue
             ok = torch.stack([preds[j, r, s0 + j: s0 + j + m] == tops[r, s0 + j: s0 + j + m] for j in range(k)])
-            length = ok.long().cumprod(0).sum(0)  # [m]: accepted drafts of each chain
+            length = accepted_drafts(ok)  # [m]: accepted drafts of each chain
             reach += torch.stack([(length > j).sum() for j in range(k)]).float()
             steps += m
     per_position = (reach / max(1, steps)).tolist()

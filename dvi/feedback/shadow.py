@@ -97,13 +97,22 @@ def _record_features(record: FeedbackRecord, device: torch.device | str) -> torc
     return features_from_hidden(h).unsqueeze(0).to(device)
 
 
-@torch.inference_mode()
 def record_scores(logits_fn: LogitsFn, records: Iterable[FeedbackRecord], device: torch.device | str = "cpu",
                   max_positions: int | None = None) -> list[tuple[FeedbackRecord, float, int]]:
     """(record, expected accepted positions, positions) of every scored record, in order; records
     that cannot be scored (empty, an eagle record without features) are left out."""
+    return [(rec, float(acc.sum()), int(acc.numel()))
+            for rec, acc in record_acceptance(logits_fn, records, device, max_positions)]
+
+
+@torch.inference_mode()
+def record_acceptance(logits_fn: LogitsFn, records: Iterable[FeedbackRecord], device: torch.device | str = "cpu",
+                      max_positions: int | None = None) -> list[tuple[FeedbackRecord, torch.Tensor]]:
+    """(record, [n] per-position acceptance on CPU) of every scored record: what `record_scores` sums, kept per
+    position so a chain of drafts can be scored (`chain_tokens`). Greedy records give 1.0 / 0.0 (argmax
+    agreement), sampled ones Σ min(p, q) at each position; the same records as `record_scores` are left out."""
     needs_features = bool(getattr(logits_fn, "needs_features", False))
-    out: list[tuple[FeedbackRecord, float, int]] = []
+    out: list[tuple[FeedbackRecord, torch.Tensor]] = []
     total = 0
     for rec in records:
         prompt: Sequence[int] = list(rec.prompt_ids)
@@ -118,23 +127,45 @@ def record_scores(logits_fn: LogitsFn, records: Iterable[FeedbackRecord], device
             logits = logits_fn(ids, feats)[0, len(prompt) - 1 :].float()  # predicts tokens[0..]
         else:
             logits = logits_fn(ids)[0, len(prompt) - 1 :].float()
-        out.append((rec, _hits(rec, logits, tokens, device), len(tokens)))
+        out.append((rec, _acceptance(rec, logits, tokens, device)))
         total += len(tokens)
         if max_positions is not None and total >= max_positions:
             break
     return out
 
 
-def _hits(rec: FeedbackRecord, logits: torch.Tensor, tokens: Sequence[int], device: torch.device | str) -> float:
-    """Expected accepted positions of one record: argmax matches (greedy) or Σ min(p, q) (sampled)."""
+def _acceptance(rec: FeedbackRecord, logits: torch.Tensor, tokens: Sequence[int],
+                device: torch.device | str) -> torch.Tensor:
+    """[n] acceptance of each position of one record: argmax matches (greedy) or Σ min(p, q) (sampled)."""
     temperature = served_temperature(rec.temperature)
     if temperature <= 0.0:
-        return float((logits.argmax(-1).cpu() == torch.tensor(list(tokens))).sum())
+        return (logits.argmax(-1).cpu() == torch.tensor(list(tokens))).float()
     topk_ids = torch.tensor([list(x) for x in rec.topk_ids], device=device)
     topk_lp = torch.tensor([list(x) for x in rec.topk_logprobs], device=device)
     q = torch.softmax(logits / temperature, dim=-1)
     p = torch.softmax(topk_lp / temperature, dim=-1)  # target warped on its top-k
-    return float(torch.minimum(p, q.gather(-1, topk_ids)).sum())
+    return torch.minimum(p, q.gather(-1, topk_ids)).sum(-1).cpu()
+
+
+def accepted_drafts(ok: torch.Tensor) -> torch.Tensor:
+    """[K, m] acceptance of draft j of chain s (bool, or a probability) -> [m] accepted drafts of each chain
+    (expected, positions taken as independent, for probabilities): a chain stops at its first rejected draft.
+    The one place a chain's length is counted, for served-like drafting chains
+    (`trainers.eagle_eval.chain_acceptance`) and for logged records (`chain_tokens`) alike."""
+    return ok.float().cumprod(0).sum(0)
+
+
+def chain_tokens(acceptance: torch.Tensor, k: int) -> float:
+    """Σ over start positions t of the tokens a K-draft step started at t emits: 1 + the accepted drafts among
+    positions t .. t + K - 1 (a chain stops at the response's end). Divided by the number of positions it is the
+    expected tokens per drafting step at K of a record's per-position `acceptance` (`record_acceptance`), every
+    start weighing alike. Teacher-forced on greedy text it is exact for a drafter that reads tokens only: an
+    accepted draft is the very token it would read next."""
+    n = int(acceptance.numel())
+    if k <= 0 or n == 0:
+        return float(n)
+    padded = torch.cat([acceptance.float().cpu(), torch.zeros(k - 1)])
+    return float(n + accepted_drafts(padded.unfold(0, k, 1).T).sum())  # unfold: [n, k], row t = positions t..t+k-1
 
 
 def served_temperature(temperature: float | None) -> float:
