@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, goal, print_goals  # noqa: E402
-from benchmarks.decode import _hf_config, prompt_source  # noqa: E402
+from benchmarks._decode_arms import _hf_config, prompt_source  # noqa: E402
 
 WIDTHS = (0, 1, 2, 4, 8, 12, 16, 24, 32)
 

@@ -1,8 +1,9 @@
 """Soak: long serving on a steady mixed workload, the online trainer on vs off, and the curve that shows learning.
 
-Two arms, each a fresh `dvi serve` (`benchmarks.drift.Server`: scheduler, swapper with its shadow check and
-rollback, supervisor) on the same pair and the same request sequence (one seeded draw over code completions,
-chat and sql requests, `--mix`): ``online`` (`serve.trainer=supervised`) and ``frozen`` (`serve.trainer=off`).
+Two arms, each a fresh `dvi serve` (`benchmarks._drift_server.Server`: scheduler, swapper with its shadow
+check and rollback, supervisor) on the same pair and the same request sequence (one seeded draw over code
+completions, chat and sql requests, `--mix`): ``online`` (`serve.trainer=supervised`) and ``frozen``
+(`serve.trainer=off`).
 An arm is sized in feedback tokens (completion tokens served, each one judged and logged), not seconds, so a
 busy machine runs the same soak slower. After every wave of `--wave` requests the client records, per
 domain, α over the wave; the served-token count; the swapper's promotion / rollback counts; and the
@@ -35,7 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import built_pair, clean_json, goal
-from benchmarks.drift import Server, _send, pair_overrides
+from benchmarks._drift_server import Server, _send, pair_overrides
 from dvi import metrics as M
 from dvi.decode.results import acceptance_rate
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode import prompt_source
+from benchmarks._decode_arms import prompt_source
 from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
 from dvi.decode.results import acceptance_rate, mean_accepted_length
 

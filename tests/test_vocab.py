@@ -1,7 +1,7 @@
 """Reduced draft vocabulary: counting, the file format, loading from a drafter dir, the cached head slice.
 
 Losslessness with a reduced drafter is in tests/test_engine.py (greedy) and tests/test_sampling.py
-(chi-square); its loss in tests/test_losses.py; training + publishing in tests/test_online.py.
+(chi-square); its loss in tests/test_losses.py; training + publishing in tests/test_online_publish.py.
 """
 
 from __future__ import annotations
