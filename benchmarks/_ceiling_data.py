@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._prompts import def_cuts, pip_code_prompts
 from trainers.target_features import TargetStates, target_states
 
 CHAT_EVAL = [
@@ -61,45 +62,13 @@ class EvalSet:
     states: TargetStates
 
 
-def pip_code_prompts(tok, n: int, seed: int) -> list[list[int]]:
-    """Cuts of pip's installed source (never in a build's data): a function's surroundings, 48-96 tokens."""
-    import pip
-
-    files = sorted(Path(pip.__file__).parent.rglob("*.py"))
-    files = [f for f in files if "_vendor" not in f.parts and f.stat().st_size > 4000]
-    rng = random.Random(f"ceiling/{seed}")
-    out = []
-    for f in rng.sample(files, min(len(files), 4 * n)):
-        lines = f.read_text(errors="replace").splitlines(keepends=True)
-        starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
-        if not starts:
-            continue
-        i = rng.choice(starts)
-        ids = tok.encode("".join(lines[max(0, i - 2): i + 12]), add_special_tokens=False)
-        if len(ids) >= 48:
-            out.append(ids[: min(96, max(48, len(ids) // 2))])
-        if len(out) == n:
-            break
-    return out
-
-
 def stdlib_code_prompts(tok, n: int, seed: int) -> list[list[int]]:
     """Cuts of train-split stdlib code (the build's own text), shaped like `pip_code_prompts`."""
     from dvi import data
 
     rng = random.Random(f"ceiling-train/{seed}")
     texts = data.load_texts("code", "train")
-    out = []
-    while len(out) < n:
-        lines = rng.choice(texts).splitlines(keepends=True)
-        starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
-        if not starts:
-            continue
-        i = rng.choice(starts)
-        ids = tok.encode("".join(lines[max(0, i - 2): i + 12]), add_special_tokens=False)
-        if len(ids) >= 48:
-            out.append(ids[: min(96, max(48, len(ids) // 2))])
-    return out
+    return def_cuts((rng.choice(texts) for _ in iter(int, 1)), rng, tok, n)
 
 
 def _cached(path: Path, make):

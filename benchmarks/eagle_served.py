@@ -39,7 +39,8 @@ def parse_args(argv):
 
 
 def prompts_of(tok, n: int) -> dict[str, list[list[int]]]:
-    from benchmarks._ceiling_data import CHAT_EVAL, pip_code_prompts
+    from benchmarks._ceiling_data import CHAT_EVAL
+    from benchmarks._prompts import pip_code_prompts
     from dvi import data
 
     return {"code": pip_code_prompts(tok, n, seed=1),

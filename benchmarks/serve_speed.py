@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, goal, print_goals
+from benchmarks._prompts import pip_code_prompts
 
 CHAT = [
     "Write a haiku about a lighthouse keeper who has never seen the sea.",
@@ -69,34 +70,6 @@ def parse_args(argv):
     p.add_argument("--json", default="bench_results/serve_speed.json")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def pip_code_prompts(tok, n: int, seed: int) -> list[list[int]]:
-    """n cuts of pip's source: the first 48-96 tokens of a function body's surroundings, ending at a line end."""
-    import random
-
-    import pip
-
-    files = sorted(Path(pip.__file__).parent.rglob("*.py"))
-    files = [f for f in files if "_vendor" not in f.parts and f.stat().st_size > 4000]
-    rng = random.Random(seed)
-    out = []
-    for f in rng.sample(files, min(len(files), 4 * n)):
-        lines = f.read_text(errors="replace").splitlines(keepends=True)
-        starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
-        if not starts:
-            continue
-        i = rng.choice(starts)
-        text = "".join(lines[max(0, i - 2): i + 12])
-        ids = tok.encode(text, add_special_tokens=False)
-        if len(ids) < 48:
-            continue
-        cut = len(tok.encode("".join(lines[max(0, i - 2): i + 4]), add_special_tokens=False))
-        ids = ids[: max(48, min(96, cut))]
-        out.append(ids)
-        if len(out) == n:
-            break
-    return out
 
 
 def chat_prompts(tok, n: int) -> list[list[int]]:
