@@ -69,6 +69,7 @@ class EngineOptions:
     greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE
     cuda_graphs: bool = True
     max_batch_size: int = 16
+    cpu_packed_weights: bool = False  # multi-row forwards on oneDNN-prepacked weights (CPU, fp32; `target_runner`)
 
 
 class SpeculativeEngine:
@@ -105,7 +106,8 @@ class SpeculativeEngine:
         self._set_drafter(drafter)
         # after the proposer: the widest verify (k_cap + 1) sizes the captured graphs
         self._target: TargetRunner = target_runner(self.target, max_width=self.k_cap + 1, graphs=options.cuda_graphs,
-                                                   max_batch=options.max_batch_size, max_context=self.max_context)
+                                                   max_batch=options.max_batch_size, max_context=self.max_context,
+                                                   packed=options.cpu_packed_weights)
         self._sync_feature_layers()
         self.k_policy = KPolicy(adaptive, num_draft_tokens, max_draft_tokens, self._calibrate)
         self.last_k = 0

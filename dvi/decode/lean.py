@@ -214,6 +214,9 @@ class LeanModel:
         # runs blockwise (views of the same weight, no copy; each block's output equals the whole GEMM's rows).
         big = self.head.device.type == "cpu" and self.head.shape[0] >= 4 * HEAD_BLOCK
         self.head_blocks = self.head.split(HEAD_BLOCK) if big and self.head_module is None else None
+        # oneDNN-prepacked copies of the layer and head weights for forwards of more than one row (`pack_multirow`)
+        self.packs: list[tuple[torch.Tensor, ...]] | None = None
+        self.head_pack: torch.Tensor | None = None
         self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         # what `features` returns: None, the final normed hidden state [.., H] (what the LM head multiplies); or
         # the residual stream after each listed layer, concatenated [.., len * H] (EAGLE-3's low / mid / high)
@@ -221,6 +224,20 @@ class LeanModel:
         self.rotary = base.rotary_emb
         self.cos = self.sin = torch.zeros(0, (self.heads + 2 * self.kv_heads) * self.head_dim)
         self._rope_tables(256)
+
+    @torch.inference_mode()
+    def pack_multirow(self, rows: int = 8) -> bool:
+        """Forwards of more than one row (a verify, a prefill) through oneDNN on weights reordered once for GEMMs
+        of about `rows` rows: on a CPU whose BLAS runs few-row fp32 GEMMs far below its one-row GEMV rate, a
+        verify's cost then grows slower with its width. One-row steps keep the plain GEMV. Costs a second copy
+        of the target's weights; fp32 on a CPU with oneDNN only (False otherwise, nothing packed)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            return False
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        self.packs = [(pack(lw.qkv, rows), pack(lw.o, rows), pack(lw.gate_up, rows), pack(lw.down, rows))
+                      for lw in self.layers]
+        self.head_pack = pack(self.head, rows) if self.head_module is None else None
+        return True
 
     @torch.inference_mode()
     def _rope_tables(self, positions: int) -> None:
@@ -268,9 +285,12 @@ class LeanModel:
         x = F.embedding(ids.reshape(n), self.embed)  # [N, H]
         taps = self.feature_layers if features else None
         tapped = []
+        packs = self.packs if n > 1 else None
         for i, lw in enumerate(self.layers):
+            qkv_w, o_w, gate_up_w, down_w = packs[i] if packs else (lw.qkv, lw.o, lw.gate_up, lw.down)
+            lin = _packed_linear if packs else F.linear
             h = F.rms_norm(x, (self.hidden,), lw.ln_in, self.eps)
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias).view(n, heads + 2 * kvh, 2, d // 2)
+            qkv = lin(h, qkv_w, lw.qkv_bias).view(n, heads + 2 * kvh, 2, d // 2)
             if lw.q_norm is not None:
                 qkv = torch.cat([F.rms_norm(qkv[:, :heads].reshape(n, heads, d), (d,), lw.q_norm, self.eps),
                                  F.rms_norm(qkv[:, heads : heads + kvh].reshape(n, kvh, d), (d,), lw.k_norm, self.eps),
@@ -278,10 +298,10 @@ class LeanModel:
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, pos), qkv[:, heads:].view(n, 2, kvh, d))
             o = attn.attend(qkv[:, :heads], b, keys[i], values[i], self.scale)
-            x = x + F.linear(o, lw.o)
+            x = x + lin(o, o_w)
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
-            gate, up = F.linear(h, lw.gate_up).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, lw.down)
+            gate, up = lin(h, gate_up_w).chunk(2, -1)
+            x = x + lin(F.silu(gate) * up, down_w)
             if taps and i in taps:
                 tapped.append(x)
         x = x.view(b, q, self.hidden)
@@ -299,9 +319,16 @@ class LeanModel:
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
         if self.head_module is not None:
             return self.head_module(f)
+        if self.head_pack is not None and f.numel() > f.shape[-1]:
+            return _packed_linear(f, self.head_pack)
         if self.head_blocks is not None and f.numel() > f.shape[-1]:  # more than one row: blockwise
             return torch.cat([F.linear(f, w) for w in self.head_blocks], -1)
         return F.linear(f, self.head)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear on a weight `LeanModel.pack_multirow` reordered for oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 class Attention:
