@@ -79,11 +79,9 @@ def test_untrained_head_on_one_layer_target_accepts_everything():
     assert sum(r.num_accepted for r in got) == sum(r.num_drafted for r in got) > 0
 
 
-def test_drafts_equal_the_teacher_forced_head_on_logged_features():
-    """K = 1: each draft is the head's argmax given the TRUE features of every input; the same head run
-    teacher-forced over the record (its logged features) must predict exactly the drafted ids."""
-    target = tiny("llama", seed=0)
-    d = noisy_eagle(target, scale=0.3)
+
+def assert_drafts_are_the_teacher_forced_head(target, d) -> None:
+    """Every draft the engine made equals the head run teacher-forced on the features its record logged."""
     got = run(SpeculativeEngine(target, d, num_draft_tokens=1), PROMPTS)
     fn = hf_logits_fn(d.model)
     checked = 0
@@ -97,6 +95,13 @@ def test_drafts_equal_the_teacher_forced_head_on_logged_features():
                 assert dr == pred[j], (j, dr, pred[j])
                 checked += 1
     assert checked > 20
+
+def test_drafts_equal_the_teacher_forced_head_on_logged_features():
+    """K = 1: each draft is the head's argmax given the TRUE features of every input; the same head run
+    teacher-forced over the record (its logged features) must predict exactly the drafted ids."""
+    target = tiny("llama", seed=0)
+    d = noisy_eagle(target, scale=0.3)
+    assert_drafts_are_the_teacher_forced_head(target, d)
 
 
 def test_logged_features_round_trip_to_the_training_batch():
