@@ -70,3 +70,15 @@ def test_the_option_starts_dvi_serve(tiny_pair_dir, tmp_path):
         r = c.post("/v1/completions", json={"prompt": "def main(argv):\n", "max_tokens": 16, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] > 0
+
+
+def test_the_greedy_contract_is_probed_on_the_packed_weights():
+    """A verdict probed on plain weights is not reused for packed ones (the probe's cache keys on the packing): the
+    contract `dvi serve` reports is the one of the kernels it runs."""
+    from dvi.decode.invariance import probe
+
+    target = _target()
+    plain, packed = LeanModel(target), LeanModel(target)
+    packed.pack_multirow()
+    assert probe(plain, 5, exact=True) is not probe(packed, 5, exact=True)
+    assert probe(packed, 5) is probe(packed, 5)

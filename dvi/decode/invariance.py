@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dvi.decode.lean import LeanModel
+from dvi.decode.lean import LeanModel, rows_linear
 from dvi.decode.lean_target import LeanTarget
 
 __all__ = ["FLOORS", "Invariance", "probe"]
@@ -57,7 +57,7 @@ def _key(lean: LeanModel, *rest) -> tuple:
     c = lean.config
     return (getattr(c, "model_type", None), lean.hidden, len(lean.layers), lean.heads, lean.kv_heads,
             lean.head_dim, int(lean.layers[0].gate_up.shape[0]), int(lean.head.shape[0]), lean.dtype,
-            lean.device.type, *rest)
+            lean.device.type, lean.packs is not None, *rest)
 
 
 def probe(lean: LeanModel, max_width: int = 17, exact: bool = False, max_rows: int = 0, context: int = 48,
@@ -86,13 +86,14 @@ def _matmul_rows_agree(lean: LeanModel, floor: int, max_rows: int, seed: int) ->
     g = torch.Generator().manual_seed(seed)
     counts = sorted({m for m in (floor, floor + 1, 2 * floor + 1, 33, 64, 65, 128, 129, max_rows) if floor <= m <= max_rows})
     lw = lean.layers[0]
-    for w in (lw.qkv, lw.gate_up, lw.down, lean.head):
+    packs = lean.packs[0] if lean.packs else (None,) * 4
+    for w, pk in ((lw.qkv, packs[0]), (lw.gate_up, packs[2]), (lw.down, packs[3]), (lean.head, lean.head_pack)):
         x = torch.randn(max_rows, w.shape[1], generator=g).to(w)
         pad = torch.randn(max(0, floor - 1), w.shape[1], generator=g).to(w)
         for m in counts:
-            got = torch.nn.functional.linear(x[:m], w)
+            got = rows_linear(x[:m], w, pk)
             for r in (0, m // 2, m - 1):
-                alone = torch.nn.functional.linear(torch.cat([x[r : r + 1], pad]), w)[0]
+                alone = rows_linear(torch.cat([x[r : r + 1], pad]), w, pk)[0]
                 if not torch.equal(got[r], alone):
                     return False
     return True

@@ -286,9 +286,9 @@ class LeanModel:
         taps = self.feature_layers if features else None
         tapped = []
         packs = self.packs if n > 1 else None
+        lin = _packed_linear if packs else F.linear
         for i, lw in enumerate(self.layers):
             qkv_w, o_w, gate_up_w, down_w = packs[i] if packs else (lw.qkv, lw.o, lw.gate_up, lw.down)
-            lin = _packed_linear if packs else F.linear
             h = F.rms_norm(x, (self.hidden,), lw.ln_in, self.eps)
             qkv = lin(h, qkv_w, lw.qkv_bias).view(n, heads + 2 * kvh, 2, d // 2)
             if lw.q_norm is not None:
@@ -329,6 +329,11 @@ class LeanModel:
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear on a weight `LeanModel.pack_multirow` reordered for oneDNN."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """x [m, in] through w as `LeanModel.forward` runs it: on its oneDNN pack when there is one and m > 1."""
+    return _packed_linear(x, packed) if packed is not None and x.shape[0] > 1 else F.linear(x, w)
 
 
 class Attention:
