@@ -149,7 +149,10 @@ def verify_step(target, prompt: list[int], width: int, reps: int) -> dict:
         dt = time.perf_counter() - t0
         if i:
             ks.append(eng.last_k)
-            (ops.append(counter.total) if counted else times.append(dt))
+            if counted:
+                ops.append(counter.total)
+            else:
+                times.append(dt)
         eng.abort(f"v{i}")
         eng.step()
     return {"width": width, "k": ks, "ops": ops, "ms": statistics.median(times) * 1e3,
