@@ -146,4 +146,5 @@ def chain_predictions(model: EagleModel, ids: torch.Tensor, hidden: torch.Tensor
     draft k + 1 of the chain whose true context ends at position j - k, `hidden` [B, T, feature_dim] the target's
     features of each position (shifted into inputs here)."""
     outs = unroll(model, ids, features_from_hidden(hidden.float()), steps)
-    return torch.stack([vocab_ids[F.linear(f, head).argmax(-1)] for f in outs])
+    # the head runs in its own dtype (bf16 where the build picks it); argmax over fp32 logits like the served head's
+    return torch.stack([vocab_ids[F.linear(f.float(), head.float()).argmax(-1)] for f in outs])

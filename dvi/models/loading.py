@@ -85,11 +85,28 @@ def resolve_dtype(dtype: str | torch.dtype | None = "auto", device: str | torch.
     return _DTYPES[key]
 
 
-@lru_cache(maxsize=1)
+# `DVI_CPU_BF16=1` / `=0` overrides the CPU's own answer, so a test (or CI on a CPU without native bf16) runs the
+# paths a bf16-native CPU selects (PyTorch emulates bf16 there: slower, same results), and the other way round.
+CPU_BF16_ENV = "DVI_CPU_BF16"
+
+
 def cpu_has_native_bf16() -> bool:
-    """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there a memory-bound decode
-    step of a real LM runs ~1.3x faster in bf16 and a (K+1)-token verify costs about one step
-    (SmolLM2-135M, measured: fp32 48 ms with verifies 1.6-2.4x; bf16 35 ms with 0.8-1.2x)."""
+    """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX), or `$DVI_CPU_BF16` says to act as if:
+    there a memory-bound decode step of a real LM runs faster in bf16 and a (K+1)-token verify costs about one
+    step (docs/design.md, "Cost shape")."""
+    import os
+
+    forced = os.environ.get(CPU_BF16_ENV, "").strip()
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"${CPU_BF16_ENV} must be 1 (act as a bf16-native CPU) or 0 (as one without), "
+                             f"got {forced!r}")
+        return forced == "1"
+    return _cpu_flags_have_bf16()
+
+
+@lru_cache(maxsize=1)
+def _cpu_flags_have_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
