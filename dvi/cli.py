@@ -40,14 +40,44 @@ def _kinds(text: str) -> tuple[str, ...]:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from trainers.bootstrap import bootstrap, summary_table
+    import sys
 
-    path = bootstrap(preset=args.preset, out=args.out, seed=args.seed, force=args.force, kinds=args.kinds)
+    from trainers.bootstrap import NoShippedDrafter, bootstrap, summary_table
+
+    try:
+        path = bootstrap(preset=args.preset, out=args.out, seed=args.seed, force=args.force, kinds=args.kinds,
+                         retrain=args.retrain, build=not args.no_build)
+    except NoShippedDrafter as e:
+        print(f"dvi bootstrap: {e}", file=sys.stderr)
+        return 1
     import json
 
     manifest = json.loads((path / "manifest.json").read_text())
     print(summary_table(manifest))
     print(f"embedded pair: {path}")
+    if args.ship:
+        return _ship(args, path)
+    return 0
+
+
+def _ship(args: argparse.Namespace, built: Path) -> int:
+    """`dvi bootstrap --retrain --ship`: the pair's drafter becomes the one dvi ships, if it is stronger."""
+    import shlex
+    import sys
+
+    from dvi.models.embedded import PretrainedPreset, get_preset
+    from trainers import shipped_drafter
+
+    p = get_preset(args.preset)
+    if not isinstance(p, PretrainedPreset):
+        print(f"dvi bootstrap --ship: preset {p.name!r} has no shipped drafter (pretrained presets only)", file=sys.stderr)
+        return 2
+    try:
+        out = shipped_drafter.export(built, p, "dvi " + shlex.join(sys.argv[1:]))
+    except ValueError as e:
+        print(f"dvi bootstrap --ship: {e}", file=sys.stderr)
+        return 1
+    print(f"shipped drafter written to {out} (commit it with its manifest)")
     return 0
 
 
@@ -138,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output dir (default ~/.cache/dvi/models/<preset>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--retrain", action="store_true",
+                   help="distil the drafter here instead of installing the one dvi ships (implies --force)")
+    p.add_argument("--no-build", action="store_true",
+                   help="install the shipped drafter or fail saying why; never distil one here (make test uses it)")
+    p.add_argument("--ship", action="store_true",
+                   help="then write the built drafter as the one dvi ships (trainers/shipped/<preset>/), only if it "
+                        "is stronger than the shipped one (use with --retrain)")
     p.add_argument("--kinds", type=_kinds, default=DEFAULT_BUILD_KINDS, metavar="KIND[,KIND]",
                    help=f"drafter kinds to build, comma-separated, of {','.join(DRAFTER_KINDS)} (default: "
                         f"{','.join(DEFAULT_BUILD_KINDS)}, what the default config serves); kinds a built pair "

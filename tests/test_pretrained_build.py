@@ -77,13 +77,17 @@ class _NoPip:
         raise AssertionError(f"pip must not run (the wheel is in the cache): {cmd}")
 
 
-@pytest.fixture(scope="module")
-def built(tiny_pair_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["bf16-native", "fp32"])
+def built(request, tiny_pair_dir, tmp_path_factory):
     """(preset, original model, original tokenizer, built dir, no-pip spy, build seconds).
 
-    `$DVI_CACHE` and `PRESETS["smollm2"]` point at this module's cache and preset for all its tests.
+    `$DVI_CACHE` and `PRESETS["smollm2"]` point at this module's cache and preset for all its tests. Every test
+    runs twice: as on a CPU with native bf16 (the build and the served pair pick bf16: Intel AMX, AMD avx512_bf16)
+    and as on one without (fp32: an AVX2 Zen3), whatever CPU runs the suite (`$DVI_CPU_BF16`).
     """
     from transformers import AutoTokenizer
+
+    from dvi.models.loading import CPU_BF16_ENV
 
     tok = AutoTokenizer.from_pretrained(str(tiny_pair_dir / "tokenizer"))
     tok.add_special_tokens({"additional_special_tokens": [ENDOFTEXT, *CHAT_SPECIALS]})
@@ -97,6 +101,7 @@ def built(tiny_pair_dir, tmp_path_factory):
     preset = _tiny_preset(hashlib.sha256(blob).hexdigest())
     nopip = _NoPip()
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CPU_BF16_ENV, "1" if request.param == "bf16-native" else "0")
         mp.setenv("DVI_CACHE", str(tmp / "cache" / "models"))
         mp.setitem(PRESETS, "smollm2", preset)
         mp.setattr(dvi.models.pretrained, "subprocess", types.SimpleNamespace(run=nopip.run))
@@ -117,6 +122,7 @@ def built(tiny_pair_dir, tmp_path_factory):
 
 
 FIRST_BUILD: dict = {}  # what the fixture's first (default-kinds) bootstrap left
+REAL_BUILD = pretrained_build.build  # the fixture replaces it with a failure once its pair is built
 
 
 def test_default_build_has_only_the_separate_drafter_and_kinds_are_added_in_place(built):
@@ -449,3 +455,52 @@ def test_manifest_records_the_tokenizer_conversion(built):
     conversion = FIRST_BUILD["manifest"]["source"]["conversion"]
     assert set(conversion["libraries"]) == set(LIBRARIES)
     assert conversion["tokenizer_digest"] == tokenizer_digest(load_tokenizer(EmbeddedPaths.at(built[3]).tokenizer))
+
+
+def test_the_shipped_drafter_installs_in_place_of_a_build(built, tmp_path, monkeypatch):
+    """`dvi bootstrap` with a shipped drafter for this recipe and GGUF converts the target and installs the drafter
+    (no chat replies, no labelling, no distillation): the same weights as the build that was measured, its
+    agreement in the pair's manifest; a damaged file, a weaker candidate and another GGUF are each refused with a
+    reason, the last by building instead."""
+    from trainers import shipped_drafter
+
+    preset, _model, _tok, out, _spy, _secs = built
+    root = tmp_path / "shipped"
+    d = shipped_drafter.export(out, preset, "dvi bootstrap --retrain --ship", root=root)
+    sm = json.loads((d / "manifest.json").read_text())
+    assert sm["gguf_sha256"] == read_manifest(out)["source"]["conversion"]["gguf_sha256"]
+    assert sm["fingerprint"] == preset.fingerprint() and sm["tokens_trained"] >= preset.distill_tokens
+    assert sm["agreement"] == read_manifest(out)["agreement"] and sm["bytes"] == sum(
+        (d / f).stat().st_size for f in sm["files"])
+    with pytest.raises(ValueError, match="not stronger"):
+        shipped_drafter.export(out, preset, "again", root=root)
+
+    monkeypatch.setattr(pretrained_build, "build", lambda *a, **k: pytest.fail("a shipped drafter was rebuilt"))
+    fresh = bootstrap(preset, out=tmp_path / "pair", seed=0, progress=False, shipped_root=root)
+    m = read_manifest(fresh)
+    assert is_built(fresh, preset) and m["kinds"] == ["separate"] and m["agreement"] == sm["agreement"]
+    assert m["drafter"]["shipped"]["commit"] == sm["commit"] and "install_s" in m["wall"]
+    from dvi.models.loading import load_causal_lm
+
+    want = load_causal_lm(EmbeddedPaths.at(out).drafter, "cpu", "bfloat16").state_dict()
+    got = load_causal_lm(EmbeddedPaths.at(fresh).drafter, "cpu", "bfloat16").state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert torch.equal(load_draft_vocab(EmbeddedPaths.at(fresh).drafter), load_draft_vocab(EmbeddedPaths.at(out).drafter))
+
+    weights = d / shipped_drafter.WEIGHTS
+    blob = weights.read_bytes()
+    weights.write_bytes(blob[:-2] + bytes([blob[-2] ^ 1, blob[-1]]))
+    with pytest.raises(ValueError, match="sha256"):
+        bootstrap(preset, out=tmp_path / "pair2", seed=0, progress=False, shipped_root=root)
+    weights.write_bytes(blob)
+
+    calls = []
+    monkeypatch.setattr(pretrained_build, "build", lambda *a, **k: calls.append(k) or REAL_BUILD(*a, **k))
+    (d / "manifest.json").write_text(json.dumps({**sm, "gguf_sha256": "0" * 64}))
+    other = bootstrap(preset, out=tmp_path / "pair3", seed=0, progress=False, shipped_root=root)
+    assert len(calls) == 1 and calls[0]["obtained"]["source"]["sha256"] == preset.sha256  # converted once, reused
+    assert "shipped" not in read_manifest(other)["drafter"] and is_built(other, preset)
+    (d / "manifest.json").write_text(json.dumps(sm))
+    calls.clear()
+    bootstrap(preset, out=tmp_path / "pair4", seed=0, progress=False, shipped_root=root, retrain=True)
+    assert len(calls) == 1 and calls[0].get("obtained") is None

