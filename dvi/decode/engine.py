@@ -196,11 +196,18 @@ class SpeculativeEngine:
         return max(self.max_draft_tokens, self.proposer.max_tokens)
 
     def set_drafter(self, drafter: nn.Module | Drafter | Proposer | None, version: int) -> None:
-        """Hot swap; in-flight rows get their drafter cache rebuilt at the next step() (`hybrid`: its learned part)."""
+        """Hot swap between steps; in-flight rows get their draft state rebuilt at once (`hybrid`: its learned part).
+
+        At once, not at the next step(): a new proposer (or a kept one with a new drafter cache) holds none of the
+        rows yet, and a row leaving before that step (a cut stream's abort, which the server runs right after
+        the swap) would have failed in the proposer after leaving the target's cache, leaving the engine's rows
+        out of step (every later step failed: `shape '[9, 1]' is invalid for input of size 8`, issue 42)."""
         self._set_drafter(drafter)
         self.drafter_version = int(version)
         self._drafter_dirty = True
         self.acceptance.reset()  # acceptance of the old drafter says little about the new one
+        with torch.inference_mode():
+            self._rebuild()
 
     def update_target_weights(self, state_dict_or_path: dict | str | Path, version: int,
                               complete: bool = False) -> None:
@@ -344,6 +351,9 @@ class SpeculativeEngine:
     def _spec_step(self) -> list[StepOutput]:
         """draft -> verify -> accept -> one transfer -> keep -> emit, then timings and finished rows out."""
         b = len(self._seqs)
+        if self._target.batch_size != b or self._last.shape[0] != b:  # a bug, said plainly (not a shape error)
+            raise RuntimeError(f"engine rows out of step: {b} rows, the target's cache holds "
+                               f"{self._target.batch_size}, {self._last.shape[0]} last tokens")
         t0 = time.perf_counter()
         caps = [s.remaining - 1 for s in self._seqs]  # drafts past a row's token budget would be thrown away
         draft = self.proposer.propose(self._seqs, caps, self.k_policy.for_step(self._seqs), self._uniforms,

@@ -58,9 +58,12 @@ class ModelProposer(Proposer):
         return sum(len(p) for p in self.pending)
 
     def use(self, drafter: Drafter) -> None:
-        """A new drafter of this kind (hot swap): the rows' cache is rebuilt at the next step (`rebuild`)."""
+        """A new drafter of this kind (hot swap): the rows' cache is rebuilt (`rebuild`, which the engine's swap
+        runs at once); until then it holds one empty row per batch row, so rows can still leave (`release`)."""
         self.drafter = drafter
         self.dkv = self._new_cache()
+        if self.pending:
+            self.dkv.add_rows(len(self.pending))
 
     # ---------------------------------------------------------------- one step
     def propose(self, seqs: list[Seq], caps: list[int], pricing: Pricing, uniforms: Uniforms,
