@@ -12,7 +12,9 @@
   rollback watch (from such a version: the one before it); 409 while pinned.
 - ``POST /admin/trainer/pause`` / ``/admin/trainer/resume``: sets / clears the run dir's pause
   flag (`dvi.rundir`), which the online trainer honours (see `serving.supervisor`).
-- ``GET /admin/status``: the health document plus the swap history.
+- ``GET /admin/status``: the health document plus the swap history; its ``drafter.waiting`` is the version whose
+  promotion check waits for held-out evidence (``{"version", "heldout_positions", "of"}``: ``of`` is
+  ``trainer.shadow_min_positions``), null when none waits.
 
 Errors: 401 without a bearer token, 403 for a wrong one, when admin is disabled, or for a path
 outside the allowed dirs; 400 for bad bodies; 409 when the action does not apply.

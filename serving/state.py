@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,15 @@ from .telemetry import ServerMetrics
 from .tokenize import PromptTokenizer
 
 log = logging.getLogger("dvi.serving")
+
+TRAINER_STOP_S = 3.0
+"""After the drain, how long the trainer (told at the signal, `ServerState.begin_stop`) may still take before SIGKILL:
+it has the whole drain plus this for its last round, checkpoint and publish; its state is crash-safe, so a kill costs
+at most the rounds since its last checkpoint (trained again). Bounded so the process is gone within seconds of its
+last answer, inside an orchestrator's grace period."""
+AUX_STOP_S = 2.0
+"""How long the registry watcher and the suffix tailer (daemon threads, told at the signal) are waited for: a
+shadow check under way decides nothing once the stop began (`DrafterSwapper.stop`)."""
 
 
 class FeedbackLog:
@@ -76,6 +86,7 @@ class ServerState:
     target_version: int = 0
     stopped: bool = False
     draining: bool = False  # a stop was asked for (`serving.drain`): new requests get a 503
+    stopping: bool = False  # `begin_stop` ran: the trainer, watcher and tailer were told to stop
     suffix_tailer: Any = None  # serving.suffix_tail.SuffixTailer (suffix / hybrid with a shared feedback dir)
     tokenizer_warnings: list[str] = field(default_factory=list)  # its eos / bos vs the model's configs (logged)
 
@@ -94,24 +105,48 @@ class ServerState:
         if self.suffix_tailer is not None:
             self.suffix_tailer.start()
 
+    def begin_stop(self) -> None:
+        """On the signal (`serving.drain`, before the drain): tell what runs beside the requests to stop, without
+        waiting: the trainer gets SIGTERM (its last round, checkpoint and publish overlap the drain), the registry
+        watcher promotes, refuses and rolls back nothing more, the suffix tailer polls no more. `stop` waits."""
+        if self.stopping:
+            return
+        self.stopping = True
+        if self.suffix_tailer is not None:
+            self.suffix_tailer.stop(timeout=0)
+        if self.swapper is not None:
+            self.swapper.stop(timeout=0)
+        self.supervisor.request_stop()
+
     def stop(self) -> None:
-        """Stop in dependency order: trainer, watcher, engine loop, then flush the feedback."""
+        """After the drain: wait for the trainer (`TRAINER_STOP_S`, then SIGKILL), the watcher and the tailer (both
+        told at the signal), stop the engine loop, then flush the feedback. Each wait is bounded."""
         if self.stopped:
             return
         self.stopped = True
+        self.begin_stop()
+        t0 = time.monotonic()
+        took: dict[str, float] = {}
+
+        def part(name: str, fn: Callable[[], Any]) -> None:
+            t = time.monotonic()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - one part failing must not keep the rest (the feedback) from stopping
+                log.exception("stopping the %s failed", name)
+            took[name] = time.monotonic() - t
+
         if self.suffix_tailer is not None:
-            self.suffix_tailer.stop()
-        self.supervisor.stop()
+            part("suffix tailer", lambda: self.suffix_tailer.stop(timeout=AUX_STOP_S))
+        part("trainer", lambda: self.supervisor.stop(timeout=TRAINER_STOP_S))
         if self.swapper is not None:
-            self.swapper.stop()
-        self.scheduler.stop()
+            part("registry watcher", lambda: self.swapper.stop(timeout=AUX_STOP_S))
+        part("engine", self.scheduler.stop)
         self.prompts.close()
         if self.feedback is not None:
-            try:
-                self.feedback.close()
-            except Exception:  # noqa: BLE001
-                log.exception("final feedback flush failed")
+            part("feedback flush", self.feedback.close)
         self.metrics.close()
+        log.info("stopped in %.2fs (%s)", time.monotonic() - t0, ", ".join(f"{k} {v:.2f}s" for k, v in took.items()))
 
 
 def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:

@@ -92,7 +92,8 @@ class SuffixTailer:
         self._thread = threading.Thread(target=self._run, name="dvi-suffix-tail", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """No more polls; wait up to `timeout` for the thread (0: do not)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=timeout)

@@ -20,6 +20,10 @@ one, the spawn is older than `serve.trainer_start_grace_s`), the supervisor kill
 stopped process), counts a stale restart, logs it and restarts as after a crash. `/health` shows
 the heartbeat age and is degraded while the trainer restarts.
 
+Stopping: a server that stops sends the trainer SIGTERM on its signal (`request_stop`), so the trainer's last round,
+checkpoint and publish overlap the drain; after the drain `stop` waits a bounded time for what is left, then SIGKILLs
+it (its state is crash-safe: a kill costs at most the rounds since its last checkpoint, trained again).
+
 Pause / resume: the supervisor writes / removes `<run_dir>/trainer.pause`; the online trainer
 (`trainers.online`) checks it before every round and takes no steps while it exists, so the same
 mechanism works for supervised and external trainers, and a paused trainer stays responsive to
@@ -94,6 +98,8 @@ class TrainerSupervisor:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._log_checked = 0.0
+        self._termed: subprocess.Popen | None = None  # the process SIGTERM was sent to, and when
+        self._termed_at: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -112,25 +118,54 @@ class TrainerSupervisor:
         """
         return self.rundir.write_trainer_config(yaml.safe_dump(dump_config(self.cfg), sort_keys=False))
 
+    def request_stop(self) -> None:
+        """Stop supervising and send the trainer SIGTERM now, without waiting for it: a server that stops calls this
+        on the signal, so the trainer's last round, checkpoint and publish run while the requests drain; `stop`
+        then waits for what is left of it."""
+        self._stop.set()
+        self._wake.set()
+        with self._lock:
+            proc = self.proc
+        if proc is not None and proc.poll() is None:
+            self._term(proc)
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop supervising and terminate the trainer (SIGTERM, then SIGKILL after `timeout`)."""
+        """Stop supervising and terminate the trainer (SIGTERM unless `request_stop` sent it, then SIGKILL after
+        `timeout` more seconds)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=timeout + 5)
+            self._thread.join(timeout=timeout)  # told to stop, it returns at once (it never waits on the trainer)
         self._terminate(timeout)
         if self.mode == "supervised":
             self.state = "stopped"
+
+    def _term(self, proc: subprocess.Popen) -> None:
+        """SIGTERM to the trainer's group, once per process (its handler only sets a flag; a second one is noise)."""
+        with self._lock:
+            if self._termed is proc:
+                return
+            self._termed = proc
+            self._termed_at = time.monotonic()
+        self._signal(proc, signal.SIGTERM)
 
     def _terminate(self, timeout: float) -> None:
         with self._lock:
             proc = self.proc
         if proc is None or proc.poll() is not None:
             return
-        self._signal(proc, signal.SIGTERM)
+        self._term(proc)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            # The trainer's state is crash-safe (checkpoint, then the cursor; versions renamed in whole): a kill costs
+            # at most the rounds since its last flush, which the next trainer trains again.
+            told = time.monotonic() - (self._termed_at or time.monotonic())
+            st = self.rundir.read_trainer_status()
+            done = st.get("state") == "stopped" and st.get("pid") == proc.pid
+            log.log(logging.INFO if done else logging.WARNING, "trainer pid %d still running %.1fs after SIGTERM "
+                    "(%s); killing it", proc.pid, told, "it had checkpointed and published: only its interpreter's "
+                    "exit was left" if done else "the rounds since its last checkpoint are trained again at the next start")
             self._signal(proc, signal.SIGKILL)
             proc.wait(timeout=5)
 

@@ -88,7 +88,7 @@ class DrafterSwapper:
         self.watch: Watch | None = None
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()  # newest MAX_REFUSED_SHOWN
         self.retry: set[int] = set()  # refused for a reason that may pass later (dir not there yet)
-        self.waiting: int | None = None  # the version waiting for enough held-out positions (logged once)
+        self.waiting, self.waiting_scored = None, None  # the version waiting for held-out evidence; positions its check scored
         self._pending: tuple[int, Any] | None = None  # LATEST, validated and loaded, waiting for its check
         self.events: collections.deque[SwapEvent] = collections.deque(maxlen=100)
         self.counts = collections.Counter()
@@ -136,10 +136,11 @@ class DrafterSwapper:
         self._thread = threading.Thread(target=self._run, name="dvi-registry-watcher", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """No more verdicts (a check under way ends without one); wait up to `timeout` for the thread (0: do not)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
 
     def _run(self) -> None:
         torch.set_num_threads(1)
@@ -216,8 +217,9 @@ class DrafterSwapper:
         when no watch runs and the held-out records hold enough positions for its shadow check."""
         latest = self.registry.latest()
         with self._lock:
-            if (latest is None or latest == self.live_version or self.pinned is not None
+            if (latest is None or latest == self.live_version or self.pinned is not None or self._stop.is_set()
                     or (latest in self.refused and latest not in self.retry)):
+                self.waiting = None
                 return
         durable = self.registry.refusals().get(latest)
         if durable is not None:  # refused by this server before, or by a replica sharing the registry
@@ -238,10 +240,11 @@ class DrafterSwapper:
                 return
         if have < self.policy.min_positions:
             if self.waiting != latest:
-                self.waiting = latest
                 log.info("drafter v%d waits for a shadow check: %d held-out positions of %d", latest, have,
                          self.policy.min_positions)
+            self.waiting, self.waiting_scored = latest, None
             return
+        self.waiting = None
         self.consider(latest)
 
     def consider(self, version: int) -> bool:
@@ -260,8 +263,9 @@ class DrafterSwapper:
             live_version = self.live_version
             live_model = self.models[live_version]
         verdict = self._compare(model, live_model, self.heldout.records(), self.policy.promotion)
-        if verdict.outcome == "wait":  # an eagle head scores only records with features
-            log.info("drafter v%d: %s; waiting", version, verdict.reason)
+        if verdict.outcome == "wait" or self._stop.is_set():  # an eagle head scores only records with features
+            log.info("drafter v%d: %s; waiting", version, "the server stops" if self._stop.is_set() else verdict.reason)
+            self.waiting, self.waiting_scored = version, verdict.positions
             self._pending = (version, model)
             return False
         reason = (f"held-out shadow α {fmt_rate(verdict.new_alpha)} vs served v{live_version} "
@@ -369,7 +373,7 @@ class DrafterSwapper:
         last good one. True if it rolled back."""
         with self._lock:
             w = self.watch
-            if w is None:
+            if w is None or self._stop.is_set():
                 return False
             busy = self.scheduler is not None and self.scheduler.busy()
             pending = self._pending[0] if self._pending is not None else None
@@ -384,6 +388,8 @@ class DrafterSwapper:
                 self.watch = None
             return False
         verdict = self._compare(new_model, old_model, w.snapshot(), self.policy.watch)
+        if self._stop.is_set():  # no verdict once the server stops: the watched version is not yet the last good one
+            return False
         reason = w.describe(verdict, early)
         with self._lock:
             self.watch = None
@@ -482,6 +488,9 @@ class DrafterSwapper:
                                                  "of": self.policy.rollback_window},
                 "latest": latest,
                 "heldout_positions": positions,
+                "waiting": None if self.waiting is None else {  # a verdict waiting for held-out evidence
+                    "version": self.waiting, "of": self.policy.min_positions,
+                    "heldout_positions": positions if self.waiting_scored is None else self.waiting_scored},
                 "heldout": self.heldout.info(),
                 "gates": {name: {"outcome": v.outcome, "groups": v.group_summary()} for name, v in self.verdicts.items()},
                 "refused": {str(k): v for k, v in self.refused.items()},

@@ -20,7 +20,14 @@ import httpx
 import pytest
 import torch
 from test_online import engine_records, online_config
-from test_serving_helpers import ServerThread, lora_copy, tiny_config, version_manifest, wait_for
+from test_serving_helpers import (
+    TEST_ADMIN_TOKEN,
+    ServerThread,
+    lora_copy,
+    tiny_config,
+    version_manifest,
+    wait_for,
+)
 
 from dvi.config import load_config
 from dvi.feedback.shadow import is_heldout
@@ -222,6 +229,34 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
         ev = wait_for(lambda: [e for e in list(sw.events) if e.kind == "promoted" and e.version == good], 60,
                       what="the new version promoted after its check")
         assert "held-out shadow α" in ev[-1].reason and sw.live_version == good
+
+
+def test_8_admin_status_names_the_version_waiting_for_held_out_positions(tiny_pair_dir, tmp_path) -> None:
+    """Issue 42: a verdict waiting for held-out evidence is on /admin/status, not only in the log: which version
+    waits, its held-out positions and the `trainer.shadow_min_positions` it needs; gone once it is checked."""
+    need = 64
+    cfg = tiny_config(tiny_pair_dir, tmp_path, f"trainer.shadow_min_positions={need}")
+    with ServerThread(cfg) as s, s.client(token=TEST_ADMIN_TOKEN) as admin:
+        sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
+
+        def waiting() -> dict | None:
+            r = admin.get("/admin/status")
+            assert r.status_code == 200, r.text
+            return r.json()["drafter"]["waiting"]
+
+        assert waiting() is None  # nothing published: no verdict waits
+        v = reg.publish_peft_adapter(lora_copy(sw.base), version_manifest())
+        assert wait_for(waiting, 30, what="the version waiting on /admin/status") == {
+            "version": v, "heldout_positions": 0, "of": need}
+        for _ in range(20):  # one held-out record (<= 16 positions) moves the count, far from the 64 needed
+            _traffic(s.url, 1)
+            if sw.heldout_positions():
+                break
+        have = sw.heldout_positions()
+        assert 0 < have < need and waiting() == {"version": v, "heldout_positions": have, "of": need}
+        _heldout_traffic(s)
+        wait_for(lambda: sw.live_version == v, 60, what="the version promoted after its check")
+        assert waiting() is None
 
 
 def pair_drafter(cfg):
