@@ -55,7 +55,7 @@ def heldout(target, tok, p, args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def score(target, drafter, order: torch.Tensor, n: int, sets: dict, skips: dict) -> dict[str, float]:
-    from trainers.pretrained_build import agreement
+    from trainers.pretrained_eval import agreement
 
     return {d: agreement(target, drafter, w, order, (n,), skip=skips.get(d))[n] for d, w in sets.items()}
 

@@ -9,8 +9,9 @@ import torch
 from dvi import data
 from dvi.models.embedded import PRESETS, EmbeddedPaths, cache_root, embedded_dir, embedded_paths, is_built
 from dvi.models.loading import load_causal_lm, load_tokenizer
-from trainers.bootstrap import bootstrap, build_pair, save_pair, summary_table
+from trainers.bootstrap import bootstrap, summary_table
 from trainers.offline import evaluate_lms
+from trainers.stdlib_build import build_pair, save_pair
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def test_drafter_warm_start_is_the_targets_first_layer_exit():
     import copy
 
     from dvi.models.embedded import ModelDims, Preset
-    from trainers.bootstrap import init_drafter_from_target, make_llama, train_tokenizer
+    from trainers.stdlib_build import init_drafter_from_target, make_llama, train_tokenizer
 
     tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300)
     t_dims = ModelDims(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64)

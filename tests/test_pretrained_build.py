@@ -129,7 +129,7 @@ def test_default_build_has_only_the_separate_drafter_and_kinds_are_added_in_plac
     """`dvi bootstrap` builds only what the default config serves; early_exit / eagle come on demand, trained
     into the same pair (same target, drafter and fingerprint) and recorded in its manifest."""
     preset, *_, out, _spy, _secs = built
-    assert FIRST_BUILD["listing"] == ["drafter", "manifest.json", "target", "tokenizer"]
+    assert FIRST_BUILD["listing"] == ["drafter", "learning_curve.png", "manifest.json", "target", "tokenizer"]
     first = FIRST_BUILD["manifest"]
     assert FIRST_BUILD["kinds"] == ("separate",) and first["kinds"] == ["separate"]
     assert first["eagle"] is None and first["early_exit"] is None
@@ -152,7 +152,8 @@ def test_build_manifest_and_layout(built):
     assert not nopip.calls
     assert is_built(out) and is_built(out, "smollm2") and is_built("smollm2")
     assert not is_built(out, dataclasses.replace(preset, distill_tokens=8192))  # another recipe: rebuild
-    assert sorted(p.name for p in out.iterdir()) == ["drafter", "eagle", "early_exit", "manifest.json", "target", "tokenizer"]
+    assert sorted(p.name for p in out.iterdir()) == ["drafter", "eagle", "early_exit", "learning_curve.png",
+                                                     "manifest.json", "target", "tokenizer"]
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp dir left behind
 
     m = read_manifest(out)
@@ -182,6 +183,12 @@ def test_build_manifest_and_layout(built):
     assert (ee["layers"], ee["lora_rank"]) == (1, preset.early_exit_lora_rank)
     assert ee["train"]["tokens"] >= preset.early_exit_tokens
     assert set(ee["agreement"]) == set(DOMAINS) and all(0.0 <= a <= 1.0 for a in ee["agreement"].values())
+    curve = m["learning_curve"]  # agreement against tokens trained, on a geometric grid ending at the last step
+    assert curve["png"] == "learning_curve.png" and (out / "learning_curve.png").stat().st_size > 1000
+    tokens = [pt["tokens"] for pt in curve["points"]]
+    assert tokens == sorted(set(tokens)) and tokens[-1] == m["drafter"]["train_tokens"] and len(tokens) >= 2
+    assert all(set(pt["agreement"]) == set(DOMAINS) for pt in curve["points"])
+    assert "learning curve" in summary_table(m)
     walls = m["wall"]
     assert {"obtain_s", "tokenize_s", "chat_replies_s", "label_s", "distill_s", "upgrade_early_exit_s", "eval_s",
             "total_s"} <= set(walls)
@@ -502,5 +509,5 @@ def test_the_shipped_drafter_installs_in_place_of_a_build(built, tmp_path, monke
     assert "shipped" not in read_manifest(other)["drafter"] and is_built(other, preset)
     (d / "manifest.json").write_text(json.dumps(sm))
     calls.clear()
-    bootstrap(preset, out=tmp_path / "pair4", seed=0, progress=False, shipped_root=root, retrain=True)
+    bootstrap(preset, out=tmp_path / "pair4", seed=0, progress=False, shipped_root=root, drafter="retrain")
     assert len(calls) == 1 and calls[0].get("obtained") is None

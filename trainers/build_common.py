@@ -5,6 +5,8 @@ the batches held-out agreement is scored on."""
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 import time
 from collections.abc import Iterator
 
@@ -13,7 +15,7 @@ import torch
 from dvi.models.embedded import PretrainedPreset
 from trainers.offline import TrainSchedule
 
-__all__ = ["schedule", "timed", "scoring_batches"]
+__all__ = ["schedule", "timed", "scoring_batches", "log", "jsonable"]
 
 
 def schedule(p: PretrainedPreset, tokens: int, desc: str, progress: bool, lr: float | None = None) -> TrainSchedule:
@@ -49,3 +51,20 @@ def timed(walls: dict[str, float], key: str) -> Iterator[None]:
         yield
     finally:
         walls[key] = time.perf_counter() - t0
+
+
+def log(msg: str, progress: bool) -> None:
+    """A build's one-line progress message (stderr, `[bootstrap]`), when `progress`."""
+    if progress:
+        print(f"[bootstrap] {msg}", file=sys.stderr, flush=True)
+
+
+def jsonable(x):
+    """A manifest made JSON-safe: keys as strings, tuples as lists, non-finite floats as None."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x

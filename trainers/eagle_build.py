@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dvi.drafters.eagle import EagleDrafter, features_from_hidden
-from trainers.build_common import schedule
+from trainers.build_common import log, schedule
 from trainers.eagle_ttt import EagleObjective, ttt_loss
 from trainers.offline import TrainSchedule, lr_factor, optimizer_step
 from trainers.subset_distill import progress_bar, subset_kl, train_autocast, window_batches
@@ -28,13 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["EagleData", "EagleObjective", "build_eagle", "distill_eagle", "eagle_agreement", "eagle_scores", "eagle_step_ms", "evaluate_eagle",
            "train_eagle"]
-
-
-def _log(msg: str, progress: bool) -> None:
-    if progress:
-        import sys
-
-        print(f"[bootstrap] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -270,7 +263,7 @@ def evaluate_eagle(p: PretrainedPreset, target, served, order: torch.Tensor, hel
         ms = eagle_step_ms(served, p.latency_steps)
     finally:
         torch.set_num_threads(prev)
-    _log(f"eagle head: {stats['tokens']:,} tokens, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
+    log(f"eagle head: {stats['tokens']:,} tokens, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
          f"({stats['tokens_per_s']:.0f} tok/s); first-draft agreement "
          + ", ".join(f"{k} {v:.3f}" for k, v in agree.items()) + f" at {n} ids; chat accepted length (K=4) "
          f"{scores.get('chat', {}).get('accept_length', float('nan')):.2f}; step {ms:.2f} ms", progress)

@@ -207,6 +207,9 @@ class TrainSchedule:
     compile: bool = False
     progress: bool = True
     desc: str = "train"
+    # measured along the way (trainers.learning_curve): probe(model) -> {domain: agreement}, on a geometric grid of
+    # steps; loops that take it return the points as their stats' `curve`
+    probe: Callable[[torch.nn.Module], dict] | None = None
 
 
 PRETRAIN_DEFAULTS = {"lr": 1e-3, "warmup": 20, "weight_decay": 0.1, "desc": "pretrain"}

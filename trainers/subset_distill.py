@@ -84,13 +84,17 @@ def distill_subset(student, teacher_head: torch.Tensor, windows: torch.Tensor, s
     `teacher_head`: `[V, H]` the teacher's LM head; `windows`: `[N, T + 1]` token ids; `states`:
     `[N, T, H]` from `teacher_states`; `vocab_ids`: `[n]` the draft vocabulary. Windows are drawn
     in seeded epochs (reshuffled each pass) until `sched.steps` optimizer steps are done (`sched`'s
-    lr, warmup, min_lr_ratio, grad_clip, progress and desc apply; weight decay is off).
+    lr, warmup, min_lr_ratio, grad_clip, progress and desc apply; weight decay is off). `sched.probe(student)` (in
+    eval mode), when given, is taken on a geometric grid of steps: the stats' `curve` (tokens, agreement).
     """
+    from trainers.learning_curve import probe_steps
+
     steps, lr, warmup, min_lr_ratio = sched.steps, sched.lr, sched.warmup, sched.min_lr_ratio
-    grad_clip, progress, desc = sched.grad_clip, sched.progress, sched.desc
+    grad_clip, progress, desc, probe = sched.grad_clip, sched.progress, sched.desc, sched.probe
     t_head = teacher_head[vocab_ids].detach().to(compute_dtype())  # [n, H]
     opt = make_optimizer(student, lr, weight_decay=0.0)
-    losses, tokens = [], 0
+    losses, tokens, curve, probing = [], 0, [], 0.0
+    marks = probe_steps(steps) if probe is not None else set()
     student.train()
     t0 = time.perf_counter()
     bar = progress_bar(steps, desc, progress)
@@ -107,11 +111,17 @@ def distill_subset(student, teacher_head: torch.Tensor, windows: torch.Tensor, s
             tokens += idx.numel() * (windows.shape[1] - 1)
             bar.set_postfix(kl=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", refresh=False)
             bar.update(1)
+            if step + 1 in marks:
+                tp = time.perf_counter()
+                student.eval()
+                curve.append({"step": step + 1, "tokens": tokens, "kl": losses[-1], "agreement": probe(student)})
+                student.train()
+                probing += time.perf_counter() - tp
     finally:
         bar.close()
         student.eval()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - probing
     tail = losses[-max(1, len(losses) // 10):]
     return {"steps": steps, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9),
             "first_loss": losses[0], "final_loss": sum(tail) / len(tail),
-            "epochs": tokens / max(1, windows.numel() - windows.shape[0])}
+            "epochs": tokens / max(1, windows.numel() - windows.shape[0]), "curve": curve, "probe_s": probing}
