@@ -46,7 +46,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     try:
         path = bootstrap(preset=args.preset, out=args.out, seed=args.seed, force=args.force, kinds=args.kinds,
-                         retrain=args.retrain, build=not args.no_build)
+                         drafter="retrain" if args.retrain else "shipped-only" if args.no_build else "shipped")
     except NoShippedDrafter as e:
         print(f"dvi bootstrap: {e}", file=sys.stderr)
         return 1
@@ -235,4 +235,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if sys.argv[1:2] == ["train"]:
+        # the supervised trainer's state is on disk by now: skip the interpreter's teardown (seconds of garbage
+        # collection over torch's objects), which made the server's stop wait for it and then kill it
+        from serving.drain import exit_process
+
+        exit_process(code)
+    sys.exit(code)
