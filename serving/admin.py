@@ -34,6 +34,7 @@ from dvi.models.loading import load_state_dict
 from dvi.registry.store import AdapterRejected
 
 from .auth import require_admin
+from .commands import UpdateTarget
 from .completions import _parse
 from .health import health_info
 from .protocol import ApiError, BodyT, Text
@@ -107,12 +108,10 @@ async def update_target(request: Request) -> dict:
     allowed = list(s.cfg.serve.allowed_dirs)
     path = confine_path(body.path, allowed)
     version = body.version if body.version is not None else s.target_version + 1
-    engine = s.engine
     try:
         # read off the engine thread; every file it opens (index, shards, symlinks followed) is confined
         sd = await asyncio.to_thread(load_state_dict, path, lambda p: confine_path(str(p), allowed))
-        await asyncio.wrap_future(s.scheduler.call_between_steps(
-            lambda: engine.update_target_weights(sd, version, complete=True)))
+        await asyncio.wrap_future(s.scheduler.command(UpdateTarget(sd, version, complete=True)))
     except ApiError:
         raise
     except Exception as exc:  # noqa: BLE001 - unreadable / NaN / partial weights are the caller's error

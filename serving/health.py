@@ -2,25 +2,16 @@
 
 Its own module because both the app's error handlers and the admin routes read it, and because
 what makes the server "degraded" (engine loop, trainer, feedback writer) is a policy apart from
-answering requests. It only reads a `ServerState`; it never changes one.
+answering requests. It only reads a `ServerState`; it never changes one, and of the engine it reads only the
+snapshot its thread last published (`Scheduler.snapshot`, `serving.snapshot`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from dvi.decode.engine import SpeculativeEngine
+from typing import Any
 
 from .state import ServerState
-
-
-def _draft_vocab_size(engine: SpeculativeEngine) -> int | None:
-    """N of the live drafter's reduced draft vocabulary; None for the full vocabulary or no drafter."""
-    ids = engine.drafter.draft_vocab if engine.drafter is not None else None
-    return None if ids is None else int(ids.numel())
-
 
 REJECTION_REASONS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                      405: "method_not_allowed", 409: "conflict", 413: "body_too_large", 422: "invalid_request",
@@ -72,6 +63,7 @@ def public_health(s: ServerState) -> dict[str, Any]:
 def health_info(s: ServerState) -> dict[str, Any]:
     """The full health document (`/health` with the admin token, `/admin/status`)."""
     alive = s.scheduler.alive
+    snap = s.scheduler.snapshot
     sw = s.swapper.info() if s.swapper is not None else None
     trainer = s.supervisor.info()
     reasons = degraded_reasons(s, trainer)
@@ -81,18 +73,17 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "reasons": reasons,
         "model": s.model_name,
         "uptime_s": round(time.time() - s.started_at, 3),
-        "engine": {"alive": alive, "running": s.scheduler.num_running(), "queue": s.scheduler.queue_depth(),
-                   "steps": s.scheduler.steps, "completed": s.scheduler.completed,
-                   "step_errors": s.scheduler.step_errors, "request_errors": s.scheduler.request_errors,
+        "engine": {"alive": alive, "running": snap.running, "queue": snap.queue, "steps": snap.steps,
+                   "completed": snap.completed, "step_errors": snap.step_errors, "request_errors": snap.request_errors,
                    "max_batch_size": s.cfg.serve.max_batch_size, "queue_limit": s.cfg.serve.queue_limit},
         "drafter_version": sw["live_version"] if sw else None,
         "target_version": s.target_version,
         "drafter": sw,
         "drafter_kind": s.cfg.models.drafter_kind,
         "learned_kind": s.cfg.models.learned_kind,
-        "suffix": _suffix_info(s),
-        "draft_vocab_size": _draft_vocab_size(s.engine),
-        "greedy_contract": s.engine.greedy_contract,  # bitwise / near-tie, measured on this device at start-up
+        "suffix": _suffix_info(s, snap.proposer_stats),
+        "draft_vocab_size": snap.draft_vocab_size,  # N of the live drafter's reduced vocabulary (None: full)
+        "greedy_contract": dict(snap.greedy_contract),  # bitwise / near-tie, measured on this device at start-up
         "tokenizer": {"stop_token_ids": list(s.scheduler.eos_ids), "warnings": s.tokenizer_warnings},
         "trainer": trainer,
         "disk_bytes": s.metrics.disk_usage(s.supervisor.rundir),
@@ -109,9 +100,9 @@ def health_info(s: ServerState) -> dict[str, Any]:
     }
 
 
-def _suffix_info(s: ServerState) -> dict[str, Any] | None:
-    """The suffix drafter's index size, lookups and hits, and what the tailer added (None: not a suffix kind)."""
-    st = s.engine.proposer.stats()
+def _suffix_info(s: ServerState, st: Any) -> dict[str, Any] | None:
+    """The suffix drafter's index size, lookups and hits (`st`: the snapshot's proposer stats), and what the tailer
+    added (None: not a suffix kind)."""
     if not st:
         return None
     t = s.suffix_tailer

@@ -3,8 +3,13 @@
 Requests join the running batch between steps (up to `max_batch_size` rows) and leave it the
 moment they finish, so a short request never waits for a long one. Each step's new tokens are
 handed to the request's asyncio queue at once (streaming), and a finished request resolves at
-once. Everything that changes the engine (new drafter, new target weights) runs on the engine
-thread between steps via `call_between_steps`, so the engine is never touched concurrently.
+once. The engine has one front door: everything that changes it (new drafter, new target weights, other
+replicas' outputs, a cut) is a typed command (`serving.commands`) the engine thread applies between steps
+(`command`), and everything other threads read of it (/metrics, /health, /admin/status, the swapper) is the
+`EngineSnapshot` the engine thread publishes after every step and command (`snapshot`, `serving.snapshot`). So
+the engine, its proposer and its suffix cache are never touched by another thread (`dvi.decode.owner` checks
+it when `$DVI_ENGINE_OWNER_CHECK=1`). A step's events reach the endpoints after its snapshot is published: a
+client holding its answer never reads an older snapshot.
 
 Failure isolation: an exception while adding one request fails only that request (a ValueError
 from the engine is the client's fault -> 400); an exception inside `engine.step()` fails the
@@ -25,12 +30,15 @@ from typing import Any
 
 import torch
 
+from dvi.decode import owner
 from dvi.decode.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
 
+from .commands import AddHistory, Command, CutAll, SetDrafter, UpdateTarget
 from .detok import TextStream
 from .finished import Ending, Finished, FinishedFeed, final_reason
 from .memory import HeapTrimmer
 from .protocol import ApiError, new_id, shutting_down
+from .snapshot import EngineSnapshot, SampleOutbox, take_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +105,8 @@ class Scheduler:
         self.step_observers: list[Callable[[float, int], None]] = []
         self._waiting: collections.deque[Handle] = collections.deque()
         self._active: dict[str, Handle] = {}
-        self._controls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
-            collections.deque())
+        self._controls: collections.deque[tuple[Command, concurrent.futures.Future]] = collections.deque()
+        self._events: list[tuple[Handle, Event]] = []  # this iteration's, sent once its snapshot is out (`_publish`)
         self._cv = threading.Condition()
         self._stop = False
         self._retry_after: float | None = None  # set by `close`: new submits get a 503 with this Retry-After
@@ -113,6 +121,8 @@ class Scheduler:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids: tuple[int, ...] = (tuple(int(i) for i in eos_ids) if eos_ids
                                          else (int(eos),) if eos is not None else ())
+        self.suffix_step_seconds = SampleOutbox()  # per-step samples, handed over once each (/metrics drains)
+        self.snapshot: EngineSnapshot = self._take_snapshot(0)  # replaced (never changed) by the engine thread
 
     # -- public API (event loop side) --------------------------------------------------------
     def start(self) -> None:
@@ -163,7 +173,7 @@ class Scheduler:
     def cut(self) -> concurrent.futures.Future:
         """End every request now (between steps), each answered with the 503 and the running ones logged with
         finish_reason "shutdown"; the future holds (running, waiting) cut."""
-        return self.call_between_steps(self._cut)
+        return self.command(CutAll())
 
     def cancel(self, handle: Handle) -> None:
         """The client went away: free its slot at the next step boundary."""
@@ -173,20 +183,28 @@ class Scheduler:
             handle.cancelled = True
             self._cv.notify_all()
 
-    def call_between_steps(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn` on the engine thread between two steps; the future holds its result."""
+    def command(self, cmd: Command) -> concurrent.futures.Future:
+        """Apply `cmd` (`serving.commands`) on the engine thread between two steps; the future holds its result and
+        resolves after the snapshot that shows it is published."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             if self._stop or not self.alive:
                 fut.set_exception(RuntimeError("engine loop is not running"))
                 return fut
-            self._controls.append((fn, fut))
+            self._controls.append((cmd, fut))
             self._cv.notify_all()
         return fut
 
     # -- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_num_threads(self.num_threads)
+        owner.claim(self.engine)  # debug runs: any other thread touching the engine now raises
+        try:
+            self._serve()
+        finally:
+            owner.release(self.engine)
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while (not self._stop and not self._controls and not self._waiting
@@ -199,18 +217,70 @@ class Scheduler:
                 idle = not (controls or self._waiting or self._active)
             if idle and self.heap.idle_due():
                 self.heap.trim()
-            for fn, fut in controls:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as exc:  # noqa: BLE001 - reported through the future
-                        fut.set_exception(exc)
+            for cmd, fut in controls:
+                self._run(cmd, fut)
             self._reap_cancelled()
             self._admit()
             if self._active:
                 self._step()
                 self.heap.after_step()
+            self._publish()
         self._shutdown()
+        self._publish()
+
+    def _run(self, cmd: Command, fut: concurrent.futures.Future) -> None:
+        """One between-step command; its snapshot is published before its future resolves."""
+        if not fut.set_running_or_notify_cancel():
+            return
+        result, error = None, None
+        try:
+            result = self._apply(cmd)
+        except BaseException as exc:  # noqa: BLE001 - reported through the future
+            error = exc
+        owner.claim(self.engine)  # a swap may bring a new proposer: it is the engine thread's too
+        self._publish()
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def _apply(self, cmd: Command) -> Any:
+        if isinstance(cmd, SetDrafter):
+            return self.engine.set_drafter(cmd.drafter, cmd.version)
+        if isinstance(cmd, UpdateTarget):
+            return self.engine.update_target_weights(cmd.weights, cmd.version, complete=cmd.complete)
+        if isinstance(cmd, AddHistory):
+            for seq_id, tokens in cmd.items:
+                self.engine.add_history(seq_id, list(tokens))
+            return len(cmd.items)
+        if isinstance(cmd, CutAll):
+            return self._cut()
+        raise TypeError(f"not an engine command: {cmd!r}")
+
+    def _take_snapshot(self, seq: int) -> EngineSnapshot:
+        with self._cv:
+            queue = len(self._waiting)
+        return take_snapshot(self.engine, seq, queue=queue, running=len(self._active), steps=self.steps,
+                             completed=self.completed, step_errors=self.step_errors,
+                             request_errors=self.request_errors)
+
+    def _publish(self) -> None:
+        """Engine thread: the step timings handed over, a new snapshot published (one reference assignment), then
+        the events held since the last one sent."""
+        try:
+            take = getattr(self.engine, "take_suffix_step_seconds", None)
+            if take is not None:
+                self.suffix_step_seconds.put(take())
+            self.snapshot = self._take_snapshot(self.snapshot.seq + 1)
+        except Exception:  # noqa: BLE001 - a stale snapshot costs a scrape's freshness, never a request
+            log.exception("engine snapshot failed")
+        events, self._events = self._events, []
+        for h, ev in events:
+            h.emit(ev)
+
+    def _send(self, h: Handle, ev: Event) -> None:
+        """Engine thread: `ev` goes to `h`'s endpoint once this iteration's snapshot is published."""
+        self._events.append((h, ev))
 
     def _admit(self) -> None:
         while len(self._active) < self.max_batch_size:
@@ -305,7 +375,7 @@ class Scheduler:
             if h.stream:
                 safe = len(h.text) if finished else self._safe_len(h)
                 if safe > h.sent_chars:
-                    h.emit(Delta(h.text[h.sent_chars:safe]))
+                    self._send(h, Delta(h.text[h.sent_chars:safe]))
                     h.sent_chars = safe
         if finished:
             self._active.pop(h.request_id, None)
@@ -353,7 +423,7 @@ class Scheduler:
         h.done = True
         self.completed += 1
         if notify:
-            h.emit(fin)
+            self._send(h, fin)
         self.finished.publish(fin)
 
     def _finish_cancelled(self, h: Handle) -> None:
@@ -362,7 +432,7 @@ class Scheduler:
     def _fail(self, h: Handle, err: ApiError) -> None:
         h.done = True
         self.request_errors += 1
-        h.emit(err)
+        self._send(h, err)
 
     def _cut(self) -> tuple[int, int]:
         running = list(self._active.values())
@@ -370,13 +440,13 @@ class Scheduler:
             result = self._abort(h)
             self._active.pop(h.request_id, None)
             self._complete(h, result, "cut", notify=False)  # the record and metrics: what was cut
-            h.emit(shutting_down(self._retry_after or 1))
+            self._send(h, shutting_down(self._retry_after or 1))
         with self._cv:
             waiting = list(self._waiting)
             self._waiting.clear()
         for h in waiting:
             h.done = True
-            h.emit(shutting_down(self._retry_after or 1))
+            self._send(h, shutting_down(self._retry_after or 1))
         return len(running), len(waiting)
 
     def _shutdown(self) -> None:
@@ -391,5 +461,5 @@ class Scheduler:
             self._controls.clear()
         for h in waiting:
             self._fail(h, shutting_down(self._retry_after or 1))
-        for _fn, fut in controls:
+        for _cmd, fut in controls:
             fut.cancel()

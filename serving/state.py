@@ -209,12 +209,12 @@ def build_state(cfg: DviConfig) -> ServerState:
     scheduler.finished.subscribe(state.feedback_log)
     if swapper is not None:
         scheduler.finished.subscribe(lambda fin: _to_swapper(swapper, fin))
-    cache = getattr(getattr(engine.proposer, "suffix", engine.proposer), "cache", None)
-    if cache is not None and cfg.suffix.tail_seconds > 0:
+    if engine.proposer.uses_history and cfg.suffix.tail_seconds > 0:  # before the engine thread owns it
+        from .commands import AddHistory
         from .suffix_tail import SuffixTailer
 
-        state.suffix_tailer = SuffixTailer(fb.dir, cache, scheduler.call_between_steps, cfg.suffix.tail_seconds,
-                                           cfg.suffix.tail_records)
+        state.suffix_tailer = SuffixTailer(fb.dir, lambda items: scheduler.command(AddHistory(tuple(items))),
+                                           cfg.suffix.tail_seconds, cfg.suffix.tail_records)
     return state
 
 

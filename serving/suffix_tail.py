@@ -2,8 +2,8 @@
 
 `SuffixTailer` tails the shared `feedback.dir` (a `dvi.feedback.FeedbackReader` with an in-memory cursor: this
 is not the trainer's exactly-once consumption) and hands other writers' records (their shard names carry
-their pid) to the engine thread, which `add_finished`s them into the `SuffixCache` between two steps (the
-cache is the engine thread's). Bounded: at most `max_records` records per poll, newest shards first; shards
+their pid) to the engine thread (an `AddHistory` command, `serving.commands`), which adds them to the suffix
+index between two steps (the index is the engine thread's). Bounded: at most `max_records` records per poll, newest shards first; shards
 present before the server started are skipped except the newest of them (a warm start of the same size).
 """
 
@@ -34,13 +34,14 @@ def foreign_shards(names: list[str], pid: int) -> list[str]:
 
 
 class SuffixTailer:
-    """Polls the feedback dir every `interval` seconds; `apply(records)` runs on the engine thread
-    (`Scheduler.call_between_steps`) and adds them to the suffix index."""
+    """Polls the feedback dir every `interval` seconds; `send(items)` hands each poll's (seq id, tokens) to the
+    engine thread (a server: `Scheduler.command(AddHistory(...))`; a future, waited for) to add to the suffix
+    index."""
 
-    def __init__(self, root: str, cache: Any, run_between_steps: Callable[[Callable[[], Any]], Any],
+    def __init__(self, root: str, send: Callable[[list[tuple[str, tuple[int, ...]]]], Any],
                  interval: float = 5.0, max_records: int = 256, pid: int | None = None):
         self.reader = FeedbackReader(root, cursor_path=None)
-        self.cache, self.run_between_steps = cache, run_between_steps
+        self.send = send
         self.interval, self.max_records = float(interval), int(max_records)
         self.pid = os.getpid() if pid is None else int(pid)
         self.records_added = 0
@@ -48,17 +49,17 @@ class SuffixTailer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _take(self) -> tuple[list[tuple[str, list[int]]], str | None]:
+    def _take(self) -> tuple[list[tuple[str, tuple[int, ...]]], str | None]:
         """Up to `max_records` (seq id, output tokens) of other writers' unread shards (newest first) and the
         newest shard name polled (everything up to it is then read)."""
         polled = self.reader.poll()
         if not polled:
             return [], None
-        out: list[tuple[str, list[int]]] = []
+        out: list[tuple[str, tuple[int, ...]]] = []
         for name in reversed(foreign_shards(polled, self.pid)):
             for rec in self.reader.iter_records([name]):
                 if rec.token_ids:
-                    out.append((f"{name}/{rec.request_id}", list(rec.token_ids)))
+                    out.append((f"{name}/{rec.request_id}", tuple(int(t) for t in rec.token_ids)))
             if len(out) >= self.max_records:
                 break
         return out[: self.max_records], polled[-1]
@@ -67,11 +68,7 @@ class SuffixTailer:
         """Read new shards and add their outputs to the index (on the engine thread); returns how many."""
         items, last = self._take()
         if items:
-            def apply() -> None:
-                for seq_id, toks in items:
-                    self.cache.add_finished(seq_id, toks)
-
-            fut = self.run_between_steps(apply)
+            fut = self.send(items)
             if hasattr(fut, "result"):
                 fut.result(timeout=60)
             self.records_added += len(items)

@@ -13,7 +13,7 @@ The watcher thread polls `LATEST` every `serve.registry_poll_seconds`. A new ver
    `promotion_rule`: worse by at most `trainer.shadow_margin` pooled, and by at most `trainer.gate_group_margin`
    in every group with `trainer.gate_min_group_records` records). It waits until the set holds
    `trainer.shadow_min_positions` positions (nothing is promoted "validated only");
-4. swapped in between two engine steps (`engine.set_drafter` via the scheduler);
+4. swapped in between two engine steps (a `SetDrafter` command to the scheduler's engine thread);
 5. watched (`serving.watch.Watch`): the next `serve.rollback_window` finished requests (none of which any version
    was trained on before it was published) are replayed through the new version and the last good one, per
    group (rule `watch_rule`: like with like, with a significance rule). Worse: the server rolls back to the last
@@ -50,6 +50,7 @@ from dvi.fsutil import AppendLog, append_jsonl
 from dvi.registry.codec import check_full_config, load_drafter_version, scoring_module
 from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
+from .commands import SetDrafter
 from .memory import glibc_trim
 from .swap_policy import SwapEvent, SwapPolicy
 from .watch import Watch
@@ -295,9 +296,7 @@ class DrafterSwapper:
 
     def _swap(self, model: Any, version: int, kind: str, reason: str) -> None:
         self._freed = True
-        engine = self.scheduler.engine
-        fut = self.scheduler.call_between_steps(lambda: engine.set_drafter(model, version))
-        fut.result(timeout=120)
+        self.scheduler.command(SetDrafter(model, version)).result(timeout=120)
         with self._lock:
             prev = self.live_version
             if version in self.retry:  # a retried version made it after all
@@ -481,7 +480,7 @@ class DrafterSwapper:
             w = self.watch
             return {
                 "live_version": self.live_version,
-                "serving": getattr(self.scheduler.engine, "drafter_version", self.live_version),
+                "serving": self.scheduler.snapshot.drafter_version if self.scheduler is not None else self.live_version,
                 "good": self.good,
                 "pinned": self.pinned,
                 "watch": None if w is None else {"version": w.version, "against": w.good, "records": len(w.records),

@@ -2,7 +2,8 @@
 
 All names come from `dvi.metrics`; this module only decides *when* the server updates them:
 per finished request (counters, rolling α, latency and TTFT measured from submission, so queue
-time counts), per swap event, and at scrape time (queue depth, versions, trainer state). Every
+time counts), per swap event, and at scrape time (queue depth, versions, trainer state; the engine's part read
+from the `EngineSnapshot` its thread published, never from the engine). Every
 `log_every` finished requests it appends one row per domain to `<run_dir>/metrics.jsonl` (and
 wandb), with `step` = requests finished so far, which is what `dvi report` and the demo plot.
 """
@@ -20,11 +21,10 @@ from dvi.config import DviConfig, dump_config
 from dvi.rundir import RunDir
 
 if TYPE_CHECKING:
-    from dvi.decode.engine import SpeculativeEngine
     from dvi.feedback import FeedbackWriter
 
     from .finished import Finished
-    from .scheduler import Scheduler
+    from .snapshot import EngineSnapshot
     from .suffix_tail import SuffixTailer
     from .supervisor import TrainerSupervisor
     from .swap import DrafterSwapper
@@ -144,10 +144,11 @@ class ServerMetrics:
         for phase, n in counts.items():
             self._sync_counter(M.HTTP_REQUEST_TIMEOUTS, n, phase=phase)
 
-    def update_gauges(self, scheduler: Scheduler, swapper: DrafterSwapper | None, supervisor: TrainerSupervisor,
+    def update_gauges(self, snap: EngineSnapshot, swapper: DrafterSwapper | None, supervisor: TrainerSupervisor,
                       feedback: FeedbackWriter | None, target_version: int) -> None:
-        """Scrape time: queue depth, versions, trainer state and heartbeat, feedback write health."""
-        self.m.set_queue_depth(scheduler.queue_depth())
+        """Scrape time: queue depth (the engine's last snapshot), versions, trainer state and heartbeat, feedback
+        write health."""
+        self.m.set_queue_depth(snap.queue)
         dv = swapper.live_version if swapper is not None else 0
         self.m.set_versions(drafter_version=dv, target_version=target_version)
         if swapper is not None:
@@ -182,10 +183,11 @@ class ServerMetrics:
                 self.m[M.DRAFTER_GATE_GROUPS].labels(gate=gate, judged="true").set(len(verdict.groups) - unjudged)
                 self.m[M.DRAFTER_GATE_GROUPS].labels(gate=gate, judged="false").set(unjudged)
 
-    def update_suffix(self, engine: SpeculativeEngine, tailer: SuffixTailer | None) -> None:
-        """Scrape time: suffix index size and hits, the tree's host seconds per step (drained from the engine),
-        tailed records."""
-        st = engine.proposer.stats()
+    def update_suffix(self, snap: EngineSnapshot, step_seconds: list[float], tailer: SuffixTailer | None) -> None:
+        """Scrape time: suffix index size and hits (the engine's last snapshot), the tree's host seconds per step
+        (`step_seconds`: the samples published since the last scrape, `Scheduler.suffix_step_seconds`), tailed
+        records."""
+        st = snap.proposer_stats
         if not st:
             return
         self.m[M.SUFFIX_INDEX_TOKENS].set(st.get("tokens", 0))
@@ -193,9 +195,8 @@ class ServerMetrics:
         self._sync_counter(M.SUFFIX_LOOKUPS, st.get("lookups", 0))
         for src, key in (("suffix_request", "hits_request"), ("suffix_global", "hits_global")):
             self._sync_counter(M.SUFFIX_HITS, st.get(key, 0), source=src)
-        secs, engine.suffix_step_seconds = engine.suffix_step_seconds, []
         h = self.m[M.SUFFIX_STEP_SECONDS]
-        for x in secs:
+        for x in step_seconds:
             h.observe(x)
         if tailer is not None:
             self._sync_counter(M.SUFFIX_TAILED_RECORDS, tailer.records_added)

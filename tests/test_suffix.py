@@ -76,9 +76,13 @@ def test_tailer_adds_other_writers_outputs(tmp_path):
         for i in range(5):
             w.write(make_record(i))
     cache = SuffixCache()
-    mine = SuffixTailer(str(root), cache, lambda fn: fn(), max_records=3)  # this process wrote them: skipped
+    def add(items):
+        for seq_id, toks in items:
+            cache.add_finished(seq_id, toks)
+
+    mine = SuffixTailer(str(root), add, max_records=3)  # this process wrote them: skipped
     assert mine.poll_once() == 0 and cache.stats()["seqs"] == 0
-    other = SuffixTailer(str(root), cache, lambda fn: fn(), max_records=3, pid=-1)
+    other = SuffixTailer(str(root), add, max_records=3, pid=-1)
     assert other.poll_once() == 3 and cache.stats()["seqs"] == 3  # bounded per poll
     assert other.poll_once() == 0  # everything up to the newest shard was read
 

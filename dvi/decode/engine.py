@@ -73,7 +73,10 @@ class EngineOptions:
 
 
 class SpeculativeEngine:
-    """Speculative decoding over HF causal LMs; see docs/contracts.md for the API."""
+    """Speculative decoding over HF causal LMs; see docs/contracts.md for the API. Not thread-safe: one thread
+    owns it (a server's engine thread, `serving.scheduler`; `dvi.decode.owner` checks that in debug runs)."""
+
+    _owned_parts = ("proposer",)  # claimed with it (`dvi.decode.owner`)
 
     def __init__(
         self,
@@ -112,7 +115,7 @@ class SpeculativeEngine:
         self.k_policy = KPolicy(adaptive, num_draft_tokens, max_draft_tokens, self._calibrate)
         self.last_k = 0
         self.tokens_emitted = self.tokens_speculated = 0  # since construction (`_count_tokens`)
-        self.suffix_step_seconds: list[float] = []  # the suffix tree's host work per step (drained by /metrics)
+        self.suffix_step_seconds: list[float] = []  # the suffix tree's host work per step (`take_suffix_step_seconds`)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         self._outbox: list[StepOutput] = []
         self._target_dirty = self._drafter_dirty = False
@@ -171,6 +174,15 @@ class SpeculativeEngine:
                 self._remove_rows([(i, s, False)])
                 return self._finish_aborted(s)
         return None
+
+    def take_suffix_step_seconds(self) -> list[float]:
+        """The suffix lookups' host seconds per step since the last call (handed over: the engine starts a new list)."""
+        secs, self.suffix_step_seconds = self.suffix_step_seconds, []
+        return secs
+
+    def add_history(self, seq_id: str, tokens: list[int]) -> None:
+        """An output finished elsewhere (another replica) for history drafting; a no-op for kinds without it."""
+        self.proposer.add_history(seq_id, tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._seqs)

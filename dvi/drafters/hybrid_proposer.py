@@ -28,6 +28,8 @@ __all__ = ["HybridProposer"]
 
 class HybridProposer(Proposer):
     kind = "hybrid"
+    uses_history = True
+    _owned_parts = ("learned", "suffix")
     gain_rate = 0.05
 
     def __init__(self, learned: ModelProposer, suffix: SuffixProposer, threshold: float = 1.0):
@@ -63,6 +65,9 @@ class HybridProposer(Proposer):
 
     def stats(self) -> dict:
         return self.suffix.stats()
+
+    def add_history(self, seq_id: str, tokens: list[int]) -> None:
+        self.suffix.add_history(seq_id, tokens)
 
     def choose(self, caps: list[int], lookups: bool = True) -> tuple[dict, list[int]]:
         """The rows whose suffix proposal clears the bar (row -> proposal) and the rows the learned drafter takes."""

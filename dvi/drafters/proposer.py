@@ -10,7 +10,8 @@ Six verbs, in the spirit of HF's `CandidateGenerator` and vLLM's `v1/spec_decode
 - `observe(draft, n, emitted, feats)` what the target kept;
 - `release(finished, keep)` rows leave (finished ones may be learned from), the rest stay in order;
 - `rebuild(seqs, feats, target_version, drafter_changed)` after new target weights or a new drafter;
-- `stats()` counters for /metrics.
+- `stats()` counters for /metrics;
+- `add_history(seq_id, tokens)` an output finished elsewhere (another replica) for history drafting (suffix kinds).
 
 A hot swap to a new drafter goes through the factory (`dvi.drafters.factory.swapped`), which keeps the object
 where the kind is unchanged; `rebuild` then makes its rows' draft state current.
@@ -90,6 +91,8 @@ class Proposer:
     needs_features = False  # the verify pass must return the target's features (eagle)
     drafter: Drafter | None = None  # the learned drafter, if any (what swaps and the trainer replace)
     max_tokens = 0  # longest draft it proposes (the verify widths the engine prepares for)
+    uses_history = False  # drafts from finished outputs: `add_history` feeds it (suffix kinds)
+    _owned_parts: tuple[str, ...] = ()  # what it owns, claimed with it (`dvi.decode.owner`)
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
@@ -118,3 +121,6 @@ class Proposer:
     def stats(self) -> dict:
         """Counters for /metrics and /health (suffix: index size, hits, lookup seconds)."""
         return {}
+
+    def add_history(self, seq_id: str, tokens: list[int]) -> None:
+        """An output finished elsewhere (another replica's feedback) joins what it drafts from; a no-op here."""

@@ -48,6 +48,8 @@ class SuffixProposer(Proposer):
     """Suffix-tree drafts from a `SuffixCache` (per-request index + global index of finished outputs)."""
 
     kind = "suffix"
+    uses_history = True
+    _owned_parts = ("cache",)
 
     def __init__(self, cache: SuffixCache, vocab_size: int, device: torch.device, max_tokens: int = 16,
                  min_prob: float = 0.1, prompt_tail: int = PROMPT_TAIL, version_decay: float = 0.5):
@@ -137,6 +139,9 @@ class SuffixProposer(Proposer):
             self.cache.append(rid, e)
         self._timed(t0)
         draft.lookup_seconds = self.step_seconds  # lookups and appends: the tree's host work this step
+
+    def add_history(self, seq_id: str, tokens: list[int]) -> None:
+        self.cache.add_finished(seq_id, tokens)
 
     def stats(self) -> dict:
         s = dict(self.cache.stats())

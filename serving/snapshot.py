@@ -1,0 +1,85 @@
+"""The engine's front door, the read side: what the engine thread publishes for every other thread.
+
+After every engine step, and after every between-step command (`serving.commands`), the engine thread
+(`serving.scheduler.Scheduler._loop`) builds an `EngineSnapshot` (frozen; its dicts are read-only copies) and
+publishes it by one reference assignment (atomic under the GIL). /metrics, /health, /admin/status and the
+swapper read only that: no thread but the engine's reads the engine, its proposer or its suffix cache
+(`dvi.decode.owner` checks it in debug runs).
+
+Per-step samples (the suffix lookups' host seconds) are not a snapshot's: the engine thread hands each batch over
+once (`SampleOutbox.put`, a fresh list each time, `SpeculativeEngine.take_suffix_step_seconds`) and a scrape drains
+the published batches (`SampleOutbox.drain`): every sample is observed once, none twice, whoever scrapes when.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["EngineSnapshot", "SampleOutbox", "take_snapshot"]
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine and its loop as of one moment on the engine thread (`seq`: how many were published before)."""
+
+    seq: int = 0
+    at: float = field(default_factory=time.time)
+    queue: int = 0  # requests waiting for a slot
+    running: int = 0  # rows in the batch
+    steps: int = 0
+    completed: int = 0
+    step_errors: int = 0
+    request_errors: int = 0
+    drafter_version: int = 0  # what the engine serves (the swapper's live version once its swap ran)
+    target_version: int = 0
+    greedy_contract: Mapping[str, str] = field(default_factory=lambda: _EMPTY)  # bitwise / near-tie, at start-up
+    draft_vocab_size: int | None = None  # the learned drafter's reduced vocabulary (None: full or no drafter)
+    proposer_stats: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # `Proposer.stats()`, copied (suffix: index size, lookups, hits)
+
+
+def _draft_vocab_size(engine: Any) -> int | None:
+    drafter = getattr(engine, "drafter", None)
+    ids = getattr(drafter, "draft_vocab", None)
+    return None if ids is None else int(ids.numel())
+
+
+def take_snapshot(engine: Any, seq: int, **loop: int) -> EngineSnapshot:
+    """Engine thread only: the engine's state now plus the loop's counts (`loop`: queue, running, steps, ...)."""
+    proposer = getattr(engine, "proposer", None)
+    stats = proposer.stats() if proposer is not None else {}
+    contract = getattr(engine, "greedy_contract", None) or {}
+    return EngineSnapshot(
+        seq=seq, queue=loop.get("queue", 0), running=loop.get("running", 0), steps=loop.get("steps", 0),
+        completed=loop.get("completed", 0), step_errors=loop.get("step_errors", 0),
+        request_errors=loop.get("request_errors", 0),
+        drafter_version=int(getattr(engine, "drafter_version", 0)), target_version=int(getattr(engine, "target_version", 0)),
+        greedy_contract=MappingProxyType(dict(contract)), draft_vocab_size=_draft_vocab_size(engine),
+        proposer_stats=MappingProxyType(dict(stats)) if stats else _EMPTY)
+
+
+class SampleOutbox:
+    """Batches of samples the engine thread hands over and a reader drains, each sample once. `put` and `drain`
+    use only a deque's append / popleft (atomic in CPython): no lock, no sample lost to a race or read twice.
+    Bounded: with no reader, the oldest batches go (`max_batches`)."""
+
+    def __init__(self, max_batches: int = 4096) -> None:
+        self._batches: collections.deque[tuple[float, ...]] = collections.deque(maxlen=max_batches)
+
+    def put(self, batch: list[float]) -> None:
+        if batch:
+            self._batches.append(tuple(batch))
+
+    def drain(self) -> list[float]:
+        out: list[float] = []
+        while True:
+            try:
+                out.extend(self._batches.popleft())
+            except IndexError:
+                return out
