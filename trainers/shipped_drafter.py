@@ -103,10 +103,11 @@ def strength(manifest: dict) -> float:
     return sum(v[size] for v in per.values()) / max(1, len(per))
 
 
-def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = None, force: bool = False) -> Path:
+def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = None, force: bool = False,
+           commit: str | None = None) -> Path:
     """Write the separate drafter of the pair built at `built` as the shipped drafter of `p` (under `root`, default
     the package's). Refused (ValueError) when a shipped drafter of the same recipe is there and this one is not
-    stronger by `strength`, unless `force`."""
+    stronger by `strength`, unless `force`. `commit`: the code that built it (default: this checkout's HEAD)."""
     from safetensors.torch import save_file
 
     from dvi.models.embedded import read_manifest
@@ -121,7 +122,7 @@ def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = N
     manifest = {
         "format": FORMAT, "preset": p.name, "fingerprint": p.fingerprint(), "wheel_sha256": p.sha256,
         "gguf_sha256": bm["source"]["conversion"]["gguf_sha256"], "seed": bm["seed"],
-        "command": command, "commit": _commit(), "built_on": {"device": "cpu", "cpu": _cpu_model(),
+        "command": command, "commit": commit or _commit(), "built_on": {"device": "cpu", "cpu": _cpu_model(),
                                                             "threads": bm.get("threads")},
         "created_at": bm["created_at"], "exported_at": time.time(),
         "tokens_trained": bm["drafter"]["train_tokens"], "draft_vocab": int(stored.numel()),
