@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dvi.models.embedded import PRESETS, PretrainedPreset, embedded_paths, is_built, read_manifest
+from dvi.models.pretrained import sha256_file
 from trainers import shipped_drafter
 
 LIMIT_BYTES = 40 * 2**20
@@ -38,7 +39,7 @@ def test_every_pretrained_preset_ships_a_drafter_of_its_recipe_within_budget():
         assert m["built_on"]["cpu"] and m["tokens_trained"] > 0
         assert set(m["agreement"]) == {"code", "chat", "prose"}
         for name, digest in m["files"].items():
-            assert shipped_drafter._sha256(s.path / name) == digest, name
+            assert sha256_file(s.path / name) == digest, name
         total += sum((s.path / f).stat().st_size for f in m["files"]) + (s.path / shipped_drafter.MANIFEST).stat().st_size
     assert total <= LIMIT_BYTES
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from trainers.build_common import scoring_batches
+from trainers.pretrained_eval import draft_top
 
 POINTS = 8  # points on the curve, the last at the end of training
 SLICE_WINDOWS = 8  # held-out windows a domain contributes to each point
@@ -46,8 +47,7 @@ class AgreementProbe:
             hits = total = 0
             for ids, mask, valid, top in batches:
                 logits = drafter(input_ids=ids, attention_mask=mask).logits
-                guess = self.sub[logits[..., self.sub].argmax(-1)] if self.sub is not None else logits.argmax(-1)
-                hits += int(((guess == top) & valid).sum())
+                hits += int(((draft_top(logits, self.sub) == top) & valid).sum())
                 total += int(valid.sum())
             out[d] = hits / max(1, total)
         return out

@@ -15,6 +15,11 @@ from dvi.models.loading import decode_step_latency
 from trainers.build_common import scoring_batches
 
 
+def draft_top(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """The drafter's greedy token over the draft vocabulary `ids` (None: the full vocabulary)."""
+    return ids[logits[..., ids].argmax(-1)] if ids is not None else logits.argmax(-1)
+
+
 def coverage(order: torch.Tensor, streams: list[torch.Tensor], n: int) -> float:
     """Share of the tokens in `streams` that the first `n` ids of `order` cover."""
     keep = torch.zeros(order.numel(), dtype=torch.bool)
@@ -35,12 +40,7 @@ def agreement(target, drafter, windows: list[list[int]], order: torch.Tensor, si
         d_logits = drafter(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
         total += int(valid.sum())
         for n in sizes:
-            if n:
-                sub = order[:n]
-                d_top = sub[d_logits[..., sub].argmax(-1)]
-            else:
-                d_top = d_logits.argmax(-1)
-            hits[n] += int(((d_top == t_top) & valid).sum())
+            hits[n] += int(((draft_top(d_logits, order[:n] if n else None) == t_top) & valid).sum())
     return {n: hits[n] / max(1, total) for n in sizes}
 
 

@@ -28,6 +28,7 @@ import torch
 from dvi.drafters.vocab import DRAFT_VOCAB_FILE, save_draft_vocab
 from dvi.fsutil import atomic_write_text
 from dvi.models.embedded import EmbeddedPaths, PretrainedPreset
+from dvi.models.pretrained import sha256_file
 
 SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped"
 WEIGHTS = "drafter.safetensors"
@@ -144,7 +145,7 @@ def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = N
     if curve.is_file():  # the build's learning curve, for a reader deciding whether more tokens would pay
         shutil.copyfile(curve, d / CURVE_PNG)
         names.append(CURVE_PNG)
-    manifest["files"] = {name: _sha256(d / name) for name in names}
+    manifest["files"] = {name: sha256_file(d / name) for name in names}
     manifest["bytes"] = sum((d / f).stat().st_size for f in manifest["files"])
     atomic_write_text(d / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return d
@@ -157,7 +158,7 @@ def install(shipped: Shipped, drafter, paths: EmbeddedPaths) -> dict:
     from safetensors.torch import load_file
 
     for name, want in shipped.manifest["files"].items():
-        got = _sha256(shipped.path / name)
+        got = sha256_file(shipped.path / name)
         if got != want:
             raise ValueError(f"shipped drafter file {shipped.path / name} has sha256 {got}, its manifest says {want}: "
                              "the checkout is damaged (git checkout -- the file) or the manifest is stale")
@@ -192,13 +193,6 @@ def _stored_order(d: Path) -> torch.Tensor:
 
     return load_file(str(Path(d) / DRAFT_VOCAB_FILE))["token_ids"]
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _commit() -> str:
