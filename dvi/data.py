@@ -13,7 +13,7 @@ import hashlib
 import random
 import re
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -285,6 +285,47 @@ def chat_prompt_stream(tokenizer, split: str = "heldout", seed: int = 0, max_tok
         ids = render_chat(tokenizer, msgs)
         if len(ids) <= max_tokens:
             yield ids
+
+
+# ---------------------------------------------------------------------------------------------
+# code cuts: a function's surroundings, the shape of a served code prompt (benchmarks' unseen pip cuts, the
+# device build's on-policy continuations of stdlib cuts)
+
+
+def def_cut(text: str, rng: random.Random, tok) -> list[int] | None:
+    """The tokens around a random `def` line of `text`: from two lines before it, up to 96 tokens, cut at the end
+    of its fourth line (at least 48 tokens); None where `text` has no `def` or too little around it."""
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
+    if not starts:
+        return None
+    i = rng.choice(starts)
+    ids = tok.encode("".join(lines[max(0, i - 2): i + 12]), add_special_tokens=False)
+    if len(ids) < 48:
+        return None
+    cut = len(tok.encode("".join(lines[max(0, i - 2): i + 4]), add_special_tokens=False))
+    return ids[: max(48, min(96, cut))]
+
+
+def def_cuts(texts: Iterable[str], rng: random.Random, tok, n: int) -> list[list[int]]:
+    """Up to n `def_cut`s, one per text, in the order given."""
+    out = []
+    for text in texts:
+        ids = def_cut(text, rng, tok)
+        if ids is not None:
+            out.append(ids)
+        if len(out) == n:
+            break
+    return out
+
+
+def code_cut_prompts(tokenizer, split: str, n: int, seed: int = 0) -> list[list[int]]:
+    """n `def_cut`s of `split` stdlib code (the files cycled in seeded random order, a random `def` each time)."""
+    texts = load_texts("code", split)
+    rng = random.Random(f"cuts/{split}/{seed}")
+    if not texts:
+        return []
+    return def_cuts((rng.choice(texts) for _ in range(50 * n)), rng, tokenizer, n)
 
 
 # ---------------------------------------------------------------------------------------------

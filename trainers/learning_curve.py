@@ -31,14 +31,17 @@ class AgreementProbe:
 
     def __init__(self, target, heldout: tuple[dict, dict], order: torch.Tensor, size: int):
         evals, skips = heldout
-        self.sub = order[:size] if size else None
+        dev = next(target.parameters()).device
+        self.sub = order[:size].to(dev) if size else None
         self.batches: dict[str, list[tuple]] = {}
         with torch.inference_mode():
             for d, windows in evals.items():
                 w = windows[:SLICE_WINDOWS]
                 skip = skips.get(d)
+                cut = scoring_batches(w, skip[:SLICE_WINDOWS] if skip else None)
+                on_dev = [(ids.to(dev), mask.to(dev), valid.to(dev)) for ids, mask, valid in cut]
                 self.batches[d] = [(ids, mask, valid, target(input_ids=ids, attention_mask=mask).logits.argmax(-1))
-                                   for ids, mask, valid in scoring_batches(w, skip[:SLICE_WINDOWS] if skip else None)]
+                                   for ids, mask, valid in on_dev]
 
     @torch.inference_mode()
     def __call__(self, drafter) -> dict[str, float]:

@@ -101,14 +101,15 @@ def greedy_replies(target, tokenizer, prompts: list[list[int]], max_new_tokens: 
     """Each prompt followed by the target's greedy reply (ending at EOS, at most `max_new_tokens`):
     text a drafter is judged or trained on for a chat-shaped domain (chat, sql)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    dev = next(target.parameters()).device
     out = []
     for i in tqdm(range(0, len(prompts), batch), desc=desc, disable=not progress, leave=False):
         chunk = prompts[i: i + batch]
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
-        gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                              pad_token_id=pad, eos_token_id=eos)
+        gen = target.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
+                              do_sample=False, pad_token_id=pad, eos_token_id=eos).cpu()
         for c, row in zip(chunk, gen[:, width:].tolist(), strict=True):
             reply = row[: row.index(eos) + 1] if eos in row else row
             out.append(c + reply)

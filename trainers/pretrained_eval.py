@@ -35,7 +35,10 @@ def agreement(target, drafter, windows: list[list[int]], order: torch.Tensor, si
     0 = full) with the target's greedy token, over every position of `windows` (after `skip[i]`)."""
     hits = {n: 0 for n in sizes}
     total = 0
+    dev = next(target.parameters()).device
+    order = order.to(dev)
     for ids, mask, valid in scoring_batches(windows, skip, batch):
+        ids, mask, valid = ids.to(dev), mask.to(dev), valid.to(dev)
         t_top = target(input_ids=ids, attention_mask=mask).logits.argmax(-1)  # [B, T]
         d_logits = drafter(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
         total += int(valid.sum())

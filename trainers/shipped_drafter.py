@@ -123,8 +123,8 @@ def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = N
     manifest = {
         "format": FORMAT, "preset": p.name, "fingerprint": p.fingerprint(), "wheel_sha256": p.sha256,
         "gguf_sha256": bm["source"]["conversion"]["gguf_sha256"], "seed": bm["seed"],
-        "command": command, "commit": commit or _commit(), "built_on": {"device": "cpu", "cpu": _cpu_model(),
-                                                            "threads": bm.get("threads")},
+        "command": command, "commit": commit or _commit(),
+        "built_on": bm.get("built_on") or {"device": "cpu", "cpu": _cpu_model(), "threads": bm.get("threads")},
         "created_at": bm["created_at"], "exported_at": time.time(),
         "tokens_trained": bm["drafter"]["train_tokens"], "draft_vocab": int(stored.numel()),
         "serve_draft_vocab": p.serve_draft_vocab, "agreement": bm["agreement"],
@@ -152,9 +152,19 @@ def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = N
 
 
 def install(shipped: Shipped, drafter, paths: EmbeddedPaths) -> dict:
-    """Load the shipped weights into `drafter` (the preset's drafter made from the converted target, bf16: it
-    brings the target's embeddings) and save it to `paths.drafter`, exactly as built (checked by digest). Returns
-    the manifest entries the pair records."""
+    """Load the shipped weights into `drafter` (`load_into`) and save it to `paths.drafter`. Returns the manifest
+    entries the pair records."""
+    load_into(shipped, drafter)
+    drafter.save_pretrained(str(paths.drafter))
+    save_draft_vocab(paths.drafter, _stored_order(shipped.path), int(drafter.config.vocab_size))
+    return {"shipped": {"path": str(shipped.path), "commit": shipped.manifest["commit"],
+                        "built_on": shipped.manifest["built_on"], "command": shipped.manifest["command"],
+                        "files": shipped.manifest["files"]}}
+
+
+def load_into(shipped: Shipped, drafter):
+    """The shipped weights loaded into `drafter` (the preset's drafter made from the converted target, bf16: it
+    brings the target's embeddings), exactly as built (checked by digest); returns it."""
     from safetensors.torch import load_file
 
     for name, want in shipped.manifest["files"].items():
@@ -163,8 +173,6 @@ def install(shipped: Shipped, drafter, paths: EmbeddedPaths) -> dict:
             raise ValueError(f"shipped drafter file {shipped.path / name} has sha256 {got}, its manifest says {want}: "
                              "the checkout is damaged (git checkout -- the file) or the manifest is stale")
     tensors = load_file(str(shipped.path / WEIGHTS))
-    vocab = int(drafter.config.vocab_size)
-    order = _stored_order(shipped.path)
     rows, ids = tensors.pop(HEAD_ROWS), tensors.pop(HEAD_IDS)
     with torch.no_grad():
         head = torch.zeros_like(drafter.lm_head.weight)
@@ -180,11 +188,7 @@ def install(shipped: Shipped, drafter, paths: EmbeddedPaths) -> dict:
         raise ValueError(f"the drafter rebuilt from {shipped.path} differs from the one that was built and measured "
                          f"(digest {digest[:16]} vs {shipped.manifest['drafter_digest'][:16]}): the target converted "
                          "here has other embeddings than the build's")
-    drafter.save_pretrained(str(paths.drafter))
-    save_draft_vocab(paths.drafter, order, vocab)
-    return {"shipped": {"path": str(shipped.path), "commit": shipped.manifest["commit"],
-                        "built_on": shipped.manifest["built_on"], "command": shipped.manifest["command"],
-                        "files": shipped.manifest["files"]}}
+    return drafter
 
 
 def _stored_order(d: Path) -> torch.Tensor:
