@@ -41,3 +41,39 @@ def test_static_shapes_compute_what_the_eager_forward_does():
     ids = torch.randint(0, 128, (3, 4), generator=g)
     torch.testing.assert_close(static.forward(ids, False), eager.forward(ids, False), rtol=1e-5, atol=1e-5)
     assert static.cache.frozen and static.cache is static.graphs.cache
+
+
+@torch.inference_mode()
+def test_engine_admits_no_more_rows_than_a_fixed_cache_holds():
+    """A captured graphs' cache holds max_batch rows: more prompts than that join as rows leave, with the text of
+    an engine whose cache grows (the first GPU check sent a 17th row into 16 slots)."""
+    from dvi.decode.engine import SpeculativeEngine
+
+    kw = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    target, drafter = tiny_llama(0, **kw), tiny_llama(1, **kw)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6, 10, 2)]
+    grown = SpeculativeEngine(target, drafter, num_draft_tokens=2).generate(prompts, max_new_tokens=6)
+    eng = SpeculativeEngine(target, drafter, num_draft_tokens=2)
+    lean = LeanModel(target)
+    eng._target = LeanTarget(lean=lean, graphs=StaticForward(lean, max_batch=4, max_width=3, max_context=300))
+    fixed = eng.generate(prompts, max_new_tokens=6)
+    assert eng._target.max_rows == 4
+    assert [r.token_ids for r in fixed] == [r.token_ids for r in grown]
+
+
+@torch.inference_mode()
+def test_rope_tables_never_regrow_inside_a_capture():
+    """The rope tables are sized before capture; a context bucket past the model's max positions (positions are
+    clamped there) must not rebuild them during a forward (on CUDA: a host copy inside a capture, and graphs left
+    reading freed tables; the first GPU check failed 14 of 18 CUDA tests on it)."""
+    target = tiny_llama(0, vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=64)
+    lean = LeanModel(target)
+    static = LeanTarget(lean=lean, graphs=StaticForward(lean, max_batch=2, max_width=3, max_context=300))
+    tables = (lean.cos, lean.sin)
+    static.admit([list(range(1, 9))], False)
+    for _ in range(3):
+        static.forward(torch.tensor([[5, 6, 7]]), False)
+        static.keep(3, [3])
+    assert lean.cos is tables[0] and lean.sin is tables[1]

@@ -323,7 +323,11 @@ class SpeculativeEngine:
         self.params = BatchParams.of(self._seqs, self.device, self.vocab_size)
 
     def _admit(self) -> None:
-        new, self._waiting = self._waiting, []
+        room = self._target.max_rows
+        take = len(self._waiting) if room is None else max(0, room - len(self._seqs))
+        new, self._waiting = self._waiting[:take], self._waiting[take:]
+        if not new:  # a fixed-size cache (CUDA graphs) is full: they join as rows leave
+            return
         feats = self._target.admit([list(s.req.prompt_ids[:-1]) for s in new], self.proposer.needs_features)
         self.proposer.join(new, feats)
         last = torch.tensor([int(s.req.prompt_ids[-1]) for s in new], dtype=torch.long, device=self.device)

@@ -249,7 +249,7 @@ class LeanModel:
         probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
         cos, sin = self.rotary(probe, pos)  # [1, P, D]
         half, d, rot = self.head_dim // 2, self.head_dim, self.heads + self.kv_heads
-        sign = torch.cat([-torch.ones(half), torch.ones(d - half)]).to(sin)
+        sign = torch.cat([-torch.ones(half, device=sin.device), torch.ones(d - half, device=sin.device)]).to(sin)
         sin = sin[0] * sign  # rotate_half(x) * sin == flip_halves(x) * (sign * sin), exactly
         ones, zeros = torch.ones_like(sin), torch.zeros_like(sin)
         self.cos = torch.cat([cos[0].repeat(1, rot), ones.repeat(1, self.kv_heads)], 1).contiguous()
@@ -260,6 +260,7 @@ class LeanModel:
 
     def _rope(self, pos: torch.Tensor, n: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin [N, heads + 2 kv_heads, 2, D / 2] for positions `pos` [N] (`last`: the largest)."""
+        last = min(last, self.max_position - 1)  # positions are clamped there: a table never needs more rows
         if last >= self.cos.shape[0]:
             self._rope_tables(last + 1)
         shape = (n, self.heads + 2 * self.kv_heads, 2, self.head_dim // 2)

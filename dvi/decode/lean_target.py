@@ -42,6 +42,11 @@ class LeanTarget:
         return self.cache.batch_size
 
     @property
+    def max_rows(self) -> int | None:
+        """Rows the captured graphs' cache holds (None: the cache grows)."""
+        return self.graphs.batches[-1] if self.graphs is not None else None
+
+    @property
     def contract(self) -> dict[str, str]:
         """What greedy speculation guarantees one request at a time and in batches: 'bitwise' or 'near-tie'
         (see the module doc; CUDA graphs attend in one call)."""

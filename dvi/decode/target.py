@@ -30,6 +30,7 @@ class TargetRunner(Protocol):
     """What the engine asks of its target."""
 
     batch_size: int
+    max_rows: int | None  # rows the runner can hold at once (captured graphs' fixed cache); None: no limit
 
     def admit(self, contexts: list[list[int]], features: bool) -> Features:
         """Rows holding `contexts` join at the end of the batch; with `features`, each row's final normed hidden
@@ -68,6 +69,8 @@ class RaggedTarget:
     @property
     def batch_size(self) -> int:
         return self.kv.batch_size
+
+    max_rows = None
 
     def _fn(self, features: bool):
         if not features:
