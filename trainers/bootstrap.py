@@ -89,6 +89,9 @@ def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed:
     kinds = check_kinds(kinds)
     out = Path(out).expanduser() if out is not None else embedded_dir(p.name)
     pretrained = isinstance(p, PretrainedPreset)
+    if not force and pretrained and drafter != "retrain" and is_built(out) and _shipped_changed(out, p, shipped_root):
+        log(f"the drafter dvi ships for {p.name!r} changed since {out} was installed: installing it", progress)
+        force = True
     if not force and is_built(out) and _matches(read_manifest(out), p, seed):
         missing = tuple(k for k in kinds if k not in built_kinds(out)) if pretrained else ()
         return _add_kinds(p, out, missing, seed, progress) if missing else out
@@ -130,8 +133,7 @@ def _pretrained_pair(p: PretrainedPreset, tmp: Path, seed: int, progress: bool, 
     from trainers import shipped_drafter
 
     if drafter == "retrain":
-        log("--retrain: building the drafter here (the shipped one is not used)", progress)
-        return pretrained_build.build(p, tmp, seed=seed, progress=progress, kinds=kinds)
+        return _retrain(p, tmp, seed, progress, kinds)
     shipped, why = shipped_drafter.find(p, shipped_root)
     if shipped is not None and shipped.manifest.get("seed") != seed:
         shipped, why = None, f"the shipped drafter was built with seed {shipped.manifest.get('seed')}, not {seed}"
@@ -147,6 +149,32 @@ def _pretrained_pair(p: PretrainedPreset, tmp: Path, seed: int, progress: bool, 
     if shipped is None:
         log(f"{why}: building the drafter here (30-70 min on a 2-core CPU)", progress)
     return pretrained_build.build(p, tmp, seed=seed, progress=progress, kinds=kinds, obtained=obtained)
+
+
+def _shipped_changed(out: Path, p: PretrainedPreset, shipped_root: Path | None) -> bool:
+    """The pair at `out` holds a shipped drafter, and the one shipped now is another (an upgraded checkout)."""
+    from trainers import shipped_drafter
+
+    installed = ((read_manifest(out) or {}).get("drafter") or {}).get("shipped")
+    if not installed:
+        return False
+    shipped, _ = shipped_drafter.find(p, shipped_root)
+    return shipped is not None and shipped.manifest.get("files") != installed.get("files")
+
+
+def _retrain(p: PretrainedPreset, tmp: Path, seed: int, progress: bool, kinds: tuple[str, ...]) -> dict:
+    """`--retrain`: a drafter built on the device present: on a GPU the device build's budget
+    (`trainers.device_build`; kinds beyond `separate` are added after, on the CPU recipe), else the CPU build."""
+    import torch
+
+    if torch.cuda.is_available():
+        from trainers import device_build
+
+        log("--retrain on a GPU: the device build (the shipped drafter is not used)", progress)
+        return device_build.build(p, tmp, "cuda", device_build.Budget.for_device("cuda"), seed=seed,
+                                  progress=progress)
+    log("--retrain: building the drafter here on the CPU (the shipped one is not used)", progress)
+    return pretrained_build.build(p, tmp, seed=seed, progress=progress, kinds=kinds)
 
 
 def load_manifest(path: str | Path) -> dict:

@@ -46,8 +46,10 @@ from trainers.subset_distill import progress_bar, subset_kl, train_autocast
 __all__ = ["Budget", "MIX", "build", "distill_online", "training_streams"]
 
 # the text a batch's windows come from: stdlib code, the target's greedy continuations of stdlib code cuts, its
-# greedy replies to chat instructions, pydoc prose
-MIX = {"code": 0.3, "code_greedy": 0.25, "chat": 0.35, "prose": 0.1}
+# greedy replies to chat instructions about stdlib code and pydoc, its greedy replies to requests it wrote itself
+# (`open_chat_prompts`; where a budget asks for them), pydoc prose
+MIX = {"code": 0.3, "code_greedy": 0.2, "chat": 0.2, "chat_open": 0.2, "prose": 0.1}
+GENERATED = ("chat_replies", "code_continuations", "open_chats")  # the generation stages' wall-time keys
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Budget:
     seconds: float
     chat_replies: int
     code_continuations: int
+    open_chats: int = 0
     reply_tokens: int = 192
     continuation_tokens: int = 128
     batch_windows: int = 64
@@ -69,7 +72,8 @@ class Budget:
     def for_device(cls, device: str) -> Budget:
         """A GPU's budget fills it for a few minutes; a CPU's is the CPU build's token budget, batches of 8."""
         if device.startswith("cuda"):
-            return cls(tokens=96 * 2**20, seconds=180.0, chat_replies=8192, code_continuations=6144, gen_seconds=120.0)
+            return cls(tokens=96 * 2**20, seconds=180.0, chat_replies=8192, code_continuations=6144, open_chats=4096,
+                       gen_seconds=120.0)
         return cls(tokens=786_432, seconds=3 * 3600.0, chat_replies=96, code_continuations=64, batch_windows=8,
                    gen_batch=16)
 
@@ -91,6 +95,32 @@ def _generate(target, tokenizer, prompts: list[list[int]], new_tokens: int, batc
     return out
 
 
+@torch.inference_mode()
+def open_chat_prompts(target, tokenizer, n: int, seed: int, batch: int, max_tokens: int = 96) -> list[list[int]]:
+    """Chat prompts of requests the target writes itself (Magpie-style: the chat template up to a user turn's text,
+    sampled at T=1, top-p 0.95, kept where the turn ends within `max_tokens`): the breadth of what users ask an
+    instruct model, where the build's own instructions are only about stdlib code and pydoc."""
+    mark = "\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    prefix = tokenizer.encode(text[: text.index(mark)], add_special_tokens=False)
+    dev = next(target.parameters()).device
+    torch.manual_seed(seed + 3)
+    eos, seen, out = tokenizer.eos_token_id, set(), []
+    for i in range(0, n, batch):
+        ids = torch.tensor([prefix] * min(batch, n - i), device=dev)
+        gen = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                              top_p=0.95, top_k=0, max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=eos).cpu()
+        for row in gen[:, len(prefix):].tolist():
+            if eos not in row:
+                continue
+            request = tokenizer.decode(row[: row.index(eos)], skip_special_tokens=True).strip()
+            if len(request) >= 12 and request not in seen:
+                seen.add(request)
+                out.append(data.render_chat(tokenizer, [{"role": "user", "content": request}]))
+    return out
+
+
 def training_streams(target, tokenizer, budget: Budget, seed: int, progress: bool,
                      walls: dict[str, float]) -> dict[str, torch.Tensor]:
     """The packed token streams of `MIX`'s domains (train splits only)."""
@@ -103,17 +133,26 @@ def training_streams(target, tokenizer, budget: Budget, seed: int, progress: boo
             prompts.append(ids)
             if len(prompts) == budget.chat_replies:
                 break
-        share = budget.gen_seconds * budget.chat_replies / max(1, budget.chat_replies + budget.code_continuations)
+        total = max(1, budget.chat_replies + budget.code_continuations + budget.open_chats)
+        share = budget.gen_seconds * budget.chat_replies / total  # the generation time, shared by sequence counts
         chats = _generate(target, tokenizer, prompts, budget.reply_tokens, budget.gen_batch, "chat replies", progress,
                           share)
         streams["chat"] = pack_docs(chats, None, None)
     with timed(walls, "code_continuations_s"):
         cuts = data.code_cut_prompts(tokenizer, "train", budget.code_continuations, seed)
         conts = _generate(target, tokenizer, cuts, budget.continuation_tokens, budget.gen_batch,
-                          "code continuations", progress, budget.gen_seconds - walls["chat_replies_s"])
+                          "code continuations", progress,
+                          budget.gen_seconds * (budget.chat_replies + budget.code_continuations) / total
+                          - walls["chat_replies_s"])
         streams["code_greedy"] = pack_docs(conts, None, eos)
+    if budget.open_chats:
+        with timed(walls, "open_chats_s"):
+            asks = open_chat_prompts(target, tokenizer, budget.open_chats, seed, budget.gen_batch)
+            left = budget.gen_seconds - walls["chat_replies_s"] - walls["code_continuations_s"]
+            streams["chat_open"] = pack_docs(_generate(target, tokenizer, asks, budget.reply_tokens, budget.gen_batch,
+                                                       "open chat replies", progress, max(left, 10.0)), None, None)
     log("training text: " + ", ".join(f"{k} {v.numel():,} tokens" for k, v in streams.items())
-        + f" (generated in {walls['chat_replies_s'] + walls['code_continuations_s']:.0f}s)", progress)
+        + f" (generated in {sum(walls.get(k + '_s', 0.0) for k in GENERATED):.0f}s)", progress)
     return streams
 
 
@@ -299,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, help="distillation wall seconds (default: the device's budget)")
     ap.add_argument("--chat-replies", type=int)
     ap.add_argument("--code-continuations", type=int)
+    ap.add_argument("--open-chats", type=int, help="requests the target writes itself, each answered greedily")
     ap.add_argument("--gen-seconds", type=float, help="seconds of on-policy generation at most")
     ap.add_argument("--ship", type=Path, help="also export the drafter as a shipped drafter under this root")
     ap.add_argument("--seed", type=int, default=0)
@@ -309,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--preset: {a.preset!r} is not a pretrained preset")
     budget = Budget.for_device(a.device)
     over = {"tokens": a.tokens, "seconds": a.seconds, "chat_replies": a.chat_replies,
-            "code_continuations": a.code_continuations,
+            "code_continuations": a.code_continuations, "open_chats": a.open_chats,
             "gen_seconds": a.gen_seconds}
     budget = replace(budget, **{k: v for k, v in over.items() if v is not None})
     m = build(p, a.out, a.device, budget, seed=a.seed, gguf=a.gguf, tokenizer_dir=a.tokenizer)

@@ -293,7 +293,7 @@ def from_shipped(p: PretrainedPreset, root: Path, shipped: Shipped, progress: bo
         installed = install_shipped(shipped, skeleton, paths)
     walls["total_s"] = time.perf_counter() - t_start
     built = shipped.manifest["build_manifest"]
-    log(f"drafter installed from {shipped.path} (built on {shipped.manifest['built_on']['cpu']}, "
+    log(f"drafter installed from {shipped.path} (built on {_where(shipped.manifest['built_on'])}, "
         f"{shipped.manifest['tokens_trained']:,} tokens; {walls['total_s']:.0f}s)", progress)
     return {**built, "source": source, "created_at": time.time(), "kinds": ["separate"],
             "drafter": {**built["drafter"], **installed}, "wall": walls, "build_wall": built["wall"]}, {}
@@ -393,16 +393,21 @@ def summary_table(m: dict) -> str:
         cov = m["draft_vocab"]["coverage"].get(d, {})
         lines.append(f"  {'token coverage ' + d:<24}" + "".join(
             f"{cov[s]:>9.3f}" if s in cov else f"{'1.000':>9}" for s in sizes))
-    lines.append(f"  {'drafter step ms':<24}" + "".join(f"{lat['drafter_ms'][s]:>9.2f}" for s in sizes))
-    lines.append(f"  {'target / drafter step':<24}" + "".join(f"{lat['ratio'][s]:>8.1f}x" for s in sizes))
+    if lat and "drafter_ms" in lat:  # a device build measures no CPU step times
+        lines.append(f"  {'drafter step ms':<24}" + "".join(f"{lat['drafter_ms'][s]:>9.2f}" for s in sizes))
+        lines.append(f"  {'target / drafter step':<24}" + "".join(f"{lat['ratio'][s]:>8.1f}x" for s in sizes))
     ee = m.get("early_exit")
     if ee:
         agree = ", ".join(f"{d} {a:.3f}" for d, a in ee["agreement"].items())
         lines.append(f"  early-exit drafter ({ee['layers']} target layers + LoRA r{ee['lora_rank']} + exit head, "
                      f"{m['draft_vocab']['default']} ids): agreement {agree}; step {lat['early_exit_ms']:.2f} ms "
                      f"({lat['early_exit_ratio']:.1f}x)")
-    lines.append(f"  target step (batch 1, KV cache, {lat['dtype']}, 1 thread): {lat['target_ms']:.1f} ms; "
-                 f"default draft vocabulary {m['draft_vocab']['default']}")
+    if lat and "target_ms" in lat:
+        lines.append(f"  target step (batch 1, KV cache, {lat['dtype']}, 1 thread): {lat['target_ms']:.1f} ms; "
+                     f"default draft vocabulary {m['draft_vocab']['default']}")
+    built = m.get("built_on")
+    if built and built.get("gpu"):
+        lines.append(f"  built on {built['gpu']} ({m['drafter']['train_tokens']:,} token-passes)")
     points = (m.get("learning_curve") or {}).get("points") or []
     if points:
         lines.append(f"  learning curve (agreement at {m['learning_curve']['draft_vocab']} ids, held-out slice):")
@@ -411,3 +416,8 @@ def summary_table(m: dict) -> str:
     w = m["wall"]
     lines.append("  wall: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in w.items()))
     return "\n".join(lines)
+
+
+def _where(built_on: dict) -> str:
+    """The device a drafter was built on, as a person names it: the GPU where there was one, else the CPU."""
+    return built_on.get("gpu") or built_on.get("cpu", "?")

@@ -1,0 +1,113 @@
+"""The device build (`trainers.device_build`) end to end on the CPU with a tiny budget.
+
+A tiny llama.cpp-style GGUF on disk (as on a lent machine that cannot reach PyPI) -> target + tokenizer -> the
+target's greedy chat replies and code continuations -> distillation with the target labelling each batch, until the
+token budget -> learning curve -> agreement -> manifest. Exported as a shipped drafter, it installs through
+`dvi bootstrap` bit for bit; a pair installed from an older shipped drafter is reinstalled when the shipped one
+changes (an upgraded checkout), and one the user retrained is left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import types
+
+import pytest
+import torch
+from test_pretrained import CHAT_SPECIALS, CHATML, ENDOFTEXT, _fake_wheel, _tiny_llama, _write_llama_gguf
+from test_pretrained_build import MEMBER, PACKAGE, VERSION, _NoPip, _tiny_preset
+
+import dvi.models.pretrained
+from dvi.models.embedded import PRESETS, EmbeddedPaths, is_built, read_manifest
+from dvi.models.loading import CPU_BF16_ENV, load_causal_lm
+from dvi.models.pretrained import WheelModel
+from trainers import device_build, pretrained_build, shipped_drafter
+from trainers.bootstrap import bootstrap
+
+BUDGET = device_build.Budget(tokens=2048, seconds=120.0, chat_replies=2, code_continuations=2, open_chats=4,
+                             reply_tokens=8, continuation_tokens=8, batch_windows=2, gen_batch=2)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_pair_dir, tmp_path_factory):
+    """(preset, gguf path, tmp dir) with `$DVI_CACHE`, the wheels cache and `PRESETS["smollm2"]` pointing here."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair_dir / "tokenizer"))
+    tok.add_special_tokens({"additional_special_tokens": [ENDOFTEXT, *CHAT_SPECIALS]})
+    tok.chat_template = CHATML
+    model = _tiny_llama(len(tok), tied=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    tmp = tmp_path_factory.mktemp("device-build")
+    gguf = _write_llama_gguf(tmp / "tiny-llama.F32.gguf", model, tok)
+    blob = _fake_wheel(tmp / "build.whl", MEMBER, gguf.read_bytes()).read_bytes()
+    preset = dataclasses.replace(_tiny_preset(hashlib.sha256(blob).hexdigest()), train_vocab=128)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CPU_BF16_ENV, "0")
+        mp.setenv("DVI_CACHE", str(tmp / "cache" / "models"))
+        mp.setitem(PRESETS, "smollm2", preset)
+        mp.setattr(dvi.models.pretrained, "subprocess", types.SimpleNamespace(run=_NoPip().run))
+        wheels = pretrained_build.wheels_dir()
+        wheels.mkdir(parents=True)
+        (wheels / WheelModel(PACKAGE, VERSION, preset.sha256, MEMBER).wheel_name).write_bytes(blob)
+        yield preset, gguf, tmp
+
+
+@pytest.fixture(scope="module")
+def built(setup):
+    preset, gguf, tmp = setup
+    root = tmp / "built" / "smollm2"
+    return root, device_build.build(preset, root, "cpu", BUDGET, gguf=gguf, progress=False)
+
+
+def test_device_build_spends_its_budget_and_writes_a_pair(setup, built):
+    preset, gguf, _ = setup
+    root, m = built
+    train = m["drafter"]["train"]
+    assert train["stopped_by"] == "tokens" and BUDGET.tokens <= train["tokens"] < BUDGET.tokens + 2 * 64
+    assert train["final_loss"] < train["first_loss"]
+    assert {"chat", "code_greedy", "code", "prose"} <= set(m["training_text_tokens"])
+    assert m["training_text_tokens"]["chat"] > 0 and m["training_text_tokens"]["code_greedy"] > 0
+    points = m["learning_curve"]["points"]
+    assert points and points[-1]["tokens"] == train["tokens"]
+    assert [p["tokens"] for p in points] == sorted({p["tokens"] for p in points})
+    assert (root / "learning_curve.png").stat().st_size > 1000
+    assert set(m["agreement"]) == {"code", "prose", "chat"}
+    assert all(0.0 <= a <= 1.0 for per in m["agreement"].values() for a in per.values())
+    assert m["built_on"]["device"] == "cpu" and m["device_budget"]["tokens"] == BUDGET.tokens
+    assert m["source"]["conversion"]["gguf_sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert is_built(root) and read_manifest(root)["fingerprint"] == preset.fingerprint()
+    drafter = load_causal_lm(EmbeddedPaths.at(root).drafter, "cpu", "float32")
+    head = drafter.lm_head.weight
+    assert int(head.ne(0).any(-1).sum()) <= preset.train_vocab  # rows it never trained on are zero
+
+
+def test_exported_drafter_installs_and_a_changed_one_is_reinstalled(setup, built):
+    preset, gguf, tmp = setup
+    root, _ = built
+    ship_root = tmp / "ship"
+    shipped_drafter.export(root, preset, "test", root=ship_root, force=True, commit="test")
+    first, why = shipped_drafter.find(preset, ship_root)
+    assert first is not None, why
+    assert first.manifest["built_on"]["device"] == "cpu" and first.manifest["tokens_trained"] >= BUDGET.tokens
+    out = bootstrap(preset, seed=0, progress=False, shipped_root=ship_root)
+    installed = load_causal_lm(EmbeddedPaths.at(out).drafter, "cpu", "bfloat16")
+    assert shipped_drafter.state_digest(installed.state_dict()) == first.manifest["drafter_digest"]
+    assert bootstrap(preset, seed=0, progress=False, shipped_root=ship_root) == out  # unchanged: a cache hit
+    # an upgraded checkout ships another drafter (here: a shorter build): the installed pair takes it
+    other = tmp / "other" / "smollm2"
+    device_build.build(preset, other, "cpu", dataclasses.replace(BUDGET, tokens=1024), gguf=gguf, progress=False)
+    shipped_drafter.export(other, preset, "test", root=ship_root, force=True, commit="test")
+    second, _ = shipped_drafter.find(preset, ship_root)
+    assert second.manifest["drafter_digest"] != first.manifest["drafter_digest"]
+    assert bootstrap(preset, seed=0, progress=False, shipped_root=ship_root) == out
+    installed = load_causal_lm(EmbeddedPaths.at(out).drafter, "cpu", "bfloat16")
+    assert shipped_drafter.state_digest(installed.state_dict()) == second.manifest["drafter_digest"]
+    assert read_manifest(out)["drafter"]["shipped"]["files"] == second.manifest["files"]
+
+
+def test_budget_for_a_gpu_fills_it():
+    gpu, cpu = device_build.Budget.for_device("cuda"), device_build.Budget.for_device("cpu")
+    assert gpu.tokens >= 20 * 2**20 and gpu.batch_windows > cpu.batch_windows and gpu.gen_batch > cpu.gen_batch
+    assert torch.isfinite(torch.tensor(gpu.gen_seconds))
