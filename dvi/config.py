@@ -256,8 +256,9 @@ class ServeConfig(_Strict):
     cuda_graphs: bool = True
     # on a CPU in fp32, the target's forwards of more than one row (verifies, prefills) run through oneDNN on
     # weights reordered once at start-up (dvi.decode.lean.LeanModel.pack_multirow): a second copy of the target's
-    # weights in memory for verifies that cost less per drafted token (benchmarks/serve_speed.py measures both)
-    cpu_packed_weights: bool = False
+    # weights in memory for verifies that cost less per drafted token (benchmarks/serve_speed.py measures both);
+    # auto: on where the target serves fp32 on a CPU and that copy takes at most 2 GiB
+    cpu_packed_weights: bool | Literal["auto"] = "auto"
     queue_limit: int = Field(256, ge=1)
     max_tokens_limit: int = Field(1024, ge=1)
     trainer: Literal["off", "supervised", "external"] = "supervised"

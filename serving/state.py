@@ -157,8 +157,22 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
         pair.target, serving_proposer(cfg, pair), num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
         max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
         options=EngineOptions(cfg.sampling.greedy_below_temperature, cfg.serve.cuda_graphs, cfg.serve.max_batch_size,
-                              cfg.serve.cpu_packed_weights),
+                              packed_weights(cfg.serve.cpu_packed_weights, pair.target)),
     )
+
+
+PACKED_AUTO_BYTES = 2 << 30  # `serve.cpu_packed_weights: auto` packs a target whose fp32 copy fits this
+
+
+def packed_weights(setting: bool | str, target) -> bool:
+    """`serve.cpu_packed_weights` resolved: auto asks for a packed copy of a target of at most 2 GiB in fp32, since
+    on a CPU whose BLAS runs few-row fp32 GEMMs slowly a verify is what decides whether drafting pays (the engine
+    packs only an fp32 target on a CPU with oneDNN; elsewhere the setting is a no-op)."""
+    from dvi.models.loading import num_params
+
+    if setting != "auto":
+        return bool(setting)
+    return num_params(target) * 4 <= PACKED_AUTO_BYTES
 
 
 def build_state(cfg: DviConfig) -> ServerState:

@@ -29,9 +29,16 @@ from dvi import data
 from dvi.drafters.vocab import frequent_token_ids, save_draft_vocab
 from dvi.models.embedded import BUILD_VERSION, EmbeddedPaths, PretrainedPreset, get_preset
 from dvi.models.loading import num_params
-from trainers.build_common import jsonable, log, timed
+from trainers.build_common import jsonable, log, schedule, timed
 from trainers.learning_curve import POINTS, AgreementProbe
-from trainers.offline import lr_factor, make_optimizer, optimizer_step, pack_docs, token_batches
+from trainers.offline import (
+    TrainSchedule,
+    lr_factor,
+    make_optimizer,
+    optimizer_step,
+    pack_docs,
+    token_batches,
+)
 from trainers.pretrained_build import (
     _encode,
     _obtain,
@@ -39,6 +46,7 @@ from trainers.pretrained_build import (
     greedy_replies,
     heldout_sets,
     make_drafter,
+    pair_facts,
 )
 from trainers.pretrained_eval import agreement, coverage
 from trainers.subset_distill import progress_bar, subset_kl, train_autocast
@@ -164,22 +172,24 @@ def _marks(per_step: int, total: int) -> list[int]:
 
 
 def distill_online(student, target, streams: dict[str, torch.Tensor], vocab_ids: torch.Tensor, budget: Budget,
-                   p: PretrainedPreset, seed: int = 0, progress: bool = True, probe=None) -> dict:
+                   sched: TrainSchedule, seq_len: int, seed: int = 0) -> dict:
     """KL-distil `student` toward the target over `vocab_ids`, the target labelling each batch as drawn (`MIX`'s
-    windows of `p.seq_len`); until `budget.tokens` token-passes or `budget.seconds`. Returns the stats, with the
-    learning curve (`probe(student)` at `_marks`) as `curve`."""
+    windows of `seq_len`); until `budget.tokens` token-passes or `budget.seconds`, at `sched`'s lr, warmup,
+    min_lr_ratio, grad_clip, desc and progress. Returns the stats, with the learning curve (`sched.probe(student)`
+    at `_marks`) as `curve`."""
+    probe = sched.probe
     dev = next(student.parameters()).device
-    names = [k for k, w in MIX.items() if w > 0 and streams.get(k) is not None and streams[k].numel() > p.seq_len + 2]
-    batches = token_batches([streams[k] for k in names], budget.batch_windows, p.seq_len,
+    names = [k for k, w in MIX.items() if w > 0 and streams.get(k) is not None and streams[k].numel() > seq_len + 2]
+    batches = token_batches([streams[k] for k in names], budget.batch_windows, seq_len,
                             weights=[MIX[k] for k in names], seed=seed + 1)
     ids = vocab_ids.to(dev)
     t_head = target.lm_head.weight.detach()[ids]
-    opt = make_optimizer(student, p.distill_lr, weight_decay=0.0)
-    marks = _marks(budget.batch_windows * p.seq_len, budget.tokens) if probe is not None else []
+    opt = make_optimizer(student, sched.lr, weight_decay=0.0)
+    marks = _marks(budget.batch_windows * seq_len, budget.tokens) if probe is not None else []
     losses, curve, tokens, step, probing = [], [], 0, 0, 0.0
     student.train()
     t0 = time.perf_counter()
-    bar = progress_bar(max(1, budget.tokens // (budget.batch_windows * p.seq_len)), f"drafter[{p.name}]", progress)
+    bar = progress_bar(max(1, budget.tokens // (budget.batch_windows * seq_len)), sched.desc, sched.progress)
 
     def point() -> None:
         nonlocal probing
@@ -193,13 +203,13 @@ def distill_online(student, target, streams: dict[str, torch.Tensor], vocab_ids:
         while tokens < budget.tokens and time.perf_counter() - t0 - probing < budget.seconds:
             spent = max(tokens / budget.tokens, (time.perf_counter() - t0 - probing) / budget.seconds)
             for gr in opt.param_groups:
-                gr["lr"] = gr["initial_lr"] * lr_factor(step, 0, p.distill_warmup, p.min_lr_ratio, progress=spent)
+                gr["lr"] = gr["initial_lr"] * lr_factor(step, 0, sched.warmup, sched.min_lr_ratio, progress=spent)
             x = next(batches).to(dev, non_blocking=True)[:, :-1]
             with torch.no_grad(), _autocast(dev):
                 t_logits = F.linear(target.model(input_ids=x).last_hidden_state, t_head)
             with _autocast(dev):
                 s_logits = F.linear(student.model(input_ids=x).last_hidden_state, student.lm_head.weight[ids])
-            losses.append(optimizer_step(student.parameters(), opt, subset_kl(s_logits, t_logits), 1.0))
+            losses.append(optimizer_step(student.parameters(), opt, subset_kl(s_logits, t_logits), sched.grad_clip))
             tokens += x.numel()
             step += 1
             bar.set_postfix(kl=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0 - probing):.0f}",
@@ -285,8 +295,9 @@ def build(p: PretrainedPreset, root: Path, device: str, budget: Budget, seed: in
         heldout = heldout_sets(p, target, tokenizer, seed)
     drafter = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size).float().to(device)
     with timed(walls, "distill_s"):
-        stats = distill_online(drafter, target, streams, order[: p.train_vocab], budget, p, seed, progress,
-                               AgreementProbe(target, heldout, order, p.serve_draft_vocab))
+        sched = replace(schedule(p, budget.tokens, f"drafter[{p.name}]", progress),
+                        probe=AgreementProbe(target, heldout, order, p.serve_draft_vocab))
+        stats = distill_online(drafter, target, streams, order[: p.train_vocab], budget, sched, p.seq_len, seed)
     with torch.no_grad():  # head rows it never trained on: logit 0, far below trained ones (as the CPU build)
         untrained = torch.ones(drafter.lm_head.weight.shape[0], dtype=torch.bool, device=drafter.lm_head.weight.device)
         untrained[order[: p.train_vocab].to(untrained.device)] = False
@@ -305,12 +316,7 @@ def build(p: PretrainedPreset, root: Path, device: str, budget: Budget, seed: in
     manifest = {
         "preset": p.name, "fingerprint": p.fingerprint(), "build_version": BUILD_VERSION, "seed": seed,
         "kinds": ["separate"], "created_at": time.time(), "preset_config": asdict(p), "source": source,
-        "built_on": _device_name(device), "device_budget": asdict(budget),
-        "tokenizer": {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-                      "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-                      "chat_template": bool(tokenizer.chat_template)},
-        "target": {"params": num_params(target), "layers": target.config.num_hidden_layers,
-                   "hidden": target.config.hidden_size},
+        "built_on": _device_name(device), "device_budget": asdict(budget), **pair_facts(target, tokenizer),
         "drafter": {"params": num_params(drafter), "layers_from_target": list(p.drafter_layers),
                     "train_tokens": stats["tokens"], "train": stats, "distilled_on": dict(MIX)},
         "early_exit": None, "eagle": None,

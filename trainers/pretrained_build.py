@@ -356,12 +356,7 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
         "preset": p.name, "fingerprint": p.fingerprint(), "build_version": BUILD_VERSION, "seed": seed,
         "kinds": ["separate"] + [k for k, m in (("early_exit", early), ("eagle", served_eagle)) if m is not None],
         "created_at": time.time(),
-        "preset_config": asdict(p), "source": source,
-        "tokenizer": {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-                      "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-                      "chat_template": bool(tokenizer.chat_template)},
-        "target": {"params": num_params(target), "layers": target.config.num_hidden_layers,
-                   "hidden": target.config.hidden_size},
+        "preset_config": asdict(p), "source": source, **pair_facts(target, tokenizer),
         "drafter": {"params": num_params(drafter), "layers_from_target": list(p.drafter_layers),
                     "train_tokens": d_stats["tokens"], "train": d_stats, "distilled_on": dict(p.mix)},
         "early_exit": None if early is None else {
@@ -374,6 +369,15 @@ def build(p: PretrainedPreset, root: Path, seed: int = 0, progress: bool = True,
         "learning_curve": curve,
         "agreement": ev["agreement"], "latency": ev["latency"], "wall": walls, "threads": torch.get_num_threads(),
     }
+
+
+def pair_facts(target, tokenizer) -> dict:
+    """What a built pair's manifest records of its target and tokenizer."""
+    return {"tokenizer": {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                          "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                          "chat_template": bool(tokenizer.chat_template)},
+            "target": {"params": num_params(target), "layers": target.config.num_hidden_layers,
+                       "hidden": target.config.hidden_size}}
 
 
 def summary_table(m: dict) -> str:
