@@ -103,6 +103,9 @@ def _modules_of(cls: type) -> tuple[int, int]:
     storages = {}
     for o in objs:
         if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+            if o.is_mkldnn:  # oneDNN-packed weights (serve.cpu_packed_weights) have no storage to share: own bytes
+                storages[("mkldnn", id(o))] = o.numel() * o.element_size()
+                continue
             st = o.untyped_storage()
             storages[st.data_ptr()] = st.nbytes()
     return sum(1 for o in objs if type(o) is cls), sum(storages.values())

@@ -234,10 +234,17 @@ class LeanModel:
         if self.device.type != "cpu" or self.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
             return False
         pack = torch.ops.mkldnn._reorder_linear_weight
+        self._pack_rows = rows
         self.packs = [(pack(lw.qkv, rows), pack(lw.o, rows), pack(lw.gate_up, rows), pack(lw.down, rows))
                       for lw in self.layers]
         self.head_pack = pack(self.head, rows) if self.head_module is None else None
         return True
+
+    def repack(self) -> None:
+        """New weights were loaded in place (a target update): the packed copies are remade from them, else the
+        multi-row forwards would go on computing with the old target."""
+        if self.packs is not None:
+            self.pack_multirow(self._pack_rows)
 
     @torch.inference_mode()
     def _rope_tables(self, positions: int) -> None:

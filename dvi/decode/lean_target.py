@@ -143,6 +143,7 @@ class LeanTarget:
         self.cache.select_rows(keep)
 
     def rebuild(self, contexts: list[list[int]], features: bool) -> Features:
+        self.lean.repack()  # new target weights: packed copies made from the old ones are stale
         self.cache.truncate([])  # the same cache (a captured graph holds its address); stale entries are masked
         return self.admit(contexts, features)
 
