@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from dvi.feedback.heldout import unfit_reason
 from dvi.feedback.record import FeedbackRecord
-from dvi.feedback.verdict import Rule, Scorer, Verdict, compare
+from dvi.feedback.verdict import Verdict
 
 
 @dataclass
@@ -63,10 +63,6 @@ class Watch:
     def snapshot(self) -> list[FeedbackRecord]:
         with self._lock:
             return list(self.records)
-
-    def judge(self, watched: Scorer, good: Scorer, rule: Rule) -> Verdict:
-        """The verdict on the records it holds: `watched` against the last `good` version."""
-        return compare(watched, good, self.snapshot(), rule)
 
     def describe(self, verdict: Verdict, early: str = "") -> str:
         """The swap event's reason: kept ("not worse on the same records") or rolled back, per group."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import shutil
 import types
 
 import pytest
@@ -95,9 +96,13 @@ def test_exported_drafter_installs_and_a_changed_one_is_reinstalled(setup, built
     installed = load_causal_lm(EmbeddedPaths.at(out).drafter, "cpu", "bfloat16")
     assert shipped_drafter.state_digest(installed.state_dict()) == first.manifest["drafter_digest"]
     assert bootstrap(preset, seed=0, progress=False, shipped_root=ship_root) == out  # unchanged: a cache hit
-    # an upgraded checkout ships another drafter (here: a shorter build): the installed pair takes it
+    # an upgraded checkout ships another drafter (here: the same one, its layer nudged): the installed pair takes it
     other = tmp / "other" / "smollm2"
-    device_build.build(preset, other, "cpu", dataclasses.replace(BUDGET, tokens=1024), gguf=gguf, progress=False)
+    shutil.copytree(root, other)
+    nudged = load_causal_lm(EmbeddedPaths.at(other).drafter, "cpu", "bfloat16")
+    with torch.no_grad():
+        nudged.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    nudged.save_pretrained(str(EmbeddedPaths.at(other).drafter))
     shipped_drafter.export(other, preset, "test", root=ship_root, force=True, commit="test")
     second, _ = shipped_drafter.find(preset, ship_root)
     assert second.manifest["drafter_digest"] != first.manifest["drafter_digest"]

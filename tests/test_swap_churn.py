@@ -23,7 +23,7 @@ from dvi.decode.invariance import Invariance
 from dvi.decode.numerics import set_exact_greedy
 from dvi.decode.target import plain_greedy
 from dvi.drafters.draft_cache import LeanDraftCache
-from dvi.drafters.factory import make_proposer, swapped
+from dvi.drafters.factory import make_proposer, proposer_for_drafter
 
 torch.set_num_threads(1)
 
@@ -124,7 +124,7 @@ def test_a_swapped_drafter_cache_keeps_a_row_per_batch_row(pair):
         eng.add_request(Request(f"r{i}", p, SamplingParams(20, 0.0)))
     eng.step()
     prop = eng.proposer
-    assert swapped(prop, copy.deepcopy(pair.drafter)) is prop  # same kind: `use`
+    assert prop.with_drafter(copy.deepcopy(pair.drafter), proposer_for_drafter) is prop  # same kind: `use`
     assert isinstance(prop.dkv, LeanDraftCache) and prop.dkv.cache.batch_size == 3
     prop.release([], [0, 2])
     assert prop.dkv.cache.batch_size == 2 and len(prop.pending) == 2

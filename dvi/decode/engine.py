@@ -51,7 +51,7 @@ from dvi.decode.sampling import (
 )
 from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
 from dvi.decode.target import TargetRunner, target_runner
-from dvi.drafters.factory import swapped
+from dvi.drafters.factory import proposer_for_drafter
 from dvi.drafters.learned import Drafter
 from dvi.drafters.proposer import Draft, Proposer
 from dvi.drafters.vocab import fit_vocab
@@ -290,7 +290,7 @@ class SpeculativeEngine:
     def _set_drafter(self, drafter) -> None:
         """A Proposer replaces the current one; a drafter model (or None) goes to the current proposer's kind."""
         old, had = self.proposer, self.proposer.needs_features
-        new = drafter if isinstance(drafter, Proposer) else swapped(old, drafter)
+        new = drafter if isinstance(drafter, Proposer) else old.with_drafter(drafter, proposer_for_drafter)
         d = new.drafter
         if d is not None and d.vocab_size < self.vocab_size:
             raise ValueError(

@@ -1,8 +1,7 @@
 """The one place a proposer is made: `make_proposer`, keyed by the config's `models.drafter_kind` names.
 
 `proposer_for_drafter` is the same factory for a learned drafter object (its own `kind` decides: `separate`,
-`early_exit`, `eagle`); `swapped` is what a hot swap to a new drafter makes of the serving proposer; `as_proposer`
-is what the engine does with whatever it is given (a proposer, a drafter, an HF causal LM, or None).
+`early_exit`, `eagle`); what a hot swap makes of a serving proposer is its own `Proposer.with_drafter`.
 """
 
 from __future__ import annotations
@@ -17,19 +16,26 @@ if TYPE_CHECKING:
     from dvi.config import SuffixConfig
     from dvi.drafters.learned import Drafter
     from dvi.drafters.suffix import SuffixCache
+    from dvi.drafters.suffix_proposer import SuffixProposer
 
-__all__ = ["KINDS", "make_proposer", "proposer_for_drafter", "as_proposer", "swapped"]
+__all__ = ["KINDS", "make_proposer", "proposer_for_drafter"]
 
 KINDS = ("none", "separate", "early_exit", "eagle", "suffix", "hybrid")
 """Proposer kinds: speculation off, then `models.drafter_kind`'s values."""
 
 
-def proposer_for_drafter(drafter: Any, vocab_size: int, device: torch.device | str) -> Proposer:
-    """The proposer of a learned drafter by its kind (None: speculation off)."""
+def proposer_for_drafter(drafter: Any, vocab_size: int, device: torch.device | str,
+                         suffix: SuffixProposer | None = None) -> Proposer:
+    """The proposer of a learned drafter by its kind (None: speculation off); with `suffix`, a hybrid around that
+    same index (its default threshold) with the drafter behind it."""
     from dvi.drafters.learned import as_drafter
 
     device = torch.device(device)
     d = as_drafter(drafter)
+    if suffix is not None and d is not None:
+        from dvi.drafters.hybrid_proposer import HybridProposer
+
+        return HybridProposer(proposer_for_drafter(d, vocab_size, device), suffix)
     if d is None:
         return Proposer(vocab_size, device)
     if getattr(d, "needs_features", False):
@@ -72,30 +78,3 @@ def make_proposer(kind: str, drafter: Drafter | None, vocab_size: int, device: t
     from dvi.drafters.hybrid_proposer import HybridProposer
 
     return HybridProposer(proposer_for_drafter(drafter, vocab_size, device), sp, sx.threshold)
-
-
-def as_proposer(obj: Any, vocab_size: int, device: torch.device | str) -> Proposer:
-    """A proposer as is; a drafter or HF causal LM as its learned kind; None as speculation off."""
-    return obj if isinstance(obj, Proposer) else proposer_for_drafter(obj, vocab_size, device)
-
-
-def swapped(proposer: Proposer, drafter: Any) -> Proposer:
-    """The proposer after a hot swap to `drafter` (None: no learned drafter). Where the kind is unchanged it is
-    the same object (its rows' draft state is rebuilt at the next step); `suffix` plus a drafter becomes `hybrid`
-    around the same index; a hybrid keeps its index and swaps its learned part."""
-    from dvi.drafters.hybrid_proposer import HybridProposer
-    from dvi.drafters.learned import as_drafter
-    from dvi.drafters.model_proposer import ModelProposer
-    from dvi.drafters.suffix_proposer import SuffixProposer
-
-    d = as_drafter(drafter)
-    if isinstance(proposer, HybridProposer):
-        proposer.set_learned(swapped(proposer.learned, d))
-        return proposer
-    if isinstance(proposer, SuffixProposer):
-        return proposer if d is None else HybridProposer(proposer_for_drafter(d, proposer.vocab_size, proposer.device),
-                                                         proposer)
-    if isinstance(proposer, ModelProposer) and d is not None and d.kind == proposer.drafter.kind:
-        proposer.use(d)
-        return proposer
-    return proposer_for_drafter(d, proposer.vocab_size, proposer.device)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.drafters.proposer import Draft, Pricing, Proposer, Uniforms
+from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
 from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts
 
 if TYPE_CHECKING:
@@ -58,8 +58,13 @@ class HybridProposer(Proposer):
         self.learned.rebuild(seqs, feats, target_version, drafter_changed)
         self.suffix.rebuild(seqs, feats, target_version, drafter_changed)
 
+    def with_drafter(self, drafter, make: MakeProposer) -> Proposer:
+        """The same hybrid around the same index, its learned part swapped."""
+        self.set_learned(self.learned.with_drafter(drafter, make))
+        return self
+
     def set_learned(self, learned: Proposer) -> None:
-        """The learned part after a hot swap (`dvi.drafters.factory.swapped`)."""
+        """The learned part after a hot swap."""
         self.learned = learned
         self.drafter, self.needs_features = learned.drafter, learned.needs_features
 

@@ -13,7 +13,7 @@ import torch
 
 from dvi.decode.sampling import sample_from, warp_probs
 from dvi.drafters.draft_cache import DraftCache, draft_cache
-from dvi.drafters.proposer import Draft, Pricing, Proposer, Uniforms
+from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
 from dvi.drafters.vocab import fit_vocab
 
 if TYPE_CHECKING:
@@ -56,6 +56,16 @@ class ModelProposer(Proposer):
     def pending_tokens(self) -> int:
         """Tokens the drafter cache still lacks, over all rows (prices a catch-up)."""
         return sum(len(p) for p in self.pending)
+
+    def with_drafter(self, drafter, make: MakeProposer) -> Proposer:
+        """Same kind: this proposer, on the new drafter (`use`); another kind or None: that kind's proposer."""
+        from dvi.drafters.learned import as_drafter
+
+        d = as_drafter(drafter)
+        if d is not None and d.kind == self.drafter.kind:
+            self.use(d)
+            return self
+        return super().with_drafter(d, make)
 
     def use(self, drafter: Drafter) -> None:
         """A new drafter of this kind (hot swap): the rows' cache is rebuilt (`rebuild`, which the engine's swap

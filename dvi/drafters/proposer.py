@@ -11,10 +11,9 @@ Six verbs, in the spirit of HF's `CandidateGenerator` and vLLM's `v1/spec_decode
 - `release(finished, keep)` rows leave (finished ones may be learned from), the rest stay in order;
 - `rebuild(seqs, feats, target_version, drafter_changed)` after new target weights or a new drafter;
 - `stats()` counters for /metrics;
-- `add_history(seq_id, tokens)` an output finished elsewhere (another replica) for history drafting (suffix kinds).
-
-A hot swap to a new drafter goes through the factory (`dvi.drafters.factory.swapped`), which keeps the object
-where the kind is unchanged; `rebuild` then makes its rows' draft state current.
+- `add_history(seq_id, tokens)` an output finished elsewhere (another replica) for history drafting (suffix kinds);
+- `with_drafter(drafter, make)` the proposer after a hot swap: the same object where the kind is unchanged (`rebuild`
+  then makes its rows' draft state current), `suffix` + a drafter becomes `hybrid` around the same index.
 
 One class per kind, one file each: `Proposer` itself is speculation off; `dvi.drafters.model_proposer`
 (`separate`, `early_exit`), `dvi.drafters.eagle_proposer` (`eagle`), `dvi.drafters.suffix_proposer` (`suffix`),
@@ -25,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -84,6 +83,13 @@ class Draft:
                    lookup_seconds=lookup_seconds)
 
 
+class MakeProposer(Protocol):
+    """What builds the proposer of a drafter's kind (`dvi.drafters.factory.proposer_for_drafter`); with `suffix`,
+    a hybrid around that same index. Passed in, so the kinds never import the factory that imports them."""
+
+    def __call__(self, drafter: Any, vocab_size: int, device: torch.device, suffix: Any = None) -> Proposer: ...
+
+
 class Proposer:
     """Speculation off (kind `none`): every step is a plain step. The other kinds override what they need."""
 
@@ -124,3 +130,9 @@ class Proposer:
 
     def add_history(self, seq_id: str, tokens: list[int]) -> None:
         """An output finished elsewhere (another replica's feedback) joins what it drafts from; a no-op here."""
+
+    def with_drafter(self, drafter: Any, make: MakeProposer) -> Proposer:
+        """This proposer after a hot swap to `drafter` (a learned drafter, an HF causal LM, or None): the same
+        object where its kind keeps serving the new drafter (the engine's swap then rebuilds the rows' draft
+        state), else what `make` (`dvi.drafters.factory.proposer_for_drafter`) builds for the drafter's kind."""
+        return make(drafter, self.vocab_size, self.device)

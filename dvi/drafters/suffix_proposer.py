@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.drafters.proposer import Draft, Pricing, Proposer, Uniforms
+from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
 
 if TYPE_CHECKING:
     from dvi.decode.seq import BatchParams, Seq
@@ -142,6 +142,13 @@ class SuffixProposer(Proposer):
 
     def add_history(self, seq_id: str, tokens: list[int]) -> None:
         self.cache.add_finished(seq_id, tokens)
+
+    def with_drafter(self, drafter, make: MakeProposer) -> Proposer:
+        """None: this proposer; a learned drafter: a hybrid around this same index, the drafter behind it."""
+        from dvi.drafters.learned import as_drafter
+
+        d = as_drafter(drafter)
+        return self if d is None else make(d, self.vocab_size, self.device, suffix=self)
 
     def stats(self) -> dict:
         s = dict(self.cache.stats())

@@ -40,9 +40,6 @@ class Trainable:
             return list(self.drafter.trainable_parameters())
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def forward_module(self) -> nn.Module:
-        return self.module
-
     def state(self) -> dict[str, torch.Tensor]:
         """The trained weights, keyed as they are published."""
         return self.codec.state(self.drafter)
