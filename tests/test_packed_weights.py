@@ -43,46 +43,46 @@ def test_packed_weights_do_nothing_off_fp32():
     assert not LeanModel(_target().to(torch.bfloat16)).pack_multirow()
 
 
-@torch.inference_mode()
-def test_engine_on_packed_weights_is_lossless_with_history_drafts():
+def _suffix_engine(target, g: torch.Generator) -> tuple[SpeculativeEngine, list[list[int]]]:
+    """A suffix-drafting engine on packed weights and three repetitive prompts (history drafts get accepted)."""
     from dvi.config import SuffixConfig
     from dvi.drafters.factory import make_proposer
 
-    target = _target()
-    g = torch.Generator().manual_seed(1)
     prompts = [(torch.randint(0, 128, (12,), generator=g).tolist() * 3)[: 30 + i] for i in range(3)]
     prop = make_proposer("suffix", None, 128, "cpu", settings=SuffixConfig(max_draft_tokens=4))
     eng = SpeculativeEngine(target, prop, num_draft_tokens=4, max_draft_tokens=4,
                             options=EngineOptions(cpu_packed_weights=True))
     assert eng._target.lean.packs is not None
+    return eng, prompts
+
+
+def _lossless(eng: SpeculativeEngine, target, prompts: list[list[int]]) -> None:
     outs = eng.generate(prompts, 24)
     assert sum(o.num_drafted for o in outs) > 0
     for p, o in zip(prompts, outs, strict=True):
         assert_greedy_equal(target, p, list(o.token_ids), reference(target, p, 24))
+
+
+@torch.inference_mode()
+def test_engine_on_packed_weights_is_lossless_with_history_drafts():
+    target = _target()
+    eng, prompts = _suffix_engine(target, torch.Generator().manual_seed(1))
+    _lossless(eng, target, prompts)
 
 
 @torch.inference_mode()
 def test_a_target_update_repacks_the_packed_weights():
     """New target weights load in place; the packed copies are remade from them (the first default-on run served
     the old target's verifies after a target update: greedy text parted from the new target's)."""
-    from dvi.config import SuffixConfig
-    from dvi.drafters.factory import make_proposer
-
     target = _target()
     g = torch.Generator().manual_seed(2)
-    prompts = [(torch.randint(0, 128, (12,), generator=g).tolist() * 3)[: 30 + i] for i in range(3)]
-    prop = make_proposer("suffix", None, 128, "cpu", settings=SuffixConfig(max_draft_tokens=4))
-    eng = SpeculativeEngine(target, prop, num_draft_tokens=4, max_draft_tokens=4,
-                            options=EngineOptions(cpu_packed_weights=True))
-    old = [t.to_dense().clone() for t in eng._target.lean.packs[0]]
+    eng, prompts = _suffix_engine(target, g)
+    old = eng._target.lean.packs[0][0].to_dense().clone()
     new_weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in target.state_dict().items()
                    if k.endswith("proj.weight")}
     eng.update_target_weights(new_weights, version=1)
-    assert not torch.equal(eng._target.lean.packs[0][0].to_dense(), old[0])
-    outs = eng.generate(prompts, 24)
-    assert sum(o.num_drafted for o in outs) > 0
-    for p, o in zip(prompts, outs, strict=True):
-        assert_greedy_equal(target, p, list(o.token_ids), reference(target, p, 24))
+    assert not torch.equal(eng._target.lean.packs[0][0].to_dense(), old)
+    _lossless(eng, target, prompts)
 
 
 @pytest.mark.slow
