@@ -16,8 +16,7 @@ import types
 
 import pytest
 import torch
-from test_pretrained import CHAT_SPECIALS, CHATML, ENDOFTEXT, _fake_wheel, _tiny_llama, _write_llama_gguf
-from test_pretrained_build import MEMBER, PACKAGE, VERSION, _NoPip, _tiny_preset
+from test_pretrained_build import MEMBER, PACKAGE, VERSION, _NoPip, _tiny_preset, tiny_chat_gguf
 
 import dvi.models.pretrained
 from dvi.models.embedded import PRESETS, EmbeddedPaths, is_built, read_manifest
@@ -33,16 +32,8 @@ BUDGET = device_build.Budget(tokens=2048, seconds=120.0, chat_replies=2, code_co
 @pytest.fixture(scope="module")
 def setup(tiny_pair_dir, tmp_path_factory):
     """(preset, gguf path, tmp dir) with `$DVI_CACHE`, the wheels cache and `PRESETS["smollm2"]` pointing here."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_pair_dir / "tokenizer"))
-    tok.add_special_tokens({"additional_special_tokens": [ENDOFTEXT, *CHAT_SPECIALS]})
-    tok.chat_template = CHATML
-    model = _tiny_llama(len(tok), tied=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id)
     tmp = tmp_path_factory.mktemp("device-build")
-    gguf = _write_llama_gguf(tmp / "tiny-llama.F32.gguf", model, tok)
-    blob = _fake_wheel(tmp / "build.whl", MEMBER, gguf.read_bytes()).read_bytes()
+    _model, _tok, gguf, blob = tiny_chat_gguf(tiny_pair_dir, tmp)
     preset = dataclasses.replace(_tiny_preset(hashlib.sha256(blob).hexdigest()), train_vocab=128)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CPU_BF16_ENV, "0")

