@@ -237,6 +237,17 @@ class TrainerConfig(_Strict):
     # the rollback watch judges its groups with serve.rollback_margin
     gate_group_margin: float = Field(0.02, ge=0, le=1)
     gate_min_group_records: int = Field(4, ge=1)
+    # one LoRA adapter per traffic group over the shared, then frozen, drafter (issue 40): "domain" (the request's
+    # metadata.domain, one of serve.domains), "user" (the request's `user`, hashed), or "none" (one shared drafter
+    # that learns from all traffic). A group's rows draft through its adapter, all groups in one forward; its
+    # versions are published, promoted, watched and rolled back on its own records only. A separate
+    # Llama-family drafter trained as LoRA only
+    adapter_key: Literal["none", "domain", "user"] = "none"
+    # records (trained and held out) a group sends before it gets an adapter; until then its rows draft with the
+    # base. At least a publish check's evidence: heldout_fraction of them must reach shadow_min_positions
+    adapter_min_records: int = Field(48, ge=1)
+    # groups with an adapter at most (trained and resident in the server); later groups draft with the base
+    max_adapters: int = Field(8, ge=1, le=64)
     grad_clip: float | None = Field(1.0, gt=0)
     num_threads: int = Field(1, ge=1)
     nice: int = Field(10, ge=0, le=19)  # CPU priority increment of the trainer process: serving wins a contended core
@@ -359,6 +370,16 @@ class DviConfig(_Strict):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
+
+    @model_validator(mode="after")
+    def _adapters_need_a_lora_separate_drafter(self) -> DviConfig:
+        key, kind = self.trainer.adapter_key, self.models.learned_kind
+        if key != "none" and (self.trainer.mode != "lora" or kind != "separate"):
+            raise ValueError(f"trainer.adapter_key {key!r} trains one LoRA adapter per group on a separate drafter; "
+                             f"this config has trainer.mode {self.trainer.mode!r} and learned drafter kind {kind!r}. "
+                             "The early-exit and eagle drafters draft outside the lean forward that serves per-row "
+                             "adapters: use adapter_key 'none' with them")
+        return self
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

@@ -40,8 +40,18 @@ class AddHistory:
 
 
 @dataclass(frozen=True)
+class SetAdapter:
+    """`group`'s rows draft through the LoRA `factors` as its adapter version `version` (None, 0: the shared drafter
+    again; `SpeculativeEngine.set_adapter`; a group swapper's promotions, rollbacks and pins)."""
+
+    group: str
+    factors: Any
+    version: int
+
+
+@dataclass(frozen=True)
 class CutAll:
     """End every request now (the drain's deadline passed, `serving.drain`); the future holds (running, waiting)."""
 
 
-Command = SetDrafter | UpdateTarget | AddHistory | CutAll
+Command = SetDrafter | SetAdapter | UpdateTarget | AddHistory | CutAll

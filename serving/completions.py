@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dvi.decode.engine import SamplingParams
-from dvi.feedback.heldout import client_key
+from dvi.feedback.heldout import adapter_group, client_key
 
 from .chat_prompt import chat_prompt_ids
 from .health import count_refusal
@@ -194,9 +194,10 @@ async def _next_event(state: ServerState, h: Handle, request: Request) -> Event:
 
 
 def _submit(state: ServerState, req: ApiRequest, prompt_ids: list[int], params: SamplingParams) -> Handle:
+    domain, client = req.domain(), client_key(req.user)
     try:
-        h = state.scheduler.submit(prompt_ids, params, domain=req.domain(), stop=req.stop_list(),
-                                   stream=req.stream, client=client_key(req.user))
+        h = state.scheduler.submit(prompt_ids, params, domain=domain, stop=req.stop_list(), stream=req.stream,
+                                   client=client, group=adapter_group(state.cfg.trainer.adapter_key, domain, client))
     except QueueFull as exc:  # counted by the ApiError handler (reason queue_full)
         raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
     return h

@@ -79,6 +79,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "drafter_version": sw["live_version"] if sw else None,
         "target_version": s.target_version,
         "drafter": sw,
+        "adapters": s.groups.info() if s.groups is not None else None,  # per traffic group (trainer.adapter_key)
         "drafter_kind": s.cfg.models.drafter_kind,
         "learned_kind": s.cfg.models.learned_kind,
         "suffix": _suffix_info(s, snap.proposer_stats),

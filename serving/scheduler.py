@@ -33,7 +33,7 @@ import torch
 from dvi.decode import owner
 from dvi.decode.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
 
-from .commands import AddHistory, Command, CutAll, SetDrafter, UpdateTarget
+from .commands import AddHistory, Command, CutAll, SetAdapter, SetDrafter, UpdateTarget
 from .detok import TextStream
 from .finished import Ending, Finished, FinishedFeed, final_reason
 from .memory import HeapTrimmer
@@ -70,6 +70,7 @@ class Handle:
     stream: bool
     loop: asyncio.AbstractEventLoop
     client: str = ""
+    group: str = ""  # the traffic group whose drafter adapter drafts for it (trainer.adapter_key)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted_at: float = field(default_factory=time.perf_counter)
     # engine-thread state
@@ -147,10 +148,10 @@ class Scheduler:
         return len(self._active)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, domain: str = "default",
-               stop: list[str] | None = None, stream: bool = False, client: str = "") -> Handle:
+               stop: list[str] | None = None, stream: bool = False, client: str = "", group: str = "") -> Handle:
         """Queue a request (call from the event loop); raises QueueFull at the queue limit."""
         h = Handle(request_id=new_id("req"), prompt_ids=list(prompt_ids), params=params, domain=domain,
-                   stop=list(stop or []), stream=stream, loop=asyncio.get_running_loop(), client=client)
+                   stop=list(stop or []), stream=stream, loop=asyncio.get_running_loop(), client=client, group=group)
         with self._cv:
             if self._stop or self._retry_after is not None:
                 raise shutting_down(self._retry_after or 1)
@@ -247,6 +248,8 @@ class Scheduler:
     def _apply(self, cmd: Command) -> Any:
         if isinstance(cmd, SetDrafter):
             return self.engine.set_drafter(cmd.drafter, cmd.version)
+        if isinstance(cmd, SetAdapter):
+            return self.engine.set_adapter(cmd.group, cmd.factors, cmd.version)
         if isinstance(cmd, UpdateTarget):
             return self.engine.update_target_weights(cmd.weights, cmd.version, complete=cmd.complete)
         if isinstance(cmd, AddHistory):
@@ -293,7 +296,7 @@ class Scheduler:
                 continue
             try:
                 self.engine.add_request(Request(request_id=h.request_id, prompt_ids=h.prompt_ids,
-                                                params=h.params, domain=h.domain))
+                                                params=h.params, domain=h.domain, group=h.group))
             except ValueError as exc:  # the client's input; InvalidParam names the field
                 self._fail(h, ApiError(400, str(exc), param=getattr(exc, "param", "prompt")))
                 continue

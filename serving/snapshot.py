@@ -42,6 +42,11 @@ class EngineSnapshot:
     greedy_contract: Mapping[str, str] = field(default_factory=lambda: _EMPTY)  # bitwise / near-tie, at start-up
     draft_vocab_size: int | None = None  # the learned drafter's reduced vocabulary (None: full or no drafter)
     proposer_stats: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # `Proposer.stats()`, copied (suffix: index size, lookups, hits)
+    adapter_versions: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # per traffic group (issue 40)
+
+    def served(self, lane: Any = None) -> int:
+        """The drafter version the engine serves; with a group's `lane`, that group's adapter version (0: none)."""
+        return self.drafter_version if lane is None else int(self.adapter_versions.get(lane.group, 0))
 
 
 def _draft_vocab_size(engine: Any) -> int | None:
@@ -61,7 +66,8 @@ def take_snapshot(engine: Any, seq: int, **loop: int) -> EngineSnapshot:
         request_errors=loop.get("request_errors", 0),
         drafter_version=int(getattr(engine, "drafter_version", 0)), target_version=int(getattr(engine, "target_version", 0)),
         greedy_contract=MappingProxyType(dict(contract)), draft_vocab_size=_draft_vocab_size(engine),
-        proposer_stats=MappingProxyType(dict(stats)) if stats else _EMPTY)
+        proposer_stats=MappingProxyType(dict(stats)) if stats else _EMPTY,
+        adapter_versions=MappingProxyType(dict(getattr(engine, "adapter_versions", {}))))
 
 
 class SampleOutbox:

@@ -24,6 +24,7 @@ from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 
 from .finished import Finished
+from .group_swap import GroupSwappers
 from .loading import load_serving_pair, serving_proposer
 from .memory import HeapTrimmer, cap_onednn_cache
 from .protocol import RequestLimits
@@ -88,6 +89,7 @@ class ServerState:
     draining: bool = False  # a stop was asked for (`serving.drain`): new requests get a 503
     stopping: bool = False  # `begin_stop` ran: the trainer, watcher and tailer were told to stop
     suffix_tailer: Any = None  # serving.suffix_tail.SuffixTailer (suffix / hybrid with a shared feedback dir)
+    groups: GroupSwappers | None = None  # per traffic group, its adapter's swapper (trainer.adapter_key)
     tokenizer_warnings: list[str] = field(default_factory=list)  # its eos / bos vs the model's configs (logged)
 
     @property
@@ -99,7 +101,9 @@ class ServerState:
 
     def start(self) -> None:
         self.scheduler.start()
-        if self.swapper is not None:
+        if self.groups is not None:  # the shared drafter stays as started: the groups' adapters sit on it
+            self.groups.start()
+        elif self.swapper is not None:
             self.swapper.start()
         self.supervisor.start()
         if self.suffix_tailer is not None:
@@ -114,8 +118,9 @@ class ServerState:
         self.stopping = True
         if self.suffix_tailer is not None:
             self.suffix_tailer.stop(timeout=0)
-        if self.swapper is not None:
-            self.swapper.stop(timeout=0)
+        for watcher in (self.swapper, self.groups):
+            if watcher is not None:
+                watcher.stop(timeout=0)
         self.supervisor.request_stop()
 
     def stop(self) -> None:
@@ -141,6 +146,8 @@ class ServerState:
         part("trainer", lambda: self.supervisor.stop(timeout=TRAINER_STOP_S))
         if self.swapper is not None:
             part("registry watcher", lambda: self.swapper.stop(timeout=AUX_STOP_S))
+        if self.groups is not None:
+            part("group watcher", lambda: self.groups.stop(timeout=AUX_STOP_S))
         part("engine", self.scheduler.stop)
         self.prompts.close()
         if self.feedback is not None:
@@ -221,8 +228,13 @@ def build_state(cfg: DviConfig) -> ServerState:
     )
     scheduler.finished.subscribe(metrics.observe_request)
     scheduler.finished.subscribe(state.feedback_log)
+    if swapper is not None and cfg.trainer.adapter_key != "none":
+        engine.proposer.set_adapter("", None)  # refuses a drafter that cannot serve per-row adapters, now
+        state.groups = GroupSwappers(cfg, scheduler, pair.drafter, SwapPolicy.of(cfg),
+                                     on_event=lambda ev: _on_swap_event(metrics, ev),
+                                     event_log=rundir.log(rundir.swap_events_path), feedback_dir=fb.dir)
     if swapper is not None:
-        scheduler.finished.subscribe(lambda fin: _to_swapper(swapper, fin))
+        scheduler.finished.subscribe(lambda fin: _to_swapper(swapper, fin, state.groups))
     if engine.proposer.uses_history and cfg.suffix.tail_seconds > 0:  # before the engine thread owns it
         from .commands import AddHistory
         from .suffix_tail import SuffixTailer
@@ -232,7 +244,7 @@ def build_state(cfg: DviConfig) -> ServerState:
     return state
 
 
-def _to_swapper(swapper: DrafterSwapper, fin: Finished) -> None:
+def _to_swapper(swapper: DrafterSwapper, fin: Finished, groups: GroupSwappers | None = None) -> None:
     """Engine thread: the swapper's one subscription to finished requests: the live-α window (the learned
     drafter's own drafts; hybrid: not the suffix ones) and the record the held-out shadow checks score."""
     if fin.result is None:
@@ -242,6 +254,8 @@ def _to_swapper(swapper: DrafterSwapper, fin: Finished) -> None:
     record = fin.feedback_record()
     if record is not None and record.token_ids:
         swapper.observe_record(record)
+        if groups is not None:
+            groups.observe_record(record)
 
 
 def _on_swap_event(metrics: ServerMetrics, ev: SwapEvent) -> None:

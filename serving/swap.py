@@ -1,33 +1,21 @@
 """Drafter hot-swap: watch the registry, validate, shadow-check, swap between steps, watch, roll back.
 
-The watcher thread polls `LATEST` every `serve.registry_poll_seconds`. A new version is
+The watcher thread polls `LATEST` every `serve.registry_poll_seconds`. A new version is skipped while a pin holds,
+while the live version's rollback watch runs, and for good when the registry's REFUSED lists it; else it is loaded
+and validated (`dvi.registry.codec.load_drafter_version`: the registry's one check, then its format's codec; a bad
+one is refused: logged, counted, recorded in REFUSED), shadow-checked on the held-out set
+(`dvi.feedback.heldout.HeldOutSet`, warmed from the feedback log at start) by THE comparison
+(`dvi.feedback.verdict.compare`, rule `promotion_rule`; it waits for `trainer.shadow_min_positions` positions),
+swapped in between two engine steps (a `SetDrafter` command; a group's lane, `SwapLane`, sends `SetAdapter`), and
+watched (`serving.watch.Watch`): the next `serve.rollback_window` finished requests replayed through it and the last
+good version (rule `watch_rule`); worse rolls back to the last version that passed its watch, not worse makes it
+the last good one. A watch ends early, on the records it has, when a newer version waits and the server has been
+idle `serve.watch_idle_s`. Under a pin a failed watch only alerts. Each version's time from publish to its first
+verdict is a histogram on /metrics (`dvi_drafter_publish_to_verdict_seconds`).
 
-1. skipped while a pin holds (`POST /admin/drafter/pin`), while the live version's rollback watch runs,
-   and for good when the registry's REFUSED lists it (refusals and rollbacks are durable: a restarted
-   server never promotes what it refused);
-2. loaded and validated (`dvi.registry.codec.load_drafter_version`: the registry's one check,
-   `DrafterRegistry.open_version`, then its format's codec); a bad one is *refused*: logged, counted, recorded in REFUSED;
-3. shadow-checked on the held-out set (`dvi.feedback.heldout.HeldOutSet`: the slice no trainer rank trains on,
-   balanced across domain x temperature class x client groups, warmed from the feedback log at start), replayed
-   through the candidate and the live drafter by THE comparison (`dvi.feedback.verdict.compare`, rule
-   `promotion_rule`: worse by at most `trainer.shadow_margin` pooled, and by at most `trainer.gate_group_margin`
-   in every group with `trainer.gate_min_group_records` records). It waits until the set holds
-   `trainer.shadow_min_positions` positions (nothing is promoted "validated only");
-4. swapped in between two engine steps (a `SetDrafter` command to the scheduler's engine thread);
-5. watched (`serving.watch.Watch`): the next `serve.rollback_window` finished requests (none of which any version
-   was trained on before it was published) are replayed through the new version and the last good one, per
-   group (rule `watch_rule`: like with like, with a significance rule). Worse: the server rolls back to the last
-   version that passed its watch; not worse: the new version becomes the last good one. No promotion is
-   considered until the watch ends; it ends early, on the records it has, when a newer version waits and the
-   server has been idle `serve.watch_idle_s`. Under a pin a failed watch only alerts.
-
-Every version's time from publish (its manifest's `created_at`) to its first verdict, promoted or refused, is
-a histogram on /metrics (`dvi_drafter_publish_to_verdict_seconds`).
-
-What is served, the last good version and the pin are written to the registry's SERVING
-(`ServingState`): the trainer compares its candidates with what is served, and a restarted server
-serves its pin, else its last good version, before it considers anything newer.
-Version 0 is the drafter the server started with (not in the registry).
+What is served, the last good version and the pin are written to the registry's SERVING (`ServingState`): the
+trainer compares its candidates with what is served, and a restarted server serves its pin, else its last good
+version, before it considers anything newer. Version 0 is the drafter the server started with (not in the registry).
 """
 
 from __future__ import annotations
@@ -52,7 +40,7 @@ from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
 from .commands import SetDrafter
 from .memory import glibc_trim
-from .swap_policy import SwapEvent, SwapPolicy
+from .swap_policy import SwapEvent, SwapLane, SwapPolicy
 from .watch import Watch
 
 if TYPE_CHECKING:
@@ -71,13 +59,12 @@ class DrafterSwapper:
 
     def __init__(self, registry: DrafterRegistry, scheduler: Scheduler, base_drafter: torch.nn.Module, policy: SwapPolicy,
                  on_event: Callable[[SwapEvent], None] | None = None, event_log: str | AppendLog | None = None,
-                 feedback_dir: str | None = None) -> None:
+                 feedback_dir: str | None = None, lane: SwapLane | None = None) -> None:
         self.registry = registry
+        self.lane = lane  # a traffic group's swapper (issue 40): its registry, records and engine command are that group's
         self.feedback_dir = feedback_dir  # the held-out set starts from its newest shards (`restore`)
         self.scheduler = scheduler
-        # The startup drafter (version 0) is also what a LoRA version is merged into (a copy each time, so it stays
-        # pristine; nothing in the server trains it); an early-exit / eagle drafter shares the target's weights.
-        self.base = base_drafter
+        self.base = base_drafter  # version 0; a LoRA version is merged into a copy of it (it stays pristine)
         self.policy = policy
         self.on_event = on_event or (lambda _e: None)
         self.event_log = event_log
@@ -107,6 +94,8 @@ class DrafterSwapper:
     # -- observers (engine thread; cheap) ------------------------------------------------------
     def observe_record(self, record: FeedbackRecord) -> None:
         """A finished request's record: held-out ones join the held-out set, all of them a running watch."""
+        if self.lane is not None and not self.lane.accepts(record):
+            return
         self.heldout.offer(record)
         with self._lock:
             w = self.watch
@@ -146,23 +135,28 @@ class DrafterSwapper:
     def _run(self) -> None:
         torch.set_num_threads(1)
         while not self._stop.is_set():
-            try:
-                self.restore()
-                self.poll_once()
-                watched = self.watch
-                self.check_rollback()
-                if watched is not None and self.watch is None:
-                    self.poll_once()  # the watch ended: a waiting version is checked now, not a poll later
-            except Exception:  # noqa: BLE001 - the watcher must outlive any one bad version
-                log.exception("registry watcher iteration failed")
-            self.release_memory()
+            self.tick()
             self._stop.wait(self.policy.poll_seconds)
 
+    def tick(self) -> None:
+        """One look at the registry: restore (once), a new version's checks, a watch's end."""
+        try:
+            self.restore()
+            self.poll_once()
+            watched = self.watch
+            self.check_rollback()
+            if watched is not None and self.watch is None:
+                self.poll_once()  # the watch ended: a waiting version is checked now, not a poll later
+        except Exception:  # noqa: BLE001 - the watcher must outlive any one bad version
+            log.exception("registry watcher iteration failed%s", self._of_group())
+        self.release_memory()
+
+    def _of_group(self) -> str:
+        return f" (group {self.lane.group})" if self.lane else ""
+
     def release_memory(self) -> None:
-        """After a load, a check or a swap: glibc's `malloc_trim`, from this thread (issue 36 §9). A version's load
-        (a copy of the base, its LoRA merged) and a check (logits of every held-out record through two drafters)
-        allocate and free drafter-sized blocks in this thread's heap, which glibc keeps; the engine thread's idle
-        trim often runs before they are freed."""
+        """After a load, a check or a swap: glibc's `malloc_trim`, from this thread (issue 36 §9): loads and checks
+        free drafter-sized blocks in this thread's heap, which glibc keeps; the engine thread's trim runs too early."""
         if self._freed and self._trim is not None:
             self._freed = False
             try:
@@ -206,7 +200,10 @@ class DrafterSwapper:
         if not self.feedback_dir:
             return
         try:
-            held = self.heldout.split(newest_logged(self.feedback_dir), lambda _r: None)
+            records = newest_logged(self.feedback_dir)
+            if self.lane is not None:
+                records = [r for r in records if self.lane.accepts(r)]
+            held = self.heldout.split(records, lambda _r: None)
         except Exception:  # noqa: BLE001 - an unreadable log only means starting empty
             log.exception("cannot warm the held-out set from %s", self.feedback_dir)
             return
@@ -296,7 +293,8 @@ class DrafterSwapper:
 
     def _swap(self, model: Any, version: int, kind: str, reason: str) -> None:
         self._freed = True
-        self.scheduler.command(SetDrafter(model, version)).result(timeout=120)
+        cmd = SetDrafter(model, version) if self.lane is None else self.lane.command(self.registry, version)
+        self.scheduler.command(cmd).result(timeout=120)
         with self._lock:
             prev = self.live_version
             if version in self.retry:  # a retried version made it after all
@@ -351,10 +349,13 @@ class DrafterSwapper:
                 self._verdict_seen.popitem(last=False)
             published = self.registry.published_at(ev.version)
             ev.publish_to_verdict_s = None if published is None else max(0.0, ev.at - published)
+        if self.lane is not None:
+            ev.group = self.lane.group
         self.events.append(ev)
         self.counts[ev.kind] += 1
         level = logging.WARNING if ev.kind in ("refused", "rolled_back", "alert") else logging.INFO
-        log.log(level, "drafter %s v%d (previous %s): %s", ev.kind, ev.version, ev.previous, ev.reason)
+        log.log(level, "drafter%s %s v%d (previous %s): %s", self._of_group(), ev.kind, ev.version, ev.previous,
+                ev.reason)
         if self.event_log:
             try:
                 append_jsonl(self.event_log, ev.as_dict(), fsync=False)
@@ -480,7 +481,7 @@ class DrafterSwapper:
             w = self.watch
             return {
                 "live_version": self.live_version,
-                "serving": self.scheduler.snapshot.drafter_version if self.scheduler is not None else self.live_version,
+                "serving": self.scheduler.snapshot.served(self.lane) if self.scheduler is not None else self.live_version,
                 "good": self.good,
                 "pinned": self.pinned,
                 "watch": None if w is None else {"version": w.version, "against": w.good, "records": len(w.records),

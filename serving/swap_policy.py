@@ -6,11 +6,18 @@ Its own module so the swapper reads as the promotion and rollback sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from dvi.config import DviConfig
+from dvi.drafters.adapters import LoraFactors
+from dvi.feedback.heldout import adapter_group
 from dvi.feedback.verdict import Rule, promotion_rule, watch_rule
+from dvi.registry.store import AdapterRejected, DrafterRegistry
+
+from .commands import SetAdapter
 
 
 @dataclass
@@ -24,11 +31,12 @@ class SwapEvent:
     at: float
     category: str = ""  # refusals: one of dvi.registry.store.REFUSAL_KINDS (a bounded metrics label)
     publish_to_verdict_s: float | None = None  # a version's first verdict (promoted / refused): since its publish
+    group: str = ""  # a traffic group's adapter version (issue 40); "" the shared drafter's
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "version": self.version, "previous": self.previous,
                 "reason": self.reason, "at": self.at, "category": self.category,
-                "publish_to_verdict_s": self.publish_to_verdict_s}
+                "publish_to_verdict_s": self.publish_to_verdict_s, "group": self.group}
 
 
 @dataclass(frozen=True)
@@ -65,3 +73,37 @@ class SwapPolicy:
     @property
     def watch(self) -> Rule:
         return watch_rule(self.rollback_margin, self.rollback_z, self.min_group_records)
+
+
+@dataclass(frozen=True)
+class SwapLane:
+    """What makes a swapper a traffic group's (issue 40): the group whose adapter versions it promotes, the records
+    it judges them on (that group's only), and each version as the per-row factors the engine serves."""
+
+    group: str
+    key: str  # trainer.adapter_key
+    sizes: dict[str, int] = field(default_factory=dict)  # the base drafter's projection sizes
+    num_layers: int = 0
+
+    def accepts(self, record: Any) -> bool:
+        return adapter_group(self.key, record.domain, getattr(record, "client", "")) == self.group
+
+    def command(self, registry: DrafterRegistry, version: int) -> SetAdapter:
+        """The engine command that serves `version` (0: the base) to this group's rows."""
+        return SetAdapter(self.group, self.factors(registry, version), version)
+
+    def factors(self, registry: DrafterRegistry, version: int) -> LoraFactors | None:
+        """The version's LoRA as `dvi.drafters.adapters.LoraFactors` (None for version 0, the base)."""
+        if not version:
+            return None
+        sd, man = registry.open_version(version)
+        if man.kind != "lora":
+            raise AdapterRejected(f"a group's version must be a LoRA adapter, this one is {man.kind!r}", version,
+                                  kind="architecture")
+        try:
+            conf = json.loads((registry.version_dir(version) / "adapter_config.json").read_text())
+            r, alpha = int(conf["r"]), float(conf["lora_alpha"])
+            scale = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+            return LoraFactors.from_peft(sd, scale, self.sizes, self.num_layers)
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            raise AdapterRejected(f"adapter does not fit the drafter: {exc}", version, kind="shape") from None

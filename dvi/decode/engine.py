@@ -103,6 +103,7 @@ class SpeculativeEngine:
         self.feedback_top_k = feedback_top_k
         self.greedy_below_temperature = float(options.greedy_below_temperature)
         self.target_version, self.drafter_version = int(versions.target), int(versions.drafter)
+        self.adapter_versions: dict[str, int] = {}  # per traffic group, the adapter version its rows draft with
         self._waiting: list[Seq] = []
         self._seqs: list[Seq] = []
         self.proposer: Proposer = Proposer(self.vocab_size, self.device)
@@ -218,6 +219,18 @@ class SpeculativeEngine:
         self.drafter_version = int(version)
         self._drafter_dirty = True
         self.acceptance.reset()  # acceptance of the old drafter says little about the new one
+        with torch.inference_mode():
+            self._rebuild()
+
+    def set_adapter(self, group: str, factors, version: int | None) -> None:
+        """Between steps: `group`'s rows draft through the LoRA `factors` as adapter version `version` (None, None:
+        the base drafter again); the rows' draft caches are rebuilt at once, as a hot swap's are."""
+        self.proposer.set_adapter(group, factors)
+        if factors is None:
+            self.adapter_versions.pop(group, None)
+        else:
+            self.adapter_versions[group] = int(version or 0)
+        self._drafter_dirty = True
         with torch.inference_mode():
             self._rebuild()
 

@@ -221,6 +221,9 @@ class LeanModel:
         # what `features` returns: None, the final normed hidden state [.., H] (what the LM head multiplies); or
         # the residual stream after each listed layer, concatenated [.., len * H] (EAGLE-3's low / mid / high)
         self.feature_layers: tuple[int, ...] | None = None
+        # per-row LoRA adapters of the rows the next forwards score (`dvi.drafters.adapters.RowAdapters`, set by a
+        # drafter's cache before each step's forwards; None: the plain weights)
+        self.adapters = None
         self.rotary = base.rotary_emb
         self.cos = self.sin = torch.zeros(0, (self.heads + 2 * self.kv_heads) * self.head_dim)
         self._rope_tables(256)
@@ -295,10 +298,12 @@ class LeanModel:
         tapped = []
         packs = self.packs if n > 1 else None
         lin = _packed_linear if packs else F.linear
+        ad = self.adapters
         for i, lw in enumerate(self.layers):
             qkv_w, o_w, gate_up_w, down_w = packs[i] if packs else (lw.qkv, lw.o, lw.gate_up, lw.down)
             h = F.rms_norm(x, (self.hidden,), lw.ln_in, self.eps)
-            qkv = lin(h, qkv_w, lw.qkv_bias).view(n, heads + 2 * kvh, 2, d // 2)
+            qkv = lin(h, qkv_w, lw.qkv_bias)
+            qkv = (ad.add(i, "qkv", h, qkv) if ad else qkv).view(n, heads + 2 * kvh, 2, d // 2)
             if lw.q_norm is not None:
                 qkv = torch.cat([F.rms_norm(qkv[:, :heads].reshape(n, heads, d), (d,), lw.q_norm, self.eps),
                                  F.rms_norm(qkv[:, heads : heads + kvh].reshape(n, kvh, d), (d,), lw.k_norm, self.eps),
@@ -306,10 +311,12 @@ class LeanModel:
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, pos), qkv[:, heads:].view(n, 2, kvh, d))
             o = attn.attend(qkv[:, :heads], b, keys[i], values[i], self.scale)
-            x = x + lin(o, o_w)
+            x = x + (ad.add(i, "o", o, lin(o, o_w)) if ad else lin(o, o_w))
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
-            gate, up = lin(h, gate_up_w).chunk(2, -1)
-            x = x + lin(F.silu(gate) * up, down_w)
+            gu = lin(h, gate_up_w)
+            gate, up = (ad.add(i, "gate_up", h, gu) if ad else gu).chunk(2, -1)
+            m = F.silu(gate) * up
+            x = x + (ad.add(i, "down", m, lin(m, down_w)) if ad else lin(m, down_w))
             if taps and i in taps:
                 tapped.append(x)
         x = x.view(b, q, self.hidden)

@@ -53,6 +53,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     domain: str = "default"
+    # the traffic group whose drafter adapter drafts for this request (`dvi.drafters.adapters`; "" for none)
+    group: str = ""
 
 
 def is_int(x) -> bool:

@@ -16,13 +16,15 @@ import torch
 
 from dvi.decode.kv import RaggedKV, left_pad, prefill
 from dvi.decode.lean import Attention, LeanModel, lean_supported
+from dvi.drafters.adapters import AdapterBank, RowAdapters
 
 __all__ = ["DraftCache", "LeanDraftCache", "RaggedDraftCache", "draft_cache"]
 
 
 class DraftCache(Protocol):
-    def add_rows(self, n: int) -> None:
-        """n empty rows at the end of the batch (their tokens arrive as the first forward's pending ones)."""
+    def add_rows(self, n: int, groups: list[str] | None = None) -> None:
+        """n empty rows at the end of the batch (their tokens arrive as the first forward's pending ones), of
+        traffic groups `groups` (their adapters, where the cache serves any)."""
 
     def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
         """Append to each row its tokens `rows[i]` (at least one); logits [B, V] after each row's last one."""
@@ -48,7 +50,7 @@ class RaggedDraftCache:
         self.drafter = drafter
         self.kv = RaggedKV(drafter.config, 0, drafter.device, drafter.dtype)
 
-    def add_rows(self, n: int) -> None:
+    def add_rows(self, n: int, groups: list[str] | None = None) -> None:
         self.kv.merge(RaggedKV(self.drafter.config, n, self.drafter.device, self.drafter.dtype))
 
     def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
@@ -81,16 +83,36 @@ class RaggedDraftCache:
 
 
 class LeanDraftCache:
-    """A plain Llama-family drafter through `LeanModel` over a `SlotCache`."""
+    """A plain Llama-family drafter through `LeanModel` over a `SlotCache`; with a `bank`, each row drafts through
+    its traffic group's adapter (`dvi.drafters.adapters`), all groups in the same forward."""
 
-    def __init__(self, model):
+    def __init__(self, model, bank: AdapterBank | None = None):
         self.lean = LeanModel(model)
         self.cache = self.lean.new_cache()
         self._cols = torch.arange(0)
         self.device = self.lean.device
+        self.bank = bank
+        self.groups: list[str] = []  # each row's traffic group
+        self._rows: RowAdapters | None = None
+        self._rows_stale = True
 
-    def add_rows(self, n: int) -> None:
+    def adapters_changed(self) -> None:
+        self._rows_stale = True
+
+    def add_rows(self, n: int, groups: list[str] | None = None) -> None:
         self.cache.add_rows(n)
+        self.groups.extend(groups if groups is not None else [""] * n)
+        self._rows_stale = True
+
+    def _adapters(self, groups: list[str] | None = None) -> RowAdapters | None:
+        """The rows' adapters (of `groups` instead, for a forward over other rows); kept while rows and bank stay."""
+        if self.bank is None:
+            return None
+        if groups is not None:
+            return self.bank.rows(groups)
+        if self._rows_stale:
+            self._rows, self._rows_stale = self.bank.rows(self.groups), False
+        return self._rows
 
     def _columns(self, n: int) -> torch.Tensor:
         if self._cols.numel() < n:
@@ -107,6 +129,7 @@ class LeanDraftCache:
         if b > 1 or q > 1:
             pos = start.view(b, 1, 1) + torch.arange(q, device=self.device).view(1, q, 1)
             mask = (self._columns(columns).view(1, 1, columns) <= pos).unsqueeze(1)  # [B, 1, q, columns]
+        self.lean.adapters = self._adapters()
         return self.lean.forward(self.cache, ids, start, Attention(columns, mask=mask), pick=pick)
 
     def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
@@ -129,12 +152,17 @@ class LeanDraftCache:
 
     def select_rows(self, keep: list[int]) -> None:
         self.cache.select_rows(keep)
+        self.groups = [self.groups[i] for i in keep]
+        self._rows_stale = True
 
     def rebuild(self, contexts: list[list[int]]) -> None:
+        groups = self.groups if len(self.groups) == len(contexts) else None
         self.cache = self.lean.new_cache(max(1, len(contexts)), self.cache.capacity)
-        self.add_rows(len(contexts))
+        self.groups = []
+        self.add_rows(len(contexts), groups)
         live = [i for i, c in enumerate(contexts) if c]
         for i in live:  # one row at a time into its own slot (a causal prefill over an empty row)
+            self.lean.adapters = self._adapters([self.groups[i]])
             ids = torch.tensor([contexts[i]], dtype=torch.long, device=self.device)
             self.cache.reserve(i + 1, ids.shape[1])
             self.lean.forward(self.cache, ids, torch.zeros(1, dtype=torch.long, device=self.device),
@@ -145,11 +173,17 @@ class LeanDraftCache:
         pass
 
 
-def draft_cache(drafter) -> DraftCache:
+def draft_cache(drafter, bank: AdapterBank | None = None) -> DraftCache:
     """`LeanDraftCache` for a `separate` drafter that `dvi.decode.lean` runs (plain Llama-family, merged
     weights), else `RaggedDraftCache`."""
     model = getattr(drafter, "model", None)
-    if getattr(drafter, "kind", None) == "separate" and model is not None and not hasattr(model, "get_base_model") \
-            and lean_supported(model) is None:
-        return LeanDraftCache(model)
+    if lean_drafter(drafter):
+        return LeanDraftCache(model, bank)
     return RaggedDraftCache(drafter)
+
+
+def lean_drafter(drafter) -> bool:
+    """Whether `drafter` drafts through `dvi.decode.lean` (and so can serve per-group adapters)."""
+    model = getattr(drafter, "model", None)
+    return getattr(drafter, "kind", None) == "separate" and model is not None \
+        and not hasattr(model, "get_base_model") and lean_supported(model) is None

@@ -53,6 +53,12 @@ class HybridProposer(Proposer):
         self.learned.release(finished, keep)
         self.suffix.release(finished, keep)
 
+    def set_adapter(self, group: str, factors) -> None:
+        self.learned.set_adapter(group, factors)  # the suffix half is the same for every group
+
+    def adapter_groups(self) -> list[str]:
+        return self.learned.adapter_groups()
+
     def rebuild(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None = None,
                 target_version: int | None = None, drafter_changed: bool = False) -> None:
         self.learned.rebuild(seqs, feats, target_version, drafter_changed)

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dvi.decode.sampling import sample_from, warp_probs
-from dvi.drafters.draft_cache import DraftCache, draft_cache
+from dvi.drafters.adapters import AdapterBank, LoraFactors
+from dvi.drafters.draft_cache import DraftCache, LeanDraftCache, draft_cache
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
 from dvi.drafters.vocab import fit_vocab
 
@@ -30,17 +31,32 @@ class ModelProposer(Proposer):
         super().__init__(vocab_size, device)
         self.drafter = drafter
         self.kind = drafter.kind
+        self.bank: AdapterBank | None = None  # per-group adapters (`set_adapter`), kept across hot swaps
         self.dkv: DraftCache = self._new_cache()
         self.pending: list[list[int]] = []
         self._k = 0  # drafts the drafter ran this step (it was fed k - 1 of them)
         self.last_catchup = False
 
     def _new_cache(self) -> DraftCache:
-        return draft_cache(self.drafter)
+        return draft_cache(self.drafter, self.bank)
+
+    def set_adapter(self, group: str, factors: LoraFactors | None) -> None:
+        """Draft `group`'s rows through `factors` (None: the base drafter), from the next forward on."""
+        if not isinstance(self.dkv, LeanDraftCache):
+            raise ValueError("per-group drafter adapters need a separate Llama-family drafter served through the lean "
+                             f"forward; this {self.kind} drafter is not (trainer.adapter_key: none serves it)")
+        if self.bank is None:
+            lean = self.dkv.lean
+            self.bank = self.dkv.bank = AdapterBank(len(lean.layers), lean.dtype, lean.device)
+        self.bank.set(group, factors)
+        self.dkv.adapters_changed()
+
+    def adapter_groups(self) -> list[str]:
+        return sorted(self.bank.groups) if self.bank is not None else []
 
     # ---------------------------------------------------------------- membership
     def join(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
-        self.dkv.add_rows(len(seqs))
+        self.dkv.add_rows(len(seqs), [s.req.group for s in seqs])
         self.pending.extend([int(t) for t in s.req.prompt_ids] for s in seqs)
 
     def release(self, finished: list[tuple[int, Seq, bool]], keep: list[int]) -> None:
@@ -70,10 +86,11 @@ class ModelProposer(Proposer):
     def use(self, drafter: Drafter) -> None:
         """A new drafter of this kind (hot swap): the rows' cache is rebuilt (`rebuild`, which the engine's swap
         runs at once); until then it holds one empty row per batch row, so rows can still leave (`release`)."""
+        groups = getattr(self.dkv, "groups", None)
         self.drafter = drafter
         self.dkv = self._new_cache()
         if self.pending:
-            self.dkv.add_rows(len(self.pending))
+            self.dkv.add_rows(len(self.pending), groups)
 
     # ---------------------------------------------------------------- one step
     def propose(self, seqs: list[Seq], caps: list[int], pricing: Pricing, uniforms: Uniforms,

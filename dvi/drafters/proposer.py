@@ -131,6 +131,15 @@ class Proposer:
     def add_history(self, seq_id: str, tokens: list[int]) -> None:
         """An output finished elsewhere (another replica's feedback) joins what it drafts from; a no-op here."""
 
+    def set_adapter(self, group: str, factors: Any) -> None:
+        """Draft `group`'s rows through the LoRA `factors` (`dvi.drafters.adapters.LoraFactors`; None: the base
+        drafter again). Kinds without a learned drafter that takes adapters refuse."""
+        raise ValueError(f"speculation kind {self.kind!r} has no drafter that takes per-group adapters")
+
+    def adapter_groups(self) -> list[str]:
+        """The groups whose rows draft through their own adapter."""
+        return []
+
     def with_drafter(self, drafter: Any, make: MakeProposer) -> Proposer:
         """This proposer after a hot swap to `drafter` (a learned drafter, an HF causal LM, or None): the same
         object where its kind keeps serving the new drafter (the engine's swap then rebuilds the rows' draft

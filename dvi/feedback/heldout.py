@@ -35,6 +35,17 @@ def client_key(user: str | None) -> str:
     return "u" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:CLIENT_HASH_CHARS]
 
 
+def adapter_group(key: str, domain: str | None, client: str | None) -> str:
+    """The traffic group whose drafter adapter serves and learns from a request (`trainer.adapter_key`): its
+    `domain` (one of `serve.domains`, bounded), its client (`client_key` of its `user`), or "" (none: the
+    shared drafter)."""
+    if key == "domain":
+        return domain or "default"
+    if key == "user":
+        return client or ""
+    return ""
+
+
 def temperature_class(temperature: float | None) -> str:
     """'greedy' or 'sampled': acceptance follows a different law in each (argmax match vs Σ min(p, q))."""
     return "greedy" if served_temperature(temperature) == 0.0 else "sampled"

@@ -146,13 +146,27 @@ class LoraCodec(DrafterCodec):
         from peft import PeftModel, get_peft_model_state_dict
 
         try:
-            pm = PeftModel.from_pretrained(copy.deepcopy(base), str(source.version_dir(version)), is_trainable=False)
+            d = source.version_dir(version)
+            pm = PeftModel.from_pretrained(copy.deepcopy(base, _shared_embeddings(base, d)), str(d), is_trainable=False)
             check_state_dict(sd, _shapes(get_peft_model_state_dict(pm)), version)
             return pm.merge_and_unload()
         except AdapterRejected:
             raise
         except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
             raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, kind="load") from None
+
+
+def _shared_embeddings(base: nn.Module, version_dir: Path) -> dict[int, Any]:
+    """A deepcopy memo that keeps the base's input embeddings (and a head tied to them) shared, not copied: a merge
+    writes only the adapted modules, and a drafter's embedding table is most of its memory (one per kept version,
+    one per traffic group's adapter version). Nothing is shared when the adapter targets embeddings or head."""
+    try:
+        targets = json.loads((version_dir / ADAPTER_CONFIG).read_text()).get("target_modules") or []
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if isinstance(targets, str) or {"embed_tokens", "lm_head"} & set(targets):
+        return {}
+    return {id(m.weight): m.weight for m in base.modules() if isinstance(m, nn.Embedding)}
 
 
 class FullCodec(DrafterCodec):

@@ -35,6 +35,8 @@ class RoundStats:
     trained_ids: list[str] = field(default_factory=list)
     heldout_ids: list[str] = field(default_factory=list)
     dropped_ids: list[str] = field(default_factory=list)
+    # read but trained by no adapter (trainer.adapter_key: no group, a group gathering its first records, past the cap)
+    untrained_ids: list[str] = field(default_factory=list)
 
     @property
     def loss(self) -> float:

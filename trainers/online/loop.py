@@ -49,6 +49,7 @@ from dvi.registry.store import AdapterRejected
 from dvi.rundir import RunDir
 from trainers.online.checkpoint import COUNTERS
 from trainers.online.decisions import RoundStats
+from trainers.online.groups import GroupLanes
 from trainers.online.screen import RecordScreen
 from trainers.online.trainer import OnlineTrainer
 
@@ -82,6 +83,8 @@ class TrainerLoop:
         self.stop = _Stop()
         self.rounds = 0
         self.screen = RecordScreen.of(trainer, self.rundir)
+        # trainer.adapter_key: the shared drafter stays as served, each traffic group trains an adapter of its own
+        self.lanes = GroupLanes(trainer, cfg, self.rundir) if cfg.trainer.adapter_key != "none" else None
 
     # -- startup ----------------------------------------------------------------------------------
     def restore(self) -> None:
@@ -108,6 +111,8 @@ class TrainerLoop:
                 log.warning("trainer: the served v%d does not load into this drafter (%s); starting from the base",
                             served, exc)
         t.reset_anchor()
+        if self.lanes is not None:
+            self.lanes.restore()
         self._commit_trained()
         self._warm_buffers()
 
@@ -122,6 +127,10 @@ class TrainerLoop:
         records = [rec.compact() for _, rec in self.screen.split(keyed)[0]]  # an unusable one was counted when consumed
         for e in records:
             t.max_target_version = max(t.max_target_version, e.target_version)
+        if self.lanes is not None:
+            self.lanes.warm(records)
+            log.info("trainer: warmed group lanes from %d consumed shards (%s)", len(done), self.lanes.status())
+            return
         n_held = t.heldout.split(records, t.replay.append)
         log.info("trainer: warmed buffers from %d consumed shards (%d held-out, %d replay)", len(done), n_held,
                  len(t.replay))
@@ -153,6 +162,8 @@ class TrainerLoop:
         t.train_seconds, t.last_published, t.last_published_state = 0.0, None, None
         t.heldout.clear()
         t.replay.clear()
+        if self.lanes is not None:
+            self.lanes.reset()
         self.trained, self.unflushed, self.seq, self.screen.quarantined = set(), [], 0, 0
         self.restore()
 
@@ -217,6 +228,8 @@ class TrainerLoop:
                 "seq": self.seq, "trained_uncommitted": sorted(self.trained), "rounds": self.unflushed,
                 "quarantined_records": self.screen.quarantined, "publish_failures": t.publish_backoff.failures,
                 "refused": [[s, r, why] for (s, r), why in sorted(self.screen.refused.items())]})
+            if self.lanes is not None:
+                self.lanes.save()
             for entry in self.unflushed:
                 self._append_consumed(entry)
             self.unflushed = []
@@ -234,7 +247,7 @@ class TrainerLoop:
         good, bad = self.screen.split(keyed)
         quarantined = self.screen.quarantine(bad)
         try:
-            stats = t.train_on_records([rec for _, rec in good])
+            stats = (self.lanes or t).train_on_records([rec for _, rec in good])
         except Exception:
             if not self._refuse_culprits(good):
                 raise
@@ -244,11 +257,20 @@ class TrainerLoop:
         self.trained |= set(shards)
         entry = {"seq": self.seq, "shards": shards, "trained": stats.trained_ids, "heldout": stats.heldout_ids,
                  "dropped": stats.dropped_ids, "quarantined": quarantined, "step": t.step, "time": time.time()}
+        if stats.untrained_ids:
+            entry["untrained"] = stats.untrained_ids
         self.unflushed.append(entry)
         if time.monotonic() - self.last_flush >= t.tc.checkpoint_seconds:
             self.flush()
         self.rounds += 1
         return stats
+
+    def _publish(self, force: bool = False) -> None:
+        """The publish gate: the shared drafter's, or every group lane's on its own records."""
+        if self.lanes is not None:
+            self.lanes.maybe_publish(force=force)
+        else:
+            self.trainer.maybe_publish(force=force)
 
     def _write_status(self, state: str) -> None:
         if not self.trainer.is_main:
@@ -262,7 +284,8 @@ class TrainerLoop:
                                               M.TRAINER_SKIPPED_SHARDS: self.reader.state.skipped,
                                               M.TRAINER_QUARANTINED_RECORDS: self.screen.quarantined,
                                               M.TRAINER_PUBLISH_FAILURES: self.trainer.publish_backoff.failures,
-                                              **self.trainer.status()})
+                                              **self.trainer.status(),
+                                              "adapters": self.lanes.status() if self.lanes is not None else None})
         except OSError:
             log.exception("cannot write trainer status")
 
@@ -278,7 +301,7 @@ class TrainerLoop:
             stop, paused = self._broadcast((self.stop.requested, self.rundir.trainer_paused()) if t.is_main else None)
             if stop:
                 break
-            if t.tc.max_steps is not None and t.step >= t.tc.max_steps:
+            if t.tc.max_steps is not None and (self.lanes or t).step >= t.tc.max_steps:
                 log.info("trainer: reached max_steps=%d", t.tc.max_steps)
                 break
             if paused:
@@ -289,7 +312,9 @@ class TrainerLoop:
             stats = self.run_round()
             if stats is None:
                 self.flush()
-                if t.publish_backoff.pending:  # a publish the registry refused: retried when due, idle or not
+                if self.lanes is not None:  # each lane's publish, retried when due
+                    self.lanes.maybe_publish()
+                elif t.publish_backoff.pending:  # a publish the registry refused: retried when due, idle or not
                     t.maybe_publish()
                 if t.tc.idle_replay_steps and t.replay and t.budget_left():  # replay only within the budget
                     t.train_on_replay(t.tc.idle_replay_steps)
@@ -299,17 +324,17 @@ class TrainerLoop:
                 self._write_status("idle")
                 time.sleep(t.tc.poll_seconds)
                 continue
-            t.maybe_publish()
+            self._publish()
             self._write_status("running")
-            log.info("trainer: step %d, +%d records (%d held out, %d replayed), %s", t.step, stats.new,
+            log.info("trainer: step %d, +%d records (%d held out, %d replayed), %s", (self.lanes or t).step, stats.new,
                      stats.heldout, stats.replayed,
                      f"loss {stats.loss:.4f}" if stats.steps else "no step (nothing new to train on)")
         # SIGTERM lands between rounds (the handler only sets a flag): checkpoint and commit what was
         # trained, then publish what was trained since the last publish.
         self.flush()
-        if t.step > t.last_publish_step:
+        if self.lanes is not None or t.step > t.last_publish_step:
             try:
-                t.maybe_publish(force=True)
+                self._publish(force=True)
             except Exception:  # noqa: BLE001 - exit cleanly; the checkpoint has the weights
                 log.exception("final publish failed")
         self._write_status("stopped")

@@ -42,6 +42,7 @@ class Publishing:
     def _weights(self, state: Mapping[str, torch.Tensor] | None) -> Iterator[nn.Module]:
         """The module in eval mode holding `state` (None: the current weights), restored afterwards."""
         saved = None
+        self.trainable.activate()
         if state is not None:
             saved = self.trainable.state()
             self.trainable.load_state(state)

@@ -8,6 +8,7 @@ the server does.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from dvi.config import DviConfig
-from dvi.registry.codec import FULL, LORA, DrafterCodec, SharedTargetCodec
+from dvi.registry.codec import FULL, LORA, DrafterCodec, LoraCodec, SharedTargetCodec
 from dvi.registry.store import DrafterRegistry
 
 if TYPE_CHECKING:
@@ -28,16 +29,24 @@ class Trainable:
     and out (state, resume, publish, a published version's weights) are its format's codec's
     (`dvi.registry.codec`), the same the registry, the swapper and the demo replay use."""
 
-    def __init__(self, module: nn.Module, codec: DrafterCodec, drafter: Any = None) -> None:
+    def __init__(self, module: nn.Module, codec: DrafterCodec, drafter: Any = None, adapter: str | None = None) -> None:
         self.module = module  # the nn.Module that is trained (accelerate prepares it)
         self.codec = codec
         self.drafter = drafter if drafter is not None else module  # what the codec reads and writes
         self.kind = codec.drafter_kind
         self.publish_kind = codec.file_kind
+        self.adapter = adapter  # one of several named LoRA adapters on a shared peft model (a traffic group's)
+
+    def activate(self) -> None:
+        """Make this trainable's adapter the peft model's active one (before a forward that trains or scores it)."""
+        if self.adapter is not None and self.module.active_adapter != self.adapter:
+            self.module.set_adapter(self.adapter)
 
     def parameters(self) -> list[nn.Parameter]:
         if isinstance(self.codec, SharedTargetCodec):
             return list(self.drafter.trainable_parameters())
+        if self.adapter is not None:
+            return [p for n, p in self.module.named_parameters() if f".{self.adapter}." in n]
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -57,9 +66,22 @@ class Trainable:
         return self.codec.read_state(registry, version, self.drafter)
 
 
-def make_trainable(drafter: nn.Module | Drafter, mode: str, cfg: DviConfig) -> Trainable:
+def group_trainable(peft_model: nn.Module, adapter: str) -> Trainable:
+    """A traffic group's adapter `adapter` on the shared peft model (added, like its default adapter, on first use;
+    a fresh LoRA's B is zero, so it starts as the base drafter)."""
+    if not hasattr(peft_model, "peft_config"):
+        raise ValueError("a group adapter needs the shared drafter wrapped in peft (trainer.mode lora)")
+    if adapter not in peft_model.peft_config:
+        peft_model.add_adapter(adapter, copy.deepcopy(peft_model.peft_config["default"]))
+    peft_model.set_adapter(adapter)
+    return Trainable(peft_model, LoraCodec(adapter), adapter=adapter)
+
+
+def make_trainable(drafter: nn.Module | Drafter, mode: str, cfg: DviConfig, adapter: str | None = None) -> Trainable:
     from dvi.drafters.learned import EarlyExitDrafter, SharedTargetDrafter
 
+    if adapter is not None:
+        return group_trainable(drafter, adapter)
     t = cfg.trainer
     if isinstance(drafter, SharedTargetDrafter):
         if mode == "full" and isinstance(drafter, EarlyExitDrafter):

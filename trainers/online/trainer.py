@@ -82,6 +82,7 @@ class OnlineTrainer(Publishing):
         accelerator: Any = None,
         run_dir: str | os.PathLike | None = None,
         pad_id: int = 0,
+        adapter: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.tc = cfg.trainer
@@ -90,7 +91,7 @@ class OnlineTrainer(Publishing):
         self.metrics = metrics
         self.rundir = RunDir(run_dir if run_dir is not None else cfg.run_dir)
         self.pad_id = pad_id
-        self.trainable = make_trainable(drafter, self.tc.mode, cfg)
+        self.trainable = make_trainable(drafter, self.tc.mode, cfg, adapter)
         self.base_state = self.trainable.state()  # version 0: the drafter as loaded (no updates)
         params = self.trainable.parameters()
         if not params:
@@ -296,6 +297,7 @@ class OnlineTrainer(Publishing):
             return None
         t0 = time.perf_counter()
         batch = batch.to(self.device)
+        self.trainable.activate()
         self.module.train()
         loss, out, feat_loss, fwd = batch_loss(self.module, batch, batch.model_inputs(), self.tc, self.step)
         if batch.features is not None and self.tc.eagle_chained:  # drafts 2..K read the head's own features

@@ -1,0 +1,164 @@
+"""Issue 40: one drafter adapter per traffic group, learned, judged and served per group (the tiny pair).
+
+- rows of several groups draft in one lean forward, each exactly as its own merged adapter would;
+- the engine stays lossless with per-row adapters (greedy: equal to plain decoding);
+- the trainer's lanes: a group gets its adapter after `adapter_min_records`, trains on its records only, publishes
+  to its own registry, and one group's traffic (garbage included) leaves every other adapter as it was;
+- the server: a group's version is judged on that group's records, served to that group's rows only, and a
+  refusal in one group changes nothing in another.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from test_online import engine_records, online_config
+from test_serving_helpers import ServerThread, tiny_config, wait_for
+from tiny_models import tiny_llama
+
+from dvi.decode.engine import SpeculativeEngine
+from dvi.decode.lean import Attention, LeanModel
+from dvi.drafters.adapters import AdapterBank, LoraFactors, projection_sizes
+from dvi.feedback.heldout import adapter_group
+from dvi.models.loading import load_pair
+from dvi.registry.groups import group_names, group_registry
+from dvi.rundir import RunDir
+from trainers.online.groups import GroupLanes, adapter_name
+from trainers.online.trainer import OnlineTrainer
+
+torch.set_num_threads(1)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _adapter(base, seed: int, scale: float = 0.3):
+    """(peft state, merged model) of a random LoRA on a copy of `base`."""
+    pm = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return get_peft_model_state_dict(pm), pm.merge_and_unload().eval()
+
+
+def _factors(sd, base) -> LoraFactors:
+    return LoraFactors.from_peft(sd, 8 / 4, projection_sizes(base), base.config.num_hidden_layers)
+
+
+def test_rows_of_several_groups_draft_each_as_its_merged_adapter() -> None:
+    base = tiny_llama(0).eval()
+    adapters = {g: _adapter(base, i + 1) for i, g in enumerate(("code", "sql"))}
+    lean = LeanModel(copy.deepcopy(base))
+    bank = AdapterBank(len(lean.layers), lean.dtype, lean.device)
+    for g, (sd, _) in adapters.items():
+        bank.set(g, _factors(sd, base))
+    groups = ["sql", "", "code", "other"]  # "" and "other": no adapter, the base drafts
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(0))
+    cache = lean.new_cache(4)
+    cache.add_rows(4)
+    lean.adapters = bank.rows(groups)
+    out = lean.forward(cache, ids, torch.zeros(4, dtype=torch.long), Attention(6, causal=True))
+    for i, g in enumerate(groups):
+        ref = (adapters[g][1] if g in adapters else base)(ids[i : i + 1]).logits[0]
+        assert torch.allclose(out[i], ref, atol=1e-5), (g, (out[i] - ref).abs().max())
+    bank.set("code", None)  # back to the base for code's rows
+    assert bank.rows(["code", ""]) is None
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair_dir):
+    return load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
+
+
+def test_greedy_with_per_row_adapters_equals_plain_decoding(pair) -> None:
+    from dvi.decode.request import Request, SamplingParams
+
+    prompts = [[5 + i, 9, 17 + 2 * i, 3] for i in range(6)]
+    plain = SpeculativeEngine(pair.target, None).generate(prompts, 20)
+    runs = []
+    for adapters in (True, False):
+        eng = SpeculativeEngine(pair.target, copy.deepcopy(pair.drafter), num_draft_tokens=3)
+        for g, seed in (("a", 1), ("b", 2)) if adapters else ():
+            eng.set_adapter(g, _factors(_adapter(pair.drafter, seed, scale=1.0)[0], pair.drafter), seed)
+        for i, p in enumerate(prompts):
+            eng.add_request(Request(f"r{i}", p, SamplingParams(20), group="ab"[i % 2] if i < 4 else ""))
+        out = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    out[o.result.request_id] = o.result
+        runs.append([out[f"r{i}"] for i in range(6)])
+        assert [r.token_ids for r in runs[-1]] == [r.token_ids for r in plain]
+        assert eng.adapter_versions == ({"a": 1, "b": 2} if adapters else {})
+    with_adapters, without = runs  # rows of a group with an adapter draft otherwise; the rest as before
+    assert all(with_adapters[i].drafted_ids != without[i].drafted_ids for i in range(4))
+    assert all(with_adapters[i].drafted_ids == without[i].drafted_ids for i in (4, 5))
+
+
+def _records(pair):
+    code = engine_records(pair, "code", 24, max_new_tokens=16, prefix="gc")
+    prose = engine_records(pair, "prose", 24, max_new_tokens=16, prefix="gp")
+    return code, prose
+
+
+def test_lanes_train_each_group_on_its_own_records_and_publish_to_its_registry(pair, tiny_pair_dir, tmp_path) -> None:
+    code, prose = _records(pair)
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.adapter_key=domain", "trainer.adapter_min_records=12",
+                        "trainer.publish_margin=-1.0", "trainer.gate_group_margin=1.0")
+    main = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
+    lanes = GroupLanes(main, cfg, RunDir.of(cfg))
+    stats = lanes.train_on_records(code[:8])  # fewer than adapter_min_records: the group waits
+    assert not lanes.lanes and stats.steps == 0 and len(stats.untrained_ids) == 8
+    lanes.train_on_records(code[8:] + prose[:4])
+    assert list(lanes.lanes) == ["code"] and lanes.waiting == {"prose": prose[:4]}
+    peft_model = main.trainable.drafter
+    lanes.train_on_records(prose[4:])
+    assert sorted(lanes.lanes) == ["code", "prose"]
+    prose_before = {k: v.clone() for k, v in lanes.lanes["prose"].trainable.state().items()}
+    # traffic unlike the rest of code's (prose sent as code) moves only code's adapter
+    junk = [dataclasses.replace(r, request_id=r.request_id + "j", domain="code") for r in prose]
+    lanes.train_on_records(junk)
+    after = lanes.lanes["prose"].trainable.state()
+    assert all(torch.equal(prose_before[k], after[k]) for k in after)
+    decisions = lanes.maybe_publish(force=True)
+    assert any(d.published for d in decisions), [d.reason for d in decisions]
+    assert group_names(cfg.registry.dir) == ["code", "prose"]
+    v = group_registry(cfg.registry.dir, "code").latest()
+    assert v is not None and adapter_name("code") in peft_model.peft_config
+    # a restart resumes every group's adapter from its checkpoint
+    lanes.save()
+    again = GroupLanes(OnlineTrainer(cfg, copy.deepcopy(pair.drafter)), cfg, RunDir.of(cfg))
+    again.restore()
+    assert sorted(again.lanes) == ["code", "prose"]
+    saved, resumed = lanes.lanes["code"].trainable.state(), again.lanes["code"].trainable.state()
+    assert all(torch.equal(saved[k], resumed[k]) for k in saved)
+
+
+@pytest.mark.slow
+def test_server_judges_and_serves_a_groups_adapter_on_that_group_only(pair, tiny_pair_dir, tmp_path) -> None:
+    code, prose = _records(pair)
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "trainer.adapter_key=domain", "trainer.adapter_min_records=8",
+                      "trainer.shadow_margin=1.0", "trainer.gate_group_margin=1.0", "trainer.publish_margin=-1.0",
+                      "serve.rollback_window=64")
+    main = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
+    lanes = GroupLanes(main, cfg, RunDir.of(cfg))
+    lanes.train_on_records(code + prose)
+    assert any(d.published for d in lanes.maybe_publish(force=True))
+    with ServerThread(cfg) as s, s.client() as c:
+        for i in range(60):
+            domain = "code" if i % 2 else "prose"
+            r = c.post("/v1/completions", json={"prompt": f"def f{i}(x):" if domain == "code" else f"The day {i}",
+                                                "max_tokens": 12, "metadata": {"domain": domain}})
+            assert r.status_code == 200, r.text
+            if s.state.scheduler.snapshot.adapter_versions.get("code"):
+                break
+        wait_for(lambda: s.state.scheduler.snapshot.adapter_versions.get("code"), 60, what="code's adapter promoted")
+        health = s.health()["adapters"]
+        assert health["adapter_key"] == "domain" and "code" in health["groups"]
+        assert health["groups"]["code"]["live_version"] == group_registry(cfg.registry.dir, "code").latest()
+        assert s.state.swapper.live_version == 0  # the shared drafter stays as started
+    assert adapter_group("domain", "code", "") == "code"

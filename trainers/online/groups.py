@@ -1,0 +1,167 @@
+"""Per traffic group, an online trainer of the group's own LoRA adapter (issue 40): `GroupLanes`.
+
+With `trainer.adapter_key` set, the shared drafter stops learning (a drafter that learns sql forgets code, and the
+per-group gate then refuses every version of it); each group that has sent `trainer.adapter_min_records` records
+gets a lane instead: an `OnlineTrainer` over its own named adapter on the one shared peft model (a fresh LoRA's B is
+zero, so a lane starts as the base), with its own held-out set, replay buffer, optimizer, publish gate and registry
+(`dvi.registry.groups`). A lane trains and is judged on its group's records only, so one group's traffic, garbage
+included, moves no other group's adapter. At most `trainer.max_adapters` lanes; records of no group, of a group
+still gathering its first records, or of a group past the cap train nothing and are counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from dvi.config import DviConfig
+from dvi.feedback import FeedbackRecord
+from dvi.feedback.heldout import adapter_group
+from dvi.registry.groups import group_dir_name, group_names, group_registry
+from dvi.registry.store import AdapterRejected
+from dvi.rundir import RunDir
+from trainers.online.decisions import PublishDecision, RoundStats
+from trainers.online.trainer import OnlineTrainer
+
+log = logging.getLogger("dvi.trainer")
+
+WAITING_GROUPS_PER_LANE = 4  # groups gathering their first records, at most this many per lane of the cap
+
+
+def adapter_name(group: str) -> str:
+    """The group's adapter name in the shared peft model (a module-dict key: no dots)."""
+    return "g_" + group_dir_name(group).replace("-", "_")
+
+
+class GroupLanes:
+    """The lanes of one trainer process, beside its (frozen) shared trainer `main`."""
+
+    def __init__(self, main: OnlineTrainer, cfg: DviConfig, rundir: RunDir) -> None:
+        self.main, self.cfg, self.rundir = main, cfg, rundir
+        tc = cfg.trainer
+        self.key, self.min_records, self.cap = tc.adapter_key, tc.adapter_min_records, tc.max_adapters
+        self.lanes: dict[str, OnlineTrainer] = {}
+        self.waiting: collections.OrderedDict[str, list[FeedbackRecord]] = collections.OrderedDict()
+        self.untrained: collections.Counter[str] = collections.Counter()  # why records trained no adapter
+
+    def group_of(self, record: FeedbackRecord) -> str:
+        return adapter_group(self.key, record.domain, getattr(record, "client", ""))
+
+    @property
+    def step(self) -> int:
+        return sum(lane.step for lane in self.lanes.values())
+
+    def _open(self, group: str) -> OnlineTrainer:
+        m = self.main
+        reg = group_registry(self.cfg.registry.dir, group, self.cfg.registry.keep_last)
+        lane = OnlineTrainer(self.cfg, m.trainable.drafter, registry=reg, metrics=m.metrics, accelerator=m.accelerator,
+                             run_dir=self.rundir.root, pad_id=m.pad_id, adapter=adapter_name(group))
+        self.lanes[group] = lane
+        log.info("trainer: group %s has its own adapter now (%d of %d)", group, len(self.lanes), self.cap)
+        return lane
+
+    # -- training ---------------------------------------------------------------------------------
+    def train_on_records(self, records: Iterable[FeedbackRecord]) -> RoundStats:
+        """Each group's records to its lane (a group's first records wait for `adapter_min_records`)."""
+        parts: dict[str, list[FeedbackRecord]] = {}
+        for r in records:
+            parts.setdefault(self.group_of(r), []).append(r)
+        rounds, untrained = [], []
+        for group, recs in parts.items():
+            lane, recs = self._lane_for(group, recs)
+            if lane is None:
+                untrained.extend(r.request_id for r in recs)
+            else:
+                rounds.append(lane.train_on_records(recs))
+        return _merged(rounds, untrained)
+
+    def _lane_for(self, group: str, recs: list[FeedbackRecord]) -> tuple[OnlineTrainer | None, list[FeedbackRecord]]:
+        """(the group's lane, the records it trains on now: the waiting ones too when it opens), or (None, recs)."""
+        if group in self.lanes:
+            return self.lanes[group], recs
+        why = "no_group" if not group else ("over_cap" if len(self.lanes) >= self.cap else "")
+        if why:
+            self.untrained[why] += len(recs)
+            return None, recs
+        waiting = self.waiting.setdefault(group, [])
+        waiting.extend(recs)
+        self.waiting.move_to_end(group)
+        if len(waiting) >= self.min_records:
+            return self._open(group), self.waiting.pop(group)
+        while len(self.waiting) > WAITING_GROUPS_PER_LANE * self.cap:  # a client minting groups cannot grow this
+            _g, dropped = self.waiting.popitem(last=False)
+            self.untrained["evicted"] += len(dropped)
+        return None, recs
+
+    def maybe_publish(self, force: bool = False) -> list[PublishDecision]:
+        out = []
+        for lane in self.lanes.values():
+            if not force or lane.step > lane.last_publish_step:
+                d = lane.maybe_publish(force=force)
+                if d is not None:
+                    out.append(d)
+        return out
+
+    # -- resume ------------------------------------------------------------------------------------
+    def save(self) -> None:
+        for group, lane in self.lanes.items():
+            lane.save_checkpoint(self.rundir.group_checkpoint_dir(group_dir_name(group)), {"group": group})
+
+    def restore(self) -> None:
+        """A lane for every group with a registry (up to the cap): its checkpoint, else its served version."""
+        for group in group_names(self.cfg.registry.dir):
+            if group in self.lanes or len(self.lanes) >= self.cap:
+                continue
+            lane = self._open(group)
+            if lane.load_checkpoint(self.rundir.group_checkpoint_dir(group_dir_name(group))) is not None:
+                continue
+            served = lane.served_version()
+            if served:
+                try:
+                    lane.trainable.load_state(lane.trainable.load_version(lane.registry, served))
+                    lane.last_published, lane.last_published_state = served, lane.trainable.state()
+                except (AdapterRejected, ValueError, OSError) as exc:
+                    log.warning("trainer: group %s's served v%d does not load (%s); it starts fresh", group,
+                                served, exc)
+
+    def warm(self, records: list[FeedbackRecord]) -> None:
+        """Consumed records read again at start: each lane's held-out set and replay buffer, or a group's wait."""
+        for r in records:
+            group = self.group_of(r)
+            lane, recs = self._lane_for(group, [r]) if group and len(self.lanes) < self.cap or group in self.lanes \
+                else (None, [])
+            if lane is not None:
+                lane.heldout.split(recs, lane.replay.append)
+
+    def reset(self) -> None:
+        self.lanes.clear()
+        self.waiting.clear()
+
+    def status(self) -> dict[str, Any]:
+        return {"adapter_key": self.key, "groups": {g: {
+            "step": lane.step, "records_seen": lane.records_seen, "last_published": lane.last_published,
+            "heldout_alpha": lane.last_heldout_alpha, "heldout_positions": lane.heldout.positions()}
+            for g, lane in sorted(self.lanes.items())},
+            "waiting": {g: len(w) for g, w in self.waiting.items()}, "untrained_records": dict(self.untrained)}
+
+
+def _merged(rounds: list[RoundStats], untrained: list[str]) -> RoundStats:
+    """One round's stats over its lanes (losses: the mean over lanes that stepped, weighted by steps)."""
+    out = RoundStats(steps=sum(r.steps for r in rounds), seconds=sum(r.seconds for r in rounds),
+                     untrained_ids=untrained)
+    for r in rounds:
+        out.new += r.new
+        out.heldout += r.heldout
+        out.dropped_stale += r.dropped_stale
+        out.replayed += r.replayed
+        out.budget_deferred += r.budget_deferred
+        out.target_version = max(out.target_version, r.target_version)
+        out.trained_ids += r.trained_ids
+        out.heldout_ids += r.heldout_ids
+        out.dropped_ids += r.dropped_ids
+    stepped = [r for r in rounds if r.steps]
+    if stepped:
+        out.losses = {k: sum(r.losses[k] * r.steps for r in stepped) / out.steps for k in stepped[0].losses}
+    return out
