@@ -237,6 +237,10 @@ class TrainerConfig(_Strict):
     # the rollback watch judges its groups with serve.rollback_margin
     gate_group_margin: float = Field(0.02, ge=0, le=1)
     gate_min_group_records: int = Field(4, ge=1)
+    # ... and only when that fall is also this many standard errors of the group's per-record differences: a
+    # confidence bound, so that a few noisy records do not refuse an equal drafter (benchmarks/gate_noise.py
+    # measures the false refusals of each rule on replays of equal drafters); 0: any fall past the margin refuses
+    gate_z: float = Field(2.0, ge=0)
     # one LoRA adapter per traffic group over the shared, then frozen, drafter (issue 40): "domain" (the request's
     # metadata.domain, one of serve.domains), "user" (the request's `user`, hashed), or "none" (one shared drafter
     # that learns from all traffic). A group's rows draft through its adapter, all groups in one forward; its
@@ -245,7 +249,7 @@ class TrainerConfig(_Strict):
     adapter_key: Literal["none", "domain", "user"] = "none"
     # records (trained and held out) a group sends before it gets an adapter; until then its rows draft with the
     # base. At least a publish check's evidence: heldout_fraction of them must reach shadow_min_positions
-    adapter_min_records: int = Field(48, ge=1)
+    adapter_min_records: int = Field(32, ge=1)
     # groups with an adapter at most (trained and resident in the server); later groups draft with the base
     max_adapters: int = Field(8, ge=1, le=64)
     grad_clip: float | None = Field(1.0, gt=0)

@@ -182,6 +182,7 @@ class Timeline:
             "mean_accepted_length": mean_accepted_length(accepted, sum(s["steps"] for s in b)),
             "completion_tokens": tokens, "wall_s": wall, "tok_s": rate,
             "drafter_version": b[-1]["drafter_version"], "target_version": b[-1]["target_version"],
+            "adapter_version": b[-1].get("adapter_version", 0),
             "domain": b[-1].get("domain"), "request_ids": [s["request_id"] for s in b if s.get("request_id")],
         })
 
@@ -222,6 +223,7 @@ class Live:
         a, h = self.timeline.rolling_alpha(), self.health
         self.progress.update(self.task, advance=1, description=(
             f"{name:<18} α {'-' if a is None else f'{a:.3f}'}  drafter v{h.get('drafter_version')}  "
+            f"adapters {h.get('adapters') or '-'}  "
             f"target v{h.get('target_version')}  trainer {h.get('trainer', '?')}  errors {self.timeline.errors}"))
 
 
@@ -232,8 +234,10 @@ async def _poll_health(client: Any, live: Live, stop: asyncio.Event, admin_token
     while not stop.is_set():
         try:
             h = (await client.get("/health", headers=_bearer(admin_token))).json()
+            groups = (h.get("adapters") or {}).get("groups", {})
             live.health.update(drafter_version=h["drafter_version"], target_version=h["target_version"],
-                               trainer=f"{h['trainer']['state']} (restarts {h['trainer']['restarts']})")
+                               trainer=f"{h['trainer']['state']} (restarts {h['trainer']['restarts']})",
+                               adapters=" ".join(f"{g} v{s['live_version']}" for g, s in groups.items()))
         except (httpx.HTTPError, KeyError, ValueError):
             pass
         try:
@@ -298,9 +302,18 @@ def _write_serve_config(cfg: DviConfig, run_dir: Path, targets: Path) -> tuple[P
         data["wandb"]["mode"] = "offline"
     if "publish_every_steps" not in cfg.trainer.model_fields_set:
         data["trainer"]["publish_every_steps"] = PUBLISH_EVERY_STEPS
+    data["trainer"]["adapter_key"] = demo_adapter_key(cfg)
     config_path = run_dir / "serve_config.yaml"
     atomic_write_text(config_path, yaml.safe_dump(data, sort_keys=False), mode=PRIVATE)  # holds the admin token
     return config_path, admin_token
+
+
+def demo_adapter_key(cfg: DviConfig) -> str:
+    """The demo's phases are traffic groups (issue 40): one adapter per domain, unless the config says otherwise
+    (and "none" where the learned drafter cannot take adapters)."""
+    if "adapter_key" in cfg.trainer.model_fields_set:
+        return cfg.trainer.adapter_key
+    return "domain" if cfg.models.learned_kind == "separate" and cfg.trainer.mode == "lora" else "none"
 
 
 def _phases(cfg: DviConfig, tok: Any, n: int) -> list[Phase]:
@@ -376,7 +389,7 @@ def _replay(cfg: DviConfig, rundir: RunDir, timeline: Timeline, console: Any) ->
     console.print("replaying each window's responses through the serving and the frozen drafter ...")
     try:
         replay_windows(timeline.rows, read_records(rundir.root / "feedback"),
-                       drafter_scorers(cfg, rundir.root / "registry"))
+                       drafter_scorers(cfg, rundir.root / "registry"), demo_adapter_key(cfg))
     except Exception as exc:  # noqa: BLE001 - the live table is still worth printing
         console.print(f"[red]replay failed: {type(exc).__name__}: {exc}[/red]")
 
@@ -395,7 +408,7 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: in
     table = Table(title=f"α timeline (per window of requests; len served / len frozen at K = {k})", caption=LEGEND,
                   caption_justify="left")
     cols = ("requests", "phase", "α live", "drafted", "α̂ served", "α̂ frozen", "gain", "acc. len", "len served",
-            "len frozen", "tok/s", "drafter", "target")
+            "len frozen", "tok/s", "drafter", "adapter", "target")
     for col in cols:
         table.add_column(col, justify="left" if col == "phase" else "right")
     for row in timeline.rows:
@@ -403,6 +416,7 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: in
                       fmt(row.get("replay_alpha")), fmt(row.get("frozen_alpha")), _gain(row.get("gain")),
                       fmt(row["mean_accepted_length"], 2), fmt(row.get("replay_len"), 2),
                       fmt(row.get("frozen_len"), 2), fmt(row.get("tok_s"), 1), f"v{row['drafter_version']}",
+                      f"{row.get('domain')} v{row['adapter_version']}" if row.get("adapter_version") else "-",
                       f"v{row['target_version']}")
     console.print(table)
     run_dir = rundir.root
@@ -410,10 +424,13 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: in
                                                        "legend": LEGEND, "health": final}, indent=1))
     if timeline.rows:
         console.print(f"α plot: {plot_windows(timeline.rows, run_dir / 'alpha.png')}")
-    drafter = (final.get("drafter") or {}).get("counts", {})
-    console.print(f"requests {timeline.done}, errors {timeline.errors}; drafter promotions {drafter.get('promoted', 0)}, "
-                  f"refusals {drafter.get('refused', 0)}, rollbacks {drafter.get('rolled_back', 0)}; "
-                  f"trainer restarts {(final.get('trainer') or {}).get('restarts', 0)}")
+    counts = [(final.get("drafter") or {}).get("counts", {})]
+    counts += [g.get("counts", {}) for g in ((final.get("adapters") or {}).get("groups") or {}).values()]
+    total = {k: sum(c.get(k, 0) for c in counts) for k in ("promoted", "refused", "rolled_back")}
+    groups = ", ".join(f"{g} v{s['live_version']}" for g, s in ((final.get("adapters") or {}).get("groups") or {}).items())
+    console.print(f"requests {timeline.done}, errors {timeline.errors}; promotions {total['promoted']}, refusals "
+                  f"{total['refused']}, rollbacks {total['rolled_back']} (shared drafter and group adapters"
+                  f"{': ' + groups if groups else ''}); trainer restarts {(final.get('trainer') or {}).get('restarts', 0)}")
     wandb_dir = run_dir / "wandb"
     if wandb_dir.exists():
         console.print(f"offline wandb run: {wandb_dir} (`wandb sync {wandb_dir}/offline-run-*` to upload)")

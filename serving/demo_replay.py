@@ -58,32 +58,48 @@ def read_records(feedback_dir: str | Path) -> dict[str, FeedbackRecord]:
     return {r.request_id: r for r in reader.iter_records(reader.list_shards())}
 
 
-def drafter_scorers(cfg: DviConfig, registry_dir: str | Path) -> Callable[[int], Scorer | None]:
-    """Version -> scorer: v0 the drafter the server starts with, later ones loaded from the run's registry the
-    way the swapper loads them (`dvi.registry.codec.load_drafter_version`); None for a version that does not load (pruned) or
-    for a pair with no learned drafter. Chains are scored at the configured K (`speculation.num_draft_tokens`)."""
+Served = tuple[int, str, int]
+"""What drafted a record: (shared drafter version, traffic group, that group's adapter version; 0: none)."""
+
+
+def served_by(record: FeedbackRecord, adapter_key: str) -> Served:
+    from dvi.feedback.heldout import adapter_group
+
+    adapter = int(getattr(record, "adapter_version", 0) or 0)
+    group = adapter_group(adapter_key, record.domain, getattr(record, "client", "")) if adapter else ""
+    return int(record.drafter_version), group, adapter
+
+
+def drafter_scorers(cfg: DviConfig, registry_dir: str | Path) -> Callable[[Served], Scorer | None]:
+    """(version, group, adapter) -> scorer: v0 the drafter the server starts with, later ones loaded from the run's
+    registry the way the swapper loads them (`dvi.registry.codec.load_drafter_version`; a group's adapter version
+    from the group's registry, over the startup drafter, as its swapper loads it); None for a version that does not
+    load (pruned) or for a pair with no learned drafter. Chains are scored at the configured K."""
     from dvi.feedback.shadow import chain_tokens, hf_logits_fn, record_acceptance
     from dvi.registry.codec import load_drafter_version, scoring_module
+    from dvi.registry.groups import group_registry
     from dvi.registry.store import AdapterRejected, DrafterRegistry
 
     from .loading import load_serving_pair
 
     base = load_serving_pair(cfg).drafter
     k = cfg.speculation.num_draft_tokens
-    registry = DrafterRegistry(registry_dir)
-    cache: dict[int, Scorer | None] = {}
+    cache: dict[Served, Scorer | None] = {}
 
-    def scorer(version: int) -> Scorer | None:
-        if version in cache:
-            return cache[version]
+    def scorer(key: Served | int) -> Scorer | None:
+        key = (key, "", 0) if isinstance(key, int) else key
+        if key in cache:
+            return cache[key]
+        version, group, adapter = key
         model = base
-        if base is not None and version != 0:
+        if base is not None and (version != 0 or adapter):
+            registry = group_registry(registry_dir, group) if adapter else DrafterRegistry(registry_dir)
             try:
-                model, _ = load_drafter_version(registry, version, base)
+                model, _ = load_drafter_version(registry, adapter or version, base)
             except (AdapterRejected, OSError):
                 model = None
         if model is None:
-            cache[version] = None
+            cache[key] = None
             return None
         fn = hf_logits_fn(scoring_module(model))
 
@@ -91,7 +107,7 @@ def drafter_scorers(cfg: DviConfig, registry_dir: str | Path) -> Callable[[int],
             return {r.request_id: Replayed(float(acc.sum()), int(acc.numel()), chain_tokens(acc, k))
                     for r, acc in record_acceptance(fn, records)}
 
-        cache[version] = score
+        cache[key] = score
         return score
 
     return scorer
@@ -105,16 +121,17 @@ def _pooled(scores: Iterable[Replayed]) -> tuple[float | None, float | None]:
             sum(s.chain_tokens for s in got) / positions if positions else None)
 
 
-def replay_window(records: Sequence[FeedbackRecord], scorer: Callable[[int], Scorer | None]) -> dict[str, Any]:
+def replay_window(records: Sequence[FeedbackRecord], scorer: Callable[[Any], Scorer | None],
+                  adapter_key: str = "none") -> dict[str, Any]:
     """α̂ and tokens per drafting step at K of the serving drafter (each record through the version that served
     it) and of the frozen v0 drafter, over the records both could score (paired: the same tokens), and the gain."""
     frozen_fn = scorer(0)
     frozen = frozen_fn(list(records)) if frozen_fn is not None else {}
     served: dict[str, Replayed] = {}
-    for version in sorted({r.drafter_version for r in records}):
-        fn = scorer(version)
+    for key in sorted({served_by(r, adapter_key) for r in records}):
+        fn = scorer(key)
         if fn is not None:
-            served.update(fn([r for r in records if r.drafter_version == version]))
+            served.update(fn([r for r in records if served_by(r, adapter_key) == key]))
     both = [rid for rid in served if rid in frozen]
     (a_served, len_served), (a_frozen, len_frozen) = _pooled(served[i] for i in both), _pooled(frozen[i] for i in both)
     return {"replay_alpha": a_served, "frozen_alpha": a_frozen,
@@ -124,11 +141,11 @@ def replay_window(records: Sequence[FeedbackRecord], scorer: Callable[[int], Sco
 
 
 def replay_windows(rows: list[dict[str, Any]], records: dict[str, FeedbackRecord],
-                   scorer: Callable[[int], Scorer | None]) -> None:
+                   scorer: Callable[[Any], Scorer | None], adapter_key: str = "none") -> None:
     """Add `replay_window`'s figures to every timeline row, from the records of the row's `request_ids`."""
     for row in rows:
         recs = [records[i] for i in row.get("request_ids", ()) if i in records and len(records[i].token_ids)]
-        row.update(replay_window(recs, scorer))
+        row.update(replay_window(recs, scorer, adapter_key))
 
 
 _ALPHA = (("replay_alpha", "α̂ serving drafter (replayed on the window's responses)", "-o"),
@@ -157,12 +174,17 @@ def _mark(ax: Any, rows: Sequence[dict[str, Any]], labels: bool) -> None:
                 ax.annotate(r["phase"], ((start + r["requests"]) / 2, 0.98), xycoords=("data", "axes fraction"),
                             ha="center", va="top", fontsize=8)
             start, shade = r["requests"], not shade
-        if i and r["drafter_version"] != rows[i - 1]["drafter_version"]:
-            mid = (rows[i - 1]["requests"] + r["requests"]) / 2
+        prev = rows[i - 1] if i else None
+        changed = prev is not None and (r["drafter_version"] != prev["drafter_version"] or (
+            r.get("adapter_version") and r.get("adapter_version") != prev.get("adapter_version")))
+        if changed:
+            mid = (prev["requests"] + r["requests"]) / 2
             ax.axvline(mid, color="grey", linestyle="--", linewidth=0.8)
             if labels:
-                ax.annotate(f"v{r['drafter_version']}", (mid, 0.92), xycoords=("data", "axes fraction"),
-                            fontsize=7, color="grey", ha="left")
+                name = f"{r.get('domain')} v{r['adapter_version']}" if r.get("adapter_version") else \
+                    f"v{r['drafter_version']}"
+                ax.annotate(name, (mid, 0.92), xycoords=("data", "axes fraction"), fontsize=7, color="grey",
+                            ha="left")
 
 
 def plot_windows(rows: Sequence[dict[str, Any]], out_png: str | Path) -> Path:

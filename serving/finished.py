@@ -72,6 +72,7 @@ class Finished:
             "accepted_per_position": list(r.accepted_per_position),
             "drafted_per_position": list(r.drafted_per_position),
             "drafter_version": r.drafter_version,
+            "adapter_version": r.adapter_version,
             "target_version": r.target_version,
             "domain": self.domain,
         }

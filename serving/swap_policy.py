@@ -54,6 +54,7 @@ class SwapPolicy:
     group_margin: float = 0.02
     min_group_records: int = 4
     watch_idle_s: float = 2.0
+    group_z: float = 2.0
 
     @classmethod
     def of(cls, cfg: DviConfig) -> SwapPolicy:
@@ -64,11 +65,12 @@ class SwapPolicy:
                    rollback_window=sv.rollback_window, rollback_margin=sv.rollback_margin,
                    shadow_records=t.shadow_records, heldout_fraction=t.heldout_fraction,
                    min_positions=t.shadow_min_positions, rollback_z=sv.rollback_z, group_margin=t.gate_group_margin,
-                   min_group_records=t.gate_min_group_records, watch_idle_s=sv.watch_idle_s)
+                   min_group_records=t.gate_min_group_records, watch_idle_s=sv.watch_idle_s, group_z=t.gate_z)
 
     @property
     def promotion(self) -> Rule:
-        return promotion_rule(self.shadow_margin, self.group_margin, self.min_group_records, self.min_positions)
+        return promotion_rule(self.shadow_margin, self.group_margin, self.min_group_records, self.min_positions,
+                              self.group_z)
 
     @property
     def watch(self) -> Rule:

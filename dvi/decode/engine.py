@@ -365,7 +365,8 @@ class SpeculativeEngine:
         return s.res
 
     def _close(self, s: Seq, reason: str) -> GenerationResult:
-        return s.close(reason, Versions(self.target_version, self.drafter_version))
+        return s.close(reason, Versions(self.target_version, self.drafter_version,
+                                        self.adapter_versions.get(s.req.group, 0)))
 
     def _rebuild(self) -> None:
         """New target weights (the target's cache recomputed) and / or a new drafter: the proposer catches up."""

@@ -98,6 +98,7 @@ class GenerationResult(DraftCounts):
     topk_logprobs: list[list[float]] = field(default_factory=list)
     target_version: int = 0
     drafter_version: int = 0
+    adapter_version: int = 0  # its traffic group's drafter adapter (issue 40; 0: the shared drafter alone)
     domain: str = "default"
     started_at: float = 0.0
     finished_at: float = 0.0
@@ -114,10 +115,12 @@ class GenerationResult(DraftCounts):
 
 
 class Versions(NamedTuple):
-    """The (target, drafter) weights versions a sequence was decoded with; every record carries both."""
+    """The (target, drafter) weights versions a sequence was decoded with; every record carries both (and the
+    version of its traffic group's adapter, 0 for none)."""
 
     target: int = 0
     drafter: int = 0
+    adapter: int = 0
 
 
 @dataclass

@@ -37,7 +37,7 @@ class Seq:
         added its own fields, e.g. eagle features)."""
         self.res.finish_reason = reason
         self.res.finished_at = time.time()
-        self.res.target_version, self.res.drafter_version = versions
+        self.res.target_version, self.res.drafter_version, self.res.adapter_version = versions
         return self.res
 
 

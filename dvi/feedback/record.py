@@ -66,6 +66,8 @@ class FeedbackRecord:
     # served under a logit_bias or a penalty: its tokens are the transformed target's, so it is no evidence of
     # how well a drafter drafts the target (`dvi.feedback.heldout.unfit_reason`)
     transformed: bool = _column(pa.bool_(), optional=True, default=False)
+    # the version of its traffic group's drafter adapter that drafted it (trainer.adapter_key; 0: none)
+    adapter_version: int = _column(pa.int64(), optional=True, default=0)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -174,6 +176,7 @@ class FeedbackRecord:
             domain=str(domain if domain is not None else (result.domain or "default")),
             target_version=int(result.target_version),
             drafter_version=int(result.drafter_version),
+            adapter_version=int(getattr(result, "adapter_version", 0)),
             started_at=float(result.started_at),
             finished_at=float(result.finished_at),
             temperature=float(result.temperature),

@@ -58,19 +58,22 @@ class Gates:
     watch: Rule
 
 
-def publish_rule(publish_margin: float, group_margin: float, min_group_records: int, min_positions: int) -> Rule:
+def publish_rule(publish_margin: float, group_margin: float, min_group_records: int, min_positions: int,
+                 group_z: float = 0.0) -> Rule:
     """The trainer publishes a candidate better than the served version by `publish_margin` (a negative one: worse
-    by at most that much, a deliberate reset; a group may then fall as far)."""
+    by at most that much, a deliberate reset; a group may then fall as far). A group refuses it when it falls by
+    more than its margin and, with `group_z` > 0, by that many standard errors too."""
     return Rule("publish", min_gain=publish_margin, group_margin=max(group_margin, -publish_margin),
-                min_group_records=min_group_records, min_positions=min_positions)
+                min_group_records=min_group_records, min_positions=min_positions, z=group_z or None)
 
 
-def promotion_rule(shadow_margin: float, group_margin: float, min_group_records: int, min_positions: int) -> Rule:
+def promotion_rule(shadow_margin: float, group_margin: float, min_group_records: int, min_positions: int,
+                   group_z: float = 0.0) -> Rule:
     """The server promotes a candidate worse than the served version by at most `shadow_margin` pooled and
     `group_margin` in any group (or `shadow_margin`, when that is wider: a gate loosened on purpose loosens every
-    group alike)."""
+    group alike); a group's fall past its margin refuses only beyond `group_z` standard errors (0: any)."""
     return Rule("promotion", min_gain=-shadow_margin, group_margin=max(group_margin, shadow_margin),
-                min_group_records=min_group_records, min_positions=min_positions)
+                min_group_records=min_group_records, min_positions=min_positions, z=group_z or None)
 
 
 def watch_rule(rollback_margin: float, rollback_z: float, min_group_records: int) -> Rule:
@@ -84,7 +87,7 @@ def gates(cfg: Any) -> Gates:
     serve.rollback_margin / rollback_z; publish and promotion also refuse a fall of more than
     `trainer.gate_group_margin` in any group of at least `trainer.gate_min_group_records` records)."""
     t, s = cfg.trainer, cfg.serve
-    evidence = (t.gate_group_margin, t.gate_min_group_records, t.shadow_min_positions)
+    evidence = (t.gate_group_margin, t.gate_min_group_records, t.shadow_min_positions, t.gate_z)
     return Gates(publish=publish_rule(t.publish_margin, *evidence), promotion=promotion_rule(t.shadow_margin, *evidence),
                  watch=watch_rule(s.rollback_margin, s.rollback_z, t.gate_min_group_records))
 
@@ -191,7 +194,8 @@ def judge(new: Scores, old: Scores, rule: Rule) -> Verdict:
     why = _pooled_failure(new_a, old_a, rule)
     worse = [g.describe() for g in groups if g.worse]
     if worse:
-        why = (why + "; " if why else "") + (f"worse by more than {rule.group_margin} in " + "; ".join(worse))
+        bound = f" (and {rule.z:g} standard errors)" if rule.z else ""
+        why = (why + "; " if why else "") + (f"worse by more than {rule.group_margin}{bound} in " + "; ".join(worse))
     v.outcome = "fail" if why else "pass"
     v.reason = why
     return v
