@@ -172,6 +172,9 @@ class RegistryConfig(_Strict):
     keep_last: int = Field(5, ge=1)
 
 
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class TrainerConfig(_Strict):
     """The online drafter trainer (its own process)."""
 
@@ -179,9 +182,7 @@ class TrainerConfig(_Strict):
     lora_rank: int = Field(16, ge=1)
     lora_alpha: float = Field(32.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_targets: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    lora_targets: list[str] = Field(default_factory=lambda: list(_PROJECTIONS))
     learning_rate: float = Field(1e-3, gt=0)
     # eagle heads train all their weights (no LoRA): replaying real smollm2 chat feedback, lr 1e-3 dropped the
     # built head's held-out shadow α 0.356 -> 0.172 within 5 steps; 3e-4 rose to 0.381 in 22 steps
@@ -378,6 +379,10 @@ class DviConfig(_Strict):
     @model_validator(mode="after")
     def _adapters_need_a_lora_separate_drafter(self) -> DviConfig:
         key, kind = self.trainer.adapter_key, self.models.learned_kind
+        outside = set(self.trainer.lora_targets) - set(_PROJECTIONS)
+        if key != "none" and outside:
+            raise ValueError(f"trainer.adapter_key {key!r} serves adapters of the decoder's projections "
+                             f"{list(_PROJECTIONS)}; trainer.lora_targets also names {sorted(outside)}")
         if key != "none" and (self.trainer.mode != "lora" or kind != "separate"):
             raise ValueError(f"trainer.adapter_key {key!r} trains one LoRA adapter per group on a separate drafter; "
                              f"this config has trainer.mode {self.trainer.mode!r} and learned drafter kind {kind!r}. "

@@ -151,6 +151,8 @@ class ServerMetrics:
         self.m.set_queue_depth(snap.queue)
         dv = swapper.live_version if swapper is not None else 0
         self.m.set_versions(drafter_version=dv, target_version=target_version)
+        for group, version in snap.adapter_versions.items():
+            self.m[M.DRAFTER_ADAPTER_VERSION].labels(group=group).set(version)
         if swapper is not None:
             self.update_gates(swapper)
         sup = supervisor

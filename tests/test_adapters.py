@@ -161,4 +161,17 @@ def test_server_judges_and_serves_a_groups_adapter_on_that_group_only(pair, tiny
         assert health["adapter_key"] == "domain" and "code" in health["groups"]
         assert health["groups"]["code"]["live_version"] == group_registry(cfg.registry.dir, "code").latest()
         assert s.state.swapper.live_version == 0  # the shared drafter stays as started
+        v = health["groups"]["code"]["live_version"]
+        assert f'dvi_drafter_adapter_version{{group="code"}} {float(v)}' in c.get("/metrics").text
     assert adapter_group("domain", "code", "") == "code"
+
+
+@pytest.mark.parametrize("key", ["none", "user"])
+def test_every_value_of_adapter_key_starts_dvi_serve(tiny_pair_dir, tmp_path, key) -> None:
+    """`domain` starts above; `none` and `user` here (a user's requests are its own group, hashed)."""
+    cfg = tiny_config(tiny_pair_dir, tmp_path, f"trainer.adapter_key={key}")
+    with ServerThread(cfg) as s, s.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4, "user": "alice"})
+        assert r.status_code == 200 and r.json()["dvi"]["adapter_version"] == 0, r.text
+        adapters = s.health()["adapters"]
+        assert (adapters is None) if key == "none" else adapters["adapter_key"] == "user"

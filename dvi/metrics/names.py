@@ -28,6 +28,7 @@ REQUEST_LATENCY = "dvi_request_latency_seconds"
 TIME_TO_FIRST_TOKEN = "dvi_time_to_first_token_seconds"
 QUEUE_DEPTH = "dvi_queue_depth"
 DRAFTER_VERSION = "dvi_drafter_version"
+DRAFTER_ADAPTER_VERSION = "dvi_drafter_adapter_version"
 TARGET_VERSION = "dvi_target_version"
 TRAINER_STATE = "dvi_trainer_state"
 DRAFTER_PROMOTIONS = "dvi_drafter_promotions_total"
@@ -95,6 +96,7 @@ L_PHASE = "phase"
 L_VERDICT = "verdict"
 L_GATE = "gate"
 L_JUDGED = "judged"
+L_GROUP = "group"  # a traffic group with its own drafter adapter (trainer.adapter_key; at most trainer.max_adapters)
 
 DISK_PARTS = ("feedback", "registry", "logs", "checkpoint", "wandb")
 """The `part` label of `dvi_disk_bytes` (`dvi.rundir.RunDir.disk_usage`)."""
@@ -154,6 +156,8 @@ METRICS: dict[str, MetricSpec] = {
         ),
         MetricSpec(QUEUE_DEPTH, "gauge", "Requests waiting for a batch slot."),
         MetricSpec(DRAFTER_VERSION, "gauge", "Drafter version serving now."),
+        MetricSpec(DRAFTER_ADAPTER_VERSION, "gauge", "Adapter version serving each traffic group's rows "
+                   "(trainer.adapter_key; at most trainer.max_adapters groups).", (L_GROUP,)),
         MetricSpec(TARGET_VERSION, "gauge", "Target weights version serving now."),
         MetricSpec(TRAINER_STATE, "gauge", f"Online trainer state code {TRAINER_STATES}."),
         MetricSpec(DRAFTER_PROMOTIONS, "counter", "Drafter versions swapped into serving."),

@@ -39,6 +39,9 @@ class GroupLanes:
     """The lanes of one trainer process, beside its (frozen) shared trainer `main`."""
 
     def __init__(self, main: OnlineTrainer, cfg: DviConfig, rundir: RunDir) -> None:
+        if main.accelerator.num_processes > 1:
+            raise ValueError("trainer.adapter_key trains its group adapters in one process (each lane is its own "
+                             "optimizer over a shared model); launch the trainer without accelerate's --num_processes")
         self.main, self.cfg, self.rundir = main, cfg, rundir
         tc = cfg.trainer
         self.key, self.min_records, self.cap = tc.adapter_key, tc.adapter_min_records, tc.max_adapters
