@@ -20,6 +20,7 @@ import argparse
 import copy
 import itertools
 import json
+import pickle
 import random
 import sys
 import time
@@ -95,15 +96,21 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--per-group", type=int, default=12, help="records per group in a trial's held-out set")
     ap.add_argument("--trials", type=int, default=2000)
-    ap.add_argument("--scale", type=float, default=0.004, help="the equal candidates' LoRA B scale")
-    ap.add_argument("--worse-scale", type=float, default=0.03)
+    ap.add_argument("--scale", type=float, default=0.03, help="the equal candidates' LoRA B scale")
+    ap.add_argument("--worse-scale", type=float, default=0.08)
+    ap.add_argument("--records-cache", type=Path, default=None, help="pickle of the records (made once, then read)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
     pair_dir, tokenizer = built_pair(a.preset, None)
     pair = load_pair(pair_dir / "target", pair_dir / "drafter", pair_dir / "tokenizer", device="cpu", dtype="float32")
     t0 = time.perf_counter()
-    recs = records(pair, tokenizer, a.records, a.max_new_tokens)
+    if a.records_cache is not None and a.records_cache.is_file():
+        recs = pickle.loads(a.records_cache.read_bytes())
+    else:
+        recs = records(pair, tokenizer, a.records, a.max_new_tokens)
+        if a.records_cache is not None:
+            a.records_cache.write_bytes(pickle.dumps(recs))
     print(f"{len(recs)} records in {time.perf_counter() - t0:.0f}s")
     drafters = {"served": pair.drafter, "equal_a": perturbed(pair.drafter, a.scale, 1),
                 "equal_b": perturbed(pair.drafter, a.scale, 2), "worse": perturbed(pair.drafter, a.worse_scale, 3)}

@@ -141,11 +141,6 @@ class RunDir:
     def checkpoint_dir(self) -> Path:
         return self.trainer_dir / CHECKPOINT_DIR
 
-    def group_checkpoint_dir(self, dir_name: str) -> Path:
-        """A traffic group's adapter checkpoint (`dir_name`: `dvi.registry.groups.group_dir_name`), beside the
-        shared one and written in the same flush."""
-        return self.trainer_dir / "groups" / dir_name / CHECKPOINT_DIR
-
     @property
     def consumed_path(self) -> Path:
         return self.trainer_dir / CONSUMED_LOG

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_lanes_train_each_group_on_its_own_records_and_publish_to_its_registry(p
     main = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
     lanes = GroupLanes(main, cfg, RunDir.of(cfg))
     stats = lanes.train_on_records(code[:8])  # fewer than adapter_min_records: the group waits
-    assert not lanes.lanes and stats.steps == 0 and len(stats.untrained_ids) == 8
+    assert not lanes.lanes and stats.steps == 0 and not stats.untrained_ids and len(lanes.waiting["code"]) == 8
     lanes.train_on_records(code[8:] + prose[:4])
     assert list(lanes.lanes) == ["code"] and lanes.waiting == {"prose": prose[:4]}
     peft_model = main.trainable.drafter
@@ -130,9 +131,9 @@ def test_lanes_train_each_group_on_its_own_records_and_publish_to_its_registry(p
     v = group_registry(cfg.registry.dir, "code").latest()
     assert v is not None and adapter_name("code") in peft_model.peft_config
     # a restart resumes every group's adapter from its checkpoint
-    lanes.save()
+    lanes.save(tmp_path / "checkpoint")
     again = GroupLanes(OnlineTrainer(cfg, copy.deepcopy(pair.drafter)), cfg, RunDir.of(cfg))
-    again.restore()
+    again.restore(tmp_path / "checkpoint")
     assert sorted(again.lanes) == ["code", "prose"]
     saved, resumed = lanes.lanes["code"].trainable.state(), again.lanes["code"].trainable.state()
     assert all(torch.equal(saved[k], resumed[k]) for k in saved)
@@ -175,3 +176,37 @@ def test_every_value_of_adapter_key_starts_dvi_serve(tiny_pair_dir, tmp_path, ke
         assert r.status_code == 200 and r.json()["dvi"]["adapter_version"] == 0, r.text
         adapters = s.health()["adapters"]
         assert (adapters is None) if key == "none" else adapters["adapter_key"] == "user"
+
+
+def test_the_trainer_loop_trains_group_lanes_exactly_once_and_resumes_them(pair, tiny_pair_dir, tmp_path) -> None:
+    """Through the loop that tails the feedback log: every record is trained by its group's lane, held out, or
+    logged as untrained (none counted twice); a new process resumes every lane from the one checkpoint."""
+    from test_online import _consumed, _drain, _write_shards
+
+    from trainers.online.loop import TrainerLoop
+
+    code, prose = _records(pair)
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.adapter_key=domain", "trainer.adapter_min_records=8",
+                        "trainer.checkpoint_seconds=0")
+    _write_shards(Path(cfg.feedback.dir), code + prose[:4], per_shard=4)
+
+    def new_loop() -> TrainerLoop:
+        loop = TrainerLoop(OnlineTrainer(cfg, copy.deepcopy(pair.drafter)), cfg)
+        loop.stop.requested = True  # take whatever is pending without waiting for min_new_records
+        loop.restore()
+        return loop
+
+    loop = new_loop()
+    _drain(loop)
+    loop.flush()
+    assert sorted(loop.lanes.lanes) == ["code"] and loop.lanes.lanes["code"].step > 0
+    state = loop.lanes.lanes["code"].trainable.state()
+    entries = _consumed(tmp_path)
+    ids = [i for e in entries for key in ("trained", "heldout", "dropped", "untrained") for i in e.get(key, [])]
+    assert sorted(ids) == sorted(r.request_id for r in code)  # prose's 4 wait for their lane, logged when trained
+    assert list(loop.lanes.waiting) == ["prose"]  # below the bar: logged untrained, kept until prose has enough
+    again = new_loop()
+    assert sorted(again.lanes.lanes) == ["code"] and again.lanes.lanes["code"].step == loop.lanes.lanes["code"].step
+    resumed = again.lanes.lanes["code"].trainable.state()
+    assert all(torch.equal(state[k], resumed[k]) for k in state)
+    assert list(again.lanes.waiting) == ["prose"]  # warmed from the consumed shards

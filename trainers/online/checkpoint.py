@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +29,13 @@ COUNTERS = ("step", "records_seen", "replayed", "heldout_seen", "dropped_stale",
 
 
 def save_checkpoint(path: Path, trainable: Trainable, optimizer: torch.optim.Optimizer,
-                    state: Mapping[str, Any]) -> None:
+                    state: Mapping[str, Any], write_more: Callable[[Path], None] | None = None) -> None:
     """Weights + optimizer + `state` (the trainer's counters and the loop's extra, JSON-able), written to a temp
-    dir and renamed over `path`."""
+    dir and renamed over `path`; `write_more(tmp)` adds what must be renamed with them (the group lanes')."""
     tmp = tmp_dir_beside(path)
     tmp.mkdir(parents=True)
+    if write_more is not None:
+        write_more(tmp)
     save_file(trainable.state(), str(tmp / "trainable.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps({**dict(state), "kind": trainable.kind}))

@@ -35,7 +35,7 @@ class RoundStats:
     trained_ids: list[str] = field(default_factory=list)
     heldout_ids: list[str] = field(default_factory=list)
     dropped_ids: list[str] = field(default_factory=list)
-    # read but trained by no adapter (trainer.adapter_key: no group, a group gathering its first records, past the cap)
+    # read but trained by no adapter, ever (trainer.adapter_key: no group, past the cap, a gathering group evicted)
     untrained_ids: list[str] = field(default_factory=list)
 
     @property

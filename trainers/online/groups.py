@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from dvi.config import DviConfig
@@ -48,6 +49,7 @@ class GroupLanes:
         self.lanes: dict[str, OnlineTrainer] = {}
         self.waiting: collections.OrderedDict[str, list[FeedbackRecord]] = collections.OrderedDict()
         self.untrained: collections.Counter[str] = collections.Counter()  # why records trained no adapter
+        self._dropped: list[FeedbackRecord] = []  # this round's
 
     def group_of(self, record: FeedbackRecord) -> str:
         return adapter_group(self.key, record.domain, getattr(record, "client", ""))
@@ -71,32 +73,34 @@ class GroupLanes:
         parts: dict[str, list[FeedbackRecord]] = {}
         for r in records:
             parts.setdefault(self.group_of(r), []).append(r)
-        rounds, untrained = [], []
+        rounds, self._dropped = [], []
         for group, recs in parts.items():
             lane, recs = self._lane_for(group, recs)
-            if lane is None:
-                untrained.extend(r.request_id for r in recs)
-            else:
+            if lane is not None:
                 rounds.append(lane.train_on_records(recs))
-        return _merged(rounds, untrained)
+        return _merged(rounds, [r.request_id for r in self._dropped])
 
     def _lane_for(self, group: str, recs: list[FeedbackRecord]) -> tuple[OnlineTrainer | None, list[FeedbackRecord]]:
-        """(the group's lane, the records it trains on now: the waiting ones too when it opens), or (None, recs)."""
+        """(the group's lane, the records it trains on now: the waiting ones too when it opens), or (None, []): the
+        records wait for their group's lane (logged when it trains them), or train nothing (`_dropped`)."""
         if group in self.lanes:
             return self.lanes[group], recs
         why = "no_group" if not group else ("over_cap" if len(self.lanes) >= self.cap else "")
         if why:
-            self.untrained[why] += len(recs)
-            return None, recs
+            self._drop(why, recs)
+            return None, []
         waiting = self.waiting.setdefault(group, [])
         waiting.extend(recs)
         self.waiting.move_to_end(group)
         if len(waiting) >= self.min_records:
             return self._open(group), self.waiting.pop(group)
         while len(self.waiting) > WAITING_GROUPS_PER_LANE * self.cap:  # a client minting groups cannot grow this
-            _g, dropped = self.waiting.popitem(last=False)
-            self.untrained["evicted"] += len(dropped)
-        return None, recs
+            self._drop("evicted", self.waiting.popitem(last=False)[1])
+        return None, []
+
+    def _drop(self, why: str, recs: list[FeedbackRecord]) -> None:
+        self.untrained[why] += len(recs)
+        self._dropped.extend(recs)
 
     def maybe_publish(self, force: bool = False) -> list[PublishDecision]:
         out = []
@@ -108,17 +112,20 @@ class GroupLanes:
         return out
 
     # -- resume ------------------------------------------------------------------------------------
-    def save(self) -> None:
+    def save(self, checkpoint: Path) -> None:
+        """Every lane's checkpoint inside the shared one's `checkpoint` dir (written before its rename, so the cursor
+        and every lane move together)."""
         for group, lane in self.lanes.items():
-            lane.save_checkpoint(self.rundir.group_checkpoint_dir(group_dir_name(group)), {"group": group})
+            lane.save_checkpoint(checkpoint / "groups" / group_dir_name(group), {"group": group})
 
-    def restore(self) -> None:
-        """A lane for every group with a registry (up to the cap): its checkpoint, else its served version."""
+    def restore(self, checkpoint: Path) -> None:
+        """A lane for every group with a registry (up to the cap): its checkpoint in `checkpoint`, else its served
+        version."""
         for group in group_names(self.cfg.registry.dir):
             if group in self.lanes or len(self.lanes) >= self.cap:
                 continue
             lane = self._open(group)
-            if lane.load_checkpoint(self.rundir.group_checkpoint_dir(group_dir_name(group))) is not None:
+            if lane.load_checkpoint(checkpoint / "groups" / group_dir_name(group)) is not None:
                 continue
             served = lane.served_version()
             if served:
@@ -139,6 +146,11 @@ class GroupLanes:
                 lane.heldout.split(recs, lane.replay.append)
 
     def reset(self) -> None:
+        """Forget every lane (a rewind: `restore` reopens them from the checkpoint, fresh where it has none)."""
+        model = self.main.trainable.drafter
+        model.set_adapter("default")
+        for group in self.lanes:
+            model.delete_adapter(adapter_name(group))
         self.lanes.clear()
         self.waiting.clear()
 

@@ -112,7 +112,7 @@ class TrainerLoop:
                             served, exc)
         t.reset_anchor()
         if self.lanes is not None:
-            self.lanes.restore()
+            self.lanes.restore(self.rundir.checkpoint_dir)
         self._commit_trained()
         self._warm_buffers()
 
@@ -227,9 +227,8 @@ class TrainerLoop:
             t.save_checkpoint(self.rundir.checkpoint_dir, {
                 "seq": self.seq, "trained_uncommitted": sorted(self.trained), "rounds": self.unflushed,
                 "quarantined_records": self.screen.quarantined, "publish_failures": t.publish_backoff.failures,
-                "refused": [[s, r, why] for (s, r), why in sorted(self.screen.refused.items())]})
-            if self.lanes is not None:
-                self.lanes.save()
+                "refused": [[s, r, why] for (s, r), why in sorted(self.screen.refused.items())]},
+                write_more=self.lanes.save if self.lanes is not None else None)  # one rename: exactly once
             for entry in self.unflushed:
                 self._append_consumed(entry)
             self.unflushed = []

@@ -360,10 +360,11 @@ class OnlineTrainer(Publishing):
         }
 
     # -- checkpoints (process mode): trainers.online.checkpoint ------------------------------------
-    def save_checkpoint(self, path: Path, extra: Mapping[str, Any]) -> None:
+    def save_checkpoint(self, path: Path, extra: Mapping[str, Any], write_more: Any = None) -> None:
         counters = {k: getattr(self, k) for k in COUNTERS}
         save_checkpoint(path, self.trainable, self.optimizer, {
-            **counters, "train_seconds": self.train_seconds, "last_published": self.last_published, **dict(extra)})
+            **counters, "train_seconds": self.train_seconds, "last_published": self.last_published, **dict(extra)},
+            write_more)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any] | None:
         """Weights, moments and counters from `save_checkpoint`; the state dict (with the loop's extra) or None."""
