@@ -100,14 +100,16 @@ def test_greedy_with_per_row_adapters_equals_plain_decoding(pair) -> None:
     assert all(with_adapters[i].drafted_ids == without[i].drafted_ids for i in (4, 5))
 
 
-def _records(pair):
-    code = engine_records(pair, "code", 24, max_new_tokens=16, prefix="gc")
-    prose = engine_records(pair, "prose", 24, max_new_tokens=16, prefix="gp")
-    return code, prose
+@pytest.fixture(scope="module")
+def records(pair):
+    """(code, prose) greedy records of the real engine, 24 each."""
+    return (engine_records(pair, "code", 24, max_new_tokens=16, prefix="gc"),
+            engine_records(pair, "prose", 24, max_new_tokens=16, prefix="gp"))
 
 
-def test_lanes_train_each_group_on_its_own_records_and_publish_to_its_registry(pair, tiny_pair_dir, tmp_path) -> None:
-    code, prose = _records(pair)
+def test_lanes_train_each_group_on_its_own_records_and_publish_to_its_registry(records, pair, tiny_pair_dir,
+                                                                                tmp_path) -> None:
+    code, prose = records
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.adapter_key=domain", "trainer.adapter_min_records=12",
                         "trainer.publish_margin=-1.0", "trainer.gate_group_margin=1.0")
     main = OnlineTrainer(cfg, copy.deepcopy(pair.drafter))
@@ -140,8 +142,8 @@ def test_lanes_train_each_group_on_its_own_records_and_publish_to_its_registry(p
 
 
 @pytest.mark.slow
-def test_server_judges_and_serves_a_groups_adapter_on_that_group_only(pair, tiny_pair_dir, tmp_path) -> None:
-    code, prose = _records(pair)
+def test_server_judges_and_serves_a_groups_adapter_on_that_group_only(records, pair, tiny_pair_dir, tmp_path) -> None:
+    code, prose = records
     cfg = tiny_config(tiny_pair_dir, tmp_path, "trainer.adapter_key=domain", "trainer.adapter_min_records=8",
                       "trainer.shadow_margin=1.0", "trainer.gate_group_margin=1.0", "trainer.publish_margin=-1.0",
                       "serve.rollback_window=64")
@@ -167,9 +169,10 @@ def test_server_judges_and_serves_a_groups_adapter_on_that_group_only(pair, tiny
     assert adapter_group("domain", "code", "") == "code"
 
 
-@pytest.mark.parametrize("key", ["none", "user"])
-def test_every_value_of_adapter_key_starts_dvi_serve(tiny_pair_dir, tmp_path, key) -> None:
-    """`domain` starts above; `none` and `user` here (a user's requests are its own group, hashed)."""
+def test_every_value_of_adapter_key_starts_dvi_serve(tiny_pair_dir, tmp_path) -> None:
+    """`domain` starts above, `none` (the default) in every other server test; `user` here (a user's requests are
+    its own group, hashed)."""
+    key = "user"
     cfg = tiny_config(tiny_pair_dir, tmp_path, f"trainer.adapter_key={key}")
     with ServerThread(cfg) as s, s.client() as c:
         r = c.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4, "user": "alice"})
@@ -178,14 +181,15 @@ def test_every_value_of_adapter_key_starts_dvi_serve(tiny_pair_dir, tmp_path, ke
         assert (adapters is None) if key == "none" else adapters["adapter_key"] == "user"
 
 
-def test_the_trainer_loop_trains_group_lanes_exactly_once_and_resumes_them(pair, tiny_pair_dir, tmp_path) -> None:
+def test_the_trainer_loop_trains_group_lanes_exactly_once_and_resumes_them(records, pair, tiny_pair_dir,
+                                                                           tmp_path) -> None:
     """Through the loop that tails the feedback log: every record is trained by its group's lane, held out, or
     logged as untrained (none counted twice); a new process resumes every lane from the one checkpoint."""
     from test_online import _consumed, _drain, _write_shards
 
     from trainers.online.loop import TrainerLoop
 
-    code, prose = _records(pair)
+    code, prose = records
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.adapter_key=domain", "trainer.adapter_min_records=8",
                         "trainer.checkpoint_seconds=0")
     _write_shards(Path(cfg.feedback.dir), code + prose[:4], per_shard=4)

@@ -179,7 +179,9 @@ def test_cut_requests_are_counted_on_metrics(tiny_pair_dir, tmp_path) -> None:
         clients.start(False, LONG, 6)  # waiting: the batch holds 2
         # all 6 queued before the cut: one still on its way in would be refused at the door (a 503 "cut" that is
         # neither running nor waiting; seen once in the full suite)
-        wait_for(lambda: srv.state.scheduler.queue_depth() >= 6, 30, what="requests waiting")
+        # and both running: under load the second one was seen still queued when six waited (1 running, 7 waiting)
+        wait_for(lambda: srv.state.scheduler.queue_depth() >= 6 and srv.state.scheduler.num_running() == 2, 30,
+                 what="a full batch and requests waiting")
         srv.server.should_exit = True
         clients.join(60)
         srv.thread.join(30)
