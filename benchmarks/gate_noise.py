@@ -8,8 +8,8 @@ set of `--per-group` records per domain (the size a group gate judges on in a li
 - margin only (the rule before this issue): refuse when a group falls by more than `gate_group_margin`;
 - margin + z (`trainer.gate_z`): ... and by that many standard errors of the group's per-record differences.
 
-False refusals are verdicts against the equal pair, power is verdicts against the worse one; each drafter scores
-every record once and the trials resample those scores.
+False refusals are verdicts against either of the equal pair (judged both ways: their realised α differ a little),
+power is verdicts against the worse one; each drafter scores every record once and the trials resample those scores.
 
     PYTHONPATH=. .venv/bin/python benchmarks/gate_noise.py [--json bench_results/gate_noise.json]
 """
@@ -122,7 +122,8 @@ def main(argv=None) -> int:
              f"margin + z {t.gate_z:g}": Rule("gate", None, t.gate_group_margin, t.gate_min_group_records, z=t.gate_z)}
     rows = []
     for name, rule in rules.items():
-        false = refusal_rate(scores["equal_b"], scores["equal_a"], rule, a.per_group, a.trials, 0)
+        false = (refusal_rate(scores["equal_b"], scores["equal_a"], rule, a.per_group, a.trials, 0)
+                 + refusal_rate(scores["equal_a"], scores["equal_b"], rule, a.per_group, a.trials, 2)) / 2  # both ways
         power = refusal_rate(scores["worse"], scores["served"], rule, a.per_group, a.trials, 1)
         rows.append({"rule": name, "false_refusal_rate": false, "refusal_rate_worse": power})
     print(f"pooled α: {', '.join(f'{k} {v:.3f}' for k, v in alpha.items())}")

@@ -38,8 +38,8 @@ def scorer(logits_fn: LogitsFn, device: Any = "cpu") -> Scorer:
 class Rule:
     """What a gate asks of a candidate. `min_gain`: its pooled α minus the incumbent's must be at least this
     (positive: better by; negative: worse by at most; None: no pooled test). `group_margin`: no judged group may
-    fall by more. `z`: a group's fall must also be this many standard errors of its per-record differences (the
-    watch, whose few fresh records are noisy). `min_positions`: fewer scored positions and the verdict waits."""
+    fall by more. `z`: ... and must pass the margin by this many standard errors of its per-record differences (a
+    confidence bound: the fall's upper bound is below -group_margin; a group's few records are noisy). `min_positions`: fewer scored positions and the verdict waits."""
 
     name: str
     min_gain: float | None
@@ -62,7 +62,7 @@ def publish_rule(publish_margin: float, group_margin: float, min_group_records: 
                  group_z: float = 0.0) -> Rule:
     """The trainer publishes a candidate better than the served version by `publish_margin` (a negative one: worse
     by at most that much, a deliberate reset; a group may then fall as far). A group refuses it when it falls by
-    more than its margin and, with `group_z` > 0, by that many standard errors too."""
+    more than its margin and, with `group_z` > 0, past it by that many standard errors."""
     return Rule("publish", min_gain=publish_margin, group_margin=max(group_margin, -publish_margin),
                 min_group_records=min_group_records, min_positions=min_positions, z=group_z or None)
 
@@ -175,7 +175,9 @@ def _group_result(key: str, pairs: list[tuple[float, float, int]], rule: Rule) -
     z = mean / se if se > 0 else (0.0 if mean == 0 else math.copysign(math.inf, mean))
     judged = len(pairs) >= rule.min_group_records
     fell = new_a is None or not math.isfinite(new_a) or (old_a is not None and new_a < old_a - rule.group_margin)
-    worse = judged and fell and (rule.z is None or z < -rule.z)
+    # a confidence bound: the fall is past the margin by `rule.z` standard errors (its upper bound is below -margin)
+    beyond = se == 0 or mean + rule.group_margin + (rule.z or 0.0) * se < 0
+    worse = judged and fell and (rule.z is None or beyond)
     return GroupResult(key, len(pairs), int(n), new_a, old_a, z, judged, worse)
 
 
@@ -194,7 +196,7 @@ def judge(new: Scores, old: Scores, rule: Rule) -> Verdict:
     why = _pooled_failure(new_a, old_a, rule)
     worse = [g.describe() for g in groups if g.worse]
     if worse:
-        bound = f" (and {rule.z:g} standard errors)" if rule.z else ""
+        bound = f" (by {rule.z:g} standard errors)" if rule.z else ""
         why = (why + "; " if why else "") + (f"worse by more than {rule.group_margin}{bound} in " + "; ".join(worse))
     v.outcome = "fail" if why else "pass"
     v.reason = why
