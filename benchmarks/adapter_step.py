@@ -92,8 +92,9 @@ def hf_arm(model, ctx: torch.Tensor, k: int, adapter_names: list[str] | None):
 def main(argv=None) -> int:
     from peft import get_peft_model_state_dict
 
+    from dvi.config import load_config
     from dvi.drafters.adapters import AdapterBank, LoraFactors, projection_sizes
-    from dvi.models.loading import load_pair
+    from serving.loading import load_serving_pair
 
     ap = argparse.ArgumentParser(prog="adapter_step", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="smollm2")
@@ -102,13 +103,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=60)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    pair_dir, _tok = built_pair(a.preset, None)
-    pair = load_pair(pair_dir / "target", pair_dir / "drafter", pair_dir / "tokenizer", device="cpu")
-    drafter = pair.drafter.eval()
+    built_pair(a.preset, None)
+    pair = load_serving_pair(load_config(None, [f"models.preset={a.preset}", "models.device=cpu"]))
+    drafter = pair.drafter.eval()  # as `dvi serve` loads it: its dtype on this CPU, its draft vocabulary
     dtype = next(drafter.parameters()).dtype
     pm = peft_adapters(drafter, a.groups, a.rank)
     names = [f"g{i % a.groups}" for i in range(a.batch)]
@@ -131,8 +132,10 @@ def main(argv=None) -> int:
     ratios = [b / p for b, p in zip(times["lean + bank"], times["lean"], strict=True)]
     peft_ratios = [b / p for b, p in zip(times["peft mixed"], times["hf"], strict=True)]
     cpu = cpu_name()
-    print(f"{cpu}, {dtype}, batch {a.batch}, {a.groups} adapters of rank {a.rank}, context {a.context}, "
-          f"{a.repeats} interleaved repeats")
+    head = drafter.get_output_embeddings()
+    rows = getattr(head, "num_ids", None) or head.weight.shape[0]
+    print(f"{cpu}, {dtype}, draft vocabulary {rows}, batch {a.batch}, {a.groups} adapters of rank {a.rank}, "
+          f"context {a.context}, {a.repeats} interleaved repeats")
     print(f"{'arm':<14}{'ms / forward':>14}")
     for k, v in med.items():
         print(f"{k:<14}{1e3 * v:>14.3f}")
