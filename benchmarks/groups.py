@@ -9,9 +9,9 @@ held-out stdlib cuts), sql (chat requests for SQLite queries) and chat (held-out
 - adapters + garbage (`--garbage`): the same with a fourth tenant sending random token ids as `--garbage-share` of
   all requests.
 
-Then, per arm and tenant, the tenant's own held-out records of the run's last third are replayed (teacher-forced,
-`dvi.feedback.shadow.record_scores`) through what serves that tenant at the end (its adapter's live version, or the
-shared drafter's) and through the frozen v0 drafter: α̂ per tenant and arm.
+Then, per tenant, the responses of every arm's last third, pooled (the same tokens for every arm), are replayed
+(teacher-forced, `dvi.feedback.shadow.record_scores`) through what serves that tenant at the end of each arm (its
+adapter's live version, or the shared drafter's) and through the frozen v0 drafter: α̂ per tenant and arm.
 
     PYTHONPATH=. .venv/bin/python benchmarks/groups.py [--tokens 20000] [--garbage] [--json bench_results/groups.json]
 """
@@ -123,25 +123,34 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
     return out
 
 
-def replay(cfg, run_dir: Path, out: dict, key: str) -> dict[str, dict]:
-    """Per tenant: α̂ of what serves it at the end and of v0, on its held-out records of the run's last third."""
-    from dvi.feedback.shadow import is_heldout
-    from serving.demo_replay import _pooled, drafter_scorers, read_records
+def eval_records(runs: dict[str, tuple[Path, dict]]) -> dict[str, list]:
+    """Per tenant, the records every arm is judged on: each arm's responses of the run's last third, pooled (the
+    same tokens for every arm's drafter)."""
+    from serving.demo_replay import read_records
 
-    records = read_records(run_dir / "feedback")
+    out: dict[str, list] = {t: [] for t in TENANTS}
+    for run_dir, arm in runs.values():
+        records = read_records(run_dir / "feedback")
+        for t in TENANTS:
+            ids = arm["ids"][t][len(arm["ids"][t]) * 2 // 3:]
+            out[t] += [records[i] for i in ids if i in records and len(records[i].token_ids)]
+    return out
+
+
+def replay(cfg, run_dir: Path, arm: dict, key: str, recs: dict[str, list]) -> dict[str, dict]:
+    """Per tenant: α̂ of what serves it at the end of this arm, and of v0, on the pooled records `recs`."""
+    from serving.demo_replay import _pooled, drafter_scorers
+
     scorer = drafter_scorers(cfg, run_dir / "registry")
-    health = out["health"]
+    health = arm["health"]
     groups = (health.get("adapters") or {}).get("groups") or {}
     res = {}
     for t in TENANTS:
-        ids = out["ids"][t][len(out["ids"][t]) * 2 // 3:]
-        recs = [records[i] for i in ids if i in records and is_heldout(i, cfg.trainer.heldout_fraction)]
-        recs = recs or [records[i] for i in ids if i in records]  # too few held out: the last third itself
         served = (0, t, groups[t]["live_version"]) if key != "none" and t in groups else (health["drafter_version"], "", 0)
         fn_served, fn_frozen = scorer(served), scorer(0)
-        a_served = _pooled(fn_served(recs).values())[0] if fn_served else None
-        a_frozen = _pooled(fn_frozen(recs).values())[0] if fn_frozen else None
-        res[t] = {"served": list(served), "records": len(recs), "alpha": a_served, "alpha_frozen": a_frozen}
+        a_served = _pooled(fn_served(recs[t]).values())[0] if fn_served else None
+        a_frozen = _pooled(fn_frozen(recs[t]).values())[0] if fn_frozen else None
+        res[t] = {"served": list(served), "records": len(recs[t]), "alpha": a_served, "alpha_frozen": a_frozen}
     return res
 
 
@@ -156,16 +165,22 @@ def main(argv=None) -> int:
     ap.add_argument("--garbage-share", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs") / time.strftime("groups-%Y%m%d-%H%M%S"))
+    ap.add_argument("--replay-only", action="store_true", help="replay the arms already run under --out")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     cfg = load_config(None, [f"models.preset={a.preset}"])
     arms = [("shared", "none"), ("adapters", "domain")] + ([("adapters + garbage", "domain")] if a.garbage else [])
-    results = {}
+    runs = {}
     for name, key in arms:
         run_dir = a.out.resolve() / name.replace(" + ", "_")
-        out = run_arm(cfg, name, key, run_dir, a)
-        results[name] = {"replay": replay(cfg, run_dir, out, key), "tokens": out["tokens"], "errors": out["errors"],
-                         "wall_s": out["wall_s"]}
+        if not a.replay_only:
+            (run_dir / "arm.json").parent.mkdir(parents=True, exist_ok=True)
+            (run_dir / "arm.json").write_text(json.dumps(run_arm(cfg, name, key, run_dir, a)))
+        runs[name] = (run_dir, json.loads((run_dir / "arm.json").read_text()))
+    recs = eval_records(runs)
+    results = {name: {"replay": replay(cfg, run_dir, arm, key, recs), "tokens": arm["tokens"],
+                      "errors": arm["errors"], "wall_s": arm["wall_s"]}
+               for (name, key), (run_dir, arm) in zip(arms, runs.values(), strict=True)}
     print(f"\n{'tenant':<8}" + "".join(f"{n + ' α̂':>24}" for n in results) + f"{'frozen v0 α̂':>14}")
     for t in TENANTS:
         row = [results[n]["replay"][t]["alpha"] for n in results]
