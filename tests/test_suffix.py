@@ -205,7 +205,7 @@ def test_hybrid_bar_falls_to_what_the_learned_drafter_delivers():
     sp = SuffixProposer(cache, 64, torch.device("cpu"), max_tokens=4)
     hy = HybridProposer(proposer_for_drafter(SeparateDrafter(tiny_llama(seed=1)), 64, torch.device("cpu")), sp,
                         threshold=100.0)
-    seqs = [SimpleNamespace(req=SimpleNamespace(request_id="r", prompt_ids=[5, 1, 2, 3]))]
+    seqs = [SimpleNamespace(req=SimpleNamespace(request_id="r", prompt_ids=[5, 1, 2, 3], group=""))]
     hy.join(seqs, None)
     assert hy.bar == 100.0 and not hy.choose([4])[0]  # nothing clears a bar of 100
     # the learned drafter drafted 3 tokens and the target kept none of them: it emitted 7
