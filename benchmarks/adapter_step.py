@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import sys
 import time
@@ -33,16 +32,6 @@ from benchmarks._common import built_pair, clean_json, goal, print_goals  # noqa
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GOAL = 1.15  # lean + bank over lean, batch 16, 4 adapters
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def peft_adapters(model, groups: int, rank: int):
@@ -95,6 +84,7 @@ def main(argv=None) -> int:
     from dvi.config import load_config
     from dvi.drafters.adapters import AdapterBank, LoraFactors, projection_sizes
     from serving.loading import load_serving_pair
+    from trainers.shipped_drafter import cpu_model
 
     ap = argparse.ArgumentParser(prog="adapter_step", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="smollm2")
@@ -131,7 +121,7 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = [b / p for b, p in zip(times["lean + bank"], times["lean"], strict=True)]
     peft_ratios = [b / p for b, p in zip(times["peft mixed"], times["hf"], strict=True)]
-    cpu = cpu_name()
+    cpu = cpu_model()
     head = drafter.get_output_embeddings()
     rows = getattr(head, "num_ids", None) or head.weight.shape[0]
     print(f"{cpu}, {dtype}, draft vocabulary {rows}, batch {a.batch}, {a.groups} adapters of rank {a.rank}, "

@@ -266,9 +266,9 @@ def _load(paths: EmbeddedPaths, device: str):
 
 
 def _device_name(device: str) -> dict:
-    from trainers.shipped_drafter import _cpu_model
+    from trainers.shipped_drafter import cpu_model
 
-    out = {"device": device.split(":")[0], "cpu": _cpu_model(), "threads": torch.get_num_threads()}
+    out = {"device": device.split(":")[0], "cpu": cpu_model(), "threads": torch.get_num_threads()}
     if device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return out

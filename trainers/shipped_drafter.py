@@ -124,7 +124,7 @@ def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = N
         "format": FORMAT, "preset": p.name, "fingerprint": p.fingerprint(), "wheel_sha256": p.sha256,
         "gguf_sha256": bm["source"]["conversion"]["gguf_sha256"], "seed": bm["seed"],
         "command": command, "commit": commit or _commit(),
-        "built_on": bm.get("built_on") or {"device": "cpu", "cpu": _cpu_model(), "threads": bm.get("threads")},
+        "built_on": bm.get("built_on") or {"device": "cpu", "cpu": cpu_model(), "threads": bm.get("threads")},
         "created_at": bm["created_at"], "exported_at": time.time(),
         "tokens_trained": bm["drafter"]["train_tokens"], "draft_vocab": int(stored.numel()),
         "serve_draft_vocab": p.serve_draft_vocab, "agreement": bm["agreement"],
@@ -210,7 +210,8 @@ def _commit() -> str:
         return "unknown"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (what every number measured on a CPU is quoted beside)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -82,9 +82,11 @@ def _fuse(parts: Sequence[tuple[str, dict[str, torch.Tensor] | None]], out_sizes
 class RowAdapters:
     """One forward's rows and the adapter slot each reads (-1: none), over a bank's stacked factors."""
 
-    def __init__(self, stacked: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]], slots: torch.Tensor):
+    def __init__(self, stacked: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]], slots: torch.Tensor,
+                 dtype: torch.dtype):
         self.stacked = stacked
         self.slots = slots  # [B]
+        self.dtype = dtype
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
 
     def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -102,15 +104,8 @@ class RowAdapters:
         if m is None:
             per_token = self.slots.repeat_interleave(n // self.slots.numel())  # [N]
             cols = torch.arange(width, device=self.slots.device) // r  # the slot each column belongs to
-            m = self._masks[key] = (cols.view(1, -1) == per_token.view(-1, 1)).to(self._dtype)
+            m = self._masks[key] = (cols.view(1, -1) == per_token.view(-1, 1)).to(self.dtype)
         return m
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        for layer in self.stacked:
-            for a, _, _ in layer.values():
-                return a.dtype
-        return torch.float32
 
 
 class AdapterBank:
@@ -158,7 +153,7 @@ class AdapterBank:
         slots = [self._slot.get(g, -1) for g in groups]
         if not self._slot or max(slots, default=-1) < 0:
             return None
-        return RowAdapters(self._stacked, torch.tensor(slots, dtype=torch.long, device=self.device))
+        return RowAdapters(self._stacked, torch.tensor(slots, dtype=torch.long, device=self.device), self.dtype)
 
 
 def projection_sizes(model: torch.nn.Module) -> dict[str, int]:

@@ -140,8 +140,9 @@ class GroupLanes:
         """Consumed records read again at start: each lane's held-out set and replay buffer, or a group's wait."""
         for r in records:
             group = self.group_of(r)
-            lane, recs = self._lane_for(group, [r]) if group and len(self.lanes) < self.cap or group in self.lanes \
-                else (None, [])
+            if not group or group not in self.lanes and len(self.lanes) >= self.cap:
+                continue  # counted when it was consumed
+            lane, recs = self._lane_for(group, [r])
             if lane is not None:
                 lane.heldout.split(recs, lane.replay.append)
 
