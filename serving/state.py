@@ -91,6 +91,7 @@ class ServerState:
     suffix_tailer: Any = None  # serving.suffix_tail.SuffixTailer (suffix / hybrid with a shared feedback dir)
     groups: GroupSwappers | None = None  # per traffic group, its adapter's swapper (trainer.adapter_key)
     tokenizer_warnings: list[str] = field(default_factory=list)  # its eos / bos vs the model's configs (logged)
+    on_stop: list[Callable[[], Any]] = field(default_factory=list)  # after the engine loop: a vLLM child stopped
 
     @property
     def limits(self) -> RequestLimits:
@@ -149,6 +150,8 @@ class ServerState:
         if self.groups is not None:
             part("group watcher", lambda: self.groups.stop(timeout=AUX_STOP_S))
         part("engine", self.scheduler.stop)
+        for fn in self.on_stop:
+            part("engine process", fn)
         self.prompts.close()
         if self.feedback is not None:
             part("feedback flush", self.feedback.close)
@@ -182,25 +185,35 @@ def packed_weights(setting: bool | str, target) -> bool:
     return num_params(target) * 4 <= PACKED_AUTO_BYTES
 
 
-def build_state(cfg: DviConfig) -> ServerState:
-    """Load the pair, build engine, scheduler, feedback writer, swapper, supervisor, metrics."""
-    torch.set_num_threads(cfg.serve.num_threads)
-    cap_onednn_cache(cfg.serve.onednn_primitive_cache)  # before any forward: oneDNN reads it once
-    pair = load_serving_pair(cfg)
-    tokenizer = pair.tokenizer
-    spec = cfg.speculation
+def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
+    """dvi's engine, its adaptive K calibrated; or, with `serve.engine: vllm`, vLLM started and driven
+    (`serving.vllm_engine`)."""
+    if cfg.serve.engine == "vllm":
+        from .vllm_engine import start_vllm_engine
+
+        return start_vllm_engine(cfg, pair, rundir)
     engine = serving_engine(cfg, pair)
     log.info("greedy speculation on this device: %s (README \"Greedy in bf16\"; models.exact_greedy: every row "
              "bitwise)", engine.greedy_contract)
-    if spec.adaptive and engine.proposer.kind != "none":
+    if cfg.speculation.adaptive and engine.proposer.kind != "none":
         # Measure draft/verify costs for every batch bucket now, so no request pays for a
         # calibration the first time the running batch reaches a new size.
         buckets = sorted({batch_bucket(n) for n in range(1, cfg.serve.max_batch_size + 1)})
         t0 = time.perf_counter()
         engine.calibrate(buckets)
         log.info("adaptive K calibrated for batch sizes %s in %.1fs", buckets, time.perf_counter() - t0)
+    return engine
+
+
+def build_state(cfg: DviConfig) -> ServerState:
+    """Load the pair, build engine, scheduler, feedback writer, swapper, supervisor, metrics."""
+    torch.set_num_threads(cfg.serve.num_threads)
+    cap_onednn_cache(cfg.serve.onednn_primitive_cache)  # before any forward: oneDNN reads it once
+    pair = load_serving_pair(cfg)
+    tokenizer = pair.tokenizer
     rundir = RunDir.of(cfg)
     rundir.make_root()
+    engine = _start_engine(cfg, pair, rundir)
     fb = cfg.feedback
     feedback = FeedbackWriter(fb.dir, shard_records=fb.shard_records, flush_seconds=fb.flush_seconds,
                               retention=Retention(fb.retention_bytes, fb.retention_shards, fb.retention_seconds),
@@ -228,14 +241,16 @@ def build_state(cfg: DviConfig) -> ServerState:
     )
     scheduler.finished.subscribe(metrics.observe_request)
     scheduler.finished.subscribe(state.feedback_log)
-    if swapper is not None and cfg.trainer.adapter_key != "none":
+    if cfg.serve.engine == "vllm":
+        state.on_stop.append(engine.close)
+    elif swapper is not None and cfg.trainer.adapter_key != "none":
         engine.proposer.set_adapter("", None)  # refuses a drafter that cannot serve per-row adapters, now
         state.groups = GroupSwappers(cfg, scheduler, pair.drafter, SwapPolicy.of(cfg),
                                      on_event=lambda ev: _on_swap_event(metrics, ev),
                                      event_log=rundir.log(rundir.swap_events_path), feedback_dir=fb.dir)
     if swapper is not None:
         scheduler.finished.subscribe(lambda fin: _to_swapper(swapper, fin, state.groups))
-    if engine.proposer.uses_history and cfg.suffix.tail_seconds > 0:  # before the engine thread owns it
+    if cfg.serve.engine == "dvi" and engine.proposer.uses_history and cfg.suffix.tail_seconds > 0:  # before the engine thread owns it
         from .commands import AddHistory
         from .suffix_tail import SuffixTailer
 

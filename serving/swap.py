@@ -13,9 +13,8 @@ the last good one. A watch ends early, on the records it has, when a newer versi
 idle `serve.watch_idle_s`. Under a pin a failed watch only alerts. Each version's time from publish to its first
 verdict is a histogram on /metrics (`dvi_drafter_publish_to_verdict_seconds`).
 
-What is served, the last good version and the pin are written to the registry's SERVING (`ServingState`): the
-trainer compares its candidates with what is served, and a restarted server serves its pin, else its last good
-version, before it considers anything newer. Version 0 is the drafter the server started with (not in the registry).
+What is served, the last good version and the pin are in the registry's SERVING (`ServingState`): the trainer
+judges against what is served; a restarted server serves its pin, else its last good version. Version 0: the startup drafter.
 """
 
 from __future__ import annotations
@@ -101,11 +100,6 @@ class DrafterSwapper:
             w = self.watch
         if w is not None:
             w.add(record)
-
-    @property
-    def recent(self) -> HeldOutSet:
-        """The held-out set (its records iterate in arrival order)."""
-        return self.heldout
 
     def observe(self, drafted: int, accepted: int, drafter_version: int) -> None:
         window = self._windows.get(drafter_version)
@@ -272,7 +266,11 @@ class DrafterSwapper:
         if not verdict.passed:
             self._refuse(version, f"{reason}; {verdict.reason}", kind="shadow")
             return False
-        self._swap(model, version, "promoted", reason)
+        try:
+            self._swap(model, version, "promoted", reason)
+        except AdapterRejected as exc:  # the engine could not load it (vLLM): it keeps the served drafter
+            self._refuse(version, exc.reason, kind=exc.kind)
+            return False
         return True
 
     def _compare(self, candidate: Any, incumbent: Any, records: list[FeedbackRecord], rule: Rule) -> Verdict:

@@ -152,9 +152,9 @@ def test_05_nan_shadow_alpha_never_promotes_a_worse_drafter(srv, client) -> None
     sw = srv.state.swapper
     for i in range(20):  # half the records are held out (tiny_config), the only ones a shadow check reads
         _text(client, prompt=PROMPT + " " * i)
-    wait_for(lambda: len(sw.recent) >= 4, 10, what="shadow records")
+    wait_for(lambda: len(sw.heldout) >= 4, 10, what="shadow records")
     # records logged at a temperature of 1e-45 (what an older server or any client could log)
-    for rec in list(sw.recent)[-4:]:
+    for rec in list(sw.heldout)[-4:]:
         sw.observe_record(dataclasses.replace(rec, temperature=1e-45))
     reg = DrafterRegistry(srv.cfg.registry.dir)
     live = sw.live_version

@@ -86,7 +86,7 @@ def test_1_server_shadow_checks_heldout_records_only_and_trainer_never_publishes
     for r in prose:
         sw.observe_record(r)
     held = [r.request_id for r in prose if is_heldout(r.request_id, 0.25)]
-    assert 0 < len(held) < len(prose) and [r.request_id for r in sw.recent] == held
+    assert 0 < len(held) < len(prose) and [r.request_id for r in sw.heldout] == held
     # a trainer with no held-out record does not publish (it once published its first version unchecked)
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.heldout_fraction=0", "trainer.publish_margin=-1.0")
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)

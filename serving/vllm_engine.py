@@ -1,0 +1,312 @@
+"""vLLM behind dvi's front door (`serve.engine: vllm`): the engine the scheduler drives, speaking to a vLLM
+OpenAI server (`serving.vllm_process`) instead of decoding itself.
+
+The scheduler, the HTTP API, the feedback log, the swapper and its gates stay as they are: they see `add_request`,
+`step`, `abort`, `set_drafter` and the versions, as with dvi's own engine. Each request is one streamed
+`/v1/completions` call on token ids (dvi tokenizes, applies chat templates, stop strings and detokenizes as it
+always does); vLLM returns the tokens, the target's top-k log-probs of each (what the trainer distils from) and,
+at the end, its per-step accepted and drafted counts, from which the request's `GenerationResult` is built
+(`step_feedback`). The HTTP streams live on one asyncio loop of their own; `step` hands what arrived to the engine
+thread. A new drafter goes in through vLLM's `/collective_rpc` and dvi's worker extension (`serving.vllm_worker`),
+between vLLM's steps: requests in flight keep streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from dvi.decode.request import InvalidParam, Request, validate_params, validate_prompt
+from dvi.decode.results import GenerationResult, StepOutput
+from dvi.registry.base import AdapterRejected
+
+from .vllm_process import VllmProcess, write_drafter
+
+log = logging.getLogger("dvi.vllm")
+
+RETRY_WAIT_S = 600.0
+"""How long a request that has no token yet waits for a restarting vLLM before it fails."""
+
+
+def step_feedback(per_step_accepted: list[int], per_step_drafted: list[int], token_ids: list[int],
+                  k: int) -> dict[str, Any]:
+    """The result's per-token feedback from vLLM's per-step counts: the first token is the prefill's (undrafted);
+    each step then emits its accepted drafts (drafted = the token, accepted) and one token of the target's (its
+    draft, if any, was rejected and vLLM does not say which id it was: -1, not accepted, so the trainer's reward
+    term skips it and its KL term still learns the target's token)."""
+    n = len(token_ids)
+    drafted_ids, accepted = [-1] * n, [False] * n
+    pos = 1
+    for a, d in zip(per_step_accepted, per_step_drafted, strict=False):
+        for j in range(min(a, d)):
+            if pos + j < n:
+                drafted_ids[pos + j], accepted[pos + j] = token_ids[pos + j], True
+        pos += min(a, d) + 1
+    steps = len(per_step_drafted)
+    return {
+        "drafted_ids": drafted_ids, "accepted": accepted, "num_steps": steps,
+        "num_drafted": int(sum(per_step_drafted)), "num_accepted": int(sum(per_step_accepted)),
+        "drafted_per_position": [sum(1 for d in per_step_drafted if d > j) for j in range(k)],
+        "accepted_per_position": [sum(1 for a in per_step_accepted if a > j) for j in range(k)],
+    }
+
+
+def _topk(entry: dict[str, float] | None) -> tuple[list[int], list[float]]:
+    """vLLM's top log-probs of one position ({"token_id:N": lp}, `return_tokens_as_token_ids`), best first."""
+    items = sorted((entry or {}).items(), key=lambda kv: -kv[1])
+    return [int(key.rsplit(":", 1)[1]) for key, _ in items], [float(v) for _, v in items]
+
+
+@dataclass
+class _Row:
+    """One request in flight: its result as it grows; `fresh` holds the tokens the engine thread has not handed
+    out yet. Written by the stream's task, read by the engine thread, under the engine's lock."""
+
+    request: Request
+    result: GenerationResult
+    fresh: list[int] = field(default_factory=list)
+    finished: bool = False
+    error: str | None = None  # vLLM failed this request (answered an error, or died after its first token)
+    task: Any = None
+    steps: tuple[list[int], list[int]] = ([], [])  # vLLM's per-step (accepted, drafted), from the last chunk
+
+
+class VllmEngine:
+    """The scheduler's engine over one vLLM server (module docstring)."""
+
+    def __init__(self, process: VllmProcess, vocab_size: int, max_context: int | None, num_draft_tokens: int,
+                 feedback_top_k: int, greedy_below_temperature: float) -> None:
+        self.process = process
+        self.vocab_size, self.max_context = int(vocab_size), max_context
+        self.k = int(num_draft_tokens)
+        self.feedback_top_k = int(feedback_top_k)
+        self.greedy_below_temperature = float(greedy_below_temperature)
+        self.drafter_version = 0
+        self.target_version = 0
+        self.adapter_versions: dict[str, int] = {}
+        self.greedy_contract = {"engine": "vllm", "dtype": process.dtype()}
+        self.swap_seconds: list[float] = []
+        self._rows: dict[str, _Row] = {}
+        self._lock = threading.Lock()
+        self._arrived = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._client: httpx.AsyncClient | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="dvi-vllm-streams", daemon=True)
+        self._thread.start()
+
+    # -- the engine interface (engine thread) ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        validate_prompt(request.prompt_ids, "prompt_ids", self.vocab_size, self.vocab_size)
+        p = request.params
+        validate_params(p, len(request.prompt_ids), self.vocab_size, self.max_context)
+        if p.logit_bias:
+            raise InvalidParam("logit_bias", "logit_bias is not served with serve.engine 'vllm': vLLM ignores it "
+                                             "under speculative decoding")
+        if request.request_id in self._rows:
+            raise ValueError(f"request_id {request.request_id!r} is already active")
+        greedy = p.temperature < self.greedy_below_temperature
+        res = GenerationResult(request_id=request.request_id, prompt_ids=list(request.prompt_ids),
+                               domain=request.domain, started_at=time.time(),
+                               temperature=0.0 if greedy else float(p.temperature),
+                               accepted_per_position=[0] * self.k, drafted_per_position=[0] * self.k)
+        row = _Row(request, res)
+        with self._lock:
+            self._rows[request.request_id] = row
+        row.task = asyncio.run_coroutine_threadsafe(self._stream(row, self._body(request, greedy)), self._loop)
+
+    def step(self, wait_s: float = 0.05) -> list[StepOutput]:
+        """What arrived since the last call, one output per row with news (waits up to `wait_s` for some)."""
+        self._arrived.wait(wait_s)
+        self._arrived.clear()
+        outs: list[StepOutput] = []
+        with self._lock:
+            for rid, row in list(self._rows.items()):
+                if row.error is not None:
+                    del self._rows[rid]
+                    outs.append(StepOutput(rid, [], True, None, error=row.error))
+                    continue
+                if not row.fresh and not row.finished:
+                    continue
+                new, row.fresh = row.fresh, []
+                if row.finished:
+                    del self._rows[rid]
+                outs.append(StepOutput(rid, new, row.finished, row.result if row.finished else None))
+        return outs
+
+    def abort(self, request_id: str) -> GenerationResult | None:
+        with self._lock:
+            row = self._rows.pop(request_id, None)
+        if row is None:
+            return None
+        if row.task is not None:
+            row.task.cancel()  # closes the stream: vLLM aborts the request
+        row.result.finish_reason = "abort"
+        row.result.finished_at = time.time()
+        return row.result
+
+    def has_unfinished(self) -> bool:
+        return bool(self._rows)
+
+    def num_active(self) -> int:
+        return len(self._rows)
+
+    def set_drafter(self, drafter: Any, version: int) -> None:
+        """Serve `drafter` as `version` in the running vLLM (between its steps); refused (raised, the served
+        drafter kept and reloaded) when vLLM cannot load it."""
+        served = self.process.drafter_file
+        candidate = served.with_name(f"candidate-v{int(version)}.safetensors")
+        t0 = time.perf_counter()
+        write_drafter(drafter, candidate)
+        try:
+            self._reload(candidate)
+        except Exception as exc:
+            candidate.unlink(missing_ok=True)
+            try:
+                self._reload(served)  # vLLM may hold part of the refused weights: the served ones again
+            except Exception:  # noqa: BLE001 - reported with the refusal
+                log.exception("vLLM could not reload the served drafter after a refused swap")
+            raise AdapterRejected(f"vLLM could not load it: {exc}", int(version), kind="load") from exc
+        candidate.replace(served)  # a restarted vLLM comes back with what it served
+        self.drafter_version = int(version)
+        self.swap_seconds.append(time.perf_counter() - t0)
+
+    def set_adapter(self, group: str, factors: Any, version: int | None) -> None:
+        raise ValueError("per-group drafter adapters are not served with serve.engine 'vllm' (trainer.adapter_key)")
+
+    def update_target_weights(self, weights: Any, version: int, complete: bool = True) -> None:
+        raise ValueError("new target weights are not pushed into vLLM by dvi: restart vLLM on the new target")
+
+    def add_history(self, seq_id: str, tokens: list[int]) -> None:
+        raise ValueError("history drafting (suffix, hybrid) is not served with serve.engine 'vllm'")
+
+    def close(self) -> None:
+        """Stop the streams and vLLM itself (after the scheduler's loop ended)."""
+        for row in list(self._rows.values()):
+            if row.task is not None:
+                row.task.cancel()
+        if self._client is not None:
+            asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self.process.stop()
+
+    # -- vLLM ------------------------------------------------------------------------------------------------
+    def _reload(self, path) -> None:
+        r = httpx.post(self.process.url + "/collective_rpc", timeout=120.0,
+                       json={"method": "dvi_reload_drafter", "args": [str(path)]})
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+
+    def _body(self, request: Request, greedy: bool) -> dict[str, Any]:
+        p = request.params
+        body: dict[str, Any] = {
+            "model": self.process.served_name, "prompt": list(request.prompt_ids), "max_tokens": p.max_new_tokens,
+            "temperature": 0.0 if greedy else p.temperature, "top_p": p.top_p, "top_k": p.top_k or -1,
+            "stop_token_ids": list(p.stop_token_ids), "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty, "repetition_penalty": p.repetition_penalty,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+        }
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if self.feedback_top_k:
+            body["logprobs"] = self.feedback_top_k
+        return body
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._loop.run_forever()
+
+    async def _stream(self, row: _Row, body: dict[str, Any]) -> None:
+        deadline = time.monotonic() + RETRY_WAIT_S
+        while True:
+            got_token = False
+            try:
+                async with self._client.stream("POST", self.process.url + "/v1/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        text = (await resp.aread()).decode(errors="replace")
+                        return self._fail(row, f"vLLM answered {resp.status_code}: {text[:300]}")
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            got_token |= self._take(row, json.loads(line[6:]))
+                return self._finish(row)
+            except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
+                if got_token or row.result.token_ids or time.monotonic() > deadline:
+                    return self._fail(row, f"vLLM went away mid-request ({exc}); retry the request")
+                await asyncio.sleep(0.5)  # vLLM (re)starting: a request with no token yet waits and is sent again
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one stream's failure is its request's alone
+                log.exception("vLLM stream for %s failed", row.request.request_id)
+                return self._fail(row, f"vLLM stream failed: {exc}")
+
+    def _take(self, row: _Row, chunk: dict[str, Any]) -> bool:
+        res = row.result
+        metrics = (chunk.get("metrics") or {}).get("speculative_decoding")
+        if metrics is not None:
+            row.steps = (metrics.get("per_step_accepted") or [], metrics.get("per_step_drafted") or [])
+        new: list[int] = []
+        for choice in chunk.get("choices") or ():
+            new = [int(t) for t in choice.get("token_ids") or ()]
+            lp = choice.get("logprobs") or {}
+            for entry, token_lp in zip(lp.get("top_logprobs") or [None] * len(new),
+                                       lp.get("token_logprobs") or [0.0] * len(new), strict=False):
+                ids, lps = _topk(entry)
+                res.topk_ids.append(ids)
+                res.topk_logprobs.append(lps)
+                res.token_logprobs.append(float(token_lp or 0.0))
+            if choice.get("finish_reason"):
+                res.finish_reason = "length" if choice["finish_reason"] == "length" else "stop"
+        if new:
+            with self._lock:
+                res.token_ids.extend(new)
+                row.fresh.extend(new)
+            self._arrived.set()
+        return bool(new)
+
+    def _finish(self, row: _Row) -> None:
+        res = row.result
+        accepted, drafted = row.steps
+        fb = step_feedback(list(accepted), list(drafted), res.token_ids, self.k)
+        with self._lock:
+            for key, value in fb.items():
+                setattr(res, key, value)
+            if len(res.topk_ids) != len(res.token_ids):  # no log-probs asked for, or a short list: none kept
+                res.topk_ids, res.topk_logprobs = [], []
+            res.drafter_version, res.target_version = self.drafter_version, self.target_version
+            res.finish_reason = res.finish_reason or "length"
+            res.finished_at = time.time()
+            row.finished = True
+        self._arrived.set()
+
+    def _fail(self, row: _Row, why: str) -> None:
+        with self._lock:
+            row.error = why
+        self._arrived.set()
+
+
+def start_vllm_engine(cfg: Any, pair: Any, rundir: Any) -> VllmEngine:
+    """Export the loaded pair, start vLLM on it (`serving.vllm_process`) and return the engine that drives it."""
+    from .vllm_process import export_pair
+
+    if pair.drafter is None:
+        raise ValueError("serve.engine 'vllm' needs a drafter model (models.drafter_kind 'separate')")
+    root = rundir.root / "vllm"
+    tdir, ddir = export_pair(pair.target, pair.drafter, pair.tokenizer, root)
+    spec = cfg.speculation
+    process = VllmProcess(cfg.serve.vllm, tdir, ddir, cfg.serve.model_name, spec.num_draft_tokens,
+                          cfg.feedback.top_k, root / "vllm.log")
+    process.start()
+    context = int(getattr(pair.target.config, "max_position_embeddings", 0) or 0) or None
+    context = min(context or cfg.serve.vllm.max_model_len, cfg.serve.vllm.max_model_len)
+    return VllmEngine(process, int(pair.target.get_output_embeddings().weight.shape[0]), context,
+                      spec.num_draft_tokens, cfg.feedback.top_k, cfg.sampling.greedy_below_temperature)

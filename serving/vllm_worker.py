@@ -1,0 +1,49 @@
+"""Runs inside vLLM's workers, in vLLM's own venv: a worker extension (`--worker-extension-cls`) that replaces the
+draft model's weights in place, reached from dvi through vLLM's `/collective_rpc` (`serving.vllm_engine`).
+
+Imports nothing of dvi: vLLM's venv has torch, safetensors and vLLM, not dvi's dependencies. vLLM runs the call
+between two of its engine steps, so a request in flight drafts with the old weights up to one step and the new
+ones after it; none fails.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class DrafterReload:
+    """Mixed into vLLM's worker class by vLLM (`worker_extension_cls`); `self` is the worker."""
+
+    def dvi_reload_drafter(self, path: str) -> str:
+        """Load the safetensors file `path` (a checkpoint-format Llama drafter, every tensor) into the served draft
+        model in place; returns a short report. Raises when a tensor is missing, so a half-loaded drafter is never
+        left to serve unnoticed (the caller then restores the previous file)."""
+        import torch
+        from safetensors.torch import load_file
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        t0 = time.perf_counter()
+        runner = self.model_runner
+        drafter = getattr(runner, "drafter", None)
+        model = getattr(drafter, "model", None)
+        if model is None:
+            raise RuntimeError("this vLLM serves no draft model (start it with a draft_model speculative config)")
+        weights = load_file(path)
+        expected = {n for n, _ in model.named_parameters()}
+        with torch.no_grad():
+            initialize_layerwise_reload(model)
+            loaded = model.load_weights(iter(weights.items()))
+            finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
+            head = getattr(model, "lm_head", None)
+            method = getattr(head, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                # the CPU backend packs the head's weight at load; a reload that leaves the packed copy serves the
+                # old head
+                method.process_weights_after_loading(head)
+        missing = sorted(expected - set(loaded or ()))
+        if missing:
+            raise RuntimeError(f"drafter reload left {len(missing)} tensors unloaded, e.g. {missing[:3]}")
+        return f"loaded {len(weights)} tensors in {time.perf_counter() - t0:.3f}s"
