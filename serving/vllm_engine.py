@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import torch
 
 from dvi.decode.request import InvalidParam, Request, validate_params, validate_prompt
 from dvi.decode.results import GenerationResult, StepOutput
 from dvi.registry.base import AdapterRejected
 
-from .vllm_process import VllmProcess, write_drafter
+from .vllm_process import VllmProcess, drafter_tensors, write_tensors
 
 log = logging.getLogger("dvi.vllm")
 
@@ -82,8 +83,10 @@ class VllmEngine:
     """The scheduler's engine over one vLLM server (module docstring)."""
 
     def __init__(self, process: VllmProcess, vocab_size: int, max_context: int | None, num_draft_tokens: int,
-                 feedback_top_k: int, greedy_below_temperature: float) -> None:
+                 feedback_top_k: int, greedy_below_temperature: float,
+                 tensor_shapes: dict[str, tuple[int, ...]]) -> None:
         self.process = process
+        self.tensor_shapes = tensor_shapes  # the startup drafter's: what every later version must match
         self.vocab_size, self.max_context = int(vocab_size), max_context
         self.k = int(num_draft_tokens)
         self.feedback_top_k = int(feedback_top_k)
@@ -163,19 +166,33 @@ class VllmEngine:
         served = self.process.drafter_file
         candidate = served.with_name(f"candidate-v{int(version)}.safetensors")
         t0 = time.perf_counter()
-        write_drafter(drafter, candidate)
+        write_tensors(self._checked(drafter_tensors(drafter), int(version)), candidate)
         try:
             self._reload(candidate)
         except Exception as exc:
             candidate.unlink(missing_ok=True)
-            try:
-                self._reload(served)  # vLLM may hold part of the refused weights: the served ones again
-            except Exception:  # noqa: BLE001 - reported with the refusal
-                log.exception("vLLM could not reload the served drafter after a refused swap")
+            # a failed in-place load leaves vLLM's loader holding part of it: vLLM starts again on the served file
+            log.error("vLLM could not load drafter v%d (%s); restarting it on the served drafter", version, exc)
+            self.process.restart()
             raise AdapterRejected(f"vLLM could not load it: {exc}", int(version), kind="load") from exc
         candidate.replace(served)  # a restarted vLLM comes back with what it served
         self.drafter_version = int(version)
         self.swap_seconds.append(time.perf_counter() - t0)
+
+    def _checked(self, tensors: dict[str, Any], version: int) -> dict[str, Any]:
+        """Refuse (before vLLM sees it) a drafter whose tensors differ in name or shape from the startup drafter's,
+        or hold a NaN / inf: vLLM's in-place load has no way back from a half-loaded drafter."""
+        names, want = set(tensors), set(self.tensor_shapes)
+        if names != want:
+            raise AdapterRejected(f"its tensors differ from the served drafter's: missing {sorted(want - names)[:3]}, "
+                                  f"unexpected {sorted(names - want)[:3]}", version, kind="shape")
+        for name, t in tensors.items():
+            if tuple(t.shape) != self.tensor_shapes[name]:
+                raise AdapterRejected(f"tensor {name} has shape {tuple(t.shape)}, the served drafter's "
+                                      f"{self.tensor_shapes[name]}", version, kind="shape")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise AdapterRejected(f"tensor {name} holds non-finite values", version, kind="nonfinite")
+        return tensors
 
     def set_adapter(self, group: str, factors: Any, version: int | None) -> None:
         raise ValueError("per-group drafter adapters are not served with serve.engine 'vllm' (trainer.adapter_key)")
@@ -308,5 +325,6 @@ def start_vllm_engine(cfg: Any, pair: Any, rundir: Any) -> VllmEngine:
     process.start()
     context = int(getattr(pair.target.config, "max_position_embeddings", 0) or 0) or None
     context = min(context or cfg.serve.vllm.max_model_len, cfg.serve.vllm.max_model_len)
+    shapes = {k: tuple(v.shape) for k, v in pair.drafter.state_dict().items()}
     return VllmEngine(process, int(pair.target.get_output_embeddings().weight.shape[0]), context,
-                      spec.num_draft_tokens, cfg.feedback.top_k, cfg.sampling.greedy_below_temperature)
+                      spec.num_draft_tokens, cfg.feedback.top_k, cfg.sampling.greedy_below_temperature, shapes)

@@ -51,10 +51,10 @@ def drafter_tensors(drafter: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in drafter.state_dict().items()}
 
 
-def write_drafter(drafter: Any, path: Path) -> None:
-    """The drafter's weights to `path` through a temp name and a rename: a reader sees the old file or the new."""
+def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Weights to `path` through a temp name and a rename: a reader sees the old file or the new."""
     tmp = path.with_name(path.name + ".tmp")
-    save_file(drafter_tensors(drafter), str(tmp))
+    save_file(tensors, str(tmp))
     os.replace(tmp, path)
 
 
@@ -69,7 +69,7 @@ def export_pair(target: Any, drafter: Any, tokenizer: Any, root: Path) -> tuple[
         model.config.to_json_file(str(d / "config.json"))
         tokenizer.save_pretrained(str(d))
     save_file(drafter_tensors(target), str(tdir / DRAFTER_FILE))
-    write_drafter(drafter, ddir / DRAFTER_FILE)
+    write_tensors(drafter_tensors(drafter), ddir / DRAFTER_FILE)
     return tdir, ddir
 
 
@@ -193,6 +193,12 @@ class VllmProcess:
             except VllmUnavailable:
                 log.exception("vLLM restart failed")
                 backoff = min(backoff * 2, 60.0)
+
+    def restart(self) -> None:
+        """Kill vLLM; the watchdog starts it again on the drafter file (what a refused reload may have left
+        half-loaded in its memory is gone)."""
+        self.ready.clear()
+        self._kill(grace_s=2.0)
 
     @property
     def pid(self) -> int | None:
