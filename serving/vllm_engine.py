@@ -84,9 +84,10 @@ class VllmEngine:
 
     def __init__(self, process: VllmProcess, vocab_size: int, max_context: int | None, num_draft_tokens: int,
                  feedback_top_k: int, greedy_below_temperature: float,
-                 tensor_shapes: dict[str, tuple[int, ...]]) -> None:
+                 tensor_shapes: dict[str, tuple[int, ...]], target_state: dict[str, torch.Tensor]) -> None:
         self.process = process
         self.tensor_shapes = tensor_shapes  # the startup drafter's: what every later version must match
+        self.target_state = target_state  # dvi's copy of the served target: what an update is checked against
         self.vocab_size, self.max_context = int(vocab_size), max_context
         self.k = int(num_draft_tokens)
         self.feedback_top_k = int(feedback_top_k)
@@ -168,7 +169,7 @@ class VllmEngine:
         t0 = time.perf_counter()
         write_tensors(self._checked(drafter_tensors(drafter), int(version)), candidate)
         try:
-            self._reload(candidate)
+            self._rpc("dvi_reload_drafter", candidate)
         except Exception as exc:
             candidate.unlink(missing_ok=True)
             # a failed in-place load leaves vLLM's loader holding part of it: vLLM starts again on the served file
@@ -198,7 +199,23 @@ class VllmEngine:
         raise ValueError("per-group drafter adapters are not served with serve.engine 'vllm' (trainer.adapter_key)")
 
     def update_target_weights(self, weights: Any, version: int, complete: bool = True) -> None:
-        raise ValueError("new target weights are not pushed into vLLM by dvi: restart vLLM on the new target")
+        """New target weights (checked as dvi's engine checks them) into the running vLLM: dvi's copy of the target
+        is updated, written whole to vLLM's target dir (a restart serves it) and loaded in place; vLLM's prefix
+        cache is reset. Requests in flight keep the keys and values they computed with the old weights."""
+        from dvi.models.loading import check_target_state_dict
+
+        own = self.target_state
+        check_target_state_dict(weights, own, complete)
+        with torch.no_grad():
+            for k, v in weights.items():
+                own[k].copy_(v)
+        path = self.process.target_dir / "model.safetensors"
+        write_tensors({k: v.detach().contiguous().clone() for k, v in own.items()}, path)
+        self._rpc("dvi_reload_target", path)
+        r = httpx.post(self.process.url + "/reset_prefix_cache", timeout=60.0)
+        if r.status_code != 200:
+            raise RuntimeError(f"vLLM did not reset its prefix cache: HTTP {r.status_code}")
+        self.target_version = int(version)
 
     def add_history(self, seq_id: str, tokens: list[int]) -> None:
         raise ValueError("history drafting (suffix, hybrid) is not served with serve.engine 'vllm'")
@@ -215,9 +232,9 @@ class VllmEngine:
         self.process.stop()
 
     # -- vLLM ------------------------------------------------------------------------------------------------
-    def _reload(self, path) -> None:
-        r = httpx.post(self.process.url + "/collective_rpc", timeout=120.0,
-                       json={"method": "dvi_reload_drafter", "args": [str(path)]})
+    def _rpc(self, method: str, path) -> None:
+        """One call of dvi's worker extension (`serving.vllm_worker`) in every vLLM worker."""
+        r = httpx.post(self.process.url + "/collective_rpc", timeout=300.0, json={"method": method, "args": [str(path)]})
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
 
@@ -327,4 +344,5 @@ def start_vllm_engine(cfg: Any, pair: Any, rundir: Any) -> VllmEngine:
     context = min(context or cfg.serve.vllm.max_model_len, cfg.serve.vllm.max_model_len)
     shapes = {k: tuple(v.shape) for k, v in pair.drafter.state_dict().items()}
     return VllmEngine(process, int(pair.target.get_output_embeddings().weight.shape[0]), context,
-                      spec.num_draft_tokens, cfg.feedback.top_k, cfg.sampling.greedy_below_temperature, shapes)
+                      spec.num_draft_tokens, cfg.feedback.top_k, cfg.sampling.greedy_below_temperature, shapes,
+                      pair.target.state_dict())

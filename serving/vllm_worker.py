@@ -47,3 +47,14 @@ class DrafterReload:
         if missing:
             raise RuntimeError(f"drafter reload left {len(missing)} tensors unloaded, e.g. {missing[:3]}")
         return f"loaded {len(weights)} tensors in {time.perf_counter() - t0:.3f}s"
+
+    def dvi_reload_target(self, path: str) -> str:
+        """Load the safetensors file `path` (every tensor of the target, checkpoint format) into the served target in
+        place (vLLM's own layerwise reload); the caller then resets vLLM's prefix cache, which holds keys and values
+        of the old weights."""
+        from safetensors.torch import load_file
+
+        t0 = time.perf_counter()
+        weights = load_file(path)
+        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+        return f"loaded {len(weights)} tensors in {time.perf_counter() - t0:.3f}s"

@@ -193,3 +193,28 @@ def test_vllm_killed_mid_run_is_restarted_and_no_feedback_record_is_lost_or_doub
     ids = [r.request_id for r in recs]
     assert len(ids) == len(set(ids)), "no record written twice"
     assert served_ids <= set(ids)
+
+
+@pytest.mark.slow
+def test_new_target_weights_reach_the_running_vllm_and_bad_ones_are_refused(served):
+    from serving.commands import UpdateTarget
+
+    engine = served.state.engine
+    own = engine.target_state
+
+    def first_logprob() -> tuple[str, float]:
+        out = _complete(served, PROMPTS[0], 8, logprobs=0)
+        return out["choices"][0]["text"], out["choices"][0]["logprobs"]["token_logprobs"][0]
+
+    text, lp = first_logprob()
+    nan = {"model.norm.weight": torch.full_like(own["model.norm.weight"], float("nan"))}
+    with pytest.raises(ValueError, match="non-finite"):
+        served.state.scheduler.command(UpdateTarget(nan, 5, complete=False)).result(timeout=300)
+    assert engine.target_version == 0
+    norm = own["model.norm.weight"].clone()
+    # the final norm x 1.5 sharpens every logit: the same greedy text, a larger top log-prob
+    served.state.scheduler.command(UpdateTarget({"model.norm.weight": norm * 1.5}, 1, complete=False)).result(timeout=300)
+    text1, lp1 = first_logprob()
+    assert engine.target_version == 1 and lp1 > lp + 1e-3, (lp, lp1)
+    served.state.scheduler.command(UpdateTarget({"model.norm.weight": norm}, 2, complete=False)).result(timeout=300)
+    assert first_logprob() == (text, pytest.approx(lp, abs=1e-5))
