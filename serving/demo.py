@@ -313,7 +313,8 @@ def demo_adapter_key(cfg: DviConfig) -> str:
     (and "none" where the learned drafter cannot take adapters)."""
     if "adapter_key" in cfg.trainer.model_fields_set:
         return cfg.trainer.adapter_key
-    return "domain" if cfg.models.learned_kind == "separate" and cfg.trainer.mode == "lora" else "none"
+    lora_separate = cfg.models.learned_kind == "separate" and cfg.trainer.mode == "lora"
+    return "domain" if lora_separate and cfg.serve.engine == "dvi" else "none"  # vLLM serves one drafter to all
 
 
 def _phases(cfg: DviConfig, tok: Any, n: int) -> list[Phase]:

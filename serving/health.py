@@ -34,6 +34,9 @@ def degraded_reasons(s: ServerState, trainer: dict[str, Any]) -> list[str]:
     reasons = []
     if not s.scheduler.alive:
         reasons.append("engine loop is not running")
+    remote = s.scheduler.snapshot.engine_info
+    if remote and not remote.get("ready", True):
+        reasons.append(f"{remote.get('kind')} is (re)starting (restarts {remote.get('restarts')}; log {remote.get('log')})")
     if trainer["state"] == "restarting":
         reasons.append(f"trainer is restarting (last exit code {trainer['last_exit_code']}, "
                        f"restarts {trainer['restarts']})")
@@ -75,7 +78,8 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "uptime_s": round(time.time() - s.started_at, 3),
         "engine": {"alive": alive, "running": snap.running, "queue": snap.queue, "steps": snap.steps,
                    "completed": snap.completed, "step_errors": snap.step_errors, "request_errors": snap.request_errors,
-                   "max_batch_size": s.cfg.serve.max_batch_size, "queue_limit": s.cfg.serve.queue_limit},
+                   "max_batch_size": s.cfg.serve.max_batch_size, "queue_limit": s.cfg.serve.queue_limit,
+                   "kind": s.cfg.serve.engine, **dict(snap.engine_info)},  # vLLM: its url, readiness, restarts, swaps
         "drafter_version": sw["live_version"] if sw else None,
         "target_version": s.target_version,
         "drafter": sw,

@@ -43,6 +43,7 @@ class EngineSnapshot:
     draft_vocab_size: int | None = None  # the learned drafter's reduced vocabulary (None: full or no drafter)
     proposer_stats: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # `Proposer.stats()`, copied (suffix: index size, lookups, hits)
     adapter_versions: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # per traffic group (issue 40)
+    engine_info: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # a remote engine's state (vLLM: its url, restarts)
 
     def served(self, lane: Any = None) -> int:
         """The drafter version the engine serves; with a group's `lane`, that group's adapter version (0: none)."""
@@ -67,7 +68,8 @@ def take_snapshot(engine: Any, seq: int, **loop: int) -> EngineSnapshot:
         drafter_version=int(getattr(engine, "drafter_version", 0)), target_version=int(getattr(engine, "target_version", 0)),
         greedy_contract=MappingProxyType(dict(contract)), draft_vocab_size=_draft_vocab_size(engine),
         proposer_stats=MappingProxyType(dict(stats)) if stats else _EMPTY,
-        adapter_versions=MappingProxyType(dict(getattr(engine, "adapter_versions", {}))))
+        adapter_versions=MappingProxyType(dict(getattr(engine, "adapter_versions", {}))),
+        engine_info=MappingProxyType(engine.info()) if hasattr(engine, "info") else _EMPTY)
 
 
 class SampleOutbox:

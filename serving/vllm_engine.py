@@ -98,12 +98,16 @@ class VllmEngine:
         self.greedy_contract = {"engine": "vllm", "dtype": process.dtype()}
         self.swap_seconds: list[float] = []
         self._rows: dict[str, _Row] = {}
+        self._url = process.url  # what the streams' thread reads: never the engine's public state (dvi.decode.owner)
+        self._k = self.k
         self._lock = threading.Lock()
         self._arrived = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._client: httpx.AsyncClient | None = None
+        self._loop_ready = threading.Event()
         self._thread = threading.Thread(target=self._run_loop, name="dvi-vllm-streams", daemon=True)
         self._thread.start()
+        self._loop_ready.wait(10)
 
     # -- the engine interface (engine thread) ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -141,6 +145,7 @@ class VllmEngine:
                 new, row.fresh = row.fresh, []
                 if row.finished:
                     del self._rows[rid]
+                    row.result.drafter_version, row.result.target_version = self.drafter_version, self.target_version
                 outs.append(StepOutput(rid, new, row.finished, row.result if row.finished else None))
         return outs
 
@@ -154,6 +159,13 @@ class VllmEngine:
         row.result.finish_reason = "abort"
         row.result.finished_at = time.time()
         return row.result
+
+    def info(self) -> dict[str, Any]:
+        """What /health shows of the engine (read into the snapshot on the engine thread)."""
+        p = self.process
+        return {"kind": "vllm", "url": p.url, "ready": p.ready.is_set(), "restarts": p.restarts, "dtype": p.dtype(),
+                "num_speculative_tokens": self.k, "feedback_top_k": self.feedback_top_k, "swaps": len(self.swap_seconds),
+                "last_swap_s": round(self.swap_seconds[-1], 3) if self.swap_seconds else None, "log": str(p.log_path)}
 
     def has_unfinished(self) -> bool:
         return bool(self._rows)
@@ -258,6 +270,7 @@ class VllmEngine:
         asyncio.set_event_loop(self._loop)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._loop.call_soon(self._loop_ready.set)
         self._loop.run_forever()
 
     async def _stream(self, row: _Row, body: dict[str, Any]) -> None:
@@ -265,7 +278,7 @@ class VllmEngine:
         while True:
             got_token = False
             try:
-                async with self._client.stream("POST", self.process.url + "/v1/completions", json=body) as resp:
+                async with self._client.stream("POST", self._url + "/v1/completions", json=body) as resp:
                     if resp.status_code != 200:
                         text = (await resp.aread()).decode(errors="replace")
                         return self._fail(row, f"vLLM answered {resp.status_code}: {text[:300]}")
@@ -310,13 +323,12 @@ class VllmEngine:
     def _finish(self, row: _Row) -> None:
         res = row.result
         accepted, drafted = row.steps
-        fb = step_feedback(list(accepted), list(drafted), res.token_ids, self.k)
+        fb = step_feedback(list(accepted), list(drafted), res.token_ids, self._k)
         with self._lock:
             for key, value in fb.items():
                 setattr(res, key, value)
             if len(res.topk_ids) != len(res.token_ids):  # no log-probs asked for, or a short list: none kept
                 res.topk_ids, res.topk_logprobs = [], []
-            res.drafter_version, res.target_version = self.drafter_version, self.target_version
             res.finish_reason = res.finish_reason or "length"
             res.finished_at = time.time()
             row.finished = True
@@ -331,6 +343,8 @@ class VllmEngine:
 def start_vllm_engine(cfg: Any, pair: Any, rundir: Any) -> VllmEngine:
     """Export the loaded pair, start vLLM on it (`serving.vllm_process`) and return the engine that drives it."""
     from .vllm_process import export_pair
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to vLLM is noise in the server log
 
     if pair.drafter is None:
         raise ValueError("serve.engine 'vllm' needs a drafter model (models.drafter_kind 'separate')")
