@@ -10,7 +10,7 @@ interleaved round by round so a busy spell on the machine hits each alike:
 
 tokens/s = completion tokens over the wall time of the arm's batch at concurrency C (greedy: every arm generates
 the same text). Then swaps under load: C=8, --swap-requests requests with a promotion (an admin pin, alternating
-two published versions whose LoRA is the identity, so the drafts stay the same and only the swap costs) every
+two published versions whose LoRA is tiny, so the drafts stay the same and only the swap costs) every
 --swap-every seconds, against the same load without swaps: failed requests, p50 / p99 latency, seconds per swap.
 
     .venv/bin/python benchmarks/vllm_front.py [--rounds 2] [--swap-requests 200] [--json ...]
@@ -93,10 +93,12 @@ def arm_bodies(arm: str, prompts: list[str], n: int, top_k: int, name: str) -> l
     return [{**base, "model": name, "prompt": p, **extra} for p in prompts]
 
 
-def publish_identity_versions(registry_dir: Path, preset: str) -> list[int]:
-    """Two versions whose LoRA is the identity (B = 0): a swap between them changes no draft."""
+def publish_near_identity_versions(registry_dir: Path, preset: str) -> list[int]:
+    """Two versions whose LoRA is tiny (1e-4 noise in A and B): the drafts stay as they were, the weights differ, so
+    every swap loads the changed layer into vLLM."""
     import copy
 
+    import torch
     from peft import LoraConfig, get_peft_model
 
     from dvi.models.loading import load_embedded_pair
@@ -107,6 +109,10 @@ def publish_identity_versions(registry_dir: Path, preset: str) -> list[int]:
     out = []
     for _ in range(2):
         pm = get_peft_model(copy.deepcopy(pair.drafter), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape) * 1e-2)  # B·A ~ 1e-4 x 2: far below the weights' own scale
         out.append(reg.publish_peft_adapter(pm, {"target_version": 0, "steps": 1, "records_seen": 0,
                                                  "heldout_alpha": None}, set_latest=False))
     return out
@@ -141,7 +147,7 @@ def main(argv=None) -> int:
     tok = load_embedded_pair(args.preset, device="cpu", dtype="float32").tokenizer
     code = [tok.decode(ids) for ids in pip_code_prompts(tok, 16, 0)]
     prompts = [p for pair in zip(code, CHAT, strict=False) for p in pair]
-    versions = publish_identity_versions(work / "registry", args.preset)
+    versions = publish_near_identity_versions(work / "registry", args.preset)
     cfg = [f"models.preset={args.preset}", "serve.engine=vllm", "serve.trainer=off", "wandb.mode=disabled",
            f"run_dir={work}", f"feedback.dir={work / 'feedback'}", f"registry.dir={work / 'registry'}",
            f"serve.admin_token={ADMIN}", "serve.max_batch_size=16", *args.set]
