@@ -190,7 +190,7 @@ class VllmEngine:
         p = self.process
         return {"kind": "vllm", "url": p.url, "ready": p.ready.is_set(), "restarts": p.restarts, "dtype": p.dtype(),
                 "num_speculative_tokens": self.k, "feedback_top_k": self.feedback_top_k, "swaps": len(self.swap_seconds),
-                "last_swap_s": round(self.swap_seconds[-1], 3) if self.swap_seconds else None, "log": str(p.log_path)}
+                "swap_s": [round(x, 3) for x in self.swap_seconds[-16:]], "log": str(p.log_path)}
 
     def has_unfinished(self) -> bool:
         return bool(self._rows)
