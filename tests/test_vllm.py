@@ -44,6 +44,17 @@ def test_vllm_engine_refuses_drafters_it_cannot_serve_naming_the_keys():
         load_config(None, ["serve.engine=vllm", "trainer.adapter_key=domain"])
 
 
+def test_vllm_cpu_refuses_the_dtypes_that_answer_wrong_text():
+    from serving.vllm_process import VllmProcess, VllmUnavailable
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA: bf16 is vLLM's own")
+    assert VllmProcess.resolve_dtype("auto") == "float32" == VllmProcess.resolve_dtype("float32")
+    for dtype in ("bfloat16", "float16"):
+        with pytest.raises(VllmUnavailable, match=f"serve.vllm.dtype '{dtype}'"):
+            VllmProcess.resolve_dtype(dtype)
+
+
 def _vllm_or_skip() -> None:
     venv = REPO_ROOT / ".venv-vllm"
     if (venv / ".dvi-installed").is_file():
