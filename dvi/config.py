@@ -301,12 +301,13 @@ class ServeConfig(_Strict):
     trainer_restart_backoff_s: float = Field(1.0, gt=0)
     trainer_restart_backoff_max_s: float = Field(60.0, gt=0)
     registry_poll_seconds: float = Field(2.0, gt=0)
+    # a name among replicas sharing one registry: its own SERVING / REFUSED there, promoted and rolled back alone
+    replica: str = Field("", pattern=r"^[A-Za-z0-9_-]{0,64}$")
     rollback_margin: float = Field(0.05, ge=0, le=1)
     rollback_window: int = Field(32, ge=1)
     # a watched group rolls back only when its fall is also this many standard errors (fresh records are few)
     rollback_z: float = Field(2.0, ge=0)
-    # a running watch ends early, on the records it has, once a newer version waits and no request has run for
-    # this long (an idle server never sends the rest of the window; issue 36 §8)
+    # a watch ends early, on the records it has, once a newer version waits and no request ran for this long
     watch_idle_s: float = Field(2.0, gt=0)
     # the trainer is restarted when its heartbeat (`<run_dir>/trainer/status.json`, rewritten every
     # loop iteration) is older than this: a SIGSTOPped or hung trainer, not only a dead one
@@ -331,10 +332,9 @@ class ServeConfig(_Strict):
     # default) asks for `serve.api_key` (or the admin token) when an API key is set, as /v1 does; "admin" for
     # the admin token only; "open" for anyone who can connect (a scraper that cannot send a bearer token)
     metrics_access: Literal["api_key", "admin", "open"] = "api_key"
-    # slow clients (serving/connection.py): a request's headers must arrive within header_timeout_s of
-    # the connection opening (or the previous response), its body within body_timeout_s of its headers
-    # (4 MiB at 140 KB/s); past either: 408 and the connection closed. keep_alive_s: an idle connection
-    # is closed after this long; max_header_bytes: larger request headers get a 431 (a 400 when trickled)
+    # slow clients (serving/connection.py): a request's headers must arrive within header_timeout_s of the connection
+    # opening (or the previous response), its body within body_timeout_s of its headers (4 MiB at 140 KB/s); past
+    # either: 408, connection closed. An idle connection is closed after keep_alive_s; larger headers: 431
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
     keep_alive_s: float = Field(5.0, gt=0)

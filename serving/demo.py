@@ -62,10 +62,11 @@ class ServerProcess:
     first stdout line). Stopped with SIGTERM (the server drains, `serving.drain`), then SIGKILL."""
 
     def __init__(self, args: list[str], log_path: Path, cwd: Path | None = None,
-                 start_timeout_s: float = 600.0) -> None:
+                 start_timeout_s: float = 600.0, env: dict[str, str] | None = None) -> None:
         self.cmd = [sys.executable, "-m", "dvi.cli", "serve", *args, "serve.port=0", "serve.host=127.0.0.1"]
         self.log_path = Path(log_path)
         self.cwd = cwd
+        self.env = env or {}  # more environment for the server (and its children)
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -73,7 +74,7 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         import httpx
 
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE)  # the run dir's log: owner-only
         self._log = os.fdopen(fd, "w")  # closed in __exit__

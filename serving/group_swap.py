@@ -64,7 +64,7 @@ class GroupSwappers:
                             "rows draft with the shared drafter", group, len(self.swappers))
                 continue
             lane = SwapLane(group, self.key, self.sizes, self.num_layers)
-            reg = group_registry(self.cfg.registry.dir, group, self.cfg.registry.keep_last)
+            reg = group_registry(self.cfg.registry.dir, group, self.cfg.registry.keep_last, self.cfg.serve.replica)
             sw = DrafterSwapper(reg, self.scheduler, self.base, self.policy, on_event=self.on_event,
                                 event_log=self.event_log, feedback_dir=self.feedback_dir, lane=lane)
             with self._lock:

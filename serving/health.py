@@ -75,6 +75,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "status": "ok" if not reasons else ("degraded" if alive else "down"),
         "reasons": reasons,
         "model": s.model_name,
+        "replica": s.cfg.serve.replica or None,  # its server records in the shared registry are its own
         "uptime_s": round(time.time() - s.started_at, 3),
         "engine": {"alive": alive, "running": snap.running, "queue": snap.queue, "steps": snap.steps,
                    "completed": snap.completed, "step_errors": snap.step_errors, "request_errors": snap.request_errors,

@@ -225,10 +225,10 @@ def build_state(cfg: DviConfig) -> ServerState:
     supervisor = TrainerSupervisor(cfg)
     swapper = None
     if pair.drafter is not None:
+        registry = DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last, replica=cfg.serve.replica)
         swapper = DrafterSwapper(
-            DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last), scheduler, pair.drafter,
-            SwapPolicy.of(cfg), on_event=lambda ev: _on_swap_event(metrics, ev), event_log=rundir.log(rundir.swap_events_path),
-            feedback_dir=fb.dir,
+            registry, scheduler, pair.drafter, SwapPolicy.of(cfg), on_event=lambda ev: _on_swap_event(metrics, ev),
+            event_log=rundir.log(rundir.swap_events_path), feedback_dir=fb.dir,
         )
     state = ServerState(
         cfg=cfg, tokenizer=tokenizer, engine=engine, scheduler=scheduler, swapper=swapper,

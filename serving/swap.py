@@ -214,7 +214,7 @@ class DrafterSwapper:
                 self.waiting = None
                 return
         durable = self.registry.refusals().get(latest)
-        if durable is not None:  # refused by this server before, or by a replica sharing the registry
+        if durable is not None:  # refused by this server (this replica) before
             with self._lock:
                 self._remember_refusal(latest, durable)
             return
@@ -430,7 +430,7 @@ class DrafterSwapper:
         if model is None:
             model, _ = load_drafter_version(self.registry, target, self.base)
         moved = False
-        if self.registry.latest() == bad and target != 0:
+        if self.registry.latest() == bad and target != 0 and not self.registry.replica:  # LATEST: the fleet's
             try:
                 self.registry.rollback(target, reason=reason)  # moves LATEST back and refuses `bad`
                 moved = True

@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +28,8 @@ from dvi.decode.request import InvalidParam, Request, validate_params, validate_
 from dvi.decode.results import GenerationResult, StepOutput
 from dvi.registry.base import AdapterRejected
 
-from .vllm_process import VllmProcess, drafter_tensors, write_tensors
+from .vllm_drafter import ServedDrafter
+from .vllm_process import TARGET_FILE, VllmProcess, write_tensors
 
 log = logging.getLogger("dvi.vllm")
 
@@ -60,30 +60,6 @@ def step_feedback(per_step_accepted: list[int], per_step_drafted: list[int], tok
     }
 
 
-def changed_tensors(tensors: dict[str, torch.Tensor], served: Path) -> dict[str, torch.Tensor]:
-    """The tensors that differ from the served file's (all of them if it cannot be read): what vLLM must load. A
-    LoRA version changes the decoder's projections and leaves the embeddings and the head (most of a small drafter's
-    bytes) as they were; a swap that skips them took 0.2-0.45 s instead of 1.25 s (2-core Zen3, SmolLM2 drafter).
-    A changed decoder layer goes whole."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(served), "pt") as f:
-            names = set(f.keys())
-            changed = {k for k, v in tensors.items() if k not in names or not torch.equal(f.get_tensor(k), v)}
-    except OSError:
-        return tensors
-    # whole decoder layers: vLLM fuses q/k/v and gate/up, and a fused weight loaded from some of its parts is broken
-    layers = {_layer(k) for k in changed}
-    return {k: v for k, v in tensors.items() if k in changed or _layer(k) in layers - {None}}
-
-
-def _layer(name: str) -> str | None:
-    """"model.layers.3." of a decoder layer's tensor, None for the embeddings, the final norm and the head."""
-    parts = name.split(".")
-    return ".".join(parts[:3]) + "." if len(parts) > 3 and parts[1] == "layers" else None
-
-
 def _topk(entry: dict[str, float] | None) -> tuple[list[int], list[float]]:
     """vLLM's top log-probs of one position ({"token_id:N": lp}, `return_tokens_as_token_ids`), best first."""
     items = sorted((entry or {}).items(), key=lambda kv: -kv[1])
@@ -109,9 +85,9 @@ class VllmEngine:
 
     def __init__(self, process: VllmProcess, vocab_size: int, max_context: int | None, num_draft_tokens: int,
                  feedback_top_k: int, greedy_below_temperature: float,
-                 tensor_shapes: dict[str, tuple[int, ...]], target_state: dict[str, torch.Tensor]) -> None:
+                 served: ServedDrafter, target_state: dict[str, torch.Tensor]) -> None:
         self.process = process
-        self.tensor_shapes = tensor_shapes  # the startup drafter's: what every later version must match
+        self.served = served  # the drafter vLLM serves: what every later version is checked and diffed against
         self.target_state = target_state  # dvi's copy of the served target: what an update is checked against
         self.vocab_size, self.max_context = int(vocab_size), max_context
         self.k = int(num_draft_tokens)
@@ -199,42 +175,27 @@ class VllmEngine:
         return len(self._rows)
 
     def set_drafter(self, drafter: Any, version: int) -> None:
-        """Serve `drafter` as `version` in the running vLLM (between its steps); refused (raised, the served
-        drafter kept and reloaded) when vLLM cannot load it."""
-        served = self.process.drafter_file
-        candidate = served.with_name(f"candidate-v{int(version)}.safetensors")
+        """Serve `drafter` as `version` in the running vLLM, between its steps: only the decoder layers that differ
+        from the served ones are loaded (`ServedDrafter.diff`, which refuses a version vLLM could not take before
+        vLLM sees it). Refused (raised, the served drafter kept and reloaded) when vLLM cannot load it."""
+        served = self.served
+        candidate = served.dir / f"candidate-v{int(version)}.safetensors"  # not in the index: a restart skips it
         t0 = time.perf_counter()
-        tensors = self._checked(drafter_tensors(drafter), int(version))
-        changed = changed_tensors(tensors, served)  # a LoRA version: its decoder layers only
+        changed = served.diff(drafter.state_dict(), int(version))
         try:
             if changed:  # a version equal to the served one (an identity LoRA) needs no load
                 write_tensors(changed, candidate)
                 self._rpc("dvi_reload_drafter", candidate)
         except Exception as exc:
-            candidate.unlink(missing_ok=True)
-            # a failed in-place load leaves vLLM's loader holding part of it: vLLM starts again on the served file
+            # a failed in-place load leaves vLLM's loader holding part of it: vLLM starts again on the served files
             log.error("vLLM could not load drafter v%d (%s); restarting it on the served drafter", version, exc)
             self.process.restart()
             raise AdapterRejected(f"vLLM could not load it: {exc}", int(version), kind="load") from exc
+        finally:
+            candidate.unlink(missing_ok=True)
         self.swap_seconds.append(time.perf_counter() - t0)
-        candidate.unlink(missing_ok=True)
-        write_tensors(tensors, served)  # whole: a restarted vLLM comes back with what it served
+        served.commit(changed)  # its shards rewritten: a restarted vLLM comes back with what it served
         self.drafter_version = int(version)
-
-    def _checked(self, tensors: dict[str, Any], version: int) -> dict[str, Any]:
-        """Refuse (before vLLM sees it) a drafter whose tensors differ in name or shape from the startup drafter's,
-        or hold a NaN / inf: vLLM's in-place load has no way back from a half-loaded drafter."""
-        names, want = set(tensors), set(self.tensor_shapes)
-        if names != want:
-            raise AdapterRejected(f"its tensors differ from the served drafter's: missing {sorted(want - names)[:3]}, "
-                                  f"unexpected {sorted(names - want)[:3]}", version, kind="shape")
-        for name, t in tensors.items():
-            if tuple(t.shape) != self.tensor_shapes[name]:
-                raise AdapterRejected(f"tensor {name} has shape {tuple(t.shape)}, the served drafter's "
-                                      f"{self.tensor_shapes[name]}", version, kind="shape")
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise AdapterRejected(f"tensor {name} holds non-finite values", version, kind="nonfinite")
-        return tensors
 
     def set_adapter(self, group: str, factors: Any, version: int | None) -> None:
         raise ValueError("per-group drafter adapters are not served with serve.engine 'vllm' (trainer.adapter_key)")
@@ -250,7 +211,7 @@ class VllmEngine:
         with torch.no_grad():
             for k, v in weights.items():
                 own[k].copy_(v)
-        path = self.process.target_dir / "model.safetensors"
+        path = self.process.target_dir / TARGET_FILE
         write_tensors({k: v.detach().contiguous().clone() for k, v in own.items()}, path)
         self._rpc("dvi_reload_target", path)
         r = httpx.post(self.process.url + "/reset_prefix_cache", timeout=60.0)
@@ -379,13 +340,14 @@ def start_vllm_engine(cfg: Any, pair: Any, rundir: Any) -> VllmEngine:
         raise ValueError("serve.engine 'vllm' needs a drafter model (models.drafter_kind 'separate')")
     root = rundir.root / "vllm"
     tdir, ddir = export_pair(pair.target, pair.drafter, pair.tokenizer, root)
+    served = ServedDrafter.of_model(ddir, pair.drafter)
+    served.write_all()
     spec = cfg.speculation
     process = VllmProcess(cfg.serve.vllm, tdir, ddir, cfg.serve.model_name, spec.num_draft_tokens,
                           cfg.feedback.top_k, root / "vllm.log")
     process.start()
     context = int(getattr(pair.target.config, "max_position_embeddings", 0) or 0) or None
     context = min(context or cfg.serve.vllm.max_model_len, cfg.serve.vllm.max_model_len)
-    shapes = {k: tuple(v.shape) for k, v in pair.drafter.state_dict().items()}
     return VllmEngine(process, int(pair.target.get_output_embeddings().weight.shape[0]), context,
-                      spec.num_draft_tokens, cfg.feedback.top_k, cfg.sampling.greedy_below_temperature, shapes,
+                      spec.num_draft_tokens, cfg.feedback.top_k, cfg.sampling.greedy_below_temperature, served,
                       pair.target.state_dict())

@@ -3,8 +3,8 @@
 dvi exports the served pair as two Hugging Face dirs vLLM loads (`export_pair`), starts vLLM from its own venv
 (`vllm_python`: vLLM pins a transformers dvi does not use, so they never share one) with the drafter as its
 `draft_model`, per-request speculation counts and dvi's worker extension (`serving.vllm_worker`), and restarts it
-when it dies. The drafter dir always holds the version being served: a swap renames the new weights into place
-once vLLM has loaded them, so a restarted vLLM comes back with the drafter it served.
+when it dies. The drafter dir always holds the version being served (`serving.vllm_drafter`), so a restarted vLLM
+comes back with the drafter it served.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ log = logging.getLogger("dvi.vllm")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 """Where `serving.vllm_worker` is importable from: put on vLLM's PYTHONPATH."""
-DRAFTER_FILE = "model.safetensors"
+TARGET_FILE = "model.safetensors"
 
 
 class VllmUnavailable(RuntimeError):
@@ -46,9 +46,9 @@ def vllm_python(configured: str) -> str:
     return path
 
 
-def drafter_tensors(drafter: Any) -> dict[str, torch.Tensor]:
-    """The drafter's weights in checkpoint format (Hugging Face names), contiguous and unshared, for safetensors."""
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in drafter.state_dict().items()}
+def model_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """A model's weights in checkpoint format (Hugging Face names), contiguous and unshared, for safetensors."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -59,8 +59,8 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def export_pair(target: Any, drafter: Any, tokenizer: Any, root: Path) -> tuple[Path, Path]:
-    """(target dir, drafter dir) vLLM loads: config, weights and the tokenizer each; rewritten at every start, so
-    what vLLM serves is what dvi loaded."""
+    """(target dir, drafter dir) vLLM loads: config and tokenizer each, the target's weights (the drafter's are
+    `serving.vllm_drafter.ServedDrafter`'s); rewritten at every start, so what vLLM serves is what dvi loaded."""
     tdir, ddir = root / "target", root / "drafter"
     for d, model in ((tdir, target), (ddir, drafter)):
         if d.exists():
@@ -68,8 +68,7 @@ def export_pair(target: Any, drafter: Any, tokenizer: Any, root: Path) -> tuple[
         d.mkdir(parents=True)
         model.config.to_json_file(str(d / "config.json"))
         tokenizer.save_pretrained(str(d))
-    save_file(drafter_tensors(target), str(tdir / DRAFTER_FILE))
-    write_tensors(drafter_tensors(drafter), ddir / DRAFTER_FILE)
+    save_file(model_tensors(target), str(tdir / TARGET_FILE))
     return tdir, ddir
 
 
@@ -98,10 +97,6 @@ class VllmProcess:
         self._proc: subprocess.Popen | None = None
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
-
-    @property
-    def drafter_file(self) -> Path:
-        return self.drafter_dir / DRAFTER_FILE
 
     @staticmethod
     def resolve_dtype(setting: str) -> str:

@@ -39,9 +39,10 @@ class DrafterReload:
             finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
             head = getattr(model, "lm_head", None)
             method = getattr(head, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
+            touches_head = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k in weights)
+            if touches_head and method is not None and hasattr(method, "process_weights_after_loading"):
                 # the CPU backend packs the head's weight at load; a reload that leaves the packed copy serves the
-                # old head
+                # old head (a version that changes only decoder layers leaves it as it is)
                 method.process_weights_after_loading(head)
         if weights and not loaded:
             raise RuntimeError(f"the drafter took none of the {len(weights)} tensors in {path}")

@@ -184,6 +184,18 @@ def test_recent_first_and_replay_share(pair, prose, tiny_pair_dir, tmp_path) -> 
     assert st.steps == 2 and tr.records_seen == 14 and tr.replayed == 2 + 2 * 4
 
 
+def test_replay_gives_each_group_an_equal_share_however_few_its_records(pair, prose, tiny_pair_dir, tmp_path) -> None:
+    from dvi.feedback.heldout import group_of
+
+    tr = OnlineTrainer(online_config(tiny_pair_dir, tmp_path), copy.deepcopy(pair.drafter))
+    records = copy.deepcopy(prose)
+    for i, r in enumerate(records):
+        r.domain, r.temperature = ("code" if i < 3 else "prose"), 0.0  # code's traffic stopped: 3 of 64 records
+    tr.replay.extend(records)
+    drawn = [group_of(r) for r in tr._sample_replay(2000)]
+    assert set(drawn) == {"code/greedy", "prose/greedy"} and 0.45 < drawn.count("code/greedy") / len(drawn) < 0.55
+
+
 @pytest.mark.parametrize("mode", ["lora", "full", "lora_reduced_vocab"])
 def test_training_on_feedback_raises_heldout_shadow_alpha(pair, prose, tiny_pair_dir, tmp_path, mode) -> None:
     # The tiny target is nearly flat (its argmax hinges on near-ties), so pure KL barely flips argmaxes

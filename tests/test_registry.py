@@ -238,3 +238,23 @@ def test_history_and_refusals_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(DrafterRegistry, "events", lambda self: pytest.fail("rollback read the whole history"))
     assert reg.rollback(None, reason="test") == 6  # 7-11 refused; 12 is LATEST
     assert 12 in reg.refusals()
+
+
+def test_replicas_sharing_a_registry_keep_their_own_server_records(tmp_path):
+    from dvi.registry.base import ServingState
+
+    trainer = DrafterRegistry(tmp_path)
+    a, b = DrafterRegistry(tmp_path, replica="a"), DrafterRegistry(tmp_path, replica="b")
+    for i in range(1, 5):
+        trainer.publish_full(sd(i), {"model_type": "llama"}, {})
+    a.set_serving(ServingState(version=4, good=2))
+    b.set_serving(ServingState(version=1, good=1, pinned=1))
+    a.refuse(3, "rolled back: α fell on a's traffic")
+    assert a.refusals() == {3: "rolled back: α fell on a's traffic"} and b.refusals() == {}  # b may still serve 3
+    assert (b.serving().version, a.serving().version) == (1, 4)
+    assert {k: s.version for k, s in trainer.served_everywhere().items()} == {"a": 4, "b": 1}
+    assert trainer.serving() == ServingState()  # the one-server record was never written
+    DrafterRegistry(tmp_path, keep_last=1).gc()
+    assert trainer.list_versions() == [1, 2, 4]  # each replica's served, good and pinned outlive keep_last
+    with pytest.raises(ValueError, match="replica"):
+        DrafterRegistry(tmp_path, replica="../x")

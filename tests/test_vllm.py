@@ -7,6 +7,7 @@ tests skip with the reason `scripts/install_vllm.sh` wrote; in CI a venv missing
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from dvi.config import ConfigError, load_config
+from serving.demo import ServerProcess
 from serving.vllm_engine import step_feedback
 from serving.vllm_process import REPO_ROOT
 from tests.test_serving_helpers import ServerThread, lora_copy, version_manifest, wait_for
@@ -55,6 +57,38 @@ def test_vllm_cpu_refuses_the_dtypes_that_answer_wrong_text():
             VllmProcess.resolve_dtype(dtype)
 
 
+def test_a_swap_loads_and_rewrites_only_the_decoder_layers_that_changed(tmp_path):
+    import json
+
+    from dvi.registry.base import AdapterRejected
+    from serving.vllm_drafter import INDEX_FILE, ServedDrafter
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama(num_hidden_layers=2)
+    served = ServedDrafter.of_model(tmp_path, model)
+    served.write_all()
+    index = json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"]
+    assert set(index) == set(model.state_dict()) and set(index.values()) == {
+        "drafter-rest.safetensors", "drafter-layer-0.safetensors", "drafter-layer-1.safetensors"}
+    assert served.diff(model.state_dict(), 1) == {}  # an identity version loads nothing
+    new = {k: v.clone() for k, v in model.state_dict().items()}
+    new["model.layers.1.self_attn.q_proj.weight"] += 0.5
+    changed = served.diff(new, 2)
+    assert set(changed) == {k for k in new if k.startswith("model.layers.1.")}  # the whole layer, nothing else
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.safetensors")}
+    time.sleep(0.01)
+    served.commit(changed)
+    after = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.safetensors")}
+    assert [n for n in after if after[n] != before[n]] == ["drafter-layer-1.safetensors"]
+    assert served.diff(new, 3) == {}  # what was committed is what is served
+    for bad, why in (({**new, "model.norm.weight": torch.full_like(new["model.norm.weight"], float("inf"))},
+                      "non-finite"),
+                     ({**new, "model.norm.weight": torch.ones(3)}, "has shape"),
+                     ({k: v for k, v in new.items() if k != "model.norm.weight"}, "missing")):
+        with pytest.raises(AdapterRejected, match=why):
+            served.diff(bad, 4)
+
+
 def _vllm_or_skip() -> None:
     venv = REPO_ROOT / ".venv-vllm"
     if (venv / ".dvi-installed").is_file():
@@ -80,9 +114,35 @@ def served(tmp_path_factory):
         "models.preset=smollm2", f"run_dir={run}", f"feedback.dir={run / 'feedback'}", f"registry.dir={run / 'registry'}",
         "feedback.flush_seconds=0.2", "serve.trainer='off'", "serve.registry_poll_seconds=0.2", "wandb.mode=disabled",
         "serve.engine=vllm", "speculation.num_draft_tokens=3", "serve.admin_token=adm", "feedback.top_k=8",
-        "serve.vllm.max_model_len=1024"])
-    with ServerThread(cfg, start_timeout_s=600) as s:
-        yield s
+        "serve.vllm.max_model_len=1024", "serve.replica=a", "trainer.shadow_margin=1.0",
+        "trainer.shadow_min_positions=16", "trainer.heldout_fraction=0.5"])
+    # replica b (a `dvi serve` process with its own vLLM, sharing the feedback log and the registry) starts beside
+    # replica a: the two vLLM starts overlap, each on its own core
+    b = ServerProcess(["--config", str(_replica_config(cfg, run / "replica-b")), "serve.admin_token=adm"],
+                      run / "replica-b.log",
+                      env={"VLLM_CPU_OMP_THREADS_BIND": "1"})  # replica a's vLLM holds core 0
+    b_start = concurrent.futures.ThreadPoolExecutor(1).submit(b.__enter__)
+    try:
+        with ServerThread(cfg, start_timeout_s=600) as s:
+            s.replica_b = b_start
+            yield s
+    finally:
+        concurrent.futures.wait([b_start], timeout=600)
+        b.__exit__()
+
+
+def _replica_config(cfg, run_dir: Path) -> Path:
+    """Replica b's config: replica a's, with its own name and run dir (the feedback log and registry shared)."""
+    import yaml
+
+    from dvi.config import dump_config
+
+    data = dump_config(cfg)
+    data["run_dir"] = str(run_dir)
+    data["serve"]["replica"] = "b"
+    path = run_dir.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 def _complete(s, prompt: str, n: int = 24, **body) -> dict:
@@ -179,8 +239,6 @@ def test_a_pinned_version_reaches_the_running_vllm_and_one_it_cannot_load_is_ref
 
 @pytest.mark.slow
 def test_vllm_killed_mid_run_is_restarted_and_no_feedback_record_is_lost_or_doubled(served):
-    import concurrent.futures
-
     proc = served.state.engine.process
     before = {r.request_id for r in _records(served)}
 
@@ -229,3 +287,42 @@ def test_new_target_weights_reach_the_running_vllm_and_bad_ones_are_refused(serv
     assert engine.target_version == 1 and lp1 > lp + 1e-3, (lp, lp1)
     served.state.scheduler.command(UpdateTarget({"model.norm.weight": norm}, 2, complete=False)).result(timeout=300)
     assert first_logprob() == (text, pytest.approx(lp, abs=1e-5))
+
+
+@pytest.mark.slow
+def test_two_vllm_replicas_share_one_log_and_registry_and_each_promotes_and_rolls_back_alone(served):
+    from dvi.registry.store import DrafterRegistry
+
+    b = served.replica_b.result(timeout=600)  # started beside replica a (the `served` fixture)
+    trainer = DrafterRegistry(served.cfg.registry.dir)  # what the one trainer publishes to
+
+    def health(url: str) -> dict:
+        return httpx.get(url + "/health", headers={"Authorization": "Bearer adm"}, timeout=30).json()
+
+    with served.client(token="adm") as c:  # an earlier test left replica a pinned
+        assert c.post("/admin/drafter/pin", json={"version": None}).status_code == 200
+    sent = []
+    for url in (served.url, b.url):  # both replicas log into the one feedback log: held-out records for both
+        with httpx.Client(base_url=url, timeout=600) as c:
+            for p in PROMPTS:
+                r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16})
+                assert r.status_code == 200, r.text
+                sent.append(r.json()["dvi"]["request_id"])
+    v = trainer.publish_peft_adapter(lora_copy(served.state.swapper.base, 0.05, 3, ("q_proj", "v_proj")),
+                                     version_manifest())
+    for url in (served.url, b.url):  # each replica checks and promotes the trainer's version itself
+        wait_for(lambda url=url: health(url)["drafter_version"] == v, 300, interval=0.5, what=f"{url} to promote v{v}")
+    assert health(b.url)["replica"] == "b" and health(b.url)["engine"]["kind"] == "vllm"
+    with served.client(token="adm") as c:
+        r = c.post("/admin/drafter/rollback", json={"reason": "replica a's traffic"})
+        assert r.status_code == 200 and r.json()["drafter_version"] == 0, r.text
+    time.sleep(3 * served.cfg.serve.registry_poll_seconds + 1)
+    assert health(b.url)["drafter_version"] == v, "replica b keeps serving what replica a rolled back"
+    assert health(served.url)["drafter_version"] == 0
+    assert trainer.latest() == v, "a replica's rollback leaves the trainer's LATEST alone"
+    a_rec, b_rec = (DrafterRegistry(served.cfg.registry.dir, replica=n) for n in ("a", "b"))
+    assert v in a_rec.refusals() and v not in b_rec.refusals()
+    assert {k: s.version for k, s in trainer.served_everywhere().items()} == {"a": 0, "b": v}
+    b.__exit__()  # replica b drains and flushes its feedback
+    ids = [r.request_id for r in _records(served)]
+    assert len(ids) == len(set(ids)) and set(sent) <= set(ids)

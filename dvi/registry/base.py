@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -131,29 +132,49 @@ MAX_REFUSED = 1024
 """Refusals kept in REFUSED (newest versions): a version older than these is long gone from the registry."""
 
 
+REPLICAS = "replicas"
+"""`<registry>/drafter/replicas/<name>/`: the server records of one named replica (`serve.replica`)."""
+REPLICA_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
 class ServerRecords:
-    """SERVING and REFUSED in `<registry>/drafter/`: what the server serves and what it must never serve
-    again, durable so that a restarted server and the trainer agree with it (mixed into DrafterRegistry)."""
+    """SERVING and REFUSED: what a server serves and what it must never serve again, durable so that a restarted
+    server and the trainer agree with it (mixed into DrafterRegistry). The one server of a registry keeps them in
+    `<registry>/drafter/`; a named replica (`replica`) in `replicas/<name>/`, so that replicas sharing a registry
+    promote, refuse and roll back each on its own."""
 
     dir: Path
+    replica: str  # "" (the one server, or the trainer reading) or this replica's name
     _event: Callable[..., None]  # DrafterRegistry's history append
 
+    @property
+    def records_dir(self) -> Path:
+        if not self.replica:
+            return self.dir
+        d = self.dir / REPLICAS / self.replica
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
     def serving(self) -> ServingState:
-        """What the server serves now, its last good version and its pin (`ServingState`)."""
-        try:
-            return ServingState.parse(json.loads((self.dir / "SERVING").read_text()))
-        except (FileNotFoundError, ValueError):
-            return ServingState()
+        """What this server serves now, its last good version and its pin (`ServingState`)."""
+        return _read_serving(self.records_dir / "SERVING")
+
+    def served_everywhere(self) -> dict[str, ServingState]:
+        """What every server of the registry serves: the one server ("", where it has written) and each replica."""
+        out = {"": _read_serving(self.dir / "SERVING")} if (self.dir / "SERVING").exists() else {}
+        for d in sorted((self.dir / REPLICAS).glob("*/SERVING")):
+            out[d.parent.name] = _read_serving(d)
+        return out or {"": ServingState()}
 
     def set_serving(self, state: ServingState) -> None:
-        """Record what the server serves (atomically; the trainer compares its candidates with it)."""
-        atomic_write_text(self.dir / "SERVING", json.dumps({"version": state.version, "good": state.good,
-                                                            "pinned": state.pinned, "time": time.time()}))
+        """Record what this server serves (atomically; the trainer compares its candidates with it)."""
+        atomic_write_text(self.records_dir / "SERVING", json.dumps({
+            "version": state.version, "good": state.good, "pinned": state.pinned, "time": time.time()}))
 
     def refusals(self) -> dict[int, str]:
-        """Versions the server refused or rolled back from, with the reason: never promoted again."""
+        """Versions this server refused or rolled back from, with the reason: never promoted again."""
         try:
-            raw = json.loads((self.dir / "REFUSED").read_text())
+            raw = json.loads((self.records_dir / "REFUSED").read_text())
             return {int(k): str(v) for k, v in raw.items()}
         except (FileNotFoundError, ValueError, AttributeError):
             return {}
@@ -163,12 +184,19 @@ class ServerRecords:
         refused = self.refusals()
         refused[version] = reason[:500]
         keep = sorted(refused)[-MAX_REFUSED:]
-        atomic_write_text(self.dir / "REFUSED", json.dumps({str(v): refused[v] for v in keep}))
-        self._event(event="refuse", version=version, reason=reason[:500])
+        atomic_write_text(self.records_dir / "REFUSED", json.dumps({str(v): refused[v] for v in keep}))
+        self._event(event="refuse", version=version, reason=reason[:500], replica=self.replica or None)
 
     def rolled_back(self) -> set[int]:
         """Versions refused or rolled back from (skipped by `rollback(None)`)."""
         return set(self.refusals())
+
+
+def _read_serving(path: Path) -> ServingState:
+    try:
+        return ServingState.parse(json.loads(path.read_text()))
+    except (FileNotFoundError, ValueError):
+        return ServingState()
 
 
 def _publisher_dead(name: str) -> bool:

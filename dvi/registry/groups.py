@@ -31,9 +31,10 @@ def group_dir_name(group: str) -> str:
     return "h" + hashlib.sha256(group.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def group_registry(root: str | os.PathLike, group: str, keep_last: int = 5) -> DrafterRegistry:
-    """The group's registry (made, with its GROUP file naming the group, on first use)."""
-    reg = DrafterRegistry(Path(root) / "groups" / group_dir_name(group), keep_last=keep_last)
+def group_registry(root: str | os.PathLike, group: str, keep_last: int = 5, replica: str = "") -> DrafterRegistry:
+    """The group's registry (made, with its GROUP file naming the group, on first use); a named replica's server
+    records in it are its own (`ServerRecords`)."""
+    reg = DrafterRegistry(Path(root) / "groups" / group_dir_name(group), keep_last=keep_last, replica=replica)
     name = reg.root / GROUP_FILE
     if not name.is_file():
         atomic_write_text(name, group)

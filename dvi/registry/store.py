@@ -8,6 +8,7 @@ Layout (docs/contracts.md)::
     <root>/drafter/PINNED          JSON list of versions kept from garbage collection
     <root>/drafter/SERVING         what the server serves, its last good version, its admin pin (ServingState)
     <root>/drafter/REFUSED         versions the server refused or rolled back from: never promoted again
+    <root>/drafter/replicas/<name>/{SERVING,REFUSED}   the same, of one replica (`serve.replica`) among several
     <root>/drafter/events.jsonl    publish / promote / rollback / refuse / pin / gc history (+ events.1.jsonl)
 
 A version's files are written and read by its format's codec (`dvi.registry.codec`: LoRA, full, shared-target).
@@ -37,6 +38,7 @@ from dvi.drafters.learned import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from dvi.fsutil import TMP_PREFIX, append_jsonl, atomic_write_text, fsync_path, fsync_tree
 from dvi.registry.base import (
     REFUSAL_KINDS,
+    REPLICA_RE,
     AdapterRejected,
     Expected,
     ServerRecords,
@@ -142,9 +144,12 @@ class Manifest:
 class DrafterRegistry(ServerRecords):
     """Publish, validate, load, roll back and garbage-collect drafter versions."""
 
-    def __init__(self, root: str | os.PathLike, keep_last: int = 5) -> None:
+    def __init__(self, root: str | os.PathLike, keep_last: int = 5, replica: str = "") -> None:
         if keep_last < 1:
             raise ValueError("keep_last must be >= 1")
+        if replica and not REPLICA_RE.fullmatch(replica):
+            raise ValueError(f"replica {replica!r}: 1-64 letters, digits, '_' or '-'")
+        self.replica = replica
         self.root = Path(root)
         self.dir = self.root / "drafter"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -454,8 +459,9 @@ class DrafterRegistry(ServerRecords):
     def gc(self) -> list[int]:
         """Delete versions beyond the newest `keep_last`, never LATEST, pinned or served ones."""
         versions = self.list_versions()
-        serving = self.serving()
-        keep = set(versions[-self.keep_last :]) | self.pinned() | {serving.version, serving.good, serving.pinned}
+        keep = set(versions[-self.keep_last :]) | self.pinned()
+        for serving in self.served_everywhere().values():  # what any replica serves or would roll back to
+            keep |= {serving.version, serving.good, serving.pinned}
         cur = self.latest()
         if cur is not None:
             keep.add(cur)

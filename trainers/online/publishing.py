@@ -81,8 +81,11 @@ class Publishing:
             return None, f"the served v{served} does not load here ({exc})"
 
     def served_version(self) -> int:
-        """What the server serves now, as it recorded in the registry's SERVING (0 = the bootstrap drafter)."""
-        return self.registry.serving().version if self.registry is not None else 0
+        """What the server serves now, as it recorded in the registry's SERVING (0 = the bootstrap drafter); with
+        replicas, the newest version any of them serves."""
+        if self.registry is None:
+            return 0
+        return max(s.version for s in self.registry.served_everywhere().values())
 
     def maybe_publish(self, force: bool = False) -> PublishDecision | None:
         """Every `publish_every_steps` steps: compare with the SERVED version on the held-out set; publish only a

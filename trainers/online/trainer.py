@@ -36,7 +36,7 @@ from dvi import metrics as M
 from dvi.config import DviConfig
 from dvi.drafters.vocab import find_subset_head
 from dvi.feedback import FeedbackRecord
-from dvi.feedback.heldout import HeldOutSet
+from dvi.feedback.heldout import HeldOutSet, group_of
 from dvi.feedback.verdict import gates
 from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
@@ -179,8 +179,8 @@ class OnlineTrainer(Publishing):
 
         Held-out records (by request-id hash) are kept for evaluation and never trained on.
         New records go newest first, `round(batch_size * (1 - replay_ratio))` per batch, and each
-        batch gets replayed records (sampled from the buffer of records trained on before) so
-        that they are a `replay_ratio` share of it. Afterwards the new records join the buffer.
+        batch gets replayed records (sampled group by group from the buffer of records trained on before,
+        `_sample_replay`) so that they are a `replay_ratio` share of it. Afterwards the new records join the buffer.
         """
         t0 = time.perf_counter()
         examples = [r.compact() for r in records]
@@ -252,11 +252,22 @@ class OnlineTrainer(Publishing):
         return losses, replayed
 
     def _sample_replay(self, n: int, recent: int | None = None) -> list[FeedbackRecord]:
+        """`n` records of the buffer's newest `recent`, group by group (`group_of`: what a gate judges apart):
+        each group an equal share, so a domain whose traffic stopped keeps its share of every batch while the
+        buffer still holds it, instead of fading as new traffic fills the buffer (a shared drafter that forgets a
+        group is refused by the gate for that group)."""
         pool = len(self.replay) if recent is None else min(recent, len(self.replay))
-        if not pool:
+        if not pool or n <= 0:
             return []
-        lo = len(self.replay) - pool
-        return [self.replay[lo + self.rng.randrange(pool)] for _ in range(n)]
+        by_group: dict[str, list[FeedbackRecord]] = collections.defaultdict(list)
+        for i in range(len(self.replay) - pool, len(self.replay)):
+            by_group[group_of(self.replay[i])].append(self.replay[i])
+        groups = [by_group[g] for g in sorted(by_group)]
+        out = []
+        for _ in range(n):
+            group = groups[self.rng.randrange(len(groups))]
+            out.append(group[self.rng.randrange(len(group))])
+        return out
 
     def train_on_replay(self, steps: int = 1, recent: int = REPLAY_RECENT) -> RoundStats:
         """Replay-only steps on the `recent` newest trained records (an idle trainer's spare time).
