@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -396,11 +396,32 @@ def _replay(cfg: DviConfig, rundir: RunDir, timeline: Timeline, console: Any) ->
         console.print(f"[red]replay failed: {type(exc).__name__}: {exc}[/red]")
 
 
+def _check_greedy(cfg: DviConfig, rundir: RunDir, console: Any) -> dict | None:
+    """Behind vLLM (an engine dvi's tests do not decode with): every greedy answer against the target's own argmax
+    (`serving.demo_greedy`); None with dvi's own engine, whose losslessness the test suite proves."""
+    if cfg.serve.engine != "vllm":
+        return None
+    from .demo_greedy import check_greedy, demo_targets
+    from .demo_replay import read_records
+    from .loading import pair_paths
+
+    console.print("checking every greedy answer against the target's own argmax (teacher-forced, float32) ...")
+    update = rundir.root / "targets" / "target_v1.safetensors"
+    try:
+        found = check_greedy(read_records(rundir.root / "feedback").values(),
+                             demo_targets(pair_paths(cfg)[0], {1: update} if update.exists() else {}))
+    except Exception as exc:  # noqa: BLE001 - the table is still worth printing
+        console.print(f"[red]greedy check failed: {type(exc).__name__}: {exc}[/red]")
+        return None
+    console.print(found.line() + (f"; first: {found.changed[:3]}" if found.changed else ""))
+    return asdict(found)
+
+
 def _gain(x: float | None) -> str:
     return "-" if x is None else f"{x:+.3f}"
 
 
-def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: int) -> None:
+def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: int, greedy: dict | None = None) -> None:
     """The α timeline table, timeline.json, alpha.png and the run's counts; `k` the K the replayed lengths
     chain (`speculation.num_draft_tokens`)."""
     from rich.table import Table
@@ -423,7 +444,8 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: in
     console.print(table)
     run_dir = rundir.root
     (run_dir / "timeline.json").write_text(json.dumps({"rows": timeline.rows, "errors": timeline.errors, "k": k,
-                                                       "legend": LEGEND, "health": final}, indent=1))
+                                                       "legend": LEGEND, "health": final, "greedy_check": greedy},
+                                                      indent=1))
     if timeline.rows:
         console.print(f"α plot: {plot_windows(timeline.rows, run_dir / 'alpha.png')}")
     counts = [(final.get("drafter") or {}).get("counts", {})]
@@ -465,5 +487,6 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
         status = 1
     timeline.flush()
     _replay(cfg, rundir, timeline, console)
-    _report(console, rundir, timeline, final, cfg.speculation.num_draft_tokens)
-    return status or (1 if timeline.errors else 0)
+    greedy = _check_greedy(cfg, rundir, console)
+    _report(console, rundir, timeline, final, cfg.speculation.num_draft_tokens, greedy)
+    return status or (1 if timeline.errors or (greedy or {}).get("changed") else 0)

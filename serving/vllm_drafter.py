@@ -40,6 +40,11 @@ class ServedDrafter:
     def __init__(self, drafter_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
         self.dir = Path(drafter_dir)
         self.tensors = {k: _owned(v) for k, v in tensors.items()}
+        # the served version's own tensors, with their in-place version counters: a later version sharing one
+        # (a LoRA version's merge shares the startup drafter's embeddings and head) needs no byte comparison.
+        # Kept alive, so their storage is never reused by another tensor at the same address
+        self._sources = _sources(tensors)
+        self._candidate: dict[str, tuple[torch.Tensor, int]] = {}
 
     @classmethod
     def of_model(cls, drafter_dir: Path, model: Any) -> ServedDrafter:
@@ -64,8 +69,9 @@ class ServedDrafter:
             if tuple(t.shape) != tuple(served.shape):
                 raise AdapterRejected(f"tensor {name} has shape {tuple(t.shape)}, the served drafter's "
                                       f"{tuple(served.shape)}", version, kind="shape")
-            if not _same(t, served):
+            if not self._same_source(name, t) and not _same(t, served):
                 changed.add(shard_of(name))
+        self._candidate = _sources(new)
         out = {k: _owned(v) for k, v in new.items() if shard_of(k) in changed}
         for name, t in out.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -76,7 +82,16 @@ class ServedDrafter:
         """`loaded` (a `diff`) is now what vLLM serves: kept, and its shards rewritten so a restarted vLLM serves it
         too."""
         self.tensors.update(loaded)
+        self._sources, self._candidate = self._candidate, {}
         self._write({shard_of(k) for k in loaded})
+
+    def _same_source(self, name: str, t: torch.Tensor) -> bool:
+        """`t` is the served version's own tensor (the same storage, offset, shape and strides), not written in place
+        since (autograd's version counter, which a tensor and its `detach()`ed views share)."""
+        old, version = self._sources.get(name, (None, -1))
+        return (old is not None and t.device == old.device and t.dtype == old.dtype and t.shape == old.shape
+                and t.stride() == old.stride() and t.storage_offset() == old.storage_offset()
+                and t.untyped_storage().data_ptr() == old.untyped_storage().data_ptr() and t._version == version)
 
     def _check_names(self, new: dict[str, torch.Tensor], version: int) -> None:
         names, want = set(new), set(self.tensors)
@@ -87,6 +102,10 @@ class ServedDrafter:
     def _write(self, shards: set[str]) -> None:
         for shard in shards:
             write_tensors({k: v for k, v in self.tensors.items() if shard_of(k) == shard}, self.dir / shard_file(shard))
+
+
+def _sources(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
+    return {k: (v, v._version) for k, v in tensors.items()}
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

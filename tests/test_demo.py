@@ -182,3 +182,31 @@ def test_every_demo_and_soak_domain_gets_its_own_metrics_series():
 
     domains = set(load_config(None).serve.domains)
     assert {"code", "prose", "chat", "sql"} | set(soak.DOMAINS) <= domains
+
+
+def test_the_greedy_check_finds_a_token_that_is_not_the_targets_argmax():
+    from types import SimpleNamespace
+
+    import torch
+    from tiny_models import tiny_llama
+
+    from dvi.decode.target import plain_greedy
+    from serving.demo_greedy import check_greedy
+
+    target = tiny_llama(0).eval()
+    prompt = [1, 5, 9, 2]
+    tokens, _ = plain_greedy(target, prompt, 12)
+
+    def record(rid, toks, temperature=0.0, version=0):
+        return SimpleNamespace(request_id=rid, prompt_ids=prompt, token_ids=toks, temperature=temperature,
+                               target_version=version)
+
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + tokens[:5]])).logits[0, -1]
+    wrong = tokens[:5] + [int(logits.argmin())] + tokens[6:]  # the target's least likely token at index 5
+    found = check_greedy([record("same", tokens), record("wrong", wrong), record("sampled", wrong, 0.7),
+                          record("gone", wrong, version=3)], {0: target})
+    assert (found.answers, found.equal, found.positions) == (2, 1, 24)
+    # the first change is the swapped token (the greedy tokens after it may no longer be the argmax of the new prefix)
+    assert {c["request_id"] for c in found.changed} == {"wrong"} and found.changed[0]["index"] == 5
+    assert found.changed[0]["gap"] > 0 and "tokens CHANGED" in found.line()
