@@ -50,6 +50,20 @@ def test_demo_trainer_checks_for_a_publish_sooner_unless_the_config_says(tiny_pa
     assert yaml.safe_load(path.read_text())["trainer"]["publish_every_steps"] == 30
 
 
+def test_a_demo_with_one_shared_drafter_replays_half_of_each_batch_unless_the_config_says(tmp_path):
+    import yaml
+
+    def replay(*overrides) -> float:
+        path, _ = demo._write_serve_config(load_config(None, list(overrides)), tmp_path, tmp_path / "targets")
+        return yaml.safe_load(path.read_text())["trainer"]["replay_ratio"]
+
+    assert replay("serve.engine=vllm") == demo.SHARED_REPLAY_RATIO == 0.5  # vLLM serves one drafter to all
+    assert replay() == load_config(None, []).trainer.replay_ratio  # per-domain adapters: each its own buffer
+    assert replay("serve.engine=vllm", "trainer.replay_ratio=0.1") == 0.1
+    path, _ = demo._write_serve_config(load_config(None, []), tmp_path, tmp_path / "targets")
+    assert yaml.safe_load(path.read_text())["registry"]["keep_last"] == demo.KEEP_VERSIONS  # every window replayable
+
+
 @pytest.mark.parametrize(("acceptance", "k", "tokens"), [
     ([1, 1, 0, 1, 1, 1], 3, 3 + 2 + 1 + 4 + 3 + 2),  # runs cut at K and at the response's end
     ([1, 1, 1, 1], 2, 3 + 3 + 3 + 2),  # every draft agrees: K + 1 a step until the end
