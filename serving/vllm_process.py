@@ -117,15 +117,7 @@ class VllmProcess:
                 "--gpu-memory-utilization", str(self.vcfg.memory_fraction),
                 "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
                 "--worker-extension-cls", "serving.vllm_worker.DrafterReload",
-                "--max-logprobs", str(max(1, self.max_logprobs)), *self._eager(), *self._one_process(),
-                *self.vcfg.extra_args]
-
-    def _one_process(self) -> list[str]:
-        """vLLM's engine and its one worker in one process unless `extra_args` spreads the model over workers (or
-        picks the executor): a second process is a second import of torch and vLLM at every start and restart."""
-        spread = {"--distributed-executor-backend", "--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp"}
-        given = {a.split("=", 1)[0] for a in self.vcfg.extra_args}
-        return [] if given & spread else ["--distributed-executor-backend", "uni"]
+                "--max-logprobs", str(max(1, self.max_logprobs)), *self._eager(), *self.vcfg.extra_args]
 
     def _eager(self) -> list[str]:
         eager = self.vcfg.enforce_eager
