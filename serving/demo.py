@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ PUBLISH_EVERY_STEPS = 5
 SHARED_REPLAY_RATIO = 0.5
 # Every version is kept (a LoRA version: 0.65 MB) unless the config says: the replay scores each window with its own.
 KEEP_VERSIONS = 64
+TARGET_UPDATE = "target_v1.safetensors"  # the perturbed target the third phase serves, under `<run>/targets/`
 
 
 class ServerProcess:
@@ -381,7 +382,7 @@ def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, co
         live = Live(timeline, progress)
         for i, phase in enumerate(_phases(cfg, tok, n)):
             if i == 2:
-                path = _perturbed_target(target_path, targets / "target_v1.safetensors", seed=cfg.seed)
+                path = _perturbed_target(target_path, targets / TARGET_UPDATE, seed=cfg.seed)
                 version = _update_target(srv.url, path, admin_token)
                 progress.console.print(f"target updated through /admin/target -> version {version}")
             live.task = progress.add_task(phase.name, total=phase.n)
@@ -390,38 +391,27 @@ def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, co
         return httpx.get(srv.url + "/health", headers=_bearer(admin_token), timeout=30).json()
 
 
-def _replay(cfg: DviConfig, rundir: RunDir, timeline: Timeline, console: Any) -> None:
+def _logged(rundir: RunDir, console: Any) -> dict:
+    """The run's feedback records by request id (read once, for the replay and the greedy check); {} if unreadable."""
+    from .demo_replay import read_records
+
+    try:
+        return read_records(rundir.root / "feedback")
+    except Exception as exc:  # noqa: BLE001 - the live table is still worth printing
+        console.print(f"[red]cannot read the run's feedback log: {type(exc).__name__}: {exc}[/red]")
+        return {}
+
+
+def _replay(cfg: DviConfig, rundir: RunDir, timeline: Timeline, records: dict, console: Any) -> None:
     """Each window's responses replayed through the drafter that served them and the frozen one
     (`serving.demo_replay`); a failure is shown, the table is still printed."""
-    from .demo_replay import drafter_scorers, read_records, replay_windows
+    from .demo_replay import drafter_scorers, replay_windows
 
     console.print("replaying each window's responses through the serving and the frozen drafter ...")
     try:
-        replay_windows(timeline.rows, read_records(rundir.root / "feedback"),
-                       drafter_scorers(cfg, rundir.root / "registry"), demo_adapter_key(cfg))
+        replay_windows(timeline.rows, records, drafter_scorers(cfg, rundir.root / "registry"), demo_adapter_key(cfg))
     except Exception as exc:  # noqa: BLE001 - the live table is still worth printing
         console.print(f"[red]replay failed: {type(exc).__name__}: {exc}[/red]")
-
-
-def _check_greedy(cfg: DviConfig, rundir: RunDir, console: Any) -> dict | None:
-    """Behind vLLM (an engine dvi's tests do not decode with): every greedy answer against the target's own argmax
-    (`serving.demo_greedy`); None with dvi's own engine, whose losslessness the test suite proves."""
-    if cfg.serve.engine != "vllm":
-        return None
-    from .demo_greedy import check_greedy, demo_targets
-    from .demo_replay import read_records
-    from .loading import pair_paths
-
-    console.print("checking every greedy answer against the target's own argmax (teacher-forced, float32) ...")
-    update = rundir.root / "targets" / "target_v1.safetensors"
-    try:
-        found = check_greedy(read_records(rundir.root / "feedback").values(),
-                             demo_targets(pair_paths(cfg)[0], {1: update} if update.exists() else {}))
-    except Exception as exc:  # noqa: BLE001 - the table is still worth printing
-        console.print(f"[red]greedy check failed: {type(exc).__name__}: {exc}[/red]")
-        return None
-    console.print(found.line() + (f"; first: {found.changed[:3]}" if found.changed else ""))
-    return asdict(found)
 
 
 def _gain(x: float | None) -> str:
@@ -493,7 +483,12 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
         console.print(f"[red]demo stopped: {exc}[/red]")
         status = 1
     timeline.flush()
-    _replay(cfg, rundir, timeline, console)
-    greedy = _check_greedy(cfg, rundir, console)
+    records = _logged(rundir, console)
+    _replay(cfg, rundir, timeline, records, console)
+    greedy = None
+    if cfg.serve.engine == "vllm":  # dvi's own engine: its losslessness is the test suite's to prove
+        from .demo_greedy import report_greedy
+
+        greedy = report_greedy(cfg, records, rundir.root / "targets" / TARGET_UPDATE, console)
     _report(console, rundir, timeline, final, cfg.speculation.num_draft_tokens, greedy)
     return status or (1 if timeline.errors or (greedy or {}).get("changed") else 0)

@@ -11,7 +11,7 @@ token speculation changed. Offline, after the server stopped, like `serving.demo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +78,18 @@ def demo_targets(target_dir: str | Path, updates: dict[int, Path]) -> dict[int, 
         model.load_state_dict(load_state_dict(path), strict=False)
         out[version] = model.eval()
     return out
+
+
+def report_greedy(cfg: Any, records: dict[str, FeedbackRecord], update: Path, console: Any) -> dict | None:
+    """The demo's check behind vLLM (an engine dvi's tests do not decode with), printed: every greedy record against
+    the target version that served it (v0 the pair's, v1 the update file's when it exists); None if it failed."""
+    from .loading import pair_paths
+
+    console.print("checking every greedy answer against the target's own argmax (teacher-forced, float32) ...")
+    try:
+        found = check_greedy(records.values(), demo_targets(pair_paths(cfg)[0], {1: update} if update.exists() else {}))
+    except Exception as exc:  # noqa: BLE001 - the demo's table is still worth printing
+        console.print(f"[red]greedy check failed: {type(exc).__name__}: {exc}[/red]")
+        return None
+    console.print(found.line() + (f"; first: {found.changed[:3]}" if found.changed else ""))
+    return asdict(found)

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from dvi.registry.base import AdapterRejected
+from dvi.registry.base import AdapterRejected, check_state_dict
 
-from .vllm_process import write_tensors
+from .vllm_process import owned_tensors, write_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 REST = "rest"
@@ -39,7 +39,7 @@ class ServedDrafter:
 
     def __init__(self, drafter_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
         self.dir = Path(drafter_dir)
-        self.tensors = {k: _owned(v) for k, v in tensors.items()}
+        self.tensors = owned_tensors(tensors)
         # the served version's own tensors, with their in-place version counters: a later version sharing one
         # (a LoRA version's merge shares the startup drafter's embeddings and head) needs no byte comparison.
         # Kept alive, so their storage is never reused by another tensor at the same address
@@ -62,17 +62,11 @@ class ServedDrafter:
         """The tensors of `new` vLLM must load to serve it: the whole shards where any tensor changed, as owned
         copies, checked (names and shapes equal to the served ones, finite) before vLLM sees them. Empty when `new`
         equals what is served (an identity LoRA)."""
-        self._check_names(new, version)
-        changed = set()
-        for name, t in new.items():
-            served = self.tensors[name]
-            if tuple(t.shape) != tuple(served.shape):
-                raise AdapterRejected(f"tensor {name} has shape {tuple(t.shape)}, the served drafter's "
-                                      f"{tuple(served.shape)}", version, kind="shape")
-            if not self._same_source(name, t) and not _same(t, served):
-                changed.add(shard_of(name))
+        check_state_dict(new, self.tensors, version)  # the registry's check: names, shapes and dtypes
+        changed = {shard_of(name) for name, t in new.items()
+                   if not self._same_source(name, t) and not _same(t, self.tensors[name])}
         self._candidate = _sources(new)
-        out = {k: _owned(v) for k, v in new.items() if shard_of(k) in changed}
+        out = owned_tensors({k: v for k, v in new.items() if shard_of(k) in changed})
         for name, t in out.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise AdapterRejected(f"tensor {name} holds non-finite values", version, kind="nonfinite")
@@ -93,12 +87,6 @@ class ServedDrafter:
                 and t.stride() == old.stride() and t.storage_offset() == old.storage_offset()
                 and t.untyped_storage().data_ptr() == old.untyped_storage().data_ptr() and t._version == version)
 
-    def _check_names(self, new: dict[str, torch.Tensor], version: int) -> None:
-        names, want = set(new), set(self.tensors)
-        if names != want:
-            raise AdapterRejected(f"its tensors differ from the served drafter's: missing {sorted(want - names)[:3]}, "
-                                  f"unexpected {sorted(names - want)[:3]}", version, kind="shape")
-
     def _write(self, shards: set[str]) -> None:
         for shard in shards:
             write_tensors({k: v for k, v in self.tensors.items() if shard_of(k) == shard}, self.dir / shard_file(shard))
@@ -108,10 +96,5 @@ def _sources(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, 
     return {k: (v, v._version) for k, v in tensors.items()}
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy no model shares: safetensors refuses shared storage, and a model may change later."""
-    return t.detach().to("cpu", copy=True).contiguous()
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and bool(torch.equal(a.detach().to("cpu"), b))
+def _same(new: torch.Tensor, served: torch.Tensor) -> bool:
+    return bool(torch.equal(new.detach().to("cpu"), served))

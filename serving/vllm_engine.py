@@ -29,7 +29,7 @@ from dvi.decode.results import GenerationResult, StepOutput
 from dvi.registry.base import AdapterRejected
 
 from .vllm_drafter import ServedDrafter
-from .vllm_process import TARGET_FILE, VllmProcess, write_tensors
+from .vllm_process import TARGET_FILE, VllmProcess, owned_tensors, write_tensors
 
 log = logging.getLogger("dvi.vllm")
 
@@ -212,7 +212,7 @@ class VllmEngine:
             for k, v in weights.items():
                 own[k].copy_(v)
         path = self.process.target_dir / TARGET_FILE
-        write_tensors({k: v.detach().contiguous().clone() for k, v in own.items()}, path)
+        write_tensors(owned_tensors(own), path)
         self._rpc("dvi_reload_target", path)
         r = httpx.post(self.process.url + "/reset_prefix_cache", timeout=60.0)
         if r.status_code != 200:

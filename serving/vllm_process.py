@@ -18,6 +18,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,10 @@ def vllm_python(configured: str) -> str:
     return path
 
 
-def model_tensors(model: Any) -> dict[str, torch.Tensor]:
-    """A model's weights in checkpoint format (Hugging Face names), contiguous and unshared, for safetensors."""
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+def owned_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies no model shares (a state dict's tied weights share storage, which safetensors refuses,
+    and a model may change them later)."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -68,7 +70,7 @@ def export_pair(target: Any, drafter: Any, tokenizer: Any, root: Path) -> tuple[
         d.mkdir(parents=True)
         model.config.to_json_file(str(d / "config.json"))
         tokenizer.save_pretrained(str(d))
-    save_file(model_tensors(target), str(tdir / TARGET_FILE))
+    save_file(owned_tensors(target.state_dict()), str(tdir / TARGET_FILE))
     return tdir, ddir
 
 

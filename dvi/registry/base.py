@@ -134,7 +134,8 @@ MAX_REFUSED = 1024
 
 REPLICAS = "replicas"
 """`<registry>/drafter/replicas/<name>/`: the server records of one named replica (`serve.replica`)."""
-REPLICA_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A name that is a directory as it is (a replica's, a traffic group's) and never leaves its parent."""
 
 
 class ServerRecords:
@@ -145,15 +146,8 @@ class ServerRecords:
 
     dir: Path
     replica: str  # "" (the one server, or the trainer reading) or this replica's name
+    records_dir: Path  # where this server's SERVING and REFUSED live (`DrafterRegistry.__init__` makes it)
     _event: Callable[..., None]  # DrafterRegistry's history append
-
-    @property
-    def records_dir(self) -> Path:
-        if not self.replica:
-            return self.dir
-        d = self.dir / REPLICAS / self.replica
-        d.mkdir(parents=True, exist_ok=True)
-        return d
 
     def serving(self) -> ServingState:
         """What this server serves now, its last good version and its pin (`ServingState`)."""

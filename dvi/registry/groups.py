@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from pathlib import Path
 
 from dvi.fsutil import atomic_write_text
+from dvi.registry.base import SAFE_NAME
 from dvi.registry.store import DrafterRegistry
 
 GROUP_FILE = "GROUP"
 
 __all__ = ["group_dir_name", "group_names", "group_registry"]
 
-_SAFE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def group_dir_name(group: str) -> str:
@@ -26,7 +25,7 @@ def group_dir_name(group: str) -> str:
     hash of it (a name never leaves the registry's groups dir)."""
     if not group:
         raise ValueError("the empty group has no adapter: its rows draft with the shared drafter")
-    if _SAFE.fullmatch(group):
+    if SAFE_NAME.fullmatch(group):
         return group
     return "h" + hashlib.sha256(group.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
@@ -45,7 +44,7 @@ def group_names(root: str | os.PathLike) -> list[str]:
     """The groups that have a registry under `root`, sorted."""
     d = Path(root) / "groups"
     try:
-        dirs = [p for p in d.iterdir() if p.is_dir() and _SAFE.fullmatch(p.name)]
+        dirs = [p for p in d.iterdir() if p.is_dir() and SAFE_NAME.fullmatch(p.name)]
     except FileNotFoundError:
         return []
     out = []

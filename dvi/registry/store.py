@@ -38,7 +38,8 @@ from dvi.drafters.learned import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from dvi.fsutil import TMP_PREFIX, append_jsonl, atomic_write_text, fsync_path, fsync_tree
 from dvi.registry.base import (
     REFUSAL_KINDS,
-    REPLICA_RE,
+    REPLICAS,
+    SAFE_NAME,
     AdapterRejected,
     Expected,
     ServerRecords,
@@ -147,12 +148,13 @@ class DrafterRegistry(ServerRecords):
     def __init__(self, root: str | os.PathLike, keep_last: int = 5, replica: str = "") -> None:
         if keep_last < 1:
             raise ValueError("keep_last must be >= 1")
-        if replica and not REPLICA_RE.fullmatch(replica):
+        if replica and not SAFE_NAME.fullmatch(replica):
             raise ValueError(f"replica {replica!r}: 1-64 letters, digits, '_' or '-'")
         self.replica = replica
         self.root = Path(root)
         self.dir = self.root / "drafter"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.records_dir = self.dir / REPLICAS / replica if replica else self.dir
+        self.records_dir.mkdir(parents=True, exist_ok=True)
         self.keep_last = keep_last
 
     # -- reading state ----------------------------------------------------------------------
