@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from dvi.decode.adaptive import batch_bucket, expected_tokens
-from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
 from dvi.decode.kv import left_pad
 from dvi.decode.results import acceptance_rate, mean_accepted_length
+from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -39,8 +39,8 @@ from benchmarks._decode_arms import (
     serve_history,
 )
 from dvi.decode.adaptive import batch_bucket
-from dvi.decode.engine import SpeculativeEngine
 from dvi.decode.results import fmt_rate
+from dvi.engine.speculative import SpeculativeEngine
 
 
 def parse_args(argv):

@@ -7,7 +7,7 @@ and SpecInfer's answer to one missed chain) raises the tokens per step, but its 
 says whether that trade can reach the goal before anyone builds tree attention into the engine. The replay is
 exact for greedy decoding (a draft token is accepted iff it equals the target's next greedy token), so the
 only model in it is the cost table, which is measured here, on the same forwards the engine runs
-(`dvi.decode.calibration_rows.DummyRows`, row-by-row width-invariant verify), min over interleaved reps.
+(`dvi.engine.calibration.DummyRows`, row-by-row width-invariant verify), min over interleaved reps.
 
     python benchmarks/draft_oracle.py --domains code,chat,agentic --prompts 12
 
@@ -37,7 +37,7 @@ WIDTHS = (0, 1, 2, 4, 8, 12, 16, 24, 32)
 
 def verify_costs(engine, widths: tuple[int, ...] = WIDTHS, reps: int = 7, context: int = 128) -> dict[int, float]:
     """Seconds of one batch-1 target forward over k+1 tokens (k = 0: a plain step), min over interleaved reps."""
-    from dvi.decode.calibration_rows import CalibrationSetup, DummyRows
+    from dvi.engine.calibration import CalibrationSetup, DummyRows
 
     setup = CalibrationSetup(engine._target, False, None, engine.device, engine.dtype, engine.vocab_size,
                              engine.max_context, max(widths), max(widths))
@@ -162,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=Path("bench_results/draft_oracle.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dvi.decode.engine import SpeculativeEngine
     from dvi.drafters.factory import make_proposer
     from dvi.drafters.suffix import SuffixCache
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_embedded_pair
 
     t0 = time.perf_counter()

@@ -75,9 +75,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     from benchmarks.drafter_ceiling import find_target
-    from dvi.decode.engine import SpeculativeEngine
     from dvi.drafters.eagle import EagleDrafter
     from dvi.drafters.vocab import load_draft_vocab
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_causal_lm, load_tokenizer
 
     tdir = find_target(args.target)

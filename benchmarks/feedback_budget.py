@@ -45,7 +45,7 @@ def _records(cfg: DviConfig, n: int, max_tokens: int, batch: int) -> list:
     import torch
 
     from dvi.data import prompt_stream
-    from dvi.decode.engine import SpeculativeEngine
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.feedback import FeedbackRecord
     from dvi.models.loading import load_pair_from_config
 

@@ -54,8 +54,8 @@ def perturbed(drafter, scale: float, seed: int):
 def records(pair, tokenizer, n: int, max_new_tokens: int):
     """`n` greedy records per domain from the real pair (batched)."""
     from dvi.data import prompt_stream
-    from dvi.decode.engine import SpeculativeEngine
     from dvi.decode.request import Request, SamplingParams
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.feedback.record import FeedbackRecord
 
     eng = SpeculativeEngine(pair.target, None)

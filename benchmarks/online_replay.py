@@ -2,7 +2,7 @@
 
 Issue 24 §2: for each drafter kind, the served drafter (`serving.loading.load_serving_pair`, exactly what
 `dvi serve` loads) decodes held-out chat instructions greedily through the real engine
-(`dvi.decode.engine.SpeculativeEngine`, feedback top-k as the server logs it; eagle rows carry the target's
+(`dvi.engine.speculative.SpeculativeEngine`, feedback top-k as the server logs it; eagle rows carry the target's
 features); the records are split by `dvi.feedback.shadow.is_heldout` (as every trainer rank and server does), and
 the training part is fed to `trainers.online.OnlineTrainer` (the trainer process's own core: same
 loss, replay, optimizer) a batch at a time. After each of the first 10 steps and at 20, 30, 40 the
@@ -57,7 +57,7 @@ def _config(preset: str, kind: str, run_dir: Path, overrides: list[str]) -> Any:
 def chat_feedback(cfg: Any, n: int, max_new_tokens: int, seed: int, batch: int = 16) -> list:
     """`n` greedy chat feedback records of the served drafter of `cfg` (held-out chat instructions)."""
     from dvi.data import chat_prompt_stream
-    from dvi.decode.engine import SpeculativeEngine
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.feedback import FeedbackRecord
     from serving.loading import load_serving_pair
 

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, goal, print_goals
-from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 
 
 class OpCounter(TorchDispatchMode):

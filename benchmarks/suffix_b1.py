@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from benchmarks._decode_arms import prompt_source
-from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
 from dvi.decode.results import acceptance_rate, mean_accepted_length
+from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 
 SYSTEMS = ("off", "learned", "suffix", "hybrid")
 

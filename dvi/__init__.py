@@ -1,7 +1,7 @@
 """dvi: speculative decoding whose drafter keeps learning from the verifier's feedback."""
 
-from dvi.decode.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
 from dvi.drafters.learned import Drafter, EarlyExitDrafter, SeparateDrafter
+from dvi.engine.speculative import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
 
 __all__ = [
     "Drafter",

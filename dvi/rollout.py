@@ -33,8 +33,8 @@ from dvi.decode.results import DraftCounts, GenerationResult
 from dvi.feedback import FeedbackRecord, FeedbackWriter
 
 if TYPE_CHECKING:
-    from dvi.decode.engine import SpeculativeEngine
     from dvi.drafters.learned import Drafter
+    from dvi.engine.speculative import SpeculativeEngine
 
 __all__ = [
     "Rollout",
@@ -136,7 +136,7 @@ def _validate_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 class RolloutEngine:
-    """Batched speculative rollouts over a `dvi.decode.engine.SpeculativeEngine`.
+    """Batched speculative rollouts over a `dvi.engine.speculative.SpeculativeEngine`.
 
     Owns no decoding: it replicates prompts `n` times, calls `engine.generate`, regroups the
     results and (optionally) writes one feedback record per sequence. Build the engine with

@@ -2,7 +2,7 @@
 
 The switch is three lines on top of an ordinary GRPO script:
 
-    engine = SpeculativeEngine(pair.target, drafter=pair.drafter, adaptive=True)   # dvi.decode.engine
+    engine = SpeculativeEngine(pair.target, drafter=pair.drafter, adaptive=True)   # dvi.engine.speculative
     rollout_func = trl_rollout_func(engine)                                         # dvi.rollout
     trainer = GRPOTrainer(..., rollout_func=rollout_func)
 
@@ -61,7 +61,7 @@ def build(a: argparse.Namespace) -> tuple:
     from trl import GRPOConfig, GRPOTrainer
 
     from dvi.data import render_chat
-    from dvi.decode.engine import SpeculativeEngine
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.embedded import embedded_paths
     from dvi.models.loading import load_embedded_pair
     from dvi.rollout import SamplingOverrides, trl_rollout_func

@@ -34,8 +34,8 @@ from dvi.models.loading import load_state_dict
 from dvi.registry.store import AdapterRejected
 
 from .auth import require_admin
-from .commands import UpdateTarget
-from .completions import _parse
+from .bodies import parse_body
+from .engine_client import UpdateTarget
 from .health import health_info
 from .protocol import ApiError, BodyT, Text
 from .state import ServerState
@@ -77,7 +77,8 @@ def _state(request: Request) -> ServerState:
 
 
 async def _body(request: Request, model: type[BodyT]) -> BodyT:
-    return await _parse(request, model, allow_empty=True)
+    s = _state(request)
+    return await parse_body(request, model, s.cfg.serve.max_body_bytes, s.limits, allow_empty=True)
 
 
 def confine_path(path: str, allowed_dirs: list[Path]) -> Path:

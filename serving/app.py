@@ -76,7 +76,7 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     @app.get("/metrics", dependencies=[Depends(require_metrics_access)])
     async def metrics(request: Request) -> PlainTextResponse:
         s: ServerState = request.app.state.dvi
-        snap = s.scheduler.snapshot  # the engine as its thread last published it (`serving.snapshot`)
+        snap = s.scheduler.snapshot  # the engine as its thread last published it (`serving.engine_client`)
         s.metrics.update_gauges(snap, s.swapper, s.supervisor, s.feedback, s.target_version)
         s.metrics.update_suffix(snap, s.scheduler.suffix_step_seconds.drain(), s.suffix_tailer)
         s.metrics.observe_http_timeouts(getattr(request.app.state, "http_timeouts", {}))

@@ -12,33 +12,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dvi.decode.engine import SamplingParams
+from dvi.engine.speculative import SamplingParams
 from dvi.feedback.heldout import adapter_group, client_key
 
+from .bodies import parse_body, validation_error
 from .chat_prompt import chat_prompt_ids
-from .health import count_refusal
 from .logprobs import chat_logprobs, completion_logprobs, token_logprobs
 from .protocol import (
     ApiError,
-    BodyT,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
-    limits_context,
     new_id,
     now,
     shutting_down,
-    unsupported_field,
 )
 from .scheduler import Delta, Event, Finished, Handle, QueueFull
 from .state import ServerState
@@ -52,67 +47,6 @@ ApiRequest = CompletionRequest | ChatCompletionRequest
 
 
 # -- request handling -----------------------------------------------------------------------------
-# pydantic puts the union member that failed into `loc` ("str", "list[int]",
-# "function-after[_unicode(), str]"); the client's parameter is the field path without them.
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
-
-
-def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
-    errs = exc.errors()
-    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p))]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
-    if first.get("type") == "missing":
-        msg = f"missing required field '{param}'"
-    elif param:
-        msg = f"invalid '{param}': {msg}"
-    return ApiError(400, msg, param=param)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (413) as soon as it passes `limit` bytes: never buffer 10 MB."""
-    declared = request.headers.get("content-length")
-    too_big = ApiError(413, f"request body exceeds this server's limit of {limit} bytes",
-                       code="body_too_large")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _parse(request: Request, model: type[BodyT], allow_empty: bool = False) -> BodyT:
-    """Validate a JSON body against a pydantic model; errors are 400s that name the field.
-
-    The config's limits (prompt characters, stop strings, top_k <= vocabulary, the domain
-    allowlist) reach the model's validators as pydantic context.
-    """
-    state: ServerState = request.app.state.dvi
-    body = await read_body(request, state.cfg.serve.max_body_bytes)
-    try:
-        data = {} if allow_empty and not body.strip() else json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, "request body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    refused = unsupported_field(data)
-    if refused is not None:
-        raise refused
-    try:
-        return model.model_validate(data, context=limits_context(state.limits))
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    except RecursionError:
-        raise ApiError(400, "request body is nested too deeply") from None
-
-
 async def _tokenize(state: ServerState, fn: Any, texts: list[str], param: str, *args: Any) -> list[int]:
     """`fn(tokenizer, *args)` off the event loop, on the worker for the size of `texts` (the prompt's text);
     a prompt that cannot fit the context is refused first, without an encode (`serving.tokenize`)."""
@@ -290,7 +224,7 @@ async def _stream(state: ServerState, request: Request, h: Handle, rid: str, cre
                 yield b"data: [DONE]\n\n"
                 return
             else:
-                count_refusal(state, ev.status, ev.code)
+                state.metrics.observe_refusal(ev.status, ev.code)
                 yield f"data: {json.dumps(ev.body())}\n\n".encode()
                 yield b"data: [DONE]\n\n"
                 return
@@ -310,7 +244,7 @@ async def completions_endpoint(request: Request) -> Response:
     """POST /v1/completions: a string prompt is tokenised here, a token-id prompt is used as is."""
     s: ServerState = request.app.state.dvi
     _refuse_if_draining(s)
-    req = await _parse(request, CompletionRequest)
+    req = await parse_body(request, CompletionRequest, s.cfg.serve.max_body_bytes, s.limits)
     if isinstance(req.prompt, str):
         ids = await _tokenize(s, _encode, [req.prompt], "prompt", req.prompt)
     else:
@@ -322,7 +256,7 @@ async def chat_completions_endpoint(request: Request) -> Response:
     """POST /v1/chat/completions: the messages through the chat template, then as a completion."""
     s: ServerState = request.app.state.dvi
     _refuse_if_draining(s)
-    req = await _parse(request, ChatCompletionRequest)
+    req = await parse_body(request, ChatCompletionRequest, s.cfg.serve.max_body_bytes, s.limits)
     ids = await _tokenize(s, _chat_prompt, [m.text() for m in req.messages], "messages", req.messages)
     return await _complete(s, request, req, ids, chat=True)
 
@@ -330,7 +264,7 @@ async def chat_completions_endpoint(request: Request) -> Response:
 def _refused(request: Request, status: int, code: str | None) -> None:
     s = getattr(request.app.state, "dvi", None)
     if s is not None:
-        count_refusal(s, status, code)
+        s.metrics.observe_refusal(status, code)
 
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -339,7 +273,7 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 
 async def _req_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-    err = _validation_error(exc)
+    err = validation_error(exc)
     _refused(request, err.status, err.code)
     return JSONResponse(err.body(), status_code=err.status)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,11 +25,9 @@ from dvi.fsutil import AppendLog
 from dvi.registry.codec import scoring_module
 from dvi.registry.groups import group_names, group_registry
 
+from .engine_client import EngineClient
 from .swap import DrafterSwapper
 from .swap_policy import SwapEvent, SwapLane, SwapPolicy
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
 __all__ = ["GroupSwappers"]
 
@@ -39,7 +37,7 @@ log = logging.getLogger(__name__)
 class GroupSwappers:
     """The group swappers of one server, found as groups appear in the registry."""
 
-    def __init__(self, cfg: DviConfig, scheduler: Scheduler, base_drafter: Any, policy: SwapPolicy,
+    def __init__(self, cfg: DviConfig, scheduler: EngineClient, base_drafter: Any, policy: SwapPolicy,
                  on_event: Callable[[SwapEvent], None] | None = None, event_log: str | AppendLog | None = None,
                  feedback_dir: str | None = None) -> None:
         self.cfg, self.key = cfg, cfg.trainer.adapter_key

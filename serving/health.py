@@ -1,9 +1,8 @@
-"""What /health reports and how refused requests are counted.
+"""What /health reports.
 
-Its own module because both the app's error handlers and the admin routes read it, and because
-what makes the server "degraded" (engine loop, trainer, feedback writer) is a policy apart from
-answering requests. It only reads a `ServerState`; it never changes one, and of the engine it reads only the
-snapshot its thread last published (`Scheduler.snapshot`, `serving.snapshot`).
+Both the app and the admin routes read it, and what makes the server "degraded" (engine loop, trainer, feedback
+writer) is a policy apart from answering requests. It only reads a `ServerState`; it never changes one, and of the engine it reads only the
+snapshot its thread last published (`Scheduler.snapshot`, `serving.engine_client`).
 """
 
 from __future__ import annotations
@@ -12,21 +11,6 @@ import time
 from typing import Any
 
 from .state import ServerState
-
-REJECTION_REASONS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-                     405: "method_not_allowed", 409: "conflict", 413: "body_too_large", 422: "invalid_request",
-                     429: "queue_full", 503: "unavailable"}
-
-
-def rejection_reason(status: int, code: str | None) -> str:
-    """A bounded label for a refused request: our own error code, else one per HTTP status."""
-    return code or REJECTION_REASONS.get(status, "other")
-
-
-def count_refusal(s: ServerState, status: int, code: str | None) -> None:
-    """Count a request the server refused (a 500 is a failure, not a refusal)."""
-    if status != 500:
-        s.metrics.observe_rejected(rejection_reason(status, code))
 
 
 def degraded_reasons(s: ServerState, trainer: dict[str, Any]) -> list[str]:

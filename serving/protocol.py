@@ -35,7 +35,7 @@ from pydantic import (
 from dvi.decode.request import LOGIT_BIAS_RANGE, PENALTY_RANGE, REPETITION_RANGE
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
-"""A request body model (`_parse` returns the validated instance of the model it is given)."""
+"""A request body model (`serving.bodies.parse_body` returns the validated instance of the model it is given)."""
 
 
 class ApiError(Exception):

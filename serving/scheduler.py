@@ -4,9 +4,9 @@ Requests join the running batch between steps (up to `max_batch_size` rows) and 
 moment they finish, so a short request never waits for a long one. Each step's new tokens are
 handed to the request's asyncio queue at once (streaming), and a finished request resolves at
 once. The engine has one front door: everything that changes it (new drafter, new target weights, other
-replicas' outputs, a cut) is a typed command (`serving.commands`) the engine thread applies between steps
+replicas' outputs, a cut) is a typed command (`serving.engine_client`) the engine thread applies between steps
 (`command`), and everything other threads read of it (/metrics, /health, /admin/status, the swapper) is the
-`EngineSnapshot` the engine thread publishes after every step and command (`snapshot`, `serving.snapshot`). So
+`EngineSnapshot` the engine thread publishes after every step and command (`snapshot`, `serving.engine_client`). So
 the engine, its proposer and its suffix cache are never touched by another thread (`dvi.decode.owner` checks
 it when `$DVI_ENGINE_OWNER_CHECK=1`). A step's events reach the endpoints after its snapshot is published: a
 client holding its answer never reads an older snapshot.
@@ -31,14 +31,23 @@ from typing import Any
 import torch
 
 from dvi.decode import owner
-from dvi.decode.engine import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
+from dvi.engine.speculative import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
 
-from .commands import AddHistory, Command, CutAll, SetAdapter, SetDrafter, UpdateTarget
 from .detok import TextStream
+from .engine_client import (
+    AddHistory,
+    Command,
+    CutAll,
+    EngineSnapshot,
+    SampleOutbox,
+    SetAdapter,
+    SetDrafter,
+    UpdateTarget,
+    take_snapshot,
+)
 from .finished import Ending, Finished, FinishedFeed, final_reason
 from .memory import HeapTrimmer
 from .protocol import ApiError, new_id, shutting_down
-from .snapshot import EngineSnapshot, SampleOutbox, take_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +194,7 @@ class Scheduler:
             self._cv.notify_all()
 
     def command(self, cmd: Command) -> concurrent.futures.Future:
-        """Apply `cmd` (`serving.commands`) on the engine thread between two steps; the future holds its result and
+        """Apply `cmd` (`serving.engine_client`) on the engine thread between two steps; the future holds its result and
         resolves after the snapshot that shows it is published."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:

@@ -18,7 +18,7 @@ import torch
 
 from dvi.config import DviConfig
 from dvi.decode.adaptive import batch_bucket
-from dvi.decode.engine import EngineOptions, SpeculativeEngine
+from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 from dvi.feedback import FeedbackWriter, Retention
 from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
@@ -251,7 +251,7 @@ def build_state(cfg: DviConfig) -> ServerState:
     if swapper is not None:
         scheduler.finished.subscribe(lambda fin: _to_swapper(swapper, fin, state.groups))
     if cfg.serve.engine == "dvi" and engine.proposer.uses_history and cfg.suffix.tail_seconds > 0:  # before the engine thread owns it
-        from .commands import AddHistory
+        from .engine_client import AddHistory
         from .suffix_tail import SuffixTailer
 
         state.suffix_tailer = SuffixTailer(fb.dir, lambda items: scheduler.command(AddHistory(tuple(items))),

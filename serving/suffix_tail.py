@@ -2,7 +2,7 @@
 
 `SuffixTailer` tails the shared `feedback.dir` (a `dvi.feedback.FeedbackReader` with an in-memory cursor: this
 is not the trainer's exactly-once consumption) and hands other writers' records (their shard names carry
-their pid) to the engine thread (an `AddHistory` command, `serving.commands`), which adds them to the suffix
+their pid) to the engine thread (an `AddHistory` command, `serving.engine_client`), which adds them to the suffix
 index between two steps (the index is the engine thread's). Bounded: at most `max_records` records per poll, newest shards first; shards
 present before the server started are skipped except the newest of them (a warm start of the same size).
 """

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -37,13 +37,10 @@ from dvi.fsutil import AppendLog, append_jsonl
 from dvi.registry.codec import check_full_config, load_drafter_version, scoring_module
 from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
-from .commands import SetDrafter
+from .engine_client import EngineClient, SetAdapter, SetDrafter
 from .memory import glibc_trim
 from .swap_policy import SwapEvent, SwapLane, SwapPolicy
 from .watch import Watch
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
 __all__ = ["DrafterSwapper", "SwapEvent", "SwapPolicy", "check_full_config", "load_drafter_version"]
 
@@ -56,7 +53,7 @@ GOOD_HISTORY = 8  # versions that passed their watch, newest last: where success
 class DrafterSwapper:
     """Owns the live drafter version; the registry watcher thread and the admin API use it."""
 
-    def __init__(self, registry: DrafterRegistry, scheduler: Scheduler, base_drafter: torch.nn.Module, policy: SwapPolicy,
+    def __init__(self, registry: DrafterRegistry, scheduler: EngineClient, base_drafter: torch.nn.Module, policy: SwapPolicy,
                  on_event: Callable[[SwapEvent], None] | None = None, event_log: str | AppendLog | None = None,
                  feedback_dir: str | None = None, lane: SwapLane | None = None) -> None:
         self.registry = registry
@@ -291,7 +288,8 @@ class DrafterSwapper:
 
     def _swap(self, model: Any, version: int, kind: str, reason: str) -> None:
         self._freed = True
-        cmd = SetDrafter(model, version) if self.lane is None else self.lane.command(self.registry, version)
+        cmd = (SetDrafter(model, version) if self.lane is None
+               else SetAdapter(self.lane.group, self.lane.factors(self.registry, version), version))
         self.scheduler.command(cmd).result(timeout=120)
         with self._lock:
             prev = self.live_version

@@ -17,8 +17,6 @@ from dvi.feedback.heldout import adapter_group
 from dvi.feedback.verdict import Rule, promotion_rule, watch_rule
 from dvi.registry.store import AdapterRejected, DrafterRegistry
 
-from .commands import SetAdapter
-
 
 @dataclass
 class SwapEvent:
@@ -89,10 +87,6 @@ class SwapLane:
 
     def accepts(self, record: Any) -> bool:
         return adapter_group(self.key, record.domain, getattr(record, "client", "")) == self.group
-
-    def command(self, registry: DrafterRegistry, version: int) -> SetAdapter:
-        """The engine command that serves `version` (0: the base) to this group's rows."""
-        return SetAdapter(self.group, self.factors(registry, version), version)
 
     def factors(self, registry: DrafterRegistry, version: int) -> LoraFactors | None:
         """The version's LoRA as `dvi.drafters.adapters.LoraFactors` (None for version 0, the base)."""

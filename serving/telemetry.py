@@ -23,8 +23,8 @@ from dvi.rundir import RunDir
 if TYPE_CHECKING:
     from dvi.feedback import FeedbackWriter
 
+    from .engine_client import EngineSnapshot
     from .finished import Finished
-    from .snapshot import EngineSnapshot
     from .suffix_tail import SuffixTailer
     from .supervisor import TrainerSupervisor
     from .swap import DrafterSwapper
@@ -36,6 +36,12 @@ DISK_SCAN_S = 10.0  # /metrics re-walks the dirs for dvi_disk_bytes at most this
 # Supervisor states -> dvi.metrics.TRAINER_STATES codes.
 _TRAINER_STATE = {"running": "running", "starting": "starting", "restarting": "backoff", "paused": "paused",
                   "stopped": "stopped", "off": "off", "external": "external"}
+
+
+REJECTION_REASONS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                     405: "method_not_allowed", 409: "conflict", 413: "body_too_large", 422: "invalid_request",
+                     429: "queue_full", 503: "unavailable"}
+"""A refused request's reason label where it has no error code of ours: one per HTTP status."""
 
 
 class ServerMetrics:
@@ -110,6 +116,11 @@ class ServerMetrics:
             self.m.set_versions(drafter_version=version)
         elif kind == "restored":  # a restarted server serves its pin / last good version again
             self.m.set_versions(drafter_version=version)
+
+    def observe_refusal(self, status: int, code: str | None) -> None:
+        """A request the server refused, counted by a bounded reason (a 500 is a failure, not a refusal)."""
+        if status != 500:
+            self.observe_rejected(code or REJECTION_REASONS.get(status, "other"))
 
     def observe_rejected(self, reason: str) -> None:
         with self._lock:

@@ -21,9 +21,9 @@ from test_online import engine_records, online_config
 from test_serving_helpers import ServerThread, tiny_config, wait_for
 from tiny_models import tiny_llama
 
-from dvi.decode.engine import SpeculativeEngine
 from dvi.decode.lean import Attention, LeanModel
 from dvi.drafters.adapters import AdapterBank, LoraFactors, projection_sizes
+from dvi.engine.speculative import SpeculativeEngine
 from dvi.feedback.heldout import adapter_group
 from dvi.models.loading import load_pair
 from dvi.registry.groups import group_names, group_registry

@@ -15,8 +15,8 @@ import torch
 from test_engine import FAMILIES, NEW, PROMPTS, assert_greedy_equal, perturbed, reference, tiny
 from test_sampling import N_SAMPLES, engine_pvalue, tiny_lm
 
-from dvi.decode.engine import SpeculativeEngine
 from dvi.drafters.learned import EarlyExitDrafter
+from dvi.engine.speculative import SpeculativeEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -129,7 +129,7 @@ def test_one_host_sync_per_graphed_step_cuda():
 
     target = tiny("llama", seed=0).to(CUDA)
     eng = SpeculativeEngine(target, None, num_draft_tokens=0, adaptive=False)
-    from dvi.decode.engine import Request, SamplingParams
+    from dvi.engine.speculative import Request, SamplingParams
 
     eng.add_request(Request("r", PROMPTS[0], SamplingParams(max_new_tokens=8)))
     eng.step()  # admission (prefill) and the first step

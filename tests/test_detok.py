@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from dvi.decode.engine import GenerationResult, SamplingParams, StepOutput
+from dvi.engine.speculative import GenerationResult, SamplingParams, StepOutput
 from serving.detok import TextStream
 from serving.logprobs import token_bytes, token_logprobs
 from serving.scheduler import Delta, Finished, Scheduler

@@ -8,8 +8,8 @@ import torch
 from test_engine import NEW, PROMPTS, assert_greedy_equal, reference, tiny
 from test_sampling import N_SAMPLES, engine_pvalue, tiny_lm
 
-from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
 from dvi.drafters.eagle import EagleDrafter, features_from_hidden
+from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 from dvi.feedback import FeedbackRecord
 from dvi.feedback.record import records_to_table
 from dvi.feedback.shadow import hf_logits_fn

@@ -9,8 +9,8 @@ from test_eagle import assert_drafts_are_the_teacher_forced_head, noisy_eagle, r
 from test_eagle_ttt import noisy
 from test_engine import NEW, PROMPTS, assert_greedy_equal, reference, tiny
 
-from dvi.decode.engine import SpeculativeEngine
 from dvi.drafters.eagle import EagleDrafter
+from dvi.engine.speculative import SpeculativeEngine
 
 torch.set_num_threads(1)
 

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
 from dvi.decode.sampling import tie_bound
 from dvi.drafters.learned import EarlyExitDrafter, SeparateDrafter
 from dvi.drafters.vocab import frequent_token_ids
+from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 
 torch.set_num_threads(1)
 

@@ -1,6 +1,6 @@
 """One front door to the engine (issue 39): only the engine thread touches the engine, its proposer and its suffix
-cache; /metrics, /health, /admin/status and the swapper read the snapshot it publishes (`serving.snapshot`), and
-what changes the engine is a typed command (`serving.commands`).
+cache; /metrics, /health, /admin/status and the swapper read the snapshot it publishes (`serving.engine_client`), and
+what changes the engine is a typed command (`serving.engine_client`).
 
 - the ownership check itself (`dvi.decode.owner`): a foreign thread's touch raises and is recorded;
 - a server with the check on, under concurrent load with /metrics, /health and /admin/status scraped all the

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
+from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 
 torch.set_num_threads(1)
 
@@ -87,7 +87,7 @@ def test_max_context_exactly_fits(engine):
 
 def test_invalid_params_name_the_field_and_tiny_temperature_is_greedy(engine):
     """Issue 17 items 1, 6, 16: the error names the parameter; top_k is bounded by the vocabulary."""
-    from dvi.decode.engine import InvalidParam
+    from dvi.engine.speculative import InvalidParam
 
     for params, field in ((SamplingParams(4, top_k=51), "top_k"), (SamplingParams(4, temperature=float("inf")),
                           "temperature"), (SamplingParams(4, temperature=1.0, seed=2**70), "seed"),

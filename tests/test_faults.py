@@ -115,8 +115,8 @@ def test_01_top_k_above_vocabulary_is_a_400_and_bystanders_are_unharmed(srv, cli
 
 
 def test_01_engine_refuses_and_sampling_clamps_top_k(srv) -> None:
-    from dvi.decode.engine import InvalidParam, SamplingParams
     from dvi.decode.sampling import warp_probs
+    from dvi.engine.speculative import InvalidParam, SamplingParams
 
     with pytest.raises(InvalidParam) as exc:
         srv.state.engine._validate_params(SamplingParams(4, temperature=1.0, top_k=10**6), 3)

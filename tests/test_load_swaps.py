@@ -50,7 +50,7 @@ class Tally:
 @pytest.fixture(scope="module")
 def plain(tiny_pair_dir) -> dict[str, str]:
     """Each prompt's greedy text with speculation off (the same engine, one request at a time)."""
-    from dvi.decode.engine import SpeculativeEngine
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", None, tiny_pair_dir / "tokenizer", device="cpu")

@@ -25,7 +25,7 @@ def _live_tensors() -> int:
 def test_engine_keeps_no_tensor_per_prompt_length(tiny_pair_dir):
     """Prompts of ever new lengths (each a new prefill / drafter catch-up width) leave no tensor behind: a mask
     helper once kept a [q, q] identity per width on the drafter's long-lived cache (a 4k prompt: 16 MiB)."""
-    from dvi.decode.engine import SpeculativeEngine
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")

@@ -13,13 +13,13 @@ import torch
 from test_engine import perturbed
 from tiny_models import tiny_llama
 
-import dvi.decode.engine
-from dvi.decode.engine import SpeculativeEngine
+import dvi.engine.speculative
 from dvi.decode.forward import model_forward
 from dvi.decode.kv import prefill
 from dvi.decode.numerics import set_exact_greedy
 from dvi.decode.sampling import first_divergence, tie_bound
 from dvi.decode.target import plain_greedy
+from dvi.engine.speculative import SpeculativeEngine
 
 BF16 = torch.bfloat16
 NEW = 24
@@ -127,7 +127,7 @@ def test_near_tie_check_catches_a_lossy_engine(monkeypatch):
     """The check above can fail: an engine that keeps every draft parts from the target where the gap is
     far beyond bf16 rounding, and `first_divergence` says so (peaked logits: real gaps are wide)."""
     target = bf16_target(layers=2, init=0.5)
-    monkeypatch.setattr(dvi.decode.engine, "greedy_accept",
+    monkeypatch.setattr(dvi.engine.speculative, "greedy_accept",
                         lambda d, logits, lens=None: (torch.full((d.shape[0],), d.shape[1]), logits[:, -1].argmax(-1)))
     divs, n = divergences(target, perturbed(target, scale=0.3), 4, batched=False, ps=prompts(4))
     assert len(divs) == n and not any(d["near_tie"] for d in divs), divs

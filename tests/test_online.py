@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dvi.config import DviConfig, load_config
-from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine, Versions
+from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine, Versions
 from dvi.feedback import FeedbackRecord, FeedbackWriter
 from dvi.registry.store import DrafterRegistry
 from dvi.rundir import CONSUMED_LOG, TARGET_VERSION_FILE, TRAINER_DIR

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_online import engine_records, online_config
 
-from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine, Versions
+from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine, Versions
 from dvi.feedback import FeedbackRecord
 from dvi.registry.store import AdapterRejected, DrafterRegistry
 from trainers.online.loop import TrainerLoop

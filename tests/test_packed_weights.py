@@ -9,9 +9,9 @@ import torch
 from test_engine import assert_greedy_equal, reference
 from tiny_models import tiny_llama
 
-from dvi.decode.engine import EngineOptions, SpeculativeEngine
 from dvi.decode.lean import LeanModel
 from dvi.decode.lean_target import LeanTarget
+from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 from test_engine import perturbed, tiny
 from test_sampling import tiny_lm
 
-from dvi.decode.engine import InvalidParam, Request, SamplingParams, SpeculativeEngine
+from dvi.engine.speculative import InvalidParam, Request, SamplingParams, SpeculativeEngine
 
 torch.set_num_threads(1)
 

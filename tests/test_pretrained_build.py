@@ -25,9 +25,9 @@ from test_pretrained import CHAT_SPECIALS, CHATML, ENDOFTEXT, _fake_wheel, _tiny
 import dvi.models.pretrained
 from dvi import data
 from dvi.config import DviConfig
-from dvi.decode.engine import SpeculativeEngine
 from dvi.drafters.learned import EarlyExitDrafter
 from dvi.drafters.vocab import SubsetHead, describe, find_subset_head, load_draft_vocab
+from dvi.engine.speculative import SpeculativeEngine
 from dvi.models.embedded import (
     PRESETS,
     EmbeddedPaths,

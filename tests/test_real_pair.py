@@ -74,11 +74,11 @@ def test_the_shipped_drafter_speculates_losslessly_on_the_real_pair(dtype):
     is the target's own, up to the dtype's near-ties where the probe says rows round apart; and the drafter is not
     noise (a share of its drafts is accepted)."""
     from dvi import data
-    from dvi.decode.engine import SpeculativeEngine
     from dvi.decode.sampling import first_divergence
     from dvi.decode.target import plain_greedy
     from dvi.drafters.learned import SeparateDrafter
     from dvi.drafters.vocab import apply_draft_vocab, load_draft_vocab
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_causal_lm, load_tokenizer
 
     paths = _pair()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dvi.data import prompt_stream
-from dvi.decode.engine import SpeculativeEngine
+from dvi.engine.speculative import SpeculativeEngine
 from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import SamplingOverrides, policy_state_dict, trl_rollout_func
 from trainers.grpo import completion_logprobs, group_advantages

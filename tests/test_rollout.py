@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dvi.data import prompt_stream
-from dvi.decode.engine import SpeculativeEngine, Versions
+from dvi.engine.speculative import SpeculativeEngine, Versions
 from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import Rollout, RolloutEngine, policy_state_dict, trl_rollout_func
 

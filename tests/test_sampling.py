@@ -12,8 +12,7 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import tiny_llama
 
-import dvi.decode.engine
-from dvi.decode.engine import SpeculativeEngine
+import dvi.engine.speculative
 from dvi.decode.sampling import (
     acceptance_prob,
     greedy_accept,
@@ -23,6 +22,7 @@ from dvi.decode.sampling import (
     sample_from,
     warp_probs,
 )
+from dvi.engine.speculative import SpeculativeEngine
 
 torch.set_num_threads(1)
 
@@ -280,7 +280,7 @@ def _wrong_resample_from_p(draft_ids, draft_probs, target_probs, u_accept, u_sam
 @pytest.mark.parametrize("wrong", [_wrong_always_accept, _wrong_resample_from_p])
 def test_chi_square_catches_wrong_rules(pair, monkeypatch, wrong):
     target, drafter = pair
-    monkeypatch.setattr(dvi.decode.engine, "rejection_accept", wrong)
+    monkeypatch.setattr(dvi.engine.speculative, "rejection_accept", wrong)
     pv, _ = engine_pvalue(target, drafter, N_SAMPLES, 1.0, seed=11)
     assert pv < 1e-4, pv
 
@@ -438,6 +438,6 @@ def _wrong_point_mass_resample_from_p(draft_ids, target_probs, u_accept, u_sampl
 
 
 def test_chi_square_catches_a_point_mass_rule_that_keeps_the_rejected_token(pair, monkeypatch):
-    monkeypatch.setattr(dvi.decode.engine, "point_mass_accept", _wrong_point_mass_resample_from_p)
+    monkeypatch.setattr(dvi.engine.speculative, "point_mass_accept", _wrong_point_mass_resample_from_p)
     pv, _ = engine_pvalue(pair[0], _suffix("suffix"), N_SAMPLES, 1.0, seed=11, filler=[4, 5])
     assert pv < 1e-4, pv

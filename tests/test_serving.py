@@ -41,7 +41,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference(tiny_pair_dir):
     """Greedy output of `engine.generate` on the same pair (fresh engine, batch of one)."""
-    from dvi.decode.engine import SpeculativeEngine
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer",

@@ -75,7 +75,7 @@ def chat_server(tiny_pair_dir, chat_tokenizer_dir, tmp_path_factory):
 
 def test_server_serves_the_templated_prompt(tiny_pair_dir, chat_tokenizer_dir, chat_server) -> None:
     """Prompt tokens and the greedy answer are those of the template-rendered ids."""
-    from dvi.decode.engine import SpeculativeEngine
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", chat_tokenizer_dir, device="cpu")

@@ -14,7 +14,7 @@ PROMPT = "def parse_args(argv):\n    parser = "
 
 
 def greedy_text(pair_dir, n: int) -> str:
-    from dvi.decode.engine import SpeculativeEngine
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_pair
 
     pair = load_pair(pair_dir / "target", None, pair_dir / "tokenizer", device="cpu")

@@ -47,7 +47,7 @@ def test_static_shapes_compute_what_the_eager_forward_does():
 def test_engine_admits_no_more_rows_than_a_fixed_cache_holds():
     """A captured graphs' cache holds max_batch rows: more prompts than that join as rows leave, with the text of
     an engine whose cache grows (the first GPU check sent a 17th row into 16 slots)."""
-    from dvi.decode.engine import SpeculativeEngine
+    from dvi.engine.speculative import SpeculativeEngine
 
     kw = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     target, drafter = tiny_llama(0, **kw), tiny_llama(1, **kw)

@@ -97,7 +97,7 @@ def suffix_server(tiny_pair_dir, tmp_path_factory):
 
 
 def test_suffix_server_learns_from_finished_requests_and_trains_nothing(suffix_server, tiny_pair_dir):
-    from dvi.decode.engine import SpeculativeEngine
+    from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
@@ -221,9 +221,9 @@ def test_a_refused_batch_size_does_no_suffix_lookups():
     import torch
     from tiny_models import tiny_llama
 
-    from dvi.decode.engine import Request, SamplingParams, SpeculativeEngine
     from dvi.drafters.factory import make_proposer
     from dvi.drafters.suffix import SuffixCache
+    from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 
     target = tiny_llama(seed=0, vocab_size=64)
     cache = SuffixCache()

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import dvi.decode.target
-from dvi.decode.engine import EngineOptions, Request, SamplingParams, SpeculativeEngine
 from dvi.decode.invariance import Invariance
 from dvi.decode.numerics import set_exact_greedy
 from dvi.decode.target import plain_greedy
 from dvi.drafters.draft_cache import LeanDraftCache
 from dvi.drafters.factory import make_proposer, proposer_for_drafter
+from dvi.engine.speculative import EngineOptions, Request, SamplingParams, SpeculativeEngine
 
 torch.set_num_threads(1)
 

@@ -209,7 +209,7 @@ def test_greedy_through_vllm_is_the_targets_own_text_and_every_request_is_logged
 @pytest.mark.slow
 def test_a_pinned_version_reaches_the_running_vllm_and_one_it_cannot_load_is_refused(served):
     from dvi.registry.store import AdapterRejected, DrafterRegistry
-    from serving.commands import SetDrafter
+    from serving.engine_client import SetDrafter
 
     sw = served.state.swapper
     reg = DrafterRegistry(served.cfg.registry.dir)
@@ -274,7 +274,7 @@ def test_vllm_killed_mid_run_is_restarted_and_no_feedback_record_is_lost_or_doub
 
 @pytest.mark.slow
 def test_new_target_weights_reach_the_running_vllm_and_bad_ones_are_refused(served):
-    from serving.commands import UpdateTarget
+    from serving.engine_client import UpdateTarget
 
     engine = served.state.engine
     own = engine.target_state

@@ -181,8 +181,8 @@ class RLRun:
 
     def _build_engine(self) -> None:
         """The speculative engine (no drafter in the plain arm), its costs calibrated up front."""
-        from dvi.decode.engine import SpeculativeEngine
         from dvi.drafters.factory import make_proposer
+        from dvi.engine.speculative import SpeculativeEngine
         from dvi.rollout import RolloutEngine
 
         cfg = self.cfg

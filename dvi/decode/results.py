@@ -10,8 +10,8 @@ records) and RL rollouts (`dvi.rollout.Rollout` is a view of it) all consume thi
 step yet) is None everywhere, never 0.0 (a false "the drafter is useless") or NaN (which poisons sums
 and JSON): a dashboard shows a gap.
 
-Kept apart from `dvi.decode.engine` so the result types can be read, built and imported without the engine's
-machinery; `dvi.decode.engine` re-exports them.
+Kept apart from `dvi.engine.speculative` so the result types can be read, built and imported without the engine's
+machinery; `dvi.engine.speculative` re-exports them.
 """
 
 from __future__ import annotations

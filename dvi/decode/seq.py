@@ -1,7 +1,7 @@
 """The engine's per-row host state between steps: the request, its `GenerationResult`, its own RNG
 (`g_rand` draws its uniforms), its stop set and token budget (its draft state lives in its `dvi.drafters.proposer.Proposer`).
 
-Kept apart from `dvi.decode.engine` (which batches rows and runs the step) so a row's bookkeeping reads on its own.
+Kept apart from `dvi.engine.speculative` (which batches rows and runs the step) so a row's bookkeeping reads on its own.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ multiplies; F_0 = 0), runs one decoder layer of the target's architecture and a 
 f_j; logits are the target's own LM head on that prediction, over the reduced draft vocabulary.
 The embedding and the head are the target's modules (no copy); fc, the layer and the norm are trained.
 
-How the engine drives it (`dvi.decode.engine`): the verify pass returns the target's features of the K + 1
+How the engine drives it (`dvi.engine.speculative`): the verify pass returns the target's features of the K + 1
 positions it scored, so the first draft of the next step feeds every accepted token with its true
 feature; later drafts feed the head its own predicted feature (EAGLE's autoregression on features).
 Drafted entries are always dropped from the head's cache after verification and re-fed with true

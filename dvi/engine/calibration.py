@@ -1,7 +1,7 @@
 """The dummy rows the engine hands to `dvi.decode.adaptive.calibrate` (its `CalibrationRows`): b rows of random
 tokens with their own target and drafter caches, so cost calibration never touches in-flight requests.
 
-Kept apart from `dvi.decode.engine`, whose job is serving real rows; this module only times forwards.
+Kept apart from `dvi.engine.speculative`, whose job is serving real rows; this module only times forwards.
 """
 
 from __future__ import annotations

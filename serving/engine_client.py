@@ -1,28 +1,78 @@
-"""The engine's front door, the read side: what the engine thread publishes for every other thread.
+"""The engine's front door: the only way another thread reaches the engine (`Scheduler`, whichever engine stands
+behind it: dvi's own or a vLLM child).
 
-After every engine step, and after every between-step command (`serving.commands`), the engine thread
-(`serving.scheduler.Scheduler._loop`) builds an `EngineSnapshot` (frozen; its dicts are read-only copies) and
-publishes it by one reference assignment (atomic under the GIL). /metrics, /health, /admin/status and the
-swapper read only that: no thread but the engine's reads the engine, its proposer or its suffix cache
-(`dvi.decode.owner` checks it in debug runs).
-
-Per-step samples (the suffix lookups' host seconds) are not a snapshot's: the engine thread hands each batch over
-once (`SampleOutbox.put`, a fresh list each time, `SpeculativeEngine.take_suffix_step_seconds`) and a scrape drains
-the published batches (`SampleOutbox.drain`): every sample is observed once, none twice, whoever scrapes when.
+- In: requests (`EngineClient.submit` / `cancel`) and typed between-step commands. Each command is a small frozen
+  dataclass; `EngineClient.command(cmd)` queues it and returns a future, and the engine thread
+  (`serving.scheduler.Scheduler._run`) applies it between steps, publishes a fresh snapshot and only then resolves
+  the future, so whoever waited on it reads a snapshot that shows it.
+- Out: after every engine step and every command the engine thread builds an `EngineSnapshot` (frozen; its dicts
+  are read-only copies) and publishes it by one reference assignment (atomic under the GIL). /metrics, /health,
+  /admin/status and the swapper read only that: no thread but the engine's reads the engine, its proposer or its
+  suffix cache (`dvi.decode.owner` checks it in debug runs).
+- Per-step samples (the suffix lookups' host seconds) are not a snapshot's: the engine thread hands each batch over
+  once (`SampleOutbox.put`, a fresh list each time, `SpeculativeEngine.take_suffix_step_seconds`) and a scrape
+  drains the published batches (`SampleOutbox.drain`): every sample is observed once, none twice.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["EngineSnapshot", "SampleOutbox", "take_snapshot"]
+__all__ = ["AddHistory", "Command", "CutAll", "EngineClient", "EngineSnapshot", "SampleOutbox", "SetAdapter",
+           "SetDrafter", "UpdateTarget", "take_snapshot"]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class SetDrafter:
+    """Serve `drafter` as drafter version `version` (`SpeculativeEngine.set_drafter`; the swapper's promotions,
+    rollbacks and pins)."""
+
+    drafter: Any
+    version: int
+
+
+@dataclass(frozen=True)
+class UpdateTarget:
+    """New target weights (a state dict read off the engine thread) as target version `version`
+    (`SpeculativeEngine.update_target_weights`; `POST /admin/target`)."""
+
+    weights: Any
+    version: int
+    complete: bool = True
+
+
+@dataclass(frozen=True)
+class AddHistory:
+    """Outputs other replicas finished, (seq id, tokens) each, for history drafting (`serving.suffix_tail`)."""
+
+    items: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class SetAdapter:
+    """`group`'s rows draft through the LoRA `factors` as its adapter version `version` (None, 0: the shared drafter
+    again; `SpeculativeEngine.set_adapter`; a group swapper's promotions, rollbacks and pins)."""
+
+    group: str
+    factors: Any
+    version: int
+
+
+@dataclass(frozen=True)
+class CutAll:
+    """End every request now (the drain's deadline passed, `serving.drain`); the future holds (running, waiting)."""
+
+
+Command = SetDrafter | SetAdapter | UpdateTarget | AddHistory | CutAll
+
 
 
 @dataclass(frozen=True)
@@ -91,3 +141,17 @@ class SampleOutbox:
                 out.extend(self._batches.popleft())
             except IndexError:
                 return out
+
+
+class EngineClient(Protocol):
+    """What the server's threads may do with the engine; `serving.scheduler.Scheduler` is the one implementation."""
+
+    snapshot: EngineSnapshot  # the engine thread's latest publication
+
+    def submit(self, prompt_ids: list[int], params: Any, domain: str = "default", **kw: Any) -> Any: ...
+
+    def cancel(self, handle: Any) -> None: ...
+
+    def command(self, cmd: Command) -> concurrent.futures.Future: ...
+
+    def busy(self) -> bool: ...

@@ -15,7 +15,7 @@ Invariant between steps, per row: the target cache holds every token except the 
 A row's draft state (a drafter's cache and the tokens it lacks, eagle features, suffix match state) belongs
 to its proposer, which the engine asks for drafts and tells what was accepted; the engine has no branch per
 kind. Elsewhere, by job: results `dvi.decode.results`, rows `dvi.decode.seq`, calibration
-`dvi.decode.calibration_rows`.
+`dvi.engine.calibration`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.decode.calibration_rows import CalibrationSetup, calibrate_bucket
 from dvi.decode.emit import Emitted, append_tokens, count_drafts, emitted
 from dvi.decode.pricing import KPolicy
 from dvi.decode.request import (
@@ -55,6 +54,7 @@ from dvi.drafters.factory import proposer_for_drafter
 from dvi.drafters.learned import Drafter
 from dvi.drafters.proposer import Draft, Proposer
 from dvi.drafters.vocab import fit_vocab
+from dvi.engine.calibration import CalibrationSetup, calibrate_bucket
 from dvi.models.loading import check_target_state_dict, load_state_dict
 
 __all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "EngineOptions",
