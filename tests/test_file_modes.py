@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from registry_doors import publish_files
 from test_feedback import make_record
 from test_serving_helpers import ServerThread, tiny_config, version_manifest, wait_for
 
@@ -39,7 +40,7 @@ def test_server_run_dir_and_feedback_are_private(tiny_pair_dir, tmp_path) -> Non
         from dvi.registry.store import DrafterRegistry
 
         reg = DrafterRegistry(cfg.registry.dir)
-        v = reg.publish({"adapter_model.safetensors": b"\x00garbage" * 8, "adapter_config.json": b"{}"},
+        v = publish_files(reg, {"adapter_model.safetensors": b"\x00garbage" * 8, "adapter_config.json": b"{}"},
                         version_manifest(kind="lora"))
         wait_for(lambda: v in s.state.swapper.refused, 30, what="the garbage version refused")
         wait_for(lambda: RunDir.of(cfg).swap_events_path.exists(), 10, what="swap_events.jsonl")

@@ -218,10 +218,10 @@ def test_real_pair_bf16_speculation_equals_plain_decode(two_threads):
     tok = load_tokenizer(paths.tokenizer)
     chat = data.chat_prompt_stream(tok, "heldout", seed=7, max_tokens=320)
     drafter = EarlyExitDrafter(target, 8, lora_rank=0)
+    eng = SpeculativeEngine(target, drafter, num_draft_tokens=4, adaptive=False)  # its start-up probe runs once
     for _ in range(3):
         p = list(next(chat))
         ref, logits = plain_greedy(target, p, 32)
-        eng = SpeculativeEngine(target, drafter, num_draft_tokens=4, adaptive=False)
         got = eng.generate([p], 32)[0]
         d = first_divergence(ref, list(got.token_ids), logits, BF16)
         assert d is None if eng.greedy_contract["one_request"] == "bitwise" else (d is None or d["near_tie"]), d

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from registry_doors import load_adapter_into
 from test_online import engine_records, online_config
 
 from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine, Versions
@@ -92,7 +93,7 @@ def test_published_drafter_loads_back_and_swap_stays_lossless(pair, prose, tiny_
         pm = PeftModel.from_pretrained(copy.deepcopy(pair.drafter), str(vdir))
         # the registry's own path into a live adapter agrees with peft's loader
         live = copy.deepcopy(pm)
-        reg.load_peft_adapter_into(live, v)
+        load_adapter_into(reg, live, v)
         new = pm.merge_and_unload()
     elif mode == "full":
         from transformers import AutoModelForCausalLM
@@ -137,7 +138,7 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     with pytest.raises(AdapterRejected, match="does not load"):
         reg.open_version(v2)
     with pytest.raises(AdapterRejected):
-        reg.load_peft_adapter_into(live, v2)
+        load_adapter_into(reg, live, v2)
     # NaNs and wrong shapes are refused too
     from safetensors.torch import load_file, save_file
 
@@ -146,10 +147,10 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     k0 = next(iter(sd))
     save_file({**sd, k0: torch.full_like(sd[k0], float("nan"))}, str(weights))
     with pytest.raises(AdapterRejected, match="non-finite"):
-        reg.load_peft_adapter_into(live, v2)
+        load_adapter_into(reg, live, v2)
     save_file({**sd, k0: torch.zeros(3, 3)}, str(weights))
     with pytest.raises(AdapterRejected, match="shape"):
-        reg.load_peft_adapter_into(live, v2)
+        load_adapter_into(reg, live, v2)
     # the live drafter keeps serving, unchanged and lossless
     out = eng.generate(prompts, 16)
     assert [r.token_ids for r in out] == ref and {r.drafter_version for r in out} == {v1}

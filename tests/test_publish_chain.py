@@ -130,7 +130,7 @@ def test_3_watch_runs_to_its_end_and_rollback_returns_to_the_last_good(tiny_pair
         wait_for(lambda: sw.live_version == v3, 30, what="the bad v3 promoted (shadow margin 1.0)")
         _traffic(s.url, 8)
         wait_for(lambda: sw.counts["rolled_back"] == 1, 30, what="the rollback")
-        assert sw.live_version == v2 and reg.latest() == v2 and v3 in reg.refusals()
+        assert sw.live_version == v2 and reg.latest() == v3 and v3 in reg.refusals()  # LATEST: the trainer's
         assert reg.serving() == ServingState(version=v2, good=v2, pinned=None)
 
 

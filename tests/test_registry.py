@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+from registry_doors import load_adapter_into, publish_files
 from tiny_models import tiny_llama
 
 from dvi.registry.store import MANIFEST_FIELDS, AdapterRejected, DrafterRegistry
@@ -47,11 +48,11 @@ def test_publish_files_dict(tmp_path):
 
     p = tmp_path / "w.safetensors"
     save_file(sd(0), str(p))
-    v = reg.publish({"adapter_model.safetensors": p, "adapter_config.json": b"{}"}, {"steps": 1})
+    v = publish_files(reg, {"adapter_model.safetensors": p, "adapter_config.json": b"{}"}, {"steps": 1})
     assert reg.manifest(v).kind == "lora"
     reg.open_version(v, expected=sd(0))
     with pytest.raises(ValueError, match="adapter_config.json"):
-        reg.publish({"adapter_model.safetensors": p}, {})
+        publish_files(reg, {"adapter_model.safetensors": p}, {})
 
 
 @pytest.mark.parametrize(
@@ -100,22 +101,45 @@ def test_shape_dtype_names_nan_rejected(tmp_path):
         reg.open_version(999)
 
 
+def rollback(reg: DrafterRegistry, to_version: int | None = None, reason: str = "") -> int:
+    """An operator's rollback of LATEST, from the trainer's and the server's doors (no server does this: a server
+    refuses the version it leaves and LATEST stays the trainer's): LATEST back to `to_version`, else to the newest
+    older valid version not refused; the version left is refused."""
+    cur = reg.latest()
+    if to_version is None:
+        bad = reg.rolled_back() | ({cur} if cur is not None else set())
+        for v in reversed([v for v in reg.list_versions() if (cur is None or v < cur) and v not in bad]):
+            try:
+                reg.open_version(v)
+            except AdapterRejected:
+                continue
+            to_version = v
+            break
+        if to_version is None:
+            raise AdapterRejected(f"no valid version to roll back to from {cur}")
+    reg.promote(to_version)
+    if cur is not None and cur != to_version:
+        reg.refuse(cur, f"rolled back: {reason}")
+    return to_version
+
+
 def test_rollback_pin_gc(tmp_path):
     reg = DrafterRegistry(tmp_path, keep_last=2)
     for i in range(3):
         reg.publish_full(sd(i), {}, {})
     assert reg.list_versions() == [2, 3]  # v1 collected
     reg.pin(2)
-    assert reg.rollback(reason="alpha fell") == 2 and reg.latest() == 2
+    assert rollback(reg, reason="alpha fell") == 2 and reg.latest() == 2
     assert 3 in reg.rolled_back()
-    ev = [e for e in reg.events() if e["event"] == "rollback"]
-    assert ev[-1]["from"] == 3 and ev[-1]["to"] == 2 and ev[-1]["reason"] == "alpha fell"
+    ev = reg.events()
+    assert ev[-2]["event"] == "promote" and ev[-2]["version"] == 2 and ev[-2]["previous"] == 3
+    assert ev[-1]["event"] == "refuse" and ev[-1]["version"] == 3 and "alpha fell" in ev[-1]["reason"]
     for i in range(4):
         reg.publish_full(sd(i), {}, {})
     # newest 2 kept, plus pinned v2; LATEST is v7
     assert reg.list_versions() == [2, 6, 7]
     # a rollback to a specific version; then LATEST (v6) survives gc even when old
-    reg.rollback(to_version=6)
+    rollback(reg, to_version=6)
     reg.unpin(2)
     reg.publish_full(sd(0), {}, {}, set_latest=False)
     reg.publish_full(sd(0), {}, {}, set_latest=False)
@@ -124,9 +148,9 @@ def test_rollback_pin_gc(tmp_path):
     assert reg.latest() == 9
     # rollback(None) skips rolled-back (v7, gone anyway) and invalid versions
     (reg.version_dir(8) / "model.safetensors").write_bytes(b"junk")
-    assert reg.rollback() == 6
+    assert rollback(reg) == 6
     with pytest.raises(AdapterRejected, match="no valid version"):
-        reg.rollback()
+        rollback(reg)
 
 
 def test_latest_garbage_is_none(tmp_path):
@@ -158,7 +182,7 @@ def test_peft_publish_and_load_into(tmp_path):
     ]
 
     server = _tiny_peft(seed=2)  # same base shapes, different adapter values
-    man = reg.load_peft_adapter_into(server, v)
+    man = load_adapter_into(reg, server, v)
     assert man.version == v and man.kind == "lora"
     a = get_peft_model_state_dict(trained)
     b = get_peft_model_state_dict(server)
@@ -170,13 +194,13 @@ def test_peft_publish_and_load_into(tmp_path):
     # a different LoRA rank is refused against the live adapter's shapes
     v2 = reg.publish_peft_adapter(_tiny_peft(r=8), {})
     with pytest.raises(AdapterRejected, match="shape"):
-        reg.load_peft_adapter_into(server, v2)
+        load_adapter_into(reg, server, v2)
     # the failed load left the live adapter untouched
     b2 = get_peft_model_state_dict(server)
     assert all(torch.equal(b[k], b2[k]) for k in b)
 
     # a new adapter name is created from the version dir
-    reg.load_peft_adapter_into(server, v, adapter_name="fresh")
+    load_adapter_into(reg, server, v, adapter_name="fresh")
     assert "fresh" in server.peft_config
 
 
@@ -213,7 +237,7 @@ def test_peft_publish_named_adapter_round_trips(tmp_path):
                                                       "manifest.json"]
     server = _tiny_peft(seed=2)
     server.add_adapter("drafty", server.peft_config["default"])
-    reg.load_peft_adapter_into(server, v, adapter_name="drafty")
+    load_adapter_into(reg, server, v, adapter_name="drafty")
     want = get_peft_model_state_dict(trained, adapter_name="drafty")
     got = get_peft_model_state_dict(server, adapter_name="drafty")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
@@ -222,11 +246,11 @@ def test_peft_publish_named_adapter_round_trips(tmp_path):
 def test_history_and_refusals_are_bounded(tmp_path, monkeypatch):
     """Issue 27 §5: events.jsonl rotates (one old generation), REFUSED keeps the newest MAX_REFUSED, and a
     rollback reads REFUSED, not the whole history."""
-    import dvi.registry.base as RB
+    import dvi.registry.ledger as RL
     import dvi.registry.store as R
 
     monkeypatch.setattr(R, "EVENTS_MAX_BYTES", 2000)
-    monkeypatch.setattr(RB, "MAX_REFUSED", 5)
+    monkeypatch.setattr(RL, "MAX_REFUSED", 5)
     reg = DrafterRegistry(tmp_path, keep_last=100)
     for i in range(12):
         reg.publish_full(sd(i), {"model_type": "llama"}, {})
@@ -236,12 +260,12 @@ def test_history_and_refusals_are_bounded(tmp_path, monkeypatch):
     assert all(s <= 2000 + 400 for s in sizes)
     assert sorted(reg.refusals()) == [7, 8, 9, 10, 11]
     monkeypatch.setattr(DrafterRegistry, "events", lambda self: pytest.fail("rollback read the whole history"))
-    assert reg.rollback(None, reason="test") == 6  # 7-11 refused; 12 is LATEST
+    assert rollback(reg, None, reason="test") == 6  # 7-11 refused; 12 is LATEST
     assert 12 in reg.refusals()
 
 
 def test_replicas_sharing_a_registry_keep_their_own_server_records(tmp_path):
-    from dvi.registry.base import ServingState
+    from dvi.registry.ledger import ServingState
 
     trainer = DrafterRegistry(tmp_path)
     a, b = DrafterRegistry(tmp_path, replica="a"), DrafterRegistry(tmp_path, replica="b")

@@ -413,11 +413,12 @@ def _suffix(kind: str, drafter=None):
 
 
 @pytest.mark.parametrize("kind", ["suffix", "hybrid"])
-@pytest.mark.parametrize("layout", ["batch1", "ragged"])
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 1.0)])
+@pytest.mark.parametrize("layout,temperature,top_k,top_p", [("batch1", 1.0, 0, 1.0), ("ragged", 1.0, 0, 1.0),
+                                                            ("ragged", 0.8, 4, 1.0)])
 def test_suffix_and_hybrid_sampling_match_target(pair, kind, layout, temperature, top_k, top_p):
     """Suffix drafts are point masses: accepted with probability p(x), a rejection samples p without x. Batch 1
-    (every row alone), and ragged batches with a second prompt (hybrid: rows of both sources in one step)."""
+    (every row alone), and ragged batches with a second prompt (hybrid: rows of both sources in one step); the
+    warped law (temperature, top-k) on the ragged layout, which holds batch 1's rows too."""
     target, drafter = pair
     n = 1200 if layout == "batch1" else N_SAMPLES
     kw = {"batch": 1} if layout == "batch1" else {"filler": [4, 5]}

@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 import torch
+from registry_doors import publish_files
 from test_serving_helpers import (
     TEST_ADMIN_TOKEN,
     ServerThread,
@@ -100,7 +101,7 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
 
             # a corrupted adapter (garbage bytes) is refused, counted, and the live drafter keeps serving
             cfg_json = (reg.version_dir(v1) / "adapter_config.json").read_bytes()
-            v2 = reg.publish({"adapter_model.safetensors": b"\x00garbage" * 64, "adapter_config.json": cfg_json},
+            v2 = publish_files(reg, {"adapter_model.safetensors": b"\x00garbage" * 64, "adapter_config.json": cfg_json},
                              version_manifest(kind="lora"))
             wait_for(lambda: str(v2) in s.health()["drafter"]["refused"], 30, what="v2 refused")
             # a wrongly shaped one (LoRA made for another model) too
@@ -170,7 +171,7 @@ def test_admin_rollback_and_pin(tiny_pair_dir, tmp_path) -> None:
         wait_for(lambda: sw.good == v2, 30, what="v2 kept")
         r = admin.post("/admin/drafter/rollback", json={"reason": "test"})
         assert r.status_code == 200 and r.json()["drafter_version"] == v1
-        assert reg.latest() == v1
+        assert reg.latest() == v2 and v2 in reg.refusals(), "a rollback refuses; LATEST stays the trainer's"
         r = admin.post("/admin/drafter/pin", json={"version": v2})
         assert r.status_code == 200 and s.state.swapper.live_version == v2
         v3 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest())
@@ -269,7 +270,7 @@ def _early_exit_version(live, out_dir, scale: float = 0.0, seed: int = 0):
 
 
 def _publish_dir(reg, path, drafter_kind: str = "early_exit", **manifest) -> int:
-    return reg.publish({f.name: f for f in path.iterdir()}, version_manifest(kind="lora", drafter_kind=drafter_kind,
+    return publish_files(reg, {f.name: f for f in path.iterdir()}, version_manifest(kind="lora", drafter_kind=drafter_kind,
                                                                        **manifest))
 
 

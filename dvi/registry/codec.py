@@ -1,6 +1,6 @@
 """One codec per drafter format: how a version's files are written, read back with validation, and what trained
 weights they hold. The trainer (`trainers.online.trainables`), the registry (`DrafterRegistry.publish_drafter`,
-`publish_peft_adapter`, `publish_full`, `load_peft_adapter_into`), the swapper and the demo replay
+`publish_peft_adapter`, `publish_full`), the swapper and the demo replay
 (`load_drafter_version`, `scoring_module`) all go through these, so a format is written in one place and read in one.
 
 | codec | drafter | files (manifest `kind`) |

@@ -32,7 +32,7 @@ def group_dir_name(group: str) -> str:
 
 def group_registry(root: str | os.PathLike, group: str, keep_last: int = 5, replica: str = "") -> DrafterRegistry:
     """The group's registry (made, with its GROUP file naming the group, on first use); a named replica's server
-    records in it are its own (`ServerRecords`)."""
+    records in it are its own (`dvi.registry.ledger.ServerFacts`)."""
     reg = DrafterRegistry(Path(root) / "groups" / group_dir_name(group), keep_last=keep_last, replica=replica)
     name = reg.root / GROUP_FILE
     if not name.is_file():

@@ -4,12 +4,12 @@ Layout (docs/contracts.md)::
 
     <root>/drafter/v000017/{adapter_model.safetensors | model.safetensors,
                             adapter_config.json | config.json, manifest.json}
-    <root>/drafter/LATEST          "v000017"
-    <root>/drafter/PINNED          JSON list of versions kept from garbage collection
-    <root>/drafter/SERVING         what the server serves, its last good version, its admin pin (ServingState)
-    <root>/drafter/REFUSED         versions the server refused or rolled back from: never promoted again
+    <root>/drafter/LATEST          "v000017"                                  } the version facts, one writer
+    <root>/drafter/PINNED          versions kept from garbage collection        } each (`dvi.registry.ledger`):
+    <root>/drafter/SERVING         what the server serves, last good, its pin   } LATEST the trainer's, the rest
+    <root>/drafter/REFUSED         versions the server refused or rolled back   } the server's
     <root>/drafter/replicas/<name>/{SERVING,REFUSED}   the same, of one replica (`serve.replica`) among several
-    <root>/drafter/events.jsonl    publish / promote / rollback / refuse / pin / gc history (+ events.1.jsonl)
+    <root>/drafter/events.jsonl    publish / promote / refuse / pin / gc history (+ events.1.jsonl)
 
 A version's files are written and read by its format's codec (`dvi.registry.codec`: LoRA, full, shared-target).
 A version dir is built under a temp name, fsynced and renamed, and LATEST is replaced via
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -35,23 +34,22 @@ import torch
 from safetensors.torch import load_file
 
 from dvi.drafters.learned import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from dvi.fsutil import TMP_PREFIX, append_jsonl, atomic_write_text, fsync_path, fsync_tree
+from dvi.fsutil import TMP_PREFIX, append_jsonl, fsync_path, fsync_tree
 from dvi.registry.base import (
     REFUSAL_KINDS,
-    REPLICAS,
     SAFE_NAME,
+    VERSION_RE,
     AdapterRejected,
     Expected,
-    ServerRecords,
-    ServingState,
-    _is_int,
     _is_num,
     _publisher_dead,
     _remove_tree,
     check_state_dict,
+    is_count,
     vname,
 )
 from dvi.registry.codec import FULL_CONFIG, FULL_WEIGHTS, DrafterCodec, LoraCodec, write_full
+from dvi.registry.ledger import REPLICAS, ServerFacts, ServingState, TrainerFacts
 
 __all__ = ["REFUSAL_KINDS", "AdapterRejected", "DrafterRegistry", "Expected", "Manifest", "ServingState",
            "check_state_dict", "vname"]
@@ -64,7 +62,6 @@ MANIFEST = "manifest.json"
 MANIFEST_FIELDS = ("version", "parent_version", "target_version", "kind", "steps", "records_seen", "heldout_alpha",
                    "created_at")
 FILES_BY_KIND = {"lora": (LORA_WEIGHTS, LORA_CONFIG), "full": (FULL_WEIGHTS, FULL_CONFIG)}
-VERSION_RE = re.compile(r"^v(\d{6})$")
 
 EVENTS_MAX_BYTES = 1 << 20
 """events.jsonl is rotated to events.1.jsonl past this size: the history costs at most twice this on disk."""
@@ -102,10 +99,10 @@ class Manifest:
         if raw["kind"] not in FILES_BY_KIND:
             raise AdapterRejected(f"unknown kind {raw['kind']!r}", version, kind="manifest")
         ints = ("target_version", "steps", "records_seen")
-        bad = [f for f in ints if not _is_int(raw[f])] + [f for f in ("parent_version",) if
-                                                         raw[f] is not None and not _is_int(raw[f])]
+        bad = [f for f in ints if not is_count(raw[f])] + [f for f in ("parent_version",) if
+                                                         raw[f] is not None and not is_count(raw[f])]
         bad += [f for f in ("heldout_alpha", "created_at") if raw[f] is not None and not _is_num(raw[f])]
-        if raw.get("draft_vocab_size") is not None and not _is_int(raw["draft_vocab_size"]):
+        if raw.get("draft_vocab_size") is not None and not is_count(raw["draft_vocab_size"]):
             bad.append("draft_vocab_size")
         if bad:
             raise AdapterRejected(f"{MANIFEST} field(s) {bad} have the wrong type", version, kind="manifest")
@@ -142,8 +139,9 @@ class Manifest:
                                   kind="architecture")
 
 
-class DrafterRegistry(ServerRecords):
-    """Publish, validate, load, roll back and garbage-collect drafter versions."""
+class DrafterRegistry(TrainerFacts, ServerFacts):
+    """Publish, validate, load and garbage-collect drafter versions; the version facts are the ledger's
+    (`dvi.registry.ledger`: LATEST the trainer's, SERVING / REFUSED / PINNED a server's)."""
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 5, replica: str = "") -> None:
         if keep_last < 1:
@@ -169,24 +167,6 @@ class DrafterRegistry(ServerRecords):
             if m and p.is_dir():
                 out.append(int(m.group(1)))
         return sorted(out)
-
-    def latest(self) -> int | None:
-        """The version LATEST points at, or None if nothing was published (or LATEST is garbage)."""
-        try:
-            text = (self.dir / "LATEST").read_text().strip()
-        except FileNotFoundError:
-            return None
-        m = VERSION_RE.match(text)
-        if not m:
-            log.warning("drafter registry LATEST holds %r, not a version name; ignoring it", text)
-            return None
-        return int(m.group(1))
-
-    def pinned(self) -> set[int]:
-        try:
-            return set(json.loads((self.dir / "PINNED").read_text()))
-        except FileNotFoundError:
-            return set()
 
     def events(self) -> list[dict[str, Any]]:
         """The registry's history (publish, promote, rollback, refuse, pin, gc), the rotated part first."""
@@ -245,9 +225,6 @@ class DrafterRegistry(ServerRecords):
             pass
         append_jsonl(path, fields)
 
-    def _set_latest(self, version: int) -> None:
-        atomic_write_text(self.dir / "LATEST", vname(version) + "\n")
-
     # -- publishing -------------------------------------------------------------------------
     def _publish(self, write_files: Any, manifest: Mapping[str, Any], kind: str, set_latest: bool) -> int:
         """Build a version dir under a temp name via `write_files(tmpdir)`, then rename it in."""
@@ -295,29 +272,6 @@ class DrafterRegistry(ServerRecords):
             self._set_latest(version)
         self.gc()
         return version
-
-    def publish(
-        self,
-        files: Mapping[str, bytes | str | os.PathLike],
-        manifest: Mapping[str, Any],
-        set_latest: bool = True,
-    ) -> int:
-        """Publish files given as bytes or paths (name -> content); kind comes from the file names."""
-        kind = manifest.get("kind") or ("lora" if LORA_WEIGHTS in files else "full")
-        if kind not in FILES_BY_KIND:
-            raise ValueError(f"manifest kind must be 'lora' or 'full', got {kind!r}")
-        for name in files:
-            if "/" in name or name in (MANIFEST, "") or name.startswith("."):
-                raise ValueError(f"bad file name {name!r}")
-
-        def write(tmp: Path) -> None:
-            for name, content in files.items():
-                if isinstance(content, bytes | bytearray):
-                    (tmp / name).write_bytes(content)
-                else:
-                    shutil.copyfile(content, tmp / name)
-
-        return self._publish(write, manifest, kind, set_latest)
 
     def publish_drafter(self, codec: DrafterCodec, drafter: Any, manifest: Mapping[str, Any] | None = None,
                         set_latest: bool = True) -> int:
@@ -386,77 +340,13 @@ class DrafterRegistry(ServerRecords):
                 raise AdapterRejected(f"tensor {name} has non-finite values", version, kind="nonfinite")
         return sd, man
 
-    def load_peft_adapter_into(
-        self, peft_model: Any, version: int | None = None, adapter_name: str = "default"
-    ) -> Manifest:
-        """Validate `version` against the live adapter's names/shapes and load it in place.
-
-        Float tensors are cast to the live adapter's dtype. Returns the manifest. If the model
-        has no adapter `adapter_name` yet, it is created from the version dir with `load_adapter`.
-        """
-        if version is None:
-            version = self.latest()
-            if version is None:
-                raise AdapterRejected("registry has no LATEST version")
-        if adapter_name not in peft_model.peft_config:
-            _, man = self.open_version(version, drafter_kind="lora", publish_kind="lora")
-            peft_model.load_adapter(str(self.version_dir(version)), adapter_name=adapter_name)
-            return man
-        codec = LoraCodec(adapter_name)
-        live = codec.state(peft_model)
-        sd, man = self.open_version(version, {k: (tuple(v.shape), None) for k, v in live.items()},
-                                    drafter_kind="lora", publish_kind="lora")
-        try:
-            codec.load_state(peft_model, {k: v.to(dtype=live[k].dtype) for k, v in sd.items()})
-        except ValueError as exc:
-            raise AdapterRejected(f"peft did not place every tensor: {exc}", version) from None
-        return man
-
     # -- moving LATEST ----------------------------------------------------------------------
     def promote(self, version: int, expected: Expected | None = None) -> None:
-        """Point LATEST at an existing valid version (e.g. one published with set_latest=False)."""
+        """The trainer's: point LATEST at an existing valid version (e.g. one published with set_latest=False)."""
         self.open_version(version, expected)
         prev = self.latest()
         self._set_latest(version)
         self._event(event="promote", version=version, previous=prev)
-
-    def rollback(self, to_version: int | None = None, reason: str = "") -> int:
-        """Move LATEST back; to the newest older valid, not-rolled-back version if None."""
-        cur = self.latest()
-        if to_version is None:
-            bad = self.rolled_back() | ({cur} if cur is not None else set())
-            candidates = [v for v in self.list_versions() if (cur is None or v < cur) and v not in bad]
-            for v in reversed(candidates):
-                try:
-                    self.open_version(v)
-                except AdapterRejected as e:
-                    log.warning("rollback skips %s: %s", vname(v), e.reason)
-                    continue
-                to_version = v
-                break
-            if to_version is None:
-                raise AdapterRejected(f"no valid version to roll back to from {cur}")
-        else:
-            self.open_version(to_version)
-        self._set_latest(to_version)
-        self._event(event="rollback", **{"from": cur}, to=to_version, reason=reason)
-        if cur is not None and cur != to_version:
-            self.refuse(cur, f"rolled back: {reason}")
-        log.warning(
-            "drafter registry rolled back %s -> %s (%s)", cur, vname(to_version), reason or "no reason"
-        )
-        return to_version
-
-    def pin(self, version: int) -> None:
-        """Protect a version from garbage collection."""
-        if version not in self.list_versions():
-            raise ValueError(f"no version {vname(version)}")
-        atomic_write_text(self.dir / "PINNED", json.dumps(sorted(self.pinned() | {version})))
-        self._event(event="pin", version=version)
-
-    def unpin(self, version: int) -> None:
-        atomic_write_text(self.dir / "PINNED", json.dumps(sorted(self.pinned() - {version})))
-        self._event(event="unpin", version=version)
 
     def gc(self) -> list[int]:
         """Delete versions beyond the newest `keep_last`, never LATEST, pinned or served ones."""

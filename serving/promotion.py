@@ -1,0 +1,183 @@
+"""A drafter version's way to being served, as a pure state machine: no thread, no file, no model.
+
+    candidate ──validated──▶ validated ──judged──▶ judged ──swapped──▶ watched ──▶ kept | rolled_back
+        │                        │                    │
+        └────────────────────────┴──── refused ◀──────┘       (pinned / restored: served, not watched)
+
+`Promotion` decides and remembers; the swapper (`serving.swap.DrafterSwapper`, the watcher thread) does what it is
+told (load and validate a version, score it, send the engine command, write the ledger) and reports back what came
+of it. Every transition is a method here, so the lifecycle is tested without threads (`tests/test_promotion.py`).
+Version 0 is the startup drafter: always good, never refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Literal
+
+from .watch import Watch
+
+__all__ = ["GOOD_HISTORY", "MAX_REFUSED_SHOWN", "Promotion", "Step"]
+
+MAX_REFUSED_SHOWN = 64  # refusals kept in memory for /health (all of them are in the ledger's REFUSED)
+GOOD_HISTORY = 8  # versions that passed their watch, newest last: where successive admin rollbacks go
+
+State = Literal["candidate", "validated", "judged", "watched", "kept", "served", "refused", "rolled_back"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What the swapper does next for LATEST: nothing ("idle"), "validate" it (load and check), leave it waiting
+    ("hold": a watch runs; "wait": too few held-out positions), or "judge" it (the shadow check)."""
+
+    action: Literal["idle", "validate", "hold", "wait", "judge"]
+    version: int | None = None
+
+
+class Promotion:
+    """The swapper's decisions about versions (its lock guards every call)."""
+
+    def __init__(self, rollback_window: int) -> None:
+        self.rollback_window = rollback_window
+        self.live = 0
+        self.good = 0  # the newest version that passed its rollback watch (0: the startup drafter)
+        self.good_history: collections.deque[int] = collections.deque([0], maxlen=GOOD_HISTORY)
+        self.pinned: int | None = None
+        self.watch: Watch | None = None
+        self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()  # newest MAX_REFUSED_SHOWN
+        self.retry: set[int] = set()  # refused for a reason that may pass later (dir not there yet)
+        self.state: collections.OrderedDict[int, State] = collections.OrderedDict({0: "kept"})  # bounded (`_mark`)
+
+    # -- a candidate's way -------------------------------------------------------------------------
+    def next_step(self, latest: int | None, validated: bool, positions: int, min_positions: int,
+                  stopping: bool = False) -> Step:
+        """What to do with `latest` now (`validated`: the swapper holds it loaded and checked)."""
+        if (latest is None or latest == self.live or self.pinned is not None or stopping
+                or (latest in self.refused and latest not in self.retry)):
+            return Step("idle")
+        if latest not in self.state:
+            self._mark(latest, "candidate")
+        if not validated:
+            return Step("validate", latest)
+        if self.watch is not None:
+            return Step("hold", latest)
+        if positions < min_positions:
+            return Step("wait", latest)
+        return Step("judge", latest)
+
+    def validated(self, version: int) -> None:
+        self._mark(version, "validated")
+
+    def judged(self, version: int, passed: bool) -> bool:
+        """The shadow check's verdict; True: promote it (swap it in), False: it was refused (call `refuse`)."""
+        self._mark(version, "judged" if passed else "refused")
+        return passed
+
+    def refuse(self, version: int, reason: str, transient: bool = False) -> bool:
+        """Never promote `version` again (transient: retried at every poll). True the first time it is refused for
+        this reason's kind (a transient refusal repeated is not reported again)."""
+        again = transient and version in self.retry
+        self._remember(version, reason + (" (will retry)" if transient else ""))
+        if transient:
+            self.retry.add(version)
+        else:
+            self.retry.discard(version)
+            self._mark(version, "refused")
+        return not again
+
+    def remember_refusal(self, version: int, reason: str) -> None:
+        """A refusal the ledger already holds (this server refused it before a restart)."""
+        self._remember(version, reason)
+        self._mark(version, "refused")
+
+    def _mark(self, version: int, state: State) -> None:
+        self.state[version] = state
+        self.state.move_to_end(version)
+        while len(self.state) > 4 * MAX_REFUSED_SHOWN:
+            self.state.popitem(last=False)
+
+    def _remember(self, version: int, reason: str) -> None:
+        self.refused[version] = reason
+        self.refused.move_to_end(version)
+        while len(self.refused) > MAX_REFUSED_SHOWN:
+            self.refused.popitem(last=False)
+
+    def swapped(self, version: int, kind: str) -> int:
+        """The engine serves `version` now (`kind`: promoted, rolled_back, pinned, restored); returns the version it
+        served before. A promotion is watched; anything else is served as it is."""
+        prev, self.live = self.live, version
+        if version in self.retry:  # a retried version made it after all
+            self.retry.discard(version)
+            self.refused.pop(version, None)
+        promoted = kind == "promoted"
+        self.watch = Watch(version, self.good, self.rollback_window) if promoted else None
+        if promoted or self.state.get(version) not in ("kept", "refused", "rolled_back"):
+            self._mark(version, "watched" if promoted else "served")
+        return prev
+
+    # -- the rollback watch ------------------------------------------------------------------------
+    def watch_ends(self, pending: int | None, idle_s: float, busy: bool) -> tuple[Watch, str] | None:
+        """The running watch and why it ends early ("" when full), if it ends now."""
+        w = self.watch
+        if w is None:
+            return None
+        early = "" if w.full else w.ends_early(pending, idle_s, busy)
+        return (w, early) if (w.full or early) else None
+
+    def watch_judged(self, w: Watch, failed: bool) -> Literal["kept", "alert", "rollback"]:
+        """A watch's verdict: not worse makes its version the last good one; worse rolls back unless pinned."""
+        self.watch = None
+        if not failed:
+            self.good = w.version
+            self.good_history.append(w.version)
+            self._mark(w.version, "kept")
+            return "kept"
+        return "alert" if self.pinned is not None else "rollback"
+
+    def drop_watch(self) -> None:
+        self.watch = None
+
+    def rollback_plan(self) -> tuple[int, int]:
+        """(bad, target): from the live version back to the last version that passed its watch (from a good version:
+        the one before it). ValueError under a pin, or with nothing to roll back to."""
+        if self.pinned is not None:
+            raise ValueError(f"the drafter is pinned to v{self.pinned}; unpin it before a rollback")
+        bad = self.live
+        if bad == 0:
+            raise ValueError("nothing to roll back to: the startup drafter is served")
+        history = [v for v in self.good_history if v != bad]
+        return bad, (self.good if self.good != bad else (history[-1] if history else 0))
+
+    def rolled_back(self, bad: int, target: int, reason: str) -> None:
+        """`bad` is refused for good and `target` is the last good version (the swap follows)."""
+        self._remember(bad, f"rolled back: {reason}")
+        self._mark(bad, "rolled_back")
+        self.good = target
+        self.good_history = collections.deque([v for v in self.good_history if v != bad], maxlen=GOOD_HISTORY)
+
+    # -- pins and restarts -------------------------------------------------------------------------
+    def pin(self, version: int | None) -> int | None:
+        """Serve exactly `version` until unpinned (None); returns the pin it replaced. A watch of another version
+        ends without a verdict."""
+        old, self.pinned = self.pinned, version
+        if version is not None and self.watch is not None and self.watch.version != version:
+            self.watch = None
+        return old
+
+    def restore(self, refusals: dict[int, str], pinned: int | None, good: int) -> int:
+        """At start, from the ledger: its refusals, then the version to serve: the pin, else the last good version
+        unless it was refused since (then the startup drafter)."""
+        for v, reason in sorted(refusals.items())[-MAX_REFUSED_SHOWN:]:
+            self.remember_refusal(v, reason)
+        want = pinned if pinned is not None else good
+        return 0 if (want in self.refused and pinned is None) else want
+
+    def restored(self, version: int, pinned: int | None) -> None:
+        """What the restore serves (`version`, 0 when the wanted one would not load): the pin holds only if it is
+        what is served."""
+        self.pinned = pinned if (pinned is None or version == pinned) else None
+        self.good = version
+        self.good_history.append(version)
+        if version:
+            self._mark(version, "kept")

@@ -1,0 +1,67 @@
+"""The registry doors only tests use: publishing hand-made files (garbage a trainer never writes) and loading a
+LoRA version into a live peft adapter in place. The production paths are `DrafterRegistry.publish_drafter` (and
+`publish_peft_adapter`, `publish_full`) and `dvi.registry.codec.load_drafter_version`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dvi.registry.codec import LoraCodec
+from dvi.registry.store import (
+    FILES_BY_KIND,
+    LORA_WEIGHTS,
+    MANIFEST,
+    AdapterRejected,
+    DrafterRegistry,
+    Manifest,
+)
+
+
+def publish_files(reg: DrafterRegistry, files: Mapping[str, bytes | str | os.PathLike], manifest: Mapping[str, Any],
+                  set_latest: bool = True) -> int:
+    """Publish files given as bytes or paths (name -> content); kind comes from the file names."""
+    kind = manifest.get("kind") or ("lora" if LORA_WEIGHTS in files else "full")
+    if kind not in FILES_BY_KIND:
+        raise ValueError(f"manifest kind must be 'lora' or 'full', got {kind!r}")
+    for name in files:
+        if "/" in name or name in (MANIFEST, "") or name.startswith("."):
+            raise ValueError(f"bad file name {name!r}")
+
+    def write(tmp: Path) -> None:
+        for name, content in files.items():
+            if isinstance(content, bytes | bytearray):
+                (tmp / name).write_bytes(content)
+            else:
+                shutil.copyfile(content, tmp / name)
+
+    return reg._publish(write, manifest, kind, set_latest)
+
+
+def load_adapter_into(reg: DrafterRegistry, peft_model: Any, version: int | None = None,
+                      adapter_name: str = "default") -> Manifest:
+    """Validate `version` against the live adapter's names/shapes and load it in place.
+
+    Float tensors are cast to the live adapter's dtype. Returns the manifest. If the model
+    has no adapter `adapter_name` yet, it is created from the version dir with `load_adapter`.
+    """
+    if version is None:
+        version = reg.latest()
+        if version is None:
+            raise AdapterRejected("registry has no LATEST version")
+    if adapter_name not in peft_model.peft_config:
+        _, man = reg.open_version(version, drafter_kind="lora", publish_kind="lora")
+        peft_model.load_adapter(str(reg.version_dir(version)), adapter_name=adapter_name)
+        return man
+    codec = LoraCodec(adapter_name)
+    live = codec.state(peft_model)
+    sd, man = reg.open_version(version, {k: (tuple(v.shape), None) for k, v in live.items()},
+                               drafter_kind="lora", publish_kind="lora")
+    try:
+        codec.load_state(peft_model, {k: v.to(dtype=live[k].dtype) for k, v in sd.items()})
+    except ValueError as exc:
+        raise AdapterRejected(f"peft did not place every tensor: {exc}", version) from None
+    return man
