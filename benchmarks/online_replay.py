@@ -6,7 +6,7 @@ Issue 24 §2: for each drafter kind, the served drafter (`serving.loading.load_s
 features); the records are split by `dvi.feedback.shadow.is_heldout` (as every trainer rank and server does), and
 the training part is fed to `trainers.online.OnlineTrainer` (the trainer process's own core: same
 loss, replay, optimizer) a batch at a time. After each of the first 10 steps and at 20, 30, 40 the
-held-out shadow α (`OnlineTrainer.shadow`, what a publish check scores) is printed next to the start.
+held-out shadow α (`OnlineTrainer.publisher.shadow`, what a publish check scores) is printed next to the start.
 
 Goal per kind: α after each of steps 1..10 >= start - 0.01, and α at step 40 > start.
 
@@ -101,7 +101,7 @@ def replay(cfg: Any, records: list, steps: int) -> dict[str, Any]:
     held = [r for r in records if is_heldout(r.request_id, cfg.trainer.heldout_fraction)]
     train = [r for r in records if not is_heldout(r.request_id, cfg.trainer.heldout_fraction)]
     tr.heldout.extend(r.compact() for r in held)
-    start = tr.shadow()
+    start = tr.publisher.shadow()
     alphas: dict[int, float | None] = {0: start.alpha}
     n_new = max(1, round(cfg.trainer.batch_size * (1.0 - cfg.trainer.replay_ratio)))
     t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def replay(cfg: Any, records: list, steps: int) -> dict[str, Any]:
         if tr.step == before:
             break
         if tr.step in REPORT_STEPS or tr.step == steps:
-            alphas[tr.step] = tr.shadow().alpha
+            alphas[tr.step] = tr.publisher.shadow().alpha
             print(f"  step {tr.step:3d}: held-out α {alphas[tr.step]:.4f} (start {start.alpha:.4f}, "
                   f"loss {tr.last_losses.get('loss', float('nan')):.4f})", flush=True)
     return {"start": start.alpha, "alphas": alphas, "heldout_records": start.records,

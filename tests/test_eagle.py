@@ -272,10 +272,10 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
     tr = OnlineTrainer(cfg, noisy_eagle(tiny_pair.target, scale=0.3), registry=reg)  # far from the target
     assert tr.trainable.kind == "eagle"
     held = [r for r in recs if is_heldout(r.request_id, 0.25)]
-    before = tr.shadow(held)
+    before = tr.publisher.shadow(held)
     for _ in range(3):
         st = tr.train_on_records(recs)
-    after = tr.shadow(held)
+    after = tr.publisher.shadow(held)
     assert st.losses["feature"] > 0 and after.alpha > before.alpha + 0.3, (before, after)  # measured 0.10 -> 0.88
     v = tr.maybe_publish(force=True).published
     assert reg.manifest(v).drafter_kind == "eagle"

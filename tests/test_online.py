@@ -211,10 +211,10 @@ def test_training_on_feedback_raises_heldout_shadow_alpha(pair, prose, tiny_pair
     tr = OnlineTrainer(cfg, drafter)
     held = [r for r in prose if is_heldout(r.request_id, 0.25)]
     assert len(held) >= 10
-    before = tr.shadow(held)
+    before = tr.publisher.shadow(held)
     for _ in range(4):  # in-process callers may re-feed records (the process never does)
         tr.train_on_records(prose)
-    after = tr.shadow(held)
+    after = tr.publisher.shadow(held)
     assert tr.step >= 24
     assert after.alpha > before.alpha + 0.05, (before, after)
 

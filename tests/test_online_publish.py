@@ -163,7 +163,7 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     tr2 = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
     loop = TrainerLoop(tr2, cfg)
     loop.restore()
-    assert tr2.last_published is None
+    assert tr2.publisher.published is None
 
 
 # -- loading each drafter kind from the config -------------------------------------------------------

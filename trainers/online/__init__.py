@@ -19,7 +19,7 @@ The parts, in the order a record meets them:
 | `screen.py` | `RecordScreen`: which records this drafter can train on; the others quarantined one by one |
 | `trainables.py` | the drafter kinds (LoRA, full, early-exit, eagle) behind `Trainable`; `load_drafter_for_training` |
 | `trainer.py` | `OnlineTrainer`: steps, replay, the held-out set (`dvi.feedback.heldout.HeldOutSet`) |
-| `publishing.py` | the publish gate (`Publishing`, mixed into `OnlineTrainer`): shadow estimates, `maybe_publish` |
+| `publishing.py` | the publish gate (`Publisher`, owned by `OnlineTrainer`, which hands it what it needs): shadow estimates, `maybe_publish`, what it remembers between checks |
 | `decisions.py` | what it decided: `RoundStats` (one round), `PublishDecision` (one publish check) |
 | `publish_retry.py` | `PublishBackoff`: a publish the registry refused is retried later, never fatal |
 | `checkpoint.py` | the trainer's checkpoint (trained tensors, optimizer, counters), written atomically |

@@ -24,8 +24,9 @@ from trainers.online.trainables import Trainable
 log = logging.getLogger("dvi.trainer")
 
 COUNTERS = ("step", "records_seen", "replayed", "heldout_seen", "dropped_stale", "tokens_trained", "records_read",
-            "feedback_tokens", "budget_deferred", "max_target_version", "last_publish_step")
-"""The trainer's integer counters a resume restores (plus `train_seconds` and `last_published`)."""
+            "feedback_tokens", "budget_deferred", "max_target_version")
+"""The trainer's integer counters a resume restores (plus `train_seconds`, and its publisher's `last_published` and
+`last_publish_step`)."""
 
 
 def save_checkpoint(path: Path, trainable: Trainable, optimizer: torch.optim.Optimizer,

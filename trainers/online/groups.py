@@ -105,7 +105,7 @@ class GroupLanes:
     def maybe_publish(self, force: bool = False) -> list[PublishDecision]:
         out = []
         for lane in self.lanes.values():
-            if not force or lane.step > lane.last_publish_step:
+            if not force or lane.step > lane.publisher.last_step:
                 d = lane.maybe_publish(force=force)
                 if d is not None:
                     out.append(d)
@@ -127,11 +127,11 @@ class GroupLanes:
             lane = self._open(group)
             if lane.load_checkpoint(checkpoint / "groups" / group_dir_name(group)) is not None:
                 continue
-            served = lane.served_version()
+            served = lane.publisher.served_version()
             if served:
                 try:
                     lane.trainable.load_state(lane.trainable.load_version(lane.registry, served))
-                    lane.last_published, lane.last_published_state = served, lane.trainable.state()
+                    lane.publisher.adopt(served)
                 except (AdapterRejected, ValueError, OSError) as exc:
                     log.warning("trainer: group %s's served v%d does not load (%s); it starts fresh", group,
                                 served, exc)
@@ -157,8 +157,8 @@ class GroupLanes:
 
     def status(self) -> dict[str, Any]:
         return {"adapter_key": self.key, "groups": {g: {
-            "step": lane.step, "records_seen": lane.records_seen, "last_published": lane.last_published,
-            "heldout_alpha": lane.last_heldout_alpha, "heldout_positions": lane.heldout.positions()}
+            "step": lane.step, "records_seen": lane.records_seen, "last_published": lane.publisher.published,
+            "heldout_alpha": lane.publisher.heldout_alpha, "heldout_positions": lane.heldout.positions()}
             for g, lane in sorted(self.lanes.items())},
             "waiting": {g: len(w) for g, w in self.waiting.items()}, "untrained_records": dict(self.untrained)}
 

@@ -47,7 +47,6 @@ from dvi.config import DviConfig
 from dvi.feedback import FeedbackReader
 from dvi.registry.store import AdapterRejected
 from dvi.rundir import RunDir
-from trainers.online.checkpoint import COUNTERS
 from trainers.online.decisions import RoundStats
 from trainers.online.groups import GroupLanes
 from trainers.online.screen import RecordScreen
@@ -95,17 +94,17 @@ class TrainerLoop:
             self.trained = set(state.get("trained_uncommitted", []))
             self.seq = int(state.get("seq", 0))
             self.screen.quarantined = int(state.get("quarantined_records", 0))
-            t.publish_backoff.failures = int(state.get("publish_failures", 0))
+            t.publisher.backoff.failures = int(state.get("publish_failures", 0))
             self.screen.refused.update({(s, r): why for s, r, why in state.get("refused", [])})
             logged = self._last_logged_seq()
             for entry in state.get("rounds", []):
                 if t.is_main and int(entry["seq"]) > logged:
                     self._append_consumed(entry)  # killed between the checkpoint and its log append
             log.info("trainer: resumed from checkpoint at step %d (%d records trained)", t.step, t.records_seen)
-        elif t.registry is not None and (served := t.served_version()) != 0:
+        elif t.registry is not None and (served := t.publisher.served_version()) != 0:
             try:
                 t.trainable.load_state(t.trainable.load_version(t.registry, served))
-                t.last_published, t.last_published_state = served, t.trainable.state()
+                t.publisher.adopt(served)
                 log.info("trainer: no checkpoint; starting from the served v%d", served)
             except (AdapterRejected, ValueError, OSError) as exc:
                 log.warning("trainer: the served v%d does not load into this drafter (%s); starting from the base",
@@ -156,12 +155,7 @@ class TrainerLoop:
         t = self.trainer
         t.optimizer.zero_grad(set_to_none=True)  # the failed backward may have left partial gradients
         t.optimizer.state.clear()
-        t.trainable.load_state(t.base_state)
-        for k in COUNTERS:
-            setattr(t, k, 0)
-        t.train_seconds, t.last_published, t.last_published_state = 0.0, None, None
-        t.heldout.clear()
-        t.replay.clear()
+        t.reset_progress()
         if self.lanes is not None:
             self.lanes.reset()
         self.trained, self.unflushed, self.seq, self.screen.quarantined = set(), [], 0, 0
@@ -226,7 +220,7 @@ class TrainerLoop:
         if t.is_main:
             t.save_checkpoint(self.rundir.checkpoint_dir, {
                 "seq": self.seq, "trained_uncommitted": sorted(self.trained), "rounds": self.unflushed,
-                "quarantined_records": self.screen.quarantined, "publish_failures": t.publish_backoff.failures,
+                "quarantined_records": self.screen.quarantined, "publish_failures": t.publisher.backoff.failures,
                 "refused": [[s, r, why] for (s, r), why in sorted(self.screen.refused.items())]},
                 write_more=self.lanes.save if self.lanes is not None else None)  # one rename: exactly once
             for entry in self.unflushed:
@@ -282,7 +276,7 @@ class TrainerLoop:
                                               M.TRAINER_LOST_SHARDS: self.reader.state.lost,
                                               M.TRAINER_SKIPPED_SHARDS: self.reader.state.skipped,
                                               M.TRAINER_QUARANTINED_RECORDS: self.screen.quarantined,
-                                              M.TRAINER_PUBLISH_FAILURES: self.trainer.publish_backoff.failures,
+                                              M.TRAINER_PUBLISH_FAILURES: self.trainer.publisher.backoff.failures,
                                               **self.trainer.status(),
                                               "adapters": self.lanes.status() if self.lanes is not None else None})
         except OSError:
@@ -313,7 +307,7 @@ class TrainerLoop:
                 self.flush()
                 if self.lanes is not None:  # each lane's publish, retried when due
                     self.lanes.maybe_publish()
-                elif t.publish_backoff.pending:  # a publish the registry refused: retried when due, idle or not
+                elif t.publisher.backoff.pending:  # a publish the registry refused: retried when due, idle or not
                     t.maybe_publish()
                 if t.tc.idle_replay_steps and t.replay and t.budget_left():  # replay only within the budget
                     t.train_on_replay(t.tc.idle_replay_steps)
@@ -331,7 +325,7 @@ class TrainerLoop:
         # SIGTERM lands between rounds (the handler only sets a flag): checkpoint and commit what was
         # trained, then publish what was trained since the last publish.
         self.flush()
-        if self.lanes is not None or t.step > t.last_publish_step:
+        if self.lanes is not None or t.step > t.publisher.last_step:
             try:
                 self._publish(force=True)
             except Exception:  # noqa: BLE001 - exit cleanly; the checkpoint has the weights

@@ -1,11 +1,13 @@
-"""The publish gate of the online trainer (`Publishing`, mixed into `OnlineTrainer`): every
+"""The publish gate of the online trainer (`Publisher`, an object the `OnlineTrainer` owns and hands what it needs): every
 `trainer.publish_every_steps` steps the current weights are compared with the version the server SERVES now (the
 registry's SERVING; 0 = the bootstrap drafter) on the held-out set, by THE comparison the server also promotes and
 rolls back with (`dvi.feedback.verdict.compare`, rule `gates(cfg).publish`: better by `trainer.publish_margin` on at
 least `trainer.shadow_min_positions` positions, and no group with enough records worse by more than
 `trainer.gate_group_margin`); only a candidate that passes is published. Every decision is logged with its reason.
 
-Its own module so the trainer's core reads as training.
+What the gate remembers between checks (the last check's step, the last version published and its weights, its
+held-out α, the decisions, the retry backoff) is the publisher's own; the trainer's loop and checkpoint reach it only
+through its methods.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from dvi import metrics as M
 from dvi.decode.results import fmt_rate
+from dvi.feedback.heldout import HeldOutSet
 from dvi.feedback.record import FeedbackRecord
 from dvi.feedback.shadow import (
     SHADOW_MAX_POSITIONS,
@@ -28,15 +32,43 @@ from dvi.feedback.shadow import (
     record_scores,
     shadow_alpha,
 )
-from dvi.feedback.verdict import Scorer, compare
-from dvi.registry.store import AdapterRejected
+from dvi.feedback.verdict import Rule, Scorer, compare
+from dvi.registry.store import AdapterRejected, DrafterRegistry
 from trainers.online.decisions import PublishDecision
+from trainers.online.publish_retry import PublishBackoff
 
 log = logging.getLogger("dvi.trainer")
 
 
-class Publishing:
-    """Shadow estimates and the publish gate over an `OnlineTrainer`'s trainable, held-out set and registry."""
+class Publisher:
+    """Shadow estimates and the publish gate over a trainer's trainable, held-out set and registry.
+
+    `accelerator`: the trainer's (its device, and `unwrap_model` for the plain module to score); `publish_every`:
+    steps between checks; `log_row(values, drafter_version=)`: the trainer's metrics row."""
+
+    def __init__(self, trainable: Any, module: nn.Module, accelerator: Any, heldout: HeldOutSet,
+                 registry: DrafterRegistry | None, gate: Rule, publish_every: int, log_row: Callable[..., None]) -> None:
+        self.trainable, self.module, self.unwrap = trainable, module, accelerator.unwrap_model
+        self.device = accelerator.device
+        self.heldout, self.registry, self.gate = heldout, registry, gate
+        self.publish_every, self.log_row = publish_every, log_row
+        self.base_state = trainable.state()  # version 0: the drafter as loaded (no updates)
+        self.last_step = 0  # the step of the last check
+        self.published: int | None = None  # the version the current weights descend from, when it was published
+        self.published_state: dict[str, torch.Tensor] | None = None  # its weights (the gate's incumbent when served)
+        self.heldout_alpha: float | None = None  # the last check's held-out α of the current weights
+        self.decisions: list[PublishDecision] = []
+        self.backoff = PublishBackoff()  # a registry that cannot take a version: retried, never fatal
+
+    def adopt(self, version: int | None) -> None:
+        """The current weights are `version`'s (a resume from a checkpoint, or the served version at start; None:
+        none published)."""
+        self.published = version
+        self.published_state = self.trainable.state() if version is not None else None
+
+    def reset(self) -> None:
+        """As a fresh process has it (a rewind)."""
+        self.last_step, self.published, self.published_state = 0, None, None
 
     @contextlib.contextmanager
     def _weights(self, state: Mapping[str, torch.Tensor] | None) -> Iterator[nn.Module]:
@@ -49,7 +81,7 @@ class Publishing:
         was = self.module.training
         self.module.eval()
         try:
-            yield self.accelerator.unwrap_model(self.module)
+            yield self.unwrap(self.module)
         finally:
             if saved is not None:
                 self.trainable.load_state(saved)
@@ -73,8 +105,8 @@ class Publishing:
         """Weights of the version the server serves now (0: the bootstrap drafter), or (None, why not)."""
         if served == 0:
             return self.base_state, ""
-        if served == self.last_published and self.last_published_state is not None:
-            return self.last_published_state, ""
+        if served == self.published and self.published_state is not None:
+            return self.published_state, ""
         try:
             return self.trainable.load_version(self.registry, served), ""
         except (AdapterRejected, OSError, ValueError) as exc:
@@ -87,42 +119,44 @@ class Publishing:
             return 0
         return max(s.version for s in self.registry.served_everywhere().values())
 
-    def maybe_publish(self, force: bool = False) -> PublishDecision | None:
-        """Every `publish_every_steps` steps: compare with the SERVED version on the held-out set; publish only a
+    def maybe_publish(self, step: int, manifest: Callable[[], dict[str, Any]], is_main: bool = True,
+                      force: bool = False) -> PublishDecision | None:
+        """Every `publish_every` steps: compare with the SERVED version on the held-out set; publish only a
         candidate that is better by `publish_margin` on at least `shadow_min_positions` positions and worse by no
-        more than `gate_group_margin` in any group with enough records (`_publish_check`).
+        more than `gate_group_margin` in any group with enough records (`_publish_check`). `manifest()`: the
+        trainer's facts for a published version's manifest (asked only when one is published).
 
         Returns the decision (published version, or why not: logged), or None when not due. Only the main
         process publishes; other ranks return None.
         """
-        if not force and self.step - self.last_publish_step < self.tc.publish_every_steps:
+        if not force and step - self.last_step < self.publish_every:
             return None
-        if self.step == self.last_publish_step and not force or self.publish_backoff.waiting() and not force:
+        if step == self.last_step and not force or self.backoff.waiting() and not force:
             return None
-        due_since, self.last_publish_step = self.last_publish_step, self.step
-        if not self.is_main:
+        due_since, self.last_step = self.last_step, step
+        if not is_main:
             return None
         served = self.served_version()
-        decision = PublishDecision(step=self.step, parent_version=served, time=time.time())
+        decision = PublishDecision(step=step, parent_version=served, time=time.time())
         ok = self._publish_check(served, decision)
         if self.registry is None or not ok:
-            log.info("trainer: not publishing at step %d: %s", self.step, decision.reason)
+            log.info("trainer: not publishing at step %d: %s", step, decision.reason)
         else:
             try:
-                decision.published = self._publish(served, decision)
+                decision.published = self._publish(served, decision, manifest())
             except OSError as exc:  # disk full, read-only: keep training, retry the same candidate later
-                decision.reason = self.publish_backoff.failed(exc, self.step)
-                self.last_publish_step = due_since  # still due
+                decision.reason = self.backoff.failed(exc, step)
+                self.last_step = due_since  # still due
             else:
-                self.publish_backoff.succeeded()
-                log.info("trainer: published v%d at step %d: %s", decision.published, self.step, decision.reason)
+                self.backoff.succeeded()
+                log.info("trainer: published v%d at step %d: %s", decision.published, step, decision.reason)
         if decision.heldout_alpha is not None:
-            self.last_heldout_alpha = decision.heldout_alpha
-        self.publish_log.append(decision)
-        self._log({M.TRAINER_HELDOUT_ALPHA: decision.heldout_alpha,
-                   "parent_heldout_alpha": decision.parent_heldout_alpha,
-                   "published": decision.published is not None, M.TRAINER_STEP: self.step},
-                  drafter_version=decision.published)
+            self.heldout_alpha = decision.heldout_alpha
+        self.decisions.append(decision)
+        self.log_row({M.TRAINER_HELDOUT_ALPHA: decision.heldout_alpha,
+                      "parent_heldout_alpha": decision.parent_heldout_alpha,
+                      "published": decision.published is not None, M.TRAINER_STEP: step},
+                     drafter_version=decision.published)
         return decision
 
     def _publish_check(self, served: int, decision: PublishDecision) -> bool:
@@ -145,23 +179,16 @@ class Publishing:
                            + ("" if verdict.passed else f"; {verdict.reason}, not published"))
         return verdict.passed
 
-    def _publish(self, parent: int | None, decision: PublishDecision) -> int:
+    def _publish(self, parent: int | None, decision: PublishDecision, facts: Mapping[str, Any]) -> int:
         """Write the current weights to the registry as a child of `parent`; returns the new version."""
         manifest = {
             "parent_version": parent,
-            "target_version": self.current_target_version(),
-            "steps": self.step,
-            "records_seen": self.records_seen,
+            **facts,  # target_version, steps, records_seen, drafter_kind, trainer_mode, draft_vocab_size
             "heldout_alpha": decision.heldout_alpha,
             "parent_heldout_alpha": decision.parent_heldout_alpha,
             "heldout_records": decision.heldout_records,
             "created_at": time.time(),
-            "drafter_kind": self.trainable.kind,
-            "trainer_mode": self.tc.mode,
-            "draft_vocab_size": self.draft_vocab_size,
         }
         version = self.trainable.publish(self.registry, manifest)
-        self.last_published = version
-        self.last_published_state = self.trainable.state()
+        self.adopt(version)
         return version
-

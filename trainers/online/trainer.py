@@ -8,7 +8,8 @@ from the feedback log, and the drift benchmark and `trainers.rl` drive it direct
 down-weighted), takes `trainers.losses.dvi_loss` steps (pure top-k KL first, the accept/reject
 reward ramped in; `warmup_steps` ramps the LR up, `anchor_weight` adds an L2 trust region towards the
 weights it started from), and holds back `heldout_fraction` of the records (by a hash of the request id) in
-its `dvi.feedback.heldout.HeldOutSet`, never trained on. `maybe_publish()` (`publishing.py`) is the publish gate.
+its `dvi.feedback.heldout.HeldOutSet`, never trained on. `maybe_publish()` asks its `publisher` (`publishing.py`,
+the publish gate) with the facts a version's manifest needs.
 Checkpoints (weights, optimizer, counters) are the loop's resume point.
 
 Compute budget: with `trainer.feedback_tokens_per_step = N > 0` the trainer takes at most one step
@@ -45,8 +46,7 @@ from trainers.online.accel import make_accelerator
 from trainers.online.checkpoint import COUNTERS, load_checkpoint, save_checkpoint
 from trainers.online.collate import build_batch
 from trainers.online.decisions import PublishDecision, RoundStats
-from trainers.online.publish_retry import PublishBackoff
-from trainers.online.publishing import Publishing
+from trainers.online.publishing import Publisher
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def _mean(losses: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {k: sum(x[k] for x in losses) / len(losses) for k in losses[0]}
 
 
-class OnlineTrainer(Publishing):
+class OnlineTrainer:
     """Trains a drafter on feedback records with the DVI objective; publishes shadow-checked versions.
 
     `drafter`: a HF causal LM (wrapped in a LoRA when `cfg.trainer.mode == "lora"`, trained
@@ -92,7 +92,6 @@ class OnlineTrainer(Publishing):
         self.rundir = RunDir(run_dir if run_dir is not None else cfg.run_dir)
         self.pad_id = pad_id
         self.trainable = make_trainable(drafter, self.tc.mode, cfg, adapter)
-        self.base_state = self.trainable.state()  # version 0: the drafter as loaded (no updates)
         params = self.trainable.parameters()
         if not params:
             raise ValueError("the drafter has no trainable parameters")
@@ -107,7 +106,6 @@ class OnlineTrainer(Publishing):
         self.rng = random.Random(self.tc.seed)
         self.replay: collections.deque[FeedbackRecord] = collections.deque(maxlen=max(1, self.tc.replay_buffer_records))
         self.heldout = HeldOutSet(self.tc.shadow_records, self.tc.heldout_fraction)  # never trained on
-        self.gate = gates(cfg).publish
         self.step = 0
         self.records_seen = 0  # records trained on as new
         self.replayed = 0
@@ -119,13 +117,9 @@ class OnlineTrainer(Publishing):
         self.feedback_tokens = 0  # their generated tokens (the budget's unit)
         self.budget_deferred = 0  # records read whose step the budget withheld (kept for replay)
         self.max_target_version = 0
-        self.last_publish_step = 0
-        self.last_published: int | None = None
-        self.last_published_state: dict[str, torch.Tensor] | None = None
-        self.last_heldout_alpha: float | None = None
         self.last_losses: dict[str, float] = {}
-        self.publish_log: list[PublishDecision] = []
-        self.publish_backoff = PublishBackoff()  # a registry that cannot take a version: retried, never fatal
+        self.publisher = Publisher(self.trainable, self.module, accelerator, self.heldout, registry, gates(cfg).publish,
+                                   self.tc.publish_every_steps, self._log)
 
     # -- construction from a config ------------------------------------------------------------
     @classmethod
@@ -149,6 +143,16 @@ class OnlineTrainer(Publishing):
     @property
     def is_main(self) -> bool:
         return bool(self.accelerator.is_main_process)
+
+    # -- publishing: trainers.online.publishing ----------------------------------------------------
+    def maybe_publish(self, force: bool = False) -> PublishDecision | None:
+        """The publish gate every `publish_every_steps` steps (`Publisher.maybe_publish`); None when not due."""
+        return self.publisher.maybe_publish(self.step, self._manifest_facts, self.is_main, force)
+
+    def _manifest_facts(self) -> dict[str, Any]:
+        return {"target_version": self.current_target_version(), "steps": self.step, "records_seen": self.records_seen,
+                "drafter_kind": self.trainable.kind, "trainer_mode": self.tc.mode,
+                "draft_vocab_size": self.draft_vocab_size}
 
     # -- target versions -------------------------------------------------------------------------
     def current_target_version(self) -> int:
@@ -350,12 +354,12 @@ class OnlineTrainer(Publishing):
         return {
             M.TRAINER_STEP: self.step,
             M.TRAINER_RECORDS_SEEN: self.records_seen,
-            M.TRAINER_HELDOUT_ALPHA: self.last_heldout_alpha,
+            M.TRAINER_HELDOUT_ALPHA: self.publisher.heldout_alpha,
             M.TRAINER_LOSS: self.last_losses.get("loss"),
             M.TRAINER_KL_LOSS: self.last_losses.get("kl"),
             M.TRAINER_REWARD_LOSS: self.last_losses.get("reward"),
             M.TRAINER_REWARD_WEIGHT: self.last_losses.get("reward_weight"),
-            "last_published": self.last_published,
+            "last_published": self.publisher.published,
             "target_version": self.current_target_version(),
             "replayed": self.replayed,
             "heldout_seen": self.heldout_seen,
@@ -370,11 +374,23 @@ class OnlineTrainer(Publishing):
             "time": time.time(),
         }
 
+    def reset_progress(self) -> None:
+        """Counters, weights and the publisher as a fresh process has them (the loop's rewind; the optimizer's
+        moments are the caller's to clear)."""
+        self.trainable.load_state(self.publisher.base_state)
+        for k in COUNTERS:
+            setattr(self, k, 0)
+        self.train_seconds = 0.0
+        self.publisher.reset()
+        self.heldout.clear()
+        self.replay.clear()
+
     # -- checkpoints (process mode): trainers.online.checkpoint ------------------------------------
     def save_checkpoint(self, path: Path, extra: Mapping[str, Any], write_more: Any = None) -> None:
         counters = {k: getattr(self, k) for k in COUNTERS}
         save_checkpoint(path, self.trainable, self.optimizer, {
-            **counters, "train_seconds": self.train_seconds, "last_published": self.last_published, **dict(extra)},
+            **counters, "train_seconds": self.train_seconds, "last_published": self.publisher.published,
+            "last_publish_step": self.publisher.last_step, **dict(extra)},
             write_more)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any] | None:
@@ -385,8 +401,7 @@ class OnlineTrainer(Publishing):
         for k in COUNTERS:
             setattr(self, k, int(state.get(k, 0) or 0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
-        self.last_published = state.get("last_published")
-        if self.last_published is not None:
-            self.last_published_state = self.trainable.state()
+        self.publisher.last_step = int(state.get("last_publish_step", 0) or 0)
+        self.publisher.adopt(state.get("last_published"))
         return state
 
