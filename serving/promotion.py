@@ -69,10 +69,9 @@ class Promotion:
     def validated(self, version: int) -> None:
         self._mark(version, "validated")
 
-    def judged(self, version: int, passed: bool) -> bool:
-        """The shadow check's verdict; True: promote it (swap it in), False: it was refused (call `refuse`)."""
+    def judged(self, version: int, passed: bool) -> None:
+        """The shadow check's verdict: passed, the swapper swaps it in (`swapped`); else it refuses it (`refuse`)."""
         self._mark(version, "judged" if passed else "refused")
-        return passed
 
     def refuse(self, version: int, reason: str, transient: bool = False) -> bool:
         """Never promote `version` again (transient: retried at every poll). True the first time it is refused for

@@ -245,13 +245,10 @@ class DrafterSwapper:
     def consider(self, version: int) -> bool:
         """Validate, shadow-check (the held-out set, `promotion_rule`) and promote `version`; False if refused or
         waiting."""
-        if self._pending is not None and self._pending[0] == version:
-            model = self._pending[1]
-        elif not self._validate(version):
+        loaded = self._pending is not None and self._pending[0] == version
+        if not loaded and not self._validate(version):
             return False
-        else:
-            model = self._pending[1]
-        self._pending = None
+        model, self._pending = self._pending[1], None
         with self._lock:
             live_version = self.live_version
             live_model = self.models[live_version]
@@ -265,8 +262,8 @@ class DrafterSwapper:
                   f"{fmt_rate(verdict.old_alpha)} on {verdict.records} records ({verdict.positions} positions); "
                   f"{verdict.group_summary()}")
         with self._lock:
-            passed = self.promotion.judged(version, verdict.passed)
-        if not passed:
+            self.promotion.judged(version, verdict.passed)
+        if not verdict.passed:
             self._refuse(version, f"{reason}; {verdict.reason}", kind="shadow")
             return False
         try:
@@ -462,6 +459,7 @@ class DrafterSwapper:
                 "gates": {name: {"outcome": v.outcome, "groups": v.group_summary()} for name, v in self.verdicts.items()},
                 "refused": {str(k): v for k, v in self.refused.items()},
                 "counts": dict(self.counts),
+                "versions": {str(v): s for v, s in list(self.promotion.state.items())[-16:]},  # their lifecycle states
                 "live_alpha": self.live_alpha(self.live_version),
                 "events": [e.as_dict() for e in list(self.events)[-10:]],
             }

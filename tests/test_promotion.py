@@ -14,7 +14,7 @@ def _promote(m: Promotion, v: int) -> None:
     assert m.next_step(v, False, MIN, MIN).action == "validate"
     m.validated(v)
     assert m.next_step(v, True, MIN, MIN).action == "judge"
-    assert m.judged(v, True)
+    m.judged(v, True)
     m.swapped(v, "promoted")
 
 
@@ -32,7 +32,8 @@ def test_a_version_walks_candidate_validated_judged_watched_kept():
     assert m.state[1] == "validated"
     assert m.next_step(1, True, MIN - 1, MIN).action == "wait"  # too few held-out positions
     assert m.next_step(1, True, MIN, MIN).action == "judge"
-    assert m.judged(1, True) and m.state[1] == "judged"
+    m.judged(1, True)
+    assert m.state[1] == "judged"
     assert m.swapped(1, "promoted") == 0
     assert m.live == 1 and m.state[1] == "watched" and m.watch.version == 1 and m.watch.good == 0
     assert m.next_step(1, True, MIN, MIN).action == "idle"  # served already
@@ -63,7 +64,8 @@ def test_a_failed_watch_rolls_back_to_the_last_good_version_and_refuses_for_good
 def test_refusals_shadow_transient_and_durable():
     m = Promotion(rollback_window=4)
     m.next_step(3, False, MIN, MIN)
-    assert not m.judged(3, False) and m.state[3] == "refused"
+    m.judged(3, False)
+    assert m.state[3] == "refused"
     m.refuse(3, "held-out shadow α fell")
     assert m.next_step(3, False, MIN, MIN).action == "idle"
     m.refuse(4, "no such dir yet", transient=True)

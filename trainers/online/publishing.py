@@ -6,7 +6,7 @@ least `trainer.shadow_min_positions` positions, and no group with enough records
 `trainer.gate_group_margin`); only a candidate that passes is published. Every decision is logged with its reason.
 
 What the gate remembers between checks (the last check's step, the last version published and its weights, its
-held-out α, the decisions, the retry backoff) is the publisher's own; the trainer's loop and checkpoint reach it only
+held-out α, the retry backoff) is the publisher's own; the trainer's loop and checkpoint reach it only
 through its methods.
 """
 
@@ -57,7 +57,6 @@ class Publisher:
         self.published: int | None = None  # the version the current weights descend from, when it was published
         self.published_state: dict[str, torch.Tensor] | None = None  # its weights (the gate's incumbent when served)
         self.heldout_alpha: float | None = None  # the last check's held-out α of the current weights
-        self.decisions: list[PublishDecision] = []
         self.backoff = PublishBackoff()  # a registry that cannot take a version: retried, never fatal
 
     def adopt(self, version: int | None) -> None:
@@ -152,7 +151,6 @@ class Publisher:
                 log.info("trainer: published v%d at step %d: %s", decision.published, step, decision.reason)
         if decision.heldout_alpha is not None:
             self.heldout_alpha = decision.heldout_alpha
-        self.decisions.append(decision)
         self.log_row({M.TRAINER_HELDOUT_ALPHA: decision.heldout_alpha,
                       "parent_heldout_alpha": decision.parent_heldout_alpha,
                       "published": decision.published is not None, M.TRAINER_STEP: step},
