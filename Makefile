@@ -39,7 +39,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 lint: setup
-	$(VENV)/bin/ruff check dvi trainers serving tests benchmarks
+	$(VENV)/bin/ruff check dvi trainers serving demo tests benchmarks
 
 demo: setup
 	$(DVI) demo --preset $(PRESET)

@@ -96,7 +96,7 @@ class Server:
         atomic_write_text(self.config_path, yaml.safe_dump(data, sort_keys=False), mode=PRIVATE)
 
     def __enter__(self) -> Server:
-        from serving.demo import ServerProcess
+        from serving.server_process import ServerProcess
 
         self.proc = ServerProcess(["--config", str(self.config_path)], self.run_dir / "server.log", cwd=ROOT)
         self.proc.__enter__()

@@ -40,6 +40,7 @@ from benchmarks._decode_arms import (
 )
 from dvi.decode.adaptive import batch_bucket
 from dvi.decode.results import fmt_rate
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine
 
 
@@ -106,7 +107,8 @@ def main(argv=None) -> int:
 
     caches: list = []   # the suffix caches of `suffix` / `hybrid`
     drafters = build_drafters(pair, kinds, args, caches)
-    engines = {k: SpeculativeEngine(target, d, num_draft_tokens=args.num_draft_tokens, adaptive=True,
+    engines = {k: SpeculativeEngine(target, proposer_for(target, d),
+                                    num_draft_tokens=args.num_draft_tokens, adaptive=True,
                                     max_draft_tokens=args.max_draft_tokens) for k, d in drafters.items()}
     plain = SpeculativeEngine(target, None)
     # Warm up every code path (and the cost model at each batch size) on prompts not measured below.

@@ -1,7 +1,7 @@
 """Drift benchmark on the real `dvi serve` path: α over code -> sql (or chat) -> code traffic, per drafter kind.
 
 For each drafter kind (`separate`, `eagle`) and arm, a real `dvi serve` process (scheduler, swapper
-with its shadow check and rollback, supervisor; `serving.demo.ServerProcess`) gets the same greedy
+with its shadow check and rollback, supervisor; `serving.server_process.ServerProcess`) gets the same greedy
 traffic over loopback HTTP, C clients at a time: held-out code prompts (`/v1/completions`, token
 ids), then held-out requests of the drift domain (`/v1/chat/completions`; `--drift sql`, the default:
 `dvi.data.sql_instructions`, SQLite queries, a domain the build never trained on; `--drift chat`:

@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from benchmarks.drafter_ceiling import find_target
     from dvi.drafters.eagle import EagleDrafter
+    from dvi.drafters.factory import proposer_for
     from dvi.drafters.vocab import load_draft_vocab
     from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_causal_lm, load_tokenizer
@@ -86,8 +87,9 @@ def main(argv=None) -> int:
     ids = load_draft_vocab(Path(args.head), args.draft_vocab, int(target.config.vocab_size))
     head = EagleDrafter.load(target, args.head, vocab_ids=ids)
     arms = {"off": SpeculativeEngine(target, None, num_draft_tokens=0),
-            f"eagle_k{args.k}": SpeculativeEngine(target, head, num_draft_tokens=args.k),
-            "eagle_adaptive": SpeculativeEngine(target, head, num_draft_tokens=args.k, adaptive=True)}
+            f"eagle_k{args.k}": SpeculativeEngine(target, proposer_for(target, head), num_draft_tokens=args.k),
+            "eagle_adaptive": SpeculativeEngine(target, proposer_for(target, head),
+                                                num_draft_tokens=args.k, adaptive=True)}
     results: dict = {}
     for dom, prompts in prompts_of(tok, args.prompts).items():
         runs: dict[str, list] = {a: [] for a in arms}

@@ -45,13 +45,15 @@ def _records(cfg: DviConfig, n: int, max_tokens: int, batch: int) -> list:
     import torch
 
     from dvi.data import prompt_stream
+    from dvi.drafters.factory import proposer_for
     from dvi.engine.speculative import SpeculativeEngine
     from dvi.feedback import FeedbackRecord
     from dvi.models.loading import load_pair_from_config
 
     torch.set_num_threads(1)
     pair = load_pair_from_config(cfg.models)
-    engine = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3, feedback_top_k=cfg.feedback.top_k)
+    engine = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter),
+                               num_draft_tokens=3, feedback_top_k=cfg.feedback.top_k)
     code = prompt_stream("code", pair.tokenizer, seed=cfg.seed)
     prose = prompt_stream("prose", pair.tokenizer, seed=cfg.seed)
     out = []

@@ -100,7 +100,7 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
     from dvi.config import dump_config
     from dvi.models.embedded import embedded_paths
     from dvi.models.loading import load_tokenizer
-    from serving.demo import ServerProcess
+    from serving.server_process import ServerProcess
 
     data = dump_config(cfg)
     data.update(run_dir=str(run_dir))
@@ -126,7 +126,7 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
 def eval_records(runs: dict[str, tuple[Path, dict]]) -> dict[str, list]:
     """Per tenant, the records every arm is judged on: each arm's responses of the run's last third, pooled (the
     same tokens for every arm's drafter)."""
-    from serving.demo_replay import read_records
+    from demo.replay import read_records
 
     out: dict[str, list] = {t: [] for t in TENANTS}
     for run_dir, arm in runs.values():
@@ -139,7 +139,7 @@ def eval_records(runs: dict[str, tuple[Path, dict]]) -> dict[str, list]:
 
 def replay(cfg, run_dir: Path, arm: dict, key: str, recs: dict[str, list]) -> dict[str, dict]:
     """Per tenant: α̂ of what serves it at the end of this arm, and of v0, on the pooled records `recs`."""
-    from serving.demo_replay import _pooled, drafter_scorers
+    from demo.replay import _pooled, drafter_scorers
 
     scorer = drafter_scorers(cfg, run_dir / "registry")
     health = arm["health"]

@@ -57,12 +57,14 @@ def _config(preset: str, kind: str, run_dir: Path, overrides: list[str]) -> Any:
 def chat_feedback(cfg: Any, n: int, max_new_tokens: int, seed: int, batch: int = 16) -> list:
     """`n` greedy chat feedback records of the served drafter of `cfg` (held-out chat instructions)."""
     from dvi.data import chat_prompt_stream
+    from dvi.drafters.factory import proposer_for
     from dvi.engine.speculative import SpeculativeEngine
     from dvi.feedback import FeedbackRecord
     from serving.loading import load_serving_pair
 
     pair = load_serving_pair(cfg)
-    eng = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=cfg.speculation.num_draft_tokens,
+    eng = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter),
+                            num_draft_tokens=cfg.speculation.num_draft_tokens,
                             feedback_top_k=cfg.feedback.top_k)
     prompts = list(itertools.islice(chat_prompt_stream(pair.tokenizer, "heldout", seed=seed, max_tokens=320), n))
     out = []

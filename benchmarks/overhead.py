@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, goal, print_goals
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 
 
@@ -81,7 +82,8 @@ def engine_for(kind: str, target, drafter) -> SpeculativeEngine:
     if kind == "plain":
         return SpeculativeEngine(target, None, num_draft_tokens=0, adaptive=False)
     if kind == "separate":
-        return SpeculativeEngine(target, drafter, num_draft_tokens=4, adaptive=False, max_draft_tokens=4)
+        return SpeculativeEngine(target, proposer_for(target, drafter),
+                                 num_draft_tokens=4, adaptive=False, max_draft_tokens=4)
     from dvi.config import SuffixConfig
 
     prop = make_proposer("suffix", None, target.config.vocab_size, "cpu", settings=SuffixConfig(max_draft_tokens=4))

@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     from dvi.data import prompt_stream
     from dvi.models.embedded import embedded_paths
     from dvi.models.loading import load_tokenizer
-    from serving.demo import ServerProcess
     from serving.loading import ensure_pair
+    from serving.server_process import ServerProcess
 
     ensure_pair(load_config(None, [f"models.preset={args.preset}"]))
     tok = load_tokenizer(embedded_paths(args.preset).tokenizer)

@@ -117,8 +117,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from dvi.config import load_config
     from dvi.models.loading import load_embedded_pair
-    from serving.demo import ServerProcess
     from serving.loading import ensure_pair
+    from serving.server_process import ServerProcess
 
     kinds = [k for k in args.kinds.split(",") if k]
     domains = [d for d in args.domains.split(",") if d]

@@ -20,6 +20,7 @@ import torch
 
 from benchmarks._decode_arms import prompt_source
 from dvi.decode.results import acceptance_rate, mean_accepted_length
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 
 SYSTEMS = ("off", "learned", "suffix", "hybrid")
@@ -47,7 +48,7 @@ def _engines(pair, drafter, k_cap: int, threshold: float, systems: list[str]) ->
     sx = SuffixConfig(max_draft_tokens=k_cap, threshold=threshold)
     out = {"off": SpeculativeEngine(pair.target, None)}
     if "learned" in systems:
-        out["learned"] = SpeculativeEngine(pair.target, drafter, adaptive=True)
+        out["learned"] = SpeculativeEngine(pair.target, proposer_for(pair.target, drafter), adaptive=True)
     for kind in ("suffix", "hybrid"):
         if kind in systems:
             out[kind] = SpeculativeEngine(pair.target, make_proposer(kind, drafter, vocab, "cpu", settings=sx),

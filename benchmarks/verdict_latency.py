@@ -77,7 +77,7 @@ def one_run(args: argparse.Namespace, pair_dir: Path, run_dir: Path, rng: random
     from dvi.config import dump_config, load_config
     from dvi.models.loading import load_causal_lm
     from dvi.registry.store import DrafterRegistry
-    from serving.demo import ServerProcess
+    from serving.server_process import ServerProcess
 
     cfg = load_config(args.config, [
         f"models.target={pair_dir / 'target'}", f"models.drafter={pair_dir / 'drafter'}",

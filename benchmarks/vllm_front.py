@@ -142,7 +142,7 @@ class Promoter(threading.Thread):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dvi.models.loading import load_embedded_pair
-    from serving.demo import ServerProcess
+    from serving.server_process import ServerProcess
 
     work = Path(tempfile.mkdtemp(prefix="dvi-vllm-front-"))
     tok = load_embedded_pair(args.preset, device="cpu", dtype="float32").tokenizer

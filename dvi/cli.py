@@ -110,7 +110,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from serving.demo import run_demo
+    from demo.scenario import run_demo
 
     extra = [f"models.preset={args.preset}"] if args.preset else []
     return run_demo(_config(args, extra), requests_per_phase=args.requests)

@@ -2,7 +2,7 @@
 
 The switch is three lines on top of an ordinary GRPO script:
 
-    engine = SpeculativeEngine(pair.target, drafter=pair.drafter, adaptive=True)   # dvi.engine.speculative
+    engine = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter), adaptive=True)
     rollout_func = trl_rollout_func(engine)                                         # dvi.rollout
     trainer = GRPOTrainer(..., rollout_func=rollout_func)
 
@@ -61,6 +61,7 @@ def build(a: argparse.Namespace) -> tuple:
     from trl import GRPOConfig, GRPOTrainer
 
     from dvi.data import render_chat
+    from dvi.drafters.factory import proposer_for
     from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.embedded import embedded_paths
     from dvi.models.loading import load_embedded_pair
@@ -71,8 +72,9 @@ def build(a: argparse.Namespace) -> tuple:
     pair = load_embedded_pair(a.preset, root=a.root, device="cpu")
     tokenizer = pair.tokenizer
     # dvi's copy of the target + the drafter; adaptive K speculates where it pays (the batch's tail).
-    engine = SpeculativeEngine(pair.target, drafter=pair.drafter, num_draft_tokens=a.num_draft_tokens,
-                               max_draft_tokens=max(4, a.num_draft_tokens), adaptive=True)
+    engine = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter),
+                               num_draft_tokens=a.num_draft_tokens, max_draft_tokens=max(4, a.num_draft_tokens),
+                               adaptive=True)
     rollout_func = trl_rollout_func(engine, sampling=SamplingOverrides(seed=a.seed))  # reproducible rollouts
     # The policy TRL trains: the same weights (float32 for the optimiser) + a LoRA adapter.
     policy = AutoModelForCausalLM.from_pretrained(str(embedded_paths(a.preset, a.root).target), dtype=torch.float32)

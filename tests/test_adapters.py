@@ -23,6 +23,7 @@ from tiny_models import tiny_llama
 
 from dvi.decode.lean import Attention, LeanModel
 from dvi.drafters.adapters import AdapterBank, LoraFactors, projection_sizes
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine
 from dvi.feedback.heldout import adapter_group
 from dvi.models.loading import load_pair
@@ -82,7 +83,8 @@ def test_greedy_with_per_row_adapters_equals_plain_decoding(pair) -> None:
     plain = SpeculativeEngine(pair.target, None).generate(prompts, 20)
     runs = []
     for adapters in (True, False):
-        eng = SpeculativeEngine(pair.target, copy.deepcopy(pair.drafter), num_draft_tokens=3)
+        eng = SpeculativeEngine(pair.target, proposer_for(pair.target, copy.deepcopy(pair.drafter)),
+                                num_draft_tokens=3)
         for g, seed in (("a", 1), ("b", 2)) if adapters else ():
             eng.set_adapter(g, _factors(_adapter(pair.drafter, seed, scale=1.0)[0], pair.drafter), seed)
         for i, p in enumerate(prompts):

@@ -15,6 +15,7 @@ import torch
 from test_engine import FAMILIES, NEW, PROMPTS, assert_greedy_equal, perturbed, reference, tiny
 from test_sampling import N_SAMPLES, engine_pvalue, tiny_lm
 
+from dvi.drafters.factory import proposer_for
 from dvi.drafters.learned import EarlyExitDrafter
 from dvi.engine.speculative import SpeculativeEngine
 
@@ -38,7 +39,8 @@ def _greedy_case(target, drafter, ks=(1, 3, 5), adaptive=False, tie_eps=None) ->
     refs = [reference(target, p, NEW) for p in PROMPTS]
     drafted = accepted = 0
     for k in ks:
-        eng = SpeculativeEngine(target, drafter, num_draft_tokens=k, adaptive=adaptive, max_draft_tokens=max(ks))
+        eng = SpeculativeEngine(target, proposer_for(target, drafter),
+                                num_draft_tokens=k, adaptive=adaptive, max_draft_tokens=max(ks))
         assert eng.device.type == "cuda"
         for p, ref in zip(PROMPTS, refs, strict=True):  # batch 1
             r = eng.generate([p], NEW)[0]

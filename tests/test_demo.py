@@ -1,4 +1,4 @@
-"""The demo's scenario on the test pair: its phases, the replayed reference (`serving.demo_replay`), end to end."""
+"""The demo's scenario on the test pair: its phases, the replayed reference (`demo.replay`), end to end."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from demo import scenario as demo
 from dvi.config import load_config
 from dvi.models.loading import load_tokenizer
-from serving import demo
 
 
 def _cfg(tiny_pair_dir):
@@ -122,10 +122,10 @@ def test_replay_scores_each_window_through_the_frozen_and_the_serving_drafter_on
     exactly (gain 0), and so are its tokens per drafting step; a window served by v1 reads v1's α̂ and length on
     the very tokens v0 is read on; a version that does not load (pruned) leaves its records out of both, never
     mixing drafters."""
+    from demo import replay as demo_replay
     from dvi.feedback.shadow import chain_tokens, hf_logits_fn, record_acceptance, shadow_alpha
     from dvi.registry.codec import load_drafter_version
     from dvi.registry.store import DrafterRegistry
-    from serving import demo_replay
     from serving.loading import load_serving_pair
 
     cfg = _cfg(tiny_pair_dir)
@@ -204,8 +204,8 @@ def test_the_greedy_check_finds_a_token_that_is_not_the_targets_argmax():
     import torch
     from tiny_models import tiny_llama
 
+    from demo.greedy import check_greedy
     from dvi.decode.target import plain_greedy
-    from serving.demo_greedy import check_greedy
 
     target = tiny_llama(0).eval()
     prompt = [1, 5, 9, 2]

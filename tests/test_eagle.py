@@ -9,6 +9,7 @@ from test_engine import NEW, PROMPTS, assert_greedy_equal, reference, tiny
 from test_sampling import N_SAMPLES, engine_pvalue, tiny_lm
 
 from dvi.drafters.eagle import EagleDrafter, features_from_hidden
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 from dvi.feedback import FeedbackRecord
 from dvi.feedback.record import records_to_table
@@ -59,7 +60,7 @@ def family(request):
 @pytest.mark.parametrize("ragged", [False, True], ids=["batch1", "ragged5"])
 def test_greedy_equals_target(family, k, ragged):
     target, refs = family
-    eng = SpeculativeEngine(target, noisy_eagle(target), num_draft_tokens=k)
+    eng = SpeculativeEngine(target, proposer_for(target, noisy_eagle(target)), num_draft_tokens=k)
     prompts = PROMPTS if ragged else PROMPTS[:1]
     got = run(eng, prompts)
     for p, r, ref in zip(prompts, got, refs, strict=False):
@@ -72,7 +73,7 @@ def test_untrained_head_on_one_layer_target_accepts_everything():
     """Untrained, the head is the target's layer 0 on the embeddings: on a 1-layer target it IS the target,
     so every draft must be accepted; any misplaced position or cache entry would show up as a rejection."""
     target = tiny("llama", seed=0, layers=1)
-    eng = SpeculativeEngine(target, EagleDrafter(target), num_draft_tokens=4)
+    eng = SpeculativeEngine(target, proposer_for(target, EagleDrafter(target)), num_draft_tokens=4)
     got = run(eng, PROMPTS)
     for p, r in zip(PROMPTS, got, strict=True):
         assert_greedy_equal(target, p, r.token_ids, reference(target, p, NEW))
@@ -82,7 +83,7 @@ def test_untrained_head_on_one_layer_target_accepts_everything():
 
 def assert_drafts_are_the_teacher_forced_head(target, d) -> None:
     """Every draft the engine made equals the head run teacher-forced on the features its record logged."""
-    got = run(SpeculativeEngine(target, d, num_draft_tokens=1), PROMPTS)
+    got = run(SpeculativeEngine(target, proposer_for(target, d), num_draft_tokens=1), PROMPTS)
     fn = hf_logits_fn(d.model)
     checked = 0
     for p, r in zip(PROMPTS, got, strict=True):
@@ -109,7 +110,8 @@ def test_logged_features_round_trip_to_the_training_batch():
     from trainers.online.collate import build_batch
 
     target = tiny("llama", seed=0)
-    got = run(SpeculativeEngine(target, noisy_eagle(target), num_draft_tokens=3, feedback_top_k=4), PROMPTS[:3])
+    got = run(SpeculativeEngine(target, proposer_for(target, noisy_eagle(target)),
+                                num_draft_tokens=3, feedback_top_k=4), PROMPTS[:3])
     recs = [FeedbackRecord.from_result(r) for r in got]
     rows = records_to_table(recs).to_pylist()
     exs = [FeedbackRecord.from_row(row).compact() for row in rows]
@@ -126,7 +128,7 @@ def test_logged_features_round_trip_to_the_training_batch():
 
 def test_record_rejects_features_of_the_wrong_size():
     target = tiny("llama", seed=0)
-    r = run(SpeculativeEngine(target, noisy_eagle(target), num_draft_tokens=2), PROMPTS[:1])[0]
+    r = run(SpeculativeEngine(target, proposer_for(target, noisy_eagle(target)), num_draft_tokens=2), PROMPTS[:1])[0]
     rec = FeedbackRecord.from_result(r)
     with pytest.raises(ValueError, match="hidden has"):
         FeedbackRecord.from_row({**rec.__dict__, "hidden": rec.hidden[:-2]})
@@ -150,7 +152,7 @@ def test_row_joining_and_hot_swaps_midflight():
         if step == 7:
             eng.set_drafter(noisy_eagle(target, seed=11), version=4)
 
-    eng = SpeculativeEngine(target, noisy_eagle(target), num_draft_tokens=3)
+    eng = SpeculativeEngine(target, proposer_for(target, noisy_eagle(target)), num_draft_tokens=3)
     finished = {}
     orig_step = eng.step
 
@@ -172,7 +174,7 @@ def test_row_joining_and_hot_swaps_midflight():
 def test_target_update_midflight_recomputes_features():
     target = tiny("llama", seed=0)
     new_target = tiny("llama", seed=7)
-    eng = SpeculativeEngine(target, noisy_eagle(target), num_draft_tokens=3)
+    eng = SpeculativeEngine(target, proposer_for(target, noisy_eagle(target)), num_draft_tokens=3)
     cut = {}
 
     def midflight(eng, step):
@@ -216,7 +218,7 @@ def test_reduced_vocab_and_save_load(tmp_path):
     target = tiny("llama", seed=0)
     ids = torch.arange(0, 300, 2)
     d = noisy_eagle(target, vocab_ids=ids)
-    got = run(SpeculativeEngine(target, d, num_draft_tokens=3), PROMPTS[:2])
+    got = run(SpeculativeEngine(target, proposer_for(target, d), num_draft_tokens=3), PROMPTS[:2])
     assert {x for r in got for x in r.drafted_ids if x >= 0} <= set(ids.tolist())
     d.save(tmp_path / "eagle")
     back = EagleDrafter.load(target, tmp_path / "eagle", vocab_ids=ids)
@@ -248,7 +250,7 @@ def eagle_records(pair, drafter, n: int, new: int = 20) -> list[FeedbackRecord]:
 
     from dvi.data import prompt_stream
 
-    eng = SpeculativeEngine(pair.target, drafter, num_draft_tokens=3, feedback_top_k=16)
+    eng = SpeculativeEngine(pair.target, proposer_for(pair.target, drafter), num_draft_tokens=3, feedback_top_k=16)
     prompts = list(itertools.islice(prompt_stream("prose", pair.tokenizer, prompt_tokens=(12, 40), seed=0), n))
     return [FeedbackRecord.from_result(r) for r in run(eng, prompts, n=new)]
 
@@ -289,7 +291,8 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
         if step == 2:
             eng.set_drafter(live, v)
 
-    got = run(SpeculativeEngine(tiny_pair.target, base, num_draft_tokens=3), prompts, n=12, midflight=swap)
+    got = run(SpeculativeEngine(tiny_pair.target, proposer_for(tiny_pair.target, base),
+                                num_draft_tokens=3), prompts, n=12, midflight=swap)
     assert [r.token_ids for r in got] == refs and all(r.drafter_version == v for r in got)
 
 
@@ -313,7 +316,7 @@ def test_chained_pass_feeds_generated_positions_the_heads_own_features():
 
     target = tiny("llama", seed=0)
     d = noisy_eagle(target)
-    got = run(SpeculativeEngine(target, d, num_draft_tokens=2, feedback_top_k=4), PROMPTS[:3])
+    got = run(SpeculativeEngine(target, proposer_for(target, d), num_draft_tokens=2, feedback_top_k=4), PROMPTS[:3])
     batch = build_batch([FeedbackRecord.from_result(r).compact() for r in got], [1.0] * 3)
     with torch.no_grad():
         out = d.model(input_ids=batch.input_ids, features=batch.features, attention_mask=batch.attention_mask,

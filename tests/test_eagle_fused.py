@@ -10,6 +10,7 @@ from test_eagle_ttt import noisy
 from test_engine import NEW, PROMPTS, assert_greedy_equal, reference, tiny
 
 from dvi.drafters.eagle import EagleDrafter
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine
 
 torch.set_num_threads(1)
@@ -31,7 +32,7 @@ def projected(target, d: EagleDrafter, tokens: list[int]) -> torch.Tensor:
 def test_fused_head_is_lossless_and_logs_its_projection():
     target = tiny("llama", seed=0, layers=3)
     d = fused(target)
-    got = run(SpeculativeEngine(target, d, num_draft_tokens=3), PROMPTS)
+    got = run(SpeculativeEngine(target, proposer_for(target, d), num_draft_tokens=3), PROMPTS)
     for p, r in zip(PROMPTS, got, strict=True):
         assert_greedy_equal(target, p, r.token_ids, reference(target, p, NEW))
         assert r.hidden.shape == (len(p) + NEW - 1, 64)
@@ -59,7 +60,7 @@ def test_swaps_between_feature_kinds_recompute_features():
             eng.set_drafter(noisy_eagle(target, seed=9), version=3)
         seen.append(eng._target.lean.feature_layers)
 
-    eng = SpeculativeEngine(target, noisy_eagle(target), num_draft_tokens=3)
+    eng = SpeculativeEngine(target, proposer_for(target, noisy_eagle(target)), num_draft_tokens=3)
     got = run(eng, PROMPTS[:3], midflight=midflight)
     for p, r, ref in zip(PROMPTS[:3], got, refs, strict=True):
         assert_greedy_equal(target, p, r.token_ids, ref)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dvi.decode.sampling import tie_bound
+from dvi.drafters.factory import proposer_for
 from dvi.drafters.learned import EarlyExitDrafter, SeparateDrafter
 from dvi.drafters.vocab import frequent_token_ids
 from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
@@ -148,7 +149,7 @@ def test_greedy_equals_hf_generate(family_models, drafter_kind):
         drafter = SeparateDrafter(drafter, vocab_ids=ids)
     alphas = []
     for k in (1, 3, 5):
-        eng = SpeculativeEngine(target, drafter, num_draft_tokens=k)
+        eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=k)
         # batch 1, one prompt at a time
         for p, ref in zip(PROMPTS, refs, strict=True):
             r = eng.generate([p], NEW)[0]
@@ -175,7 +176,7 @@ def test_greedy_equals_hf_generate(family_models, drafter_kind):
 
 def test_self_drafter_accepts_everything():
     target = tiny("llama", seed=0)
-    eng = SpeculativeEngine(target, target, num_draft_tokens=4)
+    eng = SpeculativeEngine(target, proposer_for(target, target), num_draft_tokens=4)
     res = eng.generate(PROMPTS, NEW)
     for p, r in zip(PROMPTS, res, strict=True):
         assert_greedy_equal(target, p, r.token_ids, reference(target, p, NEW))
@@ -194,7 +195,7 @@ def test_early_exit_drafter_lossless(fam, reduced):
         for p in ee.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.05)
     for k in (1, 3):
-        eng = SpeculativeEngine(target, ee, num_draft_tokens=k)
+        eng = SpeculativeEngine(target, proposer_for(target, ee), num_draft_tokens=k)
         res = eng.generate(PROMPTS, NEW)
         for p, ref, r in zip(PROMPTS, refs, res, strict=True):
             assert_greedy_equal(target, p, r.token_ids, ref)
@@ -207,7 +208,7 @@ def test_early_exit_drafter_lossless(fam, reduced):
 def test_continuous_batching_add_and_abort():
     target = tiny("llama", seed=0)
     drafter = perturbed(target)
-    eng = SpeculativeEngine(target, drafter, num_draft_tokens=3)
+    eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=3)
     refs = {i: reference(target, p, NEW) for i, p in enumerate(PROMPTS)}
 
     def req(i):
@@ -247,7 +248,7 @@ def test_stop_tokens_and_feedback_fields():
     target = tiny("llama", seed=0)
     ref = reference(target, PROMPTS[0], NEW)
     stop = ref[5]
-    eng = SpeculativeEngine(target, perturbed(target), num_draft_tokens=3, feedback_top_k=4)
+    eng = SpeculativeEngine(target, proposer_for(target, perturbed(target)), num_draft_tokens=3, feedback_top_k=4)
     r = eng.generate([PROMPTS[0]], NEW, stop_token_ids=[stop])[0]
     cut = ref.index(stop) + 1
     assert r.token_ids == ref[:cut] and r.finish_reason == "stop"
@@ -265,7 +266,8 @@ def test_stop_tokens_and_feedback_fields():
 def test_speculation_off_and_no_drafter():
     target = tiny("qwen2", seed=0)
     refs = [reference(target, p, NEW) for p in PROMPTS]
-    for eng in (SpeculativeEngine(target, None), SpeculativeEngine(target, tiny("qwen2", 1, 1), num_draft_tokens=0)):
+    for eng in (SpeculativeEngine(target, None), SpeculativeEngine(target, proposer_for(target, tiny("qwen2", 1, 1)),
+                                  num_draft_tokens=0)):
         for p, ref, r in zip(PROMPTS, refs, eng.generate(PROMPTS, NEW), strict=True):
             assert_greedy_equal(target, p, r.token_ids, ref)
             assert r.num_drafted == 0 and all(d == -1 for d in r.drafted_ids)
@@ -273,7 +275,8 @@ def test_speculation_off_and_no_drafter():
 
 def test_adaptive_engine_lossless():
     target = tiny("llama", seed=0)
-    eng = SpeculativeEngine(target, perturbed(target), num_draft_tokens=3, adaptive=True, max_draft_tokens=6)
+    eng = SpeculativeEngine(target, proposer_for(target, perturbed(target)),
+                            num_draft_tokens=3, adaptive=True, max_draft_tokens=6)
     for _ in range(2):
         res = eng.generate(PROMPTS, NEW)
         for p, r in zip(PROMPTS, res, strict=True):
@@ -283,7 +286,7 @@ def test_adaptive_engine_lossless():
 
 def test_set_drafter_and_update_target_midflight():
     target = tiny("llama", seed=0)
-    eng = SpeculativeEngine(target, tiny("llama", 1, 1), num_draft_tokens=3)
+    eng = SpeculativeEngine(target, proposer_for(target, tiny("llama", 1, 1)), num_draft_tokens=3)
     for i in (0, 3):
         eng.add_request(Request(f"r{i}", PROMPTS[i], SamplingParams(max_new_tokens=NEW)))
     results = {}
@@ -317,7 +320,7 @@ def test_update_target_weights_from_path_with_early_exit(tmp_path, reduced):
     # reduced: the drafter's head is a cached row slice of the target's lm_head; it must follow the update
     ids = torch.arange(0, VOCAB, 2) if reduced else None
     ee = EarlyExitDrafter(target, num_layers=1, lora_rank=2, vocab_ids=ids)
-    eng = SpeculativeEngine(target, ee, num_draft_tokens=3)
+    eng = SpeculativeEngine(target, proposer_for(target, ee), num_draft_tokens=3)
     eng.generate(PROMPTS[:2], 4)
     new = tiny("llama", seed=8, layers=3)
     new.save_pretrained(tmp_path / "t2")
@@ -341,7 +344,7 @@ def test_update_target_weights_from_path_with_early_exit(tmp_path, reduced):
 def test_mixed_greedy_and_sampled_rows():
     """A greedy row stays exact while it shares the batch with sampled rows (one-hot path of the same rule)."""
     target = tiny("llama", seed=0)
-    eng = SpeculativeEngine(target, perturbed(target), num_draft_tokens=3)
+    eng = SpeculativeEngine(target, proposer_for(target, perturbed(target)), num_draft_tokens=3)
     eng.add_request(Request("g", PROMPTS[0], SamplingParams(max_new_tokens=NEW)))
     eng.add_request(Request("s1", PROMPTS[3], SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=1)))
     eng.add_request(Request("s2", PROMPTS[1], SamplingParams(max_new_tokens=NEW, temperature=0.7, top_k=5, seed=2)))

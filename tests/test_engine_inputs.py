@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 
 torch.set_num_threads(1)
@@ -15,7 +16,7 @@ torch.set_num_threads(1)
 def engine():
     dims = dict(vocab_size=50, num_key_value_heads=1, max_position_embeddings=40)
     target = tiny_llama(0, **dims)
-    return SpeculativeEngine(target, tiny_llama(None, **dims), num_draft_tokens=2)
+    return SpeculativeEngine(target, proposer_for(target, tiny_llama(None, **dims)), num_draft_tokens=2)
 
 
 @pytest.mark.parametrize(
@@ -60,13 +61,15 @@ def test_add_request_bad_inputs(engine):
 def test_constructor_limits(engine):
     t = engine.target
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        SpeculativeEngine(t, t, num_draft_tokens=9, max_draft_tokens=8)
+        SpeculativeEngine(t, proposer_for(t, t), num_draft_tokens=9, max_draft_tokens=8)
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        SpeculativeEngine(t, t, num_draft_tokens=-1)
+        SpeculativeEngine(t, proposer_for(t, t), num_draft_tokens=-1)
     with pytest.raises(ValueError, match="max_draft_tokens"):
-        SpeculativeEngine(t, t, num_draft_tokens=4, max_draft_tokens=33)
+        SpeculativeEngine(t, proposer_for(t, t), num_draft_tokens=4, max_draft_tokens=33)
     with pytest.raises(ValueError, match="feedback_top_k"):
-        SpeculativeEngine(t, t, feedback_top_k=-1)
+        SpeculativeEngine(t, proposer_for(t, t), feedback_top_k=-1)
+    with pytest.raises(TypeError, match="takes a Proposer.*proposer_for"):  # a drafter goes through the factory
+        SpeculativeEngine(t, t)
 
 
 def test_update_target_weights_bad_input(engine, tmp_path):

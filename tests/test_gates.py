@@ -45,7 +45,7 @@ def one_token_drafter_state(drafter: torch.nn.Module) -> dict[str, torch.Tensor]
 
 
 def _serve(cfg, tmp_path: Path, name: str = "server"):
-    from serving.demo import ServerProcess
+    from serving.server_process import ServerProcess
 
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(dump_config(cfg)))

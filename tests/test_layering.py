@@ -32,19 +32,20 @@ def _module_level_imports(path: Path) -> set[str]:
 def test_dvi_does_not_import_trainers_or_serving() -> None:
     for path in (ROOT / "dvi").rglob("*.py"):
         if path.name == "cli.py":
-            assert not _module_level_imports(path) & {"trainers", "serving", "benchmarks"}, path
+            assert not _module_level_imports(path) & {"trainers", "serving", "benchmarks", "demo"}, path
             continue
-        assert not _imported_top_levels(path) & {"trainers", "serving", "benchmarks"}, path
+        assert not _imported_top_levels(path) & {"trainers", "serving", "benchmarks", "demo"}, path
 
 
 def test_trainers_and_serving_do_not_import_each_other_or_benchmarks() -> None:
-    for pkg, banned in (("trainers", {"serving", "benchmarks"}), ("serving", {"trainers", "benchmarks"})):
+    for pkg, banned in (("trainers", {"serving", "benchmarks", "demo"}), ("serving", {"trainers", "benchmarks", "demo"}),
+                        ("demo", {"trainers", "benchmarks"})):
         for path in (ROOT / pkg).rglob("*.py"):
             assert not _imported_top_levels(path) & banned, path
 
 
 def _code_files() -> list[Path]:
-    return [p for pkg in ("dvi", "trainers", "serving") for p in sorted((ROOT / pkg).rglob("*.py"))]
+    return [p for pkg in ("dvi", "trainers", "serving", "demo") for p in sorted((ROOT / pkg).rglob("*.py"))]
 
 
 def test_modules_and_functions_stay_small() -> None:

@@ -25,11 +25,12 @@ def _live_tensors() -> int:
 def test_engine_keeps_no_tensor_per_prompt_length(tiny_pair_dir):
     """Prompts of ever new lengths (each a new prefill / drafter catch-up width) leave no tensor behind: a mask
     helper once kept a [q, q] identity per width on the drafter's long-lived cache (a 4k prompt: 16 MiB)."""
+    from dvi.drafters.factory import proposer_for
     from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
-    engine = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3)
+    engine = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter), num_draft_tokens=3)
     rng = random.Random(0)
 
     def serve(lengths: list[int]) -> None:
@@ -188,7 +189,7 @@ def test_server_rss_stays_flat_across_six_promotions(tiny_pair_dir, tmp_path):
     from dvi.config import dump_config
     from dvi.models.loading import load_causal_lm
     from dvi.registry.store import DrafterRegistry
-    from serving.demo import ServerProcess
+    from serving.server_process import ServerProcess
 
     pair = _drafter_sized_pair(tiny_pair_dir, tmp_path / "pair")
     cfg = tiny_config(pair, tmp_path / "run", "serve.rollback_window=4")

@@ -19,6 +19,7 @@ from dvi.decode.kv import prefill
 from dvi.decode.numerics import set_exact_greedy
 from dvi.decode.sampling import first_divergence, tie_bound
 from dvi.decode.target import plain_greedy
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine
 
 BF16 = torch.bfloat16
@@ -66,7 +67,7 @@ def test_verify_logits_bit_equal_to_steps_bf16(shape):
 
 def divergences(target, drafter, k: int, batched: bool, ps: list[list[int]]) -> tuple[list[dict], int]:
     """First divergences of speculative greedy decoding from the target's plain greedy decoding, per prompt."""
-    eng = SpeculativeEngine(target, drafter, num_draft_tokens=k, adaptive=False)
+    eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=k, adaptive=False)
     divergences.contract = eng.greedy_contract
     got = [r.token_ids for r in eng.generate(ps, NEW)] if batched else [eng.generate([p], NEW)[0].token_ids
                                                                           for p in ps]
@@ -156,7 +157,7 @@ def exact_case(target, drafter, ks=(2, 5), n_prompts: int = 5) -> list[dict]:
     refs = [plain_greedy(target, p, NEW) for p in ps]
     divs = []
     for k in ks:  # 5 rows x (K + 1) <= 30 positions per forward: within the row-invariant GEMM range
-        eng = SpeculativeEngine(target, drafter, num_draft_tokens=k, adaptive=False)
+        eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=k, adaptive=False)
         for (ref, logits), r in zip(refs, eng.generate(ps, NEW), strict=True):
             d = first_divergence(ref, list(r.token_ids), logits, BF16)
             divs += [d] if d else []
@@ -218,7 +219,8 @@ def test_real_pair_bf16_speculation_equals_plain_decode(two_threads):
     tok = load_tokenizer(paths.tokenizer)
     chat = data.chat_prompt_stream(tok, "heldout", seed=7, max_tokens=320)
     drafter = EarlyExitDrafter(target, 8, lora_rank=0)
-    eng = SpeculativeEngine(target, drafter, num_draft_tokens=4, adaptive=False)  # its start-up probe runs once
+    eng = SpeculativeEngine(target, proposer_for(target, drafter),
+                            num_draft_tokens=4, adaptive=False)  # its start-up probe runs once
     for _ in range(3):
         p = list(next(chat))
         ref, logits = plain_greedy(target, p, 32)

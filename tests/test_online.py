@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dvi.config import DviConfig, load_config
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine, Versions
 from dvi.feedback import FeedbackRecord, FeedbackWriter
 from dvi.registry.store import DrafterRegistry
@@ -56,7 +57,8 @@ def engine_records(pair, domain: str, n: int, max_new_tokens: int = 24, prefix: 
     """`n` greedy feedback records from the real engine (unique request ids)."""
     from dvi.data import prompt_stream
 
-    eng = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3, feedback_top_k=16,
+    eng = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter),
+                            num_draft_tokens=3, feedback_top_k=16,
                             versions=Versions(target=target_version))
     prompts = list(itertools.islice(prompt_stream(domain, pair.tokenizer, prompt_tokens=(12, 40), seed=seed), n))
     out = []

@@ -14,6 +14,7 @@ import torch
 from registry_doors import load_adapter_into
 from test_online import engine_records, online_config
 
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine, Versions
 from dvi.feedback import FeedbackRecord
 from dvi.registry.store import AdapterRejected, DrafterRegistry
@@ -48,7 +49,7 @@ def _greedy_reference(target, prompts, n):
 # -- publishing, swaps, refusals -----------------------------------------------------------------------
 def _swap_midway_and_compare(pair, drafter_v1, version, prompts, ref, k=3):
     """Start greedy requests on the base drafter, swap in `drafter_v1` after 2 steps, finish; tokens must equal ref."""
-    eng = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=k)
+    eng = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter), num_draft_tokens=k)
     for i, p in enumerate(prompts):
         eng.add_request(Request(f"s{i}", p, SamplingParams(len(ref[0]))))
     results = {}
@@ -126,7 +127,8 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
     tr.train_on_records(prose[:32])
     v1 = tr.maybe_publish(force=True).published
     live = PeftModel.from_pretrained(copy.deepcopy(pair.drafter), str(reg.version_dir(v1)))
-    eng = SpeculativeEngine(pair.target, live, num_draft_tokens=3, versions=Versions(drafter=v1))
+    eng = SpeculativeEngine(pair.target, proposer_for(pair.target, live),
+                            num_draft_tokens=3, versions=Versions(drafter=v1))
     prompts = [list(r.prompt_ids) for r in prose[:3]]
     ref = _greedy_reference(pair.target, prompts, 16)
 

@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 from test_engine import perturbed, tiny
 from test_sampling import tiny_lm
 
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import InvalidParam, Request, SamplingParams, SpeculativeEngine
 
 torch.set_num_threads(1)
@@ -76,7 +77,7 @@ def test_greedy_with_penalties_equals_the_reference(k):
     params = [_params(i, top) for i in range(len(PROMPTS))]
     refs = [ref_greedy(target, pr, NEW, sp) for pr, sp in zip(PROMPTS, params, strict=True)]
     assert sum(a != b for a, b in zip(plain[:3], refs[:3], strict=True)) == 3, "the transforms must change the text"
-    res = run(SpeculativeEngine(target, drafter, num_draft_tokens=k), PROMPTS, params)
+    res = run(SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=k), PROMPTS, params)
     assert sum(r.num_accepted for r in res) > 0 or k == 0
     for pr, r, ref in zip(PROMPTS, res, refs, strict=True):
         assert r.token_ids == ref, (pr, r.token_ids, ref)
@@ -112,7 +113,7 @@ def test_sampling_with_penalties_follows_the_transformed_target():
     target, drafter = tiny_lm(0), tiny_lm(1)
     n = 3000
     params = [SamplingParams(**{**CHI_PARAMS.__dict__, "seed": 100 + i}) for i in range(n)]
-    res = run(SpeculativeEngine(target, drafter, num_draft_tokens=2), [CHI_PROMPT] * n, params)
+    res = run(SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=2), [CHI_PROMPT] * n, params)
     exact = exact_two_token_law(target, CHI_PARAMS)
     counts: dict[tuple, int] = {}
     for r in res:

@@ -25,6 +25,7 @@ from test_pretrained import CHAT_SPECIALS, CHATML, ENDOFTEXT, _fake_wheel, _tiny
 import dvi.models.pretrained
 from dvi import data
 from dvi.config import DviConfig
+from dvi.drafters.factory import proposer_for
 from dvi.drafters.learned import EarlyExitDrafter
 from dvi.drafters.vocab import SubsetHead, describe, find_subset_head, load_draft_vocab
 from dvi.engine.speculative import SpeculativeEngine
@@ -279,7 +280,7 @@ def _assert_engine_is_hf_greedy(target, drafter, tok, n: int = 16) -> list:
     eos = tok.eos_token_id
     prompts = _prompts(tok)
     refs = [_hf_greedy(target, p, n, eos) for p in prompts]
-    eng = SpeculativeEngine(target, drafter, num_draft_tokens=3)
+    eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=3)
     results = []
     for p, ref in zip(prompts, refs, strict=True):  # batch 1
         (r,) = eng.generate([p], n, stop_token_ids=[eos])
@@ -322,7 +323,8 @@ def test_eagle_head_built_scored_and_served_losslessly(built):
     assert isinstance(pair.drafter, EagleDrafter) and find_subset_head(pair.drafter.model).num_ids == 64
     prompt = pair.tokenizer.encode("def f(x):\n    return")
     ref = pair.target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-    got = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3).generate([prompt], 12)[0]
+    got = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter),
+                            num_draft_tokens=3).generate([prompt], 12)[0]
     assert_greedy_equal(pair.target, prompt, got.token_ids, ref)
 
 

@@ -76,6 +76,7 @@ def test_the_shipped_drafter_speculates_losslessly_on_the_real_pair(dtype):
     from dvi import data
     from dvi.decode.sampling import first_divergence
     from dvi.decode.target import plain_greedy
+    from dvi.drafters.factory import proposer_for
     from dvi.drafters.learned import SeparateDrafter
     from dvi.drafters.vocab import apply_draft_vocab, load_draft_vocab
     from dvi.engine.speculative import SpeculativeEngine
@@ -93,7 +94,8 @@ def test_the_shipped_drafter_speculates_losslessly_on_the_real_pair(dtype):
     for _ in range(2):
         p = list(next(prompts))
         ref, logits = plain_greedy(target, p, 24)
-        eng = SpeculativeEngine(target, SeparateDrafter(model), num_draft_tokens=3, adaptive=False)
+        eng = SpeculativeEngine(target, proposer_for(target, SeparateDrafter(model)),
+                                num_draft_tokens=3, adaptive=False)
         got = eng.generate([p], 24)[0]
         d = first_divergence(ref, list(got.token_ids), logits, getattr(torch, dtype))
         assert d is None if eng.greedy_contract["one_request"] == "bitwise" else (d is None or d["near_tie"]), \

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dvi.data import prompt_stream
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine
 from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import SamplingOverrides, policy_state_dict, trl_rollout_func
@@ -38,9 +39,9 @@ def test_trl_grpo_steps_with_dvi_rollout_func(tiny_pair_dir, tmp_path):
     tok = load_tokenizer(find_tokenizer_path(tiny_pair_dir / "target"))
     policy = AutoModelForCausalLM.from_pretrained(str(tiny_pair_dir / "target"), dtype=torch.float32)
     initial = {k: v.clone() for k, v in policy.state_dict().items()}
-    engine = SpeculativeEngine(load_causal_lm(tiny_pair_dir / "target", device="cpu", dtype="float32"),
-                               drafter=load_causal_lm(tiny_pair_dir / "drafter", device="cpu", dtype="float32"),
-                               num_draft_tokens=3)
+    served = load_causal_lm(tiny_pair_dir / "target", device="cpu", dtype="float32")
+    engine = SpeculativeEngine(served, proposer_for(served, load_causal_lm(tiny_pair_dir / "drafter", device="cpu",
+                                                                           dtype="float32")), num_draft_tokens=3)
     calls: list[tuple[int, int]] = []
     rollout_func = trl_rollout_func(  # seeded: unseeded samples can give a step equal rewards (no gradient)
         engine, sampling=SamplingOverrides(seed=0),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dvi.data import prompt_stream
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine, Versions
 from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import Rollout, RolloutEngine, policy_state_dict, trl_rollout_func
@@ -40,7 +41,7 @@ def _plain_logprobs(model, prompt: list[int], completion: list[int], temperature
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_logprobs_match_plain_forward(pair, temperature):
     tok, target, drafter, prompts = pair
-    engine = RolloutEngine(SpeculativeEngine(target, drafter=drafter, num_draft_tokens=3))
+    engine = RolloutEngine(SpeculativeEngine(target, proposer=proposer_for(target, drafter), num_draft_tokens=3))
     rolls = engine.generate_rollouts(prompts, n=2, max_new_tokens=12, temperature=temperature, seed=11)
 
     assert len(rolls) == len(prompts) * 2
@@ -58,7 +59,7 @@ def test_rollout_logprobs_match_plain_forward(pair, temperature):
 
 def test_same_seed_same_rollouts(pair):
     _, target, drafter, prompts = pair
-    engine = RolloutEngine(SpeculativeEngine(target, drafter=drafter, num_draft_tokens=3))
+    engine = RolloutEngine(SpeculativeEngine(target, proposer=proposer_for(target, drafter), num_draft_tokens=3))
     a = engine.generate_rollouts(prompts[:2], n=2, max_new_tokens=8, seed=5)
     b = engine.generate_rollouts(prompts[:2], n=2, max_new_tokens=8, seed=5)
     assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
@@ -85,7 +86,7 @@ def _check_greedy_equal(model, prompt: list[int], got: list[int], want: list[int
 def test_update_target_weights_then_greedy_equals_new_target(pair, tmp_path, tiny_pair_dir):
     tok, _, drafter, prompts = pair
     target = load_causal_lm(tiny_pair_dir / "target", device="cpu", dtype="float32")
-    engine = RolloutEngine(SpeculativeEngine(target, drafter=drafter, num_draft_tokens=3))
+    engine = RolloutEngine(SpeculativeEngine(target, proposer=proposer_for(target, drafter), num_draft_tokens=3))
     before = engine.generate_rollouts(prompts, max_new_tokens=16, temperature=0.0)
 
     # New weights as a state dict.
@@ -121,7 +122,8 @@ def test_feedback_records_carry_versions(pair, tmp_path):
 
     _, target, drafter, prompts = pair
     writer = FeedbackWriter(tmp_path / "fb", shard_records=1000)
-    engine = RolloutEngine(SpeculativeEngine(target, drafter=drafter, num_draft_tokens=3, feedback_top_k=4,
+    engine = RolloutEngine(SpeculativeEngine(target, proposer=proposer_for(target, drafter),
+                                             num_draft_tokens=3, feedback_top_k=4,
                                              versions=Versions(target=3, drafter=2)), feedback_writer=writer)
     engine.generate_rollouts(prompts[:2], n=2, max_new_tokens=6, seed=0)
     assert engine.flush_feedback() is not None
@@ -135,7 +137,7 @@ def test_feedback_records_carry_versions(pair, tmp_path):
 
 def test_bad_input_names_the_field(pair):
     _, target, drafter, prompts = pair
-    engine = RolloutEngine(SpeculativeEngine(target, drafter=drafter))
+    engine = RolloutEngine(SpeculativeEngine(target, proposer=proposer_for(target, drafter)))
     with pytest.raises(ValueError, match="n must be"):
         engine.generate_rollouts(prompts, n=0)
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):

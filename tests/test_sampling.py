@@ -22,6 +22,7 @@ from dvi.decode.sampling import (
     sample_from,
     warp_probs,
 )
+from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine
 
 torch.set_num_threads(1)
@@ -224,7 +225,7 @@ def engine_pvalue(target, drafter, n, temperature, top_k=0, top_p=1.0, seed=0, r
     """Chi-square p-value of the engine's first two tokens against the exact law of `reference` (default: target,
     on CPU), and the step's acceptance rate. `batch`: rows per generate call (default all n at once);
     `filler`: a second prompt interleaved with PROMPT (a ragged batch; only PROMPT's rows are counted)."""
-    eng = SpeculativeEngine(target, drafter, num_draft_tokens=2)
+    eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=2)
     batch = batch or n
     res = []
     for start in range(0, n, batch):
@@ -287,7 +288,7 @@ def test_chi_square_catches_wrong_rules(pair, monkeypatch, wrong):
 
 def test_seeded_runs_reproducible_and_batch_independent(pair):
     target, drafter = pair
-    eng = SpeculativeEngine(target, drafter, num_draft_tokens=3)
+    eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=3)
     prompts = [PROMPT, [4, 5], [6, 7, 1, 2, 3]]
     a = eng.generate(prompts, 8, temperature=1.0, seed=42)
     b = eng.generate(prompts, 8, temperature=1.0, seed=42)
@@ -301,7 +302,7 @@ def test_seeded_runs_reproducible_and_batch_independent(pair):
 
 def test_token_logprobs_are_target_logprobs(pair):
     target, drafter = pair
-    eng = SpeculativeEngine(target, drafter, num_draft_tokens=2)
+    eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=2)
     r = eng.generate([PROMPT], 6, temperature=0.7, seed=3)[0]
     with torch.no_grad():
         lg = target(torch.tensor([PROMPT + r.token_ids])).logits[0, len(PROMPT) - 1 : -1]

@@ -96,7 +96,7 @@ def _traffic(url: str, n: int) -> None:
 
 
 def test_two_replicas_one_accelerate_trainer_share_feedback_and_registry(tiny_pair_dir, tmp_path) -> None:
-    from serving.demo import ServerProcess
+    from serving.server_process import ServerProcess
 
     shared = [f"feedback.dir={tmp_path / 'shared' / 'feedback'}", f"registry.dir={tmp_path / 'shared' / 'registry'}",
               "trainer.shadow_margin=1.0", "trainer.publish_margin=-1.0", "feedback.shard_records=4"]

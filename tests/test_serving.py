@@ -41,12 +41,13 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference(tiny_pair_dir):
     """Greedy output of `engine.generate` on the same pair (fresh engine, batch of one)."""
+    from dvi.drafters.factory import proposer_for
     from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer",
                      device="cpu")
-    engine = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3)
+    engine = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter), num_draft_tokens=3)
     tok = pair.tokenizer
     cache: dict = {}
 

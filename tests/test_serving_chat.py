@@ -75,11 +75,12 @@ def chat_server(tiny_pair_dir, chat_tokenizer_dir, tmp_path_factory):
 
 def test_server_serves_the_templated_prompt(tiny_pair_dir, chat_tokenizer_dir, chat_server) -> None:
     """Prompt tokens and the greedy answer are those of the template-rendered ids."""
+    from dvi.drafters.factory import proposer_for
     from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.loading import load_pair
 
     pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", chat_tokenizer_dir, device="cpu")
-    engine = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3)
+    engine = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter), num_draft_tokens=3)
     tok = pair.tokenizer
     with chat_server.client() as c:
         for conv in CONVERSATIONS:

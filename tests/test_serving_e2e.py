@@ -232,7 +232,7 @@ def test_dvi_serve_process_serves_and_stops_cleanly(tiny_pair_dir, tmp_path) -> 
     import yaml
 
     from dvi.config import dump_config
-    from serving.demo import ServerProcess
+    from serving.server_process import ServerProcess
 
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.trainer=supervised")
     path = tmp_path / "serve.yaml"

@@ -116,7 +116,7 @@ def test_signal_drains_then_cuts_with_an_answer_and_exits_cleanly(tiny_pair_dir,
     import yaml
 
     from dvi.config import dump_config
-    from serving.demo import ServerProcess
+    from serving.server_process import ServerProcess
 
     cfg = _serve_cfg(tiny_pair_dir, tmp_path, "serve.trainer=supervised")
     path = tmp_path / "serve.yaml"
@@ -240,7 +240,7 @@ def test_48_in_flight_all_answered_then_the_process_is_gone_within_seconds(tiny_
 
     from dvi.config import dump_config
     from dvi.rundir import RunDir
-    from serving.demo import ServerProcess
+    from serving.server_process import ServerProcess
 
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.trainer=supervised", "serve.max_batch_size=8",
                       "serve.drain_timeout_s=60")

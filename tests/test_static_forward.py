@@ -47,14 +47,16 @@ def test_static_shapes_compute_what_the_eager_forward_does():
 def test_engine_admits_no_more_rows_than_a_fixed_cache_holds():
     """A captured graphs' cache holds max_batch rows: more prompts than that join as rows leave, with the text of
     an engine whose cache grows (the first GPU check sent a 17th row into 16 slots)."""
+    from dvi.drafters.factory import proposer_for
     from dvi.engine.speculative import SpeculativeEngine
 
     kw = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     target, drafter = tiny_llama(0, **kw), tiny_llama(1, **kw)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6, 10, 2)]
-    grown = SpeculativeEngine(target, drafter, num_draft_tokens=2).generate(prompts, max_new_tokens=6)
-    eng = SpeculativeEngine(target, drafter, num_draft_tokens=2)
+    grown = SpeculativeEngine(target, proposer_for(target, drafter),
+                              num_draft_tokens=2).generate(prompts, max_new_tokens=6)
+    eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=2)
     lean = LeanModel(target)
     eng._target = LeanTarget(lean=lean, graphs=StaticForward(lean, max_batch=4, max_width=3, max_context=300))
     fixed = eng.generate(prompts, max_new_tokens=6)

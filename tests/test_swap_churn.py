@@ -22,7 +22,7 @@ from dvi.decode.invariance import Invariance
 from dvi.decode.numerics import set_exact_greedy
 from dvi.decode.target import plain_greedy
 from dvi.drafters.draft_cache import LeanDraftCache
-from dvi.drafters.factory import make_proposer, proposer_for_drafter
+from dvi.drafters.factory import make_proposer, proposer_for, proposer_for_drafter
 from dvi.engine.speculative import EngineOptions, Request, SamplingParams, SpeculativeEngine
 
 torch.set_num_threads(1)
@@ -119,7 +119,7 @@ def test_aborts_right_after_swaps_and_target_updates_keep_rows_in_step(pair, mon
 def test_a_swapped_drafter_cache_keeps_a_row_per_batch_row(pair):
     """`ModelProposer.use` (same kind, new drafter): until the rebuild fills it, the new cache holds one empty row
     per batch row, so a row can still leave (it held none: the abort failed half way)."""
-    eng = SpeculativeEngine(pair.target, pair.drafter, num_draft_tokens=3, adaptive=False)
+    eng = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter), num_draft_tokens=3, adaptive=False)
     for i, p in enumerate(prompts(3, int(pair.target.config.vocab_size), seed=5)):
         eng.add_request(Request(f"r{i}", p, SamplingParams(20, 0.0)))
     eng.step()

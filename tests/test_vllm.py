@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dvi.config import ConfigError, load_config
-from serving.demo import ServerProcess
+from serving.server_process import ServerProcess
 from serving.vllm_engine import step_feedback
 from serving.vllm_process import REPO_ROOT
 from tests.test_serving_helpers import ServerThread, lora_copy, version_manifest, wait_for

@@ -188,9 +188,9 @@ class RLRun:
         cfg = self.cfg
         vocab = int(self.target.get_output_embeddings().weight.shape[0])
         kind = {"plain": "none", "frozen": "separate", "online": "separate"}.get(cfg.arm, cfg.arm)
-        drafter = make_proposer(kind, self.drafter, vocab, "cpu")  # frozen / online: the drafter as is
+        proposer = make_proposer(kind, self.drafter, vocab, "cpu")  # frozen / online: the drafter as is
         self.engine = SpeculativeEngine(
-            self.target, drafter=drafter, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
+            self.target, proposer, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
             max_draft_tokens=max(cfg.max_draft_tokens, cfg.num_draft_tokens),
             feedback_top_k=cfg.feedback_top_k if cfg.arm == "online" else 0,
         )

@@ -1,7 +1,8 @@
 """The one place a proposer is made: `make_proposer`, keyed by the config's `models.drafter_kind` names.
 
 `proposer_for_drafter` is the same factory for a learned drafter object (its own `kind` decides: `separate`,
-`early_exit`, `eagle`); what a hot swap makes of a serving proposer is its own `Proposer.with_drafter`.
+`early_exit`, `eagle`), and `proposer_for` the same for a target's vocabulary and device: the engine takes only a
+proposer. What a hot swap makes of a serving proposer is its own `Proposer.with_drafter`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from dvi.drafters.suffix import SuffixCache
     from dvi.drafters.suffix_proposer import SuffixProposer
 
-__all__ = ["KINDS", "make_proposer", "proposer_for_drafter"]
+__all__ = ["KINDS", "make_proposer", "proposer_for", "proposer_for_drafter"]
 
 KINDS = ("none", "separate", "early_exit", "eagle", "suffix", "hybrid")
 """Proposer kinds: speculation off, then `models.drafter_kind`'s values."""
@@ -45,6 +46,13 @@ def proposer_for_drafter(drafter: Any, vocab_size: int, device: torch.device | s
     from dvi.drafters.model_proposer import ModelProposer
 
     return ModelProposer(d, vocab_size, device)
+
+
+def proposer_for(target: torch.nn.Module, drafter: Any = None) -> Proposer:
+    """The proposer of `drafter` (a learned drafter or an HF causal LM; None: speculation off) drafting for
+    `target`: its output vocabulary, on its device."""
+    vocab = int(target.get_output_embeddings().weight.shape[0])
+    return proposer_for_drafter(drafter, vocab, next(target.parameters()).device)
 
 
 def make_proposer(kind: str, drafter: Drafter | None, vocab_size: int, device: torch.device | str,

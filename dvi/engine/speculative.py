@@ -81,7 +81,7 @@ class SpeculativeEngine:
     def __init__(
         self,
         target: nn.Module,
-        drafter: nn.Module | Drafter | Proposer | None = None,
+        proposer: Proposer | None = None,
         num_draft_tokens: int = 4,
         adaptive: bool = False,
         max_draft_tokens: int = 8,
@@ -107,7 +107,10 @@ class SpeculativeEngine:
         self._waiting: list[Seq] = []
         self._seqs: list[Seq] = []
         self.proposer: Proposer = Proposer(self.vocab_size, self.device)
-        self._set_drafter(drafter)
+        if proposer is not None and not isinstance(proposer, Proposer):
+            raise TypeError(f"SpeculativeEngine takes a Proposer, got {type(proposer).__name__}: build one with "
+                            "dvi.drafters.factory.proposer_for(target, drafter) or make_proposer(kind, ...)")
+        self._install(proposer or self.proposer)
         # after the proposer: the widest verify (k_cap + 1) sizes the captured graphs
         self._target: TargetRunner = target_runner(self.target, max_width=self.k_cap + 1, graphs=options.cuda_graphs,
                                                    max_batch=options.max_batch_size, max_context=self.max_context,
@@ -208,14 +211,12 @@ class SpeculativeEngine:
         """The longest draft a step may carry: the learned drafter's max K, or a suffix proposal's."""
         return max(self.max_draft_tokens, self.proposer.max_tokens)
 
-    def set_drafter(self, drafter: nn.Module | Drafter | Proposer | None, version: int) -> None:
-        """Hot swap between steps; in-flight rows get their draft state rebuilt at once (`hybrid`: its learned part).
-
-        At once, not at the next step(): a new proposer (or a kept one with a new drafter cache) holds none of the
-        rows yet, and a row leaving before that step (a cut stream's abort, which the server runs right after
-        the swap) would have failed in the proposer after leaving the target's cache, leaving the engine's rows
-        out of step (every later step failed: `shape '[9, 1]' is invalid for input of size 8`, issue 42)."""
-        self._set_drafter(drafter)
+    def set_drafter(self, drafter: nn.Module | Drafter | None, version: int) -> None:
+        """Hot swap between steps to `drafter` (a learned drafter or an HF causal LM) through the proposer's
+        `with_drafter` (same kind, new drafter); in-flight rows get their draft state rebuilt at once, not at the next
+        step(): a row leaving before that step (a cut stream's abort, run right after the swap) would fail in a
+        proposer that never held it and put the engine's rows out of step (issue 42)."""
+        self._install(self.proposer.with_drafter(drafter, proposer_for_drafter))
         self.drafter_version = int(version)
         self._drafter_dirty = True
         self.acceptance.reset()  # acceptance of the old drafter says little about the new one
@@ -300,10 +301,9 @@ class SpeculativeEngine:
     def _validate_params(self, p: SamplingParams, prompt_len: int, prompt_name: str = "prompt_ids") -> None:
         validate_params(p, prompt_len, self.vocab_size, self.max_context, prompt_name)
 
-    def _set_drafter(self, drafter) -> None:
-        """A Proposer replaces the current one; a drafter model (or None) goes to the current proposer's kind."""
+    def _install(self, new: Proposer) -> None:
+        """`new` drafts from now on (the constructor's proposer, or what a hot swap made of the current one)."""
         old, had = self.proposer, self.proposer.needs_features
-        new = drafter if isinstance(drafter, Proposer) else old.with_drafter(drafter, proposer_for_drafter)
         d = new.drafter
         if d is not None and d.vocab_size < self.vocab_size:
             raise ValueError(

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +33,26 @@ REFUSAL_KINDS = ("missing", "symlink", "manifest", "files", "load", "shape", "no
 """Bounded categories of a refusal (the `reason` label of dvi_drafter_refusals_total)."""
 
 
+@dataclass(eq=False)
 class AdapterRejected(Exception):
-    """A published drafter version failed validation; `reason` says why, `kind` in REFUSAL_KINDS.
+    """A published drafter version failed validation: a typed refusal (`reason` says why, `kind` in REFUSAL_KINDS).
 
     `transient` refusals (the version dir is not there yet: LATEST written before the rename
     became visible, a slow shared filesystem) may succeed later and are retried by the server.
     """
 
-    def __init__(self, reason: str, version: int | None = None, kind: str = "other",
-                 transient: bool = False) -> None:
-        self.reason = reason
-        self.version = version
-        self.kind = kind if kind in REFUSAL_KINDS else "other"
-        self.transient = transient
-        super().__init__(f"{vname(version) if version is not None else 'drafter'} rejected: {reason}")
+    reason: str
+    version: int | None = None
+    kind: str = "other"
+    transient: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in REFUSAL_KINDS:
+            self.kind = "other"
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return f"{vname(self.version) if self.version is not None else 'drafter'} rejected: {self.reason}"
 
 
 def _to_dtype(d: Any) -> torch.dtype | None:

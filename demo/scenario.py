@@ -12,7 +12,7 @@
    dir) followed by more of the drift domain;
 4. show live progress (requests, rolling α, drafter and target versions, trainer state);
 5. once the server stopped (its feedback log flushed), replay each window's own responses through the drafter
-   version that served them and through the frozen v0 drafter (`serving.demo_replay`: the same tokens, so the
+   version that served them and through the frozen v0 drafter (`demo.replay`: the same tokens, so the
    gain over the frozen drafter is 0 until a promotion); print the α timeline with both and the gain, write
    `runs/<id>/timeline.json` and `runs/<id>/alpha.png`.
 
@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import secrets
-import signal
-import subprocess
 import sys
 import time
 from collections import deque
@@ -42,6 +38,7 @@ from dvi.config import DviConfig, dump_config
 from dvi.decode.results import acceptance_rate, mean_accepted_length
 from dvi.fsutil import PRIVATE, atomic_write_text
 from dvi.rundir import RunDir
+from serving.server_process import ServerProcess
 
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
 CONCURRENCY = 4
@@ -63,64 +60,6 @@ KEEP_VERSIONS = 64
 # adapter was first promoted at request ~200, a phase late.
 LANE_WARMUP = {"adapter_min_records": 16, "heldout_fraction": 0.25}
 TARGET_UPDATE = "target_v1.safetensors"  # the perturbed target the third phase serves, under `<run>/targets/`
-
-
-class ServerProcess:
-    """`dvi serve` in a subprocess on a free loopback port (serve.port=0; the port is read from its
-    first stdout line). Stopped with SIGTERM (the server drains, `serving.drain`), then SIGKILL."""
-
-    def __init__(self, args: list[str], log_path: Path, cwd: Path | None = None,
-                 start_timeout_s: float = 600.0, env: dict[str, str] | None = None) -> None:
-        self.cmd = [sys.executable, "-m", "dvi.cli", "serve", *args, "serve.port=0", "serve.host=127.0.0.1"]
-        self.log_path = Path(log_path)
-        self.cwd = cwd
-        self.env = env or {}  # more environment for the server (and its children)
-        self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def __enter__(self) -> ServerProcess:
-        import httpx
-
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **self.env)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE)  # the run dir's log: owner-only
-        self._log = os.fdopen(fd, "w")  # closed in __exit__
-        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=env)
-        deadline = time.monotonic() + self.start_timeout_s
-        try:
-            for line in self.proc.stdout:
-                self._log.write(line)
-                m = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line)
-                if m:
-                    self.url = m.group(1)
-                    break
-            if not self.url:
-                raise RuntimeError(f"server exited before serving; see {self.log_path}")
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited; see {self.log_path}")
-                time.sleep(0.2)
-            raise RuntimeError(f"server not healthy after {self.start_timeout_s}s; see {self.log_path}")
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 def _perturbed_target(target_dir: Path, out: Path, scale: float = 0.05, seed: int = 0) -> Path:
@@ -158,7 +97,7 @@ def window_rate(stats: list[dict[str, Any]]) -> tuple[int, float, float | None]:
 class Timeline:
     """Per-window α and tokens/s as the client sees them (from each response's `dvi` block and usage, and its
     send and answer times) and the request ids of the window's responses (the feedback records
-    `serving.demo_replay` replays)."""
+    `demo.replay` replays)."""
 
     def __init__(self, window: int = WINDOW) -> None:
         self.window = window
@@ -372,8 +311,7 @@ def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, co
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dvi.models.loading import find_tokenizer_path, load_tokenizer
-
-    from .loading import pair_paths
+    from serving.loading import pair_paths
 
     targets = rundir.root / "targets"
     config_path, admin_token = _write_serve_config(cfg, rundir.root, targets)
@@ -397,7 +335,7 @@ def _run_scenario(cfg: DviConfig, rundir: RunDir, n: int, timeline: Timeline, co
 
 def _logged(rundir: RunDir, console: Any) -> dict:
     """The run's feedback records by request id (read once, for the replay and the greedy check); {} if unreadable."""
-    from .demo_replay import read_records
+    from .replay import read_records
 
     try:
         return read_records(rundir.root / "feedback")
@@ -408,8 +346,8 @@ def _logged(rundir: RunDir, console: Any) -> dict:
 
 def _replay(cfg: DviConfig, rundir: RunDir, timeline: Timeline, records: dict, console: Any) -> None:
     """Each window's responses replayed through the drafter that served them and the frozen one
-    (`serving.demo_replay`); a failure is shown, the table is still printed."""
-    from .demo_replay import drafter_scorers, replay_windows
+    (`demo.replay`); a failure is shown, the table is still printed."""
+    from .replay import drafter_scorers, replay_windows
 
     console.print("replaying each window's responses through the serving and the frozen drafter ...")
     try:
@@ -427,7 +365,7 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: in
     chain (`speculation.num_draft_tokens`)."""
     from rich.table import Table
 
-    from .demo_replay import LEGEND, plot_windows
+    from .replay import LEGEND, plot_windows
 
     table = Table(title=f"α timeline (per window of requests; len served / len frozen at K = {k})", caption=LEGEND,
                   caption_justify="left")
@@ -467,7 +405,7 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
     import httpx
     from rich.console import Console
 
-    from .loading import ensure_pair
+    from serving.loading import ensure_pair
 
     # A log file or pipe gets rich's 80 columns, which cut the table's gain column to "+0.0…": give it room.
     console = Console() if sys.stdout.isatty() else Console(width=LOG_WIDTH)
@@ -491,7 +429,7 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
     _replay(cfg, rundir, timeline, records, console)
     greedy = None
     if cfg.serve.engine == "vllm":  # dvi's own engine: its losslessness is the test suite's to prove
-        from .demo_greedy import report_greedy
+        from .greedy import report_greedy
 
         greedy = report_greedy(cfg, records, rundir.root / "targets" / TARGET_UPDATE, console)
     _report(console, rundir, timeline, final, cfg.speculation.num_draft_tokens, greedy)

@@ -79,8 +79,7 @@ def drafter_scorers(cfg: DviConfig, registry_dir: str | Path) -> Callable[[Serve
     from dvi.registry.codec import load_drafter_version, scoring_module
     from dvi.registry.groups import group_registry
     from dvi.registry.store import AdapterRejected, DrafterRegistry
-
-    from .loading import load_serving_pair
+    from serving.loading import load_serving_pair
 
     base = load_serving_pair(cfg).drafter
     k = cfg.speculation.num_draft_tokens

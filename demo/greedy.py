@@ -5,7 +5,7 @@ Each served token must be the target's own argmax given the tokens before it: wh
 greedily without speculation chooses there. Where it is not, the check reports the gap between the target's top
 logit and the served token's: within `dvi.decode.sampling.tie_bound` it is a near-tie that two float32
 implementations of the same model (vLLM's CPU kernels, transformers' eager ones) may break either way; past it, a
-token speculation changed. Offline, after the server stopped, like `serving.demo_replay`.
+token speculation changed. Offline, after the server stopped, like `demo.replay`.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def demo_targets(target_dir: str | Path, updates: dict[int, Path]) -> dict[int, 
 def report_greedy(cfg: Any, records: dict[str, FeedbackRecord], update: Path, console: Any) -> dict | None:
     """The demo's check behind vLLM (an engine dvi's tests do not decode with), printed: every greedy record against
     the target version that served it (v0 the pair's, v1 the update file's when it exists); None if it failed."""
-    from .loading import pair_paths
+    from serving.loading import pair_paths
 
     console.print("checking every greedy answer against the target's own argmax (teacher-forced, float32) ...")
     try:
