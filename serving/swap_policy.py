@@ -93,8 +93,8 @@ class SwapLane:
         if not version:
             return None
         sd, man = registry.open_version(version)
-        if man.kind != "lora":
-            raise AdapterRejected(f"a group's version must be a LoRA adapter, this one is {man.kind!r}", version,
+        if man.format != "lora":
+            raise AdapterRejected(f"a group's version must be a LoRA adapter, this one is {man.format!r}", version,
                                   kind="architecture")
         try:
             conf = json.loads((registry.version_dir(version) / "adapter_config.json").read_text())

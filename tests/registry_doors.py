@@ -12,7 +12,7 @@ from typing import Any
 
 from dvi.registry.codec import LoraCodec
 from dvi.registry.store import (
-    FILES_BY_KIND,
+    FILES_BY_FORMAT,
     LORA_WEIGHTS,
     MANIFEST,
     AdapterRejected,
@@ -23,10 +23,10 @@ from dvi.registry.store import (
 
 def publish_files(reg: DrafterRegistry, files: Mapping[str, bytes | str | os.PathLike], manifest: Mapping[str, Any],
                   set_latest: bool = True) -> int:
-    """Publish files given as bytes or paths (name -> content); kind comes from the file names."""
-    kind = manifest.get("kind") or ("lora" if LORA_WEIGHTS in files else "full")
-    if kind not in FILES_BY_KIND:
-        raise ValueError(f"manifest kind must be 'lora' or 'full', got {kind!r}")
+    """Publish files given as bytes or paths (name -> content); the format comes from the file names."""
+    file_format = manifest.get("format") or ("lora" if LORA_WEIGHTS in files else "full")
+    if file_format not in FILES_BY_FORMAT:
+        raise ValueError(f"manifest format must be 'lora' or 'full', got {file_format!r}")
     for name in files:
         if "/" in name or name in (MANIFEST, "") or name.startswith("."):
             raise ValueError(f"bad file name {name!r}")
@@ -38,7 +38,7 @@ def publish_files(reg: DrafterRegistry, files: Mapping[str, bytes | str | os.Pat
             else:
                 shutil.copyfile(content, tmp / name)
 
-    return reg._publish(write, manifest, kind, set_latest)
+    return reg._publish(write, manifest, file_format, set_latest)
 
 
 def load_adapter_into(reg: DrafterRegistry, peft_model: Any, version: int | None = None,
@@ -53,13 +53,13 @@ def load_adapter_into(reg: DrafterRegistry, peft_model: Any, version: int | None
         if version is None:
             raise AdapterRejected("registry has no LATEST version")
     if adapter_name not in peft_model.peft_config:
-        _, man = reg.open_version(version, drafter_kind="lora", publish_kind="lora")
+        _, man = reg.open_version(version, drafter_kind="separate", file_format="lora")
         peft_model.load_adapter(str(reg.version_dir(version)), adapter_name=adapter_name)
         return man
     codec = LoraCodec(adapter_name)
     live = codec.state(peft_model)
     sd, man = reg.open_version(version, {k: (tuple(v.shape), None) for k, v in live.items()},
-                               drafter_kind="lora", publish_kind="lora")
+                               drafter_kind="separate", file_format="lora")
     try:
         codec.load_state(peft_model, {k: v.to(dtype=live[k].dtype) for k, v in sd.items()})
     except ValueError as exc:

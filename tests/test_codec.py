@@ -61,11 +61,11 @@ def test_each_format_round_trips_through_its_one_codec(pair, tiny_pair_dir, tmp_
                         online_config(tiny_pair_dir, tmp_path, *(["models.drafter_kind=" + kind]
                                                                  if kind in ("early_exit", "eagle") else [])))
     codec = {"lora": LORA, "full": FULL}.get(kind)
-    assert tr.codec is codec if codec else isinstance(tr.codec, SharedTargetCodec) and tr.codec.drafter_kind == kind
+    assert tr.codec is codec if codec else isinstance(tr.codec, SharedTargetCodec) and tr.codec.kind == kind
     reg = DrafterRegistry(tmp_path / "registry")
     v = tr.publish(reg, version_manifest())
     man = reg.manifest(v)
-    assert man.drafter_kind == tr.kind and man.kind == tr.publish_kind
+    assert man.drafter_kind == tr.kind and man.format == tr.format
     back = tr.load_version(reg, v)
     assert back.keys() == tr.state().keys() and all(torch.equal(back[k], t) for k, t in tr.state().items())
     served, _ = load_drafter_version(reg, v, live)

@@ -330,12 +330,12 @@ def test_14_full_drafter_config_checked_before_instantiation(srv, client) -> Non
     base_cfg = sw.base.config.to_dict()
     # the same tensors under another architecture (Mistral names its weights as Llama does)
     mistral = {**base_cfg, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
-    v1 = publish_files(reg, {"model.safetensors": path, "config.json": json.dumps(mistral).encode()}, version_manifest(kind="full"))
+    v1 = publish_files(reg, {"model.safetensors": path, "config.json": json.dumps(mistral).encode()}, version_manifest(format="full"))
     assert "model_type" in _wait_refused(sw, v1, "the other architecture refused")
     # a config that would take seconds and gigabytes to instantiate
     huge = {**base_cfg, "hidden_size": 8192, "num_hidden_layers": 80, "intermediate_size": 28672}
     t0 = time.perf_counter()
-    v2 = publish_files(reg, {"model.safetensors": path, "config.json": json.dumps(huge).encode()}, version_manifest(kind="full"))
+    v2 = publish_files(reg, {"model.safetensors": path, "config.json": json.dumps(huge).encode()}, version_manifest(format="full"))
     assert "hidden_size" in _wait_refused(sw, v2, "the huge config refused")
     assert time.perf_counter() - t0 < 10
     assert sw.live_version == live

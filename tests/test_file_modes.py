@@ -41,7 +41,7 @@ def test_server_run_dir_and_feedback_are_private(tiny_pair_dir, tmp_path) -> Non
 
         reg = DrafterRegistry(cfg.registry.dir)
         v = publish_files(reg, {"adapter_model.safetensors": b"\x00garbage" * 8, "adapter_config.json": b"{}"},
-                        version_manifest(kind="lora"))
+                        version_manifest(format="lora"))
         wait_for(lambda: v in s.state.swapper.refused, 30, what="the garbage version refused")
         wait_for(lambda: RunDir.of(cfg).swap_events_path.exists(), 10, what="swap_events.jsonl")
     modes = _modes(run)

@@ -323,6 +323,16 @@ def test_feedback_token_budget_caps_steps_new_and_replay(pair, prose, tiny_pair_
     back.load_checkpoint(tmp_path / "ckpt")
     saved = (tr.records_read, tr.feedback_tokens, tr.budget_deferred, tr.step)
     assert (back.records_read, back.feedback_tokens, back.budget_deferred, back.step) == saved
+    # a checkpoint from before `format` named only its kind (a separate LoRA drafter's: "lora") and still resumes
+    state_path = tmp_path / "ckpt" / "state.json"
+    state = json.loads(state_path.read_text())
+    assert (state["drafter_kind"], state["format"]) == ("separate", "lora")
+    state_path.write_text(json.dumps({k: v for k, v in state.items() if k not in ("drafter_kind", "format")}
+                                     | {"kind": "lora"}))
+    OnlineTrainer(cfg, copy.deepcopy(pair.drafter)).load_checkpoint(tmp_path / "ckpt")
+    state_path.write_text(json.dumps(state | {"format": "full"}))
+    with pytest.raises(ValueError, match="separate/full drafter, this is separate/lora"):
+        OnlineTrainer(cfg, copy.deepcopy(pair.drafter)).load_checkpoint(tmp_path / "ckpt")
 
 
 def test_trainer_ignores_a_mixed_precision_another_accelerator_fixed(pair, tiny_pair_dir, tmp_path) -> None:

@@ -141,7 +141,7 @@ def test_4_one_typed_manifest_and_one_check_for_server_and_trainer(pair, prose, 
     reg = DrafterRegistry(tmp_path / "registry")
     v = reg.publish_peft_adapter(lora_copy(pair.drafter), version_manifest(drafter_kind="eagle"))
     man = reg.manifest(v)
-    assert isinstance(man, Manifest) and man.version == v and man.kind == "lora" and man.drafter_kind == "eagle"
+    assert isinstance(man, Manifest) and man.version == v and man.format == "lora" and man.drafter_kind == "eagle"
     from serving.swap import load_drafter_version
 
     with pytest.raises(AdapterRejected, match="published by a 'eagle' trainer"):

@@ -32,7 +32,7 @@ def test_publish_layout_latest_and_load(tmp_path):
     man = json.loads((d / "manifest.json").read_text())
     for f in MANIFEST_FIELDS:
         assert f in man
-    assert man["version"] == 1 and man["kind"] == "full" and man["parent_version"] is None
+    assert man["version"] == 1 and man["format"] == "full" and man["parent_version"] is None
     v2 = reg.publish_full(sd(2), {"model_type": "llama"}, {"heldout_alpha": 0.5})
     assert v2 == 2 and reg.latest() == 2 and reg.manifest(2).parent_version == 1
     state, man = reg.open_version(reg.latest(), expected=sd(0))
@@ -49,10 +49,31 @@ def test_publish_files_dict(tmp_path):
     p = tmp_path / "w.safetensors"
     save_file(sd(0), str(p))
     v = publish_files(reg, {"adapter_model.safetensors": p, "adapter_config.json": b"{}"}, {"steps": 1})
-    assert reg.manifest(v).kind == "lora"
+    assert reg.manifest(v).format == "lora"
     reg.open_version(v, expected=sd(0))
     with pytest.raises(ValueError, match="adapter_config.json"):
         publish_files(reg, {"adapter_model.safetensors": p}, {})
+
+
+def test_a_manifest_from_before_format_reads_in_one_kind_vocabulary(tmp_path):
+    """A registry outlives an upgrade: a version whose manifest still says `kind` (its format) and a separate
+    drafter's `drafter_kind` by its format's name reads as format + the config's kind names; a new manifest with
+    an old kind name is refused."""
+    reg = DrafterRegistry(tmp_path)
+    v = reg.publish_full(sd(1), {"model_type": "llama"}, {"drafter_kind": "separate"})
+    path = reg.version_dir(v) / "manifest.json"
+    man = json.loads(path.read_text())
+    assert man["drafter_kind"] == "separate" and "kind" not in man
+    old = {k: val for k, val in man.items() if k != "format"} | {"kind": "full", "drafter_kind": "full"}
+    path.write_text(json.dumps(old))
+    got = reg.manifest(v)
+    assert (got.format, got.drafter_kind) == ("full", "separate")
+    reg.open_version(v, expected=sd(0), drafter_kind="separate", file_format="full")
+    with pytest.raises(AdapterRejected, match="format is 'full', expected 'lora'"):
+        reg.open_version(v, drafter_kind="separate", file_format="lora")
+    path.write_text(json.dumps(man | {"drafter_kind": "lora"}))
+    with pytest.raises(AdapterRejected, match="unknown drafter_kind 'lora'"):
+        reg.manifest(v)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +204,7 @@ def test_peft_publish_and_load_into(tmp_path):
 
     server = _tiny_peft(seed=2)  # same base shapes, different adapter values
     man = load_adapter_into(reg, server, v)
-    assert man.version == v and man.kind == "lora"
+    assert man.version == v and man.format == "lora"
     a = get_peft_model_state_dict(trained)
     b = get_peft_model_state_dict(server)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -102,7 +102,7 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
             # a corrupted adapter (garbage bytes) is refused, counted, and the live drafter keeps serving
             cfg_json = (reg.version_dir(v1) / "adapter_config.json").read_bytes()
             v2 = publish_files(reg, {"adapter_model.safetensors": b"\x00garbage" * 64, "adapter_config.json": cfg_json},
-                             version_manifest(kind="lora"))
+                             version_manifest(format="lora"))
             wait_for(lambda: str(v2) in s.health()["drafter"]["refused"], 30, what="v2 refused")
             # a wrongly shaped one (LoRA made for another model) too
             other = copy.deepcopy(base)
@@ -270,7 +270,7 @@ def _early_exit_version(live, out_dir, scale: float = 0.0, seed: int = 0):
 
 
 def _publish_dir(reg, path, drafter_kind: str = "early_exit", **manifest) -> int:
-    return publish_files(reg, {f.name: f for f in path.iterdir()}, version_manifest(kind="lora", drafter_kind=drafter_kind,
+    return publish_files(reg, {f.name: f for f in path.iterdir()}, version_manifest(format="lora", drafter_kind=drafter_kind,
                                                                        **manifest))
 
 

@@ -185,7 +185,7 @@ class SharedTargetDrafter(Drafter, ABC):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         sd = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
-        save_file(sd, str(path / ADAPTER_WEIGHTS))
+        save_file(sd, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (path / ADAPTER_CONFIG).write_text(json.dumps(self.config_dict(), indent=2))
         return path
 

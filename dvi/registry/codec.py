@@ -3,11 +3,11 @@ weights they hold. The trainer (`trainers.online.trainables`), the registry (`Dr
 `publish_peft_adapter`, `publish_full`), the swapper and the demo replay
 (`load_drafter_version`, `scoring_module`) all go through these, so a format is written in one place and read in one.
 
-| codec | drafter | files (manifest `kind`) |
+| codec | drafter (`kind`, the config's `models.drafter_kind` names) | files (manifest `format`) |
 |---|---|---|
-| `LORA` | a separate HF causal LM under a peft LoRA | `adapter_model.safetensors` + peft's `adapter_config.json` ("lora") |
-| `FULL` | a separate HF causal LM, every weight | `model.safetensors` + `config.json` ("full") |
-| `SharedTargetCodec` | early exit / eagle on the target's weights | their own weights + `adapter_config.json` with `dvi_kind` ("lora") |
+| `LORA` | `separate`: an HF causal LM under a peft LoRA | `adapter_model.safetensors` + peft's `adapter_config.json` ("lora") |
+| `FULL` | `separate`: an HF causal LM, every weight | `model.safetensors` + `config.json` ("full") |
+| `SharedTargetCodec` | `early_exit` / `eagle` on the target's weights | `SharedTargetDrafter.save`'s own weights + `adapter_config.json` with `dvi_kind` ("lora") |
 
 Every read first passes the registry's one file-level check (`DrafterRegistry.open_version`: confinement,
 manifest, fit, parse, finite); what is here checks what only a drafter can: names and shapes of the weights it
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from dvi.drafters.learned import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Drafter, SharedTargetDrafter
+from dvi.drafters.learned import ADAPTER_CONFIG, Drafter, SharedTargetDrafter
 from dvi.drafters.vocab import apply_draft_vocab, find_subset_head
 from dvi.registry.base import AdapterRejected, check_state_dict
 
@@ -42,7 +42,7 @@ class VersionSource(Protocol):
     """What a codec reads versions from (`DrafterRegistry`)."""
 
     def open_version(self, version: int, expected: Any = None, drafter_kind: str | None = None,
-                     publish_kind: str | None = None, draft_vocab_size: Any = ...) -> tuple[dict, Any]: ...
+                     file_format: str | None = None, draft_vocab_size: Any = ...) -> tuple[dict, Any]: ...
 
     def version_dir(self, version: int) -> Path: ...
 
@@ -72,8 +72,8 @@ class DrafterCodec(ABC):
     files), `read_state` (a version's weights, validated against a like drafter) and `build` (a servable drafter
     from a validated version)."""
 
-    drafter_kind = "base"  # the manifest's drafter_kind and the trainer's checkpoint kind
-    file_kind = "lora"  # the manifest's kind: which files a version dir holds
+    kind = "separate"  # the drafter kind (`models.drafter_kind`'s names): the manifest's drafter_kind
+    format = "lora"  # which files a version dir holds: the manifest's format (`FILES_BY_FORMAT`)
 
     @abstractmethod
     def state(self, drafter: Any) -> dict[str, torch.Tensor]:
@@ -90,7 +90,7 @@ class DrafterCodec(ABC):
     def read_state(self, source: VersionSource, version: int, like: Any) -> dict[str, torch.Tensor]:
         """A published version's weights as a `state(like)`-shaped dict in `like`'s dtypes; tensors `like` does not
         train are ignored, any it trains must be there with its shape (AdapterRejected otherwise)."""
-        sd, _ = source.open_version(version, drafter_kind=self.drafter_kind, publish_kind=self.file_kind)
+        sd, _ = source.open_version(version, drafter_kind=self.kind, file_format=self.format)
         own = self.state(like)
         need = {k: spec for k, spec in _shapes(own).items() if k in sd or not self._optional(k)}
         check_state_dict({k: v for k, v in sd.items() if k in need}, need, version)
@@ -110,9 +110,6 @@ class LoraCodec(DrafterCodec):
     """A peft LoRA (`adapter_name`) of a separate drafter, written by peft's own `save_pretrained` (the dir also
     loads with `PeftModel.from_pretrained`); served merged into a pristine copy of the base (`merge_and_unload`),
     so it costs exactly what the base drafter costs."""
-
-    drafter_kind = "lora"
-    file_kind = "lora"
 
     def __init__(self, adapter_name: str = "default") -> None:
         self.adapter_name = adapter_name
@@ -172,8 +169,7 @@ def _shared_embeddings(base: nn.Module, version_dir: Path) -> dict[int, Any]:
 class FullCodec(DrafterCodec):
     """Every weight of a separate drafter (full distillation): `model.safetensors` + `config.json`."""
 
-    drafter_kind = "full"
-    file_kind = "full"
+    format = "full"
 
     def state(self, drafter: Any) -> dict[str, torch.Tensor]:
         return _cpu_clone(drafter.state_dict())
@@ -232,10 +228,8 @@ class SharedTargetCodec(DrafterCodec):
     that rebuilds it on a target (`adapter_config.json` with its `dvi_kind`); never merged (that would write into
     the target)."""
 
-    file_kind = "lora"
-
-    def __init__(self, drafter_kind: str) -> None:
-        self.drafter_kind = drafter_kind
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
 
     def state(self, drafter: Any) -> dict[str, torch.Tensor]:
         return _cpu_clone(drafter.trainable_state_dict())
@@ -244,10 +238,7 @@ class SharedTargetCodec(DrafterCodec):
         drafter.load_trainable_state_dict(dict(sd))
 
     def save(self, drafter: Any, path: Path) -> None:
-        from safetensors.torch import save_file
-
-        save_file(self.state(drafter), str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (path / ADAPTER_CONFIG).write_text(json.dumps(drafter.config_dict(), indent=2))
+        drafter.save(path)  # the format's one writer is the drafter's own
 
     def build(self, source: VersionSource, version: int, base: Any, sd: Mapping[str, torch.Tensor]) -> Any:
         d = source.version_dir(version)
@@ -255,9 +246,9 @@ class SharedTargetCodec(DrafterCodec):
             cfg = json.loads((d / ADAPTER_CONFIG).read_text())
         except (OSError, ValueError) as exc:
             raise AdapterRejected(f"{ADAPTER_CONFIG} does not load: {exc}", version, kind="files") from None
-        if not isinstance(cfg, dict) or cfg.get("dvi_kind") != self.drafter_kind:
-            raise AdapterRejected(f"not an {self.drafter_kind} drafter (adapter_config.json lacks dvi_kind "
-                                  f"{self.drafter_kind!r})", version, kind="architecture")
+        if not isinstance(cfg, dict) or cfg.get("dvi_kind") != self.kind:
+            raise AdapterRejected(f"not an {self.kind} drafter (adapter_config.json lacks dvi_kind {self.kind!r})",
+                                  version, kind="architecture")
         check_state_dict(sd, _shapes(base.trainable_state_dict()), version)
         head = find_subset_head(base.model)
         try:
@@ -304,7 +295,7 @@ def load_drafter_version(source: VersionSource, version: int, base: Any) -> tupl
         model = SharedTargetCodec(base.kind).build(source, version, base, sd)
         _check_finite(model.trainable_state_dict().items(), version)
         return model, man
-    model = (LORA if man.kind == "lora" else FULL).build(source, version, base, sd)
+    model = (LORA if man.format == "lora" else FULL).build(source, version, base, sd)
     rows, base_rows = (m.get_output_embeddings().weight.shape[0] for m in (model, base))
     if rows != base_rows:
         raise AdapterRejected(f"vocabulary has {rows} rows, the live drafter {base_rows}", version, kind="shape")

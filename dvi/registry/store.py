@@ -59,13 +59,30 @@ log = logging.getLogger(__name__)
 LORA_WEIGHTS = ADAPTER_WEIGHTS
 LORA_CONFIG = ADAPTER_CONFIG
 MANIFEST = "manifest.json"
-MANIFEST_FIELDS = ("version", "parent_version", "target_version", "kind", "steps", "records_seen", "heldout_alpha",
+MANIFEST_FIELDS = ("version", "parent_version", "target_version", "format", "steps", "records_seen", "heldout_alpha",
                    "created_at")
-FILES_BY_KIND = {"lora": (LORA_WEIGHTS, LORA_CONFIG), "full": (FULL_WEIGHTS, FULL_CONFIG)}
+FILES_BY_FORMAT = {"lora": (LORA_WEIGHTS, LORA_CONFIG), "full": (FULL_WEIGHTS, FULL_CONFIG)}
+DRAFTER_KINDS = ("separate", "early_exit", "eagle")
+"""A version's drafter kind: the learned values of `models.drafter_kind` (`dvi.drafters.factory.KINDS`)."""
 
 EVENTS_MAX_BYTES = 1 << 20
 """events.jsonl is rotated to events.1.jsonl past this size: the history costs at most twice this on disk."""
 _ANY = object()
+
+
+LEGACY_SEPARATE = ("lora", "full")
+"""What a manifest written before `format` existed called a separate drafter's kind (its format's name)."""
+
+
+def _upgraded(raw: dict[str, Any]) -> dict[str, Any]:
+    """A manifest from before `format`: its `kind` was the format, and a separate drafter's `drafter_kind` was
+    the format's name; read in today's vocabulary (a registry outlives an upgrade)."""
+    if "format" in raw or "kind" not in raw:
+        return raw
+    out = {k: v for k, v in raw.items() if k != "kind"} | {"format": raw["kind"]}
+    if out.get("drafter_kind") in LEGACY_SEPARATE:
+        out["drafter_kind"] = "separate"
+    return out
 
 
 @dataclass(frozen=True)
@@ -76,12 +93,12 @@ class Manifest:
     version: int
     parent_version: int | None
     target_version: int
-    kind: str  # "lora" | "full": which files the version dir holds (FILES_BY_KIND)
+    format: str  # "lora" | "full": which files the version dir holds (FILES_BY_FORMAT)
     steps: int
     records_seen: int
     heldout_alpha: float | None
     created_at: float
-    drafter_kind: str | None = None  # the trainer's drafter kind (lora/full/early_exit/eagle); None: hand-published
+    drafter_kind: str | None = None  # DRAFTER_KINDS: what the trainer trained; None: hand-published
     draft_vocab_size: Any = _ANY  # N of the reduced draft vocabulary it was trained for, None = full, _ANY = unstated
     extra: Mapping[str, Any] = field(default_factory=dict)  # every other field (parent_heldout_alpha, ...)
 
@@ -90,14 +107,17 @@ class Manifest:
         """Check the fields of a loaded manifest.json; AdapterRejected(kind="manifest") names what is wrong."""
         if not isinstance(raw, dict):
             raise AdapterRejected(f"{MANIFEST} is not a JSON object", version, kind="manifest")
+        raw = _upgraded(raw)
         missing = [f for f in MANIFEST_FIELDS if f not in raw]
         if missing:
             raise AdapterRejected(f"{MANIFEST} lacks field(s) {missing}", version, kind="manifest")
         if raw["version"] != version:
             raise AdapterRejected(f"{MANIFEST} says version {raw['version']!r}, dir is {vname(version)}", version,
                                   kind="manifest")
-        if raw["kind"] not in FILES_BY_KIND:
-            raise AdapterRejected(f"unknown kind {raw['kind']!r}", version, kind="manifest")
+        if raw["format"] not in FILES_BY_FORMAT:
+            raise AdapterRejected(f"unknown format {raw['format']!r}", version, kind="manifest")
+        if raw.get("drafter_kind") not in (None, *DRAFTER_KINDS):
+            raise AdapterRejected(f"unknown drafter_kind {raw['drafter_kind']!r}", version, kind="manifest")
         ints = ("target_version", "steps", "records_seen")
         bad = [f for f in ints if not is_count(raw[f])] + [f for f in ("parent_version",) if
                                                          raw[f] is not None and not is_count(raw[f])]
@@ -120,17 +140,15 @@ class Manifest:
             out["draft_vocab_size"] = self.draft_vocab_size
         return out
 
-    def check_fits(self, drafter_kind: str, publish_kind: str | None = None,
+    def check_fits(self, drafter_kind: str, file_format: str | None = None,
                    draft_vocab_size: Any = _ANY) -> None:
-        """Refuse (AdapterRejected kind="architecture") a version made for another drafter kind, file
-        kind or draft vocabulary. A hand-published version (no drafter_kind) fits a lora/full/separate one."""
-        mine = self.drafter_kind
-        if mine is not None and mine != drafter_kind and not (
-                {mine, drafter_kind} <= {"lora", "full", "separate"}):
-            raise AdapterRejected(f"published by a {mine!r} trainer, this drafter is {drafter_kind!r}", self.version,
-                                  kind="architecture")
-        if publish_kind is not None and self.kind != publish_kind:
-            raise AdapterRejected(f"kind is {self.kind!r}, expected {publish_kind!r}", self.version,
+        """Refuse (AdapterRejected kind="architecture") a version made for another drafter kind, file format or
+        draft vocabulary. A hand-published version (no drafter_kind) fits any drafter its files fit."""
+        if self.drafter_kind is not None and self.drafter_kind != drafter_kind:
+            raise AdapterRejected(f"published by a {self.drafter_kind!r} trainer, this drafter is {drafter_kind!r}",
+                                  self.version, kind="architecture")
+        if file_format is not None and self.format != file_format:
+            raise AdapterRejected(f"format is {self.format!r}, expected {file_format!r}", self.version,
                                   kind="architecture")
         if (draft_vocab_size is not _ANY and self.draft_vocab_size is not _ANY
                 and self.draft_vocab_size != draft_vocab_size):
@@ -226,16 +244,16 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
         append_jsonl(path, fields)
 
     # -- publishing -------------------------------------------------------------------------
-    def _publish(self, write_files: Any, manifest: Mapping[str, Any], kind: str, set_latest: bool) -> int:
+    def _publish(self, write_files: Any, manifest: Mapping[str, Any], file_format: str, set_latest: bool) -> int:
         """Build a version dir under a temp name via `write_files(tmpdir)`, then rename it in."""
         tmp = self.dir / f"{TMP_PREFIX}{os.getpid()}-{time.time_ns()}"
         tmp.mkdir()
         try:
             write_files(tmp)
-            weights, config = FILES_BY_KIND[kind]
+            weights, config = FILES_BY_FORMAT[file_format]
             for fname in (weights, config):
                 if not (tmp / fname).is_file():
-                    raise ValueError(f"{kind} drafter version needs {fname}")
+                    raise ValueError(f"a {file_format} drafter version needs {fname}")
             parent = self.latest()
             version = (max(self.list_versions(), default=0)) + 1
             while True:
@@ -243,13 +261,13 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
                     "version": version,
                     "parent_version": parent,
                     "target_version": 0,
-                    "kind": kind,
+                    "format": file_format,
                     "steps": 0,
                     "records_seen": 0,
                     "heldout_alpha": None,
                     **dict(manifest),
                 }
-                man["version"], man["kind"] = version, kind
+                man["version"], man["format"] = version, file_format
                 man.setdefault("created_at", time.time())
                 (tmp / MANIFEST).write_text(json.dumps(man, indent=1, sort_keys=True))
                 fsync_tree(tmp)
@@ -267,7 +285,7 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._event(event="publish", version=version, parent_version=parent, kind=kind)
+        self._event(event="publish", version=version, parent_version=parent, format=file_format)
         if set_latest:
             self._set_latest(version)
         self.gc()
@@ -277,8 +295,8 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
                         set_latest: bool = True) -> int:
         """Publish `drafter` in its format (`dvi.registry.codec`): the codec writes the files, the registry the
         manifest, the rename and LATEST."""
-        man = {"drafter_kind": codec.drafter_kind, **dict(manifest or {})}
-        return self._publish(lambda tmp: codec.save(drafter, tmp), man, codec.file_kind, set_latest)
+        man = {"drafter_kind": codec.kind, **dict(manifest or {})}
+        return self._publish(lambda tmp: codec.save(drafter, tmp), man, codec.format, set_latest)
 
     def publish_full(
         self,
@@ -306,7 +324,7 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
 
     # -- validation and loading -------------------------------------------------------------
     def open_version(self, version: int, expected: Expected | None = None, drafter_kind: str | None = None,
-                     publish_kind: str | None = None, draft_vocab_size: Any = _ANY
+                     file_format: str | None = None, draft_vocab_size: Any = _ANY
                      ) -> tuple[dict[str, torch.Tensor], Manifest]:
         """THE check of a version, for the server and the trainer alike: files confined to the registry,
         manifest parsed (`Manifest.parse`), fits the loading drafter (`Manifest.check_fits`, when
@@ -318,8 +336,8 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
         self._check_confined(d, version)
         man = self.manifest(version)
         if drafter_kind is not None:
-            man.check_fits(drafter_kind, publish_kind, draft_vocab_size)
-        weights, config = FILES_BY_KIND[man.kind]
+            man.check_fits(drafter_kind, file_format, draft_vocab_size)
+        weights, config = FILES_BY_FORMAT[man.format]
         for fname in (weights, config):
             if not (d / fname).is_file():
                 raise AdapterRejected(f"{fname} missing", version, kind="files")

@@ -39,7 +39,8 @@ def save_checkpoint(path: Path, trainable: Trainable, optimizer: torch.optim.Opt
         write_more(tmp)
     save_file(trainable.state(), str(tmp / "trainable.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({**dict(state), "kind": trainable.kind}))
+    (tmp / "state.json").write_text(json.dumps({**dict(state), "drafter_kind": trainable.kind,
+                                                "format": trainable.format}))
     fsync_tree(tmp)
     replace_dir(tmp, path)  # a kill between its two renames leaves `old_dirs(path)`; load_checkpoint reads it
 
@@ -54,11 +55,22 @@ def load_checkpoint(path: Path, trainable: Trainable, optimizer: torch.optim.Opt
             return None
         path = olds[-1]
     state = json.loads((path / "state.json").read_text())
-    if state.get("kind") != trainable.kind:
-        raise ValueError(f"checkpoint {path} is for a {state.get('kind')!r} drafter, this is {trainable.kind!r}")
+    if _identity(state) != (trainable.kind, trainable.format):
+        raise ValueError(f"checkpoint {path} is for a {'/'.join(map(str, _identity(state)))} drafter, this is "
+                         f"{trainable.kind}/{trainable.format}")
     trainable.load_state(load_file(str(path / "trainable.safetensors")))
     try:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     except Exception as exc:  # noqa: BLE001 - fresh moments are better than no resume
         log.warning("optimizer state not restored (%s); continuing with fresh moments", exc)
     return state
+
+
+def _identity(state: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(drafter kind, format) a checkpoint was written for; one from before `format` named only its `kind`: the
+    format's name for a separate drafter (lora | full), else the kind (early_exit | eagle, in the lora format)."""
+    if "format" in state:
+        return state.get("drafter_kind"), state["format"]
+    old = state.get("kind")
+    return ("separate", old) if old in ("lora", "full") else (old, "lora")
+

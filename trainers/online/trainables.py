@@ -33,8 +33,8 @@ class Trainable:
         self.module = module  # the nn.Module that is trained (accelerate prepares it)
         self.codec = codec
         self.drafter = drafter if drafter is not None else module  # what the codec reads and writes
-        self.kind = codec.drafter_kind
-        self.publish_kind = codec.file_kind
+        self.kind = codec.kind  # `models.drafter_kind`'s learned names
+        self.format = codec.format  # which files it publishes (lora | full)
         self.adapter = adapter  # one of several named LoRA adapters on a shared peft model (a traffic group's)
 
     def activate(self) -> None:
