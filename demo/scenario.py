@@ -57,8 +57,9 @@ SHARED_REPLAY_RATIO = 0.5
 KEEP_VERSIONS = 64
 # With one adapter per domain, a phase of 96 requests must hold a group's warm-up: its lane opens at 16 records and a
 # quarter of them are held out (the first checks need 256 held-out positions of that group). At 32 and a tenth the sql
-# adapter was first promoted at request ~200, a phase late.
-LANE_WARMUP = {"adapter_min_records": 16, "heldout_fraction": 0.25}
+# adapter was first promoted at request ~200, a phase late. Between feedback shards (one per `feedback.flush_seconds`)
+# the trainer replays the active groups' records instead of sleeping: without it a lane stepped once per shard.
+LANE_WARMUP = {"adapter_min_records": 16, "heldout_fraction": 0.25, "idle_replay_steps": 1}
 TARGET_UPDATE = "target_v1.safetensors"  # the perturbed target the third phase serves, under `<run>/targets/`
 
 

@@ -8,17 +8,28 @@
 told (load and validate a version, score it, send the engine command, write the ledger) and reports back what came
 of it. Every transition is a method here, so the lifecycle is tested without threads (`tests/test_promotion.py`).
 Version 0 is the startup drafter: always good, never refused.
+
+The watched state's evidence is a `Watch`: the records finished since the promotion, replayed through the version
+and the last good one by THE comparison (`dvi.feedback.verdict.compare`, rule `gates(cfg).watch`: per group, a fall
+beyond `serve.rollback_margin` that is also `serve.rollback_z` standard errors rolls back). A watch ends when it
+holds `serve.rollback_window` records, or early when a newer version waits and the server has been idle for
+`serve.watch_idle_s` (issue 36 §8); an early end judges the records it has, and groups with too few are listed as
+unjudged in the verdict, never silently passed over.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
+import time
 from typing import Literal
 
-from .watch import Watch
+from dvi.feedback.heldout import unfit_reason
+from dvi.feedback.record import FeedbackRecord
+from dvi.feedback.verdict import Verdict
 
-__all__ = ["GOOD_HISTORY", "MAX_REFUSED_SHOWN", "Promotion", "Step"]
+__all__ = ["GOOD_HISTORY", "MAX_REFUSED_SHOWN", "Promotion", "Step", "Watch"]
 
 MAX_REFUSED_SHOWN = 64  # refusals kept in memory for /health (all of them are in the ledger's REFUSED)
 GOOD_HISTORY = 8  # versions that passed their watch, newest last: where successive admin rollbacks go
@@ -33,6 +44,57 @@ class Step:
 
     action: Literal["idle", "validate", "hold", "wait", "judge"]
     version: int | None = None
+
+
+@dataclasses.dataclass
+class Watch:
+    """A promoted version on probation: the fit records finished since (at most `window`), to replay through it
+    and `good`."""
+
+    version: int
+    good: int
+    window: int
+    records: list[FeedbackRecord] = dataclasses.field(default_factory=list)
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    last_record: float = dataclasses.field(default_factory=time.monotonic)
+    unfit: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def add(self, record: FeedbackRecord) -> None:
+        """A finished request's record (engine thread): kept while the window is not full, unless it is no
+        evidence (`dvi.feedback.heldout.unfit_reason`: counted)."""
+        with self._lock:
+            self.last_record = time.monotonic()
+            if unfit_reason(record) is not None:
+                self.unfit += 1
+            elif len(self.records) < self.window:
+                self.records.append(record)
+
+    @property
+    def full(self) -> bool:
+        return len(self.records) >= self.window
+
+    def idle_for(self) -> float:
+        """Seconds since the last finished request (or the promotion)."""
+        return time.monotonic() - self.last_record
+
+    def ends_early(self, waiting: int | None, idle_s: float, busy: bool) -> str:
+        """Why this watch, not full, ends now ("" when it does not): version `waiting` waits behind it and the
+        server has been idle `idle_s` (nothing running or queued, no request finished since)."""
+        if waiting is None or waiting == self.version or busy or self.idle_for() < idle_s:
+            return ""
+        return f"ended early: v{waiting} waits and no request for {self.idle_for():.1f}s"
+
+    def snapshot(self) -> list[FeedbackRecord]:
+        with self._lock:
+            return list(self.records)
+
+    def describe(self, verdict: Verdict, early: str = "") -> str:
+        """The swap event's reason: kept ("not worse on the same records") or rolled back, per group."""
+        head = f"{verdict.records} records since the promotion" + (f", {early}" if early else "")
+        if verdict.failed:
+            return f"worse than the last good version on the same records: {verdict.reason}; {head}"
+        return f"not worse on the same records ({verdict.group_summary()}); {head}"
 
 
 class Promotion:

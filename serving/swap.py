@@ -7,7 +7,7 @@ one is refused: logged, counted, recorded in REFUSED), shadow-checked on the hel
 (`dvi.feedback.heldout.HeldOutSet`, warmed from the feedback log at start) by THE comparison
 (`dvi.feedback.verdict.compare`, rule `promotion_rule`; it waits for `trainer.shadow_min_positions` positions),
 swapped in between two engine steps (a `SetDrafter` command; a group's lane, `SwapLane`, sends `SetAdapter`), and
-watched (`serving.watch.Watch`): the next `serve.rollback_window` finished requests replayed through it and the last
+watched (`serving.promotion.Watch`): the next `serve.rollback_window` finished requests replayed through it and the last
 good version (rule `watch_rule`); worse rolls back to the last version that passed its watch, not worse makes it
 the last good one. A watch ends early, on the records it has, when a newer version waits and the server has been
 idle `serve.watch_idle_s`. Under a pin a failed watch only alerts. Each version's time from publish to its first

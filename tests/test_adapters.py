@@ -29,7 +29,7 @@ from dvi.feedback.heldout import adapter_group
 from dvi.models.loading import load_pair
 from dvi.registry.groups import group_names, group_registry
 from dvi.rundir import RunDir
-from trainers.online.groups import GroupLanes, adapter_name
+from trainers.online.groups import ACTIVE_S, GroupLanes, adapter_name
 from trainers.online.trainer import OnlineTrainer
 
 torch.set_num_threads(1)
@@ -129,6 +129,13 @@ def test_lanes_train_each_group_on_its_own_records_and_publish_to_its_registry(r
     lanes.train_on_records(junk)
     after = lanes.lanes["prose"].trainable.state()
     assert all(torch.equal(prose_before[k], after[k]) for k in after)
+    # an idle trainer replays only for the groups that sent records lately (prose went quiet), each on its own
+    lanes.last_new["prose"] -= ACTIVE_S + 1
+    code_before = {k: v.clone() for k, v in lanes.lanes["code"].trainable.state().items()}
+    assert lanes.train_on_replay(2).steps == 2
+    moved = lanes.lanes["code"].trainable.state()
+    assert any(not torch.equal(code_before[k], moved[k]) for k in moved)
+    assert all(torch.equal(prose_before[k], v) for k, v in lanes.lanes["prose"].trainable.state().items())
     decisions = lanes.maybe_publish(force=True)
     assert any(d.published for d in decisions), [d.reason for d in decisions]
     assert group_names(cfg.registry.dir) == ["code", "prose"]

@@ -169,16 +169,17 @@ def test_corrupt_adapter_refused_live_drafter_keeps_serving(pair, prose, tiny_pa
 
 
 # -- loading each drafter kind from the config -------------------------------------------------------
-@pytest.mark.parametrize("overrides,kind", [((), "lora"), (("trainer.mode=full",), "full"),
-                                            (("models.drafter_kind=early_exit",), "early_exit")])
-def test_from_config_loads_each_drafter_kind(prose, tiny_pair_dir, tmp_path, overrides, kind) -> None:
+@pytest.mark.parametrize("overrides,kind,file_format", [((), "separate", "lora"),
+                                                        (("trainer.mode=full",), "separate", "full"),
+                                                        (("models.drafter_kind=early_exit",), "early_exit", "lora")])
+def test_from_config_loads_each_drafter_kind(prose, tiny_pair_dir, tmp_path, overrides, kind, file_format) -> None:
     cfg = online_config(tiny_pair_dir, tmp_path, "trainer.lora_targets=[q_proj,v_proj]",
                         "trainer.publish_margin=-1.0", *overrides)
     tr = OnlineTrainer.from_config(cfg)
-    assert tr.trainable.kind == kind and tr.registry is not None
+    assert (tr.trainable.kind, tr.trainable.format) == (kind, file_format) and tr.registry is not None
     n_train = sum(p.numel() for p in tr.trainable.parameters())
     n_all = sum(p.numel() for p in tr.model.parameters())
-    assert (n_train == n_all) == (kind == "full")
+    assert (n_train == n_all) == (file_format == "full")
     st = tr.train_on_records(prose[:8])
     assert st.steps >= 1 and tr.maybe_publish(force=True).published == 1
 

@@ -17,11 +17,9 @@ The parts, in the order a record meets them:
 |---|---|
 | `collate.py` | `is_heldout`, `Batch` / `build_batch` (compact `FeedbackRecord`s to tensors for the loss) |
 | `screen.py` | `RecordScreen`: which records this drafter can train on; the others quarantined one by one |
-| `trainables.py` | the drafter kinds (LoRA, full, early-exit, eagle) behind `Trainable`; `load_drafter_for_training` |
-| `trainer.py` | `OnlineTrainer`: steps, replay, the held-out set (`dvi.feedback.heldout.HeldOutSet`) |
-| `publishing.py` | the publish gate (`Publisher`, owned by `OnlineTrainer`, which hands it what it needs): shadow estimates, `maybe_publish`, what it remembers between checks |
-| `decisions.py` | what it decided: `RoundStats` (one round), `PublishDecision` (one publish check) |
-| `publish_retry.py` | `PublishBackoff`: a publish the registry refused is retried later, never fatal |
+| `trainables.py` | the drafter kinds (separate in the lora or full format, early_exit, eagle) behind `Trainable`; `load_drafter_for_training` |
+| `trainer.py` | `OnlineTrainer`: steps, replay, the held-out set (`dvi.feedback.heldout.HeldOutSet`); `RoundStats` (one round) |
+| `publishing.py` | the publish gate (`Publisher`, owned by `OnlineTrainer`, which hands it what it needs): shadow estimates, `maybe_publish` and its `PublishDecision`, what it remembers between checks, `PublishBackoff` (a publish the registry refused is retried later, never fatal) |
 | `checkpoint.py` | the trainer's checkpoint (trained tensors, optimizer, counters), written atomically |
 | `accel.py` | the `Accelerator` (one process group per launch, or it refuses to start) |
 | `loop.py` | `TrainerLoop`: shard choice, the exactly-once flush order, pause/stop, status heartbeat |

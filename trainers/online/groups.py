@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,13 @@ from dvi.feedback.heldout import adapter_group
 from dvi.registry.groups import group_dir_name, group_names, group_registry
 from dvi.registry.store import AdapterRejected
 from dvi.rundir import RunDir
-from trainers.online.decisions import PublishDecision, RoundStats
-from trainers.online.trainer import OnlineTrainer
+from trainers.online.publishing import PublishDecision
+from trainers.online.trainer import OnlineTrainer, RoundStats
 
 log = logging.getLogger("dvi.trainer")
 
 WAITING_GROUPS_PER_LANE = 4  # groups gathering their first records, at most this many per lane of the cap
+ACTIVE_S = 60.0  # an idle trainer replays for the lanes whose group sent records within this many seconds
 
 
 def adapter_name(group: str) -> str:
@@ -50,6 +52,7 @@ class GroupLanes:
         self.waiting: collections.OrderedDict[str, list[FeedbackRecord]] = collections.OrderedDict()
         self.untrained: collections.Counter[str] = collections.Counter()  # why records trained no adapter
         self._dropped: list[FeedbackRecord] = []  # this round's
+        self.last_new: dict[str, float] = {}  # group -> when its lane last trained new records (monotonic)
 
     def group_of(self, record: FeedbackRecord) -> str:
         return adapter_group(self.key, record.domain, getattr(record, "client", ""))
@@ -78,7 +81,18 @@ class GroupLanes:
             lane, recs = self._lane_for(group, recs)
             if lane is not None:
                 rounds.append(lane.train_on_records(recs))
+                self.last_new[group] = time.monotonic()
         return _merged(rounds, [r.request_id for r in self._dropped])
+
+    def train_on_replay(self, steps: int) -> RoundStats:
+        """An idle trainer's spare time, lane by lane: `steps` replay-only steps for each lane whose group sent
+        records in the last `ACTIVE_S` seconds (a group's own records only, within its budget), so a group that is
+        sending traffic learns between feedback shards, and a silent one costs nothing."""
+        now = time.monotonic()
+        active = [g for g, t in self.last_new.items() if now - t <= ACTIVE_S and g in self.lanes]
+        rounds = [self.lanes[g].train_on_replay(steps) for g in active
+                  if self.lanes[g].replay and self.lanes[g].budget_left()]
+        return _merged(rounds, [])
 
     def _lane_for(self, group: str, recs: list[FeedbackRecord]) -> tuple[OnlineTrainer | None, list[FeedbackRecord]]:
         """(the group's lane, the records it trains on now: the waiting ones too when it opens), or (None, []): the
@@ -154,6 +168,7 @@ class GroupLanes:
             model.delete_adapter(adapter_name(group))
         self.lanes.clear()
         self.waiting.clear()
+        self.last_new.clear()
 
     def status(self) -> dict[str, Any]:
         return {"adapter_key": self.key, "groups": {g: {

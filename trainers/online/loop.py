@@ -47,10 +47,9 @@ from dvi.config import DviConfig
 from dvi.feedback import FeedbackReader
 from dvi.registry.store import AdapterRejected
 from dvi.rundir import RunDir
-from trainers.online.decisions import RoundStats
 from trainers.online.groups import GroupLanes
 from trainers.online.screen import RecordScreen
-from trainers.online.trainer import OnlineTrainer
+from trainers.online.trainer import OnlineTrainer, RoundStats
 
 log = logging.getLogger("dvi.trainer")
 
@@ -258,6 +257,18 @@ class TrainerLoop:
         self.rounds += 1
         return stats
 
+    def _idle_replay(self, steps: int) -> bool:
+        """Replay-only steps while no new shard waits (the shared drafter's, or each active lane's; only within the
+        budget), then the publish gate; False when nothing could step."""
+        t = self.trainer
+        if self.lanes is not None:
+            stepped = self.lanes.train_on_replay(steps).steps > 0
+        else:
+            stepped = bool(t.replay) and t.budget_left() and t.train_on_replay(steps).steps > 0
+        if stepped:
+            self._publish()
+        return stepped
+
     def _publish(self, force: bool = False) -> None:
         """The publish gate: the shared drafter's, or every group lane's on its own records."""
         if self.lanes is not None:
@@ -309,9 +320,7 @@ class TrainerLoop:
                     self.lanes.maybe_publish()
                 elif t.publisher.backoff.pending:  # a publish the registry refused: retried when due, idle or not
                     t.maybe_publish()
-                if t.tc.idle_replay_steps and t.replay and t.budget_left():  # replay only within the budget
-                    t.train_on_replay(t.tc.idle_replay_steps)
-                    t.maybe_publish()
+                if t.tc.idle_replay_steps and self._idle_replay(t.tc.idle_replay_steps):
                     self._write_status("idle")
                     continue
                 self._write_status("idle")

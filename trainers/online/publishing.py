@@ -7,7 +7,12 @@ least `trainer.shadow_min_positions` positions, and no group with enough records
 
 What the gate remembers between checks (the last check's step, the last version published and its weights, its
 held-out α, the retry backoff) is the publisher's own; the trainer's loop and checkpoint reach it only
-through its methods.
+through its methods. Each check is one `PublishDecision`.
+
+A publish the registry cannot take (an OSError: disk full, quota, read-only, I/O; issue 36 §6, where ENOSPC killed
+the trainer at every publish) is logged and counted, and the same candidate is tried again after `first_s`, doubling
+up to `max_s` (`PublishBackoff`) while training goes on. The registry renames a version in whole, so a failed
+publish leaves no version behind.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,12 +38,64 @@ from dvi.feedback.shadow import (
     record_scores,
     shadow_alpha,
 )
-from dvi.feedback.verdict import Rule, Scorer, compare
+from dvi.feedback.verdict import Rule, Scorer, Verdict, compare
 from dvi.registry.store import AdapterRejected, DrafterRegistry
-from trainers.online.decisions import PublishDecision
-from trainers.online.publish_retry import PublishBackoff
 
 log = logging.getLogger("dvi.trainer")
+
+
+@dataclass
+class PublishDecision:
+    """One publish check at `step`: the held-out shadow α of the candidate and of the served `parent_version`
+    (None when the check could not run), on how many records and positions, why (`reason`, logged) and the
+    version published (None: not published)."""
+
+    step: int
+    parent_version: int
+    time: float
+    reason: str = ""
+    heldout_alpha: float | None = None
+    parent_heldout_alpha: float | None = None
+    heldout_records: int = 0
+    heldout_positions: int = 0
+    published: int | None = None
+    verdict: Verdict | None = None  # the comparison behind it (per group); None when it could not run
+
+
+class PublishBackoff:
+    """Failed publishes: how many (`failures`), whether one is still owed (`pending`) and when it may run."""
+
+    def __init__(self, first_s: float = 5.0, max_s: float = 300.0) -> None:
+        self.first_s, self.max_s = first_s, max_s
+        self.failures = 0  # every failed publish (a gauge on /metrics)
+        self.consecutive = 0
+        self.retry_at = 0.0  # monotonic
+        self.last_error: str | None = None
+
+    @property
+    def pending(self) -> bool:
+        """The last publish failed and has not been retried successfully yet."""
+        return self.consecutive > 0
+
+    def waiting(self) -> bool:
+        """Too early to try again."""
+        return self.pending and time.monotonic() < self.retry_at
+
+    def failed(self, exc: OSError, step: int) -> str:
+        """Count a failed publish and schedule the retry; returns the reason for the publish decision."""
+        self.failures += 1
+        self.consecutive += 1
+        delay = min(self.max_s, self.first_s * 2 ** (self.consecutive - 1))
+        self.retry_at = time.monotonic() + delay
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        log.error("trainer: publishing at step %d failed (%s); training on, retrying in %.0f s (failure %d in a row)",
+                  step, self.last_error, delay, self.consecutive)
+        return f"the registry refused the write ({self.last_error}); retrying in {delay:.0f} s"
+
+    def succeeded(self) -> None:
+        if self.pending:
+            log.info("trainer: publishing works again after %d failed attempt(s)", self.consecutive)
+        self.consecutive, self.retry_at, self.last_error = 0, 0.0, None
 
 
 class Publisher:

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +47,7 @@ from trainers.losses import batch_loss, chained_features
 from trainers.online.accel import make_accelerator
 from trainers.online.checkpoint import COUNTERS, load_checkpoint, save_checkpoint
 from trainers.online.collate import build_batch
-from trainers.online.decisions import PublishDecision, RoundStats
-from trainers.online.publishing import Publisher
+from trainers.online.publishing import PublishDecision, Publisher
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
 if TYPE_CHECKING:
@@ -55,6 +56,34 @@ if TYPE_CHECKING:
 log = logging.getLogger("dvi.trainer")
 
 REPLAY_RECENT = 256  # idle replay draws from this many newest trained records
+
+
+@dataclass
+class RoundStats:
+    """One round: how many records were new, held out (never trained on) or dropped as stale, how many replayed
+    ones joined them, the optimizer steps taken and their mean losses (`losses`: loss, kl, reward,
+    reward_weight, feature, tokens and seconds per step; empty when no step ran). `budget_deferred`: new records
+    beyond the step budget (they join the replay buffer untrained)."""
+
+    steps: int
+    seconds: float
+    losses: dict[str, float] = field(default_factory=dict)
+    new: int = 0
+    heldout: int = 0
+    dropped_stale: int = 0
+    replayed: int = 0
+    target_version: int = 0
+    budget_deferred: int = 0
+    trained_ids: list[str] = field(default_factory=list)
+    heldout_ids: list[str] = field(default_factory=list)
+    dropped_ids: list[str] = field(default_factory=list)
+    # read but trained by no adapter, ever (trainer.adapter_key: no group, past the cap, a gathering group evicted)
+    untrained_ids: list[str] = field(default_factory=list)
+
+    @property
+    def loss(self) -> float:
+        """The mean loss of the round's steps (nan without a step)."""
+        return self.losses.get("loss", math.nan)
 
 
 def _mean(losses: Sequence[Mapping[str, float]]) -> dict[str, float]:
