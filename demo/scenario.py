@@ -58,8 +58,9 @@ KEEP_VERSIONS = 64
 # With one adapter per domain, a phase of 96 requests must hold a group's warm-up: its lane opens at 16 records and a
 # quarter of them are held out (the first checks need 256 held-out positions of that group). At 32 and a tenth the sql
 # adapter was first promoted at request ~200, a phase late. Between feedback shards (one per `feedback.flush_seconds`)
-# the trainer replays the active groups' records instead of sleeping: without it a lane stepped once per shard.
-LANE_WARMUP = {"adapter_min_records": 16, "heldout_fraction": 0.25, "idle_replay_steps": 1}
+# the trainer replays the active groups' records instead of sleeping (without it a lane stepped once per shard), at
+# most twice per record on top of its own pass: unbounded, the code lane took 60 steps on 20 records and overfit.
+LANE_WARMUP = {"adapter_min_records": 16, "heldout_fraction": 0.25, "idle_replay_steps": 1, "idle_replay_epochs": 2.0}
 TARGET_UPDATE = "target_v1.safetensors"  # the perturbed target the third phase serves, under `<run>/targets/`
 
 
@@ -253,7 +254,9 @@ def _write_serve_config(cfg: DviConfig, run_dir: Path, targets: Path) -> tuple[P
     lanes = data["trainer"]["adapter_key"] != "none"
     unset = {"trainer": {"publish_every_steps": PUBLISH_EVERY_STEPS,
                          **(LANE_WARMUP if lanes else {"replay_ratio": SHARED_REPLAY_RATIO})},
-             "registry": {"keep_last": KEEP_VERSIONS}}  # the demo's settings where the config leaves them unset
+             "registry": {"keep_last": KEEP_VERSIONS},
+             # rows never exceed the demo's concurrency: adaptive K calibrates only the batch sizes it can meet
+             "serve": {"max_batch_size": CONCURRENCY}}  # the demo's settings where the config leaves them unset
     for section, values in unset.items():
         data[section].update({k: v for k, v in values.items() if k not in getattr(cfg, section).model_fields_set})
     config_path = run_dir / "serve_config.yaml"

@@ -191,9 +191,7 @@ class TrainerConfig(_Strict):
     # linearly over `warmup_steps`; `anchor_weight` > 0 adds anchor_weight * ||θ - θ_start||² (θ_start: the
     # weights the trainer started from, i.e. the served version), a trust region in weight space
     warmup_steps: int = Field(0, ge=0)
-    # eagle's own (all its weights train): replaying 160 real smollm2 chat records, held-out α 0.385 fell to
-    # 0.325 at step 2 without warm-up and stayed 0.395-0.416 over steps 1-10 with 10 (0.473 at step 40)
-    eagle_warmup_steps: int = Field(10, ge=0)
+    eagle_warmup_steps: int = Field(10, ge=0)  # eagle's own (all its weights train; docs/design.md "Drafter kinds")
     anchor_weight: float = Field(0.0, ge=0)
     batch_size: int = Field(8, ge=1)
     max_seq_len: int = Field(512, ge=8)
@@ -208,7 +206,9 @@ class TrainerConfig(_Strict):
     reward_ramp_steps: int = Field(200, ge=0)
     replay_ratio: float = Field(0.25, ge=0, le=1)
     replay_buffer_records: int = Field(2048, ge=0)
-    idle_replay_steps: int = Field(0, ge=0)  # replay-only steps per idle poll (recent records); 0 = sleep when idle
+    idle_replay_steps: int = Field(0, ge=0)  # replay-only steps per idle poll (per group active in the last minute)
+    # idle replay stops once replays reach this many per record trained (a few records replayed without end overfit)
+    idle_replay_epochs: float = Field(0.0, ge=0)  # 0 = unbounded
     # Compute budget per served token, independent of the machine's speed: at most one optimizer step
     # (new or replay) per this many feedback tokens (generated tokens of the records read); records read
     # beyond the budget are kept for replay, not stepped on. 0 = unlimited.

@@ -184,6 +184,13 @@ def test_recent_first_and_replay_share(pair, prose, tiny_pair_dir, tmp_path) -> 
     # idle replay: steps on recent trained records, counted as replay, never as new records
     st = tr.train_on_replay(steps=2, recent=6)
     assert st.steps == 2 and tr.records_seen == 14 and tr.replayed == 2 + 2 * 4
+    # trainer.idle_replay_epochs bounds idle replay by the records trained: 10 replays of 14 records is under 1 per
+    # record, 14 is not; 0 never bounds it
+    assert tr.may_replay_idle()
+    tr.tc = tr.tc.model_copy(update={"idle_replay_epochs": 1.0})
+    assert tr.may_replay_idle()
+    tr.train_on_replay(steps=1, recent=6)
+    assert tr.replayed == 14 and not tr.may_replay_idle()
 
 
 def test_replay_gives_each_group_an_equal_share_however_few_its_records(pair, prose, tiny_pair_dir, tmp_path) -> None:

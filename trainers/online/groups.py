@@ -87,11 +87,11 @@ class GroupLanes:
     def train_on_replay(self, steps: int) -> RoundStats:
         """An idle trainer's spare time, lane by lane: `steps` replay-only steps for each lane whose group sent
         records in the last `ACTIVE_S` seconds (a group's own records only, within its budget), so a group that is
-        sending traffic learns between feedback shards, and a silent one costs nothing."""
+        sending traffic learns between feedback shards (up to `trainer.idle_replay_epochs` replays per record it
+        trained), and a silent one costs nothing."""
         now = time.monotonic()
         active = [g for g, t in self.last_new.items() if now - t <= ACTIVE_S and g in self.lanes]
-        rounds = [self.lanes[g].train_on_replay(steps) for g in active
-                  if self.lanes[g].replay and self.lanes[g].budget_left()]
+        rounds = [self.lanes[g].train_on_replay(steps) for g in active if self.lanes[g].may_replay_idle()]
         return _merged(rounds, [])
 
     def _lane_for(self, group: str, recs: list[FeedbackRecord]) -> tuple[OnlineTrainer | None, list[FeedbackRecord]]:

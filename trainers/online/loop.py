@@ -258,13 +258,13 @@ class TrainerLoop:
         return stats
 
     def _idle_replay(self, steps: int) -> bool:
-        """Replay-only steps while no new shard waits (the shared drafter's, or each active lane's; only within the
-        budget), then the publish gate; False when nothing could step."""
+        """Replay-only steps while no new shard waits (the shared drafter's, or each active lane's; within the budget
+        and `trainer.idle_replay_epochs`), then the publish gate; False when nothing could step."""
         t = self.trainer
         if self.lanes is not None:
             stepped = self.lanes.train_on_replay(steps).steps > 0
         else:
-            stepped = bool(t.replay) and t.budget_left() and t.train_on_replay(steps).steps > 0
+            stepped = t.may_replay_idle() and t.train_on_replay(steps).steps > 0
         if stepped:
             self._publish()
         return stepped

@@ -206,6 +206,12 @@ class OnlineTrainer:
         allowed = self.steps_allowed()
         return allowed is None or self.step < allowed
 
+    def may_replay_idle(self) -> bool:
+        """An idle replay step may run: records to replay, budget left, and fewer replays than
+        `trainer.idle_replay_epochs` per record trained (0: no such bound)."""
+        cap = self.tc.idle_replay_epochs
+        return bool(self.replay) and self.budget_left() and (not cap or self.replayed < cap * self.records_seen)
+
     # -- training ----------------------------------------------------------------------------------
     def train_on_records(self, records: Iterable[FeedbackRecord]) -> RoundStats:
         """Train on new records (each once), with replay; returns what happened.
