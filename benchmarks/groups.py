@@ -2,7 +2,8 @@
 
 Three tenants send traffic concurrently through `dvi serve` with its supervised trainer: code (completions of
 held-out stdlib cuts), sql (chat requests for SQLite queries) and chat (held-out chat instructions), each its own
-`metadata.domain`, each until it has sent `--tokens` completion tokens. Arms, one server each, in turn:
+`metadata.domain`, each until it has sent `--tokens` completion tokens. Arms, one server each, in turn,
+all training with the demo's lane settings (`demo.scenario.LANE_WARMUP`: idle replay, a quarter held out):
 
 - shared: `trainer.adapter_key: none` (one drafter learns from all three; its gate judges every group);
 - adapters: `trainer.adapter_key: domain` (one adapter per tenant);
@@ -97,6 +98,7 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
     import httpx
     import yaml
 
+    from demo.scenario import LANE_WARMUP
     from dvi.config import dump_config
     from dvi.models.embedded import embedded_paths
     from dvi.models.loading import load_tokenizer
@@ -105,7 +107,7 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
     data = dump_config(cfg)
     data.update(run_dir=str(run_dir))
     data["feedback"]["dir"], data["registry"]["dir"] = str(run_dir / "feedback"), str(run_dir / "registry")
-    data["trainer"].update(adapter_key=key, publish_every_steps=5)
+    data["trainer"].update(adapter_key=key, publish_every_steps=5, **LANE_WARMUP)  # the demo's, in both arms
     data["serve"].update(trainer="supervised", admin_token="groups-bench", domains=[*TENANTS, "garbage"])
     data["wandb"]["mode"] = "disabled"
     run_dir.mkdir(parents=True, exist_ok=True)
