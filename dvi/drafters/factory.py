@@ -50,7 +50,9 @@ def proposer_for_drafter(drafter: Any, vocab_size: int, device: torch.device | s
 
 def proposer_for(target: torch.nn.Module, drafter: Any = None) -> Proposer:
     """The proposer of `drafter` (a learned drafter or an HF causal LM; None: speculation off) drafting for
-    `target`: its output vocabulary, on its device."""
+    `target`: its output vocabulary, on its device. A `Proposer` is its own (a caller may hold either)."""
+    if isinstance(drafter, Proposer):
+        return drafter
     vocab = int(target.get_output_embeddings().weight.shape[0])
     return proposer_for_drafter(drafter, vocab, next(target.parameters()).device)
 
