@@ -20,10 +20,12 @@ judges against what is served; a restarted server serves its pin, else its last 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from dvi.feedback.heldout import HeldOutSet, newest_logged
 from dvi.feedback.shadow import hf_logits_fn
 from dvi.feedback.verdict import Rule, Scorer, Verdict, compare, scorer
 from dvi.fsutil import AppendLog, append_jsonl
-from dvi.registry.codec import check_full_config, load_drafter_version, scoring_module
+from dvi.registry.codec import check_full_config, load_drafter_version, load_group_version, scoring_module
 from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
 from .engine_client import EngineClient, SetAdapter, SetDrafter
@@ -46,9 +48,25 @@ __all__ = ["DrafterSwapper", "SwapEvent", "SwapPolicy", "check_full_config", "lo
 
 log = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class Loaded:
+    """A version loaded, checked and ready to serve: the drafter the gates score, and the one engine command that
+    serves it (the whole drafter, or a group's adapter factors), built once when the version is loaded."""
+
+    version: int
+    model: Any
+    command: SetDrafter | SetAdapter
+
+    @functools.cached_property
+    def scorer(self) -> Scorer:
+        """Its teacher-forced scores, what every gate compares (`dvi.feedback.verdict.compare`)."""
+        return scorer(hf_logits_fn(scoring_module(self.model)), next(self.model.parameters()).device)
+
+
 class DrafterSwapper:
     """The thin watcher around `Promotion` (what is decided): it loads, checks and swaps the versions the machine
-    names, and keeps the loaded ones (`models`). The registry watcher thread and the admin API use it."""
+    names, and keeps the loaded ones (`loaded`). The registry watcher thread and the admin API use it."""
 
     def __init__(self, registry: DrafterRegistry, scheduler: EngineClient, base_drafter: torch.nn.Module, policy: SwapPolicy,
                  on_event: Callable[[SwapEvent], None] | None = None, event_log: str | AppendLog | None = None,
@@ -62,15 +80,15 @@ class DrafterSwapper:
         self.on_event = on_event or (lambda _e: None)
         self.event_log = event_log
         self.promotion = Promotion(policy.rollback_window)  # every decision; guarded by `_lock`
-        self.models: dict[int, Any] = {0: base_drafter}  # the loaded versions: the served one and the startup one
+        self.loaded: dict[int, Loaded] = {0: self._load(0)}  # the served version and the startup one
         self.waiting, self.waiting_scored = None, None  # the version waiting for held-out evidence; positions its check scored
-        self._pending: tuple[int, Any] | None = None  # LATEST, validated and loaded, waiting for its check
+        self._pending: Loaded | None = None  # LATEST, validated and loaded, waiting for its check
         self.events: collections.deque[SwapEvent] = collections.deque(maxlen=100)
         self.counts = collections.Counter()
         self.heldout = HeldOutSet(policy.shadow_records, policy.heldout_fraction)  # what a promotion is judged on
         self.verdicts: dict[str, Verdict] = {}  # the last verdict of each gate ("promotion", "watch"), for /metrics
         self._verdict_seen: collections.OrderedDict[int, None] = collections.OrderedDict()  # versions with a verdict
-        self._windows: dict[int, collections.deque] = {}  # live α per kept version (bounded like `models`)
+        self._windows: dict[int, collections.deque] = {}  # live α per kept version (bounded like `loaded`)
         self._restored = False
         self._trim = glibc_trim()  # a promotion's loads and checks free whole drafters: hand them back to the OS
         self._freed = False  # a load, check or swap ran since the last trim
@@ -99,7 +117,7 @@ class DrafterSwapper:
 
     def observe(self, drafted: int, accepted: int, drafter_version: int) -> None:
         window = self._windows.get(drafter_version)
-        if window is None and drafter_version in self.models:
+        if window is None and drafter_version in self.loaded:
             window = self._windows[drafter_version] = collections.deque(maxlen=self.policy.rollback_window)
         if window is not None:
             window.append((drafted, accepted))
@@ -164,17 +182,17 @@ class DrafterSwapper:
         st = self.registry.serving()
         with self._lock:
             want = self.promotion.restore(self.registry.refusals(), st.pinned, st.good)
-        model = self.models[0]
+        loaded = self.loaded[0]
         if want:
             try:
-                model, _ = load_drafter_version(self.registry, want, self.base)
+                loaded = self._load(want)
             except AdapterRejected as exc:
                 log.error("cannot restore drafter v%d (%s); serving the startup drafter", want, exc.reason)
                 want = 0
         with self._lock:
             self.promotion.restored(want, st.pinned)
         if want:
-            self._swap(model, want, "restored", "pinned before the restart" if self.pinned is not None
+            self._swap(loaded, "restored", "pinned before the restart" if self.pinned is not None
                        else "last good version before the restart")
         else:
             self._save_serving()
@@ -220,21 +238,31 @@ class DrafterSwapper:
             self.waiting, self.waiting_scored = latest, None
             return
         self.waiting = None
-        self.consider(latest)
+        candidate, self._pending = self._pending, None
+        self._judge(candidate)
 
     def _next_step(self, latest: int | None) -> Step:
         have = self.heldout_positions()
         with self._lock:
-            loaded = self._pending is not None and self._pending[0] == latest
+            loaded = self._pending is not None and self._pending.version == latest
             return self.promotion.next_step(latest, loaded, have, self.policy.min_positions, self._stop.is_set())
 
+    def _load(self, version: int) -> Loaded:
+        """THE load of a version (0: the startup drafter): the registry's one check, its format's codec, and the
+        engine command that serves it (a group's LoRA as per-row factors); AdapterRejected if any of them fails."""
+        self._freed = True
+        if self.lane is None:
+            model = self.base if version == 0 else load_drafter_version(self.registry, version, self.base)[0]
+            return Loaded(version, model, SetDrafter(model, version))
+        model, factors = ((self.base, None) if version == 0 else
+                          load_group_version(self.registry, version, self.base, self.lane.sizes, self.lane.num_layers))
+        return Loaded(version, model, SetAdapter(self.lane.group, factors, version))
+
     def _validate(self, version: int) -> bool:
-        """Load and check `version` (the registry's one check, then its format's codec), kept for its shadow
-        check; a broken one is refused."""
+        """Load and check `version`, kept for its shadow check; a broken one is refused."""
         self._pending = None
         try:
-            self._freed = True
-            self._pending = (version, load_drafter_version(self.registry, version, self.base)[0])
+            self._pending = self._load(version)
         except AdapterRejected as exc:
             self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
             return False
@@ -242,21 +270,18 @@ class DrafterSwapper:
             self.promotion.validated(version)
         return True
 
-    def consider(self, version: int) -> bool:
-        """Validate, shadow-check (the held-out set, `promotion_rule`) and promote `version`; False if refused or
+    def _judge(self, candidate: Loaded) -> bool:
+        """Shadow-check a validated version (the held-out set, `promotion_rule`) and promote it; False if refused or
         waiting."""
-        loaded = self._pending is not None and self._pending[0] == version
-        if not loaded and not self._validate(version):
-            return False
-        model, self._pending = self._pending[1], None
+        version = candidate.version
         with self._lock:
             live_version = self.live_version
-            live_model = self.models[live_version]
-        verdict = self._compare(model, live_model, self.heldout.records(), self.policy.promotion)
+            live = self.loaded[live_version]
+        verdict = self._compare(candidate.scorer, live.scorer, self.heldout.records(), self.policy.promotion)
         if verdict.outcome == "wait" or self._stop.is_set():  # an eagle head scores only records with features
             log.info("drafter v%d: %s; waiting", version, "the server stops" if self._stop.is_set() else verdict.reason)
             self.waiting, self.waiting_scored = version, verdict.positions
-            self._pending = (version, model)
+            self._pending = candidate
             return False
         reason = (f"held-out shadow α {fmt_rate(verdict.new_alpha)} vs served v{live_version} "
                   f"{fmt_rate(verdict.old_alpha)} on {verdict.records} records ({verdict.positions} positions); "
@@ -267,38 +292,28 @@ class DrafterSwapper:
             self._refuse(version, f"{reason}; {verdict.reason}", kind="shadow")
             return False
         try:
-            self._swap(model, version, "promoted", reason)
+            self._swap(candidate, "promoted", reason)
         except AdapterRejected as exc:  # the engine could not load it (vLLM): it keeps the served drafter
             self._refuse(version, exc.reason, kind=exc.kind)
             return False
         return True
 
-    def _compare(self, candidate: Any, incumbent: Any, records: list[FeedbackRecord], rule: Rule) -> Verdict:
-        """THE comparison (`dvi.feedback.verdict.compare`) of two servable drafters; kept for /metrics."""
+    def _compare(self, candidate: Scorer, incumbent: Scorer, records: list[FeedbackRecord], rule: Rule) -> Verdict:
+        """THE comparison (`dvi.feedback.verdict.compare`) of two loaded versions; kept for /metrics."""
         self._freed = True
-        dev = self._device(candidate)
-        verdict = compare(self._scorer(candidate, dev), self._scorer(incumbent, dev), records, rule)
+        verdict = compare(candidate, incumbent, records, rule)
         self.verdicts[rule.name] = verdict
         return verdict
 
-    @staticmethod
-    def _scorer(model: Any, device: torch.device) -> Scorer:
-        return scorer(hf_logits_fn(scoring_module(model)), device)
-
-    @staticmethod
-    def _device(model: Any) -> torch.device:
-        return next(model.parameters()).device
-
-    def _swap(self, model: Any, version: int, kind: str, reason: str) -> None:
+    def _swap(self, loaded: Loaded, kind: str, reason: str) -> None:
         self._freed = True
-        cmd = (SetDrafter(model, version) if self.lane is None
-               else SetAdapter(self.lane.group, self.lane.factors(self.registry, version), version))
-        self.scheduler.command(cmd).result(timeout=120)
+        version = loaded.version
+        self.scheduler.command(loaded.command).result(timeout=120)
         with self._lock:
             prev = self.promotion.swapped(version, kind)
-            self.models[version] = model
+            self.loaded[version] = loaded
             keep = {version, 0}  # the last good version is loaded again when a watch or a rollback needs it
-            self.models = {v: m for v, m in self.models.items() if v in keep}
+            self.loaded = {v: m for v, m in self.loaded.items() if v in keep}
             self._windows = {v: w for v, w in self._windows.items() if v in keep}
             self._windows[version] = collections.deque(maxlen=self.policy.rollback_window)
         self._save_serving()
@@ -360,19 +375,19 @@ class DrafterSwapper:
             if self._stop.is_set():
                 return False
             busy = self.scheduler is not None and self.scheduler.busy()
-            pending = self._pending[0] if self._pending is not None else None
+            pending = self._pending.version if self._pending is not None else None
             ends = self.promotion.watch_ends(pending, self.policy.watch_idle_s, busy)
             if ends is None:
                 return False
             w, early = ends
-            new_model, old_model = self.models.get(w.version), self.models.get(w.good)
-        if old_model is None:  # not kept between promotions (memory: issue 36 §9)
-            old_model = self._load_quietly(w.good)
-        if new_model is None or old_model is None:
+            new, old = self.loaded.get(w.version), self.loaded.get(w.good)
+        if old is None:  # not kept between promotions (memory: issue 36 §9)
+            old = self._load_quietly(w.good)
+        if new is None or old is None:
             with self._lock:
                 self.promotion.drop_watch()
             return False
-        verdict = self._compare(new_model, old_model, w.snapshot(), self.policy.watch)
+        verdict = self._compare(new.scorer, old.scorer, w.snapshot(), self.policy.watch)
         if self._stop.is_set():  # no verdict once the server stops: the watched version is not yet the last good one
             return False
         reason = w.describe(verdict, early)
@@ -386,14 +401,14 @@ class DrafterSwapper:
             self._record(SwapEvent("alert", w.version, w.good, f"pinned, not rolled back: {reason}", time.time()))
             return False
         with self._lock:
-            self.models.setdefault(w.good, old_model)  # what the rollback swaps in
+            self.loaded.setdefault(w.good, old)  # what the rollback swaps in
         self.rollback(reason)
         return True
 
-    def _load_quietly(self, version: int) -> Any:
+    def _load_quietly(self, version: int) -> Loaded | None:
         """A version the swapper once served, loaded again (None, logged, if it no longer loads)."""
         try:
-            return load_drafter_version(self.registry, version, self.base)[0]
+            return self._load(version)
         except AdapterRejected as exc:
             log.error("cannot load v%d again (%s)", version, exc.reason)
             return None
@@ -404,13 +419,11 @@ class DrafterSwapper:
         under a pin (ValueError: unpin first)."""
         with self._lock:
             bad, target = self.promotion.rollback_plan()
-        model = self.models.get(target)
-        if model is None:
-            model, _ = load_drafter_version(self.registry, target, self.base)
+        loaded = self.loaded.get(target) or self._load(target)
         self.registry.refuse(bad, f"rolled back: {reason}")
         with self._lock:
             self.promotion.rolled_back(bad, target, reason)
-        self._swap(model, target, "rolled_back", reason + f" (from v{bad})")
+        self._swap(loaded, "rolled_back", reason + f" (from v{bad})")
         return target
 
     def pin(self, version: int | None) -> int:
@@ -426,15 +439,13 @@ class DrafterSwapper:
                     pass
             self._save_serving()
             return self.live_version
-        if version == 0:
-            model = self.models[0]
-        else:
-            model, _ = load_drafter_version(self.registry, version, self.base)
+        loaded = self.loaded[0] if version == 0 else self._load(version)
+        if version:
             self.registry.pin(version)
         with self._lock:
             self.promotion.pin(version)
         if version != self.live_version:
-            self._swap(model, version, "pinned", "pinned by admin")
+            self._swap(loaded, "pinned", "pinned by admin")
         else:
             self._save_serving()
         return version

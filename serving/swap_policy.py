@@ -6,16 +6,12 @@ Its own module so the swapper reads as the promotion and rollback sequence.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from dvi.config import DviConfig
-from dvi.drafters.adapters import LoraFactors
 from dvi.feedback.heldout import adapter_group
 from dvi.feedback.verdict import Rule, promotion_rule, watch_rule
-from dvi.registry.store import AdapterRejected, DrafterRegistry
 
 
 @dataclass
@@ -78,7 +74,8 @@ class SwapPolicy:
 @dataclass(frozen=True)
 class SwapLane:
     """What makes a swapper a traffic group's (issue 40): the group whose adapter versions it promotes, the records
-    it judges them on (that group's only), and each version as the per-row factors the engine serves."""
+    it judges them on (that group's only), and the base drafter's shapes its versions are read as per-row factors
+    with (`dvi.registry.codec.load_group_version`)."""
 
     group: str
     key: str  # trainer.adapter_key
@@ -87,19 +84,3 @@ class SwapLane:
 
     def accepts(self, record: Any) -> bool:
         return adapter_group(self.key, record.domain, getattr(record, "client", "")) == self.group
-
-    def factors(self, registry: DrafterRegistry, version: int) -> LoraFactors | None:
-        """The version's LoRA as `dvi.drafters.adapters.LoraFactors` (None for version 0, the base)."""
-        if not version:
-            return None
-        sd, man = registry.open_version(version)
-        if man.format != "lora":
-            raise AdapterRejected(f"a group's version must be a LoRA adapter, this one is {man.format!r}", version,
-                                  kind="architecture")
-        try:
-            conf = json.loads((registry.version_dir(version) / "adapter_config.json").read_text())
-            r, alpha = int(conf["r"]), float(conf["lora_alpha"])
-            scale = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
-            return LoraFactors.from_peft(sd, scale, self.sizes, self.num_layers)
-        except (KeyError, TypeError, ValueError, OSError) as exc:
-            raise AdapterRejected(f"adapter does not fit the drafter: {exc}", version, kind="shape") from None

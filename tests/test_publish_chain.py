@@ -281,4 +281,4 @@ def test_swapper_memory_is_bounded(pair, tmp_path) -> None:
         sw._refuse(v, "test")
         sw.observe(3, 1, v)
     assert len(sw.refused) == MAX_REFUSED_SHOWN and list(sw.refused)[-1] == 3 * MAX_REFUSED_SHOWN - 1
-    assert set(sw._windows) <= set(sw.models) and len(reg.refusals()) == 3 * MAX_REFUSED_SHOWN - 1
+    assert set(sw._windows) <= set(sw.loaded) and len(reg.refusals()) == 3 * MAX_REFUSED_SHOWN - 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from dvi.drafters.adapters import LoraFactors
 from dvi.drafters.learned import ADAPTER_CONFIG, Drafter, SharedTargetDrafter
 from dvi.drafters.vocab import apply_draft_vocab, find_subset_head
 from dvi.registry.base import AdapterRejected, check_state_dict
@@ -295,11 +297,34 @@ def load_drafter_version(source: VersionSource, version: int, base: Any) -> tupl
         model = SharedTargetCodec(base.kind).build(source, version, base, sd)
         _check_finite(model.trainable_state_dict().items(), version)
         return model, man
-    model = (LORA if man.format == "lora" else FULL).build(source, version, base, sd)
+    return _servable((LORA if man.format == "lora" else FULL).build(source, version, base, sd), base, version), man
+
+
+def load_group_version(source: VersionSource, version: int, base: Any, sizes: Mapping[str, int],
+                       num_layers: int) -> tuple[Any, LoraFactors]:
+    """A traffic group's version (issue 40), from one read: the merged drafter its gates score and the
+    `LoraFactors` its rows are served with (`sizes`: the base drafter's projection rows). AdapterRejected when it
+    is not a LoRA adapter of `base` or does not fit it."""
+    sd, man = _open_for(source, version, base)
+    if man.format != "lora" or isinstance(base, SharedTargetDrafter):
+        raise AdapterRejected(f"a group's version must be a LoRA adapter, this one is {man.format!r}", version,
+                              kind="architecture")
+    model = _servable(LORA.build(source, version, base, sd), base, version)
+    try:
+        conf = json.loads((source.version_dir(version) / ADAPTER_CONFIG).read_text())
+        r, alpha = int(conf["r"]), float(conf["lora_alpha"])
+        scale = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+        return model, LoraFactors.from_peft(sd, scale, sizes, num_layers)
+    except (KeyError, TypeError, ValueError, OSError) as exc:
+        raise AdapterRejected(f"adapter does not fit the drafter: {exc}", version, kind="shape") from None
+
+
+def _servable(model: Any, base: Any, version: int) -> Any:
+    """A built drafter checked against `base` (its vocabulary rows), on base's device and dtype, finite."""
     rows, base_rows = (m.get_output_embeddings().weight.shape[0] for m in (model, base))
     if rows != base_rows:
         raise AdapterRejected(f"vocabulary has {rows} rows, the live drafter {base_rows}", version, kind="shape")
     ref = next(base.parameters())
     model = model.to(device=ref.device, dtype=ref.dtype).eval()
     _check_finite(model.named_parameters(), version)
-    return model, man
+    return model
