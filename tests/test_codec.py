@@ -14,10 +14,19 @@ import torch
 from test_online import online_config
 from test_serving_helpers import lora_copy, version_manifest
 
+from dvi.drafters.adapters import LoraFactors, projection_sizes
 from dvi.drafters.eagle import EagleDrafter
 from dvi.drafters.learned import EarlyExitDrafter
 from dvi.models.loading import load_pair
-from dvi.registry.codec import FULL, LORA, SharedTargetCodec, load_drafter_version, scoring_module
+from dvi.registry.base import AdapterRejected
+from dvi.registry.codec import (
+    FULL,
+    LORA,
+    SharedTargetCodec,
+    load_drafter_version,
+    load_group_version,
+    scoring_module,
+)
 from dvi.registry.store import DrafterRegistry
 from trainers.online.trainables import make_trainable
 
@@ -78,6 +87,35 @@ def test_each_format_round_trips_through_its_one_codec(pair, tiny_pair_dir, tmp_
             got = scoring_module(served)(input_ids=ids).logits
             want = scoring_module(trained)(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_a_groups_version_is_read_once_as_its_merged_drafter_and_its_row_factors(pair, tmp_path) -> None:
+    """What a traffic group's lane loads (issue 40): the drafter its gates score and the factors its rows are served
+    with come from one read; a version that is no LoRA of the base, or does not fit it, is refused at validation
+    (before any shadow check), with the reason's kind."""
+    base = pair.drafter
+    reg = DrafterRegistry(tmp_path / "registry")
+    pm = lora_copy(base, scale=0.2, seed=3, targets=("q_proj", "v_proj", "up_proj"))
+    v = reg.publish_peft_adapter(pm, version_manifest())
+    sizes, layers = projection_sizes(base), base.config.num_hidden_layers
+    model, factors = load_group_version(reg, v, base, sizes, layers)
+    sd, _ = reg.open_version(v)
+    want = LoraFactors.from_peft(sd, 8 / 4, sizes, layers)
+    assert [sorted(layer) for layer in factors.layers] == [sorted(layer) for layer in want.layers]
+    for got_layer, want_layer in zip(factors.layers, want.layers, strict=True):
+        for proj, (a, b) in got_layer.items():
+            assert torch.equal(a, want_layer[proj][0]) and torch.equal(b, want_layer[proj][1])
+    ids = torch.tensor([[5, 9, 17, 33, 65, 3, 7]])
+    with torch.no_grad():
+        merged = copy.deepcopy(pm).merge_and_unload()(input_ids=ids).logits
+        assert torch.allclose(model(input_ids=ids).logits, merged, atol=1e-5)
+    full = reg.publish_full(base.state_dict(), base.config, version_manifest())
+    with pytest.raises(AdapterRejected) as exc:
+        load_group_version(reg, full, base, sizes, layers)
+    assert exc.value.kind == "architecture" and exc.value.version == full
+    with pytest.raises(AdapterRejected) as exc:
+        load_group_version(reg, v, base, sizes, layers - 1)  # the adapter has a layer the drafter lacks
+    assert exc.value.kind == "shape"
 
 
 def _private_imports(path: Path) -> list[str]:
