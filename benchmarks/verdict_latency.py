@@ -76,6 +76,7 @@ def one_run(args: argparse.Namespace, pair_dir: Path, run_dir: Path, rng: random
 
     from dvi.config import dump_config, load_config
     from dvi.models.loading import load_causal_lm
+    from dvi.registry.codec import LORA
     from dvi.registry.store import DrafterRegistry
     from serving.server_process import ServerProcess
 
@@ -97,7 +98,7 @@ def one_run(args: argparse.Namespace, pair_dir: Path, run_dir: Path, rng: random
         for k in range(args.versions):
             time.sleep(rng.uniform(0, args.max_pause))
             bad = k % 3 == 2
-            v = reg.publish_peft_adapter(_lora(base, 2.0 if bad else 0.0, k),
+            v = reg.publish_drafter(LORA, _lora(base, 2.0 if bad else 0.0, k),
                                          {"target_version": 0, "steps": 1, "records_seen": 0, "heldout_alpha": None})
             ev = _verdict(run_dir, v, args.timeout)
             seconds = None if ev is None else ev.get("publish_to_verdict_s")

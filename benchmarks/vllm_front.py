@@ -103,6 +103,7 @@ def publish_near_identity_versions(registry_dir: Path, preset: str) -> list[int]
     from peft import LoraConfig, get_peft_model
 
     from dvi.models.loading import load_embedded_pair
+    from dvi.registry.codec import LORA
     from dvi.registry.store import DrafterRegistry
 
     pair = load_embedded_pair(preset, device="cpu", dtype="float32")
@@ -114,7 +115,7 @@ def publish_near_identity_versions(registry_dir: Path, preset: str) -> list[int]
             for name, p in pm.named_parameters():
                 if "lora_" in name:
                     p.copy_(torch.randn(p.shape) * 1e-2)  # B·A ~ 1e-4 x 2: far below the weights' own scale
-        out.append(reg.publish_peft_adapter(pm, {"target_version": 0, "steps": 1, "records_seen": 0,
+        out.append(reg.publish_drafter(LORA, pm, {"target_version": 0, "steps": 1, "records_seen": 0,
                                                  "heldout_alpha": None}, set_latest=False))
     return out
 

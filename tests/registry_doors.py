@@ -1,6 +1,7 @@
-"""The registry doors only tests use: publishing hand-made files (garbage a trainer never writes) and loading a
-LoRA version into a live peft adapter in place. The production paths are `DrafterRegistry.publish_drafter` (and
-`publish_peft_adapter`, `publish_full`) and `dvi.registry.codec.load_drafter_version`."""
+"""The registry doors only tests use: publishing hand-made files (garbage a trainer never writes), a peft model's
+adapter or a bare state dict, and loading a LoRA version into a live peft adapter in place. The production paths
+are `DrafterRegistry.publish_drafter` (a format's codec writes the files) and
+`dvi.registry.codec.load_drafter_version`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dvi.registry.codec import LoraCodec
+from dvi.registry.codec import FULL, LoraCodec
 from dvi.registry.store import (
     FILES_BY_FORMAT,
     LORA_WEIGHTS,
@@ -19,6 +20,30 @@ from dvi.registry.store import (
     DrafterRegistry,
     Manifest,
 )
+
+
+def publish_peft_adapter(reg: DrafterRegistry, peft_model: Any, manifest: Mapping[str, Any] | None = None,
+                         adapter_name: str = "default", set_latest: bool = True) -> int:
+    """One LoRA adapter of a peft model, through `LoraCodec` (the files a trainer's LoRA publish writes)."""
+    if adapter_name not in peft_model.peft_config:
+        raise ValueError(f"peft model has no adapter {adapter_name!r}")
+    return reg.publish_drafter(LoraCodec(adapter_name), peft_model, manifest, set_latest)
+
+
+class _Weights:
+    """What `FULL`'s writer reads of a drafter: its state dict and config."""
+
+    def __init__(self, state_dict: Mapping[str, Any], config: Any) -> None:
+        self._sd, self.config = state_dict, config
+
+    def state_dict(self) -> Mapping[str, Any]:
+        return self._sd
+
+
+def publish_full(reg: DrafterRegistry, state_dict: Mapping[str, Any], config: Any,
+                 manifest: Mapping[str, Any] | None = None, set_latest: bool = True) -> int:
+    """A whole small drafter from its weights, through `FULL` (a state dict no trainer made: any keys, any config)."""
+    return reg.publish_drafter(FULL, _Weights(state_dict, config), manifest, set_latest)
 
 
 def publish_files(reg: DrafterRegistry, files: Mapping[str, bytes | str | os.PathLike], manifest: Mapping[str, Any],

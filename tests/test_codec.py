@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from registry_doors import publish_full, publish_peft_adapter
 from test_online import online_config
 from test_serving_helpers import lora_copy, version_manifest
 
@@ -96,7 +97,7 @@ def test_a_groups_version_is_read_once_as_its_merged_drafter_and_its_row_factors
     base = pair.drafter
     reg = DrafterRegistry(tmp_path / "registry")
     pm = lora_copy(base, scale=0.2, seed=3, targets=("q_proj", "v_proj", "up_proj"))
-    v = reg.publish_peft_adapter(pm, version_manifest())
+    v = publish_peft_adapter(reg, pm, version_manifest())
     sizes, layers = projection_sizes(base), base.config.num_hidden_layers
     model, factors = load_group_version(reg, v, base, sizes, layers)
     sd, _ = reg.open_version(v)
@@ -109,7 +110,7 @@ def test_a_groups_version_is_read_once_as_its_merged_drafter_and_its_row_factors
     with torch.no_grad():
         merged = copy.deepcopy(pm).merge_and_unload()(input_ids=ids).logits
         assert torch.allclose(model(input_ids=ids).logits, merged, atol=1e-5)
-    full = reg.publish_full(base.state_dict(), base.config, version_manifest())
+    full = publish_full(reg, base.state_dict(), base.config, version_manifest())
     with pytest.raises(AdapterRejected) as exc:
         load_group_version(reg, full, base, sizes, layers)
     assert exc.value.kind == "architecture" and exc.value.version == full

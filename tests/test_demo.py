@@ -6,6 +6,7 @@ import itertools
 import json
 
 import pytest
+from registry_doors import publish_full
 
 from demo import scenario as demo
 from dvi.config import load_config
@@ -113,7 +114,7 @@ def _perturbed_full_version(cfg, registry, scale):
     with torch.no_grad():
         for p in d.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean())
-    return registry.publish_full(d.state_dict(), d.config)
+    return publish_full(registry, d.state_dict(), d.config)
 
 
 def test_replay_scores_each_window_through_the_frozen_and_the_serving_drafter_on_the_same_tokens(

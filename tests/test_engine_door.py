@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from registry_doors import publish_peft_adapter
 from test_serving_helpers import TEST_ADMIN_TOKEN, ServerThread, lora_copy, tiny_config, version_manifest
 
 from dvi.decode import owner
@@ -147,7 +148,7 @@ def test_no_thread_but_the_engines_touches_it_under_load(tiny_pair_dir, tmp_path
         identity = lora_copy(sw.base)
 
         async def chaos(c: httpx.AsyncClient) -> None:
-            v = await asyncio.to_thread(reg.publish_peft_adapter, identity, version_manifest())
+            v = await asyncio.to_thread(publish_peft_adapter, reg, identity, version_manifest())
             end = time.monotonic() + 30
             while sw.live_version != v and v not in sw.refused and time.monotonic() < end:
                 await asyncio.sleep(0.05)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from registry_doors import publish_files
+from registry_doors import publish_files, publish_peft_adapter
 from test_serving_helpers import (
     ServerThread,
     guarded_config,
@@ -159,7 +159,7 @@ def test_05_nan_shadow_alpha_never_promotes_a_worse_drafter(srv, client) -> None
         sw.observe_record(dataclasses.replace(rec, temperature=1e-45))
     reg = DrafterRegistry(srv.cfg.registry.dir)
     live = sw.live_version
-    bad = reg.publish_peft_adapter(_lora(sw.base, scale=2.0), version_manifest())
+    bad = publish_peft_adapter(reg, _lora(sw.base, scale=2.0), version_manifest())
     wait_for(lambda: str(bad) in sw.info()["refused"], 30, what="the worse drafter refused")
     assert sw.live_version == live
     reason = sw.info()["refused"][str(bad)]
@@ -294,7 +294,7 @@ def test_12_version_missing_at_first_is_retried(srv, client) -> None:
     nxt = max(reg.list_versions(), default=0) + 1
     (reg.dir / "LATEST").write_text(vname(nxt) + "\n")  # LATEST seen before its version dir
     assert "will retry" in _wait_refused(sw, nxt, "the missing version refused")
-    v = reg.publish_peft_adapter(_lora(sw.base), version_manifest())
+    v = publish_peft_adapter(reg, _lora(sw.base), version_manifest())
     assert v == nxt
     wait_for(lambda: sw.live_version == v, 30, what="the version promoted once it exists")
     assert str(v) not in sw.info()["refused"]
@@ -306,7 +306,7 @@ def test_13_registry_does_not_follow_a_symlinked_version(srv, client, tmp_path) 
     reg = DrafterRegistry(srv.cfg.registry.dir)
     live = sw.live_version
     elsewhere = DrafterRegistry(tmp_path / "elsewhere")
-    src = elsewhere.version_dir(elsewhere.publish_peft_adapter(_lora(sw.base), version_manifest()))
+    src = elsewhere.version_dir(publish_peft_adapter(elsewhere, _lora(sw.base), version_manifest()))
     nxt = max(reg.list_versions()) + 1
     man = json.loads((src / "manifest.json").read_text())
     (src / "manifest.json").write_text(json.dumps({**man, "version": nxt}))

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 import yaml
+from registry_doors import publish_full, publish_peft_adapter
 from test_online import engine_records, online_config
 from test_serving_helpers import TEST_ADMIN_TOKEN, lora_copy, tiny_config, version_manifest, wait_for
 
@@ -99,7 +100,7 @@ def test_majority_client_forcing_a_token_cannot_promote_a_drafter_that_fails_the
             assert i < 400, "too few honest held-out records"
         reg = DrafterRegistry(cfg.registry.dir)
         base = load_causal_lm(tiny_pair_dir / "drafter", "cpu", "float32")
-        v = reg.publish_full(one_token_drafter_state(base), base.config, version_manifest())
+        v = publish_full(reg, one_token_drafter_state(base), base.config, version_manifest())
         ev = _verdict(tmp_path, v)
         assert ev["kind"] == "refused", ev
         honest_group = f"{honest_domain}/greedy/{client_key('honest')}"
@@ -144,7 +145,7 @@ def test_a_group_falling_by_more_than_the_margin_refuses_publish_and_promotion(p
     d = tr.maybe_publish(force=True)
     assert d.heldout_alpha > d.parent_heldout_alpha + 0.5, d  # pooled, the candidate looks far better
     assert d.published is None and f"prose/greedy/{client_key('honest')}" in d.reason, d.reason
-    v = reg.publish_full(bad, pair.drafter.config, version_manifest())
+    v = publish_full(reg, bad, pair.drafter.config, version_manifest())
     sw = DrafterSwapper(reg, None, pair.drafter, SwapPolicy.of(cfg))
     for r in majority + honest:
         sw.heldout.add(r)
@@ -212,7 +213,7 @@ def test_idle_server_gives_every_published_version_a_verdict_within_seconds(tiny
         reg = DrafterRegistry(cfg.registry.dir)
         seconds = {}
         for k, scale in enumerate((0.0, 0.0, 2.0)):
-            v = reg.publish_peft_adapter(lora_copy(base, scale, k), version_manifest())
+            v = publish_peft_adapter(reg, lora_copy(base, scale, k), version_manifest())
             ev = _verdict(tmp_path, v, timeout=15)
             seconds[v] = ev["publish_to_verdict_s"]
             assert ev["kind"] == ("refused" if scale else "promoted"), ev
@@ -221,7 +222,7 @@ def test_idle_server_gives_every_published_version_a_verdict_within_seconds(tiny
         assert kept and "ended early" in kept[0]["reason"], kept
         metrics = c.get("/metrics").text
         assert _metric(metrics, "dvi_drafter_publish_to_verdict_seconds_count") == 3
-    v4 = reg.publish_peft_adapter(lora_copy(base, 0.0, 9), version_manifest())
+    v4 = publish_peft_adapter(reg, lora_copy(base, 0.0, 9), version_manifest())
     t0 = time.monotonic()
     with _serve(cfg, tmp_path, "restarted"):
         ev = _verdict(tmp_path, v4, timeout=15)

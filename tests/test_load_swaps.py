@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from registry_doors import publish_peft_adapter
 from test_serving_helpers import TEST_ADMIN_TOKEN, ServerThread, lora_copy, tiny_config, version_manifest
 from test_swap_churn import force_floor
 
@@ -154,7 +155,7 @@ async def _chaos(s: ServerThread, deadline: float, weights: str, t: Tally) -> No
                                  headers={"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}) as admin:
         while time.monotonic() < deadline:
             if sw is not None:
-                v = await asyncio.to_thread(reg.publish_peft_adapter, identity, version_manifest())
+                v = await asyncio.to_thread(publish_peft_adapter, reg, identity, version_manifest())
                 if await _wait(lambda v=v: sw.live_version == v or v in sw.refused,
                                max(0.5, deadline - time.monotonic())) and sw.live_version == v:
                     await asyncio.sleep(0.2)  # rows run on it a while

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from registry_doors import publish_peft_adapter
 
 from serving.memory import glibc_trim
 
@@ -128,7 +129,7 @@ def test_promoted_drafters_are_freed_once_replaced(tiny_pair_dir, tmp_path):
             _traffic(s.url, 2, [], stream=False)
         counts = []
         for _ in range(5):
-            v = reg.publish_peft_adapter(_lora(sw.base), version_manifest())
+            v = publish_peft_adapter(reg, _lora(sw.base), version_manifest())
             wait_for(lambda v=v: sw.live_version == v, 30, what=f"v{v} promoted")
             _traffic(s.url, 3, [], stream=False)  # served by v; its watch ends and it becomes the last good one
             wait_for(lambda v=v: sw.good == v, 30, what=f"v{v} kept")
@@ -218,7 +219,7 @@ def test_server_rss_stays_flat_across_six_promotions(tiny_pair_dir, tmp_path):
         traffic(24)
         reg = DrafterRegistry(cfg.registry.dir)
         for i in range(6):  # a drafter copy (136 MB, ~14%) kept per promotion adds 3 between the medians compared
-            v = reg.publish_peft_adapter(lora_copy(base, 0.0, i, targets), version_manifest())
+            v = publish_peft_adapter(reg, lora_copy(base, 0.0, i, targets), version_manifest())
             wait_for(lambda v=v: verdicts(v, ("promoted", "refused")), 120, what=f"v{v}'s verdict")
             traffic(5)  # its watch (4 requests) ends: kept
             wait_for(lambda v=v: verdicts(v, ("kept", "rolled_back")), 120, what=f"v{v}'s watch")

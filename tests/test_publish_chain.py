@@ -19,6 +19,7 @@ import time
 import httpx
 import pytest
 import torch
+from registry_doors import publish_peft_adapter
 from test_online import engine_records, online_config
 from test_serving_helpers import (
     TEST_ADMIN_TOKEN,
@@ -99,7 +100,7 @@ def test_1_server_shadow_checks_heldout_records_only_and_trainer_never_publishes
 def test_2_trainer_compares_with_the_served_version_not_latest(pair, prose, tiny_pair_dir, tmp_path) -> None:
     cfg = online_config(tiny_pair_dir, tmp_path)
     reg = DrafterRegistry(cfg.registry.dir)
-    bad = reg.publish_peft_adapter(lora_copy(pair.drafter, 2.0, 1), version_manifest())  # LATEST, never served
+    bad = publish_peft_adapter(reg, lora_copy(pair.drafter, 2.0, 1), version_manifest())  # LATEST, never served
     reg.set_serving(ServingState(version=0, good=0))
     tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=reg)
     tr.heldout.extend(r.compact() for r in prose)  # the candidate is the bootstrap drafter itself
@@ -115,9 +116,9 @@ def test_3_watch_runs_to_its_end_and_rollback_returns_to_the_last_good(tiny_pair
     with ServerThread(cfg) as s:
         sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
         _heldout_traffic(s)
-        v1 = reg.publish_peft_adapter(lora_copy(sw.base), version_manifest())
+        v1 = publish_peft_adapter(reg, lora_copy(sw.base), version_manifest())
         wait_for(lambda: sw.live_version == v1, 30, what="v1 promoted")
-        v2 = reg.publish_peft_adapter(lora_copy(sw.base), version_manifest())
+        v2 = publish_peft_adapter(reg, lora_copy(sw.base), version_manifest())
         _traffic(s.url, 3)
         time.sleep(5 * cfg.serve.registry_poll_seconds)
         assert sw.live_version == v1 and sw.watch is not None, "v2 promoted before v1's watch ended"
@@ -126,7 +127,7 @@ def test_3_watch_runs_to_its_end_and_rollback_returns_to_the_last_good(tiny_pair
         assert sw.good == v1
         _traffic(s.url, 8)
         wait_for(lambda: sw.good == v2, 30, what="v2 passed its watch")
-        v3 = reg.publish_peft_adapter(_bad(sw), version_manifest())
+        v3 = publish_peft_adapter(reg, _bad(sw), version_manifest())
         wait_for(lambda: sw.live_version == v3, 30, what="the bad v3 promoted (shadow margin 1.0)")
         _traffic(s.url, 8)
         wait_for(lambda: sw.counts["rolled_back"] == 1, 30, what="the rollback")
@@ -139,7 +140,7 @@ def test_4_one_typed_manifest_and_one_check_for_server_and_trainer(pair, prose, 
     import json
 
     reg = DrafterRegistry(tmp_path / "registry")
-    v = reg.publish_peft_adapter(lora_copy(pair.drafter), version_manifest(drafter_kind="eagle"))
+    v = publish_peft_adapter(reg, lora_copy(pair.drafter), version_manifest(drafter_kind="eagle"))
     man = reg.manifest(v)
     assert isinstance(man, Manifest) and man.version == v and man.format == "lora" and man.drafter_kind == "eagle"
     from serving.swap import load_drafter_version
@@ -162,7 +163,7 @@ def test_5_watch_keeps_a_version_identical_to_the_last_good_when_traffic_changes
         sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
         _traffic(s.url, 12, temperature=1.5)  # sampled code prompts: high α for v0 on the tiny pair
         _heldout_traffic(s, temperature=1.5)
-        v1 = reg.publish_peft_adapter(lora_copy(sw.base), version_manifest())  # drafts exactly as v0
+        v1 = publish_peft_adapter(reg, lora_copy(sw.base), version_manifest())  # drafts exactly as v0
         wait_for(lambda: sw.live_version == v1, 30, what="v1 promoted")
         a0 = sw.live_alpha(0) if sw.live_alpha(0) is not None else 1.0
         _traffic(s.url, 10, OTHER)  # other prompts, greedy: a much lower α for any drafter
@@ -181,7 +182,7 @@ def test_6_pin_holds_against_a_failed_watch_and_survives_a_restart(tiny_pair_dir
     with ServerThread(cfg) as s, s.client(token="tok") as admin:
         sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
         _heldout_traffic(s)
-        bad = reg.publish_peft_adapter(_bad(sw), version_manifest())
+        bad = publish_peft_adapter(reg, _bad(sw), version_manifest())
         wait_for(lambda: sw.live_version == bad, 30, what="the bad version promoted")
         r = admin.post("/admin/drafter/pin", json={"version": bad})
         assert r.status_code == 200, r.text
@@ -204,7 +205,7 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
     with ServerThread(cfg) as s:
         sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
         _heldout_traffic(s)
-        bad = reg.publish_peft_adapter(_bad(sw), version_manifest())
+        bad = publish_peft_adapter(reg, _bad(sw), version_manifest())
         wait_for(lambda: str(bad) in sw.info()["refused"], 30, what="the bad version refused")
     assert reg.latest() == bad and bad in reg.refusals()
     with ServerThread(cfg) as s:
@@ -217,7 +218,7 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
     # a fresh, good version on LATEST at start-up waits for held-out records, then is checked and promoted
     # (a server whose feedback log holds none: with one, it checks on the logged held-out records at once,
     # issue 36 §8, tests/test_gates.py)
-    good = reg.publish_peft_adapter(lora_copy(pair_drafter(cfg)), version_manifest())
+    good = publish_peft_adapter(reg, lora_copy(pair_drafter(cfg)), version_manifest())
     cfg = tiny_config(tiny_pair_dir, tmp_path, f"feedback.dir={tmp_path / 'empty-feedback'}")
     with ServerThread(cfg) as s:
         sw = s.state.swapper
@@ -245,7 +246,7 @@ def test_8_admin_status_names_the_version_waiting_for_held_out_positions(tiny_pa
             return r.json()["drafter"]["waiting"]
 
         assert waiting() is None  # nothing published: no verdict waits
-        v = reg.publish_peft_adapter(lora_copy(sw.base), version_manifest())
+        v = publish_peft_adapter(reg, lora_copy(sw.base), version_manifest())
         assert wait_for(waiting, 30, what="the version waiting on /admin/status") == {
             "version": v, "heldout_positions": 0, "of": need}
         for _ in range(20):  # one held-out record (<= 16 positions) moves the count, far from the 64 needed

@@ -3,7 +3,7 @@ import os
 
 import pytest
 import torch
-from registry_doors import load_adapter_into, publish_files
+from registry_doors import load_adapter_into, publish_files, publish_full, publish_peft_adapter
 from tiny_models import tiny_llama
 
 from dvi.registry.store import MANIFEST_FIELDS, AdapterRejected, DrafterRegistry
@@ -22,7 +22,7 @@ def sd(seed=0, scale=1.0):
 def test_publish_layout_latest_and_load(tmp_path):
     reg = DrafterRegistry(tmp_path)
     assert reg.latest() is None and reg.list_versions() == []
-    v1 = reg.publish_full(
+    v1 = publish_full(reg,
         sd(1), {"model_type": "llama"}, {"steps": 10, "records_seen": 3, "target_version": 2}
     )
     assert v1 == 1
@@ -33,7 +33,7 @@ def test_publish_layout_latest_and_load(tmp_path):
     for f in MANIFEST_FIELDS:
         assert f in man
     assert man["version"] == 1 and man["format"] == "full" and man["parent_version"] is None
-    v2 = reg.publish_full(sd(2), {"model_type": "llama"}, {"heldout_alpha": 0.5})
+    v2 = publish_full(reg, sd(2), {"model_type": "llama"}, {"heldout_alpha": 0.5})
     assert v2 == 2 and reg.latest() == 2 and reg.manifest(2).parent_version == 1
     state, man = reg.open_version(reg.latest(), expected=sd(0))
     assert man.version == 2 and torch.equal(state["a.weight"], sd(2)["a.weight"])
@@ -60,7 +60,7 @@ def test_a_manifest_from_before_format_reads_in_one_kind_vocabulary(tmp_path):
     drafter's `drafter_kind` by its format's name reads as format + the config's kind names; a new manifest with
     an old kind name is refused."""
     reg = DrafterRegistry(tmp_path)
-    v = reg.publish_full(sd(1), {"model_type": "llama"}, {"drafter_kind": "separate"})
+    v = publish_full(reg, sd(1), {"model_type": "llama"}, {"drafter_kind": "separate"})
     path = reg.version_dir(v) / "manifest.json"
     man = json.loads(path.read_text())
     assert man["drafter_kind"] == "separate" and "kind" not in man
@@ -93,7 +93,7 @@ def test_a_manifest_from_before_format_reads_in_one_kind_vocabulary(tmp_path):
 )
 def test_corrupt_versions_rejected(tmp_path, corrupt, reason):
     reg = DrafterRegistry(tmp_path)
-    v = reg.publish_full(sd(), {"a": 1}, {})
+    v = publish_full(reg, sd(), {"a": 1}, {})
     corrupt(reg.version_dir(v))
     with pytest.raises(AdapterRejected, match=reason) as ei:
         reg.open_version(v, expected=sd())
@@ -115,7 +115,7 @@ def test_shape_dtype_names_nan_rejected(tmp_path):
         (nan, "non-finite"),
     ]
     for state, reason in cases:
-        v = reg.publish_full(state, {}, {})
+        v = publish_full(reg, state, {}, {})
         with pytest.raises(AdapterRejected, match=reason):
             reg.open_version(v, expected=ref)
     with pytest.raises(AdapterRejected, match="does not exist"):
@@ -147,7 +147,7 @@ def rollback(reg: DrafterRegistry, to_version: int | None = None, reason: str = 
 def test_rollback_pin_gc(tmp_path):
     reg = DrafterRegistry(tmp_path, keep_last=2)
     for i in range(3):
-        reg.publish_full(sd(i), {}, {})
+        publish_full(reg, sd(i), {}, {})
     assert reg.list_versions() == [2, 3]  # v1 collected
     reg.pin(2)
     assert rollback(reg, reason="alpha fell") == 2 and reg.latest() == 2
@@ -156,14 +156,14 @@ def test_rollback_pin_gc(tmp_path):
     assert ev[-2]["event"] == "promote" and ev[-2]["version"] == 2 and ev[-2]["previous"] == 3
     assert ev[-1]["event"] == "refuse" and ev[-1]["version"] == 3 and "alpha fell" in ev[-1]["reason"]
     for i in range(4):
-        reg.publish_full(sd(i), {}, {})
+        publish_full(reg, sd(i), {}, {})
     # newest 2 kept, plus pinned v2; LATEST is v7
     assert reg.list_versions() == [2, 6, 7]
     # a rollback to a specific version; then LATEST (v6) survives gc even when old
     rollback(reg, to_version=6)
     reg.unpin(2)
-    reg.publish_full(sd(0), {}, {}, set_latest=False)
-    reg.publish_full(sd(0), {}, {}, set_latest=False)
+    publish_full(reg, sd(0), {}, {}, set_latest=False)
+    publish_full(reg, sd(0), {}, {}, set_latest=False)
     assert reg.latest() == 6 and reg.list_versions() == [6, 8, 9]
     reg.promote(9)
     assert reg.latest() == 9
@@ -195,7 +195,7 @@ def test_peft_publish_and_load_into(tmp_path):
 
     reg = DrafterRegistry(tmp_path)
     trained = _tiny_peft(seed=1)
-    v = reg.publish_peft_adapter(trained, {"steps": 5, "heldout_alpha": 0.7})
+    v = publish_peft_adapter(reg, trained, {"steps": 5, "heldout_alpha": 0.7})
     assert sorted(os.listdir(reg.version_dir(v))) == [
         "adapter_config.json",
         "adapter_model.safetensors",
@@ -213,7 +213,7 @@ def test_peft_publish_and_load_into(tmp_path):
         assert torch.allclose(trained(x).logits, server(x).logits, atol=1e-5)
 
     # a different LoRA rank is refused against the live adapter's shapes
-    v2 = reg.publish_peft_adapter(_tiny_peft(r=8), {})
+    v2 = publish_peft_adapter(reg, _tiny_peft(r=8), {})
     with pytest.raises(AdapterRejected, match="shape"):
         load_adapter_into(reg, server, v2)
     # the failed load left the live adapter untouched
@@ -230,7 +230,7 @@ def test_symlinked_version_or_file_outside_is_refused_missing_is_transient(tmp_p
     a version whose dir is not there (yet) is refused as transient, so the server retries it."""
     reg = DrafterRegistry(tmp_path / "reg")
     other = DrafterRegistry(tmp_path / "other")
-    v = other.publish_full(sd(1), {"model_type": "llama"}, {})
+    v = publish_full(other, sd(1), {"model_type": "llama"}, {})
     with pytest.raises(AdapterRejected) as exc:
         reg.open_version(1)
     assert exc.value.kind == "missing" and exc.value.transient
@@ -238,7 +238,7 @@ def test_symlinked_version_or_file_outside_is_refused_missing_is_transient(tmp_p
     with pytest.raises(AdapterRejected) as exc:
         reg.open_version(1)
     assert exc.value.kind == "symlink" and not exc.value.transient
-    v2 = reg.publish_full(sd(2), {"model_type": "llama"}, {})
+    v2 = publish_full(reg, sd(2), {"model_type": "llama"}, {})
     weights = reg.version_dir(v2) / "model.safetensors"
     weights.unlink()
     os.symlink(other.version_dir(v) / "model.safetensors", weights)
@@ -253,7 +253,7 @@ def test_peft_publish_named_adapter_round_trips(tmp_path):
     reg = DrafterRegistry(tmp_path)
     trained = _tiny_peft(seed=1)
     trained.add_adapter("drafty", trained.peft_config["default"])
-    v = reg.publish_peft_adapter(trained, {}, adapter_name="drafty")
+    v = publish_peft_adapter(reg, trained, {}, adapter_name="drafty")
     assert sorted(os.listdir(reg.version_dir(v))) == ["adapter_config.json", "adapter_model.safetensors",
                                                       "manifest.json"]
     server = _tiny_peft(seed=2)
@@ -274,7 +274,7 @@ def test_history_and_refusals_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(RL, "MAX_REFUSED", 5)
     reg = DrafterRegistry(tmp_path, keep_last=100)
     for i in range(12):
-        reg.publish_full(sd(i), {"model_type": "llama"}, {})
+        publish_full(reg, sd(i), {"model_type": "llama"}, {})
     for v in range(1, 12):
         reg.refuse(v, "x" * 100)
     sizes = [(reg.dir / n).stat().st_size for n in ("events.jsonl", "events.1.jsonl")]
@@ -291,7 +291,7 @@ def test_replicas_sharing_a_registry_keep_their_own_server_records(tmp_path):
     trainer = DrafterRegistry(tmp_path)
     a, b = DrafterRegistry(tmp_path, replica="a"), DrafterRegistry(tmp_path, replica="b")
     for i in range(1, 5):
-        trainer.publish_full(sd(i), {"model_type": "llama"}, {})
+        publish_full(trainer, sd(i), {"model_type": "llama"}, {})
     a.set_serving(ServingState(version=4, good=2))
     b.set_serving(ServingState(version=1, good=1, pinned=1))
     a.refuse(3, "rolled back: α fell on a's traffic")

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 import torch
-from registry_doors import publish_files
+from registry_doors import publish_files, publish_peft_adapter
 from test_serving_helpers import (
     TEST_ADMIN_TOKEN,
     ServerThread,
@@ -84,7 +84,7 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
         for w in workers:
             w.start()
         time.sleep(0.5)  # requests are streaming now
-        v1 = reg.publish_peft_adapter(_lora(base), version_manifest())
+        v1 = publish_peft_adapter(reg, _lora(base), version_manifest())
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="v1 to be promoted")
         for w in workers:
             w.join(120)
@@ -107,10 +107,10 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
             # a wrongly shaped one (LoRA made for another model) too
             other = copy.deepcopy(base)
             other.resize_token_embeddings(base.config.vocab_size + 8)
-            v3 = reg.publish_peft_adapter(_lora(other), version_manifest())
+            v3 = publish_peft_adapter(reg, _lora(other), version_manifest())
             wait_for(lambda: str(v3) in s.health()["drafter"]["refused"], 30, what="v3 refused")
             # a valid but much worse drafter fails the shadow check
-            v4 = reg.publish_peft_adapter(_lora(base, scale=2.0), version_manifest())
+            v4 = publish_peft_adapter(reg, _lora(base, scale=2.0), version_manifest())
             h = wait_for(lambda: (lambda j: j if str(v4) in j["drafter"]["refused"] else None)(
                 s.health()), 30, what="v4 refused by the shadow check")
             assert "shadow" in h["drafter"]["refused"][str(v4)]
@@ -138,7 +138,7 @@ def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path, kind) -> None:
         if kind == "early_exit":
             bad = _publish_dir(reg, _early_exit_version(s.state.swapper.base, tmp_path / "bad", scale=3.0)[0])
         else:
-            bad = reg.publish_peft_adapter(_lora(s.state.swapper.base, scale=2.0, seed=1), version_manifest())
+            bad = publish_peft_adapter(reg, _lora(s.state.swapper.base, scale=2.0, seed=1), version_manifest())
         wait_for(lambda: s.state.swapper.live_version == bad, 30, what="the bad version to be promoted")
         _traffic(s.url, 10, results, stream=False)
         wait_for(lambda: s.state.swapper.counts["rolled_back"] == 1, 30, what="the rollback")
@@ -161,11 +161,11 @@ def test_admin_rollback_and_pin(tiny_pair_dir, tmp_path) -> None:
         sw = s.state.swapper
         while sw.heldout_positions() < cfg.trainer.shadow_min_positions:  # held-out records for the shadow checks
             _traffic(s.url, 2, [], stream=False)
-        v1 = reg.publish_peft_adapter(_lora(sw.base), version_manifest())
+        v1 = publish_peft_adapter(reg, _lora(sw.base), version_manifest())
         wait_for(lambda: sw.live_version == v1, 30, what="v1")
         _traffic(s.url, 3, [], stream=False)  # v1's watch (2 requests) ends: v1 is the last good version
         wait_for(lambda: sw.good == v1, 30, what="v1 kept")
-        v2 = reg.publish_peft_adapter(_lora(sw.base), version_manifest())
+        v2 = publish_peft_adapter(reg, _lora(sw.base), version_manifest())
         wait_for(lambda: sw.live_version == v2, 30, what="v2")
         _traffic(s.url, 3, [], stream=False)
         wait_for(lambda: sw.good == v2, 30, what="v2 kept")
@@ -174,7 +174,7 @@ def test_admin_rollback_and_pin(tiny_pair_dir, tmp_path) -> None:
         assert reg.latest() == v2 and v2 in reg.refusals(), "a rollback refuses; LATEST stays the trainer's"
         r = admin.post("/admin/drafter/pin", json={"version": v2})
         assert r.status_code == 200 and s.state.swapper.live_version == v2
-        v3 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest())
+        v3 = publish_peft_adapter(reg, _lora(s.state.swapper.base), version_manifest())
         time.sleep(4 * cfg.serve.registry_poll_seconds)
         assert s.state.swapper.live_version == v2, "a pinned server must not auto-promote"
         assert admin.post("/admin/drafter/pin", json={"version": None}).status_code == 200
@@ -337,7 +337,7 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
         for p in PROMPTS:
             assert served(p) == (ref[p], v1)
         # a separate drafter's LoRA is not an early-exit version; a garbage one fails the shadow check
-        v2 = reg.publish_peft_adapter(_lora(load_causal_lm(tiny_pair_dir / "drafter", "cpu")), version_manifest())
+        v2 = publish_peft_adapter(reg, _lora(load_causal_lm(tiny_pair_dir / "drafter", "cpu")), version_manifest())
         wait_for(lambda: v2 in s.state.swapper.refused, 30, what="the separate LoRA to be refused")
         vdir3, _ = _early_exit_version(live, tmp_path / "ee-v3", scale=3.0, seed=3)
         v3 = _publish_dir(reg, vdir3)
@@ -376,13 +376,13 @@ def test_reduced_vocab_drafter_served_and_lora_promoted(tiny_pair_dir, tmp_path)
         assert ref == {p: base(p, 16) for p in PROMPTS}
         assert s.health()["draft_vocab_size"] == 64
         reg = DrafterRegistry(cfg.registry.dir)
-        v1 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest(draft_vocab_size=64))
+        v1 = publish_peft_adapter(reg, _lora(s.state.swapper.base), version_manifest(draft_vocab_size=64))
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the LoRA version to be promoted")
         assert find_subset_head(s.state.engine.drafter.model).num_ids == 64
         for p in PROMPTS:
             r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16}).json()
             assert (r["choices"][0]["text"], r["dvi"]["drafter_version"]) == (ref[p], v1)
-        v2 = reg.publish_peft_adapter(_lora(s.state.swapper.base), version_manifest(draft_vocab_size=None))
+        v2 = publish_peft_adapter(reg, _lora(s.state.swapper.base), version_manifest(draft_vocab_size=None))
         wait_for(lambda: v2 in s.state.swapper.refused, 30, what="a full-vocab version to be refused")
         assert "draft vocabulary" in s.state.swapper.refused[v2]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from registry_doors import publish_peft_adapter
 
 from dvi.config import ConfigError, load_config
 from serving.server_process import ServerProcess
@@ -214,7 +215,7 @@ def test_a_pinned_version_reaches_the_running_vllm_and_one_it_cannot_load_is_ref
     sw = served.state.swapper
     reg = DrafterRegistry(served.cfg.registry.dir)
     base_alpha = _alpha(served)
-    bad = reg.publish_peft_adapter(lora_copy(sw.base, 2.0, 1, ("q_proj", "v_proj", "up_proj")), version_manifest(),
+    bad = publish_peft_adapter(reg, lora_copy(sw.base, 2.0, 1, ("q_proj", "v_proj", "up_proj")), version_manifest(),
                                    set_latest=False)
     with served.client(token="adm") as c:
         r = c.post("/admin/drafter/pin", json={"version": bad})
@@ -316,7 +317,7 @@ def test_two_vllm_replicas_share_one_log_and_registry_and_each_promotes_and_roll
                 r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16})
                 assert r.status_code == 200, r.text
                 sent.append(r.json()["dvi"]["request_id"])
-    v = trainer.publish_peft_adapter(lora_copy(served.state.swapper.base, 0.05, 3, ("q_proj", "v_proj")),
+    v = publish_peft_adapter(trainer, lora_copy(served.state.swapper.base, 0.05, 3, ("q_proj", "v_proj")),
                                      version_manifest())
     for url in (served.url, b.url):  # each replica checks and promotes the trainer's version itself
         wait_for(lambda url=url: health(url)["drafter_version"] == v, 300, interval=0.5, what=f"{url} to promote v{v}")

@@ -1,7 +1,6 @@
 """One codec per drafter format: how a version's files are written, read back with validation, and what trained
-weights they hold. The trainer (`trainers.online.trainables`), the registry (`DrafterRegistry.publish_drafter`,
-`publish_peft_adapter`, `publish_full`), the swapper and the demo replay
-(`load_drafter_version`, `scoring_module`) all go through these, so a format is written in one place and read in one.
+weights they hold. The trainer (`trainers.online.trainables`), the registry (`DrafterRegistry.publish_drafter`), the swapper
+and the demo replay (`load_drafter_version`, `load_group_version`, `scoring_module`) all go through these, so a format is written in one place and read in one.
 
 | codec | drafter (`kind`, the config's `models.drafter_kind` names) | files (manifest `format`) |
 |---|---|---|

@@ -49,7 +49,7 @@ from dvi.registry.base import (
     is_count,
     vname,
 )
-from dvi.registry.codec import FULL_CONFIG, FULL_WEIGHTS, DrafterCodec, LoraCodec, write_full
+from dvi.registry.codec import FULL_CONFIG, FULL_WEIGHTS, DrafterCodec
 from dvi.registry.ledger import REPLICAS, ServerFacts, ServingState, TrainerFacts
 
 __all__ = ["REFUSAL_KINDS", "AdapterRejected", "DrafterRegistry", "Expected", "Manifest", "ServingState",
@@ -299,30 +299,6 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
         manifest, the rename and LATEST."""
         man = {"drafter_kind": codec.kind, **dict(manifest or {})}
         return self._publish(lambda tmp: codec.save(drafter, tmp), man, codec.format, set_latest)
-
-    def publish_full(
-        self,
-        state_dict: Mapping[str, torch.Tensor],
-        config: Any,
-        manifest: Mapping[str, Any] | None = None,
-        set_latest: bool = True,
-    ) -> int:
-        """Publish a whole small drafter (full distillation) from its weights: `FULL`'s files."""
-        return self._publish(lambda tmp: write_full(tmp, state_dict, config), dict(manifest or {}), "full", set_latest)
-
-    def publish_peft_adapter(
-        self,
-        peft_model: Any,
-        manifest: Mapping[str, Any] | None = None,
-        adapter_name: str = "default",
-        set_latest: bool = True,
-    ) -> int:
-        """Publish one LoRA adapter of a peft model (`LoraCodec`: peft's own files, which also load with
-        `PeftModel.from_pretrained(base, dir)`)."""
-        if adapter_name not in peft_model.peft_config:
-            raise ValueError(f"peft model has no adapter {adapter_name!r}")
-        codec = LoraCodec(adapter_name)
-        return self._publish(lambda tmp: codec.save(peft_model, tmp), dict(manifest or {}), "lora", set_latest)
 
     # -- validation and loading -------------------------------------------------------------
     def open_version(self, version: int, expected: Expected | None = None, drafter_kind: str | None = None,
