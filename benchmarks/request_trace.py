@@ -2,8 +2,8 @@
 
 Counted by execution, not by reading: `dvi serve` on the tiny preset with its supervised trainer, both processes
 under a call tracer (a `sitecustomize` on their PYTHONPATH: `sys.settrace` / `threading.settrace`, recording the
-file of every Python function called; no line events; a module's body run by a late import is not a call). Once the server answers and the trainer has finished its start-up, both
-forget what they recorded (SIGUSR1); then completions and chat requests (streamed and not) run until the trainer
+file of every Python function called; no line events; a module's body run by a late import is not a call). Once
+the server answers and the trainer has finished its start-up, both forget what they recorded (SIGUSR1); then completions and chat requests (streamed and not) run until the trainer
 published a version and the server promoted it (or `--max-requests`), and both write what they recorded since
 (SIGUSR2). A file counts when code in it ran in either process after the reset: the request path, the feedback
 log, the trainer's rounds and publish gate, the swapper's validation, judgement, swap and watch. Shutdown is not
@@ -95,24 +95,23 @@ def traffic(url: str, max_requests: int, server_log: Path) -> tuple[int, int, bo
               ("/v1/completions", {"prompt": "import os\nimport sys\n", "stream": True}),
               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "name a prime"}], "stream": False}),
               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "count to five"}], "stream": True})]
-    errors, done = 0, False
+    errors = 0
     with httpx.Client(base_url=url, timeout=120, headers={"Authorization": "Bearer trace"}) as c:
-        for i in range(max_requests):
+
+        def send(i: int) -> bool:
             endpoint, body = bodies[i % len(bodies)]
             r = c.post(endpoint, json={**body, "max_tokens": 24, "metadata": {"domain": ("code", "chat")[i % 2]}})
-            errors += r.status_code != 200
-            if i % 8 == 7:
-                done = promoted(server_log)
-                if done:  # the watch of the promoted version: a few more requests
-                    for j in range(8):
-                        e, b = bodies[j % len(bodies)]
-                        c.post(e, json={**b, "max_tokens": 24, "metadata": {"domain": ("code", "chat")[j % 2]}})
-                    return i + 9, errors, True
-    return max_requests, errors, done
+            return r.status_code == 200
+
+        for i in range(max_requests):
+            errors += not send(i)
+            if i % 8 == 7 and promoted(server_log):
+                errors += sum(not send(j) for j in range(8))  # the promoted version's watch
+                return i + 9, errors, True
+    return max_requests, errors, False
 
 
 def run(a) -> dict:
-
     from dvi.rundir import RunDir
     from serving.server_process import ServerProcess
 
