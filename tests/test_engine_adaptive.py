@@ -6,7 +6,14 @@ import pytest
 
 import dvi.decode.adaptive
 from dvi.decode.acceptance import AcceptanceEMA
-from dvi.decode.adaptive import AdaptiveK, CostModel, choose_k, expected_tokens, predicted_speedup
+from dvi.decode.adaptive import (
+    AdaptiveK,
+    CostModel,
+    GoodputGuard,
+    choose_k,
+    expected_tokens,
+    predicted_speedup,
+)
 
 
 def test_expected_tokens():
@@ -298,3 +305,35 @@ def test_calibrate_interleaves_and_prices_chains(monkeypatch):
         # K * draft + verify(K) is the measured chain of K drafts plus the (fastest) verify of K + 1 tokens
         assert k * c.draft + c.verify[k] == pytest.approx((chain[k - 1] if k else 0.0) + 0.010 * (1 + 0.1 * k))
     assert set(c.verify) == {0, 1, 2, 4}
+
+
+def test_goodput_is_judged_on_whole_windows_not_on_the_median_step():
+    """Real pair, Intel AMX, bf16, batch 1 (serve_speed, code): drafting steps emit 1 token when the draft is
+    rejected and 3 when it is not, so the median drafting step is a rejected one, slower than a plain step, while
+    drafting wins on the whole (the requests that drafted finished sooner). The window's tokens over its seconds
+    decide; a stall in the plain window does not flip the verdict."""
+    g = GoodputGuard(window=8, margin=1.05)
+    for i in range(8):  # 5 rejected drafts (1 token, 50 ms), 3 accepted (3 tokens, 52 ms): 34 tok/s
+        g.observe(1, True, 3 if i % 3 == 0 else 1, 0.052 if i % 3 == 0 else 0.050)
+    for i in range(8):  # plain steps: 1 token in 42 ms (24 tok/s), one of them stalled for a second
+        g.observe(1, False, 1, 1.0 if i == 4 else 0.042)
+    assert g.verdict(1) == "spec"
+    g2 = GoodputGuard(window=8, margin=1.05)
+    for i in range(8):  # only 1 of 8 drafts accepted: 10 tokens in 0.402 s (25 tok/s), within the margin of plain
+        g2.observe(1, True, 3 if i == 0 else 1, 0.052 if i == 0 else 0.050)
+        g2.observe(1, False, 1, 0.042)
+    assert g2.verdict(1) == "plain"
+
+
+def test_one_row_is_not_switched_off_by_an_unlucky_window():
+    """At batch 1 a window of steps is one prompt's luck; the calibrated costs (with the measured host work) and the
+    row's own acceptance decide there. From 3 rows on the measured verdict overrides the calibration."""
+    ctl = AdaptiveK(k_max=4, k_default=2, goodput_window=4)
+    for b in (1, 16):
+        ctl.set_costs(b, {0: 0.040, 1: 0.045, 2: 0.047, 4: 0.050}, draft=0.002)
+        for _ in range(4):  # an unlucky spell: every draft rejected, slower than plain
+            ctl.observe_step(b, 2, b, 0.049)
+            ctl.observe_step(b, 0, b, 0.040)
+        assert ctl.measured_verdict(b) == "plain"
+    assert ctl.choose(1, [0.6]) > 0
+    assert ctl.choose(16, [0.6] * 16) == 0

@@ -259,36 +259,18 @@ class AdaptiveK:
         # bookkeeping), per bucket, measured online: the calibration times bare forwards, and a cost
         # that K = 0 pays per token but speculation shares over several tokens must count.
         self.step_overhead: dict[int, float] = {}
-        # Measured goodput (tokens per second per row of whole engine steps, catch-ups excluded) per
-        # (bucket, speculating?): the guard against costs the calibration cannot see (real model, CPU,
-        # batch 16: calibrated verify(1) < verify(0), predicted 1.4x, measured 0.74x of plain decoding).
-        self._goodput: dict[tuple[int, bool], deque] = {}
-        self.goodput_window = goodput_window
-        self._guarded: dict[int, int] = {}
+        # Measured goodput of whole engine steps (catch-ups excluded), drafting vs plain, per bucket: the guard
+        # against costs the calibration cannot see (real model, CPU, batch 16: calibrated verify(1) < verify(0),
+        # predicted 1.4x, measured 0.74x of plain decoding).
+        self.goodput = GoodputGuard(goodput_window, t.margin, retry_every=self.max_probe_every)
         self._host_steps = 0
 
     def observe_step(self, batch: int, k: int, tokens: int, seconds: float) -> None:
         """One finished engine step (not a drafter catch-up): feeds the goodput guard."""
-        if seconds <= 0 or batch <= 0:
-            return
-        key = (batch_bucket(batch), k > 0)
-        d = self._goodput.get(key)
-        if d is None:
-            d = self._goodput[key] = deque(maxlen=self.goodput_window)
-        d.append(tokens / (seconds * batch))
+        self.goodput.observe(batch, k > 0, tokens, seconds)
 
     def measured_verdict(self, batch: int) -> str:
-        """"unknown" (too few speculative steps measured), "measure_plain" (speculation measured, plain
-        decoding not yet: take plain steps, they lose nothing), "spec" or "plain" (whichever measured
-        faster by `margin`; speculation must win by it)."""
-        b = batch_bucket(batch)
-        spec, plain = self._goodput.get((b, True)), self._goodput.get((b, False))
-        need = max(2, self.goodput_window // 2)
-        if spec is None or len(spec) < need:
-            return "unknown"
-        if plain is None or len(plain) < need:
-            return "measure_plain"
-        return "spec" if statistics.median(spec) >= self.margin * statistics.median(plain) else "plain"
+        return self.goodput.verdict(batch)
 
     def needs_calibration(self, batch: int) -> bool:
         b = batch_bucket(batch)
@@ -347,15 +329,16 @@ class AdaptiveK:
         k = choose_k(alphas, cached.draft, cached.verify, self.k_max, self.margin, remaining)
         if k > 0 and not self._catchup_pays(b, k, alphas, cached, pending_tokens):
             k = 0
-        verdict = self.measured_verdict(b)
+        # The measured guard from 3 rows on, as for history drafts: at one or two rows a step's tokens are one or two
+        # draws, so a window of them is mostly the prompt's luck (real pair, Intel AMX, batch 1: one unlucky window
+        # kept a drafter with position-0 acceptance 0.6 off for the next four requests), and there the cost model
+        # already carries the measured host work of a step (`observe_host_work`).
+        verdict = self.measured_verdict(b) if b > 2 else "unknown"
         if verdict == "plain":
             # Measured: plain decoding is faster here, so no K > 0, not even a probe (real pair, batch 16:
             # probes kept hybrid at 0.93-0.95x of speculation off). Alpha rises as the drafter trains
             # online: every `max_probe_every` guarded steps the speculative measurement is forgotten.
-            n = self._guarded[b] = self._guarded.get(b, 0) + 1
-            if n >= self.max_probe_every:
-                self._goodput.pop((b, True), None)
-                self._guarded[b] = 0
+            self.goodput.refused(b)
         if k > 0 and verdict in ("measure_plain", "plain"):
             k = 0  # measured: plain decoding is (or may be) faster here
         if k == 0:
@@ -393,35 +376,59 @@ class AdaptiveK:
 
 
 class GoodputGuard:
-    """Measured tokens/s per row of drafting vs plain steps, per batch bucket: the check on a cost model's promise
-    (suffix drafts at batch 16: predicted gains, measured 0.82x of plain; at batch 1 a few unlucky drafting steps
-    would switch it off for long, so the engine asks it from 3 rows on). `allow(b)` is False while plain steps
-    measured faster by `margin` (or are not measured yet, once drafting is); after `retry_every` refusals the
-    drafting samples are forgotten, so it is tried again."""
+    """Measured goodput of drafting vs plain steps, per batch bucket: the check on a cost model's promise (suffix
+    drafts at batch 16: predicted gains, measured 0.82x of plain; at batch 1 a few unlucky drafting steps would
+    switch it off for long, so the engine asks `allow` from 3 rows on; `AdaptiveK` asks `verdict` at every size).
+
+    A window's goodput is its tokens over its seconds, not the median of per-step rates: a drafting step emits
+    1 to K+1 tokens, so its median step can be a rejected draft while drafting wins on the whole (real pair, Intel
+    AMX, batch 1, position-0 acceptance 0.47: the median said "plain" while drafting requests finished 10% sooner).
+    A step slower than `STALL` times the window's median step is a stall (the machine, not the policy) and left out.
+    After `retry_every` refusals the drafting samples are forgotten, so it is tried again."""
+
+    STALL = 3.0
 
     def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256):
         self.window, self.margin, self.retry_every = window, margin, retry_every
-        self._rates: dict[tuple[int, bool], deque] = {}
+        self._steps: dict[tuple[int, bool], deque] = {}  # (tokens per row, seconds) of the last `window` steps
         self._refused: dict[int, int] = {}
 
     def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         if seconds > 0 and batch > 0:
             key = (batch_bucket(batch), drafted)
-            self._rates.setdefault(key, deque(maxlen=self.window)).append(tokens / (seconds * batch))
+            self._steps.setdefault(key, deque(maxlen=self.window)).append((tokens / batch, seconds))
 
-    def allow(self, batch: int) -> bool:
+    def _rate(self, steps: deque) -> float:
+        """Tokens per second per row over the window, stalls left out."""
+        typical = statistics.median(s for _, s in steps)
+        kept = [(t, s) for t, s in steps if s <= self.STALL * typical]
+        return sum(t for t, _ in kept) / sum(s for _, s in kept)
+
+    def verdict(self, batch: int) -> str:
+        """"unknown" (too few drafting steps measured), "measure_plain" (drafting measured, plain decoding not yet:
+        take plain steps, they lose nothing), "spec" or "plain" (whichever measured faster; drafting must win by
+        `margin`)."""
         b = batch_bucket(batch)
-        spec, plain = self._rates.get((b, True)), self._rates.get((b, False))
+        spec, plain = self._steps.get((b, True)), self._steps.get((b, False))
         need = max(2, self.window // 2)
         if spec is None or len(spec) < need:
-            return True
-        if plain is not None and len(plain) >= need and \
-                statistics.median(spec) >= self.margin * statistics.median(plain):
-            return True
+            return "unknown"
+        if plain is None or len(plain) < need:
+            return "measure_plain"
+        return "spec" if self._rate(spec) >= self.margin * self._rate(plain) else "plain"
+
+    def refused(self, b: int) -> None:
+        """One step refused drafting in bucket `b`; the `retry_every`-th forgets the drafting samples."""
         n = self._refused[b] = self._refused.get(b, 0) + 1
         if n >= self.retry_every:
-            self._rates.pop((b, True), None)
+            self._steps.pop((b, True), None)
             self._refused[b] = 0
+
+    def allow(self, batch: int) -> bool:
+        """Whether history drafts may be looked up at this batch size (refusing counts toward a retry)."""
+        if self.verdict(batch) in ("unknown", "spec"):
+            return True
+        self.refused(batch_bucket(batch))
         return False
 
 
