@@ -8,13 +8,19 @@ all training with the demo's lane settings (`demo.scenario.LANE_WARMUP`: idle re
 - shared: `trainer.adapter_key: none` (one drafter learns from all three; its gate judges every group);
 - adapters: `trainer.adapter_key: domain` (one adapter per tenant);
 - adapters + garbage (`--garbage`): the same with a fourth tenant sending random token ids as `--garbage-share` of
-  all requests.
+  all requests (each answered with at most `--garbage-max-tokens`);
+- adapters again (`--control`): the run-to-run spread of α̂ with nothing changed, the yardstick for the garbage arm;
+- frozen (`--frozen`): the trainer off, the v0 drafter at the same K policy: live tokens per step to compare with.
 
 Then, per tenant, the responses of every arm's last third, pooled (the same tokens for every arm), are replayed
 (teacher-forced, `dvi.feedback.shadow.record_scores`) through what serves that tenant at the end of each arm (its
 adapter's live version, or the shared drafter's) and through the frozen v0 drafter: α̂ per tenant and arm.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/groups.py [--tokens 20000] [--garbage] [--json bench_results/groups.json]
+Live tokens per step per tenant and arm: completion tokens over engine steps of the arm's last third (the responses'
+`dvi` blocks).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/groups.py [--tokens 20000] [--garbage] [--control] [--frozen]
+        [--arms adapters,...] [--json bench_results/groups.json]
 """
 
 from __future__ import annotations
@@ -54,15 +60,17 @@ def tenant_requests(name: str, tok, seed: int):
         yield ("/v1/chat/completions" if "messages" in body else "/v1/completions"), body
 
 
-async def traffic(url: str, tok, tokens: int, max_tokens: int, garbage_share: float, seed: int) -> dict:
-    """The tenants' requests, 4 in flight, until every real tenant has `tokens` completion tokens; request ids per
-    tenant."""
+async def traffic(url: str, tok, tokens: int, max_tokens: int, garbage: tuple[float, int], seed: int) -> dict:
+    """The tenants' requests, 4 in flight, until every real tenant has `tokens` completion tokens; per tenant and
+    request: its id, completion tokens and engine steps. `garbage`: (share of all requests, their max tokens)."""
     import httpx
 
+    garbage_share, garbage_tokens = garbage
     names = list(TENANTS) + (["garbage"] if garbage_share > 0 else [])
     streams = {n: tenant_requests(n, tok, seed + i) for i, n in enumerate(names)}
     got = dict.fromkeys(names, 0)
     ids: dict[str, list[str]] = {n: [] for n in names}
+    lens: dict[str, list[tuple[int, int]]] = {n: [] for n in names}  # (completion tokens, engine steps)
     errors = [0]
     rng = random.Random(seed)
 
@@ -76,7 +84,8 @@ async def traffic(url: str, tok, tokens: int, max_tokens: int, garbage_share: fl
     async def worker(client: httpx.AsyncClient) -> None:
         while (name := pick()) is not None:
             endpoint, body = next(streams[name])
-            r = await client.post(endpoint, json={**body, "max_tokens": max_tokens, "temperature": 0.0,
+            cap = garbage_tokens if name == "garbage" else max_tokens
+            r = await client.post(endpoint, json={**body, "max_tokens": cap, "temperature": 0.0,
                                                   "metadata": {"domain": name}})
             if r.status_code != 200:
                 errors[0] += 1
@@ -84,6 +93,7 @@ async def traffic(url: str, tok, tokens: int, max_tokens: int, garbage_share: fl
             out = r.json()
             got[name] += out["usage"]["completion_tokens"]
             ids[name].append(out["dvi"]["request_id"])
+            lens[name].append((out["usage"]["completion_tokens"], out["dvi"]["steps"]))
             done = sum(min(got[n], tokens) for n in TENANTS)
             print(f"\r  {done}/{tokens * len(TENANTS)} tokens " + " ".join(f"{n} {got[n]}" for n in names),
                   end="", flush=True)
@@ -91,7 +101,15 @@ async def traffic(url: str, tok, tokens: int, max_tokens: int, garbage_share: fl
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await asyncio.gather(*(worker(client) for _ in range(4)))
     print()
-    return {"ids": ids, "tokens": got, "errors": errors[0]}
+    return {"ids": ids, "lens": lens, "tokens": got, "errors": errors[0]}
+
+
+def live_tokens_per_step(arm: dict, tenant: str) -> float | None:
+    """Completion tokens over engine steps of the tenant's last third of requests in this arm."""
+    lens = arm.get("lens", {}).get(tenant) or []
+    last = lens[len(lens) * 2 // 3:]
+    steps = sum(s for _, s in last)
+    return sum(t for t, _ in last) / steps if steps else None
 
 
 def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
@@ -108,7 +126,8 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
     data.update(run_dir=str(run_dir))
     data["feedback"]["dir"], data["registry"]["dir"] = str(run_dir / "feedback"), str(run_dir / "registry")
     data["trainer"].update(adapter_key=key, publish_every_steps=5, **LANE_WARMUP)  # the demo's, in both arms
-    data["serve"].update(trainer="supervised", admin_token="groups-bench", domains=[*TENANTS, "garbage"])
+    trainer = "off" if name == "frozen" else "supervised"
+    data["serve"].update(trainer=trainer, admin_token="groups-bench", domains=[*TENANTS, "garbage"])
     data["wandb"]["mode"] = "disabled"
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "serve_config.yaml"
@@ -117,8 +136,8 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
     t0 = time.perf_counter()
     print(f"arm {name} (trainer.adapter_key {key}) ...")
     with ServerProcess(["--config", str(path)], run_dir / "server.log") as srv:
-        out = asyncio.run(traffic(srv.url, tok, a.tokens, a.max_tokens, a.garbage_share if "garbage" in name else 0,
-                                  a.seed))
+        garbage = (a.garbage_share if "garbage" in name else 0.0, a.garbage_max_tokens or a.max_tokens)
+        out = asyncio.run(traffic(srv.url, tok, a.tokens, a.max_tokens, garbage, a.seed))
         out["health"] = httpx.get(srv.url + "/health", headers={"Authorization": "Bearer groups-bench"},
                                   timeout=30).json()
     out["wall_s"] = time.perf_counter() - t0
@@ -165,39 +184,78 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--garbage", action="store_true", help="also the adapters arm with a garbage tenant")
     ap.add_argument("--garbage-share", type=float, default=0.9)
+    ap.add_argument("--garbage-max-tokens", type=int, default=None, help="a garbage request's max tokens")
+    ap.add_argument("--control", action="store_true", help="also a second adapters arm (run-to-run spread)")
+    ap.add_argument("--frozen", action="store_true", help="also an arm with the trainer off (live tokens per step)")
+    ap.add_argument("--arms", default=None, help="comma-separated subset of the arms to run (the rest are read)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs") / time.strftime("groups-%Y%m%d-%H%M%S"))
     ap.add_argument("--replay-only", action="store_true", help="replay the arms already run under --out")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     cfg = load_config(None, [f"models.preset={a.preset}"])
-    arms = [("shared", "none"), ("adapters", "domain")] + ([("adapters + garbage", "domain")] if a.garbage else [])
+    arms = [("shared", "none"), ("adapters", "domain")] + ([("adapters + garbage", "domain")] if a.garbage else []) \
+        + ([("adapters again", "domain")] if a.control else []) + ([("frozen", "none")] if a.frozen else [])
+    run_now = None if a.arms is None else set(a.arms.split(","))
     runs = {}
     for name, key in arms:
-        run_dir = a.out.resolve() / name.replace(" + ", "_")
-        if not a.replay_only:
+        run_dir = a.out.resolve() / name.replace(" + ", "_").replace(" ", "_")
+        if not a.replay_only and (run_now is None or name in run_now):
             (run_dir / "arm.json").parent.mkdir(parents=True, exist_ok=True)
             (run_dir / "arm.json").write_text(json.dumps(run_arm(cfg, name, key, run_dir, a)))
-        runs[name] = (run_dir, json.loads((run_dir / "arm.json").read_text()))
+        if (run_dir / "arm.json").exists():
+            runs[name] = (run_dir, json.loads((run_dir / "arm.json").read_text()))
+        else:
+            print(f"arm {name}: not run under {a.out} (left out)")
+    keys = dict(arms)
     recs = eval_records(runs)
-    results = {name: {"replay": replay(cfg, run_dir, arm, key, recs), "tokens": arm["tokens"],
-                      "errors": arm["errors"], "wall_s": arm["wall_s"]}
-               for (name, key), (run_dir, arm) in zip(arms, runs.values(), strict=True)}
+    results = {name: {"replay": replay(cfg, run_dir, arm, keys[name], recs), "tokens": arm["tokens"],
+                      "errors": arm["errors"], "wall_s": arm["wall_s"],
+                      "live_tokens_per_step": {t: live_tokens_per_step(arm, t) for t in TENANTS}}
+               for name, (run_dir, arm) in runs.items()}
+    print_table(results)
+    return finish(a, results)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def print_table(results: dict) -> None:
+    """α̂ per tenant and arm on the pooled records, the frozen v0's, and live tokens per step."""
+    frozen = next(iter(results.values()))["replay"]
     print(f"\n{'tenant':<8}" + "".join(f"{n + ' α̂':>24}" for n in results) + f"{'frozen v0 α̂':>14}")
     for t in TENANTS:
-        row = [results[n]["replay"][t]["alpha"] for n in results]
-        frozen = results["shared"]["replay"][t]["alpha_frozen"]
-        print(f"{t:<8}" + "".join(f"{'-' if x is None else f'{x:.3f}':>24}" for x in row)
-              + f"{'-' if frozen is None else f'{frozen:.3f}':>14}")
+        print(f"{t:<8}" + "".join(f"{_fmt(results[n]['replay'][t]['alpha']):>24}" for n in results)
+              + f"{_fmt(frozen[t]['alpha_frozen']):>14}")
+    print(f"\nlive tokens per step, last third\n{'tenant':<8}" + "".join(f"{n:>24}" for n in results))
+    for t in TENANTS:
+        print(f"{t:<8}" + "".join(f"{_fmt(results[n]['live_tokens_per_step'][t]):>24}" for n in results))
+
+
+def finish(a, results: dict) -> int:
+    """The goals of the arms that ran; the JSON."""
+    def alpha(arm: str, t: str) -> float | None:
+        return results[arm]["replay"][t]["alpha"] if arm in results else None
+
+    def diff(x: float | None, y: float | None, absolute: bool = False) -> float | None:
+        return None if x is None or y is None else (abs(x - y) if absolute else x - y)
+
     goals = []
     for t in TENANTS:
-        ad, sh = results["adapters"]["replay"][t]["alpha"], results["shared"]["replay"][t]["alpha"]
-        goals.append(goal(f"{t}: α̂ with its adapter - α̂ shared drafter", None if ad is None or sh is None else ad - sh,
-                          0.05))
-        if a.garbage:
-            g = results["adapters + garbage"]["replay"][t]["alpha"]
+        if "shared" in results and "adapters" in results:
+            goals.append(goal(f"{t}: α̂ with its adapter - α̂ shared drafter", diff(alpha("adapters", t),
+                                                                               alpha("shared", t)), 0.05))
+        if "adapters + garbage" in results:
             goals.append(goal(f"{t}: |α̂ with a garbage tenant - without|",
-                              None if g is None or ad is None else abs(g - ad), 0.01, False))
+                              diff(alpha("adapters + garbage", t), alpha("adapters", t), True), 0.01, False))
+        if "adapters again" in results:  # no goal of its own: the spread the garbage arm's difference stands beside
+            print(f"{t}: |α̂ adapters again - adapters| (run-to-run spread) "
+                  f"{_fmt(diff(alpha('adapters again', t), alpha('adapters', t), True))}")
+    if "frozen" in results and "adapters" in results:
+        live, frozen = (results[n]["live_tokens_per_step"]["sql"] for n in ("adapters", "frozen"))
+        goals.append(goal("sql: live tokens per step, adapter / frozen drafter", None if not live or not frozen
+                          else live / frozen, 1.1))
     goals.append(goal("errors", float(sum(r["errors"] for r in results.values())), 0, False))
     print_goals(goals)
     if a.json:
