@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -33,8 +34,13 @@ DRAIN_S = 6
 class Clients:
     """Plain and streamed completions in threads; each outcome is kept raw (status, headers, body)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, tiny_pair_dir: Path) -> None:
         self.url = url
+        # every answer runs to its max tokens: its sampled text never ends early (how early an eos comes depends on
+        # the dtype: the tiny pair serves in bf16 on a bf16-native CPU, and there the long answers ended within the
+        # drain, Intel AMX)
+        eos = json.loads((tiny_pair_dir / "target" / "config.json").read_text())["eos_token_id"]
+        self.no_eos = {str(eos): -100.0}
         self.results: list[dict] = []
         self.first_delta = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -47,7 +53,8 @@ class Clients:
             self.threads.append(t)
 
     def _one(self, stream: bool, max_tokens: int) -> None:
-        body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": stream, "temperature": 1.0, "seed": 1}
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": stream, "temperature": 1.0, "seed": 1,
+                "logit_bias": self.no_eos}
         out: dict = {"stream": stream, "max_tokens": max_tokens}
         try:
             with httpx.Client(base_url=self.url, timeout=120) as c, c.stream("POST", "/v1/completions",
@@ -125,7 +132,7 @@ def test_signal_drains_then_cuts_with_an_answer_and_exits_cleanly(tiny_pair_dir,
     with ServerProcess(["--config", str(path), f"serve.admin_token={TEST_ADMIN_TOKEN}"], tmp_path / "server.log") as srv:
         trainer_pid = wait_for(lambda: httpx.get(srv.url + "/health", headers=admin).json()["trainer"]["pid"], 60,
                                what="trainer pid")
-        clients = Clients(srv.url)
+        clients = Clients(srv.url, tiny_pair_dir)
         for stream in (False, True):  # the short ones take the batch first, the long ones queue behind
             clients.start(stream, SHORT, 2)
         time.sleep(0.3)
@@ -174,7 +181,7 @@ def test_cut_requests_are_counted_on_metrics(tiny_pair_dir, tmp_path) -> None:
     """The in-process server: what the drain cut is on /metrics, by stage (no drain window: cut at once)."""
     cfg = _serve_cfg(tiny_pair_dir, tmp_path, "serve.drain_timeout_s=0", "serve.max_batch_size=2")
     with ServerThread(cfg) as srv:
-        clients = Clients(srv.url)
+        clients = Clients(srv.url, tiny_pair_dir)
         clients.start(True, LONG, 2)
         clients.start(False, LONG, 6)  # waiting: the batch holds 2
         # all 6 queued before the cut: one still on its way in would be refused at the door (a 503 "cut" that is
@@ -199,7 +206,7 @@ def test_a_second_signal_cuts_at_once(tiny_pair_dir, tmp_path) -> None:
     """With a long drain window, a second SIGTERM ends the drain: everything still running is cut now."""
     cfg = _serve_cfg(tiny_pair_dir, tmp_path, "serve.drain_timeout_s=120")
     with ServerThread(cfg) as srv:
-        clients = Clients(srv.url)
+        clients = Clients(srv.url, tiny_pair_dir)
         clients.start(True, LONG, 4)
         clients.start(False, LONG, 8)
         wait_for(lambda: srv.state.scheduler.queue_depth() >= 6, 30, what="requests queued")
@@ -255,17 +262,17 @@ def test_48_in_flight_all_answered_then_the_process_is_gone_within_seconds(tiny_
     with ServerProcess(["--config", str(path), f"serve.admin_token={TEST_ADMIN_TOKEN}"], tmp_path / "server.log") as srv:
         trainer_pid = wait_for(lambda: httpx.get(srv.url + "/health", headers=admin).json()["trainer"]["pid"], 60,
                                what="trainer pid")
-        warm = Clients(srv.url)
+        warm = Clients(srv.url, tiny_pair_dir)
         deadline = time.monotonic() + 180
         while rundir.read_trainer_status().get("dvi_trainer_step", 0) < 1:  # the trainer trains when told to stop
             assert time.monotonic() < deadline, "the trainer took no step"
-            batch = Clients(srv.url)
+            batch = Clients(srv.url, tiny_pair_dir)
             for stream in (False, True):
                 batch.start(stream, SHORT, 8)
             batch.join(120)
             warm.results += batch.results
         completed0 = engine()["completed"]
-        clients = Clients(srv.url)
+        clients = Clients(srv.url, tiny_pair_dir)
         for stream in (False, True):
             clients.start(stream, SHORT, 24)
         e = wait_for(lambda: (lambda e: e if e["running"] + e["queue"] + e["completed"] - completed0 >= 48 else None)(

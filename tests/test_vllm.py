@@ -181,9 +181,13 @@ def _alpha(s, prompts=PROMPTS[:2]) -> float:
 def test_greedy_through_vllm_is_the_targets_own_text_and_every_request_is_logged_once(served):
     from dvi.decode.target import plain_greedy
     from dvi.models.loading import load_pair_from_config
+    from serving.vllm_process import VllmProcess
 
     assert served.state.engine.greedy_contract["engine"] == "vllm"
-    pair = load_pair_from_config(served.cfg.models)  # the reference: the target's own greedy text, in dvi
+    # the reference: the target's own greedy text, in dvi, in the dtype vLLM serves (float32 on a CPU, where dvi's own
+    # `auto` is bfloat16 on a bf16-native CPU: the two dtypes part at near-ties, Intel AMX)
+    dtype = VllmProcess.resolve_dtype(served.cfg.serve.vllm.dtype)
+    pair = load_pair_from_config(served.cfg.models.model_copy(update={"dtype": dtype}))
     tok = served.state.tokenizer
     ids = []
     for p in PROMPTS:
