@@ -10,6 +10,7 @@ without `[DONE]`) and the process died of the re-raised signal.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -31,16 +32,21 @@ LONG, SHORT = 1000, 48  # tokens; 40 long ones at batch 4 take ~10 s on the tiny
 DRAIN_S = 6
 
 
+@functools.cache
+def _no_eos(tiny_pair_dir: Path) -> dict[str, float]:
+    """A `logit_bias` that bans the pair's eos, so every answer runs to its max tokens: how early a sampled eos comes
+    depends on the dtype (the tiny pair serves bf16 on a bf16-native CPU, and there the long answers ended within the
+    drain, Intel AMX)."""
+    eos = json.loads((tiny_pair_dir / "target" / "config.json").read_text())["eos_token_id"]
+    return {str(eos): -100.0}
+
+
 class Clients:
     """Plain and streamed completions in threads; each outcome is kept raw (status, headers, body)."""
 
     def __init__(self, url: str, tiny_pair_dir: Path) -> None:
         self.url = url
-        # every answer runs to its max tokens: its sampled text never ends early (how early an eos comes depends on
-        # the dtype: the tiny pair serves in bf16 on a bf16-native CPU, and there the long answers ended within the
-        # drain, Intel AMX)
-        eos = json.loads((tiny_pair_dir / "target" / "config.json").read_text())["eos_token_id"]
-        self.no_eos = {str(eos): -100.0}
+        self.no_eos = _no_eos(tiny_pair_dir)
         self.results: list[dict] = []
         self.first_delta = threading.Event()
         self.threads: list[threading.Thread] = []

@@ -329,11 +329,7 @@ class AdaptiveK:
         k = choose_k(alphas, cached.draft, cached.verify, self.k_max, self.margin, remaining)
         if k > 0 and not self._catchup_pays(b, k, alphas, cached, pending_tokens):
             k = 0
-        # The measured guard from 3 rows on, as for history drafts: at one or two rows a step's tokens are one or two
-        # draws, so a window of them is mostly the prompt's luck (real pair, Intel AMX, batch 1: one unlucky window
-        # kept a drafter with position-0 acceptance 0.6 off for the next four requests), and there the cost model
-        # already carries the measured host work of a step (`observe_host_work`).
-        verdict = self.measured_verdict(b) if b > 2 else "unknown"
+        verdict = self.goodput.judged(b)
         if verdict == "plain":
             # Measured: plain decoding is faster here, so no K > 0, not even a probe (real pair, batch 16:
             # probes kept hybrid at 0.93-0.95x of speculation off). Alpha rises as the drafter trains
@@ -377,8 +373,11 @@ class AdaptiveK:
 
 class GoodputGuard:
     """Measured goodput of drafting vs plain steps, per batch bucket: the check on a cost model's promise (suffix
-    drafts at batch 16: predicted gains, measured 0.82x of plain; at batch 1 a few unlucky drafting steps would
-    switch it off for long, so the engine asks `allow` from 3 rows on; `AdaptiveK` asks `verdict` at every size).
+    drafts at batch 16: predicted gains, measured 0.82x of plain). It judges from `MIN_ROWS` rows on (`judged`,
+    `allow`): at one or two rows a step's tokens are one or two draws, so a window of them is mostly the prompt's
+    luck (real pair, Intel AMX, batch 1: one unlucky window kept a drafter with position-0 acceptance 0.6 off for the
+    next four requests), and there the cost model already carries the measured host work of a step
+    (`AdaptiveK.observe_host_work`).
 
     A window's goodput is its tokens over its seconds, not the median of per-step rates: a drafting step emits
     1 to K+1 tokens, so its median step can be a rejected draft while drafting wins on the whole (real pair, Intel
@@ -387,6 +386,7 @@ class GoodputGuard:
     After `retry_every` refusals the drafting samples are forgotten, so it is tried again."""
 
     STALL = 3.0
+    MIN_ROWS = 3
 
     def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256):
         self.window, self.margin, self.retry_every = window, margin, retry_every
@@ -417,6 +417,10 @@ class GoodputGuard:
             return "measure_plain"
         return "spec" if self._rate(spec) >= self.margin * self._rate(plain) else "plain"
 
+    def judged(self, batch: int) -> str:
+        """The verdict the policy acts on: "unknown" below `MIN_ROWS` rows, else `verdict`."""
+        return self.verdict(batch) if batch_bucket(batch) >= self.MIN_ROWS else "unknown"
+
     def refused(self, b: int) -> None:
         """One step refused drafting in bucket `b`; the `retry_every`-th forgets the drafting samples."""
         n = self._refused[b] = self._refused.get(b, 0) + 1
@@ -426,7 +430,7 @@ class GoodputGuard:
 
     def allow(self, batch: int) -> bool:
         """Whether history drafts may be looked up at this batch size (refusing counts toward a retry)."""
-        if self.verdict(batch) in ("unknown", "spec"):
+        if self.judged(batch) in ("unknown", "spec"):
             return True
         self.refused(batch_bucket(batch))
         return False

@@ -66,7 +66,7 @@ class StepPricing:
     def __init__(self, policy: KPolicy, seqs: list):
         self.policy, self.seqs, self.batch = policy, seqs, len(seqs)
         # history drafts measured slower than plain steps at this batch size: no lookups either
-        self.lookups = not (policy.adaptive and self.batch > 2 and not policy.suffix_guard.allow(self.batch))
+        self.lookups = not (policy.adaptive and not policy.suffix_guard.allow(self.batch))
 
     def model_k(self, rows: list[int], pending: Callable[[], int]) -> int:
         p = self.policy
