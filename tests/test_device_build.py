@@ -103,6 +103,37 @@ def test_exported_drafter_installs_and_a_changed_one_is_reinstalled(setup, built
     assert read_manifest(out)["drafter"]["shipped"]["files"] == second.manifest["files"]
 
 
+def test_a_refinement_goes_on_from_a_shipped_drafter(setup, built):
+    """`--init`: training starts from the shipped drafter's weights and draft vocabulary, and the export counts the
+    tokens both builds spent and names what it refined."""
+    preset, gguf, tmp = setup
+    root, _ = built
+    ship_root = tmp / "ship-init"
+    init = shipped_drafter.export(root, preset, "test", root=ship_root, force=True, commit="first")
+    init_manifest = shipped_drafter.find(preset, ship_root)[0].manifest
+    refined_root = tmp / "refined" / "smollm2"
+    budget = dataclasses.replace(BUDGET, open_chats=0)
+    # an LR too small to move a bf16 weight: what comes out is exactly what went in, so training started from it
+    m = device_build.build(preset, refined_root, "cpu", budget, gguf=gguf, progress=False, init=init, lr=1e-12,
+                           mix={"chat": 0.5, "code": 0.5})
+    assert m["drafter"]["init"]["drafter_digest"] == init_manifest["drafter_digest"]
+    assert m["drafter"]["distilled_on"] == {"chat": 0.5, "code": 0.5}
+    assert m["drafter"]["train"]["tokens"] >= budget.tokens
+    stored = shipped_drafter._stored_order(init)
+    assert torch.equal(shipped_drafter._stored_order(EmbeddedPaths.at(refined_root).drafter), stored)
+    out = shipped_drafter.export(refined_root, preset, "test", root=tmp / "ship-refined", force=True, commit="second")
+    refined = shipped_drafter.find(preset, out.parent)[0].manifest
+    assert refined["drafter_digest"] == init_manifest["drafter_digest"]
+    assert refined["tokens_trained"] == m["drafter"]["train_tokens"] + init_manifest["tokens_trained"]
+    assert refined["refined_from"]["commit"] == "first"
+
+
+def test_a_bad_mix_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        device_build.main(["--out", "/nonexistent", "--device", "cpu", "--mix", "chat=0.5,poems=0.5"])
+    assert "--mix: unknown text 'poems'" in capsys.readouterr().err
+
+
 def test_budget_for_a_gpu_fills_it():
     gpu, cpu = device_build.Budget.for_device("cuda"), device_build.Budget.for_device("cpu")
     assert gpu.tokens >= 20 * 2**20 and gpu.batch_windows > cpu.batch_windows and gpu.gen_batch > cpu.gen_batch
