@@ -50,7 +50,7 @@ def setup(tiny_pair_dir, tmp_path_factory):
 def built(setup):
     preset, gguf, tmp = setup
     root = tmp / "built" / "smollm2"
-    return root, device_build.build(preset, root, "cpu", BUDGET, gguf=gguf, progress=False)
+    return root, device_build.build(preset, root, "cpu", BUDGET, progress=False, sources=device_build.Sources(gguf))
 
 
 def test_device_build_spends_its_budget_and_writes_a_pair(setup, built):
@@ -112,10 +112,10 @@ def test_a_refinement_goes_on_from_a_shipped_drafter(setup, built):
     init = shipped_drafter.export(root, preset, "test", root=ship_root, force=True, commit="first")
     init_manifest = shipped_drafter.find(preset, ship_root)[0].manifest
     refined_root = tmp / "refined" / "smollm2"
-    budget = dataclasses.replace(BUDGET, open_chats=0)
     # an LR too small to move a bf16 weight: what comes out is exactly what went in, so training started from it
-    m = device_build.build(preset, refined_root, "cpu", budget, gguf=gguf, progress=False, init=init, lr=1e-12,
-                           mix={"chat": 0.5, "code": 0.5})
+    budget = dataclasses.replace(BUDGET, open_chats=0, lr=1e-12, mix=(("chat", 0.5), ("code", 0.5)))
+    m = device_build.build(preset, refined_root, "cpu", budget, progress=False,
+                           sources=device_build.Sources(gguf, init=init))
     assert m["drafter"]["init"]["drafter_digest"] == init_manifest["drafter_digest"]
     assert m["drafter"]["distilled_on"] == {"chat": 0.5, "code": 0.5}
     assert m["drafter"]["train"]["tokens"] >= budget.tokens

