@@ -204,6 +204,12 @@ def test_trainer_kill9_during_publish_leaves_a_valid_registry_and_restarts(tiny_
     def step() -> int:
         return json.loads(status.read_text())[M.TRAINER_STEP] if status.exists() else 0
 
+    # new traffic for the restarted trainer: on a loaded machine the killed ones may have trained every record and
+    # spent its idle-replay bound (polls that missed short publishes let a run go on), leaving it nothing to do
+    w = FeedbackWriter(Path(cfg.feedback.dir), shard_records=2)
+    for r in engine_records(pair, "prose", 4, max_new_tokens=16, prefix="after"):
+        w.write(r)
+    w.close()
     n_versions, step0 = len(reg.list_versions()), step()
     proc = _start(config, log)
     try:
