@@ -97,26 +97,11 @@ def _shippable(drafter) -> dict[str, torch.Tensor]:
     return state
 
 
-def strengths_here(built: Path, p: PretrainedPreset, old: Shipped, seed: int = 0) -> tuple[float, float]:
-    """(the built pair's drafter, the shipped `old`): mean top-1 agreement over the domains at the served draft
-    vocabulary, both scored here on the built pair's held-out text with its fp32 target. A manifest's own numbers
-    do not compare across machines: its held-out code is the building machine's stdlib, another text under another
-    Python (the GPU build's code 0.451 there is 0.368 on an Intel AMX machine's)."""
-    from dvi.models.loading import load_causal_lm, load_tokenizer
-    from trainers.pretrained_build import heldout_sets, make_drafter
-    from trainers.pretrained_eval import agreement
-
-    paths = EmbeddedPaths.at(built)
-    target = load_causal_lm(paths.target, "cpu", "float32")
-    evals, skips = heldout_sets(p, target, load_tokenizer(paths.tokenizer), seed)
-    mine = load_causal_lm(paths.drafter, "cpu", "bfloat16").float().eval()
-    theirs = load_into(old, make_drafter(target, p.drafter_layers, p.drafter_intermediate_size).to(torch.bfloat16))
-    out = []
-    for drafter, order in ((mine, _stored_order(paths.drafter)), (theirs.float().eval(), _stored_order(old.path))):
-        n = min(p.serve_draft_vocab or order.numel(), order.numel())
-        per = [agreement(target, drafter, w, order, (n,), skip=skips.get(d))[n] for d, w in evals.items()]
-        out.append(sum(per) / max(1, len(per)))
-    return out[0], out[1]
+def strength(manifest: dict) -> float:
+    """One number to compare drafters by: mean top-1 agreement over the domains at the served draft vocabulary."""
+    size = str(manifest["serve_draft_vocab"])
+    per = manifest["agreement"]
+    return sum(v[size] for v in per.values()) / max(1, len(per))
 
 
 def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = None, force: bool = False,
@@ -150,11 +135,9 @@ def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = N
     }
     d = shipped_dir(p.name, root)
     old, _ = find(p, root)
-    if old is not None and not force:
-        mine, theirs = strengths_here(built, p, old, bm["seed"])
-        if mine <= theirs:
-            raise ValueError(f"not replacing the shipped drafter (mean agreement {theirs:.4f} on this build's held-out "
-                             f"text) with one that is not stronger ({mine:.4f}); pass force to do it anyway")
+    if old is not None and not force and strength(manifest) <= strength(old.manifest):
+        raise ValueError(f"not replacing the shipped drafter (mean agreement {strength(old.manifest):.4f}) with one "
+                         f"that is not stronger ({strength(manifest):.4f}); pass force to do it anyway")
     d.mkdir(parents=True, exist_ok=True)
     tensors = _shippable(drafter)
     save_file(tensors, str(d / WEIGHTS), metadata={"format": str(FORMAT), "preset": p.name})
