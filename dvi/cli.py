@@ -66,14 +66,14 @@ def _ship(args: argparse.Namespace, built: Path) -> int:
     import sys
 
     from dvi.models.embedded import PretrainedPreset, get_preset
-    from trainers import shipped_drafter
+    from trainers import ship_judge
 
     p = get_preset(args.preset)
     if not isinstance(p, PretrainedPreset):
         print(f"dvi bootstrap --ship: preset {p.name!r} has no shipped drafter (pretrained presets only)", file=sys.stderr)
         return 2
     try:
-        out = shipped_drafter.export(built, p, "dvi " + shlex.join(sys.argv[1:]))
+        out = ship_judge.ship_if_stronger(built, p, "dvi " + shlex.join(sys.argv[1:]))
     except ValueError as e:
         print(f"dvi bootstrap --ship: {e}", file=sys.stderr)
         return 1

@@ -79,7 +79,7 @@ def test_exported_drafter_installs_and_a_changed_one_is_reinstalled(setup, built
     preset, gguf, tmp = setup
     root, _ = built
     ship_root = tmp / "ship"
-    shipped_drafter.export(root, preset, "test", root=ship_root, force=True, commit="test")
+    shipped_drafter.export(root, preset, "test", root=ship_root, commit="test")
     first, why = shipped_drafter.find(preset, ship_root)
     assert first is not None, why
     assert first.manifest["built_on"]["device"] == "cpu" and first.manifest["tokens_trained"] >= BUDGET.tokens
@@ -94,7 +94,7 @@ def test_exported_drafter_installs_and_a_changed_one_is_reinstalled(setup, built
     with torch.no_grad():
         nudged.model.layers[0].mlp.down_proj.weight.mul_(1.5)
     nudged.save_pretrained(str(EmbeddedPaths.at(other).drafter))
-    shipped_drafter.export(other, preset, "test", root=ship_root, force=True, commit="test")
+    shipped_drafter.export(other, preset, "test", root=ship_root, commit="test")
     second, _ = shipped_drafter.find(preset, ship_root)
     assert second.manifest["drafter_digest"] != first.manifest["drafter_digest"]
     assert bootstrap(preset, seed=0, progress=False, shipped_root=ship_root) == out
@@ -109,7 +109,7 @@ def test_a_refinement_goes_on_from_a_shipped_drafter(setup, built):
     preset, gguf, tmp = setup
     root, _ = built
     ship_root = tmp / "ship-init"
-    init = shipped_drafter.export(root, preset, "test", root=ship_root, force=True, commit="first")
+    init = shipped_drafter.export(root, preset, "test", root=ship_root, commit="first")
     init_manifest = shipped_drafter.find(preset, ship_root)[0].manifest
     refined_root = tmp / "refined" / "smollm2"
     # an LR too small to move a bf16 weight: what comes out is exactly what went in, so training started from it
@@ -121,7 +121,7 @@ def test_a_refinement_goes_on_from_a_shipped_drafter(setup, built):
     assert m["drafter"]["train"]["tokens"] >= budget.tokens
     stored = shipped_drafter._stored_order(init)
     assert torch.equal(shipped_drafter._stored_order(EmbeddedPaths.at(refined_root).drafter), stored)
-    out = shipped_drafter.export(refined_root, preset, "test", root=tmp / "ship-refined", force=True, commit="second")
+    out = shipped_drafter.export(refined_root, preset, "test", root=tmp / "ship-refined", commit="second")
     refined = shipped_drafter.find(preset, out.parent)[0].manifest
     assert refined["drafter_digest"] == init_manifest["drafter_digest"]
     assert refined["tokens_trained"] == m["drafter"]["train_tokens"] + init_manifest["tokens_trained"]

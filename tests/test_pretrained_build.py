@@ -486,8 +486,16 @@ def test_the_shipped_drafter_installs_in_place_of_a_build(built, tmp_path, monke
     assert sm["fingerprint"] == preset.fingerprint() and sm["tokens_trained"] >= preset.distill_tokens
     assert sm["agreement"] == read_manifest(out)["agreement"] and sm["bytes"] == sum(
         (d / f).stat().st_size for f in sm["files"])
+    from trainers import ship_judge
+
     with pytest.raises(ValueError, match="not stronger"):
-        shipped_drafter.export(out, preset, "again", root=root)
+        ship_judge.ship_if_stronger(out, preset, "again", root=root)
+    # numbers from another machine's held-out text (its stdlib) do not decide: both drafters are scored here
+    low = {**sm, "agreement": {dom: dict.fromkeys(per, 0.0) for dom, per in sm["agreement"].items()}}
+    (d / "manifest.json").write_text(json.dumps(low))
+    with pytest.raises(ValueError, match="not stronger"):
+        ship_judge.ship_if_stronger(out, preset, "again", root=root)
+    (d / "manifest.json").write_text(json.dumps(sm))
 
     monkeypatch.setattr(pretrained_build, "build", lambda *a, **k: pytest.fail("a shipped drafter was rebuilt"))
     fresh = bootstrap(preset, out=tmp_path / "pair", seed=0, progress=False, shipped_root=root)

@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainers.shipped_drafter import export
 
         cmd = "python -m trainers.device_build " + " ".join(sys.argv[1:] if argv is None else argv)
-        print("shipped to", export(a.out, p, cmd, root=a.ship, force=True, commit=a.commit))
+        print("shipped to", export(a.out, p, cmd, root=a.ship, commit=a.commit))
     return 0
 
 

@@ -9,7 +9,7 @@ the GGUF's sha256 and the recipe's fingerprint it was built for, the command, co
 tokens trained, agreement per domain and draft-vocabulary size, and the digest of the full drafter it
 reconstructs. `dvi bootstrap` converts the target from the wheel, checks the manifest against it and installs
 the drafter (`install`); a mismatch builds from scratch and says why. `export` writes a built pair's drafter in
-this form, and refuses to replace a shipped one it does not beat.
+this form (`trainers.ship_judge` refuses one that does not beat the shipped one).
 """
 
 from __future__ import annotations
@@ -97,18 +97,10 @@ def _shippable(drafter) -> dict[str, torch.Tensor]:
     return state
 
 
-def strength(manifest: dict) -> float:
-    """One number to compare drafters by: mean top-1 agreement over the domains at the served draft vocabulary."""
-    size = str(manifest["serve_draft_vocab"])
-    per = manifest["agreement"]
-    return sum(v[size] for v in per.values()) / max(1, len(per))
-
-
-def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = None, force: bool = False,
-           commit: str | None = None) -> Path:
+def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = None, commit: str | None = None) -> Path:
     """Write the separate drafter of the pair built at `built` as the shipped drafter of `p` (under `root`, default
-    the package's). Refused (ValueError) when a shipped drafter of the same recipe is there and this one is not
-    stronger by `strength`, unless `force`. `commit`: the code that built it (default: this checkout's HEAD)."""
+    the package's), replacing any (`trainers.ship_judge.ship_if_stronger` first checks it is stronger). `commit`:
+    the code that built it (default: this checkout's HEAD)."""
     from safetensors.torch import save_file
 
     from dvi.models.embedded import read_manifest
@@ -134,10 +126,6 @@ def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = N
         "build_manifest": {k: v for k, v in bm.items() if k not in ("source",)},
     }
     d = shipped_dir(p.name, root)
-    old, _ = find(p, root)
-    if old is not None and not force and strength(manifest) <= strength(old.manifest):
-        raise ValueError(f"not replacing the shipped drafter (mean agreement {strength(old.manifest):.4f}) with one "
-                         f"that is not stronger ({strength(manifest):.4f}); pass force to do it anyway")
     d.mkdir(parents=True, exist_ok=True)
     tensors = _shippable(drafter)
     save_file(tensors, str(d / WEIGHTS), metadata={"format": str(FORMAT), "preset": p.name})
