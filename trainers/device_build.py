@@ -288,11 +288,11 @@ def _start_drafter(p: PretrainedPreset, target, tokenizer, streams: dict[str, to
     skeleton = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size)
     if init is None:
         return skeleton.float().to(device), order, None
-    from trainers.shipped_drafter import Shipped, _stored_order, load_into
+    from trainers.shipped_drafter import _stored_order, load_into, read
 
-    shipped = Shipped(Path(init), json.loads((Path(init) / "manifest.json").read_text()))
-    if shipped.manifest.get("fingerprint") != p.fingerprint():
-        raise ValueError(f"--init: {init} holds a drafter of another recipe than preset {p.name!r}'s")
+    shipped, why = read(p, init)
+    if shipped is None:
+        raise ValueError(f"--init: {why}")
     drafter = load_into(shipped, skeleton.to(torch.bfloat16)).float().to(device)
     stored = _stored_order(Path(init))
     rest = order[~torch.isin(order, stored)]
@@ -372,15 +372,15 @@ def _parse_mix(ap: argparse.ArgumentParser, text: str | None) -> tuple[tuple[str
         return None
     mix = {}
     for part in text.split(","):
-        name, _, w = part.partition("=")
-        if name.strip() not in MIX:
-            ap.error(f"--mix: unknown text {name.strip()!r} (known: {', '.join(MIX)})")
+        name, _, w = (x.strip() for x in part.partition("="))
+        if name not in MIX:
+            ap.error(f"--mix: unknown text {name!r} (known: {', '.join(MIX)})")
         try:
-            mix[name.strip()] = float(w)
+            mix[name] = float(w)
         except ValueError:
-            ap.error(f"--mix: the weight of {name.strip()!r} must be a number, got {w!r}")
-        if mix[name.strip()] < 0:
-            ap.error(f"--mix: the weight of {name.strip()!r} must be >= 0")
+            ap.error(f"--mix: the weight of {name!r} must be a number, got {w!r}")
+        if mix[name] < 0:
+            ap.error(f"--mix: the weight of {name!r} must be >= 0")
     if not any(mix.values()):
         ap.error("--mix: at least one weight must be > 0")
     return tuple(mix.items())

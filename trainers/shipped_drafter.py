@@ -57,7 +57,13 @@ class Shipped:
 
 def find(p: PretrainedPreset, root: Path | None = None) -> tuple[Shipped | None, str]:
     """The shipped drafter of `p` when there is one built by `p`'s current recipe, else None and why not."""
-    d = shipped_dir(p.name, root)
+    return read(p, shipped_dir(p.name, root))
+
+
+def read(p: PretrainedPreset, d: Path) -> tuple[Shipped | None, str]:
+    """The shipped drafter in directory `d` when it was built by `p`'s current recipe for its wheel, else None and
+    why not."""
+    d = Path(d)
     try:
         m = json.loads((d / MANIFEST).read_text())
     except FileNotFoundError:
