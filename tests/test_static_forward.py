@@ -79,3 +79,23 @@ def test_rope_tables_never_regrow_inside_a_capture():
         static.forward(torch.tensor([[5, 6, 7]]), False)
         static.keep(3, [3])
     assert lean.cos is tables[0] and lean.sin is tables[1]
+
+
+@torch.inference_mode()
+def test_a_big_head_scores_the_same_blockwise_or_whole_and_its_path_is_measured():
+    """A CPU head of >= 4 blocks: `head_block_rows` is measured at construction (a probed row count or never), and
+    a multi-row forward's logits are the same through either path, so the choice changes only the time."""
+    from dvi.decode.lean import HEAD_BLOCK
+
+    target = tiny_llama(0, vocab_size=4 * HEAD_BLOCK, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2)
+    lean = LeanModel(target)
+    assert lean.head_blocks is not None and len(lean.head_blocks) == 4
+    assert lean.head_block_rows in (None, 2, 3, 5, 9, 17)
+    f = torch.randn(5, 64)
+    outs = []
+    for rows in (None, 2):
+        lean.head_block_rows = rows
+        outs.append(lean._logits(f))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))

@@ -15,6 +15,8 @@ holes, no validity masks, no compaction, and every shape depends only on (rows, 
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -209,11 +211,13 @@ class LeanModel:
         self.head = head.weight
         # a plain Linear runs as F.linear; anything else (a reduced draft vocabulary's SubsetHead) as itself
         self.head_module = None if type(head) is nn.Linear and head.bias is None else head
-        # On a CPU, a GEMM of a few rows against the whole LM head packs all of it (MKL, fp32): 2.5-4x the one-row
-        # GEMV for a 49k-row head. Blocks of HEAD_BLOCK rows are packed while they sit in cache: a verify's head
-        # runs blockwise (views of the same weight, no copy; each block's output equals the whole GEMM's rows).
+        # On a CPU, a GEMM of a few rows against the whole LM head may pack all of it first (MKL, fp32: 2.5-4x the
+        # one-row GEMV for a 49k-row head on a Zen3), where blocks of HEAD_BLOCK rows are packed while they sit in
+        # cache (views of the same weight, no copy; each block's output equals the whole GEMM's rows). Elsewhere
+        # (oneDNN's bf16) the blocks only add calls: which is faster, and from how many rows, is measured here.
         big = self.head.device.type == "cpu" and self.head.shape[0] >= 4 * HEAD_BLOCK
         self.head_blocks = self.head.split(HEAD_BLOCK) if big and self.head_module is None else None
+        self.head_block_rows = head_block_rows(self.head, self.head_blocks) if self.head_blocks else None
         # oneDNN-prepacked copies of the layer and head weights for forwards of more than one row (`pack_multirow`)
         self.packs: list[tuple[torch.Tensor, ...]] | None = None
         self.head_pack: torch.Tensor | None = None
@@ -336,9 +340,37 @@ class LeanModel:
             return self.head_module(f)
         if self.head_pack is not None and f.numel() > f.shape[-1]:
             return _packed_linear(f, self.head_pack)
-        if self.head_blocks is not None and f.numel() > f.shape[-1]:  # more than one row: blockwise
-            return torch.cat([F.linear(f, w) for w in self.head_blocks], -1)
+        if self.head_block_rows is not None and f.numel() >= self.head_block_rows * f.shape[-1]:
+            return _blockwise(f, self.head_blocks)
         return F.linear(f, self.head)
+
+
+@torch.inference_mode()
+def head_block_rows(head: torch.Tensor, blocks: tuple[torch.Tensor, ...], rows: tuple[int, ...] = (2, 3, 5, 9, 17),
+                    reps: int = 3) -> int | None:
+    """The fewest rows from which the LM head runs faster blockwise than as one GEMM on this CPU (None: never),
+    timed at `rows`, arms interleaved, best of `reps`: from the first probed count where the blocks win by 3% and
+    keep winning at every larger one. Equal outputs either way, so only the time depends on it."""
+    faster = []
+    for m in rows:
+        x = torch.randn(m, head.shape[1], dtype=head.dtype, device=head.device)
+        _timed(F.linear, x, head), _timed(_blockwise, x, blocks)  # warm both paths
+        times = [(_timed(F.linear, x, head), _timed(_blockwise, x, blocks)) for _ in range(reps)]
+        faster.append(min(t[1] for t in times) < 0.97 * min(t[0] for t in times))
+    for i, m in enumerate(rows):
+        if all(faster[i:]):
+            return m
+    return None
+
+
+def _blockwise(x: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return torch.cat([F.linear(x, w) for w in blocks], -1)
+
+
+def _timed(fn, *args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
