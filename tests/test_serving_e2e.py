@@ -376,6 +376,9 @@ def test_reduced_vocab_drafter_served_and_lora_promoted(tiny_pair_dir, tmp_path)
         assert ref == {p: base(p, 16) for p in PROMPTS}
         assert s.health()["draft_vocab_size"] == 64
         reg = DrafterRegistry(cfg.registry.dir)
+        # records are held out by a hash of their random request ids: the four above may hold too few positions
+        while s.state.swapper.heldout_positions() < cfg.trainer.shadow_min_positions:  # for the shadow check
+            _traffic(s.url, 2, [], stream=False)
         v1 = publish_peft_adapter(reg, _lora(s.state.swapper.base), version_manifest(draft_vocab_size=64))
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the LoRA version to be promoted")
         assert find_subset_head(s.state.engine.drafter.model).num_ids == 64
