@@ -83,16 +83,17 @@ def test_rope_tables_never_regrow_inside_a_capture():
 
 @torch.inference_mode()
 def test_a_big_head_scores_the_same_blockwise_or_whole_and_its_path_is_measured():
-    """A CPU head of >= 4 blocks: `head_block_rows` is measured at construction (a probed row count or never), and
-    a multi-row forward's logits are the same through either path, so the choice changes only the time."""
+    """A CPU head of >= 4 blocks: `head_block_rows` is measured at its first multi-row use (a probed row count or
+    never), and a multi-row forward's logits are the same through either path, so the choice changes only the time."""
     from dvi.decode.lean import HEAD_BLOCK
 
     target = tiny_llama(0, vocab_size=4 * HEAD_BLOCK, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                         num_key_value_heads=2)
     lean = LeanModel(target)
     assert lean.head_blocks is not None and len(lean.head_blocks) == 4
-    assert lean.head_block_rows in (None, 2, 3, 5, 9, 17)
     f = torch.randn(5, 64)
+    lean._logits(f)  # the first multi-row head measures the paths
+    assert not lean._head_unmeasured and lean.head_block_rows in (None, 2, 3, 5, 9, 17)
     outs = []
     for rows in (None, 2):
         lean.head_block_rows = rows

@@ -214,10 +214,12 @@ class LeanModel:
         # On a CPU, a GEMM of a few rows against the whole LM head may pack all of it first (MKL, fp32: 2.5-4x the
         # one-row GEMV for a 49k-row head on a Zen3), where blocks of HEAD_BLOCK rows are packed while they sit in
         # cache (views of the same weight, no copy; each block's output equals the whole GEMM's rows). Elsewhere
-        # (oneDNN's bf16) the blocks only add calls: which is faster, and from how many rows, is measured here.
+        # (oneDNN's bf16) the blocks only add calls: which is faster, and from how many rows, is measured once.
         big = self.head.device.type == "cpu" and self.head.shape[0] >= 4 * HEAD_BLOCK
         self.head_blocks = self.head.split(HEAD_BLOCK) if big and self.head_module is None else None
-        self.head_block_rows = head_block_rows(self.head, self.head_blocks) if self.head_blocks else None
+        # measured at the first forward of several rows that does not run on a oneDNN pack (`_logits`)
+        self.head_block_rows: int | None = None
+        self._head_unmeasured = self.head_blocks is not None
         # oneDNN-prepacked copies of the layer and head weights for forwards of more than one row (`pack_multirow`)
         self.packs: list[tuple[torch.Tensor, ...]] | None = None
         self.head_pack: torch.Tensor | None = None
@@ -340,6 +342,9 @@ class LeanModel:
             return self.head_module(f)
         if self.head_pack is not None and f.numel() > f.shape[-1]:
             return _packed_linear(f, self.head_pack)
+        if self._head_unmeasured and f.numel() > f.shape[-1]:
+            self._head_unmeasured = False
+            self.head_block_rows = head_block_rows(self.head, self.head_blocks)
         if self.head_block_rows is not None and f.numel() >= self.head_block_rows * f.shape[-1]:
             return _blockwise(f, self.head_blocks)
         return F.linear(f, self.head)
