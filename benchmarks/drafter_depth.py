@@ -44,22 +44,13 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-@torch.inference_mode()
 def hits(drafter, sets: dict, order: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
     """Per domain, whether the drafter's first draft (argmax over order[:n]) is the target's token, position by
-    position (the scored positions of `benchmarks.shipped_agreement.position0_agreement`)."""
-    from trainers.pretrained_eval import draft_top
+    position, scored as shipped (bf16 weights)."""
+    from benchmarks.shipped_agreement import position0_hits
 
-    d = drafter.to(torch.bfloat16).float().eval()  # scored as shipped: bf16 weights
-    out = {}
-    for dom, ev in sets.items():
-        per = []
-        for i, seq in enumerate(ev.seqs):
-            logits = d(input_ids=torch.tensor([seq])).logits[0]
-            start, end = ev.starts[i], len(seq) - 1
-            per.append(draft_top(logits[start:end], order[:n]) == ev.states.top[i, start:end])
-        out[dom] = torch.cat(per)
-    return out
+    d = drafter.to(torch.bfloat16).float().eval()
+    return {dom: position0_hits(d, ev, order, (n,))[n] for dom, ev in sets.items()}
 
 
 def grown(one_layer, target, p, src: int):

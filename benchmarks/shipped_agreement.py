@@ -29,21 +29,25 @@ GOALS = {"code": 0.45, "chat": 0.50}  # issue 43, for a drafter built on a GPU
 
 
 @torch.inference_mode()
-def position0_agreement(drafter, ev, order: torch.Tensor, sizes: tuple[int, ...]) -> dict[int, float]:
-    """Share of scored positions (from each sequence's last prompt token) where the drafter's argmax over
-    `order[:n]` (0: the full vocabulary) is the target's greedy token."""
+def position0_hits(drafter, ev, order: torch.Tensor, sizes: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Per size n, whether the drafter's argmax over `order[:n]` (0: the full vocabulary) is the target's greedy
+    token, at every scored position (from each sequence's last prompt token), in order."""
     from trainers.pretrained_eval import draft_top
 
-    hits, total = dict.fromkeys(sizes, 0), 0
+    hits: dict[int, list[torch.Tensor]] = {n: [] for n in sizes}
     for i, seq in enumerate(ev.seqs):
-        ids = torch.tensor([seq])
-        logits = drafter(input_ids=ids).logits[0]
+        logits = drafter(input_ids=torch.tensor([seq])).logits[0]
         start, end = ev.starts[i], len(seq) - 1
         truth = ev.states.top[i, start:end]
-        total += end - start
         for n in sizes:
-            hits[n] += int((draft_top(logits[start:end], order[:n] if n else None) == truth).sum())
-    return {n: hits[n] / max(1, total) for n in sizes}
+            hits[n].append(draft_top(logits[start:end], order[:n] if n else None) == truth)
+    return {n: torch.cat(h) for n, h in hits.items()}
+
+
+def position0_agreement(drafter, ev, order: torch.Tensor, sizes: tuple[int, ...]) -> dict[int, float]:
+    """Share of scored positions where the drafter's first draft is the target's greedy token (`position0_hits`)."""
+    return {n: float(h.float().mean()) if h.numel() else 0.0
+            for n, h in position0_hits(drafter, ev, order, sizes).items()}
 
 
 def main(argv=None) -> int:

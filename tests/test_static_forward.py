@@ -100,3 +100,8 @@ def test_a_big_head_scores_the_same_blockwise_or_whole_and_its_path_is_measured(
         outs.append(lean._logits(f))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+    from dvi.decode.invariance import _key  # the greedy verdict is per head path: its cache must not mix them
+
+    blockwise_key = _key(lean)  # head_block_rows is 2 here
+    lean.head_block_rows = None
+    assert _key(lean) != blockwise_key

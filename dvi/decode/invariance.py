@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -57,7 +58,7 @@ def _key(lean: LeanModel, *rest) -> tuple:
     c = lean.config
     return (getattr(c, "model_type", None), lean.hidden, len(lean.layers), lean.heads, lean.kv_heads,
             lean.head_dim, int(lean.layers[0].gate_up.shape[0]), int(lean.head.shape[0]), lean.dtype,
-            lean.device.type, lean.packs is not None, *rest)
+            lean.device.type, lean.packs is not None, lean.head_pack is None and lean.head_path(), *rest)
 
 
 def probe(lean: LeanModel, max_width: int = 17, exact: bool = False, max_rows: int = 0, context: int = 48,
@@ -87,13 +88,17 @@ def _matmul_rows_agree(lean: LeanModel, floor: int, max_rows: int, seed: int) ->
     counts = sorted({m for m in (floor, floor + 1, 2 * floor + 1, 33, 64, 65, 128, 129, max_rows) if floor <= m <= max_rows})
     lw = lean.layers[0]
     packs = lean.packs[0] if lean.packs else (None,) * 4
-    for w, pk in ((lw.qkv, packs[0]), (lw.gate_up, packs[2]), (lw.down, packs[3]), (lean.head, lean.head_pack)):
+    matmuls = [(lw.qkv, partial(rows_linear, w=lw.qkv, packed=packs[0])),
+               (lw.gate_up, partial(rows_linear, w=lw.gate_up, packed=packs[2])),
+               (lw.down, partial(rows_linear, w=lw.down, packed=packs[3])),
+               (lean.head, lean._logits)]  # the head as a forward runs it (a oneDNN pack, blockwise or whole)
+    for w, run in matmuls:
         x = torch.randn(max_rows, w.shape[1], generator=g).to(w)
         pad = torch.randn(max(0, floor - 1), w.shape[1], generator=g).to(w)
         for m in counts:
-            got = rows_linear(x[:m], w, pk)
+            got = run(x[:m])
             for r in (0, m // 2, m - 1):
-                alone = rows_linear(torch.cat([x[r : r + 1], pad]), w, pk)[0]
+                alone = run(torch.cat([x[r : r + 1], pad]))[0]
                 if not torch.equal(got[r], alone):
                     return False
     return True

@@ -213,11 +213,11 @@ class LeanModel:
         self.head_module = None if type(head) is nn.Linear and head.bias is None else head
         # On a CPU, a GEMM of a few rows against the whole LM head may pack all of it first (MKL, fp32: 2.5-4x the
         # one-row GEMV for a 49k-row head on a Zen3), where blocks of HEAD_BLOCK rows are packed while they sit in
-        # cache (views of the same weight, no copy; each block's output equals the whole GEMM's rows). Elsewhere
+        # cache (views of the same weight, no copy; the same logits up to the GEMM's rounding). Elsewhere
         # (oneDNN's bf16) the blocks only add calls: which is faster, and from how many rows, is measured once.
         big = self.head.device.type == "cpu" and self.head.shape[0] >= 4 * HEAD_BLOCK
         self.head_blocks = self.head.split(HEAD_BLOCK) if big and self.head_module is None else None
-        # measured at the first forward of several rows that does not run on a oneDNN pack (`_logits`)
+        # from how many rows the head runs blockwise (None: never); measured on first use (`head_path`)
         self.head_block_rows: int | None = None
         self._head_unmeasured = self.head_blocks is not None
         # oneDNN-prepacked copies of the layer and head weights for forwards of more than one row (`pack_multirow`)
@@ -342,12 +342,19 @@ class LeanModel:
             return self.head_module(f)
         if self.head_pack is not None and f.numel() > f.shape[-1]:
             return _packed_linear(f, self.head_pack)
-        if self._head_unmeasured and f.numel() > f.shape[-1]:
+        if self.head_blocks is not None and f.numel() > f.shape[-1]:
+            rows = self.head_path()
+            if rows is not None and f.numel() >= rows * f.shape[-1]:
+                return _blockwise(f, self.head_blocks)
+        return F.linear(f, self.head)
+
+    def head_path(self) -> int | None:
+        """`head_block_rows`, timed once on first use: by the start-up invariance probe of a served target, whose
+        verdict (`dvi.decode.invariance`) is then that of the path chosen."""
+        if self._head_unmeasured:
             self._head_unmeasured = False
             self.head_block_rows = head_block_rows(self.head, self.head_blocks)
-        if self.head_block_rows is not None and f.numel() >= self.head_block_rows * f.shape[-1]:
-            return _blockwise(f, self.head_blocks)
-        return F.linear(f, self.head)
+        return self.head_block_rows
 
 
 @torch.inference_mode()
@@ -355,7 +362,8 @@ def head_block_rows(head: torch.Tensor, blocks: tuple[torch.Tensor, ...], rows: 
                     reps: int = 3) -> int | None:
     """The fewest rows from which the LM head runs faster blockwise than as one GEMM on this CPU (None: never),
     timed at `rows`, arms interleaved, best of `reps`: from the first probed count where the blocks win by 3% and
-    keep winning at every larger one. Equal outputs either way, so only the time depends on it."""
+    keep winning at every larger one. The two agree to the GEMM's rounding, which is not promised bitwise on every
+    CPU: the greedy contract is measured on the path chosen (`dvi.decode.invariance`)."""
     faster = []
     for m in rows:
         x = torch.randn(m, head.shape[1], dtype=head.dtype, device=head.device)
