@@ -12,9 +12,14 @@ all training with the demo's lane settings (`demo.scenario.LANE_WARMUP`: idle re
 - adapters again (`--control`): the run-to-run spread of α̂ with nothing changed, the yardstick for the garbage arm;
 - frozen (`--frozen`): the trainer off, the v0 drafter at the same K policy: live tokens per step to compare with.
 
-Then, per tenant, the responses of every arm's last third, pooled (the same tokens for every arm), are replayed
-(teacher-forced, `dvi.feedback.shadow.record_scores`) through what serves that tenant at the end of each arm (its
-adapter's live version, or the shared drafter's) and through the frozen v0 drafter: α̂ per tenant and arm.
+Then, per tenant, what serves that tenant at the end of each arm (its adapter's live version, or the shared
+drafter's) and the frozen v0 drafter are scored (teacher-forced, `dvi.feedback.shadow.record_scores`) on:
+
+- unseen prompts (the goal): `--eval-prompts` distinct prompts per tenant drawn from the tenant's own generator with
+  another seed and never sent by any arm's traffic (the traffic skips them), answered once by a server with the
+  trainer off (the "eval" step, run before the arms). The sql and chat generators repeat prompts (239 distinct of
+  357 sql requests in a 20k run), so the arms' own responses would score what a drafter memorised;
+- traffic: the responses of every arm's last third, pooled (the same tokens for every arm; repeats included).
 
 Live tokens per step per tenant and arm: completion tokens over engine steps of the arm's last third (the responses'
 `dvi` blocks).
@@ -43,8 +48,11 @@ from benchmarks._common import clean_json, goal, print_goals  # noqa: E402
 TENANTS = ("code", "sql", "chat")
 
 
-def tenant_requests(name: str, tok, seed: int):
-    """Endless (endpoint, body) of one tenant."""
+EVAL_SEED = 1000  # the unseen prompts' generator seed offset
+
+
+def tenant_requests(name: str, tok, seed: int, skip: frozenset[str] = frozenset()):
+    """Endless (endpoint, body) of one tenant, without the bodies whose `body_key` is in `skip`."""
     from dvi import data
 
     if name == "code":
@@ -57,17 +65,37 @@ def tenant_requests(name: str, tok, seed: int):
         rng = random.Random(seed)
         stream = ({"prompt": [rng.randrange(200, 40000) for _ in range(rng.randint(16, 64))]} for _ in itertools.count())
     for body in stream:
-        yield ("/v1/chat/completions" if "messages" in body else "/v1/completions"), body
+        if body_key(body) not in skip:
+            yield ("/v1/chat/completions" if "messages" in body else "/v1/completions"), body
 
 
-async def traffic(url: str, tok, tokens: int, max_tokens: int, garbage: tuple[float, int], seed: int) -> dict:
+def body_key(body: dict) -> str:
+    return json.dumps(body, sort_keys=True)
+
+
+def eval_prompts(tok, n: int, seed: int) -> dict[str, list[tuple[str, dict]]]:
+    """Per tenant, `n` distinct (endpoint, body) from its generator at another seed: the unseen prompts."""
+    out = {}
+    for i, t in enumerate(TENANTS):
+        got: dict[str, tuple[str, dict]] = {}
+        for endpoint, body in tenant_requests(t, tok, seed + EVAL_SEED + i):
+            got.setdefault(body_key(body), (endpoint, body))
+            if len(got) == n:
+                break
+        out[t] = list(got.values())
+    return out
+
+
+async def traffic(url: str, tok, tokens: int, max_tokens: int, garbage: tuple[float, int], seed: int,
+                  skip: frozenset[str]) -> dict:
     """The tenants' requests, 4 in flight, until every real tenant has `tokens` completion tokens; per tenant and
-    request: its id, completion tokens and engine steps. `garbage`: (share of all requests, their max tokens)."""
+    request: its id, completion tokens and engine steps. `garbage`: (share of all requests, their max tokens);
+    `skip`: the unseen prompts' keys, never sent."""
     import httpx
 
     garbage_share, garbage_tokens = garbage
     names = list(TENANTS) + (["garbage"] if garbage_share > 0 else [])
-    streams = {n: tenant_requests(n, tok, seed + i) for i, n in enumerate(names)}
+    streams = {n: tenant_requests(n, tok, seed + i, skip) for i, n in enumerate(names)}
     got = dict.fromkeys(names, 0)
     ids: dict[str, list[str]] = {n: [] for n in names}
     lens: dict[str, list[tuple[int, int]]] = {n: [] for n in names}  # (completion tokens, engine steps)
@@ -104,6 +132,31 @@ async def traffic(url: str, tok, tokens: int, max_tokens: int, garbage: tuple[fl
     return {"ids": ids, "lens": lens, "tokens": got, "errors": errors[0]}
 
 
+async def answer_once(url: str, prompts: dict[str, list[tuple[str, dict]]], max_tokens: int) -> dict:
+    """Each unseen prompt sent once, 4 in flight: {"ids": {tenant: request ids}, "errors": n}."""
+    import httpx
+
+    todo = [(t, e, b) for t, items in prompts.items() for e, b in items]
+    ids: dict[str, list[str]] = {t: [] for t in prompts}
+    errors = [0]
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while todo:
+            t, endpoint, body = todo.pop()
+            r = await client.post(endpoint, json={**body, "max_tokens": max_tokens, "temperature": 0.0,
+                                                  "metadata": {"domain": t}})
+            if r.status_code != 200:
+                errors[0] += 1
+                continue
+            ids[t].append(r.json()["dvi"]["request_id"])
+            print(f"\r  unseen prompts answered: {sum(map(len, ids.values()))}", end="", flush=True)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await asyncio.gather(*(worker(client) for _ in range(4)))
+    print()
+    return {"ids": ids, "errors": errors[0]}
+
+
 def live_tokens_per_step(arm: dict, tenant: str) -> float | None:
     """Completion tokens over engine steps of the tenant's last third of requests in this arm."""
     lens = arm.get("lens", {}).get(tenant) or []
@@ -113,6 +166,7 @@ def live_tokens_per_step(arm: dict, tenant: str) -> float | None:
 
 
 def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
+    """One arm's server and traffic; the "eval" step instead answers the unseen prompts once, trainer off."""
     import httpx
     import yaml
 
@@ -126,27 +180,31 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
     data.update(run_dir=str(run_dir))
     data["feedback"]["dir"], data["registry"]["dir"] = str(run_dir / "feedback"), str(run_dir / "registry")
     data["trainer"].update(adapter_key=key, publish_every_steps=5, **LANE_WARMUP)  # the demo's, in both arms
-    trainer = "off" if name == "frozen" else "supervised"
+    trainer = "off" if name in ("frozen", "eval") else "supervised"
     data["serve"].update(trainer=trainer, admin_token="groups-bench", domains=[*TENANTS, "garbage"])
     data["wandb"]["mode"] = "disabled"
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "serve_config.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     tok = load_tokenizer(embedded_paths(cfg.models.preset).tokenizer)
+    unseen = eval_prompts(tok, a.eval_prompts, a.seed)
     t0 = time.perf_counter()
     print(f"arm {name} (trainer.adapter_key {key}) ...")
     with ServerProcess(["--config", str(path)], run_dir / "server.log") as srv:
-        garbage = (a.garbage_share if "garbage" in name else 0.0, a.garbage_max_tokens or a.max_tokens)
-        out = asyncio.run(traffic(srv.url, tok, a.tokens, a.max_tokens, garbage, a.seed))
+        if name == "eval":
+            out = asyncio.run(answer_once(srv.url, unseen, a.max_tokens))
+        else:
+            garbage = (a.garbage_share if "garbage" in name else 0.0, a.garbage_max_tokens or a.max_tokens)
+            skip = frozenset(body_key(b) for items in unseen.values() for _, b in items)
+            out = asyncio.run(traffic(srv.url, tok, a.tokens, a.max_tokens, garbage, a.seed, skip))
         out["health"] = httpx.get(srv.url + "/health", headers={"Authorization": "Bearer groups-bench"},
                                   timeout=30).json()
     out["wall_s"] = time.perf_counter() - t0
     return out
 
 
-def eval_records(runs: dict[str, tuple[Path, dict]]) -> dict[str, list]:
-    """Per tenant, the records every arm is judged on: each arm's responses of the run's last third, pooled (the
-    same tokens for every arm's drafter)."""
+def traffic_records(runs: dict[str, tuple[Path, dict]]) -> dict[str, list]:
+    """Per tenant, each arm's responses of the run's last third, pooled (the same tokens for every arm's drafter)."""
     from demo.replay import read_records
 
     out: dict[str, list] = {t: [] for t in TENANTS}
@@ -158,11 +216,18 @@ def eval_records(runs: dict[str, tuple[Path, dict]]) -> dict[str, list]:
     return out
 
 
-def replay(cfg, run_dir: Path, arm: dict, key: str, recs: dict[str, list]) -> dict[str, dict]:
-    """Per tenant: α̂ of what serves it at the end of this arm, and of v0, on the pooled records `recs`."""
-    from demo.replay import _pooled, drafter_scorers
+def unseen_records(run_dir: Path, arm: dict) -> dict[str, list]:
+    """Per tenant, the eval step's responses to the unseen prompts."""
+    from demo.replay import read_records
 
-    scorer = drafter_scorers(cfg, run_dir / "registry")
+    records = read_records(run_dir / "feedback")
+    return {t: [records[i] for i in arm["ids"][t] if i in records and len(records[i].token_ids)] for t in TENANTS}
+
+
+def replay(scorer, arm: dict, key: str, recs: dict[str, list]) -> dict[str, dict]:
+    """Per tenant: α̂ of what serves it at the end of this arm, and of v0, on the records `recs`."""
+    from demo.replay import _pooled
+
     health = arm["health"]
     groups = (health.get("adapters") or {}).get("groups") or {}
     res = {}
@@ -188,6 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--control", action="store_true", help="also a second adapters arm (run-to-run spread)")
     ap.add_argument("--frozen", action="store_true", help="also an arm with the trainer off (live tokens per step)")
     ap.add_argument("--arms", default=None, help="comma-separated subset of the arms to run (the rest are read)")
+    ap.add_argument("--eval-prompts", type=int, default=64, help="unseen prompts per tenant (the goal's α̂)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs") / time.strftime("groups-%Y%m%d-%H%M%S"))
     ap.add_argument("--replay-only", action="store_true", help="replay the arms already run under --out")
@@ -198,21 +264,28 @@ def main(argv=None) -> int:
         + ([("adapters again", "domain")] if a.control else []) + ([("frozen", "none")] if a.frozen else [])
     run_now = None if a.arms is None else set(a.arms.split(","))
     runs = {}
-    for name, key in arms:
+    for name, key in [("eval", "none"), *arms]:  # the unseen prompts' answers first: reused while under --out
         run_dir = a.out.resolve() / name.replace(" + ", "_").replace(" ", "_")
-        if not a.replay_only and (run_now is None or name in run_now):
+        fresh = run_now is None or name in run_now or (name == "eval" and not (run_dir / "arm.json").exists())
+        if not a.replay_only and fresh:
             (run_dir / "arm.json").parent.mkdir(parents=True, exist_ok=True)
             (run_dir / "arm.json").write_text(json.dumps(run_arm(cfg, name, key, run_dir, a)))
         if (run_dir / "arm.json").exists():
             runs[name] = (run_dir, json.loads((run_dir / "arm.json").read_text()))
         else:
             print(f"arm {name}: not run under {a.out} (left out)")
+    from demo.replay import drafter_scorers
+
     keys = dict(arms)
-    recs = eval_records(runs)
-    results = {name: {"replay": replay(cfg, run_dir, arm, keys[name], recs), "tokens": arm["tokens"],
-                      "errors": arm["errors"], "wall_s": arm["wall_s"],
-                      "live_tokens_per_step": {t: live_tokens_per_step(arm, t) for t in TENANTS}}
-               for name, (run_dir, arm) in runs.items()}
+    eval_dir, eval_arm = runs.pop("eval")
+    unseen, seen = unseen_records(eval_dir, eval_arm), traffic_records(runs)
+    results = {}
+    for name, (run_dir, arm) in runs.items():
+        scorer = drafter_scorers(cfg, run_dir / "registry")
+        results[name] = {"replay": replay(scorer, arm, keys[name], unseen),
+                         "replay_traffic": replay(scorer, arm, keys[name], seen), "tokens": arm["tokens"],
+                         "errors": arm["errors"], "wall_s": arm["wall_s"],
+                         "live_tokens_per_step": {t: live_tokens_per_step(arm, t) for t in TENANTS}}
     print_table(results)
     return finish(a, results)
 
@@ -222,15 +295,17 @@ def _fmt(x: float | None) -> str:
 
 
 def print_table(results: dict) -> None:
-    """α̂ per tenant and arm on the pooled records, the frozen v0's, and live tokens per step."""
-    frozen = next(iter(results.values()))["replay"]
-    print(f"\n{'tenant':<8}" + "".join(f"{n + ' α̂':>24}" for n in results) + f"{'frozen v0 α̂':>14}")
+    """α̂ per tenant and arm on the unseen prompts and on the pooled traffic, the frozen v0's, and live tokens per
+    step."""
+    for field, title in (("replay", "unseen prompts (the goal)"), ("replay_traffic", "traffic, last thirds pooled")):
+        frozen = next(iter(results.values()))[field]
+        print(f"\nα̂ on {title}\n{'tenant':<8}" + "".join(f"{n:>22}" for n in results) + f"{'frozen v0':>12}")
+        for t in TENANTS:
+            print(f"{t:<8}" + "".join(f"{_fmt(results[n][field][t]['alpha']):>22}" for n in results)
+                  + f"{_fmt(frozen[t]['alpha_frozen']):>12}")
+    print(f"\nlive tokens per step, last third\n{'tenant':<8}" + "".join(f"{n:>22}" for n in results))
     for t in TENANTS:
-        print(f"{t:<8}" + "".join(f"{_fmt(results[n]['replay'][t]['alpha']):>24}" for n in results)
-              + f"{_fmt(frozen[t]['alpha_frozen']):>14}")
-    print(f"\nlive tokens per step, last third\n{'tenant':<8}" + "".join(f"{n:>24}" for n in results))
-    for t in TENANTS:
-        print(f"{t:<8}" + "".join(f"{_fmt(results[n]['live_tokens_per_step'][t]):>24}" for n in results))
+        print(f"{t:<8}" + "".join(f"{_fmt(results[n]['live_tokens_per_step'][t]):>22}" for n in results))
 
 
 def finish(a, results: dict) -> int:
@@ -244,7 +319,7 @@ def finish(a, results: dict) -> int:
     goals = []
     for t in TENANTS:
         if "shared" in results and "adapters" in results:
-            goals.append(goal(f"{t}: α̂ with its adapter - α̂ shared drafter", diff(alpha("adapters", t),
+            goals.append(goal(f"{t}: α̂ with its adapter - α̂ shared drafter (unseen prompts)", diff(alpha("adapters", t),
                                                                                alpha("shared", t)), 0.05))
         if "adapters + garbage" in results:
             goals.append(goal(f"{t}: |α̂ with a garbage tenant - without|",
