@@ -216,12 +216,15 @@ def traffic_records(runs: dict[str, tuple[Path, dict]]) -> dict[str, list]:
     return out
 
 
-def unseen_records(run_dir: Path, arm: dict) -> dict[str, list]:
-    """Per tenant, the eval step's responses to the unseen prompts."""
+def unseen_records(run_dir: Path, arm: dict, runs: dict[str, tuple[Path, dict]]) -> dict[str, list]:
+    """Per tenant, the eval step's responses to the unseen prompts, less any prompt an arm's traffic did send (none
+    since the traffic skips them; arms run before that skip existed may have)."""
     from demo.replay import read_records
 
+    sent = {tuple(r.prompt_ids) for d, _ in runs.values() for r in read_records(d / "feedback").values()}
     records = read_records(run_dir / "feedback")
-    return {t: [records[i] for i in arm["ids"][t] if i in records and len(records[i].token_ids)] for t in TENANTS}
+    out = {t: [records[i] for i in arm["ids"][t] if i in records and len(records[i].token_ids)] for t in TENANTS}
+    return {t: [r for r in recs if tuple(r.prompt_ids) not in sent] for t, recs in out.items()}
 
 
 def replay(scorer, arm: dict, key: str, recs: dict[str, list]) -> dict[str, dict]:
@@ -278,7 +281,7 @@ def main(argv=None) -> int:
 
     keys = dict(arms)
     eval_dir, eval_arm = runs.pop("eval")
-    unseen, seen = unseen_records(eval_dir, eval_arm), traffic_records(runs)
+    unseen, seen = unseen_records(eval_dir, eval_arm, runs), traffic_records(runs)
     results = {}
     for name, (run_dir, arm) in runs.items():
         scorer = drafter_scorers(cfg, run_dir / "registry")
@@ -299,10 +302,10 @@ def print_table(results: dict) -> None:
     step."""
     for field, title in (("replay", "unseen prompts (the goal)"), ("replay_traffic", "traffic, last thirds pooled")):
         frozen = next(iter(results.values()))[field]
-        print(f"\nα̂ on {title}\n{'tenant':<8}" + "".join(f"{n:>22}" for n in results) + f"{'frozen v0':>12}")
+        print(f"\nα̂ on {title}\n{'tenant':<8}" + "".join(f"{n:>22}" for n in results) + f"{'frozen v0':>12}{'records':>9}")
         for t in TENANTS:
             print(f"{t:<8}" + "".join(f"{_fmt(results[n][field][t]['alpha']):>22}" for n in results)
-                  + f"{_fmt(frozen[t]['alpha_frozen']):>12}")
+                  + f"{_fmt(frozen[t]['alpha_frozen']):>12}{frozen[t]['records']:>9}")
     print(f"\nlive tokens per step, last third\n{'tenant':<8}" + "".join(f"{n:>22}" for n in results))
     for t in TENANTS:
         print(f"{t:<8}" + "".join(f"{_fmt(results[n]['live_tokens_per_step'][t]):>22}" for n in results))
