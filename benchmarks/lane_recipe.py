@@ -33,8 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, goal, print_goals  # noqa: E402
-
-TENANTS = ("code", "sql", "chat")
+from benchmarks.groups import TENANTS  # noqa: E402
 
 
 def prompt_is_eval(prompt_ids, fraction: float) -> bool:
