@@ -24,8 +24,14 @@ drafter's) and the frozen v0 drafter are scored (teacher-forced, `dvi.feedback.s
 Live tokens per step per tenant and arm: completion tokens over engine steps of the arm's last third (the responses'
 `dvi` blocks).
 
+The garbage arm runs several times longer than the others (nine requests in ten are garbage), and a lane that is
+still learning gains from that time alone: more idle replay, and versions published late get their verdict. To
+compare what the garbage does rather than what the time does, `--budget N` makes training a function of each
+group's own feedback (`trainer.feedback_tokens_per_step`, per lane) and `--settle-s` waits, after the traffic, for
+the trainer to stop and for every latest version's verdict before the arm's drafters are read.
+
     PYTHONPATH=. .venv/bin/python benchmarks/groups.py [--tokens 20000] [--garbage] [--control] [--frozen]
-        [--arms adapters,...] [--json bench_results/groups.json]
+        [--budget 128 --settle-s 300] [--arms adapters,...] [--json bench_results/groups.json]
 """
 
 from __future__ import annotations
@@ -165,6 +171,44 @@ def live_tokens_per_step(arm: dict, tenant: str) -> float | None:
     return sum(t for t, _ in last) / steps if steps else None
 
 
+def unjudged(info: dict) -> bool:
+    """A swapper's /health entry has a published version newer than what serves that has no verdict yet."""
+    latest, live = info.get("latest"), info.get("live_version") or 0
+    if latest is None or latest <= live:
+        return False
+    judged = {e["version"] for e in info.get("events") or [] if e["kind"] in ("promoted", "refused", "rolled_back")}
+    return latest not in judged and str(latest) not in (info.get("refused") or {})
+
+
+def settle(url: str, run_dir: Path, limit_s: float, poll_s: float = 10.0) -> dict:
+    """After the traffic: wait (at most `limit_s`) until the trainer's steps stop moving for three polls and every
+    swapper has judged its latest version, so arms that ran for different times are compared at the same point:
+    what their feedback trained and judged, not how long the trainer had. Returns the /health it ended on."""
+    import httpx
+
+    def health() -> dict:
+        return httpx.get(url + "/health", headers={"Authorization": "Bearer groups-bench"}, timeout=30).json()
+
+    def steps() -> int:
+        try:
+            status = json.loads((run_dir / "trainer" / "status.json").read_text())
+        except (OSError, ValueError):
+            return -1
+        groups = (status.get("adapters") or {}).get("groups") or {}
+        return status.get("dvi_trainer_step", 0) + sum(g["step"] for g in groups.values())
+
+    t0, seen = time.monotonic(), []
+    while True:
+        h = health()
+        seen.append(steps())
+        swappers = [h["drafter"], *((h.get("adapters") or {}).get("groups") or {}).values()]
+        if (len(seen) >= 3 and len(set(seen[-3:])) == 1 and not any(unjudged(s) for s in swappers)) \
+                or time.monotonic() - t0 > limit_s:
+            h["settle_s"] = time.monotonic() - t0
+            return h
+        time.sleep(poll_s)
+
+
 def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
     """One arm's server and traffic; the "eval" step instead answers the unseen prompts once, trainer off."""
     import httpx
@@ -179,7 +223,8 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
     data = dump_config(cfg)
     data.update(run_dir=str(run_dir))
     data["feedback"]["dir"], data["registry"]["dir"] = str(run_dir / "feedback"), str(run_dir / "registry")
-    data["trainer"].update(adapter_key=key, publish_every_steps=5, **LANE_WARMUP)  # the demo's, in both arms
+    data["trainer"].update(adapter_key=key, publish_every_steps=5, feedback_tokens_per_step=a.budget,
+                           **LANE_WARMUP)  # the demo's, in both arms
     trainer = "off" if name in ("frozen", "eval") else "supervised"
     data["serve"].update(trainer=trainer, admin_token="groups-bench", domains=[*TENANTS, "garbage"])
     data["wandb"]["mode"] = "disabled"
@@ -197,8 +242,11 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
             garbage = (a.garbage_share if "garbage" in name else 0.0, a.garbage_max_tokens or a.max_tokens)
             skip = frozenset(body_key(b) for items in unseen.values() for _, b in items)
             out = asyncio.run(traffic(srv.url, tok, a.tokens, a.max_tokens, garbage, a.seed, skip))
-        out["health"] = httpx.get(srv.url + "/health", headers={"Authorization": "Bearer groups-bench"},
-                                  timeout=30).json()
+        if a.settle_s > 0 and trainer != "off":
+            out["health"] = settle(srv.url, run_dir, a.settle_s)
+        else:
+            out["health"] = httpx.get(srv.url + "/health", headers={"Authorization": "Bearer groups-bench"},
+                                      timeout=30).json()
     out["wall_s"] = time.perf_counter() - t0
     return out
 
@@ -256,6 +304,12 @@ def main(argv=None) -> int:
     ap.add_argument("--control", action="store_true", help="also a second adapters arm (run-to-run spread)")
     ap.add_argument("--frozen", action="store_true", help="also an arm with the trainer off (live tokens per step)")
     ap.add_argument("--arms", default=None, help="comma-separated subset of the arms to run (the rest are read)")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="trainer.feedback_tokens_per_step in every arm: training a function of the feedback, not of "
+                         "an arm's wall time (0: as much as time allows)")
+    ap.add_argument("--settle-s", type=float, default=0.0,
+                    help="after the traffic, wait up to this long for the trainer to stop and every latest version "
+                         "to be judged (0: do not wait)")
     ap.add_argument("--eval-prompts", type=int, default=64, help="unseen prompts per tenant (the goal's α̂)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs") / time.strftime("groups-%Y%m%d-%H%M%S"))

@@ -67,8 +67,9 @@ def make_cfg(run_dir: Path, key: str, overrides: list[str]):
     return load_config(None, base + lane + list(overrides))
 
 
-def train_arm(key: str, train: list, overrides: list[str], shard: int) -> tuple[dict, int, float]:
-    """({tenant: scorer of its weights at the end}, steps, seconds) of one arm."""
+def train_arm(key: str, train: list, overrides: list[str], shard: int, base=None) -> tuple[dict, int, float, object]:
+    """({tenant: scorer of its weights at the end}, steps, seconds, the arm's shared trainer) of one arm; `base`: a
+    drafter to start from instead of the shipped one (the adapters then sit on a drafter that learned)."""
     from trainers.online.groups import GroupLanes
     from trainers.online.trainables import load_drafter_for_training
     from trainers.online.trainer import OnlineTrainer
@@ -76,7 +77,7 @@ def train_arm(key: str, train: list, overrides: list[str], shard: int) -> tuple[
     run_dir = Path(tempfile.mkdtemp(prefix=f"lane_recipe_{key}_"))
     cfg = make_cfg(run_dir, key, overrides)
     drafter, pad_id = load_drafter_for_training(cfg)
-    main = OnlineTrainer(cfg, drafter, registry=None, run_dir=run_dir, pad_id=pad_id)
+    main = OnlineTrainer(cfg, drafter if base is None else base, registry=None, run_dir=run_dir, pad_id=pad_id)
     lanes = GroupLanes(main, cfg, main.rundir) if key != "none" else None
     t0 = time.perf_counter()
     for i in range(0, len(train), shard):
@@ -97,7 +98,7 @@ def train_arm(key: str, train: list, overrides: list[str], shard: int) -> tuple[
         scorers = dict.fromkeys(TENANTS, main.publisher.scorer())
     else:
         scorers = {t: lanes.lanes[t].publisher.scorer() for t in TENANTS if t in lanes.lanes}
-    return scorers, (lanes.step if lanes else main.step), time.perf_counter() - t0
+    return scorers, (lanes.step if lanes else main.step), time.perf_counter() - t0, main
 
 
 def alpha(scorer, records: list) -> float:
@@ -112,6 +113,8 @@ def main(argv=None) -> int:
                     help="semicolon-separated config overrides for both arms (repeatable; default: none)")
     ap.add_argument("--eval-fraction", type=float, default=0.25)
     ap.add_argument("--shard", type=int, default=32)
+    ap.add_argument("--stacked", action="store_true",
+                    help="also adapters on the shared arm's drafter (its LoRA merged): a base that keeps learning")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     import torch
@@ -126,10 +129,14 @@ def main(argv=None) -> int:
     for recipe in a.recipe or [""]:
         overrides = [o for o in recipe.split(";") if o]
         row = {"recipe": recipe or "(defaults)", "arms": {}}
-        for name, key in (("shared", "none"), ("adapters", "domain")):
-            scorers, steps, secs = train_arm(key, train, overrides, a.shard)
+        learned = None
+        for name, key in (("shared", "none"), ("adapters", "domain")) + ((("stacked", "domain"),) if a.stacked else ()):
+            scorers, steps, secs, main_trainer = train_arm(key, train, overrides, a.shard,
+                                                           learned if name == "stacked" else None)
             row["arms"][name] = {"steps": steps, "seconds": secs,
                                  "alpha": {t: alpha(scorers[t], evals[t]) for t in TENANTS if t in scorers}}
+            if name == "shared" and a.stacked:
+                learned = main_trainer.trainable.drafter.merge_and_unload()
             if frozen is None:
                 from dvi.config import load_config  # the frozen drafter: a fresh trainer's weights
                 from trainers.online.trainables import load_drafter_for_training
@@ -140,10 +147,13 @@ def main(argv=None) -> int:
                 frozen = {t: alpha(fresh.publisher.scorer(), evals[t]) for t in TENANTS}
         row["frozen"] = frozen
         results.append(row)
-        print(f"\nrecipe {row['recipe']}\n{'tenant':<8}{'frozen':>10}{'shared':>10}{'adapters':>10}{'diff':>10}")
+        stacked = row["arms"].get("stacked", {}).get("alpha", {})
+        print(f"\nrecipe {row['recipe']}\n{'tenant':<8}{'frozen':>10}{'shared':>10}{'adapters':>10}{'diff':>10}"
+              + (f"{'stacked':>10}{'diff':>10}" if stacked else ""))
         for t in TENANTS:
             s, ad = row["arms"]["shared"]["alpha"][t], row["arms"]["adapters"]["alpha"].get(t)
-            print(f"{t:<8}{frozen[t]:>10.3f}{s:>10.3f}{(ad or 0):>10.3f}{(ad or 0) - s:>+10.3f}")
+            print(f"{t:<8}{frozen[t]:>10.3f}{s:>10.3f}{(ad or 0):>10.3f}{(ad or 0) - s:>+10.3f}"
+                  + (f"{stacked.get(t, 0):>10.3f}{stacked.get(t, 0) - s:>+10.3f}" if stacked else ""))
             goals.append(goal(f"{row['recipe']}: {t} adapter - shared (unseen prompts)",
                               None if ad is None else ad - s, 0.05))
     print_goals(goals)
