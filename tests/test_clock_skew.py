@@ -66,7 +66,11 @@ def test_skewed_replica_clocks_lose_no_record(tiny_pair_dir, tmp_path) -> None:
         write_flushed(right, recs[36:84])  # 48 more requests on the right clock, named 10 minutes before the fast shard
         _replica(-600, recs[84:], tmp_path, fb, "slow")  # and a replica whose clock was stepped back
         _wait(lambda: consumed() >= 88, 60, proc, f"every record trained (at {consumed()} of 88)")
-        status = json.loads((tmp_path / "trainer" / "status.json").read_text())
+
+        def status() -> dict:  # written after the round that consumed the last shard, so read it once it counts 88
+            return json.loads((tmp_path / "trainer" / "status.json").read_text())
+        _wait(lambda: status().get("records_read", 0) >= 88, 30, proc, "the trainer's status to count every record")
+        status = status()
         _stop(proc, log)
     finally:
         _reap(proc)
