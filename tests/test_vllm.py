@@ -321,10 +321,28 @@ def test_two_vllm_replicas_share_one_log_and_registry_and_each_promotes_and_roll
                 r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16})
                 assert r.status_code == 200, r.text
                 sent.append(r.json()["dvi"]["request_id"])
+    # records are held out by a hash of their random request ids: the eight above may hold too few positions for a
+    # replica's shadow check (the suite once waited 300 s for a promotion that passes alone)
+    need = served.cfg.trainer.shadow_min_positions
+    for url in (served.url, b.url):
+        with httpx.Client(base_url=url, timeout=600) as c:
+            for i in range(64):
+                if health(url)["drafter"]["heldout_positions"] >= need:
+                    break
+                r = c.post("/v1/completions", json={"prompt": PROMPTS[i % len(PROMPTS)] + " " * (i + 1),
+                                                    "max_tokens": 16})
+                assert r.status_code == 200, r.text
+                sent.append(r.json()["dvi"]["request_id"])
     v = publish_peft_adapter(trainer, lora_copy(served.state.swapper.base, 0.05, 3, ("q_proj", "v_proj")),
                                      version_manifest())
     for url in (served.url, b.url):  # each replica checks and promotes the trainer's version itself
-        wait_for(lambda url=url: health(url)["drafter_version"] == v, 300, interval=0.5, what=f"{url} to promote v{v}")
+        try:
+            wait_for(lambda url=url: health(url)["drafter_version"] == v, 300, interval=0.5,
+                     what=f"{url} to promote v{v}")
+        except AssertionError as exc:
+            d = health(url)["drafter"]
+            raise AssertionError(f"{exc}; its swapper: " + str({k: d.get(k) for k in (
+                "live_version", "latest", "waiting", "watch", "heldout_positions", "refused", "events")})) from exc
     assert health(b.url)["replica"] == "b" and health(b.url)["engine"]["kind"] == "vllm"
     with served.client(token="adm") as c:
         r = c.post("/admin/drafter/rollback", json={"reason": "replica a's traffic"})
