@@ -180,15 +180,17 @@ def unjudged(info: dict) -> bool:
     return latest not in judged and str(latest) not in (info.get("refused") or {})
 
 
+def health(url: str) -> dict:
+    """The server's /health as the admin sees it."""
+    import httpx
+
+    return httpx.get(url + "/health", headers={"Authorization": "Bearer groups-bench"}, timeout=30).json()
+
+
 def settle(url: str, run_dir: Path, limit_s: float, poll_s: float = 10.0) -> dict:
     """After the traffic: wait (at most `limit_s`) until the trainer's steps stop moving for three polls and every
     swapper has judged its latest version, so arms that ran for different times are compared at the same point:
     what their feedback trained and judged, not how long the trainer had. Returns the /health it ended on."""
-    import httpx
-
-    def health() -> dict:
-        return httpx.get(url + "/health", headers={"Authorization": "Bearer groups-bench"}, timeout=30).json()
-
     def steps() -> int:
         try:
             status = json.loads((run_dir / "trainer" / "status.json").read_text())
@@ -199,7 +201,7 @@ def settle(url: str, run_dir: Path, limit_s: float, poll_s: float = 10.0) -> dic
 
     t0, seen = time.monotonic(), []
     while True:
-        h = health()
+        h = health(url)
         seen.append(steps())
         swappers = [h["drafter"], *((h.get("adapters") or {}).get("groups") or {}).values()]
         if (len(seen) >= 3 and len(set(seen[-3:])) == 1 and not any(unjudged(s) for s in swappers)) \
@@ -211,7 +213,6 @@ def settle(url: str, run_dir: Path, limit_s: float, poll_s: float = 10.0) -> dic
 
 def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
     """One arm's server and traffic; the "eval" step instead answers the unseen prompts once, trainer off."""
-    import httpx
     import yaml
 
     from demo.scenario import LANE_WARMUP
@@ -242,35 +243,28 @@ def run_arm(cfg, name: str, key: str, run_dir: Path, a) -> dict:
             garbage = (a.garbage_share if "garbage" in name else 0.0, a.garbage_max_tokens or a.max_tokens)
             skip = frozenset(body_key(b) for items in unseen.values() for _, b in items)
             out = asyncio.run(traffic(srv.url, tok, a.tokens, a.max_tokens, garbage, a.seed, skip))
-        if a.settle_s > 0 and trainer != "off":
-            out["health"] = settle(srv.url, run_dir, a.settle_s)
-        else:
-            out["health"] = httpx.get(srv.url + "/health", headers={"Authorization": "Bearer groups-bench"},
-                                      timeout=30).json()
+        settled = a.settle_s > 0 and trainer != "off"
+        out["health"] = settle(srv.url, run_dir, a.settle_s) if settled else health(srv.url)
     out["wall_s"] = time.perf_counter() - t0
     return out
 
 
-def traffic_records(runs: dict[str, tuple[Path, dict]]) -> dict[str, list]:
-    """Per tenant, each arm's responses of the run's last third, pooled (the same tokens for every arm's drafter)."""
-    from demo.replay import read_records
-
+def traffic_records(runs: dict[str, tuple[Path, dict]], logs: dict[str, dict]) -> dict[str, list]:
+    """Per tenant, each arm's responses of the run's last third, pooled (the same tokens for every arm's drafter);
+    `logs`: each arm's feedback records by request id."""
     out: dict[str, list] = {t: [] for t in TENANTS}
-    for run_dir, arm in runs.values():
-        records = read_records(run_dir / "feedback")
+    for name, (_, arm) in runs.items():
+        records = logs[name]
         for t in TENANTS:
             ids = arm["ids"][t][len(arm["ids"][t]) * 2 // 3:]
             out[t] += [records[i] for i in ids if i in records and len(records[i].token_ids)]
     return out
 
 
-def unseen_records(run_dir: Path, arm: dict, runs: dict[str, tuple[Path, dict]]) -> dict[str, list]:
-    """Per tenant, the eval step's responses to the unseen prompts, less any prompt an arm's traffic did send (none
-    since the traffic skips them; arms run before that skip existed may have)."""
-    from demo.replay import read_records
-
-    sent = {tuple(r.prompt_ids) for d, _ in runs.values() for r in read_records(d / "feedback").values()}
-    records = read_records(run_dir / "feedback")
+def unseen_records(records: dict, arm: dict, logs: dict[str, dict]) -> dict[str, list]:
+    """Per tenant, the eval step's responses (`records`) to the unseen prompts, less any prompt an arm's traffic did
+    send (none since the traffic skips them; arms run before that skip existed may have)."""
+    sent = {tuple(r.prompt_ids) for log in logs.values() for r in log.values()}
     out = {t: [records[i] for i in arm["ids"][t] if i in records and len(records[i].token_ids)] for t in TENANTS}
     return {t: [r for r in recs if tuple(r.prompt_ids) not in sent] for t, recs in out.items()}
 
@@ -331,11 +325,13 @@ def main(argv=None) -> int:
             runs[name] = (run_dir, json.loads((run_dir / "arm.json").read_text()))
         else:
             print(f"arm {name}: not run under {a.out} (left out)")
-    from demo.replay import drafter_scorers
+    from demo.replay import drafter_scorers, read_records
 
     keys = dict(arms)
     eval_dir, eval_arm = runs.pop("eval")
-    unseen, seen = unseen_records(eval_dir, eval_arm, runs), traffic_records(runs)
+    logs = {name: read_records(run_dir / "feedback") for name, (run_dir, _) in runs.items()}  # each read once
+    unseen = unseen_records(read_records(eval_dir / "feedback"), eval_arm, logs)
+    seen = traffic_records(runs, logs)
     results = {}
     for name, (run_dir, arm) in runs.items():
         scorer = drafter_scorers(cfg, run_dir / "registry")

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     train, evals = split_by_prompt(list(read_records(a.records).values()), a.eval_fraction)
     print(f"{len(train)} training records; evaluation prompts " + ", ".join(f"{t} {len(evals[t])}" for t in TENANTS))
     results, goals = [], []
-    frozen = None
+    untrained, *_ = train_arm("none", [], [], a.shard)  # the frozen drafter: a trainer that took no step
+    frozen = {t: alpha(untrained[t], evals[t]) for t in TENANTS}
     for recipe in a.recipe or [""]:
         overrides = [o for o in recipe.split(";") if o]
         row = {"recipe": recipe or "(defaults)", "arms": {}}
@@ -137,14 +138,6 @@ def main(argv=None) -> int:
                                  "alpha": {t: alpha(scorers[t], evals[t]) for t in TENANTS if t in scorers}}
             if name == "shared" and a.stacked:
                 learned = main_trainer.trainable.drafter.merge_and_unload()
-            if frozen is None:
-                from dvi.config import load_config  # the frozen drafter: a fresh trainer's weights
-                from trainers.online.trainables import load_drafter_for_training
-                from trainers.online.trainer import OnlineTrainer
-                cfg = load_config(None, ["models.preset=smollm2", "models.drafter_kind=separate", "wandb.mode=disabled"])
-                drafter, pad_id = load_drafter_for_training(cfg)
-                fresh = OnlineTrainer(cfg, drafter, registry=None, run_dir=tempfile.mkdtemp(), pad_id=pad_id)
-                frozen = {t: alpha(fresh.publisher.scorer(), evals[t]) for t in TENANTS}
         row["frozen"] = frozen
         results.append(row)
         stacked = row["arms"].get("stacked", {}).get("alpha", {})
