@@ -120,6 +120,9 @@ class SpeculationConfig(_Strict):
     num_draft_tokens: int = Field(4, ge=0, le=32)
     adaptive: bool = True
     max_draft_tokens: int = Field(8, ge=1, le=32)
+    # draft trees: at most this many of a learned drafter's next candidates per depth are verified beside its chain
+    # (no forward of their own); adaptive K prices how many pay here (0: chains; None: 3, behind vLLM 0)
+    tree_width: int | None = Field(None, ge=0, le=8)
 
     @model_validator(mode="after")
     def _k_within_max(self) -> SpeculationConfig:
@@ -403,6 +406,11 @@ class DviConfig(_Strict):
             raise ValueError(f"serve.engine 'vllm' serves one separate drafter (vLLM's draft_model) to all traffic; "
                              f"this config has models.drafter_kind {kind!r} and trainer.adapter_key {key!r}. Early-exit, "
                              "eagle, suffix and hybrid drafters and per-group adapters need serve.engine 'dvi'")
+        if self.serve.engine == "vllm" and self.speculation.tree_width:
+            raise ValueError("speculation.tree_width: vLLM's draft_model method (and its CPU build) verifies chains, "
+                             "trees only for EAGLE heads on CUDA's tree attention; set 0 with serve.engine 'vllm'")
+        if self.speculation.tree_width is None:
+            self.speculation.tree_width = 0 if self.serve.engine == "vllm" else 3
         return self
 
     @model_validator(mode="after")

@@ -48,6 +48,11 @@ def _code_files() -> list[Path]:
     return [p for pkg in ("dvi", "trainers", "serving", "demo") for p in sorted((ROOT / pkg).rglob("*.py"))]
 
 
+DECLARATIONS = {Path("dvi/config.py")}
+"""Modules of declarations, exempt from the module length bar (issue 58): the one config schema is a field and its
+comment per setting; capped, it folded comments to fit a field (three commits at exactly 500 lines)."""
+
+
 def test_modules_and_functions_stay_small() -> None:
     """Issue 16's bar, kept: a module reads in one sitting (<= 500 lines), a function on one screen
     (<= 60 lines) with at most 8 parameters (self/cls not counted; a config object holds the rest)."""
@@ -55,7 +60,7 @@ def test_modules_and_functions_stay_small() -> None:
     for path in _code_files():
         text = path.read_text()
         rel = path.relative_to(ROOT)
-        if len(text.splitlines()) > 500:
+        if len(text.splitlines()) > 500 and rel not in DECLARATIONS:
             too_long.append(str(rel))
         for node in ast.walk(ast.parse(text)):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -13,7 +13,7 @@ import torch
 from test_engine import perturbed
 from tiny_models import tiny_llama
 
-import dvi.engine.speculative
+import dvi.engine.accept
 from dvi.decode.forward import model_forward
 from dvi.decode.kv import prefill
 from dvi.decode.numerics import set_exact_greedy
@@ -128,7 +128,7 @@ def test_near_tie_check_catches_a_lossy_engine(monkeypatch):
     """The check above can fail: an engine that keeps every draft parts from the target where the gap is
     far beyond bf16 rounding, and `first_divergence` says so (peaked logits: real gaps are wide)."""
     target = bf16_target(layers=2, init=0.5)
-    monkeypatch.setattr(dvi.engine.speculative, "greedy_accept",
+    monkeypatch.setattr(dvi.engine.accept, "greedy_accept",
                         lambda d, logits, lens=None: (torch.full((d.shape[0],), d.shape[1]), logits[:, -1].argmax(-1)))
     divs, n = divergences(target, perturbed(target, scale=0.3), 4, batched=False, ps=prompts(4))
     assert len(divs) == n and not any(d["near_tie"] for d in divs), divs

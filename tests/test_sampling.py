@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import tiny_llama
 
-import dvi.engine.speculative
+import dvi.engine.accept
 from dvi.decode.sampling import (
     acceptance_prob,
     greedy_accept,
@@ -281,7 +281,7 @@ def _wrong_resample_from_p(draft_ids, draft_probs, target_probs, u_accept, u_sam
 @pytest.mark.parametrize("wrong", [_wrong_always_accept, _wrong_resample_from_p])
 def test_chi_square_catches_wrong_rules(pair, monkeypatch, wrong):
     target, drafter = pair
-    monkeypatch.setattr(dvi.engine.speculative, "rejection_accept", wrong)
+    monkeypatch.setattr(dvi.engine.accept, "rejection_accept", wrong)
     pv, _ = engine_pvalue(target, drafter, N_SAMPLES, 1.0, seed=11)
     assert pv < 1e-4, pv
 
@@ -440,6 +440,6 @@ def _wrong_point_mass_resample_from_p(draft_ids, target_probs, u_accept, u_sampl
 
 
 def test_chi_square_catches_a_point_mass_rule_that_keeps_the_rejected_token(pair, monkeypatch):
-    monkeypatch.setattr(dvi.engine.speculative, "point_mass_accept", _wrong_point_mass_resample_from_p)
+    monkeypatch.setattr(dvi.engine.accept, "point_mass_accept", _wrong_point_mass_resample_from_p)
     pv, _ = engine_pvalue(pair[0], _suffix("suffix"), N_SAMPLES, 1.0, seed=11, filler=[4, 5])
     assert pv < 1e-4, pv

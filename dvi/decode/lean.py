@@ -285,18 +285,21 @@ class LeanModel:
     @torch.no_grad()
     def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
                 logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
-                pick: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """ids [B, q] at positions start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
+                pick: torch.Tensor | None = None, depth: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
-        with `pick` [B] only row b's position pick[b]: logits [B, V]."""
+        with `pick` [B] only row b's position pick[b]: logits [B, V]. A draft tree's nodes (`depth` [B, q]) are
+        rotated at positions start[b] + depth[b, j], not at their columns."""
         b, q = ids.shape
         n = b * q
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
-        pos = (start.view(b, 1) + torch.arange(q, device=self.device)).view(n)  # [N]
+        col = (start.view(b, 1) + torch.arange(q, device=self.device)).view(n)  # [N] cache columns
+        pos = col if depth is None else (start.view(b, 1) + depth).view(n)  # [N] positions
         if b > 1:
             slot = torch.arange(first_slot, first_slot + b, device=self.device).repeat_interleave(q)
         else:
-            slot = torch.full_like(pos, first_slot)
+            slot = torch.full_like(col, first_slot)
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, attn.columns)
         keys, values = cache.views(b, attn.columns, first_slot)
         x = F.embedding(ids.reshape(n), self.embed)  # [N, H]
@@ -315,7 +318,7 @@ class LeanModel:
                                  F.rms_norm(qkv[:, heads : heads + kvh].reshape(n, kvh, d), (d,), lw.k_norm, self.eps),
                                  qkv[:, heads + kvh :].reshape(n, kvh, d)], 1).view(n, heads + 2 * kvh, 2, d // 2)
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
-            cache.per_layer[i].index_put_((slot, pos), qkv[:, heads:].view(n, 2, kvh, d))
+            cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
             o = attn.attend(qkv[:, :heads], b, keys[i], values[i], self.scale)
             x = x + (ad.add(i, "o", o, lin(o, o_w)) if ad else lin(o, o_w))
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)

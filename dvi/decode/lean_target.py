@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dvi.decode.lean import Attention, LeanModel, bucket_columns, folded_groups
+from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
 
 __all__ = ["LeanTarget"]
 
@@ -89,10 +90,20 @@ class LeanTarget:
         pos = start.view(b, 1, 1) + torch.arange(q, device=self.lean.device).view(1, q, 1)  # [B, q, 1]
         return Attention(columns, mask=(self._columns(columns).view(1, 1, columns) <= pos).unsqueeze(1))
 
-    def forward(self, ids: torch.Tensor, features: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def trees(self) -> bool:
+        """Whether a verify may score draft trees: eager forwards only (the exact mode's stepwise last resort
+        scores positions one at a time along a chain; captured CUDA graphs are keyed by chain width)."""
+        return not self.stepwise and self.graphs is None
+
+    def forward(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Matmuls see at least `min_rows` rows: a shorter forward gets junk positions after each row's real ones
-        (their keys land past the row's length, to be overwritten; their outputs are dropped)."""
+        (their keys land past the row's length, to be overwritten; their outputs are dropped). `tree`: per row the
+        parents of draft nodes 1..q-1 (`dvi.decode.tree_attention`)."""
         b, q = ids.shape
+        if tree is not None:
+            return self._eager(ids, features, tree)
         if self.stepwise and (q > 1 or b > 1):
             return self._stepwise(ids, features)
         if not features and self.graphs is not None and not self.exact \
@@ -100,16 +111,25 @@ class LeanTarget:
             return self.graphs(ids, self.cache.lengths)
         return self._eager(ids, features)
 
-    def _eager(self, ids: torch.Tensor, features: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _eager(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None = None,
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         b, q = ids.shape
         real = q
         if b * q < self.min_rows:
             q = -(-self.min_rows // b)
             ids = torch.cat([ids, ids[:, -1:].expand(b, q - real)], 1)
-        attn = self.attention(q)
+        depth = None
+        if tree is None:
+            attn = self.attention(q)
+        else:
+            tree = [list(p) + [0] * (q - 1 - len(p)) for p in tree]  # junk positions: leaves of the root
+            starts = self.cache.lengths
+            arange = self._columns(bucket_columns(max(starts) + q - 1))
+            attn = tree_attention(starts, tree, q, arange, folded=b == 1 or self.exact)
+            depth = torch.tensor([node_depths(p) for p in tree], dtype=torch.long, device=self.lean.device)
         self.cache.reserve(b, attn.columns)
         start = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.lean.device)
-        out = self.lean.forward(self.cache, ids, start, attn, features=features)
+        out = self.lean.forward(self.cache, ids, start, attn, features=features, depth=depth)
         if q == real:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]
@@ -138,6 +158,17 @@ class LeanTarget:
 
     def keep(self, q: int, kept: list[int]) -> None:
         self.cache.advance(kept)
+
+    @torch.no_grad()
+    def keep_path(self, paths: list[list[int]]) -> None:
+        """After a tree verify, row i keeps its root and accepted nodes paths[i], moved to follow the root."""
+        moves = compact_moves(self.cache.lengths, paths)
+        if moves is not None:
+            dev = self.lean.device
+            slots, src, dst = (torch.tensor(x, dtype=torch.long, device=dev) for x in moves)
+            kv = self.cache.kv
+            kv[:, slots, dst] = kv[:, slots, src]
+        self.cache.advance([len(p) + 1 for p in paths])
 
     def select_rows(self, keep: list[int]) -> None:
         self.cache.select_rows(keep)

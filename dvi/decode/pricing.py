@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from dvi.decode.acceptance import AcceptanceTracker
 from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
+from dvi.decode.tree_pricing import SiblingStats, choose_siblings, sibling_outcomes
 
 __all__ = ["KPolicy", "StepPricing"]
 
@@ -22,8 +23,10 @@ class KPolicy:
     """Fixed or adaptive K, its cost measurements and the per-row acceptance estimates it reads."""
 
     def __init__(self, adaptive: bool, num_draft_tokens: int, max_draft_tokens: int,
-                 calibrate: Callable[[int], None]):
+                 calibrate: Callable[[int], None], tree_width: int = 0):
         self.adaptive, self.num_draft_tokens = bool(adaptive), int(num_draft_tokens)
+        self.tree_width = int(tree_width)  # siblings per depth at most (0: chains)
+        self.siblings = SiblingStats()  # how often each sibling rank is accepted where the chain missed
         self.calibrate = calibrate  # measures a batch bucket's draft / verify costs (the engine's dummy rows)
         self.controller = AdaptiveK(max_draft_tokens, num_draft_tokens)
         self.suffix_guard = GoodputGuard()  # history drafts' measured goodput vs plain steps (adaptive)
@@ -39,6 +42,12 @@ class KPolicy:
     def _ensure_costs(self, batch: int) -> None:
         if self.controller.needs_calibration(batch):
             self.calibrate(batch)
+
+    def observe_tree(self, draft, view) -> None:
+        """After a tree step: which sibling ranks were tried and accepted where the chain missed."""
+        if draft.tree and draft.spine is not None:
+            for tried, hit in sibling_outcomes(draft.parents, draft.spine, view.spine_kept, view.ranks):
+                self.siblings.observe(tried, hit)
 
     def observe(self, draft, batch: int, t_draft: float, t_verify: float, t_host: float, tokens: int,
                 seconds: float, cpu: bool) -> None:
@@ -77,6 +86,24 @@ class StepPricing:
         alphas = [p.acceptance.estimate(s.acc, s.req.domain) for s in seqs]
         rem = [s.remaining for s in seqs] if p.drain_aware and self.batch > 1 else None
         return p.controller.choose(self.batch, alphas, rem, pending)
+
+    def siblings(self, k: int, rows: list[int]) -> list[int]:
+        """Siblings per depth 1..k beside a chain of k learned drafts for batch rows `rows` ([]: a chain): the tree
+        width at most, as many as pay at this machine's calibrated verify costs (adaptive) or all of it (fixed)."""
+        p = self.policy
+        if p.tree_width <= 0 or k <= 0 or not rows:
+            return []
+        if not p.adaptive:
+            return [p.tree_width] * k
+        p._ensure_costs(self.batch)
+        b = batch_bucket(self.batch)
+        c = p.controller.costs
+        draft, over = c.draft_cost(b), p.controller.step_overhead.get(b, 0.0)
+        if draft is None or c.verify_cost(b, k) is None:
+            return []
+        alphas = [p.acceptance.estimate(self.seqs[i].acc, self.seqs[i].req.domain) for i in rows]
+        return choose_siblings(alphas, k, p.siblings.rates(), lambda w: k * draft + c.verify_cost(b, w) + over,
+                               p.tree_width)
 
     def point_k(self, probs: Sequence[Sequence[float]], longest: int) -> int:
         p = self.policy

@@ -66,11 +66,12 @@ class BatchParams:
             all_greedy=all(p.temperature == 0 for p in ps), all_t1=all(p.temperature in (0, 1) for p in ps),
             gens=[s.gen for s in seqs], pen=_penalties(ps, vocab_size, device), seqs=list(seqs))
 
-    def transform(self, logits: torch.Tensor,
-                  drafts: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
+    def transform(self, logits: torch.Tensor, drafts: torch.Tensor | list[torch.Tensor] | None = None,
+                  ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's penalties and logit_bias on `logits` (`dvi.decode.sampling.penalize`); `logits` itself when no
         row has any. logits [B, S, V]: position s follows drafts d_1..d_s of `drafts` [B, >= S - 1] (the
-        verify step); or [B, V]: follows every draft of `drafts` (a list of [B], the draft step so far)."""
+        verify step; a draft tree's node s follows its ancestors', `ancestors` [B, S, S] bool); or [B, V]: follows
+        every draft of `drafts` (a list of [B], the draft step so far)."""
         if self.pen is None:
             return logits
         flat = logits.dim() == 2
@@ -85,7 +86,7 @@ class BatchParams:
                 step[:, 0].scatter_add_(-1, d, torch.ones(d.shape, device=x.device))
             else:  # position j counts d_1..d_j
                 step[:, 1:].scatter_add_(-1, d[:, : s - 1].unsqueeze(-1), torch.ones(b, s - 1, 1, device=x.device))
-                step = step.cumsum(1)
+                step = step.cumsum(1) if ancestors is None else torch.bmm(ancestors.float(), step)
             counts = counts + step
         out = penalize(x, counts, prompt_seen, self.pen)
         return out.squeeze(1) if flat else out

@@ -31,13 +31,19 @@ class TargetRunner(Protocol):
 
     batch_size: int
     max_rows: int | None  # rows the runner can hold at once (captured graphs' fixed cache); None: no limit
+    trees: bool  # whether `forward` scores draft trees (`tree`) and `keep_path` keeps their accepted paths
 
     def admit(self, contexts: list[list[int]], features: bool) -> Features:
         """Rows holding `contexts` join at the end of the batch; with `features`, each row's final normed hidden
         states [len(context), H] (None for an empty context)."""
 
-    def forward(self, ids: torch.Tensor, features: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Score ids [B, q] after each row's cached tokens: logits [B, q, V] (and features [B, q, H])."""
+    def forward(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Score ids [B, q] after each row's cached tokens: logits [B, q, V] (and features [B, q, H]); `tree` the
+        parents of each row's nodes 1..q-1 (`dvi.decode.tree_attention`), only where `trees`."""
+
+    def keep_path(self, paths: list[list[int]]) -> None:
+        """After a tree forward, row i keeps its root and the nodes paths[i], in that order."""
 
     def keep(self, q: int, kept: list[int]) -> None:
         """After a forward of width q, row i keeps the first kept[i] of its q new entries."""
@@ -71,6 +77,7 @@ class RaggedTarget:
         return self.kv.batch_size
 
     max_rows = None
+    trees = False  # HF's module forward over a RaggedKV verifies chains only
 
     def _fn(self, features: bool):
         if not features:

@@ -7,6 +7,7 @@ filled lazily).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,7 @@ class ModelProposer(Proposer):
         self.dkv: DraftCache = self._new_cache()
         self.pending: list[list[int]] = []
         self._k = 0  # drafts the drafter ran this step (it was fed k - 1 of them)
+        self.alternatives: torch.Tensor | None = None  # [B, k, m] the last draft's next candidates per depth
         self.last_catchup = False
 
     def _new_cache(self) -> DraftCache:
@@ -99,33 +101,40 @@ class ModelProposer(Proposer):
         k = max(0, min(pricing.model_k(list(range(b)), self.pending_tokens), max(caps)))
         if k == 0:
             return Draft.empty(b, uniforms, self.device)
-        u = uniforms(2 * k + 1)
-        ids, q = self.draft_model(k, u, params)
-        return Draft(ids, q, [k] * b, ["model"] * b, u, model_forwards=k, catchup=self.last_catchup)
+        sibs = pricing.siblings(k, list(range(b)))
+        u = uniforms(2 * k + sum(sibs) + 1)
+        ids, q = self.draft_model(k, u, params, max(sibs, default=0))
+        d = Draft(ids, q, [k] * b, ["model"] * b, u, model_forwards=k, catchup=self.last_catchup)
+        return with_siblings(d, self.alternatives, sibs) if any(sibs) else d
 
     def _forward(self, ids: torch.Tensor | None, first: bool) -> torch.Tensor:
         """One drafter forward: the first over every row's pending tokens, later ones over ids [B, 1] (the
         previous drafts) -> logits [B, V_draft] after each row's last input."""
         return self.dkv.forward_rows(self.pending) if first else self.dkv.forward(ids)
 
-    def draft_model(self, k: int, u: torch.Tensor | None, params: BatchParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft_model(self, k: int, u: torch.Tensor | None, params: BatchParams, alternatives: int = 0,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k drafter forwards. u [B, >= k] draft uniforms (None: greedy). Returns ids [B, k] and, when sampling,
-        q [B, k, V]."""
+        q [B, k, V]; with `alternatives` m, `self.alternatives` [B, k, m] holds each depth's next m candidates
+        (the drafter's most likely tokens other than its draft there: a tree's siblings, no forward of their own)."""
         self.last_catchup = max(len(p) for p in self.pending) > 2
         self._k = k
-        drafts, qs = [], []
+        drafts, qs, alts = [], [], []
         ids = None
         for j in range(k):
             logits = fit_vocab(self._forward(ids, j == 0), self.vocab_size)  # [B, V]
             logits = params.transform(logits, drafts)  # penalized as the target's p (better α)
             if params.all_greedy:
-                d = logits.argmax(-1)  # [B]
+                d, scores = logits.argmax(-1), logits  # [B]
             else:
-                q = warp_probs(logits, params.temp, params.top_k, params.top_p)  # [B, V]
+                scores = q = warp_probs(logits, params.temp, params.top_k, params.top_p)  # [B, V]
                 d = sample_from(q, u[:, j])
                 qs.append(q)
+            if alternatives:
+                alts.append(_others(scores, d, alternatives))
             drafts.append(d)
             ids = d.unsqueeze(1)  # [B, 1]
+        self.alternatives = torch.stack(alts, 1) if alts else None
         return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
 
     def observe(self, draft: Draft, n: list[int], emitted: list[list[int]], feats: torch.Tensor | None) -> None:
@@ -144,4 +153,30 @@ class ModelProposer(Proposer):
 
     def _keeps(self, draft: Draft, n: list[int], k: int) -> list[int]:
         """Per row, how many of the k - 1 drafts fed to the drafter its cache keeps."""
-        return [min(ni, k - 1) if draft.sources[i] == "model" else 0 for i, ni in enumerate(n)]
+        return [min(ni, k - 1) if draft.sources[i] == "model" else 0 for i, ni in enumerate(draft.kept(n))]
+
+
+def _others(scores: torch.Tensor, drafted: torch.Tensor, m: int) -> torch.Tensor:
+    """Per row the m highest-scoring tokens other than the one drafted ([B, V], [B] -> [B, m])."""
+    top = scores.topk(m + 1, dim=-1).indices  # [B, m + 1]
+    order = torch.argsort((top == drafted.unsqueeze(1)).to(torch.int8), dim=1, stable=True)
+    return top.gather(1, order[:, :m])
+
+
+def with_siblings(draft: Draft, alts: torch.Tensor, sibs: list[int]) -> Draft:
+    """The chain `draft` (k drafts a row) as a tree: sibs[d - 1] of depth d's alternatives `alts` [B, k, m] beside
+    its draft there, as leaves (point masses), after the chain in column order (so the chain is tried first)."""
+    b, k = draft.ids.shape
+    parents, ranks, cols = list(range(k)), [0] * k, []
+    for d, m in enumerate(sibs):
+        for r in range(m):
+            parents.append(d)
+            ranks.append(r + 1)
+            cols.append(d * alts.shape[2] + r)
+    extra = alts.reshape(b, -1)[:, cols]  # [B, sum(sibs)]
+    qmap = torch.full((b, len(parents)), -1, dtype=torch.long, device=draft.ids.device)
+    if draft.q is not None:
+        qmap[:, :k] = torch.arange(k, device=draft.ids.device)
+    n = len(parents)
+    return dataclasses.replace(draft, ids=torch.cat([draft.ids, extra], 1), lens=[n] * b, parents=[parents] * b,
+                               spine=[k] * b, qmap=qmap, ranks=[ranks] * b)

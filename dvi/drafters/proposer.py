@@ -52,6 +52,9 @@ class Pricing(Protocol):
     def point_k(self, probs: Sequence[Sequence[float]], longest: int) -> int:
         """Verify width for point-mass proposals with these path probabilities (draft j kept with probs[j])."""
 
+    def siblings(self, k: int, rows: list[int]) -> list[int]:
+        """Siblings per depth 1..k beside a chain of k learned drafts ([]: a chain; `dvi.decode.tree_pricing`)."""
+
 
 @dataclass
 class Draft:
@@ -62,15 +65,31 @@ class Draft:
     q: torch.Tensor | None  # [B, K, V] drafter probabilities (sampled model drafts); None: greedy or point masses
     lens: list[int]  # [B] real drafts per row, each <= K
     sources: list[str | None]  # [B] SOURCES entry of row i's drafts (None: it drafted nothing)
-    u: torch.Tensor | None  # [B, 2K + 1]: K draft samples, K accept tests, 1 resample (None: all greedy)
+    u: torch.Tensor | None  # [B, 2K + 1]: K draft samples, K accept tests, 1 resample (None: all greedy); a tree's
+    # [B, S + N + 1]: its spine's S draft samples, one test per node, 1 resample
     model_forwards: int = 0  # learned-drafter forwards this step
     catchup: bool = False  # the first of them fed more than the usual 1-2 pending tokens a row
     suffix_rows: bool = False  # some row drafted from the suffix index
     lookup_seconds: float | None = None  # host seconds of history lookups this step (None: a kind without them)
+    # A draft tree (`dvi.decode.tree_attention`): per row the parent of node j + 1 (column j; 0 is the row's last
+    # token), its first `spine` nodes a chain; None: every row a chain. lens[i] counts row i's real nodes.
+    parents: list[list[int]] | None = None
+    spine: list[int] | None = None  # [B] the chain a learned drafter ran (its cache holds spine - 1 of them)
+    qmap: torch.Tensor | None = None  # [B, N] long: q's column a node was sampled from; -1: a point mass
+    ranks: list[list[int]] | None = None  # [B][N] a node's rank among its siblings (0: the first tried)
+    spine_kept: list[int] | None = None  # after a tree step: per row, the spine nodes its accepted path kept
 
     @property
     def width(self) -> int:
         return int(self.ids.shape[1])
+
+    @property
+    def tree(self) -> bool:
+        return self.parents is not None
+
+    def kept(self, n: list[int]) -> list[int]:
+        """Per row, how many of its chain's drafts the target kept (after a tree step: the spine's)."""
+        return n if self.spine_kept is None else self.spine_kept
 
     @property
     def ragged(self) -> bool:

@@ -40,20 +40,14 @@ from dvi.decode.request import (
     validate_prompt,
 )
 from dvi.decode.results import GenerationResult, StepOutput, Versions
-from dvi.decode.sampling import (
-    GREEDY_BELOW_TEMPERATURE,
-    greedy_accept,
-    point_mass_accept,
-    rejection_accept,
-    sample_from,
-    warp_probs,
-)
+from dvi.decode.sampling import GREEDY_BELOW_TEMPERATURE
 from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
 from dvi.decode.target import TargetRunner, target_runner
 from dvi.drafters.factory import proposer_for_drafter
 from dvi.drafters.learned import Drafter
 from dvi.drafters.proposer import Draft, Proposer
 from dvi.drafters.vocab import fit_vocab
+from dvi.engine.accept import accept_chain, accept_tree
 from dvi.engine.calibration import CalibrationSetup, calibrate_bucket
 from dvi.models.loading import check_target_state_dict, load_state_dict
 
@@ -70,6 +64,7 @@ class EngineOptions:
     cuda_graphs: bool = True
     max_batch_size: int = 16
     cpu_packed_weights: bool = False  # multi-row forwards on oneDNN-prepacked weights (CPU, fp32; `target_runner`)
+    tree_width: int = 0  # at most this many siblings per drafted depth (draft trees, `dvi.decode.tree_pricing`)
 
 
 class SpeculativeEngine:
@@ -116,7 +111,8 @@ class SpeculativeEngine:
                                                    max_batch=options.max_batch_size, max_context=self.max_context,
                                                    packed=options.cpu_packed_weights)
         self._sync_feature_layers()
-        self.k_policy = KPolicy(adaptive, num_draft_tokens, max_draft_tokens, self._calibrate)
+        self.k_policy = KPolicy(adaptive, num_draft_tokens, max_draft_tokens, self._calibrate,
+                                options.tree_width if self._target.trees else 0)
         self.last_k = 0
         self.tokens_emitted = self.tokens_speculated = 0  # since construction (`_count_tokens`)
         self.suffix_step_seconds: list[float] = []  # the suffix tree's host work per step (`take_suffix_step_seconds`)
@@ -393,12 +389,21 @@ class SpeculativeEngine:
         logits, feats = self._verify(draft)  # [B, K + 1, V_head], features [B, K + 1, H] or None
         t_fwd = time.perf_counter()
         logits = fit_vocab(logits, self.vocab_size)  # [B, K + 1, V]
-        n, nxt = self._accept(draft, self.params.transform(logits, draft.ids if k else None))  # [B], [B]
-        e = emitted(draft.ids if k else None, n, nxt, logits, self.params.temp, self.params.all_t1,
+        view = draft
+        if draft.tree:  # the accepted path, read from here on as a chain
+            t = accept_tree(draft, logits, feats, self.params)
+            n, nxt, logits, feats, view = t.n, t.nxt, t.logits, t.feats, t.view
+        else:
+            n, nxt = accept_chain(draft, self.params.transform(logits, draft.ids if k else None), self.params)
+        e = emitted(view.ids if view.width else None, n, nxt, logits, self.params.temp, self.params.all_t1,
                     self.feedback_top_k)  # the step's one device -> host transfer
         self._last = nxt
-        self._target.keep(k + 1, [x + 1 for x in e.n])  # [last, d_1..d_n] of the K + 1 new entries stay
-        outs, finished = self._emit(draft, e, feats)
+        if draft.tree:
+            self._target.keep_path(t.paths)  # [last, the accepted path] of the tree's entries stay, in order
+        else:
+            self._target.keep(k + 1, [x + 1 for x in e.n])  # [last, d_1..d_n] of the K + 1 new entries stay
+        outs, finished = self._emit(view, e, feats)
+        self.k_policy.observe_tree(draft, view)
         t2 = time.perf_counter()
         n_new = sum(len(o.new_token_ids) for o in outs)
         self._count_tokens(k, n_new)
@@ -431,31 +436,10 @@ class SpeculativeEngine:
         ids = self._last.unsqueeze(1)  # [B, 1]
         if draft.width:
             ids = torch.cat([ids, draft.ids], 1)  # [B, K + 1]
+        tree = {"tree": draft.parents} if draft.tree else {}
         if self.proposer.needs_features:
-            return self._target.forward(ids, True)
-        return self._target.forward(ids, False), None
-
-    def _accept(self, draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, the drafts kept (n [B]) and the target's token after them (nxt [B]), judged against the
-        penalized `logits`: greedy exact match, or rejection sampling with the draft's uniforms (K accept tests,
-        then one resample); history drafts are point masses (`point_mass_accept`); short rows get the bonus there."""
-        k, u = draft.width, draft.u
-        lens = torch.tensor(draft.lens, device=self.device) if k and draft.ragged else None  # [B]
-        if self.params.all_greedy:
-            if k > 0:
-                return greedy_accept(draft.ids, logits, lens)
-            nxt = logits[:, 0].argmax(-1)  # [B]
-            return torch.zeros_like(nxt), nxt
-        p = warp_probs(logits, self.params.temp, self.params.top_k, self.params.top_p)  # [B, K + 1, V]
-        if k > 0:
-            tests, resample = u[:, k : 2 * k], u[:, 2 * k]
-            if draft.q is None:
-                return point_mass_accept(draft.ids, p, tests, resample, lens)
-            if lens is None:
-                return rejection_accept(draft.ids, draft.q, p, tests, resample)
-            return rejection_accept(draft.ids, draft.q, p, tests, resample, lens)
-        nxt = sample_from(p[:, 0], u[:, 0])  # [B]
-        return torch.zeros_like(nxt), nxt
+            return self._target.forward(ids, True, **tree)
+        return self._target.forward(ids, False, **tree), None
 
     def _emit(self, draft: Draft, e: Emitted, feats: torch.Tensor | None,
               ) -> tuple[list[StepOutput], list[tuple[int, Seq, bool]]]:
