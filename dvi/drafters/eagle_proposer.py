@@ -73,7 +73,8 @@ class EagleProposer(ModelProposer):
         project = getattr(self.drafter, "project_features", None)
         return feats if project is None else project(feats)
 
-    def draft_model(self, k: int, u: torch.Tensor | None, params: BatchParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft_model(self, k: int, u: torch.Tensor | None, params: BatchParams, alternatives: int = 0,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = max(len(p) for p in self.pending)
         h = int(getattr(self.drafter, "feature_dim", self.drafter.config.hidden_size))
         raw = torch.zeros(len(self.pending), m, h, dtype=self.drafter.dtype, device=self.device)  # [B, M, feature_dim]
@@ -81,7 +82,7 @@ class EagleProposer(ModelProposer):
             r = self._row_features(i, h)
             raw[i, m - r.shape[0]:] = r
         self._feats = self._project(raw)  # [B, M, H]
-        return super().draft_model(k, u, params)
+        return super().draft_model(k, u, params, alternatives)
 
     def _forward(self, ids: torch.Tensor | None, first: bool) -> torch.Tensor:
         """Later drafts read the head's own predicted feature of the previous position."""
