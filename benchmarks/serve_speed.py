@@ -13,6 +13,9 @@ speculation off's text.
 
     .venv/bin/python benchmarks/serve_speed.py --kinds off,suffix,separate,hybrid [--json ...]
 
+An arm `KIND:chain` serves KIND with `speculation.tree_width=0` (chains only), beside KIND with draft trees:
+`--kinds off,separate:chain,separate` compares the two shapes, tokens per target pass and tokens/s (issue 57).
+
 Prints a table ending with the goals, writes JSON with a `goals` list, exits 0.
 """
 
@@ -122,8 +125,8 @@ def main(argv=None) -> int:
 
     kinds = [k for k in args.kinds.split(",") if k]
     domains = [d for d in args.domains.split(",") if d]
-    ensure_pair(load_config(None, [f"models.preset={args.preset}"] + [f"models.drafter_kind={k}" for k in kinds
-                                                                      if k not in ("off", "suffix")][:1]))
+    ensure_pair(load_config(None, [f"models.preset={args.preset}"] + [f"models.drafter_kind={k.split(':')[0]}"
+                                                                      for k in kinds if k not in ("off", "suffix")][:1]))
     pair = load_embedded_pair(args.preset, device=args.device, dtype="auto")
     target, tok = pair.target.eval(), pair.tokenizer
     stop = list(getattr(pair, "stop_ids", None) or [tok.eos_token_id])
@@ -137,8 +140,9 @@ def main(argv=None) -> int:
         servers = {}
         for kind in kinds:
             d = work / kind
+            base_kind, _, shape = kind.partition(":")
             extra = ["speculation.adaptive=false", "speculation.num_draft_tokens=0"] if kind == "off" else \
-                [f"models.drafter_kind={kind}"]
+                [f"models.drafter_kind={base_kind}"] + (["speculation.tree_width=0"] if shape == "chain" else [])
             print(f"[{kind}] starting dvi serve ...", flush=True)
             servers[kind] = stack.enter_context(ServerProcess(
                 base + extra + [f"run_dir={d}", f"feedback.dir={d / 'feedback'}", f"registry.dir={d / 'registry'}"],
@@ -215,6 +219,14 @@ def main(argv=None) -> int:
                               row("chat", kind)["tokens_per_s"] / off_chat["tokens_per_s"] if off_chat else None, 1.35))
             goals.append(goal(f"{kind} alone vs speculation off (code)", row("code", kind) and
                               row("code", kind)["tokens_per_s"] / off_code["tokens_per_s"] if off_code else None, 1.3))
+    for domain in results:
+        for kind in kinds:
+            tree, chain = row(domain, kind), row(domain, kind + ":chain")
+            if tree and chain and tree["tokens_per_step"] and chain["tokens_per_step"]:
+                goals.append(goal(f"{kind} trees vs chains, tokens per target pass ({domain})",
+                                  tree["tokens_per_step"] / chain["tokens_per_step"], 1.3 if domain == "chat" else 1.0))
+                goals.append(goal(f"{kind} trees vs chains, tok/s ({domain})",
+                                  tree["tokens_per_s"] / chain["tokens_per_s"], 1.0))
     if row("chat", "hybrid") and row("chat", "suffix"):
         goals.append(goal("hybrid vs suffix alone (chat)", row("chat", "hybrid")["tokens_per_s"] /
                           row("chat", "suffix")["tokens_per_s"], 1.15))

@@ -79,9 +79,14 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
     return Emitted(n_l, tok_l, lp_l, draft_l, topk_i, topk_v)
 
 
-def count_drafts(res: GenerationResult, k: int, n: int, source: str | None = None) -> None:
+def count_drafts(res: GenerationResult, k: int, n: int, source: str | None = None,
+                 ranks: list[int] | None = None) -> None:
     """A step with K > 0 drafts of `source` (a `dvi.drafters.proposer.SOURCES` entry), n of them accepted, on the
-    row's acceptance counts (also per source: [steps, drafted, accepted])."""
+    row's acceptance counts (also per source: [steps, drafted, accepted]; by sibling rank, `ranks` the accepted
+    nodes' in a draft tree, else all the chain's)."""
+    by_rank = res.accepted_by_rank
+    for r in (ranks[:n] if ranks is not None else [0] * n):
+        by_rank[min(r, len(by_rank) - 1)] += 1
     if source is not None:
         c = res.by_source.setdefault(source, [0, 0, 0])
         c[0], c[1], c[2] = c[0] + 1, c[1] + k, c[2] + n

@@ -285,17 +285,16 @@ class LeanModel:
     @torch.no_grad()
     def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
                 logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
-                pick: torch.Tensor | None = None, depth: torch.Tensor | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                pick: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
-        with `pick` [B] only row b's position pick[b]: logits [B, V]. A draft tree's nodes (`depth` [B, q]) are
+        with `pick` [B] only row b's position pick[b]: logits [B, V]. A draft tree's nodes (`attn.depth` [B, q]) are
         rotated at positions start[b] + depth[b, j], not at their columns."""
         b, q = ids.shape
         n = b * q
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
         col = (start.view(b, 1) + torch.arange(q, device=self.device)).view(n)  # [N] cache columns
-        pos = col if depth is None else (start.view(b, 1) + depth).view(n)  # [N] positions
+        pos = col if attn.depth is None else (start.view(b, 1) + attn.depth).view(n)  # [N] positions
         if b > 1:
             slot = torch.arange(first_slot, first_slot + b, device=self.device).repeat_interleave(q)
         else:
@@ -410,6 +409,7 @@ class Attention:
     masked columns after its own)."""
 
     __slots__ = ("columns", "mask", "causal", "groups")
+    depth = None  # a chain's queries sit at their columns (a draft tree's: `dvi.decode.tree_attention`)
 
     def __init__(self, columns: int, mask: torch.Tensor | None = None, causal: bool = False,
                  groups: list[tuple[int, int, int, int, torch.Tensor]] | None = None):

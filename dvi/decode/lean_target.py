@@ -118,7 +118,6 @@ class LeanTarget:
         if b * q < self.min_rows:
             q = -(-self.min_rows // b)
             ids = torch.cat([ids, ids[:, -1:].expand(b, q - real)], 1)
-        depth = None
         if tree is None:
             attn = self.attention(q)
         else:
@@ -126,10 +125,10 @@ class LeanTarget:
             starts = self.cache.lengths
             arange = self._columns(bucket_columns(max(starts) + q - 1))
             attn = tree_attention(starts, tree, q, arange, folded=b == 1 or self.exact)
-            depth = torch.tensor([node_depths(p) for p in tree], dtype=torch.long, device=self.lean.device)
+            attn.depth = torch.tensor([node_depths(p) for p in tree], dtype=torch.long, device=self.lean.device)
         self.cache.reserve(b, attn.columns)
         start = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.lean.device)
-        out = self.lean.forward(self.cache, ids, start, attn, features=features, depth=depth)
+        out = self.lean.forward(self.cache, ids, start, attn, features=features)
         if q == real:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]

@@ -42,6 +42,10 @@ class Counted(Protocol):
     num_steps: int
 
 
+TREE_RANKS = 4
+"""Sibling ranks counted apart in `accepted_by_rank` (a bounded /metrics label: 0, 1, 2, 3 = 3 or later)."""
+
+
 @dataclass(kw_only=True)
 class DraftCounts:
     """What one sequence drafted and kept: the counts α and mean accepted length are made of.
@@ -54,6 +58,8 @@ class DraftCounts:
     num_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    # accepted drafts by sibling rank in a draft tree (0: the chain's own draft; the last entry: that rank or later)
+    accepted_by_rank: list[int] = field(default_factory=lambda: [0] * TREE_RANKS)
 
     @property
     def alpha(self) -> float | None:

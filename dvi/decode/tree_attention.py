@@ -51,13 +51,15 @@ def spine_length(parents: list[int]) -> int:
 class TreeAttention:
     """`dvi.decode.lean.Attention`'s interface for a forward over trees: either one SDPA call with `mask`
     [B, 1, q, columns] (batched), or per row the spine's folded `groups` plus `gathers`: (row, flat query indices
-    [m], columns [m, length] to gather, length, mask [m, 1, 1, length])."""
+    [m], columns [m, length] to gather, length, mask [m, 1, 1, length]). `depth` [B, q]: each node's depth, the
+    offset of its position from its row's start (its column's offset is its index)."""
 
-    __slots__ = ("columns", "mask", "groups", "gathers")
+    __slots__ = ("columns", "mask", "groups", "gathers", "depth")
 
     def __init__(self, columns: int, mask: torch.Tensor | None = None, groups: list | None = None,
                  gathers: list | None = None):
         self.columns, self.mask, self.groups, self.gathers = columns, mask, groups, gathers
+        self.depth: torch.Tensor | None = None
 
     def attend(self, qrows: torch.Tensor, b: int, keys: torch.Tensor, values: torch.Tensor, scale: float,
                ) -> torch.Tensor:

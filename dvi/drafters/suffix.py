@@ -171,6 +171,15 @@ class SuffixCache:
                 max_match: int = 32, max_spec_factor: float | None = None, scan: bool = False) -> SuffixProposal:
         """The better of the request's own and the global proposal for `req_id`'s next tokens
         (keywords as `SuffixIndex.propose`), compared by calibrated score when calibrating."""
+        return self.propose_all(req_id, max_tokens, min_prob=min_prob, max_match=max_match,
+                                max_spec_factor=max_spec_factor, scan=scan)[0]
+
+    def propose_all(self, req_id: Hashable, max_tokens: int, *, min_prob: float = 0.1, max_match: int = 32,
+                    max_spec_factor: float | None = None, scan: bool = False) -> list[SuffixProposal]:
+        """Both proposals (the request's own, the global one; either may be empty), calibrated when
+        calibrating, best score first (ties: the request's own): a draft tree verifies the runner-up
+        beside the best, where one chain could carry only the best. Counts one lookup, and a hit for
+        the best, as `propose`."""
         idx = self._request(req_id)
         ctx = self._context[req_id]
         self.lookups += 1
@@ -180,10 +189,10 @@ class SuffixCache:
         if self.calibrator is not None:
             self._pending[req_id] = (local, remote)   # both are graded by the next append
             local, remote = (self.calibrator.adjust(x, min_prob) for x in (local, remote))
-        best = remote if remote.score > local.score else local
-        if best.tokens:
-            self.hits[best.source] += 1
-        return best
+        ranked = [remote, local] if remote.score > local.score else [local, remote]
+        if ranked[0].tokens:
+            self.hits[ranked[0].source] += 1
+        return ranked
 
     def stats(self) -> dict:
         """Sizes and counters for /metrics: global tokens and sequences, live requests, lookups, hits."""

@@ -10,6 +10,10 @@ tokens of its prompt in front, so a later request with the same prompt (an RL pr
 siblings still running, a repeated agent call) drafts its first tokens from it too. When the target's weights
 change (`rebuild` with a new target version, RL), outputs of older versions decay: weight
 `version_decay ** age`. The time spent on lookups and appends is counted (`stats()["seconds"]`, on /metrics).
+
+Where the target verifies draft trees, both indices' proposals are drafted when they differ: the better one as
+the first branch, the runner-up merged in as a trie (`dvi.drafters.tree_draft`), so a step whose best guess
+misses can still keep the other index's continuation; a chain could only carry one of them.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
+from dvi.drafters.tree_draft import RowTree, assemble
 
 if TYPE_CHECKING:
     from dvi.decode.seq import BatchParams, Seq
     from dvi.drafters.suffix import SuffixCache
 
-__all__ = ["SuffixProposer", "PROMPT_TAIL", "finished_entry", "source_of", "point_drafts"]
+__all__ = ["SuffixProposer", "PROMPT_TAIL", "finished_entry", "source_of", "point_drafts", "suffix_tree_draft"]
 
 
 PROMPT_TAIL = 16  # prompt tokens kept in front of a finished output in the global index
@@ -103,8 +108,9 @@ class SuffixProposer(Proposer):
             except ValueError:  # evicted from the bounded index meanwhile
                 del self._versions[sid]
 
-    def proposals(self, caps: list[int], lookups: bool = True) -> dict:
-        """Row -> its `SuffixProposal` (tokens, probs, score), for rows with one (`lookups` False: none)."""
+    def proposal_sets(self, caps: list[int], lookups: bool = True) -> dict[int, list]:
+        """Row -> its `SuffixProposal`s with tokens (the request's own, the global one), best first, for rows
+        with one (`lookups` False: none)."""
         t0 = time.perf_counter()
         self.step_seconds = 0.0
         out = {}
@@ -113,15 +119,22 @@ class SuffixProposer(Proposer):
                 cap = min(self.max_tokens, caps[i])
                 if cap <= 0:
                     continue
-                p = self.cache.propose(rid, cap, min_prob=self.min_prob)
-                if p.tokens:
-                    out[i] = p
+                found = [p for p in self.cache.propose_all(rid, cap, min_prob=self.min_prob) if p.tokens]
+                if found:
+                    out[i] = found
         self._timed(t0)
         return out
 
+    def proposals(self, caps: list[int], lookups: bool = True) -> dict:
+        """Row -> its best `SuffixProposal` (tokens, probs, score), for rows with one (`lookups` False: none)."""
+        return {i: found[0] for i, found in self.proposal_sets(caps, lookups).items()}
+
     def propose(self, seqs: list[Seq], caps: list[int], pricing: Pricing, uniforms: Uniforms,
                 params: BatchParams) -> Draft:
-        chosen = self.proposals(caps, pricing.lookups)
+        """The best proposal per row, as a chain; where the target verifies trees, a row whose runner-up differs
+        gets it as a second branch (`branch_trees`)."""
+        sets = self.proposal_sets(caps, pricing.lookups)
+        chosen = {i: found[0] for i, found in sets.items()}
         b = len(seqs)
         k = 0
         if chosen:
@@ -129,9 +142,30 @@ class SuffixProposer(Proposer):
             k = max(0, min(k, max(caps)))
         if k == 0:
             return Draft.empty(b, uniforms, self.device, self.step_seconds)
-        d = point_drafts(chosen, b, k, uniforms(2 * k + 1), self.device)
+        trees = {}
+        if any(len(found) > 1 for found in sets.values()) and pricing.siblings(1, list(range(b))):
+            trees = self.branch_trees(sets, k, pricing)
+        if trees:
+            d = suffix_tree_draft(chosen, trees, b, k, uniforms, self.device)
+        else:
+            d = point_drafts(chosen, b, k, uniforms(2 * k + 1), self.device)
         d.lookup_seconds = self.step_seconds
         return d
+
+    def branch_trees(self, sets: dict[int, list], k: int, pricing: Pricing) -> dict[int, RowTree]:
+        """Rows whose runner-up proposal adds nodes beside the best one's first k tokens -> their tree (the best
+        as the first branch, the runner-up merged in as a trie, cut to the width `point_k` prices for the
+        runner-ups). For a step whose target verifies trees (the caller asked `Pricing.siblings`)."""
+        seconds = {i: found[1] for i, found in sets.items() if len(found) > 1}
+        if not seconds:
+            return {}
+        k2 = pricing.point_k([list(p.probs) for p in seconds.values()], max(len(p.tokens) for p in seconds.values()))
+        out = {}
+        for i, p in seconds.items():
+            tree = RowTree.chain(sets[i][0].tokens[:k])
+            if k2 > 0 and tree.merge(p.tokens[:k2]):
+                out[i] = tree
+        return out
 
     def observe(self, draft: Draft, n: list[int], emitted: list[list[int]], feats: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
@@ -167,3 +201,13 @@ def point_drafts(chosen: dict, b: int, k: int, u: torch.Tensor | None, device: t
         lens[i], sources[i] = len(toks), source_of(p)
     return Draft(torch.tensor(rows, dtype=torch.long, device=device).view(b, k), None, lens, sources, u,
                  suffix_rows=bool(chosen))
+
+
+def suffix_tree_draft(chosen: dict, trees: dict[int, RowTree], b: int, k: int, uniforms: Uniforms,
+                      device: torch.device) -> Draft:
+    """Rows of `trees` draft their tree, the other rows of `chosen` their proposal's first k tokens as a chain, the
+    rest nothing: point masses all (no spine: no learned drafter ran). A row's source is its best proposal's,
+    also where the target's path took the runner-up's branch."""
+    base = point_drafts(chosen, b, k, None, device)
+    rows = [trees[i] if i in trees else RowTree.of(base, i) for i in range(b)]
+    return assemble(rows, base, [0] * b, uniforms(max(len(r.ids) for r in rows) + 1))

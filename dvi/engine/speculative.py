@@ -452,7 +452,7 @@ class SpeculativeEngine:
             ni, ki, src = e.n[i], draft.lens[i], draft.sources[i]
             s.res.num_steps += 1
             if ki > 0:
-                count_drafts(s.res, ki, ni, src)
+                count_drafts(s.res, ki, ni, src, draft.ranks[i] if draft.ranks else None)
             model = src == "model"
             self.acceptance.update(s.acc, s.req.domain, ki if model else 0, ni if model else 0)
             new, reason = append_tokens(s.res, e, i, ki, s.stop, s.remaining, src)

@@ -18,6 +18,7 @@ NUM_DRAFT_TOKENS = "dvi_spec_decode_num_draft_tokens_total"
 NUM_ACCEPTED_TOKENS = "dvi_spec_decode_num_accepted_tokens_total"
 NUM_ACCEPTED_PER_POS = "dvi_spec_decode_num_accepted_tokens_per_pos_total"
 NUM_DRAFTED_PER_POS = "dvi_spec_decode_num_drafted_tokens_per_pos_total"
+NUM_ACCEPTED_PER_RANK = "dvi_spec_decode_num_accepted_tokens_per_rank_total"
 ACCEPTANCE_RATE = "dvi_spec_decode_acceptance_rate"
 MEAN_ACCEPTED_LENGTH = "dvi_spec_decode_mean_accepted_length"
 ACCEPTANCE_RATE_PER_POS = "dvi_spec_decode_acceptance_rate_per_pos"
@@ -89,6 +90,7 @@ L_MODEL_NAME = "model_name"
 L_DRAFTER_VERSION = "drafter_version"
 L_DOMAIN = "domain"
 L_POSITION = "position"
+L_RANK = "rank"  # a draft tree node's rank among its siblings: 0 (the chain's own draft), 1, 2, 3 (3 or later)
 L_REASON = "reason"
 L_FINISH = "finish_reason"
 L_PART = "part"
@@ -142,6 +144,9 @@ METRICS: dict[str, MetricSpec] = {
             NUM_ACCEPTED_PER_POS, "counter", "Accepted drafted tokens by draft position.", (*_DV, L_POSITION)
         ),
         MetricSpec(NUM_DRAFTED_PER_POS, "counter", "Drafted tokens by draft position.", (*_DV, L_POSITION)),
+        MetricSpec(NUM_ACCEPTED_PER_RANK, "counter", "Accepted drafted tokens by their rank among a draft tree's "
+                   "siblings (0: the drafter's chain; 1-3: its next candidates, 3 counting later ones too).",
+                   (*_DV, L_RANK)),
         MetricSpec(ACCEPTANCE_RATE, "gauge", "Rolling acceptance rate alpha = accepted / drafted.", _DV),
         MetricSpec(MEAN_ACCEPTED_LENGTH, "gauge", "Rolling tokens per step = 1 + accepted / steps.", _DV),
         MetricSpec(

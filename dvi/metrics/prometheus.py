@@ -58,6 +58,7 @@ from dvi.metrics.names import (
     MEAN_ACCEPTED_LENGTH,
     METRICS,
     NUM_ACCEPTED_PER_POS,
+    NUM_ACCEPTED_PER_RANK,
     NUM_ACCEPTED_TOKENS,
     NUM_DRAFT_TOKENS,
     NUM_DRAFTED_PER_POS,
@@ -160,6 +161,9 @@ class Metrics:
         for i, (a, d) in enumerate(zip(s.accepted_per_position, s.drafted_per_position, strict=False)):
             self._count(NUM_ACCEPTED_PER_POS, {**lv, "position": str(i)}, a)
             c[NUM_DRAFTED_PER_POS].labels(**lv, position=str(i)).inc(d)
+        for r, a in enumerate(s.accepted_by_rank):
+            if a:
+                c[NUM_ACCEPTED_PER_RANK].labels(**lv, rank=str(r)).inc(a)
         c[GENERATION_TOKENS].labels(**lv).inc(s.num_tokens)
         c[REQUESTS].labels(**lv, finish_reason=s.finish_reason).inc()
         if s.latency is not None:

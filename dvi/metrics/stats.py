@@ -71,6 +71,7 @@ class ResultStats(DraftCounts):
             num_tokens=len(r.token_ids),
             accepted_per_position=[int(x) for x in r.accepted_per_position],
             drafted_per_position=[int(x) for x in dr_pos],
+            accepted_by_rank=[int(x) for x in r.accepted_by_rank],
             finish_reason=str(finish_reason or r.finish_reason or "unknown"),
             latency=latency,
             ttft=ttft,
