@@ -80,14 +80,21 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
 
 
 def count_drafts(res: GenerationResult, k: int, n: int, source: str | None = None,
-                 ranks: list[int] | None = None) -> None:
+                 ranks: list[int] | None = None, sources: list[str | None] | None = None) -> None:
     """A step with K > 0 drafts of `source` (a `dvi.drafters.proposer.SOURCES` entry), n of them accepted, on the
-    row's acceptance counts (also per source: [steps, drafted, accepted]; by sibling rank, `ranks` the accepted
-    nodes' in a draft tree, else all the chain's)."""
+    row's acceptance counts (also per source: [steps, drafted, accepted]; per draft position where a tree's path
+    mixed proposers, `sources`); by sibling rank, `ranks` the accepted nodes' in a draft tree, else the chain's."""
     by_rank = res.accepted_by_rank
     for r in (ranks[:n] if ranks is not None else [0] * n):
         by_rank[min(r, len(by_rank) - 1)] += 1
-    if source is not None:
+    if sources is not None:
+        for src in dict.fromkeys(s for s in sources[:k] if s is not None):
+            res.by_source.setdefault(src, [0, 0, 0])[0] += 1
+        for j, src in enumerate(sources[:k]):
+            if src is not None:
+                c = res.by_source[src]
+                c[1], c[2] = c[1] + 1, c[2] + (j < n)
+    elif source is not None:
         c = res.by_source.setdefault(source, [0, 0, 0])
         c[0], c[1], c[2] = c[0] + 1, c[1] + k, c[2] + n
     res.num_drafted += k
@@ -99,12 +106,13 @@ def count_drafts(res: GenerationResult, k: int, n: int, source: str | None = Non
 
 
 def append_tokens(res: GenerationResult, e: Emitted, i: int, k: int, stop: frozenset[int],
-                  remaining: int, source: str | None = None) -> tuple[list[int], str | None]:
+                  remaining: int, source: str | None | list[str | None] = None) -> tuple[list[int], str | None]:
     """Row i's emitted tokens (and their feedback fields) onto its result, up to and including the first
     stop token or the last of its `remaining` budget; returns them and the finish reason (None: running).
-    k: row i's real drafts this step; source: who proposed them (recorded per drafted token)."""
+    k: row i's real drafts this step; source: who proposed them (recorded per drafted token; a list: per draft
+    position, a tree's path through several proposers' nodes)."""
     ni = e.n[i]
-    code = source_code(source)
+    codes = [source_code(s) for s in source] if isinstance(source, list) else [source_code(source)] * k
     new: list[int] = []
     for j in range(ni + 1):
         t = e.tokens[i][j]
@@ -112,7 +120,7 @@ def append_tokens(res: GenerationResult, e: Emitted, i: int, k: int, stop: froze
         res.token_ids.append(t)
         res.token_logprobs.append(e.logprobs[i][j])
         res.drafted_ids.append(e.drafts[i][j] if j < k else -1)
-        res.draft_source.append(code if j < k else 0)
+        res.draft_source.append(codes[j] if j < k else 0)
         res.accepted.append(j < ni)
         if e.topk_ids is not None:
             res.topk_ids.append(e.topk_ids[i][j])

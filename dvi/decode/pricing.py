@@ -46,7 +46,8 @@ class KPolicy:
     def observe_tree(self, draft, view) -> None:
         """After a tree step: which sibling ranks were tried and accepted where the chain missed."""
         if draft.tree and draft.spine is not None:
-            for tried, hit in sibling_outcomes(draft.parents, draft.spine, view.spine_kept, view.ranks):
+            for tried, hit in sibling_outcomes(draft.parents, draft.spine, view.spine_kept, view.ranks,
+                                               draft.node_sources, view.node_sources):
                 self.siblings.observe(tried, hit)
 
     def observe(self, draft, batch: int, t_draft: float, t_verify: float, t_host: float, tokens: int,

@@ -75,17 +75,22 @@ def choose_siblings(alphas: Sequence[float], k: int, rates: Sequence[float], ste
         nodes, tokens, rate = nodes + 1, tokens + gain, new
 
 
-def sibling_outcomes(parents: list[list[int]], spine: list[int], spine_kept: list[int],
-                     ranks: list[list[int]]) -> list[tuple[int, int | None]]:
-    """Per row whose chain draft was rejected where siblings stood beside it: (siblings tested, the 0-based one
-    accepted or None). `ranks[i]` are the sibling ranks of row i's accepted nodes (0: the chain's), in path order."""
+def sibling_outcomes(parents: list[list[int]], spine: list[int], spine_kept: list[int], ranks: list[list[int]],
+                     column_sources: list[list[str | None]] | None = None,
+                     path_sources: list[list[str | None]] | None = None) -> list[tuple[int, int | None]]:
+    """Per row whose chain draft was rejected where the drafter's siblings stood beside it: (siblings tested, the
+    0-based one accepted or None). `ranks[i]` are the sibling ranks of row i's accepted nodes (0: the chain's), in
+    path order; where a tree mixes proposers, `column_sources` (tree columns) and `path_sources` (path order) say
+    who proposed each node: a history branch beside the drafter's nodes is no sibling of the drafter's."""
     out = []
-    for par, s, kept, rk in zip(parents, spine, spine_kept, ranks, strict=True):
+    for i, (par, s, kept, rk) in enumerate(zip(parents, spine, spine_kept, ranks, strict=True)):
         if kept >= s:
             continue
-        siblings = sum(1 for j, p in enumerate(par) if p == kept and j != kept)
+        cols = column_sources[i] if column_sources is not None else None
+        siblings = sum(1 for j, p in enumerate(par) if p == kept and j != kept and (cols is None or cols[j] == "model"))
         if siblings == 0:
             continue
-        hit = rk[kept] - 1 if len(rk) > kept else None
-        out.append((siblings if hit is None else hit + 1, hit))
+        mine = path_sources is None or (len(path_sources[i]) > kept and path_sources[i][kept] == "model")
+        hit = rk[kept] - 1 if len(rk) > kept and mine else None
+        out.append((siblings if hit is None else min(hit + 1, siblings), hit))
     return out

@@ -25,7 +25,7 @@ import torch
 
 from dvi.drafters.model_proposer import with_siblings
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
-from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts
+from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts, source_of
 from dvi.drafters.tree_draft import RowTree, assemble
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class _Plan:
     k_model: int  # the learned chain (the spine) of each drafted row; 0: the drafter does not run
     sibs: list[int]  # siblings per depth beside it (`Pricing.siblings`)
     model_rows: list[int]  # the rows the drafter drafts
-    branches: dict[int, list[int]]  # drafted row -> its below-bar suffix proposal, a point-mass branch
+    branches: dict[int, tuple[list[int], str]]  # drafted row -> its below-bar suffix proposal and its source
     trees: dict[int, RowTree]  # chosen row -> its best and runner-up proposals as a trie
 
 
@@ -162,10 +162,10 @@ class HybridProposer(Proposer):
         runs = bool(model_rows) and k_model > 0
         sibs = pricing.siblings(k_model, model_rows) if runs else []
         below = {i: sets[i][0] for i in model_rows if i in sets} if runs else {}
-        branches: dict[int, list[int]] = {}
+        branches: dict[int, tuple[list[int], str]] = {}
         if below:
             kb = pricing.point_k([list(p.probs) for p in below.values()], max(len(p.tokens) for p in below.values()))
-            branches = {i: list(p.tokens[:kb]) for i, p in below.items()} if kb > 0 else {}
+            branches = {i: (list(p.tokens[:kb]), source_of(p)) for i, p in below.items()} if kb > 0 else {}
         trees = self.suffix.branch_trees({i: sets[i] for i in chosen}, k, pricing)
         if not (any(sibs) or branches or trees):
             return None
@@ -179,7 +179,7 @@ class HybridProposer(Proposer):
         base = point_drafts(chosen, b, k, None, self.device)
         rows = [plan.trees[i] if i in plan.trees else RowTree.of(base, i) for i in range(b)]
         learned = km + sum(plan.sibs)
-        widest = max([len(r.ids) for r in rows] + [learned + len(t) for t in plan.branches.values()] + [learned])
+        widest = max([len(r.ids) for r in rows] + [learned + len(t) for t, _ in plan.branches.values()] + [learned])
         u = uniforms(km + widest + 1)  # the spine's draft samples, a test per node, a resample
         if plan.model_rows:
             ids, q = self.learned.draft_model(km, u, params, max(plan.sibs, default=0))
@@ -187,10 +187,11 @@ class HybridProposer(Proposer):
             drafted = with_siblings(chain, self.learned.alternatives, plan.sibs) if any(plan.sibs) else chain
             for i in plan.model_rows:
                 rows[i] = RowTree.of(drafted, i)
-                rows[i].merge(plan.branches.get(i, ()))
+                rows[i].merge(*plan.branches.get(i, ((), None)))
                 base.sources[i] = "model"
             base.q, base.model_forwards, base.catchup = q, km, self.learned.last_catchup
-        spine = [km if i in plan.model_rows else 0 for i in range(b)]
+        drafted_rows = set(plan.model_rows)
+        spine = [km if i in drafted_rows else 0 for i in range(b)]
         d = assemble(rows, base, spine, u, km)
         d.suffix_rows, d.lookup_seconds = bool(chosen or plan.branches), self.suffix.step_seconds
         return d

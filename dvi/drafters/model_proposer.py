@@ -157,7 +157,8 @@ class ModelProposer(Proposer):
 
 
 def _others(scores: torch.Tensor, drafted: torch.Tensor, m: int) -> torch.Tensor:
-    """Per row the m highest-scoring tokens other than the one drafted ([B, V], [B] -> [B, m])."""
+    """Per row the m highest-scoring tokens other than the one drafted ([B, V], [B] -> [B, min(m, V - 1)])."""
+    m = min(m, scores.shape[-1] - 1)
     top = scores.topk(m + 1, dim=-1).indices  # [B, m + 1]
     order = torch.argsort((top == drafted.unsqueeze(1)).to(torch.int8), dim=1, stable=True)
     return top.gather(1, order[:, :m])
@@ -169,7 +170,7 @@ def with_siblings(draft: Draft, alts: torch.Tensor, sibs: list[int]) -> Draft:
     b, k = draft.ids.shape
     parents, ranks, cols = list(range(k)), [0] * k, []
     for d, m in enumerate(sibs):
-        for r in range(m):
+        for r in range(min(m, alts.shape[2])):  # a vocabulary smaller than the width has no more candidates
             parents.append(d)
             ranks.append(r + 1)
             cols.append(d * alts.shape[2] + r)

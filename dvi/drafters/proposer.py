@@ -77,6 +77,7 @@ class Draft:
     spine: list[int] | None = None  # [B] the chain a learned drafter ran (its cache holds spine - 1 of them)
     qmap: torch.Tensor | None = None  # [B, N] long: q's column a node was sampled from; -1: a point mass
     ranks: list[list[int]] | None = None  # [B][N] a node's rank among its siblings (0: the first tried)
+    node_sources: list[list[str | None]] | None = None  # [B][N] who proposed each node (None: the row's `sources`)
     spine_kept: list[int] | None = None  # after a tree step: per row, the spine nodes its accepted path kept
 
     @property

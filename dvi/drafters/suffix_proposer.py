@@ -162,8 +162,8 @@ class SuffixProposer(Proposer):
         k2 = pricing.point_k([list(p.probs) for p in seconds.values()], max(len(p.tokens) for p in seconds.values()))
         out = {}
         for i, p in seconds.items():
-            tree = RowTree.chain(sets[i][0].tokens[:k])
-            if k2 > 0 and tree.merge(p.tokens[:k2]):
+            tree = RowTree.chain(sets[i][0].tokens[:k], source_of(sets[i][0]))
+            if k2 > 0 and tree.merge(p.tokens[:k2], source_of(p)):
                 out[i] = tree
         return out
 

@@ -83,9 +83,10 @@ def accept_tree(draft: Draft, logits: torch.Tensor, feats: torch.Tensor | None, 
 
 def _chain_view(draft: Draft, paths: list[list[int]]) -> tuple[Draft, list[list[int]]]:
     """The chain each row's path reads as: ids (path tokens, then the first candidate tried at the miss), lens,
-    the spine nodes the path kept, each kept node's sibling rank; and per view column the tree node it shows."""
+    the spine nodes the path kept, each kept node's sibling rank, who proposed each column (`node_sources`: the
+    feedback record's `draft_source` per token); and per view column the tree node it shows."""
     ids = draft.ids.tolist()
-    rows, lens, cols, spine_kept, ranks = [], [], [], [], []
+    rows, lens, cols, spine_kept, ranks, sources = [], [], [], [], [], []
     for i, path in enumerate(paths):
         par, ln = draft.parents[i], draft.lens[i]
         last = path[-1] if path else 0
@@ -97,11 +98,14 @@ def _chain_view(draft: Draft, paths: list[list[int]]) -> tuple[Draft, list[list[
         s = next((j for j, a in enumerate(path) if a != j + 1), len(path))
         spine_kept.append(min(s, draft.spine[i] if draft.spine else s))
         ranks.append([draft.ranks[i][a - 1] for a in path] if draft.ranks else [0] * len(path))
+        if draft.node_sources:
+            src = draft.node_sources[i]
+            sources.append([src[a - 1] for a in path] + ([src[first - 1]] if first else []))
     w = max(lens)
     for i in range(len(rows)):
         rows[i] += [0] * (w - len(rows[i]))
         cols[i] += [cols[i][-1]] * (w + 1 - len(cols[i]))
     ids_t = torch.tensor(rows, dtype=torch.long, device=draft.ids.device).view(len(rows), w)
     view = dataclasses.replace(draft, ids=ids_t, q=None, lens=lens, parents=None, qmap=None, ranks=ranks,
-                               spine_kept=spine_kept)
+                               spine_kept=spine_kept, node_sources=sources or None)
     return view, cols

@@ -450,12 +450,13 @@ class SpeculativeEngine:
         news: list[list[int]] = []
         for i, s in enumerate(self._seqs):
             ni, ki, src = e.n[i], draft.lens[i], draft.sources[i]
+            srcs = draft.node_sources[i] if draft.node_sources else None  # a tree path through several proposers
             s.res.num_steps += 1
             if ki > 0:
-                count_drafts(s.res, ki, ni, src, draft.ranks[i] if draft.ranks else None)
+                count_drafts(s.res, ki, ni, src, draft.ranks[i] if draft.ranks else None, srcs)
             model = src == "model"
             self.acceptance.update(s.acc, s.req.domain, ki if model else 0, ni if model else 0)
-            new, reason = append_tokens(s.res, e, i, ki, s.stop, s.remaining, src)
+            new, reason = append_tokens(s.res, e, i, ki, s.stop, s.remaining, srcs or src)
             news.append(new)
             s.remaining -= len(new)
             if reason is not None:
