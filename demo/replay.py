@@ -39,7 +39,8 @@ Scorer = Callable[[list[FeedbackRecord]], dict[str, Replayed]]
 """Records -> {request_id: Replayed} of those it could score."""
 
 LEGEND = ("α live: accepted / drafted as the responses' `dvi` blocks report it (adaptive K drafts on few steps: "
-          "`drafted` tokens; acc. len: tokens per engine step, undrafted steps included). tok/s: the window's "
+          "`drafted` tokens; acc. len: tokens per engine step, undrafted steps included; siblings: accepted drafts "
+          "that were a draft tree's siblings, the drafter's next candidates beside its chain). tok/s: the window's "
           "completion tokens over the wall time its requests took (first sent to last answered, as the client "
           "measures it: the responses report no time). α̂ served / α̂ frozen: the window's own responses "
           "replayed teacher-forced (top-1 agreement with the target over every generated token: the trainer's "

@@ -130,6 +130,8 @@ class Timeline:
             "requests": self.done, "phase": b[-1]["phase"], "n": len(b),
             "alpha": acceptance_rate(accepted, drafted), "drafted": drafted,
             "mean_accepted_length": mean_accepted_length(accepted, sum(s["steps"] for s in b)),
+            # accepted drafts that were a draft tree's siblings (the drafter's next candidates), not its chain's
+            "sibling_accepted": sum(sum((s.get("accepted_by_rank") or [0])[1:]) for s in b),
             "completion_tokens": tokens, "wall_s": wall, "tok_s": rate,
             "drafter_version": b[-1]["drafter_version"], "target_version": b[-1]["target_version"],
             "adapter_version": b[-1].get("adapter_version", 0),
@@ -373,14 +375,15 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: in
 
     table = Table(title=f"α timeline (per window of requests; len served / len frozen at K = {k})", caption=LEGEND,
                   caption_justify="left")
-    cols = ("requests", "phase", "α live", "drafted", "α̂ served", "α̂ frozen", "gain", "acc. len", "len served",
-            "len frozen", "tok/s", "drafter", "adapter", "target")
+    cols = ("requests", "phase", "α live", "drafted", "α̂ served", "α̂ frozen", "gain", "acc. len", "siblings",
+            "len served", "len frozen", "tok/s", "drafter", "adapter", "target")
     for col in cols:
         table.add_column(col, justify="left" if col == "phase" else "right")
     for row in timeline.rows:
         table.add_row(str(row["requests"]), row["phase"], fmt(row["alpha"]), str(row.get("drafted", "-")),
                       fmt(row.get("replay_alpha")), fmt(row.get("frozen_alpha")), _gain(row.get("gain")),
-                      fmt(row["mean_accepted_length"], 2), fmt(row.get("replay_len"), 2),
+                      fmt(row["mean_accepted_length"], 2), str(row.get("sibling_accepted", "-")),
+                      fmt(row.get("replay_len"), 2),
                       fmt(row.get("frozen_len"), 2), fmt(row.get("tok_s"), 1), f"v{row['drafter_version']}",
                       f"{row.get('domain')} v{row['adapter_version']}" if row.get("adapter_version") else "-",
                       f"v{row['target_version']}")

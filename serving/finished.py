@@ -71,6 +71,7 @@ class Finished:
             "steps": r.num_steps,
             "accepted_per_position": list(r.accepted_per_position),
             "drafted_per_position": list(r.drafted_per_position),
+            "accepted_by_rank": list(r.accepted_by_rank),  # a draft tree's: 0 the chain's drafts, 1-3 siblings
             "drafter_version": r.drafter_version,
             "adapter_version": r.adapter_version,
             "target_version": r.target_version,
