@@ -205,6 +205,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=None, help="policy (LoRA) learning rate (default: RLConfig's)")
     ap.add_argument("--num-draft-tokens", type=int, default=None, help="fixed K, or the default K when adaptive")
     ap.add_argument("--fixed-k", action="store_true", help="no adaptive K: draft num-draft-tokens every step")
+    ap.add_argument("--tree-width", type=int, default=None, help="siblings per depth beside the chain (0: chains)")
     ap.add_argument("--drafter-lr", type=float, default=None)
     ap.add_argument("--drafter-mode", default=None, choices=["lora", "full"])
     ap.add_argument("--drafter-replay-steps", type=int, default=None,
@@ -221,7 +222,8 @@ def _configs(a: argparse.Namespace, root: Path, seed: int) -> dict[str, Any]:
 
     overrides = {k: v for k, v in {"lr": a.lr, "drafter_lr": a.drafter_lr, "drafter_mode": a.drafter_mode,
                                    "drafter_replay_steps": a.drafter_replay_steps,
-                                   "num_draft_tokens": a.num_draft_tokens}.items() if v is not None}
+                                   "num_draft_tokens": a.num_draft_tokens, "tree_width": a.tree_width}.items()
+                 if v is not None}
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     return {arm: RLConfig(arm=arm, preset=a.preset, pair_dir=str(root), steps=a.steps,
                           prompts_per_step=a.prompts_per_step, n=a.n, max_new_tokens=a.max_new_tokens,
