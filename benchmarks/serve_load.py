@@ -41,7 +41,9 @@ from benchmarks._common import clean_json, goal
 from dvi.decode.results import acceptance_rate
 
 ARMS = {"spec": ["speculation.adaptive=true"],
-        "nospec": ["speculation.adaptive=false", "speculation.num_draft_tokens=0"]}
+        "nospec": ["speculation.adaptive=false", "speculation.num_draft_tokens=0"],
+        "chain": ["speculation.adaptive=true", "speculation.tree_width=0"]}
+"""`spec` the server's defaults (adaptive K, draft trees where they pay); `chain` the same without trees."""
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -147,12 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2,
                     help="measurements per arm and level, in ABBA order; figures pool all rounds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arms", default="spec,nospec", help=f"comma-separated, of {sorted(ARMS)}")
     ap.add_argument("--set", action="append", default=[], help="extra config override for both servers (key=value), "
                     "e.g. models.device=cuda")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    arms = {a: ARMS[a] for a in args.arms.split(",") if a}
 
     from dvi.config import load_config
     from dvi.data import prompt_stream
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     # alternate level by level, so a change in the machine's other load hits both arms alike.
     with contextlib.ExitStack() as stack:
         servers = {}
-        for arm, extra in ARMS.items():
+        for arm, extra in arms.items():
             arm_dir = work / arm
             arm_dir.mkdir(parents=True, exist_ok=True)
             overrides = base + extra + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{', '.join(f'{x:.0f}' for x in fig['round_throughputs_tok_s'])}", flush=True)
 
     def tput(arm: str, c: int) -> float:
-        for f in figures[arm]:
+        for f in figures.get(arm, []):
             if f["concurrency"] == c:
                 return f["throughput_tok_s"]
         return float("nan")
@@ -216,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                        1.3))
     goals.append(goal(f"speculation throughput ratio at concurrency {hi}", tput("spec", hi) / tput("nospec", hi),
                        0.95))
+    if "chain" in figures:
+        goals += [goal(f"trees vs chains throughput at concurrency {c}", tput("spec", c) / tput("chain", c), 1.0)
+                  for c in levels]
 
     header = f"{'arm':<7} {'C':>3} {'req':>4} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'ttft50':>7} {'ttft99':>7} " \
              f"{'alpha':>6} {'err':>4}"
@@ -235,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"preset": args.preset, "concurrency": levels, "requests": args.requests,
                      "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size, "warmup": args.warmup,
                      "rounds": args.rounds,
-                     "arms": ARMS, "prompts": "held-out code (dvi.data.prompt_stream, 32-96 tokens)",
+                     "arms": arms, "prompts": "held-out code (dvi.data.prompt_stream, 32-96 tokens)",
                      "greedy": True, "trainer": "off", "feedback_logging": True,
                      "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                                  "platform": platform.platform()}},
