@@ -128,7 +128,7 @@ def summarize(results: dict, arms: dict[str, dict], cover: dict[str, dict[int, f
             width = arm["k"] * (1 + arm["w"]) + 1
             rows.append(dict(domain=domain, arm=name, tokens_per_s=toks / sum(r["seconds"] for r in rs),
                              tokens_per_pass=toks / steps, predicted_tokens_per_pass=pred,
-                             verify_plain_steps=(costs[width] / costs[1]) if width in costs else None,
+                             verify_plain_steps=(costs[width] / costs[1]) if not arm["adaptive"] else None,
                              by_rank=[sum(r["by_rank"][j] for r in rs) for j in range(4)],
                              same_text_as_2x0=sum(a["tokens"] == b["tokens"] for a, b in zip(rs, ref, strict=True)),
                              answers=len(rs)))
