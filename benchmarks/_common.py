@@ -39,6 +39,16 @@ def clean_json(x: Any) -> Any:
     return x
 
 
+def write_json(path: str | Path, result: dict) -> None:
+    """A benchmark's JSON (NaN/inf as null) at `path`, its folder made; says where."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clean_json(result), indent=1))
+    print(f"\nwrote {path}")
+
+
 def built_pair(preset: str, pair_dir: Path | None) -> tuple[Path, Any]:
     """The pair dir (`pair_dir`, else the preset's cache dir) and its tokenizer; exits with what to run if unbuilt."""
     from dvi.models.embedded import embedded_dir, read_manifest

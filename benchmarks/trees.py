@@ -16,7 +16,6 @@ with 1 - c_w), and the verify cost of each width in plain steps. Through `dvi se
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import clean_json, goal, print_goals
+from benchmarks._common import goal, print_goals, write_json
 from benchmarks._prompts import pip_code_prompts
 
 
@@ -193,12 +192,9 @@ def main(argv=None) -> int:
     print_rows(rows)
     goals = tree_goals(rows)
     print_goals(goals)
-    out = clean_json({"benchmark": "trees", "settings": vars(args) | {"dtype": str(target.dtype),
-                      "machine": platform.platform()}, "coverage": cover, "verify_seconds": costs, "rows": rows,
-                      "goals": goals, "wall_s": time.time() - t0})
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
-    print(f"\nwrote {args.json}")
+    write_json(args.json, {"benchmark": "trees", "settings": vars(args) | {"dtype": str(target.dtype),
+               "machine": platform.platform()}, "coverage": cover, "verify_seconds": costs, "rows": rows,
+               "goals": goals, "wall_s": time.time() - t0})
     return 0
 
 

@@ -235,8 +235,16 @@ def engine_pvalue(target, drafter, n, temperature, top_k=0, top_p=1.0, seed=0, r
         out = eng.generate(rows, max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + start)
         res += out[:: 2 if filler is not None else 1]
     exact = exact_two_token_law(reference if reference is not None else target, temperature, top_k, top_p)
+    alpha = sum(r.num_accepted for r in res) / max(1, sum(r.num_drafted for r in res))
+    return two_token_pvalue(res, exact), alpha
+
+
+def two_token_pvalue(results, exact: dict) -> float:
+    """Chi-square p-value of the results' first two tokens against `exact` ((t1, t2) -> probability): pairs expected
+    fewer than 5 times pooled into one cell, dropped where the law leaves it empty."""
+    n = len(results)
     counts: dict[tuple, int] = {}
-    for r in res:
+    for r in results:
         key = tuple(r.token_ids[:2])
         counts[key] = counts.get(key, 0) + 1
     big = [key for key, pr in exact.items() if pr * n >= 5]
@@ -245,8 +253,7 @@ def engine_pvalue(target, drafter, n, temperature, top_k=0, top_p=1.0, seed=0, r
     if exp[-1] < 1e-6:
         obs, exp = obs[:-1], exp[:-1]
     exp = [e * sum(obs) / sum(exp) for e in exp]  # float rounding only
-    alpha = sum(r.num_accepted for r in res) / max(1, sum(r.num_drafted for r in res))
-    return float(chisquare(obs, exp).pvalue), alpha
+    return float(chisquare(obs, exp).pvalue)
 
 
 N_SAMPLES = 3000

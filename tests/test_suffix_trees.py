@@ -9,9 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from test_engine import assert_greedy_equal, reference, tiny
-from test_sampling import tiny_lm
+from test_sampling import tiny_lm, two_token_pvalue
 
 import dvi.engine.accept
 import dvi.engine.speculative
@@ -219,15 +218,7 @@ def _pvalue(kind: str, seen: list) -> float:
     eng = SpeculativeEngine(target, prop, num_draft_tokens=2, options=EngineOptions(tree_width=WIDTH))
     res = eng.generate([PROMPT] * N, max_new_tokens=3, temperature=1.0, seed=11)
     assert seen and _second_branch_hits(seen) > 0
-    exact = _two_token_law(target, PROMPT)
-    counts: dict[tuple, int] = {}
-    for r in res:
-        counts[tuple(r.token_ids[:2])] = counts.get(tuple(r.token_ids[:2]), 0) + 1
-    big = [key for key, pr in exact.items() if pr * N >= 5]
-    obs = [counts.get(key, 0) for key in big] + [N - sum(counts.get(key, 0) for key in big)]
-    exp = [exact[key] * N for key in big] + [N - sum(exact[key] * N for key in big)]
-    exp = [e * sum(obs) / sum(exp) for e in exp]  # float rounding only
-    return float(chisquare(obs, exp).pvalue)
+    return two_token_pvalue(res, _two_token_law(target, PROMPT))
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "suffix"])

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from test_engine import PROMPTS, assert_greedy_equal, perturbed, reference, tiny
 from test_numerics import BF16, bf16_target, prompts
 from test_penalties import NEW as PEN_NEW
 from test_penalties import PROMPTS as PEN_PROMPTS
 from test_penalties import _params, ref_greedy, run
-from test_sampling import PROMPT, exact_two_token_law, tiny_lm
+from test_sampling import PROMPT, exact_two_token_law, tiny_lm, two_token_pvalue
 from tiny_models import tiny_llama
 
 import dvi.decode.invariance
@@ -377,18 +376,8 @@ def tree_pvalue(target, drafter, n: int, temperature: float, top_p: float, width
     for start in range(0, n, batch):
         res += eng.generate([PROMPT] * min(batch, n - start), max_new_tokens=3, temperature=temperature,
                             top_p=top_p, seed=seed + start)
-    exact = exact_two_token_law(target, temperature, 0, top_p)
-    counts: dict[tuple, int] = {}
-    for r in res:
-        counts[tuple(r.token_ids[:2])] = counts.get(tuple(r.token_ids[:2]), 0) + 1
-    big = [key for key, pr in exact.items() if pr * n >= 5]
-    obs = [counts.get(key, 0) for key in big] + [n - sum(counts.get(key, 0) for key in big)]
-    exp = [exact[key] * n for key in big] + [n - sum(exact[key] * n for key in big)]
-    if exp[-1] < 1e-6:
-        obs, exp = obs[:-1], exp[:-1]
-    exp = [e * sum(obs) / sum(exp) for e in exp]
     alpha = sum(r.num_accepted for r in res) / max(1, sum(r.num_drafted for r in res))
-    return float(chisquare(obs, exp).pvalue), alpha
+    return two_token_pvalue(res, exact_two_token_law(target, temperature, 0, top_p)), alpha
 
 
 @pytest.fixture(scope="module")
