@@ -166,7 +166,10 @@ class Promotion:
 
     def swapped(self, version: int, kind: str) -> int:
         """The engine serves `version` now (`kind`: promoted, rolled_back, pinned, restored); returns the version it
-        served before. A promotion is watched; anything else is served as it is."""
+        served before. A promotion is watched; anything else is served as it is. No promotion while a pin stands
+        (the swapper checks before it swaps; this refuses a caller that did not)."""
+        if kind == "promoted" and self.pinned is not None:
+            raise ValueError(f"v{version} cannot be promoted: the drafter is pinned to v{self.pinned}")
         prev, self.live = self.live, version
         if version in self.retry:  # a retried version made it after all
             self.retry.discard(version)

@@ -93,6 +93,9 @@ class DrafterSwapper:
         self._trim = glibc_trim()  # a promotion's loads and checks free whole drafters: hand them back to the OS
         self._freed = False  # a load, check or swap ran since the last trim
         self._lock = threading.RLock()
+        # one swap at a time, from its pin check through the engine command to the state it leaves (an admin pin runs
+        # on another thread than the watcher's promotion): what the engine serves and what the machine says agree
+        self._swaps = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -292,11 +295,10 @@ class DrafterSwapper:
             self._refuse(version, f"{reason}; {verdict.reason}", kind="shadow")
             return False
         try:
-            self._swap(candidate, "promoted", reason)
+            return self._swap(candidate, "promoted", reason)
         except AdapterRejected as exc:  # the engine could not load it (vLLM): it keeps the served drafter
             self._refuse(version, exc.reason, kind=exc.kind)
             return False
-        return True
 
     def _compare(self, candidate: Scorer, incumbent: Scorer, records: list[FeedbackRecord], rule: Rule) -> Verdict:
         """THE comparison (`dvi.feedback.verdict.compare`) of two loaded versions; kept for /metrics."""
@@ -305,19 +307,29 @@ class DrafterSwapper:
         self.verdicts[rule.name] = verdict
         return verdict
 
-    def _swap(self, loaded: Loaded, kind: str, reason: str) -> None:
+    def _swap(self, loaded: Loaded, kind: str, reason: str) -> bool:
+        """Serve `loaded` (`kind`: promoted, rolled_back, pinned, restored); False where a pin stands against a
+        promotion (a pin issued while its shadow check ran wins: the version is judged again once unpinned)."""
         self._freed = True
         version = loaded.version
-        self.scheduler.command(loaded.command).result(timeout=120)
-        with self._lock:
-            prev = self.promotion.swapped(version, kind)
-            self.loaded[version] = loaded
-            keep = {version, 0}  # the last good version is loaded again when a watch or a rollback needs it
-            self.loaded = {v: m for v, m in self.loaded.items() if v in keep}
-            self._windows = {v: w for v, w in self._windows.items() if v in keep}
-            self._windows[version] = collections.deque(maxlen=self.policy.rollback_window)
-        self._save_serving()
+        with self._swaps:
+            with self._lock:
+                pin = self.promotion.pinned if kind == "promoted" else None
+            if pin is not None:
+                log.info("drafter v%d passed its shadow check, but the drafter is pinned to v%d: not promoted",
+                         version, pin)
+                return False
+            self.scheduler.command(loaded.command).result(timeout=120)
+            with self._lock:
+                prev = self.promotion.swapped(version, kind)
+                self.loaded[version] = loaded
+                keep = {version, 0}  # the last good version is loaded again when a watch or a rollback needs it
+                self.loaded = {v: m for v, m in self.loaded.items() if v in keep}
+                self._windows = {v: w for v, w in self._windows.items() if v in keep}
+                self._windows[version] = collections.deque(maxlen=self.policy.rollback_window)
+            self._save_serving()
         self._record(SwapEvent(kind, version, prev, reason, time.time()))
+        return True
 
     def _save_serving(self) -> None:
         with self._lock:
@@ -442,12 +454,13 @@ class DrafterSwapper:
         loaded = self.loaded[0] if version == 0 else self._load(version)
         if version:
             self.registry.pin(version)
-        with self._lock:
-            self.promotion.pin(version)
-        if version != self.live_version:
-            self._swap(loaded, "pinned", "pinned by admin")
-        else:
-            self._save_serving()
+        with self._swaps:  # a promotion under way finishes first, then the pin serves its version
+            with self._lock:
+                self.promotion.pin(version)
+            if version != self.live_version:
+                self._swap(loaded, "pinned", "pinned by admin")
+            else:
+                self._save_serving()
         return version
 
     def info(self) -> dict[str, Any]:

@@ -283,3 +283,34 @@ def test_swapper_memory_is_bounded(pair, tmp_path) -> None:
         sw.observe(3, 1, v)
     assert len(sw.refused) == MAX_REFUSED_SHOWN and list(sw.refused)[-1] == 3 * MAX_REFUSED_SHOWN - 1
     assert set(sw._windows) <= set(sw.loaded) and len(reg.refusals()) == 3 * MAX_REFUSED_SHOWN - 1
+
+
+def test_6b_a_pin_issued_during_a_shadow_check_wins(tiny_pair_dir, tmp_path) -> None:
+    """Issue 58 §2: the shadow check scores outside the swapper's lock; an admin pin that lands meanwhile is not
+    overridden by the promotion that check then passes (before: the candidate was swapped in as "promoted" over the
+    pin). Once unpinned, the version is judged again and promoted."""
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "trainer.shadow_margin=1.0", "serve.admin_token=tok")
+    with ServerThread(cfg) as s, s.client(token="tok") as admin:
+        sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
+        _heldout_traffic(s)
+        judging, release = threading.Event(), threading.Event()
+        compare = sw._compare
+
+        def slow_compare(*args, **kw):
+            judging.set()
+            assert release.wait(30), "the test never released the shadow check"
+            return compare(*args, **kw)
+
+        sw._compare = slow_compare
+        v1 = publish_peft_adapter(reg, lora_copy(sw.base), version_manifest())
+        assert judging.wait(30), "v1's shadow check never started"
+        r = admin.post("/admin/drafter/pin", json={"version": 0})
+        assert r.status_code == 200, r.text
+        release.set()
+        wait_for(lambda: sw.waiting is None and sw.pinned == 0, 30, what="the shadow check to end")
+        time.sleep(5 * cfg.serve.registry_poll_seconds)
+        assert sw.live_version == 0 and sw.pinned == 0 and sw.counts["promoted"] == 0, list(sw.events)
+        assert s.state.scheduler.snapshot.served(None) == 0 and reg.serving().pinned == 0  # pin 0: the startup one
+        sw._compare = compare
+        assert admin.post("/admin/drafter/pin", json={"version": None}).status_code == 200
+        wait_for(lambda: sw.live_version == v1, 30, what="v1 promoted once unpinned")
