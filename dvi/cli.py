@@ -17,7 +17,7 @@ from dvi.config import PRESETS, SECRET_KEYS, ConfigError, dump_config, load_conf
 from dvi.models.embedded import DEFAULT_BUILD_KINDS, DRAFTER_KINDS
 
 BENCHMARKS = ("decode", "drift", "serve_load", "rl", "feedback_budget", "soak", "domain_gap", "suffix_index",
-              "suffix_b1", "verdict_latency")
+              "suffix_b1", "verdict_latency", "serve_speed", "trees")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -117,10 +117,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from dvi.feedback.dataset import acceptance_by, feedback_dir_of, open_feedback
     from dvi.metrics import report
 
-    out = report(args.run_dir)
-    print(f"wrote {out}")
+    try:
+        print(f"wrote {report(args.run_dir)}")
+    except FileNotFoundError as exc:
+        print(f"no α plot: {exc}")
+    root = args.feedback or feedback_dir_of(args.run_dir)
+    ds = open_feedback(root)
+    if not len(ds):
+        print(f"no feedback records under {root}")
+        return 0 if args.feedback is None else 1
+    print(f"\n{len(ds)} feedback records under {root} (dvi.feedback.dataset.open_feedback: a datasets.Dataset)")
+    print(f"{'domain':12s} {'drafter':>7s} {'records':>7s} {'tokens':>7s} {'drafted':>7s} {'accepted':>8s} {'alpha':>6s}")
+    for r in acceptance_by(ds):
+        a = "-" if r["alpha"] is None else f"{r['alpha']:.3f}"
+        print(f"{r['domain']:12s} {'v' + str(r['drafter_version']):>7s} {r['records']:7d} {r['tokens']:7d} "
+              f"{r['drafted']:7d} {r['accepted']:8d} {a:>6s}")
     return 0
 
 
@@ -203,8 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=BENCHMARKS)
     p.set_defaults(func=None)
 
-    p = sub.add_parser("report", help="draw α over time (PNG) for a run directory")
+    p = sub.add_parser("report", help="draw α over time (PNG) for a run directory and print acceptance by domain and "
+                       "drafter version from its feedback log")
     p.add_argument("run_dir", type=Path)
+    p.add_argument("--feedback", default=None, help="the feedback dir or URL (default: the run's own)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("config", help="validate a config (with overrides) and print the result")

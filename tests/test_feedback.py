@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dvi.decode.results import GenerationResult
-from dvi.feedback import SCHEMA, FeedbackReader, FeedbackRecord, FeedbackWriter, Retention
+from dvi.feedback import FIELD_NAMES, SCHEMA, FeedbackReader, FeedbackRecord, FeedbackWriter, Retention
 
 torch.set_num_threads(1)
 
@@ -373,3 +373,32 @@ def test_shards_from_before_an_optional_column_read_with_its_default(tmp_path, m
     assert r.quarantined_shards == 0
     default = getattr(FeedbackRecord(**{k: v for k, v in rec.__dict__.items() if k != missing}), missing)
     assert getattr(got, missing) == default and default is not None
+
+
+def test_the_feedback_log_opens_as_a_dataset_and_dvi_report_reads_it(tmp_path, capsys):
+    """Issue 59 §5: one call opens every shard as a `datasets.Dataset` with the trainer's columns and the derived
+    acceptance counts; a damaged shard is skipped, never moved; `dvi report RUN_DIR` prints α per domain and drafter
+    version from it."""
+    from dvi.cli import main
+    from dvi.feedback.dataset import DERIVED, acceptance_by, open_feedback
+
+    run = tmp_path / "run"
+    root = run / "feedback"
+    recs = [make_record(i, n=6, domain="code" if i % 3 else "sql") for i in range(9)]
+    with FeedbackWriter(str(root), shard_records=4) as w:
+        for r in recs:
+            w.write(r)
+    (root / "shard-00000000000000000001-1-bad-000000000001.parquet").write_bytes(b"not parquet")
+    ds = open_feedback(run)  # a run dir: its feedback/ dir
+    assert len(ds) == 9 and set(FIELD_NAMES) | set(DERIVED) == set(ds.column_names)
+    assert (root / "shard-00000000000000000001-1-bad-000000000001.parquet").exists()  # read only
+    r0 = ds.filter(lambda r: r["request_id"] == "r0")[0]
+    drafted = sum(1 for d in recs[0].drafted_ids if d >= 0)
+    assert r0["num_drafted"] == drafted and r0["num_accepted"] == sum(recs[0].accepted)
+    assert r0["alpha"] == pytest.approx(sum(recs[0].accepted) / drafted)
+    by = {r["domain"]: r for r in acceptance_by(ds)}
+    assert by["sql"]["records"] == 3 and by["code"]["records"] == 6
+    assert by["sql"]["accepted"] == sum(sum(r.accepted) for r in recs if r.domain == "sql")
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "9 feedback records" in out and "sql" in out and f"{by['sql']['alpha']:.3f}" in out

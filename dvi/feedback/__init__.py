@@ -22,7 +22,8 @@ The package is split by job: `record` (schema and conversions), `storage` (shard
 fsspec and atomic-write helpers shared by both sides), `writer`, `reader`, `consumed` (what the trainer
 consumed), `shadow` (acceptance estimated from logged records, without the target), `heldout` (the held-out set a
 drafter version is judged on, balanced across groups of traffic) and `verdict` (THE comparison of two versions: the
-trainer's publish check, the server's promotion check and rollback watch). Every name that callers import from
+trainer's publish check, the server's promotion check and rollback watch), `dataset` (the log as a
+`datasets.Dataset` for analysis, `open_feedback`). Every name that callers import from
 `dvi.feedback` (all its public names) is re-exported here; `heldout` and `verdict` are imported from their modules.
 """
 
