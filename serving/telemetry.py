@@ -78,6 +78,10 @@ class ServerMetrics:
             return
         stats = self.m.observe_result(M.ResultStats.of(fin.result, domain=fin.domain,
                                                        latency=fin.latency_s, ttft=fin.ttft_s))
+        if M.low_acceptance(stats):
+            log.warning("request %s (traffic group %r, drafter v%d): %d of %d drafted tokens accepted; a garbled or "
+                        "looping output, or a drafter that does not fit this traffic (dvi_requests_low_acceptance_total)",
+                        fin.request_id, fin.domain, stats.drafter_version, stats.num_accepted, stats.num_drafted)
         with self._lock:
             self.requests += 1
             q = self._recent.setdefault(fin.domain, deque(maxlen=self.log_every * 4))

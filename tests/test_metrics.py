@@ -76,6 +76,23 @@ def test_prometheus_observe_result():
         assert name in text
 
 
+def test_per_request_acceptance_histogram_and_low_acceptance_requests():
+    """Issue 59 §3: per-request acceptance per traffic group, and requests whose drafts kept failing counted (a
+    garbled or looping output); a request that drafted little enters neither."""
+    reg = CollectorRegistry()
+    m = M.build_prometheus_metrics(reg)
+    m.observe_result(result(drafted=40, accepted=30))
+    m.observe_result(result(drafted=40, accepted=1))
+    m.observe_result(result(drafted=4, accepted=0, acc_pos=(0, 0), dr_pos=(2, 2), steps=2))
+    m.observe_result(result(domain="sql", drafted=32, accepted=0, acc_pos=(0,), dr_pos=(8,), steps=8), domain="sql")
+    assert sample(reg, M.REQUEST_ACCEPTANCE + "_count", domain="code") == 2
+    assert sample(reg, M.REQUEST_ACCEPTANCE + "_bucket", domain="code", le="0.05") == 1
+    assert sample(reg, M.REQUEST_ACCEPTANCE + "_bucket", domain="code", le="0.8") == 2
+    assert sample(reg, M.LOW_ACCEPTANCE_REQUESTS, domain="code") == 1
+    assert sample(reg, M.LOW_ACCEPTANCE_REQUESTS, domain="sql") == 1
+    assert M.low_acceptance(result(drafted=40, accepted=2)) and not M.low_acceptance(result(drafted=31, accepted=0))
+
+
 def test_alpha_window_rolls():
     w = M.AlphaWindow(window=2)
     w.observe(result(drafted=10, accepted=10, acc_pos=(5, 5), dr_pos=(5, 5), steps=5))

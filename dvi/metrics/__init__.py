@@ -30,6 +30,7 @@ from dvi.metrics.reporting import (
 from dvi.metrics.stats import (
     AlphaWindow,
     ResultStats,
+    low_acceptance,
     summarize_results,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "ResultStats",
     "AlphaWindow",
     "summarize_results",
+    "low_acceptance",
     "Metrics",
     "build_prometheus_metrics",
     "MetricsLogger",

@@ -27,6 +27,8 @@ REQUESTS = "dvi_requests_total"
 TOKENS_PER_SECOND = "dvi_tokens_per_second"
 REQUEST_LATENCY = "dvi_request_latency_seconds"
 TIME_TO_FIRST_TOKEN = "dvi_time_to_first_token_seconds"
+REQUEST_ACCEPTANCE = "dvi_request_acceptance_rate"
+LOW_ACCEPTANCE_REQUESTS = "dvi_requests_low_acceptance_total"
 QUEUE_DEPTH = "dvi_queue_depth"
 DRAFTER_VERSION = "dvi_drafter_version"
 DRAFTER_ADAPTER_VERSION = "dvi_drafter_adapter_version"
@@ -119,6 +121,13 @@ VERDICTS = ("promoted", "refused")
 GATES = ("promotion", "watch")
 """The `gate` label of `dvi_drafter_gate_groups` (the server's; the trainer's publish gate logs its own)."""
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ACCEPTANCE_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+REQUEST_ACCEPTANCE_MIN_DRAFTED = 8
+"""A request enters `dvi_request_acceptance_rate` once it drafted this many tokens (fewer say little)."""
+LOW_ACCEPTANCE = (32, 0.05)
+"""(drafted tokens, α): a request that drafted at least that many with acceptance at most that is counted in
+`dvi_requests_low_acceptance_total` and logged with its id: a garbled or looping output, or a drafter that does not
+fit its traffic group (users' signal, vllm#44487)."""
 
 _DV = (L_DRAFTER_VERSION, L_DOMAIN)
 
@@ -159,6 +168,10 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             TIME_TO_FIRST_TOKEN, "histogram", "Time to first generated token.", (L_DOMAIN,), TTFT_BUCKETS
         ),
+        MetricSpec(REQUEST_ACCEPTANCE, "histogram", "Per-request acceptance rate (accepted / drafted) of requests that "
+                   f"drafted at least {REQUEST_ACCEPTANCE_MIN_DRAFTED} tokens.", (L_DOMAIN,), ACCEPTANCE_BUCKETS),
+        MetricSpec(LOW_ACCEPTANCE_REQUESTS, "counter", f"Requests that drafted at least {LOW_ACCEPTANCE[0]} tokens "
+                   f"with acceptance at most {LOW_ACCEPTANCE[1]} (each logged with its request id).", (L_DOMAIN,)),
         MetricSpec(QUEUE_DEPTH, "gauge", "Requests waiting for a batch slot."),
         MetricSpec(DRAFTER_VERSION, "gauge", "Drafter version serving now."),
         MetricSpec(DRAFTER_ADAPTER_VERSION, "gauge", "Adapter version serving each traffic group's rows "

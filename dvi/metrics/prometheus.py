@@ -55,6 +55,7 @@ from dvi.metrics.names import (
     L_DOMAIN,
     L_DRAFTER_VERSION,
     L_MODEL_NAME,
+    LOW_ACCEPTANCE_REQUESTS,
     MEAN_ACCEPTED_LENGTH,
     METRICS,
     NUM_ACCEPTED_PER_POS,
@@ -65,6 +66,8 @@ from dvi.metrics.names import (
     NUM_DRAFTS,
     OTHER_DOMAIN,
     QUEUE_DEPTH,
+    REQUEST_ACCEPTANCE,
+    REQUEST_ACCEPTANCE_MIN_DRAFTED,
     REQUEST_LATENCY,
     REQUESTS,
     SOURCE_ACCEPTANCE_RATE,
@@ -81,7 +84,7 @@ from dvi.metrics.names import (
     VLLM_ALIASES,
     VLLM_METRICS,
 )
-from dvi.metrics.stats import AlphaWindow, ResultStats
+from dvi.metrics.stats import AlphaWindow, ResultStats, low_acceptance
 
 
 class Metrics:
@@ -170,6 +173,10 @@ class Metrics:
             c[REQUEST_LATENCY].labels(domain=s.domain).observe(s.latency)
         if s.ttft is not None:
             c[TIME_TO_FIRST_TOKEN].labels(domain=s.domain).observe(s.ttft)
+        if s.num_drafted >= REQUEST_ACCEPTANCE_MIN_DRAFTED:
+            c[REQUEST_ACCEPTANCE].labels(domain=s.domain).observe(s.num_accepted / s.num_drafted)
+        if low_acceptance(s):
+            c[LOW_ACCEPTANCE_REQUESTS].labels(domain=s.domain).inc()
         key = self.alpha_window.observe(s)
         alpha, mal = self.alpha_window.rates(*key)
         if alpha is not None:

@@ -23,6 +23,7 @@ from dvi.metrics.names import (
     ACCEPTANCE_RATE,
     ACCEPTANCE_RATE_PER_POS,
     GENERATION_TOKENS,
+    LOW_ACCEPTANCE,
     MEAN_ACCEPTED_LENGTH,
     NUM_ACCEPTED_TOKENS,
     NUM_DRAFT_TOKENS,
@@ -31,6 +32,12 @@ from dvi.metrics.names import (
     SOURCE_ACCEPTANCE_RATE,
     SOURCE_MEAN_ACCEPTED_LENGTH,
 )
+
+
+def low_acceptance(c: DraftCounts) -> bool:
+    """A request whose drafts kept failing (`dvi.metrics.names.LOW_ACCEPTANCE`): counted on /metrics, logged."""
+    drafted, alpha = LOW_ACCEPTANCE
+    return c.num_drafted >= drafted and c.num_accepted <= alpha * c.num_drafted
 
 
 @dataclass
