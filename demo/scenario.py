@@ -170,13 +170,18 @@ class Live:
     progress: Any
     health: dict = field(default_factory=dict)
     task: Any = None
+    shown: int = 0
+    plain_every: int = 8  # output that is no terminal (CI, `| tee`): a line every this many requests instead of a bar
 
     def show(self, name: str) -> None:
         a, h = self.timeline.rolling_alpha(), self.health
-        self.progress.update(self.task, advance=1, description=(
-            f"{name:<18} α {'-' if a is None else f'{a:.3f}'}  drafter v{h.get('drafter_version')}  "
-            f"adapters {h.get('adapters') or '-'}  "
-            f"target v{h.get('target_version')}  trainer {h.get('trainer', '?')}  errors {self.timeline.errors}"))
+        line = (f"{name:<18} α {'-' if a is None else f'{a:.3f}'}  drafter v{h.get('drafter_version')}  "
+                f"adapters {h.get('adapters') or '-'}  "
+                f"target v{h.get('target_version')}  trainer {h.get('trainer', '?')}  errors {self.timeline.errors}")
+        self.progress.update(self.task, advance=1, description=line)
+        self.shown += 1
+        if not self.progress.console.is_terminal and self.shown % self.plain_every == 0:
+            self.progress.console.print(f"{self.shown:4d} requests  {line}")
 
 
 async def _poll_health(client: Any, live: Live, stop: asyncio.Event, admin_token: str) -> None:

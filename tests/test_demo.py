@@ -225,3 +225,21 @@ def test_the_greedy_check_finds_a_token_that_is_not_the_targets_argmax():
     # the first change is the swapped token (the greedy tokens after it may no longer be the argmax of the new prefix)
     assert {c["request_id"] for c in found.changed} == {"wrong"} and found.changed[0]["index"] == 5
     assert found.changed[0]["gap"] > 0 and "tokens CHANGED" in found.line()
+
+
+def test_piped_demo_output_prints_progress_lines():
+    """Issue 59 §7: with output that is no terminal (CI, `| tee`) the demo's progress bar renders nothing until the
+    end, so a line goes out every few requests."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    out = io.StringIO()
+    with Progress(console=Console(file=out, force_terminal=False)) as progress:
+        live = demo.Live(demo.Timeline(), progress, health={"drafter_version": 3, "target_version": 1})
+        live.task = progress.add_task("code", total=20)
+        for _ in range(17):
+            live.show("code")
+    lines = [x for x in out.getvalue().splitlines() if "requests" in x]
+    assert len(lines) == 2 and "16 requests" in lines[-1] and "drafter v3" in lines[-1], out.getvalue()
