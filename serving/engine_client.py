@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
-__all__ = ["AddHistory", "Command", "CutAll", "EngineClient", "EngineSnapshot", "SampleOutbox", "SetAdapter",
+from dvi.engine.report import EngineReport
+
+__all__ = ["AddHistory", "Command", "CutAll", "Engine", "EngineClient", "EngineSnapshot", "SampleOutbox", "SetAdapter",
            "SetDrafter", "UpdateTarget", "take_snapshot"]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -100,26 +102,48 @@ class EngineSnapshot:
         return self.drafter_version if lane is None else int(self.adapter_versions.get(lane.group, 0))
 
 
-def _draft_vocab_size(engine: Any) -> int | None:
-    drafter = getattr(engine, "drafter", None)
-    ids = getattr(drafter, "draft_vocab", None)
-    return None if ids is None else int(ids.numel())
+class Engine(Protocol):
+    """What the scheduler drives and reads, on its engine thread only: dvi's `SpeculativeEngine` or
+    `serving.vllm_engine.VllmEngine` (vLLM as the engine), each declaring all of it."""
+
+    drafter_version: int
+    target_version: int
+    adapter_versions: Mapping[str, int]  # per traffic group (issue 40; {} behind vLLM)
+    greedy_contract: Mapping[str, str]
+
+    def add_request(self, request: Any) -> None: ...
+
+    def abort(self, request_id: str) -> Any: ...
+
+    def step(self) -> list[Any]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def set_drafter(self, drafter: Any, version: int) -> None: ...
+
+    def set_adapter(self, group: str, factors: Any, version: int | None) -> None: ...
+
+    def update_target_weights(self, weights: Any, version: int, complete: bool = False) -> None: ...
+
+    def add_history(self, seq_id: str, tokens: list[int]) -> None: ...
+
+    def take_suffix_step_seconds(self) -> list[float]: ...
+
+    def report(self) -> EngineReport: ...
 
 
-def take_snapshot(engine: Any, seq: int, **loop: int) -> EngineSnapshot:
+def take_snapshot(engine: Engine, seq: int, **loop: int) -> EngineSnapshot:
     """Engine thread only: the engine's state now plus the loop's counts (`loop`: queue, running, steps, ...)."""
-    proposer = getattr(engine, "proposer", None)
-    stats = proposer.stats() if proposer is not None else {}
-    contract = getattr(engine, "greedy_contract", None) or {}
+    r = engine.report()
     return EngineSnapshot(
         seq=seq, queue=loop.get("queue", 0), running=loop.get("running", 0), steps=loop.get("steps", 0),
         completed=loop.get("completed", 0), step_errors=loop.get("step_errors", 0),
         request_errors=loop.get("request_errors", 0),
-        drafter_version=int(getattr(engine, "drafter_version", 0)), target_version=int(getattr(engine, "target_version", 0)),
-        greedy_contract=MappingProxyType(dict(contract)), draft_vocab_size=_draft_vocab_size(engine),
-        proposer_stats=MappingProxyType(dict(stats)) if stats else _EMPTY,
-        adapter_versions=MappingProxyType(dict(getattr(engine, "adapter_versions", {}))),
-        engine_info=MappingProxyType(engine.info()) if hasattr(engine, "info") else _EMPTY)
+        drafter_version=int(engine.drafter_version), target_version=int(engine.target_version),
+        greedy_contract=MappingProxyType(dict(engine.greedy_contract)), draft_vocab_size=r.draft_vocab_size,
+        proposer_stats=MappingProxyType(dict(r.proposer_stats)) if r.proposer_stats else _EMPTY,
+        adapter_versions=MappingProxyType(dict(engine.adapter_versions)),
+        engine_info=MappingProxyType(dict(r.info)) if r.info else _EMPTY)
 
 
 class SampleOutbox:

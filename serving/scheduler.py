@@ -31,13 +31,14 @@ from typing import Any
 import torch
 
 from dvi.decode import owner
-from dvi.engine.speculative import GenerationResult, Request, SamplingParams, SpeculativeEngine, StepOutput
+from dvi.engine.speculative import GenerationResult, Request, SamplingParams, StepOutput
 
 from .detok import TextStream
 from .engine_client import (
     AddHistory,
     Command,
     CutAll,
+    Engine,
     EngineSnapshot,
     SampleOutbox,
     SetAdapter,
@@ -103,7 +104,7 @@ class Handle:
 class Scheduler:
     """Owns the engine thread; the app submits requests and awaits their events."""
 
-    def __init__(self, engine: SpeculativeEngine, tokenizer: Any, max_batch_size: int, queue_limit: int,
+    def __init__(self, engine: Engine, tokenizer: Any, max_batch_size: int, queue_limit: int,
                  num_threads: int = 1, heap: HeapTrimmer | None = None, eos_ids: Sequence[int] | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -280,9 +281,7 @@ class Scheduler:
         """Engine thread: the step timings handed over, a new snapshot published (one reference assignment), then
         the events held since the last one sent."""
         try:
-            take = getattr(self.engine, "take_suffix_step_seconds", None)
-            if take is not None:
-                self.suffix_step_seconds.put(take())
+            self.suffix_step_seconds.put(self.engine.take_suffix_step_seconds())
             self.snapshot = self._take_snapshot(self.snapshot.seq + 1)
         except Exception:  # noqa: BLE001 - a stale snapshot costs a scrape's freshness, never a request
             log.exception("engine snapshot failed")

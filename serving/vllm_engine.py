@@ -26,6 +26,7 @@ import torch
 
 from dvi.decode.request import InvalidParam, Request, validate_params, validate_prompt
 from dvi.decode.results import GenerationResult, StepOutput
+from dvi.engine.report import EngineReport
 from dvi.registry.base import AdapterRejected
 
 from .vllm_drafter import ServedDrafter
@@ -167,6 +168,19 @@ class VllmEngine:
         return {"kind": "vllm", "url": p.url, "ready": p.ready.is_set(), "restarts": p.restarts, "dtype": p.dtype,
                 "num_speculative_tokens": self.k, "feedback_top_k": self.feedback_top_k, "swaps": len(self.swap_seconds),
                 "swap_s": [round(x, 3) for x in self.swap_seconds[-16:]], "log": str(p.log_path)}
+
+    def report(self) -> EngineReport:
+        """For the server's snapshot: vLLM's own state (`info`); no dvi proposer runs here."""
+        return EngineReport(info=self.info())
+
+    @property
+    def adapter_versions(self) -> dict[str, int]:
+        """Per-group adapters are dvi's engine's (the config refuses them with vLLM)."""
+        return {}
+
+    def take_suffix_step_seconds(self) -> list[float]:
+        """No suffix index runs in dvi's process behind vLLM."""
+        return []
 
     def has_unfinished(self) -> bool:
         return bool(self._rows)

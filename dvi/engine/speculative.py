@@ -49,6 +49,7 @@ from dvi.drafters.proposer import Draft, Proposer
 from dvi.drafters.vocab import fit_vocab
 from dvi.engine.accept import accept_chain, accept_tree
 from dvi.engine.calibration import CalibrationSetup, calibrate_bucket
+from dvi.engine.report import EngineReport
 from dvi.models.loading import check_target_state_dict, load_state_dict
 
 __all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "EngineOptions",
@@ -174,6 +175,11 @@ class SpeculativeEngine:
                 self._remove_rows([(i, s, False)])
                 return self._finish_aborted(s)
         return None
+
+    def report(self) -> EngineReport:
+        """Between steps, for the server's snapshot: the proposer's counters and the draft vocabulary's size."""
+        ids = getattr(self.proposer.drafter, "draft_vocab", None)
+        return EngineReport(self.proposer.stats(), None if ids is None else int(ids.numel()))
 
     def take_suffix_step_seconds(self) -> list[float]:
         """The suffix lookups' host seconds per step since the last call (handed over: the engine starts a new list)."""
