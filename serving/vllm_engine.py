@@ -173,11 +173,6 @@ class VllmEngine:
         """For the server's snapshot: vLLM's own state (`info`); no dvi proposer runs here."""
         return EngineReport(info=self.info())
 
-    @property
-    def adapter_versions(self) -> dict[str, int]:
-        """Per-group adapters are dvi's engine's (the config refuses them with vLLM)."""
-        return {}
-
     def take_suffix_step_seconds(self) -> list[float]:
         """No suffix index runs in dvi's process behind vLLM."""
         return []
