@@ -71,8 +71,7 @@ class ServerState:
 
     cfg: DviConfig
     tokenizer: Any
-    engine: Any
-    scheduler: Scheduler
+    scheduler: Scheduler  # the engine's one door (`serving.engine_client`): no field holds the engine itself
     swapper: DrafterSwapper | None
     supervisor: TrainerSupervisor
     feedback: FeedbackWriter | None
@@ -231,7 +230,7 @@ def build_state(cfg: DviConfig) -> ServerState:
             event_log=rundir.log(rundir.swap_events_path), feedback_dir=fb.dir,
         )
     state = ServerState(
-        cfg=cfg, tokenizer=tokenizer, engine=engine, scheduler=scheduler, swapper=swapper,
+        cfg=cfg, tokenizer=tokenizer, scheduler=scheduler, swapper=swapper,
         supervisor=supervisor, feedback=feedback, feedback_log=FeedbackLog(feedback), metrics=metrics,
         model_name=cfg.serve.model_name,
         context_len=int(getattr(pair.target.config, "max_position_embeddings", 0) or 1 << 30),

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_serving_helpers import ServerThread, guarded_config
+from test_serving_helpers import ServerThread, engine_of, guarded_config
 
 ADMIN = "admin-secret"
 
@@ -31,7 +31,7 @@ def weights(server, tmp_path_factory) -> tuple[dict, Path]:
     """The live target's tensors, and a copy saved outside every allowed dir."""
     from safetensors.torch import save_file
 
-    sd = {k: v.detach().clone().contiguous() for k, v in server.state.engine.target.state_dict().items()}
+    sd = {k: v.detach().clone().contiguous() for k, v in engine_of(server).target.state_dict().items()}
     outside = tmp_path_factory.mktemp("outside")
     save_file(sd, str(outside / "model.safetensors"))
     return sd, outside

@@ -23,6 +23,7 @@ import torch
 from registry_doors import publish_files, publish_peft_adapter
 from test_serving_helpers import (
     ServerThread,
+    engine_of,
     guarded_config,
     lora_copy,
     tiny_config,
@@ -120,7 +121,7 @@ def test_01_engine_refuses_and_sampling_clamps_top_k(srv) -> None:
     from dvi.engine.speculative import InvalidParam, SamplingParams
 
     with pytest.raises(InvalidParam) as exc:
-        srv.state.engine._validate_params(SamplingParams(4, temperature=1.0, top_k=10**6), 3)
+        engine_of(srv)._validate_params(SamplingParams(4, temperature=1.0, top_k=10**6), 3)
     assert exc.value.param == "top_k"
     logits = torch.randn(2, 7)
     probs = warp_probs(logits, torch.ones(2), torch.tensor([10**6, 3]))
@@ -252,7 +253,7 @@ def test_09_target_update_refuses_nan_inf_and_partial_weights(srv, client, admin
     from safetensors.torch import save_file
 
     before = _text(client)
-    sd = {k: v.detach().clone().contiguous() for k, v in srv.state.engine.target.state_dict().items()}
+    sd = {k: v.detach().clone().contiguous() for k, v in engine_of(srv).target.state_dict().items()}
     name = next(k for k in sd if k.endswith("q_proj.weight"))
     for tag, bad in (("nan", float("nan")), ("inf", float("inf"))):
         broken = dict(sd)

@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 from registry_doors import publish_peft_adapter
-from test_serving_helpers import TEST_ADMIN_TOKEN, ServerThread, lora_copy, tiny_config, version_manifest
+from test_serving_helpers import (
+    TEST_ADMIN_TOKEN,
+    ServerThread,
+    engine_of,
+    lora_copy,
+    tiny_config,
+    version_manifest,
+)
 from test_swap_churn import force_floor
 
 PROMPTS = ["def parse_args(argv):\n    parser = ", "import os\nimport sys\n", "class Foo:\n    def __init__(self",
@@ -194,7 +201,7 @@ def test_load_with_swaps_and_target_updates(kind, exact, tiny_pair_dir, tmp_path
                       "feedback.shard_records=8", f"sampling.max_new_tokens={MAX_TOKENS}")
     with ServerThread(cfg) as s:
         if exact:
-            assert s.state.engine._target.min_rows == 4 and s.state.engine.greedy_contract["batched"] == "bitwise"
+            assert engine_of(s)._target.min_rows == 4 and engine_of(s).greedy_contract["batched"] == "bitwise"
         t = asyncio.run(_attack(s, plain, str(same_weights / "same")))
         sched, sw = s.state.scheduler, s.state.swapper
         if sw is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serving_helpers import ServerThread, guarded_config, sse_events, tiny_config, wait_for
+from test_serving_helpers import ServerThread, engine_of, guarded_config, sse_events, tiny_config, wait_for
 
 from dvi import metrics as M
 
@@ -268,7 +268,7 @@ def test_client_disconnect_frees_slot(server) -> None:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break
-    wait_for(lambda: s.scheduler.num_running() == 0 and not s.engine.has_unfinished(), 10,
+    wait_for(lambda: s.scheduler.num_running() == 0 and not engine_of(server).has_unfinished(), 10,
              what="the aborted request to leave the batch")
 
 
@@ -343,7 +343,7 @@ def test_admin_target_update_and_path_confinement(server, client, allowed_dir, t
     from safetensors.torch import save_file
 
     admin = server.client(token=ADMIN)
-    target = server.state.engine.target
+    target = engine_of(server).target
     sd = {k: v.detach().clone().contiguous() for k, v in target.state_dict().items()}
     good = allowed_dir / "target_v1.safetensors"
     save_file(sd, str(good))

@@ -21,6 +21,7 @@ from registry_doors import publish_files, publish_peft_adapter
 from test_serving_helpers import (
     TEST_ADMIN_TOKEN,
     ServerThread,
+    engine_of,
     lora_copy,
     sse_events,
     tiny_config,
@@ -310,9 +311,9 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
     target = load_causal_lm(tiny_pair_dir / "target", "cpu")
     ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
     with ServerThread(cfg) as s, s.client() as c, s.client(token="tok") as admin:
-        live = s.state.engine.drafter
+        live = engine_of(s).drafter
         assert isinstance(live, EarlyExitDrafter) and s.state.swapper.base is live
-        assert live.target_ref is s.state.engine.target  # no second target in memory
+        assert live.target_ref is engine_of(s).target  # no second target in memory
 
         def served(prompt: str) -> tuple[str, int]:
             r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16})
@@ -330,8 +331,8 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
         vdir, sd = _early_exit_version(live, tmp_path / "ee-v1", scale=1e-3, seed=1)
         v1 = _publish_dir(reg, vdir)
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the early-exit version to be promoted")
-        now = s.state.engine.drafter
-        assert isinstance(now, EarlyExitDrafter) and now.target_ref is s.state.engine.target
+        now = engine_of(s).drafter
+        assert isinstance(now, EarlyExitDrafter) and now.target_ref is engine_of(s).target
         for k, v in now.trainable_state_dict().items():
             torch.testing.assert_close(v, sd[k])
         for p in PROMPTS:
@@ -347,7 +348,7 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
         new = _saved_new_target(target, allowed / "t2")
         r = admin.post("/admin/target", json={"path": str(allowed / "t2")})
         assert r.status_code == 200, r.text
-        layer = s.state.engine.drafter.shallow.model.layers[0].mlp.down_proj
+        layer = engine_of(s).drafter.shallow.model.layers[0].mlp.down_proj
         w = getattr(layer, "base_layer", layer).weight
         assert torch.equal(w, new.model.layers[0].mlp.down_proj.weight)
         new_ref = {p: _hf_greedy(new, tok, p, 16) for p in PROMPTS}
@@ -381,7 +382,7 @@ def test_reduced_vocab_drafter_served_and_lora_promoted(tiny_pair_dir, tmp_path)
             _traffic(s.url, 2, [], stream=False)
         v1 = publish_peft_adapter(reg, _lora(s.state.swapper.base), version_manifest(draft_vocab_size=64))
         wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the LoRA version to be promoted")
-        assert find_subset_head(s.state.engine.drafter.model).num_ids == 64
+        assert find_subset_head(engine_of(s).drafter.model).num_ids == 64
         for p in PROMPTS:
             r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16}).json()
             assert (r["choices"][0]["text"], r["dvi"]["drafter_version"]) == (ref[p], v1)
@@ -430,8 +431,8 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
     target = load_causal_lm(tiny_pair_dir / "target", "cpu")
     ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
     with ServerThread(cfg) as s, s.client() as c, s.client(token="tok") as admin:
-        live = s.state.engine.drafter
-        assert isinstance(live, EagleDrafter) and live.target_ref is s.state.engine.target
+        live = engine_of(s).drafter
+        assert isinstance(live, EagleDrafter) and live.target_ref is engine_of(s).target
 
         def served(prompt: str) -> tuple[str, int]:
             r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -106,6 +107,12 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=60)
         self.sock.close()
+
+
+def engine_of(server) -> Any:
+    """A test server's engine (dvi's or VllmEngine), behind its scheduler: the server's own threads reach it only
+    through the scheduler's commands and snapshot; a test reads its state directly."""
+    return server.state.scheduler.engine
 
 
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):

@@ -22,7 +22,7 @@ from dvi.config import ConfigError, load_config
 from serving.server_process import ServerProcess
 from serving.vllm_engine import step_feedback
 from serving.vllm_process import REPO_ROOT
-from tests.test_serving_helpers import ServerThread, lora_copy, version_manifest, wait_for
+from tests.test_serving_helpers import ServerThread, engine_of, lora_copy, version_manifest, wait_for
 
 PROMPTS = ["def merge_sorted(a, b):\n", "SELECT customer_id, SUM(amount) FROM payments", "The lighthouse keeper",
            "Explain recursion to a child:"]
@@ -183,7 +183,7 @@ def test_greedy_through_vllm_is_the_targets_own_text_and_every_request_is_logged
     from dvi.models.loading import load_pair_from_config
     from serving.vllm_process import VllmProcess
 
-    assert served.state.engine.greedy_contract["engine"] == "vllm"
+    assert engine_of(served).greedy_contract["engine"] == "vllm"
     # the reference: the target's own greedy text, in dvi, in the dtype vLLM serves (float32 on a CPU, where dvi's own
     # `auto` is bfloat16 on a bf16-native CPU: the two dtypes part at near-ties, Intel AMX)
     dtype = VllmProcess.resolve_dtype(served.cfg.serve.vllm.dtype)
@@ -224,12 +224,12 @@ def test_a_pinned_version_reaches_the_running_vllm_and_one_it_cannot_load_is_ref
     with served.client(token="adm") as c:
         r = c.post("/admin/drafter/pin", json={"version": bad})
         assert r.status_code == 200, r.text
-        assert served.state.engine.drafter_version == bad
+        assert engine_of(served).drafter_version == bad
         assert _alpha(served) < 0.5 * base_alpha  # vLLM drafts with the new weights
         r = c.post("/admin/drafter/pin", json={"version": 0})
         assert r.status_code == 200, r.text
     assert abs(_alpha(served) - base_alpha) < 1e-9, "the startup drafter again, exactly"
-    assert served.state.engine.swap_seconds[-1] < 10, served.state.engine.swap_seconds
+    assert engine_of(served).swap_seconds[-1] < 10, engine_of(served).swap_seconds
 
     class Weights(torch.nn.Module):  # a drafter as vLLM takes it: its tensors
         def __init__(self, tensors):
@@ -247,12 +247,12 @@ def test_a_pinned_version_reaches_the_running_vllm_and_one_it_cannot_load_is_ref
         fut = served.state.scheduler.command(SetDrafter(Weights(tensors), 77))
         with pytest.raises(AdapterRejected, match=why):  # refused before vLLM sees it
             fut.result(timeout=120)
-    assert served.state.engine.drafter_version == 0 and abs(_alpha(served) - base_alpha) < 1e-9
+    assert engine_of(served).drafter_version == 0 and abs(_alpha(served) - base_alpha) < 1e-9
 
 
 @pytest.mark.slow
 def test_vllm_killed_mid_run_is_restarted_and_no_feedback_record_is_lost_or_doubled(served):
-    proc = served.state.engine.process
+    proc = engine_of(served).process
     before = {r.request_id for r in _records(served)}
 
     def one(p: str) -> tuple[int, str | None]:
@@ -281,7 +281,7 @@ def test_vllm_killed_mid_run_is_restarted_and_no_feedback_record_is_lost_or_doub
 def test_new_target_weights_reach_the_running_vllm_and_bad_ones_are_refused(served):
     from serving.engine_client import UpdateTarget
 
-    engine = served.state.engine
+    engine = engine_of(served)
     own = engine.target_state
 
     def first_logprob() -> tuple[str, float]:
