@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from dvi.engine.report import EngineReport
 from dvi.engine.speculative import GenerationResult, SamplingParams, StepOutput
 from serving.detok import TextStream
 from serving.logprobs import token_bytes, token_logprobs
@@ -23,7 +24,18 @@ TEXT = "héllo wörld 日本語 🙂 naïve café — ok. Ünïcödé ∑ 𝔘 e
 
 
 class ScriptedEngine:
-    """Emits each request's scripted ids in chunks of 1, 2, 3, 1, 2, 3, ... tokens per step."""
+    """Emits each request's scripted ids in chunks of 1, 2, 3, 1, 2, 3, ... tokens per step (what the scheduler's
+    declared `serving.engine_client.Engine` reads between steps: nothing drafted, nothing to report)."""
+
+    drafter_version = target_version = 0
+    adapter_versions: dict[str, int] = {}
+    greedy_contract: dict[str, str] = {}
+
+    def report(self) -> EngineReport:
+        return EngineReport()
+
+    def take_suffix_step_seconds(self) -> list[float]:
+        return []
 
     def __init__(self, ids: list[int]) -> None:
         self.ids = ids
