@@ -121,7 +121,8 @@ class SpeculationConfig(_Strict):
     adaptive: bool = True
     max_draft_tokens: int = Field(8, ge=1, le=32)
     # draft trees: at most this many of a learned drafter's next candidates per depth are verified beside its chain
-    # (no forward of their own); adaptive K prices how many pay here (0: chains; None: 3, behind vLLM 0)
+    # (no forward of their own); adaptive K prices how many pay here (0: chains; None: 3 with adaptive K, 0 with a
+    # fixed K, which would verify all of them every step, and 0 behind vLLM)
     tree_width: int | None = Field(None, ge=0, le=8)
 
     @model_validator(mode="after")
@@ -410,7 +411,7 @@ class DviConfig(_Strict):
             raise ValueError("speculation.tree_width: vLLM's draft_model method (and its CPU build) verifies chains, "
                              "trees only for EAGLE heads on CUDA's tree attention; set 0 with serve.engine 'vllm'")
         if self.speculation.tree_width is None:
-            self.speculation.tree_width = 0 if self.serve.engine == "vllm" else 3
+            self.speculation.tree_width = 3 if self.serve.engine == "dvi" and self.speculation.adaptive else 0
         return self
 
     @model_validator(mode="after")

@@ -82,7 +82,8 @@ class RLConfig:
     num_draft_tokens: int = 3  # fixed K, or the controller's default K when adaptive
     max_draft_tokens: int = 4
     adaptive: bool = True  # K per step from calibrated costs: plain at full batch, speculation in the tail
-    tree_width: int = 3  # the drafter's next candidates per depth beside its chain, as many as pay (0: chains)
+    # the drafter's next candidates per depth beside its chain, as many as pay (0: chains; None: 3 with adaptive K)
+    tree_width: int | None = None
     # online drafter training (arm == "online"): trainers.online.OnlineTrainer, in process
     drafter_mode: str = "lora"  # lora | full (trainer.mode)
     drafter_lr: float = 3e-3
@@ -194,7 +195,7 @@ class RLRun:
             self.target, proposer, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
             max_draft_tokens=max(cfg.max_draft_tokens, cfg.num_draft_tokens),
             feedback_top_k=cfg.feedback_top_k if cfg.arm == "online" else 0,
-            options=EngineOptions(tree_width=cfg.tree_width),
+            options=EngineOptions(tree_width=cfg.tree_width if cfg.tree_width is not None else 3 * cfg.adaptive),
         )
         self.calibrate_s = 0.0
         if cfg.adaptive and self.engine.proposer.kind != "none":
