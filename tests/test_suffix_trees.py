@@ -69,6 +69,7 @@ class _Pricing:
 
     def __init__(self, width: int):
         self.width = width
+        self.trees = bool(width)  # the target verifies trees
 
     def point_k(self, probs, longest: int) -> int:
         return longest

@@ -77,6 +77,7 @@ class StepPricing:
         self.policy, self.seqs, self.batch = policy, seqs, len(seqs)
         # history drafts measured slower than plain steps at this batch size: no lookups either
         self.lookups = not (policy.adaptive and not policy.suffix_guard.allow(self.batch))
+        self.trees = policy.tree_width > 0
 
     def model_k(self, rows: list[int], pending: Callable[[], int]) -> int:
         p = self.policy

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dvi.decode.lean import bucket_columns, folded_groups
+from dvi.decode.tree import ancestors
 
 __all__ = ["node_depths", "node_paths", "spine_length", "TreeAttention", "tree_attention", "compact_moves"]
 
@@ -97,10 +98,7 @@ def tree_attention(starts: list[int], parents: list[list[int]], q: int, arange: 
     if not folded:
         b = len(starts)
         columns = max(starts) + q
-        anc = torch.zeros(b, q, q, dtype=torch.bool)
-        for i, par in enumerate(parents):
-            for j, path in enumerate(node_paths(par)):
-                anc[i, j, path] = True
+        anc = ancestors(torch.tensor(parents, dtype=torch.long).view(b, q - 1))  # [B, q, q]
         start = torch.tensor(starts, dtype=torch.long).view(b, 1, 1)
         rel = torch.arange(columns).view(1, 1, columns) - start  # [B, 1, C]: column - row start
         tree = anc.gather(2, rel.clamp(0, q - 1).expand(b, q, columns))

@@ -157,7 +157,7 @@ class HybridProposer(Proposer):
         would branch: the learned chain's siblings, each drafted row's below-bar suffix proposal as a branch
         (priced by `point_k`), and chosen rows' runner-up proposals (`SuffixProposer.branch_trees`). None: chains,
         exactly as without trees."""
-        if not pricing.siblings(1, list(range(b))):
+        if not pricing.trees:
             return None
         runs = bool(model_rows) and k_model > 0
         sibs = pricing.siblings(k_model, model_rows) if runs else []

@@ -44,6 +44,7 @@ class Pricing(Protocol):
     """What the engine offers a proposer to price its draft with (`dvi.decode.pricing.StepPricing`)."""
 
     lookups: bool  # history lookups (suffix) are worth their host work at this batch size
+    trees: bool  # the target verifies draft trees and `speculation.tree_width` allows them
 
     def model_k(self, rows: list[int], pending: Callable[[], int]) -> int:
         """Learned drafts for batch rows `rows` (fixed, or adaptive from costs and the rows' α); `pending` prices

@@ -143,7 +143,7 @@ class SuffixProposer(Proposer):
         if k == 0:
             return Draft.empty(b, uniforms, self.device, self.step_seconds)
         trees = {}
-        if any(len(found) > 1 for found in sets.values()) and pricing.siblings(1, list(range(b))):
+        if pricing.trees and any(len(found) > 1 for found in sets.values()):
             trees = self.branch_trees(sets, k, pricing)
         if trees:
             d = suffix_tree_draft(chosen, trees, b, k, uniforms, self.device)
