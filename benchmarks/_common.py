@@ -39,6 +39,28 @@ def clean_json(x: Any) -> Any:
     return x
 
 
+def cpu_name() -> str:
+    """The CPU a benchmark ran on, as its numbers should be quoted: the model name, the bf16 features that decide
+    the served dtype and a verify's cost (AMX, AVX512-BF16), and the cores this process may use."""
+    import os
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    feats = "AMX" if "amx_bf16" in flags else "avx512_bf16, no AMX" if "avx512_bf16" in flags else \
+        "no native bf16" if flags else ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model} ({feats}), {cores} cores" if feats else f"{model}, {cores} cores"
+
+
 def write_json(path: str | Path, result: dict) -> None:
     """A benchmark's JSON (NaN/inf as null) at `path`, its folder made; says where."""
     import json

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import clean_json, goal, print_goals
+from benchmarks._common import clean_json, cpu_name, goal, print_goals
 from benchmarks._prompts import pip_code_prompts
 
 CHAT = [
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
                           row("chat", "suffix")["tokens_per_s"], 1.15))
     print_goals(goals)
     out = clean_json({"benchmark": "serve_speed", "settings": vars(args) | {
-        "dtype": str(target.dtype), "machine": platform.platform(), "prompts": {d: len(p) for d, p in prompts.items()}},
+        "dtype": str(target.dtype), "machine": platform.platform(), "cpu": cpu_name(), "prompts": {d: len(p) for d, p in prompts.items()}},
         "rows": rows, "raw": {d: {a: [{k: v for k, v in r.items() if k != "text"} for r in rs] for a, rs in res.items()}
                                for d, res in results.items()},
         "goals": goals, "wall_s": time.time() - t_start})
