@@ -6,7 +6,7 @@ the text a served drafter drafts on). Evaluation (what no build saw): cuts of pi
 instructions written for this benchmark, each followed by the target's greedy continuation, so a draft chain's
 acceptance is exact (the text after position j *is* the target's greedy choice).
 
-Everything is labelled by the fp32 lean forward (`trainers.target_features`), in chunks saved as they finish, so
+Everything is labelled by the fp32 lean forward (`trainers.builds.target_features`), in chunks saved as they finish, so
 an interrupted run resumes where it stopped.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._prompts import def_cuts, pip_code_prompts
-from trainers.target_features import TargetStates, target_states
+from trainers.builds.target_features import TargetStates, target_states
 
 CHAT_EVAL = [
     "Write a short poem about a snail crossing a garden path at dawn.",
@@ -84,7 +84,7 @@ def _cached(path: Path, make):
 
 
 def _greedy(target, tok, prompts: list[list[int]], new: int, desc: str) -> list[list[int]]:
-    from trainers.pretrained_build import greedy_replies
+    from trainers.builds.pretrained_build import greedy_replies
 
     return greedy_replies(target, tok, prompts, new, batch=8, progress=True, desc=desc)
 
@@ -112,7 +112,7 @@ def eval_sets(target, tok, cache: Path, layers: tuple[int, ...], n: int = 24) ->
 def train_streams(target, tok, cache: Path, chat_n: int, code_n: int) -> dict[str, torch.Tensor]:
     """Packed token streams: stdlib code and pydoc prose (text), the target's chat replies and code continuations."""
     from dvi import data
-    from trainers.offline import pack_docs
+    from trainers.builds.offline import pack_docs
 
     def enc(texts):
         return [e.ids for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]

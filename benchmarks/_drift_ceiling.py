@@ -19,9 +19,9 @@ def drift_training_set(pair_dir: Path, args: argparse.Namespace) -> dict:
     from dvi.data import chat_prompt_stream, sql_prompt_stream
     from dvi.models.embedded import EmbeddedPaths
     from dvi.models.loading import load_causal_lm, load_tokenizer
-    from trainers.offline import pack_docs
-    from trainers.pretrained_build import greedy_replies
-    from trainers.subset_distill import teacher_states
+    from trainers.builds.offline import pack_docs
+    from trainers.builds.pretrained_build import greedy_replies
+    from trainers.builds.subset_distill import teacher_states
 
     p = EmbeddedPaths.at(pair_dir)
     t0 = time.perf_counter()
@@ -59,19 +59,19 @@ def build_ceiling(kind: str, pair_dir: Path, data: dict, tokens: int, out: Path,
         prm.requires_grad_(False)
     ids = load_draft_vocab(p.drafter, train_vocab, int(target.config.vocab_size))
     ids = torch.arange(int(target.config.vocab_size)) if ids is None else ids
-    from trainers.offline import TrainSchedule
+    from trainers.builds.offline import TrainSchedule
 
     sched = TrainSchedule(steps=steps, lr=args.ceiling_lr, warmup=5, progress=False, desc=f"ceiling[{kind}]")
     kw = {"batch": args.ceiling_batch, "seed": args.seed}
     if kind == "separate":
-        from trainers.subset_distill import distill_subset
+        from trainers.builds.subset_distill import distill_subset
 
         student = load_causal_lm(src, "cpu", "float32")
         stats = distill_subset(student, target.lm_head.weight, w, s, ids, sched, **kw)
         student.to(torch.bfloat16).save_pretrained(out)
     else:
         from dvi.drafters.eagle import EagleDrafter
-        from trainers.eagle_build import EagleData, distill_eagle
+        from trainers.builds.eagle_build import EagleData, distill_eagle
 
         d = EagleDrafter.load(target, src) if saved_kind(src) == "eagle" else EagleDrafter(target)
         stats = distill_eagle(d, EagleData(w, s), ids, sched, **kw)

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     from dvi.config import load_config
     from dvi.drafters.adapters import AdapterBank, LoraFactors, projection_sizes
     from serving.loading import load_serving_pair
-    from trainers.shipped_drafter import cpu_model
+    from trainers.builds.shipped_drafter import cpu_model
 
     ap = argparse.ArgumentParser(prog="adapter_step", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="smollm2")

@@ -3,7 +3,7 @@
 Scores a built pair's `separate` drafter (top-1 agreement with the target's greedy token, at the served
 draft vocabulary) on held-out code windows and on the target's own greedy replies to held-out chat and
 sql requests (reply positions only). With `--distill-tokens N` it then distills a copy of the drafter
-on the target's replies to *train*-split sql requests for N token-passes (`trainers.subset_distill`,
+on the target's replies to *train*-split sql requests for N token-passes (`trainers.builds.subset_distill`,
 the build's machinery and LR) and scores the copy again: a cheap proxy for the offline ceiling, with
 its budget stated, so the gap the online arm should close has a lower bound.
 
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def heldout(target, tok, p, args: argparse.Namespace) -> tuple[dict, dict]:
     """Scoring windows per domain and the prompt positions to skip (only replies are scored)."""
     from dvi import data
-    from trainers.pretrained_build import _encode, _windows, greedy_replies
+    from trainers.builds.pretrained_build import _encode, _windows, greedy_replies
 
     sets, skips = {"code": _windows(_encode(tok, data.sample_docs("code", "heldout", args.code_chars)), p.seq_len)}, {}
     for dom, stream in (("chat", data.chat_prompt_stream), ("sql", data.sql_prompt_stream)):
@@ -55,7 +55,7 @@ def heldout(target, tok, p, args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def score(target, drafter, order: torch.Tensor, n: int, sets: dict, skips: dict) -> dict[str, float]:
-    from trainers.pretrained_eval import agreement
+    from trainers.builds.pretrained_eval import agreement
 
     return {d: agreement(target, drafter, w, order, (n,), skip=skips.get(d))[n] for d, w in sets.items()}
 
@@ -65,9 +65,9 @@ def distill_sql(target, tok, drafter, order: torch.Tensor, p, args: argparse.Nam
     import copy
 
     from dvi import data
-    from trainers.offline import pack_docs, token_batches
-    from trainers.pretrained_build import greedy_replies, schedule
-    from trainers.subset_distill import distill_subset, teacher_states
+    from trainers.builds.offline import pack_docs, token_batches
+    from trainers.builds.pretrained_build import greedy_replies, schedule
+    from trainers.builds.subset_distill import distill_subset, teacher_states
 
     t0 = time.perf_counter()
     prompts = list(itertools.islice(data.sql_prompt_stream(tok, "train", seed=args.seed, max_tokens=320),
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from dvi.drafters.vocab import load_draft_vocab
     from dvi.models.embedded import PRESETS, EmbeddedPaths, embedded_paths, is_built
     from dvi.models.loading import load_causal_lm
-    from trainers.pretrained_build import _load_target
+    from trainers.builds.pretrained_build import _load_target
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -105,7 +105,7 @@ def step_costs(target, heads: dict, order: torch.Tensor, rounds: int = 3) -> dic
     """Median ms of the lean target's batch-1 step and of each head's draft step at 8k / 16k / full ids."""
     from dvi.decode.lean import Attention, LeanModel
     from dvi.drafters.vocab import apply_draft_vocab
-    from trainers.eagle_build import eagle_step_ms
+    from trainers.builds.eagle_build import eagle_step_ms
 
     lean = LeanModel(target)
     cache = lean.new_cache(1, 256)
@@ -137,7 +137,7 @@ def step_costs(target, heads: dict, order: torch.Tensor, rounds: int = 3) -> dic
 
 
 def evaluate(d, evals: dict, order: torch.Tensor, k: int, vocab: int = 8192) -> dict:
-    from trainers.eagle_eval import chain_acceptance
+    from trainers.builds.eagle_eval import chain_acceptance
 
     out = {}
     for dom, ev in evals.items():
@@ -150,8 +150,8 @@ def evaluate(d, evals: dict, order: torch.Tensor, k: int, vocab: int = 8192) -> 
 def run_design(name: str, target, data: dict, evals: dict, order: torch.Tensor, args, record) -> tuple:
     """Train one design to `args.budget` token-passes, evaluating at geometric checkpoints; returns (head, result)."""
     from dvi.drafters.eagle import EagleDrafter
-    from trainers.eagle_build import EagleData, EagleObjective, distill_eagle
-    from trainers.offline import TrainSchedule
+    from trainers.builds.eagle_build import EagleData, EagleObjective, distill_eagle
+    from trainers.builds.offline import TrainSchedule
 
     head_kw, obj_kw = DESIGNS[name]
     torch.manual_seed(args.seed + 3)

@@ -55,7 +55,7 @@ def hits(drafter, sets: dict, order: torch.Tensor, n: int) -> dict[str, torch.Te
 
 def grown(one_layer, target, p, src: int):
     """The one-layer drafter with a second layer (target layer `src`, o_proj and down_proj zeroed): same function."""
-    from trainers.pretrained_build import make_drafter
+    from trainers.builds.pretrained_build import make_drafter
 
     two = make_drafter(target, (*p.drafter_layers, src), p.drafter_intermediate_size).float()
     with torch.no_grad():
@@ -69,7 +69,7 @@ def grown(one_layer, target, p, src: int):
 
 def new_text(target, tok, budget, seed: int, cache: Path) -> dict[str, torch.Tensor]:
     """The training text of `seed` (generated once, then read from `cache`)."""
-    from trainers.device_build import training_streams
+    from trainers.builds.device_build import training_streams
 
     f = cache / f"streams_seed{seed}_open{budget.open_chats}.pt"
     if f.exists():
@@ -86,10 +86,10 @@ def main(argv=None) -> int:
     from dvi.drafters.vocab import frequent_token_ids
     from dvi.models.embedded import EmbeddedPaths, embedded_dir, get_preset
     from dvi.models.loading import load_causal_lm
-    from trainers.build_common import schedule
-    from trainers.device_build import Budget, _load, distill_online
-    from trainers.pretrained_build import make_drafter
-    from trainers.shipped_drafter import SHIPPED_ROOT, _stored_order, load_into, read
+    from trainers.builds.build_common import schedule
+    from trainers.builds.device_build import Budget, _load, distill_online
+    from trainers.builds.pretrained_build import make_drafter
+    from trainers.builds.shipped_drafter import SHIPPED_ROOT, _stored_order, load_into, read
 
     a = parse_args(argv)
     p = get_preset("smollm2")

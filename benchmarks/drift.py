@@ -16,9 +16,9 @@ ids), then held-out requests of the drift domain (`/v1/chat/completions`; `--dri
   trainer paused / running (`/admin/trainer/pause`, `/admin/trainer/resume`).
 * ``frozen``: `serve.trainer=off`; the bootstrap drafter serves all three phases.
 * ``ceiling``: the bootstrap drafter distilled offline on the drift domain's *training* text (the target's
-  greedy replies to its training-split requests, `trainers.pretrained_build.greedy_replies`) for 5x the
-  online arm's trained tokens up to the end of its drift phase (`trainers.subset_distill` for
-  separate, `trainers.eagle_build.distill_eagle` for eagle), then *served* by `dvi serve` (trainer
+  greedy replies to its training-split requests, `trainers.builds.pretrained_build.greedy_replies`) for 5x the
+  online arm's trained tokens up to the end of its drift phase (`trainers.builds.subset_distill` for
+  separate, `trainers.builds.eagle_build.distill_eagle` for eagle), then *served* by `dvi serve` (trainer
   off) on the same drift requests.
 
 Goals per kind (issue 25 §1): the ceiling's drift α at least 0.08 above the frozen arm's (something to

@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
     root = Path(a.pair_dir) if a.pair_dir else embedded_dir(a.preset)
     if not is_built(root):
-        from trainers.bootstrap import bootstrap
+        from trainers.builds.bootstrap import bootstrap
 
         print(f"building the {a.preset} pair into {root} ...", flush=True)
         root = bootstrap(a.preset, out=root.parent if a.pair_dir is None else root)

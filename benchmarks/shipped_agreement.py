@@ -32,7 +32,7 @@ GOALS = {"code": 0.45, "chat": 0.50}  # issue 43, for a drafter built on a GPU
 def position0_hits(drafter, ev, order: torch.Tensor, sizes: tuple[int, ...]) -> dict[int, torch.Tensor]:
     """Per size n, whether the drafter's argmax over `order[:n]` (0: the full vocabulary) is the target's greedy
     token, at every scored position (from each sequence's last prompt token), in order."""
-    from trainers.pretrained_eval import draft_top
+    from trainers.builds.pretrained_eval import draft_top
 
     hits: dict[int, list[torch.Tensor]] = {n: [] for n in sizes}
     for i, seq in enumerate(ev.seqs):
@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     from benchmarks._ceiling_data import eval_sets
     from dvi.models.embedded import EmbeddedPaths, embedded_dir, get_preset
     from dvi.models.loading import load_causal_lm, load_tokenizer
-    from trainers.pretrained_build import make_drafter
-    from trainers.shipped_drafter import Shipped, _stored_order, load_into
+    from trainers.builds.pretrained_build import make_drafter
+    from trainers.builds.shipped_drafter import Shipped, _stored_order, load_into
 
     ap = argparse.ArgumentParser(prog="shipped_agreement", description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", action="append", required=True, help="NAME=DIR of a shipped drafter (repeatable)")

@@ -191,7 +191,7 @@ def _mean(rs: list[dict], key: str) -> float:
 
 
 def report(args, results: dict, swaps: dict, health: dict, wall: float) -> int:
-    from trainers.shipped_drafter import cpu_model
+    from trainers.builds.shipped_drafter import cpu_model
 
     print(f"\n{'C':>5} {'arm':14s} {'tok/s':>8} {'vs vllm':>8} {'p99 s':>7} {'failed':>6}")
     goals = []

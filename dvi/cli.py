@@ -42,7 +42,7 @@ def _kinds(text: str) -> tuple[str, ...]:
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     import sys
 
-    from trainers.bootstrap import NoShippedDrafter, bootstrap, summary_table
+    from trainers.builds.bootstrap import NoShippedDrafter, bootstrap, summary_table
 
     try:
         path = bootstrap(preset=args.preset, out=args.out, seed=args.seed, force=args.force, kinds=args.kinds,
@@ -66,7 +66,7 @@ def _ship(args: argparse.Namespace, built: Path) -> int:
     import sys
 
     from dvi.models.embedded import PretrainedPreset, get_preset
-    from trainers import ship_judge
+    from trainers.builds import ship_judge
 
     p = get_preset(args.preset)
     if not isinstance(p, PretrainedPreset):
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-build", action="store_true",
                    help="install the shipped drafter or fail saying why; never distil one here (make test uses it)")
     p.add_argument("--ship", action="store_true",
-                   help="then write the built drafter as the one dvi ships (trainers/shipped/<preset>/), only if it "
+                   help="then write the built drafter as the one dvi ships (trainers/builds/shipped/<preset>/), only if it "
                         "is stronger than the shipped one (use with --retrain)")
     p.add_argument("--kinds", type=_kinds, default=DEFAULT_BUILD_KINDS, metavar="KIND[,KIND]",
                    help=f"drafter kinds to build, comma-separated, of {','.join(DRAFTER_KINDS)} (default: "

@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_build.sh OUT GGUF [TOKENIZER_DIR]
 #
-# BUILD_SECONDS: distillation seconds (default 150); BUILD_ARGS: more `python -m trainers.device_build` flags;
+# BUILD_SECONDS: distillation seconds (default 150); BUILD_ARGS: more `python -m trainers.builds.device_build` flags;
 # CALL_SECONDS: the call's own limit (default 570): the benchmarks get what the build left of it.
 set -uo pipefail
 OUT=$1
@@ -22,7 +22,7 @@ rm -rf "$WORK" && mkdir -p "$WORK/logs"
 PAIR=$WORK/models/smollm2
 nvidia-smi -L
 # shellcheck disable=SC2086
-timeout "${BUILD_TIMEOUT:-420}" $PY -m trainers.device_build --out "$PAIR" --gguf "$GGUF" ${TOK:+--tokenizer "$TOK"} \
+timeout "${BUILD_TIMEOUT:-420}" $PY -m trainers.builds.device_build --out "$PAIR" --gguf "$GGUF" ${TOK:+--tokenizer "$TOK"} \
   --seconds "${BUILD_SECONDS:-150}" --ship "$WORK/ship" ${BUILD_ARGS:-} 2>&1 | tee "$OUT/build.log" \
   | grep -v 'it/s\]\|s/it\]\|step/s\]' | tail -40
 echo "== build: $(( $(date +%s) - t0 )) s"

@@ -16,7 +16,7 @@ def tiny_pair_dir(tmp_path_factory) -> Path:
     Built into the session's tmp dir (~15 s), or reused from `$DVI_TEST_CACHE/tiny` when that
     env var is set (the manifest's recipe fingerprint guards against stale builds).
     """
-    from trainers.bootstrap import bootstrap
+    from trainers.builds.bootstrap import bootstrap
 
     cache = os.environ.get("DVI_TEST_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("dvi-models")

@@ -9,9 +9,9 @@ import torch
 from dvi import data
 from dvi.models.embedded import PRESETS, EmbeddedPaths, cache_root, embedded_dir, embedded_paths, is_built
 from dvi.models.loading import load_causal_lm, load_tokenizer
-from trainers.bootstrap import bootstrap, summary_table
-from trainers.offline import evaluate_lms
-from trainers.stdlib_build import build_pair, save_pair
+from trainers.builds.bootstrap import bootstrap, summary_table
+from trainers.builds.offline import evaluate_lms
+from trainers.builds.stdlib_build import build_pair, save_pair
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_cache_paths(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("stride", [None, 64, 1])
 def test_sliding_eval_windows_score_every_token_once_with_context(stride):
-    from trainers.offline import _eval_windows
+    from trainers.builds.offline import _eval_windows
 
     seq_len = 8
     docs = [list(range(3, 3 + n)) for n in (0, 1, 7, 8, 9, 40)]
@@ -135,7 +135,7 @@ def test_mixed_precision_training_lowers_loss():
     """bf16 autocast (the small preset's setting) trains: the loss falls and the weights stay fp32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainers.offline import pretrain_lm
+    from trainers.builds.offline import pretrain_lm
 
     torch.manual_seed(0)
     m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -160,7 +160,7 @@ def test_drafter_warm_start_is_the_targets_first_layer_exit():
     import copy
 
     from dvi.models.embedded import ModelDims, Preset
-    from trainers.stdlib_build import init_drafter_from_target, make_llama, train_tokenizer
+    from trainers.builds.stdlib_build import init_drafter_from_target, make_llama, train_tokenizer
 
     tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300)
     t_dims = ModelDims(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64)
@@ -196,7 +196,7 @@ def test_muon_trains_hidden_matrices_and_adamw_the_rest():
     group keeps its own peak LR for the schedule, and training with it lowers the loss."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainers.offline import make_optimizer, pretrain_lm
+    from trainers.builds.offline import make_optimizer, pretrain_lm
 
     torch.manual_seed(0)
     m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,

@@ -1,4 +1,4 @@
-"""The device build (`trainers.device_build`) end to end on the CPU with a tiny budget.
+"""The device build (`trainers.builds.device_build`) end to end on the CPU with a tiny budget.
 
 A tiny llama.cpp-style GGUF on disk (as on a lent machine that cannot reach PyPI) -> target + tokenizer -> the
 target's greedy chat replies and code continuations -> distillation with the target labelling each batch, until the
@@ -22,8 +22,8 @@ import dvi.models.pretrained
 from dvi.models.embedded import PRESETS, EmbeddedPaths, is_built, read_manifest
 from dvi.models.loading import CPU_BF16_ENV, load_causal_lm
 from dvi.models.pretrained import WheelModel
-from trainers import device_build, pretrained_build, shipped_drafter
-from trainers.bootstrap import bootstrap
+from trainers.builds import device_build, pretrained_build, shipped_drafter
+from trainers.builds.bootstrap import bootstrap
 
 BUDGET = device_build.Budget(tokens=2048, seconds=120.0, chat_replies=2, code_continuations=2, open_chats=4,
                              reply_tokens=8, continuation_tokens=8, batch_windows=2, gen_batch=2)

@@ -9,7 +9,7 @@ from test_engine import tiny
 from transformers import DynamicCache
 
 from dvi.drafters.eagle import EagleDrafter, features_from_hidden
-from trainers.eagle_ttt import EagleObjective, chain_predictions, ttt_loss, unroll
+from trainers.builds.eagle_ttt import EagleObjective, chain_predictions, ttt_loss, unroll
 
 torch.set_num_threads(1)
 
@@ -106,7 +106,7 @@ def test_ttt_loss_trains_chains():
 def test_chain_acceptance_equals_stepped_drafting_on_greedy_text(design):
     """Accepted lengths from the parallel unroll equal those of drafting chain by chain on the target's greedy text
     (a lightly perturbed first-recipe head on a 1-layer target is nearly the target: long chains get accepted)."""
-    from trainers.eagle_eval import chain_acceptance
+    from trainers.builds.eagle_eval import chain_acceptance
 
     fused = design == "fused"
     target = tiny("llama", seed=0, layers=3 if fused else 1)

@@ -33,8 +33,8 @@ from dvi.models.pretrained import (
     max_logit_diff,
     plain_copy,
 )
-from trainers.pretrained_build import make_drafter
-from trainers.pretrained_eval import agreement, coverage
+from trainers.builds.pretrained_build import make_drafter
+from trainers.builds.pretrained_eval import agreement, coverage
 
 torch.set_num_threads(1)
 

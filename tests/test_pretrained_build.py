@@ -46,9 +46,9 @@ from dvi.models.loading import (
     serving_dtype,
 )
 from dvi.models.pretrained import WheelModel, load_gguf
-from trainers import bootstrap as bootstrap_mod
-from trainers import pretrained_build
-from trainers.bootstrap import bootstrap, summary_table
+from trainers.builds import bootstrap as bootstrap_mod
+from trainers.builds import pretrained_build
+from trainers.builds.bootstrap import bootstrap, summary_table
 
 torch.set_num_threads(1)
 
@@ -476,7 +476,7 @@ def test_the_shipped_drafter_installs_in_place_of_a_build(built, tmp_path, monke
     (no chat replies, no labelling, no distillation): the same weights as the build that was measured, its
     agreement in the pair's manifest; a damaged file, a weaker candidate and another GGUF are each refused with a
     reason, the last by building instead."""
-    from trainers import shipped_drafter
+    from trainers.builds import shipped_drafter
 
     preset, _model, _tok, out, _spy, _secs = built
     root = tmp_path / "shipped"
@@ -486,7 +486,7 @@ def test_the_shipped_drafter_installs_in_place_of_a_build(built, tmp_path, monke
     assert sm["fingerprint"] == preset.fingerprint() and sm["tokens_trained"] >= preset.distill_tokens
     assert sm["agreement"] == read_manifest(out)["agreement"] and sm["bytes"] == sum(
         (d / f).stat().st_size for f in sm["files"])
-    from trainers import ship_judge
+    from trainers.builds import ship_judge
 
     with pytest.raises(ValueError, match="not stronger"):
         ship_judge.ship_if_stronger(out, preset, "again", root=root)

@@ -151,7 +151,7 @@ def accepted_drafts(ok: torch.Tensor) -> torch.Tensor:
     """[K, m] acceptance of draft j of chain s (bool, or a probability) -> [m] accepted drafts of each chain
     (expected, positions taken as independent, for probabilities): a chain stops at its first rejected draft.
     The one place a chain's length is counted, for served-like drafting chains
-    (`trainers.eagle_eval.chain_acceptance`) and for logged records (`chain_tokens`) alike."""
+    (`trainers.builds.eagle_eval.chain_acceptance`) and for logged records (`chain_tokens`) alike."""
     return ok.float().cumprod(0).sum(0)
 
 

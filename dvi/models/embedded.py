@@ -146,7 +146,7 @@ class PretrainedPreset:
     member: str
     drafter_layers: tuple[int, ...]
     drafter_intermediate_size: int | None = None  # None: the target's
-    # distillation (trainers.subset_distill): the target labels `label_tokens` tokens of code, prose
+    # distillation (trainers.builds.subset_distill): the target labels `label_tokens` tokens of code, prose
     # and its own chat replies once (cached hidden states); the drafter then trains for
     # `distill_tokens` token-passes (several epochs) on KL over the first `train_vocab` draft ids (99.9% of
     # the training tokens at 16k; the head rows of the others are zeroed, so the full-vocabulary drafter,

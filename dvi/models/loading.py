@@ -308,7 +308,7 @@ def saved_kind(path: Path) -> str | None:
 
 def load_embedded_pair(preset: str = "tiny", root: str | Path | None = None, device="auto", dtype="auto",
                        draft_vocab_size: int | None = None) -> ModelPair:
-    """The built embedded pair of `preset` (see `trainers.bootstrap` / `dvi bootstrap`), served as its preset
+    """The built embedded pair of `preset` (see `trainers.builds.bootstrap` / `dvi bootstrap`), served as its preset
     says unless told otherwise (dtype "auto", draft vocabulary size None)."""
     from dvi.models.embedded import embedded_paths, is_built
 

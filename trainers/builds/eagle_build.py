@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from dvi.drafters.eagle import EagleDrafter, features_from_hidden
-from trainers.build_common import log, schedule
-from trainers.eagle_ttt import EagleObjective, ttt_loss
-from trainers.offline import TrainSchedule, lr_factor, optimizer_step
-from trainers.subset_distill import progress_bar, subset_kl, train_autocast, window_batches
+from trainers.builds.build_common import log, schedule
+from trainers.builds.eagle_ttt import EagleObjective, ttt_loss
+from trainers.builds.offline import TrainSchedule, lr_factor, optimizer_step
+from trainers.builds.subset_distill import progress_bar, subset_kl, train_autocast, window_batches
 
 if TYPE_CHECKING:
     from dvi.models.embedded import EmbeddedPaths, PretrainedPreset
@@ -125,10 +125,10 @@ def eagle_scores(target, d: EagleDrafter, windows: list[list[int]], vocab_ids: t
                  skip: list[int] | None = None, k: int = 0) -> dict:
     """Top-1 agreement of the head's first draft (true features of every input, as the engine's first draft of a
     step) over the draft vocabulary `vocab_ids` with the target's greedy token, after `skip[i]` positions of each
-    window; with `k`, also the chained acceptance of K = k drafts a step (`trainers.eagle_eval.chain_acceptance`:
+    window; with `k`, also the chained acceptance of K = k drafts a step (`trainers.builds.eagle_eval.chain_acceptance`:
     meaningful where the windows are the target's greedy text, e.g. its chat replies)."""
-    from trainers.eagle_eval import chain_acceptance
-    from trainers.target_features import target_states
+    from trainers.builds.eagle_eval import chain_acceptance
+    from trainers.builds.target_features import target_states
 
     st = target_states(target, windows, d.feature_layers or ())
     hidden = st.layers if d.feature_layers else st.final
@@ -229,7 +229,7 @@ def train_eagle(p, target_path, data: EagleData, order: torch.Tensor, seed: int,
 
 def build_eagle(p: PretrainedPreset, paths: EmbeddedPaths, target, data: EagleData, order: torch.Tensor, seed: int,
                 progress: bool) -> tuple:
-    """Train the eagle head (`trainers.eagle_build`) and save it to `paths.eagle` with its draft vocabulary;
+    """Train the eagle head (`trainers.builds.eagle_build`) and save it to `paths.eagle` with its draft vocabulary;
     returns the head as served (reloaded on the bf16 target) and its training stats."""
     from dvi.drafters.vocab import save_draft_vocab
     from dvi.fsutil import replace_dir, tmp_dir_beside

@@ -9,7 +9,7 @@ the GGUF's sha256 and the recipe's fingerprint it was built for, the command, co
 tokens trained, agreement per domain and draft-vocabulary size, and the digest of the full drafter it
 reconstructs. `dvi bootstrap` converts the target from the wheel, checks the manifest against it and installs
 the drafter (`install`); a mismatch builds from scratch and says why. `export` writes a built pair's drafter in
-this form (`trainers.ship_judge` refuses one that does not beat the shipped one).
+this form (`trainers.builds.ship_judge` refuses one that does not beat the shipped one).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dvi.models.pretrained import sha256_file
 SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped"
 WEIGHTS = "drafter.safetensors"
 MANIFEST = "manifest.json"
-CURVE_PNG = "learning_curve.png"  # what the build leaves beside its manifest (trainers.pretrained_build.CURVE_PNG)
+CURVE_PNG = "learning_curve.png"  # what the build leaves beside its manifest (trainers.builds.pretrained_build.CURVE_PNG)
 HEAD_ROWS = "lm_head.rows"  # the LM head's trained (non-zero) rows
 HEAD_IDS = "lm_head.ids"  # their token ids
 FORMAT = 1
@@ -105,7 +105,7 @@ def _shippable(drafter) -> dict[str, torch.Tensor]:
 
 def export(built: Path, p: PretrainedPreset, command: str, root: Path | None = None, commit: str | None = None) -> Path:
     """Write the separate drafter of the pair built at `built` as the shipped drafter of `p` (under `root`, default
-    the package's), replacing any (`trainers.ship_judge.ship_if_stronger` first checks it is stronger). `commit`:
+    the package's), replacing any (`trainers.builds.ship_judge.ship_if_stronger` first checks it is stronger). `commit`:
     the code that built it (default: this checkout's HEAD)."""
     from safetensors.torch import save_file
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from trainers.offline import TrainSchedule, lr_factor, make_optimizer, optimizer_step
+from trainers.builds.offline import TrainSchedule, lr_factor, make_optimizer, optimizer_step
 
 
 @torch.inference_mode()
@@ -87,7 +87,7 @@ def distill_subset(student, teacher_head: torch.Tensor, windows: torch.Tensor, s
     lr, warmup, min_lr_ratio, grad_clip, progress and desc apply; weight decay is off). `sched.probe(student)` (in
     eval mode), when given, is taken on a geometric grid of steps: the stats' `curve` (tokens, agreement).
     """
-    from trainers.learning_curve import probe_steps
+    from trainers.builds.learning_curve import probe_steps
 
     steps, lr, warmup, min_lr_ratio = sched.steps, sched.lr, sched.warmup, sched.min_lr_ratio
     grad_clip, progress, desc, probe = sched.grad_clip, sched.progress, sched.desc, sched.probe

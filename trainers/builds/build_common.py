@@ -1,4 +1,4 @@
-"""What the offline builds (`trainers.bootstrap`, `trainers.pretrained_build`, `trainers.eagle_build`) share
+"""What the offline builds (`trainers.builds.bootstrap`, `trainers.builds.pretrained_build`, `trainers.builds.eagle_build`) share
 besides training: the training schedule a preset's token budget buys, per-stage wall times for the manifest and
 the batches held-out agreement is scored on."""
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from dvi.models.embedded import PretrainedPreset
-from trainers.offline import TrainSchedule
+from trainers.builds.offline import TrainSchedule
 
 __all__ = ["schedule", "timed", "scoring_batches", "log", "jsonable"]
 

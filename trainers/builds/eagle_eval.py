@@ -3,7 +3,7 @@ step, greedy, each draft reading the head's own previous output) on the target's
 
 On greedy text the token after position j *is* the target's choice, so a chain of drafts started at position s
 is accepted up to its first draft that differs from the target's argmax; every start s of the scored region is
-one drafting step. Computed by the training-time-test unroll (`trainers.eagle_ttt.chain_predictions`), which is
+one drafting step. Computed by the training-time-test unroll (`trainers.builds.eagle_ttt.chain_predictions`), which is
 proven equal to the engine's stepped drafting.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 from dvi.drafters.eagle import EagleModel
 from dvi.feedback.shadow import accepted_drafts
-from trainers.eagle_ttt import chain_predictions
+from trainers.builds.eagle_ttt import chain_predictions
 
 __all__ = ["chain_acceptance"]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from trainers.build_common import scoring_batches
-from trainers.pretrained_eval import draft_top
+from trainers.builds.build_common import scoring_batches
+from trainers.builds.pretrained_eval import draft_top
 
 POINTS = 8  # points on the curve, the last at the end of training
 SLICE_WINDOWS = 8  # held-out windows a domain contributes to each point

@@ -6,10 +6,10 @@ batch of windows costs milliseconds on a GPU); the text adds the target's own gr
 instructions and its continuations of code cuts, generated in large batches (on-policy: the text served
 greedy traffic is judged on); training runs until the budget of token-passes or seconds is spent, the LR
 following whichever is further spent, with a learning curve on held-out text. The drafter is the preset's
-layer-skip `separate` drafter, so it ships and installs as the CPU build's does (`trainers.shipped_drafter`),
+layer-skip `separate` drafter, so it ships and installs as the CPU build's does (`trainers.builds.shipped_drafter`),
 scored on the same held-out sets, so the two builds' agreements compare.
 
-    python -m trainers.device_build --out DIR [--gguf FILE] [--tokens N] [--seconds S] [--ship DIR]
+    python -m trainers.builds.device_build --out DIR [--gguf FILE] [--tokens N] [--seconds S] [--ship DIR]
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dvi import data
 from dvi.drafters.vocab import DRAFT_VOCAB_FILE, frequent_token_ids, save_draft_vocab
 from dvi.models.embedded import BUILD_VERSION, EmbeddedPaths, PretrainedPreset, get_preset
 from dvi.models.loading import num_params
-from trainers.build_common import jsonable, log, schedule, timed
-from trainers.learning_curve import POINTS, AgreementProbe
-from trainers.offline import (
+from trainers.builds.build_common import jsonable, log, schedule, timed
+from trainers.builds.learning_curve import POINTS, AgreementProbe
+from trainers.builds.offline import (
     TrainSchedule,
     lr_factor,
     make_optimizer,
@@ -40,7 +40,7 @@ from trainers.offline import (
     pack_docs,
     token_batches,
 )
-from trainers.pretrained_build import (
+from trainers.builds.pretrained_build import (
     _encode,
     _obtain,
     _save_curve,
@@ -49,8 +49,8 @@ from trainers.pretrained_build import (
     make_drafter,
     pair_facts,
 )
-from trainers.pretrained_eval import agreement, coverage
-from trainers.subset_distill import progress_bar, subset_kl, train_autocast
+from trainers.builds.pretrained_eval import agreement, coverage
+from trainers.builds.subset_distill import progress_bar, subset_kl, train_autocast
 
 __all__ = ["Budget", "MIX", "Sources", "build", "distill_online", "training_streams"]
 
@@ -269,7 +269,7 @@ def _load(paths: EmbeddedPaths, device: str):
 
 
 def _device_name(device: str) -> dict:
-    from trainers.shipped_drafter import cpu_model
+    from trainers.builds.shipped_drafter import cpu_model
 
     out = {"device": device.split(":")[0], "cpu": cpu_model(), "threads": torch.get_num_threads()}
     if device.startswith("cuda"):
@@ -288,7 +288,7 @@ def _start_drafter(p: PretrainedPreset, target, tokenizer, streams: dict[str, to
     skeleton = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size)
     if init is None:
         return skeleton.float().to(device), order, None
-    from trainers.shipped_drafter import _stored_order, load_into, read
+    from trainers.builds.shipped_drafter import _stored_order, load_into, read
 
     shipped, why = read(p, init)
     if shipped is None:
@@ -387,7 +387,7 @@ def _parse_mix(ap: argparse.ArgumentParser, text: str | None) -> tuple[tuple[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainers.device_build", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m trainers.builds.device_build", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="smollm2")
     ap.add_argument("--out", required=True, type=Path, help="the pair's directory (written)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -423,9 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     for pt in m["learning_curve"]["points"]:
         print(f"  {pt['tokens']:>12,} tokens  " + "  ".join(f"{d} {v:.3f}" for d, v in pt["agreement"].items()))
     if a.ship:
-        from trainers.shipped_drafter import export
+        from trainers.builds.shipped_drafter import export
 
-        cmd = "python -m trainers.device_build " + " ".join(sys.argv[1:] if argv is None else argv)
+        cmd = "python -m trainers.builds.device_build " + " ".join(sys.argv[1:] if argv is None else argv)
         print("shipped to", export(a.out, p, cmd, root=a.ship, commit=a.commit))
     return 0
 

@@ -29,7 +29,7 @@ __all__ = ["EagleObjective", "unroll", "ttt_loss", "chain_predictions"]
 class EagleObjective:
     """What the head is trained on beside the KL.
 
-    `ttt_steps` > 0: EAGLE-3's training-time test (`trainers.eagle_ttt`): every window is unrolled that many
+    `ttt_steps` > 0: EAGLE-3's training-time test (`trainers.builds.eagle_ttt`): every window is unrolled that many
     draft steps, each chain reading the head's own outputs and attending to its own earlier drafts exactly as
     served; the KL is taken at a `sample` share of each step's positions (the LM head is most of the cost).
     `ttt_steps` = 0, the first recipe: one teacher-forced pass and, when `chained`, a second pass in which every
@@ -115,7 +115,7 @@ def ttt_loss(model: EagleModel, ids: torch.Tensor, feats: torch.Tensor, final: t
     [n, H], at positions j >= k (an `objective.sample` share of them, drawn afresh per step: the LM head is most of a
     step's cost), plus `objective.feature_weight` x smooth-L1 of the head's normed output onto the target's final
     normed state `final` [B, T, H] (first recipe). Returns (loss, per-step KL)."""
-    from trainers.subset_distill import subset_kl
+    from trainers.builds.subset_distill import subset_kl
 
     steps, sample, feature_weight = objective.ttt_steps, objective.sample, objective.feature_weight
     outs = unroll(model, ids, feats, steps)

@@ -1,6 +1,6 @@
 """Offline training loops: LM pretraining and full-vocab KL distillation, plus held-out evaluation.
 
-Used by `trainers.bootstrap` to build the embedded pair, and by the drift benchmark to build its
+Used by `trainers.builds.bootstrap` to build the embedded pair, and by the drift benchmark to build its
 "ceiling" drafter (distilled on prose for a fixed wall-time budget, hence `max_seconds`).
 Plain functions over plain batches of token ids; no framework.
 """
@@ -207,7 +207,7 @@ class TrainSchedule:
     compile: bool = False
     progress: bool = True
     desc: str = "train"
-    # measured along the way (trainers.learning_curve): probe(model) -> {domain: agreement}, on a geometric grid of
+    # measured along the way (trainers.builds.learning_curve): probe(model) -> {domain: agreement}, on a geometric grid of
     # steps; loops that take it return the points as their stats' `curve`
     probe: Callable[[torch.nn.Module], dict] | None = None
 

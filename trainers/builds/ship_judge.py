@@ -14,9 +14,9 @@ import torch
 
 from dvi.models.embedded import EmbeddedPaths, PretrainedPreset, read_manifest
 from dvi.models.loading import load_causal_lm, load_tokenizer
-from trainers.pretrained_build import heldout_sets, make_drafter
-from trainers.pretrained_eval import agreement
-from trainers.shipped_drafter import Shipped, _stored_order, export, find, load_into
+from trainers.builds.pretrained_build import heldout_sets, make_drafter
+from trainers.builds.pretrained_eval import agreement
+from trainers.builds.shipped_drafter import Shipped, _stored_order, export, find, load_into
 
 
 def strengths(built: Path, p: PretrainedPreset, old: Shipped) -> tuple[float, float]:

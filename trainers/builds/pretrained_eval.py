@@ -12,7 +12,7 @@ from dvi.drafters.learned import EarlyExitDrafter
 from dvi.drafters.vocab import apply_draft_vocab
 from dvi.models.embedded import EmbeddedPaths, PretrainedPreset
 from dvi.models.loading import decode_step_latency
-from trainers.build_common import scoring_batches
+from trainers.builds.build_common import scoring_batches
 
 
 def draft_top(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:

@@ -26,8 +26,8 @@ from dvi.models.embedded import (
     get_preset,
 )
 from dvi.models.loading import decode_step_latency, num_params
-from trainers.build_common import jsonable, log, timed
-from trainers.offline import (
+from trainers.builds.build_common import jsonable, log, timed
+from trainers.builds.offline import (
     DISTILL_DEFAULTS,
     PRETRAIN_DEFAULTS,
     TrainSchedule,
