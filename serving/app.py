@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: the FastAPI app (`create_app`: routes) and `run_server`.
 
 One process holds the models, one engine thread (`serving.scheduler`), the registry watcher
-(`serving.swap`), the trainer supervisor (`serving.supervisor`) and the feedback writer, all built by
+(`serving.drafter`), the trainer supervisor (`serving.supervisor`) and the feedback writer, all built by
 `serving.state.build_state`. Every request error is a 4xx with an OpenAI-style error body that names the
 field; a 500 only means a bug or an engine failure, and it fails one request, never the server.
 

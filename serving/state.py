@@ -23,14 +23,15 @@ from dvi.feedback import FeedbackWriter, Retention
 from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 
+from .drafter.client import GroupSwappers
+from .drafter.lane import DrafterSwapper
+from .drafter.policy import SwapEvent, SwapPolicy
 from .finished import Finished
-from .group_swap import GroupSwappers
 from .loading import load_serving_pair, serving_proposer
 from .memory import HeapTrimmer, cap_onednn_cache
 from .protocol import RequestLimits
 from .scheduler import Scheduler
 from .supervisor import TrainerSupervisor
-from .swap import DrafterSwapper, SwapEvent, SwapPolicy
 from .telemetry import ServerMetrics
 from .tokenize import PromptTokenizer
 

@@ -23,11 +23,11 @@ from dvi.rundir import RunDir
 if TYPE_CHECKING:
     from dvi.feedback import FeedbackWriter
 
+    from .drafter.lane import DrafterSwapper
     from .engine_client import EngineSnapshot
     from .finished import Finished
     from .suffix_tail import SuffixTailer
     from .supervisor import TrainerSupervisor
-    from .swap import DrafterSwapper
 
 log = logging.getLogger(__name__)
 

@@ -130,7 +130,7 @@ def _private_imports(path: Path) -> list[str]:
 
 def test_version_readers_import_no_private_name_and_one_module_builds_a_drafter() -> None:
     """The swapper, the demo replay and the trainer's kinds use the codec's public names; no second loader."""
-    for rel in ("serving/swap.py", "demo/replay.py", "trainers/online/trainables.py"):
+    for rel in ("serving/drafter/lane.py", "demo/replay.py", "trainers/online/trainables.py"):
         assert not _private_imports(ROOT / rel), (rel, _private_imports(ROOT / rel))
     assert not (ROOT / "serving" / "drafter_load.py").exists()
     builders = [p.relative_to(ROOT).as_posix() for pkg in ("dvi", "serving", "trainers")

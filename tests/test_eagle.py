@@ -259,8 +259,8 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
                                                                                tmp_path):
     from test_online import online_config
 
+    from dvi.registry.codec import load_drafter_version
     from dvi.registry.store import DrafterRegistry
-    from serving.swap import load_drafter_version
     from trainers.online.collate import is_heldout
     from trainers.online.trainer import OnlineTrainer
 

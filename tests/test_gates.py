@@ -130,7 +130,8 @@ def test_a_group_falling_by_more_than_the_margin_refuses_publish_and_promotion(p
     """Issue 35 §4 + 36 §3: the trainer's publish gate and the server's promotion check are the same comparison,
     per group. The majority's (fit) records favour the candidate (pooled α up by ~0.8), a minority client's fall
     from ~0.4 to 0: the trainer does not publish it, and the server refuses it when it is published anyway."""
-    from serving.swap import DrafterSwapper, SwapPolicy
+    from serving.drafter.lane import DrafterSwapper
+    from serving.drafter.policy import SwapPolicy
     from trainers.online.trainer import OnlineTrainer
 
     honest = [FeedbackRecord(**{**r.__dict__, "client": client_key("honest")})

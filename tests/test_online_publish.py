@@ -194,7 +194,7 @@ def test_reduced_vocab_drafter_trains_publishes_and_swaps_losslessly(pair, prose
 
     from dvi.drafters.learned import EarlyExitDrafter
     from dvi.drafters.vocab import apply_draft_vocab, find_subset_head, frequent_token_ids
-    from serving.swap import load_drafter_version
+    from dvi.registry.codec import load_drafter_version
 
     ids = frequent_token_ids([r.token_ids for r in prose], n=16, always=[pair.tokenizer.eos_token_id])
     assert {t for r in prose for t in r.token_ids} - set(ids.tolist())  # some target tokens lie outside

@@ -34,7 +34,8 @@ from dvi.config import load_config
 from dvi.feedback.shadow import is_heldout
 from dvi.models.loading import load_pair
 from dvi.registry.store import AdapterRejected, DrafterRegistry, Manifest, ServingState
-from serving.swap import DrafterSwapper, SwapPolicy
+from serving.drafter.lane import DrafterSwapper
+from serving.drafter.policy import SwapPolicy
 from trainers.online.trainer import OnlineTrainer
 
 pytestmark = pytest.mark.slow
@@ -143,7 +144,7 @@ def test_4_one_typed_manifest_and_one_check_for_server_and_trainer(pair, prose, 
     v = publish_peft_adapter(reg, lora_copy(pair.drafter), version_manifest(drafter_kind="eagle"))
     man = reg.manifest(v)
     assert isinstance(man, Manifest) and man.version == v and man.format == "lora" and man.drafter_kind == "eagle"
-    from serving.swap import load_drafter_version
+    from dvi.registry.codec import load_drafter_version
 
     with pytest.raises(AdapterRejected, match="published by a 'eagle' trainer"):
         load_drafter_version(reg, v, copy.deepcopy(pair.drafter))
@@ -274,7 +275,7 @@ def test_config_fields_are_the_ones_both_sides_read(tiny_pair_dir, tmp_path) -> 
 
 def test_swapper_memory_is_bounded(pair, tmp_path) -> None:
     """Issue 27 §5: the swapper's refusals and per-version α windows do not grow by one entry per version."""
-    from serving.swap import MAX_REFUSED_SHOWN
+    from serving.drafter.lifecycle import MAX_REFUSED_SHOWN
 
     reg = DrafterRegistry(tmp_path / "registry")
     sw = DrafterSwapper(reg, None, pair.drafter, SwapPolicy(0.1, 0.01, 8, 0.05))

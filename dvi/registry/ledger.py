@@ -10,7 +10,7 @@
 A named replica (`serve.replica`) keeps its SERVING and REFUSED in `replicas/<name>/`, so replicas sharing a
 registry promote, refuse and roll back each on its own. A server never writes LATEST: its rollback refuses the version
 it leaves (REFUSED) and serves the last good one, and the trainer's next publish moves LATEST on. Transient refusals
-(a version dir not there yet) are the server's memory only (`serving.promotion`), never durable. The store
+(a version dir not there yet) are the server's memory only (`serving.drafter.lifecycle`), never durable. The store
 (`dvi.registry.store.DrafterRegistry`, which holds both sets of facts) keeps versions and their files; it reads these
 facts (gc keeps what any server serves or pins) and writes none of them. `tests/test_ledger.py` checks the writers.
 """

@@ -1,10 +1,10 @@
-"""The promotion state machine (`serving.promotion.Promotion`) on its own: no thread, no model, no file."""
+"""The promotion state machine (`serving.drafter.lifecycle.Promotion`) on its own: no thread, no model, no file."""
 
 from __future__ import annotations
 
 import pytest
 
-from serving.promotion import GOOD_HISTORY, MAX_REFUSED_SHOWN, Promotion
+from serving.drafter.lifecycle import GOOD_HISTORY, MAX_REFUSED_SHOWN, Promotion
 
 MIN = 16  # held-out positions a shadow check needs
 

@@ -7,7 +7,7 @@ one is refused: logged, counted, recorded in REFUSED), shadow-checked on the hel
 (`dvi.feedback.heldout.HeldOutSet`, warmed from the feedback log at start) by THE comparison
 (`dvi.feedback.verdict.compare`, rule `promotion_rule`; it waits for `trainer.shadow_min_positions` positions),
 swapped in between two engine steps (a `SetDrafter` command; a group's lane, `SwapLane`, sends `SetAdapter`), and
-watched (`serving.promotion.Watch`): the next `serve.rollback_window` finished requests replayed through it and the last
+watched (`serving.drafter.lifecycle.Watch`): the next `serve.rollback_window` finished requests replayed through it and the last
 good version (rule `watch_rule`); worse rolls back to the last version that passed its watch, not worse makes it
 the last good one. A watch ends early, on the records it has, when a newer version waits and the server has been
 idle `serve.watch_idle_s`. Under a pin a failed watch only alerts. Each version's time from publish to its first
@@ -36,15 +36,15 @@ from dvi.feedback.heldout import HeldOutSet, newest_logged
 from dvi.feedback.shadow import hf_logits_fn
 from dvi.feedback.verdict import Rule, Scorer, Verdict, compare, scorer
 from dvi.fsutil import AppendLog, append_jsonl
-from dvi.registry.codec import check_full_config, load_drafter_version, load_group_version, scoring_module
+from dvi.registry.codec import load_drafter_version, load_group_version, scoring_module
 from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
-from .engine_client import EngineClient, SetAdapter, SetDrafter
-from .memory import glibc_trim
-from .promotion import MAX_REFUSED_SHOWN, Promotion, Step
-from .swap_policy import SwapEvent, SwapLane, SwapPolicy
+from ..engine_client import EngineClient, SetAdapter, SetDrafter
+from ..memory import glibc_trim
+from .lifecycle import MAX_REFUSED_SHOWN, Promotion, Step
+from .policy import SwapEvent, SwapLane, SwapPolicy
 
-__all__ = ["DrafterSwapper", "SwapEvent", "SwapPolicy", "check_full_config", "load_drafter_version"]
+__all__ = ["DrafterSwapper", "Loaded"]
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What the drafter swapper (`serving.swap`) follows, `SwapPolicy` (its part of the config, and the gates'
+"""What the drafter swapper (`serving.drafter.lane`) follows, `SwapPolicy` (its part of the config, and the gates'
 rules, `dvi.feedback.verdict`), and what it reports, `SwapEvent` (logged, counted on /metrics, shown on /health).
 
 Its own module so the swapper reads as the promotion and rollback sequence.

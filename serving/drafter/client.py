@@ -25,9 +25,9 @@ from dvi.fsutil import AppendLog
 from dvi.registry.codec import scoring_module
 from dvi.registry.groups import group_names, group_registry
 
-from .engine_client import EngineClient
-from .swap import DrafterSwapper
-from .swap_policy import SwapEvent, SwapLane, SwapPolicy
+from ..engine_client import EngineClient
+from .lane import DrafterSwapper
+from .policy import SwapEvent, SwapLane, SwapPolicy
 
 __all__ = ["GroupSwappers"]
 

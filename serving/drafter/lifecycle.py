@@ -4,9 +4,9 @@
         │                        │                    │
         └────────────────────────┴──── refused ◀──────┘       (pinned / restored: served, not watched)
 
-`Promotion` decides and remembers; the swapper (`serving.swap.DrafterSwapper`, the watcher thread) does what it is
+`Promotion` decides and remembers; the swapper (`serving.drafter.lane.DrafterSwapper`, the watcher thread) does what it is
 told (load and validate a version, score it, send the engine command, write the ledger) and reports back what came
-of it. Every transition is a method here, so the lifecycle is tested without threads (`tests/test_promotion.py`).
+of it. Every transition is a method here, so the lifecycle is tested without threads (`tests/test_lifecycle.py`).
 Version 0 is the startup drafter: always good, never refused.
 
 The watched state's evidence is a `Watch`: the records finished since the promotion, replayed through the version
