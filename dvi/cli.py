@@ -150,6 +150,25 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from dvi.metrics.dashboard import dashboard_json
+
+    if args.out is None:
+        print(dashboard_json(), end="")
+        return 0
+    args.out.write_text(dashboard_json(), encoding="utf-8")
+    print(f"wrote {args.out}: import it in Grafana (Dashboards > New > Import) and pick the Prometheus that scrapes "
+          "dvi serve's /metrics", file=sys.stderr)
+    return 0
+
+
+def _add_dashboard_parser(sub) -> None:
+    p = sub.add_parser("dashboard", help="the Grafana dashboard for dvi serve's /metrics (JSON; shipped as "
+                       "dvi/metrics/grafana/dvi.json)")
+    p.add_argument("--out", type=Path, default=None, help="write it to this file (default: print it)")
+    p.set_defaults(func=cmd_dashboard)
+
+
 def _benchmarks_dir() -> Path:
     here = Path(__file__).resolve().parent.parent / "benchmarks"
     env = os.environ.get("DVI_BENCHMARKS_DIR")
@@ -227,10 +246,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="validate a config (with overrides) and print the result")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
+    _add_dashboard_parser(sub)
     return parser
 
 
+def _quiet_for_users() -> None:
+    """What a `dvi` user's terminal need not show: transformers' deprecation notices (FutureWarnings such as
+    "`past_key_values` is deprecated and will be removed in version 5.40.0", about calls dvi makes, not the user)
+    and its per-load progress bars ("Loading weights", "Writing model shards": instant for these models). Only
+    those: other warnings still print, and `python -W ...` / `PYTHONWARNINGS` (or `HF_HUB_DISABLE_PROGRESS_BARS=0`)
+    put everything back. Children started through `dvi` (the server, its trainer) run this too."""
+    import warnings
+
+    if not sys.warnoptions:
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"`[^`]+` is deprecated (and will be removed in|and removed starting from) version")
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # for the children; transformers read it at its import
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_for_users()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if len(argv) >= 2 and argv[0] == "bench" and not argv[1].startswith("-"):
