@@ -91,17 +91,18 @@ def _unit_range(p: dict, lo: float = 0.0, hi: float | None = 1.0) -> dict:
     return p
 
 
-def _sections() -> list[tuple[str, list[dict]]]:
-    """The dashboard's rows, each a title and its panels (in reading order, two a line)."""
-    alpha = "α = accepted drafted tokens / drafted tokens, over the rate window"
-    acceptance = [
+ALPHA = "α = accepted drafted tokens / drafted tokens, over the rate window"
+
+
+def _acceptance() -> list[dict]:
+    return [
         _unit_range(panel("α by drafter version", [
             target(ratio(N.NUM_ACCEPTED_TOKENS, N.NUM_DRAFT_TOKENS, N.L_DRAFTER_VERSION), "v{{drafter_version}}"),
-        ], unit="percentunit", description=f"{alpha}, per drafter version that drafted it (the newest "
+        ], unit="percentunit", description=f"{ALPHA}, per drafter version that drafted it (the newest "
                                            "serve.metrics_versions versions keep their series).")),
         _unit_range(panel("α by traffic group (domain)", [
             target(ratio(N.NUM_ACCEPTED_TOKENS, N.NUM_DRAFT_TOKENS, N.L_DOMAIN), "{{domain}}"),
-        ], unit="percentunit", description=f"{alpha}, per the request's metadata.domain (bounded by serve.domains; "
+        ], unit="percentunit", description=f"{ALPHA}, per the request's metadata.domain (bounded by serve.domains; "
                                            "the adapter group with trainer.adapter_key: domain).")),
         panel("Adapter version by traffic group", [
             target(f"max by ({N.L_GROUP}) ({sel(N.DRAFTER_ADAPTER_VERSION)})", "{{group}}"),
@@ -109,7 +110,7 @@ def _sections() -> list[tuple[str, list[dict]]]:
                        "shared drafter)."),
         _unit_range(panel("α by who drafted (learned drafter vs suffix index)", [
             target(ratio(N.SOURCE_ACCEPTED_TOKENS, N.SOURCE_DRAFT_TOKENS, N.L_SOURCE), "{{source}}"),
-        ], unit="percentunit", description=f"{alpha}, by draft source: model (the learned drafter), suffix_request, "
+        ], unit="percentunit", description=f"{ALPHA}, by draft source: model (the learned drafter), suffix_request, "
                                            "suffix_global (the suffix index; hybrid and suffix kinds).")),
         _unit_range(panel("Acceptance by draft position", [
             target(ratio(N.NUM_ACCEPTED_PER_POS, N.NUM_DRAFTED_PER_POS, N.L_POSITION), "position {{position}}"),
@@ -132,7 +133,10 @@ def _sections() -> list[tuple[str, list[dict]]]:
                        f"{N.LOW_ACCEPTANCE[1]}, each logged with its request id (garbled or looping output, or a "
                        "drafter that does not fit its traffic group)."),
     ]
-    passes = [
+
+
+def _passes() -> list[dict]:
+    return [
         panel("Tokens per target pass (drafting steps)", [
             target(f"1 + {ratio(N.NUM_ACCEPTED_TOKENS, N.NUM_DRAFTS, N.L_DOMAIN)}", "{{domain}}"),
             target(f"1 + {ratio(N.NUM_ACCEPTED_TOKENS, N.NUM_DRAFTS)}", "all"),
@@ -144,7 +148,10 @@ def _sections() -> list[tuple[str, list[dict]]]:
         ], description="Accepted drafted tokens per drafting step by the node's rank among its siblings (0: the "
                        "drafter's chain; 1-3: its next candidates)."),
     ]
-    promotions = [
+
+
+def _promotions() -> list[dict]:
+    return [
         panel("Served versions", [
             target(f"max({sel(N.DRAFTER_VERSION)})", "drafter"),
             target(f"max({sel(N.TARGET_VERSION)})", "target"),
@@ -172,8 +179,11 @@ def _sections() -> list[tuple[str, list[dict]]]:
         ], description="Groups in each gate's last verdict (judged=false: too few records to judge), and the "
                        "server's held-out set."),
     ]
+
+
+def _trainer() -> list[dict]:
     states = {str(code): {"index": code, "text": name} for name, code in N.TRAINER_STATES.items()}
-    trainer = [
+    return [
         panel("Trainer state", [target(f"max({sel(N.TRAINER_STATE)})", "state")], kind="state-timeline",
               description=f"The online trainer's state ({', '.join(N.TRAINER_STATES)}).",
               fieldConfig={"defaults": {"unit": "short", "mappings": [{"type": "value", "options": states}]},
@@ -203,7 +213,10 @@ def _sections() -> list[tuple[str, list[dict]]]:
             target(f"max({sel(N.TRAINER_PUBLISH_FAILURES)})", "publish failures"),
         ]),
     ]
-    backlog = [
+
+
+def _backlog() -> list[dict]:
+    return [
         panel("Feedback: records served vs trained", [
             target(f"sum({rate(N.REQUESTS)})", "records written (finished requests/s)"),
             target(f"sum(deriv({sel(N.TRAINER_RECORDS_SEEN)}[{RI}]))", "records trained/s"),
@@ -223,7 +236,10 @@ def _sections() -> list[tuple[str, list[dict]]]:
             target(f"max by ({N.L_PART}) ({sel(N.DISK_BYTES)})", "{{part}}"),
         ], unit="bytes", description=f"Bytes on disk by part {N.DISK_PARTS}."),
     ]
-    throughput = [
+
+
+def _throughput() -> list[dict]:
+    return [
         panel("Generated tokens/s", [
             target(f"sum({rate(N.GENERATION_TOKENS)})", "tokens/s (rate)"),
             target(f"sum({sel(N.TOKENS_PER_SECOND)})", "tokens/s (server's window)"),
@@ -245,9 +261,13 @@ def _sections() -> list[tuple[str, list[dict]]]:
             target(f"sum by ({N.L_PHASE}) ({rate(N.HTTP_REQUEST_TIMEOUTS)})", "408 ({{phase}})"),
         ], unit="reqps"),
     ]
-    return [("Acceptance", acceptance), ("Tokens per target pass", passes),
-            ("Promotions and rollbacks", promotions), ("Trainer", trainer), ("Feedback backlog", backlog),
-            ("Throughput and latency", throughput)]
+
+
+def _sections() -> list[tuple[str, list[dict]]]:
+    """The dashboard's rows, each a title and its panels (in reading order, two a line)."""
+    return [("Acceptance", _acceptance()), ("Tokens per target pass", _passes()),
+            ("Promotions and rollbacks", _promotions()), ("Trainer", _trainer()), ("Feedback backlog", _backlog()),
+            ("Throughput and latency", _throughput())]
 
 
 def build_dashboard() -> dict:
