@@ -385,10 +385,14 @@ def summary_table(m: dict) -> str:
     sizes = [str(n) for n in m["draft_vocab"]["sizes"]]
     label = {s: ("full" if s == "0" else f"{int(s) // 1024}k") for s in sizes}
     lat = m["latency"]
+    tokens, before = m["drafter"]["train_tokens"], (m["drafter"].get("init") or {}).get("tokens_trained")
+    trained = (f"its last build round trained on {tokens:,} tokens, after {before:,} in the build it refines "
+               f"({tokens + before:,} in all)" if before else f"distilled on {tokens:,} tokens")
     lines = [f"embedded pair '{m['preset']}' (seed {m['seed']}): target {m['target']['params'] / 1e6:.1f}M params "
              f"({m['target']['layers']} x {m['target']['hidden']}), drafter {m['drafter']['params'] / 1e6:.1f}M "
-             f"(layers {m['drafter']['layers_from_target']} of the target), distilled on "
-             f"{m['drafter']['train_tokens']:,} tokens"]
+             f"(layers {m['drafter']['layers_from_target']} of the target), {trained}",
+             "  agreement below: on the build's held-out slice, the kinds of text it trained on (on text no build "
+             "saw: README, benchmarks/shipped_agreement.py)"]
     head = f"  {'draft vocab':<24}" + "".join(f"{label[s]:>9}" for s in sizes)
     lines += [head]
     for d, per in m["agreement"].items():
@@ -414,7 +418,8 @@ def summary_table(m: dict) -> str:
         lines.append(f"  built on {built['gpu']} ({m['drafter']['train_tokens']:,} token-passes)")
     points = (m.get("learning_curve") or {}).get("points") or []
     if points:
-        lines.append(f"  learning curve (agreement at {m['learning_curve']['draft_vocab']} ids, held-out slice):")
+        lines.append(f"  learning curve of {'that round' if before else 'the build'} (agreement at "
+                     f"{m['learning_curve']['draft_vocab']} ids, held-out slice):")
         for pt in points:
             lines.append(f"    {pt['tokens']:>10,} tokens  " + "  ".join(f"{d} {a:.3f}" for d, a in pt["agreement"].items()))
     w = m["wall"]
