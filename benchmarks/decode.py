@@ -17,7 +17,10 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,126 +90,166 @@ def _share(x: float | None) -> str:
     return "   -" if x is None else f"{x:4.2f}"
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+@dataclass
+class _Bench:
+    """What every setting is measured with: the pair, one adaptive engine per drafter kind and one with speculation
+    off, HF assisted generation's drafter, the suffix caches of `suffix` / `hybrid`, and the warm-up prompts."""
+    args: argparse.Namespace
+    pair: Any
+    assistant: Any
+    kinds: list[str]
+    drafters: dict
+    engines: dict[str, SpeculativeEngine]
+    plain: SpeculativeEngine
+    caches: list
+    warm: Iterator
+
+    @property
+    def target(self):
+        return self.pair.target
+
+
+def _load(args) -> _Bench:
     from dvi.models.embedded import embedded_paths
     from dvi.models.loading import load_causal_lm, load_embedded_pair
 
-    t_start = time.perf_counter()
     pair = load_embedded_pair(args.preset, args.root, device=args.device, dtype=args.dtype,
                               draft_vocab_size=args.draft_vocab)
-    target, tok = pair.target.eval(), pair.tokenizer
+    target = pair.target.eval()
     # HF assisted generation gets the same separate drafter with its full vocabulary (a plain HF model)
     assistant = load_causal_lm(embedded_paths(args.preset, args.root).drafter, args.device, target.dtype)
-    domains = [d for d in args.domains.split(",") if d]
-    temps = [float(t) for t in args.temperatures.split(",") if t]
-    bss = [int(b) for b in args.batch_sizes.split(",") if b]
     kinds = [k for k in args.kinds.split(",") if k]
-    n = args.max_new_tokens
-
     caches: list = []   # the suffix caches of `suffix` / `hybrid`
     drafters = build_drafters(pair, kinds, args, caches)
     engines = {k: SpeculativeEngine(target, proposer_for(target, d),
                                     num_draft_tokens=args.num_draft_tokens, adaptive=True,
                                     max_draft_tokens=args.max_draft_tokens) for k, d in drafters.items()}
-    plain = SpeculativeEngine(target, None)
-    # Warm up every code path (and the cost model at each batch size) on prompts not measured below.
-    warm = prompt_source(domains[0], tok, args.seed + 99)
+    domains = [d for d in args.domains.split(",") if d]
+    warm = prompt_source(domains[0], pair.tokenizer, args.seed + 99)
+    return _Bench(args, pair, assistant, kinds, drafters, engines, SpeculativeEngine(target, None), caches, warm)
+
+
+def _warm_up(bench: _Bench, bss: list[int]) -> None:
+    """Every code path (and the cost model at each batch size) on prompts not measured after."""
+    warm, target = bench.warm, bench.target
     buckets = sorted({batch_bucket(x) for b in bss for x in range(1, b + 1)})
-    for eng in engines.values():
+    for eng in bench.engines.values():
         eng.calibrate(buckets)
     for b in bss:
         wb = [[next(warm) for _ in range(b)]]
-        for eng in engines.values():
+        for eng in bench.engines.values():
             dvi_run(eng, wb, 16, 0.0)
-        dvi_run(plain, wb, 8, 0.0)
+        dvi_run(bench.plain, wb, 8, 0.0)
     hf_generate(target, [[next(warm)]], 8, 0.0)
-    hf_generate(target, [[next(warm)]], 8, 0.0, assistant=assistant)
-    if args.prompt_lookup_tokens:
-        hf_generate(target, [[next(warm)]], 8, 0.0, lookup=args.prompt_lookup_tokens)
+    hf_generate(target, [[next(warm)]], 8, 0.0, assistant=bench.assistant)
+    if bench.args.prompt_lookup_tokens:
+        hf_generate(target, [[next(warm)]], 8, 0.0, lookup=bench.args.prompt_lookup_tokens)
 
-    rows = []
-    for domain, temp, b in itertools.product(domains, temps, bss):
-        for cache in caches:   # settings reuse the prompts: no setting may draft from another's outputs
-            cache.clear()
 
-        stream = prompt_source(domain, tok, args.seed)
-        nb = args.prompts_b1 if b == 1 else args.batches
-        units = [[next(stream) for _ in range(b)] for _ in range(nb)]
-        if args.history and caches:  # later draws of the same stream, none equal to a measured prompt
-            seen = {tuple(p) for u in units for p in u}
-            serve_history(plain, caches, (p for p in stream if tuple(p) not in seen), args.history, n)
-        systems = ["off", "hf", *kinds] + (["assisted"] if b == 1 else []) + (
-            ["lookup"] if b == 1 and args.prompt_lookup_tokens else [])
-        res: dict[str, list] = {s: [] for s in systems}
-        # Round-robin over systems per unit (rotating who goes first): load from other processes on a
-        # shared CPU then hits every system alike instead of whichever ran during a busy spell.
-        for ui, unit in enumerate(units):
-            order = systems[ui % len(systems):] + systems[: ui % len(systems)]
-            for sname in order:
-                seed = args.seed + 7919 * ui
-                if sname == "off":
-                    res[sname].append(dvi_run(plain, [unit], n, temp, seed=seed))
-                elif sname in engines:
-                    res[sname].append(dvi_run(engines[sname], [unit], n, temp, seed=seed))
-                else:
-                    res[sname].append(hf_generate(target, [unit], n, temp,
-                                                  assistant if sname == "assisted" else None, seed,
-                                                  args.prompt_lookup_tokens if sname == "lookup" else 0))
-        off = merge_runs(res["off"])
-        hf_rate = sum(x[1] for x in res["hf"]) / sum(x[0] for x in res["hf"])
-        comp = hf_compiled(args, units, [[next(warm) for _ in range(b)]], n) if args.hf_compile_timeout > 0 and \
-            temp == 0 else None
-        comp_rate = comp[1] / comp[0] if comp else None
-        hf_texts = [t for x in res["hf"] for t in x[2]]
-        asst_rate = (sum(x[1] for x in res["assisted"]) / sum(x[0] for x in res["assisted"])) if b == 1 else None
-        look = res.get("lookup")
-        look_rate = sum(x[1] for x in look) / sum(x[0] for x in look) if look else None
-        for kind in kinds:
-            run = merge_runs(res[kind])
-            pred = predicted(engines[kind], run)
-            row = dict(domain=domain, temperature=temp, batch_size=b, kind=kind,
-                       prompts=sum(len(x) for x in units), dvi=run | {"k_per_step": None, "texts": None},
-                       dvi_off=off | {"k_per_step": None, "texts": None}, hf_generate_tokens_per_s=hf_rate,
-                       speedup_vs_off=run["tokens_per_s"] / off["tokens_per_s"],
-                       speedup_vs_hf=run["tokens_per_s"] / hf_rate, **pred)
-            if comp_rate:
-                row["hf_compiled_tokens_per_s"] = comp_rate
-                row["speedup_vs_hf_compiled"] = run["tokens_per_s"] / comp_rate
-                row["off_vs_hf_compiled"] = off["tokens_per_s"] / comp_rate
-            if asst_rate:
-                row["hf_assisted_tokens_per_s"] = asst_rate
-                row["speedup_vs_hf_assisted"] = run["tokens_per_s"] / asst_rate
-            if temp == 0:  # greedy: is each fast path's text the plain decoding's? (bf16 width effects)
-                row["dvi_same_text_as_off"] = same_text(run["texts"], off["texts"])
-                if look:
-                    row["hf_prompt_lookup_same_text_as_hf"] = same_text([t for x in look for t in x[2]], hf_texts)
-            if look_rate:
-                row["hf_prompt_lookup_tokens_per_s"] = look_rate
-                row["hf_prompt_lookup_vs_hf"] = look_rate / hf_rate
-                row["speedup_vs_hf_prompt_lookup"] = run["tokens_per_s"] / look_rate
-            ps = row["predicted_speedup"]
-            row["measured_over_predicted"] = row["speedup_vs_off"] / ps if ps else None
-            rows.append(row)
-            print(f"  {domain:5s} T={temp:g} B={b:2d} {kind:10s}: dvi {run['tokens_per_s']:7.1f} tok/s  "
-                  f"off {off['tokens_per_s']:7.1f}  hf {hf_rate:7.1f}  lookup {look_rate or 0:7.1f}  alpha {fmt_rate(run['alpha'], 2)}  K~{pred['mean_k']:.1f}",
-                  flush=True)
+def _run_systems(bench: _Bench, systems: list[str], units: list, temp: float) -> dict[str, list]:
+    """Each system's runs over the units. Round-robin over systems per unit (rotating who goes first): load from
+    other processes on a shared CPU then hits every system alike instead of whichever ran during a busy spell."""
+    args, n = bench.args, bench.args.max_new_tokens
+    res: dict[str, list] = {s: [] for s in systems}
+    for ui, unit in enumerate(units):
+        order = systems[ui % len(systems):] + systems[: ui % len(systems)]
+        for sname in order:
+            seed = args.seed + 7919 * ui
+            if sname == "off":
+                res[sname].append(dvi_run(bench.plain, [unit], n, temp, seed=seed))
+            elif sname in bench.engines:
+                res[sname].append(dvi_run(bench.engines[sname], [unit], n, temp, seed=seed))
+            else:
+                res[sname].append(hf_generate(bench.target, [unit], n, temp,
+                                              bench.assistant if sname == "assisted" else None, seed,
+                                              args.prompt_lookup_tokens if sname == "lookup" else 0))
+    return res
 
-    def best(domain, temp, b, key="speedup_vs_hf"):
-        cands = [r for r in rows if r["domain"] == domain and r["temperature"] == temp and r["batch_size"] == b]
-        return max(cands, key=lambda r: r[key] or 0.0) if cands else None
 
-    code1, chat1 = best("code", 0.0, 1), best("chat", 0.0, 1)
-    eagle1 = next((r for r in rows if r["kind"] == "eagle" and r["domain"] == "code" and r["temperature"] == 0.0
-                   and r["batch_size"] == 1), None)
+def _rate(runs: list | None) -> float | None:
+    """Tokens per second over HF runs ((seconds, tokens, texts) each)."""
+    return sum(x[1] for x in runs) / sum(x[0] for x in runs) if runs else None
+
+
+def _baselines(bench: _Bench, res: dict[str, list], units: list, temp: float, b: int) -> dict:
+    """What every kind of one setting is compared with: speculation off, HF generate (eager, compiled), HF
+    assisted generation and HF prompt lookup; and how many prompts the setting ran."""
+    args = bench.args
+    comp = hf_compiled(args, units, [[next(bench.warm) for _ in range(b)]], args.max_new_tokens) \
+        if args.hf_compile_timeout > 0 and temp == 0 else None
+    return dict(off=merge_runs(res["off"]), hf_rate=_rate(res["hf"]), comp_rate=comp[1] / comp[0] if comp else None,
+                hf_texts=[t for x in res["hf"] for t in x[2]], asst_rate=_rate(res["assisted"]) if b == 1 else None,
+                look=res.get("lookup"), look_rate=_rate(res.get("lookup")), prompts=sum(len(x) for x in units))
+
+
+def _kind_row(bench: _Bench, kind: str, runs: list, base: dict, setting: dict) -> dict:
+    """One drafter kind's row of one setting: its run against the baselines, and the predicted speedup."""
+    run, off, hf_rate = merge_runs(runs), base["off"], base["hf_rate"]
+    comp_rate, asst_rate, look, look_rate = base["comp_rate"], base["asst_rate"], base["look"], base["look_rate"]
+    pred = predicted(bench.engines[kind], run)
+    row = dict(**setting, kind=kind, prompts=base["prompts"], dvi=run | {"k_per_step": None, "texts": None},
+               dvi_off=off | {"k_per_step": None, "texts": None}, hf_generate_tokens_per_s=hf_rate,
+               speedup_vs_off=run["tokens_per_s"] / off["tokens_per_s"],
+               speedup_vs_hf=run["tokens_per_s"] / hf_rate, **pred)
+    if comp_rate:
+        row["hf_compiled_tokens_per_s"] = comp_rate
+        row["speedup_vs_hf_compiled"] = run["tokens_per_s"] / comp_rate
+        row["off_vs_hf_compiled"] = off["tokens_per_s"] / comp_rate
+    if asst_rate:
+        row["hf_assisted_tokens_per_s"] = asst_rate
+        row["speedup_vs_hf_assisted"] = run["tokens_per_s"] / asst_rate
+    if setting["temperature"] == 0:  # greedy: is each fast path's text the plain decoding's? (bf16 width effects)
+        row["dvi_same_text_as_off"] = same_text(run["texts"], off["texts"])
+        if look:
+            row["hf_prompt_lookup_same_text_as_hf"] = same_text([t for x in look for t in x[2]], base["hf_texts"])
+    if look_rate:
+        row["hf_prompt_lookup_tokens_per_s"] = look_rate
+        row["hf_prompt_lookup_vs_hf"] = look_rate / hf_rate
+        row["speedup_vs_hf_prompt_lookup"] = run["tokens_per_s"] / look_rate
+    ps = row["predicted_speedup"]
+    row["measured_over_predicted"] = row["speedup_vs_off"] / ps if ps else None
+    print(f"  {setting['domain']:5s} T={setting['temperature']:g} B={setting['batch_size']:2d} {kind:10s}: dvi "
+          f"{run['tokens_per_s']:7.1f} tok/s  off {off['tokens_per_s']:7.1f}  hf {hf_rate:7.1f}  lookup "
+          f"{look_rate or 0:7.1f}  alpha {fmt_rate(run['alpha'], 2)}  K~{pred['mean_k']:.1f}", flush=True)
+    return row
+
+
+def _measure(bench: _Bench, domain: str, temp: float, b: int) -> list[dict]:
+    """One setting (domain x temperature x batch size): every system on the same prompts, a row per drafter kind."""
+    args, kinds = bench.args, bench.kinds
+    for cache in bench.caches:   # settings reuse the prompts: no setting may draft from another's outputs
+        cache.clear()
+    stream = prompt_source(domain, bench.pair.tokenizer, args.seed)
+    nb = args.prompts_b1 if b == 1 else args.batches
+    units = [[next(stream) for _ in range(b)] for _ in range(nb)]
+    if args.history and bench.caches:  # later draws of the same stream, none equal to a measured prompt
+        seen = {tuple(p) for u in units for p in u}
+        serve_history(bench.plain, bench.caches, (p for p in stream if tuple(p) not in seen), args.history,
+                      args.max_new_tokens)
+    systems = ["off", "hf", *kinds] + (["assisted"] if b == 1 else []) + (
+        ["lookup"] if b == 1 and args.prompt_lookup_tokens else [])
+    res = _run_systems(bench, systems, units, temp)
+    base = _baselines(bench, res, units, temp, b)
+    setting = dict(domain=domain, temperature=temp, batch_size=b)
+    return [_kind_row(bench, kind, res[kind], base, setting) for kind in kinds]
+
+
+def _find(rows: list[dict], domain: str, kind: str | None = None, temp: float = 0.0, b: int = 1) -> dict | None:
+    """The first row of a setting (of one drafter kind, when named)."""
+    return next((r for r in rows if (kind is None or r["kind"] == kind) and r["domain"] == domain
+                 and r["temperature"] == temp and r["batch_size"] == b), None)
+
+
+def _best(rows: list[dict], domain: str, temp: float, b: int, key: str = "speedup_vs_hf") -> dict | None:
+    cands = [r for r in rows if r["domain"] == domain and r["temperature"] == temp and r["batch_size"] == b]
+    return max(cands, key=lambda r: r[key] or 0.0) if cands else None
+
+
+def _goals(rows: list[dict], bss: list[int], on_cuda: bool) -> list:
+    code1, chat1 = _best(rows, "code", 0.0, 1), _best(rows, "chat", 0.0, 1)
+    eagle1 = _find(rows, "code", "eagle")
     b16 = [r for r in rows if r["batch_size"] == max(bss)]
-
-    def kind_row(kind, domain, temp=0.0, b=1):
-        return next((r for r in rows if r["kind"] == kind and r["domain"] == domain and r["temperature"] == temp
-                     and r["batch_size"] == b), None)
-
-    hyb_code, hyb_chat = kind_row("hybrid", "code"), kind_row("hybrid", "chat")
+    hyb_code, hyb_chat = _find(rows, "code", "hybrid"), _find(rows, "chat", "hybrid")
     hyb16 = [r for r in b16 if r["kind"] == "hybrid"]
     goals = [
         goal("eagle vs HF generate (code, greedy, batch 1)", eagle1 and eagle1["speedup_vs_hf"], 2.0),
@@ -226,19 +269,28 @@ def main(argv=None) -> int:
         goal(f"hybrid, batch {max(bss)}: worst vs speculation off over domains and temperatures",
              min((r["speedup_vs_off"] for r in hyb16), default=None), 1.0),
     ]
-    if target.device.type == "cuda":  # issue 33's GPU goals (speculation off is the same in every row of a setting)
-        def off_vs_hf(domain, b):
-            r = next((r for r in rows if r["domain"] == domain and r["temperature"] == 0.0 and r["batch_size"] == b), None)
-            return r and r["dvi_off"]["tokens_per_s"] / r["hf_generate_tokens_per_s"]
+    return goals + (_gpu_goals(rows, bss) if on_cuda else [])
 
-        sfx = kind_row("suffix", "code")
-        goals += [
-            goal("GPU: dvi speculation off vs HF generate eager (code, greedy, batch 1)", off_vs_hf("code", 1), 5.0),
-            goal("GPU: suffix vs dvi speculation off (code, greedy, batch 1)", sfx and sfx["speedup_vs_off"], 1.5),
-            goal(f"GPU: dvi speculation off vs HF generate eager (code, greedy, batch {max(bss)})",
-                 off_vs_hf("code", max(bss)), 3.0),
-        ]
-    out = dict(
+
+def _gpu_goals(rows: list[dict], bss: list[int]) -> list:
+    """Issue 33's GPU goals (speculation off is the same in every row of a setting)."""
+    def off_vs_hf(domain, b):
+        r = _find(rows, domain, b=b)
+        return r and r["dvi_off"]["tokens_per_s"] / r["hf_generate_tokens_per_s"]
+
+    sfx = _find(rows, "code", "suffix")
+    return [
+        goal("GPU: dvi speculation off vs HF generate eager (code, greedy, batch 1)", off_vs_hf("code", 1), 5.0),
+        goal("GPU: suffix vs dvi speculation off (code, greedy, batch 1)", sfx and sfx["speedup_vs_off"], 1.5),
+        goal(f"GPU: dvi speculation off vs HF generate eager (code, greedy, batch {max(bss)})",
+             off_vs_hf("code", max(bss)), 3.0),
+    ]
+
+
+def _report(bench: _Bench, rows: list[dict], goals: list, runtime_s: float) -> dict:
+    """The JSON the benchmark writes: its settings, the models, a row per setting and kind, the goals."""
+    target, args = bench.target, bench.args
+    return dict(
         benchmark="decode",
         settings=vars(args) | {
             "device": str(target.device),
@@ -248,17 +300,16 @@ def main(argv=None) -> int:
         },
         models=dict(
             target_layers=target.config.num_hidden_layers, target_hidden=target.config.hidden_size,
-            drafter_layers=pair.drafter.config.num_hidden_layers, vocab=target.config.vocab_size,
-            draft_vocab={k: _draft_vocab(d) for k, d in drafters.items()},
+            drafter_layers=bench.pair.drafter.config.num_hidden_layers, vocab=target.config.vocab_size,
+            draft_vocab={k: _draft_vocab(d) for k, d in bench.drafters.items()},
         ),
         results=rows,
         goals=goals,
-        runtime_s=time.perf_counter() - t_start,
+        runtime_s=runtime_s,
     )
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2, default=str))
 
+
+def _print_table(rows: list[dict]) -> None:
     hdr = (
         f"{'domain':6s} {'T':>3s} {'B':>3s} {'kind':10s} {'dvi tok/s':>9s} {'off':>7s} {'HF':>7s} {'HFasst':>7s} {'alpha':>5s} "
         f"{'acc.len':>7s} {'K':>4s} {'xoff':>5s} {'xHF':>5s} {'xAsst':>5s} {'PLD':>7s} {'PLDxHF':>6s} {'xPLD':>5s} {'pred':>5s} "
@@ -282,6 +333,24 @@ def main(argv=None) -> int:
             f"{(f'{pld_hf:6.2f}' if pld_hf else '     -')} {(f'{xpld:5.2f}' if xpld else '    -')} {(f'{ps:5.2f}' if ps else '    -')} {(f'{mp:5.2f}' if mp else '    -')} "
             f"{_share(r.get('dvi_same_text_as_off'))} {_share(r.get('hf_prompt_lookup_same_text_as_hf'))}  {pp}"
         )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    bench = _load(args)
+    domains = [d for d in args.domains.split(",") if d]
+    temps = [float(t) for t in args.temperatures.split(",") if t]
+    bss = [int(b) for b in args.batch_sizes.split(",") if b]
+    _warm_up(bench, bss)
+    rows = [row for domain, temp, b in itertools.product(domains, temps, bss) for row in _measure(bench, domain, temp, b)]
+    goals = _goals(rows, bss, bench.target.device.type == "cuda")
+    out = _report(bench, rows, goals, time.perf_counter() - t_start)
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=str))
+    _print_table(rows)
     print_goals(goals)
     print(f"\nwrote {path} ({out['runtime_s']:.0f} s)")
     return 0
