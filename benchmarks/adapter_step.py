@@ -77,15 +77,7 @@ def hf_arm(model, ctx: torch.Tensor, k: int, adapter_names: list[str] | None):
     return run
 
 
-@torch.inference_mode()
-def main(argv=None) -> int:
-    from peft import get_peft_model_state_dict
-
-    from dvi.config import load_config
-    from dvi.drafters.adapters import AdapterBank, LoraFactors, projection_sizes
-    from serving.loading import load_serving_pair
-    from trainers.builds.shipped_drafter import cpu_model
-
+def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="adapter_step", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="smollm2")
     ap.add_argument("--batch", type=int, default=16)
@@ -95,7 +87,41 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=60)
     ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def adapter_bank(drafter, pm, groups: int, dtype: torch.dtype):
+    """The serving side's bank holding the same `groups` adapters as the PEFT model `pm`."""
+    from peft import get_peft_model_state_dict
+
+    from dvi.drafters.adapters import AdapterBank, LoraFactors, projection_sizes
+
+    bank = AdapterBank(drafter.config.num_hidden_layers, dtype, torch.device("cpu"))
+    sizes = projection_sizes(drafter)
+    for g in range(groups):
+        sd = get_peft_model_state_dict(pm, adapter_name=f"g{g}")
+        bank.set(f"g{g}", LoraFactors.from_peft(sd, 2.0, sizes, drafter.config.num_hidden_layers))
+    return bank
+
+
+def interleaved(arms: dict, repeats: int, k: int) -> dict[str, list[float]]:
+    """Seconds per forward of each arm, the arms taking turns each round, after two warm-up rounds."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for r in range(repeats + 2):
+        for name, run in arms.items():
+            dt = run()
+            if r >= 2:  # two warm-up rounds
+                times[name].append(dt / k)
+    return times
+
+
+@torch.inference_mode()
+def main(argv=None) -> int:
+    from dvi.config import load_config
+    from serving.loading import load_serving_pair
+    from trainers.builds.shipped_drafter import cpu_model
+
+    a = parse_args(argv)
     torch.set_num_threads(1)
     built_pair(a.preset, None)
     pair = load_serving_pair(load_config(None, [f"models.preset={a.preset}", "models.device=cpu"]))
@@ -103,21 +129,12 @@ def main(argv=None) -> int:
     dtype = next(drafter.parameters()).dtype
     pm = peft_adapters(drafter, a.groups, a.rank)
     names = [f"g{i % a.groups}" for i in range(a.batch)]
-    bank = AdapterBank(drafter.config.num_hidden_layers, dtype, torch.device("cpu"))
-    sizes = projection_sizes(drafter)
-    for g in range(a.groups):
-        sd = get_peft_model_state_dict(pm, adapter_name=f"g{g}")
-        bank.set(f"g{g}", LoraFactors.from_peft(sd, 2.0, sizes, drafter.config.num_hidden_layers))
+    bank = adapter_bank(drafter, pm, a.groups, dtype)
     ctx = torch.randint(100, 8000, (a.batch, a.context), generator=torch.Generator().manual_seed(0))
     arms = {"lean": lean_arm(copy.deepcopy(drafter), None, names, ctx, a.k),
             "lean + bank": lean_arm(copy.deepcopy(drafter), bank, names, ctx, a.k),
             "hf": hf_arm(drafter, ctx, a.k, None), "peft mixed": hf_arm(pm, ctx, a.k, names)}
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for r in range(a.repeats + 2):
-        for name, run in arms.items():
-            dt = run()
-            if r >= 2:  # two warm-up rounds
-                times[name].append(dt / a.k)
+    times = interleaved(arms, a.repeats, a.k)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = [b / p for b, p in zip(times["lean + bank"], times["lean"], strict=True)]
     peft_ratios = [b / p for b, p in zip(times["peft mixed"], times["hf"], strict=True)]

@@ -146,7 +146,7 @@ def replay(streams: list[dict], policy: str, branches: int, depth: int, cost) ->
             "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="smollm2")
     ap.add_argument("--root", default=None)
@@ -160,7 +160,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=Path("bench_results/draft_oracle.json"))
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def interpolated(costs: dict[int, float]):
+    """Modelled seconds of a verify `w` tokens wide, between the measured widths."""
+    widths = sorted(costs)
+
+    def cost(w: int) -> float:
+        return float(np.interp(w, widths, [costs[k] for k in widths]))
+
+    return cost
+
+
+def replay_domain(streams: list[dict], domain: str, args, costs: dict[int, float], goals: list) -> dict:
+    """Every policy replayed over one domain's greedy streams, a row each against plain decoding and HF prompt
+    lookup (depth 10); appends the domain's goals to `goals`."""
+    cost = interpolated(costs)
+    branches = [int(x) for x in args.branches.split(",")]
+    depths = [int(x) for x in args.depths.split(",")]
+    off = 1.0 / costs[0]  # tokens/s of plain decoding: one token per plain step
+    rows = []
+    base = replay(streams, "lookup", 1, 10, cost)
+    for policy, b, d in [("lookup", 1, 10)] + [("suffix", 1, d) for d in depths] + \
+            [("tree", b, d) for b, d in itertools.product(branches[1:], depths)]:
+        r = base if (policy, d) == ("lookup", 10) else replay(streams, policy, b, d, cost)
+        r.update(domain=domain, policy=policy, branches=b, depth=d, x_off=r["tokens_per_s"] / off,
+                 x_lookup=r["tokens_per_s"] / base["tokens_per_s"])
+        rows.append(r)
+        print(f"{domain:8s} {policy:7s} {b:>2} {d:>5} {r['tokens_per_step']:>8.2f} {r['mean_width']:>6.1f} "
+              f"{r['x_off']:>6.2f} {r['x_lookup']:>8.2f}", flush=True)
+    best = max(rows[1:], key=lambda r: r["x_lookup"])
+    need = base["tokens_per_step"] * 1.2 * cost(best["mean_width"]) / cost(base["mean_width"])
+    if domain == "chat":  # issue 26's chat goal is against HF generate, which runs at plain decoding's speed here
+        top = max(rows, key=lambda r: r["x_off"])
+        goals.append(goal(f"best modelled history draft ({top['policy']}, B={top['branches']}, depth {top['depth']}) "
+                          "vs plain decoding, chat, greedy, batch 1", top["x_off"], 1.3))
+    goals.append(goal(f"best modelled history draft ({best['policy']}, B={best['branches']}, depth {best['depth']}) "
+                      f"vs HF prompt lookup, {domain}, greedy, batch 1", best["x_lookup"], 1.2))
+    return {"rows": rows, "best": best, "tokens_per_step_needed_for_1.2x_lookup_at_best_width": need}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from dvi.drafters.factory import make_proposer
     from dvi.drafters.suffix import SuffixCache
@@ -174,39 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     engine = SpeculativeEngine(target, make_proposer("suffix", None, vocab, torch.device("cpu"), SuffixCache()),
                                adaptive=True, max_draft_tokens=max(WIDTHS))
     costs = verify_costs(engine)
-    widths = sorted(costs)
-
-    def cost(w: int) -> float:
-        return float(np.interp(w, widths, [costs[k] for k in widths]))
-
-    print("verify cost (ms, batch 1, width k+1): " + ", ".join(f"k={k} {1e3 * costs[k]:.1f}" for k in widths), flush=True)
-    branches = [int(x) for x in args.branches.split(",")]
-    depths = [int(x) for x in args.depths.split(",")]
+    print("verify cost (ms, batch 1, width k+1): " + ", ".join(f"k={k} {1e3 * costs[k]:.1f}" for k in sorted(costs)),
+          flush=True)
     results, goals = {}, []
     print(f"{'domain':8s} {'policy':7s} {'B':>2} {'depth':>5} {'tok/step':>8} {'width':>6} {'x off':>6} {'x lookup':>8}")
     for domain in [d for d in args.domains.split(",") if d]:
         streams = greedy_streams(target, tok, domain, args.prompts, args.max_new_tokens, args.seed,
                                  SpeculativeEngine(target, None) if args.text == "dvi" else None)
-        off = 1.0 / costs[0]  # tokens/s of plain decoding: one token per plain step
-        rows = []
-        base = replay(streams, "lookup", 1, 10, cost)
-        for policy, b, d in [("lookup", 1, 10)] + [("suffix", 1, d) for d in depths] + \
-                [("tree", b, d) for b, d in itertools.product(branches[1:], depths)]:
-            r = base if (policy, d) == ("lookup", 10) else replay(streams, policy, b, d, cost)
-            r.update(domain=domain, policy=policy, branches=b, depth=d, x_off=r["tokens_per_s"] / off,
-                     x_lookup=r["tokens_per_s"] / base["tokens_per_s"])
-            rows.append(r)
-            print(f"{domain:8s} {policy:7s} {b:>2} {d:>5} {r['tokens_per_step']:>8.2f} {r['mean_width']:>6.1f} "
-                  f"{r['x_off']:>6.2f} {r['x_lookup']:>8.2f}", flush=True)
-        best = max(rows[1:], key=lambda r: r["x_lookup"])
-        need = base["tokens_per_step"] * 1.2 * cost(best["mean_width"]) / cost(base["mean_width"])
-        results[domain] = {"rows": rows, "best": best, "tokens_per_step_needed_for_1.2x_lookup_at_best_width": need}
-        if domain == "chat":  # issue 26's chat goal is against HF generate, which runs at plain decoding's speed here
-            top = max(rows, key=lambda r: r["x_off"])
-            goals.append(goal(f"best modelled history draft ({top['policy']}, B={top['branches']}, depth {top['depth']}) "
-                              "vs plain decoding, chat, greedy, batch 1", top["x_off"], 1.3))
-        goals.append(goal(f"best modelled history draft ({best['policy']}, B={best['branches']}, depth {best['depth']}) "
-                          f"vs HF prompt lookup, {domain}, greedy, batch 1", best["x_lookup"], 1.2))
+        results[domain] = replay_domain(streams, domain, args, costs, goals)
     out = {"benchmark": "draft_oracle", "settings": vars(args), "verify_cost_s": costs, "domains": results,
            "goals": goals, "wall_s": time.perf_counter() - t0}
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,9 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -81,17 +82,34 @@ def new_text(target, tok, budget, seed: int, cache: Path) -> dict[str, torch.Ten
     return streams
 
 
-def main(argv=None) -> int:
-    from benchmarks._ceiling_data import eval_sets
+@dataclass
+class _Start:
+    """What both arms start from: the target, the shipped drafter, the new text and its draft vocabulary order."""
+    a: argparse.Namespace
+    p: Any
+    paths: Any
+    target: Any
+    tok: Any
+    budget: Any
+    streams: dict[str, torch.Tensor]
+    shipped: Any
+    stored: torch.Tensor
+    order: torch.Tensor
+
+    def one_layer(self):
+        from trainers.builds.pretrained_build import make_drafter
+        from trainers.builds.shipped_drafter import load_into
+
+        skeleton = make_drafter(self.target, self.p.drafter_layers, self.p.drafter_intermediate_size).to(torch.bfloat16)
+        return load_into(self.shipped, skeleton).float()
+
+
+def _start(a: argparse.Namespace) -> _Start:
     from dvi.drafters.vocab import frequent_token_ids
     from dvi.models.embedded import EmbeddedPaths, embedded_dir, get_preset
-    from dvi.models.loading import load_causal_lm
-    from trainers.builds.build_common import schedule
-    from trainers.builds.device_build import Budget, _load, distill_online
-    from trainers.builds.pretrained_build import make_drafter
-    from trainers.builds.shipped_drafter import SHIPPED_ROOT, _stored_order, load_into, read
+    from trainers.builds.device_build import Budget, _load
+    from trainers.builds.shipped_drafter import SHIPPED_ROOT, _stored_order, read
 
-    a = parse_args(argv)
     p = get_preset("smollm2")
     paths = EmbeddedPaths.at(embedded_dir(p.name))
     target, tok = _load(paths, "cpu")
@@ -106,46 +124,66 @@ def main(argv=None) -> int:
     vocab = int(target.config.vocab_size)
     order = frequent_token_ids(list(streams.values()), vocab, always=sorted(set(tok.all_special_ids)), vocab_size=vocab)
     order = torch.cat([stored, order[~torch.isin(order, stored)]])  # the shipped head rows stay the trained ones
+    return _Start(a, p, paths, target, tok, budget, streams, shipped, stored, order)
 
-    def one_layer():
-        skeleton = make_drafter(target, p.drafter_layers, p.drafter_intermediate_size).to(torch.bfloat16)
-        return load_into(shipped, skeleton).float()
 
-    sets = eval_sets(load_causal_lm(paths.target, "cpu", "float32"), tok, ROOT / "runs" / "shipped_agreement", (), n=24)
+def _train(st: _Start, arm: str) -> tuple[Any, dict]:
+    """Arm `one` (the shipped drafter as it is) or `two` (grown by a layer) trained on the new text."""
+    from trainers.builds.build_common import schedule
+    from trainers.builds.device_build import distill_online
+
+    p, a, budget = st.p, st.a, st.budget
+    d = st.one_layer() if arm == "one" else grown(st.one_layer(), st.target, p, a.grow_from)
+    sched = replace(schedule(p, budget.tokens, f"drafter[{arm}]", True, lr=budget.lr), probe=None)
+    t0 = time.perf_counter()
+    stats = distill_online(d, st.target, st.streams, st.order[: p.train_vocab], budget, sched, p.seq_len, a.seed)
+    return d, {"wall_s": time.perf_counter() - t0, "tokens_per_s": stats["tokens_per_s"],
+               "kl": [stats["first_loss"], stats["final_loss"]], "params": sum(x.numel() for x in d.parameters())}
+
+
+def _print_table(a, n: int, rate: dict, arms: dict, diff: dict, same_start: bool) -> None:
+    doms = list(diff)
+    print(f"position-0 agreement on unseen text at {n} draft ids ({a.tokens:,} token-passes per arm, seed {a.seed}; "
+          f"the grown drafter starts equal to the shipped one: {same_start})")
+    print(f"  {'arm':<9}" + "".join(f"{dom:>9}" for dom in doms) + f"{'wall s':>9}{'tok/s':>8}")
+    for k, v in rate.items():
+        extra = arms.get(k, {})
+        print(f"  {k:<9}" + "".join(f"{v[d]:>9.3f}" for d in doms)
+              + (f"{extra['wall_s']:>9.0f}{extra['tokens_per_s']:>8.0f}" if extra else ""))
+    print("  two - one: " + ", ".join(f"{d} {v['mean']:+.3f} ± {v['se']:.3f} (paired SE, {v['positions']} positions)"
+                                      for d, v in diff.items()))
+
+
+def main(argv=None) -> int:
+    from benchmarks._ceiling_data import eval_sets
+    from dvi.models.loading import load_causal_lm
+
+    a = parse_args(argv)
+    st = _start(a)
+    p, target = st.p, st.target
+    sets = eval_sets(load_causal_lm(st.paths.target, "cpu", "float32"), st.tok, ROOT / "runs" / "shipped_agreement",
+                     (), n=24)
     n = p.serve_draft_vocab
-    scored = {"shipped": hits(one_layer(), sets, stored, n)}
-    grown_start = hits(grown(one_layer(), target, p, a.grow_from), sets, stored, n)
+    scored = {"shipped": hits(st.one_layer(), sets, st.stored, n)}
+    grown_start = hits(grown(st.one_layer(), target, p, a.grow_from), sets, st.stored, n)
     arms: dict[str, dict] = {}
     for arm in ("one", "two"):
-        d = one_layer() if arm == "one" else grown(one_layer(), target, p, a.grow_from)
-        sched = replace(schedule(p, budget.tokens, f"drafter[{arm}]", True, lr=budget.lr), probe=None)
-        t0 = time.perf_counter()
-        stats = distill_online(d, target, streams, order[: p.train_vocab], budget, sched, p.seq_len, a.seed)
-        arms[arm] = {"wall_s": time.perf_counter() - t0, "tokens_per_s": stats["tokens_per_s"],
-                     "kl": [stats["first_loss"], stats["final_loss"]], "params": sum(x.numel() for x in d.parameters())}
-        scored[arm] = hits(d, sets, stored, n)
+        d, arms[arm] = _train(st, arm)
+        scored[arm] = hits(d, sets, st.stored, n)
     rate = {k: {dom: float(h.float().mean()) for dom, h in v.items()} for k, v in scored.items()}
     diff = {}
     for dom in sets:
         x = scored["two"][dom].float() - scored["one"][dom].float()
         diff[dom] = {"mean": float(x.mean()), "se": float(x.std() / len(x) ** 0.5), "positions": len(x)}
     same_start = all(torch.equal(grown_start[d], scored["shipped"][d]) for d in sets)
-    print(f"position-0 agreement on unseen text at {n} draft ids ({a.tokens:,} token-passes per arm, seed {a.seed}; "
-          f"the grown drafter starts equal to the shipped one: {same_start})")
-    print(f"  {'arm':<9}" + "".join(f"{dom:>9}" for dom in sets) + f"{'wall s':>9}{'tok/s':>8}")
-    for k, v in rate.items():
-        extra = arms.get(k, {})
-        print(f"  {k:<9}" + "".join(f"{v[d]:>9.3f}" for d in sets)
-              + (f"{extra['wall_s']:>9.0f}{extra['tokens_per_s']:>8.0f}" if extra else ""))
-    print("  two - one: " + ", ".join(f"{d} {v['mean']:+.3f} ± {v['se']:.3f} (paired SE, {v['positions']} positions)"
-                                      for d, v in diff.items()))
+    _print_table(a, n, rate, arms, diff, same_start)
     goals = [goal("two layers - one layer, chat position-0 agreement (unseen)", diff["chat"]["mean"], DEEPER_BAR),
              goal("the grown drafter starts as the shipped one (1 = every position equal)", float(same_start), 1.0)]
     print_goals(goals)
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(clean_json({"benchmark": "drafter_depth", "args": {k: str(v) for k, v in vars(a).items()},
                                              "agreement": rate, "two_minus_one": diff, "arms": arms,
-                                             "training_text_tokens": {k: int(v.numel()) for k, v in streams.items()},
+                                             "training_text_tokens": {k: int(v.numel()) for k, v in st.streams.items()},
                                              "goals": goals}), indent=1))
     return 0
 

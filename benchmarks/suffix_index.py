@@ -211,19 +211,14 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    tok = make_tokenizer(args.tokenizer)
-    rng = random.Random(args.seed)
-    loads = {w: workload(w, tok, rng, args.requests, args.prompt_tokens, args.output_tokens)
-             for w in ("code", "prose", "agentic")}
-    # Costs: a 200k-token global index, then a replayed decode timed per call.
+def measure_costs(args, tok, code_requests) -> dict:
+    """Costs: a 200k-token global index (its fill and churn), then a replayed decode timed per call."""
     cache = SuffixCache()
     fill = fill_global(cache, tok, args.global_tokens, args.seed)
     chunks = fill.pop("chunks")
     fill["churn"] = churn(chunks, args.global_tokens // 2)
     times: list[float] = []
-    replay(cache, loads["code"], args, {}, times)
+    replay(cache, code_requests, args, {}, times)
     prop_us = [1e6 * t for t, _ in times if t > 0]
     cpu_us = [1e6 * c for t, c in times if t > 0]
     app_us = [-1e6 * t for t, _ in times if t < 0]
@@ -244,7 +239,11 @@ def main(argv=None) -> int:
           f"{costs['propose_cpu_median_us']:.0f} us, p99 {costs['propose_cpu_p99_us']:.0f} us); "
           f"append median {costs['append_median_us']:.1f} us (CPU {costs['append_cpu_median_us']:.1f}), "
           f"p99 {costs['append_p99_us']:.1f} us")
-    # Quality: every rule on every workload, each from an empty global index (history = earlier requests).
+    return costs
+
+
+def measure_quality(args, loads: dict) -> dict:
+    """Quality: every rule on every workload, each from an empty global index (history = earlier requests)."""
     quality: dict = {}
     print(f"\n{'workload':9} {'rule':14} {'acc/step':>8} {'draft/step':>10} {'tok/step':>8} {'speedup~':>8}")
     for w, reqs in loads.items():
@@ -259,8 +258,13 @@ def main(argv=None) -> int:
     for w in loads:
         for k, c in quality[w].get("longest", {}).get("calibration", {}).items():
             print(f"  {w:8} {k:18} n={c['n']:5d} score {c['score']:5.2f} accepted {c['accepted']:5.2f}")
+    return quality
+
+
+def cost_goals(args, costs: dict) -> list[dict]:
+    ch = costs["churn"]
     overhead = 1e-3 * costs["propose_cpu_median_us"] / args.step_ms
-    goals = [
+    return [
         # CPU time of the calling thread: the wall clock on a shared 2-core machine mostly measures
         # waiting for a core (both are in `costs`).
         goal("propose median, CPU (us)", costs["propose_cpu_median_us"], 250, higher_is_better=False),
@@ -273,6 +277,17 @@ def main(argv=None) -> int:
         goal("memory at 200k tokens (B/token)", costs["bytes_per_token"], 64, higher_is_better=False),
         goal("propose share of a decode step", overhead, 0.01, higher_is_better=False),
     ]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    tok = make_tokenizer(args.tokenizer)
+    rng = random.Random(args.seed)
+    loads = {w: workload(w, tok, rng, args.requests, args.prompt_tokens, args.output_tokens)
+             for w in ("code", "prose", "agentic")}
+    costs = measure_costs(args, tok, loads["code"])
+    quality = measure_quality(args, loads)
+    goals = cost_goals(args, costs)
     print()
     for g in goals:
         print(f"{'MET ' if g['met'] else 'MISS'} {g['name']}: {g['value']:.3g} (target {g['target']})")
