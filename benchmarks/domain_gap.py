@@ -21,6 +21,10 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script (`dvi bench`, `python benchmarks/...`)
+    sys.path.insert(0, str(ROOT))
+
 from benchmarks._common import clean_json
 
 

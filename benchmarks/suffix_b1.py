@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script (`dvi bench`, `python benchmarks/...`)
+    sys.path.insert(0, str(ROOT))
 
 from benchmarks._decode_arms import prompt_source
 from dvi.decode.results import acceptance_rate, mean_accepted_length
@@ -98,7 +103,7 @@ def _summary(runs: list[dict]) -> dict:
                               "mean_accepted_length": mean_accepted_length(c[2], c[0])} for s, c in src.items()}}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="smollm2")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per workload")
@@ -113,18 +118,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pair-dir", default=None, help="a dir with target/ and tokenizer/ (and drafter/) instead of "
                     "the built preset (suffix needs no drafter)")
     ap.add_argument("--json", default=None)
-    a = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    return ap.parse_args(argv)
+
+
+def _load(a: argparse.Namespace):
+    """The pair at --pair-dir, else the built preset's."""
     from dvi.models.loading import load_embedded_pair
 
     if a.pair_dir:
         from dvi.models.loading import load_pair, serving_dtype
 
         d = Path(a.pair_dir)
-        pair = load_pair(d / "target", d / "drafter" if (d / "drafter").is_dir() else None, d / "tokenizer",
+        return load_pair(d / "target", d / "drafter" if (d / "drafter").is_dir() else None, d / "tokenizer",
                          device="cpu", dtype=serving_dtype(a.preset, "auto", "cpu"))
-    else:
-        pair = load_embedded_pair(a.preset, a.root)
+    return load_embedded_pair(a.preset, a.root)
+
+
+def _workload(w: str, a: argparse.Namespace, tok, engines: dict) -> dict:
+    """Every system on one workload's prompts (rotating who goes first), summarised per system and printed."""
+    systems = list(engines)
+    stream = prompt_source("code" if w == "repeat" else w, tok, 0)
+    prompts = _repeat_prompts(tok, 0, a.prompts) if w == "repeat" else [next(stream) for _ in range(a.prompts)]
+    runs: dict[str, list] = {s: [] for s in systems}
+    for i, p in enumerate(prompts):
+        order = systems[i % len(systems):] + systems[: i % len(systems)]
+        for s in order:
+            runs[s].append(_run(engines[s], p, a.n, f"{w}-{i}-{s}"))
+        ref = runs["off"][-1]["token_ids"]
+        same = {s: runs[s][-1]["token_ids"] == ref for s in systems}
+        print(f"{w} prompt {i}: same output as off: {same}", flush=True)
+    res = {s: _summary(r) for s, r in runs.items()}
+    for s in systems:
+        res[s]["speedup_vs_off"] = res[s]["tokens_per_s"] / res["off"]["tokens_per_s"]
+    for s, r in res.items():
+        src = ", ".join(f"{k}: α {v['alpha'] if v['alpha'] is None else round(v['alpha'], 3)} "
+                        f"len {v['mean_accepted_length'] and round(v['mean_accepted_length'], 2)}"
+                        for k, v in r["by_source"].items())
+        print(f"{w:7s} {s:9s} {r['tokens_per_s']:7.1f} tok/s  x{r['speedup_vs_off']:.2f}  mean K "
+              f"{r['mean_k']:.1f}  {src}", flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    torch.set_num_threads(1)
+    pair = _load(a)
     tok = pair.tokenizer
     systems = [s for s in a.systems.split(",") if s]
     engines = _engines(pair, _learned(pair, a), a.k_cap, a.threshold, systems)
@@ -137,28 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     warm = prompt_source("code", tok, 99)
     for name, e in engines.items():
         _run(e, next(warm), 16, f"warm-{name}")
-    out: dict = {"settings": vars(a), "verify_ms_b1": verify_ms, "workloads": {}}
-    for w in a.workloads.split(","):
-        stream = prompt_source("code" if w == "repeat" else w, tok, 0)
-        prompts = _repeat_prompts(tok, 0, a.prompts) if w == "repeat" else [next(stream) for _ in range(a.prompts)]
-        runs: dict[str, list] = {s: [] for s in systems}
-        for i, p in enumerate(prompts):
-            order = systems[i % len(systems):] + systems[: i % len(systems)]
-            for s in order:
-                runs[s].append(_run(engines[s], p, a.n, f"{w}-{i}-{s}"))
-            ref = runs["off"][-1]["token_ids"]
-            same = {s: runs[s][-1]["token_ids"] == ref for s in systems}
-            print(f"{w} prompt {i}: same output as off: {same}", flush=True)
-        res = {s: _summary(r) for s, r in runs.items()}
-        for s in systems:
-            res[s]["speedup_vs_off"] = res[s]["tokens_per_s"] / res["off"]["tokens_per_s"]
-        out["workloads"][w] = res
-        for s, r in res.items():
-            src = ", ".join(f"{k}: α {v['alpha'] if v['alpha'] is None else round(v['alpha'], 3)} "
-                            f"len {v['mean_accepted_length'] and round(v['mean_accepted_length'], 2)}"
-                            for k, v in r["by_source"].items())
-            print(f"{w:7s} {s:9s} {r['tokens_per_s']:7.1f} tok/s  x{r['speedup_vs_off']:.2f}  mean K "
-                  f"{r['mean_k']:.1f}  {src}", flush=True)
+    out: dict = {"settings": vars(a), "verify_ms_b1": verify_ms,
+                 "workloads": {w: _workload(w, a, tok, engines) for w in a.workloads.split(",")}}
     for name, e in engines.items():
         st = e.proposer.stats()
         if st:
