@@ -137,7 +137,7 @@ def _summarize(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=("tiny", "smollm2"), default="smollm2")
     ap.add_argument("--json", type=Path, default=Path("bench_results/serve_load.json"))
@@ -155,58 +155,60 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    arms = {a: ARMS[a] for a in args.arms.split(",") if a}
+    return args
 
+
+def _prompts(args: argparse.Namespace) -> list:
+    """64 held-out code prompts of the (built) preset's tokenizer."""
     from dvi.config import load_config
     from dvi.data import prompt_stream
     from dvi.models.embedded import embedded_paths
     from dvi.models.loading import load_tokenizer
     from serving.loading import ensure_pair
-    from serving.server_process import ServerProcess
 
     ensure_pair(load_config(None, [f"models.preset={args.preset}"]))
     tok = load_tokenizer(embedded_paths(args.preset).tokenizer)
     stream = prompt_stream("code", tok, split="heldout", prompt_tokens=(32, 96), seed=args.seed)
-    prompts = [next(stream) for _ in range(64)]
+    return [next(stream) for _ in range(64)]
 
-    work = Path(tempfile.mkdtemp(prefix="dvi-serve-load-"))
-    base = [f"models.preset={args.preset}", f"run_dir={work}", "serve.trainer=off", "wandb.mode=disabled",
-            f"serve.max_batch_size={args.max_batch_size}", "serve.queue_limit=1024",
-            f"serve.max_tokens_limit={max(args.max_tokens, 64)}", *args.set]
-    figures: dict[str, list[dict]] = {}
-    t_start = time.time()
-    # Both servers run side by side (each one thread, idle while the other is measured) and the arms
-    # alternate level by level, so a change in the machine's other load hits both arms alike.
-    with contextlib.ExitStack() as stack:
-        servers = {}
-        for arm, extra in arms.items():
-            arm_dir = work / arm
-            arm_dir.mkdir(parents=True, exist_ok=True)
-            overrides = base + extra + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
-                                        f"registry.dir={arm_dir / 'registry'}"]
-            print(f"[{arm}] starting server ...", flush=True)
-            servers[arm] = stack.enter_context(ServerProcess(overrides, arm_dir / "server.log", cwd=ROOT))
-            figures[arm] = []
-        for c in levels:
-            n = args.requests or max(24, 2 * c)
-            runs: dict[str, list] = {arm: [] for arm in servers}
-            for r in range(args.rounds):
-                # ABBA: the arm measured first alternates, so a drift in machine speed within a level
-                # hits both arms alike.
-                order = list(servers) if r % 2 == 0 else list(servers)[::-1]
-                for arm in order:
-                    runs[arm].append(asyncio.run(_level(servers[arm].url, prompts, c, n, args.max_tokens,
-                                                        args.warmup)))
-            for arm in servers:
-                fig = _summarize(c, runs[arm])
-                figures[arm].append(fig)
-                a = fig["alpha"]
-                print(f"[{arm}] C={c:>3}: {fig['throughput_tok_s']:7.1f} tok/s  p50 {fig['latency_p50_s']:.3f}s "
-                      f"p99 {fig['latency_p99_s']:.3f}s  ttft p50 {fig['ttft_p50_s']:.3f}s  "
-                      f"α {'-' if a is None else f'{a:.3f}'}  errors {fig['errors']}  rounds "
-                      f"{', '.join(f'{x:.0f}' for x in fig['round_throughputs_tok_s'])}", flush=True)
 
+def _start_servers(stack: contextlib.ExitStack, arms: dict, base: list[str], work: Path) -> dict:
+    """One server per arm, each in its own run dir, closed when `stack` closes."""
+    from serving.server_process import ServerProcess
+
+    servers = {}
+    for arm, extra in arms.items():
+        arm_dir = work / arm
+        arm_dir.mkdir(parents=True, exist_ok=True)
+        overrides = base + extra + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
+                                    f"registry.dir={arm_dir / 'registry'}"]
+        print(f"[{arm}] starting server ...", flush=True)
+        servers[arm] = stack.enter_context(ServerProcess(overrides, arm_dir / "server.log", cwd=ROOT))
+    return servers
+
+
+def _measure_level(servers: dict, c: int, args: argparse.Namespace, prompts: list) -> dict[str, dict]:
+    """Every arm at concurrency `c`, `--rounds` times, pooled into one figure per arm (printed)."""
+    n = args.requests or max(24, 2 * c)
+    runs: dict[str, list] = {arm: [] for arm in servers}
+    for r in range(args.rounds):
+        # ABBA: the arm measured first alternates, so a drift in machine speed within a level
+        # hits both arms alike.
+        order = list(servers) if r % 2 == 0 else list(servers)[::-1]
+        for arm in order:
+            runs[arm].append(asyncio.run(_level(servers[arm].url, prompts, c, n, args.max_tokens, args.warmup)))
+    figs = {}
+    for arm in servers:
+        fig = figs[arm] = _summarize(c, runs[arm])
+        a = fig["alpha"]
+        print(f"[{arm}] C={c:>3}: {fig['throughput_tok_s']:7.1f} tok/s  p50 {fig['latency_p50_s']:.3f}s "
+              f"p99 {fig['latency_p99_s']:.3f}s  ttft p50 {fig['ttft_p50_s']:.3f}s  "
+              f"α {'-' if a is None else f'{a:.3f}'}  errors {fig['errors']}  rounds "
+              f"{', '.join(f'{x:.0f}' for x in fig['round_throughputs_tok_s'])}", flush=True)
+    return figs
+
+
+def _goals(figures: dict[str, list[dict]], levels: list[int]) -> list[dict]:
     def tput(arm: str, c: int) -> float:
         for f in figures.get(arm, []):
             if f["concurrency"] == c:
@@ -224,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     if "chain" in figures:
         goals += [goal(f"trees vs chains throughput at concurrency {c}", tput("spec", c) / tput("chain", c), 1.0)
                   for c in levels]
+    return goals
 
+
+def _print_table(figures: dict[str, list[dict]], goals: list[dict]) -> None:
     header = f"{'arm':<7} {'C':>3} {'req':>4} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'ttft50':>7} {'ttft99':>7} " \
              f"{'alpha':>6} {'err':>4}"
     print("\n" + header + "\n" + "-" * len(header))
@@ -238,6 +243,28 @@ def main(argv: list[str] | None = None) -> int:
     for g in goals:
         print(f"  [{'met' if g['met'] else 'MISSED'}] {g['name']}: {g['value']:.3f} "
               f"({'>=' if g['higher_is_better'] else '<='} {g['target']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    arms = {a: ARMS[a] for a in args.arms.split(",") if a}
+    prompts = _prompts(args)
+    work = Path(tempfile.mkdtemp(prefix="dvi-serve-load-"))
+    base = [f"models.preset={args.preset}", f"run_dir={work}", "serve.trainer=off", "wandb.mode=disabled",
+            f"serve.max_batch_size={args.max_batch_size}", "serve.queue_limit=1024",
+            f"serve.max_tokens_limit={max(args.max_tokens, 64)}", *args.set]
+    figures: dict[str, list[dict]] = {arm: [] for arm in arms}
+    t_start = time.time()
+    # Both servers run side by side (each one thread, idle while the other is measured) and the arms
+    # alternate level by level, so a change in the machine's other load hits both arms alike.
+    with contextlib.ExitStack() as stack:
+        servers = _start_servers(stack, arms, base, work)
+        for c in levels:
+            for arm, fig in _measure_level(servers, c, args, prompts).items():
+                figures[arm].append(fig)
+    goals = _goals(figures, levels)
+    _print_table(figures, goals)
     out = {
         "benchmark": "serve_load",
         "settings": {"preset": args.preset, "concurrency": levels, "requests": args.requests,
