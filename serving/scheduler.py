@@ -228,8 +228,8 @@ class Scheduler:
                 idle = not (controls or self._waiting or self._active)
             if idle and self.heap.idle_due():
                 self.heap.trim()
-            for cmd, fut in controls:
-                self._run(cmd, fut)
+            while controls:  # popped, never a loop variable: a command (a target update holds the whole state dict
+                self._run(*controls.pop(0))  # it loaded, 513 MiB for SmolLM2 in fp32) must not outlive its run
             self._reap_cancelled()
             self._admit()
             if self._active:

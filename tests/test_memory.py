@@ -229,3 +229,37 @@ def test_server_rss_stays_flat_across_six_promotions(tiny_pair_dir, tmp_path):
     # a leak is a trend, so the last three readings' median is held against the first three's
     first, last = sorted(rss[:3])[1], sorted(rss[-3:])[1]
     assert last <= 1.05 * first, rss
+
+
+def test_the_engine_thread_keeps_no_command_after_running_it():
+    """A command's payload (an admin target update's state dict: 513 MiB for SmolLM2 in fp32) is freed once the
+    command ran: the engine loop held the last one in a loop variable until the next command (the soak, issue 60
+    §2, saw the server's RSS 520 MiB up after every target update)."""
+    import weakref
+
+    from test_detok import ScriptedEngine
+
+    from serving.engine_client import UpdateTarget
+    from serving.scheduler import Scheduler
+
+    class Weights(dict):
+        pass
+
+    class Engine(ScriptedEngine):
+        def update_target_weights(self, weights, version, complete=False) -> None:
+            self.target_version = version
+
+    sched = Scheduler(Engine([1, 2]), None, max_batch_size=2, queue_limit=4)
+    sched.start()
+    try:
+        w = Weights(x=torch.zeros(4))
+        ref = weakref.ref(w)
+        sched.command(UpdateTarget(w, 1)).result(30)
+        del w
+        deadline = time.monotonic() + 5
+        while ref() is not None and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.05)
+        assert ref() is None, "the engine thread still holds the target update's weights"
+    finally:
+        sched.stop()
