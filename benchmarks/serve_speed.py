@@ -28,7 +28,9 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,13 +117,150 @@ def hf_arm(target, tok, ids: list[int], n: int, stop: list[int], lookup: int = 0
     return {"seconds": dt, "tokens": len(out), "text": tok.decode(out, skip_special_tokens=True)}
 
 
+@dataclass
+class _Arms:
+    """Every arm's one request: a `dvi serve` per kind over HTTP, HF generate and HF prompt lookup in process."""
+    servers: dict
+    target: Any
+    tok: Any
+    stop: list[int]
+    lookup: int
+
+    def run(self, arm: str, ids: list[int], n: int) -> dict:
+        if arm in self.servers:
+            return server_arm(self.servers[arm].url, ids, n)
+        return hf_arm(self.target, self.tok, ids, n, self.stop, self.lookup if arm == "lookup" else 0)
+
+
+def _start_servers(stack: contextlib.ExitStack, kinds: list[str], base: list[str], work: Path) -> dict:
+    """One `dvi serve` per kind (`off`: speculation off; `KIND:chain`: KIND without draft trees), closed with `stack`."""
+    from serving.server_process import ServerProcess
+
+    servers = {}
+    for kind in kinds:
+        d = work / kind
+        base_kind, _, shape = kind.partition(":")
+        extra = ["speculation.adaptive=false", "speculation.num_draft_tokens=0"] if kind == "off" else \
+            [f"models.drafter_kind={base_kind}"] + (["speculation.tree_width=0"] if shape == "chain" else [])
+        print(f"[{kind}] starting dvi serve ...", flush=True)
+        servers[kind] = stack.enter_context(ServerProcess(
+            base + extra + [f"run_dir={d}", f"feedback.dir={d / 'feedback'}", f"registry.dir={d / 'registry'}"],
+            d / "server.log", cwd=ROOT))
+    return servers
+
+
+def _measure(runner: _Arms, arms: list[str], prompts: dict[str, list], domains: list[str], n: int) -> dict:
+    """After one warm-up request per arm, every domain's prompts through every arm, prompt by prompt in a rotating
+    order: {domain: {arm: [one result per prompt]}}."""
+    for arm in arms:  # warm-up: one request each (first-call costs out of the measurement)
+        runner.run(arm, prompts[domains[0]][0], 8)
+    results: dict[str, dict[str, list[dict]]] = {}
+    for domain in domains:
+        res = results[domain] = {a: [] for a in arms}
+        for i, ids in enumerate(prompts[domain]):
+            order = arms[i % len(arms):] + arms[: i % len(arms)]
+            for arm in order:
+                res[arm].append(runner.run(arm, ids, n))
+            print(f"  {domain} {i + 1}/{len(prompts[domain])}", flush=True)
+    return results
+
+
+def _rate(rs: list[dict]) -> float:
+    return sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+
+
+def _rows(results: dict, kinds: list[str]) -> list[dict]:
+    """Per domain and server arm: tokens/s against HF generate and HF prompt lookup, α, tokens per target pass,
+    per-position acceptance and how many answers equal speculation off's."""
+    rows = []
+    for domain, res in results.items():
+        hf, lookup = _rate(res["hf"]), _rate(res["lookup"])
+        for kind in kinds:
+            rs = res[kind]
+            drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
+            steps = sum(r["steps"] or 0 for r in rs)
+            acc = [sum((r["accepted_per_position"] or [0] * 8)[j] for r in rs) for j in range(8)]
+            dr = [sum((r["drafted_per_position"] or [0] * 8)[j] for r in rs) for j in range(8)]
+            same = sum(a["text"] == b["text"] for a, b in zip(rs, res["off"], strict=True)) if "off" in res else None
+            rows.append(dict(
+                domain=domain, kind=kind, tokens_per_s=_rate(rs), hf_tokens_per_s=hf, lookup_tokens_per_s=lookup,
+                vs_hf=_rate(rs) / hf, vs_lookup=_rate(rs) / lookup, alpha=accepted / drafted if drafted else None,
+                drafted=drafted, tokens_per_step=(sum(r["tokens"] for r in rs) / steps) if steps else None,
+                per_position=[a / d if d else None for a, d in zip(acc, dr, strict=True)],
+                same_text_as_off=same, answers=len(rs)))
+    return rows
+
+
+def _print_table(rows: list[dict], domains, args, dtype) -> None:
+    print(f"\nthrough dvi serve, batch 1, greedy, {args.max_tokens} tokens, {args.device}, {dtype}")
+    print(f"{'domain':6s} {'arm':9s} {'tok/s':>7s} {'xHF':>5s} {'xPLD':>5s} {'alpha':>6s} {'tok/step':>8s} "
+          f"{'=off':>5s}  per-position acceptance")
+    for r in rows:
+        pp = " ".join("-" if a is None else f"{a:.2f}" for a in r["per_position"][:5])
+        print(f"{r['domain']:6s} {r['kind']:9s} {r['tokens_per_s']:7.1f} {r['vs_hf']:5.2f} {r['vs_lookup']:5.2f} "
+              f"{'-' if r['alpha'] is None else format(r['alpha'], '.3f'):>6s} "
+              f"{'-' if r['tokens_per_step'] is None else format(r['tokens_per_step'], '.2f'):>8s} "
+              f"{'-' if r['same_text_as_off'] is None else str(r['same_text_as_off']) + '/' + str(r['answers']):>5s}  {pp}")
+    for domain in domains:
+        first = next(r for r in rows if r["domain"] == domain)
+        print(f"{domain:6s} {'HF':9s} {first['hf_tokens_per_s']:7.1f}"
+              f"   HF prompt lookup {first['lookup_tokens_per_s']:.1f} tok/s")
+
+
+def _row(rows: list[dict], domain: str, kind: str) -> dict | None:
+    return next((r for r in rows if r["domain"] == domain and r["kind"] == kind), None)
+
+
+def _best(rows: list[dict], domain: str) -> dict | None:
+    cands = [r for r in rows if r["domain"] == domain and r["kind"] != "off"]
+    return max(cands, key=lambda r: r["vs_hf"]) if cands else None
+
+
+def _goals(rows: list[dict], kinds: list[str], domains) -> list[dict]:
+    off_code, off_chat = _row(rows, "code", "off"), _row(rows, "chat", "off")
+    b_code, b_chat = _best(rows, "code"), _best(rows, "chat")
+    diffs = sum(r["answers"] - r["same_text_as_off"] for r in rows if r["same_text_as_off"] is not None)
+    goals = [
+        goal("speculation off vs HF generate (code)", off_code and off_code["vs_hf"], 1.3),
+        goal("speculation off vs HF generate (chat)", off_chat and off_chat["vs_hf"], 1.3),
+        goal(f"best kind vs HF generate (code: {b_code and b_code['kind']})", b_code and b_code["vs_hf"], 2.2),
+        goal(f"best kind vs HF prompt lookup (code: {b_code and b_code['kind']})", b_code and b_code["vs_lookup"], 1.25),
+        goal(f"best kind vs HF generate (chat: {b_chat and b_chat['kind']})", b_chat and b_chat["vs_hf"], 1.4),
+        goal("greedy answers that differ from speculation off's", float(diffs), 0.0, higher_is_better=False),
+    ]
+    for kind in kinds:
+        if kind in ("separate", "eagle", "early_exit"):
+            chat, code = _row(rows, "chat", kind), _row(rows, "code", kind)
+            goals.append(goal(f"{kind} alone vs speculation off (chat)", chat and
+                              chat["tokens_per_s"] / off_chat["tokens_per_s"] if off_chat else None, 1.35))
+            goals.append(goal(f"{kind} alone vs speculation off (code)", code and
+                              code["tokens_per_s"] / off_code["tokens_per_s"] if off_code else None, 1.3))
+    return goals + _shape_goals(rows, kinds, domains)
+
+
+def _shape_goals(rows: list[dict], kinds: list[str], domains) -> list[dict]:
+    """Draft trees against chains of the same kind, and hybrid against suffix alone, where both arms ran."""
+    goals = []
+    for domain in domains:
+        for kind in kinds:
+            tree, chain = _row(rows, domain, kind), _row(rows, domain, kind + ":chain")
+            if tree and chain and tree["tokens_per_step"] and chain["tokens_per_step"]:
+                goals.append(goal(f"{kind} trees vs chains, tokens per target pass ({domain})",
+                                  tree["tokens_per_step"] / chain["tokens_per_step"], 1.3 if domain == "chat" else 1.0))
+                goals.append(goal(f"{kind} trees vs chains, tok/s ({domain})",
+                                  tree["tokens_per_s"] / chain["tokens_per_s"], 1.0))
+    if _row(rows, "chat", "hybrid") and _row(rows, "chat", "suffix"):
+        goals.append(goal("hybrid vs suffix alone (chat)", _row(rows, "chat", "hybrid")["tokens_per_s"] /
+                          _row(rows, "chat", "suffix")["tokens_per_s"], 1.15))
+    return goals
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     from dvi.config import load_config
     from dvi.models.loading import load_embedded_pair
     from serving.loading import ensure_pair
-    from serving.server_process import ServerProcess
 
     kinds = [k for k in args.kinds.split(",") if k]
     domains = [d for d in args.domains.split(",") if d]
@@ -134,102 +273,13 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="dvi-serve-speed-"))
     base = [f"models.preset={args.preset}", f"models.device={args.device}", "serve.trainer=off",
             "wandb.mode=disabled", f"serve.max_tokens_limit={max(64, args.max_tokens)}", *args.set]
-    results: dict[str, dict[str, list[dict]]] = {}
     t_start = time.time()
     with contextlib.ExitStack() as stack:
-        servers = {}
-        for kind in kinds:
-            d = work / kind
-            base_kind, _, shape = kind.partition(":")
-            extra = ["speculation.adaptive=false", "speculation.num_draft_tokens=0"] if kind == "off" else \
-                [f"models.drafter_kind={base_kind}"] + (["speculation.tree_width=0"] if shape == "chain" else [])
-            print(f"[{kind}] starting dvi serve ...", flush=True)
-            servers[kind] = stack.enter_context(ServerProcess(
-                base + extra + [f"run_dir={d}", f"feedback.dir={d / 'feedback'}", f"registry.dir={d / 'registry'}"],
-                d / "server.log", cwd=ROOT))
-        arms = [*kinds, "hf", "lookup"]
-        for arm in arms:  # warm-up: one request each (first-call costs out of the measurement)
-            w = prompts[domains[0]][0]
-            server_arm(servers[arm].url, w, 8) if arm in servers else hf_arm(target, tok, w, 8, stop,
-                                                                            args.prompt_lookup_tokens * (arm == "lookup"))
-        for domain in domains:
-            res = results[domain] = {a: [] for a in arms}
-            for i, ids in enumerate(prompts[domain]):
-                order = arms[i % len(arms):] + arms[: i % len(arms)]
-                for arm in order:
-                    if arm in servers:
-                        res[arm].append(server_arm(servers[arm].url, ids, args.max_tokens))
-                    else:
-                        res[arm].append(hf_arm(target, tok, ids, args.max_tokens, stop,
-                                               args.prompt_lookup_tokens if arm == "lookup" else 0))
-                print(f"  {domain} {i + 1}/{len(prompts[domain])}", flush=True)
-
-    def rate(rs: list[dict]) -> float:
-        return sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
-
-    rows = []
-    for domain, res in results.items():
-        hf, lookup = rate(res["hf"]), rate(res["lookup"])
-        for kind in kinds:
-            rs = res[kind]
-            drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
-            steps = sum(r["steps"] or 0 for r in rs)
-            acc = [sum((r["accepted_per_position"] or [0] * 8)[j] for r in rs) for j in range(8)]
-            dr = [sum((r["drafted_per_position"] or [0] * 8)[j] for r in rs) for j in range(8)]
-            same = sum(a["text"] == b["text"] for a, b in zip(rs, res["off"], strict=True)) if "off" in res else None
-            rows.append(dict(
-                domain=domain, kind=kind, tokens_per_s=rate(rs), hf_tokens_per_s=hf, lookup_tokens_per_s=lookup,
-                vs_hf=rate(rs) / hf, vs_lookup=rate(rs) / lookup, alpha=accepted / drafted if drafted else None,
-                drafted=drafted, tokens_per_step=(sum(r["tokens"] for r in rs) / steps) if steps else None,
-                per_position=[a / d if d else None for a, d in zip(acc, dr, strict=True)],
-                same_text_as_off=same, answers=len(rs)))
-    print(f"\nthrough dvi serve, batch 1, greedy, {args.max_tokens} tokens, {args.device}, {target.dtype}")
-    print(f"{'domain':6s} {'arm':9s} {'tok/s':>7s} {'xHF':>5s} {'xPLD':>5s} {'alpha':>6s} {'tok/step':>8s} "
-          f"{'=off':>5s}  per-position acceptance")
-    for r in rows:
-        pp = " ".join("-" if a is None else f"{a:.2f}" for a in r["per_position"][:5])
-        print(f"{r['domain']:6s} {r['kind']:9s} {r['tokens_per_s']:7.1f} {r['vs_hf']:5.2f} {r['vs_lookup']:5.2f} "
-              f"{'-' if r['alpha'] is None else format(r['alpha'], '.3f'):>6s} "
-              f"{'-' if r['tokens_per_step'] is None else format(r['tokens_per_step'], '.2f'):>8s} "
-              f"{'-' if r['same_text_as_off'] is None else str(r['same_text_as_off']) + '/' + str(r['answers']):>5s}  {pp}")
-    for domain in results:
-        print(f"{domain:6s} {'HF':9s} {rows[0]['hf_tokens_per_s'] if False else next(r['hf_tokens_per_s'] for r in rows if r['domain'] == domain):7.1f}"
-              f"   HF prompt lookup {next(r['lookup_tokens_per_s'] for r in rows if r['domain'] == domain):.1f} tok/s")
-
-    def row(domain, kind):
-        return next((r for r in rows if r["domain"] == domain and r["kind"] == kind), None)
-
-    def best(domain):
-        cands = [r for r in rows if r["domain"] == domain and r["kind"] != "off"]
-        return max(cands, key=lambda r: r["vs_hf"]) if cands else None
-
-    off_code, off_chat, b_code, b_chat = row("code", "off"), row("chat", "off"), best("code"), best("chat")
-    diffs = sum(r["answers"] - r["same_text_as_off"] for r in rows if r["same_text_as_off"] is not None)
-    goals = [
-        goal("speculation off vs HF generate (code)", off_code and off_code["vs_hf"], 1.3),
-        goal("speculation off vs HF generate (chat)", off_chat and off_chat["vs_hf"], 1.3),
-        goal(f"best kind vs HF generate (code: {b_code and b_code['kind']})", b_code and b_code["vs_hf"], 2.2),
-        goal(f"best kind vs HF prompt lookup (code: {b_code and b_code['kind']})", b_code and b_code["vs_lookup"], 1.25),
-        goal(f"best kind vs HF generate (chat: {b_chat and b_chat['kind']})", b_chat and b_chat["vs_hf"], 1.4),
-        goal("greedy answers that differ from speculation off's", float(diffs), 0.0, higher_is_better=False),
-    ]
-    for kind in kinds:
-        if kind in ("separate", "eagle", "early_exit"):
-            goals.append(goal(f"{kind} alone vs speculation off (chat)", row("chat", kind) and
-                              row("chat", kind)["tokens_per_s"] / off_chat["tokens_per_s"] if off_chat else None, 1.35))
-            goals.append(goal(f"{kind} alone vs speculation off (code)", row("code", kind) and
-                              row("code", kind)["tokens_per_s"] / off_code["tokens_per_s"] if off_code else None, 1.3))
-    for domain in results:
-        for kind in kinds:
-            tree, chain = row(domain, kind), row(domain, kind + ":chain")
-            if tree and chain and tree["tokens_per_step"] and chain["tokens_per_step"]:
-                goals.append(goal(f"{kind} trees vs chains, tokens per target pass ({domain})",
-                                  tree["tokens_per_step"] / chain["tokens_per_step"], 1.3 if domain == "chat" else 1.0))
-                goals.append(goal(f"{kind} trees vs chains, tok/s ({domain})",
-                                  tree["tokens_per_s"] / chain["tokens_per_s"], 1.0))
-    if row("chat", "hybrid") and row("chat", "suffix"):
-        goals.append(goal("hybrid vs suffix alone (chat)", row("chat", "hybrid")["tokens_per_s"] /
-                          row("chat", "suffix")["tokens_per_s"], 1.15))
+        runner = _Arms(_start_servers(stack, kinds, base, work), target, tok, stop, args.prompt_lookup_tokens)
+        results = _measure(runner, [*kinds, "hf", "lookup"], prompts, domains, args.max_tokens)
+    rows = _rows(results, kinds)
+    _print_table(rows, results, args, target.dtype)
+    goals = _goals(rows, kinds, results)
     print_goals(goals)
     out = clean_json({"benchmark": "serve_speed", "settings": vars(args) | {
         "dtype": str(target.dtype), "machine": platform.platform(), "cpu": cpu_name(), "prompts": {d: len(p) for d, p in prompts.items()}},
