@@ -17,6 +17,14 @@ a promotion lowered held-out α is the publish chain's held-out judging: reporte
 here (rollbacks), not measured.
 
     python benchmarks/soak.py --preset smollm2 [--feedback-tokens 40000] [--json bench_results/soak.json]
+
+With `--minutes N` it is the long soak instead (issue 60 §2, `benchmarks/_soak_long.py`): one online server for N
+minutes of traffic that drifts every `--drift-minutes`, with target updates, cut and abandoned requests and trainer
+kills, sampled every `--sample-seconds`, checked at the end (records = answered requests, 0 5xx, disk bounds, the
+second vs the last quarter, α per group); `--engine vllm` behind vLLM.
+
+    python benchmarks/soak.py --minutes 60 --json bench_results/soak_long.json
+    python benchmarks/soak.py --minutes 30 --engine vllm --drift-minutes 5 --json bench_results/soak_long_vllm.json
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import built_pair, clean_json, goal
 from benchmarks._drift_server import Server, _send, pair_overrides
+from benchmarks._soak_long import add_long_args, run_long
 from dvi import metrics as M
 from dvi.decode.results import acceptance_rate
 
@@ -242,6 +251,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=Path("bench_results/soak.json"))
     ap.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for every server")
+    add_long_args(ap)
     args = ap.parse_args(argv)
     args.feedback_tokens = args.feedback_tokens or DEFAULT_TOKENS[args.preset]
     return args
@@ -259,6 +269,8 @@ def _mix(text: str) -> tuple[tuple[str, float], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.minutes is not None:
+        return run_long(args)
     pair_dir, tok = built_pair(args.preset, args.pair_dir)
     work = args.json.parent / "soak_work"
     base = pair_overrides(pair_dir, args.preset, args.kind, None)
