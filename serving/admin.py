@@ -10,9 +10,11 @@
   server serves it again.
 - ``POST /admin/drafter/rollback`` ``{"reason": ...}``: back to the last version that passed its
   rollback watch (from such a version: the one before it); 409 while pinned.
+- Both are messages to the drafter wing's door (`serving.drafter.client`: `Pin`, `Rollback`); the endpoint awaits
+  the future the drafter thread resolves once its snapshot shows the result, as a target update awaits the engine's.
 - ``POST /admin/trainer/pause`` / ``/admin/trainer/resume``: sets / clears the run dir's pause
   flag (`dvi.rundir`), which the online trainer honours (see `serving.supervisor`).
-- ``GET /admin/status``: the health document plus the swap history; its ``drafter.waiting`` is the version whose
+- ``GET /admin/status``: the health document plus the version events (the drafter snapshot's); its ``drafter.waiting`` is the version whose
   promotion check waits for held-out evidence (``{"version", "heldout_positions", "of"}``: ``of`` is
   ``trainer.shadow_min_positions``), null when none waits.
 
@@ -35,6 +37,7 @@ from dvi.registry.store import AdapterRejected
 
 from .auth import require_admin
 from .bodies import parse_body
+from .drafter.client import DrafterClient, Pin, Rollback
 from .engine_client import UpdateTarget
 from .health import health_info
 from .protocol import ApiError, BodyT, Text
@@ -126,33 +129,35 @@ async def update_target(request: Request) -> dict:
     return {"target_version": version, "path": str(path)}
 
 
-async def _swapper_request(request: Request, model: type) -> tuple[Any, Any]:
-    """(the parsed body, the swapper) of a /admin/drafter request; 409 when no drafter is loaded."""
+async def _drafter_request(request: Request, model: type) -> tuple[Any, DrafterClient]:
+    """(the parsed body, the drafter door) of a /admin/drafter request; 409 when no drafter is loaded."""
     s = _state(request)
     body = await _body(request, model)
-    if s.swapper is None:
+    if s.drafter is None:
         raise ApiError(409, "no drafter is loaded (speculation off)")
-    return body, s.swapper
+    return body, s.drafter
 
 
 async def pin(request: Request) -> dict:
     """POST /admin/drafter/pin: serve exactly one version (null unpins)."""
-    body, swapper = await _swapper_request(request, PinRequest)
+    body, drafter = await _drafter_request(request, PinRequest)
     try:
-        version = await asyncio.to_thread(swapper.pin, body.version)
+        version = await asyncio.wrap_future(drafter.command(Pin(body.version)))
     except AdapterRejected as exc:
         raise ApiError(400, f"drafter version {body.version} refused: {exc.reason}", param="version") from None
     except ValueError as exc:
         raise ApiError(400, str(exc), param="version") from None
-    return {"drafter_version": version, "pinned": swapper.pinned}
+    except RuntimeError as exc:  # the drafter thread is not running (the server stops)
+        raise ApiError(409, str(exc)) from None
+    return {"drafter_version": version, "pinned": drafter.snapshot.shared.pinned}
 
 
 async def rollback(request: Request) -> dict:
     """POST /admin/drafter/rollback: back to the previous drafter."""
-    body, swapper = await _swapper_request(request, RollbackRequest)
+    body, drafter = await _drafter_request(request, RollbackRequest)
     try:
-        version = await asyncio.to_thread(swapper.rollback, body.reason)
-    except (ValueError, AdapterRejected) as exc:
+        version = await asyncio.wrap_future(drafter.command(Rollback(body.reason)))
+    except (ValueError, AdapterRejected, RuntimeError) as exc:
         raise ApiError(409, str(exc)) from None
     return {"drafter_version": version}
 
@@ -177,11 +182,11 @@ async def resume(request: Request) -> dict:
 
 
 async def status(request: Request) -> dict:
-    """GET /admin/status: the health document plus the swap history."""
+    """GET /admin/status: the health document plus the version events."""
     s = _state(request)
     info = health_info(s)
-    if s.swapper is not None:
-        info["swap_events"] = [e.as_dict() for e in s.swapper.events]
+    if s.drafter is not None:
+        info["swap_events"] = [e.as_dict() for e in s.drafter.snapshot.shared.events]
     return info
 
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: the FastAPI app (`create_app`: routes) and `run_server`.
 
-One process holds the models, one engine thread (`serving.scheduler`), the registry watcher
-(`serving.drafter`), the trainer supervisor (`serving.supervisor`) and the feedback writer, all built by
+One process holds the models, one engine thread (`serving.scheduler`), the drafter thread
+(`serving.drafter.client`), the trainer supervisor (`serving.supervisor`) and the feedback writer, all built by
 `serving.state.build_state`. Every request error is a 4xx with an OpenAI-style error body that names the
 field; a 500 only means a bug or an engine failure, and it fails one request, never the server.
 
@@ -77,7 +77,8 @@ def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
     async def metrics(request: Request) -> PlainTextResponse:
         s: ServerState = request.app.state.dvi
         snap = s.scheduler.snapshot  # the engine as its thread last published it (`serving.engine_client`)
-        s.metrics.update_gauges(snap, s.swapper, s.supervisor, s.feedback, s.target_version)
+        drafter = s.drafter.snapshot if s.drafter is not None else None  # the drafter thread's last publication
+        s.metrics.update_gauges(snap, drafter, s.supervisor, s.feedback, s.target_version)
         s.metrics.update_suffix(snap, s.scheduler.suffix_step_seconds.drain(), s.suffix_tailer)
         s.metrics.observe_http_timeouts(getattr(request.app.state, "http_timeouts", {}))
         body, content_type = s.metrics.render()

@@ -2,7 +2,8 @@
 
 Both the app and the admin routes read it, and what makes the server "degraded" (engine loop, trainer, feedback
 writer) is a policy apart from answering requests. It only reads a `ServerState`; it never changes one, and of the engine it reads only the
-snapshot its thread last published (`Scheduler.snapshot`, `serving.engine_client`).
+snapshot its thread last published (`Scheduler.snapshot`, `serving.engine_client`), and of the drafter versions the
+snapshot the drafter thread last published (`DrafterClient.snapshot`, `serving.drafter.client`).
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def public_health(s: ServerState) -> dict[str, Any]:
     for the admin token only.
     """
     reasons = degraded_reasons(s, s.supervisor.info())
-    sw = s.swapper
+    d = s.drafter
     return {"status": "ok" if not reasons else ("degraded" if s.scheduler.alive else "down"),
-            "drafter_version": sw.live_version if sw is not None else None,
+            "drafter_version": d.snapshot.shared.live_version if d is not None else None,
             "target_version": s.target_version}
 
 
@@ -51,7 +52,8 @@ def health_info(s: ServerState) -> dict[str, Any]:
     """The full health document (`/health` with the admin token, `/admin/status`)."""
     alive = s.scheduler.alive
     snap = s.scheduler.snapshot
-    sw = s.swapper.info() if s.swapper is not None else None
+    drafter = s.drafter.snapshot if s.drafter is not None else None
+    sw = drafter.shared.info() if drafter is not None else None
     trainer = s.supervisor.info()
     reasons = degraded_reasons(s, trainer)
     fb = s.feedback
@@ -68,7 +70,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "drafter_version": sw["live_version"] if sw else None,
         "target_version": s.target_version,
         "drafter": sw,
-        "adapters": s.groups.info() if s.groups is not None else None,  # per traffic group (trainer.adapter_key)
+        "adapters": drafter.adapters() if drafter is not None else None,  # per traffic group (trainer.adapter_key)
         "drafter_kind": s.cfg.models.drafter_kind,
         "learned_kind": s.cfg.models.learned_kind,
         "suffix": _suffix_info(s, snap.proposer_stats),

@@ -1,6 +1,6 @@
 """What the endpoints share, built once per server (`build_state`): the engine behind its scheduler, the
-feedback writer, the swapper, the trainer supervisor and the metrics, and how they subscribe to each
-finished request's one final record (`serving.finished`, published once on the engine thread).
+feedback writer, the drafter wing behind its door, the trainer supervisor and the metrics, and how they subscribe to
+each finished request's one final record (`serving.finished`, published once on the engine thread).
 
 Its own module so the endpoints (`serving.completions`, `serving.health`, `serving.admin`, `serving.drain`)
 import the state without importing the app that routes to them.
@@ -20,12 +20,9 @@ from dvi.config import DviConfig
 from dvi.decode.adaptive import batch_bucket
 from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 from dvi.feedback import FeedbackWriter, Retention
-from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
 
-from .drafter.client import GroupSwappers
-from .drafter.lane import DrafterSwapper
-from .drafter.policy import SwapEvent, SwapPolicy
+from .drafter.client import DrafterClient, Observed, VersionEvent
 from .finished import Finished
 from .loading import load_serving_pair, serving_proposer
 from .memory import HeapTrimmer, cap_onednn_cache
@@ -43,8 +40,8 @@ it has the whole drain plus this for its last round, checkpoint and publish; its
 at most the rounds since its last checkpoint (trained again). Bounded so the process is gone within seconds of its
 last answer, inside an orchestrator's grace period."""
 AUX_STOP_S = 2.0
-"""How long the registry watcher and the suffix tailer (daemon threads, told at the signal) are waited for: a
-shadow check under way decides nothing once the stop began (`DrafterSwapper.stop`)."""
+"""How long the drafter thread and the suffix tailer (daemon threads, told at the signal) are waited for: a
+shadow check under way decides nothing once the stop began (`DrafterClient.stop`)."""
 
 
 class FeedbackLog:
@@ -73,7 +70,7 @@ class ServerState:
     cfg: DviConfig
     tokenizer: Any
     scheduler: Scheduler  # the engine's one door (`serving.engine_client`): no field holds the engine itself
-    swapper: DrafterSwapper | None
+    drafter: DrafterClient | None  # the drafter wing's one door (`serving.drafter.client`); None: speculation off
     supervisor: TrainerSupervisor
     feedback: FeedbackWriter | None
     feedback_log: FeedbackLog
@@ -89,7 +86,6 @@ class ServerState:
     draining: bool = False  # a stop was asked for (`serving.drain`): new requests get a 503
     stopping: bool = False  # `begin_stop` ran: the trainer, watcher and tailer were told to stop
     suffix_tailer: Any = None  # serving.suffix_tail.SuffixTailer (suffix / hybrid with a shared feedback dir)
-    groups: GroupSwappers | None = None  # per traffic group, its adapter's swapper (trainer.adapter_key)
     tokenizer_warnings: list[str] = field(default_factory=list)  # its eos / bos vs the model's configs (logged)
     on_stop: list[Callable[[], Any]] = field(default_factory=list)  # after the engine loop: a vLLM child stopped
 
@@ -102,10 +98,8 @@ class ServerState:
 
     def start(self) -> None:
         self.scheduler.start()
-        if self.groups is not None:  # the shared drafter stays as started: the groups' adapters sit on it
-            self.groups.start()
-        elif self.swapper is not None:
-            self.swapper.start()
+        if self.drafter is not None:
+            self.drafter.start()
         self.supervisor.start()
         if self.suffix_tailer is not None:
             self.suffix_tailer.start()
@@ -113,19 +107,18 @@ class ServerState:
     def begin_stop(self) -> None:
         """On the signal (`serving.drain`, before the drain): tell what runs beside the requests to stop, without
         waiting: the trainer gets SIGTERM (its last round, checkpoint and publish overlap the drain), the registry
-        watcher promotes, refuses and rolls back nothing more, the suffix tailer polls no more. `stop` waits."""
+        thread promotes, refuses and rolls back nothing more, the suffix tailer polls no more. `stop` waits."""
         if self.stopping:
             return
         self.stopping = True
         if self.suffix_tailer is not None:
             self.suffix_tailer.stop(timeout=0)
-        for watcher in (self.swapper, self.groups):
-            if watcher is not None:
-                watcher.stop(timeout=0)
+        if self.drafter is not None:
+            self.drafter.stop(timeout=0)
         self.supervisor.request_stop()
 
     def stop(self) -> None:
-        """After the drain: wait for the trainer (`TRAINER_STOP_S`, then SIGKILL), the watcher and the tailer (both
+        """After the drain: wait for the trainer (`TRAINER_STOP_S`, then SIGKILL), the drafter thread and the tailer (both
         told at the signal), stop the engine loop, then flush the feedback. Each wait is bounded."""
         if self.stopped:
             return
@@ -145,10 +138,8 @@ class ServerState:
         if self.suffix_tailer is not None:
             part("suffix tailer", lambda: self.suffix_tailer.stop(timeout=AUX_STOP_S))
         part("trainer", lambda: self.supervisor.stop(timeout=TRAINER_STOP_S))
-        if self.swapper is not None:
-            part("registry watcher", lambda: self.swapper.stop(timeout=AUX_STOP_S))
-        if self.groups is not None:
-            part("group watcher", lambda: self.groups.stop(timeout=AUX_STOP_S))
+        if self.drafter is not None:
+            part("drafter thread", lambda: self.drafter.stop(timeout=AUX_STOP_S))
         part("engine", self.scheduler.stop)
         for fn in self.on_stop:
             part("engine process", fn)
@@ -206,7 +197,7 @@ def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
 
 
 def build_state(cfg: DviConfig) -> ServerState:
-    """Load the pair, build engine, scheduler, feedback writer, swapper, supervisor, metrics."""
+    """Load the pair, build engine, scheduler, feedback writer, the drafter wing, supervisor, metrics."""
     torch.set_num_threads(cfg.serve.num_threads)
     cap_onednn_cache(cfg.serve.onednn_primitive_cache)  # before any forward: oneDNN reads it once
     pair = load_serving_pair(cfg)
@@ -223,15 +214,15 @@ def build_state(cfg: DviConfig) -> ServerState:
                           num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds),
                           eos_ids=pair.stop_ids)
     supervisor = TrainerSupervisor(cfg)
-    swapper = None
+    drafter = None
     if pair.drafter is not None:
-        registry = DrafterRegistry(cfg.registry.dir, keep_last=cfg.registry.keep_last, replica=cfg.serve.replica)
-        swapper = DrafterSwapper(
-            registry, scheduler, pair.drafter, SwapPolicy.of(cfg), on_event=lambda ev: _on_swap_event(metrics, ev),
-            event_log=rundir.log(rundir.swap_events_path), feedback_dir=fb.dir,
-        )
+        groups = cfg.serve.engine != "vllm" and cfg.trainer.adapter_key != "none"  # one adapter per traffic group
+        if groups:  # the shared drafter stays as started: the groups' adapters sit on it
+            engine.proposer.set_adapter("", None)  # refuses a drafter that cannot serve per-row adapters, now
+        drafter = DrafterClient.of(cfg, scheduler, pair.drafter, lambda ev: _on_version_event(metrics, ev),
+                                   rundir.log(rundir.swap_events_path), groups=groups)
     state = ServerState(
-        cfg=cfg, tokenizer=tokenizer, scheduler=scheduler, swapper=swapper,
+        cfg=cfg, tokenizer=tokenizer, scheduler=scheduler, drafter=drafter,
         supervisor=supervisor, feedback=feedback, feedback_log=FeedbackLog(feedback), metrics=metrics,
         model_name=cfg.serve.model_name,
         context_len=int(getattr(pair.target.config, "max_position_embeddings", 0) or 1 << 30),
@@ -243,13 +234,8 @@ def build_state(cfg: DviConfig) -> ServerState:
     scheduler.finished.subscribe(state.feedback_log)
     if cfg.serve.engine == "vllm":
         state.on_stop.append(engine.close)
-    elif swapper is not None and cfg.trainer.adapter_key != "none":
-        engine.proposer.set_adapter("", None)  # refuses a drafter that cannot serve per-row adapters, now
-        state.groups = GroupSwappers(cfg, scheduler, pair.drafter, SwapPolicy.of(cfg),
-                                     on_event=lambda ev: _on_swap_event(metrics, ev),
-                                     event_log=rundir.log(rundir.swap_events_path), feedback_dir=fb.dir)
-    if swapper is not None:
-        scheduler.finished.subscribe(lambda fin: _to_swapper(swapper, fin, state.groups))
+    if drafter is not None:
+        scheduler.finished.subscribe(lambda fin: _to_drafter(drafter, fin))
     if cfg.serve.engine == "dvi" and engine.proposer.uses_history and cfg.suffix.tail_seconds > 0:  # before the engine thread owns it
         from .engine_client import AddHistory
         from .suffix_tail import SuffixTailer
@@ -259,19 +245,16 @@ def build_state(cfg: DviConfig) -> ServerState:
     return state
 
 
-def _to_swapper(swapper: DrafterSwapper, fin: Finished, groups: GroupSwappers | None = None) -> None:
-    """Engine thread: the swapper's one subscription to finished requests: the live-α window (the learned
-    drafter's own drafts; hybrid: not the suffix ones) and the record the held-out shadow checks score."""
+def _to_drafter(drafter: DrafterClient, fin: Finished) -> None:
+    """Engine thread: the drafter wing's one subscription to finished requests, one message to its door: the
+    learned drafter's drafted / accepted counts (hybrid: not the suffix drafts) and the record its checks score."""
     if fin.result is None:
         return
     drafted, accepted = fin.result.model_counts()
-    swapper.observe(drafted, accepted, fin.result.drafter_version)
     record = fin.feedback_record()
-    if record is not None and record.token_ids:
-        swapper.observe_record(record)
-        if groups is not None:
-            groups.observe_record(record)
+    drafter.observe(Observed(drafted, accepted, fin.result.drafter_version,
+                             record if record is not None and record.token_ids else None))
 
 
-def _on_swap_event(metrics: ServerMetrics, ev: SwapEvent) -> None:
+def _on_version_event(metrics: ServerMetrics, ev: VersionEvent) -> None:
     metrics.observe_swap(ev.kind, ev.version, ev.reason, category=ev.category, publish_to_verdict_s=ev.publish_to_verdict_s)

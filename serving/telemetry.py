@@ -23,7 +23,7 @@ from dvi.rundir import RunDir
 if TYPE_CHECKING:
     from dvi.feedback import FeedbackWriter
 
-    from .drafter.lane import DrafterSwapper
+    from .drafter.client import DrafterSnapshot
     from .engine_client import EngineSnapshot
     from .finished import Finished
     from .suffix_tail import SuffixTailer
@@ -159,17 +159,17 @@ class ServerMetrics:
         for phase, n in counts.items():
             self._sync_counter(M.HTTP_REQUEST_TIMEOUTS, n, phase=phase)
 
-    def update_gauges(self, snap: EngineSnapshot, swapper: DrafterSwapper | None, supervisor: TrainerSupervisor,
+    def update_gauges(self, snap: EngineSnapshot, drafter: DrafterSnapshot | None, supervisor: TrainerSupervisor,
                       feedback: FeedbackWriter | None, target_version: int) -> None:
-        """Scrape time: queue depth (the engine's last snapshot), versions, trainer state and heartbeat, feedback
-        write health."""
+        """Scrape time: queue depth (the engine's last snapshot), versions and gates (the drafter thread's last
+        snapshot), trainer state and heartbeat, feedback write health."""
         self.m.set_queue_depth(snap.queue)
-        dv = swapper.live_version if swapper is not None else 0
+        dv = drafter.shared.live_version if drafter is not None else 0
         self.m.set_versions(drafter_version=dv, target_version=target_version)
         for group, version in snap.adapter_versions.items():
             self.m[M.DRAFTER_ADAPTER_VERSION].labels(group=group).set(version)
-        if swapper is not None:
-            self.update_gates(swapper)
+        if drafter is not None:
+            self.update_gates(drafter)
         sup = supervisor
         self.m.set_trainer_state(_TRAINER_STATE.get(sup.state, "stopped"))
         self.m[M.TRAINER_RESTARTS].set(sup.restarts)
@@ -189,12 +189,13 @@ class ServerMetrics:
         for part, n in self.disk_usage(sup.rundir).items():
             self.m[M.DISK_BYTES].labels(part=part).set(n)
 
-    def update_gates(self, swapper: DrafterSwapper) -> None:
+    def update_gates(self, drafter: DrafterSnapshot) -> None:
         """Scrape time: the held-out set's size and unfit records, the groups each gate judged or could not."""
-        self.m[M.DRAFTER_HELDOUT_RECORDS].set(len(swapper.heldout))
-        for reason, n in swapper.heldout.unfit.items():
+        lane = drafter.shared
+        self.m[M.DRAFTER_HELDOUT_RECORDS].set(lane.heldout.get("records", 0))
+        for reason, n in lane.heldout.get("unfit", {}).items():
             self.m[M.DRAFTER_HELDOUT_UNFIT].labels(reason=reason).set(n)
-        for gate, verdict in list(swapper.verdicts.items()):
+        for gate, verdict in lane.verdicts.items():
             if gate in M.GATES:
                 unjudged = len(verdict.unjudged)
                 self.m[M.DRAFTER_GATE_GROUPS].labels(gate=gate, judged="true").set(len(verdict.groups) - unjudged)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from test_online import engine_records, online_config
-from test_serving_helpers import ServerThread, tiny_config, wait_for
+from test_serving_helpers import ServerThread, drafter_view, tiny_config, wait_for
 from tiny_models import tiny_llama
 
 from dvi.decode.lean import Attention, LeanModel
@@ -172,7 +172,7 @@ def test_server_judges_and_serves_a_groups_adapter_on_that_group_only(records, p
         health = s.health()["adapters"]
         assert health["adapter_key"] == "domain" and "code" in health["groups"]
         assert health["groups"]["code"]["live_version"] == group_registry(cfg.registry.dir, "code").latest()
-        assert s.state.swapper.live_version == 0  # the shared drafter stays as started
+        assert drafter_view(s).live_version == 0  # the shared drafter stays as started
         v = health["groups"]["code"]["live_version"]
         assert f'dvi_drafter_adapter_version{{group="code"}} {float(v)}' in c.get("/metrics").text
     assert adapter_group("domain", "code", "") == "code"

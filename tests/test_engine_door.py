@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 from registry_doors import publish_peft_adapter
-from test_serving_helpers import TEST_ADMIN_TOKEN, ServerThread, lora_copy, tiny_config, version_manifest
+from test_serving_helpers import (
+    TEST_ADMIN_TOKEN,
+    ServerThread,
+    drafter_view,
+    lora_copy,
+    tiny_config,
+    version_manifest,
+)
 
 from dvi.decode import owner
 
@@ -144,8 +151,8 @@ def test_no_thread_but_the_engines_touches_it_under_load(tiny_pair_dir, tmp_path
     cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=hybrid", "serve.max_batch_size=8",
                       f"serve.allowed_dirs=[{allowed}]", f"sampling.max_new_tokens={MAX_TOKENS}")
     with ServerThread(cfg) as s:
-        sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
-        identity = lora_copy(sw.base)
+        sw, reg = drafter_view(s), DrafterRegistry(cfg.registry.dir)
+        identity = lora_copy(load_causal_lm(cfg.models.drafter, "cpu", "float32"))  # the lane's is the drafter thread's
 
         async def chaos(c: httpx.AsyncClient) -> None:
             v = await asyncio.to_thread(publish_peft_adapter, reg, identity, version_manifest())

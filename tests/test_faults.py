@@ -23,6 +23,8 @@ import torch
 from registry_doors import publish_files, publish_peft_adapter
 from test_serving_helpers import (
     ServerThread,
+    drafter_lane,
+    drafter_view,
     engine_of,
     guarded_config,
     lora_copy,
@@ -151,16 +153,18 @@ def test_02_body_limit_and_tokenising_off_the_event_loop(srv, client) -> None:
 
 
 def test_05_nan_shadow_alpha_never_promotes_a_worse_drafter(srv, client) -> None:
-    sw = srv.state.swapper
+    from serving.drafter.client import Observed
+
+    sw = drafter_view(srv)
     for i in range(20):  # half the records are held out (tiny_config), the only ones a shadow check reads
         _text(client, prompt=PROMPT + " " * i)
-    wait_for(lambda: len(sw.heldout) >= 4, 10, what="shadow records")
+    wait_for(lambda: sw.heldout["records"] >= 4, 10, what="shadow records")
     # records logged at a temperature of 1e-45 (what an older server or any client could log)
-    for rec in list(sw.heldout)[-4:]:
-        sw.observe_record(dataclasses.replace(rec, temperature=1e-45))
-    reg = DrafterRegistry(srv.cfg.registry.dir)
     live = sw.live_version
-    bad = publish_peft_adapter(reg, _lora(sw.base, scale=2.0), version_manifest())
+    for rec in list(drafter_lane(srv).heldout)[-4:]:
+        srv.state.drafter.observe(Observed(0, 0, live, dataclasses.replace(rec, temperature=1e-45)))
+    reg = DrafterRegistry(srv.cfg.registry.dir)
+    bad = publish_peft_adapter(reg, _lora(drafter_lane(srv).base, scale=2.0), version_manifest())
     wait_for(lambda: str(bad) in sw.info()["refused"], 30, what="the worse drafter refused")
     assert sw.live_version == live
     reason = sw.info()["refused"][str(bad)]
@@ -288,14 +292,14 @@ def _wait_refused(sw, version: int, what: str) -> str:
 
 
 def test_12_version_missing_at_first_is_retried(srv, client) -> None:
-    sw = srv.state.swapper
+    sw = drafter_view(srv)
     for i in range(8):  # held-out records for the shadow check of the version below
         _text(client, prompt=PROMPT + "\t" * i)
     reg = DrafterRegistry(srv.cfg.registry.dir)
     nxt = max(reg.list_versions(), default=0) + 1
     (reg.dir / "LATEST").write_text(vname(nxt) + "\n")  # LATEST seen before its version dir
     assert "will retry" in _wait_refused(sw, nxt, "the missing version refused")
-    v = publish_peft_adapter(reg, _lora(sw.base), version_manifest())
+    v = publish_peft_adapter(reg, _lora(drafter_lane(srv).base), version_manifest())
     assert v == nxt
     wait_for(lambda: sw.live_version == v, 30, what="the version promoted once it exists")
     assert str(v) not in sw.info()["refused"]
@@ -303,11 +307,11 @@ def test_12_version_missing_at_first_is_retried(srv, client) -> None:
 
 
 def test_13_registry_does_not_follow_a_symlinked_version(srv, client, tmp_path) -> None:
-    sw = srv.state.swapper
+    sw = drafter_view(srv)
     reg = DrafterRegistry(srv.cfg.registry.dir)
     live = sw.live_version
     elsewhere = DrafterRegistry(tmp_path / "elsewhere")
-    src = elsewhere.version_dir(publish_peft_adapter(elsewhere, _lora(sw.base), version_manifest()))
+    src = elsewhere.version_dir(publish_peft_adapter(elsewhere, _lora(drafter_lane(srv).base), version_manifest()))
     nxt = max(reg.list_versions()) + 1
     man = json.loads((src / "manifest.json").read_text())
     (src / "manifest.json").write_text(json.dumps({**man, "version": nxt}))
@@ -322,13 +326,13 @@ def test_13_registry_does_not_follow_a_symlinked_version(srv, client, tmp_path) 
 def test_14_full_drafter_config_checked_before_instantiation(srv, client) -> None:
     from safetensors.torch import save_file
 
-    sw = srv.state.swapper
+    sw = drafter_view(srv)
     reg = DrafterRegistry(srv.cfg.registry.dir)
     live = sw.live_version
-    sd = {k: v.detach().clone().contiguous() for k, v in sw.base.state_dict().items()}
+    sd = {k: v.detach().clone().contiguous() for k, v in drafter_lane(srv).base.state_dict().items()}
     path = srv.cfg.registry.dir + "/../full.safetensors"
     save_file(sd, path)
-    base_cfg = sw.base.config.to_dict()
+    base_cfg = drafter_lane(srv).base.config.to_dict()
     # the same tensors under another architecture (Mistral names its weights as Llama does)
     mistral = {**base_cfg, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
     v1 = publish_files(reg, {"model.safetensors": path, "config.json": json.dumps(mistral).encode()}, version_manifest(format="full"))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from registry_doors import publish_files
 from test_feedback import make_record
-from test_serving_helpers import ServerThread, tiny_config, version_manifest, wait_for
+from test_serving_helpers import ServerThread, drafter_view, tiny_config, version_manifest, wait_for
 
 from dvi.config import load_config
 from dvi.feedback import FeedbackWriter
@@ -42,7 +42,7 @@ def test_server_run_dir_and_feedback_are_private(tiny_pair_dir, tmp_path) -> Non
         reg = DrafterRegistry(cfg.registry.dir)
         v = publish_files(reg, {"adapter_model.safetensors": b"\x00garbage" * 8, "adapter_config.json": b"{}"},
                         version_manifest(format="lora"))
-        wait_for(lambda: v in s.state.swapper.refused, 30, what="the garbage version refused")
+        wait_for(lambda: v in drafter_view(s).refused, 30, what="the garbage version refused")
         wait_for(lambda: RunDir.of(cfg).swap_events_path.exists(), 10, what="swap_events.jsonl")
     modes = _modes(run)
     shards = [k for k in modes if k.startswith("feedback/shard-")]

@@ -37,23 +37,20 @@ class Spies:
         self.swapper_records: dict[str, list] = collections.defaultdict(list)
         self.live_alpha_calls = 0
         st.scheduler.finished.subscribe(lambda fin: self.published[fin.request_id].append(fin))
-        write, observe_record, observe = st.feedback.write, st.swapper.observe_record, st.swapper.observe
+        write, observe = st.feedback.write, st.drafter.observe
 
         def spy_write(record):
             self.written[record.request_id].append(record)
             return write(record)
 
-        def spy_observe_record(record):
-            self.swapper_records[record.request_id].append(record)
-            return observe_record(record)
-
-        def spy_observe(*a):
+        def spy_observe(msg):  # the drafter wing's one message per finished request
             self.live_alpha_calls += 1
-            return observe(*a)
+            if msg.record is not None:
+                self.swapper_records[msg.record.request_id].append(msg.record)
+            return observe(msg)
 
         monkeypatch.setattr(st.feedback, "write", spy_write)
-        monkeypatch.setattr(st.swapper, "observe_record", spy_observe_record)
-        monkeypatch.setattr(st.swapper, "observe", spy_observe)
+        monkeypatch.setattr(st.drafter, "observe", spy_observe)
 
 
 def _finished_total(text: str, reason: str) -> float:

@@ -130,8 +130,8 @@ def test_a_group_falling_by_more_than_the_margin_refuses_publish_and_promotion(p
     """Issue 35 §4 + 36 §3: the trainer's publish gate and the server's promotion check are the same comparison,
     per group. The majority's (fit) records favour the candidate (pooled α up by ~0.8), a minority client's fall
     from ~0.4 to 0: the trainer does not publish it, and the server refuses it when it is published anyway."""
-    from serving.drafter.lane import DrafterSwapper
-    from serving.drafter.policy import SwapPolicy
+    from serving.drafter.lane import Lane
+    from serving.drafter.policy import LifecyclePolicy
     from trainers.online.trainer import OnlineTrainer
 
     honest = [FeedbackRecord(**{**r.__dict__, "client": client_key("honest")})
@@ -147,12 +147,14 @@ def test_a_group_falling_by_more_than_the_margin_refuses_publish_and_promotion(p
     assert d.heldout_alpha > d.parent_heldout_alpha + 0.5, d  # pooled, the candidate looks far better
     assert d.published is None and f"prose/greedy/{client_key('honest')}" in d.reason, d.reason
     v = publish_full(reg, bad, pair.drafter.config, version_manifest())
-    sw = DrafterSwapper(reg, None, pair.drafter, SwapPolicy.of(cfg))
+    sw = Lane(reg, None, pair.drafter, LifecyclePolicy.of(cfg))
     for r in majority + honest:
         sw.heldout.add(r)
-    sw.poll_once()
-    assert sw.live_version == 0 and v in sw.refused, list(sw.events)
-    assert f"prose/greedy/{client_key('honest')}" in sw.refused[v]
+    while sw.step():  # restore, validate, judge: the lane's steps until it waits for a poll
+        pass
+    view = sw.view()
+    assert view.live_version == 0 and v in view.refused, view.events
+    assert f"prose/greedy/{client_key('honest')}" in view.refused[v]
 
 
 def test_the_watch_judges_each_client_alone(pair) -> None:

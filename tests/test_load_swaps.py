@@ -26,6 +26,8 @@ from registry_doors import publish_peft_adapter
 from test_serving_helpers import (
     TEST_ADMIN_TOKEN,
     ServerThread,
+    drafter_lane,
+    drafter_view,
     engine_of,
     lora_copy,
     tiny_config,
@@ -155,13 +157,13 @@ async def _chaos(s: ServerThread, deadline: float, weights: str, t: Tally) -> No
     """Until the deadline: publish an identity LoRA and wait for its promotion, roll it back, update the target."""
     from dvi.registry.store import DrafterRegistry
 
-    sw = s.state.swapper
+    sw = drafter_view(s)
     reg = DrafterRegistry(s.cfg.registry.dir)
-    identity = lora_copy(sw.base) if sw is not None else None
+    identity = lora_copy(drafter_lane(s).base) if s.state.drafter is not None else None
     async with httpx.AsyncClient(base_url=s.url, timeout=60,
                                  headers={"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}) as admin:
         while time.monotonic() < deadline:
-            if sw is not None:
+            if s.state.drafter is not None:
                 v = await asyncio.to_thread(publish_peft_adapter, reg, identity, version_manifest())
                 if await _wait(lambda v=v: sw.live_version == v or v in sw.refused,
                                max(0.5, deadline - time.monotonic())) and sw.live_version == v:
@@ -203,8 +205,8 @@ def test_load_with_swaps_and_target_updates(kind, exact, tiny_pair_dir, tmp_path
         if exact:
             assert engine_of(s)._target.min_rows == 4 and engine_of(s).greedy_contract["batched"] == "bitwise"
         t = asyncio.run(_attack(s, plain, str(same_weights / "same")))
-        sched, sw = s.state.scheduler, s.state.swapper
-        if sw is not None:
+        sched, sw = s.state.scheduler, drafter_view(s)
+        if s.state.drafter is not None:
             t.promoted, t.rolled_back = sw.counts["promoted"], sw.counts["rolled_back"]
         print(f"\n{kind} {'exact' if exact else 'default'}: {t.requests} requests ({t.completed} completed, {t.cut} cut, "
               f"{t.abandoned} abandoned), {t.status_5xx} 5xx, {t.sse_errors} SSE errors, {len(t.greedy_diffs)} greedy "
@@ -214,5 +216,5 @@ def test_load_with_swaps_and_target_updates(kind, exact, tiny_pair_dir, tmp_path
         assert t.greedy_diffs == []
         assert (sched.step_errors, sched.request_errors) == (0, 0)
         assert t.completed >= CLIENTS and t.cut >= 1 and t.target_updates >= 1
-        if sw is not None:
+        if s.state.drafter is not None:
             assert t.promoted >= 1 and t.rolled_back >= 1

@@ -118,22 +118,29 @@ def test_promoted_drafters_are_freed_once_replaced(tiny_pair_dir, tmp_path):
     """A chain of promotions keeps a fixed number of drafter models alive (the startup one, its pristine copy,
     the last good one, the served one): each replaced version is freed, whatever steps it served."""
     from test_serving_e2e import _lora, _traffic
-    from test_serving_helpers import ServerThread, tiny_config, version_manifest, wait_for
+    from test_serving_helpers import (
+        ServerThread,
+        drafter_lane,
+        drafter_view,
+        tiny_config,
+        version_manifest,
+        wait_for,
+    )
 
     from dvi.registry.store import DrafterRegistry
 
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=2")
     with ServerThread(cfg) as s:
-        reg, sw = DrafterRegistry(cfg.registry.dir), s.state.swapper
-        while sw.heldout_positions() < cfg.trainer.shadow_min_positions:
+        reg, sw, base = DrafterRegistry(cfg.registry.dir), drafter_view(s), drafter_lane(s).base
+        while sw.heldout_positions < cfg.trainer.shadow_min_positions:
             _traffic(s.url, 2, [], stream=False)
         counts = []
         for _ in range(5):
-            v = publish_peft_adapter(reg, _lora(sw.base), version_manifest())
+            v = publish_peft_adapter(reg, _lora(base), version_manifest())
             wait_for(lambda v=v: sw.live_version == v, 30, what=f"v{v} promoted")
             _traffic(s.url, 3, [], stream=False)  # served by v; its watch ends and it becomes the last good one
             wait_for(lambda v=v: sw.good == v, 30, what=f"v{v} kept")
-            counts.append(_settled(lambda: _modules_of(type(sw.base))))
+            counts.append(_settled(lambda: _modules_of(type(base))))
         assert counts[-1][0] == counts[1][0] and counts[-1][1] <= counts[1][1] * 1.02, counts
 
 

@@ -24,6 +24,8 @@ from test_online import engine_records, online_config
 from test_serving_helpers import (
     TEST_ADMIN_TOKEN,
     ServerThread,
+    drafter_lane,
+    drafter_view,
     lora_copy,
     tiny_config,
     version_manifest,
@@ -34,8 +36,8 @@ from dvi.config import load_config
 from dvi.feedback.shadow import is_heldout
 from dvi.models.loading import load_pair
 from dvi.registry.store import AdapterRejected, DrafterRegistry, Manifest, ServingState
-from serving.drafter.lane import DrafterSwapper
-from serving.drafter.policy import SwapPolicy
+from serving.drafter.lane import Lane
+from serving.drafter.policy import LifecyclePolicy
 from trainers.online.trainer import OnlineTrainer
 
 pytestmark = pytest.mark.slow
@@ -70,21 +72,21 @@ def _heldout_traffic(s, **body) -> None:
     """Requests until the held-out records hold the positions a shadow check needs (half are held out)."""
     need = s.cfg.trainer.shadow_min_positions
     for _ in range(40):
-        if s.state.swapper.heldout_positions() >= need:
+        if drafter_view(s).heldout_positions >= need:
             return
         _traffic(s.url, 2, **body)
     raise AssertionError("no held-out records after 80 requests")
 
 
-def _bad(sw, seed: int = 1):
-    return lora_copy(sw.base, 2.0, seed, ("q_proj", "v_proj", "up_proj"))
+def _bad(s, seed: int = 1):
+    return lora_copy(drafter_lane(s).base, 2.0, seed, ("q_proj", "v_proj", "up_proj"))
 
 
 # -- 1. the held-out slice ---------------------------------------------------------------------------
 def test_1_server_shadow_checks_heldout_records_only_and_trainer_never_publishes_unchecked(
         pair, prose, tiny_pair_dir, tmp_path) -> None:
     reg = DrafterRegistry(tmp_path / "registry")
-    sw = DrafterSwapper(reg, None, pair.drafter, SwapPolicy(0.1, 0.01, 8, 0.05, heldout_fraction=0.25))
+    sw = Lane(reg, None, pair.drafter, LifecyclePolicy(0.1, 0.01, 8, 0.05, heldout_fraction=0.25))
     for r in prose:
         sw.observe_record(r)
     held = [r.request_id for r in prose if is_heldout(r.request_id, 0.25)]
@@ -115,11 +117,11 @@ def test_2_trainer_compares_with_the_served_version_not_latest(pair, prose, tiny
 def test_3_watch_runs_to_its_end_and_rollback_returns_to_the_last_good(tiny_pair_dir, tmp_path) -> None:
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=8", "trainer.shadow_margin=1.0")
     with ServerThread(cfg) as s:
-        sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
+        sw, reg = drafter_view(s), DrafterRegistry(cfg.registry.dir)
         _heldout_traffic(s)
-        v1 = publish_peft_adapter(reg, lora_copy(sw.base), version_manifest())
+        v1 = publish_peft_adapter(reg, lora_copy(drafter_lane(s).base), version_manifest())
         wait_for(lambda: sw.live_version == v1, 30, what="v1 promoted")
-        v2 = publish_peft_adapter(reg, lora_copy(sw.base), version_manifest())
+        v2 = publish_peft_adapter(reg, lora_copy(drafter_lane(s).base), version_manifest())
         _traffic(s.url, 3)
         time.sleep(5 * cfg.serve.registry_poll_seconds)
         assert sw.live_version == v1 and sw.watch is not None, "v2 promoted before v1's watch ended"
@@ -128,7 +130,7 @@ def test_3_watch_runs_to_its_end_and_rollback_returns_to_the_last_good(tiny_pair
         assert sw.good == v1
         _traffic(s.url, 8)
         wait_for(lambda: sw.good == v2, 30, what="v2 passed its watch")
-        v3 = publish_peft_adapter(reg, _bad(sw), version_manifest())
+        v3 = publish_peft_adapter(reg, _bad(s), version_manifest())
         wait_for(lambda: sw.live_version == v3, 30, what="the bad v3 promoted (shadow margin 1.0)")
         _traffic(s.url, 8)
         wait_for(lambda: sw.counts["rolled_back"] == 1, 30, what="the rollback")
@@ -161,18 +163,18 @@ def test_4_one_typed_manifest_and_one_check_for_server_and_trainer(pair, prose, 
 def test_5_watch_keeps_a_version_identical_to_the_last_good_when_traffic_changes(tiny_pair_dir, tmp_path) -> None:
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=8", "serve.rollback_margin=0.05")
     with ServerThread(cfg) as s:
-        sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
+        sw, reg = drafter_view(s), DrafterRegistry(cfg.registry.dir)
         _traffic(s.url, 12, temperature=1.5)  # sampled code prompts: high α for v0 on the tiny pair
         _heldout_traffic(s, temperature=1.5)
-        v1 = publish_peft_adapter(reg, lora_copy(sw.base), version_manifest())  # drafts exactly as v0
+        v1 = publish_peft_adapter(reg, lora_copy(drafter_lane(s).base), version_manifest())  # drafts exactly as v0
         wait_for(lambda: sw.live_version == v1, 30, what="v1 promoted")
-        a0 = sw.live_alpha(0) if sw.live_alpha(0) is not None else 1.0
+        a0 = sw.live_alpha.get(0) if sw.live_alpha.get(0) is not None else 1.0
         _traffic(s.url, 10, OTHER)  # other prompts, greedy: a much lower α for any drafter
         wait_for(lambda: sw.counts["kept"] or sw.counts["rolled_back"], 60, what="v1's watch to end")
         assert sw.counts["rolled_back"] == 0 and sw.live_version == v1, sw.info()["events"]
         kept = [e for e in sw.events if e.kind == "kept"][-1]
         assert "not worse on the same records" in kept.reason
-        a1 = sw.live_alpha(v1)
+        a1 = sw.live_alpha.get(v1)
         assert a1 is not None and a1 < a0 - 0.05, (a0, a1)  # the old rule (live α windows) would have rolled back
 
 
@@ -181,9 +183,9 @@ def test_6_pin_holds_against_a_failed_watch_and_survives_a_restart(tiny_pair_dir
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=8", "trainer.shadow_margin=1.0",
                       "serve.admin_token=tok")
     with ServerThread(cfg) as s, s.client(token="tok") as admin:
-        sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
+        sw, reg = drafter_view(s), DrafterRegistry(cfg.registry.dir)
         _heldout_traffic(s)
-        bad = publish_peft_adapter(reg, _bad(sw), version_manifest())
+        bad = publish_peft_adapter(reg, _bad(s), version_manifest())
         wait_for(lambda: sw.live_version == bad, 30, what="the bad version promoted")
         r = admin.post("/admin/drafter/pin", json={"version": bad})
         assert r.status_code == 200, r.text
@@ -195,8 +197,8 @@ def test_6_pin_holds_against_a_failed_watch_and_survives_a_restart(tiny_pair_dir
         assert admin.post("/admin/drafter/rollback", json={}).status_code == 409  # unpin first
     assert reg.serving().pinned == bad
     with ServerThread(cfg) as s:
-        wait_for(lambda: s.state.swapper.live_version == bad, 30, what="the pin served after a restart")
-        assert s.state.swapper.pinned == bad and _traffic(s.url, 1) == [bad]
+        wait_for(lambda: drafter_view(s).live_version == bad, 30, what="the pin served after a restart")
+        assert drafter_view(s).pinned == bad and _traffic(s.url, 1) == [bad]
 
 
 # -- 7. durable refusals; a start-up promotion waits for a check ----------------------------------------
@@ -204,13 +206,13 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
                                                                                     tmp_path) -> None:
     cfg = tiny_config(tiny_pair_dir, tmp_path)
     with ServerThread(cfg) as s:
-        sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
+        sw, reg = drafter_view(s), DrafterRegistry(cfg.registry.dir)
         _heldout_traffic(s)
-        bad = publish_peft_adapter(reg, _bad(sw), version_manifest())
+        bad = publish_peft_adapter(reg, _bad(s), version_manifest())
         wait_for(lambda: str(bad) in sw.info()["refused"], 30, what="the bad version refused")
     assert reg.latest() == bad and bad in reg.refusals()
     with ServerThread(cfg) as s:
-        sw = s.state.swapper
+        sw = drafter_view(s)
         time.sleep(5 * cfg.serve.registry_poll_seconds)
         assert sw.live_version == 0  # no records yet: nothing is promoted "validated only"
         _traffic(s.url, 8)
@@ -222,9 +224,9 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
     good = publish_peft_adapter(reg, lora_copy(pair_drafter(cfg)), version_manifest())
     cfg = tiny_config(tiny_pair_dir, tmp_path, f"feedback.dir={tmp_path / 'empty-feedback'}")
     with ServerThread(cfg) as s:
-        sw = s.state.swapper
+        sw = drafter_view(s)
         time.sleep(5 * cfg.serve.registry_poll_seconds)
-        assert sw.live_version == 0 and sw.heldout_positions() < cfg.trainer.shadow_min_positions
+        assert sw.live_version == 0 and sw.heldout_positions < cfg.trainer.shadow_min_positions
         done = threading.Event()
         threading.Thread(target=lambda: (_traffic(s.url, 30), done.set()), daemon=True).start()
         done.wait(300)  # the traffic ends before the server does
@@ -239,7 +241,7 @@ def test_8_admin_status_names_the_version_waiting_for_held_out_positions(tiny_pa
     need = 64
     cfg = tiny_config(tiny_pair_dir, tmp_path, f"trainer.shadow_min_positions={need}")
     with ServerThread(cfg) as s, s.client(token=TEST_ADMIN_TOKEN) as admin:
-        sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
+        sw, reg = drafter_view(s), DrafterRegistry(cfg.registry.dir)
 
         def waiting() -> dict | None:
             r = admin.get("/admin/status")
@@ -247,14 +249,14 @@ def test_8_admin_status_names_the_version_waiting_for_held_out_positions(tiny_pa
             return r.json()["drafter"]["waiting"]
 
         assert waiting() is None  # nothing published: no verdict waits
-        v = publish_peft_adapter(reg, lora_copy(sw.base), version_manifest())
+        v = publish_peft_adapter(reg, lora_copy(drafter_lane(s).base), version_manifest())
         assert wait_for(waiting, 30, what="the version waiting on /admin/status") == {
             "version": v, "heldout_positions": 0, "of": need}
         for _ in range(20):  # one held-out record (<= 16 positions) moves the count, far from the 64 needed
             _traffic(s.url, 1)
-            if sw.heldout_positions():
+            if sw.heldout_positions:
                 break
-        have = sw.heldout_positions()
+        have = sw.heldout_positions
         assert 0 < have < need and waiting() == {"version": v, "heldout_positions": have, "of": need}
         _heldout_traffic(s)
         wait_for(lambda: sw.live_version == v, 60, what="the version promoted after its check")
@@ -269,7 +271,7 @@ def pair_drafter(cfg):
 
 def test_config_fields_are_the_ones_both_sides_read(tiny_pair_dir, tmp_path) -> None:
     cfg = load_config(None, ["trainer.heldout_fraction=0.3", "trainer.shadow_min_positions=7"])
-    pol = SwapPolicy.of(cfg)
+    pol = LifecyclePolicy.of(cfg)
     assert pol.heldout_fraction == 0.3 and pol.min_positions == 7
 
 
@@ -278,40 +280,45 @@ def test_swapper_memory_is_bounded(pair, tmp_path) -> None:
     from serving.drafter.lifecycle import MAX_REFUSED_SHOWN
 
     reg = DrafterRegistry(tmp_path / "registry")
-    sw = DrafterSwapper(reg, None, pair.drafter, SwapPolicy(0.1, 0.01, 8, 0.05))
+    sw = Lane(reg, None, pair.drafter, LifecyclePolicy(0.1, 0.01, 8, 0.05))
     for v in range(1, 3 * MAX_REFUSED_SHOWN):
         sw._refuse(v, "test")
         sw.observe(3, 1, v)
-    assert len(sw.refused) == MAX_REFUSED_SHOWN and list(sw.refused)[-1] == 3 * MAX_REFUSED_SHOWN - 1
+    refused = sw.view().refused
+    assert len(refused) == MAX_REFUSED_SHOWN and list(refused)[-1] == 3 * MAX_REFUSED_SHOWN - 1
     assert set(sw._windows) <= set(sw.loaded) and len(reg.refusals()) == 3 * MAX_REFUSED_SHOWN - 1
 
 
 def test_6b_a_pin_issued_during_a_shadow_check_wins(tiny_pair_dir, tmp_path) -> None:
-    """Issue 58 §2: the shadow check scores outside the swapper's lock; an admin pin that lands meanwhile is not
-    overridden by the promotion that check then passes (before: the candidate was swapped in as "promoted" over the
-    pin). Once unpinned, the version is judged again and promoted."""
+    """Issue 58 §2: an admin pin sent while a shadow check runs is not overridden by the promotion that check then
+    passes (before: the candidate was swapped in as "promoted" over the pin): the pin waits on the drafter thread's
+    inbox and lands between the check and the swap. Once unpinned, the version is judged again and promoted."""
     cfg = tiny_config(tiny_pair_dir, tmp_path, "trainer.shadow_margin=1.0", "serve.admin_token=tok")
     with ServerThread(cfg) as s, s.client(token="tok") as admin:
-        sw, reg = s.state.swapper, DrafterRegistry(cfg.registry.dir)
+        sw, reg, lane = drafter_view(s), DrafterRegistry(cfg.registry.dir), drafter_lane(s)
         _heldout_traffic(s)
         judging, release = threading.Event(), threading.Event()
-        compare = sw._compare
+        compare = lane._compare
 
         def slow_compare(*args, **kw):
             judging.set()
             assert release.wait(30), "the test never released the shadow check"
             return compare(*args, **kw)
 
-        sw._compare = slow_compare
-        v1 = publish_peft_adapter(reg, lora_copy(sw.base), version_manifest())
+        lane._compare = slow_compare
+        v1 = publish_peft_adapter(reg, lora_copy(lane.base), version_manifest())
         assert judging.wait(30), "v1's shadow check never started"
-        r = admin.post("/admin/drafter/pin", json={"version": 0})
-        assert r.status_code == 200, r.text
+        answers: list = []
+        pinning = threading.Thread(target=lambda: answers.append(admin.post("/admin/drafter/pin", json={"version": 0})))
+        pinning.start()  # the endpoint awaits the pin's future: the drafter thread answers once the check is over
+        wait_for(lambda: s.state.drafter.queued() >= 1, 30, what="the pin on the drafter thread's inbox")
         release.set()
+        pinning.join(60)
+        assert answers and answers[0].status_code == 200, answers
         wait_for(lambda: sw.waiting is None and sw.pinned == 0, 30, what="the shadow check to end")
         time.sleep(5 * cfg.serve.registry_poll_seconds)
         assert sw.live_version == 0 and sw.pinned == 0 and sw.counts["promoted"] == 0, list(sw.events)
         assert s.state.scheduler.snapshot.served(None) == 0 and reg.serving().pinned == 0  # pin 0: the startup one
-        sw._compare = compare
+        lane._compare = compare
         assert admin.post("/admin/drafter/pin", json={"version": None}).status_code == 200
         wait_for(lambda: sw.live_version == v1, 30, what="v1 promoted once unpinned")

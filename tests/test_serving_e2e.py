@@ -21,6 +21,8 @@ from registry_doors import publish_files, publish_peft_adapter
 from test_serving_helpers import (
     TEST_ADMIN_TOKEN,
     ServerThread,
+    drafter_lane,
+    drafter_view,
     engine_of,
     lora_copy,
     sse_events,
@@ -73,7 +75,7 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=2")  # v1's watch ends within `after`
     with ServerThread(cfg) as s:
         reg = DrafterRegistry(cfg.registry.dir)
-        base = s.state.swapper.base
+        base = drafter_lane(s).base
         # greedy reference before any swap (an identity LoRA must not change a single token)
         ref: dict[str, str] = {}
         with s.client() as c:
@@ -86,7 +88,7 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
             w.start()
         time.sleep(0.5)  # requests are streaming now
         v1 = publish_peft_adapter(reg, _lora(base), version_manifest())
-        wait_for(lambda: s.state.swapper.live_version == v1, 30, what="v1 to be promoted")
+        wait_for(lambda: drafter_view(s).live_version == v1, 30, what="v1 to be promoted")
         for w in workers:
             w.join(120)
         assert len(results) == 36
@@ -137,13 +139,13 @@ def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path, kind) -> None:
         results: list = []
         _traffic(s.url, 8, results, stream=False)
         if kind == "early_exit":
-            bad = _publish_dir(reg, _early_exit_version(s.state.swapper.base, tmp_path / "bad", scale=3.0)[0])
+            bad = _publish_dir(reg, _early_exit_version(drafter_lane(s).base, tmp_path / "bad", scale=3.0)[0])
         else:
-            bad = publish_peft_adapter(reg, _lora(s.state.swapper.base, scale=2.0, seed=1), version_manifest())
-        wait_for(lambda: s.state.swapper.live_version == bad, 30, what="the bad version to be promoted")
+            bad = publish_peft_adapter(reg, _lora(drafter_lane(s).base, scale=2.0, seed=1), version_manifest())
+        wait_for(lambda: drafter_view(s).live_version == bad, 30, what="the bad version to be promoted")
         _traffic(s.url, 10, results, stream=False)
-        wait_for(lambda: s.state.swapper.counts["rolled_back"] == 1, 30, what="the rollback")
-        assert s.state.swapper.live_version == 0
+        wait_for(lambda: drafter_view(s).counts["rolled_back"] == 1, 30, what="the rollback")
+        assert drafter_view(s).live_version == 0
         assert all(code == 200 for _, code, _, _ in results)
         with s.client() as c:
             h = s.health()
@@ -152,21 +154,21 @@ def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path, kind) -> None:
             r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8})
             assert r.json()["dvi"]["drafter_version"] == 0
         time.sleep(3 * cfg.serve.registry_poll_seconds)
-        assert s.state.swapper.live_version == 0, "a rolled-back version must not be re-promoted"
+        assert drafter_view(s).live_version == 0, "a rolled-back version must not be re-promoted"
 
 
 def test_admin_rollback_and_pin(tiny_pair_dir, tmp_path) -> None:
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.admin_token=tok", "serve.rollback_window=2")
     with ServerThread(cfg) as s, s.client(token="tok") as admin:
         reg = DrafterRegistry(cfg.registry.dir)
-        sw = s.state.swapper
-        while sw.heldout_positions() < cfg.trainer.shadow_min_positions:  # held-out records for the shadow checks
+        sw = drafter_view(s)
+        while sw.heldout_positions < cfg.trainer.shadow_min_positions:  # held-out records for the shadow checks
             _traffic(s.url, 2, [], stream=False)
-        v1 = publish_peft_adapter(reg, _lora(sw.base), version_manifest())
+        v1 = publish_peft_adapter(reg, _lora(drafter_lane(s).base), version_manifest())
         wait_for(lambda: sw.live_version == v1, 30, what="v1")
         _traffic(s.url, 3, [], stream=False)  # v1's watch (2 requests) ends: v1 is the last good version
         wait_for(lambda: sw.good == v1, 30, what="v1 kept")
-        v2 = publish_peft_adapter(reg, _lora(sw.base), version_manifest())
+        v2 = publish_peft_adapter(reg, _lora(drafter_lane(s).base), version_manifest())
         wait_for(lambda: sw.live_version == v2, 30, what="v2")
         _traffic(s.url, 3, [], stream=False)
         wait_for(lambda: sw.good == v2, 30, what="v2 kept")
@@ -174,12 +176,12 @@ def test_admin_rollback_and_pin(tiny_pair_dir, tmp_path) -> None:
         assert r.status_code == 200 and r.json()["drafter_version"] == v1
         assert reg.latest() == v2 and v2 in reg.refusals(), "a rollback refuses; LATEST stays the trainer's"
         r = admin.post("/admin/drafter/pin", json={"version": v2})
-        assert r.status_code == 200 and s.state.swapper.live_version == v2
-        v3 = publish_peft_adapter(reg, _lora(s.state.swapper.base), version_manifest())
+        assert r.status_code == 200 and drafter_view(s).live_version == v2
+        v3 = publish_peft_adapter(reg, _lora(drafter_lane(s).base), version_manifest())
         time.sleep(4 * cfg.serve.registry_poll_seconds)
-        assert s.state.swapper.live_version == v2, "a pinned server must not auto-promote"
+        assert drafter_view(s).live_version == v2, "a pinned server must not auto-promote"
         assert admin.post("/admin/drafter/pin", json={"version": None}).status_code == 200
-        wait_for(lambda: s.state.swapper.live_version == v3, 30, what="v3 after unpin")
+        wait_for(lambda: drafter_view(s).live_version == v3, 30, what="v3 after unpin")
 
 
 def test_trainer_sigkill_is_restarted_without_failing_requests(tiny_pair_dir, tmp_path) -> None:
@@ -312,7 +314,7 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
     ref = {p: _hf_greedy(target, tok, p, 16) for p in PROMPTS}
     with ServerThread(cfg) as s, s.client() as c, s.client(token="tok") as admin:
         live = engine_of(s).drafter
-        assert isinstance(live, EarlyExitDrafter) and s.state.swapper.base is live
+        assert isinstance(live, EarlyExitDrafter) and drafter_lane(s).base is live
         assert live.target_ref is engine_of(s).target  # no second target in memory
 
         def served(prompt: str) -> tuple[str, int]:
@@ -325,12 +327,12 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
         h = s.health()
         assert h["drafter_kind"] == "early_exit" and h["draft_vocab_size"] is None
         reg = DrafterRegistry(cfg.registry.dir)
-        while s.state.swapper.heldout_positions() < cfg.trainer.shadow_min_positions:  # for the shadow check
+        while drafter_view(s).heldout_positions < cfg.trainer.shadow_min_positions:  # for the shadow check
             _traffic(s.url, 2, [], stream=False)
         # a trained-looking version (small perturbation) is validated, shadow-checked and promoted
         vdir, sd = _early_exit_version(live, tmp_path / "ee-v1", scale=1e-3, seed=1)
         v1 = _publish_dir(reg, vdir)
-        wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the early-exit version to be promoted")
+        wait_for(lambda: drafter_view(s).live_version == v1, 30, what="the early-exit version to be promoted")
         now = engine_of(s).drafter
         assert isinstance(now, EarlyExitDrafter) and now.target_ref is engine_of(s).target
         for k, v in now.trainable_state_dict().items():
@@ -339,11 +341,11 @@ def test_early_exit_drafter_served_swapped_and_rebuilt_on_target_update(tiny_pai
             assert served(p) == (ref[p], v1)
         # a separate drafter's LoRA is not an early-exit version; a garbage one fails the shadow check
         v2 = publish_peft_adapter(reg, _lora(load_causal_lm(tiny_pair_dir / "drafter", "cpu")), version_manifest())
-        wait_for(lambda: v2 in s.state.swapper.refused, 30, what="the separate LoRA to be refused")
+        wait_for(lambda: v2 in drafter_view(s).refused, 30, what="the separate LoRA to be refused")
         vdir3, _ = _early_exit_version(live, tmp_path / "ee-v3", scale=3.0, seed=3)
         v3 = _publish_dir(reg, vdir3)
         wait_for(lambda: str(v3) in s.health()["drafter"]["refused"], 30, what="v3 refused")
-        assert "shadow" in s.state.swapper.refused[v3] and s.state.swapper.live_version == v1
+        assert "shadow" in drafter_view(s).refused[v3] and drafter_view(s).live_version == v1
         # new target weights through the admin API: the drafter shares them, output follows the new target
         new = _saved_new_target(target, allowed / "t2")
         r = admin.post("/admin/target", json={"path": str(allowed / "t2")})
@@ -378,17 +380,17 @@ def test_reduced_vocab_drafter_served_and_lora_promoted(tiny_pair_dir, tmp_path)
         assert s.health()["draft_vocab_size"] == 64
         reg = DrafterRegistry(cfg.registry.dir)
         # records are held out by a hash of their random request ids: the four above may hold too few positions
-        while s.state.swapper.heldout_positions() < cfg.trainer.shadow_min_positions:  # for the shadow check
+        while drafter_view(s).heldout_positions < cfg.trainer.shadow_min_positions:  # for the shadow check
             _traffic(s.url, 2, [], stream=False)
-        v1 = publish_peft_adapter(reg, _lora(s.state.swapper.base), version_manifest(draft_vocab_size=64))
-        wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the LoRA version to be promoted")
+        v1 = publish_peft_adapter(reg, _lora(drafter_lane(s).base), version_manifest(draft_vocab_size=64))
+        wait_for(lambda: drafter_view(s).live_version == v1, 30, what="the LoRA version to be promoted")
         assert find_subset_head(engine_of(s).drafter.model).num_ids == 64
         for p in PROMPTS:
             r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16}).json()
             assert (r["choices"][0]["text"], r["dvi"]["drafter_version"]) == (ref[p], v1)
-        v2 = publish_peft_adapter(reg, _lora(s.state.swapper.base), version_manifest(draft_vocab_size=None))
-        wait_for(lambda: v2 in s.state.swapper.refused, 30, what="a full-vocab version to be refused")
-        assert "draft vocabulary" in s.state.swapper.refused[v2]
+        v2 = publish_peft_adapter(reg, _lora(drafter_lane(s).base), version_manifest(draft_vocab_size=None))
+        wait_for(lambda: v2 in drafter_view(s).refused, 30, what="a full-vocab version to be refused")
+        assert "draft vocabulary" in drafter_view(s).refused[v2]
 
 
 def _target_greedy_fn(pair_dir):
@@ -449,14 +451,14 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
         assert recs and all(r.hidden_dim == target.config.hidden_size and r.features() is not None for r in recs)
         reg = DrafterRegistry(cfg.registry.dir)
         v1 = _publish_dir(reg, _eagle_version(live, tmp_path / "e1", 1e-3, 1), drafter_kind="eagle")
-        wait_for(lambda: s.state.swapper.live_version == v1, 30, what="the eagle version to be promoted")
-        promoted = [e for e in s.state.swapper.events if e.kind == "promoted" and e.version == v1]
+        wait_for(lambda: drafter_view(s).live_version == v1, 30, what="the eagle version to be promoted")
+        promoted = [e for e in drafter_view(s).events if e.kind == "promoted" and e.version == v1]
         assert promoted and "shadow α" in promoted[0].reason  # checked on the logged features, not skipped
         for p in PROMPTS:
             assert served(p) == (ref[p], v1)
         v2 = _publish_dir(reg, _eagle_version(live, tmp_path / "e2", 3.0, 2), drafter_kind="eagle")
-        wait_for(lambda: v2 in s.state.swapper.refused, 30, what="the garbage eagle version to be refused")
-        assert "shadow" in s.state.swapper.refused[v2] and s.state.swapper.live_version == v1
+        wait_for(lambda: v2 in drafter_view(s).refused, 30, what="the garbage eagle version to be refused")
+        assert "shadow" in drafter_view(s).refused[v2] and drafter_view(s).live_version == v1
         new = _saved_new_target(target, allowed / "t2")
         assert admin.post("/admin/target", json={"path": str(allowed / "t2")}).status_code == 200
         new_ref = {p: _hf_greedy(new, tok, p, 16) for p in PROMPTS}

@@ -115,6 +115,27 @@ def engine_of(server) -> Any:
     return server.state.scheduler.engine
 
 
+class DrafterView:
+    """A test's window on a server's shared drafter lane: every attribute read is the latest snapshot's
+    (`DrafterSnapshot.shared`, a `serving.drafter.messages.LaneView`), what /health and /metrics read."""
+
+    def __init__(self, server) -> None:
+        self._server = server
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server.state.drafter.snapshot.shared, name)
+
+
+def drafter_view(server) -> DrafterView:
+    return DrafterView(server)
+
+
+def drafter_lane(server) -> Any:
+    """A test server's shared drafter lane itself, behind the drafter wing's door: the server's own threads only send
+    it messages; a test reads (its startup drafter, its held-out set) or patches it directly."""
+    return server.state.drafter.lane
+
+
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
     """Poll `pred()` until truthy; returns its value or fails with `what`."""
     deadline = time.monotonic() + timeout

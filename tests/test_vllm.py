@@ -22,7 +22,14 @@ from dvi.config import ConfigError, load_config
 from serving.server_process import ServerProcess
 from serving.vllm_engine import step_feedback
 from serving.vllm_process import REPO_ROOT
-from tests.test_serving_helpers import ServerThread, engine_of, lora_copy, version_manifest, wait_for
+from tests.test_serving_helpers import (
+    ServerThread,
+    drafter_lane,
+    engine_of,
+    lora_copy,
+    version_manifest,
+    wait_for,
+)
 
 PROMPTS = ["def merge_sorted(a, b):\n", "SELECT customer_id, SUM(amount) FROM payments", "The lighthouse keeper",
            "Explain recursion to a child:"]
@@ -216,10 +223,9 @@ def test_a_pinned_version_reaches_the_running_vllm_and_one_it_cannot_load_is_ref
     from dvi.registry.store import AdapterRejected, DrafterRegistry
     from serving.engine_client import SetDrafter
 
-    sw = served.state.swapper
     reg = DrafterRegistry(served.cfg.registry.dir)
     base_alpha = _alpha(served)
-    bad = publish_peft_adapter(reg, lora_copy(sw.base, 2.0, 1, ("q_proj", "v_proj", "up_proj")), version_manifest(),
+    bad = publish_peft_adapter(reg, lora_copy(drafter_lane(served).base, 2.0, 1, ("q_proj", "v_proj", "up_proj")), version_manifest(),
                                    set_latest=False)
     with served.client(token="adm") as c:
         r = c.post("/admin/drafter/pin", json={"version": bad})
@@ -239,7 +245,7 @@ def test_a_pinned_version_reaches_the_running_vllm_and_one_it_cannot_load_is_ref
         def state_dict(self, *a, **k):
             return self.tensors
 
-    good = {k: v.clone() for k, v in sw.base.state_dict().items()}
+    good = {k: v.clone() for k, v in drafter_lane(served).base.state_dict().items()}
     wrong_shape = {**good, "model.embed_tokens.weight": torch.zeros(7, 576)}
     nan = {**good, "lm_head.weight": torch.full_like(good["lm_head.weight"], float("nan"))}
     missing = {k: v for k, v in good.items() if k != "model.norm.weight"}
@@ -333,7 +339,7 @@ def test_two_vllm_replicas_share_one_log_and_registry_and_each_promotes_and_roll
                                                     "max_tokens": 16})
                 assert r.status_code == 200, r.text
                 sent.append(r.json()["dvi"]["request_id"])
-    v = publish_peft_adapter(trainer, lora_copy(served.state.swapper.base, 0.05, 3, ("q_proj", "v_proj")),
+    v = publish_peft_adapter(trainer, lora_copy(drafter_lane(served).base, 0.05, 3, ("q_proj", "v_proj")),
                                      version_manifest())
     for url in (served.url, b.url):  # each replica checks and promotes the trainer's version itself
         try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
 import time
 from typing import Literal
 
@@ -58,17 +57,15 @@ class Watch:
     started: float = dataclasses.field(default_factory=time.monotonic)
     last_record: float = dataclasses.field(default_factory=time.monotonic)
     unfit: int = 0
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
-    def add(self, record: FeedbackRecord) -> None:
-        """A finished request's record (engine thread): kept while the window is not full, unless it is no
-        evidence (`dvi.feedback.heldout.unfit_reason`: counted)."""
-        with self._lock:
-            self.last_record = time.monotonic()
-            if unfit_reason(record) is not None:
-                self.unfit += 1
-            elif len(self.records) < self.window:
-                self.records.append(record)
+    def add(self, record: FeedbackRecord, at: float | None = None) -> None:
+        """A finished request's record (finished at `at`, `time.monotonic()`; default now): kept while the window
+        is not full, unless it is no evidence (`dvi.feedback.heldout.unfit_reason`: counted)."""
+        self.last_record = max(self.last_record, time.monotonic() if at is None else at)
+        if unfit_reason(record) is not None:
+            self.unfit += 1
+        elif len(self.records) < self.window:
+            self.records.append(record)
 
     @property
     def full(self) -> bool:
@@ -86,8 +83,7 @@ class Watch:
         return f"ended early: v{waiting} waits and no request for {self.idle_for():.1f}s"
 
     def snapshot(self) -> list[FeedbackRecord]:
-        with self._lock:
-            return list(self.records)
+        return list(self.records)
 
     def describe(self, verdict: Verdict, early: str = "") -> str:
         """The swap event's reason: kept ("not worse on the same records") or rolled back, per group."""

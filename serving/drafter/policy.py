@@ -1,7 +1,7 @@
-"""What the drafter swapper (`serving.drafter.lane`) follows, `SwapPolicy` (its part of the config, and the gates'
-rules, `dvi.feedback.verdict`), and what it reports, `SwapEvent` (logged, counted on /metrics, shown on /health).
+"""What a drafter lane (`serving.drafter.lane`) follows: `LifecyclePolicy` (its part of the config, and the gates'
+rules, `dvi.feedback.verdict`), and, for a traffic group's lane, its `GroupScope`.
 
-Its own module so the swapper reads as the promotion and rollback sequence.
+Its own module so the lane reads as the promotion and rollback sequence.
 """
 
 from __future__ import annotations
@@ -14,28 +14,9 @@ from dvi.feedback.heldout import adapter_group
 from dvi.feedback.verdict import Rule, promotion_rule, watch_rule
 
 
-@dataclass
-class SwapEvent:
-    """One promotion / refusal / rollback / pin / alert, as logged, counted and shown on /health."""
-
-    kind: str  # "promoted" | "refused" | "rolled_back" | "pinned" | "restored" | "kept" | "alert"
-    version: int
-    previous: int | None
-    reason: str
-    at: float
-    category: str = ""  # refusals: one of dvi.registry.store.REFUSAL_KINDS (a bounded metrics label)
-    publish_to_verdict_s: float | None = None  # a version's first verdict (promoted / refused): since its publish
-    group: str = ""  # a traffic group's adapter version (issue 40); "" the shared drafter's
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "version": self.version, "previous": self.previous,
-                "reason": self.reason, "at": self.at, "category": self.category,
-                "publish_to_verdict_s": self.publish_to_verdict_s, "group": self.group}
-
-
 @dataclass(frozen=True)
-class SwapPolicy:
-    """When the swapper looks, promotes and rolls back (module docstring)."""
+class LifecyclePolicy:
+    """When a lane looks at LATEST, promotes and rolls back."""
 
     poll_seconds: float
     shadow_margin: float
@@ -51,7 +32,7 @@ class SwapPolicy:
     group_z: float = 2.0
 
     @classmethod
-    def of(cls, cfg: DviConfig) -> SwapPolicy:
+    def of(cls, cfg: DviConfig) -> LifecyclePolicy:
         """From a `DviConfig` (serve.registry_poll_seconds, serve.rollback_* / watch_idle_s, trainer.shadow_* /
         heldout_fraction / gate_*)."""
         t, sv = cfg.trainer, cfg.serve
@@ -72,8 +53,8 @@ class SwapPolicy:
 
 
 @dataclass(frozen=True)
-class SwapLane:
-    """What makes a swapper a traffic group's (issue 40): the group whose adapter versions it promotes, the records
+class GroupScope:
+    """What makes a lane a traffic group's (issue 40): the group whose adapter versions it promotes, the records
     it judges them on (that group's only), and the base drafter's shapes its versions are read as per-row factors
     with (`dvi.registry.codec.load_group_version`)."""
 
