@@ -423,10 +423,7 @@ class Attention:
         q, d = n // b, keys.shape[3]
         gqa = heads != keys.shape[1]
         if self.groups is None:
-            qh = qrows.view(b, q, heads, d).transpose(1, 2)  # [B, heads, q, D]
-            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self.mask, is_causal=self.causal,
-                                               scale=scale, enable_gqa=gqa)
-            return o.transpose(1, 2).reshape(n, heads * d)
+            return one_call(qrows, b, keys, values, self.mask, scale, self.causal)
         qf = qrows.view(n, heads, 1, d)  # every query its own batch element
         if b == 1 and len(self.groups) == 1:  # one row, one bucket: no slicing (every step of one request)
             mask = self.groups[0][4]
@@ -441,6 +438,27 @@ class Attention:
             outs.append(F.scaled_dot_product_attention(qf[row * q + j0 : row * q + j1], kf, vf, attn_mask=mask,
                                                        scale=scale, enable_gqa=gqa))
         return torch.cat(outs).view(n, heads * d)
+
+
+def one_call(qrows: torch.Tensor, b: int, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+             scale: float, causal: bool = False) -> torch.Tensor:
+    """All queries qrows [B * q, heads, ...] in one SDPA call over keys / values [B, kv_heads, columns, D] with
+    `mask` [B, 1, q, columns] -> [B * q, heads * D]. On a CPU, grouped-query heads are folded into the query rows
+    (the heads sharing a kv head become rows of one [B, kv_heads, group * q, D] call, as FlashDecoding does): SDPA's
+    CPU kernels run `enable_gqa` with one query a row far below their rate for the folded shape (bf16 most of all;
+    `benchmarks/attention.py` measures it). A causal call (a prefill) keeps its row order and is not folded."""
+    n, heads = qrows.shape[0], qrows.shape[1]
+    q, kvh, d = n // b, keys.shape[1], keys.shape[3]
+    if heads == kvh or causal or keys.device.type != "cpu":
+        qh = qrows.view(b, q, heads, d).transpose(1, 2)  # [B, heads, q, D]
+        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                                           enable_gqa=heads != kvh)
+        return o.transpose(1, 2).reshape(n, heads * d)
+    g = heads // kvh  # query head h reads kv head h // g
+    qh = qrows.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)  # rows (head in group, query)
+    m = None if mask is None else mask.repeat(1, 1, g, 1)  # [B, 1, g * q, columns]: row r is query r % q
+    o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=m, scale=scale)  # [B, kv_heads, g * q, D]
+    return o.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(n, heads * d)
 
 
 BUCKET = 64

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dvi.decode.lean import bucket_columns, folded_groups
+from dvi.decode.lean import bucket_columns, folded_groups, one_call
 from dvi.decode.tree import ancestors
 
 __all__ = ["node_depths", "node_paths", "spine_length", "TreeAttention", "tree_attention", "compact_moves"]
@@ -68,9 +68,7 @@ class TreeAttention:
         q, d = n // b, keys.shape[3]
         gqa = heads != keys.shape[1]
         if self.mask is not None:
-            qh = qrows.view(b, q, heads, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
-            return o.transpose(1, 2).reshape(n, heads * d)
+            return one_call(qrows, b, keys, values, self.mask, scale)
         qf = qrows.view(n, heads, 1, d)
         out = qrows.new_empty(n, heads * d)
         for row, j0, j1, length, mask in self.groups:
