@@ -286,7 +286,7 @@ def test_swapper_memory_is_bounded(pair, tmp_path) -> None:
         sw.observe(3, 1, v)
     refused = sw.view().refused
     assert len(refused) == MAX_REFUSED_SHOWN and list(refused)[-1] == 3 * MAX_REFUSED_SHOWN - 1
-    assert set(sw._windows) <= set(sw.loaded) and len(reg.refusals()) == 3 * MAX_REFUSED_SHOWN - 1
+    assert set(sw._windows) <= set(sw.machine.loaded) and len(reg.refusals()) == 3 * MAX_REFUSED_SHOWN - 1
 
 
 def test_6b_a_pin_issued_during_a_shadow_check_wins(tiny_pair_dir, tmp_path) -> None:

@@ -46,7 +46,7 @@ from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
 from ..engine_client import EngineClient, SetAdapter, SetDrafter
 from ..memory import glibc_trim
-from .lifecycle import MAX_REFUSED_SHOWN, Promotion
+from .lifecycle import Lifecycle
 from .messages import LaneView, VersionEvent
 from .policy import GroupScope, LifecyclePolicy
 
@@ -73,15 +73,16 @@ class Loaded:
 
 
 class Lane:
-    """One registry's versions: it loads, checks and swaps the versions its machine (`Promotion`) names. The drafter
-    thread alone calls it (the door, `serving.drafter.client.DrafterClient`, sends everyone else's messages)."""
+    """One registry's versions: it loads, checks and swaps the versions its machine (`Lifecycle`, all of the promotion
+    state) names, and keeps what it saw (events, counts, verdicts, live α, the held-out set). The drafter thread alone
+    calls it (the door, `serving.drafter.client.DrafterClient`, sends everyone else's messages)."""
 
-    _owned_parts = ("promotion", "heldout")  # what the drafter thread's claim covers (`dvi.decode.owner`)
+    _owned_parts = ("machine", "heldout")  # what the drafter thread's claim covers (`dvi.decode.owner`)
 
     def __init__(self, registry: DrafterRegistry, engine: EngineClient | None, base_drafter: torch.nn.Module,
                  policy: LifecyclePolicy, on_event: Callable[[VersionEvent], None] | None = None,
                  event_log: str | AppendLog | None = None, feedback_dir: str | None = None,
-                 scope: GroupScope | None = None, stopping: threading.Event | None = None) -> None:
+                 scope: GroupScope | None = None) -> None:
         self.registry = registry
         self.scope = scope  # a traffic group's lane (issue 40): its registry, records and engine command are that group's
         self.feedback_dir = feedback_dir  # the held-out set starts from its newest shards (`restore`)
@@ -90,18 +91,13 @@ class Lane:
         self.policy = policy
         self.on_event = on_event or (lambda _e: None)
         self.event_log = event_log
-        self.stopping = stopping or threading.Event()  # set once the server stops: no verdict after it
-        self.promotion = Promotion(policy.rollback_window)  # every decision
-        self.loaded: dict[int, Loaded] = {0: self._load(0)}  # the served version and the startup one
-        self.waiting, self.waiting_scored = None, None  # the version waiting for held-out evidence; positions its check scored
-        self._pending: Loaded | None = None  # LATEST, validated and loaded, waiting for its check
-        self._passed: tuple[int, int, str] | None = None  # (version, against, reason): passed its check, to swap in
+        self.stopping = threading.Event()  # set once the server stops (the door's, shared by its lanes): no verdict after
+        self.machine = Lifecycle(policy.rollback_window, self._load(0))  # every decision, and what it rests on
         self.events: collections.deque[VersionEvent] = collections.deque(maxlen=EVENTS_KEPT)
         self.counts = collections.Counter()
         self.heldout = HeldOutSet(policy.shadow_records, policy.heldout_fraction)  # what a promotion is judged on
         self.verdicts: dict[str, Verdict] = {}  # the last verdict of each gate ("promotion", "watch"), for /metrics
-        self._verdict_seen: collections.OrderedDict[int, None] = collections.OrderedDict()  # versions with a verdict
-        self._windows: dict[int, collections.deque] = {}  # live α per kept version (bounded like `loaded`)
+        self._windows: dict[int, collections.deque] = {}  # live α per kept version (bounded like `machine.loaded`)
         self.latest: int | None = None  # LATEST as the last step read it
         self._restored = False
         self._trim = glibc_trim()  # a promotion's loads and checks free whole drafters: hand them back to the OS
@@ -109,12 +105,10 @@ class Lane:
 
     def for_group(self, scope: GroupScope, registry: DrafterRegistry) -> Lane:
         """A traffic group's lane, wired as this one (engine, startup drafter, policy, events, feedback log)."""
-        return Lane(registry, self.engine, self.base, self.policy, on_event=self.on_event, event_log=self.event_log,
-                    feedback_dir=self.feedback_dir, scope=scope, stopping=self.stopping)
-
-    # what the machine decided
-    live_version = property(lambda self: self.promotion.live)
-    pinned = property(lambda self: self.promotion.pinned)
+        lane = Lane(registry, self.engine, self.base, self.policy, on_event=self.on_event, event_log=self.event_log,
+                    feedback_dir=self.feedback_dir, scope=scope)
+        lane.stopping = self.stopping
+        return lane
 
     # -- what finished requests tell it ---------------------------------------------------------
     def observe_record(self, record: FeedbackRecord, at: float | None = None) -> None:
@@ -122,13 +116,13 @@ class Lane:
         if self.scope is not None and not self.scope.accepts(record):
             return
         self.heldout.offer(record)
-        w = self.promotion.watch
+        w = self.machine.watch
         if w is not None:
             w.add(record, at)
 
     def observe(self, drafted: int, accepted: int, drafter_version: int) -> None:
         window = self._windows.get(drafter_version)
-        if window is None and drafter_version in self.loaded:
+        if window is None and drafter_version in self.machine.loaded:
             window = self._windows[drafter_version] = collections.deque(maxlen=self.policy.rollback_window)
         if window is not None:
             window.append((drafted, accepted))
@@ -156,28 +150,23 @@ class Lane:
 
     def _advance(self) -> bool:
         """What the machine says for LATEST: validate, judge or swap it in (True: the next of those is due now)."""
-        latest = self.latest = self.registry.latest()
-        step = self._next_step(latest)
+        m, latest = self.machine, self.registry.latest()
+        self.latest = latest
+        step = m.next_step(latest, self.heldout.positions(), self.policy.min_positions, self.stopping.is_set())
         if step.action == "validate":
             durable = self.registry.refusals().get(latest)
             if durable is not None:  # refused by this server (this replica) before
-                self.promotion.remember_refusal(latest, durable)
+                m.remember_refusal(latest, durable)
                 return False
             return self._validate(latest)
-        if step.action in ("idle", "hold"):
-            if step.action == "idle":
-                self.waiting = None
-            return False
-        if self._passed is not None and self._passed[:2] == (latest, self.live_version):
-            return self._promote()
-        if step.action == "wait":
-            if self.waiting != latest:
-                log.info("drafter v%d waits for a shadow check: %d held-out positions of %d", latest,
-                         self.heldout.positions(), self.policy.min_positions)
-            self.waiting, self.waiting_scored = latest, None
-            return False
-        self.waiting = None
-        return self._judge(self._pending)
+        if step.action == "judge":
+            return self._judge(m.pending)
+        if step.action == "swap":
+            return self._promote(m.pending, m.passed.reason)
+        if step.news:
+            log.info("drafter v%d waits for a shadow check: %d held-out positions of %d", latest,
+                     self.heldout.positions(), self.policy.min_positions)
+        return False
 
     def _of_group(self) -> str:
         return f" (group {self.scope.group})" if self.scope else ""
@@ -198,17 +187,17 @@ class Lane:
         self._restored = True
         self._warm_heldout()
         st = self.registry.serving()
-        want = self.promotion.restore(self.registry.refusals(), st.pinned, st.good)
-        loaded = self.loaded[0]
+        want = self.machine.restore(self.registry.refusals(), st.pinned, st.good)
+        loaded = self.machine.loaded[0]
         if want:
             try:
                 loaded = self._load(want)
             except AdapterRejected as exc:
                 log.error("cannot restore drafter v%d (%s); serving the startup drafter", want, exc.reason)
                 want = 0
-        self.promotion.restored(want, st.pinned)
+        self.machine.restored(want, st.pinned)
         if want:
-            self._swap(loaded, "restored", "pinned before the restart" if self.pinned is not None
+            self._swap(loaded, "restored", "pinned before the restart" if self.machine.pinned is not None
                        else "last good version before the restart")
         else:
             self._save_serving()
@@ -229,11 +218,6 @@ class Lane:
         log.info("held-out set warmed from the feedback log: %d held-out records, %d positions", held,
                  self.heldout.positions())
 
-    def _next_step(self, latest: int | None):
-        loaded = self._pending is not None and self._pending.version == latest
-        return self.promotion.next_step(latest, loaded, self.heldout.positions(), self.policy.min_positions,
-                                        self.stopping.is_set())
-
     def _load(self, version: int) -> Loaded:
         """THE load of a version (0: the startup drafter): the registry's one check, its format's codec, and the
         engine command that serves it (a group's LoRA as per-row factors); AdapterRejected if any of them fails."""
@@ -247,40 +231,35 @@ class Lane:
 
     def _validate(self, version: int) -> bool:
         """Load and check `version`, kept for its shadow check (True); a broken one is refused."""
-        self._pending = None
         try:
-            self._pending = self._load(version)
+            loaded = self._load(version)
         except AdapterRejected as exc:
             self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
             return False
-        self.promotion.validated(version)
+        self.machine.validated(version, loaded)
         return True
 
     def _judge(self, candidate: Loaded) -> bool:
         """Shadow-check a validated version (the held-out set, `promotion_rule`); True when it passed (its swap is
         the next step, once the inbox's pins and rollbacks are in)."""
-        version, live_version = candidate.version, self.live_version
-        live = self.loaded[live_version]
+        version, live_version = candidate.version, self.machine.live
+        live = self.machine.loaded[live_version]
         verdict = self._compare(candidate.scorer, live.scorer, self.heldout.records(), self.policy.promotion)
         if verdict.outcome == "wait" or self.stopping.is_set():  # an eagle head scores only records with features
             log.info("drafter v%d: %s; waiting", version,
                      "the server stops" if self.stopping.is_set() else verdict.reason)
-            self.waiting, self.waiting_scored = version, verdict.positions
+            self.machine.waits(version, verdict.positions)
             return False
         reason = (f"held-out shadow α {fmt_rate(verdict.new_alpha)} vs served v{live_version} "
                   f"{fmt_rate(verdict.old_alpha)} on {verdict.records} records ({verdict.positions} positions); "
                   f"{verdict.group_summary()}")
-        self.promotion.judged(version, verdict.passed)
+        self.machine.judged(version, verdict.passed, reason)
         if not verdict.passed:
             self._refuse(version, f"{reason}; {verdict.reason}", kind="shadow")
-            return False
-        self._passed = (version, live_version, reason)
-        return True
+        return verdict.passed
 
-    def _promote(self) -> bool:
-        """Swap in the version that passed its check (not under a pin: the machine's next step is idle then)."""
-        candidate, (_, _, reason) = self._pending, self._passed
-        self._pending, self._passed = None, None
+    def _promote(self, candidate: Loaded, reason: str) -> bool:
+        """Swap in the version that passed its check (never under a pin: the machine's next step is idle then)."""
         try:
             self._swap(candidate, "promoted", reason)
         except AdapterRejected as exc:  # the engine could not load it (vLLM): it keeps the served drafter
@@ -301,17 +280,15 @@ class Lane:
         version = loaded.version
         if self.engine is not None:
             self.engine.command(loaded.command).result(timeout=120)
-        prev = self.promotion.swapped(version, kind)
-        self.loaded[version] = loaded
-        keep = {version, 0}  # the last good version is loaded again when a watch or a rollback needs it
-        self.loaded = {v: m for v, m in self.loaded.items() if v in keep}
-        self._windows = {v: w for v, w in self._windows.items() if v in keep}
+        prev = self.machine.swapped(version, kind, loaded)
+        self._windows = {v: w for v, w in self._windows.items() if v in self.machine.loaded}
         self._windows[version] = collections.deque(maxlen=self.policy.rollback_window)
         self._save_serving()
         self._record(VersionEvent(kind, version, prev, reason, time.time()))
 
     def _save_serving(self) -> None:
-        st = ServingState(version=self.live_version, good=self.promotion.good, pinned=self.pinned)
+        m = self.machine
+        st = ServingState(version=m.live, good=m.good, pinned=m.pinned)
         try:
             self.registry.set_serving(st)
         except OSError:
@@ -325,14 +302,11 @@ class Lane:
                 self.registry.refuse(version, reason)
             except OSError:
                 log.exception("cannot record the refusal of v%d in the registry", version)
-        if self.promotion.refuse(version, reason, transient):
-            self._record(VersionEvent("refused", version, self.live_version, reason, time.time(), category=kind))
+        if self.machine.refuse(version, reason, transient):
+            self._record(VersionEvent("refused", version, self.machine.live, reason, time.time(), category=kind))
 
     def _record(self, ev: VersionEvent) -> None:
-        if ev.kind in ("promoted", "refused") and ev.version not in self._verdict_seen:
-            self._verdict_seen[ev.version] = None
-            while len(self._verdict_seen) > MAX_REFUSED_SHOWN:
-                self._verdict_seen.popitem(last=False)
+        if ev.kind in ("promoted", "refused") and self.machine.first_verdict(ev.version):
             published = self.registry.published_at(ev.version)
             ev = replace(ev, publish_to_verdict_s=None if published is None else max(0.0, ev.at - published))
         if self.scope is not None:
@@ -360,22 +334,21 @@ class Lane:
         if self.stopping.is_set():
             return False
         busy = self.engine is not None and self.engine.busy()
-        pending = self._pending.version if self._pending is not None else None
-        ends = self.promotion.watch_ends(pending, self.policy.watch_idle_s, busy)
+        ends = self.machine.watch_ends(self.policy.watch_idle_s, busy)
         if ends is None:
             return False
         w, early = ends
-        new, old = self.loaded.get(w.version), self.loaded.get(w.good)
+        new, old = self.machine.loaded.get(w.version), self.machine.loaded.get(w.good)
         if old is None:  # not kept between promotions (memory: issue 36 §9)
             old = self._load_quietly(w.good)
         if new is None or old is None:
-            self.promotion.drop_watch()
+            self.machine.drop_watch()
             return True
         verdict = self._compare(new.scorer, old.scorer, w.snapshot(), self.policy.watch)
         if self.stopping.is_set():  # no verdict once the server stops: the watched version is not yet the last good one
             return False
         reason = w.describe(verdict, early)
-        outcome = self.promotion.watch_judged(w, verdict.failed)
+        outcome = self.machine.watch_judged(w, verdict.failed)
         if outcome == "kept":
             self._save_serving()
             self._record(VersionEvent("kept", w.version, w.good, reason, time.time()))
@@ -398,10 +371,11 @@ class Lane:
         """Back to the last version that passed its watch (from a good version: the one before it); the
         version left is refused for good, by this server: LATEST is the trainer's and stays where it is. Refused
         under a pin (ValueError: unpin first). `have`: the target, loaded already (a failed watch's)."""
-        bad, target = self.promotion.rollback_plan()
-        loaded = have if have is not None and have.version == target else self.loaded.get(target) or self._load(target)
+        bad, target = self.machine.rollback_plan()
+        loaded = (have if have is not None and have.version == target
+                  else self.machine.loaded.get(target) or self._load(target))
         self.registry.refuse(bad, f"rolled back: {reason}")
-        self.promotion.rolled_back(bad, target, reason)
+        self.machine.rolled_back(bad, target, reason)
         self._swap(loaded, "rolled_back", reason + f" (from v{bad})")
         return target
 
@@ -409,21 +383,21 @@ class Lane:
         """Serve exactly `version` (0 = the startup drafter) until unpinned (None); durable in SERVING. No
         automatic promotion or rollback overrides a pin: a failed watch under it only alerts, and a version that
         passed its check meanwhile is judged again once unpinned."""
-        self._passed = None
+        m = self.machine
         if version is None:
-            old = self.promotion.pin(None)
+            old = m.pin(None)
             if old:
                 try:
                     self.registry.unpin(old)
                 except (OSError, ValueError):
                     pass
             self._save_serving()
-            return self.live_version
-        loaded = self.loaded.get(version) or self._load(version)
+            return m.live
+        loaded = m.loaded.get(version) or self._load(version)
         if version:
             self.registry.pin(version)
-        self.promotion.pin(version)
-        if version != self.live_version:
+        m.pin(version)
+        if version != m.live:
             self._swap(loaded, "pinned", "pinned by admin")
         else:
             self._save_serving()
@@ -432,7 +406,7 @@ class Lane:
     # -- what the door publishes -----------------------------------------------------------------------
     def view(self) -> LaneView:
         """This lane now, for the drafter snapshot (`serving.drafter.messages.LaneView`)."""
-        m, positions = self.promotion, self.heldout.positions()
+        m, positions = self.machine, self.heldout.positions()
         w = m.watch
         return LaneView(
             group=self.scope.group if self.scope else "", live_version=m.live,
@@ -440,9 +414,9 @@ class Lane:
             good=m.good, pinned=m.pinned, latest=self.latest, heldout_positions=positions,
             watch=None if w is None else _ro({"version": w.version, "against": w.good, "records": len(w.records),
                                               "of": self.policy.rollback_window}),
-            waiting=None if self.waiting is None else _ro({  # a verdict waiting for held-out evidence
-                "version": self.waiting, "of": self.policy.min_positions,
-                "heldout_positions": positions if self.waiting_scored is None else self.waiting_scored}),
+            waiting=None if m.waiting is None else _ro({  # a verdict waiting for held-out evidence
+                "version": m.waiting, "of": self.policy.min_positions,
+                "heldout_positions": positions if m.waiting_scored is None else m.waiting_scored}),
             heldout=_ro(self.heldout.info()), verdicts=_ro(self.verdicts), refused=_ro(m.refused),
             counts=MappingProxyType(collections.Counter(self.counts)), versions=_ro(dict(list(m.state.items())[-16:])),  # their lifecycle states
             live_alpha=_ro({v: self.live_alpha(v) for v in self._windows}), events=tuple(self.events))

@@ -4,10 +4,15 @@
         │                        │                    │
         └────────────────────────┴──── refused ◀──────┘       (pinned / restored: served, not watched)
 
-`Promotion` decides and remembers; the swapper (`serving.drafter.lane.DrafterSwapper`, the watcher thread) does what it is
-told (load and validate a version, score it, send the engine command, write the ledger) and reports back what came
-of it. Every transition is a method here, so the lifecycle is tested without threads (`tests/test_lifecycle.py`).
-Version 0 is the startup drafter: always good, never refused.
+`Lifecycle` decides and remembers, all of it: what is served, the last good version, the pin, the watch, refusals,
+the candidate validated and waiting for its check (`pending`), the check it passed (`passed`: swapped in at the next
+step unless a pin came first), the version waiting for held-out evidence (`waiting`), the versions that had their
+first verdict, and the versions held loaded (`loaded`: the served one and the startup one). What it holds of a
+loaded version (`loaded`, `pending`) is the lane's object, never read here but for its `version`. The lane
+(`serving.drafter.lane.Lane`, on the drafter thread) does what it is told (load and validate a version, score it,
+send the engine command, write the ledger) and reports back what came of it. Every transition is a method here, so
+the lifecycle is tested without threads (`tests/test_lifecycle.py`). Version 0 is the startup drafter: always good,
+never refused.
 
 The watched state's evidence is a `Watch`: the records finished since the promotion, replayed through the version
 and the last good one by THE comparison (`dvi.feedback.verdict.compare`, rule `gates(cfg).watch`: per group, a fall
@@ -22,13 +27,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from dvi.feedback.heldout import unfit_reason
 from dvi.feedback.record import FeedbackRecord
 from dvi.feedback.verdict import Verdict
 
-__all__ = ["GOOD_HISTORY", "MAX_REFUSED_SHOWN", "Promotion", "Step", "Watch"]
+__all__ = ["GOOD_HISTORY", "MAX_REFUSED_SHOWN", "Lifecycle", "Passed", "Step", "Watch"]
 
 MAX_REFUSED_SHOWN = 64  # refusals kept in memory for /health (all of them are in the ledger's REFUSED)
 GOOD_HISTORY = 8  # versions that passed their watch, newest last: where successive admin rollbacks go
@@ -38,11 +43,22 @@ State = Literal["candidate", "validated", "judged", "watched", "kept", "served",
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """What the swapper does next for LATEST: nothing ("idle"), "validate" it (load and check), leave it waiting
-    ("hold": a watch runs; "wait": too few held-out positions), or "judge" it (the shadow check)."""
+    """What the lane does next for LATEST: nothing ("idle"), "validate" it (load and check), leave it waiting
+    ("hold": a watch runs; "wait": too few held-out positions; `news`: it began waiting now), "judge" it (the shadow
+    check), or "swap" it in (it passed its check against what is served, and no pin stands)."""
 
-    action: Literal["idle", "validate", "hold", "wait", "judge"]
+    action: Literal["idle", "validate", "hold", "wait", "judge", "swap"]
     version: int | None = None
+    news: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Passed:
+    """A shadow check passed: `version` against the served `against`, in words (`reason`)."""
+
+    version: int
+    against: int
+    reason: str
 
 
 @dataclasses.dataclass
@@ -93,10 +109,10 @@ class Watch:
         return f"not worse on the same records ({verdict.group_summary()}); {head}"
 
 
-class Promotion:
-    """The swapper's decisions about versions (its lock guards every call)."""
+class Lifecycle:
+    """A lane's decisions about its versions, and everything they rest on (the drafter thread's alone)."""
 
-    def __init__(self, rollback_window: int) -> None:
+    def __init__(self, rollback_window: int, startup: Any) -> None:
         self.rollback_window = rollback_window
         self.live = 0
         self.good = 0  # the newest version that passed its rollback watch (0: the startup drafter)
@@ -106,35 +122,67 @@ class Promotion:
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()  # newest MAX_REFUSED_SHOWN
         self.retry: set[int] = set()  # refused for a reason that may pass later (dir not there yet)
         self.state: collections.OrderedDict[int, State] = collections.OrderedDict({0: "kept"})  # bounded (`_mark`)
+        self.loaded: dict[int, Any] = {0: startup}  # versions held loaded: the served one and the startup one
+        self.pending: Any = None  # LATEST, validated and loaded (its `version`), waiting for its check
+        self.passed: Passed | None = None  # the check `pending` passed, its swap the next step
+        self.waiting: int | None = None  # the version waiting for held-out evidence
+        self.waiting_scored: int | None = None  # the positions its last check scored (None: too few to try)
+        self.verdict_seen: collections.OrderedDict[int, None] = collections.OrderedDict()  # versions with a verdict
 
     # -- a candidate's way -------------------------------------------------------------------------
-    def next_step(self, latest: int | None, validated: bool, positions: int, min_positions: int,
-                  stopping: bool = False) -> Step:
-        """What to do with `latest` now (`validated`: the swapper holds it loaded and checked)."""
+    def next_step(self, latest: int | None, positions: int, min_positions: int, stopping: bool = False) -> Step:
+        """What to do with `latest` now (`positions`: what the held-out set holds, `min_positions` what a check
+        needs)."""
         if (latest is None or latest == self.live or self.pinned is not None or stopping
                 or (latest in self.refused and latest not in self.retry)):
+            self.waiting = None
             return Step("idle")
         if latest not in self.state:
             self._mark(latest, "candidate")
-        if not validated:
+        if self.pending is None or self.pending.version != latest:
+            self.pending, self.passed = None, None  # an older candidate's drafter goes before the next load
             return Step("validate", latest)
         if self.watch is not None:
             return Step("hold", latest)
+        if self.passed is not None and (self.passed.version, self.passed.against) == (latest, self.live):
+            return Step("swap", latest)
         if positions < min_positions:
-            return Step("wait", latest)
+            news, self.waiting, self.waiting_scored = self.waiting != latest, latest, None
+            return Step("wait", latest, news)
+        self.waiting = None
         return Step("judge", latest)
 
-    def validated(self, version: int) -> None:
+    def validated(self, version: int, loaded: Any) -> None:
+        """`loaded` (the lane's object for `version`) passed its load and checks: it waits for its shadow check."""
+        self.pending, self.passed = loaded, None
         self._mark(version, "validated")
 
-    def judged(self, version: int, passed: bool) -> None:
-        """The shadow check's verdict: passed, the swapper swaps it in (`swapped`); else it refuses it (`refuse`)."""
+    def waits(self, version: int, scored: int) -> None:
+        """The check could not decide (too little evidence where it counts, or the server stops): it is tried
+        again at a later step."""
+        self.waiting, self.waiting_scored = version, scored
+
+    def judged(self, version: int, passed: bool, reason: str = "") -> None:
+        """The shadow check's verdict against what is served: passed, it is swapped in at the next step (`swapped`)
+        unless a pin comes first; else the lane refuses it (`refuse`)."""
+        self.passed = Passed(version, self.live, reason) if passed else None
         self._mark(version, "judged" if passed else "refused")
+
+    def first_verdict(self, version: int) -> bool:
+        """True the first time `version` is promoted or refused (its publish-to-verdict time is measured then)."""
+        if version in self.verdict_seen:
+            return False
+        self.verdict_seen[version] = None
+        while len(self.verdict_seen) > MAX_REFUSED_SHOWN:
+            self.verdict_seen.popitem(last=False)
+        return True
 
     def refuse(self, version: int, reason: str, transient: bool = False) -> bool:
         """Never promote `version` again (transient: retried at every poll). True the first time it is refused for
         this reason's kind (a transient refusal repeated is not reported again)."""
         again = transient and version in self.retry
+        if self.pending is not None and self.pending.version == version:
+            self.pending, self.passed = None, None
         self._remember(version, reason + (" (will retry)" if transient else ""))
         if transient:
             self.retry.add(version)
@@ -160,13 +208,19 @@ class Promotion:
         while len(self.refused) > MAX_REFUSED_SHOWN:
             self.refused.popitem(last=False)
 
-    def swapped(self, version: int, kind: str) -> int:
-        """The engine serves `version` now (`kind`: promoted, rolled_back, pinned, restored); returns the version it
-        served before. A promotion is watched; anything else is served as it is. No promotion while a pin stands
-        (the swapper checks before it swaps; this refuses a caller that did not)."""
+    def swapped(self, version: int, kind: str, loaded: Any) -> int:
+        """The engine serves `version` (the lane's `loaded`) now (`kind`: promoted, rolled_back, pinned, restored);
+        returns the version it served before. A promotion is watched; anything else is served as it is. No promotion
+        while a pin stands (`next_step` never says "swap" then; this refuses a caller that did not ask)."""
         if kind == "promoted" and self.pinned is not None:
             raise ValueError(f"v{version} cannot be promoted: the drafter is pinned to v{self.pinned}")
         prev, self.live = self.live, version
+        self.loaded[version] = loaded
+        keep = {version, 0}  # the last good version is loaded again when a watch or a rollback needs it
+        self.loaded = {v: m for v, m in self.loaded.items() if v in keep}
+        if self.pending is not None and self.pending.version == version:
+            self.pending = None
+        self.passed = None
         if version in self.retry:  # a retried version made it after all
             self.retry.discard(version)
             self.refused.pop(version, None)
@@ -177,12 +231,13 @@ class Promotion:
         return prev
 
     # -- the rollback watch ------------------------------------------------------------------------
-    def watch_ends(self, pending: int | None, idle_s: float, busy: bool) -> tuple[Watch, str] | None:
-        """The running watch and why it ends early ("" when full), if it ends now."""
+    def watch_ends(self, idle_s: float, busy: bool) -> tuple[Watch, str] | None:
+        """The running watch and why it ends early ("" when full; a validated version waits behind it, `pending`),
+        if it ends now."""
         w = self.watch
         if w is None:
             return None
-        early = "" if w.full else w.ends_early(pending, idle_s, busy)
+        early = "" if w.full else w.ends_early(self.pending.version if self.pending is not None else None, idle_s, busy)
         return (w, early) if (w.full or early) else None
 
     def watch_judged(self, w: Watch, failed: bool) -> Literal["kept", "alert", "rollback"]:
@@ -219,8 +274,12 @@ class Promotion:
     # -- pins and restarts -------------------------------------------------------------------------
     def pin(self, version: int | None) -> int | None:
         """Serve exactly `version` until unpinned (None); returns the pin it replaced. A watch of another version
-        ends without a verdict."""
+        ends without a verdict; a check passed meanwhile is forgotten: once unpinned, it is judged again against
+        what is served then."""
         old, self.pinned = self.pinned, version
+        if self.passed is not None:
+            self._mark(self.passed.version, "validated")
+            self.passed = None
         if version is not None and self.watch is not None and self.watch.version != version:
             self.watch = None
         return old
