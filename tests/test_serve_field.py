@@ -1,0 +1,123 @@
+"""benchmarks/serve_field.py (issue 61 §4): the field's client's data set and command line, its recorded result read
+back, the goals, and the reason it gives where vLLM's venv is missing. Nothing here starts a server or vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _field_client as fc
+from benchmarks import serve_field as sf
+
+FIXTURE = Path(__file__).parent / "fixtures" / "serve_field_client_result.json"
+"""A result JSON `vllm bench serve --save-detailed` wrote in serve_field's smoke run (dvi off, 8 prompts, C=4)."""
+
+
+def _level(**kw) -> dict:
+    return {"concurrency": 4, "prompts": 8, "max_tokens": 64, "warmups": 0, "ignore_eos": False,
+            "result_dir": "/r", "result_file": "off-r0-c4.json", "label": "off", **kw}
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_client_argv_is_greedy_closed_at_c_and_saves_detail():
+    argv = fc.client_argv("http://127.0.0.1:1", "field", "/tok", "/d.json", _level())
+    assert _flag(argv, "--backend") == "openai" and _flag(argv, "--endpoint") == "/v1/completions"
+    assert _flag(argv, "--dataset-name") == "sharegpt" and "--disable-shuffle" in argv
+    assert _flag(argv, "--max-concurrency") == "4" and _flag(argv, "--request-rate") == "inf"
+    assert _flag(argv, "--temperature") == "0" and _flag(argv, "--sharegpt-output-len") == "64"
+    assert _flag(argv, "--num-prompts") == "8" and _flag(argv, "--model") == _flag(argv, "--served-model-name")
+    assert {"--save-result", "--save-detailed"} <= set(argv) and "--ignore-eos" not in argv
+    assert _flag(argv, "--percentile-metrics") == "ttft,tpot,itl,e2el" and _flag(argv, "--metric-percentiles") == "50,99"
+    assert "--ignore-eos" in fc.client_argv("u", "m", "t", "d", _level(ignore_eos=True))
+
+
+def test_the_data_set_is_sharegpt_alternating_domains(tmp_path):
+    prompts = fc.interleave(["c0", "c1", "c2"], ["h0", "h1"])
+    assert [p["domain"] for p in prompts] == ["code", "chat", "code", "chat", "code"]
+    records = json.loads(fc.write_dataset(tmp_path / "d.json", prompts).read_text())
+    # what vLLM's ShareGPT loader reads: at least two turns, the first the prompt
+    assert [r["conversations"][0]["value"] for r in records] == ["c0", "h0", "c1", "h1", "c2"]
+    assert all(len(r["conversations"]) >= 2 for r in records)
+
+
+def test_warm_up_then_the_prefix_cache_emptied_on_vllm_only():
+    posts = fc.warm_up_posts("http://h", "field", "hi", 2, reset_prefix_cache=True)
+    assert [u for u, _ in posts] == ["http://h/v1/completions"] * 2 + ["http://h/reset_prefix_cache"]
+    assert posts[0][1]["temperature"] == 0 and posts[0][1]["model"] == "field"
+    assert len(fc.warm_up_posts("http://h", "field", "hi", 2, reset_prefix_cache=False)) == 2
+
+
+def test_a_recorded_result_parses_and_pools():
+    raw = json.loads(FIXTURE.read_text())
+    r = fc.parse_result(raw)
+    assert r["client"]["completed"] == len(r["texts"]) == len(r["ttfts_s"]) == 8 and not r["errors"]
+    assert r["client"]["output_throughput"] == pytest.approx(raw["total_output_tokens"] / raw["duration"])
+    assert fc.pool([r, r])["output_tok_s"] == pytest.approx(raw["output_throughput"])
+    pooled = fc.pool([r])  # one round: the client's own percentiles, from its per-request figures
+    assert pooled["ttft_p50_ms"] == pytest.approx(raw["median_ttft_ms"])
+    assert pooled["ttft_p99_ms"] == pytest.approx(raw["p99_ttft_ms"])
+    assert pooled["itl_p99_ms"] == pytest.approx(raw["p99_itl_ms"])
+    assert pooled["tpot_mean_ms"] == pytest.approx(raw["mean_tpot_ms"], rel=1e-6)
+    assert fc.differing(r["texts"], r["texts"]) == 0
+    assert fc.differing(r["texts"][:-1] + ["other"], r["texts"]) == 1 and fc.differing(r["texts"][:6], r["texts"]) == 2
+
+
+def _args(**kw) -> argparse.Namespace:
+    return sf.parse_args(["--json", "/dev/null", *[x for k, v in kw.items() for x in (f"--{k}", str(v))]])
+
+
+def _fig(tok_s: float, ttft: float, texts: list[str]) -> dict:
+    return {"client": {"total_output_tokens": tok_s * 10, "duration": 10.0, "completed": len(texts), "failed": 0,
+                       "output_throughput": tok_s, "spec_decode_acceptance_rate": None},
+            "ttfts_s": [ttft / 1000] * len(texts), "tpots_s": [0.1], "itls_s": [0.1], "texts": texts, "errors": []}
+
+
+def test_goals_from_figures_fp32():
+    args = _args(concurrency="8", arms="off,separate,suffix,vllm,vllm-ngram")
+    speed = {"off": 13.0, "separate": 14.0, "suffix": 12.0, "vllm": 10.0, "vllm-ngram": 10.0}
+    runs = {a: {8: [_fig(v, 100.0, ["a", "b" if a != "suffix" else "x"])]} for a, v in speed.items()}
+    gs = {g["name"]: g for g in sf.goals(sf.goal_specs(args, bf16_native=False), sf.figures(runs))}
+    assert gs["dvi separate vs dvi off, output tok/s, C=8 (fp32)"]["met"]
+    assert not gs["dvi suffix vs dvi off, output tok/s, C=8 (fp32)"]["met"]
+    assert gs["dvi off vs vLLM plain, output tok/s, C=8 (fp32)"]["value"] == pytest.approx(1.3)
+    assert gs["dvi's best kind vs vLLM ngram, output tok/s, C=8 (fp32)"]["value"] == pytest.approx(1.4)
+    differ = next(g for n, g in gs.items() if n.startswith("dvi answers whose greedy text differs"))
+    assert differ["value"] == 1.0 and not differ["met"]
+    assert not any("bf16" in n for n in gs)  # vLLM is compared at the same dtype only
+    bf16 = sf.goal_specs(_args(concurrency="8", dtype="bf16", arms="off,vllm"), bf16_native=True)
+    assert [s[0] for s in bf16 if "vLLM" in s[0]] == ["dvi's best (bf16) vs vLLM's best (fp32), output tok/s, C=8"]
+
+
+def test_suffix_arms_get_a_fresh_server_per_level():
+    assert sf.server_spans("suffix", [1, 4]) == [[1], [4]] and sf.server_spans("hybrid", [1]) == [[1]]
+    assert sf.server_spans("off", [1, 4]) == sf.server_spans("vllm", [1, 4]) == [[1, 4]]
+
+
+def test_ignore_eos_is_sent_only_where_every_server_takes_it():
+    from serving.protocol import UNSUPPORTED
+
+    on, why = sf.ignore_eos("auto", ["off", "vllm"])
+    assert on == ("ignore_eos" not in UNSUPPORTED) and why
+    assert sf.ignore_eos("auto", ["vllm"])[0] and sf.ignore_eos("off", ["vllm"]) == (False, "--ignore-eos off")
+
+
+def test_smoke_is_short():
+    a = sf.parse_args(["--smoke"])
+    assert a.levels == [1, 4] and a.arm_list == ["off", "vllm"] and a.rounds == 1 and a.prompts == 8
+    assert a.json.endswith("_smoke.json")
+
+
+def test_without_vllms_venv_it_says_why_and_marks_the_goals_not_measured(tmp_path, capsys):
+    out = tmp_path / "field.json"
+    assert sf.main(["--vllm-python", str(tmp_path / "no-venv" / "python"), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["measured"] is False and "does not exist" in res["not_measured"] and "make vllm-venv" in res["not_measured"]
+    assert res["goals"] and all(g["measured"] is False and g["value"] is None and not g["met"] for g in res["goals"])
+    assert res["machine"]["cpu"] and res["machine"]["goals_stated_for"]
+    assert "not measured: vLLM's venv is missing" in capsys.readouterr().out
