@@ -17,7 +17,7 @@ from dvi.config import PRESETS, SECRET_KEYS, ConfigError, dump_config, load_conf
 from dvi.models.embedded import DEFAULT_BUILD_KINDS, DRAFTER_KINDS
 
 BENCHMARKS = ("decode", "drift", "serve_load", "rl", "feedback_budget", "soak", "domain_gap", "suffix_index",
-              "suffix_b1", "verdict_latency", "serve_speed", "trees")
+              "suffix_b1", "verdict_latency", "serve_speed", "trees", "serve_field")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
