@@ -6,7 +6,7 @@ import torch
 from registry_doors import load_adapter_into, publish_files, publish_full, publish_peft_adapter
 from tiny_models import tiny_llama
 
-from dvi.registry.store import MANIFEST_FIELDS, AdapterRejected, DrafterRegistry
+from dvi.registry.store import MANIFEST_FIELDS, AdapterRejected, DrafterRegistry, ServingState
 
 torch.set_num_threads(1)
 
@@ -149,7 +149,7 @@ def test_rollback_pin_gc(tmp_path):
     for i in range(3):
         publish_full(reg, sd(i), {}, {})
     assert reg.list_versions() == [2, 3]  # v1 collected
-    reg.pin(2)
+    reg.set_serving(ServingState(version=0, good=0, pinned=2))  # an admin pin: SERVING carries it
     assert rollback(reg, reason="alpha fell") == 2 and reg.latest() == 2
     assert 3 in reg.rolled_back()
     ev = reg.events()
@@ -161,7 +161,7 @@ def test_rollback_pin_gc(tmp_path):
     assert reg.list_versions() == [2, 6, 7]
     # a rollback to a specific version; then LATEST (v6) survives gc even when old
     rollback(reg, to_version=6)
-    reg.unpin(2)
+    reg.set_serving(ServingState())  # unpinned
     publish_full(reg, sd(0), {}, {}, set_latest=False)
     publish_full(reg, sd(0), {}, {}, set_latest=False)
     assert reg.latest() == 6 and reg.list_versions() == [6, 8, 9]

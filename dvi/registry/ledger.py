@@ -1,18 +1,21 @@
-"""The ledger of drafter-version facts: one file per fact, one writer per fact.
+"""The ledger of drafter-version facts: one file per fact, one writer per fact, on one thread.
 
-| fact | file, under `<registry>/drafter/` | its one writer | called by |
+| fact | file, under `<registry>/drafter/` | its one writer | called by, on |
 |---|---|---|---|
-| the newest published version | `LATEST` | `TrainerFacts._set_latest` | the trainer's publish and `promote` |
-| what a server serves, its last good version, its admin pin | `SERVING` | `ServerFacts.set_serving` | the server's swapper |
-| what a server refused or rolled back from, and why | `REFUSED` | `ServerFacts.refuse` | the server's swapper |
-| the versions kept from garbage collection | `PINNED` | `ServerFacts._write_pins` | the server's admin pin |
+| the newest published version | `LATEST` | `TrainerFacts._set_latest` | the trainer's publish and `promote`, its loop |
+| what a server serves, its last good version, its admin pin | `SERVING` | `ServerFacts.set_serving` | the server's drafter lane, its drafter thread |
+| what a server refused or rolled back from, and why | `REFUSED` | `ServerFacts.refuse` | the server's drafter lane, its drafter thread |
 
 A named replica (`serve.replica`) keeps its SERVING and REFUSED in `replicas/<name>/`, so replicas sharing a
-registry promote, refuse and roll back each on its own. A server never writes LATEST: its rollback refuses the version
-it leaves (REFUSED) and serves the last good one, and the trainer's next publish moves LATEST on. Transient refusals
-(a version dir not there yet) are the server's memory only (`serving.drafter.lifecycle`), never durable. The store
+registry promote, refuse and roll back each on its own, and each file has one writer: one replica's drafter thread
+(`serving.drafter.client`; REFUSED's read-modify-write runs there alone). A server never writes LATEST: its rollback
+refuses the version it leaves (REFUSED) and serves the last good one, and the trainer's next publish moves LATEST on.
+An admin pin is SERVING's `pinned`: gc keeps what any server serves, would roll back to or pins (`served_everywhere`).
+Registries written before it also hold a PINNED file (every server's pins, repeating SERVING's): a server reads it
+once at start, logs what it held and removes it (`retire_pinned`). Transient refusals (a version dir not there yet)
+are the server's memory only (`serving.drafter.lifecycle`), never durable. The store
 (`dvi.registry.store.DrafterRegistry`, which holds both sets of facts) keeps versions and their files; it reads these
-facts (gc keeps what any server serves or pins) and writes none of them. `tests/test_ledger.py` checks the writers.
+facts and writes none of them. `tests/test_ledger.py` checks the writers and the threads they write from.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ __all__ = ["FACT_FILES", "MAX_REFUSED", "REPLICAS", "ServerFacts", "ServingState
 
 log = logging.getLogger(__name__)
 
-LATEST, SERVING, REFUSED, PINNED = "LATEST", "SERVING", "REFUSED", "PINNED"
-FACT_FILES = {LATEST: "TrainerFacts._set_latest", SERVING: "ServerFacts.set_serving", REFUSED: "ServerFacts.refuse",
-              PINNED: "ServerFacts._write_pins"}
+LATEST, SERVING, REFUSED = "LATEST", "SERVING", "REFUSED"
+FACT_FILES = {LATEST: "TrainerFacts._set_latest", SERVING: "ServerFacts.set_serving", REFUSED: "ServerFacts.refuse"}
 """Each fact's file and its one writer (the table above)."""
+RETIRED_PINNED = "PINNED"
+"""A file older registries hold (the pins of every server, repeating SERVING's): read once, then removed."""
 
 MAX_REFUSED = 1024
 """Refusals kept in REFUSED (newest versions): a version older than these is long gone from the registry."""
@@ -94,15 +98,14 @@ class TrainerFacts:
 
 
 class ServerFacts:
-    """SERVING, REFUSED and PINNED: a server's facts (mixed into `DrafterRegistry`; its swapper calls the writers).
-    The one server of a registry keeps SERVING and REFUSED in `<registry>/drafter/`; a named replica in
+    """SERVING and REFUSED: a server's facts (mixed into `DrafterRegistry`; its drafter lane calls the writers, on the
+    drafter thread). The one server of a registry keeps them in `<registry>/drafter/`; a named replica in
     `replicas/<name>/`."""
 
     dir: Path
     replica: str  # "" (the one server, or the trainer reading) or this replica's name
     records_dir: Path  # where this server's SERVING and REFUSED live (`DrafterRegistry.__init__` makes it)
     _event: Callable[..., None]  # the registry's history append
-    list_versions: Callable[[], list[int]]
 
     def serving(self) -> ServingState:
         """What this server serves now, its last good version and its pin (`ServingState`)."""
@@ -116,9 +119,14 @@ class ServerFacts:
         return out or {"": ServingState()}
 
     def set_serving(self, state: ServingState) -> None:
-        """Record what this server serves (atomically; the trainer compares its candidates with it)."""
+        """Record what this server serves (atomically; the trainer compares its candidates with it, gc keeps it); a
+        pin set or lifted goes to the registry's history too."""
+        before = self.serving().pinned
         atomic_write_text(self.records_dir / SERVING, json.dumps({
             "version": state.version, "good": state.good, "pinned": state.pinned, "time": time.time()}))
+        if state.pinned != before:
+            self._event(event="pin" if state.pinned is not None else "unpin",
+                        version=state.pinned if state.pinned is not None else before, replica=self.replica or None)
 
     def refusals(self) -> dict[int, str]:
         """Versions this server refused or rolled back from, with the reason: never promoted again."""
@@ -140,23 +148,20 @@ class ServerFacts:
         """Versions refused or rolled back from."""
         return set(self.refusals())
 
-    def pinned(self) -> set[int]:
-        """Versions an admin pinned on any server: kept from garbage collection."""
+    def retire_pinned(self) -> list[int] | None:
+        """An older registry's PINNED file, read once and removed (SERVING carries each server's pin): the versions
+        it held, or None when there is none (a registry written since, or another replica retired it first)."""
+        path = self.dir / RETIRED_PINNED
         try:
-            return set(json.loads((self.dir / PINNED).read_text()))
+            raw = json.loads(path.read_text())
         except FileNotFoundError:
-            return set()
-
-    def pin(self, version: int) -> None:
-        """Protect a version from garbage collection."""
-        if version not in self.list_versions():
-            raise ValueError(f"no version {vname(version)}")
-        self._write_pins(self.pinned() | {version})
-        self._event(event="pin", version=version)
-
-    def unpin(self, version: int) -> None:
-        self._write_pins(self.pinned() - {version})
-        self._event(event="unpin", version=version)
-
-    def _write_pins(self, versions: set[int]) -> None:
-        atomic_write_text(self.dir / PINNED, json.dumps(sorted(versions)))
+            return None
+        except ValueError:
+            raw = []
+        held = sorted(v for v in raw if is_count(v)) if isinstance(raw, list) else []
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return None
+        self._event(event="retire_pinned", versions=held, replica=self.replica or None)
+        return held

@@ -5,11 +5,11 @@ Layout (docs/contracts.md)::
     <root>/drafter/v000017/{adapter_model.safetensors | model.safetensors,
                             adapter_config.json | config.json, manifest.json}
     <root>/drafter/LATEST          "v000017"                                  } the version facts, one writer
-    <root>/drafter/PINNED          versions kept from garbage collection        } each (`dvi.registry.ledger`):
-    <root>/drafter/SERVING         what the server serves, last good, its pin   } LATEST the trainer's, the rest
-    <root>/drafter/REFUSED         versions the server refused or rolled back   } the server's
+    <root>/drafter/SERVING         what the server serves, last good, its pin   } each (`dvi.registry.ledger`):
+    <root>/drafter/REFUSED         versions the server refused or rolled back   } LATEST the trainer's, the rest
+                                                                                } the server's drafter thread's
     <root>/drafter/replicas/<name>/{SERVING,REFUSED}   the same, of one replica (`serve.replica`) among several
-    <root>/drafter/events.jsonl    publish / promote / refuse / pin / gc history (+ events.1.jsonl)
+    <root>/drafter/events.jsonl    publish / promote / refuse / pin / unpin / gc history (+ events.1.jsonl)
 
 A version's files are written and read by its format's codec (`dvi.registry.codec`: LoRA, full, shared-target).
 A version dir is built under a temp name, fsynced and renamed, and LATEST is replaced via
@@ -161,7 +161,7 @@ class Manifest:
 
 class DrafterRegistry(TrainerFacts, ServerFacts):
     """Publish, validate, load and garbage-collect drafter versions; the version facts are the ledger's
-    (`dvi.registry.ledger`: LATEST the trainer's, SERVING / REFUSED / PINNED a server's)."""
+    (`dvi.registry.ledger`: LATEST the trainer's, SERVING / REFUSED a server's)."""
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 5, replica: str = "") -> None:
         if keep_last < 1:
@@ -347,8 +347,8 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
     def gc(self) -> list[int]:
         """Delete versions beyond the newest `keep_last`, never LATEST, pinned or served ones."""
         versions = self.list_versions()
-        keep = set(versions[-self.keep_last :]) | self.pinned()
-        for serving in self.served_everywhere().values():  # what any replica serves or would roll back to
+        keep = set(versions[-self.keep_last :])
+        for serving in self.served_everywhere().values():  # what any replica serves, would roll back to or pins
             keep |= {serving.version, serving.good, serving.pinned}
         cur = self.latest()
         if cur is not None:

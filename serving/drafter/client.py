@@ -139,22 +139,20 @@ class DrafterClient:
                     fut.cancel()
 
     def _serve(self) -> None:
-        more, due = True, 0.0
-        while True:
-            self._drain(0.0 if more else max(0.0, due - time.monotonic()))
-            if self._stop.is_set():
-                return
-            if not more and time.monotonic() < due:
-                continue
-            more = False
-            for lane in self._lanes():
-                more |= lane.step()
-                self._publish()
-                self._drain(0.0)  # a pin sent while the lane judged lands before the swap it would have lost to
-                if self._stop.is_set():
-                    return
-            if not more:
-                due = time.monotonic() + self.policy.poll_seconds
+        """Step every lane (the first step restores it, before any message is applied), drain the inbox between two
+        steps, and wait for a message or the next poll once no lane has work now."""
+        due = 0.0
+        while not self._stop.is_set():
+            if time.monotonic() >= due:
+                more = False
+                for lane in self._lanes():
+                    more |= lane.step()
+                    self._publish()
+                    self._drain(0.0)  # a pin sent while the lane judged lands before the swap it would have lost to
+                    if self._stop.is_set():
+                        return
+                due = time.monotonic() + (0.0 if more else self.policy.poll_seconds)
+            self._drain(max(0.0, due - time.monotonic()))
 
     def _drain(self, wait_s: float) -> None:
         """Apply what waits on the inbox (waiting up to `wait_s` for a first message), publish, then answer."""

@@ -186,6 +186,7 @@ class Lane:
         its check before the restart); anything newer waits for a check like any candidate."""
         self._restored = True
         self._warm_heldout()
+        self._retire_pinned()
         st = self.registry.serving()
         want = self.machine.restore(self.registry.refusals(), st.pinned, st.good)
         loaded = self.machine.loaded[0]
@@ -201,6 +202,18 @@ class Lane:
                        else "last good version before the restart")
         else:
             self._save_serving()
+
+    def _retire_pinned(self) -> None:
+        """An older registry's PINNED file (every server's pins), read once and removed: SERVING carries the pin."""
+        try:
+            held = self.registry.retire_pinned()
+        except OSError:
+            log.exception("cannot retire the registry's PINNED file")
+            return
+        if held is not None:
+            log.warning("drafter registry%s: its PINNED file (%s) is retired: each server's pin is in its SERVING "
+                        "(this server's: %s), which gc keeps", self._of_group(), ", ".join(f"v{v}" for v in held)
+                        or "empty", self.registry.serving().pinned)
 
     def _warm_heldout(self) -> None:
         """The held-out records of the feedback log's newest shards (what the trainer judges on, it reads them
@@ -385,17 +398,10 @@ class Lane:
         passed its check meanwhile is judged again once unpinned."""
         m = self.machine
         if version is None:
-            old = m.pin(None)
-            if old:
-                try:
-                    self.registry.unpin(old)
-                except (OSError, ValueError):
-                    pass
+            m.pin(None)
             self._save_serving()
             return m.live
         loaded = m.loaded.get(version) or self._load(version)
-        if version:
-            self.registry.pin(version)
         m.pin(version)
         if version != m.live:
             self._swap(loaded, "pinned", "pinned by admin")
