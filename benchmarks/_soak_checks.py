@@ -66,10 +66,11 @@ def quarter(samples: list[dict], q: int, total_s: float) -> list[dict]:
 
 
 def lives(samples: list[dict], role: str, total_s: float) -> list[list[dict]]:
-    """A role's samples within the run, one list per process (by pid: a killed trainer's successor is a new life)."""
+    """A role's samples within the run, one list per process (by pid: a killed trainer's successor is a new life),
+    from the process's first sample as loaded (a trainer: once its loop wrote its status)."""
     out: dict[int, list[dict]] = {}
     for s in samples:
-        if s.get(role) and s["t"] <= total_s + 1e-6:
+        if s.get(role) and s[role].get("ready", True) and s["t"] <= total_s + 1e-6:
             out.setdefault(s[role]["pid"], []).append(s[role])
     return list(out.values())
 
@@ -278,7 +279,7 @@ def _proc(role: str, key: str) -> Any:
 
 
 def _panels(samples: list[dict], domains: tuple[str, ...]) -> list[tuple[list, str, float]]:
-    parts = ("feedback", "registry", "logs", "checkpoint", "other")
+    parts = ("feedback", "registry", "logs", "checkpoint", "vllm", "other")
     return [
         ([("latency p50", lambda s: s["latency_p50"]), ("latency p99", lambda s: s["latency_p99"]),
           ("TTFT p99", lambda s: s["ttft_p99"])], "seconds", 1.0),
@@ -286,7 +287,7 @@ def _panels(samples: list[dict], domains: tuple[str, ...]) -> list[tuple[list, s
         ([(f"{r} RSS", _proc(r, "rss")) for r in ("server", "trainer", "engine")], "MiB", 2**20),
         ([(f"{r} {k}", _proc(r, k)) for r in ("server", "trainer", "engine") for k in ("fds", "threads")],
          "fds / threads", 1.0),
-        ([(p, lambda s, p=p: s["disk"].get(p)) for p in parts], "disk MiB", 2**20),
+        ([(p, lambda s, p=p: s["disk"].get(p)) for p in parts], "disk MiB (symlog)", 2**20),
         ([("queue max", lambda s: s["queue_max"]), ("queue mean", lambda s: s["queue_mean"]),
           ("requests / interval", lambda s: s["requests"])], "requests", 1.0),
     ]
@@ -304,6 +305,8 @@ def plot_long(path: Any, samples: list[dict], events: list[dict], domains: tuple
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.1 * len(panels)), sharex=True)
     for ax, (lines, ylabel, scale) in zip(axes, panels, strict=True):
         _series(ax, samples, lines, ylabel, scale)
+        if "symlog" in ylabel:  # parts differ by orders of magnitude (vLLM's drafter shards vs a rotated log)
+            ax.set_yscale("symlog", linthresh=1.0)
         for e in events:
             color, style = EVENT_STYLE.get(e["kind"], ("k", "-"))
             ax.axvline(e["t"] / 60, color=color, ls=style, lw=0.8, alpha=0.5)

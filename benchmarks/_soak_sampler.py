@@ -84,13 +84,14 @@ def process_roles(server_pid: int, trainer_pid: int | None) -> dict[str, dict | 
 
 # -- disk ----------------------------------------------------------------------------------------------
 def disk_parts(cfg: Any) -> dict[str, int]:
-    """Bytes per part of the run dir (feedback, registry, logs, checkpoint, wandb: the server's own parts) plus
-    `other` (everything else under the run dir: configs, status files, the server's and vLLM's stderr logs) and
-    `total`."""
+    """Bytes per part of the run dir (feedback, registry, logs, checkpoint, wandb: the server's own parts; vllm:
+    what vLLM's engine keeps under the run dir) plus `other` (everything else under it: configs, status files, the
+    server's stderr log) and `total`."""
     from dvi.fsutil import tree_bytes
     from dvi.rundir import RunDir
 
     parts = RunDir.of(cfg).disk_usage()
+    parts["vllm"] = tree_bytes(Path(cfg.run_dir) / "vllm")  # behind vLLM: the served drafter's shards, its log
     total = tree_bytes(cfg.run_dir)
     inside = sum(n for k, n in parts.items() if k != "feedback" or _inside(cfg.feedback.dir, cfg.run_dir))
     return {**parts, "other": max(0, total - inside), "total": total}
@@ -224,7 +225,8 @@ def progress_line(s: dict, minutes: float) -> str:
 
     alpha = " ".join(f"{d} {'-' if a is None else f'{a:.2f}'}" for d, a in s["alpha"].items())
     o = s["outcomes"]
-    disk = " ".join(f"{k} {_mib(v)}" for k, v in s["disk"].items() if k in ("feedback", "registry", "logs", "other"))
+    disk = " ".join(f"{k} {_mib(v)}" for k, v in s["disk"].items()
+                    if k in ("feedback", "registry", "logs", "other") or (k == "vllm" and v))
     return (f"[soak {s['t'] / 60:5.1f}/{minutes:g} min] {s['shape']} | {s['requests']} req (answered "
             f"{o.get('answered', 0)}, cut {o.get('cut', 0)}, abandoned {o.get('abandoned', 0)}, 5xx "
             f"{o.get('http_5xx', 0)}, err {o.get('error', 0) + o.get('http_4xx', 0)}) | p50 {sec(s['latency_p50'])} "
@@ -290,6 +292,8 @@ class Sampler:
         for e in st.get("swap_events") or []:
             self.swap_events[(e["kind"], e["version"], e["at"])] = e
         procs = await asyncio.to_thread(process_roles, self.srv.proc.proc.pid, tr.get("pid"))
+        if procs["trainer"] is not None:  # loaded: its loop has written its status (a life's quarters start there)
+            procs["trainer"]["ready"] = (await asyncio.to_thread(self.srv.trainer)).get("pid") == tr.get("pid")
         disk = await asyncio.to_thread(disk_parts, self.srv.cfg)
         rows, self._row_i = self.rows[self._row_i:], len(self.rows)
         polls, self.polls = self.polls, []
