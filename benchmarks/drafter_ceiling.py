@@ -103,7 +103,8 @@ def fit_power(points: list[tuple[int, float]], ceiling: float, at: float) -> dic
 @torch.inference_mode()
 def step_costs(target, heads: dict, order: torch.Tensor, rounds: int = 3) -> dict:
     """Median ms of the lean target's batch-1 step and of each head's draft step at 8k / 16k / full ids."""
-    from dvi.decode.lean import Attention, LeanModel
+    from dvi.decode.attention import Attention
+    from dvi.decode.lean import LeanModel
     from dvi.drafters.vocab import apply_draft_vocab
     from trainers.builds.eagle_build import eagle_step_ms
 

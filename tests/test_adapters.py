@@ -21,7 +21,8 @@ from test_online import engine_records, online_config
 from test_serving_helpers import ServerThread, drafter_view, tiny_config, wait_for
 from tiny_models import tiny_llama
 
-from dvi.decode.lean import Attention, LeanModel
+from dvi.decode.attention import Attention
+from dvi.decode.lean import LeanModel
 from dvi.drafters.adapters import AdapterBank, LoraFactors, projection_sizes
 from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine

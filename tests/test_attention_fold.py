@@ -1,11 +1,11 @@
-"""The one-call attention's grouped-query fold (`dvi.decode.lean.one_call`) computes what SDPA's own grouped-query
+"""The one-call attention's grouped-query fold (`dvi.decode.attention.one_call`) computes what SDPA's own grouped-query
 path computes, for every query count, mask and dtype the engine's batched forwards use."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dvi.decode.lean import one_call
+from dvi.decode.attention import one_call
 
 
 def _reference(qrows, b, keys, values, mask, scale):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import dvi.decode.adaptive
+import dvi.engine.calibration
 from dvi.decode.acceptance import AcceptanceEMA
 from dvi.decode.adaptive import (
     AdaptiveK,
@@ -291,9 +291,9 @@ class _FakeRows:
 
 
 def test_calibrate_interleaves_and_prices_chains(monkeypatch):
-    monkeypatch.setattr(dvi.decode.adaptive, "_timed", lambda run, sync: run())  # the scripted seconds
+    monkeypatch.setattr(dvi.engine.calibration, "_timed", lambda run, sync: run())  # the scripted seconds
     rows = _FakeRows()
-    c = dvi.decode.adaptive.calibrate(rows, k_max=4, reps=2)
+    c = dvi.engine.calibration.calibrate(rows, k_max=4, reps=2)
     one_rep = [("verify", 0), ("undo_verify", 0), ("verify", 1), ("undo_verify", 1), ("verify", 2),
                ("undo_verify", 2), ("verify", 4), ("undo_verify", 4),
                ("draft", 0), ("draft", 1), ("draft", 2), ("draft", 3), ("undo_drafts", 5)]

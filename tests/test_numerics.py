@@ -142,7 +142,7 @@ def test_tie_bound_scales_with_dtype_and_magnitude():
 
 def test_plain_decode_parts_from_hf_generate_only_at_near_ties_bf16():
     """HF `generate` scores the prompt's last token inside its prefill and attends over exact column counts;
-    the engine's plain decode steps it and attends over bucketed ones (`dvi.decode.lean.Attention`). In bf16
+    the engine's plain decode steps it and attends over bucketed ones (`dvi.decode.attention.Attention`). In bf16
     the two may part, and only where the target's top-2 logits are within bf16 rounding (`tie_bound`)."""
     target = bf16_target(seed=2)
     for p in prompts(6, seed=3):

@@ -105,3 +105,31 @@ def test_a_big_head_scores_the_same_blockwise_or_whole_and_its_path_is_measured(
     blockwise_key = _key(lean)  # head_block_rows is 2 here
     lean.head_block_rows = None
     assert _key(lean) != blockwise_key
+
+
+@torch.inference_mode()
+def test_a_ragged_verify_scores_only_real_positions_and_computes_what_the_full_one_does():
+    """`lens` (row i drafted lens[i] of q - 1 tokens): the runner scores only each row's real positions (vLLM's
+    flattened batch); they match the full-width verify's, padding comes back as zeros, and the caches agree on
+    every kept entry, so the next step scores alike."""
+    target = tiny_llama(0, vocab_size=128, hidden_size=96, num_hidden_layers=2, num_attention_heads=6,
+                        num_key_value_heads=2)
+    lean = LeanModel(target)
+    full, ragged = LeanTarget(lean=lean), LeanTarget(lean=lean)
+    g = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 40, 3, 17)]
+    for run in (full, ragged):
+        run.admit(contexts, False)
+    assert ragged.ragged_rows([4, 4, 4, 4], 5) is None  # nothing to skip
+    for step, (q, lens, kept) in enumerate([(5, [4, 0, 2, 1], [3, 1, 3, 2]), (3, [0, 2, 0, 1], [1, 3, 1, 1]),
+                                            (1, [0, 0, 0, 0], [1, 1, 1, 1])]):
+        ids = torch.randint(0, 128, (4, q), generator=g)
+        a, b = full.forward(ids, False), ragged.forward(ids, False, lens=lens)
+        for i, n in enumerate(lens):
+            torch.testing.assert_close(b[i, : n + 1], a[i, : n + 1], rtol=1e-5, atol=1e-5)
+            assert torch.equal(b[i, : n + 1].argmax(-1), a[i, : n + 1].argmax(-1)), (step, i)
+            assert not b[i, n + 1 :].any()  # unscored padding
+        for run in (full, ragged):
+            run.keep(q, kept)
+    ids = torch.randint(0, 128, (4, 2), generator=g)
+    torch.testing.assert_close(ragged.forward(ids, False), full.forward(ids, False), rtol=1e-5, atol=1e-5)

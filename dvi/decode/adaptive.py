@@ -13,18 +13,16 @@ keeps online timings (`CostModel`, robust low quantiles) for reporting.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 __all__ = [
     "expected_tokens", "choose_k", "choose_point_k", "predicted_speedup", "CostModel", "AdaptiveK", "AdaptiveTuning",
-    "batch_bucket", "CalibrationRows", "Calibrated", "calibrate", "GoodputGuard",
+    "batch_bucket", "GoodputGuard",
 ]
 
 
@@ -434,64 +432,3 @@ class GoodputGuard:
             return True
         self.refused(batch_bucket(batch))
         return False
-
-
-class CalibrationRows(Protocol):
-    """Dummy rows with their own caches, built by the engine (in-flight rows are untouched). `verify(k)` and
-    `draft(j)` draw their input ids and return the forward to time; `undo_*` drop the slots it added."""
-
-    tokens: int  # tokens in the rows (what `prefill_drafter` runs the drafter over)
-
-    def sync(self) -> None: ...  # wait for queued device work (CUDA); a no-op on CPU
-
-    def prefill_drafter(self) -> None: ...
-
-    def verify(self, k: int) -> Callable[[], object]: ...  # one target forward of [b, K + 1] tokens
-
-    def undo_verify(self, k: int) -> None: ...
-
-    def draft(self, j: int) -> Callable[[], object]: ...  # the j-th drafter forward after a verify
-
-    def undo_drafts(self, n: int) -> None: ...
-
-
-class Calibrated(NamedTuple):
-    """The arguments of `AdaptiveK.set_costs` after the batch size."""
-
-    verify: dict[int, float]  # seconds per verify step, per K
-    draft: float  # warm seconds per drafter forward
-    catchup_per_token: float  # seconds per token the drafter catches up on
-
-
-def _timed(run: Callable[[], object], sync: Callable[[], None]) -> float:
-    sync()
-    t0 = time.perf_counter()
-    run()
-    sync()
-    return time.perf_counter() - t0
-
-
-def calibrate(rows: CalibrationRows, k_max: int, reps: int = 3, verify_max: int = 0) -> Calibrated:
-    """Verify costs for several K (up to max(k_max, verify_max): suffix drafts may be longer than the learned
-    drafter's) and a draft chain of k_max, interleaved, min of `reps` (k_max >= 1)."""
-    catchup_per_token = _timed(rows.prefill_drafter, rows.sync) / rows.tokens  # what a drafter catch-up costs
-    top = max(k_max, verify_max)
-    ks = sorted({k for k in (0, 1, 2, 4, 8, 12, 16, 24, k_max, top) if k <= top})
-    vt: dict[int, list[float]] = {k: [] for k in ks}
-    chains: list[list[float]] = []  # cumulative seconds of the first 1..k_max drafts after a verify
-    for _ in range(reps):
-        for k in ks:
-            vt[k].append(_timed(rows.verify(k), rows.sync))
-            rows.undo_verify(k)
-        # Draft chains as decoding runs them: right after a verify, the first forward takes the
-        # two pending tokens (last draft + bonus) with the drafter's weights cold in the CPU caches;
-        # later ones run warmer (measured here, 1-layer drafter: 1.3, 1.0, 0.75, 0.6 ms).
-        chains.append(list(itertools.accumulate(_timed(rows.draft(j), rows.sync) for j in range(k_max))))
-        rows.undo_drafts(k_max + 1)
-    chain = [min(c[j] for c in chains) for j in range(k_max)]
-    # The controller prices a step as K * draft + verify(K): draft is the warm marginal cost and
-    # each measured K's verify carries the rest of its chain, so calibrated K values cost exactly
-    # chain(K) + verify(K).
-    draft = (chain[-1] - chain[0]) / (k_max - 1) if k_max > 1 else chain[0]
-    verify = {k: min(v) + (chain[k - 1] - k * draft if 0 < k <= k_max else 0.0) for k, v in vt.items()}
-    return Calibrated(verify, draft, catchup_per_token)

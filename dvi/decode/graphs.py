@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from dvi.decode.lean import Attention, LeanModel, SlotCache
+from dvi.decode.attention import Attention
+from dvi.decode.lean import LeanModel, SlotCache
 
 __all__ = ["StaticForward", "GraphedForward", "buckets_up_to"]
 

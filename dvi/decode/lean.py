@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dvi.decode.attention import Attention
+
 __all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
 
 LEAN_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
@@ -289,19 +291,19 @@ class LeanModel:
         """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
         with `pick` [B] only row b's position pick[b]: logits [B, V]. A draft tree's nodes (`attn.depth` [B, q]) are
-        rotated at positions start[b] + depth[b, j], not at their columns."""
+        rotated at positions start[b] + depth[b, j], not at their columns. A ragged verify's `attn.real` [M]: the
+        flat indices (b * q + j) of the positions to score, in order; only they run through the projections and
+        write keys and values, the others come back as zero logits (no features)."""
         b, q = ids.shape
-        n = b * q
+        real = attn.real
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
-        col = (start.view(b, 1) + torch.arange(q, device=self.device)).view(n)  # [N] cache columns
-        pos = col if attn.depth is None else (start.view(b, 1) + attn.depth).view(n)  # [N] positions
-        if b > 1:
-            slot = torch.arange(first_slot, first_slot + b, device=self.device).repeat_interleave(q)
-        else:
-            slot = torch.full_like(col, first_slot)
+        if real is not None and (features or pick is not None or logits_to_keep):
+            raise ValueError("a ragged forward returns logits of every position only")
+        flat, col, pos, slot = self._placement(ids, start, attn, first_slot, real)
+        n = flat.shape[0]
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, attn.columns)
         keys, values = cache.views(b, attn.columns, first_slot)
-        x = F.embedding(ids.reshape(n), self.embed)  # [N, H]
+        x = F.embedding(flat, self.embed)  # [N, H]
         taps = self.feature_layers if features else None
         tapped = []
         packs = self.packs if n > 1 else None
@@ -318,7 +320,8 @@ class LeanModel:
                                  qkv[:, heads + kvh :].reshape(n, kvh, d)], 1).view(n, heads + 2 * kvh, 2, d // 2)
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
-            o = attn.attend(qkv[:, :heads], b, keys[i], values[i], self.scale)
+            o = attn.attend(qkv[:, :heads], b, keys[i], values[i], self.scale) if real is None else \
+                _attend_real(attn, qkv[:, :heads], real, b * q, b, keys[i], values[i], self.scale)
             x = x + (ad.add(i, "o", o, lin(o, o_w)) if ad else lin(o, o_w))
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
             gu = lin(h, gate_up_w)
@@ -327,6 +330,29 @@ class LeanModel:
             x = x + (ad.add(i, "down", m, lin(m, down_w)) if ad else lin(m, down_w))
             if taps and i in taps:
                 tapped.append(x)
+        if real is not None:
+            return self._real_logits(x, real, b, q)
+        return self._outputs(x, b, q, logits_to_keep, features, pick, tapped)
+
+    def _placement(self, ids: torch.Tensor, start: torch.Tensor, attn: Attention, first_slot: int,
+                   real: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Per scored position (all B * q, or the `real` ones): its token, cache column, rotary position, slot."""
+        b, q = ids.shape
+        n = b * q
+        col = (start.view(b, 1) + torch.arange(q, device=self.device)).view(n)  # [N] cache columns
+        pos = col if attn.depth is None else (start.view(b, 1) + attn.depth).view(n)  # [N] positions
+        if b > 1:
+            slot = torch.arange(first_slot, first_slot + b, device=self.device).repeat_interleave(q)
+        else:
+            slot = torch.full_like(col, first_slot)
+        flat = ids.reshape(n)
+        if real is None:
+            return flat, col, pos, slot
+        return flat[real], col[real], pos[real], slot[real]
+
+    def _outputs(self, x: torch.Tensor, b: int, q: int, logits_to_keep: int, features: bool,
+                 pick: torch.Tensor | None, tapped: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        n = b * q
         x = x.view(b, q, self.hidden)
         if pick is not None:
             x = x.view(n, self.hidden).index_select(0, pick + torch.arange(0, n, q, device=self.device))
@@ -334,10 +360,18 @@ class LeanModel:
         if logits_to_keep and not features:
             x = x[:, -logits_to_keep:]
         f = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
-        if taps:
+        if tapped:
             return self._logits(f[:, -logits_to_keep:] if logits_to_keep else f), torch.cat(tapped, -1).view(b, q, -1)
         return (self._logits(f[:, -logits_to_keep:] if logits_to_keep else f), f) if features else \
             self._logits(f[:, -logits_to_keep:] if logits_to_keep else f)
+
+    def _real_logits(self, x: torch.Tensor, real: torch.Tensor, b: int, q: int) -> torch.Tensor:
+        """A ragged forward's logits for its M scored positions x [M, H], placed at their flat indices of [B, q];
+        unscored positions hold zeros (finite: an acceptance rule may read past a row's drafts but never keeps what
+        it reads there)."""
+        logits = self._logits(F.rms_norm(x, (self.hidden,), self.norm, self.eps))
+        out = logits.new_zeros(b * q, logits.shape[-1])
+        return out.index_copy_(0, real, logits).view(b, q, -1)
 
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
         if self.head_module is not None:
@@ -360,6 +394,15 @@ class LeanModel:
 
 
 @torch.inference_mode()
+def _attend_real(attn: Attention, qrows: torch.Tensor, real: torch.Tensor, n: int, b: int, keys: torch.Tensor,
+                 values: torch.Tensor, scale: float) -> torch.Tensor:
+    """A ragged forward's attention: its M queries scattered to their places among the N = B * q of `attn` (the
+    others zero: each query sees only its own row's columns, so they change nothing), gathered back -> [M, ...]."""
+    full = qrows.new_zeros((n,) + tuple(qrows.shape[1:]))
+    full.index_copy_(0, real, qrows)
+    return attn.attend(full, b, keys, values, scale).index_select(0, real)
+
+
 def head_block_rows(head: torch.Tensor, blocks: tuple[torch.Tensor, ...], rows: tuple[int, ...] = (2, 3, 5, 9, 17),
                     reps: int = 3) -> int | None:
     """The fewest rows from which the LM head runs faster blockwise than as one GEMM on this CPU (None: never),
@@ -396,91 +439,3 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 def rows_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
     """x [m, in] through w as `LeanModel.forward` runs it: on its oneDNN pack when there is one and m > 1."""
     return _packed_linear(x, packed) if packed is not None and x.shape[0] > 1 else F.linear(x, w)
-
-
-class Attention:
-    """How one forward attends; the same for every layer, so it is decided once per forward.
-
-    `single`: one SDPA call for all queries over the first `columns` positions with `mask` [B, 1, q, columns]
-    (None: all visible; `causal`: a prefill over an empty row). `folded` (`groups`): every query is its own
-    batch element with exactly `bucket_columns(p)` columns and the mask col <= p, so a query's arithmetic is
-    the same whatever else the forward scores: a verify row rounds like the 1-token step at its position
-    (SDPA's kernels round a query differently with the number of queries beside it, and with the number of
-    masked columns after its own)."""
-
-    __slots__ = ("columns", "mask", "causal", "groups")
-    depth = None  # a chain's queries sit at their columns (a draft tree's: `dvi.decode.tree_attention`)
-
-    def __init__(self, columns: int, mask: torch.Tensor | None = None, causal: bool = False,
-                 groups: list[tuple[int, int, int, int, torch.Tensor]] | None = None):
-        self.columns, self.mask, self.causal, self.groups = columns, mask, causal, groups
-
-    def attend(self, qrows: torch.Tensor, b: int, keys: torch.Tensor, values: torch.Tensor, scale: float,
-               ) -> torch.Tensor:
-        """Queries qrows [B * q, heads, ...] (rows in (b, j) order, head_dim elements each) over keys / values
-        [B, kv_heads, columns, D] -> [B * q, heads * D]."""
-        n, heads = qrows.shape[0], qrows.shape[1]
-        q, d = n // b, keys.shape[3]
-        gqa = heads != keys.shape[1]
-        if self.groups is None:
-            return one_call(qrows, b, keys, values, self.mask, scale, self.causal)
-        qf = qrows.view(n, heads, 1, d)  # every query its own batch element
-        if b == 1 and len(self.groups) == 1:  # one row, one bucket: no slicing (every step of one request)
-            mask = self.groups[0][4]
-            kf, vf = (keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1)) if n > 1 else (keys, values)
-            o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=gqa)
-            return o.view(n, heads * d)
-        outs = []
-        for row, j0, j1, length, mask in self.groups:  # queries j0..j1-1 of batch row `row`, `length` columns
-            m = j1 - j0
-            kf = keys[row : row + 1, :, :length].expand(m, -1, -1, -1)
-            vf = values[row : row + 1, :, :length].expand(m, -1, -1, -1)
-            outs.append(F.scaled_dot_product_attention(qf[row * q + j0 : row * q + j1], kf, vf, attn_mask=mask,
-                                                       scale=scale, enable_gqa=gqa))
-        return torch.cat(outs).view(n, heads * d)
-
-
-def one_call(qrows: torch.Tensor, b: int, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-             scale: float, causal: bool = False) -> torch.Tensor:
-    """All queries qrows [B * q, heads, ...] in one SDPA call over keys / values [B, kv_heads, columns, D] with
-    `mask` [B, 1, q, columns] -> [B * q, heads * D]. On a CPU, grouped-query heads are folded into the query rows
-    (the heads sharing a kv head become rows of one [B, kv_heads, group * q, D] call, as FlashDecoding does): SDPA's
-    CPU kernels run `enable_gqa` with one query a row far below their rate for the folded shape (bf16 most of all;
-    `benchmarks/attention.py` measures it). A causal call (a prefill) keeps its row order and is not folded."""
-    n, heads = qrows.shape[0], qrows.shape[1]
-    q, kvh, d = n // b, keys.shape[1], keys.shape[3]
-    if heads == kvh or causal or keys.device.type != "cpu":
-        qh = qrows.view(b, q, heads, d).transpose(1, 2)  # [B, heads, q, D]
-        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
-                                           enable_gqa=heads != kvh)
-        return o.transpose(1, 2).reshape(n, heads * d)
-    g = heads // kvh  # query head h reads kv head h // g
-    qh = qrows.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)  # rows (head in group, query)
-    m = None if mask is None else mask.repeat(1, 1, g, 1)  # [B, 1, g * q, columns]: row r is query r % q
-    o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=m, scale=scale)  # [B, kv_heads, g * q, D]
-    return o.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(n, heads * d)
-
-
-BUCKET = 64
-"""Folded attention gives a query at position p exactly `bucket_columns(p)` columns (multiples of this)."""
-
-
-def bucket_columns(p: int) -> int:
-    return (p // BUCKET + 1) * BUCKET
-
-
-def folded_groups(starts: list[int], q: int, columns: torch.Tensor, rows: list[int] | None = None,
-                  ) -> list[tuple[int, int, int, int, torch.Tensor]]:
-    """`Attention.groups` for queries at positions starts[b] + j (j < q) of batch rows `rows` (default all):
-    runs of a row's queries that share a column bucket, each with its [n, 1, 1, length] mask. `columns` is an
-    arange at least as long as the longest bucket."""
-    groups = []
-    for b in rows if rows is not None else range(len(starts)):
-        j = 0
-        while j < q:
-            length = bucket_columns(starts[b] + j)
-            j1 = min(q, length - starts[b])  # queries whose position stays below `length`
-            pos = torch.arange(starts[b] + j, starts[b] + j1, device=columns.device).view(-1, 1)
-            groups.append((b, j, j1, length, (columns[:length].view(1, -1) <= pos).view(j1 - j, 1, 1, length)))
-            j = j1
-    return groups

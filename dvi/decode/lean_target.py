@@ -5,7 +5,7 @@ the ones the target kept, so undoing rejected drafts costs nothing.
 
 What greedy speculation guarantees (`contract`, measured at start-up by `dvi.decode.invariance.probe`): one
 request at a time, a verify rounds like the 1-token steps it stands for (folded attention,
-`dvi.decode.lean.Attention`) wherever this device's matmuls round a row alike at any row count ("bitwise"),
+`dvi.decode.attention.Attention`) wherever this device's matmuls round a row alike at any row count ("bitwise"),
 else greedy text may part from plain decoding at near-ties of the dtype (`dvi.decode.sampling.tie_bound`).
 A batch of several rows attends in one SDPA call (near-tie). The exact mode (`exact`) makes every row bitwise:
 folded attention for every row and matmuls padded to the probed row floor `min_rows`; where no floor works, each
@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dvi.decode.lean import Attention, LeanModel, bucket_columns, folded_groups
+from dvi.decode.attention import Attention, bucket_columns, folded_groups
+from dvi.decode.lean import LeanModel
 from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
 
 __all__ = ["LeanTarget"]
@@ -97,13 +98,17 @@ class LeanTarget:
         return not self.stepwise and self.graphs is None
 
     def forward(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                lens: list[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Matmuls see at least `min_rows` rows: a shorter forward gets junk positions after each row's real ones
         (their keys land past the row's length, to be overwritten; their outputs are dropped). `tree`: per row the
-        parents of draft nodes 1..q-1 (`dvi.decode.tree_attention`)."""
+        parents of draft nodes 1..q-1 (`dvi.decode.tree_attention`). `lens`: row i's real drafts (of q - 1): a batch
+        verify scores only those and the row's last token (`ragged_rows`), like vLLM's flattened batch."""
         b, q = ids.shape
         if tree is not None:
             return self._eager(ids, features, tree)
+        real = self.ragged_rows(lens, q) if lens is not None and not features and b > 1 else None
+        if real is not None:
+            return self._ragged(ids, real)
         if self.stepwise and (q > 1 or b > 1):
             return self._stepwise(ids, features)
         if not features and self.graphs is not None and not self.exact \
@@ -132,6 +137,22 @@ class LeanTarget:
         if q == real:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]
+
+    def ragged_rows(self, lens: list[int], q: int) -> torch.Tensor | None:
+        """The flat indices (i * q + j, j <= lens[i]) a ragged verify scores; None where every row fills q, or where
+        every position must be scored (the exact mode's padded or stepwise forwards, captured CUDA graphs)."""
+        if self.exact or self.graphs is not None or all(n + 1 >= q for n in lens):
+            return None
+        idx = [i * q + j for i, n in enumerate(lens) for j in range(min(n, q - 1) + 1)]
+        return torch.tensor(idx, dtype=torch.long, device=self.lean.device)
+
+    def _ragged(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        b, q = ids.shape
+        attn = self.attention(q)
+        attn.real = real
+        self.cache.reserve(b, attn.columns)
+        start = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.lean.device)
+        return self.lean.forward(self.cache, ids, start, attn)
 
     def _stepwise(self, ids: torch.Tensor, features: bool):
         """Each row's positions one at a time, each a one-row forward over its own slot: what its plain decode

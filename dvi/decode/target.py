@@ -38,9 +38,10 @@ class TargetRunner(Protocol):
         states [len(context), H] (None for an empty context)."""
 
     def forward(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                lens: list[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Score ids [B, q] after each row's cached tokens: logits [B, q, V] (and features [B, q, H]); `tree` the
-        parents of each row's nodes 1..q-1 (`dvi.decode.tree_attention`), only where `trees`."""
+        parents of each row's nodes 1..q-1 (`dvi.decode.tree_attention`), only where `trees`; `lens` row i's real
+        drafts: a runner may leave positions past them unscored (zero logits; their keys unwritten)."""
 
     def keep_path(self, paths: list[list[int]]) -> None:
         """After a tree forward, row i keeps its root and the nodes paths[i], in that order."""
@@ -100,7 +101,8 @@ class RaggedTarget:
         self.kv.merge(kv)
         return feats
 
-    def forward(self, ids: torch.Tensor, features: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: torch.Tensor, features: bool, lens: list[int] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.kv.forward(self._fn(features), ids)
 
     def keep(self, q: int, kept: list[int]) -> None:

@@ -4,7 +4,7 @@ A row's tree is node 0 (its last emitted token) and draft nodes 1..N, node j+1's
 The verify writes node j's keys and values at column start + j and rotates it at position start + depth(j); node
 j attends to the row's cache, its ancestors and itself. The nodes 0..s whose parents are their predecessors (the
 spine: a proposer's chain) sit where a chain's would, so they attend exactly as a chain verify does (folded,
-`dvi.decode.lean.folded_groups`). Every other node, one request at a time or in the exact mode, attends to a
+`dvi.decode.attention.folded_groups`). Every other node, one request at a time or in the exact mode, attends to a
 gathered copy of its row's columns in which its ancestors sit at start..start + depth: the columns, count and
 mask of the one-token step it stands for, so it rounds like that step too (SDPA rounds a query differently with
 the positions of the masked columns beside it). A batch of several rows attends in one SDPA call with the
@@ -17,9 +17,8 @@ the cache has no holes and nothing of a rejected branch stays visible.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dvi.decode.lean import bucket_columns, folded_groups, one_call
+from dvi.decode.attention import bucket_columns, folded_groups, one_call, per_query
 from dvi.decode.tree import ancestors
 
 __all__ = ["node_depths", "node_paths", "spine_length", "TreeAttention", "tree_attention", "compact_moves"]
@@ -50,12 +49,13 @@ def spine_length(parents: list[int]) -> int:
 
 
 class TreeAttention:
-    """`dvi.decode.lean.Attention`'s interface for a forward over trees: either one SDPA call with `mask`
+    """`dvi.decode.attention.Attention`'s interface for a forward over trees: either one SDPA call with `mask`
     [B, 1, q, columns] (batched), or per row the spine's folded `groups` plus `gathers`: (row, flat query indices
     [m], columns [m, length] to gather, length, mask [m, 1, 1, length]). `depth` [B, q]: each node's depth, the
     offset of its position from its row's start (its column's offset is its index)."""
 
     __slots__ = ("columns", "mask", "groups", "gathers", "depth")
+    real = None  # a tree forward scores every node
 
     def __init__(self, columns: int, mask: torch.Tensor | None = None, groups: list | None = None,
                  gathers: list | None = None):
@@ -66,7 +66,6 @@ class TreeAttention:
                ) -> torch.Tensor:
         n, heads = qrows.shape[0], qrows.shape[1]
         q, d = n // b, keys.shape[3]
-        gqa = heads != keys.shape[1]
         if self.mask is not None:
             return one_call(qrows, b, keys, values, self.mask, scale)
         qf = qrows.view(n, heads, 1, d)
@@ -75,15 +74,13 @@ class TreeAttention:
             m = j1 - j0
             kf = keys[row : row + 1, :, :length].expand(m, -1, -1, -1)
             vf = values[row : row + 1, :, :length].expand(m, -1, -1, -1)
-            o = F.scaled_dot_product_attention(qf[row * q + j0 : row * q + j1], kf, vf, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
+            o = per_query(qf[row * q + j0 : row * q + j1], kf, vf, mask, scale)
             out[row * q + j0 : row * q + j1] = o.view(m, heads * d)
         for row, idx, cols, length, mask in self.gathers:
             m = idx.shape[0]
             kf = keys[row].index_select(1, cols.view(-1)).view(-1, m, length, d).transpose(0, 1)
             vf = values[row].index_select(1, cols.view(-1)).view(-1, m, length, d).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qf.index_select(0, idx), kf, vf, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
+            o = per_query(qf.index_select(0, idx), kf, vf, mask, scale)
             out.index_copy_(0, idx, o.view(m, heads * d))
         return out
 

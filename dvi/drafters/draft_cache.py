@@ -14,8 +14,9 @@ from typing import Protocol
 
 import torch
 
+from dvi.decode.attention import Attention
 from dvi.decode.kv import RaggedKV, left_pad, prefill
-from dvi.decode.lean import Attention, LeanModel, lean_supported
+from dvi.decode.lean import LeanModel, lean_supported
 from dvi.drafters.adapters import AdapterBank, RowAdapters
 
 __all__ = ["DraftCache", "LeanDraftCache", "RaggedDraftCache", "draft_cache"]

@@ -1,21 +1,85 @@
-"""The dummy rows the engine hands to `dvi.decode.adaptive.calibrate` (its `CalibrationRows`): b rows of random
-tokens with their own target and drafter caches, so cost calibration never touches in-flight requests.
+"""Cost calibration: `calibrate` times verifies of several K and a draft chain, interleaved, on the dummy rows the
+engine builds (`DummyRows`, its `CalibrationRows`): b rows of random tokens with their own target and drafter caches,
+so cost calibration never touches in-flight requests. What it measures feeds `dvi.decode.adaptive.AdaptiveK`.
 
 Kept apart from `dvi.engine.speculative`, whose job is serving real rows; this module only times forwards.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from dvi.decode.adaptive import Calibrated, calibrate
 from dvi.decode.kv import prefill
 from dvi.drafters.draft_cache import DraftCache, RaggedDraftCache, draft_cache
 
-__all__ = ["CalibrationSetup", "DummyRows", "calibrate_bucket"]
+__all__ = ["CalibrationRows", "Calibrated", "CalibrationSetup", "DummyRows", "calibrate", "calibrate_bucket"]
+
+
+class CalibrationRows(Protocol):
+    """Dummy rows with their own caches, built by the engine (in-flight rows are untouched). `verify(k)` and
+    `draft(j)` draw their input ids and return the forward to time; `undo_*` drop the slots it added."""
+
+    tokens: int  # tokens in the rows (what `prefill_drafter` runs the drafter over)
+
+    def sync(self) -> None: ...  # wait for queued device work (CUDA); a no-op on CPU
+
+    def prefill_drafter(self) -> None: ...
+
+    def verify(self, k: int) -> Callable[[], object]: ...  # one target forward of [b, K + 1] tokens
+
+    def undo_verify(self, k: int) -> None: ...
+
+    def draft(self, j: int) -> Callable[[], object]: ...  # the j-th drafter forward after a verify
+
+    def undo_drafts(self, n: int) -> None: ...
+
+
+class Calibrated(NamedTuple):
+    """The arguments of `AdaptiveK.set_costs` after the batch size."""
+
+    verify: dict[int, float]  # seconds per verify step, per K
+    draft: float  # warm seconds per drafter forward
+    catchup_per_token: float  # seconds per token the drafter catches up on
+
+
+def _timed(run: Callable[[], object], sync: Callable[[], None]) -> float:
+    sync()
+    t0 = time.perf_counter()
+    run()
+    sync()
+    return time.perf_counter() - t0
+
+
+def calibrate(rows: CalibrationRows, k_max: int, reps: int = 3, verify_max: int = 0) -> Calibrated:
+    """Verify costs for several K (up to max(k_max, verify_max): suffix drafts may be longer than the learned
+    drafter's) and a draft chain of k_max, interleaved, min of `reps` (k_max >= 1)."""
+    catchup_per_token = _timed(rows.prefill_drafter, rows.sync) / rows.tokens  # what a drafter catch-up costs
+    top = max(k_max, verify_max)
+    ks = sorted({k for k in (0, 1, 2, 4, 8, 12, 16, 24, k_max, top) if k <= top})
+    vt: dict[int, list[float]] = {k: [] for k in ks}
+    chains: list[list[float]] = []  # cumulative seconds of the first 1..k_max drafts after a verify
+    for _ in range(reps):
+        for k in ks:
+            vt[k].append(_timed(rows.verify(k), rows.sync))
+            rows.undo_verify(k)
+        # Draft chains as decoding runs them: right after a verify, the first forward takes the
+        # two pending tokens (last draft + bonus) with the drafter's weights cold in the CPU caches;
+        # later ones run warmer (measured here, 1-layer drafter: 1.3, 1.0, 0.75, 0.6 ms).
+        chains.append(list(itertools.accumulate(_timed(rows.draft(j), rows.sync) for j in range(k_max))))
+        rows.undo_drafts(k_max + 1)
+    chain = [min(c[j] for c in chains) for j in range(k_max)]
+    # The controller prices a step as K * draft + verify(K): draft is the warm marginal cost and
+    # each measured K's verify carries the rest of its chain, so calibrated K values cost exactly
+    # chain(K) + verify(K).
+    draft = (chain[-1] - chain[0]) / (k_max - 1) if k_max > 1 else chain[0]
+    verify = {k: min(v) + (chain[k - 1] - k * draft if 0 < k <= k_max else 0.0) for k, v in vt.items()}
+    return Calibrated(verify, draft, catchup_per_token)
 
 
 @dataclass(frozen=True)
@@ -45,7 +109,7 @@ def calibrate_bucket(setup: CalibrationSetup, b: int, context: int = 128, reps: 
 
 class DummyRows:
     """b rows of `context` random tokens (one generator, seeded 0) with their own target and drafter
-    caches: what `dvi.decode.adaptive.calibrate` times (`dvi.decode.adaptive.CalibrationRows`). Without a learned drafter
+    caches: what `calibrate` times (`CalibrationRows`). Without a learned drafter
     (`suffix`) the draft forwards are no-ops: suffix drafts cost no model pass."""
 
     def __init__(self, setup: CalibrationSetup, b: int, context: int):

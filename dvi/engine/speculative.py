@@ -442,10 +442,13 @@ class SpeculativeEngine:
         ids = self._last.unsqueeze(1)  # [B, 1]
         if draft.width:
             ids = torch.cat([ids, draft.ids], 1)  # [B, K + 1]
-        tree = {"tree": draft.parents} if draft.tree else {}
+        if draft.tree:
+            how = {"tree": draft.parents}
+        else:  # a ragged draft's padding goes unscored where the runner can skip it
+            how = {"lens": draft.lens} if draft.width and draft.ragged else {}
         if self.proposer.needs_features:
-            return self._target.forward(ids, True, **tree)
-        return self._target.forward(ids, False, **tree), None
+            return self._target.forward(ids, True, **how)
+        return self._target.forward(ids, False, **how), None
 
     def _emit(self, draft: Draft, e: Emitted, feats: torch.Tensor | None,
               ) -> tuple[list[StepOutput], list[tuple[int, Seq, bool]]]:
@@ -474,7 +477,7 @@ class SpeculativeEngine:
             self._close(self._seqs[i], reason)
         return outs, [(i, self._seqs[i], True) for i, _ in done]
 
-    # ------------------------------------------------------------------ cost calibration (dvi.decode.adaptive.calibrate)
+    # ------------------------------------------------------------------ cost calibration (dvi.engine.calibration.calibrate)
     def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
         """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket, on dummy rows
         with their own caches (in-flight requests are untouched); adaptive K calls it lazily per new bucket."""

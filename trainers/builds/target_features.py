@@ -34,7 +34,8 @@ def target_states(target, windows: list[list[int]] | torch.Tensor, feature_layer
                   progress: bool = False, desc: str = "target states") -> TargetStates:
     """`TargetStates` of `target` (an HF Llama-family causal LM) on each window (token ids; equal lengths, or
     ragged lists right-padded with zeros in the output). One window per forward (a prefill of an empty cache)."""
-    from dvi.decode.lean import Attention, LeanModel
+    from dvi.decode.attention import Attention
+    from dvi.decode.lean import LeanModel
 
     lean = LeanModel(target)
     taps = tuple(sorted(set(feature_layers)))
