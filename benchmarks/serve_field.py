@@ -254,14 +254,23 @@ def measure(args: argparse.Namespace, ctx: dict) -> dict[str, dict[int, list[dic
     for rnd in range(args.rounds):
         for arm in args.arm_list if rnd % 2 == 0 else args.arm_list[::-1]:
             for span in server_spans(arm, args.levels):
-                log_dir = ctx["work"] / f"{arm}-r{rnd}-c{span[0]}"
-                print(f"[{arm}] round {rnd}: starting the server for C={span} ...", flush=True)
-                t0 = time.monotonic()
-                with start_server(arm, args, ctx, log_dir) as server:
-                    print(f"[{arm}] ready in {time.monotonic() - t0:.0f} s on {server.url}", flush=True)
-                    for c, r in run_client(server.url, arm, rnd, span, args, ctx).items():
+                try:
+                    for c, r in run_span(arm, rnd, span, args, ctx).items():
                         runs[arm][c].append(r)
+                except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:  # the other arms still run
+                    print(f"[{arm}] round {rnd} C={span} FAILED: {exc}", flush=True)
+                    ctx["failures"].append({"arm": arm, "round": rnd, "levels": span, "error": str(exc)})
     return runs
+
+
+def run_span(arm: str, rnd: int, span: list[int], args: argparse.Namespace, ctx: dict) -> dict[int, dict]:
+    """One start of the arm's server, its `span` of levels measured, the server stopped."""
+    log_dir = ctx["work"] / f"{arm}-r{rnd}-c{span[0]}"
+    print(f"[{arm}] round {rnd}: starting the server for C={span} ...", flush=True)
+    t0 = time.monotonic()
+    with start_server(arm, args, ctx, log_dir) as server:
+        print(f"[{arm}] ready in {time.monotonic() - t0:.0f} s on {server.url}", flush=True)
+        return run_client(server.url, arm, rnd, span, args, ctx)
 
 
 # -- figures, ratios, goals --------------------------------------------------------------------------------------
@@ -271,17 +280,23 @@ def figures(runs: dict[str, dict[int, list[dict]]]) -> dict[str, dict[int, dict]
     figs: dict[str, dict[int, dict]] = {}
     for arm, levels in runs.items():
         for c, rs in levels.items():
+            if not rs:  # its server failed at this level
+                continue
             f = figs.setdefault(arm, {})[c] = pool(rs)
             for base in ("off", "vllm"):
-                if base in runs and base != arm:
+                if base != arm and len(runs.get(base, {}).get(c, [])) == len(rs):
                     f[f"differ_from_{base}"] = sum(differing(r["texts"], b["texts"])
                                                    for r, b in zip(rs, runs[base][c], strict=True))
             f["answers"] = sum(len(r["texts"]) for r in rs)
     return figs
 
 
-def _tput(figs: dict, arm: str, c: int) -> float | None:
-    return (figs.get(arm) or {}).get(c, {}).get("output_tok_s")
+def _tput(figs: dict, arm: str | None, c: int) -> float | None:
+    return _get(figs, arm, c, "output_tok_s")
+
+
+def _get(figs: dict, arm: str | None, c: int, key: str) -> float | None:
+    return (figs.get(arm) or {}).get(c, {}).get(key)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -303,18 +318,19 @@ def goal_specs(args: argparse.Namespace, bf16_native: bool) -> list[tuple]:
         specs += [(f"dvi {k} vs dvi off, output tok/s, C={c} ({dt})", 1.0, True,
                    lambda f, k=k, c=c: _ratio(_tput(f, k, c), _tput(f, "off", c))) for k in kinds for c in args.levels]
         specs.append((f"dvi answers whose greedy text differs from dvi off's ({dt}, every kind, C and round)", 0.0,
-                      False, lambda f: float(sum(f[k][c].get("differ_from_off", 0) for k in kinds for c in f[k]))))
+                      False, lambda f: float(sum(f[k][c].get("differ_from_off", 0) for k in kinds for c in f.get(k, {})))))
     if dt == "fp32" and "vllm" in arms and "off" in arms:
         specs += [(f"dvi off vs vLLM plain, output tok/s, C={c} (fp32)", 1.3, True,
                    lambda f, c=c: _ratio(_tput(f, "off", c), _tput(f, "vllm", c))) for c in big]
         specs += [(f"TTFT p50, dvi off / vLLM plain, C={c} (fp32)", 1.0, False,
-                   lambda f, c=c: _ratio(f["off"][c]["ttft_p50_ms"], f["vllm"][c]["ttft_p50_ms"]))
+                   lambda f, c=c: _ratio(_get(f, "off", c, "ttft_p50_ms"), _get(f, "vllm", c, "ttft_p50_ms")))
                   for c in args.levels]
     if dt == "fp32" and "vllm-ngram" in arms and kinds:
         specs += [(f"dvi's best kind vs vLLM ngram, output tok/s, C={c} (fp32)", 1.3, True,
                    lambda f, c=c: _ratio(_tput(f, best(f, kinds, c), c), _tput(f, "vllm-ngram", c))) for c in big]
         specs += [(f"TTFT p50, dvi's best kind / vLLM ngram, C={c} (fp32)", 1.0, False,
-                   lambda f, c=c: _ratio(f[best(f, kinds, c)][c]["ttft_p50_ms"], f["vllm-ngram"][c]["ttft_p50_ms"]))
+                   lambda f, c=c: _ratio(_get(f, best(f, kinds, c), c, "ttft_p50_ms"),
+                                         _get(f, "vllm-ngram", c, "ttft_p50_ms")))
                   for c in args.levels]
     dvi_arms, vllm_arms = [a for a in arms if a in DVI_ARMS], [a for a in arms if a in VLLM_ARMS]
     if dt == "bf16" and bf16_native and dvi_arms and vllm_arms and 8 in args.levels:
@@ -338,6 +354,8 @@ def rows(figs: dict, levels: list[int]) -> list[dict]:
     out = []
     for c in levels:
         for arm, by_c in figs.items():
+            if c not in by_c:
+                continue
             f = by_c[c]
             out.append({"arm": arm, "C": c, **{k: f[k] for k in (
                 "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "itl_p99_ms", "failed", "answers")},
@@ -422,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="dvi-serve-field-"))
     prompts = build_prompts(tok, args.prompts, args.seed)
     eos, eos_note = ignore_eos(args.ignore_eos, args.arm_list)
-    ctx = {"python": python, "pair_dir": pair_dir, "work": work, "prompts": prompts, "ignore_eos": eos,
+    ctx = {"python": python, "pair_dir": pair_dir, "work": work, "prompts": prompts, "ignore_eos": eos, "failures": [],
            "ignore_eos_note": eos_note, "dataset": write_dataset(work / "prompts.sharegpt.json", prompts)}
     print(f"serve_field: {len(prompts)} prompts, arms {args.arm_list}, C {args.levels}, dvi {args.dtype}, "
           f"{cpu_name()}; ignore_eos {eos} ({eos_note}); work dir {work}", flush=True)
@@ -434,8 +452,11 @@ def main(argv: list[str] | None = None) -> int:
                        f"{args.dtype} / vLLM fp32, {args.threads} thread(s) a server, {cpu_name()}")
     gs = goals(goal_specs(args, bf16_native), figs)
     print_goals(gs)
+    for f in ctx["failures"]:
+        print(f"FAILED: arm {f['arm']} round {f['round']} C={f['levels']}: {f['error']}")
     write_json(args.json, {"benchmark": "serve_field", "measured": True, "machine": machine(bf16_native),
                            "settings": settings(args, ctx), "rows": table, "figures": figs, "goals": gs,
+                           "failures": ctx["failures"],
                            "texts": {a: {c: [r["texts"] for r in rs] for c, rs in lv.items()} for a, lv in runs.items()},
                            "work_dir": str(work), "wall_s": time.time() - t0})
     return 0

@@ -94,6 +94,17 @@ def test_goals_from_figures_fp32():
     assert [s[0] for s in bf16 if "vLLM" in s[0]] == ["dvi's best (bf16) vs vLLM's best (fp32), output tok/s, C=8"]
 
 
+def test_an_arm_whose_server_failed_leaves_its_goals_unmet_not_the_run():
+    args = _args(concurrency="8", arms="off,separate,vllm")
+    runs = {"off": {8: [_fig(10.0, 100.0, ["a"])]}, "separate": {8: [_fig(12.0, 90.0, ["a"])]}, "vllm": {8: []}}
+    figs = sf.figures(runs)
+    assert "vllm" not in figs and [r["arm"] for r in sf.rows(figs, [8])] == ["off", "separate"]
+    gs = {g["name"]: g for g in sf.goals(sf.goal_specs(args, bf16_native=False), figs)}
+    assert gs["dvi separate vs dvi off, output tok/s, C=8 (fp32)"]["met"]
+    assert gs["dvi off vs vLLM plain, output tok/s, C=8 (fp32)"]["value"] is None
+    assert gs["TTFT p50, dvi off / vLLM plain, C=8 (fp32)"]["value"] is None
+
+
 def test_suffix_arms_get_a_fresh_server_per_level():
     assert sf.server_spans("suffix", [1, 4]) == [[1], [4]] and sf.server_spans("hybrid", [1]) == [[1]]
     assert sf.server_spans("off", [1, 4]) == sf.server_spans("vllm", [1, 4]) == [[1, 4]]
