@@ -158,7 +158,8 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
         pair.target, serving_proposer(cfg, pair), num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
         max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
         options=EngineOptions(cfg.sampling.greedy_below_temperature, cfg.serve.cuda_graphs, cfg.serve.max_batch_size,
-                              packed_weights(cfg.serve.cpu_packed_weights, pair.target), spec.tree_width),
+                              packed_weights(cfg.serve.cpu_packed_weights, pair.target), spec.tree_width,
+                              drain_aware=False),  # rows are backfilled as they finish: throughput is the goal
     )
 
 

@@ -11,7 +11,7 @@ from dvi.decode.sampling import tie_bound
 from dvi.drafters.factory import proposer_for
 from dvi.drafters.learned import EarlyExitDrafter, SeparateDrafter
 from dvi.drafters.vocab import frequent_token_ids
-from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
+from dvi.engine.speculative import EngineOptions, Request, SamplingParams, SpeculativeEngine
 
 torch.set_num_threads(1)
 
@@ -282,6 +282,35 @@ def test_adaptive_engine_lossless():
         for p, r in zip(PROMPTS, res, strict=True):
             assert_greedy_equal(target, p, r.token_ids, reference(target, p, NEW))
     assert eng.costs.verify and eng.controller.costs.verify  # online timings and calibrated costs
+
+
+def test_rows_whose_drafts_do_not_pay_draft_nothing_and_the_text_stays_greedy(monkeypatch):
+    """Adaptive K in throughput mode over a target that skips padding: where the pricing keeps only some rows
+    drafting (`AdaptiveK.last_rows`), the others propose nothing, the verify scores only real drafts, and every
+    answer is still the target's greedy text."""
+    from dvi.decode.lean_target import LeanTarget
+
+    target = tiny("llama", seed=0)
+    eng = SpeculativeEngine(target, proposer_for(target, perturbed(target)), num_draft_tokens=3, adaptive=True,
+                            max_draft_tokens=3, options=EngineOptions(drain_aware=False))
+    ctl = eng.k_policy.controller
+    assert ctl.ragged and not eng.k_policy.drain_aware
+
+    def first_row_only(batch, alphas, remaining=None, pending_tokens=0):
+        assert remaining is None  # throughput mode
+        ctl.last_rows = [0] if len(alphas) > 1 else None
+        return 2
+
+    monkeypatch.setattr(ctl, "choose", first_row_only)
+    skipped = []
+    ragged_rows = LeanTarget.ragged_rows
+    monkeypatch.setattr(LeanTarget, "ragged_rows", lambda self, lens, q: skipped.append(
+        sum(q - 1 - n for n in lens)) or ragged_rows(self, lens, q))
+    res = eng.generate(PROMPTS, NEW)
+    for p, r in zip(PROMPTS, res, strict=True):
+        assert_greedy_equal(target, p, r.token_ids, reference(target, p, NEW))
+    assert skipped and max(skipped) == 2 * (len(PROMPTS) - 1)  # all rows but one: 2 unscored positions each
+    assert sum(r.num_drafted for r in res) < sum(r.num_steps for r in res) * 2  # not every row drafted every step
 
 
 def test_set_drafter_and_update_target_midflight():

@@ -11,6 +11,7 @@ from dvi.decode.adaptive import (
     CostModel,
     GoodputGuard,
     choose_k,
+    choose_rows,
     expected_tokens,
     predicted_speedup,
 )
@@ -337,3 +338,30 @@ def test_one_row_is_not_switched_off_by_an_unlucky_window():
         assert ctl.measured_verdict(b) == "plain"
     assert ctl.choose(1, [0.6]) > 0
     assert ctl.choose(16, [0.6] * 16) == 0
+
+
+def test_a_ragged_verify_drafts_only_the_rows_that_pay():
+    """8 rows, verify cost linear in positions (a CPU at batch 8: a drafted position costs half what a row's plain
+    token does): drafting every row at any K loses, drafting the two rows whose drafts are almost always kept wins;
+    with every α low nothing drafts, with every α high every row does."""
+    plain, per_position = 0.08, 0.08 / 16
+    verify = [plain + 8 * k * per_position for k in range(5)]  # calibrated for 8 rows, full width
+    alphas = [0.95, 0.9] + [0.2] * 6
+    assert choose_k(alphas, 0.002, verify, 4, 1.05) == 0
+    k, rows = choose_rows(alphas, 0.002, verify, 8, 4, 1.05)
+    assert k > 0 and rows == [0, 1]
+    rate = (8 + sum(expected_tokens(a, k) - 1 for a in alphas[:2])) / (k * 0.002 + plain + 2 * k * per_position)
+    assert rate > 1.05 * 8 / plain
+    assert choose_rows([0.2] * 8, 0.002, verify, 8, 4, 1.05) == (0, [])
+    k, rows = choose_rows([0.99] * 8, 0.0005, [plain + k * 0.004 for k in range(5)], 8, 4, 1.05)
+    assert k > 0 and rows == list(range(8))
+
+
+def test_adaptive_k_hands_the_paying_rows_to_the_proposer():
+    a = AdaptiveK(k_max=4, k_default=2)
+    a.set_costs(8, {k: 0.08 + 0.04 * k for k in range(5)}, 0.002)
+    a.ragged = True
+    k = a.choose(8, [0.2, 0.95, 0.2, 0.2, 0.9, 0.2, 0.2, 0.2])
+    assert k > 0 and a.last_rows == [1, 4]
+    a.ragged = False  # the target scores every position: all rows or none
+    assert a.choose(8, [0.2, 0.95, 0.2, 0.2, 0.9, 0.2, 0.2, 0.2]) == 0 and a.last_rows is None

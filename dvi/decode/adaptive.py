@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 __all__ = [
-    "expected_tokens", "choose_k", "choose_point_k", "predicted_speedup", "CostModel", "AdaptiveK", "AdaptiveTuning",
+    "expected_tokens", "choose_k", "choose_rows", "choose_point_k", "predicted_speedup", "CostModel", "AdaptiveK", "AdaptiveTuning",
     "batch_bucket", "GoodputGuard",
 ]
 
@@ -85,6 +85,28 @@ def choose_k(
         if rate > best * 1.0001:
             best_k, best = k, rate
     return best_k
+
+
+def choose_rows(alphas: Sequence[float], draft_cost: float, verify: Sequence[float], rows: int, k_max: int,
+                margin: float = 1.0) -> tuple[int, list[int]]:
+    """K and the rows that draft it, where the target verifies only real drafts (a ragged verify): a row adds its K
+    positions to the verify, priced at the bucket's calibrated seconds per position (`verify[k] - verify[0]` spread
+    over its `rows` rows' K positions each), and is worth them while its expected accepted drafts raise the step's
+    tokens per second. The drafter runs over every row (its cache stays current). Returns (0, []) where plain
+    decoding wins by `margin`."""
+    clamped = [min(max(float(a), 0.0), 1.0) for a in alphas]
+    n, v0 = len(clamped), max(verify[0], 1e-12)
+    best_k, best_rows, best = 0, [], n / v0 * margin
+    for k in range(1, k_max + 1):
+        per_position = max(verify[k] - verify[0], 0.0) / (rows * k)
+        extra = [expected_tokens(a, k) - 1.0 for a in clamped]  # drafts a row is expected to keep
+        order = sorted(range(n), key=lambda i: -extra[i])
+        tokens, t = float(n), k * draft_cost + v0
+        for m, i in enumerate(order, 1):
+            tokens, t = tokens + extra[i], t + k * per_position
+            if tokens / t > best * 1.0001:
+                best_k, best_rows, best = k, sorted(order[:m]), tokens / t
+    return best_k, best_rows
 
 
 def choose_point_k(probs: Sequence[Sequence[float]], batch: int, verify_cost: Callable[[int], float], k_max: int,
@@ -262,6 +284,10 @@ class AdaptiveK:
         # predicted 1.4x, measured 0.74x of plain decoding).
         self.goodput = GoodputGuard(goodput_window, t.margin, retry_every=self.max_probe_every)
         self._host_steps = 0
+        # the target verifies only real drafts (`dvi.decode.target.TargetRunner.ragged`): K is chosen with the rows
+        # that pay for it (`choose_rows`) in throughput mode; `last_rows` those rows (None: every row)
+        self.ragged = False
+        self.last_rows: list[int] | None = None
 
     def observe_step(self, batch: int, k: int, tokens: int, seconds: float) -> None:
         """One finished engine step (not a drafter catch-up): feeds the goodput guard."""
@@ -324,7 +350,12 @@ class AdaptiveK:
             # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.
             can_pay = choose_k([1.0], draft, verify, self.k_max, self.margin) > 0
             cached = self._cost_cache[b] = _BucketCosts(draft, verify, can_pay)
-        k = choose_k(alphas, cached.draft, cached.verify, self.k_max, self.margin, remaining)
+        self.last_rows = None
+        if self.ragged and remaining is None and len(alphas) > 1:
+            k, rows = choose_rows(alphas, cached.draft, cached.verify, b, self.k_max, self.margin)
+            self.last_rows = rows if 0 < len(rows) < len(alphas) else None
+        else:
+            k = choose_k(alphas, cached.draft, cached.verify, self.k_max, self.margin, remaining)
         if k > 0 and not self._catchup_pays(b, k, alphas, cached, pending_tokens):
             k = 0
         verdict = self.goodput.judged(b)
@@ -337,6 +368,7 @@ class AdaptiveK:
             k = 0  # measured: plain decoding is (or may be) faster here
         if k == 0:
             self._zero_streak += 1
+            self.last_rows = None  # a probe drafts every row
             if cached.can_pay and verdict != "plain" and self._zero_streak >= self._next_probe:
                 # Keep alpha from going stale while speculation is off; back off exponentially while
                 # probes keep confirming K = 0 (each probe costs a drafter catch-up).

@@ -138,10 +138,15 @@ class LeanTarget:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]
 
+    @property
+    def ragged(self) -> bool:
+        """Whether a batch verify skips padding (`ragged_rows`): eager forwards outside the exact mode."""
+        return not self.exact and self.graphs is None
+
     def ragged_rows(self, lens: list[int], q: int) -> torch.Tensor | None:
         """The flat indices (i * q + j, j <= lens[i]) a ragged verify scores; None where every row fills q, or where
         every position must be scored (the exact mode's padded or stepwise forwards, captured CUDA graphs)."""
-        if self.exact or self.graphs is not None or all(n + 1 >= q for n in lens):
+        if not self.ragged or all(n + 1 >= q for n in lens):
             return None
         idx = [i * q + j for i, n in enumerate(lens) for j in range(min(n, q - 1) + 1)]
         return torch.tensor(idx, dtype=torch.long, device=self.lean.device)

@@ -89,12 +89,22 @@ class StepPricing:
         rem = [s.remaining for s in seqs] if p.drain_aware and self.batch > 1 else None
         return p.controller.choose(self.batch, alphas, rem, pending)
 
+    def model_lens(self, k: int, rows: list[int]) -> list[int]:
+        """Per row of `rows` (as last passed to `model_k`), how many of the k learned drafts it proposes: all k, or
+        where the target verifies only real drafts and adaptive K found that some rows' drafts do not pay for the
+        positions they add, 0 for those (`dvi.decode.adaptive.choose_rows`)."""
+        chosen = self.policy.controller.last_rows if self.policy.adaptive and k > 0 else None
+        if chosen is None:
+            return [k] * len(rows)
+        keep = set(chosen)
+        return [k if j in keep else 0 for j in range(len(rows))]
+
     def siblings(self, k: int, rows: list[int]) -> list[int]:
         """Siblings per depth 1..k beside a chain of k learned drafts for batch rows `rows` ([]: a chain): the tree
         width at most, as many as pay at this machine's calibrated verify costs (adaptive) or all of it (fixed)."""
         p = self.policy
-        if p.tree_width <= 0 or k <= 0 or not rows:
-            return []
+        if p.tree_width <= 0 or k <= 0 or not rows or (p.adaptive and p.controller.last_rows is not None):
+            return []  # (where only some rows draft, a ragged chain verify: no trees)
         if not p.adaptive:
             return [p.tree_width] * k
         p._ensure_costs(self.batch)

@@ -32,6 +32,7 @@ class TargetRunner(Protocol):
     batch_size: int
     max_rows: int | None  # rows the runner can hold at once (captured graphs' fixed cache); None: no limit
     trees: bool  # whether `forward` scores draft trees (`tree`) and `keep_path` keeps their accepted paths
+    ragged: bool  # whether a batch `forward` with `lens` scores only real drafts (padding costs nothing)
 
     def admit(self, contexts: list[list[int]], features: bool) -> Features:
         """Rows holding `contexts` join at the end of the batch; with `features`, each row's final normed hidden
@@ -79,6 +80,7 @@ class RaggedTarget:
 
     max_rows = None
     trees = False  # HF's module forward over a RaggedKV verifies chains only
+    ragged = False  # and scores every position of its [B, q]
 
     def _fn(self, features: bool):
         if not features:

@@ -138,9 +138,9 @@ class HybridProposer(Proposer):
         if not model_rows or k_model <= 0:
             return d
         ids, q = self.learned.draft_model(k_model, d.u, params)  # [B, k_model], [B, k_model, V] or None
-        for i in model_rows:
+        for i, n in zip(model_rows, pricing.model_lens(k_model, model_rows), strict=True):
             d.ids[i, :k_model] = ids[i]
-            d.lens[i], d.sources[i] = k_model, "model"
+            d.lens[i], d.sources[i] = n, ("model" if n else None)
         d.model_forwards, d.catchup = k_model, self.learned.last_catchup
         if q is not None:  # sampled: suffix rows' point masses as one-hot rows of q (lossless, one rule)
             full = q.new_zeros(q.shape[0], k, q.shape[2])  # [B, K, V]

@@ -98,13 +98,16 @@ class ModelProposer(Proposer):
     def propose(self, seqs: list[Seq], caps: list[int], pricing: Pricing, uniforms: Uniforms,
                 params: BatchParams) -> Draft:
         b = len(seqs)
-        k = max(0, min(pricing.model_k(list(range(b)), self.pending_tokens), max(caps)))
-        if k == 0:
+        rows = list(range(b))
+        k = max(0, min(pricing.model_k(rows, self.pending_tokens), max(caps)))
+        lens = pricing.model_lens(k, rows) if k else []
+        if not any(lens):
             return Draft.empty(b, uniforms, self.device)
-        sibs = pricing.siblings(k, list(range(b)))
+        sibs = pricing.siblings(k, rows)
         u = uniforms(2 * k + sum(sibs) + 1)
-        ids, q = self.draft_model(k, u, params, max(sibs, default=0))
-        d = Draft(ids, q, [k] * b, ["model"] * b, u, model_forwards=k, catchup=self.last_catchup)
+        ids, q = self.draft_model(k, u, params, max(sibs, default=0))  # every row: the drafter's cache stays current
+        d = Draft(ids, q, lens, ["model" if n else None for n in lens], u, model_forwards=k,
+                  catchup=self.last_catchup)
         return with_siblings(d, self.alternatives, sibs) if any(sibs) else d
 
     def _forward(self, ids: torch.Tensor | None, first: bool) -> torch.Tensor:

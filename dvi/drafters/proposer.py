@@ -50,6 +50,9 @@ class Pricing(Protocol):
         """Learned drafts for batch rows `rows` (fixed, or adaptive from costs and the rows' α); `pending` prices
         the drafter's catch-up on tokens it has not seen."""
 
+    def model_lens(self, k: int, rows: list[int]) -> list[int]:
+        """Per row of `rows`, its learned drafts of the k `model_k` chose (0 for rows whose drafts do not pay)."""
+
     def point_k(self, probs: Sequence[Sequence[float]], longest: int) -> int:
         """Verify width for point-mass proposals with these path probabilities (draft j kept with probs[j])."""
 

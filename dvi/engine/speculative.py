@@ -66,6 +66,9 @@ class EngineOptions:
     max_batch_size: int = 16
     cpu_packed_weights: bool = False  # multi-row forwards on oneDNN-prepacked weights (CPU, fp32; `target_runner`)
     tree_width: int = 0  # at most this many siblings per drafted depth (draft trees, `dvi.decode.tree_pricing`)
+    # adaptive K minimises the time until the batch's slowest row finishes (a fixed batch: `generate`, RL rollouts)
+    # when True; a server that backfills finished rows maximises tokens per second instead (False)
+    drain_aware: bool = True
 
 
 class SpeculativeEngine:
@@ -114,6 +117,8 @@ class SpeculativeEngine:
         self._sync_feature_layers()
         self.k_policy = KPolicy(adaptive, num_draft_tokens, max_draft_tokens, self._calibrate,
                                 options.tree_width if self._target.trees else 0)
+        self.k_policy.controller.ragged = self._target.ragged  # K priced with the rows that pay for it
+        self.k_policy.drain_aware = options.drain_aware
         self.last_k = 0
         self.tokens_emitted = self.tokens_speculated = 0  # since construction (`_count_tokens`)
         self.suffix_step_seconds: list[float] = []  # the suffix tree's host work per step (`take_suffix_step_seconds`)
