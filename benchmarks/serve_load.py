@@ -10,8 +10,9 @@ Figures per (arm, C): generated tokens/s, p50/p99 request latency and time to fi
 (client-side: first content chunk), α (accepted / drafted, from the responses' `dvi` field), and
 errors (non-200, or an error chunk in the stream). Each level is measured --rounds times per arm in
 ABBA order and the figures pool the rounds (this 2-core machine's speed drifts by +-15% over tens
-of seconds, more than the effects measured at high concurrency). Goals: 0 errors at every level; speculation
->= 1.3x the no-speculation throughput at C=1 and >= 0.95x at C=64.
+of seconds, more than the effects measured at high concurrency). Goals: 0 errors at every level; speculation at
+its defaults >= 1.0x the no-speculation throughput at every level (issue 61: never slower than off). The
+dtype and the drafter kind of both arms: `--set models.dtype=float32`, `--set models.drafter_kind=hybrid`.
 
     .venv/bin/python benchmarks/serve_load.py --preset smollm2 [--json bench_results/serve_load.json]
 
@@ -141,7 +142,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=("tiny", "smollm2"), default="smollm2")
     ap.add_argument("--json", type=Path, default=Path("bench_results/serve_load.json"))
-    ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    ap.add_argument("--concurrency", default="1,4,8,16", help="comma-separated levels")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(24, 2C))")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch-size", type=int, default=64)
@@ -217,12 +218,9 @@ def _goals(figures: dict[str, list[dict]], levels: list[int]) -> list[dict]:
 
     goals = [goal("errors at every level", float(sum(f["errors"] for fs in figures.values() for f in fs)), 0.0,
                    higher_is_better=False)]
-    lo, hi = min(levels), max(levels)
-    if "nospec" in figures:
-        goals.append(goal(f"speculation throughput ratio at concurrency {lo}", tput("spec", lo) / tput("nospec", lo),
-                          1.3))
-        goals.append(goal(f"speculation throughput ratio at concurrency {hi}", tput("spec", hi) / tput("nospec", hi),
-                          0.95))
+    if "nospec" in figures:  # issue 61: speculation at its defaults is never slower than off, at any concurrency
+        goals += [goal(f"speculation throughput ratio at concurrency {c}", tput("spec", c) / tput("nospec", c), 1.0)
+                  for c in levels]
     if "chain" in figures:
         goals += [goal(f"trees vs chains throughput at concurrency {c}", tput("spec", c) / tput("chain", c), 1.0)
                   for c in levels]
