@@ -69,7 +69,7 @@ def test_a_version_walks_candidate_validated_judged_watched_kept():
     assert _end_watch(m, failed=False) == "kept"
     assert m.good == 1 and m.state[1] == "kept" and m.watch is None
     assert m.next_step(2, MIN, MIN).action == "judge"
-    assert m.first_verdict(2) and not m.first_verdict(2)
+    assert 1 in m.verdict_seen and 2 not in m.verdict_seen  # a promotion or a refusal is a verdict, a wait is not
 
 
 def test_a_pin_beats_a_promotion_that_passed_its_check():
@@ -116,7 +116,7 @@ def test_refusals_shadow_transient_and_durable():
     m.judged(3, False)
     assert m.state[3] == "refused" and m.passed is None
     m.refuse(3, "held-out shadow α fell")
-    assert m.next_step(3, MIN, MIN).action == "idle" and m.pending is None
+    assert m.next_step(3, MIN, MIN).action == "idle" and m.pending is None and 3 in m.verdict_seen
     m.refuse(4, "no such dir yet", transient=True)
     assert 4 in m.retry and "(will retry)" in m.refused[4]
     assert m.next_step(4, MIN, MIN).action == "validate"  # retried at every poll

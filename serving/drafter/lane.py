@@ -141,17 +141,18 @@ class Lane:
                 return True
             if self.check_rollback():
                 return True  # the watch ended: a waiting version is checked now, not a poll later
-            return self._advance()
+            self.latest = self.registry.latest()
+            return self._advance(self.latest)
         except Exception:  # noqa: BLE001 - the drafter thread must outlive any one bad version
             log.exception("drafter lane step failed%s", self._of_group())
             return False
         finally:
             self.release_memory()
 
-    def _advance(self) -> bool:
-        """What the machine says for LATEST: validate, judge or swap it in (True: the next of those is due now)."""
-        m, latest = self.machine, self.registry.latest()
-        self.latest = latest
+    def _advance(self, latest: int | None) -> bool:
+        """What the machine says for `latest` (LATEST as read now): validate, judge or swap it in (True: the next of
+        those is due now)."""
+        m = self.machine
         step = m.next_step(latest, self.heldout.positions(), self.policy.min_positions, self.stopping.is_set())
         if step.action == "validate":
             durable = self.registry.refusals().get(latest)
@@ -290,14 +291,15 @@ class Lane:
         """Serve `loaded` (`kind`: promoted, rolled_back, pinned, restored): the engine command, then the machine's
         state, SERVING, and the event."""
         self._freed = True
-        version = loaded.version
+        version, m = loaded.version, self.machine
         if self.engine is not None:
             self.engine.command(loaded.command).result(timeout=120)
-        prev = self.machine.swapped(version, kind, loaded)
-        self._windows = {v: w for v, w in self._windows.items() if v in self.machine.loaded}
+        first = kind == "promoted" and version not in m.verdict_seen
+        prev = m.swapped(version, kind, loaded)
+        self._windows = {v: w for v, w in self._windows.items() if v in m.loaded}
         self._windows[version] = collections.deque(maxlen=self.policy.rollback_window)
         self._save_serving()
-        self._record(VersionEvent(kind, version, prev, reason, time.time()))
+        self._record(VersionEvent(kind, version, prev, reason, time.time()), first)
 
     def _save_serving(self) -> None:
         m = self.machine
@@ -309,17 +311,22 @@ class Lane:
 
     def _refuse(self, version: int, reason: str, kind: str = "other", transient: bool = False) -> None:
         """Refuse `version` (logged, counted once, durable unless transient: retried at every poll). Durable
-        first, then counted, then shown: whoever sees it on /health finds it on /metrics and in REFUSED."""
+        first, then counted, then the machine's: whoever sees it on /health finds it on /metrics and in REFUSED."""
+        m = self.machine
         if not transient:
             try:
                 self.registry.refuse(version, reason)
             except OSError:
                 log.exception("cannot record the refusal of v%d in the registry", version)
-        if self.machine.refuse(version, reason, transient):
-            self._record(VersionEvent("refused", version, self.machine.live, reason, time.time(), category=kind))
+        if not (transient and version in m.retry):  # a transient refusal repeated is not reported again
+            self._record(VersionEvent("refused", version, m.live, reason, time.time(), category=kind),
+                         first=version not in m.verdict_seen)
+        m.refuse(version, reason, transient)
 
-    def _record(self, ev: VersionEvent) -> None:
-        if ev.kind in ("promoted", "refused") and self.machine.first_verdict(ev.version):
+    def _record(self, ev: VersionEvent, first: bool = False) -> None:
+        """Report `ev` (its version's first verdict when `first`: timed from its publish): kept, counted, logged,
+        appended to the event log, handed to the observer (/metrics)."""
+        if first:
             published = self.registry.published_at(ev.version)
             ev = replace(ev, publish_to_verdict_s=None if published is None else max(0.0, ev.at - published))
         if self.scope is not None:

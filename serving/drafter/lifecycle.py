@@ -168,19 +168,17 @@ class Lifecycle:
         self.passed = Passed(version, self.live, reason) if passed else None
         self._mark(version, "judged" if passed else "refused")
 
-    def first_verdict(self, version: int) -> bool:
-        """True the first time `version` is promoted or refused (its publish-to-verdict time is measured then)."""
-        if version in self.verdict_seen:
-            return False
+    def _verdict(self, version: int) -> None:
+        """`version` was promoted or refused: its first verdict, if it had none (the lane measures its
+        publish-to-verdict time then: `version not in verdict_seen` before the transition)."""
         self.verdict_seen[version] = None
         while len(self.verdict_seen) > MAX_REFUSED_SHOWN:
             self.verdict_seen.popitem(last=False)
-        return True
 
-    def refuse(self, version: int, reason: str, transient: bool = False) -> bool:
-        """Never promote `version` again (transient: retried at every poll). True the first time it is refused for
-        this reason's kind (a transient refusal repeated is not reported again)."""
-        again = transient and version in self.retry
+    def refuse(self, version: int, reason: str, transient: bool = False) -> None:
+        """Never promote `version` again (transient: retried at every poll; the lane reports a transient refusal
+        once, while `version not in retry`)."""
+        self._verdict(version)
         if self.pending is not None and self.pending.version == version:
             self.pending, self.passed = None, None
         self._remember(version, reason + (" (will retry)" if transient else ""))
@@ -189,7 +187,6 @@ class Lifecycle:
         else:
             self.retry.discard(version)
             self._mark(version, "refused")
-        return not again
 
     def remember_refusal(self, version: int, reason: str) -> None:
         """A refusal the ledger already holds (this server refused it before a restart)."""
@@ -225,6 +222,8 @@ class Lifecycle:
             self.retry.discard(version)
             self.refused.pop(version, None)
         promoted = kind == "promoted"
+        if promoted:
+            self._verdict(version)
         self.watch = Watch(version, self.good, self.rollback_window) if promoted else None
         if promoted or self.state.get(version) not in ("kept", "refused", "rolled_back"):
             self._mark(version, "watched" if promoted else "served")
