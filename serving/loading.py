@@ -71,6 +71,13 @@ def load_serving_pair(cfg: DviConfig) -> ModelPair:
     target_path, drafter_path, tok_path = pair_paths(cfg)
     early = m.learned_kind in ("early_exit", "eagle")
     dtype = m.dtype if m.target is not None else serving_dtype(m.preset, m.dtype, m.device)
+    if cfg.serve.engine == "vllm" and m.dtype == "auto":
+        # the pair dvi exports to vLLM (and checks vLLM's greedy text against) in the dtype vLLM serves: float32 on
+        # a CPU. The embedded pair's own `auto` is bf16 on a bf16-native CPU (AVX512-BF16, AMX), whose rounded
+        # weights vLLM would then serve in float32 (issue 60: greedy tokens changed against the checkpoint's)
+        from .vllm_process import VllmProcess
+
+        dtype = VllmProcess.resolve_dtype(cfg.serve.vllm.dtype)
     pair = load_pair(target_path, None if early or m.learned_kind is None else drafter_path, tok_path, device=m.device, dtype=dtype,
                      draft_vocab_size=draft_vocab_size_for(m), draft_vocab=m.draft_vocab)
     set_exact_greedy(pair.target, m.exact_greedy)

