@@ -443,6 +443,7 @@ def run_demo(cfg: DviConfig, requests_per_phase: int | None = None) -> int:
     if cfg.serve.engine == "vllm":  # dvi's own engine: its losslessness is the test suite's to prove
         from .greedy import report_greedy
 
-        greedy = report_greedy(cfg, records, rundir.root / "targets" / TARGET_UPDATE, console)
+        greedy = report_greedy(cfg, records, rundir.root / "targets" / TARGET_UPDATE, console,
+                               contract=final.get("greedy_contract"), plain_root=rundir.root / "vllm-plain")
     _report(console, rundir, timeline, final, cfg.speculation.num_draft_tokens, greedy)
-    return status or (1 if timeline.errors or (greedy or {}).get("changed") else 0)
+    return status or (1 if timeline.errors or (greedy or {}).get("failed") else 0)

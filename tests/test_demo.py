@@ -227,6 +227,40 @@ def test_the_greedy_check_finds_a_token_that_is_not_the_targets_argmax():
     assert found.changed[0]["gap"] > 0 and "tokens CHANGED" in found.line()
 
 
+def test_the_greedy_check_judges_by_the_devices_bound_and_against_vllms_own_plain_text():
+    """Issue 60: a token off the reference's argmax within the bound vLLM's start-up probe measured is the device's
+    kernels, not a changed token; served text is also held against vLLM's own text without speculation."""
+    from types import SimpleNamespace
+
+    import torch
+    from tiny_models import tiny_llama
+
+    from demo.greedy import check_greedy, check_plain
+    from dvi.decode.target import plain_greedy
+
+    target = tiny_llama(0).eval()
+    prompt = [1, 5, 9, 2]
+    tokens, _ = plain_greedy(target, prompt, 12)
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + tokens[:5]])).logits[0, -1]
+    wrong = tokens[:5] + [int(logits.argmin())] + tokens[6:]
+    recs = [SimpleNamespace(request_id=rid, prompt_ids=prompt, token_ids=t, temperature=0.0, target_version=0)
+            for rid, t in (("same", tokens), ("wrong", wrong))]
+    strict = check_greedy(recs, {0: target})
+    gap = strict.changed[0]["gap"]
+    loose = check_greedy(recs, {0: target}, bound=1e9)
+    assert loose.bound == 1e9 and not loose.changed and loose.within_bound >= 1 and not loose.failed
+    assert "within this device's bound" in loose.line() and "bound 1e+09" in loose.line()
+    plain = {"same": tokens, "wrong": tokens}  # vLLM without speculation answered the target's own text
+    vs = check_plain(recs, plain, {0: target}, bound=0.0)
+    assert (vs["answers"], vs["equal"]) == (2, 1) and vs["changed"] == [
+        {"request_id": "wrong", "index": 5, "gap": round(abs(float(logits[tokens[5]] - logits[wrong[5]])), 6)}]
+    assert vs["changed"][0]["gap"] == gap
+    strict.plain = vs
+    assert strict.failed and "1/2 equal, 1 CHANGED" in strict.line()
+    assert check_plain(recs, plain, {0: target}, bound=1e9)["near_ties"] == 1
+
+
 def test_piped_demo_output_prints_progress_lines():
     """Issue 59 §7: with output that is no terminal (CI, `| tee`) the demo's progress bar renders nothing until the
     end, so a line goes out every few requests."""
