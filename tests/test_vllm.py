@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -63,6 +64,38 @@ def test_vllm_cpu_refuses_the_dtypes_that_answer_wrong_text():
     for dtype in ("bfloat16", "float16"):
         with pytest.raises(VllmUnavailable, match=f"serve.vllm.dtype '{dtype}'"):
             VllmProcess.resolve_dtype(dtype)
+
+
+def test_vllm_serves_the_checkpoints_float32_weights_in_strict_math_on_a_bf16_native_cpu(tmp_path, monkeypatch):
+    """Issue 60, on the forced paths a bf16-native CPU (AVX512-BF16, Intel AMX) takes, whatever CPU runs this:
+    `models.dtype auto` loads the real pair in bf16 there, which vLLM served in float32 from bf16-rounded weights
+    (greedy tokens changed against the checkpoint's); behind vLLM the pair is loaded in vLLM's dtype. And an
+    inherited ONEDNN_DEFAULT_FPMATH_MODE=BF16 (which lets oneDNN multiply float32 in bf16 on AMX) is overridden."""
+    import sys
+
+    import dvi.models.loading as loading
+    from serving.loading import load_serving_pair
+    from serving.vllm_process import FP32_EXACT_ENV, VllmProcess
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA: vLLM serves bf16 there")
+    monkeypatch.setenv("DVI_CPU_BF16", "1")
+    monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+    asked = []
+    monkeypatch.setattr(loading, "load_pair", lambda *a, dtype, **k: asked.append(dtype) or SimpleNamespace(
+        target=None, drafter=None))
+    monkeypatch.setattr("dvi.decode.numerics.set_exact_greedy", lambda *a: None)
+    for engine, want in (("dvi", "bfloat16"), ("vllm", "float32")):
+        load_serving_pair(load_config(None, ["models.preset=smollm2", f"serve.engine={engine}"]))
+        assert asked[-1] == want, engine
+    vcfg = load_config(None, ["serve.engine=vllm", f"serve.vllm.python={sys.executable}"]).serve.vllm
+    p = VllmProcess(vcfg, tmp_path, tmp_path, "dvi", 3, 0, tmp_path / "log")
+    env = p.env()
+    assert p.dtype == "float32" and {k: env[k] for k in FP32_EXACT_ENV} == FP32_EXACT_ENV
+    assert env["ONEDNN_DEFAULT_FPMATH_MODE"] == "STRICT"
+    assert "--speculative-config" in p.argv() and int(p.argv()[p.argv().index("--max-logprobs") + 1]) >= 5
+    plain = VllmProcess(vcfg, tmp_path, tmp_path, "dvi", 0, 0, tmp_path / "log").argv()
+    assert "--speculative-config" not in plain and "--per-request-spec-decode-metrics" not in plain
 
 
 def test_a_swap_loads_and_rewrites_only_the_decoder_layers_that_changed(tmp_path, monkeypatch):
@@ -134,9 +167,14 @@ def served(tmp_path_factory):
         "trainer.shadow_min_positions=16", "trainer.heldout_fraction=0.5"])
     # replica b (a `dvi serve` process with its own vLLM, sharing the feedback log and the registry) starts beside
     # replica a: the two vLLM starts overlap, each on its own core
+    # both replicas act as a bf16-native CPU (AVX512-BF16, Intel AMX: the pair's `auto` dtype there is bf16) whatever
+    # CPU runs this, and replica b inherits a bf16 oneDNN math mode, which dvi overrides for vLLM (issue 60)
+    forced = {"DVI_CPU_BF16": os.environ.get("DVI_CPU_BF16")}
+    os.environ["DVI_CPU_BF16"] = "1"
     b = ServerProcess(["--config", str(_replica_config(cfg, run / "replica-b")), "serve.admin_token=adm"],
                       run / "replica-b.log",
-                      env={"VLLM_CPU_OMP_THREADS_BIND": "1"})  # replica a's vLLM holds core 0
+                      env={"VLLM_CPU_OMP_THREADS_BIND": "1",  # replica a's vLLM holds core 0
+                           "ONEDNN_DEFAULT_FPMATH_MODE": "BF16"})
     b_start = concurrent.futures.ThreadPoolExecutor(1).submit(b.__enter__)
     try:
         with ServerThread(cfg, start_timeout_s=600) as s:
@@ -145,6 +183,8 @@ def served(tmp_path_factory):
     finally:
         concurrent.futures.wait([b_start], timeout=600)
         b.__exit__()
+        for key, value in forced.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
 def _replica_config(cfg, run_dir: Path) -> Path:
@@ -216,6 +256,47 @@ def test_greedy_through_vllm_is_the_targets_own_text_and_every_request_is_logged
         assert all(rec.token_ids[j] in rec.topk_ids[j] for j in range(24))  # the target's own top-k, its token in it
         assert all(t == d for t, d, a in zip(rec.token_ids, rec.drafted_ids, rec.accepted, strict=True) if a)
         assert rec.temperature == 0 and rec.topk_logprobs[0] == sorted(rec.topk_logprobs[0], reverse=True)
+
+
+@pytest.mark.slow
+def test_greedy_through_vllm_is_the_float32_checkpoints_and_speculation_on_equals_vllms_own_off(served, tmp_path):
+    """Issue 60 (the fixture acts as a bf16-native CPU): vLLM serves the checkpoint's float32 weights bit for bit, in
+    strict float32 math, its greedy contract measured at start-up and on /health; greedy answers are the float32
+    target's argmax up to that bound, and equal vLLM's own text without speculation on the same prompts."""
+    from safetensors.torch import load_file
+
+    from demo.greedy import check_greedy, check_plain
+    from dvi.models.embedded import embedded_paths
+    from dvi.models.loading import load_causal_lm
+    from serving.vllm_greedy import BOUND_FACTOR, FP32_DEVIATION, PlainVllm
+    from serving.vllm_process import TARGET_FILE
+
+    engine = engine_of(served)
+    c = engine.greedy_contract
+    assert (c["dtype"], c["weights"], c["one_request"]) == ("float32", "float32", "near-tie"), c
+    assert c["fpmath"].startswith("strict") and 0 < c["deviation"] <= FP32_DEVIATION, c
+    assert c["bound"] == pytest.approx(BOUND_FACTOR * c["deviation"], abs=1e-6), c
+    with served.client(token="adm") as cl:
+        assert cl.get("/health").json()["greedy_contract"] == c
+    b = served.replica_b.result(timeout=600)
+    contract_b = httpx.get(b.url + "/health", headers={"Authorization": "Bearer adm"}, timeout=30).json()[
+        "greedy_contract"]
+    assert contract_b["weights"] == "float32" and contract_b["one_request"] == "near-tie", contract_b
+    checkpoint = embedded_paths("smollm2").target
+    served_weights = load_file(str(engine.process.target_dir / TARGET_FILE))
+    assert all(torch.equal(served_weights[k], v) for k, v in load_file(str(checkpoint / "model.safetensors")).items())
+
+    ids = [_complete(served, p)["dvi"]["request_id"] for p in PROMPTS]
+    recs = wait_for(lambda: [r for r in _records(served) if r.request_id in ids] if len(
+        [r for r in _records(served) if r.request_id in ids]) == len(ids) else None, 30, what="the records")
+    reference = load_causal_lm(checkpoint, "cpu", "float32")
+    targets = {int(r.target_version): reference for r in recs}  # the served weights are the checkpoint's (above)
+    found = check_greedy(recs, targets, bound=c["bound"])
+    assert found.answers == len(PROMPTS) and not found.changed, found.line()
+    with PlainVllm(served.cfg.serve.vllm, reference, served.state.tokenizer, tmp_path) as plain:
+        texts = plain.complete([list(r.prompt_ids) for r in recs], [len(r.token_ids) for r in recs])
+    vs = check_plain(recs, {r.request_id: t for r, t in zip(recs, texts, strict=True)}, targets, c["bound"])
+    assert vs["answers"] == len(PROMPTS) and not vs["changed"], vs
 
 
 @pytest.mark.slow
