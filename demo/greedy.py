@@ -158,9 +158,11 @@ def report_greedy(cfg: Any, records: dict[str, FeedbackRecord], update: Path, co
 
     contract = contract or {}
     bound = float(contract.get("bound") or 0.0)
+    degraded = contract.get("one_request") == "degraded"  # vLLM's kernels or weights are not the dtype's: a failure
     if contract:
-        console.print("greedy contract behind vLLM (/health): " + ", ".join(
-            f"{k} {contract[k]}" for k in ("dtype", "weights", "fpmath", "deviation", "bound", "one_request") if k in contract))
+        console.print(("[red]" if degraded else "") + "greedy contract behind vLLM (/health): " + ", ".join(
+            f"{k} {contract[k]}" for k in ("dtype", "weights", "fpmath", "deviation", "bound", "one_request")
+            if k in contract) + ("[/red]" if degraded else ""))
     console.print("checking every greedy answer against the target's own argmax (teacher-forced, float32) ...")
     updates = {1: update} if update.exists() else {}
     try:
@@ -177,4 +179,4 @@ def report_greedy(cfg: Any, records: dict[str, FeedbackRecord], update: Path, co
         return None
     console.print(found.line() + (f"; first: {found.changed[:3]}" if found.changed else "")
                   + (f"; first: {found.plain['changed'][:3]}" if found.plain and found.plain["changed"] else ""))
-    return {**asdict(found), "failed": found.failed, "contract": contract}
+    return {**asdict(found), "failed": found.failed or degraded, "contract": contract}

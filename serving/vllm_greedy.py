@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,7 @@ class PlainVllm:
 
     def __exit__(self, *exc) -> None:
         self.process.stop()
+        shutil.rmtree(self.root / "target", ignore_errors=True)  # a copy of the target's weights; its log stays
 
     def complete(self, prompts: list[list[int]], lengths: list[int], concurrency: int = 8) -> list[list[int]]:
         return [a["tokens"] for a in complete(self.process.url, self.process.served_name, prompts, lengths,
