@@ -93,8 +93,10 @@ class DrafterClient:
         return fut
 
     def observe(self, msg: Observed) -> None:
-        """A finished request (the engine thread); never waits."""
+        """A finished request (the engine thread); never waits (nothing is kept once the drafter thread stops)."""
         with self._cv:
+            if self._stop.is_set():
+                return
             if self._observed >= MAX_OBSERVED:
                 self._dropped += 1
                 return
