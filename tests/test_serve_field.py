@@ -132,3 +132,11 @@ def test_without_vllms_venv_it_says_why_and_marks_the_goals_not_measured(tmp_pat
     assert res["goals"] and all(g["measured"] is False and g["value"] is None and not g["met"] for g in res["goals"])
     assert res["machine"]["cpu"] and res["machine"]["goals_stated_for"]
     assert "not measured: vLLM's venv is missing" in capsys.readouterr().out
+
+
+def test_vllms_intel_openmp_is_preloaded_only_where_its_venv_has_one(tmp_path):
+    python = tmp_path / "venv" / "bin" / "python"
+    assert fc.iomp_preload(str(python)) == ""
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    (tmp_path / "venv" / "lib" / "libiomp5.so").write_bytes(b"")
+    assert fc.iomp_preload(str(python)) == str(tmp_path / "venv" / "lib" / "libiomp5.so")
