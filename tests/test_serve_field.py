@@ -140,3 +140,15 @@ def test_vllms_intel_openmp_is_preloaded_only_where_its_venv_has_one(tmp_path):
     (tmp_path / "venv" / "lib").mkdir(parents=True)
     (tmp_path / "venv" / "lib" / "libiomp5.so").write_bytes(b"")
     assert fc.iomp_preload(str(python)) == str(tmp_path / "venv" / "lib" / "libiomp5.so")
+
+
+def test_from_results_reports_a_recorded_run_without_servers(tmp_path):
+    (tmp_path / "work" / "results").mkdir(parents=True)
+    (tmp_path / "work" / "results" / "off-r0-c4.json").write_text(FIXTURE.read_text())
+    out = tmp_path / "field.json"
+    argv = ["--arms", "off,separate", "--concurrency", "4", "--rounds", "1", "--from-results", str(tmp_path / "work"),
+            "--vllm-python", str(tmp_path / "none"), "--json", str(out)]
+    assert sf.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["figures"]["off"]["4"]["output_tok_s"] == pytest.approx(json.loads(FIXTURE.read_text())["output_throughput"])
+    assert [f["arm"] for f in res["failures"]] == ["separate"] and len(res["texts"]["off"]["4"][0]) == 8
