@@ -27,3 +27,15 @@ def tiny_pair_dir(tmp_path_factory) -> Path:
 def allowed_dir(tmp_path_factory) -> Path:
     """A module's `serve.allowed_dirs` entry: the one place admin paths may point into."""
     return tmp_path_factory.mktemp("allowed")
+
+
+@pytest.fixture
+def owner_check(monkeypatch):
+    """The ownership check (`dvi.decode.owner`: the engine's and the drafter thread's parts) on for one test; the
+    touches it saw, cleared before and after."""
+    from dvi.decode import owner
+
+    monkeypatch.setenv(owner.ENV, "1")
+    owner.VIOLATIONS.clear()
+    yield owner.VIOLATIONS
+    owner.VIOLATIONS.clear()

@@ -30,15 +30,6 @@ POLICY = LifecyclePolicy(poll_seconds=0.05, shadow_margin=0.01, rollback_window=
                          heldout_fraction=1.0)
 
 
-@pytest.fixture
-def owner_check(monkeypatch):
-    """The ownership check on for one test; the touches it saw, cleared before and after."""
-    monkeypatch.setenv(owner.ENV, "1")
-    owner.VIOLATIONS.clear()
-    yield owner.VIOLATIONS
-    owner.VIOLATIONS.clear()
-
-
 class StubEngine:
     """What a lane asks of the engine's door: a command's future (applied at once), its snapshot, whether it is busy."""
 

@@ -38,15 +38,6 @@ MAX_TOKENS = 16
 ADMIN = {"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}
 
 
-@pytest.fixture
-def owner_check(monkeypatch):
-    """The ownership check on for one test; the touches it saw, cleared before and after."""
-    monkeypatch.setenv(owner.ENV, "1")
-    owner.VIOLATIONS.clear()
-    yield owner.VIOLATIONS
-    owner.VIOLATIONS.clear()
-
-
 def test_the_owner_check_fires_for_a_foreign_thread(tiny_pair_dir, tmp_path, owner_check):
     from serving.loading import load_serving_pair
     from serving.state import serving_engine
