@@ -6,7 +6,7 @@ the client left while it decoded is logged with finish_reason "abort", one cance
 not). So: every answered request's id is in the log exactly once, with the token count the client got; no id
 twice; each cut request (it streamed a token, so it ran) adds one record and each abandoned one (closed before any
 content) at most one, so the records beyond the answered number between the cuts and the cuts plus the abandons;
-and the log holds as many records as the server counted finished requests (`dvi_requests_total`).
+and the log holds as many records as the server counted finished requests (`dvi_request_latency_seconds_count`).
 
 Quarters: memory, fds and threads compare the second and the last quarter of each process's life (the server
 lives the whole run, so its quarters are the run's; a killed trainer's successor is a new life, compared within
@@ -199,7 +199,7 @@ def _count_goals(rows: list[dict], rec: dict, fb: dict) -> list[dict]:
             goal("failed requests (transport errors, 4xx)", failed, 0, False),
             goal("answered requests whose record is missing, doubled or of another token count", bad, 0, False),
             goal("records beyond the answered outside [cuts, cuts + abandons]", rec["outside_cut_bounds"], 0, False),
-            goal("records - the server's finished requests (dvi_requests_total)",
+            goal("records - the server's finished requests (dvi_request_latency_seconds_count)",
                  None if rec["server_diff"] is None else abs(rec["server_diff"]), 0, False),
             goal("feedback shards unread by the check (deleted first) or unreadable", fb["gaps"] + fb["unreadable"], 0,
                  False),

@@ -242,7 +242,7 @@ async def drive(srv: Server, args: argparse.Namespace, phases: list, tok: Any, w
         await _settle(admin)
         stop.set()
         await sampling
-        server_total = sum(scrape((await admin.get("/metrics")).text)["requests"].values())
+        server_total = scrape((await admin.get("/metrics")).text)["finished"]
         status = (await admin.get("/admin/status")).json()
     events += [{"kind": "rollback" if e["kind"] == "rolled_back" else e["kind"], "t": e["at"] - t0_wall,
                 "version": e["version"], "reason": e.get("reason")}

@@ -110,16 +110,20 @@ def registry_versions(cfg: Any) -> int:
 
 # -- /metrics ------------------------------------------------------------------------------------------
 def scrape(text: str) -> dict[str, Any]:
-    """From a /metrics page: finished requests by finish reason (the records the server logs: one per request
-    that reached the engine), the queue depth, promotions and rollbacks."""
+    """From a /metrics page: finished requests (the records the server logs: one per request that reached the
+    engine), counted from the latency histogram (`dvi_requests_total` carries the drafter version, and the series
+    of versions no longer served are removed, so its sum undercounts after promotions), and by finish reason
+    (display only); the queue depth, promotions and rollbacks."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from dvi import metrics as M
 
-    out: dict[str, Any] = {"requests": {}, "queue": None, "promotions": 0.0, "rollbacks": 0.0}
+    out: dict[str, Any] = {"requests": {}, "finished": 0, "queue": None, "promotions": 0.0, "rollbacks": 0.0}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == M.REQUESTS:
+            if s.name == M.REQUEST_LATENCY + "_count":  # every finished request, by domain: never pruned
+                out["finished"] += int(s.value)
+            elif s.name == M.REQUESTS:
                 reason = s.labels.get(M.L_FINISH, "")
                 out["requests"][reason] = out["requests"].get(reason, 0) + int(s.value)
             elif s.name == M.QUEUE_DEPTH:

@@ -122,7 +122,7 @@ def test_long_soak_on_the_tiny_pair(tiny_pair_dir, tmp_path):
     for name in ("5xx responses (and SSE server errors)", "failed requests (transport errors, 4xx)",
                  "answered requests whose record is missing, doubled or of another token count",
                  "records beyond the answered outside [cuts, cuts + abandons]",
-                 "records - the server's finished requests (dvi_requests_total)",
+                 "records - the server's finished requests (dvi_request_latency_seconds_count)",
                  "feedback shards unread by the check (deleted first) or unreadable",
                  "feedback records dropped or failed to write", "samples taken", "minutes of traffic",
                  "target updates refused", "trainer kills it did not come back from",
