@@ -68,8 +68,8 @@ def one_call(qrows: torch.Tensor, b: int, keys: torch.Tensor, values: torch.Tens
     """All queries qrows [B * q, heads, ...] in one SDPA call over keys / values [B, kv_heads, columns, D] with
     `mask` [B, 1, q, columns] -> [B * q, heads * D]. On a CPU, grouped-query heads are folded into the query rows
     (the heads sharing a kv head become rows of one [B, kv_heads, group * q, D] call, as FlashDecoding does): SDPA's
-    CPU kernels run `enable_gqa` with one query a row far below their rate for the folded shape (bf16 most of all;
-    `benchmarks/attention.py` measures it). A causal call (a prefill) keeps its row order and is not folded."""
+    CPU kernels run `enable_gqa` with one query a row far below their rate for the folded shape (bf16 most of all).
+    A causal call (a prefill) keeps its row order and is not folded."""
     n, heads = qrows.shape[0], qrows.shape[1]
     q, kvh, d = n // b, keys.shape[1], keys.shape[3]
     if heads == kvh or causal or keys.device.type != "cpu":

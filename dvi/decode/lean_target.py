@@ -108,7 +108,7 @@ class LeanTarget:
             return self._eager(ids, features, tree)
         real = self.ragged_rows(lens, q) if lens is not None and not features and b > 1 else None
         if real is not None:
-            return self._ragged(ids, real)
+            return self._eager(ids, False, scored=real)
         if self.stepwise and (q > 1 or b > 1):
             return self._stepwise(ids, features)
         if not features and self.graphs is not None and not self.exact \
@@ -117,7 +117,7 @@ class LeanTarget:
         return self._eager(ids, features)
 
     def _eager(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None = None,
-               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               scored: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         b, q = ids.shape
         real = q
         if b * q < self.min_rows:
@@ -125,6 +125,7 @@ class LeanTarget:
             ids = torch.cat([ids, ids[:, -1:].expand(b, q - real)], 1)
         if tree is None:
             attn = self.attention(q)
+            attn.real = scored  # a ragged verify's scored positions (never padded: `ragged` excludes the exact mode)
         else:
             tree = [list(p) + [0] * (q - 1 - len(p)) for p in tree]  # junk positions: leaves of the root
             starts = self.cache.lengths
@@ -150,14 +151,6 @@ class LeanTarget:
             return None
         idx = [i * q + j for i, n in enumerate(lens) for j in range(min(n, q - 1) + 1)]
         return torch.tensor(idx, dtype=torch.long, device=self.lean.device)
-
-    def _ragged(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        b, q = ids.shape
-        attn = self.attention(q)
-        attn.real = real
-        self.cache.reserve(b, attn.columns)
-        start = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.lean.device)
-        return self.lean.forward(self.cache, ids, start, attn)
 
     def _stepwise(self, ids: torch.Tensor, features: bool):
         """Each row's positions one at a time, each a one-row forward over its own slot: what its plain decode
