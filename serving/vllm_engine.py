@@ -61,6 +61,21 @@ def step_feedback(per_step_accepted: list[int], per_step_drafted: list[int], tok
     }
 
 
+def steps_within(per_step_accepted: list[int], per_step_drafted: list[int], n: int) -> tuple[list[int], list[int]]:
+    """vLLM's per-step (accepted, drafted) counts cut to the steps that emitted one of the first `n` tokens (the
+    first token is the prefill's; a step cut through keeps the accepted drafts it emitted before the cut)."""
+    acc: list[int] = []
+    dra: list[int] = []
+    pos = 1
+    for a, d in zip(per_step_accepted, per_step_drafted, strict=False):
+        if pos >= n:
+            break
+        acc.append(min(a, d, n - pos))
+        dra.append(d)
+        pos += min(a, d) + 1
+    return acc, dra
+
+
 def _topk(entry: dict[str, float] | None) -> tuple[list[int], list[float]]:
     """vLLM's top log-probs of one position ({"token_id:N": lp}, `return_tokens_as_token_ids`), best first."""
     items = sorted((entry or {}).items(), key=lambda kv: -kv[1])
@@ -79,6 +94,7 @@ class _Row:
     error: str | None = None  # vLLM failed this request (answered an error, or died after its first token)
     task: Any = None
     steps: tuple[list[int], list[int]] = ([], [])  # vLLM's per-step (accepted, drafted), from the last chunk
+    aborted: bool = False  # `abort` sealed its result: what the stream still brings is dropped
 
 
 class VllmEngine:
@@ -153,15 +169,20 @@ class VllmEngine:
         return outs
 
     def abort(self, request_id: str) -> GenerationResult | None:
+        """The request ended by the server (its client left, a stop string, a cut): its stream closed (vLLM aborts
+        it) and its result sealed as dvi's engine seals an aborted row (`Seq.close`): the tokens handed out so far
+        (`step`; those vLLM sent since never reached the client), per-token feedback of exactly those tokens, the
+        served versions, finish_reason "abort". Sealed under the lock: the stream, still running until the close
+        lands, never changes it after (`_Row.aborted`)."""
         with self._lock:
             row = self._rows.pop(request_id, None)
-        if row is None:
-            return None
+            if row is None:
+                return None
+            row.aborted = True
+            res = self._seal_aborted(row)
         if row.task is not None:
             row.task.cancel()  # closes the stream: vLLM aborts the request
-        row.result.finish_reason = "abort"
-        row.result.finished_at = time.time()
-        return row.result
+        return res
 
     def info(self) -> dict[str, Any]:
         """What /health shows of the engine (read into the snapshot on the engine thread)."""
@@ -297,34 +318,71 @@ class VllmEngine:
                 return self._fail(row, f"vLLM stream failed: {exc}")
 
     def _take(self, row: _Row, chunk: dict[str, Any]) -> bool:
+        """One streamed chunk into the row's result; every list of it grows under the lock, together (the engine
+        thread's `abort` may seal the result between two chunks)."""
         res = row.result
         metrics = (chunk.get("metrics") or {}).get("speculative_decoding")
-        if metrics is not None:
-            row.steps = (metrics.get("per_step_accepted") or [], metrics.get("per_step_drafted") or [])
         new: list[int] = []
+        topk_ids: list[list[int]] = []
+        topk_lps: list[list[float]] = []
+        token_lps: list[float] = []
+        reason = None
         for choice in chunk.get("choices") or ():
-            new = [int(t) for t in choice.get("token_ids") or ()]
+            ids = [int(t) for t in choice.get("token_ids") or ()]
+            new.extend(ids)
             lp = choice.get("logprobs") or {}
-            for entry, token_lp in zip(lp.get("top_logprobs") or [None] * len(new),
-                                       lp.get("token_logprobs") or [0.0] * len(new), strict=False):
-                ids, lps = _topk(entry)
-                res.topk_ids.append(ids)
-                res.topk_logprobs.append(lps)
-                res.token_logprobs.append(float(token_lp or 0.0))
+            for entry, token_lp in zip(lp.get("top_logprobs") or [None] * len(ids),
+                                       lp.get("token_logprobs") or [0.0] * len(ids), strict=False):
+                top_ids, top_lps = _topk(entry)
+                topk_ids.append(top_ids)
+                topk_lps.append(top_lps)
+                token_lps.append(float(token_lp or 0.0))
             if choice.get("finish_reason"):
-                res.finish_reason = "length" if choice["finish_reason"] == "length" else "stop"
+                reason = "length" if choice["finish_reason"] == "length" else "stop"
+        with self._lock:
+            if row.aborted:
+                return False
+            if metrics is not None:
+                row.steps = (metrics.get("per_step_accepted") or [], metrics.get("per_step_drafted") or [])
+            res.topk_ids.extend(topk_ids)
+            res.topk_logprobs.extend(topk_lps)
+            res.token_logprobs.extend(token_lps)
+            res.finish_reason = reason or res.finish_reason
+            res.token_ids.extend(new)
+            row.fresh.extend(new)
         if new:
-            with self._lock:
-                res.token_ids.extend(new)
-                row.fresh.extend(new)
             self._arrived.set()
         return bool(new)
 
+    def _seal_aborted(self, row: _Row) -> GenerationResult:
+        """Under the lock: the aborted row's result cut to the tokens handed out, every per-token list the same
+        length (top-k: none when vLLM's were ragged, as `_finish` keeps them), its counts from vLLM's per-step
+        counts of those tokens (none before vLLM's last chunk: undrafted, -1 and not accepted, as `step_feedback`
+        writes a draft vLLM does not name; α has no data), the versions `step` gives a finished one."""
+        res = row.result
+        total = len(res.token_ids)
+        n = total - len(row.fresh)
+        row.fresh = []
+        tokens = res.token_ids[:n]
+        fb = step_feedback(*steps_within(list(row.steps[0]), list(row.steps[1]), n), tokens, self._k)
+        for key, value in fb.items():
+            setattr(res, key, value)
+        res.token_ids = tokens
+        whole = len(res.topk_ids) == len(res.topk_logprobs) == total
+        res.topk_ids, res.topk_logprobs = (res.topk_ids[:n], res.topk_logprobs[:n]) if whole else ([], [])
+        res.token_logprobs = res.token_logprobs[:n] if len(res.token_logprobs) == total else []
+        res.finish_reason = "abort"
+        res.finished_at = time.time()
+        res.drafter_version, res.target_version = self.drafter_version, self.target_version
+        return res
+
     def _finish(self, row: _Row) -> None:
         res = row.result
-        accepted, drafted = row.steps
-        fb = step_feedback(list(accepted), list(drafted), res.token_ids, self._k)
         with self._lock:
+            if row.aborted:
+                return
+            accepted, drafted = row.steps
+            fb = step_feedback(list(accepted), list(drafted), res.token_ids, self._k)
             for key, value in fb.items():
                 setattr(res, key, value)
             if len(res.topk_ids) != len(res.token_ids):  # no log-probs asked for, or a short list: none kept
