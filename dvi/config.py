@@ -285,6 +285,11 @@ class VllmConfig(_Strict):
     greedy_probe_tokens: int = Field(32, ge=0)  # the start-up greedy probe's tokens per prompt (0: none; issue 60)
 
 
+DEFAULT_CONTROL_SHARE = 0.05
+"""serve.control_share where the config leaves it unset and there are traffic groups: a twentieth of each group's
+requests measures what its adapter buys, at a twentieth of that gain's cost."""
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -330,6 +335,11 @@ class ServeConfig(_Strict):
     max_stop_chars: int = Field(256, ge=1)
     # `metadata.domain` values that get their own metrics series / α pool; any other -> "other"
     domains: list[str] = Field(default_factory=lambda: ["default", "code", "prose", "chat", "sql"])
+    # the control group (issue 59): this share of each traffic group's requests drafts with the frozen base drafter
+    # instead of the group's adapter, in the same batches, so /metrics and /admin/status measure what learning buys
+    # (dvi_control_uplift); it costs that share of the adapter's speed-up. Traffic groups need trainer.adapter_key;
+    # null: 0.05 where there are groups (DEFAULT_CONTROL_SHARE), else 0; 0: no control group
+    control_share: float | None = Field(None, ge=0, le=0.5)
     # drafter versions whose per-version series stay on /metrics (older ones are removed)
     metrics_versions: int = Field(4, ge=1)
     # FastAPI's /docs, /redoc and /openapi.json: off unless asked for (they list every route and
@@ -420,6 +430,12 @@ class DviConfig(_Strict):
     @model_validator(mode="after")
     def _adapters_need_a_lora_separate_drafter(self) -> DviConfig:
         key, kind = self.trainer.adapter_key, self.models.learned_kind
+        if self.serve.control_share is None:
+            self.serve.control_share = DEFAULT_CONTROL_SHARE if key != "none" else 0.0
+        elif key == "none" and self.serve.control_share > 0:
+            raise ValueError(f"serve.control_share {self.serve.control_share:g} splits each traffic group's requests "
+                             "between its drafter adapter and the frozen base; trainer.adapter_key 'none' makes no "
+                             "groups: set trainer.adapter_key (domain, user) or serve.control_share 0")
         outside = set(self.trainer.lora_targets) - set(_PROJECTIONS)
         if key != "none" and outside:
             raise ValueError(f"trainer.adapter_key {key!r} serves adapters of the decoder's projections "

@@ -25,6 +25,7 @@ from dvi.feedback.heldout import adapter_group, client_key
 
 from .bodies import parse_body, validation_error
 from .chat_prompt import chat_prompt_ids
+from .control import draw_arm
 from .logprobs import chat_logprobs, completion_logprobs, token_logprobs
 from .protocol import (
     ApiError,
@@ -127,11 +128,15 @@ async def _next_event(state: ServerState, h: Handle, request: Request) -> Event:
                 raise asyncio.CancelledError from None
 
 
-def _submit(state: ServerState, req: ApiRequest, prompt_ids: list[int], params: SamplingParams) -> Handle:
+def _submit(state: ServerState, req: ApiRequest, prompt_ids: list[int], params: SamplingParams,
+            request_key: str | None) -> Handle:
+    """Queue the request; `request_key` (the client's X-Request-Id) keeps a retried request in its control arm."""
     domain, client = req.domain(), client_key(req.user)
+    group = adapter_group(state.cfg.trainer.adapter_key, domain, client)
+    arm = draw_arm(state.control_share, group, request_key or new_id("key"))
     try:
         h = state.scheduler.submit(prompt_ids, params, domain=domain, stop=req.stop_list(), stream=req.stream,
-                                   client=client, group=adapter_group(state.cfg.trainer.adapter_key, domain, client))
+                                   client=client, group=group, arm=arm)
     except QueueFull as exc:  # counted by the ApiError handler (reason queue_full)
         raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
     return h
@@ -153,7 +158,7 @@ def _echo_text(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> st
 async def _complete(state: ServerState, request: Request, req: ApiRequest, prompt_ids: list[int],
                     chat: bool) -> Response:
     params = _prepare(state, req, prompt_ids)
-    h = _submit(state, req, prompt_ids, params)
+    h = _submit(state, req, prompt_ids, params, request.headers.get("x-request-id"))
     rid = new_id("chatcmpl" if chat else "cmpl")
     created = now()
     echo = _echo_text(state, req, prompt_ids)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from dvi.decode.results import GenerationResult
 from dvi.feedback import FeedbackRecord
+from dvi.metrics.uplift import decode_rate
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class Finished:
     ttft_s: float | None
     client: str = ""  # the request's client (`dvi.feedback.heldout.client_key` of its `user`)
     transformed: bool = False  # served under a logit_bias or penalty (`SamplingParams.transforms_logits`)
+    group: str = ""  # its traffic group (trainer.adapter_key; "": none)
+    arm: str = "learned"  # "control": drafted by the frozen base instead of the group's adapter (`serving.control`)
     _record: FeedbackRecord | None = field(default=None, init=False, repr=False, compare=False)
 
     def feedback_record(self) -> FeedbackRecord | None:
@@ -56,6 +59,7 @@ class Finished:
         if self.result is not None and self._record is None:
             self._record = FeedbackRecord.from_result(self.result)
             self._record.client, self._record.transformed = self.client, self.transformed
+            self._record.arm = self.arm if self.group else ""
         return self._record
 
     def stats(self) -> dict[str, Any]:
@@ -76,6 +80,8 @@ class Finished:
             "adapter_version": r.adapter_version,
             "target_version": r.target_version,
             "domain": self.domain,
+            "arm": self.arm if self.group else None,  # a traffic group's learned or control arm (`serving.control`)
+            "decode_tokens_per_s": decode_rate(len(self.token_ids), self.latency_s, self.ttft_s),
         }
 
 

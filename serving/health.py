@@ -71,6 +71,8 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "target_version": s.target_version,
         "drafter": sw,
         "adapters": drafter.adapters() if drafter is not None else None,  # per traffic group (trainer.adapter_key)
+        # what learning buys, per traffic group: its learned arm against the frozen base's control arm (issue 59)
+        "control": {"share": s.control_share, "groups": s.metrics.control.report()},
         "drafter_kind": s.cfg.models.drafter_kind,
         "learned_kind": s.cfg.models.learned_kind,
         "suffix": _suffix_info(s, snap.proposer_stats),

@@ -81,6 +81,7 @@ class Handle:
     loop: asyncio.AbstractEventLoop
     client: str = ""
     group: str = ""  # the traffic group whose drafter adapter drafts for it (trainer.adapter_key)
+    arm: str = "learned"  # "control": the frozen base drafts for it, not its group's adapter (`serving.control`)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted_at: float = field(default_factory=time.perf_counter)
     # engine-thread state
@@ -158,10 +159,12 @@ class Scheduler:
         return len(self._active)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, domain: str = "default",
-               stop: list[str] | None = None, stream: bool = False, client: str = "", group: str = "") -> Handle:
+               stop: list[str] | None = None, stream: bool = False, client: str = "", group: str = "",
+               arm: str = "learned") -> Handle:
         """Queue a request (call from the event loop); raises QueueFull at the queue limit."""
         h = Handle(request_id=new_id("req"), prompt_ids=list(prompt_ids), params=params, domain=domain,
-                   stop=list(stop or []), stream=stream, loop=asyncio.get_running_loop(), client=client, group=group)
+                   stop=list(stop or []), stream=stream, loop=asyncio.get_running_loop(), client=client, group=group,
+                   arm=arm)
         with self._cv:
             if self._stop or self._retry_after is not None:
                 raise shutting_down(self._retry_after or 1)
@@ -304,7 +307,8 @@ class Scheduler:
                 continue
             try:
                 self.engine.add_request(Request(request_id=h.request_id, prompt_ids=h.prompt_ids,
-                                                params=h.params, domain=h.domain, group=h.group))
+                                                params=h.params, domain=h.domain,
+                                                group=h.group if h.arm == "learned" else ""))
             except ValueError as exc:  # the client's input; InvalidParam names the field
                 self._fail(h, ApiError(400, str(exc), param=getattr(exc, "param", "prompt")))
                 continue
@@ -433,7 +437,7 @@ class Scheduler:
             request_id=h.request_id, text=h.text, token_ids=list(h.token_ids), prompt_len=len(h.prompt_ids),
             finish_reason=reason, domain=h.domain, result=result, latency_s=now - h.submitted_at,
             ttft_s=(h.first_token_at - h.submitted_at) if h.first_token_at is not None else None,
-            client=h.client, transformed=h.params.transforms_logits(),
+            client=h.client, transformed=h.params.transforms_logits(), group=h.group, arm=h.arm,
         )
         h.done = True
         self.completed += 1

@@ -87,6 +87,7 @@ class ServerState:
     stopping: bool = False  # `begin_stop` ran: the trainer, watcher and tailer were told to stop
     suffix_tailer: Any = None  # serving.suffix_tail.SuffixTailer (suffix / hybrid with a shared feedback dir)
     tokenizer_warnings: list[str] = field(default_factory=list)  # its eos / bos vs the model's configs (logged)
+    control_share: float = 0.0  # of each traffic group's requests, drafted by the frozen base (`serving.control`)
     on_stop: list[Callable[[], Any]] = field(default_factory=list)  # after the engine loop: a vLLM child stopped
 
     @property
@@ -210,14 +211,16 @@ def build_state(cfg: DviConfig) -> ServerState:
     feedback = FeedbackWriter(fb.dir, shard_records=fb.shard_records, flush_seconds=fb.flush_seconds,
                               retention=Retention(fb.retention_bytes, fb.retention_shards, fb.retention_seconds),
                               background=True, max_pending_bytes=fb.max_buffer_bytes, access=cfg.files.access)
-    metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions)
+    groups = cfg.serve.engine != "vllm" and cfg.trainer.adapter_key != "none"  # one adapter per traffic group
+    control_share = cfg.serve.control_share if groups and pair.drafter is not None else 0.0
+    metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions,
+                            control_share=control_share)
     scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
                           num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds),
                           eos_ids=pair.stop_ids)
     supervisor = TrainerSupervisor(cfg)
     drafter = None
     if pair.drafter is not None:
-        groups = cfg.serve.engine != "vllm" and cfg.trainer.adapter_key != "none"  # one adapter per traffic group
         if groups:  # the shared drafter stays as started: the groups' adapters sit on it
             engine.proposer.set_adapter("", None)  # refuses a drafter that cannot serve per-row adapters, now
         drafter = DrafterClient.of(cfg, scheduler, pair.drafter, lambda ev: _on_version_event(metrics, ev),
@@ -229,7 +232,7 @@ def build_state(cfg: DviConfig) -> ServerState:
         context_len=int(getattr(pair.target.config, "max_position_embeddings", 0) or 1 << 30),
         vocab_size=int(pair.target.get_output_embeddings().weight.shape[0]),
         prompts=PromptTokenizer(tokenizer, cfg.serve.tokenize_large_bytes),
-        tokenizer_warnings=list(pair.warnings),
+        tokenizer_warnings=list(pair.warnings), control_share=control_share,
     )
     scheduler.finished.subscribe(metrics.observe_request)
     scheduler.finished.subscribe(state.feedback_log)

@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
+from dvi.metrics.uplift import ARMS, ArmSample
 from dvi.rundir import RunDir
+
+from .control import ControlGroups, control_values
 
 if TYPE_CHECKING:
     from dvi.feedback import FeedbackWriter
@@ -44,11 +47,15 @@ REJECTION_REASONS = {400: "invalid_request", 401: "unauthorized", 403: "forbidde
 """A refused request's reason label where it has no error code of ours: one per HTTP status."""
 
 
+def _or_nan(x: float | None) -> float:
+    return float("nan") if x is None else x
+
+
 class ServerMetrics:
     """Prometheus collectors on a private registry, and the JSONL/wandb logger of the run."""
 
     def __init__(self, cfg: DviConfig, log_every: int = 16, window: int = 200,
-                 domains: list[str] | None = None, max_versions: int | None = None) -> None:
+                 domains: list[str] | None = None, max_versions: int | None = None, control_share: float = 0.0) -> None:
         from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry()
@@ -62,6 +69,8 @@ class ServerMetrics:
         self._recent: dict[str, deque] = {}
         self._fresh: set[str] = set()
         self._lock = threading.Lock()
+        self.control = ControlGroups(control_share)  # each traffic group's learned and control arm (issue 59)
+        self.m[M.CONTROL_SHARE].set(control_share)
         self.logger: M.MetricsLogger | None = None
         try:
             self.logger = M.MetricsLogger(cfg.run_dir, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project,
@@ -82,6 +91,10 @@ class ServerMetrics:
             log.warning("request %s (traffic group %r, drafter v%d): %d of %d drafted tokens accepted; a garbled or "
                         "looping output, or a drafter that does not fit this traffic (dvi_requests_low_acceptance_total)",
                         fin.request_id, fin.domain, stats.drafter_version, stats.num_accepted, stats.num_drafted)
+        if fin.group:
+            self.control.observe(fin.group, ArmSample.of(fin.arm, fin.result.adapter_version, fin.result,
+                                                         len(fin.token_ids), fin.latency_s, fin.ttft_s))
+            self.m[M.CONTROL_REQUESTS].labels(group=fin.group, arm=fin.arm).inc()
         with self._lock:
             self.requests += 1
             q = self._recent.setdefault(fin.domain, deque(maxlen=self.log_every * 4))
@@ -105,6 +118,25 @@ class ServerMetrics:
                 self.logger.log(values, step=step, domain=domain, drafter_version=version)
             except Exception:  # noqa: BLE001
                 log.exception("metrics row dropped")
+        if self.control.share > 0:
+            for group, report in self.control.report().items():
+                try:  # one row per group (its key: the group); wandb plots control/<arm>/... and uplift/<measure>
+                    self.logger.log(control_values(report), step=step, domain=group)
+                except Exception:  # noqa: BLE001
+                    log.exception("control-group row dropped")
+
+    def update_control(self) -> None:
+        """Scrape time: each group's arms since its served version went live, and the learned arm's uplift."""
+        for group, report in self.control.report().items():
+            for arm in ARMS:
+                a = report[arm]
+                for name, key in ((M.CONTROL_ACCEPTANCE_RATE, "alpha"), (M.CONTROL_TOKENS_PER_PASS, "tokens_per_pass"),
+                                  (M.CONTROL_DECODE_TOKENS_PER_SECOND, "decode_tokens_per_s")):
+                    self.m[name].labels(group=group, arm=arm).set(_or_nan(a[key]))
+            for measure, u in report["uplift"].items():  # NaN until both arms of the served version have requests
+                for bound in ("ratio", "low", "high"):
+                    self.m[M.CONTROL_UPLIFT].labels(group=group, measure=measure, bound=bound).set(
+                        _or_nan(u[bound] if u is not None else None))
 
     def observe_swap(self, kind: str, version: int, reason: str = "", category: str = "",
                      publish_to_verdict_s: float | None = None) -> None:
@@ -170,6 +202,7 @@ class ServerMetrics:
             self.m[M.DRAFTER_ADAPTER_VERSION].labels(group=group).set(version)
         if drafter is not None:
             self.update_gates(drafter)
+        self.update_control()
         sup = supervisor
         self.m.set_trainer_state(_TRAINER_STATE.get(sup.state, "stopped"))
         self.m[M.TRAINER_RESTARTS].set(sup.restarts)

@@ -179,6 +179,61 @@ def test_server_judges_and_serves_a_groups_adapter_on_that_group_only(records, p
     assert adapter_group("domain", "code", "") == "code"
 
 
+@pytest.mark.slow
+def test_control_rows_draft_with_the_frozen_base_in_the_same_batches(records, pair, tiny_pair_dir, tmp_path) -> None:
+    """Issue 59 §1: a control request of a group with a served adapter drafts without it (its response and record
+    say adapter 0, arm control), its greedy text equals the learned arm's, a retried key keeps its arm, and /metrics
+    and /admin/status carry both arms."""
+    from dvi.feedback.reader import FeedbackReader
+    from serving.control import draw_arm
+
+    code, prose = records
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "trainer.adapter_key=domain", "trainer.adapter_min_records=8",
+                      "trainer.shadow_margin=1.0", "trainer.gate_group_margin=1.0", "trainer.publish_margin=-1.0",
+                      "serve.rollback_window=64", "serve.control_share=0.5")
+    lanes = GroupLanes(OnlineTrainer(cfg, copy.deepcopy(pair.drafter)), cfg, RunDir.of(cfg))
+    lanes.train_on_records(code + prose)
+    assert any(d.published for d in lanes.maybe_publish(force=True))
+    keys = {arm: [k for k in (f"key-{i}" for i in range(64)) if draw_arm(0.5, "code", k) == arm][:6]
+            for arm in ("learned", "control")}
+    with ServerThread(cfg) as s, s.client() as c:
+        for i in range(60):
+            c.post("/v1/completions", json={"prompt": f"def f{i}(x):", "max_tokens": 12, "metadata": {"domain": "code"}},
+                   headers={"X-Request-Id": keys["learned"][0]})
+            if s.state.scheduler.snapshot.adapter_versions.get("code"):
+                break
+        wait_for(lambda: s.state.scheduler.snapshot.adapter_versions.get("code"), 60, what="code's adapter promoted")
+        v = s.state.scheduler.snapshot.adapter_versions["code"]
+        answers: dict[str, list[dict]] = {"learned": [], "control": []}
+        for j in range(6):
+            for arm in ("learned", "control"):
+                r = c.post("/v1/completions", json={"prompt": f"def g{j}(y, z):", "max_tokens": 16,
+                                                    "metadata": {"domain": "code"}},
+                           headers={"X-Request-Id": keys[arm][j]})
+                assert r.status_code == 200, r.text
+                answers[arm].append(r.json())
+        for arm, version in (("learned", v), ("control", 0)):
+            assert {(a["dvi"]["arm"], a["dvi"]["adapter_version"]) for a in answers[arm]} == {(arm, version)}
+        # lossless in both arms: greedy text is the target's whatever drafted it
+        assert [a["choices"][0]["text"] for a in answers["learned"]] == \
+            [a["choices"][0]["text"] for a in answers["control"]]
+        assert any(a["dvi"]["drafted"] for a in answers["control"])
+        metrics = c.get("/metrics").text
+        assert 'dvi_control_requests_total{arm="control",group="code"} 6.0' in metrics
+        assert "dvi_control_share 0.5" in metrics and 'dvi_control_uplift{bound="ratio",group="code"' in metrics
+        status = s.health()["control"]
+        assert status["share"] == 0.5 and status["groups"]["code"]["adapter_version"] == v
+        assert status["groups"]["code"]["control"]["requests"] == 6 and status["groups"]["code"]["learned"]["requests"] >= 6
+        prose_answer = c.post("/v1/completions", json={"prompt": "The day", "max_tokens": 4,
+                                                       "metadata": {"domain": "prose"}}).json()
+        assert prose_answer["dvi"]["arm"] in ("learned", "control")
+    reader = FeedbackReader(cfg.feedback.dir)
+    recs = {r.request_id: r for r in reader.iter_records(reader.list_shards())}
+    for arm, version in (("learned", v), ("control", 0)):
+        rec = recs[answers[arm][0]["dvi"]["request_id"]]
+        assert (rec.arm, rec.adapter_version) == (arm, version)
+
+
 def test_every_value_of_adapter_key_starts_dvi_serve(tiny_pair_dir, tmp_path) -> None:
     """`domain` starts above, `none` (the default) in every other server test; `user` here (a user's requests are
     its own group, hashed)."""

@@ -68,6 +68,9 @@ class FeedbackRecord:
     transformed: bool = _column(pa.bool_(), optional=True, default=False)
     # the version of its traffic group's drafter adapter that drafted it (trainer.adapter_key; 0: none)
     adapter_version: int = _column(pa.int64(), optional=True, default=0)
+    # the control group's arm of a request of a traffic group: "learned" (its adapter drafted) or "control" (the
+    # frozen base drafted, `serving.control`); "" for a request of no group
+    arm: str = _column(pa.string(), optional=True, default="")
 
     def __post_init__(self) -> None:
         self.validate()

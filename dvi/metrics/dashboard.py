@@ -263,9 +263,34 @@ def _throughput() -> list[dict]:
     ]
 
 
+def _control() -> list[dict]:
+    by, per = f"{N.L_GROUP}, {N.L_ARM}", f"{N.L_GROUP}, {N.L_MEASURE}"
+    ratio_sel, low_sel = sel(N.CONTROL_UPLIFT, f'{N.L_BOUND}="ratio"'), sel(N.CONTROL_UPLIFT, f'{N.L_BOUND}="low"')
+    window = ("since the group's served adapter version went live (serve.control_share of each group's requests "
+              "draft with the frozen base: the control arm)")
+    return [
+        panel("Uplift: learned over control", [
+            target(f"max by ({per}) ({ratio_sel})", "{{group}} {{measure}}"),
+            target(f"max by ({per}) ({low_sel})", "{{group}} {{measure}} 95% low"),
+        ], description=f"The learned arm's mean over the control arm's, {window}; 1.0: learning bought nothing. "
+                       "A 95% low above 1.0: it did, with confidence."),
+        panel("Tokens per target pass: learned vs control", [
+            target(f"max by ({by}) ({sel(N.CONTROL_TOKENS_PER_PASS)})", "{{group}} {{arm}}"),
+        ], description=f"A request's tokens per target pass (1 + accepted / steps), mean by arm, {window}."),
+        panel("Decode tok/s per request: learned vs control", [
+            target(f"max by ({by}) ({sel(N.CONTROL_DECODE_TOKENS_PER_SECOND)})", "{{group}} {{arm}}"),
+        ], unit="short", description=f"A request's decode tokens per second as the engine timed it, mean by arm, "
+                                     f"{window}."),
+        _unit_range(panel("α: learned vs control", [
+            target(f"max by ({by}) ({sel(N.CONTROL_ACCEPTANCE_RATE)})", "{{group}} {{arm}}"),
+        ], unit="percentunit", description=f"{ALPHA}, pooled by arm, {window}.")),
+    ]
+
+
 def _sections() -> list[tuple[str, list[dict]]]:
     """The dashboard's rows, each a title and its panels (in reading order, two a line)."""
-    return [("Acceptance", _acceptance()), ("Tokens per target pass", _passes()),
+    return [("Acceptance", _acceptance()), ("What learning buys (control group)", _control()),
+            ("Tokens per target pass", _passes()),
             ("Promotions and rollbacks", _promotions()), ("Trainer", _trainer()), ("Feedback backlog", _backlog()),
             ("Throughput and latency", _throughput())]
 

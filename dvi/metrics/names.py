@@ -79,6 +79,12 @@ SUFFIX_LOOKUPS = "dvi_suffix_lookups_total"
 SUFFIX_HITS = "dvi_suffix_hits_total"
 SUFFIX_STEP_SECONDS = "dvi_suffix_step_seconds"
 SUFFIX_TAILED_RECORDS = "dvi_suffix_tailed_records_total"
+CONTROL_SHARE = "dvi_control_share"
+CONTROL_REQUESTS = "dvi_control_requests_total"
+CONTROL_ACCEPTANCE_RATE = "dvi_control_acceptance_rate"
+CONTROL_TOKENS_PER_PASS = "dvi_control_tokens_per_pass"
+CONTROL_DECODE_TOKENS_PER_SECOND = "dvi_control_decode_tokens_per_second"
+CONTROL_UPLIFT = "dvi_control_uplift"
 OTHER_DOMAIN = "other"
 
 # vLLM v1's names of the same counters (vllm/v1/spec_decode/metrics.py; prometheus_client allows ':')
@@ -101,6 +107,9 @@ L_VERDICT = "verdict"
 L_GATE = "gate"
 L_JUDGED = "judged"
 L_GROUP = "group"  # a traffic group with its own drafter adapter (trainer.adapter_key; at most trainer.max_adapters)
+L_ARM = "arm"  # learned (the group's served drafter) or control (the reference drafter): dvi.metrics.uplift.ARMS
+L_MEASURE = "measure"  # what an uplift is of: dvi.metrics.uplift.MEASURES
+L_BOUND = "bound"  # ratio, low, high: an uplift and its 95% interval
 
 DISK_PARTS = ("feedback", "registry", "logs", "checkpoint", "wandb")
 """The `part` label of `dvi_disk_bytes` (`dvi.rundir.RunDir.disk_usage`)."""
@@ -247,6 +256,20 @@ METRICS: dict[str, MetricSpec] = {
                    "Unreadable feedback shards the trainer moved to quarantine/ (skipped, not retried)."),
         MetricSpec(DISK_BYTES, "gauge", f"Bytes on disk by part {DISK_PARTS}: feedback shards, the drafter "
                    "registry, the run dir's logs, the trainer's checkpoint, wandb's offline files.", (L_PART,)),
+        MetricSpec(CONTROL_SHARE, "gauge", "Share of each traffic group's requests drafted by the reference "
+                   "drafter (the control arm, serve.control_share; 0: no control group)."),
+        MetricSpec(CONTROL_REQUESTS, "counter", "Finished requests of traffic groups with a drafter adapter, by arm.",
+                   (L_GROUP, L_ARM)),
+        MetricSpec(CONTROL_ACCEPTANCE_RATE, "gauge", "Acceptance rate by arm since the group's served adapter "
+                   "version went live (pooled over its requests).", (L_GROUP, L_ARM)),
+        MetricSpec(CONTROL_TOKENS_PER_PASS, "gauge", "Mean tokens per target pass of a request, by arm, since the "
+                   "group's served adapter version went live.", (L_GROUP, L_ARM)),
+        MetricSpec(CONTROL_DECODE_TOKENS_PER_SECOND, "gauge", "Mean decode tokens per second of a request as the "
+                   "engine measured it (first token to last), by arm, since the group's served adapter version went "
+                   "live.", (L_GROUP, L_ARM)),
+        MetricSpec(CONTROL_UPLIFT, "gauge", "The learned arm's mean over the control arm's (ratio) and its 95% "
+                   "interval (low, high), by measure (tokens_per_pass, decode_tokens_per_s).",
+                   (L_GROUP, L_MEASURE, L_BOUND)),
         MetricSpec(HTTP_REQUEST_TIMEOUTS, "counter", "Connections closed with a 408 because a request's headers "
                    "or body did not arrive in time (serve.header_timeout_s / serve.body_timeout_s).", (L_PHASE,)),
     ]
