@@ -46,7 +46,10 @@ LEGEND = ("α live: accepted / drafted as the responses' `dvi` blocks report it 
           "replayed teacher-forced (top-1 agreement with the target over every generated token: the trainer's "
           "and the swapper's held-out judge) through the drafter version that served each response and through "
           "the frozen v0 drafter, on the same tokens; gain = α̂ served - α̂ frozen (0 until a promotion). "
-          "len served / len frozen: the same replay as tokens per drafting step at K = "
+          "tpp L/C, dec tok/s L/C: live, per request, the learned arm (the group's adapter drafts) and the "
+          "control arm (the frozen base drafts; serve.control_share) of the window: tokens per target pass and "
+          "decode tokens per second as the engine timed it. "
+          "len srv/frz (served / frozen): the same replay as tokens per drafting step at K = "
           "speculation.num_draft_tokens (a step started at each generated position keeps its drafts up to the "
           "first disagreement, plus the target's token): what either drafter buys when every step drafts.")
 
@@ -152,8 +155,12 @@ _ALPHA = (("replay_alpha", "α̂ serving drafter (replayed on the window's respo
           ("frozen_alpha", "α̂ frozen v0 drafter (same responses)", "--s"),
           ("alpha", "α live (probe drafts, adaptive K)", "."))
 _LENGTH = (("replay_len", "serving drafter, replayed at K", "-o"), ("frozen_len", "frozen v0 drafter, replayed at K", "--s"),
-           ("mean_accepted_length", "live acc. len (adaptive K)", "."))
-_RATE = (("tok_s", "live tok/s (client side)", "-^"),)
+           ("mean_accepted_length", "live acc. len (adaptive K)", "."),
+           ("learned_tpp", "live tokens / pass, learned arm", "-^"),
+           ("control_tpp", "live tokens / pass, control arm (frozen)", ":v"))
+_RATE = (("tok_s", "live tok/s (client side, window)", "-^"),
+         ("learned_dtps", "decode tok/s per request, learned arm", "-o"),
+         ("control_dtps", "decode tok/s per request, control arm", ":v"))
 
 
 def _curves(ax: Any, rows: Sequence[dict[str, Any]], series: Sequence[tuple[str, str, str]]) -> None:

@@ -40,10 +40,12 @@ from dvi.fsutil import PRIVATE, atomic_write_text
 from dvi.rundir import RunDir
 from serving.server_process import ServerProcess
 
+from .live_gain import DEMO_CONTROL_SHARE, live_gain, print_live_gain, window_arms
+
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
 CONCURRENCY = 4
 WINDOW = 16
-LOG_WIDTH = 160  # columns of the α table when stdout is not a terminal (rich would use 80)
+LOG_WIDTH = 200  # columns of the α table when stdout is not a terminal (rich would use 80)
 # The demo's trainer checks for a publish every 5 steps (the schema's default: 20) unless the config sets it. Replayed
 # offline on a demo run's records, the sql-trained drafter passed the held-out check at step 45 with checks every 5
 # steps, at step 60 with checks every 20. A check costs two shadow passes (~9% of the trainer's time here).
@@ -106,6 +108,7 @@ class Timeline:
         self.rows: list[dict[str, Any]] = []
         self._buf: list[dict[str, Any]] = []
         self.recent: deque = deque(maxlen=32)
+        self.responses: list[dict[str, Any]] = []  # every response's stats, for the live gain (`demo.live_gain`)
         self.done = 0
         self.errors = 0
 
@@ -116,6 +119,7 @@ class Timeline:
             return
         stats = dict(stats, phase=phase, domain=domain)
         self.recent.append(stats)
+        self.responses.append(stats)
         self._buf.append(stats)
         if len(self._buf) >= self.window:
             self.flush()
@@ -136,6 +140,7 @@ class Timeline:
             "drafter_version": b[-1]["drafter_version"], "target_version": b[-1]["target_version"],
             "adapter_version": b[-1].get("adapter_version", 0),
             "domain": b[-1].get("domain"), "request_ids": [s["request_id"] for s in b if s.get("request_id")],
+            **window_arms(b),  # the control group's two arms, live
         })
 
     def rolling_alpha(self) -> float | None:
@@ -263,7 +268,7 @@ def _write_serve_config(cfg: DviConfig, run_dir: Path, targets: Path) -> tuple[P
                          **(LANE_WARMUP if lanes else {"replay_ratio": SHARED_REPLAY_RATIO})},
              "registry": {"keep_last": KEEP_VERSIONS},
              # rows never exceed the demo's concurrency: adaptive K calibrates only the batch sizes it can meet
-             "serve": {"max_batch_size": CONCURRENCY}}  # the demo's settings where the config leaves them unset
+             "serve": {"max_batch_size": CONCURRENCY, **({"control_share": DEMO_CONTROL_SHARE} if lanes else {})}}
     for section, values in unset.items():
         data[section].update({k: v for k, v in values.items() if k not in getattr(cfg, section).model_fields_set})
     config_path = run_dir / "serve_config.yaml"
@@ -367,6 +372,11 @@ def _replay(cfg: DviConfig, rundir: RunDir, timeline: Timeline, records: dict, c
         console.print(f"[red]replay failed: {type(exc).__name__}: {exc}[/red]")
 
 
+def _pair(row: dict, key: str, digits: int) -> str:
+    """The learned / control arm's live mean of `key` in a window ('-' for an arm without requests)."""
+    return f"{fmt(row.get('learned_' + key), digits)}/{fmt(row.get('control_' + key), digits)}"
+
+
 def _gain(x: float | None) -> str:
     return "-" if x is None else f"{x:+.3f}"
 
@@ -381,22 +391,26 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: in
     table = Table(title=f"α timeline (per window of requests; len served / len frozen at K = {k})", caption=LEGEND,
                   caption_justify="left")
     cols = ("requests", "phase", "α live", "drafted", "α̂ served", "α̂ frozen", "gain", "acc. len", "siblings",
-            "len served", "len frozen", "tok/s", "drafter", "adapter", "target")
+            "len srv/frz", "tpp L/C", "dec tok/s L/C", "tok/s", "drafter", "adapter", "target")
     for col in cols:
         table.add_column(col, justify="left" if col == "phase" else "right")
     for row in timeline.rows:
         table.add_row(str(row["requests"]), row["phase"], fmt(row["alpha"]), str(row.get("drafted", "-")),
                       fmt(row.get("replay_alpha")), fmt(row.get("frozen_alpha")), _gain(row.get("gain")),
                       fmt(row["mean_accepted_length"], 2), str(row.get("sibling_accepted", "-")),
-                      fmt(row.get("replay_len"), 2),
-                      fmt(row.get("frozen_len"), 2), fmt(row.get("tok_s"), 1), f"v{row['drafter_version']}",
+                      f"{fmt(row.get('replay_len'), 2)}/{fmt(row.get('frozen_len'), 2)}", _pair(row, "tpp", 2), _pair(row, "dtps", 1),
+                      fmt(row.get("tok_s"), 1), f"v{row['drafter_version']}",
                       f"{row.get('domain')} v{row['adapter_version']}" if row.get("adapter_version") else "-",
                       f"v{row['target_version']}")
     console.print(table)
+    gains = live_gain(timeline.responses)
+    share = ((final.get("control") or {}).get("share")) or 0.0
+    if share:
+        print_live_gain(console, gains, share)
     run_dir = rundir.root
     (run_dir / "timeline.json").write_text(json.dumps({"rows": timeline.rows, "errors": timeline.errors, "k": k,
-                                                       "legend": LEGEND, "health": final, "greedy_check": greedy},
-                                                      indent=1))
+                                                       "legend": LEGEND, "health": final, "greedy_check": greedy,
+                                                       "live_gain": gains}, indent=1))
     if timeline.rows:
         console.print(f"α plot: {plot_windows(timeline.rows, run_dir / 'alpha.png')}")
     counts = [(final.get("drafter") or {}).get("counts", {})]

@@ -427,12 +427,19 @@ class DviConfig(_Strict):
             self.speculation.tree_width = 3 if self.serve.engine == "dvi" and self.speculation.adaptive else 0
         return self
 
+    @property
+    def control_share(self) -> float:
+        """serve.control_share as served: the configured share, DEFAULT_CONTROL_SHARE where unset and there are
+        traffic groups, 0 without groups."""
+        if self.trainer.adapter_key == "none":
+            return 0.0
+        share = self.serve.control_share
+        return DEFAULT_CONTROL_SHARE if share is None else share
+
     @model_validator(mode="after")
     def _adapters_need_a_lora_separate_drafter(self) -> DviConfig:
         key, kind = self.trainer.adapter_key, self.models.learned_kind
-        if self.serve.control_share is None:
-            self.serve.control_share = DEFAULT_CONTROL_SHARE if key != "none" else 0.0
-        elif key == "none" and self.serve.control_share > 0:
+        if key == "none" and (self.serve.control_share or 0) > 0:
             raise ValueError(f"serve.control_share {self.serve.control_share:g} splits each traffic group's requests "
                              "between its drafter adapter and the frozen base; trainer.adapter_key 'none' makes no "
                              "groups: set trainer.adapter_key (domain, user) or serve.control_share 0")

@@ -212,7 +212,7 @@ def build_state(cfg: DviConfig) -> ServerState:
                               retention=Retention(fb.retention_bytes, fb.retention_shards, fb.retention_seconds),
                               background=True, max_pending_bytes=fb.max_buffer_bytes, access=cfg.files.access)
     groups = cfg.serve.engine != "vllm" and cfg.trainer.adapter_key != "none"  # one adapter per traffic group
-    control_share = cfg.serve.control_share if groups and pair.drafter is not None else 0.0
+    control_share = cfg.control_share if groups and pair.drafter is not None else 0.0
     metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions,
                             control_share=control_share)
     scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,

@@ -81,6 +81,7 @@ def test_control_share_names_what_it_needs(tmp_path) -> None:
         load_config(None, ["serve.control_share=0.1"])
     with pytest.raises(ValueError, match="control_share"):
         load_config(None, ["serve.control_share=0.9", "trainer.adapter_key=domain"])
-    assert load_config(None, []).serve.control_share == 0.0  # no groups, no control
-    assert load_config(None, ["trainer.adapter_key=user"]).serve.control_share == 0.05
-    assert load_config(None, ["serve.control_share=0.2", "trainer.adapter_key=domain"]).serve.control_share == 0.2
+    assert load_config(None, []).control_share == 0.0  # no groups, no control
+    assert load_config(None, ["trainer.adapter_key=user"]).control_share == 0.05
+    assert load_config(None, ["serve.control_share=0.2", "trainer.adapter_key=domain"]).control_share == 0.2
+    assert load_config(None, ["serve.control_share=0", "trainer.adapter_key=domain"]).control_share == 0.0

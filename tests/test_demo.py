@@ -183,12 +183,15 @@ def test_demo_end_to_end_on_the_test_pair_replays_every_response(tiny_pair_dir, 
         if r["drafter_version"] == 0:
             assert r["gain"] == 0.0 and r["replay_len"] == r["frozen_len"]
     assert (run / "alpha.png").stat().st_size > 1000
+    # the control group's two arms, live (demo.live_gain): every response of a group counted in one arm
+    assert sum(r["learned_n"] + r["control_n"] for r in rows) == 18
+    assert [g["phase"] for g in out["live_gain"]] == [r["phase"] for r in rows]
     # printed to a pipe (make demo | tee, CI logs) the table keeps its numbers whole: 80 columns cut gain to "+0.0…"
     printed = capsys.readouterr().out
     assert "+0.000" in printed and "…" not in printed.split("α timeline")[-1].split("α live")[0]
     header = printed.split("α timeline")[-1].split("│")[0]
-    assert all(col in header for col in ("len served", "len frozen", "tok/s"))
-    assert "tok/s" in out["legend"] and "len served" in out["legend"]
+    assert all(col in header for col in ("len srv/frz", "tpp L/C", "dec tok/s L/C", "tok/s"))
+    assert "tok/s" in out["legend"] and "len srv/frz" in out["legend"]
 
 
 def test_every_demo_and_soak_domain_gets_its_own_metrics_series():

@@ -51,6 +51,18 @@ class ArmSample:
                    decode_tokens_per_s=decode_rate(tokens, latency_s, ttft_s))
 
 
+def sample_of_response(block: dict[str, Any]) -> ArmSample | None:
+    """An `ArmSample` from a response's `dvi` block (what a client sees); None for a request of no traffic group."""
+    if not block.get("arm"):
+        return None
+    dr_pos, steps = block.get("drafted_per_position") or [], int(block.get("steps") or 0)
+    return ArmSample(arm=block["arm"], adapter_version=int(block.get("adapter_version") or 0),
+                     drafted=int(block.get("drafted") or 0), accepted=int(block.get("accepted") or 0), steps=steps,
+                     drafting_steps=int(dr_pos[0]) if dr_pos else 0,
+                     tokens_per_pass=block.get("mean_accepted_length"),
+                     decode_tokens_per_s=block.get("decode_tokens_per_s"))
+
+
 def decode_rate(tokens: int, latency_s: float | None, ttft_s: float | None) -> float | None:
     """A request's tokens after its first per second after it (None under two tokens or without timing)."""
     if tokens < 2 or latency_s is None or ttft_s is None or latency_s <= ttft_s:
