@@ -14,6 +14,14 @@ Log-prob convention (the same as TRL's GRPO loss and the engine's `token_logprob
 when greedy). top-k / top-p truncation is *not* applied to the reported value, so it can be
 compared with a plain forward pass of the policy at the same temperature.
 
+Speed: the engine prices every step (adaptive K, `SpeculativeEngine(adaptive=True)`; off in the engine's own
+default, on in `RolloutEngine.speculative` and `trainers.rl`): a full batch decodes plainly where drafts would not
+pay, so speculation never costs more than the calibrated costs allow, and the goodput guard switches history
+lookups off where drafting measured slower. The drafts that pay in RL are a prompt's own history
+(`dvi.rollout_history`, kind `history`): its earlier rollouts (previous steps or epochs, SPEC-RL's draft) and its
+GRPO siblings while they run, each row's draft positions priced one by one; `add_history` feeds rollouts made
+elsewhere (another worker, an earlier run) into the same index.
+
 `trl_rollout_func` adapts a `RolloutEngine` to TRL's ``GRPOTrainer(rollout_func=...)``
 extension point (TRL >= 0.23; checked against 1.16), including the weight sync from the GRPO
 policy into the dvi target whenever the trainer's ``global_step`` moved.
@@ -163,6 +171,37 @@ class RolloutEngine:
         self.last_results: list[GenerationResult] = []  # the engine's results of the last batch
         self._last_records: list[FeedbackRecord] | None = None  # their records, once asked for
         self._calls = 0
+        self._history = 0  # rollouts added with `add_history`
+
+    @classmethod
+    def speculative(cls, target: torch.nn.Module, kind: str = "history", drafter: Any = None, *,
+                    adaptive: bool = True, num_draft_tokens: int = 3, max_draft_tokens: int = 4,
+                    suffix_settings: Any = None, engine_options: Any = None, **kwargs: Any) -> RolloutEngine:
+        """A `RolloutEngine` over a new `SpeculativeEngine` on `target`, priced per step (adaptive K) by default.
+
+        `kind`: ``history`` (a prompt's earlier rollouts and live siblings, `dvi.rollout_history`), ``history_hybrid``
+        (that index, else `drafter` where no proposal clears the bar), or any `dvi.drafters.factory` kind
+        (``none``, ``suffix``, ``hybrid``, a learned kind with `drafter`). `kwargs` go to `RolloutEngine`."""
+        from dvi.drafters.factory import make_proposer, proposer_for_drafter
+        from dvi.engine.speculative import EngineOptions, SpeculativeEngine
+        from dvi.rollout_history import history_proposer
+
+        vocab = int(target.get_output_embeddings().weight.shape[0])
+        device = next(target.parameters()).device
+        if kind in ("history", "history_hybrid"):
+            proposer = history_proposer(vocab, device, settings=suffix_settings)
+            if kind == "history_hybrid":
+                from dvi.drafters.hybrid_proposer import HybridProposer
+
+                if drafter is None:
+                    raise ValueError("kind history_hybrid needs a drafter")
+                threshold = getattr(suffix_settings, "threshold", 1.0)
+                proposer = HybridProposer(proposer_for_drafter(drafter, vocab, device), proposer, threshold)
+        else:
+            proposer = make_proposer(kind, drafter, vocab, device, settings=suffix_settings)
+        engine = SpeculativeEngine(target, proposer, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
+                                   max_draft_tokens=max_draft_tokens, options=engine_options or EngineOptions())
+        return cls(engine, **kwargs)
 
     # -- versions -------------------------------------------------------------------------
     @property
@@ -194,6 +233,17 @@ class RolloutEngine:
     def set_drafter(self, drafter: torch.nn.Module | Drafter | None, version: int) -> None:
         """Hot-swap the drafter (e.g. a new adapter from the online trainer); next batch uses it."""
         self.engine.set_drafter(drafter, int(version))
+
+    # -- history --------------------------------------------------------------------------
+    def add_history(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], seq_id: str | None = None) -> None:
+        """A rollout of `prompt_ids` made elsewhere (another worker, an earlier run or epoch) joins the history index,
+        as a finished row of this engine would (its prompt's tail in front, so a later sample of the same prompt
+        drafts its first tokens from it); a no-op for kinds without history."""
+        from dvi.drafters.suffix_proposer import finished_entry
+
+        self._history += 1
+        self.engine.add_history(seq_id or f"rollout-history-{self._history}",
+                                finished_entry(list(prompt_ids), [int(t) for t in completion_ids]))
 
     # -- rollouts -------------------------------------------------------------------------
     def generate_rollouts(

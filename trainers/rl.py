@@ -42,9 +42,10 @@ from trainers.grpo import (
 )
 from trainers.rl_tasks import TASKS, Problem, score, task_prompts
 
-ARMS = ("plain", "frozen", "online", "suffix", "hybrid")
+ARMS = ("plain", "frozen", "online", "suffix", "hybrid", "history")
 """How rollouts are made: no drafter, the built drafter frozen or trained online, the suffix index alone
-(over this run's own rollouts), or hybrid (suffix index, else the frozen drafter)."""
+(over this run's own rollouts), hybrid (suffix index, else the frozen drafter), or history (the suffix index
+with the GRPO group's live siblings in it and its drafts priced per row: `dvi.rollout_history`)."""
 
 if TYPE_CHECKING:
     from trainers.online.trainer import OnlineTrainer
@@ -58,7 +59,8 @@ class RLConfig:
     """Settings of one RL run (one arm of the benchmark)."""
 
     # plain | frozen | online | suffix (suffix index over this run's rollouts, no drafter) | hybrid (suffix, else
-    # the frozen drafter); the suffix arms' index decays outputs of older policy versions (`dvi.drafters.suffix_proposer`)
+    # the frozen drafter) | history (suffix index + live siblings, drafts priced per row: `dvi.rollout_history`);
+    # the suffix arms' index decays outputs of older policy versions (`dvi.drafters.suffix_proposer`)
     arm: str = "online"
     preset: str = "smollm2"
     pair_dir: str | None = None  # built pair dir (defaults to the preset's cache dir)
@@ -173,7 +175,7 @@ class RLRun:
         """Tokenizer, target and (dvi arms) drafter with the preset's draft vocabulary, in the serving dtype."""
         from dvi.models.loading import load_pair, preset_draft_vocab
 
-        drafter_dir = self.root / "drafter" if self.cfg.arm not in ("plain", "suffix") else None
+        drafter_dir = self.root / "drafter" if self.cfg.arm not in ("plain", "suffix", "history") else None
         pair = load_pair(self.root / "target", drafter_dir, self.root / "tokenizer", device="cpu",
                          dtype=self.dtype, draft_vocab_size=preset_draft_vocab(self.cfg.preset))
         self.tokenizer, self.drafter = pair.tokenizer, pair.drafter
@@ -190,7 +192,12 @@ class RLRun:
         cfg = self.cfg
         vocab = int(self.target.get_output_embeddings().weight.shape[0])
         kind = {"plain": "none", "frozen": "separate", "online": "separate"}.get(cfg.arm, cfg.arm)
-        proposer = make_proposer(kind, self.drafter, vocab, "cpu")  # frozen / online: the drafter as is
+        if cfg.arm == "history":
+            from dvi.rollout_history import history_proposer
+
+            proposer = history_proposer(vocab, "cpu")
+        else:
+            proposer = make_proposer(kind, self.drafter, vocab, "cpu")  # frozen / online: the drafter as is
         self.engine = SpeculativeEngine(
             self.target, proposer, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
             max_draft_tokens=max(cfg.max_draft_tokens, cfg.num_draft_tokens),
@@ -204,7 +211,9 @@ class RLRun:
             batch, buckets = cfg.prompts_per_step * cfg.n, [1]
             while buckets[-1] < batch:
                 buckets.append(buckets[-1] * 2)
-            self.engine.calibrate(buckets)
+            # five repetitions a width (the engine's lazy default is three): the costs price every step of the run,
+            # and on a CPU shared with other work a few more samples keep one stall from turning speculation on
+            self.engine.calibrate(buckets, reps=5)
             self.calibrate_s = time.perf_counter() - t0
         self.writer = None
         if cfg.feedback_dir:
@@ -400,7 +409,7 @@ def logs_to_jsonable(logs: Sequence[StepLog]) -> list[dict]:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m trainers.rl --arm online --steps 20`: one arm on the real pair, per-step log lines."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arm", default="online", choices=["plain", "frozen", "online"])
+    ap.add_argument("--arm", default="online", choices=list(ARMS))
     ap.add_argument("--preset", default="smollm2")
     ap.add_argument("--pair-dir", default=None)
     ap.add_argument("--steps", type=int, default=20)
