@@ -223,7 +223,11 @@ class ServerMetrics:
             self.m[M.DISK_BYTES].labels(part=part).set(n)
 
     def update_gates(self, drafter: DrafterSnapshot) -> None:
-        """Scrape time: the held-out set's size and unfit records, the groups each gate judged or could not."""
+        """Scrape time: the held-out set's size and unfit records, the groups each gate judged or could not, the moves
+        of live α each lane explained."""
+        for view in (drafter.shared, *(drafter.groups or {}).values()):
+            for cause, n in (view.diagnosis.get("causes") or {}).items():
+                self._sync_counter(M.ALPHA_MOVES, n, group=view.group, cause=cause)
         lane = drafter.shared
         self.m[M.DRAFTER_HELDOUT_RECORDS].set(lane.heldout.get("records", 0))
         for reason, n in lane.heldout.get("unfit", {}).items():

@@ -284,6 +284,12 @@ def _control() -> list[dict]:
         _unit_range(panel("α: learned vs control", [
             target(f"max by ({by}) ({sel(N.CONTROL_ACCEPTANCE_RATE)})", "{{group}} {{arm}}"),
         ], unit="percentunit", description=f"{ALPHA}, pooled by arm, {window}.")),
+        panel("Why α moved (by cause)", [
+            target(f"sum by ({N.L_GROUP}, {N.L_CAUSE}) ({increase(N.ALPHA_MOVES)})", "{{group}} {{cause}}"),
+        ], description="Moves of a lane's live α between two windows of its records, by the cause the server named "
+                       "(serving_disagrees: the engine drafts what its weights do not say; drafter_changed; "
+                       "target_changed; traffic_changed; unexplained). Each is logged with its numbers and listed under "
+                       "alpha_diagnosis in /admin/status."),
     ]
 
 

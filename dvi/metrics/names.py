@@ -79,6 +79,7 @@ SUFFIX_LOOKUPS = "dvi_suffix_lookups_total"
 SUFFIX_HITS = "dvi_suffix_hits_total"
 SUFFIX_STEP_SECONDS = "dvi_suffix_step_seconds"
 SUFFIX_TAILED_RECORDS = "dvi_suffix_tailed_records_total"
+ALPHA_MOVES = "dvi_alpha_moves_total"
 CONTROL_SHARE = "dvi_control_share"
 CONTROL_REQUESTS = "dvi_control_requests_total"
 CONTROL_ACCEPTANCE_RATE = "dvi_control_acceptance_rate"
@@ -110,6 +111,7 @@ L_GROUP = "group"  # a traffic group with its own drafter adapter (trainer.adapt
 L_ARM = "arm"  # learned (the group's served drafter) or control (the reference drafter): dvi.metrics.uplift.ARMS
 L_MEASURE = "measure"  # what an uplift is of: dvi.metrics.uplift.MEASURES
 L_BOUND = "bound"  # ratio, low, high: an uplift and its 95% interval
+L_CAUSE = "cause"  # why live α moved: serving.drafter.diagnosis.CAUSES
 
 DISK_PARTS = ("feedback", "registry", "logs", "checkpoint", "wandb")
 """The `part` label of `dvi_disk_bytes` (`dvi.rundir.RunDir.disk_usage`)."""
@@ -256,6 +258,10 @@ METRICS: dict[str, MetricSpec] = {
                    "Unreadable feedback shards the trainer moved to quarantine/ (skipped, not retried)."),
         MetricSpec(DISK_BYTES, "gauge", f"Bytes on disk by part {DISK_PARTS}: feedback shards, the drafter "
                    "registry, the run dir's logs, the trainer's checkpoint, wandb's offline files.", (L_PART,)),
+        MetricSpec(ALPHA_MOVES, "counter", "Moves of a lane's live α between two windows of its records, by the cause "
+                   "the drafter thread named (serving_disagrees: the engine's drafts are not its weights' own; "
+                   "drafter_changed, target_changed, traffic_changed, unexplained); group \"\": the shared drafter.",
+                   (L_GROUP, L_CAUSE)),
         MetricSpec(CONTROL_SHARE, "gauge", "Share of each traffic group's requests drafted by the reference "
                    "drafter (the control arm, serve.control_share; 0: no control group)."),
         MetricSpec(CONTROL_REQUESTS, "counter", "Finished requests of traffic groups with a drafter adapter, by arm.",

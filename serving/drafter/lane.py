@@ -46,6 +46,7 @@ from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
 from ..engine_client import EngineClient, SetAdapter, SetDrafter
 from ..memory import glibc_trim
+from .diagnosis import Diagnosis
 from .lifecycle import Lifecycle
 from .messages import LaneView, VersionEvent
 from .policy import GroupScope, LifecyclePolicy
@@ -67,9 +68,14 @@ class Loaded:
     command: SetDrafter | SetAdapter
 
     @functools.cached_property
+    def logits_fn(self) -> Any:
+        """Its teacher-forced logits."""
+        return hf_logits_fn(scoring_module(self.model))
+
+    @functools.cached_property
     def scorer(self) -> Scorer:
         """Its teacher-forced scores, what every gate compares (`dvi.feedback.verdict.compare`)."""
-        return scorer(hf_logits_fn(scoring_module(self.model)), next(self.model.parameters()).device)
+        return scorer(self.logits_fn, next(self.model.parameters()).device)
 
 
 class Lane:
@@ -102,6 +108,8 @@ class Lane:
         self._restored = False
         self._trim = glibc_trim()  # a promotion's loads and checks free whole drafters: hand them back to the OS
         self._freed = False  # a load, check or swap ran since the last trim
+        # why live α moves (issue 59 §2): each window of records measured, the cause named
+        self.diagnosis = Diagnosis(scope.group if scope else "", scope is not None)
 
     def for_group(self, scope: GroupScope, registry: DrafterRegistry) -> Lane:
         """A traffic group's lane, wired as this one (engine, startup drafter, policy, events, feedback log)."""
@@ -116,6 +124,7 @@ class Lane:
         if self.scope is not None and not self.scope.accepts(record):
             return
         self.heldout.offer(record)
+        self.diagnosis.add(record)
         w = self.machine.watch
         if w is not None:
             w.add(record, at)
@@ -141,6 +150,9 @@ class Lane:
                 return True
             if self.check_rollback():
                 return True  # the watch ended: a waiting version is checked now, not a poll later
+            if self.diagnosis.due():
+                self._diagnose()
+                return True
             self.latest = self.registry.latest()
             return self._advance(self.latest)
         except Exception:  # noqa: BLE001 - the drafter thread must outlive any one bad version
@@ -168,6 +180,13 @@ class Lane:
             log.info("drafter v%d waits for a shadow check: %d held-out positions of %d", latest,
                      self.heldout.positions(), self.policy.min_positions)
         return False
+
+    def _diagnose(self) -> None:
+        """The next window of records measured through the loaded versions, and a move of live α explained."""
+        loaded = self.machine.loaded
+        move = self.diagnosis.run({v: x.scorer for v, x in loaded.items()}, {v: x.logits_fn for v, x in loaded.items()})
+        if move is not None:
+            (log.warning if move.cause in ("serving_disagrees", "unexplained") else log.info)("%s", move.message)
 
     def _of_group(self) -> str:
         return f" (group {self.scope.group})" if self.scope else ""
@@ -432,7 +451,8 @@ class Lane:
                 "heldout_positions": positions if m.waiting_scored is None else m.waiting_scored}),
             heldout=_ro(self.heldout.info()), verdicts=_ro(self.verdicts), refused=_ro(m.refused),
             counts=MappingProxyType(collections.Counter(self.counts)), versions=_ro(dict(list(m.state.items())[-16:])),  # their lifecycle states
-            live_alpha=_ro({v: self.live_alpha(v) for v in self._windows}), events=tuple(self.events))
+            live_alpha=_ro({v: self.live_alpha(v) for v in self._windows}), events=tuple(self.events),
+            diagnosis=_ro(self.diagnosis.info()))
 
 
 def _ro(d: dict) -> MappingProxyType:

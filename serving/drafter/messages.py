@@ -22,7 +22,7 @@ __all__ = ["Command", "DrafterSnapshot", "LaneView", "Observed", "Pin", "Rollbac
 
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})
 LANE_INFO = ("live_version", "serving", "good", "pinned", "watch", "latest", "heldout_positions", "waiting",
-             "gates", "counts", "events")
+             "gates", "counts", "events", "alpha_diagnosis")
 """What /health shows of a traffic group's lane (the shared lane shows all of `LaneView.info`)."""
 
 
@@ -97,6 +97,7 @@ class LaneView:
     versions: Mapping[int, str] = field(default_factory=lambda: _EMPTY)  # the newest versions' lifecycle states
     live_alpha: Mapping[int, float | None] = field(default_factory=lambda: _EMPTY)  # per kept version, live
     events: tuple[VersionEvent, ...] = ()  # the newest, oldest first
+    diagnosis: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # why live α moved (`Diagnosis.info`)
 
     def info(self) -> dict[str, Any]:
         """The lane on /health (plain JSON)."""
@@ -112,6 +113,7 @@ class LaneView:
             "versions": {str(v): s for v, s in self.versions.items()},
             "live_alpha": self.live_alpha.get(self.live_version),
             "events": [e.as_dict() for e in self.events[-10:]],
+            "alpha_diagnosis": dict(self.diagnosis),
         }
 
 
