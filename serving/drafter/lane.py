@@ -248,7 +248,7 @@ class Lane:
         try:
             loaded = self._load(version)
         except AdapterRejected as exc:
-            self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
+            self._refuse(version, exc.reason, category=exc.category, transient=exc.transient)
             return False
         self.machine.validated(version, loaded)
         return True
@@ -269,7 +269,7 @@ class Lane:
                   f"{verdict.group_summary()}")
         self.machine.judged(version, verdict.passed, reason)
         if not verdict.passed:
-            self._refuse(version, f"{reason}; {verdict.reason}", kind="shadow")
+            self._refuse(version, f"{reason}; {verdict.reason}", category="shadow")
         return verdict.passed
 
     def _promote(self, candidate: Loaded, reason: str) -> bool:
@@ -277,7 +277,7 @@ class Lane:
         try:
             self._swap(candidate, "promoted", reason)
         except AdapterRejected as exc:  # the engine could not load it (vLLM): it keeps the served drafter
-            self._refuse(candidate.version, exc.reason, kind=exc.kind)
+            self._refuse(candidate.version, exc.reason, category=exc.category)
         return False
 
     def _compare(self, candidate: Scorer, incumbent: Scorer, records: list[FeedbackRecord], rule: Rule) -> Verdict:
@@ -309,7 +309,7 @@ class Lane:
         except OSError:
             log.exception("cannot record the served drafter in the registry")
 
-    def _refuse(self, version: int, reason: str, kind: str = "other", transient: bool = False) -> None:
+    def _refuse(self, version: int, reason: str, category: str = "other", transient: bool = False) -> None:
         """Refuse `version` (logged, counted once, durable unless transient: retried at every poll). Durable
         first, then counted, then the machine's: whoever sees it on /health finds it on /metrics and in REFUSED."""
         m = self.machine
@@ -319,7 +319,7 @@ class Lane:
             except OSError:
                 log.exception("cannot record the refusal of v%d in the registry", version)
         if not (transient and version in m.retry):  # a transient refusal repeated is not reported again
-            self._record(VersionEvent("refused", version, m.live, reason, time.time(), category=kind),
+            self._record(VersionEvent("refused", version, m.live, reason, time.time(), category=category),
                          first=version not in m.verdict_seen)
         m.refuse(version, reason, transient)
 

@@ -67,7 +67,7 @@ class VersionEvent:
     previous: int | None
     reason: str
     at: float
-    category: str = ""  # refusals: one of dvi.registry.store.REFUSAL_KINDS (a bounded metrics label)
+    category: str = ""  # refusals: one of dvi.registry.store.REFUSAL_CATEGORIES (a bounded metrics label)
     publish_to_verdict_s: float | None = None  # a version's first verdict (promoted / refused): since its publish
     group: str = ""  # a traffic group's adapter version (issue 40); "" the shared drafter's
 
