@@ -106,19 +106,19 @@ class ServerMetrics:
             except Exception:  # noqa: BLE001
                 log.exception("metrics row dropped")
 
-    def observe_swap(self, kind: str, version: int, reason: str = "", category: str = "",
+    def observe_swap(self, event: str, version: int, reason: str = "", category: str = "",
                      publish_to_verdict_s: float | None = None) -> None:
-        if publish_to_verdict_s is not None and kind in M.VERDICTS:
-            self.m[M.DRAFTER_PUBLISH_TO_VERDICT].labels(verdict=kind).observe(publish_to_verdict_s)
-        if kind in ("promoted", "pinned"):
+        if publish_to_verdict_s is not None and event in M.VERDICTS:
+            self.m[M.DRAFTER_PUBLISH_TO_VERDICT].labels(verdict=event).observe(publish_to_verdict_s)
+        if event in ("promoted", "pinned"):
             self.m.record_promotion()
             self.m.set_versions(drafter_version=version)
-        elif kind == "refused":
+        elif event == "refused":
             self.m.record_refusal(category or ("shadow" if "shadow" in reason else "other"))
-        elif kind == "rolled_back":
+        elif event == "rolled_back":
             self.m.record_rollback()
             self.m.set_versions(drafter_version=version)
-        elif kind == "restored":  # a restarted server serves its pin / last good version again
+        elif event == "restored":  # a restarted server serves its pin / last good version again
             self.m.set_versions(drafter_version=version)
 
     def observe_refusal(self, status: int, code: str | None) -> None:

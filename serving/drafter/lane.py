@@ -287,19 +287,19 @@ class Lane:
         self.verdicts[rule.name] = verdict
         return verdict
 
-    def _swap(self, loaded: Loaded, kind: str, reason: str) -> None:
-        """Serve `loaded` (`kind`: promoted, rolled_back, pinned, restored): the engine command, then the machine's
+    def _swap(self, loaded: Loaded, event: str, reason: str) -> None:
+        """Serve `loaded` (`event`: promoted, rolled_back, pinned, restored): the engine command, then the machine's
         state, SERVING, and the event."""
         self._freed = True
         version, m = loaded.version, self.machine
         if self.engine is not None:
             self.engine.command(loaded.command).result(timeout=120)
-        first = kind == "promoted" and version not in m.verdict_seen
-        prev = m.swapped(version, kind, loaded)
+        first = event == "promoted" and version not in m.verdict_seen
+        prev = m.swapped(version, event, loaded)
         self._windows = {v: w for v, w in self._windows.items() if v in m.loaded}
         self._windows[version] = collections.deque(maxlen=self.policy.rollback_window)
         self._save_serving()
-        self._record(VersionEvent(kind, version, prev, reason, time.time()), first)
+        self._record(VersionEvent(event, version, prev, reason, time.time()), first)
 
     def _save_serving(self) -> None:
         m = self.machine
@@ -332,9 +332,9 @@ class Lane:
         if self.scope is not None:
             ev = replace(ev, group=self.scope.group)
         self.events.append(ev)
-        self.counts[ev.kind] += 1
-        level = logging.WARNING if ev.kind in ("refused", "rolled_back", "alert") else logging.INFO
-        log.log(level, "drafter%s %s v%d (previous %s): %s", self._of_group(), ev.kind, ev.version, ev.previous,
+        self.counts[ev.event] += 1
+        level = logging.WARNING if ev.event in ("refused", "rolled_back", "alert") else logging.INFO
+        log.log(level, "drafter%s %s v%d (previous %s): %s", self._of_group(), ev.event, ev.version, ev.previous,
                 ev.reason)
         if self.event_log:
             try:
