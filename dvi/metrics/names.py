@@ -135,7 +135,7 @@ _DV = (L_DRAFTER_VERSION, L_DOMAIN)
 @dataclass(frozen=True)
 class MetricSpec:
     name: str
-    kind: str  # "counter" | "gauge" | "histogram"
+    metric_type: str  # "counter" | "gauge" | "histogram" (its `# TYPE` in the exposition)
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None

@@ -106,9 +106,9 @@ class Metrics:
         self.model_name = model_name
         self.collectors: dict[str, Any] = {}
         for spec in (*METRICS.values(), *VLLM_METRICS.values()):
-            if spec.kind == "counter":
+            if spec.metric_type == "counter":
                 c = Counter(spec.name, spec.help, spec.labels, registry=registry)
-            elif spec.kind == "gauge":
+            elif spec.metric_type == "gauge":
                 c = Gauge(spec.name, spec.help, spec.labels, registry=registry)
             else:
                 c = Histogram(spec.name, spec.help, spec.labels, registry=registry, buckets=spec.buckets)
