@@ -187,7 +187,7 @@ def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
     engine = serving_engine(cfg, pair)
     log.info("greedy speculation on this device: %s (README \"Greedy in bf16\"; models.exact_greedy: every row "
              "bitwise)", engine.greedy_contract)
-    if cfg.speculation.adaptive and engine.proposer.kind != "none":
+    if cfg.speculation.adaptive and engine.proposer.name != "none":
         # Measure draft/verify costs for every batch bucket now, so no request pays for a
         # calibration the first time the running batch reaches a new size.
         buckets = sorted({batch_bucket(n) for n in range(1, cfg.serve.max_batch_size + 1)})

@@ -48,7 +48,7 @@ class _Plan:
 
 
 class HybridProposer(Proposer):
-    kind = "hybrid"
+    name = "hybrid"
     uses_history = True
     _owned_parts = ("learned", "suffix")
     gain_rate = 0.05

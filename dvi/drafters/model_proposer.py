@@ -31,7 +31,7 @@ class ModelProposer(Proposer):
     def __init__(self, drafter: Drafter, vocab_size: int, device: torch.device):
         super().__init__(vocab_size, device)
         self.drafter = drafter
-        self.kind = drafter.kind
+        self.name = drafter.kind  # a learned proposer is named by its drafter's kind
         self.bank: AdapterBank | None = None  # per-group adapters (`set_adapter`), kept across hot swaps
         self.dkv: DraftCache = self._new_cache()
         self.pending: list[list[int]] = []
@@ -46,7 +46,7 @@ class ModelProposer(Proposer):
         """Draft `group`'s rows through `factors` (None: the base drafter), from the next forward on."""
         if not isinstance(self.dkv, LeanDraftCache):
             raise ValueError("per-group drafter adapters need a separate Llama-family drafter served through the lean "
-                             f"forward; this {self.kind} drafter is not (trainer.adapter_key: none serves it)")
+                             f"forward; this {self.name} drafter is not (trainer.adapter_key: none serves it)")
         if self.bank is None:
             lean = self.dkv.lean
             self.bank = self.dkv.bank = AdapterBank(len(lean.layers), lean.dtype, lean.device)

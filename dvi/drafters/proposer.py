@@ -115,9 +115,9 @@ class MakeProposer(Protocol):
 
 
 class Proposer:
-    """Speculation off (kind `none`): every step is a plain step. The other kinds override what they need."""
+    """Speculation off (`name` none): every step is a plain step. The other kinds override what they need."""
 
-    kind = "none"
+    name = "none"  # `dvi.drafters.factory.PROPOSER_NAMES`: "none", the learned drafter's kind, suffix, hybrid
     needs_features = False  # the verify pass must return the target's features (eagle)
     drafter: Drafter | None = None  # the learned drafter, if any (what swaps and the trainer replace)
     max_tokens = 0  # longest draft it proposes (the verify widths the engine prepares for)
@@ -158,7 +158,7 @@ class Proposer:
     def set_adapter(self, group: str, factors: Any) -> None:
         """Draft `group`'s rows through the LoRA `factors` (`dvi.drafters.adapters.LoraFactors`; None: the base
         drafter again). Kinds without a learned drafter that takes adapters refuse."""
-        raise ValueError(f"speculation kind {self.kind!r} has no drafter that takes per-group adapters")
+        raise ValueError(f"speculation kind {self.name!r} has no drafter that takes per-group adapters")
 
     def adapter_groups(self) -> list[str]:
         """The groups whose rows draft through their own adapter."""

@@ -52,7 +52,7 @@ def source_of(proposal) -> str:
 class SuffixProposer(Proposer):
     """Suffix-tree drafts from a `SuffixCache` (per-request index + global index of finished outputs)."""
 
-    kind = "suffix"
+    name = "suffix"
     uses_history = True
     _owned_parts = ("cache",)
 

@@ -486,7 +486,7 @@ class SpeculativeEngine:
     def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
         """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket, on dummy rows
         with their own caches (in-flight requests are untouched); adaptive K calls it lazily per new bucket."""
-        if self.k_cap == 0 or self.proposer.kind == "none":
+        if self.k_cap == 0 or self.proposer.name == "none":
             return
         with torch.inference_mode():
             for b in batch_sizes:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from dvi.drafters.factory import KINDS
+from dvi.drafters.factory import PROPOSER_NAMES
 from dvi.drafters.learned import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from dvi.fsutil import TMP_PREFIX, append_jsonl, fsync_path, fsync_tree
 from dvi.registry.base import (
@@ -63,8 +63,8 @@ MANIFEST = "manifest.json"
 MANIFEST_FIELDS = ("version", "parent_version", "target_version", "format", "steps", "records_seen", "heldout_alpha",
                    "created_at")
 FILES_BY_FORMAT = {"lora": (LORA_WEIGHTS, LORA_CONFIG), "full": (FULL_WEIGHTS, FULL_CONFIG)}
-DRAFTER_KINDS = tuple(k for k in KINDS if k not in ("none", "suffix", "hybrid"))
-"""A version's drafter kind: the kinds of `dvi.drafters.factory.KINDS` that are a learned drafter (a hybrid publishes
+DRAFTER_KINDS = tuple(k for k in PROPOSER_NAMES if k not in ("none", "suffix", "hybrid"))
+"""A version's drafter kind: the names of `dvi.drafters.factory.PROPOSER_NAMES` that are a learned drafter (a hybrid publishes
 its learned half under that half's kind)."""
 
 EVENTS_MAX_BYTES = 1 << 20
