@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
+from dvi.decode.emit import SUFFIX_SOURCE
 from dvi.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -211,8 +212,8 @@ class ServerMetrics:
         self.m[M.SUFFIX_INDEX_TOKENS].set(st.get("tokens", 0))
         self.m[M.SUFFIX_INDEX_SEQS].set(st.get("seqs", 0))
         self._sync_counter(M.SUFFIX_LOOKUPS, st.get("lookups", 0))
-        for src, key in (("suffix_request", "hits_request"), ("suffix_global", "hits_global")):
-            self._sync_counter(M.SUFFIX_HITS, st.get(key, 0), source=src)
+        for index, src in SUFFIX_SOURCE.items():  # the /health keys hits_request, hits_global
+            self._sync_counter(M.SUFFIX_HITS, st.get(f"hits_{index}", 0), source=src)
         h = self.m[M.SUFFIX_STEP_SECONDS]
         for x in step_seconds:
             h.observe(x)

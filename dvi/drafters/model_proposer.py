@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dvi.decode.emit import SOURCE_MODEL
 from dvi.decode.sampling import sample_from, warp_probs
 from dvi.drafters.adapters import AdapterBank, LoraFactors
 from dvi.drafters.draft_cache import DraftCache, LeanDraftCache, draft_cache
@@ -106,7 +107,7 @@ class ModelProposer(Proposer):
         sibs = pricing.siblings(k, rows)
         u = uniforms(2 * k + sum(sibs) + 1)
         ids, q = self.draft_model(k, u, params, max(sibs, default=0))  # every row: the drafter's cache stays current
-        d = Draft(ids, q, lens, ["model" if n else None for n in lens], u, model_forwards=k,
+        d = Draft(ids, q, lens, [SOURCE_MODEL if n else None for n in lens], u, model_forwards=k,
                   catchup=self.last_catchup)
         return with_siblings(d, self.alternatives, sibs) if any(sibs) else d
 
@@ -156,7 +157,7 @@ class ModelProposer(Proposer):
 
     def _keeps(self, draft: Draft, n: list[int], k: int) -> list[int]:
         """Per row, how many of the k - 1 drafts fed to the drafter its cache keeps."""
-        return [min(ni, k - 1) if draft.sources[i] == "model" else 0 for i, ni in enumerate(draft.kept(n))]
+        return [min(ni, k - 1) if draft.sources[i] == SOURCE_MODEL else 0 for i, ni in enumerate(draft.kept(n))]
 
 
 def _others(scores: torch.Tensor, drafted: torch.Tensor, m: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.decode.emit import Emitted, append_tokens, count_drafts, emitted
+from dvi.decode.emit import SOURCE_MODEL, Emitted, append_tokens, count_drafts, emitted
 from dvi.decode.pricing import KPolicy
 from dvi.decode.request import (
     InvalidParam,
@@ -468,7 +468,7 @@ class SpeculativeEngine:
             s.res.num_steps += 1
             if ki > 0:
                 count_drafts(s.res, ki, ni, src, draft.ranks[i] if draft.ranks else None, srcs)
-            model = src == "model"
+            model = src == SOURCE_MODEL
             self.acceptance.update(s.acc, s.req.domain, ki if model else 0, ni if model else 0)
             new, reason = append_tokens(s.res, e, i, ki, s.stop, s.remaining, srcs or src)
             news.append(new)
