@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
-from dvi.decode.emit import SUFFIX_SOURCE
+from dvi.decode.sources import SUFFIX_SOURCE
 from dvi.rundir import RunDir
 
 if TYPE_CHECKING:

@@ -13,25 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dvi.decode.sources import source_code
+
 if TYPE_CHECKING:
     from dvi.decode.results import GenerationResult
 
-__all__ = ["SOURCES", "SOURCE_MODEL", "SOURCE_SUFFIX_GLOBAL", "SOURCE_SUFFIX_REQUEST", "SUFFIX_SOURCE", "Emitted", "emitted",
-           "count_drafts", "append_tokens", "source_code"]
-
-SOURCE_MODEL = "model"  # the learned drafter (separate, early_exit, eagle; hybrid's drafted rows)
-SOURCE_SUFFIX_REQUEST = "suffix_request"  # the suffix cache's per-request index (the request's own prompt and output)
-SOURCE_SUFFIX_GLOBAL = "suffix_global"  # the suffix cache's global index (finished outputs)
-SOURCES = (SOURCE_MODEL, SOURCE_SUFFIX_REQUEST, SOURCE_SUFFIX_GLOBAL)
-"""Who proposed a drafted token, THE list of draft-source names (`Draft.sources`, `GenerationResult.by_source`,
-the bounded `source` label on /metrics, the feedback record's `draft_source`: code j + 1, 0: no draft)."""
-SUFFIX_SOURCE = {"request": SOURCE_SUFFIX_REQUEST, "global": SOURCE_SUFFIX_GLOBAL}
-"""A suffix index's name (`dvi.drafters.suffix_index.INDEXES`, `SuffixProposal.source`) -> the draft source it is."""
-
-
-def source_code(source: str | None) -> int:
-    """`draft_source` code of a source name (0: nothing drafted)."""
-    return 0 if source is None else SOURCES.index(source) + 1
+__all__ = ["Emitted", "emitted", "count_drafts", "append_tokens"]
 
 
 @dataclass
@@ -88,7 +75,7 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
 
 def count_drafts(res: GenerationResult, k: int, n: int, source: str | None = None,
                  ranks: list[int] | None = None, sources: list[str | None] | None = None) -> None:
-    """A step with K > 0 drafts of `source` (a `SOURCES` entry), n of them accepted, on the
+    """A step with K > 0 drafts of `source` (a `dvi.decode.sources.SOURCES` entry), n of them accepted, on the
     row's acceptance counts (also per source: [steps, drafted, accepted]; per draft position where a tree's path
     mixed proposers, `sources`); by sibling rank, `ranks` the accepted nodes' in a draft tree, else the chain's."""
     by_rank = res.accepted_by_rank

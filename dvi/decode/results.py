@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from dvi.decode.emit import SOURCE_MODEL
+from dvi.decode.sources import SOURCE_MODEL
 
 __all__ = ["GenerationResult", "StepOutput", "Versions", "DraftCounts", "Counted", "acceptance_rate", "mean_accepted_length",
            "pooled_rates", "fmt_rate"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from dvi.decode.emit import SOURCE_MODEL
+from dvi.decode.sources import SOURCE_MODEL
 
 __all__ = ["HIT_PRIOR", "SiblingStats", "choose_siblings"]
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.decode.emit import SOURCE_MODEL
+from dvi.decode.sources import SOURCE_MODEL
 from dvi.drafters.model_proposer import with_siblings
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
 from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts, source_of

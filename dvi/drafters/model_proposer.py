@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.decode.emit import SOURCE_MODEL
 from dvi.decode.sampling import sample_from, warp_probs
+from dvi.decode.sources import SOURCE_MODEL
 from dvi.drafters.adapters import AdapterBank, LoraFactors
 from dvi.drafters.draft_cache import DraftCache, LeanDraftCache, draft_cache
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms

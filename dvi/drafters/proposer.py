@@ -66,7 +66,7 @@ class Draft:
     ids: torch.Tensor  # [B, K] long
     q: torch.Tensor | None  # [B, K, V] drafter probabilities (sampled model drafts); None: greedy or point masses
     lens: list[int]  # [B] real drafts per row, each <= K
-    sources: list[str | None]  # [B] `dvi.decode.emit.SOURCES` entry of row i's drafts (None: it drafted nothing)
+    sources: list[str | None]  # [B] `dvi.decode.sources.SOURCES` entry of row i's drafts (None: it drafted nothing)
     u: torch.Tensor | None  # [B, 2K + 1]: K draft samples, K accept tests, 1 resample (None: all greedy); a tree's
     # [B, S + N + 1]: its spine's S draft samples, one test per node, 1 resample
     model_forwards: int = 0  # learned-drafter forwards this step

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dvi.decode.emit import SUFFIX_SOURCE
+from dvi.decode.sources import SUFFIX_SOURCE
 
 INDEXES = tuple(SUFFIX_SOURCE)
 """The two indexes a `SuffixCache` holds, by name (`SuffixIndex.source`): "request" and "global"."""

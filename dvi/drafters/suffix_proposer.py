@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.decode.emit import SUFFIX_SOURCE
+from dvi.decode.sources import SUFFIX_SOURCE
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
 from dvi.drafters.tree_draft import RowTree, assemble
 
@@ -46,7 +46,7 @@ def finished_entry(prompt_ids, output_ids: list[int], prompt_tail: int = PROMPT_
 
 
 def source_of(proposal) -> str:
-    """The `dvi.decode.emit.SOURCES` entry of a suffix proposal ("request" -> "suffix_request")."""
+    """The `dvi.decode.sources.SOURCES` entry of a suffix proposal ("request" -> "suffix_request")."""
     return SUFFIX_SOURCE[proposal.source]
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dvi.decode.emit import SOURCE_MODEL, Emitted, append_tokens, count_drafts, emitted
+from dvi.decode.emit import Emitted, append_tokens, count_drafts, emitted
 from dvi.decode.pricing import KPolicy
 from dvi.decode.request import (
     InvalidParam,
@@ -42,6 +42,7 @@ from dvi.decode.request import (
 from dvi.decode.results import GenerationResult, StepOutput, Versions
 from dvi.decode.sampling import GREEDY_BELOW_TEMPERATURE
 from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
+from dvi.decode.sources import SOURCE_MODEL
 from dvi.decode.target import TargetRunner, target_runner
 from dvi.drafters.factory import proposer_for_drafter
 from dvi.drafters.learned import Drafter

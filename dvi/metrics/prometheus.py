@@ -191,9 +191,9 @@ class Metrics:
         return s
 
     def _observe_sources(self, s: ResultStats) -> None:
-        """Per draft source (a bounded label: `dvi.decode.emit.SOURCES`): counts, and α / mean accepted length since start."""
-        from dvi.decode.emit import SOURCES
+        """Per draft source (a bounded label: `dvi.decode.sources.SOURCES`): counts, and α / mean accepted length since start."""
         from dvi.decode.results import acceptance_rate, mean_accepted_length
+        from dvi.decode.sources import SOURCES
 
         c = self.collectors
         for src, (drafts, drafted, accepted) in s.by_source.items():
