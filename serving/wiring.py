@@ -1,6 +1,7 @@
-"""What the endpoints share, built once per server (`build_state`): the engine behind its scheduler, the
-feedback writer, the drafter wing behind its door, the trainer supervisor and the metrics, and how they subscribe to
-each finished request's one final record (`serving.finished`, published once on the engine thread).
+"""The server's wiring: `build_state` builds, once per server, what the endpoints share (`ServerState`): the engine
+behind its scheduler, the feedback writer, the drafter wing behind its door, the trainer supervisor and the metrics,
+and subscribes them to each finished request's one final record (`serving.finished`, published once on the engine
+thread). Named `serving.state` before issue 58.
 
 Its own module so the endpoints (`serving.completions`, `serving.health`, `serving.admin`, `serving.drain`)
 import the state without importing the app that routes to them.
