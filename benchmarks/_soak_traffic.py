@@ -5,10 +5,10 @@ A phase is `--drift-minutes` long; its mix and concurrency move in lockstep thro
 so the schedule repeats every `len(MIXES)` phases and a run of twice that period has the same traffic shape in its
 second and last quarter (what the quarter checks compare). Each phase starts on time: its clients start while the
 last requests of the phase before are still answered. Every request is one row: when it was sent and ended,
-its phase, domain and kind, what the client saw (status, outcome, latency, time to the first streamed token, the
+its phase, domain and mode (its row's "kind"), what the client saw (status, outcome, latency, time to the first streamed token, the
 `dvi` block's request id, tokens, drafted / accepted, finish reason).
 
-Kinds: ``plain`` (answered whole), ``stream`` (SSE to the end), ``cut`` (SSE closed after 1-4 content chunks),
+Modes: ``plain`` (answered whole), ``stream`` (SSE to the end), ``cut`` (SSE closed after 1-4 content chunks),
 ``abandon`` (closed before any content: after the response headers or a short timer). Outcomes: ``answered``
 (the final record reached the client), ``cut`` / ``abandoned`` (the client closed first; a ``cut`` that ended
 before its cut point is ``answered``), ``http_4xx`` / ``http_5xx`` (an error status or an SSE error event; the
@@ -30,7 +30,7 @@ DOMAINS = ("code", "chat", "sql")
 # group is measured in every phase)
 MIXES = ({"code": 6, "chat": 2, "sql": 2}, {"code": 2, "chat": 6, "sql": 2}, {"code": 2, "chat": 2, "sql": 6})
 MIX_NAMES = ("code-heavy", "chat-heavy", "sql-heavy")
-KINDS = ("plain", "stream", "cut", "abandon")
+MODES = ("plain", "stream", "cut", "abandon")
 
 
 @dataclass(frozen=True)
@@ -169,28 +169,28 @@ class Shares:
 
     def draw(self, rng: random.Random) -> str:
         x = rng.random()
-        for kind, share in (("cut", self.cut), ("abandon", self.abandon), ("stream", self.stream)):
+        for mode, share in (("cut", self.cut), ("abandon", self.abandon), ("stream", self.stream)):
             if x < share:
-                return kind
+                return mode
             x -= share
         return "plain"
 
 
-async def send_one(client: Any, domain: str, item: list, kind: str, max_tokens: int, rng: random.Random) -> dict:
-    """One request of `kind`; its row (see the module docstring)."""
+async def send_one(client: Any, domain: str, item: list, mode: str, max_tokens: int, rng: random.Random) -> dict:
+    """One request sent in `mode` (`MODES`); its row (see the module docstring)."""
     import httpx
 
-    path, body = request_body(domain, item, max_tokens, stream=kind != "plain")
-    row: dict[str, Any] = {"domain": domain, "kind": kind, "t0": time.time(), "status": None, "outcome": None,
+    path, body = request_body(domain, item, max_tokens, stream=mode != "plain")
+    row: dict[str, Any] = {"domain": domain, "kind": mode, "t0": time.time(), "status": None, "outcome": None,
                            "ttft": None}
     t0 = time.perf_counter()
     try:
-        if kind == "plain":
+        if mode == "plain":
             await _plain(client, path, body, row)
-        elif kind == "abandon":
+        elif mode == "abandon":
             await _abandoned(client, path, body, row, rng.uniform(0.02, 0.3))
         else:
-            await _streamed(client, path, body, row, rng.randint(1, 4) if kind == "cut" else None, t0)
+            await _streamed(client, path, body, row, rng.randint(1, 4) if mode == "cut" else None, t0)
     except (httpx.HTTPError, OSError, ValueError) as e:
         row.update(outcome="error", error=f"{type(e).__name__}: {e}"[:200])
     row["latency"] = time.perf_counter() - t0

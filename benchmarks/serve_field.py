@@ -398,9 +398,9 @@ def machine(bf16_native: bool) -> dict:
     """The CPU this ran on, named against the machines the issue's goals are stated for."""
     name = cpu_name()  # "... (AMX)", "... (avx512_bf16, no AMX)" or "... (no native bf16)"
     amx, zen3 = "(AMX)" in name, "AMD" in name and "no native bf16" in name
-    kind = GOAL_MACHINES[0] if amx else GOAL_MACHINES[1] if zen3 else \
+    this_machine = GOAL_MACHINES[0] if amx else GOAL_MACHINES[1] if zen3 else \
         f"neither: {name}, bf16 {'native (avx512_bf16)' if bf16_native else 'not native'}"
-    return {"cpu": name, "goals_stated_for": list(GOAL_MACHINES), "this_machine": kind,
+    return {"cpu": name, "goals_stated_for": list(GOAL_MACHINES), "this_machine": this_machine,
             "bf16_native": bf16_native, "python": platform.python_version(), "platform": platform.platform()}
 
 

@@ -78,10 +78,10 @@ def check_greedy(records: Iterable[FeedbackRecord], targets: dict[int, torch.nn.
         bad = (gaps > 0).nonzero().flatten().tolist()
         out.equal += not bad
         for i in bad:
-            kind = classify(float(gaps[i]), float(top[i]), out.bound, torch.float32)
-            if kind == "near-tie":
+            cls = classify(float(gaps[i]), float(top[i]), out.bound, torch.float32)
+            if cls == "near-tie":
                 out.near_ties += 1
-            elif kind == "bound":
+            elif cls == "bound":
                 out.within_bound += 1
             else:
                 out.changed.append({"request_id": r.request_id, "index": i, "gap": round(float(gaps[i]), 6)})

@@ -212,7 +212,7 @@ def prompt_stream(
 # ---------------------------------------------------------------------------------------------
 # chat: instructions built from the corpus, rendered with the tokenizer's chat template
 
-CHAT_KINDS = ("explain", "write", "summarise", "answer")
+CHAT_TASKS = ("explain", "write", "summarise", "answer")
 _DEF_RE = re.compile(r"^def (\w+)\((.*?)\)[^:\n]*:\n((?:[ \t]+.*\n|\n)+)", re.M)
 _DOC_RE = re.compile(r'^[ \t]+(?:"""|\'\'\')\s*(.+?)\s*$', re.M)
 
@@ -246,14 +246,14 @@ def chat_instructions(split: str = "heldout", seed: int = 0) -> Iterator[list[di
     documented = [f for f in funcs if len(f[3]) >= 12]
     paras = [p for t in load_texts("prose", split) for p in _paragraphs(t)]
     while True:
-        kind = rng.choice(CHAT_KINDS)
-        if kind == "explain" and funcs:
+        task = rng.choice(CHAT_TASKS)
+        if task == "explain" and funcs:
             name, _, src, _ = rng.choice(funcs)
             text = f"Explain what this Python function does:\n\n```python\n{src}\n```"
-        elif kind == "write" and documented:
+        elif task == "write" and documented:
             name, args, _, doc = rng.choice(documented)
             text = f"Write a Python function `{name}({args})` that does the following: {doc}."
-        elif kind == "summarise" and paras:
+        elif task == "summarise" and paras:
             text = f"Summarize the following text in two sentences:\n\n{rng.choice(paras)}"
         elif paras:
             text = f"Read the text below and answer: what is its main point?\n\n{rng.choice(paras)}"
@@ -366,9 +366,9 @@ def _sql_schema(theme: str) -> str:
     return f"CREATE TABLE {theme} (id INTEGER PRIMARY KEY, " + ", ".join(SQL_THEMES[theme]) + ");"
 
 
-def _sql_cols(theme: str, kind: str | None = None) -> list[str]:
-    """Column names of `theme` (of one SQL type if `kind`)."""
-    return [c.split()[0] for c in SQL_THEMES[theme] if kind is None or c.endswith(kind)]
+def _sql_cols(theme: str, sql_type: str | None = None) -> list[str]:
+    """Column names of `theme` (of one SQL type if `sql_type`)."""
+    return [c.split()[0] for c in SQL_THEMES[theme] if sql_type is None or c.endswith(sql_type)]
 
 
 def _sql_request(rng: random.Random, theme: str, other: str) -> str:

@@ -41,7 +41,7 @@ from .drafter.client import DrafterClient, Pin, Rollback
 from .engine_client import UpdateTarget
 from .health import health_info
 from .protocol import ApiError, BodyT, Text
-from .state import ServerState
+from .wiring import ServerState
 
 log = logging.getLogger("dvi.serving.admin")
 

@@ -2,10 +2,10 @@
 
 One process holds the models, one engine thread (`serving.scheduler`), the drafter thread
 (`serving.drafter.client`), the trainer supervisor (`serving.supervisor`) and the feedback writer, all built by
-`serving.state.build_state`. Every request error is a 4xx with an OpenAI-style error body that names the
+`serving.wiring.build_state`. Every request error is a 4xx with an OpenAI-style error body that names the
 field; a 500 only means a bug or an engine failure, and it fails one request, never the server.
 
-This module wires the routes; the parts live by job: `serving.state` (what the endpoints share),
+This module holds the routes; the parts live by job: `serving.wiring` (builds the parts and what the endpoints share),
 `serving.completions` (the request path and error handlers), `serving.health` (/health and refusal
 counting), `serving.admin` (the admin API), `serving.drain` (a stop that answers every request).
 """
@@ -31,7 +31,7 @@ from .connection import HeaderLimit, deadline_protocol
 from .drain import DrainingServer, exit_process
 from .health import health_info, public_health
 from .loading import ensure_pair
-from .state import ServerState, build_state
+from .wiring import ServerState, build_state
 
 log = logging.getLogger("dvi.serving")
 

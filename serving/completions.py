@@ -37,8 +37,8 @@ from .protocol import (
     shutting_down,
 )
 from .scheduler import Delta, Event, Finished, Handle, QueueFull
-from .state import ServerState
 from .tokenize import utf8_len
+from .wiring import ServerState
 
 log = logging.getLogger("dvi.serving")
 

@@ -9,7 +9,7 @@ uvicorn go on. A second signal cuts at once.
 
 The drain also tells the trainer, the registry watcher and the suffix tailer to stop (`ServerState.begin_stop`),
 so that their own stop runs during the drain; the lifespan shutdown then waits for them, each for a bounded time
-(`serving.state.TRAINER_STOP_S`), and flushes the feedback.
+(`serving.wiring.TRAINER_STOP_S`), and flushes the feedback.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
-from .state import ServerState
+from .wiring import ServerState
 
 log = logging.getLogger("dvi.serving")
 

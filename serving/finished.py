@@ -1,7 +1,7 @@
 """A request's one final record (`Finished`), its finish reason decided in one place, published once.
 
 Every consumer of a finished request reads the same record: the endpoint answers from it, and the
-subscribers of `FinishedFeed` (the telemetry, the feedback log, the swapper: `serving.state`) each get it
+subscribers of `FinishedFeed` (the telemetry, the feedback log, the swapper: `serving.wiring`) each get it
 once, on the engine thread. Its feedback projection (`FeedbackRecord.from_result`) is built on first use and
 shared, so the feedback log writes the record the swapper keeps. `final_reason` is the only place a finish
 reason is decided: the engine says why a row ended ("stop": a stop token, "length": its budget), and the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .state import ServerState
+from .wiring import ServerState
 
 
 def degraded_reasons(s: ServerState, trainer: dict[str, Any]) -> list[str]:

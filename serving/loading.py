@@ -89,11 +89,11 @@ def load_serving_pair(cfg: DviConfig) -> ModelPair:
 def serving_proposer(cfg: DviConfig, pair: ModelPair):
     """The engine's proposer, by `models.drafter_kind` (`dvi.drafters.factory.make_proposer`): the pair's learned
     drafter, or for `suffix` / `hybrid` the proposer over a `SuffixCache` bounded by `cfg.suffix` (hybrid: around
-    the learned drafter); kind `none` when speculation is off."""
+    the learned drafter); `none` when speculation is off."""
     from dvi.drafters.factory import make_proposer
 
     spec, m = cfg.speculation, cfg.models
-    kind = "none" if spec.num_draft_tokens == 0 and not spec.adaptive else m.drafter_kind
+    name = "none" if spec.num_draft_tokens == 0 and not spec.adaptive else m.drafter_kind
     vocab = int(pair.target.get_output_embeddings().weight.shape[0])
     device = next(pair.target.parameters()).device
-    return make_proposer(kind, pair.drafter, vocab, device, settings=cfg.suffix)
+    return make_proposer(name, pair.drafter, vocab, device, settings=cfg.suffix)

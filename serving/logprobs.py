@@ -52,8 +52,8 @@ def _is_byte_level(tokenizer: Any) -> bool:
     """A ByteLevel decoder, alone or last in a Sequence (transformers 5.17 built SmolLM2's GGUF tokenizer with
     ByteFallback, Fuse, Replace, ByteLevel)."""
     decoder = getattr(getattr(tokenizer, "_tokenizer", None), "decoder", None)
-    kind = type(decoder).__name__
-    return kind == "ByteLevel" or (kind == "Sequence" and b'"type":"ByteLevel"' in decoder.__getstate__())
+    decoder_type = type(decoder).__name__
+    return decoder_type == "ByteLevel" or (decoder_type == "Sequence" and b'"type":"ByteLevel"' in decoder.__getstate__())
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces

@@ -428,7 +428,7 @@ class Scheduler:
     def _complete(self, h: Handle, result: GenerationResult | None, ending: Ending, notify: bool = True) -> None:
         """The request's one final record: its finish reason decided (`final_reason`, also written onto the
         result), sent to its endpoint (unless `notify` is off: a cut answers with an error), then published
-        once to the subscribers (telemetry, feedback log, swapper: `serving.state`)."""
+        once to the subscribers (telemetry, feedback log, swapper: `serving.wiring`)."""
         reason = final_reason(ending, result.finish_reason if result is not None else None)
         if result is not None:
             result.finish_reason = reason

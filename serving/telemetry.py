@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
+from dvi.decode.sources import SUFFIX_SOURCE
 from dvi.metrics.uplift import ARMS, ArmSample
 from dvi.rundir import RunDir
 
@@ -138,19 +139,19 @@ class ServerMetrics:
                     self.m[M.CONTROL_UPLIFT].labels(group=group, measure=measure, bound=bound).set(
                         _or_nan(u[bound] if u is not None else None))
 
-    def observe_swap(self, kind: str, version: int, reason: str = "", category: str = "",
+    def observe_swap(self, event: str, version: int, reason: str = "", category: str = "",
                      publish_to_verdict_s: float | None = None) -> None:
-        if publish_to_verdict_s is not None and kind in M.VERDICTS:
-            self.m[M.DRAFTER_PUBLISH_TO_VERDICT].labels(verdict=kind).observe(publish_to_verdict_s)
-        if kind in ("promoted", "pinned"):
+        if publish_to_verdict_s is not None and event in M.VERDICTS:
+            self.m[M.DRAFTER_PUBLISH_TO_VERDICT].labels(verdict=event).observe(publish_to_verdict_s)
+        if event in ("promoted", "pinned"):
             self.m.record_promotion()
             self.m.set_versions(drafter_version=version)
-        elif kind == "refused":
+        elif event == "refused":
             self.m.record_refusal(category or ("shadow" if "shadow" in reason else "other"))
-        elif kind == "rolled_back":
+        elif event == "rolled_back":
             self.m.record_rollback()
             self.m.set_versions(drafter_version=version)
-        elif kind == "restored":  # a restarted server serves its pin / last good version again
+        elif event == "restored":  # a restarted server serves its pin / last good version again
             self.m.set_versions(drafter_version=version)
 
     def observe_refusal(self, status: int, code: str | None) -> None:
@@ -248,8 +249,8 @@ class ServerMetrics:
         self.m[M.SUFFIX_INDEX_TOKENS].set(st.get("tokens", 0))
         self.m[M.SUFFIX_INDEX_SEQS].set(st.get("seqs", 0))
         self._sync_counter(M.SUFFIX_LOOKUPS, st.get("lookups", 0))
-        for src, key in (("suffix_request", "hits_request"), ("suffix_global", "hits_global")):
-            self._sync_counter(M.SUFFIX_HITS, st.get(key, 0), source=src)
+        for index, src in SUFFIX_SOURCE.items():  # the /health keys hits_request, hits_global
+            self._sync_counter(M.SUFFIX_HITS, st.get(f"hits_{index}", 0), source=src)
         h = self.m[M.SUFFIX_STEP_SECONDS]
         for x in step_seconds:
             h.observe(x)

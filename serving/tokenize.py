@@ -58,9 +58,9 @@ def _byte_level(tokenizer: Any) -> tuple[bool, Any]:
     except (ValueError, AttributeError):
         return False, None
     pre = spec.get("pre_tokenizer") or {}
-    kinds = {pre.get("type")} | {p.get("type") for p in pre.get("pretokenizers", []) or []}
+    types = {pre.get("type")} | {p.get("type") for p in pre.get("pretokenizers", []) or []}
     model = (spec.get("model") or {}).get("type")
-    return "ByteLevel" in kinds and model == "BPE", backend.normalizer
+    return "ByteLevel" in types and model == "BPE", backend.normalizer
 
 
 class PromptTokenizer:

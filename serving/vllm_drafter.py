@@ -69,7 +69,7 @@ class ServedDrafter:
         out = owned_tensors({k: v for k, v in new.items() if shard_of(k) in changed})
         for name, t in out.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise AdapterRejected(f"tensor {name} holds non-finite values", version, kind="nonfinite")
+                raise AdapterRejected(f"tensor {name} holds non-finite values", version, category="nonfinite")
         return out
 
     def commit(self, loaded: dict[str, torch.Tensor]) -> None:

@@ -221,7 +221,7 @@ class VllmEngine:
             # a failed in-place load leaves vLLM's loader holding part of it: vLLM starts again on the served files
             log.error("vLLM could not load drafter v%d (%s); restarting it on the served drafter", version, exc)
             self.process.restart()
-            raise AdapterRejected(f"vLLM could not load it: {exc}", int(version), kind="load") from exc
+            raise AdapterRejected(f"vLLM could not load it: {exc}", int(version), category="load") from exc
         finally:
             candidate.unlink(missing_ok=True)
         self.swap_seconds.append(time.perf_counter() - t0)

@@ -111,7 +111,7 @@ def probe(url: str, model: str, target: torch.nn.Module, tokenizer: Any, tokens:
     dtype = next(target.parameters()).dtype
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROBE_PROMPTS]
     answers = complete(url, model, prompts, tokens, top_k=PROBE_TOP_K, concurrency=len(prompts))
-    worst, kinds = 0.0, {"near-tie": 0, "bound": 0, "changed": 0}
+    worst, classes = 0.0, {"near-tie": 0, "bound": 0, "changed": 0}
     ref = []
     for p, a in zip(prompts, answers, strict=True):
         logits = teacher_forced(target, p, a["tokens"])
@@ -123,11 +123,11 @@ def probe(url: str, model: str, target: torch.nn.Module, tokenizer: Any, tokens:
         top = logits.max(-1).values
         gaps = top - logits.gather(-1, torch.tensor(a["tokens"])[:, None])[:, 0]
         for i in (gaps > 0).nonzero().flatten().tolist():
-            kinds[classify(float(gaps[i]), float(top[i]), bound, dtype)] += 1
+            classes[classify(float(gaps[i]), float(top[i]), bound, dtype)] += 1
     expected = FP32_DEVIATION if dtype == torch.float32 else 8 * tie_bound(20.0, dtype)
     degraded = worst > DEGRADED_FACTOR * expected
     return {"deviation": round(worst, 7), "bound": round(bound, 7), "probe_positions": sum(len(a["tokens"]) for a in answers),
-            "probe_off_argmax": sum(kinds.values()), "one_request": "degraded" if degraded else "near-tie",
+            "probe_off_argmax": sum(classes.values()), "one_request": "degraded" if degraded else "near-tie",
             "batched": "degraded" if degraded else "near-tie"}
 
 

@@ -201,7 +201,7 @@ def test_muon_trains_hidden_matrices_and_adamw_the_rest():
     torch.manual_seed(0)
     m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      num_key_value_heads=2, intermediate_size=64))
-    opt = make_optimizer(m, lr=1e-3, kind="muon", muon_lr=5e-3)
+    opt = make_optimizer(m, lr=1e-3, optimizer="muon", muon_lr=5e-3)
     muon, adamw = (next(o for o in opt.opts if isinstance(o, cls)) for cls in (torch.optim.Muon, torch.optim.AdamW))
     muon_ids = {id(p) for g in muon.param_groups for p in g["params"]}
     names = {id(p): n for n, p in m.named_parameters()}
@@ -210,7 +210,7 @@ def test_muon_trains_hidden_matrices_and_adamw_the_rest():
     assert {g["initial_lr"] for g in muon.param_groups} == {5e-3}
     assert {g["initial_lr"] for g in adamw.param_groups} == {1e-3}
     with pytest.raises(ValueError, match="optimizer must be one of"):
-        make_optimizer(m, lr=1e-3, kind="sgd")
+        make_optimizer(m, lr=1e-3, optimizer="sgd")
 
     seq = torch.arange(64).repeat(20)
 

@@ -113,10 +113,10 @@ def test_a_groups_version_is_read_once_as_its_merged_drafter_and_its_row_factors
     full = publish_full(reg, base.state_dict(), base.config, version_manifest())
     with pytest.raises(AdapterRejected) as exc:
         load_group_version(reg, full, base, sizes, layers)
-    assert exc.value.kind == "architecture" and exc.value.version == full
+    assert exc.value.category == "architecture" and exc.value.version == full
     with pytest.raises(AdapterRejected) as exc:
         load_group_version(reg, v, base, sizes, layers - 1)  # the adapter has a layer the drafter lacks
-    assert exc.value.kind == "shape"
+    assert exc.value.category == "shape"
 
 
 def _private_imports(path: Path) -> list[str]:

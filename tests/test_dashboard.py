@@ -24,7 +24,7 @@ def _catalogue_series() -> set[str]:
     """The series names the catalogue's specs give Prometheus (a histogram's _bucket/_sum/_count)."""
     out = set()
     for spec in (*N.METRICS.values(), *N.VLLM_METRICS.values()):
-        if spec.kind == "histogram":
+        if spec.metric_type == "histogram":
             out |= {spec.name + s for s in ("_bucket", "_sum", "_count")}
         else:
             out.add(spec.name)

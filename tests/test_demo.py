@@ -96,7 +96,7 @@ def _records(cfg, tok, n):
     """Greedy feedback records of the tiny pair on the first `n` code prompts, as the server logs them."""
     from dvi.feedback.record import FeedbackRecord
     from serving.loading import load_serving_pair
-    from serving.state import serving_engine
+    from serving.wiring import serving_engine
 
     engine = serving_engine(cfg, load_serving_pair(cfg))
     prompts = list(itertools.islice(demo._phases(cfg, tok, n)[0].prompts, n))

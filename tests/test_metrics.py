@@ -229,7 +229,7 @@ def test_vllm_named_counters_count_what_ours_count():
 
 def test_drafter_version_is_a_gauge():
     spec = M.METRICS[M.DRAFTER_VERSION]
-    assert spec.kind == "gauge" and spec.labels == ()
+    assert spec.metric_type == "gauge" and spec.labels == ()
     reg = CollectorRegistry()
     m = M.Metrics(reg)
     for v in (3, 4):

@@ -459,7 +459,7 @@ def test_chat_instructions():
     assert first != _take(data.chat_instructions("heldout", seed=1), 40)
     for msgs in first:
         assert len(msgs) == 1 and msgs[0]["role"] == "user" and msgs[0]["content"].strip()
-    assert {_kind(m) for m in first} == set(data.CHAT_KINDS) == {"explain", "write", "summarise", "answer"}
+    assert {_kind(m) for m in first} == set(data.CHAT_TASKS) == {"explain", "write", "summarise", "answer"}
     train = _take(data.chat_instructions("train", seed=0), 40)
     texts = {m[0]["content"] for m in first}
     assert len(texts & {m[0]["content"] for m in train}) <= 2  # built from disjoint documents

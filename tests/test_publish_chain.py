@@ -172,7 +172,7 @@ def test_5_watch_keeps_a_version_identical_to_the_last_good_when_traffic_changes
         _traffic(s.url, 10, OTHER)  # other prompts, greedy: a much lower α for any drafter
         wait_for(lambda: sw.counts["kept"] or sw.counts["rolled_back"], 60, what="v1's watch to end")
         assert sw.counts["rolled_back"] == 0 and sw.live_version == v1, sw.info()["events"]
-        kept = [e for e in sw.events if e.kind == "kept"][-1]
+        kept = [e for e in sw.events if e.event == "kept"][-1]
         assert "not worse on the same records" in kept.reason
         a1 = sw.live_alpha.get(v1)
         assert a1 is not None and a1 < a0 - 0.05, (a0, a1)  # the old rule (live α windows) would have rolled back
@@ -230,7 +230,7 @@ def test_7_refused_versions_stay_refused_after_restart_and_startup_waits_for_a_c
         done = threading.Event()
         threading.Thread(target=lambda: (_traffic(s.url, 30), done.set()), daemon=True).start()
         done.wait(300)  # the traffic ends before the server does
-        ev = wait_for(lambda: [e for e in list(sw.events) if e.kind == "promoted" and e.version == good], 60,
+        ev = wait_for(lambda: [e for e in list(sw.events) if e.event == "promoted" and e.version == good], 60,
                       what="the new version promoted after its check")
         assert "held-out shadow α" in ev[-1].reason and sw.live_version == good
 

@@ -233,11 +233,11 @@ def test_symlinked_version_or_file_outside_is_refused_missing_is_transient(tmp_p
     v = publish_full(other, sd(1), {"model_type": "llama"}, {})
     with pytest.raises(AdapterRejected) as exc:
         reg.open_version(1)
-    assert exc.value.kind == "missing" and exc.value.transient
+    assert exc.value.category == "missing" and exc.value.transient
     os.symlink(other.version_dir(v), reg.version_dir(1))
     with pytest.raises(AdapterRejected) as exc:
         reg.open_version(1)
-    assert exc.value.kind == "symlink" and not exc.value.transient
+    assert exc.value.category == "symlink" and not exc.value.transient
     v2 = publish_full(reg, sd(2), {"model_type": "llama"}, {})
     weights = reg.version_dir(v2) / "model.safetensors"
     weights.unlink()

@@ -242,7 +242,7 @@ def test_rl_loop_suffix_arms_draft_from_earlier_rollouts(tiny_pair_dir, arm):
                    n=4, max_new_tokens=16, prompt_tokens=(8, 16), kl_every=0, adaptive=False, num_draft_tokens=2)
     run = RLRun(cfg, log=None)
     logs = run.run()
-    assert run.engine.target_version == 3 and run.engine.proposer.kind == arm
+    assert run.engine.target_version == 3 and run.engine.proposer.name == arm
     assert (run.engine.drafter is None) == (arm == "suffix")
     assert run.engine.proposer.stats()["hits_global"] > 0 and all(r.tokens > 0 for r in logs)
     sp = getattr(run.engine.proposer, "suffix", run.engine.proposer)

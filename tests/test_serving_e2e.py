@@ -452,7 +452,7 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
         reg = DrafterRegistry(cfg.registry.dir)
         v1 = _publish_dir(reg, _eagle_version(live, tmp_path / "e1", 1e-3, 1), drafter_kind="eagle")
         wait_for(lambda: drafter_view(s).live_version == v1, 30, what="the eagle version to be promoted")
-        promoted = [e for e in drafter_view(s).events if e.kind == "promoted" and e.version == v1]
+        promoted = [e for e in drafter_view(s).events if e.event == "promoted" and e.version == v1]
         assert promoted and "shadow α" in promoted[0].reason  # checked on the logged features, not skipped
         for p in PROMPTS:
             assert served(p) == (ref[p], v1)

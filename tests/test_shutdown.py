@@ -232,7 +232,7 @@ def test_a_second_signal_cuts_at_once(tiny_pair_dir, tmp_path) -> None:
 EXIT_AFTER_LAST_ANSWER_S = 6.0
 """Issue 42 §3: a drained server exited 11-17 s after its last answer (it waited on its trainer's last round,
 publish and interpreter teardown, one after the other, after the drain, then spent 4-6 s in its own teardown).
-The goal is <= 5 s; the stop now waits at most ~3.5 s after the drain (`serving.state.TRAINER_STOP_S`), 6 leaves
+The goal is <= 5 s; the stop now waits at most ~3.5 s after the drain (`serving.wiring.TRAINER_STOP_S`), 6 leaves
 a loaded 2-core machine its margin and still fails that hang (8.3 s in this test before the fix)."""
 
 

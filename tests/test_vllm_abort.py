@@ -18,8 +18,8 @@ import pytest
 from dvi.decode.request import Request, SamplingParams
 from dvi.feedback import FeedbackReader, FeedbackRecord, FeedbackWriter
 from serving.scheduler import Scheduler
-from serving.state import FeedbackLog
 from serving.vllm_engine import VllmEngine, steps_within
+from serving.wiring import FeedbackLog
 
 K = 3
 

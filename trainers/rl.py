@@ -191,13 +191,13 @@ class RLRun:
 
         cfg = self.cfg
         vocab = int(self.target.get_output_embeddings().weight.shape[0])
-        kind = {"plain": "none", "frozen": "separate", "online": "separate"}.get(cfg.arm, cfg.arm)
+        name = {"plain": "none", "frozen": "separate", "online": "separate"}.get(cfg.arm, cfg.arm)
         if cfg.arm == "history":
             from dvi.rollout_history import history_proposer
 
             proposer = history_proposer(vocab, "cpu")
         else:
-            proposer = make_proposer(kind, self.drafter, vocab, "cpu")  # frozen / online: the drafter as is
+            proposer = make_proposer(name, self.drafter, vocab, "cpu")  # frozen / online: the drafter as is
         self.engine = SpeculativeEngine(
             self.target, proposer, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
             max_draft_tokens=max(cfg.max_draft_tokens, cfg.num_draft_tokens),
@@ -205,7 +205,7 @@ class RLRun:
             options=EngineOptions(tree_width=cfg.tree_width if cfg.tree_width is not None else 3 * cfg.adaptive),
         )
         self.calibrate_s = 0.0
-        if cfg.adaptive and self.engine.proposer.kind != "none":
+        if cfg.adaptive and self.engine.proposer.name != "none":
             # One-off cost per bucket, the same whatever the weights: measured here, outside the rollouts.
             t0 = time.perf_counter()
             batch, buckets = cfg.prompts_per_step * cfg.n, [1]

@@ -13,18 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dvi.decode.sources import source_code
+
 if TYPE_CHECKING:
     from dvi.decode.results import GenerationResult
 
-__all__ = ["Emitted", "emitted", "count_drafts", "append_tokens", "source_code"]
-
-SOURCES = ("model", "suffix_request", "suffix_global")
-"""Who proposed a drafted token (the bounded `source` label on /metrics); code j + 1 in `draft_source`, 0: no draft."""
-
-
-def source_code(source: str | None) -> int:
-    """`draft_source` code of a source name (0: nothing drafted)."""
-    return 0 if source is None else SOURCES.index(source) + 1
+__all__ = ["Emitted", "emitted", "count_drafts", "append_tokens"]
 
 
 @dataclass
@@ -81,7 +75,7 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
 
 def count_drafts(res: GenerationResult, k: int, n: int, source: str | None = None,
                  ranks: list[int] | None = None, sources: list[str | None] | None = None) -> None:
-    """A step with K > 0 drafts of `source` (a `dvi.drafters.proposer.SOURCES` entry), n of them accepted, on the
+    """A step with K > 0 drafts of `source` (a `dvi.decode.sources.SOURCES` entry), n of them accepted, on the
     row's acceptance counts (also per source: [steps, drafted, accepted]; per draft position where a tree's path
     mixed proposers, `sources`); by sibling rank, `ranks` the accepted nodes' in a draft tree, else the chain's."""
     by_rank = res.accepted_by_rank

@@ -82,8 +82,8 @@ def model_forward(model: nn.Module, with_features: bool = False, width_invariant
         pe = rotary(h, position_ids)
         mode = rowwise_mode(attention_mask, cfg, input_ids.shape[1], exact) if rowwise else None
         extra = {ROWWISE_KWARG: mode} if mode else {}
-        for layer, kind in zip(layers, types, strict=False):
-            m = attention_mask[kind] if isinstance(attention_mask, dict) else attention_mask
+        for layer, layer_type in zip(layers, types, strict=False):
+            m = attention_mask[layer_type] if isinstance(attention_mask, dict) else attention_mask
             h = layer(
                 h,
                 attention_mask=m,

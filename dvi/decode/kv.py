@@ -171,14 +171,14 @@ def _live(layer) -> bool:
     return getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0
 
 
-def mask_kind(config) -> tuple[str, int | None]:
+def mask_layout(config) -> tuple[str, int | None]:
     """How this architecture wants its mask: 'full', 'window' (one windowed mask) or 'dict' (hybrid layers)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        kinds = set(layer_types)
-        if "sliding_attention" in kinds and window:
-            return ("dict" if "full_attention" in kinds else "window"), int(window)
+        types = set(layer_types)
+        if "sliding_attention" in types and window:
+            return ("dict" if "full_attention" in types else "window"), int(window)
         return "full", None
     if window:
         return "window", int(window)
@@ -192,7 +192,7 @@ class RaggedKV:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.kind, self.window = mask_kind(config)
+        self.mask_layout, self.window = mask_layout(config)
         mp = getattr(config, "max_position_embeddings", None)
         self.max_position = int(mp) if mp else None
         self.cache = BufferedCache()
@@ -248,7 +248,7 @@ class RaggedKV:
         # multi-token query over a cache or windowed attention (SDPA's is_causal is wrong with a cache). A
         # hole-free prefill over an empty cache takes SDPA's is_causal path, as HF's own forward does: same
         # kernel, same rounding, so bf16 greedy decoding starts from the same cache as HF `generate`.
-        need = holes or (getattr(fn, "explicit_mask", False) and ((q > 1 and self.num_cols > 0) or self.kind != "full"))
+        need = holes or (getattr(fn, "explicit_mask", False) and ((q > 1 and self.num_cols > 0) or self.mask_layout != "full"))
         kv_valid = torch.cat([self.valid, new_valid], dim=1)
         kv_pos = torch.cat([self.pos, qpos], dim=1)
         mask = self._build_mask(qpos, kv_valid, kv_pos) if need else None
@@ -264,12 +264,12 @@ class RaggedKV:
         allowed = kv_valid.unsqueeze(1) & (kv_pos.unsqueeze(1) <= qpos.unsqueeze(2))
         # Every query may see itself, so padded queries never get an all-masked row (NaN-free hole slots).
         eye = self._eye(q)
-        if self.kind == "full":
+        if self.mask_layout == "full":
             allowed[:, :, length - q :] |= eye
             return self._to_additive(allowed)
         windowed = allowed & (qpos.unsqueeze(2) - kv_pos.unsqueeze(1) < self.window)
         windowed[:, :, length - q :] |= eye
-        if self.kind == "window":
+        if self.mask_layout == "window":
             return self._to_additive(windowed)
         allowed[:, :, length - q :] |= eye
         return {"full_attention": self._to_additive(allowed), "sliding_attention": self._to_additive(windowed)}

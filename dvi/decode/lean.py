@@ -35,9 +35,9 @@ HEAD_BLOCK = 1024
 def lean_supported(model: nn.Module) -> str | None:
     """None when `LeanModel(model)` can run it, else why not (the engine then uses HF's module forward)."""
     cfg, base = model.config, getattr(model, "model", None)
-    kind = getattr(cfg, "model_type", None)
-    if kind not in LEAN_TYPES:
-        return f"model_type {kind!r} is not one of {sorted(LEAN_TYPES)}"
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in LEAN_TYPES:
+        return f"model_type {model_type!r} is not one of {sorted(LEAN_TYPES)}"
     if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
         return "not a decoder with embed_tokens / rotary_emb / layers / norm"
     if not hasattr(model, "lm_head"):

@@ -26,7 +26,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.modeling_utils import AttentionInterface
 
-from dvi.decode.kv import mask_kind
+from dvi.decode.kv import mask_layout
 
 ROWWISE_KWARG = "dvi_rowwise"
 """Keyword the lean forward passes down through the decoder layers to ask for row-by-row attention."""
@@ -84,7 +84,7 @@ def rowwise_mode(attention_mask, config, q: int, exact: bool) -> str | None:
     """How a forward of q new positions attends (`_sdpa`): "prefix" for a multi-token query over a hole-free
     cache (the plain step would pass no mask), "gather" in the exact mode when columns are masked (holes,
     padding), None (one SDPA call) otherwise and always for windowed or hybrid attention."""
-    if attention_mask is None or isinstance(attention_mask, dict) or mask_kind(config)[0] != "full":
+    if attention_mask is None or isinstance(attention_mask, dict) or mask_layout(config)[0] != "full":
         return None
     if bool((attention_mask[:, :, -1] == 0).all()):
         return "prefix" if q > 1 else None

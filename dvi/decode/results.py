@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from dvi.decode.sources import SOURCE_MODEL
+
 __all__ = ["GenerationResult", "StepOutput", "Versions", "DraftCounts", "Counted", "acceptance_rate", "mean_accepted_length",
            "pooled_rates", "fmt_rate"]
 
@@ -116,7 +118,7 @@ class GenerationResult(DraftCounts):
         without per-source counts drafted from the model only."""
         if not self.by_source:
             return self.num_drafted, self.num_accepted
-        c = self.by_source.get("model", [0, 0, 0])
+        c = self.by_source.get(SOURCE_MODEL, [0, 0, 0])
         return c[1], c[2]
 
 

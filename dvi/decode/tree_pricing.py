@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from dvi.decode.sources import SOURCE_MODEL
+
 __all__ = ["HIT_PRIOR", "SiblingStats", "choose_siblings"]
 
 HIT_PRIOR = (0.135, 0.07, 0.07, 0.05, 0.05, 0.04, 0.04, 0.03)
@@ -87,10 +89,10 @@ def sibling_outcomes(parents: list[list[int]], spine: list[int], spine_kept: lis
         if kept >= s:
             continue
         cols = column_sources[i] if column_sources is not None else None
-        siblings = sum(1 for j, p in enumerate(par) if p == kept and j != kept and (cols is None or cols[j] == "model"))
+        siblings = sum(1 for j, p in enumerate(par) if p == kept and j != kept and (cols is None or cols[j] == SOURCE_MODEL))
         if siblings == 0:
             continue
-        mine = path_sources is None or (len(path_sources[i]) > kept and path_sources[i][kept] == "model")
+        mine = path_sources is None or (len(path_sources[i]) > kept and path_sources[i][kept] == SOURCE_MODEL)
         hit = rk[kept] - 1 if len(rk) > kept and mine else None
         out.append((siblings if hit is None else min(hit + 1, siblings), hit))
     return out

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dvi.decode.forward import FAST_TYPES
-from dvi.decode.kv import mask_kind
+from dvi.decode.kv import mask_layout
 from dvi.drafters.learned import SharedTargetDrafter
 from dvi.drafters.vocab import apply_draft_vocab
 
@@ -118,8 +118,8 @@ class EagleModel(nn.Module):
         self.layer = layers[0]
         self.extra = nn.ModuleList(layers[1:]) if num_layers > 1 else None
         self.norm = copy.deepcopy(base.norm)
-        kind, window = mask_kind(cfg)
-        self.window = window if kind != "full" else None  # for the masks it builds itself (training)
+        layout, window = mask_layout(cfg)
+        self.window = window if layout != "full" else None  # for the masks it builds itself (training)
 
     @property
     def layers(self) -> list[nn.Module]:

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     from dvi.drafters.suffix import SuffixCache
     from dvi.drafters.suffix_proposer import SuffixProposer
 
-__all__ = ["KINDS", "make_proposer", "proposer_for", "proposer_for_drafter"]
+__all__ = ["PROPOSER_NAMES", "make_proposer", "proposer_for", "proposer_for_drafter"]
 
-KINDS = ("none", "separate", "early_exit", "eagle", "suffix", "hybrid")
-"""Proposer kinds: speculation off, then `models.drafter_kind`'s values."""
+PROPOSER_NAMES = ("none", "separate", "early_exit", "eagle", "suffix", "hybrid")
+"""What `make_proposer` builds, by `Proposer.name`: speculation off, then `models.drafter_kind`'s values."""
 
 
 def proposer_for_drafter(drafter: Any, vocab_size: int, device: torch.device | str,
@@ -57,19 +57,19 @@ def proposer_for(target: torch.nn.Module, drafter: Any = None) -> Proposer:
     return proposer_for_drafter(drafter, vocab, next(target.parameters()).device)
 
 
-def make_proposer(kind: str, drafter: Drafter | None, vocab_size: int, device: torch.device | str,
+def make_proposer(name: str, drafter: Drafter | None, vocab_size: int, device: torch.device | str,
                   cache: SuffixCache | None = None, settings: SuffixConfig | None = None) -> Proposer:
-    """The proposer of a drafter kind: `none` (speculation off), a learned kind (`drafter` as is), `suffix` (the
+    """The proposer named `name` (`PROPOSER_NAMES`): `none` (speculation off), a learned kind (`drafter` as is), `suffix` (the
     history index alone) or `hybrid` (the index, else `drafter`). `cache` defaults to a fresh `SuffixCache`
     bounded by `settings` (the config's `suffix:` section; default: its defaults); pass one to share it."""
-    if kind not in KINDS:
-        raise ValueError(f"drafter kind must be one of {KINDS}, got {kind!r}")
+    if name not in PROPOSER_NAMES:
+        raise ValueError(f"drafter kind must be one of {PROPOSER_NAMES}, got {name!r}")
     device = torch.device(device)
-    if kind == "none":
+    if name == "none":
         return Proposer(vocab_size, device)
-    if kind not in ("suffix", "hybrid"):
+    if name not in ("suffix", "hybrid"):
         if drafter is None:
-            raise ValueError(f"drafter kind {kind} needs a drafter")
+            raise ValueError(f"drafter kind {name} needs a drafter")
         return proposer_for_drafter(drafter, vocab_size, device)
     from dvi.config import SuffixConfig
     from dvi.drafters.suffix_proposer import SuffixProposer
@@ -81,7 +81,7 @@ def make_proposer(kind: str, drafter: Drafter | None, vocab_size: int, device: t
         cache = SuffixCache(max_tokens=sx.max_tokens, max_seqs=sx.max_seqs, max_depth=sx.max_depth)
     sp = SuffixProposer(cache, vocab_size, device, max_tokens=sx.max_draft_tokens, min_prob=sx.min_prob,
                         version_decay=sx.version_decay)
-    if kind == "suffix":
+    if name == "suffix":
         return sp
     if drafter is None:
         raise ValueError("drafter_kind hybrid needs a learned drafter")

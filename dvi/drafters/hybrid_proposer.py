@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dvi.decode.sources import SOURCE_MODEL
 from dvi.drafters.model_proposer import with_siblings
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
 from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts, source_of
@@ -48,7 +49,7 @@ class _Plan:
 
 
 class HybridProposer(Proposer):
-    kind = "hybrid"
+    name = "hybrid"
     uses_history = True
     _owned_parts = ("learned", "suffix")
     gain_rate = 0.05
@@ -140,7 +141,7 @@ class HybridProposer(Proposer):
         ids, q = self.learned.draft_model(k_model, d.u, params)  # [B, k_model], [B, k_model, V] or None
         for i, n in zip(model_rows, pricing.model_lens(k_model, model_rows), strict=True):
             d.ids[i, :k_model] = ids[i]
-            d.lens[i], d.sources[i] = n, ("model" if n else None)
+            d.lens[i], d.sources[i] = n, (SOURCE_MODEL if n else None)
         d.model_forwards, d.catchup = k_model, self.learned.last_catchup
         if q is not None:  # sampled: suffix rows' point masses as one-hot rows of q (lossless, one rule)
             full = q.new_zeros(q.shape[0], k, q.shape[2])  # [B, K, V]
@@ -183,12 +184,12 @@ class HybridProposer(Proposer):
         u = uniforms(km + widest + 1)  # the spine's draft samples, a test per node, a resample
         if plan.model_rows:
             ids, q = self.learned.draft_model(km, u, params, max(plan.sibs, default=0))
-            chain = Draft(ids, q, [km] * b, ["model"] * b, None)
+            chain = Draft(ids, q, [km] * b, [SOURCE_MODEL] * b, None)
             drafted = with_siblings(chain, self.learned.alternatives, plan.sibs) if any(plan.sibs) else chain
             for i in plan.model_rows:
                 rows[i] = RowTree.of(drafted, i)
                 rows[i].merge(*plan.branches.get(i, ((), None)))
-                base.sources[i] = "model"
+                base.sources[i] = SOURCE_MODEL
             base.q, base.model_forwards, base.catchup = q, km, self.learned.last_catchup
         drafted_rows = set(plan.model_rows)
         spine = [km if i in drafted_rows else 0 for i in range(b)]
@@ -203,7 +204,7 @@ class HybridProposer(Proposer):
         # drafted from the index alone, the bar's comparison. The drafter's cache keeps only its spine's part of
         # the path (`Draft.kept`, read by the learned proposer).
         for i, (src, ln) in enumerate(zip(draft.sources, draft.lens, strict=True)):
-            if src == "model" and ln > 0:
+            if src == SOURCE_MODEL and ln > 0:
                 g = float(min(n[i], ln))
                 self.model_gain = g if self.model_gain is None else self.model_gain + self.gain_rate * (g - self.model_gain)
         self.learned.observe(draft, n, emitted, feats)

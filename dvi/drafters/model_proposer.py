@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dvi.decode.sampling import sample_from, warp_probs
+from dvi.decode.sources import SOURCE_MODEL
 from dvi.drafters.adapters import AdapterBank, LoraFactors
 from dvi.drafters.draft_cache import DraftCache, LeanDraftCache, draft_cache
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
@@ -31,7 +32,7 @@ class ModelProposer(Proposer):
     def __init__(self, drafter: Drafter, vocab_size: int, device: torch.device):
         super().__init__(vocab_size, device)
         self.drafter = drafter
-        self.kind = drafter.kind
+        self.name = drafter.kind  # a learned proposer is named by its drafter's kind
         self.bank: AdapterBank | None = None  # per-group adapters (`set_adapter`), kept across hot swaps
         self.dkv: DraftCache = self._new_cache()
         self.pending: list[list[int]] = []
@@ -46,7 +47,7 @@ class ModelProposer(Proposer):
         """Draft `group`'s rows through `factors` (None: the base drafter), from the next forward on."""
         if not isinstance(self.dkv, LeanDraftCache):
             raise ValueError("per-group drafter adapters need a separate Llama-family drafter served through the lean "
-                             f"forward; this {self.kind} drafter is not (trainer.adapter_key: none serves it)")
+                             f"forward; this {self.name} drafter is not (trainer.adapter_key: none serves it)")
         if self.bank is None:
             lean = self.dkv.lean
             self.bank = self.dkv.bank = AdapterBank(len(lean.layers), lean.dtype, lean.device)
@@ -106,7 +107,7 @@ class ModelProposer(Proposer):
         sibs = pricing.siblings(k, rows)
         u = uniforms(2 * k + sum(sibs) + 1)
         ids, q = self.draft_model(k, u, params, max(sibs, default=0))  # every row: the drafter's cache stays current
-        d = Draft(ids, q, lens, ["model" if n else None for n in lens], u, model_forwards=k,
+        d = Draft(ids, q, lens, [SOURCE_MODEL if n else None for n in lens], u, model_forwards=k,
                   catchup=self.last_catchup)
         return with_siblings(d, self.alternatives, sibs) if any(sibs) else d
 
@@ -156,7 +157,7 @@ class ModelProposer(Proposer):
 
     def _keeps(self, draft: Draft, n: list[int], k: int) -> list[int]:
         """Per row, how many of the k - 1 drafts fed to the drafter its cache keeps."""
-        return [min(ni, k - 1) if draft.sources[i] == "model" else 0 for i, ni in enumerate(draft.kept(n))]
+        return [min(ni, k - 1) if draft.sources[i] == SOURCE_MODEL else 0 for i, ni in enumerate(draft.kept(n))]
 
 
 def _others(scores: torch.Tensor, drafted: torch.Tensor, m: int) -> torch.Tensor:

@@ -28,13 +28,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from dvi.decode.emit import SOURCES
-
 if TYPE_CHECKING:
     from dvi.decode.seq import BatchParams, Seq
     from dvi.drafters.learned import Drafter
 
-__all__ = ["SOURCES", "Draft", "Pricing", "Proposer", "Uniforms"]
+__all__ = ["Draft", "Pricing", "Proposer", "Uniforms"]
 
 Uniforms = Callable[[int], "torch.Tensor | None"]
 """n -> the batch's uniforms [B, n] from each row's own generator (None: an all-greedy batch)."""
@@ -68,7 +66,7 @@ class Draft:
     ids: torch.Tensor  # [B, K] long
     q: torch.Tensor | None  # [B, K, V] drafter probabilities (sampled model drafts); None: greedy or point masses
     lens: list[int]  # [B] real drafts per row, each <= K
-    sources: list[str | None]  # [B] SOURCES entry of row i's drafts (None: it drafted nothing)
+    sources: list[str | None]  # [B] `dvi.decode.sources.SOURCES` entry of row i's drafts (None: it drafted nothing)
     u: torch.Tensor | None  # [B, 2K + 1]: K draft samples, K accept tests, 1 resample (None: all greedy); a tree's
     # [B, S + N + 1]: its spine's S draft samples, one test per node, 1 resample
     model_forwards: int = 0  # learned-drafter forwards this step
@@ -115,9 +113,9 @@ class MakeProposer(Protocol):
 
 
 class Proposer:
-    """Speculation off (kind `none`): every step is a plain step. The other kinds override what they need."""
+    """Speculation off (`name` none): every step is a plain step. The other kinds override what they need."""
 
-    kind = "none"
+    name = "none"  # `dvi.drafters.factory.PROPOSER_NAMES`: "none", the learned drafter's kind, suffix, hybrid
     needs_features = False  # the verify pass must return the target's features (eagle)
     drafter: Drafter | None = None  # the learned drafter, if any (what swaps and the trainer replace)
     max_tokens = 0  # longest draft it proposes (the verify widths the engine prepares for)
@@ -158,7 +156,7 @@ class Proposer:
     def set_adapter(self, group: str, factors: Any) -> None:
         """Draft `group`'s rows through the LoRA `factors` (`dvi.drafters.adapters.LoraFactors`; None: the base
         drafter again). Kinds without a learned drafter that takes adapters refuse."""
-        raise ValueError(f"speculation kind {self.kind!r} has no drafter that takes per-group adapters")
+        raise ValueError(f"speculation kind {self.name!r} has no drafter that takes per-group adapters")
 
     def adapter_groups(self) -> list[str]:
         """The groups whose rows draft through their own adapter."""

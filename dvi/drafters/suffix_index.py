@@ -34,7 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SOURCES = ("request", "global")
+from dvi.decode.sources import SUFFIX_SOURCE
+
+INDEXES = tuple(SUFFIX_SOURCE)
+"""The two indexes a `SuffixCache` holds, by name (`SuffixIndex.source`): "request" and "global"."""
 MAX_TOKEN_ID = 2**31 - 1
 # Past this many matched occurrences, the continuation vote samples the most recent ones: the
 # shares are estimated to about +-3%, and a lookup stays bounded on a huge index.
@@ -114,8 +117,8 @@ class SuffixIndex:
         self.max_tokens = _positive_int("max_tokens", max_tokens)
         self.max_seqs = _positive_int("max_seqs", max_seqs)
         self.max_depth = _positive_int("max_depth", max_depth)
-        if source not in SOURCES:
-            raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+        if source not in INDEXES:
+            raise ValueError(f"source must be one of {INDEXES}, got {source!r}")
         self.source = source
         self.lookups = 0
         self.hits = 0

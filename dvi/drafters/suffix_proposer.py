@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dvi.decode.sources import SUFFIX_SOURCE
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
 from dvi.drafters.tree_draft import RowTree, assemble
 
@@ -45,14 +46,14 @@ def finished_entry(prompt_ids, output_ids: list[int], prompt_tail: int = PROMPT_
 
 
 def source_of(proposal) -> str:
-    """The `dvi.drafters.proposer.SOURCES` entry of a suffix proposal ("request" -> "suffix_request")."""
-    return "suffix_global" if proposal.source == "global" else "suffix_request"
+    """The `dvi.decode.sources.SOURCES` entry of a suffix proposal ("request" -> "suffix_request")."""
+    return SUFFIX_SOURCE[proposal.source]
 
 
 class SuffixProposer(Proposer):
     """Suffix-tree drafts from a `SuffixCache` (per-request index + global index of finished outputs)."""
 
-    kind = "suffix"
+    name = "suffix"
     uses_history = True
     _owned_parts = ("cache",)
 

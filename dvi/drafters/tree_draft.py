@@ -24,7 +24,7 @@ __all__ = ["RowTree", "assemble"]
 @dataclass
 class RowTree:
     """One row's nodes: node j + 1 lives in column j with its token, parent (0: the row's last token), rank among
-    its siblings (0: tried first), q column (-1: a point mass) and who proposed it (a `SOURCES` entry)."""
+    its siblings (0: tried first), q column (-1: a point mass) and who proposed it (a `dvi.decode.sources.SOURCES` entry)."""
 
     ids: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)

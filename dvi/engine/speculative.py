@@ -42,6 +42,7 @@ from dvi.decode.request import (
 from dvi.decode.results import GenerationResult, StepOutput, Versions
 from dvi.decode.sampling import GREEDY_BELOW_TEMPERATURE
 from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
+from dvi.decode.sources import SOURCE_MODEL
 from dvi.decode.target import TargetRunner, target_runner
 from dvi.drafters.factory import proposer_for_drafter
 from dvi.drafters.learned import Drafter
@@ -468,7 +469,7 @@ class SpeculativeEngine:
             s.res.num_steps += 1
             if ki > 0:
                 count_drafts(s.res, ki, ni, src, draft.ranks[i] if draft.ranks else None, srcs)
-            model = src == "model"
+            model = src == SOURCE_MODEL
             self.acceptance.update(s.acc, s.req.domain, ki if model else 0, ni if model else 0)
             new, reason = append_tokens(s.res, e, i, ki, s.stop, s.remaining, srcs or src)
             news.append(new)
@@ -486,7 +487,7 @@ class SpeculativeEngine:
     def calibrate(self, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> None:
         """Measure verify costs for several K and a draft step, interleaved, per batch-size bucket, on dummy rows
         with their own caches (in-flight requests are untouched); adaptive K calls it lazily per new bucket."""
-        if self.k_cap == 0 or self.proposer.kind == "none":
+        if self.k_cap == 0 or self.proposer.name == "none":
             return
         with torch.inference_mode():
             for b in batch_sizes:

@@ -2,7 +2,7 @@
 
 One `FeedbackRecord` per finished sequence, the stored projection of the engine's `GenerationResult`
 (`FeedbackRecord.from_result`), built by whoever finishes it: the server's feedback log
-(`serving.state.FeedbackLog`, a scheduler observer) or an RL rollout (`dvi.rollout`). `FeedbackWriter` buffers them
+(`serving.wiring.FeedbackLog`, a scheduler observer) or an RL rollout (`dvi.rollout`). `FeedbackWriter` buffers them
 and writes parquet shards that are whole or absent (temp name in the same dir, fsync, rename),
 so a crash never leaves half a shard. `FeedbackReader` tails the shards for the online trainer
 with a persisted consumed state (`consumed`: per writer, by the writer's own gapless shard count, never

@@ -58,7 +58,7 @@ class FeedbackRecord:
     # "shutdown": cut by a server stop)
     finish_reason: str = _column(pa.string(), optional=True, default="")
     # per token, who proposed its draft: 0 none, 1 model, 2 suffix_request, 3 suffix_global
-    # (`dvi.decode.emit.SOURCES`); empty in shards written before it existed (every draft: the model's)
+    # (`dvi.decode.sources.SOURCES`); empty in shards written before it existed (every draft: the model's)
     draft_source: list[int] | np.ndarray = _column(pa.list_(pa.int8()), optional=True, default_factory=list)
     # who sent it: a short hash of the request's `user` ("" when it names none), a group of the held-out set
     # (`dvi.feedback.heldout`); the raw identifier is never stored

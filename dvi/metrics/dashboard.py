@@ -69,14 +69,14 @@ def target(expr: str, legend: str = "", ref: str = "A", **extra: Any) -> dict:
     return {"datasource": DS, "expr": expr, "legendFormat": legend or "__auto", "refId": ref, "range": True, **extra}
 
 
-def panel(title: str, targets: list[dict], kind: str = "timeseries", unit: str = "short", description: str = "",
+def panel(title: str, targets: list[dict], panel_type: str = "timeseries", unit: str = "short", description: str = "",
           **extra: Any) -> dict:
     """One panel; its position is set by `build_dashboard`'s layout."""
     for i, t in enumerate(targets):
         t["refId"] = chr(ord("A") + i)
-    p = {"type": kind, "title": title, "description": description, "datasource": DS, "targets": targets,
+    p = {"type": panel_type, "title": title, "description": description, "datasource": DS, "targets": targets,
          "fieldConfig": {"defaults": {"unit": unit}, "overrides": []}, "options": {}}
-    if kind == "timeseries":
+    if panel_type == "timeseries":
         p["options"] = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
                         "tooltip": {"mode": "multi", "sort": "desc"}}
     p.update(extra)
@@ -118,7 +118,7 @@ def _acceptance() -> list[dict]:
                                            "of a step).")),
         panel("Per-request acceptance (histogram)", [
             target(f"sum by (le) ({increase(N.REQUEST_ACCEPTANCE + '_bucket')})", "{{le}}", format="heatmap"),
-        ], kind="heatmap", unit="short",
+        ], panel_type="heatmap", unit="short",
             description="Requests by their own acceptance rate (requests that drafted at least "
                         f"{N.REQUEST_ACCEPTANCE_MIN_DRAFTED} tokens).",
             options={"calculate": False, "yAxis": {"axisLabel": "α of the request"},
@@ -164,7 +164,7 @@ def _promotions() -> list[dict]:
             target(f"sum({increase(N.DRAFTER_ROLLBACKS)})", "rollbacks"),
             target(f"sum by ({N.L_REASON}) ({increase(N.DRAFTER_REFUSALS)})", "refused: {{reason}}"),
         ], description="Drafter versions swapped in, rolled back after their watch, and refused (validation, "
-                       "shadow check), per rate window.", kind="timeseries",
+                       "shadow check), per rate window.", panel_type="timeseries",
             fieldConfig={"defaults": {"unit": "short", "custom": {"drawStyle": "bars", "fillOpacity": 60}},
                          "overrides": []}),
         panel("Publish to verdict", [
@@ -184,7 +184,7 @@ def _promotions() -> list[dict]:
 def _trainer() -> list[dict]:
     states = {str(code): {"index": code, "text": name} for name, code in N.TRAINER_STATES.items()}
     return [
-        panel("Trainer state", [target(f"max({sel(N.TRAINER_STATE)})", "state")], kind="state-timeline",
+        panel("Trainer state", [target(f"max({sel(N.TRAINER_STATE)})", "state")], panel_type="state-timeline",
               description=f"The online trainer's state ({', '.join(N.TRAINER_STATES)}).",
               fieldConfig={"defaults": {"unit": "short", "mappings": [{"type": "value", "options": states}]},
                            "overrides": []},
@@ -406,10 +406,10 @@ def exported_series(exposition: str) -> tuple[set[str], set[str]]:
     sampled: set[str] = set()
     for line in exposition.splitlines():
         if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(maxsplit=3)
-            if kind == "histogram":
+            _, _, name, metric_type = line.split(maxsplit=3)
+            if metric_type == "histogram":
                 declared |= {name + "_bucket", name + "_sum", name + "_count"}
-            elif kind == "summary":
+            elif metric_type == "summary":
                 declared |= {name, name + "_sum", name + "_count"}
             else:
                 declared.add(name)

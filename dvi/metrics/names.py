@@ -118,7 +118,7 @@ DISK_PARTS = ("feedback", "registry", "logs", "checkpoint", "wandb")
 HTTP_PHASES = ("headers", "body")
 """The `phase` label of `dvi_http_request_timeouts_total` (`serving.connection`)."""
 L_STAGE = "stage"
-L_SOURCE = "source"  # who proposed a draft: one of dvi.decode.emit.SOURCES (model, suffix_request, suffix_global)
+L_SOURCE = "source"  # who proposed a draft: one of dvi.decode.sources.SOURCES (model, suffix_request, suffix_global)
 
 TRAINER_STATES = {"stopped": 0, "starting": 1, "running": 2, "backoff": 3, "failed": 4, "paused": 5, "off": 6,
                   "external": 7}
@@ -146,7 +146,7 @@ _DV = (L_DRAFTER_VERSION, L_DOMAIN)
 @dataclass(frozen=True)
 class MetricSpec:
     name: str
-    kind: str  # "counter" | "gauge" | "histogram"
+    metric_type: str  # "counter" | "gauge" | "histogram" (its `# TYPE` in the exposition)
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None

@@ -106,9 +106,9 @@ class Metrics:
         self.model_name = model_name
         self.collectors: dict[str, Any] = {}
         for spec in (*METRICS.values(), *VLLM_METRICS.values()):
-            if spec.kind == "counter":
+            if spec.metric_type == "counter":
                 c = Counter(spec.name, spec.help, spec.labels, registry=registry)
-            elif spec.kind == "gauge":
+            elif spec.metric_type == "gauge":
                 c = Gauge(spec.name, spec.help, spec.labels, registry=registry)
             else:
                 c = Histogram(spec.name, spec.help, spec.labels, registry=registry, buckets=spec.buckets)
@@ -191,9 +191,9 @@ class Metrics:
         return s
 
     def _observe_sources(self, s: ResultStats) -> None:
-        """Per draft source (a bounded label: `dvi.decode.emit.SOURCES`): counts, and α / mean accepted length since start."""
-        from dvi.decode.emit import SOURCES
+        """Per draft source (a bounded label: `dvi.decode.sources.SOURCES`): counts, and α / mean accepted length since start."""
         from dvi.decode.results import acceptance_rate, mean_accepted_length
+        from dvi.decode.sources import SOURCES
 
         c = self.collectors
         for src, (drafts, drafted, accepted) in s.by_source.items():

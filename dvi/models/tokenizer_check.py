@@ -103,12 +103,12 @@ def _backend_spec(tokenizer: Any) -> dict[str, Any]:
         return {}
 
 
-def _kind(part: dict | None) -> Any:
+def _part_type(part: dict | None) -> Any:
     """A pipeline part's type, and its members' for a Sequence (their parameters are serialisation detail)."""
     if not part:
         return None
     members = part.get("decoders") or part.get("pretokenizers") or part.get("normalizers") or part.get("processors")
-    return [part.get("type"), [_kind(m) for m in members]] if members else part.get("type")
+    return [part.get("type"), [_part_type(m) for m in members]] if members else part.get("type")
 
 
 def tokenizer_digest(tokenizer: Any) -> dict[str, str]:
@@ -124,7 +124,7 @@ def tokenizer_digest(tokenizer: Any) -> dict[str, str]:
         "merges": _sha([m if isinstance(m, str) else " ".join(m) for m in merges]),
         "added": _sha(sorted([i, t.content, bool(t.special)] for i, t in tokenizer.added_tokens_decoder.items())),
         "special_ids": _sha({k: getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "unk", "pad")}),
-        "pipeline": _sha({k: _kind(spec.get(k)) for k in ("normalizer", "pre_tokenizer", "decoder", "post_processor")}
+        "pipeline": _sha({k: _part_type(spec.get(k)) for k in ("normalizer", "pre_tokenizer", "decoder", "post_processor")}
                          | {"model": (spec.get("model") or {}).get("type"),
                             "clean_up_tokenization_spaces": bool(getattr(tokenizer, "clean_up_tokenization_spaces",
                                                                          False))}),

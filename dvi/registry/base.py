@@ -1,5 +1,5 @@
 """The registry's shared vocabulary, below its store, ledger and codecs: version names, safe directory names, and
-what a version is refused for (`AdapterRejected`, its bounded kinds, the tensor-spec check)."""
+what a version is refused for (`AdapterRejected`, its bounded categories, the tensor-spec check)."""
 
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ VERSION_RE = re.compile(r"^v(\d{6})$")
 """A version's directory name, parsed (`vname`'s inverse)."""
 
 
-REFUSAL_KINDS = ("missing", "symlink", "manifest", "files", "load", "shape", "nonfinite", "architecture",
+REFUSAL_CATEGORIES = ("missing", "symlink", "manifest", "files", "load", "shape", "nonfinite", "architecture",
                  "shadow", "other")
 """Bounded categories of a refusal (the `reason` label of dvi_drafter_refusals_total)."""
 
 
 @dataclass(eq=False)
 class AdapterRejected(Exception):
-    """A published drafter version failed validation: a typed refusal (`reason` says why, `kind` in REFUSAL_KINDS).
+    """A published drafter version failed validation: a typed refusal (`reason` says why, `category` in REFUSAL_CATEGORIES).
 
     `transient` refusals (the version dir is not there yet: LATEST written before the rename
     became visible, a slow shared filesystem) may succeed later and are retried by the server.
@@ -43,12 +43,12 @@ class AdapterRejected(Exception):
 
     reason: str
     version: int | None = None
-    kind: str = "other"
+    category: str = "other"
     transient: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in REFUSAL_KINDS:
-            self.kind = "other"
+        if self.category not in REFUSAL_CATEGORIES:
+            self.category = "other"
         super().__init__(str(self))
 
     def __str__(self) -> str:
@@ -83,16 +83,16 @@ def check_state_dict(sd: Mapping[str, torch.Tensor], expected: Expected, version
     extra = sorted(set(sd) - set(spec))
     if missing:
         raise AdapterRejected(f"missing tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''}", version,
-                              kind="shape")
+                              category="shape")
     if extra:
         raise AdapterRejected(f"unexpected tensor(s) {extra[:3]}{' ...' if len(extra) > 3 else ''}", version,
-                              kind="shape")
+                              category="shape")
     for name, (shape, dtype) in spec.items():
         t = sd[name]
         if tuple(t.shape) != shape:
-            raise AdapterRejected(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}", version, kind="shape")
+            raise AdapterRejected(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}", version, category="shape")
         if dtype is not None and t.dtype != dtype:
-            raise AdapterRejected(f"tensor {name} has dtype {t.dtype}, expected {dtype}", version, kind="shape")
+            raise AdapterRejected(f"tensor {name} has dtype {t.dtype}, expected {dtype}", version, category="shape")
 
 
 def is_count(x: Any) -> bool:

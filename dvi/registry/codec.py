@@ -60,7 +60,7 @@ def _shapes(sd: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], 
 def _check_finite(named: Any, version: int) -> None:
     for name, p in named:
         if not bool(torch.isfinite(p).all()):
-            raise AdapterRejected(f"parameter {name} is not finite after loading", version, kind="nonfinite")
+            raise AdapterRejected(f"parameter {name} is not finite after loading", version, category="nonfinite")
 
 
 def scoring_module(drafter: Any) -> nn.Module:
@@ -151,7 +151,7 @@ class LoraCodec(DrafterCodec):
         except AdapterRejected:
             raise
         except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
-            raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, kind="load") from None
+            raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, category="load") from None
 
 
 def _shared_embeddings(base: nn.Module, version_dir: Path) -> dict[int, Any]:
@@ -205,7 +205,7 @@ class FullCodec(DrafterCodec):
         except AdapterRejected:
             raise
         except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
-            raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, kind="load") from None
+            raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, category="load") from None
         head = find_subset_head(base)
         if head is not None and find_subset_head(model) is None:  # the same draft vocabulary as the live drafter
             apply_draft_vocab(model, head.token_ids.cpu())
@@ -246,16 +246,16 @@ class SharedTargetCodec(DrafterCodec):
         try:
             cfg = json.loads((d / ADAPTER_CONFIG).read_text())
         except (OSError, ValueError) as exc:
-            raise AdapterRejected(f"{ADAPTER_CONFIG} does not load: {exc}", version, kind="files") from None
+            raise AdapterRejected(f"{ADAPTER_CONFIG} does not load: {exc}", version, category="files") from None
         if not isinstance(cfg, dict) or cfg.get("dvi_kind") != self.kind:
             raise AdapterRejected(f"not an {self.kind} drafter (adapter_config.json lacks dvi_kind {self.kind!r})",
-                                  version, kind="architecture")
+                                  version, category="architecture")
         check_state_dict(sd, _shapes(base.trainable_state_dict()), version)
         head = find_subset_head(base.model)
         try:
             return type(base).load(base.target_ref, d, vocab_ids=head.token_ids.cpu() if head is not None else None)
         except Exception as exc:  # noqa: BLE001 - anything that does not load is a refusal
-            raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, kind="load") from None
+            raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, category="load") from None
 
 
 LORA = LoraCodec()
@@ -269,15 +269,15 @@ def check_full_config(d: Path, version: int, base: nn.Module) -> None:
     path = d / FULL_CONFIG
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise AdapterRejected(f"config.json is {path.stat().st_size} bytes (> {MAX_CONFIG_BYTES})", version,
-                              kind="architecture")
+                              category="architecture")
     cfg = json.loads(path.read_text())
     if not isinstance(cfg, dict):
-        raise AdapterRejected("config.json is not a JSON object", version, kind="architecture")
+        raise AdapterRejected("config.json is not a JSON object", version, category="architecture")
     live = base.config.to_dict()
     for key in ARCH_KEYS:
         if key in live and cfg.get(key, live[key]) != live[key]:
             raise AdapterRejected(f"config.json {key}={cfg.get(key)!r}, the live drafter has {live[key]!r}",
-                                  version, kind="architecture")
+                                  version, category="architecture")
 
 
 def _open_for(source: VersionSource, version: int, base: Any) -> tuple[dict[str, torch.Tensor], Any]:
@@ -307,7 +307,7 @@ def load_group_version(source: VersionSource, version: int, base: Any, sizes: Ma
     sd, man = _open_for(source, version, base)
     if man.format != "lora" or isinstance(base, SharedTargetDrafter):
         raise AdapterRejected(f"a group's version must be a LoRA adapter, this one is {man.format!r}", version,
-                              kind="architecture")
+                              category="architecture")
     model = _servable(LORA.build(source, version, base, sd), base, version)
     try:
         conf = json.loads((source.version_dir(version) / ADAPTER_CONFIG).read_text())
@@ -315,14 +315,14 @@ def load_group_version(source: VersionSource, version: int, base: Any, sizes: Ma
         scale = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
         return model, LoraFactors.from_peft(sd, scale, sizes, num_layers)
     except (KeyError, TypeError, ValueError, OSError) as exc:
-        raise AdapterRejected(f"adapter does not fit the drafter: {exc}", version, kind="shape") from None
+        raise AdapterRejected(f"adapter does not fit the drafter: {exc}", version, category="shape") from None
 
 
 def _servable(model: Any, base: Any, version: int) -> Any:
     """A built drafter checked against `base` (its vocabulary rows), on base's device and dtype, finite."""
     rows, base_rows = (m.get_output_embeddings().weight.shape[0] for m in (model, base))
     if rows != base_rows:
-        raise AdapterRejected(f"vocabulary has {rows} rows, the live drafter {base_rows}", version, kind="shape")
+        raise AdapterRejected(f"vocabulary has {rows} rows, the live drafter {base_rows}", version, category="shape")
     ref = next(base.parameters())
     model = model.to(device=ref.device, dtype=ref.dtype).eval()
     _check_finite(model.named_parameters(), version)

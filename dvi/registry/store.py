@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from dvi.drafters.factory import KINDS
+from dvi.drafters.factory import PROPOSER_NAMES
 from dvi.drafters.learned import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from dvi.fsutil import TMP_PREFIX, append_jsonl, fsync_path, fsync_tree
 from dvi.registry.base import (
-    REFUSAL_KINDS,
+    REFUSAL_CATEGORIES,
     SAFE_NAME,
     VERSION_RE,
     AdapterRejected,
@@ -52,7 +52,7 @@ from dvi.registry.base import (
 from dvi.registry.codec import FULL_CONFIG, FULL_WEIGHTS, DrafterCodec
 from dvi.registry.ledger import REPLICAS, ServerFacts, ServingState, TrainerFacts
 
-__all__ = ["REFUSAL_KINDS", "AdapterRejected", "DrafterRegistry", "Expected", "Manifest", "ServingState",
+__all__ = ["REFUSAL_CATEGORIES", "AdapterRejected", "DrafterRegistry", "Expected", "Manifest", "ServingState",
            "check_state_dict", "vname"]
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,8 @@ MANIFEST = "manifest.json"
 MANIFEST_FIELDS = ("version", "parent_version", "target_version", "format", "steps", "records_seen", "heldout_alpha",
                    "created_at")
 FILES_BY_FORMAT = {"lora": (LORA_WEIGHTS, LORA_CONFIG), "full": (FULL_WEIGHTS, FULL_CONFIG)}
-DRAFTER_KINDS = tuple(k for k in KINDS if k not in ("none", "suffix", "hybrid"))
-"""A version's drafter kind: the kinds of `dvi.drafters.factory.KINDS` that are a learned drafter (a hybrid publishes
+DRAFTER_KINDS = tuple(k for k in PROPOSER_NAMES if k not in ("none", "suffix", "hybrid"))
+"""A version's drafter kind: the names of `dvi.drafters.factory.PROPOSER_NAMES` that are a learned drafter (a hybrid publishes
 its learned half under that half's kind)."""
 
 EVENTS_MAX_BYTES = 1 << 20
@@ -106,20 +106,20 @@ class Manifest:
 
     @classmethod
     def parse(cls, raw: Any, version: int) -> Manifest:
-        """Check the fields of a loaded manifest.json; AdapterRejected(kind="manifest") names what is wrong."""
+        """Check the fields of a loaded manifest.json; AdapterRejected(category="manifest") names what is wrong."""
         if not isinstance(raw, dict):
-            raise AdapterRejected(f"{MANIFEST} is not a JSON object", version, kind="manifest")
+            raise AdapterRejected(f"{MANIFEST} is not a JSON object", version, category="manifest")
         raw = _upgraded(raw)
         missing = [f for f in MANIFEST_FIELDS if f not in raw]
         if missing:
-            raise AdapterRejected(f"{MANIFEST} lacks field(s) {missing}", version, kind="manifest")
+            raise AdapterRejected(f"{MANIFEST} lacks field(s) {missing}", version, category="manifest")
         if raw["version"] != version:
             raise AdapterRejected(f"{MANIFEST} says version {raw['version']!r}, dir is {vname(version)}", version,
-                                  kind="manifest")
+                                  category="manifest")
         if raw["format"] not in FILES_BY_FORMAT:
-            raise AdapterRejected(f"unknown format {raw['format']!r}", version, kind="manifest")
+            raise AdapterRejected(f"unknown format {raw['format']!r}", version, category="manifest")
         if raw.get("drafter_kind") not in (None, *DRAFTER_KINDS):
-            raise AdapterRejected(f"unknown drafter_kind {raw['drafter_kind']!r}", version, kind="manifest")
+            raise AdapterRejected(f"unknown drafter_kind {raw['drafter_kind']!r}", version, category="manifest")
         ints = ("target_version", "steps", "records_seen")
         bad = [f for f in ints if not is_count(raw[f])] + [f for f in ("parent_version",) if
                                                          raw[f] is not None and not is_count(raw[f])]
@@ -127,7 +127,7 @@ class Manifest:
         if raw.get("draft_vocab_size") is not None and not is_count(raw["draft_vocab_size"]):
             bad.append("draft_vocab_size")
         if bad:
-            raise AdapterRejected(f"{MANIFEST} field(s) {bad} have the wrong type", version, kind="manifest")
+            raise AdapterRejected(f"{MANIFEST} field(s) {bad} have the wrong type", version, category="manifest")
         known = {f.name for f in cls.__dataclass_fields__.values()} - {"extra"}
         return cls(**{k: raw[k] for k in known if k in raw and k != "created_at"},
                    created_at=float(raw["created_at"] or 0.0),
@@ -144,19 +144,19 @@ class Manifest:
 
     def check_fits(self, drafter_kind: str, file_format: str | None = None,
                    draft_vocab_size: Any = _ANY) -> None:
-        """Refuse (AdapterRejected kind="architecture") a version made for another drafter kind, file format or
+        """Refuse (AdapterRejected category="architecture") a version made for another drafter kind, file format or
         draft vocabulary. A hand-published version (no drafter_kind) fits any drafter its files fit."""
         if self.drafter_kind is not None and self.drafter_kind != drafter_kind:
             raise AdapterRejected(f"published by a {self.drafter_kind!r} trainer, this drafter is {drafter_kind!r}",
-                                  self.version, kind="architecture")
+                                  self.version, category="architecture")
         if file_format is not None and self.format != file_format:
             raise AdapterRejected(f"format is {self.format!r}, expected {file_format!r}", self.version,
-                                  kind="architecture")
+                                  category="architecture")
         if (draft_vocab_size is not _ANY and self.draft_vocab_size is not _ANY
                 and self.draft_vocab_size != draft_vocab_size):
             raise AdapterRejected(f"trained for a draft vocabulary of {self.draft_vocab_size or 'all'} ids, the "
                                   f"drafter drafts over {draft_vocab_size or 'all'}", self.version,
-                                  kind="architecture")
+                                  category="architecture")
 
 
 class DrafterRegistry(TrainerFacts, ServerFacts):
@@ -208,20 +208,20 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
         weights file) symlinked elsewhere would make the server load whatever it points at."""
         root = self.dir.resolve()
         if not d.resolve().is_relative_to(root) or d.resolve() == root:
-            raise AdapterRejected("version directory is a symlink to outside the registry", version, kind="symlink")
+            raise AdapterRejected("version directory is a symlink to outside the registry", version, category="symlink")
         for p in d.iterdir():
             if not p.resolve().is_relative_to(d.resolve()):
                 raise AdapterRejected(f"{p.name} is a symlink to outside the version directory", version,
-                                      kind="symlink")
+                                      category="symlink")
 
     def manifest(self, version: int) -> Manifest:
         """The parsed manifest of `version` (AdapterRejected when it is missing or malformed)."""
         try:
             raw = json.loads((self.version_dir(version) / MANIFEST).read_text())
         except FileNotFoundError:
-            raise AdapterRejected(f"{MANIFEST} missing", version, kind="manifest") from None
+            raise AdapterRejected(f"{MANIFEST} missing", version, category="manifest") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise AdapterRejected(f"{MANIFEST} does not parse: {e}", version, kind="manifest") from None
+            raise AdapterRejected(f"{MANIFEST} does not parse: {e}", version, category="manifest") from None
         return Manifest.parse(raw, version)
 
     def published_at(self, version: int) -> float | None:
@@ -310,7 +310,7 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
         Returns (state_dict, Manifest); anything wrong raises AdapterRejected(reason)."""
         d = self.version_dir(version)
         if not d.is_dir():
-            raise AdapterRejected("version directory does not exist (yet)", version, kind="missing", transient=True)
+            raise AdapterRejected("version directory does not exist (yet)", version, category="missing", transient=True)
         self._check_confined(d, version)
         man = self.manifest(version)
         if drafter_kind is not None:
@@ -318,22 +318,22 @@ class DrafterRegistry(TrainerFacts, ServerFacts):
         weights, config = FILES_BY_FORMAT[man.format]
         for fname in (weights, config):
             if not (d / fname).is_file():
-                raise AdapterRejected(f"{fname} missing", version, kind="files")
+                raise AdapterRejected(f"{fname} missing", version, category="files")
         try:
             json.loads((d / config).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise AdapterRejected(f"{config} does not parse: {e}", version, kind="files") from None
+            raise AdapterRejected(f"{config} does not parse: {e}", version, category="files") from None
         try:
             sd = load_file(str(d / weights))
         except Exception as e:  # safetensors raises its own error types on corrupt files
-            raise AdapterRejected(f"{weights} does not load: {e}", version, kind="load") from None
+            raise AdapterRejected(f"{weights} does not load: {e}", version, category="load") from None
         if not sd:
-            raise AdapterRejected(f"{weights} holds no tensors", version, kind="load")
+            raise AdapterRejected(f"{weights} holds no tensors", version, category="load")
         if expected is not None:
             check_state_dict(sd, expected, version)
         for name, t in sd.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise AdapterRejected(f"tensor {name} has non-finite values", version, kind="nonfinite")
+                raise AdapterRejected(f"tensor {name} has non-finite values", version, category="nonfinite")
         return sd, man
 
     # -- moving LATEST ----------------------------------------------------------------------

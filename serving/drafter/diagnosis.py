@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from dvi.decode.emit import SOURCES
 from dvi.decode.results import acceptance_rate
+from dvi.decode.sources import SOURCE_MODEL, source_code
 from dvi.feedback import FeedbackRecord
 from dvi.feedback.shadow import served_temperature
 from dvi.feedback.verdict import Scorer
@@ -51,7 +51,7 @@ MIN_CONSISTENCY_DRAFTS = 32
 CAUSES = ("serving_disagrees", "drafter_changed", "target_changed", "traffic_changed", "unexplained")
 """The `cause` label of `dvi_alpha_moves_total` and the causes named in /admin/status and the log."""
 
-_MODEL = SOURCES.index("model") + 1  # its code in a record's draft_source (0: no draft)
+_MODEL = source_code(SOURCE_MODEL)  # its code in a record's draft_source
 
 
 @dataclass(frozen=True)

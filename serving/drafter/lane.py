@@ -267,7 +267,7 @@ class Lane:
         try:
             loaded = self._load(version)
         except AdapterRejected as exc:
-            self._refuse(version, exc.reason, kind=exc.kind, transient=exc.transient)
+            self._refuse(version, exc.reason, category=exc.category, transient=exc.transient)
             return False
         self.machine.validated(version, loaded)
         return True
@@ -288,7 +288,7 @@ class Lane:
                   f"{verdict.group_summary()}")
         self.machine.judged(version, verdict.passed, reason)
         if not verdict.passed:
-            self._refuse(version, f"{reason}; {verdict.reason}", kind="shadow")
+            self._refuse(version, f"{reason}; {verdict.reason}", category="shadow")
         return verdict.passed
 
     def _promote(self, candidate: Loaded, reason: str) -> bool:
@@ -296,7 +296,7 @@ class Lane:
         try:
             self._swap(candidate, "promoted", reason)
         except AdapterRejected as exc:  # the engine could not load it (vLLM): it keeps the served drafter
-            self._refuse(candidate.version, exc.reason, kind=exc.kind)
+            self._refuse(candidate.version, exc.reason, category=exc.category)
         return False
 
     def _compare(self, candidate: Scorer, incumbent: Scorer, records: list[FeedbackRecord], rule: Rule) -> Verdict:
@@ -306,19 +306,19 @@ class Lane:
         self.verdicts[rule.name] = verdict
         return verdict
 
-    def _swap(self, loaded: Loaded, kind: str, reason: str) -> None:
-        """Serve `loaded` (`kind`: promoted, rolled_back, pinned, restored): the engine command, then the machine's
+    def _swap(self, loaded: Loaded, event: str, reason: str) -> None:
+        """Serve `loaded` (`event`: promoted, rolled_back, pinned, restored): the engine command, then the machine's
         state, SERVING, and the event."""
         self._freed = True
         version, m = loaded.version, self.machine
         if self.engine is not None:
             self.engine.command(loaded.command).result(timeout=120)
-        first = kind == "promoted" and version not in m.verdict_seen
-        prev = m.swapped(version, kind, loaded)
+        first = event == "promoted" and version not in m.verdict_seen
+        prev = m.swapped(version, event, loaded)
         self._windows = {v: w for v, w in self._windows.items() if v in m.loaded}
         self._windows[version] = collections.deque(maxlen=self.policy.rollback_window)
         self._save_serving()
-        self._record(VersionEvent(kind, version, prev, reason, time.time()), first)
+        self._record(VersionEvent(event, version, prev, reason, time.time()), first)
 
     def _save_serving(self) -> None:
         m = self.machine
@@ -328,7 +328,7 @@ class Lane:
         except OSError:
             log.exception("cannot record the served drafter in the registry")
 
-    def _refuse(self, version: int, reason: str, kind: str = "other", transient: bool = False) -> None:
+    def _refuse(self, version: int, reason: str, category: str = "other", transient: bool = False) -> None:
         """Refuse `version` (logged, counted once, durable unless transient: retried at every poll). Durable
         first, then counted, then the machine's: whoever sees it on /health finds it on /metrics and in REFUSED."""
         m = self.machine
@@ -338,7 +338,7 @@ class Lane:
             except OSError:
                 log.exception("cannot record the refusal of v%d in the registry", version)
         if not (transient and version in m.retry):  # a transient refusal repeated is not reported again
-            self._record(VersionEvent("refused", version, m.live, reason, time.time(), category=kind),
+            self._record(VersionEvent("refused", version, m.live, reason, time.time(), category=category),
                          first=version not in m.verdict_seen)
         m.refuse(version, reason, transient)
 
@@ -351,9 +351,9 @@ class Lane:
         if self.scope is not None:
             ev = replace(ev, group=self.scope.group)
         self.events.append(ev)
-        self.counts[ev.kind] += 1
-        level = logging.WARNING if ev.kind in ("refused", "rolled_back", "alert") else logging.INFO
-        log.log(level, "drafter%s %s v%d (previous %s): %s", self._of_group(), ev.kind, ev.version, ev.previous,
+        self.counts[ev.event] += 1
+        level = logging.WARNING if ev.event in ("refused", "rolled_back", "alert") else logging.INFO
+        log.log(level, "drafter%s %s v%d (previous %s): %s", self._of_group(), ev.event, ev.version, ev.previous,
                 ev.reason)
         if self.event_log:
             try:

@@ -205,11 +205,11 @@ class Lifecycle:
         while len(self.refused) > MAX_REFUSED_SHOWN:
             self.refused.popitem(last=False)
 
-    def swapped(self, version: int, kind: str, loaded: Any) -> int:
-        """The engine serves `version` (the lane's `loaded`) now (`kind`: promoted, rolled_back, pinned, restored);
+    def swapped(self, version: int, event: str, loaded: Any) -> int:
+        """The engine serves `version` (the lane's `loaded`) now (`event`: promoted, rolled_back, pinned, restored);
         returns the version it served before. A promotion is watched; anything else is served as it is. No promotion
         while a pin stands (`next_step` never says "swap" then; this refuses a caller that did not ask)."""
-        if kind == "promoted" and self.pinned is not None:
+        if event == "promoted" and self.pinned is not None:
             raise ValueError(f"v{version} cannot be promoted: the drafter is pinned to v{self.pinned}")
         prev, self.live = self.live, version
         self.loaded[version] = loaded
@@ -221,7 +221,7 @@ class Lifecycle:
         if version in self.retry:  # a retried version made it after all
             self.retry.discard(version)
             self.refused.pop(version, None)
-        promoted = kind == "promoted"
+        promoted = event == "promoted"
         if promoted:
             self._verdict(version)
         self.watch = Watch(version, self.good, self.rollback_window) if promoted else None

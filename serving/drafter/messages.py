@@ -60,19 +60,20 @@ class Observed:
 
 @dataclass(frozen=True)
 class VersionEvent:
-    """One promotion / refusal / rollback / pin / alert, as logged, counted and shown on /health."""
+    """One promotion / refusal / rollback / pin / alert, as logged, counted and shown on /health (`event` names which;
+    its JSON key, in the events log and on /health, stays "kind")."""
 
-    kind: str  # "promoted" | "refused" | "rolled_back" | "pinned" | "restored" | "kept" | "alert"
+    event: str  # "promoted" | "refused" | "rolled_back" | "pinned" | "restored" | "kept" | "alert"
     version: int
     previous: int | None
     reason: str
     at: float
-    category: str = ""  # refusals: one of dvi.registry.store.REFUSAL_KINDS (a bounded metrics label)
+    category: str = ""  # refusals: one of dvi.registry.store.REFUSAL_CATEGORIES (a bounded metrics label)
     publish_to_verdict_s: float | None = None  # a version's first verdict (promoted / refused): since its publish
     group: str = ""  # a traffic group's adapter version (issue 40); "" the shared drafter's
 
     def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "version": self.version, "previous": self.previous,
+        return {"kind": self.event, "version": self.version, "previous": self.previous,
                 "reason": self.reason, "at": self.at, "category": self.category,
                 "publish_to_verdict_s": self.publish_to_verdict_s, "group": self.group}
 
@@ -93,7 +94,7 @@ class LaneView:
     heldout: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # `HeldOutSet.info()`: records, groups, unfit
     verdicts: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # the last `Verdict` of each gate
     refused: Mapping[int, str] = field(default_factory=lambda: _EMPTY)  # the newest refusals, with their reasons
-    counts: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # events by kind (a Counter: 0 for none)
+    counts: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # events by `VersionEvent.event` (a Counter: 0 for none)
     versions: Mapping[int, str] = field(default_factory=lambda: _EMPTY)  # the newest versions' lifecycle states
     live_alpha: Mapping[int, float | None] = field(default_factory=lambda: _EMPTY)  # per kept version, live
     events: tuple[VersionEvent, ...] = ()  # the newest, oldest first

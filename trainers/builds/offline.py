@@ -149,17 +149,17 @@ def _adamw(groups: list[dict], lr: float, betas: tuple[float, float]) -> torch.o
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1,
-                   betas: tuple[float, float] = (0.9, 0.95), kind: str = "adamw",
+                   betas: tuple[float, float] = (0.9, 0.95), optimizer: str = "adamw",
                    muon_lr: float | None = None) -> torch.optim.Optimizer | _Optimizers:
     """AdamW with decay on matrices only (not norms/biases); fused kernel where supported.
 
-    `kind="muon"`: the decoder layers' weight matrices go to Muon (orthogonalised momentum, which
+    `optimizer="muon"`: the decoder layers' weight matrices go to Muon (orthogonalised momentum, which
     learns more per token than AdamW at a fixed budget) at `muon_lr` (default: `lr`, RMS-matched
     to AdamW); embeddings, LM head and norms stay on AdamW, as Muon is meant only for hidden
     matrices. Every param group keeps its peak LR as `initial_lr` for the schedule.
     """
-    if kind not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     seen, decay, no_decay, hidden = set(), [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
@@ -167,7 +167,7 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1,
         seen.add(id(p))
         if p.dim() < 2:
             no_decay.append(p)
-        elif kind == "muon" and ".layers." in f".{name}" and "embed" not in name:
+        elif optimizer == "muon" and ".layers." in f".{name}" and "embed" not in name:
             hidden.append(p)
         else:
             decay.append(p)
@@ -293,7 +293,7 @@ def _train_loop(model: torch.nn.Module, loss_fn: Callable[[torch.Tensor], torch.
     """Train until `s.steps` or `s.max_seconds` runs out; returns steps/tokens/loss/wall stats."""
     if s.steps <= 0 and not s.max_seconds:
         raise ValueError("need steps > 0 or a max_seconds budget")
-    opt = make_optimizer(model, s.lr, s.weight_decay, kind=s.optimizer, muon_lr=s.muon_lr)
+    opt = make_optimizer(model, s.lr, s.weight_decay, optimizer=s.optimizer, muon_lr=s.muon_lr)
     model.train()
     it = iter(batches)
     clock = _Clock(s)

@@ -1,6 +1,7 @@
-"""What the endpoints share, built once per server (`build_state`): the engine behind its scheduler, the
-feedback writer, the drafter wing behind its door, the trainer supervisor and the metrics, and how they subscribe to
-each finished request's one final record (`serving.finished`, published once on the engine thread).
+"""The server's wiring: `build_state` builds, once per server, what the endpoints share (`ServerState`): the engine
+behind its scheduler, the feedback writer, the drafter wing behind its door, the trainer supervisor and the metrics,
+and subscribes them to each finished request's one final record (`serving.finished`, published once on the engine
+thread). Named `serving.state` before issue 58.
 
 Its own module so the endpoints (`serving.completions`, `serving.health`, `serving.admin`, `serving.drain`)
 import the state without importing the app that routes to them.
@@ -188,7 +189,7 @@ def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
     engine = serving_engine(cfg, pair)
     log.info("greedy speculation on this device: %s (README \"Greedy in bf16\"; models.exact_greedy: every row "
              "bitwise)", engine.greedy_contract)
-    if cfg.speculation.adaptive and engine.proposer.kind != "none":
+    if cfg.speculation.adaptive and engine.proposer.name != "none":
         # Measure draft/verify costs for every batch bucket now, so no request pays for a
         # calibration the first time the running batch reaches a new size.
         buckets = sorted({batch_bucket(n) for n in range(1, cfg.serve.max_batch_size + 1)})
@@ -261,4 +262,4 @@ def _to_drafter(drafter: DrafterClient, fin: Finished) -> None:
 
 
 def _on_version_event(metrics: ServerMetrics, ev: VersionEvent) -> None:
-    metrics.observe_swap(ev.kind, ev.version, ev.reason, category=ev.category, publish_to_verdict_s=ev.publish_to_verdict_s)
+    metrics.observe_swap(ev.event, ev.version, ev.reason, category=ev.category, publish_to_verdict_s=ev.publish_to_verdict_s)
