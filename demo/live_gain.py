@@ -77,3 +77,11 @@ def print_live_gain(console: Any, gains: list[dict[str, Any]], share: float) -> 
             table.add_row(g["phase"], label, f"{c['learned']['requests']} / {c['control']['requests']}",
                           *(_cell(c, m) for m in MEASURES))
     console.print(table)
+
+
+def alpha_moves(health: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every move of live α the server explained (`serving.drafter.diagnosis`), from its final /health: the shared
+    lane's and each traffic group's, in window order per lane."""
+    lanes = [(health.get("drafter") or {})]
+    lanes += list(((health.get("adapters") or {}).get("groups") or {}).values())
+    return [m for lane in lanes for m in (lane.get("alpha_diagnosis") or {}).get("moves", [])]

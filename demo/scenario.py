@@ -38,9 +38,10 @@ from dvi.config import DviConfig, dump_config
 from dvi.decode.results import acceptance_rate, mean_accepted_length
 from dvi.fsutil import PRIVATE, atomic_write_text
 from dvi.rundir import RunDir
+from serving.drafter.diagnosis import WINDOW as WINDOW_RECORDS
 from serving.server_process import ServerProcess
 
-from .live_gain import DEMO_CONTROL_SHARE, live_gain, print_live_gain, window_arms
+from .live_gain import DEMO_CONTROL_SHARE, alpha_moves, live_gain, print_live_gain, window_arms
 
 DEFAULT_REQUESTS = {"tiny": 48, "smollm2": 96}
 CONCURRENCY = 4
@@ -403,6 +404,11 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: in
                       f"{row.get('domain')} v{row['adapter_version']}" if row.get("adapter_version") else "-",
                       f"v{row['target_version']}")
     console.print(table)
+    moves = alpha_moves(final)
+    console.print(f"why α moved (the server's diagnosis per window of {WINDOW_RECORDS} records, by lane): "
+                  f"{len(moves)} moves named" + ("" if moves else " (none)"))
+    for m in moves:
+        console.print(f"  [{m['cause']}] {m['message']}")
     gains = live_gain(timeline.responses)
     share = ((final.get("control") or {}).get("share")) or 0.0
     if share:
@@ -410,7 +416,7 @@ def _report(console: Any, rundir: RunDir, timeline: Timeline, final: dict, k: in
     run_dir = rundir.root
     (run_dir / "timeline.json").write_text(json.dumps({"rows": timeline.rows, "errors": timeline.errors, "k": k,
                                                        "legend": LEGEND, "health": final, "greedy_check": greedy,
-                                                       "live_gain": gains}, indent=1))
+                                                       "live_gain": gains, "alpha_moves": moves}, indent=1))
     if timeline.rows:
         console.print(f"α plot: {plot_windows(timeline.rows, run_dir / 'alpha.png')}")
     counts = [(final.get("drafter") or {}).get("counts", {})]
