@@ -88,7 +88,7 @@ def _plot(path: Path, logs: dict[str, dict[int, list]], alpha_from: int, title: 
                 vals = [[_share(run[i]) for run in runs] for i in range(len(steps))]
             else:
                 steps, vals = _per_step(logs, arm, field)
-            pts = [(s, statistics.fmean(v)) for s, v in zip(steps, vals, strict=True) if all(x == x for x in v)]
+            pts = [(s, statistics.fmean(v)) for s, v in zip(steps, vals, strict=True) if all(x is not None and x == x for x in v)]
             a.plot([p[0] for p in pts], [p[1] for p in pts], label=arm, color=COLORS[arm], marker=".")
             if field == "reward" and arm == "plain" and len(logs[arm]) > 1:
                 a.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=COLORS[arm], alpha=0.2)
