@@ -3,7 +3,7 @@
 The switch is three lines on top of an ordinary GRPO script:
 
     engine = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter), adaptive=True)
-    rollout_func = trl_rollout_func(engine)                                         # dvi.rollout
+    rollout_func = trl_rollout_func(engine)                                         # dvi.rollout_trl
     trainer = GRPOTrainer(..., rollout_func=rollout_func)
 
 Here on the real pair (SmolLM2-135M-Instruct + its 1-layer drafter over a 16k draft vocabulary, served in
@@ -65,7 +65,7 @@ def build(a: argparse.Namespace) -> tuple:
     from dvi.engine.speculative import SpeculativeEngine
     from dvi.models.embedded import embedded_paths
     from dvi.models.loading import load_embedded_pair
-    from dvi.rollout import SamplingOverrides, trl_rollout_func
+    from dvi.rollout_trl import SamplingOverrides, trl_rollout_func
     from trainers.rl_tasks import arith_dataset, trl_reward
 
     torch.set_num_threads(a.threads)

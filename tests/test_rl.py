@@ -17,7 +17,8 @@ from dvi.data import prompt_stream
 from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine
 from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
-from dvi.rollout import SamplingOverrides, policy_state_dict, trl_rollout_func
+from dvi.rollout import policy_state_dict
+from dvi.rollout_trl import SamplingOverrides, trl_rollout_func
 from trainers.grpo import completion_logprobs, group_advantages
 from trainers.rl import RLConfig, RLRun
 from trainers.rl_tasks import ast_reward, upper_reward

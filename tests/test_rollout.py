@@ -14,7 +14,8 @@ from dvi.data import prompt_stream
 from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine, Versions
 from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
-from dvi.rollout import Rollout, RolloutEngine, policy_state_dict, trl_rollout_func
+from dvi.rollout import Rollout, RolloutEngine, policy_state_dict
+from dvi.rollout_trl import trl_rollout_func
 
 torch.set_num_threads(1)
 

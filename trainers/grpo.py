@@ -1,7 +1,7 @@
 """GRPO's pieces, independent of any loop: group-relative advantages, the per-token log-probs of sampled
 completions under the policy, the on-policy loss, the LoRA policy (peft) and how far the served target is
 from it. `trainers.rl` runs them against dvi's rollout engine; TRL users get the same through
-`dvi.rollout.trl_rollout_func`.
+`dvi.rollout_trl.trl_rollout_func`.
 """
 
 from __future__ import annotations
