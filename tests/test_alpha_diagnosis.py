@@ -85,3 +85,69 @@ def test_live_drafts_are_their_weights_own_argmax_and_a_corrupted_drafter_is_cau
     move = d.run({0: scorer(bad[0])}, bad)
     assert move is not None and move.cause == "serving_disagrees" and d.causes["serving_disagrees"] == 1
     assert d.info()["moves"][0]["cause"] == "serving_disagrees"
+
+
+@pytest.mark.slow
+def test_four_staged_causes_are_named_through_a_live_server(pair, tiny_pair_dir, tmp_path, allowed_dir) -> None:
+    """`dvi serve` (the tiny pair, every step drafting 3, the trainer off), a window of 32 requests per stage, each
+    stage's cause staged for real: traffic drift (code, then prose), a bad version pinned and then the good one
+    pinned back (a promotion and a rollback of the served drafter), the engine drafting with other weights than the
+    version it reports (a serving fault: weights fine, live drafts corrupted), and a target update with the drafter
+    held back. Each window's move is named as staged; no other window says serving disagrees."""
+    from registry_doors import publish_full
+    from test_serving_helpers import TEST_ADMIN_TOKEN, ServerThread, tiny_config, wait_for
+
+    from demo.scenario import _perturbed_target
+    from dvi.data import prompt_stream
+    from dvi.registry.store import DrafterRegistry
+    from serving.drafter.diagnosis import WINDOW
+    from serving.engine_client import SetDrafter
+
+    cfg = tiny_config(tiny_pair_dir, tmp_path, f"serve.allowed_dirs=[{allowed_dir}]")
+    tok = pair.tokenizer
+    streams = {d: prompt_stream(d, tok, seed=3) for d in ("code", "prose")}
+    garbage = copy.deepcopy(pair.drafter)
+    with torch.no_grad():
+        for p in garbage.parameters():
+            p.add_(torch.randn_like(p) * p.std() * 2.0)
+    useless = copy.deepcopy(pair.drafter)  # every logit equal: it always drafts token 0, which the target never says
+    with torch.no_grad():
+        useless.get_output_embeddings().weight.zero_()
+    bad = publish_full(DrafterRegistry(cfg.registry.dir), useless.state_dict(), useless.config, set_latest=False)
+    _perturbed_target(tiny_pair_dir / "target", allowed_dir / "t1.safetensors", scale=0.6, seed=1)
+    auth = {"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}
+    with ServerThread(cfg) as s, s.client() as c:
+        def window(domain: str, n: int) -> dict:
+            for _ in range(WINDOW):
+                r = c.post("/v1/completions", json={"prompt": next(streams[domain])[:48], "max_tokens": 16,
+                                                    "metadata": {"domain": domain}})
+                assert r.status_code == 200, r.text
+            wait_for(lambda: len(s.health()["drafter"]["alpha_diagnosis"].get("windows", [])) >= min(n, 3)
+                     and s.health()["drafter"]["alpha_diagnosis"]["windows"][-1]["index"] == n, 120,
+                     what=f"window {n} diagnosed")
+            return s.health()["drafter"]["alpha_diagnosis"]
+
+        def pin(version: int) -> None:
+            assert c.post("/admin/drafter/pin", json={"version": version}, headers=auth).status_code == 200
+            wait_for(lambda: s.health()["drafter"]["live_version"] == version, 60, what=f"v{version} served")
+
+        window("code", 1)
+        named = [window("prose", 2)]  # traffic
+        pin(bad)
+        named.append(window("prose", 3))  # a bad version promoted
+        pin(0)
+        named.append(window("prose", 4))  # rolled back to the good one
+        original = copy.deepcopy(pair.drafter)
+        s.state.scheduler.command(SetDrafter(garbage, 0)).result(timeout=60)  # the engine lies about its drafter
+        named.append(window("prose", 5))
+        s.state.scheduler.command(SetDrafter(original, 0)).result(timeout=60)
+        window("prose", 6)
+        r = c.post("/admin/target", json={"path": str(allowed_dir / "t1.safetensors"), "version": 1}, headers=auth)
+        assert r.status_code == 200, r.text
+        named.append(window("prose", 7))  # the target moved, the drafter did not
+        moves = {m["window"]: m for m in named[-1]["moves"]}
+    want = {2: "traffic_changed", 3: "drafter_changed", 4: "drafter_changed", 5: "serving_disagrees",
+            7: "target_changed"}
+    got = {w: moves[w]["cause"] if w in moves else None for w in want}
+    assert got == want, ({w: moves.get(w, {}).get("message") for w in want}, [n["windows"] for n in named])
+    assert [w for w, m in moves.items() if m["cause"] == "serving_disagrees"] == [5]
