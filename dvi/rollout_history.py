@@ -27,7 +27,7 @@ import torch
 
 from dvi.decode.adaptive import batch_bucket
 from dvi.drafters.suffix_index import token_list
-from dvi.drafters.suffix_proposer import PROMPT_TAIL, SuffixProposer, point_drafts
+from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts
 
 if TYPE_CHECKING:
     from dvi.decode.seq import BatchParams, Seq
@@ -64,14 +64,9 @@ def row_draft_lens(probs: list[list[float]], batch: int, plain_s: float, positio
 class HistoryProposer(SuffixProposer):
     """Suffix drafts from a prompt's earlier rollouts and its live siblings, priced per row (module docstring)."""
 
-    kind = "suffix"
-
-    def __init__(self, cache: SuffixCache, vocab_size: int, device: torch.device, max_tokens: int = 16,
-                 min_prob: float = 0.1, prompt_tail: int = PROMPT_TAIL, version_decay: float = 0.5,
-                 live: bool = True, per_row: bool = True):
-        super().__init__(cache, vocab_size, device, max_tokens, min_prob, prompt_tail, version_decay)
-        self.live, self.per_row = bool(live), bool(per_row)
-        self.priced_rows = 0  # steps priced per row (for reports and tests)
+    live = True  # siblings' text joins the index as it is generated (`history_proposer(live=)`)
+    per_row = True  # each row's draft priced per position on a ragged verify (`history_proposer(per_row=)`)
+    priced_rows = 0  # steps priced per row (for reports and tests)
 
     # -- live siblings -------------------------------------------------------------------------------------
     def join(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
@@ -164,5 +159,7 @@ def history_proposer(vocab_size: int, device: torch.device | str = "cpu", cache:
         from dvi.drafters.suffix import SuffixCache
 
         cache = SuffixCache(max_tokens=sx.max_tokens, max_seqs=sx.max_seqs, max_depth=sx.max_depth)
-    return HistoryProposer(cache, vocab_size, torch.device(device), max_tokens=sx.max_draft_tokens,
-                           min_prob=sx.min_prob, version_decay=sx.version_decay, live=live, per_row=per_row)
+    prop = HistoryProposer(cache, vocab_size, torch.device(device), max_tokens=sx.max_draft_tokens,
+                           min_prob=sx.min_prob, version_decay=sx.version_decay)
+    prop.live, prop.per_row = bool(live), bool(per_row)
+    return prop
