@@ -51,7 +51,8 @@ class AcceptanceEMA:
 
 class AcceptanceTracker:
     """Acceptance estimates for the rows of a batch: each row's own `AcceptanceEMA`, shrunk toward the
-    pooled rate of its domain (acceptance differs by domain: a code drafter on prose traffic).
+    pooled rate of its pool (`Request.pool`: its domain, and the adapter drafting it where traffic groups have one;
+    acceptance differs by domain, a code drafter on prose traffic, and by drafter).
 
     Pools start optimistic (`prior`), so a fresh engine or a freshly swapped drafter drafts and measures
     instead of assuming the drafter is useless; `reset` after a drafter or target change.
@@ -86,5 +87,9 @@ class AcceptanceTracker:
             for p in self._pools.values():
                 p.update(0, 0)
 
-    def reset(self) -> None:
-        self._pools.clear()
+    def reset(self, group: str | None = None) -> None:
+        """Forget every pool, or only those of one traffic group's adapter (`Request.pool`)."""
+        if group is None:
+            self._pools.clear()
+        else:
+            self._pools = {k: v for k, v in self._pools.items() if not k.endswith(f"/{group}")}

@@ -40,7 +40,6 @@ from dvi.decode.request import (
     validate_prompt,
 )
 from dvi.decode.results import GenerationResult, StepOutput, Versions
-from dvi.decode.sampling import GREEDY_BELOW_TEMPERATURE
 from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
 from dvi.decode.sources import SOURCE_MODEL
 from dvi.decode.target import TargetRunner, target_runner
@@ -50,26 +49,12 @@ from dvi.drafters.proposer import Draft, Proposer
 from dvi.drafters.vocab import fit_vocab
 from dvi.engine.accept import accept_chain, accept_tree
 from dvi.engine.calibration import CalibrationSetup, calibrate_bucket
+from dvi.engine.options import EngineOptions
 from dvi.engine.report import EngineReport
 from dvi.models.loading import check_target_state_dict, load_state_dict
 
 __all__ = ["SamplingParams", "Request", "GenerationResult", "StepOutput", "SpeculativeEngine", "EngineOptions",
            "InvalidParam", "Versions"]
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineOptions:
-    """How a server runs the engine: temperatures below `greedy_below_temperature` are served as greedy (logits /
-    1e-45 overflow); on CUDA the target's forwards replay graphs captured for up to `max_batch_size` rows."""
-
-    greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE
-    cuda_graphs: bool = True
-    max_batch_size: int = 16
-    cpu_packed_weights: bool = False  # multi-row forwards on oneDNN-prepacked weights (CPU, fp32; `target_runner`)
-    tree_width: int = 0  # at most this many siblings per drafted depth (draft trees, `dvi.decode.tree_pricing`)
-    # adaptive K minimises the time until the batch's slowest row finishes (a fixed batch: `generate`, RL rollouts)
-    # when True; a server that backfills finished rows maximises tokens per second instead (False)
-    drain_aware: bool = True
 
 
 class SpeculativeEngine:
@@ -235,6 +220,7 @@ class SpeculativeEngine:
         """Between steps: `group`'s rows draft through the LoRA `factors` as adapter version `version` (None, None:
         the base drafter again); the rows' draft caches are rebuilt at once, as a hot swap's are."""
         self.proposer.set_adapter(group, factors)
+        self.acceptance.reset(group)  # the old adapter's acceptance says little about the new one
         if factors is None:
             self.adapter_versions.pop(group, None)
         else:
@@ -470,7 +456,7 @@ class SpeculativeEngine:
             if ki > 0:
                 count_drafts(s.res, ki, ni, src, draft.ranks[i] if draft.ranks else None, srcs)
             model = src == SOURCE_MODEL
-            self.acceptance.update(s.acc, s.req.domain, ki if model else 0, ni if model else 0)
+            self.acceptance.update(s.acc, s.req.pool, ki if model else 0, ni if model else 0)
             new, reason = append_tokens(s.res, e, i, ki, s.stop, s.remaining, srcs or src)
             news.append(new)
             s.remaining -= len(new)

@@ -1,0 +1,25 @@
+"""How a server runs the engine (`EngineOptions`): the settings a deployment chooses, apart from the engine's code,
+so a caller builds them without the engine's imports."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dvi.decode.sampling import GREEDY_BELOW_TEMPERATURE
+
+__all__ = ["EngineOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How a server runs the engine: temperatures below `greedy_below_temperature` are served as greedy (logits /
+    1e-45 overflow); on CUDA the target's forwards replay graphs captured for up to `max_batch_size` rows."""
+
+    greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE
+    cuda_graphs: bool = True
+    max_batch_size: int = 16
+    cpu_packed_weights: bool = False  # multi-row forwards on oneDNN-prepacked weights (CPU, fp32; `target_runner`)
+    tree_width: int = 0  # at most this many siblings per drafted depth (draft trees, `dvi.decode.tree_pricing`)
+    # adaptive K minimises the time until the batch's slowest row finishes (a fixed batch: `generate`, RL rollouts)
+    # when True; a server that backfills finished rows maximises tokens per second instead (False)
+    drain_aware: bool = True
