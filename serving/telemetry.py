@@ -140,19 +140,34 @@ class ServerMetrics:
                         _or_nan(u[bound] if u is not None else None))
 
     def observe_swap(self, event: str, version: int, reason: str = "", category: str = "",
-                     publish_to_verdict_s: float | None = None) -> None:
+                     publish_to_verdict_s: float | None = None, group: str = "") -> None:
+        """A drafter lane's event (`serving.drafter.messages.VersionEvent`); `group` "" the shared drafter's."""
+        shared = {} if group else {"drafter_version": version}  # a group's adapter version is not the drafter's
         if publish_to_verdict_s is not None and event in M.VERDICTS:
             self.m[M.DRAFTER_PUBLISH_TO_VERDICT].labels(verdict=event).observe(publish_to_verdict_s)
-        if event in ("promoted", "pinned"):
+        if event == "alpha_move":
+            self.observe_alpha_move(group, category, reason)
+        elif event in ("promoted", "pinned"):
             self.m.record_promotion()
-            self.m.set_versions(drafter_version=version)
+            self.m.set_versions(**shared)
         elif event == "refused":
             self.m.record_refusal(category or ("shadow" if "shadow" in reason else "other"))
         elif event == "rolled_back":
             self.m.record_rollback()
-            self.m.set_versions(drafter_version=version)
+            self.m.set_versions(**shared)
         elif event == "restored":  # a restarted server serves its pin / last good version again
-            self.m.set_versions(drafter_version=version)
+            self.m.set_versions(**shared)
+
+    def observe_alpha_move(self, group: str, cause: str, message: str) -> None:
+        """A move of live α a lane explained: counted by cause, and a row in metrics.jsonl / wandb at this step (the
+        demo's wandb run shows when and why)."""
+        self.m[M.ALPHA_MOVES].labels(group=group, cause=cause).inc()
+        if self.logger is not None:
+            try:
+                self.logger.log({M.ALPHA_MOVES: 1, f"{M.ALPHA_MOVES}/{cause}": 1}, step=self.requests,
+                                domain=group or None)
+            except Exception:  # noqa: BLE001
+                log.exception("alpha-move row dropped")
 
     def observe_refusal(self, status: int, code: str | None) -> None:
         """A request the server refused, counted by a bounded reason (a 500 is a failure, not a refusal)."""
@@ -224,11 +239,7 @@ class ServerMetrics:
             self.m[M.DISK_BYTES].labels(part=part).set(n)
 
     def update_gates(self, drafter: DrafterSnapshot) -> None:
-        """Scrape time: the held-out set's size and unfit records, the groups each gate judged or could not, the moves
-        of live α each lane explained."""
-        for view in (drafter.shared, *(drafter.groups or {}).values()):
-            for cause, n in (view.diagnosis.get("causes") or {}).items():
-                self._sync_counter(M.ALPHA_MOVES, n, group=view.group, cause=cause)
+        """Scrape time: the held-out set's size and unfit records, the groups each gate judged or could not."""
         lane = drafter.shared
         self.m[M.DRAFTER_HELDOUT_RECORDS].set(lane.heldout.get("records", 0))
         for reason, n in lane.heldout.get("unfit", {}).items():

@@ -262,4 +262,5 @@ def _to_drafter(drafter: DrafterClient, fin: Finished) -> None:
 
 
 def _on_version_event(metrics: ServerMetrics, ev: VersionEvent) -> None:
-    metrics.observe_swap(ev.event, ev.version, ev.reason, category=ev.category, publish_to_verdict_s=ev.publish_to_verdict_s)
+    metrics.observe_swap(ev.event, ev.version, ev.reason, category=ev.category, publish_to_verdict_s=ev.publish_to_verdict_s,
+                         group=ev.group)

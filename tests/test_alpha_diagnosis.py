@@ -146,8 +146,13 @@ def test_four_staged_causes_are_named_through_a_live_server(pair, tiny_pair_dir,
         assert r.status_code == 200, r.text
         named.append(window("prose", 7))  # the target moved, the drafter did not
         moves = {m["window"]: m for m in named[-1]["moves"]}
+        metrics = c.get("/metrics", headers=auth).text
+        events = [e for e in s.health()["drafter"]["events"] if e["kind"] == "alpha_move"]
     want = {2: "traffic_changed", 3: "drafter_changed", 4: "drafter_changed", 5: "serving_disagrees",
             7: "target_changed"}
     got = {w: moves[w]["cause"] if w in moves else None for w in want}
     assert got == want, ({w: moves.get(w, {}).get("message") for w in want}, [n["windows"] for n in named])
     assert [w for w, m in moves.items() if m["cause"] == "serving_disagrees"] == [5]
+    # each move is a drafter event too (the events log, /health, wandb and metrics.jsonl) and a counter by cause
+    assert 'dvi_alpha_moves_total{cause="serving_disagrees",group=""} 1.0' in metrics
+    assert [e["category"] for e in events][-5:] == [moves[w]["cause"] for w in sorted(moves)][-5:]

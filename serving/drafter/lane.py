@@ -185,8 +185,9 @@ class Lane:
         """The next window of records measured through the loaded versions, and a move of live α explained."""
         loaded = self.machine.loaded
         move = self.diagnosis.run({v: x.scorer for v, x in loaded.items()}, {v: x.logits_fn for v, x in loaded.items()})
-        if move is not None:
-            (log.warning if move.cause in ("serving_disagrees", "unexplained") else log.info)("%s", move.message)
+        if move is not None:  # logged, in the events log and on /health, to wandb and metrics.jsonl like a verdict
+            self._record(VersionEvent("alpha_move", self.machine.live, None, move.message, time.time(),
+                                      category=move.cause))
 
     def _of_group(self) -> str:
         return f" (group {self.scope.group})" if self.scope else ""
@@ -352,7 +353,8 @@ class Lane:
             ev = replace(ev, group=self.scope.group)
         self.events.append(ev)
         self.counts[ev.event] += 1
-        level = logging.WARNING if ev.event in ("refused", "rolled_back", "alert") else logging.INFO
+        level = logging.WARNING if ev.event in ("refused", "rolled_back", "alert") or ev.category in (
+            "serving_disagrees", "unexplained") else logging.INFO
         log.log(level, "drafter%s %s v%d (previous %s): %s", self._of_group(), ev.event, ev.version, ev.previous,
                 ev.reason)
         if self.event_log:

@@ -63,12 +63,14 @@ class VersionEvent:
     """One promotion / refusal / rollback / pin / alert, as logged, counted and shown on /health (`event` names which;
     its JSON key, in the events log and on /health, stays "kind")."""
 
-    event: str  # "promoted" | "refused" | "rolled_back" | "pinned" | "restored" | "kept" | "alert"
+    event: str  # "promoted" | "refused" | "rolled_back" | "pinned" | "restored" | "kept" | "alert" | "alpha_move"
     version: int
     previous: int | None
     reason: str
     at: float
-    category: str = ""  # refusals: one of dvi.registry.store.REFUSAL_CATEGORIES (a bounded metrics label)
+    # refusals: one of dvi.registry.store.REFUSAL_CATEGORIES (a bounded metrics label); an alpha_move: its cause
+    # (`serving.drafter.diagnosis.CAUSES`)
+    category: str = ""
     publish_to_verdict_s: float | None = None  # a version's first verdict (promoted / refused): since its publish
     group: str = ""  # a traffic group's adapter version (issue 40); "" the shared drafter's
 
