@@ -40,8 +40,8 @@ from dvi.feedback.verdict import Scorer
 WINDOW = 32
 """Records a window holds: what a move is measured between (the rollback watch's default window too)."""
 MIN_MOVE = 0.05
-"""A move of live α smaller than this (or than `MOVE_Z` standard errors) is noise, not a move."""
-MOVE_Z = 2.0
+"""A move of live α smaller than this (or than `MOVE_Z` standard errors: a false move in ~0.3% of window pairs) is noise."""
+MOVE_Z = 3.0
 CONSISTENCY_DROP = 0.25
 """Serving disagrees with itself when a window's consistency falls this far under the lane's running level..."""
 CONSISTENCY_FLOOR = 0.6
