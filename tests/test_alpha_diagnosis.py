@@ -156,3 +156,23 @@ def test_four_staged_causes_are_named_through_a_live_server(pair, tiny_pair_dir,
     # each move is a drafter event too (the events log, /health, wandb and metrics.jsonl) and a counter by cause
     assert 'dvi_alpha_moves_total{cause="serving_disagrees",group=""} 1.0' in metrics
     assert [e["category"] for e in events][-5:] == [moves[w]["cause"] for w in sorted(moves)][-5:]
+
+
+def test_behind_vllm_live_alpha_comes_from_the_engines_counts_and_no_consistency_is_claimed(pair) -> None:
+    """vLLM names only accepted drafts (a rejected one's id is unknown, `serving.vllm_engine.step_feedback`): live α
+    comes from the engine's counts, and such records give no consistency (their named drafts agree by construction),
+    so behind vLLM a serving fault is never claimed from them."""
+    records = engine_records(pair, "code", 32, max_new_tokens=24, prefix="dv")
+    vllm_like, counts = [], []
+    for r in records:
+        drafts = [j for j, d in enumerate(r.drafted_ids) if d >= 0]
+        counts.append((len(drafts), sum(bool(r.accepted[j]) for j in drafts)))
+        named = [d if a else -1 for d, a in zip(r.drafted_ids, r.accepted, strict=True)]
+        vllm_like.append(dataclasses.replace(r, drafted_ids=named, draft_source=[]))
+    fns = {0: hf_logits_fn(pair.drafter)}
+    stats = measure(1, vllm_like, {0: scorer(fns[0])}, fns, group_lane=False, counts=counts)
+    assert stats.consistency is None  # only the records that drafted without a rejection count, too few
+    assert stats.consistency_drafts == sum(d for d, a in counts if d == a)
+    assert stats.drafted == sum(d for d, _ in counts) and stats.alpha_live < 1.0
+    naive = measure(1, vllm_like, {0: scorer(fns[0])}, fns, group_lane=False)
+    assert naive.alpha_live == 1.0  # what the records alone would say

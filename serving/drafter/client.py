@@ -194,12 +194,13 @@ class DrafterClient:
         self.lane.observe(msg.drafted, msg.accepted, msg.drafter_version)
         if msg.record is None:
             return
-        self.lane.observe_record(msg.record, msg.at)
+        counts = (msg.drafted, msg.accepted)  # the engine's: behind vLLM a record does not name rejected drafts
+        self.lane.observe_record(msg.record, msg.at, counts)
         if self._groups_cfg is not None:
             key = self._groups_cfg.trainer.adapter_key
             lane = self._group_lanes.get(adapter_group(key, msg.record.domain, getattr(msg.record, "client", "")))
             if lane is not None:
-                lane.observe_record(msg.record, msg.at)
+                lane.observe_record(msg.record, msg.at, counts)
 
     def _publish(self) -> None:
         """The drafter thread (and the constructor, before it runs): a new snapshot by one reference assignment."""

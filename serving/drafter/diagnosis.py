@@ -100,6 +100,13 @@ def _model_drafts(rec: FeedbackRecord) -> list[int]:
     return [j for j, d in enumerate(rec.drafted_ids) if d >= 0 and (not src or src[j] == _MODEL)]
 
 
+def _unnamed_rejections(rec: FeedbackRecord, counts: tuple[int, int] | None) -> bool:
+    """The engine rejected drafts the record does not name (vLLM: only accepted drafts have ids)."""
+    if counts is None or counts[0] <= counts[1]:
+        return False
+    return not any(d >= 0 and not a for d, a in zip(rec.drafted_ids, rec.accepted, strict=True))
+
+
 @torch.inference_mode()
 def _argmax(logits_fn: Callable, rec: FeedbackRecord) -> torch.Tensor | None:
     """[n] the drafter's teacher-forced argmax at the record's generated positions, or None (nothing to score)."""
@@ -111,14 +118,20 @@ def _argmax(logits_fn: Callable, rec: FeedbackRecord) -> torch.Tensor | None:
 
 
 def measure(index: int, records: Sequence[FeedbackRecord], scorers: dict[int, Scorer],
-            logits_fns: dict[int, Callable], group_lane: bool) -> WindowStats:
+            logits_fns: dict[int, Callable], group_lane: bool,
+            counts: Sequence[tuple[int, int] | None] | None = None) -> WindowStats:
     """A window's four numbers. `scorers` / `logits_fns`: the loaded versions' (version 0 the frozen base); records
-    of a version no longer loaded count in live α only. One teacher-forced forward per record and version: a greedy
-    record's argmax gives both its α̂ and its consistency."""
+    of a version no longer loaded count in live α only. `counts`: each record's (drafted, accepted) model drafts as
+    the engine counted them (None: counted from the record's named drafts). One teacher-forced forward per record
+    and version: a greedy record's argmax gives both its α̂ and its consistency. A record that does not name all its
+    drafts (behind vLLM, which never says which token it rejected) has no consistency: its named drafts are the
+    accepted ones only, the target's own tokens."""
+    counted = {id(r): c for r, c in zip(records, counts or [None] * len(records), strict=True)}
     learned = [r for r in records if not (group_lane and r.arm == "control")]
     mine = {id(r) for r in learned}
-    drafted = sum(len(_model_drafts(r)) for r in learned)
-    accepted = sum(bool(r.accepted[j]) for r in learned for j in _model_drafts(r))
+    live = [counted[id(r)] or (len(_model_drafts(r)), sum(bool(r.accepted[j]) for j in _model_drafts(r)))
+            for r in learned]
+    drafted, accepted = sum(d for d, _ in live), sum(a for _, a in live)
     by_version: dict[int, list[FeedbackRecord]] = {}
     for r in records:
         by_version.setdefault(drafted_version(r, group_lane), []).append(r)
@@ -138,6 +151,8 @@ def measure(index: int, records: Sequence[FeedbackRecord], scorers: dict[int, Sc
             if id(r) in mine:
                 hits += float((top == torch.tensor(list(r.token_ids))).sum())
                 total += len(top)
+            if _unnamed_rejections(r, counted[id(r)]):
+                continue  # its named drafts are the accepted ones only: they agree with the target by construction
             for j in _model_drafts(r):
                 drafts += 1
                 agree += int(r.drafted_ids[j]) == int(top[j])
@@ -205,15 +220,16 @@ class Diagnosis:
 
     def __init__(self, group: str, group_lane: bool, window: int = WINDOW) -> None:
         self.group, self.group_lane, self.window = group, group_lane, window
-        self.pending: list[FeedbackRecord] = []
+        self.pending: list[tuple[FeedbackRecord, tuple[int, int] | None]] = []
         self.windows: deque[WindowStats] = deque(maxlen=8)
         self.moves: deque[AlphaMove] = deque(maxlen=16)
         self.causes: Counter[str] = Counter()
         self.level: float | None = None  # the running consistency of healthy windows
         self.index = 0
 
-    def add(self, record: FeedbackRecord) -> None:
-        self.pending.append(record)
+    def add(self, record: FeedbackRecord, counts: tuple[int, int] | None = None) -> None:
+        """A record of the lane, with the engine's (drafted, accepted) count of its model drafts where known."""
+        self.pending.append((record, counts))
         if len(self.pending) > 4 * self.window:  # a drafter thread busy for long: keep the newest
             del self.pending[: len(self.pending) - 4 * self.window]
 
@@ -222,9 +238,9 @@ class Diagnosis:
 
     def run(self, scorers: dict[int, Scorer], logits_fns: dict[int, Callable]) -> AlphaMove | None:
         """Measure the next window and explain it against the one before."""
-        records, self.pending = self.pending[: self.window], self.pending[self.window:]
+        batch, self.pending = self.pending[: self.window], self.pending[self.window:]
         self.index += 1
-        stats = measure(self.index, records, scorers, logits_fns, self.group_lane)
+        stats = measure(self.index, [r for r, _ in batch], scorers, logits_fns, self.group_lane, [c for _, c in batch])
         move = explain(self.group, self.windows[-1] if self.windows else None, stats, self.level)
         self.windows.append(stats)
         if stats.consistency is not None and (move is None or move.cause != "serving_disagrees"):

@@ -119,12 +119,13 @@ class Lane:
         return lane
 
     # -- what finished requests tell it ---------------------------------------------------------
-    def observe_record(self, record: FeedbackRecord, at: float | None = None) -> None:
+    def observe_record(self, record: FeedbackRecord, at: float | None = None,
+                       counts: tuple[int, int] | None = None) -> None:
         """A finished request's record: held-out ones join the held-out set, all of them a running watch."""
         if self.scope is not None and not self.scope.accepts(record):
             return
         self.heldout.offer(record)
-        self.diagnosis.add(record)
+        self.diagnosis.add(record, counts)
         w = self.machine.watch
         if w is not None:
             w.add(record, at)
