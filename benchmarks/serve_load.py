@@ -43,8 +43,13 @@ from dvi.decode.results import acceptance_rate
 
 ARMS = {"spec": ["speculation.adaptive=true"],
         "nospec": ["speculation.adaptive=false", "speculation.num_draft_tokens=0"],
-        "chain": ["speculation.adaptive=true", "speculation.tree_width=0"]}
-"""`spec` the server's defaults (adaptive K, draft trees where they pay); `chain` the same without trees."""
+        "chain": ["speculation.adaptive=true", "speculation.tree_width=0"],
+        "control0": ["speculation.adaptive=true", "trainer.adapter_key=domain", "serve.control_share=0"],
+        "control25": ["speculation.adaptive=true", "trainer.adapter_key=domain", "serve.control_share=0.25"]}
+"""`spec` the server's defaults (adaptive K, draft trees where they pay); `chain` the same without trees;
+`control0` / `control25` a traffic group per domain with no control group / a quarter of each group's requests in
+the control arm (issue 59): with the trainer off no adapter is ever promoted, so both arms draft with the base and
+what differs is the control group's own machinery (arm draws, per-arm pools, per-request bookkeeping)."""
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -221,6 +226,12 @@ def _goals(figures: dict[str, list[dict]], levels: list[int]) -> list[dict]:
     if "nospec" in figures:  # issue 61: speculation at its defaults is never slower than off, at any concurrency
         goals += [goal(f"speculation throughput ratio at concurrency {c}", tput("spec", c) / tput("nospec", c), 1.0)
                   for c in levels]
+    if "control0" in figures and "control25" in figures:  # issue 59: the control group costs its share of the gain only
+        goals += [goal(f"control group at share 0.25 vs 0, no adapter (A/A), throughput ratio at concurrency {c}",
+                       tput("control25", c) / tput("control0", c), 0.97) for c in levels]
+    if "spec" in figures and "control0" in figures:
+        goals += [goal(f"groups with control share 0 vs no groups, throughput ratio at concurrency {c}",
+                       tput("control0", c) / tput("spec", c), 0.97) for c in levels]
     if "chain" in figures:
         goals += [goal(f"trees vs chains throughput at concurrency {c}", tput("spec", c) / tput("chain", c), 1.0)
                   for c in levels]

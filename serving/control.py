@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from dvi import metrics as M
@@ -43,24 +43,42 @@ class _Window:
 class ControlGroups:
     """Each traffic group's learned and control requests since its served adapter version went live.
 
+    At most `max_groups` groups (the metrics' `group` label stays bounded with `adapter_key: user`): past it a group
+    enters only once an adapter serves it, and the group seen longest ago leaves (`take_evicted`: its series go).
     Written on the engine thread (`observe`, a subscriber of finished requests); read by scrapes and /admin/status
     (`report`), under one lock."""
 
-    def __init__(self, share: float, window: int = WINDOW) -> None:
+    def __init__(self, share: float, window: int = WINDOW, max_groups: int = 8) -> None:
         self.share = share
         self.window = window
-        self._groups: dict[str, _Window] = {}
+        self.max_groups = max_groups
+        self._groups: OrderedDict[str, _Window] = OrderedDict()
+        self._evicted: list[str] = []
         self._lock = threading.Lock()
 
-    def observe(self, group: str, sample: ArmSample) -> None:
+    def observe(self, group: str, sample: ArmSample) -> bool:
+        """Count one finished request of `group`; False when the group is not kept (no group, or past the cap
+        without an adapter)."""
         if not group:
-            return
+            return False
         with self._lock:
             w = self._groups.get(group)
+            if w is None and len(self._groups) >= self.max_groups:
+                if sample.arm != "learned" or sample.adapter_version <= 0:
+                    return False
+                self._evicted.append(self._groups.popitem(last=False)[0])
             if w is None or (sample.arm == "learned" and sample.adapter_version != w.version):
                 w = self._groups[group] = _Window(sample.adapter_version if sample.arm == "learned" else 0,
                                                   self.window)
+            self._groups.move_to_end(group)
             w.arms[sample.arm].append(sample)
+            return True
+
+    def take_evicted(self) -> list[str]:
+        """The groups dropped since the last call."""
+        with self._lock:
+            out, self._evicted = self._evicted, []
+        return out
 
     def report(self) -> dict[str, dict[str, Any]]:
         """Per group: the served adapter version the window is of, both arms' numbers and the uplift per measure."""

@@ -10,6 +10,7 @@ wandb), with `step` = requests finished so far, which is what `dvi report` and t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
 from dvi.decode.sources import SUFFIX_SOURCE
-from dvi.metrics.uplift import ARMS, ArmSample
+from dvi.metrics.uplift import ARMS, MEASURES, ArmSample
 from dvi.rundir import RunDir
 
 from .control import ControlGroups, control_values
@@ -70,7 +71,8 @@ class ServerMetrics:
         self._recent: dict[str, deque] = {}
         self._fresh: set[str] = set()
         self._lock = threading.Lock()
-        self.control = ControlGroups(control_share)  # each traffic group's learned and control arm (issue 59)
+        # each traffic group's learned and control arm (issue 59), as many groups as may have an adapter
+        self.control = ControlGroups(control_share, max_groups=cfg.trainer.max_adapters)
         self.m[M.CONTROL_SHARE].set(control_share)
         self.logger: M.MetricsLogger | None = None
         try:
@@ -92,9 +94,8 @@ class ServerMetrics:
             log.warning("request %s (traffic group %r, drafter v%d): %d of %d drafted tokens accepted; a garbled or "
                         "looping output, or a drafter that does not fit this traffic (dvi_requests_low_acceptance_total)",
                         fin.request_id, fin.domain, stats.drafter_version, stats.num_accepted, stats.num_drafted)
-        if fin.group:
-            self.control.observe(fin.group, ArmSample.of(fin.arm, fin.result.adapter_version, fin.result,
-                                                         len(fin.token_ids), fin.latency_s, fin.ttft_s))
+        if fin.group and self.control.observe(fin.group, ArmSample.of(
+                fin.arm, fin.result.adapter_version, fin.result, len(fin.token_ids), fin.latency_s, fin.ttft_s)):
             self.m[M.CONTROL_REQUESTS].labels(group=fin.group, arm=fin.arm).inc()
         with self._lock:
             self.requests += 1
@@ -127,7 +128,10 @@ class ServerMetrics:
                     log.exception("control-group row dropped")
 
     def update_control(self) -> None:
-        """Scrape time: each group's arms since its served version went live, and the learned arm's uplift."""
+        """Scrape time: each group's arms since its served version went live, and the learned arm's uplift (a group
+        the control group let go: its series removed)."""
+        for group in self.control.take_evicted():
+            self._forget_control_group(group)
         for group, report in self.control.report().items():
             for arm in ARMS:
                 a = report[arm]
@@ -138,6 +142,17 @@ class ServerMetrics:
                 for bound in ("ratio", "low", "high"):
                     self.m[M.CONTROL_UPLIFT].labels(group=group, measure=measure, bound=bound).set(
                         _or_nan(u[bound] if u is not None else None))
+
+    def _forget_control_group(self, group: str) -> None:
+        for name in (M.CONTROL_REQUESTS, M.CONTROL_ACCEPTANCE_RATE, M.CONTROL_TOKENS_PER_PASS,
+                     M.CONTROL_DECODE_TOKENS_PER_SECOND):
+            for arm in ARMS:
+                with contextlib.suppress(KeyError):
+                    self.m[name].remove(group, arm)
+        for measure in MEASURES:
+            for bound in ("ratio", "low", "high"):
+                with contextlib.suppress(KeyError):
+                    self.m[M.CONTROL_UPLIFT].remove(group, measure, bound)
 
     def observe_swap(self, event: str, version: int, reason: str = "", category: str = "",
                      publish_to_verdict_s: float | None = None, group: str = "") -> None:

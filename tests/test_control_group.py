@@ -85,3 +85,32 @@ def test_control_share_names_what_it_needs(tmp_path) -> None:
     assert load_config(None, ["trainer.adapter_key=user"]).control_share == 0.05
     assert load_config(None, ["serve.control_share=0.2", "trainer.adapter_key=domain"]).control_share == 0.2
     assert load_config(None, ["serve.control_share=0", "trainer.adapter_key=domain"]).control_share == 0.0
+
+
+def test_groups_past_the_cap_enter_only_with_an_adapter_and_the_oldest_leaves() -> None:
+    """With adapter_key user every client is a group: the control group keeps at most max_groups of them (the
+    metrics' group label stays bounded), the one seen longest ago leaving for a group an adapter serves."""
+    groups = ControlGroups(0.5, max_groups=2)
+    assert groups.observe("u1", _sample("learned", 0, 5)) and groups.observe("u2", _sample("control", 0, 5))
+    assert not groups.observe("u3", _sample("learned", 0, 5))  # full, and no adapter serves u3
+    assert groups.observe("u1", _sample("learned", 0, 5))  # u1 seen again: u2 is now the oldest
+    assert groups.observe("u3", _sample("learned", 2, 5))  # an adapter serves u3: u2 leaves
+    assert sorted(groups.report()) == ["u1", "u3"] and groups.take_evicted() == ["u2"] and groups.take_evicted() == []
+
+
+def test_an_evicted_groups_series_leave_metrics(tmp_path) -> None:
+    from dvi.config import load_config
+    from serving.telemetry import ServerMetrics
+
+    cfg = load_config(None, [f"run_dir={tmp_path}", "wandb.mode=disabled", "trainer.adapter_key=user",
+                             "trainer.max_adapters=1"])
+    m = ServerMetrics(cfg, control_share=0.5)
+    m.control.observe("u1", _sample("learned", 1, 5))
+    m.m["dvi_control_requests_total"].labels(group="u1", arm="learned").inc()
+    m.update_control()
+    assert 'group="u1"' in m.render()[0].decode()
+    m.control.observe("u2", _sample("learned", 3, 5))
+    m.update_control()
+    text = m.render()[0].decode()
+    assert 'group="u1"' not in text and 'dvi_control_uplift{bound="ratio",group="u2"' in text
+    m.close()
