@@ -113,7 +113,7 @@ def _argmax(logits_fn: Callable, rec: FeedbackRecord) -> torch.Tensor | None:
     prompt, tokens = list(rec.prompt_ids), list(rec.token_ids)
     if not prompt or not tokens or getattr(logits_fn, "needs_features", False):
         return None
-    ids = torch.tensor([prompt + tokens[:-1]])
+    ids = torch.tensor([prompt + tokens[:-1]], device=getattr(logits_fn, "device", "cpu"))
     return logits_fn(ids)[0, len(prompt) - 1:].float().argmax(-1).cpu()
 
 

@@ -69,8 +69,10 @@ class Loaded:
 
     @functools.cached_property
     def logits_fn(self) -> Any:
-        """Its teacher-forced logits."""
-        return hf_logits_fn(scoring_module(self.model))
+        """Its teacher-forced logits (`device`: where its inputs go)."""
+        fn = hf_logits_fn(scoring_module(self.model))
+        fn.device = next(self.model.parameters()).device
+        return fn
 
     @functools.cached_property
     def scorer(self) -> Scorer:
