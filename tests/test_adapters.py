@@ -103,6 +103,25 @@ def test_greedy_with_per_row_adapters_equals_plain_decoding(pair) -> None:
     assert all(with_adapters[i].drafted_ids == without[i].drafted_ids for i in (4, 5))
 
 
+def test_acceptance_pools_by_who_drafts(pair) -> None:
+    """A row's acceptance pool is its domain and the adapter drafting it: rows of a group without an adapter and the
+    group's control rows (no group for the engine) share the base's pool; an adapter gives its rows their own, and
+    a new version of it forgets only that pool."""
+    from dvi.decode.request import Request, SamplingParams
+
+    eng = SpeculativeEngine(pair.target, proposer_for(pair.target, copy.deepcopy(pair.drafter)), num_draft_tokens=3)
+    for i, group in enumerate(("a", "", "a")):
+        eng.add_request(Request(f"r{i}", [5, 9, 17 + i], SamplingParams(8), domain="code", group=group))
+    eng.step()
+    assert [s.pool for s in eng._seqs] == ["code", "code", "code"]
+    eng.set_adapter("a", _factors(_adapter(pair.drafter, 1, scale=1.0)[0], pair.drafter), 1)
+    assert [s.pool for s in eng._seqs] == ["code/a", "code", "code/a"]
+    eng.step()
+    assert set(eng.acceptance._pools) == {"code", "code/a"}
+    eng.set_adapter("a", _factors(_adapter(pair.drafter, 2, scale=1.0)[0], pair.drafter), 2)
+    assert set(eng.acceptance._pools) == {"code"}
+
+
 @pytest.fixture(scope="module")
 def records(pair):
     """(code, prose) greedy records of the real engine, 24 each."""

@@ -51,7 +51,7 @@ class AcceptanceEMA:
 
 class AcceptanceTracker:
     """Acceptance estimates for the rows of a batch: each row's own `AcceptanceEMA`, shrunk toward the
-    pooled rate of its pool (`Request.pool`: its domain, and the adapter drafting it where traffic groups have one;
+    pooled rate of its pool (`Seq.pool`: its domain, and the adapter drafting it where a traffic group has one;
     acceptance differs by domain, a code drafter on prose traffic, and by drafter).
 
     Pools start optimistic (`prior`), so a fresh engine or a freshly swapped drafter drafts and measures
@@ -88,7 +88,7 @@ class AcceptanceTracker:
                 p.update(0, 0)
 
     def reset(self, group: str | None = None) -> None:
-        """Forget every pool, or only those of one traffic group's adapter (`Request.pool`)."""
+        """Forget every pool, or only those of one traffic group's adapter (`Seq.pool`)."""
         if group is None:
             self._pools.clear()
         else:

@@ -85,7 +85,7 @@ class StepPricing:
             return p.num_draft_tokens
         p._ensure_costs(self.batch)
         seqs = [self.seqs[i] for i in rows]
-        alphas = [p.acceptance.estimate(s.acc, s.req.pool) for s in seqs]
+        alphas = [p.acceptance.estimate(s.acc, s.pool) for s in seqs]
         rem = [s.remaining for s in seqs] if p.drain_aware and self.batch > 1 else None
         return p.controller.choose(self.batch, alphas, rem, pending)
 
@@ -113,7 +113,7 @@ class StepPricing:
         draft, over = c.draft_cost(b), p.controller.step_overhead.get(b, 0.0)
         if draft is None or c.verify_cost(b, k) is None:
             return []
-        alphas = [p.acceptance.estimate(self.seqs[i].acc, self.seqs[i].req.pool) for i in rows]
+        alphas = [p.acceptance.estimate(self.seqs[i].acc, self.seqs[i].pool) for i in rows]
         return choose_siblings(alphas, k, p.siblings.rates(), lambda w: k * draft + c.verify_cost(b, w) + over,
                                p.tree_width)
 

@@ -56,12 +56,6 @@ class Request:
     # the traffic group whose drafter adapter drafts for this request (`dvi.drafters.adapters`; "" for none)
     group: str = ""
 
-    @property
-    def pool(self) -> str:
-        """Its acceptance pool (`dvi.decode.acceptance.AcceptanceTracker`): rows of one domain drafted by one drafter,
-        the group's adapter or the base (a control row of a group drafts with the base: its own pool)."""
-        return f"{self.domain}/{self.group}" if self.group else self.domain
-
 
 def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)

@@ -22,10 +22,13 @@ __all__ = ["Seq", "BatchParams", "row_generator", "g_rand"]
 class Seq:
     """Per-row bookkeeping (host side)."""
 
-    __slots__ = ("req", "res", "gen", "stop", "remaining", "acc")
+    __slots__ = ("req", "res", "gen", "stop", "remaining", "acc", "pool")
 
-    def __init__(self, req: Request, res: GenerationResult, gen, acc: AcceptanceEMA):
+    def __init__(self, req: Request, res: GenerationResult, gen, acc: AcceptanceEMA, pool: str = ""):
         self.req, self.res, self.gen, self.acc = req, res, gen, acc
+        # its acceptance pool (`dvi.decode.acceptance.AcceptanceTracker`): rows of one domain drafted by one drafter
+        # (its traffic group's adapter, or the base: a group's control rows and rows before its first adapter)
+        self.pool = pool or req.domain
         self.stop = frozenset(int(t) for t in req.params.stop_token_ids or ())
         self.remaining = int(req.params.max_new_tokens)
 

@@ -146,7 +146,7 @@ class SpeculativeEngine:
             started_at=time.time(),
             temperature=float(p.temperature),
         )
-        self._waiting.append(Seq(request, res, row_generator(p), self.acceptance.new_row()))
+        self._waiting.append(Seq(request, res, row_generator(p), self.acceptance.new_row(), self._pool(request)))
 
     def _normalized(self, request: Request) -> Request:
         """A temperature below the floor is served as greedy: logits / 1e-45 overflow to NaN."""
@@ -225,6 +225,8 @@ class SpeculativeEngine:
             self.adapter_versions.pop(group, None)
         else:
             self.adapter_versions[group] = int(version or 0)
+        for s in (*self._seqs, *self._waiting):
+            s.pool = self._pool(s.req)
         self._drafter_dirty = True
         with torch.inference_mode():
             self._rebuild()
@@ -353,6 +355,10 @@ class SpeculativeEngine:
         self._seqs = [self._seqs[i] for i in keep]
         self._refresh_params()
 
+    def _pool(self, req: Request) -> str:
+        """A row's acceptance pool: its domain, and its group's adapter where one drafts for it."""
+        return f"{req.domain}/{req.group}" if req.group in self.adapter_versions else req.domain
+
     def _finish_aborted(self, s: Seq) -> GenerationResult:
         """An aborted row's result into the next step's outputs (its proposer row already released)."""
         self._outbox.append(StepOutput(s.req.request_id, [], True, self._close(s, "abort")))
@@ -456,7 +462,7 @@ class SpeculativeEngine:
             if ki > 0:
                 count_drafts(s.res, ki, ni, src, draft.ranks[i] if draft.ranks else None, srcs)
             model = src == SOURCE_MODEL
-            self.acceptance.update(s.acc, s.req.pool, ki if model else 0, ni if model else 0)
+            self.acceptance.update(s.acc, s.pool, ki if model else 0, ni if model else 0)
             new, reason = append_tokens(s.res, e, i, ki, s.stop, s.remaining, srcs or src)
             news.append(new)
             s.remaining -= len(new)
