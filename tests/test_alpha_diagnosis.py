@@ -53,6 +53,16 @@ def test_noise_and_a_healthy_engine_name_nothing() -> None:
     assert explain("code", base, _w(2, 0.55, 0.60, 0.50, consistency=None), level=0.97) is None  # too few drafts
 
 
+def _other_weights(drafter):
+    """The drafter with its LM head's rows rolled by one: other weights, deterministically (its argmax is another
+    token wherever the original's is), as a corrupted draft path would draft."""
+    other = copy.deepcopy(drafter)
+    with torch.no_grad():
+        head = other.get_output_embeddings().weight
+        head.copy_(torch.roll(head.clone(), 1, 0))
+    return other
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_pair_dir):
     return load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
@@ -68,11 +78,7 @@ def test_live_drafts_are_their_weights_own_argmax_and_a_corrupted_drafter_is_cau
     stats = measure(1, records, scorers, fns, group_lane=False)
     assert stats.consistency_drafts >= 32 and stats.consistency > 0.9, stats
     assert stats.alpha_live is not None and abs(stats.alpha_served - stats.alpha_reference) < 1e-9
-    other = copy.deepcopy(pair.drafter)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p) * p.std() * 2.0)
-    bad = {0: hf_logits_fn(other)}
+    bad = {0: hf_logits_fn(_other_weights(pair.drafter))}
     broken = measure(2, records, {0: scorer(bad[0])}, bad, group_lane=False)
     assert broken.consistency < 0.6, broken
     d = Diagnosis("", group_lane=False, window=16)
@@ -106,10 +112,7 @@ def test_four_staged_causes_are_named_through_a_live_server(pair, tiny_pair_dir,
     cfg = tiny_config(tiny_pair_dir, tmp_path, f"serve.allowed_dirs=[{allowed_dir}]")
     tok = pair.tokenizer
     streams = {d: prompt_stream(d, tok, seed=3) for d in ("code", "prose")}
-    garbage = copy.deepcopy(pair.drafter)
-    with torch.no_grad():
-        for p in garbage.parameters():
-            p.add_(torch.randn_like(p) * p.std() * 2.0)
+    garbage = _other_weights(pair.drafter)
     useless = copy.deepcopy(pair.drafter)  # every logit equal: it always drafts token 0, which the target never says
     with torch.no_grad():
         useless.get_output_embeddings().weight.zero_()
