@@ -140,7 +140,8 @@ def test_rl_loop_history_arm(tiny_pair_dir):
     assert run.engine.proposer.version == 3 and min(run.engine.proposer._versions.values()) < 3
 
 
-def test_history_sampling_matches_target_chi_square():
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (1.0, 0.8)])
+def test_history_sampling_matches_target_chi_square(temperature, top_p):
     """Lossless with live siblings and per-row drafts: many rows of one prompt decode together (each drafting from
     the others' text and from earlier calls' rollouts, its own number of point-mass drafts on a ragged verify);
     their first two tokens follow the target's exact law (chi-square, the same check as `tests/test_sampling.py`)."""
@@ -157,8 +158,8 @@ def test_history_sampling_matches_target_chi_square():
         eng.k_policy.controller.set_costs(b, {k: 0.01 * (1 + 0.01 * b * k) for k in range(eng.k_cap + 1)}, 0.001)
     res = []
     for call in range(60):
-        res += eng.generate([PROMPT] * 50, max_new_tokens=3, temperature=1.0, seed=1000 * call)
+        res += eng.generate([PROMPT] * 50, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=1000 * call)
     drafted, accepted = sum(r.num_drafted for r in res), sum(r.num_accepted for r in res)
     assert prop.priced_rows > 0 and drafted > 0 and 0 < accepted < drafted
     assert prop.stats()["hits_global"] > 0
-    assert two_token_pvalue(res, exact_two_token_law(target, 1.0, 0, 1.0)) > 1e-3
+    assert two_token_pvalue(res, exact_two_token_law(target, temperature, 0, top_p)) > 1e-3
