@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dvi.decode.results import acceptance_rate
+
 ARMS = ("learned", "control")
 """A request's arm: drafted by its traffic group's served drafter, or by the reference (the frozen base)."""
 
@@ -121,7 +123,7 @@ def arm_summary(samples: Iterable[ArmSample]) -> dict[str, Any]:
     drafting = sum(x.drafting_steps for x in s)
     tpp = [x.tokens_per_pass for x in s if x.tokens_per_pass is not None]
     dps = [x.decode_tokens_per_s for x in s if x.decode_tokens_per_s is not None]
-    return {"requests": len(s), "alpha": accepted / drafted if drafted else None,
+    return {"requests": len(s), "alpha": acceptance_rate(accepted, drafted),
             "accepted_length": accepted / drafting if drafting else None,
             "tokens_per_pass": sum(tpp) / len(tpp) if tpp else None,
             "decode_tokens_per_s": sum(dps) / len(dps) if dps else None}

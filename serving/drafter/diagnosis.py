@@ -135,11 +135,13 @@ def measure(index: int, records: Sequence[FeedbackRecord], scorers: dict[int, Sc
     by_version: dict[int, list[FeedbackRecord]] = {}
     for r in records:
         by_version.setdefault(drafted_version(r, group_lane), []).append(r)
-    hits = total = 0.0
+    hits = total = ref_hits = ref_total = 0.0
     agree = drafts = 0
+    ref_rest: list[FeedbackRecord] = []  # records whose reference α̂ the loop below does not get for free
     for v, recs in by_version.items():
         fn = logits_fns.get(v)
         if fn is None:
+            ref_rest += recs
             continue
         sampled = [r for r in recs if id(r) in mine and served_temperature(r.temperature) > 0.0]
         if sampled and v in scorers:  # a sampled record's α̂ is Σ min(p, q), not an argmax
@@ -147,21 +149,26 @@ def measure(index: int, records: Sequence[FeedbackRecord], scorers: dict[int, Sc
                 hits, total = hits + h, total + n
         for r in recs:
             if served_temperature(r.temperature) > 0.0 or (top := _argmax(fn, r)) is None:
+                ref_rest.append(r)
                 continue  # sampled drafts are draws, not the argmax
+            agreed = float((top == torch.tensor(list(r.token_ids))).sum())
+            if v == 0:  # the frozen base drafted it: its argmax is the reference's too, one forward for both
+                ref_hits, ref_total = ref_hits + agreed, ref_total + len(top)
+            else:
+                ref_rest.append(r)
             if id(r) in mine:
-                hits += float((top == torch.tensor(list(r.token_ids))).sum())
-                total += len(top)
+                hits, total = hits + agreed, total + len(top)
             if _unnamed_rejections(r, counted[id(r)]):
                 continue  # its named drafts are the accepted ones only: they agree with the target by construction
             for j in _model_drafts(r):
                 drafts += 1
                 agree += int(r.drafted_ids[j]) == int(top[j])
-    ref = scorers[0](list(records)) if 0 in scorers else []
-    ref_n = sum(n for _, _, n in ref)
+    for _, h, n in scorers[0](ref_rest) if 0 in scorers and ref_rest else ():
+        ref_hits, ref_total = ref_hits + h, ref_total + n
     return WindowStats(
         index=index, records=len(records), drafted=drafted, accepted=accepted,
         alpha_live=acceptance_rate(accepted, drafted), alpha_served=hits / total if total else None,
-        alpha_reference=sum(h for _, h, _ in ref) / ref_n if ref_n else None,
+        alpha_reference=ref_hits / ref_total if ref_total else None,
         consistency=agree / drafts if drafts >= MIN_CONSISTENCY_DRAFTS else None, consistency_drafts=drafts,
         versions=tuple(sorted({drafted_version(r, group_lane) for r in learned})),
         target_versions=tuple(sorted({int(r.target_version) for r in records})))
