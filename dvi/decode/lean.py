@@ -176,11 +176,14 @@ class SlotCache:
 
     @torch.no_grad()
     def select_rows(self, keep: list[int]) -> None:
-        """Only rows `keep` stay, in that order, in slots 0..len(keep)-1 (moved rows are copied)."""
-        n = max((self.lengths[i] for i in keep), default=0)
-        if keep != list(range(len(keep))) and n > 0:
-            idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self.kv[:, : len(keep), :n] = self.kv[:, :, :n].index_select(1, idx)
+        """Only rows `keep` stay, in that order, in slots 0..len(keep)-1: only the rows that change slot are copied
+        (the engine fills a leaving row's slot with the last row, `dvi.decode.seq.fill_order`, so a row that
+        finishes moves one row, not every row behind it)."""
+        moved = [(j, i) for j, i in enumerate(keep) if i != j]
+        n = max((self.lengths[i] for _, i in moved), default=0)
+        if n > 0:
+            dst, src = (torch.tensor(x, dtype=torch.long, device=self.device) for x in zip(*moved, strict=True))
+            self.kv[:, dst, :n] = self.kv[:, src, :n]  # the source rows are read before any is written
         self.lengths = [self.lengths[i] for i in keep]
 
 

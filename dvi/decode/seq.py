@@ -16,7 +16,7 @@ from dvi.decode.request import Request, SamplingParams
 from dvi.decode.results import GenerationResult, Versions
 from dvi.decode.sampling import Penalties, penalize
 
-__all__ = ["Seq", "BatchParams", "row_generator", "g_rand"]
+__all__ = ["Seq", "BatchParams", "row_generator", "g_rand", "fill_order"]
 
 
 class Seq:
@@ -143,3 +143,15 @@ def g_rand(gen: torch.Generator | None, n: int) -> torch.Tensor:
     if gen is None:
         return torch.zeros(n)
     return torch.rand(n, generator=gen)
+
+
+def fill_order(rows: int, leaving: set[int]) -> list[int]:
+    """The rows that stay when `leaving` go, as the new batch order: each leaving row's place taken by one of the
+    last rows, the rest where they were. The caches then copy one row per leaving row, not every row behind it
+    (in a continuous batch whose rows finish one at a time, shifting them all cost a full KV copy per finish)."""
+    size = rows - len(leaving)
+    keep = list(range(size))
+    tail = (i for i in range(size, rows) if i not in leaving)
+    for hole in (i for i in range(size) if i in leaving):
+        keep[hole] = next(tail)
+    return keep

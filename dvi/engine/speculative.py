@@ -40,7 +40,7 @@ from dvi.decode.request import (
     validate_prompt,
 )
 from dvi.decode.results import GenerationResult, StepOutput, Versions
-from dvi.decode.seq import BatchParams, Seq, g_rand, row_generator
+from dvi.decode.seq import BatchParams, Seq, fill_order, g_rand, row_generator
 from dvi.decode.sources import SOURCE_MODEL
 from dvi.decode.target import TargetRunner, target_runner
 from dvi.drafters.factory import proposer_for_drafter
@@ -346,8 +346,7 @@ class SpeculativeEngine:
 
     def _remove_rows(self, leaving: list[tuple[int, Seq, bool]]) -> None:
         """Rows (i, seq, learn) leave: learn, they finished (their output may be learned from); else aborted."""
-        drop = {i for i, _, _ in leaving}
-        keep = [i for i in range(len(self._seqs)) if i not in drop]
+        keep = fill_order(len(self._seqs), {i for i, _, _ in leaving})
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._target.select_rows(keep)
         self.proposer.release(leaving, keep)
