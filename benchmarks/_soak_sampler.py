@@ -308,6 +308,7 @@ class Sampler:
              "promotions": m["promotions"], "rollbacks": m["rollbacks"], "swap_counts": sw.get("counts") or {},
              "drafter_version": st.get("drafter_version"), "target_version": st.get("target_version"),
              "trainer_pid": tr.get("pid"), "trainer_state": tr.get("state"), "trainer_restarts": tr.get("restarts"),
+             "trainer_heap": tr.get("heap"),  # its last trim: resident size before and after, what it gave back
              "queue_mean": float(np.mean([p["queue"] for p in polls])) if polls else m["queue"],
              "queue_max": max([p["queue"] for p in polls], default=m["queue"]), "health": st.get("status"),
              "server_requests": m["requests"], "feedback_records_read": len(self.tally.records)}

@@ -11,40 +11,15 @@ glibc.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import os
-import platform
 import time
 from collections.abc import Callable
 
+from dvi.memory import ONEDNN_CACHE_ENV, cap_onednn_cache, glibc_trim
+
+__all__ = ["HeapTrimmer", "IDLE_S", "glibc_trim", "cap_onednn_cache", "ONEDNN_CACHE_ENV"]
+
 log = logging.getLogger("dvi.serving")
-
-
-def glibc_trim() -> Callable[[], int] | None:
-    """glibc's `malloc_trim(0)` (returns 1 when it gave memory back), or None where the C library is not glibc."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return lambda: int(fn(0))
-
-
-ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-
-
-def cap_onednn_cache(entries: int) -> str | None:
-    """Bound oneDNN's primitive cache (bf16 matmuls on CPU: one compiled primitive per shape, so one per new
-    prefill length and batch width, ~0.3 MiB each by our estimate; oneDNN keeps 1024). oneDNN reads the variable at
-    its first use, so call this before the process's first forward; a value already in the environment wins,
-    `entries` 0 leaves oneDNN's default. Returns the capacity in force (None: oneDNN's default)."""
-    if entries > 0:
-        os.environ.setdefault(ONEDNN_CACHE_ENV, str(entries))
-    return os.environ.get(ONEDNN_CACHE_ENV)
 
 
 IDLE_S = 0.25  # no step for this long: the server is idle, and a trim now delays no client

@@ -302,7 +302,11 @@ class TrainerSupervisor:
 
     def info(self) -> dict:
         hb = self._heartbeat()
-        return {"mode": self.mode, "state": self.state, "restarts": self.restarts, "pid": self.pid,
+        pid = self.pid
+        st = self.rundir.read_trainer_status() if pid is not None else {}
+        return {"mode": self.mode, "state": self.state, "restarts": self.restarts, "pid": pid,
+                # the running trainer's last heap trim (`trainers.online.loop.HeapRelease`): RSS before / after
+                "heap": st.get("heap") if st.get("pid") == pid else None,
                 "heartbeat_age_s": None if hb is None else round(hb[0], 3),
                 "stale": hb is not None and hb[0] > hb[1], "stale_after_s": self.stale_after_s,
                 "stale_restarts": self.stale_restarts,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from registry_doors import publish_peft_adapter
 
-from serving.memory import glibc_trim
+from dvi.memory import glibc_trim
 
 
 def _live_tensors() -> int:
@@ -47,7 +47,7 @@ def test_engine_keeps_no_tensor_per_prompt_length(tiny_pair_dir):
 
 _FRAGMENT = """
 import sys
-from serving.memory import glibc_trim
+from dvi.memory import glibc_trim
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) >> 10
 trim = glibc_trim()
@@ -270,3 +270,33 @@ def test_the_engine_thread_keeps_no_command_after_running_it():
         assert ref() is None, "the engine thread still holds the target update's weights"
     finally:
         sched.stop()
+
+
+_TRAINER_HEAP = """
+import time
+from trainers.online.loop import HeapRelease
+heap = HeapRelease(1e-6)
+blocks = [bytearray(1000) for _ in range(150_000)]  # ~150 MiB of heap blocks, freed below a live one
+pin = bytearray(1000)
+del blocks
+time.sleep(0.01)
+heap.maybe_trim()
+s = heap.status()
+print(s["trims"], s["released_bytes"], s["rss_before_trim_bytes"] - s["rss_bytes"])
+off = HeapRelease(0)
+off.maybe_trim()
+print(off.status()["trims"])
+"""
+
+
+@pytest.mark.skipif(glibc_trim() is None, reason="needs glibc")
+def test_trainer_trims_between_rounds_and_reports_what_each_trim_gave_back():
+    """The trainer's `HeapRelease` (`trainer.malloc_trim_seconds`): a trim gives freed heap back and its status
+    says how much (what separates memory glibc held freed from memory in use); 0 never trims."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _TRAINER_HEAP], capture_output=True, text=True, env=env, timeout=120,
+                         check=True).stdout.split()
+    trims, released, diff, off = (int(x) for x in out)
+    assert trims == 1 and released == diff and released >= 100 << 20, out
+    assert off == 0

@@ -19,6 +19,7 @@ import torch
 
 from dvi import metrics as M
 from dvi.config import DviConfig, dump_config
+from dvi.memory import cap_onednn_cache
 from dvi.rundir import RunDir
 from trainers.online.loop import TrainerLoop
 from trainers.online.trainer import OnlineTrainer, make_accelerator
@@ -30,6 +31,7 @@ def run_trainer(cfg: DviConfig) -> int:
     """`dvi train --online`: the trainer process. Returns the exit code (0 on SIGTERM)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.trainer.num_threads)
+    cap_onednn_cache(cfg.serve.onednn_primitive_cache)  # before any forward (a server's trainer inherits its cap)
     if cfg.trainer.nice and hasattr(os, "nice"):
         try:
             os.nice(cfg.trainer.nice)  # serving never waits on training: lose every contended core to it
