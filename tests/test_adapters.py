@@ -24,6 +24,7 @@ from tiny_models import tiny_llama
 from dvi.decode.attention import Attention
 from dvi.decode.lean import LeanModel
 from dvi.drafters.adapters import AdapterBank, LoraFactors, projection_sizes
+from dvi.drafters.draft_cache import LeanDraftCache
 from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine
 from dvi.feedback.heldout import adapter_group
@@ -298,3 +299,28 @@ def test_the_trainer_loop_trains_group_lanes_exactly_once_and_resumes_them(recor
     resumed = again.lanes.lanes["code"].trainable.state()
     assert all(torch.equal(state[k], resumed[k]) for k in state)
     assert list(again.lanes.waiting) == ["prose"]  # warmed from the consumed shards
+
+
+def test_a_ragged_catch_up_drafts_each_row_as_its_own_forward_would() -> None:
+    """`LeanDraftCache.forward_rows` with rows of different lengths (a row that just joined brings its prompt, the
+    others a token or two) runs only the real tokens: each row's logits and its cache are those of the row's own
+    forward, through its group's adapter."""
+    base = tiny_llama(0).eval()
+    sd, merged = _adapter(base, 1)
+    bank = AdapterBank(base.config.num_hidden_layers, torch.float32, torch.device("cpu"))
+    bank.set("code", _factors(sd, base))
+    dkv = LeanDraftCache(copy.deepcopy(base), bank)
+    g = torch.Generator().manual_seed(0)
+    history = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 3, 7)]
+    dkv.add_rows(3, ["code", "", "code"])
+    dkv.forward_rows(history)  # rows already in the batch
+    pending = [[11, 12], torch.randint(3, 64, (9,), generator=g).tolist(), [13]]
+    out = dkv.forward_rows(pending)
+    assert dkv.cache.lengths == [7, 12, 8]
+    for i, grp in enumerate(["code", "", "code"]):
+        ref = (merged if grp else base)(torch.tensor([history[i] + pending[i]])).logits[0, -1]
+        assert torch.allclose(out[i], ref, atol=1e-5), (i, (out[i] - ref).abs().max())
+    nxt = dkv.forward(torch.tensor([[20], [21], [22]]))  # the caches hold every row's real keys
+    for i, grp in enumerate(["code", "", "code"]):
+        ref = (merged if grp else base)(torch.tensor([history[i] + pending[i] + [20 + i]])).logits[0, -1]
+        assert torch.allclose(nxt[i], ref, atol=1e-5), (i, (nxt[i] - ref).abs().max())

@@ -293,15 +293,16 @@ class LeanModel:
                 pick: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
-        with `pick` [B] only row b's position pick[b]: logits [B, V]. A draft tree's nodes (`attn.depth` [B, q]) are
+        with `pick` [B] only row b's position pick[b]: logits [B, V] (in a ragged forward, pick[b] indexes the scored
+        positions). A draft tree's nodes (`attn.depth` [B, q]) are
         rotated at positions start[b] + depth[b, j], not at their columns. A ragged verify's `attn.real` [M]: the
         flat indices (b * q + j) of the positions to score, in order; only they run through the projections and
         write keys and values, the others come back as zero logits (no features)."""
         b, q = ids.shape
         real = attn.real
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
-        if real is not None and (features or pick is not None or logits_to_keep):
-            raise ValueError("a ragged forward returns logits of every position only")
+        if real is not None and (features or logits_to_keep):
+            raise ValueError("a ragged forward returns logits of every position, or with `pick` of some")
         flat, col, pos, slot = self._placement(ids, start, attn, first_slot, real)
         n = flat.shape[0]
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, attn.columns)
@@ -334,6 +335,8 @@ class LeanModel:
             if taps and i in taps:
                 tapped.append(x)
         if real is not None:
+            if pick is not None:  # [B] indices into the M scored positions: row b's logits [B, V]
+                return self._logits(F.rms_norm(x.index_select(0, pick), (self.hidden,), self.norm, self.eps))
             return self._real_logits(x, real, b, q)
         return self._outputs(x, b, q, logits_to_keep, features, pick, tapped)
 

@@ -9,6 +9,7 @@ target), so both attend their whole batch in one call.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -120,7 +121,8 @@ class LeanDraftCache:
             self._cols = torch.arange(max(n, 2 * self._cols.numel()), device=self.device)
         return self._cols[:n]
 
-    def _run(self, ids: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, pick: torch.Tensor, lens: list[int] | None = None) -> torch.Tensor:
+        """A forward of every row; with `lens`, a ragged one: row i's first lens[i] tokens only, `pick` indexing them."""
         b, q = ids.shape
         starts = self.cache.lengths
         columns = max(starts) + q
@@ -130,17 +132,29 @@ class LeanDraftCache:
         if b > 1 or q > 1:
             pos = start.view(b, 1, 1) + torch.arange(q, device=self.device).view(1, q, 1)
             mask = (self._columns(columns).view(1, 1, columns) <= pos).unsqueeze(1)  # [B, 1, q, columns]
-        self.lean.adapters = self._adapters()
-        return self.lean.forward(self.cache, ids, start, Attention(columns, mask=mask), pick=pick)
+        real = None
+        if lens is None:
+            self.lean.adapters = self._adapters()
+        else:  # one adapter slot per scored token (`RowAdapters` reads rows x positions, here ragged)
+            real = torch.tensor([i * q + j for i, n in enumerate(lens) for j in range(n)], dtype=torch.long,
+                                device=self.device)
+            self.lean.adapters = self._adapters([g for g, n in zip(self.groups, lens, strict=True) for _ in range(n)])
+        return self.lean.forward(self.cache, ids, start, Attention(columns, mask=mask, real=real), pick=pick)
 
     def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
-        """Rows are right-padded with their own last token: the padding's keys land past the row's length
-        (overwritten later, never attended: `keep`); each row's logits are read at its last real token."""
-        m = max(len(r) for r in rows)
+        """Rows are right-padded with their own last token; each row's logits are read at its last real token. Where
+        the rows' lengths differ (a catch-up: a row that just joined brings its whole prompt, the others one or two
+        tokens) only the real tokens run through the projections and write keys (a ragged forward): padding every
+        row to the longest cost the drafter B times the catch-up."""
+        lens = [len(r) for r in rows]
+        m = max(lens)
         ids = torch.tensor([r + [r[-1]] * (m - len(r)) for r in rows], dtype=torch.long, device=self.device)
-        pick = torch.tensor([len(r) - 1 for r in rows], dtype=torch.long, device=self.device)
-        out = self._run(ids, pick)
-        self.cache.advance([len(r) for r in rows])
+        if len(rows) > 1 and min(lens) < m:
+            pick = torch.tensor(list(itertools.accumulate(lens)), dtype=torch.long, device=self.device) - 1
+            out = self._run(ids, pick, lens)
+        else:
+            out = self._run(ids, torch.tensor([n - 1 for n in lens], dtype=torch.long, device=self.device))
+        self.cache.advance(lens)
         return out
 
     def forward(self, ids: torch.Tensor, fn: Callable | None = None) -> torch.Tensor:
