@@ -364,7 +364,7 @@ class ServeConfig(_Strict):
     drain_timeout_s: float = Field(30.0, ge=0)
     # prompts over this many UTF-8 bytes are tokenised on their own worker (small ones never wait behind them)
     tokenize_large_bytes: int = Field(16384, ge=1)
-    # freed heap memory goes back to the OS (glibc malloc_trim, `serving/memory.py`, 10-30 ms on the real pair)
+    # freed heap memory goes back to the OS (glibc malloc_trim, `dvi/memory.py`, 10-30 ms on the real pair)
     # when the batch empties and, under unbroken load, at most this often; 0: never (RSS then keeps what
     # glibc holds freed: +30-50 MiB per 12 requests on the real pair, issue 25)
     malloc_trim_seconds: float = Field(30.0, ge=0)

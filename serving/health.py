@@ -56,6 +56,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
     sw = drafter.shared.info() if drafter is not None else None
     trainer = s.supervisor.info()
     reasons = degraded_reasons(s, trainer)
+    trainer["heap"] = s.supervisor.heap()
     fb = s.feedback
     return {
         "status": "ok" if not reasons else ("degraded" if alive else "down"),

@@ -32,6 +32,7 @@ import torch
 
 from dvi.decode import owner
 from dvi.engine.speculative import GenerationResult, Request, SamplingParams, StepOutput
+from dvi.memory import HeapTrimmer
 
 from .detok import TextStream
 from .engine_client import (
@@ -47,7 +48,6 @@ from .engine_client import (
     take_snapshot,
 )
 from .finished import Ending, Finished, FinishedFeed, final_reason
-from .memory import HeapTrimmer
 from .protocol import ApiError, new_id, shutting_down
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.queue_limit = queue_limit
         self.num_threads = num_threads
-        self.heap = heap or HeapTrimmer(0)  # freed heap back to the OS (`serving.memory`); off unless given
+        self.heap = heap or HeapTrimmer(0)  # freed heap back to the OS (`dvi.memory`); off unless given
         self.finished = FinishedFeed()  # each request's final record, published once (`serving.finished`)
         self.step_observers: list[Callable[[float, int], None]] = []
         self._waiting: collections.deque[Handle] = collections.deque()

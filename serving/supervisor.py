@@ -300,13 +300,17 @@ class TrainerSupervisor:
             p = self.proc
         return p.pid if p is not None and p.poll() is None else None
 
-    def info(self) -> dict:
-        hb = self._heartbeat()
+    def heap(self) -> dict | None:
+        """The running trainer's last heap trim as its status reports it (`dvi.memory.HeapTrimmer.status`: RSS before
+        and after, what trims gave back); None without a running trainer. Reads the status file: the full health
+        document's, not every probe's."""
         pid = self.pid
         st = self.rundir.read_trainer_status() if pid is not None else {}
-        return {"mode": self.mode, "state": self.state, "restarts": self.restarts, "pid": pid,
-                # the running trainer's last heap trim (`trainers.online.loop.HeapRelease`): RSS before / after
-                "heap": st.get("heap") if st.get("pid") == pid else None,
+        return st.get("heap") if st.get("pid") == pid else None
+
+    def info(self) -> dict:
+        hb = self._heartbeat()
+        return {"mode": self.mode, "state": self.state, "restarts": self.restarts, "pid": self.pid,
                 "heartbeat_age_s": None if hb is None else round(hb[0], 3),
                 "stale": hb is not None and hb[0] > hb[1], "stale_after_s": self.stale_after_s,
                 "stale_restarts": self.stale_restarts,

@@ -21,12 +21,12 @@ from dvi.config import DviConfig
 from dvi.decode.adaptive import batch_bucket
 from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 from dvi.feedback import FeedbackWriter, Retention
+from dvi.memory import HeapTrimmer, cap_onednn_cache
 from dvi.rundir import RunDir
 
 from .drafter.client import DrafterClient, Observed, VersionEvent
 from .finished import Finished
 from .loading import load_serving_pair, serving_proposer
-from .memory import HeapTrimmer, cap_onednn_cache
 from .protocol import RequestLimits
 from .scheduler import Scheduler
 from .supervisor import TrainerSupervisor

@@ -1,5 +1,5 @@
 """A long-serving process keeps its memory flat (issue 25): nothing per request stays behind in the engine, and
-the server hands freed heap memory back to the OS (`serving.memory`)."""
+the server hands freed heap memory back to the OS (`dvi.memory`)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ print(before, rss())
 
 @pytest.mark.skipif(glibc_trim() is None, reason="needs glibc")
 def test_trim_returns_freed_heap_that_free_alone_keeps():
-    """The mechanism `serving.memory` relies on: memory freed below a live block stays resident until trimmed."""
+    """The mechanism `dvi.memory` relies on: memory freed below a live block stays resident until trimmed."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", _FRAGMENT], capture_output=True, text=True, env=env, timeout=120,
@@ -76,7 +76,7 @@ def test_server_trims_when_idle_and_not_when_off(tiny_pair_dir, tmp_path, monkey
     the server bounds oneDNN's primitive cache unless the environment already does."""
     from test_serving_helpers import ServerThread, tiny_config, wait_for
 
-    from serving.memory import ONEDNN_CACHE_ENV
+    from dvi.memory import ONEDNN_CACHE_ENV
 
     for every, want, env in ((30.0, glibc_trim() is not None, None), (0.0, False, "77")):
         if env is None:
@@ -274,24 +274,24 @@ def test_the_engine_thread_keeps_no_command_after_running_it():
 
 _TRAINER_HEAP = """
 import time
-from trainers.online.loop import HeapRelease
-heap = HeapRelease(1e-6)
+from dvi.memory import HeapTrimmer
+heap = HeapTrimmer(1e-6)  # what the trainer loop holds (`trainer.malloc_trim_seconds`)
 blocks = [bytearray(1000) for _ in range(150_000)]  # ~150 MiB of heap blocks, freed below a live one
 pin = bytearray(1000)
 del blocks
 time.sleep(0.01)
-heap.maybe_trim()
+heap.after_step()
 s = heap.status()
 print(s["trims"], s["released_bytes"], s["rss_before_trim_bytes"] - s["rss_bytes"])
-off = HeapRelease(0)
-off.maybe_trim()
+off = HeapTrimmer(0)
+off.after_step()
 print(off.status()["trims"])
 """
 
 
 @pytest.mark.skipif(glibc_trim() is None, reason="needs glibc")
 def test_trainer_trims_between_rounds_and_reports_what_each_trim_gave_back():
-    """The trainer's `HeapRelease` (`trainer.malloc_trim_seconds`): a trim gives freed heap back and its status
+    """The trainer's `HeapTrimmer` (`trainer.malloc_trim_seconds`, after every round): a trim gives freed heap back and its status
     says how much (what separates memory glibc held freed from memory in use); 0 never trims."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}

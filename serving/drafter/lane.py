@@ -41,11 +41,11 @@ from dvi.feedback.heldout import HeldOutSet, newest_logged
 from dvi.feedback.shadow import hf_logits_fn
 from dvi.feedback.verdict import Rule, Scorer, Verdict, compare, scorer
 from dvi.fsutil import AppendLog, append_jsonl
+from dvi.memory import glibc_trim
 from dvi.registry.codec import load_drafter_version, load_group_version, scoring_module
 from dvi.registry.store import AdapterRejected, DrafterRegistry, ServingState
 
 from ..engine_client import EngineClient, SetAdapter, SetDrafter
-from ..memory import glibc_trim
 from .diagnosis import Diagnosis
 from .lifecycle import Lifecycle
 from .messages import LaneView, VersionEvent

@@ -45,7 +45,7 @@ from typing import Any
 from dvi import metrics as M
 from dvi.config import DviConfig
 from dvi.feedback import FeedbackReader
-from dvi.memory import glibc_trim, rss_bytes
+from dvi.memory import HeapTrimmer
 from dvi.registry.store import AdapterRejected
 from dvi.rundir import RunDir
 from trainers.online.groups import GroupLanes
@@ -67,39 +67,6 @@ class _Stop:
         self.signal = signum
 
 
-class HeapRelease:
-    """Between rounds, at most every `every_s`: glibc's `malloc_trim`, with the resident size before and after it.
-    Training frees and reallocates tensors of a new shape every batch (sequence lengths vary), and glibc keeps what
-    was freed below a live block; the status's `heap` says how much each trim gave back, which separates memory
-    glibc held freed from memory the process still uses."""
-
-    def __init__(self, every_s: float) -> None:
-        self.every_s = float(every_s)
-        self._trim = glibc_trim() if self.every_s > 0 else None
-        self._last = time.monotonic()
-        self.trims, self.released, self.last_released = 0, 0, 0
-        self.rss_before = self.rss_after = rss_bytes()
-
-    def maybe_trim(self) -> None:
-        if self._trim is None or time.monotonic() - self._last < self.every_s:
-            return
-        before = rss_bytes()
-        try:
-            self._trim()
-        except Exception:  # noqa: BLE001 - releasing memory must never stop training
-            log.exception("malloc_trim failed")
-        self._last, after = time.monotonic(), rss_bytes()
-        self.trims += 1
-        if before is not None and after is not None:
-            self.last_released = max(0, before - after)
-            self.released += self.last_released
-        self.rss_before, self.rss_after = before, after
-
-    def status(self) -> dict[str, Any]:
-        return {"trims": self.trims, "released_bytes": self.released, "last_released_bytes": self.last_released,
-                "rss_before_trim_bytes": self.rss_before, "rss_bytes": self.rss_after}
-
-
 class TrainerLoop:
     """Tails the feedback shards for an `OnlineTrainer`, with checkpoints and an exactly-once cursor."""
 
@@ -117,7 +84,7 @@ class TrainerLoop:
         self.screen = RecordScreen.of(trainer, self.rundir)
         # trainer.adapter_key: the shared drafter stays as served, each traffic group trains an adapter of its own
         self.lanes = GroupLanes(trainer, cfg, self.rundir) if cfg.trainer.adapter_key != "none" else None
-        self.heap = HeapRelease(cfg.trainer.malloc_trim_seconds)
+        self.heap = HeapTrimmer(cfg.trainer.malloc_trim_seconds)  # between rounds: training churns tensor sizes
 
     # -- startup ----------------------------------------------------------------------------------
     def restore(self) -> None:
@@ -349,7 +316,7 @@ class TrainerLoop:
                 time.sleep(min(0.5, t.tc.poll_seconds))
                 continue
             stats = self.run_round()
-            self.heap.maybe_trim()
+            self.heap.after_step()
             if stats is None:
                 self.flush()
                 if self.lanes is not None:  # each lane's publish, retried when due
