@@ -145,11 +145,12 @@ class LeanDraftCache:
         """Rows are right-padded with their own last token; each row's logits are read at its last real token. Where
         the rows' lengths differ (a catch-up: a row that just joined brings its whole prompt, the others one or two
         tokens) only the real tokens run through the projections and write keys (a ragged forward): padding every
-        row to the longest cost the drafter B times the catch-up."""
+        row to the longest cost the drafter B times the catch-up. An ordinary drafting step (1 or 2 tokens a row) keeps
+        the padded forward and its cached per-row adapters."""
         lens = [len(r) for r in rows]
         m = max(lens)
         ids = torch.tensor([r + [r[-1]] * (m - len(r)) for r in rows], dtype=torch.long, device=self.device)
-        if len(rows) > 1 and min(lens) < m:
+        if len(rows) > 1 and m > 2 and min(lens) < m:  # a catch-up; a drafting step's 1-2 tokens a row stay padded
             pick = torch.tensor(list(itertools.accumulate(lens)), dtype=torch.long, device=self.device) - 1
             out = self._run(ids, pick, lens)
         else:
