@@ -115,7 +115,7 @@ def test_long_soak_on_the_tiny_pair(tiny_pair_dir, tmp_path):
     out = tmp_path / "soak_long.json"
     assert soak.main(["--preset", "tiny", "--pair-dir", str(tiny_pair_dir), "--minutes", "0.8", "--drift-minutes",
                       "0.13334", "--target-update-minutes", "0.3", "--kill-minutes", "0.4", "--sample-seconds", "4",
-                      "--poll-seconds", "1", "--max-tokens", "16", "--retention-mb", "0.25", "--log-max-kb", "16",
+                      "--poll-seconds", "0.5", "--max-tokens", "16", "--retention-mb", "1", "--log-max-kb", "16",
                       "--cut-share", "0.1", "--abandon-share", "0.1", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     goals = {g["name"]: g for g in res["goals"]}
@@ -127,7 +127,10 @@ def test_long_soak_on_the_tiny_pair(tiny_pair_dir, tmp_path):
                  "feedback records dropped or failed to write", "samples taken", "minutes of traffic",
                  "target updates refused", "trainer kills it did not come back from",
                  "feedback: peak / retention bound", "logs: peak / bound", "registry versions: peak / bound"):
-        assert goals[name]["met"], goals[name]
+        assert goals[name]["met"], (goals[name], res["feedback"])
+    # retention binds (most shards deleted) yet lets each shard live several polls (~32 shards of ~30 KB kept:
+    # at 0.25 MB a shard lived ~1.5 s, under two polls on a loaded 2-core machine, and the check missed some)
+    assert res["feedback"]["deleted_shards"] > res["feedback"]["shards_read"] / 2, res["feedback"]
     for name in ("server RSS growth, second -> last quarter of a life (medians)",
                  "p99 latency, last quarter / second quarter", "server open fds, a life's last quarter's max - second's"):
         assert goals[name]["value"] is not None, name
