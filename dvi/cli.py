@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _quiet_for_users() -> None:
     """What a `dvi` user's terminal need not show: transformers' deprecation notices (FutureWarnings such as
-    "`past_key_values` is deprecated and will be removed in version 5.40.0", about calls dvi makes, not the user)
+    "`past_key_values` is deprecated and will be removed in version 5.40.0", "`is_gradient_checkpointing` is deprecated
+    and will be removed in v6", about calls dvi makes, not the user)
     and its per-load progress bars ("Loading weights", "Writing model shards": instant for these models). Only
     those: other warnings still print, and `python -W ...` / `PYTHONWARNINGS` (or `HF_HUB_DISABLE_PROGRESS_BARS=0`)
     put everything back. Children started through `dvi` (the server, its trainer) run this too."""
@@ -260,7 +261,7 @@ def _quiet_for_users() -> None:
 
     if not sys.warnoptions:
         warnings.filterwarnings("ignore", category=FutureWarning,
-                                message=r"`[^`]+` is deprecated (and will be removed in|and removed starting from) version")
+                                message=r"`[^`]+` is deprecated and (will be removed in|removed starting from) (version |v)\d")
     if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None:
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # for the children; transformers read it at its import
         from transformers.utils import logging as hf_logging

@@ -31,6 +31,8 @@ def test_transformers_deprecations_are_silenced_and_nothing_else(quiet) -> None:
     warnings.warn("`past_key_values` is deprecated and will be removed in version 5.40.0 for "
                   "`LlamaForCausalLM.forward`. Use `cache` instead.", FutureWarning, stacklevel=1)
     warnings.warn("`foo` is deprecated and removed starting from version 5.0.", FutureWarning, stacklevel=1)
+    warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
+                  "`is_activation_checkpointing` instead.", FutureWarning, stacklevel=1)  # transformers 5.x's form
     warnings.warn("a FutureWarning of another kind", FutureWarning, stacklevel=1)
     warnings.warn("`x` is deprecated and will be removed in version 2", UserWarning, stacklevel=1)
     assert [str(w.message) for w in quiet] == ["a FutureWarning of another kind",
