@@ -108,8 +108,16 @@ def test_a_groups_version_is_read_once_as_its_merged_drafter_and_its_row_factors
             assert torch.equal(a, want_layer[proj][0]) and torch.equal(b, want_layer[proj][1])
     ids = torch.tensor([[5, 9, 17, 33, 65, 3, 7]])
     with torch.no_grad():
+        before = base(input_ids=ids).logits
+        model, factors = load_group_version(reg, v, base, sizes, layers)
         merged = copy.deepcopy(pm).merge_and_unload()(input_ids=ids).logits
         assert torch.allclose(model(input_ids=ids).logits, merged, atol=1e-5)
+        assert torch.equal(base(input_ids=ids).logits, before)  # the merge wrote none of the base's tensors
+    # a version holds copies of the adapted projections only; the rest (embeddings, head, norms) is the base's
+    base_ptrs = {p.data_ptr() for p in base.parameters()}
+    copied = sorted(n for n, p in model.named_parameters() if p.data_ptr() not in base_ptrs)
+    assert copied and all(n.rsplit(".", 2)[-2] in ("q_proj", "v_proj", "up_proj") for n in copied), copied
+    assert len(copied) == 3 * layers
     full = publish_full(reg, base.state_dict(), base.config, version_manifest())
     with pytest.raises(AdapterRejected) as exc:
         load_group_version(reg, full, base, sizes, layers)

@@ -145,7 +145,7 @@ class LoraCodec(DrafterCodec):
 
         try:
             d = source.version_dir(version)
-            pm = PeftModel.from_pretrained(copy.deepcopy(base, _shared_embeddings(base, d)), str(d), is_trainable=False)
+            pm = PeftModel.from_pretrained(copy.deepcopy(base, _shared_untargeted(base, d)), str(d), is_trainable=False)
             check_state_dict(sd, _shapes(get_peft_model_state_dict(pm)), version)
             return pm.merge_and_unload()
         except AdapterRejected:
@@ -154,17 +154,22 @@ class LoraCodec(DrafterCodec):
             raise AdapterRejected(f"does not load: {type(exc).__name__}: {exc}", version, category="load") from None
 
 
-def _shared_embeddings(base: nn.Module, version_dir: Path) -> dict[int, Any]:
-    """A deepcopy memo that keeps the base's input embeddings (and a head tied to them) shared, not copied: a merge
-    writes only the adapted modules, and a drafter's embedding table is most of its memory (one per kept version,
-    one per traffic group's adapter version). Nothing is shared when the adapter targets embeddings or head."""
+def _shared_untargeted(base: nn.Module, version_dir: Path) -> dict[int, Any]:
+    """A deepcopy memo that keeps every parameter of a module the adapter does not target shared with the base, not
+    copied: a merge writes only the adapted projections, and the rest (the embedding table, the LM head, the norms)
+    is most of a drafter's memory, held once per kept version and per traffic group's adapter version. Only the
+    embeddings are shared when the targets are a pattern; nothing when the adapter targets embeddings or head."""
     try:
         targets = json.loads((version_dir / ADAPTER_CONFIG).read_text()).get("target_modules") or []
     except (OSError, ValueError, AttributeError):
         return {}
-    if isinstance(targets, str) or {"embed_tokens", "lm_head"} & set(targets):
+    if not isinstance(targets, str) and {"embed_tokens", "lm_head"} & set(targets):
         return {}
-    return {id(m.weight): m.weight for m in base.modules() if isinstance(m, nn.Embedding)}
+    if isinstance(targets, str):  # a regex over module names: share what no pattern can adapt
+        return {id(m.weight): m.weight for m in base.modules() if isinstance(m, nn.Embedding)}
+    adapted = {name for name, _ in base.named_modules() if name.rsplit(".", 1)[-1] in set(targets)}
+    return {id(p): p for name, p in base.named_parameters()
+            if name.rpartition(".")[0] not in adapted}
 
 
 class FullCodec(DrafterCodec):
