@@ -95,9 +95,23 @@ async def _one(client, prompt: list[int], max_tokens: int) -> dict:
     return out
 
 
+async def _engine_counters(client) -> tuple[float, float]:
+    """(seconds the server's engine spent in steps, steps) since it started, from its /metrics."""
+    from dvi.metrics import names as M
+
+    vals = {M.ENGINE_BUSY_SECONDS: 0.0, M.ENGINE_STEPS: 0.0}
+    for line in (await client.get("/metrics")).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in vals:
+            vals[name] = float(value)
+    return vals[M.ENGINE_BUSY_SECONDS], vals[M.ENGINE_STEPS]
+
+
 async def _level(url: str, prompts: list[list[int]], concurrency: int, n_requests: int, max_tokens: int,
-                 warmup: int) -> tuple[list[dict], float]:
-    """One closed-loop run: every request's outcome, and the wall time of the measured part."""
+                 warmup: int) -> tuple[list[dict], float, float, float]:
+    """One closed-loop run: every request's outcome, the wall time of the measured part, and the engine's busy
+    seconds and steps in it (its busy share says whether the arm was compute-bound: a share under 1 is time the
+    engine waited on the HTTP side)."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -111,16 +125,19 @@ async def _level(url: str, prompts: list[list[int]], concurrency: int, n_request
             for i in counter:
                 results.append(await _one(client, prompts[i % len(prompts)], max_tokens))
 
+        busy0, steps0 = await _engine_counters(client)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return results, wall
+        busy1, steps1 = await _engine_counters(client)
+    return results, wall, busy1 - busy0, steps1 - steps0
 
 
-def _summarize(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
+def _summarize(concurrency: int, runs: list[tuple[list[dict], float, float, float]]) -> dict:
     """Figures of one (arm, level) pooled over its rounds: throughput = all tokens / all wall time."""
-    results = [r for rs, _ in runs for r in rs]
-    wall = sum(w for _, w in runs)
+    results = [r for rs, *_ in runs for r in rs]
+    wall = sum(w for _, w, *_ in runs)
+    busy, steps = sum(r[2] for r in runs), sum(r[3] for r in runs)
     ok = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
     drafted = sum(r["drafted"] for r in ok)
@@ -132,7 +149,11 @@ def _summarize(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
         "tokens": tokens,
         "throughput_tok_s": tokens / wall if wall > 0 else float("nan"),
         "round_throughputs_tok_s": [sum(r["tokens"] for r in rs if r["ok"]) / w if w > 0 else float("nan")
-                                    for rs, w in runs],
+                                    for rs, w, *_ in runs],
+        # the engine's side: busy share of the wall time, steps, tokens per step and milliseconds per step
+        "engine_busy_share": busy / wall if wall > 0 else float("nan"), "engine_steps": steps,
+        "tokens_per_step": tokens / steps if steps else float("nan"),
+        "ms_per_step": 1e3 * busy / steps if steps else float("nan"),
         "requests_per_s": len(ok) / wall if wall > 0 else float("nan"),
         "latency_p50_s": _pct(lat, 0.5), "latency_p99_s": _pct(lat, 0.99),
         "latency_mean_s": statistics.fmean(lat) if lat else float("nan"),
@@ -209,7 +230,8 @@ def _measure_level(servers: dict, c: int, args: argparse.Namespace, prompts: lis
         a = fig["alpha"]
         print(f"[{arm}] C={c:>3}: {fig['throughput_tok_s']:7.1f} tok/s  p50 {fig['latency_p50_s']:.3f}s "
               f"p99 {fig['latency_p99_s']:.3f}s  ttft p50 {fig['ttft_p50_s']:.3f}s  "
-              f"α {'-' if a is None else f'{a:.3f}'}  errors {fig['errors']}  rounds "
+              f"α {'-' if a is None else f'{a:.3f}'}  busy {fig['engine_busy_share']:.2f}  "
+              f"{fig['tokens_per_step']:.2f} tok/step {fig['ms_per_step']:.1f} ms/step  errors {fig['errors']}  rounds "
               f"{', '.join(f'{x:.0f}' for x in fig['round_throughputs_tok_s'])}", flush=True)
     return figs
 
@@ -240,14 +262,15 @@ def _goals(figures: dict[str, list[dict]], levels: list[int]) -> list[dict]:
 
 def _print_table(figures: dict[str, list[dict]], goals: list[dict]) -> None:
     header = f"{'arm':<7} {'C':>3} {'req':>4} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'ttft50':>7} {'ttft99':>7} " \
-             f"{'alpha':>6} {'err':>4}"
+             f"{'alpha':>6} {'busy':>5} {'tok/st':>6} {'ms/st':>6} {'err':>4}"
     print("\n" + header + "\n" + "-" * len(header))
     for arm, fs in figures.items():
         for f in fs:
             a = "-" if f["alpha"] is None else f"{f['alpha']:.3f}"
             print(f"{arm:<7} {f['concurrency']:>3} {f['requests']:>4} {f['throughput_tok_s']:>8.1f} "
                   f"{f['latency_p50_s']:>7.3f} {f['latency_p99_s']:>7.3f} {f['ttft_p50_s']:>7.3f} "
-                  f"{f['ttft_p99_s']:>7.3f} {a:>6} {f['errors']:>4}")
+                  f"{f['ttft_p99_s']:>7.3f} {a:>6} {f['engine_busy_share']:>5.2f} {f['tokens_per_step']:>6.2f} "
+                  f"{f['ms_per_step']:>6.1f} {f['errors']:>4}")
     print("\ngoals:")
     for g in goals:
         print(f"  [{'met' if g['met'] else 'MISSED'}] {g['name']}: {g['value']:.3f} "

@@ -86,6 +86,7 @@ class EngineSnapshot:
     queue: int = 0  # requests waiting for a slot
     running: int = 0  # rows in the batch
     steps: int = 0
+    busy_seconds: float = 0.0  # in engine steps since start
     completed: int = 0
     step_errors: int = 0
     request_errors: int = 0
@@ -133,13 +134,13 @@ class Engine(Protocol):
     def report(self) -> EngineReport: ...
 
 
-def take_snapshot(engine: Engine, seq: int, **loop: int) -> EngineSnapshot:
+def take_snapshot(engine: Engine, seq: int, **loop: float) -> EngineSnapshot:
     """Engine thread only: the engine's state now plus the loop's counts (`loop`: queue, running, steps, ...)."""
     r = engine.report()
     return EngineSnapshot(
-        seq=seq, queue=loop.get("queue", 0), running=loop.get("running", 0), steps=loop.get("steps", 0),
-        completed=loop.get("completed", 0), step_errors=loop.get("step_errors", 0),
-        request_errors=loop.get("request_errors", 0),
+        seq=seq, queue=int(loop.get("queue", 0)), running=int(loop.get("running", 0)), steps=int(loop.get("steps", 0)),
+        busy_seconds=float(loop.get("busy_seconds", 0.0)), completed=int(loop.get("completed", 0)),
+        step_errors=int(loop.get("step_errors", 0)), request_errors=int(loop.get("request_errors", 0)),
         drafter_version=int(engine.drafter_version), target_version=int(engine.target_version),
         greedy_contract=MappingProxyType(dict(engine.greedy_contract)), draft_vocab_size=r.draft_vocab_size,
         proposer_stats=MappingProxyType(dict(r.proposer_stats)) if r.proposer_stats else _EMPTY,

@@ -124,6 +124,7 @@ class Scheduler:
         self._retry_after: float | None = None  # set by `close`: new submits get a 503 with this Retry-After
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.busy_s = 0.0  # in engine.step(), failed steps included
         self.step_errors = 0
         self.request_errors = 0
         self.completed = 0
@@ -277,7 +278,7 @@ class Scheduler:
         with self._cv:
             queue = len(self._waiting)
         return take_snapshot(self.engine, seq, queue=queue, running=len(self._active), steps=self.steps,
-                             completed=self.completed, step_errors=self.step_errors,
+                             busy_seconds=self.busy_s, completed=self.completed, step_errors=self.step_errors,
                              request_errors=self.request_errors)
 
     def _publish(self) -> None:
@@ -337,6 +338,7 @@ class Scheduler:
         try:
             outs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the rows of this step, keep serving
+            self.busy_s += time.perf_counter() - t0
             self.step_errors += 1
             log.exception("engine.step failed; failing %d active request(s)", len(self._active))
             for h in list(self._active.values()):
@@ -345,6 +347,7 @@ class Scheduler:
                 self._fail(h, ApiError(500, f"engine error: {exc}", type_="server_error"))
             return
         dt = time.perf_counter() - t0
+        self.busy_s += dt
         self.steps += 1
         self.last_step_at = time.time()
         ntok = 0

@@ -227,6 +227,8 @@ class ServerMetrics:
         """Scrape time: queue depth (the engine's last snapshot), versions and gates (the drafter thread's last
         snapshot), trainer state and heartbeat, feedback write health."""
         self.m.set_queue_depth(snap.queue)
+        self._sync_counter(M.ENGINE_STEPS, snap.steps)
+        self._sync_counter(M.ENGINE_BUSY_SECONDS, snap.busy_seconds)
         dv = drafter.shared.live_version if drafter is not None else 0
         self.m.set_versions(drafter_version=dv, target_version=target_version)
         for group, version in snap.adapter_versions.items():

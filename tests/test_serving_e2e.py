@@ -73,6 +73,7 @@ def _traffic(url: str, n: int, results: list, stream: bool = True, max_tokens: i
 
 def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
     cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=2")  # v1's watch ends within `after`
+    started = time.monotonic()
     with ServerThread(cfg) as s:
         reg = DrafterRegistry(cfg.registry.dir)
         base = drafter_lane(s).base
@@ -121,6 +122,9 @@ def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
             metrics = c.get("/metrics").text
             assert _counter(metrics, M.DRAFTER_REFUSALS + "{") == 3
             assert _counter(metrics, M.DRAFTER_PROMOTIONS + " ") == 1
+            # the engine's busy time: what it stepped, in seconds no more than the server has run
+            steps, busy = _counter(metrics, M.ENGINE_STEPS + " "), _counter(metrics, M.ENGINE_BUSY_SECONDS + " ")
+            assert steps > 0 and 0 < busy < time.monotonic() - started
             r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16})
             assert r.status_code == 200 and r.json()["dvi"]["drafter_version"] == v1
             assert r.json()["choices"][0]["text"] == ref[PROMPTS[0]]

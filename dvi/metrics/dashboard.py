@@ -256,6 +256,10 @@ def _throughput() -> list[dict]:
             target(f"sum by ({N.L_FINISH}) ({rate(N.REQUESTS)})", "{{finish_reason}}"),
         ], unit="reqps"),
         panel("Queue depth", [target(f"sum({sel(N.QUEUE_DEPTH)})", "waiting for a batch slot")]),
+        panel("Engine busy share and steps per second", [
+            target(f"sum({rate(N.ENGINE_BUSY_SECONDS)})", "busy share (1: compute-bound)"),
+            target(f"sum({rate(N.ENGINE_STEPS)})", "steps/s"),
+        ]),
         panel("Refused requests and slow-client timeouts", [
             target(f"sum by ({N.L_REASON}) ({rate(N.REQUESTS_REJECTED)})", "{{reason}}"),
             target(f"sum by ({N.L_PHASE}) ({rate(N.HTTP_REQUEST_TIMEOUTS)})", "408 ({{phase}})"),

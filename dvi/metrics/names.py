@@ -30,6 +30,8 @@ TIME_TO_FIRST_TOKEN = "dvi_time_to_first_token_seconds"
 REQUEST_ACCEPTANCE = "dvi_request_acceptance_rate"
 LOW_ACCEPTANCE_REQUESTS = "dvi_requests_low_acceptance_total"
 QUEUE_DEPTH = "dvi_queue_depth"
+ENGINE_STEPS = "dvi_engine_steps_total"
+ENGINE_BUSY_SECONDS = "dvi_engine_busy_seconds_total"
 DRAFTER_VERSION = "dvi_drafter_version"
 DRAFTER_ADAPTER_VERSION = "dvi_drafter_adapter_version"
 TARGET_VERSION = "dvi_target_version"
@@ -184,6 +186,9 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(LOW_ACCEPTANCE_REQUESTS, "counter", f"Requests that drafted at least {LOW_ACCEPTANCE[0]} tokens "
                    f"with acceptance at most {LOW_ACCEPTANCE[1]} (each logged with its request id).", (L_DOMAIN,)),
         MetricSpec(QUEUE_DEPTH, "gauge", "Requests waiting for a batch slot."),
+        MetricSpec(ENGINE_STEPS, "counter", "Engine steps run (one batched target pass each, drafting or not)."),
+        MetricSpec(ENGINE_BUSY_SECONDS, "counter", "Seconds the engine thread spent in steps: its rate is the engine's "
+                   "busy share (1: compute-bound, every arm of a comparison must be read at the same share)."),
         MetricSpec(DRAFTER_VERSION, "gauge", "Drafter version serving now."),
         MetricSpec(DRAFTER_ADAPTER_VERSION, "gauge", "Adapter version serving each traffic group's rows "
                    "(trainer.adapter_key; at most trainer.max_adapters groups).", (L_GROUP,)),
