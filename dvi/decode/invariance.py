@@ -9,7 +9,10 @@ construction (folded attention: each query alone over a bucketed column count) a
 floor; which floor makes rows agree is a property of the kernels, so it is measured here, once per process
 and model shape, on the model's own weights: the smallest floor at which verifies of every width give logits
 bit-equal to the steps'. None: no floor does, and greedy speculation may part from plain decoding at
-near-ties of the dtype (`dvi.decode.sampling.tie_bound`).
+near-ties of the dtype (`dvi.decode.sampling.tie_bound`). A kernel may also round rows alike only up to some
+row count (oneDNN's bf16 on Intel AMX: up to 32; a draft tree's verify scores more positions than a chain's):
+then a one-request verify runs its matmuls in pieces of the widest width that agreed (`Invariance.row_chunk`,
+`LeanTarget.row_chunk`), kept where every width then agrees.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from dvi.decode.lean_target import LeanTarget
 __all__ = ["FLOORS", "Invariance", "probe"]
 
 log = logging.getLogger(__name__)
+
+WIDTHS = (2, 3, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65, 96, 128, 129)
+"""Verify widths probed (those up to the engine's widest verify): both sides of the powers of two where kernels
+switch."""
 
 FLOORS = (1, 2, 4, 8)
 """Matmul row floors tried, cheapest first (a one-token step padded to 4 rows costs a 4-row GEMM: in fp32 on an
@@ -44,6 +51,7 @@ class Invariance:
     searched: bool
     device: str
     dtype: str
+    row_chunk: int | None = None  # one-request matmuls in pieces of at most this many rows (None: whole)
 
     @property
     def contract(self) -> str:
@@ -67,18 +75,32 @@ def probe(lean: LeanModel, max_width: int = 17, exact: bool = False, max_rows: i
     shape and dtype)? Without `exact` only as the engine runs by default (floor 1: free); with it the smallest
     floor of `FLOORS` that makes them, which must also keep rows of matmuls up to `max_rows` rows (a batch's
     rows x positions) equal to a lone row's."""
-    widths = tuple(w for w in (2, 3, 4, 5, 8, 9, 16, 17, 24, 32, 33) if w <= max(2, max_width))
+    widths = tuple(w for w in WIDTHS if w <= max(2, max_width))
     max_rows = max(max_rows, max(widths))
     key = _key(lean, widths, exact, max_rows)
     if key not in _VERDICTS:
         floors = FLOORS if exact else (1,)
-        floor = next((f for f in floors if _rows_agree(lean, f, widths, context, seed)
+        first = _agreeing_widths(lean, 1, widths, context, seed)  # floor 1's (the floors' first), kept for the pieces
+        floor = next((f for f in floors
+                      if (first if f == 1 else _agreeing_widths(lean, f, widths, context, seed)) == widths
                       and (not exact or _matmul_rows_agree(lean, f, max_rows, seed))), None)
-        _VERDICTS[key] = v = Invariance(floor, widths, max_rows, exact, lean.device.type,
-                                        str(lean.dtype).removeprefix("torch."))
-        log.info("greedy speculation on %s %s%s: %s (matmul row floor %s, verify widths up to %d)", v.device, v.dtype,
-                 " (exact mode)" if exact else "", v.contract, floor, max(widths))
+        chunk = None if floor is not None or exact else _row_chunk(lean, widths, first, context, seed)
+        _VERDICTS[key] = v = Invariance(1 if chunk else floor, widths, max_rows, exact, lean.device.type,
+                                        str(lean.dtype).removeprefix("torch."), chunk)
+        log.info("greedy speculation on %s %s%s: %s (matmul row floor %s%s, verify widths up to %d)", v.device,
+                 v.dtype, " (exact mode)" if exact else "", v.contract, v.min_rows,
+                 f", one request's matmuls in pieces of {chunk} rows" if chunk else "", max(widths))
     return _VERDICTS[key]
+
+
+def _row_chunk(lean: LeanModel, widths: tuple[int, ...], agreed: tuple[int, ...], context: int,
+               seed: int) -> int | None:
+    """The widest probed width up to which verifies agreed with steps (`agreed`), if matmuls in pieces of that many
+    rows make every width agree (None: none does)."""
+    ok = [w for w in widths if w < min(set(widths) - set(agreed), default=widths[-1] + 1)]  # the agreeing prefix
+    if len(ok) < 2:  # pieces of two or three rows would cost a wide verify most of its width
+        return None
+    return ok[-1] if _agreeing_widths(lean, 1, widths, context, seed, chunk=ok[-1]) == widths else None
 
 
 @torch.inference_mode()
@@ -108,14 +130,16 @@ def _matmul_rows_agree(lean: LeanModel, floor: int, max_rows: int, seed: int) ->
 
 
 @torch.inference_mode()
-def _rows_agree(lean: LeanModel, floor: int, widths: tuple[int, ...], context: int, seed: int) -> bool:
-    """Do verifies of `widths` give, with row floor `floor`, logits bit-equal to 1-token steps' (random tokens)?"""
+def _agreeing_widths(lean: LeanModel, floor: int, widths: tuple[int, ...], context: int, seed: int,
+                     chunk: int | None = None) -> tuple[int, ...]:
+    """The `widths` whose verifies give, with row floor `floor` (and matmuls in pieces of `chunk` rows), logits
+    bit-equal to 1-token steps' (random tokens)."""
     dev = lean.device
     vocab = int(lean.embed.shape[0])
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, vocab, (context,), generator=g).tolist()
     toks = torch.randint(0, vocab, (max(widths),), generator=g).tolist()
-    run = LeanTarget(lean=lean, exact=True, min_rows=floor)
+    run = LeanTarget(lean=lean, exact=True, min_rows=floor, row_chunk=chunk)
     run.admit([ctx], False)
 
     def verify(ids: list[int]) -> torch.Tensor:
@@ -126,4 +150,4 @@ def _rows_agree(lean: LeanModel, floor: int, widths: tuple[int, ...], context: i
     for t in toks:
         steps.append(run.forward(torch.tensor([[t]], device=dev), False)[0, 0])
         run.keep(1, [1])
-    return all(torch.equal(verify(toks[:w])[j], steps[j]) for w in widths for j in range(w))
+    return tuple(w for w in widths if all(torch.equal(got, steps[j]) for j, got in enumerate(verify(toks[:w]))))

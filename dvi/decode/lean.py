@@ -16,6 +16,8 @@ holes, no validity masks, no compaction, and every shape depends only on (rows, 
 from __future__ import annotations
 
 import time
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -290,14 +292,17 @@ class LeanModel:
     @torch.no_grad()
     def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
                 logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
-                pick: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                pick: torch.Tensor | None = None,
+                row_chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
         with `pick` [B] only row b's position pick[b]: logits [B, V] (in a ragged forward, pick[b] indexes the scored
         positions). A draft tree's nodes (`attn.depth` [B, q]) are
         rotated at positions start[b] + depth[b, j], not at their columns. A ragged verify's `attn.real` [M]: the
         flat indices (b * q + j) of the positions to score, in order; only they run through the projections and
-        write keys and values, the others come back as zero logits (no features)."""
+        write keys and values, the others come back as zero logits (no features). `row_chunk`: a one-row forward of
+        more positions runs its matmuls in pieces of at most that many rows, where the kernels round a wider GEMM's
+        rows unlike a lone row's (`dvi.decode.invariance`; a batch's rows are near-tie anyway: whole GEMMs)."""
         b, q = ids.shape
         real = attn.real
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
@@ -312,6 +317,9 @@ class LeanModel:
         tapped = []
         packs = self.packs if n > 1 else None
         lin = _packed_linear if packs else F.linear
+        chunk = row_chunk if b == 1 and row_chunk and n > row_chunk else None
+        if chunk:
+            lin = partial(_in_pieces, lin, chunk)
         ad = self.adapters
         for i, lw in enumerate(self.layers):
             qkv_w, o_w, gate_up_w, down_w = packs[i] if packs else (lw.qkv, lw.o, lw.gate_up, lw.down)
@@ -338,7 +346,7 @@ class LeanModel:
             if pick is not None:  # [B] indices into the M scored positions: row b's logits [B, V]
                 return self._logits(F.rms_norm(x.index_select(0, pick), (self.hidden,), self.norm, self.eps))
             return self._real_logits(x, real, b, q)
-        return self._outputs(x, b, q, logits_to_keep, features, pick, tapped)
+        return self._outputs(x, b, q, logits_to_keep, features, pick, tapped, chunk)
 
     def _placement(self, ids: torch.Tensor, start: torch.Tensor, attn: Attention, first_slot: int,
                    real: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -357,19 +365,26 @@ class LeanModel:
         return flat[real], col[real], pos[real], slot[real]
 
     def _outputs(self, x: torch.Tensor, b: int, q: int, logits_to_keep: int, features: bool,
-                 pick: torch.Tensor | None, tapped: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 pick: torch.Tensor | None, tapped: list[torch.Tensor],
+                 chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         n = b * q
+        if chunk:  # the head too, in pieces (see `forward`'s `row_chunk`)
+            def head(f: torch.Tensor) -> torch.Tensor:
+                flat = f.reshape(-1, f.shape[-1])
+                return torch.cat([self._logits(p) for p in flat.split(chunk)]).view(*f.shape[:-1], -1)
+        else:
+            head = self._logits
         x = x.view(b, q, self.hidden)
         if pick is not None:
             x = x.view(n, self.hidden).index_select(0, pick + torch.arange(0, n, q, device=self.device))
-            return self._logits(F.rms_norm(x, (self.hidden,), self.norm, self.eps))
+            return head(F.rms_norm(x, (self.hidden,), self.norm, self.eps))
         if logits_to_keep and not features:
             x = x[:, -logits_to_keep:]
         f = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
         if tapped:
-            return self._logits(f[:, -logits_to_keep:] if logits_to_keep else f), torch.cat(tapped, -1).view(b, q, -1)
-        return (self._logits(f[:, -logits_to_keep:] if logits_to_keep else f), f) if features else \
-            self._logits(f[:, -logits_to_keep:] if logits_to_keep else f)
+            return head(f[:, -logits_to_keep:] if logits_to_keep else f), torch.cat(tapped, -1).view(b, q, -1)
+        return (head(f[:, -logits_to_keep:] if logits_to_keep else f), f) if features else \
+            head(f[:, -logits_to_keep:] if logits_to_keep else f)
 
     def _real_logits(self, x: torch.Tensor, real: torch.Tensor, b: int, q: int) -> torch.Tensor:
         """A ragged forward's logits for its M scored positions x [M, H], placed at their flat indices of [B, q];
@@ -440,6 +455,11 @@ def _timed(fn, *args) -> float:
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear on a weight `LeanModel.pack_multirow` reordered for oneDNN."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _in_pieces(lin: Any, rows: int, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`lin(x, w, bias)` over x's rows in pieces of at most `rows` (`LeanModel.forward`'s `row_chunk`)."""
+    return torch.cat([lin(p, w, bias) for p in x.split(rows)])
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:

@@ -135,20 +135,22 @@ class RaggedTarget:
 
 
 def target_runner(model: nn.Module, lean: bool = True, max_width: int = 17, graphs: bool = True,
-                  max_batch: int = 16, max_context: int | None = None, packed: bool = False) -> TargetRunner:
+                  max_batch: int = 16, max_context: int | None = None, packed: bool = False,
+                  tree_width: int = 0) -> TargetRunner:
     """`LeanTarget` where the architecture allows (and `lean`), else `RaggedTarget`. A lean target pads its
     matmuls to the row floor `dvi.decode.invariance.probe` measured for verifies up to `max_width` positions,
     and with `dvi.decode.numerics.set_exact_greedy` keeps every row of a batch bit-equal to its plain decode.
     On CUDA (`graphs`, not the exact mode) its forwards of up to `max_batch` rows, `max_width` positions and
     `max_context` columns replay captured graphs (`dvi.decode.graphs`). `packed`: on a CPU in fp32, forwards of
-    more than one row run on oneDNN-prepacked weights (`LeanModel.pack_multirow`), probed as they run."""
+    more than one row run on oneDNN-prepacked weights (`LeanModel.pack_multirow`), probed as they run. `tree_width`:
+    the widest draft tree's verify (positions), probed too where an eager verify may score trees."""
     if not lean or lean_supported(model) is not None:
         return RaggedTarget(model)
     lm = LeanModel(model)
     if packed:
         lm.pack_multirow()
     exact = is_exact_greedy(model)
-    inv = probe(lm, max_width, exact=exact, max_rows=max_batch * max_width)
+    inv = probe(lm, max(max_width, tree_width), exact=exact, max_rows=max_batch * max_width)
     captured = None
     if graphs and lm.device.type == "cuda" and not exact:
         from dvi.decode.graphs import GraphedForward

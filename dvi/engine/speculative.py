@@ -96,10 +96,13 @@ class SpeculativeEngine:
             raise TypeError(f"SpeculativeEngine takes a Proposer, got {type(proposer).__name__}: build one with "
                             "dvi.drafters.factory.proposer_for(target, drafter) or make_proposer(kind, ...)")
         self._install(proposer or self.proposer)
-        # after the proposer: the widest verify (k_cap + 1) sizes the captured graphs
+        # after the proposer: the widest chain verify (k_cap + 1) sizes the captured graphs; the widest tree's (the
+        # learned chain with its siblings and two history branches) is probed for the greedy contract too
+        widest_tree = self.k_cap + 1 + self.max_draft_tokens * options.tree_width + self.proposer.max_tokens \
+            if options.tree_width else 0
         self._target: TargetRunner = target_runner(self.target, max_width=self.k_cap + 1, graphs=options.cuda_graphs,
                                                    max_batch=options.max_batch_size, max_context=self.max_context,
-                                                   packed=options.cpu_packed_weights)
+                                                   packed=options.cpu_packed_weights, tree_width=widest_tree)
         self._sync_feature_layers()
         self.k_policy = KPolicy(adaptive, num_draft_tokens, max_draft_tokens, self._calibrate,
                                 options.tree_width if self._target.trees else 0)
