@@ -12,7 +12,7 @@ bit-equal to the steps'. None: no floor does, and greedy speculation may part fr
 near-ties of the dtype (`dvi.decode.sampling.tie_bound`). A kernel may also round rows alike only up to some
 row count (oneDNN's bf16 on Intel AMX: up to 32; a draft tree's verify scores more positions than a chain's):
 then a one-request verify runs its matmuls in pieces of the widest width that agreed (`Invariance.row_chunk`,
-`LeanTarget.row_chunk`), kept where every width then agrees.
+`LeanModel.row_chunk`), kept where every width then agrees.
 """
 
 from __future__ import annotations
@@ -139,15 +139,19 @@ def _agreeing_widths(lean: LeanModel, floor: int, widths: tuple[int, ...], conte
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, vocab, (context,), generator=g).tolist()
     toks = torch.randint(0, vocab, (max(widths),), generator=g).tolist()
-    run = LeanTarget(lean=lean, exact=True, min_rows=floor, row_chunk=chunk)
-    run.admit([ctx], False)
+    run = LeanTarget(lean=lean, exact=True, min_rows=floor)
+    was, lean.row_chunk = lean.row_chunk, chunk
+    try:
+        run.admit([ctx], False)
 
-    def verify(ids: list[int]) -> torch.Tensor:
-        run.cache.truncate([context])
-        return run.forward(torch.tensor([ids], device=dev), False)[0]
+        def verify(ids: list[int]) -> torch.Tensor:
+            run.cache.truncate([context])
+            return run.forward(torch.tensor([ids], device=dev), False)[0]
 
-    steps = []
-    for t in toks:
-        steps.append(run.forward(torch.tensor([[t]], device=dev), False)[0, 0])
-        run.keep(1, [1])
-    return tuple(w for w in widths if all(torch.equal(got, steps[j]) for j, got in enumerate(verify(toks[:w]))))
+        steps = []
+        for t in toks:
+            steps.append(run.forward(torch.tensor([[t]], device=dev), False)[0, 0])
+            run.keep(1, [1])
+        return tuple(w for w in widths if all(torch.equal(got, steps[j]) for j, got in enumerate(verify(toks[:w]))))
+    finally:
+        lean.row_chunk = was

@@ -230,6 +230,10 @@ class LeanModel:
         # oneDNN-prepacked copies of the layer and head weights for forwards of more than one row (`pack_multirow`)
         self.packs: list[tuple[torch.Tensor, ...]] | None = None
         self.head_pack: torch.Tensor | None = None
+        # a one-row folded forward (a verify whose rows must round like lone steps) of more positions runs its
+        # matmuls in pieces of at most this many rows, where the kernels round a wider GEMM's rows unlike a lone
+        # row's (`dvi.decode.invariance`; None: whole). Prefills and a batch's rows (near-tie anyway) stay whole.
+        self.row_chunk: int | None = None
         self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         # what `features` returns: None, the final normed hidden state [.., H] (what the LM head multiplies); or
         # the residual stream after each listed layer, concatenated [.., len * H] (EAGLE-3's low / mid / high)
@@ -292,17 +296,14 @@ class LeanModel:
     @torch.no_grad()
     def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
                 logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
-                pick: torch.Tensor | None = None,
-                row_chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                pick: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
         with `pick` [B] only row b's position pick[b]: logits [B, V] (in a ragged forward, pick[b] indexes the scored
         positions). A draft tree's nodes (`attn.depth` [B, q]) are
         rotated at positions start[b] + depth[b, j], not at their columns. A ragged verify's `attn.real` [M]: the
         flat indices (b * q + j) of the positions to score, in order; only they run through the projections and
-        write keys and values, the others come back as zero logits (no features). `row_chunk`: a one-row forward of
-        more positions runs its matmuls in pieces of at most that many rows, where the kernels round a wider GEMM's
-        rows unlike a lone row's (`dvi.decode.invariance`; a batch's rows are near-tie anyway: whole GEMMs)."""
+        write keys and values, the others come back as zero logits (no features)."""
         b, q = ids.shape
         real = attn.real
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
@@ -317,7 +318,8 @@ class LeanModel:
         tapped = []
         packs = self.packs if n > 1 else None
         lin = _packed_linear if packs else F.linear
-        chunk = row_chunk if b == 1 and row_chunk and n > row_chunk else None
+        rc = self.row_chunk
+        chunk = rc if rc and b == 1 and n > rc and attn.groups is not None else None
         if chunk:
             lin = partial(_in_pieces, lin, chunk)
         ad = self.adapters
@@ -368,7 +370,7 @@ class LeanModel:
                  pick: torch.Tensor | None, tapped: list[torch.Tensor],
                  chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         n = b * q
-        if chunk:  # the head too, in pieces (see `forward`'s `row_chunk`)
+        if chunk:  # the head too, in pieces (`row_chunk`)
             def head(f: torch.Tensor) -> torch.Tensor:
                 flat = f.reshape(-1, f.shape[-1])
                 return torch.cat([self._logits(p) for p in flat.split(chunk)]).view(*f.shape[:-1], -1)
@@ -458,7 +460,7 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def _in_pieces(lin: Any, rows: int, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`lin(x, w, bias)` over x's rows in pieces of at most `rows` (`LeanModel.forward`'s `row_chunk`)."""
+    """`lin(x, w, bias)` over x's rows in pieces of at most `rows` (`LeanModel.row_chunk`)."""
     return torch.cat([lin(p, w, bias) for p in x.split(rows)])
 
 

@@ -30,12 +30,9 @@ class LeanTarget:
     """A Llama-family target through `LeanModel` over a `SlotCache` (`dvi.decode.target.TargetRunner`)."""
 
     def __init__(self, model: nn.Module | None = None, lean: LeanModel | None = None, exact: bool = False,
-                 min_rows: int = 1, invariance=None, graphs=None, row_chunk: int | None = None):
+                 min_rows: int = 1, invariance=None, graphs=None):
         self.lean = lean if lean is not None else LeanModel(model)
         self.exact, self.min_rows, self.invariance = bool(exact), int(min_rows), invariance
-        # a one-row verify's matmuls in pieces of at most this many rows (`LeanModel.forward`); never a prefill's,
-        # which plain decoding runs whole too
-        self.row_chunk = row_chunk if row_chunk is not None else getattr(invariance, "row_chunk", None)
         # the exact mode where no row floor made verifies round like steps: every position its own step
         self.stepwise = self.exact and invariance is not None and invariance.min_rows is None
         self.graphs = graphs  # a `dvi.decode.graphs.GraphedForward` (CUDA): its cache is this runner's
@@ -95,6 +92,11 @@ class LeanTarget:
         return Attention(columns, mask=(self._columns(columns).view(1, 1, columns) <= pos).unsqueeze(1))
 
     @property
+    def row_chunk(self) -> int | None:
+        """A one-row verify's matmul pieces (`LeanModel.row_chunk`, the probe's `Invariance.row_chunk`)."""
+        return self.lean.row_chunk
+
+    @property
     def trees(self) -> bool:
         """Whether a verify may score draft trees: eager forwards only (the exact mode's stepwise last resort
         scores positions one at a time along a chain; captured CUDA graphs are keyed by chain width)."""
@@ -137,7 +139,7 @@ class LeanTarget:
             attn.depth = torch.tensor([node_depths(p) for p in tree], dtype=torch.long, device=self.lean.device)
         self.cache.reserve(b, attn.columns)
         start = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.lean.device)
-        out = self.lean.forward(self.cache, ids, start, attn, features=features, row_chunk=self.row_chunk)
+        out = self.lean.forward(self.cache, ids, start, attn, features=features)
         if q == real:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]

@@ -151,6 +151,7 @@ def target_runner(model: nn.Module, lean: bool = True, max_width: int = 17, grap
         lm.pack_multirow()
     exact = is_exact_greedy(model)
     inv = probe(lm, max(max_width, tree_width), exact=exact, max_rows=max_batch * max_width)
+    lm.row_chunk = inv.row_chunk
     captured = None
     if graphs and lm.device.type == "cuda" and not exact:
         from dvi.decode.graphs import GraphedForward
