@@ -31,8 +31,8 @@ __all__ = ["FLOORS", "Invariance", "probe"]
 log = logging.getLogger(__name__)
 
 WIDTHS = (2, 3, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65, 96, 128, 129)
-"""Verify widths probed (those up to the engine's widest verify): both sides of the powers of two where kernels
-switch."""
+"""Verify widths probed (those up to the engine's widest verify, and that one): both sides of the powers of two where
+kernels switch."""
 
 FLOORS = (1, 2, 4, 8)
 """Matmul row floors tried, cheapest first (a one-token step padded to 4 rows costs a 4-row GEMM: in fp32 on an
@@ -75,7 +75,8 @@ def probe(lean: LeanModel, max_width: int = 17, exact: bool = False, max_rows: i
     shape and dtype)? Without `exact` only as the engine runs by default (floor 1: free); with it the smallest
     floor of `FLOORS` that makes them, which must also keep rows of matmuls up to `max_rows` rows (a batch's
     rows x positions) equal to a lone row's."""
-    widths = tuple(w for w in WIDTHS if w <= max(2, max_width))
+    top = max(2, max_width)
+    widths = tuple(sorted({w for w in WIDTHS if w <= top} | {top}))  # the widest itself too (a tree's 57)
     max_rows = max(max_rows, max(widths))
     key = _key(lean, widths, exact, max_rows)
     if key not in _VERDICTS:
