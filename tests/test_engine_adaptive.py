@@ -365,3 +365,30 @@ def test_adaptive_k_hands_the_paying_rows_to_the_proposer():
     assert k > 0 and a.last_rows == [1, 4]
     a.ragged = False  # the target scores every position: all rows or none
     assert a.choose(8, [0.2, 0.95, 0.2, 0.2, 0.9, 0.2, 0.2, 0.2]) == 0 and a.last_rows is None
+
+
+def test_the_goodput_guard_charges_drafting_with_its_catch_ups():
+    """Under load rows join every few steps and each joiner's prompt goes through the drafter first: drafting steps
+    that win without their catch-ups but lose with them must read as losing (real pair, Intel AMX, 16 rows: 1.09x
+    plain without, 1.03x with, under the 1.05 margin)."""
+    import torch
+
+    from dvi.decode.pricing import KPolicy
+    from dvi.drafters.proposer import Draft
+
+    def draft(k: int, catchup: bool) -> Draft:
+        return Draft(torch.zeros(16, k, dtype=torch.long), None, [k] * 16, ["model" if k else None] * 16, None,
+                     model_forwards=k, catchup=catchup)
+
+    policy = KPolicy(True, 2, 4, calibrate=lambda b: None)
+    for i in range(8):  # plain steps: 16 tokens in 70 ms; drafting 23 tokens in 90 ms, every other one a catch-up
+        policy.observe(draft(0, False), 16, 0.0, 0.07, 0.006, 16, 0.070, cpu=True)
+        slow = i % 2 == 1
+        policy.observe(draft(1, slow), 16, 0.017 if slow else 0.008, 0.085, 0.012, 23, 0.107 if slow else 0.090,
+                       cpu=True)
+    assert policy.controller.measured_verdict(16) == "plain"  # 1.03x plain with the catch-ups: not enough
+    clean = KPolicy(True, 2, 4, calibrate=lambda b: None)
+    for _ in range(8):  # the same drafting steps without joiners: 1.09x plain, drafting pays
+        clean.observe(draft(0, False), 16, 0.0, 0.07, 0.006, 16, 0.070, cpu=True)
+        clean.observe(draft(1, False), 16, 0.008, 0.085, 0.012, 23, 0.090, cpu=True)
+    assert clean.controller.measured_verdict(16) == "spec"

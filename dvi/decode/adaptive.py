@@ -279,7 +279,7 @@ class AdaptiveK:
         # bookkeeping), per bucket, measured online: the calibration times bare forwards, and a cost
         # that K = 0 pays per token but speculation shares over several tokens must count.
         self.step_overhead: dict[int, float] = {}
-        # Measured goodput of whole engine steps (catch-ups excluded), drafting vs plain, per bucket: the guard
+        # Measured goodput of whole engine steps (catch-ups included), drafting vs plain, per bucket: the guard
         # against costs the calibration cannot see (real model, CPU, batch 16: calibrated verify(1) < verify(0),
         # predicted 1.4x, measured 0.74x of plain decoding).
         self.goodput = GoodputGuard(goodput_window, t.margin, retry_every=self.max_probe_every)
@@ -290,7 +290,7 @@ class AdaptiveK:
         self.last_rows: list[int] | None = None
 
     def observe_step(self, batch: int, k: int, tokens: int, seconds: float) -> None:
-        """One finished engine step (not a drafter catch-up): feeds the goodput guard."""
+        """One finished engine step (its drafter catch-up included): feeds the goodput guard."""
         self.goodput.observe(batch, k > 0, tokens, seconds)
 
     def measured_verdict(self, batch: int) -> str:
