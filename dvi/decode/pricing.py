@@ -35,6 +35,7 @@ class KPolicy:
         # Adaptive K optimises the completion of the current batch (its slowest row) when True, plain
         # throughput when False (a server that backfills finished rows continuously may prefer False).
         self.drain_aware = True
+        self._drafted_last = False  # the last step drafted (`observe`)
 
     def for_step(self, seqs: list) -> StepPricing:
         return StepPricing(self, seqs)
@@ -53,11 +54,13 @@ class KPolicy:
     def observe(self, draft, batch: int, t_draft: float, t_verify: float, t_host: float, tokens: int,
                 seconds: float, cpu: bool) -> None:
         """After a step: its timings (a drafter catch-up is not a typical draft cost, a step with history rows
-        not a learned-drafter step) and the goodput guards' samples. A drafting step with a catch-up counts for the
-        guard with its whole cost: under load rows join every few steps and each joiner's prompt goes through the
-        drafter before it drafts, a price plain decoding never pays (real pair, Intel AMX, bf16, 16 rows: drafting
-        steps 1.09x plain without their catch-ups, 1.03x with them, under the guard's margin); a probe's catch-up
-        after a long plain stretch is many times a typical step, which the guard leaves out as a stall."""
+        not a learned-drafter step) and the goodput guards' samples. A drafting step right after another drafting
+        step counts for the guard with its catch-up: under load rows join every few steps and each joiner's prompt
+        goes through the drafter before it drafts, a price plain decoding never pays (real pair, Intel AMX, bf16, 16
+        rows: drafting steps 1.09x plain without their catch-ups, 1.03x with them, under the guard's margin). The
+        first drafting step after plain ones is left out: its catch-up is the price of the plain stretch (every
+        row's tokens since), which `AdaptiveK` weighs before leaving K = 0, and counting it would condemn every
+        retry of drafting (at 8 rows, 256 plain steps leave ~2,000 tokens to catch up)."""
         k, forwards = draft.width, draft.model_forwards
         self.costs.record_verify(batch, k, t_verify)
         if self.adaptive and cpu:
@@ -68,7 +71,9 @@ class KPolicy:
             self.costs.record_draft(batch, t_draft / forwards)
         if not self.adaptive:
             return
-        if not draft.suffix_rows:
+        resumed = forwards > 0 and draft.catchup and not self._drafted_last
+        self._drafted_last = k > 0
+        if not draft.suffix_rows and not resumed:
             self.controller.observe_step(batch, k, tokens, seconds)
         if draft.lookup_seconds is not None and not forwards:
             self.suffix_guard.observe(batch, k > 0, tokens, seconds)
