@@ -14,6 +14,10 @@ of seconds, more than the effects measured at high concurrency). Goals: 0 errors
 its defaults >= 1.0x the no-speculation throughput at every level (issue 61: never slower than off). The
 dtype and the drafter kind of both arms: `--set models.dtype=float32`, `--set models.drafter_kind=hybrid`.
 
+Every request asks for --max-tokens by default, so without speculation the rows that start together finish together
+and the next wave joins together (lockstep); speculation's rows drift apart, and dvi's batched attention costs every
+row the longest row's columns (`benchmarks/attention_spread.py` times that). `--min-tokens N` spreads the requests' lengths over N..max as mixed traffic does, for both arms.
+
     .venv/bin/python benchmarks/serve_load.py --preset smollm2 [--json bench_results/serve_load.json]
 
 Writes JSON (settings, raw figures, `goals`), prints a table ending with the goals, exits 0.
@@ -107,8 +111,13 @@ async def _engine_counters(client) -> tuple[float, float]:
     return vals[M.ENGINE_BUSY_SECONDS], vals[M.ENGINE_STEPS]
 
 
+def _budget(i: int, lo: int, hi: int) -> int:
+    """Request i's max_tokens: `hi` (a fixed length), or spread over lo..hi by a fixed stride (the same for every arm)."""
+    return hi if lo >= hi else lo + (i * 7919) % (hi - lo + 1)
+
+
 async def _level(url: str, prompts: list[list[int]], concurrency: int, n_requests: int, max_tokens: int,
-                 warmup: int) -> tuple[list[dict], float, float, float]:
+                 warmup: int, min_tokens: int = 0) -> tuple[list[dict], float, float, float]:
     """One closed-loop run: every request's outcome, the wall time of the measured part, and the engine's busy
     seconds and steps in it (its busy share says whether the arm was compute-bound: a share under 1 is time the
     engine waited on the HTTP side)."""
@@ -123,7 +132,7 @@ async def _level(url: str, prompts: list[list[int]], concurrency: int, n_request
 
         async def worker() -> None:
             for i in counter:
-                results.append(await _one(client, prompts[i % len(prompts)], max_tokens))
+                results.append(await _one(client, prompts[i % len(prompts)], _budget(i, min_tokens, max_tokens)))
 
         busy0, steps0 = await _engine_counters(client)
         t0 = time.perf_counter()
@@ -171,6 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,4,8,16", help="comma-separated levels")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(24, 2C))")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--min-tokens", type=int, default=0,
+                    help="spread each request's max_tokens over min..max (default: every request max-tokens long)")
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2,
@@ -223,7 +234,8 @@ def _measure_level(servers: dict, c: int, args: argparse.Namespace, prompts: lis
         # hits both arms alike.
         order = list(servers) if r % 2 == 0 else list(servers)[::-1]
         for arm in order:
-            runs[arm].append(asyncio.run(_level(servers[arm].url, prompts, c, n, args.max_tokens, args.warmup)))
+            runs[arm].append(asyncio.run(_level(servers[arm].url, prompts, c, n, args.max_tokens, args.warmup,
+                                                   args.min_tokens)))
     figs = {}
     for arm in servers:
         fig = figs[arm] = _summarize(c, runs[arm])
@@ -300,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "benchmark": "serve_load",
         "settings": {"preset": args.preset, "concurrency": levels, "requests": args.requests,
-                     "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size, "warmup": args.warmup,
+                     "max_tokens": args.max_tokens, "min_tokens": args.min_tokens,
+                     "max_batch_size": args.max_batch_size, "warmup": args.warmup,
                      "rounds": args.rounds,
                      "arms": arms, "prompts": "held-out code (dvi.data.prompt_stream, 32-96 tokens)",
                      "greedy": True, "trainer": "off", "feedback_logging": True,
