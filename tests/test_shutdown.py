@@ -28,7 +28,7 @@ from dvi.feedback import FeedbackReader
 pytestmark = pytest.mark.slow
 
 PROMPT = "def main(argv):\n"
-LONG, SHORT = 1000, 48  # tokens; 40 long ones at batch 4 take ~10 s on the tiny pair, longer than the drain
+LONG, MID, SHORT = 1000, 400, 48  # tokens; 40 long ones at batch 4 take ~10 s on the tiny pair, longer than the drain
 DRAIN_S = 6
 
 
@@ -279,8 +279,8 @@ def test_48_in_flight_all_answered_then_the_process_is_gone_within_seconds(tiny_
             warm.results += batch.results
         completed0 = engine()["completed"]
         clients = Clients(srv.url, tiny_pair_dir)
-        for stream in (False, True):
-            clients.start(stream, SHORT, 24)
+        for stream in (False, True):  # long enough that the first ones are still running when the last come in
+            clients.start(stream, MID, 24)  # (with SHORT on a loaded machine: 32 of 48 done before the last came in)
         e = wait_for(lambda: (lambda e: e if e["running"] + e["queue"] + e["completed"] - completed0 >= 48 else None)(
             engine()), 60, interval=0.02, what="all 48 requests in")
         in_flight = e["running"] + e["queue"]
