@@ -1,22 +1,24 @@
 """Closed-loop load on the dvi server over loopback: speculation (adaptive K) vs none.
 
-For each arm a real `dvi serve` process is started (its own process, one torch thread, trainer
-off, feedback logging on), and for each concurrency level C in --concurrency, C clients each send
-a streamed greedy completion, wait for it to finish, and send the next (closed loop), until
---requests (default max(24, 2C)) have finished. Prompts are held-out code prompts from
+For each arm real `dvi serve` processes are started (--instances of them, default 2, in ABBA start order; each
+its own process, one torch thread, trainer off, feedback logging on), and for each concurrency level C in
+--concurrency, C clients each send a streamed greedy completion, wait for it to finish, and send the next (closed
+loop), until --requests (default max(24, 2C)) have finished. Prompts are held-out code prompts from
 `dvi.data.prompt_stream`, sent as token ids so both arms see identical inputs.
 
-Figures per (arm, C): generated tokens/s, p50/p99 request latency and time to first token
-(client-side: first content chunk), α (accepted / drafted, from the responses' `dvi` field), and
-errors (non-200, or an error chunk in the stream). Each level is measured --rounds times per arm in
-ABBA order and the figures pool the rounds (this 2-core machine's speed drifts by +-15% over tens
-of seconds, more than the effects measured at high concurrency). Goals: 0 errors at every level; speculation at
-its defaults >= 1.0x the no-speculation throughput at every level (issue 61: never slower than off). The
-dtype and the drafter kind of both arms: `--set models.dtype=float32`, `--set models.drafter_kind=hybrid`.
+Figures per (arm, C): generated tokens/s, p50/p99 request latency and time to first token (client-side: first
+content chunk), α (accepted / drafted, from the responses' `dvi` field), and errors (non-200, or an error chunk in
+the stream). Each level is measured --rounds times per arm in ABBA order, round r on each arm's server r mod
+--instances, and the figures pool the rounds (this 2-core machine's speed drifts by +-15% over tens of seconds, more
+than the effects measured at high concurrency; and a server started first measured 5-8% slower steps than one started
+second, whichever arm it ran). Goals: 0 errors at every level; speculation at its defaults >= 1.0x the
+no-speculation throughput at every level (issue 61: never slower than off). The dtype and the drafter kind of both
+arms: `--set models.dtype=float32`, `--set models.drafter_kind=hybrid`.
 
 Every request asks for --max-tokens by default, so without speculation the rows that start together finish together
 and the next wave joins together (lockstep); speculation's rows drift apart, and dvi's batched attention costs every
-row the longest row's columns (`benchmarks/attention_spread.py` times that). `--min-tokens N` spreads the requests' lengths over N..max as mixed traffic does, for both arms.
+row the longest row's columns (`benchmarks/attention_spread.py` times that). `--min-tokens N` spreads the requests'
+lengths over N..max as mixed traffic does, for both arms.
 
     .venv/bin/python benchmarks/serve_load.py --preset smollm2 [--json bench_results/serve_load.json]
 
@@ -112,8 +114,9 @@ async def _engine_counters(client) -> tuple[float, float]:
 
 
 def _budget(i: int, lo: int, hi: int) -> int:
-    """Request i's max_tokens: `hi` (a fixed length), or spread over lo..hi by a fixed stride (the same for every arm)."""
-    return hi if lo >= hi else lo + (i * 7919) % (hi - lo + 1)
+    """Request i's max_tokens: `hi` (lo 0: a fixed length), or spread over lo..hi by a fixed stride (the same for
+    every arm)."""
+    return hi if lo <= 0 or lo >= hi else lo + (i * 7919) % (hi - lo + 1)
 
 
 async def _level(url: str, prompts: list[list[int]], concurrency: int, n_requests: int, max_tokens: int,
@@ -187,12 +190,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2,
                     help="measurements per arm and level, in ABBA order; figures pool all rounds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--instances", type=int, default=2,
+                    help="servers per arm, started in ABBA order; round r measures server r mod instances")
     ap.add_argument("--arms", default="spec,nospec", help=f"comma-separated, of {sorted(ARMS)}")
     ap.add_argument("--set", action="append", default=[], help="extra config override for both servers (key=value), "
                     "e.g. models.device=cuda")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.instances < 1:
+        ap.error("--instances must be >= 1")
     return args
 
 
@@ -210,18 +217,21 @@ def _prompts(args: argparse.Namespace) -> list:
     return [next(stream) for _ in range(64)]
 
 
-def _start_servers(stack: contextlib.ExitStack, arms: dict, base: list[str], work: Path) -> dict:
-    """One server per arm, each in its own run dir, closed when `stack` closes."""
+def _start_servers(stack: contextlib.ExitStack, arms: dict, base: list[str], work: Path, instances: int) -> dict:
+    """`instances` servers per arm, each in its own run dir, closed when `stack` closes; started in ABBA order (arm
+    A's first, B's first, B's second, A's second), so that no arm is always the one started first: on this 2-core
+    machine the server started first measured 5-8% slower steps than the one started second, whichever arm it was."""
     from serving.server_process import ServerProcess
 
-    servers = {}
-    for arm, extra in arms.items():
-        arm_dir = work / arm
-        arm_dir.mkdir(parents=True, exist_ok=True)
-        overrides = base + extra + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
-                                    f"registry.dir={arm_dir / 'registry'}"]
-        print(f"[{arm}] starting server ...", flush=True)
-        servers[arm] = stack.enter_context(ServerProcess(overrides, arm_dir / "server.log", cwd=ROOT))
+    servers: dict[str, list] = {arm: [] for arm in arms}
+    for i in range(instances):
+        for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
+            arm_dir = work / (arm if instances == 1 else f"{arm}-{i}")
+            arm_dir.mkdir(parents=True, exist_ok=True)
+            overrides = base + arms[arm] + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
+                                            f"registry.dir={arm_dir / 'registry'}"]
+            print(f"[{arm}] starting server {i + 1} of {instances} ...", flush=True)
+            servers[arm].append(stack.enter_context(ServerProcess(overrides, arm_dir / "server.log", cwd=ROOT)))
     return servers
 
 
@@ -232,10 +242,11 @@ def _measure_level(servers: dict, c: int, args: argparse.Namespace, prompts: lis
     for r in range(args.rounds):
         # ABBA: the arm measured first alternates, so a drift in machine speed within a level
         # hits both arms alike.
+        # Round r measures each arm's server r mod --instances.
         order = list(servers) if r % 2 == 0 else list(servers)[::-1]
         for arm in order:
-            runs[arm].append(asyncio.run(_level(servers[arm].url, prompts, c, n, args.max_tokens, args.warmup,
-                                                   args.min_tokens)))
+            url = servers[arm][r % len(servers[arm])].url
+            runs[arm].append(asyncio.run(_level(url, prompts, c, n, args.max_tokens, args.warmup, args.min_tokens)))
     figs = {}
     for arm in servers:
         fig = figs[arm] = _summarize(c, runs[arm])
@@ -300,10 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             f"serve.max_tokens_limit={max(args.max_tokens, 64)}", *args.set]
     figures: dict[str, list[dict]] = {arm: [] for arm in arms}
     t_start = time.time()
-    # Both servers run side by side (each one thread, idle while the other is measured) and the arms
+    # The servers run side by side (each one thread, idle while another is measured) and the arms
     # alternate level by level, so a change in the machine's other load hits both arms alike.
     with contextlib.ExitStack() as stack:
-        servers = _start_servers(stack, arms, base, work)
+        servers = _start_servers(stack, arms, base, work, args.instances)
         for c in levels:
             for arm, fig in _measure_level(servers, c, args, prompts).items():
                 figures[arm].append(fig)
@@ -314,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"preset": args.preset, "concurrency": levels, "requests": args.requests,
                      "max_tokens": args.max_tokens, "min_tokens": args.min_tokens,
                      "max_batch_size": args.max_batch_size, "warmup": args.warmup,
-                     "rounds": args.rounds,
+                     "rounds": args.rounds, "instances": args.instances,
                      "arms": arms, "prompts": "held-out code (dvi.data.prompt_stream, 32-96 tokens)",
                      "greedy": True, "trainer": "off", "feedback_logging": True,
                      "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
