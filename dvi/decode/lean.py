@@ -23,15 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dvi.decode.attention import Attention
+from dvi.decode.attention import Attention, one_call
 
-__all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
+__all__ = ["LEAN_TYPES", "Joins", "lean_supported", "LeanModel", "SlotCache"]
 
 LEAN_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+"""Architectures `LeanModel` runs (a Llama decoder layer, optionally with q/k biases or per-head q/k norms)."""
 
 HEAD_BLOCK = 1024
 """Rows of the LM head per GEMM when a forward scores several rows on a CPU (`LeanModel._logits`)."""
-"""Architectures `LeanModel` runs (a Llama decoder layer, optionally with q/k biases or per-head q/k norms)."""
 
 
 def lean_supported(model: nn.Module) -> str | None:
@@ -104,6 +104,37 @@ class _Layer:
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.q_norm = qn.weight if qn is not None else None
         self.k_norm = kn.weight if kn is not None else None
+
+
+class Joins:
+    """Rows that join a batch inside its step's forward, as vLLM's mixed batches do: row i's whole sequence (its
+    prompt, then the step's q tokens) goes through the same matmuls as the batch's rows, from column 0 of slot
+    `slots[i]`, attending causally over its own columns; only its last q positions' logits come back. The step's
+    weights stream once instead of once for each prefill and once more for the step."""
+
+    __slots__ = ("slots", "seqs", "q")
+
+    def __init__(self, slots: list[int], seqs: list[torch.Tensor], q: int):
+        if any(s.shape[0] < q for s in seqs):
+            raise ValueError(f"a joining row's sequence is shorter than the step's {q} positions")
+        self.slots, self.seqs, self.q = slots, seqs, q
+
+    @property
+    def columns(self) -> int:
+        return max(s.shape[0] for s in self.seqs)
+
+    def placement(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per position of the joining rows, in order: its token, its column (= its position), its slot."""
+        flat = torch.cat(self.seqs)
+        col = torch.cat([torch.arange(s.shape[0], device=device) for s in self.seqs])
+        slot = torch.cat([torch.full((s.shape[0],), i, dtype=torch.long, device=device)
+                          for i, s in zip(self.slots, self.seqs, strict=True)])
+        return flat, col, slot
+
+    def last_positions(self, offset: int, device: torch.device) -> torch.Tensor:
+        """Flat indices of every joining row's last q positions, the rows after the batch's `offset` positions."""
+        ends = torch.tensor([s.shape[0] for s in self.seqs], device=device).cumsum(0) + offset
+        return (ends.view(-1, 1) - self.q + torch.arange(self.q, device=device)).view(-1)
 
 
 class SlotCache:
@@ -296,22 +327,34 @@ class LeanModel:
     @torch.no_grad()
     def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
                 logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
-                pick: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                pick: torch.Tensor | None = None, joins: Joins | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
         with `pick` [B] only row b's position pick[b]: logits [B, V] (in a ragged forward, pick[b] indexes the scored
         positions). A draft tree's nodes (`attn.depth` [B, q]) are
         rotated at positions start[b] + depth[b, j], not at their columns. A ragged verify's `attn.real` [M]: the
         flat indices (b * q + j) of the positions to score, in order; only they run through the projections and
-        write keys and values, the others come back as zero logits (no features)."""
+        write keys and values, the others come back as zero logits (no features). `joins`: rows joining inside
+        this forward (`Joins`), their logits [len(joins.slots), q, V] after the batch's B rows (B may be 0)."""
         b, q = ids.shape
         real = attn.real
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
         if real is not None and (features or logits_to_keep):
             raise ValueError("a ragged forward returns logits of every position, or with `pick` of some")
+        if joins is not None and (features or logits_to_keep or pick is not None or self.adapters is not None
+                                  or attn.depth is not None or joins.q != q):
+            raise ValueError("rows join a chain verify of every position (no features, picks, trees or adapters)")
         flat, col, pos, slot = self._placement(ids, start, attn, first_slot, real)
+        n_batch, columns = flat.shape[0], attn.columns
+        joined = None
+        if joins is not None:
+            jflat, jcol, jslot = joins.placement(self.device)
+            flat, col, pos, slot = (torch.cat([a, j]) for a, j in ((flat, jflat), (col, jcol), (pos, jcol), (slot, jslot)))
+            columns = max(columns, joins.columns)
+            joined = [(cache.views(1, s.shape[0], i), s.shape[0]) for i, s in zip(joins.slots, joins.seqs, strict=True)]
         n = flat.shape[0]
-        cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, attn.columns)
+        cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, columns)
         keys, values = cache.views(b, attn.columns, first_slot)
         x = F.embedding(flat, self.embed)  # [N, H]
         taps = self.feature_layers if features else None
@@ -319,7 +362,7 @@ class LeanModel:
         packs = self.packs if n > 1 else None
         lin = _packed_linear if packs else F.linear
         rc = self.row_chunk
-        chunk = rc if rc and b == 1 and n > rc and attn.groups is not None else None
+        chunk = rc if rc and b == 1 and n > rc and attn.groups is not None and joins is None else None
         if chunk:
             lin = partial(_in_pieces, lin, chunk)
         ad = self.adapters
@@ -334,8 +377,12 @@ class LeanModel:
                                  qkv[:, heads + kvh :].reshape(n, kvh, d)], 1).view(n, heads + 2 * kvh, 2, d // 2)
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
-            o = attn.attend(qkv[:, :heads], b, keys[i], values[i], self.scale) if real is None else \
-                _attend_real(attn, qkv[:, :heads], real, b * q, b, keys[i], values[i], self.scale)
+            if joined is None:
+                o = attn.attend(qkv[:, :heads], b, keys[i], values[i], self.scale) if real is None else \
+                    _attend_real(attn, qkv[:, :heads], real, b * q, b, keys[i], values[i], self.scale)
+            else:
+                o = _attend_with_joins(attn, qkv[:, :heads], n_batch, real, b, q, keys[i], values[i], joined, i,
+                                       self.scale)
             x = x + (ad.add(i, "o", o, lin(o, o_w)) if ad else lin(o, o_w))
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
             gu = lin(h, gate_up_w)
@@ -344,6 +391,8 @@ class LeanModel:
             x = x + (ad.add(i, "down", m, lin(m, down_w)) if ad else lin(m, down_w))
             if taps and i in taps:
                 tapped.append(x)
+        if joins is not None:
+            return self._joined_logits(x, n_batch, real, b, joins)
         if real is not None:
             if pick is not None:  # [B] indices into the M scored positions: row b's logits [B, V]
                 return self._logits(F.rms_norm(x.index_select(0, pick), (self.hidden,), self.norm, self.eps))
@@ -396,6 +445,18 @@ class LeanModel:
         out = logits.new_zeros(b * q, logits.shape[-1])
         return out.index_copy_(0, real, logits).view(b, q, -1)
 
+    def _joined_logits(self, x: torch.Tensor, n_batch: int, real: torch.Tensor | None, b: int, joins: Joins,
+                       ) -> torch.Tensor:
+        """Logits [B + joining rows, q, V]: the batch's rows (zeros at a ragged forward's unscored positions), then
+        every joining row's last q positions; one head GEMM for all."""
+        q = joins.q
+        rows = torch.cat([torch.arange(n_batch, device=self.device), joins.last_positions(n_batch, self.device)])
+        logits = self._logits(F.rms_norm(x.index_select(0, rows), (self.hidden,), self.norm, self.eps))
+        batch, joined = logits[:n_batch], logits[n_batch:]
+        if real is not None:
+            batch = batch.new_zeros(b * q, batch.shape[-1]).index_copy_(0, real, batch)
+        return torch.cat([batch, joined]).view(b + len(joins.slots), q, -1)
+
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
         if self.head_module is not None:
             return self.head_module(f)
@@ -424,6 +485,22 @@ def _attend_real(attn: Attention, qrows: torch.Tensor, real: torch.Tensor, n: in
     full = qrows.new_zeros((n,) + tuple(qrows.shape[1:]))
     full.index_copy_(0, real, qrows)
     return attn.attend(full, b, keys, values, scale).index_select(0, real)
+
+
+def _attend_with_joins(attn: Attention, qrows: torch.Tensor, n_batch: int, real: torch.Tensor | None, b: int, q: int,
+                       keys: torch.Tensor, values: torch.Tensor, joined: list, layer: int, scale: float) -> torch.Tensor:
+    """The batch's queries (the first n_batch) as `attn` says, then each joining row's (its positions in order,
+    from column 0) causally over its own slot's columns."""
+    outs = []
+    if b:
+        batch = qrows[:n_batch]
+        outs.append(attn.attend(batch, b, keys, values, scale) if real is None else
+                    _attend_real(attn, batch, real, b * q, b, keys, values, scale))
+    at = n_batch
+    for (jkeys, jvalues), n in joined:
+        outs.append(one_call(qrows[at : at + n], 1, jkeys[layer], jvalues[layer], None, scale, causal=True))
+        at += n
+    return torch.cat(outs)
 
 
 def head_block_rows(head: torch.Tensor, blocks: tuple[torch.Tensor, ...], rows: tuple[int, ...] = (2, 3, 5, 9, 17),

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dvi.decode.attention import Attention, bucket_columns, folded_groups
-from dvi.decode.lean import LeanModel
+from dvi.decode.lean import Joins, LeanModel
 from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
 
 __all__ = ["LeanTarget"]
@@ -38,6 +38,7 @@ class LeanTarget:
         self.graphs = graphs  # a `dvi.decode.graphs.GraphedForward` (CUDA): its cache is this runner's
         self.cache = graphs.cache if graphs is not None else self.lean.new_cache()
         self._cols = torch.arange(0)
+        self._joining: dict[int, list[int]] = {}  # slot -> context of a row admitted lazily, prefilled in the next forward
 
     @property
     def batch_size(self) -> int:
@@ -62,7 +63,15 @@ class LeanTarget:
             self._cols = torch.arange(max(n, 2 * self._cols.numel()), device=self.lean.device)
         return self._cols[:n]
 
-    def admit(self, contexts: list[list[int]], features: bool) -> Features:
+    def admit(self, contexts: list[list[int]], features: bool, lazy: bool = False) -> Features:
+        """`lazy`: where the next forward can carry them (`joins`), the rows' prefills ride on it (`Joins`) instead of
+        running now, each a forward of its own."""
+        if lazy and self.joins(len(contexts), features):
+            for ctx in contexts:
+                (slot,) = self.cache.add_rows(1)
+                self._joining[slot] = list(ctx)
+            return None
+        self._flush()
         feats: list[torch.Tensor | None] = []
         zero = torch.zeros(1, dtype=torch.long, device=self.lean.device)
         for ctx in contexts:
@@ -80,9 +89,31 @@ class LeanTarget:
             self.cache.lengths[slot] = n
         return feats if features else None
 
-    def attention(self, q: int) -> Attention:
-        """How the next forward of q positions per row attends (see the module doc)."""
-        starts, b = self.cache.lengths, self.cache.batch_size
+    def joins(self, rows: int, features: bool) -> bool:
+        """Whether `rows` new rows may join inside the next forward: eager forwards outside the exact mode, no
+        features, and a batch of two rows or more (a lone request keeps its bitwise verify: `contract`)."""
+        return (not features and not self.exact and self.graphs is None and self.lean.adapters is None
+                and self.cache.batch_size + rows >= 2)
+
+    def _flush(self) -> None:
+        """Rows admitted lazily get their prefills now, each its own forward (what the next forward cannot carry)."""
+        if not self._joining:
+            return
+        zero = torch.zeros(1, dtype=torch.long, device=self.lean.device)
+        for slot, ctx in sorted(self._joining.items()):
+            n = len(ctx)
+            if n:
+                self.cache.reserve(slot + 1, n)
+                ids = torch.tensor([ctx], dtype=torch.long, device=self.lean.device)
+                self.lean.forward(self.cache, ids, zero, Attention(n, causal=n > 1), logits_to_keep=1, first_slot=slot)
+            self.cache.lengths[slot] = n
+        self._joining = {}
+
+    def attention(self, q: int, rows: int | None = None) -> Attention:
+        """How the next forward of q positions per row of the first `rows` rows (default all) attends (see the
+        module doc)."""
+        starts = self.cache.lengths if rows is None else self.cache.lengths[:rows]
+        b = len(starts)
         if b == 1 or self.exact:
             columns = max(bucket_columns(s + q - 1) for s in starts)
             return Attention(columns, groups=folded_groups(starts, q, self._columns(columns)))
@@ -109,6 +140,10 @@ class LeanTarget:
         parents of draft nodes 1..q-1 (`dvi.decode.tree_attention`). `lens`: row i's real drafts (of q - 1): a batch
         verify scores only those and the row's last token (`ragged_rows`), like vLLM's flattened batch."""
         b, q = ids.shape
+        if self._joining:
+            if tree is None and not features and self.joins(0, features):
+                return self._joined(ids, lens)
+            self._flush()
         if tree is not None:
             return self._eager(ids, features, tree)
         real = self.ragged_rows(lens, q) if lens is not None and not features and b > 1 else None
@@ -143,6 +178,26 @@ class LeanTarget:
         if q == real:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]
+
+    def _joined(self, ids: torch.Tensor, lens: list[int] | None) -> torch.Tensor:
+        """A forward whose last rows were admitted lazily: their prefills and the batch's step in one (`Joins`)."""
+        total, q = ids.shape
+        slots = sorted(self._joining)
+        b = total - len(slots)
+        if slots != list(range(b, total)):  # a bug, said plainly: lazily admitted rows are the batch's last
+            raise RuntimeError(f"rows admitted lazily sit in slots {slots}, not the batch's last {len(slots)}")
+        dev = self.lean.device
+        seqs = [torch.cat([torch.tensor(self._joining[s], dtype=torch.long, device=dev), ids[s]]) for s in slots]
+        joins = Joins(slots, seqs, q)
+        real = self.ragged_rows(lens[:b], q) if lens is not None and b > 1 else None
+        attn = self.attention(q, b) if b else Attention(0)
+        attn.real = real
+        self.cache.reserve(total, max(attn.columns, joins.columns))
+        start = torch.tensor(self.cache.lengths[:b], dtype=torch.long, device=dev)
+        for s in slots:
+            self.cache.lengths[s] = len(self._joining[s])  # `keep` then counts the step's kept entries after them
+        self._joining = {}
+        return self.lean.forward(self.cache, ids[:b], start, attn, joins=joins)
 
     @property
     def ragged(self) -> bool:
@@ -194,10 +249,12 @@ class LeanTarget:
         self.cache.advance([len(p) + 1 for p in paths])
 
     def select_rows(self, keep: list[int]) -> None:
+        self._flush()
         self.cache.select_rows(keep)
 
     def rebuild(self, contexts: list[list[int]], features: bool) -> Features:
         self.lean.repack()  # new target weights: packed copies made from the old ones are stale
+        self._joining = {}  # the rows' contexts come again, whole
         self.cache.truncate([])  # the same cache (a captured graph holds its address); stale entries are masked
         return self.admit(contexts, features)
 

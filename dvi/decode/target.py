@@ -34,9 +34,10 @@ class TargetRunner(Protocol):
     trees: bool  # whether `forward` scores draft trees (`tree`) and `keep_path` keeps their accepted paths
     ragged: bool  # whether a batch `forward` with `lens` scores only real drafts (padding costs nothing)
 
-    def admit(self, contexts: list[list[int]], features: bool) -> Features:
+    def admit(self, contexts: list[list[int]], features: bool, lazy: bool = False) -> Features:
         """Rows holding `contexts` join at the end of the batch; with `features`, each row's final normed hidden
-        states [len(context), H] (None for an empty context)."""
+        states [len(context), H] (None for an empty context). `lazy`: the runner may prefill them inside the next
+        `forward` instead (then no features)."""
 
     def forward(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None = None,
                 lens: list[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +99,7 @@ class RaggedTarget:
                  for i, c in enumerate(contexts)]
         return kv, feats
 
-    def admit(self, contexts: list[list[int]], features: bool) -> Features:
+    def admit(self, contexts: list[list[int]], features: bool, lazy: bool = False) -> Features:
         kv, feats = self._prefill(contexts, features)
         self.kv.merge(kv)
         return feats

@@ -340,7 +340,8 @@ class SpeculativeEngine:
         new, self._waiting = self._waiting[:take], self._waiting[take:]
         if not new:  # a fixed-size cache (CUDA graphs) is full: they join as rows leave
             return
-        feats = self._target.admit([list(s.req.prompt_ids[:-1]) for s in new], self.proposer.needs_features)
+        feats = self._target.admit([list(s.req.prompt_ids[:-1]) for s in new], self.proposer.needs_features,
+                                   lazy=True)  # their prefills may ride on this step's verify
         self.proposer.join(new, feats)
         last = torch.tensor([int(s.req.prompt_ids[-1]) for s in new], dtype=torch.long, device=self.device)
         self._last = torch.cat([self._last, last])

@@ -1,0 +1,130 @@
+"""Rows admitted lazily join inside the batch's next forward (`dvi.decode.lean.Joins`): their prompts go through the
+step's matmuls, and every row's logits, cache entries and greedy tokens are what eager admission (each prompt its own
+prefill, then the step) gives, as rows join a running batch, join an empty one together, draft ragged, and leave
+before the forward that would have carried them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+from dvi.decode.lean import LeanModel
+from dvi.decode.lean_target import LeanTarget
+
+KW = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _pair(dtype=torch.float32):
+    lean = LeanModel(tiny_llama(0, **KW).to(dtype))
+    return LeanTarget(lean=lean), LeanTarget(lean=lean)
+
+
+def _contexts(g, lengths):
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def _same_caches(a: LeanTarget, b: LeanTarget) -> None:
+    assert a.cache.lengths == b.cache.lengths
+    for i, n in enumerate(a.cache.lengths):
+        torch.testing.assert_close(a.cache.kv[:, i, :n], b.cache.kv[:, i, :n], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_rows_joining_a_running_batch_score_as_eager_admission_does():
+    g = torch.Generator().manual_seed(0)
+    eager, lazy = _pair()
+    first, joiners = _contexts(g, (9, 20)), _contexts(g, (14, 0, 33))
+    for run in (eager, lazy):
+        run.admit(first, False)
+        run.forward(torch.ones(2, 1, dtype=torch.long), False)
+        run.keep(1, [1, 1])
+    eager.admit(joiners, False)
+    assert lazy.admit(joiners, False, lazy=True) is None
+    assert lazy.cache.lengths[2:] == [0, 0, 0]  # nothing prefilled yet
+    for step, (q, kept) in enumerate([(3, [2, 3, 1, 1, 3]), (1, [1] * 5), (4, [4, 1, 2, 3, 1])]):
+        ids = torch.randint(0, 128, (5, q), generator=g)
+        a, b = eager.forward(ids, False), lazy.forward(ids, False)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), step
+        for run in (eager, lazy):
+            run.keep(q, kept)
+        _same_caches(eager, lazy)
+
+
+@torch.inference_mode()
+def test_rows_joining_an_empty_batch_together_and_a_ragged_verify():
+    g = torch.Generator().manual_seed(1)
+    eager, lazy = _pair()
+    contexts = _contexts(g, (5, 17, 11))
+    eager.admit(contexts, False)
+    lazy.admit(contexts, False, lazy=True)
+    ids = torch.randint(0, 128, (3, 1), generator=g)
+    torch.testing.assert_close(lazy.forward(ids, False), eager.forward(ids, False), rtol=1e-5, atol=1e-5)
+    for run in (eager, lazy):
+        run.keep(1, [1, 1, 1])
+    more = _contexts(g, (6,))
+    eager.admit(more, False)
+    lazy.admit(more, False, lazy=True)
+    ids, lens = torch.randint(0, 128, (4, 4), generator=g), [3, 0, 1, 2]  # the batch's rows ragged, the joiner's not
+    a, b = eager.forward(ids, False, lens=lens), lazy.forward(ids, False, lens=lens)
+    for i, n in enumerate(lens):  # positions past a row's drafts are unscored (zeros) in a ragged verify
+        torch.testing.assert_close(b[i, : n + 1], a[i, : n + 1], rtol=1e-5, atol=1e-5)
+    for run in (eager, lazy):
+        run.keep(4, [n + 1 for n in lens])
+    _same_caches(eager, lazy)
+
+
+@torch.inference_mode()
+def test_a_lone_request_and_forwards_that_cannot_carry_joins_prefill_as_before():
+    g = torch.Generator().manual_seed(2)
+    eager, lazy = _pair()
+    (ctx,) = _contexts(g, (12,))
+    lazy.admit([ctx], False, lazy=True)
+    assert lazy.cache.lengths == [12]  # a lone request keeps its bitwise verify: prefilled at once
+    eager.admit([ctx], False)
+    more = _contexts(g, (7, 8))
+    eager.admit(more, False)
+    lazy.admit(more, False, lazy=True)
+    assert lazy.cache.lengths == [12, 0, 0]
+    lazy.select_rows([0, 2])  # a row leaves before the forward: the pending prefills run first
+    eager.select_rows([0, 2])
+    _same_caches(eager, lazy)
+    tree = [[0, 0], [0, 1]]  # a draft tree's verify does not carry joins either
+    lazy.admit(more[:1], False, lazy=True)
+    eager.admit(more[:1], False)
+    ids = torch.randint(0, 128, (3, 3), generator=g)
+    torch.testing.assert_close(lazy.forward(ids, False, tree=[tree[0], tree[1], tree[0]]),
+                               eager.forward(ids, False, tree=[tree[0], tree[1], tree[0]]), rtol=1e-5, atol=1e-5)
+    assert lazy.admit(more, True, lazy=True) is not None  # features wanted: prefilled at once, features back
+
+
+@pytest.mark.parametrize("drafting", [True, False])
+def test_engine_text_is_that_of_requests_run_alone(drafting):
+    """Requests joining a running batch at different steps, their prefills riding on its steps, get the greedy
+    text they get alone, drafting or not."""
+    from dvi.decode.request import Request, SamplingParams
+    from dvi.drafters.factory import proposer_for
+    from dvi.engine.speculative import SpeculativeEngine
+
+    target, drafter = tiny_llama(0, **KW), tiny_llama(1, **KW)
+    g = torch.Generator().manual_seed(3)
+    prompts = _contexts(g, (5, 9, 3, 12, 7, 4, 8, 6))
+    alone = [SpeculativeEngine(target, proposer_for(target, drafter if drafting else None),
+                               num_draft_tokens=2).generate([p], max_new_tokens=8)[0].token_ids for p in prompts]
+    eng = SpeculativeEngine(target, proposer_for(target, drafter if drafting else None),
+                            num_draft_tokens=2)
+    joined, carry = [], eng._target._joined
+    eng._target._joined = lambda *a: joined.append(1) or carry(*a)  # counts the forwards that carried joins
+    texts: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or eng.has_unfinished():
+        if pending and steps % 2 == 0:  # a request joins every other step, into a running batch
+            i, p = pending.pop(0)
+            eng.add_request(Request(f"r{i}", p, SamplingParams(8, 0.0, 0, 1.0, None, ())))
+        for out in eng.step():
+            texts.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+    assert [texts[f"r{i}"] for i in range(len(prompts))] == alone
+    assert len(joined) >= len(prompts) - 2  # every request that found a batch running joined inside its step
