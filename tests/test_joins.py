@@ -1,4 +1,4 @@
-"""Rows admitted lazily join inside the batch's next forward (`dvi.decode.lean.Joins`): their prompts go through the
+"""Rows admitted lazily join inside the batch's next forward (`dvi.decode.lean.Prefixes`): their prompts go through the
 step's matmuls, and every row's logits, cache entries and greedy tokens are what eager admission (each prompt its own
 prefill, then the step) gives, as rows join a running batch, join an empty one together, draft ragged, and leave
 before the forward that would have carried them."""
@@ -66,7 +66,7 @@ def test_rows_joining_an_empty_batch_together_and_a_ragged_verify():
     more = _contexts(g, (6,))
     eager.admit(more, False)
     lazy.admit(more, False, lazy=True)
-    ids, lens = torch.randint(0, 128, (4, 4), generator=g), [3, 0, 1, 2]  # the batch's rows ragged, the joiner's not
+    ids, lens = torch.randint(0, 128, (4, 4), generator=g), [3, 0, 1, 2]  # ragged drafts, the joiner's too
     a, b = eager.forward(ids, False, lens=lens), lazy.forward(ids, False, lens=lens)
     for i, n in enumerate(lens):  # positions past a row's drafts are unscored (zeros) in a ragged verify
         torch.testing.assert_close(b[i, : n + 1], a[i, : n + 1], rtol=1e-5, atol=1e-5)
@@ -114,8 +114,8 @@ def test_engine_text_is_that_of_requests_run_alone(drafting):
                                num_draft_tokens=2).generate([p], max_new_tokens=8)[0].token_ids for p in prompts]
     eng = SpeculativeEngine(target, proposer_for(target, drafter if drafting else None),
                             num_draft_tokens=2)
-    joined, carry = [], eng._target._joined
-    eng._target._joined = lambda *a: joined.append(1) or carry(*a)  # counts the forwards that carried joins
+    joined, carry = [], eng._target._prefixes
+    eng._target._prefixes = lambda: joined.append(1) or carry()  # counts the forwards that carried prefills
     texts: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     steps = 0

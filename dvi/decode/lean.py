@@ -25,7 +25,7 @@ from torch import nn
 
 from dvi.decode.attention import Attention, one_call
 
-__all__ = ["LEAN_TYPES", "Joins", "lean_supported", "LeanModel", "SlotCache"]
+__all__ = ["LEAN_TYPES", "Prefixes", "lean_supported", "LeanModel", "SlotCache"]
 
 LEAN_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 """Architectures `LeanModel` runs (a Llama decoder layer, optionally with q/k biases or per-head q/k norms)."""
@@ -106,35 +106,45 @@ class _Layer:
         self.k_norm = kn.weight if kn is not None else None
 
 
-class Joins:
-    """Rows that join a batch inside its step's forward, as vLLM's mixed batches do: row i's whole sequence (its
-    prompt, then the step's q tokens) goes through the same matmuls as the batch's rows, from column 0 of slot
-    `slots[i]`, attending causally over its own columns; only its last q positions' logits come back. The step's
-    weights stream once instead of once for each prefill and once more for the step."""
+class Prefixes:
+    """Tokens that go before some rows' step tokens inside the same forward, as vLLM's mixed batches carry prefills:
+    row slots[i]'s tokens seqs[i] at columns starts[i].. run through the step's matmuls (its weights stream once,
+    not once for each prefill and once more for the step) and write their keys and values, each attending causally
+    over its own row's columns; the step's tokens then sit after them and attend as usual. A row joining the batch
+    brings its prompt (start 0); a drafter catching up brings what it has not seen."""
 
-    __slots__ = ("slots", "seqs", "q")
+    __slots__ = ("slots", "starts", "seqs")
 
-    def __init__(self, slots: list[int], seqs: list[torch.Tensor], q: int):
-        if any(s.shape[0] < q for s in seqs):
-            raise ValueError(f"a joining row's sequence is shorter than the step's {q} positions")
-        self.slots, self.seqs, self.q = slots, seqs, q
+    def __init__(self, slots: list[int], starts: list[int], seqs: list[torch.Tensor]):
+        if any(s.shape[0] == 0 for s in seqs):
+            raise ValueError("an empty prefix (leave the row out)")
+        self.slots, self.starts, self.seqs = slots, starts, seqs
 
     @property
     def columns(self) -> int:
-        return max(s.shape[0] for s in self.seqs)
+        return max(a + s.shape[0] for a, s in zip(self.starts, self.seqs, strict=True))
 
     def placement(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per position of the joining rows, in order: its token, its column (= its position), its slot."""
+        """Per prefix position, in order: its token, its column (= its position), its slot."""
         flat = torch.cat(self.seqs)
-        col = torch.cat([torch.arange(s.shape[0], device=device) for s in self.seqs])
+        col = torch.cat([torch.arange(a, a + s.shape[0], device=device) for a, s in zip(self.starts, self.seqs,
+                                                                                         strict=True)])
         slot = torch.cat([torch.full((s.shape[0],), i, dtype=torch.long, device=device)
                           for i, s in zip(self.slots, self.seqs, strict=True)])
         return flat, col, slot
 
-    def last_positions(self, offset: int, device: torch.device) -> torch.Tensor:
-        """Flat indices of every joining row's last q positions, the rows after the batch's `offset` positions."""
-        ends = torch.tensor([s.shape[0] for s in self.seqs], device=device).cumsum(0) + offset
-        return (ends.view(-1, 1) - self.q + torch.arange(self.q, device=device)).view(-1)
+    def segments(self, cache: SlotCache) -> list:
+        """Per prefix: its row's keys and values per layer up to its last column, its length, and its causal mask
+        (None from column 0: a plain causal call)."""
+        out = []
+        for i, a, s in zip(self.slots, self.starts, self.seqs, strict=True):
+            n = s.shape[0]
+            mask = None
+            if a:
+                cols = torch.arange(a + n, device=cache.device)
+                mask = (cols.view(1, -1) <= cols[a:].view(-1, 1)).view(1, 1, n, a + n)
+            out.append((cache.views(1, a + n, i), n, mask))
+        return out
 
 
 class SlotCache:
@@ -327,7 +337,7 @@ class LeanModel:
     @torch.no_grad()
     def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
                 logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
-                pick: torch.Tensor | None = None, joins: Joins | None = None,
+                pick: torch.Tensor | None = None, prefixes: Prefixes | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
@@ -335,24 +345,23 @@ class LeanModel:
         positions). A draft tree's nodes (`attn.depth` [B, q]) are
         rotated at positions start[b] + depth[b, j], not at their columns. A ragged verify's `attn.real` [M]: the
         flat indices (b * q + j) of the positions to score, in order; only they run through the projections and
-        write keys and values, the others come back as zero logits (no features). `joins`: rows joining inside
-        this forward (`Joins`), their logits [len(joins.slots), q, V] after the batch's B rows (B may be 0)."""
+        write keys and values, the others come back as zero logits (no features). `prefixes`: tokens written
+        before some rows' ids in this same forward (`Prefixes`); start[b] counts them."""
         b, q = ids.shape
         real = attn.real
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
         if real is not None and (features or logits_to_keep):
             raise ValueError("a ragged forward returns logits of every position, or with `pick` of some")
-        if joins is not None and (features or logits_to_keep or pick is not None or self.adapters is not None
-                                  or attn.depth is not None or joins.q != q):
-            raise ValueError("rows join a chain verify of every position (no features, picks, trees or adapters)")
+        if prefixes is not None and (features or attn.depth is not None):
+            raise ValueError("prefixes ride on a chain's forward without features")
         flat, col, pos, slot = self._placement(ids, start, attn, first_slot, real)
         n_batch, columns = flat.shape[0], attn.columns
-        joined = None
-        if joins is not None:
-            jflat, jcol, jslot = joins.placement(self.device)
-            flat, col, pos, slot = (torch.cat([a, j]) for a, j in ((flat, jflat), (col, jcol), (pos, jcol), (slot, jslot)))
-            columns = max(columns, joins.columns)
-            joined = [(cache.views(1, s.shape[0], i), s.shape[0]) for i, s in zip(joins.slots, joins.seqs, strict=True)]
+        segments = None
+        if prefixes is not None:
+            pflat, pcol, pslot = prefixes.placement(self.device)
+            flat, col, pos, slot = (torch.cat([a, p]) for a, p in ((flat, pflat), (col, pcol), (pos, pcol), (slot, pslot)))
+            columns = max(columns, prefixes.columns)
+            segments = prefixes.segments(cache)
         n = flat.shape[0]
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, columns)
         keys, values = cache.views(b, attn.columns, first_slot)
@@ -362,7 +371,7 @@ class LeanModel:
         packs = self.packs if n > 1 else None
         lin = _packed_linear if packs else F.linear
         rc = self.row_chunk
-        chunk = rc if rc and b == 1 and n > rc and attn.groups is not None and joins is None else None
+        chunk = rc if rc and b == 1 and n > rc and attn.groups is not None and prefixes is None else None
         if chunk:
             lin = partial(_in_pieces, lin, chunk)
         ad = self.adapters
@@ -377,12 +386,11 @@ class LeanModel:
                                  qkv[:, heads + kvh :].reshape(n, kvh, d)], 1).view(n, heads + 2 * kvh, 2, d // 2)
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
-            if joined is None:
-                o = attn.attend(qkv[:, :heads], b, keys[i], values[i], self.scale) if real is None else \
-                    _attend_real(attn, qkv[:, :heads], real, b * q, b, keys[i], values[i], self.scale)
-            else:
-                o = _attend_with_joins(attn, qkv[:, :heads], n_batch, real, b, q, keys[i], values[i], joined, i,
-                                       self.scale)
+            qrows = qkv[:, :heads] if segments is None else qkv[:n_batch, :heads]
+            o = attn.attend(qrows, b, keys[i], values[i], self.scale) if real is None else \
+                _attend_real(attn, qrows, real, b * q, b, keys[i], values[i], self.scale)
+            if segments is not None:
+                o = torch.cat([o, *_attend_prefixes(qkv[n_batch:, :heads], segments, i, self.scale)])
             x = x + (ad.add(i, "o", o, lin(o, o_w)) if ad else lin(o, o_w))
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
             gu = lin(h, gate_up_w)
@@ -391,8 +399,8 @@ class LeanModel:
             x = x + (ad.add(i, "down", m, lin(m, down_w)) if ad else lin(m, down_w))
             if taps and i in taps:
                 tapped.append(x)
-        if joins is not None:
-            return self._joined_logits(x, n_batch, real, b, joins)
+        if segments is not None:
+            x = x[:n_batch]  # the prefixes' outputs are not asked for
         if real is not None:
             if pick is not None:  # [B] indices into the M scored positions: row b's logits [B, V]
                 return self._logits(F.rms_norm(x.index_select(0, pick), (self.hidden,), self.norm, self.eps))
@@ -445,18 +453,6 @@ class LeanModel:
         out = logits.new_zeros(b * q, logits.shape[-1])
         return out.index_copy_(0, real, logits).view(b, q, -1)
 
-    def _joined_logits(self, x: torch.Tensor, n_batch: int, real: torch.Tensor | None, b: int, joins: Joins,
-                       ) -> torch.Tensor:
-        """Logits [B + joining rows, q, V]: the batch's rows (zeros at a ragged forward's unscored positions), then
-        every joining row's last q positions; one head GEMM for all."""
-        q = joins.q
-        rows = torch.cat([torch.arange(n_batch, device=self.device), joins.last_positions(n_batch, self.device)])
-        logits = self._logits(F.rms_norm(x.index_select(0, rows), (self.hidden,), self.norm, self.eps))
-        batch, joined = logits[:n_batch], logits[n_batch:]
-        if real is not None:
-            batch = batch.new_zeros(b * q, batch.shape[-1]).index_copy_(0, real, batch)
-        return torch.cat([batch, joined]).view(b + len(joins.slots), q, -1)
-
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
         if self.head_module is not None:
             return self.head_module(f)
@@ -487,20 +483,14 @@ def _attend_real(attn: Attention, qrows: torch.Tensor, real: torch.Tensor, n: in
     return attn.attend(full, b, keys, values, scale).index_select(0, real)
 
 
-def _attend_with_joins(attn: Attention, qrows: torch.Tensor, n_batch: int, real: torch.Tensor | None, b: int, q: int,
-                       keys: torch.Tensor, values: torch.Tensor, joined: list, layer: int, scale: float) -> torch.Tensor:
-    """The batch's queries (the first n_batch) as `attn` says, then each joining row's (its positions in order,
-    from column 0) causally over its own slot's columns."""
-    outs = []
-    if b:
-        batch = qrows[:n_batch]
-        outs.append(attn.attend(batch, b, keys, values, scale) if real is None else
-                    _attend_real(attn, batch, real, b * q, b, keys, values, scale))
-    at = n_batch
-    for (jkeys, jvalues), n in joined:
-        outs.append(one_call(qrows[at : at + n], 1, jkeys[layer], jvalues[layer], None, scale, causal=True))
+def _attend_prefixes(qrows: torch.Tensor, segments: list, layer: int, scale: float) -> list[torch.Tensor]:
+    """Each prefix's queries (its row's positions start..start+n-1, in order) over that row's columns up to its own."""
+    outs, at = [], 0
+    for (keys, values), n, mask in segments:
+        outs.append(one_call(qrows[at : at + n], 1, keys[layer], values[layer], mask, scale,
+                             causal=mask is None and n > 1))
         at += n
-    return torch.cat(outs)
+    return outs
 
 
 def head_block_rows(head: torch.Tensor, blocks: tuple[torch.Tensor, ...], rows: tuple[int, ...] = (2, 3, 5, 9, 17),

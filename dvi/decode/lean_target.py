@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dvi.decode.attention import Attention, bucket_columns, folded_groups
-from dvi.decode.lean import Joins, LeanModel
+from dvi.decode.lean import LeanModel, Prefixes
 from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
 
 __all__ = ["LeanTarget"]
@@ -64,8 +64,8 @@ class LeanTarget:
         return self._cols[:n]
 
     def admit(self, contexts: list[list[int]], features: bool, lazy: bool = False) -> Features:
-        """`lazy`: where the next forward can carry them (`joins`), the rows' prefills ride on it (`Joins`) instead of
-        running now, each a forward of its own."""
+        """`lazy`: where the next forward can carry them (`joins`), the rows' prefills ride on it (`Prefixes`) instead
+        of running now, each a forward of its own."""
         if lazy and self.joins(len(contexts), features):
             for ctx in contexts:
                 (slot,) = self.cache.add_rows(1)
@@ -109,11 +109,9 @@ class LeanTarget:
             self.cache.lengths[slot] = n
         self._joining = {}
 
-    def attention(self, q: int, rows: int | None = None) -> Attention:
-        """How the next forward of q positions per row of the first `rows` rows (default all) attends (see the
-        module doc)."""
-        starts = self.cache.lengths if rows is None else self.cache.lengths[:rows]
-        b = len(starts)
+    def attention(self, q: int) -> Attention:
+        """How the next forward of q positions per row attends (see the module doc)."""
+        starts, b = self.cache.lengths, self.cache.batch_size
         if b == 1 or self.exact:
             columns = max(bucket_columns(s + q - 1) for s in starts)
             return Attention(columns, groups=folded_groups(starts, q, self._columns(columns)))
@@ -140,15 +138,17 @@ class LeanTarget:
         parents of draft nodes 1..q-1 (`dvi.decode.tree_attention`). `lens`: row i's real drafts (of q - 1): a batch
         verify scores only those and the row's last token (`ragged_rows`), like vLLM's flattened batch."""
         b, q = ids.shape
+        prefixes = None
         if self._joining:
             if tree is None and not features and self.joins(0, features):
-                return self._joined(ids, lens)
-            self._flush()
+                prefixes = self._prefixes()
+            else:
+                self._flush()
         if tree is not None:
             return self._eager(ids, features, tree)
         real = self.ragged_rows(lens, q) if lens is not None and not features and b > 1 else None
-        if real is not None:
-            return self._eager(ids, False, scored=real)
+        if real is not None or prefixes is not None:
+            return self._eager(ids, False, scored=real, prefixes=prefixes)
         if self.stepwise and (q > 1 or b > 1):
             return self._stepwise(ids, features)
         if not features and self.graphs is not None and not self.exact \
@@ -157,7 +157,8 @@ class LeanTarget:
         return self._eager(ids, features)
 
     def _eager(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None = None,
-               scored: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               scored: torch.Tensor | None = None, prefixes: Prefixes | None = None,
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         b, q = ids.shape
         real = q
         if b * q < self.min_rows:
@@ -174,30 +175,21 @@ class LeanTarget:
             attn.depth = torch.tensor([node_depths(p) for p in tree], dtype=torch.long, device=self.lean.device)
         self.cache.reserve(b, attn.columns)
         start = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.lean.device)
-        out = self.lean.forward(self.cache, ids, start, attn, features=features)
+        out = self.lean.forward(self.cache, ids, start, attn, features=features, prefixes=prefixes)
         if q == real:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]
 
-    def _joined(self, ids: torch.Tensor, lens: list[int] | None) -> torch.Tensor:
-        """A forward whose last rows were admitted lazily: their prefills and the batch's step in one (`Joins`)."""
-        total, q = ids.shape
-        slots = sorted(self._joining)
-        b = total - len(slots)
-        if slots != list(range(b, total)):  # a bug, said plainly: lazily admitted rows are the batch's last
-            raise RuntimeError(f"rows admitted lazily sit in slots {slots}, not the batch's last {len(slots)}")
+    def _prefixes(self) -> Prefixes | None:
+        """The lazily admitted rows' contexts as this forward's prefixes; their lengths now count them."""
         dev = self.lean.device
-        seqs = [torch.cat([torch.tensor(self._joining[s], dtype=torch.long, device=dev), ids[s]]) for s in slots]
-        joins = Joins(slots, seqs, q)
-        real = self.ragged_rows(lens[:b], q) if lens is not None and b > 1 else None
-        attn = self.attention(q, b) if b else Attention(0)
-        attn.real = real
-        self.cache.reserve(total, max(attn.columns, joins.columns))
-        start = torch.tensor(self.cache.lengths[:b], dtype=torch.long, device=dev)
-        for s in slots:
-            self.cache.lengths[s] = len(self._joining[s])  # `keep` then counts the step's kept entries after them
+        slots = [s for s in sorted(self._joining) if self._joining[s]]
+        prefixes = Prefixes(slots, [0] * len(slots), [torch.tensor(self._joining[s], dtype=torch.long, device=dev)
+                                                      for s in slots]) if slots else None
+        for s, ctx in self._joining.items():
+            self.cache.lengths[s] = len(ctx)
         self._joining = {}
-        return self.lean.forward(self.cache, ids[:b], start, attn, joins=joins)
+        return prefixes
 
     @property
     def ragged(self) -> bool:

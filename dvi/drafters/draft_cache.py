@@ -9,7 +9,6 @@ target), so both attend their whole batch in one call.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -17,7 +16,7 @@ import torch
 
 from dvi.decode.attention import Attention
 from dvi.decode.kv import RaggedKV, left_pad, prefill
-from dvi.decode.lean import LeanModel, lean_supported
+from dvi.decode.lean import LeanModel, Prefixes, lean_supported
 from dvi.drafters.adapters import AdapterBank, RowAdapters
 
 __all__ = ["DraftCache", "LeanDraftCache", "RaggedDraftCache", "draft_cache"]
@@ -121,8 +120,9 @@ class LeanDraftCache:
             self._cols = torch.arange(max(n, 2 * self._cols.numel()), device=self.device)
         return self._cols[:n]
 
-    def _run(self, ids: torch.Tensor, pick: torch.Tensor, lens: list[int] | None = None) -> torch.Tensor:
-        """A forward of every row; with `lens`, a ragged one: row i's first lens[i] tokens only, `pick` indexing them."""
+    def _run(self, ids: torch.Tensor, pick: torch.Tensor, prefixes: Prefixes | None = None) -> torch.Tensor:
+        """A forward of every row, `pick` [B] the position read per row; with `prefixes`, tokens that go before some
+        rows' ids (the rows' lengths already count them)."""
         b, q = ids.shape
         starts = self.cache.lengths
         columns = max(starts) + q
@@ -132,29 +132,34 @@ class LeanDraftCache:
         if b > 1 or q > 1:
             pos = start.view(b, 1, 1) + torch.arange(q, device=self.device).view(1, q, 1)
             mask = (self._columns(columns).view(1, 1, columns) <= pos).unsqueeze(1)  # [B, 1, q, columns]
-        real = None
-        if lens is None:
+        if prefixes is None:
             self.lean.adapters = self._adapters()
-        else:  # one adapter slot per scored token (`RowAdapters` reads rows x positions, here ragged)
-            real = torch.tensor([i * q + j for i, n in enumerate(lens) for j in range(n)], dtype=torch.long,
-                                device=self.device)
-            self.lean.adapters = self._adapters([g for g, n in zip(self.groups, lens, strict=True) for _ in range(n)])
-        return self.lean.forward(self.cache, ids, start, Attention(columns, mask=mask, real=real), pick=pick)
+        else:  # one adapter slot per token: the rows' ids, then the prefixes' tokens
+            self.lean.adapters = self._adapters(self.groups + [self.groups[i] for i, t in zip(
+                prefixes.slots, prefixes.seqs, strict=True) for _ in range(t.shape[0])])
+        return self.lean.forward(self.cache, ids, start, Attention(columns, mask=mask), pick=pick, prefixes=prefixes)
 
     def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
-        """Rows are right-padded with their own last token; each row's logits are read at its last real token. Where
-        the rows' lengths differ (a catch-up: a row that just joined brings its whole prompt, the others one or two
-        tokens) only the real tokens run through the projections and write keys (a ragged forward): padding every
-        row to the longest cost the drafter B times the catch-up. An ordinary drafting step (1 or 2 tokens a row) keeps
-        the padded forward and its cached per-row adapters."""
+        """Each row's logits after its last token. Where the rows' lengths differ (a catch-up: a row that just joined
+        brings its whole prompt, the others one or two tokens), every row's tokens but its last go in as prefixes
+        (`Prefixes`: each attends over its own row's columns only) and the last tokens as a one-token step: padding
+        every row to the longest cost the drafter B times the catch-up in its projections, and B times the longest
+        row's queries in its attention. Otherwise rows are right-padded with their own last token (an ordinary
+        drafting step's 1 or 2 tokens a row keep the padded forward and its cached per-row adapters)."""
         lens = [len(r) for r in rows]
         m = max(lens)
-        ids = torch.tensor([r + [r[-1]] * (m - len(r)) for r in rows], dtype=torch.long, device=self.device)
-        if len(rows) > 1 and m > 2 and min(lens) < m:  # a catch-up; a drafting step's 1-2 tokens a row stay padded
-            pick = torch.tensor(list(itertools.accumulate(lens)), dtype=torch.long, device=self.device) - 1
-            out = self._run(ids, pick, lens)
-        else:
-            out = self._run(ids, torch.tensor([n - 1 for n in lens], dtype=torch.long, device=self.device))
+        dev = self.device
+        if len(rows) > 1 and m > 2 and min(lens) < m:  # a catch-up
+            slots = [i for i, n in enumerate(lens) if n > 1]
+            prefixes = Prefixes(slots, [self.cache.lengths[i] for i in slots],
+                                [torch.tensor(rows[i][:-1], dtype=torch.long, device=dev) for i in slots])
+            self.cache.advance([n - 1 for n in lens])
+            ids = torch.tensor([r[-1:] for r in rows], dtype=torch.long, device=dev)
+            out = self._run(ids, torch.zeros(len(rows), dtype=torch.long, device=dev), prefixes=prefixes)
+            self.cache.advance([1] * len(rows))
+            return out
+        ids = torch.tensor([r + [r[-1]] * (m - len(r)) for r in rows], dtype=torch.long, device=dev)
+        out = self._run(ids, torch.tensor([n - 1 for n in lens], dtype=torch.long, device=dev))
         self.cache.advance(lens)
         return out
 
