@@ -128,3 +128,35 @@ def test_engine_text_is_that_of_requests_run_alone(drafting):
         steps += 1
     assert [texts[f"r{i}"] for i in range(len(prompts))] == alone
     assert len(joined) >= len(prompts) - 2  # every request that found a batch running joined inside its step
+
+
+@torch.inference_mode()
+def test_prompts_longer_than_the_cache_join_and_catch_up():
+    """A joining prompt past the cache's capacity grows it before the forward that writes it (the target's rows and
+    a drafter catching up alike); what the rows held stays."""
+    from dvi.drafters.draft_cache import LeanDraftCache
+
+    g = torch.Generator().manual_seed(4)
+    eager, lazy = _pair()
+    first, (long,) = _contexts(g, (9, 20)), _contexts(g, (300,))
+    for run in (eager, lazy):
+        run.admit(first, False)
+    eager.admit([long], False)
+    lazy.admit([long], False, lazy=True)
+    assert lazy.cache.capacity < 300
+    ids = torch.randint(0, 128, (3, 2), generator=g)
+    torch.testing.assert_close(lazy.forward(ids, False), eager.forward(ids, False), rtol=1e-5, atol=1e-5)
+    for run in (eager, lazy):
+        run.keep(2, [1, 2, 1])
+    _same_caches(eager, lazy)
+
+    model = tiny_llama(1, **KW).eval()
+    dkv = LeanDraftCache(model)
+    dkv.add_rows(2)
+    dkv.forward_rows([first[0], first[1]])
+    dkv.add_rows(1)
+    out = dkv.forward_rows([[5], [6, 7], long])  # a catch-up: the joiner's prompt past the capacity
+    assert dkv.cache.lengths == [10, 22, 300]
+    for i, seq in enumerate([first[0] + [5], first[1] + [6, 7], long]):
+        ref = model(torch.tensor([seq])).logits[0, -1]
+        torch.testing.assert_close(out[i], ref, rtol=1e-4, atol=1e-4)

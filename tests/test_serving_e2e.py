@@ -142,6 +142,10 @@ def test_live_alpha_drop_rolls_back(tiny_pair_dir, tmp_path, kind) -> None:
         reg = DrafterRegistry(cfg.registry.dir)
         results: list = []
         _traffic(s.url, 8, results, stream=False)
+        for _ in range(40):  # the shadow check's evidence first: without it the version would wait for traffic
+            if drafter_view(s).heldout_positions >= cfg.trainer.shadow_min_positions:  # that comes only after it
+                break
+            _traffic(s.url, 2, results, stream=False)
         if kind == "early_exit":
             bad = _publish_dir(reg, _early_exit_version(drafter_lane(s).base, tmp_path / "bad", scale=3.0)[0])
         else:

@@ -166,8 +166,8 @@ class SlotCache:
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor: updatable in and out of inference mode
             self.kv = torch.zeros(self.layers, slots, capacity, 2, self.kv_heads, self.head_dim, dtype=self.dtype,
                                   device=self.device)
-            if old is not None and self.lengths:
-                b, n = len(self.lengths), max(self.lengths)
+            if old is not None and self.lengths:  # lengths may count entries a forward is about to write (`Prefixes`)
+                b, n = min(len(self.lengths), old.shape[1]), min(max(self.lengths), old.shape[2])
                 self.kv[:, :b, :n].copy_(old[:, :b, :n])
             self.per_layer = self.kv.unbind(0)  # [slots, capacity, 2, kv_heads, head_dim] each, for index_put_
 

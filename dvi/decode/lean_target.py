@@ -186,6 +186,7 @@ class LeanTarget:
         slots = [s for s in sorted(self._joining) if self._joining[s]]
         prefixes = Prefixes(slots, [0] * len(slots), [torch.tensor(self._joining[s], dtype=torch.long, device=dev)
                                                       for s in slots]) if slots else None
+        self.cache.reserve(self.cache.batch_size, max(len(c) for c in self._joining.values()) + 1)
         for s, ctx in self._joining.items():
             self.cache.lengths[s] = len(ctx)
         self._joining = {}

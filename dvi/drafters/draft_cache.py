@@ -153,6 +153,7 @@ class LeanDraftCache:
             slots = [i for i, n in enumerate(lens) if n > 1]
             prefixes = Prefixes(slots, [self.cache.lengths[i] for i in slots],
                                 [torch.tensor(rows[i][:-1], dtype=torch.long, device=dev) for i in slots])
+            self.cache.reserve(len(rows), max(a + n for a, n in zip(self.cache.lengths, lens, strict=True)))
             self.cache.advance([n - 1 for n in lens])
             ids = torch.tensor([r[-1:] for r in rows], dtype=torch.long, device=dev)
             out = self._run(ids, torch.zeros(len(rows), dtype=torch.long, device=dev), prefixes=prefixes)
