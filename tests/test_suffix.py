@@ -36,9 +36,6 @@ def test_choose_point_k_prices_the_verify_width():
     assert choose_point_k([[0.9, 0.8, 0.5, 0.2]], 1, steep, 4) == 2  # 0.5 and 0.2 do not pay 0.3 each
     assert choose_point_k([[0.1]], 1, steep, 1) == 0  # plain decoding wins
     assert choose_point_k([[0.9, 0.9]], 16, steep, 2) == 0  # one proposal among 16 rows does not pay the width
-    # ...where every row is verified at the width; where only real drafts are (a ragged verify) it pays its own
-    assert choose_point_k([[0.9, 0.9]], 16, steep, 2, ragged=True) == 2  # 2 positions at 0.3 / 16 of a step each
-    assert choose_point_k([[0.2]], 16, steep, 1, ragged=True) == 0  # 0.2 tokens do not pay 0.3 / 16 of 16 rows' step
 
 
 def test_draft_source_round_trips_and_old_shards_read_without_it(tmp_path):

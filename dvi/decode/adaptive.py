@@ -110,28 +110,20 @@ def choose_rows(alphas: Sequence[float], draft_cost: float, verify: Sequence[flo
 
 
 def choose_point_k(probs: Sequence[Sequence[float]], batch: int, verify_cost: Callable[[int], float], k_max: int,
-                   margin: float = 1.0, ragged: bool = False) -> int:
+                   margin: float = 1.0) -> int:
     """Verify width K in [0, k_max] for suffix proposals, which cost no model pass: each row of `probs` holds a
     proposal's path probabilities (draft j is kept with probability probs[j], non-increasing: SuffixDecoding's
     estimate); the `batch` rows all emit one token a step, proposal rows also their expected accepted drafts
-    sum(probs[:K]). K maximises tokens per second, `verify_cost(K)` the seconds of a step with K drafts on every
-    row; a K must beat plain decoding by `margin`. `ragged`: the target verifies only real drafts, so a step costs
-    the plain step plus each proposal's min(len, K) positions at the calibrated seconds per position (`verify(K) -
-    verify(0)` over the batch's K positions a row), not every row's K (as vLLM's n-gram speculation verifies: a
-    row without a match adds nothing)."""
+    sum(probs[:K]). K maximises tokens per second, `verify_cost(K)` the seconds of a step with K drafts; a K
+    must beat plain decoding by `margin`."""
     gains = [0.0] * (k_max + 1)  # expected accepted drafts over all rows at K = index (increments)
-    widths = [0] * (k_max + 1)  # positions the proposals add at K = index (increments)
     for row in probs:
         for j, pj in enumerate(row[:k_max]):
             gains[j + 1] += min(max(float(pj), 0.0), 1.0)
-            widths[j + 1] += 1
-    v0 = max(verify_cost(0), 1e-12)
-    best_k, best, total, positions = 0, batch / v0 * margin, 0.0, 0
+    best_k, best, total = 0, batch / max(verify_cost(0), 1e-12) * margin, 0.0
     for k in range(1, k_max + 1):
         total += gains[k]
-        positions += widths[k]
-        cost = v0 + max(verify_cost(k) - v0, 0.0) * positions / (batch * k) if ragged else verify_cost(k)
-        rate = (batch + total) / max(cost, 1e-12)
+        rate = (batch + total) / max(verify_cost(k), 1e-12)
         if rate > best * 1.0001:
             best_k, best = k, rate
     return best_k

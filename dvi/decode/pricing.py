@@ -134,4 +134,4 @@ class StepPricing:
         b = batch_bucket(self.batch)
         over = p.controller.step_overhead.get(b, 0.0)
         return choose_point_k(probs, self.batch, lambda k: p.controller.costs.verify_cost(b, k) + over, longest,
-                              p.controller.margin, ragged=p.controller.ragged)
+                              p.controller.margin)
