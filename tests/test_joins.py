@@ -1,7 +1,8 @@
-"""Rows admitted lazily join inside the batch's next forward (`dvi.decode.lean.Prefixes`): their prompts go through the
-step's matmuls, and every row's logits, cache entries and greedy tokens are what eager admission (each prompt its own
-prefill, then the step) gives, as rows join a running batch, join an empty one together, draft ragged, and leave
-before the forward that would have carried them."""
+"""Runs of a row's tokens beside the batch's (`dvi.decode.lean.Segments`). Rows admitted lazily join inside the batch's
+next forward (their prompts as prefixes): every row's logits, cache entries and greedy tokens are what eager admission
+(each prompt its own prefill, then the step) gives, as rows join a running batch, join an empty one together, draft
+ragged, and leave before the forward that would have carried them. A ragged verify where few rows drafted scores
+their drafts as tails: what the padded ragged forward scores."""
 
 from __future__ import annotations
 
@@ -160,3 +161,28 @@ def test_prompts_longer_than_the_cache_join_and_catch_up():
     for i, seq in enumerate([first[0] + [5], first[1] + [6, 7], long]):
         ref = model(torch.tensor([seq])).logits[0, -1]
         torch.testing.assert_close(out[i], ref, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_a_ragged_verify_of_few_drafting_rows_scores_their_drafts_as_tails():
+    g = torch.Generator().manual_seed(5)
+    tails, padded = _pair()  # the reference scores every position (no lens)
+    contexts, joiner = _contexts(g, (9, 30, 4, 17, 12)), _contexts(g, (21,))
+    for run in (tails, padded):
+        run.admit(contexts, False)
+    forward, calls = tails._tails, []
+    tails._tails = lambda *a: calls.append(1) or forward(*a)  # counts the forwards that scored tails
+    for step, lens in enumerate([[3, 0, 0, 0, 0], [0, 2, 0, 1, 0], [4, 0, 0, 0, 0, 1]]):
+        if step == 2:  # a joiner's prompt as a prefix, its drafts as a tail, in the same forward
+            tails.admit(joiner, False, lazy=True)
+            padded.admit(joiner, False)
+        b = len(lens)
+        ids = torch.randint(0, 128, (b, 5), generator=g)
+        a, p = tails.forward(ids, False, lens=lens), padded.forward(ids, False)
+        assert len(calls) == step + 1  # at most half the rows drafted: tails
+        for i, n in enumerate(lens):
+            torch.testing.assert_close(a[i, : n + 1], p[i, : n + 1], rtol=1e-5, atol=1e-5)
+            assert not a[i, n + 1 :].any()  # unscored positions: zeros
+        for run in (tails, padded):
+            run.keep(5, [n + 1 for n in lens])
+        _same_caches(tails, padded)

@@ -25,7 +25,7 @@ from torch import nn
 
 from dvi.decode.attention import Attention, one_call
 
-__all__ = ["LEAN_TYPES", "Prefixes", "lean_supported", "LeanModel", "SlotCache"]
+__all__ = ["LEAN_TYPES", "Segments", "lean_supported", "LeanModel", "SlotCache"]
 
 LEAN_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 """Architectures `LeanModel` runs (a Llama decoder layer, optionally with q/k biases or per-head q/k norms)."""
@@ -106,26 +106,38 @@ class _Layer:
         self.k_norm = kn.weight if kn is not None else None
 
 
-class Prefixes:
-    """Tokens that go before some rows' step tokens inside the same forward, as vLLM's mixed batches carry prefills:
-    row slots[i]'s tokens seqs[i] at columns starts[i].. run through the step's matmuls (its weights stream once,
-    not once for each prefill and once more for the step) and write their keys and values, each attending causally
-    over its own row's columns; the step's tokens then sit after them and attend as usual. A row joining the batch
-    brings its prompt (start 0); a drafter catching up brings what it has not seen."""
+class Segments:
+    """Runs of one row's tokens that go through a forward beside its batch's rows: row slots[i]'s tokens seqs[i] at
+    columns starts[i].., through the same matmuls, writing their keys and values, each attending causally over its
+    own row's columns (one attention call a run: what vLLM's ragged batches pay, not every row padded to the longest).
+    As prefixes, before the rows' step tokens, their outputs dropped: a joining row's prompt (start 0), a drafter's
+    catch-up; the weights stream once for the prefills and the step. As tails, after them, their logits returned:
+    the drafts of the few rows that drafted in a ragged verify."""
 
-    __slots__ = ("slots", "starts", "seqs")
+    __slots__ = ("slots", "starts", "seqs", "width")
 
-    def __init__(self, slots: list[int], starts: list[int], seqs: list[torch.Tensor]):
+    def __init__(self, slots: list[int], starts: list[int], seqs: list[torch.Tensor], width: int = 0):
         if any(s.shape[0] == 0 for s in seqs):
-            raise ValueError("an empty prefix (leave the row out)")
+            raise ValueError("an empty run (leave the row out)")
         self.slots, self.starts, self.seqs = slots, starts, seqs
+        self.width = width  # tails: positions a row in the logits (its id, then up to width - 1 tail tokens)
+
+    @property
+    def positions(self) -> int:
+        return sum(s.shape[0] for s in self.seqs)
+
+    def placed(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Tails: the flat index (row * width + j) of each scored position, the rows' ids first, then each tail."""
+        idx = [i * self.width for i in range(rows)]
+        idx += [i * self.width + 1 + j for i, s in zip(self.slots, self.seqs, strict=True) for j in range(s.shape[0])]
+        return torch.tensor(idx, dtype=torch.long, device=device)
 
     @property
     def columns(self) -> int:
         return max(a + s.shape[0] for a, s in zip(self.starts, self.seqs, strict=True))
 
     def placement(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per prefix position, in order: its token, its column (= its position), its slot."""
+        """Per position, in order: its token, its column (= its position), its slot."""
         flat = torch.cat(self.seqs)
         col = torch.cat([torch.arange(a, a + s.shape[0], device=device) for a, s in zip(self.starts, self.seqs,
                                                                                          strict=True)])
@@ -133,8 +145,8 @@ class Prefixes:
                           for i, s in zip(self.slots, self.seqs, strict=True)])
         return flat, col, slot
 
-    def segments(self, cache: SlotCache) -> list:
-        """Per prefix: its row's keys and values per layer up to its last column, its length, and its causal mask
+    def attending(self, cache: SlotCache) -> list:
+        """Per run: its row's keys and values per layer up to its last column, its length, and its causal mask
         (None from column 0: a plain causal call)."""
         out = []
         for i, a, s in zip(self.slots, self.starts, self.seqs, strict=True):
@@ -166,7 +178,7 @@ class SlotCache:
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor: updatable in and out of inference mode
             self.kv = torch.zeros(self.layers, slots, capacity, 2, self.kv_heads, self.head_dim, dtype=self.dtype,
                                   device=self.device)
-            if old is not None and self.lengths:  # lengths may count entries a forward is about to write (`Prefixes`)
+            if old is not None and self.lengths:  # lengths may count entries a forward is about to write (`Segments`)
                 b, n = min(len(self.lengths), old.shape[1]), min(max(self.lengths), old.shape[2])
                 self.kv[:, :b, :n].copy_(old[:, :b, :n])
             self.per_layer = self.kv.unbind(0)  # [slots, capacity, 2, kv_heads, head_dim] each, for index_put_
@@ -337,7 +349,7 @@ class LeanModel:
     @torch.no_grad()
     def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
                 logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
-                pick: torch.Tensor | None = None, prefixes: Prefixes | None = None,
+                pick: torch.Tensor | None = None, prefixes: Segments | None = None, tails: Segments | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
@@ -346,22 +358,28 @@ class LeanModel:
         rotated at positions start[b] + depth[b, j], not at their columns. A ragged verify's `attn.real` [M]: the
         flat indices (b * q + j) of the positions to score, in order; only they run through the projections and
         write keys and values, the others come back as zero logits (no features). `prefixes`: tokens written
-        before some rows' ids in this same forward (`Prefixes`); start[b] counts them."""
+        before some rows' ids in this same forward (`Segments`); start[b] counts them. `tails`: some rows' tokens
+        after their ids [B, 1] (a ragged verify's drafts, `tail_width` positions a row in all): logits
+        [B, tail_width, V], each row's id at position 0, its tail after it, zeros elsewhere."""
         b, q = ids.shape
         real = attn.real
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
         if real is not None and (features or logits_to_keep):
             raise ValueError("a ragged forward returns logits of every position, or with `pick` of some")
-        if prefixes is not None and (features or attn.depth is not None):
-            raise ValueError("prefixes ride on a chain's forward without features")
+        if (prefixes is not None or tails is not None) and (features or attn.depth is not None):
+            raise ValueError("prefixes and tails ride on a chain's forward without features")
+        if tails is not None and (q != 1 or real is not None or pick is not None or logits_to_keep):
+            raise ValueError("tails follow a one-token step's ids and come back whole")
         flat, col, pos, slot = self._placement(ids, start, attn, first_slot, real)
         n_batch, columns = flat.shape[0], attn.columns
-        segments = None
-        if prefixes is not None:
-            pflat, pcol, pslot = prefixes.placement(self.device)
-            flat, col, pos, slot = (torch.cat([a, p]) for a, p in ((flat, pflat), (col, pcol), (pos, pcol), (slot, pslot)))
-            columns = max(columns, prefixes.columns)
-            segments = prefixes.segments(cache)
+        segments = []
+        for extra in (tails, prefixes):  # flat rows: the batch's, the tails', the prefixes'
+            if extra is not None:
+                eflat, ecol, eslot = extra.placement(self.device)
+                flat, col, pos, slot = (torch.cat([a, e]) for a, e in ((flat, eflat), (col, ecol), (pos, ecol),
+                                                                        (slot, eslot)))
+                columns = max(columns, extra.columns)
+                segments += extra.attending(cache)
         n = flat.shape[0]
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, columns)
         keys, values = cache.views(b, attn.columns, first_slot)
@@ -371,7 +389,7 @@ class LeanModel:
         packs = self.packs if n > 1 else None
         lin = _packed_linear if packs else F.linear
         rc = self.row_chunk
-        chunk = rc if rc and b == 1 and n > rc and attn.groups is not None and prefixes is None else None
+        chunk = rc if rc and b == 1 and n > rc and attn.groups is not None and not segments else None
         if chunk:
             lin = partial(_in_pieces, lin, chunk)
         ad = self.adapters
@@ -386,11 +404,11 @@ class LeanModel:
                                  qkv[:, heads + kvh :].reshape(n, kvh, d)], 1).view(n, heads + 2 * kvh, 2, d // 2)
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
-            qrows = qkv[:, :heads] if segments is None else qkv[:n_batch, :heads]
+            qrows = qkv[:n_batch, :heads] if segments else qkv[:, :heads]
             o = attn.attend(qrows, b, keys[i], values[i], self.scale) if real is None else \
                 _attend_real(attn, qrows, real, b * q, b, keys[i], values[i], self.scale)
-            if segments is not None:
-                o = torch.cat([o, *_attend_prefixes(qkv[n_batch:, :heads], segments, i, self.scale)])
+            if segments:
+                o = torch.cat([o, *_attend_segments(qkv[n_batch:, :heads], segments, i, self.scale)])
             x = x + (ad.add(i, "o", o, lin(o, o_w)) if ad else lin(o, o_w))
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
             gu = lin(h, gate_up_w)
@@ -399,7 +417,9 @@ class LeanModel:
             x = x + (ad.add(i, "down", m, lin(m, down_w)) if ad else lin(m, down_w))
             if taps and i in taps:
                 tapped.append(x)
-        if segments is not None:
+        if tails is not None:  # the batch's ids and the tails (the prefixes' outputs are not asked for)
+            return self._real_logits(x[: n_batch + tails.positions], tails.placed(b, self.device), b, tails.width)
+        if segments:
             x = x[:n_batch]  # the prefixes' outputs are not asked for
         if real is not None:
             if pick is not None:  # [B] indices into the M scored positions: row b's logits [B, V]
@@ -483,8 +503,8 @@ def _attend_real(attn: Attention, qrows: torch.Tensor, real: torch.Tensor, n: in
     return attn.attend(full, b, keys, values, scale).index_select(0, real)
 
 
-def _attend_prefixes(qrows: torch.Tensor, segments: list, layer: int, scale: float) -> list[torch.Tensor]:
-    """Each prefix's queries (its row's positions start..start+n-1, in order) over that row's columns up to its own."""
+def _attend_segments(qrows: torch.Tensor, segments: list, layer: int, scale: float) -> list[torch.Tensor]:
+    """Each run's queries (its row's positions start..start+n-1, in order) over that row's columns up to its own."""
     outs, at = [], 0
     for (keys, values), n, mask in segments:
         outs.append(one_call(qrows[at : at + n], 1, keys[layer], values[layer], mask, scale,

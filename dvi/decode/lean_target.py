@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dvi.decode.attention import Attention, bucket_columns, folded_groups
-from dvi.decode.lean import LeanModel, Prefixes
+from dvi.decode.lean import LeanModel, Segments
 from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
 
 __all__ = ["LeanTarget"]
@@ -64,7 +64,7 @@ class LeanTarget:
         return self._cols[:n]
 
     def admit(self, contexts: list[list[int]], features: bool, lazy: bool = False) -> Features:
-        """`lazy`: where the next forward can carry them (`joins`), the rows' prefills ride on it (`Prefixes`) instead
+        """`lazy`: where the next forward can carry them (`joins`), the rows' prefills ride on it (`Segments`) instead
         of running now, each a forward of its own."""
         if lazy and self.joins(len(contexts), features):
             for ctx in contexts:
@@ -147,6 +147,8 @@ class LeanTarget:
         if tree is not None:
             return self._eager(ids, features, tree)
         real = self.ragged_rows(lens, q) if lens is not None and not features and b > 1 else None
+        if real is not None and 0 < sum(n > 0 for n in lens) <= b // 2:
+            return self._tails(ids, lens, prefixes)
         if real is not None or prefixes is not None:
             return self._eager(ids, False, scored=real, prefixes=prefixes)
         if self.stepwise and (q > 1 or b > 1):
@@ -157,7 +159,7 @@ class LeanTarget:
         return self._eager(ids, features)
 
     def _eager(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None = None,
-               scored: torch.Tensor | None = None, prefixes: Prefixes | None = None,
+               scored: torch.Tensor | None = None, prefixes: Segments | None = None,
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         b, q = ids.shape
         real = q
@@ -180,11 +182,26 @@ class LeanTarget:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]
 
-    def _prefixes(self) -> Prefixes | None:
+    def _tails(self, ids: torch.Tensor, lens: list[int], prefixes: Segments | None) -> torch.Tensor:
+        """A ragged verify where at most half the rows drafted: every row's last token as a one-token step, the
+        drafting rows' drafts as tails (`Segments`), each attending over its own row only; the padded ragged forward
+        attends every row's K + 1 queries (at 16 rows, 2 of them drafting 4, that attention cost more than the
+        positions' matmuls, fp32 on Intel AMX)."""
+        b, q = ids.shape
+        rows = [i for i, n in enumerate(lens) if n > 0]
+        starts = self.cache.lengths
+        tails = Segments(rows, [starts[i] + 1 for i in rows], [ids[i, 1 : 1 + min(lens[i], q - 1)] for i in rows],
+                         width=q)
+        attn = self.attention(1)
+        self.cache.reserve(b, max(attn.columns, tails.columns))
+        start = torch.tensor(starts, dtype=torch.long, device=self.lean.device)
+        return self.lean.forward(self.cache, ids[:, :1], start, attn, prefixes=prefixes, tails=tails)
+
+    def _prefixes(self) -> Segments | None:
         """The lazily admitted rows' contexts as this forward's prefixes; their lengths now count them."""
         dev = self.lean.device
         slots = [s for s in sorted(self._joining) if self._joining[s]]
-        prefixes = Prefixes(slots, [0] * len(slots), [torch.tensor(self._joining[s], dtype=torch.long, device=dev)
+        prefixes = Segments(slots, [0] * len(slots), [torch.tensor(self._joining[s], dtype=torch.long, device=dev)
                                                       for s in slots]) if slots else None
         self.cache.reserve(self.cache.batch_size, max(len(c) for c in self._joining.values()) + 1)
         for s, ctx in self._joining.items():

@@ -16,7 +16,7 @@ import torch
 
 from dvi.decode.attention import Attention
 from dvi.decode.kv import RaggedKV, left_pad, prefill
-from dvi.decode.lean import LeanModel, Prefixes, lean_supported
+from dvi.decode.lean import LeanModel, Segments, lean_supported
 from dvi.drafters.adapters import AdapterBank, RowAdapters
 
 __all__ = ["DraftCache", "LeanDraftCache", "RaggedDraftCache", "draft_cache"]
@@ -120,7 +120,7 @@ class LeanDraftCache:
             self._cols = torch.arange(max(n, 2 * self._cols.numel()), device=self.device)
         return self._cols[:n]
 
-    def _run(self, ids: torch.Tensor, pick: torch.Tensor, prefixes: Prefixes | None = None) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, pick: torch.Tensor, prefixes: Segments | None = None) -> torch.Tensor:
         """A forward of every row, `pick` [B] the position read per row; with `prefixes`, tokens that go before some
         rows' ids (the rows' lengths already count them)."""
         b, q = ids.shape
@@ -142,7 +142,7 @@ class LeanDraftCache:
     def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
         """Each row's logits after its last token. Where the rows' lengths differ (a catch-up: a row that just joined
         brings its whole prompt, the others one or two tokens), every row's tokens but its last go in as prefixes
-        (`Prefixes`: each attends over its own row's columns only) and the last tokens as a one-token step: padding
+        (`Segments`: each attends over its own row's columns only) and the last tokens as a one-token step: padding
         every row to the longest cost the drafter B times the catch-up in its projections, and B times the longest
         row's queries in its attention. Otherwise rows are right-padded with their own last token (an ordinary
         drafting step's 1 or 2 tokens a row keep the padded forward and its cached per-row adapters)."""
@@ -151,7 +151,7 @@ class LeanDraftCache:
         dev = self.device
         if len(rows) > 1 and m > 2 and min(lens) < m:  # a catch-up
             slots = [i for i, n in enumerate(lens) if n > 1]
-            prefixes = Prefixes(slots, [self.cache.lengths[i] for i in slots],
+            prefixes = Segments(slots, [self.cache.lengths[i] for i in slots],
                                 [torch.tensor(rows[i][:-1], dtype=torch.long, device=dev) for i in slots])
             self.cache.reserve(len(rows), max(a + n for a, n in zip(self.cache.lengths, lens, strict=True)))
             self.cache.advance([n - 1 for n in lens])
