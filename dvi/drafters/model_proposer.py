@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.decode.sampling import sample_from, warp_probs
+from dvi.decode.sampling import greedy_tokens, sample_from, warp_probs
 from dvi.decode.sources import SOURCE_MODEL
 from dvi.drafters.adapters import AdapterBank, LoraFactors
 from dvi.drafters.draft_cache import DraftCache, LeanDraftCache, draft_cache
@@ -129,7 +129,7 @@ class ModelProposer(Proposer):
             logits = fit_vocab(self._forward(ids, j == 0), self.vocab_size)  # [B, V]
             logits = params.transform(logits, drafts)  # penalized as the target's p (better α)
             if params.all_greedy:
-                d, scores = logits.argmax(-1), logits  # [B]
+                d, scores = greedy_tokens(logits), logits  # [B]
             else:
                 scores = q = warp_probs(logits, params.temp, params.top_k, params.top_p)  # [B, V]
                 d = sample_from(q, u[:, j])

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dvi.decode.sampling import greedy_accept, point_mass_accept, rejection_accept, sample_from, warp_probs
+from dvi.decode.sampling import (
+    greedy_accept,
+    greedy_tokens,
+    point_mass_accept,
+    rejection_accept,
+    sample_from,
+    warp_probs,
+)
 from dvi.decode.seq import BatchParams
 from dvi.decode.tree import ancestors, tree_greedy_accept, tree_sample_accept
 from dvi.drafters.proposer import Draft
@@ -30,7 +37,7 @@ def accept_chain(draft: Draft, logits: torch.Tensor, params: BatchParams) -> tup
     if params.all_greedy:
         if k > 0:
             return greedy_accept(draft.ids, logits, lens)
-        nxt = logits[:, 0].argmax(-1)  # [B]
+        nxt = greedy_tokens(logits[:, 0])  # [B]
         return torch.zeros_like(nxt), nxt
     p = warp_probs(logits, params.temp, params.top_k, params.top_p)  # [B, K + 1, V]
     if k > 0:
