@@ -1,4 +1,4 @@
-"""Runs of a row's tokens beside the batch's (`dvi.decode.lean.Segments`). Rows admitted lazily join inside the batch's
+"""Runs of a row's tokens beside the batch's (`dvi.decode.segments.Segments`). Rows admitted lazily join inside the batch's
 next forward (their prompts as prefixes): every row's logits, cache entries and greedy tokens are what eager admission
 (each prompt its own prefill, then the step) gives, as rows join a running batch, join an empty one together, draft
 ragged, and leave before the forward that would have carried them. A ragged verify where few rows drafted scores

@@ -21,13 +21,14 @@ class Attention:
     (SDPA's kernels round a query differently with the number of queries beside it, and with the number of
     masked columns after its own)."""
 
-    __slots__ = ("columns", "mask", "causal", "groups", "real")
+    __slots__ = ("columns", "mask", "causal", "groups", "real", "runs")
     depth = None  # a chain's queries sit at their columns (a draft tree's: `dvi.decode.tree_attention`)
 
     def __init__(self, columns: int, mask: torch.Tensor | None = None, causal: bool = False,
                  groups: list[tuple[int, int, int, int, torch.Tensor]] | None = None, real: torch.Tensor | None = None):
         self.columns, self.mask, self.causal, self.groups = columns, mask, causal, groups
         self.real = real  # [M] the flat positions (b * q + j) a ragged forward scores; None: all of them
+        self.runs = None  # some rows' tokens beside the batch's, each over its own row (`dvi.decode.segments.Runs`)
 
     def attend(self, qrows: torch.Tensor, b: int, keys: torch.Tensor, values: torch.Tensor, scale: float,
                ) -> torch.Tensor:

@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dvi.decode.attention import Attention, one_call
+from dvi.decode.attention import Attention
+from dvi.decode.segments import Runs, attend_segments
 
-__all__ = ["LEAN_TYPES", "Segments", "lean_supported", "LeanModel", "SlotCache"]
+__all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
 
 LEAN_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 """Architectures `LeanModel` runs (a Llama decoder layer, optionally with q/k biases or per-head q/k norms)."""
@@ -104,59 +105,6 @@ class _Layer:
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.q_norm = qn.weight if qn is not None else None
         self.k_norm = kn.weight if kn is not None else None
-
-
-class Segments:
-    """Runs of one row's tokens that go through a forward beside its batch's rows: row slots[i]'s tokens seqs[i] at
-    columns starts[i].., through the same matmuls, writing their keys and values, each attending causally over its
-    own row's columns (one attention call a run: what vLLM's ragged batches pay, not every row padded to the longest).
-    As prefixes, before the rows' step tokens, their outputs dropped: a joining row's prompt (start 0), a drafter's
-    catch-up; the weights stream once for the prefills and the step. As tails, after them, their logits returned:
-    the drafts of the few rows that drafted in a ragged verify."""
-
-    __slots__ = ("slots", "starts", "seqs", "width")
-
-    def __init__(self, slots: list[int], starts: list[int], seqs: list[torch.Tensor], width: int = 0):
-        if any(s.shape[0] == 0 for s in seqs):
-            raise ValueError("an empty run (leave the row out)")
-        self.slots, self.starts, self.seqs = slots, starts, seqs
-        self.width = width  # tails: positions a row in the logits (its id, then up to width - 1 tail tokens)
-
-    @property
-    def positions(self) -> int:
-        return sum(s.shape[0] for s in self.seqs)
-
-    def placed(self, rows: int, device: torch.device) -> torch.Tensor:
-        """Tails: the flat index (row * width + j) of each scored position, the rows' ids first, then each tail."""
-        idx = [i * self.width for i in range(rows)]
-        idx += [i * self.width + 1 + j for i, s in zip(self.slots, self.seqs, strict=True) for j in range(s.shape[0])]
-        return torch.tensor(idx, dtype=torch.long, device=device)
-
-    @property
-    def columns(self) -> int:
-        return max(a + s.shape[0] for a, s in zip(self.starts, self.seqs, strict=True))
-
-    def placement(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per position, in order: its token, its column (= its position), its slot."""
-        flat = torch.cat(self.seqs)
-        col = torch.cat([torch.arange(a, a + s.shape[0], device=device) for a, s in zip(self.starts, self.seqs,
-                                                                                         strict=True)])
-        slot = torch.cat([torch.full((s.shape[0],), i, dtype=torch.long, device=device)
-                          for i, s in zip(self.slots, self.seqs, strict=True)])
-        return flat, col, slot
-
-    def attending(self, cache: SlotCache) -> list:
-        """Per run: its row's keys and values per layer up to its last column, its length, and its causal mask
-        (None from column 0: a plain causal call)."""
-        out = []
-        for i, a, s in zip(self.slots, self.starts, self.seqs, strict=True):
-            n = s.shape[0]
-            mask = None
-            if a:
-                cols = torch.arange(a + n, device=cache.device)
-                mask = (cols.view(1, -1) <= cols[a:].view(-1, 1)).view(1, 1, n, a + n)
-            out.append((cache.views(1, a + n, i), n, mask))
-        return out
 
 
 class SlotCache:
@@ -349,49 +297,30 @@ class LeanModel:
     @torch.no_grad()
     def forward(self, cache: SlotCache, ids: torch.Tensor, start: torch.Tensor, attn: Attention,
                 logits_to_keep: int = 0, features: bool = False, first_slot: int = 0,
-                pick: torch.Tensor | None = None, prefixes: Segments | None = None, tails: Segments | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                pick: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
         with `pick` [B] only row b's position pick[b]: logits [B, V] (in a ragged forward, pick[b] indexes the scored
         positions). A draft tree's nodes (`attn.depth` [B, q]) are
         rotated at positions start[b] + depth[b, j], not at their columns. A ragged verify's `attn.real` [M]: the
         flat indices (b * q + j) of the positions to score, in order; only they run through the projections and
-        write keys and values, the others come back as zero logits (no features). `prefixes`: tokens written
-        before some rows' ids in this same forward (`Segments`); start[b] counts them. `tails`: some rows' tokens
-        after their ids [B, 1] (a ragged verify's drafts, `tail_width` positions a row in all): logits
-        [B, tail_width, V], each row's id at position 0, its tail after it, zeros elsewhere."""
+        write keys and values, the others come back as zero logits (no features). `attn.runs`: some rows' tokens
+        before or after their ids in this same forward (`dvi.decode.segments.Runs`, which says what comes back)."""
         b, q = ids.shape
-        real = attn.real
+        runs = attn.runs
+        _refuse(attn, q, features, logits_to_keep, pick, runs)
+        tails, real = runs.tails if runs is not None else None, attn.real
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
-        if real is not None and (features or logits_to_keep):
-            raise ValueError("a ragged forward returns logits of every position, or with `pick` of some")
-        if (prefixes is not None or tails is not None) and (features or attn.depth is not None):
-            raise ValueError("prefixes and tails ride on a chain's forward without features")
-        if tails is not None and (q != 1 or real is not None or pick is not None or logits_to_keep):
-            raise ValueError("tails follow a one-token step's ids and come back whole")
         flat, col, pos, slot = self._placement(ids, start, attn, first_slot, real)
         n_batch, columns = flat.shape[0], attn.columns
-        segments = []
-        for extra in (tails, prefixes):  # flat rows: the batch's, the tails', the prefixes'
-            if extra is not None:
-                eflat, ecol, eslot = extra.placement(self.device)
-                flat, col, pos, slot = (torch.cat([a, e]) for a, e in ((flat, eflat), (col, ecol), (pos, ecol),
-                                                                        (slot, eslot)))
-                columns = max(columns, extra.columns)
-                segments += extra.attending(cache)
+        (flat, col, pos, slot), columns, segments = Runs.place(runs, cache, (flat, col, pos, slot), columns)
         n = flat.shape[0]
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, columns)
         keys, values = cache.views(b, attn.columns, first_slot)
         x = F.embedding(flat, self.embed)  # [N, H]
         taps = self.feature_layers if features else None
         tapped = []
-        packs = self.packs if n > 1 else None
-        lin = _packed_linear if packs else F.linear
-        rc = self.row_chunk
-        chunk = rc if rc and b == 1 and n > rc and attn.groups is not None and not segments else None
-        if chunk:
-            lin = partial(_in_pieces, lin, chunk)
+        packs, lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments)
         ad = self.adapters
         for i, lw in enumerate(self.layers):
             qkv_w, o_w, gate_up_w, down_w = packs[i] if packs else (lw.qkv, lw.o, lw.gate_up, lw.down)
@@ -408,7 +337,7 @@ class LeanModel:
             o = attn.attend(qrows, b, keys[i], values[i], self.scale) if real is None else \
                 _attend_real(attn, qrows, real, b * q, b, keys[i], values[i], self.scale)
             if segments:
-                o = torch.cat([o, *_attend_segments(qkv[n_batch:, :heads], segments, i, self.scale)])
+                o = torch.cat([o, *attend_segments(qkv[n_batch:, :heads], segments, i, self.scale)])
             x = x + (ad.add(i, "o", o, lin(o, o_w)) if ad else lin(o, o_w))
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
             gu = lin(h, gate_up_w)
@@ -426,6 +355,15 @@ class LeanModel:
                 return self._logits(F.rms_norm(x.index_select(0, pick), (self.hidden,), self.norm, self.eps))
             return self._real_logits(x, real, b, q)
         return self._outputs(x, b, q, logits_to_keep, features, pick, tapped, chunk)
+
+    def _matmuls(self, n: int, b: int, folded: bool) -> tuple:
+        """A forward of n rows' weights (the packed copies past one row), its linear, and the pieces a one-row folded
+        forward runs its matmuls in (`row_chunk`; None: whole)."""
+        packs = self.packs if n > 1 else None
+        lin = _packed_linear if packs else F.linear
+        rc = self.row_chunk
+        chunk = rc if rc and b == 1 and n > rc and folded else None
+        return packs, (partial(_in_pieces, lin, chunk) if chunk else lin), chunk
 
     def _placement(self, ids: torch.Tensor, start: torch.Tensor, attn: Attention, first_slot: int,
                    real: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -493,6 +431,18 @@ class LeanModel:
         return self.head_block_rows
 
 
+def _refuse(attn: Attention, q: int, features: bool, logits_to_keep: int, pick: torch.Tensor | None,
+            runs: Runs | None) -> None:
+    """`LeanModel.forward`'s combinations that it does not compute, said plainly."""
+    if attn.real is not None and (features or logits_to_keep):
+        raise ValueError("a ragged forward returns logits of every position, or with `pick` of some")
+    if runs is not None and (features or attn.depth is not None):
+        raise ValueError("prefixes and tails ride on a chain's forward without features")
+    if runs is not None and runs.tails is not None and (q != 1 or attn.real is not None or pick is not None
+                                                        or logits_to_keep):
+        raise ValueError("tails follow a one-token step's ids and come back whole")
+
+
 @torch.inference_mode()
 def _attend_real(attn: Attention, qrows: torch.Tensor, real: torch.Tensor, n: int, b: int, keys: torch.Tensor,
                  values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -501,16 +451,6 @@ def _attend_real(attn: Attention, qrows: torch.Tensor, real: torch.Tensor, n: in
     full = qrows.new_zeros((n,) + tuple(qrows.shape[1:]))
     full.index_copy_(0, real, qrows)
     return attn.attend(full, b, keys, values, scale).index_select(0, real)
-
-
-def _attend_segments(qrows: torch.Tensor, segments: list, layer: int, scale: float) -> list[torch.Tensor]:
-    """Each run's queries (its row's positions start..start+n-1, in order) over that row's columns up to its own."""
-    outs, at = [], 0
-    for (keys, values), n, mask in segments:
-        outs.append(one_call(qrows[at : at + n], 1, keys[layer], values[layer], mask, scale,
-                             causal=mask is None and n > 1))
-        at += n
-    return outs
 
 
 def head_block_rows(head: torch.Tensor, blocks: tuple[torch.Tensor, ...], rows: tuple[int, ...] = (2, 3, 5, 9, 17),

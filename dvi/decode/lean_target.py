@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from dvi.decode.attention import Attention, bucket_columns, folded_groups
-from dvi.decode.lean import LeanModel, Segments
+from dvi.decode.lean import LeanModel
+from dvi.decode.segments import Runs, Segments
 from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
 
 __all__ = ["LeanTarget"]
@@ -72,22 +73,22 @@ class LeanTarget:
                 self._joining[slot] = list(ctx)
             return None
         self._flush()
-        feats: list[torch.Tensor | None] = []
-        zero = torch.zeros(1, dtype=torch.long, device=self.lean.device)
-        for ctx in contexts:
-            (slot,) = self.cache.add_rows(1)
-            n = len(ctx)
-            if n == 0:
-                feats.append(None)
-                continue
-            self.cache.reserve(slot + 1, n)
-            ids = torch.tensor([ctx], dtype=torch.long, device=self.lean.device)
-            # causal attention over the row's own columns, as HF's prefill of a prompt
-            out = self.lean.forward(self.cache, ids, zero, Attention(n, causal=n > 1), logits_to_keep=1,
-                                    features=features, first_slot=slot)
-            feats.append(out[1][0] if features else None)
-            self.cache.lengths[slot] = n
+        feats = [self._prefill(self.cache.add_rows(1)[0], ctx, features) for ctx in contexts]
         return feats if features else None
+
+    def _prefill(self, slot: int, ctx: list[int], features: bool) -> torch.Tensor | None:
+        """Row `slot` gets `ctx` as a forward of its own, causal over the row's own columns as HF's prefill of a
+        prompt; its final normed hidden states with `features` (None for an empty context)."""
+        n = len(ctx)
+        if n == 0:
+            return None
+        self.cache.reserve(slot + 1, n)
+        ids = torch.tensor([ctx], dtype=torch.long, device=self.lean.device)
+        zero = torch.zeros(1, dtype=torch.long, device=self.lean.device)
+        out = self.lean.forward(self.cache, ids, zero, Attention(n, causal=n > 1), logits_to_keep=1,
+                                features=features, first_slot=slot)
+        self.cache.lengths[slot] = n
+        return out[1][0] if features else None
 
     def joins(self, rows: int, features: bool) -> bool:
         """Whether `rows` new rows may join inside the next forward: eager forwards outside the exact mode, no
@@ -97,16 +98,8 @@ class LeanTarget:
 
     def _flush(self) -> None:
         """Rows admitted lazily get their prefills now, each its own forward (what the next forward cannot carry)."""
-        if not self._joining:
-            return
-        zero = torch.zeros(1, dtype=torch.long, device=self.lean.device)
         for slot, ctx in sorted(self._joining.items()):
-            n = len(ctx)
-            if n:
-                self.cache.reserve(slot + 1, n)
-                ids = torch.tensor([ctx], dtype=torch.long, device=self.lean.device)
-                self.lean.forward(self.cache, ids, zero, Attention(n, causal=n > 1), logits_to_keep=1, first_slot=slot)
-            self.cache.lengths[slot] = n
+            self._prefill(slot, ctx, False)
         self._joining = {}
 
     def attention(self, q: int) -> Attention:
@@ -177,7 +170,9 @@ class LeanTarget:
             attn.depth = torch.tensor([node_depths(p) for p in tree], dtype=torch.long, device=self.lean.device)
         self.cache.reserve(b, attn.columns)
         start = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.lean.device)
-        out = self.lean.forward(self.cache, ids, start, attn, features=features, prefixes=prefixes)
+        if prefixes is not None:  # (never with a tree: `forward` runs pending prefills first there)
+            attn.runs = Runs(prefixes)
+        out = self.lean.forward(self.cache, ids, start, attn, features=features)
         if q == real:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]
@@ -195,7 +190,8 @@ class LeanTarget:
         attn = self.attention(1)
         self.cache.reserve(b, max(attn.columns, tails.columns))
         start = torch.tensor(starts, dtype=torch.long, device=self.lean.device)
-        return self.lean.forward(self.cache, ids[:, :1], start, attn, prefixes=prefixes, tails=tails)
+        attn.runs = Runs(prefixes, tails)
+        return self.lean.forward(self.cache, ids[:, :1], start, attn)
 
     def _prefixes(self) -> Segments | None:
         """The lazily admitted rows' contexts as this forward's prefixes; their lengths now count them."""

@@ -56,6 +56,7 @@ class TreeAttention:
 
     __slots__ = ("columns", "mask", "groups", "gathers", "depth")
     real = None  # a tree forward scores every node
+    runs = None  # and carries no runs beside its rows (`dvi.decode.segments`)
 
     def __init__(self, columns: int, mask: torch.Tensor | None = None, groups: list | None = None,
                  gathers: list | None = None):

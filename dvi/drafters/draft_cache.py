@@ -16,7 +16,8 @@ import torch
 
 from dvi.decode.attention import Attention
 from dvi.decode.kv import RaggedKV, left_pad, prefill
-from dvi.decode.lean import LeanModel, Segments, lean_supported
+from dvi.decode.lean import LeanModel, lean_supported
+from dvi.decode.segments import Runs, Segments
 from dvi.drafters.adapters import AdapterBank, RowAdapters
 
 __all__ = ["DraftCache", "LeanDraftCache", "RaggedDraftCache", "draft_cache"]
@@ -137,7 +138,9 @@ class LeanDraftCache:
         else:  # one adapter slot per token: the rows' ids, then the prefixes' tokens
             self.lean.adapters = self._adapters(self.groups + [self.groups[i] for i, t in zip(
                 prefixes.slots, prefixes.seqs, strict=True) for _ in range(t.shape[0])])
-        return self.lean.forward(self.cache, ids, start, Attention(columns, mask=mask), pick=pick, prefixes=prefixes)
+        attn = Attention(columns, mask=mask)
+        attn.runs = Runs(prefixes) if prefixes is not None else None
+        return self.lean.forward(self.cache, ids, start, attn, pick=pick)
 
     def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
         """Each row's logits after its last token. Where the rows' lengths differ (a catch-up: a row that just joined
