@@ -320,7 +320,7 @@ class LeanModel:
         x = F.embedding(flat, self.embed)  # [N, H]
         taps = self.feature_layers if features else None
         tapped = []
-        packs, lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments)
+        packs, lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments, Runs.pieces(runs, n))
         ad = self.adapters
         for i, lw in enumerate(self.layers):
             qkv_w, o_w, gate_up_w, down_w = packs[i] if packs else (lw.qkv, lw.o, lw.gate_up, lw.down)
@@ -356,11 +356,14 @@ class LeanModel:
             return self._real_logits(x, real, b, q)
         return self._outputs(x, b, q, logits_to_keep, features, pick, tapped, chunk)
 
-    def _matmuls(self, n: int, b: int, folded: bool) -> tuple:
+    def _matmuls(self, n: int, b: int, folded: bool, pieces: list[int] | None = None) -> tuple:
         """A forward of n rows' weights (the packed copies past one row), its linear, and the pieces a one-row folded
-        forward runs its matmuls in (`row_chunk`; None: whole)."""
+        forward runs its matmuls in (`row_chunk`; None: whole). `pieces`: row counts the matmuls run in instead (each
+        prefix its own, `Runs.pieces`)."""
         packs = self.packs if n > 1 else None
         lin = _packed_linear if packs else F.linear
+        if pieces is not None:
+            return packs, partial(_in_pieces, lin, pieces), None
         rc = self.row_chunk
         chunk = rc if rc and b == 1 and n > rc and folded else None
         return packs, (partial(_in_pieces, lin, chunk) if chunk else lin), chunk
@@ -486,8 +489,9 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def _in_pieces(lin: Any, rows: int, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`lin(x, w, bias)` over x's rows in pieces of at most `rows` (`LeanModel.row_chunk`)."""
+def _in_pieces(lin: Any, rows: int | list[int], x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               ) -> torch.Tensor:
+    """`lin(x, w, bias)` over x's rows in pieces of at most `rows` (`LeanModel.row_chunk`), or of the listed sizes."""
     return torch.cat([lin(p, w, bias) for p in x.split(rows)])
 
 
