@@ -180,8 +180,7 @@ class LeanTarget:
     def _tails(self, ids: torch.Tensor, lens: list[int], prefixes: Segments | None) -> torch.Tensor:
         """A ragged verify where at most half the rows drafted: every row's last token as a one-token step, the
         drafting rows' drafts as tails (`Segments`), each attending over its own row only; the padded ragged forward
-        attends every row's K + 1 queries (at 16 rows, 2 of them drafting 4, that attention cost more than the
-        positions' matmuls, fp32 on Intel AMX)."""
+        attends every row's K + 1 queries."""
         b, q = ids.shape
         rows = [i for i, n in enumerate(lens) if n > 0]
         starts = self.cache.lengths
