@@ -186,3 +186,51 @@ def test_a_ragged_verify_of_few_drafting_rows_scores_their_drafts_as_tails():
         for run in (tails, padded):
             run.keep(5, [n + 1 for n in lens])
         _same_caches(tails, padded)
+
+
+def _every_other_row(n: int) -> list[int]:
+    return list(range(0, n, 2))
+
+
+@pytest.mark.parametrize("kind", ["learned", "history"])
+def test_sampling_through_tails_follows_the_target_chi_square(monkeypatch, kind):
+    """Lossless where few rows draft: 50 rows of one prompt sample at T = 1, every other row drafting (the pricing
+    forced to choose those rows; the verify is the code under test: their drafts scored as tails beside the others'
+    one-token steps); the rows' first two tokens follow the target's exact law (chi-square), for a learned drafter
+    (its own law q) and point-mass history drafts."""
+    from test_sampling import PROMPT, exact_two_token_law, tiny_lm, two_token_pvalue
+
+    import dvi.decode.adaptive
+    import dvi.rollout_history
+    from dvi.config import SuffixConfig
+    from dvi.decode.adaptive import GoodputGuard
+    from dvi.drafters.factory import proposer_for
+    from dvi.engine.speculative import SpeculativeEngine
+    from dvi.rollout_history import history_proposer
+
+    target = tiny_lm(0)
+    if kind == "learned":
+        prop = proposer_for(target, tiny_lm(1))
+        monkeypatch.setattr(dvi.decode.adaptive, "choose_rows",
+                            lambda alphas, *a, **kw: (2, _every_other_row(len(alphas))))
+    else:
+        prop = history_proposer(8, settings=SuffixConfig(max_draft_tokens=4, min_prob=0.05))
+        for i, seq in enumerate([[1, 2, 3, 5, 6, 7], [1, 2, 3, 5, 6, 1], [2, 3, 4, 4, 0]]):
+            prop.cache.add_finished(f"seed{i}", seq)
+        real = dvi.rollout_history.row_draft_lens
+        monkeypatch.setattr(dvi.rollout_history, "row_draft_lens", lambda probs, *a, **kw: [
+            n if j % 2 == 0 else 0 for j, n in enumerate(real(probs, *a, **kw))])
+        monkeypatch.setattr(GoodputGuard, "allow", lambda self, batch: True)  # tiny models' timings: lookups always
+    eng = SpeculativeEngine(target, prop, num_draft_tokens=2, max_draft_tokens=4, adaptive=True)
+    eng.drain_aware = False  # the server's pricing: throughput, rows chosen one by one
+    assert isinstance(eng._target, LeanTarget) and eng._target.ragged
+    for b in (16, 32, 64):  # a row's draft position costs 0.2% of a plain step: drafting pays
+        eng.k_policy.controller.set_costs(b, {k: 0.01 * (1 + 0.002 * k) for k in range(eng.k_cap + 1)}, 0.0001)
+    forward, calls = LeanTarget._tails, []
+    monkeypatch.setattr(LeanTarget, "_tails", lambda self, *a: calls.append(1) or forward(self, *a))
+    res = []
+    for call in range(60):
+        res += eng.generate([PROMPT] * 50, max_new_tokens=3, temperature=1.0, seed=1000 * call)
+    drafted, accepted = sum(r.num_drafted for r in res), sum(r.num_accepted for r in res)
+    assert len(calls) >= 60 and 0 < accepted < drafted  # the tails verify ran, and the rule accepted and rejected
+    assert two_token_pvalue(res, exact_two_token_law(target, 1.0, 0, 1.0)) > 1e-3
