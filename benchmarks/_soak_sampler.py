@@ -296,6 +296,10 @@ class Sampler:
         for e in st.get("swap_events") or []:
             self.swap_events[(e["kind"], e["version"], e["at"])] = e
         procs = await asyncio.to_thread(process_roles, self.srv.proc.proc.pid, tr.get("pid"))
+        heap = (st.get("engine") or {}).get("heap") or {}
+        if procs["server"] is not None and heap.get("rss_bytes"):
+            # its resident size right after the engine thread's last trim: what it still used, freed heap given back
+            procs["server"]["rss_trimmed"] = int(heap["rss_bytes"])
         if procs["trainer"] is not None:  # loaded: its loop has written its status (a life's quarters start there)
             procs["trainer"]["ready"] = (await asyncio.to_thread(self.srv.trainer)).get("pid") == tr.get("pid")
         disk = await asyncio.to_thread(disk_parts, self.srv.cfg)

@@ -98,6 +98,9 @@ class EngineSnapshot:
     proposer_stats: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # `Proposer.stats()`, copied (suffix: index size, lookups, hits)
     adapter_versions: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # per traffic group (issue 40)
     engine_info: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # a remote engine's state (vLLM: its url, restarts)
+    # the engine thread's heap trims (`dvi.memory.HeapTrimmer.status`): resident size before / after the last one and
+    # what trims gave back, which separates freed heap glibc held from memory the server still uses
+    heap: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
 
     def served(self, lane: Any = None) -> int:
         """The drafter version the engine serves; with a group's `lane`, that group's adapter version (0: none)."""
@@ -134,8 +137,9 @@ class Engine(Protocol):
     def report(self) -> EngineReport: ...
 
 
-def take_snapshot(engine: Engine, seq: int, **loop: float) -> EngineSnapshot:
-    """Engine thread only: the engine's state now plus the loop's counts (`loop`: queue, running, steps, ...)."""
+def take_snapshot(engine: Engine, seq: int, heap: Mapping[str, Any] | None = None, **loop: float) -> EngineSnapshot:
+    """Engine thread only: the engine's state now plus the loop's counts (`loop`: queue, running, steps, ...) and its
+    heap trims' status."""
     r = engine.report()
     return EngineSnapshot(
         seq=seq, queue=int(loop.get("queue", 0)), running=int(loop.get("running", 0)), steps=int(loop.get("steps", 0)),
@@ -145,7 +149,8 @@ def take_snapshot(engine: Engine, seq: int, **loop: float) -> EngineSnapshot:
         greedy_contract=MappingProxyType(dict(engine.greedy_contract)), draft_vocab_size=r.draft_vocab_size,
         proposer_stats=MappingProxyType(dict(r.proposer_stats)) if r.proposer_stats else _EMPTY,
         adapter_versions=MappingProxyType(dict(engine.adapter_versions)),
-        engine_info=MappingProxyType(dict(r.info)) if r.info else _EMPTY)
+        engine_info=MappingProxyType(dict(r.info)) if r.info else _EMPTY,
+        heap=MappingProxyType(dict(heap)) if heap else _EMPTY)
 
 
 class SampleOutbox:

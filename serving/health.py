@@ -67,7 +67,8 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "engine": {"alive": alive, "running": snap.running, "queue": snap.queue, "steps": snap.steps,
                    "completed": snap.completed, "step_errors": snap.step_errors, "request_errors": snap.request_errors,
                    "max_batch_size": s.cfg.serve.max_batch_size, "queue_limit": s.cfg.serve.queue_limit,
-                   "kind": s.cfg.serve.engine, **dict(snap.engine_info)},  # vLLM: its url, readiness, restarts, swaps
+                   "kind": s.cfg.serve.engine, "heap": dict(snap.heap),  # the engine thread's trims (`dvi.memory`)
+                   **dict(snap.engine_info)},  # vLLM: its url, readiness, restarts, swaps
         "drafter_version": sw["live_version"] if sw else None,
         "target_version": s.target_version,
         "drafter": sw,

@@ -277,7 +277,8 @@ class Scheduler:
     def _take_snapshot(self, seq: int) -> EngineSnapshot:
         with self._cv:
             queue = len(self._waiting)
-        return take_snapshot(self.engine, seq, queue=queue, running=len(self._active), steps=self.steps,
+        return take_snapshot(self.engine, seq, heap=self.heap.status(), queue=queue, running=len(self._active),
+                             steps=self.steps,
                              busy_seconds=self.busy_s, completed=self.completed, step_errors=self.step_errors,
                              request_errors=self.request_errors)
 

@@ -74,7 +74,7 @@ def test_trim_returns_freed_heap_that_free_alone_keeps():
 def test_server_trims_when_idle_and_not_when_off(tiny_pair_dir, tmp_path, monkeypatch):
     """The engine thread trims once requests stop (and never with `serve.malloc_trim_seconds=0`), counting them;
     the server bounds oneDNN's primitive cache unless the environment already does."""
-    from test_serving_helpers import ServerThread, tiny_config, wait_for
+    from test_serving_helpers import TEST_ADMIN_TOKEN, ServerThread, tiny_config, wait_for
 
     from dvi.memory import ONEDNN_CACHE_ENV
 
@@ -96,6 +96,9 @@ def test_server_trims_when_idle_and_not_when_off(tiny_pair_dir, tmp_path, monkey
             n = heap.trims
             time.sleep(0.6)  # idle: no steps since, so no further trim
             assert heap.trims == n and (n >= 1) == want
+            status = c.get("/admin/status", headers={"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}).json()
+            shown = status["engine"]["heap"]  # an SRE reads the trims where the trainer's are
+            assert shown["trims"] == n and (shown["rss_bytes"] is not None) == want
 
 
 def _modules_of(cls: type) -> tuple[int, int]:
