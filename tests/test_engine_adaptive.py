@@ -396,37 +396,3 @@ def test_the_goodput_guard_charges_drafting_with_its_catch_ups():
 
     assert run(joiners=True, resume_seconds=0.15) == "plain"  # 1.03x plain with the joiners' catch-ups
     assert run(joiners=False, resume_seconds=0.15) == "spec"  # 1.09x: the resuming catch-up is not held against it
-
-
-def test_a_plain_verdict_holds_until_its_retry_and_each_failed_retry_doubles_the_hold():
-    """Real pair, Intel AMX, fp32, 16 rows: plain steps carrying joiners' prefills made the plain window look slow and
-    flipped the verdict back to "spec" every 40-60 steps, each flip drafting at a loss. A plain verdict now holds until
-    the retry; a retry that measures plain again holds twice as long, one that measures drafting faster resets it."""
-    g = GoodputGuard(window=4, margin=1.05, retry_every=4, max_retry_every=8)
-
-    def measure(spec_tokens: int) -> None:  # both windows, whole
-        for _ in range(4):
-            g.observe(16, True, spec_tokens, 0.12)
-            g.observe(16, False, 16, 0.10)
-
-    measure(16)  # drafting: 16 tokens in 120 ms, plain 16 in 100 ms
-    assert g.judged(16) == "plain"
-    for _ in range(4):
-        g.observe(16, False, 16, 0.30)  # slow plain steps (prefills riding on them) ...
-    assert g.verdict(16) == "spec" and g.judged(16) == "plain"  # ... do not reopen the held verdict
-    for _ in range(4):
-        g.refused(16)
-    assert g.judged(16) == "unknown"  # retried: drafting is measured again
-    measure(16)
-    assert g.judged(16) == "plain"
-    for n in range(8):
-        assert g.judged(16) == "plain", n  # the second hold is twice the first
-        g.refused(16)
-    assert g.judged(16) == "unknown"
-    measure(24)  # now drafting measures faster: 24 tokens in 120 ms
-    assert g.judged(16) == "spec"
-    measure(16)
-    assert g.judged(16) == "plain"
-    for _ in range(4):  # the hold is back to retry_every
-        g.refused(16)
-    assert g.judged(16) != "plain"

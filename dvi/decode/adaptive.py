@@ -413,23 +413,15 @@ class GoodputGuard:
     1 to K+1 tokens, so its median step can be a rejected draft while drafting wins on the whole (real pair, Intel
     AMX, batch 1, position-0 acceptance 0.47: the median said "plain" while drafting requests finished 10% sooner).
     A step slower than `STALL` times the window's median step is a stall (the machine, not the policy) and left out.
-
-    A "plain" verdict holds until the retry: later plain steps do not reopen it (real pair, Intel AMX, fp32, 16 rows:
-    plain steps that carried joining rows' prefills made the plain window look slow, the verdict flipped back to
-    "spec" every 40-60 steps and each flip drafted at a loss). After `retry_every` refusals the drafting samples are
-    forgotten, so it is tried again; each retry that measures plain again doubles the next hold (up to
-    `max_retry_every`), a retry that measures drafting faster resets it."""
+    After `retry_every` refusals the drafting samples are forgotten, so it is tried again."""
 
     STALL = 3.0
     MIN_ROWS = 3
 
-    def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256, max_retry_every: int | None = None):
+    def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256):
         self.window, self.margin, self.retry_every = window, margin, retry_every
-        self.max_retry_every = max(retry_every, max_retry_every or 4 * retry_every)
         self._steps: dict[tuple[int, bool], deque] = {}  # (tokens per row, seconds) of the last `window` steps
         self._refused: dict[int, int] = {}
-        self._held: dict[int, int] = {}  # bucket -> refusals until the retry, while its "plain" verdict holds
-        self._next_hold: dict[int, int] = {}  # bucket -> the hold its next "plain" verdict gets (doubles per retry)
 
     def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         if seconds > 0 and batch > 0:
@@ -456,30 +448,15 @@ class GoodputGuard:
         return "spec" if self._rate(spec) >= self.margin * self._rate(plain) else "plain"
 
     def judged(self, batch: int) -> str:
-        """The verdict the policy acts on: "unknown" below `MIN_ROWS` rows, "plain" while a plain verdict holds,
-        else `verdict`."""
-        b = batch_bucket(batch)
-        if b < self.MIN_ROWS:
-            return "unknown"
-        if b in self._held:
-            return "plain"
-        v = self.verdict(batch)
-        if v == "plain":
-            self._held[b] = self._next_hold.get(b, self.retry_every)
-        elif v == "spec":
-            self._next_hold.pop(b, None)
-        return v
+        """The verdict the policy acts on: "unknown" below `MIN_ROWS` rows, else `verdict`."""
+        return self.verdict(batch) if batch_bucket(batch) >= self.MIN_ROWS else "unknown"
 
     def refused(self, b: int) -> None:
-        """One step refused drafting in bucket `b`; the hold's last (`retry_every` at first) forgets the drafting
-        samples, so the next verdict measures drafting again."""
+        """One step refused drafting in bucket `b`; the `retry_every`-th forgets the drafting samples."""
         n = self._refused[b] = self._refused.get(b, 0) + 1
-        hold = self._held.get(b, self.retry_every)
-        if n >= hold:
+        if n >= self.retry_every:
             self._steps.pop((b, True), None)
             self._refused[b] = 0
-            self._held.pop(b, None)
-            self._next_hold[b] = min(2 * hold, self.max_retry_every)
 
     def allow(self, batch: int) -> bool:
         """Whether history drafts may be looked up at this batch size (refusing counts toward a retry)."""
