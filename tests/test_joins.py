@@ -192,11 +192,12 @@ def _every_other_row(n: int) -> list[int]:
     return list(range(0, n, 2))
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 @pytest.mark.parametrize("kind", ["learned", "history"])
-def test_sampling_through_tails_follows_the_target_chi_square(monkeypatch, kind):
-    """Lossless where few rows draft: 50 rows of one prompt sample at T = 1, every other row drafting (the pricing
-    forced to choose those rows; the verify is the code under test: their drafts scored as tails beside the others'
-    one-token steps); the rows' first two tokens follow the target's exact law (chi-square), for a learned drafter
+def test_sampling_through_tails_follows_the_target_chi_square(monkeypatch, kind, temperature, top_p):
+    """Lossless where few rows draft: 50 rows of one prompt sample (T = 1, and T = 0.7 with top-p), every other row
+    drafting (the pricing forced to choose those rows; the verify is the code under test: their drafts scored as tails
+    beside the others' one-token steps); the rows' first two tokens follow the target's exact law (chi-square), for a learned drafter
     (its own law q) and point-mass history drafts."""
     from test_sampling import PROMPT, exact_two_token_law, tiny_lm, two_token_pvalue
 
@@ -220,7 +221,9 @@ def test_sampling_through_tails_follows_the_target_chi_square(monkeypatch, kind)
         real = dvi.rollout_history.row_draft_lens
         monkeypatch.setattr(dvi.rollout_history, "row_draft_lens", lambda probs, *a, **kw: [
             n if j % 2 == 0 else 0 for j, n in enumerate(real(probs, *a, **kw))])
-        monkeypatch.setattr(GoodputGuard, "allow", lambda self, batch: True)  # tiny models' timings: lookups always
+    # the tiny models' timings do not judge drafting: lookups and drafting always
+    monkeypatch.setattr(GoodputGuard, "allow", lambda self, batch: True)
+    monkeypatch.setattr(GoodputGuard, "judged", lambda self, batch: "unknown")
     eng = SpeculativeEngine(target, prop, num_draft_tokens=2, max_draft_tokens=4, adaptive=True)
     eng.drain_aware = False  # the server's pricing: throughput, rows chosen one by one
     assert isinstance(eng._target, LeanTarget) and eng._target.ragged
@@ -230,7 +233,7 @@ def test_sampling_through_tails_follows_the_target_chi_square(monkeypatch, kind)
     monkeypatch.setattr(LeanTarget, "_tails", lambda self, *a: calls.append(1) or forward(self, *a))
     res = []
     for call in range(60):
-        res += eng.generate([PROMPT] * 50, max_new_tokens=3, temperature=1.0, seed=1000 * call)
+        res += eng.generate([PROMPT] * 50, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=1000 * call)
     drafted, accepted = sum(r.num_drafted for r in res), sum(r.num_accepted for r in res)
     assert len(calls) >= 60 and 0 < accepted < drafted  # the tails verify ran, and the rule accepted and rejected
-    assert two_token_pvalue(res, exact_two_token_law(target, 1.0, 0, 1.0)) > 1e-3
+    assert two_token_pvalue(res, exact_two_token_law(target, temperature, 0, top_p)) > 1e-3
