@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dvi.decode.attention import Attention
-from dvi.decode.segments import Runs, attend_segments
+from dvi.decode.segments import NO_RUNS, Runs, attend_segments
 
 __all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
 
@@ -307,20 +307,20 @@ class LeanModel:
         write keys and values, the others come back as zero logits (no features). `attn.runs`: some rows' tokens
         before or after their ids in this same forward (`dvi.decode.segments.Runs`, which says what comes back)."""
         b, q = ids.shape
-        runs = attn.runs
+        runs = attn.runs or NO_RUNS
         _refuse(attn, q, features, logits_to_keep, pick, runs)
-        tails, real = runs.tails if runs is not None else None, attn.real
+        tails, real = runs.tails, attn.real
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
         flat, col, pos, slot = self._placement(ids, start, attn, first_slot, real)
         n_batch, columns = flat.shape[0], attn.columns
-        (flat, col, pos, slot), columns, segments = Runs.place(runs, cache, (flat, col, pos, slot), columns)
+        (flat, col, pos, slot), columns, segments = runs.place(cache, (flat, col, pos, slot), columns)
         n = flat.shape[0]
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, columns)
         keys, values = cache.views(b, attn.columns, first_slot)
         x = F.embedding(flat, self.embed)  # [N, H]
         taps = self.feature_layers if features else None
         tapped = []
-        packs, lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments, Runs.pieces(runs, n))
+        packs, lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments, runs.pieces(n))
         ad = self.adapters
         for i, lw in enumerate(self.layers):
             qkv_w, o_w, gate_up_w, down_w = packs[i] if packs else (lw.qkv, lw.o, lw.gate_up, lw.down)
@@ -435,14 +435,13 @@ class LeanModel:
 
 
 def _refuse(attn: Attention, q: int, features: bool, logits_to_keep: int, pick: torch.Tensor | None,
-            runs: Runs | None) -> None:
+            runs: Runs) -> None:
     """`LeanModel.forward`'s combinations that it does not compute, said plainly."""
     if attn.real is not None and (features or logits_to_keep):
         raise ValueError("a ragged forward returns logits of every position, or with `pick` of some")
-    if runs is not None and (features or attn.depth is not None):
+    if runs and (features or attn.depth is not None):
         raise ValueError("prefixes and tails ride on a chain's forward without features")
-    if runs is not None and runs.tails is not None and (q != 1 or attn.real is not None or pick is not None
-                                                        or logits_to_keep):
+    if runs.tails is not None and (q != 1 or attn.real is not None or pick is not None or logits_to_keep):
         raise ValueError("tails follow a one-token step's ids and come back whole")
 
 

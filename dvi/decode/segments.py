@@ -13,7 +13,7 @@ import torch
 
 from dvi.decode.attention import one_call
 
-__all__ = ["Runs", "Segments", "attend_segments"]
+__all__ = ["NO_RUNS", "Runs", "Segments", "attend_segments"]
 
 
 class Segments:
@@ -79,23 +79,26 @@ class Runs:
     prefixes: Segments | None = None
     tails: Segments | None = None
 
-    def pieces(self: Runs | None, n: int) -> list[int] | None:
+    def __bool__(self) -> bool:
+        return self.prefixes is not None or self.tails is not None
+
+    def pieces(self, n: int) -> list[int] | None:
         """Row counts a forward of n flat rows runs its matmuls in: the batch's and the tails' rows together, then each
         prefix alone, so a prompt's keys and values are what its own prefill computes whatever else the forward
         carries (bf16 GEMMs round a row by the row count; with one GEMM for all, a prompt's cache differed between
         a speculating server and one that does not: greedy answers parting at 8 rows, bf16, Intel AMX, 28 of 64
         against 10). None: one piece."""
-        if self is None or self.prefixes is None:
+        if self.prefixes is None:
             return None
         sizes = [s.shape[0] for s in self.prefixes.seqs]
         return [n - sum(sizes), *sizes]
 
-    def place(self: Runs | None, cache: Any, placed: tuple[torch.Tensor, ...], columns: int) -> tuple:
+    def place(self, cache: Any, placed: tuple[torch.Tensor, ...], columns: int) -> tuple:
         """The batch's (token, column, position, slot) per flat row with the tails' and then the prefixes' after
         them, the columns the forward reaches, and every run's attention inputs in that order (`attend_segments`;
         none without runs)."""
         segments = []
-        for extra in (self.tails, self.prefixes) if self is not None else ():
+        for extra in (self.tails, self.prefixes):
             if extra is not None:
                 flat, col, pos, slot = placed
                 eflat, ecol, eslot = extra.placement(cache.device)
@@ -104,6 +107,10 @@ class Runs:
                 columns = max(columns, extra.columns)
                 segments += extra.attending(cache)
         return placed, columns, segments
+
+
+NO_RUNS = Runs()
+"""A forward with nothing beside its batch's rows (`Attention.runs` None)."""
 
 
 def attend_segments(qrows: torch.Tensor, segments: list, layer: int, scale: float) -> list[torch.Tensor]:

@@ -139,7 +139,7 @@ class LeanDraftCache:
             self.lean.adapters = self._adapters(self.groups + [self.groups[i] for i, t in zip(
                 prefixes.slots, prefixes.seqs, strict=True) for _ in range(t.shape[0])])
         attn = Attention(columns, mask=mask)
-        attn.runs = Runs(prefixes) if prefixes is not None else None
+        attn.runs = Runs(prefixes)  # (no prefixes: empty runs, as none)
         return self.lean.forward(self.cache, ids, start, attn, pick=pick)
 
     def forward_rows(self, rows: list[list[int]], fn: Callable | None = None) -> torch.Tensor:
