@@ -210,9 +210,11 @@ def _quarter_goals(samples: list[dict], rows: list[dict], t0_wall: float, total_
     roles = [r for r in ("server", "trainer", "engine") if any(s.get(r) for s in samples)]
     q = {f"{role}_{k}": f(samples, role, k, total_s) for role in roles
          for k, f in (("rss", growth), ("fds", rise), ("threads", rise))}
-    # no goal: what the server still used after its trims grew by this much (the RSS goal's growth less heap glibc held)
-    q["server_rss_trimmed"] = growth([s for s in samples if (s.get("server") or {}).get("rss_trimmed")], "server",
-                                     "rss_trimmed", total_s)
+    # no goal: what each process still used after its trims grew by this much (the RSS goal's growth less freed heap
+    # glibc held: the trainer's is what its last round's batches freed, so it follows the traffic of the moment)
+    for role in ("server", "trainer"):
+        q[f"{role}_rss_trimmed"] = growth([s for s in samples if (s.get(role) or {}).get("rss_trimmed")], role,
+                                          "rss_trimmed", total_s)
     q["latency_p99_ratio"] = latency_ratio(rows, t0_wall, total_s)
     q["ttft_p99_ratio"] = latency_ratio(rows, t0_wall, total_s, "ttft")
     goals = []

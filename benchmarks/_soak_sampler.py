@@ -302,6 +302,9 @@ class Sampler:
             procs["server"]["rss_trimmed"] = int(heap["rss_bytes"])
         if procs["trainer"] is not None:  # loaded: its loop has written its status (a life's quarters start there)
             procs["trainer"]["ready"] = (await asyncio.to_thread(self.srv.trainer)).get("pid") == tr.get("pid")
+            theap = tr.get("heap") or {}
+            if theap.get("rss_bytes") and procs["trainer"].get("pid") == tr.get("pid"):
+                procs["trainer"]["rss_trimmed"] = int(theap["rss_bytes"])  # the same, after its last trim
         disk = await asyncio.to_thread(disk_parts, self.srv.cfg)
         rows, self._row_i = self.rows[self._row_i:], len(self.rows)
         polls, self.polls = self.polls, []
