@@ -262,7 +262,7 @@ def test_measured_goodput_overrides_a_calibration_that_favours_speculation():
 class _FakeRows:
     """Calibration rows whose forwards 'take' scripted seconds; logs what runs, in order."""
 
-    tokens, context = 100, 50
+    tokens = 100
 
     def __init__(self):
         self.log: list[tuple] = []
@@ -282,13 +282,6 @@ class _FakeRows:
     def undo_verify(self, k):
         self.log.append(("undo_verify", k))
 
-    def join(self):
-        self.log.append(("join",))
-        return lambda: 0.035 + 0.001 * self.rep  # verify(0) 10 ms and a 50-token prefill riding on it
-
-    def undo_join(self):
-        self.log.append(("undo_join",))
-
     def draft(self, j):
         self.log.append(("draft", j))
         return lambda: 0.002 if j == 0 else 0.001  # the first draft after a verify runs cold
@@ -303,51 +296,16 @@ def test_calibrate_interleaves_and_prices_chains(monkeypatch):
     rows = _FakeRows()
     c = dvi.engine.calibration.calibrate(rows, k_max=4, reps=2)
     one_rep = [("verify", 0), ("undo_verify", 0), ("verify", 1), ("undo_verify", 1), ("verify", 2),
-               ("undo_verify", 2), ("verify", 4), ("undo_verify", 4), ("join",), ("undo_join",),
+               ("undo_verify", 2), ("verify", 4), ("undo_verify", 4),
                ("draft", 0), ("draft", 1), ("draft", 2), ("draft", 3), ("undo_drafts", 5)]
     assert rows.log == [("prefill",)] + one_rep * 2
     assert c.catchup_per_token == pytest.approx(0.02 / 100)
-    assert c.join_per_token == pytest.approx(0.025 / 50)  # a joiner's prefill beyond the verify it rides on
     assert c.draft == pytest.approx(0.001)  # the warm marginal draft
     chain = [0.002, 0.003, 0.004, 0.005]
     for k in (0, 1, 2, 4):
         # K * draft + verify(K) is the measured chain of K drafts plus the (fastest) verify of K + 1 tokens
         assert k * c.draft + c.verify[k] == pytest.approx((chain[k - 1] if k else 0.0) + 0.010 * (1 + 0.1 * k))
     assert set(c.verify) == {0, 1, 2, 4}
-
-
-def test_the_goodput_guard_charges_joiners_prefills_to_neither_arm():
-    """Rows join on whichever step comes next, drafting or not, and their prefills ride on its verify: a window of
-    plain steps that carried two of them must not read as slower than drafting (real pair, fp32, 16 rows, Intel AMX:
-    the verdict flipped back to drafting every 40-60 steps). The step is charged without its joiners' prefills at the
-    calibrated price per token, never below a fifth of its seconds."""
-    import torch
-
-    from dvi.decode.pricing import KPolicy
-    from dvi.drafters.proposer import Draft
-
-    def draft(k: int) -> Draft:
-        return Draft(torch.zeros(16, k, dtype=torch.long), None, [k] * 16, ["model" if k else None] * 16, None,
-                     model_forwards=k, catchup=False)
-
-    def run(priced: bool) -> str:
-        policy = KPolicy(True, 2, 4, calibrate=lambda b: None)
-        policy.controller.set_costs(16, {k: 0.07 + 0.02 * k for k in range(5)}, 0.004,
-                                    join_per_token=0.5e-3 if priced else None)
-        for _ in range(4):  # drafting: 23 tokens in 105 ms (0.219 a ms)
-            policy.observe(draft(1), 16, 0.008, 0.09, 0.007, 23, 0.105, cpu=True)
-        for i in range(8):  # plain: 16 tokens in 70 ms (0.229 a ms); two steps carried a 200-token prefill
-            joined = 200 if i in (2, 6) else 0
-            policy.observe(draft(0), 16, 0.0, 0.07, 0.006, 16, 0.070 + joined * 0.5e-3, cpu=True, joined=joined)
-        return policy.controller.measured_verdict(16)
-
-    assert run(priced=False) == "spec"  # what the prefills made plain decoding look like: 0.168 a ms
-    assert run(priced=True) == "plain"
-    a = AdaptiveK(k_max=4, k_default=2)
-    a.set_costs(16, {k: 0.07 for k in range(5)}, 0.004, join_per_token=1e-3)
-    assert a.decoding_seconds(16, 0.3, 200) == pytest.approx(0.1)
-    assert a.decoding_seconds(16, 0.3, 1000) == pytest.approx(0.06)  # an overpriced prefill: a fifth of the step
-    assert a.decoding_seconds(4, 0.3, 200) == 0.3  # an uncalibrated bucket: no price
 
 
 def test_goodput_is_judged_on_whole_windows_not_on_the_median_step():

@@ -46,7 +46,6 @@ def test_rows_joining_a_running_batch_score_as_eager_admission_does():
     for step, (q, kept) in enumerate([(3, [2, 3, 1, 1, 3]), (1, [1] * 5), (4, [4, 1, 2, 3, 1])]):
         ids = torch.randint(0, 128, (5, q), generator=g)
         a, b = eager.forward(ids, False), lazy.forward(ids, False)
-        assert (eager.joined, lazy.joined) == (0, 14 + 33 if step == 0 else 0)  # what the step's seconds carried
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         assert torch.equal(a.argmax(-1), b.argmax(-1)), step
         for run in (eager, lazy):

@@ -264,7 +264,6 @@ class AdaptiveK:
         self.probe_budget_steps = t.probe_budget_steps
         self.catchup_horizon = t.catchup_horizon
         self.catchup_cost: dict[int, float] = {}  # seconds per caught-up token, per bucket
-        self.join_cost: dict[int, float] = {}  # seconds per token of a joining row's prefill riding on a step
         self.k_max = k_max
         self.k_default = max(1, min(k_default, k_max)) if k_max > 0 else 0
         self.probe_every = probe_every
@@ -291,21 +290,8 @@ class AdaptiveK:
         self.last_rows: list[int] | None = None
 
     def observe_step(self, batch: int, k: int, tokens: int, seconds: float) -> None:
-        """One finished engine step (its drafter catch-up included, joiners' prefills not: `decoding_seconds`):
-        feeds the goodput guard."""
+        """One finished engine step (its drafter catch-up included): feeds the goodput guard."""
         self.goodput.observe(batch, k > 0, tokens, seconds)
-
-    JOIN_FLOOR = 0.2
-
-    def decoding_seconds(self, batch: int, seconds: float, joined: int) -> float:
-        """A step's seconds without the prefills of rows that joined on it (`joined` tokens at the bucket's
-        calibrated price), at least `JOIN_FLOOR` of them. Joiners' prefills are a price of admission, the same
-        whether the step drafts or not, but they land on whichever steps rows join on: a window of 8 plain steps
-        carrying two 300-token prefills measured slower than drafting steps that carried none (real pair, fp32,
-        16 rows, Intel AMX: the verdict flipped back to drafting every 40-60 steps, 37 drafting steps of 503 that
-        each cost more than a plain one)."""
-        price = self.join_cost.get(batch_bucket(batch), 0.0)
-        return max(seconds - joined * price, self.JOIN_FLOOR * seconds) if joined else seconds
 
     def measured_verdict(self, batch: int) -> str:
         return self.goodput.verdict(batch)
@@ -314,13 +300,10 @@ class AdaptiveK:
         b = batch_bucket(batch)
         return self.k_max > 0 and (b not in self.costs.draft or 0 not in self.costs.verify.get(b, {}))
 
-    def set_costs(self, batch: int, verify: dict[int, float], draft: float, catchup_per_token: float | None = None,
-                  join_per_token: float | None = None) -> None:
+    def set_costs(self, batch: int, verify: dict[int, float], draft: float, catchup_per_token: float | None = None) -> None:
         b = batch_bucket(batch)
         if catchup_per_token is not None:
             self.catchup_cost[b] = catchup_per_token
-        if join_per_token is not None:
-            self.join_cost[b] = join_per_token
         for k, v in verify.items():
             self.costs.record_verify(b, k, v)
         self.costs.record_draft(b, draft)

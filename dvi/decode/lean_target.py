@@ -40,7 +40,6 @@ class LeanTarget:
         self.cache = graphs.cache if graphs is not None else self.lean.new_cache()
         self._cols = torch.arange(0)
         self._joining: dict[int, list[int]] = {}  # slot -> context of a row admitted lazily, prefilled in the next forward
-        self.joined = 0  # tokens of lazily admitted rows' prefills the last `forward` ran (`TargetRunner.joined`)
 
     @property
     def batch_size(self) -> int:
@@ -133,7 +132,6 @@ class LeanTarget:
         verify scores only those and the row's last token (`ragged_rows`), like vLLM's flattened batch."""
         b, q = ids.shape
         prefixes = None
-        self.joined = sum(len(c) for c in self._joining.values())
         if self._joining:
             if tree is None and not features and self.joins(0, features):
                 prefixes = self._prefixes()

@@ -52,7 +52,7 @@ class KPolicy:
                 self.siblings.observe(tried, hit)
 
     def observe(self, draft, batch: int, t_draft: float, t_verify: float, t_host: float, tokens: int,
-                seconds: float, cpu: bool, joined: int = 0) -> None:
+                seconds: float, cpu: bool) -> None:
         """After a step: its timings (a drafter catch-up is not a typical draft cost, a step with history rows
         not a learned-drafter step) and the goodput guards' samples. A drafting step right after another drafting
         step counts for the guard with its catch-up: under load rows join every few steps and each joiner's prompt
@@ -60,8 +60,7 @@ class KPolicy:
         rows: drafting steps 1.09x plain without their catch-ups, 1.03x with them, under the guard's margin). The
         first drafting step after plain ones is left out: its catch-up is the price of the plain stretch (every
         row's tokens since), which `AdaptiveK` weighs before leaving K = 0, and counting it would condemn every
-        retry of drafting (at 8 rows, 256 plain steps leave ~2,000 tokens to catch up). The `joined` tokens of
-        rows whose prefills the step's verify carried are charged to neither (`AdaptiveK.decoding_seconds`)."""
+        retry of drafting (at 8 rows, 256 plain steps leave ~2,000 tokens to catch up)."""
         k, forwards = draft.width, draft.model_forwards
         self.costs.record_verify(batch, k, t_verify)
         if self.adaptive and cpu:
@@ -74,7 +73,6 @@ class KPolicy:
             return
         resumed = forwards > 0 and draft.catchup and not self._drafted_last
         self._drafted_last = k > 0
-        seconds = self.controller.decoding_seconds(batch, seconds, joined)
         if not draft.suffix_rows and not resumed:
             self.controller.observe_step(batch, k, tokens, seconds)
         if draft.lookup_seconds is not None and not forwards:

@@ -33,7 +33,6 @@ class TargetRunner(Protocol):
     max_rows: int | None  # rows the runner can hold at once (captured graphs' fixed cache); None: no limit
     trees: bool  # whether `forward` scores draft trees (`tree`) and `keep_path` keeps their accepted paths
     ragged: bool  # whether a batch `forward` with `lens` scores only real drafts (padding costs nothing)
-    joined: int  # tokens of lazily admitted rows' prefills the last `forward` ran (riding on it or before it)
 
     def admit(self, contexts: list[list[int]], features: bool, lazy: bool = False) -> Features:
         """Rows holding `contexts` join at the end of the batch; with `features`, each row's final normed hidden
@@ -81,7 +80,6 @@ class RaggedTarget:
         return self.kv.batch_size
 
     max_rows = None
-    joined = 0  # admitting prefills at once, never inside a forward
     trees = False  # HF's module forward over a RaggedKV verifies chains only
     ragged = False  # and scores every position of its [B, q]
 

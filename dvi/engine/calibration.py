@@ -26,7 +26,6 @@ class CalibrationRows(Protocol):
     `draft(j)` draw their input ids and return the forward to time; `undo_*` drop the slots it added."""
 
     tokens: int  # tokens in the rows (what `prefill_drafter` runs the drafter over)
-    context: int  # tokens per row (what `join` admits)
 
     def sync(self) -> None: ...  # wait for queued device work (CUDA); a no-op on CPU
 
@@ -35,10 +34,6 @@ class CalibrationRows(Protocol):
     def verify(self, k: int) -> Callable[[], object]: ...  # one target forward of [b, K + 1] tokens
 
     def undo_verify(self, k: int) -> None: ...
-
-    def join(self) -> Callable[[], object]: ...  # a row of `context` tokens admitted lazily, then a plain verify
-
-    def undo_join(self) -> None: ...
 
     def draft(self, j: int) -> Callable[[], object]: ...  # the j-th drafter forward after a verify
 
@@ -51,7 +46,6 @@ class Calibrated(NamedTuple):
     verify: dict[int, float]  # seconds per verify step, per K
     draft: float  # warm seconds per drafter forward
     catchup_per_token: float  # seconds per token the drafter catches up on
-    join_per_token: float  # seconds per token of a joining row's prefill, riding on a step's verify
 
 
 def _timed(run: Callable[[], object], sync: Callable[[], None]) -> float:
@@ -70,13 +64,10 @@ def calibrate(rows: CalibrationRows, k_max: int, reps: int = 3, verify_max: int 
     ks = sorted({k for k in (0, 1, 2, 4, 8, 12, 16, 24, k_max, top) if k <= top})
     vt: dict[int, list[float]] = {k: [] for k in ks}
     chains: list[list[float]] = []  # cumulative seconds of the first 1..k_max drafts after a verify
-    joins: list[float] = []
     for _ in range(reps):
         for k in ks:
             vt[k].append(_timed(rows.verify(k), rows.sync))
             rows.undo_verify(k)
-        joins.append(_timed(rows.join(), rows.sync))
-        rows.undo_join()
         # Draft chains as decoding runs them: right after a verify, the first forward takes the
         # two pending tokens (last draft + bonus) with the drafter's weights cold in the CPU caches;
         # later ones run warmer (measured here, 1-layer drafter: 1.3, 1.0, 0.75, 0.6 ms).
@@ -88,8 +79,7 @@ def calibrate(rows: CalibrationRows, k_max: int, reps: int = 3, verify_max: int 
     # chain(K) + verify(K).
     draft = (chain[-1] - chain[0]) / (k_max - 1) if k_max > 1 else chain[0]
     verify = {k: min(v) + (chain[k - 1] - k * draft if 0 < k <= k_max else 0.0) for k, v in vt.items()}
-    join_per_token = max(0.0, min(joins) - min(vt[0])) / rows.context
-    return Calibrated(verify, draft, catchup_per_token, join_per_token)
+    return Calibrated(verify, draft, catchup_per_token)
 
 
 @dataclass(frozen=True)
@@ -123,7 +113,7 @@ class DummyRows:
     (`suffix`) the draft forwards are no-ops: suffix drafts cost no model pass."""
 
     def __init__(self, setup: CalibrationSetup, b: int, context: int):
-        self.setup, self.b, self.context, self.tokens = setup, b, context, b * context
+        self.setup, self.b, self.tokens = setup, b, b * context
         self.g = torch.Generator().manual_seed(0)
         self.rows = torch.randint(0, setup.vocab_size, (b, context), generator=self.g).tolist()
         self.sync = torch.cuda.synchronize if setup.device.type == "cuda" else (lambda: None)
@@ -161,21 +151,6 @@ class DummyRows:
 
     def undo_verify(self, k: int) -> None:
         self.tkv.keep(k + 1, [0] * self.b)
-
-    def join(self):
-        ctx = torch.randint(0, self.setup.vocab_size, (self.context,), generator=self.g).tolist()
-        ids = self._ids(1)
-        ids = torch.cat([ids, ids[:1]])  # [b + 1, 1]
-
-        def run():
-            self.tkv.admit([ctx], False, lazy=True)  # where the runner cannot carry it, prefilled here instead
-            return self.tkv.forward(ids, False).argmax(-1).tolist()
-
-        return run
-
-    def undo_join(self) -> None:
-        self.tkv.keep(1, [0] * (self.b + 1))
-        self.tkv.select_rows(list(range(self.b)))
 
     def draft(self, j: int):
         ids = self._ids(2 if j == 0 else 1)  # [b, 2] right after a verify (last draft + bonus), then [b, 1]

@@ -421,7 +421,7 @@ class SpeculativeEngine:
         if sec is not None and len(self.suffix_step_seconds) < 4096:
             self.suffix_step_seconds.append(float(sec))
         self.k_policy.observe(draft, b, t1 - t0, t2 - t1, t2 - t_fwd, n_new, time.perf_counter() - t0,
-                              self.device.type == "cpu", self._target.joined)
+                              self.device.type == "cpu")
         return outs
 
     def _count_tokens(self, k: int, n: int) -> None:
