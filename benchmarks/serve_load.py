@@ -1,6 +1,7 @@
 """Closed-loop load on the dvi server over loopback: speculation (adaptive K) vs none.
 
-For each arm real `dvi serve` processes are started (--instances of them, default 2, in ABBA start order; each
+For each arm real `dvi serve` processes are started (--instances of them, default 2, in ABBA start order after
+--decoys throwaway servers, default 1, closed once they are up; each
 its own process, one torch thread, trainer off, feedback logging on), and for each concurrency level C in
 --concurrency, C clients each send a streamed greedy completion, wait for it to finish, and send the next (closed
 loop), until --requests (default max(24, 2C)) have finished. Prompts are held-out code prompts from
@@ -192,6 +193,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--instances", type=int, default=2,
                     help="servers per arm, started in ABBA order; round r measures server r mod instances")
+    ap.add_argument("--decoys", type=int, default=1,
+                    help="throwaway servers started before the measured ones and closed once those are up: a "
+                         "server started first measured slower steps than the ones after it, whichever arm it ran")
     ap.add_argument("--arms", default="spec,nospec", help=f"comma-separated, of {sorted(ARMS)}")
     ap.add_argument("--set", action="append", default=[], help="extra config override for both servers (key=value), "
                     "e.g. models.device=cuda")
@@ -200,6 +204,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--rounds must be >= 1")
     if args.instances < 1:
         ap.error("--instances must be >= 1")
+    if args.decoys < 0:
+        ap.error("--decoys must be >= 0")
     return args
 
 
@@ -217,21 +223,32 @@ def _prompts(args: argparse.Namespace) -> list:
     return [next(stream) for _ in range(64)]
 
 
-def _start_servers(stack: contextlib.ExitStack, arms: dict, base: list[str], work: Path, instances: int) -> dict:
+def _start_servers(stack: contextlib.ExitStack, arms: dict, base: list[str], work: Path, instances: int,
+                   decoys: int = 1) -> dict:
     """`instances` servers per arm, each in its own run dir, closed when `stack` closes; started in ABBA order (arm
-    A's first, B's first, B's second, A's second), so that no arm is always the one started first: on this 2-core
-    machine the server started first measured 5-8% slower steps than the one started second, whichever arm it was."""
+    A's first, B's first, B's second, A's second), after `decoys` throwaway servers that are closed once the measured
+    ones are up. On a 2-core Intel AMX machine the server started first measured 5-8% slower steps than the ones
+    started after it, whichever arm it ran (and, in one process, the engine built first), so without a decoy ABBA
+    still handed that server to arm A."""
     from serving.server_process import ServerProcess
 
-    servers: dict[str, list] = {arm: [] for arm in arms}
-    for i in range(instances):
-        for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
-            arm_dir = work / (arm if instances == 1 else f"{arm}-{i}")
-            arm_dir.mkdir(parents=True, exist_ok=True)
-            overrides = base + arms[arm] + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
-                                            f"registry.dir={arm_dir / 'registry'}"]
-            print(f"[{arm}] starting server {i + 1} of {instances} ...", flush=True)
-            servers[arm].append(stack.enter_context(ServerProcess(overrides, arm_dir / "server.log", cwd=ROOT)))
+    with contextlib.ExitStack() as decoy_stack:
+        for i in range(decoys):
+            decoy_dir = work / f"decoy-{i}"
+            decoy_dir.mkdir(parents=True, exist_ok=True)
+            print(f"[decoy] starting throwaway server {i + 1} of {decoys} ...", flush=True)
+            decoy_stack.enter_context(ServerProcess(
+                base + ARMS["nospec"] + [f"run_dir={decoy_dir}", f"feedback.dir={decoy_dir / 'feedback'}",
+                                         f"registry.dir={decoy_dir / 'registry'}"], decoy_dir / "server.log", cwd=ROOT))
+        servers: dict[str, list] = {arm: [] for arm in arms}
+        for i in range(instances):
+            for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
+                arm_dir = work / (arm if instances == 1 else f"{arm}-{i}")
+                arm_dir.mkdir(parents=True, exist_ok=True)
+                overrides = base + arms[arm] + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
+                                                f"registry.dir={arm_dir / 'registry'}"]
+                print(f"[{arm}] starting server {i + 1} of {instances} ...", flush=True)
+                servers[arm].append(stack.enter_context(ServerProcess(overrides, arm_dir / "server.log", cwd=ROOT)))
     return servers
 
 
@@ -314,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     # The servers run side by side (each one thread, idle while another is measured) and the arms
     # alternate level by level, so a change in the machine's other load hits both arms alike.
     with contextlib.ExitStack() as stack:
-        servers = _start_servers(stack, arms, base, work, args.instances)
+        servers = _start_servers(stack, arms, base, work, args.instances, args.decoys)
         for c in levels:
             for arm, fig in _measure_level(servers, c, args, prompts).items():
                 figures[arm].append(fig)
@@ -325,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"preset": args.preset, "concurrency": levels, "requests": args.requests,
                      "max_tokens": args.max_tokens, "min_tokens": args.min_tokens,
                      "max_batch_size": args.max_batch_size, "warmup": args.warmup,
-                     "rounds": args.rounds, "instances": args.instances,
+                     "rounds": args.rounds, "instances": args.instances, "decoys": args.decoys,
                      "arms": arms, "prompts": "held-out code (dvi.data.prompt_stream, 32-96 tokens)",
                      "greedy": True, "trainer": "off", "feedback_logging": True,
                      "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
