@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -293,6 +295,34 @@ def test_crash_windows_never_train_twice_or_skip(pair, prose, tiny_pair_dir, tmp
     assert loop.trainer.records_seen == sum(len(e["trained"]) for e in entries)
     assert loop.reader.poll() == []
     assert [e["seq"] for e in entries] == list(range(1, len(entries) + 1))
+
+
+def test_trainer_gives_freed_heap_back_once_caught_up(pair, prose, tiny_pair_dir, tmp_path) -> None:
+    """Issue 60: a trainer between its periodic trims held the freed heap of its last rounds (256-360 MiB per trim on
+    the real pair), so its RSS followed the traffic of the moment. Once it has caught up with the log it trims at
+    once (no round waits on it), and only once until it trains again."""
+    cfg = online_config(tiny_pair_dir, tmp_path, "trainer.batch_size=4", "trainer.malloc_trim_seconds=3600",
+                        "trainer.poll_seconds=0.05", "trainer.checkpoint_seconds=0")
+    _write_shards(Path(cfg.feedback.dir), prose[:16], per_shard=4)
+    loop = TrainerLoop(OnlineTrainer(cfg, copy.deepcopy(pair.drafter), registry=DrafterRegistry(cfg.registry.dir)),
+                       cfg)
+    if not loop.heap.enabled:
+        pytest.skip("no glibc malloc_trim here")
+    seen: dict[str, int] = {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (loop.rounds and loop.heap.trims):
+            time.sleep(0.02)
+        time.sleep(0.5)  # idle polls go on: no trim without a round in between
+        seen.update(rounds=loop.rounds, trims=loop.heap.trims)
+        loop.stop.requested = True
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    loop.run()
+    watcher.join()
+    assert seen["rounds"] >= 1 and seen["trims"] == 1, seen
 
 
 # -- the feedback-token budget, precision, warmup and anchor ---------------------------------------------

@@ -316,14 +316,18 @@ class TrainerLoop:
                 time.sleep(min(0.5, t.tc.poll_seconds))
                 continue
             stats = self.run_round()
-            self.heap.after_step()
-            if stats is None:
+            if stats is not None:
+                self.heap.after_step()
+            else:
+                if self.heap.idle_due():  # caught up: what rounds freed goes back now, at no round's cost
+                    self.heap.trim()
                 self.flush()
                 if self.lanes is not None:  # each lane's publish, retried when due
                     self.lanes.maybe_publish()
                 elif t.publisher.backoff.pending:  # a publish the registry refused: retried when due, idle or not
                     t.maybe_publish()
                 if t.tc.idle_replay_steps and self._idle_replay(t.tc.idle_replay_steps):
+                    self.heap.after_step()
                     self._write_status("idle")
                     continue
                 self._write_status("idle")
