@@ -223,8 +223,9 @@ class TrainerConfig(_Strict):
     min_new_records: int = Field(8, ge=1)
     poll_seconds: float = Field(1.0, gt=0)
     checkpoint_seconds: float = Field(5.0, ge=0)  # checkpoint + cursor commit at most this often (and when idle)
-    # freed heap memory goes back to the OS (glibc malloc_trim, `dvi.memory`) between rounds at most this often;
-    # 0: never (the process then keeps what glibc holds freed; its status reports each trim's release)
+    # freed heap memory goes back to the OS (glibc malloc_trim, `dvi.memory`) between rounds at most this often, and
+    # once whenever the trainer has caught up with the log; 0: never (the process then keeps what glibc holds freed;
+    # its status reports each trim's release)
     malloc_trim_seconds: float = Field(30.0, ge=0)
     # the held-out slice (`dvi.feedback.shadow.is_heldout`, by request id): never trained on by any rank; the trainer's
     # publish check and the server's shadow check score candidates on it only (the server reads this too)
