@@ -232,23 +232,21 @@ def _start_servers(stack: contextlib.ExitStack, arms: dict, base: list[str], wor
     still handed that server to arm A."""
     from serving.server_process import ServerProcess
 
+    def start(into: contextlib.ExitStack, overrides: list[str], run_dir: Path):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return into.enter_context(ServerProcess(
+            base + overrides + [f"run_dir={run_dir}", f"feedback.dir={run_dir / 'feedback'}",
+                                f"registry.dir={run_dir / 'registry'}"], run_dir / "server.log", cwd=ROOT))
+
     with contextlib.ExitStack() as decoy_stack:
         for i in range(decoys):
-            decoy_dir = work / f"decoy-{i}"
-            decoy_dir.mkdir(parents=True, exist_ok=True)
             print(f"[decoy] starting throwaway server {i + 1} of {decoys} ...", flush=True)
-            decoy_stack.enter_context(ServerProcess(
-                base + ARMS["nospec"] + [f"run_dir={decoy_dir}", f"feedback.dir={decoy_dir / 'feedback'}",
-                                         f"registry.dir={decoy_dir / 'registry'}"], decoy_dir / "server.log", cwd=ROOT))
+            start(decoy_stack, ARMS["nospec"], work / f"decoy-{i}")
         servers: dict[str, list] = {arm: [] for arm in arms}
         for i in range(instances):
             for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
-                arm_dir = work / (arm if instances == 1 else f"{arm}-{i}")
-                arm_dir.mkdir(parents=True, exist_ok=True)
-                overrides = base + arms[arm] + [f"run_dir={arm_dir}", f"feedback.dir={arm_dir / 'feedback'}",
-                                                f"registry.dir={arm_dir / 'registry'}"]
                 print(f"[{arm}] starting server {i + 1} of {instances} ...", flush=True)
-                servers[arm].append(stack.enter_context(ServerProcess(overrides, arm_dir / "server.log", cwd=ROOT)))
+                servers[arm].append(start(stack, arms[arm], work / (arm if instances == 1 else f"{arm}-{i}")))
     return servers
 
 
