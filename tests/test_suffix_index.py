@@ -282,3 +282,41 @@ def test_clear_empties_the_global_index_only():
     c.clear()
     assert c.stats()["seqs"] == 0 and c.stats()["requests"] == 1
     assert c.propose("r", 2).tokens == [3, 1]
+
+
+def test_calibrator_keeps_a_residual_per_request_on_top_of_the_pooled_ratios():
+    from dvi.drafters.suffix import Calibrator
+
+    cal = Calibrator(prior=1.0)
+    prop = SuffixProposal([5, 6, 7, 8], [1.0, 1.0, 1.0, 1.0], 4.0, 2, "request")
+    for _ in range(50):
+        cal.observe(prop, [5, 6, 7, 8], "code")                     # pooled evidence: the continuation holds
+    for _ in range(10):
+        cal.observe(prop, [9, 9, 9, 9], "chat")                     # this request's own: it never does
+    chat, code, fresh = (cal.adjust(prop, 0.1, r) for r in ("chat", "code", "new"))
+    assert cal.request_ratio("chat", "request") < 0.35 < 0.95 < cal.request_ratio("code", "request")
+    assert chat.tokens == [5] and chat.score < 0.3                 # cut after one step
+    assert code.tokens == fresh.tokens == [5, 6, 7, 8] and code.score >= fresh.score > 3.0
+    assert cal.request_ratio("chat", "global") == 1.0               # per source: the global index is not judged
+    cal.forget("chat")
+    assert cal.adjust(prop, 0.1, "chat").probs == fresh.probs
+
+
+def test_cache_grades_each_request_on_its_own_and_forgets_it_with_the_request():
+    c = SuffixCache()
+    c.start("a", [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2])    # its own history: [1, 2] -> 3 every time
+    c.start("b", [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2])
+    first = c.propose("a", 4, max_spec_factor=None)
+    assert first.tokens[:1] == [3]
+    for i in range(12):                                 # the target keeps emitting something else after [1, 2]
+        c.propose("a", 4, max_spec_factor=None)
+        c.append("a", [20 + i, 1, 2])
+    missed = c.calibrator.request_ratio("a", "request")
+    assert missed < 0.7 and c.calibrator.request_ratio("b", "request") == 1.0
+    assert c.propose("a", 4, max_spec_factor=None).score < c.propose("b", 4, max_spec_factor=None).score
+    c.start("a", [1, 2])                                # a restarted id starts over
+    assert c.calibrator.request_ratio("a", "request") == 1.0
+    c.append("b", [3])                                  # graded: the proposal's first token held
+    assert c.calibrator.request_ratio("b", "request") > 1.0
+    c.forget("b")                                       # a finished request's residual goes with it
+    assert c.calibrator.request_ratio("b", "request") == 1.0

@@ -40,11 +40,19 @@ class Calibrator:
     position counts once it is observed with every earlier draft token confirmed; the target's
     token is the observation, whichever drafter was used, which is what acceptance measures in law)
     and scales each step by successes / predicted, starting at 1 (`prior` pseudo-observations).
-    Old evidence fades (sums halve past `horizon`), so a changing target re-calibrates."""
+    Old evidence fades (sums halve past `horizon`), so a changing target re-calibrates.
 
-    def __init__(self, prior: float = 4.0, horizon: float = 2000.0) -> None:
+    Those ratios pool every request, so they describe the traffic on average: after code, whose prompts the
+    request's own index continues well, chat kept code's ratios for thousands of positions. A request therefore
+    also keeps its own residual per source, its successes over what the pooled ratios predicted for it (`request_prior`
+    pseudo-observations at 1, faded past `request_horizon`), which scales its steps on top of them."""
+
+    def __init__(self, prior: float = 4.0, horizon: float = 2000.0, request_prior: float = 4.0,
+                 request_horizon: float = 64.0) -> None:
         self.prior, self.horizon = float(prior), float(horizon)
+        self.request_prior, self.request_horizon = float(request_prior), float(request_horizon)
         self._sums: dict[tuple, list[float]] = {}
+        self._requests: dict[Hashable, dict[str, list[float]]] = {}  # request -> source -> [pooled prediction, hits]
 
     @staticmethod
     def _key(prop: SuffixProposal, j: int) -> tuple:
@@ -54,11 +62,19 @@ class Calibrator:
         pred, hit = self._sums.get(key, (0.0, 0.0))
         return (hit + self.prior) / (pred + self.prior)
 
-    def adjust(self, prop: SuffixProposal, min_prob: float) -> SuffixProposal:
-        """`prop` with calibrated probs and score, cut where the probability falls below `min_prob`."""
+    def request_ratio(self, req: Hashable | None, source: str) -> float:
+        """Request `req`'s successes from `source` over the pooled prediction for them (1 without evidence, at
+        most 2)."""
+        pred, hit = self._requests.get(req, {}).get(source, (0.0, 0.0))
+        return min(2.0, (hit + self.request_prior) / (pred + self.request_prior))
+
+    def adjust(self, prop: SuffixProposal, min_prob: float, req: Hashable | None = None) -> SuffixProposal:
+        """`prop` with calibrated probs and score (the pooled ratios, then request `req`'s residual), cut where
+        the probability falls below `min_prob`."""
         probs, p, before = [], 1.0, 1.0
+        own = self.request_ratio(req, prop.source)
         for j, raw in enumerate(prop.probs):
-            p *= min(1.0, raw / before * self.ratio(self._key(prop, j)))
+            p *= min(1.0, raw / before * self.ratio(self._key(prop, j)) * own)
             before = raw
             if p < min_prob:
                 break
@@ -66,13 +82,21 @@ class Calibrator:
         return SuffixProposal(prop.tokens[:len(probs)], probs, float(sum(probs)), prop.match_len, prop.source,
                               raw_score=prop.score)
 
-    def observe(self, prop: SuffixProposal, emitted: Sequence[int]) -> None:
-        """Learn from the raw proposal `prop` and the tokens the target emitted after it."""
+    def observe(self, prop: SuffixProposal, emitted: Sequence[int], req: Hashable | None = None) -> None:
+        """Learn from the raw proposal `prop` and the tokens the target emitted after it (for request `req`)."""
         before = 1.0
+        own = self._requests.setdefault(req, {}).setdefault(prop.source, [0.0, 0.0]) if req is not None else None
         for j, (tok, raw) in enumerate(zip(prop.tokens, prop.probs, strict=True)):
             if j >= len(emitted):
                 break
-            sums = self._sums.setdefault(self._key(prop, j), [0.0, 0.0])
+            key = self._key(prop, j)
+            if own is not None:  # graded against the pooled prediction before this observation joins it
+                own[0] += min(1.0, raw / before * self.ratio(key))
+                own[1] += tok == emitted[j]
+                if own[0] > self.request_horizon:
+                    own[0] *= 0.5
+                    own[1] *= 0.5
+            sums = self._sums.setdefault(key, [0.0, 0.0])
             sums[0] += raw / before
             sums[1] += tok == emitted[j]
             before = raw
@@ -81,6 +105,10 @@ class Calibrator:
                 sums[1] *= 0.5
             if tok != emitted[j]:
                 break
+
+    def forget(self, req: Hashable) -> None:
+        """Drop request `req`'s residual (it finished or left)."""
+        self._requests.pop(req, None)
 
     def table(self) -> dict[str, dict]:
         """The learned ratios, for reports: 'source/L<=b/pos<=q' -> {predicted, hits, ratio}."""
@@ -123,6 +151,8 @@ class SuffixCache:
         self._requests[req_id] = idx
         self._context[req_id] = toks
         self._prompt_len[req_id] = len(toks)
+        if self.calibrator is not None:
+            self.calibrator.forget(req_id)
 
     def append(self, req_id: Hashable, tokens: Sequence[int]) -> None:
         """Record the tokens `req_id` emitted this step (they also grade the step's proposal)."""
@@ -130,7 +160,7 @@ class SuffixCache:
         toks = token_list(tokens)
         if self.calibrator is not None:
             for raw in self._pending.pop(req_id, ()):
-                self.calibrator.observe(raw, toks)
+                self.calibrator.observe(raw, toks, req_id)
         idx.extend_checked(req_id, toks)
         self._context[req_id].extend(toks)
 
@@ -148,6 +178,8 @@ class SuffixCache:
         self._context.pop(req_id, None)
         self._prompt_len.pop(req_id, None)
         self._pending.pop(req_id, None)
+        if self.calibrator is not None:
+            self.calibrator.forget(req_id)
 
     def add_finished(self, seq_id: Hashable, tokens: Sequence[int], weight: float = 1.0) -> None:
         """Add a finished output to the global index (other replicas' shards, RL siblings); an
@@ -188,7 +220,7 @@ class SuffixCache:
         remote = self.global_index.propose(ctx, max_tokens, exclude=req_id, **kw)
         if self.calibrator is not None:
             self._pending[req_id] = (local, remote)   # both are graded by the next append
-            local, remote = (self.calibrator.adjust(x, min_prob) for x in (local, remote))
+            local, remote = (self.calibrator.adjust(x, min_prob, req_id) for x in (local, remote))
         ranked = [remote, local] if remote.score > local.score else [local, remote]
         if ranked[0].tokens:
             self.hits[ranked[0].source] += 1
