@@ -90,20 +90,12 @@ class Calibrator:
             if j >= len(emitted):
                 break
             key = self._key(prop, j)
+            hit = tok == emitted[j]
             if own is not None:  # graded against the pooled prediction before this observation joins it
-                own[0] += min(1.0, raw / before * self.ratio(key))
-                own[1] += tok == emitted[j]
-                if own[0] > self.request_horizon:
-                    own[0] *= 0.5
-                    own[1] *= 0.5
-            sums = self._sums.setdefault(key, [0.0, 0.0])
-            sums[0] += raw / before
-            sums[1] += tok == emitted[j]
+                _count(own, min(1.0, raw / before * self.ratio(key)), hit, self.request_horizon)
+            _count(self._sums.setdefault(key, [0.0, 0.0]), raw / before, hit, self.horizon)
             before = raw
-            if sums[0] > self.horizon:
-                sums[0] *= 0.5
-                sums[1] *= 0.5
-            if tok != emitted[j]:
+            if not hit:
                 break
 
     def forget(self, req: Hashable) -> None:
@@ -118,6 +110,15 @@ class Calibrator:
             name = f"{src}/L<={(*_LEN_BUCKETS, 'inf')[lb]}/pos<={(*_POS_BUCKETS, 'inf')[pb]}"
             out[name] = {"predicted": pred, "hits": hit, "ratio": self.ratio(key)}
         return out
+
+
+def _count(sums: list[float], predicted: float, hit: bool, horizon: float) -> None:
+    """Add one graded position to [predicted, hits]; both halve once predicted passes `horizon` (old evidence fades)."""
+    sums[0] += predicted
+    sums[1] += hit
+    if sums[0] > horizon:
+        sums[0] *= 0.5
+        sums[1] *= 0.5
 
 
 class SuffixCache:
