@@ -57,6 +57,18 @@ def test_different_drafter_scores_less() -> None:
         assert 0.0 <= est.alpha < 0.9, (temperature, est)
 
 
+def test_scoring_computes_only_the_generated_positions_logits() -> None:
+    """A shadow check asks for the generated positions' logits only (`keep`): the same rows as the full forward's
+    tail, without the prompt's full-vocabulary rows (most of a check's memory on the real pair)."""
+    model = _llama(0)
+    fn = hf_logits_fn(model)
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full, kept = fn(ids), fn(ids, keep=6)
+    assert full.shape[1] == 20 and kept.shape[1] == 6
+    torch.testing.assert_close(kept, full[:, -6:])
+
+
 def test_nan_shadow_alpha_never_passes():
     """Issue 17 item 5: `not (nan < x)` is True; a NaN or inf candidate estimate must not pass."""
     from dvi.feedback.shadow import shadow_passes

@@ -35,7 +35,8 @@ publish and the server's check before a promotion use the same cap, so they esti
 
 LogitsFn = Callable[..., torch.Tensor]
 """Maps input ids ``[1, L]`` (and, for an eagle head, its input features ``[1, L, H]``) to logits
-``[1, L, V]`` (teacher forcing, no cache). ``fn.needs_features`` marks the eagle kind."""
+``[1, L, V]`` (teacher forcing, no cache), or of the last ``keep`` positions ``[1, keep, V]``.
+``fn.needs_features`` marks the eagle kind."""
 
 
 def is_heldout(request_id: str, fraction: float) -> bool:
@@ -77,9 +78,11 @@ def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
 
-    def fn(ids: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+    def fn(ids: torch.Tensor, features: torch.Tensor | None = None, keep: int = 0) -> torch.Tensor:
+        # keep: logits of the last `keep` positions only (0: all): the generated ones, not the prompt's, whose
+        # full-vocabulary rows were most of a shadow check's memory
         extra = {} if features is None else {"features": features}
-        out = model(input_ids=ids, use_cache=False, **extra)
+        out = model(input_ids=ids, use_cache=False, logits_to_keep=keep, **extra)
         return out.logits if hasattr(out, "logits") else out
 
     fn.needs_features = isinstance(base, EagleModel)
@@ -124,9 +127,9 @@ def record_acceptance(logits_fn: LogitsFn, records: Iterable[FeedbackRecord], de
             feats = _record_features(rec, device)
             if feats is None:
                 continue
-            logits = logits_fn(ids, feats)[0, len(prompt) - 1 :].float()  # predicts tokens[0..]
+            logits = logits_fn(ids, feats, keep=len(tokens))[0, -len(tokens):].float()  # predicts tokens[0..]
         else:
-            logits = logits_fn(ids)[0, len(prompt) - 1 :].float()
+            logits = logits_fn(ids, keep=len(tokens))[0, -len(tokens):].float()
         out.append((rec, _acceptance(rec, logits, tokens, device)))
         total += len(tokens)
         if max_positions is not None and total >= max_positions:

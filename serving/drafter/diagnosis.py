@@ -114,7 +114,7 @@ def _argmax(logits_fn: Callable, rec: FeedbackRecord) -> torch.Tensor | None:
     if not prompt or not tokens or getattr(logits_fn, "needs_features", False):
         return None
     ids = torch.tensor([prompt + tokens[:-1]], device=getattr(logits_fn, "device", "cpu"))
-    return logits_fn(ids)[0, len(prompt) - 1:].float().argmax(-1).cpu()
+    return logits_fn(ids, keep=len(tokens))[0, -len(tokens):].float().argmax(-1).cpu()
 
 
 def measure(index: int, records: Sequence[FeedbackRecord], scorers: dict[int, Scorer],
