@@ -199,6 +199,10 @@ class TrainerConfig(_Strict):
     anchor_weight: float = Field(0.0, ge=0)
     batch_size: int = Field(8, ge=1)
     max_seq_len: int = Field(512, ge=8)
+    # a step's records pass forward and backward in parts of at most this many padded input tokens (rows x width),
+    # gradients accumulated to the one-pass step's: the memory a step holds stays put when the traffic's prompts
+    # lengthen; 0: one pass; null: 256 on a CPU (no slower there than one pass), one pass on an accelerator
+    micro_batch_tokens: int | None = Field(None, ge=0)
     kl_weight: float = Field(1.0, ge=0)
     # eagle drafters: weight of the smooth-L1 regression of the head's predicted feature onto the target's
     # (what later drafts of a step feed back in); 0 trains the token distribution only

@@ -296,6 +296,35 @@ def test_trainer_learns_from_feedback_publishes_and_the_server_swaps_losslessly(
     assert [r.token_ids for r in got] == refs and all(r.drafter_version == v for r in got)
 
 
+@pytest.mark.parametrize("chained", [False, True])
+def test_eagle_micro_batches_step_like_one_pass(tiny_pair, tiny_pair_dir, tmp_path, chained):
+    """`trainer.micro_batch_tokens` with an eagle head: its features, feature regression and (chained) second pass
+    split by rows accumulate the one-pass step's gradient."""
+    from test_online import assert_same_gradient, online_config, step_gradients
+
+    from trainers.online.collate import build_batch, micro_batches
+    from trainers.online.trainer import OnlineTrainer
+
+    recs = eagle_records(tiny_pair, EagleDrafter(tiny_pair.target), 6)
+    budget = build_batch(recs, [1.0] * 6).input_ids.numel() // 3
+    assert len(micro_batches(recs, [1.0] * 6, max_tokens=budget)) >= 3
+
+    def step(tokens: int, rows: int = 6) -> tuple[dict, list]:
+        cfg = online_config(tiny_pair_dir, tmp_path / f"{tokens}-{rows}", "models.drafter_kind=eagle",
+                            "trainer.heldout_fraction=0", f"trainer.eagle_chained={chained}",
+                            f"trainer.micro_batch_tokens={tokens}")
+        torch.manual_seed(0)
+        return step_gradients(OnlineTrainer(cfg, noisy_eagle(tiny_pair.target, scale=0.3)), recs[:rows], 0)
+
+    (one, g1), (many, gm) = step(0), step(budget)
+    assert one["feature"] > 0
+    for k in ("loss", "kl", "feature"):
+        assert many[k] == pytest.approx(one[k], rel=1e-5, abs=1e-6), k
+    assert_same_gradient(g1, gm)
+    with pytest.raises(AssertionError):  # a step on other rows has another gradient: the check can fail
+        assert_same_gradient(g1, step(0, 3)[1])
+
+
 def test_trainer_from_config_builds_an_eagle_head(tiny_pair, tiny_pair_dir, tmp_path):
     from test_online import online_config
 

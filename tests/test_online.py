@@ -9,6 +9,7 @@ Feedback comes from the real engine on the tiny pair (module fixture, a few seco
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import threading
@@ -105,6 +106,79 @@ def test_build_batch_matches_plain_teacher_forcing(pair, prose) -> None:
             assert (b.weights[i, : b.width - n] == 0).all()
             assert torch.equal(b.drafted_ids[i, b.width - n:], torch.from_numpy(e.drafted_ids))
     assert b.weights[2].max() == 0.5
+
+
+def step_gradients(tr: OnlineTrainer, records: list[FeedbackRecord], current: int) -> tuple[dict, list]:
+    """(what one `_train_step` returns, the gradient its optimizer stepped with)."""
+    seen, step = [], tr.optimizer.step
+
+    def record(*a, **kw):
+        seen.extend(p.grad.detach().clone() for p in tr.trainable.parameters())
+        return step(*a, **kw)
+
+    tr.optimizer.step = record
+    return tr._train_step(records, current), seen
+
+
+def assert_same_gradient(a: list, b: list) -> None:
+    """Equal up to float summation order (scaled to the gradient's size); the gradient must not vanish."""
+    scale = max(float(g.abs().max()) for g in a)
+    assert scale > 1e-6
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5 * scale)
+
+
+def _one_step(pair, cfg: DviConfig, records: list[FeedbackRecord], current: int = 1) -> tuple[dict, list]:
+    """One step of a fresh trainer (the pair's drafter, or the config's when `pair` is None) on `records`."""
+    torch.manual_seed(0)
+    tr = OnlineTrainer(cfg, copy.deepcopy(pair.drafter)) if pair is not None else OnlineTrainer.from_config(cfg)
+    tr.step = 30  # the reward term ramped in
+    return step_gradients(tr, records, current)
+
+
+@pytest.mark.parametrize("variant", ["lora", "full", "draft_vocab"])
+def test_micro_batches_step_like_one_pass(pair, prose, tiny_pair_dir, tmp_path, variant) -> None:
+    """`trainer.micro_batch_tokens`: a step split into passes of like-length rows (here 1-3 rows each) accumulates the
+    one-pass step's gradient, with the reward term, stale-weighted rows and the anchor on (and a reduced draft
+    vocabulary); the logged losses are the one pass's too."""
+    from dvi.drafters.vocab import save_draft_vocab
+    from trainers.online.collate import micro_batches
+
+    records = [dataclasses.replace(r, target_version=i % 2) for i, r in enumerate(prose[:8])]  # half stale
+    assert len({len(r.prompt_ids) for r in records}) > 3
+    base = ["trainer.heldout_fraction=0", f"trainer.mode={'full' if variant == 'full' else 'lora'}",
+            "trainer.anchor_weight=10", "trainer.reward_ramp_start=0", "trainer.reward_ramp_steps=1",
+            "trainer.reward_weight=0.5"]
+    drafter = pair
+    if variant == "draft_vocab":
+        save_draft_vocab(tmp_path / "vocab", torch.arange(511, -1, -1), vocab_size=512)
+        base += [f"models.draft_vocab={tmp_path / 'vocab'}", "models.draft_vocab_size=32"]
+        drafter = None
+    budget = build_batch(records, [1.0] * 8).input_ids.numel() // 3
+    assert len(micro_batches(records, [1.0] * 8, max_tokens=budget)) >= 3
+
+    def step(name: str, tokens: int, recs: list[FeedbackRecord] = records) -> tuple[dict, list]:
+        return _one_step(drafter, online_config(tiny_pair_dir, tmp_path / name, *base,
+                                                f"trainer.micro_batch_tokens={tokens}"), recs)
+
+    (one, g1), (many, gm) = step("one", 0), step("many", budget)
+    assert one["tokens"] == many["tokens"] and (one["reward"] != 0 or variant == "draft_vocab")
+    for k in ("loss", "kl", "reward"):
+        assert many[k] == pytest.approx(one[k], rel=1e-5, abs=1e-6), k
+    assert_same_gradient(g1, gm)
+    with pytest.raises(AssertionError):  # a step on other rows has another gradient: the check can fail
+        assert_same_gradient(g1, step("other", 0, records[:4])[1])
+
+
+def test_micro_batches_bound_the_padded_tokens_of_a_pass(prose) -> None:
+    from trainers.online.collate import micro_batches
+    widths = sorted(len(r.prompt_ids) + len(r.token_ids) - 1 for r in prose[:16])
+    parts = micro_batches(prose[:16], [1.0] * 16, max_tokens=2 * widths[-1])
+    assert sum(p.input_ids.shape[0] for p in parts) == 16 and len(parts) >= 5
+    assert all(p.input_ids.numel() <= 2 * widths[-1] for p in parts)
+    assert sum(p.tokens for p in parts) == build_batch(prose[:16], [1.0] * 16).tokens
+    assert len(micro_batches(prose[:16], [1.0] * 16, max_tokens=widths[0] - 1)) == 16  # a row too wide passes alone
+    assert len(micro_batches(prose[:16], [1.0] * 16, max_tokens=0)) == 1
 
 
 def test_truncation_keeps_the_newest_tokens(prose) -> None:

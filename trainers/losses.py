@@ -42,9 +42,17 @@ def _mask(mask: torch.Tensor | None, n: int, device: torch.device) -> torch.Tens
     return m
 
 
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    # 0 (with a graph) when nothing is selected, so a batch without positions is harmless.
-    return (x * m).sum() / m.sum().clamp_min(1.0)
+def _masked_mean(x: torch.Tensor, m: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+    # 0 (with a graph) when nothing is selected, so a batch without positions is harmless. `total`: the whole step's
+    # mask sum, when `m` is one micro-batch's share of it (`StepTotals`)
+    return (x * m).sum() / (m.sum() if total is None else total).clamp_min(1.0)
+
+
+def _kl_mask(ids: torch.Tensor, tlp: torch.Tensor, m: torch.Tensor, tail_bucket: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions' weights the KL averages over, [n, k] valid logged entries): without the tail bucket a position
+    without a valid entry has no KL."""
+    valid = torch.isfinite(tlp) & (ids >= 0)
+    return (m if tail_bucket else m * valid.any(-1).float()), valid
 
 
 def topk_kl_loss(
@@ -53,8 +61,10 @@ def topk_kl_loss(
     topk_logprobs: torch.Tensor,
     mask: torch.Tensor | None = None,
     tail_bucket: bool = True,
+    total: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean over masked positions of KL(target || student) on the logged top-k support.
+    """Mean over masked positions of KL(target || student) on the logged top-k support (`total`: divide by the
+    whole step's mask sum instead of this call's, `StepTotals`).
 
     Default (`tail_bucket=True`): the principled coarsening. Both distributions are mapped to
     k+1 outcomes: the k logged ids plus one bucket for "everything else". The target's bucket
@@ -79,22 +89,19 @@ def topk_kl_loss(
         raise ValueError(
             f"topk_ids {tuple(ids.shape)} / topk_logprobs {tuple(tlp.shape)} do not match logits rows {n}"
         )
-    m = _mask(mask, n, logits.device)
     # Padding: entries with id < 0 or log-prob -inf carry no target mass and no student support.
-    valid = torch.isfinite(tlp) & (ids >= 0)
+    m, valid = _kl_mask(ids, tlp, _mask(mask, n, logits.device), tail_bucket)
     ids_c = ids.clamp_min(0)
     tlp = tlp.masked_fill(~valid, 0.0)  # keep every branch finite (nan-free gradients)
     slp = F.log_softmax(logits, dim=-1)
     s_k = slp.gather(1, ids_c)  # student log q on the logged ids
     if not tail_bucket:
-        row_ok = valid.any(-1)
-        m = m * row_ok.float()
-        ok = valid & row_ok[:, None]
+        ok = valid & valid.any(-1)[:, None]
         neg = torch.finfo(torch.float32).min
         t_lp = F.log_softmax(torch.where(ok, tlp, neg), dim=-1)
         s_lp = F.log_softmax(torch.where(ok, s_k, neg), dim=-1)
         kl = torch.where(ok, t_lp.exp() * (t_lp - s_lp), 0.0).sum(-1)
-        return _masked_mean(kl, m)
+        return _masked_mean(kl, m, total)
     p_k = torch.where(valid, tlp.exp(), 0.0)
     kl = torch.where(valid, p_k * (tlp - s_k), 0.0).sum(-1)
     # log of the student's mass outside the k ids, exactly: logsumexp over the other ids.
@@ -104,7 +111,7 @@ def topk_kl_loss(
     s_tail = torch.logsumexp(outside, dim=-1) - torch.logsumexp(logits, dim=-1)
     p_tail = torch.where(has_out, (1.0 - p_k.sum(-1)).clamp_min(0.0), 0.0)
     tail = torch.where(p_tail > 0, p_tail * (torch.log(p_tail.clamp_min(1e-30)) - s_tail), 0.0)
-    return _masked_mean(kl + tail, m)
+    return _masked_mean(kl + tail, m, total)
 
 
 def reward_loss(
@@ -112,7 +119,8 @@ def reward_loss(
     drafted_ids: torch.Tensor,
     accepted: torch.Tensor,
     mask: torch.Tensor | None = None,
-    baseline: float | str = "mean",
+    baseline: float | str | torch.Tensor = "mean",
+    total: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """REINFORCE on drafted positions: -(r - b) * log q(drafted), r = 1 accepted / 0 rejected.
 
@@ -130,13 +138,15 @@ def reward_loss(
         raise ValueError(f"drafted_ids ({d.numel()}) / accepted ({r.numel()}) do not match logits rows {n}")
     m = _mask(mask, n, logits.device) * (d >= 0).float()
     logq = F.log_softmax(logits, dim=-1).gather(1, d.clamp_min(0)[:, None])[:, 0]
-    if baseline == "mean":
+    if isinstance(baseline, torch.Tensor):  # the whole step's (`StepTotals`)
+        b = baseline.to(logits.device)
+    elif baseline == "mean":
         b = _masked_mean(r, m).detach()
     elif isinstance(baseline, str):
         raise ValueError(f"baseline must be a number or 'mean', got {baseline!r}")
     else:
         b = torch.tensor(float(baseline), device=logits.device)
-    return _masked_mean(-(r - b) * logq, m)
+    return _masked_mean(-(r - b) * logq, m, total)
 
 
 class LoggedTargets(NamedTuple):
@@ -218,26 +228,60 @@ def dvi_loss(
     step: int = 0,
     weights: LossWeights = LossWeights(),
     subset_index: torch.Tensor | None = None,
+    totals: StepTotals | None = None,
 ) -> DviLoss:
     """kl_weight * KL + ramp_weight(step) * reward; returns the parts for logging.
 
     `mask` selects the positions to train on (e.g. real generated positions with logged top-k);
     the reward term additionally skips positions without a draft. With a reduced draft vocabulary,
     `student_logits` are the [..., N] subset logits and `subset_index` [V] maps target ids to subset
-    positions (`dvi.drafters.vocab.SubsetHead.index`); the logged targets are mapped by `to_subset`.
+    positions (`dvi.drafters.vocab.SubsetHead.index`); the logged targets are mapped by `to_subset`. `totals`: the
+    whole step's (`step_totals`) when these rows are one of its micro-batches.
     """
     if subset_index is not None:
         logged = to_subset(subset_index, logged)
-    kl = topk_kl_loss(student_logits, logged.topk_ids, logged.topk_logprobs, mask, tail_bucket=weights.tail_bucket)
+    kl = topk_kl_loss(student_logits, logged.topk_ids, logged.topk_logprobs, mask, tail_bucket=weights.tail_bucket,
+                      total=None if totals is None else totals.kl)
     w = ramp_weight(step, weights.reward_start, weights.reward_ramp_steps, weights.reward_max_weight)
     if w > 0:
-        rl = reward_loss(student_logits, logged.drafted_ids, logged.accepted, mask, baseline=weights.baseline)
+        baseline = totals.baseline if totals is not None and weights.baseline == "mean" else weights.baseline
+        rl = reward_loss(student_logits, logged.drafted_ids, logged.accepted, mask, baseline=baseline,
+                         total=None if totals is None else totals.reward)
     else:
         rl = torch.zeros((), device=kl.device)
     return DviLoss(weights.kl_weight * kl + w * rl, kl.detach(), rl.detach(), w)
 
 
-def feature_loss(out, batch) -> torch.Tensor | None:
+class StepTotals(NamedTuple):
+    """A whole step's denominators and reward baseline, handed to each of its micro-batches' losses so that their sum
+    is the one-pass loss (and gradient): all are sums over logged data, none depends on the weights trained."""
+
+    kl: torch.Tensor  # the KL positions' weight sum
+    reward: torch.Tensor  # the drafted positions' weight sum
+    baseline: torch.Tensor  # their weighted acceptance rate (the reward's "mean" baseline)
+    rescale: torch.Tensor  # weight sum / weighted positions (`batch_loss`)
+    feature: torch.Tensor | None  # weighted positions x feature width (`feature_loss`), eagle only
+
+
+def step_totals(batch, weights: LossWeights, subset_index: torch.Tensor | None = None) -> StepTotals:
+    """The totals of a whole collated step (`trainers.online.collate.Batch`), as `dvi_loss` / `batch_loss` compute
+    them from all of its rows at once."""
+    logged = LoggedTargets(batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted)
+    if subset_index is not None:
+        logged = to_subset(subset_index, logged)
+    m = _rows(batch.weights, 0).float()
+    ids, tlp = _rows(logged.topk_ids, 1).long(), _rows(logged.topk_logprobs, 1).float()
+    kl_m = _kl_mask(ids.to(m.device), tlp.to(m.device), m, weights.tail_bucket)[0]
+    rm = m * (_rows(logged.drafted_ids, 0).to(m.device) >= 0).float()
+    r = _rows(logged.accepted, 0).to(device=m.device, dtype=torch.float32)
+    w = batch.weights
+    targets = getattr(batch, "feature_targets", None)
+    return StepTotals(kl=kl_m.sum(), reward=rm.sum(), baseline=_masked_mean(r, rm).detach(),
+                      rescale=w.sum() / (w > 0).sum().clamp_min(1),
+                      feature=None if targets is None else (w > 0).sum() * targets.shape[-1])
+
+
+def feature_loss(out, batch, total: torch.Tensor | None = None) -> torch.Tensor | None:
     """Smooth-L1 of an eagle head's predicted features `out.features` [B, T, H] onto the target's
     `batch.feature_targets` [B, T, H] over the trained positions (EAGLE's regression term); None for
     drafters without features."""
@@ -247,7 +291,7 @@ def feature_loss(out, batch) -> torch.Tensor | None:
     pred = out.features[:, -targets.shape[1]:].float()  # [B, T, H]
     keep = (batch.weights > 0).unsqueeze(-1)  # [B, T, 1]
     err = torch.nn.functional.smooth_l1_loss(pred, targets.float(), reduction="none") * keep
-    return err.sum() / (keep.sum() * pred.shape[-1]).clamp_min(1)
+    return err.sum() / (keep.sum() * pred.shape[-1] if total is None else total).clamp_min(1)
 
 
 def chained_features(batch, out) -> torch.Tensor:
@@ -258,10 +302,11 @@ def chained_features(batch, out) -> torch.Tensor:
     return torch.cat([batch.features[:, : batch.features.shape[1] - t + 1], own], 1)
 
 
-def batch_loss(module, batch, inputs: dict, tc: TrainerConfig, step: int):
+def batch_loss(module, batch, inputs: dict, tc: TrainerConfig, step: int, whole=None):
     """(loss, dvi_loss output, feature loss or None, forward output) of one teacher-forced pass of the online
     trainer's `module` over a collated `batch` (`trainers.online.collate.Batch`); `inputs` are the extra
-    forward arguments (an eagle head's features)."""
+    forward arguments (an eagle head's features). `whole`: the step's batch when `batch` is one of its
+    micro-batches (`trainers.online.collate.micro_batches`): the parts' losses then sum to the whole's."""
     from dvi.drafters.vocab import subset_mode
 
     # A reduced draft vocabulary trains on its [B, T, N] subset logits (never the served -inf padding).
@@ -269,12 +314,13 @@ def batch_loss(module, batch, inputs: dict, tc: TrainerConfig, step: int):
         fwd = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                      position_ids=batch.position_ids, use_cache=False, logits_to_keep=batch.width, **inputs)
     logged = LoggedTargets(batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted)
-    out = dvi_loss(fwd.logits, logged, batch.weights, step=step, weights=LossWeights.of(tc),
-                   subset_index=head.index if head is not None else None)
+    index, weights = (head.index if head is not None else None), LossWeights.of(tc)
+    totals = None if whole is None else step_totals(whole, weights, index)
+    out = dvi_loss(fwd.logits, logged, batch.weights, step=step, weights=weights, subset_index=index, totals=totals)
     w = batch.weights
     # dvi_loss normalises by the weight sum; rescale so down-weighted rows count less in absolute terms
-    loss = out.loss * (w.sum() / (w > 0).sum().clamp_min(1))
-    feat_loss = feature_loss(fwd, batch)
+    loss = out.loss * (w.sum() / (w > 0).sum().clamp_min(1) if totals is None else totals.rescale)
+    feat_loss = feature_loss(fwd, batch, None if totals is None else totals.feature)
     if feat_loss is not None:
         loss = loss + tc.feature_weight * feat_loss
     return loss, out, feat_loss, fwd

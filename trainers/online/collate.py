@@ -19,7 +19,7 @@ import torch
 from dvi.feedback import FeedbackRecord
 from dvi.feedback.shadow import is_heldout
 
-__all__ = ["Batch", "build_batch", "is_heldout"]
+__all__ = ["Batch", "build_batch", "micro_batches", "is_heldout"]
 
 
 @dataclass
@@ -94,6 +94,28 @@ def build_batch(
     feats = _features([e for e, _ in rows], seqs, keeps, w_len, t_len)
     return Batch(ids, attn, pos, weights_t, tk, tl, dr, ac, tokens=int(sum(keeps)),
                  features=None if feats is None else feats[0], feature_targets=None if feats is None else feats[1])
+
+
+def micro_batches(
+    records: Sequence[FeedbackRecord], weights: Sequence[float], pad_id: int = 0, max_seq_len: int = 512,
+    max_tokens: int = 0,
+) -> list[Batch]:
+    """A step's rows as passes of at most `max_tokens` padded inputs each (rows x width; a longer row passes alone),
+    rows of like length together: what a step holds for its backward then no longer grows with the traffic's lengths
+    (a long-prompt phase doubled the trainer's round memory). 0, or a step that fits: one pass, `build_batch`'s."""
+    kept = [(r, float(w)) for r, w in zip(records, weights, strict=True) if len(r.token_ids) and w > 0]
+    widths = [min(len(r.prompt_ids) + len(r.token_ids) - 1, max_seq_len) for r, _ in kept]
+    if max_tokens <= 0 or len(kept) * max(widths, default=0) <= max_tokens:
+        batch = build_batch(records, weights, pad_id, max_seq_len)
+        return [] if batch is None else [batch]
+    parts: list[list[int]] = []
+    for i in sorted(range(len(kept)), key=lambda i: widths[i]):
+        if parts and (len(parts[-1]) + 1) * widths[i] <= max_tokens:  # widths ascend: this row is the widest yet
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    out = [build_batch([kept[i][0] for i in p], [kept[i][1] for i in p], pad_id, max_seq_len) for p in parts]
+    return [b for b in out if b is not None]
 
 
 def _features(examples: Sequence[FeedbackRecord], seqs: Sequence[np.ndarray], keeps: Sequence[int], w_len: int,

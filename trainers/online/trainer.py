@@ -22,6 +22,7 @@ replay. Both counters and `steps_allowed` are in `status()`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -46,7 +47,7 @@ from dvi.rundir import RunDir
 from trainers.losses import batch_loss, chained_features
 from trainers.online.accel import make_accelerator
 from trainers.online.checkpoint import COUNTERS, load_checkpoint, save_checkpoint
-from trainers.online.collate import build_batch
+from trainers.online.collate import build_batch, micro_batches
 from trainers.online.publishing import PublishDecision, Publisher
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
@@ -56,6 +57,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("dvi.trainer")
 
 REPLAY_RECENT = 256  # idle replay draws from this many newest trained records
+# `trainer.micro_batch_tokens` null on a CPU: no slower there than one pass, and a step's memory no longer follows the
+# traffic's prompt lengths (measured: docs/design.md "Memory of a long-serving process")
+CPU_MICRO_BATCH_TOKENS = 256
 
 
 @dataclass
@@ -335,6 +339,13 @@ class OnlineTrainer:
                        "replay_only": True, "train_seconds": self.train_seconds})
         return stats
 
+    @property
+    def micro_batch_tokens(self) -> int:
+        """`trainer.micro_batch_tokens`, null resolved for this device."""
+        if self.tc.micro_batch_tokens is not None:
+            return self.tc.micro_batch_tokens
+        return CPU_MICRO_BATCH_TOKENS if torch.device(self.device).type == "cpu" else 0
+
     def _train_step(self, examples: list[FeedbackRecord], current: int) -> dict[str, float] | None:
         acc = self.accelerator
         # Each rank trains its slice (DDP averages the gradients); padding repeats the last row so that no
@@ -342,33 +353,48 @@ class OnlineTrainer:
         with acc.split_between_processes(examples, apply_padding=True) as mine:
             examples = list(mine)
         weights = [self._weight(e, current) for e in examples]
-        batch = build_batch(examples, weights, self.pad_id, self.tc.max_seq_len)
-        if batch is None:
+        parts = micro_batches(examples, weights, self.pad_id, self.tc.max_seq_len, self.micro_batch_tokens)
+        if not parts:
             return None
         t0 = time.perf_counter()
-        batch = batch.to(self.device)
+        # several passes: each part's loss is divided by the whole step's totals, so the gradients they accumulate
+        # are the one-pass step's (`trainers.losses.StepTotals`)
+        whole = build_batch(examples, weights, self.pad_id, self.tc.max_seq_len).to(self.device) if len(parts) > 1 \
+            else None
         self.trainable.activate()
         self.module.train()
-        loss, out, feat_loss, fwd = batch_loss(self.module, batch, batch.model_inputs(), self.tc, self.step)
-        if batch.features is not None and self.tc.eagle_chained:  # drafts 2..K read the head's own features
-            loss = loss + batch_loss(self.module, batch, {"features": chained_features(batch, fwd)}, self.tc,
-                                     self.step)[0]
-        if self.anchor is not None:
-            loss = loss + self.tc.anchor_weight * sum(((p - a) ** 2).sum() for p, a in
-                                                       zip(self.trainable.parameters(), self.anchor, strict=True))
         for group in self.optimizer.param_groups:  # linear warm-up (trainer.warmup_steps; eagle_warmup_steps)
             group["lr"] = self.lr * min(1.0, (self.step + 1) / max(1, self.warmup))
-        acc.backward(loss)
+        total, kl, reward, feature, reward_weight, tokens = 0.0, 0.0, 0.0, 0.0, 0.0, 0
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            part = part.to(self.device)
+            # DDP all-reduces once, at the step's last backward
+            with contextlib.nullcontext() if last else acc.no_sync(self.module):
+                loss, out, feat_loss, fwd = batch_loss(self.module, part, part.model_inputs(), self.tc, self.step,
+                                                       whole)
+                if part.features is not None and self.tc.eagle_chained:  # drafts 2..K read the head's own features
+                    loss = loss + batch_loss(self.module, part, {"features": chained_features(part, fwd)}, self.tc,
+                                             self.step, whole)[0]
+                if last and self.anchor is not None:
+                    loss = loss + self.tc.anchor_weight * sum(((p - a) ** 2).sum() for p, a in
+                                                               zip(self.trainable.parameters(), self.anchor,
+                                                                   strict=True))
+                acc.backward(loss)
+            del fwd
+            total += float(loss.detach())
+            kl, reward, reward_weight = kl + float(out.kl), reward + float(out.reward), float(out.reward_weight)
+            feature += float(feat_loss.detach()) if feat_loss is not None else 0.0
+            tokens += part.tokens
         if self.tc.grad_clip:
             acc.clip_grad_norm_(self.trainable.parameters(), self.tc.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.module.eval()
         self.step += 1
-        self.tokens_trained += batch.tokens
-        return {"loss": float(loss.detach()), "kl": float(out.kl), "reward": float(out.reward),
-                "feature": float(feat_loss.detach()) if feat_loss is not None else 0.0,
-                "reward_weight": float(out.reward_weight), "tokens": float(batch.tokens),
+        self.tokens_trained += tokens
+        return {"loss": total, "kl": kl, "reward": reward, "feature": feature, "reward_weight": reward_weight,
+                "tokens": float(tokens),
                 "seconds": time.perf_counter() - t0}
 
     def reset_anchor(self) -> None:
