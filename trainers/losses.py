@@ -18,6 +18,7 @@ the served drafter has outside its subset (see `to_subset` for how the target ma
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -263,22 +264,23 @@ class StepTotals(NamedTuple):
     feature: torch.Tensor | None  # weighted positions x feature width (`feature_loss`), eagle only
 
 
-def step_totals(batch, weights: LossWeights, subset_index: torch.Tensor | None = None) -> StepTotals:
-    """The totals of a whole collated step (`trainers.online.collate.Batch`), as `dvi_loss` / `batch_loss` compute
-    them from all of its rows at once."""
-    logged = LoggedTargets(batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted)
-    if subset_index is not None:
-        logged = to_subset(subset_index, logged)
-    m = _rows(batch.weights, 0).float()
-    ids, tlp = _rows(logged.topk_ids, 1).long(), _rows(logged.topk_logprobs, 1).float()
-    kl_m = _kl_mask(ids.to(m.device), tlp.to(m.device), m, weights.tail_bucket)[0]
-    rm = m * (_rows(logged.drafted_ids, 0).to(m.device) >= 0).float()
-    r = _rows(logged.accepted, 0).to(device=m.device, dtype=torch.float32)
-    w = batch.weights
-    targets = getattr(batch, "feature_targets", None)
-    return StepTotals(kl=kl_m.sum(), reward=rm.sum(), baseline=_masked_mean(r, rm).detach(),
-                      rescale=w.sum() / (w > 0).sum().clamp_min(1),
-                      feature=None if targets is None else (w > 0).sum() * targets.shape[-1])
+def step_totals(parts: Sequence, weights: LossWeights, subset_index: torch.Tensor | None = None) -> StepTotals:
+    """The totals of a whole step from its micro-batches (`trainers.online.collate.Batch` each), as `dvi_loss` /
+    `batch_loss` compute them from all of its rows at once."""
+    kl = reward = hits = w_sum = weighted = torch.zeros(())
+    for batch in parts:
+        logged = LoggedTargets(batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted)
+        if subset_index is not None:
+            logged = to_subset(subset_index, logged)
+        m = _rows(batch.weights, 0).float()
+        ids, tlp = _rows(logged.topk_ids, 1).long(), _rows(logged.topk_logprobs, 1).float()
+        rm = m * (_rows(logged.drafted_ids, 0) >= 0).float()
+        kl = kl + _kl_mask(ids, tlp, m, weights.tail_bucket)[0].sum()
+        reward, hits = reward + rm.sum(), hits + (_rows(logged.accepted, 0).float() * rm).sum()
+        w_sum, weighted = w_sum + m.sum(), weighted + (m > 0).sum()
+    targets = getattr(parts[0], "feature_targets", None)
+    return StepTotals(kl=kl, reward=reward, baseline=hits / reward.clamp_min(1.0), rescale=w_sum / weighted.clamp_min(1),
+                      feature=None if targets is None else weighted * targets.shape[-1])
 
 
 def feature_loss(out, batch, total: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -302,10 +304,10 @@ def chained_features(batch, out) -> torch.Tensor:
     return torch.cat([batch.features[:, : batch.features.shape[1] - t + 1], own], 1)
 
 
-def batch_loss(module, batch, inputs: dict, tc: TrainerConfig, step: int, whole=None):
+def batch_loss(module, batch, inputs: dict, tc: TrainerConfig, step: int, totals: StepTotals | None = None):
     """(loss, dvi_loss output, feature loss or None, forward output) of one teacher-forced pass of the online
     trainer's `module` over a collated `batch` (`trainers.online.collate.Batch`); `inputs` are the extra
-    forward arguments (an eagle head's features). `whole`: the step's batch when `batch` is one of its
+    forward arguments (an eagle head's features). `totals`: the step's (`step_totals`) when `batch` is one of its
     micro-batches (`trainers.online.collate.micro_batches`): the parts' losses then sum to the whole's."""
     from dvi.drafters.vocab import subset_mode
 
@@ -314,9 +316,8 @@ def batch_loss(module, batch, inputs: dict, tc: TrainerConfig, step: int, whole=
         fwd = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                      position_ids=batch.position_ids, use_cache=False, logits_to_keep=batch.width, **inputs)
     logged = LoggedTargets(batch.topk_ids, batch.topk_logprobs, batch.drafted_ids, batch.accepted)
-    index, weights = (head.index if head is not None else None), LossWeights.of(tc)
-    totals = None if whole is None else step_totals(whole, weights, index)
-    out = dvi_loss(fwd.logits, logged, batch.weights, step=step, weights=weights, subset_index=index, totals=totals)
+    out = dvi_loss(fwd.logits, logged, batch.weights, step=step, weights=LossWeights.of(tc),
+                   subset_index=head.index if head is not None else None, totals=totals)
     w = batch.weights
     # dvi_loss normalises by the weight sum; rescale so down-weighted rows count less in absolute terms
     loss = out.loss * (w.sum() / (w > 0).sum().clamp_min(1) if totals is None else totals.rescale)

@@ -44,10 +44,10 @@ from dvi.feedback.heldout import HeldOutSet, group_of
 from dvi.feedback.verdict import gates
 from dvi.registry.store import DrafterRegistry
 from dvi.rundir import RunDir
-from trainers.losses import batch_loss, chained_features
+from trainers.losses import LossWeights, batch_loss, chained_features, step_totals
 from trainers.online.accel import make_accelerator
 from trainers.online.checkpoint import COUNTERS, load_checkpoint, save_checkpoint
-from trainers.online.collate import build_batch, micro_batches
+from trainers.online.collate import micro_batches
 from trainers.online.publishing import PublishDecision, Publisher
 from trainers.online.trainables import load_drafter_for_training, make_trainable
 
@@ -359,8 +359,9 @@ class OnlineTrainer:
         t0 = time.perf_counter()
         # several passes: each part's loss is divided by the whole step's totals, so the gradients they accumulate
         # are the one-pass step's (`trainers.losses.StepTotals`)
-        whole = build_batch(examples, weights, self.pad_id, self.tc.max_seq_len).to(self.device) if len(parts) > 1 \
-            else None
+        head = find_subset_head(self.module)
+        totals = step_totals(parts, LossWeights.of(self.tc), head.index if head is not None else None) \
+            if len(parts) > 1 else None
         self.trainable.activate()
         self.module.train()
         for group in self.optimizer.param_groups:  # linear warm-up (trainer.warmup_steps; eagle_warmup_steps)
@@ -372,10 +373,10 @@ class OnlineTrainer:
             # DDP all-reduces once, at the step's last backward
             with contextlib.nullcontext() if last else acc.no_sync(self.module):
                 loss, out, feat_loss, fwd = batch_loss(self.module, part, part.model_inputs(), self.tc, self.step,
-                                                       whole)
+                                                       totals)
                 if part.features is not None and self.tc.eagle_chained:  # drafts 2..K read the head's own features
                     loss = loss + batch_loss(self.module, part, {"features": chained_features(part, fwd)}, self.tc,
-                                             self.step, whole)[0]
+                                             self.step, totals)[0]
                 if last and self.anchor is not None:
                     loss = loss + self.tc.anchor_weight * sum(((p - a) ** 2).sum() for p, a in
                                                                zip(self.trainable.parameters(), self.anchor,
