@@ -45,19 +45,23 @@ def _learned(pair, a):
     return EarlyExitDrafter.load(pair.target, path, vocab_ids=load_draft_vocab(path, preset_draft_vocab(a.preset), rows))
 
 
-def _engines(pair, drafter, k_cap: int, threshold: float, systems: list[str]) -> dict[str, SpeculativeEngine]:
+def _engines(pair, drafter, k_cap: int, threshold: float, systems: list[str],
+             packed: bool) -> dict[str, SpeculativeEngine]:
     from dvi.config import SuffixConfig
     from dvi.drafters.factory import make_proposer
+    from dvi.engine.options import EngineOptions
 
     vocab = int(pair.target.get_output_embeddings().weight.shape[0])
     sx = SuffixConfig(max_draft_tokens=k_cap, threshold=threshold)
-    out = {"off": SpeculativeEngine(pair.target, None)}
+    opts = EngineOptions(cpu_packed_weights=packed)
+    out = {"off": SpeculativeEngine(pair.target, None, options=opts)}
     if "learned" in systems:
-        out["learned"] = SpeculativeEngine(pair.target, proposer_for(pair.target, drafter), adaptive=True)
+        out["learned"] = SpeculativeEngine(pair.target, proposer_for(pair.target, drafter), adaptive=True,
+                                           options=opts)
     for kind in ("suffix", "hybrid"):
         if kind in systems:
             out[kind] = SpeculativeEngine(pair.target, make_proposer(kind, drafter, vocab, "cpu", settings=sx),
-                                          adaptive=True)
+                                          adaptive=True, options=opts)
     return {s: out[s] for s in systems}
 
 
@@ -117,6 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the learned kind (alone and in hybrid); early_exit needs --pair-dir with early_exit/")
     ap.add_argument("--pair-dir", default=None, help="a dir with target/ and tokenizer/ (and drafter/) instead of "
                     "the built preset (suffix needs no drafter)")
+    ap.add_argument("--packed", default="auto", choices=["auto", "true", "false"],
+                    help="multi-row forwards on oneDNN-packed weights (`serve.cpu_packed_weights`; auto: as dvi serve)")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -165,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     pair = _load(a)
     tok = pair.tokenizer
     systems = [s for s in a.systems.split(",") if s]
-    engines = _engines(pair, _learned(pair, a), a.k_cap, a.threshold, systems)
+    from serving.wiring import packed_weights
+
+    packed = packed_weights({"true": True, "false": False}.get(a.packed, "auto"), pair.target)
+    engines = _engines(pair, _learned(pair, a), a.k_cap, a.threshold, systems, packed)
     with torch.inference_mode():
         for e in engines.values():
             e.calibrate([1])

@@ -315,6 +315,12 @@ class ServeConfig(_Strict):
     # weights in memory for verifies that cost less per drafted token (benchmarks/serve_speed.py measures both);
     # auto: on where the target serves fp32 on a CPU and that copy takes at most 2 GiB
     cpu_packed_weights: bool | Literal["auto"] = "auto"
+    # on a CPU in fp32, the target's forwards of a few rows (steps, verifies) run through dvi's rows kernel
+    # (dvi/decode/rows_kernel.c, built with the system's C compiler on first use; AVX2 + FMA), which streams each
+    # weight once whatever the row count, so a verify costs little more than a step, and rounds a row alike alone or
+    # beside others; auto: for as many rows as it is timed faster than torch's kernels for at start-up; true: up to
+    # 16 rows; where it cannot be built, torch's kernels serve (logged)
+    cpu_rows_kernel: bool | Literal["auto"] = "auto"
     queue_limit: int = Field(256, ge=1)
     max_tokens_limit: int = Field(1024, ge=1)
     trainer: Literal["off", "supervised", "external"] = "supervised"

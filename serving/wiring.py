@@ -161,7 +161,8 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
         max_draft_tokens=spec.max_draft_tokens, feedback_top_k=cfg.feedback.top_k,
         options=EngineOptions(cfg.sampling.greedy_below_temperature, cfg.serve.cuda_graphs, cfg.serve.max_batch_size,
                               packed_weights(cfg.serve.cpu_packed_weights, pair.target), spec.tree_width,
-                              drain_aware=False),  # rows are backfilled as they finish: throughput is the goal
+                              drain_aware=False,  # rows are backfilled as they finish: throughput is the goal
+                              cpu_rows_kernel=cfg.serve.cpu_rows_kernel),
     )
 
 

@@ -401,9 +401,9 @@ def test_exact_mode_probe_covers_every_projection(monkeypatch):
     real = dvi.decode.invariance.rows_linear
     lw = run.lean.layers[0]
 
-    def record(x, w, packed):
+    def record(x, w, lean):
         probed.append(w.data_ptr())
-        return real(x, w=w, packed=packed)
+        return real(x, w=w, lean=lean)
 
     monkeypatch.setattr(dvi.decode.invariance, "rows_linear", record)
     dvi.decode.invariance._matmul_rows_agree(run.lean, run.min_rows, 144, 0)

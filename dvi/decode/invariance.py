@@ -23,7 +23,7 @@ from functools import partial
 
 import torch
 
-from dvi.decode.lean import LeanModel, rows_linear
+from dvi.decode.lean import LeanModel
 from dvi.decode.lean_target import LeanTarget
 
 __all__ = ["FLOORS", "Invariance", "probe"]
@@ -66,7 +66,7 @@ def _key(lean: LeanModel, *rest) -> tuple:
     c = lean.config
     return (getattr(c, "model_type", None), lean.hidden, len(lean.layers), lean.heads, lean.kv_heads,
             lean.head_dim, int(lean.layers[0].gate_up.shape[0]), int(lean.head.shape[0]), lean.dtype,
-            lean.device.type, lean.packs is not None, lean.head_pack is None and lean.head_path(), *rest)
+            lean.device.type, lean.packs is not None, lean.head_pack is None and lean.head_path(), lean.kernel_rows, *rest)
 
 
 def probe(lean: LeanModel, max_width: int = 17, exact: bool = False, max_rows: int = 0, context: int = 48,
@@ -104,17 +104,20 @@ def _row_chunk(lean: LeanModel, widths: tuple[int, ...], agreed: tuple[int, ...]
     return ok[-1] if _agreeing_widths(lean, 1, widths, context, seed, chunk=ok[-1]) == widths else None
 
 
+def rows_linear(x: torch.Tensor, w: torch.Tensor, lean: LeanModel) -> torch.Tensor:
+    """x [m, in] through one of `lean`'s layer weights w as its forwards run it (`LeanModel.linear`)."""
+    return lean.linear(x, w)
+
+
 @torch.inference_mode()
 def _matmul_rows_agree(lean: LeanModel, floor: int, max_rows: int, seed: int) -> bool:
     """Rows of the model's own matmuls at a few row counts up to `max_rows` equal a lone row padded to `floor`."""
     g = torch.Generator().manual_seed(seed)
     counts = sorted({m for m in (floor, floor + 1, 2 * floor + 1, 33, 64, 65, 128, 129, max_rows) if floor <= m <= max_rows})
     lw = lean.layers[0]
-    packs = lean.packs[0] if lean.packs else (None,) * 4
-    matmuls = [(lw.qkv, partial(rows_linear, w=lw.qkv, packed=packs[0])),
-               (lw.o, partial(rows_linear, w=lw.o, packed=packs[1])),
-               (lw.gate_up, partial(rows_linear, w=lw.gate_up, packed=packs[2])),
-               (lw.down, partial(rows_linear, w=lw.down, packed=packs[3])),
+    matmuls = [(lw.qkv, partial(rows_linear, w=lw.qkv, lean=lean)), (lw.o, partial(rows_linear, w=lw.o, lean=lean)),
+               (lw.gate_up, partial(rows_linear, w=lw.gate_up, lean=lean)),
+               (lw.down, partial(rows_linear, w=lw.down, lean=lean)),
                (lean.head, lean._logits)]  # the head as a forward runs it (a oneDNN pack, blockwise or whole)
     for w, run in matmuls:
         x = torch.randn(max_rows, w.shape[1], generator=g).to(w)

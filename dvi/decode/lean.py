@@ -15,6 +15,7 @@ holes, no validity masks, no compaction, and every shape depends only on (rows, 
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 from typing import Any
@@ -27,6 +28,8 @@ from dvi.decode.attention import Attention
 from dvi.decode.segments import NO_RUNS, Runs, attend_segments
 
 __all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
+
+log = logging.getLogger(__name__)
 
 LEAN_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 """Architectures `LeanModel` runs (a Llama decoder layer, optionally with q/k biases or per-head q/k norms)."""
@@ -230,7 +233,11 @@ class LeanModel:
         self._head_unmeasured = self.head_blocks is not None
         # oneDNN-prepacked copies of the layer and head weights for forwards of more than one row (`pack_multirow`)
         self.packs: list[tuple[torch.Tensor, ...]] | None = None
+        self._pack_of: dict[int, torch.Tensor] = {}  # a layer weight's data_ptr -> its pack (`linear`)
         self.head_pack: torch.Tensor | None = None
+        # forwards of up to this many rows run every matmul through the fp32 rows kernel (`use_rows_kernel`; 0: never)
+        self.kernel_rows = 0
+        self.kernel = None
         # a one-row folded forward (a verify whose rows must round like lone steps) of more positions runs its
         # matmuls in pieces of at most this many rows, where the kernels round a wider GEMM's rows unlike a lone
         # row's (`dvi.decode.invariance`; None: whole). Prefills and a batch's rows (near-tie anyway) stay whole.
@@ -258,8 +265,25 @@ class LeanModel:
         self._pack_rows = rows
         self.packs = [(pack(lw.qkv, rows), pack(lw.o, rows), pack(lw.gate_up, rows), pack(lw.down, rows))
                       for lw in self.layers]
+        self._pack_of = {w.data_ptr(): p for lw, ps in zip(self.layers, self.packs, strict=True)
+                         for w, p in zip((lw.qkv, lw.o, lw.gate_up, lw.down), ps, strict=True)}
         self.head_pack = pack(self.head, rows) if self.head_module is None else None
         return True
+
+    @torch.inference_mode()
+    def use_rows_kernel(self, rows: int | None = None) -> int:
+        """Forwards of up to `rows` rows (None: as many as `kernel_rows_measured` finds it faster for) through the
+        fp32 rows kernel (`dvi.decode.rows_kernel`): every weight streamed once, whatever the rows. fp32 on a CPU
+        where it builds only; returns the rows it serves (0: none)."""
+        from dvi.decode.rows_kernel import load
+
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return 0
+        self.kernel = load()
+        if self.kernel is None:
+            return 0
+        self.kernel_rows = kernel_rows_measured(self) if rows is None else max(0, int(rows))
+        return self.kernel_rows
 
     def repack(self) -> None:
         """New weights were loaded in place (a target update): the packed copies are remade from them, else the
@@ -320,10 +344,10 @@ class LeanModel:
         x = F.embedding(flat, self.embed)  # [N, H]
         taps = self.feature_layers if features else None
         tapped = []
-        packs, lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments, runs.pieces(n))
+        lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments, runs.pieces(n))
         ad = self.adapters
         for i, lw in enumerate(self.layers):
-            qkv_w, o_w, gate_up_w, down_w = packs[i] if packs else (lw.qkv, lw.o, lw.gate_up, lw.down)
+            qkv_w, o_w, gate_up_w, down_w = lw.qkv, lw.o, lw.gate_up, lw.down
             h = F.rms_norm(x, (self.hidden,), lw.ln_in, self.eps)
             qkv = lin(h, qkv_w, lw.qkv_bias)
             qkv = (ad.add(i, "qkv", h, qkv) if ad else qkv).view(n, heads + 2 * kvh, 2, d // 2)
@@ -357,16 +381,24 @@ class LeanModel:
         return self._outputs(x, b, q, logits_to_keep, features, pick, tapped, chunk)
 
     def _matmuls(self, n: int, b: int, folded: bool, pieces: list[int] | None = None) -> tuple:
-        """A forward of n rows' weights (the packed copies past one row), its linear, and the pieces a one-row folded
-        forward runs its matmuls in (`row_chunk`; None: whole). `pieces`: row counts the matmuls run in instead (each
-        prefix its own, `Runs.pieces`)."""
-        packs = self.packs if n > 1 else None
-        lin = _packed_linear if packs else F.linear
+        """A forward of n rows' linear, and the pieces a one-row folded forward runs its matmuls in (`row_chunk`; None:
+        whole). `pieces`: row counts the matmuls run in instead (each prefix its own, `Runs.pieces`). Each piece takes
+        the kernel its own row count takes (`linear`)."""
         if pieces is not None:
-            return packs, partial(_in_pieces, lin, pieces), None
+            return partial(_in_pieces, self.linear, pieces), None
         rc = self.row_chunk
         chunk = rc if rc and b == 1 and n > rc and folded else None
-        return packs, (partial(_in_pieces, lin, chunk) if chunk else lin), chunk
+        return (partial(_in_pieces, self.linear, chunk) if chunk else self.linear), chunk
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, in] through one of the layers' weights w as a forward runs it: the rows kernel up to `kernel_rows`
+        rows, oneDNN's pack of w (`pack_multirow`) past one row, else F.linear (MKL's GEMV for one row)."""
+        m = x.shape[0]
+        if m <= self.kernel_rows:
+            return self.kernel.linear(x, w, bias)
+        if m > 1 and self._pack_of:
+            return _packed_linear(x, self._pack_of[w.data_ptr()], bias)
+        return F.linear(x, w, bias)
 
     def _placement(self, ids: torch.Tensor, start: torch.Tensor, attn: Attention, first_slot: int,
                    real: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -417,6 +449,8 @@ class LeanModel:
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
         if self.head_module is not None:
             return self.head_module(f)
+        if f.numel() <= self.kernel_rows * f.shape[-1]:
+            return self.kernel.linear(f, self.head)
         if self.head_pack is not None and f.numel() > f.shape[-1]:
             return _packed_linear(f, self.head_pack)
         if self.head_blocks is not None and f.numel() > f.shape[-1]:
@@ -494,6 +528,48 @@ def _in_pieces(lin: Any, rows: int | list[int], x: torch.Tensor, w: torch.Tensor
     return torch.cat([lin(p, w, bias) for p in x.split(rows)])
 
 
-def rows_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """x [m, in] through w as `LeanModel.forward` runs it: on its oneDNN pack when there is one and m > 1."""
-    return _packed_linear(x, packed) if packed is not None and x.shape[0] > 1 else F.linear(x, w)
+KERNEL_ROWS = 16
+"""Rows up to which the rows kernel serves forwards when asked to without timing (`use_rows_kernel`)."""
+
+KERNEL_PROBE_ROWS = (1, 2, 4, 8, 16, 32)
+"""Row counts at which `kernel_rows_measured` times the rows kernel against torch's path."""
+
+
+@torch.inference_mode()
+def kernel_rows_measured(lean: LeanModel, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, reps: int = 3) -> int:
+    """The most rows up to which the rows kernel runs every matmul of a forward (all layers and the head: the weights
+    streamed as a step streams them) no slower than the path the forward takes without it (MKL's GEMV for one row,
+    oneDNN's packs or MKL's GEMM for more), arms interleaved, best of `reps`, within 2%; 0 where it loses at one
+    row. Timed once per model shape, packing and thread count in a process."""
+    key = (lean.hidden, len(lean.layers), tuple(lean.layers[0].gate_up.shape), tuple(lean.head.shape),
+           lean.packs is not None, lean.head_module is None, torch.get_num_threads())
+    if key in _KERNEL_ROWS:
+        return _KERNEL_ROWS[key]
+    was = lean.kernel_rows
+    inner = int(lean.layers[0].down.shape[1])
+
+    def weights_pass(m: int, k_rows: int) -> float:
+        x, xi = torch.randn(m, lean.hidden, dtype=lean.dtype), torch.randn(m, inner, dtype=lean.dtype)
+        lean.kernel_rows = k_rows
+        t = time.perf_counter()
+        for lw in lean.layers:
+            lean.linear(x, lw.qkv), lean.linear(x, lw.o), lean.linear(x, lw.gate_up), lean.linear(xi, lw.down)
+        lean._logits(x)
+        return time.perf_counter() - t
+
+    best = 0
+    try:
+        for m in rows:
+            weights_pass(m, m), weights_pass(m, 0)  # warm both paths
+            times = [(weights_pass(m, m), weights_pass(m, 0)) for _ in range(reps)]
+            if min(k for k, _ in times) > 1.02 * min(t for _, t in times):
+                break
+            best = m
+    finally:
+        lean.kernel_rows = was
+    _KERNEL_ROWS[key] = best
+    log.info("fp32 rows kernel: forwards of up to %d rows (timed against torch's kernels at %s rows)", best, rows)
+    return best
+
+
+_KERNEL_ROWS: dict[tuple, int] = {}

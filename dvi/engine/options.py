@@ -23,3 +23,6 @@ class EngineOptions:
     # adaptive K minimises the time until the batch's slowest row finishes (a fixed batch: `generate`, RL rollouts)
     # when True; a server that backfills finished rows maximises tokens per second instead (False)
     drain_aware: bool = True
+    # forwards of a few rows (steps, verifies) through dvi's fp32 rows kernel (CPU; `target_runner`): True for up to
+    # 16 rows, "auto" for as many as it is timed faster for at start-up, False never
+    cpu_rows_kernel: bool | str = False

@@ -102,7 +102,8 @@ class SpeculativeEngine:
             if options.tree_width else 0
         self._target: TargetRunner = target_runner(self.target, max_width=self.k_cap + 1, graphs=options.cuda_graphs,
                                                    max_batch=options.max_batch_size, max_context=self.max_context,
-                                                   packed=options.cpu_packed_weights, tree_width=widest_tree)
+                                                   packed=options.cpu_packed_weights, tree_width=widest_tree,
+                                                   rows_kernel=options.cpu_rows_kernel)
         self._sync_feature_layers()
         self.k_policy = KPolicy(adaptive, num_draft_tokens, max_draft_tokens, self._calibrate,
                                 options.tree_width if self._target.trees else 0)

@@ -1,0 +1,128 @@
+"""A few-row fp32 matmul for x86-64 CPUs with AVX2 and FMA (`rows_kernel.c`), built with the system's C compiler.
+
+Why its own kernel: a decode step or a verify multiplies 1-16 rows by every weight of the target, so its cost is
+streaming the weights; MKL's one-row GEMV streams them well, but its GEMMs of 2-16 rows and oneDNN's on prepacked
+weights stream them slower, so every verified position costs (docs/design.md, "Where a plain step goes"). This
+kernel reads each weight once whatever the row count, and a row rounds alike alone or beside others.
+
+Built once per source and compiler into `$XDG_CACHE_HOME/dvi/kernels` (default `~/.cache`) and loaded with ctypes;
+`load()` is None where it cannot run (not x86-64 Linux with avx2 and fma, no compiler, a failed build: the reason is
+logged once), and the caller keeps torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+__all__ = ["RowsKernel", "load", "unavailable_reason"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rows_kernel.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
+
+
+class RowsKernel:
+    """`linear(x, w, bias)`: F.linear for fp32 x [M, K] and a contiguous fp32 w [N, K] on the CPU."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        fn = lib.dvi_rows_linear_f32
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64]
+        fn.restype = None
+        self._fn = fn
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"the rows kernel takes fp32 CPU tensors, got {x.dtype} x on {x.device}, {w.dtype} w")
+        if not w.is_contiguous():
+            raise ValueError("the rows kernel takes a contiguous weight")
+        lead, k = x.shape[:-1], x.shape[-1]
+        if k != w.shape[1]:
+            raise ValueError(f"x has {k} columns, the weight {w.shape[1]}")
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m, n = x2.shape[0], w.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m:
+            self._fn(x2.data_ptr(), x2.stride(0), w.data_ptr(), n, k, y.data_ptr(), n, m)
+        if bias is not None:
+            y.add_(bias)
+        return y.view(*lead, n)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dvi" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source and compiler, compiled once (a temp name renamed into place, so processes
+    building it at once each load a whole file)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"rows_kernel-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-rows_kernel-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {r.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@cache
+def _loaded() -> tuple[RowsKernel | None, str | None]:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"not x86-64 Linux ({platform.system()} {platform.machine()})"
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        return None, f"this CPU lacks {', '.join(sorted(missing))}"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None, "no C compiler (cc, gcc or $CC) to build it"
+    try:
+        return RowsKernel(ctypes.CDLL(str(_build(compiler)))), None
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"building it failed: {e}"
+
+
+def load() -> RowsKernel | None:
+    """The kernel, built on first use; None where it cannot run (`unavailable_reason` says why, logged once)."""
+    kernel, why = _loaded()
+    if kernel is None and not getattr(load, "_told", False):
+        load._told = True  # type: ignore[attr-defined]
+        log.info("fp32 rows kernel unavailable (torch's kernels serve every matmul): %s", why)
+    return kernel
+
+
+def unavailable_reason() -> str | None:
+    return _loaded()[1]

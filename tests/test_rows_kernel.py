@@ -1,0 +1,148 @@
+"""`serve.cpu_rows_kernel`: dvi's fp32 rows kernel (`dvi/decode/rows_kernel.c`). It computes F.linear up to float
+rounding, rounds a row alike alone or beside others (so a one-request verify rounds like the steps it stands for and
+the probe says so), keeps the engine lossless, says why where it cannot run, and every value starts `dvi serve`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_engine import assert_greedy_equal, reference
+from tiny_models import tiny_llama
+
+from dvi.decode import rows_kernel
+from dvi.decode.lean import LeanModel, kernel_rows_measured
+from dvi.decode.target import target_runner
+from dvi.engine.speculative import EngineOptions, SpeculativeEngine
+
+KERNEL = rows_kernel.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"rows kernel unavailable: {rows_kernel.unavailable_reason()}")
+
+
+def _target():
+    return tiny_llama(0, vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4, 8), (3, 7, 13), (5, 130, 64), (17, 33, 576), (2, 1, 5)])
+def test_the_kernel_computes_what_f_linear_does(m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    exact = F.linear(x.double(), w.double(), b.double())
+    got = KERNEL.linear(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+    # a strided x (a view of every other column) and leading dimensions work too
+    wide = torch.randn(m, 2 * k, generator=g)
+    torch.testing.assert_close(KERNEL.linear(wide[:, ::2], w), F.linear(wide[:, ::2], w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(KERNEL.linear(x.view(1, m, k), w), F.linear(x, w).view(1, m, n), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_a_row_rounds_alike_alone_and_beside_others():
+    """Each output is one accumulation over k in order whatever the row count: a row of a 20-row product is bit-equal
+    to the row alone (torch's GEMMs differ here: MKL's GEMV and its GEMMs round a row apart)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(20, 576, generator=g), torch.randn(203, 576, generator=g)
+    alone = torch.cat([KERNEL.linear(x[r : r + 1], w) for r in range(20)])
+    for m in (2, 3, 4, 7, 20):
+        assert torch.equal(KERNEL.linear(x[:m], w), alone[:m]), m
+
+
+@needs_kernel
+def test_bad_inputs_are_refused_by_name():
+    with pytest.raises(ValueError, match="fp32"):
+        KERNEL.linear(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="contiguous"):
+        KERNEL.linear(torch.zeros(1, 8), torch.zeros(8, 4).t())
+    with pytest.raises(ValueError, match="columns"):
+        KERNEL.linear(torch.zeros(1, 8), torch.zeros(4, 9))
+
+
+def test_without_a_compiler_it_says_why_and_torch_serves(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rows_kernel._loaded.cache_clear()
+    try:
+        assert rows_kernel.load() is None
+        assert rows_kernel.unavailable_reason()
+        lean = LeanModel(_target())
+        assert lean.use_rows_kernel(4) == 0 and lean.kernel_rows == 0
+    finally:
+        monkeypatch.undo()
+        rows_kernel._loaded.cache_clear()
+
+
+@needs_kernel
+def test_the_build_is_cached_per_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rows_kernel._loaded.cache_clear()
+    try:
+        assert rows_kernel.load() is not None
+        built = list((tmp_path / "dvi" / "kernels").glob("rows_kernel-*.so"))
+        assert len(built) == 1 and not list(built[0].parent.glob(".tmp-*"))
+    finally:
+        monkeypatch.undo()
+        rows_kernel._loaded.cache_clear()
+
+
+@needs_kernel
+@torch.inference_mode()
+def test_forwards_on_the_kernel_compute_what_torch_does_and_verifies_round_like_steps():
+    target = _target()
+    with_kernel, plain = LeanModel(target), LeanModel(target)
+    assert with_kernel.use_rows_kernel(16) == 16
+    run = target_runner(target, max_width=9, rows_kernel=True)
+    assert run.lean.kernel_rows == 16 and run.contract["one_request"] == "bitwise"
+    from dvi.decode.lean_target import LeanTarget
+
+    a, b = LeanTarget(lean=with_kernel), LeanTarget(lean=plain)
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, 128, (20,), generator=g).tolist()
+    a.admit([ctx], False), b.admit([ctx], False)
+    ids = torch.randint(0, 128, (1, 5), generator=g)
+    torch.testing.assert_close(a.forward(ids, False), b.forward(ids, False), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_the_measured_rows_are_a_probed_count():
+    lean = LeanModel(_target())
+    lean.kernel = KERNEL
+    assert kernel_rows_measured(lean) in (0, 1, 2, 4, 8, 16, 32)
+
+
+@needs_kernel
+@torch.inference_mode()
+def test_engine_on_the_kernel_is_lossless_with_history_drafts():
+    from dvi.config import SuffixConfig
+    from dvi.drafters.factory import make_proposer
+
+    target = _target()
+    g = torch.Generator().manual_seed(1)
+    prompts = [(torch.randint(0, 128, (12,), generator=g).tolist() * 3)[: 30 + i] for i in range(3)]
+    prop = make_proposer("suffix", None, 128, "cpu", settings=SuffixConfig(max_draft_tokens=4))
+    eng = SpeculativeEngine(target, prop, num_draft_tokens=4, max_draft_tokens=4,
+                            options=EngineOptions(cpu_packed_weights=True, cpu_rows_kernel=True))
+    assert eng._target.lean.kernel_rows == 16
+    outs = eng.generate(prompts, 24)
+    assert sum(o.num_drafted for o in outs) > 0
+    for p, o in zip(prompts, outs, strict=True):
+        assert_greedy_equal(target, p, list(o.token_ids), reference(target, p, 24))
+    # alone, each request's greedy text is the engine's own plain decode token for token (bitwise contract)
+    off = SpeculativeEngine(target, None, options=EngineOptions(cpu_rows_kernel=True))
+    for p in prompts:
+        assert eng.generate([p], 24)[0].token_ids == off.generate([p], 24)[0].token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", ["true", "false", "auto"])
+def test_every_value_of_the_option_starts_dvi_serve(tiny_pair_dir, tmp_path, value):
+    from test_serving_helpers import ServerThread, tiny_config
+
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=suffix", f"serve.cpu_rows_kernel={value}")
+    assert cfg.serve.cpu_rows_kernel == {"true": True, "false": False, "auto": "auto"}[value]
+    with ServerThread(cfg) as s, s.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "def main(argv):\n", "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] > 0
