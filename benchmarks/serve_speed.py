@@ -15,6 +15,8 @@ speculation off's text.
 
 An arm `KIND:chain` serves KIND with `speculation.tree_width=0` (chains only), beside KIND with draft trees:
 `--kinds off,separate:chain,separate` compares the two shapes, tokens per target pass and tokens/s (issue 57).
+An arm `ARM@key=value` serves ARM with config overrides: `--kinds off,off@serve.cpu_rows_kernel=false` compares
+speculation off with and without dvi's rows kernel.
 
 Prints a table ending with the goals, writes JSON with a `goals` list, exits 0.
 """
@@ -133,15 +135,18 @@ class _Arms:
 
 
 def _start_servers(stack: contextlib.ExitStack, kinds: list[str], base: list[str], work: Path) -> dict:
-    """One `dvi serve` per kind (`off`: speculation off; `KIND:chain`: KIND without draft trees), closed with `stack`."""
+    """One `dvi serve` per kind (`off`: speculation off; `KIND:chain`: KIND without draft trees; `ARM@key=value...`:
+    ARM with those config overrides, e.g. `off@serve.cpu_rows_kernel=false`), closed with `stack`."""
     from serving.server_process import ServerProcess
 
     servers = {}
-    for kind in kinds:
-        d = work / kind
-        base_kind, _, shape = kind.partition(":")
-        extra = ["speculation.adaptive=false", "speculation.num_draft_tokens=0"] if kind == "off" else \
+    for i, kind in enumerate(kinds):
+        d = work / f"arm{i}"
+        arm, *overrides = kind.split("@")
+        base_kind, _, shape = arm.partition(":")
+        extra = ["speculation.adaptive=false", "speculation.num_draft_tokens=0"] if arm == "off" else \
             [f"models.drafter_kind={base_kind}"] + (["speculation.tree_width=0"] if shape == "chain" else [])
+        extra += overrides
         print(f"[{kind}] starting dvi serve ...", flush=True)
         servers[kind] = stack.enter_context(ServerProcess(
             base + extra + [f"run_dir={d}", f"feedback.dir={d / 'feedback'}", f"registry.dir={d / 'registry'}"],
@@ -265,8 +270,8 @@ def main(argv=None) -> int:
 
     kinds = [k for k in args.kinds.split(",") if k]
     domains = [d for d in args.domains.split(",") if d]
-    ensure_pair(load_config(None, [f"models.preset={args.preset}"] + [f"models.drafter_kind={k.split(':')[0]}"
-                                                                      for k in kinds if k not in ("off", "suffix")][:1]))
+    ensure_pair(load_config(None, [f"models.preset={args.preset}"] + [f"models.drafter_kind={k.split('@')[0].split(':')[0]}"
+                                                                      for k in kinds if k.split('@')[0] not in ("off", "suffix")][:1]))
     pair = load_embedded_pair(args.preset, device=args.device, dtype="auto")
     target, tok = pair.target.eval(), pair.tokenizer
     stop = list(getattr(pair, "stop_ids", None) or [tok.eos_token_id])
