@@ -68,9 +68,11 @@ from benchmarks._field_client import (
 )
 
 DVI_ARMS = {"off": ["speculation.adaptive=false", "speculation.num_draft_tokens=0"],
+            "off-torch": ["speculation.adaptive=false", "speculation.num_draft_tokens=0", "serve.cpu_rows_kernel=false"],
             "separate": ["models.drafter_kind=separate"], "hybrid": ["models.drafter_kind=hybrid"],
             "suffix": ["models.drafter_kind=suffix"]}
-"""dvi's arms: speculation off, and each kind at its defaults (adaptive K, draft trees where they pay)."""
+"""dvi's arms: speculation off, and each kind at its defaults (adaptive K, draft trees where they pay); `off-torch`:
+speculation off on torch's kernels only (`serve.cpu_rows_kernel=false`), what dvi's rows kernel buys."""
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 VLLM_ARMS = {"vllm": None, "vllm-ngram": VLLM_NGRAM}
 """vLLM's arms: plain decoding, and its prompt-lookup speculation (k = 4)."""
