@@ -202,7 +202,8 @@ class RLRun:
             self.target, proposer, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
             max_draft_tokens=max(cfg.max_draft_tokens, cfg.num_draft_tokens),
             feedback_top_k=cfg.feedback_top_k if cfg.arm == "online" else 0,
-            options=EngineOptions(tree_width=cfg.tree_width if cfg.tree_width is not None else 3 * cfg.adaptive),
+            options=EngineOptions(tree_width=cfg.tree_width if cfg.tree_width is not None else 3 * cfg.adaptive,
+                                  cpu_rows_kernel="auto"),  # fp32 on a CPU: steps and verifies on dvi's rows kernel
         )
         self.calibrate_s = 0.0
         if cfg.adaptive and self.engine.proposer.name != "none":
