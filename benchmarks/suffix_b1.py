@@ -45,15 +45,15 @@ def _learned(pair, a):
     return EarlyExitDrafter.load(pair.target, path, vocab_ids=load_draft_vocab(path, preset_draft_vocab(a.preset), rows))
 
 
-def _engines(pair, drafter, k_cap: int, threshold: float, systems: list[str],
-             packed: bool) -> dict[str, SpeculativeEngine]:
+def _engines(pair, drafter, k_cap: int, threshold: float, systems: list[str], packed: bool,
+             rows_kernel: bool | str) -> dict[str, SpeculativeEngine]:
     from dvi.config import SuffixConfig
     from dvi.drafters.factory import make_proposer
     from dvi.engine.options import EngineOptions
 
     vocab = int(pair.target.get_output_embeddings().weight.shape[0])
     sx = SuffixConfig(max_draft_tokens=k_cap, threshold=threshold)
-    opts = EngineOptions(cpu_packed_weights=packed)
+    opts = EngineOptions(cpu_packed_weights=packed, cpu_rows_kernel=rows_kernel)
     out = {"off": SpeculativeEngine(pair.target, None, options=opts)}
     if "learned" in systems:
         out["learned"] = SpeculativeEngine(pair.target, proposer_for(pair.target, drafter), adaptive=True,
@@ -123,6 +123,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "the built preset (suffix needs no drafter)")
     ap.add_argument("--packed", default="auto", choices=["auto", "true", "false"],
                     help="multi-row forwards on oneDNN-packed weights (`serve.cpu_packed_weights`; auto: as dvi serve)")
+    ap.add_argument("--rows-kernel", default="auto", choices=["auto", "true", "false"],
+                    help="steps and verifies on dvi's fp32 rows kernel (`serve.cpu_rows_kernel`; auto: as dvi serve)")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     from serving.wiring import packed_weights
 
     packed = packed_weights({"true": True, "false": False}.get(a.packed, "auto"), pair.target)
-    engines = _engines(pair, _learned(pair, a), a.k_cap, a.threshold, systems, packed)
+    rows_kernel = {"true": True, "false": False}.get(a.rows_kernel, "auto")
+    engines = _engines(pair, _learned(pair, a), a.k_cap, a.threshold, systems, packed, rows_kernel)
     with torch.inference_mode():
         for e in engines.values():
             e.calibrate([1])
