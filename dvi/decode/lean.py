@@ -347,9 +347,8 @@ class LeanModel:
         lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments, runs.pieces(n))
         ad = self.adapters
         for i, lw in enumerate(self.layers):
-            qkv_w, o_w, gate_up_w, down_w = lw.qkv, lw.o, lw.gate_up, lw.down
             h = F.rms_norm(x, (self.hidden,), lw.ln_in, self.eps)
-            qkv = lin(h, qkv_w, lw.qkv_bias)
+            qkv = lin(h, lw.qkv, lw.qkv_bias)
             qkv = (ad.add(i, "qkv", h, qkv) if ad else qkv).view(n, heads + 2 * kvh, 2, d // 2)
             if lw.q_norm is not None:
                 qkv = torch.cat([F.rms_norm(qkv[:, :heads].reshape(n, heads, d), (d,), lw.q_norm, self.eps),
@@ -362,12 +361,12 @@ class LeanModel:
                 _attend_real(attn, qrows, real, b * q, b, keys[i], values[i], self.scale)
             if segments:
                 o = torch.cat([o, *attend_segments(qkv[n_batch:, :heads], segments, i, self.scale)])
-            x = x + (ad.add(i, "o", o, lin(o, o_w)) if ad else lin(o, o_w))
+            x = x + (ad.add(i, "o", o, lin(o, lw.o)) if ad else lin(o, lw.o))
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
-            gu = lin(h, gate_up_w)
+            gu = lin(h, lw.gate_up)
             gate, up = (ad.add(i, "gate_up", h, gu) if ad else gu).chunk(2, -1)
             m = F.silu(gate) * up
-            x = x + (ad.add(i, "down", m, lin(m, down_w)) if ad else lin(m, down_w))
+            x = x + (ad.add(i, "down", m, lin(m, lw.down)) if ad else lin(m, lw.down))
             if taps and i in taps:
                 tapped.append(x)
         if tails is not None:  # the batch's ids and the tails (the prefixes' outputs are not asked for)
