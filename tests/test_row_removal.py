@@ -5,8 +5,8 @@ import itertools
 
 import torch
 
-from dvi.decode.lean import SlotCache
 from dvi.decode.seq import fill_order
+from dvi.decode.slot_cache import SlotCache
 
 
 def test_fill_order_keeps_every_survivor_once_and_moves_only_tail_rows():

@@ -11,8 +11,9 @@ from test_engine import assert_greedy_equal, reference
 from tiny_models import tiny_llama
 
 from dvi.decode import rows_kernel
-from dvi.decode.lean import LeanModel, kernel_rows_measured
-from dvi.decode.target import target_runner
+from dvi.decode.lean import LeanModel
+from dvi.decode.rows_kernel import kernel_rows_measured
+from dvi.decode.target import CpuMatmuls, target_runner
 from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 
 KERNEL = rows_kernel.load()
@@ -93,7 +94,7 @@ def test_forwards_on_the_kernel_compute_what_torch_does_and_verifies_round_like_
     target = _target()
     with_kernel, plain = LeanModel(target), LeanModel(target)
     assert with_kernel.use_rows_kernel(16) == 16
-    run = target_runner(target, max_width=9, rows_kernel=True)
+    run = target_runner(target, max_width=9, cpu=CpuMatmuls(rows_kernel=True))
     assert run.lean.kernel_rows == 16 and run.contract["one_request"] == "bitwise"
     from dvi.decode.lean_target import LeanTarget
 

@@ -19,7 +19,8 @@ import time
 import torch
 
 from dvi.decode.attention import Attention
-from dvi.decode.lean import LeanModel, SlotCache
+from dvi.decode.lean import LeanModel
+from dvi.decode.slot_cache import SlotCache
 
 __all__ = ["StaticForward", "GraphedForward", "buckets_up_to"]
 

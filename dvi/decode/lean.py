@@ -15,7 +15,6 @@ holes, no validity masks, no compaction, and every shape depends only on (rows, 
 
 from __future__ import annotations
 
-import logging
 import time
 from functools import partial
 from typing import Any
@@ -26,10 +25,9 @@ from torch import nn
 
 from dvi.decode.attention import Attention
 from dvi.decode.segments import NO_RUNS, Runs, attend_segments
+from dvi.decode.slot_cache import SlotCache
 
 __all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
-
-log = logging.getLogger(__name__)
 
 LEAN_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 """Architectures `LeanModel` runs (a Llama decoder layer, optionally with q/k biases or per-head q/k norms)."""
@@ -108,89 +106,6 @@ class _Layer:
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.q_norm = qn.weight if qn is not None else None
         self.k_norm = kn.weight if kn is not None else None
-
-
-class SlotCache:
-    """Keys and values of up to `slots` rows: [layers, slots, capacity, 2, kv_heads, head_dim], zero-filled
-    (masked columns are multiplied by 0 in attention: garbage there must be finite). `lengths` (host ints) is
-    what each row holds; capacity and slots grow by doubling (`reserve`), which a captured graph never sees
-    because its caller reserves the maximum first."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 slots: int = 1, capacity: int = 256):
-        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
-        self.lengths: list[int] = []
-        self.frozen = False  # a captured CUDA graph holds this cache's address: it may not move
-        self._alloc(max(1, slots), max(16, capacity))
-
-    def _alloc(self, slots: int, capacity: int) -> None:
-        old = getattr(self, "kv", None)
-        with torch.inference_mode(False), torch.no_grad():  # a normal tensor: updatable in and out of inference mode
-            self.kv = torch.zeros(self.layers, slots, capacity, 2, self.kv_heads, self.head_dim, dtype=self.dtype,
-                                  device=self.device)
-            if old is not None and self.lengths:  # lengths may count entries a forward is about to write (`Segments`)
-                b, n = min(len(self.lengths), old.shape[1]), min(max(self.lengths), old.shape[2])
-                self.kv[:, :b, :n].copy_(old[:, :b, :n])
-            self.per_layer = self.kv.unbind(0)  # [slots, capacity, 2, kv_heads, head_dim] each, for index_put_
-
-    @property
-    def slots(self) -> int:
-        return self.kv.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.kv.shape[2]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.lengths)
-
-    def reserve(self, rows: int, columns: int) -> None:
-        """Room for `rows` rows of `columns` positions (doubling)."""
-        if rows > self.slots or columns > self.capacity:
-            if self.frozen:
-                raise ValueError(f"{rows} rows of {columns} positions do not fit the CUDA-graph KV cache "
-                                 f"({self.slots} slots of {self.capacity}): raise the engine's max_batch / "
-                                 "max_context, or serve without CUDA graphs")
-            s, c = self.slots, self.capacity
-            while s < rows:
-                s *= 2
-            while c < columns:
-                c *= 2
-            self._alloc(s, c)
-
-    def views(self, rows: int, columns: int, first: int = 0) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Per layer, keys and values of slots first..first+rows-1, positions 0..columns-1, as SDPA wants them:
-        [rows, kv_heads, columns, head_dim] (strided views, no copy)."""
-        kv = self.kv[:, first : first + rows, :columns]
-        return kv.select(3, 0).transpose(2, 3).unbind(0), kv.select(3, 1).transpose(2, 3).unbind(0)
-
-    def add_rows(self, n: int) -> list[int]:
-        """n empty rows at the end of the batch; returns their slots."""
-        b = len(self.lengths)
-        self.reserve(b + n, 1)
-        self.lengths.extend([0] * n)
-        return list(range(b, b + n))
-
-    def advance(self, kept: list[int]) -> None:
-        """Row i keeps the first kept[i] entries its last forward wrote."""
-        self.lengths = [a + int(k) for a, k in zip(self.lengths, kept, strict=True)]
-
-    def truncate(self, lengths: list[int]) -> None:
-        self.lengths = [int(x) for x in lengths]
-
-    @torch.no_grad()
-    def select_rows(self, keep: list[int]) -> None:
-        """Only rows `keep` stay, in that order, in slots 0..len(keep)-1: only the rows that change slot are copied
-        (the engine fills a leaving row's slot with the last row, `dvi.decode.seq.fill_order`, so a row that
-        finishes moves one row, not every row behind it)."""
-        moved = [(j, i) for j, i in enumerate(keep) if i != j]
-        n = max((self.lengths[i] for _, i in moved), default=0)
-        if n > 0:
-            dst, src = (torch.tensor(x, dtype=torch.long, device=self.device) for x in zip(*moved, strict=True))
-            self.kv[:, dst, :n] = self.kv[:, src, :n]  # the source rows are read before any is written
-        self.lengths = [self.lengths[i] for i in keep]
 
 
 class LeanModel:
@@ -275,7 +190,7 @@ class LeanModel:
         """Forwards of up to `rows` rows (None: as many as `kernel_rows_measured` finds it faster for) through the
         fp32 rows kernel (`dvi.decode.rows_kernel`): every weight streamed once, whatever the rows. fp32 on a CPU
         where it builds only; returns the rows it serves (0: none)."""
-        from dvi.decode.rows_kernel import load
+        from dvi.decode.rows_kernel import kernel_rows_measured, load
 
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return 0
@@ -526,49 +441,3 @@ def _in_pieces(lin: Any, rows: int | list[int], x: torch.Tensor, w: torch.Tensor
     """`lin(x, w, bias)` over x's rows in pieces of at most `rows` (`LeanModel.row_chunk`), or of the listed sizes."""
     return torch.cat([lin(p, w, bias) for p in x.split(rows)])
 
-
-KERNEL_ROWS = 16
-"""Rows up to which the rows kernel serves forwards when asked to without timing (`use_rows_kernel`)."""
-
-KERNEL_PROBE_ROWS = (1, 2, 4, 8, 16, 32)
-"""Row counts at which `kernel_rows_measured` times the rows kernel against torch's path."""
-
-
-@torch.inference_mode()
-def kernel_rows_measured(lean: LeanModel, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, reps: int = 3) -> int:
-    """The most rows up to which the rows kernel runs every matmul of a forward (all layers and the head: the weights
-    streamed as a step streams them) no slower than the path the forward takes without it (MKL's GEMV for one row,
-    oneDNN's packs or MKL's GEMM for more), arms interleaved, best of `reps`, within 2%; 0 where it loses at one
-    row. Timed once per model shape, packing and thread count in a process."""
-    key = (lean.hidden, len(lean.layers), tuple(lean.layers[0].gate_up.shape), tuple(lean.head.shape),
-           lean.packs is not None, lean.head_module is None, torch.get_num_threads())
-    if key in _KERNEL_ROWS:
-        return _KERNEL_ROWS[key]
-    was = lean.kernel_rows
-    inner = int(lean.layers[0].down.shape[1])
-
-    def weights_pass(m: int, k_rows: int) -> float:
-        x, xi = torch.randn(m, lean.hidden, dtype=lean.dtype), torch.randn(m, inner, dtype=lean.dtype)
-        lean.kernel_rows = k_rows
-        t = time.perf_counter()
-        for lw in lean.layers:
-            lean.linear(x, lw.qkv), lean.linear(x, lw.o), lean.linear(x, lw.gate_up), lean.linear(xi, lw.down)
-        lean._logits(x)
-        return time.perf_counter() - t
-
-    best = 0
-    try:
-        for m in rows:
-            weights_pass(m, m), weights_pass(m, 0)  # warm both paths
-            times = [(weights_pass(m, m), weights_pass(m, 0)) for _ in range(reps)]
-            if min(k for k, _ in times) > 1.02 * min(t for _, t in times):
-                break
-            best = m
-    finally:
-        lean.kernel_rows = was
-    _KERNEL_ROWS[key] = best
-    log.info("fp32 rows kernel: forwards of up to %d rows (timed against torch's kernels at %s rows)", best, rows)
-    return best
-
-
-_KERNEL_ROWS: dict[tuple, int] = {}

@@ -20,12 +20,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["RowsKernel", "load", "unavailable_reason"]
+__all__ = ["KERNEL_ROWS", "RowsKernel", "kernel_rows_measured", "load", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -126,3 +128,50 @@ def load() -> RowsKernel | None:
 
 def unavailable_reason() -> str | None:
     return _loaded()[1]
+
+
+KERNEL_ROWS = 16
+"""Rows up to which the rows kernel serves forwards when asked to without timing (`use_rows_kernel`)."""
+
+KERNEL_PROBE_ROWS = (1, 2, 4, 8, 16, 32)
+"""Row counts at which `kernel_rows_measured` times the rows kernel against torch's path."""
+
+
+@torch.inference_mode()
+def kernel_rows_measured(lean: Any, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, reps: int = 3) -> int:
+    """The most rows up to which the rows kernel runs every matmul of a forward (all layers and the head: the weights
+    streamed as a step streams them) no slower than the path the forward takes without it (MKL's GEMV for one row,
+    oneDNN's packs or MKL's GEMM for more), arms interleaved, best of `reps`, within 2%; 0 where it loses at one
+    row. Timed once per model shape, packing and thread count in a process (`lean`: a `dvi.decode.lean.LeanModel`)."""
+    key = (lean.hidden, len(lean.layers), tuple(lean.layers[0].gate_up.shape), tuple(lean.head.shape),
+           lean.packs is not None, lean.head_module is None, torch.get_num_threads())
+    if key in _KERNEL_ROWS:
+        return _KERNEL_ROWS[key]
+    was = lean.kernel_rows
+    inner = int(lean.layers[0].down.shape[1])
+
+    def weights_pass(m: int, k_rows: int) -> float:
+        x, xi = torch.randn(m, lean.hidden, dtype=lean.dtype), torch.randn(m, inner, dtype=lean.dtype)
+        lean.kernel_rows = k_rows
+        t = time.perf_counter()
+        for lw in lean.layers:
+            lean.linear(x, lw.qkv), lean.linear(x, lw.o), lean.linear(x, lw.gate_up), lean.linear(xi, lw.down)
+        lean._logits(x)
+        return time.perf_counter() - t
+
+    best = 0
+    try:
+        for m in rows:
+            weights_pass(m, m), weights_pass(m, 0)  # warm both paths
+            times = [(weights_pass(m, m), weights_pass(m, 0)) for _ in range(reps)]
+            if min(k for k, _ in times) > 1.02 * min(t for _, t in times):
+                break
+            best = m
+    finally:
+        lean.kernel_rows = was
+    _KERNEL_ROWS[key] = best
+    log.info("fp32 rows kernel: forwards of up to %d rows (timed against torch's kernels at %s rows)", best, rows)
+    return best
+
+
+_KERNEL_ROWS: dict[tuple, int] = {}

@@ -1,7 +1,7 @@
 """Runs of one row's tokens that go through a forward beside its batch's rows (`dvi.decode.lean.LeanModel.forward`):
 prefixes before the rows' step tokens (a joining row's prompt, a drafter's catch-up), tails after them (the drafts of
 the few rows that drafted in a ragged verify). Each run attends causally over its own row's columns only. `cache`
-below is the forward's `dvi.decode.lean.SlotCache` (not imported: lean imports this module).
+below is the forward's `dvi.decode.slot_cache.SlotCache` (not imported: lean imports this module).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Between steps the target's cache holds every token of a row but the last emitted
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -17,11 +17,12 @@ from torch import nn
 from dvi.decode.forward import model_forward
 from dvi.decode.invariance import probe
 from dvi.decode.kv import RaggedKV, prefill
-from dvi.decode.lean import KERNEL_ROWS, LeanModel, lean_supported
+from dvi.decode.lean import LeanModel, lean_supported
 from dvi.decode.lean_target import LeanTarget
 from dvi.decode.numerics import is_exact_greedy
+from dvi.decode.rows_kernel import KERNEL_ROWS
 
-__all__ = ["TargetRunner", "LeanTarget", "RaggedTarget", "target_runner", "plain_greedy"]
+__all__ = ["CpuMatmuls", "TargetRunner", "LeanTarget", "RaggedTarget", "target_runner", "plain_greedy"]
 
 Features = list[torch.Tensor | None] | None
 
@@ -135,25 +136,32 @@ class RaggedTarget:
         self.kv.maybe_compact(0.3 if speculating else 0.1)
 
 
+class CpuMatmuls(NamedTuple):
+    """The matmuls of a target's forwards on a CPU in fp32 (elsewhere no-ops). `packed`: forwards of more than one row
+    on oneDNN-prepacked weights (`LeanModel.pack_multirow`). `rows_kernel`: forwards of up to `KERNEL_ROWS` rows (True)
+    or of as many as it is timed faster for ("auto") through dvi's rows kernel (`LeanModel.use_rows_kernel`)."""
+
+    packed: bool = False
+    rows_kernel: bool | str = False
+
+
 def target_runner(model: nn.Module, lean: bool = True, max_width: int = 17, graphs: bool = True,
-                  max_batch: int = 16, max_context: int | None = None, packed: bool = False,
-                  tree_width: int = 0, rows_kernel: bool | str = False) -> TargetRunner:
+                  max_batch: int = 16, max_context: int | None = None, cpu: CpuMatmuls = CpuMatmuls(),
+                  tree_width: int = 0) -> TargetRunner:
     """`LeanTarget` where the architecture allows (and `lean`), else `RaggedTarget`. A lean target pads its
     matmuls to the row floor `dvi.decode.invariance.probe` measured for verifies up to `max_width` positions,
     and with `dvi.decode.numerics.set_exact_greedy` keeps every row of a batch bit-equal to its plain decode.
     On CUDA (`graphs`, not the exact mode) its forwards of up to `max_batch` rows, `max_width` positions and
-    `max_context` columns replay captured graphs (`dvi.decode.graphs`). `packed`: on a CPU in fp32, forwards of
-    more than one row run on oneDNN-prepacked weights (`LeanModel.pack_multirow`), probed as they run. `tree_width`:
-    the widest draft tree's verify (positions), probed too where an eager verify may score trees. `rows_kernel`: on a
-    CPU in fp32, forwards of up to `KERNEL_ROWS` rows (True) or of as many as it is timed faster for ("auto") through
-    dvi's rows kernel (`LeanModel.use_rows_kernel`), probed too."""
+    `max_context` columns replay captured graphs (`dvi.decode.graphs`). `cpu`: which matmuls a CPU in fp32 runs
+    (`CpuMatmuls`), probed as they run. `tree_width`: the widest draft tree's verify (positions), probed too where an
+    eager verify may score trees."""
     if not lean or lean_supported(model) is not None:
         return RaggedTarget(model)
     lm = LeanModel(model)
-    if packed:
+    if cpu.packed:
         lm.pack_multirow()
-    if rows_kernel:
-        lm.use_rows_kernel(None if rows_kernel == "auto" else KERNEL_ROWS)
+    if cpu.rows_kernel:
+        lm.use_rows_kernel(None if cpu.rows_kernel == "auto" else KERNEL_ROWS)
     exact = is_exact_greedy(model)
     inv = probe(lm, max(max_width, tree_width), exact=exact, max_rows=max_batch * max_width)
     lm.row_chunk = inv.row_chunk
