@@ -87,11 +87,13 @@ def test_a_target_update_repacks_the_packed_weights():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("value", ["true", "false", "auto"])
-def test_every_value_of_the_option_starts_dvi_serve(tiny_pair_dir, tmp_path, value):
+@pytest.mark.parametrize("option", ["cpu_packed_weights", "cpu_rows_kernel"])
+def test_every_value_of_the_cpu_matmul_options_starts_dvi_serve(tiny_pair_dir, tmp_path, option, value):
+    """`serve.cpu_packed_weights` and `serve.cpu_rows_kernel` (`tests/test_rows_kernel.py`)."""
     from test_serving_helpers import ServerThread, tiny_config
 
-    cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=suffix", f"serve.cpu_packed_weights={value}")
-    assert cfg.serve.cpu_packed_weights == {"true": True, "false": False, "auto": "auto"}[value]
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=suffix", f"serve.{option}={value}")
+    assert getattr(cfg.serve, option) == {"true": True, "false": False, "auto": "auto"}[value]
     with ServerThread(cfg) as s, s.client() as c:
         r = c.post("/v1/completions", json={"prompt": "def main(argv):\n", "max_tokens": 16, "temperature": 0})
         assert r.status_code == 200, r.text

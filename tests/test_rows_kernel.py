@@ -1,6 +1,7 @@
 """`serve.cpu_rows_kernel`: dvi's fp32 rows kernel (`dvi/decode/rows_kernel.c`). It computes F.linear up to float
 rounding, rounds a row alike alone or beside others (so a one-request verify rounds like the steps it stands for and
-the probe says so), keeps the engine lossless, says why where it cannot run, and every value starts `dvi serve`."""
+the probe says so), keeps the engine lossless, and says why where it cannot run (every value of the option starts
+`dvi serve`: `tests/test_packed_weights.py`)."""
 
 from __future__ import annotations
 
@@ -134,16 +135,3 @@ def test_engine_on_the_kernel_is_lossless_with_history_drafts():
     off = SpeculativeEngine(target, None, options=EngineOptions(cpu_rows_kernel=True))
     for p in prompts:
         assert eng.generate([p], 24)[0].token_ids == off.generate([p], 24)[0].token_ids
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("value", ["true", "false", "auto"])
-def test_every_value_of_the_option_starts_dvi_serve(tiny_pair_dir, tmp_path, value):
-    from test_serving_helpers import ServerThread, tiny_config
-
-    cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=suffix", f"serve.cpu_rows_kernel={value}")
-    assert cfg.serve.cpu_rows_kernel == {"true": True, "false": False, "auto": "auto"}[value]
-    with ServerThread(cfg) as s, s.client() as c:
-        r = c.post("/v1/completions", json={"prompt": "def main(argv):\n", "max_tokens": 16, "temperature": 0})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] > 0
