@@ -135,3 +135,41 @@ def test_engine_on_the_kernel_is_lossless_with_history_drafts():
     off = SpeculativeEngine(target, None, options=EngineOptions(cpu_rows_kernel=True))
     for p in prompts:
         assert eng.generate([p], 24)[0].token_ids == off.generate([p], 24)[0].token_ids
+
+
+@needs_kernel
+def test_weights_the_kernel_cannot_take_leave_torch_serving():
+    lean = LeanModel(_target())
+    lw = lean.layers[0]
+    lw.o = lw.o.t().contiguous().t()  # the same values, not contiguous
+    assert lean.use_rows_kernel(16) == 0 and lean.kernel is None
+
+
+@needs_kernel
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 0.9), (1.0, 0.8), (1.0, 1.0)])
+def test_sampling_on_the_kernel_follows_the_target(temperature, top_p):
+    """Chi-square of the first two sampled tokens against the target's warped law, the learned drafter proposing and
+    the target verifying on the kernel (its forwards' logits, not torch's, are what the rule samples from)."""
+    from test_sampling import N_SAMPLES, PROMPT, exact_two_token_law, tiny_lm, two_token_pvalue
+
+    from dvi.drafters.factory import proposer_for
+
+    target, drafter = tiny_lm(0), tiny_lm(1)
+    eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=2,
+                            options=EngineOptions(cpu_rows_kernel=True))
+    lean = eng._target.lean
+    assert lean.kernel_rows == 16
+    calls, torch_linear = [0], LeanModel.linear
+
+    def counted(x, w, bias=None):
+        calls[0] += x.shape[0] <= lean.kernel_rows
+        return torch_linear(lean, x, w, bias)
+
+    lean.linear = counted
+    res = []  # 5 rows a call: a verify of 5 x 3 positions stays within the kernel's 16 rows
+    for start in range(0, N_SAMPLES, 5):
+        res += eng.generate([PROMPT] * 5, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=11 + start)
+    assert calls[0] > 0
+    alpha = sum(r.num_accepted for r in res) / max(1, sum(r.num_drafted for r in res))
+    assert 0.1 < alpha < 0.95  # the rule really had to accept and reject
+    assert two_token_pvalue(res, exact_two_token_law(target, temperature, 0, top_p)) > 1e-3

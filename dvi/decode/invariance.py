@@ -104,21 +104,14 @@ def _row_chunk(lean: LeanModel, widths: tuple[int, ...], agreed: tuple[int, ...]
     return ok[-1] if _agreeing_widths(lean, 1, widths, context, seed, chunk=ok[-1]) == widths else None
 
 
-def rows_linear(x: torch.Tensor, w: torch.Tensor, lean: LeanModel) -> torch.Tensor:
-    """x [m, in] through one of `lean`'s layer weights w as its forwards run it (`LeanModel.linear`)."""
-    return lean.linear(x, w)
-
-
 @torch.inference_mode()
 def _matmul_rows_agree(lean: LeanModel, floor: int, max_rows: int, seed: int) -> bool:
     """Rows of the model's own matmuls at a few row counts up to `max_rows` equal a lone row padded to `floor`."""
     g = torch.Generator().manual_seed(seed)
     counts = sorted({m for m in (floor, floor + 1, 2 * floor + 1, 33, 64, 65, 128, 129, max_rows) if floor <= m <= max_rows})
     lw = lean.layers[0]
-    matmuls = [(lw.qkv, partial(rows_linear, w=lw.qkv, lean=lean)), (lw.o, partial(rows_linear, w=lw.o, lean=lean)),
-               (lw.gate_up, partial(rows_linear, w=lw.gate_up, lean=lean)),
-               (lw.down, partial(rows_linear, w=lw.down, lean=lean)),
-               (lean.head, lean._logits)]  # the head as a forward runs it (a oneDNN pack, blockwise or whole)
+    # each as a forward runs it (`LeanModel.linear`; the head: the rows kernel, a oneDNN pack, blockwise or whole)
+    matmuls = [(w, partial(lean.linear, w=w)) for w in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [(lean.head, lean._logits)]
     for w, run in matmuls:
         x = torch.randn(max_rows, w.shape[1], generator=g).to(w)
         pad = torch.randn(max(0, floor - 1), w.shape[1], generator=g).to(w)

@@ -15,6 +15,7 @@ holes, no validity masks, no compaction, and every shape depends only on (rows, 
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 from typing import Any
@@ -197,6 +198,12 @@ class LeanModel:
         self.kernel = load()
         if self.kernel is None:
             return 0
+        try:
+            self.kernel.check_weights(self.head, *(w for lw in self.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)))
+        except ValueError as e:  # torch's kernels serve what the kernel cannot take
+            self.kernel = None
+            logging.getLogger(__name__).info("fp32 rows kernel not used: %s", e)
+            return 0
         self.kernel_rows = kernel_rows_measured(self) if rows is None else max(0, int(rows))
         return self.kernel_rows
 
@@ -309,7 +316,7 @@ class LeanModel:
         rows, oneDNN's pack of w (`pack_multirow`) past one row, else F.linear (MKL's GEMV for one row)."""
         m = x.shape[0]
         if m <= self.kernel_rows:
-            return self.kernel.linear(x, w, bias)
+            return self.kernel.rows(x, w, bias)
         if m > 1 and self._pack_of:
             return _packed_linear(x, self._pack_of[w.data_ptr()], bias)
         return F.linear(x, w, bias)
@@ -364,7 +371,7 @@ class LeanModel:
         if self.head_module is not None:
             return self.head_module(f)
         if f.numel() <= self.kernel_rows * f.shape[-1]:
-            return self.kernel.linear(f, self.head)
+            return self.kernel.rows(f.reshape(-1, f.shape[-1]), self.head).view(*f.shape[:-1], -1)
         if self.head_pack is not None and f.numel() > f.shape[-1]:
             return _packed_linear(f, self.head_pack)
         if self.head_blocks is not None and f.numel() > f.shape[-1]:

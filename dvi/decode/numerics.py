@@ -22,6 +22,9 @@ decode (while a forward scores at most 32 rows x positions), at B x (K+1) SDPA c
 
 from __future__ import annotations
 
+from functools import cache
+from pathlib import Path
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.modeling_utils import AttentionInterface
@@ -102,3 +105,15 @@ def set_exact_greedy(model, on: bool = True):
 
 def is_exact_greedy(model) -> bool:
     return bool(getattr(model, EXACT_ATTR, False))
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none): which kernels it runs natively."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from dvi.decode.numerics import cpu_flags
+
 __all__ = ["KERNEL_ROWS", "RowsKernel", "kernel_rows_measured", "load", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
 
 
 class RowsKernel:
-    """`linear(x, w, bias)`: F.linear for fp32 x [M, K] and a contiguous fp32 w [N, K] on the CPU."""
+    """F.linear for fp32 x [..., K] and a contiguous fp32 w [N, K] on the CPU: `linear` checks its inputs, `rows` (the
+    lean forward's matmuls, whose weights `check_weights` passed once) only their layout."""
 
     def __init__(self, lib: ctypes.CDLL):
         fn = lib.dvi_rows_linear_f32
@@ -45,34 +48,31 @@ class RowsKernel:
         fn.restype = None
         self._fn = fn
 
+    @staticmethod
+    def check_weights(*ws: torch.Tensor) -> None:
+        for w in ws:
+            if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous():
+                raise ValueError(f"the rows kernel takes contiguous 2-d fp32 CPU weights, got {w.dtype} "
+                                 f"{tuple(w.shape)} on {w.device}{'' if w.is_contiguous() else ', not contiguous'}")
+
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"the rows kernel takes fp32 CPU tensors, got {x.dtype} x on {x.device}, {w.dtype} w")
-        if not w.is_contiguous():
-            raise ValueError("the rows kernel takes a contiguous weight")
-        lead, k = x.shape[:-1], x.shape[-1]
-        if k != w.shape[1]:
-            raise ValueError(f"x has {k} columns, the weight {w.shape[1]}")
-        x2 = x.reshape(-1, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        m, n = x2.shape[0], w.shape[0]
+        self.check_weights(w)
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"the rows kernel takes fp32 CPU tensors, got {x.dtype} x on {x.device}")
+        if x.shape[-1] != w.shape[1]:
+            raise ValueError(f"x has {x.shape[-1]} columns, the weight {w.shape[1]}")
+        return self.rows(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], w.shape[0])
+
+    def rows(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] fp32 through a checked weight, with a few microseconds of Python around the call (a step makes
+        ~120 of them): a wrong dtype here would read past a buffer, so only callers that hold fp32 rows call it."""
+        if x.dim() != 2 or x.stride(1) != 1:
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+        m, n = x.shape[0], w.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
         if m:
-            self._fn(x2.data_ptr(), x2.stride(0), w.data_ptr(), n, k, y.data_ptr(), n, m)
-        if bias is not None:
-            y.add_(bias)
-        return y.view(*lead, n)
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+            self._fn(x.data_ptr(), x.stride(0), w.data_ptr(), n, x.shape[1], y.data_ptr(), n, m)
+        return y if bias is None else y.add_(bias)
 
 
 def _cache_dir() -> Path:
@@ -105,7 +105,7 @@ def _build(compiler: str) -> Path:
 def _loaded() -> tuple[RowsKernel | None, str | None]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"not x86-64 Linux ({platform.system()} {platform.machine()})"
-    missing = {"avx2", "fma"} - _cpu_flags()
+    missing = {"avx2", "fma"} - cpu_flags()
     if missing:
         return None, f"this CPU lacks {', '.join(sorted(missing))}"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

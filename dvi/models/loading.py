@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dvi.decode.numerics import set_exact_greedy
+from dvi.decode.numerics import cpu_flags, set_exact_greedy
 from dvi.drafters.vocab import apply_draft_vocab, load_draft_vocab
 from dvi.models.tokenizer_check import conversion_drift, special_token_mismatches, stop_token_ids
 
@@ -107,11 +107,7 @@ def cpu_has_native_bf16() -> bool:
 
 @lru_cache(maxsize=1)
 def _cpu_flags_have_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def serving_dtype(preset: str, dtype: str, device: str | torch.device = "auto") -> str:
