@@ -190,9 +190,13 @@ def test_server_judges_and_serves_a_groups_adapter_on_that_group_only(records, p
             if s.state.scheduler.snapshot.adapter_versions.get("code"):
                 break
         wait_for(lambda: s.state.scheduler.snapshot.adapter_versions.get("code"), 60, what="code's adapter promoted")
+        # the lane swaps the engine first, then its own state: /health follows within the door's next publish
+        latest = group_registry(cfg.registry.dir, "code").latest()
+        wait_for(lambda: s.health()["adapters"]["groups"].get("code", {}).get("live_version") == latest, 30,
+                 what="/health reports code's promoted adapter")
         health = s.health()["adapters"]
         assert health["adapter_key"] == "domain" and "code" in health["groups"]
-        assert health["groups"]["code"]["live_version"] == group_registry(cfg.registry.dir, "code").latest()
+        assert health["groups"]["code"]["live_version"] == latest
         assert drafter_view(s).live_version == 0  # the shared drafter stays as started
         v = health["groups"]["code"]["live_version"]
         assert f'dvi_drafter_adapter_version{{group="code"}} {float(v)}' in c.get("/metrics").text
