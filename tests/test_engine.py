@@ -414,3 +414,36 @@ def test_suffix_and_hybrid_greedy_equal_hf_generate(kind):
     assert by["suffix_global"][2] / by["suffix_global"][1] > 0.9, by  # the same prompts again: history repeats
     assert max(r.num_drafted / r.num_steps for r in res) > 3  # suffix drafts longer than num_draft_tokens
     assert prop.stats()["hits"] > 0 and prop.stats()["seqs"] == 2 * len(PROMPTS)
+
+
+def test_a_new_drafter_or_adapter_is_measured_afresh_and_a_new_target_retried_soon():
+    """The goodput guards' drafting samples belong to the drafter that drafted them (issue 59: a drafter that just
+    learned must be able to show it); a target update (an RL policy step) only shortens the wait for the retry."""
+    target = tiny("llama", seed=0)
+    eng = SpeculativeEngine(target, proposer_for(target, tiny("llama", 1, 1)), num_draft_tokens=3, adaptive=True)
+    guard = eng.k_policy.controller.goodput
+
+    def plain_verdict() -> None:
+        for _ in range(guard.window):
+            guard.observe(8, True, 4, 0.1)
+            guard.observe(8, False, 8, 0.1)
+        assert guard.judged(8) == "plain"
+
+    def refusals_until_retry() -> int:
+        n = 0
+        while guard.judged(8) == "plain":
+            guard.refused(8)
+            n += 1
+        return n
+
+    plain_verdict()
+    assert refusals_until_retry() == guard.retry_first
+    plain_verdict()  # measured slower again: the next retry waits twice as long ...
+    eng.update_target_weights(tiny("llama", seed=7).state_dict(), version=1)
+    assert guard.judged(8) == "plain" and refusals_until_retry() == guard.retry_first  # ... unless the target moved
+    plain_verdict()
+    eng.set_drafter(perturbed(target), version=2)
+    assert guard.judged(8) == "unknown"
+    plain_verdict()
+    eng.set_adapter("sql", None, None)
+    assert guard.judged(8) == "unknown"

@@ -413,20 +413,38 @@ class GoodputGuard:
     1 to K+1 tokens, so its median step can be a rejected draft while drafting wins on the whole (real pair, Intel
     AMX, batch 1, position-0 acceptance 0.47: the median said "plain" while drafting requests finished 10% sooner).
     A step slower than `STALL` times the window's median step is a stall (the machine, not the policy) and left out.
-    After `retry_every` refusals the drafting samples are forgotten, so it is tried again."""
+
+    While it refuses, the drafting samples are frozen, so it explores by forgetting them: after `retry_first`
+    refusals, then twice as many after every retry that measured plain again, up to `retry_every` (back to
+    `retry_first` once drafting measures faster); at once when the drafter or an adapter changes (`reset`: what the
+    old drafter measured says little about the new one, and a drafter that just learned must be able to show it,
+    issue 59's control arm); within `retry_first` refusals when the target changes (an RL policy moves every
+    step, by little: forgetting at each would re-measure drafting that loses every step)."""
 
     STALL = 3.0
     MIN_ROWS = 3
 
-    def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256):
+    def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256, retry_first: int = 64):
         self.window, self.margin, self.retry_every = window, margin, retry_every
+        self.retry_first = min(retry_first, retry_every)
         self._steps: dict[tuple[int, bool], deque] = {}  # (tokens per row, seconds) of the last `window` steps
         self._refused: dict[int, int] = {}
+        self._retry_at: dict[int, int] = {}  # per bucket: the refusals before the next retry (absent: retry_first)
 
     def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         if seconds > 0 and batch > 0:
-            key = (batch_bucket(batch), drafted)
-            self._steps.setdefault(key, deque(maxlen=self.window)).append((tokens / batch, seconds))
+            b = batch_bucket(batch)
+            self._steps.setdefault((b, drafted), deque(maxlen=self.window)).append((tokens / batch, seconds))
+            if drafted and self._retry_at.get(b) is not None and self.verdict(batch) == "spec":
+                del self._retry_at[b]  # drafting pays again here: the next refusal spell retries soon
+
+    def reset(self, samples: bool = True) -> None:
+        """Forget the retries' back-off and, with `samples`, every drafting measurement (the drafter changed)."""
+        if samples:
+            for key in [k for k in self._steps if k[1]]:
+                del self._steps[key]
+            self._refused.clear()
+        self._retry_at.clear()
 
     def _rate(self, steps: deque) -> float:
         """Tokens per second per row over the window, stalls left out."""
@@ -452,11 +470,13 @@ class GoodputGuard:
         return self.verdict(batch) if batch_bucket(batch) >= self.MIN_ROWS else "unknown"
 
     def refused(self, b: int) -> None:
-        """One step refused drafting in bucket `b`; the `retry_every`-th forgets the drafting samples."""
+        """One step refused drafting in bucket `b`; the retry's refusal forgets the drafting samples."""
         n = self._refused[b] = self._refused.get(b, 0) + 1
-        if n >= self.retry_every:
+        at = self._retry_at.get(b, self.retry_first)
+        if n >= at:
             self._steps.pop((b, True), None)
             self._refused[b] = 0
+            self._retry_at[b] = min(2 * at, self.retry_every)
 
     def allow(self, batch: int) -> bool:
         """Whether history drafts may be looked up at this batch size (refusing counts toward a retry)."""

@@ -37,6 +37,12 @@ class KPolicy:
         self.drain_aware = True
         self._drafted_last = False  # the last step drafted (`observe`)
 
+    def drafting_changed(self, drafter: bool = True) -> None:
+        """The drafter or an adapter (`drafter`), or the target changed: the guards measure drafting afresh, or
+        (the target) retry soon (`GoodputGuard.reset`)."""
+        self.controller.goodput.reset(samples=drafter)
+        self.suffix_guard.reset(samples=drafter)
+
     def for_step(self, seqs: list) -> StepPricing:
         return StepPricing(self, seqs)
 
@@ -52,18 +58,25 @@ class KPolicy:
                 self.siblings.observe(tried, hit)
 
     def observe(self, draft, batch: int, t_draft: float, t_verify: float, t_host: float, tokens: int,
-                seconds: float, cpu: bool) -> None:
+                seconds: float, cpu: bool, joined: bool = False) -> None:
         """After a step: its timings (a drafter catch-up is not a typical draft cost, a step with history rows
-        not a learned-drafter step) and the goodput guards' samples. A drafting step right after another drafting
-        step counts for the guard with its catch-up: under load rows join every few steps and each joiner's prompt
-        goes through the drafter before it drafts, a price plain decoding never pays (real pair, Intel AMX, bf16, 16
-        rows: drafting steps 1.09x plain without their catch-ups, 1.03x with them, under the guard's margin). The
-        first drafting step after plain ones is left out: its catch-up is the price of the plain stretch (every
-        row's tokens since), which `AdaptiveK` weighs before leaving K = 0, and counting it would condemn every
-        retry of drafting (at 8 rows, 256 plain steps leave ~2,000 tokens to catch up)."""
+        not a learned-drafter step) and the goodput guards' samples.
+
+        A step that admitted rows (`joined`) is no guard sample: their prefills ride on its verify, so its seconds
+        are mostly prompt tokens, whatever it drafted (real pair, AMD Zen3, fp32, 8 in flight: a joining step took
+        420-830 ms against 80 ms without, and with those in the plain window the suffix guard judged drafts of 19
+        tokens in 238 ms faster than plain steps of 7.6 tokens in 79 ms). Nor is the first drafting step after
+        plain ones: its drafter catch-up is the price of the plain stretch (every row's tokens since), which
+        `AdaptiveK` weighs before leaving K = 0, and counting it would condemn every retry of drafting (at 8 rows,
+        256 plain steps leave ~2,000 tokens to catch up). A later drafting step counts with its catch-up: under
+        load each joiner's prompt goes through the drafter before it drafts, a price plain decoding never pays
+        (real pair, Intel AMX, bf16, 16 rows: drafting steps 1.09x plain without their catch-ups, 1.03x with
+        them). A step that drafted from both the learned drafter and the history index is a sample of both
+        guards: either kind's drafting is judged with the steps it shared."""
         k, forwards = draft.width, draft.model_forwards
-        self.costs.record_verify(batch, k, t_verify)
-        if self.adaptive and cpu:
+        if not joined:
+            self.costs.record_verify(batch, k, t_verify)
+        if self.adaptive and cpu and not joined:
             # On CPU the verify forward is synchronous, so t_host is the step's host work after it (on CUDA it
             # would include the kernels the first transfer waits for).
             self.controller.observe_host_work(batch, t_host, self.costs)
@@ -73,9 +86,11 @@ class KPolicy:
             return
         resumed = forwards > 0 and draft.catchup and not self._drafted_last
         self._drafted_last = k > 0
-        if not draft.suffix_rows and not resumed:
+        if joined or resumed:
+            return
+        if forwards > 0 or not draft.suffix_rows:  # learned drafts (beside history rows or not), or a plain step
             self.controller.observe_step(batch, k, tokens, seconds)
-        if draft.lookup_seconds is not None and not forwards:
+        if draft.lookup_seconds is not None and (draft.suffix_rows or not forwards):  # history drafts, or plain
             self.suffix_guard.observe(batch, k > 0, tokens, seconds)
 
 

@@ -217,6 +217,7 @@ class SpeculativeEngine:
         self.drafter_version = int(version)
         self._drafter_dirty = True
         self.acceptance.reset()  # acceptance of the old drafter says little about the new one
+        self.k_policy.drafting_changed()
         with torch.inference_mode():
             self._rebuild()
 
@@ -225,6 +226,7 @@ class SpeculativeEngine:
         the base drafter again); the rows' draft caches are rebuilt at once, as a hot swap's are."""
         self.proposer.set_adapter(group, factors)
         self.acceptance.reset(group)  # the old adapter's acceptance says little about the new one
+        self.k_policy.drafting_changed()
         if factors is None:
             self.adapter_versions.pop(group, None)
         else:
@@ -250,6 +252,7 @@ class SpeculativeEngine:
         self.target_version = int(version)
         self._target_dirty = True
         self.acceptance.reset()
+        self.k_policy.drafting_changed(drafter=False)
         with torch.inference_mode():  # between steps: in-flight rows' target cache and the proposer now
             self._rebuild()
 
@@ -292,10 +295,9 @@ class SpeculativeEngine:
         with torch.inference_mode():
             if self._target_dirty or self._drafter_dirty:
                 self._rebuild()
-            if self._waiting:
-                self._admit()
+            joined = bool(self._waiting) and self._admit()
             if self._seqs:
-                outs.extend(self._spec_step())
+                outs.extend(self._spec_step(joined))
         return outs
 
     def _validate_params(self, p: SamplingParams, prompt_len: int, prompt_name: str = "prompt_ids") -> None:
@@ -335,12 +337,13 @@ class SpeculativeEngine:
     def _refresh_params(self) -> None:
         self.params = BatchParams.of(self._seqs, self.device, self.vocab_size)
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Waiting requests join the batch; whether any did (their prefills ride on this step's verify)."""
         room = self._target.max_rows
         take = len(self._waiting) if room is None else max(0, room - len(self._seqs))
         new, self._waiting = self._waiting[:take], self._waiting[take:]
         if not new:  # a fixed-size cache (CUDA graphs) is full: they join as rows leave
-            return
+            return False
         feats = self._target.admit([list(s.req.prompt_ids[:-1]) for s in new], self.proposer.needs_features,
                                    lazy=True)  # their prefills may ride on this step's verify
         self.proposer.join(new, feats)
@@ -348,6 +351,7 @@ class SpeculativeEngine:
         self._last = torch.cat([self._last, last])
         self._seqs.extend(new)
         self._refresh_params()
+        return True
 
     def _remove_rows(self, leaving: list[tuple[int, Seq, bool]]) -> None:
         """Rows (i, seq, learn) leave: learn, they finished (their output may be learned from); else aborted."""
@@ -382,8 +386,9 @@ class SpeculativeEngine:
         self._target_dirty = self._drafter_dirty = False
 
     # ------------------------------------------------------------------ the speculative step
-    def _spec_step(self) -> list[StepOutput]:
-        """draft -> verify -> accept -> one transfer -> keep -> emit, then timings and finished rows out."""
+    def _spec_step(self, joined: bool = False) -> list[StepOutput]:
+        """draft -> verify -> accept -> one transfer -> keep -> emit, then timings and finished rows out (`joined`:
+        rows joined this step, their prefills in its verify)."""
         b = len(self._seqs)
         if self._target.batch_size != b or self._last.shape[0] != b:  # a bug, said plainly (not a shape error)
             raise RuntimeError(f"engine rows out of step: {b} rows, the target's cache holds "
@@ -422,7 +427,7 @@ class SpeculativeEngine:
         if sec is not None and len(self.suffix_step_seconds) < 4096:
             self.suffix_step_seconds.append(float(sec))
         self.k_policy.observe(draft, b, t1 - t0, t2 - t1, t2 - t_fwd, n_new, time.perf_counter() - t0,
-                              self.device.type == "cpu")
+                              self.device.type == "cpu", joined)
         return outs
 
     def _count_tokens(self, k: int, n: int) -> None:
