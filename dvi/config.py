@@ -321,6 +321,10 @@ class ServeConfig(_Strict):
     # beside others; auto: for as many rows as it is timed faster than torch's kernels for at start-up; true: up to
     # 16 rows; where it cannot be built, torch's kernels serve (logged)
     cpu_rows_kernel: bool | Literal["auto"] = "auto"
+    # prompt tokens that may join the running batch in one step (at least one request joins a step with room; 0: no
+    # limit): joiners' prefills ride on the step, so a wave of them (rows that finished together) in one step makes
+    # each wait for all their prompts, and every running row's next token with them
+    max_prefill_tokens: int = Field(512, ge=0)
     queue_limit: int = Field(256, ge=1)
     max_tokens_limit: int = Field(1024, ge=1)
     trainer: Literal["off", "supervised", "external"] = "supervised"

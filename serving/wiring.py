@@ -162,7 +162,7 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
         options=EngineOptions(cfg.sampling.greedy_below_temperature, cfg.serve.cuda_graphs, cfg.serve.max_batch_size,
                               packed_weights(cfg.serve.cpu_packed_weights, pair.target), spec.tree_width,
                               drain_aware=False,  # rows are backfilled as they finish: throughput is the goal
-                              cpu_rows_kernel=cfg.serve.cpu_rows_kernel),
+                              cpu_rows_kernel=cfg.serve.cpu_rows_kernel, max_prefill_tokens=cfg.serve.max_prefill_tokens),
     )
 
 

@@ -447,3 +447,34 @@ def test_a_new_drafter_or_adapter_is_measured_afresh_and_a_new_target_retried_so
     plain_verdict()
     eng.set_adapter("sql", None, None)
     assert guard.judged(8) == "unknown"
+
+
+def test_prefill_share_fits_the_budget_and_always_admits_one():
+    from dvi.engine.options import prefill_share
+
+    assert prefill_share([100, 100, 100], 250) == 2
+    assert prefill_share([100, 200, 300], 250) == 1
+    assert prefill_share([600, 10], 250) == 1  # a prompt longer than the budget still joins, alone
+    assert prefill_share([600, 10], 0) == 2 and prefill_share([], 512) == 0
+
+
+def test_joiners_are_admitted_within_the_prefill_budget_and_answer_the_same():
+    """`max_prefill_tokens`: a wave of requests joins over several steps (each step's joiners' prompts within the
+    budget), and every answer is the target's greedy text as with no limit."""
+    target = tiny("llama", seed=0)
+    eng = SpeculativeEngine(target, proposer_for(target, perturbed(target)), num_draft_tokens=3,
+                            options=EngineOptions(max_prefill_tokens=10))
+    for i, p in enumerate(PROMPTS):  # prompts of 7, 2, 4, 9 and 1 tokens
+        eng.add_request(Request(f"r{i}", p, SamplingParams(max_new_tokens=NEW)))
+    seen: set[str] = set()
+    waves, results = [], {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                results[o.request_id] = o.result
+        now = {s.req.request_id for s in eng._seqs} | set(results)
+        waves.append(sorted(now - seen))
+        seen |= now
+    assert [w for w in waves if w] == [["r0", "r1"], ["r2"], ["r3", "r4"]]  # 7 + 2 <= 10; 4 (+ 9 > 10); 9 + 1
+    for i, p in enumerate(PROMPTS):
+        assert_greedy_equal(target, p, results[f"r{i}"].token_ids, reference(target, p, NEW))

@@ -473,3 +473,24 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
         assert new_ref != ref
         for p in PROMPTS:
             assert served(p) == (new_ref[p], v1)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 512])
+def test_every_prefill_budget_starts_dvi_serve_and_answers_alike(tiny_pair_dir, tmp_path, budget):
+    """`serve.max_prefill_tokens` (0: no limit; 1: one request joins a step; the default): concurrent requests all
+    answered, each with the greedy text a lone request gets; a negative budget is refused naming the field."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dvi.config import ConfigError
+
+    with pytest.raises(ConfigError, match="serve.max_prefill_tokens"):
+        tiny_config(tiny_pair_dir, tmp_path, "serve.max_prefill_tokens=-1")
+    cfg = tiny_config(tiny_pair_dir, tmp_path, f"serve.max_prefill_tokens={budget}")
+    assert cfg.serve.max_prefill_tokens == budget
+    body = [{"prompt": p, "max_tokens": 12, "temperature": 0} for p in PROMPTS]
+    with ServerThread(cfg) as s, s.client() as c:
+        alone = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in body]
+        with ThreadPoolExecutor(len(body)) as pool:
+            rs = list(pool.map(lambda b: c.post("/v1/completions", json=b), body))
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    assert [r.json()["choices"][0]["text"] for r in rs] == alone

@@ -7,7 +7,7 @@ import dataclasses
 
 from dvi.decode.sampling import GREEDY_BELOW_TEMPERATURE
 
-__all__ = ["EngineOptions"]
+__all__ = ["EngineOptions", "prefill_share"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,3 +26,21 @@ class EngineOptions:
     # forwards of a few rows (steps, verifies) through dvi's fp32 rows kernel (CPU; `target_runner`): True for up to
     # 16 rows, "auto" for as many as it is timed faster for at start-up, False never
     cpu_rows_kernel: bool | str = False
+    # prompt tokens that may join the batch in one step (at least one request joins a step with room; 0: no limit):
+    # where answers of one length make rows finish together, a wave of joiners prefilled in one step makes every one
+    # of them wait for all their prompts
+    max_prefill_tokens: int = 0
+
+
+def prefill_share(prompt_lens: list[int], budget: int) -> int:
+    """How many of the waiting prompts (in order) join the batch this step under `EngineOptions.max_prefill_tokens`:
+    as many as fit `budget` prompt tokens, at least one (0: all)."""
+    if budget <= 0:
+        return len(prompt_lens)
+    n, total = 0, 0
+    for length in prompt_lens:
+        total += length
+        if n and total > budget:
+            break
+        n += 1
+    return n

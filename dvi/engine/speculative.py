@@ -49,7 +49,7 @@ from dvi.drafters.proposer import Draft, Proposer
 from dvi.drafters.vocab import fit_vocab
 from dvi.engine.accept import accept_chain, accept_tree
 from dvi.engine.calibration import CalibrationSetup, calibrate_bucket
-from dvi.engine.options import EngineOptions
+from dvi.engine.options import EngineOptions, prefill_share
 from dvi.engine.report import EngineReport
 from dvi.models.loading import check_target_state_dict, load_state_dict
 
@@ -87,6 +87,7 @@ class SpeculativeEngine:
         self.adaptive = bool(adaptive)
         self.feedback_top_k = feedback_top_k
         self.greedy_below_temperature = float(options.greedy_below_temperature)
+        self.max_prefill_tokens = int(options.max_prefill_tokens)
         self.target_version, self.drafter_version = int(versions.target), int(versions.drafter)
         self.adapter_versions: dict[str, int] = {}  # per traffic group, the adapter version its rows draft with
         self._waiting: list[Seq] = []
@@ -123,14 +124,8 @@ class SpeculativeEngine:
     costs = property(lambda self: self.k_policy.costs)
     suffix_guard = property(lambda self: self.k_policy.suffix_guard)
     acceptance = property(lambda self: self.k_policy.acceptance)
-
-    @property
-    def drain_aware(self) -> bool:
-        return self.k_policy.drain_aware
-
-    @drain_aware.setter
-    def drain_aware(self, on: bool) -> None:
-        self.k_policy.drain_aware = bool(on)
+    drain_aware = property(lambda self: self.k_policy.drain_aware,
+                           lambda self, on: setattr(self.k_policy, "drain_aware", bool(on)))
 
     # ------------------------------------------------------------------ public API
     def add_request(self, request: Request) -> None:
@@ -340,7 +335,8 @@ class SpeculativeEngine:
     def _admit(self) -> bool:
         """Waiting requests join the batch; whether any did (their prefills ride on this step's verify)."""
         room = self._target.max_rows
-        take = len(self._waiting) if room is None else max(0, room - len(self._seqs))
+        take = prefill_share([len(s.req.prompt_ids) for s in self._waiting], self.max_prefill_tokens)
+        take = take if room is None else min(take, max(0, room - len(self._seqs)))
         new, self._waiting = self._waiting[:take], self._waiting[take:]
         if not new:  # a fixed-size cache (CUDA graphs) is full: they join as rows leave
             return False
@@ -498,3 +494,4 @@ class SpeculativeEngine:
         setup = CalibrationSetup(self._target, self.proposer.needs_features, self.drafter, self.device, self.dtype,
                                  self.vocab_size, self.max_context, self.k_cap, self.max_draft_tokens)
         self.controller.set_costs(b, *calibrate_bucket(setup, b, context, reps))
+
