@@ -431,7 +431,7 @@ def test_steps_that_admit_rows_are_no_guard_samples_and_mixed_steps_feed_both_gu
     assert run(prefills_counted=True) == ("spec", "spec")
 
 
-def test_a_refusing_guard_retries_soon_then_backs_off_and_a_new_drafter_is_measured_at_once():
+def test_a_refusing_guard_retries_soon_then_backs_off_and_a_new_drafter_brings_the_retry_near():
     from dvi.decode.adaptive import GoodputGuard
 
     g = GoodputGuard(window=4, retry_every=16, retry_first=4)
@@ -462,9 +462,9 @@ def test_a_refusing_guard_retries_soon_then_backs_off_and_a_new_drafter_is_measu
     measure(0.5)  # a full window of slower drafting
     assert refusals_until_retry() == 4
     measure(0.5)
-    g.reset(samples=False)  # the target changed: retry within retry_first refusals
-    assert 0 < refusals_until_retry() <= 4
+    assert refusals_until_retry() == 8
     measure(0.5)
-    g.reset()  # a new drafter: measured at once
-    assert g.judged(8) == "unknown"
-    assert g.verdict(8) == "unknown" and (8, False) in g._steps  # plain steps' samples stay valid
+    for _ in range(3):
+        g.refused(8)
+    g.reset()  # a new drafter serves: the retry is due within retry_first refusals of the spell
+    assert g.judged(8) == "plain" and refusals_until_retry() == 1

@@ -415,11 +415,10 @@ class GoodputGuard:
     A step slower than `STALL` times the window's median step is a stall (the machine, not the policy) and left out.
 
     While it refuses, the drafting samples are frozen, so it explores by forgetting them: after `retry_first`
-    refusals, then twice as many after every retry that measured plain again, up to `retry_every` (back to
-    `retry_first` once drafting measures faster); at once when the drafter or an adapter changes (`reset`: what the
-    old drafter measured says little about the new one, and a drafter that just learned must be able to show it,
-    issue 59's control arm); within `retry_first` refusals when the target changes (an RL policy moves every
-    step, by little: forgetting at each would re-measure drafting that loses every step)."""
+    refusals, then twice as many after every retry that measured plain again, up to `retry_every`; back to
+    `retry_first` once drafting measures faster, and when a new drafter version or adapter serves (`reset`: a
+    drafter that just learned must be able to show it soon, issue 59's control arm). Not at once: the online arm of
+    RL rollouts swaps its drafter every policy step, and each retry costs a few drafting steps that may lose."""
 
     STALL = 3.0
     MIN_ROWS = 3
@@ -438,12 +437,8 @@ class GoodputGuard:
             if drafted and self._retry_at.get(b) is not None and self.verdict(batch) == "spec":
                 del self._retry_at[b]  # drafting pays again here: the next refusal spell retries soon
 
-    def reset(self, samples: bool = True) -> None:
-        """Forget the retries' back-off and, with `samples`, every drafting measurement (the drafter changed)."""
-        if samples:
-            for key in [k for k in self._steps if k[1]]:
-                del self._steps[key]
-            self._refused.clear()
+    def reset(self) -> None:
+        """A new drafter serves: the next retry within `retry_first` refusals, in every bucket."""
         self._retry_at.clear()
 
     def _rate(self, steps: deque) -> float:

@@ -37,11 +37,10 @@ class KPolicy:
         self.drain_aware = True
         self._drafted_last = False  # the last step drafted (`observe`)
 
-    def drafting_changed(self, drafter: bool = True) -> None:
-        """The drafter or an adapter (`drafter`), or the target changed: the guards measure drafting afresh, or
-        (the target) retry soon (`GoodputGuard.reset`)."""
-        self.controller.goodput.reset(samples=drafter)
-        self.suffix_guard.reset(samples=drafter)
+    def drafter_changed(self) -> None:
+        """A new drafter version or adapter serves: guards that refuse drafting retry it soon (`GoodputGuard.reset`)."""
+        self.controller.goodput.reset()
+        self.suffix_guard.reset()
 
     def for_step(self, seqs: list) -> StepPricing:
         return StepPricing(self, seqs)

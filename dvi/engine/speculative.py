@@ -212,7 +212,7 @@ class SpeculativeEngine:
         self.drafter_version = int(version)
         self._drafter_dirty = True
         self.acceptance.reset()  # acceptance of the old drafter says little about the new one
-        self.k_policy.drafting_changed()
+        self.k_policy.drafter_changed()
         with torch.inference_mode():
             self._rebuild()
 
@@ -221,7 +221,7 @@ class SpeculativeEngine:
         the base drafter again); the rows' draft caches are rebuilt at once, as a hot swap's are."""
         self.proposer.set_adapter(group, factors)
         self.acceptance.reset(group)  # the old adapter's acceptance says little about the new one
-        self.k_policy.drafting_changed()
+        self.k_policy.drafter_changed()
         if factors is None:
             self.adapter_versions.pop(group, None)
         else:
@@ -247,7 +247,6 @@ class SpeculativeEngine:
         self.target_version = int(version)
         self._target_dirty = True
         self.acceptance.reset()
-        self.k_policy.drafting_changed(drafter=False)
         with torch.inference_mode():  # between steps: in-flight rows' target cache and the proposer now
             self._rebuild()
 
