@@ -323,8 +323,9 @@ class ServeConfig(_Strict):
     cpu_rows_kernel: bool | Literal["auto"] = "auto"
     # prompt tokens that may join the running batch in one step (at least one request joins a step with room; 0: no
     # limit): joiners' prefills ride on the step, so a wave of them (rows that finished together) in one step makes
-    # each wait for all their prompts, and every running row's next token with them
-    max_prefill_tokens: int = Field(512, ge=0)
+    # each wait for all their prompts, and every running row's next token with them; null: 512 on a CPU, 8192 on a
+    # GPU (where a prompt token costs far less beside a step); dvi's engine only (behind vLLM, vLLM's scheduler)
+    max_prefill_tokens: int | None = Field(None, ge=0)
     queue_limit: int = Field(256, ge=1)
     max_tokens_limit: int = Field(1024, ge=1)
     trainer: Literal["off", "supervised", "external"] = "supervised"

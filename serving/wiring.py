@@ -162,8 +162,19 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
         options=EngineOptions(cfg.sampling.greedy_below_temperature, cfg.serve.cuda_graphs, cfg.serve.max_batch_size,
                               packed_weights(cfg.serve.cpu_packed_weights, pair.target), spec.tree_width,
                               drain_aware=False,  # rows are backfilled as they finish: throughput is the goal
-                              cpu_rows_kernel=cfg.serve.cpu_rows_kernel, max_prefill_tokens=cfg.serve.max_prefill_tokens),
+                              cpu_rows_kernel=cfg.serve.cpu_rows_kernel,
+                              max_prefill_tokens=prefill_budget(cfg.serve.max_prefill_tokens, pair.target)),
     )
+
+
+PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}  # `serve.max_prefill_tokens: null` per device type (else: no limit)
+
+
+def prefill_budget(setting: int | None, target) -> int:
+    """`serve.max_prefill_tokens` resolved for the target's device (0: no limit)."""
+    if setting is not None:
+        return int(setting)
+    return PREFILL_TOKENS.get(next(target.parameters()).device.type, 0)
 
 
 PACKED_AUTO_BYTES = 2 << 30  # `serve.cpu_packed_weights: auto` packs a target whose fp32 copy fits this

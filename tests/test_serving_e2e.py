@@ -475,17 +475,18 @@ def test_eagle_head_served_logs_features_swapped_and_follows_a_target_update(tin
             assert served(p) == (new_ref[p], v1)
 
 
-@pytest.mark.parametrize("budget", [0, 1, 512])
+@pytest.mark.parametrize("budget", [0, 1, None])
 def test_every_prefill_budget_starts_dvi_serve_and_answers_alike(tiny_pair_dir, tmp_path, budget):
-    """`serve.max_prefill_tokens` (0: no limit; 1: one request joins a step; the default): concurrent requests all
-    answered, each with the greedy text a lone request gets; a negative budget is refused naming the field."""
+    """`serve.max_prefill_tokens` (0: no limit; 1: one request joins a step; null, the default: the device's):
+    concurrent requests all answered, each with the greedy text a lone request gets; a negative budget is refused
+    naming the field."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dvi.config import ConfigError
 
     with pytest.raises(ConfigError, match="serve.max_prefill_tokens"):
         tiny_config(tiny_pair_dir, tmp_path, "serve.max_prefill_tokens=-1")
-    cfg = tiny_config(tiny_pair_dir, tmp_path, f"serve.max_prefill_tokens={budget}")
+    cfg = tiny_config(tiny_pair_dir, tmp_path, f"serve.max_prefill_tokens={'null' if budget is None else budget}")
     assert cfg.serve.max_prefill_tokens == budget
     body = [{"prompt": p, "max_tokens": 12, "temperature": 0} for p in PROMPTS]
     with ServerThread(cfg) as s, s.client() as c:
@@ -494,3 +495,6 @@ def test_every_prefill_budget_starts_dvi_serve_and_answers_alike(tiny_pair_dir, 
             rs = list(pool.map(lambda b: c.post("/v1/completions", json=b), body))
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
     assert [r.json()["choices"][0]["text"] for r in rs] == alone
+    from test_serving_helpers import engine_of
+
+    assert engine_of(s).max_prefill_tokens == (512 if budget is None else budget)  # the tiny pair serves on a CPU
