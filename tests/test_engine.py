@@ -421,6 +421,8 @@ def test_a_new_drafter_or_adapter_brings_a_refusing_guards_retry_near_and_a_targ
     able to show it soon); a target update alone (an RL policy step) leaves the schedule as it was."""
     target = tiny("llama", seed=0)
     eng = SpeculativeEngine(target, proposer_for(target, tiny("llama", 1, 1)), num_draft_tokens=3, adaptive=True)
+    from test_engine_adaptive import refusals_until_retry
+
     guard = eng.k_policy.controller.goodput
 
     def plain_verdict() -> None:
@@ -429,22 +431,15 @@ def test_a_new_drafter_or_adapter_brings_a_refusing_guards_retry_near_and_a_targ
             guard.observe(8, False, 8, 0.1)
         assert guard.judged(8) == "plain"
 
-    def refusals_until_retry() -> int:
-        n = 0
-        while guard.judged(8) == "plain":
-            guard.refused(8)
-            n += 1
-        return n
-
     plain_verdict()
-    assert refusals_until_retry() == guard.retry_first
+    assert refusals_until_retry(guard) == guard.retry_first
     plain_verdict()  # measured slower again: the next retry waits twice as long ...
     eng.update_target_weights(tiny("llama", seed=7).state_dict(), version=1)
-    assert refusals_until_retry() == 2 * guard.retry_first  # ... a target update changes nothing ...
+    assert refusals_until_retry(guard) == 2 * guard.retry_first  # ... a target update changes nothing ...
     for swap in (lambda: eng.set_drafter(perturbed(target), version=2), lambda: eng.set_adapter("sql", None, None)):
         plain_verdict()
         swap()  # ... a new drafter or adapter brings it back to retry_first
-        assert refusals_until_retry() == guard.retry_first
+        assert refusals_until_retry(guard) == guard.retry_first
 
 
 def test_prefill_share_fits_the_budget_and_always_admits_one():

@@ -374,7 +374,7 @@ def test_the_goodput_guard_charges_drafting_with_its_catch_ups():
     catch-up pays for the plain stretch, and counting it would condemn every retry."""
     import torch
 
-    from dvi.decode.pricing import KPolicy
+    from dvi.decode.pricing import KPolicy, StepTimes
     from dvi.drafters.proposer import Draft
 
     def draft(k: int, catchup: bool) -> Draft:
@@ -384,14 +384,14 @@ def test_the_goodput_guard_charges_drafting_with_its_catch_ups():
     def run(joiners: bool, resume_seconds: float) -> str:
         policy = KPolicy(True, 2, 4, calibrate=lambda b: None)
         for _ in range(8):  # plain steps: 16 tokens in 70 ms
-            policy.observe(draft(0, False), 16, 0.0, 0.07, 0.006, 16, 0.070, cpu=True)
+            policy.observe(draft(0, False), 16, StepTimes(0.0, 0.07, 0.006, 0.070), 16, cpu=True)
         # drafting resumes with a catch-up of the plain stretch, then 23 tokens in 90 ms a step, every other step
         # with a joiner's catch-up (107 ms) where rows join
-        policy.observe(draft(1, True), 16, 0.2, 0.085, 0.012, 23, resume_seconds, cpu=True)
+        policy.observe(draft(1, True), 16, StepTimes(0.2, 0.085, 0.012, resume_seconds), 23, cpu=True)
         for i in range(4):  # the guard's least: half its window
             slow = joiners and i % 2 == 1
-            policy.observe(draft(1, slow), 16, 0.017 if slow else 0.008, 0.085, 0.012, 23,
-                           0.107 if slow else 0.090, cpu=True)
+            policy.observe(draft(1, slow), 16, StepTimes(0.017 if slow else 0.008, 0.085, 0.012,
+                                                         0.107 if slow else 0.090), 23, cpu=True)
         return policy.controller.measured_verdict(16)
 
     assert run(joiners=True, resume_seconds=0.15) == "plain"  # 1.03x plain with the joiners' catch-ups
@@ -405,7 +405,7 @@ def test_steps_that_admit_rows_are_no_guard_samples_and_mixed_steps_feed_both_gu
     one of neither, so a hybrid server's mixed steps were never judged)."""
     import torch
 
-    from dvi.decode.pricing import KPolicy
+    from dvi.decode.pricing import KPolicy, StepTimes
     from dvi.drafters.proposer import Draft
 
     def draft(k: int, model: bool, suffix: bool) -> Draft:
@@ -416,14 +416,15 @@ def test_steps_that_admit_rows_are_no_guard_samples_and_mixed_steps_feed_both_gu
 
     def run(prefills_counted: bool) -> tuple[str, str]:
         policy = KPolicy(True, 2, 4, calibrate=lambda b: None)
-        policy.observe(draft(1, True, True), 8, 0.01, 0.1, 0.005, 10, 0.110, cpu=True)  # drafting resumed: no sample
+        policy.observe(draft(1, True, True), 8, StepTimes(0.01, 0.1, 0.005, 0.110), 10, cpu=True)  # drafting resumed: no sample
         for i in range(8):
             # plain steps: 8 tokens in 80 ms, every other one with a joiner's prefill (600 ms)
             joined = i % 2 == 1
-            policy.observe(draft(0, False, False), 8, 0.0, 0.6 if joined else 0.08, 0.005, 8,
-                           0.600 if joined else 0.080, cpu=True, joined=joined and not prefills_counted)
+            policy.observe(draft(0, False, False), 8, StepTimes(0.0, 0.6 if joined else 0.08, 0.005,
+                                                                0.600 if joined else 0.080), 8, cpu=True,
+                           joined=joined and not prefills_counted)
             # mixed drafting steps: 14 tokens in 160 ms (8.75 a row a second against 12.5 for plain)
-            policy.observe(draft(2, True, True), 8, 0.02, 0.13, 0.005, 14, 0.160, cpu=True)
+            policy.observe(draft(2, True, True), 8, StepTimes(0.02, 0.13, 0.005, 0.160), 14, cpu=True)
         return policy.controller.measured_verdict(8), policy.suffix_guard.verdict(8)
 
     assert run(prefills_counted=False) == ("plain", "plain")
@@ -441,30 +442,32 @@ def test_a_refusing_guard_retries_soon_then_backs_off_and_a_new_drafter_brings_t
             g.observe(8, True, int(8 * spec_rate), 0.100)
             g.observe(8, False, 8, 0.100)
 
-    def refusals_until_retry() -> int:
-        n = 0
-        while g.judged(8) == "plain":
-            g.refused(8)
-            n += 1
-        return n
-
     measure(0.5)
     assert g.judged(8) == "plain"
-    assert refusals_until_retry() == 4
+    assert refusals_until_retry(g) == 4
     retries = []
     for _ in range(3):
         measure(0.5)  # every retry measures drafting slower again
-        retries.append(refusals_until_retry())
+        retries.append(refusals_until_retry(g))
     assert retries == [8, 16, 16]  # doubling to retry_every
     measure(2.0)
     assert g.judged(8) == "spec"  # drafting pays again: the back-off is gone
     measure(0.5)
     measure(0.5)  # a full window of slower drafting
-    assert refusals_until_retry() == 4
+    assert refusals_until_retry(g) == 4
     measure(0.5)
-    assert refusals_until_retry() == 8
+    assert refusals_until_retry(g) == 8
     measure(0.5)
     for _ in range(3):
         g.refused(8)
     g.reset()  # a new drafter serves: the retry is due within retry_first refusals of the spell
-    assert g.judged(8) == "plain" and refusals_until_retry() == 1
+    assert g.judged(8) == "plain" and refusals_until_retry(g) == 1
+
+
+def refusals_until_retry(guard, batch: int = 8) -> int:
+    """Steps a refusing guard refuses drafting at `batch` rows before it retries (forgets its drafting samples)."""
+    n = 0
+    while guard.judged(batch) == "plain":
+        guard.refused(batch)
+        n += 1
+    return n

@@ -11,12 +11,22 @@ drafts measured slower than plain steps).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from dvi.decode.acceptance import AcceptanceTracker
 from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
 from dvi.decode.tree_pricing import SiblingStats, choose_siblings, sibling_outcomes
 
-__all__ = ["KPolicy", "StepPricing"]
+__all__ = ["KPolicy", "StepPricing", "StepTimes"]
+
+
+class StepTimes(NamedTuple):
+    """A step's seconds: its drafting, its verify forward, its host work after the verify, and the whole step."""
+
+    draft: float
+    verify: float
+    host: float
+    total: float
 
 
 class KPolicy:
@@ -56,8 +66,7 @@ class KPolicy:
                                                draft.node_sources, view.node_sources):
                 self.siblings.observe(tried, hit)
 
-    def observe(self, draft, batch: int, t_draft: float, t_verify: float, t_host: float, tokens: int,
-                seconds: float, cpu: bool, joined: bool = False) -> None:
+    def observe(self, draft, batch: int, times: StepTimes, tokens: int, cpu: bool, joined: bool = False) -> None:
         """After a step: its timings (a drafter catch-up is not a typical draft cost, a step with history rows
         not a learned-drafter step) and the goodput guards' samples.
 
@@ -74,13 +83,13 @@ class KPolicy:
         guards: either kind's drafting is judged with the steps it shared."""
         k, forwards = draft.width, draft.model_forwards
         if not joined:
-            self.costs.record_verify(batch, k, t_verify)
+            self.costs.record_verify(batch, k, times.verify)
         if self.adaptive and cpu and not joined:
             # On CPU the verify forward is synchronous, so t_host is the step's host work after it (on CUDA it
             # would include the kernels the first transfer waits for).
-            self.controller.observe_host_work(batch, t_host, self.costs)
+            self.controller.observe_host_work(batch, times.host, self.costs)
         if forwards > 0 and not draft.catchup:
-            self.costs.record_draft(batch, t_draft / forwards)
+            self.costs.record_draft(batch, times.draft / forwards)
         if not self.adaptive:
             return
         resumed = forwards > 0 and draft.catchup and not self._drafted_last
@@ -88,9 +97,9 @@ class KPolicy:
         if joined or resumed:
             return
         if forwards > 0 or not draft.suffix_rows:  # learned drafts (beside history rows or not), or a plain step
-            self.controller.observe_step(batch, k, tokens, seconds)
+            self.controller.observe_step(batch, k, tokens, times.total)
         if draft.lookup_seconds is not None and (draft.suffix_rows or not forwards):  # history drafts, or plain
-            self.suffix_guard.observe(batch, k > 0, tokens, seconds)
+            self.suffix_guard.observe(batch, k > 0, tokens, times.total)
 
 
 class StepPricing:

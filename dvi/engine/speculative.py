@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dvi.decode.emit import Emitted, append_tokens, count_drafts, emitted
-from dvi.decode.pricing import KPolicy
+from dvi.decode.pricing import KPolicy, StepTimes
 from dvi.decode.request import (
     InvalidParam,
     Request,
@@ -421,7 +421,7 @@ class SpeculativeEngine:
         sec = draft.lookup_seconds  # history lookups' host work this step, for /metrics (bounded)
         if sec is not None and len(self.suffix_step_seconds) < 4096:
             self.suffix_step_seconds.append(float(sec))
-        self.k_policy.observe(draft, b, t1 - t0, t2 - t1, t2 - t_fwd, n_new, time.perf_counter() - t0,
+        self.k_policy.observe(draft, b, StepTimes(t1 - t0, t2 - t1, t2 - t_fwd, time.perf_counter() - t0), n_new,
                               self.device.type == "cpu", joined)
         return outs
 
