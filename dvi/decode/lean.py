@@ -154,6 +154,8 @@ class LeanModel:
         # forwards of up to this many rows run every matmul through the fp32 rows kernel (`use_rows_kernel`; 0: never)
         self.kernel_rows = 0
         self.kernel = None
+        self._panels_of: dict[int, Any] = {}  # a layer weight's data_ptr -> the kernel's packed copy (`linear`)
+        self.head_panels = None
         # a one-row folded forward (a verify whose rows must round like lone steps) of more positions runs its
         # matmuls in pieces of at most this many rows, where the kernels round a wider GEMM's rows unlike a lone
         # row's (`dvi.decode.invariance`; None: whole). Prefills and a batch's rows (near-tie anyway) stay whole.
@@ -189,22 +191,32 @@ class LeanModel:
     @torch.inference_mode()
     def use_rows_kernel(self, rows: int | None = None) -> int:
         """Forwards of up to `rows` rows (None: as many as `kernel_rows_measured` finds it faster for) through the
-        fp32 rows kernel (`dvi.decode.rows_kernel`): every weight streamed once, whatever the rows. fp32 on a CPU
-        where it builds only; returns the rows it serves (0: none)."""
-        from dvi.decode.rows_kernel import kernel_rows_measured, load
+        fp32 rows kernel (`dvi.decode.rows_kernel`) on a packed copy of the weights. Where it wins at every probed
+        row count, oneDNN's packs (`pack_multirow`) are dropped: the kernel serves what they served, and MKL's GEMM
+        the widest prefills, so the target's weights are held twice, not three times. fp32 on a CPU where it builds
+        only; returns the rows it serves (0: none)."""
+        from dvi.decode.rows_kernel import KERNEL_PROBE_ROWS, kernel_rows_measured, load
 
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return 0
         self.kernel = load()
         if self.kernel is None:
             return 0
+        weights = [w for lw in self.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
         try:
-            self.kernel.check_weights(self.head, *(w for lw in self.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)))
+            self.kernel.check_weights(self.head, *weights)
         except ValueError as e:  # torch's kernels serve what the kernel cannot take
             self.kernel = None
             logging.getLogger(__name__).info("fp32 rows kernel not used: %s", e)
             return 0
+        self._panels_of = {w.data_ptr(): self.kernel.pack(w) for w in weights}
+        self.head_panels = self.kernel.pack(self.head) if self.head_module is None else None
         self.kernel_rows = kernel_rows_measured(self) if rows is None else max(0, int(rows))
+        if not self.kernel_rows:
+            self.kernel, self._panels_of, self.head_panels = None, {}, None
+        elif rows is None and self.kernel_rows >= KERNEL_PROBE_ROWS[-1] and self.packs is not None:
+            self.packs, self._pack_of, self.head_pack = None, {}, None
+            logging.getLogger(__name__).info("oneDNN's packed weights dropped: the rows kernel serves their forwards")
         return self.kernel_rows
 
     def repack(self) -> None:
@@ -212,6 +224,12 @@ class LeanModel:
         multi-row forwards would go on computing with the old target."""
         if self.packs is not None:
             self.pack_multirow(self._pack_rows)
+        for lw in self.layers:
+            for w in (lw.qkv, lw.o, lw.gate_up, lw.down):
+                if w.data_ptr() in self._panels_of:
+                    self._panels_of[w.data_ptr()].refill(w)
+        if self.head_panels is not None:
+            self.head_panels.refill(self.head)
 
     @torch.inference_mode()
     def _rope_tables(self, positions: int) -> None:
@@ -316,7 +334,7 @@ class LeanModel:
         rows, oneDNN's pack of w (`pack_multirow`) past one row, else F.linear (MKL's GEMV for one row)."""
         m = x.shape[0]
         if m <= self.kernel_rows:
-            return self.kernel.rows(x, w, bias)
+            return self.kernel.rows(x, self._panels_of[w.data_ptr()], bias)
         if m > 1 and self._pack_of:
             return _packed_linear(x, self._pack_of[w.data_ptr()], bias)
         return F.linear(x, w, bias)
@@ -371,7 +389,7 @@ class LeanModel:
         if self.head_module is not None:
             return self.head_module(f)
         if f.numel() <= self.kernel_rows * f.shape[-1]:
-            return self.kernel.rows(f.reshape(-1, f.shape[-1]), self.head).view(*f.shape[:-1], -1)
+            return self.kernel.rows(f.reshape(-1, f.shape[-1]), self.head_panels).view(*f.shape[:-1], -1)
         if self.head_pack is not None and f.numel() > f.shape[-1]:
             return _packed_linear(f, self.head_pack)
         if self.head_blocks is not None and f.numel() > f.shape[-1]:

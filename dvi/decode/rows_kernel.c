@@ -1,74 +1,87 @@
-/* y = x @ w^T in fp32 for a few rows of x (a decode step, a verify), streaming w once (AVX2 + FMA).
+/* y = x @ w^T in fp32 for the rows of a decode step, a verify or a prefill (AVX2 + FMA), w packed once in panels.
 
-   Built and loaded by dvi/decode/rows_kernel.py. Each output y[m, n] is one accumulator per 8-float lane over k in
-   order, then a fixed horizontal sum, whatever M is and however the rows are blocked: a row rounds the same alone
-   as beside others. */
+   Built and loaded by dvi/decode/rows_kernel.py. w [N, K] is packed as panels [ceil(N / 16)][K][16] (panel i holds
+   rows 16 i .. 16 i + 15 of w, zero-padded), so one 64-byte line holds a column's 16 weights: a tile of up to 6 rows
+   of x keeps 6 x 16 outputs in 12 registers and multiplies each weight it loads into all of its rows (the outer
+   product form of a GEMM micro-kernel, where a dot product per output would load each x row once per 4 outputs).
+   The next panel is prefetched while this one is multiplied, a share of it per tile, so the weights stream from
+   memory behind the arithmetic whatever the row count.
+
+   Each y[m, n] is one fma chain over k in order, whatever M is and however the rows are tiled: a row rounds the same
+   alone as beside others. */
 #include <immintrin.h>
 #include <stdint.h>
 
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    __m128 sh = _mm_movehdup_ps(lo);
-    __m128 s = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, s);
-    s = _mm_add_ss(s, sh);
-    return _mm_cvtss_f32(s);
-}
+#define PANEL 16
+#define MAX_TILE 6
 
-/* y[m0 .. m0+MB, n0 .. n0+NB): NB rows of w loaded once per 8 columns, multiplied into MB rows of x, while the
-   rows 2 NB further on are prefetched (the hardware prefetcher alone left a few-row product well below the
-   weights' streaming rate) */
-#define BLOCK(NB, MB)                                                                                    \
-    static void block_##NB##_##MB(const float* x, int64_t ldx, const float* w, int64_t N, int64_t K,      \
-                                  float* y, int64_t ldy, int64_t m0, int64_t n0) {                       \
-        __m256 acc[NB][MB];                                                                              \
-        const float* ahead[NB];                                                                          \
-        for (int i = 0; i < NB; i++) {                                                                   \
-            int64_t r = n0 + 2 * NB + i;                                                                 \
-            ahead[i] = w + (r < N ? r : N - 1) * K;                                                      \
-        }                                                                                                \
-        for (int i = 0; i < NB; i++)                                                                     \
-            for (int j = 0; j < MB; j++) acc[i][j] = _mm256_setzero_ps();                                \
-        const int64_t k8 = K & ~(int64_t)7;                                                              \
-        for (int64_t k = 0; k < k8; k += 8) {                                                            \
-            __m256 wv[NB];                                                                               \
-            for (int i = 0; i < NB; i++) wv[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);                 \
-            for (int i = 0; i < NB; i++) _mm_prefetch((const char*)(ahead[i] + k), _MM_HINT_T0);        \
-            for (int j = 0; j < MB; j++) {                                                               \
-                __m256 xv = _mm256_loadu_ps(x + (m0 + j) * ldx + k);                                     \
-                for (int i = 0; i < NB; i++) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);          \
-            }                                                                                            \
-        }                                                                                                \
-        for (int i = 0; i < NB; i++)                                                                     \
-            for (int j = 0; j < MB; j++) {                                                               \
-                float s = hsum(acc[i][j]);                                                               \
-                for (int64_t k = k8; k < K; k++) s = __builtin_fmaf(w[(n0 + i) * K + k], x[(m0 + j) * ldx + k], s); \
-                y[(m0 + j) * ldy + n0 + i] = s;                                                          \
-            }                                                                                            \
+/* one row r of a tile: its x[r, k] broadcast into both halves of the panel's line */
+#define ROW(r)                                                                                             \
+    if (rows > r) {                                                                                        \
+        __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                                  \
+        a##r##0 = _mm256_fmadd_ps(w0, xb, a##r##0);                                                        \
+        a##r##1 = _mm256_fmadd_ps(w1, xb, a##r##1);                                                        \
     }
 
-BLOCK(4, 1)
-BLOCK(4, 2)
-BLOCK(4, 3)
-BLOCK(1, 1)
-BLOCK(1, 2)
-BLOCK(1, 3)
-
-/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w [N, K]^T, w contiguous */
-void dvi_rows_linear_f32(const float* x, int64_t ldx, const float* w, int64_t N, int64_t K, float* y, int64_t ldy,
-                         int64_t M) {
-    int64_t n = 0;
-    for (; n + 4 <= N; n += 4) {
-        int64_t m = 0;
-        for (; m + 3 <= M; m += 3) block_4_3(x, ldx, w, N, K, y, ldy, m, n);
-        if (M - m == 2) block_4_2(x, ldx, w, N, K, y, ldy, m, n);
-        else if (M - m == 1) block_4_1(x, ldx, w, N, K, y, ldy, m, n);
+#define STORE(r)                                                                                           \
+    if (rows > r) {                                                                                          \
+        if (ncols == PANEL) {                                                                              \
+            _mm256_storeu_ps(y + r * ldy, a##r##0);                                                        \
+            _mm256_storeu_ps(y + r * ldy + 8, a##r##1);                                                    \
+        } else {                                                                                           \
+            _mm256_store_ps(buf, a##r##0);                                                                 \
+            _mm256_store_ps(buf + 8, a##r##1);                                                             \
+            for (int64_t c = 0; c < ncols; c++) y[r * ldy + c] = buf[c];                                   \
+        }                                                                                                  \
     }
-    for (; n < N; n++) {
+
+/* MR rows of x [.., K] times one panel p [K][16] into y [MR, ncols]; prefetches its share (tile t of T) of the next
+   panel. Named accumulators, not an array: the compiler keeps an array of them in memory. */
+#define TILE(MR)                                                                                           \
+    static void tile_##MR(const float* x, int64_t ldx, const float* p, const float* next, int64_t K,        \
+                          float* y, int64_t ldy, int64_t ncols, int64_t t, int64_t T) {                    \
+        const int rows = MR;                                                                               \
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;           \
+        __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;                           \
+        const float* pf = next + PANEL * ((t * K) / T);                                                    \
+        int64_t c = 0;                                                                                     \
+        for (int64_t k = 0; k < K; k++) {                                                                  \
+            __m256 w0 = _mm256_load_ps(p + PANEL * k), w1 = _mm256_load_ps(p + PANEL * k + 8);             \
+            _mm_prefetch((const char*)pf, _MM_HINT_T0);                                                    \
+            if (++c == T) {                                                                                \
+                c = 0;                                                                                     \
+                pf += PANEL;                                                                               \
+            }                                                                                              \
+            ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)                                                      \
+        }                                                                                                  \
+        float buf[PANEL] __attribute__((aligned(32)));                                                     \
+        STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)                                              \
+    }
+
+TILE(1)
+TILE(2)
+TILE(3)
+TILE(4)
+TILE(5)
+TILE(6)
+
+typedef void (*tile_fn)(const float*, int64_t, const float*, const float*, int64_t, float*, int64_t, int64_t,
+                        int64_t, int64_t);
+static const tile_fn TILES[MAX_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w^T, w as 32-byte aligned panels (see above) */
+void dvi_panels_linear_f32(const float* x, int64_t ldx, const float* panels, int64_t N, int64_t K, float* y,
+                           int64_t ldy, int64_t M) {
+    const int64_t count = (N + PANEL - 1) / PANEL, tiles = (M + MAX_TILE - 1) / MAX_TILE;
+    for (int64_t i = 0; i < count; i++) {
+        const float* panel = panels + i * PANEL * K;
+        const float* next = i + 1 < count ? panel + PANEL * K : panel;
+        const int64_t ncols = N - PANEL * i < PANEL ? N - PANEL * i : PANEL;
         int64_t m = 0;
-        for (; m + 3 <= M; m += 3) block_1_3(x, ldx, w, N, K, y, ldy, m, n);
-        if (M - m == 2) block_1_2(x, ldx, w, N, K, y, ldy, m, n);
-        else if (M - m == 1) block_1_1(x, ldx, w, N, K, y, ldy, m, n);
+        for (int64_t t = 0; t < tiles; t++) { /* tiles as even as they go: 8 rows = 4 + 4, 16 = 6 + 5 + 5 */
+            const int64_t mr = (M - m + (tiles - t) - 1) / (tiles - t);
+            TILES[mr](x + m * ldx, ldx, panel, next, K, y + m * ldy + PANEL * i, ldy, ncols, t, tiles);
+            m += mr;
+        }
     }
 }
