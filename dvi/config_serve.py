@@ -55,11 +55,12 @@ class ServeConfig(_Strict):
     # weights in memory for verifies that cost less per drafted token (benchmarks/serve_speed.py measures both);
     # auto: on where the target serves fp32 on a CPU and that copy takes at most 2 GiB
     cpu_packed_weights: bool | Literal["auto"] = "auto"
-    # on a CPU in fp32, the target's forwards of a few rows (steps, verifies) run through dvi's rows kernel
-    # (dvi/decode/rows_kernel.c, built with the system's C compiler on first use; AVX2 + FMA), which streams each
-    # weight once whatever the row count, so a verify costs little more than a step, and rounds a row alike alone or
-    # beside others; auto: for as many rows as it is timed faster than torch's kernels for at start-up; true: up to
-    # 16 rows; where it cannot be built, torch's kernels serve (logged)
+    # on a CPU in fp32, the target's forwards (steps, verifies, prefills) run through dvi's rows kernel
+    # (dvi/decode/rows_kernel.c, built with the system's C compiler on first use; AVX2 + FMA) on a copy of the
+    # weights packed at start-up: it streams the weights behind its arithmetic whatever the row count, so a verify
+    # or a batch row costs little more than a one-row step, and rounds a row alike alone or beside others; auto: for
+    # as many rows as it is timed faster than torch's kernels for at start-up (1-256 probed; where it wins at all of
+    # them, cpu_packed_weights' copy is dropped); true: up to 16 rows; where it cannot be built, torch's kernels serve
     cpu_rows_kernel: bool | Literal["auto"] = "auto"
     # prompt tokens that may join the running batch in one step (at least one request joins a step with room; 0: no
     # limit): joiners' prefills ride on the step, so a wave of them (rows that finished together) in one step makes
