@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from torch import nn
 from dvi.decode.attention import Attention
 from dvi.decode.segments import NO_RUNS, Runs, attend_segments
 from dvi.decode.slot_cache import SlotCache
+
+if TYPE_CHECKING:
+    from dvi.decode.rows_kernel import Panels, RowsKernel
 
 __all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
 
@@ -153,9 +156,9 @@ class LeanModel:
         self.head_pack: torch.Tensor | None = None
         # forwards of up to this many rows run every matmul through the fp32 rows kernel (`use_rows_kernel`; 0: never)
         self.kernel_rows = 0
-        self.kernel = None
-        self._panels_of: dict[int, Any] = {}  # a layer weight's data_ptr -> the kernel's packed copy (`linear`)
-        self.head_panels = None
+        self.kernel: RowsKernel | None = None
+        self._panels_of: dict[int, Panels] = {}  # a layer weight's data_ptr -> the kernel's packed copy (`linear`)
+        self.head_panels: Panels | None = None
         # a one-row folded forward (a verify whose rows must round like lone steps) of more positions runs its
         # matmuls in pieces of at most this many rows, where the kernels round a wider GEMM's rows unlike a lone
         # row's (`dvi.decode.invariance`; None: whole). Prefills and a batch's rows (near-tie anyway) stay whole.
