@@ -205,15 +205,14 @@ class LeanModel:
         self.kernel = load()
         if self.kernel is None:
             return 0
-        weights = [w for lw in self.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
-        try:
-            self.kernel.check_weights(self.head, *weights)
+        try:  # packing checks each weight, and the copy's alignment
+            self.kernel.check_weights(self.head)
+            self._panels_of = {w.data_ptr(): self.kernel.pack(w) for w in self._matrices()}
+            self.head_panels = self.kernel.pack(self.head) if self.head_module is None else None
         except ValueError as e:  # torch's kernels serve what the kernel cannot take
-            self.kernel = None
+            self.kernel, self._panels_of, self.head_panels = None, {}, None
             logging.getLogger(__name__).info("fp32 rows kernel not used: %s", e)
             return 0
-        self._panels_of = {w.data_ptr(): self.kernel.pack(w) for w in weights}
-        self.head_panels = self.kernel.pack(self.head) if self.head_module is None else None
         self.kernel_rows = kernel_rows_measured(self) if rows is None else max(0, int(rows))
         if not self.kernel_rows:
             self.kernel, self._panels_of, self.head_panels = None, {}, None
@@ -227,12 +226,15 @@ class LeanModel:
         multi-row forwards would go on computing with the old target."""
         if self.packs is not None:
             self.pack_multirow(self._pack_rows)
-        for lw in self.layers:
-            for w in (lw.qkv, lw.o, lw.gate_up, lw.down):
-                if w.data_ptr() in self._panels_of:
-                    self._panels_of[w.data_ptr()].refill(w)
+        if self._panels_of:
+            for w in self._matrices():
+                self._panels_of[w.data_ptr()].refill(w)
         if self.head_panels is not None:
             self.head_panels.refill(self.head)
+
+    def _matrices(self) -> list[torch.Tensor]:
+        """The layers' weights the forward multiplies through `linear`, in order."""
+        return [w for lw in self.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
 
     @torch.inference_mode()
     def _rope_tables(self, positions: int) -> None:

@@ -183,7 +183,8 @@ def kernel_rows_measured(lean: Any, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, r
     """The most rows up to which the rows kernel runs every matmul of a forward (all layers and the head: the weights
     streamed as a step streams them) no slower than the path the forward takes without it (MKL's GEMV for one row,
     oneDNN's packs or MKL's GEMM for more), arms interleaved, best of `reps`, within 2%; 0 where it loses at one
-    row. `lean` holds the kernel and its panels (`LeanModel.use_rows_kernel`). Timed once per model shape, packing and thread count in a process (`lean`: a `dvi.decode.lean.LeanModel`)."""
+    row. Timed once per model shape, packing and thread count in a process (`lean`: a `dvi.decode.lean.LeanModel`
+    holding the kernel and its panels, `LeanModel.use_rows_kernel`)."""
     key = (lean.hidden, len(lean.layers), tuple(lean.layers[0].gate_up.shape), tuple(lean.head.shape),
            lean.packs is not None, lean.head_module is None, torch.get_num_threads())
     if key in _KERNEL_ROWS:
