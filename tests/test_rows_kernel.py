@@ -1,5 +1,5 @@
-"""`serve.cpu_rows_kernel`: dvi's fp32 rows kernel (`dvi/decode/rows_kernel.c`). It computes F.linear up to float
-rounding, rounds a row alike alone or beside others (so a one-request verify rounds like the steps it stands for and
+"""`serve.cpu_rows_kernel`: dvi's rows kernels (`dvi/decode/rows_kernel.c`, fp32 on AVX2 + FMA;
+`rows_kernel_bf16.c`, bf16 on AVX512-BF16, tested where the CPU has it). Each computes F.linear up to float rounding, rounds a row alike alone or beside others (so a one-request verify rounds like the steps it stands for and
 the probe says so), keeps the engine lossless, and says why where it cannot run (every value of the option starts
 `dvi serve`: `tests/test_packed_weights.py`)."""
 
@@ -19,39 +19,55 @@ from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 
 KERNEL = rows_kernel.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"rows kernel unavailable: {rows_kernel.unavailable_reason()}")
+BF16 = rows_kernel.load(torch.bfloat16)
+# each test of both dtypes runs the bf16 kernel where this CPU has AVX512-BF16 (an AMX Xeon, a Zen 4 or later)
+DTYPES = [pytest.param(torch.float32, id="fp32", marks=needs_kernel),
+          pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(
+              BF16 is None, reason=f"bf16 rows kernel unavailable: {rows_kernel.unavailable_reason(torch.bfloat16)}"))]
 
 
-def _target():
+def _target(dtype: torch.dtype = torch.float32):
     return tiny_llama(0, vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2)
+                      num_key_value_heads=2).to(dtype)
 
 
-@needs_kernel
+def _kernel(dtype: torch.dtype) -> rows_kernel.RowsKernel:
+    return KERNEL if dtype == torch.float32 else BF16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 4, 8), (3, 7, 13), (5, 130, 64), (17, 33, 576), (2, 1, 5),
-                                           (8, 16, 32), (40, 48, 9), (13, 17, 1536)])
-def test_the_kernel_computes_what_f_linear_does(m, n, k):
+                                           (8, 16, 32), (40, 48, 9), (13, 17, 1536), (26, 70, 96)])
+def test_the_kernel_computes_what_f_linear_does(dtype, m, n, k):
+    if dtype == torch.bfloat16 and k % 2:
+        k += 1  # the bf16 kernel multiplies pairs of columns (an odd width is refused: below)
     g = torch.Generator().manual_seed(m * n + k)
-    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x, w, b = (torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype),
+               torch.randn(n, generator=g).to(dtype))
     exact = F.linear(x.double(), w.double(), b.double())
-    got = KERNEL.linear(x, w, b)
-    assert got.shape == (m, n) and got.dtype == torch.float32
-    # one fp32 fma chain over k per output: its rounding grows with k (~k x eps x |terms|)
-    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=5e-8 * k)
+    got = _kernel(dtype).linear(x, w, b)
+    assert got.shape == (m, n) and got.dtype == dtype
+    # one fp32 chain over k per output: its rounding grows with k (~k x eps x |terms|); bf16 rounds the product and
+    # then the bias' sum to bf16 (2^-8 relative each)
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.double(), exact, rtol=rtol, atol=5e-8 * k + (dtype != torch.float32) * 2e-2)
     # a strided x (a view of every other column) and leading dimensions work too
-    wide = torch.randn(m, 2 * k, generator=g)
-    torch.testing.assert_close(KERNEL.linear(wide[:, ::2], w), F.linear(wide[:, ::2], w), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(KERNEL.linear(x.view(1, m, k), w), F.linear(x, w).view(1, m, n), rtol=1e-4, atol=1e-4)
+    wide = torch.randn(m, 2 * k, generator=g).to(dtype)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
+    torch.testing.assert_close(_kernel(dtype).linear(wide[:, ::2], w), F.linear(wide[:, ::2], w), **tol)
+    torch.testing.assert_close(_kernel(dtype).linear(x.view(1, m, k), w), F.linear(x, w).view(1, m, n), **tol)
 
 
-@needs_kernel
-def test_a_row_rounds_alike_alone_and_beside_others():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_rounds_alike_alone_and_beside_others(dtype):
     """Each output is one accumulation over k in order whatever the row count and tiling: a row of a 40-row product
     is bit-equal to the row alone (torch's GEMMs differ here: MKL's GEMV and its GEMMs round a row apart)."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(40, 576, generator=g), torch.randn(203, 576, generator=g)
-    alone = torch.cat([KERNEL.linear(x[r : r + 1], w) for r in range(40)])
-    for m in (2, 3, 4, 7, 8, 13, 20, 40):
-        assert torch.equal(KERNEL.linear(x[:m], w), alone[:m]), m
+    x, w = torch.randn(40, 576, generator=g).to(dtype), torch.randn(203, 576, generator=g).to(dtype)
+    kernel = _kernel(dtype)
+    alone = torch.cat([kernel.linear(x[r : r + 1], w) for r in range(40)])
+    for m in (2, 3, 4, 7, 8, 13, 20, 25, 40):
+        assert torch.equal(kernel.linear(x[:m], w), alone[:m]), m
 
 
 @needs_kernel
@@ -62,6 +78,23 @@ def test_bad_inputs_are_refused_by_name():
         KERNEL.linear(torch.zeros(1, 8), torch.zeros(8))
     with pytest.raises(ValueError, match="columns"):
         KERNEL.linear(torch.zeros(1, 8), torch.zeros(4, 9))
+    with pytest.raises(ValueError, match="fp32 rows"):  # packed fp32 weights read as another dtype's rows
+        KERNEL.rows(torch.zeros(1, 8, dtype=torch.bfloat16), KERNEL.pack(torch.zeros(4, 8)))
+
+
+@pytest.mark.skipif(BF16 is None, reason=f"bf16 rows kernel unavailable: {rows_kernel.unavailable_reason(torch.bfloat16)}")
+def test_bad_bf16_inputs_are_refused_by_name():
+    with pytest.raises(ValueError, match="even input width"):
+        BF16.linear(torch.zeros(1, 9, dtype=torch.bfloat16), torch.zeros(4, 9, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16"):
+        BF16.linear(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
+    lean = LeanModel(tiny_llama(0, intermediate_size=63).to(torch.bfloat16))  # the down projection's input: 63 wide
+    assert lean.use_rows_kernel(16) == 0 and lean.kernel is None  # torch's kernels serve that model
+
+
+def test_a_dtype_without_a_kernel_says_so():
+    assert rows_kernel.load(torch.float16) is None
+    assert "float16" in rows_kernel.unavailable_reason(torch.float16)
 
 
 def test_without_a_compiler_it_says_why_and_torch_serves(monkeypatch, tmp_path):
@@ -91,12 +124,12 @@ def test_the_build_is_cached_per_source(monkeypatch, tmp_path):
         rows_kernel._loaded.cache_clear()
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
-def test_forwards_on_the_kernel_compute_what_torch_does_and_verifies_round_like_steps():
-    target = _target()
+def test_forwards_on_the_kernel_compute_what_torch_does_and_verifies_round_like_steps(dtype):
+    target = _target(dtype)
     with_kernel, plain = LeanModel(target), LeanModel(target)
-    assert with_kernel.use_rows_kernel(16) == 16
+    assert with_kernel.use_rows_kernel(16) == 16 and with_kernel.kernel.dtype == dtype
     run = target_runner(target, max_width=9, cpu=CpuMatmuls(rows_kernel=True))
     assert run.lean.kernel_rows == 16 and run.contract["one_request"] == "bitwise"
     from dvi.decode.lean_target import LeanTarget
@@ -106,7 +139,8 @@ def test_forwards_on_the_kernel_compute_what_torch_does_and_verifies_round_like_
     ctx = torch.randint(0, 128, (20,), generator=g).tolist()
     a.admit([ctx], False), b.admit([ctx], False)
     ids = torch.randint(0, 128, (1, 5), generator=g)
-    torch.testing.assert_close(a.forward(ids, False), b.forward(ids, False), rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # bf16: kernels round each matmul's output apart
+    torch.testing.assert_close(a.forward(ids, False), b.forward(ids, False), rtol=tol, atol=tol)
 
 
 @needs_kernel
@@ -116,12 +150,12 @@ def test_the_measured_rows_are_a_probed_count():
     assert lean.kernel is None or kernel_rows_measured(lean) == lean.kernel_rows  # timed once per shape
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
-def test_a_target_update_repacks_the_kernels_panels_and_stays_lossless():
+def test_a_target_update_repacks_the_kernels_panels_and_stays_lossless(dtype):
     """New target weights load in place; the kernel's panels are packed again from them, else its forwards would go
     on computing with the old target."""
-    target = _target()
+    target = _target(dtype)
     g = torch.Generator().manual_seed(2)
     prompts = [(torch.randint(0, 128, (12,), generator=g).tolist() * 3)[: 30 + i] for i in range(3)]
     eng = SpeculativeEngine(target, None, options=EngineOptions(cpu_rows_kernel=True))
@@ -129,13 +163,19 @@ def test_a_target_update_repacks_the_kernels_panels_and_stays_lossless():
     panels = lean._panels_of[lean.layers[0].qkv.data_ptr()]
     old = panels.data.clone()
     eng.generate(prompts, 8)
-    new_weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in target.state_dict().items()
+    new_weights = {k: v + 0.05 * torch.randn(v.shape, generator=g).to(dtype) for k, v in target.state_dict().items()
                    if k.endswith("proj.weight")}
     eng.update_target_weights(new_weights, version=1)
     assert not torch.equal(panels.data, old)
-    assert torch.equal(panels.data, KERNEL.pack(lean.layers[0].qkv).data)
+    assert torch.equal(panels.data, _kernel(dtype).pack(lean.layers[0].qkv).data)
     for p, o in zip(prompts, eng.generate(prompts, 16), strict=True):
-        assert_greedy_equal(target, p, list(o.token_ids), reference(target, p, 16))
+        if dtype == torch.float32:
+            assert_greedy_equal(target, p, list(o.token_ids), reference(target, p, 16))
+    # the engine's plain decode after the update is HF's on the new weights (bf16: the first tokens, before kernels
+    # that round apart meet a near-tie) and a lone request's speculation its plain decode token for token
+    off = SpeculativeEngine(target, None, options=EngineOptions(cpu_rows_kernel=True))
+    assert off._target.lean.kernel_rows == 16
+    assert off.generate([prompts[0]], 4)[0].token_ids == reference(target, prompts[0], 4)
 
 
 @needs_kernel
@@ -158,19 +198,19 @@ def test_where_the_kernel_wins_every_probe_onednns_packs_are_dropped(monkeypatch
     torch.testing.assert_close(lm.linear(x[:5], w), F.linear(x[:5], w), rtol=1e-4, atol=1e-4)
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
-def test_engine_on_the_kernel_is_lossless_with_history_drafts():
+def test_engine_on_the_kernel_is_lossless_with_history_drafts(dtype):
     from dvi.config import SuffixConfig
     from dvi.drafters.factory import make_proposer
 
-    target = _target()
+    target = _target(dtype)
     g = torch.Generator().manual_seed(1)
     prompts = [(torch.randint(0, 128, (12,), generator=g).tolist() * 3)[: 30 + i] for i in range(3)]
     prop = make_proposer("suffix", None, 128, "cpu", settings=SuffixConfig(max_draft_tokens=4))
     eng = SpeculativeEngine(target, prop, num_draft_tokens=4, max_draft_tokens=4,
                             options=EngineOptions(cpu_packed_weights=True, cpu_rows_kernel=True))
-    assert eng._target.lean.kernel_rows == 16
+    assert eng._target.lean.kernel_rows == 16 and eng._target.contract["one_request"] == "bitwise"
     outs = eng.generate(prompts, 24)
     assert sum(o.num_drafted for o in outs) > 0
     for p, o in zip(prompts, outs, strict=True):
@@ -189,16 +229,16 @@ def test_weights_the_kernel_cannot_take_leave_torch_serving():
     assert lean.use_rows_kernel(16) == 0 and lean.kernel is None
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 0.9), (1.0, 0.8), (1.0, 1.0)])
-def test_sampling_on_the_kernel_follows_the_target(temperature, top_p):
+def test_sampling_on_the_kernel_follows_the_target(dtype, temperature, top_p):
     """Chi-square of the first two sampled tokens against the target's warped law, the learned drafter proposing and
     the target verifying on the kernel (its forwards' logits, not torch's, are what the rule samples from)."""
     from test_sampling import N_SAMPLES, PROMPT, exact_two_token_law, tiny_lm, two_token_pvalue
 
     from dvi.drafters.factory import proposer_for
 
-    target, drafter = tiny_lm(0), tiny_lm(1)
+    target, drafter = tiny_lm(0).to(dtype), tiny_lm(1).to(dtype)
     eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=2,
                             options=EngineOptions(cpu_rows_kernel=True))
     lean = eng._target.lean

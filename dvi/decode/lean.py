@@ -154,7 +154,7 @@ class LeanModel:
         self.packs: list[tuple[torch.Tensor, ...]] | None = None
         self._pack_of: dict[int, torch.Tensor] = {}  # a layer weight's data_ptr -> its pack (`linear`)
         self.head_pack: torch.Tensor | None = None
-        # forwards of up to this many rows run every matmul through the fp32 rows kernel (`use_rows_kernel`; 0: never)
+        # forwards of up to this many rows run every matmul through dvi's rows kernel (`use_rows_kernel`; 0: never)
         self.kernel_rows = 0
         self.kernel: RowsKernel | None = None
         self._panels_of: dict[int, Panels] = {}  # a layer weight's data_ptr -> the kernel's packed copy (`linear`)
@@ -193,16 +193,16 @@ class LeanModel:
 
     @torch.inference_mode()
     def use_rows_kernel(self, rows: int | None = None) -> int:
-        """Forwards of up to `rows` rows (None: as many as `kernel_rows_measured` finds it faster for) through the
-        fp32 rows kernel (`dvi.decode.rows_kernel`) on a packed copy of the weights. Where it wins at every probed
-        row count, oneDNN's packs (`pack_multirow`) are dropped: the kernel serves what they served, and MKL's GEMM
-        the widest prefills, so the target's weights are held twice, not three times. fp32 on a CPU where it builds
-        only; returns the rows it serves (0: none)."""
+        """Forwards of up to `rows` rows (None: as many as `kernel_rows_measured` finds it faster for) through
+        dvi's rows kernel for the model's dtype (`dvi.decode.rows_kernel`: fp32, or bf16 on an AVX512-BF16 CPU) on a
+        packed copy of the weights. Where it wins at every probed row count, oneDNN's packs (`pack_multirow`) are
+        dropped: the kernel serves what they served, and torch's GEMM the widest prefills, so the target's weights
+        are held twice, not three times. On a CPU where it builds only; returns the rows it serves (0: none)."""
         from dvi.decode.rows_kernel import KERNEL_PROBE_ROWS, kernel_rows_measured, load
 
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return 0
-        self.kernel = load()
+        self.kernel = load(self.dtype)
         if self.kernel is None:
             return 0
         try:  # packing checks each weight, and the copy's alignment
@@ -211,7 +211,7 @@ class LeanModel:
             self.head_panels = self.kernel.pack(self.head) if self.head_module is None else None
         except ValueError as e:  # torch's kernels serve what the kernel cannot take
             self.kernel, self._panels_of, self.head_panels = None, {}, None
-            logging.getLogger(__name__).info("fp32 rows kernel not used: %s", e)
+            logging.getLogger(__name__).info("rows kernel not used: %s", e)
             return 0
         self.kernel_rows = kernel_rows_measured(self) if rows is None else max(0, int(rows))
         if not self.kernel_rows:

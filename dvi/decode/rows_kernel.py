@@ -1,15 +1,16 @@
-"""An fp32 matmul for x86-64 CPUs with AVX2 and FMA (`rows_kernel.c`), built with the system's C compiler.
+"""dvi's matmul for the rows of a decode step on x86-64 CPUs: fp32 with AVX2 and FMA (`rows_kernel.c`), bf16 with
+AVX512-BF16 (`rows_kernel_bf16.c`), built with the system's C compiler.
 
 Why its own kernel: a decode step or a verify multiplies 1-64 rows by every weight of the target, so its cost is
 streaming the weights while the arithmetic hides behind it; MKL's one-row GEMV streams them well, but its GEMMs of
-2-64 rows and oneDNN's on prepacked weights neither stream them at that rate nor reach the core's arithmetic rate,
-so every verified position and every batch row costs (docs/design.md, "Where a plain step goes"). This kernel reads
-the weights once, packed in panels of 16 rows at start-up, and multiplies each into up to 6 rows at a time; a row
-rounds alike alone or beside others.
+2-64 rows and oneDNN's on prepacked weights (fp32 or bf16) neither stream them at that rate nor reach the core's
+arithmetic rate, so every verified position and every batch row costs (docs/design.md, "Where a plain step goes").
+This kernel reads the weights once, packed in panels at start-up, and multiplies each into several rows at a time; a
+row rounds alike alone or beside others.
 
 Built once per source and compiler into `$XDG_CACHE_HOME/dvi/kernels` (default `~/.cache`) and loaded with ctypes;
-`load()` is None where it cannot run (not x86-64 Linux with avx2 and fma, no compiler, a failed build: the reason is
-logged once), and the caller keeps torch's kernels.
+`load(dtype)` is None where it cannot run (not x86-64 Linux, the CPU lacks the instructions, no compiler, a failed
+build: the reason is logged once), and the caller keeps torch's kernels.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import tempfile
 import time
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,25 +36,41 @@ __all__ = ["KERNEL_ROWS", "Panels", "RowsKernel", "kernel_rows_measured", "load"
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("rows_kernel.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
+
+class _Build(NamedTuple):
+    """One dtype's kernel: its source, compiler flags, the CPU flags it needs, its entry point and panel shape."""
+
+    source: Path
+    flags: tuple[str, ...]
+    needs: frozenset[str]
+    symbol: str
+    panel: int  # weight rows a panel holds
+    pair: int  # consecutive k a panel's line holds per weight row (vdpbf16ps multiplies pairs)
+    align: int  # bytes the panels' aligned loads need
 
 
-PANEL = 16  # weight rows a panel holds (rows_kernel.c)
+_BUILDS = {
+    torch.float32: _Build(Path(__file__).with_name("rows_kernel.c"), ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared"),
+                          frozenset({"avx2", "fma"}), "dvi_panels_linear_f32", 16, 1, 32),
+    torch.bfloat16: _Build(Path(__file__).with_name("rows_kernel_bf16.c"),
+                           ("-O3", "-mavx512f", "-mavx512bf16", "-fPIC", "-shared"),
+                           frozenset({"avx512f", "avx512_bf16"}), "dvi_panels_linear_bf16", 32, 2, 64),
+}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
 
 
 class Panels:
-    """A weight w [N, K] packed for the kernel: [ceil(N / 16), K, 16], panel i holding rows 16 i .. 16 i + 15 of w
-    column by column (zero-padded), so a 64-byte line carries one column of a panel (`RowsKernel.pack`)."""
+    """A weight w [N, K] packed for its dtype's kernel (`RowsKernel.pack`): fp32 as [ceil(N / 16), K, 16], panel i
+    holding rows 16 i .. 16 i + 15 of w column by column, so a 64-byte line carries one column of a panel; bf16 as
+    [ceil(N / 32), K / 2, 32, 2], a line carrying 16 rows' pair of columns. Zero-padded past N."""
 
-    __slots__ = ("data", "out_features")
+    __slots__ = ("data", "in_features", "out_features")
 
-    def __init__(self, data: torch.Tensor, out_features: int):
-        self.data, self.out_features = data, out_features
-
-    @property
-    def in_features(self) -> int:
-        return int(self.data.shape[1])
+    def __init__(self, data: torch.Tensor, out_features: int, in_features: int):
+        self.data, self.out_features, self.in_features = data, out_features, in_features
 
     def refill(self, w: torch.Tensor) -> None:
         """New values of the same weight (a target update loads weights in place): packed again into this buffer."""
@@ -61,55 +78,64 @@ class Panels:
 
 
 def _panel_view(w: torch.Tensor) -> torch.Tensor:
-    pad = -w.shape[0] % PANEL
+    b = _BUILDS[w.dtype]
+    pad = -w.shape[0] % b.panel
     if pad:
         w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
-    return w.view(-1, PANEL, w.shape[1]).transpose(1, 2)
+    if b.pair == 1:
+        return w.view(-1, b.panel, w.shape[1]).transpose(1, 2)
+    return w.view(-1, b.panel, w.shape[1] // b.pair, b.pair).permute(0, 2, 1, 3)
 
 
 class RowsKernel:
-    """F.linear for fp32 x [..., K] and an fp32 w [N, K] on the CPU: `linear` checks its inputs and packs w for the one
-    call; the lean forward's matmuls pack each weight once (`pack`, after `check_weights`) and call `rows`."""
+    """F.linear for x [..., K] and a w [N, K] of the kernel's dtype (fp32 or bf16) on the CPU: `linear` checks its
+    inputs and packs w for the one call; the lean forward's matmuls pack each weight once (`pack`, after
+    `check_weights`) and call `rows`."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        fn = lib.dvi_panels_linear_f32
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype):
+        build = _BUILDS[dtype]
+        fn = getattr(lib, build.symbol)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64]
         fn.restype = None
-        self._fn = fn
+        self._fn, self.dtype, self._build = fn, dtype, build
 
-    @staticmethod
-    def check_weights(*ws: torch.Tensor) -> None:
+    def check_weights(self, *ws: torch.Tensor) -> None:
         for w in ws:
-            if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
-                raise ValueError(f"the rows kernel takes 2-d fp32 CPU weights, got {w.dtype} {tuple(w.shape)} on "
-                                 f"{w.device}")
+            if w.dtype != self.dtype or w.device.type != "cpu" or w.dim() != 2:
+                raise ValueError(f"the {_name(self.dtype)} rows kernel takes 2-d {_name(self.dtype)} CPU weights, got "
+                                 f"{w.dtype} {tuple(w.shape)} on {w.device}")
+            if w.shape[1] % self._build.pair:
+                raise ValueError(f"the {_name(self.dtype)} rows kernel takes weights of an even input width, got "
+                                 f"{tuple(w.shape)}")
 
-    @staticmethod
-    def pack(w: torch.Tensor) -> Panels:
+    def pack(self, w: torch.Tensor) -> Panels:
         """w [N, K] in panels (a copy: the kernel's layout; torch's allocations are 64-byte aligned, as its aligned
         loads need)."""
-        RowsKernel.check_weights(w)
+        self.check_weights(w)
         data = _panel_view(w).contiguous()
-        if data.data_ptr() % 32:
-            raise ValueError("the rows kernel's panels must be 32-byte aligned")
-        return Panels(data, int(w.shape[0]))
+        if data.data_ptr() % self._build.align:
+            raise ValueError(f"the rows kernel's panels must be {self._build.align}-byte aligned")
+        return Panels(data, int(w.shape[0]), int(w.shape[1]))
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self.check_weights(w)
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"the rows kernel takes fp32 CPU tensors, got {x.dtype} x on {x.device}")
+        if x.dtype != self.dtype or x.device.type != "cpu":
+            raise ValueError(f"the {_name(self.dtype)} rows kernel takes {_name(self.dtype)} CPU tensors, got "
+                             f"{x.dtype} x on {x.device}")
         if x.shape[-1] != w.shape[1]:
             raise ValueError(f"x has {x.shape[-1]} columns, the weight {w.shape[1]}")
         return self.rows(x.reshape(-1, x.shape[-1]), self.pack(w), bias).view(*x.shape[:-1], w.shape[0])
 
     def rows(self, x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] fp32 through packed weights, with a few microseconds of Python around the call (a step makes
-        ~120 of them): a wrong dtype here would read past a buffer, so only callers that hold fp32 rows call it."""
+        """x [M, K] of the kernel's dtype through packed weights, with a few microseconds of Python around the call (a
+        step makes ~120 of them). A bias is added in the output's dtype (after the product's rounding)."""
+        if x.dtype != self.dtype:  # the kernel would read the buffer as its own dtype
+            raise ValueError(f"the {_name(self.dtype)} rows kernel got {x.dtype} rows")
         if x.dim() != 2 or x.stride(1) != 1:
             x = x.reshape(-1, x.shape[-1]).contiguous()
         m, n = x.shape[0], panels.out_features
-        y = torch.empty(m, n, dtype=torch.float32)
+        y = torch.empty(m, n, dtype=self.dtype)
         if m:
             self._fn(x.data_ptr(), x.stride(0), panels.data.data_ptr(), n, panels.in_features, y.data_ptr(), n, m)
         return y if bias is None else y.add_(bias)
@@ -119,19 +145,20 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dvi" / "kernels"
 
 
-def _build(compiler: str) -> Path:
-    """The shared library for this source and compiler, compiled once (a temp name renamed into place, so processes
-    building it at once each load a whole file)."""
+def _build(compiler: str, build: _Build) -> Path:
+    """The shared library for this source, its flags and the compiler, compiled once (a temp name renamed into place,
+    so processes building it at once each load a whole file)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"rows_kernel-{key}.so"
+    key = hashlib.sha256(build.source.read_bytes() + version.encode() + " ".join(build.flags).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{build.source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-rows_kernel-", suffix=".so", dir=out.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{build.source.stem}-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([compiler, *build.flags, str(build.source), "-o", tmp], capture_output=True, text=True,
+                           timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {r.stderr.strip()[-500:]}")
         os.replace(tmp, out)
@@ -142,32 +169,39 @@ def _build(compiler: str) -> Path:
 
 
 @cache
-def _loaded() -> tuple[RowsKernel | None, str | None]:
+def _loaded(dtype: torch.dtype = torch.float32) -> tuple[RowsKernel | None, str | None]:
+    build = _BUILDS.get(dtype)
+    if build is None:
+        return None, f"no rows kernel for {dtype} (fp32 and bf16 have one)"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"not x86-64 Linux ({platform.system()} {platform.machine()})"
-    missing = {"avx2", "fma"} - cpu_flags()
+    missing = build.needs - cpu_flags()
     if missing:
         return None, f"this CPU lacks {', '.join(sorted(missing))}"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         return None, "no C compiler (cc, gcc or $CC) to build it"
     try:
-        return RowsKernel(ctypes.CDLL(str(_build(compiler)))), None
+        return RowsKernel(ctypes.CDLL(str(_build(compiler, build))), dtype), None
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"building it failed: {e}"
 
 
-def load() -> RowsKernel | None:
-    """The kernel, built on first use; None where it cannot run (`unavailable_reason` says why, logged once)."""
-    kernel, why = _loaded()
-    if kernel is None and not getattr(load, "_told", False):
-        load._told = True  # type: ignore[attr-defined]
-        log.info("fp32 rows kernel unavailable (torch's kernels serve every matmul): %s", why)
+_TOLD: set[torch.dtype] = set()
+
+
+def load(dtype: torch.dtype = torch.float32) -> RowsKernel | None:
+    """The kernel for `dtype`, built on first use; None where it cannot run (`unavailable_reason` says why, logged
+    once per dtype)."""
+    kernel, why = _loaded(dtype)
+    if kernel is None and dtype not in _TOLD:
+        _TOLD.add(dtype)
+        log.info("%s rows kernel unavailable (torch's kernels serve every matmul): %s", _name(dtype), why)
     return kernel
 
 
-def unavailable_reason() -> str | None:
-    return _loaded()[1]
+def unavailable_reason(dtype: torch.dtype = torch.float32) -> str | None:
+    return _loaded(dtype)[1]
 
 
 KERNEL_ROWS = 16
@@ -185,7 +219,7 @@ def kernel_rows_measured(lean: Any, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, r
     oneDNN's packs or MKL's GEMM for more), arms interleaved, best of `reps`, within 2%; 0 where it loses at one
     row. Timed once per model shape, packing and thread count in a process (`lean`: a `dvi.decode.lean.LeanModel`
     holding the kernel and its panels, `LeanModel.use_rows_kernel`)."""
-    key = (lean.hidden, len(lean.layers), tuple(lean.layers[0].gate_up.shape), tuple(lean.head.shape),
+    key = (lean.hidden, len(lean.layers), tuple(lean.layers[0].gate_up.shape), tuple(lean.head.shape), lean.dtype,
            lean.packs is not None, lean.head_module is None, torch.get_num_threads())
     if key in _KERNEL_ROWS:
         return _KERNEL_ROWS[key]
@@ -212,7 +246,8 @@ def kernel_rows_measured(lean: Any, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, r
     finally:
         lean.kernel_rows = was
     _KERNEL_ROWS[key] = best
-    log.info("fp32 rows kernel: forwards of up to %d rows (timed against torch's kernels at %s rows)", best, rows)
+    log.info("%s rows kernel: forwards of up to %d rows (timed against torch's kernels at %s rows)", _name(lean.dtype),
+             best, rows)
     return best
 
 
