@@ -257,3 +257,33 @@ def test_sampling_on_the_kernel_follows_the_target(dtype, temperature, top_p):
     alpha = sum(r.num_accepted for r in res) / max(1, sum(r.num_drafted for r in res))
     assert 0.1 < alpha < 0.95  # the rule really had to accept and reject
     assert two_token_pvalue(res, exact_two_token_law(target, temperature, 0, top_p)) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_the_learned_drafter_drafts_on_the_kernel_too_and_keeps_it_across_swaps(dtype):
+    """`serve.cpu_rows_kernel` covers the learned drafter's forwards (its one-row steps would otherwise stream its
+    weights through torch's slower kernels every drafted token): on at start, after a hot swap, and lossless."""
+    from dvi.drafters.draft_cache import LeanDraftCache
+    from dvi.drafters.factory import proposer_for
+
+    target = _target(dtype)
+    drafter = tiny_llama(5, vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2).to(dtype)
+    g = torch.Generator().manual_seed(4)
+    prompts = [(torch.randint(0, 128, (10,), generator=g).tolist() * 3)[: 24 + i] for i in range(3)]
+    eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=3,
+                            options=EngineOptions(cpu_rows_kernel=True))
+    off = SpeculativeEngine(target, None, options=EngineOptions(cpu_rows_kernel=True))
+    dkv = eng.proposer.dkv
+    assert isinstance(dkv, LeanDraftCache) and dkv.lean.kernel_rows == 16 and dkv.lean.kernel.dtype == dtype
+    assert all(o.num_drafted > 0 for o in eng.generate(prompts, 12))
+    for p in prompts:  # alone, each request's greedy text is the plain decode's (bitwise contract)
+        assert eng.generate([p], 12)[0].token_ids == off.generate([p], 12)[0].token_ids
+    eng.set_drafter(tiny_llama(6, vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2).to(dtype), version=1)
+    assert eng.proposer.dkv is not dkv and eng.proposer.dkv.lean.kernel_rows == 16
+    for p in prompts:
+        assert eng.generate([p], 12)[0].token_ids == off.generate([p], 12)[0].token_ids
+    torch_drafts = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=3)
+    assert torch_drafts.proposer.dkv.lean.kernel is None  # the option off: torch's kernels, the drafter's too

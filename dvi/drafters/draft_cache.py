@@ -17,6 +17,7 @@ import torch
 from dvi.decode.attention import Attention
 from dvi.decode.kv import RaggedKV, left_pad, prefill
 from dvi.decode.lean import LeanModel, lean_supported
+from dvi.decode.rows_kernel import KERNEL_ROWS
 from dvi.decode.segments import Runs, Segments
 from dvi.drafters.adapters import AdapterBank, RowAdapters
 
@@ -88,8 +89,10 @@ class LeanDraftCache:
     """A plain Llama-family drafter through `LeanModel` over a `SlotCache`; with a `bank`, each row drafts through
     its traffic group's adapter (`dvi.drafters.adapters`), all groups in the same forward."""
 
-    def __init__(self, model, bank: AdapterBank | None = None):
+    def __init__(self, model, bank: AdapterBank | None = None, rows_kernel: bool | str = False):
         self.lean = LeanModel(model)
+        if rows_kernel:  # the drafter's forwards on dvi's rows kernel, as the target's (`serve.cpu_rows_kernel`)
+            self.lean.use_rows_kernel(None if rows_kernel == "auto" else KERNEL_ROWS)
         self.cache = self.lean.new_cache()
         self._cols = torch.arange(0)
         self.device = self.lean.device
@@ -198,12 +201,12 @@ class LeanDraftCache:
         pass
 
 
-def draft_cache(drafter, bank: AdapterBank | None = None) -> DraftCache:
+def draft_cache(drafter, bank: AdapterBank | None = None, rows_kernel: bool | str = False) -> DraftCache:
     """`LeanDraftCache` for a `separate` drafter that `dvi.decode.lean` runs (plain Llama-family, merged
-    weights), else `RaggedDraftCache`."""
+    weights; `rows_kernel` as `dvi.decode.target.CpuMatmuls`'), else `RaggedDraftCache`."""
     model = getattr(drafter, "model", None)
     if lean_drafter(drafter):
-        return LeanDraftCache(model, bank)
+        return LeanDraftCache(model, bank, rows_kernel)
     return RaggedDraftCache(drafter)
 
 

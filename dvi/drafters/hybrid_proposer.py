@@ -67,6 +67,9 @@ class HybridProposer(Proposer):
         """The score a suffix proposal needs this step."""
         return self.threshold if self.model_gain is None else min(self.threshold, self.model_gain)
 
+    def use_rows_kernel(self, rows_kernel: bool | str) -> None:
+        self.learned.use_rows_kernel(rows_kernel)
+
     def join(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
         self.learned.join(seqs, feats)
         self.suffix.join(seqs, feats)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dvi.decode.rows_kernel import KERNEL_ROWS
 from dvi.decode.sampling import greedy_tokens, sample_from, warp_probs
 from dvi.decode.sources import SOURCE_MODEL
 from dvi.drafters.adapters import AdapterBank, LoraFactors
@@ -34,6 +35,7 @@ class ModelProposer(Proposer):
         self.drafter = drafter
         self.name = drafter.kind  # a learned proposer is named by its drafter's kind
         self.bank: AdapterBank | None = None  # per-group adapters (`set_adapter`), kept across hot swaps
+        self.rows_kernel: bool | str = False  # `use_rows_kernel`, kept across hot swaps
         self.dkv: DraftCache = self._new_cache()
         self.pending: list[list[int]] = []
         self._k = 0  # drafts the drafter ran this step (it was fed k - 1 of them)
@@ -41,7 +43,13 @@ class ModelProposer(Proposer):
         self.last_catchup = False
 
     def _new_cache(self) -> DraftCache:
-        return draft_cache(self.drafter, self.bank)
+        return draft_cache(self.drafter, self.bank, self.rows_kernel)
+
+    def use_rows_kernel(self, rows_kernel: bool | str) -> None:
+        if rows_kernel != self.rows_kernel:
+            self.rows_kernel = rows_kernel
+            if isinstance(self.dkv, LeanDraftCache):  # the rows' caches stay: only how the weights are multiplied
+                self.dkv.lean.use_rows_kernel(None if rows_kernel == "auto" else KERNEL_ROWS if rows_kernel else 0)
 
     def set_adapter(self, group: str, factors: LoraFactors | None) -> None:
         """Draft `group`'s rows through `factors` (None: the base drafter), from the next forward on."""

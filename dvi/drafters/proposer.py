@@ -125,6 +125,10 @@ class Proposer:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
 
+    def use_rows_kernel(self, rows_kernel: bool | str) -> None:
+        """The learned drafter's forwards on dvi's rows kernel as the engine's target's (`serve.cpu_rows_kernel`;
+        kinds without a lean drafter ignore it)."""
+
     def join(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None) -> None:
         """Rows `seqs` join at the end of the batch; `feats[i]` [len(prompt) - 1, H] when `needs_features`."""
 

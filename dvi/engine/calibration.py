@@ -97,6 +97,7 @@ class CalibrationSetup:
     max_context: int | None
     k_cap: int
     max_draft_tokens: int
+    rows_kernel: bool | str = False  # the drafter's forwards on dvi's rows kernel, as it serves (`draft_cache`)
 
 
 def calibrate_bucket(setup: CalibrationSetup, b: int, context: int = 128, reps: int = 3) -> Calibrated:
@@ -140,7 +141,7 @@ class DummyRows:
             self.dkv = RaggedDraftCache(d)
             self.dkv.kv = prefill(d.config, self._drafter_fn(len(self.rows[0])), self.rows, self.setup.device, d.dtype)
         else:  # the same cache the drafter's proposer serves with
-            self.dkv = draft_cache(d)
+            self.dkv = draft_cache(d, rows_kernel=self.setup.rows_kernel)
             self.dkv.rebuild(self.rows)
 
     def verify(self, k: int):

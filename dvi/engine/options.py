@@ -23,8 +23,9 @@ class EngineOptions:
     # adaptive K minimises the time until the batch's slowest row finishes (a fixed batch: `generate`, RL rollouts)
     # when True; a server that backfills finished rows maximises tokens per second instead (False)
     drain_aware: bool = True
-    # forwards of a few rows (steps, verifies) through dvi's fp32 rows kernel (CPU; `target_runner`): True for up to
-    # 16 rows, "auto" for as many as it is timed faster for at start-up, False never
+    # the target's and the learned drafter's forwards (steps, verifies, prefills) through dvi's rows kernel (CPU, fp32
+    # or bf16; `target_runner`, `draft_cache`): True for up to 16 rows, "auto" for as many as it is timed faster for
+    # at start-up, False never
     cpu_rows_kernel: bool | str = False
     # prompt tokens that may join the batch in one step (at least one request joins a step with room; 0: no limit):
     # where answers of one length make rows finish together, a wave of joiners prefilled in one step makes every one

@@ -88,6 +88,7 @@ class SpeculativeEngine:
         self.feedback_top_k = feedback_top_k
         self.greedy_below_temperature = float(options.greedy_below_temperature)
         self.max_prefill_tokens = int(options.max_prefill_tokens)
+        self.cpu_rows_kernel = options.cpu_rows_kernel  # the target's and the learned drafter's (`_install`)
         self.target_version, self.drafter_version = int(versions.target), int(versions.drafter)
         self.adapter_versions: dict[str, int] = {}  # per traffic group, the adapter version its rows draft with
         self._waiting: list[Seq] = []
@@ -310,6 +311,7 @@ class SpeculativeEngine:
             self._target_dirty = True  # in-flight rows have no features for it: recompute them
         if rows and new is not old:
             self._drafter_dirty = True
+        new.use_rows_kernel(self.cpu_rows_kernel)
         self.proposer = new
         if hasattr(self, "_target") and self._sync_feature_layers() and rows:
             self._target_dirty = True  # the head reads other target layers: recompute the rows' features
@@ -491,6 +493,7 @@ class SpeculativeEngine:
 
     def _calibrate(self, b: int, context: int = 128, reps: int = 3) -> None:
         setup = CalibrationSetup(self._target, self.proposer.needs_features, self.drafter, self.device, self.dtype,
-                                 self.vocab_size, self.max_context, self.k_cap, self.max_draft_tokens)
+                                 self.vocab_size, self.max_context, self.k_cap, self.max_draft_tokens,
+                                 self.cpu_rows_kernel)
         self.controller.set_costs(b, *calibrate_bucket(setup, b, context, reps))
 
