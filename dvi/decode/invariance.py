@@ -66,7 +66,8 @@ def _key(lean: LeanModel, *rest) -> tuple:
     c = lean.config
     return (getattr(c, "model_type", None), lean.hidden, len(lean.layers), lean.heads, lean.kv_heads,
             lean.head_dim, int(lean.layers[0].gate_up.shape[0]), int(lean.head.shape[0]), lean.dtype,
-            lean.device.type, lean.packs is not None, lean.head_pack is None and lean.head_path(), lean.kernel_rows, *rest)
+            lean.device.type, lean.packs is not None, lean.head_pack is None and lean.head_path(), lean.kernel_rows,
+            lean.attn_kernel is not None, *rest)
 
 
 def probe(lean: LeanModel, max_width: int = 17, exact: bool = False, max_rows: int = 0, context: int = 48,

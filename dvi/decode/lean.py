@@ -29,6 +29,7 @@ from dvi.decode.segments import NO_RUNS, Runs, attend_segments
 from dvi.decode.slot_cache import SlotCache
 
 if TYPE_CHECKING:
+    from dvi.decode.attention_kernel import AttentionKernel
     from dvi.decode.rows_kernel import Panels, RowsKernel
 
 __all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
@@ -159,6 +160,9 @@ class LeanModel:
         self.kernel: RowsKernel | None = None
         self._panels_of: dict[int, Panels] = {}  # a layer weight's data_ptr -> the kernel's packed copy (`linear`)
         self.head_panels: Panels | None = None
+        # decode attention (a step's, a verify's queries over their rows' columns) through dvi's attention kernel
+        # (`dvi.decode.attention_kernel`, switched on with the rows kernel: `use_rows_kernel`); None: torch's SDPA
+        self.attn_kernel: AttentionKernel | None = None
         # a one-row folded forward (a verify whose rows must round like lone steps) of more positions runs its
         # matmuls in pieces of at most this many rows, where the kernels round a wider GEMM's rows unlike a lone
         # row's (`dvi.decode.invariance`; None: whole). Prefills and a batch's rows (near-tie anyway) stay whole.
@@ -202,6 +206,7 @@ class LeanModel:
 
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return 0
+        self._use_attention_kernel(rows != 0)
         self.kernel = load(self.dtype)
         if self.kernel is None:
             return 0
@@ -220,6 +225,15 @@ class LeanModel:
             self.packs, self._pack_of, self.head_pack = None, {}, None
             logging.getLogger(__name__).info("oneDNN's packed weights dropped: the rows kernel serves their forwards")
         return self.kernel_rows
+
+    def _use_attention_kernel(self, on: bool) -> None:
+        from dvi.decode import attention_kernel
+
+        kernel = attention_kernel.load() if on else None
+        why = kernel and kernel.supports(self.dtype, self.heads, self.kv_heads, self.head_dim)
+        if why:
+            logging.getLogger(__name__).info("attention kernel not used: it does not attend %s", why)
+        self.attn_kernel = None if why else kernel
 
     def repack(self) -> None:
         """New weights were loaded in place (a target update): the packed copies are remade from them, else the
@@ -286,6 +300,8 @@ class LeanModel:
         n = flat.shape[0]
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, columns)
         keys, values = cache.views(b, attn.columns, first_slot)
+        kernel_at = self._kernel_attention(attn, b, q, start, real) if self.attn_kernel and not segments and \
+            tails is None else None
         x = F.embedding(flat, self.embed)  # [N, H]
         taps = self.feature_layers if features else None
         tapped = []
@@ -302,8 +318,12 @@ class LeanModel:
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
             qrows = qkv[:n_batch, :heads] if segments else qkv[:, :heads]
-            o = attn.attend(qrows, b, keys[i], values[i], self.scale) if real is None else \
-                _attend_real(attn, qrows, real, b * q, b, keys[i], values[i], self.scale)
+            if kernel_at is not None:
+                o = self.attn_kernel.attend(qrows.flatten(2), keys[i], values[i], *kernel_at, self.scale)
+            elif real is None:
+                o = attn.attend(qrows, b, keys[i], values[i], self.scale)
+            else:
+                o = _attend_real(attn, qrows, real, b * q, b, keys[i], values[i], self.scale)
             if segments:
                 o = torch.cat([o, *attend_segments(qkv[n_batch:, :heads], segments, i, self.scale)])
             x = x + (ad.add(i, "o", o, lin(o, lw.o)) if ad else lin(o, lw.o))
@@ -323,6 +343,19 @@ class LeanModel:
                 return self._logits(F.rms_norm(x.index_select(0, pick), (self.hidden,), self.norm, self.eps))
             return self._real_logits(x, real, b, q)
         return self._outputs(x, b, q, logits_to_keep, features, pick, tapped, chunk)
+
+    def _kernel_attention(self, attn: Attention, b: int, q: int, start: torch.Tensor,
+                          real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Each scored query's batch row and visible column count, where this forward's queries attend as a chain
+        does (query j of row b over its row's columns 0 .. start[b] + j, as `attn`'s folded groups or mask say):
+        the attention kernel's arguments (`attn_kernel`), with the most columns a query sees. None (torch's SDPA) for prefills, draft trees and custom
+        masks."""
+        if type(attn) is not Attention or attn.causal or (attn.groups is None and attn.mask is None):
+            return None
+        flat = torch.arange(b * q, device=self.device) if real is None else real
+        rows = flat // q
+        visible = start.index_select(0, rows) + flat % q + 1
+        return rows, visible, int(visible.max()) if visible.numel() else 0
 
     def _matmuls(self, n: int, b: int, folded: bool, pieces: list[int] | None = None) -> tuple:
         """A forward of n rows' linear, and the pieces a one-row folded forward runs its matmuls in (`row_chunk`; None:

@@ -8,21 +8,14 @@ arithmetic rate, so every verified position and every batch row costs (docs/desi
 This kernel reads the weights once, packed in panels at start-up, and multiplies each into several rows at a time; a
 row rounds alike alone or beside others.
 
-Built once per source and compiler into `$XDG_CACHE_HOME/dvi/kernels` (default `~/.cache`) and loaded with ctypes;
-`load(dtype)` is None where it cannot run (not x86-64 Linux, the CPU lacks the instructions, no compiler, a failed
-build: the reason is logged once), and the caller keeps torch's kernels.
+Built on first use (`dvi.decode.native`); `load(dtype)` is None where it cannot run (not x86-64 Linux, the CPU lacks
+the instructions, no compiler, a failed build: the reason is logged once), and the caller keeps torch's kernels.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import time
 from functools import cache
 from pathlib import Path
@@ -30,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dvi.decode.numerics import cpu_flags
+from dvi.decode.native import load_library
 
 __all__ = ["KERNEL_ROWS", "Panels", "RowsKernel", "kernel_rows_measured", "load", "unavailable_reason"]
 
@@ -141,50 +134,13 @@ class RowsKernel:
         return y if bias is None else y.add_(bias)
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dvi" / "kernels"
-
-
-def _build(compiler: str, build: _Build) -> Path:
-    """The shared library for this source, its flags and the compiler, compiled once (a temp name renamed into place,
-    so processes building it at once each load a whole file)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(build.source.read_bytes() + version.encode() + " ".join(build.flags).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{build.source.stem}-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{build.source.stem}-", suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        r = subprocess.run([compiler, *build.flags, str(build.source), "-o", tmp], capture_output=True, text=True,
-                           timeout=120)
-        if r.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {r.stderr.strip()[-500:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
 @cache
 def _loaded(dtype: torch.dtype = torch.float32) -> tuple[RowsKernel | None, str | None]:
     build = _BUILDS.get(dtype)
     if build is None:
         return None, f"no rows kernel for {dtype} (fp32 and bf16 have one)"
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"not x86-64 Linux ({platform.system()} {platform.machine()})"
-    missing = build.needs - cpu_flags()
-    if missing:
-        return None, f"this CPU lacks {', '.join(sorted(missing))}"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        return None, "no C compiler (cc, gcc or $CC) to build it"
-    try:
-        return RowsKernel(ctypes.CDLL(str(_build(compiler, build))), dtype), None
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return None, f"building it failed: {e}"
+    lib, why = load_library(build.source, build.flags, build.needs)
+    return (RowsKernel(lib, dtype), None) if lib is not None else (None, why)
 
 
 _TOLD: set[torch.dtype] = set()

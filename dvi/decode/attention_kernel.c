@@ -1,0 +1,170 @@
+/* Decode attention over a slot cache on the CPU (AVX2 + FMA), fp32 or bf16 caches: each query alone over exactly the
+   columns it sees.
+
+   Built and loaded by dvi/decode/attention_kernel.py. A decode step, a verify or a drafter step scores a few queries a
+   row, each over its row's cached keys and values: torch's SDPA pays a call's setup for that, a mask over the padded
+   columns, and rounds a query with the queries and masked columns beside it. Here query i reads batch row rows[i]
+   and its columns 0 .. visible[i] - 1, nothing else: a query rounds the same whatever else the forward scores, so
+   a verify row equals the one-token step it stands for, and a batch row its lone decode.
+
+   Per query and kv head: the scores of its group of query heads (one pass over the keys, each key loaded once for
+   the group), a softmax in fp32 (max subtracted, exp vectorized), then the values weighted in fp32 and rounded to the
+   cache's dtype once. Layouts are strided: q [n, heads, d] with row stride q_stride; keys and values [rows, kv_heads,
+   columns, d] with strides row_stride, head_stride, col_stride (views of the slot cache, no copy); out [n, heads * d]. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (Cephes' polynomial, as in the SSE/AVX math libraries): ~2 ulp, the same result for the same x */
+static inline __m256 exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    x = _mm256_max_ps(x, lo);
+    __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, c1, x);
+    x = _mm256_fnmadd_ps(fx, c2, x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, z, x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* the 8 sums of a0 .. a7's lanes, as one vector (a fixed order of adds: the same result for the same inputs) */
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3), t2 = _mm256_hadd_ps(a4, a5);
+    const __m256 t3 = _mm256_hadd_ps(a6, a7);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* lanes: 0 1 2 3 | 0 1 2 3 and 4..7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline void store_f32(float* y, const float* x, int64_t n) { memcpy(y, x, n * sizeof(float)); }
+static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round to nearest even */
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, x + i, sizeof b);
+        y[i] = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+    }
+}
+
+#define MAX_D 256
+#define MAX_GROUP 16
+
+/* s [g][L] scratch; qf [g][d] the group's queries in fp32; d a multiple of 8 */
+#define ATTEND(NAME, T, LOAD, STORE)                                                                       \
+    void NAME(const T* q, int64_t q_stride, int64_t heads, int64_t kv_heads, int64_t d, const T* k, const T* v, \
+              int64_t row_stride, int64_t head_stride, int64_t col_stride, const int64_t* rows,             \
+              const int64_t* visible, int64_t n, float scale, T* out, float* s) {                          \
+        const int64_t g = heads / kv_heads, chunks = d / 8;                                                \
+        float qf[MAX_GROUP * MAX_D] __attribute__((aligned(32)));                                          \
+        float o[MAX_D] __attribute__((aligned(32)));                                                       \
+        for (int64_t i = 0; i < n; i++) {                                                                  \
+            const int64_t L = visible[i];                                                                  \
+            for (int64_t kh = 0; kh < kv_heads; kh++) {                                                    \
+                const T* kb = k + rows[i] * row_stride + kh * head_stride;                                 \
+                const T* vb = v + rows[i] * row_stride + kh * head_stride;                                 \
+                for (int64_t h = 0; h < g; h++)                                                            \
+                    for (int64_t c = 0; c < chunks; c++)                                                   \
+                        _mm256_store_ps(qf + h * d + 8 * c, LOAD(q + i * q_stride + (kh * g + h) * d + 8 * c)); \
+                for (int64_t h = 0; h < g; h++) { /* scores, 8 keys at a time: 8 independent chains */     \
+                    const float* qh = qf + h * d;                                                          \
+                    int64_t j = 0;                                                                         \
+                    for (; j + 8 <= L; j += 8) {                                                           \
+                        const T* kj = kb + j * col_stride;                                                 \
+                        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+                        for (int64_t c = 0; c < chunks; c++) {                                             \
+                            const __m256 qv = _mm256_load_ps(qh + 8 * c);                                  \
+                            a0 = _mm256_fmadd_ps(qv, LOAD(kj + 8 * c), a0);                                \
+                            a1 = _mm256_fmadd_ps(qv, LOAD(kj + col_stride + 8 * c), a1);                   \
+                            a2 = _mm256_fmadd_ps(qv, LOAD(kj + 2 * col_stride + 8 * c), a2);               \
+                            a3 = _mm256_fmadd_ps(qv, LOAD(kj + 3 * col_stride + 8 * c), a3);               \
+                            a4 = _mm256_fmadd_ps(qv, LOAD(kj + 4 * col_stride + 8 * c), a4);               \
+                            a5 = _mm256_fmadd_ps(qv, LOAD(kj + 5 * col_stride + 8 * c), a5);               \
+                            a6 = _mm256_fmadd_ps(qv, LOAD(kj + 6 * col_stride + 8 * c), a6);               \
+                            a7 = _mm256_fmadd_ps(qv, LOAD(kj + 7 * col_stride + 8 * c), a7);               \
+                        }                                                                                  \
+                        _mm256_storeu_ps(s + h * L + j, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), \
+                                                                      _mm256_set1_ps(scale)));             \
+                    }                                                                                      \
+                    for (; j < L; j++) { /* the last keys one at a time */                                \
+                        const T* kj = kb + j * col_stride;                                                 \
+                        __m256 acc = _mm256_setzero_ps();                                                  \
+                        for (int64_t c = 0; c < chunks; c++)                                               \
+                            acc = _mm256_fmadd_ps(_mm256_load_ps(qh + 8 * c), LOAD(kj + 8 * c), acc);      \
+                        s[h * L + j] = hsum(acc) * scale;                                                  \
+                    }                                                                                      \
+                }                                                                                          \
+                for (int64_t h = 0; h < g; h++) {                                                          \
+                    float* sh = s + h * L;                                                                 \
+                    float m = sh[0];                                                                       \
+                    for (int64_t j = 1; j < L; j++) m = sh[j] > m ? sh[j] : m;                             \
+                    const __m256 mv = _mm256_set1_ps(m);                                                   \
+                    __m256 sum = _mm256_setzero_ps();                                                      \
+                    int64_t j = 0;                                                                         \
+                    for (; j + 8 <= L; j += 8) {                                                           \
+                        __m256 p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));                    \
+                        _mm256_storeu_ps(sh + j, p);                                                       \
+                        sum = _mm256_add_ps(sum, p);                                                       \
+                    }                                                                                      \
+                    if (j < L) { /* the tail, padded with -inf's exp (0) */                                \
+                        float t[8] __attribute__((aligned(32)));                                           \
+                        for (int64_t r = 0; r < 8; r++) t[r] = j + r < L ? sh[j + r] - m : -1e30f;         \
+                        __m256 p = exp_neg(_mm256_load_ps(t));                                             \
+                        _mm256_store_ps(t, p);                                                             \
+                        for (int64_t r = 0; j + r < L; r++) sh[j + r] = t[r];                              \
+                        sum = _mm256_add_ps(sum, _mm256_blendv_ps(_mm256_setzero_ps(), p,                  \
+                            _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),                          \
+                                          _mm256_set1_ps((float)(L - j)), _CMP_LT_OQ)));                   \
+                    }                                                                                      \
+                    const float inv = 1.0f / hsum(sum);                                                    \
+                    const __m256 iv = _mm256_set1_ps(inv);                                                 \
+                    for (int64_t c = 0; c < chunks; c += 8) { /* values: 8 chunks (64 floats) a pass */    \
+                        const int64_t w = chunks - c < 8 ? chunks - c : 8;                                 \
+                        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+                        for (int64_t jj = 0; jj < L; jj++) {                                               \
+                            const __m256 p = _mm256_broadcast_ss(sh + jj);                                 \
+                            const T* vj = vb + jj * col_stride + 8 * c;                                    \
+                            a0 = _mm256_fmadd_ps(p, LOAD(vj), a0);                                         \
+                            if (w > 1) a1 = _mm256_fmadd_ps(p, LOAD(vj + 8), a1);                          \
+                            if (w > 2) a2 = _mm256_fmadd_ps(p, LOAD(vj + 16), a2);                         \
+                            if (w > 3) a3 = _mm256_fmadd_ps(p, LOAD(vj + 24), a3);                         \
+                            if (w > 4) a4 = _mm256_fmadd_ps(p, LOAD(vj + 32), a4);                         \
+                            if (w > 5) a5 = _mm256_fmadd_ps(p, LOAD(vj + 40), a5);                         \
+                            if (w > 6) a6 = _mm256_fmadd_ps(p, LOAD(vj + 48), a6);                         \
+                            if (w > 7) a7 = _mm256_fmadd_ps(p, LOAD(vj + 56), a7);                         \
+                        }                                                                                  \
+                        _mm256_store_ps(o + 8 * c, _mm256_mul_ps(a0, iv));                                 \
+                        if (w > 1) _mm256_store_ps(o + 8 * c + 8, _mm256_mul_ps(a1, iv));                  \
+                        if (w > 2) _mm256_store_ps(o + 8 * c + 16, _mm256_mul_ps(a2, iv));                 \
+                        if (w > 3) _mm256_store_ps(o + 8 * c + 24, _mm256_mul_ps(a3, iv));                 \
+                        if (w > 4) _mm256_store_ps(o + 8 * c + 32, _mm256_mul_ps(a4, iv));                 \
+                        if (w > 5) _mm256_store_ps(o + 8 * c + 40, _mm256_mul_ps(a5, iv));                 \
+                        if (w > 6) _mm256_store_ps(o + 8 * c + 48, _mm256_mul_ps(a6, iv));                 \
+                        if (w > 7) _mm256_store_ps(o + 8 * c + 56, _mm256_mul_ps(a7, iv));                 \
+                    }                                                                                      \
+                    STORE(out + i * heads * d + (kh * g + h) * d, o, d);                                   \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
+ATTEND(dvi_attend_f32, float, load8_f32, store_f32)
+ATTEND(dvi_attend_bf16, uint16_t, load8_bf16, store_bf16)

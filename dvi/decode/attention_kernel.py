@@ -1,0 +1,88 @@
+"""Decode attention for fp32 and bf16 slot caches on x86-64 CPUs with AVX2 and FMA (`attention_kernel.c`).
+
+Why its own kernel: a step's queries are a few a row, each over its own row's cached columns; torch's SDPA pays a
+call's setup per layer, computes the padded columns a mask then hides, and rounds a query with what it shares the
+call with. Here each query reads exactly its row's visible columns: a verify row rounds like the step it stands
+for and a batch row like its lone decode, at a fraction of SDPA's cost (docs/design.md, "Where a plain step goes").
+`load()` is None where it cannot run (the reason logged once): torch's SDPA serves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from dvi.decode.native import load_library
+
+__all__ = ["AttentionKernel", "load", "unavailable_reason"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("attention_kernel.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
+MAX_HEAD_DIM, MAX_GROUP = 256, 16  # attention_kernel.c's stack buffers
+
+
+class AttentionKernel:
+    """Queries over the rows of a slot cache's strided key / value views, each over its first `visible` columns."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fns = {}
+        for dtype, name in ((torch.float32, "dvi_attend_f32"), (torch.bfloat16, "dvi_attend_bf16")):
+            fn = getattr(lib, name)
+            fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr]
+            fn.restype = None
+            self._fns[dtype] = fn
+
+    @staticmethod
+    def supports(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
+        """None where the kernel attends this shape, else why not."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"{dtype} caches"
+        if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+            return f"head_dim {head_dim} (a multiple of 8 up to {MAX_HEAD_DIM})"
+        if heads % kv_heads or heads // kv_heads > MAX_GROUP:
+            return f"{heads} heads over {kv_heads} kv heads"
+        return None
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+               visible: torch.Tensor, most: int, scale: float) -> torch.Tensor:
+        """q [n, heads, D] (rows strided, heads and D contiguous) over keys / values [B, kv_heads, columns, D] (the
+        same strides, D contiguous): query i over row rows[i]'s columns 0 .. visible[i] - 1 -> [n, heads * D].
+        rows, visible: int64 [n], each visible[i] within the views' columns and at most `most` (the caller's promise:
+        the kernel reads what they say)."""
+        n, heads, d = q.shape
+        kvh = keys.shape[1]
+        if q.stride(2) != 1 or q.stride(1) != d or keys.stride() != values.stride() or keys.stride(3) != 1:
+            raise ValueError("attention kernel: q's heads and the caches' head_dim must be contiguous")
+        out = torch.empty(n, heads * d, dtype=q.dtype)
+        if n:  # the scores' scratch per call: an engine and its drafter, or two engines' threads, never share it
+            scratch = torch.empty(heads // kvh * most + 8, dtype=torch.float32)
+            self._fns[q.dtype](q.data_ptr(), q.stride(0), heads, kvh, d, keys.data_ptr(), values.data_ptr(),
+                               keys.stride(0), keys.stride(1), keys.stride(2), rows.data_ptr(), visible.data_ptr(),
+                               n, scale, out.data_ptr(), scratch.data_ptr())
+        return out
+
+
+@cache
+def _loaded() -> tuple[AttentionKernel | None, str | None]:
+    lib, why = load_library(SOURCE, FLAGS, frozenset({"avx2", "fma"}))
+    return (AttentionKernel(lib), None) if lib is not None else (None, why)
+
+
+def load() -> AttentionKernel | None:
+    """The kernel, built on first use; None where it cannot run (`unavailable_reason` says why, logged once)."""
+    kernel, why = _loaded()
+    if kernel is None and not getattr(load, "_told", False):
+        load._told = True  # type: ignore[attr-defined]
+        log.info("attention kernel unavailable (torch's SDPA serves): %s", why)
+    return kernel
+
+
+def unavailable_reason() -> str | None:
+    return _loaded()[1]
