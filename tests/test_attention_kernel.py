@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tiny_models import tiny_llama
 
 from dvi.decode import attention_kernel
+from dvi.decode.attention_kernel import KernelPlan
 from dvi.decode.lean import LeanModel
 from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 
@@ -47,7 +48,7 @@ def test_the_kernel_computes_what_sdpa_does(dtype, heads, kvh, d):
     q = qkv[:, :heads]
     rows = torch.tensor([0, 1, 1, 2, 3, 3, 3, 0])
     visible = torch.tensor([1, 7, 8, 9, 255, 256, 257, 320])  # both sides of the kernel's blocks of 8 keys
-    got = KERNEL.attend(q, keys, values, rows, visible, 320, d ** -0.5)
+    got = KERNEL.attend(q, keys, values, KernelPlan(rows, visible, 320), d ** -0.5)
     assert got.shape == (8, heads * d) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
     torch.testing.assert_close(got.double(), _reference(q, keys, values, rows, visible, d ** -0.5), rtol=tol, atol=tol)
@@ -58,10 +59,37 @@ def test_a_query_rounds_alike_alone_and_beside_others(dtype):
     keys, values = _cache(dtype)
     q = torch.randn(12, 9, 64).to(dtype)
     rows, visible = torch.arange(12) % 4, torch.arange(12) * 25 + 3
-    together = KERNEL.attend(q, keys, values, rows, visible, int(visible.max()), 0.125)
+    together = KERNEL.attend(q, keys, values, KernelPlan(rows, visible, int(visible.max())), 0.125)
     for i in range(12):
-        alone = KERNEL.attend(q[i : i + 1], keys, values, rows[i : i + 1], visible[i : i + 1], int(visible[i]), 0.125)
+        alone = KERNEL.attend(q[i : i + 1], keys, values, KernelPlan(rows[i : i + 1], visible[i : i + 1], int(visible[i])),
+                              0.125)
         assert torch.equal(alone, together[i : i + 1]), i
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tree_node_attends_its_ancestors_as_the_step_at_its_position_does(dtype):
+    """A node's columns: its row's cache, then its ancestors' and its own (not its siblings'), in depth order; the
+    same arithmetic as a query whose prefix holds those keys in place, bit for bit (then the accepted path, moved
+    into place, is what the next step reads)."""
+    keys, values = _cache(dtype, rows=1)
+    q = torch.randn(3, 9, 64).to(dtype)
+    start = 37
+    # a tree over columns 37..: root 37, children 38 and 39, 39's child 40; node 40's path is 37, 39, 40
+    plan = KernelPlan(torch.zeros(3, dtype=torch.long), torch.full((3,), start), start + 4,
+                      torch.tensor([[37, 38, 0], [37, 39, 0], [37, 39, 40]]), torch.tensor([2, 2, 3]))
+    got = KERNEL.attend(q, keys, values, plan, 0.125)
+    moved_k, moved_v = keys.clone(), values.clone()  # the path 37, 39, 40 at 37, 38, 39, as after acceptance
+    moved_k[:, :, 38:40], moved_v[:, :, 38:40] = keys[:, :, [39, 40]], values[:, :, [39, 40]]
+    step = KERNEL.attend(q[2:], moved_k, moved_v, KernelPlan(torch.zeros(1, dtype=torch.long),
+                                                             torch.tensor([start + 3]), start + 3), 0.125)
+    assert torch.equal(got[2:], step)
+    first = KERNEL.attend(q[:1], keys, values, KernelPlan(torch.zeros(1, dtype=torch.long),
+                                                          torch.tensor([start + 2]), start + 2), 0.125)
+    assert torch.equal(got[:1], first)  # node 38 sees its chain's columns
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    ref = _reference(q[1:2], torch.cat([keys[:, :, :38], keys[:, :, 39:40]], 2),
+                     torch.cat([values[:, :, :38], values[:, :, 39:40]], 2), torch.zeros(1), torch.tensor([39]), 0.125)
+    torch.testing.assert_close(got[1:2].double(), ref, rtol=tol, atol=tol)
 
 
 def test_shapes_it_does_not_attend_are_named():
@@ -120,3 +148,32 @@ def test_a_batch_verify_scores_each_row_as_it_scores_alone(dtype):
     together = logits([0, 1, 2, 3])
     for i in range(4):
         assert torch.equal(together[i], logits([i])[0]), i
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_draft_trees_on_the_kernels_decode_as_speculation_off_does(dtype, monkeypatch):
+    """A learned drafter's trees (K 4, 3 siblings a depth) verified on the kernels, one request at a time and batched:
+    token for token the text of speculation off on the kernels, with accepted paths through siblings."""
+    from test_engine import perturbed
+    from test_trees import TreeSpy
+
+    import dvi.engine.speculative
+    from dvi.drafters.factory import proposer_for
+    from dvi.drafters.learned import SeparateDrafter
+
+    spy = TreeSpy()
+    monkeypatch.setattr(dvi.engine.speculative, "accept_tree", spy.wrap(dvi.engine.speculative.accept_tree))
+    target = tiny_llama(0, vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2).to(dtype)
+    drafter = SeparateDrafter(perturbed(target, 0.3))
+    opts = EngineOptions(cpu_rows_kernel=True, tree_width=3)
+    eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=4, options=opts)
+    off = SpeculativeEngine(target, None, options=EngineOptions(cpu_rows_kernel=True))
+    assert eng._target.trees and eng._target.lean.attn_kernel is not None
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (12 + 5 * i,), generator=g).tolist() for i in range(4)]
+    alone = [off.generate([p], 24)[0].token_ids for p in prompts]
+    assert [eng.generate([p], 24)[0].token_ids for p in prompts] == alone
+    assert [o.token_ids for o in eng.generate(prompts, 24)] == alone
+    assert spy.steps > 0 and spy.off_spine > 0, vars(spy)

@@ -4,8 +4,9 @@
    Built and loaded by dvi/decode/attention_kernel.py. A decode step, a verify or a drafter step scores a few queries a
    row, each over its row's cached keys and values: torch's SDPA pays a call's setup for that, a mask over the padded
    columns, and rounds a query with the queries and masked columns beside it. Here query i reads batch row rows[i]
-   and its columns 0 .. visible[i] - 1, nothing else: a query rounds the same whatever else the forward scores, so
-   a verify row equals the one-token step it stands for, and a batch row its lone decode.
+   and its columns 0 .. visible[i] - 1 (then, for a draft tree's node, its ancestors' and its own columns), nothing
+   else: a query rounds the same whatever else the forward scores, so a verify row or a tree node equals the
+   one-token step it stands for, and a batch row its lone decode.
 
    Per query and kv head: the scores of its group of query heads (one pass over the keys, each key loaded once for
    the group), a softmax in fp32 (max subtracted, exp vectorized), then the values weighted in fp32 and rounded to the
@@ -65,6 +66,10 @@ static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round
     }
 }
 
+/* query i's j-th visible column: its prefix 0 .. P - 1, then its extra columns (a draft tree node's ancestors and
+   itself, in depth order: the order and count of the one-token step it stands for) */
+#define COL(j) ((j) < P ? (j) : ex[(j) - P])
+
 #define MAX_D 256
 #define MAX_GROUP 16
 
@@ -72,12 +77,14 @@ static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round
 #define ATTEND(NAME, T, LOAD, STORE)                                                                       \
     void NAME(const T* q, int64_t q_stride, int64_t heads, int64_t kv_heads, int64_t d, const T* k, const T* v, \
               int64_t row_stride, int64_t head_stride, int64_t col_stride, const int64_t* rows,             \
-              const int64_t* visible, int64_t n, float scale, T* out, float* s) {                          \
+              const int64_t* visible, const int64_t* extra, int64_t extra_stride, const int64_t* n_extra,  \
+              int64_t n, float scale, T* out, float* s) {                                                  \
         const int64_t g = heads / kv_heads, chunks = d / 8;                                                \
         float qf[MAX_GROUP * MAX_D] __attribute__((aligned(32)));                                          \
         float o[MAX_D] __attribute__((aligned(32)));                                                       \
         for (int64_t i = 0; i < n; i++) {                                                                  \
-            const int64_t L = visible[i];                                                                  \
+            const int64_t P = visible[i], L = P + (n_extra ? n_extra[i] : 0);                              \
+            const int64_t* ex = extra ? extra + i * extra_stride : 0;                                      \
             for (int64_t kh = 0; kh < kv_heads; kh++) {                                                    \
                 const T* kb = k + rows[i] * row_stride + kh * head_stride;                                 \
                 const T* vb = v + rows[i] * row_stride + kh * head_stride;                                 \
@@ -86,30 +93,31 @@ static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round
                         _mm256_store_ps(qf + h * d + 8 * c, LOAD(q + i * q_stride + (kh * g + h) * d + 8 * c)); \
                 for (int64_t h = 0; h < g; h++) { /* scores, 8 keys at a time: 8 independent chains */     \
                     const float* qh = qf + h * d;                                                          \
-                    int64_t j = 0;                                                                         \
-                    for (; j + 8 <= L; j += 8) {                                                           \
-                        const T* kj = kb + j * col_stride;                                                 \
+                    for (int64_t j = 0; j < L; j += 8) {                                                   \
+                        const int64_t rem = L - j < 8 ? L - j : 8;                                         \
+                        const T* kp[8];                                                                    \
+                        for (int64_t r = 0; r < rem; r++) kp[r] = kb + COL(j + r) * col_stride;            \
                         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                         for (int64_t c = 0; c < chunks; c++) {                                             \
                             const __m256 qv = _mm256_load_ps(qh + 8 * c);                                  \
-                            a0 = _mm256_fmadd_ps(qv, LOAD(kj + 8 * c), a0);                                \
-                            a1 = _mm256_fmadd_ps(qv, LOAD(kj + col_stride + 8 * c), a1);                   \
-                            a2 = _mm256_fmadd_ps(qv, LOAD(kj + 2 * col_stride + 8 * c), a2);               \
-                            a3 = _mm256_fmadd_ps(qv, LOAD(kj + 3 * col_stride + 8 * c), a3);               \
-                            a4 = _mm256_fmadd_ps(qv, LOAD(kj + 4 * col_stride + 8 * c), a4);               \
-                            a5 = _mm256_fmadd_ps(qv, LOAD(kj + 5 * col_stride + 8 * c), a5);               \
-                            a6 = _mm256_fmadd_ps(qv, LOAD(kj + 6 * col_stride + 8 * c), a6);               \
-                            a7 = _mm256_fmadd_ps(qv, LOAD(kj + 7 * col_stride + 8 * c), a7);               \
+                            a0 = _mm256_fmadd_ps(qv, LOAD(kp[0] + 8 * c), a0);                             \
+                            if (rem > 1) a1 = _mm256_fmadd_ps(qv, LOAD(kp[1] + 8 * c), a1);                \
+                            if (rem > 2) a2 = _mm256_fmadd_ps(qv, LOAD(kp[2] + 8 * c), a2);                \
+                            if (rem > 3) a3 = _mm256_fmadd_ps(qv, LOAD(kp[3] + 8 * c), a3);                \
+                            if (rem > 4) a4 = _mm256_fmadd_ps(qv, LOAD(kp[4] + 8 * c), a4);                \
+                            if (rem > 5) a5 = _mm256_fmadd_ps(qv, LOAD(kp[5] + 8 * c), a5);                \
+                            if (rem > 6) a6 = _mm256_fmadd_ps(qv, LOAD(kp[6] + 8 * c), a6);                \
+                            if (rem > 7) a7 = _mm256_fmadd_ps(qv, LOAD(kp[7] + 8 * c), a7);                \
                         }                                                                                  \
-                        _mm256_storeu_ps(s + h * L + j, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), \
-                                                                      _mm256_set1_ps(scale)));             \
-                    }                                                                                      \
-                    for (; j < L; j++) { /* the last keys one at a time */                                \
-                        const T* kj = kb + j * col_stride;                                                 \
-                        __m256 acc = _mm256_setzero_ps();                                                  \
-                        for (int64_t c = 0; c < chunks; c++)                                               \
-                            acc = _mm256_fmadd_ps(_mm256_load_ps(qh + 8 * c), LOAD(kj + 8 * c), acc);      \
-                        s[h * L + j] = hsum(acc) * scale;                                                  \
+                        /* every key's score by the same sum tree, wherever it sits in a block */         \
+                        const __m256 sc = _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale)); \
+                        if (rem == 8) {                                                                    \
+                            _mm256_storeu_ps(s + h * L + j, sc);                                           \
+                        } else {                                                                           \
+                            float t[8] __attribute__((aligned(32)));                                       \
+                            _mm256_store_ps(t, sc);                                                        \
+                            for (int64_t r = 0; r < rem; r++) s[h * L + j + r] = t[r];                     \
+                        }                                                                                  \
                     }                                                                                      \
                 }                                                                                          \
                 for (int64_t h = 0; h < g; h++) {                                                          \
@@ -141,7 +149,7 @@ static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round
                         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                         for (int64_t jj = 0; jj < L; jj++) {                                               \
                             const __m256 p = _mm256_broadcast_ss(sh + jj);                                 \
-                            const T* vj = vb + jj * col_stride + 8 * c;                                    \
+                            const T* vj = vb + COL(jj) * col_stride + 8 * c;                               \
                             a0 = _mm256_fmadd_ps(p, LOAD(vj), a0);                                         \
                             if (w > 1) a1 = _mm256_fmadd_ps(p, LOAD(vj + 8), a1);                          \
                             if (w > 2) a2 = _mm256_fmadd_ps(p, LOAD(vj + 16), a2);                         \

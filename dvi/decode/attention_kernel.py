@@ -13,18 +13,40 @@ import ctypes
 import logging
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from dvi.decode.native import load_library
 
-__all__ = ["AttentionKernel", "load", "unavailable_reason"]
+__all__ = ["AttentionKernel", "KernelPlan", "chain_plan", "load", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention_kernel.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # attention_kernel.c's stack buffers
+
+
+class KernelPlan(NamedTuple):
+    """Which columns each of a forward's n queries attends (int64 CPU tensors, contiguous; the caller's promise: the
+    kernel reads what they say): query i reads batch row rows[i]'s columns 0 .. prefix[i] - 1, then (a draft tree's
+    nodes) extra[i, :counts[i]], its ancestors' columns and its own in depth order; `most` bounds prefix + counts."""
+
+    rows: torch.Tensor
+    prefix: torch.Tensor
+    most: int
+    extra: torch.Tensor | None = None  # [n, width]
+    counts: torch.Tensor | None = None  # [n]
+
+
+def chain_plan(start: torch.Tensor, q: int, real: torch.Tensor | None = None) -> KernelPlan:
+    """Query j of row b at column start[b] + j sees its row's columns 0 .. start[b] + j (a step, a chain's verify, a
+    drafter's forward); `real`: only those flat indices b * q + j are scored (a ragged verify)."""
+    flat = torch.arange(start.shape[0] * q) if real is None else real
+    rows = flat // q
+    prefix = start.index_select(0, rows) + flat % q + 1
+    return KernelPlan(rows, prefix, int(prefix.max()) if prefix.numel() else 0)
 
 
 class AttentionKernel:
@@ -35,7 +57,8 @@ class AttentionKernel:
         self._fns = {}
         for dtype, name in ((torch.float32, "dvi_attend_f32"), (torch.bfloat16, "dvi_attend_bf16")):
             fn = getattr(lib, name)
-            fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr]
+            fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64,
+                           ctypes.c_float, ptr, ptr]
             fn.restype = None
             self._fns[dtype] = fn
 
@@ -50,21 +73,22 @@ class AttentionKernel:
             return f"{heads} heads over {kv_heads} kv heads"
         return None
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
-               visible: torch.Tensor, most: int, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: KernelPlan,
+               scale: float) -> torch.Tensor:
         """q [n, heads, D] (rows strided, heads and D contiguous) over keys / values [B, kv_heads, columns, D] (the
-        same strides, D contiguous): query i over row rows[i]'s columns 0 .. visible[i] - 1 -> [n, heads * D].
-        rows, visible: int64 [n], each visible[i] within the views' columns and at most `most` (the caller's promise:
-        the kernel reads what they say)."""
+        same strides, D contiguous), each query over the columns `plan` gives it -> [n, heads * D]."""
         n, heads, d = q.shape
         kvh = keys.shape[1]
         if q.stride(2) != 1 or q.stride(1) != d or keys.stride() != values.stride() or keys.stride(3) != 1:
             raise ValueError("attention kernel: q's heads and the caches' head_dim must be contiguous")
         out = torch.empty(n, heads * d, dtype=q.dtype)
         if n:  # the scores' scratch per call: an engine and its drafter, or two engines' threads, never share it
-            scratch = torch.empty(heads // kvh * most + 8, dtype=torch.float32)
+            scratch = torch.empty(heads // kvh * plan.most + 8, dtype=torch.float32)
+            ex, counts = plan.extra, plan.counts
             self._fns[q.dtype](q.data_ptr(), q.stride(0), heads, kvh, d, keys.data_ptr(), values.data_ptr(),
-                               keys.stride(0), keys.stride(1), keys.stride(2), rows.data_ptr(), visible.data_ptr(),
+                               keys.stride(0), keys.stride(1), keys.stride(2), plan.rows.data_ptr(),
+                               plan.prefix.data_ptr(), None if ex is None else ex.data_ptr(),
+                               0 if ex is None else ex.stride(0), None if counts is None else counts.data_ptr(),
                                n, scale, out.data_ptr(), scratch.data_ptr())
         return out
 

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dvi.decode.attention import Attention
+from dvi.decode.attention_kernel import AttentionKernel, KernelPlan, chain_plan
 from dvi.decode.segments import NO_RUNS, Runs, attend_segments
 from dvi.decode.slot_cache import SlotCache
 
 if TYPE_CHECKING:
-    from dvi.decode.attention_kernel import AttentionKernel
     from dvi.decode.rows_kernel import Panels, RowsKernel
 
 __all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
@@ -319,7 +319,7 @@ class LeanModel:
             cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
             qrows = qkv[:n_batch, :heads] if segments else qkv[:, :heads]
             if kernel_at is not None:
-                o = self.attn_kernel.attend(qrows.flatten(2), keys[i], values[i], *kernel_at, self.scale)
+                o = self.attn_kernel.attend(qrows.flatten(2), keys[i], values[i], kernel_at, self.scale)
             elif real is None:
                 o = attn.attend(qrows, b, keys[i], values[i], self.scale)
             else:
@@ -345,17 +345,16 @@ class LeanModel:
         return self._outputs(x, b, q, logits_to_keep, features, pick, tapped, chunk)
 
     def _kernel_attention(self, attn: Attention, b: int, q: int, start: torch.Tensor,
-                          real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """Each scored query's batch row and visible column count, where this forward's queries attend as a chain
-        does (query j of row b over its row's columns 0 .. start[b] + j, as `attn`'s folded groups or mask say):
-        the attention kernel's arguments (`attn_kernel`), with the most columns a query sees. None (torch's SDPA) for prefills, draft trees and custom
-        masks."""
+                          real: torch.Tensor | None) -> KernelPlan | None:
+        """The columns each scored query attends, for the attention kernel (`attn_kernel`): a draft tree's plan
+        (`TreeAttention.plan`), or a chain's, where `attn`'s folded groups or mask say query j of row b sees its
+        row's columns 0 .. start[b] + j. None (torch's SDPA) for prefills and other masks."""
+        plan = getattr(attn, "plan", None)
+        if plan is not None:
+            return plan
         if type(attn) is not Attention or attn.causal or (attn.groups is None and attn.mask is None):
             return None
-        flat = torch.arange(b * q, device=self.device) if real is None else real
-        rows = flat // q
-        visible = start.index_select(0, rows) + flat % q + 1
-        return rows, visible, int(visible.max()) if visible.numel() else 0
+        return chain_plan(start.cpu(), q, None if real is None else real.cpu())
 
     def _matmuls(self, n: int, b: int, folded: bool, pieces: list[int] | None = None) -> tuple:
         """A forward of n rows' linear, and the pieces a one-row folded forward runs its matmuls in (`row_chunk`; None:

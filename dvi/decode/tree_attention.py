@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from dvi.decode.attention import bucket_columns, folded_groups, one_call, per_query
+from dvi.decode.attention_kernel import KernelPlan
 from dvi.decode.tree import ancestors
 
 __all__ = ["node_depths", "node_paths", "spine_length", "TreeAttention", "tree_attention", "compact_moves"]
@@ -54,7 +55,7 @@ class TreeAttention:
     [m], columns [m, length] to gather, length, mask [m, 1, 1, length]). `depth` [B, q]: each node's depth, the
     offset of its position from its row's start (its column's offset is its index)."""
 
-    __slots__ = ("columns", "mask", "groups", "gathers", "depth")
+    __slots__ = ("columns", "mask", "groups", "gathers", "depth", "_trees", "_plan")
     real = None  # a tree forward scores every node
     runs = None  # and carries no runs beside its rows (`dvi.decode.segments`)
 
@@ -62,6 +63,24 @@ class TreeAttention:
                  gathers: list | None = None):
         self.columns, self.mask, self.groups, self.gathers = columns, mask, groups, gathers
         self.depth: torch.Tensor | None = None
+        self._trees: tuple[list[int], list[list[int]], int] | None = None  # starts, parents, q (`plan`)
+        self._plan: KernelPlan | None = None
+
+    @property
+    def plan(self) -> KernelPlan | None:
+        """Each node's columns for the attention kernel (`dvi.decode.attention_kernel`): its row's cache, then its
+        ancestors' columns and its own in depth order, as the one-token step at its position sees them."""
+        if self._plan is None and self._trees is not None:
+            starts, parents, q = self._trees
+            rows, prefix, extra, counts = [], [], torch.zeros(len(starts) * q, q, dtype=torch.long), []
+            for i, (start, par) in enumerate(zip(starts, parents, strict=True)):
+                for j, path in enumerate(node_paths(par)):
+                    rows.append(i), prefix.append(start), counts.append(len(path))
+                    extra[i * q + j, : len(path)] = torch.tensor(path) + start
+            prefix_t = torch.tensor(prefix, dtype=torch.long)
+            self._plan = KernelPlan(torch.tensor(rows, dtype=torch.long), prefix_t, int(max(prefix)) + q, extra,
+                                    torch.tensor(counts, dtype=torch.long))
+        return self._plan
 
     def attend(self, qrows: torch.Tensor, b: int, keys: torch.Tensor, values: torch.Tensor, scale: float,
                ) -> torch.Tensor:
@@ -99,7 +118,9 @@ def tree_attention(starts: list[int], parents: list[list[int]], q: int, arange: 
         rel = torch.arange(columns).view(1, 1, columns) - start  # [B, 1, C]: column - row start
         tree = anc.gather(2, rel.clamp(0, q - 1).expand(b, q, columns))
         mask = (rel < 0) | ((rel < q) & tree)
-        return TreeAttention(columns, mask=mask.unsqueeze(1).to(dev))
+        attn = TreeAttention(columns, mask=mask.unsqueeze(1).to(dev))
+        attn._trees = (list(starts), [list(p) for p in parents], q)
+        return attn
     groups, gathers, columns = [], [], 0
     for i, par in enumerate(parents):
         s, start = spine_length(par), starts[i]
@@ -119,7 +140,9 @@ def tree_attention(starts: list[int], parents: list[list[int]], q: int, arange: 
             mask = (torch.arange(length).view(1, -1) <= last).view(len(nodes), 1, 1, length)
             idx = torch.tensor([i * q + j for j in nodes], dtype=torch.long)
             gathers.append((i, idx.to(dev), cols.to(dev), length, mask.to(dev)))
-    return TreeAttention(columns, groups=groups, gathers=gathers)
+    attn = TreeAttention(columns, groups=groups, gathers=gathers)
+    attn._trees = (list(starts), [list(p) for p in parents], q)
+    return attn
 
 
 def compact_moves(starts: list[int], paths: list[list[int]]) -> tuple[list[int], list[int], list[int]] | None:
