@@ -55,12 +55,15 @@ class ServeConfig(_Strict):
     # weights in memory for verifies that cost less per drafted token (benchmarks/serve_speed.py measures both);
     # auto: on where the target serves fp32 on a CPU and that copy takes at most 2 GiB
     cpu_packed_weights: bool | Literal["auto"] = "auto"
-    # on a CPU in fp32, the target's forwards (steps, verifies, prefills) run through dvi's rows kernel
-    # (dvi/decode/rows_kernel.c, built with the system's C compiler on first use; AVX2 + FMA) on a copy of the
-    # weights packed at start-up: it streams the weights behind its arithmetic whatever the row count, so a verify
-    # or a batch row costs little more than a one-row step, and rounds a row alike alone or beside others; auto: for
-    # as many rows as it is timed faster than torch's kernels for at start-up (1-256 probed; where it wins at all of
-    # them, cpu_packed_weights' copy is dropped); true: up to 16 rows; where it cannot be built, torch's kernels serve
+    # on a CPU, the target's and the learned drafter's forwards (steps, verifies, prefills) run through dvi's kernels,
+    # built with the system's C compiler on first use: the rows kernel for the matmuls (dvi/decode/rows_kernel.c,
+    # fp32 on AVX2 + FMA; rows_kernel_bf16.c, bf16 on AVX512-BF16) on a copy of the weights packed at start-up, and
+    # the attention kernel for decode attention (dvi/decode/attention_kernel.c, AVX2 + FMA): the weights stream
+    # behind the arithmetic whatever the row count, so a verify or a batch row costs little more than a one-row step,
+    # and every row and query rounds alike alone or beside others (a batch row decodes as it does alone); auto: the
+    # matmuls for as many rows as the rows kernel is timed faster than torch's for at start-up (1-256 probed; where
+    # it wins at all of them, cpu_packed_weights' copy is dropped); true: up to 16 rows; false: torch's kernels
+    # (matmuls and SDPA); where one cannot be built, torch's serve its part
     cpu_rows_kernel: bool | Literal["auto"] = "auto"
     # prompt tokens that may join the running batch in one step (at least one request joins a step with room; 0: no
     # limit): joiners' prefills ride on the step, so a wave of them (rows that finished together) in one step makes

@@ -267,9 +267,12 @@ def test_the_learned_drafter_drafts_on_the_kernel_too_and_keeps_it_across_swaps(
     from dvi.drafters.draft_cache import LeanDraftCache
     from dvi.drafters.factory import proposer_for
 
+    from dvi.drafters.vocab import apply_draft_vocab
+
     target = _target(dtype)
     drafter = tiny_llama(5, vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2).to(dtype)
+    apply_draft_vocab(drafter, torch.arange(0, 128, 2))  # a reduced draft vocabulary: its rows on the kernel too
     g = torch.Generator().manual_seed(4)
     prompts = [(torch.randint(0, 128, (10,), generator=g).tolist() * 3)[: 24 + i] for i in range(3)]
     eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=3,
@@ -277,6 +280,12 @@ def test_the_learned_drafter_drafts_on_the_kernel_too_and_keeps_it_across_swaps(
     off = SpeculativeEngine(target, None, options=EngineOptions(cpu_rows_kernel=True))
     dkv = eng.proposer.dkv
     assert isinstance(dkv, LeanDraftCache) and dkv.lean.kernel_rows == 16 and dkv.lean.kernel.dtype == dtype
+    assert dkv.lean.head_panels is not None and dkv.lean.head_panels.out_features == 64
+    x = torch.randn(3, 64, generator=g).to(dtype)
+    got, ref = dkv.lean._logits(x), dkv.lean.head_module(x)
+    assert torch.equal(got.isinf(), ref.isinf()) and got[:, 1::2].isinf().all()  # only the subset's ids finite
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got[:, ::2], ref[:, ::2], rtol=tol, atol=tol)
     assert all(o.num_drafted > 0 for o in eng.generate(prompts, 12))
     for p in prompts:  # alone, each request's greedy text is the plain decode's (bitwise contract)
         assert eng.generate([p], 12)[0].token_ids == off.generate([p], 12)[0].token_ids

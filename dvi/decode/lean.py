@@ -213,7 +213,8 @@ class LeanModel:
         try:  # packing checks each weight, and the copy's alignment
             self.kernel.check_weights(self.head)
             self._panels_of = {w.data_ptr(): self.kernel.pack(w) for w in self._matrices()}
-            self.head_panels = self.kernel.pack(self.head) if self.head_module is None else None
+            head = self._head_weight()
+            self.head_panels = self.kernel.pack(head[0]) if head is not None else None
         except ValueError as e:  # torch's kernels serve what the kernel cannot take
             self.kernel, self._panels_of, self.head_panels = None, {}, None
             logging.getLogger(__name__).info("rows kernel not used: %s", e)
@@ -244,7 +245,15 @@ class LeanModel:
             for w in self._matrices():
                 self._panels_of[w.data_ptr()].refill(w)
         if self.head_panels is not None:
-            self.head_panels.refill(self.head)
+            self.head_panels.refill(self._head_weight()[0])
+
+    def _head_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The weight (and bias) the LM head multiplies: the plain head's, a reduced draft vocabulary's rows
+        (`dvi.drafters.vocab.SubsetHead`, placed into the full vocabulary after), or None (another module serves)."""
+        if self.head_module is None:
+            return self.head, None
+        subset = getattr(self.head_module, "subset_weight", None)
+        return subset() if subset is not None else None
 
     def _matrices(self) -> list[torch.Tensor]:
         """The layers' weights the forward multiplies through `linear`, in order."""
@@ -423,10 +432,13 @@ class LeanModel:
         return out.index_copy_(0, real, logits).view(b, q, -1)
 
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
+        if f.numel() <= self.kernel_rows * f.shape[-1] and self.head_panels is not None:
+            if self.head_module is None:
+                return self.kernel.rows(f.reshape(-1, f.shape[-1]), self.head_panels).view(*f.shape[:-1], -1)
+            sub = self.kernel.rows(f.reshape(-1, f.shape[-1]), self.head_panels, self._head_weight()[1])
+            return self.head_module.placed(sub.view(*f.shape[:-1], -1))
         if self.head_module is not None:
             return self.head_module(f)
-        if f.numel() <= self.kernel_rows * f.shape[-1]:
-            return self.kernel.rows(f.reshape(-1, f.shape[-1]), self.head_panels).view(*f.shape[:-1], -1)
         if self.head_pack is not None and f.numel() > f.shape[-1]:
             return _packed_linear(f, self.head_pack)
         if self.head_blocks is not None and f.numel() > f.shape[-1]:

@@ -207,13 +207,21 @@ class SubsetHead(nn.Module):
             self._key = key
         return self._cache
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self._rows()
-        sub = F.linear(x, w, b)  # [B, T, N]
+    def subset_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The N rows (and bias) the head multiplies, [N, H] contiguous (what a packed copy is made from)."""
+        return self._rows()
+
+    def placed(self, sub: torch.Tensor) -> torch.Tensor:
+        """Subset logits [.., N] as the head returns them: at their token ids of the full vocabulary, -inf elsewhere
+        (as they are in `subset_only` mode)."""
         if self.subset_only:
             return sub
         out = sub.new_full((*sub.shape[:-1], self.out_features), float("-inf"))  # [B, T, V]
         return out.index_copy(-1, self.token_ids, sub)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self._rows()
+        return self.placed(F.linear(x, w, b))  # [B, T, N] -> [B, T, V]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, draft_ids={self.num_ids}"
