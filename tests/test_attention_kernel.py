@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tiny_models import tiny_llama
 
 from dvi.decode import attention_kernel
-from dvi.decode.attention_kernel import KernelPlan
+from dvi.decode.attention_kernel import KernelPlan, prefix_plan
 from dvi.decode.lean import LeanModel
 from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 
@@ -48,7 +48,7 @@ def test_the_kernel_computes_what_sdpa_does(dtype, heads, kvh, d):
     q = qkv[:, :heads]
     rows = torch.tensor([0, 1, 1, 2, 3, 3, 3, 0])
     visible = torch.tensor([1, 7, 8, 9, 255, 256, 257, 320])  # both sides of the kernel's blocks of 8 keys
-    got = KERNEL.attend(q, keys, values, KernelPlan(rows, visible, 320), d ** -0.5)
+    got = KERNEL.attend(q, keys, values, prefix_plan(rows, visible), d ** -0.5)
     assert got.shape == (8, heads * d) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
     torch.testing.assert_close(got.double(), _reference(q, keys, values, rows, visible, d ** -0.5), rtol=tol, atol=tol)
@@ -59,9 +59,9 @@ def test_a_query_rounds_alike_alone_and_beside_others(dtype):
     keys, values = _cache(dtype)
     q = torch.randn(12, 9, 64).to(dtype)
     rows, visible = torch.arange(12) % 4, torch.arange(12) * 25 + 3
-    together = KERNEL.attend(q, keys, values, KernelPlan(rows, visible, int(visible.max())), 0.125)
+    together = KERNEL.attend(q, keys, values, prefix_plan(rows, visible), 0.125)
     for i in range(12):
-        alone = KERNEL.attend(q[i : i + 1], keys, values, KernelPlan(rows[i : i + 1], visible[i : i + 1], int(visible[i])),
+        alone = KERNEL.attend(q[i : i + 1], keys, values, prefix_plan(rows[i : i + 1], visible[i : i + 1]),
                               0.125)
         assert torch.equal(alone, together[i : i + 1]), i
 
@@ -80,11 +80,11 @@ def test_a_tree_node_attends_its_ancestors_as_the_step_at_its_position_does(dtyp
     got = KERNEL.attend(q, keys, values, plan, 0.125)
     moved_k, moved_v = keys.clone(), values.clone()  # the path 37, 39, 40 at 37, 38, 39, as after acceptance
     moved_k[:, :, 38:40], moved_v[:, :, 38:40] = keys[:, :, [39, 40]], values[:, :, [39, 40]]
-    step = KERNEL.attend(q[2:], moved_k, moved_v, KernelPlan(torch.zeros(1, dtype=torch.long),
-                                                             torch.tensor([start + 3]), start + 3), 0.125)
+    step = KERNEL.attend(q[2:], moved_k, moved_v, prefix_plan(torch.zeros(1, dtype=torch.long),
+                                                              torch.tensor([start + 3])), 0.125)
     assert torch.equal(got[2:], step)
-    first = KERNEL.attend(q[:1], keys, values, KernelPlan(torch.zeros(1, dtype=torch.long),
-                                                          torch.tensor([start + 2]), start + 2), 0.125)
+    first = KERNEL.attend(q[:1], keys, values, prefix_plan(torch.zeros(1, dtype=torch.long),
+                                                           torch.tensor([start + 2])), 0.125)
     assert torch.equal(got[:1], first)  # node 38 sees its chain's columns
     tol = 1e-5 if dtype == torch.float32 else 8e-3
     ref = _reference(q[1:2], torch.cat([keys[:, :, :38], keys[:, :, 39:40]], 2),

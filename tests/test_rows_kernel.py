@@ -266,7 +266,6 @@ def test_the_learned_drafter_drafts_on_the_kernel_too_and_keeps_it_across_swaps(
     weights through torch's slower kernels every drafted token): on at start, after a hot swap, and lossless."""
     from dvi.drafters.draft_cache import LeanDraftCache
     from dvi.drafters.factory import proposer_for
-
     from dvi.drafters.vocab import apply_draft_vocab
 
     target = _target(dtype)

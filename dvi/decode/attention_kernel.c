@@ -83,8 +83,8 @@ static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round
         float qf[MAX_GROUP * MAX_D] __attribute__((aligned(32)));                                          \
         float o[MAX_D] __attribute__((aligned(32)));                                                       \
         for (int64_t i = 0; i < n; i++) {                                                                  \
-            const int64_t P = visible[i], L = P + (n_extra ? n_extra[i] : 0);                              \
-            const int64_t* ex = extra ? extra + i * extra_stride : 0;                                      \
+            const int64_t P = visible[i], L = P + n_extra[i];                                              \
+            const int64_t* ex = extra + i * extra_stride;                                                  \
             for (int64_t kh = 0; kh < kv_heads; kh++) {                                                    \
                 const T* kb = k + rows[i] * row_stride + kh * head_stride;                                 \
                 const T* vb = v + rows[i] * row_stride + kh * head_stride;                                 \

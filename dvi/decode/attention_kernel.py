@@ -19,7 +19,7 @@ import torch
 
 from dvi.decode.native import load_library
 
-__all__ = ["AttentionKernel", "KernelPlan", "chain_plan", "load", "unavailable_reason"]
+__all__ = ["AttentionKernel", "KernelPlan", "chain_plan", "load", "prefix_plan", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ class KernelPlan(NamedTuple):
     rows: torch.Tensor
     prefix: torch.Tensor
     most: int
-    extra: torch.Tensor | None = None  # [n, width]
-    counts: torch.Tensor | None = None  # [n]
+    extra: torch.Tensor  # [n, width]
+    counts: torch.Tensor  # [n]
 
 
 def chain_plan(start: torch.Tensor, q: int, real: torch.Tensor | None = None) -> KernelPlan:
@@ -45,8 +45,13 @@ def chain_plan(start: torch.Tensor, q: int, real: torch.Tensor | None = None) ->
     drafter's forward); `real`: only those flat indices b * q + j are scored (a ragged verify)."""
     flat = torch.arange(start.shape[0] * q) if real is None else real
     rows = flat // q
-    prefix = start.index_select(0, rows) + flat % q + 1
-    return KernelPlan(rows, prefix, int(prefix.max()) if prefix.numel() else 0)
+    return prefix_plan(rows, start.index_select(0, rows) + flat % q + 1)
+
+
+def prefix_plan(rows: torch.Tensor, prefix: torch.Tensor) -> KernelPlan:
+    """Query i over row rows[i]'s columns 0 .. prefix[i] - 1 only."""
+    none = torch.zeros(rows.shape[0], dtype=torch.long)  # no extra columns (every query has a count: zero)
+    return KernelPlan(rows, prefix, int(prefix.max()) if prefix.numel() else 0, none.view(-1, 1), none)
 
 
 class AttentionKernel:
@@ -84,12 +89,10 @@ class AttentionKernel:
         out = torch.empty(n, heads * d, dtype=q.dtype)
         if n:  # the scores' scratch per call: an engine and its drafter, or two engines' threads, never share it
             scratch = torch.empty(heads // kvh * plan.most + 8, dtype=torch.float32)
-            ex, counts = plan.extra, plan.counts
             self._fns[q.dtype](q.data_ptr(), q.stride(0), heads, kvh, d, keys.data_ptr(), values.data_ptr(),
                                keys.stride(0), keys.stride(1), keys.stride(2), plan.rows.data_ptr(),
-                               plan.prefix.data_ptr(), None if ex is None else ex.data_ptr(),
-                               0 if ex is None else ex.stride(0), None if counts is None else counts.data_ptr(),
-                               n, scale, out.data_ptr(), scratch.data_ptr())
+                               plan.prefix.data_ptr(), plan.extra.data_ptr(), plan.extra.stride(0),
+                               plan.counts.data_ptr(), n, scale, out.data_ptr(), scratch.data_ptr())
         return out
 
 
