@@ -16,7 +16,7 @@ holes, no validity masks, no compaction, and every shape depends only on (rows, 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from dvi.decode.attention import Attention
 from dvi.decode.attention_kernel import AttentionKernel, KernelPlan, chain_plan
+from dvi.decode.cpu_paths import HEAD_BLOCK, blockwise, head_block_rows, packed_linear
 from dvi.decode.segments import NO_RUNS, Runs, attend_segments
 from dvi.decode.slot_cache import SlotCache
 
@@ -36,9 +37,6 @@ __all__ = ["LEAN_TYPES", "lean_supported", "LeanModel", "SlotCache"]
 
 LEAN_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 """Architectures `LeanModel` runs (a Llama decoder layer, optionally with q/k biases or per-head q/k norms)."""
-
-HEAD_BLOCK = 1024
-"""Rows of the LM head per GEMM when a forward scores several rows on a CPU (`LeanModel._logits`)."""
 
 
 def lean_supported(model: nn.Module) -> str | None:
@@ -309,8 +307,7 @@ class LeanModel:
         n = flat.shape[0]
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, columns)
         keys, values = cache.views(b, attn.columns, first_slot)
-        kernel_at = self._kernel_attention(attn, b, q, start, real) if self.attn_kernel and not segments and \
-            tails is None else None
+        attend = self._attend(attn, b, q, start, real, kernel=not segments and tails is None)
         x = F.embedding(flat, self.embed)  # [N, H]
         taps = self.feature_layers if features else None
         tapped = []
@@ -327,12 +324,7 @@ class LeanModel:
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
             qrows = qkv[:n_batch, :heads] if segments else qkv[:, :heads]
-            if kernel_at is not None:
-                o = self.attn_kernel.attend(qrows.flatten(2), keys[i], values[i], kernel_at, self.scale)
-            elif real is None:
-                o = attn.attend(qrows, b, keys[i], values[i], self.scale)
-            else:
-                o = _attend_real(attn, qrows, real, b * q, b, keys[i], values[i], self.scale)
+            o = attend(qrows, keys[i], values[i])
             if segments:
                 o = torch.cat([o, *attend_segments(qkv[n_batch:, :heads], segments, i, self.scale)])
             x = x + (ad.add(i, "o", o, lin(o, lw.o)) if ad else lin(o, lw.o))
@@ -353,7 +345,19 @@ class LeanModel:
             return self._real_logits(x, real, b, q)
         return self._outputs(x, b, q, logits_to_keep, features, pick, tapped, chunk)
 
-    def _kernel_attention(self, attn: Attention, b: int, q: int, start: torch.Tensor,
+    def _attend(self, attn: Attention, b: int, q: int, start: torch.Tensor, real: torch.Tensor | None,
+                kernel: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """A layer's attention of this forward, (queries [n, heads, ...], a layer's keys, values) -> [n, heads * D]:
+        the attention kernel where it serves and the forward's queries follow a plan it takes (`kernel`: no runs
+        beside the rows), else `attn`'s SDPA calls (a ragged forward's scored queries placed among the others)."""
+        plan = self._kernel_attention(attn, q, start, real) if kernel and self.attn_kernel else None
+        if plan is not None:
+            return lambda qrows, k, v: self.attn_kernel.attend(qrows.flatten(2), k, v, plan, self.scale)
+        if real is None:
+            return lambda qrows, k, v: attn.attend(qrows, b, k, v, self.scale)
+        return lambda qrows, k, v: _attend_real(attn, qrows, real, b * q, b, k, v, self.scale)
+
+    def _kernel_attention(self, attn: Attention, q: int, start: torch.Tensor,
                           real: torch.Tensor | None) -> KernelPlan | None:
         """The columns each scored query attends, for the attention kernel (`attn_kernel`): a draft tree's plan
         (`TreeAttention.plan`), or a chain's, where `attn`'s folded groups or mask say query j of row b sees its
@@ -382,7 +386,7 @@ class LeanModel:
         if m <= self.kernel_rows:
             return self.kernel.rows(x, self._panels_of[w.data_ptr()], bias)
         if m > 1 and self._pack_of:
-            return _packed_linear(x, self._pack_of[w.data_ptr()], bias)
+            return packed_linear(x, self._pack_of[w.data_ptr()], bias)
         return F.linear(x, w, bias)
 
     def _placement(self, ids: torch.Tensor, start: torch.Tensor, attn: Attention, first_slot: int,
@@ -440,11 +444,11 @@ class LeanModel:
         if self.head_module is not None:
             return self.head_module(f)
         if self.head_pack is not None and f.numel() > f.shape[-1]:
-            return _packed_linear(f, self.head_pack)
+            return packed_linear(f, self.head_pack)
         if self.head_blocks is not None and f.numel() > f.shape[-1]:
             rows = self.head_path()
             if rows is not None and f.numel() >= rows * f.shape[-1]:
-                return _blockwise(f, self.head_blocks)
+                return blockwise(f, self.head_blocks)
         return F.linear(f, self.head)
 
     def head_path(self) -> int | None:
@@ -475,39 +479,6 @@ def _attend_real(attn: Attention, qrows: torch.Tensor, real: torch.Tensor, n: in
     full = qrows.new_zeros((n,) + tuple(qrows.shape[1:]))
     full.index_copy_(0, real, qrows)
     return attn.attend(full, b, keys, values, scale).index_select(0, real)
-
-
-def head_block_rows(head: torch.Tensor, blocks: tuple[torch.Tensor, ...], rows: tuple[int, ...] = (2, 3, 5, 9, 17),
-                    reps: int = 3) -> int | None:
-    """The fewest rows from which the LM head runs faster blockwise than as one GEMM on this CPU (None: never),
-    timed at `rows`, arms interleaved, best of `reps`: from the first probed count where the blocks win by 3% and
-    keep winning at every larger one. The two agree to the GEMM's rounding, which is not promised bitwise on every
-    CPU: the greedy contract is measured on the path chosen (`dvi.decode.invariance`)."""
-    faster = []
-    for m in rows:
-        x = torch.randn(m, head.shape[1], dtype=head.dtype, device=head.device)
-        _timed(F.linear, x, head), _timed(_blockwise, x, blocks)  # warm both paths
-        times = [(_timed(F.linear, x, head), _timed(_blockwise, x, blocks)) for _ in range(reps)]
-        faster.append(min(t[1] for t in times) < 0.97 * min(t[0] for t in times))
-    for i, m in enumerate(rows):
-        if all(faster[i:]):
-            return m
-    return None
-
-
-def _blockwise(x: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return torch.cat([F.linear(x, w) for w in blocks], -1)
-
-
-def _timed(fn, *args) -> float:
-    t = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t
-
-
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear on a weight `LeanModel.pack_multirow` reordered for oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def _in_pieces(lin: Any, rows: int | list[int], x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
