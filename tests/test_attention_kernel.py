@@ -177,3 +177,22 @@ def test_draft_trees_on_the_kernels_decode_as_speculation_off_does(dtype, monkey
     assert [eng.generate([p], 24)[0].token_ids for p in prompts] == alone
     assert [o.token_ids for o in eng.generate(prompts, 24)] == alone
     assert spy.steps > 0 and spy.off_spine > 0, vars(spy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 0.9), (1.0, 0.9)])
+def test_tree_sampling_on_the_kernels_follows_the_target(dtype, temperature, top_p, monkeypatch):
+    """Sampled drafts with point-mass siblings verified on the kernels (tree nodes through `TreeAttention.plan`):
+    the first two tokens follow the target's warped law (chi-square), and siblings were accepted."""
+    from test_sampling import tiny_lm
+    from test_trees import TreeSpy, tree_pvalue
+
+    import dvi.engine.speculative
+
+    spy = TreeSpy()
+    monkeypatch.setattr(dvi.engine.speculative, "accept_tree", spy.wrap(dvi.engine.speculative.accept_tree))
+    pv, alpha = tree_pvalue(tiny_lm(0).to(dtype), tiny_lm(1).to(dtype), 3000, temperature, top_p, 3,
+                            rows_kernel=True)
+    assert 0.1 < alpha < 0.95, alpha
+    assert pv > 1e-3, pv
+    assert spy.steps > 0 and spy.off_spine > 60, vars(spy)

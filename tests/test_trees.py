@@ -420,11 +420,12 @@ def test_exact_mode_probe_covers_every_projection(monkeypatch):
 
 # --------------------------------------------------------------------------- 3. sampling
 def tree_pvalue(target, drafter, n: int, temperature: float, top_p: float, width: int, batch: int | None = None,
-                seed: int = 11) -> tuple[float, float]:
+                seed: int = 11, rows_kernel: bool = False) -> tuple[float, float]:
     """`test_sampling.engine_pvalue` with trees (fixed K 2, `width` siblings per depth): chi-square p-value of the
-    first two tokens against the target's warped law, and the acceptance rate."""
+    first two tokens against the target's warped law, and the acceptance rate (`rows_kernel`: on dvi's kernels)."""
     eng = SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=2,
-                            options=EngineOptions(tree_width=width))
+                            options=EngineOptions(tree_width=width, cpu_rows_kernel=rows_kernel))
+    assert not rows_kernel or eng._target.lean.attn_kernel is not None
     batch = batch or n
     res = []
     for start in range(0, n, batch):

@@ -158,6 +158,7 @@ class LeanModel:
         self.kernel: RowsKernel | None = None
         self._panels_of: dict[int, Panels] = {}  # a layer weight's data_ptr -> the kernel's packed copy (`linear`)
         self.head_panels: Panels | None = None
+        self.head_bias: torch.Tensor | None = None  # a reduced draft vocabulary's bias rows, beside its panels
         # decode attention (a step's, a verify's queries over their rows' columns) through dvi's attention kernel
         # (`dvi.decode.attention_kernel`, switched on with the rows kernel: `use_rows_kernel`); None: torch's SDPA
         self.attn_kernel: AttentionKernel | None = None
@@ -202,9 +203,10 @@ class LeanModel:
         are held twice, not three times. On a CPU where it builds only; returns the rows it serves (0: none)."""
         from dvi.decode.rows_kernel import KERNEL_PROBE_ROWS, kernel_rows_measured, load
 
-        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+        self.kernel, self._panels_of, self.head_panels, self.kernel_rows, self.attn_kernel = None, {}, None, 0, None
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16) or rows == 0:
             return 0
-        self._use_attention_kernel(rows != 0)
+        self._use_attention_kernel()
         self.kernel = load(self.dtype)
         if self.kernel is None:
             return 0
@@ -212,7 +214,7 @@ class LeanModel:
             self.kernel.check_weights(self.head)
             self._panels_of = {w.data_ptr(): self.kernel.pack(w) for w in self._matrices()}
             head = self._head_weight()
-            self.head_panels = self.kernel.pack(head[0]) if head is not None else None
+            self.head_panels, self.head_bias = (self.kernel.pack(head[0]), head[1]) if head is not None else (None, None)
         except ValueError as e:  # torch's kernels serve what the kernel cannot take
             self.kernel, self._panels_of, self.head_panels = None, {}, None
             logging.getLogger(__name__).info("rows kernel not used: %s", e)
@@ -225,10 +227,10 @@ class LeanModel:
             logging.getLogger(__name__).info("oneDNN's packed weights dropped: the rows kernel serves their forwards")
         return self.kernel_rows
 
-    def _use_attention_kernel(self, on: bool) -> None:
+    def _use_attention_kernel(self) -> None:
         from dvi.decode import attention_kernel
 
-        kernel = attention_kernel.load() if on else None
+        kernel = attention_kernel.load()
         why = kernel and kernel.supports(self.dtype, self.heads, self.kv_heads, self.head_dim)
         if why:
             logging.getLogger(__name__).info("attention kernel not used: it does not attend %s", why)
@@ -244,6 +246,7 @@ class LeanModel:
                 self._panels_of[w.data_ptr()].refill(w)
         if self.head_panels is not None:
             self.head_panels.refill(self._head_weight()[0])
+            self.head_bias = self._head_weight()[1]
 
     def _head_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The weight (and bias) the LM head multiplies: the plain head's, a reduced draft vocabulary's rows
@@ -439,7 +442,7 @@ class LeanModel:
         if f.numel() <= self.kernel_rows * f.shape[-1] and self.head_panels is not None:
             if self.head_module is None:
                 return self.kernel.rows(f.reshape(-1, f.shape[-1]), self.head_panels).view(*f.shape[:-1], -1)
-            sub = self.kernel.rows(f.reshape(-1, f.shape[-1]), self.head_panels, self._head_weight()[1])
+            sub = self.kernel.rows(f.reshape(-1, f.shape[-1]), self.head_panels, self.head_bias)
             return self.head_module.placed(sub.view(*f.shape[:-1], -1))
         if self.head_module is not None:
             return self.head_module(f)

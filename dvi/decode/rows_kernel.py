@@ -25,7 +25,7 @@ import torch
 
 from dvi.decode.native import load_library
 
-__all__ = ["KERNEL_ROWS", "Panels", "RowsKernel", "kernel_rows_measured", "load", "unavailable_reason"]
+__all__ = ["KERNEL_ROWS", "Panels", "RowsKernel", "kernel_rows_measured", "load", "option_rows", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,12 @@ def unavailable_reason(dtype: torch.dtype = torch.float32) -> str | None:
 
 KERNEL_ROWS = 16
 """Rows up to which the rows kernel serves forwards when asked to without timing (`use_rows_kernel`)."""
+
+def option_rows(option: bool | str) -> int | None:
+    """`serve.cpu_rows_kernel` as `LeanModel.use_rows_kernel`'s argument: "auto" None (timed), true `KERNEL_ROWS`,
+    false 0."""
+    return None if option == "auto" else KERNEL_ROWS if option else 0
+
 
 KERNEL_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 """Row counts at which `kernel_rows_measured` times the rows kernel against torch's path: decode steps and verifies,

@@ -20,7 +20,7 @@ from dvi.decode.kv import RaggedKV, prefill
 from dvi.decode.lean import LeanModel, lean_supported
 from dvi.decode.lean_target import LeanTarget
 from dvi.decode.numerics import is_exact_greedy
-from dvi.decode.rows_kernel import KERNEL_ROWS
+from dvi.decode.rows_kernel import option_rows
 
 __all__ = ["CpuMatmuls", "TargetRunner", "LeanTarget", "RaggedTarget", "target_runner", "plain_greedy"]
 
@@ -161,7 +161,7 @@ def target_runner(model: nn.Module, lean: bool = True, max_width: int = 17, grap
     if cpu.packed:
         lm.pack_multirow()
     if cpu.rows_kernel:
-        lm.use_rows_kernel(None if cpu.rows_kernel == "auto" else KERNEL_ROWS)
+        lm.use_rows_kernel(option_rows(cpu.rows_kernel))
     exact = is_exact_greedy(model)
     inv = probe(lm, max(max_width, tree_width), exact=exact, max_rows=max_batch * max_width)
     lm.row_chunk = inv.row_chunk

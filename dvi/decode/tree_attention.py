@@ -72,14 +72,13 @@ class TreeAttention:
         ancestors' columns and its own in depth order, as the one-token step at its position sees them."""
         if self._plan is None and self._trees is not None:
             starts, parents, q = self._trees
-            rows, prefix, extra, counts = [], [], torch.zeros(len(starts) * q, q, dtype=torch.long), []
+            rows, prefix, extra, counts = [], [], [], []
             for i, (start, par) in enumerate(zip(starts, parents, strict=True)):
-                for j, path in enumerate(node_paths(par)):
+                for path in node_paths(par):
                     rows.append(i), prefix.append(start), counts.append(len(path))
-                    extra[i * q + j, : len(path)] = torch.tensor(path) + start
-            prefix_t = torch.tensor(prefix, dtype=torch.long)
-            self._plan = KernelPlan(torch.tensor(rows, dtype=torch.long), prefix_t, int(max(prefix)) + q, extra,
-                                    torch.tensor(counts, dtype=torch.long))
+                    extra.append([start + node for node in path] + [0] * (q - len(path)))
+            self._plan = KernelPlan(torch.tensor(rows), torch.tensor(prefix), max(prefix) + q, torch.tensor(extra),
+                                    torch.tensor(counts))
         return self._plan
 
     def attend(self, qrows: torch.Tensor, b: int, keys: torch.Tensor, values: torch.Tensor, scale: float,

@@ -17,7 +17,7 @@ import torch
 from dvi.decode.attention import Attention
 from dvi.decode.kv import RaggedKV, left_pad, prefill
 from dvi.decode.lean import LeanModel, lean_supported
-from dvi.decode.rows_kernel import KERNEL_ROWS
+from dvi.decode.rows_kernel import option_rows
 from dvi.decode.segments import Runs, Segments
 from dvi.drafters.adapters import AdapterBank, RowAdapters
 
@@ -92,7 +92,7 @@ class LeanDraftCache:
     def __init__(self, model, bank: AdapterBank | None = None, rows_kernel: bool | str = False):
         self.lean = LeanModel(model)
         if rows_kernel:  # the drafter's forwards on dvi's rows kernel, as the target's (`serve.cpu_rows_kernel`)
-            self.lean.use_rows_kernel(None if rows_kernel == "auto" else KERNEL_ROWS)
+            self.lean.use_rows_kernel(option_rows(rows_kernel))
         self.cache = self.lean.new_cache()
         self._cols = torch.arange(0)
         self.device = self.lean.device

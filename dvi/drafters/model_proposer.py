@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.decode.rows_kernel import KERNEL_ROWS
+from dvi.decode.rows_kernel import option_rows
 from dvi.decode.sampling import greedy_tokens, sample_from, warp_probs
 from dvi.decode.sources import SOURCE_MODEL
 from dvi.drafters.adapters import AdapterBank, LoraFactors
@@ -49,7 +49,7 @@ class ModelProposer(Proposer):
         if rows_kernel != self.rows_kernel:
             self.rows_kernel = rows_kernel
             if isinstance(self.dkv, LeanDraftCache):  # the rows' caches stay: only how the weights are multiplied
-                self.dkv.lean.use_rows_kernel(None if rows_kernel == "auto" else KERNEL_ROWS if rows_kernel else 0)
+                self.dkv.lean.use_rows_kernel(option_rows(rows_kernel))
 
     def set_adapter(self, group: str, factors: LoraFactors | None) -> None:
         """Draft `group`'s rows through `factors` (None: the base drafter), from the next forward on."""
