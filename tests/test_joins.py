@@ -237,3 +237,61 @@ def test_sampling_through_tails_follows_the_target_chi_square(monkeypatch, kind,
     drafted, accepted = sum(r.num_drafted for r in res), sum(r.num_accepted for r in res)
     assert len(calls) >= 60 and 0 < accepted < drafted  # the tails verify ran, and the rule accepted and rejected
     assert two_token_pvalue(res, exact_two_token_law(target, temperature, 0, top_p)) > 1e-3
+
+
+KERNELS = [pytest.param(dtype, id=name) for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))]
+
+
+@pytest.mark.parametrize("dtype", KERNELS)
+@pytest.mark.parametrize("kind", ["off", "separate", "suffix"])
+def test_on_the_kernels_a_batch_s_greedy_text_is_each_request_s_alone_bitwise(monkeypatch, dtype, kind):
+    """Where dvi's rows and attention kernels serve every forward (`EVERY_ROW`: they won every probed row count),
+    each position is computed alone whatever the forward carries (other rows, joining prompts, tails, drafts), so
+    a batch's greedy text is each request's alone token for token, speculating or not: bf16's near-ties (common in
+    bf16 logits) cannot part them (torch's GEMMs and SDPA round a row by what is beside it: 22 of 32 answers of the
+    real pair at 8 in flight parted from their lone text, AMD EPYC, bf16)."""
+    from dvi.config import SuffixConfig
+    from dvi.decode import attention_kernel, rows_kernel
+    from dvi.decode.request import Request, SamplingParams
+    from dvi.drafters.factory import make_proposer, proposer_for
+    from dvi.engine.options import EngineOptions
+    from dvi.engine.speculative import SpeculativeEngine
+
+    if rows_kernel.load(dtype) is None or attention_kernel.load() is None:
+        pytest.skip(f"kernels unavailable here: {rows_kernel.unavailable_reason(dtype)}, "
+                    f"{attention_kernel.unavailable_reason()}")
+    monkeypatch.setattr(rows_kernel, "kernel_rows_measured", lambda lean: rows_kernel.EVERY_ROW)
+    target, drafter = tiny_llama(0, **KW), tiny_llama(1, **KW)
+    with torch.no_grad():  # head rows alike but for a little: logits close together, near-ties on every few tokens
+        head = target.lm_head.weight
+        head.copy_(head[:1] + 0.05 * head)
+    target, drafter = target.to(dtype), drafter.to(dtype)
+    opts = EngineOptions(cpu_rows_kernel="auto")
+
+    def engine(speculate: bool) -> SpeculativeEngine:
+        if not speculate or kind == "off":
+            return SpeculativeEngine(target, None, options=opts)
+        if kind == "suffix":
+            return SpeculativeEngine(target, make_proposer("suffix", None, 128, "cpu", settings=SuffixConfig(
+                max_draft_tokens=4)), num_draft_tokens=4, max_draft_tokens=4, options=opts)
+        return SpeculativeEngine(target, proposer_for(target, drafter), num_draft_tokens=3, options=opts)
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [(c * 3)[: 20 + 7 * i] for i, c in enumerate(_contexts(g, (9, 11, 7, 13, 8, 10, 12, 6, 9, 14)))]
+    off = engine(False)
+    assert off._target.lean.kernel_rows == rows_kernel.EVERY_ROW and off._target.lean.attn_kernel is not None
+    alone = [off.generate([p], max_new_tokens=24)[0].token_ids for p in prompts]
+    eng = engine(True)
+    texts: dict[str, list[int]] = {}
+    pending, steps, drafted = list(enumerate(prompts)), 0, 0
+    while pending or eng.has_unfinished():
+        while pending and len(texts) - sum(1 for t in texts.values() if len(t) >= 24) < 4 + steps % 3:
+            i, p = pending.pop(0)  # up to 4-6 in flight, joining a running batch
+            texts[f"r{i}"] = []
+            eng.add_request(Request(f"r{i}", p, SamplingParams(24, 0.0, 0, 1.0, None, ())))
+        for out in eng.step():
+            texts[out.request_id].extend(out.new_token_ids)
+            drafted += out.result.num_drafted if out.finished else 0
+        steps += 1
+    assert [texts[f"r{i}"] for i in range(len(prompts))] == alone
+    assert (drafted > 0) == (kind != "off")

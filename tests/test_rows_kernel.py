@@ -146,7 +146,7 @@ def test_forwards_on_the_kernel_compute_what_torch_does_and_verifies_round_like_
 @needs_kernel
 def test_the_measured_rows_are_a_probed_count():
     lean = LeanModel(_target())
-    assert lean.use_rows_kernel() in (0, *KERNEL_PROBE_ROWS)
+    assert lean.use_rows_kernel() in (0, *KERNEL_PROBE_ROWS[:-1], rows_kernel.EVERY_ROW)
     assert lean.kernel is None or kernel_rows_measured(lean) == lean.kernel_rows  # timed once per shape
 
 
@@ -181,21 +181,22 @@ def test_a_target_update_repacks_the_kernels_panels_and_stays_lossless(dtype):
 @needs_kernel
 @torch.inference_mode()
 def test_where_the_kernel_wins_every_probe_onednns_packs_are_dropped(monkeypatch):
-    """The kernel then serves every forward up to the widest probe, MKL's GEMM the wider prefills: the weights are held
-    twice (the model's and the panels), not three times, and the engine stays lossless on both paths."""
-    from dvi.decode import lean as lean_module
-
-    monkeypatch.setattr(rows_kernel, "kernel_rows_measured", lambda lean: KERNEL_PROBE_ROWS[-1])
+    """The kernel then serves every forward, the widest prefill too (`EVERY_ROW`): the weights are held twice (the
+    model's and the panels), not three times, and its forwards compute what torch's do."""
+    monkeypatch.setattr(rows_kernel, "kernel_rows_measured", lambda lean: rows_kernel.EVERY_ROW)
     target = _target()
     lm = LeanModel(target)
-    assert lm.pack_multirow() and lm.use_rows_kernel() == KERNEL_PROBE_ROWS[-1]
+    assert lm.pack_multirow() and lm.use_rows_kernel() == rows_kernel.EVERY_ROW
     assert lm.packs is None and not lm._pack_of and lm.head_pack is None
-    assert lean_module  # the kernel's forwards compute what torch's do, past its rows too
+    calls = []
+    kernel_rows = lm.kernel.rows
+    monkeypatch.setattr(lm.kernel, "rows", lambda x, *a: calls.append(x.shape[0]) or kernel_rows(x, *a))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(KERNEL_PROBE_ROWS[-1] + 3, lm.hidden, generator=g)
     w = lm.layers[0].qkv
     torch.testing.assert_close(lm.linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(lm.linear(x[:5], w), F.linear(x[:5], w), rtol=1e-4, atol=1e-4)
+    assert calls == [KERNEL_PROBE_ROWS[-1] + 3, 5]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

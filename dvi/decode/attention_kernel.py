@@ -19,7 +19,7 @@ import torch
 
 from dvi.decode.native import load_library
 
-__all__ = ["AttentionKernel", "KernelPlan", "chain_plan", "load", "prefix_plan", "unavailable_reason"]
+__all__ = ["AttentionKernel", "KernelPlan", "load", "prefix_plan", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +38,6 @@ class KernelPlan(NamedTuple):
     most: int
     extra: torch.Tensor  # [n, width]
     counts: torch.Tensor  # [n]
-
-
-def chain_plan(start: torch.Tensor, q: int, real: torch.Tensor | None = None) -> KernelPlan:
-    """Query j of row b at column start[b] + j sees its row's columns 0 .. start[b] + j (a step, a chain's verify, a
-    drafter's forward); `real`: only those flat indices b * q + j are scored (a ragged verify)."""
-    flat = torch.arange(start.shape[0] * q) if real is None else real
-    rows = flat // q
-    return prefix_plan(rows, start.index_select(0, rows) + flat % q + 1)
 
 
 def prefix_plan(rows: torch.Tensor, prefix: torch.Tensor) -> KernelPlan:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dvi.decode.attention import Attention
-from dvi.decode.attention_kernel import AttentionKernel, KernelPlan, chain_plan
+from dvi.decode.attention_kernel import AttentionKernel, KernelPlan, prefix_plan
 from dvi.decode.cpu_paths import HEAD_BLOCK, blockwise, head_block_rows, packed_linear
 from dvi.decode.segments import NO_RUNS, Runs, attend_segments
 from dvi.decode.slot_cache import SlotCache
@@ -309,8 +309,7 @@ class LeanModel:
         (flat, col, pos, slot), columns, segments = runs.place(cache, (flat, col, pos, slot), columns)
         n = flat.shape[0]
         cos, sin = self._rope(pos.clamp(max=self.max_position - 1), n, columns)
-        keys, values = cache.views(b, attn.columns, first_slot)
-        attend = self._attend(attn, b, q, start, real, kernel=not segments and tails is None)
+        attend = self._attend(cache, attn, (b, q, first_slot, n_batch, columns), (col, slot), real, segments)
         x = F.embedding(flat, self.embed)  # [N, H]
         taps = self.feature_layers if features else None
         tapped = []
@@ -326,10 +325,7 @@ class LeanModel:
                                  qkv[:, heads + kvh :].reshape(n, kvh, d)], 1).view(n, heads + 2 * kvh, 2, d // 2)
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
-            qrows = qkv[:n_batch, :heads] if segments else qkv[:, :heads]
-            o = attend(qrows, keys[i], values[i])
-            if segments:
-                o = torch.cat([o, *attend_segments(qkv[n_batch:, :heads], segments, i, self.scale)])
+            o = attend(qkv[:, :heads], i)
             x = x + (ad.add(i, "o", o, lin(o, lw.o)) if ad else lin(o, lw.o))
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
             gu = lin(h, lw.gate_up)
@@ -348,29 +344,28 @@ class LeanModel:
             return self._real_logits(x, real, b, q)
         return self._outputs(x, b, q, logits_to_keep, features, pick, tapped, chunk)
 
-    def _attend(self, attn: Attention, b: int, q: int, start: torch.Tensor, real: torch.Tensor | None,
-                kernel: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """A layer's attention of this forward, (queries [n, heads, ...], a layer's keys, values) -> [n, heads * D]:
-        the attention kernel where it serves and the forward's queries follow a plan it takes (`kernel`: no runs
-        beside the rows), else `attn`'s SDPA calls (a ragged forward's scored queries placed among the others)."""
-        plan = self._kernel_attention(attn, q, start, real) if kernel and self.attn_kernel else None
+    def _attend(self, cache: SlotCache, attn: Attention, shape: tuple[int, int, int, int, int],
+                placed: tuple[torch.Tensor, torch.Tensor], real: torch.Tensor | None,
+                segments: list) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """This forward's attention, (every position's queries [n, heads, ...], layer) -> [n, heads * D]: the attention
+        kernel where it serves and can say which columns each query sees (then every query, a batch row's, a
+        joining prompt's or a tail's, is computed alone, alike whatever else the forward carries), else SDPA calls:
+        `attn`'s for the batch's rows (a ragged forward's scored queries placed among the others), one per run.
+        shape: (B, q, first slot, the batch's positions, the columns the forward reaches); placed: every position's
+        cache column and slot."""
+        b, q, first_slot, n_batch, columns = shape
+        plan = _kernel_plan(attn, q, first_slot, *placed) if self.attn_kernel else None
         if plan is not None:
-            return lambda qrows, k, v: self.attn_kernel.attend(qrows.flatten(2), k, v, plan, self.scale)
-        if real is None:
-            return lambda qrows, k, v: attn.attend(qrows, b, k, v, self.scale)
-        return lambda qrows, k, v: _attend_real(attn, qrows, real, b * q, b, k, v, self.scale)
+            kk, kv = cache.views(int(plan.rows.max()) + 1, columns)
+            return lambda qrows, i: self.attn_kernel.attend(qrows.flatten(2), kk[i], kv[i], plan, self.scale)
+        keys, values = cache.views(b, attn.columns, first_slot)
 
-    def _kernel_attention(self, attn: Attention, q: int, start: torch.Tensor,
-                          real: torch.Tensor | None) -> KernelPlan | None:
-        """The columns each scored query attends, for the attention kernel (`attn_kernel`): a draft tree's plan
-        (`TreeAttention.plan`), or a chain's, where `attn`'s folded groups or mask say query j of row b sees its
-        row's columns 0 .. start[b] + j. None (torch's SDPA) for prefills and other masks."""
-        plan = getattr(attn, "plan", None)
-        if plan is not None:
-            return plan
-        if type(attn) is not Attention or attn.causal or (attn.groups is None and attn.mask is None):
-            return None
-        return chain_plan(start.cpu(), q, None if real is None else real.cpu())
+        def sdpa(qrows: torch.Tensor, i: int) -> torch.Tensor:
+            rows = qrows[:n_batch]
+            o = attn.attend(rows, b, keys[i], values[i], self.scale) if real is None else \
+                _attend_real(attn, rows, real, b * q, b, keys[i], values[i], self.scale)
+            return torch.cat([o, *attend_segments(qrows[n_batch:], segments, i, self.scale)]) if segments else o
+        return sdpa
 
     def _matmuls(self, n: int, b: int, folded: bool, pieces: list[int] | None = None) -> tuple:
         """A forward of n rows' linear, and the pieces a one-row folded forward runs its matmuls in (`row_chunk`; None:
@@ -472,6 +467,20 @@ def _refuse(attn: Attention, q: int, features: bool, logits_to_keep: int, pick: 
         raise ValueError("prefixes and tails ride on a chain's forward without features")
     if runs.tails is not None and (q != 1 or attn.real is not None or pick is not None or logits_to_keep):
         raise ValueError("tails follow a one-token step's ids and come back whole")
+
+
+def _kernel_plan(attn: Attention, q: int, first_slot: int, col: torch.Tensor,
+                 slot: torch.Tensor) -> KernelPlan | None:
+    """The columns each of a forward's positions attends, as the attention kernel takes them (rows: absolute
+    slots): a draft tree's plan (`TreeAttention.plan`, which carries no runs), or every position over its own slot's
+    columns 0 .. its own (a step, a chain's verify, a prefill, a joining prompt, a tail) where `attn` is causal or
+    its folded groups or mask say so. None (SDPA) for other masks."""
+    tree = getattr(attn, "plan", None)
+    if tree is not None:
+        return tree._replace(rows=tree.rows + first_slot) if first_slot else tree
+    if type(attn) is not Attention or (q > 1 and not attn.causal and attn.groups is None and attn.mask is None):
+        return None
+    return prefix_plan(slot.cpu(), col.cpu() + 1)
 
 
 @torch.inference_mode()

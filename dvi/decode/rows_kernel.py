@@ -25,7 +25,7 @@ import torch
 
 from dvi.decode.native import load_library
 
-__all__ = ["KERNEL_ROWS", "Panels", "RowsKernel", "kernel_rows_measured", "load", "option_rows", "unavailable_reason"]
+__all__ = ["EVERY_ROW", "KERNEL_ROWS", "Panels", "RowsKernel", "kernel_rows_measured", "load", "option_rows", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,11 @@ def option_rows(option: bool | str) -> int | None:
     return None if option == "auto" else KERNEL_ROWS if option else 0
 
 
+EVERY_ROW = 1 << 62
+"""`kernel_rows_measured` where the kernel wins at every probed count: it serves every forward, the widest prefill
+too, so each row of every matmul is computed alike whatever else the forward carries (a batch's greedy answers are
+then each request's alone: no kernel choice by row count parts them)."""
+
 KERNEL_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 """Row counts at which `kernel_rows_measured` times the rows kernel against torch's path: decode steps and verifies,
 then the prefills a step's prompt-token budget makes (`serve.max_prefill_tokens`)."""
@@ -178,8 +183,8 @@ then the prefills a step's prompt-token budget makes (`serve.max_prefill_tokens`
 def kernel_rows_measured(lean: Any, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, reps: int = 3) -> int:
     """The most rows up to which the rows kernel runs every matmul of a forward (all layers and the head: the weights
     streamed as a step streams them) no slower than the path the forward takes without it (MKL's GEMV for one row,
-    oneDNN's packs or MKL's GEMM for more), arms interleaved, best of `reps`, within 2%; 0 where it loses at one
-    row. Timed once per model shape, packing and thread count in a process (`lean`: a `dvi.decode.lean.LeanModel`
+    oneDNN's packs or MKL's GEMM for more), arms interleaved, best of `reps`, within 2% (`EVERY_ROW` where it wins
+    at all of them); 0 where it loses at one row. Timed once per model shape, packing and thread count in a process (`lean`: a `dvi.decode.lean.LeanModel`
     holding the kernel and its panels, `LeanModel.use_rows_kernel`)."""
     key = (lean.hidden, len(lean.layers), tuple(lean.layers[0].gate_up.shape), tuple(lean.head.shape), lean.dtype,
            lean.packs is not None, lean.head_module is None, torch.get_num_threads())
@@ -207,9 +212,11 @@ def kernel_rows_measured(lean: Any, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, r
             best = m
     finally:
         lean.kernel_rows = was
+    if best == rows[-1]:
+        best = EVERY_ROW
     _KERNEL_ROWS[key] = best
-    log.info("%s rows kernel: forwards of up to %d rows (timed against torch's kernels at %s rows)", _name(lean.dtype),
-             best, rows)
+    log.info("%s rows kernel: %s (timed against torch's kernels at %s rows)", _name(lean.dtype),
+             "every forward" if best == EVERY_ROW else f"forwards of up to {best} rows", rows)
     return best
 
 
