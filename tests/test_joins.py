@@ -280,6 +280,7 @@ def test_on_the_kernels_a_batch_s_greedy_text_is_each_request_s_alone_bitwise(mo
     prompts = [(c * 3)[: 20 + 7 * i] for i, c in enumerate(_contexts(g, (9, 11, 7, 13, 8, 10, 12, 6, 9, 14)))]
     off = engine(False)
     assert off._target.lean.kernel_rows == rows_kernel.EVERY_ROW and off._target.lean.attn_kernel is not None
+    assert off.greedy_contract == {"one_request": "bitwise", "batched": "bitwise"}
     alone = [off.generate([p], max_new_tokens=24)[0].token_ids for p in prompts]
     eng = engine(True)
     texts: dict[str, list[int]] = {}

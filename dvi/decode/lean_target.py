@@ -53,11 +53,15 @@ class LeanTarget:
     @property
     def contract(self) -> dict[str, str]:
         """What greedy speculation guarantees one request at a time and in batches: 'bitwise' or 'near-tie'
-        (see the module doc; CUDA graphs attend in one call)."""
+        (see the module doc; CUDA graphs attend in one call). Batches are bitwise where dvi's kernels compute every
+        position alone: the rows kernel at every row count (`EVERY_ROW`) and the attention kernel."""
         if self.exact:
             return {"one_request": "bitwise", "batched": "bitwise"}
-        one = self.invariance is None or self.invariance.min_rows is not None
-        return {"one_request": "bitwise" if one and self.graphs is None else "near-tie", "batched": "near-tie"}
+        from dvi.decode.rows_kernel import EVERY_ROW
+
+        one = (self.invariance is None or self.invariance.min_rows is not None) and self.graphs is None
+        alone = one and self.lean.kernel_rows == EVERY_ROW and self.lean.attn_kernel is not None
+        return {"one_request": "bitwise" if one else "near-tie", "batched": "bitwise" if alone else "near-tie"}
 
     def _columns(self, n: int) -> torch.Tensor:
         if self._cols.numel() < n:
