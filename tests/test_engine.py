@@ -263,6 +263,37 @@ def test_stop_tokens_and_feedback_fields():
     assert sum(r.drafted_per_position) == r.num_drafted and sum(r.accepted_per_position) == r.num_accepted
 
 
+@pytest.mark.parametrize("all_t1", [True, False])
+def test_emitted_scores_only_what_a_row_emits_and_as_the_full_pass_does(all_t1):
+    """On a CPU a verify's log-probs and top-k are taken over the emitted positions only (columns 0..n_i of row i):
+    what a pass over every verified position gives there, and nothing past them (never read)."""
+    from dvi.decode.emit import emitted
+
+    g = torch.Generator().manual_seed(0)
+    b, k, v, top = 4, 3, 50, 5
+    logits = torch.randn(b, k + 1, v, generator=g).bfloat16()
+    drafts = torch.randint(0, v, (b, k), generator=g)
+    n, nxt = torch.tensor([0, 3, 1, 2]), torch.randint(0, v, (b,), generator=g)
+    temp = torch.tensor([0.0, 0.7, 1.0, 0.0]) if not all_t1 else torch.ones(b)
+    e = emitted(drafts, n, nxt, logits, temp, all_t1, top)
+    assert e.n == n.tolist() and e.drafts == drafts.tolist()
+    scaled = logits.float() / torch.where(temp > 0, temp, 1.0).view(b, 1, 1)
+    lp, raw = torch.log_softmax(scaled, -1), torch.log_softmax(logits.float(), -1)
+    for i in range(b):
+        ni = int(n[i])
+        toks = drafts[i, :ni].tolist() + [int(nxt[i])]
+        assert e.tokens[i][: ni + 1] == toks
+        assert len(e.logprobs[i]) == len(e.topk_ids[i]) == len(e.topk_logprobs[i]) == ni + 1
+        for j, t in enumerate(toks):
+            assert e.logprobs[i][j] == pytest.approx(float(lp[i, j, t]), abs=1e-5)
+            tv, ti = raw[i, j].topk(top)
+            assert e.topk_ids[i][j] == ti.tolist()
+            assert e.topk_logprobs[i][j] == pytest.approx(tv.tolist(), abs=1e-5)
+    plain = emitted(None, torch.zeros(b, dtype=torch.long), nxt, logits[:, :1], temp, all_t1, top)
+    assert [len(x) for x in plain.logprobs] == [1] * b and plain.drafts is None
+    assert plain.logprobs[1][0] == pytest.approx(float(lp[1, 0, int(nxt[1])]), abs=1e-5)
+
+
 def test_speculation_off_and_no_drafter():
     target = tiny("qwen2", seed=0)
     refs = [reference(target, p, NEW) for p in PROMPTS]

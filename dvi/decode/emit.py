@@ -27,54 +27,69 @@ class Emitted:
 
     n: list[int]  # [B] drafts accepted, in [0, K]
     tokens: list[list[int]]  # [B, K + 1]; columns past n_i are rejected drafts, not emitted
-    logprobs: list[list[float]]  # [B, K + 1] target log-prob of each token under log_softmax(logits / T)
+    logprobs: list[list[float]]  # [B, n_i + 1] (K + 1 off a CPU) target log-prob of each token, log_softmax(logits / T)
     drafts: list[list[int]] | None  # [B, K]; None when K = 0
-    topk_ids: list[list[list[int]]] | None  # [B, K + 1, top_k] target raw top-k; None when top_k = 0
-    topk_logprobs: list[list[list[float]]] | None  # [B, K + 1, top_k]
+    topk_ids: list[list[list[int]]] | None  # [B, n_i + 1 (K + 1 off a CPU), top_k] target raw top-k; None: top_k 0
+    topk_logprobs: list[list[list[float]]] | None  # the same shape
 
 
 def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, logits: torch.Tensor,
             temp: torch.Tensor, all_t1: bool, top_k: int) -> Emitted:
-    """draft_ids [B, K] (None: K = 0), n [B], nxt [B], logits [B, K + 1, V], temp [B] (0: greedy, scored at T = 1)."""
-    b, v = logits.shape[0], logits.shape[-1]
+    """draft_ids [B, K] (None: K = 0), n [B], nxt [B], logits [B, K + 1, V], temp [B] (0: greedy, scored at T = 1).
+
+    On a CPU only the emitted positions (row i's columns 0..n_i) are scored for log-probs and the top-k: a verify's
+    rejected positions are never read, and scoring them cost a drafting step a full-vocabulary pass per verified
+    position, so the step's host work grew with its width, not with what it emitted. Elsewhere every position is
+    scored (no transfer before the step's one)."""
+    if draft_ids is None:
+        logits = logits[:, :1]
+    b, k1, v = logits.shape[0], logits.shape[1], logits.shape[-1]
     # Emitted tokens per row: d_1..d_n then nxt at column n.
     if draft_ids is None:
-        tok = nxt.unsqueeze(1)  # [B, 1]
+        tok = nxt.view(b, 1)  # [B, 1]
     else:
         tok = torch.cat([draft_ids, nxt.unsqueeze(1)], 1)  # [B, K + 1]
         tok = tok.scatter(1, n.unsqueeze(1), nxt.unsqueeze(1))
-    lf = logits.float()  # [B, K + 1, V]
-    lse = torch.logsumexp(lf, -1, keepdim=True)  # [B, K + 1, 1]: one pass over the vocabulary serves both below
-    if all_t1:
-        tok_lp = (lf.gather(-1, tok.unsqueeze(-1)) - lse).squeeze(-1)  # [B, K + 1]
+    if logits.device.type == "cpu":
+        counts = [int(c) + 1 for c in n.tolist()] if draft_ids is not None else [1] * b
+        idx = torch.tensor([i * k1 + j for i, c in enumerate(counts) for j in range(c)], dtype=torch.long)
+        lf, toks = logits.reshape(b * k1, v).index_select(0, idx).float(), tok.reshape(-1).index_select(0, idx)
+        rows_of = torch.repeat_interleave(torch.arange(b), torch.tensor(counts))
     else:
-        scaled = lf / torch.where(temp > 0, temp, 1.0).view(b, 1, 1)
-        tok_lp = scaled.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
-    k1 = tok.shape[1]
-    parts = [n.view(b, 1), tok, tok_lp]  # one device -> host transfer for the whole step (float64 holds ids exactly)
-    if draft_ids is not None:
-        parts.append(draft_ids)
-    kt = 0
-    if top_k > 0:
-        tv, ti = lf.topk(min(top_k, v), dim=-1)  # [B, K + 1, top_k]: the raw logits' order is the log-probs'
-        tv = tv - lse
-        kt = tv.shape[-1]
-        parts += [ti.view(b, -1), tv.view(b, -1)]
-    rows = torch.cat([x.double() for x in parts], 1).tolist()  # [B, 1 + 2 (K + 1) (+ K) (+ 2 (K + 1) top_k)]
-    n_l = [int(r[0]) for r in rows]
-    tok_l = [[int(x) for x in r[1 : 1 + k1]] for r in rows]
-    lp_l = [r[1 + k1 : 1 + 2 * k1] for r in rows]
-    at = 1 + 2 * k1
+        counts, lf, toks = [k1] * b, logits.reshape(b * k1, v).float(), tok.reshape(-1)
+        rows_of = torch.arange(b, device=logits.device).repeat_interleave(k1)
+    lse = torch.logsumexp(lf, -1, keepdim=True)  # [M, 1]: one pass over the vocabulary serves both below
+    if all_t1:
+        tok_lp = (lf.gather(-1, toks.unsqueeze(-1)) - lse).squeeze(-1)  # [M]
+    else:
+        scaled = lf / torch.where(temp > 0, temp, 1.0).index_select(0, rows_of).unsqueeze(-1)
+        tok_lp = scaled.gather(-1, toks.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
+    parts = [n.view(b), tok.reshape(-1)] + ([draft_ids.reshape(-1)] if draft_ids is not None else []) + [tok_lp]
+    kt = min(top_k, v) if top_k > 0 else 0
+    if kt:
+        tv, ti = lf.topk(kt, dim=-1)  # [M, top_k]: the raw logits' order is the log-probs'
+        parts += [ti.reshape(-1), (tv - lse).reshape(-1)]
+    flat = torch.cat([x.reshape(-1).double() for x in parts]).tolist()  # the step's one device -> host transfer
+    n_l = [int(x) for x in flat[:b]]
+    at = b + b * k1
+    tok_l = [[int(x) for x in flat[b + i * k1 : b + (i + 1) * k1]] for i in range(b)]
     draft_l = None
     if draft_ids is not None:
         kd = draft_ids.shape[1]
-        draft_l = [[int(x) for x in r[at : at + kd]] for r in rows]
-        at += kd
+        draft_l = [[int(x) for x in flat[at + i * kd : at + (i + 1) * kd]] for i in range(b)]
+        at += b * kd
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    m = starts[-1]
+    lp_l = [flat[at + starts[i] : at + starts[i + 1]] for i in range(b)]
+    at += m
     topk_i = topk_v = None
     if kt:
-        m = k1 * kt
-        topk_i = [[[int(x) for x in r[at + j * kt : at + (j + 1) * kt]] for j in range(k1)] for r in rows]
-        topk_v = [[r[at + m + j * kt : at + m + (j + 1) * kt] for j in range(k1)] for r in rows]
+        ids, vals = flat[at : at + m * kt], flat[at + m * kt : at + 2 * m * kt]
+        topk_i = [[[int(x) for x in ids[p * kt : (p + 1) * kt]] for p in range(starts[i], starts[i + 1])]
+                  for i in range(b)]
+        topk_v = [[vals[p * kt : (p + 1) * kt] for p in range(starts[i], starts[i + 1])] for i in range(b)]
     return Emitted(n_l, tok_l, lp_l, draft_l, topk_i, topk_v)
 
 
