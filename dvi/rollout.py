@@ -177,7 +177,9 @@ class RolloutEngine:
 
         `kind`: ``history`` (a prompt's earlier rollouts and live siblings, `dvi.rollout_history`), ``history_hybrid``
         (that index, else `drafter` where no proposal clears the bar), or any `dvi.drafters.factory` kind
-        (``none``, ``suffix``, ``hybrid``, a learned kind with `drafter`). `kwargs` go to `RolloutEngine`."""
+        (``none``, ``suffix``, ``hybrid``, a learned kind with `drafter`). `kwargs` go to `RolloutEngine`.
+        `engine_options` default: `serve.cpu_rows_kernel`'s default (``auto``): on a CPU, dvi's kernels where they win,
+        as `dvi serve` runs them."""
         from dvi.drafters.factory import make_proposer, proposer_for_drafter
         from dvi.engine.speculative import EngineOptions, SpeculativeEngine
         from dvi.rollout_history import history_proposer
@@ -196,7 +198,8 @@ class RolloutEngine:
         else:
             proposer = make_proposer(kind, drafter, vocab, device, settings=suffix_settings)
         engine = SpeculativeEngine(target, proposer, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
-                                   max_draft_tokens=max_draft_tokens, options=engine_options or EngineOptions())
+                                   max_draft_tokens=max_draft_tokens,
+                                   options=engine_options or EngineOptions(cpu_rows_kernel="auto"))
         return cls(engine, **kwargs)
 
     # -- versions -------------------------------------------------------------------------

@@ -471,3 +471,33 @@ def refusals_until_retry(guard, batch: int = 8) -> int:
         guard.refused(batch)
         n += 1
     return n
+
+
+def test_history_lookups_that_draft_nothing_back_off_in_large_batches_and_resume_when_they_draft():
+    """From `LOOKUP_BACKOFF_FROM` rows a lookup step that drafted nothing skips the next 1, 2, 4 .. steps' lookups
+    (capped), one that drafted resets it; smaller batches look every step; fixed K always looks."""
+    from types import SimpleNamespace
+
+    from dvi.decode.pricing import LOOKUP_BACKOFF_FROM, LOOKUP_BACKOFF_MAX, KPolicy, StepTimes
+
+    def run(policy: KPolicy, rows: int, drafted: list[bool]) -> list[bool]:
+        looked = []
+        for i in range(len(drafted)):
+            p = policy.for_step([SimpleNamespace()] * rows)
+            looked.append(p.lookups)
+            hit = p.lookups and drafted[i]
+            draft = SimpleNamespace(width=2 if hit else 0, model_forwards=0, catchup=False, suffix_rows=hit,
+                                    lookup_seconds=0.001 if p.lookups else 0.0, tree=False)
+            policy.observe(draft, rows, StepTimes(0.001, 0.02, 0.001, 0.022), rows + 2 * hit, cpu=True)
+        return looked
+
+    adaptive = KPolicy(True, 2, 4, calibrate=lambda b: None)
+    looked = run(adaptive, LOOKUP_BACKOFF_FROM * 4, [False] * 40)
+    gaps = [i for i, x in enumerate(looked) if x]
+    assert gaps[:5] == [0, 2, 5, 10, 19] and max(b - a for a, b in zip(gaps, gaps[1:], strict=False)) \
+        <= LOOKUP_BACKOFF_MAX + 1
+    # a step whose lookups drafted resets the backoff: the next step looks again
+    looked = run(adaptive, LOOKUP_BACKOFF_FROM * 4, [True] * 60)
+    assert looked[-5:] == [True] * 5
+    assert all(run(KPolicy(True, 2, 4, calibrate=lambda b: None), 2, [False] * 12))  # small batches: every step
+    assert all(run(KPolicy(False, 2, 4, calibrate=lambda b: None), 16, [False] * 12))  # fixed K
