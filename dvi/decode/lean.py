@@ -356,7 +356,7 @@ class LeanModel:
         b, q, first_slot, n_batch, columns = shape
         plan = _kernel_plan(attn, q, first_slot, *placed) if self.attn_kernel else None
         if plan is not None:
-            kk, kv = cache.views(int(plan.rows.max()) + 1, columns)
+            kk, kv = cache.views(int(plan.rows.max()) + 1 if plan.rows.numel() else 1, columns)
             return lambda qrows, i: self.attn_kernel.attend(qrows.flatten(2), kk[i], kv[i], plan, self.scale)
         keys, values = cache.views(b, attn.columns, first_slot)
 
