@@ -9,6 +9,7 @@ target's token at column n_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,19 +51,19 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
     else:
         tok = torch.cat([draft_ids, nxt.unsqueeze(1)], 1)  # [B, K + 1]
         tok = tok.scatter(1, n.unsqueeze(1), nxt.unsqueeze(1))
-    if logits.device.type == "cpu":
-        counts = [int(c) + 1 for c in n.tolist()] if draft_ids is not None else [1] * b
+    cpu = logits.device.type == "cpu"
+    counts = [int(c) + 1 for c in n.tolist()] if cpu and draft_ids is not None else [k1] * b
+    lf, toks = logits.reshape(b * k1, v), tok.reshape(-1)  # every position; on a CPU the emitted ones: [M, V]
+    if cpu:
         idx = torch.tensor([i * k1 + j for i, c in enumerate(counts) for j in range(c)], dtype=torch.long)
-        lf, toks = logits.reshape(b * k1, v).index_select(0, idx).float(), tok.reshape(-1).index_select(0, idx)
-        rows_of = torch.repeat_interleave(torch.arange(b), torch.tensor(counts))
-    else:
-        counts, lf, toks = [k1] * b, logits.reshape(b * k1, v).float(), tok.reshape(-1)
-        rows_of = torch.arange(b, device=logits.device).repeat_interleave(k1)
+        lf, toks = lf.index_select(0, idx), toks.index_select(0, idx)
+    lf = lf.float()
     lse = torch.logsumexp(lf, -1, keepdim=True)  # [M, 1]: one pass over the vocabulary serves both below
     if all_t1:
         tok_lp = (lf.gather(-1, toks.unsqueeze(-1)) - lse).squeeze(-1)  # [M]
     else:
-        scaled = lf / torch.where(temp > 0, temp, 1.0).index_select(0, rows_of).unsqueeze(-1)
+        t = torch.where(temp > 0, temp, 1.0).repeat_interleave(torch.tensor(counts, device=temp.device))
+        scaled = lf / t.unsqueeze(-1)
         tok_lp = scaled.gather(-1, toks.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
     parts = [n.view(b), tok.reshape(-1)] + ([draft_ids.reshape(-1)] if draft_ids is not None else []) + [tok_lp]
     kt = min(top_k, v) if top_k > 0 else 0
@@ -78,9 +79,7 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
         kd = draft_ids.shape[1]
         draft_l = [[int(x) for x in flat[at + i * kd : at + (i + 1) * kd]] for i in range(b)]
         at += b * kd
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
+    starts = [0, *accumulate(counts)]
     m = starts[-1]
     lp_l = [flat[at + starts[i] : at + starts[i + 1]] for i in range(b)]
     at += m

@@ -159,7 +159,7 @@ class LeanModel:
         self._panels_of: dict[int, Panels] = {}  # a layer weight's data_ptr -> the kernel's packed copy (`linear`)
         self.head_panels: Panels | None = None
         self.head_bias: torch.Tensor | None = None  # a reduced draft vocabulary's bias rows, beside its panels
-        # decode attention (a step's, a verify's queries over their rows' columns) through dvi's attention kernel
+        # every forward's attention, each query over its own slot's columns, through dvi's attention kernel
         # (`dvi.decode.attention_kernel`, switched on with the rows kernel: `use_rows_kernel`); None: torch's SDPA
         self.attn_kernel: AttentionKernel | None = None
         # a one-row folded forward (a verify whose rows must round like lone steps) of more positions runs its

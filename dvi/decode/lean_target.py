@@ -19,6 +19,7 @@ from torch import nn
 
 from dvi.decode.attention import Attention, bucket_columns, folded_groups
 from dvi.decode.lean import LeanModel
+from dvi.decode.rows_kernel import EVERY_ROW
 from dvi.decode.segments import Runs, Segments
 from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
 
@@ -54,13 +55,14 @@ class LeanTarget:
     def contract(self) -> dict[str, str]:
         """What greedy speculation guarantees one request at a time and in batches: 'bitwise' or 'near-tie'
         (see the module doc; CUDA graphs attend in one call). Batches are bitwise where dvi's kernels compute every
-        position alone: the rows kernel at every row count (`EVERY_ROW`) and the attention kernel."""
+        position alone (the rows kernel at every row count, `EVERY_ROW`, and the attention kernel) and torch runs
+        the elementwise ops on one thread: with more, torch splits a tensor into chunks at element counts that part a
+        row, and a chunk's tail takes the scalar path (its exp may round apart from the vectorized one)."""
         if self.exact:
             return {"one_request": "bitwise", "batched": "bitwise"}
-        from dvi.decode.rows_kernel import EVERY_ROW
-
         one = (self.invariance is None or self.invariance.min_rows is not None) and self.graphs is None
-        alone = one and self.lean.kernel_rows == EVERY_ROW and self.lean.attn_kernel is not None
+        alone = one and self.lean.kernel_rows == EVERY_ROW and self.lean.attn_kernel is not None \
+            and torch.get_num_threads() == 1
         return {"one_request": "bitwise" if one else "near-tie", "batched": "bitwise" if alone else "near-tie"}
 
     def _columns(self, n: int) -> torch.Tensor:

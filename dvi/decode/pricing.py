@@ -69,7 +69,8 @@ class KPolicy:
         nothing skips the next 1, 2, 4 .. `LOOKUP_BACKOFF_MAX` steps' lookups; a step that drafted from them resets
         it. Below that, a lookup costs a few percent of a step and a missed draft much more: every step looks."""
         due = allowed and (self._lookup_skip <= 0 or batch_bucket(batch) < LOOKUP_BACKOFF_FROM)
-        self._lookup_skip -= 0 if due or not allowed else 1
+        if allowed and not due:
+            self._lookup_skip -= 1
         self._looked = due
         return due
 

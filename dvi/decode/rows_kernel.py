@@ -212,7 +212,7 @@ def kernel_rows_measured(lean: Any, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, r
             best = m
     finally:
         lean.kernel_rows = was
-    if best == rows[-1]:
+    if best == rows[-1] >= KERNEL_PROBE_ROWS[-1]:
         best = EVERY_ROW
     _KERNEL_ROWS[key] = best
     log.info("%s rows kernel: %s (timed against torch's kernels at %s rows)", _name(lean.dtype),
