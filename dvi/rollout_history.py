@@ -78,13 +78,12 @@ class HistoryProposer(SuffixProposer):
                 g.remove(s.req.request_id)  # a restarted id starts over
                 g.extend(s.req.request_id, token_list(p[len(p) - self.prompt_tail:] if self.prompt_tail > 0 else []))
 
-    def observe(self, draft: Draft, n: list[int], emitted: list[list[int]], feats: torch.Tensor | None) -> None:
-        super().observe(draft, n, emitted, feats)
-        if self.live:
-            g = self.cache.global_index
-            for rid, e in zip(self.rids, emitted, strict=True):
-                if e:
-                    g.extend_checked(rid, token_list(e))
+    def _index(self, rid: str, tokens: list[int]) -> None:
+        """A running row's tokens into its own index and, live, its entry in the global one (where its siblings'
+        lookups read them; indexed before any lookup reads, as `SuffixProposer.observe` says)."""
+        super()._index(rid, tokens)
+        if self.live and tokens:
+            self.cache.global_index.extend_checked(rid, token_list(tokens))
 
     def release(self, finished: list[tuple[int, Seq, bool]], keep: list[int]) -> None:
         """As `SuffixProposer.release` (a finished row's final entry replaces its live one); an aborted row's, or an

@@ -239,3 +239,44 @@ def test_a_refused_batch_size_does_no_suffix_lookups():
         while eng.has_unfinished():
             eng.step()
     assert cache.lookups == 0
+
+
+@pytest.mark.parametrize("kind", ["suffix", "history"])
+def test_steps_without_lookups_index_their_tokens_before_the_next_lookup(kind):
+    """Under load most steps look nothing up (`KPolicy.lookups_due`): their emitted tokens are only collected, and
+    the next lookup step indexes them first, so every lookup proposes exactly what indexing every step would
+    (rows' own indices, history's live siblings in the global one, the calibrated scores)."""
+    import random
+    from types import SimpleNamespace
+
+    import torch
+
+    from dvi.drafters.proposer import Draft
+    from dvi.drafters.suffix import SuffixCache
+    from dvi.drafters.suffix_proposer import SuffixProposer
+    from dvi.rollout_history import HistoryProposer
+
+    base = SuffixProposer if kind == "suffix" else HistoryProposer
+
+    class EveryStep(base):  # the reference: every step's tokens indexed at once, as before the deferral
+        def observe(self, draft, n, emitted, feats):
+            self._looked = True
+            super().observe(draft, n, emitted, feats)
+
+    rng = random.Random(0)
+    props = [cls(SuffixCache(), 16, torch.device("cpu"), max_tokens=4, min_prob=0.01) for cls in (base, EveryStep)]
+    seqs = [SimpleNamespace(req=SimpleNamespace(request_id=f"r{i}", prompt_ids=[rng.randrange(6) for _ in range(5)],
+                                                group="")) for i in range(3)]
+    for p in props:
+        p.join(seqs, None)
+    looked = 0
+    for step in range(60):
+        lookups = rng.random() < 0.3
+        sets = [p.proposal_sets([4, 4, 4], lookups) for p in props]
+        assert [{i: [(q.tokens, q.probs, q.source) for q in f] for i, f in s.items()} for s in sets] == \
+            [{i: [(q.tokens, q.probs, q.source) for q in f] for i, f in sets[1].items()}] * 2, step
+        looked += lookups and bool(sets[0])
+        emitted = [[rng.randrange(6) for _ in range(rng.randrange(3))] for _ in seqs]
+        for p in props:
+            p.observe(Draft.empty(len(seqs), lambda n: None, torch.device("cpu")), [0] * len(seqs), emitted, None)
+    assert looked > 5  # the lookups found drafts to compare

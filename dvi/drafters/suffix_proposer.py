@@ -65,6 +65,10 @@ class SuffixProposer(Proposer):
         self.version = 0  # the target's weights version (outputs of older ones decay)
         self._versions: OrderedDict[str, int] = OrderedDict()  # finished seq id -> its target version (bounded)
         self.rids: list[str] = []
+        # per row, tokens emitted since its last append: a step without lookups only collects them, and the next
+        # lookup step indexes them first (`_index_unindexed`), so every lookup reads what it would have read
+        self._unindexed: list[list[int]] = []
+        self._looked = False  # this step looked its rows up (its emitted tokens then grade the proposals at once)
         self.seconds = 0.0  # host time in lookups and appends (the tree's own work)
         self.step_seconds = 0.0  # that time in the current step
 
@@ -78,6 +82,7 @@ class SuffixProposer(Proposer):
         for s in seqs:
             self.cache.start(s.req.request_id, [int(t) for t in s.req.prompt_ids])
             self.rids.append(s.req.request_id)
+            self._unindexed.append([])
         self._timed(t0)
 
     def release(self, finished: list[tuple[int, Seq, bool]], keep: list[int]) -> None:
@@ -94,6 +99,7 @@ class SuffixProposer(Proposer):
                 while len(self._versions) > 100_000:
                     self._versions.popitem(last=False)
         self.rids = [self.rids[i] for i in keep]
+        self._unindexed = [self._unindexed[i] for i in keep]  # a finished row's output comes whole from its result
         self._timed(t0)
 
     def rebuild(self, seqs: list[Seq], feats: list[torch.Tensor | None] | None = None,
@@ -115,7 +121,9 @@ class SuffixProposer(Proposer):
         t0 = time.perf_counter()
         self.step_seconds = 0.0
         out = {}
+        self._looked = lookups
         if lookups:
+            self._index_unindexed()
             for i, rid in enumerate(self.rids):
                 cap = min(self.max_tokens, caps[i])
                 if cap <= 0:
@@ -169,11 +177,29 @@ class SuffixProposer(Proposer):
         return out
 
     def observe(self, draft: Draft, n: list[int], emitted: list[list[int]], feats: torch.Tensor | None) -> None:
+        """The step's emitted tokens: indexed now where the step looked its rows up (they grade its proposals,
+        `SuffixCache.append`), else collected for the next lookup step: under load most steps look nothing up
+        (`KPolicy.lookups_due`), and an append a row a step was most of their host work."""
         t0 = time.perf_counter()
-        for rid, e in zip(self.rids, emitted, strict=True):
-            self.cache.append(rid, e)
+        if self._looked:
+            for rid, e in zip(self.rids, emitted, strict=True):
+                self._index(rid, e)
+        else:
+            for pending, e in zip(self._unindexed, emitted, strict=True):
+                pending.extend(e)
+        self._looked = False
         self._timed(t0)
         draft.lookup_seconds = self.step_seconds  # lookups and appends: the tree's host work this step
+
+    def _index_unindexed(self) -> None:
+        for rid, pending in zip(self.rids, self._unindexed, strict=True):
+            if pending:
+                self._index(rid, pending)
+                pending.clear()
+
+    def _index(self, rid: str, tokens: list[int]) -> None:
+        """Tokens a running row emitted into its own index."""
+        self.cache.append(rid, tokens)
 
     def add_history(self, seq_id: str, tokens: list[int]) -> None:
         self.cache.add_finished(seq_id, tokens)
