@@ -208,6 +208,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                          "priced per row)")
     ap.add_argument("--reward", default="arith")
     ap.add_argument("--prompts-per-step", type=int, default=3)
+    ap.add_argument("--dataset-size", type=int, default=0,
+                    help="a finite dataset of this many problems, iterated epoch after epoch (0: fresh problems)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group size)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--lr", type=float, default=None, help="policy (LoRA) learning rate (default: RLConfig's)")
@@ -234,7 +236,7 @@ def _configs(a: argparse.Namespace, root: Path, seed: int) -> dict[str, Any]:
                  if v is not None}
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     return {arm: RLConfig(arm=arm, preset=a.preset, pair_dir=str(root), steps=a.steps,
-                          prompts_per_step=a.prompts_per_step, n=a.n, max_new_tokens=a.max_new_tokens,
+                          prompts_per_step=a.prompts_per_step, dataset_size=a.dataset_size, n=a.n, max_new_tokens=a.max_new_tokens,
                           reward=a.reward, adaptive=not a.fixed_k, seed=seed, threads=a.threads, **overrides)
             for arm in arms}
 

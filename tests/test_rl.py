@@ -248,3 +248,17 @@ def test_rl_loop_suffix_arms_draft_from_earlier_rollouts(tiny_pair_dir, arm):
     assert run.engine.proposer.stats()["hits_global"] > 0 and all(r.tokens > 0 for r in logs)
     sp = getattr(run.engine.proposer, "suffix", run.engine.proposer)
     assert sp.version == 3 and min(sp._versions.values()) < 3  # older samples kept, down-weighted
+
+
+def test_a_finite_dataset_comes_back_every_epoch_in_a_new_order():
+    """`dataset_size`: RL runs iterate epochs over their prompts (a prompt's earlier rollouts are then drafts)."""
+    from trainers.rl import epochs
+
+    it = epochs(iter(range(100)), 5, seed=0)
+    first, second, third = (list(itertools.islice(it, 5)) for _ in range(3))
+    assert sorted(first) == sorted(second) == sorted(third) == [0, 1, 2, 3, 4]
+    assert len({tuple(first), tuple(second), tuple(third)}) > 1  # reshuffled
+    with pytest.raises(ValueError, match="dataset_size"):
+        RLConfig(dataset_size=2, prompts_per_step=3)
+    with pytest.raises(ValueError, match="only 3 problems"):
+        next(epochs(iter(range(3)), 5, seed=0))

@@ -20,11 +20,12 @@ Run one arm: ``python -m trainers.rl --arm online --steps 20`` (smollm2); all th
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,18 @@ if TYPE_CHECKING:
 # the loop
 
 
+def epochs(items: Iterator, size: int, seed: int) -> Iterator:
+    """The first `size` of `items`, then the same ones epoch after epoch, each epoch in a new seeded order."""
+    pool = list(itertools.islice(items, size))
+    if len(pool) < size:
+        raise ValueError(f"dataset_size {size}: the task has only {len(pool)} problems")
+    rng = random.Random(seed)
+    while True:
+        order = pool[:]
+        rng.shuffle(order)
+        yield from order
+
+
 @dataclass
 class RLConfig:
     """Settings of one RL run (one arm of the benchmark)."""
@@ -66,6 +79,10 @@ class RLConfig:
     pair_dir: str | None = None  # built pair dir (defaults to the preset's cache dir)
     steps: int = 20
     prompts_per_step: int = 3
+    # a finite dataset, as RL runs iterate epochs over their prompts: the task's first `dataset_size` problems,
+    # in a new seeded order every epoch (a prompt's rollouts of an earlier epoch are then SPEC-RL's drafts for
+    # the `history` arm); 0: a fresh problem every time
+    dataset_size: int = 0
     n: int = 4  # samples per prompt (GRPO group size)
     max_new_tokens: int = 64
     prompt_tokens: tuple[int, int] = (16, 48)  # code tasks only
@@ -108,6 +125,9 @@ class RLConfig:
         for name in ("steps", "prompts_per_step", "n", "max_new_tokens", "lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dataset_size and self.dataset_size < self.prompts_per_step:
+            raise ValueError(f"dataset_size must be 0 (fresh problems) or >= prompts_per_step "
+                             f"({self.prompts_per_step}), got {self.dataset_size}")
         self.prompt_tokens = tuple(self.prompt_tokens)  # type: ignore[assignment]
         self.lora_targets = tuple(self.lora_targets)
 
@@ -165,6 +185,8 @@ class RLRun:
                                      betas=(0.9, 0.99), weight_decay=0.0)
         self._build_engine()
         self._prompts = task_prompts(cfg.reward, self.tokenizer, cfg.seed, cfg.prompt_tokens)
+        if cfg.dataset_size:
+            self._prompts = epochs(self._prompts, cfg.dataset_size, cfg.seed)
         self.drafter_trainer = None
         self._scratch: Any = None
         if cfg.arm == "online":
