@@ -262,3 +262,22 @@ def test_a_finite_dataset_comes_back_every_epoch_in_a_new_order():
         RLConfig(dataset_size=2, prompts_per_step=3)
     with pytest.raises(ValueError, match="only 3 problems"):
         next(epochs(iter(range(3)), 5, seed=0))
+
+
+def test_an_arm_that_follows_samples_the_leaders_policy(tiny_pair_dir):
+    """`RLRun.step(i, leader)` (benchmarks/rl.py --shared-policy): the follower learns nothing itself and serves the
+    leader's updated policy, so both sample the same policy on the same prompts each step."""
+    common = dict(preset="tiny", reward="short_lines", pair_dir=str(tiny_pair_dir), steps=2, prompts_per_step=2, n=4,
+                  max_new_tokens=16, prompt_tokens=(8, 16), kl_every=0, lr=1e-2, lora_top_layers=0)
+    leader, follower = RLRun(RLConfig(arm="plain", **common), log=None), RLRun(RLConfig(arm="suffix", **common),
+                                                                                log=None)
+    own = {k: v.clone() for k, v in follower.policy.state_dict().items()}
+    for i in range(2):
+        leader.step(i)
+        log = follower.step(i, leader)
+        assert log.update_s == 0.0 and log.target_version == i
+    assert follower.engine.target_version == 2 and _same_weights(leader.policy, follower.engine.target)
+    assert not _same_weights(follower.policy, follower.engine.target)  # its own policy never moved
+    assert all(torch.equal(own[k], v) for k, v in follower.policy.state_dict().items())
+    leader.close()
+    follower.close()

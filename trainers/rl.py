@@ -321,12 +321,14 @@ class RLRun:
         k3 = (torch.exp(log_r) - 1.0 - log_r) * m
         return float(k3.sum() / m.sum().clamp_min(1.0))
 
-    def _push_policy(self, i: int) -> float:
-        """The LoRA-merged weights into the engine's target as version i + 1; seconds taken."""
+    def _push_policy(self, i: int, policy: torch.nn.Module | None = None) -> float:
+        """The LoRA-merged weights of `policy` (default: this run's) into the engine's target as version i + 1;
+        seconds taken."""
         from dvi.rollout import policy_state_dict
 
         t0 = time.perf_counter()
-        self.rollouts.update_target_weights(policy_state_dict(self.policy, adapted_only=True), version=i + 1)
+        self.rollouts.update_target_weights(policy_state_dict(policy or self.policy, adapted_only=True),
+                                            version=i + 1)
         return time.perf_counter() - t0
 
     def _train_drafter(self, i: int) -> tuple[float, float]:
@@ -350,14 +352,21 @@ class RLRun:
         self.drafter_trainer.rundir.write_target_version(i + 1)
         return time.perf_counter() - t0, out.loss
 
-    def step(self, i: int) -> StepLog:
-        """Rollouts -> rewards -> GRPO step -> weight push -> (online) drafter step; one StepLog."""
+    def step(self, i: int, leader: RLRun | None = None) -> StepLog:
+        """Rollouts -> rewards -> GRPO step -> weight push -> (online) drafter step; one StepLog.
+
+        With `leader` (a run that has taken its own step i already) this run learns nothing itself: it pushes the
+        leader's updated policy instead, so both sample the same policy on the same prompts every step and differ
+        only in how rollouts are made (the speed comparison without trajectories that drift apart by chance)."""
         problems, rolls = self._rollouts(i)
         stats = self.rollouts.last_stats
         assert stats is not None
         rewards = self._rewards(problems, rolls)
-        upd = self._update_policy(i, rolls, rewards)
-        sync_s = self._push_policy(i)
+        if leader is None:
+            upd = self._update_policy(i, rolls, rewards)
+        else:
+            upd = {"update_s": 0.0, "kl": float("nan"), "logprob_gap": float("nan"), "loss": float("nan")}
+        sync_s = self._push_policy(i, None if leader is None else leader.policy)
         drafter_s, drafter_loss = self._train_drafter(i)
         if self.writer is not None:
             self.writer.flush()
