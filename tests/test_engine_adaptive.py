@@ -92,6 +92,19 @@ def test_adaptive_controller_switches_off_at_batch_16():
     assert ctl.choose(1, [0.2]) == 0
 
 
+def test_drafting_in_a_drained_tail_does_not_restart_the_full_batchs_probes():
+    """Probes back off per batch-size bucket: a few rows that draft (and pay) say nothing about the full batch."""
+    ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5)
+    ctl.set_costs(4, {k: 0.030 * (1 + 0.5 * k) for k in (0, 1, 2, 4, 8)}, draft=0.004)  # pays at high alpha only
+    ctl.set_costs(1, {k: cpu_batch1(k) for k in (0, 1, 2, 4, 8)}, draft=0.002)
+    picks = []
+    for i in range(40):
+        picks.append(ctl.choose(4, [0.7] * 4))
+        if i % 8 == 7:  # the batch drains: one row drafts, as it pays there
+            assert ctl.choose(1, [0.85]) >= 2
+    assert [i for i, k in enumerate(picks) if k] == [4, 14, 34]  # the same doubling as without the tails
+
+
 def test_probes_skipped_when_catchup_would_cost_more_than_they_can_win():
     """A probe first runs the drafter over every token skipped while K = 0; with many rows x pending
     tokens that catch-up costs more than the probe could win back, so it is skipped (and backs off)."""
@@ -228,7 +241,7 @@ def test_adaptive_cost_cache_follows_set_costs():
     c.set_costs(1, {0: 0.010, 1: 0.011, 2: 0.012, 4: 0.014}, 0.001)
     assert c.choose(1, [0.9]) > 0
     c.set_costs(1, {0: 0.010, 1: 0.050, 2: 0.090, 4: 0.170}, 0.010)  # speculation now far too expensive
-    c._zero_streak, c._next_probe = 0, 10**9
+    c._clock(1).due = 10**9  # no probe due
     assert c.choose(1, [0.9]) == 0
 
 

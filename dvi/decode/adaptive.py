@@ -220,6 +220,18 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, round(math.log2(max(1, batch))))
 
 
+@dataclasses.dataclass
+class _ProbeClock:
+    """One batch-size bucket's run of K = 0 choices and the streak at which its next probe is due. Per bucket: a
+    batch drained to a few rows that drafts (and pays) says nothing about the full batch, whose probes would
+    otherwise start over at `probe_every` after every such tail (RL rollouts on the real pair, 12 rows, T = 1: two
+    losing probes in every 64-step batch)."""
+
+    interval: int
+    due: int
+    streak: int = 0
+
+
 class _BucketCosts(NamedTuple):
     draft: float
     verify: list[float]  # per K, 0..k_max
@@ -270,9 +282,7 @@ class AdaptiveK:
         self.max_probe_every = t.max_probe_every
         self.probe_k = t.probe_k
         self.costs = CostModel(window=1, quantile=0.0)
-        self._zero_streak = 0
-        self._interval = probe_every
-        self._next_probe = probe_every
+        self._probes: dict[int, _ProbeClock] = {}  # per bucket (`_clock`)
         self.last_choice = self.k_default
         self._cost_cache: dict[int, _BucketCosts] = {}
         # Seconds every engine step spends outside the model forwards (acceptance, log-probs, per-token
@@ -366,23 +376,29 @@ class AdaptiveK:
             self.goodput.refused(b)
         if k > 0 and verdict in ("measure_plain", "plain"):
             k = 0  # measured: plain decoding is (or may be) faster here
+        clock = self._clock(b)
         if k == 0:
-            self._zero_streak += 1
+            clock.streak += 1
             self.last_rows = None  # a probe drafts every row
-            if cached.can_pay and verdict != "plain" and self._zero_streak >= self._next_probe:
+            if cached.can_pay and verdict != "plain" and clock.streak >= clock.due:
                 # Keep alpha from going stale while speculation is off; back off exponentially while
                 # probes keep confirming K = 0 (each probe costs a drafter catch-up).
                 pending = pending_tokens() if callable(pending_tokens) else pending_tokens
                 catchup = pending * self.catchup_cost.get(b, 0.0)
                 if catchup <= self.probe_budget_steps * cached.verify[0]:
                     k = self.probe_k or max(1, min(2, self.k_max))
-                self._interval = min(2 * self._interval, self.max_probe_every)
-                self._next_probe = self._zero_streak + self._interval
+                clock.interval = min(2 * clock.interval, self.max_probe_every)
+                clock.due = clock.streak + clock.interval
         else:
-            self._zero_streak = 0
-            self._interval = self._next_probe = self.probe_every
+            self._probes[b] = _ProbeClock(self.probe_every, self.probe_every)
         self.last_choice = k
         return k
+
+    def _clock(self, b: int) -> _ProbeClock:
+        clock = self._probes.get(b)
+        if clock is None:
+            clock = self._probes[b] = _ProbeClock(self.probe_every, self.probe_every)
+        return clock
 
     def _catchup_pays(self, b: int, k: int, alphas: Sequence[float], cached: _BucketCosts,
                       pending_tokens: int | Callable[[], int]) -> bool:
