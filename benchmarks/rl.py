@@ -19,8 +19,7 @@ engine. The arms differ only in how rollouts are made:
 With `--shared-policy` only `plain` learns: after its GRPO step every other arm takes its updated policy, so all
 arms sample the same policy on the same prompts each step. Without it each arm learns from its own samples, and
 arms whose trajectories drift apart by chance (one policy answering shorter than another) differ in tokens a
-step, which moves seconds per token by more than the rollout method does over 16 steps (measured: 24% fewer
-tokens in one arm over 3 seeds).
+step, which moves seconds per token by more than the rollout method does over 16 steps (docs/design.md, RL mode).
 
 Every dvi arm chooses K per step from calibrated costs (adaptive K): plain steps while the batch is
 full, speculation as it drains to a few long rows. The arms advance in lockstep (step i of every arm
@@ -245,7 +244,8 @@ def _configs(a: argparse.Namespace, root: Path, seed: int) -> dict[str, Any]:
                  if v is not None}
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     return {arm: RLConfig(arm=arm, preset=a.preset, pair_dir=str(root), steps=a.steps,
-                          prompts_per_step=a.prompts_per_step, dataset_size=a.dataset_size, n=a.n, max_new_tokens=a.max_new_tokens,
+                          prompts_per_step=a.prompts_per_step, dataset_size=a.dataset_size, n=a.n,
+                          max_new_tokens=a.max_new_tokens,
                           reward=a.reward, adaptive=not a.fixed_k, seed=seed, threads=a.threads, **overrides)
             for arm in arms}
 

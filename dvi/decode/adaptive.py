@@ -224,8 +224,7 @@ def batch_bucket(batch: int) -> int:
 class _ProbeClock:
     """One batch-size bucket's run of K = 0 choices and the streak at which its next probe is due. Per bucket: a
     batch drained to a few rows that drafts (and pays) says nothing about the full batch, whose probes would
-    otherwise start over at `probe_every` after every such tail (RL rollouts on the real pair, 12 rows, T = 1: two
-    losing probes in every 64-step batch)."""
+    otherwise start over at `probe_every` after every such tail (every RL rollout batch ends in one)."""
 
     interval: int
     due: int
