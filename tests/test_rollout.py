@@ -168,3 +168,20 @@ def test_policy_state_dict_merges_a_peft_policy(tiny_pair_dir):
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         torch.testing.assert_close(target(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_new_target_version_keeps_the_drafters_acceptance_estimates(pair, tiny_pair_dir):
+    """RL pushes a policy every step: the drafter did not change, so its measured acceptance carries over (reset to
+    the optimistic prior, every rollout batch drafted its full batch once and restarted its probes); a new drafter
+    still starts from the prior."""
+    tok, _, drafter, prompts = pair
+    target = load_causal_lm(tiny_pair_dir / "target", device="cpu", dtype="float32")
+    eng = SpeculativeEngine(target, proposer=proposer_for(target, drafter), num_draft_tokens=3)
+    engine = RolloutEngine(eng)
+    engine.generate_rollouts(prompts, max_new_tokens=16, temperature=0.0)
+    pools = {d: p.alpha for d, p in eng.acceptance._pools.items()}
+    assert pools and all(a != eng.acceptance.prior for a in pools.values())  # measured, not the prior
+    engine.update_target_weights(policy_state_dict(target), version=1)
+    assert {d: p.alpha for d, p in eng.acceptance._pools.items()} == pools
+    eng.set_drafter(drafter, 1)
+    assert not eng.acceptance._pools  # a new drafter: back to the prior

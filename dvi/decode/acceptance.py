@@ -55,7 +55,8 @@ class AcceptanceTracker:
     acceptance differs by domain, a code drafter on prose traffic, and by drafter).
 
     Pools start optimistic (`prior`), so a fresh engine or a freshly swapped drafter drafts and measures
-    instead of assuming the drafter is useless; `reset` after a drafter or target change.
+    instead of assuming the drafter is useless; `reset` after a drafter change (a new target version keeps them:
+    the same drafter's acceptance against the previous version is the best guess for the next).
     """
 
     def __init__(self, prior: float = 0.8):
