@@ -247,9 +247,7 @@ class SpeculativeEngine:
             self.target.load_state_dict(sd, strict=False)
         self.target_version = int(version)
         self._target_dirty = True
-        # The acceptance estimates stay: the drafter did not change, and its acceptance against the previous version
-        # is the best guess for this one (probes and drafting steps re-measure it). Reset to the optimistic prior,
-        # every RL policy step made the next rollout batch draft its full batch and restart its probes.
+        # acceptance estimates stay: the same drafter's α on the last version is the best guess (docs/design.md)
         with torch.inference_mode():  # between steps: in-flight rows' target cache and the proposer now
             self._rebuild()
 
