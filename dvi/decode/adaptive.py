@@ -389,7 +389,7 @@ class AdaptiveK:
                 clock.interval = min(2 * clock.interval, self.max_probe_every)
                 clock.due = clock.streak + clock.interval
         else:
-            self._probes[b] = _ProbeClock(self.probe_every, self.probe_every)
+            del self._probes[b]  # drafting pays here: the next K = 0 run starts a fresh clock (`_clock`)
         self.last_choice = k
         return k
 
