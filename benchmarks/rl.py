@@ -23,7 +23,8 @@ step, which moves seconds per token by more than the rollout method does over 16
 
 Every dvi arm chooses K per step from calibrated costs (adaptive K): plain steps while the batch is
 full, speculation as it drains to a few long rows. The arms advance in lockstep (step i of every arm
-before step i+1 of any), so machine-load drift hits all three alike. Sampling is lossless in every arm,
+before step i+1 of any; every arm's rollouts of a step before any arm learns from them, in an order that rotates
+by step), so machine-load drift hits all arms alike. Sampling is lossless in every arm,
 so the arms sample the same distributions; their random streams differ, so their trajectories differ by
 sampling noise only: the reward goal compares the dvi arms with plain's seed-to-seed spread.
 
@@ -257,16 +258,18 @@ def _run_seed(a: argparse.Namespace, root: Path, seed: int) -> tuple[dict, dict,
     cfgs = _configs(a, root, seed)
     runs = {arm: RLRun(cfg, log=None) for arm, cfg in cfgs.items()}
     leader = runs.get("plain") if a.shared_policy else None
-    if leader is not None:  # the leader learns first each step; the others then take its policy
-        runs = {"plain": leader, **{arm: r for arm, r in runs.items() if arm != "plain"}}
     print(f"\nseed {seed}\n{'step':>4} " + " ".join(f"{arm + ' rew':>10} {arm + ' α':>9} {arm + ' spec':>9} "
                                                    f"{arm + ' s':>9}" for arm in runs), flush=True)
     for i in range(a.steps):
-        cells = []
-        for run in runs.values():
-            r = run.step(i, None if run is leader else leader)
-            cells.append(f"{r.reward:>10.3f} {fmt_rate(r.alpha):>9} {_share(r):>9.2f} {r.rollout_s:>9.2f}")
-        print(f"{i:>4} " + " ".join(cells), flush=True)
+        # Every arm rolls out before any learns, in an order that rotates by step, so no arm always rolls out
+        # right after a backward pass (cold caches) or first after the previous step's pushes.
+        order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
+        rolled = {arm: runs[arm].roll(i) for arm in order}
+        if leader is not None:  # the leader learns first; the others then take its policy
+            rolled = {"plain": rolled["plain"], **{arm: r for arm, r in rolled.items() if arm != "plain"}}
+        logs = {arm: runs[arm].learn(i, r, None if runs[arm] is leader else leader) for arm, r in rolled.items()}
+        print(f"{i:>4} " + " ".join(f"{r.reward:>10.3f} {fmt_rate(r.alpha):>9} {_share(r):>9.2f} {r.rollout_s:>9.2f}"
+                                    for r in (logs[arm] for arm in runs)), flush=True)
     alpha_from = min(a.alpha_from, a.steps - 1)
     out = ({arm: run.logs for arm, run in runs.items()},
            {arm: run.summary(alpha_from=alpha_from) for arm, run in runs.items()},

@@ -265,16 +265,17 @@ def test_a_finite_dataset_comes_back_every_epoch_in_a_new_order():
 
 
 def test_an_arm_that_follows_samples_the_leaders_policy(tiny_pair_dir):
-    """`RLRun.step(i, leader)` (benchmarks/rl.py --shared-policy): the follower learns nothing itself and serves the
+    """`RLRun.learn(i, rolled, leader)` (benchmarks/rl.py --shared-policy): the follower learns nothing itself and serves the
     leader's updated policy, so both sample the same policy on the same prompts each step."""
     common = dict(preset="tiny", reward="short_lines", pair_dir=str(tiny_pair_dir), steps=2, prompts_per_step=2, n=4,
                   max_new_tokens=16, prompt_tokens=(8, 16), kl_every=0, lr=1e-2, lora_top_layers=0)
     leader, follower = RLRun(RLConfig(arm="plain", **common), log=None), RLRun(RLConfig(arm="suffix", **common),
                                                                                 log=None)
     own = {k: v.clone() for k, v in follower.policy.state_dict().items()}
-    for i in range(2):
-        leader.step(i)
-        log = follower.step(i, leader)
+    for i in range(2):  # the benchmark's order: both roll out, then the leader learns, then the follower follows
+        rolled = follower.roll(i), leader.roll(i)
+        leader.learn(i, rolled[1])
+        log = follower.learn(i, rolled[0], leader)
         assert log.update_s == 0.0 and log.target_version == i
     assert follower.engine.target_version == 2 and _same_weights(leader.policy, follower.engine.target)
     assert not _same_weights(follower.policy, follower.engine.target)  # its own policy never moved

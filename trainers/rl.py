@@ -28,12 +28,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from dvi.decode.results import DraftCounts, fmt_rate, pooled_rates
-from dvi.rollout import Rollout
+from dvi.rollout import Rollout, RolloutStats
 from trainers.grpo import (
     completion_logprobs,
     group_advantages,
@@ -130,6 +130,13 @@ class RLConfig:
                              f"({self.prompts_per_step}), got {self.dataset_size}")
         self.prompt_tokens = tuple(self.prompt_tokens)  # type: ignore[assignment]
         self.lora_targets = tuple(self.lora_targets)
+
+
+class Rolled(NamedTuple):
+    """One step's rollouts, as `RLRun.roll` made them, waiting for `RLRun.learn`."""
+    rolls: list[Rollout]
+    stats: RolloutStats
+    rewards: torch.Tensor
 
 
 @dataclass(kw_only=True)
@@ -353,15 +360,24 @@ class RLRun:
         return time.perf_counter() - t0, out.loss
 
     def step(self, i: int, leader: RLRun | None = None) -> StepLog:
-        """Rollouts -> rewards -> GRPO step -> weight push -> (online) drafter step; one StepLog.
+        """Rollouts -> rewards -> GRPO step -> weight push -> (online) drafter step; one StepLog."""
+        return self.learn(i, self.roll(i), leader)
+
+    def roll(self, i: int) -> Rolled:
+        """Step i's rollouts and their rewards: the timed half of a step, which lockstep callers order apart from
+        the other half (`benchmarks/rl.py` rotates the arms so none always rolls out right after a backward pass)."""
+        problems, rolls = self._rollouts(i)
+        stats = self.rollouts.last_stats
+        assert stats is not None
+        return Rolled(rolls, stats, self._rewards(problems, rolls))
+
+    def learn(self, i: int, rolled: Rolled, leader: RLRun | None = None) -> StepLog:
+        """The GRPO step on `rolled`, the weight push and the drafter step; one StepLog.
 
         With `leader` (a run that has taken its own step i already) this run learns nothing itself: it pushes the
         leader's updated policy instead, so both sample the same policy on the same prompts every step and differ
         only in how rollouts are made (the speed comparison without trajectories that drift apart by chance)."""
-        problems, rolls = self._rollouts(i)
-        stats = self.rollouts.last_stats
-        assert stats is not None
-        rewards = self._rewards(problems, rolls)
+        rolls, stats, rewards = rolled
         if leader is None:
             upd = self._update_policy(i, rolls, rewards)
         else:
