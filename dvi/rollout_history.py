@@ -10,7 +10,7 @@
 * **per-row pricing**: where the target verifies only real drafts (`TargetRunner.ragged`: eager CPU forwards), a
   row's draft positions cost the calibrated seconds per verified position, not a batch-wide K for every row; each
   position is drafted when its path probability (the expected accepted token it adds) raises the step's tokens per
-  second, as `dvi.decode.adaptive.choose_rows` prices learned drafts. Where no draft pays (a full batch, poor
+  second, as `dvi.decode.k_choice.choose_rows` prices learned drafts. Where no draft pays (a full batch, poor
   matches) the step is plain. Elsewhere (fixed K, trees, CUDA graphs) the suffix proposer's own pricing applies.
 
 Sampling stays lossless: a draft is a point mass built from tokens other rows emitted before this step, so it is

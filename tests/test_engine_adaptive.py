@@ -6,15 +6,8 @@ import pytest
 
 import dvi.engine.calibration
 from dvi.decode.acceptance import AcceptanceEMA
-from dvi.decode.adaptive import (
-    AdaptiveK,
-    CostModel,
-    GoodputGuard,
-    choose_k,
-    choose_rows,
-    expected_tokens,
-    predicted_speedup,
-)
+from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard
+from dvi.decode.k_choice import choose_k, choose_rows, expected_tokens, predicted_speedup
 
 
 def test_expected_tokens():
@@ -206,7 +199,7 @@ def test_choose_k_matches_reference_formula():
     """The inlined hot path picks the K the plain formula (`expected_tokens` per row and K) picks."""
     import random
 
-    from dvi.decode.adaptive import choose_k, expected_tokens
+    from dvi.decode.k_choice import choose_k, expected_tokens
 
     def ref(alphas, dc, vc, k_max, margin, remaining):
         if remaining is not None:
@@ -232,6 +225,38 @@ def test_choose_k_matches_reference_formula():
         dc = rng.uniform(0.0005, 0.01)
         rem = [rng.randint(1, 64) for _ in range(n)] if rng.random() < 0.5 else None
         assert choose_k(al, dc, vc, 8, 1.05, rem) == ref(al, dc, vc, 8, 1.05, rem)
+
+
+def test_choose_rows_matches_the_full_pass():
+    """The bound that skips a K row by row never skips the K and rows the full pass over every K would choose."""
+    import random
+
+    def ref(alphas, dc, verify, rows, k_max, margin):
+        n, v0 = len(alphas), verify[0]
+        best_k, best_rows, best = 0, [], n / v0 * margin
+        for k in range(1, k_max + 1):
+            per_position = max(verify[k] - verify[0], 0.0) / (rows * k)
+            extra = [expected_tokens(a, k) - 1.0 for a in alphas]
+            order = sorted(range(n), key=lambda i: -extra[i])
+            tokens, t = float(n), k * dc + v0
+            for m, i in enumerate(order, 1):
+                tokens, t = tokens + extra[i], t + k * per_position
+                if tokens / t > best * 1.0001:
+                    best_k, best_rows, best = k, sorted(order[:m]), tokens / t
+        return best_k, best_rows
+
+    rng = random.Random(1)
+    drafted = 0
+    for _ in range(3000):
+        n = rng.randint(1, 16)
+        al = [rng.choice([0.0, 1.0, rng.random(), 0.9 + 0.1 * rng.random()]) for _ in range(n)]
+        plain = rng.uniform(0.005, 0.05)
+        verify = [plain + k * n * rng.uniform(0.0, 0.004) for k in range(9)]
+        dc = rng.uniform(0.0001, 0.01)
+        got = choose_rows(al, dc, verify, n, 8, 1.05)
+        assert got == ref(al, dc, verify, n, 8, 1.05)
+        drafted += got[0] > 0
+    assert 300 < drafted < 2700  # both outcomes exercised
 
 
 def test_adaptive_cost_cache_follows_set_costs():

@@ -12,7 +12,7 @@ from test_serving_helpers import ServerThread, tiny_config
 
 from dvi import metrics as M
 from dvi.config import ConfigError, load_config
-from dvi.decode.adaptive import choose_point_k
+from dvi.decode.k_choice import choose_point_k
 from dvi.feedback import FeedbackReader, FeedbackRecord, FeedbackWriter
 from dvi.feedback.record import SCHEMA
 

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from dvi.decode.acceptance import AcceptanceTracker
-from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket, choose_point_k
+from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket
+from dvi.decode.k_choice import choose_point_k
 from dvi.decode.tree_pricing import SiblingStats, choose_siblings, sibling_outcomes
 
 __all__ = ["LOOKUP_BACKOFF_FROM", "LOOKUP_BACKOFF_MAX", "KPolicy", "StepPricing", "StepTimes"]
@@ -153,7 +154,7 @@ class StepPricing:
     def model_lens(self, k: int, rows: list[int]) -> list[int]:
         """Per row of `rows` (as last passed to `model_k`), how many of the k learned drafts it proposes: all k, or
         where the target verifies only real drafts and adaptive K found that some rows' drafts do not pay for the
-        positions they add, 0 for those (`dvi.decode.adaptive.choose_rows`)."""
+        positions they add, 0 for those (`dvi.decode.k_choice.choose_rows`)."""
         chosen = self.policy.controller.last_rows if self.policy.adaptive and k > 0 else None
         if chosen is None:
             return [k] * len(rows)
