@@ -94,12 +94,14 @@ def test_live_drafts_are_their_weights_own_argmax_and_a_corrupted_drafter_is_cau
 
 
 @pytest.mark.slow
-def test_four_staged_causes_are_named_through_a_live_server(pair, tiny_pair_dir, tmp_path, allowed_dir) -> None:
+def test_four_staged_causes_are_named_through_a_live_server(pair, tiny_pair_dir, tmp_path, allowed_dir,
+                                                              monkeypatch) -> None:
     """`dvi serve` (the tiny pair, every step drafting 3, the trainer off), a window of 32 requests per stage, each
     stage's cause staged for real: traffic drift (code, then prose), a bad version pinned and then the good one
     pinned back (a promotion and a rollback of the served drafter), the engine drafting with other weights than the
     version it reports (a serving fault: weights fine, live drafts corrupted), and a target update with the drafter
-    held back. Each window's move is named as staged; no other window says serving disagrees."""
+    held back. Each window's move is named as staged; no other window says serving disagrees. A diagnosis's forwards
+    free their heap as a check's do: the drafter thread trims after each (no load or check between windows 1 and 2)."""
     from registry_doors import publish_full
     from test_serving_helpers import TEST_ADMIN_TOKEN, ServerThread, tiny_config, wait_for
 
@@ -119,6 +121,8 @@ def test_four_staged_causes_are_named_through_a_live_server(pair, tiny_pair_dir,
     bad = publish_full(DrafterRegistry(cfg.registry.dir), useless.state_dict(), useless.config, set_latest=False)
     _perturbed_target(tiny_pair_dir / "target", allowed_dir / "t1.safetensors", scale=0.6, seed=1)
     auth = {"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}
+    trims: list[float] = []
+    monkeypatch.setattr("serving.drafter.lane.glibc_trim", lambda: lambda: trims.append(0.0))
     with ServerThread(cfg) as s, s.client() as c:
         def window(domain: str, n: int) -> dict:
             for _ in range(WINDOW):
@@ -135,7 +139,9 @@ def test_four_staged_causes_are_named_through_a_live_server(pair, tiny_pair_dir,
             wait_for(lambda: s.health()["drafter"]["live_version"] == version, 60, what=f"v{version} served")
 
         window("code", 1)
+        before = len(trims)
         named = [window("prose", 2)]  # traffic
+        assert len(trims) > before
         pin(bad)
         named.append(window("prose", 3))  # a bad version promoted
         pin(0)

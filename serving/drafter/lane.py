@@ -186,6 +186,7 @@ class Lane:
 
     def _diagnose(self) -> None:
         """The next window of records measured through the loaded versions, and a move of live α explained."""
+        self._freed = True  # a teacher-forced forward per loaded version, as a check's
         loaded = self.machine.loaded
         move = self.diagnosis.run({v: x.scorer for v, x in loaded.items()}, {v: x.logits_fn for v, x in loaded.items()})
         if move is not None:  # logged, in the events log and on /health, to wandb and metrics.jsonl like a verdict
