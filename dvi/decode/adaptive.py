@@ -1,11 +1,8 @@
-"""Adaptive number of draft tokens K from measured costs and per-sequence acceptance rates.
+"""Adaptive number of draft tokens K from calibrated costs and per-sequence acceptance rates.
 
-Speed of one step with K drafts: E[tokens/step] / (K * c_draft + c_verify(K)), where
-E[tokens/step] = (1 - a^(K+1)) / (1 - a) for acceptance rate a, and K = 0 is plain decoding
-(1 token per c_verify(0)). On CPU c_verify grows with K and with batch size (small pair, K = 2: ~1.15x
-a one-token step at batch 1, ~1.6x at batch 16, ~1.8x at batch 64), so speculation must switch itself
-off in large batches, and not even probe there when the drafter's catch-up would cost more than a probe
-can win back.
+What a K is worth is `dvi.decode.k_choice`'s arithmetic. On CPU c_verify grows with K and with batch size (small pair,
+K = 2: ~1.15x a one-token step at batch 1, ~1.6x at batch 16, ~1.8x at batch 64), so speculation must switch itself
+off in large batches, and not even probe there when the drafter's catch-up would cost more than a probe can win back.
 Costs come from a short interleaved calibration per batch-size bucket (`calibrate`, fed to `AdaptiveK`); the engine also
 keeps online timings (`CostModel`, robust low quantiles) for reporting.
 """
