@@ -229,21 +229,19 @@ def test_choose_k_matches_reference_formula():
 
 def test_choose_rows_matches_the_full_pass():
     """The bound that skips a K row by row never skips the K and rows the full pass over every K would choose."""
+    import itertools
     import random
 
-    def ref(alphas, dc, verify, rows, k_max, margin):
-        n, v0 = len(alphas), verify[0]
-        best_k, best_rows, best = 0, [], n / v0 * margin
-        for k in range(1, k_max + 1):
-            per_position = max(verify[k] - verify[0], 0.0) / (rows * k)
-            extra = [expected_tokens(a, k) - 1.0 for a in alphas]
-            order = sorted(range(n), key=lambda i: -extra[i])
-            tokens, t = float(n), k * dc + v0
-            for m, i in enumerate(order, 1):
-                tokens, t = tokens + extra[i], t + k * per_position
-                if tokens / t > best * 1.0001:
-                    best_k, best_rows, best = k, sorted(order[:m]), tokens / t
-        return best_k, best_rows
+    def ref(alphas, dc, verify, rows, k_max, margin):  # every K, and for each the m most likely rows, m = 1..n
+        by_alpha = sorted(range(len(alphas)), key=lambda i: -alphas[i])
+        best, choice = len(alphas) / verify[0] * margin, (0, [])
+        for k, m in itertools.product(range(1, k_max + 1), range(1, len(alphas) + 1)):
+            drafting = by_alpha[:m]
+            rate = (len(alphas) + sum(expected_tokens(alphas[i], k) - 1.0 for i in drafting)) / (
+                k * dc + verify[0] + m * max(verify[k] - verify[0], 0.0) / rows)
+            if rate > best * 1.0001:
+                best, choice = rate, (k, sorted(drafting))
+        return choice
 
     rng = random.Random(1)
     drafted = 0
