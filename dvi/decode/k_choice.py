@@ -2,8 +2,8 @@
 
 Speed of one step with K drafts: E[tokens/step] / (K * c_draft + c_verify(K)), where
 E[tokens/step] = (1 - a^(K+1)) / (1 - a) for acceptance rate a, and K = 0 is plain decoding (1 token per
-c_verify(0)). Every function runs on the engine's hot path (once a step), so each skips the Ks a bound shows cannot
-win before it prices them row by row.
+c_verify(0)). `choose_k` and `choose_rows` run once an engine step, so each skips the Ks a bound shows cannot win
+before it prices them row by row.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def choose_k(
         return best_k
     plain = sum(1.0 for _ in alphas) / max(vc(0), 1e-12)
     best_k, best = 0, plain * margin
-    a_max = max(clamped)
+    a_max = max(clamped, default=0.0)
     for k in range(1, k_max + 1):
         t = max(k * draft_cost + vc(k), 1e-12)
         if len(clamped) * expected_tokens(a_max, k) / t * (1.0 + _SLACK) <= best * 1.0001:
