@@ -88,13 +88,20 @@ def client_command(python: str, argv_file: Path) -> list[str]:
     return [python, str(Path(__file__).resolve()), str(argv_file)]
 
 
-def warm_up_posts(url: str, model: str, prompt: str, n: int, reset_prefix_cache: bool) -> list[list]:
-    """What runs before a level: `n` short greedy requests of a prompt outside the measured set (first-call costs
-    out of the measurement, and no measured prompt seen before it), then, on vLLM, its prefix cache emptied (every
-    level re-sends the same prompts; a cache kept from the level before would answer their prefill)."""
+def warm_up_posts(url: str, model: str, prompt: str, n: int, reset_prefix_cache: bool,
+                  burst: tuple[str, int, int] | None = None) -> list[list]:
+    """What runs before a level, as [url, body, copies posted at once]: `n` short greedy requests of a prompt outside
+    the measured set (first-call costs out of the measurement, and no measured prompt seen before it); with `burst`
+    (prompt, copies, max_tokens), that many at once, so a server's batch and KV cache have grown to the level's rows
+    and prompt lengths before it is timed (a long-running server paid that once; vLLM allocates its cache at start);
+    then, on vLLM, its prefix cache emptied (every level re-sends the same prompts; a cache kept from the level before
+    would answer their prefill)."""
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    return [[url + "/v1/completions", body]] * n + ([[url + "/reset_prefix_cache", None]] if reset_prefix_cache
-                                                    else [])
+    posts = [[url + "/v1/completions", body, 1]] * n
+    if burst is not None:
+        text, copies, max_tokens = burst
+        posts.append([url + "/v1/completions", dict(body, prompt=text, max_tokens=max_tokens), copies])
+    return posts + ([[url + "/reset_prefix_cache", None, 1]] if reset_prefix_cache else [])
 
 
 # -- its result, read back ---------------------------------------------------------------------------------------
@@ -167,12 +174,15 @@ def _post(url: str, body: dict | None) -> None:
 def _run_client(levels_file: str) -> int:
     """Each level in `levels_file`: its `before` posts, then its command line through `vllm.benchmarks.serve.main`,
     as `vllm bench serve` runs one."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     for level in json.loads(Path(levels_file).read_text()):
-        for url, body in level.get("before", []):
-            _post(url, body)
+        for url, body, copies in level.get("before", []):
+            with ThreadPoolExecutor(copies) as pool:
+                list(pool.map(_post, [url] * copies, [body] * copies))
         parser = FlexibleArgumentParser(description="vllm bench serve (serve_field)")
         add_cli_args(parser)
         main(parser.parse_args(level["argv"]))

@@ -231,7 +231,9 @@ def run_client(url: str, arm: str, rnd: int, levels: list[int], args: argparse.N
     """`levels` against one started server, in one client process (importing vLLM takes tens of seconds here), each
     after its warm-up (and on vLLM an emptied prefix cache): {C: parsed result}."""
     out_dir, tag = ctx["work"] / "results", f"{arm}-r{rnd}-c{'-'.join(map(str, levels))}"
-    before = warm_up_posts(url, MODEL, WARMUP_PROMPT, args.warmups, arm in VLLM_ARMS)
+    longest = max(len(p["prompt"]) for p in ctx["prompts"])  # characters: the burst's prompt is at least as long
+    burst = (WARMUP_PROMPT * -(-longest // len(WARMUP_PROMPT)), max(levels), args.max_tokens)
+    before = warm_up_posts(url, MODEL, WARMUP_PROMPT, args.warmups, arm in VLLM_ARMS, burst)
     specs = [{"concurrency": c, "prompts": len(ctx["prompts"]), "max_tokens": args.max_tokens, "warmups": 0,
               "ignore_eos": ctx["ignore_eos"], "result_dir": out_dir, "result_file": f"{arm}-r{rnd}-c{c}.json",
               "label": arm} for c in levels]

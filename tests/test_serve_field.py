@@ -48,9 +48,12 @@ def test_the_data_set_is_sharegpt_alternating_domains(tmp_path):
 
 def test_warm_up_then_the_prefix_cache_emptied_on_vllm_only():
     posts = fc.warm_up_posts("http://h", "field", "hi", 2, reset_prefix_cache=True)
-    assert [u for u, _ in posts] == ["http://h/v1/completions"] * 2 + ["http://h/reset_prefix_cache"]
+    assert [(u, n) for u, _, n in posts] == [("http://h/v1/completions", 1)] * 2 + [("http://h/reset_prefix_cache", 1)]
     assert posts[0][1]["temperature"] == 0 and posts[0][1]["model"] == "field"
     assert len(fc.warm_up_posts("http://h", "field", "hi", 2, reset_prefix_cache=False)) == 2
+    # a burst as wide as the level, as long as its longest prompt: the batch and KV cache grown before it is timed
+    burst = fc.warm_up_posts("http://h", "field", "hi", 2, False, ("hi" * 50, 16, 64))[-1]
+    assert burst[2] == 16 and burst[1]["prompt"] == "hi" * 50 and burst[1]["max_tokens"] == 64
 
 
 def test_a_recorded_result_parses_and_pools():
