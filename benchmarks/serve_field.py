@@ -11,7 +11,10 @@ server is started in turn, measured at every level C, and stopped; rounds altern
 drift in the machine's speed hits every arm alike, and the figures pool the rounds. Every level re-sends the same
 prompts, so nothing may remember the level before: `suffix` and `hybrid` (whose suffix index keeps finished answers)
 get a fresh server per level, and vLLM's prefix cache is emptied before each level (POST /reset_prefix_cache). Before
-each level --warmups short requests of a prompt outside the set take first-call costs out of the measurement.
+each level --warmups short requests of a prompt outside the set take first-call costs out of the measurement, then a
+burst of as many requests as the widest level, at once, with a prompt as long as the longest measured one: the
+server's batch and KV cache grow before timing, as a long-running server's have (vLLM allocates its cache at start;
+dvi's grows by doubling, and inside a measured level that one-off cost fp32 `suffix` 5% at C = 16).
 
 Prompts: --prompts unseen prompts, half cuts of pip's installed source (no build trained on it), half chat
 instructions (benchmarks/serve_speed.py's written ones, then held-out ones of dvi/data.py) rendered with the chat
