@@ -74,7 +74,7 @@ def choose_k(
             if d < best * 0.9999:
                 best_k, best = k, d
         return best_k
-    plain = sum(1.0 for _ in alphas) / max(vc(0), 1e-12)
+    plain = len(clamped) / max(vc(0), 1e-12)
     best_k, best = 0, plain * margin
     a_max = max(clamped, default=0.0)
     for k in range(1, k_max + 1):
