@@ -47,6 +47,11 @@ class ServeConfig(_Strict):
     api_key: Secret | None = None
     admin_token: Secret | None = None
     max_batch_size: int = Field(16, ge=1)
+    # the target's KV cache is allocated at start-up for max_batch_size rows of this many tokens (vLLM allocates its
+    # cache at start-up too), so a first burst of requests does not pay, inside its steps, for the cache's growth
+    # (each doubling a zeroed allocation and a copy: seconds on a VM slow to touch fresh memory); past it the cache
+    # still doubles as needed; 0: it grows from one row on demand. dvi's engine only (behind vLLM: serve.vllm)
+    kv_cache_tokens: int = Field(512, ge=0)
     # on CUDA, the target's forwards replay CUDA graphs captured at start-up (dvi.decode.graphs); not in the
     # exact mode (models.exact_greedy), which runs eagerly
     cuda_graphs: bool = True

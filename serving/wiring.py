@@ -208,6 +208,12 @@ def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
         t0 = time.perf_counter()
         engine.calibrate(buckets)
         log.info("adaptive K calibrated for batch sizes %s in %.1fs", buckets, time.perf_counter() - t0)
+    if cfg.serve.kv_cache_tokens:
+        t0 = time.perf_counter()
+        held = engine.reserve(cfg.serve.max_batch_size, cfg.serve.kv_cache_tokens)
+        log.info("target KV cache: %d rows x %d tokens allocated in %.1fs (%.0f MiB; serve.kv_cache_tokens, "
+                 "serve.max_batch_size)", cfg.serve.max_batch_size, cfg.serve.kv_cache_tokens,
+                 time.perf_counter() - t0, held / 2**20)
     return engine
 
 

@@ -303,3 +303,59 @@ def test_trainer_trims_between_rounds_and_reports_what_each_trim_gave_back():
     trims, released, diff, off = (int(x) for x in out)
     assert trims == 1 and released == diff and released >= 100 << 20, out
     assert off == 0
+
+
+def test_a_reserved_kv_cache_serves_its_rows_without_growing_and_decodes_alike(tiny_pair_dir):
+    """`SpeculativeEngine.reserve` (`serve.kv_cache_tokens`): the target's cache allocated once up front, a batch that
+    fits it never reallocates it (a growth is a zeroed allocation and a copy inside a step), one that does not fit
+    still grows, and the tokens are those of an engine left to grow on demand."""
+    from dvi.decode.request import Request, SamplingParams
+    from dvi.drafters.factory import proposer_for
+    from dvi.engine.speculative import SpeculativeEngine
+    from dvi.models.loading import load_pair
+
+    pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 60) for _ in range(n)] for n in (30, 9, 41, 17)]
+
+    def serve(engine) -> list[list[int]]:  # as the server does: requests queued, then steps
+        for i, p in enumerate(prompts):
+            engine.add_request(Request(f"r{i}", p, SamplingParams(max_new_tokens=12)))
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.result.token_ids for o in engine.step() if o.finished})
+        return [done[f"r{i}"] for i in range(len(prompts))]
+
+    def engine():
+        return SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter), num_draft_tokens=3)
+
+    reserved, grown = engine(), engine()
+    held = reserved.reserve(4, 300)
+    cache = reserved._target.cache
+    assert (cache.slots, cache.capacity) == (4, 512) and held == cache.kv.numel() * cache.kv.element_size()
+    kv, on_demand = cache.kv.data_ptr(), grown._target.cache.kv.data_ptr()
+    assert serve(reserved) == serve(grown)
+    assert cache.kv.data_ptr() == kv  # four rows of 41 + 12 + 4 positions at most: they fit, nothing reallocated
+    assert grown._target.cache.kv.data_ptr() != on_demand  # the same rows grew a cache allocated for one
+    prompts.append([5] * 20)  # a fifth row: past the reservation, so it grows
+    serve(reserved)
+    assert (cache.slots, cache.capacity) == (8, 512)
+
+
+def test_the_server_allocates_its_kv_cache_at_start(tiny_pair_dir, tmp_path):
+    """`serve.kv_cache_tokens` through a real server: max_batch_size rows of that many tokens before the first
+    request, and a burst of max_batch_size requests that fit it leaves the cache where it was."""
+    import concurrent.futures
+
+    from test_serving_helpers import ServerThread, engine_of, tiny_config
+
+    cfg = tiny_config(tiny_pair_dir, tmp_path / "run", "serve.max_batch_size=4", "serve.kv_cache_tokens=300")
+    with ServerThread(cfg) as s:
+        cache = engine_of(s)._target.cache
+        assert (cache.slots, cache.capacity) == (4, 512)  # capacity doubles from 256
+        kv = cache.kv.data_ptr()
+        with s.client() as c, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            posts = [pool.submit(c.post, "/v1/completions", json={"prompt": f"def f{i}(x):", "max_tokens": 16})
+                     for i in range(4)]
+            assert all(p.result().status_code == 200 for p in posts)
+        assert cache.kv.data_ptr() == kv and (cache.slots, cache.capacity) == (4, 512)

@@ -274,5 +274,10 @@ class LeanTarget:
         hold): on CUDA, cost calibration times eager forwards."""
         return LeanTarget(lean=self.lean, exact=self.exact, min_rows=self.min_rows, invariance=self.invariance)
 
+    def reserve(self, rows: int, positions: int) -> int:
+        if not self.cache.frozen:  # a captured graph's cache was allocated whole for its largest bucket
+            self.cache.reserve(rows, positions)
+        return self.cache.kv.numel() * self.cache.kv.element_size()
+
     def tidy(self, speculating: bool) -> None:
         pass

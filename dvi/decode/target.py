@@ -64,6 +64,9 @@ class TargetRunner(Protocol):
     def tidy(self, speculating: bool) -> None:
         """Between steps: reclaim what rejected drafts left (RaggedKV's holes); a no-op for slots."""
 
+    def reserve(self, rows: int, positions: int) -> int:
+        """Cache room for `rows` rows of `positions` tokens now rather than as requests arrive; the bytes it holds."""
+
 
 class RaggedTarget:
     """Any HF causal LM through its module forward (`dvi.decode.forward.model_forward`) over a `RaggedKV`."""
@@ -130,6 +133,9 @@ class RaggedTarget:
     def contract(self) -> dict[str, str]:
         """HF's module forward attends a verify row by row, but its matmuls' rounding was not probed."""
         return {"one_request": "near-tie", "batched": "near-tie"}
+
+    def reserve(self, rows: int, positions: int) -> int:
+        return 0  # a RaggedKV is rebuilt by every merge: there is nothing to hold ahead
 
     def tidy(self, speculating: bool) -> None:
         # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.

@@ -137,15 +137,9 @@ class SpeculativeEngine:
             raise ValueError(f"request_id {request.request_id!r} is already active")
         request = self._normalized(request)
         p = request.params
-        res = GenerationResult(
-            request_id=request.request_id,
-            prompt_ids=list(request.prompt_ids),
-            accepted_per_position=[0] * self.k_cap,
-            drafted_per_position=[0] * self.k_cap,
-            domain=request.domain,
-            started_at=time.time(),
-            temperature=float(p.temperature),
-        )
+        res = GenerationResult(request_id=request.request_id, prompt_ids=list(request.prompt_ids),
+                               accepted_per_position=[0] * self.k_cap, drafted_per_position=[0] * self.k_cap,
+                               domain=request.domain, started_at=time.time(), temperature=float(p.temperature))
         self._waiting.append(Seq(request, res, row_generator(p), self.acceptance.new_row(), self._pool(request)))
 
     def _normalized(self, request: Request) -> Request:
@@ -187,6 +181,11 @@ class SpeculativeEngine:
     def num_active(self) -> int:
         """Unfinished requests (running + waiting to join)."""
         return len(self._waiting) + len(self._seqs)
+
+    def reserve(self, rows: int, positions: int) -> int:
+        """The target's KV cache sized for `rows` rows of `positions` tokens now (past them it still doubles), so no
+        step pays for its growth (`serve.kv_cache_tokens`); the bytes it holds."""
+        return self._target.reserve(rows, positions)
 
     @property
     def greedy_contract(self) -> dict[str, str]:
@@ -273,6 +272,7 @@ class SpeculativeEngine:
             validate_prompt(p, f"prompts[{i}]", self.vocab_size, self.num_embeddings)
             self._validate_params(sp, len(p), f"prompts[{i}]")
         self._gen_calls += 1
+        self.reserve(len(self._seqs) + len(prompts), max(map(len, prompts)) + max_new_tokens + self.k_cap + 1)
         ids = [f"generate-{self._gen_calls}-{i}" for i in range(len(prompts))]
         for rid, p, sp in zip(ids, prompts, params, strict=True):
             self.add_request(Request(rid, list(p), sp))
