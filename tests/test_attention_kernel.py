@@ -40,7 +40,7 @@ def _reference(q, keys, values, rows, visible, scale):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kvh", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 32), (6, 1, 24)])
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 32), (6, 1, 24), (40, 2, 136)])
 def test_the_kernel_computes_what_sdpa_does(dtype, heads, kvh, d):
     keys, values = _cache(dtype, kvh=kvh, d=d)
     g = torch.Generator().manual_seed(heads * d)

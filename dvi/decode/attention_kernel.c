@@ -8,8 +8,8 @@
    else: a query rounds the same whatever else the forward scores, so a verify row or a tree node equals the
    one-token step it stands for, and a batch row its lone decode.
 
-   Per query and kv head: the scores of its group of query heads (one pass over the keys, each key loaded once for
-   the group), a softmax in fp32 (max subtracted, exp vectorized), then the values weighted in fp32 and rounded to the
+   Per query: the scores of every head (one pass over its row's keys, each key loaded once for its group of query
+   heads), a softmax in fp32 (max subtracted, exp vectorized), then the values weighted in fp32 and rounded to the
    cache's dtype once. Layouts are strided: q [n, heads, d] with row stride q_stride; keys and values [rows, kv_heads,
    columns, d] with strides row_stride, head_stride, col_stride (views of the slot cache, no copy); out [n, heads * d]. */
 #include <immintrin.h>
@@ -44,6 +44,28 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+static inline float max_of(const float* x, int64_t n) {
+    int64_t j = 0;
+    float m = x[0];
+    if (n >= 8) {
+        __m256 mv = _mm256_loadu_ps(x);
+        for (j = 8; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+/* a column's d entries of one head, fetched towards the core ahead of their use (the cache holds a column's
+   keys and values of every head together, columns of a row one after the other, rows far apart) */
+#define AHEAD 8
+#define VB 32 /* columns a block of the values pass (its accumulators parked in scratch between blocks) */
+static inline void prefetch(const void* p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T0);
+}
+
 /* the 8 sums of a0 .. a7's lanes, as one vector (a fixed order of adds: the same result for the same inputs) */
 static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
     const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3), t2 = _mm256_hadd_ps(a4, a5);
@@ -56,6 +78,12 @@ static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8_bf16(const uint16_t* p) {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+/* a column's d entries as fp32: an fp32 cache's own row, a bf16 one's converted into buf (once for the group) */
+static inline const float* row_f32(const float* x, float* buf, int64_t d) { (void)buf; (void)d; return x; }
+static inline const float* row_bf16(const uint16_t* x, float* buf, int64_t d) {
+    for (int64_t c = 0; c < d; c += 8) _mm256_store_ps(buf + c, load8_bf16(x + c));
+    return buf;
 }
 static inline void store_f32(float* y, const float* x, int64_t n) { memcpy(y, x, n * sizeof(float)); }
 static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round to nearest even */
@@ -71,43 +99,55 @@ static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round
 #define COL(j) ((j) < P ? (j) : ex[(j) - P])
 
 #define MAX_D 256
-#define MAX_GROUP 16
 
-/* s [g][L] scratch; qf [g][d] the group's queries in fp32; d a multiple of 8 */
-#define ATTEND(NAME, T, LOAD, STORE)                                                                       \
+/* scratch: qf [heads][d] a query's heads in fp32, acc [heads][d] their weighted values, then s [heads][L] their
+   scores; d a multiple of 8. A query walks its columns once for all kv heads, 8 columns a block (a column's keys,
+   then its values, of every head lie together in the cache): a bf16 block is converted to fp32 once into kf and
+   shared by the kv head's group of query heads. Each head's sums run in a fixed order whatever the blocking (its
+   scores chunk by chunk, its values column by column, accumulators parked in acc between blocks) */
+#define ATTEND(NAME, T, LOAD, STORE, ROW)                                                                  \
     void NAME(const T* q, int64_t q_stride, int64_t heads, int64_t kv_heads, int64_t d, const T* k, const T* v, \
               int64_t row_stride, int64_t head_stride, int64_t col_stride, const int64_t* rows,             \
               const int64_t* visible, const int64_t* extra, int64_t extra_stride, const int64_t* n_extra,  \
-              int64_t n, float scale, T* out, float* s) {                                                  \
+              int64_t n, float scale, T* out, float* scratch) {                                            \
         const int64_t g = heads / kv_heads, chunks = d / 8;                                                \
-        float qf[MAX_GROUP * MAX_D] __attribute__((aligned(32)));                                          \
-        float o[MAX_D] __attribute__((aligned(32)));                                                       \
+        float* qf = scratch;                                                                               \
+        float* acc = scratch + heads * d;                                                                  \
+        float* s = scratch + 2 * heads * d;                                                                \
+        float kf[VB * MAX_D] __attribute__((aligned(32)));                                                 \
         for (int64_t i = 0; i < n; i++) {                                                                  \
             const int64_t P = visible[i], L = P + n_extra[i];                                              \
             const int64_t* ex = extra + i * extra_stride;                                                  \
-            for (int64_t kh = 0; kh < kv_heads; kh++) {                                                    \
-                const T* kb = k + rows[i] * row_stride + kh * head_stride;                                 \
-                const T* vb = v + rows[i] * row_stride + kh * head_stride;                                 \
-                for (int64_t h = 0; h < g; h++)                                                            \
-                    for (int64_t c = 0; c < chunks; c++)                                                   \
-                        _mm256_store_ps(qf + h * d + 8 * c, LOAD(q + i * q_stride + (kh * g + h) * d + 8 * c)); \
-                for (int64_t h = 0; h < g; h++) { /* scores, 8 keys at a time: 8 independent chains */     \
-                    const float* qh = qf + h * d;                                                          \
-                    for (int64_t j = 0; j < L; j += 8) {                                                   \
-                        const int64_t rem = L - j < 8 ? L - j : 8;                                         \
-                        const T* kp[8];                                                                    \
-                        for (int64_t r = 0; r < rem; r++) kp[r] = kb + COL(j + r) * col_stride;            \
+            const T* krow = k + rows[i] * row_stride;                                                      \
+            const T* vrow = v + rows[i] * row_stride;                                                      \
+            for (int64_t h = 0; h < heads; h++)                                                            \
+                for (int64_t c = 0; c < chunks; c++)                                                       \
+                    _mm256_storeu_ps(qf + h * d + 8 * c, LOAD(q + i * q_stride + h * d + 8 * c));          \
+            for (int64_t j = 0; j < L; j += 8) { /* scores, 8 keys at a time: 8 independent chains */      \
+                const int64_t rem = L - j < 8 ? L - j : 8;                                                 \
+                for (int64_t r = j + AHEAD; r < j + AHEAD + 8 && r < L; r++) /* keys and values to come */ \
+                    for (int64_t kh = 0; kh < kv_heads; kh++) {                                            \
+                        const int64_t at = kh * head_stride + COL(r) * col_stride;                         \
+                        prefetch(krow + at, d * (int64_t)sizeof(T));                                       \
+                        prefetch(vrow + at, d * (int64_t)sizeof(T));                                       \
+                    }                                                                                      \
+                for (int64_t kh = 0; kh < kv_heads; kh++) {                                                \
+                    const float* kr[8];                                                                    \
+                    for (int64_t r = 0; r < rem; r++)                                                      \
+                        kr[r] = ROW(krow + kh * head_stride + COL(j + r) * col_stride, kf + r * d, d);     \
+                    for (int64_t h = kh * g; h < (kh + 1) * g; h++) {                                      \
+                        const float* qh = qf + h * d;                                                      \
                         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                         for (int64_t c = 0; c < chunks; c++) {                                             \
-                            const __m256 qv = _mm256_load_ps(qh + 8 * c);                                  \
-                            a0 = _mm256_fmadd_ps(qv, LOAD(kp[0] + 8 * c), a0);                             \
-                            if (rem > 1) a1 = _mm256_fmadd_ps(qv, LOAD(kp[1] + 8 * c), a1);                \
-                            if (rem > 2) a2 = _mm256_fmadd_ps(qv, LOAD(kp[2] + 8 * c), a2);                \
-                            if (rem > 3) a3 = _mm256_fmadd_ps(qv, LOAD(kp[3] + 8 * c), a3);                \
-                            if (rem > 4) a4 = _mm256_fmadd_ps(qv, LOAD(kp[4] + 8 * c), a4);                \
-                            if (rem > 5) a5 = _mm256_fmadd_ps(qv, LOAD(kp[5] + 8 * c), a5);                \
-                            if (rem > 6) a6 = _mm256_fmadd_ps(qv, LOAD(kp[6] + 8 * c), a6);                \
-                            if (rem > 7) a7 = _mm256_fmadd_ps(qv, LOAD(kp[7] + 8 * c), a7);                \
+                            const __m256 qv = _mm256_loadu_ps(qh + 8 * c);                                 \
+                            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[0] + 8 * c), a0);                  \
+                            if (rem > 1) a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[1] + 8 * c), a1);     \
+                            if (rem > 2) a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[2] + 8 * c), a2);     \
+                            if (rem > 3) a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[3] + 8 * c), a3);     \
+                            if (rem > 4) a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[4] + 8 * c), a4);     \
+                            if (rem > 5) a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[5] + 8 * c), a5);     \
+                            if (rem > 6) a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[6] + 8 * c), a6);     \
+                            if (rem > 7) a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[7] + 8 * c), a7);     \
                         }                                                                                  \
                         /* every key's score by the same sum tree, wherever it sits in a block */         \
                         const __m256 sc = _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale)); \
@@ -120,59 +160,90 @@ static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round
                         }                                                                                  \
                     }                                                                                      \
                 }                                                                                          \
-                for (int64_t h = 0; h < g; h++) {                                                          \
-                    float* sh = s + h * L;                                                                 \
-                    float m = sh[0];                                                                       \
-                    for (int64_t j = 1; j < L; j++) m = sh[j] > m ? sh[j] : m;                             \
-                    const __m256 mv = _mm256_set1_ps(m);                                                   \
-                    __m256 sum = _mm256_setzero_ps();                                                      \
-                    int64_t j = 0;                                                                         \
-                    for (; j + 8 <= L; j += 8) {                                                           \
-                        __m256 p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));                    \
-                        _mm256_storeu_ps(sh + j, p);                                                       \
-                        sum = _mm256_add_ps(sum, p);                                                       \
-                    }                                                                                      \
-                    if (j < L) { /* the tail, padded with -inf's exp (0) */                                \
-                        float t[8] __attribute__((aligned(32)));                                           \
-                        for (int64_t r = 0; r < 8; r++) t[r] = j + r < L ? sh[j + r] - m : -1e30f;         \
-                        __m256 p = exp_neg(_mm256_load_ps(t));                                             \
-                        _mm256_store_ps(t, p);                                                             \
-                        for (int64_t r = 0; j + r < L; r++) sh[j + r] = t[r];                              \
-                        sum = _mm256_add_ps(sum, _mm256_blendv_ps(_mm256_setzero_ps(), p,                  \
-                            _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),                          \
-                                          _mm256_set1_ps((float)(L - j)), _CMP_LT_OQ)));                   \
-                    }                                                                                      \
-                    const float inv = 1.0f / hsum(sum);                                                    \
-                    const __m256 iv = _mm256_set1_ps(inv);                                                 \
-                    for (int64_t c = 0; c < chunks; c += 8) { /* values: 8 chunks (64 floats) a pass */    \
-                        const int64_t w = chunks - c < 8 ? chunks - c : 8;                                 \
-                        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-                        for (int64_t jj = 0; jj < L; jj++) {                                               \
-                            const __m256 p = _mm256_broadcast_ss(sh + jj);                                 \
-                            const T* vj = vb + COL(jj) * col_stride + 8 * c;                               \
-                            a0 = _mm256_fmadd_ps(p, LOAD(vj), a0);                                         \
-                            if (w > 1) a1 = _mm256_fmadd_ps(p, LOAD(vj + 8), a1);                          \
-                            if (w > 2) a2 = _mm256_fmadd_ps(p, LOAD(vj + 16), a2);                         \
-                            if (w > 3) a3 = _mm256_fmadd_ps(p, LOAD(vj + 24), a3);                         \
-                            if (w > 4) a4 = _mm256_fmadd_ps(p, LOAD(vj + 32), a4);                         \
-                            if (w > 5) a5 = _mm256_fmadd_ps(p, LOAD(vj + 40), a5);                         \
-                            if (w > 6) a6 = _mm256_fmadd_ps(p, LOAD(vj + 48), a6);                         \
-                            if (w > 7) a7 = _mm256_fmadd_ps(p, LOAD(vj + 56), a7);                         \
-                        }                                                                                  \
-                        _mm256_store_ps(o + 8 * c, _mm256_mul_ps(a0, iv));                                 \
-                        if (w > 1) _mm256_store_ps(o + 8 * c + 8, _mm256_mul_ps(a1, iv));                  \
-                        if (w > 2) _mm256_store_ps(o + 8 * c + 16, _mm256_mul_ps(a2, iv));                 \
-                        if (w > 3) _mm256_store_ps(o + 8 * c + 24, _mm256_mul_ps(a3, iv));                 \
-                        if (w > 4) _mm256_store_ps(o + 8 * c + 32, _mm256_mul_ps(a4, iv));                 \
-                        if (w > 5) _mm256_store_ps(o + 8 * c + 40, _mm256_mul_ps(a5, iv));                 \
-                        if (w > 6) _mm256_store_ps(o + 8 * c + 48, _mm256_mul_ps(a6, iv));                 \
-                        if (w > 7) _mm256_store_ps(o + 8 * c + 56, _mm256_mul_ps(a7, iv));                 \
-                    }                                                                                      \
-                    STORE(out + i * heads * d + (kh * g + h) * d, o, d);                                   \
+            }                                                                                              \
+            for (int64_t h = 0; h < heads; h++) { /* each head's softmax in place, fp32; 1 / its sum kept */ \
+                float* sh = s + h * L;                                                                     \
+                const float m = max_of(sh, L); /* exact in any order */                                    \
+                const __m256 mv = _mm256_set1_ps(m);                                                       \
+                __m256 sum = _mm256_setzero_ps();                                                          \
+                int64_t j = 0;                                                                             \
+                for (; j + 8 <= L; j += 8) {                                                               \
+                    __m256 p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));                        \
+                    _mm256_storeu_ps(sh + j, p);                                                           \
+                    sum = _mm256_add_ps(sum, p);                                                           \
                 }                                                                                          \
+                if (j < L) { /* the tail, padded with -inf's exp (0) */                                    \
+                    float t[8] __attribute__((aligned(32)));                                               \
+                    for (int64_t r = 0; r < 8; r++) t[r] = j + r < L ? sh[j + r] - m : -1e30f;             \
+                    __m256 p = exp_neg(_mm256_load_ps(t));                                                 \
+                    _mm256_store_ps(t, p);                                                                 \
+                    for (int64_t r = 0; j + r < L; r++) sh[j + r] = t[r];                                  \
+                    sum = _mm256_add_ps(sum, _mm256_blendv_ps(_mm256_setzero_ps(), p,                      \
+                        _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),                              \
+                                      _mm256_set1_ps((float)(L - j)), _CMP_LT_OQ)));                       \
+                }                                                                                          \
+                qf[h] = 1.0f / hsum(sum); /* the queries are spent: qf[0 .. heads - 1] holds the inverses */ \
+            }                                                                                              \
+            if (i + 1 < n) /* the next query's first columns, behind this one's values */                  \
+                for (int64_t r = 0; r < AHEAD && r < visible[i + 1]; r++)                                  \
+                    for (int64_t kh = 0; kh < kv_heads; kh++) {                                            \
+                        const int64_t at = rows[i + 1] * row_stride + kh * head_stride + r * col_stride;   \
+                        prefetch(k + at, d * (int64_t)sizeof(T));                                          \
+                        prefetch(v + at, d * (int64_t)sizeof(T));                                          \
+                    }                                                                                      \
+            memset(acc, 0, (size_t)(heads * d) * sizeof(float));                                           \
+            for (int64_t j = 0; j < L; j += VB) { /* values, VB columns a block, each head column by column */ \
+                const int64_t rem = L - j < VB ? L - j : VB;                                               \
+                for (int64_t kh = 0; kh < kv_heads; kh++) {                                                \
+                    const float* vr[VB];                                                                   \
+                    for (int64_t r = 0; r < rem; r++)                                                      \
+                        vr[r] = ROW(vrow + kh * head_stride + COL(j + r) * col_stride, kf + r * d, d);     \
+                    for (int64_t h = kh * g; h < (kh + 1) * g; h++) {                                      \
+                        const float* sh = s + h * L + j;                                                   \
+                        for (int64_t c = 0; c < chunks; c += 8) { /* 8 chunks (64 floats) a pass */        \
+                            const int64_t w = chunks - c < 8 ? chunks - c : 8;                             \
+                            float* ac = acc + h * d + 8 * c;                                               \
+                            __m256 a0 = _mm256_loadu_ps(ac), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+                            if (w > 1) a1 = _mm256_loadu_ps(ac + 8);                                       \
+                            if (w > 2) a2 = _mm256_loadu_ps(ac + 16);                                      \
+                            if (w > 3) a3 = _mm256_loadu_ps(ac + 24);                                      \
+                            if (w > 4) a4 = _mm256_loadu_ps(ac + 32);                                      \
+                            if (w > 5) a5 = _mm256_loadu_ps(ac + 40);                                      \
+                            if (w > 6) a6 = _mm256_loadu_ps(ac + 48);                                      \
+                            if (w > 7) a7 = _mm256_loadu_ps(ac + 56);                                      \
+                            for (int64_t r = 0; r < rem; r++) {                                            \
+                                const __m256 p = _mm256_broadcast_ss(sh + r);                              \
+                                const float* vj = vr[r] + 8 * c;                                           \
+                                a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), a0);                          \
+                                if (w > 1) a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), a1);           \
+                                if (w > 2) a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), a2);          \
+                                if (w > 3) a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 24), a3);          \
+                                if (w > 4) a4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 32), a4);          \
+                                if (w > 5) a5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 40), a5);          \
+                                if (w > 6) a6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 48), a6);          \
+                                if (w > 7) a7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 56), a7);          \
+                            }                                                                              \
+                            _mm256_storeu_ps(ac, a0);                                                      \
+                            if (w > 1) _mm256_storeu_ps(ac + 8, a1);                                       \
+                            if (w > 2) _mm256_storeu_ps(ac + 16, a2);                                      \
+                            if (w > 3) _mm256_storeu_ps(ac + 24, a3);                                      \
+                            if (w > 4) _mm256_storeu_ps(ac + 32, a4);                                      \
+                            if (w > 5) _mm256_storeu_ps(ac + 40, a5);                                      \
+                            if (w > 6) _mm256_storeu_ps(ac + 48, a6);                                      \
+                            if (w > 7) _mm256_storeu_ps(ac + 56, a7);                                      \
+                        }                                                                                  \
+                    }                                                                                      \
+                }                                                                                          \
+            }                                                                                              \
+            for (int64_t h = 0; h < heads; h++) {                                                          \
+                float o[MAX_D] __attribute__((aligned(32)));                                               \
+                const __m256 iv = _mm256_set1_ps(qf[h]);                                                   \
+                for (int64_t c = 0; c < chunks; c++)                                                       \
+                    _mm256_store_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + 8 * c), iv));   \
+                STORE(out + i * heads * d + h * d, o, d);                                                  \
             }                                                                                              \
         }                                                                                                  \
     }
 
-ATTEND(dvi_attend_f32, float, load8_f32, store_f32)
-ATTEND(dvi_attend_bf16, uint16_t, load8_bf16, store_bf16)
+ATTEND(dvi_attend_f32, float, load8_f32, store_f32, row_f32)
+ATTEND(dvi_attend_bf16, uint16_t, load8_bf16, store_bf16, row_bf16)

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention_kernel.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
-MAX_HEAD_DIM, MAX_GROUP = 256, 16  # attention_kernel.c's stack buffers
+MAX_HEAD_DIM = 256  # attention_kernel.c's stack buffers
 
 
 class KernelPlan(NamedTuple):
@@ -66,7 +66,7 @@ class AttentionKernel:
             return f"{dtype} caches"
         if head_dim % 8 or head_dim > MAX_HEAD_DIM:
             return f"head_dim {head_dim} (a multiple of 8 up to {MAX_HEAD_DIM})"
-        if heads % kv_heads or heads // kv_heads > MAX_GROUP:
+        if heads % kv_heads:
             return f"{heads} heads over {kv_heads} kv heads"
         return None
 
@@ -80,7 +80,7 @@ class AttentionKernel:
             raise ValueError("attention kernel: q's heads and the caches' head_dim must be contiguous")
         out = torch.empty(n, heads * d, dtype=q.dtype)
         if n:  # the scores' scratch per call: an engine and its drafter, or two engines' threads, never share it
-            scratch = torch.empty(heads // kvh * plan.most + 8, dtype=torch.float32)
+            scratch = torch.empty(heads * (2 * d + plan.most) + 8, dtype=torch.float32)  # `ATTEND`'s layout
             self._fns[q.dtype](q.data_ptr(), q.stride(0), heads, kvh, d, keys.data_ptr(), values.data_ptr(),
                                keys.stride(0), keys.stride(1), keys.stride(2), plan.rows.data_ptr(),
                                plan.prefix.data_ptr(), plan.extra.data_ptr(), plan.extra.stride(0),
