@@ -110,6 +110,18 @@ def test_probes_skipped_when_catchup_would_cost_more_than_they_can_win():
     assert dear.choose(4, [0.99] * 4, pending_tokens=10_000) > 0  # a K that pays is still chosen directly
 
 
+def test_no_probes_where_a_plausible_rise_of_alpha_could_not_pay():
+    """16 bf16 rows on an AMD EPYC (AVX512-BF16, calibrated): a two-position verify costs 1.7 plain steps, so
+    drafting pays only at α ~0.99. Rows at α 0.5 are not probed (each probe a drafter catch-up for an answer that
+    cannot change K); rows whose α is within `probe_reach` of the break-even are."""
+    verify = {0: 0.0209, 1: 0.0362, 2: 0.0516, 4: 0.0815, 8: 0.14}
+    far, near = AdaptiveK(k_max=8, k_default=4, probe_every=5), AdaptiveK(k_max=8, k_default=4, probe_every=5)
+    for ctl in (far, near):
+        ctl.set_costs(16, verify, draft=0.0039)
+    assert not any(far.choose(16, [0.5] * 16) for _ in range(40))
+    assert [i for i in range(40) if near.choose(16, [0.9] * 16)] == [4, 14, 34]
+
+
 def test_step_overhead_counts_for_every_k_and_favours_speculation():
     """Host work per step (measured online) is paid once per step: plain decoding pays it per token,
     speculation shares it over the accepted tokens, so a marginal alpha tips towards K > 0."""

@@ -128,8 +128,11 @@ class AdaptiveTuning:
     """`AdaptiveK`'s knobs. While K = 0 is chosen, a probe with K = `probe_k` (default: min(2, k_max))
     runs after `probe_every` K = 0 steps, the interval doubling up to `max_probe_every`; a probe whose
     drafter catch-up would cost more than `probe_budget_steps` plain steps is skipped, and leaving
-    K = 0 must pay for the catch-up within `catchup_horizon` steps. A K must beat plain decoding by
-    `margin`; measured goodput over `goodput_window` steps guards the prediction."""
+    K = 0 must pay for the catch-up within `catchup_horizon` steps. A probe asks whether the rows' α rose: it runs
+    only where some K would beat plain decoding with every row's α `probe_reach` higher (a bucket whose break-even
+    α lies farther, 16 bf16 rows on a CPU where a two-position verify costs 1.7 plain steps, would pay catch-ups
+    for answers that cannot change K). A K must beat plain decoding by `margin`; measured goodput over
+    `goodput_window` steps guards the prediction."""
 
     probe_every: int = 16
     probe_k: int | None = None
@@ -138,6 +141,7 @@ class AdaptiveTuning:
     probe_budget_steps: float = 2.0
     catchup_horizon: int = 16
     goodput_window: int = 8
+    probe_reach: float = 0.15
 
 
 class AdaptiveK:
@@ -270,7 +274,7 @@ class AdaptiveK:
                 # probes keep confirming K = 0 (each probe costs a drafter catch-up).
                 pending = pending_tokens() if callable(pending_tokens) else pending_tokens
                 catchup = pending * self.catchup_cost.get(b, 0.0)
-                if catchup <= self.probe_budget_steps * cached.verify[0]:
+                if catchup <= self.probe_budget_steps * cached.verify[0] and self._within_reach(alphas, cached, b):
                     k = self.probe_k or max(1, min(2, self.k_max))
                 clock.interval = min(2 * clock.interval, self.max_probe_every)
                 clock.due = clock.streak + clock.interval
@@ -278,6 +282,13 @@ class AdaptiveK:
             del self._probes[b]  # drafting pays here: the next K = 0 run starts a fresh clock (`_clock`)
         self.last_choice = k
         return k
+
+    def _within_reach(self, alphas: Sequence[float], cached: _BucketCosts, b: int) -> bool:
+        """Whether a rise of the rows' α by `probe_reach` would make drafting pay here."""
+        reach = [min(1.0, a + self.tuning.probe_reach) for a in alphas]
+        if self.ragged and len(reach) > 1:
+            return choose_rows(reach, cached.draft, cached.verify, b, self.k_max, self.margin)[0] > 0
+        return choose_k(reach, cached.draft, cached.verify, self.k_max, self.margin) > 0
 
     def _clock(self, b: int) -> _ProbeClock:
         clock = self._probes.get(b)
