@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dvi.decode import vocab_kernel
 from dvi.decode.sources import source_code
 
 if TYPE_CHECKING:
@@ -57,6 +58,13 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
     if cpu:
         idx = torch.tensor([i * k1 + j for i, c in enumerate(counts) for j in range(c)], dtype=torch.long)
         lf, toks = lf.index_select(0, idx), toks.index_select(0, idx)
+    kt = min(top_k, v) if top_k > 0 else 0
+    kernel = vocab_kernel.load() if cpu and all_t1 and kt else None
+    if kernel is not None and kernel.serves(lf):  # one pass for the log-denominator and the top k together
+        lse_m, tv, ti = kernel.stats(lf.contiguous(), kt)
+        lse = lse_m.unsqueeze(-1)
+        tok_lp = lf.gather(-1, toks.unsqueeze(-1)).squeeze(-1).float() - lse_m
+        return _unpack(b, k1, draft_ids, counts, [n.view(b), tok.reshape(-1)], tok_lp, (ti, tv - lse))
     lf = lf.float()
     lse = torch.logsumexp(lf, -1, keepdim=True)  # [M, 1]: one pass over the vocabulary serves both below
     if all_t1:
@@ -65,12 +73,22 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
         t = torch.where(temp > 0, temp, 1.0).repeat_interleave(torch.tensor(counts, device=temp.device))
         scaled = lf / t.unsqueeze(-1)
         tok_lp = scaled.gather(-1, toks.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
-    parts = [n.view(b), tok.reshape(-1)] + ([draft_ids.reshape(-1)] if draft_ids is not None else []) + [tok_lp]
-    kt = min(top_k, v) if top_k > 0 else 0
+    top = None
     if kt:
         tv, ti = lf.topk(kt, dim=-1)  # [M, top_k]: the raw logits' order is the log-probs'
-        parts += [ti.reshape(-1), (tv - lse).reshape(-1)]
-    flat = torch.cat([x.reshape(-1).double() for x in parts]).tolist()  # the step's one device -> host transfer
+        top = (ti, tv - lse)
+    return _unpack(b, k1, draft_ids, counts, [n.view(b), tok.reshape(-1)], tok_lp, top)
+
+
+def _unpack(b: int, k1: int, draft_ids: torch.Tensor | None, counts: list[int], head: list[torch.Tensor],
+            tok_lp: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None) -> Emitted:
+    """The step's one device -> host transfer (n, tokens, drafts, log-probs, top k: ids and log-probs [M, k] in one
+    tensor), unpacked per row."""
+    parts = head + ([draft_ids.reshape(-1)] if draft_ids is not None else []) + [tok_lp]
+    kt = 0 if top is None else top[0].shape[-1]
+    if top is not None:
+        parts += [top[0].reshape(-1), top[1].reshape(-1)]
+    flat = torch.cat([x.reshape(-1).double() for x in parts]).tolist()
     n_l = [int(x) for x in flat[:b]]
     at = b + b * k1
     tok_l = [[int(x) for x in flat[b + i * k1 : b + (i + 1) * k1]] for i in range(b)]

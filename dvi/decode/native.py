@@ -1,7 +1,7 @@
 """dvi's C kernels (`rows_kernel*.c`, `attention_kernel.c`): compiled with the system's C compiler on first use and
 loaded with ctypes, where the CPU has the instructions a source needs; elsewhere the reason, and torch serves.
 
-Built once per source, flags and compiler into `$XDG_CACHE_HOME/dvi/kernels` (default `~/.cache`): a temp name renamed
+Built once per source (with the headers beside it), flags and compiler into `$XDG_CACHE_HOME/dvi/kernels` (default `~/.cache`): a temp name renamed
 into place, so processes building one at once each load a whole file.
 """
 
@@ -27,7 +27,8 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(source.read_bytes() + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what `#include "..."` may read
+    key = hashlib.sha256(source.read_bytes() + headers + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
