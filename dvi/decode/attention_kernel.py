@@ -10,18 +10,14 @@ for and a batch row like its lone decode, at a fraction of SDPA's cost (docs/des
 from __future__ import annotations
 
 import ctypes
-import logging
-from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from dvi.decode.native import load_library
+from dvi.decode.native import loaded_once
 
 __all__ = ["AttentionKernel", "KernelPlan", "load", "prefix_plan", "unavailable_reason"]
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention_kernel.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
@@ -88,19 +84,12 @@ class AttentionKernel:
         return out
 
 
-@cache
-def _loaded() -> tuple[AttentionKernel | None, str | None]:
-    lib, why = load_library(SOURCE, FLAGS, frozenset({"avx2", "fma"}))
-    return (AttentionKernel(lib), None) if lib is not None else (None, why)
+_loaded = loaded_once(SOURCE, FLAGS, frozenset({"avx2", "fma"}), AttentionKernel, "torch's SDPA serves")
 
 
 def load() -> AttentionKernel | None:
     """The kernel, built on first use; None where it cannot run (`unavailable_reason` says why, logged once)."""
-    kernel, why = _loaded()
-    if kernel is None and not getattr(load, "_told", False):
-        load._told = True  # type: ignore[attr-defined]
-        log.info("attention kernel unavailable (torch's SDPA serves): %s", why)
-    return kernel
+    return _loaded()[0]
 
 
 def unavailable_reason() -> str | None:

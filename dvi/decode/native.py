@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 from dvi.decode.numerics import cpu_flags
 
-__all__ = ["load_library"]
+__all__ = ["load_library", "loaded_once"]
+
+log = logging.getLogger(__name__)
 
 
 def _cache_dir() -> Path:
@@ -61,3 +67,19 @@ def load_library(source: Path, flags: tuple[str, ...], needs: frozenset[str]) ->
         return ctypes.CDLL(str(_build(compiler, source, flags))), None
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"building it failed: {e}"
+
+
+def loaded_once(source: Path, flags: tuple[str, ...], needs: frozenset[str], wrap: Callable[[ctypes.CDLL], Any],
+                instead: str) -> Callable[[], tuple[Any | None, str | None]]:
+    """A kernel's `(wrap(library), None)`, or `(None, why)` where it cannot run (logged once, saying what serves
+    `instead`): built and loaded on the first call, the same answer after."""
+
+    @cache
+    def loaded() -> tuple[Any | None, str | None]:
+        lib, why = load_library(source, flags, needs)
+        if lib is None:
+            log.info("%s unavailable (%s): %s", source.name, instead, why)
+            return None, why
+        return wrap(lib), None
+
+    return loaded

@@ -10,17 +10,13 @@ callers then keep torch's calls.
 from __future__ import annotations
 
 import ctypes
-import logging
-from functools import cache
 from pathlib import Path
 
 import torch
 
-from dvi.decode.native import load_library
+from dvi.decode.native import loaded_once
 
 __all__ = ["VocabKernel", "load"]
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("vocab_kernel.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
@@ -64,16 +60,9 @@ class VocabKernel:
         return lse, vals, ids
 
 
-@cache
-def _loaded() -> tuple[VocabKernel | None, str | None]:
-    lib, why = load_library(SOURCE, FLAGS, frozenset({"avx2", "fma"}))
-    return (VocabKernel(lib), None) if lib is not None else (None, why)
+_loaded = loaded_once(SOURCE, FLAGS, frozenset({"avx2", "fma"}), VocabKernel, "torch's max / logsumexp / topk serve")
 
 
 def load() -> VocabKernel | None:
     """The kernel, built on first use; None where it cannot run (logged once)."""
-    kernel, why = _loaded()
-    if kernel is None and not getattr(load, "_told", False):
-        load._told = True  # type: ignore[attr-defined]
-        log.info("vocabulary kernel unavailable (torch's max / logsumexp / topk serve): %s", why)
-    return kernel
+    return _loaded()[0]
