@@ -359,3 +359,5 @@ def test_the_server_allocates_its_kv_cache_at_start(tiny_pair_dir, tmp_path):
                      for i in range(4)]
             assert all(p.result().status_code == 200 for p in posts)
         assert cache.kv.data_ptr() == kv and (cache.slots, cache.capacity) == (4, 512)
+    with ServerThread(tiny_config(tiny_pair_dir, tmp_path / "run0", "serve.kv_cache_tokens=0")) as s:
+        assert engine_of(s)._target.cache.slots == 1  # 0: nothing held ahead, the cache grows on demand

@@ -272,7 +272,7 @@ class SpeculativeEngine:
             validate_prompt(p, f"prompts[{i}]", self.vocab_size, self.num_embeddings)
             self._validate_params(sp, len(p), f"prompts[{i}]")
         self._gen_calls += 1
-        self.reserve(len(self._seqs) + len(prompts), max(map(len, prompts)) + max_new_tokens + self.k_cap + 1)
+        self.reserve(len(self._seqs) + len(prompts), max(map(len, prompts)) + self.k_cap + 1)  # answers: grown as they go
         ids = [f"generate-{self._gen_calls}-{i}" for i in range(len(prompts))]
         for rid, p, sp in zip(ids, prompts, params, strict=True):
             self.add_request(Request(rid, list(p), sp))
