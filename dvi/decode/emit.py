@@ -61,10 +61,9 @@ def emitted(draft_ids: torch.Tensor | None, n: torch.Tensor, nxt: torch.Tensor, 
     kt = min(top_k, v) if top_k > 0 else 0
     kernel = vocab_kernel.load() if cpu and all_t1 and kt else None
     if kernel is not None and kernel.serves(lf):  # one pass for the log-denominator and the top k together
-        lse_m, tv, ti = kernel.stats(lf.contiguous(), kt)
-        lse = lse_m.unsqueeze(-1)
+        lse_m, tv, ti = kernel.stats(lf, kt)  # lf: the emitted rows, gathered contiguous above
         tok_lp = lf.gather(-1, toks.unsqueeze(-1)).squeeze(-1).float() - lse_m
-        return _unpack(b, k1, draft_ids, counts, [n.view(b), tok.reshape(-1)], tok_lp, (ti, tv - lse))
+        return _unpack(b, k1, draft_ids, counts, [n.view(b), tok.reshape(-1)], tok_lp, (ti, tv - lse_m.unsqueeze(-1)))
     lf = lf.float()
     lse = torch.logsumexp(lf, -1, keepdim=True)  # [M, 1]: one pass over the vocabulary serves both below
     if all_t1:

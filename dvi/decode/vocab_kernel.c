@@ -110,15 +110,17 @@ static inline int64_t keep_top(float* vals, int64_t* ids, int64_t n, int64_t k, 
                 }                                                                                       \
             }                                                                                           \
             float s = hsum(sum);                                                                        \
-            for (; j < v; j++) {                                                                        \
-                const float xj = LOAD1(xr + j);                                                         \
-                float e[8] = {xj - m, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f};          \
-                float ex[8];                                                                            \
+            if (j < v) { /* the tail, padded with -inf's exp (0) */                                      \
+                float e[8], ex[8];                                                                      \
+                for (int l = 0; l < 8; l++) e[l] = j + l < v ? LOAD1(xr + j + l) - m : -1e30f;          \
                 _mm256_storeu_ps(ex, exp_neg(_mm256_loadu_ps(e)));                                      \
-                s += ex[0];                                                                             \
-                if (xj > thr) {                                                                         \
-                    held = keep_top(tv, ti, held, k, xj, j);                                            \
-                    if (held == k) thr = tv[k - 1];                                                     \
+                for (int64_t l = 0; j + l < v; l++) {                                                   \
+                    s += ex[l];                                                                         \
+                    const float xj = LOAD1(xr + j + l);                                                 \
+                    if (xj > thr) {                                                                     \
+                        held = keep_top(tv, ti, held, k, xj, j + l);                                    \
+                        if (held == k) thr = tv[k - 1];                                                 \
+                    }                                                                                   \
                 }                                                                                       \
             }                                                                                           \
             lse[r] = m + logf(s);                                                                       \
