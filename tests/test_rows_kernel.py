@@ -13,6 +13,7 @@ from tiny_models import tiny_llama
 
 from dvi.decode import rows_kernel
 from dvi.decode.lean import LeanModel
+from dvi.decode.numerics import cpu_flags
 from dvi.decode.rows_kernel import KERNEL_PROBE_ROWS, kernel_rows_measured
 from dvi.decode.target import CpuMatmuls, target_runner
 from dvi.engine.speculative import EngineOptions, SpeculativeEngine
@@ -24,6 +25,10 @@ BF16 = rows_kernel.load(torch.bfloat16)
 DTYPES = [pytest.param(torch.float32, id="fp32", marks=needs_kernel),
           pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(
               BF16 is None, reason=f"bf16 rows kernel unavailable: {rows_kernel.unavailable_reason(torch.bfloat16)}"))]
+
+
+def _forget_builds() -> None:
+    rows_kernel._loaded.cache_clear(), rows_kernel._build_loaded.cache_clear()
 
 
 def _target(dtype: torch.dtype = torch.float32):
@@ -70,6 +75,20 @@ def test_a_row_rounds_alike_alone_and_beside_others(dtype):
         assert torch.equal(kernel.linear(x[:m], w), alone[:m]), m
 
 
+def test_every_fp32_build_gives_the_same_bits():
+    """The AVX-512 build (where the CPU has avx512f) and the AVX2 build keep each output one fma chain over k in
+    order: a server rounds alike whichever its CPU loads. Where only one build runs, it is the one `load` serves."""
+    kernels = rows_kernel.builds()
+    if not kernels:
+        pytest.skip(f"rows kernel unavailable: {rows_kernel.unavailable_reason()}")
+    assert kernels[0] is KERNEL and KERNEL.isa == ("AVX-512" if "avx512f" in cpu_flags() else "AVX2")
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(40, 1536, generator=g), torch.randn(211, 1536, generator=g)
+    for m in (1, 5, 6, 7, 13, 16, 17, 40):
+        outs = [k.linear(x[:m], w) for k in kernels]
+        assert all(torch.equal(o, outs[0]) for o in outs), m
+
+
 @needs_kernel
 def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="fp32"):
@@ -100,7 +119,7 @@ def test_a_dtype_without_a_kernel_says_so():
 def test_without_a_compiler_it_says_why_and_torch_serves(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    rows_kernel._loaded.cache_clear()
+    _forget_builds()
     try:
         assert rows_kernel.load() is None
         assert rows_kernel.unavailable_reason()
@@ -108,20 +127,20 @@ def test_without_a_compiler_it_says_why_and_torch_serves(monkeypatch, tmp_path):
         assert lean.use_rows_kernel(4) == 0 and lean.kernel_rows == 0
     finally:
         monkeypatch.undo()
-        rows_kernel._loaded.cache_clear()
+        _forget_builds()
 
 
 @needs_kernel
 def test_the_build_is_cached_per_source(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    rows_kernel._loaded.cache_clear()
+    _forget_builds()
     try:
         assert rows_kernel.load() is not None
-        built = list((tmp_path / "dvi" / "kernels").glob("rows_kernel-*.so"))
+        built = list((tmp_path / "dvi" / "kernels").glob("rows_kernel*.so"))
         assert len(built) == 1 and not list(built[0].parent.glob(".tmp-*"))
     finally:
         monkeypatch.undo()
-        rows_kernel._loaded.cache_clear()
+        _forget_builds()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,5 +1,6 @@
-"""dvi's matmul for the rows of a decode step on x86-64 CPUs: fp32 with AVX2 and FMA (`rows_kernel.c`), bf16 with
-AVX512-BF16 (`rows_kernel_bf16.c`), built with the system's C compiler.
+"""dvi's matmul for the rows of a decode step on x86-64 CPUs: fp32 with AVX-512 (`rows_kernel_avx512.c`) or else
+AVX2 and FMA (`rows_kernel.c`; the two give the same bits), bf16 with AVX512-BF16 (`rows_kernel_bf16.c`), built with
+the system's C compiler.
 
 Why its own kernel: a decode step or a verify multiplies 1-64 rows by every weight of the target, so its cost is
 streaming the weights while the arithmetic hides behind it; MKL's one-row GEMV streams them well, but its GEMMs of
@@ -25,14 +26,17 @@ import torch
 
 from dvi.decode.native import load_library
 
-__all__ = ["EVERY_ROW", "KERNEL_ROWS", "Panels", "RowsKernel", "kernel_rows_measured", "load", "option_rows", "unavailable_reason"]
+__all__ = ["EVERY_ROW", "KERNEL_ROWS", "Panels", "RowsKernel", "builds", "kernel_rows_measured", "load", "option_rows",
+           "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
 
 class _Build(NamedTuple):
-    """One dtype's kernel: its source, compiler flags, the CPU flags it needs, its entry point and panel shape."""
+    """One build of a dtype's kernel: its source, compiler flags, the CPU flags it needs, its entry point and panel
+    shape."""
 
+    isa: str  # the instructions it runs on, as the log names them
     source: Path
     flags: tuple[str, ...]
     needs: frozenset[str]
@@ -42,12 +46,16 @@ class _Build(NamedTuple):
     align: int  # bytes the panels' aligned loads need
 
 
-_BUILDS = {
-    torch.float32: _Build(Path(__file__).with_name("rows_kernel.c"), ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared"),
-                          frozenset({"avx2", "fma"}), "dvi_panels_linear_f32", 16, 1, 32),
-    torch.bfloat16: _Build(Path(__file__).with_name("rows_kernel_bf16.c"),
-                           ("-O3", "-mavx512f", "-mavx512bf16", "-fPIC", "-shared"),
-                           frozenset({"avx512f", "avx512_bf16"}), "dvi_panels_linear_bf16", 32, 2, 64),
+_HERE = Path(__file__).parent
+_BUILDS = {  # per dtype, the builds in the order tried: the first this CPU runs serves
+    torch.float32: (
+        _Build("AVX-512", _HERE / "rows_kernel_avx512.c", ("-O3", "-mavx512f", "-fPIC", "-shared"),
+               frozenset({"avx512f"}), "dvi_panels_linear_f32", 16, 1, 64),
+        _Build("AVX2", _HERE / "rows_kernel.c", ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared"),
+               frozenset({"avx2", "fma"}), "dvi_panels_linear_f32", 16, 1, 32)),
+    torch.bfloat16: (
+        _Build("AVX512-BF16", _HERE / "rows_kernel_bf16.c", ("-O3", "-mavx512f", "-mavx512bf16", "-fPIC", "-shared"),
+               frozenset({"avx512f", "avx512_bf16"}), "dvi_panels_linear_bf16", 32, 2, 64),),
 }
 
 
@@ -71,7 +79,7 @@ class Panels:
 
 
 def _panel_view(w: torch.Tensor) -> torch.Tensor:
-    b = _BUILDS[w.dtype]
+    b = _BUILDS[w.dtype][0]  # a dtype's builds share one packing
     pad = -w.shape[0] % b.panel
     if pad:
         w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
@@ -85,13 +93,13 @@ class RowsKernel:
     inputs and packs w for the one call; the lean forward's matmuls pack each weight once (`pack`, after
     `check_weights`) and call `rows`."""
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype):
-        build = _BUILDS[dtype]
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, build: _Build):
         fn = getattr(lib, build.symbol)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64]
         fn.restype = None
         self._fn, self.dtype, self._build = fn, dtype, build
+        self.isa = build.isa
 
     def check_weights(self, *ws: torch.Tensor) -> None:
         for w in ws:
@@ -135,12 +143,28 @@ class RowsKernel:
 
 
 @cache
-def _loaded(dtype: torch.dtype = torch.float32) -> tuple[RowsKernel | None, str | None]:
-    build = _BUILDS.get(dtype)
-    if build is None:
-        return None, f"no rows kernel for {dtype} (fp32 and bf16 have one)"
+def _build_loaded(build: _Build, dtype: torch.dtype) -> tuple[RowsKernel | None, str | None]:
     lib, why = load_library(build.source, build.flags, build.needs)
-    return (RowsKernel(lib, dtype), None) if lib is not None else (None, why)
+    return (RowsKernel(lib, dtype, build), None) if lib is not None else (None, f"{build.isa}: {why}")
+
+
+@cache
+def _loaded(dtype: torch.dtype = torch.float32) -> tuple[RowsKernel | None, str | None]:
+    builds = _BUILDS.get(dtype)
+    if builds is None:
+        return None, f"no rows kernel for {dtype} (fp32 and bf16 have one)"
+    whys = []
+    for build in builds:
+        kernel, why = _build_loaded(build, dtype)
+        if kernel is not None:
+            return kernel, None
+        whys.append(why)
+    return None, "; ".join(whys)
+
+
+def builds(dtype: torch.dtype = torch.float32) -> list[RowsKernel]:
+    """Every build of `dtype`'s kernel this CPU runs, the one `load` serves first (tests hold them to the same bits)."""
+    return [k for k in (_build_loaded(b, dtype)[0] for b in _BUILDS.get(dtype, ())) if k is not None]
 
 
 _TOLD: set[torch.dtype] = set()
@@ -215,7 +239,7 @@ def kernel_rows_measured(lean: Any, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, r
     if best == rows[-1] >= KERNEL_PROBE_ROWS[-1]:
         best = EVERY_ROW
     _KERNEL_ROWS[key] = best
-    log.info("%s rows kernel: %s (timed against torch's kernels at %s rows)", _name(lean.dtype),
+    log.info("%s rows kernel (%s): %s (timed against torch's kernels at %s rows)", _name(lean.dtype), lean.kernel.isa,
              "every forward" if best == EVERY_ROW else f"forwards of up to {best} rows", rows)
     return best
 
