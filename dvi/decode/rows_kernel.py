@@ -50,7 +50,7 @@ _HERE = Path(__file__).parent
 _BUILDS = {  # per dtype, the builds in the order tried: the first this CPU runs serves
     torch.float32: (
         _Build("AVX-512", _HERE / "rows_kernel_avx512.c", ("-O3", "-mavx512f", "-fPIC", "-shared"),
-               frozenset({"avx512f"}), "dvi_panels_linear_f32", 16, 1, 64),
+               frozenset({"avx512f"}), "dvi_panels_linear_f32", 32, 1, 64),
         _Build("AVX2", _HERE / "rows_kernel.c", ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared"),
                frozenset({"avx2", "fma"}), "dvi_panels_linear_f32", 16, 1, 32)),
     torch.bfloat16: (
@@ -64,22 +64,22 @@ def _name(dtype: torch.dtype) -> str:
 
 
 class Panels:
-    """A weight w [N, K] packed for its dtype's kernel (`RowsKernel.pack`): fp32 as [ceil(N / 16), K, 16], panel i
-    holding rows 16 i .. 16 i + 15 of w column by column, so a 64-byte line carries one column of a panel; bf16 as
-    [ceil(N / 32), K / 2, 32, 2], a line carrying 16 rows' pair of columns. Zero-padded past N."""
+    """A weight w [N, K] packed for one build of its dtype's kernel (`RowsKernel.pack`): fp32 as [ceil(N / P), K, P]
+    (P = 16 for AVX2, 32 for AVX-512), panel i holding rows P i .. P i + P - 1 of w column by column, so a 64-byte line
+    carries 16 rows of a column; bf16 as [ceil(N / 32), K / 2, 32, 2], a line carrying 16 rows' pair of columns.
+    Zero-padded past N."""
 
-    __slots__ = ("data", "in_features", "out_features")
+    __slots__ = ("build", "data", "in_features", "out_features")
 
-    def __init__(self, data: torch.Tensor, out_features: int, in_features: int):
-        self.data, self.out_features, self.in_features = data, out_features, in_features
+    def __init__(self, data: torch.Tensor, out_features: int, in_features: int, build: _Build):
+        self.data, self.out_features, self.in_features, self.build = data, out_features, in_features, build
 
     def refill(self, w: torch.Tensor) -> None:
         """New values of the same weight (a target update loads weights in place): packed again into this buffer."""
-        self.data.copy_(_panel_view(w))
+        self.data.copy_(_panel_view(w, self.build))
 
 
-def _panel_view(w: torch.Tensor) -> torch.Tensor:
-    b = _BUILDS[w.dtype][0]  # a dtype's builds share one packing
+def _panel_view(w: torch.Tensor, b: _Build) -> torch.Tensor:
     pad = -w.shape[0] % b.panel
     if pad:
         w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
@@ -114,10 +114,10 @@ class RowsKernel:
         """w [N, K] in panels (a copy: the kernel's layout; torch's allocations are 64-byte aligned, as its aligned
         loads need)."""
         self.check_weights(w)
-        data = _panel_view(w).contiguous()
+        data = _panel_view(w, self._build).contiguous()
         if data.data_ptr() % self._build.align:
             raise ValueError(f"the rows kernel's panels must be {self._build.align}-byte aligned")
-        return Panels(data, int(w.shape[0]), int(w.shape[1]))
+        return Panels(data, int(w.shape[0]), int(w.shape[1]), self._build)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self.check_weights(w)
@@ -135,6 +135,8 @@ class RowsKernel:
             raise ValueError(f"the {_name(self.dtype)} rows kernel got {x.dtype} rows")
         if x.dim() != 2 or x.stride(1) != 1:
             x = x.reshape(-1, x.shape[-1]).contiguous()
+        if panels.build is not self._build:
+            raise ValueError(f"weights packed for the {panels.build.isa} build reach the {self._build.isa} build")
         m, n = x.shape[0], panels.out_features
         y = torch.empty(m, n, dtype=self.dtype)
         if m:
@@ -208,10 +210,10 @@ def kernel_rows_measured(lean: Any, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, r
     """The most rows up to which the rows kernel runs every matmul of a forward (all layers and the head: the weights
     streamed as a step streams them) no slower than the path the forward takes without it (MKL's GEMV for one row,
     oneDNN's packs or MKL's GEMM for more), arms interleaved, best of `reps`, within 2% (`EVERY_ROW` where it wins
-    at all of them); 0 where it loses at one row. Timed once per model shape, packing and thread count in a process (`lean`: a `dvi.decode.lean.LeanModel`
+    at all of them); 0 where it loses at one row. Timed once per model shape, packing, build and thread count in a process (`lean`: a `dvi.decode.lean.LeanModel`
     holding the kernel and its panels, `LeanModel.use_rows_kernel`)."""
     key = (lean.hidden, len(lean.layers), tuple(lean.layers[0].gate_up.shape), tuple(lean.head.shape), lean.dtype,
-           lean.packs is not None, lean.head_module is None, torch.get_num_threads())
+           lean.packs is not None, lean.head_module is None, lean.kernel.isa, torch.get_num_threads())
     if key in _KERNEL_ROWS:
         return _KERNEL_ROWS[key]
     was = lean.kernel_rows
