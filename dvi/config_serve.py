@@ -52,6 +52,13 @@ class ServeConfig(_Strict):
     # (each doubling a zeroed allocation and a copy: seconds on a VM slow to touch fresh memory); past it the cache
     # still doubles as needed; 0: it grows from one row on demand. dvi's engine only (behind vLLM: serve.vllm)
     kv_cache_tokens: int = Field(512, ge=0)
+    # the target keeps the keys and values of up to this many prompt tokens (blocks of 8, least recently used
+    # evicted), and a prompt that starts as an earlier one did (a chat template's system prompt, a GRPO group's
+    # samples, a retried request) copies them instead of its prefill computing them again: a shorter time to first
+    # token and fewer prefill FLOPs. Only where dvi's CPU kernels serve every forward (greedy contract "bitwise" for
+    # batches), so a cached prompt decodes exactly as a cold one; elsewhere off, and the log says why. Memory: this
+    # many tokens' keys and values (46 KiB a token for SmolLM2-135M in fp32). 0: none. dvi's engine only
+    prefix_cache_tokens: int = Field(2048, ge=0)
     # on CUDA, the target's forwards replay CUDA graphs captured at start-up (dvi.decode.graphs); not in the
     # exact mode (models.exact_greedy), which runs eagerly
     cuda_graphs: bool = True

@@ -163,7 +163,8 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
                               packed_weights(cfg.serve.cpu_packed_weights, pair.target), spec.tree_width,
                               drain_aware=False,  # rows are backfilled as they finish: throughput is the goal
                               cpu_rows_kernel=cfg.serve.cpu_rows_kernel,
-                              max_prefill_tokens=prefill_budget(cfg.serve.max_prefill_tokens, pair.target)),
+                              max_prefill_tokens=prefill_budget(cfg.serve.max_prefill_tokens, pair.target),
+                              prefix_cache_tokens=cfg.serve.prefix_cache_tokens),
     )
 
 

@@ -157,8 +157,7 @@ class LeanModel:
         self.kernel_rows = 0
         self.kernel: RowsKernel | None = None
         self._panels_of: dict[int, Panels] = {}  # a layer weight's data_ptr -> the kernel's packed copy (`linear`)
-        self.head_panels: Panels | None = None
-        self.head_bias: torch.Tensor | None = None  # a reduced draft vocabulary's bias rows, beside its panels
+        self.head_panels, self.head_bias = None, None  # the head's; a reduced draft vocabulary's bias rows beside
         # every forward's attention, each query over its own slot's columns, through dvi's attention kernel
         # (`dvi.decode.attention_kernel`, switched on with the rows kernel: `use_rows_kernel`); None: torch's SDPA
         self.attn_kernel: AttentionKernel | None = None
@@ -294,10 +293,10 @@ class LeanModel:
         """ids [B, q] at columns start[b] + j of slots first_slot..first_slot+B-1, attending as `attn` says;
         logits [B, q or logits_to_keep, V] (and the final normed hidden states [B, q, H] with `features`), or
         with `pick` [B] only row b's position pick[b]: logits [B, V] (in a ragged forward, pick[b] indexes the scored
-        positions). A draft tree's nodes (`attn.depth` [B, q]) are
-        rotated at positions start[b] + depth[b, j], not at their columns. A ragged verify's `attn.real` [M]: the
-        flat indices (b * q + j) of the positions to score, in order; only they run through the projections and
-        write keys and values, the others come back as zero logits (no features). `attn.runs`: some rows' tokens
+        positions). A draft tree's nodes (`attn.depth` [B, q]) are rotated at positions start[b] + depth[b, j], not
+        at their columns. A ragged verify's `attn.real` [M]: the flat indices (b * q + j) of the positions to score,
+        in order; only they run through the projections and write keys and values, the others come back as zero
+        logits (no features). `attn.runs`: some rows' tokens
         before or after their ids in this same forward (`dvi.decode.segments.Runs`, which says what comes back)."""
         b, q = ids.shape
         runs = attn.runs or NO_RUNS
@@ -325,6 +324,7 @@ class LeanModel:
                                  qkv[:, heads + kvh :].reshape(n, kvh, d)], 1).view(n, heads + 2 * kvh, 2, d // 2)
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
+            runs.copy(cache.per_layer[i])
             o = attend(qkv[:, :heads], i)
             x = x + (ad.add(i, "o", o, lin(o, lw.o)) if ad else lin(o, lw.o))
             h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)

@@ -14,11 +14,14 @@ verified position runs as its own one-row step (exact, at K + 1 steps' cost).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from dvi.decode.attention import Attention, bucket_columns, folded_groups
 from dvi.decode.lean import LeanModel
+from dvi.decode.prefix_cache import BLOCK, PrefixCache
 from dvi.decode.rows_kernel import EVERY_ROW
 from dvi.decode.segments import Runs, Segments
 from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
@@ -26,6 +29,31 @@ from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
 __all__ = ["LeanTarget"]
 
 Features = list[torch.Tensor | None] | None
+
+
+class _Join(NamedTuple):
+    """A row admitted lazily, prefilled in the next forward: its context, the columns it already holds (copied from
+    the prefix cache), and the earlier joining row `src` whose first `shared` columns it copies as that forward
+    writes them (-1: none)."""
+
+    ctx: list[int]
+    filled: int
+    src: int = -1
+    shared: int = 0
+
+    @property
+    def start(self) -> int:
+        """Its first column the forward computes."""
+        return max(self.filled, self.shared)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class LeanTarget:
@@ -40,7 +68,8 @@ class LeanTarget:
         self.graphs = graphs  # a `dvi.decode.graphs.GraphedForward` (CUDA): its cache is this runner's
         self.cache = graphs.cache if graphs is not None else self.lean.new_cache()
         self._cols = torch.arange(0)
-        self._joining: dict[int, list[int]] = {}  # slot -> context of a row admitted lazily, prefilled in the next forward
+        self._joining: dict[int, _Join] = {}  # slot -> a row admitted lazily, prefilled in the next forward
+        self.prefix: PrefixCache | None = None  # `use_prefix_cache`
 
     @property
     def batch_size(self) -> int:
@@ -70,30 +99,88 @@ class LeanTarget:
             self._cols = torch.arange(max(n, 2 * self._cols.numel()), device=self.lean.device)
         return self._cols[:n]
 
+    def use_prefix_cache(self, tokens: int) -> str | None:
+        """Prompts' leading keys and values kept for up to `tokens` positions (`PrefixCache`) and copied into a later
+        prompt that starts alike, instead of its prefill computing them again; None, or why it is not used: only
+        where every position rounds alike whatever forward computes it (`contract`: batched "bitwise"), so a prompt
+        served from the cache decodes exactly as from a cold prefill."""
+        self.prefix = None
+        if tokens <= 0:
+            return "no tokens to hold"
+        if self.contract["batched"] != "bitwise":
+            return ("a prompt's keys and values computed in another forward would round apart here (the greedy "
+                    "contract for batches is near-tie: dvi's CPU kernels do not serve every forward)")
+        lean = self.lean
+        self.prefix = PrefixCache(len(lean.layers), lean.kv_heads, lean.head_dim, lean.dtype, lean.device, tokens)
+        return None
+
     def admit(self, contexts: list[list[int]], features: bool, lazy: bool = False) -> Features:
         """`lazy`: where the next forward can carry them (`joins`), the rows' prefills ride on it (`Segments`) instead
-        of running now, each a forward of its own."""
+        of running now, each a forward of its own. Each row first takes what the prefix cache holds of its context."""
         if lazy and self.joins(len(contexts), features):
             for ctx in contexts:
                 (slot,) = self.cache.add_rows(1)
-                self._joining[slot] = list(ctx)
+                join = self._shared(_Join(list(ctx), self._reuse(slot, ctx, features)))
+                if join.start < len(ctx) or join.src >= 0:
+                    self._joining[slot] = join
             return None
         self._flush()
-        feats = [self._prefill(self.cache.add_rows(1)[0], ctx, features) for ctx in contexts]
+        feats = []
+        for ctx in contexts:
+            (slot,) = self.cache.add_rows(1)
+            feats.append(self._prefill(slot, ctx, features, self._reuse(slot, ctx, features)))
         return feats if features else None
 
-    def _prefill(self, slot: int, ctx: list[int], features: bool) -> torch.Tensor | None:
+    def _reuse(self, slot: int, ctx: list[int], features: bool) -> int:
+        """The cached keys and values `ctx` starts with, copied into row `slot`; the columns filled (none where the
+        prefill must return features of every position, or the target runs adapters of its own)."""
+        if self.prefix is None or features or self.lean.adapters is not None or len(ctx) < BLOCK:
+            return 0
+        self.cache.reserve(slot + 1, len(ctx) + 1)
+        filled = self.prefix.copy_into(ctx, self.cache.kv[:, slot])
+        self.cache.lengths[slot] = filled
+        return filled
+
+    def _shared(self, join: _Join) -> _Join:
+        """`join` sharing its longest common start with a row joining in the same forward, where that is longer than
+        what the prefix cache gave it (a GRPO group's samples of one prompt, admitted at once: none is cached yet)."""
+        if self.prefix is None:
+            return join
+        best, src = join.filled, -1
+        for slot, other in self._joining.items():
+            n = _common(join.ctx, other.ctx)
+            if n > best:
+                best, src = n, slot
+        if src < 0:
+            return join
+        self.prefix.count_shared(best - join.filled, hit=join.filled == 0)
+        return join._replace(src=src, shared=best)
+
+    def _remember(self, slot: int, ctx: list[int]) -> None:
+        """Row `slot`'s context, just prefilled, into the prefix cache."""
+        if self.prefix is not None and self.lean.adapters is None and len(ctx) >= BLOCK:
+            self.prefix.keep(ctx, self.cache.kv[:, slot])
+
+    def _prefill(self, slot: int, ctx: list[int], features: bool, filled: int = 0) -> torch.Tensor | None:
         """Row `slot` gets `ctx` as a forward of its own, causal over the row's own columns as HF's prefill of a
-        prompt; its final normed hidden states with `features` (None for an empty context)."""
+        prompt, after the `filled` columns the prefix cache gave it; its final normed hidden states with `features`
+        (None for an empty context)."""
         n = len(ctx)
-        if n == 0:
+        if n == filled:
+            self.cache.lengths[slot] = n
             return None
         self.cache.reserve(slot + 1, n)
-        ids = torch.tensor([ctx], dtype=torch.long, device=self.lean.device)
-        zero = torch.zeros(1, dtype=torch.long, device=self.lean.device)
-        out = self.lean.forward(self.cache, ids, zero, Attention(n, causal=n > 1), logits_to_keep=1,
-                                features=features, first_slot=slot)
+        dev = self.lean.device
+        ids = torch.tensor([ctx[filled:]], dtype=torch.long, device=dev)
+        if filled:  # the new positions over the cached columns and, causally, each other
+            cols = self._columns(n)
+            attn = Attention(n, mask=(cols.view(1, -1) <= cols[filled:].view(-1, 1)).view(1, 1, n - filled, n))
+        else:
+            attn = Attention(n, causal=n > 1)
+        out = self.lean.forward(self.cache, ids, torch.tensor([filled], dtype=torch.long, device=dev), attn,
+                                logits_to_keep=1, features=features, first_slot=slot)
         self.cache.lengths[slot] = n
+        self._remember(slot, ctx)
         return out[1][0] if features else None
 
     def joins(self, rows: int, features: bool) -> bool:
@@ -104,8 +191,10 @@ class LeanTarget:
 
     def _flush(self) -> None:
         """Rows admitted lazily get their prefills now, each its own forward (what the next forward cannot carry)."""
-        for slot, ctx in sorted(self._joining.items()):
-            self._prefill(slot, ctx, False)
+        for slot, join in sorted(self._joining.items()):  # a row's source is an earlier slot: prefilled before it
+            if join.src >= 0:
+                self.cache.kv[:, slot, : join.shared] = self.cache.kv[:, join.src, : join.shared]
+            self._prefill(slot, join.ctx, False, join.start)
         self._joining = {}
 
     def attention(self, q: int) -> Attention:
@@ -136,6 +225,15 @@ class LeanTarget:
         (their keys land past the row's length, to be overwritten; their outputs are dropped). `tree`: per row the
         parents of draft nodes 1..q-1 (`dvi.decode.tree_attention`). `lens`: row i's real drafts (of q - 1): a batch
         verify scores only those and the row's last token (`ragged_rows`), like vLLM's flattened batch."""
+        joining = dict(self._joining)
+        out = self._forward(ids, features, tree, lens)
+        if joining and not self._joining:  # their prefills rode on this forward (or ran before it)
+            for slot, join in joining.items():
+                self._remember(slot, join.ctx)
+        return out
+
+    def _forward(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None,
+                 lens: list[int] | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         b, q = ids.shape
         prefixes = None
         if self._joining:
@@ -158,7 +256,7 @@ class LeanTarget:
         return self._eager(ids, features)
 
     def _eager(self, ids: torch.Tensor, features: bool, tree: list[list[int]] | None = None,
-               scored: torch.Tensor | None = None, prefixes: Segments | None = None,
+               scored: torch.Tensor | None = None, prefixes: Runs | None = None,
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         b, q = ids.shape
         real = q
@@ -177,13 +275,13 @@ class LeanTarget:
         self.cache.reserve(b, attn.columns)
         start = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.lean.device)
         if prefixes is not None:  # (never with a tree: `forward` runs pending prefills first there)
-            attn.runs = Runs(prefixes)
+            attn.runs = prefixes
         out = self.lean.forward(self.cache, ids, start, attn, features=features)
         if q == real:
             return out
         return (out[0][:, :real], out[1][:, :real]) if features else out[:, :real]
 
-    def _tails(self, ids: torch.Tensor, lens: list[int], prefixes: Segments | None) -> torch.Tensor:
+    def _tails(self, ids: torch.Tensor, lens: list[int], prefixes: Runs | None) -> torch.Tensor:
         """A ragged verify where at most half the rows drafted: every row's last token as a one-token step, the
         drafting rows' drafts as tails (`Segments`), each attending over its own row only; the padded ragged forward
         attends every row's K + 1 queries."""
@@ -195,20 +293,23 @@ class LeanTarget:
         attn = self.attention(1)
         self.cache.reserve(b, max(attn.columns, tails.columns))
         start = torch.tensor(starts, dtype=torch.long, device=self.lean.device)
-        attn.runs = Runs(prefixes, tails)
+        attn.runs = Runs(prefixes.prefixes, tails, prefixes.copies) if prefixes is not None else Runs(None, tails)
         return self.lean.forward(self.cache, ids[:, :1], start, attn)
 
-    def _prefixes(self) -> Segments | None:
-        """The lazily admitted rows' contexts as this forward's prefixes; their lengths now count them."""
+    def _prefixes(self) -> Runs:
+        """The lazily admitted rows' contexts as this forward's prefixes (after what they hold or share), and the
+        shared columns each copies from its source row as the forward writes them; their lengths now count them."""
         dev = self.lean.device
-        slots = [s for s in sorted(self._joining) if self._joining[s]]
-        prefixes = Segments(slots, [0] * len(slots), [torch.tensor(self._joining[s], dtype=torch.long, device=dev)
-                                                      for s in slots]) if slots else None
-        self.cache.reserve(self.cache.batch_size, max(len(c) for c in self._joining.values()) + 1)
-        for s, ctx in self._joining.items():
-            self.cache.lengths[s] = len(ctx)
+        joins = sorted(self._joining.items())
+        ride = [(s, j) for s, j in joins if j.start < len(j.ctx)]
+        prefixes = Segments([s for s, _ in ride], [j.start for _, j in ride],
+                            [torch.tensor(j.ctx[j.start :], dtype=torch.long, device=dev) for _, j in ride]) \
+            if ride else None
+        self.cache.reserve(self.cache.batch_size, max(len(j.ctx) for _, j in joins) + 1)
+        for s, j in joins:
+            self.cache.lengths[s] = len(j.ctx)
         self._joining = {}
-        return prefixes
+        return Runs(prefixes, copies=tuple((s, j.src, j.shared) for s, j in joins if j.src >= 0))
 
     @property
     def ragged(self) -> bool:
@@ -265,6 +366,8 @@ class LeanTarget:
 
     def rebuild(self, contexts: list[list[int]], features: bool) -> Features:
         self.lean.repack()  # new target weights: packed copies made from the old ones are stale
+        if self.prefix is not None:  # and so are cached prompts' keys and values
+            self.prefix.clear()
         self._joining = {}  # the rows' contexts come again, whole
         self.cache.truncate([])  # the same cache (a captured graph holds its address); stale entries are masked
         return self.admit(contexts, features)

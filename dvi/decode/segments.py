@@ -74,13 +74,22 @@ class Runs:
     """What goes through a forward beside its batch's ids [B, q]: prefixes before them (start[b] counts them; their
     outputs are dropped), tails after ids [B, 1] (a ragged verify's drafts, `tails.width` positions a row in all:
     the forward then returns logits [B, tails.width, V], each row's id at position 0, its tail after it, zeros
-    elsewhere)."""
+    elsewhere). `copies` (dst slot, src slot, n): each layer's keys and values of src's columns 0..n-1 copied into
+    dst's once the layer has written them, before any query attends (joining prompts that start alike: the first
+    computes, the others copy)."""
 
     prefixes: Segments | None = None
     tails: Segments | None = None
+    copies: tuple[tuple[int, int, int], ...] = ()
 
     def __bool__(self) -> bool:
-        return self.prefixes is not None or self.tails is not None
+        return self.prefixes is not None or self.tails is not None or bool(self.copies)
+
+    def copy(self, layer_kv: torch.Tensor) -> None:
+        """`copies` in one layer's cache [slots, capacity, 2, kv_heads, head_dim], in order (a source may itself
+        be a copy's destination earlier in the list)."""
+        for dst, src, n in self.copies:
+            layer_kv[dst, :n] = layer_kv[src, :n]
 
     def pieces(self, n: int) -> list[int] | None:
         """Row counts a forward of n flat rows runs its matmuls in: the batch's and the tails' rows together, then each

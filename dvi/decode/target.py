@@ -9,6 +9,7 @@ Between steps the target's cache holds every token of a row but the last emitted
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple, Protocol
 
 import torch
@@ -20,11 +21,14 @@ from dvi.decode.kv import RaggedKV, prefill
 from dvi.decode.lean import LeanModel, lean_supported
 from dvi.decode.lean_target import LeanTarget
 from dvi.decode.numerics import is_exact_greedy
+from dvi.decode.prefix_cache import BLOCK
 from dvi.decode.rows_kernel import option_rows
 
-__all__ = ["CpuMatmuls", "TargetRunner", "LeanTarget", "RaggedTarget", "target_runner", "plain_greedy"]
+__all__ = ["CpuMatmuls", "TargetRunner", "LeanTarget", "RaggedTarget", "target_runner", "plain_greedy",
+           "with_prefix_cache"]
 
 Features = list[torch.Tensor | None] | None
+log = logging.getLogger(__name__)
 
 
 class TargetRunner(Protocol):
@@ -177,6 +181,20 @@ def target_runner(model: nn.Module, lean: bool = True, max_width: int = 17, grap
 
         captured = GraphedForward(lm, max_batch, max_width, max_context or lm.max_position, progress=True)
     return LeanTarget(lean=lm, exact=exact, min_rows=inv.min_rows or 1, invariance=inv, graphs=captured)
+
+
+def with_prefix_cache(runner: TargetRunner, tokens: int) -> TargetRunner:
+    """`runner` keeping prompts' leading keys and values for up to `tokens` positions (`LeanTarget.use_prefix_cache`)
+    where it can; logged either way (0: nothing, not logged)."""
+    if tokens:
+        why = runner.use_prefix_cache(tokens) if isinstance(runner, LeanTarget) else \
+            "the target runs through HF's forward (dvi's lean forward does not serve it)"
+        if why:
+            log.info("prefix cache off: %s", why)
+        else:
+            log.info("prefix cache: prompts' first %d tokens in blocks of %d kept for reuse (%.0f MiB; "
+                     "serve.prefix_cache_tokens)", runner.prefix.blocks * BLOCK, BLOCK, runner.prefix.nbytes / 2**20)
+    return runner
 
 
 @torch.inference_mode()

@@ -31,6 +31,9 @@ class EngineOptions:
     # where answers of one length make rows finish together, a wave of joiners prefilled in one step makes every one
     # of them wait for all their prompts
     max_prefill_tokens: int = 0
+    # prompts' leading tokens whose keys and values the target keeps for a later prompt that starts alike (a
+    # template's system prompt, a GRPO group's samples of one prompt): `dvi.decode.prefix_cache`; 0: none
+    prefix_cache_tokens: int = 0
 
 
 def prefill_share(prompt_lens: list[int], budget: int) -> int:

@@ -42,7 +42,7 @@ from dvi.decode.request import (
 from dvi.decode.results import GenerationResult, StepOutput, Versions
 from dvi.decode.seq import BatchParams, Seq, fill_order, g_rand, row_generator
 from dvi.decode.sources import SOURCE_MODEL
-from dvi.decode.target import CpuMatmuls, TargetRunner, target_runner
+from dvi.decode.target import CpuMatmuls, TargetRunner, target_runner, with_prefix_cache
 from dvi.drafters.factory import proposer_for_drafter
 from dvi.drafters.learned import Drafter
 from dvi.drafters.proposer import Draft, Proposer
@@ -102,10 +102,10 @@ class SpeculativeEngine:
         # learned chain with its siblings and two history branches) is probed for the greedy contract too
         widest_tree = self.k_cap + 1 + self.max_draft_tokens * options.tree_width + self.proposer.max_tokens \
             if options.tree_width else 0
-        self._target: TargetRunner = target_runner(self.target, max_width=self.k_cap + 1, graphs=options.cuda_graphs,
-                                                   max_batch=options.max_batch_size, max_context=self.max_context,
-                                                   cpu=CpuMatmuls(options.cpu_packed_weights, options.cpu_rows_kernel),
-                                                   tree_width=widest_tree)
+        self._target: TargetRunner = with_prefix_cache(target_runner(
+            self.target, max_width=self.k_cap + 1, graphs=options.cuda_graphs, max_batch=options.max_batch_size,
+            max_context=self.max_context, cpu=CpuMatmuls(options.cpu_packed_weights, options.cpu_rows_kernel),
+            tree_width=widest_tree), options.prefix_cache_tokens)
         self._sync_feature_layers()
         self.k_policy = KPolicy(adaptive, num_draft_tokens, max_draft_tokens, self._calibrate,
                                 options.tree_width if self._target.trees else 0)
