@@ -101,6 +101,7 @@ class EngineSnapshot:
     # the engine thread's heap trims (`dvi.memory.HeapTrimmer.status`): resident size before / after the last one and
     # what trims gave back, which separates freed heap glibc held from memory the server still uses
     heap: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    prefix_cache: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # `PrefixCache.stats()` (empty: none)
 
     def served(self, lane: Any = None) -> int:
         """The drafter version the engine serves; with a group's `lane`, that group's adapter version (0: none)."""
@@ -150,7 +151,8 @@ def take_snapshot(engine: Engine, seq: int, heap: Mapping[str, Any] | None = Non
         proposer_stats=MappingProxyType(dict(r.proposer_stats)) if r.proposer_stats else _EMPTY,
         adapter_versions=MappingProxyType(dict(engine.adapter_versions)),
         engine_info=MappingProxyType(dict(r.info)) if r.info else _EMPTY,
-        heap=MappingProxyType(dict(heap)) if heap else _EMPTY)
+        heap=MappingProxyType(dict(heap)) if heap else _EMPTY,
+        prefix_cache=MappingProxyType(dict(r.prefix_cache)) if r.prefix_cache else _EMPTY)
 
 
 class SampleOutbox:

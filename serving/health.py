@@ -78,6 +78,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "drafter_kind": s.cfg.models.drafter_kind,
         "learned_kind": s.cfg.models.learned_kind,
         "suffix": _suffix_info(s, snap.proposer_stats),
+        "prefix_cache": dict(snap.prefix_cache) or None,  # serve.prefix_cache_tokens (None: off, the log says why)
         "draft_vocab_size": snap.draft_vocab_size,  # N of the live drafter's reduced vocabulary (None: full)
         "greedy_contract": dict(snap.greedy_contract),  # bitwise / near-tie, measured on this device at start-up
         "tokenizer": {"stop_token_ids": list(s.scheduler.eos_ids), "warnings": s.tokenizer_warnings},

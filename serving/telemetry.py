@@ -229,6 +229,9 @@ class ServerMetrics:
         self.m.set_queue_depth(snap.queue)
         self._sync_counter(M.ENGINE_STEPS, snap.steps)
         self._sync_counter(M.ENGINE_BUSY_SECONDS, snap.busy_seconds)
+        if snap.prefix_cache:
+            self._sync_counter(M.PREFIX_CACHE_QUERIES, snap.prefix_cache["queried_tokens"])
+            self._sync_counter(M.PREFIX_CACHE_HITS, snap.prefix_cache["reused_tokens"])
         dv = drafter.shared.live_version if drafter is not None else 0
         self.m.set_versions(drafter_version=dv, target_version=target_version)
         for group, version in snap.adapter_versions.items():

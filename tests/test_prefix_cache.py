@@ -5,6 +5,8 @@ the cache is refused, saying why."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from tiny_models import tiny_llama
@@ -149,3 +151,30 @@ def test_new_target_weights_empty_the_cache(one_thread):
     assert run.prefix.copy_into(ctx, torch.zeros_like(run.cache.kv[:, 0])) == 16
     run.rebuild([], False)
     assert run.prefix.copy_into(ctx, torch.zeros_like(run.cache.kv[:, 0])) == 0
+
+
+def test_a_server_reports_its_prefix_cache_and_answers_alike(tiny_pair_dir, tmp_path, monkeypatch):
+    """Through `dvi serve`: the same prompt twice, greedy, answers alike; the second's prompt comes from the cache,
+    counted on /health and /metrics (vLLM's prefix_cache_queries / hits, as tokens)."""
+    from test_serving_helpers import ServerThread, tiny_config
+
+    from dvi.metrics import names as M
+
+    _kernels_or_skip(torch.float32)
+    monkeypatch.setattr(rows_kernel, "kernel_rows_measured", lambda lean: rows_kernel.EVERY_ROW)
+    cfg = tiny_config(tiny_pair_dir, tmp_path / "run", "serve.prefix_cache_tokens=256", "models.dtype=float32")
+    prompt = "def merge_sorted(left, right):\n    out = []\n    while left and right:\n"
+    with ServerThread(cfg) as s, s.client() as c:
+        contract = s.health()["greedy_contract"]
+        if contract["batched"] != "bitwise":
+            pytest.skip(f"the tiny pair's contract here: {contract}")
+        texts = [c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0}).json()
+                 ["choices"][0]["text"] for _ in range(2)]
+        assert texts[0] == texts[1]
+        deadline = time.monotonic() + 30
+        while (pc := s.health()["prefix_cache"])["hits"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the engine publishes its counts between steps
+        assert pc["tokens"] == 256 and pc["hits"] == 1 and pc["reused_tokens"] >= 8
+        metrics = c.get("/metrics").text
+        assert f"{M.PREFIX_CACHE_HITS} {float(pc['reused_tokens'])}" in metrics
+        assert f"{M.PREFIX_CACHE_QUERIES} {float(pc['queried_tokens'])}" in metrics

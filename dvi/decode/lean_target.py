@@ -134,7 +134,7 @@ class LeanTarget:
     def _reuse(self, slot: int, ctx: list[int], features: bool) -> int:
         """The cached keys and values `ctx` starts with, copied into row `slot`; the columns filled (none where the
         prefill must return features of every position, or the target runs adapters of its own)."""
-        if self.prefix is None or features or self.lean.adapters is not None or len(ctx) < BLOCK:
+        if self.prefix is None or features or self.lean.adapters is not None:
             return 0
         self.cache.reserve(slot + 1, len(ctx) + 1)
         filled = self.prefix.copy_into(ctx, self.cache.kv[:, slot])

@@ -36,7 +36,7 @@ class PrefixCache:
         self._children: list[set[int]] = [set() for _ in range(blocks)]
         self._lru: OrderedDict[int, None] = OrderedDict()  # blocks in use, least recently used first
         self._free = list(range(blocks - 1, -1, -1))
-        self.hits = self.reused_tokens = 0
+        self.queried_tokens = self.hits = self.reused_tokens = 0  # prompt tokens looked up; prompts and tokens reused
 
     @property
     def blocks(self) -> int:
@@ -45,6 +45,12 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
+
+    def stats(self) -> dict[str, int]:
+        """What /health and /metrics show: capacity, blocks held, prompt tokens looked up and reused, prompts that
+        reused some."""
+        return {"tokens": self.blocks * BLOCK, "held_tokens": len(self._lru) * BLOCK, "queried_tokens":
+                self.queried_tokens, "reused_tokens": self.reused_tokens, "hits": self.hits}
 
     def clear(self) -> None:
         """Forget every block (new target weights: the cached keys and values are the old weights')."""
@@ -72,6 +78,7 @@ class PrefixCache:
     def copy_into(self, ctx: list[int], row: torch.Tensor) -> int:
         """The keys and values of the longest run of cached blocks `ctx` starts with, copied into `row` [layers,
         columns, 2, kv_heads, head_dim] (a slot of the `SlotCache`) at columns 0..; the tokens copied."""
+        self.queried_tokens += len(ctx)
         chain = self._chain(ctx)
         if not chain:
             return 0

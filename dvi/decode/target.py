@@ -21,7 +21,7 @@ from dvi.decode.kv import RaggedKV, prefill
 from dvi.decode.lean import LeanModel, lean_supported
 from dvi.decode.lean_target import LeanTarget
 from dvi.decode.numerics import is_exact_greedy
-from dvi.decode.prefix_cache import BLOCK
+from dvi.decode.prefix_cache import BLOCK, PrefixCache
 from dvi.decode.rows_kernel import option_rows
 
 __all__ = ["CpuMatmuls", "TargetRunner", "LeanTarget", "RaggedTarget", "target_runner", "plain_greedy",
@@ -38,6 +38,7 @@ class TargetRunner(Protocol):
     max_rows: int | None  # rows the runner can hold at once (captured graphs' fixed cache); None: no limit
     trees: bool  # whether `forward` scores draft trees (`tree`) and `keep_path` keeps their accepted paths
     ragged: bool  # whether a batch `forward` with `lens` scores only real drafts (padding costs nothing)
+    prefix: PrefixCache | None  # prompts' leading keys and values kept for reuse (`with_prefix_cache`)
 
     def admit(self, contexts: list[list[int]], features: bool, lazy: bool = False) -> Features:
         """Rows holding `contexts` join at the end of the batch; with `features`, each row's final normed hidden
@@ -74,6 +75,8 @@ class TargetRunner(Protocol):
 
 class RaggedTarget:
     """Any HF causal LM through its module forward (`dvi.decode.forward.model_forward`) over a `RaggedKV`."""
+
+    prefix = None  # HF's forward: no prefix cache (`with_prefix_cache` says why)
 
     def __init__(self, model: nn.Module):
         self.model = model

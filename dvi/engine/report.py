@@ -16,3 +16,4 @@ class EngineReport:
     proposer_stats: Mapping[str, Any] = field(default_factory=dict)  # the drafter kind's counters (suffix index size)
     draft_vocab_size: int | None = None  # a learned drafter's reduced draft vocabulary (None: the full one, or none)
     info: Mapping[str, Any] = field(default_factory=dict)  # a remote engine's own state (vLLM: its url, restarts)
+    prefix_cache: Mapping[str, int] = field(default_factory=dict)  # `PrefixCache.stats()` ({}: none)

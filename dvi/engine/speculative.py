@@ -162,9 +162,10 @@ class SpeculativeEngine:
         return None
 
     def report(self) -> EngineReport:
-        """Between steps, for the server's snapshot: the proposer's counters and the draft vocabulary's size."""
-        ids = getattr(self.proposer.drafter, "draft_vocab", None)
-        return EngineReport(self.proposer.stats(), None if ids is None else int(ids.numel()))
+        """For the server's snapshot: the proposer's counters, draft vocabulary size, prefix cache counts."""
+        ids, pc = getattr(self.proposer.drafter, "draft_vocab", None), self._target.prefix
+        return EngineReport(self.proposer.stats(), None if ids is None else int(ids.numel()),
+                            prefix_cache=pc.stats() if pc else {})
 
     def take_suffix_step_seconds(self) -> list[float]:
         """The suffix lookups' host seconds per step since the last call (handed over: the engine starts a new list)."""
@@ -234,12 +235,12 @@ class SpeculativeEngine:
 
     def update_target_weights(self, state_dict_or_path: dict | str | Path, version: int,
                               complete: bool = False) -> None:
-        """Load new target weights in place (Parameter objects kept); in-flight target KV is recomputed.
+        """Load new target weights in place (Parameter objects kept); in-flight target KV is recomputed (and the
+        prefix cache emptied).
 
-        Refused (ValueError, nothing changed) for unknown keys, wrong shapes, non-finite values, and,
-        with `complete=True` (the server's admin API), for a file lacking any of the target's
-        tensors (weights tied to a present tensor excepted): half-updated weights serve garbage.
-        """
+        Refused (ValueError, nothing changed) for unknown keys, wrong shapes, non-finite values, and, with
+        `complete=True` (the server's admin API), for a file lacking any of the target's tensors (weights tied to a
+        present tensor excepted): half-updated weights serve garbage."""
         sd = load_state_dict(state_dict_or_path) if isinstance(state_dict_or_path, (str, Path)) else state_dict_or_path
         check_target_state_dict(sd, self.target.state_dict(), complete)
         with torch.no_grad():

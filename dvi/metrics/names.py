@@ -76,6 +76,8 @@ SOURCE_ACCEPTED_TOKENS = "dvi_spec_decode_source_num_accepted_tokens_total"
 SOURCE_ACCEPTANCE_RATE = "dvi_spec_decode_source_acceptance_rate"
 SOURCE_MEAN_ACCEPTED_LENGTH = "dvi_spec_decode_source_mean_accepted_length"
 SUFFIX_INDEX_TOKENS = "dvi_suffix_index_tokens"
+PREFIX_CACHE_QUERIES = "dvi_prefix_cache_queries_total"
+PREFIX_CACHE_HITS = "dvi_prefix_cache_hits_total"
 SUFFIX_INDEX_SEQS = "dvi_suffix_index_sequences"
 SUFFIX_LOOKUPS = "dvi_suffix_lookups_total"
 SUFFIX_HITS = "dvi_suffix_hits_total"
@@ -254,6 +256,10 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(SUFFIX_INDEX_SEQS, "gauge", "Sequences in the suffix drafter's global index."),
         MetricSpec(SUFFIX_LOOKUPS, "counter", "Suffix index lookups (one per row and drafting step)."),
         MetricSpec(SUFFIX_HITS, "counter", "Suffix lookups that proposed tokens, by index.", (L_SOURCE,)),
+        MetricSpec(PREFIX_CACHE_QUERIES, "counter", "Prompt tokens looked up in the target's prefix cache "
+                   "(serve.prefix_cache_tokens; vLLM's prefix_cache_queries)."),
+        MetricSpec(PREFIX_CACHE_HITS, "counter", "Prompt tokens whose keys and values came from the prefix cache or "
+                   "from a prompt joining beside them, not from their own prefill (vLLM's prefix_cache_hits)."),
         MetricSpec(SUFFIX_STEP_SECONDS, "histogram",
                    "Host seconds the suffix index spends per engine step (lookups and appends).", (),
                    SUFFIX_STEP_BUCKETS),
