@@ -38,6 +38,11 @@ DEFAULT_CONTROL_SHARE = 0.05
 requests measures what its adapter buys, at a twentieth of that gain's cost."""
 
 
+DEFAULT_PREFIX_CACHE_TOKENS = 2048
+"""serve.prefix_cache_tokens' default, and `dvi.rollout`'s: a chat template's system prompt or a GRPO group's prompt
+many times over, at 23-46 KiB a token for SmolLM2-135M (bf16 / fp32)."""
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -58,7 +63,7 @@ class ServeConfig(_Strict):
     # token and fewer prefill FLOPs. Only where dvi's CPU kernels serve every forward (greedy contract "bitwise" for
     # batches), so a cached prompt decodes exactly as a cold one; elsewhere off, and the log says why. Memory: this
     # many tokens' keys and values (46 KiB a token for SmolLM2-135M in fp32). 0: none. dvi's engine only
-    prefix_cache_tokens: int = Field(2048, ge=0)
+    prefix_cache_tokens: int = Field(DEFAULT_PREFIX_CACHE_TOKENS, ge=0)
     # on CUDA, the target's forwards replay CUDA graphs captured at start-up (dvi.decode.graphs); not in the
     # exact mode (models.exact_greedy), which runs eagerly
     cuda_graphs: bool = True

@@ -178,8 +178,9 @@ class RolloutEngine:
         `kind`: ``history`` (a prompt's earlier rollouts and live siblings, `dvi.rollout_history`), ``history_hybrid``
         (that index, else `drafter` where no proposal clears the bar), or any `dvi.drafters.factory` kind
         (``none``, ``suffix``, ``hybrid``, a learned kind with `drafter`). `kwargs` go to `RolloutEngine`.
-        `engine_options` default: `serve.cpu_rows_kernel`'s default (``auto``): on a CPU, dvi's kernels where they win,
-        as `dvi serve` runs them."""
+        `engine_options` default: `serve.cpu_rows_kernel`'s and `serve.prefix_cache_tokens`' defaults: on a CPU, dvi's
+        kernels where they win, as `dvi serve` runs them, and a GRPO group's samples of one prompt prefilled once."""
+        from dvi.config_serve import DEFAULT_PREFIX_CACHE_TOKENS
         from dvi.drafters.factory import make_proposer, proposer_for_drafter
         from dvi.engine.speculative import EngineOptions, SpeculativeEngine
         from dvi.rollout_history import history_proposer
@@ -199,7 +200,8 @@ class RolloutEngine:
             proposer = make_proposer(kind, drafter, vocab, device, settings=suffix_settings)
         engine = SpeculativeEngine(target, proposer, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
                                    max_draft_tokens=max_draft_tokens,
-                                   options=engine_options or EngineOptions(cpu_rows_kernel="auto"))
+                                   options=engine_options or EngineOptions(
+                                       cpu_rows_kernel="auto", prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS))
         return cls(engine, **kwargs)
 
     # -- versions -------------------------------------------------------------------------
