@@ -73,8 +73,8 @@ class ServeConfig(_Strict):
     # auto: on where the target serves fp32 on a CPU and that copy takes at most 2 GiB
     cpu_packed_weights: bool | Literal["auto"] = "auto"
     # on a CPU, the target's and the learned drafter's forwards (steps, verifies, prefills) run through dvi's kernels,
-    # built with the system's C compiler on first use: the rows kernel for the matmuls (dvi/decode/rows_kernel.c,
-    # fp32 on AVX2 + FMA; rows_kernel_bf16.c, bf16 on AVX512-BF16) on a copy of the weights packed at start-up, and
+    # built with the system's C compiler on first use: the rows kernel for the matmuls (fp32: rows_kernel_avx512.c on
+    # AVX-512, else rows_kernel.c on AVX2 + FMA; bf16: rows_kernel_bf16.c on AVX512-BF16) on weights packed at start-up, and
     # the attention kernel for decode attention (dvi/decode/attention_kernel.c, AVX2 + FMA): the weights stream
     # behind the arithmetic whatever the row count, so a verify or a batch row costs little more than a one-row step,
     # and every row and query rounds alike alone or beside others (a batch row decodes as it does alone); auto: the
