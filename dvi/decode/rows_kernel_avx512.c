@@ -59,39 +59,13 @@
         STORE(11) STORE(12) STORE(13)                                                                      \
     }
 
-TILE(1)
-TILE(2)
-TILE(3)
-TILE(4)
-TILE(5)
-TILE(6)
-TILE(7)
-TILE(8)
-TILE(9)
-TILE(10)
-TILE(11)
-TILE(12)
-TILE(13)
-TILE(14)
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12) TILE(13) TILE(14)
 
 typedef void (*tile_fn)(const float*, int64_t, const float*, const float*, int64_t, float*, int64_t, int64_t,
                         int64_t, int64_t);
 static const tile_fn TILES[MAX_TILE + 1] = {0,      tile_1, tile_2, tile_3,  tile_4,  tile_5,  tile_6, tile_7,
                                             tile_8, tile_9, tile_10, tile_11, tile_12, tile_13, tile_14};
 
-/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w^T, w as 64-byte aligned panels (see above) */
-void dvi_panels_linear_f32(const float* x, int64_t ldx, const float* panels, int64_t N, int64_t K, float* y,
-                           int64_t ldy, int64_t M) {
-    const int64_t count = (N + PANEL - 1) / PANEL, tiles = (M + MAX_TILE - 1) / MAX_TILE;
-    for (int64_t i = 0; i < count; i++) {
-        const float* panel = panels + i * PANEL * K;
-        const float* next = i + 1 < count ? panel + PANEL * K : panel;
-        const int64_t ncols = N - PANEL * i < PANEL ? N - PANEL * i : PANEL;
-        int64_t m = 0;
-        for (int64_t t = 0; t < tiles; t++) { /* tiles as even as they go: 16 rows = 8 + 8, 40 = 14 + 13 + 13 */
-            const int64_t mr = (M - m + (tiles - t) - 1) / (tiles - t);
-            TILES[mr](x + m * ldx, ldx, panel, next, K, y + m * ldy + PANEL * i, ldy, ncols, t, tiles);
-            m += mr;
-        }
-    }
-}
+#include "rows_driver.h"
+
+ROWS_DRIVER(dvi_panels_linear_f32, float, K)
