@@ -178,3 +178,20 @@ def test_a_server_reports_its_prefix_cache_and_answers_alike(tiny_pair_dir, tmp_
         metrics = c.get("/metrics").text
         assert f"{M.PREFIX_CACHE_HITS} {float(pc['reused_tokens'])}" in metrics
         assert f"{M.PREFIX_CACHE_QUERIES} {float(pc['queried_tokens'])}" in metrics
+
+
+@torch.inference_mode()
+def test_more_threads_later_stop_the_cache_serving(one_thread):
+    """torch on two threads splits elementwise ops at counts that part a row: a position then rounds by what its
+    forward carries, so a cache made on one thread serves nothing until the threads are back to one."""
+    _kernels_or_skip(torch.float32)
+    run = LeanTarget(lean=_lean(torch.float32))
+    assert run.use_prefix_cache(64) is None
+    ctx = list(range(20))
+    run.admit([ctx], False)
+    torch.set_num_threads(2)
+    run.admit([ctx], False)
+    assert run.prefix.hits == 0
+    torch.set_num_threads(1)
+    run.admit([ctx], False)
+    assert run.prefix.hits == 1

@@ -90,9 +90,15 @@ class LeanTarget:
         if self.exact:
             return {"one_request": "bitwise", "batched": "bitwise"}
         one = (self.invariance is None or self.invariance.min_rows is not None) and self.graphs is None
-        alone = one and self.lean.kernel_rows == EVERY_ROW and self.lean.attn_kernel is not None \
-            and torch.get_num_threads() == 1
+        alone = one and self.positions_alone
         return {"one_request": "bitwise" if one else "near-tie", "batched": "bitwise" if alone else "near-tie"}
+
+    @property
+    def positions_alone(self) -> bool:
+        """Whether every position of every eager forward is computed alone, the same bits whatever else the forward
+        carries (`contract`): dvi's rows kernel at every row count and its attention kernel, torch on one thread."""
+        return self.lean.kernel_rows == EVERY_ROW and self.lean.attn_kernel is not None \
+            and torch.get_num_threads() == 1
 
     def _columns(self, n: int) -> torch.Tensor:
         if self._cols.numel() < n:
@@ -107,9 +113,9 @@ class LeanTarget:
         self.prefix = None
         if tokens <= 0:
             return "no tokens to hold"
-        if self.contract["batched"] != "bitwise":
-            return ("a prompt's keys and values computed in another forward would round apart here (the greedy "
-                    "contract for batches is near-tie: dvi's CPU kernels do not serve every forward)")
+        if not self.positions_alone or self.graphs is not None:
+            return ("a prompt's keys and values computed in another forward would round apart here (dvi's CPU kernels "
+                    "do not serve every forward on one thread: the greedy contract for batches is near-tie)")
         lean = self.lean
         self.prefix = PrefixCache(len(lean.layers), lean.kv_heads, lean.head_dim, lean.dtype, lean.device, tokens)
         return None
@@ -134,7 +140,7 @@ class LeanTarget:
     def _reuse(self, slot: int, ctx: list[int], features: bool) -> int:
         """The cached keys and values `ctx` starts with, copied into row `slot`; the columns filled (none where the
         prefill must return features of every position, or the target runs adapters of its own)."""
-        if self.prefix is None or features or self.lean.adapters is not None:
+        if not self._caching(features):
             return 0
         self.cache.reserve(slot + 1, len(ctx) + 1)
         filled = self.prefix.copy_into(ctx, self.cache.kv[:, slot])
@@ -144,7 +150,7 @@ class LeanTarget:
     def _shared(self, join: _Join) -> _Join:
         """`join` sharing its longest common start with a row joining in the same forward, where that is longer than
         what the prefix cache gave it (a GRPO group's samples of one prompt, admitted at once: none is cached yet)."""
-        if self.prefix is None:
+        if not self._caching(False):
             return join
         best, src = join.filled, -1
         for slot, other in self._joining.items():
@@ -158,8 +164,15 @@ class LeanTarget:
 
     def _remember(self, slot: int, ctx: list[int]) -> None:
         """Row `slot`'s context, just prefilled, into the prefix cache."""
-        if self.prefix is not None and self.lean.adapters is None and len(ctx) >= BLOCK:
+        if self._caching(False) and len(ctx) >= BLOCK:
             self.prefix.keep(ctx, self.cache.kv[:, slot])
+
+    def _caching(self, features: bool) -> bool:
+        """Whether prompts are served from and kept in the prefix cache now: not where the prefill must return every
+        position's features, the target runs adapters of its own, or torch's threads were raised since (a position
+        would then round by what its forward carries)."""
+        return self.prefix is not None and not features and self.lean.adapters is None \
+            and torch.get_num_threads() == 1
 
     def _prefill(self, slot: int, ctx: list[int], features: bool, filled: int = 0) -> torch.Tensor | None:
         """Row `slot` gets `ctx` as a forward of its own, causal over the row's own columns as HF's prefill of a
