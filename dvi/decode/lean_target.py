@@ -14,6 +14,7 @@ verified position runs as its own one-row step (exact, at K + 1 steps' cost).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,7 @@ from dvi.decode.attention import Attention, bucket_columns, folded_groups
 from dvi.decode.lean import LeanModel
 from dvi.decode.prefix_cache import BLOCK, PrefixCache
 from dvi.decode.rows_kernel import EVERY_ROW
-from dvi.decode.segments import Runs, Segments
+from dvi.decode.segments import NO_RUNS, Runs, Segments
 from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
 
 __all__ = ["LeanTarget"]
@@ -238,7 +239,7 @@ class LeanTarget:
         (their keys land past the row's length, to be overwritten; their outputs are dropped). `tree`: per row the
         parents of draft nodes 1..q-1 (`dvi.decode.tree_attention`). `lens`: row i's real drafts (of q - 1): a batch
         verify scores only those and the row's last token (`ragged_rows`), like vLLM's flattened batch."""
-        joining = dict(self._joining)
+        joining = dict(self._joining) if self._joining else None
         out = self._forward(ids, features, tree, lens)
         if joining and not self._joining:  # their prefills rode on this forward (or ran before it)
             for slot, join in joining.items():
@@ -306,7 +307,7 @@ class LeanTarget:
         attn = self.attention(1)
         self.cache.reserve(b, max(attn.columns, tails.columns))
         start = torch.tensor(starts, dtype=torch.long, device=self.lean.device)
-        attn.runs = Runs(prefixes.prefixes, tails, prefixes.copies) if prefixes is not None else Runs(None, tails)
+        attn.runs = dataclasses.replace(prefixes or NO_RUNS, tails=tails)
         return self.lean.forward(self.cache, ids[:, :1], start, attn)
 
     def _prefixes(self) -> Runs:

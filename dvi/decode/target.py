@@ -72,11 +72,14 @@ class TargetRunner(Protocol):
     def reserve(self, rows: int, positions: int) -> int:
         """Cache room for `rows` rows of `positions` tokens now rather than as requests arrive; the bytes it holds."""
 
+    def use_prefix_cache(self, tokens: int) -> str | None:
+        """Keep prompts' leading keys and values for up to `tokens` positions (`prefix`); None, or why not."""
+
 
 class RaggedTarget:
     """Any HF causal LM through its module forward (`dvi.decode.forward.model_forward`) over a `RaggedKV`."""
 
-    prefix = None  # HF's forward: no prefix cache (`with_prefix_cache` says why)
+    prefix = None  # HF's forward: no prefix cache (`use_prefix_cache` says why)
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -144,6 +147,9 @@ class RaggedTarget:
     def reserve(self, rows: int, positions: int) -> int:
         return 0  # a RaggedKV is rebuilt by every merge: there is nothing to hold ahead
 
+    def use_prefix_cache(self, tokens: int) -> str | None:
+        return "the target runs through HF's forward (dvi's lean forward does not serve it)"
+
     def tidy(self, speculating: bool) -> None:
         # While speculation is off (K = 0) holes left by earlier steps are pure overhead on every plain step.
         self.kv.maybe_compact(0.3 if speculating else 0.1)
@@ -190,8 +196,7 @@ def with_prefix_cache(runner: TargetRunner, tokens: int) -> TargetRunner:
     """`runner` keeping prompts' leading keys and values for up to `tokens` positions (`LeanTarget.use_prefix_cache`)
     where it can; logged either way (0: nothing, not logged)."""
     if tokens:
-        why = runner.use_prefix_cache(tokens) if isinstance(runner, LeanTarget) else \
-            "the target runs through HF's forward (dvi's lean forward does not serve it)"
+        why = runner.use_prefix_cache(tokens)
         if why:
             log.info("prefix cache off: %s", why)
         else:
