@@ -133,6 +133,24 @@ def test_a_group_of_samples_of_one_prompt_decodes_as_without_the_cache(one_threa
     assert texts[0] == texts[512]
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampled_groups_draw_the_same_tokens_with_the_cache(one_thread, monkeypatch, temperature):
+    """Sampling (top-p 0.9, seeded): the cache hands a prompt the very keys and values a cold prefill writes, so every
+    sample draws the same tokens with it as without it (the target's distribution is untouched)."""
+    _kernels_or_skip(torch.float32)
+    monkeypatch.setattr(rows_kernel, "kernel_rows_measured", lambda lean: rows_kernel.EVERY_ROW)
+    target = tiny_llama(0, **KW)
+    g = torch.Generator().manual_seed(7)
+    prompts = [p for p in (torch.randint(0, 128, (n,), generator=g).tolist() for n in (26, 33)) for _ in range(3)]
+    texts = {}
+    for tokens in (0, 512):
+        eng = SpeculativeEngine(target, None, options=EngineOptions(cpu_rows_kernel="auto", prefix_cache_tokens=tokens))
+        texts[tokens] = [r.token_ids for r in eng.generate(prompts, 16, temperature=temperature, top_p=0.9, seed=11)]
+        if tokens:
+            assert eng._target.prefix.hits >= 4
+    assert texts[0] == texts[512]
+
+
 @torch.inference_mode()
 def test_where_a_position_rounds_by_its_forward_the_cache_is_refused_saying_why(one_thread):
     plain = LeanTarget(lean=_lean(torch.float32, kernels=False))
