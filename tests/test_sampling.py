@@ -408,6 +408,37 @@ def test_point_mass_accept_equals_rejection_with_one_hot_q():
     assert bool((n1 <= lens).all()) and 0 < float((n1 > 0).float().mean()) < 1
 
 
+def test_a_ragged_verifys_unset_positions_are_never_read():
+    """A ragged verify leaves each row's positions past its drafts unset (`LeanModel._real_logits`): greedy and
+    sampled acceptance (point masses and sampled drafts, top-k / top-p rows) give the same outcome whether those
+    positions hold NaN or the real logits, with the same uniforms."""
+    from types import SimpleNamespace
+
+    from dvi.drafters.proposer import Draft
+    from dvi.engine.accept import accept_chain
+
+    g = torch.Generator().manual_seed(3)
+    b, k, v = 6, 4, 11
+    logits = torch.randn(b, k + 1, v, generator=g) * 2
+    lens = [4, 0, 2, 1, 0, 3]
+    poisoned = logits.clone()
+    for i, n in enumerate(lens):
+        poisoned[i, n + 1 :] = float("nan")
+    ids = torch.randint(0, v, (b, k), generator=g)
+    q = torch.softmax(torch.randn(b, k, v, generator=g), -1)
+    u = torch.rand(b, 2 * k + 1, generator=g)
+    temps = torch.tensor([0.0, 0.7, 1.0, 1.0, 0.7, 1.0])
+    params = [SimpleNamespace(all_greedy=True, temp=torch.zeros(b), top_k=None, top_p=None),
+              SimpleNamespace(all_greedy=False, temp=temps, top_k=torch.tensor([0, 3, 0, 5, 0, 0]),
+                              top_p=torch.tensor([1.0, 1.0, 0.9, 1.0, 0.8, 1.0]))]
+    for pr, draft_q in itertools.product(params, (None, q)):
+        draft = Draft(ids, draft_q, lens, ["x"] * b, u)
+        n1, x1 = accept_chain(draft, logits, pr)
+        n2, x2 = accept_chain(draft, poisoned, pr)
+        assert torch.equal(n1, n2) and torch.equal(x1, x2)
+        assert all(int(n) <= ln for n, ln in zip(n1, lens, strict=True))
+
+
 def _suffix(kind: str, drafter=None):
     """A suffix / hybrid proposer whose global index already continues PROMPT (so step 1 drafts from it)."""
     from dvi.config import SuffixConfig

@@ -427,10 +427,11 @@ class LeanModel:
 
     def _real_logits(self, x: torch.Tensor, real: torch.Tensor, b: int, q: int) -> torch.Tensor:
         """A ragged forward's logits for its M scored positions x [M, H], placed at their flat indices of [B, q];
-        unscored positions hold zeros (finite: an acceptance rule may read past a row's drafts but never keeps what
-        it reads there)."""
+        unscored positions are left unset (the acceptance rules read a row's positions up to its drafts only,
+        `dvi.decode.sampling.real_positions`): zeroing B x q vocabulary rows cost more than the M scored ones where
+        one row of many drafted deep."""
         logits = self._logits(F.rms_norm(x, (self.hidden,), self.norm, self.eps))
-        out = logits.new_zeros(b * q, logits.shape[-1])
+        out = logits.new_empty(b * q, logits.shape[-1])
         return out.index_copy_(0, real, logits).view(b, q, -1)
 
     def _logits(self, f: torch.Tensor) -> torch.Tensor:

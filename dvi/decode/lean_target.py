@@ -24,6 +24,7 @@ from dvi.decode.attention import Attention, bucket_columns, folded_groups
 from dvi.decode.lean import LeanModel
 from dvi.decode.prefix_cache import BLOCK, PrefixCache
 from dvi.decode.rows_kernel import EVERY_ROW
+from dvi.decode.sampling import real_positions
 from dvi.decode.segments import NO_RUNS, Runs, Segments
 from dvi.decode.tree_attention import compact_moves, node_depths, tree_attention
 
@@ -335,8 +336,7 @@ class LeanTarget:
         every position must be scored (the exact mode's padded or stepwise forwards, captured CUDA graphs)."""
         if not self.ragged or all(n + 1 >= q for n in lens):
             return None
-        idx = [i * q + j for i, n in enumerate(lens) for j in range(min(n, q - 1) + 1)]
-        return torch.tensor(idx, dtype=torch.long, device=self.lean.device)
+        return real_positions(lens, q, self.lean.device)
 
     def _stepwise(self, ids: torch.Tensor, features: bool):
         """Each row's positions one at a time, each a one-row forward over its own slot: what its plain decode

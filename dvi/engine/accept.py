@@ -17,6 +17,7 @@ from dvi.decode.sampling import (
     greedy_accept,
     greedy_tokens,
     point_mass_accept,
+    real_positions,
     rejection_accept,
     sample_from,
     warp_probs,
@@ -39,7 +40,8 @@ def accept_chain(draft: Draft, logits: torch.Tensor, params: BatchParams) -> tup
             return greedy_accept(draft.ids, logits, lens)
         nxt = greedy_tokens(logits[:, 0])  # [B]
         return torch.zeros_like(nxt), nxt
-    p = warp_probs(logits, params.temp, params.top_k, params.top_p)  # [B, K + 1, V]
+    p = warp_probs(logits, params.temp, params.top_k, params.top_p) if lens is None else \
+        _warp_real(logits, draft.lens, params)  # [B, K + 1, V]
     if k > 0:
         tests, resample = u[:, k : 2 * k], u[:, 2 * k]
         if draft.q is None:
@@ -49,6 +51,21 @@ def accept_chain(draft: Draft, logits: torch.Tensor, params: BatchParams) -> tup
         return rejection_accept(draft.ids, draft.q, p, tests, resample, lens)
     nxt = sample_from(p[:, 0], u[:, 0])  # [B]
     return torch.zeros_like(nxt), nxt
+
+
+def _warp_real(logits: torch.Tensor, lens: list[int], params: BatchParams) -> torch.Tensor:
+    """A ragged verify's target probabilities: each row's positions up to its drafts warped (the others are unset
+    logits, left as zeros no rule keeps), so its cost follows the real positions, not rows x width."""
+    b, k1, v = logits.shape
+    idx = real_positions(lens, k1, logits.device)
+    rows = idx // k1
+
+    def per_position(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.index_select(0, rows)
+
+    real = warp_probs(logits.reshape(b * k1, v).index_select(0, idx), per_position(params.temp),
+                      per_position(params.top_k), per_position(params.top_p))  # [M, V]
+    return real.new_zeros(b * k1, v).index_copy_(0, idx, real).view(b, k1, v)
 
 
 @dataclass
