@@ -92,6 +92,58 @@ def test_every_fp32_build_gives_the_same_bits():
             kernels[1].rows(x, kernels[0].pack(w))
 
 
+def _hf_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama RMS norm: the mean of squares in fp32, x * rsqrt rounded to x's dtype, then the weight."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_fused_calls_compute_the_layers_norm_swiglu_and_residual(dtype):
+    """`fused` folds a layer's RMS norm or SwiGLU before the matmul and the residual add after it: the norm as Hugging
+    Face's module computes it (bf16: the same bits; fp32: its mean of squares in another order), silu(gate) * up as
+    torch's (within the exp's last bits), the add exactly as torch adds; each row alone whatever the row count."""
+    kernel = _kernel(dtype)
+    g = torch.Generator().manual_seed(7)
+    k, n = 576, 204  # (the bf16 kernel takes an even input width: the down projection's is n)
+    x, ln = (torch.randn(17, k, generator=g) * 3).to(dtype), torch.randn(k, generator=g).to(dtype)
+    w, res = torch.randn(n, k, generator=g).to(dtype) / 24, torch.randn(17, n, generator=g).to(dtype)
+    p = kernel.pack(w)
+    got = kernel.fused(x, p, norm=(ln, 1e-5))
+    ref = kernel.rows(_hf_norm(x, ln, 1e-5), p)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kernel.fused(x, p, norm=(ln, 1e-5), residual=res), got + res)
+    alone = torch.cat([kernel.fused(x[r : r + 1], p, norm=(ln, 1e-5)) for r in range(17)])
+    assert torch.equal(alone, got)
+    wd = torch.randn(k, n, generator=g).to(dtype) / 16
+    gu = (torch.randn(17, 2 * n, generator=g) * 4).to(dtype)
+    gate, up = gu.chunk(2, -1)
+    swiglu = kernel.fused(gu, kernel.pack(wd), swiglu=True, residual=x)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 2e-2}
+    torch.testing.assert_close(swiglu, kernel.rows((F.silu(gate) * up).contiguous(), kernel.pack(wd)) + x, **tol)
+    with pytest.raises(ValueError, match="swiglu"):
+        kernel.fused(x, kernel.pack(wd), swiglu=True)
+    with pytest.raises(ValueError, match="norm's weight"):
+        kernel.fused(x, p, norm=(ln[:-2], 1e-5))
+    with pytest.raises(ValueError, match="residual"):
+        kernel.fused(x, p, residual=res[:3])
+
+
+def test_every_fp32_build_fuses_to_the_same_bits():
+    kernels = rows_kernel.builds()
+    if len(kernels) < 2:
+        pytest.skip("one fp32 build runs here")
+    g = torch.Generator().manual_seed(2)
+    x, ln, w = torch.randn(13, 576, generator=g), torch.randn(576, generator=g), torch.randn(64, 576, generator=g)
+    gu, wd = torch.randn(13, 1152, generator=g), torch.randn(40, 576, generator=g)
+    outs = [(k.fused(x, k.pack(w), norm=(ln, 1e-5), residual=x[:, :64].contiguous()),
+             k.fused(gu, k.pack(wd), swiglu=True)) for k in kernels]
+    assert all(torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1]) for a, b in outs)
+
+
 @needs_kernel
 def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="fp32"):

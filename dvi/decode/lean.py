@@ -27,6 +27,7 @@ from torch import nn
 from dvi.decode.attention import Attention
 from dvi.decode.attention_kernel import AttentionKernel, KernelPlan, prefix_plan
 from dvi.decode.cpu_paths import HEAD_BLOCK, blockwise, head_block_rows, packed_linear
+from dvi.decode.lean_layer import FusedMath, TorchMath
 from dvi.decode.segments import NO_RUNS, Runs, attend_segments
 from dvi.decode.slot_cache import SlotCache
 
@@ -314,10 +315,10 @@ class LeanModel:
         tapped = []
         lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments, runs.pieces(n))
         ad = self.adapters
+        mm = FusedMath(self.kernel, self._panels_of, self.eps) if n <= self.kernel_rows and ad is None \
+            and chunk is None else TorchMath(lin, self.hidden, self.eps, ad)
         for i, lw in enumerate(self.layers):
-            h = F.rms_norm(x, (self.hidden,), lw.ln_in, self.eps)
-            qkv = lin(h, lw.qkv, lw.qkv_bias)
-            qkv = (ad.add(i, "qkv", h, qkv) if ad else qkv).view(n, heads + 2 * kvh, 2, d // 2)
+            qkv = mm.normed(x, lw.ln_in, lw.qkv, lw.qkv_bias, i, "qkv").view(n, heads + 2 * kvh, 2, d // 2)
             if lw.q_norm is not None:
                 qkv = torch.cat([F.rms_norm(qkv[:, :heads].reshape(n, heads, d), (d,), lw.q_norm, self.eps),
                                  F.rms_norm(qkv[:, heads : heads + kvh].reshape(n, kvh, d), (d,), lw.k_norm, self.eps),
@@ -325,13 +326,8 @@ class LeanModel:
             qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
             cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
             runs.copy(cache.per_layer[i])
-            o = attend(qkv[:, :heads], i)
-            x = x + (ad.add(i, "o", o, lin(o, lw.o)) if ad else lin(o, lw.o))
-            h = F.rms_norm(x, (self.hidden,), lw.ln_post, self.eps)
-            gu = lin(h, lw.gate_up)
-            gate, up = (ad.add(i, "gate_up", h, gu) if ad else gu).chunk(2, -1)
-            m = F.silu(gate) * up
-            x = x + (ad.add(i, "down", m, lin(m, lw.down)) if ad else lin(m, lw.down))
+            x = mm.added(x, attend(qkv[:, :heads], i), lw.o, i, "o")
+            x = mm.swiglu_added(x, mm.normed(x, lw.ln_post, lw.gate_up, None, i, "gate_up"), lw.down, i, "down")
             if taps and i in taps:
                 tapped.append(x)
         if tails is not None:  # the batch's ids and the tails (the prefixes' outputs are not asked for)

@@ -65,5 +65,7 @@ typedef void (*tile_fn)(const float*, int64_t, const float*, const float*, int64
 static const tile_fn TILES[MAX_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
 #include "rows_driver.h"
+#include "rows_fused.h"
 
 ROWS_DRIVER(dvi_panels_linear_f32, float, K)
+ROWS_FUSED(dvi_panels_fused_f32, dvi_panels_linear_f32, float, f32)

@@ -49,13 +49,13 @@ class _Build(NamedTuple):
 _HERE = Path(__file__).parent
 _BUILDS = {  # per dtype, the builds in the order tried: the first this CPU runs serves
     torch.float32: (
-        _Build("AVX-512", _HERE / "rows_kernel_avx512.c", ("-O3", "-mavx512f", "-fPIC", "-shared"),
-               frozenset({"avx512f"}), "dvi_panels_linear_f32", 32, 1, 64),
+        _Build("AVX-512", _HERE / "rows_kernel_avx512.c", ("-O3", "-mavx512f", "-mavx2", "-mfma", "-fPIC", "-shared"),
+               frozenset({"avx512f", "avx2", "fma"}), "dvi_panels_linear_f32", 32, 1, 64),
         _Build("AVX2", _HERE / "rows_kernel.c", ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared"),
                frozenset({"avx2", "fma"}), "dvi_panels_linear_f32", 16, 1, 32)),
     torch.bfloat16: (
-        _Build("AVX512-BF16", _HERE / "rows_kernel_bf16.c", ("-O3", "-mavx512f", "-mavx512bf16", "-fPIC", "-shared"),
-               frozenset({"avx512f", "avx512_bf16"}), "dvi_panels_linear_bf16", 32, 2, 64),),
+        _Build("AVX512-BF16", _HERE / "rows_kernel_bf16.c", ("-O3", "-mavx512f", "-mavx512bf16", "-mavx2", "-mfma", "-fPIC", "-shared"),
+               frozenset({"avx512f", "avx512_bf16", "avx2", "fma"}), "dvi_panels_linear_bf16", 32, 2, 64),),
 }
 
 
@@ -98,7 +98,10 @@ class RowsKernel:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64]
         fn.restype = None
-        self._fn, self.dtype, self._build = fn, dtype, build
+        fused = getattr(lib, build.symbol.replace("_linear_", "_fused_"))
+        fused.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, ptr, ctypes.c_float, ctypes.c_int32, ptr, i64]
+        fused.restype = ctypes.c_int
+        self._fn, self._fused, self.dtype, self._build = fn, fused, dtype, build
         self.isa = build.isa
 
     def check_weights(self, *ws: torch.Tensor) -> None:
@@ -142,6 +145,33 @@ class RowsKernel:
         if m:
             self._fn(x.data_ptr(), x.stride(0), panels.data.data_ptr(), n, panels.in_features, y.data_ptr(), n, m)
         return y if bias is None else y.add_(bias)
+
+    def fused(self, x: torch.Tensor, panels: Panels, norm: tuple[torch.Tensor, float] | None = None,
+              swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`rows` with a decoder layer's elementwise work folded into its one call (`rows_fused.h`): x [M, K]'s rows
+        RMS-normed and scaled by `norm` = (weight [K], eps) first, or x [M, 2K] = [gate | up] through
+        silu(gate) * up first (`swiglu`); then `residual` [M, N] added. Each row from its own row alone."""
+        if x.dtype != self.dtype or x.dim() != 2 or x.stride(1) != 1:
+            raise ValueError(f"the {_name(self.dtype)} rows kernel takes 2-d {_name(self.dtype)} rows, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        if panels.build is not self._build:
+            raise ValueError(f"weights packed for the {panels.build.isa} build reach the {self._build.isa} build")
+        m, n, k = x.shape[0], panels.out_features, panels.in_features
+        if x.shape[1] != (2 * k if swiglu else k):
+            raise ValueError(f"rows of {x.shape[1]} for a weight of {k} inputs{' (swiglu: gate and up)' if swiglu else ''}")
+        w = norm[0] if norm is not None else None
+        if w is not None and (w.dtype != self.dtype or not w.is_contiguous() or w.numel() != k):
+            raise ValueError(f"the norm's weight must be {k} contiguous {_name(self.dtype)} values")
+        if residual is not None and (residual.dtype != self.dtype or tuple(residual.shape) != (m, n)
+                                     or residual.stride(1) != 1):
+            raise ValueError(f"the residual must be [{m}, {n}] {_name(self.dtype)} rows")
+        y = torch.empty(m, n, dtype=self.dtype)
+        if m and self._fused(x.data_ptr(), x.stride(0), panels.data.data_ptr(), n, k, y.data_ptr(), n, m,
+                             w.data_ptr() if w is not None else None, norm[1] if norm is not None else 0.0,
+                             int(swiglu), residual.data_ptr() if residual is not None else None,
+                             residual.stride(0) if residual is not None else 0):
+            raise MemoryError(f"the rows kernel's scratch for {m} x {k} rows")
+        return y
 
 
 @cache

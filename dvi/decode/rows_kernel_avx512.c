@@ -67,5 +67,7 @@ static const tile_fn TILES[MAX_TILE + 1] = {0,      tile_1, tile_2, tile_3,  til
                                             tile_8, tile_9, tile_10, tile_11, tile_12, tile_13, tile_14};
 
 #include "rows_driver.h"
+#include "rows_fused.h"
 
 ROWS_DRIVER(dvi_panels_linear_f32, float, K)
+ROWS_FUSED(dvi_panels_fused_f32, dvi_panels_linear_f32, float, f32)

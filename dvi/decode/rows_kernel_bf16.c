@@ -76,5 +76,7 @@ static const tile_fn TILES[MAX_TILE + 1] = {0,      tile_1, tile_2, tile_3,  til
                                             tile_7, tile_8, tile_9, tile_10, tile_11, tile_12};
 
 #include "rows_driver.h"
+#include "rows_fused.h"
 
 ROWS_DRIVER(dvi_panels_linear_bf16, uint16_t, K / 2)
+ROWS_FUSED(dvi_panels_fused_bf16, dvi_panels_linear_bf16, uint16_t, bf16)

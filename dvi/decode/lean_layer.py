@@ -1,0 +1,57 @@
+"""A decoder layer's projections in `dvi.decode.lean.LeanModel.forward`, two ways: torch's calls around each matmul
+(`TorchMath`), or dvi's rows kernel with the RMS norms, the SwiGLU and the residual adds folded into its calls
+(`FusedMath`, `dvi/decode/rows_fused.h`).
+
+Why both: at a decode step's few rows the elementwise work costs its calls' overhead, not its arithmetic (a norm is six
+torch calls), so where the rows kernel serves a forward's every matmul the forward makes one call a projection;
+per-row LoRA adapters read the normed input the fused calls never materialise, so forwards with them keep torch's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FusedMath", "TorchMath"]
+
+
+class TorchMath:
+    """lin(rms_norm(x)), x + lin(inp), x + lin(silu(gate) * up) as torch calls, per-row adapters (`ad`) added."""
+
+    def __init__(self, lin: Callable, hidden: int, eps: float, ad: Any = None):
+        self.lin, self.hidden, self.eps, self.ad = lin, hidden, eps, ad
+
+    def normed(self, x: torch.Tensor, ln: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, i: int,
+               name: str) -> torch.Tensor:
+        h = F.rms_norm(x, (self.hidden,), ln, self.eps)
+        y = self.lin(h, w, bias)
+        return self.ad.add(i, name, h, y) if self.ad else y
+
+    def added(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, i: int, name: str) -> torch.Tensor:
+        y = self.lin(inp, w)
+        return x + (self.ad.add(i, name, inp, y) if self.ad else y)
+
+    def swiglu_added(self, x: torch.Tensor, gu: torch.Tensor, w: torch.Tensor, i: int, name: str) -> torch.Tensor:
+        gate, up = gu.chunk(2, -1)
+        return self.added(x, F.silu(gate) * up, w, i, name)
+
+
+class FusedMath:
+    """The same three through the rows kernel's fused calls (`RowsKernel.fused`) on its packed weights."""
+
+    def __init__(self, kernel: Any, panels_of: dict, eps: float):
+        self.fused, self.panels_of, self.eps = kernel.fused, panels_of, eps
+
+    def normed(self, x: torch.Tensor, ln: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, i: int,
+               name: str) -> torch.Tensor:
+        y = self.fused(x, self.panels_of[w.data_ptr()], norm=(ln, self.eps))
+        return y if bias is None else y.add_(bias)
+
+    def added(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, i: int, name: str) -> torch.Tensor:
+        return self.fused(inp.reshape(inp.shape[0], -1), self.panels_of[w.data_ptr()], residual=x)
+
+    def swiglu_added(self, x: torch.Tensor, gu: torch.Tensor, w: torch.Tensor, i: int, name: str) -> torch.Tensor:
+        return self.fused(gu, self.panels_of[w.data_ptr()], swiglu=True, residual=x)

@@ -1,0 +1,137 @@
+/* What a rows kernel folds into one call around its matmul (rows_kernel.c, rows_kernel_avx512.c, rows_kernel_bf16.c):
+   a decoder layer's RMS norm or SwiGLU before it, its residual add after. At the few rows of a decode step torch's
+   calls for those cost their per-call overhead, not their arithmetic (a norm is six calls, ~10 us whatever the rows);
+   here they ride on the call the matmul makes anyway.
+
+   AVX2 + FMA, 8 lanes, whichever build includes it, so every build of a dtype computes the same bits; each row from
+   its own input row alone, in a fixed order. Numerics follow Hugging Face's Llama modules: the norm's mean of squares
+   in fp32, x * rsqrt(mean + eps) rounded to the rows' dtype before the weight multiplies it; silu(g) rounded to the
+   dtype before up multiplies it; the residual add rounded once, as torch adds two tensors of the dtype. */
+#ifndef DVI_ROWS_FUSED_H
+#define DVI_ROWS_FUSED_H
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "simd_math.h"
+
+static inline __m256 fz_load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline float fz_load1_f32(const float* p) { return *p; }
+static inline __m256 fz_round8_f32(__m256 x) { return x; }
+static inline float fz_round1_f32(float x) { return x; }
+static inline void fz_store8_f32(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+static inline void fz_store1_f32(float* p, float x) { *p = x; }
+
+static inline __m256 fz_load8_bf16(const uint16_t* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline float fz_load1_bf16(const uint16_t* p) {
+    union { uint32_t u; float f; } b = {(uint32_t)*p << 16};
+    return b.f;
+}
+/* to bf16 by round-to-nearest-even, kept as fp32 (the low 16 bits zero); finite inputs */
+static inline __m256 fz_round8_bf16(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline float fz_round1_bf16(float x) {
+    union { float f; uint32_t u; } b = {x};
+    b.u = (b.u + 0x7FFFu + ((b.u >> 16) & 1u)) & 0xFFFF0000u;
+    return b.f;
+}
+static inline void fz_store8_bf16(uint16_t* p, __m256 x) {
+    __m256i u = _mm256_srli_epi32(_mm256_castps_si256(fz_round8_bf16(x)), 16);
+    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+static inline void fz_store1_bf16(uint16_t* p, float x) {
+    union { float f; uint32_t u; } b = {fz_round1_bf16(x)};
+    *p = (uint16_t)(b.u >> 16);
+}
+
+/* silu(x) = x * sigmoid(x), exp taken of -|x| (exp_neg's domain) */
+static inline __m256 fz_silu8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 e = exp_neg(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));
+    __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    return _mm256_mul_ps(x, _mm256_blendv_ps(pos, _mm256_sub_ps(one, pos), x));
+}
+static inline float fz_silu1(float x) {
+    float v[8] = {x, 0, 0, 0, 0, 0, 0, 0}, r[8];
+    _mm256_storeu_ps(r, fz_silu8(_mm256_loadu_ps(v)));
+    return r[0];
+}
+
+/* a per-thread scratch of at least `bytes` (the prologue's rows); NULL if it cannot grow */
+static inline void* fz_scratch(size_t bytes) {
+    static __thread void* buf = 0;
+    static __thread size_t cap = 0;
+    if (bytes > cap) {
+        void* p = realloc(buf, bytes);
+        if (!p) return 0;
+        buf = p;
+        cap = bytes;
+    }
+    return buf;
+}
+
+/* NAME(x, ldx, panels, N, K, y, ldy, M, norm_w, eps, swiglu, res, ldres): LINEAR's y = x' @ w^T where x' is x's rows
+   RMS-normed and scaled by norm_w (norm_w not NULL), or silu(gate) * up of x's [gate | up] rows of 2K (swiglu), or x;
+   then y += res (res not NULL, row stride ldres). Returns 0, or -1 where the scratch could not grow (y unset). */
+#define ROWS_FUSED(NAME, LINEAR, T, SFX)                                                                             \
+    int NAME(const T* x, int64_t ldx, const T* panels, int64_t N, int64_t K, T* y, int64_t ldy, int64_t M,         \
+             const T* norm_w, float eps, int32_t swiglu, const T* res, int64_t ldres) {                          \
+        const T* src = x;                                                                                          \
+        int64_t ld = ldx;                                                                                          \
+        if (norm_w || swiglu) {                                                                                    \
+            T* s = (T*)fz_scratch((size_t)(M * K) * sizeof(T) + 64);                                               \
+            if (!s) return -1;                                                                                     \
+            for (int64_t i = 0; i < M; i++) {                                                                      \
+                const T* xi = x + i * ldx;                                                                         \
+                T* si = s + i * K;                                                                                 \
+                int64_t j = 0;                                                                                     \
+                if (norm_w) {                                                                                      \
+                    __m256 acc = _mm256_setzero_ps();                                                              \
+                    for (; j + 8 <= K; j += 8) {                                                                   \
+                        __m256 v = fz_load8_##SFX(xi + j);                                                         \
+                        acc = _mm256_fmadd_ps(v, v, acc);                                                          \
+                    }                                                                                              \
+                    float ss = hsum(acc);                                                                          \
+                    for (; j < K; j++) ss = fmaf(fz_load1_##SFX(xi + j), fz_load1_##SFX(xi + j), ss);              \
+                    const float r = 1.0f / sqrtf(ss / (float)K + eps);                                             \
+                    const __m256 rv = _mm256_set1_ps(r);                                                           \
+                    for (j = 0; j + 8 <= K; j += 8)                                                                \
+                        fz_store8_##SFX(si + j, _mm256_mul_ps(fz_round8_##SFX(_mm256_mul_ps(fz_load8_##SFX(xi + j), rv)), \
+                                                              fz_load8_##SFX(norm_w + j)));                        \
+                    for (; j < K; j++)                                                                             \
+                        fz_store1_##SFX(si + j, fz_round1_##SFX(fz_load1_##SFX(xi + j) * r) * fz_load1_##SFX(norm_w + j)); \
+                } else {                                                                                           \
+                    const T* u = xi + K;                                                                           \
+                    for (; j + 8 <= K; j += 8)                                                                     \
+                        fz_store8_##SFX(si + j, _mm256_mul_ps(fz_round8_##SFX(fz_silu8(fz_load8_##SFX(xi + j))),   \
+                                                              fz_load8_##SFX(u + j)));                             \
+                    for (; j < K; j++)                                                                             \
+                        fz_store1_##SFX(si + j, fz_round1_##SFX(fz_silu1(fz_load1_##SFX(xi + j))) * fz_load1_##SFX(u + j)); \
+                }                                                                                                  \
+            }                                                                                                      \
+            src = s;                                                                                               \
+            ld = K;                                                                                                \
+        }                                                                                                          \
+        LINEAR(src, ld, panels, N, K, y, ldy, M);                                                                  \
+        if (res) {                                                                                                 \
+            for (int64_t i = 0; i < M; i++) {                                                                      \
+                T* yi = y + i * ldy;                                                                               \
+                const T* ri = res + i * ldres;                                                                     \
+                int64_t j = 0;                                                                                     \
+                for (; j + 8 <= N; j += 8)                                                                         \
+                    fz_store8_##SFX(yi + j, _mm256_add_ps(fz_load8_##SFX(yi + j), fz_load8_##SFX(ri + j)));       \
+                for (; j < N; j++) fz_store1_##SFX(yi + j, fz_load1_##SFX(yi + j) + fz_load1_##SFX(ri + j));      \
+            }                                                                                                      \
+        }                                                                                                          \
+        return 0;                                                                                                  \
+    }
+
+#endif
