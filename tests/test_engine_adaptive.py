@@ -415,25 +415,6 @@ def test_adaptive_k_hands_the_paying_rows_to_the_proposer():
     assert a.choose(8, [0.2, 0.95, 0.2, 0.2, 0.9, 0.2, 0.2, 0.2]) == 0 and a.last_rows is None
 
 
-def test_point_drafts_are_priced_per_row_where_the_target_verifies_only_real_drafts():
-    """16 rows, one copying a passage (its drafts kept with probability ~1), one doubtful: a padded target prices
-    the copy's width for all 16 rows and refuses it; a ragged one lets that row draft deep and the other not at
-    all; fixed K drafts every proposal whole."""
-    from dvi.decode.pricing import KPolicy
-
-    policy = KPolicy(True, 2, 4, calibrate=lambda b: None)
-    policy.controller.set_costs(16, {k: 0.08 + 0.04 * k for k in range(5)}, 0.002)  # a position: half a token
-    seqs = [None] * 16
-    probs = [[0.99, 0.98, 0.97, 0.96], [0.3, 0.2]]
-    pricing = policy.for_step(seqs)
-    assert not pricing.ragged and pricing.point_lens(probs, 4) == [0, 0]
-    policy.controller.ragged = True
-    pricing = policy.for_step(seqs)
-    assert pricing.ragged and pricing.point_lens(probs, 4) == [4, 0]
-    assert not policy.for_step(seqs[:1]).ragged  # one row: its width is the step's
-    assert KPolicy(False, 2, 4, calibrate=lambda b: None).for_step(seqs).point_lens(probs, 4) == [4, 2]
-
-
 def test_the_goodput_guard_charges_drafting_with_its_catch_ups():
     """Under load rows join every few steps and each joiner's prompt goes through the drafter first: drafting steps
     that win without their catch-ups but lose with them must read as losing (real pair, Intel AMX, 16 rows: 1.09x

@@ -12,7 +12,7 @@ from test_serving_helpers import ServerThread, tiny_config
 
 from dvi import metrics as M
 from dvi.config import ConfigError, load_config
-from dvi.decode.k_choice import choose_point_k, choose_point_lens
+from dvi.decode.k_choice import choose_point_k
 from dvi.feedback import FeedbackReader, FeedbackRecord, FeedbackWriter
 from dvi.feedback.record import SCHEMA
 
@@ -36,23 +36,6 @@ def test_choose_point_k_prices_the_verify_width():
     assert choose_point_k([[0.9, 0.8, 0.5, 0.2]], 1, steep, 4) == 2  # 0.5 and 0.2 do not pay 0.3 each
     assert choose_point_k([[0.1]], 1, steep, 1) == 0  # plain decoding wins
     assert choose_point_k([[0.9, 0.9]], 16, steep, 2) == 0  # one proposal among 16 rows does not pay the width
-
-
-def test_choose_point_lens_prices_each_rows_positions():
-    """Where the target verifies only real drafts, the one proposal among 16 rows that `choose_point_k` refused (its
-    width priced for every row) pays its own two positions; each row drafts as deep as its own drafts pay."""
-    verify = [1.0 + 0.3 * k for k in range(5)]  # a step with k drafts on each of the bucket's 16 rows
-    assert choose_point_lens([[0.9, 0.9]], 16, verify, 16) == [2]
-    # a copied passage drafts deep while a doubtful proposal in the same step drafts nothing: a position costs
-    # 0.3 / 16 of a step of 16 tokens, so a draft pays above ~0.3
-    assert choose_point_lens([[1.0, 0.99, 0.98, 0.97], [0.2, 0.1]], 16, verify, 16) == [4, 0]
-    assert choose_point_lens([[0.1]], 16, verify, 16) == [0]
-    assert choose_point_lens([[0.5, 0.4, 0.35, 0.2]], 16, verify, 16) == [3]
-    # a proposal's drafts are taken in depth order even where a later probability is given higher
-    assert choose_point_lens([[0.2, 0.9]], 16, verify, 16) == [0]
-    # beyond the calibrated widths the last slope extrapolates; the margin keeps a marginal win out
-    assert choose_point_lens([[1.0] * 8] * 16, 16, verify, 16) == [8] * 16
-    assert choose_point_lens([[0.33]], 16, verify, 16, margin=1.05) == [0]
 
 
 def test_draft_source_round_trips_and_old_shards_read_without_it(tmp_path):

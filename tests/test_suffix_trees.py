@@ -71,13 +71,8 @@ class _Pricing:
         self.width = width
         self.trees = bool(width)  # the target verifies trees
 
-    ragged = False
-
     def point_k(self, probs, longest: int) -> int:
         return longest
-
-    def point_lens(self, probs, longest: int) -> list[int]:
-        return [min(longest, len(p)) for p in probs]
 
     def siblings(self, k: int, rows: list[int]) -> list[int]:
         return [self.width] * k if self.width and k else []

@@ -231,10 +231,24 @@ class AdaptiveK:
         function giving it, called only when K > 0 or a probe is due) prices the drafter's catch-up."""
         if self.k_max <= 0 or not alphas:
             return 0
+        c = self.costs
         b = batch_bucket(batch)
-        cached = self._bucket_costs(b)
-        if cached is None:
+        if b not in c.draft or 0 not in c.verify.get(b, {}):
             return self.k_default
+        # Expected tokens scale with the rows, costs are those of the bucket: use the mean per row.
+        # Interpolated costs per K are cached per bucket until the next `set_costs` / `set_step_overhead`.
+        cached = self._cost_cache.get(b)
+        if cached is None:
+            o = self.step_overhead.get(b, 0.0)
+            draft, verify = c.draft_cost(b), [c.verify_cost(b, kk) + o for kk in range(self.k_max + 1)]
+            # Verifying more tokens never costs less: a calibrated dip (real pair, batch 16, bf16: 2 tokens a
+            # row timed 79 ms, 1 token 89 ms) is a kernel-choice artefact the engine's real steps do not see.
+            verify = [max(verify[: i + 1]) for i in range(len(verify))]
+            # Can any K beat plain decoding here even if every draft were accepted? If not (large
+            # batches on CPU: verify cost grows ~linearly with K), speculation is structurally off
+            # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.
+            can_pay = choose_k([1.0], draft, verify, self.k_max, self.margin) > 0
+            cached = self._cost_cache[b] = _BucketCosts(draft, verify, can_pay)
         self.last_rows = None
         if self.ragged and remaining is None and len(alphas) > 1:
             k, rows = choose_rows(alphas, cached.draft, cached.verify, b, self.k_max, self.margin)
@@ -268,33 +282,6 @@ class AdaptiveK:
             del self._probes[b]  # drafting pays here: the next K = 0 run starts a fresh clock (`_clock`)
         self.last_choice = k
         return k
-
-    def _bucket_costs(self, b: int) -> _BucketCosts | None:
-        """Bucket `b`'s calibrated costs per K (step overhead included; None before its calibration), cached until
-        the next `set_costs` / `set_step_overhead`. Expected tokens scale with the rows, costs are the bucket's."""
-        cached = self._cost_cache.get(b)
-        if cached is not None:
-            return cached
-        c = self.costs
-        if b not in c.draft or 0 not in c.verify.get(b, {}):
-            return None
-        o = self.step_overhead.get(b, 0.0)
-        draft, verify = c.draft_cost(b), [c.verify_cost(b, kk) + o for kk in range(self.k_max + 1)]
-        # Verifying more tokens never costs less: a calibrated dip (real pair, batch 16, bf16: 2 tokens a
-        # row timed 79 ms, 1 token 89 ms) is a kernel-choice artefact the engine's real steps do not see.
-        verify = [max(verify[: i + 1]) for i in range(len(verify))]
-        # Can any K beat plain decoding here even if every draft were accepted? If not (large
-        # batches on CPU: verify cost grows ~linearly with K), speculation is structurally off
-        # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.
-        can_pay = choose_k([1.0], draft, verify, self.k_max, self.margin) > 0
-        cached = self._cost_cache[b] = _BucketCosts(draft, verify, can_pay)
-        return cached
-
-    def verify_costs(self, batch: int) -> list[float] | None:
-        """Seconds of a step of `batch`'s bucket with K = 0..k_max drafts a row (overhead included, never falling
-        with K); None before the bucket's calibration."""
-        cached = self._bucket_costs(batch_bucket(batch))
-        return None if cached is None else cached.verify
 
     def _within_reach(self, alphas: Sequence[float], cached: _BucketCosts, b: int) -> bool:
         """Whether a rise of the rows' α by `probe_reach` would make drafting pay here."""

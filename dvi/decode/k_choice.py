@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["expected_tokens", "choose_k", "choose_rows", "choose_point_k", "choose_point_lens", "predicted_speedup"]
+__all__ = ["expected_tokens", "choose_k", "choose_rows", "choose_point_k", "predicted_speedup"]
 
 _SLACK = 1e-9
 """Relative slack on the bounds that let `choose_k` / `choose_rows` skip a K: they must never skip one the full pass
@@ -134,41 +134,6 @@ def choose_point_k(probs: Sequence[Sequence[float]], batch: int, verify_cost: Ca
         if rate > best * 1.0001:
             best_k, best = k, rate
     return best_k
-
-
-def choose_point_lens(probs: Sequence[Sequence[float]], batch: int, verify: Sequence[float], rows: int,
-                      margin: float = 1.0) -> list[int]:
-    """Per proposal (a row of `probs`, as in `choose_point_k`), how many of its drafts to verify where the target
-    verifies only real drafts (a ragged verify): each draft adds one position, priced from the bucket's calibrated
-    step seconds `verify[K]` (K drafts on each of its `rows` rows, so m positions cost verify at K = m / rows,
-    interpolated); drafts are taken most probable first (a proposal's in order) while they raise the step's tokens
-    per second. A proposal that runs on (a copied passage: every draft kept with probability ~1) drafts deep, a
-    doubtful one not at all, in the same step. All 0 where plain decoding wins by `margin`."""
-    last = len(verify) - 1
-
-    def cost(m: int) -> float:
-        k = m / rows
-        lo = min(int(k), last - 1) if last > 0 else 0
-        slope = verify[lo + 1] - verify[lo] if last > 0 else 0.0
-        return max(verify[lo] + slope * (k - lo), 1e-12)
-
-    items = []  # (-p, row, depth): sorted, a proposal's drafts stay in depth order (probabilities non-increasing)
-    for i, row in enumerate(probs):
-        p = 1.0
-        for j, pj in enumerate(row):
-            p = min(p, max(float(pj), 0.0))
-            items.append((-p, i, j))
-    items.sort()
-    best_m, best, tokens = 0, batch / cost(0) * margin, float(batch)
-    for m, (neg, _, _) in enumerate(items, 1):
-        tokens -= neg
-        rate = tokens / cost(m)
-        if rate > best * 1.0001:
-            best_m, best = m, rate
-    lens = [0] * len(probs)
-    for _, i, _ in items[:best_m]:
-        lens[i] += 1
-    return lens
 
 
 def predicted_speedup(alpha: float, k: int, draft_cost: float, verify_cost: float, plain_cost: float) -> float:

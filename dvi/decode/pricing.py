@@ -3,9 +3,9 @@
 The engine owns one `KPolicy`: fixed K, or adaptive K (`dvi.decode.adaptive.AdaptiveK`) from calibrated costs per
 batch-size bucket and each row's acceptance estimate, the goodput guard for history drafts, and the timings
 that feed them after every step. Each step it hands the proposer a `StepPricing` bound to the batch: a learned
-kind asks `model_k(rows, pending)`, a history kind `point_lens(probs, longest)` (a point-mass proposal costs no
-model pass: its drafts are priced against the verify cost alone, per row where the target verifies only real
-drafts) and reads `lookups` (no lookups where history drafts measured slower than plain steps).
+kind asks `model_k(rows, pending)`, a history kind `point_k(probs, longest)` (a point-mass proposal costs no
+model pass: its width is priced against the verify cost alone) and reads `lookups` (no lookups where history
+drafts measured slower than plain steps).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from dvi.decode.acceptance import AcceptanceTracker
 from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket
-from dvi.decode.k_choice import choose_point_k, choose_point_lens
+from dvi.decode.k_choice import choose_point_k
 from dvi.decode.tree_pricing import SiblingStats, choose_siblings, sibling_outcomes
 
 __all__ = ["LOOKUP_BACKOFF_FROM", "LOOKUP_BACKOFF_MAX", "KPolicy", "StepPricing", "StepTimes"]
@@ -140,8 +140,6 @@ class StepPricing:
         # drafted nothing back off (`KPolicy.lookups_due`)
         self.lookups = not policy.adaptive or policy.lookups_due(self.batch, policy.suffix_guard.allow(self.batch))
         self.trees = policy.tree_width > 0
-        # the target verifies only each row's real drafts: point drafts are priced per position (`point_lens`)
-        self.ragged = policy.adaptive and policy.controller.ragged and self.batch > 1
 
     def model_k(self, rows: list[int], pending: Callable[[], int]) -> int:
         p = self.policy
@@ -190,19 +188,3 @@ class StepPricing:
         over = p.controller.step_overhead.get(b, 0.0)
         return choose_point_k(probs, self.batch, lambda k: p.controller.costs.verify_cost(b, k) + over, longest,
                               p.controller.margin)
-
-    def point_lens(self, probs: Sequence[Sequence[float]], longest: int) -> list[int]:
-        """Per point-mass proposal (path probabilities `probs`), how many of its drafts this step verifies: where the
-        target verifies only real drafts, each row as deep as its own drafts pay for their positions
-        (`choose_point_lens`: a batch with one passage being copied drafts it deep while its other rows decode);
-        elsewhere every row pads to one width, so one K for all (`point_k`)."""
-        p = self.policy
-        verify = p.controller.verify_costs(self.batch) if self.ragged else None
-        if verify is None and self.ragged:
-            p._ensure_costs(self.batch)
-            verify = p.controller.verify_costs(self.batch)
-        if verify is None:
-            k = self.point_k(probs, longest)
-            return [min(k, len(row)) for row in probs]
-        return choose_point_lens([row[:longest] for row in probs], self.batch, verify, batch_bucket(self.batch),
-                                 p.controller.margin)

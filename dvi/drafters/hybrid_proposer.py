@@ -26,7 +26,7 @@ import torch
 from dvi.decode.sources import SOURCE_MODEL
 from dvi.drafters.model_proposer import with_siblings
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
-from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts, priced, source_of
+from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts, source_of
 from dvi.drafters.tree_draft import RowTree, assemble
 
 if TYPE_CHECKING:
@@ -128,8 +128,8 @@ class HybridProposer(Proposer):
         b = len(seqs)
         sets, chosen, model_rows = self._split(caps, pricing.lookups)
         k_model = pricing.model_k(model_rows, self.learned.pending_tokens) if model_rows else 0
-        chosen = priced(pricing, chosen)
-        k_suffix = max((len(p.tokens) for p in chosen.values()), default=0)
+        k_suffix = pricing.point_k([list(p.probs) for p in chosen.values()],
+                                   max(len(p.tokens) for p in chosen.values())) if chosen else 0
         k = max(0, min(max(k_model, k_suffix), max(caps)))
         k_model = min(k_model, k)
         if k == 0:
@@ -161,7 +161,7 @@ class HybridProposer(Proposer):
         would branch: the learned chain's siblings, each drafted row's below-bar suffix proposal as a branch
         (priced by `point_k`), and chosen rows' runner-up proposals (`SuffixProposer.branch_trees`). None: chains,
         exactly as without trees."""
-        if not pricing.trees or pricing.ragged:  # a tree pads every row to its width: chains priced per row there
+        if not pricing.trees:
             return None
         runs = bool(model_rows) and k_model > 0
         sibs = pricing.siblings(k_model, model_rows) if runs else []

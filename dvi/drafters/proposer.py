@@ -43,7 +43,6 @@ class Pricing(Protocol):
 
     lookups: bool  # history lookups (suffix) are worth their host work at this batch size
     trees: bool  # the target verifies draft trees and `speculation.tree_width` allows them
-    ragged: bool  # the target verifies only each row's real drafts, and point drafts are priced per row
 
     def model_k(self, rows: list[int], pending: Callable[[], int]) -> int:
         """Learned drafts for batch rows `rows` (fixed, or adaptive from costs and the rows' α); `pending` prices
@@ -54,9 +53,6 @@ class Pricing(Protocol):
 
     def point_k(self, probs: Sequence[Sequence[float]], longest: int) -> int:
         """Verify width for point-mass proposals with these path probabilities (draft j kept with probs[j])."""
-
-    def point_lens(self, probs: Sequence[Sequence[float]], longest: int) -> list[int]:
-        """Per point-mass proposal, how many of its drafts to verify (per row where `ragged`, else one width)."""
 
     def siblings(self, k: int, rows: list[int]) -> list[int]:
         """Siblings per depth 1..k beside a chain of k learned drafts ([]: a chain; `dvi.decode.tree_pricing`)."""
