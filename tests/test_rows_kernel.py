@@ -132,6 +132,27 @@ def test_the_fused_calls_compute_the_layers_norm_swiglu_and_residual(dtype):
         kernel.fused(x, p, residual=res[:3])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_rotates_and_stores_as_torchs_calls_do(dtype):
+    """`rope_store` gives the bits of torch's x * cos + x.flip(halves) * sin (products and sum rounded alike) and
+    writes each row's k|v part where index_put_ does, nothing else of the cache."""
+    from dvi.decode.lean_layer import TorchMath
+
+    kernel = _kernel(dtype)
+    g = torch.Generator().manual_seed(11)
+    n, heads, kvh, d = 7, 9, 3, 64
+    qkv = torch.randn(n, heads + 2 * kvh, 2, d // 2, generator=g).to(dtype)
+    cos, sin = (torch.randn(n, heads + 2 * kvh, 2, d // 2, generator=g).to(dtype) for _ in range(2))
+    slot, col = torch.tensor([0, 0, 1, 2, 2, 2, 1]), torch.tensor([5, 6, 0, 3, 9, 4, 1])
+    kv_ref = torch.randn(3, 12, 2, kvh, d, generator=g).to(dtype)
+    kv = kv_ref.clone()
+    ref = TorchMath.rope_store(qkv, cos, sin, kv_ref, slot, col, heads)
+    got = kernel.rope_store(qkv.contiguous(), cos.contiguous(), sin.contiguous(), d, heads * d, kv, slot, col)
+    assert torch.equal(got.view(ref.shape), ref) and torch.equal(kv, kv_ref)
+    with pytest.raises(ValueError, match="rope_store"):
+        kernel.rope_store(qkv, cos, sin, d, heads * d + d, kv, slot, col)
+
+
 def test_every_fp32_build_fuses_to_the_same_bits():
     kernels = rows_kernel.builds()
     if len(kernels) < 2:

@@ -323,8 +323,7 @@ class LeanModel:
                 qkv = torch.cat([F.rms_norm(qkv[:, :heads].reshape(n, heads, d), (d,), lw.q_norm, self.eps),
                                  F.rms_norm(qkv[:, heads : heads + kvh].reshape(n, kvh, d), (d,), lw.k_norm, self.eps),
                                  qkv[:, heads + kvh :].reshape(n, kvh, d)], 1).view(n, heads + 2 * kvh, 2, d // 2)
-            qkv = qkv * cos + qkv.flip(2) * sin  # RoPE on q and k; v * 1 + 0
-            cache.per_layer[i].index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
+            qkv = mm.rope_store(qkv, cos, sin, cache.per_layer[i], slot, col, heads)
             runs.copy(cache.per_layer[i])
             x = mm.added(x, attend(qkv[:, :heads], i), lw.o, i, "o")
             x = mm.swiglu_added(x, mm.normed(x, lw.ln_post, lw.gate_up, None, i, "gate_up"), lw.down, i, "down")

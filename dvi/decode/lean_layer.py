@@ -1,6 +1,6 @@
 """A decoder layer's projections in `dvi.decode.lean.LeanModel.forward`, two ways: torch's calls around each matmul
 (`TorchMath`), or dvi's rows kernel with the RMS norms, the SwiGLU and the residual adds folded into its calls
-(`FusedMath`, `dvi/decode/rows_fused.h`).
+(`FusedMath`, `dvi/decode/rows_fused.h`), RoPE and the cache write with them.
 
 Why both: at a decode step's few rows the elementwise work costs its calls' overhead, not its arithmetic (a norm is six
 torch calls), so where the rows kernel serves a forward's every matmul the forward makes one call a projection;
@@ -30,6 +30,16 @@ class TorchMath:
         y = self.lin(h, w, bias)
         return self.ad.add(i, name, h, y) if self.ad else y
 
+    @staticmethod
+    def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor,
+                   col: torch.Tensor, heads: int) -> torch.Tensor:
+        """qkv [n, heads + 2 kv_heads, 2, D / 2] rotated (RoPE on q and k; v * 1 + 0), its k and v stored to the
+        layer's cache `kv` at (slot, col)."""
+        qkv = qkv * cos + qkv.flip(2) * sin
+        n, kvh, d = qkv.shape[0], kv.shape[3], kv.shape[4]
+        kv.index_put_((slot, col), qkv[:, heads:].view(n, 2, kvh, d))
+        return qkv
+
     def added(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, i: int, name: str) -> torch.Tensor:
         y = self.lin(inp, w)
         return x + (self.ad.add(i, name, inp, y) if self.ad else y)
@@ -43,7 +53,12 @@ class FusedMath:
     """The same three through the rows kernel's fused calls (`RowsKernel.fused`) on its packed weights."""
 
     def __init__(self, kernel: Any, panels_of: dict, eps: float):
-        self.fused, self.panels_of, self.eps = kernel.fused, panels_of, eps
+        self.fused, self.rope, self.panels_of, self.eps = kernel.fused, kernel.rope_store, panels_of, eps
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor,
+                   col: torch.Tensor, heads: int) -> torch.Tensor:
+        d = kv.shape[4]
+        return self.rope(qkv, cos, sin, d, heads * d, kv, slot, col).view(qkv.shape)
 
     def normed(self, x: torch.Tensor, ln: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, i: int,
                name: str) -> torch.Tensor:

@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd_math.h"
 
@@ -132,6 +133,40 @@ static inline void* fz_scratch(size_t bytes) {
             }                                                                                                      \
         }                                                                                                          \
         return 0;                                                                                                  \
+    }
+
+/* NAME(x, cos, sin, n, W, D, out, kv, slot, col, slot_stride, col_stride, q_width): rows of a fused q|k|v projection
+   x [n, W] rotated per head of D as torch's x * cos + flip_halves(x) * sin computes it (each product and the sum
+   rounded to the dtype; cos / sin [n, W], sin sign-folded), into out [n, W]; each row's k|v part (after its first
+   q_width elements) also stored to the layer's cache at kv + slot[i] * slot_stride + col[i] * col_stride. */
+#define ROPE_STORE(NAME, T, SFX)                                                                                     \
+    void NAME(const T* x, const T* cos, const T* sin, int64_t n, int64_t W, int64_t D, T* out, T* kv,              \
+              const int64_t* slot, const int64_t* col, int64_t slot_stride, int64_t col_stride, int64_t q_width) { \
+        const int64_t h = D / 2;                                                                                   \
+        for (int64_t i = 0; i < n; i++) {                                                                          \
+            const T *xi = x + i * W, *ci = cos + i * W, *si = sin + i * W;                                         \
+            T* oi = out + i * W;                                                                                   \
+            for (int64_t s = 0; s + D <= W; s += D) {                                                              \
+                int64_t j = 0;                                                                                     \
+                for (; j + 8 <= h; j += 8) {                                                                       \
+                    const int64_t a = s + j, b = s + h + j;                                                        \
+                    __m256 xa = fz_load8_##SFX(xi + a), xb = fz_load8_##SFX(xi + b);                               \
+                    fz_store8_##SFX(oi + a, _mm256_add_ps(fz_round8_##SFX(_mm256_mul_ps(xa, fz_load8_##SFX(ci + a))), \
+                                                          fz_round8_##SFX(_mm256_mul_ps(xb, fz_load8_##SFX(si + a))))); \
+                    fz_store8_##SFX(oi + b, _mm256_add_ps(fz_round8_##SFX(_mm256_mul_ps(xb, fz_load8_##SFX(ci + b))), \
+                                                          fz_round8_##SFX(_mm256_mul_ps(xa, fz_load8_##SFX(si + b))))); \
+                }                                                                                                  \
+                for (; j < h; j++) {                                                                               \
+                    const int64_t a = s + j, b = s + h + j;                                                        \
+                    const float xa = fz_load1_##SFX(xi + a), xb = fz_load1_##SFX(xi + b);                          \
+                    fz_store1_##SFX(oi + a, fz_round1_##SFX(xa * fz_load1_##SFX(ci + a)) +                         \
+                                                fz_round1_##SFX(xb * fz_load1_##SFX(si + a)));                     \
+                    fz_store1_##SFX(oi + b, fz_round1_##SFX(xb * fz_load1_##SFX(ci + b)) +                         \
+                                                fz_round1_##SFX(xa * fz_load1_##SFX(si + b)));                     \
+                }                                                                                                  \
+            }                                                                                                      \
+            memcpy(kv + slot[i] * slot_stride + col[i] * col_stride, oi + q_width, (size_t)(W - q_width) * sizeof(T)); \
+        }                                                                                                          \
     }
 
 #endif

@@ -49,12 +49,12 @@ class _Build(NamedTuple):
 _HERE = Path(__file__).parent
 _BUILDS = {  # per dtype, the builds in the order tried: the first this CPU runs serves
     torch.float32: (
-        _Build("AVX-512", _HERE / "rows_kernel_avx512.c", ("-O3", "-mavx512f", "-mavx2", "-mfma", "-fPIC", "-shared"),
+        _Build("AVX-512", _HERE / "rows_kernel_avx512.c", ("-O3", "-mavx512f", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared"),
                frozenset({"avx512f", "avx2", "fma"}), "dvi_panels_linear_f32", 32, 1, 64),
-        _Build("AVX2", _HERE / "rows_kernel.c", ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared"),
+        _Build("AVX2", _HERE / "rows_kernel.c", ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared"),
                frozenset({"avx2", "fma"}), "dvi_panels_linear_f32", 16, 1, 32)),
     torch.bfloat16: (
-        _Build("AVX512-BF16", _HERE / "rows_kernel_bf16.c", ("-O3", "-mavx512f", "-mavx512bf16", "-mavx2", "-mfma", "-fPIC", "-shared"),
+        _Build("AVX512-BF16", _HERE / "rows_kernel_bf16.c", ("-O3", "-mavx512f", "-mavx512bf16", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared"),
                frozenset({"avx512f", "avx512_bf16", "avx2", "fma"}), "dvi_panels_linear_bf16", 32, 2, 64),),
 }
 
@@ -101,7 +101,9 @@ class RowsKernel:
         fused = getattr(lib, build.symbol.replace("_linear_", "_fused_"))
         fused.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, ptr, ctypes.c_float, ctypes.c_int32, ptr, i64]
         fused.restype = ctypes.c_int
-        self._fn, self._fused, self.dtype, self._build = fn, fused, dtype, build
+        rope = getattr(lib, build.symbol.replace("_panels_linear_", "_rope_store_"))
+        rope.argtypes, rope.restype = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64], None
+        self._fn, self._fused, self._rope, self.dtype, self._build = fn, fused, rope, dtype, build
         self.isa = build.isa
 
     def check_weights(self, *ws: torch.Tensor) -> None:
@@ -172,6 +174,23 @@ class RowsKernel:
                              residual.stride(0) if residual is not None else 0):
             raise MemoryError(f"the rows kernel's scratch for {m} x {k} rows")
         return y
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, q_width: int,
+                   kv: torch.Tensor, slot: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """A layer's fused q|k|v rows [n, W] rotated as `qkv * cos + qkv.flip_halves * sin` (the same bits as torch's
+        calls) and their k|v part (after `q_width`) stored to the layer's cache `kv` [slots, capacity, 2, kv_heads, D]
+        at (slot[i], col[i]), in one call; returns the rotated rows [n, W]."""
+        n, w = qkv.shape[0], qkv.numel() // max(qkv.shape[0], 1)
+        ok = all(t.dtype == self.dtype and t.is_contiguous() for t in (qkv, cos, sin, kv))
+        if not ok or cos.numel() != qkv.numel() or sin.numel() != qkv.numel() or w % head_dim \
+                or kv.shape[2] * kv.shape[3] * kv.shape[4] != w - q_width:
+            raise ValueError(f"rope_store takes contiguous {_name(self.dtype)} rows, tables and cache of one width")
+        slot, col = slot.contiguous(), col.contiguous()
+        out = torch.empty(n, w, dtype=self.dtype)
+        if n:
+            self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, w, head_dim, out.data_ptr(), kv.data_ptr(),
+                       slot.data_ptr(), col.data_ptr(), kv.stride(0), kv.stride(1), q_width)
+        return out
 
 
 @cache

@@ -80,3 +80,4 @@ static const tile_fn TILES[MAX_TILE + 1] = {0,      tile_1, tile_2, tile_3,  til
 
 ROWS_DRIVER(dvi_panels_linear_bf16, uint16_t, K / 2)
 ROWS_FUSED(dvi_panels_fused_bf16, dvi_panels_linear_bf16, uint16_t, bf16)
+ROPE_STORE(dvi_rope_store_bf16, uint16_t, bf16)
