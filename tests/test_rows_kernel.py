@@ -151,6 +151,9 @@ def test_rope_store_rotates_and_stores_as_torchs_calls_do(dtype):
     assert torch.equal(got.view(ref.shape), ref) and torch.equal(kv, kv_ref)
     with pytest.raises(ValueError, match="rope_store"):
         kernel.rope_store(qkv, cos, sin, d, heads * d + d, kv, slot, col)
+    with pytest.raises(IndexError, match="outside the cache"):  # checked before anything is written
+        kernel.rope_store(qkv.contiguous(), cos.contiguous(), sin.contiguous(), d, heads * d, kv, slot, col + 6)
+    assert torch.equal(kv, kv_ref)
 
 
 def test_every_fp32_build_fuses_to_the_same_bits():

@@ -135,14 +135,17 @@ static inline void* fz_scratch(size_t bytes) {
         return 0;                                                                                                  \
     }
 
-/* NAME(x, cos, sin, n, W, D, out, kv, slot, col, slot_stride, col_stride, q_width): rows of a fused q|k|v projection
-   x [n, W] rotated per head of D as torch's x * cos + flip_halves(x) * sin computes it (each product and the sum
-   rounded to the dtype; cos / sin [n, W], sin sign-folded), into out [n, W]; each row's k|v part (after its first
-   q_width elements) also stored to the layer's cache at kv + slot[i] * slot_stride + col[i] * col_stride. */
+/* NAME(x, cos, sin, n, W, D, out, kv, slot, col, slots, capacity, q_width): rows of a fused q|k|v projection x [n, W]
+   rotated per head of D as torch's x * cos + flip_halves(x) * sin computes it (each product and the sum rounded to
+   the dtype; cos / sin [n, W], sin sign-folded), into out [n, W]; each row's k|v part (after its first q_width
+   elements) also stored to the layer's cache kv [slots, capacity, W - q_width] at (slot[i], col[i]). Returns 0, or
+   -1 (nothing written) where a slot or column lies outside the cache. */
 #define ROPE_STORE(NAME, T, SFX)                                                                                     \
-    void NAME(const T* x, const T* cos, const T* sin, int64_t n, int64_t W, int64_t D, T* out, T* kv,              \
-              const int64_t* slot, const int64_t* col, int64_t slot_stride, int64_t col_stride, int64_t q_width) { \
-        const int64_t h = D / 2;                                                                                   \
+    int NAME(const T* x, const T* cos, const T* sin, int64_t n, int64_t W, int64_t D, T* out, T* kv,               \
+             const int64_t* slot, const int64_t* col, int64_t slots, int64_t capacity, int64_t q_width) {         \
+        const int64_t h = D / 2, kvw = W - q_width;                                                                \
+        for (int64_t i = 0; i < n; i++)                                                                            \
+            if (slot[i] < 0 || slot[i] >= slots || col[i] < 0 || col[i] >= capacity) return -1;                   \
         for (int64_t i = 0; i < n; i++) {                                                                          \
             const T *xi = x + i * W, *ci = cos + i * W, *si = sin + i * W;                                         \
             T* oi = out + i * W;                                                                                   \
@@ -165,8 +168,9 @@ static inline void* fz_scratch(size_t bytes) {
                                                 fz_round1_##SFX(xa * fz_load1_##SFX(si + b)));                     \
                 }                                                                                                  \
             }                                                                                                      \
-            memcpy(kv + slot[i] * slot_stride + col[i] * col_stride, oi + q_width, (size_t)(W - q_width) * sizeof(T)); \
+            memcpy(kv + (slot[i] * capacity + col[i]) * kvw, oi + q_width, (size_t)kvw * sizeof(T));               \
         }                                                                                                          \
+        return 0;                                                                                                  \
     }
 
 #endif

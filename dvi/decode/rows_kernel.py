@@ -47,15 +47,17 @@ class _Build(NamedTuple):
 
 
 _HERE = Path(__file__).parent
+# every build: the fused helpers' AVX2 + FMA code (`rows_fused.h`), no implicit fma contraction (torch's roundings)
+_COMMON = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
+_AVX2 = frozenset({"avx2", "fma"})
 _BUILDS = {  # per dtype, the builds in the order tried: the first this CPU runs serves
     torch.float32: (
-        _Build("AVX-512", _HERE / "rows_kernel_avx512.c", ("-O3", "-mavx512f", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared"),
-               frozenset({"avx512f", "avx2", "fma"}), "dvi_panels_linear_f32", 32, 1, 64),
-        _Build("AVX2", _HERE / "rows_kernel.c", ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared"),
-               frozenset({"avx2", "fma"}), "dvi_panels_linear_f32", 16, 1, 32)),
+        _Build("AVX-512", _HERE / "rows_kernel_avx512.c", ("-mavx512f", *_COMMON), _AVX2 | {"avx512f"},
+               "dvi_panels_linear_f32", 32, 1, 64),
+        _Build("AVX2", _HERE / "rows_kernel.c", _COMMON, _AVX2, "dvi_panels_linear_f32", 16, 1, 32)),
     torch.bfloat16: (
-        _Build("AVX512-BF16", _HERE / "rows_kernel_bf16.c", ("-O3", "-mavx512f", "-mavx512bf16", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared"),
-               frozenset({"avx512f", "avx512_bf16", "avx2", "fma"}), "dvi_panels_linear_bf16", 32, 2, 64),),
+        _Build("AVX512-BF16", _HERE / "rows_kernel_bf16.c", ("-mavx512f", "-mavx512bf16", *_COMMON),
+               _AVX2 | {"avx512f", "avx512_bf16"}, "dvi_panels_linear_bf16", 32, 2, 64),),
 }
 
 
@@ -102,7 +104,7 @@ class RowsKernel:
         fused.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, ptr, ctypes.c_float, ctypes.c_int32, ptr, i64]
         fused.restype = ctypes.c_int
         rope = getattr(lib, build.symbol.replace("_panels_linear_", "_rope_store_"))
-        rope.argtypes, rope.restype = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64], None
+        rope.argtypes, rope.restype = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64], ctypes.c_int
         self._fn, self._fused, self._rope, self.dtype, self._build = fn, fused, rope, dtype, build
         self.isa = build.isa
 
@@ -187,9 +189,9 @@ class RowsKernel:
             raise ValueError(f"rope_store takes contiguous {_name(self.dtype)} rows, tables and cache of one width")
         slot, col = slot.contiguous(), col.contiguous()
         out = torch.empty(n, w, dtype=self.dtype)
-        if n:
-            self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, w, head_dim, out.data_ptr(), kv.data_ptr(),
-                       slot.data_ptr(), col.data_ptr(), kv.stride(0), kv.stride(1), q_width)
+        if n and self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, w, head_dim, out.data_ptr(),
+                            kv.data_ptr(), slot.data_ptr(), col.data_ptr(), kv.shape[0], kv.shape[1], q_width):
+            raise IndexError(f"rope_store: a slot or column outside the cache ({kv.shape[0]} slots x {kv.shape[1]})")
         return out
 
 
