@@ -34,11 +34,6 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8_bf16(const uint16_t* p) {
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
 /* a column's d entries as fp32: an fp32 cache's own row, a bf16 one's converted into buf (once for the group) */
 static inline const float* row_f32(const float* x, float* buf, int64_t d) { (void)buf; (void)d; return x; }
 static inline const float* row_bf16(const uint16_t* x, float* buf, int64_t d) {

@@ -17,21 +17,11 @@
 
 #include "simd_math.h"
 
-static inline __m256 fz_load8_f32(const float* p) { return _mm256_loadu_ps(p); }
-static inline float fz_load1_f32(const float* p) { return *p; }
 static inline __m256 fz_round8_f32(__m256 x) { return x; }
 static inline float fz_round1_f32(float x) { return x; }
 static inline void fz_store8_f32(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 static inline void fz_store1_f32(float* p, float x) { *p = x; }
 
-static inline __m256 fz_load8_bf16(const uint16_t* p) {
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-static inline float fz_load1_bf16(const uint16_t* p) {
-    union { uint32_t u; float f; } b = {(uint32_t)*p << 16};
-    return b.f;
-}
 /* to bf16 by round-to-nearest-even, kept as fp32 (the low 16 bits zero); finite inputs */
 static inline __m256 fz_round8_bf16(__m256 x) {
     __m256i u = _mm256_castps_si256(x);
@@ -97,25 +87,25 @@ static inline void* fz_scratch(size_t bytes) {
                 if (norm_w) {                                                                                      \
                     __m256 acc = _mm256_setzero_ps();                                                              \
                     for (; j + 8 <= K; j += 8) {                                                                   \
-                        __m256 v = fz_load8_##SFX(xi + j);                                                         \
+                        __m256 v = load8_##SFX(xi + j);                                                         \
                         acc = _mm256_fmadd_ps(v, v, acc);                                                          \
                     }                                                                                              \
                     float ss = hsum(acc);                                                                          \
-                    for (; j < K; j++) ss = fmaf(fz_load1_##SFX(xi + j), fz_load1_##SFX(xi + j), ss);              \
+                    for (; j < K; j++) ss = fmaf(load1_##SFX(xi + j), load1_##SFX(xi + j), ss);              \
                     const float r = 1.0f / sqrtf(ss / (float)K + eps);                                             \
                     const __m256 rv = _mm256_set1_ps(r);                                                           \
                     for (j = 0; j + 8 <= K; j += 8)                                                                \
-                        fz_store8_##SFX(si + j, _mm256_mul_ps(fz_round8_##SFX(_mm256_mul_ps(fz_load8_##SFX(xi + j), rv)), \
-                                                              fz_load8_##SFX(norm_w + j)));                        \
+                        fz_store8_##SFX(si + j, _mm256_mul_ps(fz_round8_##SFX(_mm256_mul_ps(load8_##SFX(xi + j), rv)), \
+                                                              load8_##SFX(norm_w + j)));                        \
                     for (; j < K; j++)                                                                             \
-                        fz_store1_##SFX(si + j, fz_round1_##SFX(fz_load1_##SFX(xi + j) * r) * fz_load1_##SFX(norm_w + j)); \
+                        fz_store1_##SFX(si + j, fz_round1_##SFX(load1_##SFX(xi + j) * r) * load1_##SFX(norm_w + j)); \
                 } else {                                                                                           \
                     const T* u = xi + K;                                                                           \
                     for (; j + 8 <= K; j += 8)                                                                     \
-                        fz_store8_##SFX(si + j, _mm256_mul_ps(fz_round8_##SFX(fz_silu8(fz_load8_##SFX(xi + j))),   \
-                                                              fz_load8_##SFX(u + j)));                             \
+                        fz_store8_##SFX(si + j, _mm256_mul_ps(fz_round8_##SFX(fz_silu8(load8_##SFX(xi + j))),   \
+                                                              load8_##SFX(u + j)));                             \
                     for (; j < K; j++)                                                                             \
-                        fz_store1_##SFX(si + j, fz_round1_##SFX(fz_silu1(fz_load1_##SFX(xi + j))) * fz_load1_##SFX(u + j)); \
+                        fz_store1_##SFX(si + j, fz_round1_##SFX(fz_silu1(load1_##SFX(xi + j))) * load1_##SFX(u + j)); \
                 }                                                                                                  \
             }                                                                                                      \
             src = s;                                                                                               \
@@ -128,8 +118,8 @@ static inline void* fz_scratch(size_t bytes) {
                 const T* ri = res + i * ldres;                                                                     \
                 int64_t j = 0;                                                                                     \
                 for (; j + 8 <= N; j += 8)                                                                         \
-                    fz_store8_##SFX(yi + j, _mm256_add_ps(fz_load8_##SFX(yi + j), fz_load8_##SFX(ri + j)));       \
-                for (; j < N; j++) fz_store1_##SFX(yi + j, fz_load1_##SFX(yi + j) + fz_load1_##SFX(ri + j));      \
+                    fz_store8_##SFX(yi + j, _mm256_add_ps(load8_##SFX(yi + j), load8_##SFX(ri + j)));       \
+                for (; j < N; j++) fz_store1_##SFX(yi + j, load1_##SFX(yi + j) + load1_##SFX(ri + j));      \
             }                                                                                                      \
         }                                                                                                          \
         return 0;                                                                                                  \
@@ -153,19 +143,19 @@ static inline void* fz_scratch(size_t bytes) {
                 int64_t j = 0;                                                                                     \
                 for (; j + 8 <= h; j += 8) {                                                                       \
                     const int64_t a = s + j, b = s + h + j;                                                        \
-                    __m256 xa = fz_load8_##SFX(xi + a), xb = fz_load8_##SFX(xi + b);                               \
-                    fz_store8_##SFX(oi + a, _mm256_add_ps(fz_round8_##SFX(_mm256_mul_ps(xa, fz_load8_##SFX(ci + a))), \
-                                                          fz_round8_##SFX(_mm256_mul_ps(xb, fz_load8_##SFX(si + a))))); \
-                    fz_store8_##SFX(oi + b, _mm256_add_ps(fz_round8_##SFX(_mm256_mul_ps(xb, fz_load8_##SFX(ci + b))), \
-                                                          fz_round8_##SFX(_mm256_mul_ps(xa, fz_load8_##SFX(si + b))))); \
+                    __m256 xa = load8_##SFX(xi + a), xb = load8_##SFX(xi + b);                               \
+                    fz_store8_##SFX(oi + a, _mm256_add_ps(fz_round8_##SFX(_mm256_mul_ps(xa, load8_##SFX(ci + a))), \
+                                                          fz_round8_##SFX(_mm256_mul_ps(xb, load8_##SFX(si + a))))); \
+                    fz_store8_##SFX(oi + b, _mm256_add_ps(fz_round8_##SFX(_mm256_mul_ps(xb, load8_##SFX(ci + b))), \
+                                                          fz_round8_##SFX(_mm256_mul_ps(xa, load8_##SFX(si + b))))); \
                 }                                                                                                  \
                 for (; j < h; j++) {                                                                               \
                     const int64_t a = s + j, b = s + h + j;                                                        \
-                    const float xa = fz_load1_##SFX(xi + a), xb = fz_load1_##SFX(xi + b);                          \
-                    fz_store1_##SFX(oi + a, fz_round1_##SFX(xa * fz_load1_##SFX(ci + a)) +                         \
-                                                fz_round1_##SFX(xb * fz_load1_##SFX(si + a)));                     \
-                    fz_store1_##SFX(oi + b, fz_round1_##SFX(xb * fz_load1_##SFX(ci + b)) +                         \
-                                                fz_round1_##SFX(xa * fz_load1_##SFX(si + b)));                     \
+                    const float xa = load1_##SFX(xi + a), xb = load1_##SFX(xi + b);                          \
+                    fz_store1_##SFX(oi + a, fz_round1_##SFX(xa * load1_##SFX(ci + a)) +                         \
+                                                fz_round1_##SFX(xb * load1_##SFX(si + a)));                     \
+                    fz_store1_##SFX(oi + b, fz_round1_##SFX(xb * load1_##SFX(ci + b)) +                         \
+                                                fz_round1_##SFX(xa * load1_##SFX(si + b)));                     \
                 }                                                                                                  \
             }                                                                                                      \
             memcpy(kv + (slot[i] * capacity + col[i]) * kvw, oi + q_width, (size_t)kvw * sizeof(T));               \

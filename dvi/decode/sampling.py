@@ -193,7 +193,7 @@ def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor,
     if lens is None:
         tgt = greedy_tokens(target_logits)
     else:
-        idx = real_positions(lens.tolist(), k + 1, draft_ids.device)
+        idx = draft_mask(lens + 1, b, k + 1, draft_ids.device).view(-1).nonzero().squeeze(1)  # (`real_positions`)
         flat = greedy_tokens(target_logits.reshape(b * (k + 1), -1).index_select(0, idx))
         tgt = torch.zeros(b * (k + 1), dtype=flat.dtype, device=flat.device).index_copy_(0, idx, flat).view(b, k + 1)
     match = (draft_ids == tgt[:, :k])

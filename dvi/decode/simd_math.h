@@ -1,10 +1,22 @@
-/* Vector math shared by dvi's C kernels (AVX2 + FMA), included by attention_kernel.c and vocab_kernel.c: the same
-   exp and the same horizontal sum wherever a kernel needs them (a fixed order of operations: the same result for the
+/* Vector math shared by dvi's C kernels (AVX2 + FMA), included by attention_kernel.c, vocab_kernel.c and the rows
+   kernels' rows_fused.h: the same loads, exp and horizontal sum wherever a kernel needs them (a fixed order of operations: the same result for the
    same inputs). */
 #ifndef DVI_SIMD_MATH_H
 #define DVI_SIMD_MATH_H
 #include <immintrin.h>
 #include <stdint.h>
+
+/* 8 or 1 values of fp32 or bf16 rows as fp32 (bf16 widened exactly) */
+static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline float load1_f32(const float* p) { return *p; }
+static inline float load1_bf16(const uint16_t* p) {
+    union { uint32_t u; float f; } b = {(uint32_t)*p << 16};
+    return b.f;
+}
 
 /* exp(x) for x <= 0 (Cephes' polynomial, as in the SSE/AVX math libraries): ~2 ulp, the same result for the same x */
 static inline __m256 exp_neg(__m256 x) {

@@ -16,17 +16,6 @@
 
 #include "simd_math.h"
 
-static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8_bf16(const uint16_t* p) {
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-static inline float load1_f32(const float* p) { return *p; }
-static inline float load1_bf16(const uint16_t* p) {
-    union { uint32_t u; float f; } b = {(uint32_t)*p << 16};
-    return b.f;
-}
-
 /* one more candidate for the top k, sorted descending in vals / ids (n held); an equal value goes after those held,
    which came earlier in the row */
 static inline int64_t keep_top(float* vals, int64_t* ids, int64_t n, int64_t k, float x, int64_t id) {
