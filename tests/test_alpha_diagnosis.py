@@ -43,6 +43,17 @@ def test_each_staged_cause_is_named_with_its_numbers() -> None:
     assert rolled_back.cause == "drafter_changed"
 
 
+def test_a_promotion_that_lands_as_the_traffic_shifts_is_named_by_the_shift() -> None:
+    """The demo's case (behind vLLM, Intel AMX): code -> sql while v1 -> v2 served; the frozen base's α̂ fell as
+    far as the served versions' did, the new version's lead over the base grew a little."""
+    before = _w(3, 0.217, 0.489, 0.516, versions=(0, 1))
+    move = explain("", before, _w(4, 0.089, 0.294, 0.261, versions=(1, 2)), level=0.97)
+    assert move.cause == "traffic_changed" and "the drafter changed too" in move.message, move
+    # the same version change where the base did not move, or moved less than the lead: the drafter's
+    assert explain("", before, _w(4, 0.089, 0.294, 0.50, versions=(1, 2)), level=0.97).cause == "drafter_changed"
+    assert explain("", before, _w(4, 0.089, 0.294, 0.45, versions=(1, 2)), level=0.97).cause == "drafter_changed"
+
+
 def test_noise_and_a_healthy_engine_name_nothing() -> None:
     base = _w(1, 0.55, 0.60, 0.50)
     assert explain("code", base, _w(2, 0.53, 0.58, 0.49), level=0.97) is None  # under MIN_MOVE

@@ -15,7 +15,9 @@ each the drafter thread measures:
 
 Comparing a window with the one before, a move of live α is explained by the first cause that holds, with its
 numbers: **serving disagrees** (consistency fell far below its running level: checked first, and also without a
-move), **drafter changed** (a promotion or rollback between them), **target changed** (records of a newer target
+move), **drafter changed** (a promotion or rollback between them, unless the frozen base's α̂ on the same records
+moved with live α by more than the versions' lead over the base changed: a promotion that lands as the traffic
+shifts is named by the shift, the version change beside it), **target changed** (records of a newer target
 version, the drafter not yet caught up), **traffic changed** (the reference's α̂ on the same records moved with it),
 else **unexplained**. A person acts on each differently: restart or report the engine; nothing (a rollback watch
 judges a promotion); wait for the trainer; nothing, or an adapter per group; look at the records.
@@ -178,6 +180,15 @@ def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+def _gap(w: WindowStats) -> float | None:
+    """The serving versions' replayed α̂ over the frozen base's on the same records: what the drafter adds."""
+    return _delta(w.alpha_reference, w.alpha_served)
+
+
 def _moved(a: WindowStats, b: WindowStats) -> bool:
     if a.alpha_live is None or b.alpha_live is None:
         return False
@@ -200,22 +211,27 @@ def explain(group: str, before: WindowStats | None, after: WindowStats, level: f
     if before is None or not _moved(before, after):
         return None
     move = f"live α {_f(before.alpha_live)} -> {_f(after.alpha_live)} (window {after.index}, {after.records} records)"
+    d_live, d_ref = after.alpha_live - before.alpha_live, _delta(before.alpha_reference, after.alpha_reference)
+    with_base = d_ref is not None and d_ref * d_live > 0 and abs(d_ref) >= 0.5 * abs(d_live)  # the base moved too
+    drafter = f"versions {list(before.versions)} -> {list(after.versions)}"
     if after.versions != before.versions:
-        return AlphaMove(group, "drafter_changed", before, after, (
-            f"{name}: {move}: the drafter changed (versions {list(before.versions)} -> {list(after.versions)}); "
-            f"replayed α̂ of the serving versions {_f(before.alpha_served)} -> {_f(after.alpha_served)}"))
+        d_gap = _delta(_gap(before), _gap(after))  # what the new versions changed beyond what the base did
+        if not (with_base and d_gap is not None and abs(d_ref) > abs(d_gap)):
+            return AlphaMove(group, "drafter_changed", before, after, (
+                f"{name}: {move}: the drafter changed ({drafter}); replayed α̂ of the serving versions "
+                f"{_f(before.alpha_served)} -> {_f(after.alpha_served)}"))
+        drafter = f"; the drafter changed too ({drafter}), its lead over the base {_f(_gap(before))} -> {_f(_gap(after))}"
+    else:
+        drafter = ", the drafter is unchanged"
     if max(after.target_versions, default=0) > max(before.target_versions, default=0):
         return AlphaMove(group, "target_changed", before, after, (
             f"{name}: {move}: the target changed (versions {list(before.target_versions)} -> "
             f"{list(after.target_versions)}), the drafter not yet caught up: the trainer learns the new target's "
             f"records; the frozen base's α̂ {_f(before.alpha_reference)} -> {_f(after.alpha_reference)}"))
-    d_live = after.alpha_live - before.alpha_live
-    if before.alpha_reference is not None and after.alpha_reference is not None:
-        d_ref = after.alpha_reference - before.alpha_reference
-        if d_ref * d_live > 0 and abs(d_ref) >= 0.5 * abs(d_live):
-            return AlphaMove(group, "traffic_changed", before, after, (
-                f"{name}: {move}: the traffic changed: the frozen base's α̂ on the same records moved "
-                f"{_f(before.alpha_reference)} -> {_f(after.alpha_reference)} too, the drafter is unchanged"))
+    if with_base:
+        return AlphaMove(group, "traffic_changed", before, after, (
+            f"{name}: {move}: the traffic changed: the frozen base's α̂ on the same records moved "
+            f"{_f(before.alpha_reference)} -> {_f(after.alpha_reference)} too{drafter}"))
     return AlphaMove(group, "unexplained", before, after, (
         f"{name}: {move}: no version changed, the frozen base's α̂ {_f(before.alpha_reference)} -> "
         f"{_f(after.alpha_reference)} did not move with it and the drafts agree with their weights "
