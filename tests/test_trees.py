@@ -282,6 +282,49 @@ def test_a_verify_past_the_kernels_agreeing_rows_runs_in_pieces(monkeypatch, spy
     assert spy.steps > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_a_verify_in_pieces_on_the_rows_kernel_rounds_like_its_steps(monkeypatch, dtype):
+    """Where dvi's rows kernel serves forwards of a few rows only (an Intel AMX Xeon times oneDNN's AMX faster past 8)
+    and wider verifies part from the steps, the probe's pieces keep a one-request verify bitwise: the kernel's fused
+    calls (its norms, SwiGLU, residual adds, RoPE) serve the whole verify as they serve a step, not torch's calls
+    around the pieces, whose bf16 norm rounds once where the step's rounds as Hugging Face's (seen on Intel AMX: 29 of
+    48 greedy answers through `dvi serve` parted from speculation off's, the probe said near-tie). Forced on any CPU:
+    the kernel serves 4 rows, the probe sees widths past 4 disagree."""
+    from dvi.decode import rows_kernel
+    from dvi.decode.target import CpuMatmuls
+
+    if rows_kernel.load(dtype) is None:
+        pytest.skip(f"no rows kernel: {rows_kernel.unavailable_reason(dtype)}")
+    real = dvi.decode.invariance._agreeing_widths
+
+    def past_four_disagree(lean, floor, widths, context, seed, chunk=None):
+        got = real(lean, floor, widths, context, seed, chunk)
+        return got if chunk else tuple(w for w in got if w <= 4)
+
+    monkeypatch.setattr(dvi.decode.invariance, "_VERDICTS", {})
+    monkeypatch.setattr(dvi.decode.invariance, "_agreeing_widths", past_four_disagree)
+    monkeypatch.setattr(rows_kernel, "KERNEL_ROWS", 4)
+    target, cpu = bf16_target(layers=2).to(dtype), CpuMatmuls(rows_kernel=True)
+    run = target_runner(target, max_width=9, tree_width=33, cpu=cpu)
+    assert run.lean.kernel_rows == 4 and run.row_chunk == 4 and run.contract["one_request"] == "bitwise"
+    fused, rows = run.lean.kernel.fused, []
+    monkeypatch.setattr(run.lean.kernel, "fused", lambda x, *a, **k: rows.append(x.shape[0]) or fused(x, *a, **k))
+    for ctx in contexts():
+        run = target_runner(target, max_width=9, tree_width=33, cpu=cpu)  # (the verdict is kept per model shape)
+        run.admit([ctx[:-1]], False)
+        assert torch.equal(*tree_vs_steps(run, None, ctx, 12))  # 13 positions
+        assert torch.equal(*tree_vs_steps(run, DEEP, ctx))
+    assert {13, 8} <= set(rows)  # the wide verifies through the fused calls, whole
+    opts = EngineOptions(tree_width=3, cpu_rows_kernel=True)
+    off = SpeculativeEngine(target, None, num_draft_tokens=0, options=opts)
+    eng = SpeculativeEngine(target, proposer_for(target, SeparateDrafter(perturbed(target, SCALE))),
+                            num_draft_tokens=4, options=opts)
+    assert eng._target.row_chunk == 4
+    outs = [eng.generate([p], 24)[0] for p in prompts(4)]
+    assert sum(o.num_drafted for o in outs) > 0
+    assert [o.token_ids for o in outs] == [off.generate([p], 24)[0].token_ids for p in prompts(4)]
+
+
 def test_keep_path_check_can_fail():
     """Without compaction (the tree's first columns kept), an off-spine path leaves the rejected spine node's
     keys in the cache: the next verify parts from the plain decode (what the test above rules out)."""

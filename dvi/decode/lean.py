@@ -162,9 +162,8 @@ class LeanModel:
         # every forward's attention, each query over its own slot's columns, through dvi's attention kernel
         # (`dvi.decode.attention_kernel`, switched on with the rows kernel: `use_rows_kernel`); None: torch's SDPA
         self.attn_kernel: AttentionKernel | None = None
-        # a one-row folded forward (a verify whose rows must round like lone steps) of more positions runs its
-        # matmuls in pieces of at most this many rows, where the kernels round a wider GEMM's rows unlike a lone
-        # row's (`dvi.decode.invariance`; None: whole). Prefills and a batch's rows (near-tie anyway) stay whole.
+        # a one-row folded forward (a verify whose rows must round like lone steps) runs its matmuls in pieces of at
+        # most this many rows where wider GEMMs round rows apart (`dvi.decode.invariance`; None: whole; not prefills)
         self.row_chunk: int | None = None
         self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         # what `features` returns: None, the final normed hidden state [.., H] (what the LM head multiplies); or
@@ -315,8 +314,8 @@ class LeanModel:
         tapped = []
         lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments, runs.pieces(n))
         ad = self.adapters
-        mm = FusedMath(self.kernel, self._panels_of, self.eps) if n <= self.kernel_rows and ad is None \
-            and chunk is None else TorchMath(lin, self.hidden, self.eps, ad)
+        mm = FusedMath(self.kernel, self._panels_of, self.eps) if ad is None and self._fused_rows(n, chunk) \
+            else TorchMath(lin, self.hidden, self.eps, ad)
         for i, lw in enumerate(self.layers):
             qkv = mm.normed(x, lw.ln_in, lw.qkv, lw.qkv_bias, i, "qkv").view(n, heads + 2 * kvh, 2, d // 2)
             if lw.q_norm is not None:
@@ -338,6 +337,11 @@ class LeanModel:
                 return self._logits(F.rms_norm(x.index_select(0, pick), (self.hidden,), self.norm, self.eps))
             return self._real_logits(x, real, b, q)
         return self._outputs(x, b, q, logits_to_keep, features, pick, tapped, chunk)
+
+    def _fused_rows(self, n: int, chunk: int | None) -> bool:
+        """The fused calls serve n rows where the kernel serves each matmul, or a one-request verify's pieces (`row_chunk`:
+        each row from its own row alone, so whole it has a step's bits, its bf16 norms rounded as a step's too)."""
+        return n <= self.kernel_rows or (chunk is not None and 0 < chunk <= self.kernel_rows)
 
     def _attend(self, cache: SlotCache, attn: Attention, shape: tuple[int, int, int, int, int],
                 placed: tuple[torch.Tensor, torch.Tensor], real: torch.Tensor | None,
