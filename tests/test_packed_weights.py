@@ -1,4 +1,4 @@
-"""`serve.cpu_packed_weights`: the target's multi-row forwards on oneDNN-prepacked weights (CPU, fp32). They
+"""`serve.cpu_packed_weights`: the target's multi-row forwards on oneDNN-prepacked weights (CPU, fp32; bf16 on AMX). They
 compute what the plain forward does up to float rounding, the engine stays lossless on them (greedy equal to the
 target's own decode, or apart only on a float-noise tie), and the option starts `dvi serve`."""
 
@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_engine import assert_greedy_equal, reference
 from tiny_models import tiny_llama
 
+from dvi.decode.cpu_paths import AMX_ALIKE_ROWS, PackPlan, pack_plan, packed_linear
 from dvi.decode.lean import LeanModel
 from dvi.decode.lean_target import LeanTarget
+from dvi.decode.numerics import cpu_flags
 from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
@@ -39,8 +42,60 @@ def test_packed_forwards_compute_what_the_plain_forward_does():
         plain.keep(q, kept)
 
 
-def test_packed_weights_do_nothing_off_fp32():
-    assert not LeanModel(_target().to(torch.bfloat16)).pack_multirow()
+def test_packed_weights_in_bf16_only_on_amx():
+    """bf16 packs only where oneDNN runs them on AMX: there every forward takes them (each row as the row alone up to
+    `AMX_ALIKE_ROWS`); elsewhere nothing is packed."""
+    on_amx = "amx_bf16" in cpu_flags()
+    assert LeanModel(_target().to(torch.bfloat16)).pack_multirow() == on_amx
+    cpu = torch.device("cpu")
+    assert pack_plan(cpu, torch.bfloat16, 8, frozenset({"avx512_bf16"})) is None
+    assert pack_plan(cpu, torch.bfloat16, 8, frozenset({"amx_bf16"})) == PackPlan(1, 1, AMX_ALIKE_ROWS)
+    assert pack_plan(cpu, torch.float32, 8, frozenset()) == PackPlan(8, 2, 0)
+    assert pack_plan(torch.device("meta"), torch.float32, 8, frozenset()) is None
+
+
+def test_packed_matmuls_past_the_alike_rows_run_in_pieces():
+    w = torch.randn(48, 64)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    x = torch.randn(2, 5, 64)
+    pieces = torch.cat([packed_linear(p, packed) for p in x.reshape(10, 64).split(3)]).view(2, 5, 48)
+    assert torch.equal(packed_linear(x, packed, None, alike=3), pieces)
+    torch.testing.assert_close(packed_linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_bf16_packs_for_every_forward_keep_a_batch_lossless(monkeypatch):
+    """The AMX plan forced on any CPU (oneDNN runs bf16 packs there too, maybe not rows alike): every forward on the
+    packs, the rows kernel dropped unless it serves every forward; where the start-up check finds rows alike, the
+    batch contract is bitwise and a batch's greedy text with history drafts is each request's alone, speculation off's;
+    where it does not, no promise is made (near-tie)."""
+    import dvi.decode.lean
+    from dvi.config import SuffixConfig
+    from dvi.decode import rows_kernel
+    from dvi.drafters.factory import make_proposer
+
+    monkeypatch.setattr(dvi.decode.lean, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    monkeypatch.setattr(dvi.decode.rows_kernel, "kernel_rows_measured", lambda lean: 8)  # AMX's timing: up to 8 rows
+    target = _target().to(torch.bfloat16)
+    opts = EngineOptions(cpu_packed_weights=True, cpu_rows_kernel="auto")
+    off = SpeculativeEngine(target, None, options=opts)
+    lean = off._target.lean
+    assert lean.packs is not None and lean.pack_plan.rows == 1
+    assert lean.kernel_rows == 0 or rows_kernel.load(torch.bfloat16) is None  # one path for every forward
+    if not lean.pack_plan.alike:
+        assert off._target.contract["batched"] == "near-tie"
+        pytest.skip("oneDNN's bf16 packs do not round a matmul's rows as lone rows on this CPU")
+    assert off._target.contract == {"one_request": "bitwise", "batched": "bitwise"}
+    g = torch.Generator().manual_seed(3)
+    prompts = [(torch.randint(0, 128, (9 + i,), generator=g).tolist() * 3)[: 20 + 3 * i] for i in range(4)]
+    alone = [off.generate([p], 20)[0].token_ids for p in prompts]
+    prop = make_proposer("suffix", None, 128, "cpu", settings=SuffixConfig(max_draft_tokens=4))
+    spec = SpeculativeEngine(target, prop, num_draft_tokens=4, max_draft_tokens=4, options=opts)
+    spec.generate(prompts, 20)  # history to draft from
+    outs = spec.generate(prompts, 20)
+    assert sum(o.num_drafted for o in outs) > 0
+    assert [o.token_ids for o in outs] == alone
+    assert [o.token_ids for o in off.generate(prompts, 20)] == alone
 
 
 def _suffix_engine(target, g: torch.Generator) -> tuple[SpeculativeEngine, list[list[int]]]:

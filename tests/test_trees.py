@@ -449,7 +449,7 @@ def test_exact_mode_probe_covers_every_projection(monkeypatch):
         return real(x, w)
 
     monkeypatch.setattr(run.lean, "linear", record, raising=False)
-    dvi.decode.invariance._matmul_rows_agree(run.lean, run.min_rows, 144, 0)
+    dvi.decode.invariance.rows_agree(run.lean, run.min_rows, 144, 0)
     monkeypatch.undo()
     missing = [n for n in ("qkv", "o", "gate_up", "down") if getattr(lw, n).data_ptr() not in probed]
     with torch.inference_mode():

@@ -26,7 +26,7 @@ import torch
 from dvi.decode.lean import LeanModel
 from dvi.decode.lean_target import LeanTarget
 
-__all__ = ["FLOORS", "Invariance", "probe"]
+__all__ = ["FLOORS", "Invariance", "probe", "rows_agree"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def probe(lean: LeanModel, max_width: int = 17, exact: bool = False, max_rows: i
         first = _agreeing_widths(lean, 1, widths, context, seed)  # floor 1's (the floors' first), kept for the pieces
         floor = next((f for f in floors
                       if (first if f == 1 else _agreeing_widths(lean, f, widths, context, seed)) == widths
-                      and (not exact or _matmul_rows_agree(lean, f, max_rows, seed))), None)
+                      and (not exact or rows_agree(lean, f, max_rows, seed))), None)
         chunk = None if floor is not None or exact else _row_chunk(lean, widths, first, context, seed)
         _VERDICTS[key] = v = Invariance(1 if chunk else floor, widths, max_rows, exact, lean.device.type,
                                         str(lean.dtype).removeprefix("torch."), chunk)
@@ -106,7 +106,7 @@ def _row_chunk(lean: LeanModel, widths: tuple[int, ...], agreed: tuple[int, ...]
 
 
 @torch.inference_mode()
-def _matmul_rows_agree(lean: LeanModel, floor: int, max_rows: int, seed: int) -> bool:
+def rows_agree(lean: LeanModel, floor: int, max_rows: int, seed: int) -> bool:
     """Rows of the model's own matmuls at a few row counts up to `max_rows` equal a lone row padded to `floor`."""
     g = torch.Generator().manual_seed(seed)
     counts = sorted({m for m in (floor, floor + 1, 2 * floor + 1, 33, 64, 65, 128, 129, max_rows) if floor <= m <= max_rows})

@@ -26,8 +26,9 @@ from torch import nn
 
 from dvi.decode.attention import Attention
 from dvi.decode.attention_kernel import AttentionKernel, KernelPlan, prefix_plan
-from dvi.decode.cpu_paths import HEAD_BLOCK, blockwise, head_block_rows, packed_linear
+from dvi.decode.cpu_paths import HEAD_BLOCK, NO_PACKS, blockwise, head_block_rows, pack_plan, packed_linear
 from dvi.decode.lean_layer import FusedMath, TorchMath
+from dvi.decode.numerics import cpu_flags
 from dvi.decode.segments import NO_RUNS, Runs, attend_segments
 from dvi.decode.slot_cache import SlotCache
 
@@ -103,10 +104,8 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln_in = layer.input_layernorm.weight
         self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = attn.o_proj.weight
-        self.ln_post = layer.post_attention_layernorm.weight
-        self.gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.down = mlp.down_proj.weight
+        self.o, self.ln_post = attn.o_proj.weight, layer.post_attention_layernorm.weight
+        self.gate_up, self.down = _fuse([mlp.gate_proj, mlp.up_proj])[0], mlp.down_proj.weight
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.q_norm = qn.weight if qn is not None else None
         self.k_norm = kn.weight if kn is not None else None
@@ -141,10 +140,8 @@ class LeanModel:
         self.head = head.weight
         # a plain Linear runs as F.linear; anything else (a reduced draft vocabulary's SubsetHead) as itself
         self.head_module = None if type(head) is nn.Linear and head.bias is None else head
-        # On a CPU, a GEMM of a few rows against the whole LM head may pack all of it first (MKL, fp32: 2.5-4x the
-        # one-row GEMV for a 49k-row head on a Zen3), where blocks of HEAD_BLOCK rows are packed while they sit in
-        # cache (views of the same weight, no copy; the same logits up to the GEMM's rounding). Elsewhere
-        # (oneDNN's bf16) the blocks only add calls: which is faster, and from how many rows, is measured once.
+        # On a CPU a GEMM of a few rows may pack the whole LM head first (MKL, fp32), where blocks of HEAD_BLOCK rows
+        # are packed while in cache (views, no copy; the same logits to rounding): from how many rows is measured once
         big = self.head.device.type == "cpu" and self.head.shape[0] >= 4 * HEAD_BLOCK
         self.head_blocks = self.head.split(HEAD_BLOCK) if big and self.head_module is None else None
         # from how many rows the head runs blockwise (None: never); measured on first use (`head_path`)
@@ -154,6 +151,7 @@ class LeanModel:
         self.packs: list[tuple[torch.Tensor, ...]] | None = None
         self._pack_of: dict[int, torch.Tensor] = {}  # a layer weight's data_ptr -> its pack (`linear`)
         self.head_pack: torch.Tensor | None = None
+        self.pack_plan = NO_PACKS
         # forwards of up to this many rows run every matmul through dvi's rows kernel (`use_rows_kernel`; 0: never)
         self.kernel_rows = 0
         self.kernel: RowsKernel | None = None
@@ -178,14 +176,14 @@ class LeanModel:
 
     @torch.inference_mode()
     def pack_multirow(self, rows: int = 8) -> bool:
-        """Forwards of more than one row (a verify, a prefill) through oneDNN on weights reordered once for GEMMs
-        of about `rows` rows: on a CPU whose BLAS runs few-row fp32 GEMMs far below its one-row GEMV rate, a
-        verify's cost then grows slower with its width. One-row steps keep the plain GEMV. Costs a second copy
-        of the target's weights; fp32 on a CPU with oneDNN only (False otherwise, nothing packed)."""
-        if self.device.type != "cpu" or self.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        """Forwards through oneDNN on weights reordered once (`dvi.decode.cpu_paths.pack_plan`: fp32's multi-row
+        forwards, a verify's cost then growing slower with its width; bf16's every forward on an AMX CPU). Costs a
+        second copy of the target's weights; False where no plan packs (nothing packed)."""
+        plan = pack_plan(self.device, self.dtype, rows, cpu_flags())
+        if plan is None:
             return False
         pack = torch.ops.mkldnn._reorder_linear_weight
-        self._pack_rows = rows
+        self._pack_rows, self.pack_plan, rows = rows, plan, plan.rows
         self.packs = [(pack(lw.qkv, rows), pack(lw.o, rows), pack(lw.gate_up, rows), pack(lw.down, rows))
                       for lw in self.layers]
         self._pack_of = {w.data_ptr(): p for lw, ps in zip(self.layers, self.packs, strict=True)
@@ -200,7 +198,7 @@ class LeanModel:
         packed copy of the weights. Where it wins at every probed row count, oneDNN's packs (`pack_multirow`) are
         dropped: the kernel serves what they served, and torch's GEMM the widest prefills, so the target's weights
         are held twice, not three times. On a CPU where it builds only; returns the rows it serves (0: none)."""
-        from dvi.decode.rows_kernel import KERNEL_PROBE_ROWS, kernel_rows_measured, load
+        from dvi.decode.rows_kernel import EVERY_ROW, KERNEL_PROBE_ROWS, kernel_rows_measured, load
 
         self.kernel, self._panels_of, self.head_panels, self.kernel_rows, self.attn_kernel = None, {}, None, 0, None
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16) or rows == 0:
@@ -219,6 +217,8 @@ class LeanModel:
             logging.getLogger(__name__).info("rows kernel not used: %s", e)
             return 0
         self.kernel_rows = kernel_rows_measured(self) if rows is None else max(0, int(rows))
+        if rows is None and self.pack_plan.alike and self.kernel_rows != EVERY_ROW:  # one path every forward, rows alike
+            self.kernel_rows = 0
         if not self.kernel_rows:
             self.kernel, self._panels_of, self.head_panels = None, {}, None
         elif rows is None and self.kernel_rows >= KERNEL_PROBE_ROWS[-1] and self.packs is not None:
@@ -382,8 +382,8 @@ class LeanModel:
         m = x.shape[0]
         if m <= self.kernel_rows:
             return self.kernel.rows(x, self._panels_of[w.data_ptr()], bias)
-        if m > 1 and self._pack_of:
-            return packed_linear(x, self._pack_of[w.data_ptr()], bias)
+        if m >= self.pack_plan.from_rows and self._pack_of:
+            return packed_linear(x, self._pack_of[w.data_ptr()], bias, self.pack_plan.alike)
         return F.linear(x, w, bias)
 
     def _placement(self, ids: torch.Tensor, start: torch.Tensor, attn: Attention, first_slot: int,
@@ -441,8 +441,8 @@ class LeanModel:
             return self.head_module.placed(sub.view(*f.shape[:-1], -1))
         if self.head_module is not None:
             return self.head_module(f)
-        if self.head_pack is not None and f.numel() > f.shape[-1]:
-            return packed_linear(f, self.head_pack)
+        if self.head_pack is not None and f.numel() >= self.pack_plan.from_rows * f.shape[-1]:
+            return packed_linear(f, self.head_pack, None, self.pack_plan.alike)
         if self.head_blocks is not None and f.numel() > f.shape[-1]:
             rows = self.head_path()
             if rows is not None and f.numel() >= rows * f.shape[-1]:

@@ -98,9 +98,11 @@ class LeanTarget:
     @property
     def positions_alone(self) -> bool:
         """Whether every position of every eager forward is computed alone, the same bits whatever else the forward
-        carries (`contract`): dvi's rows kernel at every row count and its attention kernel, torch on one thread."""
-        return self.lean.kernel_rows == EVERY_ROW and self.lean.attn_kernel is not None \
-            and torch.get_num_threads() == 1
+        carries (`contract`): dvi's rows kernel at every row count, or oneDNN's packs promising it (`PackPlan.alike`,
+        checked) at every row count, and dvi's attention kernel, torch on one thread."""
+        lean = self.lean
+        matmuls = lean.kernel_rows == EVERY_ROW or (not lean.kernel_rows and lean.pack_plan.alike > 0)
+        return matmuls and lean.attn_kernel is not None and torch.get_num_threads() == 1
 
     def _columns(self, n: int) -> torch.Tensor:
         if self._cols.numel() < n:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dvi.decode.forward import model_forward
-from dvi.decode.invariance import probe
+from dvi.decode.invariance import probe, rows_agree
 from dvi.decode.kv import RaggedKV, prefill
 from dvi.decode.lean import LeanModel, lean_supported
 from dvi.decode.lean_target import LeanTarget
@@ -181,6 +181,8 @@ def target_runner(model: nn.Module, lean: bool = True, max_width: int = 17, grap
         lm.pack_multirow()
     if cpu.rows_kernel:
         lm.use_rows_kernel(option_rows(cpu.rows_kernel))
+    if lm.pack_plan.alike:
+        _check_packs_alike(lm)
     exact = is_exact_greedy(model)
     inv = probe(lm, max(max_width, tree_width), exact=exact, max_rows=max_batch * max_width)
     lm.row_chunk = inv.row_chunk
@@ -190,6 +192,18 @@ def target_runner(model: nn.Module, lean: bool = True, max_width: int = 17, grap
 
         captured = GraphedForward(lm, max_batch, max_width, max_context or lm.max_position, progress=True)
     return LeanTarget(lean=lm, exact=exact, min_rows=inv.min_rows or 1, invariance=inv, graphs=captured)
+
+
+def _check_packs_alike(lm: LeanModel) -> None:
+    """Where oneDNN's packs serve forwards promising each row a lone row's bits (`PackPlan.alike`, bf16 on AMX), check
+    it on the model's own matmuls before a batch's greedy contract rests on it; where it fails, no promise."""
+    alike = lm.pack_plan.alike
+    ok = rows_agree(lm, 1, alike, 0)
+    if not ok:
+        lm.pack_plan = lm.pack_plan._replace(alike=0)
+    log.info("%s on oneDNN's packed weights%s: rows of matmuls of up to %d rows %s", str(lm.dtype).removeprefix("torch."),
+             " for every forward" if not lm.kernel_rows else f" past {lm.kernel_rows} rows", alike,
+             "round as lone rows (checked; wider ones run in pieces)" if ok else "do NOT round as lone rows here")
 
 
 def with_prefix_cache(runner: TargetRunner, tokens: int) -> TargetRunner:
