@@ -69,8 +69,10 @@ class ServeConfig(_Strict):
     cuda_graphs: bool = True
     # on a CPU in fp32, the target's forwards of more than one row (verifies, prefills) run through oneDNN on
     # weights reordered once at start-up (dvi.decode.lean.LeanModel.pack_multirow): a second copy of the target's
-    # weights in memory for verifies that cost less per drafted token (benchmarks/serve_speed.py measures both);
-    # auto: on where the target serves fp32 on a CPU and that copy takes at most 2 GiB
+    # weights in memory for verifies that cost less per drafted token (benchmarks/serve_speed.py measures both); in
+    # bf16 on a CPU with AMX every forward runs on them (oneDNN's AMX kernels, each row of a matmul rounded as the row
+    # alone, checked at start-up), and dvi's rows kernel only where it is timed faster at every row count;
+    # auto: on where the target's fp32 copy takes at most 2 GiB (a no-op where no plan packs: bf16 without AMX)
     cpu_packed_weights: bool | Literal["auto"] = "auto"
     # on a CPU, the target's and the learned drafter's forwards (steps, verifies, prefills) run through dvi's kernels,
     # built with the system's C compiler on first use: the rows kernel for the matmuls (fp32: rows_kernel_avx512.c on

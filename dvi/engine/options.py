@@ -18,7 +18,7 @@ class EngineOptions:
     greedy_below_temperature: float = GREEDY_BELOW_TEMPERATURE
     cuda_graphs: bool = True
     max_batch_size: int = 16
-    cpu_packed_weights: bool = False  # multi-row forwards on oneDNN-prepacked weights (CPU, fp32; `target_runner`)
+    cpu_packed_weights: bool = False  # forwards on oneDNN-prepacked weights (CPU: fp32, bf16 on AMX; `target_runner`)
     tree_width: int = 0  # at most this many siblings per drafted depth (draft trees, `dvi.decode.tree_pricing`)
     # adaptive K minimises the time until the batch's slowest row finishes (a fixed batch: `generate`, RL rollouts)
     # when True; a server that backfills finished rows maximises tokens per second instead (False)
