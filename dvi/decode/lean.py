@@ -222,7 +222,7 @@ class LeanModel:
         if not self.kernel_rows:
             self.kernel, self._panels_of, self.head_panels = None, {}, None
         elif rows is None and self.kernel_rows >= KERNEL_PROBE_ROWS[-1] and self.packs is not None:
-            self.packs, self._pack_of, self.head_pack = None, {}, None
+            self.packs, self._pack_of, self.head_pack, self.pack_plan = None, {}, None, NO_PACKS
             logging.getLogger(__name__).info("oneDNN's packed weights dropped: the rows kernel serves their forwards")
         return self.kernel_rows
 
