@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = _load(a)
     tok = pair.tokenizer
     systems = [s for s in a.systems.split(",") if s]
-    from serving.wiring import packed_weights
+    from dvi.engine.options import packed_weights
 
     packed = packed_weights({"true": True, "false": False}.get(a.packed, "auto"), pair.target)
     rows_kernel = {"true": True, "false": False}.get(a.rows_kernel, "auto")

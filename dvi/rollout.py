@@ -178,10 +178,12 @@ class RolloutEngine:
         `kind`: ``history`` (a prompt's earlier rollouts and live siblings, `dvi.rollout_history`), ``history_hybrid``
         (that index, else `drafter` where no proposal clears the bar), or any `dvi.drafters.factory` kind
         (``none``, ``suffix``, ``hybrid``, a learned kind with `drafter`). `kwargs` go to `RolloutEngine`.
-        `engine_options` default: `serve.cpu_rows_kernel`'s and `serve.prefix_cache_tokens`' defaults: on a CPU, dvi's
-        kernels where they win, as `dvi serve` runs them, and a GRPO group's samples of one prompt prefilled once."""
+        `engine_options` default: `serve.cpu_rows_kernel`'s, `serve.cpu_packed_weights`' and
+        `serve.prefix_cache_tokens`' defaults: on a CPU, dvi's kernels and oneDNN's packs where they win, as `dvi serve`
+        runs them, and a GRPO group's samples of one prompt prefilled once."""
         from dvi.config_serve import DEFAULT_PREFIX_CACHE_TOKENS
         from dvi.drafters.factory import make_proposer, proposer_for_drafter
+        from dvi.engine.options import packed_weights
         from dvi.engine.speculative import EngineOptions, SpeculativeEngine
         from dvi.rollout_history import history_proposer
 
@@ -201,7 +203,8 @@ class RolloutEngine:
         engine = SpeculativeEngine(target, proposer, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
                                    max_draft_tokens=max_draft_tokens,
                                    options=engine_options or EngineOptions(
-                                       cpu_rows_kernel="auto", prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS))
+                                       cpu_rows_kernel="auto", cpu_packed_weights=packed_weights("auto", target),
+                                       prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS))
         return cls(engine, **kwargs)
 
     # -- versions -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 
 from dvi.config import DviConfig
 from dvi.decode.adaptive import batch_bucket
+from dvi.engine.options import packed_weights
 from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 from dvi.feedback import FeedbackWriter, Retention
 from dvi.memory import HeapTrimmer, cap_onednn_cache
@@ -176,20 +177,6 @@ def prefill_budget(setting: int | None, target) -> int:
     if setting is not None:
         return int(setting)
     return PREFILL_TOKENS.get(next(target.parameters()).device.type, 0)
-
-
-PACKED_AUTO_BYTES = 2 << 30  # `serve.cpu_packed_weights: auto` packs a target whose fp32 copy fits this
-
-
-def packed_weights(setting: bool | str, target) -> bool:
-    """`serve.cpu_packed_weights` resolved: auto asks for a packed copy of a target of at most 2 GiB in fp32, since
-    on a CPU whose BLAS runs few-row fp32 GEMMs slowly a verify is what decides whether drafting pays (the engine
-    packs only an fp32 target on a CPU with oneDNN; elsewhere the setting is a no-op)."""
-    from dvi.models.loading import num_params
-
-    if setting != "auto":
-        return bool(setting)
-    return num_params(target) * 4 <= PACKED_AUTO_BYTES
 
 
 def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:

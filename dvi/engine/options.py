@@ -7,7 +7,7 @@ import dataclasses
 
 from dvi.decode.sampling import GREEDY_BELOW_TEMPERATURE
 
-__all__ = ["EngineOptions", "prefill_share"]
+__all__ = ["PACKED_AUTO_BYTES", "EngineOptions", "packed_weights", "prefill_share"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,3 +48,18 @@ def prefill_share(prompt_lens: list[int], budget: int) -> int:
             break
         n += 1
     return n
+
+
+PACKED_AUTO_BYTES = 2 << 30  # `serve.cpu_packed_weights: auto` packs a target whose fp32 copy fits this
+
+
+def packed_weights(setting: bool | str, target) -> bool:
+    """`serve.cpu_packed_weights` resolved (`dvi serve`, and RL rollouts as it runs them): auto asks for a packed copy
+    of a target of at most 2 GiB in fp32, since on a CPU whose BLAS runs few-row fp32 GEMMs slowly a verify is what
+    decides whether drafting pays, and bf16 on AMX runs every forward on it (`dvi.decode.cpu_paths.pack_plan`; where
+    no plan packs, the setting is a no-op)."""
+    from dvi.models.loading import num_params
+
+    if setting != "auto":
+        return bool(setting)
+    return num_params(target) * 4 <= PACKED_AUTO_BYTES
