@@ -107,16 +107,22 @@ def test_a_batch_on_the_kernels_decodes_each_row_as_it_decodes_alone(dtype):
     """Matmul rows and attention queries each computed alone: a batch row's greedy text is its lone decode token for
     token, with speculation on (history drafts, ragged verifies) and off, in fp32 and in bf16 (where torch's kernels
     part rows at near-ties)."""
-    from dvi.config import SuffixConfig
-    from dvi.drafters.factory import make_proposer
-
     target = tiny_llama(0, vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2).to(dtype)
-    g = torch.Generator().manual_seed(7)
-    prompts = [(torch.randint(0, 128, (9 + i,), generator=g).tolist() * 3)[: 20 + 3 * i] for i in range(4)]
     opts = EngineOptions(cpu_rows_kernel=True)
     off = SpeculativeEngine(target, None, options=opts)
     assert off._target.lean.attn_kernel is not None
+    assert_batch_decodes_alone(target, off, opts, seed=7)
+
+
+def assert_batch_decodes_alone(target, off: SpeculativeEngine, opts: EngineOptions, seed: int) -> None:
+    """Four repetitive prompts (vocab 128) decoded together, with history drafts (ragged verifies) and without, equal
+    each prompt decoded alone by `off`, token for token."""
+    from dvi.config import SuffixConfig
+    from dvi.drafters.factory import make_proposer
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [(torch.randint(0, 128, (9 + i,), generator=g).tolist() * 3)[: 20 + 3 * i] for i in range(4)]
     alone = [off.generate([p], 20)[0].token_ids for p in prompts]
     prop = make_proposer("suffix", None, 128, "cpu", settings=SuffixConfig(max_draft_tokens=4))
     spec = SpeculativeEngine(target, prop, num_draft_tokens=4, max_draft_tokens=4, options=opts)

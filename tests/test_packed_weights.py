@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attention_kernel import assert_batch_decodes_alone
 from test_engine import assert_greedy_equal, reference
 from tiny_models import tiny_llama
 
@@ -70,9 +71,7 @@ def test_bf16_packs_for_every_forward_keep_a_batch_lossless(monkeypatch):
     batch contract is bitwise and a batch's greedy text with history drafts is each request's alone, speculation off's;
     where it does not, no promise is made (near-tie)."""
     import dvi.decode.lean
-    from dvi.config import SuffixConfig
     from dvi.decode import rows_kernel
-    from dvi.drafters.factory import make_proposer
 
     monkeypatch.setattr(dvi.decode.lean, "cpu_flags", lambda: frozenset({"amx_bf16"}))
     monkeypatch.setattr(dvi.decode.rows_kernel, "kernel_rows_measured", lambda lean: 8)  # AMX's timing: up to 8 rows
@@ -86,16 +85,7 @@ def test_bf16_packs_for_every_forward_keep_a_batch_lossless(monkeypatch):
         assert off._target.contract["batched"] == "near-tie"
         pytest.skip("oneDNN's bf16 packs do not round a matmul's rows as lone rows on this CPU")
     assert off._target.contract == {"one_request": "bitwise", "batched": "bitwise"}
-    g = torch.Generator().manual_seed(3)
-    prompts = [(torch.randint(0, 128, (9 + i,), generator=g).tolist() * 3)[: 20 + 3 * i] for i in range(4)]
-    alone = [off.generate([p], 20)[0].token_ids for p in prompts]
-    prop = make_proposer("suffix", None, 128, "cpu", settings=SuffixConfig(max_draft_tokens=4))
-    spec = SpeculativeEngine(target, prop, num_draft_tokens=4, max_draft_tokens=4, options=opts)
-    spec.generate(prompts, 20)  # history to draft from
-    outs = spec.generate(prompts, 20)
-    assert sum(o.num_drafted for o in outs) > 0
-    assert [o.token_ids for o in outs] == alone
-    assert [o.token_ids for o in off.generate(prompts, 20)] == alone
+    assert_batch_decodes_alone(target, off, opts, seed=3)
 
 
 def _suffix_engine(target, g: torch.Generator) -> tuple[SpeculativeEngine, list[list[int]]]:

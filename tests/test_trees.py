@@ -242,20 +242,27 @@ def test_tree_verify_rounds_like_steps_bf16(shape):
             assert not bitwise or torch.equal(kv, kv_ref), (shape, path)
 
 
+def past_four_disagree(monkeypatch):
+    """The start-up probe forced to see verify widths past 4 disagree with the steps (pieces measured as they are);
+    returns the real measure."""
+    real = dvi.decode.invariance._agreeing_widths
+
+    def forced(lean, floor, widths, context, seed, chunk=None):
+        got = real(lean, floor, widths, context, seed, chunk)
+        return got if chunk else tuple(w for w in got if w <= 4)
+
+    monkeypatch.setattr(dvi.decode.invariance, "_VERDICTS", {})
+    monkeypatch.setattr(dvi.decode.invariance, "_agreeing_widths", forced)
+    return real
+
+
 def test_a_verify_past_the_kernels_agreeing_rows_runs_in_pieces(monkeypatch, spy):
     """Where a kernel rounds a GEMM's rows like a lone row's only up to some row count (oneDNN's bf16 on Intel AMX:
     32 rows; a hybrid draft tree's verify scores up to ~57 positions), the probe keeps the widest width that agreed
     as the one-request verify's matmul piece: then wide chain and tree verifies round like the steps, and the
     engine's greedy text with trees equals speculation off's. Forced here on any CPU: the probe sees widths past 4
     disagree (the pieces' own rows are measured)."""
-    real = dvi.decode.invariance._agreeing_widths
-
-    def past_four_disagree(lean, floor, widths, context, seed, chunk=None):
-        got = real(lean, floor, widths, context, seed, chunk)
-        return got if chunk else tuple(w for w in got if w <= 4)
-
-    monkeypatch.setattr(dvi.decode.invariance, "_VERDICTS", {})
-    monkeypatch.setattr(dvi.decode.invariance, "_agreeing_widths", past_four_disagree)
+    real = past_four_disagree(monkeypatch)
     target = bf16_target(layers=2)
     run = target_runner(target, max_width=9, tree_width=33)
     if real(run.lean, 1, (2, 3, 4), 48, 0) != (2, 3, 4):  # this CPU's kernels: not even 2-4 rows agree unforced
@@ -295,14 +302,7 @@ def test_a_verify_in_pieces_on_the_rows_kernel_rounds_like_its_steps(monkeypatch
 
     if rows_kernel.load(dtype) is None:
         pytest.skip(f"no rows kernel: {rows_kernel.unavailable_reason(dtype)}")
-    real = dvi.decode.invariance._agreeing_widths
-
-    def past_four_disagree(lean, floor, widths, context, seed, chunk=None):
-        got = real(lean, floor, widths, context, seed, chunk)
-        return got if chunk else tuple(w for w in got if w <= 4)
-
-    monkeypatch.setattr(dvi.decode.invariance, "_VERDICTS", {})
-    monkeypatch.setattr(dvi.decode.invariance, "_agreeing_widths", past_four_disagree)
+    past_four_disagree(monkeypatch)
     monkeypatch.setattr(rows_kernel, "KERNEL_ROWS", 4)
     target, cpu = bf16_target(layers=2).to(dtype), CpuMatmuls(rows_kernel=True)
     run = target_runner(target, max_width=9, tree_width=33, cpu=cpu)
