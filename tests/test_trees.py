@@ -295,7 +295,7 @@ def test_a_verify_in_pieces_on_the_rows_kernel_rounds_like_its_steps(monkeypatch
     and wider verifies part from the steps, the probe's pieces keep a one-request verify bitwise: the kernel's fused
     calls (its norms, SwiGLU, residual adds, RoPE) serve the whole verify as they serve a step, not torch's calls
     around the pieces, whose bf16 norm rounds once where the step's rounds as Hugging Face's (seen on Intel AMX: 29 of
-    48 greedy answers through `dvi serve` parted from speculation off's, the probe said near-tie). Forced on any CPU:
+    80 greedy answers through `dvi serve` parted from speculation off's, the probe said near-tie). Forced on any CPU:
     the kernel serves 4 rows, the probe sees widths past 4 disagree."""
     from dvi.decode import rows_kernel
     from dvi.decode.target import CpuMatmuls
