@@ -55,6 +55,21 @@ def test_packed_weights_in_bf16_only_on_amx():
     assert pack_plan(torch.device("meta"), torch.float32, 8, frozenset()) is None
 
 
+@torch.inference_mode()
+def test_a_target_update_keeps_the_start_up_verdict_on_the_packs(monkeypatch):
+    """Where the start-up check found a matmul's rows not rounding alike on the packs, a target update's repacking
+    does not bring the promise back."""
+    import dvi.decode.lean
+
+    monkeypatch.setattr(dvi.decode.lean, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    lean = LeanModel(_target().to(torch.bfloat16))
+    assert lean.pack_multirow() and lean.pack_plan.alike == AMX_ALIKE_ROWS
+    lean.pack_plan = lean.pack_plan._replace(alike=0)  # the check failed here
+    old = lean.packs[0][0]
+    lean.repack()
+    assert lean.pack_plan.alike == 0 and lean.packs[0][0] is not old
+
+
 def test_packed_matmuls_past_the_alike_rows_run_in_pieces():
     w = torch.randn(48, 64)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)

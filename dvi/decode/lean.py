@@ -107,8 +107,7 @@ class _Layer:
         self.o, self.ln_post = attn.o_proj.weight, layer.post_attention_layernorm.weight
         self.gate_up, self.down = _fuse([mlp.gate_proj, mlp.up_proj])[0], mlp.down_proj.weight
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = qn.weight if qn is not None else None
-        self.k_norm = kn.weight if kn is not None else None
+        self.q_norm, self.k_norm = (qn.weight if qn is not None else None), (kn.weight if kn is not None else None)
 
 
 class LeanModel:
@@ -237,9 +236,10 @@ class LeanModel:
 
     def repack(self) -> None:
         """New weights were loaded in place (a target update): the packed copies are remade from them, else the
-        multi-row forwards would go on computing with the old target."""
+        forwards would go on computing with the old target; the start-up check's verdict on them stands."""
         if self.packs is not None:
-            self.pack_multirow(self._pack_rows)
+            plan, _ = self.pack_plan, self.pack_multirow(self._pack_rows)
+            self.pack_plan = plan
         if self._panels_of:
             for w in self._matrices():
                 self._panels_of[w.data_ptr()].refill(w)
