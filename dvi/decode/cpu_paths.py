@@ -78,8 +78,8 @@ def pack_plan(device: torch.device, dtype: torch.dtype, rows: int, flags: frozen
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, alike: int = 0) -> torch.Tensor:
     """F.linear on a weight `LeanModel.pack_multirow` reordered for oneDNN; rows past `alike` in pieces (`PackPlan`)."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    if alike and rows.shape[0] > alike:
+    if alike and x.numel() > alike * x.shape[-1]:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.cat([_packed(p, packed, bias) for p in rows.split(alike)])
         return out.view(*x.shape[:-1], out.shape[-1])
     return _packed(x.contiguous(), packed, bias)

@@ -213,16 +213,15 @@ def explain(group: str, before: WindowStats | None, after: WindowStats, level: f
     move = f"live α {_f(before.alpha_live)} -> {_f(after.alpha_live)} (window {after.index}, {after.records} records)"
     d_live, d_ref = after.alpha_live - before.alpha_live, _delta(before.alpha_reference, after.alpha_reference)
     with_base = d_ref is not None and d_ref * d_live > 0 and abs(d_ref) >= 0.5 * abs(d_live)  # the base moved too
-    drafter = f"versions {list(before.versions)} -> {list(after.versions)}"
+    versions = f"versions {list(before.versions)} -> {list(after.versions)}"
+    beside = ", the drafter is unchanged"  # what the traffic's message says of the drafter
     if after.versions != before.versions:
         d_gap = _delta(_gap(before), _gap(after))  # what the new versions changed beyond what the base did
         if not (with_base and d_gap is not None and abs(d_ref) > abs(d_gap)):
             return AlphaMove(group, "drafter_changed", before, after, (
-                f"{name}: {move}: the drafter changed ({drafter}); replayed α̂ of the serving versions "
+                f"{name}: {move}: the drafter changed ({versions}); replayed α̂ of the serving versions "
                 f"{_f(before.alpha_served)} -> {_f(after.alpha_served)}"))
-        drafter = f"; the drafter changed too ({drafter}), its lead over the base {_f(_gap(before))} -> {_f(_gap(after))}"
-    else:
-        drafter = ", the drafter is unchanged"
+        beside = f"; the drafter changed too ({versions}), its lead over the base {_f(_gap(before))} -> {_f(_gap(after))}"
     if max(after.target_versions, default=0) > max(before.target_versions, default=0):
         return AlphaMove(group, "target_changed", before, after, (
             f"{name}: {move}: the target changed (versions {list(before.target_versions)} -> "
@@ -231,7 +230,7 @@ def explain(group: str, before: WindowStats | None, after: WindowStats, level: f
     if with_base:
         return AlphaMove(group, "traffic_changed", before, after, (
             f"{name}: {move}: the traffic changed: the frozen base's α̂ on the same records moved "
-            f"{_f(before.alpha_reference)} -> {_f(after.alpha_reference)} too{drafter}"))
+            f"{_f(before.alpha_reference)} -> {_f(after.alpha_reference)} too{beside}"))
     return AlphaMove(group, "unexplained", before, after, (
         f"{name}: {move}: no version changed, the frozen base's α̂ {_f(before.alpha_reference)} -> "
         f"{_f(after.alpha_reference)} did not move with it and the drafts agree with their weights "
