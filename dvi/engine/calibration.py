@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from dvi.decode.kv import prefill
+from dvi.decode.sampling import greedy_tokens
 from dvi.drafters.draft_cache import DraftCache, RaggedDraftCache, draft_cache
 
 __all__ = ["CalibrationRows", "Calibrated", "CalibrationSetup", "DummyRows", "calibrate", "calibrate_bucket"]
@@ -145,10 +146,12 @@ class DummyRows:
             self.dkv.rebuild(self.rows)
 
     def verify(self, k: int):
+        """A verify and the argmax a greedy step takes of it (`greedy_tokens`, as the engine's: torch's `argmax` of 16
+        bf16 rows x 5 x 49,152 took 13.7 ms of a 105 ms verify on Intel AMX, the step's vocabulary kernel ~1)."""
         ids = self._ids(k + 1)  # [b, K + 1]
         if self.setup.verify_features:  # the verify an eagle drafter needs also returns the target's features
-            return lambda: self.tkv.forward(ids, True)[0].argmax(-1).tolist()
-        return lambda: self.tkv.forward(ids, False).argmax(-1).tolist()
+            return lambda: greedy_tokens(self.tkv.forward(ids, True)[0]).tolist()
+        return lambda: greedy_tokens(self.tkv.forward(ids, False)).tolist()
 
     def undo_verify(self, k: int) -> None:
         self.tkv.keep(k + 1, [0] * self.b)
@@ -162,7 +165,7 @@ class DummyRows:
 
         def run():
             out = self.dkv.forward_rows(rows, fn) if j == 0 else self.dkv.forward(ids, fn)
-            return (out[0] if isinstance(out, tuple) else out).argmax(-1).tolist()
+            return greedy_tokens(out[0] if isinstance(out, tuple) else out).tolist()
 
         return run
 
