@@ -133,6 +133,56 @@ def test_the_fused_calls_compute_the_layers_norm_swiglu_and_residual(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_the_prologue_alone_feeds_what_the_fused_call_multiplies(dtype):
+    """`prologue` (the norm or SwiGLU alone, for matmuls another library runs) gives the rows `fused` multiplies: the
+    same bits through the kernel's matmul, each row alike alone; a bad input is refused by name."""
+    kernel = _kernel(dtype)
+    g = torch.Generator().manual_seed(5)
+    k, n = 576, 96
+    x, ln = (torch.randn(13, k, generator=g) * 3).to(dtype), torch.randn(k, generator=g).to(dtype)
+    w, wd = torch.randn(n, k, generator=g).to(dtype) / 24, torch.randn(k, n, generator=g).to(dtype) / 16
+    gu = (torch.randn(13, 2 * n, generator=g) * 4).to(dtype)
+    normed, gated = kernel.prologue(x, (ln, 1e-5)), kernel.prologue(gu)
+    assert normed.shape == (13, k) and gated.shape == (13, n)
+    assert torch.equal(kernel.rows(normed, kernel.pack(w)), kernel.fused(x, kernel.pack(w), norm=(ln, 1e-5)))
+    assert torch.equal(kernel.rows(gated, kernel.pack(wd)), kernel.fused(gu, kernel.pack(wd), swiglu=True))
+    assert torch.equal(torch.cat([kernel.prologue(x[r : r + 1], (ln, 1e-5)) for r in range(13)]), normed)
+    if dtype == torch.bfloat16:
+        assert torch.equal(normed, _hf_norm(x, ln, 1e-5))
+    with pytest.raises(ValueError, match="norm's weight"):
+        kernel.prologue(x, (ln[:-2], 1e-5))
+    with pytest.raises(ValueError, match="rows kernel takes 2-d"):
+        kernel.prologue(x.float() if dtype == torch.bfloat16 else x.double(), (ln, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_forwards_on_onednns_packs_take_the_kernels_elementwise_calls(dtype, monkeypatch):
+    """Where the kernel serves no matmul (oneDNN's packs do: an AMX CPU's bf16), a forward's norms, SwiGLU and RoPE
+    still go through its calls (`KernelMath`), computing what torch's calls do; a verify's rows round like its steps."""
+    from dvi.decode import lean_layer
+    from dvi.decode.lean_target import LeanTarget
+
+    target = _target(dtype)
+    kern, plain = LeanModel(target), LeanModel(target)
+    assert kern.use_rows_kernel(0) == 0 and kern.elementwise is None  # rows=0: torch's calls alone
+    kern.use_rows_kernel(1)
+    kern.kernel_rows = 0  # no matmul on the kernel: its elementwise calls stay
+    assert kern.elementwise is not None
+    used = []
+    rope = lean_layer.KernelMath.rope_store
+    monkeypatch.setattr(lean_layer.KernelMath, "rope_store", lambda self, *a: used.append(1) or rope(self, *a))
+    a, b = LeanTarget(lean=kern), LeanTarget(lean=plain)
+    g = torch.Generator().manual_seed(3)
+    ctxs = [torch.randint(0, 128, (20 + i,), generator=g).tolist() for i in range(3)]
+    a.admit(ctxs, False), b.admit(ctxs, False)
+    ids = torch.randint(0, 128, (3, 4), generator=g)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(a.forward(ids, False), b.forward(ids, False), rtol=tol, atol=tol)
+    assert used, "the forward took torch's calls"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_rotates_and_stores_as_torchs_calls_do(dtype):
     """`rope_store` gives the bits of torch's x * cos + x.flip(halves) * sin (products and sum rounded alike) and
     writes each row's k|v part where index_put_ does, nothing else of the cache."""

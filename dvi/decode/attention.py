@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Attention", "BUCKET", "bucket_columns", "folded_groups", "one_call", "per_query"]
+from dvi.decode.attention_kernel import KernelPlan, prefix_plan
+
+__all__ = ["Attention", "BUCKET", "attend_real", "bucket_columns", "folded_groups", "kernel_plan", "one_call", "per_query"]
 
 
 class Attention:
@@ -108,3 +110,27 @@ def folded_groups(starts: list[int], q: int, columns: torch.Tensor, rows: list[i
             groups.append((b, j, j1, length, (columns[:length].view(1, -1) <= pos).view(j1 - j, 1, 1, length)))
             j = j1
     return groups
+
+
+def kernel_plan(attn: Attention, q: int, first_slot: int, col: torch.Tensor,
+                 slot: torch.Tensor) -> KernelPlan | None:
+    """The columns each of a forward's positions attends, as the attention kernel takes them (rows: absolute
+    slots): a draft tree's plan (`TreeAttention.plan`, which carries no runs), or every position over its own slot's
+    columns 0 .. its own (a step, a chain's verify, a prefill, a joining prompt, a tail) where `attn` is causal or
+    its folded groups or mask say so. None (SDPA) for other masks."""
+    tree = getattr(attn, "plan", None)
+    if tree is not None:
+        return tree._replace(rows=tree.rows + first_slot) if first_slot else tree
+    if type(attn) is not Attention or (q > 1 and not attn.causal and attn.groups is None and attn.mask is None):
+        return None
+    return prefix_plan(slot.cpu(), col.cpu() + 1)
+
+
+@torch.inference_mode()
+def attend_real(attn: Attention, qrows: torch.Tensor, real: torch.Tensor, n: int, b: int, keys: torch.Tensor,
+                 values: torch.Tensor, scale: float) -> torch.Tensor:
+    """A ragged forward's attention: its M queries scattered to their places among the N = B * q of `attn` (the
+    others zero: each query sees only its own row's columns, so they change nothing), gathered back -> [M, ...]."""
+    full = qrows.new_zeros((n,) + tuple(qrows.shape[1:]))
+    full.index_copy_(0, real, qrows)
+    return attn.attend(full, b, keys, values, scale).index_select(0, real)

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dvi.decode.attention import Attention
-from dvi.decode.attention_kernel import AttentionKernel, KernelPlan, prefix_plan
+from dvi.decode.attention import Attention, attend_real, kernel_plan
+from dvi.decode.attention_kernel import AttentionKernel
 from dvi.decode.cpu_paths import HEAD_BLOCK, NO_PACKS, blockwise, head_block_rows, pack_plan, packed_linear
-from dvi.decode.lean_layer import FusedMath, TorchMath
+from dvi.decode.lean_layer import layer_math
 from dvi.decode.numerics import cpu_flags
 from dvi.decode.segments import NO_RUNS, Runs, attend_segments
 from dvi.decode.slot_cache import SlotCache
@@ -154,6 +154,8 @@ class LeanModel:
         # forwards of up to this many rows run every matmul through dvi's rows kernel (`use_rows_kernel`; 0: never)
         self.kernel_rows = 0
         self.kernel: RowsKernel | None = None
+        # its elementwise calls (norms, SwiGLU, RoPE) where it loaded, whatever matmuls it serves (`layer_math`)
+        self.elementwise: RowsKernel | None = None
         self._panels_of: dict[int, Panels] = {}  # a layer weight's data_ptr -> the kernel's packed copy (`linear`)
         self.head_panels, self.head_bias = None, None  # the head's; a reduced draft vocabulary's bias rows beside
         # every forward's attention, each query over its own slot's columns, through dvi's attention kernel
@@ -200,10 +202,11 @@ class LeanModel:
         from dvi.decode.rows_kernel import EVERY_ROW, KERNEL_PROBE_ROWS, kernel_rows_measured, load
 
         self.kernel, self._panels_of, self.head_panels, self.kernel_rows, self.attn_kernel = None, {}, None, 0, None
+        self.elementwise = None
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16) or rows == 0:
             return 0
         self._use_attention_kernel()
-        self.kernel = load(self.dtype)
+        self.kernel = self.elementwise = load(self.dtype)
         if self.kernel is None:
             return 0
         try:  # packing checks each weight, and the copy's alignment
@@ -314,8 +317,8 @@ class LeanModel:
         tapped = []
         lin, chunk = self._matmuls(n, b, attn.groups is not None and not segments, runs.pieces(n))
         ad = self.adapters
-        mm = FusedMath(self.kernel, self._panels_of, self.eps) if ad is None and self._fused_rows(n, chunk) \
-            else TorchMath(lin, self.hidden, self.eps, ad)
+        mm = layer_math(self.kernel, self.elementwise, self._panels_of, lin, self.hidden, self.eps, ad,
+                        self._fused_rows(n, chunk))
         for i, lw in enumerate(self.layers):
             qkv = mm.normed(x, lw.ln_in, lw.qkv, lw.qkv_bias, i, "qkv").view(n, heads + 2 * kvh, 2, d // 2)
             if lw.q_norm is not None:
@@ -353,7 +356,7 @@ class LeanModel:
         shape: (B, q, first slot, the batch's positions, the columns the forward reaches); placed: every position's
         cache column and slot."""
         b, q, first_slot, n_batch, columns = shape
-        plan = _kernel_plan(attn, q, first_slot, *placed) if self.attn_kernel else None
+        plan = kernel_plan(attn, q, first_slot, *placed) if self.attn_kernel else None
         if plan is not None:
             kk, kv = cache.views(int(plan.rows.max()) + 1 if plan.rows.numel() else 1, columns)
             return lambda qrows, i: self.attn_kernel.attend(qrows.flatten(2), kk[i], kv[i], plan, self.scale)
@@ -362,7 +365,7 @@ class LeanModel:
         def sdpa(qrows: torch.Tensor, i: int) -> torch.Tensor:
             rows = qrows[:n_batch]
             o = attn.attend(rows, b, keys[i], values[i], self.scale) if real is None else \
-                _attend_real(attn, rows, real, b * q, b, keys[i], values[i], self.scale)
+                attend_real(attn, rows, real, b * q, b, keys[i], values[i], self.scale)
             return torch.cat([o, *attend_segments(qrows[n_batch:], segments, i, self.scale)]) if segments else o
         return sdpa
 
@@ -467,30 +470,6 @@ def _refuse(attn: Attention, q: int, features: bool, logits_to_keep: int, pick: 
         raise ValueError("prefixes and tails ride on a chain's forward without features")
     if runs.tails is not None and (q != 1 or attn.real is not None or pick is not None or logits_to_keep):
         raise ValueError("tails follow a one-token step's ids and come back whole")
-
-
-def _kernel_plan(attn: Attention, q: int, first_slot: int, col: torch.Tensor,
-                 slot: torch.Tensor) -> KernelPlan | None:
-    """The columns each of a forward's positions attends, as the attention kernel takes them (rows: absolute
-    slots): a draft tree's plan (`TreeAttention.plan`, which carries no runs), or every position over its own slot's
-    columns 0 .. its own (a step, a chain's verify, a prefill, a joining prompt, a tail) where `attn` is causal or
-    its folded groups or mask say so. None (SDPA) for other masks."""
-    tree = getattr(attn, "plan", None)
-    if tree is not None:
-        return tree._replace(rows=tree.rows + first_slot) if first_slot else tree
-    if type(attn) is not Attention or (q > 1 and not attn.causal and attn.groups is None and attn.mask is None):
-        return None
-    return prefix_plan(slot.cpu(), col.cpu() + 1)
-
-
-@torch.inference_mode()
-def _attend_real(attn: Attention, qrows: torch.Tensor, real: torch.Tensor, n: int, b: int, keys: torch.Tensor,
-                 values: torch.Tensor, scale: float) -> torch.Tensor:
-    """A ragged forward's attention: its M queries scattered to their places among the N = B * q of `attn` (the
-    others zero: each query sees only its own row's columns, so they change nothing), gathered back -> [M, ...]."""
-    full = qrows.new_zeros((n,) + tuple(qrows.shape[1:]))
-    full.index_copy_(0, real, qrows)
-    return attn.attend(full, b, keys, values, scale).index_select(0, real)
 
 
 def _in_pieces(lin: Any, rows: int | list[int], x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

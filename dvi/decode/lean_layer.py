@@ -1,6 +1,7 @@
-"""A decoder layer's projections in `dvi.decode.lean.LeanModel.forward`, two ways: torch's calls around each matmul
-(`TorchMath`), or dvi's rows kernel with the RMS norms, the SwiGLU and the residual adds folded into its calls
-(`FusedMath`, `dvi/decode/rows_fused.h`), RoPE and the cache write with them.
+"""A decoder layer's projections in `dvi.decode.lean.LeanModel.forward`, three ways: torch's calls around each matmul
+(`TorchMath`); dvi's rows kernel with the RMS norms, the SwiGLU and the residual adds folded into its calls
+(`FusedMath`, `dvi/decode/rows_fused.h`), RoPE and the cache write with them; or the kernel's elementwise calls around
+another library's matmuls (`KernelMath`: oneDNN's packs).
 
 Why both: at a decode step's few rows the elementwise work costs its calls' overhead, not its arithmetic (a norm is six
 torch calls), so where the rows kernel serves a forward's every matmul the forward makes one call a projection;
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FusedMath", "TorchMath"]
+__all__ = ["FusedMath", "KernelMath", "TorchMath", "layer_math"]
 
 
 class TorchMath:
@@ -47,6 +48,39 @@ class TorchMath:
     def swiglu_added(self, x: torch.Tensor, gu: torch.Tensor, w: torch.Tensor, i: int, name: str) -> torch.Tensor:
         gate, up = gu.chunk(2, -1)
         return self.added(x, F.silu(gate) * up, w, i, name)
+
+
+class KernelMath(TorchMath):
+    """TorchMath's matmuls (oneDNN's packed weights, torch's GEMM) with the norms, the SwiGLU and RoPE through the rows
+    kernel's elementwise calls (`RowsKernel.prologue`, `rope_store`): where the kernel serves no matmul (an AMX CPU's
+    bf16 forwards run on oneDNN's packs), a forward still makes one call where torch makes six."""
+
+    def __init__(self, kernel: Any, lin: Callable, hidden: int, eps: float, ad: Any = None):
+        super().__init__(lin, hidden, eps, ad)
+        self.kernel = kernel
+
+    def normed(self, x: torch.Tensor, ln: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, i: int,
+               name: str) -> torch.Tensor:
+        h = self.kernel.prologue(x, (ln, self.eps))
+        y = self.lin(h, w, bias)
+        return self.ad.add(i, name, h, y) if self.ad else y
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor,
+                   col: torch.Tensor, heads: int) -> torch.Tensor:
+        d = kv.shape[4]
+        return self.kernel.rope_store(qkv, cos, sin, d, heads * d, kv, slot, col).view(qkv.shape)
+
+    def swiglu_added(self, x: torch.Tensor, gu: torch.Tensor, w: torch.Tensor, i: int, name: str) -> torch.Tensor:
+        return self.added(x, self.kernel.prologue(gu), w, i, name)
+
+
+def layer_math(kernel: Any, elementwise: Any, panels_of: dict, lin: Callable, hidden: int, eps: float, ad: Any,
+               fused: bool) -> TorchMath | KernelMath | FusedMath:
+    """A forward's math: the rows kernel's fused calls where it serves every matmul (`fused`) and no adapter reads the
+    normed rows; else its elementwise calls around `lin` where it loaded (`elementwise`); else torch's."""
+    if fused and ad is None:
+        return FusedMath(kernel, panels_of, eps)
+    return KernelMath(elementwise, lin, hidden, eps, ad) if elementwise is not None else TorchMath(lin, hidden, eps, ad)
 
 
 class FusedMath:

@@ -69,10 +69,45 @@ static inline void* fz_scratch(size_t bytes) {
     return buf;
 }
 
+/* NAME(x, ldx, K, M, norm_w, eps, swiglu, out): the work before a layer's matmul, into out [M, K]: x's rows RMS-normed
+   and scaled by norm_w (norm_w not NULL), or silu(gate) * up of x's [gate | up] rows of 2K (swiglu). ROWS_FUSED runs it
+   into its scratch; alone, it serves forwards whose matmuls another library runs (oneDNN's packed weights). */
+#define ROWS_PROLOGUE(NAME, T, SFX)                                                                                  \
+    void NAME(const T* x, int64_t ldx, int64_t K, int64_t M, const T* norm_w, float eps, int32_t swiglu, T* out) {  \
+        for (int64_t i = 0; i < M; i++) {                                                                          \
+            const T* xi = x + i * ldx;                                                                             \
+            T* si = out + i * K;                                                                                   \
+            int64_t j = 0;                                                                                         \
+            if (norm_w) {                                                                                          \
+                __m256 acc = _mm256_setzero_ps();                                                                  \
+                for (; j + 8 <= K; j += 8) {                                                                       \
+                    __m256 v = load8_##SFX(xi + j);                                                             \
+                    acc = _mm256_fmadd_ps(v, v, acc);                                                              \
+                }                                                                                                  \
+                float ss = hsum(acc);                                                                              \
+                for (; j < K; j++) ss = fmaf(load1_##SFX(xi + j), load1_##SFX(xi + j), ss);                  \
+                const float r = 1.0f / sqrtf(ss / (float)K + eps);                                                 \
+                const __m256 rv = _mm256_set1_ps(r);                                                               \
+                for (j = 0; j + 8 <= K; j += 8)                                                                    \
+                    fz_store8_##SFX(si + j, _mm256_mul_ps(fz_round8_##SFX(_mm256_mul_ps(load8_##SFX(xi + j), rv)), \
+                                                          load8_##SFX(norm_w + j)));                            \
+                for (; j < K; j++)                                                                                 \
+                    fz_store1_##SFX(si + j, fz_round1_##SFX(load1_##SFX(xi + j) * r) * load1_##SFX(norm_w + j)); \
+            } else if (swiglu) {                                                                                   \
+                const T* u = xi + K;                                                                               \
+                for (; j + 8 <= K; j += 8)                                                                         \
+                    fz_store8_##SFX(si + j, _mm256_mul_ps(fz_round8_##SFX(fz_silu8(load8_##SFX(xi + j))),       \
+                                                          load8_##SFX(u + j)));                                 \
+                for (; j < K; j++)                                                                                 \
+                    fz_store1_##SFX(si + j, fz_round1_##SFX(fz_silu1(load1_##SFX(xi + j))) * load1_##SFX(u + j)); \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+
 /* NAME(x, ldx, panels, N, K, y, ldy, M, norm_w, eps, swiglu, res, ldres): LINEAR's y = x' @ w^T where x' is x's rows
-   RMS-normed and scaled by norm_w (norm_w not NULL), or silu(gate) * up of x's [gate | up] rows of 2K (swiglu), or x;
-   then y += res (res not NULL, row stride ldres). Returns 0, or -1 where the scratch could not grow (y unset). */
-#define ROWS_FUSED(NAME, LINEAR, T, SFX)                                                                             \
+   through PROLOGUE (ROWS_PROLOGUE's: normed by norm_w, or swiglu), or x; then y += res (res not NULL, row stride
+   ldres). Returns 0, or -1 where the scratch could not grow (y unset). */
+#define ROWS_FUSED(NAME, LINEAR, PROLOGUE, T, SFX)                                                                   \
     int NAME(const T* x, int64_t ldx, const T* panels, int64_t N, int64_t K, T* y, int64_t ldy, int64_t M,         \
              const T* norm_w, float eps, int32_t swiglu, const T* res, int64_t ldres) {                          \
         const T* src = x;                                                                                          \
@@ -80,34 +115,7 @@ static inline void* fz_scratch(size_t bytes) {
         if (norm_w || swiglu) {                                                                                    \
             T* s = (T*)fz_scratch((size_t)(M * K) * sizeof(T) + 64);                                               \
             if (!s) return -1;                                                                                     \
-            for (int64_t i = 0; i < M; i++) {                                                                      \
-                const T* xi = x + i * ldx;                                                                         \
-                T* si = s + i * K;                                                                                 \
-                int64_t j = 0;                                                                                     \
-                if (norm_w) {                                                                                      \
-                    __m256 acc = _mm256_setzero_ps();                                                              \
-                    for (; j + 8 <= K; j += 8) {                                                                   \
-                        __m256 v = load8_##SFX(xi + j);                                                         \
-                        acc = _mm256_fmadd_ps(v, v, acc);                                                          \
-                    }                                                                                              \
-                    float ss = hsum(acc);                                                                          \
-                    for (; j < K; j++) ss = fmaf(load1_##SFX(xi + j), load1_##SFX(xi + j), ss);              \
-                    const float r = 1.0f / sqrtf(ss / (float)K + eps);                                             \
-                    const __m256 rv = _mm256_set1_ps(r);                                                           \
-                    for (j = 0; j + 8 <= K; j += 8)                                                                \
-                        fz_store8_##SFX(si + j, _mm256_mul_ps(fz_round8_##SFX(_mm256_mul_ps(load8_##SFX(xi + j), rv)), \
-                                                              load8_##SFX(norm_w + j)));                        \
-                    for (; j < K; j++)                                                                             \
-                        fz_store1_##SFX(si + j, fz_round1_##SFX(load1_##SFX(xi + j) * r) * load1_##SFX(norm_w + j)); \
-                } else {                                                                                           \
-                    const T* u = xi + K;                                                                           \
-                    for (; j + 8 <= K; j += 8)                                                                     \
-                        fz_store8_##SFX(si + j, _mm256_mul_ps(fz_round8_##SFX(fz_silu8(load8_##SFX(xi + j))),   \
-                                                              load8_##SFX(u + j)));                             \
-                    for (; j < K; j++)                                                                             \
-                        fz_store1_##SFX(si + j, fz_round1_##SFX(fz_silu1(load1_##SFX(xi + j))) * load1_##SFX(u + j)); \
-                }                                                                                                  \
-            }                                                                                                      \
+            PROLOGUE(x, ldx, K, M, norm_w, eps, swiglu, s);                                                        \
             src = s;                                                                                               \
             ld = K;                                                                                                \
         }                                                                                                          \

@@ -68,5 +68,6 @@ static const tile_fn TILES[MAX_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, t
 #include "rows_fused.h"
 
 ROWS_DRIVER(dvi_panels_linear_f32, float, K)
-ROWS_FUSED(dvi_panels_fused_f32, dvi_panels_linear_f32, float, f32)
+ROWS_PROLOGUE(dvi_rows_prologue_f32, float, f32)
+ROWS_FUSED(dvi_panels_fused_f32, dvi_panels_linear_f32, dvi_rows_prologue_f32, float, f32)
 ROPE_STORE(dvi_rope_store_f32, float, f32)

@@ -105,7 +105,10 @@ class RowsKernel:
         fused.restype = ctypes.c_int
         rope = getattr(lib, build.symbol.replace("_panels_linear_", "_rope_store_"))
         rope.argtypes, rope.restype = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64], ctypes.c_int
-        self._fn, self._fused, self._rope, self.dtype, self._build = fn, fused, rope, dtype, build
+        pro = getattr(lib, build.symbol.replace("_panels_linear_", "_rows_prologue_"))
+        pro.argtypes, pro.restype = [ptr, i64, i64, i64, ptr, ctypes.c_float, ctypes.c_int32, ptr], None
+        self._fn, self._fused, self._rope, self._prologue = fn, fused, rope, pro
+        self.dtype, self._build = dtype, build
         self.isa = build.isa
 
     def check_weights(self, *ws: torch.Tensor) -> None:
@@ -176,6 +179,24 @@ class RowsKernel:
                              residual.stride(0) if residual is not None else 0):
             raise MemoryError(f"the rows kernel's scratch for {m} x {k} rows")
         return y
+
+    def prologue(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """`fused`'s work before its matmul, alone (`rows_fused.h` ROWS_PROLOGUE): x [M, K]'s rows RMS-normed and
+        scaled by `norm` = (weight [K], eps), or without `norm` x [M, 2K] = [gate | up] through silu(gate) * up: [M, K],
+        each row from its own row alone, the same bits as `fused` feeds its matmul."""
+        if x.dtype != self.dtype or x.dim() != 2 or x.stride(1) != 1:
+            raise ValueError(f"the {_name(self.dtype)} rows kernel takes 2-d {_name(self.dtype)} rows, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        m, k = x.shape[0], x.shape[1] if norm is not None else x.shape[1] // 2
+        w = norm[0] if norm is not None else None
+        if (w is not None and (w.dtype != self.dtype or not w.is_contiguous() or w.numel() != k)) or \
+                (w is None and x.shape[1] % 2):
+            raise ValueError(f"a norm's weight of {k} contiguous {_name(self.dtype)} values, or [gate | up] rows")
+        out = torch.empty(m, k, dtype=self.dtype)
+        if m:
+            self._prologue(x.data_ptr(), x.stride(0), k, m, w.data_ptr() if w is not None else None,
+                           norm[1] if norm is not None else 0.0, int(w is None), out.data_ptr())
+        return out
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, q_width: int,
                    kv: torch.Tensor, slot: torch.Tensor, col: torch.Tensor) -> torch.Tensor:

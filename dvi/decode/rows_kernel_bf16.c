@@ -79,5 +79,6 @@ static const tile_fn TILES[MAX_TILE + 1] = {0,      tile_1, tile_2, tile_3,  til
 #include "rows_fused.h"
 
 ROWS_DRIVER(dvi_panels_linear_bf16, uint16_t, K / 2)
-ROWS_FUSED(dvi_panels_fused_bf16, dvi_panels_linear_bf16, uint16_t, bf16)
+ROWS_PROLOGUE(dvi_rows_prologue_bf16, uint16_t, bf16)
+ROWS_FUSED(dvi_panels_fused_bf16, dvi_panels_linear_bf16, dvi_rows_prologue_bf16, uint16_t, bf16)
 ROPE_STORE(dvi_rope_store_bf16, uint16_t, bf16)
