@@ -18,6 +18,9 @@ KERNEL = attention_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"attention kernel unavailable: "
                                                         f"{attention_kernel.unavailable_reason()}")
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+# every build this CPU runs (AVX-512's 16 lanes where it has them, AVX2's): each must hold what the one serving holds
+BUILDS = [pytest.param(k, id=name) for k, name in zip(attention_kernel.builds(), (
+    ("avx512", "avx2") if len(attention_kernel.builds()) == 2 else ("avx2",)), strict=False)]
 
 
 def _cache(dtype, rows=4, kvh=3, d=64, capacity=320, seed=0):
@@ -39,35 +42,39 @@ def _reference(q, keys, values, rows, visible, scale):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("kernel", BUILDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kvh", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 32), (6, 1, 24), (40, 2, 136)])
-def test_the_kernel_computes_what_sdpa_does(dtype, heads, kvh, d):
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 32), (6, 1, 24), (40, 2, 136),
+                                                 (10, 2, 80), (4, 1, 128)])
+def test_the_kernel_computes_what_sdpa_does(kernel, dtype, heads, kvh, d):
     keys, values = _cache(dtype, kvh=kvh, d=d)
     g = torch.Generator().manual_seed(heads * d)
     qkv = torch.randn(8, heads + 2 * kvh, d, generator=g).to(dtype)  # q strided as the forward's qkv rows are
     q = qkv[:, :heads]
     rows = torch.tensor([0, 1, 1, 2, 3, 3, 3, 0])
     visible = torch.tensor([1, 7, 8, 9, 255, 256, 257, 320])  # both sides of the kernel's blocks of 8 keys
-    got = KERNEL.attend(q, keys, values, prefix_plan(rows, visible), d ** -0.5)
+    got = kernel.attend(q, keys, values, prefix_plan(rows, visible), d ** -0.5)
     assert got.shape == (8, heads * d) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
     torch.testing.assert_close(got.double(), _reference(q, keys, values, rows, visible, d ** -0.5), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kernel", BUILDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_query_rounds_alike_alone_and_beside_others(dtype):
+def test_a_query_rounds_alike_alone_and_beside_others(kernel, dtype):
     keys, values = _cache(dtype)
     q = torch.randn(12, 9, 64).to(dtype)
     rows, visible = torch.arange(12) % 4, torch.arange(12) * 25 + 3
-    together = KERNEL.attend(q, keys, values, prefix_plan(rows, visible), 0.125)
+    together = kernel.attend(q, keys, values, prefix_plan(rows, visible), 0.125)
     for i in range(12):
-        alone = KERNEL.attend(q[i : i + 1], keys, values, prefix_plan(rows[i : i + 1], visible[i : i + 1]),
+        alone = kernel.attend(q[i : i + 1], keys, values, prefix_plan(rows[i : i + 1], visible[i : i + 1]),
                               0.125)
         assert torch.equal(alone, together[i : i + 1]), i
 
 
+@pytest.mark.parametrize("kernel", BUILDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_tree_node_attends_its_ancestors_as_the_step_at_its_position_does(dtype):
+def test_a_tree_node_attends_its_ancestors_as_the_step_at_its_position_does(kernel, dtype):
     """A node's columns: its row's cache, then its ancestors' and its own (not its siblings'), in depth order; the
     same arithmetic as a query whose prefix holds those keys in place, bit for bit (then the accepted path, moved
     into place, is what the next step reads)."""
@@ -77,13 +84,13 @@ def test_a_tree_node_attends_its_ancestors_as_the_step_at_its_position_does(dtyp
     # a tree over columns 37..: root 37, children 38 and 39, 39's child 40; node 40's path is 37, 39, 40
     plan = KernelPlan(torch.zeros(3, dtype=torch.long), torch.full((3,), start), start + 4,
                       torch.tensor([[37, 38, 0], [37, 39, 0], [37, 39, 40]]), torch.tensor([2, 2, 3]))
-    got = KERNEL.attend(q, keys, values, plan, 0.125)
+    got = kernel.attend(q, keys, values, plan, 0.125)
     moved_k, moved_v = keys.clone(), values.clone()  # the path 37, 39, 40 at 37, 38, 39, as after acceptance
     moved_k[:, :, 38:40], moved_v[:, :, 38:40] = keys[:, :, [39, 40]], values[:, :, [39, 40]]
-    step = KERNEL.attend(q[2:], moved_k, moved_v, prefix_plan(torch.zeros(1, dtype=torch.long),
+    step = kernel.attend(q[2:], moved_k, moved_v, prefix_plan(torch.zeros(1, dtype=torch.long),
                                                               torch.tensor([start + 3])), 0.125)
     assert torch.equal(got[2:], step)
-    first = KERNEL.attend(q[:1], keys, values, prefix_plan(torch.zeros(1, dtype=torch.long),
+    first = kernel.attend(q[:1], keys, values, prefix_plan(torch.zeros(1, dtype=torch.long),
                                                            torch.tensor([start + 2])), 0.125)
     assert torch.equal(got[:1], first)  # node 38 sees its chain's columns
     tol = 1e-5 if dtype == torch.float32 else 8e-3

@@ -1,4 +1,5 @@
-"""Decode attention for fp32 and bf16 slot caches on x86-64 CPUs with AVX2 and FMA (`attention_kernel.c`).
+"""Decode attention for fp32 and bf16 slot caches on x86-64 CPUs with AVX2 and FMA (`attention_kernel.c`), widened to
+16 lanes where the CPU has AVX-512 (`attention_kernel_avx512.c`).
 
 Why its own kernel: a step's queries are a few a row, each over its own row's cached columns; torch's SDPA pays a
 call's setup per layer, computes the padded columns a mask then hides, and rounds a query with what it shares the
@@ -17,10 +18,12 @@ import torch
 
 from dvi.decode.native import loaded_once
 
-__all__ = ["AttentionKernel", "KernelPlan", "load", "prefix_plan", "unavailable_reason"]
+__all__ = ["AttentionKernel", "KernelPlan", "builds", "load", "prefix_plan", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("attention_kernel.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
+SOURCE_AVX512 = Path(__file__).with_name("attention_kernel_avx512.c")  # 16 lanes where the CPU has AVX-512
+FLAGS_AVX512 = ("-O3", "-mavx512f", "-mavx2", "-mfma", "-fPIC", "-shared")
 MAX_HEAD_DIM = 256  # attention_kernel.c's stack buffers
 
 
@@ -85,12 +88,21 @@ class AttentionKernel:
 
 
 _loaded = loaded_once(SOURCE, FLAGS, frozenset({"avx2", "fma"}), AttentionKernel, "torch's SDPA serves")
+_loaded_avx512 = loaded_once(SOURCE_AVX512, FLAGS_AVX512, frozenset({"avx512f", "avx2", "fma"}), AttentionKernel,
+                             "the AVX2 build serves")
+
+
+def builds() -> list[AttentionKernel]:
+    """Every build this CPU runs, the one `load` serves first: the AVX-512 build where it has AVX-512, the AVX2 one."""
+    return [k for k in (_loaded_avx512()[0], _loaded()[0]) if k is not None]
 
 
 def load() -> AttentionKernel | None:
-    """The kernel, built on first use; None where it cannot run (`unavailable_reason` says why, logged once)."""
-    return _loaded()[0]
+    """The kernel, built on first use (AVX-512 where the CPU has it, else AVX2: one build a process, so every forward
+    rounds alike); None where neither can run (`unavailable_reason` says why, logged once)."""
+    found = builds()
+    return found[0] if found else None
 
 
 def unavailable_reason() -> str | None:
-    return _loaded()[1]
+    return None if builds() else _loaded()[1]
