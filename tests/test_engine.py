@@ -455,6 +455,7 @@ def test_a_new_drafter_or_adapter_brings_a_refusing_guards_retry_near_and_a_targ
     from test_engine_adaptive import refusals_until_retry
 
     guard = eng.k_policy.controller.goodput
+    guard.budget = 1.0  # the schedule alone (a spell's cost waits longer: tests/test_engine_adaptive.py)
 
     def plain_verdict() -> None:
         for _ in range(guard.window):

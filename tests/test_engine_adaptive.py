@@ -285,6 +285,7 @@ def test_measured_goodput_overrides_a_calibration_that_favours_speculation():
     measured 0.74x of plain decoding. Once speculative and plain steps are measured, the slower one
     loses; the speculative measurement is forgotten after `max_probe_every` guarded steps."""
     ctl = AdaptiveK(k_max=4, k_default=2, max_probe_every=32, goodput_window=4)
+    ctl.goodput.budget = 1.0  # the schedule alone (what a spell lost may wait longer: test_a_retry_waits_until_...)
     ctl.set_costs(16, {0: 0.100, 1: 0.102, 2: 0.104, 4: 0.108}, draft=0.002)
     alphas = [0.6] * 16
     assert ctl.choose(16, alphas) > 0  # the calibrated model alone speculates
@@ -483,7 +484,7 @@ def test_steps_that_admit_rows_are_no_guard_samples_and_mixed_steps_feed_both_gu
 def test_a_refusing_guard_retries_soon_then_backs_off_and_a_new_drafter_brings_the_retry_near():
     from dvi.decode.adaptive import GoodputGuard
 
-    g = GoodputGuard(window=4, retry_every=16, retry_first=4)
+    g = GoodputGuard(window=4, retry_every=16, retry_first=4, budget=1.0)  # (a budget that never waits longer)
 
     def measure(spec_rate: float) -> None:  # drafting, then plain: 1 token a row in 0.1 s
         for _ in range(2):
@@ -510,6 +511,37 @@ def test_a_refusing_guard_retries_soon_then_backs_off_and_a_new_drafter_brings_t
         g.refused(8)
     g.reset()  # a new drafter serves: the retry is due within retry_first refusals of the spell
     assert g.judged(8) == "plain" and refusals_until_retry(g) == 1
+
+
+def test_a_retry_waits_until_its_plain_steps_pay_for_what_the_last_spell_lost():
+    """Exploring drafting that measured slower costs at most `budget` of the plain time: a spell losing 0.1 s (two
+    drafting steps of half a plain step's tokens, 0.1 s each) waits 0.1 / (0.05 x 0.1 s) = 20 refusals at a 5% budget
+    (the schedule alone: 4), its drafter catch-up counted (0.2 s more: 60); a new drafter's first spell waits only the
+    schedule."""
+    from dvi.decode.adaptive import GoodputGuard
+
+    g = GoodputGuard(window=4, retry_every=16, retry_first=4, budget=0.05)
+
+    def spell(catchup: float = 0.0) -> None:
+        if catchup:
+            g.observe_catchup(8, catchup)
+        for _ in range(2):
+            g.observe(8, True, 4, 0.100)
+            g.observe(8, False, 8, 0.100)
+
+    spell()
+    assert refusals_until_retry(g) == 20
+    spell(catchup=0.2)
+    assert refusals_until_retry(g) == 60
+    spell()
+    g.reset()  # a new drafter serves: its first spell is not charged the old one's loss
+    assert refusals_until_retry(g) == 4
+    spell(catchup=0.3)
+    g.observe(8, True, 16, 0.100)  # a drafting step that pays clears the spell's catch-up
+    g.observe(8, True, 16, 0.100)
+    assert g.judged(8) == "spec"
+    spell(), spell()
+    assert refusals_until_retry(g) == 40  # 0.2 s lost (the window's four slow steps), not the cleared catch-up
 
 
 def refusals_until_retry(guard, batch: int = 8) -> int:

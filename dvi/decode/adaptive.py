@@ -330,28 +330,51 @@ class GoodputGuard:
     refusals, then twice as many after every retry that measured plain again, up to `retry_every`; back to
     `retry_first` once drafting measures faster, and when a new drafter version or adapter serves (`reset`: a
     drafter that just learned must be able to show it soon, issue 59's control arm). Not at once: the online arm of
-    RL rollouts swaps its drafter every policy step, and each retry costs a few drafting steps that may lose."""
+    RL rollouts swaps its drafter every policy step, and each retry costs a few drafting steps that may lose. Nor
+    before its refusals' plain seconds, at `budget`, cover what the spell that measured slower lost (its drafting
+    steps against the plain rate, and the drafter catch-up that started it: `observe_catchup`): at 16 bf16 rows on
+    Intel AMX a spell cost ~3.5 plain steps, and retries every 64-256 steps cost speculation 2-4% against off
+    where drafting never paid."""
 
     STALL = 3.0
     MIN_ROWS = 3
+    BUDGET = 0.01
+    """The share of a bucket's plain time that re-measuring drafting which measured slower may cost."""
+    MAX_WAIT = 1024
+    """The most refusals a spell's cost makes a retry wait."""
 
-    def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256, retry_first: int = 64):
-        self.window, self.margin, self.retry_every = window, margin, retry_every
+    def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256, retry_first: int = 64,
+                 budget: float = BUDGET):
+        self.window, self.margin, self.retry_every, self.budget = window, margin, retry_every, float(budget)
         self.retry_first = min(retry_first, retry_every)
         self._steps: dict[tuple[int, bool], deque] = {}  # (tokens per row, seconds) of the last `window` steps
         self._refused: dict[int, int] = {}
         self._retry_at: dict[int, int] = {}  # per bucket: the refusals before the next retry (absent: retry_first)
+        self._paid: dict[int, int] = {}  # per bucket: the refusals that pay for the last spell at `budget`
+        self._catchup: dict[int, float] = {}  # per bucket: the drafter catch-ups' seconds of the spell measuring
+        self._waive: set[int] = set()  # buckets whose next spell waits no budget (a new drafter's first look)
 
     def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         if seconds > 0 and batch > 0:
             b = batch_bucket(batch)
             self._steps.setdefault((b, drafted), deque(maxlen=self.window)).append((tokens / batch, seconds))
-            if drafted and self._retry_at.get(b) is not None and self.verdict(batch) == "spec":
-                del self._retry_at[b]  # drafting pays again here: the next refusal spell retries soon
+            if drafted and (b in self._retry_at or b in self._catchup) and self.verdict(batch) == "spec":
+                self._retry_at.pop(b, None)  # drafting pays again here: the next refusal spell retries soon
+                self._catchup.pop(b, None)
+
+    def observe_catchup(self, batch: int, seconds: float) -> None:
+        """The drafter catch-up of a step that resumed drafting (no sample: it pays for the plain stretch before it),
+        charged to the spell it starts should that spell measure slower."""
+        b = batch_bucket(batch)
+        self._catchup[b] = self._catchup.get(b, 0.0) + max(0.0, float(seconds))
 
     def reset(self) -> None:
-        """A new drafter serves: the next retry within `retry_first` refusals, in every bucket."""
+        """A new drafter serves: the next retry within `retry_first` refusals, in every bucket, whatever the spells
+        of the drafter before it lost."""
         self._retry_at.clear()
+        self._paid.clear()
+        self._catchup.clear()
+        self._waive = {b for b, _ in self._steps}
 
     def _rate(self, steps: deque) -> float:
         """Tokens per second per row over the window, stalls left out."""
@@ -379,11 +402,25 @@ class GoodputGuard:
     def refused(self, b: int) -> None:
         """One step refused drafting in bucket `b`; the retry's refusal forgets the drafting samples."""
         n = self._refused[b] = self._refused.get(b, 0) + 1
-        at = self._retry_at.get(b, self.retry_first)
-        if n >= at:
+        if n == 1:  # the spell just judged: the refusals its loss asks for
+            self._paid[b] = 0 if b in self._waive else self._refusals_paying(b)
+            self._waive.discard(b)
+        scheduled = self._retry_at.get(b, self.retry_first)
+        if n >= max(scheduled, self._paid.get(b, 0)):
             self._steps.pop((b, True), None)
             self._refused[b] = 0
-            self._retry_at[b] = min(2 * at, self.retry_every)
+            self._retry_at[b] = min(2 * scheduled, self.retry_every)
+
+    def _refusals_paying(self, b: int) -> int:
+        """Plain steps whose seconds at `budget` cover what bucket `b`'s drafting window lost against the plain rate,
+        its spell's catch-ups included."""
+        spec, plain = self._steps.get((b, True)), self._steps.get((b, False))
+        catchup = self._catchup.pop(b, 0.0)
+        if not spec or not plain or self.budget <= 0:
+            return 0
+        step = statistics.median(s for _, s in plain)
+        lost = sum(s for _, s in spec) - sum(t for t, _ in spec) / self._rate(plain) + catchup
+        return min(self.MAX_WAIT, math.ceil(lost / (self.budget * step) - 1e-9)) if lost > 0 and step > 0 else 0
 
     def allow(self, batch: int) -> bool:
         """Whether history drafts may be looked up at this batch size (refusing counts toward a retry)."""

@@ -123,6 +123,8 @@ class KPolicy:
         self._after_lookups(draft, batch)
         resumed = forwards > 0 and draft.catchup and not self._drafted_last
         self._drafted_last = k > 0
+        if resumed and not joined:  # its catch-up is what the spell it starts costs should drafting measure slower
+            self.controller.goodput.observe_catchup(batch, times.draft)
         if joined or resumed:
             return
         if forwards > 0 or not draft.suffix_rows:  # learned drafts (beside history rows or not), or a plain step
