@@ -57,6 +57,47 @@ static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round
 
 #define MAX_D 256
 
+/* the keys and values of a row's columns from .. to - 1 (COL: its P visible ones, then ex[]), of every kv head, fetched
+   towards the core; krow / vrow the row's keys and values, `size` bytes an element */
+static inline void prefetch_columns(const void* krow, const void* vrow, int64_t size, int64_t from, int64_t to, int64_t P,
+                                    const int64_t* ex, int64_t kv_heads, int64_t head_stride, int64_t col_stride,
+                                    int64_t d) {
+    for (int64_t r = from; r < to; r++)
+        for (int64_t kh = 0; kh < kv_heads; kh++) {
+            const int64_t at = (kh * head_stride + COL(r) * col_stride) * size;
+            prefetch((const char*)krow + at, d * size);
+            prefetch((const char*)vrow + at, d * size);
+        }
+}
+
+/* each head's scores s [heads][L] through a softmax in place, fp32 (the max subtracted, exp vectorized, the tail padded
+   with -inf's exp, 0); 1 / each head's sum into inv[h] */
+static inline void softmax_heads(float* s, int64_t heads, int64_t L, float* inv) {
+    for (int64_t h = 0; h < heads; h++) {
+        float* sh = s + h * L;
+        const float m = max_of(sh, L); /* exact in any order */
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 sum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= L; j += 8) {
+            __m256 p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));
+            _mm256_storeu_ps(sh + j, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        if (j < L) {
+            float t[8] __attribute__((aligned(32)));
+            for (int64_t r = 0; r < 8; r++) t[r] = j + r < L ? sh[j + r] - m : -1e30f;
+            __m256 p = exp_neg(_mm256_load_ps(t));
+            _mm256_store_ps(t, p);
+            for (int64_t r = 0; j + r < L; r++) sh[j + r] = t[r];
+            sum = _mm256_add_ps(sum, _mm256_blendv_ps(_mm256_setzero_ps(), p,
+                                                      _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
+                                                                    _mm256_set1_ps((float)(L - j)), _CMP_LT_OQ)));
+        }
+        inv[h] = 1.0f / hsum(sum);
+    }
+}
+
 /* scratch: qf [heads][d] a query's heads in fp32, acc [heads][d] their weighted values, then s [heads][L] their
    scores; d a multiple of 8. A query walks its columns once for all kv heads, 8 columns a block (a column's keys,
    then its values, of every head lie together in the cache): a bf16 block is converted to fp32 once into kf and
@@ -82,12 +123,8 @@ static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round
                     _mm256_storeu_ps(qf + h * d + 8 * c, LOAD(q + i * q_stride + h * d + 8 * c));          \
             for (int64_t j = 0; j < L; j += 8) { /* scores, 8 keys at a time: 8 independent chains */      \
                 const int64_t rem = L - j < 8 ? L - j : 8;                                                 \
-                for (int64_t r = j + AHEAD; r < j + AHEAD + 8 && r < L; r++) /* keys and values to come */ \
-                    for (int64_t kh = 0; kh < kv_heads; kh++) {                                            \
-                        const int64_t at = kh * head_stride + COL(r) * col_stride;                         \
-                        prefetch(krow + at, d * (int64_t)sizeof(T));                                       \
-                        prefetch(vrow + at, d * (int64_t)sizeof(T));                                       \
-                    }                                                                                      \
+                prefetch_columns(krow, vrow, sizeof(T), j + AHEAD, j + AHEAD + 8 < L ? j + AHEAD + 8 : L, P, ex,   \
+                                 kv_heads, head_stride, col_stride, d); /* keys and values to come */        \
                 for (int64_t kh = 0; kh < kv_heads; kh++) {                                                \
                     const float* kr[8];                                                                    \
                     for (int64_t r = 0; r < rem; r++)                                                      \
@@ -118,36 +155,11 @@ static inline void store_bf16(uint16_t* y, const float* x, int64_t n) { /* round
                     }                                                                                      \
                 }                                                                                          \
             }                                                                                              \
-            for (int64_t h = 0; h < heads; h++) { /* each head's softmax in place, fp32; 1 / its sum kept */ \
-                float* sh = s + h * L;                                                                     \
-                const float m = max_of(sh, L); /* exact in any order */                                    \
-                const __m256 mv = _mm256_set1_ps(m);                                                       \
-                __m256 sum = _mm256_setzero_ps();                                                          \
-                int64_t j = 0;                                                                             \
-                for (; j + 8 <= L; j += 8) {                                                               \
-                    __m256 p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));                        \
-                    _mm256_storeu_ps(sh + j, p);                                                           \
-                    sum = _mm256_add_ps(sum, p);                                                           \
-                }                                                                                          \
-                if (j < L) { /* the tail, padded with -inf's exp (0) */                                    \
-                    float t[8] __attribute__((aligned(32)));                                               \
-                    for (int64_t r = 0; r < 8; r++) t[r] = j + r < L ? sh[j + r] - m : -1e30f;             \
-                    __m256 p = exp_neg(_mm256_load_ps(t));                                                 \
-                    _mm256_store_ps(t, p);                                                                 \
-                    for (int64_t r = 0; j + r < L; r++) sh[j + r] = t[r];                                  \
-                    sum = _mm256_add_ps(sum, _mm256_blendv_ps(_mm256_setzero_ps(), p,                      \
-                        _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),                              \
-                                      _mm256_set1_ps((float)(L - j)), _CMP_LT_OQ)));                       \
-                }                                                                                          \
-                qf[h] = 1.0f / hsum(sum); /* the queries are spent: qf[0 .. heads - 1] holds the inverses */ \
-            }                                                                                              \
+            softmax_heads(s, heads, L, qf); /* the queries are spent: qf[0 .. heads - 1] holds the inverses */ \
             if (i + 1 < n) /* the next query's first columns, behind this one's values */                  \
-                for (int64_t r = 0; r < AHEAD && r < visible[i + 1]; r++)                                  \
-                    for (int64_t kh = 0; kh < kv_heads; kh++) {                                            \
-                        const int64_t at = rows[i + 1] * row_stride + kh * head_stride + r * col_stride;   \
-                        prefetch(k + at, d * (int64_t)sizeof(T));                                          \
-                        prefetch(v + at, d * (int64_t)sizeof(T));                                          \
-                    }                                                                                      \
+                prefetch_columns(k + rows[i + 1] * row_stride, v + rows[i + 1] * row_stride, sizeof(T), 0,        \
+                                 AHEAD < visible[i + 1] ? AHEAD : visible[i + 1], visible[i + 1], ex, kv_heads,    \
+                                 head_stride, col_stride, d);                                              \
             memset(acc, 0, (size_t)(heads * d) * sizeof(float));                                           \
             for (int64_t j = 0; j < L; j += VB) { /* values, VB columns a block, each head column by column */ \
                 const int64_t rem = L - j < VB ? L - j : VB;                                               \

@@ -134,12 +134,8 @@ VALUES(values_bf16, uint16_t, load16_bf16, store_bf16)
                     _mm512_storeu_ps(qf + h * d + 16 * c, LOAD16(q + i * q_stride + h * d + 16 * c));              \
             for (int64_t j = 0; j < L; j += 8) { /* scores, 8 keys a block */                                      \
                 const int64_t rem = L - j < 8 ? L - j : 8;                                                         \
-                for (int64_t r = j + AHEAD; r < j + AHEAD + 8 && r < L; r++) /* keys and values to come */         \
-                    for (int64_t kh = 0; kh < kv_heads; kh++) {                                                    \
-                        const int64_t at = kh * head_stride + COL(r) * col_stride;                                 \
-                        prefetch(krow + at, d * (int64_t)sizeof(T));                                               \
-                        prefetch(vrow + at, d * (int64_t)sizeof(T));                                               \
-                    }                                                                                              \
+                prefetch_columns(krow, vrow, sizeof(T), j + AHEAD, j + AHEAD + 8 < L ? j + AHEAD + 8 : L, P, ex,           \
+                                 kv_heads, head_stride, col_stride, d); /* keys and values to come */                \
                 for (int64_t kh = 0; kh < kv_heads; kh++) {                                                        \
                     const float* kr[8];                                                                            \
                     for (int64_t r = 0; r < 8; r++)                                                                \
@@ -153,36 +149,11 @@ VALUES(values_bf16, uint16_t, load16_bf16, store_bf16)
                     }                                                                                              \
                 }                                                                                                  \
             }                                                                                                      \
-            for (int64_t h = 0; h < heads; h++) { /* each head's softmax in place, fp32 (the AVX2 method's) */     \
-                float* sh = s + h * L;                                                                             \
-                const float m = max_of(sh, L);                                                                     \
-                const __m256 mv = _mm256_set1_ps(m);                                                               \
-                __m256 sum = _mm256_setzero_ps();                                                                  \
-                int64_t j = 0;                                                                                     \
-                for (; j + 8 <= L; j += 8) {                                                                       \
-                    __m256 p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));                                \
-                    _mm256_storeu_ps(sh + j, p);                                                                   \
-                    sum = _mm256_add_ps(sum, p);                                                                   \
-                }                                                                                                  \
-                if (j < L) {                                                                                       \
-                    float t[8] __attribute__((aligned(32)));                                                       \
-                    for (int64_t r = 0; r < 8; r++) t[r] = j + r < L ? sh[j + r] - m : -1e30f;                     \
-                    __m256 p = exp_neg(_mm256_load_ps(t));                                                         \
-                    _mm256_store_ps(t, p);                                                                         \
-                    for (int64_t r = 0; j + r < L; r++) sh[j + r] = t[r];                                          \
-                    sum = _mm256_add_ps(sum, _mm256_blendv_ps(_mm256_setzero_ps(), p,                              \
-                        _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),                                      \
-                                      _mm256_set1_ps((float)(L - j)), _CMP_LT_OQ)));                               \
-                }                                                                                                  \
-                inv[h] = 1.0f / hsum(sum);                                                                         \
-            }                                                                                                      \
+            softmax_heads(s, heads, L, inv); /* the AVX2 method's */                                              \
             if (i + 1 < n) /* the next query's first columns, behind this one's values */                          \
-                for (int64_t r = 0; r < AHEAD && r < visible[i + 1]; r++)                                          \
-                    for (int64_t kh = 0; kh < kv_heads; kh++) {                                                    \
-                        const int64_t at = rows[i + 1] * row_stride + kh * head_stride + r * col_stride;           \
-                        prefetch(k + at, d * (int64_t)sizeof(T));                                                  \
-                        prefetch(v + at, d * (int64_t)sizeof(T));                                                  \
-                    }                                                                                              \
+                prefetch_columns(k + rows[i + 1] * row_stride, v + rows[i + 1] * row_stride, sizeof(T), 0,                \
+                                 AHEAD < visible[i + 1] ? AHEAD : visible[i + 1], visible[i + 1], ex, kv_heads,            \
+                                 head_stride, col_stride, d);                                                      \
             for (int64_t kh = 0; kh < kv_heads; kh++)                                                              \
                 for (int64_t h = kh * g; h < (kh + 1) * g; h += 3) {                                               \
                     const int m = (int)((kh + 1) * g - h < 3 ? (kh + 1) * g - h : 3);                              \

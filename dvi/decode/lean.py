@@ -198,7 +198,8 @@ class LeanModel:
         dvi's rows kernel for the model's dtype (`dvi.decode.rows_kernel`: fp32, or bf16 on an AVX512-BF16 CPU) on a
         packed copy of the weights. Where it wins at every probed row count, oneDNN's packs (`pack_multirow`) are
         dropped: the kernel serves what they served, and torch's GEMM the widest prefills, so the target's weights
-        are held twice, not three times. On a CPU where it builds only; returns the rows it serves (0: none)."""
+        are held twice, not three times. Its elementwise calls serve the forwards whose matmuls it does not
+        (`lean_layer.KernelMath`). On a CPU where it builds only; returns the rows it serves (0: none)."""
         from dvi.decode.rows_kernel import EVERY_ROW, KERNEL_PROBE_ROWS, kernel_rows_measured, load
 
         self.kernel, self._panels_of, self.head_panels, self.kernel_rows, self.attn_kernel = None, {}, None, 0, None
