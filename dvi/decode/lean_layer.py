@@ -67,8 +67,7 @@ class KernelMath(TorchMath):
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor,
                    col: torch.Tensor, heads: int) -> torch.Tensor:
-        d = kv.shape[4]
-        return self.kernel.rope_store(qkv, cos, sin, d, heads * d, kv, slot, col).view(qkv.shape)
+        return _kernel_rope(self.kernel.rope_store, qkv, cos, sin, kv, slot, col, heads)
 
     def swiglu_added(self, x: torch.Tensor, gu: torch.Tensor, w: torch.Tensor, i: int, name: str) -> torch.Tensor:
         return self.added(x, self.kernel.prologue(gu), w, i, name)
@@ -91,8 +90,7 @@ class FusedMath:
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor,
                    col: torch.Tensor, heads: int) -> torch.Tensor:
-        d = kv.shape[4]
-        return self.rope(qkv, cos, sin, d, heads * d, kv, slot, col).view(qkv.shape)
+        return _kernel_rope(self.rope, qkv, cos, sin, kv, slot, col, heads)
 
     def normed(self, x: torch.Tensor, ln: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, i: int,
                name: str) -> torch.Tensor:
@@ -104,3 +102,10 @@ class FusedMath:
 
     def swiglu_added(self, x: torch.Tensor, gu: torch.Tensor, w: torch.Tensor, i: int, name: str) -> torch.Tensor:
         return self.fused(gu, self.panels_of[w.data_ptr()], swiglu=True, residual=x)
+
+
+def _kernel_rope(rope: Callable, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                 slot: torch.Tensor, col: torch.Tensor, heads: int) -> torch.Tensor:
+    """`TorchMath.rope_store` through the rows kernel's `rope_store` (`rope`): the same bits, one call."""
+    d = kv.shape[4]
+    return rope(qkv, cos, sin, d, heads * d, kv, slot, col).view(qkv.shape)
