@@ -58,6 +58,7 @@ class SuffixProposal:
     match_len: int
     source: str
     raw_score: float | None = None   # before calibration (dvi.drafters.suffix.Calibrator), if calibrated
+    pooled: list[float] | None = None  # if calibrated: each step's probability before the drafted-proposal ratio
 
     @staticmethod
     def empty(source: str = "global") -> SuffixProposal:

@@ -69,6 +69,7 @@ class SuffixProposer(Proposer):
         # lookup step indexes them first (`_index_unindexed`), so every lookup reads what it would have read
         self._unindexed: list[list[int]] = []
         self._looked = False  # this step looked its rows up (its emitted tokens then grade the proposals at once)
+        self._offered: dict[int, object] = {}  # row -> its best proposal this step (graded in `observe` if drafted)
         self.seconds = 0.0  # host time in lookups and appends (the tree's own work)
         self.step_seconds = 0.0  # that time in the current step
 
@@ -131,6 +132,7 @@ class SuffixProposer(Proposer):
                 found = [p for p in self.cache.propose_all(rid, cap, min_prob=self.min_prob) if p.tokens]
                 if found:
                     out[i] = found
+        self._offered = {i: found[0] for i, found in out.items()}
         self._timed(t0)
         return out
 
@@ -181,6 +183,7 @@ class SuffixProposer(Proposer):
         `SuffixCache.append`), else collected for the next lookup step: under load most steps look nothing up
         (`KPolicy.lookups_due`), and an append a row a step was most of their host work."""
         t0 = time.perf_counter()
+        self._grade_drafted(draft, emitted)
         if self._looked:
             for rid, e in zip(self.rids, emitted, strict=True):
                 self._index(rid, e)
@@ -190,6 +193,15 @@ class SuffixProposer(Proposer):
         self._looked = False
         self._timed(t0)
         draft.lookup_seconds = self.step_seconds  # lookups and appends: the tree's host work this step
+
+    def _grade_drafted(self, draft: Draft, emitted: list[list[int]]) -> None:
+        """The rows that drafted their best proposal grade it (`Calibrator.observe_drafted`)."""
+        cal, offered, self._offered = self.cache.calibrator, self._offered, {}
+        if cal is None or not offered or not draft.width:
+            return
+        for i, p in offered.items():
+            if draft.lens[i] > 0 and draft.sources[i] == source_of(p):
+                cal.observe_drafted(p, emitted[i], draft.lens[i])
 
     def _index_unindexed(self) -> None:
         for rid, pending in zip(self.rids, self._unindexed, strict=True):
