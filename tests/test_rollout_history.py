@@ -7,22 +7,21 @@ import itertools
 import pytest
 
 from dvi.data import prompt_stream
-from dvi.decode.k_choice import choose_point_rows
 from dvi.decode.request import Request, SamplingParams
 from dvi.drafters.factory import make_proposer
 from dvi.engine.speculative import SpeculativeEngine
 from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import RolloutEngine
-from dvi.rollout_history import HistoryProposer, history_proposer
+from dvi.rollout_history import HistoryProposer, history_proposer, row_draft_lens
 
 
 def test_row_draft_lens_drafts_only_positions_that_pay():
     # a plain step of 4 rows: 0.4 s; a verified draft position 0.05 s -> a position pays while p > 10 tok/s x 0.05
-    assert choose_point_rows([[0.3, 0.2], [0.4]], 4, 0.4, 0.05, 4) == [0, 0]
-    assert choose_point_rows([[0.9, 0.8, 0.3], [0.2], [0.95, 0.9, 0.85, 0.8, 0.7]], 4, 0.4, 0.05, 4) == [2, 0, 4]
+    assert row_draft_lens([[0.3, 0.2], [0.4]], 4, 0.4, 0.05, 4) == [0, 0]
+    assert row_draft_lens([[0.9, 0.8, 0.3], [0.2], [0.95, 0.9, 0.85, 0.8, 0.7]], 4, 0.4, 0.05, 4) == [2, 0, 4]
     # a margin the best set cannot beat: plain
-    assert choose_point_rows([[0.6]], 4, 0.4, 0.05, 4, margin=1.2) == [0]
-    assert choose_point_rows([], 4, 0.4, 0.05, 4) == []
+    assert row_draft_lens([[0.6]], 4, 0.4, 0.05, 4, margin=1.2) == [0]
+    assert row_draft_lens([], 4, 0.4, 0.05, 4) == []
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +73,7 @@ def test_history_greedy_equals_plain_and_prices_per_row(pair):
         assert [r.completion_ids for r in got] == [r.completion_ids for r in want]
         assert spec.last_stats is not None
         drafted += spec.last_stats.num_drafted
-    assert drafted > 0 and eng.k_policy.rows_priced > 0
+    assert drafted > 0 and prop.priced_rows > 0
 
 
 def test_an_aborted_row_leaves_no_live_entry(pair):
@@ -161,6 +160,6 @@ def test_history_sampling_matches_target_chi_square(temperature, top_p):
     for call in range(60):
         res += eng.generate([PROMPT] * 50, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=1000 * call)
     drafted, accepted = sum(r.num_drafted for r in res), sum(r.num_accepted for r in res)
-    assert eng.k_policy.rows_priced > 0 and drafted > 0 and 0 < accepted < drafted
+    assert prop.priced_rows > 0 and drafted > 0 and 0 < accepted < drafted
     assert prop.stats()["hits_global"] > 0
     assert two_token_pvalue(res, exact_two_token_law(target, temperature, 0, top_p)) > 1e-3

@@ -74,9 +74,6 @@ class _Pricing:
     def point_k(self, probs, longest: int) -> int:
         return longest
 
-    def point_lens(self, probs, longest: int) -> list[int]:
-        return [len(row) for row in probs]
-
     def siblings(self, k: int, rows: list[int]) -> list[int]:
         return [self.width] * k if self.width and k else []
 

@@ -235,7 +235,20 @@ class AdaptiveK:
         b = batch_bucket(batch)
         if b not in c.draft or 0 not in c.verify.get(b, {}):
             return self.k_default
-        cached = self.bucket_costs(b)
+        # Expected tokens scale with the rows, costs are those of the bucket: use the mean per row.
+        # Interpolated costs per K are cached per bucket until the next `set_costs` / `set_step_overhead`.
+        cached = self._cost_cache.get(b)
+        if cached is None:
+            o = self.step_overhead.get(b, 0.0)
+            draft, verify = c.draft_cost(b), [c.verify_cost(b, kk) + o for kk in range(self.k_max + 1)]
+            # Verifying more tokens never costs less: a calibrated dip (real pair, batch 16, bf16: 2 tokens a
+            # row timed 79 ms, 1 token 89 ms) is a kernel-choice artefact the engine's real steps do not see.
+            verify = [max(verify[: i + 1]) for i in range(len(verify))]
+            # Can any K beat plain decoding here even if every draft were accepted? If not (large
+            # batches on CPU: verify cost grows ~linearly with K), speculation is structurally off
+            # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.
+            can_pay = choose_k([1.0], draft, verify, self.k_max, self.margin) > 0
+            cached = self._cost_cache[b] = _BucketCosts(draft, verify, can_pay)
         self.last_rows = None
         if self.ragged and remaining is None and len(alphas) > 1:
             k, rows = choose_rows(alphas, cached.draft, cached.verify, b, self.k_max, self.margin)
@@ -269,24 +282,6 @@ class AdaptiveK:
             del self._probes[b]  # drafting pays here: the next K = 0 run starts a fresh clock (`_clock`)
         self.last_choice = k
         return k
-
-    def bucket_costs(self, b: int) -> _BucketCosts:
-        """Bucket `b`'s calibrated costs (it has them): a drafter forward, and a step per K with the step overhead,
-        cached until the next `set_costs` / `set_step_overhead`. Expected tokens scale with the rows, costs are
-        those of the bucket."""
-        cached = self._cost_cache.get(b)
-        if cached is None:
-            c, o = self.costs, self.step_overhead.get(b, 0.0)
-            draft, verify = c.draft_cost(b), [c.verify_cost(b, kk) + o for kk in range(self.k_max + 1)]
-            # Verifying more tokens never costs less: a calibrated dip (real pair, batch 16, bf16: 2 tokens a
-            # row timed 79 ms, 1 token 89 ms) is a kernel-choice artefact the engine's real steps do not see.
-            verify = [max(verify[: i + 1]) for i in range(len(verify))]
-            # Can any K beat plain decoding here even if every draft were accepted? If not (large
-            # batches on CPU: verify cost grows ~linearly with K), speculation is structurally off
-            # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.
-            can_pay = choose_k([1.0], draft, verify, self.k_max, self.margin) > 0
-            cached = self._cost_cache[b] = _BucketCosts(draft, verify, can_pay)
-        return cached
 
     def _within_reach(self, alphas: Sequence[float], cached: _BucketCosts, b: int) -> bool:
         """Whether a rise of the rows' α by `probe_reach` would make drafting pay here."""

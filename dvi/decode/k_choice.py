@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["expected_tokens", "choose_k", "choose_rows", "choose_point_k", "choose_point_rows", "predicted_speedup"]
+__all__ = ["expected_tokens", "choose_k", "choose_rows", "choose_point_k", "predicted_speedup"]
 
 _SLACK = 1e-9
 """Relative slack on the bounds that let `choose_k` / `choose_rows` skip a K: they must never skip one the full pass
@@ -134,32 +134,6 @@ def choose_point_k(probs: Sequence[Sequence[float]], batch: int, verify_cost: Ca
         if rate > best * 1.0001:
             best_k, best = k, rate
     return best_k
-
-
-def choose_point_rows(probs: Sequence[Sequence[float]], batch: int, plain_s: float, position_s: float, k_max: int,
-                      margin: float = 1.0) -> list[int]:
-    """Per proposal row of `probs` (path probabilities, non-increasing, as `choose_point_k`), how many of its drafts
-    to verify where the target verifies only real drafts (a ragged verify): the set of draft positions (each a
-    prefix of its row) maximising (batch + expected accepted drafts) / (plain_s + positions x position_s), which
-    must beat plain decoding (batch / plain_s) by `margin`; all zero where none does.
-
-    Positions are taken best first (a row's later ones never before its earlier ones: their probabilities do not
-    rise), and the best prefix of that order is kept: the ratio rises while a position's probability exceeds the
-    current tokens per second x `position_s`, and once one does not, no later (less likely) one does."""
-    order = sorted(((min(max(float(p), 0.0), 1.0), j, i) for i, row in enumerate(probs)
-                    for j, p in enumerate(row[:k_max])), key=lambda x: (-x[0], x[1]))
-    best, best_m = batch / max(plain_s, 1e-12) * margin, 0
-    tokens, seconds = float(batch), plain_s
-    for m, (p, _, _) in enumerate(order, 1):
-        if p * seconds <= tokens * position_s:
-            break
-        tokens, seconds = tokens + p, seconds + position_s
-        if tokens / seconds > best * 1.0001:
-            best, best_m = tokens / seconds, m
-    lens = [0] * len(probs)
-    for _, j, i in order[:best_m]:
-        lens[i] = max(lens[i], j + 1)
-    return lens
 
 
 def predicted_speedup(alpha: float, k: int, draft_cost: float, verify_cost: float, plain_cost: float) -> float:

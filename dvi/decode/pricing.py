@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from dvi.decode.acceptance import AcceptanceTracker
 from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket
-from dvi.decode.k_choice import choose_point_k, choose_point_rows
+from dvi.decode.k_choice import choose_point_k
 from dvi.decode.tree_pricing import SiblingStats, choose_siblings, sibling_outcomes
 
 __all__ = ["LOOKUP_BACKOFF_FROM", "LOOKUP_BACKOFF_MAX", "KPolicy", "StepPricing", "StepTimes"]
@@ -54,7 +54,6 @@ class KPolicy:
         self._drafted_last = False  # the last step drafted (`observe`)
         self._looked = False  # the last step looked its rows up in the history index (`lookups_due`)
         self._lookup_skip, self._lookup_wait = 0, 1  # steps left without lookups; the next backoff's length
-        self.rows_priced = 0  # steps whose history drafts were priced per row and position (`StepPricing.point_lens`)
 
     def drafter_changed(self) -> None:
         """A new drafter version or adapter serves: guards that refuse drafting retry it soon (`GoodputGuard.reset`)."""
@@ -191,32 +190,3 @@ class StepPricing:
         over = p.controller.step_overhead.get(b, 0.0)
         return choose_point_k(probs, self.batch, lambda k: p.controller.costs.verify_cost(b, k) + over, longest,
                               p.controller.margin)
-
-    def point_lens(self, probs: Sequence[Sequence[float]], longest: int) -> list[int]:
-        """Per point-mass proposal of `probs`, its drafts to verify: where the target verifies only real drafts
-        (adaptive, several rows), the likeliest positions while they pay for the positions they add
-        (`choose_point_rows`: a row whose proposal does not pay drafts nothing beside one whose does); else
-        `point_k`'s width for every row (up to its length)."""
-        costs = self._position_costs()
-        if costs is None:
-            k = self.point_k(probs, longest)
-            return [min(k, len(row)) for row in probs]
-        plain_s, position_s, margin = costs
-        self.policy.rows_priced += 1
-        return choose_point_rows(probs, self.batch, plain_s, position_s, longest, margin)
-
-    def _position_costs(self) -> tuple[float, float, float] | None:
-        """(plain step seconds, seconds per verified draft position, margin) for this batch from the calibrated
-        costs; None where a step is not priced per position (fixed K, one row, a target that verifies every
-        position of a [B, K + 1] batch). Seconds per position: the dearest of the calibrated widths 1-4 (per
-        position, over the bucket's rows), so a ragged verify is never priced cheaper than the calibration measured."""
-        p = self.policy
-        if not p.adaptive or not p.controller.ragged or self.batch < 2:
-            return None
-        p._ensure_costs(self.batch)
-        b, ctl = batch_bucket(self.batch), p.controller
-        verify = [ctl.costs.verify_cost(b, k) for k in range(min(ctl.k_max, 4) + 1)]
-        if len(verify) < 2 or any(v is None for v in verify):
-            return None
-        position = max((verify[k] - verify[0]) / (b * k) for k in range(1, len(verify)))
-        return verify[0] + ctl.step_overhead.get(b, 0.0), max(position, 1e-9), ctl.margin

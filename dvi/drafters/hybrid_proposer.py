@@ -26,7 +26,7 @@ import torch
 from dvi.decode.sources import SOURCE_MODEL
 from dvi.drafters.model_proposer import with_siblings
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
-from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts, priced, source_of
+from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts, source_of
 from dvi.drafters.tree_draft import RowTree, assemble
 
 if TYPE_CHECKING:
@@ -128,8 +128,8 @@ class HybridProposer(Proposer):
         b = len(seqs)
         sets, chosen, model_rows = self._split(caps, pricing.lookups)
         k_model = pricing.model_k(model_rows, self.learned.pending_tokens) if model_rows else 0
-        chosen = priced(pricing, chosen, caps)  # a row whose proposal does not pay its positions drafts nothing
-        k_suffix = max((len(p.tokens) for p in chosen.values()), default=0)
+        k_suffix = pricing.point_k([list(p.probs) for p in chosen.values()],
+                                   max(len(p.tokens) for p in chosen.values())) if chosen else 0
         k = max(0, min(max(k_model, k_suffix), max(caps)))
         k_model = min(k_model, k)
         if k == 0:
@@ -170,7 +170,7 @@ class HybridProposer(Proposer):
         if below:
             kb = pricing.point_k([list(p.probs) for p in below.values()], max(len(p.tokens) for p in below.values()))
             branches = {i: (list(p.tokens[:kb]), source_of(p)) for i, p in below.items()} if kb > 0 else {}
-        trees = self.suffix.branch_trees({i: [p, *sets[i][1:]] for i, p in chosen.items()}, k, pricing)
+        trees = self.suffix.branch_trees({i: sets[i] for i in chosen}, k, pricing)
         if not (any(sibs) or branches or trees):
             return None
         return _Plan(b, k_model if runs else 0, sibs, model_rows if runs else [], branches, trees)

@@ -54,9 +54,6 @@ class Pricing(Protocol):
     def point_k(self, probs: Sequence[Sequence[float]], longest: int) -> int:
         """Verify width for point-mass proposals with these path probabilities (draft j kept with probs[j])."""
 
-    def point_lens(self, probs: Sequence[Sequence[float]], longest: int) -> list[int]:
-        """Per point-mass proposal (its path probabilities), how many of its drafts to verify (0: none)."""
-
     def siblings(self, k: int, rows: list[int]) -> list[int]:
         """Siblings per depth 1..k beside a chain of k learned drafts ([]: a chain; `dvi.decode.tree_pricing`)."""
 

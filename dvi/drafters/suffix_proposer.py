@@ -18,7 +18,6 @@ misses can still keep the other index's continuation; a chain could only carry o
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
     from dvi.decode.seq import BatchParams, Seq
     from dvi.drafters.suffix import SuffixCache
 
-__all__ = ["SuffixProposer", "PROMPT_TAIL", "finished_entry", "source_of", "priced", "point_drafts", "suffix_tree_draft"]
+__all__ = ["SuffixProposer", "PROMPT_TAIL", "finished_entry", "source_of", "point_drafts", "suffix_tree_draft"]
 
 
 PROMPT_TAIL = 16  # prompt tokens kept in front of a finished output in the global index
@@ -146,14 +145,17 @@ class SuffixProposer(Proposer):
         """The best proposal per row, as a chain; where the target verifies trees, a row whose runner-up differs
         gets it as a second branch (`branch_trees`)."""
         sets = self.proposal_sets(caps, pricing.lookups)
-        chosen = priced(pricing, {i: found[0] for i, found in sets.items()}, caps)
+        chosen = {i: found[0] for i, found in sets.items()}
         b = len(seqs)
-        k = max((len(p.tokens) for p in chosen.values()), default=0)
+        k = 0
+        if chosen:
+            k = pricing.point_k([list(p.probs) for p in chosen.values()], max(len(p.tokens) for p in chosen.values()))
+            k = max(0, min(k, max(caps)))
         if k == 0:
             return Draft.empty(b, uniforms, self.device, self.step_seconds)
         trees = {}
         if pricing.trees and any(len(found) > 1 for found in sets.values()):
-            trees = self.branch_trees({i: [p, *sets[i][1:]] for i, p in chosen.items()}, k, pricing)
+            trees = self.branch_trees(sets, k, pricing)
         if trees:
             d = suffix_tree_draft(chosen, trees, b, k, uniforms, self.device)
         else:
@@ -225,22 +227,6 @@ class SuffixProposer(Proposer):
         s = dict(self.cache.stats())
         s["seconds"] = self.seconds
         return s
-
-
-def priced(pricing: Pricing, proposals: dict, caps: list[int]) -> dict:
-    """Row -> its proposal cut to the drafts `Pricing.point_lens` finds worth verifying (and to the row's cap), for
-    the rows that draft any."""
-    if not proposals:
-        return {}
-    rows = list(proposals)
-    lens = pricing.point_lens([list(proposals[i].probs) for i in rows], max(len(p.tokens) for p in proposals.values()))
-    out = {}
-    for i, n in zip(rows, lens, strict=True):
-        n = min(n, caps[i])
-        if n > 0:
-            p = proposals[i]
-            out[i] = p if n >= len(p.tokens) else dataclasses.replace(p, tokens=list(p.tokens[:n]), probs=list(p.probs[:n]))
-    return out
 
 
 def point_drafts(chosen: dict, b: int, k: int, u: torch.Tensor | None, device: torch.device) -> Draft:
