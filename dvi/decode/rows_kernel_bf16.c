@@ -5,7 +5,8 @@
    [ceil(N / 32)][K / 2][32][2] (panel i holds rows 32 i .. 32 i + 31 of w, zero-padded): one 64-byte line holds
    16 weight rows' pair of columns k, k + 1, the operand of one vdpbf16ps, and two lines make a panel's 32 outputs.
    A tile of up to 12 rows of x keeps 12 x 32 fp32 outputs in 24 of AVX-512's 32 registers, each x pair broadcast
-   once per tile; the next panel is prefetched a share per tile, so the weights stream behind the arithmetic.
+   once per tile; the next panel is prefetched a share per tile, so the weights stream behind the arithmetic (into
+   L2, as the fp32 AVX-512 build says why).
 
    Each y[m, n] is one chain of vdpbf16ps over k in order (fixed rounding: round-to-nearest-even, denormals as zero),
    rounded to bf16 once at the end, whatever M is and however the rows are tiled: a row rounds the same alone as
@@ -55,8 +56,8 @@
         for (int64_t k = 0; k < pairs; k++) {                                                              \
             __m512bh w0 = (__m512bh)_mm512_load_si512(p + 2 * PANEL * k);                                  \
             __m512bh w1 = (__m512bh)_mm512_load_si512(p + 2 * PANEL * k + PANEL);                          \
-            _mm_prefetch((const char*)pf, _MM_HINT_T0);                                                    \
-            _mm_prefetch((const char*)pf + 64, _MM_HINT_T0);                                               \
+            _mm_prefetch((const char*)pf, _MM_HINT_T2);                                                    \
+            _mm_prefetch((const char*)pf + 64, _MM_HINT_T2);                                               \
             if (++c == T) {                                                                                \
                 c = 0;                                                                                     \
                 pf += 2 * PANEL;                                                                           \
