@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from dvi.drafters.suffix import MAX_VOTERS, SuffixCache, SuffixIndex, SuffixProposal
 from dvi.drafters.suffix_index import HOT
@@ -320,3 +321,51 @@ def test_cache_grades_each_request_on_its_own_and_forgets_it_with_the_request():
     assert c.calibrator.request_ratio("b", "request") > 1.0
     c.forget("b")                                       # a finished request's residual goes with it
     assert c.calibrator.request_ratio("b", "request") == 1.0
+
+
+def test_drafted_proposals_that_keep_less_than_promised_are_scaled_down_per_source():
+    """The pooled ratios grade every lookup; what drafts is the likeliest-looking proposal, whose estimate errs high:
+    the drafted proposals' own successes scale their steps, per source and position, from what their calibrated
+    probabilities promised (not from the already scaled ones, so the ratio settles instead of compounding)."""
+    from dvi.drafters.suffix import Calibrator
+
+    cal = Calibrator(prior=1.0)
+    raw = SuffixProposal([5, 6, 7], [0.8, 0.8, 0.8], 2.4, 2, "global")
+    before = cal.adjust(raw, 0.05)
+    assert before.probs == pytest.approx([0.8] * 3) and before.pooled == pytest.approx([0.8, 1.0, 1.0])
+    for _ in range(40):                                  # drafted: the first token held a quarter of the time
+        p = cal.adjust(raw, 0.05)
+        cal.observe_drafted(p, [5, 6, 7] if _ % 4 == 0 else [9, 9, 9], drafted=3)
+    after = cal.adjust(raw, 0.05)
+    assert cal.drafted_ratio("global", 0) == pytest.approx((10 + 8) / (40 * 0.8 + 8))  # 8 pseudo-observations at 1
+    assert after.probs[0] == pytest.approx(0.8 * 0.45) and after.pooled[0] == pytest.approx(0.8)
+    assert cal.drafted_ratio("request", 0) == 1.0        # per source: the request's own index is not judged
+    own = SuffixProposal([5, 6, 7], [0.8, 0.8, 0.8], 2.4, 2, "request")
+    assert cal.adjust(own, 0.05).probs == pytest.approx([0.8] * 3)
+    cal.observe_drafted(raw, [5, 6, 7], drafted=1)       # uncalibrated (no `pooled`): nothing to grade against
+    cal.observe_drafted(after, [5], drafted=3)           # censored: only position 0 seen
+    assert cal.drafted_ratio("global", 1) == 1.0         # position 1 held all 10 times it was promised
+
+
+def test_the_suffix_proposer_grades_only_the_rows_that_drafted_their_proposal():
+    from dvi.drafters.proposer import Draft
+    from dvi.drafters.suffix_proposer import SuffixProposer
+
+    class _Req:
+        def __init__(self, rid, prompt):
+            self.request_id, self.prompt_ids = rid, prompt
+
+    class _Seq:
+        def __init__(self, rid, prompt):
+            self.req = _Req(rid, prompt)
+
+    prop = SuffixProposer(SuffixCache(), 32, torch.device("cpu"))
+    prop.join([_Seq("a", [1, 2, 3, 1, 2]), _Seq("b", [4, 5, 6, 4, 5])], None)
+    sets = prop.proposal_sets([4, 4])
+    assert set(sets) == {0, 1} and sets[0][0].tokens[:1] == [3] and sets[1][0].tokens[:1] == [6]
+    ids = torch.tensor([[3, 1], [0, 0]])
+    draft = Draft(ids, None, [2, 0], ["suffix_request", None], None, suffix_rows=True)  # row b drafted nothing
+    prop.observe(draft, [0, 0], [[9], [6]], None)          # row a's first draft missed
+    cal = prop.cache.calibrator
+    pred, hit = cal._drafted[("request", 0)]
+    assert hit == 0 and 0 < pred <= 1.0                      # one graded position: row a's, a miss
