@@ -79,9 +79,10 @@ class Calibrator:
 
     def drafted_ratio(self, source: str, j: int) -> float:
         """Drafted proposals' successes from `source` at draft position j over what they were predicted (1 without
-        evidence, at most 2)."""
+        evidence, at most 1: it corrects the selection's optimism; a source underrated on every lookup is the pooled
+        ratios' to raise)."""
         pred, hit = self._drafted.get((source, _POS_OF[min(j, 64)]), (0.0, 0.0))
-        return min(2.0, (hit + self.drafted_prior) / (pred + self.drafted_prior))
+        return min(1.0, (hit + self.drafted_prior) / (pred + self.drafted_prior))
 
     def adjust(self, prop: SuffixProposal, min_prob: float, req: Hashable | None = None) -> SuffixProposal:
         """`prop` with calibrated probs and score (the pooled ratios, then request `req`'s residual, then the drafted
