@@ -7,8 +7,8 @@
    fmas (with one register a line, 15 loads for 14: the loads, not the fmas, would bound it). The next panel is
    prefetched a share per tile, so the weights stream from memory behind the arithmetic; into L2 (T2), not L1: a
    prefetch to L1 holds one of the core's few L1 fill buffers for a whole memory latency, and with them all taken
-   the weights streamed at ~10 GB/s (Intel AMX, one thread: 30 layers' matmuls at 8 rows 52-54 -> 42-46 ms, a real
-   8-row fp32 verify of 4 drafts ~148 -> ~114 ms).
+   the weights stream at a fraction of the core's bandwidth (measured in docs/design.md, "the rows kernels'
+   prefetch").
 
    Each y[m, n] is one fma chain over k in order, as in the AVX2 build: the two give the same bits, and a row rounds
    the same alone as beside others. */

@@ -48,9 +48,8 @@ class Calibrator:
     pseudo-observations at 1, faded past `request_horizon`), which scales its steps on top of them.
 
     Both grade every lookup, drafted or not; what drafts is the better of two proposals by these same estimates, and a
-    step drafts where they promise most, so a drafted proposal's estimate errs high (the winner's curse: 64 unseen
-    field prompts, 8 in flight, Intel AMX, the global index's drafted proposals kept 0.38 of the tokens their
-    calibrated probabilities promised, the request's own 0.78). The drafted proposals therefore keep their own
+    step drafts where they promise most, so a drafted proposal's estimate errs high (the winner's curse; measured in
+    docs/design.md, "what a suffix draft's probabilities promise"). The drafted proposals therefore keep their own
     successes over what the ratios above predicted for them, per (source, position bucket) (`observe_drafted`;
     `drafted_prior` pseudo-observations at 1, faded past `drafted_horizon`), which scales their steps last."""
 
