@@ -30,7 +30,7 @@ from dvi.drafters.tree_draft import RowTree, assemble
 
 if TYPE_CHECKING:
     from dvi.decode.seq import BatchParams, Seq
-    from dvi.drafters.suffix import SuffixCache
+    from dvi.drafters.suffix import SuffixCache, SuffixProposal
 
 __all__ = ["SuffixProposer", "PROMPT_TAIL", "finished_entry", "source_of", "point_drafts", "suffix_tree_draft"]
 
@@ -69,7 +69,7 @@ class SuffixProposer(Proposer):
         # lookup step indexes them first (`_index_unindexed`), so every lookup reads what it would have read
         self._unindexed: list[list[int]] = []
         self._looked = False  # this step looked its rows up (its emitted tokens then grade the proposals at once)
-        self._offered: dict[int, object] = {}  # row -> its best proposal this step (graded in `observe` if drafted)
+        self._offered: dict[int, SuffixProposal] = {}  # row -> its best proposal this step (graded in `observe` if drafted)
         self.seconds = 0.0  # host time in lookups and appends (the tree's own work)
         self.step_seconds = 0.0  # that time in the current step
 
