@@ -1,8 +1,10 @@
 /* y = x @ w^T in fp32 for the rows of a decode step, a verify or a prefill (AVX-512F), w packed once in panels.
 
    Built and loaded by dvi/decode/rows_kernel.py where the CPU has avx512f, instead of the AVX2 build (rows_kernel.c).
-   w [N, K] is packed as panels [ceil(N / 32)][K][32] (panel i holds rows 32 i .. 32 i + 31 of w, zero-padded): two
-   64-byte lines, two registers, hold a column's 32 weights. A tile of up to 14 rows of x keeps 14 x 32 outputs in
+   w [N, K] is packed as panels [ceil(N / 32)][2][K][16] (panel i holds rows 32 i .. 32 i + 31 of w, zero-padded, in
+   two halves of 16 rows): a column's 32 weights are a 64-byte line, a register, from each half. Two halves, two
+   streams: the core's hardware prefetchers follow each sequential stream separately, and one stream left them
+   idle for part of each memory latency (measured in docs/design.md, "two streams a panel"). A tile of up to 14 rows of x keeps 14 x 32 outputs in
    28 of the 32 registers; each x[r, k] is broadcast from memory into two fmas, so a tile issues 16 loads for 28
    fmas (with one register a line, 15 loads for 14: the loads, not the fmas, would bound it). The next panel is
    prefetched a share per tile, so the weights stream from memory behind the arithmetic; into L2 (T2), not L1: a
@@ -16,6 +18,7 @@
 #include <stdint.h>
 
 #define PANEL 32
+#define HALF 16
 #define MAX_TILE 14
 
 #define ROW(r)                                                                                             \
@@ -42,15 +45,15 @@
         __m512 a6_0 = a0_0, a6_1 = a0_0, a7_0 = a0_0, a7_1 = a0_0, a8_0 = a0_0, a8_1 = a0_0;               \
         __m512 a9_0 = a0_0, a9_1 = a0_0, a10_0 = a0_0, a10_1 = a0_0, a11_0 = a0_0, a11_1 = a0_0;           \
         __m512 a12_0 = a0_0, a12_1 = a0_0, a13_0 = a0_0, a13_1 = a0_0;                                     \
-        const float* pf = next + PANEL * ((t * K) / T);                                                    \
+        const float* pf = next + HALF * ((t * K) / T);                                                     \
         int64_t c = 0;                                                                                     \
         for (int64_t k = 0; k < K; k++) {                                                                  \
-            const __m512 w0 = _mm512_load_ps(p + PANEL * k), w1 = _mm512_load_ps(p + PANEL * k + 16);      \
+            const __m512 w0 = _mm512_load_ps(p + HALF * k), w1 = _mm512_load_ps(p + HALF * (K + k)); \
             _mm_prefetch((const char*)pf, _MM_HINT_T2);                                                    \
-            _mm_prefetch((const char*)pf + 64, _MM_HINT_T2);                                               \
+            _mm_prefetch((const char*)(pf + HALF * K), _MM_HINT_T2);                                       \
             if (++c == T) {                                                                                \
                 c = 0;                                                                                     \
-                pf += PANEL;                                                                               \
+                pf += HALF;                                                                                \
             }                                                                                              \
             ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11) ROW(12)   \
             ROW(13)                                                                                        \

@@ -2,8 +2,9 @@
 
    Built and loaded by dvi/decode/rows_kernel.py where the CPU has avx512_bf16; the fp32 kernel's design
    (rows_kernel.c) on bf16 weights, which halve the bytes a step streams. w [N, K] (K even) is packed as panels
-   [ceil(N / 32)][K / 2][32][2] (panel i holds rows 32 i .. 32 i + 31 of w, zero-padded): one 64-byte line holds
-   16 weight rows' pair of columns k, k + 1, the operand of one vdpbf16ps, and two lines make a panel's 32 outputs.
+   [ceil(N / 32)][2][K / 2][16][2] (panel i holds rows 32 i .. 32 i + 31 of w, zero-padded, in two halves of 16
+   rows): one 64-byte line holds 16 weight rows' pair of columns k, k + 1, the operand of one vdpbf16ps, and a line
+   from each half makes a panel's 32 outputs; each half is a stream of its own, as in the fp32 AVX-512 build.
    A tile of up to 12 rows of x keeps 12 x 32 fp32 outputs in 24 of AVX-512's 32 registers, each x pair broadcast
    once per tile; the next panel is prefetched a share per tile, so the weights stream behind the arithmetic (into
    L2, as the fp32 AVX-512 build says why).
@@ -51,16 +52,16 @@
         __m512 a3_0 = a0_0, a3_1 = a0_0, a4_0 = a0_0, a4_1 = a0_0, a5_0 = a0_0, a5_1 = a0_0;               \
         __m512 a6_0 = a0_0, a6_1 = a0_0, a7_0 = a0_0, a7_1 = a0_0, a8_0 = a0_0, a8_1 = a0_0;               \
         __m512 a9_0 = a0_0, a9_1 = a0_0, a10_0 = a0_0, a10_1 = a0_0, a11_0 = a0_0, a11_1 = a0_0;           \
-        const uint16_t* pf = next + 2 * PANEL * ((t * pairs) / T);                                         \
+        const uint16_t* pf = next + PANEL * ((t * pairs) / T);                                             \
         int64_t c = 0;                                                                                     \
         for (int64_t k = 0; k < pairs; k++) {                                                              \
-            __m512bh w0 = (__m512bh)_mm512_load_si512(p + 2 * PANEL * k);                                  \
-            __m512bh w1 = (__m512bh)_mm512_load_si512(p + 2 * PANEL * k + PANEL);                          \
+            __m512bh w0 = (__m512bh)_mm512_load_si512(p + PANEL * k);                                      \
+            __m512bh w1 = (__m512bh)_mm512_load_si512(p + PANEL * (pairs + k));                            \
             _mm_prefetch((const char*)pf, _MM_HINT_T2);                                                    \
-            _mm_prefetch((const char*)pf + 64, _MM_HINT_T2);                                               \
+            _mm_prefetch((const char*)(pf + PANEL * pairs), _MM_HINT_T2);                                  \
             if (++c == T) {                                                                                \
                 c = 0;                                                                                     \
-                pf += 2 * PANEL;                                                                           \
+                pf += PANEL;                                                                               \
             }                                                                                              \
             ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)           \
         }                                                                                                  \
