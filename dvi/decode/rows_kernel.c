@@ -1,9 +1,11 @@
 /* y = x @ w^T in fp32 for the rows of a decode step, a verify or a prefill (AVX2 + FMA), w packed once in panels.
 
-   Built and loaded by dvi/decode/rows_kernel.py. w [N, K] is packed as panels [ceil(N / 16)][K][16] (panel i holds
-   rows 16 i .. 16 i + 15 of w, zero-padded), so one 64-byte line holds a column's 16 weights: a tile of up to 6 rows
-   of x keeps 6 x 16 outputs in 12 registers and multiplies each weight it loads into all of its rows (the outer
-   product form of a GEMM micro-kernel, where a dot product per output would load each x row once per 4 outputs).
+   Built and loaded by dvi/decode/rows_kernel.py. w [N, K] is packed as panels [ceil(N / 16)][2][K][8] (panel i holds
+   rows 16 i .. 16 i + 15 of w, zero-padded, in two halves of 8 rows), so a column's 16 weights are a register from
+   each half, and the kernel reads a panel as two streams, as the AVX-512 build does and why (rows_kernel_avx512.c).
+   A tile of up to 6 rows of x keeps 6 x 16 outputs in 12 registers and multiplies each weight it loads into all of
+   its rows (the outer product form of a GEMM micro-kernel, where a dot product per output would load each x row once
+   per 4 outputs).
    The next panel is prefetched while this one is multiplied, a share of it per tile, so the weights stream from
    memory behind the arithmetic whatever the row count.
 
@@ -13,9 +15,10 @@
 #include <stdint.h>
 
 #define PANEL 16
+#define HALF 8
 #define MAX_TILE 6
 
-/* one row r of a tile: its x[r, k] broadcast into both halves of the panel's line */
+/* one row r of a tile: its x[r, k] broadcast into both halves of the panel's column */
 #define ROW(r)                                                                                             \
     if (rows > r) {                                                                                        \
         __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                                  \
@@ -43,14 +46,15 @@
         const int rows = MR;                                                                               \
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;           \
         __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;                           \
-        const float* pf = next + PANEL * ((t * K) / T);                                                    \
+        const float* pf = next + HALF * ((t * K) / T);                                                     \
         int64_t c = 0;                                                                                     \
         for (int64_t k = 0; k < K; k++) {                                                                  \
-            __m256 w0 = _mm256_load_ps(p + PANEL * k), w1 = _mm256_load_ps(p + PANEL * k + 8);             \
+            __m256 w0 = _mm256_load_ps(p + HALF * k), w1 = _mm256_load_ps(p + HALF * (K + k));            \
             _mm_prefetch((const char*)pf, _MM_HINT_T0);                                                    \
+            _mm_prefetch((const char*)(pf + HALF * K), _MM_HINT_T0);                                       \
             if (++c == T) {                                                                                \
                 c = 0;                                                                                     \
-                pf += PANEL;                                                                               \
+                pf += HALF;                                                                                \
             }                                                                                              \
             ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)                                                      \
         }                                                                                                  \

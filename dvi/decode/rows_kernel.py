@@ -44,7 +44,6 @@ class _Build(NamedTuple):
     panel: int  # weight rows a panel holds
     pair: int  # consecutive k a panel's line holds per weight row (vdpbf16ps multiplies pairs)
     align: int  # bytes the panels' aligned loads need
-    halves: int  # streams a panel is read in: its rows split into this many column-major blocks
 
 
 _HERE = Path(__file__).parent
@@ -54,11 +53,11 @@ _AVX2 = frozenset({"avx2", "fma"})
 _BUILDS = {  # per dtype, the builds in the order tried: the first this CPU runs serves
     torch.float32: (
         _Build("AVX-512", _HERE / "rows_kernel_avx512.c", ("-mavx512f", *_COMMON), _AVX2 | {"avx512f"},
-               "dvi_panels_linear_f32", 32, 1, 64, 2),
-        _Build("AVX2", _HERE / "rows_kernel.c", _COMMON, _AVX2, "dvi_panels_linear_f32", 16, 1, 32, 1)),
+               "dvi_panels_linear_f32", 32, 1, 64),
+        _Build("AVX2", _HERE / "rows_kernel.c", _COMMON, _AVX2, "dvi_panels_linear_f32", 16, 1, 32)),
     torch.bfloat16: (
         _Build("AVX512-BF16", _HERE / "rows_kernel_bf16.c", ("-mavx512f", "-mavx512bf16", *_COMMON),
-               _AVX2 | {"avx512f", "avx512_bf16"}, "dvi_panels_linear_bf16", 32, 2, 64, 2),),
+               _AVX2 | {"avx512f", "avx512_bf16"}, "dvi_panels_linear_bf16", 32, 2, 64),),
 }
 
 
@@ -68,10 +67,10 @@ def _name(dtype: torch.dtype) -> str:
 
 class Panels:
     """A weight w [N, K] packed for one build of its dtype's kernel (`RowsKernel.pack`): panel i holds rows
-    P i .. P i + P - 1 of w, zero-padded past N, column by column. AVX2 fp32 as [ceil(N / 16), K, 16]; AVX-512 fp32
-    as [ceil(N / 32), 2, K, 16], the panel's two halves of 16 rows one after the other, a 64-byte line carrying 16
-    rows of a column, so the kernel reads a panel as two streams; bf16 as [ceil(N / 32), 2, K / 2, 16, 2], a line
-    carrying 16 rows' pair of columns."""
+    P i .. P i + P - 1 of w, zero-padded past N, column by column, in two halves of P / 2 rows one after the other, so
+    the kernel reads a panel as two streams: AVX2 fp32 as [ceil(N / 16), 2, K, 8]; AVX-512 fp32 as [ceil(N / 32), 2,
+    K, 16], a 64-byte line carrying 16 rows of a column; bf16 as [ceil(N / 32), 2, K / 2, 16, 2], a line carrying 16
+    rows' pair of columns."""
 
     __slots__ = ("build", "data", "in_features", "out_features")
 
@@ -83,11 +82,14 @@ class Panels:
         self.data.copy_(_panel_view(w, self.build))
 
 
+_HALVES = 2  # every build reads a panel as two streams, one per half of its rows (the kernels' sources say why)
+
+
 def _panel_view(w: torch.Tensor, b: _Build) -> torch.Tensor:
     pad = -w.shape[0] % b.panel
     if pad:
         w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
-    return w.view(-1, b.halves, b.panel // b.halves, w.shape[1] // b.pair, b.pair).permute(0, 1, 3, 2, 4)
+    return w.view(-1, _HALVES, b.panel // _HALVES, w.shape[1] // b.pair, b.pair).permute(0, 1, 3, 2, 4)
 
 
 class RowsKernel:
