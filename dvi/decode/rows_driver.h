@@ -7,9 +7,10 @@
 #define DVI_ROWS_DRIVER_H
 #include <stdint.h>
 
-/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w^T, w as the kernel's aligned panels */
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w^T, w as the kernel's aligned panels; returns 0 (the
+   AMX build's linear, which may fail, returns -1 then) */
 #define ROWS_DRIVER(NAME, T, DEPTH)                                                                        \
-    void NAME(const T* x, int64_t ldx, const T* panels, int64_t N, int64_t K, T* y, int64_t ldy, int64_t M) { \
+    int NAME(const T* x, int64_t ldx, const T* panels, int64_t N, int64_t K, T* y, int64_t ldy, int64_t M) {  \
         const int64_t count = (N + PANEL - 1) / PANEL, tiles = (M + MAX_TILE - 1) / MAX_TILE;              \
         for (int64_t i = 0; i < count; i++) {                                                              \
             const T* panel = panels + i * PANEL * K;                                                       \
@@ -22,6 +23,7 @@
                 m += mr;                                                                                   \
             }                                                                                              \
         }                                                                                                  \
+        return 0;                                                                                          \
     }
 
 #endif

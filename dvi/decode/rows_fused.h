@@ -1,4 +1,5 @@
-/* What a rows kernel folds into one call around its matmul (rows_kernel.c, rows_kernel_avx512.c, rows_kernel_bf16.c):
+/* What a rows kernel folds into one call around its matmul (rows_kernel.c, rows_kernel_avx512.c, rows_kernel_bf16.c,
+   rows_kernel_amx.c):
    a decoder layer's RMS norm or SwiGLU before it, its residual add after. At the few rows of a decode step torch's
    calls for those cost their per-call overhead, not their arithmetic (a norm is six calls, ~10 us whatever the rows);
    here they ride on the call the matmul makes anyway.
@@ -119,7 +120,7 @@ static inline void* fz_scratch(size_t bytes) {
             src = s;                                                                                               \
             ld = K;                                                                                                \
         }                                                                                                          \
-        LINEAR(src, ld, panels, N, K, y, ldy, M);                                                                  \
+        if (LINEAR(src, ld, panels, N, K, y, ldy, M)) return -1;                                                   \
         if (res) {                                                                                                 \
             for (int64_t i = 0; i < M; i++) {                                                                      \
                 T* yi = y + i * ldy;                                                                               \

@@ -1,6 +1,6 @@
 """dvi's matmul for the rows of a decode step on x86-64 CPUs: fp32 with AVX-512 (`rows_kernel_avx512.c`) or else
-AVX2 and FMA (`rows_kernel.c`; the two give the same bits), bf16 with AVX512-BF16 (`rows_kernel_bf16.c`), built with
-the system's C compiler.
+AVX2 and FMA (`rows_kernel.c`; the two give the same bits), bf16 with AMX (`rows_kernel_amx.c`) or else AVX512-BF16
+(`rows_kernel_bf16.c`; each its own bits), built with the system's C compiler.
 
 Why its own kernel: a decode step or a verify multiplies 1-64 rows by every weight of the target, so its cost is
 streaming the weights while the arithmetic hides behind it; MKL's one-row GEMV streams them well, but its GEMMs of
@@ -44,6 +44,7 @@ class _Build(NamedTuple):
     panel: int  # weight rows a panel holds
     pair: int  # consecutive k a panel's line holds per weight row (vdpbf16ps multiplies pairs)
     align: int  # bytes the panels' aligned loads need
+    kstep: int = 1  # the panels' K is zero-padded to a multiple of this (AMX tiles multiply 32 columns a step)
 
 
 _HERE = Path(__file__).parent
@@ -56,6 +57,10 @@ _BUILDS = {  # per dtype, the builds in the order tried: the first this CPU runs
                "dvi_panels_linear_f32", 32, 1, 64),
         _Build("AVX2", _HERE / "rows_kernel.c", _COMMON, _AVX2, "dvi_panels_linear_f32", 16, 1, 32)),
     torch.bfloat16: (
+        _Build("AMX-BF16", _HERE / "rows_kernel_amx.c",
+               ("-mavx512f", "-mavx512bf16", "-mavx512bw", "-mavx512vl", "-mamx-tile", "-mamx-bf16", *_COMMON),
+               _AVX2 | {"avx512f", "avx512_bf16", "avx512bw", "avx512vl", "amx_tile", "amx_bf16"},
+               "dvi_panels_linear_bf16", 32, 2, 64, 32),
         _Build("AVX512-BF16", _HERE / "rows_kernel_bf16.c", ("-mavx512f", "-mavx512bf16", *_COMMON),
                _AVX2 | {"avx512f", "avx512_bf16"}, "dvi_panels_linear_bf16", 32, 2, 64),),
 }
@@ -86,9 +91,9 @@ _HALVES = 2  # every build reads a panel as two streams, one per half of its row
 
 
 def _panel_view(w: torch.Tensor, b: _Build) -> torch.Tensor:
-    pad = -w.shape[0] % b.panel
-    if pad:
-        w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
+    pad, kpad = -w.shape[0] % b.panel, -w.shape[1] % b.kstep
+    if pad or kpad:
+        w = torch.nn.functional.pad(w, (0, kpad, 0, pad))
     return w.view(-1, _HALVES, b.panel // _HALVES, w.shape[1] // b.pair, b.pair).permute(0, 1, 3, 2, 4)
 
 
@@ -101,7 +106,7 @@ class RowsKernel:
         fn = getattr(lib, build.symbol)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64]
-        fn.restype = None
+        fn.restype = ctypes.c_int
         fused = getattr(lib, build.symbol.replace("_linear_", "_fused_"))
         fused.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, ptr, ctypes.c_float, ctypes.c_int32, ptr, i64]
         fused.restype = ctypes.c_int
@@ -151,8 +156,8 @@ class RowsKernel:
             raise ValueError(f"weights packed for the {panels.build.isa} build reach the {self._build.isa} build")
         m, n = x.shape[0], panels.out_features
         y = torch.empty(m, n, dtype=self.dtype)
-        if m:
-            self._fn(x.data_ptr(), x.stride(0), panels.data.data_ptr(), n, panels.in_features, y.data_ptr(), n, m)
+        if m and self._fn(x.data_ptr(), x.stride(0), panels.data.data_ptr(), n, panels.in_features, y.data_ptr(), n, m):
+            raise MemoryError(f"the rows kernel's scratch for {m} x {panels.in_features} rows")
         return y if bias is None else y.add_(bias)
 
     def fused(self, x: torch.Tensor, panels: Panels, norm: tuple[torch.Tensor, float] | None = None,
@@ -221,6 +226,8 @@ class RowsKernel:
 @cache
 def _build_loaded(build: _Build, dtype: torch.dtype) -> tuple[RowsKernel | None, str | None]:
     lib, why = load_library(build.source, build.flags, build.needs)
+    if lib is not None and hasattr(lib, "dvi_amx_ready") and not lib.dvi_amx_ready():
+        lib, why = None, "Linux refused this process AMX's tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
     return (RowsKernel(lib, dtype, build), None) if lib is not None else (None, f"{build.isa}: {why}")
 
 

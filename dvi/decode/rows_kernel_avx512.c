@@ -3,14 +3,13 @@
    Built and loaded by dvi/decode/rows_kernel.py where the CPU has avx512f, instead of the AVX2 build (rows_kernel.c).
    w [N, K] is packed as panels [ceil(N / 32)][2][K][16] (panel i holds rows 32 i .. 32 i + 31 of w, zero-padded, in
    two halves of 16 rows): a column's 32 weights are a 64-byte line, a register, from each half. Two halves, two
-   streams: the core's hardware prefetchers follow each sequential stream separately, and one stream left them
-   idle for part of each memory latency (measured in docs/design.md, "two streams a panel"). A tile of up to 14 rows of x keeps 14 x 32 outputs in
-   28 of the 32 registers; each x[r, k] is broadcast from memory into two fmas, so a tile issues 16 loads for 28
-   fmas (with one register a line, 15 loads for 14: the loads, not the fmas, would bound it). The next panel is
-   prefetched a share per tile, so the weights stream from memory behind the arithmetic; into L2 (T2), not L1: a
-   prefetch to L1 holds one of the core's few L1 fill buffers for a whole memory latency, and with them all taken
-   the weights stream at a fraction of the core's bandwidth (measured in docs/design.md, "the rows kernels'
-   prefetch").
+   streams: one core reads memory faster as two sequential streams than as one (docs/design.md, "Two streams a
+   panel"). A tile of up to 14 rows of x keeps 14 x 32 outputs in 28 of the 32 registers; each x[r, k] is broadcast
+   from memory into two fmas, so a tile issues 16 loads for 28 fmas (with one register a line, 15 loads for 14: the
+   loads, not the fmas, would bound it). The next panel is prefetched a share per tile, so the weights stream from
+   memory behind the arithmetic; into L2 (T2), not L1: a prefetch to L1 holds one of the core's few L1 fill buffers
+   for a whole memory latency, and with them all taken the weights stream at a fraction of the core's bandwidth
+   (measured in docs/design.md, "the rows kernels' prefetch").
 
    Each y[m, n] is one fma chain over k in order, as in the AVX2 build: the two give the same bits, and a row rounds
    the same alone as beside others. */
@@ -48,7 +47,7 @@
         const float* pf = next + HALF * ((t * K) / T);                                                     \
         int64_t c = 0;                                                                                     \
         for (int64_t k = 0; k < K; k++) {                                                                  \
-            const __m512 w0 = _mm512_load_ps(p + HALF * k), w1 = _mm512_load_ps(p + HALF * (K + k)); \
+            const __m512 w0 = _mm512_load_ps(p + HALF * k), w1 = _mm512_load_ps(p + HALF * (K + k));       \
             _mm_prefetch((const char*)pf, _MM_HINT_T2);                                                    \
             _mm_prefetch((const char*)(pf + HALF * K), _MM_HINT_T2);                                       \
             if (++c == T) {                                                                                \
