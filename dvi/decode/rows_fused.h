@@ -57,17 +57,18 @@ static inline float fz_silu1(float x) {
     return r[0];
 }
 
-/* a per-thread scratch of at least `bytes` (the prologue's rows); NULL if it cannot grow */
-static inline void* fz_scratch(size_t bytes) {
-    static __thread void* buf = 0;
-    static __thread size_t cap = 0;
-    if (bytes > cap) {
-        void* p = realloc(buf, bytes);
+/* per-thread scratch `slot` of at least `bytes`; NULL if it cannot grow. Slot 0: the prologue's rows; slot 1: a
+   linear's own (the AMX build's padded rows, read while slot 0 holds its input) */
+static inline void* fz_scratch(int slot, size_t bytes) {
+    static __thread void* buf[2] = {0, 0};
+    static __thread size_t cap[2] = {0, 0};
+    if (bytes > cap[slot]) {
+        void* p = realloc(buf[slot], bytes);
         if (!p) return 0;
-        buf = p;
-        cap = bytes;
+        buf[slot] = p;
+        cap[slot] = bytes;
     }
-    return buf;
+    return buf[slot];
 }
 
 /* NAME(x, ldx, K, M, norm_w, eps, swiglu, out): the work before a layer's matmul, into out [M, K]: x's rows RMS-normed
@@ -114,7 +115,7 @@ static inline void* fz_scratch(size_t bytes) {
         const T* src = x;                                                                                          \
         int64_t ld = ldx;                                                                                          \
         if (norm_w || swiglu) {                                                                                    \
-            T* s = (T*)fz_scratch((size_t)(M * K) * sizeof(T) + 64);                                               \
+            T* s = (T*)fz_scratch(0, (size_t)(M * K) * sizeof(T) + 64);                                            \
             if (!s) return -1;                                                                                     \
             PROLOGUE(x, ldx, K, M, norm_w, eps, swiglu, s);                                                        \
             src = s;                                                                                               \

@@ -19,6 +19,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "rows_fused.h"
+
 #define PANEL 32
 #define KSTEP 32 /* k per tile step: 16 pairs */
 
@@ -44,18 +46,6 @@ static void configure(void) {
     _tile_loadconfig(&c);
 }
 
-static void* scratch(size_t bytes) {
-    static __thread void* buf = 0;
-    static __thread size_t cap = 0;
-    if (bytes > cap) {
-        void* p = realloc(buf, bytes);
-        if (!p) return 0;
-        buf = p;
-        cap = bytes;
-    }
-    return buf;
-}
-
 /* a C tile's 16 x 16 fp32 (as stored) into `rows` rows of y, its first `ncols` columns, rounded to bf16 */
 static inline void store_rows(const float* c, uint16_t* y, int64_t ldy, int64_t rows, int64_t ncols) {
     const __mmask16 keep = ncols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1u);
@@ -74,7 +64,7 @@ int dvi_panels_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel
     const uint16_t* a = x;
     int64_t lda = ldx;
     if (Mp != M || Kp != K) { /* tiles read whole 16-row, 32-column blocks: zeros past x's rows and columns */
-        uint16_t* xp = (uint16_t*)scratch((size_t)(Mp * Kp) * sizeof(uint16_t));
+        uint16_t* xp = (uint16_t*)fz_scratch(1, (size_t)(Mp * Kp) * sizeof(uint16_t));
         if (!xp) return -1;
         memset(xp + M * Kp, 0, (size_t)((Mp - M) * Kp) * sizeof(uint16_t));
         for (int64_t r = 0; r < M; r++) {
@@ -131,8 +121,6 @@ int dvi_panels_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel
     _tile_release();
     return 0;
 }
-
-#include "rows_fused.h"
 
 ROWS_PROLOGUE(dvi_rows_prologue_bf16, uint16_t, bf16)
 ROWS_FUSED(dvi_panels_fused_bf16, dvi_panels_linear_bf16, dvi_rows_prologue_bf16, uint16_t, bf16)
