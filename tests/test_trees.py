@@ -589,3 +589,27 @@ def test_fixed_pricing_and_sibling_stats():
     for _ in range(50):
         s.observe(2, 0)
     assert s.rates()[0] > HIT_PRIOR[0] and s.rates()[1] < HIT_PRIOR[1]
+
+
+def test_acceptance_estimate_counts_the_spine_not_the_path(monkeypatch):
+    """After a tree step each row's acceptance evidence is its spine's (drafts tried, kept): K and the siblings are
+    priced from the drafter's top-1 chain, and a path kept through a sibling is that sibling's hit, not the chain's.
+    Counted as the chain's, it raised the estimate and deepened every spine beyond what paid."""
+    eng = tree_engine(tiny("llama", seed=0), 3, 3)
+    expected, seen, off_spine = [], [], 0
+    real_accept, real_update = dvi.engine.speculative.accept_tree, eng.acceptance.update
+
+    def accept(draft, logits, feats, params):
+        nonlocal off_spine
+        out = real_accept(draft, logits, feats, params)
+        for i, path in enumerate(out.paths):
+            expected.append((draft.spine[i], out.view.spine_kept[i]))
+            off_spine += any(a > draft.spine[i] for a in path)
+        return out
+
+    monkeypatch.setattr(dvi.engine.speculative, "accept_tree", accept)
+    monkeypatch.setattr(eng.acceptance, "update",
+                        lambda row, pool, k, n: (seen.append((k, n)), real_update(row, pool, k, n)))
+    eng.generate(PROMPTS, NEW)
+    assert off_spine > 0  # paths through siblings happened: the case the estimate must not count as the chain's
+    assert [x for x in seen if x != (0, 0)] == expected  # (0, 0): a step that drafted nothing (a budget's last token)

@@ -23,10 +23,11 @@ from dvi.decode.sampling import (
     warp_probs,
 )
 from dvi.decode.seq import BatchParams
+from dvi.decode.sources import SOURCE_MODEL
 from dvi.decode.tree import ancestors, tree_greedy_accept, tree_sample_accept
 from dvi.drafters.proposer import Draft
 
-__all__ = ["accept_chain", "accept_tree", "TreeOutcome"]
+__all__ = ["accept_chain", "accept_tree", "chain_evidence", "TreeOutcome"]
 
 
 def accept_chain(draft: Draft, logits: torch.Tensor, params: BatchParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,3 +134,15 @@ def _chain_view(draft: Draft, paths: list[list[int]]) -> tuple[Draft, list[list[
     view = dataclasses.replace(draft, ids=ids_t, q=None, lens=lens, parents=None, qmap=None, ranks=ranks,
                                spine_kept=spine_kept, node_sources=sources or None)
     return view, cols
+
+
+def chain_evidence(view: Draft, i: int, k: int, n: int, source: str | None) -> tuple[int, int]:
+    """Row i's evidence for its learned chain's acceptance estimate, (drafts tried, kept), after a step whose (chain
+    view of the) draft gave it k drafts and kept n. Adaptive K and the tree's siblings are priced from the drafter's
+    top-1 chain, so after a tree step only the spine counts: a path kept through a sibling is the sibling's hit
+    (`SiblingStats`), and counted as the chain's it inflated the estimate K is chosen from, deepening every spine
+    beyond what pays (docs/design.md, "Trees priced from the chain's own acceptance"). (0, 0): no learned chain."""
+    spine = view.spine[i] if view.spine is not None and view.spine_kept is not None else None
+    if spine is not None and spine > 0:
+        return spine, view.spine_kept[i]
+    return (k, n) if source == SOURCE_MODEL and spine is None else (0, 0)

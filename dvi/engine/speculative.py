@@ -41,13 +41,12 @@ from dvi.decode.request import (
 )
 from dvi.decode.results import GenerationResult, StepOutput, Versions
 from dvi.decode.seq import BatchParams, Seq, fill_order, g_rand, row_generator
-from dvi.decode.sources import SOURCE_MODEL
 from dvi.decode.target import CpuMatmuls, TargetRunner, target_runner, with_prefix_cache
 from dvi.drafters.factory import proposer_for_drafter
 from dvi.drafters.learned import Drafter
 from dvi.drafters.proposer import Draft, Proposer
 from dvi.drafters.vocab import fit_vocab
-from dvi.engine.accept import accept_chain, accept_tree
+from dvi.engine.accept import accept_chain, accept_tree, chain_evidence
 from dvi.engine.calibration import CalibrationSetup, calibrate_bucket
 from dvi.engine.options import EngineOptions, prefill_share
 from dvi.engine.report import EngineReport
@@ -468,8 +467,7 @@ class SpeculativeEngine:
             s.res.num_steps += 1
             if ki > 0:
                 count_drafts(s.res, ki, ni, src, draft.ranks[i] if draft.ranks else None, srcs)
-            model = src == SOURCE_MODEL
-            self.acceptance.update(s.acc, s.pool, ki if model else 0, ni if model else 0)
+            self.acceptance.update(s.acc, s.pool, *chain_evidence(draft, i, ki, ni, src))
             new, reason = append_tokens(s.res, e, i, ki, s.stop, s.remaining, srcs or src)
             news.append(new)
             s.remaining -= len(new)
