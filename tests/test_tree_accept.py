@@ -13,6 +13,7 @@ import dvi.decode.tree as tree_mod
 from dvi.decode.sampling import (
     draft_mask,
     greedy_accept,
+    greedy_tokens,
     point_mass_accept,
     rejection_accept,
     sample_from,
@@ -24,6 +25,7 @@ from dvi.decode.tree import (
     gather_path,
     path_tokens,
     tree_greedy_accept,
+    tree_greedy_walk,
     tree_sample_accept,
 )
 
@@ -153,6 +155,25 @@ def test_tree_greedy_matches_reference_walk():
     _check_against(path, acc, nxt, _ref_greedy(ids, parents, valid, logits))
     path2, acc2, nxt2 = tree_greedy_accept(ids, parents, None, logits)
     _check_against(path2, acc2, nxt2, _ref_greedy(ids, parents, torch.ones_like(valid), logits))
+
+
+def test_tree_greedy_walk_equals_the_batched_rule():
+    """The engine's host walk (`tree_greedy_walk`, real nodes a prefix of `lens` as drafts have them) accepts the
+    same paths and next tokens as the batched mask reduction, ties included (few token values)."""
+    gen = torch.Generator().manual_seed(11)
+    b, n, v = 400, 10, 3
+    parents, _ = _random_tree(gen, b, n)
+    lens = torch.randint(0, n + 1, (b,), generator=gen)
+    valid = torch.arange(n).view(1, n) < lens.view(b, 1)
+    logits = torch.randint(0, 3, (b, n + 1, v), generator=gen).float()  # equal maxima: the first one wins
+    tgt = greedy_tokens(logits)
+    ids = torch.where(torch.rand(b, n, generator=gen) < 0.6, tgt.gather(1, parents),
+                      torch.randint(0, v, (b, n), generator=gen))
+    path, acc, nxt = tree_greedy_accept(ids, parents, valid, logits)
+    paths, nxts = tree_greedy_walk(ids.tolist(), parents.tolist(), lens.tolist(), tgt.tolist())
+    assert int(acc.max()) >= 4  # deep paths are exercised
+    assert paths == [row[:k] for row, k in zip(path.tolist(), acc.tolist(), strict=True)]
+    assert nxts == nxt.tolist()
 
 
 def test_tree_greedy_chain_equals_greedy_accept():

@@ -26,6 +26,7 @@ __all__ = [
     "depths",
     "ancestors",
     "tree_greedy_accept",
+    "tree_greedy_walk",
     "tree_sample_accept",
     "gather_path",
     "path_tokens",
@@ -103,6 +104,25 @@ def tree_greedy_accept(
     on_path = ~(anc & ~good_full.unsqueeze(1)).any(-1)
     path, n, last = _path_from_nodes(on_path)
     return path, n, tgt.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+def tree_greedy_walk(ids: list[list[int]], parents: list[list[int]], lens: list[int], tgt: list[list[int]],
+                     ) -> tuple[list[list[int]], list[int]]:
+    """`tree_greedy_accept` walked on the host: per row its accepted path (1-based nodes) and the token after it, from
+    the target's argmax at every node `tgt` [B][N + 1]. A step's trees are a few nodes a row, where the batched mask
+    reduction's dozen small ops cost more than the walk; the one transfer is the argmax's, which the path's is anyway."""
+    paths, nxts = [], []
+    for row, par, ln, t in zip(ids, parents, lens, tgt, strict=True):
+        node, path = 0, []
+        while True:  # node's children sit in later columns (parents come first), tried in column order
+            child = next((j + 1 for j in range(node, ln) if par[j] == node and row[j] == t[node]), 0)
+            if not child:
+                break
+            path.append(child)
+            node = child
+        paths.append(path)
+        nxts.append(t[node])
+    return paths, nxts
 
 
 def _children_table(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from dvi.decode.sampling import (
 )
 from dvi.decode.seq import BatchParams
 from dvi.decode.sources import SOURCE_MODEL
-from dvi.decode.tree import ancestors, tree_greedy_accept, tree_sample_accept
+from dvi.decode.tree import ancestors, tree_greedy_walk, tree_sample_accept
 from dvi.drafters.proposer import Draft
 
 __all__ = ["accept_chain", "accept_tree", "chain_evidence", "TreeOutcome"]
@@ -88,29 +88,30 @@ def accept_tree(draft: Draft, logits: torch.Tensor, feats: torch.Tensor | None, 
     b, nodes = draft.ids.shape
     dev = draft.ids.device
     parents = torch.tensor(draft.parents, dtype=torch.long, device=dev).view(b, nodes)
-    valid = torch.arange(nodes, device=dev).view(1, nodes) < torch.tensor(draft.lens, device=dev).view(b, 1)
     judged = logits if params.pen is None else params.transform(logits, draft.ids, ancestors(parents))
+    ids = draft.ids.tolist()
     if params.all_greedy:
-        path, n, nxt = tree_greedy_accept(draft.ids, parents, valid, judged)
+        paths, nxt_l = tree_greedy_walk(ids, draft.parents, draft.lens, greedy_tokens(judged).tolist())
+        n = torch.tensor([len(x) for x in paths], dtype=torch.long, device=dev)
+        nxt = torch.tensor(nxt_l, dtype=torch.long, device=dev)
     else:
+        valid = torch.arange(nodes, device=dev).view(1, nodes) < torch.tensor(draft.lens, device=dev).view(b, 1)
         p = warp_probs(judged, params.temp, params.top_k, params.top_p)
         qmap = draft.qmap if draft.qmap is not None else torch.full_like(draft.ids, -1)
         off = draft.u.shape[1] - nodes - 1
         path, n, nxt = tree_sample_accept(draft.ids, parents, valid, qmap, draft.q, p, draft.u[:, off : off + nodes],
                                           draft.u[:, off + nodes])
-    n_l, path_l = n.tolist(), path.tolist()
-    paths = [row[:k] for row, k in zip(path_l, n_l, strict=True)]
-    view, cols = _chain_view(draft, paths)
+        paths = [row[:k] for row, k in zip(path.tolist(), n.tolist(), strict=True)]
+    view, cols = _chain_view(draft, paths, ids)
     idx = torch.tensor(cols, dtype=torch.long, device=dev)  # [B, W + 1] node of each view column
     gather = lambda x: x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # noqa: E731
     return TreeOutcome(n, nxt, paths, view, gather(logits), gather(feats) if feats is not None else None)
 
 
-def _chain_view(draft: Draft, paths: list[list[int]]) -> tuple[Draft, list[list[int]]]:
+def _chain_view(draft: Draft, paths: list[list[int]], ids: list[list[int]]) -> tuple[Draft, list[list[int]]]:
     """The chain each row's path reads as: ids (path tokens, then the first candidate tried at the miss), lens,
     the spine nodes the path kept, each kept node's sibling rank, who proposed each column (`node_sources`: the
-    feedback record's `draft_source` per token); and per view column the tree node it shows."""
-    ids = draft.ids.tolist()
+    feedback record's `draft_source` per token); and per view column the tree node it shows. `ids`: draft.ids as lists."""
     rows, lens, cols, spine_kept, ranks, sources = [], [], [], [], [], []
     for i, path in enumerate(paths):
         par, ln = draft.parents[i], draft.lens[i]
