@@ -34,13 +34,15 @@ typedef struct {
    may run before */
 int dvi_amx_ready(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
 
-/* tmm0-3: C, 16 rows x 16 fp32; tmm4-5: A, 16 rows x 16 bf16 pairs; tmm6-7: B, 16 pairs x 16 columns x 2 */
-static void configure(void) {
+/* tmm0-3: C, `rows` rows x 16 fp32; tmm4-5: A, `rows` rows x 16 bf16 pairs; tmm6-7: B, 16 pairs x 16 columns x 2.
+   `rows` < 16 where a call has fewer rows than a tile: no zero rows are copied beneath them (each row's chain is the
+   same whatever the tile's row count) */
+static void configure(int rows) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
+        c.rows[t] = t < 6 ? rows : 16;
         c.colsb[t] = 64;
     }
     _tile_loadconfig(&c);
@@ -59,11 +61,12 @@ static inline int64_t clip16(int64_t n) { return n < 16 ? n : 16; }
    scratch for x's rows padded to whole tiles could not grow (y unset). */
 int dvi_panels_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panels, int64_t N, int64_t K, uint16_t* y,
                            int64_t ldy, int64_t M) {
+    if (M <= 0) return 0; /* no rows: no tile of zero rows is configured */
     const int64_t Kp = (K + KSTEP - 1) / KSTEP * KSTEP, steps = Kp / KSTEP, count = (N + PANEL - 1) / PANEL;
-    const int64_t half = Kp * 16, Mp = (M + 15) / 16 * 16, blocks = Mp / 16;
+    const int64_t half = Kp * 16, Mp = M < 16 ? M : (M + 15) / 16 * 16, blocks = (Mp + 15) / 16;
     const uint16_t* a = x;
     int64_t lda = ldx;
-    if (Mp != M || Kp != K) { /* tiles read whole 16-row, 32-column blocks: zeros past x's rows and columns */
+    if (Mp != M || Kp != K) { /* tiles read whole row blocks and 32-column steps: zeros past x's rows and columns */
         uint16_t* xp = (uint16_t*)fz_scratch(1, (size_t)(Mp * Kp) * sizeof(uint16_t));
         if (!xp) return -1;
         memset(xp + M * Kp, 0, (size_t)((Mp - M) * Kp) * sizeof(uint16_t));
@@ -75,7 +78,7 @@ int dvi_panels_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel
         lda = Kp;
     }
     float c[4][256] __attribute__((aligned(64)));
-    configure();
+    configure(M < 16 ? (int)M : 16);
     for (int64_t i = 0; i < count; i++) {
         const uint16_t* p = panels + i * 2 * half;
         const char* next = (const char*)(i + 1 < count ? p + 2 * half : p);
