@@ -73,9 +73,8 @@ static inline void prefetch_columns(const void* krow, const void* vrow, int64_t 
 /* A row's keys and values come from memory once a step, for its first query: read column by column beside the
    arithmetic they streamed at a third of what one core reads (a column's lines lie 0.75-1.5 KB apart, past what the
    hardware prefetchers follow), so every line of the row's first P columns is asked for into L2 in one burst first.
-   Asking for the next row's behind this row's arithmetic measured slower: the burst stalls the core either way.
-   Returns the row asked for. */
-static inline int64_t prefetch_row(const void* k, const void* v, int64_t row, int64_t row_stride, int64_t size,
+   Asking for the next row's behind this row's arithmetic measured slower: the burst stalls the core either way. */
+static inline void prefetch_row(const void* k, const void* v, int64_t row, int64_t row_stride, int64_t size,
                                    int64_t P, int64_t kv_heads, int64_t head_stride, int64_t col_stride, int64_t d) {
     const char* kr = (const char*)k + row * row_stride * size;
     const char* vr = (const char*)v + row * row_stride * size;
@@ -87,14 +86,13 @@ static inline int64_t prefetch_row(const void* k, const void* v, int64_t row, in
                 _mm_prefetch(vr + at + b, _MM_HINT_T2);
             }
         }
-    return row;
 }
 
-/* before query i's scores, where it is its row's first: the row's columns asked for (not again for a row that
-   stays: a chain's or a tree's further queries find them in L2) */
+/* before query i's scores, where it is its row's first (a row's further queries, a chain's or a tree's, find its
+   columns in L2) */
 #define PREFETCH_ROW(i)                                                                                          \
-    if (((i) == 0 || rows[(i)] != rows[(i) - 1]) && asked != rows[(i)])                                         \
-        asked = prefetch_row(k, v, rows[(i)], row_stride, sizeof(*k), visible[(i)], kv_heads, head_stride, col_stride, d);
+    if ((i) == 0 || rows[(i)] != rows[(i) - 1])                                                                 \
+        prefetch_row(k, v, rows[(i)], row_stride, sizeof(*k), visible[(i)], kv_heads, head_stride, col_stride, d);
 
 /* each head's scores s [heads][L] through a softmax in place, fp32 (the max subtracted, exp vectorized, the tail padded
    with -inf's exp, 0); 1 / each head's sum into inv[h] */
@@ -139,7 +137,6 @@ static inline void softmax_heads(float* s, int64_t heads, int64_t L, float* inv)
         float* acc = scratch + heads * d;                                                                  \
         float* s = scratch + 2 * heads * d;                                                                \
         float kf[VB * MAX_D] __attribute__((aligned(32)));                                                 \
-        int64_t asked = -1; /* the row whose columns were last asked for (`prefetch_row`) */               \
         for (int64_t i = 0; i < n; i++) {                                                                  \
             const int64_t P = visible[i], L = P + n_extra[i];                                              \
             const int64_t* ex = extra + i * extra_stride;                                                  \

@@ -124,7 +124,6 @@ VALUES(values_bf16, uint16_t, load16_bf16, store_bf16)
         float* inv = scratch + heads * d; /* each head's 1 / sum (the AVX2 layout's accumulators, unused here) */  \
         float* s = scratch + 2 * heads * d;                                                                        \
         float kf[8 * MAX_D] __attribute__((aligned(64)));                                                          \
-        int64_t asked = -1; /* the row whose columns were last asked for (`prefetch_row`) */                       \
         for (int64_t i = 0; i < n; i++) {                                                                          \
             const int64_t P = visible[i], L = P + n_extra[i];                                                      \
             const int64_t* ex = extra + i * extra_stride;                                                          \

@@ -87,9 +87,11 @@ def accept_tree(draft: Draft, logits: torch.Tensor, feats: torch.Tensor | None, 
     raw (the view keeps them for log-probs and the target's top-k), penalized here for the judgement."""
     b, nodes = draft.ids.shape
     dev = draft.ids.device
-    parents = torch.tensor(draft.parents, dtype=torch.long, device=dev).view(b, nodes)
-    judged = logits if params.pen is None else params.transform(logits, draft.ids, ancestors(parents))
     ids = draft.ids.tolist()
+    parents = None  # as a tensor only where penalties or the sampled rule read it (the greedy walk reads the lists)
+    if params.pen is not None or not params.all_greedy:
+        parents = torch.tensor(draft.parents, dtype=torch.long, device=dev).view(b, nodes)
+    judged = logits if params.pen is None else params.transform(logits, draft.ids, ancestors(parents))
     if params.all_greedy:
         paths, nxt_l = tree_greedy_walk(ids, draft.parents, draft.lens, greedy_tokens(judged).tolist())
         n = torch.tensor([len(x) for x in paths], dtype=torch.long, device=dev)
