@@ -110,6 +110,40 @@ def test_probes_skipped_when_catchup_would_cost_more_than_they_can_win():
     assert dear.choose(4, [0.99] * 4, pending_tokens=10_000) > 0  # a K that pays is still chosen directly
 
 
+def test_resuming_drafting_needs_a_clear_gain_where_catch_ups_are_every_rows():
+    """Hysteresis from `GoodputGuard.MIN_ROWS` rows on: a gain that keeps drafting going does not restart it after K = 0
+    (at break-even α the choice flipped every few steps, each restart a catch-up of every row); one or two rows
+    choose alike either way."""
+    verify = {0: 10e-3, 1: 11.5e-3, 2: 13e-3, 4: 16e-3}  # K = 1 with a 1 ms draft: 1.25 plain steps
+    ctl = AdaptiveK(4, 2, probe_every=10**6)
+    ctl.set_costs(8, verify, 1e-3)
+    gain = [0.35] * 8  # 1.35 tokens for 1.25 steps: 1.08x, over the margin (1.05), under it twice (1.1025)
+    assert ctl.choose(8, gain) == 1
+    assert ctl.choose(8, gain) == 1  # kept going
+    assert ctl.choose(8, [0.2] * 8) == 0
+    assert [ctl.choose(8, gain) for _ in range(5)] == [0] * 5  # not restarted by the same gain
+    assert ctl.choose(8, [0.45] * 8) == 1  # 1.16x: restarted
+    one = AdaptiveK(4, 2, probe_every=10**6)
+    one.set_costs(1, verify, 1e-3)
+    assert one.choose(1, [0.35]) == 1 and one.choose(1, [0.2]) == 0 and one.choose(1, [0.35]) == 1
+
+
+def test_a_step_of_drafting_keeps_the_probes_backoff():
+    """Probes back off while K = 0 holds; a spell of drafting shorter than `settled_spell` steps (break-even α) does
+    not restart them at `probe_every`, a lasting one does."""
+    costs = {k: 0.030 * (1 + 0.5 * k) for k in (0, 1, 2, 4, 8)}  # pays at high α only
+
+    def probes_after(spell: int) -> list[int]:
+        ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5)
+        ctl.set_costs(4, costs, draft=0.004)
+        assert [i for i in range(15) if ctl.choose(4, [0.7] * 4)] == [4, 14]  # the interval doubled to 20
+        assert all(ctl.choose(4, [0.99] * 4) for _ in range(spell))
+        return [i for i in range(40) if ctl.choose(4, [0.7] * 4)]
+
+    assert probes_after(1) == [19]  # the backoff's interval, from the spell's end
+    assert probes_after(4) == [4, 14, 34]  # a fresh clock
+
+
 def test_no_probes_where_a_plausible_rise_of_alpha_could_not_pay():
     """16 bf16 rows on an AMD EPYC (AVX512-BF16, calibrated): a two-position verify costs 1.7 plain steps, so
     drafting pays only at α ~0.99. Rows at α 0.5 are not probed (each probe a drafter catch-up for an answer that
