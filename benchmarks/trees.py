@@ -68,6 +68,33 @@ def coverage(drafter, vocab: int, seqs: list[tuple[list[int], list[int]]], width
     return {w: hits[w] / max(n, 1) for w in widths}
 
 
+def two_level(drafter, vocab: int, seqs: list[tuple[list[int], list[int]]], w: int) -> dict[str, float]:
+    """What one more level of tree could buy (issue 57's EAGLE-2-style expansion, not built), teacher-forced: the
+    shares of positions whose target token is the drafter's top 1 (`top1`) or one of its next w (`sibling`), and the
+    top-(w + 1) coverage at the next position after each (`after_top1`, `after_sibling`). The tree with the chain's
+    draft and w siblings at depth 1 and w + 1 children under each ((w + 1)(w + 2) nodes) makes `tokens` a pass; a
+    chain of one draft `chain`."""
+    from dvi.drafters.vocab import fit_vocab
+
+    pairs = []
+    with torch.inference_mode():
+        for prompt, out in seqs:
+            ids = torch.tensor([prompt + out])
+            logits = fit_vocab(drafter(input_ids=ids).logits[0].float(), vocab)[len(prompt) - 1 : len(prompt) + len(out) - 1]
+            truth = torch.tensor(out).view(-1, 1)
+            rank = (logits > logits.gather(1, truth)).sum(-1).tolist()
+            pairs += list(zip(rank, rank[1:], strict=False))
+    n = max(len(pairs), 1)
+    top1 = [b for a, b in pairs if a == 0]
+    sib = [b for a, b in pairs if 0 < a <= w]
+    after = lambda xs: sum(b <= w for b in xs) / max(len(xs), 1)  # noqa: E731
+    out = {"positions": len(pairs), "top1": len(top1) / n, "sibling": len(sib) / n, "after_top1": after(top1),
+           "after_sibling": after(sib)}
+    out["tokens"] = 1 + out["top1"] + out["sibling"] + out["top1"] * out["after_top1"] + out["sibling"] * out["after_sibling"]
+    out["chain"] = 1 + out["top1"]
+    return out
+
+
 def verify_costs(target, widths: tuple[int, ...], context: int = 256, reps: int = 5) -> dict[int, float]:
     """Seconds of a one-row verify of each width, best of `reps`, widths interleaved (the lean forward)."""
     from dvi.decode.lean_target import LeanTarget
@@ -182,7 +209,8 @@ def main(argv=None) -> int:
             for d in prompts}
     cover = {d: coverage(pair.drafter, target.get_output_embeddings().weight.shape[0], s, (0, 1, 3, 7))
              for d, s in seqs.items()}
-    widths = tuple(sorted({1} | {a["k"] * (1 + a["w"]) + 1 for a in arms.values() if not a["adaptive"]}))
+    deeper = {d: two_level(pair.drafter, target.get_output_embeddings().weight.shape[0], s, 3) for d, s in seqs.items()}
+    widths = tuple(sorted({1, 2, 4 * 5 + 1} | {a["k"] * (1 + a["w"]) + 1 for a in arms.values() if not a["adaptive"]}))
     costs = verify_costs(target, widths)
     rows = summarize(results, arms, cover, costs)
     print(f"\nbatch 1, greedy, {args.max_tokens} tokens, {target.dtype}, {platform.processor() or platform.machine()}")
@@ -190,10 +218,14 @@ def main(argv=None) -> int:
                                                 for d, c in cover.items()))
     print("verify cost in plain steps by width: " + " ".join(f"{w}:{costs[w] / costs[1]:.2f}" for w in widths))
     print_rows(rows)
+    for d, t in deeper.items():  # (the drafter forward over the depth-1 nodes not priced: ~1 of its steps)
+        print(f"two levels, W=3, 20 nodes ({d}): {t['tokens']:.2f} tokens a pass against a one-draft chain's "
+              f"{t['chain']:.2f} ({t['tokens'] / t['chain']:.2f}x), verify {costs[21] / costs[2]:.2f}x the chain's; "
+              f"top-4 coverage after a top-1 hit {t['after_top1']:.2f}, after a sibling's {t['after_sibling']:.2f}")
     goals = tree_goals(rows)
     print_goals(goals)
     write_json(args.json, {"benchmark": "trees", "settings": vars(args) | {"dtype": str(target.dtype),
-               "machine": platform.platform()}, "coverage": cover, "verify_seconds": costs, "rows": rows,
+               "machine": platform.platform()}, "coverage": cover, "two_level": deeper, "verify_seconds": costs, "rows": rows,
                "goals": goals, "wall_s": time.time() - t0})
     return 0
 
