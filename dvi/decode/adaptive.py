@@ -243,20 +243,7 @@ class AdaptiveK:
         b = batch_bucket(batch)
         if b not in c.draft or 0 not in c.verify.get(b, {}):
             return self.k_default
-        # Expected tokens scale with the rows, costs are those of the bucket: use the mean per row.
-        # Interpolated costs per K are cached per bucket until the next `set_costs` / `set_step_overhead`.
-        cached = self._cost_cache.get(b)
-        if cached is None:
-            o = self.step_overhead.get(b, 0.0)
-            draft, verify = c.draft_cost(b), [c.verify_cost(b, kk) + o for kk in range(self.k_max + 1)]
-            # Verifying more tokens never costs less: a calibrated dip (real pair, batch 16, bf16: 2 tokens a
-            # row timed 79 ms, 1 token 89 ms) is a kernel-choice artefact the engine's real steps do not see.
-            verify = [max(verify[: i + 1]) for i in range(len(verify))]
-            # Can any K beat plain decoding here even if every draft were accepted? If not (large
-            # batches on CPU: verify cost grows ~linearly with K), speculation is structurally off
-            # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.
-            can_pay = choose_k([1.0], draft, verify, self.k_max, self.margin) > 0
-            cached = self._cost_cache[b] = _BucketCosts(draft, verify, can_pay)
+        cached = self._bucket_costs(b)
         self.last_rows = None
         resuming = b >= GoodputGuard.MIN_ROWS and self._spell.get(b, 1) == 0  # (one or two rows: a catch-up is a row's)
         margin = self.margin * (self.tuning.resume_margin if resuming else 1.0)
@@ -275,25 +262,50 @@ class AdaptiveK:
             self.goodput.refused(b)
         if k > 0 and verdict in ("measure_plain", "plain"):
             k = 0  # measured: plain decoding is (or may be) faster here
-        clock = self._clock(b)
         if k == 0:
-            clock.streak += 1
             self.last_rows = None  # a probe drafts every row
-            if cached.can_pay and verdict != "plain" and clock.streak >= clock.due:
-                # Keep alpha from going stale while speculation is off; back off exponentially while
-                # probes keep confirming K = 0 (each probe costs a drafter catch-up).
-                pending = pending_tokens() if callable(pending_tokens) else pending_tokens
-                catchup = pending * self.catchup_cost.get(b, 0.0)
-                if catchup <= self.probe_budget_steps * cached.verify[0] and self._within_reach(alphas, cached, b):
-                    k = self.probe_k or max(1, min(2, self.k_max))
-                clock.interval = min(2 * clock.interval, self.max_probe_every)
-                clock.due = clock.streak + clock.interval
+            k = self._probe(b, alphas, cached, verdict, pending_tokens)
         elif self._spell.get(b, 0) + 1 >= self.tuning.settled_spell:
             self._probes.pop(b, None)  # drafting lasts here: the next K = 0 run starts a fresh clock (`_clock`)
         else:  # a step or two of drafting says nothing new: the probes' backoff stays
+            clock = self._clock(b)
             clock.streak, clock.due = 0, clock.interval
         self._spell[b] = self._spell.get(b, 0) + 1 if k > 0 else 0
         self.last_choice = k
+        return k
+
+    def _bucket_costs(self, b: int) -> _BucketCosts:
+        """Bucket `b`'s interpolated costs per K, cached until the next `set_costs` / `set_step_overhead` (expected
+        tokens scale with the rows, costs are the bucket's: the mean per row is what `choose` prices)."""
+        cached = self._cost_cache.get(b)
+        if cached is None:
+            c, o = self.costs, self.step_overhead.get(b, 0.0)
+            draft, verify = c.draft_cost(b), [c.verify_cost(b, kk) + o for kk in range(self.k_max + 1)]
+            # Verifying more tokens never costs less: a calibrated dip (real pair, batch 16, bf16: 2 tokens a
+            # row timed 79 ms, 1 token 89 ms) is a kernel-choice artefact the engine's real steps do not see.
+            verify = [max(verify[: i + 1]) for i in range(len(verify))]
+            # Can any K beat plain decoding here even if every draft were accepted? If not (large
+            # batches on CPU: verify cost grows ~linearly with K), speculation is structurally off
+            # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.
+            can_pay = choose_k([1.0], draft, verify, self.k_max, self.margin) > 0
+            cached = self._cost_cache[b] = _BucketCosts(draft, verify, can_pay)
+        return cached
+
+    def _probe(self, b: int, alphas: Sequence[float], cached: _BucketCosts, verdict: str,
+               pending_tokens: int | Callable[[], int]) -> int:
+        """K = 0 was chosen: a probe's K where one is due, else 0. Keeps alpha from going stale while speculation is
+        off, backing off exponentially while probes keep confirming K = 0 (each probe costs a drafter catch-up)."""
+        clock = self._clock(b)
+        clock.streak += 1
+        if not (cached.can_pay and verdict != "plain" and clock.streak >= clock.due):
+            return 0
+        k = 0
+        pending = pending_tokens() if callable(pending_tokens) else pending_tokens
+        catchup = pending * self.catchup_cost.get(b, 0.0)
+        if catchup <= self.probe_budget_steps * cached.verify[0] and self._within_reach(alphas, cached, b):
+            k = self.probe_k or max(1, min(2, self.k_max))
+        clock.interval = min(2 * clock.interval, self.max_probe_every)
+        clock.due = clock.streak + clock.interval
         return k
 
     def _within_reach(self, alphas: Sequence[float], cached: _BucketCosts, b: int) -> bool:
