@@ -129,11 +129,10 @@ class AdaptiveTuning:
     runs after `probe_every` K = 0 steps, the interval doubling up to `max_probe_every`; a probe whose
     drafter catch-up would cost more than `probe_budget_steps` plain steps is skipped, and leaving
     K = 0 must pay for the catch-up within `catchup_horizon` steps and beat plain decoding by `margin` times
-    `resume_margin` (hysteresis: at break-even α the choice flipped every few steps, each resumption paying a drafter
-    catch-up for a step that won nothing; real pair, Intel AMX, bf16, RL rollouts at temperature 1, 8-12 rows: 25 of
-    31 drafting steps resumed after plain ones, at 0.64-0.77x a plain step's tokens per second; from
-    `GoodputGuard.MIN_ROWS` rows on, where a catch-up is every row's). Drafting that lasts
-    `settled_spell` steps restarts the probes' backoff; shorter spells leave it. A probe asks whether the rows' α rose: it runs
+    `resume_margin` from `GoodputGuard.MIN_ROWS` rows on, where a catch-up is every row's (hysteresis: at break-even
+    α the choice flipped every few steps, each restart a catch-up for a step that won nothing; docs/design.md,
+    "Hysteresis at break-even"). Drafting that lasts `settled_spell` steps restarts the probes' backoff; shorter
+    spells leave it. A probe asks whether the rows' α rose: it runs
     only where some K would beat plain decoding with every row's α `probe_reach` higher (a bucket whose break-even
     α lies farther, 16 bf16 rows on a CPU where a two-position verify costs 1.7 plain steps, would pay catch-ups
     for answers that cannot change K). A K must beat plain decoding by `margin`; measured goodput over
