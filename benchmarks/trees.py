@@ -30,6 +30,8 @@ if str(ROOT) not in sys.path:
 from benchmarks._common import goal, print_goals, write_json
 from benchmarks._prompts import pip_code_prompts
 
+TWO_LEVEL_W = 3  # siblings a depth of the two-level tree whose bound the benchmark prints
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="dvi bench trees", description=__doc__.splitlines()[0])
@@ -51,39 +53,41 @@ def predicted_tokens(alpha: float, cover: float, k: int) -> float:
     return e
 
 
-def coverage(drafter, vocab: int, seqs: list[tuple[list[int], list[int]]], widths: tuple[int, ...]) -> dict[int, float]:
-    """Per width w, the share of the target's greedy tokens in the drafter's top w + 1, teacher-forced."""
+def teacher_forced(drafter, vocab: int, seqs: list[tuple[list[int], list[int]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence, the drafter's logits before each of the target's tokens [L, V] and those tokens [L, 1]: one
+    forward a sequence, read by `coverage` and `two_level`."""
     from dvi.drafters.vocab import fit_vocab
 
-    hits, n = dict.fromkeys(widths, 0), 0
+    out = []
     with torch.inference_mode():
-        for prompt, out in seqs:
-            ids = torch.tensor([prompt + out])
+        for prompt, reply in seqs:
+            ids = torch.tensor([prompt + reply])
             logits = fit_vocab(drafter(input_ids=ids).logits[0].float(), vocab)  # [L, V]
-            top = logits[len(prompt) - 1 : len(prompt) + len(out) - 1].topk(max(widths) + 1, -1).indices
-            truth = torch.tensor(out).view(-1, 1)
-            for w in widths:
-                hits[w] += int((top[:, : w + 1] == truth).any(-1).sum())
-            n += len(out)
+            out.append((logits[len(prompt) - 1 : len(prompt) + len(reply) - 1], torch.tensor(reply).view(-1, 1)))
+    return out
+
+
+def coverage(forced: list[tuple[torch.Tensor, torch.Tensor]], widths: tuple[int, ...]) -> dict[int, float]:
+    """Per width w, the share of the target's greedy tokens in the drafter's top w + 1, teacher-forced."""
+    hits, n = dict.fromkeys(widths, 0), 0
+    for logits, truth in forced:
+        top = logits.topk(max(widths) + 1, -1).indices
+        for w in widths:
+            hits[w] += int((top[:, : w + 1] == truth).any(-1).sum())
+        n += truth.shape[0]
     return {w: hits[w] / max(n, 1) for w in widths}
 
 
-def two_level(drafter, vocab: int, seqs: list[tuple[list[int], list[int]]], w: int) -> dict[str, float]:
+def two_level(forced: list[tuple[torch.Tensor, torch.Tensor]], w: int) -> dict[str, float]:
     """What one more level of tree could buy (issue 57's EAGLE-2-style expansion, not built), teacher-forced: the
     shares of positions whose target token is the drafter's top 1 (`top1`) or one of its next w (`sibling`), and the
     top-(w + 1) coverage at the next position after each (`after_top1`, `after_sibling`). The tree with the chain's
-    draft and w siblings at depth 1 and w + 1 children under each ((w + 1)(w + 2) nodes) makes `tokens` a pass; a
+    draft and w siblings at depth 1 and w + 1 children under each (`two_level_nodes(w)`) makes `tokens` a pass; a
     chain of one draft `chain`."""
-    from dvi.drafters.vocab import fit_vocab
-
     pairs = []
-    with torch.inference_mode():
-        for prompt, out in seqs:
-            ids = torch.tensor([prompt + out])
-            logits = fit_vocab(drafter(input_ids=ids).logits[0].float(), vocab)[len(prompt) - 1 : len(prompt) + len(out) - 1]
-            truth = torch.tensor(out).view(-1, 1)
-            rank = (logits > logits.gather(1, truth)).sum(-1).tolist()
-            pairs += list(zip(rank, rank[1:], strict=False))
+    for logits, truth in forced:
+        rank = (logits > logits.gather(1, truth)).sum(-1).tolist()
+        pairs += list(zip(rank, rank[1:], strict=False))
     n = max(len(pairs), 1)
     top1 = [b for a, b in pairs if a == 0]
     sib = [b for a, b in pairs if 0 < a <= w]
@@ -93,6 +97,11 @@ def two_level(drafter, vocab: int, seqs: list[tuple[list[int], list[int]]], w: i
     out["tokens"] = 1 + out["top1"] + out["sibling"] + out["top1"] * out["after_top1"] + out["sibling"] * out["after_sibling"]
     out["chain"] = 1 + out["top1"]
     return out
+
+
+def two_level_nodes(w: int) -> int:
+    """Draft nodes of `two_level`'s tree: w + 1 at depth 1, w + 1 under each."""
+    return (w + 1) * (w + 2)
 
 
 def verify_costs(target, widths: tuple[int, ...], context: int = 256, reps: int = 5) -> dict[int, float]:
@@ -207,10 +216,12 @@ def main(argv=None) -> int:
     results = run_arms(pair, arms, prompts, args.max_tokens)
     seqs = {d: [(p, r["tokens"]) for p, r in zip(prompts[d], results[d][next(iter(arms))], strict=True)]
             for d in prompts}
-    cover = {d: coverage(pair.drafter, target.get_output_embeddings().weight.shape[0], s, (0, 1, 3, 7))
-             for d, s in seqs.items()}
-    deeper = {d: two_level(pair.drafter, target.get_output_embeddings().weight.shape[0], s, 3) for d, s in seqs.items()}
-    widths = tuple(sorted({1, 2, 4 * 5 + 1} | {a["k"] * (1 + a["w"]) + 1 for a in arms.values() if not a["adaptive"]}))
+    vocab = target.get_output_embeddings().weight.shape[0]
+    forced = {d: teacher_forced(pair.drafter, vocab, s) for d, s in seqs.items()}
+    cover = {d: coverage(f, (0, 1, 3, 7)) for d, f in forced.items()}
+    deeper = {d: two_level(f, TWO_LEVEL_W) for d, f in forced.items()}
+    deep = two_level_nodes(TWO_LEVEL_W) + 1  # its verify's positions; a one-draft chain's: 2
+    widths = tuple(sorted({1, 2, deep} | {a["k"] * (1 + a["w"]) + 1 for a in arms.values() if not a["adaptive"]}))
     costs = verify_costs(target, widths)
     rows = summarize(results, arms, cover, costs)
     print(f"\nbatch 1, greedy, {args.max_tokens} tokens, {target.dtype}, {platform.processor() or platform.machine()}")
@@ -219,8 +230,8 @@ def main(argv=None) -> int:
     print("verify cost in plain steps by width: " + " ".join(f"{w}:{costs[w] / costs[1]:.2f}" for w in widths))
     print_rows(rows)
     for d, t in deeper.items():  # (the drafter forward over the depth-1 nodes not priced: ~1 of its steps)
-        print(f"two levels, W=3, 20 nodes ({d}): {t['tokens']:.2f} tokens a pass against a one-draft chain's "
-              f"{t['chain']:.2f} ({t['tokens'] / t['chain']:.2f}x), verify {costs[21] / costs[2]:.2f}x the chain's; "
+        print(f"two levels, W={TWO_LEVEL_W}, {deep - 1} nodes ({d}): {t['tokens']:.2f} tokens a pass against a one-draft "
+              f"chain's {t['chain']:.2f} ({t['tokens'] / t['chain']:.2f}x), verify {costs[deep] / costs[2]:.2f}x the chain's; "
               f"top-4 coverage after a top-1 hit {t['after_top1']:.2f}, after a sibling's {t['after_sibling']:.2f}")
     goals = tree_goals(rows)
     print_goals(goals)
