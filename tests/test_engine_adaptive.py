@@ -578,6 +578,19 @@ def test_a_retry_waits_until_its_plain_steps_pay_for_what_the_last_spell_lost():
     assert refusals_until_retry(g) == 40  # 0.2 s lost (the window's four slow steps), not the cleared catch-up
 
 
+def test_a_stall_in_a_drafting_spell_is_not_what_the_spell_lost():
+    """A step `STALL` times the window's median (the machine: a swap, the trainer) is left out of what a spell lost as
+    it is of its rate: a spell of three steps at the plain rate and one stalled 10x waits the schedule, not the stall."""
+    from dvi.decode.adaptive import GoodputGuard
+
+    g = GoodputGuard(window=4, retry_every=16, retry_first=4, budget=0.05)
+    for s in (0.100, 0.100, 0.100, 1.000):
+        g.observe(8, True, 8, s)
+        g.observe(8, False, 8, 0.100)
+    assert g.judged(8) == "plain"  # equal rates: drafting does not win by the margin
+    assert refusals_until_retry(g) == 4  # charged, the 0.9 s stall alone would wait 0.9 / (0.05 x 0.1 s) = 180
+
+
 def refusals_until_retry(guard, batch: int = 8) -> int:
     """Steps a refusing guard refuses drafting at `batch` rows before it retries (forgets its drafting samples)."""
     n = 0

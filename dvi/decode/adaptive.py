@@ -400,10 +400,14 @@ class GoodputGuard:
         self._catchup.clear()
         self._waive = {b for b, _ in self._steps}
 
+    def _kept(self, steps: deque) -> list[tuple[float, float]]:
+        """The window's steps without its stalls."""
+        typical = statistics.median(s for _, s in steps)
+        return [(t, s) for t, s in steps if s <= self.STALL * typical]
+
     def _rate(self, steps: deque) -> float:
         """Tokens per second per row over the window, stalls left out."""
-        typical = statistics.median(s for _, s in steps)
-        kept = [(t, s) for t, s in steps if s <= self.STALL * typical]
+        kept = self._kept(steps)
         return sum(t for t, _ in kept) / sum(s for _, s in kept)
 
     def verdict(self, batch: int) -> str:
@@ -443,7 +447,9 @@ class GoodputGuard:
         if not spec or not plain or self.budget <= 0:
             return 0
         step = statistics.median(s for _, s in plain)
-        lost = sum(s for _, s in spec) - sum(t for t, _ in spec) / self._rate(plain) + catchup
+        # a stall is the machine's, not the spell's, as in `_rate` (docs/design.md, "Hysteresis at break-even")
+        kept = self._kept(spec)
+        lost = sum(s for _, s in kept) - sum(t for t, _ in kept) / self._rate(plain) + catchup
         return min(self.MAX_WAIT, math.ceil(lost / (self.budget * step) - 1e-9)) if lost > 0 and step > 0 else 0
 
     def allow(self, batch: int) -> bool:
