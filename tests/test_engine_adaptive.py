@@ -471,7 +471,7 @@ def test_the_goodput_guard_charges_drafting_with_its_catch_ups():
         # drafting resumes with a catch-up of the plain stretch, then 23 tokens in 90 ms a step, every other step
         # with a joiner's catch-up (107 ms) where rows join
         policy.observe(draft(1, True), 16, StepTimes(0.2, 0.085, 0.012, resume_seconds), 23, cpu=True)
-        for i in range(4):  # the guard's least: half its window
+        for i in range(policy.controller.goodput.window // 2):  # the guard's least: half its window
             slow = joiners and i % 2 == 1
             policy.observe(draft(1, slow), 16, StepTimes(0.017 if slow else 0.008, 0.085, 0.012,
                                                          0.107 if slow else 0.090), 23, cpu=True)
@@ -500,7 +500,7 @@ def test_steps_that_admit_rows_are_no_guard_samples_and_mixed_steps_feed_both_gu
     def run(prefills_counted: bool) -> tuple[str, str]:
         policy = KPolicy(True, 2, 4, calibrate=lambda b: None)
         policy.observe(draft(1, True, True), 8, StepTimes(0.01, 0.1, 0.005, 0.110), 10, cpu=True)  # drafting resumed: no sample
-        for i in range(8):
+        for i in range(policy.controller.goodput.window):
             # plain steps: 8 tokens in 80 ms, every other one with a joiner's prefill (600 ms)
             joined = i % 2 == 1
             policy.observe(draft(0, False, False), 8, StepTimes(0.0, 0.6 if joined else 0.08, 0.005,
@@ -576,6 +576,30 @@ def test_a_retry_waits_until_its_plain_steps_pay_for_what_the_last_spell_lost():
     assert g.judged(8) == "spec"
     spell(), spell()
     assert refusals_until_retry(g) == 40  # 0.2 s lost (the window's four slow steps), not the cleared catch-up
+
+
+def test_drafting_judged_faster_keeps_its_verdict_until_it_measures_slower_than_plain():
+    """Hysteresis: drafting must measure `margin` x plain's rate to be judged faster, then keeps that verdict while it
+    measures at least `HOLD` x (a window of drafting that pays dips under the margin by the batch's luck: each dip was
+    a retry's wait of plain steps); under `HOLD` it is judged slower, and back in the band it stays so."""
+    from dvi.decode.adaptive import GoodputGuard
+
+    g = GoodputGuard(window=4, margin=1.05)
+
+    def window(ratio: float) -> str:
+        for _ in range(4):
+            g.observe(8, True, 8 * ratio, 0.100)
+            g.observe(8, False, 8, 0.100)
+        return g.judged(8)
+
+    assert window(1.02) == "plain"  # never judged faster: the margin decides
+    assert window(1.20) == "spec"
+    assert window(1.02) == "spec"  # within the band: held
+    assert window(0.97) == "plain"
+    assert window(1.02) == "plain"  # within the band again: held the other way
+    assert window(1.10) == "spec"
+    g.reset()  # a new drafter: nothing held
+    assert window(1.02) == "plain"
 
 
 def test_a_stall_in_a_drafting_spell_is_not_what_the_spell_lost():

@@ -146,7 +146,7 @@ class AdaptiveTuning:
     catchup_horizon: int = 16
     resume_margin: float = 1.05
     settled_spell: int = 4
-    goodput_window: int = 8
+    goodput_window: int = 16
     probe_reach: float = 0.15
 
 
@@ -349,6 +349,9 @@ class GoodputGuard:
     1 to K+1 tokens, so its median step can be a rejected draft while drafting wins on the whole (real pair, Intel
     AMX, batch 1, position-0 acceptance 0.47: the median said "plain" while drafting requests finished 10% sooner).
     A step slower than `STALL` times the window's median step is a stall (the machine, not the policy) and left out.
+    Drafting must measure `margin` times plain's rate to be judged faster, and once judged so keeps that verdict while
+    it measures at least `HOLD` times it (hysteresis: a drafting step's tokens are the batch's luck, so a window of
+    drafting that pays dips under the margin now and then, and each dip cost a retry's wait of plain steps).
 
     While it refuses, the drafting samples are frozen, so it explores by forgetting them: after `retry_first`
     refusals, then twice as many after every retry that measured plain again, up to `retry_every`; back to
@@ -361,13 +364,14 @@ class GoodputGuard:
     where drafting never paid."""
 
     STALL = 3.0
+    HOLD = 1.0
     MIN_ROWS = 3
     BUDGET = 0.01
     """The share of a bucket's plain time that re-measuring drafting which measured slower may cost."""
     MAX_WAIT = 1024
     """The most refusals a spell's cost makes a retry wait."""
 
-    def __init__(self, window: int = 8, margin: float = 1.05, retry_every: int = 256, retry_first: int = 64,
+    def __init__(self, window: int = 16, margin: float = 1.05, retry_every: int = 256, retry_first: int = 64,
                  budget: float = BUDGET):
         self.window, self.margin, self.retry_every, self.budget = window, margin, retry_every, float(budget)
         self.retry_first = min(retry_first, retry_every)
@@ -377,12 +381,13 @@ class GoodputGuard:
         self._paid: dict[int, int] = {}  # per bucket: the refusals that pay for the last spell at `budget`
         self._catchup: dict[int, float] = {}  # per bucket: the drafter catch-ups' seconds of the spell measuring
         self._waive: set[int] = set()  # buckets whose next spell waits no budget (a new drafter's first look)
+        self._faster: set[int] = set()  # buckets whose last clear verdict was drafting's (`HOLD`)
 
     def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         if seconds > 0 and batch > 0:
             b = batch_bucket(batch)
             self._steps.setdefault((b, drafted), deque(maxlen=self.window)).append((tokens / batch, seconds))
-            if drafted and (b in self._retry_at or b in self._catchup) and self.verdict(batch) == "spec":
+            if drafted and (b in self._retry_at or b in self._catchup) and self._ratio(b) >= self.margin:
                 self._retry_at.pop(b, None)  # drafting pays again here: the next refusal spell retries soon
                 self._catchup.pop(b, None)
 
@@ -399,6 +404,7 @@ class GoodputGuard:
         self._paid.clear()
         self._catchup.clear()
         self._waive = {b for b, _ in self._steps}
+        self._faster.clear()
 
     def _kept(self, steps: deque) -> list[tuple[float, float]]:
         """The window's steps without its stalls."""
@@ -421,7 +427,17 @@ class GoodputGuard:
             return "unknown"
         if plain is None or len(plain) < need:
             return "measure_plain"
-        return "spec" if self._rate(spec) >= self.margin * self._rate(plain) else "plain"
+        ratio = self._ratio(b)
+        if ratio >= self.margin:
+            self._faster.add(b)
+        elif ratio < self.HOLD:
+            self._faster.discard(b)
+        return "spec" if b in self._faster else "plain"
+
+    def _ratio(self, b: int) -> float:
+        """Drafting's measured rate over plain's in bucket `b` (0 where either window is empty)."""
+        spec, plain = self._steps.get((b, True)), self._steps.get((b, False))
+        return self._rate(spec) / self._rate(plain) if spec and plain else 0.0
 
     def judged(self, batch: int) -> str:
         """The verdict the policy acts on: "unknown" below `MIN_ROWS` rows, else `verdict`."""
