@@ -515,6 +515,28 @@ def test_steps_that_admit_rows_are_no_guard_samples_and_mixed_steps_feed_both_gu
     assert run(prefills_counted=True) == ("spec", "spec")
 
 
+def test_the_history_guard_judges_plain_steps_without_the_lookups_that_found_nothing():
+    """A step the history guard refuses looks nothing up (`KPolicy.lookups_due`), so its plain samples are judged as
+    they would run refused: without their lookups' host work. History drafts of 11 tokens in 100 ms beside plain
+    steps of 8 tokens in 80 ms, 10 of them lookups that found nothing: 1.1x plain with the lookups, 0.96x without."""
+    import torch
+
+    from dvi.decode.pricing import KPolicy, StepTimes
+    from dvi.drafters.proposer import Draft
+
+    def draft(k: int, lookups: float) -> Draft:
+        d = Draft(torch.zeros(8, k, dtype=torch.long), None, [k] * 8, ["suffix" if k else None] * 8, None,
+                  model_forwards=0, catchup=False)
+        d.suffix_rows, d.lookup_seconds = k > 0, lookups
+        return d
+
+    policy = KPolicy(True, 2, 4, calibrate=lambda b: None)
+    for _ in range(policy.suffix_guard.window):
+        policy.observe(draft(2, 0.010), 8, StepTimes(0.0, 0.085, 0.005, 0.100), 11, cpu=True)
+        policy.observe(draft(0, 0.010), 8, StepTimes(0.0, 0.065, 0.005, 0.080), 8, cpu=True)
+    assert policy.suffix_guard.verdict(8) == "plain"
+
+
 def test_a_refusing_guard_retries_soon_then_backs_off_and_a_new_drafter_brings_the_retry_near():
     from dvi.decode.adaptive import GoodputGuard
 

@@ -130,7 +130,10 @@ class KPolicy:
         if forwards > 0 or not draft.suffix_rows:  # learned drafts (beside history rows or not), or a plain step
             self.controller.observe_step(batch, k, tokens, times.total)
         if draft.lookup_seconds is not None and (draft.suffix_rows or not forwards):  # history drafts, or plain
-            self.suffix_guard.observe(batch, k > 0, tokens, times.total)
+            # a plain step is judged as the guard's refusal would run it: without the lookups that found nothing
+            # (a refused step looks nothing up, `lookups_due`), or drafting measured against a slower plain
+            seconds = times.total if k > 0 else max(times.total - draft.lookup_seconds, 1e-9)
+            self.suffix_guard.observe(batch, k > 0, tokens, seconds)
 
 
 class StepPricing:
