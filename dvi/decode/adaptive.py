@@ -418,8 +418,8 @@ class GoodputGuard:
 
     def verdict(self, batch: int) -> str:
         """"unknown" (too few drafting steps measured), "measure_plain" (drafting measured, plain decoding not yet:
-        take plain steps, they lose nothing), "spec" or "plain" (whichever measured faster; drafting must win by
-        `margin`)."""
+        take plain steps, they lose nothing), "spec" or "plain" (whichever measured faster: drafting must win by
+        `margin` to be judged so, and keeps that verdict while it measures at least `HOLD` times plain's rate)."""
         b = batch_bucket(batch)
         spec, plain = self._steps.get((b, True)), self._steps.get((b, False))
         need = max(2, self.window // 2)
@@ -437,7 +437,10 @@ class GoodputGuard:
     def _ratio(self, b: int) -> float:
         """Drafting's measured rate over plain's in bucket `b` (0 where either window is empty)."""
         spec, plain = self._steps.get((b, True)), self._steps.get((b, False))
-        return self._rate(spec) / self._rate(plain) if spec and plain else 0.0
+        if not spec or not plain:
+            return 0.0
+        p = self._rate(plain)
+        return self._rate(spec) / p if p > 0 else math.inf
 
     def judged(self, batch: int) -> str:
         """The verdict the policy acts on: "unknown" below `MIN_ROWS` rows, else `verdict`."""
@@ -463,7 +466,7 @@ class GoodputGuard:
         if not spec or not plain or self.budget <= 0:
             return 0
         step = statistics.median(s for _, s in plain)
-        # a stall is the machine's, not the spell's, as in `_rate` (docs/design.md, "Hysteresis at break-even")
+        # a stall is the machine's, not the spell's, as in `_rate` (docs/design.md, "The guard beside the trainer")
         kept = self._kept(spec)
         lost = sum(s for _, s in kept) - sum(t for t, _ in kept) / self._rate(plain) + catchup
         return min(self.MAX_WAIT, math.ceil(lost / (self.budget * step) - 1e-9)) if lost > 0 and step > 0 else 0
