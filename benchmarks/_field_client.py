@@ -116,6 +116,28 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def phases(result: dict, ok: list[bool]) -> dict:
+    """Where a closed-loop run's output tokens came from: the steady state, every slot busy (from the C-th request's
+    start to the last request's), and the tail after it, where finishing rows find no successor and the batch
+    drains. A streamed chunk's tokens are spread evenly over its request's chunks (the client times chunks only)."""
+    keep = [i for i, good in enumerate(ok) if good]
+    starts = [result["start_times"][i] for i in keep] if result.get("start_times") else []
+    c = int(result.get("max_concurrency") or 0)
+    if not starts or c <= 0 or len(starts) <= c:
+        return {"steady_tokens": 0.0, "steady_s": 0.0, "tail_tokens": 0.0, "tail_s": 0.0}
+    full, last = sorted(starts)[c - 1], max(starts)
+    end = max(result["start_times"][i] + result["latencies"][i] for i in keep)
+    steady = tail = 0.0
+    for i in keep:
+        chunks = 1 + len(result["itls"][i])
+        per, t = result["output_lens"][i] / chunks, result["start_times"][i] + result["ttfts"][i]
+        for gap in [0.0, *result["itls"][i]]:
+            t += gap
+            steady += per if full <= t <= last else 0.0
+            tail += per if t > last else 0.0
+    return {"steady_tokens": steady, "steady_s": last - full, "tail_tokens": tail, "tail_s": end - last}
+
+
 def parse_result(result: dict) -> dict:
     """One client run's result JSON (--save-detailed) as the figures serve_field pools: its own summary (output
     tok/s, TTFT/TPOT/ITL in ms) and the per-request lists the rounds pool (ttfts, itls, tpots in s; texts)."""
@@ -130,7 +152,7 @@ def parse_result(result: dict) -> dict:
         "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
         "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "p50_itl_ms", "max_concurrency",
         "spec_decode_acceptance_rate", "spec_decode_acceptance_length")}
-    return {"client": summary, "ttfts_s": ttfts, "tpots_s": tpots, "itls_s": itls,
+    return {"client": summary, "ttfts_s": ttfts, "tpots_s": tpots, "itls_s": itls, "phases": phases(result, ok),
             "texts": list(result.get("generated_texts", [])), "errors": [e for e in result.get("errors", []) if e]}
 
 
@@ -151,9 +173,18 @@ def pool(runs: list[dict]) -> dict:
             "round_output_tok_s": [r["client"]["output_throughput"] for r in runs],
             "ttft_mean_ms": ms(ttft, None), "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
             "tpot_mean_ms": ms(tpot, None), "tpot_p50_ms": ms(tpot, 50), "tpot_p99_ms": ms(tpot, 99),
-            "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99),
+            "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99), **pooled_phases(runs),
             "acceptance_rate": [r["client"]["spec_decode_acceptance_rate"] for r in runs],
             "error_samples": [e for r in runs for e in r["errors"]][:3]}
+
+
+def pooled_phases(runs: list[dict]) -> dict:
+    """Steady-state output tok/s (every slot busy) and the tail's seconds and tok/s (`phases`), pooled over rounds."""
+    ph = [r.get("phases") or {} for r in runs]
+    total = {k: sum(p.get(k, 0.0) for p in ph) for k in ("steady_tokens", "steady_s", "tail_tokens", "tail_s")}
+    return {"steady_tok_s": total["steady_tokens"] / total["steady_s"] if total["steady_s"] > 0 else None,
+            "tail_s": total["tail_s"] / len(runs) if runs else None,
+            "tail_tok_s": total["tail_tokens"] / total["tail_s"] if total["tail_s"] > 0 else None}
 
 
 def differing(texts: list[str], base: list[str]) -> int:

@@ -378,6 +378,8 @@ def rows(figs: dict, levels: list[int]) -> list[dict]:
             out.append({"arm": arm, "C": c, **{k: f[k] for k in (
                 "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "itl_p99_ms", "failed", "answers")},
                 "x_off": _ratio(f["output_tok_s"], _tput(figs, "off", c)),
+                "steady_tok_s": f.get("steady_tok_s"), "tail_s": f.get("tail_s"), "tail_tok_s": f.get("tail_tok_s"),
+                "x_off_steady": _ratio(f.get("steady_tok_s"), _get(figs, "off", c, "steady_tok_s")),
                 "x_vllm": _ratio(f["output_tok_s"], _tput(figs, "vllm", c)),
                 "x_vllm_ngram": _ratio(f["output_tok_s"], _tput(figs, "vllm-ngram", c)),
                 "differ_from_off": f.get("differ_from_off"), "differ_from_vllm": f.get("differ_from_vllm")})
@@ -390,15 +392,18 @@ def _fmt(x, spec: str) -> str:
 
 def print_table(table: list[dict], head: str) -> None:
     print(f"\n{head}")
-    print(f"{'arm':11s} {'C':>3s} {'tok/s':>7s} {'xoff':>5s} {'xvLLM':>5s} {'xngram':>6s} {'TTFT50':>7s} "
-          f"{'TTFT99':>7s} {'TPOT':>6s} {'ITL99':>6s} {'!=off':>5s} {'!=vllm':>6s} {'fail':>4s}")
+    print(f"{'arm':11s} {'C':>3s} {'tok/s':>7s} {'xoff':>5s} {'steady':>6s} {'xoff':>5s} {'tail':>6s} {'xvLLM':>5s} "
+          f"{'xngram':>6s} {'TTFT50':>7s} {'TTFT99':>7s} {'TPOT':>6s} {'ITL99':>6s} {'!=off':>5s} {'!=vllm':>6s} "
+          f"{'fail':>4s}")
     for r in table:
         print(f"{r['arm']:11s} {r['C']:>3d} {_fmt(r['output_tok_s'], '7.1f')} {_fmt(r['x_off'], '5.2f')} "
+              f"{_fmt(r['steady_tok_s'], '6.1f')} {_fmt(r['x_off_steady'], '5.2f')} {_fmt(r['tail_tok_s'], '6.1f')} "
               f"{_fmt(r['x_vllm'], '5.2f')} {_fmt(r['x_vllm_ngram'], '6.2f')} {_fmt(r['ttft_p50_ms'], '7.0f')} "
               f"{_fmt(r['ttft_p99_ms'], '7.0f')} {_fmt(r['tpot_mean_ms'], '6.1f')} {_fmt(r['itl_p99_ms'], '6.0f')} "
               f"{_fmt(r['differ_from_off'], '5d')} {_fmt(r['differ_from_vllm'], '6d')} {r['failed']:>4d}")
-    print("(ms; tok/s = the client's output tokens / duration, pooled over rounds; !=: answers whose greedy text "
-          "differs, request by request)")
+    print("(ms; tok/s = the client's output tokens / duration, pooled over rounds; steady: output tok/s while every "
+          "slot is busy (the C-th request's start to the last's), tail: output tok/s after the last request started, "
+          "where the batch drains; !=: answers whose greedy text differs, request by request)")
 
 
 def machine(bf16_native: bool) -> dict:

@@ -71,6 +71,21 @@ def test_a_recorded_result_parses_and_pools():
     assert fc.differing(r["texts"][:-1] + ["other"], r["texts"]) == 1 and fc.differing(r["texts"][:6], r["texts"]) == 2
 
 
+def test_a_run_splits_into_its_steady_state_and_its_draining_tail():
+    """C = 2, three requests: both slots busy from the second start (t = 1) to the third (t = 4); after it only the
+    third runs. Chunk times are start + TTFT + the gaps; a chunk's tokens are its request's spread over its chunks."""
+    raw = {"max_concurrency": 2, "start_times": [0.0, 1.0, 4.0], "ttfts": [0.5, 0.5, 0.5],
+           "itls": [[1.0, 1.0, 1.0], [1.0, 1.0], [1.0]], "output_lens": [8, 3, 4], "latencies": [3.5, 2.5, 1.5]}
+    ph = fc.phases(raw, [True] * 3)
+    # request 0's chunks at 0.5, 1.5, 2.5, 3.5 (2 tokens each), 1's at 1.5, 2.5, 3.5 (1 each), 2's at 4.5, 5.5 (2 each)
+    assert ph == {"steady_tokens": 3 * 2 + 3 * 1, "steady_s": 3.0, "tail_tokens": 4.0, "tail_s": 1.5}
+    pooled = fc.pooled_phases([{"phases": ph}, {"phases": ph}])
+    assert pooled == {"steady_tok_s": 3.0, "tail_s": 1.5, "tail_tok_s": pytest.approx(4 / 1.5)}
+    assert fc.phases(raw, [True, True, False])["steady_s"] == 0.0  # no more requests than slots: no steady state
+    r = fc.parse_result(json.loads(FIXTURE.read_text()))  # the recorded smoke run: 8 requests at C = 4
+    assert r["phases"]["steady_s"] > 0 and r["phases"]["steady_tokens"] > 0
+
+
 def _args(**kw) -> argparse.Namespace:
     return sf.parse_args(["--json", "/dev/null", *[x for k, v in kw.items() for x in (f"--{k}", str(v))]])
 
