@@ -435,7 +435,8 @@ class GoodputGuard:
         return "spec" if b in self._faster else "plain"
 
     def _ratio(self, b: int) -> float:
-        """Drafting's measured rate over plain's in bucket `b` (0 where either window is empty)."""
+        """Drafting's measured rate over plain's in bucket `b` (0 where either window is empty, inf where plain's rate
+        is 0)."""
         spec, plain = self._steps.get((b, True)), self._steps.get((b, False))
         if not spec or not plain:
             return 0.0
