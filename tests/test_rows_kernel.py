@@ -14,7 +14,7 @@ from tiny_models import tiny_llama
 from dvi.decode import rows_kernel
 from dvi.decode.lean import LeanModel
 from dvi.decode.numerics import cpu_flags
-from dvi.decode.rows_kernel import KERNEL_PROBE_ROWS, kernel_rows_measured
+from dvi.decode.rows_kernel import KERNEL_PROBE_ROWS, kernel_rows_from_ratios, kernel_rows_measured
 from dvi.decode.target import CpuMatmuls, target_runner
 from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 
@@ -289,6 +289,18 @@ def test_forwards_on_the_kernel_compute_what_torch_does_and_verifies_round_like_
     ids = torch.randint(0, 128, (1, 5), generator=g)
     tol = 1e-4 if dtype == torch.float32 else 3e-2  # bf16: kernels round each matmul's output apart
     torch.testing.assert_close(a.forward(ids, False), b.forward(ids, False), rtol=tol, atol=tol)
+
+
+def test_a_count_where_the_kernel_and_torch_are_even_does_not_cut_the_counts_it_wins():
+    """The threshold a server keeps for its lifetime: a count the two paths tie at (AMD Zen 5, fp32, 4 rows: 0.95-1.03
+    over five probes) no longer stops the kernel short of the 8-64-row forwards it wins by 15-35%."""
+    zen5 = [0.48, 0.93, 1.03, 0.71, 0.64, 0.75, 0.85, 1.00]  # its time over torch's at KERNEL_PROBE_ROWS
+    assert kernel_rows_from_ratios(KERNEL_PROBE_ROWS, zen5) == 256
+    assert kernel_rows_from_ratios(KERNEL_PROBE_ROWS, zen5[:-1] + [1.05]) == 64  # a clear loss at the widest count
+    assert kernel_rows_from_ratios(KERNEL_PROBE_ROWS, [0.5, 0.9, 1.1, 1.2, 1.3, 1.3, 1.3, 1.3]) == 2  # losses add up
+    assert kernel_rows_from_ratios(KERNEL_PROBE_ROWS, [1.1, 0.5, 0.5]) == 0  # it loses alone at one row: none
+    assert kernel_rows_from_ratios(KERNEL_PROBE_ROWS, [1.0, 1.02, 1.02]) == 4  # even within the tolerance: the kernel
+    assert kernel_rows_from_ratios(KERNEL_PROBE_ROWS, []) == 0
 
 
 @needs_kernel
