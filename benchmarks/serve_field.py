@@ -45,6 +45,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -464,6 +465,28 @@ def recorded_runs(args: argparse.Namespace, ctx: dict) -> dict[str, dict[int, li
     return runs
 
 
+_KERNEL_LINE = re.compile(r"rows kernel \(([^)]*)\): (every forward|forwards of up to \d+ rows)")
+
+
+def server_kernels(work: Path) -> dict[str, list[str]]:
+    """Per dvi server of a run (its log dir's name): what its start-up probes chose for the rows kernel, the target's
+    first, then the drafter's. A server keeps that choice for its lifetime, so two servers of one arm that chose
+    apart measure apart (docs/design.md, "The kernel's start-up probe")."""
+    out = {}
+    for log in sorted(work.glob("*/server.log")):
+        found = [f"{isa}: {what}" for isa, what in _KERNEL_LINE.findall(log.read_text(errors="replace"))]
+        if found:
+            out[log.parent.name] = found
+    return out
+
+
+def print_kernels(kernels: dict[str, list[str]]) -> None:
+    """The servers' kernel choices, said only where they differ (the targets')."""
+    if len({v[0] for v in kernels.values()}) > 1:
+        print("NOTE: the dvi servers' start-up probes chose different rows-kernel ranges for the target; their arms "
+              "measured different engines: " + "; ".join(f"{k} {v[0]}" for k, v in kernels.items()))
+
+
 def report(args: argparse.Namespace, ctx: dict, runs: dict, bf16_native: bool, wall: float) -> int:
     """The table, the goals and the JSON of a run's (or a recorded run's) client results."""
     figs = figures(runs)
@@ -474,9 +497,11 @@ def report(args: argparse.Namespace, ctx: dict, runs: dict, bf16_native: bool, w
     print_goals(gs)
     for f in ctx["failures"]:
         print(f"FAILED: arm {f['arm']} round {f['round']} C={f['levels']}: {f['error']}")
+    kernels = server_kernels(ctx["work"])
+    print_kernels(kernels)
     write_json(args.json, {"benchmark": "serve_field", "measured": True, "machine": machine(bf16_native),
                            "settings": settings(args, ctx), "rows": table, "figures": figs, "goals": gs,
-                           "failures": ctx["failures"],
+                           "failures": ctx["failures"], "server_kernels": kernels,
                            "texts": {a: {c: [r["texts"] for r in rs] for c, rs in lv.items()} for a, lv in runs.items()},
                            "work_dir": str(ctx["work"]), "wall_s": wall})
     return 0

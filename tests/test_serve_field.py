@@ -170,3 +170,32 @@ def test_from_results_reports_a_recorded_run_without_servers(tmp_path):
     res = json.loads(out.read_text())
     assert res["figures"]["off"]["4"]["output_tok_s"] == pytest.approx(json.loads(FIXTURE.read_text())["output_throughput"])
     assert [f["arm"] for f in res["failures"]] == ["separate"] and len(res["texts"]["off"]["4"][0]) == 8
+
+
+def test_each_servers_kernel_choice_is_read_from_its_log_and_a_difference_said(tmp_path, caplog, capsys):
+    """The probe's own log line (`dvi.decode.rows_kernel`), read back per server: two servers of a run whose start-up
+    probes chose apart measured different engines, and the report says so."""
+    import logging
+
+    from tiny_models import tiny_llama
+
+    from dvi.decode import rows_kernel
+    from dvi.decode.lean import LeanModel
+
+    if rows_kernel.load() is None:
+        pytest.skip(f"rows kernel unavailable: {rows_kernel.unavailable_reason()}")
+    rows_kernel._KERNEL_ROWS.clear()  # timed again, so it logs
+    with caplog.at_level(logging.INFO, logger="dvi.decode.rows_kernel"):
+        LeanModel(tiny_llama(0, vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2)).use_rows_kernel()
+    line = [r.getMessage() for r in caplog.records if "rows kernel (" in r.getMessage()][-1]
+    other = "fp32 rows kernel (AVX2): forwards of up to 2 rows (its time over torch's kernels at (1, 2, 4) rows: 1 1 2)"
+    for name, text in (("off-r0-c8", line), ("suffix-r0-c8", line), ("hybrid-r0-c8", other)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "server.log").write_text(f"2026-12-06 INFO dvi.decode.rows_kernel: {text}\nserving\n")
+    kernels = sf.server_kernels(tmp_path)
+    assert kernels["off-r0-c8"] == kernels["suffix-r0-c8"] and kernels["hybrid-r0-c8"] == ["AVX2: forwards of up to 2 rows"]
+    sf.print_kernels({k: v for k, v in kernels.items() if k != "hybrid-r0-c8"})
+    assert "NOTE" not in capsys.readouterr().out
+    sf.print_kernels(kernels)
+    assert "hybrid-r0-c8 AVX2: forwards of up to 2 rows" in capsys.readouterr().out
