@@ -465,26 +465,30 @@ def recorded_runs(args: argparse.Namespace, ctx: dict) -> dict[str, dict[int, li
     return runs
 
 
-_KERNEL_LINE = re.compile(r"rows kernel \(([^)]*)\): (every forward|forwards of up to \d+ rows)")
+_KERNEL_LINE = re.compile(r"rows kernel \(([^)]*)\), (\d+)-layer model: (every forward|forwards of up to \d+ rows)")
 
 
-def server_kernels(work: Path) -> dict[str, list[str]]:
-    """Per dvi server of a run (its log dir's name): what its start-up probes chose for the rows kernel, the target's
-    first, then the drafter's. A server keeps that choice for its lifetime, so two servers of one arm that chose
-    apart measure apart (docs/design.md, "The kernel's start-up probe")."""
+def server_kernels(work: Path) -> dict[str, dict[str, str]]:
+    """Per dvi server of a run (its log dir's name) and model ("30-layer": the target; a learned drafter's fewer):
+    what its start-up probe chose for the rows kernel. A server keeps that choice for its lifetime, so two servers
+    whose target chose apart measure apart (docs/design.md, "The kernel's start-up probe")."""
     out = {}
     for log in sorted(work.glob("*/server.log")):
-        found = [f"{isa}: {what}" for isa, what in _KERNEL_LINE.findall(log.read_text(errors="replace"))]
+        found = {f"{layers}-layer": f"{isa}: {what}"
+                 for isa, layers, what in _KERNEL_LINE.findall(log.read_text(errors="replace"))}
         if found:
             out[log.parent.name] = found
     return out
 
 
-def print_kernels(kernels: dict[str, list[str]]) -> None:
-    """The servers' kernel choices, said only where they differ (the targets')."""
-    if len({v[0] for v in kernels.values()}) > 1:
-        print("NOTE: the dvi servers' start-up probes chose different rows-kernel ranges for the target; their arms "
-              "measured different engines: " + "; ".join(f"{k} {v[0]}" for k, v in kernels.items()))
+def print_kernels(kernels: dict[str, dict[str, str]]) -> None:
+    """The servers' kernel choices, said only where servers chose apart for the same model."""
+    models = sorted({m for v in kernels.values() for m in v}, key=lambda m: -int(m.split("-")[0]))
+    for m in models:
+        chose = {k: v[m] for k, v in kernels.items() if m in v}
+        if len(set(chose.values())) > 1:
+            print(f"NOTE: the dvi servers' start-up probes chose different rows-kernel ranges for the {m} model; their "
+                  "arms measured different engines: " + "; ".join(f"{k} {v}" for k, v in chose.items()))
 
 
 def report(args: argparse.Namespace, ctx: dict, runs: dict, bf16_native: bool, wall: float) -> int:

@@ -189,13 +189,19 @@ def test_each_servers_kernel_choice_is_read_from_its_log_and_a_difference_said(t
         LeanModel(tiny_llama(0, vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2)).use_rows_kernel()
     line = [r.getMessage() for r in caplog.records if "rows kernel (" in r.getMessage()][-1]
-    other = "fp32 rows kernel (AVX2): forwards of up to 2 rows (its time over torch's kernels at (1, 2, 4) rows: 1 1 2)"
+    other = ("fp32 rows kernel (AVX2), 2-layer model: forwards of up to 2 rows (its time over torch's kernels at (1, 2, 4) "
+             "rows: 1 1 2)")
+    drafter = line.replace("2-layer model", "1-layer model")
     for name, text in (("off-r0-c8", line), ("suffix-r0-c8", line), ("hybrid-r0-c8", other)):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "server.log").write_text(f"2026-12-06 INFO dvi.decode.rows_kernel: {text}\nserving\n")
+        (tmp_path / name / "server.log").write_text(f"2026-12-06 INFO dvi.decode.rows_kernel: {drafter}\n"
+                                                    f"2026-12-06 INFO dvi.decode.rows_kernel: {text}\nserving\n")
     kernels = sf.server_kernels(tmp_path)
-    assert kernels["off-r0-c8"] == kernels["suffix-r0-c8"] and kernels["hybrid-r0-c8"] == ["AVX2: forwards of up to 2 rows"]
+    assert kernels["off-r0-c8"] == kernels["suffix-r0-c8"] and set(kernels["off-r0-c8"]) == {"2-layer", "1-layer"}
+    assert kernels["hybrid-r0-c8"]["2-layer"] == "AVX2: forwards of up to 2 rows"
     sf.print_kernels({k: v for k, v in kernels.items() if k != "hybrid-r0-c8"})
     assert "NOTE" not in capsys.readouterr().out
     sf.print_kernels(kernels)
-    assert "hybrid-r0-c8 AVX2: forwards of up to 2 rows" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "for the 2-layer model" in out and "hybrid-r0-c8 AVX2: forwards of up to 2 rows" in out
+    assert "1-layer" not in out  # the drafters chose alike

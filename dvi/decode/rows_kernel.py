@@ -355,8 +355,9 @@ def kernel_rows_measured(lean: Any, rows: tuple[int, ...] = KERNEL_PROBE_ROWS, r
     if best == rows[-1] >= KERNEL_PROBE_ROWS[-1]:
         best = EVERY_ROW
     _KERNEL_ROWS[key] = best
-    log.info("%s rows kernel (%s): %s (its time over torch's kernels at %s rows: %s)", _name(lean.dtype),
-             lean.kernel.isa, "every forward" if best == EVERY_ROW else f"forwards of up to {best} rows", rows,
+    log.info("%s rows kernel (%s), %d-layer model: %s (its time over torch's kernels at %s rows: %s)",
+             _name(lean.dtype), lean.kernel.isa, len(lean.layers),
+             "every forward" if best == EVERY_ROW else f"forwards of up to {best} rows", rows,
              " ".join(f"{r:.2f}" for r in ratios))
     return best
 
