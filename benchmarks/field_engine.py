@@ -1,0 +1,187 @@
+"""The field's workload on the engine behind `dvi serve`, in one process: each kind against speculation off without the
+HTTP front, the client or a server's start.
+
+Why beside `serve_field.py`: through servers this 2-core box's spread between fresh servers (off itself 412-507 tok/s
+at C = 16 an hour apart, and each server's start-up probes and calibration its own) is larger than what a kind moves
+at 8-16 rows. Here each round builds every arm's engine afresh as a server does (`serving.wiring.serving_engine`, its
+adaptive K calibrated for every batch bucket), warms it with C requests, then sends serve_field's unseen prompts (pip
+source cuts and chat instructions, alternating), C in flight and a new one as each finishes, greedy, --max-tokens
+each, stopped at the end-of-turn token; arms in ABBA order over --rounds, weights shared, one thread. Output tokens /
+seconds per arm pooled over rounds; every kind's answers checked against speculation off's.
+
+    .venv/bin/python benchmarks/field_engine.py --dtype fp32 --concurrency 8,16 [--rounds 2] [--json ...]
+
+Prints a table ending with the goals (each kind >= 1.0x speculation off at each C, in process; 0 answers differing) and
+writes JSON. It does not replace serve_field's goals (what a user gets through the server): it says whether a miss
+there is the engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import clean_json, cpu_name, goal, print_goals  # noqa: E402
+
+KINDS = ("separate", "suffix", "hybrid")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="smollm2")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--arms", default="off,separate,suffix,hybrid", help="off and any of " + ", ".join(KINDS))
+    p.add_argument("--concurrency", default="8,16")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], help="extra config override for every arm (key=value)")
+    p.add_argument("--json", default="bench_results/field_engine.json")
+    a = p.parse_args(argv)
+    a.arm_list = [x for x in a.arms.split(",") if x]
+    a.levels = [int(c) for c in a.concurrency.split(",") if c]
+    if a.arm_list[:1] != ["off"] or any(x not in KINDS for x in a.arm_list[1:]):
+        p.error(f"--arms: off first, then any of {', '.join(KINDS)}; got {a.arms!r}")
+    return a
+
+
+def run_workload(engine, prompts: list[list[int]], concurrency: int, max_tokens: int, stops: tuple[int, ...],
+                 tag: str) -> tuple[int, float, list[list[int]]]:
+    """`prompts` through `engine`, `concurrency` in flight (a new one as each finishes), greedy: (output tokens,
+    seconds, each prompt's answer in prompt order)."""
+    from dvi.engine.speculative import Request, SamplingParams
+
+    queue, inflight, answers, tokens = list(enumerate(prompts)), 0, {}, 0
+    t0 = time.perf_counter()
+    while queue or inflight:
+        while queue and inflight < concurrency:
+            i, p = queue.pop(0)
+            engine.add_request(Request(f"{tag}-{i}", list(p), SamplingParams(max_tokens, 0.0, 0, 1.0, None, stops)))
+            inflight += 1
+        for o in engine.step():
+            tokens += len(o.new_token_ids)
+            if o.finished:
+                inflight -= 1
+                answers[int(o.request_id.rsplit("-", 1)[1])] = list(o.result.token_ids)
+    return tokens, time.perf_counter() - t0, [answers[i] for i in range(len(prompts))]
+
+
+def pooled(runs: list[tuple[int, float]]) -> float:
+    """Output tokens per second over every round."""
+    return sum(t for t, _ in runs) / sum(s for _, s in runs)
+
+
+def figures(results: dict[str, dict[int, list[tuple[int, float]]]], differ: dict[str, int]) -> list[dict]:
+    """One row per arm and level: pooled tok/s, its ratio to off's and each round's."""
+    rows = []
+    for c in sorted({c for lv in results.values() for c in lv}):
+        off = results["off"][c]
+        for arm, lv in results.items():
+            rs = lv[c]
+            rows.append({"arm": arm, "concurrency": c, "tok_s": pooled(rs), "x_off": pooled(rs) / pooled(off),
+                         "x_off_rounds": [(t / s) / (to / so) for (t, s), (to, so) in zip(rs, off, strict=True)],
+                         "differ_from_off": differ.get(arm, 0) if arm != "off" else None})
+    return rows
+
+
+def goals(rows: list[dict], dtype: str, differ: dict[str, int]) -> list[dict]:
+    out = [goal(f"dvi {r['arm']} vs dvi off in process, output tok/s, C={r['concurrency']} ({dtype})", r["x_off"], 1.0)
+           for r in rows if r["arm"] != "off"]
+    out.append(goal(f"answers whose greedy text differs from speculation off's ({dtype}, every kind, C and round)",
+                    float(sum(differ.values())), 0.0, higher_is_better=False))
+    return out
+
+
+def _engines(args: argparse.Namespace):
+    """A factory of fresh, calibrated engines per arm over one loaded pair, and the pair."""
+    from benchmarks.serve_field import DVI_ARMS
+    from dvi.config import load_config
+    from dvi.decode.adaptive import batch_bucket
+    from dvi.models.loading import load_pair_from_config
+    from serving.wiring import serving_engine
+
+    base = [f"models.preset={args.preset}", f"models.dtype={'bfloat16' if args.dtype == 'bf16' else 'float32'}",
+            "serve.max_batch_size=16", *args.set]
+    pair = load_pair_from_config(load_config(None, base + DVI_ARMS["separate"]).models)
+
+    def make(arm: str):
+        cfg = load_config(None, base + DVI_ARMS[arm])
+        engine = serving_engine(cfg, pair)
+        if cfg.speculation.adaptive and engine.proposer.name != "none":
+            engine.calibrate(sorted({batch_bucket(n) for n in range(1, cfg.serve.max_batch_size + 1)}))
+        return engine
+
+    return make, pair
+
+
+def forget_history(engine) -> None:
+    """Empty a history kind's index of finished answers (`SuffixCache.clear`): the warm-up's answers are the measured
+    prompts' own, which a server's warm-up (another prompt) never gives it."""
+    proposer = engine.proposer
+    for cache in (getattr(proposer, "cache", None), getattr(getattr(proposer, "suffix", None), "cache", None)):
+        if cache is not None:
+            cache.clear()
+
+
+def measure(args: argparse.Namespace) -> tuple[dict, dict[str, int]]:
+    """Every arm's runs per level ({arm: {C: [(tokens, seconds) per round]}}) and its answers differing from off's."""
+    import torch
+
+    from benchmarks.serve_field import build_prompts
+
+    torch.set_num_threads(1)
+    make, pair = _engines(args)
+    tok = pair.tokenizer
+    prompts = [tok(p["prompt"])["input_ids"] for p in build_prompts(tok, args.prompts, args.seed)]
+    stops = tuple(int(s) for s in (getattr(pair, "stop_ids", None) or [tok.eos_token_id]))
+    results = {a: {c: [] for c in args.levels} for a in args.arm_list}
+    answers: dict[tuple[str, int, int], list[list[int]]] = {}
+    for r in range(args.rounds):
+        for arm in args.arm_list if r % 2 == 0 else args.arm_list[::-1]:
+            for c in args.levels:  # a fresh engine per level, as serve_field starts a history kind's server
+                engine = make(arm)
+                run_workload(engine, prompts[:c], c, args.max_tokens, stops, "warm")
+                forget_history(engine)
+                tokens, sec, answers[arm, r, c] = run_workload(engine, prompts, c, args.max_tokens, stops, "run")
+                results[arm][c].append((tokens, sec))
+                print(f"round {r} C={c:2d} {arm:9s} {tokens / sec:7.1f} tok/s ({tokens} tokens, {sec:.2f} s)",
+                      flush=True)
+                del engine
+                gc.collect()
+    differ = {a: sum(x != y for (arm, r, c), xs in answers.items() if arm == a
+                     for x, y in zip(xs, answers["off", r, c], strict=True)) for a in args.arm_list[1:]}
+    return results, differ
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.time()
+    results, differ = measure(args)
+    cpu = cpu_name()
+    rows = figures(results, differ)
+    print(f"\nin process, {args.prompts} prompts x {args.max_tokens} tokens, greedy, {args.dtype}, one thread, {cpu}")
+    print(f"{'arm':9s} {'C':>3s} {'tok/s':>7s} {'x off':>6s}  rounds")
+    for r in rows:
+        print(f"{r['arm']:9s} {r['concurrency']:3d} {r['tok_s']:7.1f} {r['x_off']:6.3f}  "
+              + " ".join(f"{x:.3f}" for x in r["x_off_rounds"]))
+    gs = goals(rows, args.dtype, differ)
+    print_goals(gs)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(clean_json({"benchmark": "field_engine", "settings": vars(args) | {"cpu": cpu},
+                                                      "rows": rows, "differ_from_off": differ, "goals": gs,
+                                                      "wall_s": time.time() - t0}), indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
