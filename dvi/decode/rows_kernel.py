@@ -297,10 +297,9 @@ def kernel_rows_from_ratios(rows: tuple[int, ...], ratios: list[float], toleranc
     (`ratios[i]` at `rows[i]`): 0 where the kernel loses alone at the first count, else the count up to which its
     summed log time ratio (each over `tolerance`) is least, every count weighted alike, the larger count on a tie.
 
-    Not the first count it loses at: a server keeps this for its lifetime, and counts where the two paths are even
-    are a coin toss of a best-of-few timing (AMD EPYC Zen 5, fp32, 4 rows: 0.95-1.03 over five probes), where
-    stopping there cut the kernel from the 8-16-row steps it wins by 30-40% (docs/design.md, "The kernel's
-    start-up probe")."""
+    Not the first count it loses at: a server keeps this for its lifetime, and at a count where the two paths are
+    even a best-of-few timing is a coin toss; stopping there cut the kernel from the wider steps it wins by far
+    (docs/design.md, "The kernel's start-up probe")."""
     if not ratios or ratios[0] > tolerance:
         return 0
     best, best_i, total = math.inf, 0, 0.0
