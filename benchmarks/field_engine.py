@@ -3,8 +3,8 @@ HTTP front, the client or a server's start.
 
 Why beside `serve_field.py`: through servers this 2-core box's spread between fresh servers (off itself 412-507 tok/s
 at C = 16 an hour apart, and each server's start-up probes and calibration its own) is larger than what a kind moves
-at 8-16 rows. Here each round builds every arm's engine afresh as a server does (`serving.wiring.serving_engine`, its
-adaptive K calibrated for every batch bucket), warms it with C requests, then sends serve_field's unseen prompts (pip
+at 8-16 rows. Here each round builds every arm's engine afresh as a server does (`serving.wiring.serving_engine`, then
+`ready_to_serve`: adaptive K calibrated for every batch bucket, the KV cache allocated), warms it with C requests, then sends serve_field's unseen prompts (pip
 source cuts and chat instructions, alternating), C in flight and a new one as each finishes, greedy, --max-tokens
 each, stopped at the end-of-turn token; arms in ABBA order over --rounds, weights shared, one thread. Output tokens /
 seconds per arm pooled over rounds; every kind's answers checked against speculation off's.
@@ -102,12 +102,12 @@ def goals(rows: list[dict], dtype: str, differ: dict[str, int]) -> list[dict]:
 
 
 def _engines(args: argparse.Namespace):
-    """A factory of fresh, calibrated engines per arm over one loaded pair, and the pair."""
+    """A factory of fresh engines per arm over one loaded pair, each made ready as a server makes its own, and the
+    pair."""
     from benchmarks.serve_field import DVI_ARMS
     from dvi.config import load_config
-    from dvi.decode.adaptive import batch_bucket
     from dvi.models.loading import load_pair_from_config
-    from serving.wiring import serving_engine
+    from serving.wiring import ready_to_serve, serving_engine
 
     base = [f"models.preset={args.preset}", f"models.dtype={'bfloat16' if args.dtype == 'bf16' else 'float32'}",
             "serve.max_batch_size=16", *args.set]
@@ -116,8 +116,7 @@ def _engines(args: argparse.Namespace):
     def make(arm: str):
         cfg = load_config(None, base + DVI_ARMS[arm])
         engine = serving_engine(cfg, pair)
-        if cfg.speculation.adaptive and engine.proposer.name != "none":
-            engine.calibrate(sorted({batch_bucket(n) for n in range(1, cfg.serve.max_batch_size + 1)}))
+        ready_to_serve(engine, cfg)
         return engine
 
     return make, pair

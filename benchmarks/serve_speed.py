@@ -273,8 +273,8 @@ def main(argv=None) -> int:
     ensure_pair(load_config(None, [f"models.preset={args.preset}"] + [f"models.drafter_kind={k.split('@')[0].split(':')[0]}"
                                                                       for k in kinds if k.split('@')[0] not in ("off", "suffix")][:1]))
     # HF's arms in the servers' dtype (`--set models.dtype=float32` on a bf16 CPU measured dvi in fp32 against HF in bf16)
-    dtype = next((v for k, _, v in (x.partition("=") for x in args.set) if k.strip() == "models.dtype"), "auto")
-    pair = load_embedded_pair(args.preset, device=args.device, dtype=dtype.strip())
+    dtype = load_config(None, [f"models.preset={args.preset}", *args.set]).models.dtype
+    pair = load_embedded_pair(args.preset, device=args.device, dtype=dtype)
     target, tok = pair.target.eval(), pair.tokenizer
     stop = list(getattr(pair, "stop_ids", None) or [tok.eos_token_id])
     prompts = {"code": pip_code_prompts(tok, args.prompts, args.seed), "chat": chat_prompts(tok, args.prompts)}

@@ -179,19 +179,11 @@ def prefill_budget(setting: int | None, target) -> int:
     return PREFILL_TOKENS.get(next(target.parameters()).device.type, 0)
 
 
-def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
-    """dvi's engine, its adaptive K calibrated; or, with `serve.engine: vllm`, vLLM started and driven
-    (`serving.vllm_engine`)."""
-    if cfg.serve.engine == "vllm":
-        from .vllm_engine import start_vllm_engine
-
-        return start_vllm_engine(cfg, pair, rundir)
-    engine = serving_engine(cfg, pair)
-    log.info("greedy speculation on this device: %s (README \"Greedy in bf16\"; models.exact_greedy: every row "
-             "bitwise)", engine.greedy_contract)
+def ready_to_serve(engine: SpeculativeEngine, cfg: DviConfig) -> None:
+    """What a server does to its engine before the first request: adaptive K's costs measured for every batch bucket
+    (so no request pays for a calibration the first time the running batch reaches a new size) and the target's KV
+    cache allocated for `serve.kv_cache_tokens`. Also what `benchmarks/field_engine.py` does to its engines."""
     if cfg.speculation.adaptive and engine.proposer.name != "none":
-        # Measure draft/verify costs for every batch bucket now, so no request pays for a
-        # calibration the first time the running batch reaches a new size.
         buckets = sorted({batch_bucket(n) for n in range(1, cfg.serve.max_batch_size + 1)})
         t0 = time.perf_counter()
         engine.calibrate(buckets)
@@ -202,6 +194,19 @@ def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
         log.info("target KV cache: %d rows x %d tokens allocated in %.1fs (%.0f MiB; serve.kv_cache_tokens, "
                  "serve.max_batch_size)", cfg.serve.max_batch_size, cfg.serve.kv_cache_tokens,
                  time.perf_counter() - t0, held / 2**20)
+
+
+def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
+    """dvi's engine, its adaptive K calibrated; or, with `serve.engine: vllm`, vLLM started and driven
+    (`serving.vllm_engine`)."""
+    if cfg.serve.engine == "vllm":
+        from .vllm_engine import start_vllm_engine
+
+        return start_vllm_engine(cfg, pair, rundir)
+    engine = serving_engine(cfg, pair)
+    log.info("greedy speculation on this device: %s (README \"Greedy in bf16\"; models.exact_greedy: every row "
+             "bitwise)", engine.greedy_contract)
+    ready_to_serve(engine, cfg)
     return engine
 
 
