@@ -212,9 +212,11 @@ class LeanModel:
             return 0
         try:  # packing checks each weight, and the copy's alignment
             self.kernel.check_weights(self.head)
-            self._panels_of = {w.data_ptr(): self.kernel.pack(w) for w in self._matrices()}
             head = self._head_weight()
-            self.head_panels, self.head_bias = (self.kernel.pack(head[0]), head[1]) if head is not None else (None, None)
+            matrices = list(self._matrices())
+            panels = self.kernel.pack_all(matrices + ([head[0]] if head is not None else []))
+            self._panels_of = {w.data_ptr(): p for w, p in zip(matrices, panels[:len(matrices)], strict=True)}
+            self.head_panels, self.head_bias = (panels[-1], head[1]) if head is not None else (None, None)
         except ValueError as e:  # torch's kernels serve what the kernel cannot take
             self.kernel, self._panels_of, self.head_panels = None, {}, None
             logging.getLogger(__name__).info("rows kernel not used: %s", e)

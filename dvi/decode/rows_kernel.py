@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dvi.decode import huge_pages
 from dvi.decode.native import load_library
 
 __all__ = ["EVERY_ROW", "KERNEL_ROWS", "Panels", "RowsKernel", "builds", "kernel_rows_from_ratios", "kernel_rows_measured",
@@ -136,6 +137,24 @@ class RowsKernel:
         if data.data_ptr() % self._build.align:
             raise ValueError(f"the rows kernel's panels must be {self._build.align}-byte aligned")
         return Panels(data, int(w.shape[0]), int(w.shape[1]), self._build)
+
+    def pack_all(self, weights: list[torch.Tensor]) -> list[Panels]:
+        """Each of `weights` packed (`pack`), all in one buffer on huge pages where the OS gives them
+        (`dvi.decode.huge_pages`): a step streams every one of them."""
+        for w in weights:
+            self.check_weights(w)
+        views = [_panel_view(w, self._build) for w in weights]
+        size, align = torch.empty((), dtype=self.dtype).element_size(), self._build.align
+        spans = [-(-v.numel() * size // align) * align for v in views]
+        arena = huge_pages.buffer(sum(spans) + align)
+        at = -arena.data_ptr() % align
+        out = []
+        for w, v, span in zip(weights, views, spans, strict=True):
+            data = arena[at:at + v.numel() * size].view(self.dtype).view(v.shape)
+            data.copy_(v)
+            out.append(Panels(data, int(w.shape[0]), int(w.shape[1]), self._build))
+            at += span
+        return out
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self.check_weights(w)
