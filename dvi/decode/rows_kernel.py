@@ -141,18 +141,19 @@ class RowsKernel:
     def pack_all(self, weights: list[torch.Tensor]) -> list[Panels]:
         """Each of `weights` packed (`pack`), all in one buffer on huge pages where the OS gives them
         (`dvi.decode.huge_pages`): a step streams every one of them."""
+        b, size = self._build, torch.empty((), dtype=self.dtype).element_size()
         for w in weights:
             self.check_weights(w)
-        views = [_panel_view(w, self._build) for w in weights]
-        size, align = torch.empty((), dtype=self.dtype).element_size(), self._build.align
-        spans = [-(-v.numel() * size // align) * align for v in views]
-        arena = huge_pages.buffer(sum(spans) + align)
-        at = -arena.data_ptr() % align
+        nbytes = [(-(-w.shape[0] // b.panel) * b.panel) * (-(-w.shape[1] // b.kstep) * b.kstep) * size for w in weights]
+        spans = [-(-n // b.align) * b.align for n in nbytes]
+        arena = huge_pages.buffer(sum(spans) + b.align)
+        at = -arena.data_ptr() % b.align
         out = []
-        for w, v, span in zip(weights, views, spans, strict=True):
-            data = arena[at:at + v.numel() * size].view(self.dtype).view(v.shape)
-            data.copy_(v)
-            out.append(Panels(data, int(w.shape[0]), int(w.shape[1]), self._build))
+        for w, n, span in zip(weights, nbytes, spans, strict=True):
+            view = _panel_view(w, b)  # one weight's padded copy at a time, where it needs one
+            data = arena[at:at + n].view(self.dtype).view(view.shape)
+            data.copy_(view)
+            out.append(Panels(data, int(w.shape[0]), int(w.shape[1]), b))
             at += span
         return out
 
