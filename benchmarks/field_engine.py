@@ -101,7 +101,7 @@ def goals(rows: list[dict], dtype: str, differ: dict[str, int]) -> list[dict]:
     return out
 
 
-def _engines(args: argparse.Namespace):
+def engine_factory(args: argparse.Namespace):
     """A factory of fresh engines per arm over one loaded pair, each made ready as a server makes its own, and the
     pair."""
     from benchmarks.serve_field import DVI_ARMS
@@ -138,7 +138,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict[str, int]]:
     from benchmarks.serve_field import build_prompts
 
     torch.set_num_threads(1)
-    make, pair = _engines(args)
+    make, pair = engine_factory(args)
     tok = pair.tokenizer
     prompts = [tok(p["prompt"])["input_ids"] for p in build_prompts(tok, args.prompts, args.seed)]
     stops = tuple(int(s) for s in (getattr(pair, "stop_ids", None) or [tok.eos_token_id]))

@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reps", type=int, default=5, help="kernel timings a row count and round (best kept)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], help="extra config override for every engine (key=value)")
     p.add_argument("--json", default="bench_results/huge_pages.json")
     a = p.parse_args(argv)
     a.arm_list = [x for x in a.arms.split(",") if x]
@@ -121,10 +122,25 @@ def measure_engine(args, make, pair) -> tuple[dict, int]:
     return results, differ
 
 
+def figures(kernel: dict, engine: dict, arms: list[str], levels: list[int]) -> tuple[list[dict], list[dict]]:
+    """Kernel rows (each page kind's best time over rounds, 4k / huge) and engine rows (tok/s pooled over rounds,
+    huge / 4k, and each round's)."""
+    kernel_rows = [{"rows": r, "huge_ms": min(kernel["huge"][r]) * 1e3, "4k_ms": min(kernel["4k"][r]) * 1e3,
+                    "x_4k": min(kernel["4k"][r]) / min(kernel["huge"][r])} for r in kernel.get("huge", {})]
+    rows = []
+    for arm in arms:
+        for c in levels:
+            h, k = engine[arm, "huge"][c], engine[arm, "4k"][c]
+            rows.append({"arm": arm, "concurrency": c, "huge_tok_s": pooled(h), "4k_tok_s": pooled(k),
+                         "x_4k": pooled(h) / pooled(k),
+                         "x_4k_rounds": [(th / sh) / (tk / sk) for (th, sh), (tk, sk) in zip(h, k, strict=True)]})
+    return kernel_rows, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from benchmarks.field_engine import _engines
+    from benchmarks.field_engine import engine_factory
     from dvi.decode import huge_pages
 
     args = parse_args(argv)
@@ -134,29 +150,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transparent huge pages: {mode or 'none on this OS'}; the weights stay on 4 KiB pages: nothing to compare")
         return 0
     torch.set_num_threads(1)
-    args.set = []
-    make, pair = _engines(args)
+    make, pair = engine_factory(args)
     kernel = measure_kernel(args, pair)
     engine, differ = measure_engine(args, make, pair)
     print(f"\n{args.dtype}, one thread, {cpu}, THP mode {mode}")
-    kernel_rows = []
-    if kernel:
+    kernel_rows, rows = figures(kernel, engine, args.arm_list, args.levels)
+    if kernel_rows:
         print("rows kernel, every layer's matmuls (ms, best a round; huge / 4k pages):")
-        for r in KERNEL_ROWS:
-            h, k = min(kernel["huge"][r]), min(kernel["4k"][r])
-            kernel_rows.append({"rows": r, "huge_ms": h * 1e3, "4k_ms": k * 1e3, "x_4k": k / h})
-            print(f"  {r:3d} rows  {h * 1e3:7.2f} / {k * 1e3:7.2f} ms  {k / h:5.3f}x")
-    rows = []
+        for r in kernel_rows:
+            print(f"  {r['rows']:3d} rows  {r['huge_ms']:7.2f} / {r['4k_ms']:7.2f} ms  {r['x_4k']:5.3f}x")
     print(f"engine, {args.prompts} prompts x {args.max_tokens} tokens, greedy:\n{'arm':9s} {'C':>3s} {'huge':>7s} "
           f"{'4k':>7s} {'x 4k':>6s}  rounds")
-    for arm in args.arm_list:
-        for c in args.levels:
-            h, k = engine[arm, "huge"][c], engine[arm, "4k"][c]
-            per = [(th / sh) / (tk / sk) for (th, sh), (tk, sk) in zip(h, k, strict=True)]
-            rows.append({"arm": arm, "concurrency": c, "huge_tok_s": pooled(h), "4k_tok_s": pooled(k),
-                         "x_4k": pooled(h) / pooled(k), "x_4k_rounds": per})
-            print(f"{arm:9s} {c:3d} {pooled(h):7.1f} {pooled(k):7.1f} {pooled(h) / pooled(k):6.3f}  "
-                  + " ".join(f"{x:.3f}" for x in per))
+    for r in rows:
+        print(f"{r['arm']:9s} {r['concurrency']:3d} {r['huge_tok_s']:7.1f} {r['4k_tok_s']:7.1f} {r['x_4k']:6.3f}  "
+              + " ".join(f"{x:.3f}" for x in r["x_4k_rounds"]))
     gs = [goal(f"dvi {r['arm']}, packed weights on huge pages vs 4 KiB pages, output tok/s, C={r['concurrency']} "
                f"({args.dtype})", r["x_4k"], 1.0) for r in rows]
     gs.append(goal(f"answers differing between the arms ({args.dtype})", float(differ), 0.0, higher_is_better=False))

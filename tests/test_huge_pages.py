@@ -94,3 +94,32 @@ def test_pack_all_holds_what_pack_holds_in_one_buffer(dtype):
         assert torch.equal(p.data, q.data)
         x = torch.randn(5, w.shape[1], generator=g).to(dtype)
         assert torch.equal(kernel.rows(x, p), kernel.rows(x, q))
+
+
+def test_the_benchmark_pools_rounds_and_holds_huge_pages_to_4k():
+    from benchmarks import huge_pages as bench
+
+    kernel = {"huge": {1: [0.010, 0.012], 8: [0.020, 0.019]}, "4k": {1: [0.011, 0.013], 8: [0.019, 0.022]}}
+    engine = {("off", "huge"): {8: [(100, 1.0), (100, 2.0)]}, ("off", "4k"): {8: [(100, 0.5), (100, 2.5)]}}
+    kernel_rows, rows = bench.figures(kernel, engine, ["off"], [8])
+    assert [r["rows"] for r in kernel_rows] == [1, 8]
+    assert kernel_rows[0]["x_4k"] == pytest.approx(1.1) and kernel_rows[1]["x_4k"] == pytest.approx(1.0)
+    assert rows[0]["x_4k"] == pytest.approx(1.0) and rows[0]["x_4k_rounds"] == pytest.approx([0.5, 1.25])
+    assert bench.parse_args(["--arms", "off,hybrid", "--concurrency", "4"]).levels == [4]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--arms", "eagle"])
+
+
+def test_the_benchmark_times_the_kernel_on_both_kinds_of_page_and_restores_the_switch():
+    from types import SimpleNamespace
+
+    from benchmarks import huge_pages as bench
+    from tiny_models import tiny_llama
+
+    if rows_kernel.load(torch.float32) is None:
+        pytest.skip(f"no fp32 rows kernel here: {rows_kernel.unavailable_reason(torch.float32)}")
+    args = bench.parse_args(["--dtype", "fp32", "--rounds", "2", "--reps", "1"])
+    times = bench.measure_kernel(args, SimpleNamespace(target=tiny_llama(0)))
+    assert set(times) == set(bench.PAGES)
+    assert all(len(times[p][r]) == 2 and min(times[p][r]) > 0 for p in bench.PAGES for r in bench.KERNEL_ROWS)
+    assert huge_pages.enabled()
