@@ -113,8 +113,9 @@ def test_the_benchmark_pools_rounds_and_holds_huge_pages_to_4k():
 def test_the_benchmark_times_the_kernel_on_both_kinds_of_page_and_restores_the_switch():
     from types import SimpleNamespace
 
-    from benchmarks import huge_pages as bench
     from tiny_models import tiny_llama
+
+    from benchmarks import huge_pages as bench
 
     if rows_kernel.load(torch.float32) is None:
         pytest.skip(f"no fp32 rows kernel here: {rows_kernel.unavailable_reason(torch.float32)}")
