@@ -34,21 +34,33 @@ from benchmarks._common import clean_json, cpu_name, goal, print_goals  # noqa: 
 KINDS = ("separate", "suffix", "hybrid")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_parser(description: str, arms: str, concurrency: str, json_path: str) -> argparse.ArgumentParser:
+    """The options of the field workload on the engine (this benchmark's and `benchmarks/huge_pages.py`'s)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--preset", default="smollm2")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--arms", default="off,separate,suffix,hybrid", help="off and any of " + ", ".join(KINDS))
-    p.add_argument("--concurrency", default="8,16")
+    p.add_argument("--arms", default=arms, help="off and any of " + ", ".join(KINDS))
+    p.add_argument("--concurrency", default=concurrency)
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], help="extra config override for every arm (key=value)")
-    p.add_argument("--json", default="bench_results/field_engine.json")
+    p.add_argument("--set", action="append", default=[], help="extra config override for every engine (key=value)")
+    p.add_argument("--json", default=json_path)
+    return p
+
+
+def parse_workload(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parsed, with `arm_list` and `levels` split out."""
     a = p.parse_args(argv)
     a.arm_list = [x for x in a.arms.split(",") if x]
     a.levels = [int(c) for c in a.concurrency.split(",") if c]
+    return a
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = workload_parser(__doc__.splitlines()[0], "off,separate,suffix,hybrid", "8,16", "bench_results/field_engine.json")
+    a = parse_workload(p, argv)
     if a.arm_list[:1] != ["off"] or any(x not in KINDS for x in a.arm_list[1:]):
         p.error(f"--arms: off first, then any of {', '.join(KINDS)}; got {a.arms!r}")
     return a

@@ -28,28 +28,23 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import clean_json, cpu_name, goal, print_goals  # noqa: E402
-from benchmarks.field_engine import KINDS, forget_history, pooled, run_workload  # noqa: E402
+from benchmarks.field_engine import (  # noqa: E402
+    KINDS,
+    forget_history,
+    parse_workload,
+    pooled,
+    run_workload,
+    workload_parser,
+)
 
 PAGES = ("huge", "4k")
 KERNEL_ROWS = (1, 4, 8, 12, 16, 32)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="smollm2")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--arms", default="off", help="off and / or any of " + ", ".join(KINDS))
-    p.add_argument("--concurrency", default="1,8,16")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=2)
+    p = workload_parser(__doc__.splitlines()[0], "off", "1,8,16", "bench_results/huge_pages.json")
     p.add_argument("--reps", type=int, default=5, help="kernel timings a row count and round (best kept)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], help="extra config override for every engine (key=value)")
-    p.add_argument("--json", default="bench_results/huge_pages.json")
-    a = p.parse_args(argv)
-    a.arm_list = [x for x in a.arms.split(",") if x]
-    a.levels = [int(c) for c in a.concurrency.split(",") if c]
+    a = parse_workload(p, argv)
     if not a.arm_list or any(x not in ("off", *KINDS) for x in a.arm_list):
         p.error(f"--arms: any of off, {', '.join(KINDS)}; got {a.arms!r}")
     return a

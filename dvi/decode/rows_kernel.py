@@ -92,8 +92,13 @@ class Panels:
 _HALVES = 2  # every build reads a panel as two streams, one per half of its rows (the kernels' sources say why)
 
 
+def _padding(w: torch.Tensor, b: _Build) -> tuple[int, int]:
+    """Zero rows and columns a weight's panels add (rows to whole panels, columns to whole k-steps)."""
+    return -w.shape[0] % b.panel, -w.shape[1] % b.kstep
+
+
 def _panel_view(w: torch.Tensor, b: _Build) -> torch.Tensor:
-    pad, kpad = -w.shape[0] % b.panel, -w.shape[1] % b.kstep
+    pad, kpad = _padding(w, b)
     if pad or kpad:
         w = torch.nn.functional.pad(w, (0, kpad, 0, pad))
     return w.view(-1, _HALVES, b.panel // _HALVES, w.shape[1] // b.pair, b.pair).permute(0, 1, 3, 2, 4)
@@ -144,7 +149,7 @@ class RowsKernel:
         b, size = self._build, torch.empty((), dtype=self.dtype).element_size()
         for w in weights:
             self.check_weights(w)
-        nbytes = [(-(-w.shape[0] // b.panel) * b.panel) * (-(-w.shape[1] // b.kstep) * b.kstep) * size for w in weights]
+        nbytes = [(w.shape[0] + pad) * (w.shape[1] + kpad) * size for w in weights for pad, kpad in [_padding(w, b)]]
         spans = [-(-n // b.align) * b.align for n in nbytes]
         arena = huge_pages.buffer(sum(spans) + b.align)
         at = -arena.data_ptr() % b.align
