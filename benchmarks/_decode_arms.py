@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from dvi.decode.adaptive import batch_bucket
 from dvi.decode.k_choice import expected_tokens
 from dvi.decode.kv import left_pad
 from dvi.decode.results import acceptance_rate, mean_accepted_length
+from dvi.decode.step_costs import batch_bucket
 from dvi.engine.speculative import Request, SamplingParams, SpeculativeEngine
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -41,8 +41,8 @@ from benchmarks._decode_arms import (
     same_text,
     serve_history,
 )
-from dvi.decode.adaptive import batch_bucket
 from dvi.decode.results import fmt_rate
+from dvi.decode.step_costs import batch_bucket
 from dvi.drafters.factory import proposer_for
 from dvi.engine.speculative import SpeculativeEngine
 

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dvi.decode.adaptive import batch_bucket
 from dvi.drafters.suffix_index import token_list
 from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts
 
@@ -107,15 +106,13 @@ class HistoryProposer(SuffixProposer):
             return None
         batch = len(getattr(pricing, "seqs", ()))
         policy._ensure_costs(batch)
-        b = batch_bucket(batch)
-        verify = [ctl.costs.verify_cost(b, k) for k in range(min(k_max, 4) + 1)]
+        verify = [ctl.verify_at(batch, k) for k in range(min(k_max, 4) + 1)]
         if any(v is None for v in verify):
             return None
-        over = ctl.step_overhead.get(b, 0.0)
-        # Seconds per position: the dearest of the calibrated widths (per position, over the bucket's rows), so a
-        # ragged verify is never priced cheaper than the calibration measured.
-        position = max((verify[k] - verify[0]) / (b * k) for k in range(1, len(verify)))
-        return verify[0] + over, max(position, 1e-9), ctl.margin
+        # Seconds per position: the dearest of the priced widths (per position, over the batch's rows), so a ragged
+        # verify is never priced cheaper than the calibration and the measured steps say.
+        position = max((verify[k] - verify[0]) / (batch * k) for k in range(1, len(verify)))
+        return verify[0], max(position, 1e-9), ctl.margin
 
     def propose(self, seqs: list[Seq], caps: list[int], pricing: Pricing, uniforms: Uniforms,
                 params: BatchParams) -> Draft:

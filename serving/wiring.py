@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dvi.config import DviConfig
-from dvi.decode.adaptive import batch_bucket
+from dvi.decode.step_costs import batch_bucket
 from dvi.engine.options import packed_weights
 from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 from dvi.feedback import FeedbackWriter, Retention

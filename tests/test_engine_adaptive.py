@@ -6,8 +6,9 @@ import pytest
 
 import dvi.engine.calibration
 from dvi.decode.acceptance import AcceptanceEMA
-from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard
+from dvi.decode.adaptive import AdaptiveK, GoodputGuard
 from dvi.decode.k_choice import choose_k, choose_rows, expected_tokens, predicted_speedup
+from dvi.decode.step_costs import CostModel
 
 
 def test_expected_tokens():
@@ -64,7 +65,7 @@ def test_cost_model_interpolates():
 
 
 def test_adaptive_controller_switches_off_at_batch_16():
-    ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5)
+    ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5, probe_share=1.0)
     alphas = [0.7] * 16
     assert ctl.needs_calibration(16) and ctl.choose(16, alphas) == 4  # default until calibrated
     ctl.set_costs(16, {k: cpu_batch16(k) for k in (0, 1, 2, 4, 8)}, draft=0.004)
@@ -72,7 +73,7 @@ def test_adaptive_controller_switches_off_at_batch_16():
     # verify cost ~ (K+1) tokens: no K could pay even at alpha = 1, so no probes either
     assert [ctl.choose(16, alphas) for _ in range(40)] == [0] * 40
     # a bucket where speculation pays only at high alpha: off at 0.7, probes back off exponentially
-    ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5)
+    ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5, probe_share=1.0)
     ctl.set_costs(4, {k: 0.030 * (1 + 0.5 * k) for k in (0, 1, 2, 4, 8)}, draft=0.004)
     picks = [ctl.choose(4, [0.7] * 4) for _ in range(40)]
     probes = [i for i, k in enumerate(picks) if k]
@@ -87,7 +88,7 @@ def test_adaptive_controller_switches_off_at_batch_16():
 
 def test_drafting_in_a_drained_tail_does_not_restart_the_full_batchs_probes():
     """Probes back off per batch-size bucket: a few rows that draft (and pay) say nothing about the full batch."""
-    ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5)
+    ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5, probe_share=1.0)
     ctl.set_costs(4, {k: 0.030 * (1 + 0.5 * k) for k in (0, 1, 2, 4, 8)}, draft=0.004)  # pays at high alpha only
     ctl.set_costs(1, {k: cpu_batch1(k) for k in (0, 1, 2, 4, 8)}, draft=0.002)
     picks = []
@@ -102,7 +103,7 @@ def test_probes_skipped_when_catchup_would_cost_more_than_they_can_win():
     """A probe first runs the drafter over every token skipped while K = 0; with many rows x pending
     tokens that catch-up costs more than the probe could win back, so it is skipped (and backs off)."""
     costs = {k: 0.030 * (1 + 0.5 * k) for k in (0, 1, 2, 4, 8)}
-    cheap, dear = AdaptiveK(k_max=8, k_default=4, probe_every=5), AdaptiveK(k_max=8, k_default=4, probe_every=5)
+    cheap, dear = AdaptiveK(k_max=8, k_default=4, probe_every=5, probe_share=1.0), AdaptiveK(k_max=8, k_default=4, probe_every=5, probe_share=1.0)
     for ctl in (cheap, dear):
         ctl.set_costs(4, costs, draft=0.004, catchup_per_token=1e-4)  # 2 plain steps = 600 tokens
     assert [i for i in range(40) if cheap.choose(4, [0.7] * 4, pending_tokens=400)] == [4, 14, 34]
@@ -134,7 +135,7 @@ def test_a_step_of_drafting_keeps_the_probes_backoff():
     costs = {k: 0.030 * (1 + 0.5 * k) for k in (0, 1, 2, 4, 8)}  # pays at high α only
 
     def probes_after(spell: int) -> list[int]:
-        ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5)
+        ctl = AdaptiveK(k_max=8, k_default=4, probe_every=5, probe_share=1.0)
         ctl.set_costs(4, costs, draft=0.004)
         assert [i for i in range(15) if ctl.choose(4, [0.7] * 4)] == [4, 14]  # the interval doubled to 20
         assert all(ctl.choose(4, [0.99] * 4) for _ in range(spell))
@@ -149,7 +150,7 @@ def test_no_probes_where_a_plausible_rise_of_alpha_could_not_pay():
     drafting pays only at α ~0.99. Rows at α 0.5 are not probed (each probe a drafter catch-up for an answer that
     cannot change K); rows whose α is within `probe_reach` of the break-even are."""
     verify = {0: 0.0209, 1: 0.0362, 2: 0.0516, 4: 0.0815, 8: 0.14}
-    far, near = AdaptiveK(k_max=8, k_default=4, probe_every=5), AdaptiveK(k_max=8, k_default=4, probe_every=5)
+    far, near = AdaptiveK(k_max=8, k_default=4, probe_every=5, probe_share=1.0), AdaptiveK(k_max=8, k_default=4, probe_every=5, probe_share=1.0)
     for ctl in (far, near):
         ctl.set_costs(16, verify, draft=0.0039)
     assert not any(far.choose(16, [0.5] * 16) for _ in range(40))

@@ -204,6 +204,7 @@ def test_sampling_through_tails_follows_the_target_chi_square(monkeypatch, kind,
     import dvi.rollout_history
     from dvi.config import SuffixConfig
     from dvi.decode.adaptive import GoodputGuard
+    from dvi.decode.step_costs import MeasuredCosts
     from dvi.drafters.factory import proposer_for
     from dvi.engine.speculative import SpeculativeEngine
     from dvi.rollout_history import history_proposer
@@ -220,9 +221,10 @@ def test_sampling_through_tails_follows_the_target_chi_square(monkeypatch, kind,
         real = dvi.rollout_history.row_draft_lens
         monkeypatch.setattr(dvi.rollout_history, "row_draft_lens", lambda probs, *a, **kw: [
             n if j % 2 == 0 else 0 for j, n in enumerate(real(probs, *a, **kw))])
-    # the tiny models' timings do not judge drafting: lookups and drafting always
+    # the tiny models' timings do not judge drafting, nor price it: lookups and drafting always
     monkeypatch.setattr(GoodputGuard, "allow", lambda self, batch: True)
     monkeypatch.setattr(GoodputGuard, "judged", lambda self, batch: "unknown")
+    monkeypatch.setattr(MeasuredCosts, "observe", lambda self, *a: False)
     eng = SpeculativeEngine(target, prop, num_draft_tokens=2, max_draft_tokens=4, adaptive=True)
     eng.drain_aware = False  # the server's pricing: throughput, rows chosen one by one
     assert isinstance(eng._target, LeanTarget) and eng._target.ragged

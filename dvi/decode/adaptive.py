@@ -3,8 +3,8 @@
 What a K is worth is `dvi.decode.k_choice`'s arithmetic. On CPU c_verify grows with K and with batch size (small pair,
 K = 2: ~1.15x a one-token step at batch 1, ~1.6x at batch 16, ~1.8x at batch 64), so speculation must switch itself
 off in large batches, and not even probe there when the drafter's catch-up would cost more than a probe can win back.
-Costs come from a short interleaved calibration per batch-size bucket (`calibrate`, fed to `AdaptiveK`); the engine also
-keeps online timings (`CostModel`, robust low quantiles) for reporting.
+Costs come from a short interleaved calibration per batch-size bucket (`calibrate`, fed to `AdaptiveK`), read at the
+positions a step scores and corrected by what real steps measured (`dvi.decode.step_costs`).
 """
 
 from __future__ import annotations
@@ -18,92 +18,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from dvi.decode.k_choice import choose_k, choose_rows, expected_tokens
+from dvi.decode.step_costs import CostModel, MeasuredCosts, batch_bucket
 
-__all__ = ["CostModel", "AdaptiveK", "AdaptiveTuning", "batch_bucket", "GoodputGuard"]
-
-
-class CostModel:
-    """Measured seconds per drafter forward and per verify step with K drafts, keyed by batch size.
-
-    Each figure is a low quantile (default: 25th percentile) of its last `window` samples. On a CPU
-    shared with other processes, step times double for stretches of several steps when we are
-    descheduled; a mean or even a median then depends on which K happened to run during the stall,
-    while a low quantile tracks the uncontended cost that the choice between K values depends on.
-    """
-
-    def __init__(
-        self,
-        window: int = 31,
-        quantile: float = 0.25,
-        verify_slope_prior: float = 0.12,
-        draft_ratio_prior: float = 0.25,
-    ):
-        self.window = window
-        self.quantile = quantile
-        self.verify_slope_prior = verify_slope_prior
-        self.draft_ratio_prior = draft_ratio_prior
-        self.verify: dict[int, dict[int, float]] = {}
-        self.draft: dict[int, float] = {}
-        self._samples: dict[tuple, deque] = {}
-
-    def _robust(self, key: tuple, new: float) -> float:
-        d = self._samples.get(key)
-        if d is None:
-            d = self._samples[key] = deque(maxlen=self.window)
-        d.append(new)
-        xs = sorted(d)
-        return xs[int(self.quantile * (len(xs) - 1))]
-
-    def record_verify(self, batch: int, k: int, seconds: float) -> None:
-        self.verify.setdefault(batch, {})[k] = self._robust(("v", batch, k), seconds)
-
-    def record_overhead(self, batch: int, seconds: float) -> float:
-        """Record one step's host work outside the model forwards; returns the robust figure."""
-        return self._robust(("o", batch), seconds)
-
-    def record_draft(self, batch: int, seconds_per_forward: float) -> None:
-        self.draft[batch] = self._robust(("d", batch), seconds_per_forward)
-
-    def _nearest(self, table: dict, batch: int):
-        if not table:
-            return None
-        return table[min(table, key=lambda b: (abs(b - batch), b))]
-
-    def has_verify(self, batch: int, k: int) -> bool:
-        return k in self.verify.get(batch, {})
-
-    def verify_cost(self, batch: int, k: int) -> float | None:
-        """Measured or interpolated cost of a verify step with k drafts (k = 0: plain step)."""
-        d = self.verify.get(batch) or self._nearest(self.verify, batch)
-        if not d:
-            return None
-        if k in d:
-            return d[k]
-        ks = sorted(d)
-        if len(ks) >= 2:
-            lo = max([x for x in ks if x < k], default=ks[0])
-            hi = min([x for x in ks if x > k], default=ks[-1])
-            if lo == hi:
-                lo, hi = (ks[-2], ks[-1]) if k > ks[-1] else (ks[0], ks[1])
-            slope = (d[hi] - d[lo]) / (hi - lo)
-            return max(d[lo] + slope * (k - lo), 1e-9)
-        k0 = ks[0]
-        s = self.verify_slope_prior
-        return d[k0] * (1 + s * k) / (1 + s * k0)
-
-    def draft_cost(self, batch: int) -> float | None:
-        if batch in self.draft:
-            return self.draft[batch]
-        near = self._nearest(self.draft, batch)
-        if near is not None:
-            return near
-        plain = self.verify_cost(batch, 0)
-        return None if plain is None else plain * self.draft_ratio_prior
-
-
-def batch_bucket(batch: int) -> int:
-    """Nearest power of two: batch sizes whose costs are calibrated together."""
-    return 1 << max(0, round(math.log2(max(1, batch))))
+__all__ = ["AdaptiveK", "AdaptiveTuning", "GoodputGuard"]
 
 
 @dataclasses.dataclass
@@ -115,9 +32,10 @@ class _ProbeClock:
     interval: int
     due: int
     streak: int = 0
+    last: int = 0  # the streak at its last probe
 
 
-class _BucketCosts(NamedTuple):
+class _BatchCosts(NamedTuple):
     draft: float
     verify: list[float]  # per K, 0..k_max
     can_pay: bool  # some K beats plain decoding at alpha = 1
@@ -135,8 +53,11 @@ class AdaptiveTuning:
     spells leave it. A probe asks whether the rows' α rose: it runs
     only where some K would beat plain decoding with every row's α `probe_reach` higher (a bucket whose break-even
     α lies farther, 16 bf16 rows on a CPU where a two-position verify costs 1.7 plain steps, would pay catch-ups
-    for answers that cannot change K). A K must beat plain decoding by `margin`; measured goodput over
-    `goodput_window` steps guards the prediction."""
+    for answers that cannot change K), and where its priced loss (the catch-up, and its verify's and drafts' seconds
+    beyond the plain step's worth of the tokens it is expected to add) is at most `probe_share` of the bucket's plain
+    steps since its last probe (a probe of 12 bf16 rows sampled at T = 1 lost ~2 plain steps on AMD Zen 5; probes at
+    16, 48, 112 .. steps cost RL rollouts ~1% against plain decoding). A K must beat plain decoding by `margin`;
+    measured goodput over `goodput_window` steps guards the prediction."""
 
     probe_every: int = 16
     probe_k: int | None = None
@@ -148,6 +69,7 @@ class AdaptiveTuning:
     settled_spell: int = 4
     goodput_window: int = 16
     probe_reach: float = 0.15
+    probe_share: float = 0.01
 
 
 class AdaptiveK:
@@ -180,7 +102,8 @@ class AdaptiveK:
         self._probes: dict[int, _ProbeClock] = {}  # per bucket (`_clock`)
         self._spell: dict[int, int] = {}  # per bucket: the K > 0 choices in a row up to the last one (0: it chose K = 0)
         self.last_choice = self.k_default
-        self._cost_cache: dict[int, _BucketCosts] = {}
+        self._cost_cache: dict[int, _BatchCosts] = {}  # per batch size (`_costs_at`)
+        self.measured = MeasuredCosts()  # real steps' seconds against their price, per bucket (`observe_costs`)
         # Seconds every engine step spends outside the model forwards (acceptance, log-probs, per-token
         # bookkeeping), per bucket, measured online: the calibration times bare forwards, and a cost
         # that K = 0 pays per token but speculation shares over several tokens must count.
@@ -230,7 +153,50 @@ class AdaptiveK:
     def set_step_overhead(self, batch: int, seconds: float) -> None:
         b = batch_bucket(batch)
         self.step_overhead[b] = max(0.0, float(seconds))
-        self._cost_cache.pop(b, None)
+        self._cost_cache.clear()
+
+    def _priced(self, batch: int, positions: int) -> float | None:
+        """The calibrated seconds of a step scoring `positions` at `batch` rows: the bucket's calibrated verifies read
+        at the same number of positions (its b rows verifying K a row score b (K + 1)), plus its host work. A verify
+        costs what it scores: 11 rows verifying 2 positions each cost about what 22 rows' plain step does, not what
+        the bucket's 8 rows verifying 2 do (AMD Zen 5, bf16: the target's matmuls cost the same from 1 to ~12 rows
+        and grow with the rows from there)."""
+        b = batch_bucket(batch)
+        v = self.costs.verify_cost(b, positions / b - 1)
+        return None if v is None else v + self.step_overhead.get(b, 0.0)
+
+    def verify_at(self, batch: int, k: int) -> float | None:
+        """Seconds of a step verifying k positions a row at `batch` rows (k = 0: a plain step), as real steps measured
+        against their price here (`MeasuredCosts`: a factor on the positions' price, the work per drafted one)."""
+        v = self._priced(batch, batch * (k + 1))
+        if v is None:
+            return None
+        b = batch_bucket(batch)
+        return max(v * self.measured.value(b, "plain") + batch * k * self.measured.value(b, "position"), 1e-9)
+
+    def draft_at(self, batch: int) -> float | None:
+        """Seconds of one drafter forward at `batch` rows, as measured against the calibrated ones."""
+        b = batch_bucket(batch)
+        d = self.costs.draft_cost(b)
+        return None if d is None else d * self.measured.value(b, "draft")
+
+    def observe_costs(self, batch: int, positions: int, forwards: int, verify: float, draft: float,
+                      catchup: bool) -> None:
+        """A finished step (no rows joined): its verify's seconds (forward and host work) for the `positions` it
+        scored, and its drafting's for `forwards` drafter forwards (not where a catch-up fed the drafter), against
+        their calibrated prices."""
+        if self.needs_calibration(batch):
+            return
+        b, priced = batch_bucket(batch), self._priced(batch, positions)
+        if positions > batch:
+            base = priced * self.measured.value(b, "plain")
+            moved = self.measured.observe(b, "position", (verify - base) / (positions - batch))
+        else:
+            moved = self.measured.observe(b, "plain", verify / priced)
+        if forwards > 0 and not catchup:
+            moved |= self.measured.observe(b, "draft", draft / forwards / self.costs.draft_cost(b))
+        if moved:
+            self._cost_cache.clear()
 
     def choose(self, batch: int, alphas: Sequence[float], remaining: Sequence[int] | None = None,
                pending_tokens: int | Callable[[], int] = 0) -> int:
@@ -242,12 +208,12 @@ class AdaptiveK:
         b = batch_bucket(batch)
         if b not in c.draft or 0 not in c.verify.get(b, {}):
             return self.k_default
-        cached = self._bucket_costs(b)
+        cached = self._costs_at(batch)
         self.last_rows = None
         resuming = b >= GoodputGuard.MIN_ROWS and self._spell.get(b, 1) == 0  # (one or two rows: a catch-up is a row's)
         margin = self.margin * (self.tuning.resume_margin if resuming else 1.0)
         if self.ragged and remaining is None and len(alphas) > 1:
-            k, rows = choose_rows(alphas, cached.draft, cached.verify, b, self.k_max, margin)
+            k, rows = choose_rows(alphas, cached.draft, cached.verify, batch, self.k_max, margin)
             self.last_rows = rows if 0 < len(rows) < len(alphas) else None
         else:
             k = choose_k(alphas, cached.draft, cached.verify, self.k_max, margin, remaining)
@@ -263,7 +229,7 @@ class AdaptiveK:
             k = 0  # measured: plain decoding is (or may be) faster here
         if k == 0:
             self.last_rows = None  # a probe drafts every row
-            k = self._probe(b, alphas, cached, verdict, pending_tokens)
+            k = self._probe(batch, alphas, cached, verdict, pending_tokens)
         elif self._spell.get(b, 0) + 1 >= self.tuning.settled_spell:
             self._probes.pop(b, None)  # drafting lasts here: the next K = 0 run starts a fresh clock (`_clock`)
         else:  # a step or two of drafting says nothing new: the probes' backoff stays
@@ -273,13 +239,12 @@ class AdaptiveK:
         self.last_choice = k
         return k
 
-    def _bucket_costs(self, b: int) -> _BucketCosts:
-        """Bucket `b`'s interpolated costs per K, cached until the next `set_costs` / `set_step_overhead` (expected
-        tokens scale with the rows, costs are the bucket's: the mean per row is what `choose` prices)."""
-        cached = self._cost_cache.get(b)
+    def _costs_at(self, batch: int) -> _BatchCosts:
+        """Costs per K at `batch` rows (`verify_at`, `draft_at`), cached until the calibration, the host work or a
+        measured factor changes (expected tokens scale with the rows: the costs are the batch's)."""
+        cached = self._cost_cache.get(batch)
         if cached is None:
-            c, o = self.costs, self.step_overhead.get(b, 0.0)
-            draft, verify = c.draft_cost(b), [c.verify_cost(b, kk) + o for kk in range(self.k_max + 1)]
+            draft, verify = self.draft_at(batch), [self.verify_at(batch, kk) for kk in range(self.k_max + 1)]
             # Verifying more tokens never costs less: a calibrated dip (real pair, batch 16, bf16: 2 tokens a
             # row timed 79 ms, 1 token 89 ms) is a kernel-choice artefact the engine's real steps do not see.
             verify = [max(verify[: i + 1]) for i in range(len(verify))]
@@ -287,31 +252,37 @@ class AdaptiveK:
             # batches on CPU: verify cost grows ~linearly with K), speculation is structurally off
             # in this bucket and probing for alpha would only pay drafter catch-ups for nothing.
             can_pay = choose_k([1.0], draft, verify, self.k_max, self.margin) > 0
-            cached = self._cost_cache[b] = _BucketCosts(draft, verify, can_pay)
+            cached = self._cost_cache[batch] = _BatchCosts(draft, verify, can_pay)
         return cached
 
-    def _probe(self, b: int, alphas: Sequence[float], cached: _BucketCosts, verdict: str,
+    def _probe(self, batch: int, alphas: Sequence[float], cached: _BatchCosts, verdict: str,
                pending_tokens: int | Callable[[], int]) -> int:
         """K = 0 was chosen: a probe's K where one is due, else 0. Keeps alpha from going stale while speculation is
         off, backing off exponentially while probes keep confirming K = 0 (each probe costs a drafter catch-up)."""
+        b = batch_bucket(batch)
         clock = self._clock(b)
         clock.streak += 1
         if not (cached.can_pay and verdict != "plain" and clock.streak >= clock.due):
             return 0
-        k = 0
+        k, pk = 0, self.probe_k or max(1, min(2, self.k_max))
         pending = pending_tokens() if callable(pending_tokens) else pending_tokens
         catchup = pending * self.catchup_cost.get(b, 0.0)
-        if catchup <= self.probe_budget_steps * cached.verify[0] and self._within_reach(alphas, cached, b):
-            k = self.probe_k or max(1, min(2, self.k_max))
+        if catchup <= self.probe_budget_steps * cached.verify[0] and self._within_reach(alphas, cached, batch):
+            plain = cached.verify[0]
+            gain = sum(expected_tokens(a, pk) - 1.0 for a in alphas) * plain / len(alphas)
+            loss = catchup + pk * cached.draft + cached.verify[pk] - plain - gain
+            if loss > self.tuning.probe_share * (clock.streak - clock.last) * plain:
+                return 0  # not yet: its plain steps since the last probe do not cover what it would cost
+            k, clock.last = pk, clock.streak
         clock.interval = min(2 * clock.interval, self.max_probe_every)
         clock.due = clock.streak + clock.interval
         return k
 
-    def _within_reach(self, alphas: Sequence[float], cached: _BucketCosts, b: int) -> bool:
+    def _within_reach(self, alphas: Sequence[float], cached: _BatchCosts, batch: int) -> bool:
         """Whether a rise of the rows' α by `probe_reach` would make drafting pay here."""
         reach = [min(1.0, a + self.tuning.probe_reach) for a in alphas]
         if self.ragged and len(reach) > 1:
-            return choose_rows(reach, cached.draft, cached.verify, b, self.k_max, self.margin)[0] > 0
+            return choose_rows(reach, cached.draft, cached.verify, batch, self.k_max, self.margin)[0] > 0
         return choose_k(reach, cached.draft, cached.verify, self.k_max, self.margin) > 0
 
     def _clock(self, b: int) -> _ProbeClock:
@@ -320,7 +291,7 @@ class AdaptiveK:
             clock = self._probes[b] = _ProbeClock(self.probe_every, self.probe_every)
         return clock
 
-    def _catchup_pays(self, b: int, k: int, alphas: Sequence[float], cached: _BucketCosts,
+    def _catchup_pays(self, b: int, k: int, alphas: Sequence[float], cached: _BatchCosts,
                       pending_tokens: int | Callable[[], int]) -> bool:
         """Leaving K = 0 first runs the drafter over every token it skipped (whole prompts of rows that
         joined meanwhile: the drafter cache is filled lazily). Worth it only if the expected saving per

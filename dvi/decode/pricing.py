@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from dvi.decode.acceptance import AcceptanceTracker
-from dvi.decode.adaptive import AdaptiveK, CostModel, GoodputGuard, batch_bucket
+from dvi.decode.adaptive import AdaptiveK, GoodputGuard
 from dvi.decode.k_choice import choose_point_k
+from dvi.decode.step_costs import CostModel, batch_bucket
 from dvi.decode.tree_pricing import SiblingStats, choose_siblings, sibling_outcomes
 
 __all__ = ["LOOKUP_BACKOFF_FROM", "LOOKUP_BACKOFF_MAX", "KPolicy", "StepPricing", "StepTimes"]
@@ -112,6 +113,9 @@ class KPolicy:
         k, forwards = draft.width, draft.model_forwards
         if not joined:
             self.costs.record_verify(batch, k, times.verify)
+            if self.adaptive:  # what the step cost against its price: the price of the next ones
+                positions = batch + sum(draft.lens) if self.controller.ragged and draft.ragged else batch * (k + 1)
+                self.controller.observe_costs(batch, positions, forwards, times.verify, times.draft, draft.catchup)
         if self.adaptive and cpu and not joined:
             # On CPU the verify forward is synchronous, so t_host is the step's host work after it (on CUDA it
             # would include the kernels the first transfer waits for).
@@ -175,21 +179,17 @@ class StepPricing:
         if not p.adaptive:
             return [p.tree_width] * k
         p._ensure_costs(self.batch)
-        b = batch_bucket(self.batch)
-        c = p.controller.costs
-        draft, over = c.draft_cost(b), p.controller.step_overhead.get(b, 0.0)
-        if draft is None or c.verify_cost(b, k) is None:
+        ctl, n = p.controller, self.batch
+        draft = ctl.draft_at(n)
+        if draft is None or ctl.verify_at(n, k) is None:
             return []
         alphas = [p.acceptance.estimate(self.seqs[i].acc, self.seqs[i].pool) for i in rows]
-        return choose_siblings(alphas, k, p.siblings.rates(), lambda w: k * draft + c.verify_cost(b, w) + over,
-                               p.tree_width)
+        return choose_siblings(alphas, k, p.siblings.rates(), lambda w: k * draft + ctl.verify_at(n, w), p.tree_width)
 
     def point_k(self, probs: Sequence[Sequence[float]], longest: int) -> int:
         p = self.policy
         if not p.adaptive:
             return longest
         p._ensure_costs(self.batch)
-        b = batch_bucket(self.batch)
-        over = p.controller.step_overhead.get(b, 0.0)
-        return choose_point_k(probs, self.batch, lambda k: p.controller.costs.verify_cost(b, k) + over, longest,
-                              p.controller.margin)
+        ctl, n = p.controller, self.batch
+        return choose_point_k(probs, n, lambda k: ctl.verify_at(n, k), longest, ctl.margin)
