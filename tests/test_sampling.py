@@ -481,3 +481,26 @@ def test_chi_square_catches_a_point_mass_rule_that_keeps_the_rejected_token(pair
     monkeypatch.setattr(dvi.engine.accept, "point_mass_accept", _wrong_point_mass_resample_from_p)
     pv, _ = engine_pvalue(pair[0], _suffix("suffix"), N_SAMPLES, 1.0, seed=11, filler=[4, 5])
     assert pv < 1e-4, pv
+
+
+@pytest.mark.parametrize("v", [49_152, 50_000])
+def test_two_level_sampling_is_the_inverse_cdf(v):
+    """A large vocabulary is sampled in two levels (the block, then the token in it): the same inverse CDF as one
+    cumulative sum over the vocabulary, token for token up to float rounding at a boundary, padding included where
+    the vocabulary is not a whole number of blocks; zero-probability tokens (a top-k, a residual) never drawn."""
+    from dvi.decode.sampling import SAMPLE_BLOCK
+
+    assert v >= 4 * SAMPLE_BLOCK
+    g = torch.Generator().manual_seed(3)
+    n = 512
+    probs = torch.softmax(torch.randn(n, v, generator=g) * 3, -1)
+    probs[:, 1::3] = 0.0  # holes, as top-k / top-p and residuals leave them
+    probs[:, -5:] = 0.0
+    u = torch.rand(n, generator=g)
+    got = sample_from(probs, u)
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    assert int((got != want).sum()) <= 1
+    assert bool((probs.gather(1, got.unsqueeze(1)) > 0).all())
+    edge = sample_from(probs[:4], torch.tensor([0.0, 1.0 - 1e-7, 0.5, 0.999999]))  # the ends of the range
+    assert bool((probs[:4].gather(1, edge.unsqueeze(1)) > 0).all())
