@@ -58,7 +58,11 @@ from dvi.decode.results import fmt_rate, pooled_rates
 from trainers.rl import ARMS
 
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:green", "suffix": "tab:orange",
-          "hybrid": "tab:red", "history": "tab:purple"}
+          "hybrid": "tab:red", "history": "tab:purple", "plain-aa": "tab:brown"}
+AA = "plain-aa"
+"""`--aa`'s second plain arm: plain sampling again, plain's policy every step (`--shared-policy`), its own draws."""
+AA_GAP = 0.01
+"""The largest A/A gap at which the benchmark resolves a 1% loss of a speculative arm."""
 
 
 def _per_step(logs: dict[str, dict[int, list]], arm: str, field: str) -> tuple[list[int], list[list[float]]]:
@@ -81,8 +85,8 @@ def _plot(path: Path, logs: dict[str, dict[int, list]], alpha_from: int, title: 
     fig, ax = plt.subplots(2, 3, figsize=(17, 9))
     panels = [
         (ax[0, 0], "alpha", SPEC_ARMS, "acceptance rate α per RL step (mean over seeds)", "α"),
-        (ax[0, 1], "rollout_s", ARMS, "rollout seconds per RL step", "seconds"),
-        (ax[0, 2], "reward", ARMS, "mean reward (band: plain's min-max over seeds)", "reward"),
+        (ax[0, 1], "rollout_s", (*ARMS, AA), "rollout seconds per RL step", "seconds"),
+        (ax[0, 2], "reward", (*ARMS, AA), "mean reward (band: plain's min-max over seeds)", "reward"),
         (ax[1, 0], "share", SPEC_ARMS, "share of tokens generated with K > 0", "share"),
         (ax[1, 1], "kl_to_init", ("plain", "online"), "KL(policy || initial target) per token", "KL"),
     ]
@@ -164,6 +168,10 @@ def _goals(pooled: dict[str, dict], steps: int, seeds: list[int]) -> list[dict]:
             goals.append(goal(f"plain / {a} rollout seconds per token (never slower)", ratio[a], 1.0))
         best = max(ratio, key=lambda a: ratio[a])
         goals.append(goal(f"best arm ({best}): plain / {best} rollout seconds per token", ratio[best], 1.3))
+    if pl and AA in pooled:  # the same arm twice: how far two runs of one method read apart here
+        gap = abs(_s_per_token(pl) / _s_per_token(pooled[AA]) - 1.0)
+        goals.append(goal(f"A/A: |plain / {AA} rollout seconds per token - 1| (this run's noise)", gap, AA_GAP,
+                          higher_is_better=False))
     if pl and spec:
         if len(pl["mean_reward_per_seed"]) > 1:
             spread = statistics.stdev(pl["mean_reward_per_seed"])
@@ -217,6 +225,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--shared-policy", action="store_true",
                     help="only plain learns; every other arm samples plain's policy of each step (speed without "
                          "trajectories that drift apart by chance)")
+    ap.add_argument("--aa", action="store_true",
+                    help=f"a second plain arm ({AA}, with --shared-policy): the A/A gap says what this run can resolve")
     ap.add_argument("--dataset-size", type=int, default=0,
                     help="a finite dataset of this many problems, iterated epoch after epoch (0: fresh problems)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group size)")
@@ -243,8 +253,8 @@ def _configs(a: argparse.Namespace, root: Path, seed: int) -> dict[str, Any]:
                                    "drafter_replay_steps": a.drafter_replay_steps,
                                    "num_draft_tokens": a.num_draft_tokens, "tree_width": a.tree_width}.items()
                  if v is not None}
-    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    return {arm: RLConfig(arm=arm, preset=a.preset, pair_dir=str(root), steps=a.steps,
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()] + ([AA] if a.aa else [])
+    return {arm: RLConfig(arm="plain" if arm == AA else arm, preset=a.preset, pair_dir=str(root), steps=a.steps,
                           prompts_per_step=a.prompts_per_step, dataset_size=a.dataset_size, n=a.n,
                           max_new_tokens=a.max_new_tokens,
                           reward=a.reward, adaptive=not a.fixed_k, seed=seed, threads=a.threads, **overrides)
@@ -310,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
     if a.shared_policy and "plain" not in [x.strip() for x in a.arms.split(",")]:
         raise SystemExit("--shared-policy: the arms must include plain (the one that learns)")
+    if a.aa and not a.shared_policy:
+        raise SystemExit("--aa: needs --shared-policy (two plain arms learning apart drift by chance)")
     root = Path(a.pair_dir) if a.pair_dir else embedded_dir(a.preset)
     if not is_built(root):
         from trainers.builds.bootstrap import bootstrap

@@ -123,6 +123,11 @@ def test_rl_benchmark_goals_match_the_issue():
     assert all(g["met"] for g in goals.values())
     few = _goals({a: arm(p["rollout_s_total"], 100, [0.4]) for a, p in pooled.items()}, 6, [0])
     assert [g["met"] for g in few if g["name"].startswith(("RL steps", "seeds", "rewards"))] == [False] * 3
+    # `--aa`: plain twice; the gap between the two is the run's noise, judged against a 1% resolution
+    aa = {g["name"]: g for g in _goals({**pooled, "plain-aa": arm(10.2, 100, [0.3, 0.4, 0.5])}, 16, [0, 1, 2])}
+    noise = aa["A/A: |plain / plain-aa rollout seconds per token - 1| (this run's noise)"]
+    assert not noise["met"] and abs(noise["value"] - (1 - 10 / 10.2)) < 1e-9
+    assert "plain-aa" not in " ".join(n for n in aa if "never slower" in n)  # a twin is no speculative arm
 
 
 def test_rl_loop_history_arm(tiny_pair_dir):
