@@ -61,6 +61,9 @@ COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:green", "suf
           "hybrid": "tab:red", "history": "tab:purple", "plain-aa": "tab:brown"}
 AA = "plain-aa"
 """`--aa`'s second plain arm: plain sampling again, plain's policy every step (`--shared-policy`), its own draws."""
+AA_DRAWS = 7919
+"""Added to the run seed for `AA`'s rollout draws: its samples differ from plain's as a speculative arm's do (lossless,
+other draws), so the A/A gap holds the trajectories' noise (their lengths) beside the timing's."""
 AA_GAP = 0.01
 """The largest A/A gap at which the benchmark resolves a 1% loss of a speculative arm."""
 
@@ -254,7 +257,8 @@ def _configs(a: argparse.Namespace, root: Path, seed: int) -> dict[str, Any]:
                                    "num_draft_tokens": a.num_draft_tokens, "tree_width": a.tree_width}.items()
                  if v is not None}
     arms = [x.strip() for x in a.arms.split(",") if x.strip()] + ([AA] if a.aa else [])
-    return {arm: RLConfig(arm="plain" if arm == AA else arm, preset=a.preset, pair_dir=str(root), steps=a.steps,
+    return {arm: RLConfig(arm="plain" if arm == AA else arm, sample_seed=seed + AA_DRAWS if arm == AA else None,
+                          preset=a.preset, pair_dir=str(root), steps=a.steps,
                           prompts_per_step=a.prompts_per_step, dataset_size=a.dataset_size, n=a.n,
                           max_new_tokens=a.max_new_tokens,
                           reward=a.reward, adaptive=not a.fixed_k, seed=seed, threads=a.threads, **overrides)

@@ -282,3 +282,19 @@ def test_an_arm_that_follows_samples_the_leaders_policy(tiny_pair_dir):
     assert all(torch.equal(own[k], v) for k, v in follower.policy.state_dict().items())
     leader.close()
     follower.close()
+
+
+def test_another_sample_seed_draws_other_rollouts_of_the_same_prompts(tiny_pair_dir):
+    """`RLConfig.sample_seed` (benchmarks/rl.py --aa's second plain arm): the same prompts in the same order, other
+    draws; without it the run seed decides both."""
+    common = dict(arm="plain", preset="tiny", reward="short_lines", pair_dir=str(tiny_pair_dir), steps=1,
+                  prompts_per_step=2, n=4, max_new_tokens=16, prompt_tokens=(8, 16), kl_every=0, lora_top_layers=0)
+    runs = [RLRun(RLConfig(**common), log=None), RLRun(RLConfig(**common), log=None),
+            RLRun(RLConfig(**common, sample_seed=7919), log=None)]
+    rolled = [run._rollouts(0) for run in runs]
+    prompts = [[r.prompt_ids for r in rolls] for _, rolls in rolled]
+    draws = [[r.completion_ids for r in rolls] for _, rolls in rolled]
+    assert prompts[0] == prompts[1] == prompts[2]
+    assert draws[0] == draws[1] and draws[2] != draws[0]
+    for run in runs:
+        run.close()

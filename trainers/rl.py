@@ -111,6 +111,7 @@ class RLConfig:
     drafter_reward_ramp_start: int = 20  # trainer steps of pure KL before the accept/reject reward ramps in
     feedback_top_k: int = 32
     seed: int = 0
+    sample_seed: int | None = None  # the rollouts' draws (None: `seed`); the same prompts under other draws
     threads: int | None = 1
     kl_every: int = 5
     feedback_dir: str | None = None
@@ -288,7 +289,7 @@ class RLRun:
         batch = [next(self._prompts) for _ in range(cfg.prompts_per_step)]
         rolls = self.rollouts.generate_rollouts(
             [ids for ids, _ in batch], n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed * 100_003 + i,
+            top_p=cfg.top_p, top_k=cfg.top_k, seed=(cfg.seed if cfg.sample_seed is None else cfg.sample_seed) * 100_003 + i,
         )
         return [batch[r.prompt_index][1] for r in rolls], rolls
 

@@ -188,13 +188,16 @@ class AdaptiveK:
         if self.needs_calibration(batch):
             return
         b, priced = batch_bucket(batch), self._priced(batch, positions)
+        if not priced:
+            return
         if positions > batch:
             base = priced * self.measured.value(b, "plain")
             moved = self.measured.observe(b, "position", (verify - base) / (positions - batch))
         else:
             moved = self.measured.observe(b, "plain", verify / priced)
-        if forwards > 0 and not catchup:
-            moved |= self.measured.observe(b, "draft", draft / forwards / self.costs.draft_cost(b))
+        priced_draft = self.costs.draft_cost(b)
+        if forwards > 0 and not catchup and priced_draft:
+            moved |= self.measured.observe(b, "draft", draft / forwards / priced_draft)
         if moved:
             self._cost_cache.clear()
 
