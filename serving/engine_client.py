@@ -102,6 +102,7 @@ class EngineSnapshot:
     # what trims gave back, which separates freed heap glibc held from memory the server still uses
     heap: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     prefix_cache: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # `PrefixCache.stats()` (empty: none)
+    step_costs: Mapping[str, float] = field(default_factory=lambda: _EMPTY)  # `EngineReport.step_costs`
 
     def served(self, lane: Any = None) -> int:
         """The drafter version the engine serves; with a group's `lane`, that group's adapter version (0: none)."""
@@ -152,7 +153,8 @@ def take_snapshot(engine: Engine, seq: int, heap: Mapping[str, Any] | None = Non
         adapter_versions=MappingProxyType(dict(engine.adapter_versions)),
         engine_info=MappingProxyType(dict(r.info)) if r.info else _EMPTY,
         heap=MappingProxyType(dict(heap)) if heap else _EMPTY,
-        prefix_cache=MappingProxyType(dict(r.prefix_cache)) if r.prefix_cache else _EMPTY)
+        prefix_cache=MappingProxyType(dict(r.prefix_cache)) if r.prefix_cache else _EMPTY,
+        step_costs=MappingProxyType(dict(r.step_costs)) if r.step_costs else _EMPTY)
 
 
 class SampleOutbox:

@@ -80,6 +80,9 @@ def health_info(s: ServerState) -> dict[str, Any]:
         "suffix": _suffix_info(s, snap.proposer_stats),
         "prefix_cache": dict(snap.prefix_cache) or None,  # serve.prefix_cache_tokens (None: off, the log says why)
         "draft_vocab_size": snap.draft_vocab_size,  # N of the live drafter's reduced vocabulary (None: full)
+        # adaptive K's prices as real steps measured them, per batch-size bucket: "plain" and "draft" a factor on the
+        # calibrated seconds, "position" the seconds a drafted position adds (`dvi.decode.step_costs.MeasuredCosts`)
+        "step_costs": dict(snap.step_costs),
         "greedy_contract": dict(snap.greedy_contract),  # bitwise / near-tie, measured on this device at start-up
         "tokenizer": {"stop_token_ids": list(s.scheduler.eos_ids), "warnings": s.tokenizer_warnings},
         "trainer": trainer,

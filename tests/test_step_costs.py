@@ -74,3 +74,22 @@ def test_a_probe_waits_until_the_plain_steps_since_the_last_one_cover_its_price(
     # α 0.4, within reach at +0.15: loss = catch-up 20 + draft 1 + verify 6 - gain 6 = 21 ms, 1% of ~140 plain steps
     assert probes(0.4, 800) == [140, 281, 422, 563]
     assert probes(0.47, 0) == [15, 47, 111, 175, 239, 303, 367, 431, 495, 559]
+
+
+def test_a_server_reports_what_its_steps_measured_against_their_prices(tiny_pair_dir, tmp_path):
+    """Through `dvi serve` with adaptive K: /health's `step_costs` holds each bucket's measured factors, once three
+    steps measured them (the tiny pair's steps: whatever this machine makes of them, positive factors)."""
+    from test_serving_helpers import ServerThread, tiny_config
+
+    cfg = tiny_config(tiny_pair_dir, tmp_path / "run", "speculation.adaptive=true")
+    with ServerThread(cfg) as s, s.client() as c:
+        for _ in range(3):
+            r = c.post("/v1/completions", json={"prompt": "def merge(a, b):\n", "max_tokens": 24, "temperature": 0})
+            assert r.status_code == 200, r.text
+        costs = s.health()["step_costs"]
+        assert costs and all(k.split("/")[1] in ("plain", "draft", "position") for k in costs)
+        assert all(v > 0 for k, v in costs.items() if not k.endswith("/position"))
+    fixed = tiny_config(tiny_pair_dir, tmp_path / "fixed")
+    with ServerThread(fixed) as s, s.client() as c:
+        c.post("/v1/completions", json={"prompt": "def merge(a, b):\n", "max_tokens": 8, "temperature": 0})
+        assert s.health()["step_costs"] == {}  # fixed K prices nothing

@@ -17,3 +17,6 @@ class EngineReport:
     draft_vocab_size: int | None = None  # a learned drafter's reduced draft vocabulary (None: the full one, or none)
     info: Mapping[str, Any] = field(default_factory=dict)  # a remote engine's own state (vLLM: its url, restarts)
     prefix_cache: Mapping[str, int] = field(default_factory=dict)  # `PrefixCache.stats()` ({}: none)
+    # what real steps measured against adaptive K's calibrated prices, "<bucket>/<part>" (`MeasuredCosts.values`; {}:
+    # none measured, fixed K, or a remote engine)
+    step_costs: Mapping[str, float] = field(default_factory=dict)

@@ -161,10 +161,12 @@ class SpeculativeEngine:
         return None
 
     def report(self) -> EngineReport:
-        """For the server's snapshot: the proposer's counters, draft vocabulary size, prefix cache counts."""
+        """For the server's snapshot: the proposer's counters, draft vocabulary size, prefix cache counts, what real
+        steps measured against adaptive K's prices."""
         ids, pc = getattr(self.proposer.drafter, "draft_vocab", None), self._target.prefix
         return EngineReport(self.proposer.stats(), None if ids is None else int(ids.numel()),
-                            prefix_cache=pc.stats() if pc else {})
+                            prefix_cache=pc.stats() if pc else {},
+                            step_costs=self.k_policy.controller.measured.values() if self.adaptive else {})
 
     def take_suffix_step_seconds(self) -> list[float]:
         """The suffix lookups' host seconds per step since the last call (handed over: the engine starts a new list)."""
