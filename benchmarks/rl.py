@@ -311,6 +311,16 @@ def _print_table(pooled: dict[str, dict], goals: list[dict]) -> None:
     print_goals(goals)
 
 
+def _check_args(a: argparse.Namespace) -> None:
+    bad = [x for x in a.arms.split(",") if x.strip() and x.strip() not in ARMS]
+    if bad:
+        raise SystemExit(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
+    if a.shared_policy and "plain" not in [x.strip() for x in a.arms.split(",")]:
+        raise SystemExit("--shared-policy: the arms must include plain (the one that learns)")
+    if a.aa and not a.shared_policy:
+        raise SystemExit("--aa: needs --shared-policy (two plain arms learning apart drift by chance)")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     import torch
@@ -319,13 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainers.rl import logs_to_jsonable
 
     torch.set_num_threads(a.threads)
-    bad = [x for x in a.arms.split(",") if x.strip() and x.strip() not in ARMS]
-    if bad:
-        raise SystemExit(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
-    if a.shared_policy and "plain" not in [x.strip() for x in a.arms.split(",")]:
-        raise SystemExit("--shared-policy: the arms must include plain (the one that learns)")
-    if a.aa and not a.shared_policy:
-        raise SystemExit("--aa: needs --shared-policy (two plain arms learning apart drift by chance)")
+    _check_args(a)
     root = Path(a.pair_dir) if a.pair_dir else embedded_dir(a.preset)
     if not is_built(root):
         from trainers.builds.bootstrap import bootstrap
