@@ -267,7 +267,7 @@ class AdaptiveK:
         clock.streak += 1
         if not (cached.can_pay and verdict != "plain" and clock.streak >= clock.due):
             return 0
-        k, pk = 0, self.probe_k or max(1, min(2, self.k_max))
+        k, pk = 0, max(1, min(self.probe_k or 2, self.k_max))  # (a probe_k past k_max has no verify price)
         pending = pending_tokens() if callable(pending_tokens) else pending_tokens
         catchup = pending * self.catchup_cost.get(b, 0.0)
         if catchup <= self.probe_budget_steps * cached.verify[0] and self._within_reach(alphas, cached, batch):
