@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from contextlib import asynccontextmanager
 
 import torch
@@ -23,6 +24,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from dvi.config import DviConfig
+from dvi.memory import freeze_long_lived
 
 from .admin import admin_router
 from .auth import bearer_token, is_admin, require_api_key, require_metrics_access
@@ -37,12 +39,18 @@ log = logging.getLogger("dvi.serving")
 
 
 # -- app -------------------------------------------------------------------------------------------
-def create_app(cfg: DviConfig, state: ServerState | None = None) -> FastAPI:
-    """The FastAPI app; builds (and on shutdown stops) its ServerState unless one is given."""
+def create_app(cfg: DviConfig, state: ServerState | None = None, freeze_gc: bool = False) -> FastAPI:
+    """The FastAPI app; builds (and on shutdown stops) its ServerState unless one is given. `freeze_gc`: the process
+    is the server's own (`run_server`): what start-up built is frozen out of the cyclic collector's walks
+    (`dvi.memory.freeze_long_lived`) before the first request."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         st = state if state is not None else await asyncio.to_thread(build_state, cfg)
         app.state.dvi = st
+        if freeze_gc:
+            t0 = time.perf_counter()
+            frozen = freeze_long_lived()
+            log.info("%d start-up objects frozen out of garbage collection in %.2fs", frozen, time.perf_counter() - t0)
         st.start()
         log.info("dvi serving %s (context %d, batch %d, trainer %s)", st.model_name, st.context_len,
                  cfg.serve.max_batch_size, cfg.serve.trainer)
@@ -100,14 +108,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(cfg: DviConfig, sock: socket.socket, state: ServerState | None = None):
+def make_server(cfg: DviConfig, sock: socket.socket, state: ServerState | None = None, freeze_gc: bool = False):
     """A uvicorn.Server for the app (call `.run(sockets=[sock])` in a thread or the main thread) that drains
     requests on SIGTERM/SIGINT or `should_exit` (`serving.drain`) before uvicorn's own shutdown."""
     import uvicorn
 
     host, port = sock.getsockname()[:2]
     sv = cfg.serve
-    app, protocol = create_app(cfg, state), deadline_protocol(sv.header_timeout_s, sv.body_timeout_s)
+    app, protocol = create_app(cfg, state, freeze_gc), deadline_protocol(sv.header_timeout_s, sv.body_timeout_s)
     app.state.http_timeouts = protocol.timeouts
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5, lifespan="on", http=protocol,
@@ -126,7 +134,7 @@ def run_server(cfg: DviConfig) -> int:
     sock = bind_socket(cfg.serve.host, cfg.serve.port)
     host, port = sock.getsockname()[:2]
     print(f"dvi serving on http://{host}:{port}  (health: /health, metrics: /metrics)", flush=True)
-    server = make_server(cfg, sock)
+    server = make_server(cfg, sock, freeze_gc=True)
     try:
         server.run(sockets=[sock])
     finally:

@@ -95,11 +95,25 @@ class Handle:
     done: bool = False
     cancelled: bool = False
 
-    def emit(self, event: Event) -> None:
+
+
+def send_events(events: list[tuple[Handle, Event]]) -> None:
+    """Engine thread: hand an iteration's events to their requests' queues, one wake-up of each event loop for all
+    of them (not one per row: each is a write to the loop's self-pipe and a turn of the loop, taken while the engine
+    thread waits for the GIL), each request's events in their order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Handle, Event]]] = {}
+    for h, ev in events:
+        by_loop.setdefault(h.loop, []).append((h, ev))
+    for loop, batch in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # loop closed: the client is gone
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # loop closed: its clients are gone
             pass
+
+
+def _put_all(batch: list[tuple[Handle, Event]]) -> None:
+    for h, ev in batch:
+        h.queue.put_nowait(ev)
 
 
 class Scheduler:
@@ -291,8 +305,8 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - a stale snapshot costs a scrape's freshness, never a request
             log.exception("engine snapshot failed")
         events, self._events = self._events, []
-        for h, ev in events:
-            h.emit(ev)
+        if events:
+            send_events(events)
 
     def _send(self, h: Handle, ev: Event) -> None:
         """Engine thread: `ev` goes to `h`'s endpoint once this iteration's snapshot is published."""

@@ -71,6 +71,30 @@ def test_trim_returns_freed_heap_that_free_alone_keeps():
     assert before - after >= 100, (before, after)
 
 
+FREEZE_CHILD = """
+import gc, time
+from dvi.memory import freeze_long_lived
+import torch, transformers  # a server's imports: tens of thousands of tracked objects
+n = freeze_long_lived()
+assert n == gc.get_freeze_count() > 10_000, n
+t = time.perf_counter(); gc.collect(); walk = time.perf_counter() - t
+a, b = [], []
+a.append(b); b.append(a)  # a cycle made after the freeze
+del a, b
+assert gc.collect() >= 2  # still collected
+gc.unfreeze(); t = time.perf_counter(); gc.collect(); full = time.perf_counter() - t
+print(n, walk, full)
+assert walk < full, (walk, full)
+"""
+
+
+def test_frozen_start_up_objects_are_not_walked_and_later_cycles_still_collected():
+    """`freeze_long_lived` (what `dvi serve` does once started): a full collection no longer walks what start-up
+    built, and garbage made later is still collected. In its own process: a freeze is process-wide."""
+    out = subprocess.run([sys.executable, "-c", FREEZE_CHILD], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_server_trims_when_idle_and_not_when_off(tiny_pair_dir, tmp_path, monkeypatch):
     """The engine thread trims once requests stop (and never with `serve.malloc_trim_seconds=0`), counting them;
     the server bounds oneDNN's primitive cache unless the environment already does."""

@@ -260,6 +260,7 @@ def test_dvi_serve_process_serves_and_stops_cleanly(tiny_pair_dir, tmp_path) -> 
     # a drained stop is a clean exit (uvicorn alone re-raised the signal: -SIGTERM)
     assert proc.returncode == 0, log[-2000:]
     assert "Traceback" not in log, log[-2000:]
+    assert "start-up objects frozen out of garbage collection" in log, log[-2000:]  # `dvi.memory.freeze_long_lived`
     with pytest.raises(ProcessLookupError):
         for _ in range(50):
             os.kill(trainer_pid, 0)
