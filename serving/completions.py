@@ -26,6 +26,8 @@ from dvi.feedback.heldout import adapter_group, client_key
 from .bodies import parse_body, validation_error
 from .chat_prompt import chat_prompt_ids
 from .control import draw_arm
+from .finished import Finished
+from .handle import Delta, Event, Handle
 from .logprobs import chat_logprobs, completion_logprobs, token_logprobs
 from .protocol import (
     ApiError,
@@ -36,7 +38,7 @@ from .protocol import (
     now,
     shutting_down,
 )
-from .scheduler import Delta, Event, Finished, Handle, QueueFull
+from .scheduler import QueueFull
 from .tokenize import utf8_len
 from .wiring import ServerState
 

@@ -25,7 +25,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ from .engine_client import (
     take_snapshot,
 )
 from .finished import Ending, Finished, FinishedFeed, final_reason
+from .handle import Delta, Event, Handle, send_events
 from .protocol import ApiError, new_id, shutting_down
 
 log = logging.getLogger(__name__)
@@ -55,65 +55,6 @@ log = logging.getLogger(__name__)
 
 class QueueFull(Exception):
     """The waiting queue is at `serve.queue_limit`; the app answers 429."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    """New text of a streaming request (after stop-string holdback)."""
-
-    text: str
-
-
-Event = Delta | Finished | ApiError
-"""What a request's queue carries to its endpoint: text as it streams, then one `Finished` or one `ApiError`."""
-
-
-@dataclass
-class Handle:
-    """One request's state: shared between the event loop (queue) and the engine thread."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    domain: str
-    stop: list[str]
-    stream: bool
-    loop: asyncio.AbstractEventLoop
-    client: str = ""
-    group: str = ""  # the traffic group whose drafter adapter drafts for it (trainer.adapter_key)
-    arm: str = "learned"  # "control": the frozen base drafts for it, not its group's adapter (`serving.control`)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    submitted_at: float = field(default_factory=time.perf_counter)
-    # engine-thread state
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    sent_chars: int = 0
-    stop_scanned: int = 0  # chars of `text` already searched for stop strings
-    detok: TextStream | None = None
-    first_token_at: float | None = None
-    added: bool = False
-    done: bool = False
-    cancelled: bool = False
-
-
-
-def send_events(events: list[tuple[Handle, Event]]) -> None:
-    """Engine thread: hand an iteration's events to their requests' queues, one wake-up of each event loop for all
-    of them (not one per row: each is a write to the loop's self-pipe and a turn of the loop, taken while the engine
-    thread waits for the GIL), each request's events in their order."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Handle, Event]]] = {}
-    for h, ev in events:
-        by_loop.setdefault(h.loop, []).append((h, ev))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:  # loop closed: its clients are gone
-            pass
-
-
-def _put_all(batch: list[tuple[Handle, Event]]) -> None:
-    for h, ev in batch:
-        h.queue.put_nowait(ev)
 
 
 class Scheduler:
