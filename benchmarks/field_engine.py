@@ -148,9 +148,11 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict[str, int]]:
     import torch
 
     from benchmarks.serve_field import build_prompts
+    from dvi.memory import freeze_long_lived
 
     torch.set_num_threads(1)
     make, pair = engine_factory(args)
+    freeze_long_lived()  # as `dvi serve` does once started: the imports and the pair, never walked again
     tok = pair.tokenizer
     prompts = [tok(p["prompt"])["input_ids"] for p in build_prompts(tok, args.prompts, args.seed)]
     stops = tuple(int(s) for s in (getattr(pair, "stop_ids", None) or [tok.eos_token_id]))

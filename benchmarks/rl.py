@@ -325,9 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     import torch
 
+    from dvi.memory import freeze_long_lived
     from dvi.models.embedded import embedded_dir, is_built
     from trainers.rl import logs_to_jsonable
 
+    freeze_long_lived()  # what the imports built: no full collection walks it mid-rollout, in any arm
     torch.set_num_threads(a.threads)
     _check_args(a)
     root = Path(a.pair_dir) if a.pair_dir else embedded_dir(a.preset)
