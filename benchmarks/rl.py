@@ -256,7 +256,7 @@ def _configs(a: argparse.Namespace, root: Path, seed: int) -> dict[str, Any]:
                                    "drafter_replay_steps": a.drafter_replay_steps,
                                    "num_draft_tokens": a.num_draft_tokens, "tree_width": a.tree_width}.items()
                  if v is not None}
-    arms = [x.strip() for x in a.arms.split(",") if x.strip()] + ([AA] if a.aa else [])
+    arms = _arm_list(a) + ([AA] if a.aa else [])
     return {arm: RLConfig(arm="plain" if arm == AA else arm, sample_seed=seed + AA_DRAWS if arm == AA else None,
                           preset=a.preset, pair_dir=str(root), steps=a.steps,
                           prompts_per_step=a.prompts_per_step, dataset_size=a.dataset_size, n=a.n,
@@ -311,11 +311,15 @@ def _print_table(pooled: dict[str, dict], goals: list[dict]) -> None:
     print_goals(goals)
 
 
+def _arm_list(a: argparse.Namespace) -> list[str]:
+    return [x.strip() for x in a.arms.split(",") if x.strip()]
+
+
 def _check_args(a: argparse.Namespace) -> None:
-    bad = [x for x in a.arms.split(",") if x.strip() and x.strip() not in ARMS]
+    bad = [x for x in _arm_list(a) if x not in ARMS]
     if bad:
         raise SystemExit(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
-    if a.shared_policy and "plain" not in [x.strip() for x in a.arms.split(",")]:
+    if a.shared_policy and "plain" not in _arm_list(a):
         raise SystemExit("--shared-policy: the arms must include plain (the one that learns)")
     if a.aa and not a.shared_policy:
         raise SystemExit("--aa: needs --shared-policy (two plain arms learning apart drift by chance)")
