@@ -21,6 +21,7 @@ from pydantic import (
 
 from dvi.config_base import ConfigError, Secret, _Strict
 from dvi.config_serve import DEFAULT_CONTROL_SHARE, ServeConfig, VllmConfig
+from dvi.engine.options import default_tree_width
 
 __all__ = ["ConfigError", "DEFAULT_CONTROL_SHARE", "DviConfig", "Secret", "ServeConfig", "VllmConfig", "dump_config",
            "load_config"]
@@ -289,7 +290,7 @@ class DviConfig(_Strict):
             raise ValueError("speculation.tree_width: vLLM's draft_model method (and its CPU build) verifies chains, "
                              "trees only for EAGLE heads on CUDA's tree attention; set 0 with serve.engine 'vllm'")
         if self.speculation.tree_width is None:
-            self.speculation.tree_width = 3 if self.serve.engine == "dvi" and self.speculation.adaptive else 0
+            self.speculation.tree_width = default_tree_width(self.serve.engine == "dvi" and self.speculation.adaptive)
         return self
 
     @property

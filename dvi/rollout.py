@@ -40,6 +40,7 @@ from dvi.feedback import FeedbackRecord, FeedbackWriter
 
 if TYPE_CHECKING:
     from dvi.drafters.learned import Drafter
+    from dvi.engine.options import EngineOptions
     from dvi.engine.speculative import SpeculativeEngine
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "RolloutStats",
     "RolloutEngine",
     "policy_state_dict",
+    "rollout_options",
     "validate_prompts",
 ]
 
@@ -178,13 +180,9 @@ class RolloutEngine:
         `kind`: ``history`` (a prompt's earlier rollouts and live siblings, `dvi.rollout_history`), ``history_hybrid``
         (that index, else `drafter` where no proposal clears the bar), or any `dvi.drafters.factory` kind
         (``none``, ``suffix``, ``hybrid``, a learned kind with `drafter`). `kwargs` go to `RolloutEngine`.
-        `engine_options` default: `serve.cpu_rows_kernel`'s, `serve.cpu_packed_weights`' and
-        `serve.prefix_cache_tokens`' defaults: on a CPU, dvi's kernels and oneDNN's packs where they win, as `dvi serve`
-        runs them, and a GRPO group's samples of one prompt prefilled once."""
-        from dvi.config_serve import DEFAULT_PREFIX_CACHE_TOKENS
+        `engine_options` default: `rollout_options(target, adaptive)`."""
         from dvi.drafters.factory import make_proposer, proposer_for_drafter
-        from dvi.engine.options import packed_weights
-        from dvi.engine.speculative import EngineOptions, SpeculativeEngine
+        from dvi.engine.speculative import SpeculativeEngine
         from dvi.rollout_history import history_proposer
 
         vocab = int(target.get_output_embeddings().weight.shape[0])
@@ -202,9 +200,7 @@ class RolloutEngine:
             proposer = make_proposer(kind, drafter, vocab, device, settings=suffix_settings)
         engine = SpeculativeEngine(target, proposer, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
                                    max_draft_tokens=max_draft_tokens,
-                                   options=engine_options or EngineOptions(
-                                       cpu_rows_kernel="auto", cpu_packed_weights=packed_weights("auto", target),
-                                       prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS))
+                                   options=engine_options or rollout_options(target, adaptive))
         return cls(engine, **kwargs)
 
     # -- versions -------------------------------------------------------------------------
@@ -325,6 +321,19 @@ class RolloutEngine:
 
 
 # -- policy weights ---------------------------------------------------------------------------
+
+
+def rollout_options(target: torch.nn.Module, adaptive: bool = True, tree_width: int | None = None) -> EngineOptions:
+    """How rollouts run the engine, as `dvi serve` runs it by default: on a CPU dvi's kernels and oneDNN's packs where
+    they win (`serve.cpu_rows_kernel`, `serve.cpu_packed_weights`), a prefix cache (`serve.prefix_cache_tokens`: a
+    GRPO group's samples of one prompt prefilled once), and draft trees where adaptive K prices their siblings
+    (`tree_width` None: `speculation.tree_width`'s default). `RolloutEngine.speculative` and `trainers.rl` read it."""
+    from dvi.config_serve import DEFAULT_PREFIX_CACHE_TOKENS
+    from dvi.engine.options import EngineOptions, default_tree_width, packed_weights
+
+    return EngineOptions(cpu_rows_kernel="auto", cpu_packed_weights=packed_weights("auto", target),
+                         prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS,
+                         tree_width=default_tree_width(adaptive) if tree_width is None else int(tree_width))
 
 
 def policy_state_dict(model: torch.nn.Module, adapted_only: bool = False) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ import pytest
 from dvi.data import prompt_stream
 from dvi.decode.request import Request, SamplingParams
 from dvi.drafters.factory import make_proposer
-from dvi.engine.speculative import SpeculativeEngine
+from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import RolloutEngine
 from dvi.rollout_history import HistoryProposer, history_proposer, row_draft_lens
@@ -32,8 +32,9 @@ def pair(tiny_pair_dir):
     return tok, target, prompts
 
 
-def _engine(target, proposer, adaptive: bool) -> SpeculativeEngine:
-    return SpeculativeEngine(target, proposer, num_draft_tokens=3, max_draft_tokens=4, adaptive=adaptive)
+def _engine(target, proposer, adaptive: bool, tree_width: int = 0) -> SpeculativeEngine:
+    return SpeculativeEngine(target, proposer, num_draft_tokens=3, max_draft_tokens=4, adaptive=adaptive,
+                             options=EngineOptions(tree_width=tree_width))
 
 
 def test_live_siblings_draft_from_each_other_before_any_finishes(pair):
@@ -52,17 +53,19 @@ def test_live_siblings_draft_from_each_other_before_any_finishes(pair):
     assert hits[False] == 0 and hits[True] > 0
 
 
-def test_history_greedy_equals_plain_and_prices_per_row(pair):
+@pytest.mark.parametrize("tree_width", [0, 3])
+def test_history_greedy_equals_plain_and_prices_per_row(pair, tree_width):
     """Greedy rollouts with history drafts (adaptive, per-row pricing on a ragged CPU verify) are the target's own
-    greedy tokens, also on a second batch that drafts from the first one's rollouts."""
+    greedy tokens, also on a second batch that drafts from the first one's rollouts; a target that verifies trees
+    too (`tree_width` 3, what `trainers.rl` runs) keeps the per-row pricing."""
     _, target, prompts = pair
     vocab = int(target.get_output_embeddings().weight.shape[0])
     plain = RolloutEngine(_engine(target, make_proposer("none", None, vocab, "cpu"), adaptive=False))
     prop = history_proposer(vocab)
     assert isinstance(prop, HistoryProposer)
-    eng = _engine(target, prop, adaptive=True)
+    eng = _engine(target, prop, adaptive=True, tree_width=tree_width)
     ctl = eng.k_policy.controller
-    assert ctl.ragged
+    assert ctl.ragged and eng.k_policy.tree_width == tree_width
     for b in (1, 2, 4):  # costs set, not timed: a verified draft position costs 1% of a plain step
         ctl.set_costs(b, {k: 0.01 * (1 + 0.01 * b * k) for k in range(eng.k_cap + 1)}, 0.001)
     spec = RolloutEngine(eng)

@@ -216,8 +216,8 @@ class RLRun:
     def _build_engine(self) -> None:
         """The speculative engine (no drafter in the plain arm), its costs calibrated up front."""
         from dvi.drafters.factory import make_proposer
-        from dvi.engine.speculative import EngineOptions, SpeculativeEngine
-        from dvi.rollout import RolloutEngine
+        from dvi.engine.speculative import SpeculativeEngine
+        from dvi.rollout import RolloutEngine, rollout_options
 
         cfg = self.cfg
         vocab = int(self.target.get_output_embeddings().weight.shape[0])
@@ -232,8 +232,7 @@ class RLRun:
             self.target, proposer, num_draft_tokens=cfg.num_draft_tokens, adaptive=cfg.adaptive,
             max_draft_tokens=max(cfg.max_draft_tokens, cfg.num_draft_tokens),
             feedback_top_k=cfg.feedback_top_k if cfg.arm == "online" else 0,
-            options=EngineOptions(tree_width=cfg.tree_width if cfg.tree_width is not None else 3 * cfg.adaptive,
-                                  cpu_rows_kernel="auto"),  # fp32 on a CPU: steps and verifies on dvi's rows kernel
+            options=rollout_options(self.target, cfg.adaptive, cfg.tree_width),  # as RolloutEngine.speculative
         )
         self.calibrate_s = 0.0
         if cfg.adaptive and self.engine.proposer.name != "none":

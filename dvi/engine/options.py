@@ -7,7 +7,7 @@ import dataclasses
 
 from dvi.decode.sampling import GREEDY_BELOW_TEMPERATURE
 
-__all__ = ["PACKED_AUTO_BYTES", "EngineOptions", "packed_weights", "prefill_share"]
+__all__ = ["PACKED_AUTO_BYTES", "EngineOptions", "default_tree_width", "packed_weights", "prefill_share"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,12 @@ class EngineOptions:
     # prompts' leading tokens whose keys and values the target keeps for a later prompt that starts alike (a
     # template's system prompt, a GRPO group's samples of one prompt): `dvi.decode.prefix_cache`; 0: none
     prefix_cache_tokens: int = 0
+
+
+def default_tree_width(adaptive: bool) -> int:
+    """`speculation.tree_width: null` (a server, RL rollouts): 3 siblings a depth at most where adaptive K prices how
+    many pay, chains with a fixed K (which would verify every sibling every step)."""
+    return 3 if adaptive else 0
 
 
 def prefill_share(prompt_lens: list[int], budget: int) -> int:
