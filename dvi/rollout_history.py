@@ -11,8 +11,7 @@
   row's draft positions cost the calibrated seconds per verified position, not a batch-wide K for every row; each
   position is drafted when its path probability (the expected accepted token it adds) raises the step's tokens per
   second, as `dvi.decode.k_choice.choose_rows` prices learned drafts. Where no draft pays (a full batch, poor
-  matches) the step is plain. Elsewhere (fixed K, CUDA graphs) the suffix proposer's own pricing applies; where the
-  target verifies trees too, history rows stay chains priced per row.
+  matches) the step is plain. Elsewhere (fixed K, trees, CUDA graphs) the suffix proposer's own pricing applies.
 
 Sampling stays lossless: a draft is a point mass built from tokens other rows emitted before this step, so it is
 independent of this row's acceptance coins, and the engine's rejection rule (`sampling.point_mass_accept`) keeps
@@ -97,11 +96,10 @@ class HistoryProposer(SuffixProposer):
     # -- per-row pricing -----------------------------------------------------------------------------------
     def _costs(self, pricing: Pricing, k_max: int) -> tuple[float, float, float] | None:
         """(plain step seconds, seconds per verified draft position, margin) for this batch from the engine's
-        calibrated costs; None where the step is not priced per row (fixed K, a target that verifies every position
-        of a [B, K + 1] batch). A target that also verifies trees changes nothing: the rows stay chains priced
-        per row, this kind's pricing (a tree width does not switch it off)."""
+        calibrated costs; None where the step is not priced per row (fixed K, trees, a target that verifies every
+        position of a [B, K + 1] batch)."""
         policy = getattr(pricing, "policy", None)
-        if not self.per_row or policy is None or not policy.adaptive:
+        if not self.per_row or policy is None or not policy.adaptive or pricing.trees:
             return None
         ctl = policy.controller
         if not getattr(ctl, "ragged", False):

@@ -9,7 +9,7 @@ import pytest
 from dvi.data import prompt_stream
 from dvi.decode.request import Request, SamplingParams
 from dvi.drafters.factory import make_proposer
-from dvi.engine.speculative import EngineOptions, SpeculativeEngine
+from dvi.engine.speculative import SpeculativeEngine
 from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import RolloutEngine
 from dvi.rollout_history import HistoryProposer, history_proposer, row_draft_lens
@@ -32,9 +32,8 @@ def pair(tiny_pair_dir):
     return tok, target, prompts
 
 
-def _engine(target, proposer, adaptive: bool, tree_width: int = 0) -> SpeculativeEngine:
-    return SpeculativeEngine(target, proposer, num_draft_tokens=3, max_draft_tokens=4, adaptive=adaptive,
-                             options=EngineOptions(tree_width=tree_width))
+def _engine(target, proposer, adaptive: bool) -> SpeculativeEngine:
+    return SpeculativeEngine(target, proposer, num_draft_tokens=3, max_draft_tokens=4, adaptive=adaptive)
 
 
 def test_live_siblings_draft_from_each_other_before_any_finishes(pair):
@@ -53,19 +52,17 @@ def test_live_siblings_draft_from_each_other_before_any_finishes(pair):
     assert hits[False] == 0 and hits[True] > 0
 
 
-@pytest.mark.parametrize("tree_width", [0, 3])
-def test_history_greedy_equals_plain_and_prices_per_row(pair, tree_width):
+def test_history_greedy_equals_plain_and_prices_per_row(pair):
     """Greedy rollouts with history drafts (adaptive, per-row pricing on a ragged CPU verify) are the target's own
-    greedy tokens, also on a second batch that drafts from the first one's rollouts; a target that verifies trees
-    too (`tree_width` 3, what `trainers.rl` runs) keeps the per-row pricing."""
+    greedy tokens, also on a second batch that drafts from the first one's rollouts."""
     _, target, prompts = pair
     vocab = int(target.get_output_embeddings().weight.shape[0])
     plain = RolloutEngine(_engine(target, make_proposer("none", None, vocab, "cpu"), adaptive=False))
     prop = history_proposer(vocab)
     assert isinstance(prop, HistoryProposer)
-    eng = _engine(target, prop, adaptive=True, tree_width=tree_width)
+    eng = _engine(target, prop, adaptive=True)
     ctl = eng.k_policy.controller
-    assert ctl.ragged and eng.k_policy.tree_width == tree_width
+    assert ctl.ragged
     for b in (1, 2, 4):  # costs set, not timed: a verified draft position costs 1% of a plain step
         ctl.set_costs(b, {k: 0.01 * (1 + 0.01 * b * k) for k in range(eng.k_cap + 1)}, 0.001)
     spec = RolloutEngine(eng)
@@ -108,6 +105,26 @@ def test_rollout_engine_speculative_prices_by_default_and_takes_history(pair):
     again = ro.generate_rollouts(prompts[:1], n=1, max_new_tokens=24, temperature=0.0)[0]
     assert again.completion_ids == done.completion_ids
     assert again.num_accepted > 0  # drafted from the added rollout (batch of one: the suffix proposer's pricing)
+
+
+def test_rollouts_run_the_engine_as_a_server_does(pair):
+    """`rollout_options`, the one owner of how rollouts run the engine (`RolloutEngine.speculative`, `trainers.rl`):
+    the server's defaults (kernels, packs, the prefix cache a GRPO group's prefill shares, draft trees with adaptive
+    K, chains with a fixed K)."""
+    from dvi.config import DviConfig
+    from dvi.config_serve import DEFAULT_PREFIX_CACHE_TOKENS
+    from dvi.rollout import rollout_options
+
+    _, target, _ = pair
+    served = DviConfig.model_validate({})
+    opts = rollout_options(target)
+    assert opts.tree_width == served.speculation.tree_width == 3
+    assert opts.prefix_cache_tokens == served.serve.prefix_cache_tokens == DEFAULT_PREFIX_CACHE_TOKENS
+    assert opts.cpu_rows_kernel == served.serve.cpu_rows_kernel == "auto"
+    assert rollout_options(target, adaptive=False).tree_width == 0
+    assert rollout_options(target, tree_width=1).tree_width == 1
+    ro = RolloutEngine.speculative(target)
+    assert ro.engine.k_policy.tree_width == (3 if ro.engine._target.trees else 0)
 
 
 def test_rl_benchmark_goals_match_the_issue():
