@@ -26,7 +26,7 @@ import torch
 from dvi.decode.sources import SOURCE_MODEL
 from dvi.drafters.model_proposer import with_siblings
 from dvi.drafters.proposer import Draft, MakeProposer, Pricing, Proposer, Uniforms
-from dvi.drafters.suffix_proposer import BRANCHES, SuffixProposer, point_drafts, source_of
+from dvi.drafters.suffix_proposer import SuffixProposer, point_drafts, source_of
 from dvi.drafters.tree_draft import RowTree, assemble
 
 if TYPE_CHECKING:
@@ -105,10 +105,10 @@ class HybridProposer(Proposer):
     def add_history(self, seq_id: str, tokens: list[int]) -> None:
         self.suffix.add_history(seq_id, tokens)
 
-    def _split(self, caps: list[int], lookups: bool, branches: int = 0) -> tuple[dict, dict, list[int]]:
-        """Each row's suffix proposals (best first; `branches`: with each index's runner-up continuations), the rows
-        whose best clears the bar (row -> it) and the rows the learned drafter takes."""
-        sets = self.suffix.proposal_sets(caps, lookups, branches)
+    def _split(self, caps: list[int], lookups: bool) -> tuple[dict, dict, list[int]]:
+        """Each row's suffix proposals (best first), the rows whose best clears the bar (row -> it) and the rows the
+        learned drafter takes."""
+        sets = self.suffix.proposal_sets(caps, lookups)
         proposals = {i: found[0] for i, found in sets.items()}
         if self.learned.drafter is None:  # no learned part (swapped out): every proposal drafts
             return sets, proposals, []
@@ -126,7 +126,7 @@ class HybridProposer(Proposer):
         """The learned drafter runs (all rows, one batch) only when some row uses it; suffix rows overwrite theirs.
         Where the target verifies trees, a step that would branch anywhere is one tree (`_plan`)."""
         b = len(seqs)
-        sets, chosen, model_rows = self._split(caps, pricing.lookups, BRANCHES if pricing.trees else 0)
+        sets, chosen, model_rows = self._split(caps, pricing.lookups)
         k_model = pricing.model_k(model_rows, self.learned.pending_tokens) if model_rows else 0
         k_suffix = pricing.point_k([list(p.probs) for p in chosen.values()],
                                    max(len(p.tokens) for p in chosen.values())) if chosen else 0

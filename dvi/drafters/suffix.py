@@ -239,28 +239,24 @@ class SuffixCache:
                                 max_spec_factor=max_spec_factor, scan=scan)[0]
 
     def propose_all(self, req_id: Hashable, max_tokens: int, *, min_prob: float = 0.1, max_match: int = 32,
-                    max_spec_factor: float | None = None, scan: bool = False,
-                    branches: int = 0) -> list[SuffixProposal]:
+                    max_spec_factor: float | None = None, scan: bool = False) -> list[SuffixProposal]:
         """Both proposals (the request's own, the global one; either may be empty), calibrated when
         calibrating, best score first (ties: the request's own): a draft tree verifies the runner-up
-        beside the best, where one chain could carry only the best. With `branches`, each index's other
-        continuations where its vote first split follow them (`SuffixIndex.propose(branches=)`, calibrated
-        alike), best score first. Counts one lookup, and a hit for the best, as `propose`."""
+        beside the best, where one chain could carry only the best. Counts one lookup, and a hit for
+        the best, as `propose`."""
         idx = self._request(req_id)
         ctx = self._context[req_id]
         self.lookups += 1
-        kw = {"min_prob": min_prob, "max_match": max_match, "max_spec_factor": max_spec_factor, "scan": scan,
-              "branches": branches}
+        kw = {"min_prob": min_prob, "max_match": max_match, "max_spec_factor": max_spec_factor, "scan": scan}
         local = idx.propose(ctx, max_tokens, **kw)
         remote = self.global_index.propose(ctx, max_tokens, exclude=req_id, **kw)
-        others = [*local.branches, *remote.branches]
         if self.calibrator is not None:
             self._pending[req_id] = (local, remote)   # both are graded by the next append
-            local, remote, *others = (self.calibrator.adjust(x, min_prob, req_id) for x in (local, remote, *others))
+            local, remote = (self.calibrator.adjust(x, min_prob, req_id) for x in (local, remote))
         ranked = [remote, local] if remote.score > local.score else [local, remote]
         if ranked[0].tokens:
             self.hits[ranked[0].source] += 1
-        return ranked + sorted(others, key=lambda x: -x.score)
+        return ranked
 
     def stats(self) -> dict:
         """Sizes and counters for /metrics: global tokens and sequences, live requests, lookups, hits."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,8 +59,6 @@ class SuffixProposal:
     source: str
     raw_score: float | None = None   # before calibration (dvi.drafters.suffix.Calibrator), if calibrated
     pooled: list[float] | None = None  # if calibrated: each step's probability before the drafted-proposal ratio
-    # other continuations where the vote first split (`SuffixIndex.propose(branches=)`), a draft tree's branches
-    branches: tuple[SuffixProposal, ...] = ()
 
     @staticmethod
     def empty(source: str = "global") -> SuffixProposal:
@@ -306,9 +304,8 @@ class SuffixIndex:
 
     def propose(self, context: Sequence[int], max_tokens: int, *, min_prob: float = 0.1,
                 max_match: int = 32, exclude: Hashable | None = None,
-                max_spec_factor: float | None = None, scan: bool = False, branches: int = 0) -> SuffixProposal:
-        """Draft up to `max_tokens` tokens continuing `context` (see the module docstring); with `branches`, up to
-        that many other continuations where its vote first split ride along (`SuffixProposal.branches`).
+                max_spec_factor: float | None = None, scan: bool = False) -> SuffixProposal:
+        """Draft up to `max_tokens` tokens continuing `context` (see the module docstring).
 
         `scan`: also score every shorter match length whose occurrence set differs and keep the
         best score (Arctic's rule; it drafted no better in benchmarks/suffix_index.py and costs
@@ -333,7 +330,7 @@ class SuffixIndex:
             raise ValueError("context must hold token ids >= 0")
         if budget == 0 or not ctx:
             return SuffixProposal.empty(self.source)
-        best, best_set = SuffixProposal.empty(self.source), None
+        best = SuffixProposal.empty(self.source)
         for length, pos, w in self._match_sets(ctx, exclude, scan):
             cap = budget if max_spec_factor is None else min(budget, int(length * max_spec_factor + 1e-6))
             if cap <= 0 or cap <= best.score:
@@ -341,11 +338,9 @@ class SuffixIndex:
             toks, probs = self._walk(pos, w, cap, float(min_prob))
             score = float(sum(probs))
             if score > best.score:   # ties keep the longer match
-                best, best_set = SuffixProposal(toks, probs, score, length, self.source), (pos, w, cap)
+                best = SuffixProposal(toks, probs, score, length, self.source)
         if best.tokens:
             self.hits += 1
-            if branches > 0:
-                best = replace(best, branches=self._branches(*best_set, best, int(branches), float(min_prob)))
         return best
 
     def _usable(self, pos: np.ndarray, exclude: Hashable | None) -> tuple[np.ndarray, np.ndarray]:
@@ -407,47 +402,12 @@ class SuffixIndex:
         weighted vote; see the module docstring."""
         if pos.size > MAX_VOTERS:
             pos, w = pos[-MAX_VOTERS:], w[-MAX_VOTERS:]
-        return self._follow(self._next[pos], w, budget, min_prob, 1.0, [], [])
-
-    def _branches(self, pos: np.ndarray, w: np.ndarray, budget: int, best: SuffixProposal, n: int,
-                  min_prob: float) -> tuple[SuffixProposal, ...]:
-        """Up to `n` other continuations where `best`'s walk over `pos` first split: its tokens before the split,
-        another token voted there (most weight first; probability its share of the path) and that token's own
-        continuation, followed as `_walk` does."""
-        if pos.size > MAX_VOTERS:
-            pos, w = pos[-MAX_VOTERS:], w[-MAX_VOTERS:]
         tok, nxt = self._tok, self._next
         cur = nxt[pos]
-        for j in range(len(best.tokens)):  # replay the walk to its first split (j, t, col, cur, w there)
-            t, col = best.tokens[j], tok[cur]
-            if cur.size > 1 and not (col == t).all():
-                break
-            cur, w = nxt[cur[col == t]], w[col == t]
-            cur, w = cur[cur != 0], w[cur != 0]
-            if cur.size <= 1:
-                return ()
-        else:
-            return ()
-        votes: dict[int, float] = {}
-        for a, x in zip(col.tolist(), w.tolist(), strict=True):
-            if a != t:
-                votes[a] = votes.get(a, 0.0) + x
-        before, total, out = (best.probs[j - 1] if j else 1.0), float(w.sum()), []
-        for a in sorted(votes, key=votes.__getitem__, reverse=True)[:n]:
-            p = before * votes[a] / total
-            if p < min_prob:
-                break
-            nxt_a, w_a = nxt[cur[col == a]], w[col == a]
-            toks, probs = self._follow(nxt_a[nxt_a != 0], w_a[nxt_a != 0], budget, min_prob, p,
-                                       [*best.tokens[:j], a], [*best.probs[:j], p])
-            out.append(SuffixProposal(toks, probs, float(sum(probs)), best.match_len, self.source))
-        return tuple(out)
-
-    def _follow(self, cur: np.ndarray, w: np.ndarray, budget: int, min_prob: float, p: float, toks: list[int],
-                probs: list[float]) -> tuple[list[int], list[float]]:
-        """`_walk` from continuation positions `cur` on, after `toks` (path probability `p`)."""
-        tok, nxt = self._tok, self._next
-        while len(toks) < budget and cur.size:
+        toks: list[int] = []
+        probs: list[float] = []
+        p = 1.0
+        while len(toks) < budget:
             if cur.size == 1:   # one occurrence left: copy its continuation
                 c = int(cur[0])
                 while c and len(toks) < budget:

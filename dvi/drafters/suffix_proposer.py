@@ -11,12 +11,9 @@ siblings still running, a repeated agent call) drafts its first tokens from it t
 change (`rebuild` with a new target version, RL), outputs of older versions decay: weight
 `version_decay ** age`. The time spent on lookups and appends is counted (`stats()["seconds"]`, on /metrics).
 
-Where the target verifies draft trees, both indices' proposals are drafted when they differ, and each index's
-other continuations where its vote first split (up to `BRANCHES` an index, each with its share of the vote): the
-best as the first branch, the others merged in as a trie (`dvi.drafters.tree_draft`), each rank cut to the width
-its path probabilities pay for, so a step whose best guess misses can still keep another continuation (at a
-temperature above 0 a point mass is kept with p(x), so every further candidate adds its own p); a chain could
-only carry one of them.
+Where the target verifies draft trees, both indices' proposals are drafted when they differ: the better one as
+the first branch, the runner-up merged in as a trie (`dvi.drafters.tree_draft`), so a step whose best guess
+misses can still keep the other index's continuation; a chain could only carry one of them.
 """
 
 from __future__ import annotations
@@ -35,11 +32,10 @@ if TYPE_CHECKING:
     from dvi.decode.seq import BatchParams, Seq
     from dvi.drafters.suffix import SuffixCache, SuffixProposal
 
-__all__ = ["BRANCHES", "SuffixProposer", "PROMPT_TAIL", "finished_entry", "source_of", "point_drafts", "suffix_tree_draft"]
+__all__ = ["SuffixProposer", "PROMPT_TAIL", "finished_entry", "source_of", "point_drafts", "suffix_tree_draft"]
 
 
 PROMPT_TAIL = 16  # prompt tokens kept in front of a finished output in the global index
-BRANCHES = 2  # an index's other continuations a draft tree may verify beside its best (`SuffixIndex.propose`)
 
 
 def finished_entry(prompt_ids, output_ids: list[int], prompt_tail: int = PROMPT_TAIL) -> list[int]:
@@ -120,9 +116,9 @@ class SuffixProposer(Proposer):
             except ValueError:  # evicted from the bounded index meanwhile
                 del self._versions[sid]
 
-    def proposal_sets(self, caps: list[int], lookups: bool = True, branches: int = 0) -> dict[int, list]:
-        """Row -> its `SuffixProposal`s with tokens (the request's own, the global one, then with `branches` each
-        index's other continuations), best first, for rows with one (`lookups` False: none)."""
+    def proposal_sets(self, caps: list[int], lookups: bool = True) -> dict[int, list]:
+        """Row -> its `SuffixProposal`s with tokens (the request's own, the global one), best first, for rows
+        with one (`lookups` False: none)."""
         t0 = time.perf_counter()
         self.step_seconds = 0.0
         out = {}
@@ -133,8 +129,7 @@ class SuffixProposer(Proposer):
                 cap = min(self.max_tokens, caps[i])
                 if cap <= 0:
                     continue
-                found = [p for p in self.cache.propose_all(rid, cap, min_prob=self.min_prob, branches=branches)
-                         if p.tokens]
+                found = [p for p in self.cache.propose_all(rid, cap, min_prob=self.min_prob) if p.tokens]
                 if found:
                     out[i] = found
         self._offered = {i: found[0] for i, found in out.items()}
@@ -149,7 +144,7 @@ class SuffixProposer(Proposer):
                 params: BatchParams) -> Draft:
         """The best proposal per row, as a chain; where the target verifies trees, a row whose runner-up differs
         gets it as a second branch (`branch_trees`)."""
-        sets = self.proposal_sets(caps, pricing.lookups, BRANCHES if pricing.trees else 0)
+        sets = self.proposal_sets(caps, pricing.lookups)
         chosen = {i: found[0] for i, found in sets.items()}
         b = len(seqs)
         k = 0
@@ -169,25 +164,19 @@ class SuffixProposer(Proposer):
         return d
 
     def branch_trees(self, sets: dict[int, list], k: int, pricing: Pricing) -> dict[int, RowTree]:
-        """Rows whose other proposals add nodes beside the best one's first k tokens -> their tree: the best as the
-        first branch, the others merged in as a trie in their order (the other index's, then the runner-up
-        continuations), each rank cut to the width `point_k` prices for that rank's proposals, at most
-        `2 * max_tokens` nodes a row. For a step whose target verifies trees (the caller asked `Pricing.siblings`)."""
-        rest = {i: found[1:] for i, found in sets.items() if len(found) > 1}
-        if not rest:
+        """Rows whose runner-up proposal adds nodes beside the best one's first k tokens -> their tree (the best
+        as the first branch, the runner-up merged in as a trie, cut to the width `point_k` prices for the
+        runner-ups). For a step whose target verifies trees (the caller asked `Pricing.siblings`)."""
+        seconds = {i: found[1] for i, found in sets.items() if len(found) > 1}
+        if not seconds:
             return {}
-        trees = {i: RowTree.chain(sets[i][0].tokens[:k], source_of(sets[i][0])) for i in rest}
-        grown: set[int] = set()
-        for r in range(max(len(x) for x in rest.values())):
-            ranked = {i: x[r] for i, x in rest.items() if len(x) > r}
-            kr = pricing.point_k([list(p.probs) for p in ranked.values()], max(len(p.tokens) for p in ranked.values()))
-            if kr <= 0:
-                break  # later ranks' proposals are no likelier
-            for i, p in ranked.items():
-                room = 2 * self.max_tokens - len(trees[i].ids)
-                if room > 0 and trees[i].merge(p.tokens[:kr], source_of(p), limit=room):
-                    grown.add(i)
-        return {i: trees[i] for i in grown}
+        k2 = pricing.point_k([list(p.probs) for p in seconds.values()], max(len(p.tokens) for p in seconds.values()))
+        out = {}
+        for i, p in seconds.items():
+            tree = RowTree.chain(sets[i][0].tokens[:k], source_of(sets[i][0]))
+            if k2 > 0 and tree.merge(p.tokens[:k2], source_of(p)):
+                out[i] = tree
+        return out
 
     def observe(self, draft: Draft, n: list[int], emitted: list[list[int]], feats: torch.Tensor | None) -> None:
         """The step's emitted tokens: indexed now where the step looked its rows up (they grade its proposals,

@@ -56,16 +56,14 @@ class RowTree:
         return next((j + 1 for j, (p, t) in enumerate(zip(self.parents, self.ids, strict=True))
                      if p == parent and t == token), None)
 
-    def merge(self, tokens: Sequence[int], source: str | None = None, limit: int | None = None) -> int:
-        """Join the point-mass branch `tokens` (from the root, proposed by `source`) as a trie, adding at most `limit`
-        nodes (the branch is cut there); returns the nodes it added."""
+    def merge(self, tokens: Sequence[int], source: str | None = None) -> int:
+        """Join the point-mass branch `tokens` (from the root, proposed by `source`) as a trie; returns the nodes it
+        added."""
         cur, added = 0, 0
         for t in tokens:
             t = int(t)
             node = self._child(cur, t)
             if node is None:
-                if limit is not None and added >= limit:
-                    break
                 self.ranks.append(sum(1 for p in self.parents if p == cur))
                 self.ids.append(t)
                 self.parents.append(cur)
