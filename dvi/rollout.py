@@ -20,9 +20,9 @@ pay, so speculation never costs more than the calibrated costs allow, and the go
 lookups off where drafting measured slower. The drafts that pay in RL are a prompt's own history
 (`dvi.rollout_history`, kind `history`): its earlier rollouts (previous steps or epochs, SPEC-RL's draft) and its
 GRPO siblings while they run, as point masses (docs/design.md says why not SPEC-RL's rule); with trees (the
-default, `rollout_options`) a row's runner-up continuation joins as a second branch, with chains each row's draft
-positions are priced one by one; `add_history` feeds rollouts made elsewhere (another worker, an earlier run) into
-the same index.
+default, `rollout_options`) the row's own text and the other rows' (siblings, earlier rollouts) each propose and
+the runner-up joins the best as a second branch, with chains each row's draft positions are priced one by one;
+`add_history` feeds rollouts made elsewhere (another worker, an earlier run) into the same index.
 
 TRL's ``GRPOTrainer(rollout_func=...)`` adapter over a `RolloutEngine` is `dvi.rollout_trl`.
 """
