@@ -145,6 +145,26 @@ def _pooled(summaries: list[dict], logs: list[list], alpha_from: int) -> dict:
     }
 
 
+def ratio_interval(plain: dict[int, list], arm: dict[int, list], reps: int = 2000,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """95% interval of plain / arm rollout seconds per token, resampling (seed, step) pairs: both arms rolled out the
+    same step of the same seed (its prompts, and with `--shared-policy` its weights), so a pair's two figures move
+    together with the step's prompts and the box's speed that minute (a paired bootstrap). None: under 4 pairs."""
+    import random
+
+    pairs = [(p.rollout_s, p.tokens, a.rollout_s, a.tokens) for sd in plain if sd in arm
+             for p, a in zip(plain[sd], arm[sd], strict=False)]
+    if len(pairs) < 4:
+        return None
+    rng, n, ratios = random.Random(seed), len(pairs), []
+    for _ in range(reps):
+        pick = [pairs[rng.randrange(n)] for _ in range(n)]
+        arm_rate = sum(x[2] for x in pick) / max(1, sum(x[3] for x in pick))
+        ratios.append(sum(x[0] for x in pick) / max(1, sum(x[1] for x in pick)) / max(arm_rate, 1e-12))
+    ratios.sort()
+    return ratios[int(0.025 * reps)], ratios[int(0.975 * reps) - 1]
+
+
 def _alpha(rs: list) -> float | None:
     return pooled_rates(rs)[0]
 
@@ -308,6 +328,11 @@ def _print_table(pooled: dict[str, dict], goals: list[dict]) -> None:
               f"{f(s['speculated_share']):>6} {f(s['alpha_all']):>7} {f(s['alpha_late']):>7} {s['mean_reward']:>7.3f} "
               f"{s['reward_first5']:>7.3f} {s['reward_last5']:>7.3f} {s['update_s_total']:>9.1f} "
               f"{s['drafter_s_total']:>9.1f}")
+    for arm, s in pooled.items():
+        if s.get("x_plain_interval"):
+            lo, hi = s["x_plain_interval"]
+            print(f"plain / {arm} seconds per token: {_s_per_token(pooled['plain']) / _s_per_token(s):.3f} "
+                  f"[{lo:.3f}, {hi:.3f}] (95%, paired bootstrap over seed x step)")
     print_goals(goals)
 
 
@@ -357,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t_start
 
     pooled = {arm: _pooled(summaries[arm], list(logs[arm].values()), alpha_from) for arm in logs}
+    for arm in pooled:
+        if arm != "plain" and "plain" in logs:
+            pooled[arm]["x_plain_interval"] = ratio_interval(logs["plain"], logs[arm])
     goals = _goals(pooled, a.steps, seeds)
     out = {
         "benchmark": "rl",

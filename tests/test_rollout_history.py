@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 
@@ -125,6 +126,25 @@ def test_rollouts_run_the_engine_as_a_server_does(pair):
     assert rollout_options(target, tree_width=1).tree_width == 1
     ro = RolloutEngine.speculative(target)
     assert ro.engine.k_policy.tree_width == (3 if ro.engine._target.trees else 0)
+
+
+def test_rl_benchmark_interval_pairs_seed_and_step():
+    """The paired bootstrap of plain / arm seconds per token: an arm like plain up to noise straddles 1, an arm twice
+    as slow on every pair sits at 0.5 whatever the steps' own spread (a pair moves together), under 4 pairs none."""
+    import random
+
+    from benchmarks.rl import ratio_interval
+
+    rng = random.Random(1)
+    step = lambda s, t: SimpleNamespace(rollout_s=s, tokens=t)  # noqa: E731
+    base = {sd: [(rng.uniform(0.5, 2.0), rng.randint(300, 700)) for _ in range(16)] for sd in range(3)}
+    plain = {sd: [step(s, t) for s, t in v] for sd, v in base.items()}
+    twin = {sd: [step(s * rng.uniform(0.97, 1.03), t) for s, t in v] for sd, v in base.items()}
+    slow = {sd: [step(2 * s, t) for s, t in v] for sd, v in base.items()}
+    lo, hi = ratio_interval(plain, twin)
+    assert lo < 1.0 < hi and hi - lo < 0.05
+    assert ratio_interval(plain, slow) == pytest.approx((0.5, 0.5))
+    assert ratio_interval({0: plain[0][:3]}, {0: slow[0][:3]}) is None
 
 
 def test_rl_benchmark_goals_match_the_issue():
