@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -150,8 +151,6 @@ def ratio_interval(plain: dict[int, list], arm: dict[int, list], reps: int = 200
     """95% interval of plain / arm rollout seconds per token, resampling (seed, step) pairs: both arms rolled out the
     same step of the same seed (its prompts, and with `--shared-policy` its weights), so a pair's two figures move
     together with the step's prompts and the box's speed that minute (a paired bootstrap). None: under 4 pairs."""
-    import random
-
     pairs = [(p.rollout_s, p.tokens, a.rollout_s, a.tokens) for sd in plain if sd in arm
              for p, a in zip(plain[sd], arm[sd], strict=False)]
     if len(pairs) < 4:
