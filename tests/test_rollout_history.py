@@ -10,7 +10,7 @@ import pytest
 from dvi.data import prompt_stream
 from dvi.decode.request import Request, SamplingParams
 from dvi.drafters.factory import make_proposer
-from dvi.engine.speculative import SpeculativeEngine
+from dvi.engine.speculative import EngineOptions, SpeculativeEngine
 from dvi.models.loading import find_tokenizer_path, load_causal_lm, load_tokenizer
 from dvi.rollout import RolloutEngine
 from dvi.rollout_history import HistoryProposer, history_proposer, row_draft_lens
@@ -185,11 +185,14 @@ def test_rl_loop_history_arm(tiny_pair_dir):
     assert run.engine.proposer.version == 3 and min(run.engine.proposer._versions.values()) < 3
 
 
+@pytest.mark.parametrize("tree_width", [0, 3])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (1.0, 0.8)])
-def test_history_sampling_matches_target_chi_square(temperature, top_p):
-    """Lossless with live siblings and per-row drafts: many rows of one prompt decode together (each drafting from
-    the others' text and from earlier calls' rollouts, its own number of point-mass drafts on a ragged verify);
-    their first two tokens follow the target's exact law (chi-square, the same check as `tests/test_sampling.py`)."""
+def test_history_sampling_matches_target_chi_square(temperature, top_p, tree_width):
+    """Lossless with live siblings and per-row drafts (`tree_width` 0) or priced as the suffix kind is where the
+    target verifies trees (3, `rollout_options`' default; the trees' own law: `tests/test_suffix_trees.py`,
+    `tests/test_tree_accept.py`): many rows of one prompt decode together (each drafting from the others' text and
+    from earlier calls' rollouts); their first two tokens follow the target's exact law (chi-square, the same check
+    as `tests/test_sampling.py`)."""
     from tests.test_sampling import PROMPT, exact_two_token_law, tiny_lm, two_token_pvalue
 
     target = tiny_lm(0)
@@ -198,13 +201,15 @@ def test_history_sampling_matches_target_chi_square(temperature, top_p):
     prop = history_proposer(8, settings=SuffixConfig(max_draft_tokens=4, min_prob=0.05))
     for i, seq in enumerate([[1, 2, 3, 5, 6, 7], [1, 2, 3, 5, 6, 1], [2, 3, 4, 4, 0]]):
         prop.cache.add_finished(f"seed{i}", seq)
-    eng = SpeculativeEngine(target, prop, num_draft_tokens=2, max_draft_tokens=4, adaptive=True)
+    eng = SpeculativeEngine(target, prop, num_draft_tokens=2, max_draft_tokens=4, adaptive=True,
+                            options=EngineOptions(tree_width=tree_width))
     for b in (16, 32, 64):  # a draft position costs 1% of a plain step: every proposal with p > ~0.01 drafts
         eng.k_policy.controller.set_costs(b, {k: 0.01 * (1 + 0.01 * b * k) for k in range(eng.k_cap + 1)}, 0.001)
     res = []
     for call in range(60):
         res += eng.generate([PROMPT] * 50, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=1000 * call)
     drafted, accepted = sum(r.num_drafted for r in res), sum(r.num_accepted for r in res)
-    assert prop.priced_rows > 0 and drafted > 0 and 0 < accepted < drafted
+    assert drafted > 0 and 0 < accepted < drafted
+    assert (prop.priced_rows > 0) == (tree_width == 0)  # per-row pricing only where the target verifies chains
     assert prop.stats()["hits_global"] > 0
     assert two_token_pvalue(res, exact_two_token_law(target, temperature, 0, top_p)) > 1e-3
