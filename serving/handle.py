@@ -56,7 +56,6 @@ class Handle:
     cancelled: bool = False
 
 
-
 def send_events(events: list[tuple[Handle, Event]]) -> None:
     """Engine thread: hand an iteration's events to their requests' queues, one wake-up of each event loop for all
     of them (not one per row: each is a write to the loop's self-pipe and a turn of the loop, taken while the engine
