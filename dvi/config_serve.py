@@ -115,6 +115,10 @@ class ServeConfig(_Strict):
     max_prompt_chars: int = Field(1_000_000, ge=1)
     max_stop_strings: int = Field(16, ge=0)
     max_stop_chars: int = Field(256, ge=1)
+    # the most choices one request may ask for: `n`, times a completions request's prompts (OpenAI's batch form).
+    # Each choice is a row of its own (a GRPO group's samples of one prompt share its prefill through the prefix
+    # cache) and counts against `queue_limit` like a request; a request is queued whole or refused whole (429)
+    max_choices: int = Field(64, ge=1)
     # `metadata.domain` values that get their own metrics series / α pool; any other -> "other"
     domains: list[str] = Field(default_factory=lambda: ["default", "code", "prose", "chat", "sql"])
     # the control group (issue 59): this share of each traffic group's requests drafts with the frozen base drafter

@@ -10,6 +10,7 @@ OpenAI-style 4xx that names the field.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dvi.decode.results import acceptance_rate
 from dvi.engine.speculative import SamplingParams
 from dvi.feedback.heldout import adapter_group, client_key
 
@@ -30,6 +32,7 @@ from .finished import Finished
 from .handle import Delta, Event, Handle
 from .logprobs import chat_logprobs, completion_logprobs, token_logprobs
 from .protocol import (
+    SEED_MAX,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -77,7 +80,7 @@ def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> Samp
     cfg = state.cfg
     if req.stream and req.wants_logprobs():
         raise ApiError(400, "logprobs are not supported with stream=true", param="logprobs")
-    if _echoes(req) and req.wants_logprobs():
+    if isinstance(req, CompletionRequest) and req.echo and req.wants_logprobs():
         raise ApiError(400, "echo with logprobs is not supported (the prompt's log-probs are not computed)",
                        param="echo")
     if req.model is not None and req.model != state.model_name:
@@ -114,81 +117,114 @@ def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> Samp
     )
 
 
-def _usage(fin: Finished) -> dict[str, int]:
-    n = len(fin.token_ids)
-    return {"prompt_tokens": fin.prompt_len, "completion_tokens": n, "total_tokens": fin.prompt_len + n}
+def _usage(fins: list[Finished], n: int) -> dict[str, int]:
+    """Each prompt's tokens once (its first choice's count), every choice's completion tokens."""
+    prompt = sum(f.prompt_len for f in fins[::n])
+    done = sum(len(f.token_ids) for f in fins)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-async def _next_event(state: ServerState, h: Handle, request: Request) -> Event:
-    """The request's next event; cancels it (frees the slot) if the client disconnects."""
+def _dvi(fins: list[Finished]) -> dict[str, Any]:
+    """The response's `dvi` block: the one choice's stats, or for several their totals (each choice has its own)."""
+    if len(fins) == 1:
+        return fins[0].stats()
+    drafted = sum(f.result.num_drafted for f in fins if f.result is not None)
+    accepted = sum(f.result.num_accepted for f in fins if f.result is not None)
+    return {"choices": len(fins), "request_ids": [f.request_id for f in fins], "drafted": drafted,
+            "accepted": accepted, "alpha": acceptance_rate(accepted, drafted),
+            "steps": sum(f.result.num_steps for f in fins if f.result is not None)}
+
+
+async def _next_event(state: ServerState, handles: list[Handle], request: Request) -> tuple[int, Event]:
+    """The request's next (choice, event); cancels every choice (frees their slots) if the client disconnects."""
     while True:
         try:
-            return await asyncio.wait_for(h.queue.get(), DISCONNECT_POLL_S)
+            return await asyncio.wait_for(handles[0].queue.get(), DISCONNECT_POLL_S)
         except TimeoutError:
             if await request.is_disconnected():
-                state.scheduler.cancel(h)
+                _cancel(state, handles)
                 raise asyncio.CancelledError from None
 
 
-def _submit(state: ServerState, req: ApiRequest, prompt_ids: list[int], params: SamplingParams,
-            request_key: str | None) -> Handle:
-    """Queue the request; `request_key` (the client's X-Request-Id) keeps a retried request in its control arm."""
+def _cancel(state: ServerState, handles: list[Handle]) -> None:
+    for h in handles:
+        if not h.done:
+            state.scheduler.cancel(h)
+
+
+def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """A prompt's choice j samples with seed + j (wrapped into the seed's range), so a seeded request's choices
+    differ. (Under adaptive speculation a seed fixes the draws, not which of them a step consumes: what was drafted
+    moves with the batch, so a seeded realization may too; its distribution cannot.)"""
+    if j == 0 or params.seed is None:
+        return params
+    seed = params.seed + j
+    return dataclasses.replace(params, seed=seed if seed <= SEED_MAX else seed - 2**64)
+
+
+def _submit(state: ServerState, req: ApiRequest, prompts: list[list[int]], params: list[SamplingParams],
+            request_key: str | None) -> list[Handle]:
+    """Queue every prompt's n choices, whole or not at all; `request_key` (the client's X-Request-Id) keeps a
+    retried request in its control arm, all its choices in one."""
     domain, client = req.domain(), client_key(req.user)
     group = adapter_group(state.cfg.trainer.adapter_key, domain, client)
     arm = draw_arm(state.control_share, group, request_key or new_id("key"))
+    choices = [(ids, _choice_params(p, j)) for ids, p in zip(prompts, params, strict=True) for j in range(req.n)]
     try:
-        h = state.scheduler.submit(prompt_ids, params, domain=domain, stop=req.stop_list(), stream=req.stream,
-                                   client=client, group=group, arm=arm)
+        return state.scheduler.submit_choices(choices, domain=domain, stop=req.stop_list(), stream=req.stream,
+                                              client=client, group=group, arm=arm)
     except QueueFull as exc:  # counted by the ApiError handler (reason queue_full)
         raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
-    return h
 
 
-def _echoes(req: ApiRequest) -> bool:
-    return isinstance(req, CompletionRequest) and req.echo
-
-
-def _echo_text(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> str:
-    """The prompt, returned before the completion when a completions request sets `echo`."""
-    if not _echoes(req):
+def _echo_text(state: ServerState, req: ApiRequest, raw: str | list[int], ids: list[int]) -> str:
+    """A prompt, returned before its completions when a completions request sets `echo`."""
+    if not (isinstance(req, CompletionRequest) and req.echo):
         return ""
-    if isinstance(req.prompt, str):
-        return req.prompt
-    return state.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    return raw if isinstance(raw, str) else state.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-async def _complete(state: ServerState, request: Request, req: ApiRequest, prompt_ids: list[int],
-                    chat: bool) -> Response:
-    params = _prepare(state, req, prompt_ids)
-    h = _submit(state, req, prompt_ids, params, request.headers.get("x-request-id"))
+async def _complete(state: ServerState, request: Request, req: ApiRequest, prompts: list[list[int]],
+                    chat: bool, raw: list[str | list[int]] | None = None) -> Response:
+    params = [_prepare(state, req, ids) for ids in prompts]
+    handles = _submit(state, req, prompts, params, request.headers.get("x-request-id"))
     rid = new_id("chatcmpl" if chat else "cmpl")
     created = now()
-    echo = _echo_text(state, req, prompt_ids)
+    echoes = [_echo_text(state, req, r, ids) for r, ids in zip(raw or prompts, prompts, strict=True)]
     if req.stream:
-        return StreamingResponse(_stream(state, request, h, rid, created, chat, echo),
+        return StreamingResponse(_stream(state, request, handles, rid, created, chat, echoes, req.n),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        while True:
-            ev = await _next_event(state, h, request)
-            if isinstance(ev, ApiError):
-                raise ev
-            if isinstance(ev, Finished):
-                fin = ev
-                break
-    except asyncio.CancelledError:
-        state.scheduler.cancel(h)
-        raise
-    lps = _logprobs(state, fin, chat) if req.wants_logprobs() else None
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": fin.text}, "logprobs": lps,
-                  "finish_reason": fin.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": echo + fin.text, "logprobs": lps, "finish_reason": fin.finish_reason}
-        obj = "text_completion"
-    return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                         "choices": [choice], "usage": _usage(fin), "dvi": fin.stats()})
+        fins = await _finish_all(state, handles, request)
+    finally:
+        _cancel(state, handles)
+    several = len(fins) > 1
+    choices = []
+    for c, fin in enumerate(fins):
+        lps = _logprobs(state, fin, chat) if req.wants_logprobs() else None
+        if chat:
+            choice = {"index": c, "message": {"role": "assistant", "content": fin.text}, "logprobs": lps,
+                      "finish_reason": fin.finish_reason}
+        else:
+            choice = {"index": c, "text": echoes[c // req.n] + fin.text, "logprobs": lps,
+                      "finish_reason": fin.finish_reason}
+        choices.append(choice | ({"dvi": fin.stats()} if several else {}))
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                         "model": state.model_name, "choices": choices, "usage": _usage(fins, req.n),
+                         "dvi": _dvi(fins)})
+
+
+async def _finish_all(state: ServerState, handles: list[Handle], request: Request) -> list[Finished]:
+    """Every choice's `Finished`, in choice order; the first `ApiError` of any is raised."""
+    fins: dict[int, Finished] = {}
+    while len(fins) < len(handles):
+        c, ev = await _next_event(state, handles, request)
+        if isinstance(ev, ApiError):
+            raise ev
+        if isinstance(ev, Finished):
+            fins[c] = ev
+    return [fins[c] for c in range(len(handles))]
 
 
 def _logprobs(state: ServerState, fin: Finished, chat: bool) -> dict[str, Any]:
@@ -199,45 +235,50 @@ def _logprobs(state: ServerState, fin: Finished, chat: bool) -> dict[str, Any]:
     return chat_logprobs(items) if chat else completion_logprobs(items)
 
 
-async def _stream(state: ServerState, request: Request, h: Handle, rid: str, created: int,
-                  chat: bool, echo: str = "") -> AsyncIterator[bytes]:
+async def _stream(state: ServerState, request: Request, handles: list[Handle], rid: str, created: int,
+                  chat: bool, echoes: list[str], n: int) -> AsyncIterator[bytes]:
+    """One SSE stream for every choice, each chunk naming its choice; a choice's last chunk carries its `dvi` block,
+    the last choice to finish the request's usage."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, finish: str | None = None, extra: dict | None = None,
+    def chunk(c: int, delta: str | None, finish: str | None = None, extra: dict | None = None,
               first: bool = False) -> bytes:
         if chat:
             d: dict[str, Any] = {"role": "assistant"} if first else {}
             if delta:
                 d["content"] = delta
-            choice = {"index": 0, "delta": d, "finish_reason": finish}
+            choice = {"index": c, "delta": d, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": c, "text": delta or "", "logprobs": None, "finish_reason": finish}
         body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]}
         if extra:
             body.update(extra)
         return f"data: {json.dumps(body)}\n\n".encode()
 
     try:
-        if chat:
-            yield chunk(None, first=True)
-        elif echo:
-            yield chunk(echo)
-        while True:
-            ev = await _next_event(state, h, request)
+        for c in range(len(handles)):
+            if chat:
+                yield chunk(c, None, first=True)
+            elif echoes[c // n]:
+                yield chunk(c, echoes[c // n])
+        fins: dict[int, Finished] = {}
+        while len(fins) < len(handles):
+            c, ev = await _next_event(state, handles, request)
             if isinstance(ev, Delta):
-                yield chunk(ev.text)
+                yield chunk(c, ev.text)
             elif isinstance(ev, Finished):
-                yield chunk(None, ev.finish_reason, {"usage": _usage(ev), "dvi": ev.stats()})
-                yield b"data: [DONE]\n\n"
-                return
+                fins[c] = ev
+                extra: dict[str, Any] = {"dvi": ev.stats()}
+                if len(fins) == len(handles):
+                    extra["usage"] = _usage([fins[i] for i in range(len(handles))], n)
+                yield chunk(c, None, ev.finish_reason, extra)
             else:
                 state.metrics.observe_refusal(ev.status, ev.code)
                 yield f"data: {json.dumps(ev.body())}\n\n".encode()
-                yield b"data: [DONE]\n\n"
-                return
+                break
+        yield b"data: [DONE]\n\n"
     finally:
-        if not h.done:
-            state.scheduler.cancel(h)
+        _cancel(state, handles)
 
 
 # -- routes ----------------------------------------------------------------------------------------
@@ -252,11 +293,9 @@ async def completions_endpoint(request: Request) -> Response:
     s: ServerState = request.app.state.dvi
     _refuse_if_draining(s)
     req = await parse_body(request, CompletionRequest, s.cfg.serve.max_body_bytes, s.limits)
-    if isinstance(req.prompt, str):
-        ids = await _tokenize(s, _encode, [req.prompt], "prompt", req.prompt)
-    else:
-        ids = list(req.prompt)
-    return await _complete(s, request, req, ids, chat=False)
+    raw = req.prompts()
+    ids = [await _tokenize(s, _encode, [p], "prompt", p) if isinstance(p, str) else list(p) for p in raw]
+    return await _complete(s, request, req, ids, chat=False, raw=raw)
 
 
 async def chat_completions_endpoint(request: Request) -> Response:
@@ -265,7 +304,7 @@ async def chat_completions_endpoint(request: Request) -> Response:
     _refuse_if_draining(s)
     req = await parse_body(request, ChatCompletionRequest, s.cfg.serve.max_body_bytes, s.limits)
     ids = await _tokenize(s, _chat_prompt, [m.text() for m in req.messages], "messages", req.messages)
-    return await _complete(s, request, req, ids, chat=True)
+    return await _complete(s, request, req, [ids], chat=True)
 
 
 def _refused(request: Request, status: int, code: str | None) -> None:

@@ -1,6 +1,7 @@
-"""One request as the server holds it (`Handle`: the endpoint's queue, the engine thread's state of it) and the
-events that reach its endpoint (`Delta`s as text streams, then one `Finished` or one `ApiError`), handed over by the
-engine thread once its iteration's snapshot is out (`serving.scheduler`)."""
+"""One request's choice as the server holds it (`Handle`: the endpoint's queue, the engine thread's state of it) and
+the events that reach its endpoint (`Delta`s as text streams, then one `Finished` or one `ApiError`), handed over by
+the engine thread once its iteration's snapshot is out (`serving.scheduler`), each as (choice, event): a request's
+choices share one queue."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ Event = Delta | Finished | ApiError
 
 @dataclass
 class Handle:
-    """One request's state: shared between the event loop (queue) and the engine thread."""
+    """One choice's state (a request of n choices has n): shared between the event loop (queue) and the engine
+    thread."""
 
     request_id: str
     prompt_ids: list[int]
@@ -42,7 +44,8 @@ class Handle:
     client: str = ""
     group: str = ""  # the traffic group whose drafter adapter drafts for it (trainer.adapter_key)
     arm: str = "learned"  # "control": the frozen base drafts for it, not its group's adapter (`serving.control`)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # (choice, Event), shared by the request's choices
+    choice: int = 0  # its index among the request's choices
     submitted_at: float = field(default_factory=time.perf_counter)
     # engine-thread state
     token_ids: list[int] = field(default_factory=list)
@@ -72,4 +75,4 @@ def send_events(events: list[tuple[Handle, Event]]) -> None:
 
 def _put_all(batch: list[tuple[Handle, Event]]) -> None:
     for h, ev in batch:
-        h.queue.put_nowait(ev)
+        h.queue.put_nowait((h.choice, ev))

@@ -5,9 +5,10 @@ Requests are validated here so that every bad field becomes a 4xx naming the fie
 config (max_tokens ceiling, context length, served model name) are checked in the app.
 Every field that changes the answer is honoured or refused with a 400 naming it: the penalties and
 `logit_bias` are served (a lossless transform of the target), `max_completion_tokens` is chat's
-token limit; `best_of`, `suffix`, `response_format` other than text, tool calling, `n` > 1,
-non-text content parts and vLLM's sampling extras dvi does not implement (`UNSUPPORTED`) are
-refused. Fields that do not change the tokens (`user`, `store`, `service_tier`, `stream_options`,
+token limit; `n` choices of each prompt (a completions request may send several prompts, OpenAI's
+batch form) up to `serve.max_choices` in all; `best_of` other than n, `suffix`, `response_format` other than
+text, tool calling, non-text content parts and vLLM's sampling extras dvi does not implement (`UNSUPPORTED`)
+are refused. Fields that do not change the tokens (`user`, `store`, `service_tier`, `stream_options`,
 `parallel_tool_calls`, ...) and unknown ones are ignored. `logprobs` is served for the chosen
 tokens and asking for top alternatives is a 400 (serving/logprobs.py).
 """
@@ -74,6 +75,7 @@ class RequestLimits:
     max_prompt_chars: int = 1_000_000
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    max_choices: int = 64  # n x a completions request's prompts
     vocab_size: int | None = None
     domains: tuple[str, ...] | None = None  # None: any domain; else others are reported as OTHER_DOMAIN
 
@@ -152,10 +154,14 @@ class _Request(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _choices(cls, v: int, info: ValidationInfo) -> int:
+        limit = _limits(info).max_choices
+        if v > limit:
+            raise ValueError(f"n={v} exceeds this server's limit of {limit} choices a request")
         return v
+
+    def prompt_count(self) -> int:
+        return 1
 
     @field_validator("stop")
     @classmethod
@@ -210,9 +216,9 @@ def _chosen_tokens_only(field: str):
 
 
 class CompletionRequest(_Request):
-    """POST /v1/completions: a prompt (text, or a list of token ids, or a one-element list)."""
+    """POST /v1/completions: a prompt (text or a list of token ids) or several (a list of either)."""
 
-    prompt: Text | list[StrictInt] | list[Text]
+    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
     best_of: StrictInt | None = None
@@ -220,9 +226,9 @@ class CompletionRequest(_Request):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("only best_of equal to n is supported (every sample drawn is returned)")
         return v
 
     @field_validator("suffix")
@@ -240,18 +246,29 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: str | list, info: ValidationInfo) -> str | list:
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if isinstance(v[0], str):
-                if len(v) != 1:
-                    raise ValueError("only one prompt per request is supported (n=1)")
-                v = v[0]
-        if isinstance(v, str) and not v:
+        if isinstance(v, list) and v and isinstance(v[0], str | list) and len(v) == 1:
+            v = v[0]  # a batch of one is that prompt
+        if not v:
             raise ValueError("prompt must not be empty")
-        if isinstance(v, str):
+        if isinstance(v, list) and isinstance(v[0], str | list):
+            if not all(v):
+                raise ValueError("prompt must not hold an empty prompt")
+            limit = _limits(info).max_choices
+            if len(v) * info.data.get("n", 1) > limit:
+                raise ValueError(f"{len(v)} prompts x n={info.data.get('n', 1)} exceeds this server's limit of "
+                                 f"{limit} choices a request")
+            _check_prompt_chars(sum(len(p) for p in v if isinstance(p, str)), info)
+        elif isinstance(v, str):
             _check_prompt_chars(len(v), info)
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each text or token ids."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
+
+    def prompt_count(self) -> int:
+        return len(self.prompts())
 
 
 class FunctionCall(BaseModel):

@@ -118,17 +118,28 @@ class Scheduler:
                stop: list[str] | None = None, stream: bool = False, client: str = "", group: str = "",
                arm: str = "learned") -> Handle:
         """Queue a request (call from the event loop); raises QueueFull at the queue limit."""
-        h = Handle(request_id=new_id("req"), prompt_ids=list(prompt_ids), params=params, domain=domain,
-                   stop=list(stop or []), stream=stream, loop=asyncio.get_running_loop(), client=client, group=group,
-                   arm=arm)
+        return self.submit_choices([(prompt_ids, params)], domain, stop, stream, client, group, arm)[0]
+
+    def submit_choices(self, choices: list[tuple[list[int], SamplingParams]], domain: str = "default",
+                       stop: list[str] | None = None, stream: bool = False, client: str = "", group: str = "",
+                       arm: str = "learned") -> list[Handle]:
+        """Queue one request's choices (a prompt and its sampling each), whole or not at all (QueueFull where they
+        do not all fit): each is a row of its own, and all put their events on one queue, tagged with the
+        choice's number (`Handle.choice`)."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        handles = [Handle(request_id=new_id("req"), prompt_ids=list(ids), params=params, domain=domain,
+                          stop=list(stop or []), stream=stream, loop=loop, client=client, group=group, arm=arm,
+                          queue=queue, choice=i) for i, (ids, params) in enumerate(choices)]
         with self._cv:
             if self._stop or self._retry_after is not None:
                 raise shutting_down(self._retry_after or 1)
-            if len(self._waiting) >= self.queue_limit:
-                raise QueueFull(f"queue is full ({self.queue_limit} waiting requests)")
-            self._waiting.append(h)
+            if len(self._waiting) + len(handles) > self.queue_limit:
+                raise QueueFull(f"queue is full ({self.queue_limit} waiting requests)" if len(handles) == 1 else
+                                f"queue has no room for {len(handles)} choices ({len(self._waiting)} of "
+                                f"{self.queue_limit} waiting)")
+            self._waiting.extend(handles)
             self._cv.notify_all()
-        return h
+        return handles
 
     def close(self, retry_after_s: float) -> None:
         """Draining: refuse new requests (503, `Retry-After`); those submitted keep running."""

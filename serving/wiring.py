@@ -96,7 +96,8 @@ class ServerState:
     def limits(self) -> RequestLimits:
         sv = self.cfg.serve
         return RequestLimits(max_prompt_chars=sv.max_prompt_chars, max_stop_strings=sv.max_stop_strings,
-                             max_stop_chars=sv.max_stop_chars, vocab_size=self.vocab_size,
+                             max_stop_chars=sv.max_stop_chars, max_choices=sv.max_choices,
+                             vocab_size=self.vocab_size,
                              domains=tuple(sv.domains))
 
     def start(self) -> None:

@@ -75,7 +75,7 @@ def _run(tokenizer: Any, ids: list[int], stream: bool, stop: list[str] | None = 
             h = sched.submit([1], SamplingParams(max_new_tokens=len(ids)), stop=stop, stream=stream)
             deltas = []
             while True:
-                ev = await asyncio.wait_for(h.queue.get(), 30)
+                _, ev = await asyncio.wait_for(h.queue.get(), 30)
                 if isinstance(ev, Delta):
                     deltas.append(ev.text)
                 elif isinstance(ev, Finished):
