@@ -245,6 +245,11 @@ def test_greedy_through_vllm_is_the_targets_own_text_and_every_request_is_logged
         assert out["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True), p
         assert out["dvi"]["drafted"] > 0 and out["dvi"]["steps"] > 0
         ids.append(out["dvi"]["request_id"])
+    with served.client() as c:  # n choices: each a request of its own to vLLM, each logged
+        two = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0,
+                                              "n": 2}).json()
+    assert [ch["text"] for ch in two["choices"]] == [_complete(served, PROMPTS[0])["choices"][0]["text"]] * 2
+    ids += two["dvi"]["request_ids"]
     with served.client() as c:  # a streamed chat answer arrives as deltas and is logged like the rest
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Name three rivers."}],
                                                  "max_tokens": 16, "temperature": 0, "stream": True})
