@@ -21,9 +21,9 @@ instructions (benchmarks/serve_speed.py's written ones, then held-out ones of dv
 template, as text, code and chat alternating; each answered with --max-tokens tokens, greedy (temperature 0). The
 client sends them as a ShareGPT-format data set, all at once, at most C in flight (--max-concurrency C,
 --request-rate inf), and its result JSON (--save-detailed) is read back: output tok/s (output tokens / duration),
-TTFT, TPOT and ITL per request and token gap. `ignore_eos` (every answer runs to --max-tokens) is sent only where
-every server takes it: dvi refuses it (serving/protocol.py UNSUPPORTED), so then no arm gets it and answers stop at
-the end-of-turn token, the same place in every arm whose greedy text is equal.
+TTFT, TPOT and ITL per request and token gap. `ignore_eos` (every answer runs to --max-tokens, the issue's "64
+tokens each") is sent only where every server takes it (`--ignore-eos auto`; dvi serve takes it since 2026-12-07,
+before which no arm got it and answers stopped at the end-of-turn token); `--ignore-eos off` gives that workload.
 
 Goals (the issue's, stated for an Intel Xeon with AMX and an AMD EPYC Zen3; the JSON names the CPU it ran on): every
 dvi kind >= 1.0x dvi off in output tok/s at every C (bf16 and fp32 runs); in fp32, dvi off >= 1.3x vLLM plain at

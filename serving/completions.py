@@ -110,11 +110,18 @@ def _prepare(state: ServerState, req: ApiRequest, prompt_ids: list[int]) -> Samp
         max_new_tokens=max_tokens, temperature=temperature,
         top_k=req.top_k if req.top_k is not None else cfg.sampling.top_k,
         top_p=req.top_p if req.top_p is not None else cfg.sampling.top_p,
-        seed=req.seed, stop_token_ids=state.scheduler.eos_ids,
+        seed=req.seed, stop_token_ids=_stop_ids(state, req),
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
         logit_bias=req.bias(),
     )
+
+
+def _stop_ids(state: ServerState, req: ApiRequest) -> tuple[int, ...]:
+    """The ids that end an answer: the model's end-of-sequence ids unless `ignore_eos`, and the request's
+    `stop_token_ids` (an id of them is kept in the answer's tokens, and in its text unless it is special, as vLLM)."""
+    eos = () if req.ignore_eos else tuple(state.scheduler.eos_ids)
+    return eos + tuple(t for t in req.stop_token_ids or () if t not in eos)
 
 
 def _usage(fins: list[Finished], n: int) -> dict[str, int]:

@@ -6,7 +6,7 @@ config (max_tokens ceiling, context length, served model name) are checked in th
 Every field that changes the answer is honoured or refused with a 400 naming it: the penalties and
 `logit_bias` are served (a lossless transform of the target), `max_completion_tokens` is chat's
 token limit; `n` choices of each prompt (a completions request may send several prompts, OpenAI's
-batch form) up to `serve.max_choices` in all; `best_of` other than n, `suffix`, `response_format` other than
+batch form) up to `serve.max_choices` in all; vLLM's `ignore_eos` and `stop_token_ids`; `best_of` other than n, `suffix`, `response_format` other than
 text, tool calling, non-text content parts and vLLM's sampling extras dvi does not implement (`UNSUPPORTED`)
 are refused. Fields that do not change the tokens (`user`, `store`, `service_tier`, `stream_options`,
 `parallel_tool_calls`, ...) and unknown ones are ignored. `logprobs` is served for the chosen
@@ -125,6 +125,19 @@ class _Request(BaseModel):
     repetition_penalty: float | None = Field(None, gt=REPETITION_RANGE[0], le=REPETITION_RANGE[1],
                                              allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    ignore_eos: StrictBool = False  # vLLM's: the model's end-of-sequence ids do not end the answer
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the answer too (kept in it)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        lim = _limits(info)
+        if v and len(v) > lim.max_stop_strings:
+            raise ValueError(f"at most {lim.max_stop_strings} stop token ids")
+        bad = [t for t in v or () if t < 0 or (lim.vocab_size is not None and t >= lim.vocab_size)]
+        if bad:
+            raise ValueError(f"{bad[0]} is not a token id in [0, {lim.vocab_size})")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -382,8 +395,6 @@ UNSUPPORTED = {
     "prediction": "predicted outputs are not supported",
     "min_p": "min_p sampling is not supported",
     "min_tokens": "min_tokens is not supported",
-    "ignore_eos": "ignore_eos is not supported",
-    "stop_token_ids": "stop_token_ids is not supported (use stop strings)",
     "use_beam_search": "beam search is not supported",
     "guided_json": "guided decoding is not supported",
     "guided_regex": "guided decoding is not supported",

@@ -1,4 +1,4 @@
-"""`n` choices and batches of prompts through a real server (uvicorn thread, real engine, tiny pair, loopback HTTP).
+"""`n` choices, batches of prompts, and vLLM's `ignore_eos` and `stop_token_ids` through a real server (uvicorn thread, real engine, tiny pair, loopback HTTP).
 
 Greedy, every choice of every prompt equals `SpeculativeEngine.generate` on that prompt (each choice is a row of its
 own, batched with the others); sampled, a seeded request's choices differ and each follows the target (the engine's
@@ -119,3 +119,40 @@ def test_disconnect_frees_every_choice(server) -> None:
                     break
     wait_for(lambda: s.scheduler.num_running() == 0 and s.scheduler.queue_depth() == 0
              and not engine_of(server).has_unfinished(), 10, what="the aborted choices to leave the batch")
+
+
+@pytest.fixture(scope="module")
+def generate(tiny_pair_dir):
+    """The engine's own greedy tokens for a prompt, ended by the given ids (a fresh engine, batch of one)."""
+    from dvi.drafters.factory import proposer_for
+    from dvi.engine.speculative import SpeculativeEngine
+    from dvi.models.loading import load_pair
+
+    pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
+    engine = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter), num_draft_tokens=3)
+
+    def run(prompt: str, max_tokens: int, stops: list[int]) -> list[int]:
+        ids = pair.tokenizer.encode(prompt, add_special_tokens=True)
+        return engine.generate([ids], max_new_tokens=max_tokens, stop_token_ids=stops)[0].token_ids
+
+    run.tokenizer = pair.tokenizer
+    return run
+
+
+def test_ignore_eos_runs_to_the_limit_and_stop_token_ids_end_the_answer(client, generate) -> None:
+    tok = generate.tokenizer
+    for prompt in ("def main(argv):\n", "The ", "import os\n"):
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "ignore_eos": True}).json()
+        want = generate(prompt, 40, [])  # no id ends it
+        assert r["usage"]["completion_tokens"] == 40 and r["choices"][0]["finish_reason"] == "length"
+        assert r["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
+        stop = want[5]
+        cut = want[: want.index(stop) + 1]
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+                                                 "stop_token_ids": [stop]}).json()
+        assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == len(cut)
+        assert r["choices"][0]["text"] == tok.decode(cut, skip_special_tokens=True)  # the stop id kept
+    for body, needle in (({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [10**9]}, "token id"),
+                         ({"stop_token_ids": list(range(17))}, "at most"), ({"ignore_eos": "yes"}, "ignore_eos")):
+        r = client.post("/v1/completions", json={"prompt": "x", **body})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"] + str(r.json()["error"]["param"])

@@ -94,7 +94,7 @@ def test_bad_penalties_are_400s_naming_the_field(client, field, value) -> None:
     ("completions", "best_of", 2), ("completions", "suffix", "}"), ("chat", "response_format", {"type": "json_object"}),
     ("chat", "tool_choice", "required"), ("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]), ("chat", "n", 10_000),
-    ("completions", "min_p", 0.1), ("completions", "ignore_eos", True), ("chat", "functions", [{"name": "f"}]),
+    ("completions", "min_p", 0.1), ("completions", "min_tokens", 3), ("chat", "functions", [{"name": "f"}]),
     ("chat", "modalities", ["text", "audio"]),
 ])
 def test_unsupported_parameters_are_refused_naming_the_field(client, endpoint, field, value) -> None:
