@@ -276,7 +276,9 @@ class VllmEngine:
         body: dict[str, Any] = {
             "model": self.process.served_name, "prompt": list(request.prompt_ids), "max_tokens": p.max_new_tokens,
             "temperature": 0.0 if greedy else p.temperature, "top_p": p.top_p, "top_k": p.top_k or -1,
-            "stop_token_ids": list(p.stop_token_ids), "presence_penalty": p.presence_penalty,
+            # the ids that end it are dvi's (the model's eos unless the client asked `ignore_eos`, and its
+            # `stop_token_ids`): vLLM's own eos check off, so it stops exactly there
+            "stop_token_ids": list(p.stop_token_ids), "ignore_eos": True, "presence_penalty": p.presence_penalty,
             "frequency_penalty": p.frequency_penalty, "repetition_penalty": p.repetition_penalty,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
             "return_tokens_as_token_ids": True, "skip_special_tokens": False,

@@ -250,6 +250,15 @@ def test_greedy_through_vllm_is_the_targets_own_text_and_every_request_is_logged
                                               "n": 2}).json()
     assert [ch["text"] for ch in two["choices"]] == [_complete(served, PROMPTS[0])["choices"][0]["text"]] * 2
     ids += two["dvi"]["request_ids"]
+    prompt_ids = tok(PROMPTS[1], add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():  # the end-of-sequence ids are dvi's to apply: ignore_eos runs to the limit
+        want, _ = plain_greedy(pair.target, prompt_ids, 40)
+    out = _complete(served, PROMPTS[1], 40, ignore_eos=True)
+    assert out["usage"]["completion_tokens"] == 40 and out["choices"][0]["finish_reason"] == "length"
+    assert out["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
+    cut = want[: want.index(want[3]) + 1]
+    out = _complete(served, PROMPTS[1], 40, ignore_eos=True, stop_token_ids=[want[3]])
+    assert out["usage"]["completion_tokens"] == len(cut) and out["choices"][0]["finish_reason"] == "stop"
     with served.client() as c:  # a streamed chat answer arrives as deltas and is logged like the rest
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Name three rivers."}],
                                                  "max_tokens": 16, "temperature": 0, "stream": True})
