@@ -104,6 +104,28 @@ def test_live_drafts_are_their_weights_own_argmax_and_a_corrupted_drafter_is_cau
     assert d.info()["moves"][0]["cause"] == "serving_disagrees"
 
 
+def test_a_window_that_drafted_nothing_is_skipped_without_a_replay(pair) -> None:
+    """Speculation off (or priced out under load): no live α to explain, so no teacher-forced forward is paid for it;
+    the next window with drafts is measured as before."""
+    records = engine_records(pair, "code", 16, max_new_tokens=16, prefix="dz")
+    calls = []
+    fn = hf_logits_fn(pair.drafter)
+
+    def counting(recs, *a, **k):
+        calls.append(len(recs))
+        return fn(recs, *a, **k)
+
+    d = Diagnosis("", group_lane=False, window=8)
+    for r in records[:8]:
+        d.add(r, counts=(0, 0))  # the engine drafted nothing for them
+    assert d.run({0: scorer(counting)}, {0: counting}) is None and calls == [] and d.skipped == 1
+    assert d.info()["windows_without_drafts"] == 1 and not d.windows
+    for r in records[8:]:
+        d.add(r)
+    d.run({0: scorer(counting)}, {0: counting})
+    assert calls and len(d.windows) == 1 and d.windows[0].drafted > 0
+
+
 @pytest.mark.slow
 def test_four_staged_causes_are_named_through_a_live_server(pair, tiny_pair_dir, tmp_path, allowed_dir,
                                                               monkeypatch) -> None:

@@ -21,6 +21,11 @@ shifts is named by the shift, the version change beside it), **target changed** 
 version, the drafter not yet caught up), **traffic changed** (the reference's α̂ on the same records moved with it),
 else **unexplained**. A person acts on each differently: restart or report the engine; nothing (a rollback watch
 judges a promotion); wait for the trainer; nothing, or an adapter per group; look at the records.
+
+A window whose records the model drafted nothing for (speculation off, or priced out under load) has no live α to
+explain: it is counted and skipped without its replays, a teacher-forced forward per record and version on the
+drafter thread, which share the machine with the engine exactly when it is busiest (sampled GRPO groups through
+`dvi serve`, 12 rows at T = 1: the replays ran at up to half a core in bursts of seconds).
 """
 
 from __future__ import annotations
@@ -131,9 +136,7 @@ def measure(index: int, records: Sequence[FeedbackRecord], scorers: dict[int, Sc
     counted = {id(r): c for r, c in zip(records, counts or [None] * len(records), strict=True)}
     learned = [r for r in records if not (group_lane and r.arm == "control")]
     mine = {id(r) for r in learned}
-    live = [counted[id(r)] or (len(_model_drafts(r)), sum(bool(r.accepted[j]) for j in _model_drafts(r)))
-            for r in learned]
-    drafted, accepted = sum(d for d, _ in live), sum(a for _, a in live)
+    drafted, accepted = live_counts(records, counts, group_lane)
     by_version: dict[int, list[FeedbackRecord]] = {}
     for r in records:
         by_version.setdefault(drafted_version(r, group_lane), []).append(r)
@@ -174,6 +177,19 @@ def measure(index: int, records: Sequence[FeedbackRecord], scorers: dict[int, Sc
         consistency=agree / drafts if drafts >= MIN_CONSISTENCY_DRAFTS else None, consistency_drafts=drafts,
         versions=tuple(sorted({drafted_version(r, group_lane) for r in learned})),
         target_versions=tuple(sorted({int(r.target_version) for r in records})))
+
+
+def live_counts(records: Sequence[FeedbackRecord], counts: Sequence[tuple[int, int] | None] | None,
+                group_lane: bool) -> tuple[int, int]:
+    """The learned arm's model drafts in `records` and how many were accepted (the engine's counts where given, else
+    the records' named drafts)."""
+    total = [0, 0]
+    for r, c in zip(records, counts or [None] * len(records), strict=True):
+        if group_lane and r.arm == "control":
+            continue
+        d, a = c or (len(_model_drafts(r)), sum(bool(r.accepted[j]) for j in _model_drafts(r)))
+        total[0], total[1] = total[0] + d, total[1] + a
+    return total[0], total[1]
 
 
 def _f(x: float | None) -> str:
@@ -248,6 +264,7 @@ class Diagnosis:
         self.causes: Counter[str] = Counter()
         self.level: float | None = None  # the running consistency of healthy windows
         self.index = 0
+        self.skipped = 0  # windows whose records drafted nothing: no live α to explain, nothing replayed
 
     def add(self, record: FeedbackRecord, counts: tuple[int, int] | None = None) -> None:
         """A record of the lane, with the engine's (drafted, accepted) count of its model drafts where known."""
@@ -261,6 +278,9 @@ class Diagnosis:
     def run(self, scorers: dict[int, Scorer], logits_fns: dict[int, Callable]) -> AlphaMove | None:
         """Measure the next window and explain it against the one before."""
         batch, self.pending = self.pending[: self.window], self.pending[self.window:]
+        if live_counts([r for r, _ in batch], [c for _, c in batch], self.group_lane)[0] == 0:
+            self.skipped += 1  # speculation off or priced out (a loaded engine): the replays would only cost it
+            return None
         self.index += 1
         stats = measure(self.index, [r for r, _ in batch], scorers, logits_fns, self.group_lane, [c for _, c in batch])
         move = explain(self.group, self.windows[-1] if self.windows else None, stats, self.level)
@@ -275,4 +295,5 @@ class Diagnosis:
     def info(self) -> dict[str, Any]:
         """For /admin/status: the newest windows, the moves explained and their counts by cause."""
         return {"windows": [asdict(w) for w in list(self.windows)[-3:]], "consistency_level": self.level,
-                "moves": [m.as_dict() for m in self.moves], "causes": dict(self.causes)}
+                "moves": [m.as_dict() for m in self.moves], "causes": dict(self.causes),
+                "windows_without_drafts": self.skipped}
