@@ -5,8 +5,10 @@ Each step is one `/v1/completions` request in OpenAI's batch form: --prompts-per
 seeded arithmetic word problems, chat-templated, as token ids) x --n samples each (`n`), temperature 1, at most
 --max-tokens each, ended by the end-of-turn token (a GRPO group's rollouts). Every arm's server is up at once (trainer
 off, its own run dir; an idle server costs nothing), warmed with one step of other prompts, then every step goes to
-each arm in a rotating order with the same prompts and seed (the same draws wherever a step drafts nothing). The
-policy does not move (benchmarks/rl.py measures the loop with its weight pushes, in process); this is what the
+each arm in a rotating order with the same prompts and seed (the same draws wherever a step drafts nothing), --gap-s
+apart: an RL step's policy update comes between its rollouts, and so the work a server does after a request (its
+feedback flush, the drafter thread's replays) lands there, not in another arm's measured step. The policy does not
+move (benchmarks/rl.py measures the loop with its weight pushes, in process); this is what the
 server's pricing makes of the rollouts' batches and temperature.
 
 Per arm: output tokens over client seconds pooled over steps, the ratio to speculation off with a 95% paired
@@ -50,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gap-s", type=float, default=1.0, help="pause after every request (0: back to back)")
     p.add_argument("--json", default="bench_results/serve_rollouts.json")
     a = p.parse_args(argv)
     a.arm_list = [x for x in a.arms.split(",") if x]
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             order = a.arm_list[i % len(a.arm_list):] + a.arm_list[:i % len(a.arm_list)]
             for arm in order:
                 logs[arm].append(rollout(client, urls[arm], steps[i + 1], a, seed=a.seed * 1000 + i))
+                time.sleep(a.gap_s)
             print(f"step {i:>3} " + " ".join(f"{arm} {logs[arm][-1]['tokens']:>4} tok {logs[arm][-1]['rollout_s']:6.2f} s"
                                             for arm in a.arm_list), flush=True)
     res = summarize(logs)

@@ -163,8 +163,8 @@ class SpeculativeEngine:
     def report(self) -> EngineReport:
         """For the server's snapshot: the proposer's counters, draft vocabulary size, prefix cache counts, what real
         steps measured against adaptive K's prices."""
-        ids, pc = getattr(self.proposer.drafter, "draft_vocab", None), self._target.prefix
-        return EngineReport(self.proposer.stats(), None if ids is None else int(ids.numel()),
+        pc = self._target.prefix
+        return EngineReport(self.proposer.stats(), self._draft_vocab_size,
                             prefix_cache=pc.stats() if pc else {},
                             step_costs=self.k_policy.controller.measured.values() if self.adaptive else {})
 
@@ -315,6 +315,8 @@ class SpeculativeEngine:
             self._drafter_dirty = True
         new.use_rows_kernel(self.cpu_rows_kernel)
         self.proposer = new
+        ids = getattr(d, "draft_vocab", None)  # read once a drafter (the snapshot reports it every step)
+        self._draft_vocab_size = None if ids is None else int(ids.numel())
         if hasattr(self, "_target") and self._sync_feature_layers() and rows:
             self._target_dirty = True  # the head reads other target layers: recompute the rows' features
 
