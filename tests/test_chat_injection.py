@@ -47,13 +47,13 @@ def _prompts_submitted(server, monkeypatch) -> list[list[int]]:
     """The prompt ids each request hands the scheduler, recorded on their way in."""
     seen: list[list[int]] = []
     sched = server.state.scheduler
-    real = sched.submit
+    real = sched.submit_choices
 
-    def spy(prompt_ids, *a, **kw):
-        seen.append(list(prompt_ids))
-        return real(prompt_ids, *a, **kw)
+    def spy(choices, *a, **kw):
+        seen.extend(list(ids) for ids, _ in choices)
+        return real(choices, *a, **kw)
 
-    monkeypatch.setattr(sched, "submit", spy)
+    monkeypatch.setattr(sched, "submit_choices", spy)
     return seen
 
 

@@ -161,12 +161,11 @@ class SpeculativeEngine:
         return None
 
     def report(self) -> EngineReport:
-        """For the server's snapshot: the proposer's counters, draft vocabulary size, prefix cache counts, what real
-        steps measured against adaptive K's prices."""
-        pc = self._target.prefix
-        return EngineReport(self.proposer.stats(), self._draft_vocab_size,
-                            prefix_cache=pc.stats() if pc else {},
-                            step_costs=self.k_policy.controller.measured.values() if self.adaptive else {})
+        """For the server's snapshot: the proposer's counters, draft vocabulary size (read when its drafter was
+        installed), prefix cache counts, what real steps measured against adaptive K's prices."""
+        pc, measured = self._target.prefix, self.k_policy.controller.measured
+        return EngineReport(self.proposer.stats(), self._draft_vocab_size, prefix_cache=pc.stats() if pc else {},
+                            step_costs=measured.values() if self.adaptive else {})
 
     def take_suffix_step_seconds(self) -> list[float]:
         """The suffix lookups' host seconds per step since the last call (handed over: the engine starts a new list)."""
@@ -315,8 +314,7 @@ class SpeculativeEngine:
             self._drafter_dirty = True
         new.use_rows_kernel(self.cpu_rows_kernel)
         self.proposer = new
-        ids = getattr(d, "draft_vocab", None)  # read once a drafter (the snapshot reports it every step)
-        self._draft_vocab_size = None if ids is None else int(ids.numel())
+        self._draft_vocab_size = None if getattr(d, "draft_vocab", None) is None else int(d.draft_vocab.numel())
         if hasattr(self, "_target") and self._sync_feature_layers() and rows:
             self._target_dirty = True  # the head reads other target layers: recompute the rows' features
 
