@@ -5,11 +5,12 @@ Requests are validated here so that every bad field becomes a 4xx naming the fie
 config (max_tokens ceiling, context length, served model name) are checked in the app.
 Every field that changes the answer is honoured or refused with a 400 naming it: the penalties and
 `logit_bias` are served (a lossless transform of the target), `max_completion_tokens` is chat's
-token limit; `n` choices of each prompt (a completions request may send several prompts, OpenAI's
-batch form) up to `serve.max_choices` in all; vLLM's `ignore_eos` and `stop_token_ids`; `best_of` other than n, `suffix`, `response_format` other than
-text, tool calling, non-text content parts and vLLM's sampling extras dvi does not implement (`UNSUPPORTED`)
-are refused. Fields that do not change the tokens (`user`, `store`, `service_tier`, `stream_options`,
-`parallel_tool_calls`, ...) and unknown ones are ignored. `logprobs` is served for the chosen
+token limit, `n` choices of each prompt (a completions request may send several prompts, OpenAI's
+batch form) up to `serve.max_choices` in all, and vLLM's `ignore_eos` and `stop_token_ids` are served;
+`best_of` other than n, `suffix`, `response_format` other than text, tool calling, non-text content
+parts and vLLM's sampling extras dvi does not implement (`UNSUPPORTED`) are refused. Fields that do
+not change the tokens (`user`, `store`, `service_tier`, `stream_options`, `parallel_tool_calls`, ...)
+and unknown ones are ignored. `logprobs` is served for the chosen
 tokens and asking for top alternatives is a 400 (serving/logprobs.py).
 """
 
@@ -173,9 +174,6 @@ class _Request(BaseModel):
             raise ValueError(f"n={v} exceeds this server's limit of {limit} choices a request")
         return v
 
-    def prompt_count(self) -> int:
-        return 1
-
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
@@ -279,9 +277,6 @@ class CompletionRequest(_Request):
         """The request's prompts, each text or token ids."""
         p = self.prompt
         return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
-
-    def prompt_count(self) -> int:
-        return len(self.prompts())
 
 
 class FunctionCall(BaseModel):
