@@ -35,17 +35,15 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import cpu_name, goal, print_goals, write_json  # noqa: E402
 
-ARMS = {"off": ["speculation.adaptive=false", "speculation.num_draft_tokens=0"],
-        "separate": ["models.drafter_kind=separate"], "suffix": ["models.drafter_kind=suffix"],
-        "hybrid": ["models.drafter_kind=hybrid"]}
-"""Speculation off, and each kind at its defaults (adaptive K, draft trees where they pay), as `serve_field` names them."""
+ARMS = ("off", "separate", "suffix", "hybrid")
+"""Speculation off, and each kind at its defaults (adaptive K, draft trees where they pay): `serve_field`'s dvi arms."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="smollm2")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"off first, then any of {', '.join(list(ARMS)[1:])}")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"off first, then any of {', '.join(ARMS[1:])}")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prompts-per-step", type=int, default=3)
     p.add_argument("--n", type=int, default=4, help="samples a prompt (the GRPO group)")
@@ -57,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.arm_list = [x for x in a.arms.split(",") if x]
     if not a.arm_list or a.arm_list[0] != "off" or any(x not in ARMS for x in a.arm_list):
-        p.error(f"--arms: off first, then any of {', '.join(list(ARMS)[1:])}")
+        p.error(f"--arms: off first, then any of {', '.join(ARMS[1:])}")
     return a
 
 
@@ -70,14 +68,12 @@ def step_prompts(tok, a: argparse.Namespace) -> list[list[list[int]]]:
 
 
 def server(arm: str, a: argparse.Namespace, run: Path):
-    from serving.server_process import ServerProcess
+    """The arm's `dvi serve` as serve_field starts it (trainer off, its own run dir), room for a step's choices."""
+    from benchmarks.serve_field import start_server
 
-    dtype = {"bf16": "bfloat16", "fp32": "float32"}[a.dtype]
-    cfg = [f"models.preset={a.preset}", f"models.dtype={dtype}", "serve.trainer=off", "wandb.mode=disabled",
-           "serve.max_batch_size=16", f"serve.max_tokens_limit={max(64, a.max_tokens)}",
-           f"serve.max_choices={max(64, a.prompts_per_step * a.n)}", f"run_dir={run}", f"feedback.dir={run / 'fb'}",
-           f"registry.dir={run / 'registry'}", *ARMS[arm]]
-    return ServerProcess(cfg, run / "server.log", cwd=ROOT)
+    opts = SimpleNamespace(preset=a.preset, dtype=a.dtype, threads=1, max_tokens=a.max_tokens,
+                           set=[f"serve.max_choices={max(64, a.prompts_per_step * a.n)}"])
+    return start_server(arm, opts, {}, run)
 
 
 def rollout(client, url: str, prompts: list[list[int]], a: argparse.Namespace, seed: int) -> dict:

@@ -131,15 +131,14 @@ def _usage(fins: list[Finished], n: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-def _dvi(fins: list[Finished]) -> dict[str, Any]:
-    """The response's `dvi` block: the one choice's stats, or for several their totals (each choice has its own)."""
-    if len(fins) == 1:
-        return fins[0].stats()
-    drafted = sum(f.result.num_drafted for f in fins if f.result is not None)
-    accepted = sum(f.result.num_accepted for f in fins if f.result is not None)
-    return {"choices": len(fins), "request_ids": [f.request_id for f in fins], "drafted": drafted,
-            "accepted": accepted, "alpha": acceptance_rate(accepted, drafted),
-            "steps": sum(f.result.num_steps for f in fins if f.result is not None)}
+def _dvi(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The response's `dvi` block from its choices' (`Finished.stats`): the one choice's, or for several their
+    totals (each choice carries its own)."""
+    if len(stats) == 1:
+        return stats[0]
+    drafted, accepted = sum(s["drafted"] for s in stats), sum(s["accepted"] for s in stats)
+    return {"choices": len(stats), "request_ids": [s["request_id"] for s in stats], "drafted": drafted,
+            "accepted": accepted, "alpha": acceptance_rate(accepted, drafted), "steps": sum(s["steps"] for s in stats)}
 
 
 async def _next_event(state: ServerState, handles: list[Handle], request: Request) -> tuple[int, Event]:
@@ -206,7 +205,7 @@ async def _complete(state: ServerState, request: Request, req: ApiRequest, promp
         fins = await _finish_all(state, handles, request)
     finally:
         _cancel(state, handles)
-    several = len(fins) > 1
+    stats = [f.stats() for f in fins]
     choices = []
     for c, fin in enumerate(fins):
         lps = _logprobs(state, fin, chat) if req.wants_logprobs() else None
@@ -216,10 +215,10 @@ async def _complete(state: ServerState, request: Request, req: ApiRequest, promp
         else:
             choice = {"index": c, "text": echoes[c // req.n] + fin.text, "logprobs": lps,
                       "finish_reason": fin.finish_reason}
-        choices.append(choice | ({"dvi": fin.stats()} if several else {}))
+        choices.append(choice | ({"dvi": stats[c]} if len(fins) > 1 else {}))
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                          "model": state.model_name, "choices": choices, "usage": _usage(fins, req.n),
-                         "dvi": _dvi(fins)})
+                         "dvi": _dvi(stats)})
 
 
 async def _finish_all(state: ServerState, handles: list[Handle], request: Request) -> list[Finished]:

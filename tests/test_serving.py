@@ -51,11 +51,13 @@ def reference(tiny_pair_dir):
     tok = pair.tokenizer
     cache: dict = {}
 
-    def ref(prompt: str | list[int], max_tokens: int) -> tuple[list[int], str]:
+    def ref(prompt: str | list[int], max_tokens: int, stops: list[int] | None = None) -> tuple[list[int], str]:
+        """(tokens, text) ended by `stops` (None: the end-of-sequence id)."""
         ids = tok.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        key = (tuple(ids), max_tokens)
+        stops = [tok.eos_token_id] if stops is None else list(stops)
+        key = (tuple(ids), max_tokens, tuple(stops))
         if key not in cache:
-            res = engine.generate([ids], max_new_tokens=max_tokens, stop_token_ids=[tok.eos_token_id])[0]
+            res = engine.generate([ids], max_new_tokens=max_tokens, stop_token_ids=stops)[0]
             cache[key] = (res.token_ids, tok.decode(res.token_ids, skip_special_tokens=True))
         return cache[key]
 

@@ -121,29 +121,11 @@ def test_disconnect_frees_every_choice(server) -> None:
              and not engine_of(server).has_unfinished(), 10, what="the aborted choices to leave the batch")
 
 
-@pytest.fixture(scope="module")
-def generate(tiny_pair_dir):
-    """The engine's own greedy tokens for a prompt, ended by the given ids (a fresh engine, batch of one)."""
-    from dvi.drafters.factory import proposer_for
-    from dvi.engine.speculative import SpeculativeEngine
-    from dvi.models.loading import load_pair
-
-    pair = load_pair(tiny_pair_dir / "target", tiny_pair_dir / "drafter", tiny_pair_dir / "tokenizer", device="cpu")
-    engine = SpeculativeEngine(pair.target, proposer_for(pair.target, pair.drafter), num_draft_tokens=3)
-
-    def run(prompt: str, max_tokens: int, stops: list[int]) -> list[int]:
-        ids = pair.tokenizer.encode(prompt, add_special_tokens=True)
-        return engine.generate([ids], max_new_tokens=max_tokens, stop_token_ids=stops)[0].token_ids
-
-    run.tokenizer = pair.tokenizer
-    return run
-
-
-def test_ignore_eos_runs_to_the_limit_and_stop_token_ids_end_the_answer(client, generate) -> None:
-    tok = generate.tokenizer
+def test_ignore_eos_runs_to_the_limit_and_stop_token_ids_end_the_answer(client, reference) -> None:  # noqa: F811
+    tok = reference.tokenizer
     for prompt in ("def main(argv):\n", "The ", "import os\n"):
         r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "ignore_eos": True}).json()
-        want = generate(prompt, 40, [])  # no id ends it
+        want = reference(prompt, 40, stops=[])[0]  # no id ends it
         assert r["usage"]["completion_tokens"] == 40 and r["choices"][0]["finish_reason"] == "length"
         assert r["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
         stop = want[5]

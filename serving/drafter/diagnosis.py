@@ -278,11 +278,12 @@ class Diagnosis:
     def run(self, scorers: dict[int, Scorer], logits_fns: dict[int, Callable]) -> AlphaMove | None:
         """Measure the next window and explain it against the one before."""
         batch, self.pending = self.pending[: self.window], self.pending[self.window:]
-        if live_counts([r for r, _ in batch], [c for _, c in batch], self.group_lane)[0] == 0:
+        records, counts = [r for r, _ in batch], [c for _, c in batch]
+        if live_counts(records, counts, self.group_lane)[0] == 0:
             self.skipped += 1  # speculation off or priced out (a loaded engine): the replays would only cost it
             return None
         self.index += 1
-        stats = measure(self.index, [r for r, _ in batch], scorers, logits_fns, self.group_lane, [c for _, c in batch])
+        stats = measure(self.index, records, scorers, logits_fns, self.group_lane, counts)
         move = explain(self.group, self.windows[-1] if self.windows else None, stats, self.level)
         self.windows.append(stats)
         if stats.consistency is not None and (move is None or move.cause != "serving_disagrees"):
