@@ -46,6 +46,7 @@ class Handle:
     arm: str = "learned"  # "control": the frozen base drafts for it, not its group's adapter (`serving.control`)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # (choice, Event), shared by the request's choices
     choice: int = 0  # its index among the request's choices
+    cohort: str = ""  # a request of several choices: its first choice's id, shared (they join the batch together)
     submitted_at: float = field(default_factory=time.perf_counter)
     # engine-thread state
     token_ids: list[int] = field(default_factory=list)

@@ -130,6 +130,8 @@ class Scheduler:
         handles = [Handle(request_id=new_id("req"), prompt_ids=list(ids), params=params, domain=domain,
                           stop=list(stop or []), stream=stream, loop=loop, client=client, group=group, arm=arm,
                           queue=queue, choice=i) for i, (ids, params) in enumerate(choices)]
+        for h in handles[1:]:
+            h.cohort = handles[0].cohort = handles[0].request_id
         with self._cv:
             if self._stop or self._retry_after is not None:
                 raise shutting_down(self._retry_after or 1)
@@ -276,7 +278,7 @@ class Scheduler:
             try:
                 self.engine.add_request(Request(request_id=h.request_id, prompt_ids=h.prompt_ids,
                                                 params=h.params, domain=h.domain,
-                                                group=h.group if h.arm == "learned" else ""))
+                                                group=h.group if h.arm == "learned" else "", cohort=h.cohort))
             except ValueError as exc:  # the client's input; InvalidParam names the field
                 self._fail(h, ApiError(400, str(exc), param=getattr(exc, "param", "prompt")))
                 continue

@@ -170,7 +170,7 @@ def serving_engine(cfg: DviConfig, pair: Any) -> SpeculativeEngine:
     )
 
 
-PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}  # `serve.max_prefill_tokens: null` per device type (else: no limit)
+PREFILL_TOKENS = {"cpu": 64, "cuda": 8192}  # `serve.max_prefill_tokens: null` per device type (else: no limit)
 
 
 def prefill_budget(setting: int | None, target) -> int:

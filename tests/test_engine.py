@@ -477,10 +477,17 @@ def test_a_new_drafter_or_adapter_brings_a_refusing_guards_retry_near_and_a_targ
 def test_prefill_share_fits_the_budget_and_always_admits_one():
     from dvi.engine.options import prefill_share
 
-    assert prefill_share([100, 100, 100], 250) == 2
-    assert prefill_share([100, 200, 300], 250) == 1
-    assert prefill_share([600, 10], 250) == 1  # a prompt longer than the budget still joins, alone
-    assert prefill_share([600, 10], 0) == 2 and prefill_share([], 512) == 0
+    def share(lens, budget, cohorts=None):
+        return prefill_share(list(zip(lens, cohorts or [""] * len(lens), strict=True)), budget)
+
+    assert share([100, 100, 100], 250) == 2
+    assert share([100, 200, 300], 250) == 1
+    assert share([600, 10], 250) == 1  # a prompt longer than the budget still joins, alone
+    assert share([600, 10], 0) == 2 and share([], 512) == 0
+    # a request's choices (one cohort) join together past the budget; the next request waits
+    assert share([60, 60, 60, 60, 10], 64, ["a", "a", "a", "", ""]) == 3
+    assert share([60, 60, 10], 64, ["a", "b", "b"]) == 1  # a cohort whose first does not fit waits whole
+    assert share([60, 60, 10], 128, ["a", "b", "b"]) == 3
 
 
 def test_joiners_are_admitted_within_the_prefill_budget_and_answer_the_same():
@@ -503,3 +510,19 @@ def test_joiners_are_admitted_within_the_prefill_budget_and_answer_the_same():
     assert [w for w in waves if w] == [["r0", "r1"], ["r2"], ["r3", "r4"]]  # 7 + 2 <= 10; 4 (+ 9 > 10); 9 + 1
     for i, p in enumerate(PROMPTS):
         assert_greedy_equal(target, p, results[f"r{i}"].token_ids, reference(target, p, NEW))
+
+
+def test_a_cohort_joins_in_one_step_past_the_prefill_budget():
+    """The choices of one client request (a GRPO group's samples) join together, its answer waiting for its last
+    row; the requests after it still join within the budget."""
+    target = tiny("llama", seed=0)
+    eng = SpeculativeEngine(target, proposer_for(target, perturbed(target)), num_draft_tokens=3,
+                            options=EngineOptions(max_prefill_tokens=10))
+    p = PROMPTS[0]  # 7 tokens: one alone fits the budget, three of them do not
+    for j in range(3):
+        eng.add_request(Request(f"g{j}", p, SamplingParams(max_new_tokens=NEW), cohort="g"))
+    eng.add_request(Request("solo", PROMPTS[3], SamplingParams(max_new_tokens=NEW)))  # 9 tokens
+    eng.step()
+    assert sorted(s.req.request_id for s in eng._seqs) == ["g0", "g1", "g2"]
+    eng.step()
+    assert "solo" in {s.req.request_id for s in eng._seqs}

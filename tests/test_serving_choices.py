@@ -90,12 +90,14 @@ def test_choices_are_queued_whole_or_refused_whole() -> None:
     async def go() -> None:
         sched = Scheduler(ScriptedEngine([7]), None, max_batch_size=1, queue_limit=3)  # not started: none leave
         p = SamplingParams(max_new_tokens=4)
-        assert [h.choice for h in sched.submit_choices([([1], p), ([2], p)])] == [0, 1]
+        two = sched.submit_choices([([1], p), ([2], p)])
+        assert [h.choice for h in two] == [0, 1]
+        assert two[0].cohort == two[1].cohort == two[0].request_id  # they join the batch in one step
         with pytest.raises(QueueFull, match="no room for 2 choices"):
             sched.submit_choices([([3], p), ([4], p)])
         assert sched.queue_depth() == 2  # nothing of the refused request was queued
         (h,) = sched.submit_choices([([5], p)])
-        assert sched.queue_depth() == 3 and h.queue is not sched._waiting[0].queue
+        assert sched.queue_depth() == 3 and h.queue is not sched._waiting[0].queue and h.cohort == ""
 
     asyncio.run(go())
 

@@ -55,6 +55,9 @@ class Request:
     domain: str = "default"
     # the traffic group whose drafter adapter drafts for this request (`dvi.drafters.adapters`; "" for none)
     group: str = ""
+    # the client request this is one choice of ("" for a request of one): a cohort's rows join the batch in one step,
+    # since its answer waits for its last row (`dvi.engine.options.prefill_share`)
+    cohort: str = ""
 
 
 def is_int(x) -> bool:

@@ -27,9 +27,9 @@ class EngineOptions:
     # or bf16; `target_runner`, `draft_cache`): True for up to 16 rows, "auto" for as many as it is timed faster for
     # at start-up, False never
     cpu_rows_kernel: bool | str = False
-    # prompt tokens that may join the batch in one step (at least one request joins a step with room; 0: no limit):
-    # where answers of one length make rows finish together, a wave of joiners prefilled in one step makes every one
-    # of them wait for all their prompts
+    # prompt tokens that may join the batch in one step (at least one request joins a step with room, with the rest
+    # of its cohort; 0: no limit): where answers of one length make rows finish together, a wave of joiners prefilled
+    # in one step makes every one of them wait for all their prompts, and finish together again
     max_prefill_tokens: int = 0
     # prompts' leading tokens whose keys and values the target keeps for a later prompt that starts alike (a
     # template's system prompt, a GRPO group's samples of one prompt): `dvi.decode.prefix_cache`; 0: none
@@ -42,15 +42,16 @@ def default_tree_width(adaptive: bool) -> int:
     return 3 if adaptive else 0
 
 
-def prefill_share(prompt_lens: list[int], budget: int) -> int:
-    """How many of the waiting prompts (in order) join the batch this step under `EngineOptions.max_prefill_tokens`:
-    as many as fit `budget` prompt tokens, at least one (0: all)."""
+def prefill_share(prompts: list[tuple[int, str]], budget: int) -> int:
+    """How many of the waiting prompts ((length, cohort), in order) join the batch this step under
+    `EngineOptions.max_prefill_tokens`: as many as fit `budget` prompt tokens, at least one, and the rest of a cohort
+    whose first joins (0: all)."""
     if budget <= 0:
-        return len(prompt_lens)
+        return len(prompts)
     n, total = 0, 0
-    for length in prompt_lens:
+    for length, cohort in prompts:
         total += length
-        if n and total > budget:
+        if n and total > budget and not (cohort and cohort == prompts[n - 1][1]):
             break
         n += 1
     return n

@@ -338,7 +338,7 @@ class SpeculativeEngine:
     def _admit(self) -> bool:
         """Waiting requests join the batch; whether any did (their prefills ride on this step's verify)."""
         room = self._target.max_rows
-        take = prefill_share([len(s.req.prompt_ids) for s in self._waiting], self.max_prefill_tokens)
+        take = prefill_share([(len(s.req.prompt_ids), s.req.cohort) for s in self._waiting], self.max_prefill_tokens)
         take = take if room is None else min(take, max(0, room - len(self._seqs)))
         new, self._waiting = self._waiting[:take], self._waiting[take:]
         if not new:  # a fixed-size cache (CUDA graphs) is full: they join as rows leave
