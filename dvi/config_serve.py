@@ -84,10 +84,12 @@ class ServeConfig(_Strict):
     # it wins at all of them, cpu_packed_weights' copy is dropped); true: up to 16 rows; false: torch's kernels
     # (matmuls and SDPA); where one cannot be built, torch's serve its part
     cpu_rows_kernel: bool | Literal["auto"] = "auto"
-    # prompt tokens that may join the running batch in one step (at least one request joins a step with room; 0: no
-    # limit): joiners' prefills ride on the step, so a wave of them (rows that finished together) in one step makes
-    # each wait for all their prompts, and every running row's next token with them; null: 512 on a CPU, 8192 on a
-    # GPU (where a prompt token costs far less beside a step); dvi's engine only (behind vLLM, vLLM's scheduler)
+    # prompt tokens that may join the running batch in one step (at least one request joins a step with room, with
+    # the other choices of its request: its answer waits for all of them; 0: no limit): joiners' prefills ride on the
+    # step, so a wave of them (rows that finished together) in one step makes each wait for all their prompts, and
+    # their rows finish together again; null: 64 on a CPU (about one short prompt a step: rows desynchronise and each
+    # request waits for its own prefill), 8192 on a GPU (where a prompt token costs far less beside a step); dvi's
+    # engine only (behind vLLM, vLLM's scheduler)
     max_prefill_tokens: int | None = Field(None, ge=0)
     queue_limit: int = Field(256, ge=1)
     max_tokens_limit: int = Field(1024, ge=1)
