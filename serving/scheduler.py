@@ -127,11 +127,11 @@ class Scheduler:
         do not all fit): each is a row of its own, and all put their events on one queue, tagged with the
         choice's number (`Handle.choice`)."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        handles = [Handle(request_id=new_id("req"), prompt_ids=list(ids), params=params, domain=domain,
-                          stop=list(stop or []), stream=stream, loop=loop, client=client, group=group, arm=arm,
-                          queue=queue, choice=i) for i, (ids, params) in enumerate(choices)]
-        for h in handles[1:]:
-            h.cohort = handles[0].cohort = handles[0].request_id
+        rids = [new_id("req") for _ in choices]
+        cohort = rids[0] if len(rids) > 1 else ""  # several choices join the batch in one step (`Request.cohort`)
+        handles = [Handle(request_id=rid, prompt_ids=list(ids), params=params, domain=domain, stop=list(stop or []),
+                          stream=stream, loop=loop, client=client, group=group, arm=arm, queue=queue, choice=i,
+                          cohort=cohort) for i, (rid, (ids, params)) in enumerate(zip(rids, choices, strict=True))]
         with self._cv:
             if self._stop or self._retry_after is not None:
                 raise shutting_down(self._retry_after or 1)
