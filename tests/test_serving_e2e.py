@@ -501,3 +501,27 @@ def test_every_prefill_budget_starts_dvi_serve_and_answers_alike(tiny_pair_dir, 
     from serving.wiring import PREFILL_TOKENS
 
     assert engine_of(s).max_prefill_tokens == (PREFILL_TOKENS["cpu"] if budget is None else budget)  # a CPU here
+
+
+def test_a_requests_choices_join_in_one_step_under_the_prefill_budget(tiny_pair_dir, tmp_path, monkeypatch):
+    """An `n` = 3 request through `dvi serve` with a budget of one token a step: its three rows join the batch in the
+    same step (its answer waits for its last row), and each is the greedy text."""
+    import dvi.engine.speculative as speculative
+
+    shares = []
+
+    def recorded(prompts, budget):
+        take = real(prompts, budget)
+        shares.append(([c for _, c in prompts], take))
+        return take
+
+    real = speculative.prefill_share
+    monkeypatch.setattr(speculative, "prefill_share", recorded)
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.max_prefill_tokens=1")
+    with ServerThread(cfg) as s, s.client() as c:
+        alone = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}).json()
+        r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "n": 3})
+    assert r.status_code == 200, r.text
+    assert [ch["text"] for ch in r.json()["choices"]] == [alone["choices"][0]["text"]] * 3
+    cohorts = [(cs, take) for cs, take in shares if cs and cs[0]]
+    assert cohorts and cohorts[0][1] == 3 and len(set(cohorts[0][0])) == 1, shares
