@@ -75,7 +75,7 @@ def tree_stats(pids: list[int]) -> dict[str, int] | None:
 
 def process_roles(server_pid: int, trainer_pid: int | None) -> dict[str, dict | None]:
     """Stats per role: the server process, its trainer, and the engine (every other process below the server:
-    vLLM's server and its engine core; none with dvi's engine)."""
+    dvi's engine process (`serve.engine_process`), or vLLM's server and its engine core)."""
     below = [p for p in descendants(server_pid) if p != server_pid]
     trainer_tree = set(descendants(trainer_pid)) if trainer_pid else set()
     engine = [p for p in below if p not in trainer_tree]

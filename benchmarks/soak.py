@@ -117,7 +117,14 @@ def wave_record(rows: list[dict], tokens: int, health: dict, server_pid: int | N
             "drafted": {d: sum(r.get("drafted", 0) for r in rows if r["domain"] == d) for d in DOMAINS},
             "promoted": counts.get("promoted", 0), "rolled_back": counts.get("rolled_back", 0),
             "drafter_version": health.get("drafter_version"), "time": time.time(),
-            "server_rss": rss_bytes(server_pid), "trainer_rss": rss_bytes(trainer.get("pid"))}
+            "server_rss": _server_rss(server_pid, health), "trainer_rss": rss_bytes(trainer.get("pid"))}
+
+
+def _server_rss(server_pid: int | None, health: dict) -> int | None:
+    """The server's resident bytes, with its engine's where that is a process of its own (`serve.engine_process`)."""
+    engine_pid = (health.get("engine") or {}).get("pid")
+    parts = [rss_bytes(server_pid)] + ([rss_bytes(engine_pid)] if engine_pid and engine_pid != server_pid else [])
+    return None if any(p is None for p in parts) else sum(parts)
 
 
 def run_arm(name: str, args: argparse.Namespace, work: Path, overrides: list[str], tok: Any) -> dict:

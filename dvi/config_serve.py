@@ -49,6 +49,12 @@ class ServeConfig(_Strict):
     model_name: str = "dvi"
     engine: Literal["dvi", "vllm"] = "dvi"  # who decodes: dvi, or a vLLM server dvi starts and drives (issue 41)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+    # dvi's engine runs in a process of its own (serving/engine_core.py), the HTTP server, feedback writer, drafter
+    # wing and trainer supervisor in the server's: the engine thread then shares its interpreter lock with nothing,
+    # where in one process every kernel it runs hands the lock to the serving threads and it waits to take it back;
+    # false: one process, the engine a thread of it (a test or a debugger reaching into the engine). Behind vLLM
+    # (serve.engine: vllm) vLLM is a process of its own already and this is not read
+    engine_process: bool = True
     api_key: Secret | None = None
     admin_token: Secret | None = None
     max_batch_size: int = Field(16, ge=1)

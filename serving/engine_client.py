@@ -104,9 +104,17 @@ class EngineSnapshot:
     prefix_cache: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # `PrefixCache.stats()` (empty: none)
     step_costs: Mapping[str, float] = field(default_factory=lambda: _EMPTY)  # `EngineReport.step_costs`
 
+    def __reduce__(self):  # its read-only dicts as plain ones across a process boundary (`serving.engine_core`)
+        state = {f: (dict(v) if isinstance(v, MappingProxyType) else v) for f, v in vars(self).items()}
+        return _restore_snapshot, (state,)
+
     def served(self, lane: Any = None) -> int:
         """The drafter version the engine serves; with a group's `lane`, that group's adapter version (0: none)."""
         return self.drafter_version if lane is None else int(self.adapter_versions.get(lane.group, 0))
+
+
+def _restore_snapshot(state: dict[str, Any]) -> EngineSnapshot:
+    return EngineSnapshot(**{f: (MappingProxyType(v) if isinstance(v, dict) else v) for f, v in state.items()})
 
 
 class Engine(Protocol):

@@ -13,9 +13,9 @@ from dvi.engine.speculative import SamplingParams
 
 from .detok import TextStream
 from .finished import Finished
-from .protocol import ApiError
+from .protocol import ApiError, new_id
 
-__all__ = ["Delta", "Event", "Handle", "send_events"]
+__all__ = ["Delta", "Event", "Handle", "new_handles", "send_events"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,18 @@ class Handle:
     added: bool = False
     done: bool = False
     cancelled: bool = False
+
+
+def new_handles(choices: list[tuple[list[int], SamplingParams]], domain: str, stop: list[str] | None, stream: bool,
+                client: str, group: str, arm: str) -> list[Handle]:
+    """One request's choices (a prompt and its sampling each) as handles on one queue of the running event loop: a
+    request of several choices is one cohort, its rows joining the batch in one step (`Request.cohort`)."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    rids = [new_id("req") for _ in choices]
+    cohort = rids[0] if len(rids) > 1 else ""
+    return [Handle(request_id=rid, prompt_ids=list(ids), params=params, domain=domain, stop=list(stop or []),
+                   stream=stream, loop=loop, client=client, group=group, arm=arm, queue=queue, choice=i, cohort=cohort)
+            for i, (rid, (ids, params)) in enumerate(zip(rids, choices, strict=True))]
 
 
 def send_events(events: list[tuple[Handle, Event]]) -> None:

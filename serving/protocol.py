@@ -57,6 +57,9 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def __reduce__(self):  # pickled whole (an engine process's answer, `serving.engine_core`), not as Exception(message)
+        return ApiError, (self.status, self.message, self.param, self.type, self.code, self.headers)
+
 
 def shutting_down(retry_after_s: float) -> ApiError:
     """The 503 of a draining server: for a new request, and for one the drain cut (`Retry-After` in seconds)."""

@@ -18,7 +18,6 @@ rows that were active in that step (500 for them, logged) and the loop keeps ser
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import logging
@@ -47,8 +46,8 @@ from .engine_client import (
     take_snapshot,
 )
 from .finished import Ending, Finished, FinishedFeed, final_reason
-from .handle import Delta, Event, Handle, send_events
-from .protocol import ApiError, new_id, shutting_down
+from .handle import Delta, Event, Handle, new_handles, send_events
+from .protocol import ApiError, shutting_down
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +69,9 @@ class Scheduler:
         self.heap = heap or HeapTrimmer(0)  # freed heap back to the OS (`dvi.memory`); off unless given
         self.finished = FinishedFeed()  # each request's final record, published once (`serving.finished`)
         self.step_observers: list[Callable[[float, int], None]] = []
+        # where each iteration's events go once its snapshot is out: the endpoints' queues (None), or an engine
+        # process's pipe to its server (`serving.engine_core`), called every iteration, events or not
+        self.outbox: Callable[[list[tuple[Handle, Event]]], None] | None = None
         self._waiting: collections.deque[Handle] = collections.deque()
         self._active: dict[str, Handle] = {}
         self._controls: collections.deque[tuple[Command, concurrent.futures.Future]] = collections.deque()
@@ -126,12 +128,12 @@ class Scheduler:
         """Queue one request's choices (a prompt and its sampling each), whole or not at all (QueueFull where they
         do not all fit): each is a row of its own, and all put their events on one queue, tagged with the
         choice's number (`Handle.choice`)."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        rids = [new_id("req") for _ in choices]
-        cohort = rids[0] if len(rids) > 1 else ""  # several choices join the batch in one step (`Request.cohort`)
-        handles = [Handle(request_id=rid, prompt_ids=list(ids), params=params, domain=domain, stop=list(stop or []),
-                          stream=stream, loop=loop, client=client, group=group, arm=arm, queue=queue, choice=i,
-                          cohort=cohort) for i, (rid, (ids, params)) in enumerate(zip(rids, choices, strict=True))]
+        handles = new_handles(choices, domain, stop, stream, client, group, arm)
+        self.enqueue(handles)
+        return handles
+
+    def enqueue(self, handles: list[Handle]) -> None:
+        """Queue handles built elsewhere (an engine process's, `serving.engine_core`), whole or not at all."""
         with self._cv:
             if self._stop or self._retry_after is not None:
                 raise shutting_down(self._retry_after or 1)
@@ -141,7 +143,6 @@ class Scheduler:
                                 f"{self.queue_limit} waiting)")
             self._waiting.extend(handles)
             self._cv.notify_all()
-        return handles
 
     def close(self, retry_after_s: float) -> None:
         """Draining: refuse new requests (503, `Retry-After`); those submitted keep running."""
@@ -259,7 +260,9 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - a stale snapshot costs a scrape's freshness, never a request
             log.exception("engine snapshot failed")
         events, self._events = self._events, []
-        if events:
+        if self.outbox is not None:
+            self.outbox(events)
+        elif events:
             send_events(events)
 
     def _send(self, h: Handle, ev: Event) -> None:

@@ -71,7 +71,9 @@ class ServerState:
 
     cfg: DviConfig
     tokenizer: Any
-    scheduler: Scheduler  # the engine's one door (`serving.engine_client`): no field holds the engine itself
+    # the engine's one door (`serving.engine_client.EngineClient`): a `Scheduler` over an engine in this process, or
+    # `serving.engine_process.EngineProcess` over one in its own; no field holds the engine itself
+    scheduler: Any
     drafter: DrafterClient | None  # the drafter wing's one door (`serving.drafter.client`); None: speculation off
     supervisor: TrainerSupervisor
     feedback: FeedbackWriter | None
@@ -197,7 +199,7 @@ def ready_to_serve(engine: SpeculativeEngine, cfg: DviConfig) -> None:
                  time.perf_counter() - t0, held / 2**20)
 
 
-def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
+def start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
     """dvi's engine, its adaptive K calibrated; or, with `serve.engine: vllm`, vLLM started and driven
     (`serving.vllm_engine`)."""
     if cfg.serve.engine == "vllm":
@@ -211,31 +213,46 @@ def _start_engine(cfg: DviConfig, pair: Any, rundir: RunDir) -> Any:
     return engine
 
 
+def groups_of(cfg: DviConfig) -> bool:
+    """One drafter adapter per traffic group (`trainer.adapter_key`; dvi's engine only)."""
+    return cfg.serve.engine != "vllm" and cfg.trainer.adapter_key != "none"
+
+
+def own_process(cfg: DviConfig) -> bool:
+    """dvi's engine in a process of its own (`serve.engine_process`; vLLM is one already)."""
+    return cfg.serve.engine == "dvi" and cfg.serve.engine_process
+
+
 def build_state(cfg: DviConfig) -> ServerState:
     """Load the pair, build engine, scheduler, feedback writer, the drafter wing, supervisor, metrics."""
     torch.set_num_threads(cfg.serve.num_threads)
     cap_onednn_cache(cfg.serve.onednn_primitive_cache)  # before any forward: oneDNN reads it once
-    pair = load_serving_pair(cfg)
-    tokenizer = pair.tokenizer
     rundir = RunDir.of(cfg)
     rundir.make_root()
-    engine = _start_engine(cfg, pair, rundir)
+    proc = None
+    if own_process(cfg):  # it loads its pair while this process loads the tokenizer and the drafter wing's pair
+        from .engine_process import EngineProcess
+
+        proc = EngineProcess(cfg)
+    try:
+        pair = load_serving_pair(cfg)
+        scheduler, engine = _engine_door(cfg, pair, rundir, proc)
+    except BaseException:
+        if proc is not None:
+            proc.stop(timeout=5)
+        raise
+    tokenizer = pair.tokenizer
     fb = cfg.feedback
     feedback = FeedbackWriter(fb.dir, shard_records=fb.shard_records, flush_seconds=fb.flush_seconds,
                               retention=Retention(fb.retention_bytes, fb.retention_shards, fb.retention_seconds),
                               background=True, max_pending_bytes=fb.max_buffer_bytes, access=cfg.files.access)
-    groups = cfg.serve.engine != "vllm" and cfg.trainer.adapter_key != "none"  # one adapter per traffic group
+    groups = groups_of(cfg)
     control_share = cfg.control_share if groups and pair.drafter is not None else 0.0
     metrics = ServerMetrics(cfg, domains=cfg.serve.domains, max_versions=cfg.serve.metrics_versions,
                             control_share=control_share)
-    scheduler = Scheduler(engine, tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
-                          num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds),
-                          eos_ids=pair.stop_ids)
     supervisor = TrainerSupervisor(cfg)
     drafter = None
     if pair.drafter is not None:
-        if groups:  # the shared drafter stays as started: the groups' adapters sit on it
-            engine.proposer.set_adapter("", None)  # refuses a drafter that cannot serve per-row adapters, now
         drafter = DrafterClient.of(cfg, scheduler, pair.drafter, lambda ev: _on_version_event(metrics, ev),
                                    rundir.log(rundir.swap_events_path), groups=groups)
     state = ServerState(
@@ -253,13 +270,28 @@ def build_state(cfg: DviConfig) -> ServerState:
         state.on_stop.append(engine.close)
     if drafter is not None:
         scheduler.finished.subscribe(lambda fin: _to_drafter(drafter, fin))
-    if cfg.serve.engine == "dvi" and engine.proposer.uses_history and cfg.suffix.tail_seconds > 0:  # before the engine thread owns it
+    uses_history = scheduler.uses_history if proc is not None else cfg.serve.engine == "dvi" and engine.proposer.uses_history
+    if uses_history and cfg.suffix.tail_seconds > 0:
         from .engine_client import AddHistory
         from .suffix_tail import SuffixTailer
 
         state.suffix_tailer = SuffixTailer(fb.dir, lambda items: scheduler.command(AddHistory(tuple(items))),
                                            cfg.suffix.tail_seconds, cfg.suffix.tail_records)
     return state
+
+
+def _engine_door(cfg: DviConfig, pair: Any, rundir: RunDir, proc: Any) -> tuple[Any, Any]:
+    """The engine's door (`serving.engine_client.EngineClient`) and, in this process, the engine behind it: the engine
+    process's once it is ready (None: it is not here), or a scheduler over an engine built here."""
+    if proc is not None:
+        proc.wait_ready()
+        return proc, None
+    engine = start_engine(cfg, pair, rundir)
+    if pair.drafter is not None and groups_of(cfg):  # the shared drafter stays as started: the adapters sit on it
+        engine.proposer.set_adapter("", None)  # refuses a drafter that cannot serve per-row adapters, now
+    return Scheduler(engine, pair.tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
+                     num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds),
+                     eos_ids=pair.stop_ids), engine
 
 
 def _to_drafter(drafter: DrafterClient, fin: Finished) -> None:

@@ -71,8 +71,11 @@ def _traffic(url: str, n: int, results: list, stream: bool = True, max_tokens: i
                 results.append((prompt, 200, b["choices"][0]["text"], b["dvi"]["drafter_version"]))
 
 
-def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path) -> None:
-    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=2")  # v1's watch ends within `after`
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_hot_swap_while_streaming_and_refusals(tiny_pair_dir, tmp_path, engine_process) -> None:
+    """A promoted version (a module with LoRA layers) reaches the engine, in this process or its own."""
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.rollback_window=2",  # v1's watch ends within `after`
+                      f"serve.engine_process={str(engine_process).lower()}")
     started = time.monotonic()
     with ServerThread(cfg) as s:
         reg = DrafterRegistry(cfg.registry.dir)
@@ -239,13 +242,14 @@ def test_trainer_sigkill_is_restarted_without_failing_requests(tiny_pair_dir, tm
 
 
 def test_dvi_serve_process_serves_and_stops_cleanly(tiny_pair_dir, tmp_path) -> None:
-    """`dvi serve` as its own process (port 0 on loopback), with its trainer; SIGTERM stops both."""
+    """`dvi serve` as its own process (port 0 on loopback), with its trainer and its engine's process (the default);
+    SIGTERM stops all three."""
     import yaml
 
     from dvi.config import dump_config
     from serving.server_process import ServerProcess
 
-    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.trainer=supervised")
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.trainer=supervised", "serve.engine_process=true")
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(dump_config(cfg)))
     with ServerProcess(["--config", str(path), f"serve.admin_token={TEST_ADMIN_TOKEN}"],
@@ -255,16 +259,19 @@ def test_dvi_serve_process_serves_and_stops_cleanly(tiny_pair_dir, tmp_path) -> 
                                                      "max_tokens": 8})
             assert r.status_code == 200, r.text
             trainer_pid = wait_for(lambda: c.get("/health").json()["trainer"]["pid"], 30, what="trainer pid")
+            engine_pid = c.get("/health").json()["engine"]["pid"]
+            assert engine_pid != srv.proc.pid
         proc = srv.proc
     log = (tmp_path / "server.log").read_text()
     # a drained stop is a clean exit (uvicorn alone re-raised the signal: -SIGTERM)
     assert proc.returncode == 0, log[-2000:]
     assert "Traceback" not in log, log[-2000:]
     assert "start-up objects frozen out of garbage collection" in log, log[-2000:]  # `dvi.memory.freeze_long_lived`
-    with pytest.raises(ProcessLookupError):
-        for _ in range(50):
-            os.kill(trainer_pid, 0)
-            time.sleep(0.1)
+    for pid in (trainer_pid, engine_pid):
+        with pytest.raises(ProcessLookupError):
+            for _ in range(50):
+                os.kill(pid, 0)
+                time.sleep(0.1)
 
 
 # -- early-exit drafter ------------------------------------------------------------------------------

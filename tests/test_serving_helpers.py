@@ -27,6 +27,9 @@ def tiny_config(pair_dir: Path, run_dir: Path, *overrides: str) -> DviConfig:
         "serve.trainer='off'",
         "serve.registry_poll_seconds=0.2",
         "wandb.mode=disabled",
+        # the engine a thread of the test's server, so a test can read it (`engine_of`); tests/test_engine_process.py
+        # serves through an engine process
+        "serve.engine_process=false",
         "speculation.adaptive=false",
         "speculation.num_draft_tokens=3",
         "sampling.max_new_tokens=24",
