@@ -45,7 +45,7 @@ def _engine(cfg, pair, lengths: list[int]):
     import torch
 
     from dvi.decode.request import Request, SamplingParams
-    from serving.wiring import serving_engine
+    from serving.engine_build import serving_engine
 
     g = torch.Generator().manual_seed(0)
     e = serving_engine(cfg, pair)

@@ -3,7 +3,7 @@ HTTP front, the client or a server's start.
 
 Why beside `serve_field.py`: through servers this 2-core box's spread between fresh servers (off itself 412-507 tok/s
 at C = 16 an hour apart, and each server's start-up probes and calibration its own) is larger than what a kind moves
-at 8-16 rows. Here each round builds every arm's engine afresh as a server does (`serving.wiring.serving_engine`, then
+at 8-16 rows. Here each round builds every arm's engine afresh as a server does (`serving.engine_build.serving_engine`, then
 `ready_to_serve`: adaptive K calibrated for every batch bucket, the KV cache allocated), warms it with C requests, then sends serve_field's unseen prompts (pip
 source cuts and chat instructions, alternating), C in flight and a new one as each finishes, greedy, --max-tokens
 each, stopped at the end-of-turn token; arms in ABBA order over --rounds, weights shared, one thread. Output tokens /
@@ -119,7 +119,7 @@ def engine_factory(args: argparse.Namespace):
     from benchmarks.serve_field import DVI_ARMS
     from dvi.config import load_config
     from dvi.models.loading import load_pair_from_config
-    from serving.wiring import ready_to_serve, serving_engine
+    from serving.engine_build import ready_to_serve, serving_engine
 
     base = [f"models.preset={args.preset}", f"models.dtype={'bfloat16' if args.dtype == 'bf16' else 'float32'}",
             "serve.max_batch_size=16", *args.set]

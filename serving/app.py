@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: the FastAPI app (`create_app`: routes) and `run_server`.
 
-One process holds the models, one engine thread (`serving.scheduler`), the drafter thread
-(`serving.drafter.client`), the trainer supervisor (`serving.supervisor`) and the feedback writer, all built by
-`serving.wiring.build_state`. Every request error is a 4xx with an OpenAI-style error body that names the
+The server's process holds the endpoints, the drafter thread (`serving.drafter.client`), the trainer supervisor
+(`serving.supervisor`) and the feedback writer, all built by `serving.wiring.build_state`; the engine and its thread
+(`serving.scheduler`) run in a process of their own (`serving.engine_core`, behind `serving.engine_process`), or with
+`serve.engine_process: false` as a thread of this one. Every request error is a 4xx with an OpenAI-style error body that names the
 field; a 500 only means a bug or an engine failure, and it fails one request, never the server.
 
 This module holds the routes; the parts live by job: `serving.wiring` (builds the parts and what the endpoints share),

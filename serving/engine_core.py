@@ -169,25 +169,19 @@ def main(cfg: Any, conn: Any, log_level: int) -> None:
 
 
 def build_engine_side(cfg: Any) -> tuple[Any, dict[str, Any]]:
-    """The engine and its scheduler as `serving.wiring.build_state` builds them in one process, and what the server
+    """The engine and its scheduler as a one-process server builds them (`serving.engine_build`), and what the server
     needs to know of them."""
-    from dvi.memory import HeapTrimmer, cap_onednn_cache
+    from dvi.memory import cap_onednn_cache
     from dvi.rundir import RunDir
 
+    from .engine_build import local_scheduler
     from .loading import load_serving_pair
-    from .scheduler import Scheduler
-    from .wiring import groups_of, start_engine
 
     t0 = time.perf_counter()
     torch.set_num_threads(cfg.serve.num_threads)
     cap_onednn_cache(cfg.serve.onednn_primitive_cache)
-    pair = load_serving_pair(cfg)
-    engine = start_engine(cfg, pair, RunDir.of(cfg))
-    if pair.drafter is not None and groups_of(cfg):
-        engine.proposer.set_adapter("", None)
-    scheduler = Scheduler(engine, pair.tokenizer, cfg.serve.max_batch_size, cfg.serve.queue_limit,
-                          num_threads=cfg.serve.num_threads, heap=HeapTrimmer(cfg.serve.malloc_trim_seconds),
-                          eos_ids=pair.stop_ids)
+    scheduler = local_scheduler(cfg, load_serving_pair(cfg), RunDir.of(cfg))
+    engine = scheduler.engine
     log.info("engine process %d ready in %.1fs", os.getpid(), time.perf_counter() - t0)
     return scheduler, {"eos_ids": scheduler.eos_ids, "uses_history": bool(engine.proposer.uses_history),
                        "pid": os.getpid()}

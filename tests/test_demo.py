@@ -95,8 +95,8 @@ def test_window_rate_divides_the_windows_tokens_by_its_wall_time_not_the_sum_of_
 def _records(cfg, tok, n):
     """Greedy feedback records of the tiny pair on the first `n` code prompts, as the server logs them."""
     from dvi.feedback.record import FeedbackRecord
+    from serving.engine_build import serving_engine
     from serving.loading import load_serving_pair
-    from serving.wiring import serving_engine
 
     engine = serving_engine(cfg, load_serving_pair(cfg))
     prompts = list(itertools.islice(demo._phases(cfg, tok, n)[0].prompts, n))

@@ -39,8 +39,8 @@ ADMIN = {"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}
 
 
 def test_the_owner_check_fires_for_a_foreign_thread(tiny_pair_dir, tmp_path, owner_check):
+    from serving.engine_build import serving_engine
     from serving.loading import load_serving_pair
-    from serving.wiring import serving_engine
 
     cfg = tiny_config(tiny_pair_dir, tmp_path, "models.drafter_kind=hybrid")
     eng = serving_engine(cfg, load_serving_pair(cfg))

@@ -505,7 +505,7 @@ def test_every_prefill_budget_starts_dvi_serve_and_answers_alike(tiny_pair_dir, 
     assert [r.json()["choices"][0]["text"] for r in rs] == alone
     from test_serving_helpers import engine_of
 
-    from serving.wiring import PREFILL_TOKENS
+    from serving.engine_build import PREFILL_TOKENS
 
     assert engine_of(s).max_prefill_tokens == (PREFILL_TOKENS["cpu"] if budget is None else budget)  # a CPU here
 
