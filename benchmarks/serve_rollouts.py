@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gap-s", type=float, default=1.0, help="pause after every request (0: back to back)")
+    p.add_argument("--set", action="append", default=[], help="extra dvi config override (key=value), every arm")
     p.add_argument("--json", default="bench_results/serve_rollouts.json")
     a = p.parse_args(argv)
     a.arm_list = [x for x in a.arms.split(",") if x]
@@ -72,7 +73,7 @@ def server(arm: str, a: argparse.Namespace, run: Path):
     from benchmarks.serve_field import start_server
 
     opts = SimpleNamespace(preset=a.preset, dtype=a.dtype, threads=1, max_tokens=a.max_tokens,
-                           set=[f"serve.max_choices={max(64, a.prompts_per_step * a.n)}"])
+                           set=[f"serve.max_choices={max(64, a.prompts_per_step * a.n)}", *a.set])
     return start_server(arm, opts, {}, run)
 
 
