@@ -52,7 +52,9 @@ class ServeConfig(_Strict):
     # dvi's engine runs in a process of its own (serving/engine_core.py), the HTTP server, feedback writer, drafter
     # wing and trainer supervisor in the server's: the engine thread then shares its interpreter lock with nothing,
     # where in one process every kernel it runs hands the lock to the serving threads and it waits to take it back;
-    # false: one process, the engine a thread of it (a test or a debugger reaching into the engine). Behind vLLM
+    # false: one process, the engine a thread of it (a test or a debugger reaching into the engine). The engine's
+    # process is spawned (Python's multiprocessing), so a script of your own that builds the server
+    # (`serving.app.make_server`) needs the `if __name__ == "__main__":` guard; `dvi serve` has it. Behind vLLM
     # (serve.engine: vllm) vLLM is a process of its own already and this is not read
     engine_process: bool = True
     api_key: Secret | None = None
