@@ -27,7 +27,7 @@ from .engine_core import Pipe, handle_spec, main
 from .finished import Finished, FinishedFeed
 from .handle import Event, Handle, new_handles, send_events
 from .protocol import ApiError, shutting_down
-from .scheduler import QueueFull
+from .scheduler import QueueFull, check_room
 
 log = logging.getLogger("dvi.serving")
 
@@ -129,11 +129,6 @@ class EngineProcess:
     def busy(self) -> bool:
         return bool(self._pending)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, domain: str = "default",
-               stop: list[str] | None = None, stream: bool = False, client: str = "", group: str = "",
-               arm: str = "learned") -> Handle:
-        return self.submit_choices([(prompt_ids, params)], domain, stop, stream, client, group, arm)[0]
-
     def submit_choices(self, choices: list[tuple[list[int], SamplingParams]], domain: str = "default",
                        stop: list[str] | None = None, stream: bool = False, client: str = "", group: str = "",
                        arm: str = "learned") -> list[Handle]:
@@ -144,11 +139,7 @@ class EngineProcess:
                 raise shutting_down(self._retry_after or 1)
             # at most what the engine process will hold waiting (it admits up to a batch at its next iteration, and
             # refuses exactly: "refused"); not the snapshot's queue, a step old
-            waiting = max(0, len(self._pending) - self.max_batch_size)
-            if waiting + len(handles) > self.queue_limit:
-                raise QueueFull(f"queue is full ({self.queue_limit} waiting requests)" if len(handles) == 1 else
-                                f"queue has no room for {len(handles)} choices ({waiting} of "
-                                f"{self.queue_limit} waiting)")
+            check_room(max(0, len(self._pending) - self.max_batch_size), len(handles), self.queue_limit)
             for h in handles:
                 self._pending[h.request_id] = h
         self._send(("submit", [handle_spec(h) for h in handles]))

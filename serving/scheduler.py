@@ -56,6 +56,13 @@ class QueueFull(Exception):
     """The waiting queue is at `serve.queue_limit`; the app answers 429."""
 
 
+def check_room(waiting: int, n: int, limit: int) -> None:
+    """QueueFull unless `n` more choices fit beside `waiting` under `limit` (a request is queued whole or refused)."""
+    if waiting + n > limit:
+        raise QueueFull(f"queue is full ({limit} waiting requests)" if n == 1 else
+                        f"queue has no room for {n} choices ({waiting} of {limit} waiting)")
+
+
 class Scheduler:
     """Owns the engine thread; the app submits requests and awaits their events."""
 
@@ -137,10 +144,7 @@ class Scheduler:
         with self._cv:
             if self._stop or self._retry_after is not None:
                 raise shutting_down(self._retry_after or 1)
-            if len(self._waiting) + len(handles) > self.queue_limit:
-                raise QueueFull(f"queue is full ({self.queue_limit} waiting requests)" if len(handles) == 1 else
-                                f"queue has no room for {len(handles)} choices ({len(self._waiting)} of "
-                                f"{self.queue_limit} waiting)")
+            check_room(len(self._waiting), len(handles), self.queue_limit)
             self._waiting.extend(handles)
             self._cv.notify_all()
 
