@@ -129,3 +129,23 @@ def test_the_engine_process_dying_fails_requests_and_reads_down(tiny_pair_dir, t
             assert h["status"] == "down" and not h["engine"]["alive"], h["reasons"]
             r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4})
             assert r.status_code == 503, r.text
+
+
+def test_the_queue_limit_holds_with_an_engine_process(tiny_pair_dir, tmp_path) -> None:
+    """One row running and one waiting fill a batch of 1 and a queue of 1: the next request is a 429, and the two are
+    answered in full."""
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.engine_process=true", "serve.max_batch_size=1",
+                      "serve.queue_limit=1")
+    with ServerThread(cfg) as s:
+        body = {"prompt": PROMPTS[0], "max_tokens": 300, "stream": True, "ignore_eos": True}
+        with httpx.Client(base_url=s.url, timeout=60) as c1, httpx.Client(base_url=s.url, timeout=60) as c2:
+            with c1.stream("POST", "/v1/completions", json=body) as r1, \
+                    c2.stream("POST", "/v1/completions", json=body) as r2:
+                first = r1.iter_lines()
+                assert _first_text(first)  # the first runs; the second waits for its slot
+                with s.client() as c3:
+                    r3 = c3.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4})
+                assert r3.status_code == 429 and r3.json()["error"]["code"] == "queue_full", r3.text
+                for rest in (first, r2.iter_lines()):
+                    lines = [x for x in rest if x]
+                    assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines), lines[-3:]
