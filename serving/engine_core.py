@@ -87,8 +87,15 @@ class EngineCore:
         fins, self._finished[:] = list(self._finished), []
         steps, self._steps[:] = list(self._steps), []
         out = [(h.request_id, ev) for h, ev in events]
-        self.pipe.send(("batch", self.scheduler.snapshot, out, fins, steps,
-                        self.scheduler.suffix_step_seconds.drain()))
+        self._send(("batch", self.scheduler.snapshot, out, fins, steps, self.scheduler.suffix_step_seconds.drain()))
+
+    def _send(self, msg: tuple) -> None:
+        """To the server; a server gone (its end of the pipe closed) is not the engine's error: its main thread
+        sees the pipe's end and stops the loop."""
+        try:
+            self.pipe.send(msg)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
     def serve(self) -> None:
         """The process's main thread: the server's messages until "stop" or the pipe's end."""
@@ -133,7 +140,7 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - QueueFull or a draining scheduler's 503: the request's answer
             for h in handles:
                 self.handles.pop(h.request_id, None)
-            self.pipe.send(("refused", [h.request_id for h in handles], exc))
+            self._send(("refused", [h.request_id for h in handles], exc))
 
     def _done(self, cid: int, fut: Any) -> None:
         try:
@@ -142,8 +149,10 @@ class EngineCore:
             ok, value = False, exc
         try:
             self.pipe.send(("done", cid, ok, value))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
         except Exception as exc:  # noqa: BLE001 - a result that does not pickle still resolves the command
-            self.pipe.send(("done", cid, False, RuntimeError(f"command result not sendable: {exc!r}")))
+            self._send(("done", cid, False, RuntimeError(f"command result not sendable: {exc!r}")))
 
 
 def main(cfg: Any, conn: Any, log_level: int) -> None:

@@ -12,7 +12,14 @@ import time
 
 import httpx
 import pytest
-from test_serving_helpers import ServerThread, drafter_lane, lora_copy, tiny_config, wait_for
+from test_serving_helpers import (
+    TEST_ADMIN_TOKEN,
+    ServerThread,
+    drafter_lane,
+    lora_copy,
+    tiny_config,
+    wait_for,
+)
 
 from dvi import metrics as M
 from serving.engine_client import AddHistory, SetDrafter
@@ -149,3 +156,29 @@ def test_the_queue_limit_holds_with_an_engine_process(tiny_pair_dir, tmp_path) -
                 for rest in (first, r2.iter_lines()):
                     lines = [x for x in rest if x]
                     assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines), lines[-3:]
+
+
+def test_a_server_killed_outright_leaves_no_engine_behind(tiny_pair_dir, tmp_path) -> None:
+    """`dvi serve` SIGKILLed (no drain, no stop): its engine process sees its pipe close and ends, without a
+    traceback."""
+    import yaml
+
+    from dvi.config import dump_config
+    from serving.server_process import ServerProcess
+
+    cfg = tiny_config(tiny_pair_dir, tmp_path, "serve.engine_process=true")
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(dump_config(cfg)))
+    with ServerProcess(["--config", str(path), f"serve.admin_token={TEST_ADMIN_TOKEN}"], tmp_path / "server.log") as srv:
+        with httpx.Client(base_url=srv.url, timeout=60, headers={"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}) as c:
+            assert c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8}).status_code == 200
+            engine_pid = c.get("/health").json()["engine"]["pid"]
+        srv.proc.kill()
+        srv.proc.wait(30)
+        with pytest.raises(ProcessLookupError):
+            for _ in range(100):
+                os.kill(engine_pid, 0)
+                time.sleep(0.1)
+    log = (tmp_path / "server.log").read_text()
+    assert "the server's pipe closed; the engine stops" in log and "Traceback" not in log, log[-2000:]
+
