@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 from test_serving_helpers import (
+    PROMPTS,
     TEST_ADMIN_TOKEN,
     ServerThread,
     drafter_lane,
@@ -26,7 +27,6 @@ from serving.engine_client import AddHistory, SetDrafter
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self", "for i in range("]
 
 
 def _answers(s: ServerThread) -> list:

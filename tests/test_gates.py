@@ -19,7 +19,7 @@ import torch
 import yaml
 from registry_doors import publish_full, publish_peft_adapter
 from test_online import engine_records, online_config
-from test_serving_helpers import TEST_ADMIN_TOKEN, lora_copy, tiny_config, version_manifest, wait_for
+from test_serving_helpers import PROMPTS, TEST_ADMIN_TOKEN, lora_copy, tiny_config, version_manifest, wait_for
 
 from dvi.config import dump_config
 from dvi.feedback.heldout import HeldOutSet, client_key, group_of, unfit_reason
@@ -29,7 +29,6 @@ from dvi.feedback.verdict import judge
 from dvi.models.loading import load_causal_lm, load_pair
 from dvi.registry.store import DrafterRegistry
 
-PROMPTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self", "for i in range("]
 FORCED = 0  # the token the majority client forces with its logit_bias, and the one the bad candidate always drafts
 
 

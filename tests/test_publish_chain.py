@@ -22,6 +22,7 @@ import torch
 from registry_doors import publish_peft_adapter
 from test_online import engine_records, online_config
 from test_serving_helpers import (
+    PROMPTS,
     TEST_ADMIN_TOKEN,
     ServerThread,
     drafter_lane,
@@ -43,7 +44,6 @@ from trainers.online.trainer import OnlineTrainer
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
 
-PROMPTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self", "for i in range("]
 OTHER = ["The weather today", "Once upon a time", "My favourite food is", "In the beginning"]
 
 

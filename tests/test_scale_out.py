@@ -23,7 +23,7 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from test_serving_helpers import tiny_config, wait_for
+from test_serving_helpers import PROMPTS, tiny_config, wait_for
 
 from dvi.config import dump_config
 from dvi.feedback import FeedbackReader
@@ -32,7 +32,6 @@ from dvi.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
-PROMPTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self", "for i in range("]
 REQUESTS_PER_REPLICA = 8
 
 

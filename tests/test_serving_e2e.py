@@ -19,6 +19,7 @@ import pytest
 import torch
 from registry_doors import publish_files, publish_peft_adapter
 from test_serving_helpers import (
+    PROMPTS,
     TEST_ADMIN_TOKEN,
     ServerThread,
     drafter_lane,
@@ -36,7 +37,6 @@ from dvi.registry.store import DrafterRegistry
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self", "for i in range("]
 
 
 def _lora(drafter, scale: float = 0.0, seed: int = 0):

@@ -12,6 +12,8 @@ import httpx
 from dvi.config import DviConfig, load_config
 
 TEST_ADMIN_TOKEN = "test-admin-token"
+PROMPTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self", "for i in range("]
+"""Code prompts the serving tests send (greedy references, traffic)."""
 
 
 def tiny_config(pair_dir: Path, run_dir: Path, *overrides: str) -> DviConfig:
