@@ -190,6 +190,9 @@ class EngineClient(Protocol):
     """What the server's threads may do with the engine; `serving.scheduler.Scheduler` is the one implementation."""
 
     snapshot: EngineSnapshot  # the engine thread's latest publication
+    alive: bool  # its loop runs
+    pid: int  # the engine's process (the server's own, or `serve.engine_process`'s)
+    lost: str | None  # why the engine is gone beyond a stopped loop (an engine process's death)
 
     def submit_choices(self, choices: list[tuple[list[int], Any]], domain: str = "default", **kw: Any) -> list[Any]: ...
 

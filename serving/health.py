@@ -8,7 +8,6 @@ snapshot the drafter thread last published (`DrafterClient.snapshot`, `serving.d
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -19,7 +18,7 @@ def degraded_reasons(s: ServerState, trainer: dict[str, Any]) -> list[str]:
     """Why /health is not ok (empty: ok); each line is what an operator must look at."""
     reasons = []
     if not s.scheduler.alive:
-        reasons.append(getattr(s.scheduler, "lost", None) or "engine loop is not running")
+        reasons.append(s.scheduler.lost or "engine loop is not running")
     remote = s.scheduler.snapshot.engine_info
     if remote and not remote.get("ready", True):
         reasons.append(f"{remote.get('kind')} is (re)starting (restarts {remote.get('restarts')}; log {remote.get('log')})")
@@ -69,7 +68,7 @@ def health_info(s: ServerState) -> dict[str, Any]:
                    "completed": snap.completed, "step_errors": snap.step_errors, "request_errors": snap.request_errors,
                    "max_batch_size": s.cfg.serve.max_batch_size, "queue_limit": s.cfg.serve.queue_limit,
                    "kind": s.cfg.serve.engine, "heap": dict(snap.heap),  # the engine thread's trims (`dvi.memory`)
-                   "pid": getattr(s.scheduler, "pid", os.getpid()),  # its own process (`serve.engine_process`) or this
+                   "pid": s.scheduler.pid,  # its own process (`serve.engine_process`) or this one
                    **dict(snap.engine_info)},  # vLLM: its url, readiness, restarts, swaps
         "drafter_version": sw["live_version"] if sw else None,
         "target_version": s.target_version,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -116,6 +117,16 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def pid(self) -> int:
+        """The engine's process: this one (`serving.engine_process.EngineProcess` has its own)."""
+        return os.getpid()
+
+    @property
+    def lost(self) -> str | None:
+        """Why the engine is gone beyond a stopped loop (an engine process's death; never here)."""
+        return None
 
     def queue_depth(self) -> int:
         return len(self._waiting)
