@@ -55,9 +55,14 @@ def ensure_pair(cfg: DviConfig) -> None:
     subprocess.run(cmd, check=True)
 
 
-def load_serving_pair(cfg: DviConfig) -> ModelPair:
+def load_serving_pair(cfg: DviConfig, target_weights: bool = True) -> ModelPair:
     """The `ModelPair` to serve; its drafter is of `models.learned_kind` (`hybrid`: its `hybrid_kind`; `suffix`:
     none, the engine's proposer is built from the config, `dvi.drafters.suffix_proposer.make_proposer`).
+
+    `target_weights=False` (a server whose engine has a process of its own): the target without its weights
+    (`dvi.models.loading.load_causal_lm_shape`): that process only reads its configs and shapes, so it never holds
+    a copy of the target's weights beside the engine's. early_exit / eagle draft on the target's own layers: their
+    pair loads whole.
 
     separate: the drafter dir's HF model (reduced head if it has a draft vocabulary);
     early_exit / eagle: an `EarlyExitDrafter` / `EagleDrafter` on the loaded target
@@ -79,7 +84,8 @@ def load_serving_pair(cfg: DviConfig) -> ModelPair:
 
         dtype = VllmProcess.resolve_dtype(cfg.serve.vllm.dtype)
     pair = load_pair(target_path, None if early or m.learned_kind is None else drafter_path, tok_path, device=m.device, dtype=dtype,
-                     draft_vocab_size=draft_vocab_size_for(m), draft_vocab=m.draft_vocab)
+                     draft_vocab_size=draft_vocab_size_for(m), draft_vocab=m.draft_vocab,
+                     target_weights=target_weights or early)
     set_exact_greedy(pair.target, m.exact_greedy)
     if early:
         pair.drafter = load_shared_target_drafter(pair.target, target_path, cfg)

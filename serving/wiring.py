@@ -165,12 +165,13 @@ def build_state(cfg: DviConfig) -> ServerState:
     rundir = RunDir.of(cfg)
     rundir.make_root()
     proc = None
-    if own_process(cfg):  # it loads its pair while this process loads the tokenizer and the drafter wing's pair
+    if own_process(cfg):  # it loads its pair while this process loads the tokenizer, the drafter wing's drafter and
+        # the target's configs (no weights: `load_serving_pair`)
         from .engine_process import EngineProcess
 
         proc = EngineProcess(cfg)
     try:
-        pair = load_serving_pair(cfg)
+        pair = load_serving_pair(cfg, target_weights=proc is None)
         scheduler, engine = _engine_door(cfg, pair, rundir, proc)
     except BaseException:
         if proc is not None:

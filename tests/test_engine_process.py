@@ -29,6 +29,23 @@ pytestmark = pytest.mark.slow
 
 
 
+def test_the_server_side_pair_holds_no_target_weights(tiny_pair_dir, tmp_path) -> None:
+    """The server's process beside an engine process loads the target's configs and shapes, not its weights: the same
+    vocabulary, eos ids and checks as the whole pair, every target tensor on the meta device, the drafter real."""
+    from serving.loading import load_serving_pair
+
+    cfg = tiny_config(tiny_pair_dir, tmp_path)
+    whole, shape = load_serving_pair(cfg), load_serving_pair(cfg, target_weights=False)
+    assert {t.device.type for t in shape.target.state_dict().values()} == {"meta"}
+    assert {t.device.type for t in whole.target.state_dict().values()} == {"cpu"}
+    assert shape.target.get_output_embeddings().weight.shape == whole.target.get_output_embeddings().weight.shape
+    assert shape.target.config.to_dict() == whole.target.config.to_dict()
+    assert shape.stop_ids == whole.stop_ids and shape.warnings == whole.warnings
+    assert shape.drafter is not None and next(shape.drafter.parameters()).device.type == "cpu"
+    for a, b in zip(shape.drafter.state_dict().values(), whole.drafter.state_dict().values(), strict=True):
+        assert (a == b).all()
+
+
 def _answers(s: ServerThread) -> list:
     """Greedy answers: plain, streamed with a stop string, and a request of three choices."""
     out = []
@@ -51,9 +68,11 @@ def test_an_engine_process_answers_as_an_engine_thread_and_feeds_the_server(tiny
     thread_cfg = tiny_config(tiny_pair_dir, tmp_path / "t")
     with ServerThread(thread_cfg) as s:
         want = _answers(s)
+        shape = (s.state.vocab_size, s.state.context_len, s.state.tokenizer_warnings)
     cfg = tiny_config(tiny_pair_dir, tmp_path / "p", "serve.engine_process=true")
     with ServerThread(cfg) as s:
         assert _answers(s) == want
+        assert (s.state.vocab_size, s.state.context_len, s.state.tokenizer_warnings) == shape
         engine = s.health()["engine"]
         assert engine["alive"] and engine["pid"] != os.getpid() and engine["completed"] >= 8
         os.kill(engine["pid"], 0)  # the engine's own process

@@ -152,6 +152,24 @@ def load_causal_lm(path: str | Path, device: str | torch.device = "auto", dtype:
     return model.to(dev).eval()
 
 
+def load_causal_lm_shape(path: str | Path):
+    """The model `load_causal_lm` would load, built on the meta device from its configs: every config and
+    parameter shape, no weights. For a process that reads what the target is (its vocabulary rows, eos ids,
+    context) but never runs it: a server whose engine loads the target in a process of its own."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if not Path(path).exists() and not _looks_like_hub_id(path):
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
+    except OSError:  # no generation_config.json: the config's eos ids serve, as `from_pretrained` leaves them
+        pass
+    return model.eval()
+
+
 def _looks_like_hub_id(path: str | Path) -> bool:
     s = str(path)
     return not s.startswith(("/", ".", "~")) and s.count("/") == 1
@@ -227,8 +245,12 @@ def load_pair(
     drafter_dtype: str | torch.dtype | None = None,
     draft_vocab_size: int | None = None,
     draft_vocab: str | Path | None = None,
+    target_weights: bool = True,
 ) -> ModelPair:
     """Load target (+ drafter) + tokenizer from paths and check that they fit together.
+
+    `target_weights=False`: the target without its weights (`load_causal_lm_shape`), for a process that only reads
+    its configs and shapes; the same checks run.
 
     The tokenizer comes from `tokenizer_path`, else from the target dir, else from a sibling
     `tokenizer/` dir (the embedded layout). If the drafter dir holds its own tokenizer it must
@@ -237,7 +259,7 @@ def load_pair(
     """
     tok_path = tokenizer_path if tokenizer_path is not None else find_tokenizer_path(target_path)
     tokenizer = load_tokenizer(tok_path)
-    target = load_causal_lm(target_path, device, dtype)
+    target = load_causal_lm(target_path, device, dtype) if target_weights else load_causal_lm_shape(target_path)
     drafter = drafter_tok = None
     if drafter_path is not None:
         drafter = load_causal_lm(drafter_path, device, drafter_dtype or dtype)
