@@ -21,6 +21,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_MODULE = "vllm.benchmarks.serve"
 PERCENTILES = (50, 99)
+# dvi's counters a level's sidecar holds (`dvi.metrics.names`, spelled here: vLLM's interpreter runs this module
+# without dvi's dependencies; tests/test_serve_field.py checks them against it)
+ENGINE_STEPS, GENERATION_TOKENS = "dvi_engine_steps_total", "dvi_generation_tokens_total"
+DRAFT_TOKENS, ACCEPTED_TOKENS = "dvi_spec_decode_num_draft_tokens_total", "dvi_spec_decode_num_accepted_tokens_total"
+SERVER_COUNTERS = [ENGINE_STEPS, GENERATION_TOKENS, DRAFT_TOKENS, ACCEPTED_TOKENS]
 
 
 def vllm_python(configured: str | None = None) -> tuple[str | None, str]:
@@ -156,6 +161,47 @@ def parse_result(result: dict) -> dict:
             "texts": list(result.get("generated_texts", [])), "errors": [e for e in result.get("errors", []) if e]}
 
 
+def read_level(path: Path) -> dict:
+    """One level's client result (`parse_result`) with, where the server was dvi's, what its own counters moved by
+    during the level (`server`: the sidecar `_run_client` wrote beside it; None without one)."""
+    r = parse_result(json.loads(path.read_text()))
+    side = path.with_suffix(".server.json")
+    if side.is_file():
+        m = json.loads(side.read_text())
+        r["server"] = {k: m["after"].get(k, 0.0) - m["before"].get(k, 0.0) for k in m["after"]}
+    else:
+        r["server"] = None
+    return r
+
+
+def server_figures(runs: list[dict]) -> dict:
+    """What dvi's server says it did over a level's rounds (its counters, summed): drafted tokens per output token
+    (0: it decoded plain throughout), their acceptance, output tokens per engine step. Empty for vLLM's servers, or
+    where a round has no counters."""
+    moved = [r.get("server") for r in runs]
+    if not moved or any(m is None for m in moved):
+        return {}
+    tot = {k: sum(m.get(k, 0.0) for m in moved) for k in moved[0]}
+    out, drafted = tot.get(GENERATION_TOKENS, 0.0), tot.get(DRAFT_TOKENS, 0.0)
+    return {"server_counters": tot, "drafted_per_token": drafted / out if out else None,
+            "server_alpha": tot.get(ACCEPTED_TOKENS, 0.0) / drafted if drafted else None,
+            "tokens_per_step": out / tot[ENGINE_STEPS] if tot.get(ENGINE_STEPS) else None}
+
+
+def scrape_counters(url: str, names: list[str]) -> dict[str, float]:
+    """The server's /metrics at `url`: each of `names` summed over its label sets (Prometheus text)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=60) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out and not line.startswith("#"):
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def pool(runs: list[dict]) -> dict:
     """An arm's figures at one level over its rounds: output tok/s = all output tokens / all durations (the client's
     own measure, pooled), TTFT / TPOT / ITL percentiles over every request and token gap of every round (ms)."""
@@ -174,7 +220,7 @@ def pool(runs: list[dict]) -> dict:
             "ttft_mean_ms": ms(ttft, None), "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
             "tpot_mean_ms": ms(tpot, None), "tpot_p50_ms": ms(tpot, 50), "tpot_p99_ms": ms(tpot, 99),
             "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99), **pooled_phases(runs),
-            "acceptance_rate": [r["client"]["spec_decode_acceptance_rate"] for r in runs],
+            "acceptance_rate": [r["client"]["spec_decode_acceptance_rate"] for r in runs], **server_figures(runs),
             "error_samples": [e for r in runs for e in r["errors"]][:3]}
 
 
@@ -214,9 +260,14 @@ def _run_client(levels_file: str) -> int:
         for url, body, copies in level.get("before", []):
             with ThreadPoolExecutor(copies) as pool:
                 list(pool.map(_post, [url] * copies, [body] * copies))
+        scrape = level.get("metrics_url")  # dvi's server: its own counters around the level
+        before = scrape_counters(scrape, level["metrics_names"]) if scrape else None
         parser = FlexibleArgumentParser(description="vllm bench serve (serve_field)")
         add_cli_args(parser)
         main(parser.parse_args(level["argv"]))
+        if scrape:
+            after = scrape_counters(scrape, level["metrics_names"])
+            Path(level["metrics_file"]).write_text(json.dumps({"before": before, "after": after}))
         sys.stdout.flush()
     return 0
 

@@ -59,13 +59,14 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import cpu_name, goal, print_goals, write_json
 from benchmarks._field_client import (
+    SERVER_COUNTERS,
     client_argv,
     client_command,
     differing,
     interleave,
     iomp_preload,
-    parse_result,
     pool,
+    read_level,
     vllm_python,
     warm_up_posts,
     write_dataset,
@@ -241,6 +242,10 @@ def run_client(url: str, arm: str, rnd: int, levels: list[int], args: argparse.N
     specs = [{"concurrency": c, "prompts": len(ctx["prompts"]), "max_tokens": args.max_tokens, "warmups": 0,
               "ignore_eos": ctx["ignore_eos"], "result_dir": out_dir, "result_file": f"{arm}-r{rnd}-c{c}.json",
               "label": arm} for c in levels]
+    if arm not in VLLM_ARMS:  # the server's own counters around each level (`read_level`)
+        for lv in specs:
+            lv.update(metrics_url=url + "/metrics", metrics_names=SERVER_COUNTERS,
+                      metrics_file=str(out_dir / Path(lv["result_file"]).with_suffix(".server.json")))
     (ctx["work"] / f"client-{tag}.json").write_text(json.dumps([
         {"argv": client_argv(url, MODEL, ctx["pair_dir"] / "tokenizer", ctx["dataset"], lv), "before": before}
         for lv in specs]))
@@ -252,7 +257,7 @@ def run_client(url: str, arm: str, rnd: int, levels: list[int], args: argparse.N
         raise RuntimeError(f"the client exited {rc} on arm {arm}; see {log}")
     res = {}
     for lv in specs:
-        res[lv["concurrency"]] = r = parse_result(json.loads((out_dir / lv["result_file"]).read_text()))
+        res[lv["concurrency"]] = r = read_level(out_dir / lv["result_file"])
         print(f"[{arm}] round {rnd} C={lv['concurrency']:>2}: {r['client']['output_throughput']:7.1f} tok/s  "
               f"TTFT p50 {r['client']['median_ttft_ms']:7.0f} ms  TPOT {r['client']['mean_tpot_ms']:6.1f} ms  "
               f"ITL p99 {r['client']['p99_itl_ms']:6.0f} ms  failed {r['client']['failed']}", flush=True)
@@ -383,7 +388,9 @@ def rows(figs: dict, levels: list[int]) -> list[dict]:
                 "x_off_steady": _ratio(f.get("steady_tok_s"), _get(figs, "off", c, "steady_tok_s")),
                 "x_vllm": _ratio(f["output_tok_s"], _tput(figs, "vllm", c)),
                 "x_vllm_ngram": _ratio(f["output_tok_s"], _tput(figs, "vllm-ngram", c)),
-                "differ_from_off": f.get("differ_from_off"), "differ_from_vllm": f.get("differ_from_vllm")})
+                "differ_from_off": f.get("differ_from_off"), "differ_from_vllm": f.get("differ_from_vllm"),
+                "drafted_per_token": f.get("drafted_per_token"), "server_alpha": f.get("server_alpha"),
+                "tokens_per_step": f.get("tokens_per_step")})
     return out
 
 
@@ -395,16 +402,20 @@ def print_table(table: list[dict], head: str) -> None:
     print(f"\n{head}")
     print(f"{'arm':11s} {'C':>3s} {'tok/s':>7s} {'xoff':>5s} {'steady':>6s} {'xoff':>5s} {'tail':>6s} {'xvLLM':>5s} "
           f"{'xngram':>6s} {'TTFT50':>7s} {'TTFT99':>7s} {'TPOT':>6s} {'ITL99':>6s} {'!=off':>5s} {'!=vllm':>6s} "
-          f"{'fail':>4s}")
+          f"{'fail':>4s} {'drft%':>5s} {'alpha':>5s}")
     for r in table:
         print(f"{r['arm']:11s} {r['C']:>3d} {_fmt(r['output_tok_s'], '7.1f')} {_fmt(r['x_off'], '5.2f')} "
               f"{_fmt(r['steady_tok_s'], '6.1f')} {_fmt(r['x_off_steady'], '5.2f')} {_fmt(r['tail_tok_s'], '6.1f')} "
               f"{_fmt(r['x_vllm'], '5.2f')} {_fmt(r['x_vllm_ngram'], '6.2f')} {_fmt(r['ttft_p50_ms'], '7.0f')} "
               f"{_fmt(r['ttft_p99_ms'], '7.0f')} {_fmt(r['tpot_mean_ms'], '6.1f')} {_fmt(r['itl_p99_ms'], '6.0f')} "
-              f"{_fmt(r['differ_from_off'], '5d')} {_fmt(r['differ_from_vllm'], '6d')} {r['failed']:>4d}")
+              f"{_fmt(r['differ_from_off'], '5d')} {_fmt(r['differ_from_vllm'], '6d')} {r['failed']:>4d} "
+              f"{_fmt(None if r['drafted_per_token'] is None else 100 * r['drafted_per_token'], '5.1f')} "
+              f"{_fmt(r['server_alpha'], '5.2f')}")
     print("(ms; tok/s = the client's output tokens / duration, pooled over rounds; steady: output tok/s while every "
           "slot is busy (the C-th request's start to the last's), tail: output tok/s after the last request started, "
-          "where the batch drains; !=: answers whose greedy text differs, request by request)")
+          "where the batch drains; !=: answers whose greedy text differs, request by request; drft%: drafted tokens "
+          "per 100 output tokens and alpha their acceptance, by dvi's own counters over the level: 0 is plain "
+          "decoding throughout)")
 
 
 def machine(bf16_native: bool) -> dict:
@@ -459,7 +470,7 @@ def recorded_runs(args: argparse.Namespace, ctx: dict) -> dict[str, dict[int, li
             for rnd in range(args.rounds):
                 path = ctx["work"] / "results" / f"{arm}-r{rnd}-c{c}.json"
                 if path.is_file():
-                    runs[arm][c].append(parse_result(json.loads(path.read_text())))
+                    runs[arm][c].append(read_level(path))
                 else:
                     ctx["failures"].append({"arm": arm, "round": rnd, "levels": [c], "error": f"no {path}"})
     return runs

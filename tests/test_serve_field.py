@@ -205,3 +205,47 @@ def test_each_servers_kernel_choice_is_read_from_its_log_and_a_difference_said(t
     out = capsys.readouterr().out
     assert "for the 2-layer model" in out and "hybrid-r0-c8 AVX2: forwards of up to 2 rows" in out
     assert "1-layer" not in out  # the drafters chose alike
+
+
+def test_dvi_servers_counters_are_read_around_each_level(tmp_path):
+    """A dvi arm's level carries its server's own counters (a sidecar `_run_client` writes from /metrics before and
+    after): drafted tokens per output token, their acceptance and tokens a step come from what they moved by; the
+    names are dvi's (`dvi.metrics.names`); a level without a sidecar (vLLM's servers) has none."""
+    import http.server
+    import threading
+
+    from dvi.metrics import names as M
+
+    assert fc.SERVER_COUNTERS == [M.ENGINE_STEPS, M.GENERATION_TOKENS, M.NUM_DRAFT_TOKENS, M.NUM_ACCEPTED_TOKENS]
+    text = (f"# HELP {M.ENGINE_STEPS} steps\n# TYPE {M.ENGINE_STEPS} counter\n{M.ENGINE_STEPS} 40.0\n"
+            f'{M.GENERATION_TOKENS}{{domain="a"}} 100.0\n{M.GENERATION_TOKENS}{{domain="b"}} 28.0\n'
+            f'{M.NUM_DRAFT_TOKENS}{{domain="a"}} 50.0\n{M.NUM_ACCEPTED_TOKENS}{{domain="a"}} 20.0\n'
+            f"{M.NUM_DRAFT_TOKENS}_created 1.7e9\n")
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        after = fc.scrape_counters(f"http://127.0.0.1:{srv.server_port}/metrics", fc.SERVER_COUNTERS)
+    finally:
+        srv.shutdown()
+    assert after == {M.ENGINE_STEPS: 40.0, M.GENERATION_TOKENS: 128.0, M.NUM_DRAFT_TOKENS: 50.0,
+                     M.NUM_ACCEPTED_TOKENS: 20.0}
+    result = tmp_path / "separate-r0-c4.json"
+    result.write_text(FIXTURE.read_text())
+    assert fc.read_level(result)["server"] is None and fc.pool([fc.read_level(result)]).get("drafted_per_token") is None
+    before = dict.fromkeys(after, 0.0) | {M.ENGINE_STEPS: 8.0, M.GENERATION_TOKENS: 28.0}
+    result.with_suffix(".server.json").write_text(json.dumps({"before": before, "after": after}))
+    r = fc.read_level(result)
+    assert r["server"][M.GENERATION_TOKENS] == 100.0 and r["server"][M.ENGINE_STEPS] == 32.0
+    f = fc.pool([r, r])
+    assert f["drafted_per_token"] == pytest.approx(0.5) and f["server_alpha"] == pytest.approx(0.4)
+    assert f["tokens_per_step"] == pytest.approx(100 / 32)
