@@ -247,8 +247,8 @@ def run_client(url: str, arm: str, rnd: int, levels: list[int], args: argparse.N
             lv.update(metrics_url=url + "/metrics", metrics_names=SERVER_COUNTERS,
                       metrics_file=str(out_dir / Path(lv["result_file"]).with_suffix(".server.json")))
     (ctx["work"] / f"client-{tag}.json").write_text(json.dumps([
-        {"argv": client_argv(url, MODEL, ctx["pair_dir"] / "tokenizer", ctx["dataset"], lv), "before": before}
-        for lv in specs]))
+        {"argv": client_argv(url, MODEL, ctx["pair_dir"] / "tokenizer", ctx["dataset"], lv), "before": before,
+         **{k: lv[k] for k in ("metrics_url", "metrics_names", "metrics_file") if k in lv}} for lv in specs]))
     log = ctx["work"] / f"client-{tag}.log"
     with open(log, "wb") as f:
         rc = subprocess.run(client_command(ctx["python"], ctx["work"] / f"client-{tag}.json"), stdout=f,
