@@ -242,7 +242,6 @@ def load_pair(
     tokenizer_path: str | Path | None = None,
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
-    drafter_dtype: str | torch.dtype | None = None,
     draft_vocab_size: int | None = None,
     draft_vocab: str | Path | None = None,
     target_weights: bool = True,
@@ -262,7 +261,7 @@ def load_pair(
     target = load_causal_lm(target_path, device, dtype) if target_weights else load_causal_lm_shape(target_path)
     drafter = drafter_tok = None
     if drafter_path is not None:
-        drafter = load_causal_lm(drafter_path, device, drafter_dtype or dtype)
+        drafter = load_causal_lm(drafter_path, device, dtype)
         if _has_tokenizer(drafter_path) and Path(drafter_path).resolve() != Path(tok_path).resolve():
             drafter_tok = load_tokenizer(drafter_path)
     check_compatible(target, drafter, tokenizer, drafter_tok)
