@@ -499,8 +499,14 @@ def test_two_level_sampling_is_the_inverse_cdf(v):
     u = torch.rand(n, generator=g)
     got = sample_from(probs, u)
     cdf = probs.double().cumsum(-1)
-    want = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    assert int((got != want).sum()) <= 1
+    x = u.double() * cdf[:, -1]
+    want = torch.searchsorted(cdf, x.unsqueeze(-1), right=True).squeeze(-1)
+    # where they part, the draw sits within float32 rounding of a CDF boundary (two rows of 512 on an AVX2 Zen3, at
+    # 4e-9 and 1e-8 of it): each drawn token's CDF interval holds u x total up to that rounding
+    below = torch.where(got > 0, cdf.gather(1, (got - 1).clamp(min=0).unsqueeze(1)).squeeze(1), torch.zeros_like(x))
+    above = cdf.gather(1, got.unsqueeze(1)).squeeze(1)
+    assert bool(((x >= below - 1e-6) & (x <= above + 1e-6)).all())
+    assert int((got != want).sum()) <= 4
     assert bool((probs.gather(1, got.unsqueeze(1)) > 0).all())
     edge = sample_from(probs[:4], torch.tensor([0.0, 1.0 - 1e-7, 0.5, 0.999999]))  # the ends of the range
     assert bool((probs[:4].gather(1, edge.unsqueeze(1)) > 0).all())
