@@ -166,11 +166,8 @@ def read_level(path: Path) -> dict:
     during the level (`server`: the sidecar `_run_client` wrote beside it; None without one)."""
     r = parse_result(json.loads(path.read_text()))
     side = path.with_suffix(".server.json")
-    if side.is_file():
-        m = json.loads(side.read_text())
-        r["server"] = {k: m["after"].get(k, 0.0) - m["before"].get(k, 0.0) for k in m["after"]}
-    else:
-        r["server"] = None
+    m = json.loads(side.read_text()) if side.is_file() else None
+    r["server"] = {k: v - m["before"].get(k, 0.0) for k, v in m["after"].items()} if m else None
     return r
 
 
