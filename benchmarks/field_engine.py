@@ -6,7 +6,7 @@ at C = 16 an hour apart, and each server's start-up probes and calibration its o
 at 8-16 rows. Here each round builds every arm's engine afresh as a server does (`serving.engine_build.serving_engine`, then
 `ready_to_serve`: adaptive K calibrated for every batch bucket, the KV cache allocated), warms it with C requests, then sends serve_field's unseen prompts (pip
 source cuts and chat instructions, alternating), C in flight and a new one as each finishes, greedy, --max-tokens
-each, stopped at the end-of-turn token; arms in ABBA order over --rounds, weights shared, one thread. Output tokens /
+each, stopped at the end-of-turn token (`--ignore-eos`: run to --max-tokens, as serve_field's servers); arms in ABBA order over --rounds, weights shared, one thread. Output tokens /
 seconds per arm pooled over rounds; every kind's answers checked against speculation off's.
 
     .venv/bin/python benchmarks/field_engine.py --dtype fp32 --concurrency 8,16 [--rounds 2] [--json ...]
@@ -24,6 +24,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -46,6 +47,8 @@ def workload_parser(description: str, arms: str, concurrency: str, json_path: st
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], help="extra config override for every engine (key=value)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every answer runs to --max-tokens, past the end-of-turn token (as serve_field's servers do)")
     p.add_argument("--json", default=json_path)
     return p
 
@@ -66,41 +69,60 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+class Run(NamedTuple):
+    """One arm's pass over the prompts at one level: what it emitted, in what time, and what it drafted to get there
+    (drafted and accepted tokens over every answer, engine steps): the server's `drft%` and `alpha` columns."""
+
+    tokens: int
+    seconds: float
+    answers: list[list[int]]
+    drafted: int
+    accepted: int
+    steps: int
+
+
 def run_workload(engine, prompts: list[list[int]], concurrency: int, max_tokens: int, stops: tuple[int, ...],
-                 tag: str) -> tuple[int, float, list[list[int]]]:
-    """`prompts` through `engine`, `concurrency` in flight (a new one as each finishes), greedy: (output tokens,
-    seconds, each prompt's answer in prompt order)."""
+                 tag: str) -> Run:
+    """`prompts` through `engine`, `concurrency` in flight (a new one as each finishes), greedy; answers in prompt
+    order."""
     from dvi.engine.speculative import Request, SamplingParams
 
-    queue, inflight, answers, tokens = list(enumerate(prompts)), 0, {}, 0
+    queue, inflight, answers, tokens, drafted, accepted, steps = list(enumerate(prompts)), 0, {}, 0, 0, 0, 0
     t0 = time.perf_counter()
     while queue or inflight:
         while queue and inflight < concurrency:
             i, p = queue.pop(0)
             engine.add_request(Request(f"{tag}-{i}", list(p), SamplingParams(max_tokens, 0.0, 0, 1.0, None, stops)))
             inflight += 1
+        steps += 1
         for o in engine.step():
             tokens += len(o.new_token_ids)
             if o.finished:
                 inflight -= 1
                 answers[int(o.request_id.rsplit("-", 1)[1])] = list(o.result.token_ids)
-    return tokens, time.perf_counter() - t0, [answers[i] for i in range(len(prompts))]
+                drafted, accepted = drafted + o.result.num_drafted, accepted + o.result.num_accepted
+    return Run(tokens, time.perf_counter() - t0, [answers[i] for i in range(len(prompts))], drafted, accepted, steps)
 
 
 def pooled(runs: list[tuple[int, float]]) -> float:
-    """Output tokens per second over every round."""
-    return sum(t for t, _ in runs) / sum(s for _, s in runs)
+    """Output tokens per second over every round ((tokens, seconds) or `Run`s)."""
+    return sum(r[0] for r in runs) / sum(r[1] for r in runs)
 
 
-def figures(results: dict[str, dict[int, list[tuple[int, float]]]], differ: dict[str, int]) -> list[dict]:
-    """One row per arm and level: pooled tok/s, its ratio to off's and each round's."""
+def figures(results: dict[str, dict[int, list[Run]]], differ: dict[str, int]) -> list[dict]:
+    """One row per arm and level: pooled tok/s, its ratio to off's and each round's, drafted tokens per 100 output
+    tokens and their acceptance, output tokens per engine step."""
     rows = []
     for c in sorted({c for lv in results.values() for c in lv}):
         off = results["off"][c]
         for arm, lv in results.items():
             rs = lv[c]
+            tokens, drafted, accepted = (sum(getattr(r, f) for r in rs) for f in ("tokens", "drafted", "accepted"))
             rows.append({"arm": arm, "concurrency": c, "tok_s": pooled(rs), "x_off": pooled(rs) / pooled(off),
-                         "x_off_rounds": [(t / s) / (to / so) for (t, s), (to, so) in zip(rs, off, strict=True)],
+                         "x_off_rounds": [(r.tokens / r.seconds) / (o.tokens / o.seconds)
+                                          for r, o in zip(rs, off, strict=True)],
+                         "drafted_per_100": 100 * drafted / tokens, "alpha": accepted / drafted if drafted else None,
+                         "tokens_per_step": tokens / sum(r.steps for r in rs),
                          "differ_from_off": differ.get(arm, 0) if arm != "off" else None})
     return rows
 
@@ -144,7 +166,7 @@ def forget_history(engine) -> None:
 
 
 def measure(args: argparse.Namespace) -> tuple[dict, dict[str, int]]:
-    """Every arm's runs per level ({arm: {C: [(tokens, seconds) per round]}}) and its answers differing from off's."""
+    """Every arm's runs per level ({arm: {C: [Run per round]}}) and its answers differing from off's."""
     import torch
 
     from benchmarks.serve_field import build_prompts
@@ -155,7 +177,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict[str, int]]:
     freeze_long_lived()  # as `dvi serve` does once started: the imports and the pair, never walked again
     tok = pair.tokenizer
     prompts = [tok(p["prompt"])["input_ids"] for p in build_prompts(tok, args.prompts, args.seed)]
-    stops = tuple(int(s) for s in (getattr(pair, "stop_ids", None) or [tok.eos_token_id]))
+    stops = () if args.ignore_eos else tuple(int(s) for s in (getattr(pair, "stop_ids", None) or [tok.eos_token_id]))
     results = {a: {c: [] for c in args.levels} for a in args.arm_list}
     answers: dict[tuple[str, int, int], list[list[int]]] = {}
     for r in range(args.rounds):
@@ -164,9 +186,11 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict[str, int]]:
                 engine = make(arm)
                 run_workload(engine, prompts[:c], c, args.max_tokens, stops, "warm")
                 forget_history(engine)
-                tokens, sec, answers[arm, r, c] = run_workload(engine, prompts, c, args.max_tokens, stops, "run")
-                results[arm][c].append((tokens, sec))
-                print(f"round {r} C={c:2d} {arm:9s} {tokens / sec:7.1f} tok/s ({tokens} tokens, {sec:.2f} s)",
+                run = run_workload(engine, prompts, c, args.max_tokens, stops, "run")
+                answers[arm, r, c] = run.answers
+                results[arm][c].append(run)
+                print(f"round {r} C={c:2d} {arm:9s} {run.tokens / run.seconds:7.1f} tok/s ({run.tokens} tokens, "
+                      f"{run.seconds:.2f} s, {run.steps} steps, drafted {run.drafted}, accepted {run.accepted})",
                       flush=True)
                 del engine
                 gc.collect()
@@ -182,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     cpu = cpu_name()
     rows = figures(results, differ)
     print(f"\nin process, {args.prompts} prompts x {args.max_tokens} tokens, greedy, {args.dtype}, one thread, {cpu}")
-    print(f"{'arm':9s} {'C':>3s} {'tok/s':>7s} {'x off':>6s}  rounds")
+    print(f"{'arm':9s} {'C':>3s} {'tok/s':>7s} {'x off':>6s} {'drft%':>6s} {'alpha':>6s} {'tok/step':>8s}  rounds")
     for r in rows:
-        print(f"{r['arm']:9s} {r['concurrency']:3d} {r['tok_s']:7.1f} {r['x_off']:6.3f}  "
-              + " ".join(f"{x:.3f}" for x in r["x_off_rounds"]))
+        alpha = "-" if r["alpha"] is None else f"{r['alpha']:.2f}"
+        print(f"{r['arm']:9s} {r['concurrency']:3d} {r['tok_s']:7.1f} {r['x_off']:6.3f} {r['drafted_per_100']:6.1f} "
+              f"{alpha:>6s} {r['tokens_per_step']:8.2f}  " + " ".join(f"{x:.3f}" for x in r["x_off_rounds"]))
     gs = goals(rows, args.dtype, differ)
     print_goals(gs)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

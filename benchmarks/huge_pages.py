@@ -95,7 +95,7 @@ def measure_engine(args, make, pair) -> tuple[dict, int]:
 
     tok = pair.tokenizer
     prompts = [tok(p["prompt"])["input_ids"] for p in build_prompts(tok, args.prompts, args.seed)]
-    stops = tuple(int(s) for s in (getattr(pair, "stop_ids", None) or [tok.eos_token_id]))
+    stops = () if args.ignore_eos else tuple(int(s) for s in (getattr(pair, "stop_ids", None) or [tok.eos_token_id]))
     arms = [(a, p) for a in args.arm_list for p in PAGES]
     results: dict = {a: {c: [] for c in args.levels} for a in arms}
     answers, differ = {}, 0
@@ -106,7 +106,8 @@ def measure_engine(args, make, pair) -> tuple[dict, int]:
                 engine = make(arm)
                 run_workload(engine, prompts[:c], c, args.max_tokens, stops, "warm")
                 forget_history(engine)
-                tokens, sec, got = run_workload(engine, prompts, c, args.max_tokens, stops, "run")
+                run = run_workload(engine, prompts, c, args.max_tokens, stops, "run")
+                tokens, sec, got = run.tokens, run.seconds, run.answers
                 results[arm, pages][c].append((tokens, sec))
                 first = answers.setdefault((rnd, c), got)
                 differ += sum(x != y for x, y in zip(got, first, strict=True))

@@ -22,17 +22,24 @@ def test_the_workload_keeps_c_in_flight_and_returns_each_prompts_answer_in_order
     seen = []
     step = spec.step
     spec.step = lambda: seen.append(spec.num_active()) or step()  # rows in the batch each step
-    tokens, sec, answers = fe.run_workload(spec, prompts, 3, 6, (), "t")
-    assert tokens == 7 * 6 and sec > 0 and max(seen) == 3
-    assert answers == fe.run_workload(off, prompts, 3, 6, (), "t")[2]
-    assert answers[4] == reference(target, prompts[4], 6)
+    run = fe.run_workload(spec, prompts, 3, 6, (), "t")
+    assert run.tokens == 7 * 6 and run.seconds > 0 and max(seen) == 3 and run.steps == len(seen)
+    plain = fe.run_workload(off, prompts, 3, 6, (), "t")
+    assert run.answers == plain.answers
+    assert run.answers[4] == reference(target, prompts[4], 6)
+    # what it drafted to get there: a drafter equal to the target drafts and is accepted, speculation off drafts none
+    assert 0 < run.accepted <= run.drafted and run.steps < plain.steps and plain.drafted == plain.accepted == 0
 
 
 def test_rounds_pool_by_tokens_over_seconds_and_every_kind_is_held_to_off():
-    results = {"off": {8: [(100, 1.0), (100, 2.0)]}, "suffix": {8: [(100, 0.5), (100, 2.5)]}}
+    results = {"off": {8: [fe.Run(100, 1.0, [], 0, 0, 100), fe.Run(100, 2.0, [], 0, 0, 100)]},
+               "suffix": {8: [fe.Run(100, 0.5, [], 40, 30, 80), fe.Run(100, 2.5, [], 0, 0, 100)]}}
     rows = fe.figures(results, {"suffix": 0})
-    suffix = next(r for r in rows if r["arm"] == "suffix")
+    suffix, off = (next(r for r in rows if r["arm"] == a) for a in ("suffix", "off"))
     assert suffix["x_off"] == pytest.approx(1.0) and suffix["x_off_rounds"] == pytest.approx([2.0, 0.8])
+    assert suffix["drafted_per_100"] == pytest.approx(20.0) and suffix["alpha"] == pytest.approx(0.75)
+    assert suffix["tokens_per_step"] == pytest.approx(200 / 180)
+    assert off["drafted_per_100"] == 0.0 and off["alpha"] is None
     gs = fe.goals(rows, "fp32", {"suffix": 0})
     assert [g["met"] for g in gs] == [True, True]
     assert not fe.goals(rows, "fp32", {"suffix": 1})[-1]["met"]
