@@ -161,11 +161,17 @@ def parse_result(result: dict) -> dict:
             "texts": list(result.get("generated_texts", [])), "errors": [e for e in result.get("errors", []) if e]}
 
 
+def sidecar(result: Path) -> Path:
+    """Where a level's dvi server counters lie beside its client result (written by `_run_client`, read by
+    `read_level`)."""
+    return result.with_suffix(".server.json")
+
+
 def read_level(path: Path) -> dict:
     """One level's client result (`parse_result`) with, where the server was dvi's, what its own counters moved by
     during the level (`server`: the sidecar `_run_client` wrote beside it; None without one)."""
     r = parse_result(json.loads(path.read_text()))
-    side = path.with_suffix(".server.json")
+    side = sidecar(path)
     m = json.loads(side.read_text()) if side.is_file() else None
     r["server"] = {k: v - m["before"].get(k, 0.0) for k, v in m["after"].items()} if m else None
     return r

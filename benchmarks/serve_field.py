@@ -67,6 +67,7 @@ from benchmarks._field_client import (
     iomp_preload,
     pool,
     read_level,
+    sidecar,
     vllm_python,
     warm_up_posts,
     write_dataset,
@@ -232,6 +233,13 @@ def start_server(arm: str, args: argparse.Namespace, ctx: dict, log_dir: Path):
 
 
 # -- one arm's server: its levels through the client ---------------------------------------------------------------
+def scrape_spec(url: str, result: Path) -> dict:
+    """What the client scrapes of a dvi server around one level (`read_level` reads it back beside `result`): its own
+    counters, before and after."""
+    return {"metrics_url": url + "/metrics", "metrics_names": SERVER_COUNTERS,
+            "metrics_file": str(sidecar(result))}
+
+
 def run_client(url: str, arm: str, rnd: int, levels: list[int], args: argparse.Namespace, ctx: dict) -> dict:
     """`levels` against one started server, in one client process (importing vLLM takes tens of seconds here), each
     after its warm-up (and on vLLM an emptied prefix cache): {C: parsed result}."""
@@ -242,13 +250,9 @@ def run_client(url: str, arm: str, rnd: int, levels: list[int], args: argparse.N
     specs = [{"concurrency": c, "prompts": len(ctx["prompts"]), "max_tokens": args.max_tokens, "warmups": 0,
               "ignore_eos": ctx["ignore_eos"], "result_dir": out_dir, "result_file": f"{arm}-r{rnd}-c{c}.json",
               "label": arm} for c in levels]
-    if arm not in VLLM_ARMS:  # the server's own counters around each level (`read_level`)
-        for lv in specs:
-            lv.update(metrics_url=url + "/metrics", metrics_names=SERVER_COUNTERS,
-                      metrics_file=str(out_dir / Path(lv["result_file"]).with_suffix(".server.json")))
     (ctx["work"] / f"client-{tag}.json").write_text(json.dumps([
         {"argv": client_argv(url, MODEL, ctx["pair_dir"] / "tokenizer", ctx["dataset"], lv), "before": before,
-         **{k: lv[k] for k in ("metrics_url", "metrics_names", "metrics_file") if k in lv}} for lv in specs]))
+         **({} if arm in VLLM_ARMS else scrape_spec(url, out_dir / lv["result_file"]))} for lv in specs]))
     log = ctx["work"] / f"client-{tag}.log"
     with open(log, "wb") as f:
         rc = subprocess.run(client_command(ctx["python"], ctx["work"] / f"client-{tag}.json"), stdout=f,
