@@ -3,13 +3,15 @@ HTTP front, the client or a server's start.
 
 Why beside `serve_field.py`: through servers this 2-core box's spread between fresh servers (off itself 412-507 tok/s
 at C = 16 an hour apart, and each server's start-up probes and calibration its own) is larger than what a kind moves
-at 8-16 rows. Here each round builds every arm's engine afresh as a server does (`serving.engine_build.serving_engine`, then
-`ready_to_serve`: adaptive K calibrated for every batch bucket, the KV cache allocated), warms it with C requests, then sends serve_field's unseen prompts (pip
-source cuts and chat instructions, alternating), C in flight and a new one as each finishes, greedy, --max-tokens
-each, stopped at the end-of-turn token (`--ignore-eos`: run to --max-tokens, as serve_field's servers); arms in ABBA order over --rounds, weights shared, one thread. Output tokens /
-seconds per arm pooled over rounds; every kind's answers checked against speculation off's.
+at 8-16 rows. Here each round builds every arm's engine afresh as a server does (`serving.engine_build.serving_engine`,
+then `ready_to_serve`: adaptive K calibrated for every batch bucket, the KV cache allocated), warms it with C requests,
+then sends serve_field's unseen prompts (pip source cuts and chat instructions, alternating), C in flight and a new one
+as each finishes, greedy, --max-tokens each, stopped at the end-of-turn token (`--ignore-eos`: run to --max-tokens, as
+serve_field's servers do); arms in ABBA order over --rounds, weights shared, one thread. Output tokens / seconds per
+arm pooled over rounds, with what each arm drafted (the server's `drft%` and `alpha`) and its tokens per step; every
+kind's answers checked against speculation off's.
 
-    .venv/bin/python benchmarks/field_engine.py --dtype fp32 --concurrency 8,16 [--rounds 2] [--json ...]
+    .venv/bin/python benchmarks/field_engine.py --dtype fp32 --concurrency 8,16 [--rounds 2] [--ignore-eos] [--json ...]
 
 Prints a table ending with the goals (each kind >= 1.0x speculation off at each C, in process; 0 answers differing) and
 writes JSON. It does not replace serve_field's goals (what a user gets through the server): it says whether a miss
@@ -59,6 +61,13 @@ def parse_workload(p: argparse.ArgumentParser, argv: list[str] | None) -> argpar
     a.arm_list = [x for x in a.arms.split(",") if x]
     a.levels = [int(c) for c in a.concurrency.split(",") if c]
     return a
+
+
+def workload_stops(args: argparse.Namespace, pair) -> tuple[int, ...]:
+    """The token ids that end an answer: the pair's end-of-turn / eos ids, none with --ignore-eos."""
+    if args.ignore_eos:
+        return ()
+    return tuple(int(s) for s in (getattr(pair, "stop_ids", None) or [pair.tokenizer.eos_token_id]))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -177,7 +186,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict[str, int]]:
     freeze_long_lived()  # as `dvi serve` does once started: the imports and the pair, never walked again
     tok = pair.tokenizer
     prompts = [tok(p["prompt"])["input_ids"] for p in build_prompts(tok, args.prompts, args.seed)]
-    stops = () if args.ignore_eos else tuple(int(s) for s in (getattr(pair, "stop_ids", None) or [tok.eos_token_id]))
+    stops = workload_stops(args, pair)
     results = {a: {c: [] for c in args.levels} for a in args.arm_list}
     answers: dict[tuple[str, int, int], list[list[int]]] = {}
     for r in range(args.rounds):

@@ -35,6 +35,7 @@ from benchmarks.field_engine import (  # noqa: E402
     pooled,
     run_workload,
     workload_parser,
+    workload_stops,
 )
 
 PAGES = ("huge", "4k")
@@ -95,7 +96,7 @@ def measure_engine(args, make, pair) -> tuple[dict, int]:
 
     tok = pair.tokenizer
     prompts = [tok(p["prompt"])["input_ids"] for p in build_prompts(tok, args.prompts, args.seed)]
-    stops = () if args.ignore_eos else tuple(int(s) for s in (getattr(pair, "stop_ids", None) or [tok.eos_token_id]))
+    stops = workload_stops(args, pair)
     arms = [(a, p) for a in args.arm_list for p in PAGES]
     results: dict = {a: {c: [] for c in args.levels} for a in arms}
     answers, differ = {}, 0
