@@ -108,11 +108,10 @@ def measure_engine(args, make, pair) -> tuple[dict, int]:
                 run_workload(engine, prompts[:c], c, args.max_tokens, stops, "warm")
                 forget_history(engine)
                 run = run_workload(engine, prompts, c, args.max_tokens, stops, "run")
-                tokens, sec, got = run.tokens, run.seconds, run.answers
-                results[arm, pages][c].append((tokens, sec))
-                first = answers.setdefault((rnd, c), got)
-                differ += sum(x != y for x, y in zip(got, first, strict=True))
-                print(f"round {rnd} C={c:2d} {arm:9s} {pages:4s} pages {tokens / sec:7.1f} tok/s", flush=True)
+                results[arm, pages][c].append((run.tokens, run.seconds))
+                first = answers.setdefault((rnd, c), run.answers)
+                differ += sum(x != y for x, y in zip(run.answers, first, strict=True))
+                print(f"round {rnd} C={c:2d} {arm:9s} {pages:4s} pages {run.tokens / run.seconds:7.1f} tok/s", flush=True)
                 del engine
                 gc.collect()
     huge_pages.enable(True)
